@@ -1,1 +1,38 @@
-//! placeholder
+//! The paged KV pool's pure logic: page ids, generation tags, admission, allocator, lifecycle.
+//!
+//! No async, no I/O, no physical memory: the physical layer owns the bytes and asks this crate
+//! which pages it may touch. What this crate guarantees:
+//!
+//! - **Admission before allocation.** [`PagePool::admit`] rejects a request that cannot fit the
+//!   whole pool ([`Rejected`]) before anything is allocated; [`PagePool::reserve`] accepts only
+//!   the [`Admissible`] that `admit` returns, and hands it back in [`NotNow`] when the pages are
+//!   not free yet.
+//! - **I1 ownership.** Every page is free, waiting for a scrub, quarantined, or held by exactly
+//!   one lifecycle object ([`Reservation`], [`Allocation`], [`Releasing`]) of one owner. The
+//!   lifecycle types are not `Clone`, transitions consume `self`, and `Drop` gives the pages
+//!   back (or quarantines them when a peer may still write). See [`lifecycle`] for the state
+//!   diagram, [`PagePool::check_invariants`] for the check.
+//! - **Stale-read guard.** Every reservation gives each of its pages a fresh [`Tag`], greater
+//!   than every tag the pool handed out before. A page table ([`PageRef`]s) made for an
+//!   earlier holder of a page fails [`PagePool::verify`] and the kernel's check through
+//!   [`PagePool::with_tags`].
+//! - **No premature reuse.** Freed pages join the back of a FIFO free list; with
+//!   [`Scrub::Zero`] or [`Scrub::Canary`] they are not allocatable until the physical layer has
+//!   scrubbed them ([`PagePool::scrub_pending`]).
+#![warn(missing_docs)]
+
+mod admission;
+mod config;
+mod error;
+mod ids;
+pub mod lifecycle;
+mod pool;
+mod state;
+
+pub use admission::{Admissible, NotNow};
+pub use config::{DEFAULT_PAGE_TOKENS, PoolConfig, Scrub};
+pub use error::{Found, InvariantViolation, Rejected, TagMismatch};
+pub use ids::{PageId, PageRef, RequestId, Tag};
+pub use lifecycle::{Allocation, Releasing, Reservation};
+pub use pool::PagePool;
+pub use state::{PoolState, PoolStats};

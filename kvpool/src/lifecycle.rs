@@ -1,0 +1,460 @@
+//! Page lifecycles: one type per state, transitions consume `self`, `Drop` returns the pages.
+//!
+//! ```text
+//!             reserve()                commit()                   drop / release()
+//!   free ───────────────▶ Reservation ─────────▶ Allocation ─────────────────────▶ (scrub) ─▶ free
+//!                           │  │                      │
+//!                           │  └─ drop / release() ─▶ (scrub) ─▶ free
+//!                           │                         └─ begin_release() ─▶ Releasing ── drained() ─▶ (scrub) ─▶ free
+//!                           │                                                  │
+//!                           └─ begin_release() ─▶ Releasing                    └─ timed_out() / drop ─▶ quarantined
+//!
+//!   Reservation, Allocation, Releasing ── quarantine() ─▶ quarantined
+//!   quarantined ── PagePool::release_quarantine() (operator) ─▶ (scrub) ─▶ free
+//!   (scrub) = the scrub queue, emptied by PagePool::scrub_pending(); skipped with Scrub::None
+//! ```
+//!
+//! - [`Reservation`]: pages reserved for a request whose KV is being written (local prefill or
+//!   a remote transfer). Its page table verifies.
+//! - [`Allocation`]: committed pages of a running request. Its page table verifies.
+//! - [`Releasing`]: the request ended but a transfer may still land, so the pages are not
+//!   reusable yet and its page table no longer verifies. Only a positive drain
+//!   ([`Releasing::drained`]) frees them; a timeout or a drop (we never learned the drain
+//!   finished) quarantines them.
+//!
+//! None of these types is `Clone`, and each holds its pages exclusively: the pool records every
+//! held page as belonging to exactly one of them (invariant I1).
+
+use std::fmt;
+use std::mem;
+
+use crate::ids::{PageRef, RequestId};
+use crate::pool::PagePool;
+use crate::state::{Hold, Target};
+
+/// What every lifecycle object holds.
+struct Held {
+    /// The pool the pages belong to.
+    pool: PagePool,
+    /// The request owning the pages; the pool records each of `pages` under this owner.
+    owner: RequestId,
+    /// Tokens the request was admitted for; `pages.len() * page_tokens >= tokens` while pages
+    /// are held.
+    tokens: u64,
+    /// The page table: exactly the pages the pool records as held by this object, with their
+    /// current tags. Empty once moved on to the next state (then `Drop` does nothing), or for a
+    /// request admitted with zero tokens.
+    pages: Vec<PageRef>,
+}
+
+impl Held {
+    /// Moves the pages from `from` to `to` in the pool and takes them out of `self`, leaving it
+    /// empty so that its `Drop` does nothing.
+    fn move_out(&mut self, from: Hold, to: Target) -> Self {
+        let pages = mem::take(&mut self.pages);
+        self.pool.transition(self.owner, &pages, from, to);
+        Self {
+            pool: self.pool.clone(),
+            owner: self.owner,
+            tokens: self.tokens,
+            pages,
+        }
+    }
+
+    fn capacity_tokens(&self) -> u64 {
+        let pages = u64::try_from(self.pages.len()).unwrap_or(u64::MAX);
+        pages.saturating_mul(u64::from(self.pool.config().page_tokens.get()))
+    }
+
+    fn fmt(&self, name: &str, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct(name)
+            .field("owner", &self.owner)
+            .field("tokens", &self.tokens)
+            .field("pages", &self.pages)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Pages reserved for a request whose KV is being written. Dropping it releases the pages.
+pub struct Reservation(Held);
+
+impl Reservation {
+    pub(crate) fn new(pool: PagePool, owner: RequestId, tokens: u64, pages: Vec<PageRef>) -> Self {
+        Self(Held {
+            pool,
+            owner,
+            tokens,
+            pages,
+        })
+    }
+
+    /// The request the pages belong to.
+    #[must_use]
+    pub fn owner(&self) -> RequestId {
+        self.0.owner
+    }
+
+    /// The page table, in reservation order (entry `i` holds tokens `i * page_tokens ..`).
+    #[must_use]
+    pub fn pages(&self) -> &[PageRef] {
+        &self.0.pages
+    }
+
+    /// Tokens the request was admitted for (what a transfer must deliver).
+    #[must_use]
+    pub fn tokens(&self) -> u64 {
+        self.0.tokens
+    }
+
+    /// Tokens the reserved pages can hold (`pages().len() * page_tokens`, at least `tokens()`).
+    #[must_use]
+    pub fn capacity_tokens(&self) -> u64 {
+        self.0.capacity_tokens()
+    }
+
+    /// The KV is complete and verified: the request now runs on these pages, same tags.
+    #[must_use]
+    pub fn commit(mut self) -> Allocation {
+        Allocation(self.0.move_out(Hold::Reserved, Target::Hold(Hold::Owned)))
+    }
+
+    /// The request ends while a peer may still write the pages: hold them until it drains.
+    #[must_use]
+    pub fn begin_release(mut self) -> Releasing {
+        Releasing(
+            self.0
+                .move_out(Hold::Reserved, Target::Hold(Hold::Releasing)),
+        )
+    }
+
+    /// Nothing can write the pages any more: release them now (same as dropping).
+    pub fn release(self) {}
+
+    /// The pages' contents are suspect: take them out of service until an operator releases the
+    /// quarantine.
+    pub fn quarantine(mut self) {
+        self.0.move_out(Hold::Reserved, Target::Quarantine);
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.0.move_out(Hold::Reserved, Target::Release);
+    }
+}
+
+impl fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt("Reservation", f)
+    }
+}
+
+/// Committed pages of a running request. Dropping it releases the pages.
+pub struct Allocation(Held);
+
+impl Allocation {
+    /// The request the pages belong to.
+    #[must_use]
+    pub fn owner(&self) -> RequestId {
+        self.0.owner
+    }
+
+    /// The page table the attention kernel reads through (with [`PagePool::with_tags`] or
+    /// [`PagePool::verify`]).
+    #[must_use]
+    pub fn pages(&self) -> &[PageRef] {
+        &self.0.pages
+    }
+
+    /// Tokens the request was admitted for (prompt plus room to generate).
+    #[must_use]
+    pub fn tokens(&self) -> u64 {
+        self.0.tokens
+    }
+
+    /// Tokens the pages can hold (`pages().len() * page_tokens`, at least `tokens()`).
+    #[must_use]
+    pub fn capacity_tokens(&self) -> u64 {
+        self.0.capacity_tokens()
+    }
+
+    /// The request ends while a peer may still write the pages: hold them until it drains.
+    #[must_use]
+    pub fn begin_release(mut self) -> Releasing {
+        Releasing(self.0.move_out(Hold::Owned, Target::Hold(Hold::Releasing)))
+    }
+
+    /// The request ended and nothing can write the pages: release them now (same as dropping).
+    pub fn release(self) {}
+
+    /// The pages' contents are suspect: take them out of service until an operator releases the
+    /// quarantine.
+    pub fn quarantine(mut self) {
+        self.0.move_out(Hold::Owned, Target::Quarantine);
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        self.0.move_out(Hold::Owned, Target::Release);
+    }
+}
+
+impl fmt::Debug for Allocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt("Allocation", f)
+    }
+}
+
+/// Pages of an ended request that a transfer may still write. Dropping it quarantines the
+/// pages: without a drain acknowledgement they are never reused.
+pub struct Releasing(Held);
+
+impl Releasing {
+    /// The request the pages belonged to.
+    #[must_use]
+    pub fn owner(&self) -> RequestId {
+        self.0.owner
+    }
+
+    /// The old page table (it no longer verifies); for matching late transfer frames, which
+    /// must be dropped.
+    #[must_use]
+    pub fn pages(&self) -> &[PageRef] {
+        &self.0.pages
+    }
+
+    /// Tokens the request was admitted for.
+    #[must_use]
+    pub fn tokens(&self) -> u64 {
+        self.0.tokens
+    }
+
+    /// The peer acknowledged that nothing more will be written (or the transport is torn
+    /// down): release the pages.
+    pub fn drained(mut self) {
+        self.0.move_out(Hold::Releasing, Target::Release);
+    }
+
+    /// The drain did not finish in time: quarantine the pages.
+    pub fn timed_out(mut self) {
+        self.0.move_out(Hold::Releasing, Target::Quarantine);
+    }
+
+    /// Same as [`Releasing::timed_out`], for callers that decide the pages are suspect.
+    pub fn quarantine(self) {
+        self.timed_out();
+    }
+}
+
+impl Drop for Releasing {
+    fn drop(&mut self) {
+        self.0.move_out(Hold::Releasing, Target::Quarantine);
+    }
+}
+
+impl fmt::Debug for Releasing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt("Releasing", f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+    use std::num::NonZeroU32;
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+
+    use super::*;
+    use crate::config::{PoolConfig, Scrub};
+    use crate::ids::PageId;
+    use crate::state::PoolStats;
+
+    fn pool(pages: u32, scrub: Scrub) -> PagePool {
+        PagePool::new(PoolConfig::new(
+            NonZeroU32::new(pages).expect("test pools have pages"),
+            scrub,
+        ))
+    }
+
+    fn reserve(pool: &PagePool, owner: u64, tokens: u64) -> Reservation {
+        let admissible = pool
+            .admit(RequestId::new(owner), tokens)
+            .expect("fits the pool");
+        pool.reserve(admissible).expect("pages are free")
+    }
+
+    fn page_set(pages: &[PageRef]) -> BTreeSet<PageId> {
+        pages.iter().map(|e| e.page).collect()
+    }
+
+    #[test]
+    fn dropping_an_allocation_returns_its_pages() {
+        let pool = pool(4, Scrub::None);
+        let allocation = reserve(&pool, 1, 50).commit();
+        assert_eq!(pool.stats().owned, 4);
+        drop(allocation);
+        assert_eq!(pool.free_pages(), 4);
+        pool.check_invariants().expect("invariants hold");
+    }
+
+    #[test]
+    fn dropping_a_reservation_returns_its_pages() {
+        let pool = pool(4, Scrub::None);
+        let reservation = reserve(&pool, 1, 17);
+        assert_eq!(pool.stats().reserved, 2);
+        drop(reservation);
+        assert_eq!(pool.free_pages(), 4);
+        pool.check_invariants().expect("invariants hold");
+    }
+
+    #[test]
+    fn commit_keeps_the_pages_and_their_tags() {
+        let pool = pool(4, Scrub::None);
+        let reservation = reserve(&pool, 7, 33);
+        let table = reservation.pages().to_vec();
+        let allocation = reservation.commit();
+        assert_eq!(allocation.pages(), table.as_slice());
+        assert_eq!(allocation.owner(), RequestId::new(7));
+        assert_eq!(allocation.tokens(), 33);
+        assert_eq!(allocation.capacity_tokens(), 48);
+        let stats = pool.stats();
+        assert_eq!((stats.reserved, stats.owned, stats.free), (0, 3, 1));
+    }
+
+    #[test]
+    fn releasing_pages_are_not_reusable_until_drained() {
+        for from_reservation in [true, false] {
+            let pool = pool(2, Scrub::None);
+            let reservation = reserve(&pool, 1, 32);
+            let releasing = if from_reservation {
+                reservation.begin_release()
+            } else {
+                reservation.commit().begin_release()
+            };
+            assert_eq!(pool.stats().releasing, 2);
+            assert!(
+                pool.verify(releasing.pages()).is_err(),
+                "a releasing table is not live"
+            );
+            let admissible = pool.admit(RequestId::new(2), 1).expect("fits the pool");
+            let admissible = pool
+                .reserve(admissible)
+                .expect_err("releasing pages are not free")
+                .into_inner();
+            releasing.drained();
+            assert_eq!(pool.free_pages(), 2);
+            assert!(pool.reserve(admissible).is_ok());
+        }
+    }
+
+    #[test]
+    fn a_releasing_that_is_dropped_or_times_out_quarantines_its_pages() {
+        let pool = pool(4, Scrub::None);
+        let dropped = reserve(&pool, 1, 16).commit().begin_release();
+        let timed_out = reserve(&pool, 2, 32).begin_release();
+        drop(dropped);
+        timed_out.timed_out();
+        assert_eq!(pool.quarantined_pages(), 3);
+        assert_eq!(pool.free_pages(), 1);
+        pool.check_invariants().expect("invariants hold");
+    }
+
+    #[test]
+    fn quarantined_pages_are_never_reused_until_the_operator_releases_them() {
+        let pool = pool(3, Scrub::None);
+        reserve(&pool, 1, 16).quarantine();
+        reserve(&pool, 2, 16).commit().quarantine();
+        reserve(&pool, 3, 16).begin_release().quarantine();
+        assert_eq!(pool.quarantined_pages(), 3);
+        let admissible = pool.admit(RequestId::new(4), 1).expect("fits the pool");
+        let admissible = pool
+            .reserve(admissible)
+            .expect_err("everything is quarantined")
+            .into_inner();
+        assert_eq!(pool.release_quarantine(), 3);
+        assert_eq!(pool.quarantined_pages(), 0);
+        assert!(pool.reserve(admissible).is_ok());
+        pool.check_invariants().expect("invariants hold");
+    }
+
+    #[test]
+    fn with_zero_scrub_released_pages_wait_for_the_scrub_and_f_sees_exactly_them() {
+        let pool = pool(4, Scrub::Zero);
+        let kept = reserve(&pool, 1, 16).commit();
+        let released = reserve(&pool, 2, 32).commit();
+        let released_pages = page_set(released.pages());
+        drop(released);
+        let stats = pool.stats();
+        assert_eq!((stats.free, stats.pending_scrub), (1, 2));
+
+        let admissible = pool.admit(RequestId::new(3), 32).expect("fits the pool");
+        let admissible = pool
+            .reserve(admissible)
+            .expect_err("released pages are not scrubbed yet")
+            .into_inner();
+
+        let mut scrubbed = Vec::new();
+        pool.scrub_pending(|page| scrubbed.push(page));
+        assert_eq!(scrubbed.len(), 2, "each page scrubbed once");
+        assert_eq!(
+            scrubbed.iter().copied().collect::<BTreeSet<_>>(),
+            released_pages
+        );
+        assert!(!scrubbed.iter().any(|p| kept.pages()[0].page == *p));
+        assert_eq!(pool.free_pages(), 3);
+
+        let again = pool.reserve(admissible).expect("scrubbed pages are free");
+        assert_eq!(page_set(again.pages()).len(), 2);
+        pool.scrub_pending(|page| panic!("{page} was not released"));
+        pool.check_invariants().expect("invariants hold");
+    }
+
+    #[test]
+    fn with_canary_scrub_drained_and_unquarantined_pages_are_scrubbed_too() {
+        let pool = pool(2, Scrub::Canary);
+        reserve(&pool, 1, 16).begin_release().drained();
+        reserve(&pool, 2, 16).quarantine();
+        assert_eq!(pool.release_quarantine(), 1);
+        assert_eq!(
+            pool.stats(),
+            PoolStats {
+                total: 2,
+                pending_scrub: 2,
+                ..PoolStats::default()
+            }
+        );
+        let mut count = 0;
+        pool.scrub_pending(|_| count += 1);
+        assert_eq!(count, 2);
+        assert_eq!(pool.free_pages(), 2);
+    }
+
+    #[test]
+    fn with_no_scrub_released_pages_are_free_at_once() {
+        let pool = pool(2, Scrub::None);
+        drop(reserve(&pool, 1, 32));
+        assert_eq!(pool.free_pages(), 2);
+        pool.scrub_pending(|page| panic!("{page} needs no scrub"));
+    }
+
+    #[test]
+    fn a_panicking_scrub_leaves_the_unscrubbed_pages_queued() {
+        let pool = pool(3, Scrub::Zero);
+        drop(reserve(&pool, 1, 48));
+        let mut calls = 0;
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            pool.scrub_pending(|_| {
+                calls += 1;
+                assert!(calls < 2, "the physical layer failed");
+            });
+        }));
+        assert!(result.is_err());
+        let stats = pool.stats();
+        assert_eq!((stats.free, stats.pending_scrub), (1, 2));
+        pool.check_invariants()
+            .expect("invariants hold after a panic");
+        pool.scrub_pending(|_| {});
+        assert_eq!(pool.free_pages(), 3);
+    }
+}
