@@ -1,17 +1,18 @@
 //! Page lifecycles: one type per state, transitions consume `self`, `Drop` returns the pages.
 //!
 //! ```text
-//!             reserve()                commit()                   drop / release()
-//!   free ───────────────▶ Reservation ─────────▶ Allocation ─────────────────────▶ (scrub) ─▶ free
-//!                           │  │                      │
-//!                           │  └─ drop / release() ─▶ (scrub) ─▶ free
-//!                           │                         └─ begin_release() ─▶ Releasing ── drained() ─▶ (scrub) ─▶ free
-//!                           │                                                  │
-//!                           └─ begin_release() ─▶ Releasing                    └─ timed_out() / drop ─▶ quarantined
+//!  free ── reserve() ──▶ Reservation ── commit() ──▶ Allocation ── drop / release() ──▶ (scrub) ─▶ free
+//!                         │  │  │                     │  │
+//!                         │  │  │                     │  └─ quarantine() ─▶ quarantined
+//!                         │  │  │                     └─ begin_release() ────────────┐
+//!                         │  │  └─ begin_release() ──────────────────────────────────┴─▶ Releasing ─┬─ drained() ─▶ (scrub) ─▶ free
+//!                         │  │                                                                      ├─ timed_out() / drop ─▶ quarantined
+//!                         │  │                                                                      └─ quarantine() ─▶ quarantined
+//!                         │  └─ drop / release() ─▶ (scrub) ─▶ free
+//!                         └─ quarantine() ─▶ quarantined
 //!
-//!   Reservation, Allocation, Releasing ── quarantine() ─▶ quarantined
-//!   quarantined ── PagePool::release_quarantine() (operator) ─▶ (scrub) ─▶ free
-//!   (scrub) = the scrub queue, emptied by PagePool::scrub_pending(); skipped with Scrub::None
+//!  quarantined ── PagePool::release_quarantine() (operator action) ─▶ (scrub) ─▶ free
+//!  (scrub): the scrub queue, emptied by PagePool::scrub_pending(); skipped with Scrub::None
 //! ```
 //!
 //! - [`Reservation`]: pages reserved for a request whose KV is being written (local prefill or
@@ -76,6 +77,7 @@ impl Held {
 }
 
 /// Pages reserved for a request whose KV is being written. Dropping it releases the pages.
+#[must_use = "dropping a Reservation releases its pages"]
 pub struct Reservation(Held);
 
 impl Reservation {
@@ -113,13 +115,11 @@ impl Reservation {
     }
 
     /// The KV is complete and verified: the request now runs on these pages, same tags.
-    #[must_use]
     pub fn commit(mut self) -> Allocation {
         Allocation(self.0.move_out(Hold::Reserved, Target::Hold(Hold::Owned)))
     }
 
     /// The request ends while a peer may still write the pages: hold them until it drains.
-    #[must_use]
     pub fn begin_release(mut self) -> Releasing {
         Releasing(
             self.0
@@ -150,6 +150,7 @@ impl fmt::Debug for Reservation {
 }
 
 /// Committed pages of a running request. Dropping it releases the pages.
+#[must_use = "dropping an Allocation releases its pages"]
 pub struct Allocation(Held);
 
 impl Allocation {
@@ -179,7 +180,6 @@ impl Allocation {
     }
 
     /// The request ends while a peer may still write the pages: hold them until it drains.
-    #[must_use]
     pub fn begin_release(mut self) -> Releasing {
         Releasing(self.0.move_out(Hold::Owned, Target::Hold(Hold::Releasing)))
     }
@@ -208,6 +208,7 @@ impl fmt::Debug for Allocation {
 
 /// Pages of an ended request that a transfer may still write. Dropping it quarantines the
 /// pages: without a drain acknowledgement they are never reused.
+#[must_use = "dropping a Releasing quarantines its pages"]
 pub struct Releasing(Held);
 
 impl Releasing {
@@ -286,6 +287,15 @@ mod tests {
 
     fn page_set(pages: &[PageRef]) -> BTreeSet<PageId> {
         pages.iter().map(|e| e.page).collect()
+    }
+
+    #[test]
+    fn pools_and_lifecycle_objects_can_move_between_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<PagePool>();
+        send_sync::<Reservation>();
+        send_sync::<Allocation>();
+        send_sync::<Releasing>();
     }
 
     #[test]
