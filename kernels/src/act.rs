@@ -1,0 +1,118 @@
+//! Activations quantized to 8 bits per 32-value block, as llama.cpp does before every
+//! quantized matmul: the integer dot products are exact and fast, and the results match the
+//! reference engine's numerics closely.
+
+use half::f16;
+
+use crate::quant::BLOCK;
+
+/// 32 activations as `d * qs[i]`, with `s = d * Σ qs` kept for the formats with an offset.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlockQ8 {
+    /// Scale; rounded through f16 like the reference engine stores it.
+    pub d: f32,
+    /// `d * Σ qs`, rounded through f16.
+    pub s: f32,
+    /// Quantized values, each in -127..=127.
+    pub qs: [i8; BLOCK],
+}
+
+impl BlockQ8 {
+    pub const ZERO: BlockQ8 = BlockQ8 {
+        d: 0.0,
+        s: 0.0,
+        qs: [0; BLOCK],
+    };
+
+    /// Quantizes one block of exactly [`BLOCK`] values.
+    pub fn quantize(values: &[f32]) -> BlockQ8 {
+        let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+        let mut qs = [0i8; BLOCK];
+        let mut sum = 0i32;
+        for (q, v) in qs.iter_mut().zip(values) {
+            *q = (v * id).round() as i8;
+            sum += i32::from(*q);
+        }
+        let round = |x: f32| f16::from_f32(x).to_f32();
+        BlockQ8 {
+            d: round(d),
+            s: round(d * sum as f32),
+            qs,
+        }
+    }
+}
+
+/// A batch of activation rows, kept both as f32 (for float weights) and quantized (for
+/// quantized weights). Rows have `cols` values, a whole number of blocks.
+#[derive(Debug, Default)]
+pub struct Activations {
+    rows: usize,
+    cols: usize,
+    f32: Vec<f32>,
+    q8: Vec<BlockQ8>,
+}
+
+impl Activations {
+    /// Replaces the contents with `rows` rows of `cols` values taken from `values`, reusing the
+    /// buffers (no allocation once they are large enough).
+    ///
+    /// # Panics
+    /// When `cols` is not a multiple of [`BLOCK`] or `values.len() != rows * cols`.
+    pub fn load(&mut self, values: &[f32], rows: usize, cols: usize) {
+        assert_eq!(
+            cols % BLOCK,
+            0,
+            "activation width {cols} is not whole blocks"
+        );
+        assert_eq!(values.len(), rows * cols, "activation shape");
+        self.rows = rows;
+        self.cols = cols;
+        self.f32.clear();
+        self.f32.extend_from_slice(values);
+        self.q8.clear();
+        self.q8
+            .extend(values.chunks_exact(BLOCK).map(BlockQ8::quantize));
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Row `r` as f32 values.
+    pub fn row_f32(&self, r: usize) -> &[f32] {
+        &self.f32[r * self.cols..(r + 1) * self.cols]
+    }
+
+    /// Row `r` as quantized blocks.
+    pub fn row_q8(&self, r: usize) -> &[BlockQ8] {
+        let per_row = self.cols / BLOCK;
+        &self.q8[r * per_row..(r + 1) * per_row]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantized_block_reconstructs_its_values() {
+        let values: Vec<f32> = (0..BLOCK).map(|i| (i as f32 - 13.0) * 0.37).collect();
+        let b = BlockQ8::quantize(&values);
+        for (q, v) in b.qs.iter().zip(&values) {
+            assert!((b.d * f32::from(*q) - v).abs() <= b.d * 0.51 + 1e-3);
+        }
+        let sum: i32 = b.qs.iter().map(|&q| i32::from(q)).sum();
+        assert!((b.s - b.d * sum as f32).abs() < 1e-2);
+    }
+
+    #[test]
+    fn a_zero_block_has_zero_scale() {
+        assert_eq!(BlockQ8::quantize(&[0.0; BLOCK]), BlockQ8::ZERO);
+    }
+}

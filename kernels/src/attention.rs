@@ -1,0 +1,282 @@
+//! Paged attention over the KV pool, with the page-tag check.
+//!
+//! The KV cache lives in fixed-size pages. A sequence reaches its tokens through a page table
+//! of [`PageRef`]s: the page and the generation tag it had when the sequence got it. Before
+//! reading or writing any page, the kernel compares the pool's current tag of that page with
+//! the expected one; a mismatch means the page left the sequence (released, reallocated to
+//! someone else) and the call fails instead of attending over another request's data.
+//!
+//! Memory layout of the pool, one page after another, each page contiguous (so a page can be
+//! zeroed, checksummed or sent as one slice):
+//!
+//! ```text
+//! page ─┬─ layer 0 ─┬─ K ─┬─ kv head 0: [slot 0: head_dim values] … [slot page_tokens-1]
+//!       │           │     └─ kv head 1 …
+//!       │           └─ V ── (same shape)
+//!       └─ layer 1 …
+//! ```
+
+use bulkhead_kvpool::{PageRef, Tag};
+use half::f16;
+use rayon::prelude::*;
+
+use crate::ops::softmax;
+use crate::simd::Simd;
+
+/// Shape of the KV pool's pages. Values are f16, as in the reference engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    pub layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub page_tokens: usize,
+}
+
+impl KvLayout {
+    /// f16 values in one page.
+    pub fn page_values(&self) -> usize {
+        self.layers * 2 * self.kv_heads * self.page_tokens * self.head_dim
+    }
+
+    /// Bytes in one page.
+    pub fn page_bytes(&self) -> usize {
+        self.page_values() * 2
+    }
+
+    /// Bytes of KV per token (all layers, K and V).
+    pub fn token_bytes(&self) -> usize {
+        self.page_bytes() / self.page_tokens
+    }
+
+    /// Index of the first value of (`page`, `layer`, K or V, `head`, `slot`).
+    fn offset(&self, page: usize, layer: usize, v: bool, head: usize, slot: usize) -> usize {
+        ((((page * self.layers + layer) * 2 + usize::from(v)) * self.kv_heads + head)
+            * self.page_tokens
+            + slot)
+            * self.head_dim
+    }
+}
+
+/// Whether the kernel compares page tags before touching pages. Only tests turn it off, to
+/// show the stale read it prevents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TagCheck {
+    On,
+    Off,
+}
+
+/// A page the kernel refused to touch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum IntegrityError {
+    #[error("page {index} of the page table expected tag {expected:?}, the pool has {found:?}")]
+    TagMismatch {
+        index: usize,
+        expected: Tag,
+        found: Option<Tag>,
+    },
+    #[error("the page table holds {pages} pages, {needed} are needed for {tokens} tokens")]
+    TableTooShort {
+        pages: usize,
+        needed: usize,
+        tokens: usize,
+    },
+}
+
+/// One attention call's view of a sequence and the pool.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedSeq<'a> {
+    /// The sequence's page table, in token order.
+    pub table: &'a [PageRef],
+    /// Tokens of the sequence already in the cache before this call's tokens.
+    pub cached: usize,
+    /// Tokens this call appends (and computes attention for).
+    pub new: usize,
+}
+
+impl PagedSeq<'_> {
+    fn check(
+        &self,
+        layout: &KvLayout,
+        tags: &[Tag],
+        check: TagCheck,
+    ) -> Result<(), IntegrityError> {
+        let tokens = self.cached + self.new;
+        let needed = tokens.div_ceil(layout.page_tokens);
+        if self.table.len() < needed {
+            return Err(IntegrityError::TableTooShort {
+                pages: self.table.len(),
+                needed,
+                tokens,
+            });
+        }
+        if check == TagCheck::On {
+            for (index, r) in self.table[..needed].iter().enumerate() {
+                let found = tags.get(r.page.index()).copied();
+                if found != Some(r.tag) {
+                    return Err(IntegrityError::TagMismatch {
+                        index,
+                        expected: r.tag,
+                        found,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes the K and V rows of the sequence's new tokens (`seq.new × kv_heads × head_dim` each)
+/// into their slots of `layer`, after checking the page table.
+pub fn write_kv(
+    layout: &KvLayout,
+    pool: &mut [f16],
+    tags: &[Tag],
+    check: TagCheck,
+    seq: PagedSeq<'_>,
+    layer: usize,
+    k: &[f32],
+    v: &[f32],
+) -> Result<(), IntegrityError> {
+    seq.check(layout, tags, check)?;
+    let hd = layout.head_dim;
+    for t in 0..seq.new {
+        let pos = seq.cached + t;
+        let page = seq.table[pos / layout.page_tokens].page.index();
+        let slot = pos % layout.page_tokens;
+        for h in 0..layout.kv_heads {
+            let row = (t * layout.kv_heads + h) * hd;
+            for (is_v, src) in [(false, k), (true, v)] {
+                let at = layout.offset(page, layer, is_v, h, slot);
+                for (d, s) in pool[at..at + hd].iter_mut().zip(&src[row..row + hd]) {
+                    *d = f16::from_f32(*s);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Causal attention of the sequence's new tokens over all its cached tokens in `layer`.
+/// `q` and `out` are `seq.new × heads × head_dim`; query token `t` sits at position
+/// `seq.cached + t` and attends over positions `0..=seq.cached + t`.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "one kernel call: the pool, the sequence, the tensors"
+)]
+pub fn attend(
+    simd: Simd,
+    layout: &KvLayout,
+    pool: &[f16],
+    tags: &[Tag],
+    check: TagCheck,
+    seq: PagedSeq<'_>,
+    layer: usize,
+    heads: usize,
+    q: &[f32],
+    out: &mut [f32],
+) -> Result<(), IntegrityError> {
+    seq.check(layout, tags, check)?;
+    let hd = layout.head_dim;
+    let group = heads / layout.kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    out.par_chunks_mut(hd)
+        .enumerate()
+        .for_each_init(Vec::new, |scores, (i, o)| {
+            let (t, h) = (i / heads, i % heads);
+            let kvh = h / group;
+            let qrow = &q[i * hd..(i + 1) * hd];
+            let len = seq.cached + t + 1;
+            scores.clear();
+            for pos in 0..len {
+                let page = seq.table[pos / layout.page_tokens].page.index();
+                let at = layout.offset(page, layer, false, kvh, pos % layout.page_tokens);
+                scores.push(dot_f16(simd, qrow, &pool[at..at + hd]) * scale);
+            }
+            softmax(scores);
+            o.fill(0.0);
+            for (pos, &p) in scores.iter().enumerate() {
+                let page = seq.table[pos / layout.page_tokens].page.index();
+                let at = layout.offset(page, layer, true, kvh, pos % layout.page_tokens);
+                axpy_f16(simd, o, p, &pool[at..at + hd]);
+            }
+        });
+    Ok(())
+}
+
+fn dot_f16(simd: Simd, a: &[f32], b: &[f16]) -> f32 {
+    match simd {
+        Simd::Portable => a.iter().zip(b).map(|(x, y)| x * y.to_f32()).sum(),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Simd::Avx2` is only constructed after detecting AVX2, FMA and F16C.
+        Simd::Avx2 => unsafe { avx2::dot_f16(a, b) },
+    }
+}
+
+fn axpy_f16(simd: Simd, out: &mut [f32], a: f32, x: &[f16]) {
+    match simd {
+        Simd::Portable => out
+            .iter_mut()
+            .zip(x)
+            .for_each(|(o, x)| *o += a * x.to_f32()),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `dot_f16`.
+        Simd::Avx2 => unsafe { avx2::axpy_f16(out, a, x) },
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_f16(a: &[f32], b: &[f16]) -> f32 {
+        let n = a.len().min(b.len());
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: `i + 8 <= n` and both slices hold at least `n` values; f16 is 2 bytes.
+            let (x, y) = unsafe {
+                (
+                    _mm256_loadu_ps(a.as_ptr().add(i)),
+                    _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().add(i).cast())),
+                )
+            };
+            acc = _mm256_fmadd_ps(x, y, acc);
+            i += 8;
+        }
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+        lanes.iter().sum::<f32>()
+            + a[i..n]
+                .iter()
+                .zip(&b[i..n])
+                .map(|(x, y)| x * y.to_f32())
+                .sum::<f32>()
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy_f16(out: &mut [f32], a: f32, x: &[f16]) {
+        let n = out.len().min(x.len());
+        let va = _mm256_set1_ps(a);
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: `i + 8 <= n` and both slices hold at least `n` values.
+            unsafe {
+                let p = out.as_mut_ptr().add(i);
+                let y = _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr().add(i).cast()));
+                _mm256_storeu_ps(p, _mm256_fmadd_ps(va, y, _mm256_loadu_ps(p)));
+            }
+            i += 8;
+        }
+        for (o, x) in out[i..n].iter_mut().zip(&x[i..n]) {
+            *o += a * x.to_f32();
+        }
+    }
+}

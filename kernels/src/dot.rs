@@ -1,0 +1,216 @@
+//! Dot products of one stored weight row with one activation row, per format and per SIMD
+//! level. Every SIMD path computes exactly the integer sums of the portable one; only the
+//! float accumulation order may differ, and each path is tested against the portable one.
+
+use crate::act::BlockQ8;
+use crate::quant::{BLOCK, DType, read_f16};
+use crate::simd::Simd;
+
+/// `w_row · x`, with `w_row` stored as `dtype` and `x` given both as f32 and as Q8 blocks.
+/// The caller guarantees matching lengths (see [`crate::QMatrix`]).
+pub(crate) fn dot(simd: Simd, dtype: DType, w_row: &[u8], x_f32: &[f32], x_q8: &[BlockQ8]) -> f32 {
+    match (dtype, simd) {
+        (DType::F32, _) => portable::dot_f32(w_row, x_f32),
+        (DType::F16, _) => portable::dot_f16(w_row, x_f32),
+        (DType::Q4_0, Simd::Portable) => portable::dot_q4_0(w_row, x_q8),
+        (DType::Q4_1, Simd::Portable) => portable::dot_q4_1(w_row, x_q8),
+        (DType::Q8_0, Simd::Portable) => portable::dot_q8_0(w_row, x_q8),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Simd::Avx2` is only constructed after run-time detection of AVX2 and FMA
+        // (see `simd.rs`).
+        (DType::Q4_0, Simd::Avx2) => unsafe { avx2::dot_q4(w_row, x_q8, false) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (DType::Q4_1, Simd::Avx2) => unsafe { avx2::dot_q4(w_row, x_q8, true) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (DType::Q8_0, Simd::Avx2) => unsafe { avx2::dot_q8_0(w_row, x_q8) },
+    }
+}
+
+mod portable {
+    use super::*;
+
+    pub fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
+        w.chunks_exact(4)
+            .zip(x)
+            .map(|(b, x)| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * x)
+            .sum()
+    }
+
+    pub fn dot_f16(w: &[u8], x: &[f32]) -> f32 {
+        w.chunks_exact(2)
+            .zip(x)
+            .map(|(b, x)| half::f16::from_le_bytes([b[0], b[1]]).to_f32() * x)
+            .sum()
+    }
+
+    /// Σ q·y over one 4-bit block, q unsigned 0..=15.
+    fn nibble_dot(qs: &[u8], y: &[i8; BLOCK]) -> i32 {
+        let mut acc = 0i32;
+        for j in 0..BLOCK / 2 {
+            acc += i32::from(qs[j] & 0x0f) * i32::from(y[j]);
+            acc += i32::from(qs[j] >> 4) * i32::from(y[j + BLOCK / 2]);
+        }
+        acc
+    }
+
+    pub fn dot_q4_0(w: &[u8], x: &[BlockQ8]) -> f32 {
+        w.chunks_exact(18)
+            .zip(x)
+            .map(|(b, x)| read_f16(b, 0) * (x.d * nibble_dot(&b[2..], &x.qs) as f32 - 8.0 * x.s))
+            .sum()
+    }
+
+    pub fn dot_q4_1(w: &[u8], x: &[BlockQ8]) -> f32 {
+        w.chunks_exact(20)
+            .zip(x)
+            .map(|(b, x)| {
+                read_f16(b, 0) * x.d * nibble_dot(&b[4..], &x.qs) as f32 + read_f16(b, 2) * x.s
+            })
+            .sum()
+    }
+
+    pub fn dot_q8_0(w: &[u8], x: &[BlockQ8]) -> f32 {
+        w.chunks_exact(34)
+            .zip(x)
+            .map(|(b, x)| {
+                let acc: i32 = b[2..]
+                    .iter()
+                    .zip(&x.qs)
+                    .map(|(&q, &y)| i32::from(q as i8) * i32::from(y))
+                    .sum();
+                read_f16(b, 0) * x.d * acc as f32
+            })
+            .sum()
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::*;
+
+    /// Horizontal sum of eight f32 lanes.
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps::<1>(v);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// Σ q·y of 32 unsigned bytes with 32 signed bytes, as eight i32 lanes converted to f32.
+    #[target_feature(enable = "avx2,fma")]
+    fn udot(q: __m256i, y: __m256i) -> __m256 {
+        let pairs = _mm256_maddubs_epi16(q, y);
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    }
+
+    /// 4-bit rows: Q4_1 (`with_min`) or Q4_0.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q4(w: &[u8], x: &[BlockQ8], with_min: bool) -> f32 {
+        let (bb, qoff) = if with_min { (20, 4) } else { (18, 2) };
+        let mask = _mm256_set1_epi8(0x0f);
+        let mut acc = _mm256_setzero_ps();
+        let mut offset_sum = 0.0f32;
+        for (b, x) in w.chunks_exact(bb).zip(x) {
+            let qs = &b[qoff..qoff + 16];
+            // SAFETY: `qs` is 16 bytes long and `x.qs` 32; unaligned loads.
+            let (raw, y) = unsafe {
+                (
+                    _mm_loadu_si128(qs.as_ptr().cast()),
+                    _mm256_loadu_si256(x.qs.as_ptr().cast()),
+                )
+            };
+            let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(raw), raw), mask);
+            let d = read_f16(b, 0);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), udot(q, y), acc);
+            offset_sum += if with_min {
+                read_f16(b, 2) * x.s
+            } else {
+                -8.0 * d * x.s
+            };
+        }
+        hsum(acc) + offset_sum
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q8_0(w: &[u8], x: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (b, x) in w.chunks_exact(34).zip(x) {
+            // SAFETY: `b[2..]` is 32 bytes long, `x.qs` too; unaligned loads.
+            let (q, y) = unsafe {
+                (
+                    _mm256_loadu_si256(b[2..].as_ptr().cast()),
+                    _mm256_loadu_si256(x.qs.as_ptr().cast()),
+                )
+            };
+            // maddubs wants an unsigned left side: move q's sign onto y.
+            let prod = udot(_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(read_f16(b, 0) * x.d), prod, acc);
+        }
+        hsum(acc)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::quantize_row;
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (s >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_simd_path_matches_the_portable_one() {
+        let n = 8 * BLOCK;
+        let x = values(n, 1);
+        let xq: Vec<BlockQ8> = x.chunks_exact(BLOCK).map(BlockQ8::quantize).collect();
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q8_0,
+        ] {
+            let w = quantize_row(dtype, &values(n, 7));
+            let want = dot(Simd::Portable, dtype, &w, &x, &xq);
+            for simd in Simd::available() {
+                let got = dot(simd, dtype, &w, &x, &xq);
+                assert!(
+                    (got - want).abs() <= 1e-3 * want.abs().max(1.0),
+                    "{dtype:?} {simd:?}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_dot_is_close_to_the_float_dot() {
+        let n = 16 * BLOCK;
+        let x = values(n, 3);
+        let w = values(n, 5);
+        let exact: f32 = x.iter().zip(&w).map(|(a, b)| a * b).sum();
+        let xq: Vec<BlockQ8> = x.chunks_exact(BLOCK).map(BlockQ8::quantize).collect();
+        for (dtype, tol) in [(DType::Q8_0, 0.2), (DType::Q4_1, 1.5), (DType::Q4_0, 2.5)] {
+            let got = dot(Simd::Portable, dtype, &quantize_row(dtype, &w), &x, &xq);
+            assert!((got - exact).abs() < tol, "{dtype:?}: {got} vs {exact}");
+        }
+    }
+}

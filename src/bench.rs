@@ -1,0 +1,179 @@
+//! `bulkhead bench engine`: prefill and decode throughput of the engine on one model, as one
+//! JSON object on stdout. Medians over `--runs` repetitions.
+
+use std::sync::mpsc;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use bulkhead_kvpool::RequestId;
+use bulkhead_worker::engine::{Engine, EngineConfig, Event, KvBudget, Request};
+use bulkhead_worker::loader::LoadedModel;
+use bulkhead_worker::sampling::SamplingParams;
+use serde_json::json;
+
+use crate::model_path::ModelArgs;
+
+#[derive(Debug, clap::Subcommand)]
+pub enum What {
+    /// Prefill and decode tokens/s of the engine.
+    Engine(EngineArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct EngineArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt tokens for the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    prefill_tokens: usize,
+    /// New tokens per request for the decode measurements.
+    #[arg(long, default_value_t = 128)]
+    decode_tokens: usize,
+    /// Repetitions; the medians are reported.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+}
+
+/// Prose the benchmark prompts are cut from.
+const TEXT: &str = "The harbour woke before the town did. Fishing boats slid out past the breakwater \
+    while the lamps along the quay were still lit, and the gulls followed them, crying over the \
+    grey water. In the market hall, traders stacked crates of apples and pears, argued about the \
+    price of salt, and drank coffee from chipped enamel mugs. ";
+
+pub fn run(what: What) -> anyhow::Result<()> {
+    let What::Engine(args) = what;
+    anyhow::ensure!(args.runs > 0, "--runs must be at least 1");
+    let threads = args.model.init_threads()?;
+    let path = args.model.path()?;
+    let loaded = LoadedModel::open(&path)?;
+    let text = TEXT.repeat(1 + args.prefill_tokens * 6 / TEXT.len());
+    let all = loaded.tokenizer.encode(&text, false)?;
+    anyhow::ensure!(all.len() >= args.prefill_tokens, "benchmark text too short");
+    let long_prompt = all[..args.prefill_tokens].to_vec();
+    let config = EngineConfig {
+        kv: KvBudget::Tokens(((args.prefill_tokens + args.decode_tokens) * 8 + 1024) as u64),
+        max_batch_tokens: args.prefill_tokens.max(64),
+        ..EngineConfig::default()
+    };
+    let mut bench = Bench {
+        engine: Engine::new(loaded.model, loaded.tokenizer, config)?,
+        next_id: 0,
+    };
+
+    let mut prefill = Vec::new();
+    let mut decode_b1 = Vec::new();
+    let mut decode_b8 = Vec::new();
+    for _ in 0..args.runs {
+        prefill.push(bench.prefill(&long_prompt)?);
+        decode_b1.push(bench.decode(&[&all[..32]], args.decode_tokens)?);
+        let prompts: Vec<&[u32]> = (0..8).map(|i| &all[i * 7..i * 7 + 32]).collect();
+        decode_b8.push(bench.decode(&prompts, args.decode_tokens)?);
+    }
+    let report = json!({
+        "model": path.display().to_string(),
+        "threads": threads,
+        "simd": bench.engine.model().simd().name(),
+        "runs": args.runs,
+        "prefill_prompt_tokens": args.prefill_tokens,
+        "decode_new_tokens": args.decode_tokens,
+        "prefill_tok_s": median(prefill),
+        "decode_b1_tok_s": median(decode_b1),
+        "decode_b8_tok_s": median(decode_b8),
+        "peak_rss_bytes": peak_rss_bytes()?,
+    });
+    println!("{report}");
+    Ok(())
+}
+
+struct Bench {
+    engine: Engine,
+    next_id: u64,
+}
+
+impl Bench {
+    fn submit(&mut self, prompt: &[u32], max_new: usize) -> anyhow::Result<mpsc::Receiver<Event>> {
+        let (tx, rx) = mpsc::channel();
+        self.next_id += 1;
+        let request = Request {
+            id: RequestId::new(self.next_id),
+            prompt: prompt.to_vec(),
+            max_new_tokens: max_new,
+            sampling: SamplingParams::GREEDY,
+            stop: Vec::new(),
+            ignore_eos: true,
+            sink: Box::new(tx),
+        };
+        self.engine
+            .submit(request)
+            .map_err(|(e, _)| e)
+            .context("benchmark request refused")?;
+        Ok(rx)
+    }
+
+    /// Prompt tokens per second until the first token.
+    fn prefill(&mut self, prompt: &[u32]) -> anyhow::Result<f64> {
+        let rx = self.submit(prompt, 1)?;
+        let start = Instant::now();
+        drain(&mut self.engine, &[rx])?;
+        Ok(prompt.len() as f64 / start.elapsed().as_secs_f64())
+    }
+
+    /// Aggregate generated tokens per second across `prompts` decoding together, counted from
+    /// the step after every prompt is prefilled.
+    fn decode(&mut self, prompts: &[&[u32]], max_new: usize) -> anyhow::Result<f64> {
+        let rxs = prompts
+            .iter()
+            .map(|p| self.submit(p, max_new))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let mut first = vec![false; rxs.len()];
+        while first.iter().any(|f| !f) {
+            self.engine.step();
+            for (f, rx) in first.iter_mut().zip(&rxs) {
+                for e in rx.try_iter() {
+                    check(&e)?;
+                    *f = true;
+                }
+            }
+        }
+        let start = Instant::now();
+        let tokens = drain(&mut self.engine, &rxs)?;
+        Ok(tokens as f64 / start.elapsed().as_secs_f64())
+    }
+}
+
+/// Steps until the engine is idle; returns the tokens generated meanwhile.
+fn drain(engine: &mut Engine, rxs: &[mpsc::Receiver<Event>]) -> anyhow::Result<usize> {
+    let mut tokens = 0;
+    while engine.has_work() {
+        engine.step();
+        for e in rxs.iter().flat_map(|rx| rx.try_iter()) {
+            check(&e)?;
+            tokens += usize::from(matches!(e, Event::Token { .. }));
+        }
+    }
+    Ok(tokens)
+}
+
+fn check(e: &Event) -> anyhow::Result<()> {
+    if let Event::Failed(f) = e {
+        bail!("benchmark request failed: {f}");
+    }
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The process's peak resident set (VmHWM).
+fn peak_rss_bytes() -> anyhow::Result<u64> {
+    let status =
+        std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .context("no VmHWM in /proc/self/status")?;
+    Ok(kb * 1024)
+}

@@ -1,0 +1,97 @@
+//! What a caller hands the engine, and what it gets back.
+
+use bulkhead_kvpool::RequestId;
+
+use crate::model::SeqFailure;
+use crate::sampling::SamplingParams;
+use crate::tokenizer::TokenId;
+
+/// A generation request, as the engine receives it (already tokenized).
+#[derive(Debug)]
+pub struct Request {
+    pub id: RequestId,
+    pub prompt: Vec<TokenId>,
+    /// At least 1.
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Text that ends generation when produced; never included in the output.
+    pub stop: Vec<String>,
+    /// Keep generating past end-of-sequence tokens (benchmarks).
+    pub ignore_eos: bool,
+    /// Where the request's events go.
+    pub sink: Box<dyn EventSink>,
+}
+
+/// Receives one request's events, in order; the last one is `Done` or `Failed`.
+pub trait EventSink: Send + std::fmt::Debug {
+    /// Delivers `event`; `Gone` means nobody listens any more and the request is cancelled.
+    fn emit(&mut self, event: Event) -> Delivery;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    Delivered,
+    Gone,
+}
+
+/// Token counts of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token or a stop sequence.
+    Stop,
+    /// `max_new_tokens` reached.
+    Length,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A generated token and the text it completed (may be empty mid-character or while a
+    /// stop sequence might be starting).
+    Token { token: TokenId, text: String },
+    Done {
+        reason: FinishReason,
+        usage: Usage,
+        text_tail: String,
+    },
+    /// The request failed after admission; nothing it produced should be trusted.
+    Failed(SeqFailure),
+}
+
+/// Why the engine refused a request at submission. Nothing was allocated.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("max_new_tokens must be at least 1")]
+    NoNewTokens,
+    #[error("prompt token {token} is outside the vocabulary of {vocab}")]
+    TokenOutOfRange { token: TokenId, vocab: usize },
+    #[error(
+        "this model's maximum context length is {limit} tokens; the request needs {requested} ({prompt} in the prompt + {max_new} to generate)"
+    )]
+    ContextLengthExceeded {
+        requested: u64,
+        limit: u64,
+        prompt: usize,
+        max_new: usize,
+    },
+    #[error("the request queue is full ({capacity} waiting); retry later")]
+    QueueFull { capacity: usize },
+    #[error("request id {0} is already in use")]
+    DuplicateId(RequestId),
+}
+
+impl EventSink for std::sync::mpsc::Sender<Event> {
+    fn emit(&mut self, event: Event) -> Delivery {
+        match self.send(event) {
+            Ok(()) => Delivery::Delivered,
+            Err(_) => Delivery::Gone,
+        }
+    }
+}

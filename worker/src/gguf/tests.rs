@@ -1,0 +1,129 @@
+use bulkhead_kernels::DType;
+use bulkhead_kernels::quant::quantize_row;
+
+use super::*;
+
+fn sample() -> GgufWriter {
+    let mut w = GgufWriter::new();
+    w.meta("general.architecture", Value::String("llama".into()))
+        .meta("llama.block_count", Value::U32(2))
+        .meta(
+            "tokenizer.ggml.tokens",
+            Value::Array(vec![Value::String("a".into()), Value::String("b".into())]),
+        )
+        .tensor(
+            "norm",
+            &[32],
+            DType::F32,
+            quantize_row(DType::F32, &[0.5; 32]),
+        )
+        .tensor(
+            "w",
+            &[64, 3],
+            DType::Q4_1,
+            quantize_row(DType::Q4_1, &[1.0; 192]),
+        );
+    w
+}
+
+fn parse_bytes(bytes: &[u8]) -> Result<Gguf, GgufError> {
+    let dir = std::env::temp_dir().join(format!(
+        "bulkhead-gguf-{}-{}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    std::fs::write(&dir, bytes).expect("write temp file");
+    let r = Gguf::open(&dir);
+    let _ = std::fs::remove_file(&dir);
+    r
+}
+
+#[test]
+fn a_written_file_reads_back() {
+    let g = parse_bytes(&sample().to_bytes()).unwrap();
+    assert_eq!(g.version(), 3);
+    assert_eq!(g.get_str("general.architecture").unwrap(), "llama");
+    assert_eq!(g.get_count("llama.block_count").unwrap(), 2);
+    assert_eq!(g.get_strings("tokenizer.ggml.tokens").unwrap(), ["a", "b"]);
+    assert_eq!(g.vector("norm", 32).unwrap(), vec![0.5; 32]);
+    let m = g.matrix("w", 3, 64).unwrap();
+    assert_eq!((m.rows(), m.cols(), m.dtype()), (3, 64, DType::Q4_1));
+}
+
+#[test]
+fn every_truncation_is_an_error_not_a_panic() {
+    let bytes = sample().to_bytes();
+    for len in 0..bytes.len() {
+        assert!(
+            parse_bytes(&bytes[..len]).is_err(),
+            "truncated to {len} bytes parsed"
+        );
+    }
+}
+
+#[test]
+fn corrupt_bytes_never_panic() {
+    let bytes = sample().to_bytes();
+    let mut seed = 0x9e37_79b9_u32;
+    for _ in 0..400 {
+        let mut b = bytes.clone();
+        for _ in 0..3 {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            let at = seed as usize % b.len();
+            b[at] = (seed >> 24) as u8;
+        }
+        let _ = parse_bytes(&b);
+    }
+}
+
+#[test]
+fn errors_name_the_field_at_fault() {
+    let err = |bytes: &[u8]| parse_bytes(bytes).unwrap_err().to_string();
+    assert!(err(b"GGML\x03\0\0\0").contains("not a GGUF file"));
+    let mut v9 = sample().to_bytes();
+    v9[4] = 9;
+    assert!(err(&v9).contains("version 9"));
+
+    let mut w = GgufWriter::new();
+    w.tensor("blk.0.ffn_up.weight", &[256], DType::Q8_0, vec![0; 8 * 34]);
+    let mut bytes = w.to_bytes();
+    // The type id sits 12 bytes before the end of the only tensor info (type u32, offset u64).
+    let info_end = 24 + 8 + "blk.0.ffn_up.weight".len() + 4 + 8 + 4 + 8;
+    bytes[info_end - 12..info_end - 8].copy_from_slice(&12u32.to_le_bytes());
+    let msg = err(&bytes);
+    assert!(
+        msg.contains("blk.0.ffn_up.weight") && msg.contains("Q4_K"),
+        "{msg}"
+    );
+
+    let g = parse_bytes(&sample().to_bytes()).unwrap();
+    assert!(
+        g.get_count("llama.context_length")
+            .unwrap_err()
+            .to_string()
+            .contains("llama.context_length")
+    );
+    assert!(
+        g.get_str("llama.block_count")
+            .unwrap_err()
+            .to_string()
+            .contains("should be a string")
+    );
+    assert!(
+        g.matrix("w", 64, 3)
+            .unwrap_err()
+            .to_string()
+            .contains("\"w\"")
+    );
+}
+
+#[test]
+fn a_tensor_past_the_end_is_out_of_bounds() {
+    let mut w = GgufWriter::new();
+    w.tensor("t", &[32], DType::F32, vec![0; 128]);
+    let bytes = w.to_bytes();
+    let msg = parse_bytes(&bytes[..bytes.len() - 4])
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("\"t\"") && msg.contains("outside"), "{msg}");
+}

@@ -1,0 +1,10 @@
+//! Bulkhead's worker: loads a GGUF model, holds the paged KV pool, runs the forward pass.
+
+pub mod chat;
+pub mod engine;
+pub mod gguf;
+pub mod kv;
+pub mod loader;
+pub mod model;
+pub mod sampling;
+pub mod tokenizer;

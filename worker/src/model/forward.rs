@@ -1,0 +1,189 @@
+//! One batched forward step. The batch concatenates every sequence's new tokens — a decode
+//! step contributes one, a prefill chunk many — so the weight matmuls run once for all of
+//! them; attention runs per sequence over its own pages. Each output value is computed the
+//! same way whatever else is in the batch (see `bulkhead_kernels::matmul`), so a sequence's
+//! results do not depend on its neighbours.
+
+use bulkhead_kernels::attention::{IntegrityError, PagedSeq, TagCheck, attend, write_kv};
+use bulkhead_kernels::ops::{Rope, add_assign, rms_norm, silu_mul};
+use bulkhead_kernels::{Activations, ShapeError, matmul};
+use bulkhead_kvpool::{PageRef, Tag};
+
+use super::Model;
+use crate::kv::KvMemory;
+
+/// One sequence's part of a forward step.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqStep<'a> {
+    /// The tokens to append (positions `cached..cached + tokens.len()`).
+    pub tokens: &'a [u32],
+    /// The sequence's page table; must cover `cached + tokens.len()` tokens.
+    pub table: &'a [PageRef],
+    /// Tokens already in the sequence's pages.
+    pub cached: usize,
+    /// Whether to return the logits after the last of `tokens`.
+    pub logits: bool,
+}
+
+/// Why one sequence of a batch failed; the others are unaffected.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SeqFailure {
+    #[error("KV integrity: {0}")]
+    Integrity(#[from] IntegrityError),
+    #[error("token id {token} is outside the vocabulary of {vocab}")]
+    TokenOutOfRange { token: u32, vocab: usize },
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// Per sequence: its logits (when asked for) or why it failed.
+pub type SeqResult = Result<Option<Vec<f32>>, SeqFailure>;
+
+impl Model {
+    /// Runs one step for `batch`, writing the new tokens' K/V into `kv` and reading only pages
+    /// whose current tag (`tags`, indexed by page) matches the sequence's page table.
+    pub fn forward(
+        &self,
+        batch: &[SeqStep<'_>],
+        kv: &mut KvMemory,
+        tags: &[Tag],
+        check: TagCheck,
+    ) -> Result<Vec<SeqResult>, ShapeError> {
+        let c = &self.config;
+        let g = &self.gguf;
+        let (dim, kvd, hd) = (c.dim, c.kv_heads * c.head_dim, c.head_dim);
+        let n: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        let mut failed: Vec<Option<SeqFailure>> = vec![None; batch.len()];
+
+        let mut x = vec![0.0f32; n * dim];
+        let mut angles = vec![(0.0f32, 0.0f32); n * hd / 2];
+        let embed = self.weights.embed.bind(g)?;
+        let mut row = 0;
+        for (si, s) in batch.iter().enumerate() {
+            for (i, &t) in s.tokens.iter().enumerate() {
+                if (t as usize) < c.vocab {
+                    embed.dequantize_row(t as usize, &mut x[row * dim..(row + 1) * dim]);
+                } else {
+                    failed[si] = Some(SeqFailure::TokenOutOfRange {
+                        token: t,
+                        vocab: c.vocab,
+                    });
+                }
+                self.rope
+                    .angles(s.cached + i, &mut angles[row * hd / 2..(row + 1) * hd / 2]);
+                row += 1;
+            }
+        }
+
+        let mut acts = Activations::default();
+        let mut xn = vec![0.0; n * dim];
+        let (mut q, mut att, mut o) = (vec![0.0; n * dim], vec![0.0; n * dim], vec![0.0; n * dim]);
+        let (mut k, mut v) = (vec![0.0; n * kvd], vec![0.0; n * kvd]);
+        let (mut gate, mut up) = (vec![0.0; n * c.ffn_dim], vec![0.0; n * c.ffn_dim]);
+        for (l, w) in self.weights.layers.iter().enumerate() {
+            rms_norm(&x, &w.attn_norm, c.rms_eps, &mut xn);
+            acts.load(&xn, n, dim);
+            matmul(self.simd, &w.wq.bind(g)?, &acts, &mut q);
+            matmul(self.simd, &w.wk.bind(g)?, &acts, &mut k);
+            matmul(self.simd, &w.wv.bind(g)?, &acts, &mut v);
+            for r in 0..n {
+                let a = &angles[r * hd / 2..(r + 1) * hd / 2];
+                Rope::apply(a, &mut q[r * dim..(r + 1) * dim]);
+                Rope::apply(a, &mut k[r * kvd..(r + 1) * kvd]);
+            }
+            let mut row0 = 0;
+            for (si, s) in batch.iter().enumerate() {
+                let rows = row0..row0 + s.tokens.len();
+                row0 = rows.end;
+                if failed[si].is_some() {
+                    continue;
+                }
+                let seq = PagedSeq {
+                    table: s.table,
+                    cached: s.cached,
+                    new: s.tokens.len(),
+                };
+                let kv_rows = rows.start * kvd..rows.end * kvd;
+                let dim_rows = rows.start * dim..rows.end * dim;
+                let layout = *kv.layout();
+                let r = write_kv(
+                    &layout,
+                    kv.values_mut(),
+                    tags,
+                    check,
+                    seq,
+                    l,
+                    &k[kv_rows.clone()],
+                    &v[kv_rows],
+                )
+                .and_then(|()| {
+                    attend(
+                        self.simd,
+                        &layout,
+                        kv.values(),
+                        tags,
+                        check,
+                        seq,
+                        l,
+                        c.heads,
+                        &q[dim_rows.clone()],
+                        &mut att[dim_rows.clone()],
+                    )
+                });
+                if let Err(e) = r {
+                    failed[si] = Some(e.into());
+                    att[dim_rows].fill(0.0);
+                }
+            }
+            acts.load(&att, n, dim);
+            matmul(self.simd, &w.wo.bind(g)?, &acts, &mut o);
+            add_assign(&mut x, &o);
+
+            rms_norm(&x, &w.ffn_norm, c.rms_eps, &mut xn);
+            acts.load(&xn, n, dim);
+            matmul(self.simd, &w.w_gate.bind(g)?, &acts, &mut gate);
+            matmul(self.simd, &w.w_up.bind(g)?, &acts, &mut up);
+            silu_mul(&mut gate, &up);
+            acts.load(&gate, n, c.ffn_dim);
+            matmul(self.simd, &w.w_down.bind(g)?, &acts, &mut o);
+            add_assign(&mut x, &o);
+        }
+
+        // The LM head runs only for the last token of the sequences that asked for logits.
+        let mut wanted = Vec::new();
+        let mut row_end = 0;
+        for (si, s) in batch.iter().enumerate() {
+            row_end += s.tokens.len();
+            if s.logits && failed[si].is_none() && !s.tokens.is_empty() {
+                wanted.push((si, row_end - 1));
+            }
+        }
+        let mut last = vec![0.0; wanted.len() * dim];
+        for (j, &(_, r)) in wanted.iter().enumerate() {
+            rms_norm(
+                &x[r * dim..(r + 1) * dim],
+                &self.weights.out_norm,
+                c.rms_eps,
+                &mut last[j * dim..(j + 1) * dim],
+            );
+        }
+        let mut logits = vec![0.0; wanted.len() * c.vocab];
+        if !wanted.is_empty() {
+            acts.load(&last, wanted.len(), dim);
+            matmul(
+                self.simd,
+                &self.weights.lm_head.bind(g)?,
+                &acts,
+                &mut logits,
+            );
+        }
+        let mut results: Vec<SeqResult> = failed
+            .into_iter()
+            .map(|f| f.map_or(Ok(None), Err))
+            .collect();
+        for (j, (si, _)) in wanted.into_iter().enumerate() {
+            results[si] = Ok(Some(logits[j * c.vocab..(j + 1) * c.vocab].to_vec()));
+        }
+        Ok(results)
+    }
+}

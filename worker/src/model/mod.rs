@@ -1,0 +1,76 @@
+//! The Llama-family model: configuration, weights mapped from GGUF, and the batched forward
+//! pass over the paged KV pool.
+
+mod config;
+mod forward;
+mod weights;
+
+use std::path::Path;
+
+use bulkhead_kernels::Simd;
+use bulkhead_kernels::attention::KvLayout;
+use bulkhead_kernels::ops::Rope;
+
+pub use config::{ModelConfig, RopeStyle};
+pub use forward::{SeqFailure, SeqResult, SeqStep};
+
+use crate::gguf::{Gguf, GgufError};
+use weights::Weights;
+
+/// A loaded model: the mapped file, its configuration and its weights.
+#[derive(Debug)]
+pub struct Model {
+    gguf: Gguf,
+    config: ModelConfig,
+    weights: Weights,
+    rope: Rope,
+    simd: Simd,
+}
+
+impl Model {
+    /// Opens and validates a GGUF model: every tensor the forward pass uses must exist with the
+    /// right shape and a supported type.
+    pub fn open(path: &Path) -> Result<Model, GgufError> {
+        Model::from_gguf(Gguf::open(path)?)
+    }
+
+    pub fn from_gguf(gguf: Gguf) -> Result<Model, GgufError> {
+        let config = ModelConfig::from_gguf(&gguf)?;
+        let weights = Weights::load(&gguf, &config)?;
+        let rope = Rope::new(config.head_dim, config.rope_base);
+        Ok(Model {
+            gguf,
+            config,
+            weights,
+            rope,
+            simd: Simd::best(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn gguf(&self) -> &Gguf {
+        &self.gguf
+    }
+
+    /// Uses the given SIMD level for every kernel (tests force each level in turn).
+    pub fn set_simd(&mut self, simd: Simd) {
+        self.simd = simd;
+    }
+
+    pub fn simd(&self) -> Simd {
+        self.simd
+    }
+
+    /// The KV pool page shape this model needs for pages of `page_tokens` tokens.
+    pub fn kv_layout(&self, page_tokens: usize) -> KvLayout {
+        KvLayout {
+            layers: self.config.layers,
+            kv_heads: self.config.kv_heads,
+            head_dim: self.config.head_dim,
+            page_tokens,
+        }
+    }
+}

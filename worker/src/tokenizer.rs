@@ -1,0 +1,271 @@
+//! The tokenizer, built from the GGUF file's own vocabulary and merges.
+//!
+//! Encoding: control tokens (`<|im_start|>` …) are recognised in the text only when the caller
+//! asks for it (rendered chat templates), so text from a user cannot smuggle them in through a
+//! raw completion prompt. Everything between them goes through byte-level BPE with the
+//! pre-tokenizer the file names. Decoding maps each token back to its exact bytes, so
+//! streaming can emit text only at UTF-8 boundaries ([`Detokenizer`]).
+
+use std::collections::HashMap;
+
+use tokenizers::models::bpe::{BPE, Vocab};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+
+use crate::gguf::{Gguf, GgufError};
+
+/// A token id of the served model's vocabulary.
+pub type TokenId = u32;
+
+/// Why the tokenizer could not be built or used.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("tokenizer model {0:?} is not supported (supported: \"gpt2\" byte-level BPE)")]
+    UnsupportedModel(String),
+    #[error("merge {index} ({merge:?}) is not two tokens separated by a space")]
+    BadMerge { index: usize, merge: String },
+    #[error("cannot build the BPE model: {0}")]
+    Build(String),
+    #[error("cannot encode the text: {0}")]
+    Encode(String),
+}
+
+/// GGUF `tokenizer.ggml.token_type` values.
+const TYPE_CONTROL: i32 = 3;
+const TYPE_USER_DEFINED: i32 = 4;
+
+/// The served model's tokenizer.
+#[derive(Debug)]
+pub struct Tokenizer {
+    bpe: tokenizers::Tokenizer,
+    /// Exact bytes of every token id (control tokens: their text).
+    bytes: Vec<Vec<u8>>,
+    /// Control and user-defined tokens, longest first, matched in text when asked.
+    specials: Vec<(String, TokenId)>,
+    /// Ids of control tokens, which decoding skips.
+    control: Vec<bool>,
+    bos: Option<TokenId>,
+    eos: TokenId,
+    /// Tokens that end generation: EOS plus `<|endoftext|>`/`<|eot_id|>`-style control tokens.
+    stop: Vec<TokenId>,
+}
+
+impl Tokenizer {
+    pub fn from_gguf(g: &Gguf) -> Result<Tokenizer, TokenizerError> {
+        let model = g.get_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(TokenizerError::UnsupportedModel(model.into()));
+        }
+        let tokens = g.get_strings("tokenizer.ggml.tokens")?;
+        let types: Vec<i32> = match g.get("tokenizer.ggml.token_type") {
+            Ok(v) => v
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .map(|t| t.as_u64().map_or(1, |t| t as i32))
+                        .collect()
+                })
+                .unwrap_or_default(),
+            Err(_) => Vec::new(),
+        };
+        let type_of = |i: usize| types.get(i).copied().unwrap_or(1);
+        let merges = g
+            .get_strings("tokenizer.ggml.merges")?
+            .into_iter()
+            .enumerate()
+            .map(|(index, m)| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_owned(), b.to_owned()))
+                    .ok_or_else(|| TokenizerError::BadMerge {
+                        index,
+                        merge: m.into(),
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| ((*t).to_owned(), i as TokenId))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| TokenizerError::Build(e.to_string()))?;
+        let mut tk = tokenizers::Tokenizer::new(bpe);
+        tk.with_pre_tokenizer(Some(Sequence::new(vec![
+            Digits::new(true).into(),
+            ByteLevel::new(false, false, true).into(),
+        ])));
+
+        let unicode_to_byte = byte_level_inverse();
+        let mut specials = Vec::new();
+        let mut control = vec![false; tokens.len()];
+        let bytes = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                if matches!(type_of(i), TYPE_CONTROL | TYPE_USER_DEFINED) {
+                    specials.push(((*t).to_owned(), i as TokenId));
+                    control[i] = type_of(i) == TYPE_CONTROL;
+                    return t.as_bytes().to_vec();
+                }
+                t.chars()
+                    .map(|c| unicode_to_byte.get(&c).copied().unwrap_or(b'?'))
+                    .collect()
+            })
+            .collect();
+        specials.sort_by_key(|(s, _)| std::cmp::Reverse(s.len()));
+
+        let id = |key: &str| {
+            g.get_u64(key)
+                .ok()
+                .map(|v| v as TokenId)
+                .filter(|&v| (v as usize) < tokens.len())
+        };
+        let eos = id("tokenizer.ggml.eos_token_id").ok_or_else(|| GgufError::MissingKey {
+            key: "tokenizer.ggml.eos_token_id".into(),
+        })?;
+        let mut stop = vec![eos];
+        for name in ["<|endoftext|>", "<|eot_id|>", "<|im_end|>"] {
+            if let Some(&(_, t)) = specials.iter().find(|(s, _)| s == name)
+                && !stop.contains(&t)
+            {
+                stop.push(t);
+            }
+        }
+        Ok(Tokenizer {
+            bpe: tk,
+            bytes,
+            specials,
+            control,
+            bos: id("tokenizer.ggml.bos_token_id"),
+            eos,
+            stop,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.bytes.len()
+    }
+
+    pub fn bos(&self) -> Option<TokenId> {
+        self.bos
+    }
+
+    pub fn eos(&self) -> TokenId {
+        self.eos
+    }
+
+    /// Whether generating `token` ends the sequence.
+    pub fn is_stop(&self, token: TokenId) -> bool {
+        self.stop.contains(&token)
+    }
+
+    /// Encodes `text`. With `parse_special`, control-token text becomes the control token.
+    pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<TokenId>, TokenizerError> {
+        let mut out = Vec::new();
+        let mut rest = text;
+        while !rest.is_empty() {
+            let next = if parse_special {
+                self.next_special(rest)
+            } else {
+                None
+            };
+            let (plain, special) = match next {
+                Some((at, s, id)) => (&rest[..at], Some((s, id))),
+                None => (rest, None),
+            };
+            if !plain.is_empty() {
+                let enc = self
+                    .bpe
+                    .encode_fast(plain, false)
+                    .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+                out.extend_from_slice(enc.get_ids());
+            }
+            match special {
+                Some((len, id)) => {
+                    out.push(id);
+                    rest = &rest[plain.len() + len..];
+                }
+                None => break,
+            }
+        }
+        Ok(out)
+    }
+
+    /// The earliest special token in `text`: (byte offset, byte length, id).
+    fn next_special(&self, text: &str) -> Option<(usize, usize, TokenId)> {
+        self.specials
+            .iter()
+            .filter_map(|(s, id)| text.find(s.as_str()).map(|at| (at, s.len(), *id)))
+            .min_by_key(|&(at, len, _)| (at, std::cmp::Reverse(len)))
+    }
+
+    /// The exact bytes of `token` (empty for control tokens and ids outside the vocabulary).
+    pub fn token_bytes(&self, token: TokenId) -> &[u8] {
+        let i = token as usize;
+        if self.control.get(i).copied().unwrap_or(true) {
+            return &[];
+        }
+        &self.bytes[i]
+    }
+
+    /// Decodes a whole sequence (control tokens skipped; invalid UTF-8 replaced).
+    pub fn decode(&self, tokens: &[TokenId]) -> String {
+        let bytes: Vec<u8> = tokens
+            .iter()
+            .flat_map(|&t| self.token_bytes(t).iter().copied())
+            .collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+/// GPT-2's byte-level alphabet, inverted: the printable character that stands for each byte.
+fn byte_level_inverse() -> HashMap<char, u8> {
+    let mut map = HashMap::new();
+    let mut shifted = 0u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff);
+        let c = if printable {
+            char::from(b)
+        } else {
+            shifted += 1;
+            char::from_u32(255 + shifted).unwrap_or('?')
+        };
+        map.insert(c, b);
+    }
+    map
+}
+
+/// Turns a stream of tokens into a stream of text that never splits a UTF-8 character.
+#[derive(Debug, Default)]
+pub struct Detokenizer {
+    pending: Vec<u8>,
+}
+
+impl Detokenizer {
+    /// Adds `token` and returns the text that became complete (possibly empty).
+    pub fn push(&mut self, tokenizer: &Tokenizer, token: TokenId) -> String {
+        self.pending.extend_from_slice(tokenizer.token_bytes(token));
+        let valid = match std::str::from_utf8(&self.pending) {
+            Ok(_) => self.pending.len(),
+            // An incomplete character at the end waits for the next token; an invalid one is
+            // replaced now.
+            Err(e) if e.error_len().is_none() => e.valid_up_to(),
+            Err(_) => self.pending.len(),
+        };
+        let text = String::from_utf8_lossy(&self.pending[..valid]).into_owned();
+        self.pending.drain(..valid);
+        text
+    }
+
+    /// The text still held back at the end of the stream.
+    pub fn finish(&mut self) -> String {
+        let text = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        text
+    }
+}
