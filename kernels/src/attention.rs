@@ -82,6 +82,22 @@ pub enum IntegrityError {
     },
 }
 
+/// The pool's current page tags and whether to compare them.
+#[derive(Debug, Clone, Copy)]
+pub struct TagView<'a> {
+    /// Current tag of every page, indexed by page.
+    pub tags: &'a [Tag],
+    pub check: TagCheck,
+}
+
+/// Read access to the pool for attention: its layout, its values and its tags.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedKv<'a> {
+    pub layout: &'a KvLayout,
+    pub values: &'a [f16],
+    pub tags: TagView<'a>,
+}
+
 /// One attention call's view of a sequence and the pool.
 #[derive(Debug, Clone, Copy)]
 pub struct PagedSeq<'a> {
@@ -94,12 +110,7 @@ pub struct PagedSeq<'a> {
 }
 
 impl PagedSeq<'_> {
-    fn check(
-        &self,
-        layout: &KvLayout,
-        tags: &[Tag],
-        check: TagCheck,
-    ) -> Result<(), IntegrityError> {
+    fn check(&self, layout: &KvLayout, tags: TagView<'_>) -> Result<(), IntegrityError> {
         let tokens = self.cached + self.new;
         let needed = tokens.div_ceil(layout.page_tokens);
         if self.table.len() < needed {
@@ -109,9 +120,9 @@ impl PagedSeq<'_> {
                 tokens,
             });
         }
-        if check == TagCheck::On {
+        if tags.check == TagCheck::On {
             for (index, r) in self.table[..needed].iter().enumerate() {
-                let found = tags.get(r.page.index()).copied();
+                let found = tags.tags.get(r.page.index()).copied();
                 if found != Some(r.tag) {
                     return Err(IntegrityError::TagMismatch {
                         index,
@@ -130,14 +141,13 @@ impl PagedSeq<'_> {
 pub fn write_kv(
     layout: &KvLayout,
     pool: &mut [f16],
-    tags: &[Tag],
-    check: TagCheck,
+    tags: TagView<'_>,
     seq: PagedSeq<'_>,
     layer: usize,
-    k: &[f32],
-    v: &[f32],
+    kv: (&[f32], &[f32]),
 ) -> Result<(), IntegrityError> {
-    seq.check(layout, tags, check)?;
+    seq.check(layout, tags)?;
+    let (k, v) = kv;
     let hd = layout.head_dim;
     for t in 0..seq.new {
         let pos = seq.cached + t;
@@ -159,23 +169,24 @@ pub fn write_kv(
 /// Causal attention of the sequence's new tokens over all its cached tokens in `layer`.
 /// `q` and `out` are `seq.new × heads × head_dim`; query token `t` sits at position
 /// `seq.cached + t` and attends over positions `0..=seq.cached + t`.
-#[allow(
-    clippy::too_many_arguments,
-    reason = "one kernel call: the pool, the sequence, the tensors"
-)]
 pub fn attend(
     simd: Simd,
-    layout: &KvLayout,
-    pool: &[f16],
-    tags: &[Tag],
-    check: TagCheck,
+    kv: PagedKv<'_>,
     seq: PagedSeq<'_>,
     layer: usize,
-    heads: usize,
     q: &[f32],
     out: &mut [f32],
 ) -> Result<(), IntegrityError> {
-    seq.check(layout, tags, check)?;
+    let PagedKv {
+        layout,
+        values: pool,
+        tags,
+    } = kv;
+    seq.check(layout, tags)?;
+    if seq.new == 0 {
+        return Ok(());
+    }
+    let heads = q.len() / (seq.new * layout.head_dim);
     let hd = layout.head_dim;
     let group = heads / layout.kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -278,5 +289,171 @@ mod avx2 {
         for (o, x) in out[i..n].iter_mut().zip(&x[i..n]) {
             *o += a * x.to_f32();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+
+    use bulkhead_kvpool::{PagePool, PoolConfig, RequestId, Scrub};
+
+    use super::*;
+
+    const LAYOUT: KvLayout = KvLayout {
+        layers: 2,
+        kv_heads: 2,
+        head_dim: 16,
+        page_tokens: 4,
+    };
+    const HEADS: usize = 4;
+
+    fn config(pages: u32) -> PoolConfig {
+        let nz = |v| NonZeroU32::new(v).unwrap();
+        PoolConfig {
+            pages: nz(pages),
+            page_tokens: nz(LAYOUT.page_tokens as u32),
+            scrub: Scrub::None,
+        }
+    }
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (s >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Plain causal GQA attention over dense K/V (`len × kv_heads × head_dim`), the oracle.
+    fn reference(q: &[f32], k: &[f32], v: &[f32], cached: usize, new: usize) -> Vec<f32> {
+        let (hd, kvh) = (LAYOUT.head_dim, LAYOUT.kv_heads);
+        let mut out = vec![0.0; new * HEADS * hd];
+        for t in 0..new {
+            for h in 0..HEADS {
+                let g = h / (HEADS / kvh);
+                let qr = &q[(t * HEADS + h) * hd..][..hd];
+                let mut s: Vec<f32> = (0..=cached + t)
+                    .map(|p| {
+                        let kr = &k[(p * kvh + g) * hd..][..hd];
+                        // Keys went through f16 in the pool.
+                        qr.iter()
+                            .zip(kr)
+                            .map(|(a, b)| a * f16::from_f32(*b).to_f32())
+                            .sum::<f32>()
+                            / (hd as f32).sqrt()
+                    })
+                    .collect();
+                softmax(&mut s);
+                for (p, w) in s.iter().enumerate() {
+                    for d in 0..hd {
+                        out[(t * HEADS + h) * hd + d] +=
+                            w * f16::from_f32(v[(p * kvh + g) * hd + d]).to_f32();
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn paged_attention_matches_the_dense_reference_on_every_path() {
+        let pool = PagePool::new(config(8));
+        // Take and drop an allocation first so the sequence's pages are not 0, 1, 2, ….
+        drop(
+            pool.reserve(pool.admit(RequestId::new(9), 8).unwrap())
+                .unwrap(),
+        );
+        let alloc = pool
+            .reserve(pool.admit(RequestId::new(1), 11).unwrap())
+            .unwrap()
+            .commit();
+        let mut mem = vec![f16::ZERO; LAYOUT.page_values() * 8];
+        let kvd = LAYOUT.kv_heads * LAYOUT.head_dim;
+        let (k, v) = (values(11 * kvd, 1), values(11 * kvd, 2));
+        let q = values(11 * HEADS * LAYOUT.head_dim, 3);
+        pool.with_tags(|tags| {
+            let view = TagView {
+                tags,
+                check: TagCheck::On,
+            };
+            // Prefill 7 tokens in one call, then 4 one at a time.
+            let mut spans = vec![(0, 7)];
+            spans.extend((7..11).map(|p| (p, 1)));
+            for (cached, new) in spans {
+                let seq = PagedSeq {
+                    table: alloc.pages(),
+                    cached,
+                    new,
+                };
+                let rows = cached * kvd..(cached + new) * kvd;
+                write_kv(
+                    &LAYOUT,
+                    &mut mem,
+                    view,
+                    seq,
+                    1,
+                    (&k[rows.clone()], &v[rows]),
+                )
+                .unwrap();
+                let qrows = &q[cached * HEADS * 16..(cached + new) * HEADS * 16];
+                let want = reference(qrows, &k, &v, cached, new);
+                for simd in Simd::available() {
+                    let mut out = vec![0.0; want.len()];
+                    let kv = PagedKv {
+                        layout: &LAYOUT,
+                        values: &mem,
+                        tags: view,
+                    };
+                    attend(simd, kv, seq, 1, qrows, &mut out).unwrap();
+                    for (a, b) in out.iter().zip(&want) {
+                        assert!(
+                            (a - b).abs() < 1e-4,
+                            "{simd:?} at {cached}+{new}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+        });
+    }
+
+    #[test]
+    fn a_table_too_short_for_the_tokens_is_refused() {
+        let pool = PagePool::new(config(2));
+        let alloc = pool
+            .reserve(pool.admit(RequestId::new(1), 4).unwrap())
+            .unwrap()
+            .commit();
+        let mut mem = vec![f16::ZERO; LAYOUT.page_values() * 2];
+        let kvd = LAYOUT.kv_heads * LAYOUT.head_dim;
+        pool.with_tags(|tags| {
+            let view = TagView {
+                tags,
+                check: TagCheck::On,
+            };
+            let seq = PagedSeq {
+                table: alloc.pages(),
+                cached: 4,
+                new: 1,
+            };
+            let err = write_kv(
+                &LAYOUT,
+                &mut mem,
+                view,
+                seq,
+                0,
+                (&[0.0; 32][..kvd], &[0.0; 32][..kvd]),
+            );
+            assert_eq!(
+                err,
+                Err(IntegrityError::TableTooShort {
+                    pages: 1,
+                    needed: 2,
+                    tokens: 5
+                })
+            );
+        });
     }
 }

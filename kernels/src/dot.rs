@@ -202,15 +202,18 @@ mod tests {
     }
 
     #[test]
-    fn quantized_dot_is_close_to_the_float_dot() {
+    fn quantized_dot_is_close_to_the_float_dot_of_the_stored_weights() {
         let n = 16 * BLOCK;
         let x = values(n, 3);
-        let w = values(n, 5);
-        let exact: f32 = x.iter().zip(&w).map(|(a, b)| a * b).sum();
         let xq: Vec<BlockQ8> = x.chunks_exact(BLOCK).map(BlockQ8::quantize).collect();
-        for (dtype, tol) in [(DType::Q8_0, 0.2), (DType::Q4_1, 1.5), (DType::Q4_0, 2.5)] {
-            let got = dot(Simd::Portable, dtype, &quantize_row(dtype, &w), &x, &xq);
-            assert!((got - exact).abs() < tol, "{dtype:?}: {got} vs {exact}");
+        for dtype in [DType::Q8_0, DType::Q4_1, DType::Q4_0] {
+            let w = quantize_row(dtype, &values(n, 5));
+            let mut stored = vec![0.0; n];
+            crate::quant::dequantize_row(dtype, &w, &mut stored);
+            let exact: f32 = x.iter().zip(&stored).map(|(a, b)| a * b).sum();
+            // Only the activations' 8-bit rounding separates the two.
+            let got = dot(Simd::Portable, dtype, &w, &x, &xq);
+            assert!((got - exact).abs() < 0.3, "{dtype:?}: {got} vs {exact}");
         }
     }
 }

@@ -49,7 +49,7 @@ impl DType {
 
     /// Bytes taken by `len` values, or `None` when `len` is not a whole number of blocks.
     pub const fn bytes_for(self, len: usize) -> Option<usize> {
-        if len % self.block_len() != 0 {
+        if !len.is_multiple_of(self.block_len()) {
             return None;
         }
         (len / self.block_len()).checked_mul(self.block_bytes())

@@ -223,21 +223,20 @@ impl Tokenizer {
     }
 }
 
-/// GPT-2's byte-level alphabet, inverted: the printable character that stands for each byte.
-fn byte_level_inverse() -> HashMap<char, u8> {
-    let mut map = HashMap::new();
-    let mut shifted = 0u32;
-    for b in 0..=255u8 {
-        let printable = matches!(b, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff);
-        let c = if printable {
-            char::from(b)
-        } else {
-            shifted += 1;
-            char::from_u32(255 + shifted).unwrap_or('?')
-        };
-        map.insert(c, b);
+/// GPT-2's byte-level alphabet: the printable character that stands for byte `b` in a
+/// vocabulary (printable Latin-1 bytes stand for themselves, the rest map to U+0100 onward).
+pub fn byte_level_char(b: u8) -> char {
+    let printable = |x: u8| matches!(x, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff);
+    if printable(b) {
+        return char::from(b);
     }
-    map
+    let rank = (0..b).filter(|&x| !printable(x)).count() as u32;
+    char::from_u32(256 + rank).unwrap_or('?')
+}
+
+/// The inverse of [`byte_level_char`].
+fn byte_level_inverse() -> HashMap<char, u8> {
+    (0..=255u8).map(|b| (byte_level_char(b), b)).collect()
 }
 
 /// Turns a stream of tokens into a stream of text that never splits a UTF-8 character.

@@ -266,7 +266,12 @@ impl Engine {
         self.tag_check = check;
     }
 
-    /// Validates and admits `request`, or refuses it before anything is allocated.
+    /// Validates and admits `request`, or refuses it before anything is allocated and hands it
+    /// back with the reason.
+    #[allow(
+        clippy::result_large_err,
+        reason = "a refused request goes back whole; submission is not a hot path"
+    )]
     pub fn submit(&mut self, request: Request) -> Result<(), (SubmitError, Request)> {
         match self.admit(&request) {
             Ok(admissible) => {

@@ -273,7 +273,7 @@ fn parse(bytes: &[u8]) -> Result<Parsed, GgufError> {
             .iter()
             .try_fold(1usize, |a, &d| a.checked_mul(d))
             .ok_or_else(|| bad_shape("too many elements"))?;
-        if udims[0] % dtype.block_len() != 0 {
+        if !udims[0].is_multiple_of(dtype.block_len()) {
             return Err(bad_shape("rows are not a whole number of blocks"));
         }
         let len = dtype

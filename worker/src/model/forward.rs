@@ -4,7 +4,9 @@
 //! same way whatever else is in the batch (see `bulkhead_kernels::matmul`), so a sequence's
 //! results do not depend on its neighbours.
 
-use bulkhead_kernels::attention::{IntegrityError, PagedSeq, TagCheck, attend, write_kv};
+use bulkhead_kernels::attention::{
+    IntegrityError, PagedKv, PagedSeq, TagCheck, TagView, attend, write_kv,
+};
 use bulkhead_kernels::ops::{Rope, add_assign, rms_norm, silu_mul};
 use bulkhead_kernels::{Activations, ShapeError, matmul};
 use bulkhead_kvpool::{PageRef, Tag};
@@ -54,6 +56,7 @@ impl Model {
         let (dim, kvd, hd) = (c.dim, c.kv_heads * c.head_dim, c.head_dim);
         let n: usize = batch.iter().map(|s| s.tokens.len()).sum();
         let mut failed: Vec<Option<SeqFailure>> = vec![None; batch.len()];
+        let view = TagView { tags, check };
 
         let mut x = vec![0.0f32; n * dim];
         let mut angles = vec![(0.0f32, 0.0f32); n * hd / 2];
@@ -109,23 +112,22 @@ impl Model {
                 let r = write_kv(
                     &layout,
                     kv.values_mut(),
-                    tags,
-                    check,
+                    view,
                     seq,
                     l,
-                    &k[kv_rows.clone()],
-                    &v[kv_rows],
+                    (&k[kv_rows.clone()], &v[kv_rows]),
                 )
                 .and_then(|()| {
+                    let paged = PagedKv {
+                        layout: &layout,
+                        values: kv.values(),
+                        tags: view,
+                    };
                     attend(
                         self.simd,
-                        &layout,
-                        kv.values(),
-                        tags,
-                        check,
+                        paged,
                         seq,
                         l,
-                        c.heads,
                         &q[dim_rows.clone()],
                         &mut att[dim_rows.clone()],
                     )

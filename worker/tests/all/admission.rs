@@ -1,0 +1,187 @@
+//! Admission and configuration (invariants I1, I3, I7): what does not fit is refused before
+//! any allocation, what fits waits its turn, and every page comes back.
+
+use std::sync::mpsc;
+
+use bulkhead_worker::engine::{
+    Engine, EngineConfig, FinishReason, KvBudget, StartupError, SubmitError,
+};
+use bulkhead_worker::tiny_model::TinySpec;
+
+use crate::common::{collect, engine, request, run_all, tiny_model};
+
+/// A tiny model (context 256) over a pool of `tokens` tokens.
+fn tiny_engine(tokens: u64, config: EngineConfig) -> Engine {
+    engine(
+        tiny_model(TinySpec::default()),
+        EngineConfig {
+            kv: KvBudget::Tokens(tokens),
+            ..config
+        },
+    )
+}
+
+fn assert_all_pages_back(e: &Engine) {
+    let s = e.pool().stats();
+    assert_eq!(s.free + s.pending_scrub, s.total, "pages not back: {s:?}");
+    assert_eq!(s.quarantined, 0);
+}
+
+#[test]
+fn served_context_is_the_smaller_of_model_and_pool() {
+    assert_eq!(
+        tiny_engine(64, EngineConfig::default())
+            .capacity()
+            .served_context,
+        64
+    );
+    let big = tiny_engine(4096, EngineConfig::default()).capacity();
+    assert_eq!(
+        (big.served_context, big.pool_tokens, big.model_context),
+        (256, 4096, 256)
+    );
+}
+
+#[test]
+fn a_context_longer_than_the_pool_refuses_to_start_and_says_how_to_fix_it() {
+    let loaded = tiny_model(TinySpec::default());
+    let config = EngineConfig {
+        kv: KvBudget::Tokens(64),
+        context_length: Some(200),
+        ..EngineConfig::default()
+    };
+    let err = Engine::new(loaded.model, loaded.tokenizer, config).expect_err("must refuse");
+    assert!(
+        matches!(
+            err,
+            StartupError::ContextExceedsPool {
+                requested: 200,
+                pool_tokens: 64,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("--kv-memory"), "{err}");
+}
+
+#[test]
+fn a_prompt_over_the_pool_is_rejected_before_any_allocation() {
+    let mut e = tiny_engine(64, EngineConfig::default());
+    let (tx, _rx) = mpsc::channel();
+    let before = e.pool().stats();
+    let (err, _) = e
+        .submit(request(1, &[5; 60], 10, tx))
+        .expect_err("60 + 10 > 64");
+    assert_eq!(
+        err,
+        SubmitError::ContextLengthExceeded {
+            requested: 70,
+            limit: 64,
+            prompt: 60,
+            max_new: 10
+        }
+    );
+    assert_eq!(e.pool().stats(), before, "nothing was reserved");
+    assert!(!e.has_work(), "nothing was queued");
+}
+
+#[test]
+fn bad_requests_are_refused_with_a_reason() {
+    let mut e = tiny_engine(256, EngineConfig::default());
+    let (tx, _rx) = mpsc::channel();
+    let refuse = |e: &mut Engine, prompt: &[u32], max_new| {
+        e.submit(request(1, prompt, max_new, tx.clone()))
+            .map_err(|(err, _)| err)
+    };
+    assert_eq!(refuse(&mut e, &[], 4), Err(SubmitError::EmptyPrompt));
+    assert_eq!(refuse(&mut e, &[5], 0), Err(SubmitError::NoNewTokens));
+    assert_eq!(
+        refuse(&mut e, &[5, 99_999], 4),
+        Err(SubmitError::TokenOutOfRange {
+            token: 99_999,
+            vocab: 259
+        })
+    );
+    assert!(refuse(&mut e, &[5], 4).is_ok());
+    assert!(matches!(
+        refuse(&mut e, &[5], 4),
+        Err(SubmitError::DuplicateId(_))
+    ));
+}
+
+#[test]
+fn a_request_that_fits_but_not_now_waits_and_the_queue_is_bounded() {
+    let mut e = tiny_engine(
+        64,
+        EngineConfig {
+            queue_capacity: 2,
+            ..EngineConfig::default()
+        },
+    );
+    let mut rxs = Vec::new();
+    for id in 0..2 {
+        let (tx, rx) = mpsc::channel();
+        e.submit(request(id, &[5; 40], 20, tx))
+            .map_err(|(err, _)| err)
+            .expect("fits the pool");
+        rxs.push(rx);
+    }
+    e.step();
+    assert_eq!(e.load(), (1, 1), "the second request waits for pages");
+    let (tx, _rx) = mpsc::channel();
+    e.submit(request(7, &[5; 4], 4, tx.clone()))
+        .map_err(|(err, _)| err)
+        .expect("queue has room");
+    let (err, _) = e
+        .submit(request(8, &[5; 4], 4, tx))
+        .expect_err("queue full");
+    assert_eq!(err, SubmitError::QueueFull { capacity: 2 });
+    while e.has_work() {
+        e.step();
+    }
+    for rx in rxs {
+        let out = collect(rx);
+        assert!(out.finish.is_ok(), "{out:?}");
+        assert!(!out.tokens.is_empty());
+    }
+    assert_all_pages_back(&e);
+}
+
+#[test]
+fn every_page_comes_back_after_requests_finish() {
+    let mut e = tiny_engine(
+        256,
+        EngineConfig {
+            max_batch_tokens: 7,
+            ..EngineConfig::default()
+        },
+    );
+    let outs = run_all(
+        &mut e,
+        vec![(vec![5; 30], 8), (vec![9; 3], 20), (vec![40; 50], 1)],
+    );
+    for out in &outs {
+        assert!(
+            matches!(out.finish, Ok(FinishReason::Length | FinishReason::Stop)),
+            "{out:?}"
+        );
+    }
+    assert_eq!(outs[2].tokens.len(), 1);
+    assert_all_pages_back(&e);
+}
+
+#[test]
+fn a_dropped_listener_cancels_the_request_and_frees_its_pages() {
+    let mut e = tiny_engine(256, EngineConfig::default());
+    let (tx, rx) = mpsc::channel();
+    e.submit(request(1, &[5; 10], 200, tx))
+        .map_err(|(err, _)| err)
+        .expect("admitted");
+    e.step();
+    assert!(e.pool().stats().owned > 0);
+    drop(rx);
+    e.step();
+    assert!(!e.has_work(), "cancelled");
+    assert_all_pages_back(&e);
+}

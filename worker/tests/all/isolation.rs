@@ -1,0 +1,78 @@
+//! Invariant I2 (no stale reads) at the kernel boundary: a page table that outlived its
+//! allocation must never attend over the pages' new owner.
+
+use bulkhead_kernels::attention::{IntegrityError, TagCheck};
+use bulkhead_kvpool::{PageRef, Scrub};
+use bulkhead_worker::model::SeqFailure;
+use bulkhead_worker::tiny_model::TinySpec;
+
+use crate::common::{Session, tiny_model};
+
+/// Tenant A prefills, its pages are released and handed to tenant B, and then A's stale page
+/// table is used for one more decode step.
+fn stale_read(check: TagCheck) -> (Result<Vec<f32>, SeqFailure>, Vec<f32>) {
+    let loaded = tiny_model(TinySpec::default());
+    let prompt_a: Vec<u32> = (3..35).collect();
+    let prompt_b: Vec<u32> = (100..132).collect();
+    // Two pages: exactly one 32-token sequence, so B must reuse A's pages.
+    let mut s = Session::new(&loaded.model, 2, Scrub::None);
+    s.check = check;
+
+    let a = s.allocate(1, 32);
+    s.run(a.pages(), 0, &prompt_a[..31]).expect("A prefills");
+    let stale: Vec<PageRef> = a.pages().to_vec();
+    drop(a);
+    let b = s.allocate(2, 32);
+    assert_eq!(
+        b.pages().iter().map(|p| p.page).collect::<Vec<_>>(),
+        stale.iter().map(|p| p.page).collect::<Vec<_>>(),
+        "B got A's physical pages"
+    );
+    s.run(b.pages(), 0, &prompt_b[..31]).expect("B prefills");
+    let through_stale_table = s.run(&stale, 31, &prompt_a[31..]);
+
+    // What A's last step computes over its own KV, on a fresh pool.
+    let mut fresh = Session::new(&loaded.model, 2, Scrub::None);
+    let own = fresh.allocate(1, 32);
+    let honest = fresh.run(own.pages(), 0, &prompt_a).expect("A alone");
+    (through_stale_table, honest)
+}
+
+#[test]
+fn without_the_tag_check_a_stale_table_reads_another_tenants_kv() {
+    let (stale, honest) = stale_read(TagCheck::Off);
+    let leaked = stale.expect("nothing stops the read when the check is off");
+    assert_ne!(
+        leaked, honest,
+        "the stale read attended over B's KV, not A's"
+    );
+}
+
+#[test]
+fn the_tag_check_stops_a_stale_table() {
+    let (stale, _) = stale_read(TagCheck::On);
+    match stale {
+        Err(SeqFailure::Integrity(IntegrityError::TagMismatch { index: 0, .. })) => {}
+        other => panic!("expected a tag mismatch on the first page, got {other:?}"),
+    }
+}
+
+#[test]
+fn zeroed_pages_are_zero_after_release() {
+    let loaded = tiny_model(TinySpec::default());
+    let mut s = Session::new(&loaded.model, 2, Scrub::Zero);
+    let a = s.allocate(1, 32);
+    s.run(a.pages(), 0, &[5, 6, 7]).expect("prefill");
+    let page = a.pages()[0].page;
+    assert!(
+        s.kv.page(page).iter().any(|v| v.to_f32() != 0.0),
+        "prefill wrote the page"
+    );
+    drop(a);
+    let kv = &mut s.kv;
+    s.pool.scrub_pending(|p| kv.scrub(p, Scrub::Zero));
+    assert!(
+        s.kv.page(page).iter().all(|v| v.to_bits() == 0),
+        "released page is zeroed"
+    );
+}

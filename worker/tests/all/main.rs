@@ -1,0 +1,7 @@
+//! The worker's integration tests, in one binary to keep link time low.
+
+mod admission;
+mod batch_invariance;
+mod common;
+mod golden;
+mod isolation;
