@@ -74,6 +74,10 @@ pub enum IntegrityError {
         expected: Tag,
         found: Option<Tag>,
     },
+    #[error(
+        "position {position} of the sequence holds the release canary: a read of a released page"
+    )]
+    CanaryRead { position: usize },
     #[error("the page table holds {pages} pages, {needed} are needed for {tokens} tokens")]
     TableTooShort {
         pages: usize,
@@ -82,12 +86,19 @@ pub enum IntegrityError {
     },
 }
 
-/// The pool's current page tags and whether to compare them.
+/// The value released pages are filled with under the canary scrub policy: an f16 NaN with a
+/// payload no computation produces, so a read of a released slot is recognisable.
+pub const CANARY: f16 = f16::from_bits(0x7e5a);
+
+/// The pool's current page tags and whether to compare them, and whether to look for the
+/// canary in every key slot read.
 #[derive(Debug, Clone, Copy)]
 pub struct TagView<'a> {
     /// Current tag of every page, indexed by page.
     pub tags: &'a [Tag],
     pub check: TagCheck,
+    /// Released pages hold [`CANARY`]; reading one fails the call.
+    pub canary: bool,
 }
 
 /// Read access to the pool for attention: its layout, its values and its tags.
@@ -192,7 +203,7 @@ pub fn attend(
     let scale = 1.0 / (hd as f32).sqrt();
     out.par_chunks_mut(hd)
         .enumerate()
-        .for_each_init(Vec::new, |scores, (i, o)| {
+        .try_for_each_init(Vec::new, |scores, (i, o)| {
             let (t, h) = (i / heads, i % heads);
             let kvh = h / group;
             let qrow = &q[i * hd..(i + 1) * hd];
@@ -201,7 +212,11 @@ pub fn attend(
             for pos in 0..len {
                 let page = seq.table[pos / layout.page_tokens].page.index();
                 let at = layout.offset(page, layer, false, kvh, pos % layout.page_tokens);
-                scores.push(dot_f16(simd, qrow, &pool[at..at + hd]) * scale);
+                let key = &pool[at..at + hd];
+                if tags.canary && key[0].to_bits() == CANARY.to_bits() {
+                    return Err(IntegrityError::CanaryRead { position: pos });
+                }
+                scores.push(dot_f16(simd, qrow, key) * scale);
             }
             softmax(scores);
             o.fill(0.0);
@@ -210,8 +225,8 @@ pub fn attend(
                 let at = layout.offset(page, layer, true, kvh, pos % layout.page_tokens);
                 axpy_f16(simd, o, p, &pool[at..at + hd]);
             }
-        });
-    Ok(())
+            Ok(())
+        })
 }
 
 fn dot_f16(simd: Simd, a: &[f32], b: &[f16]) -> f32 {

@@ -25,7 +25,7 @@ mod stops;
 use std::collections::{HashSet, VecDeque};
 use std::num::NonZeroU32;
 
-use bulkhead_kernels::attention::TagCheck;
+use bulkhead_kernels::attention::{TagCheck, TagView};
 use bulkhead_kvpool::{Admissible, Allocation, PagePool, PoolConfig, RequestId, Scrub};
 
 pub use request::{Delivery, Event, EventSink, FinishReason, Request, SubmitError, Usage};
@@ -381,9 +381,18 @@ impl Engine {
             })
             .collect();
         let (model, kv, check) = (&self.model, &mut self.kv, self.tag_check);
-        let results = self
-            .pool
-            .with_tags(|tags| model.forward(&steps, kv, tags, check));
+        let canary = scrub == Scrub::Canary;
+        let results = self.pool.with_tags(|tags| {
+            model.forward(
+                &steps,
+                kv,
+                TagView {
+                    tags,
+                    check,
+                    canary,
+                },
+            )
+        });
         drop(steps);
 
         let results = match results {

@@ -2,13 +2,9 @@
 //! out. Pages are contiguous (see `bulkhead_kernels::attention` for the layout), so scrubbing
 //! or checksumming a page touches one slice.
 
-use bulkhead_kernels::attention::KvLayout;
+use bulkhead_kernels::attention::{CANARY, KvLayout};
 use bulkhead_kvpool::{PageId, Scrub};
 use half::f16;
-
-/// The value released pages are filled with under [`Scrub::Canary`]: an f16 NaN with a payload
-/// no computation produces, so a read of a released slot is recognisable.
-pub const CANARY: f16 = f16::from_bits(0x7e5a);
 
 /// Host memory for `pages` pages of `layout`.
 #[derive(Debug)]

@@ -4,12 +4,10 @@
 //! same way whatever else is in the batch (see `bulkhead_kernels::matmul`), so a sequence's
 //! results do not depend on its neighbours.
 
-use bulkhead_kernels::attention::{
-    IntegrityError, PagedKv, PagedSeq, TagCheck, TagView, attend, write_kv,
-};
+use bulkhead_kernels::attention::{IntegrityError, PagedKv, PagedSeq, TagView, attend, write_kv};
 use bulkhead_kernels::ops::{Rope, add_assign, rms_norm, silu_mul};
 use bulkhead_kernels::{Activations, ShapeError, matmul};
-use bulkhead_kvpool::{PageRef, Tag};
+use bulkhead_kvpool::PageRef;
 
 use super::Model;
 use crate::kv::KvMemory;
@@ -43,20 +41,18 @@ pub type SeqResult = Result<Option<Vec<f32>>, SeqFailure>;
 
 impl Model {
     /// Runs one step for `batch`, writing the new tokens' K/V into `kv` and reading only pages
-    /// whose current tag (`tags`, indexed by page) matches the sequence's page table.
+    /// whose current tag (`view.tags`, indexed by page) matches the sequence's page table.
     pub fn forward(
         &self,
         batch: &[SeqStep<'_>],
         kv: &mut KvMemory,
-        tags: &[Tag],
-        check: TagCheck,
+        view: TagView<'_>,
     ) -> Result<Vec<SeqResult>, ShapeError> {
         let c = &self.config;
         let g = &self.gguf;
         let (dim, kvd, hd) = (c.dim, c.kv_heads * c.head_dim, c.head_dim);
         let n: usize = batch.iter().map(|s| s.tokens.len()).sum();
         let mut failed: Vec<Option<SeqFailure>> = vec![None; batch.len()];
-        let view = TagView { tags, check };
 
         let mut x = vec![0.0f32; n * dim];
         let mut angles = vec![(0.0f32, 0.0f32); n * hd / 2];

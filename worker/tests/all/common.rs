@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::{Arc, OnceLock};
 
-use bulkhead_kernels::attention::TagCheck;
+use bulkhead_kernels::attention::{TagCheck, TagView};
 use bulkhead_kvpool::{Allocation, PagePool, PageRef, PoolConfig, RequestId, Scrub};
 use bulkhead_worker::engine::{Engine, EngineConfig, Event, FinishReason, Request};
 use bulkhead_worker::kv::KvMemory;
@@ -111,7 +111,17 @@ impl<'m> Session<'m> {
         let (model, kv, check) = (self.model, &mut self.kv, self.check);
         let mut out = self
             .pool
-            .with_tags(|tags| model.forward(&[step], kv, tags, check))
+            .with_tags(|tags| {
+                model.forward(
+                    &[step],
+                    kv,
+                    TagView {
+                        tags,
+                        check,
+                        canary: scrub == Scrub::Canary,
+                    },
+                )
+            })
             .expect("shapes");
         out.remove(0).map(|l| l.expect("logits asked for"))
     }

@@ -11,24 +11,36 @@ use crate::common::{Session, tiny_model};
 /// Tenant A prefills, its pages are released and handed to tenant B, and then A's stale page
 /// table is used for one more decode step.
 fn stale_read(check: TagCheck) -> (Result<Vec<f32>, SeqFailure>, Vec<f32>) {
+    stale_read_with(check, Scrub::None, true)
+}
+
+/// As [`stale_read`], with a scrub policy, and B's prefill optional (A's pages released, not
+/// yet reused).
+fn stale_read_with(
+    check: TagCheck,
+    scrub: Scrub,
+    reuse: bool,
+) -> (Result<Vec<f32>, SeqFailure>, Vec<f32>) {
     let loaded = tiny_model(TinySpec::default());
     let prompt_a: Vec<u32> = (3..35).collect();
     let prompt_b: Vec<u32> = (100..132).collect();
     // Two pages: exactly one 32-token sequence, so B must reuse A's pages.
-    let mut s = Session::new(&loaded.model, 2, Scrub::None);
+    let mut s = Session::new(&loaded.model, 2, scrub);
     s.check = check;
 
     let a = s.allocate(1, 32);
     s.run(a.pages(), 0, &prompt_a[..31]).expect("A prefills");
     let stale: Vec<PageRef> = a.pages().to_vec();
     drop(a);
-    let b = s.allocate(2, 32);
-    assert_eq!(
-        b.pages().iter().map(|p| p.page).collect::<Vec<_>>(),
-        stale.iter().map(|p| p.page).collect::<Vec<_>>(),
-        "B got A's physical pages"
-    );
-    s.run(b.pages(), 0, &prompt_b[..31]).expect("B prefills");
+    if reuse {
+        let b = s.allocate(2, 32);
+        assert_eq!(
+            b.pages().iter().map(|p| p.page).collect::<Vec<_>>(),
+            stale.iter().map(|p| p.page).collect::<Vec<_>>(),
+            "B got A's physical pages"
+        );
+        s.run(b.pages(), 0, &prompt_b[..31]).expect("B prefills");
+    }
     let through_stale_table = s.run(&stale, 31, &prompt_a[31..]);
 
     // What A's last step computes over its own KV, on a fresh pool.
@@ -75,4 +87,13 @@ fn zeroed_pages_are_zero_after_release() {
         s.kv.page(page).iter().all(|v| v.to_bits() == 0),
         "released page is zeroed"
     );
+}
+
+#[test]
+fn the_canary_catches_a_read_of_a_released_page_even_without_the_tag_check() {
+    let (stale, _) = stale_read_with(TagCheck::Off, Scrub::Canary, false);
+    match stale {
+        Err(SeqFailure::Integrity(IntegrityError::CanaryRead { position: 0 })) => {}
+        other => panic!("expected a canary read at position 0, got {other:?}"),
+    }
 }
