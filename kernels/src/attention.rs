@@ -393,6 +393,7 @@ mod tests {
             let view = TagView {
                 tags,
                 check: TagCheck::On,
+                canary: true,
             };
             // Prefill 7 tokens in one call, then 4 one at a time.
             let mut spans = vec![(0, 7)];
@@ -447,6 +448,7 @@ mod tests {
             let view = TagView {
                 tags,
                 check: TagCheck::On,
+                canary: true,
             };
             let seq = PagedSeq {
                 table: alloc.pages(),

@@ -6,25 +6,37 @@ use crate::act::BlockQ8;
 use crate::quant::{BLOCK, DType, read_f16};
 use crate::simd::Simd;
 
-/// `w_row · x`, with `w_row` stored as `dtype` and `x` given both as f32 and as Q8 blocks.
-/// The caller guarantees matching lengths (see [`crate::QMatrix`]).
-pub(crate) fn dot(simd: Simd, dtype: DType, w_row: &[u8], x_f32: &[f32], x_q8: &[BlockQ8]) -> f32 {
+/// One activation row, as f32 and as Q8 blocks.
+pub(crate) type ActRow<'a> = (&'a [f32], &'a [BlockQ8]);
+
+/// `w_row · x` for each of `N` activation rows, with `w_row` stored as `dtype`. The caller
+/// guarantees matching lengths (see [`crate::QMatrix`]).
+///
+/// Each lane's result is bit-identical to `dot_rows::<1>` of that row alone: the SIMD paths
+/// share the weight decoding across lanes but run every lane's arithmetic in the same order,
+/// which keeps matmuls batch-invariant.
+pub(crate) fn dot_rows<const N: usize>(
+    simd: Simd,
+    dtype: DType,
+    w_row: &[u8],
+    xs: [ActRow<'_>; N],
+) -> [f32; N] {
     match (dtype, simd) {
-        (DType::F32, _) => portable::dot_f32(w_row, x_f32),
-        (DType::F16, _) => portable::dot_f16(w_row, x_f32),
-        (DType::Q4_0, Simd::Portable) => portable::dot_q4_0(w_row, x_q8),
-        (DType::Q4_1, Simd::Portable) => portable::dot_q4_1(w_row, x_q8),
-        (DType::Q8_0, Simd::Portable) => portable::dot_q8_0(w_row, x_q8),
+        (DType::F32, _) => xs.map(|(x, _)| portable::dot_f32(w_row, x)),
+        (DType::F16, _) => xs.map(|(x, _)| portable::dot_f16(w_row, x)),
+        (DType::Q4_0, Simd::Portable) => xs.map(|(_, x)| portable::dot_q4_0(w_row, x)),
+        (DType::Q4_1, Simd::Portable) => xs.map(|(_, x)| portable::dot_q4_1(w_row, x)),
+        (DType::Q8_0, Simd::Portable) => xs.map(|(_, x)| portable::dot_q8_0(w_row, x)),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Simd::Avx2` is only constructed after run-time detection of AVX2 and FMA
         // (see `simd.rs`).
-        (DType::Q4_0, Simd::Avx2) => unsafe { avx2::dot_q4(w_row, x_q8, false) },
+        (DType::Q4_0, Simd::Avx2) => unsafe { avx2::dot_q4(w_row, xs.map(|(_, x)| x), false) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        (DType::Q4_1, Simd::Avx2) => unsafe { avx2::dot_q4(w_row, x_q8, true) },
+        (DType::Q4_1, Simd::Avx2) => unsafe { avx2::dot_q4(w_row, xs.map(|(_, x)| x), true) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        (DType::Q8_0, Simd::Avx2) => unsafe { avx2::dot_q8_0(w_row, x_q8) },
+        (DType::Q8_0, Simd::Avx2) => unsafe { avx2::dot_q8_0(w_row, xs.map(|(_, x)| x)) },
     }
 }
 
@@ -110,55 +122,60 @@ mod avx2 {
         _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
     }
 
-    /// 4-bit rows: Q4_1 (`with_min`) or Q4_0.
+    /// 4-bit rows: Q4_1 (`with_min`) or Q4_0, against `N` activation rows.
     ///
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_q4(w: &[u8], x: &[BlockQ8], with_min: bool) -> f32 {
+    pub unsafe fn dot_q4<const N: usize>(
+        w: &[u8],
+        xs: [&[BlockQ8]; N],
+        with_min: bool,
+    ) -> [f32; N] {
         let (bb, qoff) = if with_min { (20, 4) } else { (18, 2) };
         let mask = _mm256_set1_epi8(0x0f);
-        let mut acc = _mm256_setzero_ps();
-        let mut offset_sum = 0.0f32;
-        for (b, x) in w.chunks_exact(bb).zip(x) {
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut offset_sum = [0.0f32; N];
+        for (blk, b) in w.chunks_exact(bb).enumerate() {
             let qs = &b[qoff..qoff + 16];
-            // SAFETY: `qs` is 16 bytes long and `x.qs` 32; unaligned loads.
-            let (raw, y) = unsafe {
-                (
-                    _mm_loadu_si128(qs.as_ptr().cast()),
-                    _mm256_loadu_si256(x.qs.as_ptr().cast()),
-                )
-            };
+            // SAFETY: `qs` is 16 bytes long; unaligned load.
+            let raw = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
             let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(raw), raw), mask);
             let d = read_f16(b, 0);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), udot(q, y), acc);
-            offset_sum += if with_min {
-                read_f16(b, 2) * x.s
-            } else {
-                -8.0 * d * x.s
-            };
+            let m = if with_min { read_f16(b, 2) } else { -8.0 * d };
+            for j in 0..N {
+                let x = &xs[j][blk];
+                // SAFETY: `x.qs` is 32 bytes long; unaligned load.
+                let y = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
+                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), udot(q, y), acc[j]);
+                offset_sum[j] += m * x.s;
+            }
         }
-        hsum(acc) + offset_sum
+        std::array::from_fn(|j| hsum(acc[j]) + offset_sum[j])
     }
 
+    /// Q8_0 rows against `N` activation rows.
+    ///
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_q8_0(w: &[u8], x: &[BlockQ8]) -> f32 {
-        let mut acc = _mm256_setzero_ps();
-        for (b, x) in w.chunks_exact(34).zip(x) {
-            // SAFETY: `b[2..]` is 32 bytes long, `x.qs` too; unaligned loads.
-            let (q, y) = unsafe {
-                (
-                    _mm256_loadu_si256(b[2..].as_ptr().cast()),
-                    _mm256_loadu_si256(x.qs.as_ptr().cast()),
-                )
-            };
+    pub unsafe fn dot_q8_0<const N: usize>(w: &[u8], xs: [&[BlockQ8]; N]) -> [f32; N] {
+        let mut acc = [_mm256_setzero_ps(); N];
+        for (blk, b) in w.chunks_exact(34).enumerate() {
+            // SAFETY: `b[2..]` is 32 bytes long; unaligned load.
+            let q = unsafe { _mm256_loadu_si256(b[2..].as_ptr().cast()) };
             // maddubs wants an unsigned left side: move q's sign onto y.
-            let prod = udot(_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q));
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(read_f16(b, 0) * x.d), prod, acc);
+            let q_abs = _mm256_sign_epi8(q, q);
+            let d = read_f16(b, 0);
+            for j in 0..N {
+                let x = &xs[j][blk];
+                // SAFETY: `x.qs` is 32 bytes long; unaligned load.
+                let y = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
+                let prod = udot(q_abs, _mm256_sign_epi8(y, q));
+                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), prod, acc[j]);
+            }
         }
-        hsum(acc)
+        std::array::from_fn(|j| hsum(acc[j]))
     }
 }
 
@@ -182,6 +199,8 @@ mod tests {
         let n = 8 * BLOCK;
         let x = values(n, 1);
         let xq: Vec<BlockQ8> = x.chunks_exact(BLOCK).map(BlockQ8::quantize).collect();
+        let x2 = values(n, 11);
+        let xq2: Vec<BlockQ8> = x2.chunks_exact(BLOCK).map(BlockQ8::quantize).collect();
         for dtype in [
             DType::F32,
             DType::F16,
@@ -190,12 +209,20 @@ mod tests {
             DType::Q8_0,
         ] {
             let w = quantize_row(dtype, &values(n, 7));
-            let want = dot(Simd::Portable, dtype, &w, &x, &xq);
+            let [want] = dot_rows(Simd::Portable, dtype, &w, [(&x, &xq)]);
             for simd in Simd::available() {
-                let got = dot(simd, dtype, &w, &x, &xq);
+                let [got] = dot_rows(simd, dtype, &w, [(&x, &xq)]);
                 assert!(
                     (got - want).abs() <= 1e-3 * want.abs().max(1.0),
                     "{dtype:?} {simd:?}: {got} vs {want}"
+                );
+                // Each lane of a multi-row call equals the single-row call bit for bit.
+                let [one] = dot_rows(simd, dtype, &w, [(&x2, &xq2)]);
+                let lanes = dot_rows(simd, dtype, &w, [(&x2, &xq2), (&x, &xq), (&x2, &xq2)]);
+                assert_eq!(
+                    lanes.map(f32::to_bits),
+                    [one, got, one].map(f32::to_bits),
+                    "{dtype:?} {simd:?}"
                 );
             }
         }
@@ -212,7 +239,7 @@ mod tests {
             crate::quant::dequantize_row(dtype, &w, &mut stored);
             let exact: f32 = x.iter().zip(&stored).map(|(a, b)| a * b).sum();
             // Only the activations' 8-bit rounding separates the two.
-            let got = dot(Simd::Portable, dtype, &w, &x, &xq);
+            let [got] = dot_rows(Simd::Portable, dtype, &w, [(&x, &xq)]);
             assert!((got - exact).abs() < 0.3, "{dtype:?}: {got} vs {exact}");
         }
     }

@@ -7,7 +7,7 @@
 use rayon::prelude::*;
 
 use crate::act::Activations;
-use crate::dot::dot;
+use crate::dot::dot_rows;
 use crate::quant::{DType, dequantize_row};
 use crate::simd::Simd;
 
@@ -86,6 +86,8 @@ impl<'a> QMatrix<'a> {
 
 /// Rows of the weight matrix handled by one parallel task.
 const ROWS_PER_TASK: usize = 16;
+/// Activation rows computed together against one weight row.
+const TILE: usize = 4;
 
 /// `out[t][r] = w.row(r) · x.row(t)` for every activation row `t`; `out` is `x.rows() × w.rows()`.
 ///
@@ -97,19 +99,32 @@ pub fn matmul(simd: Simd, w: &QMatrix<'_>, x: &Activations, out: &mut [f32]) {
     let n = x.rows();
     let m = w.rows();
     let out = SharedOut(out.as_mut_ptr());
+    let act = |t: usize| (x.row_f32(t), x.row_q8(t));
     (0..m.div_ceil(ROWS_PER_TASK))
         .into_par_iter()
         .for_each(|task| {
             let rows = task * ROWS_PER_TASK..((task + 1) * ROWS_PER_TASK).min(m);
-            for t in 0..n {
-                let (xf, xq) = (x.row_f32(t), x.row_q8(t));
+            // Tiles of TILE activation rows share each weight block's decoding; the remainder goes
+            // one row at a time. Either way each value is the same (see `dot_rows`).
+            let mut t = 0;
+            while t < n {
+                let width = if n - t >= TILE { TILE } else { 1 };
                 for r in rows.clone() {
-                    let v = dot(simd, w.dtype, w.row(r), xf, xq);
-                    // SAFETY: `t < n` and `r < m`, so `t * m + r < out.len()`; tasks own disjoint
-                    // row ranges, so no two threads write the same element, and `out` outlives the
-                    // parallel loop, which joins before `matmul` returns.
-                    unsafe { out.write(t * m + r, v) };
+                    let mut values = [0.0; TILE];
+                    if width == TILE {
+                        values =
+                            dot_rows(simd, w.dtype, w.row(r), std::array::from_fn(|j| act(t + j)));
+                    } else {
+                        [values[0]] = dot_rows(simd, w.dtype, w.row(r), [act(t)]);
+                    }
+                    for (j, &v) in values[..width].iter().enumerate() {
+                        // SAFETY: `t + j < n` and `r < m`, so the index is inside `out`; tasks own
+                        // disjoint row ranges, so no two threads write the same element, and `out`
+                        // outlives the parallel loop, which joins before `matmul` returns.
+                        unsafe { out.write((t + j) * m + r, v) };
+                    }
                 }
+                t += width;
             }
         });
 }
