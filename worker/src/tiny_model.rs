@@ -24,6 +24,8 @@ pub struct TinySpec {
     pub matrix_dtype: DType,
     /// How the embedding (tied LM head) is stored.
     pub embed_dtype: DType,
+    /// `tokenizer.ggml.pre`.
+    pub pre_tokenizer: &'static str,
     pub seed: u64,
 }
 
@@ -38,6 +40,7 @@ impl Default for TinySpec {
             context_length: 256,
             matrix_dtype: DType::Q4_1,
             embed_dtype: DType::Q8_0,
+            pre_tokenizer: "smollm",
             seed: 7,
         }
     }
@@ -79,7 +82,10 @@ impl TinySpec {
             .meta(&a("rope.freq_base"), Value::F32(10_000.0))
             .meta(&a("attention.layer_norm_rms_epsilon"), Value::F32(1e-5))
             .meta("tokenizer.ggml.model", Value::String("gpt2".into()))
-            .meta("tokenizer.ggml.pre", Value::String("smollm".into()))
+            .meta(
+                "tokenizer.ggml.pre",
+                Value::String(self.pre_tokenizer.into()),
+            )
             .meta("tokenizer.ggml.tokens", Value::Array(tokens))
             .meta("tokenizer.ggml.token_type", Value::Array(types))
             .meta("tokenizer.ggml.merges", Value::Array(Vec::new()))

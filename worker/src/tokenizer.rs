@@ -8,10 +8,12 @@
 
 use std::collections::HashMap;
 
+use tokenizers::SplitDelimiterBehavior;
 use tokenizers::models::bpe::{BPE, Vocab};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 
 use crate::gguf::{Gguf, GgufError};
 
@@ -25,6 +27,8 @@ pub enum TokenizerError {
     Gguf(#[from] GgufError),
     #[error("tokenizer model {0:?} is not supported (supported: \"gpt2\" byte-level BPE)")]
     UnsupportedModel(String),
+    #[error("pre-tokenizer {0:?} is not supported (supported: {PRE_TOKENIZERS})")]
+    UnsupportedPreTokenizer(String),
     #[error("merge {index} ({merge:?}) is not two tokens separated by a space")]
     BadMerge { index: usize, merge: String },
     #[error("cannot build the BPE model: {0}")]
@@ -95,10 +99,11 @@ impl Tokenizer {
             .build()
             .map_err(|e| TokenizerError::Build(e.to_string()))?;
         let mut tk = tokenizers::Tokenizer::new(bpe);
-        tk.with_pre_tokenizer(Some(Sequence::new(vec![
-            Digits::new(true).into(),
-            ByteLevel::new(false, false, true).into(),
-        ])));
+        let pre = match g.get_str("tokenizer.ggml.pre") {
+            Err(GgufError::MissingKey { .. }) => "default",
+            other => other?,
+        };
+        tk.with_pre_tokenizer(Some(pre_tokenizer(pre)?));
 
         let unicode_to_byte = byte_level_inverse();
         let mut specials = Vec::new();
@@ -223,6 +228,42 @@ impl Tokenizer {
     }
 }
 
+/// The pre-tokenizers this tokenizer knows, by their GGUF `tokenizer.ggml.pre` name.
+const PRE_TOKENIZERS: &str = "default, gpt2, smollm, starcoder, llama-bpe, llama3, qwen2";
+
+/// GPT-2's word-splitting expression.
+const GPT2_SPLIT: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+/// Llama 3's, which Qwen2 shares except that it takes digits one at a time.
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The pre-tokenizer a GGUF file names: how text is cut into words before byte-level BPE.
+fn pre_tokenizer(name: &str) -> Result<Sequence, TokenizerError> {
+    let split = |pattern: &str| {
+        Split::new(
+            SplitPattern::Regex(pattern.into()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| TokenizerError::Build(e.to_string()))
+    };
+    let bytes = ByteLevel::new(false, false, false);
+    Ok(Sequence::new(match name {
+        "default" | "gpt2" => vec![split(GPT2_SPLIT)?.into(), bytes.into()],
+        // SmolLM and StarCoder: every digit on its own, then GPT-2's rules.
+        "smollm" | "starcoder" => vec![
+            Digits::new(true).into(),
+            split(GPT2_SPLIT)?.into(),
+            bytes.into(),
+        ],
+        "llama-bpe" | "llama3" => vec![split(LLAMA3_SPLIT)?.into(), bytes.into()],
+        "qwen2" => vec![
+            split(&LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"))?.into(),
+            bytes.into(),
+        ],
+        other => return Err(TokenizerError::UnsupportedPreTokenizer(other.into())),
+    }))
+}
+
 /// GPT-2's byte-level alphabet: the printable character that stands for byte `b` in a
 /// vocabulary (printable Latin-1 bytes stand for themselves, the rest map to U+0100 onward).
 pub fn byte_level_char(b: u8) -> char {
@@ -266,5 +307,69 @@ impl Detokenizer {
         let text = String::from_utf8_lossy(&self.pending).into_owned();
         self.pending.clear();
         text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::gguf::Gguf;
+    use crate::tiny_model::TinySpec;
+
+    use super::*;
+
+    fn tokenizer(pre: &'static str) -> Result<Tokenizer, TokenizerError> {
+        let path =
+            std::env::temp_dir().join(format!("bulkhead-tok-{}-{pre}.gguf", std::process::id()));
+        TinySpec {
+            pre_tokenizer: pre,
+            ..TinySpec::default()
+        }
+        .write(&path)
+        .expect("write");
+        let g = Gguf::open(&path).expect("open");
+        let _ = std::fs::remove_file(&path);
+        Tokenizer::from_gguf(&g)
+    }
+
+    #[test]
+    fn the_pre_tokenizer_follows_the_file() {
+        for pre in ["default", "gpt2", "smollm", "llama-bpe", "qwen2"] {
+            let t = tokenizer(pre).expect(pre);
+            let text = "It's 2024, naïve  café!\n";
+            assert_eq!(
+                t.decode(&t.encode(text, false).expect("encode")),
+                text,
+                "{pre}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_unknown_pre_tokenizer_is_refused_by_name() {
+        let err = tokenizer("mystery").expect_err("unknown");
+        assert!(err.to_string().contains("\"mystery\""), "{err}");
+    }
+
+    #[test]
+    fn control_tokens_are_parsed_only_when_asked() {
+        let t = tokenizer("smollm").expect("smollm");
+        assert_eq!(
+            t.encode("<|im_start|>x", true).expect("encode"),
+            [1, 3 + u32::from(b'x')]
+        );
+        assert_eq!(
+            t.encode("<|im_start|>x", false).expect("encode").len(),
+            "<|im_start|>x".len()
+        );
+    }
+
+    #[test]
+    fn the_detokenizer_never_splits_a_character() {
+        let t = tokenizer("smollm").expect("smollm");
+        let ids = t.encode("é🙂", false).expect("encode");
+        assert_eq!(ids.len(), 6, "one token per byte");
+        let mut d = Detokenizer::default();
+        let pieces: Vec<String> = ids.iter().map(|&i| d.push(&t, i)).collect();
+        assert_eq!(pieces, ["", "é", "", "", "", "🙂"]);
     }
 }
