@@ -5,3 +5,4 @@ mod batch_invariance;
 mod common;
 mod golden;
 mod isolation;
+mod simd_paths;
