@@ -1,0 +1,279 @@
+//! The data plane's wire format. Every message starts with the same 24 bytes:
+//!
+//! ```text
+//! magic "BHKV" (4) │ version u8 │ kind u8 │ reserved u16 = 0 │ nonce (16)
+//! kind 1, frame:    index u32 │ tag u64 │ token start u32 │ token end u32 │ checksum u64 │ len u32 │ bytes
+//! kind 2, manifest: tokens u32 │ pages u32 │ digest u64 │ first token u32
+//! kind 3, closed:   reason u8 (0 complete, 1 aborted, 2 failed)
+//! ```
+//!
+//! Integers are little endian. [`decode`] reads one message from the front of a buffer and
+//! never panics: short input asks for more, anything malformed is a [`CodecError`] (the
+//! connection is then torn down, which counts as a drain for every session on it).
+
+use bulkhead_kvpool::Tag;
+
+use crate::message::{CloseReason, Frame, FrameHeader, Manifest, Message, SessionNonce};
+
+const MAGIC: [u8; 4] = *b"BHKV";
+pub const VERSION: u8 = 1;
+const HEADER: usize = 24;
+const FRAME_FIELDS: usize = 32;
+const MANIFEST_FIELDS: usize = 20;
+
+/// Why bytes are not a message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CodecError {
+    #[error("bad magic {0:02x?}: not a Bulkhead KV stream")]
+    Magic([u8; 4]),
+    #[error("protocol version {0} is not supported (this build speaks {VERSION})")]
+    Version(u8),
+    #[error("unknown message kind {0}")]
+    Kind(u8),
+    #[error("reserved header bits are set")]
+    Reserved,
+    #[error("frame of {len} bytes exceeds the limit of {limit}")]
+    TooLarge { len: u32, limit: u32 },
+    #[error("frame token range {start}..{end} is empty or reversed")]
+    Tokens { start: u32, end: u32 },
+    #[error("unknown close reason {0}")]
+    CloseReason(u8),
+}
+
+/// Appends the encoding of `m` to `out`.
+pub fn encode(m: &Message, out: &mut Vec<u8>) {
+    let kind = match m {
+        Message::Frame(_) => 1,
+        Message::Manifest(_) => 2,
+        Message::Closed { .. } => 3,
+    };
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&[VERSION, kind, 0, 0]);
+    out.extend_from_slice(&m.nonce().0);
+    match m {
+        Message::Frame(f) => {
+            let h = &f.header;
+            out.extend_from_slice(&h.index.to_le_bytes());
+            out.extend_from_slice(&h.tag.get().to_le_bytes());
+            out.extend_from_slice(&h.tokens.start.to_le_bytes());
+            out.extend_from_slice(&h.tokens.end.to_le_bytes());
+            out.extend_from_slice(&h.checksum.to_le_bytes());
+            out.extend_from_slice(&(f.bytes.len() as u32).to_le_bytes());
+            out.extend_from_slice(&f.bytes);
+        }
+        Message::Manifest(x) => {
+            out.extend_from_slice(&x.tokens.to_le_bytes());
+            out.extend_from_slice(&x.pages.to_le_bytes());
+            out.extend_from_slice(&x.digest.to_le_bytes());
+            out.extend_from_slice(&x.first_token.to_le_bytes());
+        }
+        Message::Closed { reason, .. } => out.push(match reason {
+            CloseReason::Complete => 0,
+            CloseReason::Aborted => 1,
+            CloseReason::Failed => 2,
+        }),
+    }
+}
+
+/// Reads one message from the front of `buf`: `Ok(Some((message, bytes used)))`, `Ok(None)`
+/// when `buf` holds only part of one, or an error. Frames longer than `max_frame_bytes` are
+/// refused before their bytes are awaited.
+pub fn decode(buf: &[u8], max_frame_bytes: u32) -> Result<Option<(Message, usize)>, CodecError> {
+    let Some(head) = buf.get(..HEADER) else {
+        return Ok(None);
+    };
+    let magic: [u8; 4] = [head[0], head[1], head[2], head[3]];
+    if magic != MAGIC {
+        return Err(CodecError::Magic(magic));
+    }
+    if head[4] != VERSION {
+        return Err(CodecError::Version(head[4]));
+    }
+    if head[6] != 0 || head[7] != 0 {
+        return Err(CodecError::Reserved);
+    }
+    let mut nonce = [0u8; 16];
+    nonce.copy_from_slice(&head[8..24]);
+    let nonce = SessionNonce(nonce);
+    let body = &buf[HEADER..];
+    match head[5] {
+        1 => {
+            let Some(f) = body.get(..FRAME_FIELDS) else {
+                return Ok(None);
+            };
+            let (start, end) = (u32_at(f, 12), u32_at(f, 16));
+            if start >= end {
+                return Err(CodecError::Tokens { start, end });
+            }
+            let len = u32_at(f, 28);
+            if len > max_frame_bytes {
+                return Err(CodecError::TooLarge {
+                    len,
+                    limit: max_frame_bytes,
+                });
+            }
+            let Some(bytes) = body.get(FRAME_FIELDS..FRAME_FIELDS + len as usize) else {
+                return Ok(None);
+            };
+            let header = FrameHeader {
+                nonce,
+                index: u32_at(f, 0),
+                tag: Tag::new(u64_at(f, 4)),
+                tokens: start..end,
+                checksum: u64_at(f, 20),
+            };
+            Ok(Some((
+                Message::Frame(Frame {
+                    header,
+                    bytes: bytes.to_vec(),
+                }),
+                HEADER + FRAME_FIELDS + len as usize,
+            )))
+        }
+        2 => {
+            let Some(f) = body.get(..MANIFEST_FIELDS) else {
+                return Ok(None);
+            };
+            let m = Manifest {
+                nonce,
+                tokens: u32_at(f, 0),
+                pages: u32_at(f, 4),
+                digest: u64_at(f, 8),
+                first_token: u32_at(f, 16),
+            };
+            Ok(Some((Message::Manifest(m), HEADER + MANIFEST_FIELDS)))
+        }
+        3 => {
+            let Some(&r) = body.first() else {
+                return Ok(None);
+            };
+            let reason = match r {
+                0 => CloseReason::Complete,
+                1 => CloseReason::Aborted,
+                2 => CloseReason::Failed,
+                other => return Err(CodecError::CloseReason(other)),
+            };
+            Ok(Some((Message::Closed { nonce, reason }, HEADER + 1)))
+        }
+        other => Err(CodecError::Kind(other)),
+    }
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn message() -> impl Strategy<Value = Message> {
+        let nonce = any::<[u8; 16]>().prop_map(SessionNonce);
+        prop_oneof![
+            (
+                nonce.clone(),
+                any::<u32>(),
+                any::<u64>(),
+                0u32..1000,
+                1u32..64,
+                proptest::collection::vec(any::<u8>(), 0..300)
+            )
+                .prop_map(|(n, index, tag, start, len, bytes)| {
+                    Message::Frame(Frame::new(
+                        n,
+                        index,
+                        Tag::new(tag),
+                        start..start + len,
+                        bytes,
+                    ))
+                }),
+            (
+                nonce.clone(),
+                any::<u32>(),
+                any::<u32>(),
+                any::<u64>(),
+                any::<u32>()
+            )
+                .prop_map(|(nonce, tokens, pages, digest, first_token)| {
+                    Message::Manifest(Manifest {
+                        nonce,
+                        tokens,
+                        pages,
+                        digest,
+                        first_token,
+                    })
+                }),
+            (nonce, 0u8..3).prop_map(|(nonce, r)| Message::Closed {
+                nonce,
+                reason: [
+                    CloseReason::Complete,
+                    CloseReason::Aborted,
+                    CloseReason::Failed
+                ][r as usize],
+            }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn every_message_round_trips(m in message()) {
+            let mut buf = Vec::new();
+            encode(&m, &mut buf);
+            buf.extend_from_slice(b"next");
+            let (back, used) = decode(&buf, 1 << 20).unwrap().unwrap();
+            prop_assert_eq!(back, m);
+            prop_assert_eq!(used, buf.len() - 4);
+            for cut in 0..used {
+                prop_assert_eq!(decode(&buf[..cut], 1 << 20), Ok(None));
+            }
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = decode(&bytes, 64);
+        }
+
+        #[test]
+        fn a_flipped_bit_never_passes_as_the_same_valid_frame(m in message(), at in any::<prop::sample::Index>(), bit in 0u8..8) {
+            let mut buf = Vec::new();
+            encode(&m, &mut buf);
+            let at = at.index(buf.len());
+            buf[at] ^= 1 << bit;
+            if let Ok(Some((Message::Frame(f), _))) = decode(&buf, 1 << 20) {
+                let h = &f.header;
+                let ok = crate::frame_checksum(&h.nonce, h.index, h.tag, &h.tokens, &f.bytes) == h.checksum;
+                prop_assert!(!ok, "a corrupted frame passed its checksum");
+            }
+        }
+    }
+
+    #[test]
+    fn oversized_frames_are_refused_before_their_bytes_arrive() {
+        let mut buf = Vec::new();
+        encode(
+            &Message::Frame(Frame::new(
+                SessionNonce([0; 16]),
+                0,
+                Tag::new(1),
+                0..1,
+                vec![0; 100],
+            )),
+            &mut buf,
+        );
+        assert_eq!(
+            decode(&buf[..HEADER + FRAME_FIELDS], 64),
+            Err(CodecError::TooLarge {
+                len: 100,
+                limit: 64
+            })
+        );
+    }
+}

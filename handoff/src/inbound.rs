@@ -1,0 +1,471 @@
+//! Decode's side of a transfer: which frames may be written, and whether the whole transfer
+//! may be committed.
+
+use std::ops::Range;
+
+use bulkhead_kvpool::{PageId, Tag};
+
+use crate::message::{Frame, Manifest, Reservation, digest, frame_checksum, page_tokens_range};
+
+/// Where an accepted frame's bytes go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Write {
+    pub page: PageId,
+    /// Absolute token positions; slots `tokens.start % page_tokens ..` of the page.
+    pub tokens: Range<u32>,
+}
+
+/// Why a frame was not written. Every dropped frame is counted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DropReason {
+    #[error("frame of another session")]
+    WrongSession,
+    #[error("page index {index} is outside the reservation of {pages} pages")]
+    IndexOutOfRange { index: u32, pages: usize },
+    #[error("page index {index} carries tag {frame:?}, the reservation holds {reserved:?}")]
+    TagNotReserved {
+        index: u32,
+        frame: Tag,
+        reserved: Tag,
+    },
+    #[error("page index {index} no longer belongs to the session (pool tag {current:?})")]
+    PageLeftSession { index: u32, current: Option<Tag> },
+    #[error("page index {index} carries tokens {got:?}, expected {want:?}")]
+    WrongTokens {
+        index: u32,
+        got: Range<u32>,
+        want: Option<Range<u32>>,
+    },
+    #[error("page index {index} carries {got} bytes, expected {want}")]
+    WrongLength { index: u32, got: usize, want: usize },
+    #[error("page index {index} arrived twice")]
+    Duplicate { index: u32 },
+    #[error("page index {index} fails its checksum")]
+    Corrupt { index: u32 },
+    #[error("frame after the manifest")]
+    AfterManifest,
+}
+
+/// Why a transfer may not be committed. The request fails with `kv_integrity_error` and its
+/// pages are quarantined.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IntegrityFailure {
+    #[error("manifest of another session")]
+    WrongSession,
+    #[error("transferred {sent} tokens, reserved {reserved}")]
+    TokenCount { sent: u32, reserved: u32 },
+    #[error("manifest claims {sent} pages, reserved {reserved}")]
+    PageCount { sent: u32, reserved: usize },
+    #[error("page index {index} was never written")]
+    PageMissing { index: usize },
+    #[error("page index {index} arrived more than once")]
+    PageDuplicated { index: usize },
+    #[error("page index {index} failed its checksum")]
+    ChecksumMismatch { index: usize },
+    #[error("the manifest's digest does not match the pages received")]
+    DigestMismatch,
+    #[error("page index {index} changed tag before commit (pool tag {current:?})")]
+    TagChanged { index: usize, current: Option<Tag> },
+    #[error("{dropped} frames of this session were dropped")]
+    FramesDropped { dropped: u32 },
+}
+
+/// A verified transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Committed {
+    pub first_token: u32,
+}
+
+/// Per page of the reservation: what arrived.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Arrival {
+    Missing,
+    Written { checksum: u64 },
+    Corrupt,
+}
+
+/// The decode side of one transfer session.
+#[derive(Debug)]
+pub struct Inbound {
+    reservation: Reservation,
+    arrivals: Vec<Arrival>,
+    duplicates: Vec<usize>,
+    /// Frames of this session that were not written, whatever the reason.
+    dropped: u32,
+    manifest_seen: bool,
+}
+
+impl Inbound {
+    pub fn new(reservation: Reservation) -> Inbound {
+        let arrivals = vec![Arrival::Missing; reservation.pages.len()];
+        Inbound {
+            reservation,
+            arrivals,
+            duplicates: Vec::new(),
+            dropped: 0,
+            manifest_seen: false,
+        }
+    }
+
+    pub fn reservation(&self) -> &Reservation {
+        &self.reservation
+    }
+
+    /// Frames dropped so far.
+    pub fn dropped(&self) -> u32 {
+        self.dropped
+    }
+
+    /// Decides whether `frame` may be written. `current_tag` is the pool's tag of the page the
+    /// frame names right now: a page that left the session (released, reallocated) never
+    /// receives the bytes.
+    pub fn accept(
+        &mut self,
+        frame: &Frame,
+        current_tag: impl FnOnce(PageId) -> Option<Tag>,
+    ) -> Result<Write, DropReason> {
+        let verdict = self.judge(frame, current_tag);
+        match &verdict {
+            Ok(_) => {}
+            Err(DropReason::Corrupt { index }) => {
+                self.arrivals[*index as usize] = Arrival::Corrupt;
+                self.dropped += 1;
+            }
+            Err(DropReason::Duplicate { index }) => {
+                self.duplicates.push(*index as usize);
+                self.dropped += 1;
+            }
+            Err(_) => self.dropped += 1,
+        }
+        verdict
+    }
+
+    fn judge(
+        &mut self,
+        frame: &Frame,
+        current_tag: impl FnOnce(PageId) -> Option<Tag>,
+    ) -> Result<Write, DropReason> {
+        let h = &frame.header;
+        let r = &self.reservation;
+        if h.nonce != r.nonce {
+            return Err(DropReason::WrongSession);
+        }
+        if self.manifest_seen {
+            return Err(DropReason::AfterManifest);
+        }
+        let index = h.index;
+        let slot = r
+            .pages
+            .get(index as usize)
+            .ok_or(DropReason::IndexOutOfRange {
+                index,
+                pages: r.pages.len(),
+            })?;
+        if h.tag != slot.tag {
+            return Err(DropReason::TagNotReserved {
+                index,
+                frame: h.tag,
+                reserved: slot.tag,
+            });
+        }
+        let want = page_tokens_range(index, r.page_tokens, r.prompt_tokens);
+        if want.as_ref() != Some(&h.tokens) {
+            return Err(DropReason::WrongTokens {
+                index,
+                got: h.tokens.clone(),
+                want,
+            });
+        }
+        let want_len = (h.tokens.end - h.tokens.start) as usize * r.token_bytes as usize;
+        if frame.bytes.len() != want_len {
+            return Err(DropReason::WrongLength {
+                index,
+                got: frame.bytes.len(),
+                want: want_len,
+            });
+        }
+        if self.arrivals[index as usize] != Arrival::Missing {
+            return Err(DropReason::Duplicate { index });
+        }
+        if frame_checksum(&h.nonce, index, h.tag, &h.tokens, &frame.bytes) != h.checksum {
+            return Err(DropReason::Corrupt { index });
+        }
+        let current = current_tag(slot.page);
+        if current != Some(slot.tag) {
+            return Err(DropReason::PageLeftSession { index, current });
+        }
+        self.arrivals[index as usize] = Arrival::Written {
+            checksum: h.checksum,
+        };
+        Ok(Write {
+            page: slot.page,
+            tokens: h.tokens.clone(),
+        })
+    }
+
+    /// Checks the finished transfer against the manifest and the pool's tags right now. Only
+    /// `Ok` lets decode commit the pages to the request.
+    pub fn finish(
+        &mut self,
+        manifest: &Manifest,
+        current_tag: impl Fn(PageId) -> Option<Tag>,
+    ) -> Result<Committed, IntegrityFailure> {
+        self.manifest_seen = true;
+        let r = &self.reservation;
+        if manifest.nonce != r.nonce {
+            return Err(IntegrityFailure::WrongSession);
+        }
+        if manifest.tokens != r.prompt_tokens {
+            return Err(IntegrityFailure::TokenCount {
+                sent: manifest.tokens,
+                reserved: r.prompt_tokens,
+            });
+        }
+        if manifest.pages as usize != r.pages.len() {
+            return Err(IntegrityFailure::PageCount {
+                sent: manifest.pages,
+                reserved: r.pages.len(),
+            });
+        }
+        if let Some(&index) = self.duplicates.first() {
+            return Err(IntegrityFailure::PageDuplicated { index });
+        }
+        let mut checksums = Vec::with_capacity(self.arrivals.len());
+        for (index, a) in self.arrivals.iter().enumerate() {
+            match *a {
+                Arrival::Missing => return Err(IntegrityFailure::PageMissing { index }),
+                Arrival::Corrupt => return Err(IntegrityFailure::ChecksumMismatch { index }),
+                Arrival::Written { checksum } => checksums.push(checksum),
+            }
+        }
+        if self.dropped > 0 {
+            return Err(IntegrityFailure::FramesDropped {
+                dropped: self.dropped,
+            });
+        }
+        if digest(checksums) != manifest.digest {
+            return Err(IntegrityFailure::DigestMismatch);
+        }
+        for (index, p) in r.pages.iter().enumerate() {
+            let current = current_tag(p.page);
+            if current != Some(p.tag) {
+                return Err(IntegrityFailure::TagChanged { index, current });
+            }
+        }
+        Ok(Committed {
+            first_token: manifest.first_token,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bulkhead_kvpool::PageRef;
+
+    use super::*;
+    use crate::message::SessionNonce;
+
+    const NONCE: SessionNonce = SessionNonce([3; 16]);
+
+    /// A 40-token prompt over pages 7, 2, 9 with tags 70, 20, 90; 4 bytes per token.
+    fn reservation() -> Reservation {
+        let pages = [(7, 70), (2, 20), (9, 90)].map(|(p, t)| PageRef {
+            page: PageId::new(p),
+            tag: Tag::new(t),
+        });
+        Reservation {
+            nonce: NONCE,
+            pages: pages.to_vec(),
+            prompt_tokens: 40,
+            page_tokens: 16,
+            token_bytes: 4,
+        }
+    }
+
+    fn frames(r: &Reservation) -> Vec<Frame> {
+        (0..3u32)
+            .map(|i| {
+                let tokens = page_tokens_range(i, 16, 40).unwrap();
+                let bytes = vec![i as u8; (tokens.len()) * 4];
+                Frame::new(r.nonce, i, r.pages[i as usize].tag, tokens, bytes)
+            })
+            .collect()
+    }
+
+    fn manifest(frames: &[Frame]) -> Manifest {
+        Manifest {
+            nonce: NONCE,
+            tokens: 40,
+            pages: frames.len() as u32,
+            digest: digest(frames.iter().map(|f| f.header.checksum)),
+            first_token: 11,
+        }
+    }
+
+    /// Tags as the pool has them while the session holds its pages.
+    fn live(p: PageId) -> Option<Tag> {
+        Some(Tag::new(u64::from(p.get()) * 10))
+    }
+
+    #[test]
+    fn a_complete_transfer_commits() {
+        let r = reservation();
+        let fs = frames(&r);
+        let mut s = Inbound::new(r);
+        let writes: Vec<Write> = fs.iter().map(|f| s.accept(f, live).unwrap()).collect();
+        assert_eq!(
+            writes[2],
+            Write {
+                page: PageId::new(9),
+                tokens: 32..40
+            }
+        );
+        assert_eq!(
+            s.finish(&manifest(&fs), live),
+            Ok(Committed { first_token: 11 })
+        );
+    }
+
+    #[test]
+    fn the_incident_one_page_for_a_whole_prompt_never_commits() {
+        // Prefill "rejected" the prompt by computing one placeholder page and reporting success.
+        let r = reservation();
+        let fs = frames(&r);
+        let mut s = Inbound::new(r);
+        s.accept(&fs[0], live).unwrap();
+        let claimed = Manifest {
+            tokens: 1,
+            pages: 1,
+            ..manifest(&fs[..1])
+        };
+        assert_eq!(
+            s.finish(&claimed, live),
+            Err(IntegrityFailure::TokenCount {
+                sent: 1,
+                reserved: 40
+            })
+        );
+        // Even a manifest that lies about the count is caught by coverage.
+        let mut s = Inbound::new(reservation());
+        s.accept(&fs[0], live).unwrap();
+        assert_eq!(
+            s.finish(&manifest(&fs), live),
+            Err(IntegrityFailure::PageMissing { index: 1 })
+        );
+    }
+
+    #[test]
+    fn a_corrupt_frame_is_not_written_and_fails_the_transfer() {
+        let r = reservation();
+        let mut fs = frames(&r);
+        fs[1].bytes[0] ^= 1;
+        let mut s = Inbound::new(r);
+        assert!(s.accept(&fs[0], live).is_ok());
+        assert_eq!(
+            s.accept(&fs[1], live),
+            Err(DropReason::Corrupt { index: 1 })
+        );
+        assert!(s.accept(&fs[2], live).is_ok());
+        assert_eq!(
+            s.finish(&manifest(&fs), live),
+            Err(IntegrityFailure::ChecksumMismatch { index: 1 })
+        );
+    }
+
+    #[test]
+    fn frames_for_pages_that_left_the_session_are_dropped() {
+        let r = reservation();
+        let fs = frames(&r);
+        let mut s = Inbound::new(r);
+        let reused = |p: PageId| {
+            if p.get() == 2 {
+                Some(Tag::new(999))
+            } else {
+                live(p)
+            }
+        };
+        assert_eq!(
+            s.accept(&fs[1], reused),
+            Err(DropReason::PageLeftSession {
+                index: 1,
+                current: Some(Tag::new(999))
+            })
+        );
+        assert_eq!(s.dropped(), 1);
+    }
+
+    #[test]
+    fn foreign_duplicated_and_misaddressed_frames_are_dropped_and_counted() {
+        let r = reservation();
+        let fs = frames(&r);
+        let mut s = Inbound::new(r.clone());
+        let other = Frame::new(SessionNonce([4; 16]), 0, Tag::new(70), 0..16, vec![0; 64]);
+        assert_eq!(s.accept(&other, live), Err(DropReason::WrongSession));
+        let stale_tag = Frame::new(NONCE, 0, Tag::new(69), 0..16, vec![0; 64]);
+        assert!(matches!(
+            s.accept(&stale_tag, live),
+            Err(DropReason::TagNotReserved { index: 0, .. })
+        ));
+        let past_end = Frame::new(NONCE, 3, Tag::new(70), 48..64, vec![0; 64]);
+        assert!(matches!(
+            s.accept(&past_end, live),
+            Err(DropReason::IndexOutOfRange { index: 3, .. })
+        ));
+        let short = Frame::new(NONCE, 2, Tag::new(90), 32..40, vec![0; 31]);
+        assert!(matches!(
+            s.accept(&short, live),
+            Err(DropReason::WrongLength { index: 2, .. })
+        ));
+        let shifted = Frame::new(NONCE, 2, Tag::new(90), 33..41, vec![0; 32]);
+        assert!(matches!(
+            s.accept(&shifted, live),
+            Err(DropReason::WrongTokens { index: 2, .. })
+        ));
+        assert!(s.accept(&fs[0], live).is_ok());
+        assert_eq!(
+            s.accept(&fs[0], live),
+            Err(DropReason::Duplicate { index: 0 })
+        );
+        assert_eq!(s.dropped(), 6);
+        s.accept(&fs[1], live).unwrap();
+        s.accept(&fs[2], live).unwrap();
+        assert_eq!(
+            s.finish(&manifest(&fs), live),
+            Err(IntegrityFailure::PageDuplicated { index: 0 })
+        );
+        assert_eq!(s.accept(&fs[2], live), Err(DropReason::AfterManifest));
+    }
+
+    #[test]
+    fn a_tag_change_before_commit_fails_the_transfer() {
+        let r = reservation();
+        let fs = frames(&r);
+        let mut s = Inbound::new(r);
+        fs.iter().for_each(|f| {
+            s.accept(f, live).unwrap();
+        });
+        let moved = |p: PageId| if p.get() == 9 { None } else { live(p) };
+        assert_eq!(
+            s.finish(&manifest(&fs), moved),
+            Err(IntegrityFailure::TagChanged {
+                index: 2,
+                current: None
+            })
+        );
+    }
+
+    #[test]
+    fn a_wrong_digest_fails_the_transfer() {
+        let r = reservation();
+        let fs = frames(&r);
+        let mut s = Inbound::new(r);
+        fs.iter().for_each(|f| {
+            s.accept(f, live).unwrap();
+        });
+        let bad = Manifest {
+            digest: 0,
+            ..manifest(&fs)
+        };
+        assert_eq!(s.finish(&bad, live), Err(IntegrityFailure::DigestMismatch));
+    }
+}

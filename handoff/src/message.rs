@@ -1,0 +1,186 @@
+use std::fmt;
+use std::ops::Range;
+
+use bulkhead_kvpool::{PageRef, Tag};
+use xxhash_rust::xxh3::{Xxh3, xxh3_64};
+
+/// A transfer session's identity: 128 random bits chosen by decode for each reservation, so a
+/// frame from any other session (an earlier one on the same pages, another request) can never
+/// be mistaken for this one's.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SessionNonce(pub [u8; 16]);
+
+impl fmt::Debug for SessionNonce {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SessionNonce(")?;
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))?;
+        write!(f, ")")
+    }
+}
+
+impl fmt::Display for SessionNonce {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
+/// What decode reserved for a prompt's KV, as it names it to prefill.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation {
+    pub nonce: SessionNonce,
+    /// The pages the prompt's KV fills, in token order: `ceil(prompt_tokens / page_tokens)`.
+    pub pages: Vec<PageRef>,
+    /// Tokens of the prompt; the transfer must deliver exactly these.
+    pub prompt_tokens: u32,
+    pub page_tokens: u32,
+    /// Bytes of KV per token (all layers, K and V); a frame of `n` tokens has `n * token_bytes`.
+    pub token_bytes: u32,
+}
+
+/// The token positions page `index` of a transfer holds: `[index * page_tokens, …)` up to
+/// the prompt's end, or `None` when the page lies past it.
+pub fn page_tokens_range(index: u32, page_tokens: u32, prompt_tokens: u32) -> Option<Range<u32>> {
+    let start = index.checked_mul(page_tokens)?;
+    (start < prompt_tokens).then(|| start..start.saturating_add(page_tokens).min(prompt_tokens))
+}
+
+/// Everything a frame says about its bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FrameHeader {
+    pub nonce: SessionNonce,
+    /// Index of the page in the reservation's page list.
+    pub index: u32,
+    /// The tag of that page the sender was given.
+    pub tag: Tag,
+    /// Absolute token positions the bytes hold.
+    pub tokens: Range<u32>,
+    /// [`frame_checksum`] of the header fields above and the bytes.
+    pub checksum: u64,
+}
+
+/// One page's KV for a token range.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    pub header: FrameHeader,
+    pub bytes: Vec<u8>,
+}
+
+impl Frame {
+    /// A frame whose checksum covers its header fields and `bytes`.
+    pub fn new(
+        nonce: SessionNonce,
+        index: u32,
+        tag: Tag,
+        tokens: Range<u32>,
+        bytes: Vec<u8>,
+    ) -> Frame {
+        let checksum = frame_checksum(&nonce, index, tag, &tokens, &bytes);
+        Frame {
+            header: FrameHeader {
+                nonce,
+                index,
+                tag,
+                tokens,
+                checksum,
+            },
+            bytes,
+        }
+    }
+}
+
+/// XXH3-64 over the frame's identifying fields and its bytes: a flipped bit anywhere in the
+/// frame, header included, fails the check.
+pub fn frame_checksum(
+    nonce: &SessionNonce,
+    index: u32,
+    tag: Tag,
+    tokens: &Range<u32>,
+    bytes: &[u8],
+) -> u64 {
+    let mut h = Xxh3::new();
+    h.update(&nonce.0);
+    h.update(&index.to_le_bytes());
+    h.update(&tag.get().to_le_bytes());
+    h.update(&tokens.start.to_le_bytes());
+    h.update(&tokens.end.to_le_bytes());
+    h.update(bytes);
+    h.digest()
+}
+
+/// The digest of a transfer: XXH3-64 of the per-page checksums in page order.
+pub fn digest(checksums: impl IntoIterator<Item = u64>) -> u64 {
+    let bytes: Vec<u8> = checksums.into_iter().flat_map(u64::to_le_bytes).collect();
+    xxh3_64(&bytes)
+}
+
+/// The end of a transfer: what prefill claims it sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Manifest {
+    pub nonce: SessionNonce,
+    pub tokens: u32,
+    pub pages: u32,
+    /// [`digest`] of the frames' checksums in page order.
+    pub digest: u64,
+    /// The token prefill sampled after the prompt.
+    pub first_token: u32,
+}
+
+/// Why prefill closed a session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CloseReason {
+    /// Frames and manifest were sent.
+    Complete,
+    /// Decode aborted it; no further frame of the session follows.
+    Aborted,
+    /// Prefill failed after admission (its own error); no further frame follows.
+    Failed,
+}
+
+/// A message on the data plane, prefill → decode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Message {
+    Frame(Frame),
+    Manifest(Manifest),
+    /// The last message of a session on this connection.
+    Closed {
+        nonce: SessionNonce,
+        reason: CloseReason,
+    },
+}
+
+impl Message {
+    pub fn nonce(&self) -> SessionNonce {
+        match self {
+            Message::Frame(f) => f.header.nonce,
+            Message::Manifest(m) => m.nonce,
+            Message::Closed { nonce, .. } => *nonce,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_cover_the_prompt_exactly() {
+        assert_eq!(page_tokens_range(0, 16, 40), Some(0..16));
+        assert_eq!(page_tokens_range(2, 16, 40), Some(32..40));
+        assert_eq!(page_tokens_range(3, 16, 40), None);
+        assert_eq!(page_tokens_range(u32::MAX, 16, 40), None);
+    }
+
+    #[test]
+    fn the_checksum_covers_header_and_bytes() {
+        let n = SessionNonce([7; 16]);
+        let base = frame_checksum(&n, 1, Tag::new(5), &(16..32), b"kv");
+        assert_ne!(
+            base,
+            frame_checksum(&SessionNonce([8; 16]), 1, Tag::new(5), &(16..32), b"kv")
+        );
+        assert_ne!(base, frame_checksum(&n, 2, Tag::new(5), &(16..32), b"kv"));
+        assert_ne!(base, frame_checksum(&n, 1, Tag::new(6), &(16..32), b"kv"));
+        assert_ne!(base, frame_checksum(&n, 1, Tag::new(5), &(16..31), b"kv"));
+        assert_ne!(base, frame_checksum(&n, 1, Tag::new(5), &(16..32), b"kV"));
+    }
+}
