@@ -1,6 +1,6 @@
 //! The engine: admission, the paged KV pool, continuous batching and sampling, as synchronous
-//! state driven by [`Engine::step`]. Serving wraps it in a thread (see `crate::serve`); tests
-//! and the CLI drive it directly.
+//! state driven by [`Engine::step`] (and, on a decode worker, [`Engine::deliver`] for KV
+//! transfer messages). Serving wraps it in a thread; tests and the CLI drive it directly.
 //!
 //! A request's life:
 //!
@@ -8,12 +8,17 @@
 //! submit ─▶ validated ─▶ pool.admit ──Rejected──▶ SubmitError (nothing allocated)
 //!                            │
 //!                       Admissible ─▶ waiting (bounded FIFO)
-//!                                        │ pool.reserve (pages for prompt + max_new, new tags)
-//!                                        ▼
-//!                                     running: prefill in chunks ─▶ decode one token per step
-//!                                        │
-//!               done / failed / cancelled: the Allocation drops (pages scrubbed, then free),
-//!               or is quarantined on an integrity failure
+//!                                        │ pool.reserve (new tags)
+//!            ┌───────────────────────────┼──────────────────────────────┐
+//!        colocated                    decode role                  prefill role
+//!   prefill here in chunks   Event::Reserved → a prefill      prefill here, sample the
+//!            │               worker fills the pages; only a    first token, Event::Prefilled
+//!            │               verified transfer commits them    (frames for decode's pages;
+//!            ▼                           ▼                      source pages held by it)
+//!        decode one token per step, stream text, stop
+//!            │
+//!  done / cancelled: the Allocation drops (pages scrubbed, then free);
+//!  failed integrity: quarantined
 //! ```
 //!
 //! Pages for the whole request (prompt + max new tokens) are reserved before it runs, so a
@@ -21,20 +26,25 @@
 
 mod request;
 mod stops;
+mod transfer;
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::num::NonZeroU32;
+use std::time::{Duration, Instant};
 
+use bulkhead_handoff::{CloseReason, Message, SessionNonce};
 use bulkhead_kernels::attention::{TagCheck, TagView};
 use bulkhead_kvpool::{Admissible, Allocation, PagePool, PoolConfig, RequestId, Scrub};
 
-pub use request::{Delivery, Event, EventSink, FinishReason, Request, SubmitError, Usage};
+pub use request::{Delivery, Event, EventSink, Failure, FinishReason, Request, SubmitError, Usage};
 pub use stops::{StopScan, StopWatch};
+pub use transfer::Outbound;
 
 use crate::kv::KvMemory;
-use crate::model::{Model, SeqStep};
+use crate::model::{Model, SeqResult, SeqStep};
 use crate::sampling::Sampler;
 use crate::tokenizer::{Detokenizer, TokenId, Tokenizer};
+use transfer::{Draining, Transfer, live_tag};
 
 /// How much memory the KV pool gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +69,11 @@ pub struct EngineConfig {
     pub max_running: usize,
     /// Admitted requests waiting for pages; more are refused with `QueueFull`.
     pub queue_capacity: usize,
+    /// Decode role: how long a reservation waits for its transfer to complete.
+    pub transfer_timeout: Duration,
+    /// Decode role: how long an abandoned transfer's pages wait for the prefill side's drain
+    /// acknowledgement before they are quarantined.
+    pub release_timeout: Duration,
 }
 
 impl Default for EngineConfig {
@@ -71,6 +86,8 @@ impl Default for EngineConfig {
             max_batch_tokens: 512,
             max_running: 64,
             queue_capacity: 256,
+            transfer_timeout: Duration::from_secs(30),
+            release_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -104,23 +121,53 @@ pub struct Capacity {
     /// `pool_pages * page_tokens`.
     pub pool_tokens: u64,
     pub page_bytes: u64,
+    /// Bytes of KV per token (all layers, K and V).
+    pub token_bytes: u64,
     /// The model's own context length.
     pub model_context: usize,
     /// What this engine serves: never more than `pool_tokens` nor `model_context`.
     pub served_context: usize,
 }
 
+/// Counters of the KV handoff on this engine.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransferStats {
+    /// Frames admitted and written.
+    pub frames_written: u64,
+    /// Frames dropped: another session's, a page that left the session, bad size or range,
+    /// duplicates, checksum failures, or late frames of an abandoned session.
+    pub frames_dropped: u64,
+    /// Transfers that failed verification.
+    pub integrity_failures: u64,
+    /// Abandoned transfers whose pages were quarantined because no drain acknowledgement came.
+    pub drain_timeouts: u64,
+}
+
+/// The part a request plays on this engine.
+#[derive(Debug)]
+enum Role {
+    /// Prefill and decode here.
+    Colocated,
+    /// Decode here; the prompt's KV arrives from a prefill worker.
+    Decode,
+    /// Prefill here for a decode worker's reservation, then hand the KV over.
+    PrefillFor(bulkhead_handoff::Reservation),
+}
+
 #[derive(Debug)]
 struct Waiting {
     request: Request,
     admissible: Admissible,
+    role: Role,
 }
 
 #[derive(Debug)]
 struct Running {
     request: Request,
     pages: Allocation,
-    /// Prompt tokens already prefilled.
+    /// `Some` on a prefill worker: where the KV goes after the prompt.
+    target: Option<bulkhead_handoff::Reservation>,
+    /// Prompt tokens already in the pages.
     prefilled: usize,
     generated: Vec<TokenId>,
     sampler: Sampler,
@@ -129,6 +176,23 @@ struct Running {
 }
 
 impl Running {
+    fn new(
+        request: Request,
+        pages: Allocation,
+        target: Option<bulkhead_handoff::Reservation>,
+    ) -> Running {
+        Running {
+            sampler: Sampler::new(request.sampling),
+            stops: StopWatch::new(request.stop.clone()),
+            request,
+            pages,
+            target,
+            prefilled: 0,
+            generated: Vec::new(),
+            detok: Detokenizer::default(),
+        }
+    }
+
     fn in_prefill(&self) -> bool {
         self.prefilled < self.request.prompt.len()
     }
@@ -145,6 +209,8 @@ enum Outcome {
     Finished,
     Failed,
     Cancelled,
+    /// Prefill role: the prompt is done and this is the first token; hand the KV over.
+    HandOver(TokenId),
 }
 
 /// The engine state. Not thread-safe by design: one thread owns it.
@@ -159,6 +225,9 @@ pub struct Engine {
     tag_check: TagCheck,
     waiting: VecDeque<Waiting>,
     running: Vec<Running>,
+    transfers: HashMap<SessionNonce, Transfer>,
+    draining: HashMap<SessionNonce, Draining>,
+    stats: TransferStats,
 }
 
 impl Engine {
@@ -211,6 +280,7 @@ impl Engine {
             page_tokens,
             pool_tokens,
             page_bytes,
+            token_bytes: layout.token_bytes() as u64,
             model_context,
             served_context,
         };
@@ -232,6 +302,9 @@ impl Engine {
             tag_check: TagCheck::On,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            transfers: HashMap::new(),
+            draining: HashMap::new(),
+            stats: TransferStats::default(),
         })
     }
 
@@ -251,13 +324,30 @@ impl Engine {
         &self.pool
     }
 
-    /// Requests admitted but not yet running, and running.
-    pub fn load(&self) -> (usize, usize) {
-        (self.waiting.len(), self.running.len())
+    pub fn transfer_stats(&self) -> TransferStats {
+        self.stats
     }
 
+    /// Requests admitted but not yet running, and running (transfers in flight included).
+    pub fn load(&self) -> (usize, usize) {
+        (
+            self.waiting.len(),
+            self.running.len() + self.transfers.len(),
+        )
+    }
+
+    /// Whether [`Engine::step`] has something to do.
     pub fn has_work(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// The earliest transfer or drain deadline, if any: step the engine then to expire it.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.transfers
+            .values()
+            .map(|t| t.deadline)
+            .chain(self.draining.values().map(|d| d.deadline))
+            .min()
     }
 
     /// Test hook: turn the attention kernel's page-tag check off to show what it prevents.
@@ -266,18 +356,52 @@ impl Engine {
         self.tag_check = check;
     }
 
-    /// Validates and admits `request`, or refuses it before anything is allocated and hands it
-    /// back with the reason.
+    /// Validates and admits a colocated request (prefill and decode here), or refuses it
+    /// before anything is allocated and hands it back with the reason.
     #[allow(
         clippy::result_large_err,
         reason = "a refused request goes back whole; submission is not a hot path"
     )]
     pub fn submit(&mut self, request: Request) -> Result<(), (SubmitError, Request)> {
-        match self.admit(&request) {
+        self.enqueue(request, Role::Colocated)
+    }
+
+    /// Decode role: admits a request whose prompt KV a prefill worker will send. Once its
+    /// pages are reserved the request's sink gets [`Event::Reserved`]; the transfer's messages
+    /// go to [`Engine::deliver`].
+    #[allow(
+        clippy::result_large_err,
+        reason = "a refused request goes back whole; submission is not a hot path"
+    )]
+    pub fn submit_decode(&mut self, request: Request) -> Result<(), (SubmitError, Request)> {
+        self.enqueue(request, Role::Decode)
+    }
+
+    /// Prefill role: admits a request to prefill for decode's `target` reservation. The sink
+    /// gets [`Event::Prefilled`] (or a failure) and nothing else.
+    #[allow(
+        clippy::result_large_err,
+        reason = "a refused request goes back whole; submission is not a hot path"
+    )]
+    pub fn submit_prefill(
+        &mut self,
+        request: Request,
+        target: bulkhead_handoff::Reservation,
+    ) -> Result<(), (SubmitError, Request)> {
+        self.enqueue(request, Role::PrefillFor(target))
+    }
+
+    #[allow(
+        clippy::result_large_err,
+        reason = "a refused request goes back whole; submission is not a hot path"
+    )]
+    fn enqueue(&mut self, request: Request, role: Role) -> Result<(), (SubmitError, Request)> {
+        match self.admit(&request, &role) {
             Ok(admissible) => {
                 self.waiting.push_back(Waiting {
                     request,
                     admissible,
+                    role,
                 });
                 Ok(())
             }
@@ -285,7 +409,7 @@ impl Engine {
         }
     }
 
-    fn admit(&self, r: &Request) -> Result<Admissible, SubmitError> {
+    fn admit(&self, r: &Request, role: &Role) -> Result<Admissible, SubmitError> {
         if r.prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
         }
@@ -296,12 +420,17 @@ impl Engine {
         if let Some(&token) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(SubmitError::TokenOutOfRange { token, vocab });
         }
-        if self.running.iter().any(|x| x.request.id == r.id)
-            || self.waiting.iter().any(|x| x.request.id == r.id)
-        {
+        if self.request_ids().contains(&r.id) {
             return Err(SubmitError::DuplicateId(r.id));
         }
-        let requested = r.prompt.len() as u64 + r.max_new_tokens as u64;
+        // A prefill worker holds only the prompt; everything else holds prompt + new tokens.
+        let requested = match role {
+            Role::PrefillFor(target) => {
+                self.check_target(r, target)?;
+                r.prompt.len() as u64
+            }
+            Role::Colocated | Role::Decode => r.prompt.len() as u64 + r.max_new_tokens as u64,
+        };
         let exceeded = |limit| SubmitError::ContextLengthExceeded {
             requested,
             limit,
@@ -324,17 +453,161 @@ impl Engine {
         })
     }
 
-    /// Cancels a request wherever it is; its pages go back to the pool.
-    pub fn cancel(&mut self, id: RequestId) -> bool {
-        let before = self.waiting.len() + self.running.len();
-        self.waiting.retain(|w| w.request.id != id);
-        self.running.retain(|r| r.request.id != id);
-        before != self.waiting.len() + self.running.len()
+    /// A decode worker's reservation must describe exactly this prompt in this KV layout.
+    fn check_target(
+        &self,
+        r: &Request,
+        t: &bulkhead_handoff::Reservation,
+    ) -> Result<(), SubmitError> {
+        let c = &self.capacity;
+        let mismatch = |what: String| Err(SubmitError::ReservationMismatch(what));
+        if t.prompt_tokens as usize != r.prompt.len() {
+            return mismatch(format!(
+                "{} prompt tokens reserved, the prompt has {}",
+                t.prompt_tokens,
+                r.prompt.len()
+            ));
+        }
+        if t.page_tokens != c.page_tokens || u64::from(t.token_bytes) != c.token_bytes {
+            return mismatch(format!(
+                "pages of {} tokens × {} bytes, this worker has {} × {}",
+                t.page_tokens, t.token_bytes, c.page_tokens, c.token_bytes
+            ));
+        }
+        let want = t.prompt_tokens.div_ceil(t.page_tokens) as usize;
+        if t.pages.len() != want {
+            return mismatch(format!(
+                "{} pages named, the prompt needs {want}",
+                t.pages.len()
+            ));
+        }
+        Ok(())
     }
 
-    /// Runs one scheduling step: scrub released pages, start waiting requests that fit, run one
-    /// forward pass over every running request, and emit their events.
+    /// Cancels a request wherever it is. Its pages go back to the pool, except those of a
+    /// transfer in flight, which wait for the prefill side's drain acknowledgement.
+    pub fn cancel(&mut self, id: RequestId) -> bool {
+        let before = self.waiting.len() + self.running.len() + self.transfers.len();
+        self.waiting.retain(|w| w.request.id != id);
+        self.running.retain(|r| r.request.id != id);
+        let nonces: Vec<SessionNonce> = self
+            .transfers
+            .iter()
+            .filter(|(_, t)| t.request.id == id)
+            .map(|(n, _)| *n)
+            .collect();
+        for nonce in nonces {
+            if let Some(t) = self.transfers.remove(&nonce) {
+                self.start_draining(nonce, t);
+            }
+        }
+        before != self.waiting.len() + self.running.len() + self.transfers.len()
+    }
+
+    fn start_draining(&mut self, nonce: SessionNonce, t: Transfer) {
+        let deadline = Instant::now() + self.config.release_timeout;
+        self.draining.insert(
+            nonce,
+            Draining {
+                pages: t.pages.begin_release(),
+                deadline,
+            },
+        );
+    }
+
+    /// Decode role: one message of the data plane. Frames are written only into pages their
+    /// session still holds with the tags it was given; a manifest commits or fails the
+    /// transfer; `Closed` is the drain acknowledgement.
+    pub fn deliver(&mut self, message: Message) {
+        let nonce = message.nonce();
+        match message {
+            Message::Frame(frame) => {
+                let Some(t) = self.transfers.get_mut(&nonce) else {
+                    self.stats.frames_dropped += 1;
+                    return;
+                };
+                let pool = &self.pool;
+                match t.inbound.accept(&frame, |page| live_tag(pool, page)) {
+                    Ok(w) => {
+                        let pt = self.capacity.page_tokens;
+                        let slots =
+                            (w.tokens.start % pt) as usize..((w.tokens.end - 1) % pt + 1) as usize;
+                        match self.kv.write_slots(w.page, slots, &frame.bytes) {
+                            Ok(()) => self.stats.frames_written += 1,
+                            Err(e) => {
+                                // Inbound checked the range and length; this is a bug.
+                                tracing::error!(error = %e, "accepted frame does not fit its page");
+                                self.stats.frames_dropped += 1;
+                            }
+                        }
+                    }
+                    Err(reason) => {
+                        tracing::warn!(session = %nonce, %reason, "KV frame dropped");
+                        self.stats.frames_dropped += 1;
+                    }
+                }
+            }
+            Message::Manifest(manifest) => {
+                let Some(mut t) = self.transfers.remove(&nonce) else {
+                    return;
+                };
+                let pool = &self.pool;
+                match t.inbound.finish(&manifest, |page| live_tag(pool, page)) {
+                    Ok(done) => self.start_decoding(t, done.first_token),
+                    Err(failure) => {
+                        self.stats.integrity_failures += 1;
+                        tracing::warn!(session = %nonce, request = %t.request.id, %failure, "KV transfer failed verification");
+                        let _ = t.request.sink.emit(Event::Failed(failure.into()));
+                        t.pages.quarantine();
+                    }
+                }
+            }
+            Message::Closed { reason, .. } => {
+                if let Some(d) = self.draining.remove(&nonce) {
+                    d.pages.drained();
+                } else if let Some(mut t) = self.transfers.remove(&nonce) {
+                    // Closed before a manifest: nothing more of this session can arrive.
+                    let why = match reason {
+                        CloseReason::Complete => "closed without a manifest",
+                        CloseReason::Aborted => "aborted",
+                        CloseReason::Failed => "prefill failed",
+                    };
+                    let _ = t
+                        .request
+                        .sink
+                        .emit(Event::Failed(Failure::PrefillClosed(why)));
+                    t.pages.release();
+                }
+            }
+        }
+    }
+
+    /// Decode role: the data connection carrying `nonces` is gone, so no more of their frames
+    /// can arrive; their transfers fail and abandoned ones count as drained.
+    pub fn transport_closed(&mut self, nonces: &[SessionNonce]) {
+        for nonce in nonces {
+            self.deliver(Message::Closed {
+                nonce: *nonce,
+                reason: CloseReason::Failed,
+            });
+        }
+    }
+
+    /// A verified transfer: the pages become the request's and it decodes from the first token.
+    fn start_decoding(&mut self, t: Transfer, first_token: TokenId) {
+        let mut r = Running::new(t.request, t.pages.commit(), None);
+        r.prefilled = r.request.prompt.len();
+        let outcome = accept_token(&self.tokenizer, &mut r, first_token);
+        match outcome {
+            Outcome::Continue => self.running.push(r),
+            _ => r.pages.release(),
+        }
+    }
+
+    /// Runs one scheduling step: expire deadlines, scrub released pages, start waiting
+    /// requests that fit, run one forward pass over every running request, emit events.
     pub fn step(&mut self) {
+        self.expire(Instant::now());
         let scrub = self.pool.config().scrub;
         let kv = &mut self.kv;
         self.pool.scrub_pending(|page| kv.scrub(page, scrub));
@@ -412,13 +685,48 @@ impl Engine {
         // Remove finished requests, highest index first so indices stay valid.
         outcomes.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
         for (i, outcome) in outcomes {
-            if matches!(outcome, Outcome::Continue) {
-                continue;
-            }
-            let r = self.running.swap_remove(i);
             match outcome {
-                Outcome::Failed => r.pages.quarantine(),
-                _ => r.pages.release(),
+                Outcome::Continue => {}
+                Outcome::HandOver(first_token) => {
+                    let r = self.running.swap_remove(i);
+                    self.hand_over(r, first_token);
+                }
+                Outcome::Failed => self.running.swap_remove(i).pages.quarantine(),
+                Outcome::Finished | Outcome::Cancelled => {
+                    self.running.swap_remove(i).pages.release()
+                }
+            }
+        }
+    }
+
+    /// Fails transfers past their deadline and quarantines abandoned pages whose drain
+    /// acknowledgement never came.
+    fn expire(&mut self, now: Instant) {
+        let late: Vec<SessionNonce> = self
+            .transfers
+            .iter()
+            .filter(|(_, t)| t.deadline <= now)
+            .map(|(n, _)| *n)
+            .collect();
+        for nonce in late {
+            if let Some(mut t) = self.transfers.remove(&nonce) {
+                let _ = t.request.sink.emit(Event::Failed(Failure::TransferTimedOut(
+                    self.config.transfer_timeout,
+                )));
+                self.start_draining(nonce, t);
+            }
+        }
+        let stuck: Vec<SessionNonce> = self
+            .draining
+            .iter()
+            .filter(|(_, d)| d.deadline <= now)
+            .map(|(n, _)| *n)
+            .collect();
+        for nonce in stuck {
+            if let Some(d) = self.draining.remove(&nonce) {
+                tracing::warn!(session = %nonce, "no drain acknowledgement: pages quarantined");
+                self.stats.drain_timeouts += 1;
+                d.pages.timed_out();
             }
         }
     }
@@ -428,38 +736,63 @@ impl Engine {
             let Some(w) = self.waiting.pop_front() else {
                 break;
             };
-            match self.pool.reserve(w.admissible) {
-                Ok(reservation) => {
-                    let stops = StopWatch::new(w.request.stop.clone());
-                    self.running.push(Running {
-                        sampler: Sampler::new(w.request.sampling),
-                        pages: reservation.commit(),
-                        request: w.request,
-                        prefilled: 0,
-                        generated: Vec::new(),
-                        detok: Detokenizer::default(),
-                        stops,
-                    });
-                }
+            let reservation = match self.pool.reserve(w.admissible) {
+                Ok(r) => r,
                 Err(not_now) => {
                     self.waiting.push_front(Waiting {
                         request: w.request,
                         admissible: not_now.into_inner(),
+                        role: w.role,
                     });
                     break;
+                }
+            };
+            match w.role {
+                Role::Colocated => {
+                    self.running
+                        .push(Running::new(w.request, reservation.commit(), None))
+                }
+                Role::PrefillFor(target) => {
+                    self.running
+                        .push(Running::new(w.request, reservation.commit(), Some(target)))
+                }
+                Role::Decode => {
+                    let mut request = w.request;
+                    let nonce = SessionNonce(rand::random());
+                    let c = &self.capacity;
+                    let target = transfer::target(
+                        nonce,
+                        reservation.pages(),
+                        request.prompt.len() as u32,
+                        c.page_tokens,
+                        c.token_bytes as u32,
+                    );
+                    if request.sink.emit(Event::Reserved(target.clone())) == Delivery::Gone {
+                        continue; // the reservation drops: nothing was sent anywhere
+                    }
+                    let deadline = Instant::now() + self.config.transfer_timeout;
+                    let inbound = bulkhead_handoff::Inbound::new(target);
+                    self.transfers.insert(
+                        nonce,
+                        Transfer {
+                            request,
+                            pages: reservation,
+                            inbound,
+                            deadline,
+                        },
+                    );
                 }
             }
         }
     }
 
     /// Applies one forward result to running request `i`, which processed `n` tokens.
-    fn advance(&mut self, i: usize, n: usize, result: crate::model::SeqResult) -> Outcome {
-        let tokenizer = &self.tokenizer;
+    fn advance(&mut self, i: usize, n: usize, result: SeqResult) -> Outcome {
         let r = &mut self.running[i];
         let logits = match result {
             Err(failure) => {
                 tracing::warn!(request = %r.request.id, error = %failure, "request failed");
-                let _ = r.request.sink.emit(Event::Failed(failure));
+                let _ = r.request.sink.emit(Event::Failed(failure.into()));
                 return Outcome::Failed;
             }
             Ok(logits) => logits,
@@ -471,51 +804,80 @@ impl Engine {
             return Outcome::Continue;
         };
         let token = r.sampler.sample(&logits);
-        r.generated.push(token);
-        let usage = Usage {
-            prompt_tokens: r.request.prompt.len(),
-            completion_tokens: r.generated.len(),
-        };
-        let (text, finish) = if tokenizer.is_stop(token) && !r.request.ignore_eos {
-            (String::new(), Some(FinishReason::Stop))
-        } else {
-            match r.stops.push(&r.detok.push(tokenizer, token)) {
-                StopScan::Stopped(text) => (text, Some(FinishReason::Stop)),
-                StopScan::Continue(text) => {
-                    let full = r.generated.len() >= r.request.max_new_tokens;
-                    (text, full.then_some(FinishReason::Length))
-                }
-            }
-        };
-        if r.request.sink.emit(Event::Token { token, text }) == Delivery::Gone {
-            return Outcome::Cancelled;
+        if r.target.is_some() {
+            return Outcome::HandOver(token);
         }
-        let Some(reason) = finish else {
-            return Outcome::Continue;
-        };
-        let text_tail = if reason == FinishReason::Length {
-            let tail = r.detok.finish();
-            match r.stops.push(&tail) {
-                StopScan::Stopped(t) => t,
-                StopScan::Continue(t) => t + &r.stops.finish(),
-            }
-        } else {
-            String::new()
-        };
-        let _ = r.request.sink.emit(Event::Done {
-            reason,
-            usage,
-            text_tail,
-        });
-        Outcome::Finished
+        accept_token(&self.tokenizer, r, token)
     }
 
-    /// Ids of every request the engine holds (waiting or running).
+    /// Prefill role: the prompt is in the pages and the first token sampled; read the KV out
+    /// for decode's reservation and hand it, with the source pages, to the request's sink.
+    fn hand_over(&self, r: Running, first_token: TokenId) {
+        let Running {
+            mut request,
+            pages,
+            target,
+            ..
+        } = r;
+        let Some(target) = target else { return };
+        let event = match Outbound::build(&self.kv, pages, &target, first_token) {
+            Ok(outbound) => Event::Prefilled(outbound),
+            Err(e) => {
+                tracing::error!(error = %e, "reading the prompt's KV out failed");
+                Event::Failed(crate::model::SeqFailure::Internal(e.to_string()).into())
+            }
+        };
+        let _ = request.sink.emit(event);
+    }
+
+    /// Ids of every request the engine holds (waiting, running, or in transfer).
     pub fn request_ids(&self) -> HashSet<RequestId> {
         self.waiting
             .iter()
             .map(|w| w.request.id)
             .chain(self.running.iter().map(|r| r.request.id))
+            .chain(self.transfers.values().map(|t| t.request.id))
             .collect()
     }
+}
+
+/// Records a sampled token: streams its text, checks stops and the length limit.
+fn accept_token(tokenizer: &Tokenizer, r: &mut Running, token: TokenId) -> Outcome {
+    r.generated.push(token);
+    let usage = Usage {
+        prompt_tokens: r.request.prompt.len(),
+        completion_tokens: r.generated.len(),
+    };
+    let (text, finish) = if tokenizer.is_stop(token) && !r.request.ignore_eos {
+        (String::new(), Some(FinishReason::Stop))
+    } else {
+        match r.stops.push(&r.detok.push(tokenizer, token)) {
+            StopScan::Stopped(text) => (text, Some(FinishReason::Stop)),
+            StopScan::Continue(text) => {
+                let full = r.generated.len() >= r.request.max_new_tokens;
+                (text, full.then_some(FinishReason::Length))
+            }
+        }
+    };
+    if r.request.sink.emit(Event::Token { token, text }) == Delivery::Gone {
+        return Outcome::Cancelled;
+    }
+    let Some(reason) = finish else {
+        return Outcome::Continue;
+    };
+    let text_tail = if reason == FinishReason::Length {
+        let tail = r.detok.finish();
+        match r.stops.push(&tail) {
+            StopScan::Stopped(t) => t,
+            StopScan::Continue(t) => t + &r.stops.finish(),
+        }
+    } else {
+        String::new()
+    };
+    let _ = r.request.sink.emit(Event::Done {
+        reason,
+        usage,
+        text_tail,
+    });
+    Outcome::Finished
 }

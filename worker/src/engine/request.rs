@@ -2,6 +2,9 @@
 
 use bulkhead_kvpool::RequestId;
 
+use bulkhead_handoff::IntegrityFailure;
+
+use super::transfer::Outbound;
 use crate::model::SeqFailure;
 use crate::sampling::SamplingParams;
 use crate::tokenizer::TokenId;
@@ -49,7 +52,7 @@ pub enum FinishReason {
     Length,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug)]
 pub enum Event {
     /// A generated token and the text it completed (may be empty mid-character or while a
     /// stop sequence might be starting).
@@ -60,7 +63,25 @@ pub enum Event {
         text_tail: String,
     },
     /// The request failed after admission; nothing it produced should be trusted.
-    Failed(SeqFailure),
+    Failed(Failure),
+    /// Decode role: the request's pages are reserved; a prefill worker must now fill them.
+    Reserved(bulkhead_handoff::Reservation),
+    /// Prefill role: the prompt's KV and first token, ready to send. The last event of the
+    /// request on this worker; the transfer holds the source pages until it is closed.
+    Prefilled(Outbound),
+}
+
+/// Why an admitted request failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Failure {
+    #[error(transparent)]
+    Forward(#[from] SeqFailure),
+    #[error("KV transfer integrity: {0}")]
+    Transfer(#[from] IntegrityFailure),
+    #[error("the prefill worker closed the transfer without completing it ({0})")]
+    PrefillClosed(&'static str),
+    #[error("the KV transfer did not complete within {0:?}")]
+    TransferTimedOut(std::time::Duration),
 }
 
 /// Why the engine refused a request at submission. Nothing was allocated.
@@ -85,6 +106,8 @@ pub enum SubmitError {
     QueueFull { capacity: usize },
     #[error("request id {0} is already in use")]
     DuplicateId(RequestId),
+    #[error("the reservation does not match this worker: {0}")]
+    ReservationMismatch(String),
 }
 
 impl EventSink for std::sync::mpsc::Sender<Event> {

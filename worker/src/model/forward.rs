@@ -26,7 +26,7 @@ pub struct SeqStep<'a> {
 }
 
 /// Why one sequence of a batch failed; the others are unaffected.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SeqFailure {
     #[error("KV integrity: {0}")]
     Integrity(#[from] IntegrityError),

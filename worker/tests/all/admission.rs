@@ -142,7 +142,7 @@ fn a_request_that_fits_but_not_now_waits_and_the_queue_is_bounded() {
     }
     for rx in rxs {
         let out = collect(rx);
-        assert!(out.finish.is_ok(), "{out:?}");
+        assert!(matches!(out.finish, Some(Ok(_))), "{out:?}");
         assert!(!out.tokens.is_empty());
     }
     assert_all_pages_back(&e);
@@ -163,7 +163,7 @@ fn every_page_comes_back_after_requests_finish() {
     );
     for out in &outs {
         assert!(
-            matches!(out.finish, Ok(FinishReason::Length | FinishReason::Stop)),
+            matches!(out.finish, Some(Ok(FinishReason::Length | FinishReason::Stop))),
             "{out:?}"
         );
     }

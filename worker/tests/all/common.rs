@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 
 use bulkhead_kernels::attention::{TagCheck, TagView};
 use bulkhead_kvpool::{Allocation, PagePool, PageRef, PoolConfig, RequestId, Scrub};
-use bulkhead_worker::engine::{Engine, EngineConfig, Event, FinishReason, Request};
+use bulkhead_worker::engine::{Engine, EngineConfig, Event, Failure, FinishReason, Request};
 use bulkhead_worker::kv::KvMemory;
 use bulkhead_worker::loader::LoadedModel;
 use bulkhead_worker::model::{Model, SeqFailure, SeqStep};
@@ -132,7 +132,8 @@ impl<'m> Session<'m> {
 pub struct Outcome {
     pub tokens: Vec<TokenId>,
     pub text: String,
-    pub finish: Result<FinishReason, SeqFailure>,
+    /// `None` until the request's last event.
+    pub finish: Option<Result<FinishReason, Failure>>,
 }
 
 pub fn request(id: u64, prompt: &[TokenId], max_new: usize, tx: mpsc::Sender<Event>) -> Request {
@@ -169,7 +170,7 @@ pub fn collect(rx: mpsc::Receiver<Event>) -> Outcome {
     let mut out = Outcome {
         tokens: Vec::new(),
         text: String::new(),
-        finish: Err(SeqFailure::Internal("no end event".into())),
+        finish: None,
     };
     for e in rx.try_iter() {
         match e {
@@ -181,9 +182,10 @@ pub fn collect(rx: mpsc::Receiver<Event>) -> Outcome {
                 reason, text_tail, ..
             } => {
                 out.text.push_str(&text_tail);
-                out.finish = Ok(reason);
+                out.finish = Some(Ok(reason));
             }
-            Event::Failed(f) => out.finish = Err(f),
+            Event::Failed(f) => out.finish = Some(Err(f)),
+            Event::Reserved(_) | Event::Prefilled(_) => panic!("a colocated request got a transfer event"),
         }
     }
     out

@@ -1,0 +1,120 @@
+//! The engine's two sides of a KV handoff.
+//!
+//! Decode: a request's pages are reserved, named to a prefill worker, and filled by frames
+//! that [`Inbound`] admits one by one; only a verified transfer commits the pages to the
+//! request. A transfer the request no longer wants (client gone, timeout, prefill failure)
+//! keeps its pages out of circulation until no frame of it can still land:
+//!
+//! ```text
+//!  Reservation ──manifest verified──▶ Allocation (the request decodes)
+//!      │ └──────manifest fails─────▶ quarantine
+//!      ├──Closed (aborted/failed)──▶ free (nothing more can arrive)
+//!      └──cancel / timeout─────────▶ Releasing ──Closed──▶ free
+//!                                        └──release timeout──▶ quarantine
+//! ```
+//!
+//! Prefill: the request's own pages are computed as usual; after the prompt, the engine reads
+//! the KV out page by page into frames addressed to decode's reservation and hands them over
+//! as an [`Outbound`], which keeps the source pages until it is closed.
+
+use std::time::Instant;
+
+use bulkhead_handoff::{
+    Frame, Inbound, Manifest, Reservation as Target, SessionNonce, digest, page_tokens_range,
+};
+use bulkhead_kvpool::{Allocation, PageId, PagePool, PageRef, Releasing, Reservation, Tag};
+
+use super::request::Request;
+use crate::kv::{KvMemory, SlotError};
+
+/// A decode-side transfer in progress.
+#[derive(Debug)]
+pub(super) struct Transfer {
+    pub request: Request,
+    pub pages: Reservation,
+    pub inbound: Inbound,
+    pub deadline: Instant,
+}
+
+/// Pages of an abandoned transfer, waiting for the prefill side's `Closed`.
+#[derive(Debug)]
+pub(super) struct Draining {
+    pub pages: Releasing,
+    pub deadline: Instant,
+}
+
+/// The pool's tag of `page` if the page is held by a live reservation or allocation.
+pub(super) fn live_tag(pool: &PagePool, page: PageId) -> Option<Tag> {
+    let tag = pool.current_tag(page)?;
+    pool.verify(&[PageRef { page, tag }]).ok().map(|()| tag)
+}
+
+/// The reservation decode names to prefill for `pages`, covering the first `prompt_tokens`.
+pub(super) fn target(
+    nonce: SessionNonce,
+    pages: &[PageRef],
+    prompt_tokens: u32,
+    page_tokens: u32,
+    token_bytes: u32,
+) -> Target {
+    let n = prompt_tokens.div_ceil(page_tokens) as usize;
+    Target {
+        nonce,
+        pages: pages[..n].to_vec(),
+        prompt_tokens,
+        page_tokens,
+        token_bytes,
+    }
+}
+
+/// What a prefill worker sends for one request: every page's frame, the manifest, and the
+/// source pages, held until the transfer is closed (dropping the `Outbound` closes it).
+#[derive(Debug)]
+pub struct Outbound {
+    pub frames: Vec<Frame>,
+    pub manifest: Manifest,
+    source: Allocation,
+}
+
+impl Outbound {
+    /// Reads the prompt's KV out of `source` into frames for `target`.
+    pub(super) fn build(
+        kv: &KvMemory,
+        source: Allocation,
+        target: &Target,
+        first_token: u32,
+    ) -> Result<Outbound, SlotError> {
+        let pt = target.page_tokens;
+        let mut frames = Vec::with_capacity(target.pages.len());
+        for (index, (dst, src)) in target.pages.iter().zip(source.pages()).enumerate() {
+            let index = index as u32;
+            let Some(tokens) = page_tokens_range(index, pt, target.prompt_tokens) else {
+                break;
+            };
+            let slots = (tokens.start % pt) as usize..((tokens.end - 1) % pt + 1) as usize;
+            let bytes = kv.read_slots(src.page, slots)?;
+            frames.push(Frame::new(target.nonce, index, dst.tag, tokens, bytes));
+        }
+        let manifest = Manifest {
+            nonce: target.nonce,
+            tokens: target.prompt_tokens,
+            pages: frames.len() as u32,
+            digest: digest(frames.iter().map(|f| f.header.checksum)),
+            first_token,
+        };
+        Ok(Outbound {
+            frames,
+            manifest,
+            source,
+        })
+    }
+
+    pub fn nonce(&self) -> SessionNonce {
+        self.manifest.nonce
+    }
+
+    /// The transfer is over (sent, or abandoned and acknowledged): release the source pages.
+    pub fn close(self) {
+        self.source.release();
+    }
+}
