@@ -7,4 +7,5 @@ pub mod kv;
 pub mod loader;
 pub mod model;
 pub mod sampling;
+pub mod serve;
 pub mod tokenizer;
