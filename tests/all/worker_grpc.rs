@@ -400,3 +400,38 @@ async fn the_admin_port_serves_metrics_and_health() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_full_queue_is_resource_exhausted_with_rate_limit_exceeded() {
+    bounded(async {
+        let worker = Worker::start(&[
+            "--kv-tokens",
+            "2048",
+            "--max-running",
+            "1",
+            "--queue-capacity",
+            "1",
+        ]);
+        let mut client = worker.client().await;
+        let mut long = chat("Count from one to one thousand.", 500);
+        long.ignore_eos = true;
+        let mut running = client
+            .generate(long.clone())
+            .await
+            .expect("the first request is admitted")
+            .into_inner();
+        let first = running.message().await.expect("no stream error");
+        assert!(first.is_some(), "the first request runs");
+        let _waiting = client
+            .generate(long.clone())
+            .await
+            .expect("the second request waits in the queue");
+        let err = client
+            .generate(long)
+            .await
+            .expect_err("a third request finds the queue full");
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+        assert_eq!(error_code(&err), Some("rate_limit_exceeded"), "{err:?}");
+    })
+    .await;
+}
