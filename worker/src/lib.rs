@@ -7,5 +7,6 @@ pub mod kv;
 pub mod loader;
 pub mod model;
 pub mod sampling;
+pub mod serve;
 pub mod tiny_model;
 pub mod tokenizer;

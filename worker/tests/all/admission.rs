@@ -163,7 +163,10 @@ fn every_page_comes_back_after_requests_finish() {
     );
     for out in &outs {
         assert!(
-            matches!(out.finish, Some(Ok(FinishReason::Length | FinishReason::Stop))),
+            matches!(
+                out.finish,
+                Some(Ok(FinishReason::Length | FinishReason::Stop))
+            ),
             "{out:?}"
         );
     }

@@ -185,7 +185,9 @@ pub fn collect(rx: mpsc::Receiver<Event>) -> Outcome {
                 out.finish = Some(Ok(reason));
             }
             Event::Failed(f) => out.finish = Some(Err(f)),
-            Event::Reserved(_) | Event::Prefilled(_) => panic!("a colocated request got a transfer event"),
+            Event::Reserved(_) | Event::Prefilled(_) => {
+                panic!("a colocated request got a transfer event")
+            }
         }
     }
     out

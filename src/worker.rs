@@ -1,0 +1,253 @@
+//! `bulkhead worker`: serve the model over gRPC, with metrics on an admin HTTP port.
+
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+
+use anyhow::{Context, bail};
+use bulkhead_kvpool::Scrub;
+use bulkhead_worker::engine::{EngineConfig, KvBudget};
+use bulkhead_worker::loader::LoadedModel;
+use bulkhead_worker::serve::{BoundWorker, ServeConfig};
+
+use crate::model_path::ModelArgs;
+
+/// Environment variables, one per flag (`--listen` ↔ `BULKHEAD_LISTEN`, …).
+pub mod env {
+    pub const ROLE: &str = "BULKHEAD_ROLE";
+    pub const LISTEN: &str = "BULKHEAD_LISTEN";
+    pub const ADMIN_LISTEN: &str = "BULKHEAD_ADMIN_LISTEN";
+    pub const KV_MEMORY: &str = "BULKHEAD_KV_MEMORY";
+    pub const KV_TOKENS: &str = "BULKHEAD_KV_TOKENS";
+    pub const CONTEXT_LENGTH: &str = "BULKHEAD_CONTEXT_LENGTH";
+    pub const PAGE_TOKENS: &str = "BULKHEAD_PAGE_TOKENS";
+    pub const MAX_BATCH_TOKENS: &str = "BULKHEAD_MAX_BATCH_TOKENS";
+    pub const MAX_RUNNING: &str = "BULKHEAD_MAX_RUNNING";
+    pub const QUEUE_CAPACITY: &str = "BULKHEAD_QUEUE_CAPACITY";
+    pub const SCRUB: &str = "BULKHEAD_SCRUB";
+}
+
+/// What a worker process does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Role {
+    /// Prefill and decode in one process.
+    Both,
+    /// Prompt forward passes; KV pages out (not implemented yet).
+    Prefill,
+    /// KV pages in; generation (not implemented yet).
+    Decode,
+}
+
+/// What released KV pages are filled with before reuse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ScrubArg {
+    None,
+    Zero,
+    Canary,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[arg(long, env = env::ROLE, value_enum, default_value_t = Role::Both)]
+    role: Role,
+    /// gRPC address (port 0: any free port; the bound one is printed).
+    #[arg(long, env = env::LISTEN, default_value = "127.0.0.1:50051")]
+    listen: SocketAddr,
+    /// Admin HTTP address for /metrics and /healthz.
+    #[arg(long, env = env::ADMIN_LISTEN, default_value = "127.0.0.1:9091")]
+    admin_listen: SocketAddr,
+    /// KV pool memory: bytes, or with a unit (512MiB, 1GiB, 2GB) [default: 512MiB]
+    #[arg(long, env = env::KV_MEMORY, value_parser = parse_bytes, conflicts_with = "kv_tokens")]
+    kv_memory: Option<u64>,
+    /// KV pool capacity in tokens (rounded up to whole pages), instead of --kv-memory.
+    #[arg(long, env = env::KV_TOKENS)]
+    kv_tokens: Option<u64>,
+    /// Context length to serve; must fit the pool [default: min(model, pool)]
+    #[arg(long, env = env::CONTEXT_LENGTH)]
+    context_length: Option<usize>,
+    /// Tokens per KV page.
+    #[arg(long, env = env::PAGE_TOKENS, default_value_t = bulkhead_kvpool::DEFAULT_PAGE_TOKENS)]
+    page_tokens: NonZeroU32,
+    /// Prompt tokens processed per step across requests (chunked prefill).
+    #[arg(long, env = env::MAX_BATCH_TOKENS, default_value_t = EngineConfig::default().max_batch_tokens)]
+    max_batch_tokens: usize,
+    /// Requests generating at once.
+    #[arg(long, env = env::MAX_RUNNING, default_value_t = EngineConfig::default().max_running)]
+    max_running: usize,
+    /// Admitted requests that may wait for pages; more get RESOURCE_EXHAUSTED.
+    #[arg(long, env = env::QUEUE_CAPACITY, default_value_t = EngineConfig::default().queue_capacity)]
+    queue_capacity: usize,
+    /// What released KV pages are filled with before reuse.
+    #[arg(long, env = env::SCRUB, value_enum, default_value_t = ScrubArg::Zero)]
+    scrub: ScrubArg,
+}
+
+impl Args {
+    /// The validated serving configuration.
+    fn config(&self) -> anyhow::Result<ServeConfig> {
+        if self.role != Role::Both {
+            bail!(
+                "--role {:?} is not implemented yet in this build; use --role both",
+                self.role
+            );
+        }
+        let kv = match (self.kv_memory, self.kv_tokens) {
+            (_, Some(t)) => KvBudget::Tokens(t),
+            (Some(b), None) => KvBudget::Bytes(b),
+            (None, None) => EngineConfig::default().kv,
+        };
+        Ok(ServeConfig {
+            listen: self.listen,
+            admin_listen: self.admin_listen,
+            engine: EngineConfig {
+                kv,
+                page_tokens: self.page_tokens,
+                scrub: match self.scrub {
+                    ScrubArg::None => Scrub::None,
+                    ScrubArg::Zero => Scrub::Zero,
+                    ScrubArg::Canary => Scrub::Canary,
+                },
+                context_length: self.context_length,
+                max_batch_tokens: self.max_batch_tokens,
+                max_running: self.max_running,
+                queue_capacity: self.queue_capacity,
+                ..EngineConfig::default()
+            },
+        })
+    }
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let config = args.config()?;
+    args.model.init_threads()?;
+    let path = args.model.path()?;
+    let loaded = LoadedModel::open(&path)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("bulkhead-io")
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let worker = BoundWorker::bind(config, loaded, &path).await?;
+        let capacity = worker.capacity();
+        let (grpc, admin) = (worker.grpc_addr()?, worker.admin_addr()?);
+        tracing::info!(
+            %grpc,
+            %admin,
+            pool_tokens = capacity.pool_tokens,
+            served_context = capacity.served_context,
+            "worker serving"
+        );
+        // One machine-readable line on stdout for scripts and tests.
+        println!("bulkhead worker ready grpc={grpc} admin={admin}");
+        worker.serve(shutdown_signal()).await?;
+        tracing::info!("worker stopped");
+        anyhow::Ok(())
+    })
+}
+
+/// Completes on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::warn!(error = %e, "cannot listen for Ctrl-C");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}
+
+/// Bytes, plain or with a unit: `KiB MiB GiB TiB` (powers of 1024) or `kB KB MB GB TB`
+/// (powers of 1000); `B` is optional.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '_')
+        .unwrap_or(s.len());
+    let (digits, unit) = s.split_at(split);
+    let digits: String = digits.chars().filter(|&c| c != '_').collect();
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?} is not a byte count like 536870912, 512MiB or 1GiB"))?;
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "TiB" => 1 << 40,
+        "kB" | "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {s:?}; use B, KiB, MiB, GiB, TiB, kB, MB, GB or TB"
+            ));
+        }
+    };
+    n.checked_mul(scale)
+        .ok_or_else(|| format!("{s:?} does not fit in 64 bits"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_sizes_parse_plain_and_with_units() {
+        assert_eq!(parse_bytes("536870912"), Ok(536_870_912));
+        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_bytes("1 GiB"), Ok(1 << 30));
+        assert_eq!(parse_bytes("2GB"), Ok(2_000_000_000));
+        assert_eq!(parse_bytes("64KiB"), Ok(65_536));
+        assert_eq!(parse_bytes("1_000B"), Ok(1_000));
+    }
+
+    #[test]
+    fn bad_byte_sizes_say_what_is_accepted() {
+        for bad in ["", "MiB", "1.5GiB", "1G", "-1", "1 parsec"] {
+            assert!(parse_bytes(bad).is_err(), "{bad:?} was accepted");
+        }
+        assert!(parse_bytes("99999999999TiB").is_err());
+    }
+
+    #[test]
+    fn split_roles_fail_with_a_clear_message() {
+        use clap::Parser;
+
+        #[derive(Debug, clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let cli = Cli::try_parse_from(["x", "--role", "prefill"]).expect("parses");
+        let err = cli.args.config().expect_err("prefill is refused");
+        assert!(err.to_string().contains("use --role both"), "{err}");
+        let cli = Cli::try_parse_from(["x", "--kv-memory", "1GiB", "--kv-tokens", "5"]);
+        assert!(cli.is_err(), "--kv-memory and --kv-tokens conflict");
+        let cli = Cli::try_parse_from(["x", "--kv-memory", "64MiB"]).expect("parses");
+        let config = cli.args.config().expect("valid");
+        assert_eq!(config.engine.kv, KvBudget::Bytes(64 << 20));
+    }
+}

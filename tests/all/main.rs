@@ -1,0 +1,3 @@
+//! End-to-end tests of the `bulkhead` binary: one test binary for the whole package.
+
+mod worker_grpc;

@@ -1,0 +1,437 @@
+//! `bulkhead worker` end to end: the real binary, the real model, a tonic client.
+//!
+//! Every test starts its own worker on free loopback ports (`--listen 127.0.0.1:0`; the worker
+//! prints the bound addresses), runs under a time limit, and kills the worker on the way out.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+use bulkhead_worker::serve::proto::{
+    self, ChatMessage, ChatPrompt, GenerateRequest, HealthRequest, InfoRequest, Item, Prompt,
+    TokenPrompt, WorkerClient, error_code,
+};
+use tonic::transport::Channel;
+
+/// Upper bound for any one test, startup included.
+const TEST_LIMIT: Duration = Duration::from_secs(180);
+/// Upper bound for a worker to load the model and bind its ports.
+const STARTUP_LIMIT: Duration = Duration::from_secs(60);
+
+fn model_path() -> PathBuf {
+    let path = match std::env::var_os("BULKHEAD_MODEL") {
+        Some(p) => PathBuf::from(p),
+        None => PathBuf::from(std::env::var_os("HOME").expect("HOME is set"))
+            .join(".cache/bulkhead/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    };
+    assert!(
+        path.is_file(),
+        "the test model {} is missing: run scripts/fetch-model (or set BULKHEAD_MODEL)",
+        path.display()
+    );
+    path
+}
+
+fn command(args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_bulkhead"));
+    cmd.arg("worker")
+        .arg("--model")
+        .arg(model_path())
+        .args(["--threads", "1", "--listen", "127.0.0.1:0"])
+        .args(["--admin-listen", "127.0.0.1:0"])
+        .args(args)
+        .env_remove("BULKHEAD_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+/// A running worker; killed when dropped.
+struct Worker {
+    child: Child,
+    grpc: SocketAddr,
+    admin: SocketAddr,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Collects a child's stderr in the background, for failure messages.
+fn collect(stream: impl Read + Send + 'static) -> Arc<Mutex<String>> {
+    let text = Arc::new(Mutex::new(String::new()));
+    let sink = text.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines().map_while(Result::ok) {
+            if let Ok(mut t) = sink.lock() {
+                t.push_str(&line);
+                t.push('\n');
+            }
+        }
+    });
+    text
+}
+
+fn text_of(s: &Mutex<String>) -> String {
+    s.lock().map(|t| t.clone()).unwrap_or_default()
+}
+
+/// Waits (bounded) until `needle` shows up in collected output; returns all of it.
+async fn wait_for_text(s: &Mutex<String>, needle: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !text_of(s).contains(needle) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    text_of(s)
+}
+
+impl Worker {
+    /// Starts `bulkhead worker` with `args` and waits for its ready line.
+    fn start(args: &[&str]) -> Worker {
+        let mut child = command(args).spawn().expect("the bulkhead binary starts");
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let stderr = collect(child.stderr.take().expect("stderr is piped"));
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(rest) = line.strip_prefix("bulkhead worker ready ") {
+                    let _ = tx.send(rest.to_owned());
+                }
+            }
+        });
+        let mut worker = Worker {
+            child,
+            grpc: SocketAddr::from(([0, 0, 0, 0], 0)),
+            admin: SocketAddr::from(([0, 0, 0, 0], 0)),
+            stderr,
+        };
+        let ready = match rx.recv_timeout(STARTUP_LIMIT) {
+            Ok(line) => line,
+            Err(e) => panic!(
+                "the worker did not report ready ({e}); stderr:\n{}",
+                text_of(&worker.stderr)
+            ),
+        };
+        for field in ready.split_whitespace() {
+            let (key, value) = field.split_once('=').expect("key=value");
+            let addr: SocketAddr = value.parse().expect("an address");
+            match key {
+                "grpc" => worker.grpc = addr,
+                "admin" => worker.admin = addr,
+                other => panic!("unexpected field {other} in the ready line"),
+            }
+        }
+        worker
+    }
+
+    async fn client(&self) -> WorkerClient<Channel> {
+        WorkerClient::connect(format!("http://{}", self.grpc))
+            .await
+            .expect("connects to the worker")
+    }
+
+    /// A plain HTTP/1.1 GET on the admin port: (status line, body).
+    fn admin_get(&self, path: &str) -> (String, String) {
+        let mut s = TcpStream::connect(self.admin).expect("connects to the admin port");
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("sets a timeout");
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+        )
+        .expect("sends the request");
+        let mut response = String::new();
+        s.read_to_string(&mut response).expect("reads the response");
+        let (head, body) = response.split_once("\r\n\r\n").expect("a head and a body");
+        let status = head.lines().next().unwrap_or_default().to_owned();
+        (status, body.to_owned())
+    }
+}
+
+async fn health(client: &mut WorkerClient<Channel>) -> proto::HealthResponse {
+    client
+        .health(HealthRequest {})
+        .await
+        .expect("health answers")
+        .into_inner()
+}
+
+fn pool(h: &proto::HealthResponse) -> proto::PoolPages {
+    h.pool.expect("health reports the pool")
+}
+
+fn chat(content: &str, max_new_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        request_id: "test".into(),
+        tenant: "tenant-a".into(),
+        prompt: Some(Prompt::Chat(ChatPrompt {
+            messages: vec![ChatMessage {
+                role: "user".into(),
+                content: content.into(),
+            }],
+        })),
+        max_new_tokens,
+        sampling: None,
+        stop: Vec::new(),
+        ignore_eos: false,
+    }
+}
+
+async fn bounded<F: std::future::Future<Output = ()>>(f: F) {
+    tokio::time::timeout(TEST_LIMIT, f)
+        .await
+        .expect("the test finished within its time limit");
+}
+
+#[tokio::test]
+async fn greedy_chat_generation_streams_the_answer_and_counts_usage() {
+    bounded(async {
+        let worker = Worker::start(&["--kv-tokens", "2048"]);
+        let mut client = worker.client().await;
+        let mut stream = client
+            .generate(chat("What is 2+2?", 48))
+            .await
+            .expect("the request is admitted")
+            .into_inner();
+        let (mut text, mut tokens, mut done) = (String::new(), 0u32, None);
+        while let Some(item) = stream.message().await.expect("no stream error") {
+            assert!(done.is_none(), "nothing follows Done");
+            match item.item.expect("every item has a body") {
+                Item::Token(t) => {
+                    tokens += 1;
+                    text.push_str(&t.text);
+                }
+                Item::Done(d) => {
+                    text.push_str(&d.text_tail);
+                    done = Some(d);
+                }
+            }
+        }
+        let done = done.expect("the stream ends with Done");
+        assert!(text.contains('4'), "the answer to 2+2 has a 4: {text:?}");
+        assert_eq!(done.completion_tokens, tokens, "usage counts every token");
+        assert!(
+            done.prompt_tokens > 5,
+            "the chat template adds a system prompt"
+        );
+        assert_eq!(done.finish_reason(), proto::FinishReason::Stop, "{text:?}");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn info_reports_the_measured_pool_and_served_context() {
+    bounded(async {
+        let worker = Worker::start(&["--kv-tokens", "2000"]);
+        let mut client = worker.client().await;
+        let info = client
+            .info(InfoRequest {
+                include_tokenizer: true,
+            })
+            .await
+            .expect("info answers")
+            .into_inner();
+        assert_eq!(info.page_tokens, 16);
+        assert_eq!(info.pool_pages, 125, "2000 tokens are 125 pages of 16");
+        assert_eq!(info.pool_tokens, 2000);
+        assert_eq!(info.model_context_length, 8192);
+        assert_eq!(
+            info.context_length,
+            info.model_context_length.min(info.pool_tokens)
+        );
+        assert!(info.page_bytes > 0);
+        assert_eq!(info.architecture, "llama");
+        assert_eq!(info.vocab_size, 49152);
+        assert_eq!((info.bos_token_id, info.eos_token_id), (Some(1), 2));
+        assert!(info.chat_template.contains("im_start"));
+        assert_eq!(info.role(), proto::Role::Both);
+        let tokenizer = info.tokenizer.expect("the tokenizer was asked for");
+        assert_eq!(tokenizer.model, "gpt2");
+        assert_eq!(tokenizer.tokens.len(), 49152);
+        assert_eq!(tokenizer.token_types.len(), 49152);
+        assert_eq!(tokenizer.merges.len(), 48900);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_context_longer_than_the_pool_refuses_to_start() {
+    bounded(async {
+        let mut child = command(&["--kv-tokens", "1024", "--context-length", "4096"])
+            .spawn()
+            .expect("the bulkhead binary starts");
+        let stderr = collect(child.stderr.take().expect("stderr is piped"));
+        let deadline = Instant::now() + STARTUP_LIMIT;
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("waits on the child") {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("the worker started with a context longer than its pool");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert!(!status.success(), "the worker must exit non-zero");
+        // The stderr reader may still be draining the pipe after exit.
+        let text = wait_for_text(&stderr, "--kv-memory").await;
+        assert!(text.contains("--kv-memory"), "stderr: {text}");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn an_over_length_request_is_refused_before_any_page_is_taken() {
+    bounded(async {
+        let worker = Worker::start(&["--kv-tokens", "1024"]);
+        let mut client = worker.client().await;
+        let before = pool(&health(&mut client).await);
+        assert_eq!(before.free, before.total);
+        let request = GenerateRequest {
+            request_id: "too-long".into(),
+            tenant: "tenant-a".into(),
+            prompt: Some(Prompt::Tokens(TokenPrompt {
+                ids: vec![100; 1000],
+            })),
+            max_new_tokens: 100,
+            ..GenerateRequest::default()
+        };
+        let err = client
+            .generate(request)
+            .await
+            .expect_err("1000 + 100 tokens do not fit a 1024-token context");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+        assert_eq!(error_code(&err), Some("context_length_exceeded"), "{err:?}");
+        let after = health(&mut client).await;
+        assert_eq!(after.status(), proto::ServingStatus::Serving);
+        assert_eq!(pool(&after), before, "the pool is untouched");
+        assert_eq!((after.queue_depth, after.running), (0, 0));
+        let (_, metrics) = worker.admin_get("/metrics");
+        assert!(
+            metrics.contains("bulkhead_requests_total{outcome=\"rejected_context_length\"} 1"),
+            "{metrics}"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn dropping_the_stream_returns_every_page_to_the_pool() {
+    bounded(async {
+        let worker = Worker::start(&["--kv-tokens", "2048"]);
+        let mut client = worker.client().await;
+        let mut request = chat("Count from one to one thousand.", 1000);
+        request.ignore_eos = true;
+        let mut stream = client
+            .generate(request)
+            .await
+            .expect("the request is admitted")
+            .into_inner();
+        let first = stream.message().await.expect("no stream error");
+        assert!(
+            matches!(first.and_then(|r| r.item), Some(Item::Token(_))),
+            "a token arrives first"
+        );
+        let during = pool(&health(&mut client).await);
+        assert!(
+            during.owned > 0 && during.free < during.total,
+            "the running request holds pages: {during:?}"
+        );
+        drop(stream);
+
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let h = health(&mut client).await;
+            let p = pool(&h);
+            if p.free == p.total && h.running == 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "pages still held after the client left: {h:?}\n{}",
+                text_of(&worker.stderr)
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let (_, metrics) = worker.admin_get("/metrics");
+        assert!(
+            metrics.contains("bulkhead_requests_total{outcome=\"cancelled\"} 1"),
+            "{metrics}"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_admin_port_serves_metrics_and_health() {
+    bounded(async {
+        let worker = Worker::start(&["--kv-tokens", "2000"]);
+        let (status, body) = worker.admin_get("/metrics");
+        assert!(status.contains(" 200 "), "{status}");
+        assert!(
+            body.contains("bulkhead_kv_pool_capacity_tokens 2000"),
+            "{body}"
+        );
+        assert!(
+            body.contains("bulkhead_served_context_tokens 2000"),
+            "{body}"
+        );
+        assert!(
+            body.contains("bulkhead_kv_pool_pages{state=\"free\"} 125"),
+            "{body}"
+        );
+        let (status, body) = worker.admin_get("/healthz");
+        assert!(status.contains(" 200 "), "{status}");
+        assert_eq!(body.trim(), "ok");
+        let log = wait_for_text(&worker.stderr, "KV pool measured").await;
+        assert!(
+            log.contains("KV pool measured"),
+            "info is logged by default: {log}"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_full_queue_is_resource_exhausted_with_rate_limit_exceeded() {
+    bounded(async {
+        let worker = Worker::start(&[
+            "--kv-tokens",
+            "2048",
+            "--max-running",
+            "1",
+            "--queue-capacity",
+            "1",
+        ]);
+        let mut client = worker.client().await;
+        let mut long = chat("Count from one to one thousand.", 500);
+        long.ignore_eos = true;
+        let mut running = client
+            .generate(long.clone())
+            .await
+            .expect("the first request is admitted")
+            .into_inner();
+        let first = running.message().await.expect("no stream error");
+        assert!(first.is_some(), "the first request runs");
+        let _waiting = client
+            .generate(long.clone())
+            .await
+            .expect("the second request waits in the queue");
+        let err = client
+            .generate(long)
+            .await
+            .expect_err("a third request finds the queue full");
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+        assert_eq!(error_code(&err), Some("rate_limit_exceeded"), "{err:?}");
+    })
+    .await;
+}

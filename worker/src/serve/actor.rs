@@ -1,0 +1,269 @@
+//! The engine actor: one OS thread owns the [`Engine`]; everyone else talks to it through a
+//! cheap, cloneable [`EngineHandle`].
+//!
+//! ```text
+//!   EngineHandle ──Command (Submit/Cancel/Stats)──▶ engine thread
+//!        ▲                                            │ loop:
+//!        └────────── oneshot replies ─────────────────┤   drain commands
+//!                                                     │   step() while there is work
+//!   per request: Event ◀── ChannelSink ◀── engine ────┘   else block on the channel
+//! ```
+//!
+//! The thread never blocks on a listener: events go through unbounded channels, and a listener
+//! that has gone away makes the sink report `Delivery::Gone`, which cancels the request and
+//! frees its pages. A dropped [`super::service`] stream also sends `Cancel`, which covers
+//! requests that emit nothing for a while (waiting, or in a long prefill).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bulkhead_kvpool::{PoolStats, RequestId};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::engine::{Capacity, Delivery, Engine, Event, EventSink, FinishReason, Request};
+
+use super::error::ServeError;
+use super::metrics::{Metrics, Outcome};
+
+/// A snapshot of the engine's load and pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineStats {
+    pub pool: PoolStats,
+    /// Admitted, waiting for pages.
+    pub waiting: usize,
+    pub running: usize,
+    pub capacity: Capacity,
+}
+
+/// What the handle asks of the engine thread.
+#[derive(Debug)]
+enum Command {
+    Submit {
+        request: Request,
+        reply: oneshot::Sender<Result<(), ServeError>>,
+    },
+    Cancel {
+        id: RequestId,
+    },
+    Stats {
+        reply: oneshot::Sender<EngineStats>,
+    },
+}
+
+/// A cloneable handle to the engine thread.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    commands: mpsc::UnboundedSender<Command>,
+    next_id: Arc<AtomicU64>,
+    metrics: Arc<Metrics>,
+}
+
+/// The engine thread, for joining at shutdown.
+#[derive(Debug)]
+pub struct EngineThread(std::thread::JoinHandle<()>);
+
+impl EngineThread {
+    /// Waits for the thread to end (it ends once every handle is dropped).
+    pub fn join(self) {
+        if self.0.join().is_err() {
+            tracing::error!("the engine thread panicked");
+        }
+    }
+}
+
+/// The events of one submitted request; `Done` or `Failed` is the last.
+pub type Events = mpsc::UnboundedReceiver<Event>;
+
+impl EngineHandle {
+    /// Starts the engine thread; it runs until every handle is dropped.
+    pub fn spawn(
+        engine: Engine,
+        metrics: Arc<Metrics>,
+    ) -> std::io::Result<(EngineHandle, EngineThread)> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let thread_metrics = metrics.clone();
+        let thread = std::thread::Builder::new()
+            .name("bulkhead-engine".into())
+            .spawn(move || run(engine, rx, &thread_metrics))?;
+        let handle = EngineHandle {
+            commands: tx,
+            next_id: Arc::new(AtomicU64::new(1)),
+            metrics,
+        };
+        Ok((handle, EngineThread(thread)))
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// A fresh worker-internal id; callers' ids are never trusted to be unique.
+    fn next_id(&self) -> RequestId {
+        RequestId::new(self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Submits the request `build` makes around a fresh sink (with a fresh id); once admitted,
+    /// returns its events and a guard that cancels it when dropped.
+    pub async fn submit(
+        &self,
+        build: impl FnOnce(RequestId, Box<dyn EventSink>) -> Request,
+    ) -> Result<(Events, CancelOnDrop), ServeError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let sink = ChannelSink {
+            tx,
+            metrics: self.metrics.clone(),
+        };
+        let id = self.next_id();
+        let request = build(id, Box::new(sink));
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Submit { request, reply })
+            .map_err(|_| ServeError::EngineGone)?;
+        // From here on, if this future is dropped the request must not linger in the engine.
+        let mut guard = CancelOnDrop {
+            handle: self.clone(),
+            id,
+            armed: true,
+        };
+        match answer.await {
+            Ok(Ok(())) => Ok((rx, guard)),
+            Ok(Err(e)) => {
+                guard.disarm();
+                Err(e)
+            }
+            Err(_) => {
+                guard.disarm();
+                Err(ServeError::EngineGone)
+            }
+        }
+    }
+
+    /// Cancels `id` wherever it is; harmless if it already ended.
+    pub fn cancel(&self, id: RequestId) {
+        // An error means the engine thread is gone, and with it the request.
+        let _ = self.commands.send(Command::Cancel { id });
+    }
+
+    pub async fn stats(&self) -> Result<EngineStats, ServeError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Stats { reply })
+            .map_err(|_| ServeError::EngineGone)?;
+        answer.await.map_err(|_| ServeError::EngineGone)
+    }
+}
+
+/// The engine thread's loop.
+fn run(mut engine: Engine, mut commands: mpsc::UnboundedReceiver<Command>, metrics: &Metrics) {
+    loop {
+        // Block only when there is nothing to do; released pages waiting for a scrub count as
+        // work, since `step` is what scrubs them back onto the free list.
+        let busy = engine.has_work() || engine.pool().stats().pending_scrub > 0;
+        if !busy {
+            match commands.blocking_recv() {
+                Some(c) => handle(&mut engine, c, metrics),
+                None => break,
+            }
+        }
+        loop {
+            match commands.try_recv() {
+                Ok(c) => handle(&mut engine, c, metrics),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    if !engine.has_work() {
+                        return;
+                    }
+                    break;
+                }
+            }
+        }
+        engine.step();
+    }
+}
+
+fn handle(engine: &mut Engine, command: Command, metrics: &Metrics) {
+    match command {
+        Command::Submit { request, reply } => {
+            let result = engine.submit(request).map_err(|(e, _request)| e.into());
+            // A caller that stopped waiting drops its receiver; the request then runs until its
+            // sink reports `Gone` at the first event.
+            let _ = reply.send(result);
+        }
+        Command::Cancel { id } => {
+            if engine.cancel(id) {
+                metrics.count(Outcome::Cancelled);
+            }
+        }
+        Command::Stats { reply } => {
+            let (waiting, running) = engine.load();
+            let _ = reply.send(EngineStats {
+                pool: engine.pool().stats(),
+                waiting,
+                running,
+                capacity: engine.capacity(),
+            });
+        }
+    }
+}
+
+/// Cancels a submitted request when dropped, unless disarmed (it ended on its own).
+#[derive(Debug)]
+pub struct CancelOnDrop {
+    handle: EngineHandle,
+    id: RequestId,
+    armed: bool,
+}
+
+impl CancelOnDrop {
+    /// The worker-internal id of the request.
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// The request ended by itself; dropping the guard no longer cancels it.
+    pub fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            self.handle.cancel(self.id);
+        }
+    }
+}
+
+/// Delivers one request's events to its stream, counting outcomes and tokens. Never blocks.
+#[derive(Debug)]
+struct ChannelSink {
+    tx: mpsc::UnboundedSender<Event>,
+    metrics: Arc<Metrics>,
+}
+
+impl EventSink for ChannelSink {
+    fn emit(&mut self, event: Event) -> Delivery {
+        match &event {
+            Event::Token { .. } => self.metrics.add_generated(1),
+            Event::Done { reason, .. } => self.metrics.count(match reason {
+                FinishReason::Stop => Outcome::Stop,
+                FinishReason::Length => Outcome::Length,
+            }),
+            Event::Failed(f) => self.metrics.count(Outcome::failed(f)),
+            // Transfer events are counted by the transfer paths.
+            Event::Reserved(_) | Event::Prefilled(_) => {}
+        }
+        let is_token = matches!(event, Event::Token { .. });
+        match self.tx.send(event) {
+            Ok(()) => Delivery::Delivered,
+            Err(_) => {
+                // The engine cancels a request whose token found no listener; a final event
+                // that found none was already counted by its outcome above.
+                if is_token {
+                    self.metrics.count(Outcome::Cancelled);
+                }
+                Delivery::Gone
+            }
+        }
+    }
+}

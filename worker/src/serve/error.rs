@@ -1,0 +1,200 @@
+//! Everything that can go wrong with one request, and the one table that turns it into a gRPC
+//! status with a machine-readable code (the proto documents the same table).
+//!
+//! Conversions have no side effects: they log nothing. Internal details (integrity failures,
+//! bugs) are logged where they happen and never sent to the client.
+
+use tonic::metadata::MetadataValue;
+use tonic::{Code, Status};
+
+use crate::engine::{Failure, SubmitError};
+use crate::model::SeqFailure;
+use crate::sampling::SamplingError;
+
+use super::proto::ERROR_CODE_KEY;
+
+/// Why a `GenerateRequest` is malformed. One variant per rule; messages a caller can act on.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ValidationError {
+    #[error("the request has no prompt: set one of tokens, text or chat")]
+    MissingPrompt,
+    #[error("{field} is {len} bytes long; the limit is {limit}")]
+    FieldTooLong {
+        field: &'static str,
+        len: usize,
+        limit: usize,
+    },
+    #[error("{count} stop sequences given; the limit is {limit}")]
+    TooManyStops { count: usize, limit: usize },
+    #[error("stop sequences must not be empty")]
+    EmptyStop,
+    #[error("chat prompt has no messages")]
+    EmptyChat,
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+    #[error("this model cannot render chat prompts: {reason}")]
+    ChatUnavailable { reason: String },
+    #[error("the chat template refused these messages: {reason}")]
+    ChatRender { reason: String },
+    #[error("the text cannot be tokenized: {reason}")]
+    Tokenize { reason: String },
+}
+
+/// One request's failure, wherever it happened.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ServeError {
+    /// Malformed before reaching the engine.
+    #[error(transparent)]
+    Invalid(#[from] ValidationError),
+    /// Refused by the engine's admission; nothing was allocated.
+    #[error(transparent)]
+    Submit(#[from] SubmitError),
+    /// Failed after admission; the output so far must be discarded.
+    #[error(transparent)]
+    Failed(#[from] Failure),
+    /// The engine thread is not running.
+    #[error("the engine is not running")]
+    EngineGone,
+    /// A worker bug outside the engine; details are logged where it happens.
+    #[error("internal error in the {what}")]
+    Internal { what: &'static str },
+}
+
+/// The machine-readable codes, as sent in [`ERROR_CODE_KEY`].
+pub mod codes {
+    pub const CONTEXT_LENGTH_EXCEEDED: &str = "context_length_exceeded";
+    pub const INVALID_REQUEST: &str = "invalid_request_error";
+    pub const RATE_LIMIT_EXCEEDED: &str = "rate_limit_exceeded";
+    pub const KV_INTEGRITY: &str = "kv_integrity_error";
+    pub const INTERNAL: &str = "internal_error";
+    pub const SERVICE_UNAVAILABLE: &str = "service_unavailable";
+}
+
+/// The gRPC status for `err`: the one error table of the worker's API.
+pub fn status(err: &ServeError) -> Status {
+    use codes::*;
+    let (code, tag, message) = match err {
+        ServeError::Invalid(
+            e @ (ValidationError::MissingPrompt
+            | ValidationError::FieldTooLong { .. }
+            | ValidationError::TooManyStops { .. }
+            | ValidationError::EmptyStop
+            | ValidationError::EmptyChat
+            | ValidationError::Sampling(_)
+            | ValidationError::ChatUnavailable { .. }
+            | ValidationError::ChatRender { .. }
+            | ValidationError::Tokenize { .. }),
+        ) => (Code::InvalidArgument, INVALID_REQUEST, e.to_string()),
+        ServeError::Submit(e) => match e {
+            SubmitError::ContextLengthExceeded { .. } => (
+                Code::InvalidArgument,
+                CONTEXT_LENGTH_EXCEEDED,
+                e.to_string(),
+            ),
+            SubmitError::QueueFull { .. } => {
+                (Code::ResourceExhausted, RATE_LIMIT_EXCEEDED, e.to_string())
+            }
+            SubmitError::EmptyPrompt
+            | SubmitError::NoNewTokens
+            | SubmitError::TokenOutOfRange { .. }
+            | SubmitError::ReservationMismatch(_) => {
+                (Code::InvalidArgument, INVALID_REQUEST, e.to_string())
+            }
+            // The worker assigns ids itself, so a duplicate is a worker bug.
+            SubmitError::DuplicateId(_) => (Code::Internal, INTERNAL, "internal error".into()),
+        },
+        ServeError::Failed(f) => match f {
+            Failure::Forward(SeqFailure::Integrity(_)) | Failure::Transfer(_) => (
+                Code::Internal,
+                KV_INTEGRITY,
+                "KV cache integrity check failed; discard this request's output".into(),
+            ),
+            Failure::Forward(SeqFailure::TokenOutOfRange { .. } | SeqFailure::Internal(_)) => {
+                (Code::Internal, INTERNAL, "internal error".into())
+            }
+            Failure::PrefillClosed(_) | Failure::TransferTimedOut(_) => (
+                Code::Unavailable,
+                SERVICE_UNAVAILABLE,
+                "the prefill worker did not complete the request".into(),
+            ),
+        },
+        ServeError::Internal { .. } => (Code::Internal, INTERNAL, "internal error".into()),
+        ServeError::EngineGone => (
+            Code::Unavailable,
+            SERVICE_UNAVAILABLE,
+            "the engine is not running".into(),
+        ),
+    };
+    let mut status = Status::new(code, message);
+    status
+        .metadata_mut()
+        .insert(ERROR_CODE_KEY, MetadataValue::from_static(tag));
+    status
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serve::proto::error_code;
+
+    fn check(err: ServeError, code: Code, tag: &str) {
+        let s = status(&err);
+        assert_eq!(s.code(), code, "{err}");
+        assert_eq!(error_code(&s), Some(tag), "{err}");
+    }
+
+    #[test]
+    fn over_length_prompts_are_invalid_argument_context_length_exceeded() {
+        check(
+            SubmitError::ContextLengthExceeded {
+                requested: 10,
+                limit: 5,
+                prompt: 6,
+                max_new: 4,
+            }
+            .into(),
+            Code::InvalidArgument,
+            codes::CONTEXT_LENGTH_EXCEEDED,
+        );
+    }
+
+    #[test]
+    fn a_full_queue_is_resource_exhausted() {
+        check(
+            SubmitError::QueueFull { capacity: 3 }.into(),
+            Code::ResourceExhausted,
+            codes::RATE_LIMIT_EXCEEDED,
+        );
+    }
+
+    #[test]
+    fn malformed_requests_are_invalid_argument() {
+        for e in [
+            ServeError::from(ValidationError::MissingPrompt),
+            SubmitError::EmptyPrompt.into(),
+            SubmitError::NoNewTokens.into(),
+            SubmitError::TokenOutOfRange { token: 9, vocab: 4 }.into(),
+            ValidationError::Sampling(SamplingError::TopK).into(),
+        ] {
+            check(e, Code::InvalidArgument, codes::INVALID_REQUEST);
+        }
+    }
+
+    #[test]
+    fn internal_details_never_reach_the_client() {
+        let s =
+            status(&Failure::from(SeqFailure::Internal("secret page 7 of tenant b".into())).into());
+        assert_eq!(s.code(), Code::Internal);
+        assert_eq!(error_code(&s), Some(codes::INTERNAL));
+        assert!(!s.message().contains("secret"), "{}", s.message());
+    }
+
+    #[test]
+    fn engine_gone_is_unavailable() {
+        check(
+            ServeError::EngineGone,
+            Code::Unavailable,
+            codes::SERVICE_UNAVAILABLE,
+        );
+    }
+}

@@ -1,0 +1,103 @@
+//! Facts about the served model that callers (the gateway) fetch once: identity, tokenizer,
+//! chat template and the measured limits.
+
+use std::io::Read;
+use std::path::Path;
+
+use crate::engine::Capacity;
+use crate::gguf::Gguf;
+use crate::model::Model;
+use crate::tokenizer::Tokenizer;
+
+use super::proto;
+
+/// How much of the model file goes into the id's hash.
+const ID_PREFIX_BYTES: u64 = 1 << 20;
+
+/// The Info response (without the tokenizer) for `model`, before the pool is measured.
+pub fn describe(
+    model: &Model,
+    tokenizer: &Tokenizer,
+    chat_template: &str,
+    model_id: String,
+    role: proto::Role,
+) -> proto::InfoResponse {
+    let config = model.config();
+    proto::InfoResponse {
+        model_id,
+        model_name: config.name.clone(),
+        architecture: config.arch.clone(),
+        vocab_size: u32::try_from(tokenizer.vocab_size()).unwrap_or(u32::MAX),
+        bos_token_id: tokenizer.bos(),
+        eos_token_id: tokenizer.eos(),
+        chat_template: chat_template.to_owned(),
+        model_context_length: config.context_length as u64,
+        role: role.into(),
+        ..proto::InfoResponse::default()
+    }
+}
+
+/// Fills in the measured limits.
+pub fn set_capacity(info: &mut proto::InfoResponse, capacity: Capacity) {
+    info.context_length = capacity.served_context as u64;
+    info.model_context_length = capacity.model_context as u64;
+    info.pool_tokens = capacity.pool_tokens;
+    info.pool_pages = capacity.pool_pages;
+    info.page_tokens = capacity.page_tokens;
+    info.page_bytes = capacity.page_bytes;
+}
+
+/// `name-SIZE-HASH`: the model's name, the file's size and an FNV-1a hash of its first MiB
+/// (the GGUF header and metadata), so a different file gets a different id without hashing
+/// the whole file at startup.
+pub fn model_id(name: &str, path: &Path) -> std::io::Result<String> {
+    let file = std::fs::File::open(path)?;
+    let size = file.metadata()?.len();
+    let mut prefix = Vec::new();
+    file.take(ID_PREFIX_BYTES).read_to_end(&mut prefix)?;
+    Ok(format!("{name}-{size}-{:016x}", fnv1a(&prefix)))
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// The tokenizer metadata, enough to rebuild the tokenizer elsewhere. Keys that are missing
+/// come out empty (the worker's own tokenizer already loaded, so the required ones exist).
+pub fn tokenizer_data(g: &Gguf) -> proto::TokenizerData {
+    let strings = |key: &str| {
+        g.get_strings(key)
+            .map(|v| v.into_iter().map(str::to_owned).collect())
+            .unwrap_or_default()
+    };
+    let string = |key: &str| g.get_str(key).map(str::to_owned).unwrap_or_default();
+    proto::TokenizerData {
+        model: string("tokenizer.ggml.model"),
+        pre: string("tokenizer.ggml.pre"),
+        tokens: strings("tokenizer.ggml.tokens"),
+        merges: strings("tokenizer.ggml.merges"),
+        token_types: g
+            .get("tokenizer.ggml.token_type")
+            .ok()
+            .and_then(|v| v.as_array())
+            .map(|a| {
+                a.iter()
+                    .map(|t| t.as_u64().and_then(|t| i32::try_from(t).ok()).unwrap_or(1))
+                    .collect()
+            })
+            .unwrap_or_default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fnv1a_matches_the_reference_vectors() {
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+    }
+}

@@ -1,0 +1,302 @@
+//! Prometheus metrics: counters kept here, gauges read from the engine, and the text
+//! exposition format written by hand (one small function, unit-tested).
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::engine::{Failure, SubmitError};
+use crate::model::SeqFailure;
+
+use super::actor::EngineStats;
+use super::error::ServeError;
+
+/// How a request ended, as counted in `bulkhead_requests_total{outcome=...}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// End of sequence or a stop sequence.
+    Stop,
+    /// `max_new_tokens` reached.
+    Length,
+    /// The client went away before the end.
+    Cancelled,
+    RejectedContextLength,
+    RejectedQueueFull,
+    RejectedInvalid,
+    FailedKvIntegrity,
+    /// The prefill side of a transfer failed, closed early or timed out.
+    FailedPrefill,
+    FailedInternal,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 9] = [
+        Outcome::Stop,
+        Outcome::Length,
+        Outcome::Cancelled,
+        Outcome::RejectedContextLength,
+        Outcome::RejectedQueueFull,
+        Outcome::RejectedInvalid,
+        Outcome::FailedKvIntegrity,
+        Outcome::FailedPrefill,
+        Outcome::FailedInternal,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Outcome::Stop => "stop",
+            Outcome::Length => "length",
+            Outcome::Cancelled => "cancelled",
+            Outcome::RejectedContextLength => "rejected_context_length",
+            Outcome::RejectedQueueFull => "rejected_queue_full",
+            Outcome::RejectedInvalid => "rejected_invalid",
+            Outcome::FailedKvIntegrity => "failed_kv_integrity",
+            Outcome::FailedPrefill => "failed_prefill",
+            Outcome::FailedInternal => "failed_internal",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The outcome of a request that failed after admission.
+    pub fn failed(f: &Failure) -> Outcome {
+        match f {
+            Failure::Forward(SeqFailure::Integrity(_)) | Failure::Transfer(_) => {
+                Outcome::FailedKvIntegrity
+            }
+            Failure::Forward(SeqFailure::TokenOutOfRange { .. } | SeqFailure::Internal(_)) => {
+                Outcome::FailedInternal
+            }
+            Failure::PrefillClosed(_) | Failure::TransferTimedOut(_) => Outcome::FailedPrefill,
+        }
+    }
+
+    /// The outcome of a request refused before or at submission.
+    pub fn refused(e: &ServeError) -> Outcome {
+        match e {
+            ServeError::Invalid(_) => Outcome::RejectedInvalid,
+            ServeError::Submit(s) => match s {
+                SubmitError::ContextLengthExceeded { .. } => Outcome::RejectedContextLength,
+                SubmitError::QueueFull { .. } => Outcome::RejectedQueueFull,
+                SubmitError::EmptyPrompt
+                | SubmitError::NoNewTokens
+                | SubmitError::TokenOutOfRange { .. }
+                | SubmitError::ReservationMismatch(_) => Outcome::RejectedInvalid,
+                SubmitError::DuplicateId(_) => Outcome::FailedInternal,
+            },
+            ServeError::Failed(f) => Outcome::failed(f),
+            ServeError::EngineGone | ServeError::Internal { .. } => Outcome::FailedInternal,
+        }
+    }
+}
+
+/// The worker's counters; shared by the service, the engine thread's sinks and `/metrics`.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    requests: [AtomicU64; Outcome::ALL.len()],
+    generated_tokens: AtomicU64,
+}
+
+impl Metrics {
+    pub fn count(&self, outcome: Outcome) {
+        self.requests[outcome.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn add_generated(&self, tokens: u64) {
+        self.generated_tokens.fetch_add(tokens, Ordering::Relaxed);
+    }
+
+    pub fn requests(&self, outcome: Outcome) -> u64 {
+        self.requests[outcome.index()].load(Ordering::Relaxed)
+    }
+
+    pub fn generated_tokens(&self) -> u64 {
+        self.generated_tokens.load(Ordering::Relaxed)
+    }
+
+    /// The Prometheus text exposition of these counters and `stats`.
+    pub fn render(&self, stats: &EngineStats) -> String {
+        let mut out = String::new();
+        let p = &stats.pool;
+        family(
+            &mut out,
+            "bulkhead_kv_pool_pages",
+            "gauge",
+            "KV pool pages by state.",
+        );
+        for (state, n) in [
+            ("free", p.free),
+            ("reserved", p.reserved),
+            ("owned", p.owned),
+            ("releasing", p.releasing),
+            ("quarantined", p.quarantined),
+            ("pending_scrub", p.pending_scrub),
+        ] {
+            let _ = writeln!(out, "bulkhead_kv_pool_pages{{state=\"{state}\"}} {n}");
+        }
+        let c = &stats.capacity;
+        for (name, help, value) in [
+            (
+                "bulkhead_kv_pool_capacity_tokens",
+                "Tokens the KV pool holds, as measured at startup.",
+                c.pool_tokens,
+            ),
+            (
+                "bulkhead_kv_pool_page_tokens",
+                "Tokens per KV page.",
+                u64::from(c.page_tokens),
+            ),
+            (
+                "bulkhead_served_context_tokens",
+                "The longest prompt plus new tokens this worker serves.",
+                c.served_context as u64,
+            ),
+            (
+                "bulkhead_queue_depth",
+                "Requests admitted and waiting for pages.",
+                stats.waiting as u64,
+            ),
+            (
+                "bulkhead_running_requests",
+                "Requests generating now.",
+                stats.running as u64,
+            ),
+        ] {
+            family(&mut out, name, "gauge", help);
+            let _ = writeln!(out, "{name} {value}");
+        }
+        family(
+            &mut out,
+            "bulkhead_requests_total",
+            "counter",
+            "Requests by how they ended.",
+        );
+        for o in Outcome::ALL {
+            let _ = writeln!(
+                out,
+                "bulkhead_requests_total{{outcome=\"{}\"}} {}",
+                o.label(),
+                self.requests(o)
+            );
+        }
+        family(
+            &mut out,
+            "bulkhead_generated_tokens_total",
+            "counter",
+            "Tokens generated, including those of requests cancelled later.",
+        );
+        let _ = writeln!(
+            out,
+            "bulkhead_generated_tokens_total {}",
+            self.generated_tokens()
+        );
+        out
+    }
+}
+
+fn family(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+#[cfg(test)]
+mod tests {
+    use bulkhead_kvpool::PoolStats;
+
+    use super::*;
+    use crate::engine::Capacity;
+
+    fn stats() -> EngineStats {
+        EngineStats {
+            pool: PoolStats {
+                total: 10,
+                free: 6,
+                reserved: 0,
+                owned: 3,
+                releasing: 0,
+                quarantined: 1,
+                pending_scrub: 0,
+            },
+            waiting: 2,
+            running: 1,
+            capacity: Capacity {
+                token_bytes: 256,
+                pool_pages: 10,
+                page_tokens: 16,
+                pool_tokens: 160,
+                page_bytes: 4096,
+                model_context: 8192,
+                served_context: 160,
+            },
+        }
+    }
+
+    fn value(text: &str, series: &str) -> Option<u64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn exposition_has_every_series_with_its_value() {
+        let m = Metrics::default();
+        m.count(Outcome::Stop);
+        m.count(Outcome::Stop);
+        m.count(Outcome::RejectedContextLength);
+        m.add_generated(7);
+        let text = m.render(&stats());
+        assert_eq!(
+            value(&text, "bulkhead_kv_pool_pages{state=\"free\"}"),
+            Some(6)
+        );
+        assert_eq!(
+            value(&text, "bulkhead_kv_pool_pages{state=\"quarantined\"}"),
+            Some(1)
+        );
+        assert_eq!(
+            value(&text, "bulkhead_kv_pool_pages{state=\"pending_scrub\"}"),
+            Some(0)
+        );
+        assert_eq!(value(&text, "bulkhead_kv_pool_capacity_tokens"), Some(160));
+        assert_eq!(value(&text, "bulkhead_served_context_tokens"), Some(160));
+        assert_eq!(value(&text, "bulkhead_queue_depth"), Some(2));
+        assert_eq!(value(&text, "bulkhead_running_requests"), Some(1));
+        assert_eq!(
+            value(&text, "bulkhead_requests_total{outcome=\"stop\"}"),
+            Some(2)
+        );
+        assert_eq!(
+            value(
+                &text,
+                "bulkhead_requests_total{outcome=\"rejected_context_length\"}"
+            ),
+            Some(1)
+        );
+        assert_eq!(
+            value(&text, "bulkhead_requests_total{outcome=\"cancelled\"}"),
+            Some(0)
+        );
+        assert_eq!(value(&text, "bulkhead_generated_tokens_total"), Some(7));
+    }
+
+    #[test]
+    fn every_family_is_declared_once() {
+        let text = Metrics::default().render(&stats());
+        let mut types: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .map(|l| l.split(' ').next().unwrap_or_default())
+            .collect();
+        let n = types.len();
+        types.sort_unstable();
+        types.dedup();
+        assert_eq!(types.len(), n);
+    }
+
+    #[test]
+    fn outcome_indices_match_all() {
+        for (i, o) in Outcome::ALL.iter().enumerate() {
+            assert_eq!(o.index(), i);
+        }
+    }
+}

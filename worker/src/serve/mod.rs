@@ -1,0 +1,192 @@
+//! Serving: the engine behind a gRPC API (`bulkhead.worker.v1.Worker`) and an admin HTTP port.
+//!
+//! ```text
+//!  gRPC Generate/Info/Health ─▶ WorkerService ─┐ validate + tokenize (ValidGenerate)
+//!                                              ▼
+//!  admin /metrics /healthz ──────────────▶ EngineHandle ──commands──▶ engine thread (Engine)
+//!                                              ▲                            │
+//!                       GenerateStream ◀── events (per request) ◀───────────┘
+//! ```
+//!
+//! Startup is two steps so a caller can report the bound addresses before traffic:
+//! [`BoundWorker::bind`] loads the engine (measuring the KV pool and refusing a context longer
+//! than it) and binds both ports; [`BoundWorker::serve`] runs until the shutdown future ends.
+
+mod actor;
+mod admin;
+mod error;
+mod info;
+mod metrics;
+pub mod proto;
+mod service;
+mod validate;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+
+pub use actor::{CancelOnDrop, EngineHandle, EngineStats, EngineThread};
+pub use error::{ServeError, ValidationError, codes, status};
+pub use metrics::{Metrics, Outcome};
+pub use service::{GenerateStream, WorkerService};
+pub use validate::{PromptSource, Prompter, ValidGenerate};
+
+use crate::engine::{Capacity, Engine, EngineConfig, StartupError};
+use crate::loader::LoadedModel;
+use crate::tokenizer::{Tokenizer, TokenizerError};
+
+/// What `bulkhead worker` serves and where.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// The gRPC address; port 0 picks a free port.
+    pub listen: SocketAddr,
+    /// The admin HTTP address (`/metrics`, `/healthz`); port 0 picks a free port.
+    pub admin_listen: SocketAddr,
+    pub engine: EngineConfig,
+}
+
+/// Why the worker could not start or stopped serving.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Engine(#[from] StartupError),
+    #[error("building the request tokenizer: {0}")]
+    Tokenizer(#[from] TokenizerError),
+    #[error("reading the model file {path} for its id: {source}")]
+    ModelFile {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("cannot listen on {addr} ({what}): {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot start the engine thread: {0}")]
+    Thread(std::io::Error),
+    #[error("the gRPC server failed: {0}")]
+    Grpc(#[from] tonic::transport::Error),
+    #[error("the admin server failed: {0}")]
+    Admin(std::io::Error),
+}
+
+/// A worker with its engine running and its ports bound, not yet serving.
+#[derive(Debug)]
+pub struct BoundWorker {
+    grpc: TcpListener,
+    admin: TcpListener,
+    service: WorkerService,
+    engine: EngineHandle,
+    thread: EngineThread,
+    capacity: Capacity,
+}
+
+/// How long shutdown waits for the engine thread to wind down.
+const ENGINE_STOP_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl BoundWorker {
+    /// Starts the engine on `loaded` (read from `model_path`) and binds both ports.
+    pub async fn bind(
+        config: ServeConfig,
+        loaded: LoadedModel,
+        model_path: &Path,
+    ) -> Result<BoundWorker, StartError> {
+        let LoadedModel {
+            model,
+            tokenizer,
+            chat,
+        } = loaded;
+        let model_id = info::model_id(&model.config().name, model_path).map_err(|source| {
+            StartError::ModelFile {
+                path: model_path.display().to_string(),
+                source,
+            }
+        })?;
+        let chat_source = chat.as_ref().map(|c| c.source()).unwrap_or_default();
+        let mut info = info::describe(&model, &tokenizer, chat_source, model_id, proto::Role::Both);
+        let tokenizer_data = info::tokenizer_data(model.gguf());
+        // The service tokenizes off the engine thread, so it gets its own tokenizer.
+        let prompter = Prompter {
+            tokenizer: Tokenizer::from_gguf(model.gguf())?,
+            chat: chat.map_err(|e| e.to_string()),
+        };
+
+        let engine = Engine::new(model, tokenizer, config.engine)?;
+        let capacity = engine.capacity();
+        info::set_capacity(&mut info, capacity);
+
+        let bind = |what, addr| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| StartError::Bind { what, addr, source })
+        };
+        let grpc = bind("gRPC", config.listen).await?;
+        let admin = bind("admin", config.admin_listen).await?;
+
+        let (engine, thread) = EngineHandle::spawn(engine, Arc::new(Metrics::default()))
+            .map_err(StartError::Thread)?;
+        let service = WorkerService::new(engine.clone(), prompter, info, tokenizer_data);
+        Ok(BoundWorker {
+            grpc,
+            admin,
+            service,
+            engine,
+            thread,
+            capacity,
+        })
+    }
+
+    /// The bound gRPC address.
+    pub fn grpc_addr(&self) -> std::io::Result<SocketAddr> {
+        self.grpc.local_addr()
+    }
+
+    /// The bound admin HTTP address.
+    pub fn admin_addr(&self) -> std::io::Result<SocketAddr> {
+        self.admin.local_addr()
+    }
+
+    /// The measured pool and the served context.
+    pub fn capacity(&self) -> Capacity {
+        self.capacity
+    }
+
+    /// Serves both ports until `shutdown` completes or either server fails.
+    pub async fn serve(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), StartError> {
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            shutdown.await;
+            let _ = stop_tx.send(true);
+        });
+        let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+            // An error means the sender is gone, which also means stop.
+            let _ = rx.wait_for(|stop| *stop).await;
+        };
+        let admin = axum::serve(self.admin, admin::router(self.engine))
+            .with_graceful_shutdown(stopped(stop_rx.clone()));
+        let grpc = tonic::transport::Server::builder()
+            .add_service(proto::WorkerServer::new(self.service))
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(self.grpc),
+                stopped(stop_rx),
+            );
+        let result = tokio::select! {
+            r = grpc => r.map_err(StartError::from),
+            r = admin => r.map_err(StartError::Admin),
+        };
+        // Both servers (and so every handle but in-flight streams') are gone; the engine thread
+        // ends once the last request is cancelled or done.
+        let join = tokio::task::spawn_blocking(move || self.thread.join());
+        if tokio::time::timeout(ENGINE_STOP_LIMIT, join).await.is_err() {
+            tracing::warn!("the engine thread is still running at shutdown");
+        }
+        result
+    }
+}

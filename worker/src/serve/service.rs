@@ -1,0 +1,210 @@
+//! The `bulkhead.worker.v1.Worker` gRPC service over an [`EngineHandle`].
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use tonic::codegen::tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use crate::engine::{Event, FinishReason};
+
+use super::actor::{CancelOnDrop, EngineHandle, Events};
+use super::error::{ServeError, status};
+use super::metrics::Outcome;
+use super::proto::{self, Item};
+use super::validate::{Prompter, ValidGenerate};
+
+/// The gRPC service: validation and tokenization here, everything stateful in the engine thread.
+#[derive(Debug, Clone)]
+pub struct WorkerService {
+    engine: EngineHandle,
+    prompter: Arc<Prompter>,
+    /// Fixed at startup, without the tokenizer.
+    info: Arc<proto::InfoResponse>,
+    tokenizer: Arc<proto::TokenizerData>,
+}
+
+impl WorkerService {
+    pub fn new(
+        engine: EngineHandle,
+        prompter: Prompter,
+        info: proto::InfoResponse,
+        tokenizer: proto::TokenizerData,
+    ) -> WorkerService {
+        WorkerService {
+            engine,
+            prompter: Arc::new(prompter),
+            info: Arc::new(info),
+            tokenizer: Arc::new(tokenizer),
+        }
+    }
+
+    fn refuse(&self, caller_id: &str, tenant: &str, e: ServeError) -> Status {
+        self.engine.metrics().count(Outcome::refused(&e));
+        tracing::info!(caller_id, tenant, error = %e, "request refused");
+        status(&e)
+    }
+}
+
+#[tonic::async_trait]
+impl proto::Worker for WorkerService {
+    type GenerateStream = GenerateStream;
+
+    async fn generate(
+        &self,
+        request: Request<proto::GenerateRequest>,
+    ) -> Result<Response<GenerateStream>, Status> {
+        let request = request.into_inner();
+        let (caller_id, tenant) = (request.request_id.clone(), request.tenant.clone());
+        let prompter = self.prompter.clone();
+        let parsed = tokio::task::spawn_blocking(move || {
+            ValidGenerate::parse(request, prompter.as_ref(), rand::random)
+        })
+        .await;
+        let valid = match parsed {
+            Ok(Ok(v)) => v,
+            Ok(Err(e)) => return Err(self.refuse(&caller_id, &tenant, e.into())),
+            Err(join) => {
+                tracing::error!(error = %join, "the tokenizer task failed");
+                let e = ServeError::Internal {
+                    what: "tokenizer task",
+                };
+                return Err(self.refuse(&caller_id, &tenant, e));
+            }
+        };
+        let prompt_tokens = valid.prompt.len();
+        let max_new_tokens = valid.max_new_tokens;
+        let (events, guard) = self
+            .engine
+            .submit(|id, sink| valid.into_request(id, sink))
+            .await
+            .map_err(|e| self.refuse(&caller_id, &tenant, e))?;
+        tracing::info!(
+            request = %guard.id(),
+            caller_id,
+            tenant,
+            prompt_tokens,
+            max_new_tokens,
+            "request admitted"
+        );
+        Ok(Response::new(GenerateStream {
+            events,
+            guard,
+            finished: false,
+        }))
+    }
+
+    async fn info(
+        &self,
+        request: Request<proto::InfoRequest>,
+    ) -> Result<Response<proto::InfoResponse>, Status> {
+        let mut info = proto::InfoResponse::clone(&self.info);
+        if request.into_inner().include_tokenizer {
+            info.tokenizer = Some(proto::TokenizerData::clone(&self.tokenizer));
+        }
+        Ok(Response::new(info))
+    }
+
+    async fn health(
+        &self,
+        _request: Request<proto::HealthRequest>,
+    ) -> Result<Response<proto::HealthResponse>, Status> {
+        let response = match self.engine.stats().await {
+            Ok(stats) => proto::HealthResponse {
+                status: proto::ServingStatus::Serving.into(),
+                pool: Some(proto::PoolPages {
+                    total: stats.pool.total,
+                    free: stats.pool.free,
+                    reserved: stats.pool.reserved,
+                    owned: stats.pool.owned,
+                    releasing: stats.pool.releasing,
+                    quarantined: stats.pool.quarantined,
+                    pending_scrub: stats.pool.pending_scrub,
+                }),
+                queue_depth: saturate(stats.waiting),
+                running: saturate(stats.running),
+            },
+            Err(_) => proto::HealthResponse {
+                status: proto::ServingStatus::NotServing.into(),
+                ..proto::HealthResponse::default()
+            },
+        };
+        Ok(Response::new(response))
+    }
+}
+
+fn saturate(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// One request's response stream. Dropping it before the end (the client went away) cancels
+/// the request in the engine, which frees its pages.
+#[derive(Debug)]
+pub struct GenerateStream {
+    events: Events,
+    guard: CancelOnDrop,
+    /// The final item (`Done` or an error) was sent.
+    finished: bool,
+}
+
+impl Stream for GenerateStream {
+    type Item = Result<proto::GenerateResponse, Status>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        if this.finished {
+            return Poll::Ready(None);
+        }
+        let event = match this.events.poll_recv(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(e) => e,
+        };
+        let item = match event {
+            Some(Event::Token { token, text }) => Ok(Item::Token(proto::Token { id: token, text })),
+            Some(Event::Done {
+                reason,
+                usage,
+                text_tail,
+            }) => {
+                this.finish();
+                Ok(Item::Done(proto::Done {
+                    finish_reason: match reason {
+                        FinishReason::Stop => proto::FinishReason::Stop,
+                        FinishReason::Length => proto::FinishReason::Length,
+                    }
+                    .into(),
+                    prompt_tokens: saturate(usage.prompt_tokens),
+                    completion_tokens: saturate(usage.completion_tokens),
+                    text_tail,
+                }))
+            }
+            Some(Event::Failed(failure)) => {
+                this.finish();
+                tracing::error!(request = %this.guard.id(), error = %failure, "request failed");
+                Err(status(&ServeError::Failed(failure)))
+            }
+            Some(Event::Reserved(_) | Event::Prefilled(_)) => {
+                // Generate submits colocated requests, which never transfer KV.
+                this.finish();
+                tracing::error!(request = %this.guard.id(), "transfer event on a colocated request");
+                Err(status(&ServeError::Internal { what: "engine" }))
+            }
+            None => {
+                // The engine dropped the request without a final event: it is shutting down.
+                this.finish();
+                Err(status(&ServeError::EngineGone))
+            }
+        };
+        Poll::Ready(Some(
+            item.map(|item| proto::GenerateResponse { item: Some(item) }),
+        ))
+    }
+}
+
+impl GenerateStream {
+    fn finish(&mut self) {
+        self.finished = true;
+        self.guard.disarm();
+    }
+}
