@@ -122,7 +122,6 @@ fn logits_and_greedy_tokens_match_llama_cpp() {
                 logits[id as usize]
             );
         }
-        let mut pos = case.tokens.len();
         for (step, (&want, &margin)) in case
             .greedy
             .tokens
@@ -139,8 +138,9 @@ fn logits_and_greedy_tokens_match_llama_cpp() {
                 "{}: greedy step {step} (llama.cpp margin {margin})",
                 case.name
             );
-            logits = s.run(alloc.pages(), pos, &[got]).expect("decode");
-            pos += 1;
+            logits = s
+                .run(alloc.pages(), case.tokens.len() + step, &[got])
+                .expect("decode");
         }
     }
     eprintln!("largest logit difference from llama.cpp: {worst}");
