@@ -582,6 +582,21 @@ impl Engine {
         }
     }
 
+    /// Decode role: the prefill worker refused the transfer `nonce` at its own admission, so
+    /// nothing of it was or will be sent: the request fails with that reason and its pages
+    /// are released at once.
+    pub fn prefill_rejected(&mut self, nonce: SessionNonce, reason: SubmitError) {
+        if let Some(mut t) = self.transfers.remove(&nonce) {
+            let _ = t
+                .request
+                .sink
+                .emit(Event::Failed(Failure::PrefillRejected(reason)));
+            t.pages.release();
+        } else if let Some(d) = self.draining.remove(&nonce) {
+            d.pages.drained();
+        }
+    }
+
     /// Decode role: the data connection carrying `nonces` is gone, so no more of their frames
     /// can arrive; their transfers fail and abandoned ones count as drained.
     pub fn transport_closed(&mut self, nonces: &[SessionNonce]) {

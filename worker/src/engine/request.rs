@@ -78,6 +78,8 @@ pub enum Failure {
     Forward(#[from] SeqFailure),
     #[error("KV transfer integrity: {0}")]
     Transfer(#[from] IntegrityFailure),
+    #[error("the prefill worker refused the request: {0}")]
+    PrefillRejected(SubmitError),
     #[error("the prefill worker closed the transfer without completing it ({0})")]
     PrefillClosed(&'static str),
     #[error("the KV transfer did not complete within {0:?}")]

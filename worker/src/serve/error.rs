@@ -104,6 +104,8 @@ pub fn status(err: &ServeError) -> Status {
             SubmitError::DuplicateId(_) => (Code::Internal, INTERNAL, "internal error".into()),
         },
         ServeError::Failed(f) => match f {
+            // The prefill worker's admission answered for this one: same table.
+            Failure::PrefillRejected(e) => return status(&ServeError::Submit(e.clone())),
             Failure::Forward(SeqFailure::Integrity(_)) | Failure::Transfer(_) => (
                 Code::Internal,
                 KV_INTEGRITY,

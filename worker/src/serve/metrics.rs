@@ -69,6 +69,7 @@ impl Outcome {
                 Outcome::FailedInternal
             }
             Failure::PrefillClosed(_) | Failure::TransferTimedOut(_) => Outcome::FailedPrefill,
+            Failure::PrefillRejected(e) => Outcome::refused(&ServeError::Submit(e.clone())),
         }
     }
 

@@ -3,6 +3,7 @@
 mod admission;
 mod batch_invariance;
 mod common;
+mod disaggregation;
 mod golden;
 mod isolation;
 mod simd_paths;

@@ -1,0 +1,302 @@
+//! Disaggregated prefill/decode inside one process: two engines, the KV handoff's messages
+//! through the real wire codec, and faults injected between them. Invariants I1–I4: only a
+//! complete, verified transfer is ever attended over, and every page comes back.
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use bulkhead_handoff::codec::{decode, encode};
+use bulkhead_handoff::{CloseReason, IntegrityFailure, Message, Reservation};
+use bulkhead_worker::engine::{
+    Engine, EngineConfig, Event, Failure, KvBudget, Outbound, SubmitError,
+};
+use bulkhead_worker::tiny_model::TinySpec;
+
+use crate::common::{Outcome, collect, engine, real_model_owned, request, run_all, tiny_model};
+
+/// Sends `m` through the wire format, as the TCP data plane does.
+fn wire(m: &Message) -> Message {
+    let mut buf = Vec::new();
+    encode(m, &mut buf);
+    let (back, used) = decode(&buf, 64 << 20).expect("valid").expect("complete");
+    assert_eq!(used, buf.len());
+    back
+}
+
+/// Decode reserves; returns the reservation it names to prefill and the request's events.
+fn reserve(
+    decode_engine: &mut Engine,
+    id: u64,
+    prompt: &[u32],
+    max_new: usize,
+) -> (Reservation, mpsc::Receiver<Event>) {
+    let (tx, rx) = mpsc::channel();
+    decode_engine
+        .submit_decode(request(id, prompt, max_new, tx))
+        .map_err(|(e, _)| e)
+        .expect("decode admits");
+    decode_engine.step();
+    match rx.try_recv() {
+        Ok(Event::Reserved(r)) => (r, rx),
+        other => panic!("expected a reservation, got {other:?}"),
+    }
+}
+
+/// Prefill computes the prompt for `target`; returns the outbound transfer.
+fn prefill(
+    prefill_engine: &mut Engine,
+    id: u64,
+    prompt: &[u32],
+    target: Reservation,
+) -> Result<Outbound, SubmitError> {
+    let (tx, rx) = mpsc::channel();
+    prefill_engine
+        .submit_prefill(request(id, prompt, 1, tx), target)
+        .map_err(|(e, _)| e)?;
+    while prefill_engine.has_work() {
+        prefill_engine.step();
+    }
+    match rx.try_recv() {
+        Ok(Event::Prefilled(out)) => Ok(out),
+        other => panic!("expected the prefilled transfer, got {other:?}"),
+    }
+}
+
+/// Decodes until idle and returns the outcome.
+fn finish(decode_engine: &mut Engine, rx: mpsc::Receiver<Event>) -> Outcome {
+    while decode_engine.has_work() {
+        decode_engine.step();
+    }
+    collect(rx)
+}
+
+/// A whole disaggregated request; `fault` may rewrite or drop each message on the way.
+fn disaggregated(
+    d: &mut Engine,
+    p: &mut Engine,
+    prompt: &[u32],
+    max_new: usize,
+    mut fault: impl FnMut(Message) -> Option<Message>,
+) -> Outcome {
+    let (target, rx) = reserve(d, 1, prompt, max_new);
+    let out = prefill(p, 1, prompt, target).expect("prefill admits");
+    let nonce = out.nonce();
+    let messages = out.frames.iter().cloned().map(Message::Frame).chain([
+        Message::Manifest(out.manifest.clone()),
+        Message::Closed {
+            nonce,
+            reason: CloseReason::Complete,
+        },
+    ]);
+    for m in messages.collect::<Vec<_>>() {
+        if let Some(m) = fault(wire(&m)) {
+            d.deliver(m);
+        }
+    }
+    out.close();
+    finish(d, rx)
+}
+
+fn tiny_engine(tokens: u64) -> Engine {
+    engine(
+        tiny_model(TinySpec::default()),
+        EngineConfig {
+            kv: KvBudget::Tokens(tokens),
+            ..EngineConfig::default()
+        },
+    )
+}
+
+fn assert_pages_back(e: &Engine, quarantined: u32) {
+    let s = e.pool().stats();
+    assert_eq!(s.free + s.pending_scrub + s.quarantined, s.total, "{s:?}");
+    assert_eq!(s.quarantined, quarantined, "{s:?}");
+}
+
+#[test]
+fn disaggregated_output_equals_colocated_output() {
+    let prompts = [
+        "The quick brown fox",
+        "In 1969, the first people to walk on the Moon were",
+    ];
+    let mut colocated = engine(real_model_owned(), EngineConfig::default());
+    let mut d = engine(real_model_owned(), EngineConfig::default());
+    let mut p = engine(real_model_owned(), EngineConfig::default());
+    for text in prompts {
+        let prompt = colocated.tokenizer().encode(text, false).expect("encode");
+        let alone = run_all(&mut colocated, vec![(prompt.clone(), 16)]).remove(0);
+        let split = disaggregated(&mut d, &mut p, &prompt, 16, Some);
+        assert_eq!(split, alone, "{text:?}");
+        assert!(matches!(split.finish, Some(Ok(_))));
+    }
+    assert_pages_back(&d, 0);
+    assert_pages_back(&p, 0);
+    assert_eq!(d.transfer_stats().frames_dropped, 0);
+}
+
+#[test]
+fn a_prompt_over_the_prefill_pool_is_rejected_before_any_transfer() {
+    // Decode's pool fits the prompt; prefill's does not (the incident's asymmetry).
+    let mut d = tiny_engine(256);
+    let mut p = tiny_engine(32);
+    let prompt = vec![5u32; 40];
+    let (target, rx) = reserve(&mut d, 1, &prompt, 8);
+    let nonce = target.nonce;
+    let before = p.pool().stats();
+    let err = prefill(&mut p, 1, &prompt, target).expect_err("prefill must refuse");
+    assert!(
+        matches!(
+            err,
+            SubmitError::ContextLengthExceeded {
+                requested: 40,
+                limit: 32,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(p.pool().stats(), before, "prefill allocated nothing");
+    // Decode learns of the rejection at once, fails the request with prefill's reason and
+    // releases the reservation.
+    d.prefill_rejected(nonce, err.clone());
+    assert_eq!(collect(rx).finish, Some(Err(Failure::PrefillRejected(err))));
+    d.step();
+    assert_pages_back(&d, 0);
+}
+
+#[test]
+fn a_corrupted_frame_fails_the_request_and_quarantines_its_pages() {
+    let (mut d, mut p) = (tiny_engine(256), tiny_engine(256));
+    let prompt: Vec<u32> = (3..40).collect();
+    let mut n = 0;
+    let out = disaggregated(&mut d, &mut p, &prompt, 8, |m| {
+        n += 1;
+        match m {
+            Message::Frame(mut f) if n == 2 => {
+                f.bytes[7] ^= 0x10;
+                Some(Message::Frame(f))
+            }
+            other => Some(other),
+        }
+    });
+    assert_eq!(
+        out.finish,
+        Some(Err(Failure::Transfer(IntegrityFailure::ChecksumMismatch {
+            index: 1
+        })))
+    );
+    assert!(
+        out.tokens.is_empty(),
+        "nothing was generated from unverified KV"
+    );
+    assert_pages_back(&d, 3); // the whole reservation: 37 + 8 tokens in pages of 16
+    assert_pages_back(&p, 0);
+}
+
+#[test]
+fn a_dropped_frame_fails_the_request() {
+    let (mut d, mut p) = (tiny_engine(256), tiny_engine(256));
+    let prompt: Vec<u32> = (3..40).collect();
+    let out = disaggregated(&mut d, &mut p, &prompt, 8, |m| match m {
+        Message::Frame(f) if f.header.index == 1 => None,
+        other => Some(other),
+    });
+    assert_eq!(
+        out.finish,
+        Some(Err(Failure::Transfer(IntegrityFailure::PageMissing {
+            index: 1
+        })))
+    );
+}
+
+#[test]
+fn the_incident_a_one_page_placeholder_never_reaches_decode() {
+    // Prefill "rejects" by computing a one-token placeholder and claiming success.
+    let (mut d, mut p) = (tiny_engine(256), tiny_engine(256));
+    let prompt: Vec<u32> = (3..60).collect();
+    let (target, rx) = reserve(&mut d, 1, &prompt, 4);
+    let mut placeholder_target = target.clone();
+    placeholder_target.prompt_tokens = 1;
+    placeholder_target.pages.truncate(1);
+    let out = prefill(&mut p, 1, &prompt[..1], placeholder_target).expect("placeholder prefill");
+    for f in &out.frames {
+        d.deliver(wire(&Message::Frame(f.clone())));
+    }
+    d.deliver(wire(&Message::Manifest(out.manifest.clone())));
+    out.close();
+    let outcome = finish(&mut d, rx);
+    assert!(
+        matches!(outcome.finish, Some(Err(Failure::Transfer(_)))),
+        "{outcome:?}"
+    );
+    assert!(outcome.tokens.is_empty());
+}
+
+#[test]
+fn an_aborted_transfer_keeps_its_pages_until_the_drain_acknowledgement() {
+    let (mut d, mut p) = (tiny_engine(256), tiny_engine(256));
+    let prompt: Vec<u32> = (3..40).collect();
+    let (target, _rx) = reserve(&mut d, 1, &prompt, 8);
+    let out = prefill(&mut p, 1, &prompt, target).expect("prefill");
+    d.deliver(wire(&Message::Frame(out.frames[0].clone())));
+    assert!(
+        d.cancel(bulkhead_kvpool::RequestId::new(1)),
+        "client went away mid-transfer"
+    );
+    let held = d.pool().stats();
+    assert!(held.releasing > 0, "pages wait for the drain: {held:?}");
+    // A late frame of the aborted session is dropped, never written.
+    let dropped = d.transfer_stats().frames_dropped;
+    d.deliver(wire(&Message::Frame(out.frames[1].clone())));
+    assert_eq!(d.transfer_stats().frames_dropped, dropped + 1);
+    d.deliver(Message::Closed {
+        nonce: out.nonce(),
+        reason: CloseReason::Aborted,
+    });
+    out.close();
+    d.step();
+    assert_pages_back(&d, 0);
+    assert_pages_back(&p, 0);
+}
+
+#[test]
+fn without_a_drain_acknowledgement_pages_are_quarantined_never_freed() {
+    let mut d = engine(
+        tiny_model(TinySpec::default()),
+        EngineConfig {
+            kv: KvBudget::Tokens(256),
+            release_timeout: Duration::ZERO,
+            ..EngineConfig::default()
+        },
+    );
+    let prompt: Vec<u32> = (3..40).collect();
+    let (_target, _rx) = reserve(&mut d, 1, &prompt, 8);
+    d.cancel(bulkhead_kvpool::RequestId::new(1));
+    d.step();
+    let s = d.pool().stats();
+    assert_eq!(s.quarantined, 3, "{s:?}"); // 45 tokens → 3 pages
+    assert_eq!(d.transfer_stats().drain_timeouts, 1);
+}
+
+#[test]
+fn a_transfer_that_never_completes_times_out() {
+    let mut d = engine(
+        tiny_model(TinySpec::default()),
+        EngineConfig {
+            kv: KvBudget::Tokens(256),
+            transfer_timeout: Duration::ZERO,
+            ..EngineConfig::default()
+        },
+    );
+    let prompt: Vec<u32> = (3..40).collect();
+    let (_target, rx) = reserve(&mut d, 1, &prompt, 8);
+    d.step();
+    assert!(matches!(
+        collect(rx).finish,
+        Some(Err(Failure::TransferTimedOut(_)))
+    ));
+    assert!(
+        d.pool().stats().releasing > 0,
+        "the pages wait for the drain, not the free list"
+    );
+}
