@@ -2,12 +2,13 @@
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
+use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use bulkhead_kvpool::Scrub;
 use bulkhead_worker::engine::{EngineConfig, KvBudget};
 use bulkhead_worker::loader::LoadedModel;
-use bulkhead_worker::serve::{BoundWorker, ServeConfig};
+use bulkhead_worker::serve::{BoundWorker, RoleConfig, ServeConfig};
 
 use crate::model_path::ModelArgs;
 
@@ -24,6 +25,11 @@ pub mod env {
     pub const MAX_RUNNING: &str = "BULKHEAD_MAX_RUNNING";
     pub const QUEUE_CAPACITY: &str = "BULKHEAD_QUEUE_CAPACITY";
     pub const SCRUB: &str = "BULKHEAD_SCRUB";
+    pub const PREFILL: &str = "BULKHEAD_PREFILL";
+    pub const KV_LISTEN: &str = "BULKHEAD_KV_LISTEN";
+    pub const TRANSFER_BATCH_BYTES: &str = "BULKHEAD_TRANSFER_BATCH_BYTES";
+    pub const TRANSFER_TIMEOUT_MS: &str = "BULKHEAD_TRANSFER_TIMEOUT_MS";
+    pub const RELEASE_TIMEOUT_MS: &str = "BULKHEAD_RELEASE_TIMEOUT_MS";
 }
 
 /// What a worker process does.
@@ -31,9 +37,9 @@ pub mod env {
 pub enum Role {
     /// Prefill and decode in one process.
     Both,
-    /// Prompt forward passes; KV pages out (not implemented yet).
+    /// Prompt forward passes for decode workers; KV pages out.
     Prefill,
-    /// KV pages in; generation (not implemented yet).
+    /// Generation; KV pages in from the prefill worker (--prefill).
     Decode,
 }
 
@@ -81,23 +87,48 @@ pub struct Args {
     /// What released KV pages are filled with before reuse.
     #[arg(long, env = env::SCRUB, value_enum, default_value_t = ScrubArg::Zero)]
     scrub: ScrubArg,
+    /// Decode role: the prefill worker's gRPC address (http://host:port).
+    #[arg(long, env = env::PREFILL, required_if_eq("role", "decode"))]
+    prefill: Option<String>,
+    /// Decode role: the KV data-plane listener prefill workers send pages to.
+    #[arg(long, env = env::KV_LISTEN, default_value = "127.0.0.1:50061")]
+    kv_listen: SocketAddr,
+    /// Prefill role: bytes written per batch; aborts are honoured between batches.
+    #[arg(long, env = env::TRANSFER_BATCH_BYTES, value_parser = parse_bytes, default_value = "4MiB")]
+    transfer_batch_bytes: u64,
+    /// Decode role: how long a reservation waits for its KV (milliseconds).
+    #[arg(long, env = env::TRANSFER_TIMEOUT_MS, default_value_t = 30_000)]
+    transfer_timeout_ms: u64,
+    /// Decode role: how long an abandoned transfer's pages wait for the drain acknowledgement
+    /// before they are quarantined (milliseconds).
+    #[arg(long, env = env::RELEASE_TIMEOUT_MS, default_value_t = 10_000)]
+    release_timeout_ms: u64,
 }
 
 impl Args {
     /// The validated serving configuration.
     fn config(&self) -> anyhow::Result<ServeConfig> {
-        if self.role != Role::Both {
-            bail!(
-                "--role {:?} is not implemented yet in this build; use --role both",
-                self.role
-            );
-        }
+        let role = match self.role {
+            Role::Both => RoleConfig::Both,
+            Role::Prefill => RoleConfig::Prefill {
+                batch_bytes: usize::try_from(self.transfer_batch_bytes)
+                    .context("--transfer-batch-bytes is too large")?,
+            },
+            Role::Decode => RoleConfig::Decode {
+                prefill: self
+                    .prefill
+                    .clone()
+                    .context("--role decode needs --prefill")?,
+                kv_listen: self.kv_listen,
+            },
+        };
         let kv = match (self.kv_memory, self.kv_tokens) {
             (_, Some(t)) => KvBudget::Tokens(t),
             (Some(b), None) => KvBudget::Bytes(b),
             (None, None) => EngineConfig::default().kv,
         };
         Ok(ServeConfig {
+            role,
             listen: self.listen,
             admin_listen: self.admin_listen,
             engine: EngineConfig {
@@ -112,7 +143,8 @@ impl Args {
                 max_batch_tokens: self.max_batch_tokens,
                 max_running: self.max_running,
                 queue_capacity: self.queue_capacity,
-                ..EngineConfig::default()
+                transfer_timeout: Duration::from_millis(self.transfer_timeout_ms),
+                release_timeout: Duration::from_millis(self.release_timeout_ms),
             },
         })
     }
@@ -133,6 +165,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let worker = BoundWorker::bind(config, loaded, &path).await?;
         let capacity = worker.capacity();
         let (grpc, admin) = (worker.grpc_addr()?, worker.admin_addr()?);
+        let kv = match worker.kv_addr() {
+            Some(addr) => format!(" kv={}", addr?),
+            None => String::new(),
+        };
         tracing::info!(
             %grpc,
             %admin,
@@ -141,7 +177,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "worker serving"
         );
         // One machine-readable line on stdout for scripts and tests.
-        println!("bulkhead worker ready grpc={grpc} admin={admin}");
+        println!("bulkhead worker ready grpc={grpc} admin={admin}{kv}");
         worker.serve(shutdown_signal()).await?;
         tracing::info!("worker stopped");
         anyhow::Ok(())

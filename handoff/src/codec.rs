@@ -42,37 +42,43 @@ pub enum CodecError {
 
 /// Appends the encoding of `m` to `out`.
 pub fn encode(m: &Message, out: &mut Vec<u8>) {
-    let kind = match m {
-        Message::Frame(_) => 1,
-        Message::Manifest(_) => 2,
-        Message::Closed { .. } => 3,
-    };
-    out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&[VERSION, kind, 0, 0]);
-    out.extend_from_slice(&m.nonce().0);
     match m {
-        Message::Frame(f) => {
-            let h = &f.header;
-            out.extend_from_slice(&h.index.to_le_bytes());
-            out.extend_from_slice(&h.tag.get().to_le_bytes());
-            out.extend_from_slice(&h.tokens.start.to_le_bytes());
-            out.extend_from_slice(&h.tokens.end.to_le_bytes());
-            out.extend_from_slice(&h.checksum.to_le_bytes());
-            out.extend_from_slice(&(f.bytes.len() as u32).to_le_bytes());
-            out.extend_from_slice(&f.bytes);
-        }
+        Message::Frame(f) => encode_frame(f, out),
         Message::Manifest(x) => {
+            header(2, &x.nonce, out);
             out.extend_from_slice(&x.tokens.to_le_bytes());
             out.extend_from_slice(&x.pages.to_le_bytes());
             out.extend_from_slice(&x.digest.to_le_bytes());
             out.extend_from_slice(&x.first_token.to_le_bytes());
         }
-        Message::Closed { reason, .. } => out.push(match reason {
-            CloseReason::Complete => 0,
-            CloseReason::Aborted => 1,
-            CloseReason::Failed => 2,
-        }),
+        Message::Closed { nonce, reason } => {
+            header(3, nonce, out);
+            out.push(match reason {
+                CloseReason::Complete => 0,
+                CloseReason::Aborted => 1,
+                CloseReason::Failed => 2,
+            });
+        }
     }
+}
+
+/// Appends the encoding of a frame (as [`encode`] of `Message::Frame`, without moving it).
+pub fn encode_frame(f: &Frame, out: &mut Vec<u8>) {
+    let h = &f.header;
+    header(1, &h.nonce, out);
+    out.extend_from_slice(&h.index.to_le_bytes());
+    out.extend_from_slice(&h.tag.get().to_le_bytes());
+    out.extend_from_slice(&h.tokens.start.to_le_bytes());
+    out.extend_from_slice(&h.tokens.end.to_le_bytes());
+    out.extend_from_slice(&h.checksum.to_le_bytes());
+    out.extend_from_slice(&(f.bytes.len() as u32).to_le_bytes());
+    out.extend_from_slice(&f.bytes);
+}
+
+fn header(kind: u8, nonce: &SessionNonce, out: &mut Vec<u8>) {
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&[VERSION, kind, 0, 0]);
+    out.extend_from_slice(&nonce.0);
 }
 
 /// Reads one message from the front of `buf`: `Ok(Some((message, bytes used)))`, `Ok(None)`

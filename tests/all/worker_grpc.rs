@@ -55,6 +55,8 @@ struct Worker {
     child: Child,
     grpc: SocketAddr,
     admin: SocketAddr,
+    /// Decode role: the KV data-plane listener.
+    kv: Option<SocketAddr>,
     stderr: Arc<Mutex<String>>,
 }
 
@@ -111,6 +113,7 @@ impl Worker {
             child,
             grpc: SocketAddr::from(([0, 0, 0, 0], 0)),
             admin: SocketAddr::from(([0, 0, 0, 0], 0)),
+            kv: None,
             stderr,
         };
         let ready = match rx.recv_timeout(STARTUP_LIMIT) {
@@ -126,6 +129,7 @@ impl Worker {
             match key {
                 "grpc" => worker.grpc = addr,
                 "admin" => worker.admin = addr,
+                "kv" => worker.kv = Some(addr),
                 other => panic!("unexpected field {other} in the ready line"),
             }
         }
@@ -432,6 +436,123 @@ async fn a_full_queue_is_resource_exhausted_with_rate_limit_exceeded() {
             .expect_err("a third request finds the queue full");
         assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
         assert_eq!(error_code(&err), Some("rate_limit_exceeded"), "{err:?}");
+    })
+    .await;
+}
+
+/// Streams a request to the end: (text, completion tokens) or the error status.
+async fn run_to_end(
+    client: &mut WorkerClient<Channel>,
+    request: GenerateRequest,
+) -> Result<(String, u32), tonic::Status> {
+    let mut stream = client.generate(request).await?.into_inner();
+    let (mut text, mut tokens) = (String::new(), 0);
+    while let Some(item) = stream.message().await? {
+        match item.item.expect("every item has a body") {
+            Item::Token(t) => {
+                tokens += 1;
+                text.push_str(&t.text);
+            }
+            Item::Done(d) => text.push_str(&d.text_tail),
+        }
+    }
+    Ok((text, tokens))
+}
+
+/// Polls `worker` until every page is free (or waiting for its scrub), within a bound.
+async fn wait_all_pages_back(worker: &Worker) -> proto::PoolPages {
+    let mut client = worker.client().await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let p = pool(&health(&mut client).await);
+        if p.free + p.pending_scrub == p.total || Instant::now() > deadline {
+            return p;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A prefill worker and a decode worker wired to it.
+fn disaggregated(prefill_tokens: &str, decode_tokens: &str) -> (Worker, Worker) {
+    let prefill = Worker::start(&["--role", "prefill", "--kv-tokens", prefill_tokens]);
+    let address = format!("http://{}", prefill.grpc);
+    let decode = Worker::start(&[
+        "--role",
+        "decode",
+        "--prefill",
+        &address,
+        "--kv-listen",
+        "127.0.0.1:0",
+        "--kv-tokens",
+        decode_tokens,
+    ]);
+    assert!(
+        decode.kv.is_some(),
+        "the decode worker reports its KV listener"
+    );
+    (prefill, decode)
+}
+
+#[tokio::test]
+async fn prefill_and_decode_processes_answer_like_a_colocated_worker() {
+    bounded(async {
+        let (prefill, decode) = disaggregated("2048", "2048");
+        let both = Worker::start(&["--kv-tokens", "2048"]);
+        let request = chat("What is 2+2?", 24);
+        let split = run_to_end(&mut decode.client().await, request.clone())
+            .await
+            .expect("disaggregated answer");
+        let colocated = run_to_end(&mut both.client().await, request)
+            .await
+            .expect("colocated answer");
+        assert!(split.0.contains('4'), "{split:?}");
+        assert_eq!(
+            split, colocated,
+            "greedy output does not depend on where prefill ran"
+        );
+        for w in [&prefill, &decode] {
+            let p = wait_all_pages_back(w).await;
+            assert_eq!(p.free + p.pending_scrub, p.total, "{p:?}");
+            assert_eq!(p.quarantined, 0);
+        }
+        let (_, metrics) = decode.admin_get("/metrics");
+        let value = |name: &str| {
+            metrics
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix(name)
+                        .map(|v| v.trim().parse::<u64>().expect("a number"))
+                })
+                .unwrap_or_else(|| panic!("{name} missing from /metrics"))
+        };
+        assert!(
+            value("bulkhead_kv_frames_written_total ") >= 3,
+            "the prompt's pages came over the data plane"
+        );
+        assert_eq!(value("bulkhead_kv_frames_dropped_total "), 0);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_prompt_over_the_prefill_pool_is_refused_with_context_length_exceeded() {
+    bounded(async {
+        // Decode's pool fits the prompt, prefill's does not: the incident's asymmetry.
+        let (prefill, decode) = disaggregated("64", "4096");
+        let long = "Tell me everything about the history of the harbour town. ".repeat(8);
+        let err = run_to_end(&mut decode.client().await, chat(&long, 16))
+            .await
+            .expect_err("prefill must refuse");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+        assert_eq!(error_code(&err), Some("context_length_exceeded"), "{err:?}");
+        let p = wait_all_pages_back(&decode).await;
+        assert_eq!(
+            p.free + p.pending_scrub,
+            p.total,
+            "decode released its reservation: {p:?}"
+        );
+        let p = pool(&health(&mut prefill.client().await).await);
+        assert_eq!(p.free, p.total, "prefill never allocated: {p:?}");
     })
     .await;
 }

@@ -110,6 +110,9 @@ pub enum SubmitError {
     DuplicateId(RequestId),
     #[error("the reservation does not match this worker: {0}")]
     ReservationMismatch(String),
+    /// A peer's refusal of a malformed request, relayed (see `serve::refusal`).
+    #[error("refused by the prefill worker: {0}")]
+    Invalid(String),
 }
 
 impl EventSink for std::sync::mpsc::Sender<Event> {

@@ -17,10 +17,17 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use std::sync::mpsc as std_mpsc;
+use std::time::Instant;
+
+use bulkhead_handoff::{Message, Reservation, SessionNonce};
 use bulkhead_kvpool::{PoolStats, RequestId};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::engine::{Capacity, Delivery, Engine, Event, EventSink, FinishReason, Request};
+use crate::engine::{
+    Capacity, Delivery, Engine, Event, EventSink, FinishReason, Outbound, Request, SubmitError,
+    TransferStats,
+};
 
 use super::error::ServeError;
 use super::metrics::{Metrics, Outcome};
@@ -33,6 +40,18 @@ pub struct EngineStats {
     pub waiting: usize,
     pub running: usize,
     pub capacity: Capacity,
+    pub transfers: TransferStats,
+}
+
+/// How a request is submitted: which part of it runs on this worker.
+#[derive(Debug)]
+pub enum Submission {
+    /// Prefill and decode here.
+    Colocated,
+    /// Decode here; the sink gets `Event::Reserved` for the prefill worker.
+    Decode,
+    /// Prefill here into a decode worker's reservation.
+    PrefillFor(Reservation),
 }
 
 /// What the handle asks of the engine thread.
@@ -40,8 +59,20 @@ pub struct EngineStats {
 enum Command {
     Submit {
         request: Request,
+        how: Submission,
         reply: oneshot::Sender<Result<(), ServeError>>,
     },
+    /// A KV data-plane message for a decode-side transfer.
+    Deliver(Message),
+    /// The prefill worker refused a transfer; nothing of it will arrive.
+    PrefillRejected {
+        nonce: SessionNonce,
+        reason: SubmitError,
+    },
+    /// A data-plane connection ended: nothing more of these sessions can arrive.
+    TransportClosed(Vec<SessionNonce>),
+    /// A prefill-side transfer is over: release its source pages on the engine thread.
+    Close(Box<Outbound>),
     Cancel {
         id: RequestId,
     },
@@ -53,7 +84,7 @@ enum Command {
 /// A cloneable handle to the engine thread.
 #[derive(Debug, Clone)]
 pub struct EngineHandle {
-    commands: mpsc::UnboundedSender<Command>,
+    commands: std_mpsc::Sender<Command>,
     next_id: Arc<AtomicU64>,
     metrics: Arc<Metrics>,
 }
@@ -80,7 +111,7 @@ impl EngineHandle {
         engine: Engine,
         metrics: Arc<Metrics>,
     ) -> std::io::Result<(EngineHandle, EngineThread)> {
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = std_mpsc::channel();
         let thread_metrics = metrics.clone();
         let thread = std::thread::Builder::new()
             .name("bulkhead-engine".into())
@@ -106,6 +137,7 @@ impl EngineHandle {
     /// returns its events and a guard that cancels it when dropped.
     pub async fn submit(
         &self,
+        how: Submission,
         build: impl FnOnce(RequestId, Box<dyn EventSink>) -> Request,
     ) -> Result<(Events, CancelOnDrop), ServeError> {
         let (tx, rx) = mpsc::unbounded_channel();
@@ -117,7 +149,11 @@ impl EngineHandle {
         let request = build(id, Box::new(sink));
         let (reply, answer) = oneshot::channel();
         self.commands
-            .send(Command::Submit { request, reply })
+            .send(Command::Submit {
+                request,
+                how,
+                reply,
+            })
             .map_err(|_| ServeError::EngineGone)?;
         // From here on, if this future is dropped the request must not linger in the engine.
         let mut guard = CancelOnDrop {
@@ -144,6 +180,28 @@ impl EngineHandle {
         let _ = self.commands.send(Command::Cancel { id });
     }
 
+    /// Hands a data-plane message to the engine.
+    pub fn deliver(&self, message: Message) {
+        let _ = self.commands.send(Command::Deliver(message));
+    }
+
+    /// The prefill worker refused transfer `nonce`.
+    pub fn prefill_rejected(&self, nonce: SessionNonce, reason: SubmitError) {
+        let _ = self
+            .commands
+            .send(Command::PrefillRejected { nonce, reason });
+    }
+
+    /// A data-plane connection that carried `nonces` ended.
+    pub fn transport_closed(&self, nonces: Vec<SessionNonce>) {
+        let _ = self.commands.send(Command::TransportClosed(nonces));
+    }
+
+    /// A prefill-side transfer is over; its source pages go back on the engine thread.
+    pub fn close(&self, outbound: Outbound) {
+        let _ = self.commands.send(Command::Close(Box::new(outbound)));
+    }
+
     pub async fn stats(&self) -> Result<EngineStats, ServeError> {
         let (reply, answer) = oneshot::channel();
         self.commands
@@ -154,22 +212,30 @@ impl EngineHandle {
 }
 
 /// The engine thread's loop.
-fn run(mut engine: Engine, mut commands: mpsc::UnboundedReceiver<Command>, metrics: &Metrics) {
+fn run(mut engine: Engine, commands: std_mpsc::Receiver<Command>, metrics: &Metrics) {
     loop {
         // Block only when there is nothing to do; released pages waiting for a scrub count as
-        // work, since `step` is what scrubs them back onto the free list.
+        // work, since `step` is what scrubs them back onto the free list. Transfer deadlines
+        // bound the wait.
         let busy = engine.has_work() || engine.pool().stats().pending_scrub > 0;
         if !busy {
-            match commands.blocking_recv() {
-                Some(c) => handle(&mut engine, c, metrics),
-                None => break,
+            let next = match engine.next_deadline() {
+                None => commands
+                    .recv()
+                    .map_err(|_| std_mpsc::RecvTimeoutError::Disconnected),
+                Some(at) => commands.recv_timeout(at.saturating_duration_since(Instant::now())),
+            };
+            match next {
+                Ok(c) => handle(&mut engine, c, metrics),
+                Err(std_mpsc::RecvTimeoutError::Timeout) => {}
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => break,
             }
         }
         loop {
             match commands.try_recv() {
                 Ok(c) => handle(&mut engine, c, metrics),
-                Err(mpsc::error::TryRecvError::Empty) => break,
-                Err(mpsc::error::TryRecvError::Disconnected) => {
+                Err(std_mpsc::TryRecvError::Empty) => break,
+                Err(std_mpsc::TryRecvError::Disconnected) => {
                     if !engine.has_work() {
                         return;
                     }
@@ -183,17 +249,29 @@ fn run(mut engine: Engine, mut commands: mpsc::UnboundedReceiver<Command>, metri
 
 fn handle(engine: &mut Engine, command: Command, metrics: &Metrics) {
     match command {
-        Command::Submit { request, reply } => {
-            let result = engine.submit(request).map_err(|(e, _request)| e.into());
+        Command::Submit {
+            request,
+            how,
+            reply,
+        } => {
+            let result = match how {
+                Submission::Colocated => engine.submit(request),
+                Submission::Decode => engine.submit_decode(request),
+                Submission::PrefillFor(target) => engine.submit_prefill(request, target),
+            };
             // A caller that stopped waiting drops its receiver; the request then runs until its
             // sink reports `Gone` at the first event.
-            let _ = reply.send(result);
+            let _ = reply.send(result.map_err(|(e, _request)| e.into()));
         }
         Command::Cancel { id } => {
             if engine.cancel(id) {
                 metrics.count(Outcome::Cancelled);
             }
         }
+        Command::Deliver(message) => engine.deliver(message),
+        Command::PrefillRejected { nonce, reason } => engine.prefill_rejected(nonce, reason),
+        Command::TransportClosed(nonces) => engine.transport_closed(&nonces),
+        Command::Close(outbound) => outbound.close(),
         Command::Stats { reply } => {
             let (waiting, running) = engine.load();
             let _ = reply.send(EngineStats {
@@ -201,6 +279,7 @@ fn handle(engine: &mut Engine, command: Command, metrics: &Metrics) {
                 waiting,
                 running,
                 capacity: engine.capacity(),
+                transfers: engine.transfer_stats(),
             });
         }
     }

@@ -38,6 +38,13 @@ pub enum ValidationError {
     ChatRender { reason: String },
     #[error("the text cannot be tokenized: {reason}")]
     Tokenize { reason: String },
+    #[error("the KV reservation is malformed: {reason}")]
+    Reservation { reason: String },
+    #[error("this worker's role is {role}; {call} is not served here")]
+    WrongRole {
+        role: &'static str,
+        call: &'static str,
+    },
 }
 
 /// One request's failure, wherever it happened.
@@ -55,6 +62,9 @@ pub enum ServeError {
     /// The engine thread is not running.
     #[error("the engine is not running")]
     EngineGone,
+    /// The prefill worker could not be reached or dropped the call.
+    #[error("the prefill worker is unavailable: {reason}")]
+    PrefillUnavailable { reason: String },
     /// A worker bug outside the engine; details are logged where it happens.
     #[error("internal error in the {what}")]
     Internal { what: &'static str },
@@ -83,7 +93,9 @@ pub fn status(err: &ServeError) -> Status {
             | ValidationError::Sampling(_)
             | ValidationError::ChatUnavailable { .. }
             | ValidationError::ChatRender { .. }
-            | ValidationError::Tokenize { .. }),
+            | ValidationError::Tokenize { .. }
+            | ValidationError::Reservation { .. }
+            | ValidationError::WrongRole { .. }),
         ) => (Code::InvalidArgument, INVALID_REQUEST, e.to_string()),
         ServeError::Submit(e) => match e {
             SubmitError::ContextLengthExceeded { .. } => (
@@ -97,9 +109,8 @@ pub fn status(err: &ServeError) -> Status {
             SubmitError::EmptyPrompt
             | SubmitError::NoNewTokens
             | SubmitError::TokenOutOfRange { .. }
-            | SubmitError::ReservationMismatch(_) => {
-                (Code::InvalidArgument, INVALID_REQUEST, e.to_string())
-            }
+            | SubmitError::ReservationMismatch(_)
+            | SubmitError::Invalid(_) => (Code::InvalidArgument, INVALID_REQUEST, e.to_string()),
             // The worker assigns ids itself, so a duplicate is a worker bug.
             SubmitError::DuplicateId(_) => (Code::Internal, INTERNAL, "internal error".into()),
         },
@@ -121,6 +132,11 @@ pub fn status(err: &ServeError) -> Status {
             ),
         },
         ServeError::Internal { .. } => (Code::Internal, INTERNAL, "internal error".into()),
+        ServeError::PrefillUnavailable { .. } => (
+            Code::Unavailable,
+            SERVICE_UNAVAILABLE,
+            "the prefill worker is unavailable".into(),
+        ),
         ServeError::EngineGone => (
             Code::Unavailable,
             SERVICE_UNAVAILABLE,

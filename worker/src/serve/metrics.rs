@@ -83,11 +83,13 @@ impl Outcome {
                 SubmitError::EmptyPrompt
                 | SubmitError::NoNewTokens
                 | SubmitError::TokenOutOfRange { .. }
-                | SubmitError::ReservationMismatch(_) => Outcome::RejectedInvalid,
+                | SubmitError::ReservationMismatch(_)
+                | SubmitError::Invalid(_) => Outcome::RejectedInvalid,
                 SubmitError::DuplicateId(_) => Outcome::FailedInternal,
             },
             ServeError::Failed(f) => Outcome::failed(f),
             ServeError::EngineGone | ServeError::Internal { .. } => Outcome::FailedInternal,
+            ServeError::PrefillUnavailable { .. } => Outcome::FailedPrefill,
         }
     }
 }
@@ -192,6 +194,32 @@ impl Metrics {
             "bulkhead_generated_tokens_total {}",
             self.generated_tokens()
         );
+        let t = &stats.transfers;
+        for (name, help, value) in [
+            (
+                "bulkhead_kv_frames_written_total",
+                "KV transfer frames verified and written (decode role).",
+                t.frames_written,
+            ),
+            (
+                "bulkhead_kv_frames_dropped_total",
+                "KV transfer frames dropped: wrong session, stale tag, bad range or size, duplicate, checksum, late.",
+                t.frames_dropped,
+            ),
+            (
+                "bulkhead_kv_integrity_failures_total",
+                "KV transfers that failed verification; their pages were quarantined.",
+                t.integrity_failures,
+            ),
+            (
+                "bulkhead_kv_drain_timeouts_total",
+                "Abandoned transfers quarantined because no drain acknowledgement came.",
+                t.drain_timeouts,
+            ),
+        ] {
+            family(&mut out, name, "counter", help);
+            let _ = writeln!(out, "{name} {value}");
+        }
         out
     }
 }
@@ -206,7 +234,7 @@ mod tests {
     use bulkhead_kvpool::PoolStats;
 
     use super::*;
-    use crate::engine::Capacity;
+    use crate::engine::{Capacity, TransferStats};
 
     fn stats() -> EngineStats {
         EngineStats {
@@ -221,6 +249,10 @@ mod tests {
             },
             waiting: 2,
             running: 1,
+            transfers: TransferStats {
+                frames_dropped: 4,
+                ..TransferStats::default()
+            },
             capacity: Capacity {
                 token_bytes: 256,
                 pool_pages: 10,

@@ -14,10 +14,13 @@
 
 mod actor;
 mod admin;
+mod disagg;
 mod error;
 mod info;
+mod kvplane;
 mod metrics;
 pub mod proto;
+mod refusal;
 mod service;
 mod validate;
 
@@ -28,19 +31,36 @@ use std::sync::Arc;
 
 use tokio::net::TcpListener;
 
-pub use actor::{CancelOnDrop, EngineHandle, EngineStats, EngineThread};
+pub use actor::{CancelOnDrop, EngineHandle, EngineStats, EngineThread, Submission};
+pub use disagg::PrefillPeer;
 pub use error::{ServeError, ValidationError, codes, status};
 pub use metrics::{Metrics, Outcome};
-pub use service::{GenerateStream, WorkerService};
+pub use service::{GenerateStream, ServiceRole, WorkerService};
 pub use validate::{PromptSource, Prompter, ValidGenerate};
 
 use crate::engine::{Capacity, Engine, EngineConfig, StartupError};
 use crate::loader::LoadedModel;
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
+/// The part a worker plays in serving.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RoleConfig {
+    /// Prefill and decode in one process.
+    Both,
+    /// Prefill for decode workers; KV is written in batches of about `batch_bytes`.
+    Prefill { batch_bytes: usize },
+    /// Decode; prompts are prefilled by the worker at `prefill` (a gRPC URI), which sends the
+    /// KV to this worker's data-plane listener at `kv_listen`.
+    Decode {
+        prefill: String,
+        kv_listen: SocketAddr,
+    },
+}
+
 /// What `bulkhead worker` serves and where.
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
+    pub role: RoleConfig,
     /// The gRPC address; port 0 picks a free port.
     pub listen: SocketAddr,
     /// The admin HTTP address (`/metrics`, `/healthz`); port 0 picks a free port.
@@ -72,6 +92,10 @@ pub enum StartError {
     Grpc(#[from] tonic::transport::Error),
     #[error("the admin server failed: {0}")]
     Admin(std::io::Error),
+    #[error("the KV data listener failed: {0}")]
+    KvPlane(std::io::Error),
+    #[error("the prefill address {uri:?} is not a valid URI: {reason}")]
+    PrefillUri { uri: String, reason: String },
 }
 
 /// A worker with its engine running and its ports bound, not yet serving.
@@ -79,6 +103,8 @@ pub enum StartError {
 pub struct BoundWorker {
     grpc: TcpListener,
     admin: TcpListener,
+    /// Decode role: the KV data-plane listener.
+    kv: Option<TcpListener>,
     service: WorkerService,
     engine: EngineHandle,
     thread: EngineThread,
@@ -107,7 +133,12 @@ impl BoundWorker {
             }
         })?;
         let chat_source = chat.as_ref().map(|c| c.source()).unwrap_or_default();
-        let mut info = info::describe(&model, &tokenizer, chat_source, model_id, proto::Role::Both);
+        let proto_role = match config.role {
+            RoleConfig::Both => proto::Role::Both,
+            RoleConfig::Prefill { .. } => proto::Role::Prefill,
+            RoleConfig::Decode { .. } => proto::Role::Decode,
+        };
+        let mut info = info::describe(&model, &tokenizer, chat_source, model_id, proto_role);
         let tokenizer_data = info::tokenizer_data(model.gguf());
         // The service tokenizes off the engine thread, so it gets its own tokenizer.
         let prompter = Prompter {
@@ -129,10 +160,37 @@ impl BoundWorker {
 
         let (engine, thread) = EngineHandle::spawn(engine, Arc::new(Metrics::default()))
             .map_err(StartError::Thread)?;
-        let service = WorkerService::new(engine.clone(), prompter, info, tokenizer_data);
+        let (role, kv) =
+            match config.role {
+                RoleConfig::Both => (ServiceRole::Both, None),
+                RoleConfig::Prefill { batch_bytes } => (ServiceRole::Prefill { batch_bytes }, None),
+                RoleConfig::Decode { prefill, kv_listen } => {
+                    let kv = bind("KV data", kv_listen).await?;
+                    let kv_address = kv.local_addr().map_err(|source| StartError::Bind {
+                        what: "KV data",
+                        addr: kv_listen,
+                        source,
+                    })?;
+                    let endpoint = tonic::transport::Endpoint::from_shared(prefill.clone())
+                        .map_err(|e| StartError::PrefillUri {
+                            uri: prefill,
+                            reason: e.to_string(),
+                        })?;
+                    let client = proto::WorkerClient::new(endpoint.connect_lazy());
+                    (
+                        ServiceRole::Decode(PrefillPeer {
+                            client,
+                            kv_address: kv_address.to_string(),
+                        }),
+                        Some(kv),
+                    )
+                }
+            };
+        let service = WorkerService::new(role, engine.clone(), prompter, info, tokenizer_data);
         Ok(BoundWorker {
             grpc,
             admin,
+            kv,
             service,
             engine,
             thread,
@@ -143,6 +201,11 @@ impl BoundWorker {
     /// The bound gRPC address.
     pub fn grpc_addr(&self) -> std::io::Result<SocketAddr> {
         self.grpc.local_addr()
+    }
+
+    /// Decode role: the bound KV data-plane address.
+    pub fn kv_addr(&self) -> Option<std::io::Result<SocketAddr>> {
+        self.kv.as_ref().map(TcpListener::local_addr)
     }
 
     /// The bound admin HTTP address.
@@ -169,6 +232,18 @@ impl BoundWorker {
             // An error means the sender is gone, which also means stop.
             let _ = rx.wait_for(|stop| *stop).await;
         };
+        let kv = {
+            let (listener, engine, stop) = (self.kv, self.engine.clone(), stopped(stop_rx.clone()));
+            async move {
+                match listener {
+                    Some(l) => tokio::select! {
+                        r = kvplane::serve(l, engine) => r,
+                        () = stop => Ok(()),
+                    },
+                    None => std::future::pending().await,
+                }
+            }
+        };
         let admin = axum::serve(self.admin, admin::router(self.engine))
             .with_graceful_shutdown(stopped(stop_rx.clone()));
         let grpc = tonic::transport::Server::builder()
@@ -180,6 +255,7 @@ impl BoundWorker {
         let result = tokio::select! {
             r = grpc => r.map_err(StartError::from),
             r = admin => r.map_err(StartError::Admin),
+            r = kv => r.map_err(StartError::KvPlane),
         };
         // Both servers (and so every handle but in-flight streams') are gone; the engine thread
         // ends once the last request is cancelled or done.

@@ -15,12 +15,14 @@ mod generated {
 
 pub use generated::generate_request::Prompt;
 pub use generated::generate_response::Item;
+pub use generated::prefill_event::Event as PrefillItem;
 pub use generated::worker_client::WorkerClient;
 pub use generated::worker_server::{Worker, WorkerServer};
 pub use generated::{
     ChatMessage, ChatPrompt, Done, FinishReason, GenerateRequest, GenerateResponse, HealthRequest,
-    HealthResponse, InfoRequest, InfoResponse, PoolPages, Role, SamplingParams, ServingStatus,
-    Token, TokenPrompt, TokenizerData,
+    HealthResponse, InfoRequest, InfoResponse, KvReservation, PoolPages, PrefillAccepted,
+    PrefillEvent, PrefillRequest, PrefillSent, Refusal, RefusalReason, ReservedPage, Role,
+    SamplingParams, ServingStatus, Token, TokenPrompt, TokenizerData,
 };
 
 /// The metadata key of the machine-readable error code on every error status the worker sends.

@@ -9,15 +9,38 @@ use tonic::{Request, Response, Status};
 
 use crate::engine::{Event, FinishReason};
 
-use super::actor::{CancelOnDrop, EngineHandle, Events};
-use super::error::{ServeError, status};
+use super::actor::{CancelOnDrop, EngineHandle, Events, Submission};
+use super::disagg::{self, PrefillCall, PrefillPeer, PrefillStream};
+use super::error::{ServeError, ValidationError, status};
 use super::metrics::Outcome;
 use super::proto::{self, Item};
 use super::validate::{Prompter, ValidGenerate};
 
+/// The part this worker plays.
+#[derive(Debug, Clone)]
+pub enum ServiceRole {
+    /// Prefill and decode in this process.
+    Both,
+    /// Serves `Prefill` for decode workers; writes KV in batches of about `batch_bytes`.
+    Prefill { batch_bytes: usize },
+    /// Serves `Generate`; prompts are prefilled by the peer.
+    Decode(PrefillPeer),
+}
+
+impl ServiceRole {
+    fn name(&self) -> &'static str {
+        match self {
+            ServiceRole::Both => "both",
+            ServiceRole::Prefill { .. } => "prefill",
+            ServiceRole::Decode(_) => "decode",
+        }
+    }
+}
+
 /// The gRPC service: validation and tokenization here, everything stateful in the engine thread.
 #[derive(Debug, Clone)]
 pub struct WorkerService {
+    role: ServiceRole,
     engine: EngineHandle,
     prompter: Arc<Prompter>,
     /// Fixed at startup, without the tokenizer.
@@ -27,12 +50,14 @@ pub struct WorkerService {
 
 impl WorkerService {
     pub fn new(
+        role: ServiceRole,
         engine: EngineHandle,
         prompter: Prompter,
         info: proto::InfoResponse,
         tokenizer: proto::TokenizerData,
     ) -> WorkerService {
         WorkerService {
+            role,
             engine,
             prompter: Arc::new(prompter),
             info: Arc::new(info),
@@ -50,6 +75,27 @@ impl WorkerService {
 #[tonic::async_trait]
 impl proto::Worker for WorkerService {
     type GenerateStream = GenerateStream;
+    type PrefillStream = PrefillStream;
+
+    async fn prefill(
+        &self,
+        request: Request<proto::PrefillRequest>,
+    ) -> Result<Response<PrefillStream>, Status> {
+        match &self.role {
+            ServiceRole::Prefill { batch_bytes } => {
+                disagg::prefill(&self.engine, request.into_inner(), *batch_bytes)
+                    .await
+                    .map(Response::new)
+            }
+            ServiceRole::Both | ServiceRole::Decode(_) => {
+                let e = ValidationError::WrongRole {
+                    role: self.role.name(),
+                    call: "Prefill",
+                };
+                Err(status(&e.into()))
+            }
+        }
+    }
 
     async fn generate(
         &self,
@@ -75,11 +121,24 @@ impl proto::Worker for WorkerService {
         };
         let prompt_tokens = valid.prompt.len();
         let max_new_tokens = valid.max_new_tokens;
-        let (events, guard) = self
-            .engine
-            .submit(|id, sink| valid.into_request(id, sink))
-            .await
-            .map_err(|e| self.refuse(&caller_id, &tenant, e))?;
+        let started = match &self.role {
+            ServiceRole::Both => self
+                .engine
+                .submit(Submission::Colocated, |id, sink| {
+                    valid.into_request(id, sink)
+                })
+                .await
+                .map(|(events, guard)| (events, guard, None)),
+            ServiceRole::Decode(peer) => disagg::start_remote_prefill(&self.engine, peer, valid)
+                .await
+                .map(|(events, guard, call)| (events, guard, Some(call))),
+            ServiceRole::Prefill { .. } => Err(ValidationError::WrongRole {
+                role: "prefill",
+                call: "Generate",
+            }
+            .into()),
+        };
+        let (events, guard, prefill) = started.map_err(|e| self.refuse(&caller_id, &tenant, e))?;
         tracing::info!(
             request = %guard.id(),
             caller_id,
@@ -92,6 +151,7 @@ impl proto::Worker for WorkerService {
             events,
             guard,
             finished: false,
+            _prefill: prefill,
         }))
     }
 
@@ -146,6 +206,8 @@ pub struct GenerateStream {
     guard: CancelOnDrop,
     /// The final item (`Done` or an error) was sent.
     finished: bool,
+    /// Decode role: the prefill call; dropping it (with this stream) aborts the transfer.
+    _prefill: Option<PrefillCall>,
 }
 
 impl Stream for GenerateStream {
@@ -185,7 +247,8 @@ impl Stream for GenerateStream {
                 Err(status(&ServeError::Failed(failure)))
             }
             Some(Event::Reserved(_) | Event::Prefilled(_)) => {
-                // Generate submits colocated requests, which never transfer KV.
+                // A reservation is consumed before the stream starts; prefill events belong
+                // to the Prefill call.
                 this.finish();
                 tracing::error!(request = %this.guard.id(), "transfer event on a colocated request");
                 Err(status(&ServeError::Internal { what: "engine" }))

@@ -1,0 +1,206 @@
+//! The two network legs of a disaggregated request.
+//!
+//! Decode ([`start_remote_prefill`]): after the engine reserved the pages, call the prefill
+//! worker's `Prefill` with the reservation. A refusal there fails the request at once with the
+//! prefill worker's reason and releases the reservation (nothing was sent); an unreachable
+//! prefill worker fails it with `service_unavailable` and the pages wait for the drain. The
+//! call's stream is kept with the client's stream: when the client goes away, dropping it
+//! aborts the transfer on the prefill side.
+//!
+//! Prefill ([`prefill`]): admit into this worker's own pool, compute, and write the frames to
+//! decode's data plane in bounded batches, stopping with `Closed(aborted)` as soon as decode
+//! drops the call. The source pages go back only after the transfer is closed.
+
+use std::pin::Pin;
+
+use tokio::sync::mpsc;
+use tonic::Status;
+use tonic::codegen::tokio_stream::Stream;
+use tonic::transport::Channel;
+
+use super::actor::{CancelOnDrop, EngineHandle, Events, Submission};
+use super::error::{ServeError, ValidationError, status};
+use super::kvplane::{self, Sent};
+use super::proto::{self, PrefillItem, WorkerClient};
+use super::refusal::{from_proto_reservation, from_refusal, to_proto_reservation, to_refusal};
+use super::validate::ValidGenerate;
+use crate::engine::{Event, Request};
+use crate::sampling::SamplingParams;
+
+/// A decode worker's way to its prefill worker.
+#[derive(Debug, Clone)]
+pub struct PrefillPeer {
+    pub client: WorkerClient<Channel>,
+    /// Where the prefill worker sends KV: this worker's data-plane address.
+    pub kv_address: String,
+}
+
+/// The live `Prefill` call of a request; dropping it aborts the transfer.
+pub type PrefillCall = tonic::Streaming<proto::PrefillEvent>;
+
+/// Decode role: waits for the engine's reservation and hands it to the prefill worker.
+/// Returns the request's events and the live prefill call.
+pub async fn start_remote_prefill(
+    engine: &EngineHandle,
+    peer: &PrefillPeer,
+    valid: ValidGenerate,
+) -> Result<(Events, CancelOnDrop, PrefillCall), ServeError> {
+    let prompt = valid.prompt.clone();
+    let sampling = valid.sampling;
+    let (caller_id, tenant) = (valid.caller_id.clone(), valid.tenant.clone());
+    let (mut events, guard) = engine
+        .submit(Submission::Decode, |id, sink| valid.into_request(id, sink))
+        .await?;
+    let target = match events.recv().await {
+        Some(Event::Reserved(target)) => target,
+        Some(Event::Failed(f)) => return Err(ServeError::Failed(f)),
+        None => return Err(ServeError::EngineGone),
+        Some(other) => {
+            tracing::error!(event = ?other, "a decode request's first event was not its reservation");
+            return Err(ServeError::Internal { what: "engine" });
+        }
+    };
+    let request = proto::PrefillRequest {
+        request_id: caller_id,
+        tenant,
+        prompt,
+        sampling: Some(proto::SamplingParams {
+            temperature: sampling.temperature,
+            top_k: sampling.top_k.map(|k| u32::try_from(k).unwrap_or(u32::MAX)),
+            top_p: Some(sampling.top_p),
+            seed: Some(sampling.seed),
+        }),
+        reservation: Some(to_proto_reservation(&target)),
+        kv_address: peer.kv_address.clone(),
+    };
+    // Failing here drops `guard`: the request is cancelled and its pages wait for the drain.
+    let unavailable = |reason: String| ServeError::PrefillUnavailable { reason };
+    let mut call = peer
+        .client
+        .clone()
+        .prefill(request)
+        .await
+        .map_err(|s| unavailable(s.message().to_owned()))?
+        .into_inner();
+    match call.message().await {
+        Ok(Some(proto::PrefillEvent {
+            event: Some(PrefillItem::Accepted(_)),
+        })) => Ok((events, guard, call)),
+        Ok(Some(proto::PrefillEvent {
+            event: Some(PrefillItem::Rejected(refusal)),
+        })) => {
+            let reason = from_refusal(&refusal);
+            engine.prefill_rejected(target.nonce, reason.clone());
+            let mut guard = guard;
+            guard.disarm();
+            Err(ServeError::Submit(reason))
+        }
+        Ok(other) => Err(unavailable(format!("unexpected first answer {other:?}"))),
+        Err(s) => Err(unavailable(s.message().to_owned())),
+    }
+}
+
+/// The `Prefill` answer stream.
+pub type PrefillStream = Pin<Box<dyn Stream<Item = Result<proto::PrefillEvent, Status>> + Send>>;
+
+/// Prefill role: the `Prefill` RPC.
+pub async fn prefill(
+    engine: &EngineHandle,
+    request: proto::PrefillRequest,
+    batch_bytes: usize,
+) -> Result<PrefillStream, Status> {
+    let target = request
+        .reservation
+        .as_ref()
+        .ok_or_else(|| ValidationError::Reservation {
+            reason: "missing".into(),
+        })
+        .and_then(from_proto_reservation)
+        .map_err(|e| status(&e.into()))?;
+    let sampling = match request.sampling {
+        None => SamplingParams::GREEDY,
+        Some(s) => SamplingParams {
+            temperature: s.temperature,
+            top_k: s.top_k.map(|k| k as usize),
+            top_p: s.top_p.unwrap_or(1.0),
+            seed: s.seed.unwrap_or(0),
+        },
+    }
+    .validate()
+    .map_err(|e| status(&ValidationError::Sampling(e).into()))?;
+    let (tx, rx) = mpsc::channel::<Result<proto::PrefillEvent, Status>>(4);
+    let item = |event| Ok(proto::PrefillEvent { event: Some(event) });
+    let submitted = engine
+        .submit(Submission::PrefillFor(target), |id, sink| Request {
+            id,
+            prompt: request.prompt,
+            max_new_tokens: 1,
+            sampling,
+            stop: Vec::new(),
+            ignore_eos: true,
+            sink,
+        })
+        .await;
+    match submitted {
+        Err(ServeError::Submit(e)) => {
+            tracing::info!(caller_id = request.request_id, error = %e, "prefill refused");
+            let _ = tx.send(item(PrefillItem::Rejected(to_refusal(&e)))).await;
+        }
+        Err(e) => return Err(status(&e)),
+        Ok((events, guard)) => {
+            let _ = tx
+                .send(item(PrefillItem::Accepted(proto::PrefillAccepted {})))
+                .await;
+            let engine = engine.clone();
+            let address = request.kv_address;
+            tokio::spawn(transfer(engine, events, guard, tx, address, batch_bytes));
+        }
+    }
+    Ok(Box::pin(
+        tonic::codegen::tokio_stream::wrappers::ReceiverStream::new(rx),
+    ))
+}
+
+/// Waits for the prompt's KV and writes it to decode; the source pages go back once the
+/// transfer is closed, whatever happened.
+async fn transfer(
+    engine: EngineHandle,
+    mut events: Events,
+    mut guard: CancelOnDrop,
+    tx: mpsc::Sender<Result<proto::PrefillEvent, Status>>,
+    address: String,
+    batch_bytes: usize,
+) {
+    let outbound = tokio::select! {
+        event = events.recv() => match event {
+            Some(Event::Prefilled(outbound)) => outbound,
+            Some(Event::Failed(f)) => {
+                let _ = tx.send(Err(status(&ServeError::Failed(f)))).await;
+                return;
+            }
+            other => {
+                tracing::error!(event = ?other, "a prefill request ended without its KV");
+                let _ = tx.send(Err(status(&ServeError::Internal { what: "engine" }))).await;
+                return;
+            }
+        },
+        // Decode dropped the call before the prompt was computed: the guard cancels it.
+        () = tx.closed() => return,
+    };
+    guard.disarm();
+    let sent = kvplane::send(&address, &outbound, batch_bytes, || tx.is_closed()).await;
+    engine.close(outbound);
+    let answer = match sent {
+        Ok(Sent::Complete { frames, bytes }) => Ok(proto::PrefillEvent {
+            event: Some(PrefillItem::Sent(proto::PrefillSent { frames, bytes })),
+        }),
+        Ok(Sent::Aborted) => return,
+        Err(e) => {
+            tracing::warn!(%address, error = %e, "KV transfer to decode failed");
+            Err(status(&ServeError::PrefillUnavailable {
+                reason: e.to_string(),
+            }))
+        }
+    };
+    let _ = tx.send(answer).await;
+}
