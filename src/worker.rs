@@ -269,7 +269,7 @@ mod tests {
     }
 
     #[test]
-    fn split_roles_fail_with_a_clear_message() {
+    fn roles_and_budgets_parse_into_the_serving_configuration() {
         use clap::Parser;
 
         #[derive(Debug, clap::Parser)]
@@ -277,9 +277,26 @@ mod tests {
             #[command(flatten)]
             args: Args,
         }
-        let cli = Cli::try_parse_from(["x", "--role", "prefill"]).expect("parses");
-        let err = cli.args.config().expect_err("prefill is refused");
-        assert!(err.to_string().contains("use --role both"), "{err}");
+        let cli = Cli::try_parse_from(["x", "--role", "decode"]);
+        let err = cli
+            .expect_err("decode needs its prefill worker")
+            .to_string();
+        assert!(err.contains("--prefill"), "{err}");
+        let cli = Cli::try_parse_from(["x", "--role", "decode", "--prefill", "http://p:1"])
+            .expect("parses");
+        let role = cli.args.config().expect("valid").role;
+        assert!(
+            matches!(role, RoleConfig::Decode { ref prefill, .. } if prefill == "http://p:1"),
+            "{role:?}"
+        );
+        let cli = Cli::try_parse_from(["x", "--role", "prefill", "--transfer-batch-bytes", "1MiB"])
+            .expect("parses");
+        assert_eq!(
+            cli.args.config().expect("valid").role,
+            RoleConfig::Prefill {
+                batch_bytes: 1 << 20
+            }
+        );
         let cli = Cli::try_parse_from(["x", "--kv-memory", "1GiB", "--kv-tokens", "5"]);
         assert!(cli.is_err(), "--kv-memory and --kv-tokens conflict");
         let cli = Cli::try_parse_from(["x", "--kv-memory", "64MiB"]).expect("parses");
