@@ -556,3 +556,37 @@ async fn a_prompt_over_the_prefill_pool_is_refused_with_context_length_exceeded(
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_prefill_worker_killed_mid_request_fails_it_fast_and_decode_gets_its_pages_back() {
+    bounded(async {
+        let (mut prefill, decode) = disaggregated("8192", "8192");
+        let long = "Describe the harbour, the boats, the market and the people in great detail. "
+            .repeat(60);
+        let mut client = decode.client().await;
+        let request = tokio::spawn(async move { run_to_end(&mut client, chat(&long, 16)).await });
+        // Wait until the prefill worker is computing the prompt, then kill it.
+        let mut pc = prefill.client().await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while health(&mut pc).await.running == 0 {
+            assert!(Instant::now() < deadline, "prefill never started");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        prefill.child.kill().expect("kill the prefill worker");
+        let killed_at = Instant::now();
+        let err = request
+            .await
+            .expect("the client task")
+            .expect_err("the request cannot succeed");
+        assert!(
+            killed_at.elapsed() < Duration::from_secs(5),
+            "no leg waits on a dead peer: {:?}",
+            killed_at.elapsed()
+        );
+        assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+        assert_eq!(error_code(&err), Some("service_unavailable"));
+        let p = wait_all_pages_back(&decode).await;
+        assert_eq!(p.free + p.pending_scrub, p.total, "{p:?}");
+    })
+    .await;
+}

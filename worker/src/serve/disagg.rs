@@ -18,6 +18,8 @@ use tonic::Status;
 use tonic::codegen::tokio_stream::Stream;
 use tonic::transport::Channel;
 
+use bulkhead_handoff::SessionNonce;
+
 use super::actor::{CancelOnDrop, EngineHandle, Events, Submission};
 use super::error::{ServeError, ValidationError, status};
 use super::kvplane::{self, Sent};
@@ -35,8 +37,44 @@ pub struct PrefillPeer {
     pub kv_address: String,
 }
 
-/// The live `Prefill` call of a request; dropping it aborts the transfer.
-pub type PrefillCall = tonic::Streaming<proto::PrefillEvent>;
+/// The live `Prefill` call of a request, watched: if the prefill worker fails or vanishes
+/// before the transfer is sent, decode fails the request at once instead of waiting for the
+/// transfer timeout. Dropping it (with the client's stream) cancels the call, which aborts
+/// the transfer on the prefill side.
+#[derive(Debug)]
+pub struct PrefillCall(tokio::task::JoinHandle<()>);
+
+impl Drop for PrefillCall {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl PrefillCall {
+    fn watch(
+        engine: EngineHandle,
+        nonce: SessionNonce,
+        mut call: tonic::Streaming<proto::PrefillEvent>,
+    ) -> PrefillCall {
+        PrefillCall(tokio::spawn(async move {
+            loop {
+                match call.message().await {
+                    Ok(Some(proto::PrefillEvent {
+                        event: Some(PrefillItem::Sent(_)),
+                    })) => return,
+                    Ok(Some(_)) => {}
+                    Ok(None) | Err(_) => {
+                        // The prefill side is gone or failed: nothing more of this session
+                        // will be sent. (Frames already on the data plane are dropped: the
+                        // session is no longer open.)
+                        engine.transport_closed(vec![nonce]);
+                        return;
+                    }
+                }
+            }
+        }))
+    }
+}
 
 /// Decode role: waits for the engine's reservation and hands it to the prefill worker.
 /// Returns the request's events and the live prefill call.
@@ -85,7 +123,11 @@ pub async fn start_remote_prefill(
     match call.message().await {
         Ok(Some(proto::PrefillEvent {
             event: Some(PrefillItem::Accepted(_)),
-        })) => Ok((events, guard, call)),
+        })) => Ok((
+            events,
+            guard,
+            PrefillCall::watch(engine.clone(), target.nonce, call),
+        )),
         Ok(Some(proto::PrefillEvent {
             event: Some(PrefillItem::Rejected(refusal)),
         })) => {
