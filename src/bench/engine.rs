@@ -11,13 +11,8 @@ use bulkhead_worker::loader::LoadedModel;
 use bulkhead_worker::sampling::SamplingParams;
 use serde_json::json;
 
+use super::{median, peak_rss_bytes};
 use crate::model_path::ModelArgs;
-
-#[derive(Debug, clap::Subcommand)]
-pub enum What {
-    /// Prefill and decode tokens/s of the engine.
-    Engine(EngineArgs),
-}
 
 #[derive(Debug, clap::Args)]
 pub struct EngineArgs {
@@ -35,13 +30,12 @@ pub struct EngineArgs {
 }
 
 /// Prose the benchmark prompts are cut from.
-const TEXT: &str = "The harbour woke before the town did. Fishing boats slid out past the breakwater \
+pub(super) const TEXT: &str = "The harbour woke before the town did. Fishing boats slid out past the breakwater \
     while the lamps along the quay were still lit, and the gulls followed them, crying over the \
     grey water. In the market hall, traders stacked crates of apples and pears, argued about the \
     price of salt, and drank coffee from chipped enamel mugs. ";
 
-pub fn run(what: What) -> anyhow::Result<()> {
-    let What::Engine(args) = what;
+pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.runs > 0, "--runs must be at least 1");
     let threads = args.model.init_threads()?;
     let path = args.model.path()?;
@@ -159,21 +153,4 @@ fn check(e: &Event) -> anyhow::Result<()> {
         bail!("benchmark request failed: {f}");
     }
     Ok(())
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-/// The process's peak resident set (VmHWM).
-fn peak_rss_bytes() -> anyhow::Result<u64> {
-    let status =
-        std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
-    let kb = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .context("no VmHWM in /proc/self/status")?;
-    Ok(kb * 1024)
 }

@@ -1,0 +1,40 @@
+//! `bulkhead bench`: benchmarks that print one JSON object on stdout, medians over `--runs`.
+
+mod engine;
+mod transfer;
+
+use anyhow::Context;
+
+#[derive(Debug, clap::Subcommand)]
+pub enum What {
+    /// Prefill and decode tokens/s of the engine.
+    Engine(engine::EngineArgs),
+    /// KV handoff throughput over loopback against a raw socket copy, integrity checks on and
+    /// off, and time to first token disaggregated against colocated.
+    Transfer(transfer::TransferArgs),
+}
+
+pub fn run(what: What) -> anyhow::Result<()> {
+    match what {
+        What::Engine(args) => engine::run(args),
+        What::Transfer(args) => transfer::run(args),
+    }
+}
+
+/// The median of `v` (the upper one for an even count).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The process's peak resident set (VmHWM).
+fn peak_rss_bytes() -> anyhow::Result<u64> {
+    let status =
+        std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .context("no VmHWM in /proc/self/status")?;
+    Ok(kb * 1024)
+}
