@@ -128,6 +128,11 @@ impl BoundGateway {
     }
 }
 
+/// Completes once stop is set (or its sender is gone, which also means stop).
+async fn stopped(stop: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
 /// Accepts HTTP/1.1 connections until stopped; a client that has not sent its headers within
 /// `header_timeout` is disconnected (slowloris). In-flight connections get [`DRAIN_LIMIT`].
 async fn serve_listener(
@@ -152,7 +157,7 @@ async fn serve_listener(
                     continue;
                 }
             },
-            _ = stop.wait_for(|s| *s) => break,
+            () = stopped(&mut stop) => break,
         };
         let _ = stream.set_nodelay(true);
         let service = TowerToHyperService::new(router.clone());
