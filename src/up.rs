@@ -71,8 +71,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let gateway = BoundGateway::bind(config).await?;
         let (api, admin) = (gateway.api_addr()?, gateway.admin_addr()?);
         println!(
-            "bulkhead up ready api=http://{api} admin=http://{admin} worker={}",
-            worker.grpc
+            "bulkhead up ready api=http://{api} admin=http://{admin} worker={} worker_pid={}",
+            worker.grpc,
+            worker.child.id().unwrap_or(0)
         );
         println!(
             "\nBulkhead is serving an OpenAI-compatible API at http://{api}/v1\n\
