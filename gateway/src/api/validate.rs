@@ -339,14 +339,14 @@ fn common(
         return Err(RequestError::BadStopLength);
     }
 
-    if let Some(n) = get(map, "n") {
-        if n.as_u64() != Some(1) {
-            return Err(RequestError::UnsupportedValue {
-                field: "n",
-                value: n.to_string(),
-                supported: "only n = 1 is supported",
-            });
-        }
+    if let Some(n) = get(map, "n")
+        && n.as_u64() != Some(1)
+    {
+        return Err(RequestError::UnsupportedValue {
+            field: "n",
+            value: n.to_string(),
+            supported: "only n = 1 is supported",
+        });
     }
 
     let stream = match get(map, "stream") {
