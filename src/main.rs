@@ -1,8 +1,10 @@
 //! `bulkhead`: the command-line front door.
 
 mod bench;
+mod gateway;
 mod generate;
 mod model_path;
+mod up;
 mod worker;
 
 use clap::{Parser, Subcommand};
@@ -29,14 +31,20 @@ enum Command {
     },
     /// Serve the model over gRPC (bulkhead.worker.v1), with /metrics on an admin port.
     Worker(worker::Args),
+    /// Serve the OpenAI-compatible gateway in front of the configured workers.
+    Gateway(gateway::Args),
+    /// Start a worker and the gateway on loopback with the default configuration.
+    Up(up::Args),
+    /// Print the SHA-256 digest of each key read from stdin (one per line), for configs.
+    HashKey,
 }
 
 fn main() -> anyhow::Result<()> {
     let command = Cli::parse().command;
     // Servers log their startup facts (measured pool, served context) by default.
     let default_level = match command {
-        Command::Worker(_) => "info",
-        Command::Generate(_) | Command::Bench { .. } => "warn",
+        Command::Worker(_) | Command::Gateway(_) | Command::Up(_) => "info",
+        Command::Generate(_) | Command::Bench { .. } | Command::HashKey => "warn",
     };
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -49,5 +57,8 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::Bench { what } => bench::run(what),
         Command::Worker(args) => worker::run(args),
+        Command::Gateway(args) => gateway::run(args),
+        Command::Up(args) => up::run(args),
+        Command::HashKey => gateway::hash_key(),
     }
 }

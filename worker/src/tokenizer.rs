@@ -57,6 +57,25 @@ pub struct Tokenizer {
     stop: Vec<TokenId>,
 }
 
+/// A tokenizer's data, as a GGUF file holds it and a worker's Info hands it to the gateway.
+#[derive(Debug, Clone, Copy)]
+pub struct TokenizerParts<'a, S> {
+    /// `tokenizer.ggml.model`; only "gpt2" (byte-level BPE) is supported.
+    pub model: &'a str,
+    /// `tokenizer.ggml.pre`; `None` is GPT-2's default.
+    pub pre: Option<&'a str>,
+    /// The vocabulary, by token id.
+    pub tokens: &'a [S],
+    /// BPE merges, "a b" each, highest priority first.
+    pub merges: &'a [S],
+    /// `tokenizer.ggml.token_type` by token id; missing entries are normal tokens.
+    pub token_types: &'a [i32],
+    /// Ignored when outside the vocabulary.
+    pub bos: Option<TokenId>,
+    /// Must be inside the vocabulary.
+    pub eos: TokenId,
+}
+
 impl Tokenizer {
     pub fn from_gguf(g: &Gguf) -> Result<Tokenizer, TokenizerError> {
         let model = g.get_str("tokenizer.ggml.model")?;
@@ -64,7 +83,7 @@ impl Tokenizer {
             return Err(TokenizerError::UnsupportedModel(model.into()));
         }
         let tokens = g.get_strings("tokenizer.ggml.tokens")?;
-        let types: Vec<i32> = match g.get("tokenizer.ggml.token_type") {
+        let token_types: Vec<i32> = match g.get("tokenizer.ggml.token_type") {
             Ok(v) => v
                 .as_array()
                 .map(|a| {
@@ -75,12 +94,53 @@ impl Tokenizer {
                 .unwrap_or_default(),
             Err(_) => Vec::new(),
         };
+        let merges = g.get_strings("tokenizer.ggml.merges")?;
+        let pre = match g.get_str("tokenizer.ggml.pre") {
+            Err(GgufError::MissingKey { .. }) => None,
+            other => Some(other?),
+        };
+        let id = |key: &str| {
+            g.get_u64(key)
+                .ok()
+                .map(|v| v as TokenId)
+                .filter(|&v| (v as usize) < tokens.len())
+        };
+        let eos = id("tokenizer.ggml.eos_token_id").ok_or_else(|| GgufError::MissingKey {
+            key: "tokenizer.ggml.eos_token_id".into(),
+        })?;
+        Tokenizer::from_parts(TokenizerParts {
+            model,
+            pre,
+            tokens: &tokens,
+            merges: &merges,
+            token_types: &token_types,
+            bos: id("tokenizer.ggml.bos_token_id"),
+            eos,
+        })
+    }
+
+    /// Builds the tokenizer from its data (a GGUF file's, or a worker's Info).
+    pub fn from_parts<S: AsRef<str>>(
+        parts: TokenizerParts<'_, S>,
+    ) -> Result<Tokenizer, TokenizerError> {
+        let TokenizerParts {
+            model,
+            pre,
+            tokens,
+            merges,
+            token_types: types,
+            bos,
+            eos,
+        } = parts;
+        if model != "gpt2" {
+            return Err(TokenizerError::UnsupportedModel(model.into()));
+        }
         let type_of = |i: usize| types.get(i).copied().unwrap_or(1);
-        let merges = g
-            .get_strings("tokenizer.ggml.merges")?
-            .into_iter()
+        let merges = merges
+            .iter()
             .enumerate()
             .map(|(index, m)| {
+                let m = m.as_ref();
                 m.split_once(' ')
                     .map(|(a, b)| (a.to_owned(), b.to_owned()))
                     .ok_or_else(|| TokenizerError::BadMerge {
@@ -92,18 +152,14 @@ impl Tokenizer {
         let vocab: Vocab = tokens
             .iter()
             .enumerate()
-            .map(|(i, t)| ((*t).to_owned(), i as TokenId))
+            .map(|(i, t)| (t.as_ref().to_owned(), i as TokenId))
             .collect();
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .build()
             .map_err(|e| TokenizerError::Build(e.to_string()))?;
         let mut tk = tokenizers::Tokenizer::new(bpe);
-        let pre = match g.get_str("tokenizer.ggml.pre") {
-            Err(GgufError::MissingKey { .. }) => "default",
-            other => other?,
-        };
-        tk.with_pre_tokenizer(Some(pre_tokenizer(pre)?));
+        tk.with_pre_tokenizer(Some(pre_tokenizer(pre.unwrap_or("default"))?));
 
         let unicode_to_byte = byte_level_inverse();
         let mut specials = Vec::new();
@@ -112,8 +168,9 @@ impl Tokenizer {
             .iter()
             .enumerate()
             .map(|(i, t)| {
+                let t = t.as_ref();
                 if matches!(type_of(i), TYPE_CONTROL | TYPE_USER_DEFINED) {
-                    specials.push(((*t).to_owned(), i as TokenId));
+                    specials.push((t.to_owned(), i as TokenId));
                     control[i] = type_of(i) == TYPE_CONTROL;
                     return t.as_bytes().to_vec();
                 }
@@ -124,15 +181,12 @@ impl Tokenizer {
             .collect();
         specials.sort_by_key(|(s, _)| std::cmp::Reverse(s.len()));
 
-        let id = |key: &str| {
-            g.get_u64(key)
-                .ok()
-                .map(|v| v as TokenId)
-                .filter(|&v| (v as usize) < tokens.len())
-        };
-        let eos = id("tokenizer.ggml.eos_token_id").ok_or_else(|| GgufError::MissingKey {
-            key: "tokenizer.ggml.eos_token_id".into(),
-        })?;
+        if eos as usize >= tokens.len() {
+            return Err(TokenizerError::Build(format!(
+                "the end-of-sequence token {eos} is outside the vocabulary of {}",
+                tokens.len()
+            )));
+        }
         let mut stop = vec![eos];
         for name in ["<|endoftext|>", "<|eot_id|>", "<|im_end|>"] {
             if let Some(&(_, t)) = specials.iter().find(|(s, _)| s == name)
@@ -146,7 +200,7 @@ impl Tokenizer {
             bytes,
             specials,
             control,
-            bos: id("tokenizer.ggml.bos_token_id"),
+            bos: bos.filter(|&b| (b as usize) < tokens.len()),
             eos,
             stop,
         })

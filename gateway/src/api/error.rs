@@ -1,0 +1,290 @@
+//! Every way an API request can fail, and the one table that turns each into an HTTP status
+//! and OpenAI's error JSON (`{"error": {"message", "type", "param", "code"}}`).
+//!
+//! Conversions have no side effects. Internal details (a worker's internal error, transport
+//! failures) are logged where they happen and never sent to the client.
+
+use axum::response::{IntoResponse, Response};
+use http::{HeaderValue, StatusCode, header};
+use serde_json::json;
+
+use crate::admission::ContextLengthExceeded;
+use crate::limits::{LimitError, retry_after};
+
+use super::validate::RequestError;
+
+/// Why an API request failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ApiError {
+    /// No `Authorization: Bearer` key, or one that is not configured.
+    #[error("invalid API key: send `Authorization: Bearer <key>` with a key this gateway knows")]
+    InvalidApiKey,
+    /// The body does not parse or breaks a rule.
+    #[error(transparent)]
+    InvalidRequest(#[from] RequestError),
+    /// The body is larger than the configured limit.
+    #[error("the request body is larger than {limit} bytes")]
+    BodyTooLarge { limit: usize },
+    /// The request asked for a model that is not served.
+    #[error("the model {asked:?} is not served here; GET /v1/models lists {served:?}")]
+    ModelNotFound { asked: String, served: String },
+    /// The prompt cannot be turned into tokens: no chat template, the template refused the
+    /// messages, or the text does not tokenize.
+    #[error("{reason}")]
+    Prompt { reason: String },
+    /// Gateway admission (or the worker's own) refused the request as too long.
+    #[error(transparent)]
+    ContextLengthExceeded(#[from] ContextLengthExceeded),
+    /// The worker's own admission refused it as too long (the gateway's check passed).
+    #[error("{message}")]
+    WorkerContextLengthExceeded { message: String },
+    /// The worker refused a field the gateway passed on.
+    #[error("{message}")]
+    WorkerInvalidRequest { message: String },
+    /// The tenant is over one of its limits.
+    #[error(transparent)]
+    TenantLimit(#[from] LimitError),
+    /// The worker's admission queue is full.
+    #[error("the worker is busy; retry later")]
+    WorkerBusy,
+    /// No worker can take the request (none healthy, none registered yet).
+    #[error("no healthy worker can serve this request now; retry later")]
+    NoHealthyWorker,
+    /// The worker failed or vanished while serving the request.
+    #[error("the worker did not complete this request; retry later")]
+    WorkerUnavailable,
+    /// A KV cache integrity check failed: the output is discarded, never retried into a 200.
+    #[error("KV cache integrity check failed; the request's output was discarded")]
+    KvIntegrity,
+    /// The request did not finish within the configured time.
+    #[error("the request did not complete within {secs} s")]
+    Timeout { secs: u64 },
+    /// A bug; details are in the gateway's or the worker's log.
+    #[error("internal error")]
+    Internal,
+}
+
+/// HTTP status and OpenAI `type` / `code` of an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mapping {
+    pub status: StatusCode,
+    pub kind: &'static str,
+    pub code: Option<&'static str>,
+}
+
+const INVALID_REQUEST: &str = "invalid_request_error";
+
+/// The one error table of the API (design.md, "Errors → HTTP").
+pub fn mapping(err: &ApiError) -> Mapping {
+    let m = |status, kind, code| Mapping { status, kind, code };
+    match err {
+        ApiError::InvalidApiKey => m(
+            StatusCode::UNAUTHORIZED,
+            INVALID_REQUEST,
+            Some("invalid_api_key"),
+        ),
+        ApiError::InvalidRequest(_)
+        | ApiError::Prompt { .. }
+        | ApiError::WorkerInvalidRequest { .. } => {
+            m(StatusCode::BAD_REQUEST, INVALID_REQUEST, None)
+        }
+        ApiError::BodyTooLarge { .. } => m(StatusCode::PAYLOAD_TOO_LARGE, INVALID_REQUEST, None),
+        ApiError::ModelNotFound { .. } => m(
+            StatusCode::NOT_FOUND,
+            INVALID_REQUEST,
+            Some("model_not_found"),
+        ),
+        ApiError::ContextLengthExceeded(_) | ApiError::WorkerContextLengthExceeded { .. } => m(
+            StatusCode::BAD_REQUEST,
+            INVALID_REQUEST,
+            Some("context_length_exceeded"),
+        ),
+        ApiError::TenantLimit(_) | ApiError::WorkerBusy => m(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_exceeded",
+            Some("rate_limit_exceeded"),
+        ),
+        ApiError::NoHealthyWorker | ApiError::WorkerUnavailable => m(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            Some("service_unavailable"),
+        ),
+        ApiError::KvIntegrity => m(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "kv_integrity_error",
+            Some("kv_integrity_error"),
+        ),
+        ApiError::Timeout { .. } => m(
+            StatusCode::REQUEST_TIMEOUT,
+            INVALID_REQUEST,
+            Some("timeout"),
+        ),
+        ApiError::Internal => m(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            Some("internal_error"),
+        ),
+    }
+}
+
+impl ApiError {
+    /// The `param` of the error JSON.
+    pub fn param(&self) -> Option<String> {
+        match self {
+            ApiError::InvalidRequest(e) => e.param(),
+            ApiError::ModelNotFound { .. } => Some("model".into()),
+            ApiError::ContextLengthExceeded(_) | ApiError::WorkerContextLengthExceeded { .. } => {
+                Some("messages".into())
+            }
+            ApiError::InvalidApiKey
+            | ApiError::BodyTooLarge { .. }
+            | ApiError::Prompt { .. }
+            | ApiError::WorkerInvalidRequest { .. }
+            | ApiError::TenantLimit(_)
+            | ApiError::WorkerBusy
+            | ApiError::NoHealthyWorker
+            | ApiError::WorkerUnavailable
+            | ApiError::KvIntegrity
+            | ApiError::Timeout { .. }
+            | ApiError::Internal => None,
+        }
+    }
+
+    /// OpenAI's error object, as sent in a body or an SSE error event.
+    pub fn body(&self) -> serde_json::Value {
+        let Mapping { kind, code, .. } = mapping(self);
+        json!({"error": {
+            "message": self.to_string(),
+            "type": kind,
+            "param": self.param(),
+            "code": code,
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = mapping(&self).status;
+        let mut response = (
+            status,
+            [(header::CONTENT_TYPE, "application/json")],
+            self.body().to_string(),
+        )
+            .into_response();
+        if let ApiError::TenantLimit(e) = &self
+            && let Ok(v) = HeaderValue::from_str(&retry_after(e).as_secs().to_string())
+        {
+            response.headers_mut().insert(header::RETRY_AFTER, v);
+        }
+        if status == StatusCode::UNAUTHORIZED {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::tenant::TenantId;
+
+    use super::*;
+
+    fn check(err: ApiError, status: u16, kind: &str, code: Option<&str>) {
+        let m = mapping(&err);
+        assert_eq!(m.status.as_u16(), status, "{err:?}");
+        assert_eq!(m.kind, kind, "{err:?}");
+        assert_eq!(m.code, code, "{err:?}");
+        let body = err.body();
+        assert_eq!(body["error"]["type"], kind);
+        assert_eq!(body["error"]["message"], err.to_string());
+    }
+
+    #[test]
+    fn the_table_matches_the_design() {
+        check(
+            ApiError::InvalidApiKey,
+            401,
+            INVALID_REQUEST,
+            Some("invalid_api_key"),
+        );
+        check(
+            ContextLengthExceeded {
+                requested: 10,
+                prompt_tokens: 6,
+                max_new_tokens: 4,
+                limit: 8,
+            }
+            .into(),
+            400,
+            INVALID_REQUEST,
+            Some("context_length_exceeded"),
+        );
+        check(
+            ApiError::WorkerContextLengthExceeded {
+                message: "x".into(),
+            },
+            400,
+            INVALID_REQUEST,
+            Some("context_length_exceeded"),
+        );
+        check(
+            RequestError::EmptyMessages.into(),
+            400,
+            INVALID_REQUEST,
+            None,
+        );
+        check(
+            LimitError::Concurrency {
+                tenant: TenantId::new("t").expect("valid"),
+                limit: 1,
+            }
+            .into(),
+            429,
+            "rate_limit_exceeded",
+            Some("rate_limit_exceeded"),
+        );
+        check(
+            ApiError::WorkerBusy,
+            429,
+            "rate_limit_exceeded",
+            Some("rate_limit_exceeded"),
+        );
+        check(
+            ApiError::NoHealthyWorker,
+            503,
+            "service_unavailable",
+            Some("service_unavailable"),
+        );
+        check(
+            ApiError::KvIntegrity,
+            500,
+            "kv_integrity_error",
+            Some("kv_integrity_error"),
+        );
+    }
+
+    #[test]
+    fn unauthorized_and_limited_responses_carry_their_headers() {
+        let r = ApiError::InvalidApiKey.into_response();
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+        assert!(r.headers().contains_key(header::WWW_AUTHENTICATE));
+        let r = ApiError::from(LimitError::RequestsPerMinute {
+            tenant: TenantId::new("t").expect("valid"),
+            limit: 1,
+            retry_after_secs: 17,
+        })
+        .into_response();
+        assert_eq!(r.headers()[header::RETRY_AFTER], "17");
+    }
+
+    #[test]
+    fn internal_errors_say_nothing_more() {
+        assert_eq!(ApiError::Internal.to_string(), "internal error");
+        assert_eq!(
+            ApiError::WorkerUnavailable.body()["error"]["param"],
+            serde_json::Value::Null
+        );
+    }
+}

@@ -1,0 +1,276 @@
+//! The OpenAI-compatible API: `POST /v1/chat/completions`, `POST /v1/completions`,
+//! `GET /v1/models`.
+//!
+//! One request, in order (design.md steps 1–5):
+//! ```text
+//! Auth layer (key → tenant; tenant headers stripped) ─▶ tenant limits (in flight, requests/min)
+//!   ─▶ body (size limit) ─▶ validate::parse_* → Valid* ─▶ chat template + tokenizer (the
+//!   worker's) ─▶ admission (prompt + max tokens ≤ effective limit, else 400 before any worker
+//!   is contacted) ─▶ tokens/min ─▶ route (least outstanding tokens) ─▶ Generate(token ids)
+//!   ─▶ JSON or SSE
+//! ```
+
+mod error;
+mod respond;
+mod upstream;
+pub mod validate;
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Extension, Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use http::header::CONTENT_TYPE;
+use tokio::time::Instant;
+
+pub use error::{ApiError, Mapping, mapping};
+pub use upstream::{WorkerFailure, from_status};
+use validate::{ValidCommon, parse_chat, parse_completion};
+
+use crate::admission::admit;
+use crate::auth::{AuthLayer, Authenticated};
+use crate::config::{HttpLimits, Keyring};
+use crate::limits::Limiter;
+use crate::metrics::Metrics;
+use crate::tenant::Tenant;
+use crate::workers::{ServedModel, Workers};
+
+/// What every API handler shares; a cheap `Clone`.
+#[derive(Debug, Clone)]
+pub struct ApiState {
+    pub workers: Workers,
+    pub limiter: Limiter,
+    pub metrics: Metrics,
+    pub http: HttpLimits,
+}
+
+/// The API router, authenticated and counted.
+pub fn router(state: ApiState, keyring: Arc<Keyring>) -> Router {
+    let metrics = state.metrics.clone();
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .fallback(not_found)
+        .with_state(state)
+        .layer(middleware::from_fn_with_state(metrics.clone(), count))
+        .layer(AuthLayer::new(keyring, metrics))
+}
+
+/// Counts every authenticated request by tenant and final status.
+async fn count(State(metrics): State<Metrics>, request: Request, next: Next) -> Response {
+    let tenant = request
+        .extensions()
+        .get::<Authenticated>()
+        .map(|a| a.0.id.clone());
+    let response = next.run(request).await;
+    if let Some(tenant) = tenant {
+        metrics.request(&tenant, response.status().as_u16());
+    }
+    response
+}
+
+async fn not_found() -> Response {
+    let body = serde_json::json!({"error": {
+        "message": "unknown path; this server serves /v1/chat/completions, /v1/completions and /v1/models",
+        "type": "invalid_request_error", "param": null, "code": "not_found"}});
+    (
+        http::StatusCode::NOT_FOUND,
+        [(CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+async fn models(State(state): State<ApiState>) -> Response {
+    let data: Vec<_> = state
+        .workers
+        .model()
+        .map(|m| {
+            serde_json::json!({
+                "id": m.name, "object": "model", "created": m.created, "owned_by": "bulkhead",
+            })
+        })
+        .into_iter()
+        .collect();
+    let body = serde_json::json!({"object": "list", "data": data});
+    ([(CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+}
+
+/// Which endpoint a request came in on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completion,
+}
+
+async fn chat_completions(
+    State(state): State<ApiState>,
+    Extension(Authenticated(tenant)): Extension<Authenticated>,
+    body: Body,
+) -> Response {
+    serve(state, tenant, Endpoint::Chat, body).await
+}
+
+async fn completions(
+    State(state): State<ApiState>,
+    Extension(Authenticated(tenant)): Extension<Authenticated>,
+    body: Body,
+) -> Response {
+    serve(state, tenant, Endpoint::Completion, body).await
+}
+
+/// A validated request of either endpoint, before tokenization.
+enum Parsed {
+    Chat(validate::ValidChat),
+    Completion(validate::ValidCompletion),
+}
+
+impl Parsed {
+    fn common(&self) -> &ValidCommon {
+        match self {
+            Parsed::Chat(c) => &c.common,
+            Parsed::Completion(c) => &c.common,
+        }
+    }
+}
+
+async fn serve(state: ApiState, tenant: Arc<Tenant>, endpoint: Endpoint, body: Body) -> Response {
+    let timeout = state.http.request_timeout;
+    let deadline = Instant::now() + timeout;
+    let secs = timeout.as_secs();
+    let result = tokio::time::timeout_at(deadline, start(&state, tenant, endpoint, body)).await;
+    match result {
+        Err(_) => ApiError::Timeout { secs }.into_response(),
+        Ok(Err(e)) => e.into_response(),
+        Ok(Ok(started)) => respond::respond(started, deadline, secs).await,
+    }
+}
+
+/// Everything up to the worker's first answer.
+async fn start(
+    state: &ApiState,
+    tenant: Arc<Tenant>,
+    endpoint: Endpoint,
+    body: Body,
+) -> Result<respond::Started, ApiError> {
+    let mut permit = state.limiter.start(&tenant)?;
+    let limit = state.http.max_body_bytes;
+    let bytes = axum::body::to_bytes(body, limit)
+        .await
+        .map_err(|_| ApiError::BodyTooLarge { limit })?;
+    let parsed = match endpoint {
+        Endpoint::Chat => Parsed::Chat(parse_chat(&bytes)?),
+        Endpoint::Completion => Parsed::Completion(parse_completion(&bytes)?),
+    };
+    let model = state.workers.model().ok_or(ApiError::NoHealthyWorker)?;
+    if let Some(asked) = &parsed.common().model
+        && !model.answers_to(asked)
+    {
+        return Err(ApiError::ModelNotFound {
+            asked: asked.clone(),
+            served: model.name.clone(),
+        });
+    }
+    let (parsed, prompt) = {
+        let model = model.clone();
+        tokio::task::spawn_blocking(move || {
+            let prompt = tokenize(&model, &parsed);
+            (parsed, prompt)
+        })
+        .await
+        .map_err(|_| ApiError::Internal)?
+    };
+    let prompt = prompt?;
+    let common = parsed.common();
+
+    let limit = state
+        .workers
+        .effective_limit(tenant.limits.max_context)
+        .ok_or(ApiError::NoHealthyWorker)?;
+    let admitted = admit(
+        prompt.len(),
+        common.max_tokens,
+        state.http.default_max_tokens,
+        limit,
+    )?;
+    permit.charge_tokens(admitted.total_tokens())?;
+    let route = state
+        .workers
+        .route(&admitted)
+        .ok_or(ApiError::NoHealthyWorker)?;
+
+    let id = format!(
+        "{}-{:016x}{:08x}",
+        match endpoint {
+            Endpoint::Chat => "chatcmpl",
+            Endpoint::Completion => "cmpl",
+        },
+        rand::random::<u64>(),
+        rand::random::<u32>()
+    );
+    let request = upstream::Generate {
+        request_id: &id,
+        tenant: tenant.id.as_str(),
+        prompt,
+        admitted,
+        sampling: common.sampling,
+        stop: &common.stop,
+    }
+    .into_request();
+    let mut client = route.client.clone();
+    let stream = match client.generate(request).await {
+        Ok(r) => r.into_inner(),
+        Err(status) => {
+            let failure = from_status(&status);
+            if failure.worker_down {
+                tracing::warn!(worker = %route.worker, %status, "the worker failed a Generate call");
+                route.failed(status.message());
+            }
+            return Err(failure.error);
+        }
+    };
+    Ok(respond::Started {
+        endpoint,
+        id,
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        model: model.name.clone(),
+        stream_mode: common.stream,
+        tenant,
+        permit,
+        route,
+        metrics: state.metrics.clone(),
+        upstream: stream,
+    })
+}
+
+/// The prompt's token ids: chat messages through the model's chat template, completion
+/// prompts as plain text (control-token text in them stays text).
+fn tokenize(model: &ServedModel, parsed: &Parsed) -> Result<Vec<u32>, ApiError> {
+    let prompt = |e: &dyn std::fmt::Display| ApiError::Prompt {
+        reason: format!("the prompt cannot be tokenized: {e}"),
+    };
+    match parsed {
+        Parsed::Chat(chat) => {
+            let template = model.chat.as_ref().map_err(|reason| ApiError::Prompt {
+                reason: reason.clone(),
+            })?;
+            let text = template
+                .render(&chat.messages, true)
+                .map_err(|e| ApiError::Prompt {
+                    reason: e.to_string(),
+                })?;
+            model.tokenizer.encode(&text, true).map_err(|e| prompt(&e))
+        }
+        Parsed::Completion(c) => model
+            .tokenizer
+            .encode(&c.prompt, false)
+            .map_err(|e| prompt(&e)),
+    }
+}

@@ -1,0 +1,248 @@
+//! Turning the worker's token stream into OpenAI's responses: one JSON body, or SSE chunks
+//! ending in `data: [DONE]` (with a usage chunk first when asked). A failure after the 200
+//! becomes an error event and the stream ends: the client never waits on a dead worker.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use bulkhead_worker::serve::proto::{Done, GenerateResponse, Item};
+use http::header::CONTENT_TYPE;
+use serde_json::{Value, json};
+use tokio::time::Instant;
+use tonic::Streaming;
+
+use crate::limits::RequestPermit;
+use crate::metrics::Metrics;
+use crate::tenant::Tenant;
+use crate::workers::Route;
+
+use super::Endpoint;
+use super::error::ApiError;
+use super::upstream::{finish_reason, from_status};
+use super::validate::Stream;
+
+/// A request the worker accepted; holds the tenant's permit and the route until it ends.
+#[derive(Debug)]
+pub struct Started {
+    pub endpoint: Endpoint,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub stream_mode: Option<Stream>,
+    pub tenant: Arc<Tenant>,
+    pub permit: RequestPermit,
+    pub route: Route,
+    pub metrics: Metrics,
+    pub upstream: Streaming<GenerateResponse>,
+}
+
+/// One step of the worker's stream.
+enum Step {
+    Text(String),
+    Done(Done),
+}
+
+impl Started {
+    /// The next step, or the error that ends the request.
+    async fn next(&mut self) -> Result<Step, ApiError> {
+        loop {
+            match self.upstream.message().await {
+                Ok(Some(GenerateResponse {
+                    item: Some(Item::Token(t)),
+                })) => return Ok(Step::Text(t.text)),
+                Ok(Some(GenerateResponse {
+                    item: Some(Item::Done(d)),
+                })) => {
+                    self.finished(&d);
+                    return Ok(Step::Done(d));
+                }
+                Ok(Some(GenerateResponse { item: None })) => continue,
+                Ok(None) => {
+                    tracing::warn!(worker = %self.route.worker, id = %self.id, "the worker ended a stream without Done");
+                    self.route.failed("a stream ended without Done");
+                    return Err(ApiError::WorkerUnavailable);
+                }
+                Err(status) => {
+                    let failure = from_status(&status);
+                    if failure.worker_down {
+                        tracing::warn!(worker = %self.route.worker, id = %self.id, %status, "the worker failed mid-request");
+                        self.route.failed(status.message());
+                    }
+                    return Err(failure.error);
+                }
+            }
+        }
+    }
+
+    fn finished(&mut self, d: &Done) {
+        self.metrics.tokens(
+            &self.tenant.id,
+            u64::from(d.prompt_tokens),
+            u64::from(d.completion_tokens),
+        );
+        self.permit
+            .set_used(u64::from(d.prompt_tokens) + u64::from(d.completion_tokens));
+    }
+
+    fn usage(d: &Done) -> Value {
+        json!({
+            "prompt_tokens": d.prompt_tokens,
+            "completion_tokens": d.completion_tokens,
+            "total_tokens": d.prompt_tokens + d.completion_tokens,
+        })
+    }
+
+    /// The whole response, for `stream: false`.
+    fn body(&self, text: String, d: &Done) -> Value {
+        let finish = finish_reason(d.finish_reason);
+        match self.endpoint {
+            Endpoint::Chat => json!({
+                "id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": null, "finish_reason": finish}],
+                "usage": Self::usage(d),
+            }),
+            Endpoint::Completion => json!({
+                "id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+                "usage": Self::usage(d),
+            }),
+        }
+    }
+
+    /// One streamed chunk: a text delta, or (with `finish`) the closing one.
+    fn chunk(&self, text: Option<&str>, finish: Option<&str>, first: bool) -> Value {
+        let usage_field = self.stream_mode.is_some_and(|s| s.include_usage);
+        let mut chunk = match self.endpoint {
+            Endpoint::Chat => {
+                let mut delta = serde_json::Map::new();
+                if first {
+                    delta.insert("role".into(), "assistant".into());
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), t.into());
+                }
+                json!({
+                    "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": null,
+                                 "finish_reason": finish}],
+                })
+            }
+            Endpoint::Completion => json!({
+                "id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": null,
+                             "finish_reason": finish}],
+            }),
+        };
+        if usage_field {
+            chunk["usage"] = Value::Null;
+        }
+        chunk
+    }
+
+    /// The last chunk when `include_usage`: no choices, the usage.
+    fn usage_chunk(&self, d: &Done) -> Value {
+        let object = match self.endpoint {
+            Endpoint::Chat => "chat.completion.chunk",
+            Endpoint::Completion => "text_completion",
+        };
+        json!({
+            "id": self.id, "object": object, "created": self.created, "model": self.model,
+            "choices": [], "usage": Self::usage(d),
+        })
+    }
+}
+
+/// The response for a started request: JSON (bounded by `deadline`) or SSE.
+pub async fn respond(started: Started, deadline: Instant, secs: u64) -> Response {
+    if started.stream_mode.is_some() {
+        return stream(started);
+    }
+    match tokio::time::timeout_at(deadline, collect(started)).await {
+        Err(_) => ApiError::Timeout { secs }.into_response(),
+        Ok(Err(e)) => e.into_response(),
+        Ok(Ok(body)) => ([(CONTENT_TYPE, "application/json")], body.to_string()).into_response(),
+    }
+}
+
+async fn collect(mut started: Started) -> Result<Value, ApiError> {
+    let mut text = String::new();
+    loop {
+        match started.next().await? {
+            Step::Text(t) => text.push_str(&t),
+            Step::Done(d) => {
+                text.push_str(&d.text_tail);
+                return Ok(started.body(text, &d));
+            }
+        }
+    }
+}
+
+/// Where an SSE stream is.
+struct Streamer {
+    started: Started,
+    queue: VecDeque<Event>,
+    first: bool,
+    ended: bool,
+}
+
+fn data(v: &Value) -> Event {
+    Event::default().data(v.to_string())
+}
+
+fn stream(started: Started) -> Response {
+    let state = Streamer {
+        started,
+        queue: VecDeque::new(),
+        first: true,
+        ended: false,
+    };
+    let events = futures_util::stream::unfold(state, |mut s| async move {
+        loop {
+            if let Some(e) = s.queue.pop_front() {
+                return Some((Ok::<Event, Infallible>(e), s));
+            }
+            if s.ended {
+                return None;
+            }
+            match s.started.next().await {
+                Ok(Step::Text(t)) => {
+                    if !t.is_empty() || s.first {
+                        let chunk = s.started.chunk(Some(&t), None, s.first);
+                        s.queue.push_back(data(&chunk));
+                        s.first = false;
+                    }
+                }
+                Ok(Step::Done(d)) => {
+                    let tail = (!d.text_tail.is_empty()).then_some(d.text_tail.as_str());
+                    if tail.is_some() || s.first {
+                        let chunk = s.started.chunk(tail.or(Some("")), None, s.first);
+                        s.queue.push_back(data(&chunk));
+                        s.first = false;
+                    }
+                    let finish = finish_reason(d.finish_reason);
+                    s.queue
+                        .push_back(data(&s.started.chunk(None, Some(finish), false)));
+                    if s.started.stream_mode.is_some_and(|m| m.include_usage) {
+                        s.queue.push_back(data(&s.started.usage_chunk(&d)));
+                    }
+                    s.queue.push_back(Event::default().data("[DONE]"));
+                    s.ended = true;
+                }
+                Err(e) => {
+                    s.started.metrics.stream_error(&s.started.tenant.id);
+                    s.queue.push_back(data(&e.body()));
+                    s.ended = true;
+                }
+            }
+        }
+    });
+    Sse::new(events).into_response()
+}

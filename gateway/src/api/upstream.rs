@@ -1,0 +1,116 @@
+//! The hop to the worker: the Generate request the gateway sends (token ids, never text), and
+//! what the worker's error statuses mean for the client.
+
+use bulkhead_worker::serve::proto::{
+    self, GenerateRequest, Prompt, SamplingParams, TokenPrompt, error_code,
+};
+
+use crate::admission::Admitted;
+
+use super::error::ApiError;
+use super::validate::Sampling;
+
+/// What to generate, all decided by the gateway.
+#[derive(Debug)]
+pub struct Generate<'a> {
+    pub request_id: &'a str,
+    pub tenant: &'a str,
+    pub prompt: Vec<u32>,
+    pub admitted: Admitted,
+    pub sampling: Sampling,
+    pub stop: &'a [String],
+}
+
+impl Generate<'_> {
+    pub fn into_request(self) -> GenerateRequest {
+        GenerateRequest {
+            request_id: self.request_id.to_owned(),
+            tenant: self.tenant.to_owned(),
+            prompt: Some(Prompt::Tokens(TokenPrompt { ids: self.prompt })),
+            max_new_tokens: self.admitted.max_new_tokens,
+            sampling: Some(SamplingParams {
+                temperature: self.sampling.temperature,
+                top_k: None,
+                top_p: self.sampling.top_p,
+                seed: self.sampling.seed,
+            }),
+            stop: self.stop.to_vec(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// How a worker's failure reaches the client, and whether it means the worker itself is in
+/// trouble (transport failure, not serving) rather than this request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerFailure {
+    pub error: ApiError,
+    pub worker_down: bool,
+}
+
+/// Maps a worker's status by its machine-readable code (the worker proto's table).
+pub fn from_status(status: &tonic::Status) -> WorkerFailure {
+    let message = status.message().to_owned();
+    let (error, worker_down) = match error_code(status) {
+        Some("context_length_exceeded") => {
+            (ApiError::WorkerContextLengthExceeded { message }, false)
+        }
+        Some("invalid_request_error") => (ApiError::WorkerInvalidRequest { message }, false),
+        Some("rate_limit_exceeded") => (ApiError::WorkerBusy, false),
+        Some("kv_integrity_error") => (ApiError::KvIntegrity, false),
+        Some("internal_error") => (ApiError::Internal, false),
+        Some("service_unavailable") => (ApiError::WorkerUnavailable, true),
+        // No code: the transport failed (the worker died or is unreachable), or a worker that
+        // speaks another protocol; either way the request did not complete.
+        Some(_) | None => (ApiError::WorkerUnavailable, true),
+    };
+    WorkerFailure { error, worker_down }
+}
+
+/// OpenAI's `finish_reason` for the worker's.
+pub fn finish_reason(reason: i32) -> &'static str {
+    match proto::FinishReason::try_from(reason) {
+        Ok(proto::FinishReason::Length) => "length",
+        Ok(proto::FinishReason::Stop | proto::FinishReason::Unspecified) | Err(_) => "stop",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tonic::metadata::MetadataValue;
+    use tonic::{Code, Status};
+
+    use super::*;
+
+    fn status(code: Code, tag: &'static str) -> Status {
+        let mut s = Status::new(code, "m");
+        s.metadata_mut()
+            .insert(proto::ERROR_CODE_KEY, MetadataValue::from_static(tag));
+        s
+    }
+
+    #[test]
+    fn worker_codes_map_onto_the_api_table() {
+        let f = from_status(&status(Code::InvalidArgument, "context_length_exceeded"));
+        assert!(matches!(
+            f.error,
+            ApiError::WorkerContextLengthExceeded { .. }
+        ));
+        assert!(!f.worker_down);
+        let f = from_status(&status(Code::ResourceExhausted, "rate_limit_exceeded"));
+        assert_eq!(f.error, ApiError::WorkerBusy);
+        let f = from_status(&status(Code::Internal, "kv_integrity_error"));
+        assert_eq!(f.error, ApiError::KvIntegrity);
+        let f = from_status(&status(Code::Internal, "internal_error"));
+        assert_eq!(f.error, ApiError::Internal);
+    }
+
+    #[test]
+    fn a_dead_transport_is_unavailable_and_marks_the_worker() {
+        let f = from_status(&Status::unavailable("connection reset"));
+        assert_eq!(f.error, ApiError::WorkerUnavailable);
+        assert!(f.worker_down);
+        let f = from_status(&Status::unknown("h2 protocol error"));
+        assert!(f.worker_down);
+    }
+}

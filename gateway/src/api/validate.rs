@@ -1,0 +1,719 @@
+//! OpenAI request bodies, parsed once into [`ValidChat`] / [`ValidCompletion`]; everything
+//! after this module takes only those types. One [`RequestError`] variant per rule, each with a
+//! message a client can act on and the offending field (OpenAI's `param`).
+//!
+//! Fields are in three classes: supported; accepted only at their no-op value (`n: 1`,
+//! `logprobs: false`, `tools: []`, …), since any other value would change what the client
+//! gets; and everything else, refused by name rather than silently ignored.
+
+use std::num::NonZeroU32;
+
+use bulkhead_worker::chat::Message;
+use serde_json::{Map, Value};
+
+/// At most this many stop sequences (OpenAI's limit).
+pub const MAX_STOPS: usize = 4;
+/// Each stop sequence is at most this many bytes (the worker's limit).
+pub const MAX_STOP_BYTES: usize = 256;
+
+/// Why a request body is refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RequestError {
+    #[error("the body is not valid JSON: {reason}")]
+    Json { reason: String },
+    #[error("the body must be a JSON object")]
+    NotAnObject,
+    #[error("`{field}` is required")]
+    MissingField { field: &'static str },
+    #[error("`{field}` must be {expected}")]
+    WrongType {
+        field: String,
+        expected: &'static str,
+    },
+    #[error("`{field}` is not supported by this server; remove it")]
+    UnsupportedField { field: String },
+    #[error("`{field}` = {value} is not supported by this server; {supported}")]
+    UnsupportedValue {
+        field: &'static str,
+        value: String,
+        supported: &'static str,
+    },
+    #[error("`{field}` = {value} is out of range; it must be {range}")]
+    OutOfRange {
+        field: &'static str,
+        value: String,
+        range: &'static str,
+    },
+    #[error(
+        "`max_tokens` ({max_tokens}) and `max_completion_tokens` ({max_completion_tokens}) \
+         disagree; send one of them"
+    )]
+    ConflictingMaxTokens {
+        max_tokens: u32,
+        max_completion_tokens: u32,
+    },
+    #[error("`messages` must hold at least one message")]
+    EmptyMessages,
+    #[error(
+        "`messages[{index}].role` = {role:?} is not supported; use system, developer, user or \
+         assistant"
+    )]
+    UnsupportedRole { index: usize, role: String },
+    #[error(
+        "`messages[{index}].content` has a part of type {kind:?}; only \"text\" parts are \
+         supported"
+    )]
+    UnsupportedContentPart { index: usize, kind: String },
+    #[error("`stop` has {count} sequences; at most {MAX_STOPS} are allowed")]
+    TooManyStops { count: usize },
+    #[error("`stop` sequences must be 1 to {MAX_STOP_BYTES} bytes long")]
+    BadStopLength,
+    #[error("`stream_options` is only allowed when `stream` is true")]
+    StreamOptionsWithoutStream,
+}
+
+impl RequestError {
+    /// The request field at fault, for the error's `param`.
+    pub fn param(&self) -> Option<String> {
+        match self {
+            RequestError::Json { .. } | RequestError::NotAnObject => None,
+            RequestError::MissingField { field }
+            | RequestError::UnsupportedValue { field, .. }
+            | RequestError::OutOfRange { field, .. } => Some((*field).to_owned()),
+            RequestError::WrongType { field, .. } | RequestError::UnsupportedField { field } => {
+                Some(field.clone())
+            }
+            RequestError::ConflictingMaxTokens { .. } => Some("max_tokens".into()),
+            RequestError::EmptyMessages => Some("messages".into()),
+            RequestError::UnsupportedRole { index, .. } => Some(format!("messages[{index}].role")),
+            RequestError::UnsupportedContentPart { index, .. } => {
+                Some(format!("messages[{index}].content"))
+            }
+            RequestError::TooManyStops { .. } | RequestError::BadStopLength => Some("stop".into()),
+            RequestError::StreamOptionsWithoutStream => Some("stream_options".into()),
+        }
+    }
+}
+
+/// Sampling, as the worker takes it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// In [0, 2]; 0 is greedy. OpenAI's default is 1.
+    pub temperature: f32,
+    /// In (0, 1].
+    pub top_p: Option<f32>,
+    pub seed: Option<u64>,
+}
+
+/// How to stream, when streaming.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stream {
+    /// Send a last chunk with `usage` (`stream_options.include_usage`).
+    pub include_usage: bool,
+}
+
+/// What chat and completion requests share.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidCommon {
+    /// The model asked for; `None` means the served one.
+    pub model: Option<String>,
+    /// `max_tokens` or `max_completion_tokens`; `None`: the gateway's default.
+    pub max_tokens: Option<NonZeroU32>,
+    pub sampling: Sampling,
+    /// 0 to [`MAX_STOPS`] sequences of 1 to [`MAX_STOP_BYTES`] bytes.
+    pub stop: Vec<String>,
+    /// `None`: one JSON response.
+    pub stream: Option<Stream>,
+}
+
+/// A validated `POST /v1/chat/completions`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidChat {
+    /// At least one; roles are system, user or assistant (developer becomes system).
+    pub messages: Vec<Message>,
+    pub common: ValidCommon,
+}
+
+/// A validated `POST /v1/completions`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidCompletion {
+    pub prompt: String,
+    pub common: ValidCommon,
+}
+
+/// Fields both endpoints take.
+const COMMON_FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    // Informational only: they do not change the output.
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+];
+const CHAT_FIELDS: &[&str] = &["messages", "max_completion_tokens"];
+const COMPLETION_FIELDS: &[&str] = &["prompt"];
+
+/// Fields accepted only at a value that changes nothing.
+fn is_no_op(field: &str, value: &Value) -> Option<bool> {
+    let zero = || value.is_null() || value.as_f64() == Some(0.0);
+    let empty = || {
+        value.is_null()
+            || value.as_array().is_some_and(Vec::is_empty)
+            || value.as_object().is_some_and(Map::is_empty)
+    };
+    Some(match field {
+        "logprobs" => value.is_null() || value == &Value::Bool(false),
+        "top_logprobs" | "presence_penalty" | "frequency_penalty" => zero(),
+        "logit_bias" | "tools" | "functions" => empty(),
+        "tool_choice" | "function_call" => {
+            value.is_null() || value.as_str().is_some_and(|s| s == "none" || s == "auto")
+        }
+        "parallel_tool_calls" => value.is_null() || value.is_boolean(),
+        "response_format" => {
+            value.is_null() || value.get("type").and_then(Value::as_str) == Some("text")
+        }
+        // Completions only.
+        "echo" => value.is_null() || value == &Value::Bool(false),
+        "best_of" => value.is_null() || value.as_u64() == Some(1),
+        "suffix" => value.is_null() || value.as_str() == Some(""),
+        _ => return None,
+    })
+}
+
+fn object(body: &[u8]) -> Result<Map<String, Value>, RequestError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(RequestError::NotAnObject),
+        Err(e) => Err(RequestError::Json {
+            reason: e.to_string(),
+        }),
+    }
+}
+
+fn check_fields(map: &Map<String, Value>, own: &[&str]) -> Result<(), RequestError> {
+    for (field, value) in map {
+        if COMMON_FIELDS.contains(&field.as_str()) || own.contains(&field.as_str()) {
+            continue;
+        }
+        match is_no_op(field, value) {
+            Some(true) => {}
+            Some(false) | None => {
+                return Err(RequestError::UnsupportedField {
+                    field: field.clone(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `map[field]`, treating JSON null as absent.
+fn get<'a>(map: &'a Map<String, Value>, field: &str) -> Option<&'a Value> {
+    map.get(field).filter(|v| !v.is_null())
+}
+
+fn wrong(field: &str, expected: &'static str) -> RequestError {
+    RequestError::WrongType {
+        field: field.to_owned(),
+        expected,
+    }
+}
+
+fn u32_field(map: &Map<String, Value>, field: &'static str) -> Result<Option<u32>, RequestError> {
+    let Some(v) = get(map, field) else {
+        return Ok(None);
+    };
+    let n = v
+        .as_u64()
+        .ok_or_else(|| wrong(field, "a positive integer"))?;
+    u32::try_from(n)
+        .map(Some)
+        .map_err(|_| RequestError::OutOfRange {
+            field,
+            value: n.to_string(),
+            range: "at most 4294967295",
+        })
+}
+
+fn f32_field(map: &Map<String, Value>, field: &'static str) -> Result<Option<f32>, RequestError> {
+    get(map, field)
+        .map(|v| {
+            v.as_f64()
+                .map(|x| x as f32)
+                .ok_or_else(|| wrong(field, "a number"))
+        })
+        .transpose()
+}
+
+fn common(
+    map: &Map<String, Value>,
+    max_tokens_fields: &[&'static str],
+) -> Result<ValidCommon, RequestError> {
+    let model = get(map, "model")
+        .map(|v| {
+            v.as_str()
+                .map(str::to_owned)
+                .ok_or_else(|| wrong("model", "a string"))
+        })
+        .transpose()?;
+
+    let mut max_tokens: Option<(u32, &'static str)> = None;
+    for &field in max_tokens_fields {
+        if let Some(n) = u32_field(map, field)? {
+            if let Some((other, _)) = max_tokens
+                && other != n
+            {
+                return Err(RequestError::ConflictingMaxTokens {
+                    max_tokens: other,
+                    max_completion_tokens: n,
+                });
+            }
+            max_tokens = Some((n, field));
+        }
+    }
+    let max_tokens = match max_tokens {
+        None => None,
+        Some((n, field)) => Some(NonZeroU32::new(n).ok_or(RequestError::OutOfRange {
+            field,
+            value: "0".into(),
+            range: "at least 1",
+        })?),
+    };
+
+    let temperature = f32_field(map, "temperature")?.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(RequestError::OutOfRange {
+            field: "temperature",
+            value: temperature.to_string(),
+            range: "between 0 and 2",
+        });
+    }
+    let top_p = f32_field(map, "top_p")?;
+    if let Some(p) = top_p
+        && !(p > 0.0 && p <= 1.0)
+    {
+        return Err(RequestError::OutOfRange {
+            field: "top_p",
+            value: p.to_string(),
+            range: "greater than 0 and at most 1",
+        });
+    }
+    let seed = match get(map, "seed") {
+        None => None,
+        Some(v) => Some(match (v.as_u64(), v.as_i64()) {
+            (Some(s), _) => s,
+            // OpenAI takes negative seeds too; keep their bits.
+            (None, Some(s)) => s as u64,
+            (None, None) => return Err(wrong("seed", "an integer")),
+        }),
+    };
+
+    let stop = match get(map, "stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|s| {
+                s.as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| wrong("stop", "a string or a list of strings"))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(wrong("stop", "a string or a list of strings")),
+    };
+    if stop.len() > MAX_STOPS {
+        return Err(RequestError::TooManyStops { count: stop.len() });
+    }
+    if stop
+        .iter()
+        .any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+    {
+        return Err(RequestError::BadStopLength);
+    }
+
+    if let Some(n) = get(map, "n")
+        && n.as_u64() != Some(1)
+    {
+        return Err(RequestError::UnsupportedValue {
+            field: "n",
+            value: n.to_string(),
+            supported: "only n = 1 is supported",
+        });
+    }
+
+    let stream = match get(map, "stream") {
+        None => false,
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| wrong("stream", "true or false"))?,
+    };
+    let include_usage = match get(map, "stream_options") {
+        None => false,
+        Some(_) if !stream => return Err(RequestError::StreamOptionsWithoutStream),
+        Some(Value::Object(o)) => {
+            if let Some(field) = o.keys().find(|k| k.as_str() != "include_usage") {
+                return Err(RequestError::UnsupportedField {
+                    field: format!("stream_options.{field}"),
+                });
+            }
+            match o.get("include_usage") {
+                None | Some(Value::Null) => false,
+                Some(v) => v
+                    .as_bool()
+                    .ok_or_else(|| wrong("stream_options.include_usage", "true or false"))?,
+            }
+        }
+        Some(_) => return Err(wrong("stream_options", "an object")),
+    };
+
+    Ok(ValidCommon {
+        model,
+        max_tokens,
+        sampling: Sampling {
+            temperature,
+            top_p,
+            seed,
+        },
+        stop,
+        stream: stream.then_some(Stream { include_usage }),
+    })
+}
+
+/// Parses a chat completion request.
+pub fn parse_chat(body: &[u8]) -> Result<ValidChat, RequestError> {
+    let map = object(body)?;
+    check_fields(&map, CHAT_FIELDS)?;
+    let messages = get(&map, "messages")
+        .ok_or(RequestError::MissingField { field: "messages" })?
+        .as_array()
+        .ok_or_else(|| wrong("messages", "a list of messages"))?;
+    if messages.is_empty() {
+        return Err(RequestError::EmptyMessages);
+    }
+    let messages = messages
+        .iter()
+        .enumerate()
+        .map(|(index, m)| message(index, m))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(ValidChat {
+        messages,
+        common: common(&map, &["max_tokens", "max_completion_tokens"])?,
+    })
+}
+
+fn message(index: usize, m: &Value) -> Result<Message, RequestError> {
+    let field = |name: &str| format!("messages[{index}].{name}");
+    let m = m.as_object().ok_or_else(|| {
+        wrong(
+            &format!("messages[{index}]"),
+            "an object with role and content",
+        )
+    })?;
+    for key in m.keys() {
+        if !matches!(key.as_str(), "role" | "content" | "name") {
+            return Err(RequestError::UnsupportedField { field: field(key) });
+        }
+    }
+    let role = m
+        .get("role")
+        .and_then(Value::as_str)
+        .ok_or_else(|| wrong(&field("role"), "a string"))?;
+    let role = match role {
+        "system" | "developer" => "system",
+        "user" => "user",
+        "assistant" => "assistant",
+        other => {
+            return Err(RequestError::UnsupportedRole {
+                index,
+                role: other.to_owned(),
+            });
+        }
+    };
+    let content = match m.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for part in parts {
+                let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
+                match (kind, part.get("text").and_then(Value::as_str)) {
+                    ("text", Some(t)) => text.push_str(t),
+                    _ => {
+                        return Err(RequestError::UnsupportedContentPart {
+                            index,
+                            kind: kind.to_owned(),
+                        });
+                    }
+                }
+            }
+            text
+        }
+        _ => return Err(wrong(&field("content"), "a string or a list of text parts")),
+    };
+    Ok(Message::new(role, &content))
+}
+
+/// Parses a (legacy) completion request.
+pub fn parse_completion(body: &[u8]) -> Result<ValidCompletion, RequestError> {
+    let map = object(body)?;
+    check_fields(&map, COMPLETION_FIELDS)?;
+    let prompt = match get(&map, "prompt") {
+        None => return Err(RequestError::MissingField { field: "prompt" }),
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
+            items[0].as_str().unwrap_or_default().to_owned()
+        }
+        Some(Value::Array(_)) => {
+            return Err(RequestError::UnsupportedValue {
+                field: "prompt",
+                value: "a list".into(),
+                supported: "send one prompt as a string",
+            });
+        }
+        Some(_) => return Err(wrong("prompt", "a string")),
+    };
+    Ok(ValidCompletion {
+        prompt,
+        common: common(&map, &["max_tokens"])?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn chat(body: Value) -> Result<ValidChat, RequestError> {
+        parse_chat(body.to_string().as_bytes())
+    }
+
+    fn base() -> Value {
+        json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    }
+
+    fn with(field: &str, value: Value) -> Value {
+        let mut b = base();
+        b[field] = value;
+        b
+    }
+
+    #[test]
+    fn a_minimal_chat_request_gets_openai_defaults() {
+        let c = chat(base()).expect("valid");
+        assert_eq!(c.messages, [Message::new("user", "hi")]);
+        assert_eq!(c.common.model.as_deref(), Some("m"));
+        assert_eq!(c.common.max_tokens, None);
+        assert_eq!(c.common.sampling.temperature, 1.0);
+        assert_eq!(c.common.stream, None);
+        assert!(c.common.stop.is_empty());
+    }
+
+    #[test]
+    fn every_supported_field_is_read() {
+        let c = chat(json!({
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ],
+            "max_completion_tokens": 7,
+            "temperature": 0,
+            "top_p": 0.5,
+            "seed": 42,
+            "stop": ["x", "y"],
+            "n": 1,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+            "user": "someone",
+            "logprobs": false,
+            "tools": [],
+        }))
+        .expect("valid");
+        assert_eq!(
+            c.messages,
+            [
+                Message::new("system", "be brief"),
+                Message::new("user", "ab")
+            ]
+        );
+        assert_eq!(c.common.max_tokens.map(NonZeroU32::get), Some(7));
+        assert_eq!(
+            c.common.sampling,
+            Sampling {
+                temperature: 0.0,
+                top_p: Some(0.5),
+                seed: Some(42)
+            }
+        );
+        assert_eq!(c.common.stop, ["x", "y"]);
+        assert_eq!(
+            c.common.stream,
+            Some(Stream {
+                include_usage: true
+            })
+        );
+        let c = chat(with("stop", json!("END"))).expect("a single stop string");
+        assert_eq!(c.common.stop, ["END"]);
+    }
+
+    #[test]
+    fn fields_that_change_semantics_are_refused_by_name() {
+        for (field, value) in [
+            ("logprobs", json!(true)),
+            ("tools", json!([{"type": "function"}])),
+            ("response_format", json!({"type": "json_object"})),
+            ("presence_penalty", json!(0.5)),
+            ("logit_bias", json!({"1": 5})),
+            ("frobnicate", json!(1)),
+        ] {
+            let err = chat(with(field, value)).expect_err(field);
+            assert_eq!(err.param().as_deref(), Some(field), "{err}");
+            assert!(err.to_string().contains(field), "{err}");
+        }
+    }
+
+    #[test]
+    fn only_one_choice_is_supported() {
+        let err = chat(with("n", json!(2))).expect_err("n=2");
+        assert!(matches!(
+            err,
+            RequestError::UnsupportedValue { field: "n", .. }
+        ));
+        chat(with("n", json!(1))).expect("n=1");
+    }
+
+    #[test]
+    fn out_of_range_sampling_is_refused() {
+        for (field, value) in [
+            ("temperature", json!(2.5)),
+            ("temperature", json!(-0.1)),
+            ("top_p", json!(0)),
+            ("top_p", json!(1.5)),
+            ("max_tokens", json!(0)),
+        ] {
+            let err = chat(with(field, value.clone())).expect_err(field);
+            assert!(
+                matches!(err, RequestError::OutOfRange { .. }),
+                "{field}={value}: {err:?}"
+            );
+        }
+        assert!(matches!(
+            chat(with("max_tokens", json!(-1))),
+            Err(RequestError::WrongType { .. })
+        ));
+        assert!(matches!(
+            chat(with("max_tokens", json!(1u64 << 33))),
+            Err(RequestError::OutOfRange { .. })
+        ));
+    }
+
+    #[test]
+    fn max_tokens_and_max_completion_tokens_must_agree() {
+        let mut b = with("max_tokens", json!(5));
+        b["max_completion_tokens"] = json!(6);
+        assert!(matches!(
+            chat(b),
+            Err(RequestError::ConflictingMaxTokens { .. })
+        ));
+        let mut b = with("max_tokens", json!(5));
+        b["max_completion_tokens"] = json!(5);
+        assert_eq!(
+            chat(b)
+                .expect("same")
+                .common
+                .max_tokens
+                .map(NonZeroU32::get),
+            Some(5)
+        );
+    }
+
+    #[test]
+    fn stop_sequences_are_bounded() {
+        assert!(matches!(
+            chat(with("stop", json!(["a", "b", "c", "d", "e"]))),
+            Err(RequestError::TooManyStops { count: 5 })
+        ));
+        assert_eq!(
+            chat(with("stop", json!([""]))),
+            Err(RequestError::BadStopLength)
+        );
+        assert!(matches!(
+            chat(with("stop", json!([1]))),
+            Err(RequestError::WrongType { .. })
+        ));
+    }
+
+    #[test]
+    fn messages_are_checked() {
+        assert_eq!(
+            chat(with("messages", json!([]))),
+            Err(RequestError::EmptyMessages)
+        );
+        assert!(matches!(
+            chat(with("messages", json!([{"role": "tool", "content": "x"}]))),
+            Err(RequestError::UnsupportedRole { index: 0, .. })
+        ));
+        assert!(matches!(
+            chat(with(
+                "messages",
+                json!([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+            )),
+            Err(RequestError::UnsupportedContentPart { index: 0, .. })
+        ));
+        assert!(matches!(
+            chat(with(
+                "messages",
+                json!([{"role": "user", "content": "x", "tool_calls": []}])
+            )),
+            Err(RequestError::UnsupportedField { .. })
+        ));
+        assert_eq!(
+            chat(json!({"model": "m"})),
+            Err(RequestError::MissingField { field: "messages" })
+        );
+    }
+
+    #[test]
+    fn malformed_bodies_are_refused() {
+        assert!(matches!(parse_chat(b"{"), Err(RequestError::Json { .. })));
+        assert!(matches!(parse_chat(b"[]"), Err(RequestError::NotAnObject)));
+        assert!(matches!(
+            parse_chat(b"{\"messages\": \"\xff\"}"),
+            Err(RequestError::Json { .. })
+        ));
+        assert!(matches!(
+            chat(with("stream", json!("yes"))),
+            Err(RequestError::WrongType { .. })
+        ));
+    }
+
+    #[test]
+    fn stream_options_need_stream() {
+        assert_eq!(
+            chat(with("stream_options", json!({"include_usage": true}))),
+            Err(RequestError::StreamOptionsWithoutStream)
+        );
+    }
+
+    #[test]
+    fn completions_take_one_string_prompt() {
+        let c = parse_completion(br#"{"model":"m","prompt":"Once","max_tokens":3}"#).expect("ok");
+        assert_eq!(c.prompt, "Once");
+        assert_eq!(c.common.max_tokens.map(NonZeroU32::get), Some(3));
+        parse_completion(br#"{"prompt":["one"]}"#).expect("a list of one");
+        assert!(parse_completion(br#"{"prompt":["a","b"]}"#).is_err());
+        assert!(parse_completion(br#"{"prompt":"x","echo":true}"#).is_err());
+        assert!(
+            parse_completion(br#"{"prompt":"x","max_completion_tokens":3}"#).is_err(),
+            "a chat-only field"
+        );
+    }
+}

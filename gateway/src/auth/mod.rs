@@ -1,0 +1,135 @@
+//! Authentication: `Authorization: Bearer <key>` → tenant, by the key's SHA-256 digest.
+//!
+//! Invariants, each with a test below:
+//! - the tenant comes from the key only: client-sent tenant headers (`x-tenant`,
+//!   `x-bulkhead-*`, …) are removed before anything else sees the request;
+//! - a missing or unknown key is refused with 401 `invalid_api_key` before the handler runs;
+//! - the key leaves the request once hashed (the `authorization` header is removed), so no
+//!   later layer or log can see it.
+
+mod future;
+mod layer;
+
+use std::sync::Arc;
+
+use http::HeaderMap;
+use http::header::AUTHORIZATION;
+
+pub use future::ResponseFuture;
+pub use layer::{Auth, AuthLayer};
+
+use crate::config::Keyring;
+use crate::keys::KeyHash;
+use crate::tenant::Tenant;
+
+/// The authenticated tenant, put into the request's extensions by [`Auth`].
+#[derive(Debug, Clone)]
+pub struct Authenticated(pub Arc<Tenant>);
+
+/// Header names a client might use to claim a tenant; all are removed.
+pub const TENANT_HEADERS: &[&str] = &["x-tenant", "x-tenant-id", "tenant", "x-org-id"];
+/// Header prefixes reserved for the gateway; removed from client requests.
+pub const RESERVED_PREFIXES: &[&str] = &["x-bulkhead-", "x-tenant-"];
+
+/// Removes every header that could claim a tenant.
+pub fn strip_tenant_headers(headers: &mut HeaderMap) {
+    let doomed: Vec<_> = headers
+        .keys()
+        .filter(|name| {
+            let name = name.as_str();
+            TENANT_HEADERS.contains(&name) || RESERVED_PREFIXES.iter().any(|p| name.starts_with(p))
+        })
+        .cloned()
+        .collect();
+    for name in doomed {
+        headers.remove(name);
+    }
+}
+
+/// The tenant whose key the request carries; removes the key from the headers either way.
+pub fn authenticate(headers: &mut HeaderMap, keyring: &Keyring) -> Option<Arc<Tenant>> {
+    let value = headers.remove(AUTHORIZATION)?;
+    let value = value.to_str().ok()?;
+    let (scheme, key) = value.trim().split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    let key = key.trim();
+    if key.is_empty() {
+        return None;
+    }
+    keyring.tenant(&KeyHash::of(key)).cloned()
+}
+
+#[cfg(test)]
+mod tests {
+    use http::HeaderValue;
+
+    use super::*;
+    use crate::config::Config;
+
+    fn keyring() -> Keyring {
+        let text = format!(
+            "[listen]\napi = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n\
+             [admin]\ntoken_sha256 = \"{}\"\n\
+             [[tenants]]\nid = \"tenant-a\"\nkey_sha256 = [\"{}\"]\nmax_context = 10\n\
+             max_concurrent = 1\nrequests_per_minute = 1\ntokens_per_minute = 1\n\
+             [[tenants]]\nid = \"tenant-b\"\nkey_sha256 = [\"{}\"]\nmax_context = 10\n\
+             max_concurrent = 1\nrequests_per_minute = 1\ntokens_per_minute = 1\n\
+             [[workers]]\nname = \"w\"\ngrpc = \"127.0.0.1:1\"\nrole = \"both\"\n",
+            KeyHash::of("admin").to_hex(),
+            KeyHash::of("sk-a").to_hex(),
+            KeyHash::of("sk-b").to_hex(),
+        );
+        Config::parse(&text).expect("valid").keyring
+    }
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, HeaderValue::from_str(v).expect("valid header"));
+        }
+        h
+    }
+
+    #[test]
+    fn the_right_key_names_its_tenant() {
+        let mut h = headers(&[("authorization", "Bearer sk-a")]);
+        let t = authenticate(&mut h, &keyring()).expect("known key");
+        assert_eq!(t.id.as_str(), "tenant-a");
+        assert!(!h.contains_key(AUTHORIZATION), "the key left the request");
+    }
+
+    #[test]
+    fn a_wrong_missing_or_malformed_key_is_refused() {
+        let k = keyring();
+        for h in [
+            headers(&[("authorization", "Bearer sk-c")]),
+            headers(&[("authorization", "Bearer ")]),
+            headers(&[("authorization", "Basic sk-a")]),
+            headers(&[("authorization", "sk-a")]),
+            headers(&[]),
+        ] {
+            let mut h = h;
+            assert!(authenticate(&mut h, &k).is_none(), "{h:?}");
+        }
+    }
+
+    #[test]
+    fn client_tenant_headers_are_stripped() {
+        let mut h = headers(&[
+            ("authorization", "Bearer sk-a"),
+            ("x-tenant", "tenant-b"),
+            ("x-tenant-id", "tenant-b"),
+            ("x-bulkhead-tenant", "tenant-b"),
+            ("content-type", "application/json"),
+        ]);
+        strip_tenant_headers(&mut h);
+        assert!(!h.contains_key("x-tenant"));
+        assert!(!h.contains_key("x-tenant-id"));
+        assert!(!h.contains_key("x-bulkhead-tenant"));
+        assert!(h.contains_key("content-type"));
+        let t = authenticate(&mut h, &keyring()).expect("a's key");
+        assert_eq!(t.id.as_str(), "tenant-a", "the key decides, not a header");
+    }
+}

@@ -1,0 +1,109 @@
+//! API keys and admin tokens are kept only as SHA-256 digests: a key in clear never enters the
+//! configuration, the gateway's memory after a request's lookup, or a log line.
+
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+/// The SHA-256 digest of a secret (an API key or the admin token).
+///
+/// `Debug` shows a short prefix only, so a logged config does not even carry whole digests.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KeyHash([u8; 32]);
+
+/// Why a configured digest is not a SHA-256 hex string.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyHashError {
+    #[error(
+        "a key hash must be 64 hexadecimal characters (SHA-256), not {len} characters; \
+         compute one with `bulkhead hash-key`"
+    )]
+    Length { len: usize },
+    #[error("a key hash must be hexadecimal; found {found:?}")]
+    NotHex { found: char },
+}
+
+impl KeyHash {
+    /// The digest of `secret`.
+    pub fn of(secret: &str) -> KeyHash {
+        KeyHash(Sha256::digest(secret.as_bytes()).into())
+    }
+
+    /// Parses 64 hexadecimal characters (either case).
+    pub fn from_hex(hex: &str) -> Result<KeyHash, KeyHashError> {
+        let hex = hex.trim();
+        if hex.len() != 64 {
+            return Err(KeyHashError::Length {
+                len: hex.chars().count(),
+            });
+        }
+        let mut out = [0u8; 32];
+        let digits: Vec<u8> = hex
+            .chars()
+            .map(|c| {
+                c.to_digit(16)
+                    .map(|d| d as u8)
+                    .ok_or(KeyHashError::NotHex { found: c })
+            })
+            .collect::<Result<_, _>>()?;
+        for (byte, pair) in out.iter_mut().zip(digits.chunks_exact(2)) {
+            *byte = (pair[0] << 4) | pair[1];
+        }
+        Ok(KeyHash(out))
+    }
+
+    /// Lowercase hexadecimal, as the configuration holds it.
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+impl fmt::Debug for KeyHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "KeyHash({}…)", &self.to_hex()[..8])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_digest_is_sha256() {
+        // sha256("abc"), FIPS 180-2 appendix B.1.
+        assert_eq!(
+            KeyHash::of("abc").to_hex(),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
+
+    #[test]
+    fn hex_round_trips_in_either_case() {
+        let h = KeyHash::of("sk-demo-tenant-a");
+        assert_eq!(KeyHash::from_hex(&h.to_hex()), Ok(h));
+        assert_eq!(KeyHash::from_hex(&h.to_hex().to_uppercase()), Ok(h));
+    }
+
+    #[test]
+    fn malformed_hex_is_refused_with_a_reason() {
+        assert_eq!(
+            KeyHash::from_hex("abcd"),
+            Err(KeyHashError::Length { len: 4 })
+        );
+        let bad = format!("{}g", "0".repeat(63));
+        assert_eq!(
+            KeyHash::from_hex(&bad),
+            Err(KeyHashError::NotHex { found: 'g' })
+        );
+        // A clear-text key pasted where a hash belongs is refused, not hashed silently.
+        assert!(KeyHash::from_hex("sk-demo-tenant-a").is_err());
+    }
+
+    #[test]
+    fn debug_output_never_holds_the_whole_digest() {
+        let h = KeyHash::of("secret");
+        let shown = format!("{h:?}");
+        assert!(!shown.contains(&h.to_hex()), "{shown}");
+        assert!(!shown.contains("secret"), "{shown}");
+    }
+}

@@ -1,0 +1,31 @@
+//! Bulkhead's gateway: the OpenAI-compatible edge in front of the workers.
+//!
+//! ```text
+//!  client ─HTTP─▶ auth (key → tenant) ─▶ api (validate, tokenize, admission, limits, route)
+//!                                              │ Generate(token ids) over gRPC
+//!                                              ▼
+//!                                    workers (Info/Health refreshed; least outstanding tokens)
+//!  operator ─HTTP─▶ admin (/healthz, /metrics, /workers; its own token)
+//! ```
+//!
+//! The tenant comes only from the authenticated key. The gateway tokenizes with the served
+//! model's tokenizer and chat template, fetched from a worker's Info (the worker is their
+//! source of truth), and refuses a request whose prompt + max tokens exceed the effective limit
+//! (the minimum of the tenant's limit and every routable worker's served context and measured
+//! pool) before any worker is contacted.
+
+pub mod admin;
+pub mod admission;
+pub mod api;
+pub mod auth;
+pub mod config;
+pub mod keys;
+pub mod limits;
+pub mod metrics;
+pub mod routing;
+pub mod server;
+pub mod tenant;
+pub mod workers;
+
+pub use config::Config;
+pub use server::{BoundGateway, GatewayError};

@@ -1,0 +1,336 @@
+//! Per-tenant limits: requests in flight, requests per minute, tokens per minute. Over any of
+//! them → 429 `rate_limit_exceeded`.
+//!
+//! The logic is synchronous ([`TenantBudget`], time passed in, unit-tested directly); the
+//! shared [`Limiter`] holds one budget per tenant behind a mutex held for a few arithmetic
+//! operations, never across an await. A [`RequestPermit`] holds the tenant's concurrency slot
+//! and returns it (and the unused part of its token charge) when dropped.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use crate::tenant::{Tenant, TenantId, TenantLimits};
+
+/// Which limit a request ran into.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LimitError {
+    #[error("tenant {tenant} already has {limit} requests in flight; retry when one finishes")]
+    Concurrency { tenant: TenantId, limit: u32 },
+    #[error(
+        "tenant {tenant} is over its {limit} requests per minute; retry in {retry_after_secs} s"
+    )]
+    RequestsPerMinute {
+        tenant: TenantId,
+        limit: u32,
+        retry_after_secs: u64,
+    },
+    #[error(
+        "tenant {tenant} is over its {limit} tokens per minute (this request needs {needed}); \
+         retry in {retry_after_secs} s"
+    )]
+    TokensPerMinute {
+        tenant: TenantId,
+        limit: u64,
+        needed: u64,
+        retry_after_secs: u64,
+    },
+}
+
+/// A token bucket refilled continuously at `capacity` per minute.
+#[derive(Debug, Clone)]
+struct Bucket {
+    capacity: f64,
+    level: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn full(capacity: u64, now: Instant) -> Bucket {
+        Bucket {
+            capacity: capacity as f64,
+            level: capacity as f64,
+            at: now,
+        }
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let dt = now.saturating_duration_since(self.at).as_secs_f64();
+        self.level = (self.level + dt * self.capacity / 60.0).min(self.capacity);
+        self.at = now;
+    }
+
+    /// Takes `n`, or says in how many whole seconds it could.
+    fn take(&mut self, n: u64, now: Instant) -> Result<(), u64> {
+        self.refill(now);
+        let n = n as f64;
+        if n <= self.level {
+            self.level -= n;
+            return Ok(());
+        }
+        let missing = n.min(self.capacity) - self.level;
+        Err((missing * 60.0 / self.capacity).ceil().max(1.0) as u64)
+    }
+
+    fn give_back(&mut self, n: u64) {
+        self.level = (self.level + n as f64).min(self.capacity);
+    }
+}
+
+/// One tenant's state.
+#[derive(Debug, Clone)]
+pub struct TenantBudget {
+    limits: TenantLimits,
+    in_flight: u32,
+    requests: Bucket,
+    tokens: Bucket,
+}
+
+impl TenantBudget {
+    pub fn new(limits: TenantLimits, now: Instant) -> TenantBudget {
+        TenantBudget {
+            limits,
+            in_flight: 0,
+            requests: Bucket::full(u64::from(limits.requests_per_minute.get()), now),
+            tokens: Bucket::full(limits.tokens_per_minute.get(), now),
+        }
+    }
+
+    /// Starts a request: takes a concurrency slot and one request from the minute's budget.
+    pub fn start(&mut self, tenant: &TenantId, now: Instant) -> Result<(), LimitError> {
+        let limit = self.limits.max_concurrent.get();
+        if self.in_flight >= limit {
+            return Err(LimitError::Concurrency {
+                tenant: tenant.clone(),
+                limit,
+            });
+        }
+        self.requests
+            .take(1, now)
+            .map_err(|retry_after_secs| LimitError::RequestsPerMinute {
+                tenant: tenant.clone(),
+                limit: self.limits.requests_per_minute.get(),
+                retry_after_secs,
+            })?;
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    /// Charges `n` tokens to the minute's budget. A request larger than the whole budget can
+    /// never pass and is refused at once.
+    pub fn charge(&mut self, tenant: &TenantId, n: u64, now: Instant) -> Result<(), LimitError> {
+        let limit = self.limits.tokens_per_minute.get();
+        let refuse = |retry_after_secs| LimitError::TokensPerMinute {
+            tenant: tenant.clone(),
+            limit,
+            needed: n,
+            retry_after_secs,
+        };
+        if n > limit {
+            return Err(refuse(60));
+        }
+        self.tokens.take(n, now).map_err(refuse)
+    }
+
+    /// Ends a request: frees its slot and refunds `unused` charged tokens.
+    pub fn finish(&mut self, unused: u64) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        self.tokens.give_back(unused);
+    }
+
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight
+    }
+}
+
+/// Every tenant's budget; a cheap `Clone` handle.
+#[derive(Debug, Clone, Default)]
+pub struct Limiter {
+    budgets: Arc<Mutex<HashMap<TenantId, TenantBudget>>>,
+}
+
+impl Limiter {
+    /// Starts a request for `tenant` (concurrency and requests per minute).
+    pub fn start(&self, tenant: &Arc<Tenant>) -> Result<RequestPermit, LimitError> {
+        let now = Instant::now();
+        let mut budgets = self.budgets.lock().unwrap_or_else(PoisonError::into_inner);
+        budgets
+            .entry(tenant.id.clone())
+            .or_insert_with(|| TenantBudget::new(tenant.limits, now))
+            .start(&tenant.id, now)?;
+        Ok(RequestPermit {
+            limiter: self.clone(),
+            tenant: tenant.id.clone(),
+            charged: 0,
+            used: None,
+        })
+    }
+
+    fn with<R>(&self, tenant: &TenantId, f: impl FnOnce(&mut TenantBudget) -> R) -> Option<R> {
+        let mut budgets = self.budgets.lock().unwrap_or_else(PoisonError::into_inner);
+        budgets.get_mut(tenant).map(f)
+    }
+
+    /// Requests in flight for `tenant` now.
+    pub fn in_flight(&self, tenant: &TenantId) -> u32 {
+        self.with(tenant, |b| b.in_flight()).unwrap_or(0)
+    }
+}
+
+/// A started request's claim on its tenant's budget; dropping it ends the request.
+#[derive(Debug)]
+#[must_use = "dropping the permit ends the request at once"]
+pub struct RequestPermit {
+    limiter: Limiter,
+    tenant: TenantId,
+    charged: u64,
+    /// Tokens actually used, once known; `None` refunds nothing.
+    used: Option<u64>,
+}
+
+impl RequestPermit {
+    /// Charges `n` tokens (prompt + max tokens) to the tenant's tokens per minute.
+    pub fn charge_tokens(&mut self, n: u64) -> Result<(), LimitError> {
+        let now = Instant::now();
+        let tenant = self.tenant.clone();
+        self.limiter
+            .with(&tenant, |b| b.charge(&tenant, n, now))
+            .unwrap_or(Ok(()))?;
+        self.charged += n;
+        Ok(())
+    }
+
+    /// Records how many of the charged tokens the request really used (prompt + generated); the
+    /// rest is refunded when the permit drops.
+    pub fn set_used(&mut self, used: u64) {
+        self.used = Some(used);
+    }
+}
+
+impl Drop for RequestPermit {
+    fn drop(&mut self) {
+        let unused = self
+            .used
+            .map_or(0, |used| self.charged.saturating_sub(used));
+        self.limiter.with(&self.tenant, |b| b.finish(unused));
+    }
+}
+
+/// How long a client should wait before retrying, for the `retry-after` header.
+pub fn retry_after(err: &LimitError) -> Duration {
+    match err {
+        LimitError::Concurrency { .. } => Duration::from_secs(1),
+        LimitError::RequestsPerMinute {
+            retry_after_secs, ..
+        }
+        | LimitError::TokensPerMinute {
+            retry_after_secs, ..
+        } => Duration::from_secs(*retry_after_secs),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::num::{NonZeroU32, NonZeroU64};
+
+    use super::*;
+
+    fn limits(concurrent: u32, rpm: u32, tpm: u64) -> TenantLimits {
+        TenantLimits {
+            max_context: NonZeroU32::new(1000).expect("nz"),
+            max_concurrent: NonZeroU32::new(concurrent).expect("nz"),
+            requests_per_minute: NonZeroU32::new(rpm).expect("nz"),
+            tokens_per_minute: NonZeroU64::new(tpm).expect("nz"),
+        }
+    }
+
+    fn id() -> TenantId {
+        TenantId::new("t").expect("valid")
+    }
+
+    #[test]
+    fn concurrency_is_capped_and_slots_come_back() {
+        let now = Instant::now();
+        let mut b = TenantBudget::new(limits(2, 100, 1000), now);
+        b.start(&id(), now).expect("1");
+        b.start(&id(), now).expect("2");
+        assert!(matches!(
+            b.start(&id(), now),
+            Err(LimitError::Concurrency { limit: 2, .. })
+        ));
+        b.finish(0);
+        b.start(&id(), now).expect("a slot came back");
+    }
+
+    #[test]
+    fn requests_per_minute_refill_over_time() {
+        let t0 = Instant::now();
+        let mut b = TenantBudget::new(limits(100, 2, 1000), t0);
+        b.start(&id(), t0).expect("1");
+        b.start(&id(), t0).expect("2");
+        let err = b.start(&id(), t0).expect_err("3rd in the same instant");
+        assert!(
+            matches!(
+                err,
+                LimitError::RequestsPerMinute {
+                    retry_after_secs: 30,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(b.start(&id(), t0 + Duration::from_secs(29)).is_err());
+        b.start(&id(), t0 + Duration::from_secs(30))
+            .expect("one request refilled after 30 s at 2/min");
+    }
+
+    #[test]
+    fn tokens_per_minute_are_charged_and_refunded() {
+        let t0 = Instant::now();
+        let mut b = TenantBudget::new(limits(10, 100, 1000), t0);
+        b.charge(&id(), 800, t0).expect("fits");
+        assert!(
+            b.charge(&id(), 300, t0).is_err(),
+            "over the minute's budget"
+        );
+        b.finish(500);
+        b.charge(&id(), 300, t0).expect("the refund made room");
+        assert!(
+            matches!(
+                b.charge(&id(), 1001, t0 + Duration::from_secs(3600)),
+                Err(LimitError::TokensPerMinute { needed: 1001, .. })
+            ),
+            "larger than the whole budget: never"
+        );
+    }
+
+    #[test]
+    fn dropping_the_permit_frees_the_slot() {
+        let tenant = Arc::new(Tenant {
+            id: id(),
+            limits: limits(1, 100, 1000),
+        });
+        let limiter = Limiter::default();
+        let permit = limiter.start(&tenant).expect("first");
+        assert!(limiter.start(&tenant).is_err(), "one at a time");
+        assert_eq!(limiter.in_flight(&tenant.id), 1);
+        drop(permit);
+        assert_eq!(limiter.in_flight(&tenant.id), 0);
+        let _again = limiter.start(&tenant).expect("the slot came back");
+    }
+
+    #[test]
+    fn tenants_have_separate_budgets() {
+        let a = Arc::new(Tenant {
+            id: TenantId::new("a").expect("valid"),
+            limits: limits(1, 100, 1000),
+        });
+        let b = Arc::new(Tenant {
+            id: TenantId::new("b").expect("valid"),
+            limits: limits(1, 100, 1000),
+        });
+        let limiter = Limiter::default();
+        let _a = limiter.start(&a).expect("a");
+        let _b = limiter.start(&b).expect("b is not limited by a");
+    }
+}

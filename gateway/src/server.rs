@@ -1,0 +1,178 @@
+//! Startup and serving: bind both listeners (so a caller can print the bound addresses before
+//! traffic), read every worker once, then serve until shutdown.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+
+use crate::admin::{self, AdminState};
+use crate::api::{self, ApiState};
+use crate::config::Config;
+use crate::limits::Limiter;
+use crate::metrics::Metrics;
+use crate::workers::{EndpointError, Workers};
+
+/// How long shutdown waits for in-flight connections.
+const DRAIN_LIMIT: Duration = Duration::from_secs(10);
+
+/// Why the gateway could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error("cannot listen on {addr} ({what}): {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Endpoint(#[from] EndpointError),
+}
+
+/// A gateway with both listeners bound, not yet serving.
+#[derive(Debug)]
+pub struct BoundGateway {
+    api: TcpListener,
+    admin: TcpListener,
+    api_router: Router,
+    admin_router: Router,
+    workers: Workers,
+    metrics: Metrics,
+    refresh_interval: Duration,
+    header_timeout: Duration,
+}
+
+impl BoundGateway {
+    /// Binds both listeners and builds the routers; contacts no worker yet.
+    pub async fn bind(config: Config) -> Result<BoundGateway, GatewayError> {
+        let bind = |what, addr| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| GatewayError::Bind { what, addr, source })
+        };
+        let api = bind("API", config.listen.api).await?;
+        let admin = bind("admin", config.listen.admin).await?;
+        let workers = Workers::new(&config.workers)?;
+        let metrics = Metrics::default();
+        let api_router = api::router(
+            ApiState {
+                workers: workers.clone(),
+                limiter: Limiter::default(),
+                metrics: metrics.clone(),
+                http: config.http,
+            },
+            Arc::new(config.keyring),
+        );
+        let admin_router = admin::router(
+            AdminState {
+                workers: workers.clone(),
+                metrics: metrics.clone(),
+                tenants: Arc::new(config.tenants),
+            },
+            config.admin_token,
+        );
+        Ok(BoundGateway {
+            api,
+            admin,
+            api_router,
+            admin_router,
+            workers,
+            metrics,
+            refresh_interval: config.refresh_interval,
+            header_timeout: config.http.header_timeout,
+        })
+    }
+
+    pub fn api_addr(&self) -> std::io::Result<SocketAddr> {
+        self.api.local_addr()
+    }
+
+    pub fn admin_addr(&self) -> std::io::Result<SocketAddr> {
+        self.admin.local_addr()
+    }
+
+    /// The workers' registry (what `/workers` shows).
+    pub fn workers(&self) -> &Workers {
+        &self.workers
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Reads every worker once (so the first request finds the model registered when the
+    /// workers are up), then serves until `shutdown` completes.
+    pub async fn serve(self, shutdown: impl Future<Output = ()> + Send + 'static) {
+        self.workers.refresh().await;
+        let refresh = self.workers.spawn_refresh(self.refresh_interval);
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            shutdown.await;
+            let _ = stop_tx.send(true);
+        });
+        let api = serve_listener(
+            self.api,
+            self.api_router,
+            self.header_timeout,
+            stop_rx.clone(),
+        );
+        let admin = serve_listener(self.admin, self.admin_router, self.header_timeout, stop_rx);
+        tokio::join!(api, admin);
+        refresh.abort();
+    }
+}
+
+/// Completes once stop is set (or its sender is gone, which also means stop).
+async fn stopped(stop: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// Accepts HTTP/1.1 connections until stopped; a client that has not sent its headers within
+/// `header_timeout` is disconnected (slowloris). In-flight connections get [`DRAIN_LIMIT`].
+async fn serve_listener(
+    listener: TcpListener,
+    router: Router,
+    header_timeout: Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let graceful = GracefulShutdown::new();
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    loop {
+        let (stream, _) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = stopped(&mut stop) => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(router.clone());
+        let connection = builder.serve_connection(TokioIo::new(stream), service);
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+        });
+    }
+    if tokio::time::timeout(DRAIN_LIMIT, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("connections still open at shutdown; closing them");
+    }
+}

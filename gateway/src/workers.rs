@@ -1,0 +1,670 @@
+//! The workers the gateway routes to: what each one reported (Info, Health), whether it may be
+//! routed to and why not, the served model (tokenizer and chat template, built from a worker's
+//! Info: the worker is their source of truth), and outstanding tokens for routing.
+//!
+//! ```text
+//!   refresh task ──Info/Health every N s──▶ workers ─┐
+//!        │                                          ▼
+//!        └──────────────▶ Workers { Mutex<State> } ◀── API handlers: model(), effective_limit(),
+//!                                                       route(Admitted) → Route (outstanding
+//!                                                       tokens held until the Route drops)
+//! ```
+//!
+//! The state is a few numbers per worker, updated synchronously under a mutex that is never
+//! held across an await; the RPCs happen outside it.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bulkhead_worker::chat::ChatTemplate;
+use bulkhead_worker::serve::proto::{
+    self, HealthRequest, InfoRequest, ServingStatus, TokenizerData, WorkerClient,
+};
+use bulkhead_worker::tokenizer::{Tokenizer, TokenizerParts};
+use serde::Serialize;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::admission::{Admitted, EffectiveLimit, WorkerCapacity, effective_limit};
+use crate::config::{WorkerConfig, WorkerRole};
+use crate::routing::{Candidate, least_outstanding};
+use std::num::NonZeroU32;
+
+/// Bound on each Info (without tokenizer) and Health call.
+const RPC_TIMEOUT: Duration = Duration::from_secs(3);
+/// Bound on the Info call that carries the tokenizer (about 1 MB).
+const TOKENIZER_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bound on connecting to a worker.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What a worker's Info said.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Facts {
+    pub model_id: String,
+    pub model_name: String,
+    /// The longest prompt + max tokens it serves.
+    pub served_context: u64,
+    pub model_context: u64,
+    /// Its measured KV pool.
+    pub pool_tokens: u64,
+    pub pool_pages: u32,
+    pub page_tokens: u32,
+}
+
+/// What a worker's Health said, or why there is no answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum Health {
+    /// Not asked yet.
+    Unknown,
+    Serving {
+        pool_pages_total: u32,
+        pool_pages_free: u32,
+        queue_depth: u32,
+        running: u32,
+    },
+    NotServing,
+    Unreachable {
+        error: String,
+    },
+}
+
+/// Why a worker is not routed to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, thiserror::Error)]
+#[serde(tag = "reason", rename_all = "snake_case")]
+pub enum Unroutable {
+    #[error("its Info has not been read yet")]
+    NoInfo,
+    #[error("its health is not known yet")]
+    HealthUnknown,
+    #[error("it reports that it is not serving")]
+    NotServing,
+    #[error("it does not answer: {error}")]
+    Unreachable { error: String },
+    #[error(
+        "its KV pool ({pool_tokens} tokens) is smaller than the context it serves \
+         ({served_context}); restart it with a larger pool or a shorter context"
+    )]
+    PoolSmallerThanContext {
+        pool_tokens: u64,
+        served_context: u64,
+    },
+    #[error("it serves model {model_id}, not the gateway's model {served}")]
+    OtherModel { model_id: String, served: String },
+}
+
+/// Whether a worker may be routed to: `None` when it may.
+pub fn unroutable(
+    facts: Option<&Facts>,
+    health: &Health,
+    served_model: Option<&str>,
+) -> Option<Unroutable> {
+    let facts = match facts {
+        Some(f) => f,
+        None => return Some(Unroutable::NoInfo),
+    };
+    match health {
+        Health::Serving { .. } => {}
+        Health::Unknown => return Some(Unroutable::HealthUnknown),
+        Health::NotServing => return Some(Unroutable::NotServing),
+        Health::Unreachable { error } => {
+            return Some(Unroutable::Unreachable {
+                error: error.clone(),
+            });
+        }
+    }
+    if facts.pool_tokens < facts.served_context {
+        return Some(Unroutable::PoolSmallerThanContext {
+            pool_tokens: facts.pool_tokens,
+            served_context: facts.served_context,
+        });
+    }
+    match served_model {
+        Some(served) if served != facts.model_id => Some(Unroutable::OtherModel {
+            model_id: facts.model_id.clone(),
+            served: served.to_owned(),
+        }),
+        _ => None,
+    }
+}
+
+/// The model the gateway serves: tokenizer and chat template built from a worker's Info.
+pub struct ServedModel {
+    /// The worker's model id (changes when the model file does).
+    pub id: String,
+    /// The public name: `/v1/models`'s id and what requests' `model` may say.
+    pub name: String,
+    pub tokenizer: Tokenizer,
+    /// Why chat prompts cannot be rendered, when they cannot.
+    pub chat: Result<ChatTemplate, String>,
+    /// When the gateway registered it (Unix seconds), for `/v1/models`.
+    pub created: u64,
+}
+
+impl fmt::Debug for ServedModel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServedModel")
+            .field("id", &self.id)
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ServedModel {
+    /// Builds the model's tokenizer and chat template from a worker's Info.
+    pub fn from_info(info: &proto::InfoResponse, data: &TokenizerData) -> Result<Self, String> {
+        let tokenizer = Tokenizer::from_parts(TokenizerParts {
+            model: &data.model,
+            pre: (!data.pre.is_empty()).then_some(data.pre.as_str()),
+            tokens: &data.tokens,
+            merges: &data.merges,
+            token_types: &data.token_types,
+            bos: info.bos_token_id,
+            eos: info.eos_token_id,
+        })
+        .map_err(|e| format!("cannot build the tokenizer from the worker's Info: {e}"))?;
+        let text = |id: Option<u32>| {
+            id.and_then(|i| data.tokens.get(i as usize))
+                .cloned()
+                .unwrap_or_default()
+        };
+        let chat = if info.chat_template.is_empty() {
+            Err("the served model has no chat template; use /v1/completions".to_owned())
+        } else {
+            ChatTemplate::new(
+                &info.chat_template,
+                text(info.bos_token_id),
+                text(Some(info.eos_token_id)),
+            )
+            .map_err(|e| e.to_string())
+        };
+        Ok(ServedModel {
+            id: info.model_id.clone(),
+            name: public_name(&info.model_name, &info.model_id),
+            tokenizer,
+            chat,
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        })
+    }
+
+    /// Whether a request's `model` names this model (its public name or its id).
+    pub fn answers_to(&self, asked: &str) -> bool {
+        asked == self.name || asked == self.id
+    }
+}
+
+/// `SmolLM2 135M Instruct` → `smollm2-135m-instruct`; the id when the name is empty.
+pub fn public_name(model_name: &str, model_id: &str) -> String {
+    let slug: String = model_name
+        .trim()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '.' {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    let slug = slug
+        .split('-')
+        .filter(|p| !p.is_empty())
+        .collect::<Vec<_>>()
+        .join("-");
+    if slug.is_empty() {
+        model_id.to_owned()
+    } else {
+        slug
+    }
+}
+
+/// What `/workers` shows for one worker.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkerReport {
+    pub name: String,
+    pub endpoint: String,
+    pub role: &'static str,
+    pub info: Option<Facts>,
+    pub health: Health,
+    pub routable: bool,
+    pub unroutable: Option<Unroutable>,
+    /// Why, in words.
+    pub unroutable_reason: Option<String>,
+    pub outstanding_tokens: u64,
+    pub last_error: Option<String>,
+}
+
+struct Entry {
+    config: WorkerConfig,
+    client: WorkerClient<Channel>,
+    facts: Option<Facts>,
+    health: Health,
+    outstanding: u64,
+    last_error: Option<String>,
+}
+
+#[derive(Default)]
+struct State {
+    entries: Vec<Entry>,
+    model: Option<Arc<ServedModel>>,
+}
+
+impl State {
+    fn served_id(&self) -> Option<&str> {
+        self.model.as_ref().map(|m| m.id.as_str())
+    }
+
+    fn unroutable(&self, e: &Entry) -> Option<Unroutable> {
+        unroutable(e.facts.as_ref(), &e.health, self.served_id())
+    }
+
+    fn routable(&self) -> impl Iterator<Item = (usize, &Entry)> {
+        self.entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| self.model.is_some() && self.unroutable(e).is_none())
+    }
+}
+
+/// Every configured worker; a cheap `Clone` handle.
+#[derive(Clone)]
+pub struct Workers {
+    state: Arc<Mutex<State>>,
+}
+
+impl fmt::Debug for Workers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Workers").finish_non_exhaustive()
+    }
+}
+
+/// A worker's configured address is not a valid endpoint.
+#[derive(Debug, thiserror::Error)]
+#[error("worker {name}: {source}")]
+pub struct EndpointError {
+    name: String,
+    source: tonic::transport::Error,
+}
+
+/// The route a request took; its tokens count as outstanding on that worker until it drops.
+#[derive(Debug)]
+#[must_use = "dropping the route ends its claim on the worker"]
+pub struct Route {
+    pub worker: String,
+    pub client: WorkerClient<Channel>,
+    workers: Workers,
+    index: usize,
+    tokens: u64,
+}
+
+impl Route {
+    /// Marks the worker unreachable (a transport failure): no routing to it until the next
+    /// successful Health.
+    pub fn failed(&self, error: &str) {
+        self.workers.with(|s| {
+            if let Some(e) = s.entries.get_mut(self.index) {
+                e.health = Health::Unreachable {
+                    error: error.to_owned(),
+                };
+                e.last_error = Some(error.to_owned());
+            }
+        });
+    }
+}
+
+impl Drop for Route {
+    fn drop(&mut self) {
+        let (index, tokens) = (self.index, self.tokens);
+        self.workers.with(|s| {
+            if let Some(e) = s.entries.get_mut(index) {
+                e.outstanding = e.outstanding.saturating_sub(tokens);
+            }
+        });
+    }
+}
+
+fn role_name(role: WorkerRole) -> &'static str {
+    match role {
+        WorkerRole::Both => "both",
+        WorkerRole::Prefill => "prefill",
+        WorkerRole::Decode => "decode",
+    }
+}
+
+impl Workers {
+    /// Lazily connected clients for `configs`; nothing is contacted until [`Workers::refresh`].
+    pub fn new(configs: &[WorkerConfig]) -> Result<Workers, EndpointError> {
+        let entries = configs
+            .iter()
+            .map(|c| {
+                let endpoint = Endpoint::from_shared(c.endpoint.clone())
+                    .map_err(|source| EndpointError {
+                        name: c.name.clone(),
+                        source,
+                    })?
+                    .connect_timeout(CONNECT_TIMEOUT)
+                    .tcp_nodelay(true);
+                Ok(Entry {
+                    config: c.clone(),
+                    client: WorkerClient::new(endpoint.connect_lazy()),
+                    facts: None,
+                    health: Health::Unknown,
+                    outstanding: 0,
+                    last_error: None,
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Workers {
+            state: Arc::new(Mutex::new(State {
+                entries,
+                model: None,
+            })),
+        })
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+        f(&mut self.state.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// The served model, once a worker has registered.
+    pub fn model(&self) -> Option<Arc<ServedModel>> {
+        self.with(|s| s.model.clone())
+    }
+
+    /// The effective limit for a tenant allowed `tenant_max`, over every routable worker.
+    pub fn effective_limit(&self, tenant_max: NonZeroU32) -> Option<EffectiveLimit> {
+        self.with(|s| {
+            let capacities: Vec<WorkerCapacity> = s
+                .routable()
+                .filter_map(|(_, e)| e.facts.as_ref())
+                .map(|f| WorkerCapacity {
+                    served_context: f.served_context,
+                    pool_tokens: f.pool_tokens,
+                })
+                .collect();
+            effective_limit(capacities, tenant_max)
+        })
+    }
+
+    /// The routable worker with the fewest outstanding tokens; its count grows by the
+    /// request's prompt + max tokens until the route drops.
+    pub fn route(&self, admitted: &Admitted) -> Option<Route> {
+        let tokens = admitted.total_tokens();
+        self.with(|s| {
+            let index = least_outstanding(s.routable().map(|(index, e)| Candidate {
+                index,
+                outstanding_tokens: e.outstanding,
+            }))?;
+            let e = s.entries.get_mut(index)?;
+            e.outstanding += tokens;
+            Some(Route {
+                worker: e.config.name.clone(),
+                client: e.client.clone(),
+                workers: self.clone(),
+                index,
+                tokens,
+            })
+        })
+    }
+
+    /// What each worker reported, in configuration order.
+    pub fn reports(&self) -> Vec<WorkerReport> {
+        self.with(|s| {
+            s.entries
+                .iter()
+                .map(|e| {
+                    let unroutable = s.unroutable(e);
+                    WorkerReport {
+                        name: e.config.name.clone(),
+                        endpoint: e.config.endpoint.clone(),
+                        role: role_name(e.config.role),
+                        info: e.facts.clone(),
+                        health: e.health.clone(),
+                        routable: s.model.is_some() && unroutable.is_none(),
+                        unroutable_reason: unroutable.as_ref().map(ToString::to_string),
+                        unroutable,
+                        outstanding_tokens: e.outstanding,
+                        last_error: e.last_error.clone(),
+                    }
+                })
+                .collect()
+        })
+    }
+
+    /// Reads every worker's Health and Info (concurrently, each bounded), and (re)builds the
+    /// served model when there is none yet or no healthy worker serves it any more.
+    pub async fn refresh(&self) {
+        let clients: Vec<(usize, WorkerClient<Channel>)> = self.with(|s| {
+            s.entries
+                .iter()
+                .enumerate()
+                .map(|(i, e)| (i, e.client.clone()))
+                .collect()
+        });
+        let answers =
+            futures_util::future::join_all(clients.into_iter().map(|(i, mut client)| async move {
+                let health = rpc(client.health(HealthRequest {})).await;
+                let info = match &health {
+                    Ok(_) => Some(
+                        rpc(client.info(InfoRequest {
+                            include_tokenizer: false,
+                        }))
+                        .await,
+                    ),
+                    Err(_) => None,
+                };
+                (i, health, info)
+            }))
+            .await;
+
+        let wanted = self.with(|s| {
+            for (i, health, info) in answers {
+                let Some(e) = s.entries.get_mut(i) else {
+                    continue;
+                };
+                match health {
+                    Ok(h) => e.health = health_of(&h),
+                    Err(error) => {
+                        e.health = Health::Unreachable {
+                            error: error.clone(),
+                        };
+                        e.last_error = Some(error);
+                    }
+                }
+                match info {
+                    Some(Ok(info)) => e.facts = Some(facts_of(&info)),
+                    Some(Err(error)) => e.last_error = Some(error),
+                    None => {}
+                }
+            }
+            // Keep the served model while a healthy worker still serves it; otherwise take the
+            // first healthy worker's.
+            let healthy =
+                |e: &&Entry| e.facts.is_some() && matches!(e.health, Health::Serving { .. });
+            let current = s.served_id().map(str::to_owned);
+            let keep = s.entries.iter().filter(healthy).any(|e| {
+                e.facts
+                    .as_ref()
+                    .map(|f| Some(&f.model_id) == current.as_ref())
+                    == Some(true)
+            });
+            if keep {
+                return None;
+            }
+            s.entries
+                .iter()
+                .enumerate()
+                .find(|(_, e)| healthy(e))
+                .map(|(i, e)| (i, e.client.clone()))
+        });
+        if let Some((index, client)) = wanted {
+            self.register_model(index, client).await;
+        }
+    }
+
+    async fn register_model(&self, index: usize, mut client: WorkerClient<Channel>) {
+        let info = tokio::time::timeout(
+            TOKENIZER_TIMEOUT,
+            client.info(InfoRequest {
+                include_tokenizer: true,
+            }),
+        )
+        .await;
+        let built = match info {
+            Err(_) => Err("the Info call with the tokenizer timed out".to_owned()),
+            Ok(Err(status)) => Err(format!("Info failed: {}", status.message())),
+            Ok(Ok(response)) => {
+                let info = response.into_inner();
+                // Building a 50k-token BPE takes a moment: off the async threads.
+                tokio::task::spawn_blocking(move || match &info.tokenizer {
+                    Some(data) => ServedModel::from_info(&info, data),
+                    None => Err("the worker's Info has no tokenizer".to_owned()),
+                })
+                .await
+                .unwrap_or_else(|e| Err(format!("building the tokenizer panicked: {e}")))
+            }
+        };
+        self.with(|s| match built {
+            Ok(model) => {
+                tracing::info!(model = %model.name, id = %model.id, "registered the served model");
+                s.model = Some(Arc::new(model));
+            }
+            Err(error) => {
+                tracing::warn!(%error, "cannot register the worker's model");
+                if let Some(e) = s.entries.get_mut(index) {
+                    e.last_error = Some(error);
+                }
+            }
+        });
+    }
+
+    /// Refreshes every `interval` until the returned handle is aborted.
+    pub fn spawn_refresh(&self, interval: Duration) -> tokio::task::JoinHandle<()> {
+        let workers = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                workers.refresh().await;
+            }
+        })
+    }
+}
+
+/// A bounded unary call; transport failures and timeouts become text.
+async fn rpc<T>(
+    call: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(RPC_TIMEOUT, call).await {
+        Err(_) => Err(format!("no answer within {} s", RPC_TIMEOUT.as_secs())),
+        Ok(Err(status)) => Err(format!("{:?}: {}", status.code(), status.message())),
+        Ok(Ok(r)) => Ok(r.into_inner()),
+    }
+}
+
+fn health_of(h: &proto::HealthResponse) -> Health {
+    match ServingStatus::try_from(h.status) {
+        Ok(ServingStatus::Serving) => {
+            let pool = h.pool.unwrap_or_default();
+            Health::Serving {
+                pool_pages_total: pool.total,
+                pool_pages_free: pool.free,
+                queue_depth: h.queue_depth,
+                running: h.running,
+            }
+        }
+        Ok(ServingStatus::NotServing | ServingStatus::Unspecified) | Err(_) => Health::NotServing,
+    }
+}
+
+fn facts_of(info: &proto::InfoResponse) -> Facts {
+    Facts {
+        model_id: info.model_id.clone(),
+        model_name: info.model_name.clone(),
+        served_context: info.context_length,
+        model_context: info.model_context_length,
+        pool_tokens: info.pool_tokens,
+        pool_pages: info.pool_pages,
+        page_tokens: info.page_tokens,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts(served_context: u64, pool_tokens: u64) -> Facts {
+        Facts {
+            model_id: "m-1".into(),
+            model_name: "M".into(),
+            served_context,
+            model_context: 8192,
+            pool_tokens,
+            pool_pages: 1,
+            page_tokens: 16,
+        }
+    }
+
+    fn serving() -> Health {
+        Health::Serving {
+            pool_pages_total: 10,
+            pool_pages_free: 10,
+            queue_depth: 0,
+            running: 0,
+        }
+    }
+
+    #[test]
+    fn a_healthy_worker_with_enough_pool_is_routable() {
+        assert_eq!(
+            unroutable(Some(&facts(4096, 4096)), &serving(), Some("m-1")),
+            None
+        );
+    }
+
+    #[test]
+    fn a_pool_smaller_than_the_served_context_is_not_routed_to() {
+        assert_eq!(
+            unroutable(Some(&facts(8192, 4096)), &serving(), Some("m-1")),
+            Some(Unroutable::PoolSmallerThanContext {
+                pool_tokens: 4096,
+                served_context: 8192
+            })
+        );
+    }
+
+    #[test]
+    fn unhealthy_unknown_and_other_model_workers_are_not_routed_to() {
+        let f = facts(4096, 4096);
+        assert_eq!(unroutable(None, &serving(), None), Some(Unroutable::NoInfo));
+        assert_eq!(
+            unroutable(Some(&f), &Health::Unknown, None),
+            Some(Unroutable::HealthUnknown)
+        );
+        assert_eq!(
+            unroutable(Some(&f), &Health::NotServing, None),
+            Some(Unroutable::NotServing)
+        );
+        assert!(matches!(
+            unroutable(Some(&f), &Health::Unreachable { error: "x".into() }, None),
+            Some(Unroutable::Unreachable { .. })
+        ));
+        assert!(matches!(
+            unroutable(Some(&f), &serving(), Some("m-2")),
+            Some(Unroutable::OtherModel { .. })
+        ));
+    }
+
+    #[test]
+    fn public_names_are_slugs() {
+        assert_eq!(
+            public_name("SmolLM2 135M Instruct", "id"),
+            "smollm2-135m-instruct"
+        );
+        assert_eq!(public_name("  ", "the-id"), "the-id");
+        assert_eq!(public_name("Llama-3.1 8B", "id"), "llama-3.1-8b");
+    }
+}

@@ -1,0 +1,58 @@
+//! `bulkhead gateway`: the OpenAI-compatible gateway on its own, from a config file; and
+//! `bulkhead hash-key`, which prints the digest a config file stores for a key.
+
+use std::io::BufRead;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use bulkhead_gateway::keys::KeyHash;
+use bulkhead_gateway::{BoundGateway, Config};
+
+/// Environment variables, one per flag.
+pub mod env {
+    pub const CONFIG: &str = "BULKHEAD_GATEWAY_CONFIG";
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The gateway's TOML configuration (see deploy/local/gateway.toml).
+    #[arg(long, env = env::CONFIG)]
+    config: PathBuf,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let config = Config::load(&args.config)
+        .with_context(|| format!("invalid configuration {}", args.config.display()))?;
+    runtime()?.block_on(async move {
+        let gateway = BoundGateway::bind(config).await?;
+        let (api, admin) = (gateway.api_addr()?, gateway.admin_addr()?);
+        tracing::info!(%api, %admin, "gateway serving");
+        println!("bulkhead gateway ready api={api} admin={admin}");
+        gateway.serve(crate::worker::shutdown_signal()).await;
+        tracing::info!("gateway stopped");
+        anyhow::Ok(())
+    })
+}
+
+/// The gateway's async runtime.
+pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("bulkhead-gateway")
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// Reads one key per line on stdin (so it stays out of shell history and `ps`) and prints
+/// each one's SHA-256 hex digest, as `key_sha256` and `token_sha256` hold them.
+pub fn hash_key() -> anyhow::Result<()> {
+    for line in std::io::stdin().lock().lines() {
+        let line = line.context("reading stdin")?;
+        let key = line.trim();
+        if !key.is_empty() {
+            println!("{}", KeyHash::of(key).to_hex());
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,221 @@
+//! `bulkhead up`: one command for a local deployment. Starts a `bulkhead worker --role both`
+//! child (this same binary) on free loopback ports, waits for its ready line, then runs the
+//! gateway in this process with `deploy/local/gateway.toml` (the worker's address filled in).
+//! Ctrl-C or SIGTERM stops both; the child is also killed if this process goes away first.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use bulkhead_gateway::{BoundGateway, Config};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use crate::model_path::ModelArgs;
+
+/// The default configuration, built into the binary so `bulkhead up` works from anywhere.
+const DEFAULT_CONFIG: &str = include_str!("../deploy/local/gateway.toml");
+/// How long the worker may take to load the model and bind.
+const WORKER_START_LIMIT: Duration = Duration::from_secs(120);
+/// How long the worker gets to stop after SIGTERM before it is killed.
+const WORKER_STOP_LIMIT: Duration = Duration::from_secs(10);
+
+/// Environment variables, one per flag.
+pub mod env {
+    pub const PORT: &str = "BULKHEAD_PORT";
+    pub const ADMIN_PORT: &str = "BULKHEAD_ADMIN_PORT";
+    pub const UP_CONFIG: &str = "BULKHEAD_UP_CONFIG";
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The API port on 127.0.0.1 (0: any free port; the bound one is printed).
+    #[arg(long, env = env::PORT, default_value_t = 8080)]
+    port: u16,
+    /// The admin port on 127.0.0.1 [default: the configuration's]
+    #[arg(long, env = env::ADMIN_PORT)]
+    admin_port: Option<u16>,
+    /// The worker's KV pool in tokens [default: the worker's default pool]
+    #[arg(long, env = crate::worker::env::KV_TOKENS)]
+    kv_tokens: Option<u64>,
+    /// A gateway configuration to use instead of deploy/local/gateway.toml; its one worker's
+    /// address is filled in.
+    #[arg(long, env = env::UP_CONFIG)]
+    config: Option<PathBuf>,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let mut config = match &args.config {
+        Some(path) => Config::load(path)
+            .with_context(|| format!("invalid configuration {}", path.display()))?,
+        None => Config::parse(DEFAULT_CONFIG).context("the built-in deploy/local/gateway.toml")?,
+    };
+    if config.workers.len() != 1 {
+        bail!(
+            "bulkhead up starts one worker, but the configuration lists {}",
+            config.workers.len()
+        );
+    }
+    config.listen.api.set_port(args.port);
+    if let Some(port) = args.admin_port {
+        config.listen.admin.set_port(port);
+    }
+    let model = args.model.path()?;
+
+    crate::gateway::runtime()?.block_on(async move {
+        let mut worker = start_worker(&args, &model).await?;
+        config.workers[0].endpoint = format!("http://{}", worker.grpc);
+        let gateway = BoundGateway::bind(config).await?;
+        let (api, admin) = (gateway.api_addr()?, gateway.admin_addr()?);
+        println!(
+            "bulkhead up ready api=http://{api} admin=http://{admin} worker={} worker_pid={}",
+            worker.grpc,
+            worker.child.id().unwrap_or(0)
+        );
+        println!(
+            "\nBulkhead is serving an OpenAI-compatible API at http://{api}/v1\n\
+             Try (the keys are demo-only):\n\n  \
+             curl http://{api}/v1/chat/completions \\\n    \
+             -H 'Authorization: Bearer sk-demo-tenant-a' -H 'Content-Type: application/json' \\\n    \
+             -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is 2+2?\"}}], \"max_tokens\": 32}}'\n\n\
+             Metrics: curl -H 'Authorization: Bearer sk-demo-admin' http://{admin}/metrics\n\
+             Ctrl-C stops the gateway and the worker."
+        );
+
+        let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+        let serving = tokio::spawn(gateway.serve(async move {
+            let _ = stop_rx.wait_for(|s| *s).await;
+        }));
+        let worker_died = tokio::select! {
+            () = crate::worker::shutdown_signal() => None,
+            status = worker.child.wait() => Some(status),
+        };
+        let _ = stop_tx.send(true);
+        let _ = serving.await;
+        match worker_died {
+            Some(status) => bail!("the worker exited ({status:?}); stopping"),
+            None => stop_worker(&mut worker.child).await,
+        }
+        eprintln!("bulkhead up: stopped");
+        anyhow::Ok(())
+    })
+}
+
+struct Worker {
+    child: Child,
+    grpc: String,
+}
+
+async fn start_worker(args: &Args, model: &std::path::Path) -> anyhow::Result<Worker> {
+    let exe = std::env::current_exe().context("finding this executable")?;
+    let mut cmd = Command::new(exe);
+    cmd.args(["worker", "--role", "both", "--listen", "127.0.0.1:0"])
+        .args(["--admin-listen", "127.0.0.1:0"])
+        .arg("--model")
+        .arg(model);
+    if let Some(t) = args.kv_tokens {
+        cmd.arg("--kv-tokens").arg(t.to_string());
+    }
+    if let Some(t) = args.model.threads {
+        cmd.arg("--threads").arg(t.to_string());
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    die_with_parent(&mut cmd);
+    let mut child = cmd.spawn().context("starting the worker")?;
+    let stdout = child.stdout.take().context("the worker's stdout")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let ready = tokio::time::timeout(WORKER_START_LIMIT, async {
+        while let Some(line) = lines.next_line().await? {
+            if let Some(rest) = line.strip_prefix("bulkhead worker ready ") {
+                return Ok::<_, std::io::Error>(Some(rest.to_owned()));
+            }
+        }
+        Ok(None)
+    })
+    .await;
+    let ready = match ready {
+        Ok(Ok(Some(line))) => line,
+        Ok(Ok(None)) => bail!("the worker exited before it was ready (see its log above)"),
+        Ok(Err(e)) => bail!("reading the worker's output: {e}"),
+        Err(_) => bail!(
+            "the worker was not ready within {} s",
+            WORKER_START_LIMIT.as_secs()
+        ),
+    };
+    // Keep draining its stdout so it never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let grpc = ready
+        .split_whitespace()
+        .find_map(|f| f.strip_prefix("grpc="))
+        .context("the worker's ready line has no grpc= address")?
+        .to_owned();
+    Ok(Worker { child, grpc })
+}
+
+/// SIGTERM, then SIGKILL if the worker has not stopped in time.
+async fn stop_worker(child: &mut Child) {
+    if let Some(pid) = child.id().and_then(|p| libc::pid_t::try_from(p).ok()) {
+        // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped, so the pid
+        // cannot have been reused) and a valid signal number; no memory is involved.
+        unsafe {
+            libc::kill(pid, libc::SIGTERM);
+        }
+    }
+    if tokio::time::timeout(WORKER_STOP_LIMIT, child.wait())
+        .await
+        .is_err()
+    {
+        eprintln!("bulkhead up: the worker did not stop; killing it");
+        let _ = child.kill().await;
+    }
+}
+
+/// The child gets SIGTERM if this process dies first (Linux), so no worker is orphaned.
+#[cfg(target_os = "linux")]
+fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: the closure runs in the forked child before exec and only calls prctl(2), which
+    // is async-signal-safe; it touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn die_with_parent(_cmd: &mut Command) {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_built_in_configuration_is_valid_and_holds_no_clear_keys() {
+        let config = Config::parse(DEFAULT_CONFIG).expect("valid");
+        assert_eq!(config.tenants.len(), 2);
+        assert_eq!(config.workers.len(), 1);
+        // The demo keys are named in comments only; no setting holds a clear key.
+        for line in DEFAULT_CONFIG.lines() {
+            let setting = line.split('#').next().unwrap_or_default();
+            assert!(!setting.contains("sk-"), "a clear key in a setting: {line}");
+        }
+        let a = config
+            .keyring
+            .tenant(&bulkhead_gateway::keys::KeyHash::of("sk-demo-tenant-a"))
+            .expect("tenant-a's demo key");
+        assert_eq!(a.id.as_str(), "tenant-a");
+        assert_eq!(
+            config.admin_token,
+            bulkhead_gateway::keys::KeyHash::of("sk-demo-admin")
+        );
+    }
+}
