@@ -43,16 +43,19 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     args.model.init_threads()?;
     let loaded = LoadedModel::open(&args.model.path()?)?;
-    let text = if args.chat {
+    let prompt = if args.chat {
         let chat = loaded
             .chat
             .as_ref()
             .map_err(|e| anyhow::anyhow!("--chat: {e}"))?;
-        chat.render(&[Message::new("user", &args.prompt)], true)?
+        chat.encode(
+            &loaded.tokenizer,
+            &[Message::new("user", &args.prompt)],
+            true,
+        )?
     } else {
-        args.prompt.clone()
+        loaded.tokenizer.encode(&args.prompt, false)?
     };
-    let prompt = loaded.tokenizer.encode(&text, args.chat)?;
     let sampling = SamplingParams {
         temperature: args.temperature,
         top_k: Some(args.top_k),

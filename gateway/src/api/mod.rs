@@ -261,12 +261,11 @@ fn tokenize(model: &ServedModel, parsed: &Parsed) -> Result<Vec<u32>, ApiError> 
             let template = model.chat.as_ref().map_err(|reason| ApiError::Prompt {
                 reason: reason.clone(),
             })?;
-            let text = template
-                .render(&chat.messages, true)
+            template
+                .encode(&model.tokenizer, &chat.messages, true)
                 .map_err(|e| ApiError::Prompt {
                     reason: e.to_string(),
-                })?;
-            model.tokenizer.encode(&text, true).map_err(|e| prompt(&e))
+                })
         }
         Parsed::Completion(c) => model
             .tokenizer

@@ -145,12 +145,11 @@ impl PromptSource for Prompter {
             .map_err(|reason| ValidationError::ChatUnavailable {
                 reason: reason.clone(),
             })?;
-        let text = template
-            .render(messages, true)
+        template
+            .encode(&self.tokenizer, messages, true)
             .map_err(|e| ValidationError::ChatRender {
                 reason: e.to_string(),
-            })?;
-        self.encode(&text, true)
+            })
     }
 }
 

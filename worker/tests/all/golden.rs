@@ -90,6 +90,20 @@ fn prompts_render_and_tokenize_like_llama_cpp() {
                 .render(&[Message::new("user", &case.prompt)], true)
                 .expect("render");
             assert_eq!(Some(&rendered), case.rendered.as_ref(), "{}", case.name);
+            // Tokenizing contents apart from the template (what serving does) changes nothing
+            // for honest messages.
+            let apart = chat
+                .encode(
+                    &loaded.tokenizer,
+                    &[Message::new("user", &case.prompt)],
+                    true,
+                )
+                .expect("encode");
+            assert_eq!(
+                apart, case.tokens,
+                "{}: contents tokenized apart",
+                case.name
+            );
             rendered
         } else {
             case.prompt.clone()
