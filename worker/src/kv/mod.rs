@@ -8,6 +8,10 @@ use bulkhead_kernels::attention::{CANARY, KvLayout};
 use bulkhead_kvpool::{PageId, Scrub};
 use half::f16;
 
+// The data plane sends KV as little-endian f16, which is how these pages lie in memory here.
+#[cfg(not(target_endian = "little"))]
+compile_error!("the KV memory layout assumes a little-endian target");
+
 /// A slot range that does not fit a page, or bytes that do not fit the slots.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SlotError {
@@ -82,7 +86,7 @@ impl KvMemory {
     pub fn read_slots(&self, page: PageId, slots: Range<usize>) -> Result<Vec<u8>, SlotError> {
         let mut out = Vec::with_capacity(slots.len() * self.layout.token_bytes());
         for run in self.slot_runs(page, &slots)? {
-            out.extend(self.values[run].iter().flat_map(|v| v.to_le_bytes()));
+            out.extend_from_slice(bytemuck::cast_slice(&self.values[run]));
         }
         Ok(out)
     }
@@ -101,11 +105,11 @@ impl KvMemory {
                 want,
             });
         }
-        let mut src = bytes.chunks_exact(2);
+        let mut at = 0;
         for run in self.slot_runs(page, &slots)? {
-            for (v, b) in self.values[run].iter_mut().zip(&mut src) {
-                *v = f16::from_le_bytes([b[0], b[1]]);
-            }
+            let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut self.values[run]);
+            dst.copy_from_slice(&bytes[at..at + dst.len()]);
+            at += dst.len();
         }
         Ok(())
     }
