@@ -1,7 +1,9 @@
-//! `bulkhead up`: one command for a local deployment. Starts a `bulkhead worker --role both`
-//! child (this same binary) on free loopback ports, waits for its ready line, then runs the
-//! gateway in this process with `deploy/local/gateway.toml` (the worker's address filled in).
-//! Ctrl-C or SIGTERM stops both; the child is also killed if this process goes away first.
+//! `bulkhead up`: one command for a local deployment. Starts the workers the configuration
+//! lists — by default (`deploy/local/gateway.toml`) a prefill worker and a decode worker that
+//! names it, or a single colocated worker — as children (this same binary) on free loopback
+//! ports, waits for their ready lines, then runs the gateway in this process with their
+//! addresses filled in. Ctrl-C or SIGTERM stops everything; the children are also killed if
+//! this process goes away first.
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -26,6 +28,37 @@ pub mod env {
     pub const PORT: &str = "BULKHEAD_PORT";
     pub const ADMIN_PORT: &str = "BULKHEAD_ADMIN_PORT";
     pub const UP_CONFIG: &str = "BULKHEAD_UP_CONFIG";
+    pub const PREFILL_KV_TOKENS: &str = "BULKHEAD_PREFILL_KV_TOKENS";
+    pub const DECODE_KV_TOKENS: &str = "BULKHEAD_DECODE_KV_TOKENS";
+}
+
+/// What `up` starts, from the configuration's workers.
+enum Layout {
+    /// One `both` worker (index in the configuration).
+    Colocated(usize),
+    /// A prefill worker and the decode worker that names it (indices).
+    Split { prefill: usize, decode: usize },
+}
+
+impl Layout {
+    fn of(workers: &[bulkhead_gateway::config::WorkerConfig]) -> anyhow::Result<Layout> {
+        use bulkhead_gateway::config::WorkerRole;
+        let roles: Vec<WorkerRole> = workers.iter().map(|w| w.role).collect();
+        match roles.as_slice() {
+            [WorkerRole::Both] => Ok(Layout::Colocated(0)),
+            [WorkerRole::Prefill, WorkerRole::Decode] => Ok(Layout::Split {
+                prefill: 0,
+                decode: 1,
+            }),
+            [WorkerRole::Decode, WorkerRole::Prefill] => Ok(Layout::Split {
+                prefill: 1,
+                decode: 0,
+            }),
+            other => bail!(
+                "bulkhead up starts one colocated worker or one prefill + one decode worker; the configuration lists {other:?}"
+            ),
+        }
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -38,9 +71,16 @@ pub struct Args {
     /// The admin port on 127.0.0.1 [default: the configuration's]
     #[arg(long, env = env::ADMIN_PORT)]
     admin_port: Option<u16>,
-    /// The worker's KV pool in tokens [default: the worker's default pool]
+    /// Every worker's KV pool in tokens [default: the worker's default pool]
     #[arg(long, env = crate::worker::env::KV_TOKENS)]
     kv_tokens: Option<u64>,
+    /// The prefill worker's KV pool in tokens, apart from the decode worker's (reproduce the
+    /// incident: a prefill pool smaller than the context, and watch it being refused).
+    #[arg(long, env = env::PREFILL_KV_TOKENS)]
+    prefill_kv_tokens: Option<u64>,
+    /// The decode worker's KV pool in tokens.
+    #[arg(long, env = env::DECODE_KV_TOKENS)]
+    decode_kv_tokens: Option<u64>,
     /// A gateway configuration to use instead of deploy/local/gateway.toml; its one worker's
     /// address is filled in.
     #[arg(long, env = env::UP_CONFIG)]
@@ -53,12 +93,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .with_context(|| format!("invalid configuration {}", path.display()))?,
         None => Config::parse(DEFAULT_CONFIG).context("the built-in deploy/local/gateway.toml")?,
     };
-    if config.workers.len() != 1 {
-        bail!(
-            "bulkhead up starts one worker, but the configuration lists {}",
-            config.workers.len()
-        );
-    }
+    let layout = Layout::of(&config.workers)?;
     config.listen.api.set_port(args.port);
     if let Some(port) = args.admin_port {
         config.listen.admin.set_port(port);
@@ -66,15 +101,32 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let model = args.model.path()?;
 
     crate::gateway::runtime()?.block_on(async move {
-        let mut worker = start_worker(&args, &model).await?;
-        config.workers[0].endpoint = format!("http://{}", worker.grpc);
+        let mut workers = Vec::new();
+        match layout {
+            Layout::Colocated(i) => {
+                let w = start_worker(&args, &model, &["--role", "both"], args.kv_tokens).await?;
+                config.workers[i].endpoint = format!("http://{}", w.grpc);
+                workers.push(w);
+            }
+            Layout::Split { prefill, decode } => {
+                let p = start_worker(&args, &model, &["--role", "prefill"], args.prefill_kv_tokens.or(args.kv_tokens))
+                    .await?;
+                let prefill_uri = format!("http://{}", p.grpc);
+                let d_args = ["--role", "decode", "--prefill", &prefill_uri, "--kv-listen", "127.0.0.1:0"];
+                let d = start_worker(&args, &model, &d_args, args.decode_kv_tokens.or(args.kv_tokens)).await?;
+                config.workers[prefill].endpoint = prefill_uri;
+                config.workers[decode].endpoint = format!("http://{}", d.grpc);
+                workers.push(p);
+                workers.push(d);
+            }
+        }
         let gateway = BoundGateway::bind(config).await?;
         let (api, admin) = (gateway.api_addr()?, gateway.admin_addr()?);
-        println!(
-            "bulkhead up ready api=http://{api} admin=http://{admin} worker={} worker_pid={}",
-            worker.grpc,
-            worker.child.id().unwrap_or(0)
-        );
+        let listing: Vec<String> = workers
+            .iter()
+            .map(|w| format!("{role}={} {role}_pid={}", w.grpc, w.child.id().unwrap_or(0), role = w.role))
+            .collect();
+        println!("bulkhead up ready api=http://{api} admin=http://{admin} {}", listing.join(" "));
         println!(
             "\nBulkhead is serving an OpenAI-compatible API at http://{api}/v1\n\
              Try (the keys are demo-only):\n\n  \
@@ -82,22 +134,25 @@ pub fn run(args: Args) -> anyhow::Result<()> {
              -H 'Authorization: Bearer sk-demo-tenant-a' -H 'Content-Type: application/json' \\\n    \
              -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is 2+2?\"}}], \"max_tokens\": 32}}'\n\n\
              Metrics: curl -H 'Authorization: Bearer sk-demo-admin' http://{admin}/metrics\n\
-             Ctrl-C stops the gateway and the worker."
+             Ctrl-C stops the gateway and the workers."
         );
 
         let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
         let serving = tokio::spawn(gateway.serve(async move {
             let _ = stop_rx.wait_for(|s| *s).await;
         }));
+        let any_exit = futures_util::future::select_all(workers.iter_mut().map(|w| Box::pin(w.child.wait())));
         let worker_died = tokio::select! {
             () = crate::worker::shutdown_signal() => None,
-            status = worker.child.wait() => Some(status),
+            (status, index, _) = any_exit => Some((index, status)),
         };
         let _ = stop_tx.send(true);
         let _ = serving.await;
-        match worker_died {
-            Some(status) => bail!("the worker exited ({status:?}); stopping"),
-            None => stop_worker(&mut worker.child).await,
+        for w in &mut workers {
+            stop_worker(&mut w.child).await;
+        }
+        if let Some((index, status)) = worker_died {
+            bail!("the {} worker exited ({status:?}); stopped everything", workers[index].role);
         }
         eprintln!("bulkhead up: stopped");
         anyhow::Ok(())
@@ -107,16 +162,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 struct Worker {
     child: Child,
     grpc: String,
+    /// `both`, `prefill` or `decode`.
+    role: String,
 }
 
-async fn start_worker(args: &Args, model: &std::path::Path) -> anyhow::Result<Worker> {
+/// Starts `bulkhead worker` with `role_args` and a KV pool of `kv_tokens`, and waits until it
+/// reports ready.
+async fn start_worker(
+    args: &Args,
+    model: &std::path::Path,
+    role_args: &[&str],
+    kv_tokens: Option<u64>,
+) -> anyhow::Result<Worker> {
+    let role = role_args.get(1).copied().unwrap_or("both").to_owned();
     let exe = std::env::current_exe().context("finding this executable")?;
     let mut cmd = Command::new(exe);
-    cmd.args(["worker", "--role", "both", "--listen", "127.0.0.1:0"])
-        .args(["--admin-listen", "127.0.0.1:0"])
+    cmd.arg("worker")
+        .args(role_args)
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
         .arg("--model")
         .arg(model);
-    if let Some(t) = args.kv_tokens {
+    if let Some(t) = kv_tokens {
         cmd.arg("--kv-tokens").arg(t.to_string());
     }
     if let Some(t) = args.model.threads {
@@ -127,7 +193,9 @@ async fn start_worker(args: &Args, model: &std::path::Path) -> anyhow::Result<Wo
         .stderr(Stdio::inherit())
         .kill_on_drop(true);
     die_with_parent(&mut cmd);
-    let mut child = cmd.spawn().context("starting the worker")?;
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("starting the {role} worker"))?;
     let stdout = child.stdout.take().context("the worker's stdout")?;
     let mut lines = BufReader::new(stdout).lines();
     let ready = tokio::time::timeout(WORKER_START_LIMIT, async {
@@ -141,7 +209,7 @@ async fn start_worker(args: &Args, model: &std::path::Path) -> anyhow::Result<Wo
     .await;
     let ready = match ready {
         Ok(Ok(Some(line))) => line,
-        Ok(Ok(None)) => bail!("the worker exited before it was ready (see its log above)"),
+        Ok(Ok(None)) => bail!("the {role} worker exited before it was ready (see its log above)"),
         Ok(Err(e)) => bail!("reading the worker's output: {e}"),
         Err(_) => bail!(
             "the worker was not ready within {} s",
@@ -155,7 +223,7 @@ async fn start_worker(args: &Args, model: &std::path::Path) -> anyhow::Result<Wo
         .find_map(|f| f.strip_prefix("grpc="))
         .context("the worker's ready line has no grpc= address")?
         .to_owned();
-    Ok(Worker { child, grpc })
+    Ok(Worker { child, grpc, role })
 }
 
 /// SIGTERM, then SIGKILL if the worker has not stopped in time.
@@ -202,7 +270,10 @@ mod tests {
     fn the_built_in_configuration_is_valid_and_holds_no_clear_keys() {
         let config = Config::parse(DEFAULT_CONFIG).expect("valid");
         assert_eq!(config.tenants.len(), 2);
-        assert_eq!(config.workers.len(), 1);
+        assert!(
+            matches!(Layout::of(&config.workers), Ok(Layout::Split { .. })),
+            "prefill + decode by default"
+        );
         // The demo keys are named in comments only; no setting holds a clear key.
         for line in DEFAULT_CONFIG.lines() {
             let setting = line.split('#').next().unwrap_or_default();

@@ -116,7 +116,8 @@ impl Keyring {
     }
 }
 
-/// What a worker does. Only colocated workers are supported by this gateway so far.
+/// What a worker does. Requests are routed to `both` and `decode` workers; a decode worker
+/// names the prefill worker that fills its pages, and both bound the context it serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum WorkerRole {
@@ -133,6 +134,8 @@ pub struct WorkerConfig {
     /// `http://host:port` of its gRPC API.
     pub endpoint: String,
     pub role: WorkerRole,
+    /// Decode workers only: the configured name of their prefill worker.
+    pub prefill: Option<String>,
 }
 
 /// Why the configuration is refused; every message names the place to fix.
@@ -171,10 +174,12 @@ pub enum ConfigError {
     DuplicateWorker { name: String },
     #[error("worker {name:?}: grpc = {endpoint:?} is not an address like http://127.0.0.1:50051")]
     WorkerEndpoint { name: String, endpoint: String },
-    #[error(
-        "worker {name:?}: role {role:?} is not supported by this gateway yet; use role = \"both\""
-    )]
-    UnsupportedRole { name: String, role: WorkerRole },
+    #[error("worker {name:?}: a decode worker must name its prefill worker (prefill = \"…\")")]
+    DecodeWithoutPrefill { name: String },
+    #[error("worker {name:?}: prefill = {prefill:?} names no worker with role = \"prefill\"")]
+    UnknownPrefill { name: String, prefill: String },
+    #[error("worker {name:?}: only decode workers name a prefill worker")]
+    PrefillOnNonDecode { name: String },
     #[error("{field} must be at least 1")]
     ZeroSetting { field: &'static str },
 }
@@ -237,6 +242,9 @@ struct RawWorker {
     name: String,
     grpc: String,
     role: WorkerRole,
+    /// Decode workers: the name of the prefill worker that fills their pages.
+    #[serde(default)]
+    prefill: Option<String>,
 }
 
 impl Config {
@@ -360,29 +368,50 @@ fn workers(raw: Vec<RawWorker>) -> Result<Vec<WorkerConfig>, ConfigError> {
     if raw.is_empty() {
         return Err(ConfigError::NoWorkers);
     }
+    let prefill_names: HashSet<&str> = raw
+        .iter()
+        .filter(|w| w.role == WorkerRole::Prefill)
+        .map(|w| w.name.as_str())
+        .collect();
     let mut seen = HashSet::new();
-    raw.into_iter()
-        .map(|w| {
-            if !seen.insert(w.name.clone()) {
-                return Err(ConfigError::DuplicateWorker { name: w.name });
-            }
-            if w.role != WorkerRole::Both {
-                return Err(ConfigError::UnsupportedRole {
-                    name: w.name,
-                    role: w.role,
+    let mut out = Vec::with_capacity(raw.len());
+    for w in &raw {
+        if !seen.insert(w.name.clone()) {
+            return Err(ConfigError::DuplicateWorker {
+                name: w.name.clone(),
+            });
+        }
+        match (w.role, &w.prefill) {
+            (WorkerRole::Decode, None) => {
+                return Err(ConfigError::DecodeWithoutPrefill {
+                    name: w.name.clone(),
                 });
             }
-            let endpoint = worker_endpoint(&w.grpc).ok_or_else(|| ConfigError::WorkerEndpoint {
-                name: w.name.clone(),
-                endpoint: w.grpc.clone(),
-            })?;
-            Ok(WorkerConfig {
-                name: w.name,
-                endpoint,
-                role: w.role,
-            })
-        })
-        .collect()
+            (WorkerRole::Decode, Some(p)) if !prefill_names.contains(p.as_str()) => {
+                return Err(ConfigError::UnknownPrefill {
+                    name: w.name.clone(),
+                    prefill: p.clone(),
+                });
+            }
+            (WorkerRole::Both | WorkerRole::Prefill, Some(_)) => {
+                return Err(ConfigError::PrefillOnNonDecode {
+                    name: w.name.clone(),
+                });
+            }
+            _ => {}
+        }
+        let endpoint = worker_endpoint(&w.grpc).ok_or_else(|| ConfigError::WorkerEndpoint {
+            name: w.name.clone(),
+            endpoint: w.grpc.clone(),
+        })?;
+        out.push(WorkerConfig {
+            name: w.name.clone(),
+            endpoint,
+            role: w.role,
+            prefill: w.prefill.clone(),
+        });
+    }
+    Ok(out)
 }
 
 /// `http://host:port` for `host:port` or `http://host:port`; `None` when it is neither.
@@ -501,11 +530,27 @@ mod tests {
     }
 
     #[test]
-    fn split_roles_are_refused_until_supported() {
-        let w = WORKER.replace("both", "decode");
+    fn a_decode_worker_must_name_an_existing_prefill_worker() {
+        let t = tenant("tenant-a", "k");
+        let decode = WORKER.replace("both", "decode");
         assert!(matches!(
-            Config::parse(&config(&tenant("tenant-a", "k"), &w)),
-            Err(ConfigError::UnsupportedRole { .. })
+            Config::parse(&config(&t, &decode)),
+            Err(ConfigError::DecodeWithoutPrefill { .. })
+        ));
+        let dangling = format!("{decode}prefill = \"p\"\n");
+        assert!(matches!(
+            Config::parse(&config(&t, &dangling)),
+            Err(ConfigError::UnknownPrefill { .. })
+        ));
+        let pair = format!(
+            "{dangling}[[workers]]\nname = \"p\"\ngrpc = \"127.0.0.1:50052\"\nrole = \"prefill\"\n"
+        );
+        let parsed = Config::parse(&config(&t, &pair)).expect("a decode/prefill pair is valid");
+        assert_eq!(parsed.workers[0].prefill.as_deref(), Some("p"));
+        let both_with_prefill = format!("{WORKER}prefill = \"p\"\n");
+        assert!(matches!(
+            Config::parse(&config(&t, &both_with_prefill)),
+            Err(ConfigError::PrefillOnNonDecode { .. })
         ));
     }
 

@@ -91,6 +91,10 @@ pub enum Unroutable {
     },
     #[error("it serves model {model_id}, not the gateway's model {served}")]
     OtherModel { model_id: String, served: String },
+    #[error("prefill workers are reached through the decode workers that name them")]
+    PrefillOnly,
+    #[error("its prefill worker {prefill:?} is not usable: {why}")]
+    PrefillUnusable { prefill: String, why: String },
 }
 
 /// Whether a worker may be routed to: `None` when it may.
@@ -256,8 +260,44 @@ impl State {
         self.model.as_ref().map(|m| m.id.as_str())
     }
 
+    fn entry(&self, name: &str) -> Option<&Entry> {
+        self.entries.iter().find(|e| e.config.name == name)
+    }
+
+    /// Why `e` cannot take requests: its own state, and for a decode worker its prefill
+    /// worker's too (a request needs both legs).
     fn unroutable(&self, e: &Entry) -> Option<Unroutable> {
-        unroutable(e.facts.as_ref(), &e.health, self.served_id())
+        let own = unroutable(e.facts.as_ref(), &e.health, self.served_id());
+        match (e.config.role, &e.config.prefill) {
+            (WorkerRole::Both, _) => own,
+            (WorkerRole::Prefill, _) => own.or(Some(Unroutable::PrefillOnly)),
+            (WorkerRole::Decode, prefill) => own.or_else(|| {
+                let name = prefill.clone().unwrap_or_default();
+                let reason = match self.entry(&name) {
+                    None => Some("it is not configured".to_owned()),
+                    Some(p) => unroutable(p.facts.as_ref(), &p.health, self.served_id())
+                        .map(|r| r.to_string()),
+                };
+                reason.map(|why| Unroutable::PrefillUnusable { prefill: name, why })
+            }),
+        }
+    }
+
+    /// What a request routed to `e` must fit: its own served context and pool, and for a
+    /// decode worker its prefill worker's as well (invariant I7: the gateway's limit is the
+    /// minimum over every pool the request will occupy).
+    fn capacity(&self, e: &Entry) -> Option<WorkerCapacity> {
+        let own = e.facts.as_ref()?;
+        let mut c = WorkerCapacity {
+            served_context: own.served_context,
+            pool_tokens: own.pool_tokens,
+        };
+        if let Some(p) = e.config.prefill.as_deref().and_then(|n| self.entry(n)) {
+            let pf = p.facts.as_ref()?;
+            c.served_context = c.served_context.min(pf.served_context);
+            c.pool_tokens = c.pool_tokens.min(pf.pool_tokens);
+        }
+        Some(c)
     }
 
     fn routable(&self) -> impl Iterator<Item = (usize, &Entry)> {
@@ -376,14 +416,8 @@ impl Workers {
     /// The effective limit for a tenant allowed `tenant_max`, over every routable worker.
     pub fn effective_limit(&self, tenant_max: NonZeroU32) -> Option<EffectiveLimit> {
         self.with(|s| {
-            let capacities: Vec<WorkerCapacity> = s
-                .routable()
-                .filter_map(|(_, e)| e.facts.as_ref())
-                .map(|f| WorkerCapacity {
-                    served_context: f.served_context,
-                    pool_tokens: f.pool_tokens,
-                })
-                .collect();
+            let capacities: Vec<WorkerCapacity> =
+                s.routable().filter_map(|(_, e)| s.capacity(e)).collect();
             effective_limit(capacities, tenant_max)
         })
     }

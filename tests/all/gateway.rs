@@ -160,8 +160,10 @@ impl Up {
             match k {
                 "api" => up.api = v.trim_start_matches("http://").to_owned(),
                 "admin" => up.admin = v.trim_start_matches("http://").to_owned(),
-                "worker" => up.worker = v.to_owned(),
-                "worker_pid" => up.worker_pid = v.parse().expect("a pid"),
+                // The worker requests are routed to: a colocated one, or the decode worker.
+                "both" | "decode" => up.worker = v.to_owned(),
+                "both_pid" | "decode_pid" => up.worker_pid = v.parse().expect("a pid"),
+                "prefill" | "prefill_pid" => {}
                 other => panic!("unexpected field {other}"),
             }
         }
@@ -508,6 +510,49 @@ fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
         assert!(
             !all.contains("[DONE]"),
             "a failed stream must not look complete:\n{all}"
+        );
+    });
+}
+
+#[test]
+fn the_incident_configuration_is_refused_by_the_gateway_and_the_rest_is_served_disaggregated() {
+    bounded(|| {
+        // The incident: the decode side could hold the request, the prefill pool cannot.
+        let up = Up::start(&["--prefill-kv-tokens", "64", "--decode-kv-tokens", "4096"]);
+        up.wait_routable();
+        let chat = |max_tokens: u32| {
+            format!(
+                r#"{{"messages":[{{"role":"user","content":"What is 2+2?"}}],"max_tokens":{max_tokens},"temperature":0}}"#
+            )
+        };
+        // 37 prompt tokens + 100 do not fit the 64-token prefill pool: refused by the gateway.
+        let (status, body) = up.chat(KEY_A, &[], &chat(100));
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(
+            json(&body)["error"]["code"],
+            "context_length_exceeded",
+            "{body}"
+        );
+        // 37 + 16 fit every pool on the way: served, disaggregated.
+        let (status, body) = up.chat(KEY_A, &[], &chat(16));
+        assert_eq!(status, 200, "{body}");
+        let text = json(&body)["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(text.contains('4'), "{text:?}");
+        let (_, workers) = http(&up.admin, "GET", "/workers", Some(ADMIN), &[], "");
+        let workers = json(&workers);
+        let roles: Vec<&str> = workers["workers"]
+            .as_array()
+            .expect("a list")
+            .iter()
+            .filter_map(|w| w["role"].as_str())
+            .collect();
+        assert_eq!(
+            roles,
+            ["prefill", "decode"],
+            "bulkhead up runs prefill and decode apart"
         );
     });
 }
