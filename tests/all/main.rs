@@ -1,3 +1,4 @@
 //! End-to-end tests of the `bulkhead` binary: one test binary for the whole package.
 
 mod worker_grpc;
+mod worker_transport;
