@@ -8,6 +8,7 @@ use anyhow::Context;
 use bulkhead_kvpool::Scrub;
 use bulkhead_worker::engine::{EngineConfig, KvBudget};
 use bulkhead_worker::loader::LoadedModel;
+use bulkhead_worker::serve::transport::{KvTransport, TransportConfig};
 use bulkhead_worker::serve::{BoundWorker, RoleConfig, ServeConfig};
 
 use crate::model_path::ModelArgs;
@@ -30,6 +31,8 @@ pub mod env {
     pub const TRANSFER_BATCH_BYTES: &str = "BULKHEAD_TRANSFER_BATCH_BYTES";
     pub const TRANSFER_TIMEOUT_MS: &str = "BULKHEAD_TRANSFER_TIMEOUT_MS";
     pub const RELEASE_TIMEOUT_MS: &str = "BULKHEAD_RELEASE_TIMEOUT_MS";
+    pub const KV_TRANSPORT: &str = "BULKHEAD_KV_TRANSPORT";
+    pub const RDMA_DEVICE: &str = "BULKHEAD_RDMA_DEVICE";
 }
 
 /// What a worker process does.
@@ -41,6 +44,15 @@ pub enum Role {
     Prefill,
     /// Generation; KV pages in from the prefill worker (--prefill).
     Decode,
+}
+
+/// The KV data plane between prefill and decode workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvTransportArg {
+    /// Frames over TCP.
+    Tcp,
+    /// RDMA through ibverbs (builds with `--features rdma`; checked at startup).
+    Rdma,
 }
 
 /// What released KV pages are filled with before reuse.
@@ -103,9 +115,30 @@ pub struct Args {
     /// before they are quarantined (milliseconds).
     #[arg(long, env = env::RELEASE_TIMEOUT_MS, default_value_t = 10_000)]
     release_timeout_ms: u64,
+    /// KV data plane: tcp, or rdma (needs a build with --features rdma and an RDMA device;
+    /// checked before the model is loaded).
+    #[arg(long, env = env::KV_TRANSPORT, value_enum, default_value_t = KvTransportArg::Tcp)]
+    kv_transport: KvTransportArg,
+    /// With --kv-transport rdma: the RDMA device's verbs name (e.g. mlx5_0) [default: the
+    /// first device]
+    #[arg(long, env = env::RDMA_DEVICE)]
+    rdma_device: Option<String>,
 }
 
 impl Args {
+    /// The validated data-plane choice.
+    fn transport(&self) -> anyhow::Result<TransportConfig> {
+        match (self.kv_transport, &self.rdma_device) {
+            (KvTransportArg::Tcp, None) => Ok(TransportConfig::Tcp),
+            (KvTransportArg::Tcp, Some(_)) => {
+                anyhow::bail!("--rdma-device needs --kv-transport rdma")
+            }
+            (KvTransportArg::Rdma, device) => Ok(TransportConfig::Rdma {
+                device: device.clone(),
+            }),
+        }
+    }
+
     /// The validated serving configuration.
     fn config(&self) -> anyhow::Result<ServeConfig> {
         let role = match self.role {
@@ -152,6 +185,14 @@ impl Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let config = args.config()?;
+    // Before the model is loaded: a data plane this build or machine lacks fails the start now.
+    let transport = KvTransport::open(&args.transport()?)?;
+    if let KvTransport::Rdma(rdma) = &transport {
+        tracing::warn!(
+            device = rdma.device(),
+            "RDMA device open; the RDMA KV data path is not implemented yet, KV pages travel over TCP"
+        );
+    }
     args.model.init_threads()?;
     let path = args.model.path()?;
     let loaded = LoadedModel::open(&path)?;
@@ -162,6 +203,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async move {
+        // Held (an open RDMA device) until serving has ended.
+        let _transport = transport;
         let worker = BoundWorker::bind(config, loaded, &path).await?;
         let capacity = worker.capacity();
         let (grpc, admin) = (worker.grpc_addr()?, worker.admin_addr()?);
@@ -302,5 +345,40 @@ mod tests {
         let cli = Cli::try_parse_from(["x", "--kv-memory", "64MiB"]).expect("parses");
         let config = cli.args.config().expect("valid");
         assert_eq!(config.engine.kv, KvBudget::Bytes(64 << 20));
+    }
+
+    #[test]
+    fn the_kv_transport_is_tcp_unless_rdma_is_asked_for() {
+        use clap::Parser;
+
+        #[derive(Debug, clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let transport = |argv: &[&str]| {
+            let cli = Cli::try_parse_from(std::iter::once("x").chain(argv.iter().copied()))
+                .map_err(|e| e.to_string())?;
+            cli.args.transport().map_err(|e| e.to_string())
+        };
+        assert_eq!(transport(&[]), Ok(TransportConfig::Tcp));
+        assert_eq!(
+            transport(&["--kv-transport", "tcp"]),
+            Ok(TransportConfig::Tcp)
+        );
+        assert_eq!(
+            transport(&["--kv-transport", "rdma"]),
+            Ok(TransportConfig::Rdma { device: None })
+        );
+        assert_eq!(
+            transport(&["--kv-transport", "rdma", "--rdma-device", "mlx5_0"]),
+            Ok(TransportConfig::Rdma {
+                device: Some("mlx5_0".to_owned())
+            })
+        );
+        let err = transport(&["--rdma-device", "mlx5_0"]).expect_err("tcp has no device");
+        assert!(err.contains("--kv-transport rdma"), "{err}");
+        let err = transport(&["--kv-transport", "infiniband"]).expect_err("unknown transport");
+        assert!(err.contains("tcp") && err.contains("rdma"), "{err}");
     }
 }

@@ -2,3 +2,4 @@
 
 mod gateway;
 mod worker_grpc;
+mod worker_transport;

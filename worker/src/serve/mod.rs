@@ -22,6 +22,7 @@ mod metrics;
 pub mod proto;
 mod refusal;
 mod service;
+pub mod transport;
 mod validate;
 
 use std::future::Future;
