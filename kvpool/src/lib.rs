@@ -36,3 +36,6 @@ pub use ids::{PageId, PageRef, RequestId, Tag};
 pub use lifecycle::{Allocation, Releasing, Reservation};
 pub use pool::PagePool;
 pub use state::{PoolState, PoolStats};
+
+#[cfg(test)]
+mod test_support;

@@ -263,27 +263,13 @@ impl fmt::Debug for Releasing {
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeSet;
-    use std::num::NonZeroU32;
     use std::panic::{AssertUnwindSafe, catch_unwind};
 
     use super::*;
-    use crate::config::{PoolConfig, Scrub};
+    use crate::config::Scrub;
     use crate::ids::PageId;
     use crate::state::PoolStats;
-
-    fn pool(pages: u32, scrub: Scrub) -> PagePool {
-        PagePool::new(PoolConfig::new(
-            NonZeroU32::new(pages).expect("test pools have pages"),
-            scrub,
-        ))
-    }
-
-    fn reserve(pool: &PagePool, owner: u64, tokens: u64) -> Reservation {
-        let admissible = pool
-            .admit(RequestId::new(owner), tokens)
-            .expect("fits the pool");
-        pool.reserve(admissible).expect("pages are free")
-    }
+    use crate::test_support::{pool, reserve};
 
     fn page_set(pages: &[PageRef]) -> BTreeSet<PageId> {
         pages.iter().map(|e| e.page).collect()

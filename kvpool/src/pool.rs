@@ -208,26 +208,12 @@ impl fmt::Debug for PagePool {
 
 #[cfg(test)]
 mod tests {
-    use std::num::NonZeroU32;
     use std::panic::{AssertUnwindSafe, catch_unwind};
 
     use super::*;
     use crate::config::Scrub;
     use crate::error::Found;
-
-    fn pool(pages: u32, scrub: Scrub) -> PagePool {
-        PagePool::new(PoolConfig::new(
-            NonZeroU32::new(pages).expect("test pools have pages"),
-            scrub,
-        ))
-    }
-
-    fn reserve(pool: &PagePool, owner: u64, tokens: u64) -> Reservation {
-        let admissible = pool
-            .admit(RequestId::new(owner), tokens)
-            .expect("fits the pool");
-        pool.reserve(admissible).expect("pages are free")
-    }
+    use crate::test_support::{pool, reserve};
 
     #[test]
     fn a_prompt_larger_than_the_pool_is_rejected_before_any_allocation() {

@@ -25,9 +25,8 @@ use super::error::{ServeError, ValidationError, status};
 use super::kvplane::{self, Sent};
 use super::proto::{self, PrefillItem, WorkerClient};
 use super::refusal::{from_proto_reservation, from_refusal, to_proto_reservation, to_refusal};
-use super::validate::ValidGenerate;
+use super::validate::{self, ValidGenerate};
 use crate::engine::{Event, Request};
-use crate::sampling::SamplingParams;
 
 /// A decode worker's way to its prefill worker.
 #[derive(Debug, Clone)]
@@ -159,17 +158,9 @@ pub async fn prefill(
         })
         .and_then(from_proto_reservation)
         .map_err(|e| status(&e.into()))?;
-    let sampling = match request.sampling {
-        None => SamplingParams::GREEDY,
-        Some(s) => SamplingParams {
-            temperature: s.temperature,
-            top_k: s.top_k.map(|k| k as usize),
-            top_p: s.top_p.unwrap_or(1.0),
-            seed: s.seed.unwrap_or(0),
-        },
-    }
-    .validate()
-    .map_err(|e| status(&ValidationError::Sampling(e).into()))?;
+    // Decode always sends the seed it chose, so prefill samples the first token the same way.
+    let sampling = validate::sampling(request.sampling, || 0)
+        .map_err(|e| status(&ValidationError::Sampling(e).into()))?;
     let (tx, rx) = mpsc::channel::<Result<proto::PrefillEvent, Status>>(4);
     let item = |event| Ok(proto::PrefillEvent { event: Some(event) });
     let submitted = engine

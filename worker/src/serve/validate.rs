@@ -72,16 +72,7 @@ impl ValidGenerate {
                 });
             }
         }
-        let sampling = match req.sampling {
-            None => SamplingParams::GREEDY,
-            Some(s) => SamplingParams {
-                temperature: s.temperature,
-                top_k: s.top_k.map(|k| k as usize),
-                top_p: s.top_p.unwrap_or(1.0),
-                seed: s.seed.unwrap_or_else(random_seed),
-            },
-        }
-        .validate()?;
+        let sampling = sampling(req.sampling, random_seed)?;
         let prompt = match req.prompt.ok_or(ValidationError::MissingPrompt)? {
             Prompt::Tokens(t) => t.ids,
             Prompt::Text(text) => prompts.text(&text)?,
@@ -123,6 +114,24 @@ impl ValidGenerate {
             sink,
         }
     }
+}
+
+/// The wire sampling settings, validated; greedy when absent. `random_seed` supplies a seed
+/// when none is given.
+pub fn sampling(
+    wire: Option<proto::SamplingParams>,
+    random_seed: impl FnOnce() -> u64,
+) -> Result<SamplingParams, crate::sampling::SamplingError> {
+    match wire {
+        None => SamplingParams::GREEDY,
+        Some(s) => SamplingParams {
+            temperature: s.temperature,
+            top_k: s.top_k.map(|k| k as usize),
+            top_p: s.top_p.unwrap_or(1.0),
+            seed: s.seed.unwrap_or_else(random_seed),
+        },
+    }
+    .validate()
 }
 
 /// Turns prompt text into tokens (a seam for tests).
