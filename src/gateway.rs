@@ -1,4 +1,5 @@
-//! `bulkhead gateway`: the OpenAI-compatible gateway on its own, from a config file; and
+//! `bulkhead gateway`: the OpenAI-compatible gateway on its own, from a config file;
+//! `bulkhead preflight`, the deployment check of the workers a config file lists; and
 //! `bulkhead hash-key`, which prints the digest a config file stores for a key.
 
 use std::io::BufRead;
@@ -32,6 +33,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         tracing::info!("gateway stopped");
         anyhow::Ok(())
     })
+}
+
+/// `bulkhead preflight`: prints each worker's facts and every check; fails if any check does.
+pub fn preflight(args: Args) -> anyhow::Result<()> {
+    let config = Config::load(&args.config)
+        .with_context(|| format!("invalid configuration {}", args.config.display()))?;
+    let answers = runtime()?.block_on(bulkhead_gateway::preflight::ask(&config));
+    let checks = bulkhead_gateway::preflight::checks(&answers);
+    let (report, passed) = bulkhead_gateway::preflight::render(&answers, &checks);
+    print!("{report}");
+    let failed = checks.iter().filter(|c| !c.pass).count();
+    anyhow::ensure!(
+        passed,
+        "preflight: {failed} check(s) failed; do not route traffic to these workers"
+    );
+    println!("\npreflight: every check passed");
+    Ok(())
 }
 
 /// The gateway's async runtime.

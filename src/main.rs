@@ -33,7 +33,10 @@ enum Command {
     Worker(worker::Args),
     /// Serve the OpenAI-compatible gateway in front of the configured workers.
     Gateway(gateway::Args),
-    /// Start a worker and the gateway on loopback with the default configuration.
+    /// Check the workers a gateway configuration lists before traffic: pools against served
+    /// contexts, prefill/decode agreement, integrity settings. Exits non-zero on any failure.
+    Preflight(gateway::Args),
+    /// Start the workers and the gateway on loopback with the default configuration.
     Up(up::Args),
     /// Print the SHA-256 digest of each key read from stdin (one per line), for configs.
     HashKey,
@@ -44,7 +47,9 @@ fn main() -> anyhow::Result<()> {
     // Servers log their startup facts (measured pool, served context) by default.
     let default_level = match command {
         Command::Worker(_) | Command::Gateway(_) | Command::Up(_) => "info",
-        Command::Generate(_) | Command::Bench { .. } | Command::HashKey => "warn",
+        Command::Generate(_) | Command::Bench { .. } | Command::HashKey | Command::Preflight(_) => {
+            "warn"
+        }
     };
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -59,6 +64,7 @@ fn main() -> anyhow::Result<()> {
         Command::Worker(args) => worker::run(args),
         Command::Gateway(args) => gateway::run(args),
         Command::Up(args) => up::run(args),
+        Command::Preflight(args) => gateway::preflight(args),
         Command::HashKey => gateway::hash_key(),
     }
 }

@@ -31,6 +31,7 @@ pub mod env {
     pub const TRANSFER_BATCH_BYTES: &str = "BULKHEAD_TRANSFER_BATCH_BYTES";
     pub const TRANSFER_TIMEOUT_MS: &str = "BULKHEAD_TRANSFER_TIMEOUT_MS";
     pub const RELEASE_TIMEOUT_MS: &str = "BULKHEAD_RELEASE_TIMEOUT_MS";
+    pub const TRANSFER_FLOOR: &str = "BULKHEAD_TRANSFER_FLOOR";
     pub const KV_TRANSPORT: &str = "BULKHEAD_KV_TRANSPORT";
     pub const RDMA_DEVICE: &str = "BULKHEAD_RDMA_DEVICE";
 }
@@ -111,6 +112,10 @@ pub struct Args {
     /// Decode role: how long a reservation waits for its KV (milliseconds).
     #[arg(long, env = env::TRANSFER_TIMEOUT_MS, default_value_t = 30_000)]
     transfer_timeout_ms: u64,
+    /// Decode role: the slowest KV transfer rate tolerated, bytes per second (100MB: 100 MB/s);
+    /// a transfer's deadline is --transfer-timeout-ms plus its bytes at this rate.
+    #[arg(long, env = env::TRANSFER_FLOOR, value_parser = parse_bytes, default_value = "100MB")]
+    transfer_floor: u64,
     /// Decode role: how long an abandoned transfer's pages wait for the drain acknowledgement
     /// before they are quarantined (milliseconds).
     #[arg(long, env = env::RELEASE_TIMEOUT_MS, default_value_t = 10_000)]
@@ -177,6 +182,7 @@ impl Args {
                 max_running: self.max_running,
                 queue_capacity: self.queue_capacity,
                 transfer_timeout: Duration::from_millis(self.transfer_timeout_ms),
+                transfer_floor_bytes_per_s: self.transfer_floor,
                 release_timeout: Duration::from_millis(self.release_timeout_ms),
             },
         })

@@ -95,6 +95,8 @@ pub enum Unroutable {
     PrefillOnly,
     #[error("its prefill worker {prefill:?} is not usable: {why}")]
     PrefillUnusable { prefill: String, why: String },
+    #[error("preflight fails between it and its prefill worker: {check} ({detail})")]
+    PreflightFails { check: &'static str, detail: String },
 }
 
 /// Whether a worker may be routed to: `None` when it may.
@@ -244,6 +246,9 @@ struct Entry {
     config: WorkerConfig,
     client: WorkerClient<Channel>,
     facts: Option<Facts>,
+    /// The last Info as received, for the handoff checks between a decode worker and its
+    /// prefill worker.
+    info: Option<proto::InfoResponse>,
     health: Health,
     outstanding: u64,
     last_error: Option<String>,
@@ -390,6 +395,7 @@ impl Workers {
                     config: c.clone(),
                     client: WorkerClient::new(endpoint.connect_lazy()),
                     facts: None,
+                    info: None,
                     health: Health::Unknown,
                     outstanding: 0,
                     last_error: None,
@@ -508,7 +514,10 @@ impl Workers {
                     }
                 }
                 match info {
-                    Some(Ok(info)) => e.facts = Some(facts_of(&info)),
+                    Some(Ok(info)) => {
+                        e.facts = Some(facts_of(&info));
+                        e.info = Some(info);
+                    }
                     Some(Err(error)) => e.last_error = Some(error),
                     None => {}
                 }

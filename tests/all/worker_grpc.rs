@@ -590,3 +590,71 @@ async fn a_prefill_worker_killed_mid_request_fails_it_fast_and_decode_gets_its_p
     })
     .await;
 }
+
+/// `bulkhead preflight` over deploy/local/gateway.toml with its workers' addresses replaced.
+fn preflight(prefill: &Worker, decode: &Worker) -> (bool, String) {
+    let base = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/local/gateway.toml"
+    ))
+    .expect("the default config");
+    let config = base
+        .replace(
+            "http://127.0.0.1:50052",
+            &format!("http://{}", prefill.grpc),
+        )
+        .replace("http://127.0.0.1:50051", &format!("http://{}", decode.grpc));
+    let path = std::env::temp_dir().join(format!(
+        "bulkhead-preflight-{}-{}.toml",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    std::fs::write(&path, config).expect("write the config");
+    let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+        .args(["preflight", "--config"])
+        .arg(&path)
+        .output()
+        .expect("preflight runs");
+    let _ = std::fs::remove_file(&path);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+#[tokio::test]
+async fn preflight_passes_a_sound_pair_and_fails_a_mismatched_one() {
+    bounded(async {
+        let (prefill, decode) = disaggregated("2048", "2048");
+        let (ok, text) = preflight(&prefill, &decode);
+        assert!(ok, "{text}");
+        assert!(
+            text.contains("PASS local-decode ↔ local-prefill")
+                && text.contains("every check passed"),
+            "{text}"
+        );
+
+        // A prefill worker with another page size cannot fill decode's pages.
+        let odd = Worker::start(&[
+            "--role",
+            "prefill",
+            "--kv-tokens",
+            "2048",
+            "--page-tokens",
+            "32",
+        ]);
+        let (ok, text) = preflight(&odd, &decode);
+        assert!(!ok, "{text}");
+        assert!(
+            text.contains("FAIL") && text.contains("same page size"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("FAIL local-decode ↔ local-prefill       same model"),
+            "{text}"
+        );
+    })
+    .await;
+}

@@ -69,8 +69,11 @@ pub struct EngineConfig {
     pub max_running: usize,
     /// Admitted requests waiting for pages; more are refused with `QueueFull`.
     pub queue_capacity: usize,
-    /// Decode role: how long a reservation waits for its transfer to complete.
+    /// Decode role: how long a reservation waits for the prefill worker to start sending
+    /// (its admission, queue and forward pass) …
     pub transfer_timeout: Duration,
+    /// … plus the prompt's KV bytes at this rate: a transfer slower than the floor fails.
+    pub transfer_floor_bytes_per_s: u64,
     /// Decode role: how long an abandoned transfer's pages wait for the prefill side's drain
     /// acknowledgement before they are quarantined.
     pub release_timeout: Duration,
@@ -87,6 +90,7 @@ impl Default for EngineConfig {
             max_running: 64,
             queue_capacity: 256,
             transfer_timeout: Duration::from_secs(30),
+            transfer_floor_bytes_per_s: 100_000_000,
             release_timeout: Duration::from_secs(10),
         }
     }
@@ -240,6 +244,10 @@ impl Engine {
             ("max_batch_tokens", config.max_batch_tokens),
             ("max_running", config.max_running),
             ("queue_capacity", config.queue_capacity),
+            (
+                "transfer_floor_bytes_per_s",
+                usize::try_from(config.transfer_floor_bytes_per_s).unwrap_or(usize::MAX),
+            ),
         ] {
             if v == 0 {
                 return Err(StartupError::Zero { what });
@@ -326,6 +334,15 @@ impl Engine {
 
     pub fn transfer_stats(&self) -> TransferStats {
         self.stats
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// Whether attention checks page tags (always, outside tests).
+    pub fn tag_check(&self) -> TagCheck {
+        self.tag_check
     }
 
     /// Requests admitted but not yet running, and running (transfers in flight included).
@@ -785,7 +802,12 @@ impl Engine {
                     if request.sink.emit(Event::Reserved(target.clone())) == Delivery::Gone {
                         continue; // the reservation drops: nothing was sent anywhere
                     }
-                    let deadline = Instant::now() + self.config.transfer_timeout;
+                    let bytes = u64::from(target.prompt_tokens) * c.token_bytes;
+                    let deadline = Instant::now()
+                        + self.config.transfer_timeout
+                        + Duration::from_secs_f64(
+                            bytes as f64 / self.config.transfer_floor_bytes_per_s as f64,
+                        );
                     let inbound = bulkhead_handoff::Inbound::new(target);
                     self.transfers.insert(
                         nonce,

@@ -4,7 +4,9 @@
 use std::io::Read;
 use std::path::Path;
 
-use crate::engine::Capacity;
+use bulkhead_kernels::attention::{KvLayout, TagCheck};
+
+use crate::engine::{Capacity, Engine};
 use crate::gguf::Gguf;
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
@@ -45,6 +47,31 @@ pub fn set_capacity(info: &mut proto::InfoResponse, capacity: Capacity) {
     info.pool_pages = capacity.pool_pages;
     info.page_tokens = capacity.page_tokens;
     info.page_bytes = capacity.page_bytes;
+}
+
+/// Fills in how this worker takes part in KV handoffs. `batch_bytes` is set on prefill
+/// workers only.
+pub fn set_handoff(
+    info: &mut proto::InfoResponse,
+    engine: &Engine,
+    layout: &KvLayout,
+    batch_bytes: Option<usize>,
+) {
+    let config = engine.config();
+    info.handoff = Some(proto::KvHandoff {
+        protocol_version: u32::from(bulkhead_handoff::codec::VERSION),
+        token_bytes: layout.token_bytes() as u64,
+        layers: layout.layers as u32,
+        kv_heads: layout.kv_heads as u32,
+        head_dim: layout.head_dim as u32,
+        tag_check: engine.tag_check() == TagCheck::On,
+        // Every transfer is verified and every abandoned one drained: there is no switch.
+        checksums: true,
+        deferred_release: true,
+        transfer_batch_bytes: batch_bytes.map_or(0, |b| b as u64),
+        transfer_floor_bytes_per_s: config.transfer_floor_bytes_per_s,
+        release_timeout_ms: u64::try_from(config.release_timeout.as_millis()).unwrap_or(u64::MAX),
+    });
 }
 
 /// `name-SIZE-HASH`: the model's name, the file's size and an FNV-1a hash of its first MiB

@@ -147,9 +147,15 @@ impl BoundWorker {
             chat: chat.map_err(|e| e.to_string()),
         };
 
+        let layout = model.kv_layout(config.engine.page_tokens.get() as usize);
         let engine = Engine::new(model, tokenizer, config.engine)?;
         let capacity = engine.capacity();
         info::set_capacity(&mut info, capacity);
+        let batch_bytes = match config.role {
+            RoleConfig::Prefill { batch_bytes } => Some(batch_bytes),
+            RoleConfig::Both | RoleConfig::Decode { .. } => None,
+        };
+        info::set_handoff(&mut info, &engine, &layout, batch_bytes);
 
         let bind = |what, addr| async move {
             TcpListener::bind(addr)

@@ -285,6 +285,8 @@ fn a_transfer_that_never_completes_times_out() {
         EngineConfig {
             kv: KvBudget::Tokens(256),
             transfer_timeout: Duration::ZERO,
+            // No allowance for the bytes either: the deadline is now.
+            transfer_floor_bytes_per_s: u64::MAX,
             ..EngineConfig::default()
         },
     );

@@ -1,0 +1,364 @@
+//! `bulkhead preflight`: the deployment check the incident lacked. It reads every configured
+//! worker's Info and checks, before any traffic, that no worker serves a context longer than
+//! its pool and that every decode worker and the prefill worker it names can hand KV over
+//! safely: same model, page size, KV layout and protocol; integrity checks and two-phase
+//! release on; and a transfer batch that fits inside the release timeout at the bandwidth
+//! floor. The checks are pure functions of what the workers reported ([`checks`]).
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use bulkhead_worker::serve::proto::{InfoRequest, InfoResponse, KvHandoff, WorkerClient};
+use tonic::transport::Endpoint;
+
+use crate::config::{Config, WorkerConfig, WorkerRole};
+
+/// Bound on connecting to and asking each worker.
+const ASK_LIMIT: Duration = Duration::from_secs(5);
+
+/// A configured worker and what it answered.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub worker: WorkerConfig,
+    pub info: Result<InfoResponse, String>,
+}
+
+/// One check's verdict.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Check {
+    /// The worker (or `decode ↔ prefill` pair) checked.
+    pub subject: String,
+    pub name: &'static str,
+    pub pass: bool,
+    /// The numbers behind the verdict.
+    pub detail: String,
+}
+
+/// Asks every worker in `config` for its Info (concurrently, each bounded).
+pub async fn ask(config: &Config) -> Vec<Answer> {
+    futures_util::future::join_all(config.workers.iter().map(|w| async move {
+        let info = async {
+            let endpoint = Endpoint::from_shared(w.endpoint.clone()).map_err(|e| e.to_string())?;
+            let channel = endpoint
+                .connect_timeout(ASK_LIMIT)
+                .connect()
+                .await
+                .map_err(|e| e.to_string())?;
+            let answer = WorkerClient::new(channel)
+                .info(InfoRequest {
+                    include_tokenizer: false,
+                })
+                .await;
+            answer
+                .map(tonic::Response::into_inner)
+                .map_err(|s| s.message().to_owned())
+        };
+        let info = tokio::time::timeout(ASK_LIMIT * 2, info)
+            .await
+            .unwrap_or_else(|_| Err("timed out".into()));
+        Answer {
+            worker: w.clone(),
+            info,
+        }
+    }))
+    .await
+}
+
+/// Every check over `answers`.
+pub fn checks(answers: &[Answer]) -> Vec<Check> {
+    let mut out = Vec::new();
+    for a in answers {
+        let subject = a.worker.name.clone();
+        let check = |name, pass, detail: String| Check {
+            subject: subject.clone(),
+            name,
+            pass,
+            detail,
+        };
+        let info = match &a.info {
+            Ok(info) => info,
+            Err(e) => {
+                out.push(check("reachable", false, e.clone()));
+                continue;
+            }
+        };
+        out.push(check(
+            "reachable",
+            true,
+            format!("serves {}", info.model_id),
+        ));
+        out.push(check(
+            "pool covers the served context",
+            info.pool_tokens >= info.context_length,
+            format!(
+                "pool {} tokens, served context {}",
+                info.pool_tokens, info.context_length
+            ),
+        ));
+        let h = info.handoff.unwrap_or_default();
+        out.push(check(
+            "integrity checks on",
+            h.tag_check && h.checksums,
+            format!(
+                "page tags {}, checksums {}",
+                on(h.tag_check),
+                on(h.checksums)
+            ),
+        ));
+        if a.worker.role != WorkerRole::Both {
+            out.push(check(
+                "two-phase release on",
+                h.deferred_release,
+                format!("deferred release {}", on(h.deferred_release)),
+            ));
+        }
+    }
+    for d in answers
+        .iter()
+        .filter(|a| a.worker.role == WorkerRole::Decode)
+    {
+        let Some(p) = d
+            .worker
+            .prefill
+            .as_deref()
+            .and_then(|n| answers.iter().find(|a| a.worker.name == n))
+        else {
+            continue;
+        };
+        let (Ok(di), Ok(pi)) = (&d.info, &p.info) else {
+            continue;
+        };
+        out.extend(pair(&d.worker.name, di, &p.worker.name, pi));
+    }
+    out
+}
+
+/// The checks between a decode worker and its prefill worker.
+pub fn pair(decode: &str, d: &InfoResponse, prefill: &str, p: &InfoResponse) -> Vec<Check> {
+    let subject = format!("{decode} ↔ {prefill}");
+    let check = |name, pass, detail: String| Check {
+        subject: subject.clone(),
+        name,
+        pass,
+        detail,
+    };
+    let (dh, ph) = (d.handoff.unwrap_or_default(), p.handoff.unwrap_or_default());
+    let layout = |h: &KvHandoff| (h.token_bytes, h.layers, h.kv_heads, h.head_dim);
+    let batch_secs = ph.transfer_batch_bytes as f64 / dh.transfer_floor_bytes_per_s.max(1) as f64;
+    let release_secs = dh.release_timeout_ms as f64 / 1000.0;
+    vec![
+        check(
+            "same model",
+            d.model_id == p.model_id,
+            format!("{} / {}", d.model_id, p.model_id),
+        ),
+        check(
+            "same page size",
+            d.page_tokens == p.page_tokens,
+            format!("{} / {} tokens", d.page_tokens, p.page_tokens),
+        ),
+        check(
+            "same KV layout",
+            layout(&dh) == layout(&ph),
+            format!(
+                "{:?} / {:?} (bytes per token, layers, KV heads, head size)",
+                layout(&dh),
+                layout(&ph)
+            ),
+        ),
+        check(
+            "same protocol version",
+            dh.protocol_version == ph.protocol_version,
+            format!("{} / {}", dh.protocol_version, ph.protocol_version),
+        ),
+        check(
+            "a transfer batch fits the release timeout",
+            batch_secs <= release_secs,
+            format!(
+                "{} bytes at the {} bytes/s floor take {batch_secs:.3} s; release timeout {release_secs:.3} s",
+                ph.transfer_batch_bytes, dh.transfer_floor_bytes_per_s
+            ),
+        ),
+    ]
+}
+
+fn on(b: bool) -> &'static str {
+    if b { "on" } else { "OFF" }
+}
+
+/// The report: one line per worker, then one per check; and whether every check passed.
+pub fn render(answers: &[Answer], checks: &[Check]) -> (String, bool) {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<16} {:<8} {:<40} {:>10} {:>10} {:>6}",
+        "worker", "role", "model", "context", "pool", "page"
+    );
+    for a in answers {
+        let role = match a.worker.role {
+            WorkerRole::Both => "both",
+            WorkerRole::Prefill => "prefill",
+            WorkerRole::Decode => "decode",
+        };
+        match &a.info {
+            Ok(i) => {
+                let _ = writeln!(
+                    out,
+                    "{:<16} {role:<8} {:<40} {:>10} {:>10} {:>6}",
+                    a.worker.name, i.model_id, i.context_length, i.pool_tokens, i.page_tokens
+                );
+            }
+            Err(e) => {
+                let _ = writeln!(out, "{:<16} {role:<8} unreachable: {e}", a.worker.name);
+            }
+        }
+    }
+    out.push('\n');
+    for c in checks {
+        let _ = writeln!(
+            out,
+            "{} {:<28} {}: {}",
+            if c.pass { "PASS" } else { "FAIL" },
+            c.subject,
+            c.name,
+            c.detail
+        );
+    }
+    let passed = checks.iter().all(|c| c.pass);
+    (out, passed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(model: &str, pool: u64, context: u64, page: u32, batch: u64) -> InfoResponse {
+        InfoResponse {
+            model_id: model.into(),
+            pool_tokens: pool,
+            context_length: context,
+            page_tokens: page,
+            handoff: Some(KvHandoff {
+                protocol_version: 1,
+                token_bytes: 23_040,
+                layers: 30,
+                kv_heads: 3,
+                head_dim: 64,
+                tag_check: true,
+                checksums: true,
+                deferred_release: true,
+                transfer_batch_bytes: batch,
+                transfer_floor_bytes_per_s: 100_000_000,
+                release_timeout_ms: 10_000,
+            }),
+            ..InfoResponse::default()
+        }
+    }
+
+    fn worker(name: &str, role: WorkerRole, prefill: Option<&str>) -> WorkerConfig {
+        WorkerConfig {
+            name: name.into(),
+            endpoint: "http://127.0.0.1:1".into(),
+            role,
+            prefill: prefill.map(Into::into),
+        }
+    }
+
+    fn pair_answers(prefill: InfoResponse, decode: InfoResponse) -> Vec<Answer> {
+        vec![
+            Answer {
+                worker: worker("p", WorkerRole::Prefill, None),
+                info: Ok(prefill),
+            },
+            Answer {
+                worker: worker("d", WorkerRole::Decode, Some("p")),
+                info: Ok(decode),
+            },
+        ]
+    }
+
+    fn failed(checks: &[Check]) -> Vec<(&str, &'static str)> {
+        checks
+            .iter()
+            .filter(|c| !c.pass)
+            .map(|c| (c.subject.as_str(), c.name))
+            .collect()
+    }
+
+    #[test]
+    fn a_matching_pair_passes_every_check() {
+        let answers = pair_answers(
+            info("m", 8192, 8192, 16, 4 << 20),
+            info("m", 8192, 8192, 16, 0),
+        );
+        let checks = checks(&answers);
+        assert!(checks.len() >= 12, "{checks:?}");
+        assert_eq!(failed(&checks), []);
+        assert!(render(&answers, &checks).1);
+    }
+
+    #[test]
+    fn the_incident_a_pool_smaller_than_the_served_context_fails() {
+        // 1,048,576-token context over a 681,280-token pool: the incident's numbers.
+        let answers = pair_answers(
+            info("m", 681_280, 1_048_576, 16, 4 << 20),
+            info("m", 8192, 8192, 16, 0),
+        );
+        assert_eq!(
+            failed(&checks(&answers)),
+            [("p", "pool covers the served context")]
+        );
+    }
+
+    #[test]
+    fn mismatched_pairs_and_slow_batches_fail_by_name() {
+        let mut other = info("other", 8192, 8192, 32, 0);
+        if let Some(h) = other.handoff.as_mut() {
+            h.token_bytes = 1;
+            h.protocol_version = 2;
+        }
+        let answers = pair_answers(info("m", 8192, 8192, 16, 4 << 30), other);
+        let names: Vec<&str> = failed(&checks(&answers))
+            .into_iter()
+            .map(|(_, n)| n)
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "same model",
+                "same page size",
+                "same KV layout",
+                "same protocol version",
+                "a transfer batch fits the release timeout"
+            ]
+        );
+    }
+
+    #[test]
+    fn an_unreachable_worker_or_integrity_off_fails() {
+        let mut off = info("m", 8192, 8192, 16, 0);
+        if let Some(h) = off.handoff.as_mut() {
+            h.tag_check = false;
+        }
+        let answers = vec![
+            Answer {
+                worker: worker("a", WorkerRole::Both, None),
+                info: Err("connection refused".into()),
+            },
+            Answer {
+                worker: worker("b", WorkerRole::Both, None),
+                info: Ok(off),
+            },
+        ];
+        let (text, passed) = render(&answers, &checks(&answers));
+        assert!(!passed);
+        assert!(
+            text.contains("FAIL a") && text.contains("reachable"),
+            "{text}"
+        );
+        assert!(
+            text.contains("integrity checks on: page tags OFF"),
+            "{text}"
+        );
+    }
+}
