@@ -26,6 +26,8 @@ pub struct TinySpec {
     pub embed_dtype: DType,
     /// `tokenizer.ggml.pre`.
     pub pre_tokenizer: &'static str,
+    /// `general.architecture`, also the prefix of the shape keys.
+    pub arch: &'static str,
     pub seed: u64,
 }
 
@@ -41,6 +43,7 @@ impl Default for TinySpec {
             matrix_dtype: DType::Q4_1,
             embed_dtype: DType::Q8_0,
             pre_tokenizer: "smollm",
+            arch: "llama",
             seed: 7,
         }
     }
@@ -67,8 +70,8 @@ impl TinySpec {
         }
         let vocab = tokens.len();
         let mut w = GgufWriter::new();
-        let a = |k: &str| format!("llama.{k}");
-        w.meta("general.architecture", Value::String("llama".into()))
+        let a = |k: &str| format!("{}.{k}", self.arch);
+        w.meta("general.architecture", Value::String(self.arch.into()))
             .meta("general.name", Value::String("tiny-random-llama".into()))
             .meta(&a("block_count"), Value::U32(self.layers as u32))
             .meta(&a("embedding_length"), Value::U32(self.dim as u32))

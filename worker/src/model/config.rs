@@ -84,6 +84,24 @@ impl ModelConfig {
             Err(GgufError::MissingKey { .. }) => 10_000.0,
             other => other?,
         };
+        // RoPE scaling (Llama 3.1's frequency factors, linear/YaRN scaling) changes every
+        // position's rotation; refuse it rather than compute a subtly different model.
+        if g.tensor_info("rope_freqs.weight").is_ok() {
+            return Err(bad(
+                "rope.scaling.type",
+                "RoPE frequency factors (rope_freqs.weight) are not supported".into(),
+            ));
+        }
+        match g.get_str(&key("rope.scaling.type")) {
+            Err(GgufError::MissingKey { .. }) | Ok("none") => {}
+            Ok(other) => {
+                return Err(bad(
+                    "rope.scaling.type",
+                    format!("RoPE scaling {other:?} is not supported"),
+                ));
+            }
+            Err(e) => return Err(e),
+        }
         let vocab = g.get_strings("tokenizer.ggml.tokens")?.len();
         Ok(ModelConfig {
             name: g.get_str("general.name").unwrap_or(&arch).to_owned(),
@@ -100,5 +118,76 @@ impl ModelConfig {
             vocab,
             rope_base,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::gguf::{Gguf, Value};
+    use crate::tiny_model::TinySpec;
+
+    use super::*;
+
+    fn config_with(extra: Option<(&str, Value)>) -> Result<ModelConfig, GgufError> {
+        let mut w = TinySpec::default().to_gguf();
+        if let Some((k, v)) = extra {
+            w.meta(k, v);
+        }
+        let path = std::env::temp_dir().join(format!(
+            "bulkhead-cfg-{}-{}.gguf",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        w.write(&path).expect("write");
+        let g = Gguf::open(&path).expect("open");
+        let _ = std::fs::remove_file(&path);
+        ModelConfig::from_gguf(&g)
+    }
+
+    #[test]
+    fn the_tiny_model_reads_its_shape() {
+        let c = config_with(None).expect("valid");
+        assert_eq!(
+            (c.layers, c.dim, c.heads, c.kv_heads, c.head_dim, c.vocab),
+            (2, 64, 4, 2, 16, 259)
+        );
+    }
+
+    #[test]
+    fn rope_scaling_is_refused_by_name_not_computed_wrongly() {
+        let err = config_with(Some((
+            "llama.rope.scaling.type",
+            Value::String("yarn".into()),
+        )))
+        .expect_err("unsupported");
+        assert!(
+            err.to_string().contains("llama.rope.scaling.type") && err.to_string().contains("yarn"),
+            "{err}"
+        );
+        assert!(
+            config_with(Some((
+                "llama.rope.scaling.type",
+                Value::String("none".into())
+            )))
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn other_architectures_are_refused_by_name() {
+        let path = std::env::temp_dir().join(format!("bulkhead-arch-{}.gguf", std::process::id()));
+        TinySpec {
+            arch: "qwen2",
+            ..TinySpec::default()
+        }
+        .write(&path)
+        .expect("write");
+        let g = Gguf::open(&path).expect("open");
+        let _ = std::fs::remove_file(&path);
+        let err = ModelConfig::from_gguf(&g).expect_err("qwen2 is not supported");
+        assert!(
+            err.to_string().contains("general.architecture") && err.to_string().contains("qwen2"),
+            "{err}"
+        );
     }
 }
