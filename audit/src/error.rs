@@ -1,0 +1,79 @@
+//! The storage layer's errors.
+
+use std::io;
+use std::path::PathBuf;
+
+use crate::line::Seq;
+use crate::tenant::TenantId;
+
+/// Why an audit log operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AuditError {
+    /// A file system operation failed.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// Another process holds the data directory.
+    #[error("{path} is locked by another writer")]
+    Locked {
+        /// The lock file.
+        path: PathBuf,
+    },
+    /// A record was appended to a tenant other than its own.
+    #[error("a record of tenant {record} cannot go to tenant {log}'s log")]
+    TenantMismatch {
+        /// The log appended to.
+        log: TenantId,
+        /// The tenant the record names.
+        record: TenantId,
+    },
+    /// A complete line that must be read is not a valid record of this chain.
+    #[error("{path}:{line}: {reason}; run `bulkhead audit verify`")]
+    Corrupt {
+        /// The segment.
+        path: PathBuf,
+        /// The 1-based line number.
+        line: u64,
+        /// Why, in words.
+        reason: String,
+    },
+    /// The head names a record the log no longer has: acknowledged records are missing.
+    #[error("{tenant}: the head says record {head} is durable but the log ends before it")]
+    HeadAhead {
+        /// The tenant.
+        tenant: TenantId,
+        /// The record the head names.
+        head: Seq,
+    },
+    /// The head file cannot be read.
+    #[error("{tenant}: {reason}")]
+    BadHead {
+        /// The tenant.
+        tenant: TenantId,
+        /// Why, in words.
+        reason: String,
+    },
+    /// A record could not be encoded.
+    #[error("cannot encode record: {0}")]
+    Encode(#[from] serde_json::Error),
+    /// An earlier write or fsync failed; nothing is appended until the log is reopened.
+    #[error("the audit log stopped after a failed write ({reason}); reopen it to recover")]
+    Poisoned {
+        /// The first failure.
+        reason: String,
+    },
+}
+
+pub(crate) fn io_err(
+    op: &'static str,
+    path: impl Into<PathBuf>,
+) -> impl FnOnce(io::Error) -> AuditError {
+    let path = path.into();
+    move |source| AuditError::Io { op, path, source }
+}

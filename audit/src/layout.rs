@@ -1,0 +1,173 @@
+//! The data directory's layout:
+//!
+//! ```text
+//! DIR/LOCK                          held (flock) by the one writer
+//! DIR/<tenant>/<segment>.jsonl      segment numbers from 0, 20 digits, contiguous
+//! DIR/<tenant>/head                 "<seq> <sha256 of that line>\n": a durable record
+//! DIR/<tenant>/head.tmp             the next head, before its rename
+//! ```
+//!
+//! The head is rewritten after every group commit, once the segments are fsynced. It is a lower
+//! bound: the record it names must exist with that digest, so deleting a tenant's last lines
+//! or last segment is detected even though the chain itself looks complete.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use crate::hash::Sha256Digest;
+use crate::line::Seq;
+use crate::tenant::TenantId;
+
+pub(crate) const LOCK: &str = "LOCK";
+pub(crate) const HEAD: &str = "head";
+pub(crate) const HEAD_TMP: &str = "head.tmp";
+const SEGMENT_DIGITS: usize = 20;
+const SEGMENT_EXT: &str = ".jsonl";
+
+/// A segment's number: its place in its tenant's sequence of files, from 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SegmentNo(pub u64);
+
+pub(crate) fn tenant_dir(dir: &Path, tenant: &TenantId) -> PathBuf {
+    dir.join(tenant.as_str())
+}
+
+pub(crate) fn segment_path(tenant_dir: &Path, n: SegmentNo) -> PathBuf {
+    tenant_dir.join(format!(
+        "{:0width$}{SEGMENT_EXT}",
+        n.0,
+        width = SEGMENT_DIGITS
+    ))
+}
+
+fn parse_segment_name(name: &str) -> Option<SegmentNo> {
+    let digits = name.strip_suffix(SEGMENT_EXT)?;
+    if digits.len() != SEGMENT_DIGITS || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok().map(SegmentNo)
+}
+
+/// What a tenant directory holds.
+#[derive(Debug, Default)]
+pub(crate) struct Listing {
+    /// Segments, sorted by number.
+    pub segments: Vec<(SegmentNo, PathBuf)>,
+    /// Entries that are neither a segment nor the head, sorted.
+    pub unexpected: Vec<PathBuf>,
+}
+
+pub(crate) fn list_tenant(tenant_dir: &Path) -> io::Result<Listing> {
+    let mut listing = Listing::default();
+    for entry in fs::read_dir(tenant_dir)? {
+        let entry = entry?;
+        let path = entry.path();
+        let name = entry.file_name();
+        let name = name.to_str();
+        let is_file = entry.file_type()?.is_file();
+        match name.and_then(parse_segment_name) {
+            Some(n) if is_file => listing.segments.push((n, path)),
+            _ if is_file && matches!(name, Some(HEAD | HEAD_TMP)) => {}
+            _ => listing.unexpected.push(path),
+        }
+    }
+    listing.segments.sort();
+    listing.unexpected.sort();
+    Ok(listing)
+}
+
+/// The tenants of a data directory, and the entries that are not tenant directories.
+pub(crate) fn list_tenants(dir: &Path) -> io::Result<(Vec<TenantId>, Vec<PathBuf>)> {
+    let mut tenants = Vec::new();
+    let mut unexpected = Vec::new();
+    for entry in fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        let is_dir = entry.file_type()?.is_dir();
+        match name.to_str().map(TenantId::new) {
+            Some(Ok(t)) if is_dir => tenants.push(t),
+            _ if !is_dir && name.to_str() == Some(LOCK) => {}
+            _ => unexpected.push(entry.path()),
+        }
+    }
+    tenants.sort();
+    unexpected.sort();
+    Ok((tenants, unexpected))
+}
+
+/// A durable record the head names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Head {
+    pub seq: Seq,
+    pub digest: Sha256Digest,
+}
+
+impl Head {
+    pub fn encode(&self) -> String {
+        format!("{} {}\n", self.seq, self.digest)
+    }
+
+    /// Strict: `<seq without leading zeros> <64 hex>\n`, nothing else.
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        let text = std::str::from_utf8(bytes).ok()?.strip_suffix('\n')?;
+        let (seq, digest) = text.split_once(' ')?;
+        let canonical = !seq.is_empty()
+            && seq.bytes().all(|b| b.is_ascii_digit())
+            && (seq == "0" || !seq.starts_with('0'));
+        if !canonical {
+            return None;
+        }
+        Some(Self {
+            seq: Seq(seq.parse().ok()?),
+            digest: Sha256Digest::from_hex(digest)?,
+        })
+    }
+}
+
+/// Reads the head: `Ok(None)` when there is none, `Err` with a reason when it is unreadable.
+pub(crate) fn read_head(tenant_dir: &Path) -> Result<Option<Head>, String> {
+    match fs::read(tenant_dir.join(HEAD)) {
+        Ok(bytes) => Head::decode(&bytes)
+            .map(Some)
+            .ok_or_else(|| "head file is malformed (expected \"<seq> <sha256>\\n\")".to_owned()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("cannot read head file: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segment_names_round_trip_and_are_strict() {
+        let p = segment_path(Path::new("d"), SegmentNo(7));
+        assert_eq!(p, Path::new("d/00000000000000000007.jsonl"));
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap();
+        assert_eq!(parse_segment_name(name), Some(SegmentNo(7)));
+        assert_eq!(parse_segment_name("7.jsonl"), None);
+        assert_eq!(parse_segment_name("0000000000000000000a.jsonl"), None);
+        assert_eq!(parse_segment_name("99999999999999999999.jsonl"), None);
+    }
+
+    #[test]
+    fn head_is_strict() {
+        let h = Head {
+            seq: Seq(12),
+            digest: Sha256Digest::of(b"x"),
+        };
+        assert_eq!(Head::decode(h.encode().as_bytes()), Some(h));
+        let z = format!("0 {}\n", Sha256Digest::ZERO);
+        assert!(Head::decode(z.as_bytes()).is_some());
+        for bad in [
+            format!("012 {}\n", h.digest),
+            format!("12 {}", h.digest),
+            format!("12  {}\n", h.digest),
+            format!("+12 {}\n", h.digest),
+            format!("12 {}\n\n", h.digest),
+        ] {
+            assert_eq!(Head::decode(bad.as_bytes()), None, "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,40 @@
+//! Per-tenant, tamper-evident audit logs (invariants I5 and I6).
+//!
+//! Every request that reaches the gateway gets exactly one final [`AuditRecord`] in its
+//! tenant's log. Each tenant's log is an append-only chain of JSON Lines segments under a data
+//! directory (layout in [`layout`]): every line carries its `seq` and `prev`, the SHA-256 of the
+//! previous line's exact bytes, so editing, deleting or reordering a record breaks the chain;
+//! a per-tenant head file names the last durable record, so deleting the tail is caught too.
+//!
+//! - [`AuditLog`] writes: group commit, [`Durability`] per log, segment rotation, crash
+//!   recovery on [`AuditLog::open`] (a torn last line is cut off and reported as a
+//!   [`Recovery`]; a complete line is never dropped).
+//! - [`read()`] pages through one tenant's records; only a [`TenantId`] names a directory, and
+//!   its grammar admits no path tricks (I6).
+//! - [`verify()`] checks every chain and reports each tenant's first problem by file and line.
+//!
+//! Not here yet: the gateway's use of it, the HTTP read API and its auth, OpenTelemetry export,
+//! retention.
+#![warn(missing_docs)]
+
+mod error;
+mod hash;
+pub mod layout;
+mod line;
+mod log;
+mod read;
+mod record;
+mod tenant;
+mod verify;
+
+pub use error::AuditError;
+pub use hash::Sha256Digest;
+pub use line::Seq;
+pub use log::{AuditLog, Config, Durability, Receipt, Recovery};
+pub use read::read;
+pub use record::{
+    Admission, AdmissionOutcome, AuditRecord, DisconnectPhase, Integrity, Layer, PolicyDecision,
+    Verdict, WorkerPair,
+};
+pub use tenant::{MAX_TENANT_LEN, TenantId, TenantIdError};
+pub use verify::{Problem, Reason, Report, TenantReport, verify};

@@ -1,0 +1,95 @@
+//! One log line: `{"seq":N,"prev":"<hex>",...record fields}` followed by `\n`.
+//!
+//! `prev` is the SHA-256 of the previous line's exact bytes (without the newline), or
+//! [`Sha256Digest::ZERO`] for the tenant's first record; `seq` counts the tenant's records
+//! from 0. Both continue across segments.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::hash::Sha256Digest;
+use crate::record::AuditRecord;
+
+/// A record's position in its tenant's chain, counted from 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Seq(pub u64);
+
+impl fmt::Display for Seq {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+#[derive(Serialize)]
+struct LineOut<'a> {
+    seq: Seq,
+    prev: Sha256Digest,
+    #[serde(flatten)]
+    record: &'a AuditRecord,
+}
+
+#[derive(Deserialize)]
+struct LineIn {
+    seq: Seq,
+    prev: Sha256Digest,
+    #[serde(flatten)]
+    record: AuditRecord,
+}
+
+/// A parsed line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Parsed {
+    pub seq: Seq,
+    pub prev: Sha256Digest,
+    pub record: AuditRecord,
+}
+
+/// Encodes a line, without its newline.
+pub(crate) fn encode(
+    seq: Seq,
+    prev: Sha256Digest,
+    record: &AuditRecord,
+) -> Result<Vec<u8>, serde_json::Error> {
+    serde_json::to_vec(&LineOut { seq, prev, record })
+}
+
+/// Parses a line (without its newline). The error says why, for a person.
+pub(crate) fn decode(line: &[u8]) -> Result<Parsed, String> {
+    let text = std::str::from_utf8(line).map_err(|e| format!("not UTF-8: {e}"))?;
+    let parsed: LineIn =
+        serde_json::from_str(text).map_err(|e| format!("not a valid record: {e}"))?;
+    Ok(Parsed {
+        seq: parsed.seq,
+        prev: parsed.prev,
+        record: parsed.record,
+    })
+}
+
+/// Splits a segment's bytes into complete lines (without newlines) and the torn tail: the
+/// bytes after the last newline, empty when the segment ends cleanly.
+pub(crate) fn split(bytes: &[u8]) -> (Vec<&[u8]>, &[u8]) {
+    let complete = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    let (body, tail) = bytes.split_at(complete);
+    let lines = if body.is_empty() {
+        Vec::new()
+    } else {
+        body[..body.len() - 1].split(|&b| b == b'\n').collect()
+    };
+    (lines, tail)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_separates_the_torn_tail() {
+        assert_eq!(split(b""), (vec![], &b""[..]));
+        assert_eq!(split(b"a\nb\n"), (vec![&b"a"[..], &b"b"[..]], &b""[..]));
+        assert_eq!(split(b"a\nb"), (vec![&b"a"[..]], &b"b"[..]));
+        assert_eq!(split(b"ab"), (vec![], &b"ab"[..]));
+        assert_eq!(split(b"\n"), (vec![&b""[..]], &b""[..]));
+    }
+}

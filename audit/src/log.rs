@@ -1,0 +1,530 @@
+//! The writer: per-tenant hash chains, segment rotation, group commit, crash recovery.
+//!
+//! ```text
+//!  append ──► encode + hash + seq ──► pending (memory) ──► flush: write, fsync, head ──► durable
+//!             (state lock, short)                          (io lock: one flusher at a time)
+//! ```
+//!
+//! Group commit: whoever holds the io lock writes every tenant's pending lines and fsyncs once
+//! per touched file. With [`Durability::Immediate`], `append` waits for that (and finds its
+//! record already durable when another caller's flush took it along); with
+//! [`Durability::Batched`], a background thread flushes every `flush_interval`, and
+//! [`AuditLog::flush`] forces one. A failed write or fsync poisons the log: the page cache's
+//! state is unknown after a failed fsync, so nothing more is accepted until it is reopened.
+
+use std::collections::HashMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, mpsc};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::error::{AuditError, io_err};
+use crate::hash::Sha256Digest;
+use crate::layout::{self, HEAD, HEAD_TMP, Head, LOCK, SegmentNo};
+use crate::line::{self, Seq};
+use crate::read;
+use crate::record::AuditRecord;
+use crate::tenant::TenantId;
+
+/// Whether `append` returns before or after its record is on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// `append` returns after the record is fsynced.
+    Immediate,
+    /// `append` returns at once; a background flush (or [`AuditLog::flush`]) makes it durable.
+    Batched,
+}
+
+/// The writer's settings.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The data directory.
+    pub dir: PathBuf,
+    /// A segment is closed once the next line would take it past this many bytes (a line
+    /// longer than this gets a segment of its own).
+    pub segment_bytes: u64,
+    /// Whether `append` waits for fsync.
+    pub durability: Durability,
+    /// How often the background thread flushes; `None`: no thread, only explicit flushes
+    /// (and the implicit ones of [`Durability::Immediate`]).
+    pub flush_interval: Option<Duration>,
+}
+
+impl Config {
+    /// Defaults: 64 MiB segments, immediate durability, a 5 ms background flush.
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self {
+            dir: dir.into(),
+            segment_bytes: 64 << 20,
+            durability: Durability::Immediate,
+            flush_interval: Some(Duration::from_millis(5)),
+        }
+    }
+}
+
+/// What `append` hands back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Receipt {
+    /// The tenant.
+    pub tenant: TenantId,
+    /// The record's place in the tenant's chain.
+    pub seq: Seq,
+    /// SHA-256 of the record's line: the next record's `prev`.
+    pub digest: Sha256Digest,
+    /// Whether the record was durable when `append` returned.
+    pub durable: bool,
+}
+
+/// Something `open` repaired or noticed; the caller should log each one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recovery {
+    /// A partially written last line (a crash mid-write) was cut off. It was never
+    /// acknowledged as durable: the head never named it.
+    TruncatedTornLine {
+        /// The segment.
+        path: PathBuf,
+        /// Bytes removed.
+        bytes: u64,
+    },
+    /// The tenant had records but no head (a crash before the first head was written); the
+    /// head was rewritten at the last record.
+    HeadRecreated {
+        /// The tenant.
+        tenant: TenantId,
+        /// The record it names now.
+        seq: Seq,
+    },
+}
+
+/// Unwritten lines grouped by segment, each group newline-terminated lines.
+type Chunks = Vec<(SegmentNo, Vec<u8>)>;
+
+/// A tenant's chain position and unflushed lines.
+#[derive(Debug)]
+struct TenantState {
+    next_seq: u64,
+    last_digest: Sha256Digest,
+    segment: SegmentNo,
+    segment_len: u64,
+    /// Lines not yet written, grouped by segment (newline-terminated).
+    pending: Chunks,
+    /// Records `< durable` are fsynced.
+    durable: u64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    tenants: HashMap<TenantId, TenantState>,
+    poisoned: Option<String>,
+}
+
+/// The open segment file of each tenant; owned by whoever flushes.
+#[derive(Debug, Default)]
+struct Files {
+    open: HashMap<TenantId, (SegmentNo, File)>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: Config,
+    state: Mutex<State>,
+    files: Mutex<Files>,
+    /// Held (flock) for the writer's lifetime.
+    _lock: File,
+}
+
+#[derive(Debug)]
+struct Flusher {
+    stop: mpsc::Sender<()>,
+    thread: JoinHandle<()>,
+}
+
+/// A data directory of per-tenant audit logs, open for appending.
+#[derive(Debug)]
+pub struct AuditLog {
+    inner: Arc<Inner>,
+    flusher: Option<Flusher>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks leaves consistent data (every update is a
+    // single assignment or push), so a poisoned mutex is still usable.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl AuditLog {
+    /// Opens (creating it if needed) a data directory, resumes every tenant's chain from its
+    /// last complete line, and cuts off torn last lines.
+    pub fn open(config: Config) -> Result<(Self, Vec<Recovery>), AuditError> {
+        let dir = config.dir.clone();
+        fs::create_dir_all(&dir).map_err(io_err("create", &dir))?;
+        let lock_path = dir.join(LOCK);
+        let lock_file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(io_err("open", &lock_path))?;
+        match lock_file.try_lock() {
+            Ok(()) => {}
+            Err(fs::TryLockError::WouldBlock) => {
+                return Err(AuditError::Locked { path: lock_path });
+            }
+            Err(fs::TryLockError::Error(e)) => return Err(io_err("lock", &lock_path)(e)),
+        }
+        let mut recoveries = Vec::new();
+        let mut state = State::default();
+        let (tenants, _) = layout::list_tenants(&dir).map_err(io_err("list", &dir))?;
+        for tenant in tenants {
+            if let Some(t) = recover_tenant(&dir, &tenant, &mut recoveries)? {
+                state.tenants.insert(tenant, t);
+            }
+        }
+        let inner = Arc::new(Inner {
+            config,
+            state: Mutex::new(state),
+            files: Mutex::new(Files::default()),
+            _lock: lock_file,
+        });
+        let flusher = inner.config.flush_interval.map(|every| {
+            let (stop, stopped) = mpsc::channel::<()>();
+            let weak = Arc::downgrade(&inner);
+            let thread = std::thread::spawn(move || {
+                while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(every) {
+                    let Some(inner) = weak.upgrade() else { return };
+                    // A failure poisons the log; the next append reports it.
+                    let _ = inner.flush();
+                }
+            });
+            Flusher { stop, thread }
+        });
+        Ok((Self { inner, flusher }, recoveries))
+    }
+
+    /// The data directory.
+    pub fn dir(&self) -> &Path {
+        &self.inner.config.dir
+    }
+
+    /// Appends `record` to `tenant`'s chain. With [`Durability::Immediate`] it returns once
+    /// the record is fsynced.
+    pub fn append(&self, tenant: &TenantId, record: &AuditRecord) -> Result<Receipt, AuditError> {
+        if record.tenant != *tenant {
+            return Err(AuditError::TenantMismatch {
+                log: tenant.clone(),
+                record: record.tenant.clone(),
+            });
+        }
+        let (seq, digest) = self.inner.enqueue(tenant, record)?;
+        let durable = match self.inner.config.durability {
+            Durability::Batched => false,
+            Durability::Immediate => {
+                self.inner.sync(tenant, seq)?;
+                true
+            }
+        };
+        Ok(Receipt {
+            tenant: tenant.clone(),
+            seq,
+            digest,
+            durable,
+        })
+    }
+
+    /// Makes every record appended so far durable.
+    pub fn flush(&self) -> Result<(), AuditError> {
+        self.inner.flush()
+    }
+
+    /// Waits until the receipt's record is durable (flushing if needed).
+    pub fn wait_durable(&self, receipt: &Receipt) -> Result<(), AuditError> {
+        self.inner.sync(&receipt.tenant, receipt.seq)
+    }
+
+    /// Up to `limit` durable records of `tenant` with `seq >= since`, in order.
+    pub fn read(
+        &self,
+        tenant: &TenantId,
+        since: Seq,
+        limit: usize,
+    ) -> Result<Vec<(Seq, AuditRecord)>, AuditError> {
+        read::read(self.dir(), tenant, since, limit)
+    }
+}
+
+impl Drop for AuditLog {
+    fn drop(&mut self) {
+        if let Some(f) = self.flusher.take() {
+            let _ = f.stop.send(());
+            let _ = f.thread.join();
+        }
+        // Best effort: a failure here has no one to report to, and the records were never
+        // acknowledged as durable.
+        let _ = self.inner.flush();
+    }
+}
+
+impl Inner {
+    fn enqueue(
+        &self,
+        tenant: &TenantId,
+        record: &AuditRecord,
+    ) -> Result<(Seq, Sha256Digest), AuditError> {
+        let mut state = lock(&self.state);
+        if let Some(reason) = &state.poisoned {
+            return Err(AuditError::Poisoned {
+                reason: reason.clone(),
+            });
+        }
+        let t = state
+            .tenants
+            .entry(tenant.clone())
+            .or_insert_with(|| TenantState {
+                next_seq: 0,
+                last_digest: Sha256Digest::ZERO,
+                segment: SegmentNo(0),
+                segment_len: 0,
+                pending: Vec::new(),
+                durable: 0,
+            });
+        let seq = Seq(t.next_seq);
+        let mut bytes = line::encode(seq, t.last_digest, record)?;
+        let digest = Sha256Digest::of(&bytes);
+        bytes.push(b'\n');
+        let len = bytes.len() as u64;
+        if t.segment_len > 0 && t.segment_len.saturating_add(len) > self.config.segment_bytes {
+            t.segment = SegmentNo(t.segment.0 + 1);
+            t.segment_len = 0;
+        }
+        t.segment_len += len;
+        match t.pending.last_mut() {
+            Some((seg, buf)) if *seg == t.segment => buf.extend_from_slice(&bytes),
+            _ => t.pending.push((t.segment, bytes)),
+        }
+        t.next_seq += 1;
+        t.last_digest = digest;
+        Ok((seq, digest))
+    }
+
+    fn sync(&self, tenant: &TenantId, seq: Seq) -> Result<(), AuditError> {
+        let mut files = lock(&self.files);
+        {
+            let state = lock(&self.state);
+            if state.tenants.get(tenant).is_some_and(|t| t.durable > seq.0) {
+                return Ok(());
+            }
+        }
+        self.flush_locked(&mut files)
+    }
+
+    fn flush(&self) -> Result<(), AuditError> {
+        let mut files = lock(&self.files);
+        self.flush_locked(&mut files)
+    }
+
+    fn flush_locked(&self, files: &mut Files) -> Result<(), AuditError> {
+        let batch: Vec<(TenantId, Chunks, Head)> = {
+            let mut state = lock(&self.state);
+            if let Some(reason) = &state.poisoned {
+                return Err(AuditError::Poisoned {
+                    reason: reason.clone(),
+                });
+            }
+            state
+                .tenants
+                .iter_mut()
+                .filter(|(_, t)| !t.pending.is_empty())
+                .map(|(id, t)| {
+                    let head = Head {
+                        seq: Seq(t.next_seq - 1),
+                        digest: t.last_digest,
+                    };
+                    (id.clone(), std::mem::take(&mut t.pending), head)
+                })
+                .collect()
+        };
+        for (tenant, chunks, head) in &batch {
+            if let Err(e) = self.write_tenant(files, tenant, chunks, *head) {
+                lock(&self.state)
+                    .poisoned
+                    .get_or_insert_with(|| e.to_string());
+                files.open.clear();
+                return Err(e);
+            }
+        }
+        let mut state = lock(&self.state);
+        for (tenant, _, head) in batch {
+            if let Some(t) = state.tenants.get_mut(&tenant) {
+                t.durable = t.durable.max(head.seq.0 + 1);
+            }
+        }
+        Ok(())
+    }
+
+    fn write_tenant(
+        &self,
+        files: &mut Files,
+        tenant: &TenantId,
+        chunks: &[(SegmentNo, Vec<u8>)],
+        head: Head,
+    ) -> Result<(), AuditError> {
+        let tdir = layout::tenant_dir(&self.config.dir, tenant);
+        for (segment, bytes) in chunks {
+            let reuse = matches!(files.open.get(tenant), Some((s, _)) if s == segment);
+            if !reuse {
+                if let Some((_, old)) = files.open.remove(tenant) {
+                    old.sync_all().map_err(io_err("fsync", &tdir))?;
+                }
+                let file = open_segment(&self.config.dir, &tdir, *segment)?;
+                files.open.insert(tenant.clone(), (*segment, file));
+            }
+            let path = layout::segment_path(&tdir, *segment);
+            let Some((_, file)) = files.open.get_mut(tenant) else {
+                return Err(io_err("open", &path)(std::io::ErrorKind::NotFound.into()));
+            };
+            file.write_all(bytes).map_err(io_err("write", &path))?;
+        }
+        if let Some((segment, file)) = files.open.get(tenant) {
+            file.sync_all()
+                .map_err(io_err("fsync", layout::segment_path(&tdir, *segment)))?;
+        }
+        write_head(&tdir, head)
+    }
+}
+
+/// Opens a segment for appending, creating it (and the tenant directory) durably if needed.
+fn open_segment(dir: &Path, tdir: &Path, segment: SegmentNo) -> Result<File, AuditError> {
+    if !tdir.is_dir() {
+        fs::create_dir(tdir).map_err(io_err("create", tdir))?;
+        sync_dir(dir)?;
+    }
+    let path = layout::segment_path(tdir, segment);
+    let existed = path.exists();
+    let file = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(io_err("open", &path))?;
+    if !existed {
+        sync_dir(tdir)?;
+    }
+    Ok(file)
+}
+
+fn sync_dir(dir: &Path) -> Result<(), AuditError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err("fsync", dir))
+}
+
+fn write_head(tdir: &Path, head: Head) -> Result<(), AuditError> {
+    let tmp = tdir.join(HEAD_TMP);
+    let mut f = File::create(&tmp).map_err(io_err("create", &tmp))?;
+    f.write_all(head.encode().as_bytes())
+        .map_err(io_err("write", &tmp))?;
+    f.sync_all().map_err(io_err("fsync", &tmp))?;
+    let path = tdir.join(HEAD);
+    fs::rename(&tmp, &path).map_err(io_err("rename", &path))
+}
+
+/// Resumes one tenant's chain: its last complete line gives the next `seq` and `prev`.
+fn recover_tenant(
+    dir: &Path,
+    tenant: &TenantId,
+    recoveries: &mut Vec<Recovery>,
+) -> Result<Option<TenantState>, AuditError> {
+    let tdir = layout::tenant_dir(dir, tenant);
+    let listing = layout::list_tenant(&tdir).map_err(io_err("list", &tdir))?;
+    let head = layout::read_head(&tdir).map_err(|reason| AuditError::BadHead {
+        tenant: tenant.clone(),
+        reason,
+    })?;
+    let Some((last_segment, last_path)) = listing.segments.last().cloned() else {
+        return match head {
+            Some(h) => Err(AuditError::HeadAhead {
+                tenant: tenant.clone(),
+                head: h.seq,
+            }),
+            None => Ok(None),
+        };
+    };
+    // Cut off a torn tail of the last segment.
+    let bytes = fs::read(&last_path).map_err(io_err("read", &last_path))?;
+    let (_, tail) = line::split(&bytes);
+    let mut segment_len = bytes.len() as u64;
+    if !tail.is_empty() {
+        let keep = (bytes.len() - tail.len()) as u64;
+        let f = OpenOptions::new()
+            .write(true)
+            .open(&last_path)
+            .map_err(io_err("open", &last_path))?;
+        f.set_len(keep).map_err(io_err("truncate", &last_path))?;
+        f.sync_all().map_err(io_err("fsync", &last_path))?;
+        recoveries.push(Recovery::TruncatedTornLine {
+            path: last_path.clone(),
+            bytes: tail.len() as u64,
+        });
+        segment_len = keep;
+    }
+    // The last complete line, searching back over empty segments.
+    let mut last = None;
+    for (_, path) in listing.segments.iter().rev() {
+        let bytes = if *path == last_path {
+            bytes[..segment_len as usize].to_vec()
+        } else {
+            fs::read(path).map_err(io_err("read", path))?
+        };
+        let (lines, _) = line::split(&bytes);
+        if let Some(l) = lines.last() {
+            let parsed = line::decode(l).map_err(|reason| AuditError::Corrupt {
+                path: path.clone(),
+                line: lines.len() as u64,
+                reason,
+            })?;
+            last = Some((parsed.seq, Sha256Digest::of(l)));
+            break;
+        }
+    }
+    let Some((seq, digest)) = last else {
+        return match head {
+            Some(h) => Err(AuditError::HeadAhead {
+                tenant: tenant.clone(),
+                head: h.seq,
+            }),
+            None => Ok(None),
+        };
+    };
+    match head {
+        Some(h) if h.seq > seq => {
+            return Err(AuditError::HeadAhead {
+                tenant: tenant.clone(),
+                head: h.seq,
+            });
+        }
+        Some(_) => {}
+        None => {
+            write_head(&tdir, Head { seq, digest })?;
+            recoveries.push(Recovery::HeadRecreated {
+                tenant: tenant.clone(),
+                seq,
+            });
+        }
+    }
+    let Some(next_seq) = seq.0.checked_add(1) else {
+        return Err(AuditError::Corrupt {
+            path: last_path,
+            line: 0,
+            reason: "the sequence number space is exhausted".to_owned(),
+        });
+    };
+    Ok(Some(TenantState {
+        next_seq,
+        last_digest: digest,
+        segment: last_segment,
+        segment_len,
+        pending: Vec::new(),
+        durable: next_seq,
+    }))
+}

@@ -1,0 +1,186 @@
+//! The final audit record of one request.
+//!
+//! JSON field names follow OpenTelemetry's semantic conventions where one exists
+//! (`gen_ai.*`, `http.*`, `error.type`); the rest are namespaced `bulkhead.*`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::hash::Sha256Digest;
+use crate::tenant::TenantId;
+
+/// One request's final record. Every request that reached the gateway gets exactly one (I5).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuditRecord {
+    /// When the request ended, in milliseconds since the Unix epoch (UTC).
+    #[serde(rename = "time_unix_ms")]
+    pub time_unix_ms: u64,
+    /// The gateway's request id (also sent to the workers).
+    #[serde(rename = "bulkhead.request.id")]
+    pub request_id: String,
+    /// The tenant the request was charged to; always the tenant whose log holds the record.
+    #[serde(rename = "bulkhead.tenant.id")]
+    pub tenant: TenantId,
+    /// The id of the API key that authenticated the request; never the key or its hash.
+    #[serde(rename = "bulkhead.key.id")]
+    pub key_id: String,
+    /// The model the client asked for.
+    #[serde(rename = "gen_ai.request.model")]
+    pub model: String,
+    /// The HTTP route template, e.g. `/v1/chat/completions`.
+    #[serde(rename = "http.route")]
+    pub route: String,
+    /// Prompt tokens; `None` when the request ended before it was tokenized.
+    #[serde(rename = "gen_ai.usage.input_tokens")]
+    pub input_tokens: Option<u64>,
+    /// Completion tokens sent to the client; `None` when generation never started.
+    #[serde(rename = "gen_ai.usage.output_tokens")]
+    pub output_tokens: Option<u64>,
+    /// Each policy plugin's decision, in chain order (empty when none ran).
+    #[serde(rename = "bulkhead.policy.decisions")]
+    pub policy: Vec<PolicyDecision>,
+    /// The admission outcome and the layer that decided it; `None` when the request ended
+    /// before admission (auth, malformed body, policy deny).
+    #[serde(rename = "bulkhead.admission")]
+    pub admission: Option<Admission>,
+    /// The workers that served the request; `None` when none was contacted.
+    #[serde(rename = "bulkhead.workers")]
+    pub workers: Option<WorkerPair>,
+    /// The KV handoff's integrity checks.
+    #[serde(rename = "bulkhead.kv.integrity")]
+    pub integrity: Integrity,
+    /// The HTTP status sent to the client.
+    #[serde(rename = "http.response.status_code")]
+    pub status: u16,
+    /// The error class (OpenAI `code`, e.g. `context_length_exceeded`); `None` on success.
+    #[serde(rename = "error.type")]
+    pub error_type: Option<String>,
+    /// Time to first token in milliseconds; `None` when no token was sent.
+    #[serde(rename = "bulkhead.ttft_ms")]
+    pub ttft_ms: Option<u64>,
+    /// Time from the request's arrival to its end, in milliseconds.
+    #[serde(rename = "bulkhead.duration_ms")]
+    pub total_ms: u64,
+    /// Where the client disconnected; `None` when it did not.
+    #[serde(rename = "bulkhead.disconnect.phase")]
+    pub disconnect: Option<DisconnectPhase>,
+    /// SHA-256 of the prompt as received (the request body's messages or prompt).
+    #[serde(rename = "bulkhead.prompt.sha256")]
+    pub prompt_sha256: Option<Sha256Digest>,
+    /// SHA-256 of the completion text sent to the client.
+    #[serde(rename = "bulkhead.completion.sha256")]
+    pub completion_sha256: Option<Sha256Digest>,
+    /// The prompt itself: only for tenants that opted in to content capture.
+    #[serde(
+        rename = "bulkhead.prompt.content",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub prompt: Option<String>,
+    /// The completion itself: only for tenants that opted in to content capture.
+    #[serde(
+        rename = "bulkhead.completion.content",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub completion: Option<String>,
+}
+
+/// One policy plugin's decision.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicyDecision {
+    /// The plugin's configured name.
+    pub plugin: String,
+    /// SHA-256 of the plugin's component bytes: which code decided.
+    pub digest: Sha256Digest,
+    /// What it decided.
+    pub verdict: Verdict,
+}
+
+/// A policy plugin's verdict.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Verdict {
+    /// Allowed unchanged.
+    Allow,
+    /// Allowed with mutations (tags, clamped max tokens).
+    Mutate,
+    /// Denied with this HTTP status.
+    Deny {
+        /// The status the plugin chose.
+        status: u16,
+    },
+    /// The plugin trapped or timed out.
+    Error,
+}
+
+/// The admission outcome and the layer that decided it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Admission {
+    /// Admitted or rejected.
+    pub outcome: AdmissionOutcome,
+    /// The layer whose decision this is: the last layer for an admitted request, the rejecting
+    /// one otherwise.
+    pub layer: Layer,
+}
+
+/// Admitted or rejected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdmissionOutcome {
+    /// Every layer admitted the request.
+    Admitted,
+    /// Rejected as too long for the pool or context (4xx).
+    Rejected,
+    /// Could not be admitted now (429/503).
+    Unavailable,
+}
+
+/// A layer that runs its own admission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Layer {
+    /// The gateway.
+    Gateway,
+    /// The decode worker.
+    Decode,
+    /// The prefill worker.
+    Prefill,
+}
+
+/// The workers that served a request (the same one twice when colocated).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerPair {
+    /// The prefill worker's id; `None` when prefill was never asked.
+    pub prefill: Option<String>,
+    /// The decode worker's id.
+    pub decode: String,
+}
+
+/// The result of the KV handoff's integrity checks (manifest, checksums, tags).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "result")]
+pub enum Integrity {
+    /// No handoff happened (the request ended before it).
+    NotChecked,
+    /// Every check passed.
+    Passed,
+    /// A check failed (`kv_integrity_error`).
+    Failed {
+        /// Which check, in words.
+        reason: String,
+    },
+}
+
+/// Where in its life a request was when the client disconnected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DisconnectPhase {
+    /// Before any worker was contacted.
+    BeforeAdmission,
+    /// While prefill ran or its pages were in flight.
+    Prefill,
+    /// After prefill, before the first token.
+    BeforeFirstToken,
+    /// While tokens were streaming.
+    Decode,
+}

@@ -1,0 +1,368 @@
+//! The verifier: checks every chain and names the first problem of each exactly.
+//!
+//! Per tenant, in order: no stray entries; a readable head; segments numbered 0, 1, 2, … with
+//! no gap; in every segment every line complete, a valid record of this tenant, `seq` one more
+//! than the line before, and `prev` the SHA-256 of the line before; finally the record the
+//! head names exists and hashes to the head's digest (this catches a deleted tail, which the
+//! chain alone cannot).
+//!
+//! Where a check involves two lines, the problem names the line whose bytes no longer match:
+//! a modified record is reported at its own line, found through the next line's `prev`.
+
+use std::fmt;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use crate::hash::Sha256Digest;
+use crate::layout::{self, HEAD, SegmentNo};
+use crate::line::{self, Seq};
+use crate::tenant::TenantId;
+
+/// Where a problem is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// The file (or the directory entry, or the missing file's expected path).
+    pub path: PathBuf,
+    /// The 1-based line, when the problem is a line.
+    pub line: Option<u64>,
+    /// What is wrong.
+    pub reason: Reason,
+}
+
+/// What is wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reason {
+    /// A file or directory could not be read.
+    Io(String),
+    /// An entry that the writer never creates.
+    UnexpectedEntry,
+    /// The tenant asked for has no directory.
+    NoSuchTenant,
+    /// A segment is missing from the sequence.
+    SegmentMissing,
+    /// A segment other than the last is empty.
+    EmptySegment,
+    /// The line has no newline: a torn write (reopen the log to cut it off) or truncation.
+    TornLine,
+    /// The line is not a valid record.
+    BadRecord(String),
+    /// The record names another tenant.
+    WrongTenant(TenantId),
+    /// The record's `seq` is not the next one.
+    SeqMismatch {
+        /// The `seq` due here.
+        expected: Seq,
+        /// The `seq` the line has.
+        found: Seq,
+    },
+    /// Records are missing after this point (reported where they should have been).
+    MissingRecords {
+        /// The first missing `seq`.
+        from: Seq,
+        /// The `seq` found next (the head's, for a missing tail).
+        next: Seq,
+    },
+    /// The first record's `prev` is not 64 zeros.
+    BadGenesis,
+    /// The line's bytes do not hash to what a later line or the head recorded for it.
+    Modified {
+        /// The file that recorded the digest.
+        recorded_in: PathBuf,
+        /// Its line (`None` for the head).
+        recorded_line: Option<u64>,
+    },
+    /// The head file cannot be read or parsed.
+    BadHead(String),
+    /// The tenant has records but no head.
+    HeadMissing,
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Io(e) => write!(f, "cannot read: {e}"),
+            Self::UnexpectedEntry => f.write_str("unexpected entry (the writer never creates it)"),
+            Self::NoSuchTenant => f.write_str("no such tenant"),
+            Self::SegmentMissing => f.write_str("segment is missing"),
+            Self::EmptySegment => f.write_str("segment is empty but is not the last one"),
+            Self::TornLine => f.write_str("incomplete last line (torn write or truncation)"),
+            Self::BadRecord(e) => write!(f, "invalid record: {e}"),
+            Self::WrongTenant(t) => write!(f, "record belongs to tenant {t}"),
+            Self::SeqMismatch { expected, found } => {
+                write!(f, "expected record seq {expected}, found seq {found}")
+            }
+            Self::MissingRecords { from, next } => {
+                write!(
+                    f,
+                    "records from seq {from} are missing (next found: seq {next})"
+                )
+            }
+            Self::BadGenesis => f.write_str("first record's prev is not 64 zeros"),
+            Self::Modified {
+                recorded_in,
+                recorded_line,
+            } => {
+                write!(
+                    f,
+                    "record was modified: its SHA-256 differs from the one recorded in "
+                )?;
+                match recorded_line {
+                    Some(l) => write!(f, "{}:{l}", recorded_in.display()),
+                    None => write!(f, "{}", recorded_in.display()),
+                }
+            }
+            Self::BadHead(e) => f.write_str(e),
+            Self::HeadMissing => f.write_str("tenant has records but no head file"),
+        }
+    }
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(l) => write!(f, "{}:{l}: {}", self.path.display(), self.reason),
+            None => write!(f, "{}: {}", self.path.display(), self.reason),
+        }
+    }
+}
+
+/// One tenant's result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TenantReport {
+    /// The tenant.
+    pub tenant: TenantId,
+    /// Records checked before the first problem (all of them when there is none).
+    pub records: u64,
+    /// Segments present.
+    pub segments: u64,
+    /// The first problem, if any.
+    pub problem: Option<Problem>,
+}
+
+/// The whole result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    /// A problem with the data directory itself (unreadable, stray entries).
+    pub dir_problem: Option<Problem>,
+    /// Each tenant checked, sorted by id.
+    pub tenants: Vec<TenantReport>,
+}
+
+impl Report {
+    /// True when nothing is wrong.
+    pub fn passed(&self) -> bool {
+        self.dir_problem.is_none() && self.tenants.iter().all(|t| t.problem.is_none())
+    }
+
+    /// The first problem, in directory then tenant order.
+    pub fn first_problem(&self) -> Option<&Problem> {
+        self.dir_problem
+            .as_ref()
+            .or_else(|| self.tenants.iter().find_map(|t| t.problem.as_ref()))
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(p) = &self.dir_problem {
+            writeln!(f, "FAIL {p}")?;
+        }
+        for t in &self.tenants {
+            match &t.problem {
+                None => writeln!(
+                    f,
+                    "ok   {}: {} records in {} segments",
+                    t.tenant, t.records, t.segments
+                )?,
+                Some(p) => writeln!(
+                    f,
+                    "FAIL {}: {p} (after {} good records)",
+                    t.tenant, t.records
+                )?,
+            }
+        }
+        write!(f, "{}", if self.passed() { "PASS" } else { "FAIL" })
+    }
+}
+
+/// Verifies every tenant under `dir`, or only `tenant`.
+pub fn verify(dir: &Path, tenant: Option<&TenantId>) -> Report {
+    let tenants = match tenant {
+        Some(t) => vec![t.clone()],
+        None => match layout::list_tenants(dir) {
+            Ok((tenants, unexpected)) => {
+                let dir_problem = unexpected.into_iter().next().map(|path| Problem {
+                    path,
+                    line: None,
+                    reason: Reason::UnexpectedEntry,
+                });
+                let tenants = tenants.iter().map(|t| verify_tenant(dir, t)).collect();
+                return Report {
+                    dir_problem,
+                    tenants,
+                };
+            }
+            Err(e) => {
+                return Report {
+                    dir_problem: Some(Problem {
+                        path: dir.to_owned(),
+                        line: None,
+                        reason: Reason::Io(e.to_string()),
+                    }),
+                    tenants: Vec::new(),
+                };
+            }
+        },
+    };
+    Report {
+        dir_problem: None,
+        tenants: tenants.iter().map(|t| verify_tenant(dir, t)).collect(),
+    }
+}
+
+fn verify_tenant(dir: &Path, tenant: &TenantId) -> TenantReport {
+    let mut report = TenantReport {
+        tenant: tenant.clone(),
+        records: 0,
+        segments: 0,
+        problem: None,
+    };
+    let tdir = layout::tenant_dir(dir, tenant);
+    if let Err(p) = check_tenant(&tdir, tenant, &mut report) {
+        report.problem = Some(p);
+    }
+    report
+}
+
+fn at(path: &Path, line: Option<u64>, reason: Reason) -> Problem {
+    Problem {
+        path: path.to_owned(),
+        line,
+        reason,
+    }
+}
+
+fn check_tenant(tdir: &Path, tenant: &TenantId, report: &mut TenantReport) -> Result<(), Problem> {
+    let listing = match layout::list_tenant(tdir) {
+        Ok(l) => l,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(at(tdir, None, Reason::NoSuchTenant));
+        }
+        Err(e) => return Err(at(tdir, None, Reason::Io(e.to_string()))),
+    };
+    if let Some(path) = listing.unexpected.first() {
+        return Err(at(path, None, Reason::UnexpectedEntry));
+    }
+    let head_path = tdir.join(HEAD);
+    let head = layout::read_head(tdir).map_err(|e| at(&head_path, None, Reason::BadHead(e)))?;
+    report.segments = listing.segments.len() as u64;
+
+    let mut next_seq = Seq(0);
+    let mut prev = Sha256Digest::ZERO;
+    // Where the previous line is: (file, line number).
+    let mut prev_at: Option<(PathBuf, u64)> = None;
+    // The location and digest of the record the head names, once seen.
+    let mut head_seen: Option<(PathBuf, u64, Sha256Digest)> = None;
+    let last_index = listing.segments.len().saturating_sub(1);
+    for (index, (number, path)) in listing.segments.iter().enumerate() {
+        let expected = SegmentNo(index as u64);
+        if *number != expected {
+            return Err(at(
+                &layout::segment_path(tdir, expected),
+                None,
+                Reason::SegmentMissing,
+            ));
+        }
+        let bytes = fs::read(path).map_err(|e| at(path, None, Reason::Io(e.to_string())))?;
+        if bytes.is_empty() && index != last_index {
+            return Err(at(path, None, Reason::EmptySegment));
+        }
+        let (lines, tail) = line::split(&bytes);
+        for (i, l) in lines.iter().enumerate() {
+            let n = i as u64 + 1;
+            let parsed = line::decode(l).map_err(|e| at(path, Some(n), Reason::BadRecord(e)))?;
+            if parsed.seq != next_seq {
+                return Err(match &prev_at {
+                    // The first line of a segment skips ahead: the earlier segment lost its end.
+                    Some((prev_path, prev_line)) if i == 0 && parsed.seq > next_seq => at(
+                        prev_path,
+                        Some(prev_line + 1),
+                        Reason::MissingRecords {
+                            from: next_seq,
+                            next: parsed.seq,
+                        },
+                    ),
+                    _ => at(
+                        path,
+                        Some(n),
+                        Reason::SeqMismatch {
+                            expected: next_seq,
+                            found: parsed.seq,
+                        },
+                    ),
+                });
+            }
+            if parsed.prev != prev {
+                return Err(match &prev_at {
+                    Some((prev_path, prev_line)) => at(
+                        prev_path,
+                        Some(*prev_line),
+                        Reason::Modified {
+                            recorded_in: path.clone(),
+                            recorded_line: Some(n),
+                        },
+                    ),
+                    None => at(path, Some(n), Reason::BadGenesis),
+                });
+            }
+            if parsed.record.tenant != *tenant {
+                return Err(at(path, Some(n), Reason::WrongTenant(parsed.record.tenant)));
+            }
+            prev = Sha256Digest::of(l);
+            if head.is_some_and(|h| h.seq == parsed.seq) {
+                head_seen = Some((path.clone(), n, prev));
+            }
+            prev_at = Some((path.clone(), n));
+            report.records += 1;
+            // No overflow: a seq of u64::MAX cannot be followed by a matching one.
+            next_seq = Seq(next_seq.0.saturating_add(1));
+        }
+        if !tail.is_empty() {
+            return Err(at(path, Some(lines.len() as u64 + 1), Reason::TornLine));
+        }
+    }
+    match (head, head_seen) {
+        (None, _) if report.records > 0 => Err(at(&head_path, None, Reason::HeadMissing)),
+        (None, _) => Ok(()),
+        (Some(h), None) => Err(match prev_at {
+            Some((path, line)) => at(
+                &path,
+                Some(line + 1),
+                Reason::MissingRecords {
+                    from: next_seq,
+                    next: h.seq,
+                },
+            ),
+            None => at(
+                &listing.segments.first().map_or_else(
+                    || layout::segment_path(tdir, SegmentNo(0)),
+                    |(_, p)| p.clone(),
+                ),
+                None,
+                Reason::MissingRecords {
+                    from: next_seq,
+                    next: h.seq,
+                },
+            ),
+        }),
+        (Some(h), Some((path, line, digest))) if digest != h.digest => Err(at(
+            &path,
+            Some(line),
+            Reason::Modified {
+                recorded_in: head_path,
+                recorded_line: None,
+            },
+        )),
+        (Some(_), Some(_)) => Ok(()),
+    }
+}
