@@ -1,0 +1,274 @@
+//! Writer and reader: round trips, rotation, reopen, recovery, durability modes, pagination.
+
+use std::time::{Duration, Instant};
+
+use bulkhead_audit::{
+    AuditError, AuditLog, Durability, Recovery, Seq, Sha256Digest, TenantId, TenantIdError, verify,
+};
+
+use crate::common::*;
+
+#[test]
+fn round_trip_across_tenants() {
+    let dir = Scratch::new();
+    let (a, b) = (tenant("a"), tenant("b"));
+    let log = open(dir.path(), 1 << 20);
+    for i in 0..3 {
+        let r = log.append(&a, &record(&a, i)).unwrap();
+        assert_eq!((r.seq, r.durable), (Seq(i), true));
+    }
+    log.append(&b, &record(&b, 7)).unwrap();
+    let got = log.read(&a, Seq(0), 100).unwrap();
+    let want: Vec<_> = (0..3).map(|i| (Seq(i), record(&a, i))).collect();
+    assert_eq!(got, want);
+    assert_eq!(
+        log.read(&b, Seq(0), 100).unwrap(),
+        vec![(Seq(0), record(&b, 7))]
+    );
+    let report = verify(dir.path(), None);
+    assert!(report.passed(), "{report}");
+    assert_eq!(report.tenants.len(), 2);
+}
+
+#[test]
+fn a_record_of_another_tenant_is_refused() {
+    let dir = Scratch::new();
+    let log = open(dir.path(), 1 << 20);
+    let err = log
+        .append(&tenant("a"), &record(&tenant("b"), 0))
+        .unwrap_err();
+    assert!(matches!(err, AuditError::TenantMismatch { .. }), "{err}");
+}
+
+#[test]
+fn first_prev_is_zero_and_json_uses_otel_names() {
+    let dir = Scratch::new();
+    let a = tenant("a");
+    open(dir.path(), 1 << 20)
+        .append(&a, &record(&a, 0))
+        .unwrap();
+    let line = &lines(&segments(dir.path(), &a)[0])[0];
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!(v["seq"], 0);
+    assert_eq!(v["prev"], "0".repeat(64));
+    assert_eq!(v["gen_ai.request.model"], "smollm2-135m");
+    assert_eq!(v["gen_ai.usage.input_tokens"], 10);
+    assert_eq!(v["gen_ai.usage.output_tokens"], 0);
+    assert!(
+        v.get("bulkhead.prompt.content").is_none(),
+        "content is off by default"
+    );
+}
+
+#[test]
+fn chain_continues_across_rotation() {
+    let dir = Scratch::new();
+    let a = tenant("a");
+    let log = open(dir.path(), 2000);
+    for i in 0..12 {
+        log.append(&a, &record(&a, i)).unwrap();
+    }
+    let segs = segments(dir.path(), &a);
+    assert!(segs.len() >= 3 && lines(&segs[0]).len() == 2, "{segs:?}");
+    for pair in segs.windows(2) {
+        let last = lines(&pair[0]).pop().unwrap();
+        let first: serde_json::Value = serde_json::from_str(&lines(&pair[1])[0]).unwrap();
+        assert_eq!(first["prev"], Sha256Digest::of(last.as_bytes()).to_hex());
+    }
+    for s in &segs {
+        let len = std::fs::metadata(s).unwrap().len();
+        assert!(len <= 2000 || lines(s).len() == 1, "{s:?} is {len} bytes");
+    }
+    let report = verify(dir.path(), Some(&a));
+    assert!(report.passed(), "{report}");
+    assert_eq!(report.tenants[0].records, 12);
+}
+
+#[test]
+fn chain_continues_across_reopen() {
+    let dir = Scratch::new();
+    let a = tenant("a");
+    {
+        let log = open(dir.path(), 2000);
+        for i in 0..5 {
+            log.append(&a, &record(&a, i)).unwrap();
+        }
+    }
+    let log = open(dir.path(), 2000);
+    let r = log.append(&a, &record(&a, 5)).unwrap();
+    assert_eq!(r.seq, Seq(5));
+    drop(log);
+    let report = verify(dir.path(), None);
+    assert!(report.passed(), "{report}");
+    assert_eq!(report.tenants[0].records, 6);
+}
+
+#[test]
+fn a_second_writer_is_refused() {
+    let dir = Scratch::new();
+    let _log = open(dir.path(), 1 << 20);
+    let err = AuditLog::open(config(dir.path(), 1 << 20)).unwrap_err();
+    assert!(matches!(err, AuditError::Locked { .. }), "{err}");
+}
+
+#[test]
+fn torn_last_line_is_cut_off_and_reported() {
+    let dir = Scratch::new();
+    let a = tenant("a");
+    {
+        let log = open(dir.path(), 1 << 20);
+        for i in 0..3 {
+            log.append(&a, &record(&a, i)).unwrap();
+        }
+    }
+    let seg = &segments(dir.path(), &a)[0];
+    let before = std::fs::read(seg).unwrap();
+    let mut torn = before.clone();
+    torn.extend_from_slice(br#"{"seq":3,"prev":"ab"#);
+    std::fs::write(seg, &torn).unwrap();
+    let report = verify(dir.path(), None);
+    let p = report.first_problem().unwrap();
+    assert_eq!((p.path.as_path(), p.line), (seg.as_path(), Some(4)));
+    assert_eq!(p.reason, bulkhead_audit::Reason::TornLine);
+
+    let (log, recoveries) = AuditLog::open(config(dir.path(), 1 << 20)).unwrap();
+    assert_eq!(
+        recoveries,
+        vec![Recovery::TruncatedTornLine {
+            path: seg.clone(),
+            bytes: (torn.len() - before.len()) as u64
+        }]
+    );
+    assert_eq!(
+        std::fs::read(seg).unwrap(),
+        before,
+        "every complete line is kept"
+    );
+    assert_eq!(log.append(&a, &record(&a, 3)).unwrap().seq, Seq(3));
+    drop(log);
+    assert!(verify(dir.path(), None).passed());
+}
+
+#[test]
+fn a_lost_acknowledged_tail_refuses_to_open() {
+    let dir = Scratch::new();
+    let a = tenant("a");
+    {
+        let log = open(dir.path(), 1 << 20);
+        for i in 0..3 {
+            log.append(&a, &record(&a, i)).unwrap();
+        }
+    }
+    let seg = &segments(dir.path(), &a)[0];
+    let mut l = lines(seg);
+    l.pop();
+    write_lines(seg, &l);
+    let err = AuditLog::open(config(dir.path(), 1 << 20)).unwrap_err();
+    assert!(
+        matches!(err, AuditError::HeadAhead { head: Seq(2), .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn batched_appends_become_durable_on_flush() {
+    let dir = Scratch::new();
+    let a = tenant("a");
+    let mut cfg = config(dir.path(), 1 << 20);
+    cfg.durability = Durability::Batched;
+    let (log, _) = AuditLog::open(cfg).unwrap();
+    let r = log.append(&a, &record(&a, 0)).unwrap();
+    assert!(!r.durable);
+    assert_eq!(
+        log.read(&a, Seq(0), 10).unwrap(),
+        vec![],
+        "nothing written before the flush"
+    );
+    log.append(&a, &record(&a, 1)).unwrap();
+    log.flush().unwrap();
+    assert_eq!(log.read(&a, Seq(0), 10).unwrap().len(), 2);
+    log.wait_durable(&r).unwrap();
+}
+
+#[test]
+fn the_background_thread_flushes_batched_appends() {
+    let dir = Scratch::new();
+    let a = tenant("a");
+    let mut cfg = config(dir.path(), 1 << 20);
+    cfg.durability = Durability::Batched;
+    cfg.flush_interval = Some(Duration::from_millis(2));
+    let (log, _) = AuditLog::open(cfg).unwrap();
+    log.append(&a, &record(&a, 0)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while log.read(&a, Seq(0), 10).unwrap().is_empty() {
+        assert!(Instant::now() < deadline, "never flushed");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn concurrent_immediate_appends_all_land_in_one_chain() {
+    let dir = Scratch::new();
+    let log = open(dir.path(), 4000);
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let log = &log;
+            s.spawn(move || {
+                let id = tenant(if t % 2 == 0 { "even" } else { "odd" });
+                for i in 0..25 {
+                    assert!(log.append(&id, &record(&id, i)).unwrap().durable);
+                }
+            });
+        }
+    });
+    drop(log);
+    let report = verify(dir.path(), None);
+    assert!(report.passed(), "{report}");
+    assert_eq!(
+        report.tenants.iter().map(|t| t.records).collect::<Vec<_>>(),
+        vec![50, 50]
+    );
+}
+
+#[test]
+fn pagination_walks_the_chain_across_segments() {
+    let dir = Scratch::new();
+    let (a, b) = (tenant("a"), tenant("b"));
+    let log = open(dir.path(), 2000);
+    for i in 0..25 {
+        log.append(&a, &record(&a, i)).unwrap();
+        log.append(&b, &record(&b, 100 + i)).unwrap();
+    }
+    let mut since = Seq(0);
+    let mut seen = Vec::new();
+    loop {
+        let page = log.read(&a, since, 10).unwrap();
+        if page.is_empty() {
+            break;
+        }
+        assert!(page.len() <= 10);
+        since = Seq(page.last().unwrap().0.0 + 1);
+        seen.extend(page);
+    }
+    let want: Vec<_> = (0..25).map(|i| (Seq(i), record(&a, i))).collect();
+    assert_eq!(seen, want, "only tenant a's records, each once, in order");
+    assert_eq!(
+        log.read(&a, Seq(20), 3)
+            .unwrap()
+            .iter()
+            .map(|r| r.0)
+            .collect::<Vec<_>>(),
+        [Seq(20), Seq(21), Seq(22)]
+    );
+    assert_eq!(log.read(&a, Seq(25), 10).unwrap(), vec![]);
+    assert_eq!(log.read(&tenant("nobody"), Seq(0), 10).unwrap(), vec![]);
+    assert_eq!(log.read(&a, Seq(0), 0).unwrap(), vec![]);
+}
+
+#[test]
+fn tenant_ids_with_path_tricks_are_refused() {
+    for bad in ["../x", "a/b", "", ".", "..", "/etc", "A"] {
+        assert!(TenantId::new(bad).is_err(), "{bad:?}");
+    }
+    assert_eq!(TenantId::new(""), Err(TenantIdError::Empty));
+}

@@ -1,0 +1,6 @@
+//! Integration tests of `bulkhead-audit`, in one binary to keep link time low.
+
+mod common;
+mod log;
+mod property;
+mod tamper;

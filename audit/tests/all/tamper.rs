@@ -1,0 +1,251 @@
+//! Tamper tests: each edit is reported at the exact file and line.
+
+use std::path::{Path, PathBuf};
+
+use bulkhead_audit::{Problem, Reason, Seq, TenantId, verify};
+
+use crate::common::*;
+
+/// A tenant `a` with 12 records over at least three segments; also a clean tenant `b`.
+fn setup(dir: &Path) -> (TenantId, Vec<PathBuf>) {
+    let (a, b) = (tenant("a"), tenant("b"));
+    let log = open(dir, 3000);
+    for i in 0..12 {
+        log.append(&a, &record(&a, i)).unwrap();
+        log.append(&b, &record(&b, i)).unwrap();
+    }
+    drop(log);
+    assert!(verify(dir, None).passed());
+    let segs = segments(dir, &a);
+    assert!(segs.len() >= 3 && lines(&segs[0]).len() >= 3, "{segs:?}");
+    (a, segs)
+}
+
+/// The only problem: tenant `a`'s, with `b` still clean.
+fn problem(dir: &Path) -> Problem {
+    let report = verify(dir, None);
+    assert!(!report.passed());
+    assert!(report.dir_problem.is_none(), "{report}");
+    assert_eq!(report.tenants[1].problem, None, "tenant b is untouched");
+    report.tenants[0].problem.clone().unwrap()
+}
+
+fn assert_at(p: &Problem, path: &Path, line: Option<u64>) {
+    assert_eq!((p.path.as_path(), p.line), (path, line), "{p}");
+}
+
+#[test]
+fn an_edited_field_is_reported_at_its_line() {
+    let dir = Scratch::new();
+    let (_, segs) = setup(dir.path());
+    let mut l = lines(&segs[0]);
+    assert!(l[1].contains(r#""http.response.status_code":200"#));
+    l[1] = l[1].replace(
+        r#""http.response.status_code":200"#,
+        r#""http.response.status_code":500"#,
+    );
+    write_lines(&segs[0], &l);
+    let p = problem(dir.path());
+    assert_at(&p, &segs[0], Some(2));
+    assert_eq!(
+        p.reason,
+        Reason::Modified {
+            recorded_in: segs[0].clone(),
+            recorded_line: Some(3)
+        }
+    );
+}
+
+#[test]
+fn an_edited_last_record_is_caught_by_the_head() {
+    let dir = Scratch::new();
+    let (a, segs) = setup(dir.path());
+    let last = segs.last().unwrap();
+    let mut l = lines(last);
+    let n = l.len();
+    l[n - 1] = l[n - 1].replace(r#""req-11""#, r#""req-99""#);
+    write_lines(last, &l);
+    let p = problem(dir.path());
+    assert_at(&p, last, Some(n as u64));
+    assert_eq!(
+        p.reason,
+        Reason::Modified {
+            recorded_in: dir.path().join(a.as_str()).join("head"),
+            recorded_line: None
+        }
+    );
+}
+
+#[test]
+fn a_deleted_line_is_reported_where_it_was() {
+    let dir = Scratch::new();
+    let (_, segs) = setup(dir.path());
+    let mut l = lines(&segs[0]);
+    l.remove(1);
+    write_lines(&segs[0], &l);
+    let p = problem(dir.path());
+    assert_at(&p, &segs[0], Some(2));
+    assert_eq!(
+        p.reason,
+        Reason::SeqMismatch {
+            expected: Seq(1),
+            found: Seq(2)
+        }
+    );
+}
+
+#[test]
+fn reordered_lines_are_reported_at_the_first() {
+    let dir = Scratch::new();
+    let (_, segs) = setup(dir.path());
+    let mut l = lines(&segs[0]);
+    l.swap(1, 2);
+    write_lines(&segs[0], &l);
+    let p = problem(dir.path());
+    assert_at(&p, &segs[0], Some(2));
+    assert_eq!(
+        p.reason,
+        Reason::SeqMismatch {
+            expected: Seq(1),
+            found: Seq(2)
+        }
+    );
+}
+
+#[test]
+fn a_middle_segment_cut_at_a_line_boundary_is_reported_at_its_end() {
+    let dir = Scratch::new();
+    let (_, segs) = setup(dir.path());
+    let mut l = lines(&segs[1]);
+    let first_seq: u64 = serde_json::from_str::<serde_json::Value>(&l[0]).unwrap()["seq"]
+        .as_u64()
+        .unwrap();
+    let kept = l.len() - 1;
+    l.truncate(kept);
+    write_lines(&segs[1], &l);
+    let p = problem(dir.path());
+    assert_at(&p, &segs[1], Some(kept as u64 + 1));
+    let missing = Seq(first_seq + kept as u64);
+    assert_eq!(
+        p.reason,
+        Reason::MissingRecords {
+            from: missing,
+            next: Seq(missing.0 + 1)
+        }
+    );
+}
+
+#[test]
+fn a_segment_cut_mid_line_is_a_torn_line() {
+    let dir = Scratch::new();
+    let (_, segs) = setup(dir.path());
+    let bytes = std::fs::read(&segs[0]).unwrap();
+    std::fs::write(&segs[0], &bytes[..bytes.len() - 10]).unwrap();
+    let p = problem(dir.path());
+    assert_at(&p, &segs[0], Some(lines(&segs[0]).len() as u64));
+    assert_eq!(p.reason, Reason::TornLine);
+}
+
+#[test]
+fn a_cut_tail_is_caught_by_the_head() {
+    let dir = Scratch::new();
+    let (_, segs) = setup(dir.path());
+    let last = segs.last().unwrap();
+    let mut l = lines(last);
+    l.pop();
+    write_lines(last, &l);
+    let p = problem(dir.path());
+    assert_at(&p, last, Some(l.len() as u64 + 1));
+    assert_eq!(
+        p.reason,
+        Reason::MissingRecords {
+            from: Seq(11),
+            next: Seq(11)
+        }
+    );
+}
+
+#[test]
+fn a_removed_segment_is_named() {
+    let dir = Scratch::new();
+    let (_, segs) = setup(dir.path());
+    std::fs::remove_file(&segs[1]).unwrap();
+    let p = problem(dir.path());
+    assert_at(&p, &segs[1], None);
+    assert_eq!(p.reason, Reason::SegmentMissing);
+}
+
+#[test]
+fn a_removed_first_segment_is_named() {
+    let dir = Scratch::new();
+    let (_, segs) = setup(dir.path());
+    std::fs::remove_file(&segs[0]).unwrap();
+    let p = problem(dir.path());
+    assert_at(&p, &segs[0], None);
+    assert_eq!(p.reason, Reason::SegmentMissing);
+}
+
+#[test]
+fn a_removed_last_segment_is_caught_by_the_head() {
+    let dir = Scratch::new();
+    let (_, segs) = setup(dir.path());
+    std::fs::remove_file(segs.last().unwrap()).unwrap();
+    let p = problem(dir.path());
+    let before_last = &segs[segs.len() - 2];
+    assert_at(&p, before_last, Some(lines(before_last).len() as u64 + 1));
+    assert!(
+        matches!(p.reason, Reason::MissingRecords { next: Seq(11), .. }),
+        "{p}"
+    );
+}
+
+#[test]
+fn a_removed_head_is_reported() {
+    let dir = Scratch::new();
+    let (a, _) = setup(dir.path());
+    let head = dir.path().join(a.as_str()).join("head");
+    std::fs::remove_file(&head).unwrap();
+    let p = problem(dir.path());
+    assert_at(&p, &head, None);
+    assert_eq!(p.reason, Reason::HeadMissing);
+}
+
+#[test]
+fn a_record_moved_into_another_tenants_log_is_reported() {
+    let dir = Scratch::new();
+    let (a, segs) = setup(dir.path());
+    // Rewrite tenant b's whole log as a copy of a's: a valid chain, the wrong tenant.
+    let b_dir = dir.path().join("b");
+    std::fs::remove_dir_all(&b_dir).unwrap();
+    std::fs::create_dir(&b_dir).unwrap();
+    for s in &segs {
+        std::fs::copy(s, b_dir.join(s.file_name().unwrap())).unwrap();
+    }
+    std::fs::copy(dir.path().join(a.as_str()).join("head"), b_dir.join("head")).unwrap();
+    let report = verify(dir.path(), Some(&tenant("b")));
+    let p = report.first_problem().unwrap();
+    assert_eq!(
+        (p.path.clone(), p.line),
+        (b_dir.join(segs[0].file_name().unwrap()), Some(1))
+    );
+    assert_eq!(p.reason, Reason::WrongTenant(a));
+}
+
+#[test]
+fn stray_entries_are_reported() {
+    let dir = Scratch::new();
+    setup(dir.path());
+    std::fs::create_dir(dir.path().join("Not-A-Tenant")).unwrap();
+    let report = verify(dir.path(), None);
+    let p = report.dir_problem.clone().unwrap();
+    assert_eq!(p.path, dir.path().join("Not-A-Tenant"));
+    assert_eq!(p.reason, Reason::UnexpectedEntry);
+}
+
+#[test]
+fn an_unknown_tenant_fails() {
+    let dir = Scratch::new();
+    setup(dir.path());
+    let report = verify(dir.path(), Some(&tenant("nobody")));
+    assert_eq!(report.first_problem().unwrap().reason, Reason::NoSuchTenant);
+}
