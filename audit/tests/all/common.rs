@@ -35,7 +35,7 @@ impl Drop for Scratch {
 }
 
 pub fn tenant(id: &str) -> TenantId {
-    TenantId::new(id).unwrap()
+    TenantId::new(id).expect("a valid tenant id")
 }
 
 /// A record of `tenant`, made distinct by `i`.
@@ -86,7 +86,7 @@ pub fn config(dir: &Path, segment_bytes: u64) -> Config {
 }
 
 pub fn open(dir: &Path, segment_bytes: u64) -> AuditLog {
-    let (log, recoveries) = AuditLog::open(config(dir, segment_bytes)).unwrap();
+    let (log, recoveries) = AuditLog::open(config(dir, segment_bytes)).expect("open the audit log");
     assert_eq!(recoveries, vec![]);
     log
 }
@@ -94,8 +94,8 @@ pub fn open(dir: &Path, segment_bytes: u64) -> AuditLog {
 /// The tenant's segment files, sorted.
 pub fn segments(dir: &Path, tenant: &TenantId) -> Vec<PathBuf> {
     let mut out: Vec<PathBuf> = std::fs::read_dir(dir.join(tenant.as_str()))
-        .unwrap()
-        .map(|e| e.unwrap().path())
+        .expect("list the tenant directory")
+        .map(|e| e.expect("read a directory entry").path())
         .filter(|p| p.extension().is_some_and(|e| e == "jsonl"))
         .collect();
     out.sort();
@@ -104,7 +104,7 @@ pub fn segments(dir: &Path, tenant: &TenantId) -> Vec<PathBuf> {
 
 pub fn lines(path: &Path) -> Vec<String> {
     std::fs::read_to_string(path)
-        .unwrap()
+        .expect("read a segment")
         .lines()
         .map(str::to_owned)
         .collect()
@@ -115,5 +115,5 @@ pub fn write_lines(path: &Path, lines: &[String]) {
     if !lines.is_empty() {
         text.push('\n');
     }
-    std::fs::write(path, text).unwrap();
+    std::fs::write(path, text).expect("write a segment");
 }

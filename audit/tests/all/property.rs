@@ -16,7 +16,7 @@ fn log_files(dir: &Path) -> Vec<PathBuf> {
         let Ok(entries) = std::fs::read_dir(dir.join(t)) else {
             continue;
         };
-        out.extend(entries.map(|e| e.unwrap().path()));
+        out.extend(entries.map(|e| e.expect("read a directory entry").path()));
     }
     out.sort();
     out

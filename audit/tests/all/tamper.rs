@@ -11,8 +11,8 @@ fn setup(dir: &Path) -> (TenantId, Vec<PathBuf>) {
     let (a, b) = (tenant("a"), tenant("b"));
     let log = open(dir, 3000);
     for i in 0..12 {
-        log.append(&a, &record(&a, i)).unwrap();
-        log.append(&b, &record(&b, i)).unwrap();
+        log.append(&a, &record(&a, i)).expect("append");
+        log.append(&b, &record(&b, i)).expect("append");
     }
     drop(log);
     assert!(verify(dir, None).passed());
@@ -27,7 +27,10 @@ fn problem(dir: &Path) -> Problem {
     assert!(!report.passed());
     assert!(report.dir_problem.is_none(), "{report}");
     assert_eq!(report.tenants[1].problem, None, "tenant b is untouched");
-    report.tenants[0].problem.clone().unwrap()
+    report.tenants[0]
+        .problem
+        .clone()
+        .expect("tenant a has a problem")
 }
 
 fn assert_at(p: &Problem, path: &Path, line: Option<u64>) {
