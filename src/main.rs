@@ -1,5 +1,6 @@
 //! `bulkhead`: the command-line front door.
 
+mod audit;
 mod bench;
 mod gateway;
 mod generate;
@@ -38,6 +39,11 @@ enum Command {
     Preflight(gateway::Args),
     /// Start the workers and the gateway on loopback with the default configuration.
     Up(up::Args),
+    /// Audit log tools.
+    Audit {
+        #[command(subcommand)]
+        what: audit::What,
+    },
     /// Print the SHA-256 digest of each key read from stdin (one per line), for configs.
     HashKey,
 }
@@ -47,9 +53,11 @@ fn main() -> anyhow::Result<()> {
     // Servers log their startup facts (measured pool, served context) by default.
     let default_level = match command {
         Command::Worker(_) | Command::Gateway(_) | Command::Up(_) => "info",
-        Command::Generate(_) | Command::Bench { .. } | Command::HashKey | Command::Preflight(_) => {
-            "warn"
-        }
+        Command::Generate(_)
+        | Command::Bench { .. }
+        | Command::Audit { .. }
+        | Command::HashKey
+        | Command::Preflight(_) => "warn",
     };
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -65,6 +73,7 @@ fn main() -> anyhow::Result<()> {
         Command::Gateway(args) => gateway::run(args),
         Command::Up(args) => up::run(args),
         Command::Preflight(args) => gateway::preflight(args),
+        Command::Audit { what } => audit::run(what),
         Command::HashKey => gateway::hash_key(),
     }
 }
