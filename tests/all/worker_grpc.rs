@@ -658,3 +658,64 @@ async fn preflight_passes_a_sound_pair_and_fails_a_mismatched_one() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_prompt_over_the_decode_pool_is_refused_by_decode_without_touching_prefill() {
+    bounded(async {
+        // The other asymmetry: prefill could take the prompt, decode cannot hold prompt + output.
+        let (prefill, decode) = disaggregated("4096", "64");
+        let err = run_to_end(&mut decode.client().await, chat("What is 2+2?", 48))
+            .await
+            .expect_err("decode must refuse");
+        assert_eq!(error_code(&err), Some("context_length_exceeded"), "{err:?}");
+        let p = pool(&health(&mut prefill.client().await).await);
+        assert_eq!(p.free, p.total, "prefill never heard of it: {p:?}");
+        let (_, metrics) = prefill.admin_get("/metrics");
+        assert!(
+            metrics.contains("bulkhead_requests_total{outcome=\"rejected_context_length\"} 0"),
+            "{metrics}"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_decode_worker_killed_mid_generation_leaves_prefill_with_every_page_back() {
+    bounded(async {
+        let (prefill, mut decode) = disaggregated("4096", "4096");
+        let mut client = decode.client().await;
+        let mut stream = client
+            .generate(GenerateRequest {
+                ignore_eos: true,
+                ..chat("Tell me a long story.", 2000)
+            })
+            .await
+            .expect("admitted")
+            .into_inner();
+        // Generation has started: the transfer is over and decode is producing tokens.
+        stream
+            .message()
+            .await
+            .expect("a first token")
+            .expect("the stream is open");
+        decode.child.kill().expect("kill the decode worker");
+        let killed_at = Instant::now();
+        loop {
+            match tokio::time::timeout(Duration::from_secs(5), stream.message()).await {
+                Ok(Ok(Some(_))) => continue,
+                Ok(Ok(None)) => panic!("a killed worker's stream must not end cleanly"),
+                Ok(Err(_)) => break,
+                Err(_) => panic!("the client was left hanging"),
+            }
+        }
+        assert!(killed_at.elapsed() < Duration::from_secs(5));
+        let p = wait_all_pages_back(&prefill).await;
+        assert_eq!(
+            p.free + p.pending_scrub,
+            p.total,
+            "prefill released its source pages: {p:?}"
+        );
+        assert_eq!(p.quarantined, 0);
+    })
+    .await;
+}
