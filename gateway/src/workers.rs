@@ -278,12 +278,26 @@ impl State {
             (WorkerRole::Prefill, _) => own.or(Some(Unroutable::PrefillOnly)),
             (WorkerRole::Decode, prefill) => own.or_else(|| {
                 let name = prefill.clone().unwrap_or_default();
-                let reason = match self.entry(&name) {
-                    None => Some("it is not configured".to_owned()),
-                    Some(p) => unroutable(p.facts.as_ref(), &p.health, self.served_id())
-                        .map(|r| r.to_string()),
+                let Some(p) = self.entry(&name) else {
+                    let why = "it is not configured".to_owned();
+                    return Some(Unroutable::PrefillUnusable { prefill: name, why });
                 };
-                reason.map(|why| Unroutable::PrefillUnusable { prefill: name, why })
+                if let Some(r) = unroutable(p.facts.as_ref(), &p.health, self.served_id()) {
+                    let why = r.to_string();
+                    return Some(Unroutable::PrefillUnusable { prefill: name, why });
+                }
+                // The same checks as `bulkhead preflight`, at run time; without both Infos
+                // there is nothing to check them against, so no routing either.
+                let (Some(d), Some(pi)) = (e.info.as_ref(), p.info.as_ref()) else {
+                    return Some(Unroutable::NoInfo);
+                };
+                crate::preflight::pair(&e.config.name, d, &name, pi)
+                    .into_iter()
+                    .find(|c| !c.pass)
+                    .map(|c| Unroutable::PreflightFails {
+                        check: c.name,
+                        detail: c.detail,
+                    })
             }),
         }
     }

@@ -719,3 +719,111 @@ async fn a_decode_worker_killed_mid_generation_leaves_prefill_with_every_page_ba
     })
     .await;
 }
+
+/// One HTTP/1.1 exchange with `Connection: close`: (status line, body).
+fn http_request(addr: &str, method: &str, path: &str, token: &str, body: &str) -> (String, String) {
+    let mut s = TcpStream::connect(addr).expect("connects");
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("sets a timeout");
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nAuthorization: Bearer {token}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("sends");
+    let mut response = String::new();
+    let _ = s.read_to_string(&mut response);
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    (
+        head.lines().next().unwrap_or_default().to_owned(),
+        body.to_owned(),
+    )
+}
+
+#[tokio::test]
+async fn the_gateway_does_not_route_to_a_pair_that_fails_preflight() {
+    bounded(async {
+        let decode_prefill = Worker::start(&[
+            "--role",
+            "prefill",
+            "--kv-tokens",
+            "2048",
+            "--page-tokens",
+            "32",
+        ]);
+        let address = format!("http://{}", decode_prefill.grpc);
+        let decode = Worker::start(&[
+            "--role",
+            "decode",
+            "--prefill",
+            &address,
+            "--kv-listen",
+            "127.0.0.1:0",
+            "--kv-tokens",
+            "2048",
+        ]);
+        let base = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/deploy/local/gateway.toml"
+        ))
+        .expect("the default config");
+        let config = base
+            .replace("127.0.0.1:8080", "127.0.0.1:0")
+            .replace("127.0.0.1:9090", "127.0.0.1:0")
+            .replace("http://127.0.0.1:50052", &address)
+            .replace("http://127.0.0.1:50051", &format!("http://{}", decode.grpc));
+        let path = std::env::temp_dir().join(format!(
+            "bulkhead-gw-{}-{}.toml",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::write(&path, config).expect("write the config");
+        let mut gateway = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+            .args(["gateway", "--config"])
+            .arg(&path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the gateway starts");
+        let mut line = String::new();
+        BufReader::new(gateway.stdout.take().expect("piped"))
+            .read_line(&mut line)
+            .expect("a ready line");
+        let field = |k: &str| {
+            line.split_whitespace()
+                .find_map(|f| f.strip_prefix(k))
+                .map(str::to_owned)
+                .expect("the ready line names it")
+        };
+        let (api, admin) = (field("api="), field("admin="));
+        // The gateway has read both workers' Info: the decode worker is not routed to.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let workers = loop {
+            let (_, body) = http_request(&admin, "GET", "/workers", "sk-demo-admin", "");
+            if body.contains("preflight_fails") || Instant::now() > deadline {
+                break body;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let body = r#"{"messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":8}"#;
+        let (status, answer) = http_request(
+            &api,
+            "POST",
+            "/v1/chat/completions",
+            "sk-demo-tenant-a",
+            body,
+        );
+        let _ = gateway.kill();
+        let _ = gateway.wait();
+        let _ = std::fs::remove_file(&path);
+        assert!(
+            workers.contains("preflight_fails") && workers.contains("same page size"),
+            "{workers}"
+        );
+        assert!(status.contains("503"), "{status} {answer}");
+        assert!(answer.contains("service_unavailable"), "{answer}");
+    })
+    .await;
+}
