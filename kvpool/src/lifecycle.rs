@@ -76,6 +76,43 @@ impl Held {
     }
 }
 
+/// The read-only view every lifecycle type gives of the pages it holds.
+macro_rules! held_accessors {
+    ($ty:ident) => {
+        impl $ty {
+            /// The request the pages belong (or belonged) to.
+            #[must_use]
+            pub fn owner(&self) -> RequestId {
+                self.0.owner
+            }
+
+            /// The page table, in reservation order (entry `i` holds tokens
+            /// `i * page_tokens ..`); the attention kernel reads through it. Once released it
+            /// no longer verifies: then it only serves to recognise late frames, to drop them.
+            #[must_use]
+            pub fn pages(&self) -> &[PageRef] {
+                &self.0.pages
+            }
+
+            /// Tokens the request was admitted for (what a transfer must deliver).
+            #[must_use]
+            pub fn tokens(&self) -> u64 {
+                self.0.tokens
+            }
+
+            /// Tokens the pages can hold (`pages().len() * page_tokens`, at least `tokens()`).
+            #[must_use]
+            pub fn capacity_tokens(&self) -> u64 {
+                self.0.capacity_tokens()
+            }
+        }
+    };
+}
+
+held_accessors!(Reservation);
+held_accessors!(Allocation);
+held_accessors!(Releasing);
+
 /// Pages reserved for a request whose KV is being written. Dropping it releases the pages.
 #[must_use = "dropping a Reservation releases its pages"]
 pub struct Reservation(Held);
@@ -88,30 +125,6 @@ impl Reservation {
             tokens,
             pages,
         })
-    }
-
-    /// The request the pages belong to.
-    #[must_use]
-    pub fn owner(&self) -> RequestId {
-        self.0.owner
-    }
-
-    /// The page table, in reservation order (entry `i` holds tokens `i * page_tokens ..`).
-    #[must_use]
-    pub fn pages(&self) -> &[PageRef] {
-        &self.0.pages
-    }
-
-    /// Tokens the request was admitted for (what a transfer must deliver).
-    #[must_use]
-    pub fn tokens(&self) -> u64 {
-        self.0.tokens
-    }
-
-    /// Tokens the reserved pages can hold (`pages().len() * page_tokens`, at least `tokens()`).
-    #[must_use]
-    pub fn capacity_tokens(&self) -> u64 {
-        self.0.capacity_tokens()
     }
 
     /// The KV is complete and verified: the request now runs on these pages, same tags.
@@ -154,31 +167,6 @@ impl fmt::Debug for Reservation {
 pub struct Allocation(Held);
 
 impl Allocation {
-    /// The request the pages belong to.
-    #[must_use]
-    pub fn owner(&self) -> RequestId {
-        self.0.owner
-    }
-
-    /// The page table the attention kernel reads through (with [`PagePool::with_tags`] or
-    /// [`PagePool::verify`]).
-    #[must_use]
-    pub fn pages(&self) -> &[PageRef] {
-        &self.0.pages
-    }
-
-    /// Tokens the request was admitted for (prompt plus room to generate).
-    #[must_use]
-    pub fn tokens(&self) -> u64 {
-        self.0.tokens
-    }
-
-    /// Tokens the pages can hold (`pages().len() * page_tokens`, at least `tokens()`).
-    #[must_use]
-    pub fn capacity_tokens(&self) -> u64 {
-        self.0.capacity_tokens()
-    }
-
     /// The request ends while a peer may still write the pages: hold them until it drains.
     pub fn begin_release(mut self) -> Releasing {
         Releasing(self.0.move_out(Hold::Owned, Target::Hold(Hold::Releasing)))
@@ -212,25 +200,6 @@ impl fmt::Debug for Allocation {
 pub struct Releasing(Held);
 
 impl Releasing {
-    /// The request the pages belonged to.
-    #[must_use]
-    pub fn owner(&self) -> RequestId {
-        self.0.owner
-    }
-
-    /// The old page table (it no longer verifies); for matching late transfer frames, which
-    /// must be dropped.
-    #[must_use]
-    pub fn pages(&self) -> &[PageRef] {
-        &self.0.pages
-    }
-
-    /// Tokens the request was admitted for.
-    #[must_use]
-    pub fn tokens(&self) -> u64 {
-        self.0.tokens
-    }
-
     /// The peer acknowledged that nothing more will be written (or the transport is torn
     /// down): release the pages.
     pub fn drained(mut self) {
