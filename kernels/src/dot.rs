@@ -185,13 +185,7 @@ mod tests {
     use crate::quant::quantize_row;
 
     fn values(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                (s >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
-            })
-            .collect()
+        crate::test_values::uniform(n, seed, 2.0)
     }
 
     #[test]

@@ -17,3 +17,6 @@ pub use act::{Activations, BlockQ8};
 pub use matmul::{QMatrix, ShapeError, matmul};
 pub use quant::DType;
 pub use simd::Simd;
+
+#[cfg(test)]
+mod test_values;
