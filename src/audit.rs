@@ -9,7 +9,7 @@ pub enum What {
     /// Check every tenant's hash chain (or one tenant's) and print the first problem of each
     /// by file and line. Exits non-zero on any problem.
     Verify {
-        /// The audit data directory.
+        /// The audit directory (`DATA_DIR/audit`), or the gateway's data directory itself.
         dir: PathBuf,
         /// Check only this tenant.
         #[arg(long)]
@@ -17,9 +17,20 @@ pub enum What {
     },
 }
 
+/// An audit directory holds the writer's `LOCK`; a data directory holds one as `audit/`.
+fn audit_dir(dir: PathBuf) -> PathBuf {
+    let nested = dir.join("audit");
+    if !dir.join("LOCK").exists() && nested.join("LOCK").exists() {
+        nested
+    } else {
+        dir
+    }
+}
+
 pub fn run(what: What) -> anyhow::Result<()> {
     match what {
         What::Verify { dir, tenant } => {
+            let dir = audit_dir(dir);
             let report = bulkhead_audit::verify(&dir, tenant.as_ref());
             println!("{report}");
             anyhow::ensure!(report.passed(), "audit log verification failed");

@@ -19,13 +19,16 @@ pub struct Args {
     /// The gateway's TOML configuration (see deploy/local/gateway.toml).
     #[arg(long, env = env::CONFIG)]
     config: PathBuf,
+    #[command(flatten)]
+    data_dir: crate::data_dir::DataDir,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let config = Config::load(&args.config)
         .with_context(|| format!("invalid configuration {}", args.config.display()))?;
+    let data_dir = args.data_dir.path()?;
     runtime()?.block_on(async move {
-        let gateway = BoundGateway::bind(config).await?;
+        let gateway = BoundGateway::bind(config, &data_dir).await?;
         let (api, admin) = (gateway.api_addr()?, gateway.admin_addr()?);
         tracing::info!(%api, %admin, "gateway serving");
         println!("bulkhead gateway ready api={api} admin={admin}");
@@ -63,13 +66,15 @@ pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 /// Reads one key per line on stdin (so it stays out of shell history and `ps`) and prints
-/// each one's SHA-256 hex digest, as `key_sha256` and `token_sha256` hold them.
+/// each one's SHA-256 hex digest, as `key_sha256` and `token_sha256` hold them, and the key id
+/// that audit records name it by.
 pub fn hash_key() -> anyhow::Result<()> {
     for line in std::io::stdin().lock().lines() {
         let line = line.context("reading stdin")?;
         let key = line.trim();
         if !key.is_empty() {
-            println!("{}", KeyHash::of(key).to_hex());
+            let hash = KeyHash::of(key);
+            println!("{} key_id={}", hash.to_hex(), hash.id());
         }
     }
     Ok(())

@@ -2,6 +2,7 @@
 
 mod audit;
 mod bench;
+mod data_dir;
 mod gateway;
 mod generate;
 mod model_path;

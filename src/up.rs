@@ -85,6 +85,8 @@ pub struct Args {
     /// address is filled in.
     #[arg(long, env = env::UP_CONFIG)]
     config: Option<PathBuf>,
+    #[command(flatten)]
+    data_dir: crate::data_dir::DataDir,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -99,6 +101,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         config.listen.admin.set_port(port);
     }
     let model = args.model.path()?;
+    let data_dir = args.data_dir.path()?;
 
     crate::gateway::runtime()?.block_on(async move {
         let mut workers = Vec::new();
@@ -120,7 +123,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 workers.push(d);
             }
         }
-        let gateway = BoundGateway::bind(config).await?;
+        let gateway = BoundGateway::bind(config, &data_dir).await?;
         let (api, admin) = (gateway.api_addr()?, gateway.admin_addr()?);
         let listing: Vec<String> = workers
             .iter()

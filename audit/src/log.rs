@@ -233,6 +233,12 @@ impl AuditLog {
         })
     }
 
+    /// Why the log accepts no more records (a failed write or fsync), or `None` while it is
+    /// healthy.
+    pub fn failure(&self) -> Option<String> {
+        lock(&self.inner.state).poisoned.clone()
+    }
+
     /// Makes every record appended so far durable.
     pub fn flush(&self) -> Result<(), AuditError> {
         self.inner.flush()

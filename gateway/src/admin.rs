@@ -1,10 +1,11 @@
 //! The admin listener (its own port, its own bearer token): `/healthz`, `/metrics`
-//! (Prometheus text), `/workers` (what each worker reported, and why it is or is not routed to).
+//! (Prometheus text), `/workers` (what each worker reported, and why it is or is not routed to),
+//! `/audit/{tenant}` (any tenant's audit records, and `_gateway` for unauthenticated requests).
 
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::{Request, State};
+use axum::extract::{FromRef, Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -15,6 +16,7 @@ use serde_json::json;
 use crate::keys::KeyHash;
 use crate::metrics::Metrics;
 use crate::tenant::Tenant;
+use crate::trail::{self, Recorder};
 use crate::workers::Workers;
 
 /// What the admin handlers read.
@@ -23,6 +25,13 @@ pub struct AdminState {
     pub workers: Workers,
     pub metrics: Metrics,
     pub tenants: Arc<Vec<Arc<Tenant>>>,
+    pub recorder: Recorder,
+}
+
+impl FromRef<AdminState> for Recorder {
+    fn from_ref(state: &AdminState) -> Recorder {
+        state.recorder.clone()
+    }
 }
 
 /// The admin router; every path needs `Authorization: Bearer <admin token>`.
@@ -31,6 +40,7 @@ pub fn router(state: AdminState, token: KeyHash) -> Router {
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .route("/workers", get(workers))
+        .route("/audit/{tenant}", get(trail::admin_read))
         .with_state(state)
         .layer(middleware::from_fn_with_state(token, require_token))
 }
@@ -61,16 +71,24 @@ async fn healthz(State(state): State<AdminState>) -> Response {
     let reports = state.workers.reports();
     let routable = reports.iter().filter(|w| w.routable).count();
     let model = state.workers.model().map(|m| m.name.clone());
-    let status = if routable > 0 {
-        StatusCode::OK
+    let audit_failure = state.recorder.failure();
+    let (status, word) = if state.recorder.refusing() {
+        (StatusCode::SERVICE_UNAVAILABLE, "audit_unavailable")
+    } else if routable == 0 {
+        (StatusCode::SERVICE_UNAVAILABLE, "no_routable_worker")
     } else {
-        StatusCode::SERVICE_UNAVAILABLE
+        (StatusCode::OK, "ok")
     };
     let body = json!({
-        "status": if routable > 0 { "ok" } else { "no_routable_worker" },
+        "status": word,
         "model": model,
         "routable_workers": routable,
         "workers": reports.len(),
+        "audit": {
+            "ok": audit_failure.is_none(),
+            "failure": audit_failure,
+            "lost_records": state.recorder.lost(),
+        },
     });
     (
         status,

@@ -15,13 +15,19 @@
 //! header_timeout_secs = 10
 //! default_max_tokens = 512
 //!
+//! [audit]                           # optional; these are the defaults
+//! durability = "durable"            # or "group": answer before the record's fsync
+//! on_failure = "refuse"             # or "serve": keep serving while the log is broken
+//! segment_bytes = 67108864
+//!
 //! [[tenants]]
-//! id = "tenant-a"
+//! id = "tenant-a"                   # a-z 0-9 - _; ids starting with '_' are reserved
 //! key_sha256 = ["…64 hex…"]         # sha256 of each API key; never the key itself
 //! max_context = 8192
 //! max_concurrent = 4
 //! requests_per_minute = 120
 //! tokens_per_minute = 200000
+//! capture_content = false           # store prompts and completions in the audit log
 //!
 //! [[workers]]
 //! name = "local"
@@ -48,6 +54,7 @@ pub struct Config {
     /// The admin listener's bearer token, hashed.
     pub admin_token: KeyHash,
     pub http: HttpLimits,
+    pub audit: AuditSettings,
     /// Every API key's hash → its tenant. Keys are unique across tenants.
     pub keyring: Keyring,
     /// The tenants, in file order.
@@ -87,6 +94,49 @@ impl Default for HttpLimits {
             default_max_tokens: NonZeroU32::MIN.saturating_add(511),
         }
     }
+}
+
+/// How the audit log trades latency for durability, and what happens when it cannot write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AuditSettings {
+    /// Whether a response waits until its record is fsynced.
+    pub durability: Durability,
+    /// What the gateway does while the audit log cannot write.
+    pub on_failure: OnAuditFailure,
+    /// Segment size before rotation.
+    pub segment_bytes: u64,
+}
+
+impl Default for AuditSettings {
+    fn default() -> AuditSettings {
+        AuditSettings {
+            durability: Durability::Durable,
+            on_failure: OnAuditFailure::Refuse,
+            segment_bytes: 64 << 20,
+        }
+    }
+}
+
+/// Whether a response waits for its audit record to be durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Durability {
+    /// Every response (and a stream's `[DONE]`) waits until its record is fsynced: nothing
+    /// answered is ever missing from the log after a crash.
+    Durable,
+    /// Records are fsynced in groups within a few milliseconds; a crash can lose the records of
+    /// the last moments' responses (never a durable one).
+    Group,
+}
+
+/// What the gateway does while its audit log cannot write (disk full, I/O error).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnAuditFailure {
+    /// Refuse new requests with 503 `audit_unavailable`: no unaudited traffic.
+    Refuse,
+    /// Keep serving, unaudited, and say so in health and metrics.
+    Serve,
 }
 
 /// API key hashes → tenants.
@@ -152,6 +202,8 @@ pub enum ConfigError {
     AdminToken(KeyHashError),
     #[error(transparent)]
     TenantId(#[from] TenantIdError),
+    #[error("tenant {tenant:?}: ids starting with '_' are reserved for the gateway's own logs")]
+    ReservedTenant { tenant: String },
     #[error("tenant {tenant:?} is defined twice")]
     DuplicateTenant { tenant: String },
     #[error("tenant {tenant:?} has no keys: give it at least one key_sha256")]
@@ -192,6 +244,8 @@ struct RawConfig {
     #[serde(default)]
     http: RawHttp,
     #[serde(default)]
+    audit: RawAudit,
+    #[serde(default)]
     tenants: Vec<RawTenant>,
     #[serde(default)]
     workers: Vec<RawWorker>,
@@ -225,6 +279,14 @@ struct RawHttp {
     default_max_tokens: Option<u32>,
 }
 
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAudit {
+    durability: Option<Durability>,
+    on_failure: Option<OnAuditFailure>,
+    segment_bytes: Option<u64>,
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawTenant {
@@ -234,6 +296,8 @@ struct RawTenant {
     max_concurrent: u32,
     requests_per_minute: u32,
     tokens_per_minute: u64,
+    #[serde(default)]
+    capture_content: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -263,6 +327,7 @@ impl Config {
         let admin_token =
             KeyHash::from_hex(&raw.admin.token_sha256).map_err(ConfigError::AdminToken)?;
         let http = http_limits(&raw.http)?;
+        let audit = audit_settings(&raw.audit)?;
         let (keyring, tenants) = tenants(raw.tenants)?;
         let workers = workers(raw.workers)?;
         if raw.worker_refresh_secs == 0 {
@@ -277,6 +342,7 @@ impl Config {
             },
             admin_token,
             http,
+            audit,
             keyring,
             tenants,
             workers,
@@ -317,6 +383,20 @@ fn http_limits(raw: &RawHttp) -> Result<HttpLimits, ConfigError> {
     })
 }
 
+fn audit_settings(raw: &RawAudit) -> Result<AuditSettings, ConfigError> {
+    let d = AuditSettings::default();
+    if raw.segment_bytes == Some(0) {
+        return Err(ConfigError::ZeroSetting {
+            field: "audit.segment_bytes",
+        });
+    }
+    Ok(AuditSettings {
+        durability: raw.durability.unwrap_or(d.durability),
+        on_failure: raw.on_failure.unwrap_or(d.on_failure),
+        segment_bytes: raw.segment_bytes.unwrap_or(d.segment_bytes),
+    })
+}
+
 fn tenants(raw: Vec<RawTenant>) -> Result<(Keyring, Vec<Arc<Tenant>>), ConfigError> {
     if raw.is_empty() {
         return Err(ConfigError::NoTenants);
@@ -326,6 +406,9 @@ fn tenants(raw: Vec<RawTenant>) -> Result<(Keyring, Vec<Arc<Tenant>>), ConfigErr
     let mut seen = HashSet::new();
     for t in raw {
         let id = TenantId::new(&t.id)?;
+        if t.id.starts_with('_') {
+            return Err(ConfigError::ReservedTenant { tenant: t.id });
+        }
         if !seen.insert(id.clone()) {
             return Err(ConfigError::DuplicateTenant { tenant: t.id });
         }
@@ -345,7 +428,11 @@ fn tenants(raw: Vec<RawTenant>) -> Result<(Keyring, Vec<Arc<Tenant>>), ConfigErr
         if t.key_sha256.is_empty() {
             return Err(ConfigError::NoKeys { tenant: t.id });
         }
-        let tenant = Arc::new(Tenant { id, limits });
+        let tenant = Arc::new(Tenant {
+            id,
+            limits,
+            capture_content: t.capture_content,
+        });
         for (index, hex) in t.key_sha256.iter().enumerate() {
             let hash = KeyHash::from_hex(hex).map_err(|source| ConfigError::KeyHash {
                 tenant: t.id.clone(),
@@ -467,6 +554,42 @@ mod tests {
         assert!(c.keyring.tenant(&KeyHash::of("sk-c")).is_none());
         assert_eq!(c.workers[0].endpoint, "http://127.0.0.1:50051");
         assert_eq!(c.http, HttpLimits::default());
+    }
+
+    #[test]
+    fn audit_settings_default_to_durable_and_refuse_and_parse_when_given() {
+        let c = Config::parse(&config(&tenant("tenant-a", "k"), WORKER)).expect("valid");
+        assert_eq!(c.audit, AuditSettings::default());
+        assert_eq!(c.audit.durability, Durability::Durable);
+        assert_eq!(c.audit.on_failure, OnAuditFailure::Refuse);
+        assert!(!c.tenants[0].capture_content);
+        let text = config(
+            &(tenant("tenant-a", "k") + "capture_content = true\n"),
+            &format!("{WORKER}[audit]\ndurability = \"group\"\non_failure = \"serve\"\n"),
+        );
+        let c = Config::parse(&text).expect("valid");
+        assert_eq!(c.audit.durability, Durability::Group);
+        assert_eq!(c.audit.on_failure, OnAuditFailure::Serve);
+        assert!(c.tenants[0].capture_content);
+        let bad = config(
+            &tenant("tenant-a", "k"),
+            &format!("{WORKER}[audit]\ndurability = \"sometimes\"\n"),
+        );
+        assert!(Config::parse(&bad).is_err());
+    }
+
+    #[test]
+    fn reserved_and_path_like_tenant_ids_are_refused() {
+        assert!(matches!(
+            Config::parse(&config(&tenant("_gateway", "k"), WORKER)),
+            Err(ConfigError::ReservedTenant { .. })
+        ));
+        for bad in ["..", "a/b", "a.b"] {
+            assert!(matches!(
+                Config::parse(&config(&tenant(bad, "k"), WORKER)),
+                Err(ConfigError::TenantId(_))
+            ));
+        }
     }
 
     #[test]

@@ -54,7 +54,35 @@ impl KeyHash {
 
     /// Lowercase hexadecimal, as the configuration holds it.
     pub fn to_hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
+        hex(&self.0)
+    }
+
+    /// The key's public name (audit records, logs): the first 12 hex characters of the
+    /// SHA-256 of this digest. Stable for a key, and it reveals neither the key nor the digest
+    /// the configuration stores.
+    pub fn id(&self) -> KeyId {
+        let digest = Sha256::digest(self.0);
+        KeyId(hex(&digest[..6]))
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A key's public name; see [`KeyHash::id`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KeyId(String);
+
+impl KeyId {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for KeyId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
     }
 }
 
@@ -97,6 +125,19 @@ mod tests {
         );
         // A clear-text key pasted where a hash belongs is refused, not hashed silently.
         assert!(KeyHash::from_hex("sk-demo-tenant-a").is_err());
+    }
+
+    #[test]
+    fn key_ids_are_stable_distinct_and_reveal_neither_key_nor_digest() {
+        let a = KeyHash::of("sk-demo-tenant-a");
+        let b = KeyHash::of("sk-demo-tenant-b");
+        assert_eq!(a.id(), KeyHash::of("sk-demo-tenant-a").id());
+        assert_ne!(a.id(), b.id());
+        assert_eq!(a.id().as_str().len(), 12);
+        assert!(
+            !a.to_hex().contains(a.id().as_str()),
+            "not a prefix of the stored digest"
+        );
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //!                                              │ Generate(token ids) over gRPC
 //!                                              ▼
 //!                                    workers (Info/Health refreshed; least outstanding tokens)
-//!  operator ─HTTP─▶ admin (/healthz, /metrics, /workers; its own token)
+//!  every request ─▶ trail: one record in its tenant's hash-chained audit log (I5, I6)
+//!  operator ─HTTP─▶ admin (/healthz, /metrics, /workers, /audit/{tenant}; its own token)
 //! ```
 //!
 //! The tenant comes only from the authenticated key. The gateway tokenizes with the served
@@ -26,6 +27,7 @@ pub mod preflight;
 pub mod routing;
 pub mod server;
 pub mod tenant;
+pub mod trail;
 pub mod workers;
 
 pub use config::Config;

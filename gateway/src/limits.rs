@@ -309,6 +309,7 @@ mod tests {
         let tenant = Arc::new(Tenant {
             id: id(),
             limits: limits(1, 100, 1000),
+            capture_content: false,
         });
         let limiter = Limiter::default();
         let permit = limiter.start(&tenant).expect("first");
@@ -324,10 +325,12 @@ mod tests {
         let a = Arc::new(Tenant {
             id: TenantId::new("a").expect("valid"),
             limits: limits(1, 100, 1000),
+            capture_content: false,
         });
         let b = Arc::new(Tenant {
             id: TenantId::new("b").expect("valid"),
             limits: limits(1, 100, 1000),
+            capture_content: false,
         });
         let limiter = Limiter::default();
         let _a = limiter.start(&a).expect("a");

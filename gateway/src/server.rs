@@ -3,6 +3,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,6 +18,7 @@ use crate::api::{self, ApiState};
 use crate::config::Config;
 use crate::limits::Limiter;
 use crate::metrics::Metrics;
+use crate::trail::Recorder;
 use crate::workers::{EndpointError, Workers};
 
 /// How long shutdown waits for in-flight connections.
@@ -33,6 +35,11 @@ pub enum GatewayError {
     },
     #[error(transparent)]
     Endpoint(#[from] EndpointError),
+    #[error("cannot open the audit log in {dir}: {source}")]
+    Audit {
+        dir: String,
+        source: bulkhead_audit::AuditError,
+    },
 }
 
 /// A gateway with both listeners bound, not yet serving.
@@ -44,13 +51,24 @@ pub struct BoundGateway {
     admin_router: Router,
     workers: Workers,
     metrics: Metrics,
+    recorder: Recorder,
     refresh_interval: Duration,
     header_timeout: Duration,
 }
 
 impl BoundGateway {
-    /// Binds both listeners and builds the routers; contacts no worker yet.
-    pub async fn bind(config: Config) -> Result<BoundGateway, GatewayError> {
+    /// Opens the audit log in `data_dir/audit`, binds both listeners and builds the routers;
+    /// contacts no worker yet.
+    pub async fn bind(config: Config, data_dir: &Path) -> Result<BoundGateway, GatewayError> {
+        let audit_dir = data_dir.join("audit");
+        let (recorder, recoveries) =
+            Recorder::open(&audit_dir, config.audit).map_err(|source| GatewayError::Audit {
+                dir: audit_dir.display().to_string(),
+                source,
+            })?;
+        for r in recoveries {
+            tracing::warn!(recovery = ?r, "the audit log repaired a crash's leftovers");
+        }
         let bind = |what, addr| async move {
             TcpListener::bind(addr)
                 .await
@@ -66,6 +84,7 @@ impl BoundGateway {
                 limiter: Limiter::default(),
                 metrics: metrics.clone(),
                 http: config.http,
+                recorder: recorder.clone(),
             },
             Arc::new(config.keyring),
         );
@@ -74,6 +93,7 @@ impl BoundGateway {
                 workers: workers.clone(),
                 metrics: metrics.clone(),
                 tenants: Arc::new(config.tenants),
+                recorder: recorder.clone(),
             },
             config.admin_token,
         );
@@ -84,6 +104,7 @@ impl BoundGateway {
             admin_router,
             workers,
             metrics,
+            recorder,
             refresh_interval: config.refresh_interval,
             header_timeout: config.http.header_timeout,
         })
@@ -125,6 +146,9 @@ impl BoundGateway {
         let admin = serve_listener(self.admin, self.admin_router, self.header_timeout, stop_rx);
         tokio::join!(api, admin);
         refresh.abort();
+        if let Err(e) = self.recorder.flush() {
+            tracing::error!(error = %e, "the audit log's last records could not be flushed");
+        }
     }
 }
 

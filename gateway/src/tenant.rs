@@ -1,50 +1,12 @@
 //! Tenants: who a request is for (taken from its authenticated key, never from the client's
 //! headers) and the limits that apply to it.
 
-use std::fmt;
 use std::num::{NonZeroU32, NonZeroU64};
 
-/// A tenant's id: 1 to 64 characters of `a-z`, `0-9`, `-`, `_`, `.` (safe in metric labels,
-/// log lines and file names).
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct TenantId(String);
-
-/// Why a tenant id is refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("tenant id {id:?} must be 1 to 64 characters of a-z, 0-9, '-', '_' or '.'")]
-pub struct TenantIdError {
-    pub id: String,
-}
-
-impl TenantId {
-    pub fn new(id: &str) -> Result<TenantId, TenantIdError> {
-        let ok = (1..=64).contains(&id.len())
-            && id
-                .bytes()
-                .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.'));
-        if ok {
-            Ok(TenantId(id.to_owned()))
-        } else {
-            Err(TenantIdError { id: id.to_owned() })
-        }
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for TenantId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl fmt::Debug for TenantId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "TenantId({})", self.0)
-    }
-}
+/// A tenant's id: 1 to 64 characters of `a-z`, `0-9`, `-`, `_` — safe in metric labels, log
+/// lines and as one path component (the audit log names a directory after it). One definition,
+/// shared with the audit log.
+pub use bulkhead_audit::{TenantId, TenantIdError};
 
 /// A tenant's limits; every one is at least 1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +28,9 @@ pub struct TenantLimits {
 pub struct Tenant {
     pub id: TenantId,
     pub limits: TenantLimits,
+    /// Whether the audit log stores this tenant's prompts and completions (not only their
+    /// hashes).
+    pub capture_content: bool,
 }
 
 #[cfg(test)]
@@ -75,8 +40,17 @@ mod tests {
     #[test]
     fn tenant_ids_are_label_safe() {
         assert!(TenantId::new("tenant-a").is_ok());
-        assert!(TenantId::new("a.b_c-1").is_ok());
-        for bad in ["", "Tenant", "a b", "a\"b", "a\nb", &"x".repeat(65)] {
+        assert!(TenantId::new("a_b-1").is_ok());
+        for bad in [
+            "",
+            "Tenant",
+            "a b",
+            "a\"b",
+            "a\nb",
+            "..",
+            "a.b",
+            &"x".repeat(65),
+        ] {
             assert!(TenantId::new(bad).is_err(), "{bad:?}");
         }
     }

@@ -352,6 +352,8 @@ pub struct EndpointError {
 #[must_use = "dropping the route ends its claim on the worker"]
 pub struct Route {
     pub worker: String,
+    /// The prefill worker that fills the decode worker's pages; `None` when colocated.
+    pub prefill: Option<String>,
     pub client: WorkerClient<Channel>,
     workers: Workers,
     index: usize,
@@ -455,6 +457,7 @@ impl Workers {
             e.outstanding += tokens;
             Some(Route {
                 worker: e.config.name.clone(),
+                prefill: e.config.prefill.clone(),
                 client: e.client.clone(),
                 workers: self.clone(),
                 index,

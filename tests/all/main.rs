@@ -1,5 +1,7 @@
 //! End-to-end tests of the `bulkhead` binary: one test binary for the whole package.
 
+mod audit;
 mod gateway;
+mod up;
 mod worker_grpc;
 mod worker_transport;

@@ -59,10 +59,23 @@ pub enum ApiError {
     /// The request did not finish within the configured time.
     #[error("the request did not complete within {secs} s")]
     Timeout { secs: u64 },
+    /// No such API path.
+    #[error(
+        "unknown path; this server serves /v1/chat/completions, /v1/completions, /v1/models and /v1/audit"
+    )]
+    NotFound,
+    /// The audit log cannot write, and the gateway refuses to serve unaudited traffic.
+    #[error("the audit log is unavailable; no request is served unaudited. Retry later")]
+    AuditUnavailable,
     /// A bug; details are in the gateway's or the worker's log.
     #[error("internal error")]
     Internal,
 }
+
+/// The error class of an error response (its OpenAI `code`, else its `type`), left in the
+/// response's extensions for the audit record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ErrorType(pub &'static str);
 
 /// HTTP status and OpenAI `type` / `code` of an error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,6 +132,12 @@ pub fn mapping(err: &ApiError) -> Mapping {
             INVALID_REQUEST,
             Some("timeout"),
         ),
+        ApiError::NotFound => m(StatusCode::NOT_FOUND, INVALID_REQUEST, Some("not_found")),
+        ApiError::AuditUnavailable => m(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            Some("audit_unavailable"),
+        ),
         ApiError::Internal => m(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal_error",
@@ -146,6 +165,8 @@ impl ApiError {
             | ApiError::WorkerUnavailable
             | ApiError::KvIntegrity
             | ApiError::Timeout { .. }
+            | ApiError::NotFound
+            | ApiError::AuditUnavailable
             | ApiError::Internal => None,
         }
     }
@@ -164,7 +185,7 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let status = mapping(&self).status;
+        let Mapping { status, kind, code } = mapping(&self);
         let mut response = (
             status,
             [(header::CONTENT_TYPE, "application/json")],
@@ -181,6 +202,9 @@ impl IntoResponse for ApiError {
                 .headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
+        response
+            .extensions_mut()
+            .insert(ErrorType(code.unwrap_or(kind)));
         response
     }
 }
@@ -262,6 +286,27 @@ mod tests {
             500,
             "kv_integrity_error",
             Some("kv_integrity_error"),
+        );
+        check(
+            ApiError::AuditUnavailable,
+            503,
+            "service_unavailable",
+            Some("audit_unavailable"),
+        );
+        check(ApiError::NotFound, 404, INVALID_REQUEST, Some("not_found"));
+    }
+
+    #[test]
+    fn error_responses_name_their_class_for_the_audit_record() {
+        let r = ApiError::KvIntegrity.into_response();
+        assert_eq!(
+            r.extensions().get::<ErrorType>(),
+            Some(&ErrorType("kv_integrity_error"))
+        );
+        let r = ApiError::from(RequestError::EmptyMessages).into_response();
+        assert_eq!(
+            r.extensions().get::<ErrorType>(),
+            Some(&ErrorType(INVALID_REQUEST))
         );
     }
 

@@ -3,11 +3,12 @@
 //!
 //! One request, in order (design.md steps 1–5):
 //! ```text
-//! Auth layer (key → tenant; tenant headers stripped) ─▶ tenant limits (in flight, requests/min)
+//! audited (a trail: one audit record per request) ─▶ Auth layer (key → tenant; tenant headers
+//!   stripped) ─▶ account ─▶ tenant limits (in flight, requests/min)
 //!   ─▶ body (size limit) ─▶ validate::parse_* → Valid* ─▶ chat template + tokenizer (the
 //!   worker's) ─▶ admission (prompt + max tokens ≤ effective limit, else 400 before any worker
 //!   is contacted) ─▶ tokens/min ─▶ route (least outstanding tokens) ─▶ Generate(token ids)
-//!   ─▶ JSON or SSE
+//!   ─▶ JSON or SSE ─▶ the audit record (before the response in durable mode)
 //! ```
 
 mod error;
@@ -20,14 +21,15 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Extension, Request, State};
-use axum::middleware::{self, Next};
+use axum::extract::{Extension, FromRef, State};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use http::header::CONTENT_TYPE;
 use tokio::time::Instant;
 
-pub use error::{ApiError, Mapping, mapping};
+pub use error::{ApiError, ErrorType, Mapping, mapping};
+pub use respond::Streamed;
 pub use upstream::{WorkerFailure, from_status};
 use validate::{ValidCommon, parse_chat, parse_completion};
 
@@ -36,7 +38,7 @@ use crate::auth::{AuthLayer, Authenticated};
 use crate::config::{HttpLimits, Keyring};
 use crate::limits::Limiter;
 use crate::metrics::Metrics;
-use crate::tenant::Tenant;
+use crate::trail::{self, Recorder, Trail};
 use crate::workers::{ServedModel, Workers};
 
 /// What every API handler shares; a cheap `Clone`.
@@ -46,44 +48,36 @@ pub struct ApiState {
     pub limiter: Limiter,
     pub metrics: Metrics,
     pub http: HttpLimits,
+    pub recorder: Recorder,
 }
 
-/// The API router, authenticated and counted.
+impl FromRef<ApiState> for Recorder {
+    fn from_ref(state: &ApiState) -> Recorder {
+        state.recorder.clone()
+    }
+}
+
+/// The API router: audited, authenticated and counted.
 pub fn router(state: ApiState, keyring: Arc<Keyring>) -> Router {
     let metrics = state.metrics.clone();
+    let recorder = state.recorder.clone();
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/audit", get(trail::tenant_read))
         .fallback(not_found)
         .with_state(state)
-        .layer(middleware::from_fn_with_state(metrics.clone(), count))
+        .layer(middleware::from_fn_with_state(
+            metrics.clone(),
+            trail::account,
+        ))
         .layer(AuthLayer::new(keyring, metrics))
-}
-
-/// Counts every authenticated request by tenant and final status.
-async fn count(State(metrics): State<Metrics>, request: Request, next: Next) -> Response {
-    let tenant = request
-        .extensions()
-        .get::<Authenticated>()
-        .map(|a| a.0.id.clone());
-    let response = next.run(request).await;
-    if let Some(tenant) = tenant {
-        metrics.request(&tenant, response.status().as_u16());
-    }
-    response
+        .layer(middleware::from_fn_with_state(recorder, trail::audited))
 }
 
 async fn not_found() -> Response {
-    let body = serde_json::json!({"error": {
-        "message": "unknown path; this server serves /v1/chat/completions, /v1/completions and /v1/models",
-        "type": "invalid_request_error", "param": null, "code": "not_found"}});
-    (
-        http::StatusCode::NOT_FOUND,
-        [(CONTENT_TYPE, "application/json")],
-        body.to_string(),
-    )
-        .into_response()
+    ApiError::NotFound.into_response()
 }
 
 async fn models(State(state): State<ApiState>) -> Response {
@@ -110,18 +104,20 @@ pub enum Endpoint {
 
 async fn chat_completions(
     State(state): State<ApiState>,
-    Extension(Authenticated(tenant)): Extension<Authenticated>,
+    Extension(who): Extension<Authenticated>,
+    Extension(trail): Extension<Trail>,
     body: Body,
 ) -> Response {
-    serve(state, tenant, Endpoint::Chat, body).await
+    serve(state, who, trail, Endpoint::Chat, body).await
 }
 
 async fn completions(
     State(state): State<ApiState>,
-    Extension(Authenticated(tenant)): Extension<Authenticated>,
+    Extension(who): Extension<Authenticated>,
+    Extension(trail): Extension<Trail>,
     body: Body,
 ) -> Response {
-    serve(state, tenant, Endpoint::Completion, body).await
+    serve(state, who, trail, Endpoint::Completion, body).await
 }
 
 /// A validated request of either endpoint, before tokenization.
@@ -137,16 +133,40 @@ impl Parsed {
             Parsed::Completion(c) => &c.common,
         }
     }
+
+    /// The prompt as the audit record hashes it: the messages as JSON, or the prompt text.
+    fn audited_text(&self) -> String {
+        match self {
+            Parsed::Chat(c) => serde_json::Value::Array(
+                c.messages
+                    .iter()
+                    .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+                    .collect(),
+            )
+            .to_string(),
+            Parsed::Completion(c) => c.prompt.clone(),
+        }
+    }
 }
 
-async fn serve(state: ApiState, tenant: Arc<Tenant>, endpoint: Endpoint, body: Body) -> Response {
+async fn serve(
+    state: ApiState,
+    who: Authenticated,
+    trail: Trail,
+    endpoint: Endpoint,
+    body: Body,
+) -> Response {
     let timeout = state.http.request_timeout;
     let deadline = Instant::now() + timeout;
     let secs = timeout.as_secs();
-    let result = tokio::time::timeout_at(deadline, start(&state, tenant, endpoint, body)).await;
+    let result =
+        tokio::time::timeout_at(deadline, start(&state, &who, &trail, endpoint, body)).await;
     match result {
         Err(_) => ApiError::Timeout { secs }.into_response(),
-        Ok(Err(e)) => e.into_response(),
+        Ok(Err(e)) => {
+            trail.failed(&e, None);
+            e.into_response()
+        }
         Ok(Ok(started)) => respond::respond(started, deadline, secs).await,
     }
 }
@@ -154,10 +174,12 @@ async fn serve(state: ApiState, tenant: Arc<Tenant>, endpoint: Endpoint, body: B
 /// Everything up to the worker's first answer.
 async fn start(
     state: &ApiState,
-    tenant: Arc<Tenant>,
+    who: &Authenticated,
+    trail: &Trail,
     endpoint: Endpoint,
     body: Body,
 ) -> Result<respond::Started, ApiError> {
+    let tenant = who.tenant.clone();
     let mut permit = state.limiter.start(&tenant)?;
     let limit = state.http.max_body_bytes;
     let bytes = axum::body::to_bytes(body, limit)
@@ -168,6 +190,7 @@ async fn start(
         Endpoint::Completion => Parsed::Completion(parse_completion(&bytes)?),
     };
     let model = state.workers.model().ok_or(ApiError::NoHealthyWorker)?;
+    trail.model(parsed.common().model.as_deref().unwrap_or(&model.name));
     if let Some(asked) = &parsed.common().model
         && !model.answers_to(asked)
     {
@@ -186,6 +209,7 @@ async fn start(
         .map_err(|_| ApiError::Internal)?
     };
     let prompt = prompt?;
+    trail.prompt(&parsed.audited_text(), prompt.len());
     let common = parsed.common();
 
     let limit = state
@@ -203,18 +227,11 @@ async fn start(
         .workers
         .route(&admitted)
         .ok_or(ApiError::NoHealthyWorker)?;
+    trail.routed(&route);
 
-    let id = format!(
-        "{}-{:016x}{:08x}",
-        match endpoint {
-            Endpoint::Chat => "chatcmpl",
-            Endpoint::Completion => "cmpl",
-        },
-        rand::random::<u64>(),
-        rand::random::<u32>()
-    );
+    let request_id = trail.request_id();
     let request = upstream::Generate {
-        request_id: &id,
+        request_id: &request_id,
         tenant: tenant.id.as_str(),
         prompt,
         admitted,
@@ -231,9 +248,15 @@ async fn start(
                 tracing::warn!(worker = %route.worker, %status, "the worker failed a Generate call");
                 route.failed(status.message());
             }
+            trail.failed(&failure.error, failure.refused_by);
             return Err(failure.error);
         }
     };
+    let prefix = match endpoint {
+        Endpoint::Chat => "chatcmpl",
+        Endpoint::Completion => "cmpl",
+    };
+    let id = format!("{prefix}-{}", request_id.trim_start_matches("req-"));
     Ok(respond::Started {
         endpoint,
         id,
@@ -247,6 +270,7 @@ async fn start(
         route,
         metrics: state.metrics.clone(),
         upstream: stream,
+        trail: trail.clone(),
     })
 }
 

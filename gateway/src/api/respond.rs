@@ -17,6 +17,7 @@ use tonic::Streaming;
 use crate::limits::RequestPermit;
 use crate::metrics::Metrics;
 use crate::tenant::Tenant;
+use crate::trail::Trail;
 use crate::workers::Route;
 
 use super::Endpoint;
@@ -37,7 +38,12 @@ pub struct Started {
     pub route: Route,
     pub metrics: Metrics,
     pub upstream: Streaming<GenerateResponse>,
+    pub trail: Trail,
 }
+
+/// Marks a streamed response: its stream commits the audit record itself, before `[DONE]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Streamed;
 
 /// One step of the worker's stream.
 enum Step {
@@ -52,10 +58,15 @@ impl Started {
             match self.upstream.message().await {
                 Ok(Some(GenerateResponse {
                     item: Some(Item::Token(t)),
-                })) => return Ok(Step::Text(t.text)),
+                })) => {
+                    self.trail.text(&t.text);
+                    return Ok(Step::Text(t.text));
+                }
                 Ok(Some(GenerateResponse {
                     item: Some(Item::Done(d)),
                 })) => {
+                    self.trail.text(&d.text_tail);
+                    self.trail.completed(d.prompt_tokens, d.completion_tokens);
                     self.finished(&d);
                     return Ok(Step::Done(d));
                 }
@@ -63,6 +74,7 @@ impl Started {
                 Ok(None) => {
                     tracing::warn!(worker = %self.route.worker, id = %self.id, "the worker ended a stream without Done");
                     self.route.failed("a stream ended without Done");
+                    self.trail.failed(&ApiError::WorkerUnavailable, None);
                     return Err(ApiError::WorkerUnavailable);
                 }
                 Err(status) => {
@@ -71,6 +83,7 @@ impl Started {
                         tracing::warn!(worker = %self.route.worker, id = %self.id, %status, "the worker failed mid-request");
                         self.route.failed(status.message());
                     }
+                    self.trail.failed(&failure.error, failure.refused_by);
                     return Err(failure.error);
                 }
             }
@@ -233,16 +246,28 @@ fn stream(started: Started) -> Response {
                     if s.started.stream_mode.is_some_and(|m| m.include_usage) {
                         s.queue.push_back(data(&s.started.usage_chunk(&d)));
                     }
-                    s.queue.push_back(Event::default().data("[DONE]"));
+                    // `[DONE]` only once the record is committed (durable, in durable mode).
+                    match s.started.trail.finish(200, None).await {
+                        Ok(()) => s.queue.push_back(Event::default().data("[DONE]")),
+                        Err(e) => s.queue.push_back(data(&e.body())),
+                    }
                     s.ended = true;
                 }
                 Err(e) => {
                     s.started.metrics.stream_error(&s.started.tenant.id);
-                    s.queue.push_back(data(&e.body()));
+                    let class = crate::api::mapping(&e);
+                    let recorded = s
+                        .started
+                        .trail
+                        .finish(200, Some(class.code.unwrap_or(class.kind)))
+                        .await;
+                    s.queue.push_back(data(&recorded.err().unwrap_or(e).body()));
                     s.ended = true;
                 }
             }
         }
     });
-    Sse::new(events).into_response()
+    let mut response = Sse::new(events).into_response();
+    response.extensions_mut().insert(Streamed);
+    response
 }

@@ -1,8 +1,9 @@
 //! The hop to the worker: the Generate request the gateway sends (token ids, never text), and
 //! what the worker's error statuses mean for the client.
 
+use bulkhead_audit::Layer;
 use bulkhead_worker::serve::proto::{
-    self, GenerateRequest, Prompt, SamplingParams, TokenPrompt, error_code,
+    self, GenerateRequest, Prompt, SamplingParams, TokenPrompt, error_code, refused_by,
 };
 
 use crate::admission::Admitted;
@@ -46,6 +47,8 @@ impl Generate<'_> {
 pub struct WorkerFailure {
     pub error: ApiError,
     pub worker_down: bool,
+    /// The worker admission layer that refused the request, when one did.
+    pub refused_by: Option<Layer>,
 }
 
 /// Maps a worker's status by its machine-readable code (the worker proto's table).
@@ -64,7 +67,16 @@ pub fn from_status(status: &tonic::Status) -> WorkerFailure {
         // speaks another protocol; either way the request did not complete.
         Some(_) | None => (ApiError::WorkerUnavailable, true),
     };
-    WorkerFailure { error, worker_down }
+    let refused_by = match refused_by(status) {
+        Some("decode") => Some(Layer::Decode),
+        Some("prefill") => Some(Layer::Prefill),
+        _ => None,
+    };
+    WorkerFailure {
+        error,
+        worker_down,
+        refused_by,
+    }
 }
 
 /// OpenAI's `finish_reason` for the worker's.
@@ -97,6 +109,11 @@ mod tests {
             ApiError::WorkerContextLengthExceeded { .. }
         ));
         assert!(!f.worker_down);
+        assert_eq!(f.refused_by, None, "no layer named");
+        let mut s = status(Code::InvalidArgument, "context_length_exceeded");
+        s.metadata_mut()
+            .insert(proto::REFUSED_BY_KEY, MetadataValue::from_static("prefill"));
+        assert_eq!(from_status(&s).refused_by, Some(Layer::Prefill));
         let f = from_status(&status(Code::ResourceExhausted, "rate_limit_exceeded"));
         assert_eq!(f.error, ApiError::WorkerBusy);
         let f = from_status(&status(Code::Internal, "kv_integrity_error"));

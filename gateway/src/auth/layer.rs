@@ -7,7 +7,7 @@ use axum::response::{IntoResponse, Response};
 use http::Request;
 use tower::{Layer, Service};
 
-use super::{Authenticated, ResponseFuture, authenticate, strip_tenant_headers};
+use super::{ResponseFuture, authenticate, strip_tenant_headers};
 use crate::api::ApiError;
 use crate::config::Keyring;
 use crate::metrics::Metrics;
@@ -61,8 +61,8 @@ where
     fn call(&mut self, mut request: Request<B>) -> Self::Future {
         strip_tenant_headers(request.headers_mut());
         match authenticate(request.headers_mut(), &self.keyring) {
-            Some(tenant) => {
-                request.extensions_mut().insert(Authenticated(tenant));
+            Some(authenticated) => {
+                request.extensions_mut().insert(authenticated);
                 ResponseFuture::inner(self.inner.call(request))
             }
             None => {

@@ -19,12 +19,16 @@ pub use future::ResponseFuture;
 pub use layer::{Auth, AuthLayer};
 
 use crate::config::Keyring;
-use crate::keys::KeyHash;
+use crate::keys::{KeyHash, KeyId};
 use crate::tenant::Tenant;
 
-/// The authenticated tenant, put into the request's extensions by [`Auth`].
+/// The authenticated tenant and the id of the key that proved it, put into the request's
+/// extensions by [`Auth`].
 #[derive(Debug, Clone)]
-pub struct Authenticated(pub Arc<Tenant>);
+pub struct Authenticated {
+    pub tenant: Arc<Tenant>,
+    pub key_id: KeyId,
+}
 
 /// Header names a client might use to claim a tenant; all are removed.
 pub const TENANT_HEADERS: &[&str] = &["x-tenant", "x-tenant-id", "tenant", "x-org-id"];
@@ -47,7 +51,7 @@ pub fn strip_tenant_headers(headers: &mut HeaderMap) {
 }
 
 /// The tenant whose key the request carries; removes the key from the headers either way.
-pub fn authenticate(headers: &mut HeaderMap, keyring: &Keyring) -> Option<Arc<Tenant>> {
+pub fn authenticate(headers: &mut HeaderMap, keyring: &Keyring) -> Option<Authenticated> {
     let value = headers.remove(AUTHORIZATION)?;
     let value = value.to_str().ok()?;
     let (scheme, key) = value.trim().split_once(' ')?;
@@ -58,7 +62,12 @@ pub fn authenticate(headers: &mut HeaderMap, keyring: &Keyring) -> Option<Arc<Te
     if key.is_empty() {
         return None;
     }
-    keyring.tenant(&KeyHash::of(key)).cloned()
+    let hash = KeyHash::of(key);
+    let tenant = keyring.tenant(&hash)?.clone();
+    Some(Authenticated {
+        tenant,
+        key_id: hash.id(),
+    })
 }
 
 #[cfg(test)]
@@ -96,7 +105,8 @@ mod tests {
     fn the_right_key_names_its_tenant() {
         let mut h = headers(&[("authorization", "Bearer sk-a")]);
         let t = authenticate(&mut h, &keyring()).expect("known key");
-        assert_eq!(t.id.as_str(), "tenant-a");
+        assert_eq!(t.tenant.id.as_str(), "tenant-a");
+        assert_eq!(t.key_id, KeyHash::of("sk-a").id());
         assert!(!h.contains_key(AUTHORIZATION), "the key left the request");
     }
 
@@ -130,6 +140,10 @@ mod tests {
         assert!(!h.contains_key("x-bulkhead-tenant"));
         assert!(h.contains_key("content-type"));
         let t = authenticate(&mut h, &keyring()).expect("a's key");
-        assert_eq!(t.id.as_str(), "tenant-a", "the key decides, not a header");
+        assert_eq!(
+            t.tenant.id.as_str(),
+            "tenant-a",
+            "the key decides, not a header"
+        );
     }
 }

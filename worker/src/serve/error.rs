@@ -11,7 +11,7 @@ use crate::engine::{Failure, SubmitError};
 use crate::model::SeqFailure;
 use crate::sampling::SamplingError;
 
-use super::proto::ERROR_CODE_KEY;
+use super::proto::{ERROR_CODE_KEY, REFUSED_BY_KEY};
 
 /// Why a `GenerateRequest` is malformed. One variant per rule; messages a caller can act on.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -115,8 +115,13 @@ pub fn status(err: &ServeError) -> Status {
             SubmitError::DuplicateId(_) => (Code::Internal, INTERNAL, "internal error".into()),
         },
         ServeError::Failed(f) => match f {
-            // The prefill worker's admission answered for this one: same table.
-            Failure::PrefillRejected(e) => return status(&ServeError::Submit(e.clone())),
+            // The prefill worker's admission answered for this one: same table, its layer.
+            Failure::PrefillRejected(e) => {
+                let mut s = status(&ServeError::Submit(e.clone()));
+                s.metadata_mut()
+                    .insert(REFUSED_BY_KEY, MetadataValue::from_static("prefill"));
+                return s;
+            }
             Failure::Forward(SeqFailure::Integrity(_)) | Failure::Transfer(_) => (
                 Code::Internal,
                 KV_INTEGRITY,
@@ -147,6 +152,15 @@ pub fn status(err: &ServeError) -> Status {
     status
         .metadata_mut()
         .insert(ERROR_CODE_KEY, MetadataValue::from_static(tag));
+    if let ServeError::Submit(
+        SubmitError::ContextLengthExceeded { .. } | SubmitError::QueueFull { .. },
+    ) = err
+    {
+        // This worker's own admission: the decode layer (a colocated worker decodes too).
+        status
+            .metadata_mut()
+            .insert(REFUSED_BY_KEY, MetadataValue::from_static("decode"));
+    }
     status
 }
 
@@ -205,6 +219,28 @@ mod tests {
         assert_eq!(s.code(), Code::Internal);
         assert_eq!(error_code(&s), Some(codes::INTERNAL));
         assert!(!s.message().contains("secret"), "{}", s.message());
+    }
+
+    #[test]
+    fn refusals_name_the_admission_layer_that_refused() {
+        use crate::serve::proto::refused_by;
+        let too_long = SubmitError::ContextLengthExceeded {
+            requested: 10,
+            limit: 5,
+            prompt: 6,
+            max_new: 4,
+        };
+        assert_eq!(
+            refused_by(&status(&too_long.clone().into())),
+            Some("decode")
+        );
+        let by_prefill = status(&Failure::PrefillRejected(too_long).into());
+        assert_eq!(refused_by(&by_prefill), Some("prefill"));
+        assert_eq!(
+            error_code(&by_prefill),
+            Some(codes::CONTEXT_LENGTH_EXCEEDED)
+        );
+        assert_eq!(refused_by(&status(&ServeError::EngineGone)), None);
     }
 
     #[test]

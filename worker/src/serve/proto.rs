@@ -32,3 +32,12 @@ pub const ERROR_CODE_KEY: &str = "bulkhead-error-code";
 pub fn error_code(status: &tonic::Status) -> Option<&str> {
     status.metadata().get(ERROR_CODE_KEY)?.to_str().ok()
 }
+
+/// The metadata key naming the admission layer that refused a request (`decode` or `prefill`),
+/// on `context_length_exceeded` and `rate_limit_exceeded` statuses.
+pub const REFUSED_BY_KEY: &str = "bulkhead-refused-by";
+
+/// Which admission layer refused the request, when a status says.
+pub fn refused_by(status: &tonic::Status) -> Option<&str> {
+    status.metadata().get(REFUSED_BY_KEY)?.to_str().ok()
+}

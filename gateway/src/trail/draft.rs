@@ -1,0 +1,293 @@
+//! One request's audit record in the making: filled in as the request goes, committed exactly
+//! once — by [`Trail::finish`], or on drop when the request was abandoned (the client left).
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use bulkhead_audit::{
+    Admission, AdmissionOutcome, AuditRecord, DisconnectPhase, Integrity, Layer, PolicyDecision,
+    Sha256Digest, WorkerPair,
+};
+use sha2::{Digest, Sha256};
+
+use crate::api::ApiError;
+use crate::auth::Authenticated;
+use crate::workers::Route;
+
+use super::Recorder;
+
+/// The status recorded for a request whose client left before any response was sent (the
+/// convention of several proxies; no response carried it).
+pub const CLIENT_CLOSED: u16 = 499;
+
+/// The error class recorded for a request whose client left.
+pub const CLIENT_CLOSED_TYPE: &str = "client_disconnected";
+
+/// A request's audit record in the making; a cheap `Clone` shared by the layers, the handler
+/// and the response stream. The record is committed once, when the request ends.
+#[derive(Debug, Clone)]
+pub struct Trail(Arc<Mutex<Draft>>);
+
+#[derive(Debug)]
+struct Draft {
+    recorder: Recorder,
+    record: AuditRecord,
+    arrived: Instant,
+    /// Where the request is, for the record of a client that leaves.
+    phase: DisconnectPhase,
+    /// Whether the request was routed to a decode worker with a prefill worker: its admission
+    /// ends at prefill, and a completed request passed the KV handoff's checks.
+    disaggregated: bool,
+    capture: bool,
+    completion: Option<Sha256>,
+    completion_text: String,
+    committed: bool,
+}
+
+fn lock(m: &Mutex<Draft>) -> MutexGuard<'_, Draft> {
+    // Every update is a plain assignment: a panic elsewhere leaves a usable draft.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn now_unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn millis(since: Instant) -> u64 {
+    u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+impl Trail {
+    /// A draft charged to the gateway's own log until [`Trail::authenticated`] names a tenant.
+    pub(super) fn new(recorder: Recorder, request_id: String) -> Trail {
+        let record = AuditRecord {
+            time_unix_ms: 0,
+            request_id,
+            tenant: recorder.gateway_tenant().clone(),
+            key_id: String::new(),
+            model: String::new(),
+            route: super::UNMATCHED_ROUTE.to_owned(),
+            input_tokens: None,
+            output_tokens: None,
+            policy: Vec::new(),
+            admission: None,
+            workers: None,
+            integrity: Integrity::NotChecked,
+            status: 0,
+            error_type: None,
+            ttft_ms: None,
+            total_ms: 0,
+            disconnect: None,
+            prompt_sha256: None,
+            completion_sha256: None,
+            prompt: None,
+            completion: None,
+        };
+        Trail(Arc::new(Mutex::new(Draft {
+            recorder,
+            record,
+            arrived: Instant::now(),
+            phase: DisconnectPhase::BeforeAdmission,
+            disaggregated: false,
+            capture: false,
+            completion: None,
+            completion_text: String::new(),
+            committed: false,
+        })))
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut Draft) -> T) -> T {
+        f(&mut lock(&self.0))
+    }
+
+    /// The gateway's id of this request (also sent to the workers and in the response).
+    pub fn request_id(&self) -> String {
+        self.with(|d| d.record.request_id.clone())
+    }
+
+    /// The request is the tenant's: its record goes to the tenant's log.
+    pub fn authenticated(&self, who: &Authenticated) {
+        self.with(|d| {
+            d.record.tenant = who.tenant.id.clone();
+            d.record.key_id = who.key_id.to_string();
+            d.capture = who.tenant.capture_content;
+        });
+    }
+
+    /// The route template the request matched.
+    pub fn route(&self, route: &str) {
+        self.with(|d| d.record.route = route.to_owned());
+    }
+
+    /// The model the request asked for (or the served one when it named none).
+    pub fn model(&self, model: &str) {
+        self.with(|d| d.record.model = model.to_owned());
+    }
+
+    /// The prompt as received and its token count: hashed, and kept only for tenants that
+    /// opted in to content capture.
+    pub fn prompt(&self, text: &str, tokens: usize) {
+        let digest = Sha256Digest::of(text.as_bytes());
+        self.with(|d| {
+            d.record.prompt_sha256 = Some(digest);
+            d.record.input_tokens = Some(tokens as u64);
+            if d.capture {
+                d.record.prompt = Some(text.to_owned());
+            }
+        });
+    }
+
+    /// The policy plugins' decisions, in chain order.
+    pub fn policy(&self, decisions: Vec<PolicyDecision>) {
+        self.with(|d| d.record.policy = decisions);
+    }
+
+    /// Gateway admission passed and the request goes to `route`'s workers.
+    pub fn routed(&self, route: &Route) {
+        self.with(|d| {
+            d.record.admission = Some(Admission {
+                outcome: AdmissionOutcome::Admitted,
+                layer: Layer::Gateway,
+            });
+            d.record.workers = Some(WorkerPair {
+                prefill: route.prefill.clone(),
+                decode: route.worker.clone(),
+            });
+            d.disaggregated = route.prefill.is_some();
+            d.phase = DisconnectPhase::Prefill;
+        });
+    }
+
+    /// Text sent to the client. The first one means every admission layer passed.
+    pub fn text(&self, text: &str) {
+        self.with(|d| {
+            if d.record.ttft_ms.is_none() {
+                d.record.ttft_ms = Some(millis(d.arrived));
+                d.phase = DisconnectPhase::Decode;
+                d.record.admission = Some(Admission {
+                    outcome: AdmissionOutcome::Admitted,
+                    layer: if d.disaggregated {
+                        Layer::Prefill
+                    } else {
+                        Layer::Decode
+                    },
+                });
+                d.completion = Some(Sha256::new());
+            }
+            if let Some(h) = &mut d.completion {
+                h.update(text.as_bytes());
+            }
+            if d.capture {
+                d.completion_text.push_str(text);
+            }
+        });
+    }
+
+    /// The worker completed the request: its usage, and for a disaggregated request the KV
+    /// handoff's checks passed (decode commits nothing else).
+    pub fn completed(&self, prompt_tokens: u32, completion_tokens: u32) {
+        self.text("");
+        self.with(|d| {
+            d.record.input_tokens = Some(u64::from(prompt_tokens));
+            d.record.output_tokens = Some(u64::from(completion_tokens));
+            if d.disaggregated {
+                d.record.integrity = Integrity::Passed;
+            }
+        });
+    }
+
+    /// The request failed with `error`; `refused_by` names the worker admission layer that
+    /// refused it, when one did.
+    pub fn failed(&self, error: &ApiError, refused_by: Option<Layer>) {
+        let outcome = match error {
+            ApiError::ContextLengthExceeded(_) | ApiError::WorkerContextLengthExceeded { .. } => {
+                Some(AdmissionOutcome::Rejected)
+            }
+            ApiError::TenantLimit(_) | ApiError::WorkerBusy | ApiError::NoHealthyWorker => {
+                Some(AdmissionOutcome::Unavailable)
+            }
+            _ => None,
+        };
+        self.with(|d| {
+            // A worker layer's refusal, recorded where it was seen, is the decision; the
+            // handler's later report of the same error does not know the layer.
+            let decided = d
+                .record
+                .admission
+                .is_some_and(|a| a.outcome != AdmissionOutcome::Admitted);
+            if let Some(outcome) = outcome.filter(|_| !decided) {
+                d.record.admission = Some(Admission {
+                    outcome,
+                    layer: refused_by.unwrap_or(Layer::Gateway),
+                });
+            }
+            if *error == ApiError::KvIntegrity {
+                d.record.integrity = Integrity::Failed {
+                    reason: "the decode worker's KV handoff verification failed".into(),
+                };
+            }
+        });
+    }
+
+    /// Ends the request with the response's status and error class, and commits the record
+    /// (durably before returning, when so configured). Only the first call commits. Fails with
+    /// `audit_unavailable` when the record could not be written and the gateway is configured
+    /// to refuse rather than answer unaudited.
+    pub async fn finish(&self, status: u16, error_type: Option<&str>) -> Result<(), ApiError> {
+        let (recorder, record) = {
+            let mut d = lock(&self.0);
+            if d.committed {
+                return Ok(());
+            }
+            d.record.status = status;
+            d.record.error_type = error_type.map(str::to_owned);
+            (d.recorder.clone(), d.seal())
+        };
+        match recorder.commit(record).await {
+            Err(_) if recorder.refuses_on_failure() => Err(ApiError::AuditUnavailable),
+            Ok(()) | Err(_) => Ok(()),
+        }
+    }
+
+    /// The status the response carries, for a request whose end is recorded elsewhere (a
+    /// stream, or on drop).
+    pub fn responded(&self, status: u16) {
+        self.with(|d| d.record.status = status);
+    }
+}
+
+impl Draft {
+    /// The final record; the draft is committed from here on.
+    fn seal(&mut self) -> AuditRecord {
+        self.committed = true;
+        self.record.time_unix_ms = now_unix_ms();
+        self.record.total_ms = millis(self.arrived);
+        self.record.completion_sha256 = self
+            .completion
+            .take()
+            .map(|h| Sha256Digest(h.finalize().into()));
+        if self.capture && self.record.completion_sha256.is_some() {
+            self.record.completion = Some(std::mem::take(&mut self.completion_text));
+        }
+        self.record.clone()
+    }
+}
+
+impl Drop for Draft {
+    fn drop(&mut self) {
+        if self.committed {
+            return;
+        }
+        // Nobody finished the request: its client left (the server dropped the handler or the
+        // response stream). Recorded without waiting: there is no one left to answer.
+        self.record.disconnect = Some(self.phase);
+        if self.record.status == 0 {
+            self.record.status = CLIENT_CLOSED;
+        }
+        self.record.error_type = Some(CLIENT_CLOSED_TYPE.to_owned());
+        let record = self.seal();
+        self.recorder.append_abandoned(record);
+    }
+}

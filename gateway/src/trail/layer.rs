@@ -1,0 +1,73 @@
+//! The two middleware of the trail: `audited` (outermost: one trail per request, committed
+//! when the response is ready unless a stream takes that over) and `account` (inside auth:
+//! the tenant and key id on the trail, the request in the tenant's metrics).
+
+use axum::extract::{MatchedPath, Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use http::HeaderValue;
+
+use crate::api::{ApiError, ErrorType, Streamed};
+use crate::auth::Authenticated;
+use crate::metrics::Metrics;
+
+use super::{Recorder, Trail};
+
+/// The response header that carries the request's id (the id in its audit record).
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// A fresh request id: 24 random hex digits after `req-`.
+fn request_id() -> String {
+    format!(
+        "req-{:016x}{:08x}",
+        rand::random::<u64>(),
+        rand::random::<u32>()
+    )
+}
+
+/// Gives every request a [`Trail`] and commits it when the response is ready (a streamed
+/// response commits it itself, before its `[DONE]`). While the log is broken and configured
+/// to refuse, requests are turned away before anything else runs.
+pub async fn audited(
+    State(recorder): State<Recorder>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    if recorder.refusing() {
+        return ApiError::AuditUnavailable.into_response();
+    }
+    let id = request_id();
+    let trail = recorder.trail(id.clone());
+    if let Some(path) = request.extensions().get::<MatchedPath>() {
+        trail.route(path.as_str());
+    }
+    request.extensions_mut().insert(trail.clone());
+    let mut response = next.run(request).await;
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert(REQUEST_ID_HEADER, v);
+    }
+    let status = response.status().as_u16();
+    if response.extensions().get::<Streamed>().is_some() {
+        trail.responded(status);
+        return response;
+    }
+    let error_type = response.extensions().get::<ErrorType>().map(|e| e.0);
+    match trail.finish(status, error_type).await {
+        Ok(()) => response,
+        Err(refused) => refused.into_response(),
+    }
+}
+
+/// Puts the authenticated tenant on the request's trail, and counts the request in the
+/// tenant's metrics by final status.
+pub async fn account(State(metrics): State<Metrics>, request: Request, next: Next) -> Response {
+    let who = request.extensions().get::<Authenticated>().cloned();
+    if let (Some(trail), Some(who)) = (request.extensions().get::<Trail>(), &who) {
+        trail.authenticated(who);
+    }
+    let response = next.run(request).await;
+    if let Some(who) = who {
+        metrics.request(&who.tenant.id, response.status().as_u16());
+    }
+    response
+}

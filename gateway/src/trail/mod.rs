@@ -1,0 +1,168 @@
+//! The API's audit trail: exactly one final record per request that reaches the gateway
+//! (invariant I5), in its tenant's hash-chained log — or, with no tenant to charge
+//! (unauthenticated), in the gateway's own log under the reserved id [`GATEWAY_LOG`].
+//!
+//! ```text
+//!  request ─▶ audited (outermost layer): a Trail in the request's extensions
+//!    ─▶ auth ─▶ account (tenant, key id, route) ─▶ handler (model, prompt hash, admission,
+//!       workers, policy decisions, tokens, integrity)
+//!    ─▶ response: finished by `audited` (a durable-mode response waits for its fsync), or by the
+//!       SSE stream just before its `[DONE]`. A request dropped before either — its client
+//!       left — is recorded on drop with the phase it was in.
+//! ```
+//!
+//! While the log cannot write, [`OnAuditFailure::Refuse`] turns every new request away with
+//! 503 `audit_unavailable` rather than serve it unaudited; health says why.
+
+mod draft;
+mod layer;
+mod read;
+#[cfg(test)]
+mod tests;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bulkhead_audit::{AuditError, AuditLog, AuditRecord, Recovery, Seq, TenantId};
+
+pub use draft::{CLIENT_CLOSED, CLIENT_CLOSED_TYPE, Trail};
+pub use layer::{account, audited};
+pub use read::{AuditPage, admin_read, tenant_read};
+
+use crate::config::{AuditSettings, Durability, OnAuditFailure};
+
+/// The log of requests with no tenant to charge (no or an unknown key). Configured tenant ids
+/// cannot start with `_`, so no tenant can own it or read it.
+pub const GATEWAY_LOG: &str = "_gateway";
+
+/// The route recorded for a request that matched none.
+pub const UNMATCHED_ROUTE: &str = "unmatched";
+
+/// How often unflushed records are written and fsynced together (group commit).
+const GROUP_COMMIT_INTERVAL: Duration = Duration::from_millis(5);
+
+/// The audit log as the API uses it; a cheap `Clone`.
+#[derive(Debug, Clone)]
+pub struct Recorder {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    log: AuditLog,
+    settings: AuditSettings,
+    gateway: TenantId,
+    /// Records that could not be written (served anyway under `on_failure = "serve"`, or
+    /// abandoned requests).
+    lost: AtomicU64,
+}
+
+impl Recorder {
+    /// Opens (or creates) the audit log in `dir`, resuming every chain; what recovery repaired
+    /// is returned for the caller to log.
+    pub fn open(
+        dir: &Path,
+        settings: AuditSettings,
+    ) -> Result<(Recorder, Vec<Recovery>), AuditError> {
+        let mut config = bulkhead_audit::Config::new(dir);
+        config.segment_bytes = settings.segment_bytes;
+        // Appends never block a request on disk; a durable-mode response waits for its own
+        // record in `commit`, so concurrent requests share one fsync.
+        config.durability = bulkhead_audit::Durability::Batched;
+        config.flush_interval = Some(GROUP_COMMIT_INTERVAL);
+        let (log, recoveries) = AuditLog::open(config)?;
+        let gateway = TenantId::new(GATEWAY_LOG).map_err(|e| AuditError::Poisoned {
+            reason: format!("the gateway log's id: {e}"),
+        })?;
+        let inner = Inner {
+            log,
+            settings,
+            gateway,
+            lost: AtomicU64::new(0),
+        };
+        Ok((
+            Recorder {
+                inner: Arc::new(inner),
+            },
+            recoveries,
+        ))
+    }
+
+    /// A new request's trail.
+    pub fn trail(&self, request_id: String) -> Trail {
+        Trail::new(self.clone(), request_id)
+    }
+
+    fn gateway_tenant(&self) -> &TenantId {
+        &self.inner.gateway
+    }
+
+    /// Why the log cannot write, while it cannot.
+    pub fn failure(&self) -> Option<String> {
+        self.inner.log.failure()
+    }
+
+    /// Whether new requests are refused now (the log is broken and the gateway is configured
+    /// not to serve unaudited traffic).
+    pub fn refusing(&self) -> bool {
+        self.refuses_on_failure() && self.failure().is_some()
+    }
+
+    /// Whether a request whose record cannot be written is answered with 503.
+    fn refuses_on_failure(&self) -> bool {
+        self.inner.settings.on_failure == OnAuditFailure::Refuse
+    }
+
+    /// Records that could not be written since start.
+    pub fn lost(&self) -> u64 {
+        self.inner.lost.load(Ordering::Relaxed)
+    }
+
+    /// Appends `record`; in durable mode, returns once it is fsynced.
+    async fn commit(&self, record: AuditRecord) -> Result<(), AuditError> {
+        let result = self.commit_inner(record).await;
+        if let Err(e) = &result {
+            self.inner.lost.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(error = %e, "an audit record could not be written");
+        }
+        result
+    }
+
+    async fn commit_inner(&self, record: AuditRecord) -> Result<(), AuditError> {
+        let receipt = self.inner.log.append(&record.tenant, &record)?;
+        if self.inner.settings.durability == Durability::Group {
+            return Ok(());
+        }
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || this.inner.log.wait_durable(&receipt))
+            .await
+            .map_err(|e| AuditError::Poisoned {
+                reason: format!("the fsync task failed: {e}"),
+            })?
+    }
+
+    /// Appends the record of an abandoned request without waiting (nobody is left to answer).
+    fn append_abandoned(&self, record: AuditRecord) {
+        if let Err(e) = self.inner.log.append(&record.tenant, &record) {
+            self.inner.lost.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(error = %e, "an audit record could not be written");
+        }
+    }
+
+    /// Up to `limit` durable records of `tenant` from `since` on.
+    pub fn read(
+        &self,
+        tenant: &TenantId,
+        since: Seq,
+        limit: usize,
+    ) -> Result<Vec<(Seq, AuditRecord)>, AuditError> {
+        self.inner.log.read(tenant, since, limit)
+    }
+
+    /// Makes every record so far durable (shutdown).
+    pub fn flush(&self) -> Result<(), AuditError> {
+        self.inner.log.flush()
+    }
+}

@@ -1,0 +1,195 @@
+//! Reading audit records over HTTP: `GET /v1/audit?since=…&limit=…` on the API (the calling
+//! tenant's records only — the tenant comes from the key, never from the request) and
+//! `GET /audit/{tenant}?since=…&limit=…` on the admin listener (any tenant's, including the
+//! gateway's own log).
+//!
+//! The query takes exactly `since` (a record's `seq`, the cursor; default 0) and `limit`
+//! (1 to [`MAX_LIMIT`], default [`DEFAULT_LIMIT`]); anything else is refused with 400, so a
+//! crafted `tenant=` or path parameter cannot change whose log is read.
+
+use axum::extract::{Extension, Path, RawQuery, State};
+use axum::response::{IntoResponse, Response};
+use bulkhead_audit::{AuditRecord, Seq, TenantId};
+use http::header::CONTENT_TYPE;
+use serde::Serialize;
+
+use crate::api::ApiError;
+use crate::api::validate::RequestError;
+use crate::auth::Authenticated;
+
+use super::Recorder;
+
+/// Records per page when the query does not say.
+pub const DEFAULT_LIMIT: usize = 100;
+/// The most records one page holds.
+pub const MAX_LIMIT: usize = 1000;
+
+/// One page of a tenant's records.
+#[derive(Debug, Serialize)]
+pub struct AuditPage {
+    pub object: &'static str,
+    pub tenant: String,
+    pub data: Vec<Entry>,
+    /// Whether records after this page exist (durable at the time of the read).
+    pub has_more: bool,
+    /// The `since` of the next page.
+    pub next_since: u64,
+}
+
+/// A record and its place in the chain.
+#[derive(Debug, Serialize)]
+pub struct Entry {
+    pub seq: u64,
+    pub record: AuditRecord,
+}
+
+/// The paging parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Paging {
+    since: u64,
+    limit: usize,
+}
+
+fn parse_paging(query: Option<&str>) -> Result<Paging, RequestError> {
+    let mut paging = Paging {
+        since: 0,
+        limit: DEFAULT_LIMIT,
+    };
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let number = |field: &str| {
+            value.parse::<u64>().map_err(|_| RequestError::WrongType {
+                field: field.to_owned(),
+                expected: "a non-negative integer",
+            })
+        };
+        match key {
+            "since" => paging.since = number("since")?,
+            "limit" => {
+                let n = number("limit")?;
+                paging.limit = usize::try_from(n)
+                    .ok()
+                    .filter(|n| (1..=MAX_LIMIT).contains(n))
+                    .ok_or_else(|| RequestError::OutOfRange {
+                        field: "limit",
+                        value: n.to_string(),
+                        range: "1 to 1000",
+                    })?;
+            }
+            other => {
+                return Err(RequestError::UnsupportedField {
+                    field: other.chars().take(64).collect(),
+                });
+            }
+        }
+    }
+    Ok(paging)
+}
+
+/// A page of `tenant`'s records.
+async fn page(recorder: &Recorder, tenant: TenantId, paging: Paging) -> Response {
+    let recorder = recorder.clone();
+    let read = {
+        let tenant = tenant.clone();
+        tokio::task::spawn_blocking(move || {
+            recorder.read(&tenant, Seq(paging.since), paging.limit.saturating_add(1))
+        })
+        .await
+    };
+    let mut records = match read {
+        Ok(Ok(records)) => records,
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, tenant = %tenant, "reading the audit log failed");
+            return ApiError::AuditUnavailable.into_response();
+        }
+        Err(_) => return ApiError::Internal.into_response(),
+    };
+    let has_more = records.len() > paging.limit;
+    records.truncate(paging.limit);
+    let next_since = records.last().map_or(paging.since, |(seq, _)| seq.0 + 1);
+    let page = AuditPage {
+        object: "list",
+        tenant: tenant.to_string(),
+        data: records
+            .into_iter()
+            .map(|(seq, record)| Entry { seq: seq.0, record })
+            .collect(),
+        has_more,
+        next_since,
+    };
+    match serde_json::to_string(&page) {
+        Ok(body) => ([(CONTENT_TYPE, "application/json")], body).into_response(),
+        Err(_) => ApiError::Internal.into_response(),
+    }
+}
+
+/// `GET /v1/audit`: the calling tenant's own records.
+pub async fn tenant_read(
+    State(recorder): State<Recorder>,
+    Extension(who): Extension<Authenticated>,
+    RawQuery(query): RawQuery,
+) -> Response {
+    match parse_paging(query.as_deref()) {
+        Ok(paging) => page(&recorder, who.tenant.id.clone(), paging).await,
+        Err(e) => ApiError::from(e).into_response(),
+    }
+}
+
+/// `GET /audit/{tenant}` on the admin listener: any tenant's records.
+pub async fn admin_read(
+    State(recorder): State<Recorder>,
+    Path(tenant): Path<String>,
+    RawQuery(query): RawQuery,
+) -> Response {
+    let Ok(tenant) = TenantId::new(&tenant) else {
+        return ApiError::from(RequestError::WrongType {
+            field: "tenant".into(),
+            expected: "a tenant id (1 to 64 of a-z, 0-9, '-', '_')",
+        })
+        .into_response();
+    };
+    match parse_paging(query.as_deref()) {
+        Ok(paging) => page(&recorder, tenant, paging).await,
+        Err(e) => ApiError::from(e).into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paging_defaults_and_bounds() {
+        assert_eq!(
+            parse_paging(None),
+            Ok(Paging {
+                since: 0,
+                limit: DEFAULT_LIMIT
+            })
+        );
+        assert_eq!(
+            parse_paging(Some("since=7&limit=3")),
+            Ok(Paging { since: 7, limit: 3 })
+        );
+        assert!(parse_paging(Some("limit=0")).is_err());
+        assert!(parse_paging(Some("limit=1001")).is_err());
+        assert!(parse_paging(Some("since=-1")).is_err());
+        assert!(parse_paging(Some("since=abc")).is_err());
+    }
+
+    #[test]
+    fn a_tenant_parameter_or_anything_else_is_refused_not_ignored() {
+        for q in [
+            "tenant=tenant-b",
+            "since=0&tenant=tenant-b",
+            "tenant%3Dx=1",
+            "..%2Ftenant-b=1",
+        ] {
+            let e = parse_paging(Some(q)).expect_err(q);
+            assert!(
+                matches!(e, RequestError::UnsupportedField { .. }),
+                "{q}: {e:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,276 @@
+//! The trail in process: every entry of the error table, a success and an abandoned request
+//! each leave exactly one record; a broken log turns requests away.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Extension, Path};
+use axum::middleware;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use bulkhead_audit::{AuditRecord, DisconnectPhase, Seq, TenantId};
+use http::{Request, StatusCode};
+use tower::ServiceExt as _;
+
+use super::{GATEWAY_LOG, Recorder, Trail, audited};
+use crate::admission::ContextLengthExceeded;
+use crate::api::validate::RequestError;
+use crate::api::{ApiError, mapping};
+use crate::config::{AuditSettings, Durability, OnAuditFailure};
+use crate::limits::LimitError;
+
+/// A scratch directory removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Scratch {
+        let dir = std::env::temp_dir().join(format!(
+            "bulkhead-trail-{}-{:x}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Every error of the API's table, by index.
+fn table() -> Vec<ApiError> {
+    vec![
+        ApiError::InvalidApiKey,
+        RequestError::EmptyMessages.into(),
+        ApiError::BodyTooLarge { limit: 1 },
+        ApiError::ModelNotFound {
+            asked: "a".into(),
+            served: "b".into(),
+        },
+        ApiError::Prompt { reason: "r".into() },
+        ContextLengthExceeded {
+            requested: 10,
+            prompt_tokens: 6,
+            max_new_tokens: 4,
+            limit: 8,
+        }
+        .into(),
+        ApiError::WorkerContextLengthExceeded {
+            message: "m".into(),
+        },
+        ApiError::WorkerInvalidRequest {
+            message: "m".into(),
+        },
+        LimitError::Concurrency {
+            tenant: TenantId::new("t").expect("valid"),
+            limit: 1,
+        }
+        .into(),
+        ApiError::WorkerBusy,
+        ApiError::NoHealthyWorker,
+        ApiError::WorkerUnavailable,
+        ApiError::KvIntegrity,
+        ApiError::Timeout { secs: 1 },
+        ApiError::NotFound,
+        ApiError::AuditUnavailable,
+        ApiError::Internal,
+    ]
+}
+
+async fn fail(Path(i): Path<usize>, Extension(trail): Extension<Trail>) -> Response {
+    let e = table().swap_remove(i);
+    trail.failed(&e, None);
+    e.into_response()
+}
+
+async fn ok() -> &'static str {
+    "fine"
+}
+
+fn app(recorder: &Recorder) -> Router {
+    Router::new()
+        .route("/fail/{i}", get(fail))
+        .route("/ok", get(ok))
+        .layer(middleware::from_fn_with_state(recorder.clone(), audited))
+}
+
+async fn call(app: &Router, path: &str) -> Response {
+    let request = Request::get(path).body(Body::empty()).expect("request");
+    app.clone().oneshot(request).await.expect("infallible")
+}
+
+fn records(recorder: &Recorder) -> Vec<AuditRecord> {
+    recorder.flush().expect("flush");
+    let gateway = TenantId::new(GATEWAY_LOG).expect("valid");
+    recorder
+        .read(&gateway, Seq(0), 1000)
+        .expect("read")
+        .into_iter()
+        .map(|(_, r)| r)
+        .collect()
+}
+
+fn settings(durability: Durability, on_failure: OnAuditFailure) -> AuditSettings {
+    AuditSettings {
+        durability,
+        on_failure,
+        ..AuditSettings::default()
+    }
+}
+
+#[tokio::test]
+async fn every_entry_of_the_error_table_leaves_exactly_one_record() {
+    let dir = Scratch::new();
+    let (recorder, _) = Recorder::open(
+        &dir.0,
+        settings(Durability::Durable, OnAuditFailure::Refuse),
+    )
+    .expect("opens");
+    let app = app(&recorder);
+    let n = table().len();
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let r = call(&app, &format!("/fail/{i}")).await;
+        let expected = mapping(&table()[i]);
+        assert_eq!(r.status(), expected.status, "{i}");
+        ids.push(
+            r.headers()["x-request-id"]
+                .to_str()
+                .expect("ascii")
+                .to_owned(),
+        );
+    }
+    assert_eq!(call(&app, "/ok").await.status(), StatusCode::OK);
+    let got = records(&recorder);
+    assert_eq!(got.len(), n + 1, "one record per request, no more");
+    for (i, (record, id)) in got.iter().zip(&ids).enumerate() {
+        let expected = mapping(&table()[i]);
+        assert_eq!(&record.request_id, id, "{i}");
+        assert_eq!(record.status, expected.status.as_u16(), "{i}");
+        assert_eq!(
+            record.error_type.as_deref(),
+            Some(expected.code.unwrap_or(expected.kind)),
+            "{i}"
+        );
+        assert_eq!(record.route, "/fail/{i}");
+    }
+    let last = got.last().expect("the success");
+    assert_eq!((last.status, last.error_type.as_deref()), (200, None));
+    assert_eq!(last.disconnect, None);
+    // The table's admission errors name their outcome and the gateway layer.
+    let too_long = &got[5];
+    let admission = too_long.admission.expect("an admission decision");
+    assert_eq!(
+        admission.outcome,
+        bulkhead_audit::AdmissionOutcome::Rejected
+    );
+    assert_eq!(admission.layer, bulkhead_audit::Layer::Gateway);
+    assert!(matches!(
+        got[12].integrity,
+        bulkhead_audit::Integrity::Failed { .. }
+    ));
+}
+
+/// A handler that never answers: the client gives up first.
+async fn hang(Extension(trail): Extension<Trail>) -> Response {
+    trail.model("m");
+    std::future::pending::<Response>().await
+}
+
+#[tokio::test]
+async fn a_request_abandoned_by_its_client_is_recorded_once_with_its_phase() {
+    let dir = Scratch::new();
+    let (recorder, _) = Recorder::open(
+        &dir.0,
+        settings(Durability::Durable, OnAuditFailure::Refuse),
+    )
+    .expect("opens");
+    let app = Router::new()
+        .route("/hang", get(hang))
+        .layer(middleware::from_fn_with_state(recorder.clone(), audited));
+    let pending = call(&app, "/hang");
+    // The server drops the request's future when the client leaves; so does this timeout.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), pending)
+            .await
+            .is_err()
+    );
+    let got = records(&recorder);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].status, super::CLIENT_CLOSED);
+    assert_eq!(got[0].disconnect, Some(DisconnectPhase::BeforeAdmission));
+    assert_eq!(got[0].model, "m");
+}
+
+/// Makes the gateway log's first segment unwritable: a directory stands where the file goes.
+fn break_gateway_log(dir: &std::path::Path) {
+    let segment = dir.join(GATEWAY_LOG).join(format!("{:020}.jsonl", 0));
+    std::fs::create_dir_all(segment).expect("blocks the segment");
+}
+
+#[tokio::test]
+async fn a_broken_log_refuses_requests_rather_than_serve_them_unaudited() {
+    let dir = Scratch::new();
+    let (recorder, _) = Recorder::open(
+        &dir.0,
+        settings(Durability::Durable, OnAuditFailure::Refuse),
+    )
+    .expect("opens");
+    break_gateway_log(&dir.0);
+    let app = app(&recorder);
+    let r = call(&app, "/ok").await;
+    assert_eq!(
+        r.status(),
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the answer waits for a record that cannot be written"
+    );
+    assert!(recorder.failure().is_some());
+    assert!(recorder.refusing());
+    let r = call(&app, "/ok").await;
+    assert_eq!(
+        r.status(),
+        StatusCode::SERVICE_UNAVAILABLE,
+        "refused up front"
+    );
+    assert_eq!(recorder.lost(), 1);
+}
+
+#[tokio::test]
+async fn a_broken_log_configured_to_serve_keeps_serving_and_counts_what_it_lost() {
+    let dir = Scratch::new();
+    let (recorder, _) =
+        Recorder::open(&dir.0, settings(Durability::Durable, OnAuditFailure::Serve))
+            .expect("opens");
+    break_gateway_log(&dir.0);
+    let app = app(&recorder);
+    assert_eq!(call(&app, "/ok").await.status(), StatusCode::OK);
+    assert_eq!(call(&app, "/ok").await.status(), StatusCode::OK);
+    assert!(recorder.failure().is_some());
+    assert!(!recorder.refusing());
+    assert_eq!(recorder.lost(), 2);
+}
+
+#[tokio::test]
+async fn group_commit_answers_before_the_fsync_and_the_record_follows() {
+    let dir = Scratch::new();
+    let (recorder, _) =
+        Recorder::open(&dir.0, settings(Durability::Group, OnAuditFailure::Refuse)).expect("opens");
+    let app = app(&recorder);
+    for _ in 0..5 {
+        assert_eq!(call(&app, "/ok").await.status(), StatusCode::OK);
+    }
+    // The background group commit makes them durable within a few milliseconds.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let gateway = TenantId::new(GATEWAY_LOG).expect("valid");
+    assert_eq!(
+        recorder.read(&gateway, Seq(0), 100).expect("reads").len(),
+        5
+    );
+    let report = bulkhead_audit::verify(&dir.0, None);
+    assert!(report.passed(), "{report}");
+}

@@ -1,0 +1,411 @@
+//! The audit log end to end (invariants I5, I6): every request through the real gateway leaves
+//! exactly one record in its own tenant's log, each tenant reads only its own, the chain
+//! verifies, and a `kill -9` under load loses nothing that was answered.
+
+use std::collections::HashSet;
+use std::io::Read;
+use std::path::Path;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::gateway::QUESTION;
+use crate::up::{
+    ADMIN, KEY_A, KEY_B, Options, TempDir, Up, bounded, exchange, header, http, json, send,
+};
+
+/// `GET /v1/audit` with `key`: the records (`data`) of the page.
+fn audit_page(up: &Up, key: &str, query: &str) -> Value {
+    let (status, body) = http(
+        &up.api,
+        "GET",
+        &format!("/v1/audit{query}"),
+        Some(key),
+        &[],
+        "",
+    );
+    assert_eq!(status, 200, "{body}");
+    json(&body)
+}
+
+fn records(page: &Value) -> Vec<Value> {
+    page["data"]
+        .as_array()
+        .expect("data is a list")
+        .iter()
+        .map(|e| e["record"].clone())
+        .collect()
+}
+
+/// Every record of `tenant`, read through the admin listener.
+fn admin_records(up: &Up, tenant: &str) -> Vec<Value> {
+    let (status, body) = http(
+        &up.admin,
+        "GET",
+        &format!("/audit/{tenant}?limit=1000"),
+        Some(ADMIN),
+        &[],
+        "",
+    );
+    assert_eq!(status, 200, "{body}");
+    records(&json(&body))
+}
+
+/// `bulkhead audit verify DIR`: (passed, output).
+fn verify(dir: &Path) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+        .args(["audit", "verify"])
+        .arg(dir)
+        .output()
+        .expect("bulkhead audit verify runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// Waits (bounded) until `tenant` has `n` records.
+fn wait_records(up: &Up, tenant: &str, n: usize) -> Vec<Value> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let got = admin_records(up, tenant);
+        if got.len() >= n || Instant::now() > deadline {
+            return got;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn every_request_leaves_one_record_in_its_tenants_log_that_only_it_can_read() {
+    bounded(|| {
+        let up = Up::start(&[]);
+        up.wait_routable();
+        let canary = format!("canary-{:016x}", rand::random::<u64>());
+
+        // Tenant A: a completion, a stream, a malformed body, an over-long request, an unknown
+        // model and an unknown path.
+        let (status, head, body) = exchange(
+            &up.api,
+            "POST",
+            "/v1/chat/completions",
+            Some(KEY_A),
+            &[],
+            QUESTION,
+        );
+        assert_eq!(status, 200, "{body}");
+        let request_id = header(&head, "x-request-id")
+            .expect("x-request-id")
+            .to_owned();
+        let response_id = json(&body)["id"].as_str().expect("id").to_owned();
+        assert_eq!(
+            response_id.trim_start_matches("chatcmpl-"),
+            request_id.trim_start_matches("req-"),
+            "the response's id is the request's"
+        );
+        let stream = r#"{"messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":8,"stream":true,"stream_options":{"include_usage":true}}"#;
+        let (status, body) = up.chat(KEY_A, &[], stream);
+        assert_eq!(status, 200);
+        assert!(body.contains("[DONE]"), "{body}");
+        assert_eq!(up.chat(KEY_A, &[], "{not json").0, 400);
+        let long = format!(
+            r#"{{"messages":[{{"role":"user","content":"{}"}}],"max_tokens":16}}"#,
+            "hello ".repeat(9000)
+        );
+        assert_eq!(up.chat(KEY_A, &[], &long).0, 400);
+        let other_model = r#"{"model":"gpt-9","messages":[{"role":"user","content":"hi"}]}"#;
+        assert_eq!(up.chat(KEY_A, &[], other_model).0, 404);
+        assert_eq!(
+            http(&up.api, "GET", "/v1/nothing", Some(KEY_A), &[], "").0,
+            404
+        );
+        // No tenant to charge: the gateway's own log.
+        assert_eq!(up.chat("sk-wrong", &[], QUESTION).0, 401);
+        assert_eq!(http(&up.api, "GET", "/v1/models", None, &[], "").0, 401);
+        // Tenant B: a prompt carrying a canary, then a client that leaves mid-stream.
+        let b_prompt = format!(
+            r#"{{"messages":[{{"role":"user","content":"Repeat: {canary}"}}],"max_tokens":8}}"#
+        );
+        assert_eq!(up.chat(KEY_B, &[], &b_prompt).0, 200);
+        let long_stream = r#"{"messages":[{"role":"user","content":"Tell me a long story."}],"max_tokens":400,"stream":true}"#;
+        let mut s = send(
+            &up.api,
+            "POST",
+            "/v1/chat/completions",
+            Some(KEY_B),
+            &[],
+            long_stream,
+        );
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !String::from_utf8_lossy(&seen).contains("data:") {
+            let n = s.read(&mut buf).expect("the stream starts");
+            assert!(n > 0, "the stream ended early");
+            seen.extend_from_slice(&buf[..n]);
+        }
+        drop(s);
+
+        // A's log: exactly its six requests, in order, with their outcomes.
+        let a = wait_records(&up, "tenant-a", 6);
+        let outcome: Vec<(u64, Option<&str>)> = a
+            .iter()
+            .map(|r| {
+                (
+                    r["http.response.status_code"].as_u64().unwrap_or(0),
+                    r["error.type"].as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            outcome,
+            [
+                (200, None),
+                (200, None),
+                (400, Some("invalid_request_error")),
+                (400, Some("context_length_exceeded")),
+                (404, Some("model_not_found")),
+                (404, Some("not_found")),
+            ],
+            "{a:#?}"
+        );
+        let first = &a[0];
+        assert_eq!(first["bulkhead.request.id"], request_id.as_str());
+        assert_eq!(first["bulkhead.tenant.id"], "tenant-a");
+        assert_eq!(
+            first["bulkhead.key.id"],
+            bulkhead_gateway::keys::KeyHash::of(KEY_A).id().as_str()
+        );
+        assert_eq!(first["http.route"], "/v1/chat/completions");
+        assert_eq!(first["bulkhead.admission"]["outcome"], "admitted");
+        assert_eq!(
+            first["bulkhead.admission"]["layer"], "prefill",
+            "disaggregated: prefill admits last"
+        );
+        assert_eq!(first["bulkhead.workers"]["decode"], "local-decode");
+        assert_eq!(first["bulkhead.workers"]["prefill"], "local-prefill");
+        assert_eq!(first["bulkhead.kv.integrity"]["result"], "passed");
+        assert!(first["gen_ai.usage.output_tokens"].as_u64().unwrap_or(0) > 0);
+        assert!(first["bulkhead.ttft_ms"].is_u64());
+        assert!(first["bulkhead.completion.sha256"].is_string());
+        assert!(
+            first.get("bulkhead.prompt.content").is_none(),
+            "no capture by default"
+        );
+        assert_eq!(a[3]["bulkhead.admission"]["outcome"], "rejected");
+        assert_eq!(a[3]["bulkhead.admission"]["layer"], "gateway");
+        assert_eq!(a[3]["bulkhead.kv.integrity"]["result"], "not_checked");
+
+        // B's log: the canary's request (hashed, not stored) and the disconnect.
+        let b = wait_records(&up, "tenant-b", 2);
+        assert_eq!(b.len(), 2, "{b:#?}");
+        assert_eq!(b[1]["bulkhead.disconnect.phase"], "decode", "{:#?}", b[1]);
+        assert_eq!(b[1]["error.type"], "client_disconnected");
+        let all_a = serde_json::to_string(&a).expect("json");
+        assert!(!all_a.contains(&canary), "B's canary in A's log");
+        assert!(
+            !serde_json::to_string(&b).expect("json").contains(&canary),
+            "prompts are hashed, not stored, without capture"
+        );
+        let gateway = admin_records(&up, "_gateway");
+        assert_eq!(gateway.len(), 2, "{gateway:#?}");
+        assert!(
+            gateway
+                .iter()
+                .all(|r| r["http.response.status_code"] == 401)
+        );
+
+        // Reading: a tenant sees only its own records, whatever it sends.
+        let page = audit_page(&up, KEY_B, "");
+        assert_eq!(page["tenant"], "tenant-b");
+        assert!(
+            records(&page)
+                .iter()
+                .all(|r| r["bulkhead.tenant.id"] == "tenant-b")
+        );
+        let (status, body) = http(
+            &up.api,
+            "GET",
+            "/v1/audit?tenant=tenant-a",
+            Some(KEY_B),
+            &[],
+            "",
+        );
+        assert_eq!(
+            status, 400,
+            "a tenant parameter is refused, not ignored: {body}"
+        );
+        assert!(!body.contains("tenant-a\":"), "{body}");
+        for path in [
+            "/v1/audit/../audit/tenant-a",
+            "/v1/audit/tenant-a",
+            "/v1/audit%2F..%2Ftenant-a",
+        ] {
+            let (status, body) = http(&up.api, "GET", path, Some(KEY_B), &[], "");
+            assert_ne!(status, 200, "{path}: {body}");
+            assert!(!body.contains(&request_id), "{path}: {body}");
+        }
+        // A cursor from A's pages names a place in B's own chain, nothing of A's.
+        let a_cursor = audit_page(&up, KEY_A, "?limit=2")["next_since"]
+            .as_u64()
+            .expect("cursor");
+        let page = audit_page(&up, KEY_B, &format!("?since={a_cursor}&limit=1000"));
+        assert!(
+            records(&page)
+                .iter()
+                .all(|r| r["bulkhead.tenant.id"] == "tenant-b")
+        );
+        let a_page = audit_page(&up, KEY_A, "?limit=3");
+        assert_eq!(records(&a_page).len(), 3);
+        assert_eq!(a_page["has_more"], true);
+        // The admin listener: any tenant with its token; never with a tenant's key.
+        assert_eq!(
+            http(&up.admin, "GET", "/audit/tenant-b", Some(KEY_A), &[], "").0,
+            401
+        );
+        assert_eq!(
+            http(
+                &up.admin,
+                "GET",
+                "/audit/..%2Ftenant-b",
+                Some(ADMIN),
+                &[],
+                ""
+            )
+            .0,
+            400
+        );
+
+        // The chain verifies while the gateway runs.
+        let (passed, report) = verify(&up.data_dir);
+        assert!(passed, "{report}");
+
+        // The log breaks: a directory stands where a tenant's first segment must go, so its
+        // first record cannot be written. That request is refused with 503, every request
+        // after it too, and health says why.
+        let blocked = up
+            .data_dir
+            .join("audit/tenant-limited")
+            .join(format!("{:020}.jsonl", 0));
+        std::fs::create_dir_all(&blocked).expect("blocks the segment");
+        let tiny = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":1}"#;
+        let (status, body) = up.chat(crate::up::KEY_LIMITED, &[], tiny);
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(json(&body)["error"]["code"], "audit_unavailable");
+        let (status, body) = up.chat(KEY_A, &[], tiny);
+        assert_eq!(status, 503, "no traffic is served unaudited: {body}");
+        let (status, body) = http(&up.admin, "GET", "/healthz", Some(ADMIN), &[], "");
+        assert_eq!(status, 503, "{body}");
+        let health = json(&body);
+        assert_eq!(health["status"], "audit_unavailable");
+        assert!(
+            health["audit"]["failure"]
+                .as_str()
+                .is_some_and(|f| f.contains("tenant-limited")),
+            "{body}"
+        );
+    });
+}
+
+#[test]
+fn kill_9_under_load_loses_no_answered_request_and_the_chain_continues() {
+    bounded(|| {
+        let data = TempDir::new("audit-crash");
+        let up = Up::launch(Options {
+            data_dir: Some(data.0.clone()),
+            ..Options::default()
+        });
+        up.wait_routable();
+        let answered = Arc::new(Mutex::new(Vec::<String>::new()));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let clients: Vec<_> = [KEY_A, KEY_B, KEY_A, KEY_B]
+            .into_iter()
+            .map(|key| {
+                let (api, answered, stop) = (up.api.clone(), answered.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let tiny = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let Some((status, head)) = std::panic::catch_unwind(|| {
+                            let (s, h, _) = exchange(
+                                &api,
+                                "POST",
+                                "/v1/chat/completions",
+                                Some(key),
+                                &[],
+                                tiny,
+                            );
+                            (s, h)
+                        })
+                        .ok() else {
+                            return;
+                        };
+                        if status == 200
+                            && let Some(id) = header(&head, "x-request-id")
+                        {
+                            answered.lock().expect("lock").push(id.to_owned());
+                        }
+                    }
+                })
+            })
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while answered.lock().expect("lock").len() < 12 {
+            assert!(Instant::now() < deadline, "too few requests were answered");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let killed = Command::new("kill")
+            .args(["-KILL", &up.child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(killed.success());
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for c in clients {
+            let _ = c.join();
+        }
+        drop(up);
+        let answered: HashSet<String> = answered.lock().expect("lock").iter().cloned().collect();
+
+        // Restart on the same data directory: recovery, then the chain continues.
+        let up = Up::launch(Options {
+            data_dir: Some(data.0.clone()),
+            ..Options::default()
+        });
+        up.wait_routable();
+        let (status, head, _) = exchange(
+            &up.api,
+            "POST",
+            "/v1/chat/completions",
+            Some(KEY_A),
+            &[],
+            QUESTION,
+        );
+        assert_eq!(status, 200);
+        let after = header(&head, "x-request-id").expect("id").to_owned();
+        let mut recorded = HashSet::new();
+        for tenant in ["tenant-a", "tenant-b"] {
+            for r in admin_records(&up, tenant) {
+                recorded.insert(
+                    r["bulkhead.request.id"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_owned(),
+                );
+            }
+        }
+        let missing: Vec<_> = answered.difference(&recorded).collect();
+        assert!(
+            missing.is_empty(),
+            "answered in durable mode but not recorded: {missing:?}"
+        );
+        assert!(
+            recorded.contains(&after),
+            "the log continues after the crash"
+        );
+        drop(up);
+        let (passed, report) = verify(&data.0);
+        assert!(passed, "{report}");
+    });
+}

@@ -1,0 +1,373 @@
+//! The `bulkhead up` harness of the end-to-end tests: the real binary (gateway in process,
+//! workers as its children), the real model, plain HTTP over loopback.
+//!
+//! Each test starts its own `bulkhead up` on free loopback ports, runs under a time limit, and
+//! stops it on the way out (the worker children die with it).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// Upper bound for any one test, startup included.
+pub const TEST_LIMIT: Duration = Duration::from_secs(240);
+/// Upper bound for `bulkhead up` to load the model and bind.
+pub const STARTUP_LIMIT: Duration = Duration::from_secs(90);
+/// Upper bound for one HTTP exchange.
+pub const HTTP_LIMIT: Duration = Duration::from_secs(60);
+
+pub const KEY_A: &str = "sk-demo-tenant-a";
+pub const KEY_B: &str = "sk-demo-tenant-b";
+pub const ADMIN: &str = "sk-demo-admin";
+pub const KEY_LIMITED: &str = "sk-test-limited";
+pub const KEY_SERIAL: &str = "sk-test-serial";
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn sha256_hex(key: &str) -> String {
+    bulkhead_gateway::keys::KeyHash::of(key).to_hex()
+}
+
+/// The default configuration plus two tenants with tight limits and `extra` (TOML tables
+/// placed before the worker tables).
+fn test_config(dir: &std::path::Path, extra: &str) -> PathBuf {
+    let mut text = std::fs::read_to_string(repo().join("deploy/local/gateway.toml"))
+        .expect("deploy/local/gateway.toml");
+    // Move the worker table last so the appended tenants are not inside it.
+    let (head, worker) = text
+        .split_once("\n[[workers]]")
+        .map(|(h, w)| (h.to_owned(), format!("\n[[workers]]{w}")))
+        .expect("the default config has a worker");
+    text = head;
+    for (id, key, concurrent, rpm) in [
+        ("tenant-limited", KEY_LIMITED, 8, 2),
+        ("tenant-serial", KEY_SERIAL, 1, 600),
+    ] {
+        text.push_str(&format!(
+            "\n[[tenants]]\nid = \"{id}\"\nkey_sha256 = [\"{}\"]\nmax_context = 8192\n\
+             max_concurrent = {concurrent}\nrequests_per_minute = {rpm}\ntokens_per_minute = 1000000\n",
+            sha256_hex(key)
+        ));
+    }
+    text.push_str(extra);
+    text.push_str(&worker);
+    let path = dir.join("gateway.toml");
+    std::fs::write(&path, text).expect("writes the test config");
+    path
+}
+
+/// A running `bulkhead up`; stopped when dropped.
+pub struct Up {
+    pub child: Child,
+    pub api: String,
+    pub admin: String,
+    pub worker: String,
+    pub worker_pid: u32,
+    /// The gateway's data directory (the audit log is in `audit/`).
+    pub data_dir: PathBuf,
+    _dir: TempDir,
+}
+
+/// How to start a `bulkhead up` beyond the defaults.
+#[derive(Default)]
+pub struct Options<'a> {
+    /// Extra command-line arguments.
+    pub args: &'a [&'a str],
+    /// Extra TOML tables for the gateway's configuration.
+    pub toml: &'a str,
+    /// A data directory to use (kept after the test); a fresh scratch one otherwise.
+    pub data_dir: Option<PathBuf>,
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // The worker dies with its parent (PR_SET_PDEATHSIG); make sure anyway.
+        let _ = Command::new("kill")
+            .args(["-KILL", &self.worker_pid.to_string()])
+            .status();
+    }
+}
+
+/// A scratch directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(what: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!(
+            "bulkhead-{what}-{}-{:x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl Up {
+    pub fn start(args: &[&str]) -> Up {
+        Up::launch(Options {
+            args,
+            ..Options::default()
+        })
+    }
+
+    pub fn launch(options: Options<'_>) -> Up {
+        let dir = TempDir::new("gw");
+        let config = test_config(&dir.0, options.toml);
+        let data_dir = options.data_dir.unwrap_or_else(|| dir.0.join("data"));
+        let model = std::env::var_os("BULKHEAD_MODEL").map_or_else(
+            || {
+                PathBuf::from(std::env::var_os("HOME").expect("HOME"))
+                    .join(".cache/bulkhead/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+            },
+            PathBuf::from,
+        );
+        assert!(
+            model.is_file(),
+            "run scripts/fetch-model: {} is missing",
+            model.display()
+        );
+        let mut child = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+            .arg("up")
+            .arg("--model")
+            .arg(&model)
+            .args(["--threads", "1", "--port", "0", "--admin-port", "0"])
+            .arg("--config")
+            .arg(&config)
+            .arg("--data-dir")
+            .arg(&data_dir)
+            .args(options.args)
+            .env("BULKHEAD_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("bulkhead up starts");
+        let stdout = child.stdout.take().expect("piped");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(rest) = line.strip_prefix("bulkhead up ready ") {
+                    let _ = tx.send(rest.to_owned());
+                }
+            }
+        });
+        let mut up = Up {
+            child,
+            api: String::new(),
+            admin: String::new(),
+            worker: String::new(),
+            worker_pid: 0,
+            data_dir,
+            _dir: dir,
+        };
+        let ready = rx
+            .recv_timeout(STARTUP_LIMIT)
+            .expect("bulkhead up reports ready");
+        for field in ready.split_whitespace() {
+            let (k, v) = field.split_once('=').expect("key=value");
+            match k {
+                "api" => up.api = v.trim_start_matches("http://").to_owned(),
+                "admin" => up.admin = v.trim_start_matches("http://").to_owned(),
+                // The worker requests are routed to: a colocated one, or the decode worker.
+                "both" | "decode" => up.worker = v.to_owned(),
+                "both_pid" | "decode_pid" => up.worker_pid = v.parse().expect("a pid"),
+                "prefill" | "prefill_pid" => {}
+                other => panic!("unexpected field {other}"),
+            }
+        }
+        up
+    }
+
+    /// Waits (bounded) until the gateway routes to the worker.
+    pub fn wait_routable(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let (status, _) = http(&self.admin, "GET", "/healthz", Some(ADMIN), &[], "");
+            if status == 200 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the gateway never became healthy"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    pub fn metrics(&self) -> String {
+        let (status, body) = http(&self.admin, "GET", "/metrics", Some(ADMIN), &[], "");
+        assert_eq!(status, 200, "{body}");
+        body
+    }
+
+    pub fn chat(&self, key: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
+        http(
+            &self.api,
+            "POST",
+            "/v1/chat/completions",
+            Some(key),
+            headers,
+            body,
+        )
+    }
+}
+
+/// One HTTP/1.1 exchange (Connection: close): (status, body).
+pub fn http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, String) {
+    let (status, _, body) = exchange(addr, method, path, key, headers, body);
+    (status, body)
+}
+
+/// One HTTP/1.1 exchange (Connection: close): (status, response head, body).
+pub fn exchange(
+    addr: &str,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, String, String) {
+    let mut s = send(addr, method, path, key, headers, body);
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).expect("reads the response");
+    let (status, body) = parse_response(&raw);
+    let head = raw.split_once("\r\n\r\n").map_or(raw.as_str(), |(h, _)| h);
+    (status, head.to_owned(), body)
+}
+
+/// The value of header `name` in a response head.
+pub fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+    })
+}
+
+pub fn send(
+    addr: &str,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> TcpStream {
+    let mut s = TcpStream::connect(addr).expect("connects");
+    s.set_read_timeout(Some(HTTP_LIMIT)).expect("timeout");
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if let Some(k) = key {
+        req.push_str(&format!("Authorization: Bearer {k}\r\n"));
+    }
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    s.write_all(req.as_bytes()).expect("sends");
+    s
+}
+
+fn parse_response(raw: &str) -> (u16, String) {
+    let status = raw
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((raw, ""));
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(body)
+    } else {
+        body.to_owned()
+    };
+    (status, body)
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+pub fn json(body: &str) -> serde_json::Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))
+}
+
+pub fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(0)
+}
+
+/// Runs `f` on its own thread and fails the test if it takes longer than [`TEST_LIMIT`].
+pub fn bounded(f: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = mpsc::channel();
+    let handle = std::thread::spawn(move || {
+        f();
+        let _ = tx.send(());
+    });
+    match rx.recv_timeout(TEST_LIMIT) {
+        Ok(()) => handle.join().expect("the test body"),
+        Err(mpsc::RecvTimeoutError::Disconnected) => {
+            if let Err(p) = handle.join() {
+                std::panic::resume_unwind(p);
+            }
+        }
+        Err(mpsc::RecvTimeoutError::Timeout) => panic!("the test ran past {TEST_LIMIT:?}"),
+    }
+}
+
+pub fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("BULKHEAD_PYTHON") {
+        return PathBuf::from(p);
+    }
+    let venv = repo().join(".venv/bin/python");
+    assert!(
+        venv.is_file(),
+        "{} is missing: run scripts/setup (it installs the openai client)",
+        venv.display()
+    );
+    venv
+}
