@@ -1,5 +1,6 @@
-//! The gateway's Prometheus metrics: requests by tenant and status, tokens in and out by
-//! tenant; the effective context limit and worker health are read from [`Workers`] when
+//! The gateway's Prometheus metrics: requests by tenant and status, tokens in and out, request
+//! latency and time to first token by tenant (histograms, fed by each request's final audit
+//! record); the effective context limit and worker health are read from [`Workers`] when
 //! rendered.
 
 use std::collections::BTreeMap;
@@ -8,6 +9,51 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::tenant::{Tenant, TenantId};
 use crate::workers::{Health, Workers};
+
+/// Histogram bucket bounds in milliseconds (rendered in seconds).
+const BUCKETS_MS: [u64; 14] = [
+    5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 30_000, 60_000, 300_000,
+];
+
+/// A latency histogram with [`BUCKETS_MS`] bounds.
+#[derive(Debug, Clone, Default)]
+struct Histogram {
+    /// Observations ≤ each bound (not cumulative; summed when rendered).
+    buckets: [u64; BUCKETS_MS.len()],
+    count: u64,
+    sum_ms: u64,
+}
+
+impl Histogram {
+    fn observe(&mut self, ms: u64) {
+        if let Some(i) = BUCKETS_MS.iter().position(|&b| ms <= b) {
+            self.buckets[i] += 1;
+        }
+        self.count += 1;
+        self.sum_ms = self.sum_ms.saturating_add(ms);
+    }
+
+    fn render(&self, out: &mut String, name: &str, tenant: &TenantId) {
+        let mut cumulative = 0;
+        for (bound, n) in BUCKETS_MS.iter().zip(self.buckets) {
+            cumulative += n;
+            let le = *bound as f64 / 1000.0;
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{tenant=\"{tenant}\",le=\"{le}\"}} {cumulative}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{tenant=\"{tenant}\",le=\"+Inf\"}} {}\n\
+             {name}_sum{{tenant=\"{tenant}\"}} {}\n\
+             {name}_count{{tenant=\"{tenant}\"}} {}",
+            self.count,
+            self.sum_ms as f64 / 1000.0,
+            self.count
+        );
+    }
+}
 
 #[derive(Debug, Default)]
 struct Counters {
@@ -19,12 +65,21 @@ struct Counters {
     tokens: BTreeMap<TenantId, (u64, u64)>,
     /// tenant → streams that ended with an error event after a 200.
     stream_errors: BTreeMap<TenantId, u64>,
+    /// tenant → arrival to end of every request.
+    duration: BTreeMap<TenantId, Histogram>,
+    /// tenant → arrival to first token of every request that produced one.
+    ttft: BTreeMap<TenantId, Histogram>,
 }
 
 /// The counters; a cheap `Clone` handle.
 #[derive(Debug, Clone, Default)]
 pub struct Metrics {
     counters: Arc<Mutex<Counters>>,
+}
+
+/// Writes a metric family's `HELP` and `TYPE` lines.
+fn family(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
 impl Metrics {
@@ -56,6 +111,19 @@ impl Metrics {
         self.with(|c| *c.stream_errors.entry(tenant.clone()).or_default() += 1);
     }
 
+    /// One ended request's latency, and its time to first token when it produced one.
+    pub fn latency(&self, tenant: &TenantId, total_ms: u64, ttft_ms: Option<u64>) {
+        self.with(|c| {
+            c.duration
+                .entry(tenant.clone())
+                .or_default()
+                .observe(total_ms);
+            if let Some(ms) = ttft_ms {
+                c.ttft.entry(tenant.clone()).or_default().observe(ms);
+            }
+        });
+    }
+
     /// Requests counted for `tenant` with `status` (tests).
     pub fn requests_of(&self, tenant: &TenantId, status: u16) -> u64 {
         self.with(|c| {
@@ -69,62 +137,13 @@ impl Metrics {
     /// The Prometheus text exposition.
     pub fn render(&self, tenants: &[Arc<Tenant>], workers: &Workers) -> String {
         let mut out = String::new();
-        self.with(|c| {
-            out.push_str(
-                "# HELP bulkhead_gateway_requests_total API requests by tenant and HTTP status.\n\
-                 # TYPE bulkhead_gateway_requests_total counter\n",
-            );
-            for ((tenant, status), n) in &c.requests {
-                let _ = writeln!(
-                    out,
-                    "bulkhead_gateway_requests_total{{tenant=\"{tenant}\",status=\"{status}\"}} {n}"
-                );
-            }
-            out.push_str(
-                "# HELP bulkhead_gateway_unauthenticated_requests_total API requests refused for \
-                 a missing or unknown key.\n\
-                 # TYPE bulkhead_gateway_unauthenticated_requests_total counter\n",
-            );
-            let _ = writeln!(
-                out,
-                "bulkhead_gateway_unauthenticated_requests_total {}",
-                c.unauthenticated
-            );
-            out.push_str(
-                "# HELP bulkhead_gateway_tokens_in_total Prompt tokens by tenant.\n\
-                 # TYPE bulkhead_gateway_tokens_in_total counter\n",
-            );
-            for (tenant, (prompt, _)) in &c.tokens {
-                let _ = writeln!(
-                    out,
-                    "bulkhead_gateway_tokens_in_total{{tenant=\"{tenant}\"}} {prompt}"
-                );
-            }
-            out.push_str(
-                "# HELP bulkhead_gateway_tokens_out_total Generated tokens by tenant.\n\
-                 # TYPE bulkhead_gateway_tokens_out_total counter\n",
-            );
-            for (tenant, (_, completion)) in &c.tokens {
-                let _ = writeln!(
-                    out,
-                    "bulkhead_gateway_tokens_out_total{{tenant=\"{tenant}\"}} {completion}"
-                );
-            }
-            out.push_str(
-                "# HELP bulkhead_gateway_stream_errors_total Streams that ended with an error \
-                 event.\n# TYPE bulkhead_gateway_stream_errors_total counter\n",
-            );
-            for (tenant, n) in &c.stream_errors {
-                let _ = writeln!(
-                    out,
-                    "bulkhead_gateway_stream_errors_total{{tenant=\"{tenant}\"}} {n}"
-                );
-            }
-        });
-        out.push_str(
-            "# HELP bulkhead_gateway_effective_context_tokens The longest prompt + max tokens \
-             a tenant's request may take now (0: no routable worker).\n\
-             # TYPE bulkhead_gateway_effective_context_tokens gauge\n",
+        self.with(|c| render_counters(&mut out, c));
+        family(
+            &mut out,
+            "bulkhead_gateway_effective_context_tokens",
+            "gauge",
+            "The longest prompt + max tokens a tenant's request may take now (0: no routable \
+             worker).",
         );
         for t in tenants {
             let limit = workers
@@ -136,14 +155,23 @@ impl Metrics {
                 t.id
             );
         }
-        out.push_str(
-            "# HELP bulkhead_gateway_worker_routable Whether the gateway routes to the worker.\n\
-             # TYPE bulkhead_gateway_worker_routable gauge\n\
-             # HELP bulkhead_gateway_worker_healthy Whether the worker's last Health said serving.\n\
-             # TYPE bulkhead_gateway_worker_healthy gauge\n\
-             # HELP bulkhead_gateway_worker_outstanding_tokens Prompt + max tokens of the \
-             requests in flight on the worker.\n\
-             # TYPE bulkhead_gateway_worker_outstanding_tokens gauge\n",
+        family(
+            &mut out,
+            "bulkhead_gateway_worker_routable",
+            "gauge",
+            "Whether the gateway routes to the worker.",
+        );
+        family(
+            &mut out,
+            "bulkhead_gateway_worker_healthy",
+            "gauge",
+            "Whether the worker's last Health said serving.",
+        );
+        family(
+            &mut out,
+            "bulkhead_gateway_worker_outstanding_tokens",
+            "gauge",
+            "Prompt + max tokens of the requests in flight on the worker.",
         );
         for w in workers.reports() {
             let name = w.name.replace(['"', '\\', '\n'], "_");
@@ -159,5 +187,112 @@ impl Metrics {
             );
         }
         out
+    }
+}
+
+fn render_counters(out: &mut String, c: &Counters) {
+    family(
+        out,
+        "bulkhead_gateway_requests_total",
+        "counter",
+        "API requests by tenant and HTTP status.",
+    );
+    for ((tenant, status), n) in &c.requests {
+        let _ = writeln!(
+            out,
+            "bulkhead_gateway_requests_total{{tenant=\"{tenant}\",status=\"{status}\"}} {n}"
+        );
+    }
+    family(
+        out,
+        "bulkhead_gateway_unauthenticated_requests_total",
+        "counter",
+        "API requests refused for a missing or unknown key.",
+    );
+    let _ = writeln!(
+        out,
+        "bulkhead_gateway_unauthenticated_requests_total {}",
+        c.unauthenticated
+    );
+    let per_tenant = [
+        (
+            "bulkhead_gateway_tokens_in_total",
+            "Prompt tokens by tenant.",
+            c.tokens.iter().map(|(t, v)| (t, v.0)).collect::<Vec<_>>(),
+        ),
+        (
+            "bulkhead_gateway_tokens_out_total",
+            "Generated tokens by tenant.",
+            c.tokens.iter().map(|(t, v)| (t, v.1)).collect(),
+        ),
+        (
+            "bulkhead_gateway_stream_errors_total",
+            "Streams that ended with an error event.",
+            c.stream_errors.iter().map(|(t, n)| (t, *n)).collect(),
+        ),
+    ];
+    for (name, help, values) in per_tenant {
+        family(out, name, "counter", help);
+        for (tenant, n) in values {
+            let _ = writeln!(out, "{name}{{tenant=\"{tenant}\"}} {n}");
+        }
+    }
+    for (name, help, histograms) in [
+        (
+            "bulkhead_gateway_request_duration_seconds",
+            "Time from a request's arrival to its end, by tenant.",
+            &c.duration,
+        ),
+        (
+            "bulkhead_gateway_ttft_seconds",
+            "Time from a request's arrival to its first token, by tenant.",
+            &c.ttft,
+        ),
+    ] {
+        family(out, name, "histogram", help);
+        for (tenant, h) in histograms {
+            h.render(out, name, tenant);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histograms_are_cumulative_and_count_every_observation() {
+        let m = Metrics::default();
+        let t = TenantId::new("t").expect("valid");
+        m.latency(&t, 3, Some(1));
+        m.latency(&t, 70, None);
+        m.latency(&t, 1_000_000, None);
+        let mut out = String::new();
+        m.with(|c| render_counters(&mut out, c));
+        let line = |needle: &str| {
+            out.lines()
+                .find(|l| l.starts_with(needle))
+                .unwrap_or_else(|| panic!("{needle} missing:\n{out}"))
+                .rsplit(' ')
+                .next()
+                .map(str::to_owned)
+                .unwrap_or_default()
+        };
+        let d = "bulkhead_gateway_request_duration_seconds";
+        assert_eq!(
+            line(&format!("{d}_bucket{{tenant=\"t\",le=\"0.005\"}}")),
+            "1"
+        );
+        assert_eq!(line(&format!("{d}_bucket{{tenant=\"t\",le=\"0.1\"}}")), "2");
+        assert_eq!(line(&format!("{d}_bucket{{tenant=\"t\",le=\"300\"}}")), "2");
+        assert_eq!(
+            line(&format!("{d}_bucket{{tenant=\"t\",le=\"+Inf\"}}")),
+            "3"
+        );
+        assert_eq!(line(&format!("{d}_count{{tenant=\"t\"}}")), "3");
+        assert_eq!(
+            line("bulkhead_gateway_ttft_seconds_count{tenant=\"t\"}"),
+            "1"
+        );
     }
 }

@@ -60,9 +60,10 @@ impl BoundGateway {
     /// Opens the audit log in `data_dir/audit`, binds both listeners and builds the routers;
     /// contacts no worker yet.
     pub async fn bind(config: Config, data_dir: &Path) -> Result<BoundGateway, GatewayError> {
+        let metrics = Metrics::default();
         let audit_dir = data_dir.join("audit");
-        let (recorder, recoveries) =
-            Recorder::open(&audit_dir, config.audit).map_err(|source| GatewayError::Audit {
+        let (recorder, recoveries) = Recorder::open(&audit_dir, config.audit, metrics.clone())
+            .map_err(|source| GatewayError::Audit {
                 dir: audit_dir.display().to_string(),
                 source,
             })?;
@@ -77,7 +78,6 @@ impl BoundGateway {
         let api = bind("API", config.listen.api).await?;
         let admin = bind("admin", config.listen.admin).await?;
         let workers = Workers::new(&config.workers)?;
-        let metrics = Metrics::default();
         let api_router = api::router(
             ApiState {
                 workers: workers.clone(),

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use bulkhead_worker::serve::proto::{HealthRequest, WorkerClient};
 
 use crate::up::{
-    ADMIN, HTTP_LIMIT, KEY_A, KEY_B, KEY_LIMITED, KEY_SERIAL, Up, bounded, http, json, metric,
-    python, repo, send,
+    ADMIN, HTTP_LIMIT, KEY_A, KEY_B, KEY_LIMITED, KEY_SERIAL, Options, Up, bounded, http, json,
+    metric, python, repo, send,
 };
 
 pub const QUESTION: &str =
@@ -247,6 +247,129 @@ fn the_incident_configuration_is_refused_by_the_gateway_and_the_rest_is_served_d
             roles,
             ["prefill", "decode"],
             "bulkhead up runs prefill and decode apart"
+        );
+    });
+}
+
+/// Sends raw bytes as one request and returns the response's status (0: the server closed the
+/// connection without one).
+fn raw_exchange(addr: &str, bytes: &[u8]) -> (u16, String) {
+    use std::io::Write as _;
+    let mut s = std::net::TcpStream::connect(addr).expect("connects");
+    s.set_read_timeout(Some(HTTP_LIMIT)).expect("timeout");
+    s.write_all(bytes).expect("sends");
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let status = raw
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, raw)
+}
+
+fn post_bytes(body: &[u8]) -> Vec<u8> {
+    let mut req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+         Authorization: Bearer {KEY_A}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    req.extend_from_slice(body);
+    req
+}
+
+#[test]
+fn bad_input_gets_a_clear_error_and_the_gateway_keeps_serving() {
+    bounded(|| {
+        let up = Up::launch(Options {
+            replace: &[("header_timeout_secs = 10", "header_timeout_secs = 1")],
+            ..Options::default()
+        });
+        up.wait_routable();
+
+        // A slowloris client: headers never finish. The server hangs up after the header
+        // timeout, and serves others meanwhile.
+        let mut slow = std::net::TcpStream::connect(&up.api).expect("connects");
+        slow.set_read_timeout(Some(Duration::from_secs(20)))
+            .expect("timeout");
+        std::io::Write::write_all(
+            &mut slow,
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n",
+        )
+        .expect("sends half the headers");
+        let (status, body) = up.chat(KEY_A, &[], QUESTION);
+        assert_eq!(status, 200, "served while a slow client waits: {body}");
+        let started = Instant::now();
+        let mut rest = Vec::new();
+        let _ = slow.read_to_end(&mut rest);
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the slow client was disconnected by the header timeout, not left open"
+        );
+
+        // Invalid UTF-8 in the body: 400 naming the JSON error.
+        let (status, raw) = raw_exchange(
+            &up.api,
+            &post_bytes(b"{\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}"),
+        );
+        assert_eq!(status, 400, "{raw}");
+        assert!(raw.contains("invalid_request_error"), "{raw}");
+        // A body over the limit (1 MiB by default): 413 before it is parsed.
+        let huge = vec![b' '; (1 << 20) + 1];
+        let (status, raw) = raw_exchange(&up.api, &post_bytes(&huge));
+        assert_eq!(status, 413, "{}", &raw[..raw.len().min(300)]);
+        // A Content-Length that lies (shorter body, then the connection closes): an error,
+        // never a hang.
+        let mut lying = post_bytes(b"{}");
+        lying.truncate(lying.len() - 1);
+        let (status, raw) = raw_exchange(&up.api, &lying);
+        assert_ne!(status, 200, "{raw}");
+        // Wrong types, a prompt of the wrong shape, an unknown field that changes semantics.
+        for (body, param) in [
+            (r#"{"messages":"hi"}"#, "messages"),
+            (
+                r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":"9"}"#,
+                "max_tokens",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function"}]}"#,
+                "tools",
+            ),
+        ] {
+            let (status, reply) = up.chat(KEY_A, &[], body);
+            assert_eq!(status, 400, "{body}: {reply}");
+            assert_eq!(json(&reply)["error"]["param"], param, "{reply}");
+        }
+
+        // Nothing was lost: the same tenant is served, and every request was counted.
+        let (status, body) = up.chat(KEY_A, &[], QUESTION);
+        assert_eq!(status, 200, "{body}");
+        let m = up.metrics();
+        assert_eq!(
+            metric(
+                &m,
+                r#"bulkhead_gateway_requests_total{tenant="tenant-a",status="400"}"#
+            ),
+            4,
+            "{m}"
+        );
+        assert!(
+            metric(
+                &m,
+                r#"bulkhead_gateway_request_duration_seconds_count{tenant="tenant-a"}"#
+            ) >= 7,
+            "{m}"
+        );
+        assert_eq!(
+            metric(
+                &m,
+                r#"bulkhead_gateway_ttft_seconds_count{tenant="tenant-a"}"#
+            ),
+            2,
+            "two requests produced tokens: {m}"
         );
     });
 }

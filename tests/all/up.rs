@@ -32,11 +32,15 @@ pub fn sha256_hex(key: &str) -> String {
     bulkhead_gateway::keys::KeyHash::of(key).to_hex()
 }
 
-/// The default configuration plus two tenants with tight limits and `extra` (TOML tables
-/// placed before the worker tables).
-fn test_config(dir: &std::path::Path, extra: &str) -> PathBuf {
+/// The default configuration with `replace`'s edits, plus two tenants with tight limits and
+/// `extra` (TOML tables placed before the worker tables).
+fn test_config(dir: &std::path::Path, replace: &[(&str, &str)], extra: &str) -> PathBuf {
     let mut text = std::fs::read_to_string(repo().join("deploy/local/gateway.toml"))
         .expect("deploy/local/gateway.toml");
+    for (from, to) in replace {
+        assert!(text.contains(from), "the default config has no {from:?}");
+        text = text.replace(from, to);
+    }
     // Move the worker table last so the appended tenants are not inside it.
     let (head, worker) = text
         .split_once("\n[[workers]]")
@@ -79,6 +83,8 @@ pub struct Options<'a> {
     pub args: &'a [&'a str],
     /// Extra TOML tables for the gateway's configuration.
     pub toml: &'a str,
+    /// Text replacements in the default configuration (e.g. a setting's value).
+    pub replace: &'a [(&'a str, &'a str)],
     /// A data directory to use (kept after the test); a fresh scratch one otherwise.
     pub data_dir: Option<PathBuf>,
 }
@@ -135,7 +141,7 @@ impl Up {
 
     pub fn launch(options: Options<'_>) -> Up {
         let dir = TempDir::new("gw");
-        let config = test_config(&dir.0, options.toml);
+        let config = test_config(&dir.0, options.replace, options.toml);
         let data_dir = options.data_dir.unwrap_or_else(|| dir.0.join("data"));
         let model = std::env::var_os("BULKHEAD_MODEL").map_or_else(
             || {

@@ -271,6 +271,7 @@ impl Draft {
         if self.capture && self.record.completion_sha256.is_some() {
             self.record.completion = Some(std::mem::take(&mut self.completion_text));
         }
+        self.recorder.ended(&self.record);
         self.record.clone()
     }
 }

@@ -32,6 +32,7 @@ pub use layer::{account, audited};
 pub use read::{AuditPage, admin_read, tenant_read};
 
 use crate::config::{AuditSettings, Durability, OnAuditFailure};
+use crate::metrics::Metrics;
 
 /// The log of requests with no tenant to charge (no or an unknown key). Configured tenant ids
 /// cannot start with `_`, so no tenant can own it or read it.
@@ -57,6 +58,8 @@ struct Inner {
     /// Records that could not be written (served anyway under `on_failure = "serve"`, or
     /// abandoned requests).
     lost: AtomicU64,
+    /// Every final record's latency feeds the request-duration and TTFT histograms.
+    metrics: Metrics,
 }
 
 impl Recorder {
@@ -65,6 +68,7 @@ impl Recorder {
     pub fn open(
         dir: &Path,
         settings: AuditSettings,
+        metrics: Metrics,
     ) -> Result<(Recorder, Vec<Recovery>), AuditError> {
         let mut config = bulkhead_audit::Config::new(dir);
         config.segment_bytes = settings.segment_bytes;
@@ -81,6 +85,7 @@ impl Recorder {
             settings,
             gateway,
             lost: AtomicU64::new(0),
+            metrics,
         };
         Ok((
             Recorder {
@@ -118,6 +123,13 @@ impl Recorder {
     /// Records that could not be written since start.
     pub fn lost(&self) -> u64 {
         self.inner.lost.load(Ordering::Relaxed)
+    }
+
+    /// A request ended: its latency goes to the histograms.
+    fn ended(&self, record: &AuditRecord) {
+        self.inner
+            .metrics
+            .latency(&record.tenant, record.total_ms, record.ttft_ms);
     }
 
     /// Appends `record`; in durable mode, returns once it is fsynced.

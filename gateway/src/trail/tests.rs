@@ -20,6 +20,7 @@ use crate::api::validate::RequestError;
 use crate::api::{ApiError, mapping};
 use crate::config::{AuditSettings, Durability, OnAuditFailure};
 use crate::limits::LimitError;
+use crate::metrics::Metrics;
 
 /// A scratch directory removed on drop.
 struct Scratch(PathBuf);
@@ -129,6 +130,7 @@ async fn every_entry_of_the_error_table_leaves_exactly_one_record() {
     let (recorder, _) = Recorder::open(
         &dir.0,
         settings(Durability::Durable, OnAuditFailure::Refuse),
+        Metrics::default(),
     )
     .expect("opens");
     let app = app(&recorder);
@@ -188,6 +190,7 @@ async fn a_request_abandoned_by_its_client_is_recorded_once_with_its_phase() {
     let (recorder, _) = Recorder::open(
         &dir.0,
         settings(Durability::Durable, OnAuditFailure::Refuse),
+        Metrics::default(),
     )
     .expect("opens");
     let app = Router::new()
@@ -219,6 +222,7 @@ async fn a_broken_log_refuses_requests_rather_than_serve_them_unaudited() {
     let (recorder, _) = Recorder::open(
         &dir.0,
         settings(Durability::Durable, OnAuditFailure::Refuse),
+        Metrics::default(),
     )
     .expect("opens");
     break_gateway_log(&dir.0);
@@ -243,9 +247,12 @@ async fn a_broken_log_refuses_requests_rather_than_serve_them_unaudited() {
 #[tokio::test]
 async fn a_broken_log_configured_to_serve_keeps_serving_and_counts_what_it_lost() {
     let dir = Scratch::new();
-    let (recorder, _) =
-        Recorder::open(&dir.0, settings(Durability::Durable, OnAuditFailure::Serve))
-            .expect("opens");
+    let (recorder, _) = Recorder::open(
+        &dir.0,
+        settings(Durability::Durable, OnAuditFailure::Serve),
+        Metrics::default(),
+    )
+    .expect("opens");
     break_gateway_log(&dir.0);
     let app = app(&recorder);
     assert_eq!(call(&app, "/ok").await.status(), StatusCode::OK);
@@ -258,8 +265,12 @@ async fn a_broken_log_configured_to_serve_keeps_serving_and_counts_what_it_lost(
 #[tokio::test]
 async fn group_commit_answers_before_the_fsync_and_the_record_follows() {
     let dir = Scratch::new();
-    let (recorder, _) =
-        Recorder::open(&dir.0, settings(Durability::Group, OnAuditFailure::Refuse)).expect("opens");
+    let (recorder, _) = Recorder::open(
+        &dir.0,
+        settings(Durability::Group, OnAuditFailure::Refuse),
+        Metrics::default(),
+    )
+    .expect("opens");
     let app = app(&recorder);
     for _ in 0..5 {
         assert_eq!(call(&app, "/ok").await.status(), StatusCode::OK);
