@@ -33,6 +33,15 @@
 //! name = "local"
 //! grpc = "http://127.0.0.1:50051"
 //! role = "both"
+//!
+//! [[workers]]                       # an OpenAI-compatible HTTP server (vLLM, llama.cpp, …)
+//! name = "vllm"
+//! openai = "http://10.0.0.7:8000"
+//! role = "both"
+//! model = "smollm2"                 # the model name the server answers to
+//! context_length = 8192             # what it serves (the gateway admits against it)
+//! tokenizer = "/models/m.gguf"      # the same model's GGUF: tokenizer and chat template
+//! key_env = "VLLM_API_KEY"          # optional: the variable holding the server's key
 //! ```
 
 use std::collections::{HashMap, HashSet};
@@ -181,11 +190,35 @@ pub enum WorkerRole {
 pub struct WorkerConfig {
     /// Unique; used in logs, metrics and `/workers`.
     pub name: String,
-    /// `http://host:port` of its gRPC API.
+    /// `http://host:port` of its gRPC API, or of the OpenAI-compatible server.
     pub endpoint: String,
     pub role: WorkerRole,
     /// Decode workers only: the configured name of their prefill worker.
     pub prefill: Option<String>,
+    pub protocol: Protocol,
+}
+
+/// How the gateway talks to a worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Protocol {
+    /// A Bulkhead worker: gRPC, with Info, Health and the KV handoff's guarantees.
+    Bulkhead,
+    /// An OpenAI-compatible HTTP server: the gateway's tenants, limits, policies and audit in
+    /// front of it; its KV pool is its own (not measured, not checked by preflight).
+    OpenAi(OpenAiUpstream),
+}
+
+/// An OpenAI-compatible upstream's settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpenAiUpstream {
+    /// The model name the server answers to.
+    pub model: String,
+    /// The longest prompt + max tokens it serves.
+    pub context_length: NonZeroU32,
+    /// A GGUF of the same model: the gateway tokenizes with its tokenizer and chat template.
+    pub tokenizer: std::path::PathBuf,
+    /// The environment variable that holds the server's API key, if it needs one.
+    pub key_env: Option<String>,
 }
 
 /// Why the configuration is refused; every message names the place to fix.
@@ -234,6 +267,15 @@ pub enum ConfigError {
     PrefillOnNonDecode { name: String },
     #[error("{field} must be at least 1")]
     ZeroSetting { field: &'static str },
+    #[error("worker {name:?}: give exactly one of grpc = \"…\" or openai = \"…\"")]
+    WorkerProtocol { name: String },
+    #[error(
+        "worker {name:?}: an openai worker has role = \"both\" and needs model, context_length \
+         (≥ 1) and tokenizer; {problem}"
+    )]
+    OpenAiWorker { name: String, problem: &'static str },
+    #[error("worker {name:?}: {field} is only for openai workers")]
+    OpenAiOnly { name: String, field: &'static str },
 }
 
 #[derive(Debug, Deserialize)]
@@ -304,11 +346,22 @@ struct RawTenant {
 #[serde(deny_unknown_fields)]
 struct RawWorker {
     name: String,
-    grpc: String,
+    #[serde(default)]
+    grpc: Option<String>,
+    #[serde(default)]
+    openai: Option<String>,
     role: WorkerRole,
     /// Decode workers: the name of the prefill worker that fills their pages.
     #[serde(default)]
     prefill: Option<String>,
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    context_length: Option<u32>,
+    #[serde(default)]
+    tokenizer: Option<std::path::PathBuf>,
+    #[serde(default)]
+    key_env: Option<String>,
 }
 
 impl Config {
@@ -487,18 +540,66 @@ fn workers(raw: Vec<RawWorker>) -> Result<Vec<WorkerConfig>, ConfigError> {
             }
             _ => {}
         }
-        let endpoint = worker_endpoint(&w.grpc).ok_or_else(|| ConfigError::WorkerEndpoint {
+        let (address, protocol) = protocol(w)?;
+        let endpoint = worker_endpoint(address).ok_or_else(|| ConfigError::WorkerEndpoint {
             name: w.name.clone(),
-            endpoint: w.grpc.clone(),
+            endpoint: address.to_owned(),
         })?;
         out.push(WorkerConfig {
             name: w.name.clone(),
             endpoint,
             role: w.role,
             prefill: w.prefill.clone(),
+            protocol,
         });
     }
     Ok(out)
+}
+
+/// A worker's address and protocol: `grpc = …` for a Bulkhead worker, `openai = …` with its
+/// model, context and tokenizer for an OpenAI-compatible server.
+fn protocol(w: &RawWorker) -> Result<(&str, Protocol), ConfigError> {
+    let name = || w.name.clone();
+    match (&w.grpc, &w.openai) {
+        (Some(grpc), None) => {
+            let extra = [
+                ("model", w.model.is_some()),
+                ("context_length", w.context_length.is_some()),
+                ("tokenizer", w.tokenizer.is_some()),
+                ("key_env", w.key_env.is_some()),
+            ];
+            if let Some((field, _)) = extra.iter().find(|(_, set)| *set) {
+                return Err(ConfigError::OpenAiOnly {
+                    name: name(),
+                    field,
+                });
+            }
+            Ok((grpc, Protocol::Bulkhead))
+        }
+        (None, Some(url)) => {
+            let problem = |problem| ConfigError::OpenAiWorker {
+                name: name(),
+                problem,
+            };
+            if w.role != WorkerRole::Both {
+                return Err(problem("its role is not \"both\""));
+            }
+            let upstream = OpenAiUpstream {
+                model: w.model.clone().ok_or_else(|| problem("model is missing"))?,
+                context_length: w
+                    .context_length
+                    .and_then(NonZeroU32::new)
+                    .ok_or_else(|| problem("context_length is missing or 0"))?,
+                tokenizer: w
+                    .tokenizer
+                    .clone()
+                    .ok_or_else(|| problem("tokenizer is missing"))?,
+                key_env: w.key_env.clone(),
+            };
+            Ok((url, Protocol::OpenAi(upstream)))
+        }
+        _ => Err(ConfigError::WorkerProtocol { name: name() }),
+    }
 }
 
 /// `http://host:port` for `host:port` or `http://host:port`; `None` when it is neither.

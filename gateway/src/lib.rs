@@ -28,6 +28,7 @@ pub mod routing;
 pub mod server;
 pub mod tenant;
 pub mod trail;
+pub mod upstreams;
 pub mod workers;
 
 pub use config::Config;

@@ -257,6 +257,7 @@ mod tests {
 
     fn worker(name: &str, role: WorkerRole, prefill: Option<&str>) -> WorkerConfig {
         WorkerConfig {
+            protocol: crate::config::Protocol::Bulkhead,
             name: name.into(),
             endpoint: "http://127.0.0.1:1".into(),
             role,

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bulkhead_worker::chat::ChatTemplate;
+use bulkhead_worker::serve::info::describe_file;
 use bulkhead_worker::serve::proto::{
     self, HealthRequest, InfoRequest, ServingStatus, TokenizerData, WorkerClient,
 };
@@ -26,8 +27,9 @@ use serde::Serialize;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::admission::{Admitted, EffectiveLimit, WorkerCapacity, effective_limit};
-use crate::config::{WorkerConfig, WorkerRole};
+use crate::config::{OpenAiUpstream, Protocol, WorkerConfig, WorkerRole};
 use crate::routing::{Candidate, least_outstanding};
+use crate::upstreams::{OpenAiClient, Upstream};
 use std::num::NonZeroU32;
 
 /// Bound on each Info (without tokenizer) and Health call.
@@ -244,14 +246,45 @@ pub struct WorkerReport {
 
 struct Entry {
     config: WorkerConfig,
-    client: WorkerClient<Channel>,
+    client: Upstream,
     facts: Option<Facts>,
     /// The last Info as received, for the handoff checks between a decode worker and its
     /// prefill worker.
-    info: Option<proto::InfoResponse>,
+    info: Option<Arc<proto::InfoResponse>>,
+    /// An OpenAI upstream's tokenizer, read from its configured GGUF.
+    tokenizer: Option<Arc<TokenizerData>>,
     health: Health,
     outstanding: u64,
     last_error: Option<String>,
+}
+
+impl Entry {
+    /// The GGUF to read for an OpenAI upstream whose Info is not known yet.
+    fn describe(&self) -> Option<Describe> {
+        match &self.config.protocol {
+            Protocol::OpenAi(OpenAiUpstream {
+                tokenizer,
+                context_length,
+                ..
+            }) if self.info.is_none() => Some((tokenizer.clone(), u64::from(context_length.get()))),
+            _ => None,
+        }
+    }
+
+    fn model_source(&self) -> ModelSource {
+        match (&self.client, &self.info, &self.tokenizer) {
+            (Upstream::OpenAi(_), Some(info), Some(data)) => {
+                ModelSource::File(info.clone(), data.clone())
+            }
+            (Upstream::Grpc(client), _, _) => ModelSource::Grpc(client.clone()),
+            // Unreachable in practice (an OpenAI entry gets both at once); asking a gRPC Info of
+            // an HTTP server would fail, so report it as a missing tokenizer.
+            (Upstream::OpenAi(_), _, _) => ModelSource::File(
+                Arc::new(proto::InfoResponse::default()),
+                Arc::new(TokenizerData::default()),
+            ),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -341,10 +374,10 @@ impl fmt::Debug for Workers {
 
 /// A worker's configured address is not a valid endpoint.
 #[derive(Debug, thiserror::Error)]
-#[error("worker {name}: {source}")]
+#[error("worker {name}: {reason}")]
 pub struct EndpointError {
     name: String,
-    source: tonic::transport::Error,
+    reason: String,
 }
 
 /// The route a request took; its tokens count as outstanding on that worker until it drops.
@@ -354,7 +387,7 @@ pub struct Route {
     pub worker: String,
     /// The prefill worker that fills the decode worker's pages; `None` when colocated.
     pub prefill: Option<String>,
-    pub client: WorkerClient<Channel>,
+    pub client: Upstream,
     workers: Workers,
     index: usize,
     tokens: u64,
@@ -400,18 +433,12 @@ impl Workers {
         let entries = configs
             .iter()
             .map(|c| {
-                let endpoint = Endpoint::from_shared(c.endpoint.clone())
-                    .map_err(|source| EndpointError {
-                        name: c.name.clone(),
-                        source,
-                    })?
-                    .connect_timeout(CONNECT_TIMEOUT)
-                    .tcp_nodelay(true);
                 Ok(Entry {
                     config: c.clone(),
-                    client: WorkerClient::new(endpoint.connect_lazy()),
+                    client: client(c)?,
                     facts: None,
                     info: None,
+                    tokenizer: None,
                     health: Health::Unknown,
                     outstanding: 0,
                     last_error: None,
@@ -493,36 +520,27 @@ impl Workers {
     /// Reads every worker's Health and Info (concurrently, each bounded), and (re)builds the
     /// served model when there is none yet or no healthy worker serves it any more.
     pub async fn refresh(&self) {
-        let clients: Vec<(usize, WorkerClient<Channel>)> = self.with(|s| {
+        let probes: Vec<(usize, Upstream, Option<Describe>)> = self.with(|s| {
             s.entries
                 .iter()
                 .enumerate()
-                .map(|(i, e)| (i, e.client.clone()))
+                .map(|(i, e)| (i, e.client.clone(), e.describe()))
                 .collect()
         });
-        let answers =
-            futures_util::future::join_all(clients.into_iter().map(|(i, mut client)| async move {
-                let health = rpc(client.health(HealthRequest {})).await;
-                let info = match &health {
-                    Ok(_) => Some(
-                        rpc(client.info(InfoRequest {
-                            include_tokenizer: false,
-                        }))
-                        .await,
-                    ),
-                    Err(_) => None,
-                };
-                (i, health, info)
-            }))
-            .await;
+        let answers = futures_util::future::join_all(
+            probes
+                .into_iter()
+                .map(|(i, client, describe)| async move { (i, probe(client, describe).await) }),
+        )
+        .await;
 
         let wanted = self.with(|s| {
-            for (i, health, info) in answers {
+            for (i, answer) in answers {
                 let Some(e) = s.entries.get_mut(i) else {
                     continue;
                 };
-                match health {
-                    Ok(h) => e.health = health_of(&h),
+                match answer.health {
+                    Ok(h) => e.health = h,
                     Err(error) => {
                         e.health = Health::Unreachable {
                             error: error.clone(),
@@ -530,10 +548,13 @@ impl Workers {
                         e.last_error = Some(error);
                     }
                 }
-                match info {
-                    Some(Ok(info)) => {
+                match answer.info {
+                    Some(Ok((info, tokenizer))) => {
                         e.facts = Some(facts_of(&info));
                         e.info = Some(info);
+                        if tokenizer.is_some() {
+                            e.tokenizer = tokenizer;
+                        }
                     }
                     Some(Err(error)) => e.last_error = Some(error),
                     None => {}
@@ -557,34 +578,40 @@ impl Workers {
                 .iter()
                 .enumerate()
                 .find(|(_, e)| healthy(e))
-                .map(|(i, e)| (i, e.client.clone()))
+                .map(|(i, e)| (i, e.model_source()))
         });
-        if let Some((index, client)) = wanted {
-            self.register_model(index, client).await;
+        if let Some((index, source)) = wanted {
+            self.register_model(index, source).await;
         }
     }
 
-    async fn register_model(&self, index: usize, mut client: WorkerClient<Channel>) {
-        let info = tokio::time::timeout(
-            TOKENIZER_TIMEOUT,
-            client.info(InfoRequest {
-                include_tokenizer: true,
-            }),
-        )
-        .await;
-        let built = match info {
-            Err(_) => Err("the Info call with the tokenizer timed out".to_owned()),
-            Ok(Err(status)) => Err(format!("Info failed: {}", status.message())),
-            Ok(Ok(response)) => {
-                let info = response.into_inner();
-                // Building a 50k-token BPE takes a moment: off the async threads.
-                tokio::task::spawn_blocking(move || match &info.tokenizer {
-                    Some(data) => ServedModel::from_info(&info, data),
-                    None => Err("the worker's Info has no tokenizer".to_owned()),
-                })
-                .await
-                .unwrap_or_else(|e| Err(format!("building the tokenizer panicked: {e}")))
+    async fn register_model(&self, index: usize, source: ModelSource) {
+        let info = match source {
+            ModelSource::File(info, data) => Ok((info, Some(data))),
+            ModelSource::Grpc(mut client) => {
+                let call = client.info(InfoRequest {
+                    include_tokenizer: true,
+                });
+                match tokio::time::timeout(TOKENIZER_TIMEOUT, call).await {
+                    Err(_) => Err("the Info call with the tokenizer timed out".to_owned()),
+                    Ok(Err(status)) => Err(format!("Info failed: {}", status.message())),
+                    Ok(Ok(response)) => {
+                        let mut info = response.into_inner();
+                        let data = info.tokenizer.take().map(Arc::new);
+                        Ok((Arc::new(info), data))
+                    }
+                }
             }
+        };
+        let built = match info {
+            Err(e) => Err(e),
+            // Building a 50k-token BPE takes a moment: off the async threads.
+            Ok((info, data)) => tokio::task::spawn_blocking(move || match data {
+                Some(data) => ServedModel::from_info(&info, &data),
+                None => Err("the worker's Info has no tokenizer".to_owned()),
+            })
+            .await
+            .unwrap_or_else(|e| Err(format!("building the tokenizer panicked: {e}"))),
         };
         self.with(|s| match built {
             Ok(model) => {
@@ -611,6 +638,98 @@ impl Workers {
                 workers.refresh().await;
             }
         })
+    }
+}
+
+/// Where the served model's tokenizer comes from.
+enum ModelSource {
+    /// A Bulkhead worker's Info, asked again with the tokenizer.
+    Grpc(WorkerClient<Channel>),
+    /// An OpenAI upstream's configured GGUF, already read.
+    File(Arc<proto::InfoResponse>, Arc<TokenizerData>),
+}
+
+/// An OpenAI upstream's GGUF to read once, and the context the upstream serves.
+type Describe = (std::path::PathBuf, u64);
+
+/// What one probe learned.
+struct Probe {
+    health: Result<Health, String>,
+    /// Info (and, read from a GGUF, its tokenizer); `None` when not asked this time.
+    info: Option<Result<Described, String>>,
+}
+
+/// An Info, and the tokenizer when it was read from a GGUF.
+type Described = (Arc<proto::InfoResponse>, Option<Arc<TokenizerData>>);
+
+/// Health and Info of one upstream: a worker's Health and Info RPCs, or an OpenAI server's
+/// model list and (once) the Info its configured GGUF gives.
+async fn probe(client: Upstream, describe: Option<Describe>) -> Probe {
+    match client {
+        Upstream::Grpc(mut client) => {
+            let health = rpc(client.health(HealthRequest {})).await;
+            let info = match &health {
+                Ok(_) => Some(
+                    rpc(client.info(InfoRequest {
+                        include_tokenizer: false,
+                    }))
+                    .await
+                    .map(|info| (Arc::new(info), None)),
+                ),
+                Err(_) => None,
+            };
+            Probe {
+                health: health.map(|h| health_of(&h)),
+                info,
+            }
+        }
+        Upstream::OpenAi(client) => {
+            let health = client.health().await.map(|()| Health::Serving {
+                pool_pages_total: 0,
+                pool_pages_free: 0,
+                queue_depth: 0,
+                running: 0,
+            });
+            let info = match (&health, describe) {
+                (Ok(_), Some((path, context))) => Some(
+                    tokio::task::spawn_blocking(move || {
+                        let (mut info, data) = describe_file(&path)?;
+                        // The upstream's pool is its own: it is admitted against what it
+                        // serves, as configured.
+                        info.context_length = context;
+                        info.model_context_length = context;
+                        info.pool_tokens = context;
+                        Ok((Arc::new(info), Some(Arc::new(data))))
+                    })
+                    .await
+                    .unwrap_or_else(|e| Err(format!("reading the tokenizer panicked: {e}"))),
+                ),
+                _ => None,
+            };
+            Probe { health, info }
+        }
+    }
+}
+
+/// The client for a configured worker; nothing is contacted yet.
+fn client(c: &WorkerConfig) -> Result<Upstream, EndpointError> {
+    let invalid = |reason: String| EndpointError {
+        name: c.name.clone(),
+        reason,
+    };
+    match &c.protocol {
+        Protocol::Bulkhead => {
+            let endpoint = Endpoint::from_shared(c.endpoint.clone())
+                .map_err(|e| invalid(e.to_string()))?
+                .connect_timeout(CONNECT_TIMEOUT)
+                .tcp_nodelay(true);
+            Ok(Upstream::Grpc(WorkerClient::new(endpoint.connect_lazy())))
+        }
+        Protocol::OpenAi(o) => {
+            let key = o.key_env.as_ref().and_then(|v| std::env::var(v).ok());
+            let client = OpenAiClient::new(&c.endpoint, &o.model, key).map_err(invalid)?;
+            Ok(Upstream::OpenAi(Arc::new(client)))
+        }
     }
 }
 

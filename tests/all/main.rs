@@ -3,5 +3,6 @@
 mod audit;
 mod gateway;
 mod up;
+mod upstream;
 mod worker_grpc;
 mod worker_transport;

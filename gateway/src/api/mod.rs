@@ -31,7 +31,7 @@ use tokio::time::Instant;
 pub use error::{ApiError, ErrorType, Mapping, mapping};
 pub use respond::Streamed;
 pub use upstream::{WorkerFailure, from_status};
-use validate::{ValidCommon, parse_chat, parse_completion};
+use validate::{CompletionPrompt, ValidCommon, parse_chat, parse_completion};
 
 use crate::admission::admit;
 use crate::auth::{AuthLayer, Authenticated};
@@ -144,7 +144,10 @@ impl Parsed {
                     .collect(),
             )
             .to_string(),
-            Parsed::Completion(c) => c.prompt.clone(),
+            Parsed::Completion(c) => match &c.prompt {
+                CompletionPrompt::Text(t) => t.clone(),
+                CompletionPrompt::Tokens(ids) => serde_json::json!(ids).to_string(),
+            },
         }
     }
 }
@@ -239,9 +242,8 @@ async fn start(
         stop: &common.stop,
     }
     .into_request();
-    let mut client = route.client.clone();
-    let stream = match client.generate(request).await {
-        Ok(r) => r.into_inner(),
+    let stream = match route.client.generate(request).await {
+        Ok(stream) => stream,
         Err(status) => {
             let failure = from_status(&status);
             if failure.worker_down {
@@ -291,9 +293,21 @@ fn tokenize(model: &ServedModel, parsed: &Parsed) -> Result<Vec<u32>, ApiError> 
                     reason: e.to_string(),
                 })
         }
-        Parsed::Completion(c) => model
-            .tokenizer
-            .encode(&c.prompt, false)
-            .map_err(|e| prompt(&e)),
+        Parsed::Completion(c) => match &c.prompt {
+            CompletionPrompt::Text(text) => {
+                model.tokenizer.encode(text, false).map_err(|e| prompt(&e))
+            }
+            CompletionPrompt::Tokens(ids) => {
+                let vocab = model.tokenizer.vocab_size();
+                match ids.iter().find(|&&id| id as usize >= vocab) {
+                    Some(id) => Err(ApiError::Prompt {
+                        reason: format!(
+                            "prompt token id {id} is out of range: the vocabulary has {vocab} tokens"
+                        ),
+                    }),
+                    None => Ok(ids.clone()),
+                }
+            }
+        },
     }
 }

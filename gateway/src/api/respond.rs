@@ -12,12 +12,12 @@ use bulkhead_worker::serve::proto::{Done, GenerateResponse, Item};
 use http::header::CONTENT_TYPE;
 use serde_json::{Value, json};
 use tokio::time::Instant;
-use tonic::Streaming;
 
 use crate::limits::RequestPermit;
 use crate::metrics::Metrics;
 use crate::tenant::Tenant;
 use crate::trail::Trail;
+use crate::upstreams::UpstreamStream;
 use crate::workers::Route;
 
 use super::Endpoint;
@@ -37,7 +37,7 @@ pub struct Started {
     pub permit: RequestPermit,
     pub route: Route,
     pub metrics: Metrics,
-    pub upstream: Streaming<GenerateResponse>,
+    pub upstream: UpstreamStream,
     pub trail: Trail,
 }
 

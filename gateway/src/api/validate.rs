@@ -134,10 +134,18 @@ pub struct ValidChat {
     pub common: ValidCommon,
 }
 
+/// A completion's prompt: text, or token ids (as OpenAI's API allows; ids are checked against
+/// the vocabulary when the prompt is tokenized).
+#[derive(Debug, Clone, PartialEq)]
+pub enum CompletionPrompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
 /// A validated `POST /v1/completions`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidCompletion {
-    pub prompt: String,
+    pub prompt: CompletionPrompt,
     pub common: ValidCommon,
 }
 
@@ -466,15 +474,23 @@ pub fn parse_completion(body: &[u8]) -> Result<ValidCompletion, RequestError> {
     check_fields(&map, COMPLETION_FIELDS)?;
     let prompt = match get(&map, "prompt") {
         None => return Err(RequestError::MissingField { field: "prompt" }),
-        Some(Value::String(s)) => s.clone(),
+        Some(Value::String(s)) => CompletionPrompt::Text(s.clone()),
         Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
-            items[0].as_str().unwrap_or_default().to_owned()
+            CompletionPrompt::Text(items[0].as_str().unwrap_or_default().to_owned())
+        }
+        Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_u64) => {
+            let ids = items
+                .iter()
+                .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or_else(|| wrong("prompt", "a string or a list of token ids"))?;
+            CompletionPrompt::Tokens(ids)
         }
         Some(Value::Array(_)) => {
             return Err(RequestError::UnsupportedValue {
                 field: "prompt",
                 value: "a list".into(),
-                supported: "send one prompt as a string",
+                supported: "send one prompt: a string or a list of token ids",
             });
         }
         Some(_) => return Err(wrong("prompt", "a string")),
@@ -706,10 +722,16 @@ mod tests {
     #[test]
     fn completions_take_one_string_prompt() {
         let c = parse_completion(br#"{"model":"m","prompt":"Once","max_tokens":3}"#).expect("ok");
-        assert_eq!(c.prompt, "Once");
+        assert_eq!(c.prompt, CompletionPrompt::Text("Once".into()));
         assert_eq!(c.common.max_tokens.map(NonZeroU32::get), Some(3));
         parse_completion(br#"{"prompt":["one"]}"#).expect("a list of one");
         assert!(parse_completion(br#"{"prompt":["a","b"]}"#).is_err());
+        let ids = parse_completion(br#"{"prompt":[1,2,3]}"#).expect("token ids");
+        assert_eq!(ids.prompt, CompletionPrompt::Tokens(vec![1, 2, 3]));
+        assert!(parse_completion(br#"{"prompt":[1,-2]}"#).is_err());
+        assert!(parse_completion(br#"{"prompt":[1,4294967296]}"#).is_err());
+        assert!(parse_completion(br#"{"prompt":[1,"a"]}"#).is_err());
+        assert!(parse_completion(br#"{"prompt":[]}"#).is_err());
         assert!(parse_completion(br#"{"prompt":"x","echo":true}"#).is_err());
         assert!(
             parse_completion(br#"{"prompt":"x","max_completion_tokens":3}"#).is_err(),

@@ -11,7 +11,7 @@ use crate::engine::{Failure, SubmitError};
 use crate::model::SeqFailure;
 use crate::sampling::SamplingError;
 
-use super::proto::{ERROR_CODE_KEY, REFUSED_BY_KEY};
+use super::proto::{REFUSED_BY_KEY, error_code_status};
 
 /// Why a `GenerateRequest` is malformed. One variant per rule; messages a caller can act on.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -148,10 +148,7 @@ pub fn status(err: &ServeError) -> Status {
             "the engine is not running".into(),
         ),
     };
-    let mut status = Status::new(code, message);
-    status
-        .metadata_mut()
-        .insert(ERROR_CODE_KEY, MetadataValue::from_static(tag));
+    let mut status = error_code_status(code, message, tag);
     if let ServeError::Submit(
         SubmitError::ContextLengthExceeded { .. } | SubmitError::QueueFull { .. },
     ) = err

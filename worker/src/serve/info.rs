@@ -39,6 +39,31 @@ pub fn describe(
     }
 }
 
+/// The Info (identity, special tokens, chat template) and tokenizer of a GGUF file, read
+/// without loading its weights: for a gateway that fronts a server of the same model over
+/// another protocol and tokenizes itself.
+pub fn describe_file(path: &Path) -> Result<(proto::InfoResponse, proto::TokenizerData), String> {
+    let shown = path.display();
+    let g = Gguf::open(path).map_err(|e| format!("{shown}: {e}"))?;
+    let tokenizer = Tokenizer::from_gguf(&g).map_err(|e| format!("{shown}: {e}"))?;
+    let name = g.get_str("general.name").unwrap_or("model").to_owned();
+    let model_id = model_id(&name, path).map_err(|e| format!("{shown}: {e}"))?;
+    let info = proto::InfoResponse {
+        model_id,
+        model_name: name,
+        architecture: g.get_str("general.architecture").unwrap_or("").to_owned(),
+        vocab_size: u32::try_from(tokenizer.vocab_size()).unwrap_or(u32::MAX),
+        bos_token_id: tokenizer.bos(),
+        eos_token_id: tokenizer.eos(),
+        chat_template: g
+            .get_str("tokenizer.chat_template")
+            .unwrap_or("")
+            .to_owned(),
+        ..proto::InfoResponse::default()
+    };
+    Ok((info, tokenizer_data(&g)))
+}
+
 /// Fills in the measured limits.
 pub fn set_capacity(info: &mut proto::InfoResponse, capacity: Capacity) {
     info.context_length = capacity.served_context as u64;

@@ -16,7 +16,7 @@ mod actor;
 mod admin;
 mod disagg;
 mod error;
-mod info;
+pub mod info;
 mod kvplane;
 mod metrics;
 pub mod proto;

@@ -28,6 +28,16 @@ pub use generated::{
 /// The metadata key of the machine-readable error code on every error status the worker sends.
 pub const ERROR_CODE_KEY: &str = "bulkhead-error-code";
 
+/// A status carrying the machine-readable error code `tag` (see the proto's table).
+pub fn error_code_status(code: tonic::Code, message: String, tag: &'static str) -> tonic::Status {
+    let mut status = tonic::Status::new(code, message);
+    status.metadata_mut().insert(
+        ERROR_CODE_KEY,
+        tonic::metadata::MetadataValue::from_static(tag),
+    );
+    status
+}
+
 /// The machine-readable error code of a status the worker sent (see the proto's table).
 pub fn error_code(status: &tonic::Status) -> Option<&str> {
     status.metadata().get(ERROR_CODE_KEY)?.to_str().ok()

@@ -1,0 +1,400 @@
+//! OpenAI-compatible HTTP upstreams (vLLM, SGLang, llama.cpp's server, another Bulkhead
+//! gateway). The gateway tokenizes, admits and audits exactly as for its own workers, then
+//! sends the token ids as one streaming `POST /v1/completions` and reads the SSE stream back
+//! as the worker protocol's tokens and `Done`. Upstream errors become statuses with the worker
+//! protocol's error codes, so one table maps both kinds of upstream onto the API's errors.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::time::Duration;
+
+use bulkhead_worker::serve::proto::{
+    Done, FinishReason, GenerateRequest, GenerateResponse, Item, Prompt, Token, error_code_status,
+};
+use bytes::Bytes;
+use futures_util::{Stream, StreamExt as _};
+use serde_json::{Value, json};
+use tonic::{Code, Status};
+
+/// Bound on a health probe.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+/// Bound on connecting to the upstream.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// The longest SSE event or error body the gateway reads; longer is a protocol error.
+const MAX_EVENT_BYTES: usize = 1 << 20;
+
+/// One OpenAI-compatible server and the model name it is asked for.
+#[derive(Debug)]
+pub struct OpenAiClient {
+    base: String,
+    model: String,
+    key: Option<String>,
+    http: reqwest::Client,
+}
+
+type Body = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
+
+/// A streaming completion in progress.
+pub struct SseStream {
+    body: Body,
+    buf: Vec<u8>,
+    /// Parsed items not yet returned.
+    ready: VecDeque<GenerateResponse>,
+    finish: FinishReason,
+    usage: Option<(u32, u32)>,
+    prompt_tokens: u32,
+    chunks: u32,
+    ended: bool,
+}
+
+impl std::fmt::Debug for SseStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SseStream")
+            .field("ended", &self.ended)
+            .finish_non_exhaustive()
+    }
+}
+
+impl OpenAiClient {
+    /// A client for the server at `base` (`http://host:port`), asking for `model`, with the
+    /// upstream's own API key when it needs one.
+    pub fn new(base: &str, model: &str, key: Option<String>) -> Result<OpenAiClient, String> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(CONNECT_TIMEOUT)
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| e.to_string())?;
+        Ok(OpenAiClient {
+            base: base.trim_end_matches('/').to_owned(),
+            model: model.to_owned(),
+            key,
+            http,
+        })
+    }
+
+    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let r = self.http.request(method, format!("{}{path}", self.base));
+        match &self.key {
+            Some(k) => r.bearer_auth(k),
+            None => r,
+        }
+    }
+
+    /// Whether the server answers `GET /v1/models` and lists the model.
+    pub async fn health(&self) -> Result<(), String> {
+        let probe = async {
+            let r = self
+                .request(reqwest::Method::GET, "/v1/models")
+                .send()
+                .await
+                .map_err(|e| format!("GET /v1/models: {e}"))?;
+            let status = r.status();
+            let body = read_bounded(r).await?;
+            if !status.is_success() {
+                return Err(format!("GET /v1/models answered {status}"));
+            }
+            let listed: Value = serde_json::from_slice(&body)
+                .map_err(|e| format!("GET /v1/models is not JSON: {e}"))?;
+            let found = listed["data"]
+                .as_array()
+                .is_some_and(|d| d.iter().any(|m| m["id"] == self.model.as_str()));
+            if found {
+                Ok(())
+            } else {
+                Err(format!("GET /v1/models does not list {:?}", self.model))
+            }
+        };
+        tokio::time::timeout(PROBE_TIMEOUT, probe)
+            .await
+            .unwrap_or_else(|_| Err(format!("no answer within {} s", PROBE_TIMEOUT.as_secs())))
+    }
+
+    /// Starts the completion; a refusal or transport failure is a status with the worker
+    /// protocol's error code.
+    pub async fn generate(&self, request: GenerateRequest) -> Result<SseStream, Status> {
+        let Some(Prompt::Tokens(prompt)) = request.prompt else {
+            return Err(Status::internal("the gateway sends token prompts only"));
+        };
+        let sampling = request.sampling.unwrap_or_default();
+        let mut body = json!({
+            "model": self.model,
+            "prompt": prompt.ids,
+            "max_tokens": request.max_new_tokens,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        });
+        let fields = [
+            ("temperature", Some(Value::from(sampling.temperature))),
+            ("top_p", sampling.top_p.map(Value::from)),
+            ("seed", sampling.seed.map(Value::from)),
+            (
+                "stop",
+                (!request.stop.is_empty()).then(|| Value::from(request.stop.clone())),
+            ),
+        ];
+        for (name, value) in fields {
+            if let Some(v) = value {
+                body[name] = v;
+            }
+        }
+        let response = self
+            .request(reqwest::Method::POST, "/v1/completions")
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .map_err(|e| Status::unavailable(format!("the upstream is unreachable: {e}")))?;
+        let status = response.status();
+        if !status.is_success() {
+            let text = read_bounded(response).await.unwrap_or_default();
+            return Err(refusal(status.as_u16(), &text));
+        }
+        Ok(SseStream {
+            body: Box::pin(response.bytes_stream()),
+            buf: Vec::new(),
+            ready: VecDeque::new(),
+            finish: FinishReason::Stop,
+            usage: None,
+            prompt_tokens: u32::try_from(prompt.ids.len()).unwrap_or(u32::MAX),
+            chunks: 0,
+            ended: false,
+        })
+    }
+}
+
+async fn read_bounded(mut response: reqwest::Response) -> Result<Vec<u8>, String> {
+    let mut out = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(|e| e.to_string())? {
+        if out.len() + chunk.len() > MAX_EVENT_BYTES {
+            return Err(format!(
+                "the upstream's answer exceeds {MAX_EVENT_BYTES} bytes"
+            ));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out)
+}
+
+/// The status for an upstream's error answer, coded like the worker protocol's.
+fn refusal(status: u16, body: &[u8]) -> Status {
+    let parsed: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let message = parsed["error"]["message"]
+        .as_str()
+        .unwrap_or("the upstream refused the request")
+        .chars()
+        .take(1000)
+        .collect::<String>();
+    let code = parsed["error"]["code"].as_str().unwrap_or_default();
+    match status {
+        400 if code == "context_length_exceeded" => {
+            error_code_status(Code::InvalidArgument, message, "context_length_exceeded")
+        }
+        400 | 404 | 413 | 422 => {
+            error_code_status(Code::InvalidArgument, message, "invalid_request_error")
+        }
+        429 => error_code_status(Code::ResourceExhausted, message, "rate_limit_exceeded"),
+        // A key the upstream refuses is the gateway's misconfiguration, not the client's.
+        401 | 403 => error_code_status(
+            Code::Internal,
+            "the upstream refused the gateway's key".to_owned(),
+            "internal_error",
+        ),
+        _ => Status::unavailable(format!("the upstream answered {status}: {message}")),
+    }
+}
+
+impl SseStream {
+    /// The next token or the closing `Done`; `None` after it.
+    pub async fn message(&mut self) -> Result<Option<GenerateResponse>, Status> {
+        loop {
+            if let Some(item) = self.ready.pop_front() {
+                return Ok(Some(item));
+            }
+            if self.ended {
+                return Ok(None);
+            }
+            if let Some(event) = self.next_event() {
+                self.parse(&event)?;
+                continue;
+            }
+            match self.body.next().await {
+                Some(Ok(bytes)) => {
+                    self.buf.extend_from_slice(&bytes);
+                    if self.buf.len() > MAX_EVENT_BYTES {
+                        return Err(Status::internal("an upstream SSE event is too long"));
+                    }
+                }
+                Some(Err(e)) => {
+                    return Err(Status::unavailable(format!(
+                        "the upstream's stream broke: {e}"
+                    )));
+                }
+                None => {
+                    return Err(Status::unavailable(
+                        "the upstream's stream ended before [DONE]",
+                    ));
+                }
+            }
+        }
+    }
+
+    /// The next complete event's data, removed from the buffer.
+    fn next_event(&mut self) -> Option<String> {
+        let (at, sep) = [&b"\n\n"[..], b"\r\n\r\n"]
+            .iter()
+            .filter_map(|sep| {
+                self.buf
+                    .windows(sep.len())
+                    .position(|w| w == *sep)
+                    .map(|i| (i, sep.len()))
+            })
+            .min()?;
+        let event: Vec<u8> = self.buf.drain(..at + sep).collect();
+        let text = String::from_utf8_lossy(&event[..at]);
+        let data: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .map(str::trim_start)
+            .collect();
+        Some(data.join("\n"))
+    }
+
+    fn parse(&mut self, data: &str) -> Result<(), Status> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        if data == "[DONE]" {
+            let (prompt_tokens, completion_tokens) =
+                self.usage.unwrap_or((self.prompt_tokens, self.chunks));
+            self.ready.push_back(GenerateResponse {
+                item: Some(Item::Done(Done {
+                    finish_reason: self.finish.into(),
+                    prompt_tokens,
+                    completion_tokens,
+                    text_tail: String::new(),
+                })),
+            });
+            self.ended = true;
+            return Ok(());
+        }
+        let chunk: Value = serde_json::from_str(data)
+            .map_err(|e| Status::internal(format!("an upstream SSE event is not JSON: {e}")))?;
+        if !chunk["error"].is_null() {
+            return Err(Status::unavailable(format!(
+                "the upstream failed mid-stream: {}",
+                chunk["error"]["message"].as_str().unwrap_or("no message")
+            )));
+        }
+        if let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) {
+            let n = |k: &str| usage[k].as_u64().and_then(|v| u32::try_from(v).ok());
+            if let (Some(p), Some(c)) = (n("prompt_tokens"), n("completion_tokens")) {
+                self.usage = Some((p, c));
+            }
+        }
+        if let Some(choice) = chunk["choices"].get(0) {
+            if let Some(text) = choice["text"].as_str().filter(|t| !t.is_empty()) {
+                self.chunks += 1;
+                self.ready.push_back(GenerateResponse {
+                    item: Some(Item::Token(Token {
+                        text: text.to_owned(),
+                        ..Token::default()
+                    })),
+                });
+            }
+            match choice["finish_reason"].as_str() {
+                Some("length") => self.finish = FinishReason::Length,
+                Some(_) => self.finish = FinishReason::Stop,
+                None => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bulkhead_worker::serve::proto::error_code;
+
+    fn stream(chunks: &[&str]) -> SseStream {
+        let owned: Vec<reqwest::Result<Bytes>> = chunks
+            .iter()
+            .map(|c| Ok(Bytes::from(c.to_string())))
+            .collect();
+        SseStream {
+            body: Box::pin(futures_util::stream::iter(owned)),
+            buf: Vec::new(),
+            ready: VecDeque::new(),
+            finish: FinishReason::Stop,
+            usage: None,
+            prompt_tokens: 3,
+            chunks: 0,
+            ended: false,
+        }
+    }
+
+    async fn drain(mut s: SseStream) -> Result<(String, Done), Status> {
+        let mut text = String::new();
+        loop {
+            match s.message().await?.and_then(|m| m.item) {
+                Some(Item::Token(t)) => text.push_str(&t.text),
+                Some(Item::Done(d)) => return Ok((text, d)),
+                None => return Err(Status::internal("ended without Done")),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn events_split_anywhere_become_tokens_and_done_with_usage() {
+        let s = stream(&[
+            "data: {\"choices\":[{\"text\":\"Hel\",\"finish_reason\":null}]}\n",
+            "\ndata: {\"choices\":[{\"text\":\"lo\",\"finish_reason\":\"length\"}]}\r\n\r\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2}}\n\n",
+            "data: [DONE]\n\n",
+        ]);
+        let (text, done) = drain(s).await.expect("a complete stream");
+        assert_eq!(text, "Hello");
+        assert_eq!(done.finish_reason, i32::from(FinishReason::Length));
+        assert_eq!((done.prompt_tokens, done.completion_tokens), (5, 2));
+    }
+
+    #[tokio::test]
+    async fn a_stream_cut_before_done_or_with_garbage_is_an_error_not_a_success() {
+        let cut = stream(&["data: {\"choices\":[{\"text\":\"a\"}]}\n\n"]);
+        let e = drain(cut).await.expect_err("no [DONE]");
+        assert_eq!(e.code(), Code::Unavailable);
+        let garbage = stream(&["data: {not json\n\n"]);
+        assert!(drain(garbage).await.is_err());
+        let failed = stream(&["data: {\"error\":{\"message\":\"boom\"}}\n\n"]);
+        assert_eq!(
+            drain(failed).await.expect_err("an error event").code(),
+            Code::Unavailable
+        );
+        let endless = stream(&[&"x".repeat(MAX_EVENT_BYTES + 1)]);
+        assert!(
+            drain(endless).await.is_err(),
+            "an unbounded event is refused"
+        );
+    }
+
+    #[test]
+    fn refusals_carry_the_worker_protocols_codes() {
+        let too_long = refusal(
+            400,
+            br#"{"error":{"message":"too long","code":"context_length_exceeded"}}"#,
+        );
+        assert_eq!(error_code(&too_long), Some("context_length_exceeded"));
+        assert_eq!(error_code(&refusal(429, b"")), Some("rate_limit_exceeded"));
+        assert_eq!(
+            error_code(&refusal(400, b"nonsense")),
+            Some("invalid_request_error")
+        );
+        let down = refusal(502, b"");
+        assert_eq!(down.code(), Code::Unavailable);
+        assert_eq!(
+            error_code(&down),
+            None,
+            "no code: the upstream is in trouble"
+        );
+    }
+}

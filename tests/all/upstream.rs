@@ -1,0 +1,206 @@
+//! An OpenAI-compatible HTTP upstream behind the gateway: gateway A fronts gateway B (a real
+//! OpenAI-compatible server: `bulkhead up` with its workers) through `openai = …`. A
+//! tokenizes, admits, limits and audits; B sees token ids only.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+
+use crate::up::{ADMIN, KEY_A, KEY_B, STARTUP_LIMIT, TempDir, Up, bounded, http, json, sha256_hex};
+
+/// A `bulkhead gateway` process; killed when dropped.
+struct Gateway {
+    child: Child,
+    api: String,
+    admin: String,
+    _dir: TempDir,
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Gateway {
+    /// Fronts `upstream` (an OpenAI-compatible base URL serving `model`), authenticating to
+    /// it with `upstream_key`; its own tenant is tenant-a (`KEY_A`), with `max_context`.
+    fn start(upstream: &str, model: &str, upstream_key: &str, max_context: u32) -> Gateway {
+        let dir = TempDir::new("gw-front");
+        let model_file =
+            std::env::var("BULKHEAD_MODEL").expect("BULKHEAD_MODEL (scripts/fetch-model)");
+        let config = format!(
+            "[listen]\napi = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n\
+             [admin]\ntoken_sha256 = \"{admin}\"\n\
+             [[tenants]]\nid = \"tenant-a\"\nkey_sha256 = [\"{a}\"]\nmax_context = {max_context}\n\
+             max_concurrent = 4\nrequests_per_minute = 600\ntokens_per_minute = 1000000\n\
+             [[workers]]\nname = \"upstream-b\"\nopenai = \"{upstream}\"\nrole = \"both\"\n\
+             model = \"{model}\"\ncontext_length = 2048\ntokenizer = \"{model_file}\"\n\
+             key_env = \"UPSTREAM_KEY\"\n",
+            admin = sha256_hex(ADMIN),
+            a = sha256_hex(KEY_A),
+        );
+        let path = dir.0.join("front.toml");
+        std::fs::write(&path, config).expect("writes the config");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+            .arg("gateway")
+            .arg("--config")
+            .arg(&path)
+            .arg("--data-dir")
+            .arg(dir.0.join("data"))
+            .env("UPSTREAM_KEY", upstream_key)
+            .env("BULKHEAD_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("bulkhead gateway starts");
+        let stdout = child.stdout.take().expect("piped");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(rest) = line.strip_prefix("bulkhead gateway ready ") {
+                    let _ = tx.send(rest.to_owned());
+                }
+            }
+        });
+        let ready = rx
+            .recv_timeout(STARTUP_LIMIT)
+            .expect("the gateway reports ready");
+        let field = |k: &str| {
+            ready
+                .split_whitespace()
+                .find_map(|f| f.strip_prefix(&format!("{k}=")))
+                .expect("address")
+                .to_owned()
+        };
+        Gateway {
+            api: field("api"),
+            admin: field("admin"),
+            child,
+            _dir: dir,
+        }
+    }
+
+    fn wait_routable(&self) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while http(&self.admin, "GET", "/healthz", Some(ADMIN), &[], "").0 != 200 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the front gateway never became healthy"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    }
+}
+
+const CHAT: &str = r#"{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":12,"temperature":0}"#;
+
+#[test]
+fn the_gateway_fronts_an_openai_compatible_server_with_its_own_tenants_admission_and_audit() {
+    bounded(|| {
+        let back = Up::start(&[]);
+        back.wait_routable();
+        let (_, models) = http(&back.api, "GET", "/v1/models", Some(KEY_B), &[], "");
+        let model = json(&models)["data"][0]["id"]
+            .as_str()
+            .expect("a model")
+            .to_owned();
+        let front = Gateway::start(&format!("http://{}", back.api), &model, KEY_B, 1024);
+        front.wait_routable();
+
+        // Greedy: the answer through the front equals the answer straight from the back.
+        let (status, direct) = back.chat(KEY_B, &[], CHAT);
+        assert_eq!(status, 200, "{direct}");
+        let (status, fronted) = http(
+            &front.api,
+            "POST",
+            "/v1/chat/completions",
+            Some(KEY_A),
+            &[],
+            CHAT,
+        );
+        assert_eq!(status, 200, "{fronted}");
+        let text = |b: &str| {
+            json(b)["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        };
+        assert!(!text(&direct).is_empty());
+        assert_eq!(
+            text(&fronted),
+            text(&direct),
+            "same tokens in, same tokens out"
+        );
+        assert_eq!(
+            json(&fronted)["usage"]["completion_tokens"],
+            json(&direct)["usage"]["completion_tokens"]
+        );
+        // Streaming through the front ends with [DONE].
+        let stream = CHAT.replace("\"temperature\":0", "\"temperature\":0,\"stream\":true");
+        let (status, body) = http(
+            &front.api,
+            "POST",
+            "/v1/chat/completions",
+            Some(KEY_A),
+            &[],
+            &stream,
+        );
+        assert_eq!(status, 200);
+        assert!(body.contains("[DONE]"), "{body}");
+
+        // The front's own admission (tenant max_context 1024) refuses before the back is asked.
+        let (_, before) = http(
+            &back.admin,
+            "GET",
+            "/audit/tenant-b?limit=1000",
+            Some(ADMIN),
+            &[],
+            "",
+        );
+        let before = json(&before)["data"].as_array().map_or(0, Vec::len);
+        let long = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":2000}"#;
+        let (status, body) = http(
+            &front.api,
+            "POST",
+            "/v1/chat/completions",
+            Some(KEY_A),
+            &[],
+            long,
+        );
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(json(&body)["error"]["code"], "context_length_exceeded");
+        let (_, after) = http(
+            &back.admin,
+            "GET",
+            "/audit/tenant-b?limit=1000",
+            Some(ADMIN),
+            &[],
+            "",
+        );
+        let after = json(&after)["data"].as_array().map_or(0, Vec::len);
+        assert_eq!(after, before, "the upstream never saw the refused request");
+
+        // The front's audit log names the upstream.
+        let (_, audit) = http(&front.api, "GET", "/v1/audit", Some(KEY_A), &[], "");
+        let records = json(&audit)["data"].as_array().cloned().unwrap_or_default();
+        assert_eq!(records.len(), 3, "{audit}");
+        assert_eq!(
+            records[0]["record"]["bulkhead.workers"]["decode"],
+            "upstream-b"
+        );
+
+        // The upstream goes away: a clear 503, not a hang.
+        drop(back);
+        let (status, body) = http(
+            &front.api,
+            "POST",
+            "/v1/chat/completions",
+            Some(KEY_A),
+            &[],
+            CHAT,
+        );
+        assert_eq!(status, 503, "{body}");
+    });
+}
