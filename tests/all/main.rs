@@ -1,5 +1,7 @@
 //! End-to-end tests of the `bulkhead` binary: one test binary for the whole package.
 
 mod gateway;
+mod netns;
+mod transfer_faults;
 mod worker_grpc;
 mod worker_transport;
