@@ -575,9 +575,7 @@ impl Engine {
                 return Some(frame.into_bytes());
             }
             Received::Manifest(manifest) => {
-                let Some(mut t) = self.transfers.remove(&nonce) else {
-                    return None;
-                };
+                let mut t = self.transfers.remove(&nonce)?;
                 let pool = &self.pool;
                 match t.inbound.finish(&manifest, |page| live_tag(pool, page)) {
                     Ok(done) => self.start_decoding(t, done.first_token),
