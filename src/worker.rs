@@ -8,6 +8,7 @@ use anyhow::Context;
 use bulkhead_kvpool::Scrub;
 use bulkhead_worker::engine::{EngineConfig, KvBudget};
 use bulkhead_worker::loader::LoadedModel;
+use bulkhead_worker::serve::kvplane::SendFault;
 use bulkhead_worker::serve::transport::{KvTransport, TransportConfig};
 use bulkhead_worker::serve::{BoundWorker, RoleConfig, ServeConfig};
 
@@ -31,6 +32,7 @@ pub mod env {
     pub const TRANSFER_BATCH_BYTES: &str = "BULKHEAD_TRANSFER_BATCH_BYTES";
     pub const TRANSFER_TIMEOUT_MS: &str = "BULKHEAD_TRANSFER_TIMEOUT_MS";
     pub const RELEASE_TIMEOUT_MS: &str = "BULKHEAD_RELEASE_TIMEOUT_MS";
+    pub const RECLAIM_AFTER_MS: &str = "BULKHEAD_RECLAIM_AFTER_MS";
     pub const TRANSFER_FLOOR: &str = "BULKHEAD_TRANSFER_FLOOR";
     pub const KV_TRANSPORT: &str = "BULKHEAD_KV_TRANSPORT";
     pub const RDMA_DEVICE: &str = "BULKHEAD_RDMA_DEVICE";
@@ -120,6 +122,14 @@ pub struct Args {
     /// before they are quarantined (milliseconds).
     #[arg(long, env = env::RELEASE_TIMEOUT_MS, default_value_t = 10_000)]
     release_timeout_ms: u64,
+    /// Decode role: how long after a quarantined transfer's peer is known gone (its data
+    /// connection closed) its pages are scrubbed and reused (milliseconds).
+    #[arg(long, env = env::RECLAIM_AFTER_MS, default_value_t = 2_000)]
+    reclaim_after_ms: u64,
+    /// Fault injection for tests (prefill role): stop sending a transfer once this many frames
+    /// are written and hold the connection open, like a live but stuck peer.
+    #[arg(long, hide = true)]
+    fault_stall_after_frames: Option<u32>,
     /// KV data plane: tcp, or rdma (needs a build with --features rdma and an RDMA device;
     /// checked before the model is loaded).
     #[arg(long, env = env::KV_TRANSPORT, value_enum, default_value_t = KvTransportArg::Tcp)]
@@ -151,6 +161,9 @@ impl Args {
             Role::Prefill => RoleConfig::Prefill {
                 batch_bytes: usize::try_from(self.transfer_batch_bytes)
                     .context("--transfer-batch-bytes is too large")?,
+                fault: self
+                    .fault_stall_after_frames
+                    .map(SendFault::StallAfterFrames),
             },
             Role::Decode => RoleConfig::Decode {
                 prefill: self
@@ -184,6 +197,7 @@ impl Args {
                 transfer_timeout: Duration::from_millis(self.transfer_timeout_ms),
                 transfer_floor_bytes_per_s: self.transfer_floor,
                 release_timeout: Duration::from_millis(self.release_timeout_ms),
+                reclaim_after: Duration::from_millis(self.reclaim_after_ms),
             },
         })
     }
@@ -343,7 +357,8 @@ mod tests {
         assert_eq!(
             cli.args.config().expect("valid").role,
             RoleConfig::Prefill {
-                batch_bytes: 1 << 20
+                batch_bytes: 1 << 20,
+                fault: None,
             }
         );
         let cli = Cli::try_parse_from(["x", "--kv-memory", "1GiB", "--kv-tokens", "5"]);

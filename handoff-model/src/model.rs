@@ -25,6 +25,9 @@ pub enum Action {
     Retry(ReqIdx),
     /// Decode gives up waiting for a drain ack: the session's pages go to quarantine.
     DrainTimeout(Nonce),
+    /// A quarantined session's pages go back (zeroed): nothing of the session is in flight
+    /// and prefill will send no more (its transport closed, or it acknowledged the drain).
+    Reclaim(Nonce),
     /// Prefill sends the session's next frame, or its manifest once every frame is out.
     PrefillSend(Nonce),
     /// The transport between decode and prefill is torn down (once, for good).
@@ -47,6 +50,7 @@ impl fmt::Display for Action {
             Self::Finish(r) => write!(f, "{r} finishes"),
             Self::Retry(r) => write!(f, "client retries {r}"),
             Self::DrainTimeout(n) => write!(f, "drain timeout for {n}"),
+            Self::Reclaim(n) => write!(f, "reclaim the quarantine of {n}"),
             Self::PrefillSend(n) => write!(f, "prefill sends next message of {n}"),
             Self::Teardown => write!(f, "transport teardown"),
             Self::Deliver(m) => write!(f, "deliver {m}"),
@@ -102,6 +106,7 @@ impl HandoffModel {
             duplicates_left: self.config.duplicates,
             corruptions_left: self.config.corruptions,
             late_write: None,
+            reclaimed: false,
         }
     }
 
@@ -170,7 +175,7 @@ impl HandoffModel {
 
     /// Verification failed: quarantine, close the session, tell prefill to stop.
     fn fail_integrity(&self, s: &mut State, nonce: Nonce) {
-        self.move_pages(s, nonce, Holder::Quarantined);
+        self.move_pages(s, nonce, Holder::Quarantined(nonce));
         s.remove_session(nonce);
         Self::end_attempt(s, nonce, Outcome::IntegrityFailure);
         s.net.send(Msg::Abort { nonce });
@@ -459,6 +464,23 @@ impl Model for HandoffModel {
                 actions.push(Action::PrefillSend(*nonce));
             }
         }
+        let mut quarantines: Vec<Nonce> = s
+            .pages
+            .iter()
+            .filter_map(|p| match p.holder {
+                Holder::Quarantined(n) => Some(n),
+                Holder::Free | Holder::Held(..) => None,
+            })
+            .collect();
+        quarantines.sort_unstable();
+        quarantines.dedup();
+        for nonce in quarantines {
+            let quiet = !s.net.carries(nonce)
+                && !matches!(s.prefill_session(nonce), Some(PfSession::Sending { .. }));
+            if quiet {
+                actions.push(Action::Reclaim(nonce));
+            }
+        }
         if self.config.teardown && s.transport_up {
             actions.push(Action::Teardown);
         }
@@ -490,8 +512,20 @@ impl Model for HandoffModel {
             Action::Finish(r) => self.finish(&mut s, r),
             Action::Retry(r) => s.requests[r.index()].status = ReqStatus::Waiting,
             Action::DrainTimeout(nonce) => {
-                self.move_pages(&mut s, nonce, Holder::Quarantined);
+                self.move_pages(&mut s, nonce, Holder::Quarantined(nonce));
                 s.remove_session(nonce);
+            }
+            Action::Reclaim(nonce) => {
+                let zero = self.config.variant.zeroes_on_release();
+                for p in &mut s.pages {
+                    if p.holder == Holder::Quarantined(nonce) {
+                        p.holder = Holder::Free;
+                        if zero {
+                            p.contents = Contents::Zero;
+                        }
+                    }
+                }
+                s.reclaimed = true;
             }
             Action::PrefillSend(nonce) => Self::prefill_send(&mut s, nonce),
             Action::Teardown => self.teardown(&mut s),

@@ -66,6 +66,19 @@ pub enum Msg {
 }
 
 impl Msg {
+    /// The session the message belongs to.
+    #[must_use]
+    pub fn nonce(&self) -> Nonce {
+        match self {
+            Self::Prefill { nonce, .. }
+            | Self::Abort { nonce }
+            | Self::Reject { nonce }
+            | Self::Frame { nonce, .. }
+            | Self::Manifest { nonce, .. }
+            | Self::DrainAck { nonce } => *nonce,
+        }
+    }
+
     /// Whether the message travels from prefill to decode.
     #[must_use]
     pub fn to_decode(&self) -> bool {
@@ -147,6 +160,12 @@ impl Network {
     /// Drops every message in flight (the transport was torn down).
     pub fn clear(&mut self) {
         self.in_flight.clear();
+    }
+
+    /// Whether any message of session `nonce` is in flight.
+    #[must_use]
+    pub fn carries(&self, nonce: Nonce) -> bool {
+        self.in_flight.keys().any(|m| m.nonce() == nonce)
     }
 
     /// Whether nothing is in flight.

@@ -21,6 +21,8 @@ pub const SOME_REQUEST_COMMITS: &str = "some_request_commits";
 pub const SOME_REQUEST_REJECTED: &str = "some_request_rejected";
 /// Name of the "some page is allocated twice" example.
 pub const SOME_PAGE_REUSED: &str = "some_page_reused";
+/// Name of the "some quarantine is reclaimed" example.
+pub const SOME_QUARANTINE_RECLAIMED: &str = "some_quarantine_reclaimed";
 
 /// The always-properties a correct protocol must keep.
 pub const SAFETY: [&str; 4] = [
@@ -31,10 +33,11 @@ pub const SAFETY: [&str; 4] = [
 ];
 
 /// The sometimes-properties that show the model is not vacuous.
-pub const EXAMPLES: [&str; 3] = [
+pub const EXAMPLES: [&str; 4] = [
     SOME_REQUEST_COMMITS,
     SOME_REQUEST_REJECTED,
     SOME_PAGE_REUSED,
+    SOME_QUARANTINE_RECLAIMED,
 ];
 
 pub(crate) fn all() -> Vec<Property<HandoffModel>> {
@@ -48,6 +51,7 @@ pub(crate) fn all() -> Vec<Property<HandoffModel>> {
         Property::sometimes(SOME_REQUEST_COMMITS, |_, s| some_request_commits(s)),
         Property::sometimes(SOME_REQUEST_REJECTED, |_, s| some_request_rejected(s)),
         Property::sometimes(SOME_PAGE_REUSED, |_, s| some_page_reused(s)),
+        Property::sometimes(SOME_QUARANTINE_RECLAIMED, |_, s: &State| s.reclaimed),
     ]
 }
 
@@ -123,7 +127,7 @@ pub fn ownership(s: &State) -> bool {
             .filter(|x| x.table.iter().any(|e| e.page.index() == i))
             .map(|x| x.nonce);
         match page.holder {
-            Holder::Free | Holder::Quarantined => claims.next().is_none(),
+            Holder::Free | Holder::Quarantined(_) => claims.next().is_none(),
             Holder::Held(owner, _) => claims.next() == Some(owner) && claims.next().is_none(),
         }
     })

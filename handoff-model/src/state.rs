@@ -17,8 +17,9 @@ pub enum Contents {
 pub enum Holder {
     /// On the free list.
     Free,
-    /// Set aside after a timeout or an integrity failure; never reused in the model.
-    Quarantined,
+    /// Set aside after a drain timeout or an integrity failure of this session; back to the
+    /// free list (zeroed) only by a `Reclaim` once nothing of the session can arrive.
+    Quarantined(Nonce),
     /// Held by one session's lifecycle object.
     Held(Nonce, Hold),
 }
@@ -168,6 +169,8 @@ pub struct State {
     /// Ghost: the first write of a session's bytes into a page that was not held by that
     /// session at that moment (I4).
     pub late_write: Option<(Nonce, PageIdx)>,
+    /// Ghost: some quarantine was reclaimed (saturates at 1).
+    pub reclaimed: bool,
 }
 
 impl State {

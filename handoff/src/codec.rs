@@ -17,7 +17,8 @@ use crate::message::{CloseReason, Frame, FrameHeader, Manifest, Message, Session
 
 const MAGIC: [u8; 4] = *b"BHKV";
 pub const VERSION: u8 = 1;
-const HEADER: usize = 24;
+/// Bytes every message starts with.
+pub const HEADER: usize = 24;
 const FRAME_FIELDS: usize = 32;
 const MANIFEST_FIELDS: usize = 20;
 
@@ -64,14 +65,7 @@ pub fn encode(m: &Message, out: &mut Vec<u8>) {
 
 /// Appends the encoding of a frame (as [`encode`] of `Message::Frame`, without moving it).
 pub fn encode_frame(f: &Frame, out: &mut Vec<u8>) {
-    let h = &f.header;
-    header(1, &h.nonce, out);
-    out.extend_from_slice(&h.index.to_le_bytes());
-    out.extend_from_slice(&h.tag.get().to_le_bytes());
-    out.extend_from_slice(&h.tokens.start.to_le_bytes());
-    out.extend_from_slice(&h.tokens.end.to_le_bytes());
-    out.extend_from_slice(&h.checksum.to_le_bytes());
-    out.extend_from_slice(&(f.bytes.len() as u32).to_le_bytes());
+    out.extend_from_slice(&frame_head(&f.header, f.bytes.len() as u32));
     out.extend_from_slice(&f.bytes);
 }
 
@@ -81,10 +75,35 @@ fn header(kind: u8, nonce: &SessionNonce, out: &mut Vec<u8>) {
     out.extend_from_slice(&nonce.0);
 }
 
-/// Reads one message from the front of `buf`: `Ok(Some((message, bytes used)))`, `Ok(None)`
-/// when `buf` holds only part of one, or an error. Frames longer than `max_frame_bytes` are
-/// refused before their bytes are awaited.
-pub fn decode(buf: &[u8], max_frame_bytes: u32) -> Result<Option<(Message, usize)>, CodecError> {
+/// The front of a message: a frame's header (its bytes follow on the wire), or a whole
+/// message of another kind.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Head {
+    /// A frame whose `len` bytes follow the header.
+    Frame { header: FrameHeader, len: u32 },
+    /// A manifest or `Closed`: nothing follows.
+    Whole(Message),
+}
+
+/// Bytes of a frame's head on the wire (before its bytes); the most [`decode_head`] ever needs.
+pub const FRAME_HEAD: usize = HEADER + FRAME_FIELDS;
+
+/// The length of the head of a message whose first [`HEADER`] bytes are `prefix`: what
+/// [`decode_head`] needs to decide. `None` for an unknown kind (which `decode_head` refuses).
+pub fn head_len(prefix: &[u8; HEADER]) -> Option<usize> {
+    match prefix[5] {
+        1 => Some(FRAME_HEAD),
+        2 => Some(HEADER + MANIFEST_FIELDS),
+        3 => Some(HEADER + 1),
+        _ => None,
+    }
+}
+
+/// Reads the head of one message from the front of `buf`: `Ok(Some((head, bytes used)))`,
+/// `Ok(None)` when `buf` holds only part of it, or an error. A frame's bytes are not read:
+/// the caller reads them straight into their buffer. Frames longer than `max_frame_bytes`
+/// are refused before their bytes are awaited.
+pub fn decode_head(buf: &[u8], max_frame_bytes: u32) -> Result<Option<(Head, usize)>, CodecError> {
     let Some(head) = buf.get(..HEADER) else {
         return Ok(None);
     };
@@ -118,9 +137,6 @@ pub fn decode(buf: &[u8], max_frame_bytes: u32) -> Result<Option<(Message, usize
                     limit: max_frame_bytes,
                 });
             }
-            let Some(bytes) = body.get(FRAME_FIELDS..FRAME_FIELDS + len as usize) else {
-                return Ok(None);
-            };
             let header = FrameHeader {
                 nonce,
                 index: u32_at(f, 0),
@@ -128,13 +144,7 @@ pub fn decode(buf: &[u8], max_frame_bytes: u32) -> Result<Option<(Message, usize
                 tokens: start..end,
                 checksum: u64_at(f, 20),
             };
-            Ok(Some((
-                Message::Frame(Frame {
-                    header,
-                    bytes: bytes.to_vec(),
-                }),
-                HEADER + FRAME_FIELDS + len as usize,
-            )))
+            Ok(Some((Head::Frame { header, len }, FRAME_HEAD)))
         }
         2 => {
             let Some(f) = body.get(..MANIFEST_FIELDS) else {
@@ -147,7 +157,10 @@ pub fn decode(buf: &[u8], max_frame_bytes: u32) -> Result<Option<(Message, usize
                 digest: u64_at(f, 8),
                 first_token: u32_at(f, 16),
             };
-            Ok(Some((Message::Manifest(m), HEADER + MANIFEST_FIELDS)))
+            Ok(Some((
+                Head::Whole(Message::Manifest(m)),
+                HEADER + MANIFEST_FIELDS,
+            )))
         }
         3 => {
             let Some(&r) = body.first() else {
@@ -159,10 +172,51 @@ pub fn decode(buf: &[u8], max_frame_bytes: u32) -> Result<Option<(Message, usize
                 2 => CloseReason::Failed,
                 other => return Err(CodecError::CloseReason(other)),
             };
-            Ok(Some((Message::Closed { nonce, reason }, HEADER + 1)))
+            Ok(Some((
+                Head::Whole(Message::Closed { nonce, reason }),
+                HEADER + 1,
+            )))
         }
         other => Err(CodecError::Kind(other)),
     }
+}
+
+/// Reads one message from the front of `buf`: `Ok(Some((message, bytes used)))`, `Ok(None)`
+/// when `buf` holds only part of one, or an error. Frames longer than `max_frame_bytes` are
+/// refused before their bytes are awaited.
+pub fn decode(buf: &[u8], max_frame_bytes: u32) -> Result<Option<(Message, usize)>, CodecError> {
+    match decode_head(buf, max_frame_bytes)? {
+        None => Ok(None),
+        Some((Head::Whole(m), used)) => Ok(Some((m, used))),
+        Some((Head::Frame { header, len }, used)) => {
+            let Some(bytes) = buf.get(used..used + len as usize) else {
+                return Ok(None);
+            };
+            let frame = Frame {
+                header,
+                bytes: bytes.to_vec(),
+            };
+            Ok(Some((Message::Frame(frame), used + len as usize)))
+        }
+    }
+}
+
+/// The head of a frame as [`encode_frame`] writes it, for a sender that writes the bytes
+/// from where they lie (a vectored write) instead of copying them behind the head.
+pub fn frame_head(h: &FrameHeader, len: u32) -> [u8; FRAME_HEAD] {
+    let mut out = [0u8; FRAME_HEAD];
+    out[..4].copy_from_slice(&MAGIC);
+    out[4] = VERSION;
+    out[5] = 1;
+    out[8..24].copy_from_slice(&h.nonce.0);
+    let f = &mut out[HEADER..];
+    f[0..4].copy_from_slice(&h.index.to_le_bytes());
+    f[4..12].copy_from_slice(&h.tag.get().to_le_bytes());
+    f[12..16].copy_from_slice(&h.tokens.start.to_le_bytes());
+    f[16..20].copy_from_slice(&h.tokens.end.to_le_bytes());
+    f[20..28].copy_from_slice(&h.checksum.to_le_bytes());
+    f[28..32].copy_from_slice(&len.to_le_bytes());
+    out
 }
 
 fn u32_at(b: &[u8], at: usize) -> u32 {

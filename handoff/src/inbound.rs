@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use bulkhead_kvpool::{PageId, Tag};
 
-use crate::message::{Frame, Manifest, Reservation, digest, frame_checksum, page_tokens_range};
+use crate::message::{CheckedFrame, Manifest, Reservation, digest, page_tokens_range};
 
 /// Where an accepted frame's bytes go.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,6 +44,36 @@ pub enum DropReason {
     Corrupt { index: u32 },
     #[error("frame after the manifest")]
     AfterManifest,
+}
+
+impl DropReason {
+    /// Every [`DropReason::label`], in declaration order.
+    pub const LABELS: [&'static str; 9] = [
+        "wrong_session",
+        "index_out_of_range",
+        "tag_not_reserved",
+        "page_left_session",
+        "wrong_tokens",
+        "wrong_length",
+        "duplicate",
+        "corrupt",
+        "after_manifest",
+    ];
+
+    /// A short name of the reason, for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            DropReason::WrongSession => "wrong_session",
+            DropReason::IndexOutOfRange { .. } => "index_out_of_range",
+            DropReason::TagNotReserved { .. } => "tag_not_reserved",
+            DropReason::PageLeftSession { .. } => "page_left_session",
+            DropReason::WrongTokens { .. } => "wrong_tokens",
+            DropReason::WrongLength { .. } => "wrong_length",
+            DropReason::Duplicate { .. } => "duplicate",
+            DropReason::Corrupt { .. } => "corrupt",
+            DropReason::AfterManifest => "after_manifest",
+        }
+    }
 }
 
 /// Why a transfer may not be committed. The request fails with `kv_integrity_error` and its
@@ -121,7 +151,7 @@ impl Inbound {
     /// receives the bytes.
     pub fn accept(
         &mut self,
-        frame: &Frame,
+        frame: &CheckedFrame,
         current_tag: impl FnOnce(PageId) -> Option<Tag>,
     ) -> Result<Write, DropReason> {
         let verdict = self.judge(frame, current_tag);
@@ -142,10 +172,10 @@ impl Inbound {
 
     fn judge(
         &mut self,
-        frame: &Frame,
+        frame: &CheckedFrame,
         current_tag: impl FnOnce(PageId) -> Option<Tag>,
     ) -> Result<Write, DropReason> {
-        let h = &frame.header;
+        let h = frame.header();
         let r = &self.reservation;
         if h.nonce != r.nonce {
             return Err(DropReason::WrongSession);
@@ -177,17 +207,17 @@ impl Inbound {
             });
         }
         let want_len = (h.tokens.end - h.tokens.start) as usize * r.token_bytes as usize;
-        if frame.bytes.len() != want_len {
+        if frame.bytes().len() != want_len {
             return Err(DropReason::WrongLength {
                 index,
-                got: frame.bytes.len(),
+                got: frame.bytes().len(),
                 want: want_len,
             });
         }
         if self.arrivals[index as usize] != Arrival::Missing {
             return Err(DropReason::Duplicate { index });
         }
-        if frame_checksum(&h.nonce, index, h.tag, &h.tokens, &frame.bytes) != h.checksum {
+        if !frame.intact() {
             return Err(DropReason::Corrupt { index });
         }
         let current = current_tag(slot.page);
@@ -263,7 +293,12 @@ mod tests {
     use bulkhead_kvpool::PageRef;
 
     use super::*;
-    use crate::message::SessionNonce;
+    use crate::message::{Frame, SessionNonce};
+
+    /// A frame as the receive path hands it over: checked.
+    fn c(f: &Frame) -> CheckedFrame {
+        f.clone().check()
+    }
 
     const NONCE: SessionNonce = SessionNonce([3; 16]);
 
@@ -312,7 +347,7 @@ mod tests {
         let r = reservation();
         let fs = frames(&r);
         let mut s = Inbound::new(r);
-        let writes: Vec<Write> = fs.iter().map(|f| s.accept(f, live).unwrap()).collect();
+        let writes: Vec<Write> = fs.iter().map(|f| s.accept(&c(f), live).unwrap()).collect();
         assert_eq!(
             writes[2],
             Write {
@@ -332,7 +367,7 @@ mod tests {
         let r = reservation();
         let fs = frames(&r);
         let mut s = Inbound::new(r);
-        s.accept(&fs[0], live).unwrap();
+        s.accept(&c(&fs[0]), live).unwrap();
         let claimed = Manifest {
             tokens: 1,
             pages: 1,
@@ -347,7 +382,7 @@ mod tests {
         );
         // Even a manifest that lies about the count is caught by coverage.
         let mut s = Inbound::new(reservation());
-        s.accept(&fs[0], live).unwrap();
+        s.accept(&c(&fs[0]), live).unwrap();
         assert_eq!(
             s.finish(&manifest(&fs), live),
             Err(IntegrityFailure::PageMissing { index: 1 })
@@ -360,12 +395,12 @@ mod tests {
         let mut fs = frames(&r);
         fs[1].bytes[0] ^= 1;
         let mut s = Inbound::new(r);
-        assert!(s.accept(&fs[0], live).is_ok());
+        assert!(s.accept(&c(&fs[0]), live).is_ok());
         assert_eq!(
-            s.accept(&fs[1], live),
+            s.accept(&c(&fs[1]), live),
             Err(DropReason::Corrupt { index: 1 })
         );
-        assert!(s.accept(&fs[2], live).is_ok());
+        assert!(s.accept(&c(&fs[2]), live).is_ok());
         assert_eq!(
             s.finish(&manifest(&fs), live),
             Err(IntegrityFailure::ChecksumMismatch { index: 1 })
@@ -385,7 +420,7 @@ mod tests {
             }
         };
         assert_eq!(
-            s.accept(&fs[1], reused),
+            s.accept(&c(&fs[1]), reused),
             Err(DropReason::PageLeftSession {
                 index: 1,
                 current: Some(Tag::new(999))
@@ -400,40 +435,40 @@ mod tests {
         let fs = frames(&r);
         let mut s = Inbound::new(r.clone());
         let other = Frame::new(SessionNonce([4; 16]), 0, Tag::new(70), 0..16, vec![0; 64]);
-        assert_eq!(s.accept(&other, live), Err(DropReason::WrongSession));
+        assert_eq!(s.accept(&c(&other), live), Err(DropReason::WrongSession));
         let stale_tag = Frame::new(NONCE, 0, Tag::new(69), 0..16, vec![0; 64]);
         assert!(matches!(
-            s.accept(&stale_tag, live),
+            s.accept(&c(&stale_tag), live),
             Err(DropReason::TagNotReserved { index: 0, .. })
         ));
         let past_end = Frame::new(NONCE, 3, Tag::new(70), 48..64, vec![0; 64]);
         assert!(matches!(
-            s.accept(&past_end, live),
+            s.accept(&c(&past_end), live),
             Err(DropReason::IndexOutOfRange { index: 3, .. })
         ));
         let short = Frame::new(NONCE, 2, Tag::new(90), 32..40, vec![0; 31]);
         assert!(matches!(
-            s.accept(&short, live),
+            s.accept(&c(&short), live),
             Err(DropReason::WrongLength { index: 2, .. })
         ));
         let shifted = Frame::new(NONCE, 2, Tag::new(90), 33..41, vec![0; 32]);
         assert!(matches!(
-            s.accept(&shifted, live),
+            s.accept(&c(&shifted), live),
             Err(DropReason::WrongTokens { index: 2, .. })
         ));
-        assert!(s.accept(&fs[0], live).is_ok());
+        assert!(s.accept(&c(&fs[0]), live).is_ok());
         assert_eq!(
-            s.accept(&fs[0], live),
+            s.accept(&c(&fs[0]), live),
             Err(DropReason::Duplicate { index: 0 })
         );
         assert_eq!(s.dropped(), 6);
-        s.accept(&fs[1], live).unwrap();
-        s.accept(&fs[2], live).unwrap();
+        s.accept(&c(&fs[1]), live).unwrap();
+        s.accept(&c(&fs[2]), live).unwrap();
         assert_eq!(
             s.finish(&manifest(&fs), live),
             Err(IntegrityFailure::PageDuplicated { index: 0 })
         );
-        assert_eq!(s.accept(&fs[2], live), Err(DropReason::AfterManifest));
+        assert_eq!(s.accept(&c(&fs[2]), live), Err(DropReason::AfterManifest));
     }
 
     #[test]
@@ -442,7 +477,7 @@ mod tests {
         let fs = frames(&r);
         let mut s = Inbound::new(r);
         fs.iter().for_each(|f| {
-            s.accept(f, live).unwrap();
+            s.accept(&c(f), live).unwrap();
         });
         let moved = |p: PageId| if p.get() == 9 { None } else { live(p) };
         assert_eq!(
@@ -460,7 +495,7 @@ mod tests {
         let fs = frames(&r);
         let mut s = Inbound::new(r);
         fs.iter().for_each(|f| {
-            s.accept(f, live).unwrap();
+            s.accept(&c(f), live).unwrap();
         });
         let bad = Manifest {
             digest: 0,

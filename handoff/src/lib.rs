@@ -30,6 +30,6 @@ mod message;
 
 pub use inbound::{Committed, DropReason, Inbound, IntegrityFailure, Write};
 pub use message::{
-    CloseReason, Frame, FrameHeader, Manifest, Message, Reservation, SessionNonce, digest,
-    frame_checksum, page_tokens_range,
+    CheckedFrame, CloseReason, Frame, FrameHeader, Manifest, Message, Received, Reservation,
+    SessionNonce, digest, frame_checksum, page_tokens_range,
 };

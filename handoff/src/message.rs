@@ -88,6 +88,49 @@ impl Frame {
     }
 }
 
+impl Frame {
+    /// Computes the frame's checksum over its header fields and bytes and records the verdict.
+    /// Decode runs this on the task that receives the bytes (while they are hot in cache and
+    /// off the engine thread); [`crate::Inbound::accept`] only takes checked frames.
+    pub fn check(self) -> CheckedFrame {
+        let h = &self.header;
+        let intact = frame_checksum(&h.nonce, h.index, h.tag, &h.tokens, &self.bytes) == h.checksum;
+        CheckedFrame {
+            frame: self,
+            intact,
+        }
+    }
+}
+
+/// A frame whose checksum has been computed ([`Frame::check`]). The verdict can be set no
+/// other way, so a frame cannot reach [`crate::Inbound::accept`] unchecked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckedFrame {
+    frame: Frame,
+    /// Whether the checksum in the header matches the header fields and the bytes.
+    intact: bool,
+}
+
+impl CheckedFrame {
+    pub fn header(&self) -> &FrameHeader {
+        &self.frame.header
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.frame.bytes
+    }
+
+    /// Whether the checksum matched.
+    pub fn intact(&self) -> bool {
+        self.intact
+    }
+
+    /// The frame's bytes, to reuse their buffer.
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.frame.bytes
+    }
+}
+
 /// XXH3-64 over the frame's identifying fields and its bytes: a flipped bit anywhere in the
 /// frame, header included, fails the check.
 pub fn frame_checksum(
@@ -154,6 +197,38 @@ impl Message {
             Message::Frame(f) => f.header.nonce,
             Message::Manifest(m) => m.nonce,
             Message::Closed { nonce, .. } => *nonce,
+        }
+    }
+}
+
+/// A data-plane message as decode's engine takes it: a frame arrives checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Received {
+    Frame(CheckedFrame),
+    Manifest(Manifest),
+    Closed {
+        nonce: SessionNonce,
+        reason: CloseReason,
+    },
+}
+
+impl Received {
+    pub fn nonce(&self) -> SessionNonce {
+        match self {
+            Received::Frame(f) => f.header().nonce,
+            Received::Manifest(m) => m.nonce,
+            Received::Closed { nonce, .. } => *nonce,
+        }
+    }
+}
+
+impl From<Message> for Received {
+    /// Checks a frame's checksum on the calling thread.
+    fn from(m: Message) -> Received {
+        match m {
+            Message::Frame(f) => Received::Frame(f.check()),
+            Message::Manifest(m) => Received::Manifest(m),
+            Message::Closed { nonce, reason } => Received::Closed { nonce, reason },
         }
     }
 }

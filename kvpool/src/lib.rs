@@ -33,7 +33,7 @@ pub use admission::{Admissible, NotNow};
 pub use config::{DEFAULT_PAGE_TOKENS, PoolConfig, Scrub};
 pub use error::{Found, InvariantViolation, Rejected, TagMismatch};
 pub use ids::{PageId, PageRef, RequestId, Tag};
-pub use lifecycle::{Allocation, Releasing, Reservation};
+pub use lifecycle::{Allocation, Quarantined, Releasing, Reservation};
 pub use pool::PagePool;
 pub use state::{PoolState, PoolStats};
 

@@ -11,7 +11,8 @@
 //!                         │  └─ drop / release() ─▶ (scrub) ─▶ free
 //!                         └─ quarantine() ─▶ quarantined
 //!
-//!  quarantined ── PagePool::release_quarantine() (operator action) ─▶ (scrub) ─▶ free
+//!  quarantined ── Quarantined::reclaim() (the writer is known gone) ─▶ (scrub) ─▶ free
+//!              └─ PagePool::release_quarantine() (operator action) ──▶ (scrub) ─▶ free
 //!  (scrub): the scrub queue, emptied by PagePool::scrub_pending(); skipped with Scrub::None
 //! ```
 //!
@@ -22,6 +23,9 @@
 //!   reusable yet and its page table no longer verifies. Only a positive drain
 //!   ([`Releasing::drained`]) frees them; a timeout or a drop (we never learned the drain
 //!   finished) quarantines them.
+//!
+//! - [`Quarantined`]: the pages of one quarantine, to give them back once whoever might still
+//!   write them is known gone. Dropping it leaves them quarantined.
 //!
 //! None of these types is `Clone`, and each holds its pages exclusively: the pool records every
 //! held page as belonging to exactly one of them (invariant I1).
@@ -112,6 +116,7 @@ macro_rules! held_accessors {
 held_accessors!(Reservation);
 held_accessors!(Allocation);
 held_accessors!(Releasing);
+held_accessors!(Quarantined);
 
 /// Pages reserved for a request whose KV is being written. Dropping it releases the pages.
 #[must_use = "dropping a Reservation releases its pages"]
@@ -145,8 +150,8 @@ impl Reservation {
 
     /// The pages' contents are suspect: take them out of service until an operator releases the
     /// quarantine.
-    pub fn quarantine(mut self) {
-        self.0.move_out(Hold::Reserved, Target::Quarantine);
+    pub fn quarantine(mut self) -> Quarantined {
+        Quarantined(self.0.move_out(Hold::Reserved, Target::Quarantine))
     }
 }
 
@@ -177,8 +182,8 @@ impl Allocation {
 
     /// The pages' contents are suspect: take them out of service until an operator releases the
     /// quarantine.
-    pub fn quarantine(mut self) {
-        self.0.move_out(Hold::Owned, Target::Quarantine);
+    pub fn quarantine(mut self) -> Quarantined {
+        Quarantined(self.0.move_out(Hold::Owned, Target::Quarantine))
     }
 }
 
@@ -207,13 +212,35 @@ impl Releasing {
     }
 
     /// The drain did not finish in time: quarantine the pages.
-    pub fn timed_out(mut self) {
-        self.0.move_out(Hold::Releasing, Target::Quarantine);
+    pub fn timed_out(mut self) -> Quarantined {
+        Quarantined(self.0.move_out(Hold::Releasing, Target::Quarantine))
     }
 
     /// Same as [`Releasing::timed_out`], for callers that decide the pages are suspect.
-    pub fn quarantine(self) {
-        self.timed_out();
+    pub fn quarantine(self) -> Quarantined {
+        self.timed_out()
+    }
+}
+
+/// The pages of one quarantine (a transfer that never drained, or suspect contents), with the
+/// tags they had when quarantined. The pool knows them only as quarantined; this handle lets
+/// whoever knows that nothing can write them any more give them back. Dropping it leaves them
+/// quarantined (until [`PagePool::release_quarantine`]).
+pub struct Quarantined(Held);
+
+impl Quarantined {
+    /// Nothing can write these pages any more (the peer that might is known gone): return
+    /// them towards the free list, through the scrub queue if the pool scrubs. Pages an
+    /// operator already released are left alone. Returns how many pages left quarantine.
+    pub fn reclaim(mut self) -> u32 {
+        let pages = mem::take(&mut self.0.pages);
+        self.0.pool.reclaim(&pages)
+    }
+}
+
+impl fmt::Debug for Quarantined {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt("Quarantined", f)
     }
 }
 
@@ -322,6 +349,34 @@ mod tests {
         timed_out.timed_out();
         assert_eq!(pool.quarantined_pages(), 3);
         assert_eq!(pool.free_pages(), 1);
+        pool.check_invariants().expect("invariants hold");
+    }
+
+    #[test]
+    fn a_quarantine_reclaimed_comes_back_through_the_scrub_and_only_its_own_pages() {
+        let pool = pool(4, Scrub::Zero);
+        let first = reserve(&pool, 1, 32).begin_release().timed_out();
+        let second = reserve(&pool, 2, 16).quarantine();
+        assert_eq!(pool.quarantined_pages(), 3);
+        assert_eq!(first.reclaim(), 2);
+        assert_eq!(pool.quarantined_pages(), 1);
+        assert_eq!(
+            pool.stats().pending_scrub,
+            2,
+            "reclaimed pages are scrubbed first"
+        );
+        let mut scrubbed = 0;
+        pool.scrub_pending(|_| scrubbed += 1);
+        assert_eq!((scrubbed, pool.free_pages()), (2, 3));
+        // The operator released the second quarantine and the page was reserved again: a late
+        // reclaim of the old quarantine must not free the new owner's page.
+        let page = second.pages()[0];
+        assert_eq!(pool.release_quarantine(), 1);
+        pool.scrub_pending(|_| {});
+        let again = reserve(&pool, 3, 64);
+        assert!(again.pages().iter().any(|p| p.page == page.page));
+        assert_eq!(second.reclaim(), 0);
+        assert_eq!(pool.stats().reserved, 4);
         pool.check_invariants().expect("invariants hold");
     }
 

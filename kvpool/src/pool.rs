@@ -169,6 +169,12 @@ impl PagePool {
         self.lock().release_quarantine()
     }
 
+    /// Returns the pages of one quarantine towards the free list; see
+    /// [`Quarantined::reclaim`](crate::Quarantined::reclaim).
+    pub(crate) fn reclaim(&self, pages: &[PageRef]) -> u32 {
+        self.lock().reclaim(pages)
+    }
+
     /// Checks the pool's internal invariants (see [`PoolState::check_invariants`]).
     ///
     /// # Errors

@@ -283,19 +283,39 @@ impl PoolState {
     /// Returns every quarantined page towards the free list (through the scrub queue if the
     /// pool scrubs), in page order. Returns how many.
     pub(crate) fn release_quarantine(&mut self) -> u32 {
+        let quarantined: Vec<PageRef> = (0..self.states.len())
+            .filter(|&i| self.states[i] == PageState::Quarantined)
+            .filter_map(|i| {
+                let page = PageId::new(u32::try_from(i).ok()?);
+                Some(PageRef {
+                    page,
+                    tag: self.tags[i],
+                })
+            })
+            .collect();
+        self.reclaim(&quarantined)
+    }
+
+    /// Returns the quarantined pages of `pages` towards the free list (through the scrub queue
+    /// if the pool scrubs). A page counts only if it is still quarantined with the entry's tag:
+    /// a page that left the quarantine since (and was perhaps reserved again, with a new tag)
+    /// is left alone. Returns how many pages left quarantine.
+    pub(crate) fn reclaim(&mut self, pages: &[PageRef]) -> u32 {
         let deferred = self.config.scrub.is_deferred();
         let mut released = 0;
-        for (i, state) in self.states.iter_mut().enumerate() {
-            if *state != PageState::Quarantined {
+        for entry in pages {
+            let i = entry.page.index();
+            let (Some(state), Some(&tag)) = (self.states.get_mut(i), self.tags.get(i)) else {
+                continue;
+            };
+            if *state != PageState::Quarantined || tag != entry.tag {
                 continue;
             }
-            let Ok(index) = u32::try_from(i) else { break };
-            let page = PageId::new(index);
             let next = if deferred {
-                self.scrub.push_back(page);
+                self.scrub.push_back(entry.page);
                 PageState::PendingScrub
             } else {
-                self.free.push_back(page);
+                self.free.push_back(entry.page);
                 PageState::Free
             };
             self.stats.shift(*state, next);

@@ -2,6 +2,8 @@
 
 mod audit;
 mod gateway;
+mod netns;
+mod transfer_faults;
 mod up;
 mod upstream;
 mod worker_grpc;

@@ -4,7 +4,7 @@
 //! prints the bound addresses), runs under a time limit, and kills the worker on the way out.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, mpsc};
@@ -35,13 +35,44 @@ fn model_path() -> PathBuf {
     path
 }
 
+/// Where a worker process runs: in a network namespace or this one, bound to an address, and
+/// reached by the tests at an address.
+pub(crate) struct Place<'a> {
+    /// `ip netns exec` this namespace (`None`: the test's own).
+    pub netns: Option<&'a str>,
+    /// The IP the worker binds its gRPC and admin ports to.
+    pub bind: &'a str,
+    /// Where the test reaches a worker bound to the unspecified address.
+    pub reach: IpAddr,
+}
+
+impl Place<'_> {
+    const LOCAL: Place<'static> = Place {
+        netns: None,
+        bind: "127.0.0.1",
+        reach: IpAddr::V4(Ipv4Addr::LOCALHOST),
+    };
+}
+
 fn command(args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_bulkhead"));
+    command_in(&Place::LOCAL, args)
+}
+
+fn command_in(place: &Place<'_>, args: &[&str]) -> Command {
+    let mut cmd = match place.netns {
+        None => Command::new(env!("CARGO_BIN_EXE_bulkhead")),
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_bulkhead")]);
+            c
+        }
+    };
+    let (listen, admin) = (format!("{}:0", place.bind), format!("{}:0", place.bind));
     cmd.arg("worker")
         .arg("--model")
         .arg(model_path())
-        .args(["--threads", "1", "--listen", "127.0.0.1:0"])
-        .args(["--admin-listen", "127.0.0.1:0"])
+        .args(["--threads", "1", "--listen", &listen])
+        .args(["--admin-listen", &admin])
         .args(args)
         .env_remove("BULKHEAD_LOG")
         .stdin(Stdio::null())
@@ -51,13 +82,13 @@ fn command(args: &[&str]) -> Command {
 }
 
 /// A running worker; killed when dropped.
-struct Worker {
-    child: Child,
-    grpc: SocketAddr,
-    admin: SocketAddr,
+pub(crate) struct Worker {
+    pub child: Child,
+    pub grpc: SocketAddr,
+    pub admin: SocketAddr,
     /// Decode role: the KV data-plane listener.
-    kv: Option<SocketAddr>,
-    stderr: Arc<Mutex<String>>,
+    pub kv: Option<SocketAddr>,
+    pub stderr: Arc<Mutex<String>>,
 }
 
 impl Drop for Worker {
@@ -82,7 +113,7 @@ fn collect(stream: impl Read + Send + 'static) -> Arc<Mutex<String>> {
     text
 }
 
-fn text_of(s: &Mutex<String>) -> String {
+pub(crate) fn text_of(s: &Mutex<String>) -> String {
     s.lock().map(|t| t.clone()).unwrap_or_default()
 }
 
@@ -97,8 +128,15 @@ async fn wait_for_text(s: &Mutex<String>, needle: &str) -> String {
 
 impl Worker {
     /// Starts `bulkhead worker` with `args` and waits for its ready line.
-    fn start(args: &[&str]) -> Worker {
-        let mut child = command(args).spawn().expect("the bulkhead binary starts");
+    pub(crate) fn start(args: &[&str]) -> Worker {
+        Worker::start_in(&Place::LOCAL, args)
+    }
+
+    /// Starts `bulkhead worker` with `args` at `place` and waits for its ready line.
+    pub(crate) fn start_in(place: &Place<'_>, args: &[&str]) -> Worker {
+        let mut child = command_in(place, args)
+            .spawn()
+            .expect("the bulkhead binary starts");
         let stdout = child.stdout.take().expect("stdout is piped");
         let stderr = collect(child.stderr.take().expect("stderr is piped"));
         let (tx, rx) = mpsc::channel();
@@ -125,7 +163,10 @@ impl Worker {
         };
         for field in ready.split_whitespace() {
             let (key, value) = field.split_once('=').expect("key=value");
-            let addr: SocketAddr = value.parse().expect("an address");
+            let mut addr: SocketAddr = value.parse().expect("an address");
+            if addr.ip().is_unspecified() {
+                addr.set_ip(place.reach);
+            }
             match key {
                 "grpc" => worker.grpc = addr,
                 "admin" => worker.admin = addr,
@@ -136,14 +177,21 @@ impl Worker {
         worker
     }
 
-    async fn client(&self) -> WorkerClient<Channel> {
+    pub(crate) async fn client(&self) -> WorkerClient<Channel> {
         WorkerClient::connect(format!("http://{}", self.grpc))
             .await
             .expect("connects to the worker")
     }
 
     /// A plain HTTP/1.1 GET on the admin port: (status line, body).
-    fn admin_get(&self, path: &str) -> (String, String) {
+    /// The worker's `/metrics` text.
+    pub(crate) fn metrics(&self) -> String {
+        let (status, body) = self.admin_get("/metrics");
+        assert!(status.contains(" 200 "), "{status}");
+        body
+    }
+
+    pub(crate) fn admin_get(&self, path: &str) -> (String, String) {
         let mut s = TcpStream::connect(self.admin).expect("connects to the admin port");
         s.set_read_timeout(Some(Duration::from_secs(10)))
             .expect("sets a timeout");
@@ -160,7 +208,29 @@ impl Worker {
     }
 }
 
-async fn health(client: &mut WorkerClient<Channel>) -> proto::HealthResponse {
+/// The value of one series (`name` or `name{labels}`) in a Prometheus exposition.
+pub(crate) fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("{series} missing from /metrics:\n{text}"))
+}
+
+/// The sum of every labelled series of `family`.
+pub(crate) fn metric_sum(text: &str, family: &str) -> f64 {
+    let prefix = format!("{family}{{");
+    text.lines()
+        .filter(|l| l.starts_with(&prefix))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+pub(crate) async fn health(client: &mut WorkerClient<Channel>) -> proto::HealthResponse {
     client
         .health(HealthRequest {})
         .await
@@ -168,11 +238,11 @@ async fn health(client: &mut WorkerClient<Channel>) -> proto::HealthResponse {
         .into_inner()
 }
 
-fn pool(h: &proto::HealthResponse) -> proto::PoolPages {
+pub(crate) fn pool(h: &proto::HealthResponse) -> proto::PoolPages {
     h.pool.expect("health reports the pool")
 }
 
-fn chat(content: &str, max_new_tokens: u32) -> GenerateRequest {
+pub(crate) fn chat(content: &str, max_new_tokens: u32) -> GenerateRequest {
     GenerateRequest {
         request_id: "test".into(),
         tenant: "tenant-a".into(),
@@ -189,7 +259,7 @@ fn chat(content: &str, max_new_tokens: u32) -> GenerateRequest {
     }
 }
 
-async fn bounded<F: std::future::Future<Output = ()>>(f: F) {
+pub(crate) async fn bounded<F: std::future::Future<Output = ()>>(f: F) {
     tokio::time::timeout(TEST_LIMIT, f)
         .await
         .expect("the test finished within its time limit");
@@ -441,7 +511,7 @@ async fn a_full_queue_is_resource_exhausted_with_rate_limit_exceeded() {
 }
 
 /// Streams a request to the end: (text, completion tokens) or the error status.
-async fn run_to_end(
+pub(crate) async fn run_to_end(
     client: &mut WorkerClient<Channel>,
     request: GenerateRequest,
 ) -> Result<(String, u32), tonic::Status> {
@@ -460,7 +530,7 @@ async fn run_to_end(
 }
 
 /// Polls `worker` until every page is free (or waiting for its scrub), within a bound.
-async fn wait_all_pages_back(worker: &Worker) -> proto::PoolPages {
+pub(crate) async fn wait_all_pages_back(worker: &Worker) -> proto::PoolPages {
     let mut client = worker.client().await;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -515,21 +585,22 @@ async fn prefill_and_decode_processes_answer_like_a_colocated_worker() {
             assert_eq!(p.free + p.pending_scrub, p.total, "{p:?}");
             assert_eq!(p.quarantined, 0);
         }
-        let (_, metrics) = decode.admin_get("/metrics");
-        let value = |name: &str| {
-            metrics
-                .lines()
-                .find_map(|l| {
-                    l.strip_prefix(name)
-                        .map(|v| v.trim().parse::<u64>().expect("a number"))
-                })
-                .unwrap_or_else(|| panic!("{name} missing from /metrics"))
-        };
+        let metrics = decode.metrics();
         assert!(
-            value("bulkhead_kv_frames_written_total ") >= 3,
+            metric(&metrics, "bulkhead_kv_frames_written_total") >= 3.0,
             "the prompt's pages came over the data plane"
         );
-        assert_eq!(value("bulkhead_kv_frames_dropped_total "), 0);
+        assert_eq!(
+            metric_sum(&metrics, "bulkhead_kv_frames_dropped_total"),
+            0.0
+        );
+        for (w, side) in [(&decode, "receive"), (&prefill, "send")] {
+            let m = w.metrics();
+            let in_flight = format!("bulkhead_kv_transfers_in_flight{{side=\"{side}\"}}");
+            assert_eq!(metric(&m, &in_flight), 0.0, "{m}");
+            let tokens = format!("bulkhead_kv_in_flight_tokens{{side=\"{side}\"}}");
+            assert_eq!(metric(&m, &tokens), 0.0, "{m}");
+        }
     })
     .await;
 }

@@ -2,7 +2,8 @@
 //! are not vacuous).
 
 use bulkhead_handoff_model::properties::{
-    SAFETY, SOME_PAGE_REUSED, SOME_REQUEST_COMMITS, SOME_REQUEST_REJECTED,
+    SAFETY, SOME_PAGE_REUSED, SOME_QUARANTINE_RECLAIMED, SOME_REQUEST_COMMITS,
+    SOME_REQUEST_REJECTED,
 };
 use bulkhead_handoff_model::{Config, Variant};
 
@@ -33,6 +34,7 @@ fn correct_protocol_never_reads_foreign_bytes_in_the_incident_shape() {
             SOME_REQUEST_COMMITS,
             SOME_REQUEST_REJECTED,
             SOME_PAGE_REUSED,
+            SOME_QUARANTINE_RECLAIMED,
         ],
     );
 }

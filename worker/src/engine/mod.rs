@@ -25,6 +25,7 @@
 //! running request never waits for memory and nothing is ever preempted or truncated.
 
 mod request;
+mod stats;
 mod stops;
 mod transfer;
 
@@ -32,19 +33,20 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::num::NonZeroU32;
 use std::time::{Duration, Instant};
 
-use bulkhead_handoff::{CloseReason, Message, SessionNonce};
+use bulkhead_handoff::{CloseReason, Received, SessionNonce};
 use bulkhead_kernels::attention::{TagCheck, TagView};
 use bulkhead_kvpool::{Admissible, Allocation, PagePool, PoolConfig, RequestId, Scrub};
 
 pub use request::{Delivery, Event, EventSink, Failure, FinishReason, Request, SubmitError, Usage};
+pub use stats::{ABORT_ACK_BUCKETS, DROP_LABELS, FrameDrops, Histogram, TransferStats};
 pub use stops::{StopScan, StopWatch};
-pub use transfer::Outbound;
+pub use transfer::{NotWritten, Outbound, write_frame};
 
 use crate::kv::KvMemory;
 use crate::model::{Model, SeqResult, SeqStep};
 use crate::sampling::Sampler;
 use crate::tokenizer::{Detokenizer, TokenId, Tokenizer};
-use transfer::{Draining, Transfer, live_tag};
+use transfer::{Draining, Suspect, Transfer, live_tag};
 
 /// How much memory the KV pool gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,6 +79,9 @@ pub struct EngineConfig {
     /// Decode role: how long an abandoned transfer's pages wait for the prefill side's drain
     /// acknowledgement before they are quarantined.
     pub release_timeout: Duration,
+    /// Decode role: how long after a quarantined transfer's peer is known gone (its transport
+    /// closed, or its `Closed` came late) its pages are scrubbed and reused.
+    pub reclaim_after: Duration,
 }
 
 impl Default for EngineConfig {
@@ -92,6 +97,7 @@ impl Default for EngineConfig {
             transfer_timeout: Duration::from_secs(30),
             transfer_floor_bytes_per_s: 100_000_000,
             release_timeout: Duration::from_secs(10),
+            reclaim_after: Duration::from_secs(2),
         }
     }
 }
@@ -131,20 +137,6 @@ pub struct Capacity {
     pub model_context: usize,
     /// What this engine serves: never more than `pool_tokens` nor `model_context`.
     pub served_context: usize,
-}
-
-/// Counters of the KV handoff on this engine.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TransferStats {
-    /// Frames admitted and written.
-    pub frames_written: u64,
-    /// Frames dropped: another session's, a page that left the session, bad size or range,
-    /// duplicates, checksum failures, or late frames of an abandoned session.
-    pub frames_dropped: u64,
-    /// Transfers that failed verification.
-    pub integrity_failures: u64,
-    /// Abandoned transfers whose pages were quarantined because no drain acknowledgement came.
-    pub drain_timeouts: u64,
 }
 
 /// The part a request plays on this engine.
@@ -231,6 +223,8 @@ pub struct Engine {
     running: Vec<Running>,
     transfers: HashMap<SessionNonce, Transfer>,
     draining: HashMap<SessionNonce, Draining>,
+    /// Quarantined transfers, until their peer is known gone.
+    suspects: HashMap<SessionNonce, Suspect>,
     stats: TransferStats,
 }
 
@@ -312,6 +306,7 @@ impl Engine {
             running: Vec::new(),
             transfers: HashMap::new(),
             draining: HashMap::new(),
+            suspects: HashMap::new(),
             stats: TransferStats::default(),
         })
     }
@@ -332,8 +327,23 @@ impl Engine {
         &self.pool
     }
 
+    /// The handoff's counters, and its gauges as of now.
     pub fn transfer_stats(&self) -> TransferStats {
-        self.stats
+        let transfers = self.transfers.values();
+        TransferStats {
+            transfers_in_flight: self.transfers.len() as u64,
+            in_flight_tokens: transfers
+                .map(|t| u64::from(t.inbound.reservation().prompt_tokens))
+                .sum(),
+            reserved_tokens: self
+                .transfers
+                .values()
+                .map(|t| t.pages.tokens())
+                .chain(self.running.iter().map(|r| r.pages.tokens()))
+                .sum(),
+            quarantined_sessions: self.suspects.len() as u64,
+            ..self.stats
+        }
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -364,6 +374,7 @@ impl Engine {
             .values()
             .map(|t| t.deadline)
             .chain(self.draining.values().map(|d| d.deadline))
+            .chain(self.suspects.values().filter_map(|s| s.reclaim_at))
             .min()
     }
 
@@ -527,6 +538,7 @@ impl Engine {
             nonce,
             Draining {
                 pages: t.pages.begin_release(),
+                since: Instant::now(),
                 deadline,
             },
         );
@@ -535,39 +547,35 @@ impl Engine {
     /// Decode role: one message of the data plane. Frames are written only into pages their
     /// session still holds with the tags it was given; a manifest commits or fails the
     /// transfer; `Closed` is the drain acknowledgement.
-    pub fn deliver(&mut self, message: Message) {
+    ///
+    /// Returns a frame's buffer once its bytes are written (or dropped), for reuse.
+    pub fn deliver(&mut self, message: impl Into<Received>) -> Option<Vec<u8>> {
+        let message = message.into();
         let nonce = message.nonce();
         match message {
-            Message::Frame(frame) => {
+            Received::Frame(frame) => {
                 let Some(t) = self.transfers.get_mut(&nonce) else {
-                    self.stats.frames_dropped += 1;
-                    return;
+                    self.stats.frames_dropped.add("no_session");
+                    return Some(frame.into_bytes());
                 };
                 let pool = &self.pool;
-                match t.inbound.accept(&frame, |page| live_tag(pool, page)) {
-                    Ok(w) => {
-                        let pt = self.capacity.page_tokens;
-                        let slots =
-                            (w.tokens.start % pt) as usize..((w.tokens.end - 1) % pt + 1) as usize;
-                        match self.kv.write_slots(w.page, slots, &frame.bytes) {
-                            Ok(()) => self.stats.frames_written += 1,
-                            Err(e) => {
-                                // Inbound checked the range and length; this is a bug.
-                                tracing::error!(error = %e, "accepted frame does not fit its page");
-                                self.stats.frames_dropped += 1;
-                            }
-                        }
-                    }
-                    Err(reason) => {
+                match write_frame(&mut t.inbound, &mut self.kv, &frame, |page| {
+                    live_tag(pool, page)
+                }) {
+                    Ok(()) => self.stats.frames_written += 1,
+                    Err(NotWritten::Dropped(reason)) => {
                         tracing::warn!(session = %nonce, %reason, "KV frame dropped");
-                        self.stats.frames_dropped += 1;
+                        self.stats.frames_dropped.add(reason.label());
+                    }
+                    Err(e @ NotWritten::Slots(_)) => {
+                        tracing::error!(error = %e, "KV frame not written");
+                        self.stats.frames_dropped.add("not_written");
                     }
                 }
+                return Some(frame.into_bytes());
             }
-            Message::Manifest(manifest) => {
-                let Some(mut t) = self.transfers.remove(&nonce) else {
-                    return;
-                };
+            Received::Manifest(manifest) => {
+                let mut t = self.transfers.remove(&nonce)?;
                 let pool = &self.pool;
                 match t.inbound.finish(&manifest, |page| live_tag(pool, page)) {
                     Ok(done) => self.start_decoding(t, done.first_token),
@@ -575,13 +583,19 @@ impl Engine {
                         self.stats.integrity_failures += 1;
                         tracing::warn!(session = %nonce, request = %t.request.id, %failure, "KV transfer failed verification");
                         let _ = t.request.sink.emit(Event::Failed(failure.into()));
-                        t.pages.quarantine();
+                        self.suspects
+                            .insert(nonce, Suspect::new(t.pages.quarantine()));
                     }
                 }
             }
-            Message::Closed { reason, .. } => {
+            Received::Closed { reason, .. } => {
                 if let Some(d) = self.draining.remove(&nonce) {
+                    self.stats.abort_ack.observe(d.since.elapsed());
                     d.pages.drained();
+                } else if let Some(s) = self.suspects.get_mut(&nonce) {
+                    // Nothing more of the session can arrive: its pages come back after the
+                    // grace period.
+                    s.peer_gone(Instant::now() + self.config.reclaim_after);
                 } else if let Some(mut t) = self.transfers.remove(&nonce) {
                     // Closed before a manifest: nothing more of this session can arrive.
                     let why = match reason {
@@ -597,6 +611,7 @@ impl Engine {
                 }
             }
         }
+        None
     }
 
     /// Decode role: the prefill worker refused the transfer `nonce` at its own admission, so
@@ -610,6 +625,7 @@ impl Engine {
                 .emit(Event::Failed(Failure::PrefillRejected(reason)));
             t.pages.release();
         } else if let Some(d) = self.draining.remove(&nonce) {
+            self.stats.abort_ack.observe(d.since.elapsed());
             d.pages.drained();
         }
     }
@@ -618,7 +634,7 @@ impl Engine {
     /// can arrive; their transfers fail and abandoned ones count as drained.
     pub fn transport_closed(&mut self, nonces: &[SessionNonce]) {
         for nonce in nonces {
-            self.deliver(Message::Closed {
+            let _ = self.deliver(Received::Closed {
                 nonce: *nonce,
                 reason: CloseReason::Failed,
             });
@@ -723,7 +739,10 @@ impl Engine {
                     let r = self.running.swap_remove(i);
                     self.hand_over(r, first_token);
                 }
-                Outcome::Failed => self.running.swap_remove(i).pages.quarantine(),
+                Outcome::Failed => {
+                    // Suspect contents, no peer: quarantined until an operator releases them.
+                    let _ = self.running.swap_remove(i).pages.quarantine();
+                }
                 Outcome::Finished | Outcome::Cancelled => {
                     self.running.swap_remove(i).pages.release()
                 }
@@ -758,7 +777,21 @@ impl Engine {
             if let Some(d) = self.draining.remove(&nonce) {
                 tracing::warn!(session = %nonce, "no drain acknowledgement: pages quarantined");
                 self.stats.drain_timeouts += 1;
-                d.pages.timed_out();
+                self.suspects
+                    .insert(nonce, Suspect::new(d.pages.timed_out()));
+            }
+        }
+        let gone: Vec<SessionNonce> = self
+            .suspects
+            .iter()
+            .filter(|(_, s)| s.reclaim_at.is_some_and(|at| at <= now))
+            .map(|(n, _)| *n)
+            .collect();
+        for nonce in gone {
+            if let Some(s) = self.suspects.remove(&nonce) {
+                let pages = s.pages.reclaim();
+                tracing::info!(session = %nonce, pages, "peer gone: quarantined pages reclaimed");
+                self.stats.reclaimed_pages += u64::from(pages);
             }
         }
     }

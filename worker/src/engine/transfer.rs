@@ -11,18 +11,28 @@
 //!      ├──Closed (aborted/failed)──▶ free (nothing more can arrive)
 //!      └──cancel / timeout─────────▶ Releasing ──Closed──▶ free
 //!                                        └──release timeout──▶ quarantine
+//!
+//!  quarantine (a transfer's) ──transport closed or Closed──▶ + reclaim_after ──▶ (scrub) ──▶ free
 //! ```
+//!
+//! A quarantined transfer's pages come back only once nothing of its session can arrive any
+//! more: a live peer that is merely slow keeps them out of circulation for as long as its
+//! connection stays open.
 //!
 //! Prefill: the request's own pages are computed as usual; after the prompt, the engine reads
 //! the KV out page by page into frames addressed to decode's reservation and hands them over
 //! as an [`Outbound`], which keeps the source pages until it is closed.
 
+use std::ops::Range;
 use std::time::Instant;
 
 use bulkhead_handoff::{
-    Frame, Inbound, Manifest, Reservation as Target, SessionNonce, digest, page_tokens_range,
+    CheckedFrame, DropReason, Frame, Inbound, Manifest, Reservation as Target, SessionNonce,
+    digest, page_tokens_range,
 };
-use bulkhead_kvpool::{Allocation, PageId, PagePool, PageRef, Releasing, Reservation, Tag};
+use bulkhead_kvpool::{
+    Allocation, PageId, PagePool, PageRef, Quarantined, Releasing, Reservation, Tag,
+};
 
 use super::request::Request;
 use crate::kv::{KvMemory, SlotError};
@@ -40,13 +50,69 @@ pub(super) struct Transfer {
 #[derive(Debug)]
 pub(super) struct Draining {
     pub pages: Releasing,
+    /// When the transfer was abandoned (for the abort-acknowledgement latency).
+    pub since: Instant,
     pub deadline: Instant,
+}
+
+/// Pages of a quarantined transfer (no drain acknowledgement in time, or a failed
+/// verification), waiting until nothing of the session can arrive any more: its transport
+/// closed (or its `Closed` came late), and then a grace period passed.
+#[derive(Debug)]
+pub(super) struct Suspect {
+    pub pages: Quarantined,
+    /// `Some` once the peer is known gone: when the pages come back.
+    pub reclaim_at: Option<Instant>,
+}
+
+impl Suspect {
+    pub fn new(pages: Quarantined) -> Suspect {
+        Suspect {
+            pages,
+            reclaim_at: None,
+        }
+    }
+
+    /// The session's transport is gone; the first such news sets the time.
+    pub fn peer_gone(&mut self, at: Instant) {
+        self.reclaim_at.get_or_insert(at);
+    }
 }
 
 /// The pool's tag of `page` if the page is held by a live reservation or allocation.
 pub(super) fn live_tag(pool: &PagePool, page: PageId) -> Option<Tag> {
     let tag = pool.current_tag(page)?;
     pool.verify(&[PageRef { page, tag }]).ok().map(|()| tag)
+}
+
+/// The slots of a page that hold `tokens` (absolute positions within one page).
+fn slots(tokens: &Range<u32>, page_tokens: u32) -> Range<usize> {
+    (tokens.start % page_tokens) as usize..((tokens.end - 1) % page_tokens + 1) as usize
+}
+
+/// Why an arrived frame was not written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotWritten {
+    #[error(transparent)]
+    Dropped(#[from] DropReason),
+    /// `Inbound` checked the range and length, so this is a bug.
+    #[error("an accepted frame does not fit its page: {0}")]
+    Slots(#[from] SlotError),
+}
+
+/// Decode's one way to take a frame: `inbound` admits it (session, index, reserved tag, the
+/// page still live with that tag per `current_tag`, token range, length, exactly once, the
+/// checksum verdict), then its bytes are copied into their slots of the page.
+pub fn write_frame(
+    inbound: &mut Inbound,
+    kv: &mut KvMemory,
+    frame: &CheckedFrame,
+    current_tag: impl FnOnce(PageId) -> Option<Tag>,
+) -> Result<(), NotWritten> {
+    let w = inbound.accept(frame, current_tag)?;
+    let pt = inbound.reservation().page_tokens;
+    kv.write_slots(w.page, slots(&w.tokens, pt), frame.bytes())?;
+    Ok(())
 }
 
 /// The reservation decode names to prefill for `pages`, covering the first `prompt_tokens`.
@@ -91,8 +157,7 @@ impl Outbound {
             let Some(tokens) = page_tokens_range(index, pt, target.prompt_tokens) else {
                 break;
             };
-            let slots = (tokens.start % pt) as usize..((tokens.end - 1) % pt + 1) as usize;
-            let bytes = kv.read_slots(src.page, slots)?;
+            let bytes = kv.read_slots(src.page, slots(&tokens, pt))?;
             frames.push(Frame::new(target.nonce, index, dst.tag, tokens, bytes));
         }
         let manifest = Manifest {

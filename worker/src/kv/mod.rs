@@ -59,6 +59,11 @@ impl KvMemory {
         &self.values[page.index() * n..(page.index() + 1) * n]
     }
 
+    /// The bytes of one page (little-endian f16), as a page's frame carries them.
+    pub fn page_bytes(&self, page: PageId) -> &[u8] {
+        bytemuck::cast_slice(self.page(page))
+    }
+
     /// The runs of `slots` inside `page`, one per (layer, K/V, head), as value ranges.
     fn slot_runs(
         &self,

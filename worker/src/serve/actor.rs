@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::time::Instant;
 
-use bulkhead_handoff::{Message, Reservation, SessionNonce};
+use bulkhead_handoff::{Received, Reservation, SessionNonce};
 use bulkhead_kvpool::{PoolStats, RequestId};
 use tokio::sync::{mpsc, oneshot};
 
@@ -30,6 +30,7 @@ use crate::engine::{
 };
 
 use super::error::ServeError;
+use super::kvplane::Buffers;
 use super::metrics::{Metrics, Outcome};
 
 /// A snapshot of the engine's load and pool.
@@ -62,8 +63,8 @@ enum Command {
         how: Submission,
         reply: oneshot::Sender<Result<(), ServeError>>,
     },
-    /// A KV data-plane message for a decode-side transfer.
-    Deliver(Message),
+    /// A KV data-plane message for a decode-side transfer (frames checked on arrival).
+    Deliver(Received, Buffers),
     /// The prefill worker refused a transfer; nothing of it will arrive.
     PrefillRejected {
         nonce: SessionNonce,
@@ -180,9 +181,9 @@ impl EngineHandle {
         let _ = self.commands.send(Command::Cancel { id });
     }
 
-    /// Hands a data-plane message to the engine.
-    pub fn deliver(&self, message: Message) {
-        let _ = self.commands.send(Command::Deliver(message));
+    /// Hands a data-plane message to the engine; a frame's buffer goes back to `buffers`.
+    pub fn deliver(&self, message: Received, buffers: Buffers) {
+        let _ = self.commands.send(Command::Deliver(message, buffers));
     }
 
     /// The prefill worker refused transfer `nonce`.
@@ -268,7 +269,11 @@ fn handle(engine: &mut Engine, command: Command, metrics: &Metrics) {
                 metrics.count(Outcome::Cancelled);
             }
         }
-        Command::Deliver(message) => engine.deliver(message),
+        Command::Deliver(message, buffers) => {
+            if let Some(spent) = engine.deliver(message) {
+                buffers.give(spent);
+            }
+        }
         Command::PrefillRejected { nonce, reason } => engine.prefill_rejected(nonce, reason),
         Command::TransportClosed(nonces) => engine.transport_closed(&nonces),
         Command::Close(outbound) => outbound.close(),

@@ -9,7 +9,9 @@
 //!
 //! Prefill ([`prefill`]): admit into this worker's own pool, compute, and write the frames to
 //! decode's data plane in bounded batches, stopping with `Closed(aborted)` as soon as decode
-//! drops the call. The source pages go back only after the transfer is closed.
+//! drops the call. The source pages go back only after the transfer is closed. Whenever decode
+//! drops the call before any KV was sent, prefill still sends it `Closed(aborted)` on the data
+//! plane: its drain acknowledgement, as the protocol model has it.
 
 use std::pin::Pin;
 
@@ -18,11 +20,11 @@ use tonic::Status;
 use tonic::codegen::tokio_stream::Stream;
 use tonic::transport::Channel;
 
-use bulkhead_handoff::SessionNonce;
+use bulkhead_handoff::{CloseReason, SessionNonce};
 
 use super::actor::{CancelOnDrop, EngineHandle, Events, Submission};
 use super::error::{ServeError, ValidationError, status};
-use super::kvplane::{self, Sent};
+use super::kvplane::{self, SendFault, Sent};
 use super::proto::{self, PrefillItem, WorkerClient};
 use super::refusal::{from_proto_reservation, from_refusal, to_proto_reservation, to_refusal};
 use super::validate::{self, ValidGenerate};
@@ -112,43 +114,57 @@ pub async fn start_remote_prefill(
     };
     // Failing here drops `guard`: the request is cancelled and its pages wait for the drain.
     let unavailable = |reason: String| ServeError::PrefillUnavailable { reason };
-    let mut call = peer
-        .client
-        .clone()
-        .prefill(request)
-        .await
-        .map_err(|s| unavailable(s.message().to_owned()))?
-        .into_inner();
-    match call.message().await {
-        Ok(Some(proto::PrefillEvent {
+    let client = peer.client.clone();
+    let answer = async move {
+        let mut call = client.clone().prefill(request).await?.into_inner();
+        let first = call.message().await?;
+        Ok::<_, Status>((call, first))
+    };
+    // An unreachable or silent prefill worker must not hold the request past its transfer
+    // deadline: the engine's verdict (a timeout) ends the wait.
+    let (call, first) = tokio::select! {
+        answer = answer => answer.map_err(|s| unavailable(s.message().to_owned()))?,
+        event = events.recv() => return Err(match event {
+            Some(Event::Failed(f)) => ServeError::Failed(f),
+            None => ServeError::EngineGone,
+            Some(other) => {
+                tracing::error!(event = ?other, "a decode request's event before its prefill answered");
+                ServeError::Internal { what: "engine" }
+            }
+        }),
+    };
+    match first {
+        Some(proto::PrefillEvent {
             event: Some(PrefillItem::Accepted(_)),
-        })) => Ok((
+        }) => Ok((
             events,
             guard,
             PrefillCall::watch(engine.clone(), target.nonce, call),
         )),
-        Ok(Some(proto::PrefillEvent {
+        Some(proto::PrefillEvent {
             event: Some(PrefillItem::Rejected(refusal)),
-        })) => {
+        }) => {
             let reason = from_refusal(&refusal);
             engine.prefill_rejected(target.nonce, reason.clone());
             let mut guard = guard;
             guard.disarm();
             Err(ServeError::Submit(reason))
         }
-        Ok(other) => Err(unavailable(format!("unexpected first answer {other:?}"))),
-        Err(s) => Err(unavailable(s.message().to_owned())),
+        other => Err(unavailable(format!("unexpected first answer {other:?}"))),
     }
 }
 
 /// The `Prefill` answer stream.
 pub type PrefillStream = Pin<Box<dyn Stream<Item = Result<proto::PrefillEvent, Status>> + Send>>;
 
-/// Prefill role: the `Prefill` RPC.
+/// Prefill role: the `Prefill` RPC. Once the reservation parses, the rest runs in a task of
+/// its own, so that a call decode drops at any point still ends with decode's drain
+/// acknowledgement (see [`acknowledge_abort`]).
 pub async fn prefill(
     engine: &EngineHandle,
     request: proto::PrefillRequest,
     batch_bytes: usize,
+    fault: Option<SendFault>,
 ) -> Result<PrefillStream, Status> {
     let target = request
         .reservation
@@ -162,36 +178,72 @@ pub async fn prefill(
     let sampling = validate::sampling(request.sampling, || 0)
         .map_err(|e| status(&ValidationError::Sampling(e).into()))?;
     let (tx, rx) = mpsc::channel::<Result<proto::PrefillEvent, Status>>(4);
-    let item = |event| Ok(proto::PrefillEvent { event: Some(event) });
-    let submitted = engine
-        .submit(Submission::PrefillFor(target), |id, sink| Request {
-            id,
-            prompt: request.prompt,
-            max_new_tokens: 1,
-            sampling,
-            stop: Vec::new(),
-            ignore_eos: true,
-            sink,
-        })
-        .await;
-    match submitted {
-        Err(ServeError::Submit(e)) => {
-            tracing::info!(caller_id = request.request_id, error = %e, "prefill refused");
-            let _ = tx.send(item(PrefillItem::Rejected(to_refusal(&e)))).await;
+    let send = SendTo {
+        nonce: target.nonce,
+        address: request.kv_address,
+        batch_bytes,
+        fault,
+    };
+    let engine = engine.clone();
+    let caller_id = request.request_id;
+    let prompt = request.prompt;
+    tokio::spawn(async move {
+        let item = |event| Ok(proto::PrefillEvent { event: Some(event) });
+        let submitted = engine
+            .submit(Submission::PrefillFor(target), |id, sink| Request {
+                id,
+                prompt,
+                max_new_tokens: 1,
+                sampling,
+                stop: Vec::new(),
+                ignore_eos: true,
+                sink,
+            })
+            .await;
+        let answer = match submitted {
+            Err(ServeError::Submit(e)) => {
+                tracing::info!(caller_id, error = %e, "prefill refused");
+                item(PrefillItem::Rejected(to_refusal(&e)))
+            }
+            Err(e) => Err(status(&e)),
+            Ok((events, guard)) => {
+                let accepted = item(PrefillItem::Accepted(proto::PrefillAccepted {}));
+                if tx.send(accepted).await.is_ok() {
+                    transfer(engine, events, guard, tx, send).await;
+                } else {
+                    drop(guard);
+                    acknowledge_abort(&send).await;
+                }
+                return;
+            }
+        };
+        if tx.send(answer).await.is_err() {
+            // Decode left before it heard the answer: it may be waiting for the drain.
+            acknowledge_abort(&send).await;
         }
-        Err(e) => return Err(status(&e)),
-        Ok((events, guard)) => {
-            let _ = tx
-                .send(item(PrefillItem::Accepted(proto::PrefillAccepted {})))
-                .await;
-            let engine = engine.clone();
-            let address = request.kv_address;
-            tokio::spawn(transfer(engine, events, guard, tx, address, batch_bytes));
-        }
-    }
+    });
     Ok(Box::pin(
         tonic::codegen::tokio_stream::wrappers::ReceiverStream::new(rx),
     ))
+}
+
+/// Decode dropped the call before any KV of the session was sent: tell it on the data plane
+/// that nothing of the session will come (its drain acknowledgement), so it frees the pages
+/// now instead of quarantining them when its release timeout expires.
+async fn acknowledge_abort(send: &SendTo) {
+    let closed = kvplane::send_closed(&send.address, send.nonce, CloseReason::Aborted);
+    if let Err(e) = closed.await {
+        tracing::warn!(address = %send.address, error = %e, "could not acknowledge an abort");
+    }
+}
+
+/// Where and how prefill writes one transfer.
+#[derive(Debug)]
+struct SendTo {
+    nonce: SessionNonce,
+    address: String,
+    batch_bytes: usize,
+    fault: Option<SendFault>,
 }
 
 /// Waits for the prompt's KV and writes it to decode; the source pages go back once the
@@ -201,27 +253,49 @@ async fn transfer(
     mut events: Events,
     mut guard: CancelOnDrop,
     tx: mpsc::Sender<Result<proto::PrefillEvent, Status>>,
-    address: String,
-    batch_bytes: usize,
+    send: SendTo,
 ) {
     let outbound = tokio::select! {
         event = events.recv() => match event {
             Some(Event::Prefilled(outbound)) => outbound,
             Some(Event::Failed(f)) => {
-                let _ = tx.send(Err(status(&ServeError::Failed(f)))).await;
+                if tx.send(Err(status(&ServeError::Failed(f)))).await.is_err() {
+                    acknowledge_abort(&send).await;
+                }
                 return;
             }
             other => {
                 tracing::error!(event = ?other, "a prefill request ended without its KV");
-                let _ = tx.send(Err(status(&ServeError::Internal { what: "engine" }))).await;
+                let error = Err(status(&ServeError::Internal { what: "engine" }));
+                if tx.send(error).await.is_err() {
+                    acknowledge_abort(&send).await;
+                }
                 return;
             }
         },
-        // Decode dropped the call before the prompt was computed: the guard cancels it.
-        () = tx.closed() => return,
+        // Decode dropped the call before the prompt was computed: the guard cancels it, and
+        // decode hears at once that nothing of the session will come (its drain
+        // acknowledgement) instead of quarantining the pages when its release timeout expires.
+        () = tx.closed() => {
+            drop(guard);
+            acknowledge_abort(&send).await;
+            return;
+        }
     };
     guard.disarm();
-    let sent = kvplane::send(&address, &outbound, batch_bytes, || tx.is_closed()).await;
+    let sending = engine
+        .metrics()
+        .sending(u64::from(outbound.manifest.tokens));
+    let sent = kvplane::send_with(
+        &send.address,
+        &outbound.frames,
+        &outbound.manifest,
+        send.batch_bytes,
+        send.fault,
+        || tx.is_closed(),
+    )
+    .await;
+    drop(sending);
     engine.close(outbound);
     let answer = match sent {
         Ok(Sent::Complete { frames, bytes }) => Ok(proto::PrefillEvent {
@@ -229,7 +303,7 @@ async fn transfer(
         }),
         Ok(Sent::Aborted) => return,
         Err(e) => {
-            tracing::warn!(%address, error = %e, "KV transfer to decode failed");
+            tracing::warn!(address = %send.address, error = %e, "KV transfer to decode failed");
             Err(status(&ServeError::PrefillUnavailable {
                 reason: e.to_string(),
             }))

@@ -1,77 +1,191 @@
 //! The KV data plane over TCP: prefill workers connect to a decode worker's KV listener and
 //! write each transfer's frames, manifest and `Closed` in order (see `bulkhead_handoff`).
 //!
-//! Decode reads messages with the handoff codec and hands them to the engine thread, which
-//! decides per frame whether it may be written. When a connection ends — cleanly or not — every
-//! session it carried that was not closed is reported as torn down: nothing more of it can
-//! arrive, which is the drain acknowledgement for aborted transfers. A peer that sends bytes
-//! the codec refuses loses its connection, never the worker.
+//! Receiving (decode): each message's head is decoded from a small buffer; a frame's bytes are
+//! then read from the socket straight into their own buffer (one copy out of the kernel) and
+//! checked — the checksum over header and bytes — on this task, while they are hot in cache
+//! and off the engine thread. The engine gets [`Received`] messages whose frames carry that
+//! verdict; it still decides per frame whether the bytes may be written, and where (session,
+//! index, tag, live page, token range, length, exactly once), and writes them with one copy.
+//!
+//! ```text
+//!  socket ─▶ head (56 B) ─▶ bytes into their buffer ─▶ Frame::check ─▶ engine: Inbound::accept
+//!                                                     (this task)         + one copy into the page
+//! ```
+//!
+//! When a connection ends — cleanly or not — every session it carried that was not closed is
+//! reported as torn down: nothing more of it can arrive, which is the drain acknowledgement
+//! for aborted transfers. A peer that sends bytes the codec refuses loses its connection,
+//! never the worker.
+//!
+//! Sending (prefill): frames go out with vectored writes, each frame's 56-byte head and its
+//! bytes where they lie, in batches of about `batch_bytes`; `aborted` is checked between
+//! batches.
 
 use std::collections::HashSet;
+use std::io::IoSlice;
+use std::sync::{Arc, Mutex};
 
-use bulkhead_handoff::codec::{decode, encode, encode_frame};
-use bulkhead_handoff::{CloseReason, Message};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use bulkhead_handoff::codec::{
+    FRAME_HEAD, HEADER, Head, decode_head, encode, frame_head, head_len,
+};
+use bulkhead_handoff::{CloseReason, Frame, Manifest, Message, Received, SessionNonce};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::actor::EngineHandle;
-use crate::engine::Outbound;
 
 /// Frames larger than this are refused before their bytes are read (a page of a large model
 /// is a few MiB).
 pub const MAX_FRAME_BYTES: u32 = 256 << 20;
 
+/// The receive buffer for message heads and small messages; frame bytes bypass it.
+const HEAD_BUFFER: usize = 8 << 10;
+
+/// Frame buffers the receive path reuses: whoever writes a frame's bytes into their page
+/// gives the buffer back, so a steady stream of transfers allocates (and faults in) no new
+/// memory for them.
+#[derive(Debug, Clone, Default)]
+pub struct Buffers(Arc<Mutex<Vec<Vec<u8>>>>);
+
+/// Spare buffers kept (each about a page).
+const SPARE_BUFFERS: usize = 64;
+
+impl Buffers {
+    /// An empty buffer with room for `len` bytes.
+    fn take(&self, len: usize) -> Vec<u8> {
+        let spare = self.0.lock().ok().and_then(|mut v| v.pop());
+        let mut b = spare.unwrap_or_default();
+        b.clear();
+        b.reserve_exact(len);
+        b
+    }
+
+    /// Gives a frame's buffer back for the next frame.
+    pub fn give(&self, buffer: Vec<u8>) {
+        if let Ok(mut v) = self.0.lock()
+            && v.len() < SPARE_BUFFERS
+        {
+            v.push(buffer);
+        }
+    }
+}
+
+/// Where decode's receive path hands what arrives: the engine thread, or a bench's stand-in.
+pub trait Deliver {
+    /// One message, in the order it arrived; a frame's buffer goes back to `buffers` once
+    /// its bytes are written.
+    fn deliver(&self, message: Received, buffers: &Buffers);
+    /// The connection that carried `nonces` ended: nothing more of them can arrive.
+    fn transport_closed(&self, nonces: Vec<SessionNonce>);
+}
+
+impl Deliver for EngineHandle {
+    fn deliver(&self, message: Received, buffers: &Buffers) {
+        EngineHandle::deliver(self, message, buffers.clone());
+    }
+
+    fn transport_closed(&self, nonces: Vec<SessionNonce>) {
+        EngineHandle::transport_closed(self, nonces);
+    }
+}
+
 /// Decode role: accepts data-plane connections until the listener fails.
 pub async fn serve(listener: TcpListener, engine: EngineHandle) -> std::io::Result<()> {
+    let buffers = Buffers::default();
     loop {
         let (socket, peer) = listener.accept().await?;
-        let engine = engine.clone();
+        let (engine, buffers) = (engine.clone(), buffers.clone());
         tokio::spawn(async move {
-            if let Err(e) = receive(socket, &engine).await {
+            if let Err(e) = receive(socket, &engine, &buffers).await {
                 tracing::warn!(%peer, error = %e, "KV data connection ended with an error");
             }
         });
     }
 }
 
-/// Reads one connection's messages into the engine.
-async fn receive(mut socket: TcpStream, engine: &EngineHandle) -> std::io::Result<()> {
+/// Reads one connection's messages into `to`; on its end, reports the sessions it left open.
+pub async fn receive(
+    socket: impl AsyncRead + Unpin,
+    to: &impl Deliver,
+    buffers: &Buffers,
+) -> std::io::Result<()> {
+    let mut reader = BufReader::with_capacity(HEAD_BUFFER, socket);
     let mut open = HashSet::new();
-    let mut buf = Vec::with_capacity(1 << 20);
-    let mut chunk = vec![0u8; 1 << 18];
     let result = loop {
-        let n = match socket.read(&mut chunk).await {
-            Ok(0) => break Ok(()),
-            Ok(n) => n,
-            Err(e) => break Err(e),
-        };
-        buf.extend_from_slice(&chunk[..n]);
-        let mut used_total = 0;
-        let parsed = loop {
-            match decode(&buf[used_total..], MAX_FRAME_BYTES) {
-                Ok(Some((message, used))) => {
-                    used_total += used;
-                    match &message {
-                        Message::Closed { nonce, .. } => {
-                            open.remove(nonce);
-                        }
-                        other => {
-                            open.insert(other.nonce());
-                        }
+        match read_message(&mut reader, buffers).await {
+            Ok(None) => break Ok(()),
+            Ok(Some(message)) => {
+                match &message {
+                    Received::Closed { nonce, .. } => {
+                        open.remove(nonce);
                     }
-                    engine.deliver(message);
+                    other => {
+                        open.insert(other.nonce());
+                    }
                 }
-                Ok(None) => break Ok(()),
-                Err(e) => break Err(e),
+                to.deliver(message, buffers);
             }
-        };
-        buf.drain(..used_total);
-        if let Err(e) = parsed {
-            break Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e));
+            Err(e) => break Err(e),
         }
     };
-    engine.transport_closed(open.into_iter().collect());
+    to.transport_closed(open.into_iter().collect());
     result
+}
+
+/// Reads the next message: `None` at a clean end of the stream (between messages).
+async fn read_message(
+    reader: &mut (impl AsyncRead + Unpin),
+    buffers: &Buffers,
+) -> std::io::Result<Option<Received>> {
+    let mut head = [0u8; FRAME_HEAD];
+    let first = reader.read(&mut head[..HEADER]).await?;
+    if first == 0 {
+        return Ok(None);
+    }
+    reader.read_exact(&mut head[first..HEADER]).await?;
+    let mut prefix = [0u8; HEADER];
+    prefix.copy_from_slice(&head[..HEADER]);
+    // An unknown kind needs no more bytes: `decode_head` refuses it below.
+    let len = head_len(&prefix).unwrap_or(HEADER);
+    reader.read_exact(&mut head[HEADER..len]).await?;
+    let invalid = |e| std::io::Error::new(std::io::ErrorKind::InvalidData, e);
+    let head = match decode_head(&head[..len], MAX_FRAME_BYTES).map_err(invalid)? {
+        Some((head, _)) => head,
+        // `head_len` and `decode_head` agree on every kind: unreachable, but not a panic.
+        None => return Err(std::io::Error::other("message head shorter than its kind")),
+    };
+    match head {
+        Head::Whole(m) => Ok(Some(m.into())),
+        Head::Frame { header, len } => {
+            let bytes = read_bytes(reader, buffers.take(len as usize), len as usize).await?;
+            Ok(Some(Received::Frame(Frame { header, bytes }.check())))
+        }
+    }
+}
+
+/// Reads exactly `len` bytes into `bytes` (empty, with room for at least them; never
+/// zero-filled) and not one byte more, however large the buffer.
+async fn read_bytes(
+    reader: &mut (impl AsyncRead + Unpin),
+    mut bytes: Vec<u8>,
+    len: usize,
+) -> std::io::Result<Vec<u8>> {
+    let mut limited = reader.take(len as u64);
+    while bytes.len() < len {
+        if limited.read_buf(&mut bytes).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(bytes)
+}
+
+/// A fault a test can inject into prefill's sending (`bulkhead worker --fault-stall-after-frames`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendFault {
+    /// Once at least this many frames are written, stop sending and keep the connection open
+    /// for as long as the process lives: a live peer that is slow.
+    StallAfterFrames(u32),
 }
 
 /// How a send ended.
@@ -83,40 +197,96 @@ pub enum Sent {
     Aborted,
 }
 
-/// Prefill role: writes `outbound` to the decode worker at `address` in batches of about
-/// `batch_bytes`, checking `aborted` between batches.
+/// Prefill role: connects to the decode worker at `address` and writes the transfer.
 pub async fn send(
     address: &str,
-    outbound: &Outbound,
+    frames: &[Frame],
+    manifest: &Manifest,
     batch_bytes: usize,
+    aborted: impl Fn() -> bool,
+) -> std::io::Result<Sent> {
+    send_with(address, frames, manifest, batch_bytes, None, aborted).await
+}
+
+/// [`send`], with a fault injected.
+pub async fn send_with(
+    address: &str,
+    frames: &[Frame],
+    manifest: &Manifest,
+    batch_bytes: usize,
+    fault: Option<SendFault>,
     aborted: impl Fn() -> bool,
 ) -> std::io::Result<Sent> {
     let mut socket = TcpStream::connect(address).await?;
     socket.set_nodelay(true)?;
-    let nonce = outbound.nonce();
-    let mut buf = Vec::with_capacity(batch_bytes.saturating_add(1 << 16));
+    send_frames(&mut socket, frames, manifest, batch_bytes, fault, aborted).await
+}
+
+/// Writes `frames` (in batches of about `batch_bytes`, checking `aborted` between batches),
+/// the manifest and `Closed` to `socket`, then shuts it down.
+pub async fn send_on(
+    socket: &mut (impl AsyncWrite + Unpin),
+    frames: &[Frame],
+    manifest: &Manifest,
+    batch_bytes: usize,
+    aborted: impl Fn() -> bool,
+) -> std::io::Result<Sent> {
+    send_frames(socket, frames, manifest, batch_bytes, None, aborted).await
+}
+
+async fn send_frames(
+    socket: &mut (impl AsyncWrite + Unpin),
+    frames: &[Frame],
+    manifest: &Manifest,
+    batch_bytes: usize,
+    fault: Option<SendFault>,
+    aborted: impl Fn() -> bool,
+) -> std::io::Result<Sent> {
+    let nonce = manifest.nonce;
     let mut bytes = 0u64;
-    for frame in &outbound.frames {
-        encode_frame(frame, &mut buf);
-        if buf.len() >= batch_bytes {
+    let mut rest = frames;
+    while !rest.is_empty() {
+        let mut n = 0;
+        let mut size = 0;
+        while n < rest.len() && (n == 0 || size < batch_bytes) {
+            size += FRAME_HEAD + rest[n].bytes.len();
+            n += 1;
+        }
+        let (batch, later) = rest.split_at(n);
+        let heads: Vec<[u8; FRAME_HEAD]> = batch
+            .iter()
+            .map(|f| frame_head(&f.header, f.bytes.len() as u32))
+            .collect();
+        let mut slices: Vec<IoSlice<'_>> = heads
+            .iter()
+            .zip(batch)
+            .flat_map(|(h, f)| [IoSlice::new(h), IoSlice::new(&f.bytes)])
+            .collect();
+        write_all_vectored(socket, &mut slices).await?;
+        bytes += size as u64;
+        rest = later;
+        if let Some(SendFault::StallAfterFrames(n)) = fault
+            && frames.len() - rest.len() >= n as usize
+        {
+            tracing::warn!(session = %nonce, "fault injection: KV send stalls");
+            std::future::pending::<()>().await;
+        }
+        if !rest.is_empty() && aborted() {
+            let mut buf = Vec::new();
+            encode(
+                &Message::Closed {
+                    nonce,
+                    reason: CloseReason::Aborted,
+                },
+                &mut buf,
+            );
             socket.write_all(&buf).await?;
-            bytes += buf.len() as u64;
-            buf.clear();
-            if aborted() {
-                encode(
-                    &Message::Closed {
-                        nonce,
-                        reason: CloseReason::Aborted,
-                    },
-                    &mut buf,
-                );
-                socket.write_all(&buf).await?;
-                socket.shutdown().await?;
-                return Ok(Sent::Aborted);
-            }
+            socket.shutdown().await?;
+            return Ok(Sent::Aborted);
         }
     }
-    encode(&Message::Manifest(outbound.manifest.clone()), &mut buf);
+    let mut buf = Vec::new();
+    encode(&Message::Manifest(manifest.clone()), &mut buf);
     encode(
         &Message::Closed {
             nonce,
@@ -128,7 +298,193 @@ pub async fn send(
     bytes += buf.len() as u64;
     socket.shutdown().await?;
     Ok(Sent::Complete {
-        frames: outbound.frames.len() as u32,
+        frames: frames.len() as u32,
         bytes,
     })
+}
+
+/// Prefill role: tells decode that nothing of session `nonce` was or will be sent (decode
+/// aborted it before its KV was computed): the drain acknowledgement on a connection of its own.
+pub async fn send_closed(
+    address: &str,
+    nonce: SessionNonce,
+    reason: CloseReason,
+) -> std::io::Result<()> {
+    let mut socket = TcpStream::connect(address).await?;
+    let mut buf = Vec::new();
+    encode(&Message::Closed { nonce, reason }, &mut buf);
+    socket.write_all(&buf).await?;
+    socket.shutdown().await
+}
+
+/// Writes every byte of `slices`, however the socket splits the writes.
+async fn write_all_vectored(
+    socket: &mut (impl AsyncWrite + Unpin),
+    mut slices: &mut [IoSlice<'_>],
+) -> std::io::Result<()> {
+    while !slices.is_empty() {
+        let n = socket.write_vectored(slices).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut slices, n);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use bulkhead_handoff::codec::encode_frame;
+    use bulkhead_handoff::{CheckedFrame, digest};
+    use bulkhead_kvpool::Tag;
+
+    use super::*;
+
+    #[derive(Default)]
+    struct Log {
+        got: Mutex<Vec<Received>>,
+        closed: Mutex<Vec<SessionNonce>>,
+    }
+
+    impl Deliver for Log {
+        fn deliver(&self, message: Received, buffers: &Buffers) {
+            // Give the buffer back, as the engine does, so that buffers are reused.
+            if let Received::Frame(f) = &message {
+                buffers.give(f.clone().into_bytes());
+            }
+            self.got.lock().expect("lock").push(message);
+        }
+        fn transport_closed(&self, nonces: Vec<SessionNonce>) {
+            self.closed.lock().expect("lock").extend(nonces);
+        }
+    }
+
+    const NONCE: SessionNonce = SessionNonce([5; 16]);
+
+    fn frames(n: u32, len: usize) -> Vec<Frame> {
+        (0..n)
+            .map(|i| {
+                let bytes = (0..len).map(|b| (b as u32 * 7 + i) as u8).collect();
+                Frame::new(
+                    NONCE,
+                    i,
+                    Tag::new(u64::from(i) + 1),
+                    i * 4..i * 4 + 4,
+                    bytes,
+                )
+            })
+            .collect()
+    }
+
+    fn manifest(fs: &[Frame]) -> Manifest {
+        Manifest {
+            nonce: NONCE,
+            tokens: fs.len() as u32 * 4,
+            pages: fs.len() as u32,
+            digest: digest(fs.iter().map(|f| f.header.checksum)),
+            first_token: 3,
+        }
+    }
+
+    /// Sends through an in-memory pipe of `pipe` bytes (small pipes split every write).
+    async fn round_trip(fs: &[Frame], batch: usize, pipe: usize) -> Log {
+        let (mut tx, rx) = tokio::io::duplex(pipe);
+        let log = Log::default();
+        let m = manifest(fs);
+        let (sent, received) = tokio::join!(send_on(&mut tx, fs, &m, batch, || false), async {
+            receive(rx, &log, &Buffers::default()).await
+        });
+        assert!(matches!(sent, Ok(Sent::Complete { .. })));
+        received.expect("clean end");
+        log
+    }
+
+    #[tokio::test]
+    async fn every_frame_arrives_checked_and_in_order_however_the_stream_splits() {
+        let fs = frames(5, 3000);
+        for (batch, pipe) in [(1, 7), (4000, 1 << 20), (1 << 20, 100)] {
+            let log = round_trip(&fs, batch, pipe).await;
+            let got = log.got.lock().expect("lock");
+            let want: Vec<Received> = fs
+                .iter()
+                .cloned()
+                .map(|f| Received::Frame(f.check()))
+                .chain([
+                    Received::Manifest(manifest(&fs)),
+                    Received::Closed {
+                        nonce: NONCE,
+                        reason: CloseReason::Complete,
+                    },
+                ])
+                .collect();
+            assert_eq!(*got, want);
+            assert!(log.closed.lock().expect("lock").is_empty());
+        }
+    }
+
+    #[tokio::test]
+    async fn reused_larger_buffers_never_read_past_a_short_frame() {
+        // Full pages, then a short last page: the buffers given back after the full pages
+        // are larger than the short frame.
+        let mut fs = frames(4, 3000);
+        fs.push(Frame::new(NONCE, 4, Tag::new(5), 16..18, vec![9; 1500]));
+        let m = manifest(&fs);
+        let mut wire = Vec::new();
+        fs.iter().for_each(|f| encode_frame(f, &mut wire));
+        encode(&Message::Manifest(m.clone()), &mut wire);
+        let log = Log::default();
+        receive(&wire[..], &log, &Buffers::default())
+            .await
+            .expect("clean end");
+        let got = log.got.lock().expect("lock");
+        assert_eq!(got.len(), 6);
+        assert_eq!(got[4], Received::Frame(fs[4].clone().check()));
+        assert_eq!(got[5], Received::Manifest(m));
+    }
+
+    #[tokio::test]
+    async fn a_corrupted_frame_arrives_marked_and_the_stream_goes_on() {
+        let fs = frames(3, 100);
+        let mut wire = Vec::new();
+        fs.iter().for_each(|f| encode_frame(f, &mut wire));
+        let at = 2 * FRAME_HEAD + 100 + 50; // inside the second frame's bytes
+        wire[at] ^= 4;
+        let log = Log::default();
+        receive(&wire[..], &log, &Buffers::default())
+            .await
+            .expect("clean end");
+        let got = log.got.lock().expect("lock");
+        let intact: Vec<bool> = got
+            .iter()
+            .map(|m| match m {
+                Received::Frame(f) => CheckedFrame::intact(f),
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect();
+        assert_eq!(intact, [true, false, true]);
+        // The stream ended without `Closed`: the session is reported torn down.
+        assert_eq!(*log.closed.lock().expect("lock"), [NONCE]);
+    }
+
+    #[tokio::test]
+    async fn a_stream_cut_inside_a_frame_or_with_bad_bytes_is_an_error_not_a_panic() {
+        let fs = frames(2, 100);
+        let mut wire = Vec::new();
+        fs.iter().for_each(|f| encode_frame(f, &mut wire));
+        for cut in [1, HEADER + 3, FRAME_HEAD + 10, wire.len() - 1] {
+            let log = Log::default();
+            let cut_short = receive(&wire[..cut], &log, &Buffers::default()).await;
+            assert!(cut_short.is_err(), "cut at {cut}");
+        }
+        let mut bad = wire.clone();
+        bad[5] = 9; // unknown kind
+        let log = Log::default();
+        assert!(receive(&bad[..], &log, &Buffers::default()).await.is_err());
+        let mut huge = wire;
+        huge[HEADER + 28..HEADER + 32].copy_from_slice(&u32::MAX.to_le_bytes());
+        let refused = receive(&huge[..], &Log::default(), &Buffers::default()).await;
+        assert!(refused.is_err());
+    }
 }

@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::engine::{Failure, SubmitError};
+use crate::engine::{Failure, SubmitError, TransferStats};
 use crate::model::SeqFailure;
 
 use super::actor::EngineStats;
@@ -99,9 +99,39 @@ impl Outcome {
 pub struct Metrics {
     requests: [AtomicU64; Outcome::ALL.len()],
     generated_tokens: AtomicU64,
+    /// Prefill role: transfers being written to decode workers, and their prompt tokens.
+    sending: AtomicU64,
+    sending_tokens: AtomicU64,
+}
+
+/// One transfer being sent (prefill role), counted in the in-flight gauges until dropped.
+#[derive(Debug)]
+pub struct Sending<'a> {
+    metrics: &'a Metrics,
+    tokens: u64,
+}
+
+impl Drop for Sending<'_> {
+    fn drop(&mut self) {
+        self.metrics.sending.fetch_sub(1, Ordering::Relaxed);
+        self.metrics
+            .sending_tokens
+            .fetch_sub(self.tokens, Ordering::Relaxed);
+    }
 }
 
 impl Metrics {
+    /// Counts a transfer of `tokens` prompt tokens as in flight on the sending side until the
+    /// returned guard drops.
+    pub fn sending(&self, tokens: u64) -> Sending<'_> {
+        self.sending.fetch_add(1, Ordering::Relaxed);
+        self.sending_tokens.fetch_add(tokens, Ordering::Relaxed);
+        Sending {
+            metrics: self,
+            tokens,
+        }
+    }
+
     pub fn count(&self, outcome: Outcome) {
         self.requests[outcome.index()].fetch_add(1, Ordering::Relaxed);
     }
@@ -194,17 +224,17 @@ impl Metrics {
             "bulkhead_generated_tokens_total {}",
             self.generated_tokens()
         );
-        let t = &stats.transfers;
+        self.render_transfers(&mut out, &stats.transfers);
+        out
+    }
+
+    /// The KV handoff: counters, per-side gauges, the abort-acknowledgement histogram.
+    fn render_transfers(&self, out: &mut String, t: &TransferStats) {
         for (name, help, value) in [
             (
                 "bulkhead_kv_frames_written_total",
                 "KV transfer frames verified and written (decode role).",
                 t.frames_written,
-            ),
-            (
-                "bulkhead_kv_frames_dropped_total",
-                "KV transfer frames dropped: wrong session, stale tag, bad range or size, duplicate, checksum, late.",
-                t.frames_dropped,
             ),
             (
                 "bulkhead_kv_integrity_failures_total",
@@ -216,11 +246,76 @@ impl Metrics {
                 "Abandoned transfers quarantined because no drain acknowledgement came.",
                 t.drain_timeouts,
             ),
+            (
+                "bulkhead_kv_reclaimed_pages_total",
+                "Quarantined pages scrubbed and reused once their peer was known gone.",
+                t.reclaimed_pages,
+            ),
         ] {
-            family(&mut out, name, "counter", help);
+            family(out, name, "counter", help);
             let _ = writeln!(out, "{name} {value}");
         }
-        out
+        family(
+            out,
+            "bulkhead_kv_frames_dropped_total",
+            "counter",
+            "KV transfer frames dropped (decode role), by reason.",
+        );
+        for (reason, n) in t.frames_dropped.iter() {
+            let _ = writeln!(
+                out,
+                "bulkhead_kv_frames_dropped_total{{reason=\"{reason}\"}} {n}"
+            );
+        }
+        let sending = self.sending.load(Ordering::Relaxed);
+        let sending_tokens = self.sending_tokens.load(Ordering::Relaxed);
+        for (name, help, receive, send) in [
+            (
+                "bulkhead_kv_transfers_in_flight",
+                "KV transfers in flight: receive = decode waiting for or receiving KV, send = prefill writing it.",
+                t.transfers_in_flight,
+                sending,
+            ),
+            (
+                "bulkhead_kv_in_flight_tokens",
+                "Prompt tokens of the KV transfers in flight, by side.",
+                t.in_flight_tokens,
+                sending_tokens,
+            ),
+        ] {
+            family(out, name, "gauge", help);
+            let _ = writeln!(out, "{name}{{side=\"receive\"}} {receive}");
+            let _ = writeln!(out, "{name}{{side=\"send\"}} {send}");
+        }
+        for (name, help, value) in [
+            (
+                "bulkhead_kv_reserved_tokens",
+                "Tokens admitted and holding KV pages: reserved for a transfer, or running.",
+                t.reserved_tokens,
+            ),
+            (
+                "bulkhead_kv_quarantined_sessions",
+                "Quarantined transfers waiting for their peer to be known gone.",
+                t.quarantined_sessions,
+            ),
+        ] {
+            family(out, name, "gauge", help);
+            let _ = writeln!(out, "{name} {value}");
+        }
+        let name = "bulkhead_kv_abort_ack_seconds";
+        family(
+            out,
+            name,
+            "histogram",
+            "From abandoning a KV transfer (cancel, timeout) to the peer's drain acknowledgement (decode role).",
+        );
+        let h = &t.abort_ack;
+        for (le, n) in h.cumulative() {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {n}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", h.count());
+        let _ = writeln!(out, "{name}_sum {}", h.sum_seconds());
+        let _ = writeln!(out, "{name}_count {}", h.count());
     }
 }
 
@@ -234,7 +329,7 @@ mod tests {
     use bulkhead_kvpool::PoolStats;
 
     use super::*;
-    use crate::engine::{Capacity, TransferStats};
+    use crate::engine::Capacity;
 
     fn stats() -> EngineStats {
         EngineStats {
@@ -250,7 +345,9 @@ mod tests {
             waiting: 2,
             running: 1,
             transfers: TransferStats {
-                frames_dropped: 4,
+                transfers_in_flight: 2,
+                in_flight_tokens: 96,
+                reserved_tokens: 300,
                 ..TransferStats::default()
             },
             capacity: Capacity {
@@ -310,6 +407,41 @@ mod tests {
             Some(0)
         );
         assert_eq!(value(&text, "bulkhead_generated_tokens_total"), Some(7));
+    }
+
+    #[test]
+    fn transfer_series_have_their_sides_reasons_and_buckets() {
+        let m = Metrics::default();
+        let sending = m.sending(40);
+        let _other = m.sending(2);
+        let text = m.render(&stats());
+        let v = |s: &str| value(&text, s);
+        assert_eq!(
+            v("bulkhead_kv_transfers_in_flight{side=\"receive\"}"),
+            Some(2)
+        );
+        assert_eq!(v("bulkhead_kv_transfers_in_flight{side=\"send\"}"), Some(2));
+        assert_eq!(
+            v("bulkhead_kv_in_flight_tokens{side=\"receive\"}"),
+            Some(96)
+        );
+        assert_eq!(v("bulkhead_kv_in_flight_tokens{side=\"send\"}"), Some(42));
+        assert_eq!(v("bulkhead_kv_reserved_tokens"), Some(300));
+        assert_eq!(
+            v("bulkhead_kv_frames_dropped_total{reason=\"corrupt\"}"),
+            Some(0)
+        );
+        assert_eq!(
+            v("bulkhead_kv_abort_ack_seconds_bucket{le=\"+Inf\"}"),
+            Some(0)
+        );
+        assert_eq!(v("bulkhead_kv_abort_ack_seconds_count"), Some(0));
+        drop(sending);
+        let text = m.render(&stats());
+        assert_eq!(
+            value(&text, "bulkhead_kv_in_flight_tokens{side=\"send\"}"),
+            Some(2)
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@ mod admin;
 mod disagg;
 mod error;
 pub mod info;
-mod kvplane;
+pub mod kvplane;
 mod metrics;
 pub mod proto;
 mod refusal;
@@ -48,8 +48,12 @@ use crate::tokenizer::{Tokenizer, TokenizerError};
 pub enum RoleConfig {
     /// Prefill and decode in one process.
     Both,
-    /// Prefill for decode workers; KV is written in batches of about `batch_bytes`.
-    Prefill { batch_bytes: usize },
+    /// Prefill for decode workers; KV is written in batches of about `batch_bytes`. `fault`
+    /// is for tests only.
+    Prefill {
+        batch_bytes: usize,
+        fault: Option<kvplane::SendFault>,
+    },
     /// Decode; prompts are prefilled by the worker at `prefill` (a gRPC URI), which sends the
     /// KV to this worker's data-plane listener at `kv_listen`.
     Decode {
@@ -152,7 +156,7 @@ impl BoundWorker {
         let capacity = engine.capacity();
         info::set_capacity(&mut info, capacity);
         let batch_bytes = match config.role {
-            RoleConfig::Prefill { batch_bytes } => Some(batch_bytes),
+            RoleConfig::Prefill { batch_bytes, .. } => Some(batch_bytes),
             RoleConfig::Both | RoleConfig::Decode { .. } => None,
         };
         info::set_handoff(&mut info, &engine, &layout, batch_bytes);
@@ -170,7 +174,9 @@ impl BoundWorker {
         let (role, kv) =
             match config.role {
                 RoleConfig::Both => (ServiceRole::Both, None),
-                RoleConfig::Prefill { batch_bytes } => (ServiceRole::Prefill { batch_bytes }, None),
+                RoleConfig::Prefill { batch_bytes, fault } => {
+                    (ServiceRole::Prefill { batch_bytes, fault }, None)
+                }
                 RoleConfig::Decode { prefill, kv_listen } => {
                     let kv = bind("KV data", kv_listen).await?;
                     let kv_address = kv.local_addr().map_err(|source| StartError::Bind {

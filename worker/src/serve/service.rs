@@ -12,6 +12,7 @@ use crate::engine::{Event, FinishReason};
 use super::actor::{CancelOnDrop, EngineHandle, Events, Submission};
 use super::disagg::{self, PrefillCall, PrefillPeer, PrefillStream};
 use super::error::{ServeError, ValidationError, status};
+use super::kvplane::SendFault;
 use super::metrics::Outcome;
 use super::proto::{self, Item};
 use super::validate::{Prompter, ValidGenerate};
@@ -22,7 +23,10 @@ pub enum ServiceRole {
     /// Prefill and decode in this process.
     Both,
     /// Serves `Prefill` for decode workers; writes KV in batches of about `batch_bytes`.
-    Prefill { batch_bytes: usize },
+    Prefill {
+        batch_bytes: usize,
+        fault: Option<SendFault>,
+    },
     /// Serves `Generate`; prompts are prefilled by the peer.
     Decode(PrefillPeer),
 }
@@ -82,8 +86,8 @@ impl proto::Worker for WorkerService {
         request: Request<proto::PrefillRequest>,
     ) -> Result<Response<PrefillStream>, Status> {
         match &self.role {
-            ServiceRole::Prefill { batch_bytes } => {
-                disagg::prefill(&self.engine, request.into_inner(), *batch_bytes)
+            ServiceRole::Prefill { batch_bytes, fault } => {
+                disagg::prefill(&self.engine, request.into_inner(), *batch_bytes, *fault)
                     .await
                     .map(Response::new)
             }

@@ -131,7 +131,7 @@ fn disaggregated_output_equals_colocated_output() {
     }
     assert_pages_back(&d, 0);
     assert_pages_back(&p, 0);
-    assert_eq!(d.transfer_stats().frames_dropped, 0);
+    assert_eq!(d.transfer_stats().frames_dropped.total(), 0);
 }
 
 #[test]
@@ -246,9 +246,9 @@ fn an_aborted_transfer_keeps_its_pages_until_the_drain_acknowledgement() {
     let held = d.pool().stats();
     assert!(held.releasing > 0, "pages wait for the drain: {held:?}");
     // A late frame of the aborted session is dropped, never written.
-    let dropped = d.transfer_stats().frames_dropped;
+    let dropped = d.transfer_stats().frames_dropped.total();
     d.deliver(wire(&Message::Frame(out.frames[1].clone())));
-    assert_eq!(d.transfer_stats().frames_dropped, dropped + 1);
+    assert_eq!(d.transfer_stats().frames_dropped.total(), dropped + 1);
     d.deliver(Message::Closed {
         nonce: out.nonce(),
         reason: CloseReason::Aborted,

@@ -1,0 +1,354 @@
+//! Network faults between prefill and decode: each worker in a network namespace of its own,
+//! the two joined by a veth pair that the tests impair, and each namespace reachable from the
+//! test through a veth of its own (never impaired).
+//!
+//! ```text
+//!   test (root namespace)
+//!     │ 10.X.Y.5/30 ─ 10.X.Y.6          │ 10.X.Y.9/30 ─ 10.X.Y.10
+//!     ▼                                 ▼
+//!   [prefill ns] pd 10.X.Y.1/30 ═══ dp 10.X.Y.2/30 [decode ns]    ═══ impaired (tc, link down)
+//! ```
+//!
+//! Impairments use `tc qdisc … netem` (delay, jitter, loss, reordering) where the kernel has
+//! it; a kernel without `sch_netem` gets a token-bucket rate limit instead, and the test says
+//! on stderr, loudly, what it could not test. Where namespaces cannot be made at all (not
+//! root, no `ip`), each test prints why and passes as skipped.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use bulkhead_worker::serve::proto::error_code;
+
+use crate::worker_grpc::{
+    Place, Worker, bounded, chat, metric, metric_sum, run_to_end, text_of, wait_all_pages_back,
+};
+
+/// Two namespaces joined by an impairable veth pair; removed (with their links) on drop.
+struct Net {
+    prefill_ns: String,
+    decode_ns: String,
+    /// 10.X.Y.0: three /30 links in it.
+    base: [u8; 3],
+}
+
+fn run(program: &str, args: &[&str]) -> Result<(), String> {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .map_err(|e| format!("{program}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{program} {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// What the link between the workers does to packets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Impairment {
+    /// netem: delay with jitter, loss, reordering.
+    Netem,
+    /// No netem in this kernel: a rate limit (pacing and queueing delay) only.
+    RateLimit,
+}
+
+impl Net {
+    /// Makes the namespaces and links, or says why it cannot.
+    fn create() -> Result<Net, String> {
+        let id = std::process::id();
+        let base = [10, 100 + ((id >> 8) % 100) as u8, (id & 0xff) as u8];
+        let net = Net {
+            prefill_ns: format!("bhp{id}"),
+            decode_ns: format!("bhd{id}"),
+            base,
+        };
+        run("ip", &["netns", "add", &net.prefill_ns])?;
+        // From here on, `Drop` cleans up whatever was made.
+        run("ip", &["netns", "add", &net.decode_ns])?;
+        let (p, d) = (net.prefill_ns.as_str(), net.decode_ns.as_str());
+        let root_p = format!("bhr{id}p");
+        let root_d = format!("bhr{id}d");
+        run(
+            "ip",
+            &[
+                "link", "add", "pd", "netns", p, "type", "veth", "peer", "name", "dp", "netns", d,
+            ],
+        )?;
+        run(
+            "ip",
+            &[
+                "link", "add", &root_p, "type", "veth", "peer", "name", "rp", "netns", p,
+            ],
+        )?;
+        run(
+            "ip",
+            &[
+                "link", "add", &root_d, "type", "veth", "peer", "name", "rd", "netns", d,
+            ],
+        )?;
+        let addr = |last: u8| format!("{}/30", net.ip(last));
+        for (ns, dev, ip) in [
+            (Some(p), "pd", addr(1)),
+            (Some(d), "dp", addr(2)),
+            (None, root_p.as_str(), addr(5)),
+            (Some(p), "rp", addr(6)),
+            (None, root_d.as_str(), addr(9)),
+            (Some(d), "rd", addr(10)),
+        ] {
+            let mut args: Vec<&str> = Vec::new();
+            if let Some(ns) = ns {
+                args.extend(["-n", ns]);
+            }
+            run(
+                "ip",
+                &[&args[..], &["addr", "add", &ip, "dev", dev]].concat(),
+            )?;
+            run("ip", &[&args[..], &["link", "set", dev, "up"]].concat())?;
+        }
+        run("ip", &["-n", p, "link", "set", "lo", "up"])?;
+        run("ip", &["-n", d, "link", "set", "lo", "up"])?;
+        Ok(net)
+    }
+
+    fn ip(&self, last: u8) -> Ipv4Addr {
+        Ipv4Addr::new(self.base[0], self.base[1], self.base[2], last)
+    }
+
+    fn prefill_place(&self) -> Place<'_> {
+        Place {
+            netns: Some(&self.prefill_ns),
+            bind: "0.0.0.0",
+            reach: IpAddr::V4(self.ip(6)),
+        }
+    }
+
+    fn decode_place(&self) -> Place<'_> {
+        Place {
+            netns: Some(&self.decode_ns),
+            bind: "0.0.0.0",
+            reach: IpAddr::V4(self.ip(10)),
+        }
+    }
+
+    /// Both ends of the workers' link, as (namespace, device).
+    fn link(&self) -> [(&str, &str); 2] {
+        [(&self.prefill_ns, "pd"), (&self.decode_ns, "dp")]
+    }
+
+    /// Impairs both directions of the workers' link.
+    fn impair(&self) -> Impairment {
+        let netem = [
+            "delay", "15ms", "5ms", "reorder", "10%", "50%", "loss", "1%",
+        ];
+        let with_netem = self.link().iter().try_for_each(|(ns, dev)| {
+            run(
+                "ip",
+                &[
+                    &[
+                        "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "netem",
+                    ][..],
+                    &netem,
+                ]
+                .concat(),
+            )
+        });
+        match with_netem {
+            Ok(()) => Impairment::Netem,
+            Err(e) => {
+                eprintln!(
+                    "\n*** NETEM UNAVAILABLE ({e}).\n*** Delay, jitter, loss and reordering are NOT \
+                     tested on this machine; the link gets a token-bucket rate limit instead.\n"
+                );
+                for (ns, dev) in self.link() {
+                    run(
+                        "ip",
+                        &[
+                            "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root",
+                            "tbf", "rate", "40mbit", "burst", "32kb", "latency", "400ms",
+                        ],
+                    )
+                    .expect("tbf is available");
+                }
+                Impairment::RateLimit
+            }
+        }
+    }
+
+    /// Takes the workers' link down (a partition: packets vanish, nothing is reset) or up.
+    fn set_link(&self, up: bool) {
+        for (ns, dev) in self.link() {
+            let state = if up { "up" } else { "down" };
+            run("ip", &["-n", ns, "link", "set", dev, state]).expect("link state changes");
+        }
+    }
+
+    /// A prefill worker in its namespace and a decode worker in its own, wired over the link.
+    fn pair(&self, decode_args: &[&str]) -> (Worker, Worker) {
+        let prefill = Worker::start_in(
+            &self.prefill_place(),
+            &["--role", "prefill", "--kv-tokens", "2048"],
+        );
+        let address = format!("http://{}:{}", self.ip(1), prefill.grpc.port());
+        let kv = format!("{}:0", self.ip(2));
+        let mut args = vec![
+            "--role",
+            "decode",
+            "--prefill",
+            &address,
+            "--kv-listen",
+            &kv,
+            "--kv-tokens",
+            "2048",
+        ];
+        args.extend_from_slice(decode_args);
+        let decode = Worker::start_in(&self.decode_place(), &args);
+        (prefill, decode)
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        // Deleting a namespace deletes its veth ends, and with them their peers.
+        for ns in [&self.prefill_ns, &self.decode_ns] {
+            let _ = run("ip", &["netns", "del", ns]);
+        }
+    }
+}
+
+/// The namespaces, or `None` after saying loudly why these tests cannot run here.
+fn net_or_skip(test: &str) -> Option<Net> {
+    match Net::create() {
+        Ok(net) => Some(net),
+        Err(e) => {
+            eprintln!(
+                "\n*** SKIPPED {test}: network namespaces are not available here ({e}).\n\
+                 *** These tests need root and iproute2.\n"
+            );
+            None
+        }
+    }
+}
+
+/// Both workers have every page back and nothing quarantined (bounded wait).
+async fn pools_at_baseline(prefill: &Worker, decode: &Worker) {
+    for w in [prefill, decode] {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let p = wait_all_pages_back(w).await;
+            if p.free + p.pending_scrub == p.total && p.quarantined == 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the pool did not return to baseline: {p:?}\n{}",
+                w.metrics()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+#[tokio::test]
+async fn over_an_impaired_link_between_namespaces_the_answer_is_unchanged() {
+    let Some(net) = net_or_skip("over_an_impaired_link_between_namespaces_the_answer_is_unchanged")
+    else {
+        return;
+    };
+    bounded(async {
+        let (prefill, decode) = net.pair(&[]);
+        let request = chat("What is 2+2?", 24);
+        let clean = run_to_end(&mut decode.client().await, request.clone())
+            .await
+            .expect("an answer over the clean link");
+        assert!(clean.0.contains('4'), "{clean:?}");
+        let impairment = net.impair();
+        for _ in 0..3 {
+            let start = Instant::now();
+            let impaired = run_to_end(&mut decode.client().await, request.clone())
+                .await
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "an answer over the {impairment:?} link: {e:?}\ndecode:\n{}\nprefill:\n{}",
+                        text_of(&decode.stderr),
+                        text_of(&prefill.stderr)
+                    )
+                });
+            assert_eq!(
+                impaired, clean,
+                "the link changed the answer ({impairment:?})"
+            );
+            assert!(start.elapsed() < Duration::from_secs(60));
+        }
+        pools_at_baseline(&prefill, &decode).await;
+        let m = decode.metrics();
+        assert_eq!(
+            metric_sum(&m, "bulkhead_kv_frames_dropped_total"),
+            0.0,
+            "{m}"
+        );
+        assert_eq!(
+            metric(&m, "bulkhead_kv_integrity_failures_total"),
+            0.0,
+            "{m}"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_partition_fails_the_request_within_its_deadline_and_the_pools_recover_once_it_heals() {
+    let Some(net) = net_or_skip(
+        "a_partition_fails_the_request_within_its_deadline_and_the_pools_recover_once_it_heals",
+    ) else {
+        return;
+    };
+    bounded(async {
+        let (prefill, decode) = net.pair(&[
+            "--transfer-timeout-ms",
+            "3000",
+            "--release-timeout-ms",
+            "1000",
+            "--reclaim-after-ms",
+            "300",
+        ]);
+        let request = chat("What is 2+2?", 8);
+        // Connections are up before the partition, as in a serving pair.
+        let before = run_to_end(&mut decode.client().await, request.clone())
+            .await
+            .expect("an answer before the partition");
+
+        net.set_link(false);
+        let start = Instant::now();
+        let err = run_to_end(&mut decode.client().await, request.clone())
+            .await
+            .expect_err("nothing crosses a partition");
+        let took = start.elapsed();
+        assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+        assert_eq!(error_code(&err), Some("service_unavailable"), "{err:?}");
+        assert!(
+            took < Duration::from_secs(10),
+            "a 3 s transfer deadline failed after {took:?}"
+        );
+
+        net.set_link(true);
+        pools_at_baseline(&prefill, &decode).await;
+        let m = decode.metrics();
+        assert!(
+            metric(&m, "bulkhead_kv_abort_ack_seconds_count")
+                + metric(&m, "bulkhead_kv_reclaimed_pages_total")
+                > 0.0,
+            "the pages came back through an acknowledgement or a reclaim: {m}"
+        );
+        // And the healed pair serves again.
+        let again = run_to_end(&mut decode.client().await, request)
+            .await
+            .expect("an answer after the partition healed");
+        assert_eq!(again, before);
+    })
+    .await;
+}

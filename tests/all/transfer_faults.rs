@@ -1,0 +1,196 @@
+//! Release and reclaim across real processes: a decode worker and a prefill worker on
+//! loopback, the prefill side killed or stuck mid-transfer, or dropped by the client before its
+//! KV exists. Each test reads the workers' `/metrics` as an operator would.
+
+use std::time::{Duration, Instant};
+
+use bulkhead_worker::serve::proto::error_code;
+
+use crate::worker_grpc::{
+    Worker, bounded, chat, health, metric, pool, run_to_end, text_of, wait_all_pages_back,
+};
+
+/// A prefill worker with `prefill_args` and a decode worker wired to it with `decode_args`.
+fn pair(prefill_args: &[&str], decode_args: &[&str]) -> (Worker, Worker) {
+    let mut args = vec!["--role", "prefill", "--kv-tokens", "2048"];
+    args.extend_from_slice(prefill_args);
+    let prefill = Worker::start(&args);
+    let address = format!("http://{}", prefill.grpc);
+    let mut args = vec![
+        "--role",
+        "decode",
+        "--prefill",
+        &address,
+        "--kv-listen",
+        "127.0.0.1:0",
+        "--kv-tokens",
+        "2048",
+    ];
+    args.extend_from_slice(decode_args);
+    let decode = Worker::start(&args);
+    (prefill, decode)
+}
+
+/// Polls `worker`'s `/metrics` until `ready` holds for it (bounded); returns the text.
+async fn wait_metrics(worker: &Worker, what: &str, ready: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let m = worker.metrics();
+        if ready(&m) {
+            return m;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}; metrics:\n{m}\nstderr:\n{}",
+            text_of(&worker.stderr)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+const RECEIVING: &str = "bulkhead_kv_transfers_in_flight{side=\"receive\"}";
+const SENDING: &str = "bulkhead_kv_transfers_in_flight{side=\"send\"}";
+
+#[tokio::test]
+async fn a_stuck_peer_keeps_its_quarantined_pages_until_it_dies_then_they_come_back() {
+    bounded(async {
+        // Prefill writes one frame and then holds the connection open without another byte.
+        let (prefill, decode) = pair(
+            &[
+                "--transfer-batch-bytes",
+                "1",
+                "--fault-stall-after-frames",
+                "1",
+            ],
+            &[
+                "--transfer-timeout-ms",
+                "2000",
+                "--release-timeout-ms",
+                "500",
+                "--reclaim-after-ms",
+                "300",
+            ],
+        );
+        let mut client = decode.client().await;
+        let request = tokio::spawn(async move {
+            let start = Instant::now();
+            (
+                run_to_end(&mut client, chat("What is 2+2?", 8)).await,
+                start.elapsed(),
+            )
+        });
+
+        // Mid-transfer: the per-role gauges show it on both sides.
+        let m = wait_metrics(&decode, "the stalled transfer", |m| {
+            metric(m, RECEIVING) == 1.0 && metric(m, "bulkhead_kv_frames_written_total") >= 1.0
+        })
+        .await;
+        let tokens = metric(&m, "bulkhead_kv_in_flight_tokens{side=\"receive\"}");
+        assert!(tokens > 16.0, "a prompt of several pages is in flight: {m}");
+        assert!(
+            metric(&m, "bulkhead_kv_reserved_tokens") >= tokens + 8.0,
+            "{m}"
+        );
+        let p = prefill.metrics();
+        assert_eq!(metric(&p, SENDING), 1.0, "{p}");
+        assert_eq!(
+            metric(&p, "bulkhead_kv_in_flight_tokens{side=\"send\"}"),
+            tokens,
+            "{p}"
+        );
+
+        let (answer, took) = request.await.expect("the request task");
+        let err = answer.expect_err("the transfer cannot complete");
+        assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+        assert_eq!(error_code(&err), Some("service_unavailable"), "{err:?}");
+        assert!(took < Duration::from_secs(10), "failed after {took:?}");
+
+        // No drain acknowledgement within the release timeout: quarantined.
+        let m = wait_metrics(&decode, "the drain timeout", |m| {
+            metric(m, "bulkhead_kv_drain_timeouts_total") == 1.0
+        })
+        .await;
+        let quarantined = metric(&m, "bulkhead_kv_pool_pages{state=\"quarantined\"}");
+        assert!(quarantined >= 2.0, "{m}");
+        assert_eq!(metric(&m, "bulkhead_kv_quarantined_sessions"), 1.0, "{m}");
+        assert_eq!(metric(&m, RECEIVING), 0.0, "{m}");
+
+        // The peer is alive, only stuck: its pages stay out of circulation well past the
+        // reclaim delay.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let m = decode.metrics();
+        assert_eq!(
+            metric(&m, "bulkhead_kv_pool_pages{state=\"quarantined\"}"),
+            quarantined,
+            "a live peer's pages came back early: {m}"
+        );
+        assert_eq!(metric(&m, "bulkhead_kv_reclaimed_pages_total"), 0.0, "{m}");
+
+        // The peer dies: its connection closes, and after the reclaim delay the pages are
+        // scrubbed and free again.
+        drop(prefill);
+        let m = wait_metrics(&decode, "the reclaim", |m| {
+            metric(m, "bulkhead_kv_pool_pages{state=\"quarantined\"}") == 0.0
+        })
+        .await;
+        assert_eq!(
+            metric(&m, "bulkhead_kv_reclaimed_pages_total"),
+            quarantined,
+            "{m}"
+        );
+        assert_eq!(metric(&m, "bulkhead_kv_quarantined_sessions"), 0.0, "{m}");
+        assert_eq!(
+            metric(&m, "bulkhead_kv_abort_ack_seconds_count"),
+            0.0,
+            "{m}"
+        );
+        let p = wait_all_pages_back(&decode).await;
+        assert_eq!(p.free + p.pending_scrub, p.total, "{p:?}");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_request_dropped_while_prefill_computes_is_acknowledged_not_quarantined() {
+    bounded(async {
+        // A release timeout far beyond the test's waits: only the acknowledgement can free
+        // the pages in time.
+        let (prefill, decode) = pair(&[], &["--release-timeout-ms", "120000"]);
+        let before = pool(&health(&mut decode.client().await).await);
+        let mut client = decode.client().await;
+        let long = "Tell me about the history of the harbour town and its ships. ".repeat(40);
+        let stream = client
+            .generate(chat(&long, 8))
+            .await
+            .expect("admitted")
+            .into_inner();
+        // Wait until decode has reserved and prefill is computing, then leave.
+        wait_metrics(&decode, "the reservation", |m| metric(m, RECEIVING) == 1.0).await;
+        let mut pc = prefill.client().await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while health(&mut pc).await.running == 0 {
+            assert!(Instant::now() < deadline, "prefill never started");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let dropped_at = Instant::now();
+        drop(stream);
+
+        let m = wait_metrics(&decode, "the drain acknowledgement", |m| {
+            metric(m, "bulkhead_kv_abort_ack_seconds_count") == 1.0
+        })
+        .await;
+        assert!(dropped_at.elapsed() < Duration::from_secs(30));
+        assert_eq!(metric(&m, "bulkhead_kv_drain_timeouts_total"), 0.0, "{m}");
+        assert_eq!(
+            metric(&m, "bulkhead_kv_pool_pages{state=\"quarantined\"}"),
+            0.0,
+            "{m}"
+        );
+        let p = wait_all_pages_back(&decode).await;
+        assert_eq!(p.free + p.pending_scrub, before.total, "{p:?}");
+        let p = wait_all_pages_back(&prefill).await;
+        assert_eq!(p.free + p.pending_scrub, p.total, "{p:?}");
+        assert_eq!(metric(&prefill.metrics(), SENDING), 0.0);
+    })
+    .await;
+}
