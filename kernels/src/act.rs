@@ -15,6 +15,8 @@ pub struct BlockQ8 {
     pub s: f32,
     /// Quantized values, each in -127..=127.
     pub qs: [i8; BLOCK],
+    /// `Σ qs`, exact (kernels that bias weights to unsigned bytes subtract `128 · sum`).
+    pub sum: i32,
 }
 
 impl BlockQ8 {
@@ -22,6 +24,7 @@ impl BlockQ8 {
         d: 0.0,
         s: 0.0,
         qs: [0; BLOCK],
+        sum: 0,
     };
 
     /// Quantizes one block of exactly [`BLOCK`] values.
@@ -40,6 +43,7 @@ impl BlockQ8 {
             d: round(d),
             s: round(d * sum as f32),
             qs,
+            sum,
         }
     }
 }
@@ -108,6 +112,7 @@ mod tests {
             assert!((b.d * f32::from(*q) - v).abs() <= b.d * 0.51 + 1e-3);
         }
         let sum: i32 = b.qs.iter().map(|&q| i32::from(q)).sum();
+        assert_eq!(b.sum, sum);
         assert!((b.s - b.d * sum as f32).abs() < 1e-2);
     }
 

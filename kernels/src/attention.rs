@@ -233,8 +233,9 @@ fn dot_f16(simd: Simd, a: &[f32], b: &[f16]) -> f32 {
     match simd {
         Simd::Portable => a.iter().zip(b).map(|(x, y)| x * y.to_f32()).sum(),
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Simd::Avx2` is only constructed after detecting AVX2, FMA and F16C.
-        Simd::Avx2 => unsafe { avx2::dot_f16(a, b) },
+        // SAFETY: `Simd::Avx2` and `Simd::Avx512` are only constructed after detecting AVX2,
+        // FMA and F16C.
+        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::dot_f16(a, b) },
     }
 }
 
@@ -246,7 +247,7 @@ fn axpy_f16(simd: Simd, out: &mut [f32], a: f32, x: &[f16]) {
             .for_each(|(o, x)| *o += a * x.to_f32()),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `dot_f16`.
-        Simd::Avx2 => unsafe { avx2::axpy_f16(out, a, x) },
+        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::axpy_f16(out, a, x) },
     }
 }
 

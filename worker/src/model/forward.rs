@@ -49,14 +49,13 @@ impl Model {
         view: TagView<'_>,
     ) -> Result<Vec<SeqResult>, ShapeError> {
         let c = &self.config;
-        let g = &self.gguf;
         let (dim, kvd, hd) = (c.dim, c.kv_heads * c.head_dim, c.head_dim);
         let n: usize = batch.iter().map(|s| s.tokens.len()).sum();
         let mut failed: Vec<Option<SeqFailure>> = vec![None; batch.len()];
 
         let mut x = vec![0.0f32; n * dim];
         let mut angles = vec![(0.0f32, 0.0f32); n * hd / 2];
-        let embed = self.weights.embed.bind(g)?;
+        let embed = &self.weights.embed;
         let mut row = 0;
         for (si, s) in batch.iter().enumerate() {
             for (i, &t) in s.tokens.iter().enumerate() {
@@ -82,9 +81,9 @@ impl Model {
         for (l, w) in self.weights.layers.iter().enumerate() {
             rms_norm(&x, &w.attn_norm, c.rms_eps, &mut xn);
             acts.load(&xn, n, dim);
-            matmul(self.simd, &w.wq.bind(g)?, &acts, &mut q);
-            matmul(self.simd, &w.wk.bind(g)?, &acts, &mut k);
-            matmul(self.simd, &w.wv.bind(g)?, &acts, &mut v);
+            matmul(self.simd, &w.wq, &acts, &mut q);
+            matmul(self.simd, &w.wk, &acts, &mut k);
+            matmul(self.simd, &w.wv, &acts, &mut v);
             for r in 0..n {
                 let a = &angles[r * hd / 2..(r + 1) * hd / 2];
                 Rope::apply(a, &mut q[r * dim..(r + 1) * dim]);
@@ -134,16 +133,16 @@ impl Model {
                 }
             }
             acts.load(&att, n, dim);
-            matmul(self.simd, &w.wo.bind(g)?, &acts, &mut o);
+            matmul(self.simd, &w.wo, &acts, &mut o);
             add_assign(&mut x, &o);
 
             rms_norm(&x, &w.ffn_norm, c.rms_eps, &mut xn);
             acts.load(&xn, n, dim);
-            matmul(self.simd, &w.w_gate.bind(g)?, &acts, &mut gate);
-            matmul(self.simd, &w.w_up.bind(g)?, &acts, &mut up);
+            matmul(self.simd, &w.w_gate, &acts, &mut gate);
+            matmul(self.simd, &w.w_up, &acts, &mut up);
             silu_mul(&mut gate, &up);
             acts.load(&gate, n, c.ffn_dim);
-            matmul(self.simd, &w.w_down.bind(g)?, &acts, &mut o);
+            matmul(self.simd, &w.w_down, &acts, &mut o);
             add_assign(&mut x, &o);
         }
 
@@ -168,12 +167,7 @@ impl Model {
         let mut logits = vec![0.0; wanted.len() * c.vocab];
         if !wanted.is_empty() {
             acts.load(&last, wanted.len(), dim);
-            matmul(
-                self.simd,
-                &self.weights.lm_head.bind(g)?,
-                &acts,
-                &mut logits,
-            );
+            matmul(self.simd, self.weights.lm_head(), &acts, &mut logits);
         }
         let mut results: Vec<SeqResult> = failed
             .into_iter()
