@@ -11,6 +11,7 @@ mod dot;
 mod matmul;
 pub mod ops;
 mod packed;
+pub mod pool;
 pub mod quant;
 mod simd;
 mod tile;

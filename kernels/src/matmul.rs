@@ -4,10 +4,9 @@
 //! same single dot product whatever the batch size or thread count, so results are
 //! batch-invariant bit for bit (a request's output never depends on who it was batched with).
 
-use rayon::prelude::*;
-
 use crate::act::Activations;
 use crate::packed::{GROUP, PackedMatrix};
+use crate::pool::SharedOut;
 use crate::quant::{DType, dequantize_row};
 use crate::simd::Simd;
 use crate::tile::tile;
@@ -101,9 +100,9 @@ pub fn matmul(simd: Simd, w: &PackedMatrix, x: &Activations, out: &mut [f32]) {
     assert_eq!(x.cols(), w.cols(), "matmul inner dimension");
     assert_eq!(out.len(), x.rows() * w.rows(), "matmul output shape");
     let (n, m) = (x.rows(), w.rows());
-    let out = SharedOut(out.as_mut_ptr());
+    let out = SharedOut::new(out);
     let Some(format) = w.format() else {
-        (0..m).into_par_iter().for_each(|r| {
+        crate::pool::global().for_each(m, &|r| {
             for t in 0..n {
                 let v = crate::dot::dot_float(w.dtype(), w.float_row(r), x.row_f32(t));
                 // SAFETY: `t < n` and `r < m`, so the index is inside `out`; tasks own disjoint
@@ -114,7 +113,7 @@ pub fn matmul(simd: Simd, w: &PackedMatrix, x: &Activations, out: &mut [f32]) {
         });
         return;
     };
-    (0..w.groups()).into_par_iter().for_each(|g| {
+    crate::pool::global().for_each(w.groups(), &|g| {
         let group = w.group(g);
         let rows = g * GROUP..((g + 1) * GROUP).min(m);
         // Tiles of TILE activation rows share each weight block's decoding; the remainder goes
@@ -146,24 +145,6 @@ pub fn matmul(simd: Simd, w: &PackedMatrix, x: &Activations, out: &mut [f32]) {
         }
     });
 }
-
-/// The output pointer shared by the matmul tasks, each writing its own elements.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-
-impl SharedOut {
-    /// # Safety
-    /// `at` is in bounds of the output slice, which is alive, and no other thread accesses
-    /// element `at` concurrently.
-    unsafe fn write(self, at: usize, v: f32) {
-        // SAFETY: guaranteed by the caller.
-        unsafe { self.0.add(at).write(v) }
-    }
-}
-// SAFETY: tasks write disjoint elements (see `matmul`).
-unsafe impl Send for SharedOut {}
-// SAFETY: as above.
-unsafe impl Sync for SharedOut {}
 
 #[cfg(test)]
 mod tests {

@@ -46,41 +46,47 @@ unsafe fn half_tile<const T: usize>(
     let bl = format.layout;
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); T];
+    // Closures do not inherit `target_feature`, so the loops below are plain loops: the
+    // intrinsics must inline into this function.
+    //
     // SAFETY (for every load below): `blk` is one packed block: 16 f16 scales at 0, 16 f16
-    // offsets at `mins` for Q4_1, then 4 (Q4) or 8 (Q8_0) chunks of 64 bytes from
-    // `quants`; rows `8h..8h+8`
-    // are the 16 (scales) or 32 (quants) bytes at `h` times that; all loads are unaligned.
-    let load = |blk: &[u8], at: usize| unsafe {
-        _mm256_loadu_si256(blk[at + h * CHUNK / 2..].as_ptr().cast())
-    };
-    let load_f16 = |blk: &[u8], at: usize| unsafe {
-        _mm256_cvtph_ps(_mm_loadu_si128(blk[at + h * 16..].as_ptr().cast()))
-    };
+    // offsets at `mins` for Q4_1, then 4 (Q4) or 8 (Q8_0) chunks of 64 bytes from `quants`;
+    // rows `8h..8h+8` are the 16 (scales) or 32 (quants) bytes at `h` times that; all loads are
+    // unaligned.
     for b in 0..xs[0].len() {
         let blk = &group[b * bl.stride..(b + 1) * bl.stride];
-        let d = load_f16(blk, 0);
-        let ints: [__m256i; T] = match format.dtype {
+        let at = |offset: usize| blk[offset..].as_ptr();
+        let d = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(at(h * 16).cast())) };
+        let mut ints = [_mm256_setzero_si256(); T];
+        match format.dtype {
             DType::Q8_0 => {
-                let w: [__m256i; 8] = std::array::from_fn(|j| {
-                    _mm256_xor_si256(load(blk, bl.quants + j * CHUNK), _mm256_set1_epi8(-128))
-                });
-                let w_abs = w.map(|w| _mm256_sign_epi8(w, w));
-                std::array::from_fn(|t| {
+                let (mut w, mut w_abs) = ([_mm256_setzero_si256(); 8], [_mm256_setzero_si256(); 8]);
+                for j in 0..8 {
+                    let raw =
+                        unsafe { _mm256_loadu_si256(at(bl.quants + j * CHUNK + h * 32).cast()) };
+                    w[j] = _mm256_xor_si256(raw, _mm256_set1_epi8(-128));
+                    w_abs[j] = _mm256_sign_epi8(w[j], w[j]);
+                }
+                for t in 0..T {
                     let mut sum = _mm256_setzero_si256();
                     for j in 0..8 {
                         let y = _mm256_sign_epi8(broadcast(&xs[t][b], j), w[j]);
                         let pairs = _mm256_maddubs_epi16(w_abs[j], y);
                         sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
                     }
-                    sum
-                })
+                    ints[t] = sum;
+                }
             }
             DType::Q4_0 | DType::Q4_1 => {
                 let mask = _mm256_set1_epi8(0x0f);
-                let raw: [__m256i; 4] = std::array::from_fn(|j| load(blk, bl.quants + j * CHUNK));
-                let lo = raw.map(|r| _mm256_and_si256(r, mask));
-                let hi = raw.map(|r| _mm256_and_si256(_mm256_srli_epi16::<4>(r), mask));
-                std::array::from_fn(|t| {
+                let (mut lo, mut hi) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
+                for j in 0..4 {
+                    let raw =
+                        unsafe { _mm256_loadu_si256(at(bl.quants + j * CHUNK + h * 32).cast()) };
+                    lo[j] = _mm256_and_si256(raw, mask);
+                    hi[j] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+                }
+                for t in 0..T {
                     let x = &xs[t][b];
                     // Each i16 pair sum is at most 2·15·127; eight of them fit in an i16.
                     let mut pairs = _mm256_setzero_si256();
@@ -92,21 +98,25 @@ unsafe fn half_tile<const T: usize>(
                             _mm256_maddubs_epi16(hi[j], broadcast(x, j + 4)),
                         );
                     }
-                    _mm256_madd_epi16(pairs, ones)
-                })
+                    ints[t] = _mm256_madd_epi16(pairs, ones);
+                }
             }
             DType::F32 | DType::F16 => unreachable!("float formats are not packed"),
+        }
+        let min = if let Some(m) = bl.mins {
+            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(at(m + h * 16).cast())) }
+        } else {
+            _mm256_setzero_ps()
         };
-        let min = bl.mins.map(|at| load_f16(blk, at));
         for t in 0..T {
             let x = &xs[t][b];
             let i = _mm256_cvtepi32_ps(ints[t]);
-            let term = match (format.dtype, min) {
-                (DType::Q4_1, Some(m)) => _mm256_add_ps(
+            let term = match format.dtype {
+                DType::Q4_1 => _mm256_add_ps(
                     _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d)), i),
-                    _mm256_mul_ps(m, _mm256_set1_ps(x.s)),
+                    _mm256_mul_ps(min, _mm256_set1_ps(x.s)),
                 ),
-                (DType::Q4_0, _) => _mm256_mul_ps(
+                DType::Q4_0 => _mm256_mul_ps(
                     d,
                     _mm256_sub_ps(
                         _mm256_mul_ps(_mm256_set1_ps(x.d), i),
@@ -118,15 +128,16 @@ unsafe fn half_tile<const T: usize>(
             acc[t] = _mm256_add_ps(acc[t], term);
         }
     }
-    acc.map(|a| {
-        let mut out = [0.0f32; HALF];
-        // SAFETY: `out` holds 8 f32.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), a) };
-        out
-    })
+    let mut out = [[0.0f32; HALF]; T];
+    for (o, a) in out.iter_mut().zip(acc) {
+        // SAFETY: `o` holds 8 f32.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), a) };
+    }
+    out
 }
 
 /// Activation bytes `4j..4j+4` of `x`, in every lane.
+#[inline]
 #[target_feature(enable = "avx2")]
 fn broadcast(x: &BlockQ8, j: usize) -> __m256i {
     let four = [

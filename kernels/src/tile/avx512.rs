@@ -28,57 +28,66 @@ pub(super) unsafe fn tile<const T: usize>(
         // Q4_1, then 4 (Q4) or 8 (Q8_0) chunks of 64 bytes from
         // `quants`; all loads are unaligned.
         let d = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(blk.as_ptr().cast())) };
-        let ints: [__m512i; T] = match format.dtype {
+        // Closures do not inherit `target_feature`, so the loops below are plain loops: the
+        // intrinsics must inline into this function.
+        let mut ints = [_mm512_setzero_si512(); T];
+        match format.dtype {
             DType::Q8_0 => {
-                // SAFETY: as above.
-                let w: [__m512i; 8] = std::array::from_fn(|j| unsafe {
-                    _mm512_loadu_si512(blk[bl.quants + j * CHUNK..].as_ptr().cast())
-                });
-                std::array::from_fn(|t| {
+                let mut w = [_mm512_setzero_si512(); 8];
+                for (j, w) in w.iter_mut().enumerate() {
+                    // SAFETY: as above.
+                    *w =
+                        unsafe { _mm512_loadu_si512(blk[bl.quants + j * CHUNK..].as_ptr().cast()) };
+                }
+                for t in 0..T {
                     let x = &xs[t][b];
                     // Σ (q + 128)·y = Σ q·y + 128·Σ y.
-                    let bias = _mm512_set1_epi32(-128 * x.sum);
-                    let (mut even, mut odd) = (bias, _mm512_setzero_si512());
+                    let (mut even, mut odd) =
+                        (_mm512_set1_epi32(-128 * x.sum), _mm512_setzero_si512());
                     for j in (0..8).step_by(2) {
                         even = _mm512_dpbusd_epi32(even, w[j], broadcast(x, j));
                         odd = _mm512_dpbusd_epi32(odd, w[j + 1], broadcast(x, j + 1));
                     }
-                    _mm512_add_epi32(even, odd)
-                })
+                    ints[t] = _mm512_add_epi32(even, odd);
+                }
             }
             DType::Q4_0 | DType::Q4_1 => {
                 let mask = _mm512_set1_epi8(0x0f);
-                // SAFETY: as above.
-                let raw: [__m512i; 4] = std::array::from_fn(|j| unsafe {
-                    _mm512_loadu_si512(blk[bl.quants + j * CHUNK..].as_ptr().cast())
-                });
-                let lo = raw.map(|r| _mm512_and_si512(r, mask));
-                let hi = raw.map(|r| _mm512_and_si512(_mm512_srli_epi16::<4>(r), mask));
-                std::array::from_fn(|t| {
+                let (mut lo, mut hi) = ([_mm512_setzero_si512(); 4], [_mm512_setzero_si512(); 4]);
+                for j in 0..4 {
+                    // SAFETY: as above.
+                    let raw =
+                        unsafe { _mm512_loadu_si512(blk[bl.quants + j * CHUNK..].as_ptr().cast()) };
+                    lo[j] = _mm512_and_si512(raw, mask);
+                    hi[j] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask);
+                }
+                for t in 0..T {
                     let x = &xs[t][b];
                     let (mut l, mut h) = (_mm512_setzero_si512(), _mm512_setzero_si512());
                     for j in 0..4 {
                         l = _mm512_dpbusd_epi32(l, lo[j], broadcast(x, j));
                         h = _mm512_dpbusd_epi32(h, hi[j], broadcast(x, j + 4));
                     }
-                    _mm512_add_epi32(l, h)
-                })
+                    ints[t] = _mm512_add_epi32(l, h);
+                }
             }
             DType::F32 | DType::F16 => unreachable!("float formats are not packed"),
-        };
-        let min = bl.mins.map(|at| {
+        }
+        let min = if let Some(at) = bl.mins {
             // SAFETY: as above.
             unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(blk[at..].as_ptr().cast())) }
-        });
+        } else {
+            _mm512_setzero_ps()
+        };
         for t in 0..T {
             let x = &xs[t][b];
             let i = _mm512_cvtepi32_ps(ints[t]);
-            let term = match (format.dtype, min) {
-                (DType::Q4_1, Some(m)) => _mm512_add_ps(
+            let term = match format.dtype {
+                DType::Q4_1 => _mm512_add_ps(
                     _mm512_mul_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.d)), i),
-                    _mm512_mul_ps(m, _mm512_set1_ps(x.s)),
+                    _mm512_mul_ps(min, _mm512_set1_ps(x.s)),
                 ),
-                (DType::Q4_0, _) => _mm512_mul_ps(
+                DType::Q4_0 => _mm512_mul_ps(
                     d,
                     _mm512_sub_ps(
                         _mm512_mul_ps(_mm512_set1_ps(x.d), i),
@@ -90,15 +99,16 @@ pub(super) unsafe fn tile<const T: usize>(
             acc[t] = _mm512_add_ps(acc[t], term);
         }
     }
-    acc.map(|a| {
-        let mut out = [0.0f32; GROUP];
-        // SAFETY: `out` holds 16 f32.
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), a) };
-        out
-    })
+    let mut out = [[0.0f32; GROUP]; T];
+    for (o, a) in out.iter_mut().zip(acc) {
+        // SAFETY: `o` holds 16 f32.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), a) };
+    }
+    out
 }
 
 /// Activation bytes `4j..4j+4` of `x`, in every lane.
+#[inline]
 #[target_feature(enable = "avx512f")]
 fn broadcast(x: &BlockQ8, j: usize) -> __m512i {
     let four = [
