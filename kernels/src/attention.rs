@@ -287,11 +287,10 @@ mod avx2 {
             acc = _mm256_fmadd_ps(x, y, acc);
             i += 8;
         }
-        // Horizontal sum in registers (a store and eight scalar adds stalled on the store).
-        let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+        lanes.iter().sum::<f32>()
             + a[i..n]
                 .iter()
                 .zip(&b[i..n])

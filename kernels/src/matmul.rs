@@ -89,8 +89,9 @@ impl<'a> QMatrix<'a> {
     }
 }
 
-/// Activation rows computed together against one packed group of weight rows.
-const TILE: usize = 4;
+/// The most activation rows computed together against one packed group of weight rows: a
+/// decode batch of 8 reads each weight block once.
+const TILE: usize = 8;
 
 /// `out[t][r] = w.row(r) · x.row(t)` for every activation row `t`; `out` is `x.rows() × w.rows()`.
 ///
@@ -116,21 +117,26 @@ pub fn matmul(simd: Simd, w: &PackedMatrix, x: &Activations, out: &mut [f32]) {
     crate::pool::global().for_each(w.groups(), &|g| {
         let group = w.group(g);
         let rows = g * GROUP..((g + 1) * GROUP).min(m);
-        // Tiles of TILE activation rows share each weight block's decoding; the remainder goes
-        // one row at a time. Either way each value is the same (see `tile`).
+        // Tiles of 8, 4, 2 or 1 activation rows share each weight block's decoding; each value
+        // is the same whatever the width (see `tile`).
         let mut t = 0;
         while t < n {
             let mut values = [[0.0; GROUP]; TILE];
-            let width = if n - t >= TILE {
-                values = tile(
-                    simd,
-                    format,
-                    group,
-                    std::array::from_fn(|j| x.row_q8(t + j)),
-                );
-                TILE
+            let rest = n - t;
+            let xs = |j: usize| x.row_q8(t + j);
+            let width = if rest >= 8 {
+                values = tile::<8>(simd, format, group, std::array::from_fn(xs));
+                8
+            } else if rest >= 4 {
+                let v = tile::<4>(simd, format, group, std::array::from_fn(xs));
+                values[..4].copy_from_slice(&v);
+                4
+            } else if rest >= 2 {
+                let v = tile::<2>(simd, format, group, std::array::from_fn(xs));
+                values[..2].copy_from_slice(&v);
+                2
             } else {
-                [values[0]] = tile(simd, format, group, [x.row_q8(t)]);
+                [values[0]] = tile(simd, format, group, [xs(0)]);
                 1
             };
             for (j, lanes) in values[..width].iter().enumerate() {
@@ -169,25 +175,26 @@ mod tests {
 
     #[test]
     fn results_do_not_depend_on_the_batch_or_the_level() {
-        // 40 rows: two full groups and a partial one.
+        // 40 rows: two full groups and a partial one; 15 activation rows: tiles of 8, 4, 2, 1.
+        const BATCH: usize = 15;
         let (rows, cols) = (40, 64);
         let wv = crate::test_values::uniform(rows * cols, 4, 1.0);
-        let xs = crate::test_values::uniform(5 * cols, 8, 1.0);
+        let xs = crate::test_values::uniform(BATCH * cols, 8, 1.0);
         let mut batch = Activations::default();
-        batch.load(&xs, 5, cols);
+        batch.load(&xs, BATCH, cols);
         for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::F16] {
             let data: Vec<u8> = wv
                 .chunks(cols)
                 .flat_map(|r| quantize_row(dtype, r))
                 .collect();
             let w = PackedMatrix::from_bytes(dtype, rows, cols, &data).unwrap();
-            let mut want = vec![0.0; 5 * rows];
+            let mut want = vec![0.0; BATCH * rows];
             matmul(Simd::Portable, &w, &batch, &mut want);
             for simd in Simd::available() {
-                let mut all = vec![0.0; 5 * rows];
+                let mut all = vec![0.0; BATCH * rows];
                 matmul(simd, &w, &batch, &mut all);
                 assert_eq!(all, want, "{dtype:?} {simd:?}");
-                for t in 0..5 {
+                for t in 0..BATCH {
                     let mut one = Activations::default();
                     one.load(&xs[t * cols..(t + 1) * cols], 1, cols);
                     let mut alone = vec![0.0; rows];
