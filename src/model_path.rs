@@ -50,6 +50,7 @@ impl ModelArgs {
             .threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
         anyhow::ensure!(n > 0, "--threads must be at least 1");
+        bulkhead_kernels::pool::init(n);
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .build_global()

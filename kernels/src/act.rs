@@ -15,6 +15,8 @@ pub struct BlockQ8 {
     pub s: f32,
     /// Quantized values, each in -127..=127.
     pub qs: [i8; BLOCK],
+    /// `Σ qs`, exact (kernels that bias weights to unsigned bytes subtract `128 · sum`).
+    pub sum: i32,
 }
 
 impl BlockQ8 {
@@ -22,6 +24,7 @@ impl BlockQ8 {
         d: 0.0,
         s: 0.0,
         qs: [0; BLOCK],
+        sum: 0,
     };
 
     /// Quantizes one block of exactly [`BLOCK`] values.
@@ -32,7 +35,7 @@ impl BlockQ8 {
         let mut qs = [0i8; BLOCK];
         let mut sum = 0i32;
         for (q, v) in qs.iter_mut().zip(values) {
-            *q = (v * id).round() as i8;
+            *q = round_ties_even(v * id) as i8;
             sum += i32::from(*q);
         }
         let round = |x: f32| f16::from_f32(x).to_f32();
@@ -40,8 +43,17 @@ impl BlockQ8 {
             d: round(d),
             s: round(d * sum as f32),
             qs,
+            sum,
         }
     }
+}
+
+/// `v` rounded to the nearest integer, ties to even, for `|v| < 2^22` (activations scaled to
+/// ±127): adding and removing 1.5·2^23 leaves no fraction bits. Plain arithmetic, so the
+/// quantize loop vectorizes, where `f32::round` is a library call per value.
+fn round_ties_even(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (v + MAGIC) - MAGIC
 }
 
 /// A batch of activation rows, kept both as f32 (for float weights) and quantized (for
@@ -108,7 +120,15 @@ mod tests {
             assert!((b.d * f32::from(*q) - v).abs() <= b.d * 0.51 + 1e-3);
         }
         let sum: i32 = b.qs.iter().map(|&q| i32::from(q)).sum();
+        assert_eq!(b.sum, sum);
         assert!((b.s - b.d * sum as f32).abs() < 1e-2);
+    }
+
+    #[test]
+    fn rounding_is_to_nearest_ties_to_even() {
+        for v in [-127.0, -2.5, -1.5, -0.5, 0.49, 0.5, 1.5, 2.5, 126.6, 127.0] {
+            assert_eq!(round_ties_even(v), v.round_ties_even(), "{v}");
+        }
     }
 
     #[test]

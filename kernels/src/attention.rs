@@ -18,7 +18,8 @@
 
 use bulkhead_kvpool::{PageRef, Tag};
 use half::f16;
-use rayon::prelude::*;
+use std::cell::RefCell;
+use std::sync::Mutex;
 
 use crate::ops::softmax;
 use crate::simd::Simd;
@@ -201,20 +202,22 @@ pub fn attend(
     let hd = layout.head_dim;
     let group = heads / layout.kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
-    out.par_chunks_mut(hd)
-        .enumerate()
-        .try_for_each_init(Vec::new, |scores, (i, o)| {
-            let (t, h) = (i / heads, i % heads);
-            let kvh = h / group;
-            let qrow = &q[i * hd..(i + 1) * hd];
-            let len = seq.cached + t + 1;
+    let failed = Mutex::new(None);
+    crate::pool::global().for_each_chunk_mut(out, hd, &|i, o| {
+        let (t, h) = (i / heads, i % heads);
+        let kvh = h / group;
+        let qrow = &q[i * hd..(i + 1) * hd];
+        let len = seq.cached + t + 1;
+        SCORES.with_borrow_mut(|scores| {
             scores.clear();
             for pos in 0..len {
                 let page = seq.table[pos / layout.page_tokens].page.index();
                 let at = layout.offset(page, layer, false, kvh, pos % layout.page_tokens);
                 let key = &pool[at..at + hd];
                 if tags.canary && key[0].to_bits() == CANARY.to_bits() {
-                    return Err(IntegrityError::CanaryRead { position: pos });
+                    let mut first = failed.lock().unwrap_or_else(|p| p.into_inner());
+                    first.get_or_insert(IntegrityError::CanaryRead { position: pos });
+                    return;
                 }
                 scores.push(dot_f16(simd, qrow, key) * scale);
             }
@@ -225,16 +228,26 @@ pub fn attend(
                 let at = layout.offset(page, layer, true, kvh, pos % layout.page_tokens);
                 axpy_f16(simd, o, p, &pool[at..at + hd]);
             }
-            Ok(())
-        })
+        });
+    });
+    match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+thread_local! {
+    /// One query's attention scores; kept per thread so a decode step allocates nothing.
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 fn dot_f16(simd: Simd, a: &[f32], b: &[f16]) -> f32 {
     match simd {
         Simd::Portable => a.iter().zip(b).map(|(x, y)| x * y.to_f32()).sum(),
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Simd::Avx2` is only constructed after detecting AVX2, FMA and F16C.
-        Simd::Avx2 => unsafe { avx2::dot_f16(a, b) },
+        // SAFETY: `Simd::Avx2` and `Simd::Avx512` are only constructed after detecting AVX2,
+        // FMA and F16C.
+        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::dot_f16(a, b) },
     }
 }
 
@@ -246,7 +259,7 @@ fn axpy_f16(simd: Simd, out: &mut [f32], a: f32, x: &[f16]) {
             .for_each(|(o, x)| *o += a * x.to_f32()),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `dot_f16`.
-        Simd::Avx2 => unsafe { avx2::axpy_f16(out, a, x) },
+        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::axpy_f16(out, a, x) },
     }
 }
 

@@ -4,12 +4,12 @@
 //! same single dot product whatever the batch size or thread count, so results are
 //! batch-invariant bit for bit (a request's output never depends on who it was batched with).
 
-use rayon::prelude::*;
-
 use crate::act::Activations;
-use crate::dot::dot_rows;
+use crate::packed::{GROUP, PackedMatrix};
+use crate::pool::SharedOut;
 use crate::quant::{DType, dequantize_row};
 use crate::simd::Simd;
+use crate::tile::tile;
 
 /// A borrowed `rows × cols` weight matrix stored row-major as `dtype`. The constructor checks
 /// that the bytes are exactly the matrix, so kernels index it without further checks.
@@ -71,7 +71,12 @@ impl<'a> QMatrix<'a> {
         self.cols
     }
 
-    fn row(&self, r: usize) -> &'a [u8] {
+    /// The stored bytes, row after row.
+    pub fn bytes(&self) -> &'a [u8] {
+        self.data
+    }
+
+    pub(crate) fn row(&self, r: usize) -> &'a [u8] {
         &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
     }
 
@@ -84,68 +89,68 @@ impl<'a> QMatrix<'a> {
     }
 }
 
-/// Rows of the weight matrix handled by one parallel task.
-const ROWS_PER_TASK: usize = 16;
-/// Activation rows computed together against one weight row.
-const TILE: usize = 4;
+/// The most activation rows computed together against one packed group of weight rows: a
+/// decode batch of 8 reads each weight block once.
+const TILE: usize = 8;
 
 /// `out[t][r] = w.row(r) · x.row(t)` for every activation row `t`; `out` is `x.rows() × w.rows()`.
 ///
 /// # Panics
 /// When `x.cols() != w.cols()` or `out.len() != x.rows() * w.rows()`.
-pub fn matmul(simd: Simd, w: &QMatrix<'_>, x: &Activations, out: &mut [f32]) {
+pub fn matmul(simd: Simd, w: &PackedMatrix, x: &Activations, out: &mut [f32]) {
     assert_eq!(x.cols(), w.cols(), "matmul inner dimension");
     assert_eq!(out.len(), x.rows() * w.rows(), "matmul output shape");
-    let n = x.rows();
-    let m = w.rows();
-    let out = SharedOut(out.as_mut_ptr());
-    let act = |t: usize| (x.row_f32(t), x.row_q8(t));
-    (0..m.div_ceil(ROWS_PER_TASK))
-        .into_par_iter()
-        .for_each(|task| {
-            let rows = task * ROWS_PER_TASK..((task + 1) * ROWS_PER_TASK).min(m);
-            // Tiles of TILE activation rows share each weight block's decoding; the remainder goes
-            // one row at a time. Either way each value is the same (see `dot_rows`).
-            let mut t = 0;
-            while t < n {
-                let width = if n - t >= TILE { TILE } else { 1 };
-                for r in rows.clone() {
-                    let mut values = [0.0; TILE];
-                    if width == TILE {
-                        values =
-                            dot_rows(simd, w.dtype, w.row(r), std::array::from_fn(|j| act(t + j)));
-                    } else {
-                        [values[0]] = dot_rows(simd, w.dtype, w.row(r), [act(t)]);
-                    }
-                    for (j, &v) in values[..width].iter().enumerate() {
-                        // SAFETY: `t + j < n` and `r < m`, so the index is inside `out`; tasks own
-                        // disjoint row ranges, so no two threads write the same element, and `out`
-                        // outlives the parallel loop, which joins before `matmul` returns.
-                        unsafe { out.write((t + j) * m + r, v) };
-                    }
-                }
-                t += width;
+    let (n, m) = (x.rows(), w.rows());
+    let out = SharedOut::new(out);
+    let Some(format) = w.format() else {
+        crate::pool::global().for_each(m, &|r| {
+            for t in 0..n {
+                let v = crate::dot::dot_float(w.dtype(), w.float_row(r), x.row_f32(t));
+                // SAFETY: `t < n` and `r < m`, so the index is inside `out`; tasks own disjoint
+                // rows, so no two threads write the same element, and `out` outlives the
+                // parallel loop, which joins before `matmul` returns.
+                unsafe { out.write(t * m + r, v) };
             }
         });
+        return;
+    };
+    crate::pool::global().for_each(w.groups(), &|g| {
+        let group = w.group(g);
+        let rows = g * GROUP..((g + 1) * GROUP).min(m);
+        // Tiles of 8, 4, 2 or 1 activation rows share each weight block's decoding; each value
+        // is the same whatever the width (see `tile`).
+        let mut t = 0;
+        while t < n {
+            let mut values = [[0.0; GROUP]; TILE];
+            let rest = n - t;
+            let xs = |j: usize| x.row_q8(t + j);
+            let width = if rest >= 8 {
+                values = tile::<8>(simd, format, group, std::array::from_fn(xs));
+                8
+            } else if rest >= 4 {
+                let v = tile::<4>(simd, format, group, std::array::from_fn(xs));
+                values[..4].copy_from_slice(&v);
+                4
+            } else if rest >= 2 {
+                let v = tile::<2>(simd, format, group, std::array::from_fn(xs));
+                values[..2].copy_from_slice(&v);
+                2
+            } else {
+                [values[0]] = tile(simd, format, group, [xs(0)]);
+                1
+            };
+            for (j, lanes) in values[..width].iter().enumerate() {
+                for (r, &v) in rows.clone().zip(lanes) {
+                    // SAFETY: `t + j < n` and `r < m`, so the index is inside `out`; tasks own
+                    // disjoint groups of rows, so no two threads write the same element, and
+                    // `out` outlives the parallel loop, which joins before `matmul` returns.
+                    unsafe { out.write((t + j) * m + r, v) };
+                }
+            }
+            t += width;
+        }
+    });
 }
-
-/// The output pointer shared by the matmul tasks, each writing its own elements.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-
-impl SharedOut {
-    /// # Safety
-    /// `at` is in bounds of the output slice, which is alive, and no other thread accesses
-    /// element `at` concurrently.
-    unsafe fn write(self, at: usize, v: f32) {
-        // SAFETY: guaranteed by the caller.
-        unsafe { self.0.add(at).write(v) }
-    }
-}
-// SAFETY: tasks write disjoint elements (see `matmul`).
-unsafe impl Send for SharedOut {}
-// SAFETY: as above.
-unsafe impl Sync for SharedOut {}
 
 #[cfg(test)]
 mod tests {
@@ -169,30 +174,38 @@ mod tests {
     }
 
     #[test]
-    fn results_do_not_depend_on_the_batch() {
-        let cols = 64;
-        let rows = 40;
-        let wv: Vec<f32> = (0..rows * cols)
-            .map(|i| ((i * 7919) % 113) as f32 / 50.0 - 1.0)
-            .collect();
-        let data: Vec<u8> = wv
-            .chunks(cols)
-            .flat_map(|r| quantize_row(DType::Q4_1, r))
-            .collect();
-        let w = QMatrix::new(DType::Q4_1, rows, cols, &data).unwrap();
-        let xs: Vec<f32> = (0..5 * cols)
-            .map(|i| ((i * 31) % 17) as f32 / 8.0 - 1.0)
-            .collect();
+    fn results_do_not_depend_on_the_batch_or_the_level() {
+        // 40 rows: two full groups and a partial one; 15 activation rows: tiles of 8, 4, 2, 1.
+        const BATCH: usize = 15;
+        let (rows, cols) = (40, 64);
+        let wv = crate::test_values::uniform(rows * cols, 4, 1.0);
+        let xs = crate::test_values::uniform(BATCH * cols, 8, 1.0);
         let mut batch = Activations::default();
-        batch.load(&xs, 5, cols);
-        let mut all = vec![0.0; 5 * rows];
-        matmul(Simd::best(), &w, &batch, &mut all);
-        for t in 0..5 {
-            let mut one = Activations::default();
-            one.load(&xs[t * cols..(t + 1) * cols], 1, cols);
-            let mut alone = vec![0.0; rows];
-            matmul(Simd::best(), &w, &one, &mut alone);
-            assert_eq!(alone, all[t * rows..(t + 1) * rows], "row {t}");
+        batch.load(&xs, BATCH, cols);
+        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::F16] {
+            let data: Vec<u8> = wv
+                .chunks(cols)
+                .flat_map(|r| quantize_row(dtype, r))
+                .collect();
+            let w = PackedMatrix::from_bytes(dtype, rows, cols, &data).unwrap();
+            let mut want = vec![0.0; BATCH * rows];
+            matmul(Simd::Portable, &w, &batch, &mut want);
+            for simd in Simd::available() {
+                let mut all = vec![0.0; BATCH * rows];
+                matmul(simd, &w, &batch, &mut all);
+                assert_eq!(all, want, "{dtype:?} {simd:?}");
+                for t in 0..BATCH {
+                    let mut one = Activations::default();
+                    one.load(&xs[t * cols..(t + 1) * cols], 1, cols);
+                    let mut alone = vec![0.0; rows];
+                    matmul(simd, &w, &one, &mut alone);
+                    assert_eq!(
+                        alone,
+                        all[t * rows..(t + 1) * rows],
+                        "{dtype:?} {simd:?} row {t}"
+                    );
+                }
+            }
         }
     }
 }

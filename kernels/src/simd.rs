@@ -10,6 +10,9 @@ pub enum Simd {
     /// x86-64 AVX2 + FMA (+ F16C).
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// x86-64 AVX-512 F/BW/VL with VNNI (8-bit dot products), on top of [`Simd::Avx2`].
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
 }
 
 impl Simd {
@@ -28,11 +31,18 @@ impl Simd {
             && is_x86_feature_detected!("f16c")
         {
             levels.push(Simd::Avx2);
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                levels.push(Simd::Avx512);
+            }
         }
         levels
     }
 
-    /// The level named `name` (`portable`, `avx2`) if this CPU supports it.
+    /// The level named `name` (`portable`, `avx2`, `avx512`) if this CPU supports it.
     pub fn by_name(name: &str) -> Option<Simd> {
         Simd::available().into_iter().find(|s| s.name() == name)
     }
@@ -42,6 +52,8 @@ impl Simd {
             Simd::Portable => "portable",
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2 => "avx2",
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 => "avx512",
         }
     }
 }

@@ -5,6 +5,8 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
+use bulkhead_kernels::Simd;
+use bulkhead_kernels::attention::TagCheck;
 use bulkhead_kvpool::RequestId;
 use bulkhead_worker::engine::{Engine, EngineConfig, Event, KvBudget, Request};
 use bulkhead_worker::loader::LoadedModel;
@@ -27,6 +29,9 @@ pub struct EngineArgs {
     /// Repetitions; the medians are reported.
     #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// Kernel level to use (`portable`, `avx2`, `avx512`) [default: the best this CPU has].
+    #[arg(long)]
+    simd: Option<String>,
 }
 
 /// Prose the benchmark prompts are cut from.
@@ -39,7 +44,14 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.runs > 0, "--runs must be at least 1");
     let threads = args.model.init_threads()?;
     let path = args.model.path()?;
-    let loaded = LoadedModel::open(&path)?;
+    let mut loaded = LoadedModel::open(&path)?;
+    if let Some(name) = &args.simd {
+        let simd = Simd::by_name(name).with_context(|| {
+            let have: Vec<_> = Simd::available().iter().map(|s| s.name()).collect();
+            format!("--simd {name}: this CPU offers {have:?}")
+        })?;
+        loaded.model.set_simd(simd);
+    }
     let text = TEXT.repeat(1 + args.prefill_tokens * 6 / TEXT.len());
     let all = loaded.tokenizer.encode(&text, false)?;
     anyhow::ensure!(all.len() >= args.prefill_tokens, "benchmark text too short");
@@ -56,10 +68,15 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
 
     let mut prefill = Vec::new();
     let mut decode_b1 = Vec::new();
+    let mut decode_b1_unchecked = Vec::new();
     let mut decode_b8 = Vec::new();
     for _ in 0..args.runs {
         prefill.push(bench.prefill(&long_prompt)?);
         decode_b1.push(bench.decode(&[&all[..32]], args.decode_tokens)?);
+        // The page-tag check's cost: the same decode with the check off, right after.
+        bench.engine.set_tag_check(TagCheck::Off);
+        decode_b1_unchecked.push(bench.decode(&[&all[..32]], args.decode_tokens)?);
+        bench.engine.set_tag_check(TagCheck::On);
         let prompts: Vec<&[u32]> = (0..8).map(|i| &all[i * 7..i * 7 + 32]).collect();
         decode_b8.push(bench.decode(&prompts, args.decode_tokens)?);
     }
@@ -71,12 +88,25 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
         "prefill_prompt_tokens": args.prefill_tokens,
         "decode_new_tokens": args.decode_tokens,
         "prefill_tok_s": median(prefill),
-        "decode_b1_tok_s": median(decode_b1),
+        "decode_b1_tok_s": median(decode_b1.clone()),
         "decode_b8_tok_s": median(decode_b8),
+        "decode_b1_tag_check_off_tok_s": median(decode_b1_unchecked.clone()),
+        "tag_check_cost_pct": tag_check_cost_pct(&decode_b1, &decode_b1_unchecked),
         "peak_rss_bytes": peak_rss_bytes()?,
     });
     println!("{report}");
     Ok(())
+}
+
+/// The tag check's cost in percent of decode throughput: the median over runs of each run's
+/// paired (on, off) difference, so slow phases of a shared machine hit both sides alike.
+fn tag_check_cost_pct(on: &[f64], off: &[f64]) -> f64 {
+    median(
+        on.iter()
+            .zip(off)
+            .map(|(on, off)| (off - on) / off * 100.0)
+            .collect(),
+    )
 }
 
 struct Bench {

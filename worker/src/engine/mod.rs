@@ -378,7 +378,8 @@ impl Engine {
             .min()
     }
 
-    /// Test hook: turn the attention kernel's page-tag check off to show what it prevents.
+    /// Test and benchmark hook: turn the attention kernel's page-tag check off, to show what it
+    /// prevents and what it costs.
     #[doc(hidden)]
     pub fn set_tag_check(&mut self, check: TagCheck) {
         self.tag_check = check;

@@ -155,6 +155,26 @@ impl Gguf {
         &self.map[range]
     }
 
+    /// Hands the resident pages of `range` back to the kernel, once their bytes have been
+    /// copied elsewhere (packed weights), so they stop counting in the process's memory. Best
+    /// effort: a later read of the range still works, it faults the bytes back in.
+    pub fn release(&self, range: std::ops::Range<usize>) {
+        if range.is_empty() || range.end > self.map.len() {
+            return;
+        }
+        // SAFETY: the map is a read-only, shared mapping of a file (see `open`): MADV_DONTNEED
+        // only drops the resident copies of its pages, and any later read, through a slice
+        // borrowed before or after, faults the same file bytes back in. Nothing ever writes
+        // through this map, so no write can be lost.
+        let _ = unsafe {
+            self.map.unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                range.start,
+                range.len(),
+            )
+        };
+    }
+
     /// Tensor `name` as a matrix of `rows × cols` (`dims == [cols, rows]`).
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<QMatrix<'_>, GgufError> {
         let t = self.tensor_info(name)?;

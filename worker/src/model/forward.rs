@@ -6,10 +6,10 @@
 
 use bulkhead_kernels::attention::{IntegrityError, PagedKv, PagedSeq, TagView, attend, write_kv};
 use bulkhead_kernels::ops::{Rope, add_assign, rms_norm, silu_mul};
-use bulkhead_kernels::{Activations, ShapeError, matmul};
+use bulkhead_kernels::{ShapeError, matmul};
 use bulkhead_kvpool::PageRef;
 
-use super::Model;
+use super::{Model, Scratch};
 use crate::kv::KvMemory;
 
 /// One sequence's part of a forward step.
@@ -49,14 +49,41 @@ impl Model {
         view: TagView<'_>,
     ) -> Result<Vec<SeqResult>, ShapeError> {
         let c = &self.config;
-        let g = &self.gguf;
         let (dim, kvd, hd) = (c.dim, c.kv_heads * c.head_dim, c.head_dim);
         let n: usize = batch.iter().map(|s| s.tokens.len()).sum();
         let mut failed: Vec<Option<SeqFailure>> = vec![None; batch.len()];
 
-        let mut x = vec![0.0f32; n * dim];
-        let mut angles = vec![(0.0f32, 0.0f32); n * hd / 2];
-        let embed = self.weights.embed.bind(g)?;
+        let mut guard = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let Scratch {
+            x,
+            angles,
+            acts,
+            xn,
+            q,
+            att,
+            o,
+            k,
+            v,
+            gate,
+            up,
+        } = &mut *guard;
+        for (buf, len) in [
+            (&mut *x, n * dim),
+            (&mut *xn, n * dim),
+            (&mut *q, n * dim),
+            (&mut *att, n * dim),
+            (&mut *o, n * dim),
+            (&mut *k, n * kvd),
+            (&mut *v, n * kvd),
+            (&mut *gate, n * c.ffn_dim),
+            (&mut *up, n * c.ffn_dim),
+        ] {
+            buf.clear();
+            buf.resize(len, 0.0);
+        }
+        angles.clear();
+        angles.resize(n * hd / 2, (0.0, 0.0));
+        let embed = &self.weights.embed;
         let mut row = 0;
         for (si, s) in batch.iter().enumerate() {
             for (i, &t) in s.tokens.iter().enumerate() {
@@ -74,17 +101,12 @@ impl Model {
             }
         }
 
-        let mut acts = Activations::default();
-        let mut xn = vec![0.0; n * dim];
-        let (mut q, mut att, mut o) = (vec![0.0; n * dim], vec![0.0; n * dim], vec![0.0; n * dim]);
-        let (mut k, mut v) = (vec![0.0; n * kvd], vec![0.0; n * kvd]);
-        let (mut gate, mut up) = (vec![0.0; n * c.ffn_dim], vec![0.0; n * c.ffn_dim]);
         for (l, w) in self.weights.layers.iter().enumerate() {
-            rms_norm(&x, &w.attn_norm, c.rms_eps, &mut xn);
-            acts.load(&xn, n, dim);
-            matmul(self.simd, &w.wq.bind(g)?, &acts, &mut q);
-            matmul(self.simd, &w.wk.bind(g)?, &acts, &mut k);
-            matmul(self.simd, &w.wv.bind(g)?, &acts, &mut v);
+            rms_norm(x, &w.attn_norm, c.rms_eps, xn);
+            acts.load(xn, n, dim);
+            matmul(self.simd, &w.wq, acts, q);
+            matmul(self.simd, &w.wk, acts, k);
+            matmul(self.simd, &w.wv, acts, v);
             for r in 0..n {
                 let a = &angles[r * hd / 2..(r + 1) * hd / 2];
                 Rope::apply(a, &mut q[r * dim..(r + 1) * dim]);
@@ -133,18 +155,18 @@ impl Model {
                     att[dim_rows].fill(0.0);
                 }
             }
-            acts.load(&att, n, dim);
-            matmul(self.simd, &w.wo.bind(g)?, &acts, &mut o);
-            add_assign(&mut x, &o);
+            acts.load(att, n, dim);
+            matmul(self.simd, &w.wo, acts, o);
+            add_assign(x, o);
 
-            rms_norm(&x, &w.ffn_norm, c.rms_eps, &mut xn);
-            acts.load(&xn, n, dim);
-            matmul(self.simd, &w.w_gate.bind(g)?, &acts, &mut gate);
-            matmul(self.simd, &w.w_up.bind(g)?, &acts, &mut up);
-            silu_mul(&mut gate, &up);
-            acts.load(&gate, n, c.ffn_dim);
-            matmul(self.simd, &w.w_down.bind(g)?, &acts, &mut o);
-            add_assign(&mut x, &o);
+            rms_norm(x, &w.ffn_norm, c.rms_eps, xn);
+            acts.load(xn, n, dim);
+            matmul(self.simd, &w.w_gate, acts, gate);
+            matmul(self.simd, &w.w_up, acts, up);
+            silu_mul(gate, up);
+            acts.load(gate, n, c.ffn_dim);
+            matmul(self.simd, &w.w_down, acts, o);
+            add_assign(x, o);
         }
 
         // The LM head runs only for the last token of the sequences that asked for logits.
@@ -168,12 +190,7 @@ impl Model {
         let mut logits = vec![0.0; wanted.len() * c.vocab];
         if !wanted.is_empty() {
             acts.load(&last, wanted.len(), dim);
-            matmul(
-                self.simd,
-                &self.weights.lm_head.bind(g)?,
-                &acts,
-                &mut logits,
-            );
+            matmul(self.simd, self.weights.lm_head(), acts, &mut logits);
         }
         let mut results: Vec<SeqResult> = failed
             .into_iter()

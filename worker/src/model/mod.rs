@@ -6,10 +6,11 @@ mod forward;
 mod weights;
 
 use std::path::Path;
+use std::sync::Mutex;
 
-use bulkhead_kernels::Simd;
 use bulkhead_kernels::attention::KvLayout;
 use bulkhead_kernels::ops::Rope;
+use bulkhead_kernels::{Activations, Simd};
 
 pub use config::{ModelConfig, RopeStyle};
 pub use forward::{SeqFailure, SeqResult, SeqStep};
@@ -25,6 +26,25 @@ pub struct Model {
     weights: Weights,
     rope: Rope,
     simd: Simd,
+    /// The forward pass's working buffers, kept between steps so a decode step allocates
+    /// nothing once they have grown to the batch size.
+    scratch: Mutex<Scratch>,
+}
+
+/// Working buffers of one forward step (see `forward.rs`), sized per step.
+#[derive(Debug, Default)]
+struct Scratch {
+    x: Vec<f32>,
+    angles: Vec<(f32, f32)>,
+    acts: Activations,
+    xn: Vec<f32>,
+    q: Vec<f32>,
+    att: Vec<f32>,
+    o: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
 }
 
 impl Model {
@@ -44,6 +64,7 @@ impl Model {
             weights,
             rope,
             simd: Simd::best(),
+            scratch: Mutex::default(),
         })
     }
 
