@@ -51,10 +51,12 @@ pub enum RoleConfig {
     /// Prefill for decode workers; KV is written in batches of about `batch_bytes`.
     Prefill { batch_bytes: usize },
     /// Decode; prompts are prefilled by the worker at `prefill` (a gRPC URI), which sends the
-    /// KV to this worker's data-plane listener at `kv_listen`.
+    /// KV to this worker's data-plane listener at `kv_listen`, reached at `kv_advertise` (the
+    /// listener's own address when `None`; a pod IP when it listens on 0.0.0.0).
     Decode {
         prefill: String,
         kv_listen: SocketAddr,
+        kv_advertise: Option<SocketAddr>,
     },
 }
 
@@ -171,7 +173,11 @@ impl BoundWorker {
             match config.role {
                 RoleConfig::Both => (ServiceRole::Both, None),
                 RoleConfig::Prefill { batch_bytes } => (ServiceRole::Prefill { batch_bytes }, None),
-                RoleConfig::Decode { prefill, kv_listen } => {
+                RoleConfig::Decode {
+                    prefill,
+                    kv_listen,
+                    kv_advertise,
+                } => {
                     let kv = bind("KV data", kv_listen).await?;
                     let kv_address = kv.local_addr().map_err(|source| StartError::Bind {
                         what: "KV data",
@@ -187,7 +193,7 @@ impl BoundWorker {
                     (
                         ServiceRole::Decode(PrefillPeer {
                             client,
-                            kv_address: kv_address.to_string(),
+                            kv_address: kv_advertise.unwrap_or(kv_address).to_string(),
                         }),
                         Some(kv),
                     )
