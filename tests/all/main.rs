@@ -2,6 +2,7 @@
 
 mod audit;
 mod gateway;
+mod scale;
 mod up;
 mod worker_grpc;
 mod worker_transport;

@@ -50,13 +50,13 @@ fn command(args: &[&str]) -> Command {
     cmd
 }
 
-/// A running worker; killed when dropped.
-struct Worker {
-    child: Child,
-    grpc: SocketAddr,
-    admin: SocketAddr,
+/// A running worker; killed when dropped (the scale tests start theirs through it too).
+pub struct Worker {
+    pub child: Child,
+    pub grpc: SocketAddr,
+    pub admin: SocketAddr,
     /// Decode role: the KV data-plane listener.
-    kv: Option<SocketAddr>,
+    pub kv: Option<SocketAddr>,
     stderr: Arc<Mutex<String>>,
 }
 
@@ -97,7 +97,7 @@ async fn wait_for_text(s: &Mutex<String>, needle: &str) -> String {
 
 impl Worker {
     /// Starts `bulkhead worker` with `args` and waits for its ready line.
-    fn start(args: &[&str]) -> Worker {
+    pub fn start(args: &[&str]) -> Worker {
         let mut child = command(args).spawn().expect("the bulkhead binary starts");
         let stdout = child.stdout.take().expect("stdout is piped");
         let stderr = collect(child.stderr.take().expect("stderr is piped"));
@@ -143,7 +143,7 @@ impl Worker {
     }
 
     /// A plain HTTP/1.1 GET on the admin port: (status line, body).
-    fn admin_get(&self, path: &str) -> (String, String) {
+    pub fn admin_get(&self, path: &str) -> (String, String) {
         let mut s = TcpStream::connect(self.admin).expect("connects to the admin port");
         s.set_read_timeout(Some(Duration::from_secs(10)))
             .expect("sets a timeout");
