@@ -272,6 +272,13 @@ fn two_prefill_and_two_decode_workers_share_the_load_and_survive_a_lost_decode_w
             (a.join().expect("decode a"), b.join().expect("decode b"))
         });
 
+        // Every worker's readiness (the Kubernetes probe): its pool holds its served context.
+        for w in [&prefill_a, &prefill_b, &decode_a, &decode_b] {
+            let (status, body) = w.admin_get("/readyz");
+            assert!(status.contains("200"), "{status}: {body}");
+            assert!(body.starts_with("ready: "), "{body}");
+        }
+
         let dir = TempDir::new("scale");
         let config_path = dir.0.join("gateway.toml");
         config(
