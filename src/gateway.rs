@@ -42,7 +42,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 pub fn preflight(args: Args) -> anyhow::Result<()> {
     let config = Config::load(&args.config)
         .with_context(|| format!("invalid configuration {}", args.config.display()))?;
-    let answers = runtime()?.block_on(bulkhead_gateway::preflight::ask(&config));
+    let answers = runtime()?.block_on(bulkhead_gateway::preflight::ask(
+        &config,
+        &bulkhead_gateway::discovery::SystemResolver,
+    ));
     let checks = bulkhead_gateway::preflight::checks(&answers);
     let (report, passed) = bulkhead_gateway::preflight::render(&answers, &checks);
     print!("{report}");

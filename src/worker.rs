@@ -29,6 +29,7 @@ pub mod env {
     pub const SCRUB: &str = "BULKHEAD_SCRUB";
     pub const PREFILL: &str = "BULKHEAD_PREFILL";
     pub const KV_LISTEN: &str = "BULKHEAD_KV_LISTEN";
+    pub const KV_ADVERTISE: &str = "BULKHEAD_KV_ADVERTISE";
     pub const TRANSFER_BATCH_BYTES: &str = "BULKHEAD_TRANSFER_BATCH_BYTES";
     pub const TRANSFER_TIMEOUT_MS: &str = "BULKHEAD_TRANSFER_TIMEOUT_MS";
     pub const RELEASE_TIMEOUT_MS: &str = "BULKHEAD_RELEASE_TIMEOUT_MS";
@@ -108,6 +109,10 @@ pub struct Args {
     /// Decode role: the KV data-plane listener prefill workers send pages to.
     #[arg(long, env = env::KV_LISTEN, default_value = "127.0.0.1:50061")]
     kv_listen: SocketAddr,
+    /// Decode role: the address prefill workers send pages to, when it is not --kv-listen's
+    /// (listening on 0.0.0.0 in a pod: the pod's IP and the port) [default: the bound address]
+    #[arg(long, env = env::KV_ADVERTISE)]
+    kv_advertise: Option<SocketAddr>,
     /// Prefill role: bytes written per batch; aborts are honoured between batches.
     #[arg(long, env = env::TRANSFER_BATCH_BYTES, value_parser = parse_bytes, default_value = "4MiB")]
     transfer_batch_bytes: u64,
@@ -171,6 +176,7 @@ impl Args {
                     .clone()
                     .context("--role decode needs --prefill")?,
                 kv_listen: self.kv_listen,
+                kv_advertise: self.kv_advertise,
             },
         };
         let kv = match (self.kv_memory, self.kv_tokens) {
@@ -350,6 +356,24 @@ mod tests {
         let role = cli.args.config().expect("valid").role;
         assert!(
             matches!(role, RoleConfig::Decode { ref prefill, .. } if prefill == "http://p:1"),
+            "{role:?}"
+        );
+        let cli = Cli::try_parse_from([
+            "x",
+            "--role",
+            "decode",
+            "--prefill",
+            "http://p:1",
+            "--kv-listen",
+            "0.0.0.0:50061",
+            "--kv-advertise",
+            "10.1.2.3:50061",
+        ])
+        .expect("parses");
+        let role = cli.args.config().expect("valid").role;
+        assert!(
+            matches!(role, RoleConfig::Decode { kv_advertise: Some(a), .. }
+                if a.to_string() == "10.1.2.3:50061"),
             "{role:?}"
         );
         let cli = Cli::try_parse_from(["x", "--role", "prefill", "--transfer-batch-bytes", "1MiB"])

@@ -43,6 +43,9 @@
 //! tokenizer = "/models/m.gguf"      # the same model's GGUF: tokenizer and chat template
 //! key_env = "VLLM_API_KEY"          # optional: the variable holding the server's key
 //! ```
+//!
+//! Instead of (or besides) `[[workers]]`, `[[worker_groups]]` name DNS names that resolve to
+//! many workers (Kubernetes headless Services): see [`crate::discovery`].
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -53,6 +56,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::discovery::{GroupError, RawWorkerGroup, WorkerGroup};
 use crate::keys::{KeyHash, KeyHashError};
 use crate::tenant::{Tenant, TenantId, TenantIdError, TenantLimits};
 
@@ -68,8 +72,10 @@ pub struct Config {
     pub keyring: Keyring,
     /// The tenants, in file order.
     pub tenants: Vec<Arc<Tenant>>,
-    /// At least one; names are unique.
+    /// Names are unique across workers and groups; at least one worker or group.
     pub workers: Vec<WorkerConfig>,
+    /// Workers found through DNS, re-resolved every `refresh_interval`.
+    pub worker_groups: Vec<WorkerGroup>,
     /// How often the gateway re-reads every worker's Info and Health.
     pub refresh_interval: Duration,
 }
@@ -193,9 +199,12 @@ pub struct WorkerConfig {
     /// `http://host:port` of its gRPC API, or of the OpenAI-compatible server.
     pub endpoint: String,
     pub role: WorkerRole,
-    /// Decode workers only: the configured name of their prefill worker.
+    /// Decode workers only: the configured name of their prefill worker, or of a group of
+    /// prefill workers ([`crate::discovery`]).
     pub prefill: Option<String>,
     pub protocol: Protocol,
+    /// The `[[worker_groups]]` entry this worker was discovered through; `None` when listed.
+    pub group: Option<String>,
 }
 
 /// How the gateway talks to a worker.
@@ -253,7 +262,7 @@ pub enum ConfigError {
     ZeroLimit { tenant: String, field: &'static str },
     #[error("no tenants: define at least one [[tenants]]")]
     NoTenants,
-    #[error("no workers: define at least one [[workers]]")]
+    #[error("no workers: define at least one [[workers]] or [[worker_groups]]")]
     NoWorkers,
     #[error("worker {name:?} is defined twice")]
     DuplicateWorker { name: String },
@@ -261,7 +270,9 @@ pub enum ConfigError {
     WorkerEndpoint { name: String, endpoint: String },
     #[error("worker {name:?}: a decode worker must name its prefill worker (prefill = \"…\")")]
     DecodeWithoutPrefill { name: String },
-    #[error("worker {name:?}: prefill = {prefill:?} names no worker with role = \"prefill\"")]
+    #[error(
+        "worker {name:?}: prefill = {prefill:?} names no worker or worker group with role = \"prefill\""
+    )]
     UnknownPrefill { name: String, prefill: String },
     #[error("worker {name:?}: only decode workers name a prefill worker")]
     PrefillOnNonDecode { name: String },
@@ -276,6 +287,8 @@ pub enum ConfigError {
     OpenAiWorker { name: String, problem: &'static str },
     #[error("worker {name:?}: {field} is only for openai workers")]
     OpenAiOnly { name: String, field: &'static str },
+    #[error(transparent)]
+    Group(#[from] GroupError),
 }
 
 #[derive(Debug, Deserialize)]
@@ -291,6 +304,8 @@ struct RawConfig {
     tenants: Vec<RawTenant>,
     #[serde(default)]
     workers: Vec<RawWorker>,
+    #[serde(default)]
+    worker_groups: Vec<RawWorkerGroup>,
     #[serde(default = "default_refresh_secs")]
     worker_refresh_secs: u64,
 }
@@ -382,7 +397,7 @@ impl Config {
         let http = http_limits(&raw.http)?;
         let audit = audit_settings(&raw.audit)?;
         let (keyring, tenants) = tenants(raw.tenants)?;
-        let workers = workers(raw.workers)?;
+        let (workers, worker_groups) = workers(raw.workers, raw.worker_groups)?;
         if raw.worker_refresh_secs == 0 {
             return Err(ConfigError::ZeroSetting {
                 field: "worker_refresh_secs",
@@ -399,6 +414,7 @@ impl Config {
             keyring,
             tenants,
             workers,
+            worker_groups,
             refresh_interval: Duration::from_secs(raw.worker_refresh_secs),
         })
     }
@@ -504,42 +520,46 @@ fn tenants(raw: Vec<RawTenant>) -> Result<(Keyring, Vec<Arc<Tenant>>), ConfigErr
     Ok((keyring, tenants))
 }
 
-fn workers(raw: Vec<RawWorker>) -> Result<Vec<WorkerConfig>, ConfigError> {
-    if raw.is_empty() {
+fn workers(
+    raw: Vec<RawWorker>,
+    raw_groups: Vec<RawWorkerGroup>,
+) -> Result<(Vec<WorkerConfig>, Vec<WorkerGroup>), ConfigError> {
+    if raw.is_empty() && raw_groups.is_empty() {
         return Err(ConfigError::NoWorkers);
     }
-    let prefill_names: HashSet<&str> = raw
+    // Workers and groups share one namespace: a decode worker's `prefill` may name either.
+    let named = raw
         .iter()
-        .filter(|w| w.role == WorkerRole::Prefill)
-        .map(|w| w.name.as_str())
+        .map(|w| (w.name.as_str(), w.role, w.prefill.as_deref()))
+        .chain(raw_groups.iter().map(|g| (g.name(), g.role(), g.prefill())));
+    let prefill_names: HashSet<&str> = named
+        .clone()
+        .filter(|(_, role, _)| *role == WorkerRole::Prefill)
+        .map(|(name, _, _)| name)
         .collect();
     let mut seen = HashSet::new();
-    let mut out = Vec::with_capacity(raw.len());
-    for w in &raw {
-        if !seen.insert(w.name.clone()) {
-            return Err(ConfigError::DuplicateWorker {
-                name: w.name.clone(),
-            });
+    for (name, role, prefill) in named {
+        if !seen.insert(name) {
+            return Err(ConfigError::DuplicateWorker { name: name.into() });
         }
-        match (w.role, &w.prefill) {
+        match (role, prefill) {
             (WorkerRole::Decode, None) => {
-                return Err(ConfigError::DecodeWithoutPrefill {
-                    name: w.name.clone(),
-                });
+                return Err(ConfigError::DecodeWithoutPrefill { name: name.into() });
             }
-            (WorkerRole::Decode, Some(p)) if !prefill_names.contains(p.as_str()) => {
+            (WorkerRole::Decode, Some(p)) if !prefill_names.contains(p) => {
                 return Err(ConfigError::UnknownPrefill {
-                    name: w.name.clone(),
-                    prefill: p.clone(),
+                    name: name.into(),
+                    prefill: p.into(),
                 });
             }
             (WorkerRole::Both | WorkerRole::Prefill, Some(_)) => {
-                return Err(ConfigError::PrefillOnNonDecode {
-                    name: w.name.clone(),
-                });
+                return Err(ConfigError::PrefillOnNonDecode { name: name.into() });
             }
             _ => {}
         }
+    }
+    let mut out = Vec::with_capacity(raw.len());
+    for w in &raw {
         let (address, protocol) = protocol(w)?;
         let endpoint = worker_endpoint(address).ok_or_else(|| ConfigError::WorkerEndpoint {
             name: w.name.clone(),
@@ -551,9 +571,14 @@ fn workers(raw: Vec<RawWorker>) -> Result<Vec<WorkerConfig>, ConfigError> {
             role: w.role,
             prefill: w.prefill.clone(),
             protocol,
+            group: None,
         });
     }
-    Ok(out)
+    let groups = raw_groups
+        .into_iter()
+        .map(RawWorkerGroup::validate)
+        .collect::<Result<_, _>>()?;
+    Ok((out, groups))
 }
 
 /// A worker's address and protocol: `grpc = …` for a Bulkhead worker, `openai = …` with its
@@ -791,5 +816,40 @@ mod tests {
         for bad in ["127.0.0.1", "https://h:5", "h:5/path", "", "http://:5"] {
             assert_eq!(worker_endpoint(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn worker_groups_parse_and_share_the_workers_namespace() {
+        let t = tenant("tenant-a", "k");
+        let groups = "[[worker_groups]]\nname = \"p\"\ndns = \"bulkhead-prefill.ns.svc:50051\"\n\
+                      role = \"prefill\"\n\
+                      [[worker_groups]]\nname = \"d\"\ndns = \"bulkhead-decode.ns.svc:50051\"\n\
+                      role = \"decode\"\nprefill = \"p\"\n";
+        let c = Config::parse(&config(&t, groups)).expect("groups alone are enough");
+        assert!(c.workers.is_empty());
+        assert_eq!(c.worker_groups.len(), 2);
+        assert_eq!(c.worker_groups[1].prefill.as_deref(), Some("p"));
+        // A listed decode worker may be filled by a prefill group.
+        let mixed = format!(
+            "{groups}[[workers]]\nname = \"x\"\ngrpc = \"127.0.0.1:1\"\nrole = \"decode\"\nprefill = \"p\"\n"
+        );
+        assert!(Config::parse(&config(&t, &mixed)).is_ok());
+        let clash =
+            format!("{groups}[[workers]]\nname = \"d\"\ngrpc = \"127.0.0.1:1\"\nrole = \"both\"\n");
+        assert!(matches!(
+            Config::parse(&config(&t, &clash)),
+            Err(ConfigError::DuplicateWorker { .. })
+        ));
+        let dangling = groups.replace("prefill = \"p\"", "prefill = \"q\"");
+        assert!(matches!(
+            Config::parse(&config(&t, &dangling)),
+            Err(ConfigError::UnknownPrefill { .. })
+        ));
+        let url = groups.replace(
+            "bulkhead-decode.ns.svc:50051",
+            "http://bulkhead-decode:50051",
+        );
+        let err = Config::parse(&config(&t, &url)).expect_err("a URL is not a DNS name");
+        assert!(err.to_string().contains("worker group \"d\""), "{err}");
     }
 }

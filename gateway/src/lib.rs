@@ -20,6 +20,7 @@ pub mod admission;
 pub mod api;
 pub mod auth;
 pub mod config;
+pub mod discovery;
 pub mod keys;
 pub mod limits;
 pub mod metrics;

@@ -11,7 +11,8 @@ use std::time::Duration;
 use bulkhead_worker::serve::proto::{InfoRequest, InfoResponse, KvHandoff, WorkerClient};
 use tonic::transport::Endpoint;
 
-use crate::config::{Config, WorkerConfig, WorkerRole};
+use crate::config::{Config, Protocol, WorkerConfig, WorkerRole};
+use crate::discovery::{Resolve, resolve_group};
 
 /// Bound on connecting to and asking each worker.
 const ASK_LIMIT: Duration = Duration::from_secs(5);
@@ -34,9 +35,35 @@ pub struct Check {
     pub detail: String,
 }
 
-/// Asks every worker in `config` for its Info (concurrently, each bounded).
-pub async fn ask(config: &Config) -> Vec<Answer> {
-    futures_util::future::join_all(config.workers.iter().map(|w| async move {
+/// Asks every worker in `config` for its Info (concurrently, each bounded): the listed ones
+/// and every member its worker groups resolve to now. A group that resolves to no worker is
+/// one unreachable answer under the group's name.
+pub async fn ask(config: &Config, resolver: &impl Resolve) -> Vec<Answer> {
+    // An OpenAI-compatible upstream's pool is its own: nothing here can check it.
+    let mut workers: Vec<WorkerConfig> = config
+        .workers
+        .iter()
+        .filter(|w| w.protocol == Protocol::Bulkhead)
+        .cloned()
+        .collect();
+    let mut lost = Vec::new();
+    for group in &config.worker_groups {
+        match resolve_group(group, resolver).await {
+            Ok(members) => workers.extend(members),
+            Err(error) => lost.push(Answer {
+                worker: WorkerConfig {
+                    name: group.name.clone(),
+                    endpoint: group.dns.clone(),
+                    role: group.role,
+                    prefill: group.prefill.clone(),
+                    protocol: Protocol::Bulkhead,
+                    group: None,
+                },
+                info: Err(error),
+            }),
+        }
+    }
+    let mut answers = futures_util::future::join_all(workers.iter().map(|w| async move {
         let info = async {
             let endpoint = Endpoint::from_shared(w.endpoint.clone()).map_err(|e| e.to_string())?;
             let channel = endpoint
@@ -61,7 +88,9 @@ pub async fn ask(config: &Config) -> Vec<Answer> {
             info,
         }
     }))
-    .await
+    .await;
+    answers.extend(lost);
+    answers
 }
 
 /// Every check over `answers`.
@@ -113,22 +142,23 @@ pub fn checks(answers: &[Answer]) -> Vec<Check> {
             ));
         }
     }
+    // A decode worker may be filled by any member of the prefill group it names.
     for d in answers
         .iter()
         .filter(|a| a.worker.role == WorkerRole::Decode)
     {
-        let Some(p) = d
-            .worker
-            .prefill
-            .as_deref()
-            .and_then(|n| answers.iter().find(|a| a.worker.name == n))
-        else {
+        let Some(name) = d.worker.prefill.as_deref() else {
             continue;
         };
-        let (Ok(di), Ok(pi)) = (&d.info, &p.info) else {
-            continue;
-        };
-        out.extend(pair(&d.worker.name, di, &p.worker.name, pi));
+        let prefills = answers
+            .iter()
+            .filter(|a| a.worker.role == WorkerRole::Prefill && a.worker.answers_to(name));
+        for p in prefills {
+            let (Ok(di), Ok(pi)) = (&d.info, &p.info) else {
+                continue;
+            };
+            out.extend(pair(&d.worker.name, di, &p.worker.name, pi));
+        }
     }
     out
 }
@@ -262,6 +292,7 @@ mod tests {
             endpoint: "http://127.0.0.1:1".into(),
             role,
             prefill: prefill.map(Into::into),
+            group: None,
         }
     }
 
@@ -333,6 +364,51 @@ mod tests {
                 "a transfer batch fits the release timeout"
             ]
         );
+    }
+
+    #[test]
+    fn a_decode_worker_is_checked_against_every_member_of_its_prefill_group() {
+        let member = |name: &str, role, prefill: Option<&str>, group: &str| WorkerConfig {
+            group: Some(group.into()),
+            ..worker(name, role, prefill)
+        };
+        let answers = vec![
+            Answer {
+                worker: member("p@a", WorkerRole::Prefill, None, "p"),
+                info: Ok(info("m", 8192, 8192, 16, 4 << 20)),
+            },
+            Answer {
+                worker: member("p@b", WorkerRole::Prefill, None, "p"),
+                info: Ok(info("m", 8192, 8192, 32, 4 << 20)),
+            },
+            Answer {
+                worker: member("d@a", WorkerRole::Decode, Some("p"), "d"),
+                info: Ok(info("m", 8192, 8192, 16, 0)),
+            },
+        ];
+        let checks = checks(&answers);
+        assert!(checks.iter().any(|c| c.subject == "d@a ↔ p@a"));
+        assert_eq!(failed(&checks), [("d@a ↔ p@b", "same page size")]);
+    }
+
+    #[tokio::test]
+    async fn a_group_that_resolves_to_no_worker_fails_preflight() {
+        struct Nothing;
+        impl Resolve for Nothing {
+            async fn resolve(&self, _: &str) -> std::io::Result<Vec<std::net::SocketAddr>> {
+                Ok(Vec::new())
+            }
+        }
+        let config = crate::Config::parse(include_str!("../../deploy/k8s/base/gateway.toml"))
+            .expect("valid");
+        let answers = ask(&config, &Nothing).await;
+        let (text, passed) = render(&answers, &checks(&answers));
+        assert!(!passed);
+        assert!(
+            text.contains("FAIL prefill") && text.contains("FAIL decode"),
+            "{text}"
+        );
+        assert!(text.contains("resolves to no address"), "{text}");
     }
 
     #[test]

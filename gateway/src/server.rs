@@ -16,6 +16,7 @@ use tokio::net::TcpListener;
 use crate::admin::{self, AdminState};
 use crate::api::{self, ApiState};
 use crate::config::Config;
+use crate::discovery::{self, SystemResolver, WorkerGroup};
 use crate::limits::Limiter;
 use crate::metrics::Metrics;
 use crate::trail::Recorder;
@@ -54,6 +55,8 @@ pub struct BoundGateway {
     recorder: Recorder,
     refresh_interval: Duration,
     header_timeout: Duration,
+    /// Workers found through DNS, re-resolved every refresh interval.
+    groups: Vec<WorkerGroup>,
 }
 
 impl BoundGateway {
@@ -107,6 +110,7 @@ impl BoundGateway {
             recorder,
             refresh_interval: config.refresh_interval,
             header_timeout: config.http.header_timeout,
+            groups: config.worker_groups,
         })
     }
 
@@ -130,8 +134,17 @@ impl BoundGateway {
     /// Reads every worker once (so the first request finds the model registered when the
     /// workers are up), then serves until `shutdown` completes.
     pub async fn serve(self, shutdown: impl Future<Output = ()> + Send + 'static) {
+        discovery::sync(&self.workers, &self.groups, &SystemResolver).await;
         self.workers.refresh().await;
         let refresh = self.workers.spawn_refresh(self.refresh_interval);
+        let discover = (!self.groups.is_empty()).then(|| {
+            discovery::spawn_sync(
+                &self.workers,
+                self.groups.clone(),
+                SystemResolver,
+                self.refresh_interval,
+            )
+        });
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
             shutdown.await;
@@ -146,6 +159,9 @@ impl BoundGateway {
         let admin = serve_listener(self.admin, self.admin_router, self.header_timeout, stop_rx);
         tokio::join!(api, admin);
         refresh.abort();
+        if let Some(d) = discover {
+            d.abort();
+        }
         if let Err(e) = self.recorder.flush() {
             tracing::error!(error = %e, "the audit log's last records could not be flushed");
         }

@@ -11,7 +11,9 @@
 //! ```
 //!
 //! The state is a few numbers per worker, updated synchronously under a mutex that is never
-//! held across an await; the RPCs happen outside it.
+//! held across an await; the RPCs happen outside it. Workers found through DNS
+//! ([`crate::discovery`]) come and go with [`Workers::set_members`]; every entry has an id that
+//! is never reused, so a route to a worker that has left ends its claim on nothing.
 
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -232,6 +234,9 @@ pub fn public_name(model_name: &str, model_id: &str) -> String {
 #[derive(Debug, Clone, Serialize)]
 pub struct WorkerReport {
     pub name: String,
+    /// The worker group it was discovered through; absent when listed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
     pub endpoint: String,
     pub role: &'static str,
     pub info: Option<Facts>,
@@ -245,6 +250,8 @@ pub struct WorkerReport {
 }
 
 struct Entry {
+    /// Unique over the gateway's lifetime (never reused when a worker leaves and returns).
+    id: u64,
     config: WorkerConfig,
     client: Upstream,
     facts: Option<Facts>,
@@ -291,6 +298,8 @@ impl Entry {
 struct State {
     entries: Vec<Entry>,
     model: Option<Arc<ServedModel>>,
+    /// The next entry id.
+    next_id: u64,
 }
 
 impl State {
@@ -298,8 +307,33 @@ impl State {
         self.model.as_ref().map(|m| m.id.as_str())
     }
 
-    fn entry(&self, name: &str) -> Option<&Entry> {
-        self.entries.iter().find(|e| e.config.name == name)
+    /// The prefill workers a decode worker's `prefill = name` designates: that worker, or
+    /// every current member of that group.
+    fn prefills<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a Entry> + Clone + 'a {
+        self.entries
+            .iter()
+            .filter(move |e| e.config.role == WorkerRole::Prefill && e.config.answers_to(name))
+    }
+
+    fn entry_mut(&mut self, id: u64) -> Option<&mut Entry> {
+        self.entries.iter_mut().find(|e| e.id == id)
+    }
+
+    fn push(&mut self, config: WorkerConfig) -> Result<(), EndpointError> {
+        let client = client(&config)?;
+        self.entries.push(Entry {
+            id: self.next_id,
+            config,
+            client,
+            facts: None,
+            info: None,
+            tokenizer: None,
+            health: Health::Unknown,
+            outstanding: 0,
+            last_error: None,
+        });
+        self.next_id += 1;
+        Ok(())
     }
 
     /// Why `e` cannot take requests: its own state, and for a decode worker its prefill
@@ -310,22 +344,37 @@ impl State {
             (WorkerRole::Both, _) => own,
             (WorkerRole::Prefill, _) => own.or(Some(Unroutable::PrefillOnly)),
             (WorkerRole::Decode, prefill) => own.or_else(|| {
-                let name = prefill.clone().unwrap_or_default();
-                let Some(p) = self.entry(&name) else {
-                    let why = "it is not configured".to_owned();
-                    return Some(Unroutable::PrefillUnusable { prefill: name, why });
-                };
-                if let Some(r) = unroutable(p.facts.as_ref(), &p.health, self.served_id()) {
-                    let why = r.to_string();
-                    return Some(Unroutable::PrefillUnusable { prefill: name, why });
+                let name = prefill.as_deref().unwrap_or_default();
+                // Any of them may fill this worker's pages (a group is reached through its
+                // Service): at least one must be usable, and every one that reported its Info
+                // must pass the pair checks.
+                let prefills = self.prefills(name);
+                let mut first_why = None;
+                let usable = prefills.clone().filter(|p| {
+                    let why = unroutable(p.facts.as_ref(), &p.health, self.served_id());
+                    if first_why.is_none() {
+                        first_why.clone_from(&why);
+                    }
+                    why.is_none()
+                });
+                if usable.count() == 0 {
+                    let why = first_why.map_or_else(
+                        || "no such prefill worker is known (yet)".to_owned(),
+                        |r| r.to_string(),
+                    );
+                    let prefill = name.to_owned();
+                    return Some(Unroutable::PrefillUnusable { prefill, why });
                 }
-                // The same checks as `bulkhead preflight`, at run time; without both Infos
-                // there is nothing to check them against, so no routing either.
-                let (Some(d), Some(pi)) = (e.info.as_ref(), p.info.as_ref()) else {
+                // The same checks as `bulkhead preflight`, at run time; without this worker's
+                // Info there is nothing to check them against, so no routing either.
+                let Some(d) = e.info.as_ref() else {
                     return Some(Unroutable::NoInfo);
                 };
-                crate::preflight::pair(&e.config.name, d, &name, pi)
-                    .into_iter()
+                prefills
+                    .filter_map(|p| Some((p, p.info.as_ref()?)))
+                    .flat_map(|(p, pi)| {
+                        crate::preflight::pair(&e.config.name, d, &p.config.name, pi)
+                    })
                     .find(|c| !c.pass)
                     .map(|c| Unroutable::PreflightFails {
                         check: c.name,
@@ -344,10 +393,13 @@ impl State {
             served_context: own.served_context,
             pool_tokens: own.pool_tokens,
         };
-        if let Some(p) = e.config.prefill.as_deref().and_then(|n| self.entry(n)) {
-            let pf = p.facts.as_ref()?;
-            c.served_context = c.served_context.min(pf.served_context);
-            c.pool_tokens = c.pool_tokens.min(pf.pool_tokens);
+        // Every prefill worker that may fill it, that has reported (a routable decode worker
+        // has at least one).
+        if let Some(name) = e.config.prefill.as_deref() {
+            for pf in self.prefills(name).filter_map(|p| p.facts.as_ref()) {
+                c.served_context = c.served_context.min(pf.served_context);
+                c.pool_tokens = c.pool_tokens.min(pf.pool_tokens);
+            }
         }
         Some(c)
     }
@@ -389,7 +441,8 @@ pub struct Route {
     pub prefill: Option<String>,
     pub client: Upstream,
     workers: Workers,
-    index: usize,
+    /// The worker's entry id.
+    id: u64,
     tokens: u64,
 }
 
@@ -398,7 +451,7 @@ impl Route {
     /// successful Health.
     pub fn failed(&self, error: &str) {
         self.workers.with(|s| {
-            if let Some(e) = s.entries.get_mut(self.index) {
+            if let Some(e) = s.entry_mut(self.id) {
                 e.health = Health::Unreachable {
                     error: error.to_owned(),
                 };
@@ -410,9 +463,9 @@ impl Route {
 
 impl Drop for Route {
     fn drop(&mut self) {
-        let (index, tokens) = (self.index, self.tokens);
+        let (id, tokens) = (self.id, self.tokens);
         self.workers.with(|s| {
-            if let Some(e) = s.entries.get_mut(index) {
+            if let Some(e) = s.entry_mut(id) {
                 e.outstanding = e.outstanding.saturating_sub(tokens);
             }
         });
@@ -430,27 +483,39 @@ fn role_name(role: WorkerRole) -> &'static str {
 impl Workers {
     /// Lazily connected clients for `configs`; nothing is contacted until [`Workers::refresh`].
     pub fn new(configs: &[WorkerConfig]) -> Result<Workers, EndpointError> {
-        let entries = configs
-            .iter()
-            .map(|c| {
-                Ok(Entry {
-                    config: c.clone(),
-                    client: client(c)?,
-                    facts: None,
-                    info: None,
-                    tokenizer: None,
-                    health: Health::Unknown,
-                    outstanding: 0,
-                    last_error: None,
-                })
-            })
-            .collect::<Result<_, _>>()?;
+        let mut state = State::default();
+        for c in configs {
+            state.push(c.clone())?;
+        }
         Ok(Workers {
-            state: Arc::new(Mutex::new(State {
-                entries,
-                model: None,
-            })),
+            state: Arc::new(Mutex::new(state)),
         })
+    }
+
+    /// Makes `members` the workers of group `group`: members that left are dropped (their
+    /// routes end their claims on nothing), new ones are added unknown until the next refresh,
+    /// and those that stay keep what they reported. A member whose endpoint is not valid is
+    /// skipped and logged.
+    pub fn set_members(&self, group: &str, members: Vec<WorkerConfig>) {
+        self.with(|s| {
+            let in_group = |c: &WorkerConfig| c.group.as_deref() == Some(group);
+            s.entries
+                .retain(|e| !in_group(&e.config) || members.contains(&e.config));
+            for m in members {
+                if !in_group(&m) || s.entries.iter().any(|e| e.config == m) {
+                    continue;
+                }
+                tracing::info!(worker = %m.name, "discovered a worker");
+                if let Err(error) = s.push(m) {
+                    tracing::warn!(%error, "skipping a discovered worker");
+                }
+            }
+        });
+    }
+
+    /// Every worker's name, in order (listed workers first, then groups' members as found).
+    pub fn names(&self) -> Vec<String> {
+        self.with(|s| s.entries.iter().map(|e| e.config.name.clone()).collect())
     }
 
     fn with<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
@@ -487,7 +552,7 @@ impl Workers {
                 prefill: e.config.prefill.clone(),
                 client: e.client.clone(),
                 workers: self.clone(),
-                index,
+                id: e.id,
                 tokens,
             })
         })
@@ -502,6 +567,7 @@ impl Workers {
                     let unroutable = s.unroutable(e);
                     WorkerReport {
                         name: e.config.name.clone(),
+                        group: e.config.group.clone(),
                         endpoint: e.config.endpoint.clone(),
                         role: role_name(e.config.role),
                         info: e.facts.clone(),
@@ -520,11 +586,10 @@ impl Workers {
     /// Reads every worker's Health and Info (concurrently, each bounded), and (re)builds the
     /// served model when there is none yet or no healthy worker serves it any more.
     pub async fn refresh(&self) {
-        let probes: Vec<(usize, Upstream, Option<Describe>)> = self.with(|s| {
+        let probes: Vec<(u64, Upstream, Option<Describe>)> = self.with(|s| {
             s.entries
                 .iter()
-                .enumerate()
-                .map(|(i, e)| (i, e.client.clone(), e.describe()))
+                .map(|e| (e.id, e.client.clone(), e.describe()))
                 .collect()
         });
         let answers = futures_util::future::join_all(
@@ -536,7 +601,8 @@ impl Workers {
 
         let wanted = self.with(|s| {
             for (i, answer) in answers {
-                let Some(e) = s.entries.get_mut(i) else {
+                // Gone while we asked: nothing to update.
+                let Some(e) = s.entry_mut(i) else {
                     continue;
                 };
                 match answer.health {
@@ -576,16 +642,15 @@ impl Workers {
             }
             s.entries
                 .iter()
-                .enumerate()
-                .find(|(_, e)| healthy(e))
-                .map(|(i, e)| (i, e.model_source()))
+                .find(healthy)
+                .map(|e| (e.id, e.model_source()))
         });
-        if let Some((index, source)) = wanted {
-            self.register_model(index, source).await;
+        if let Some((id, source)) = wanted {
+            self.register_model(id, source).await;
         }
     }
 
-    async fn register_model(&self, index: usize, source: ModelSource) {
+    async fn register_model(&self, id: u64, source: ModelSource) {
         let info = match source {
             ModelSource::File(info, data) => Ok((info, Some(data))),
             ModelSource::Grpc(mut client) => {
@@ -620,7 +685,7 @@ impl Workers {
             }
             Err(error) => {
                 tracing::warn!(%error, "cannot register the worker's model");
-                if let Some(e) = s.entries.get_mut(index) {
+                if let Some(e) = s.entry_mut(id) {
                     e.last_error = Some(error);
                 }
             }

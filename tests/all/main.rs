@@ -3,6 +3,7 @@
 mod audit;
 mod gateway;
 mod netns;
+mod scale;
 mod transfer_faults;
 mod up;
 mod upstream;

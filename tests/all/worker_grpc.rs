@@ -81,7 +81,7 @@ fn command_in(place: &Place<'_>, args: &[&str]) -> Command {
     cmd
 }
 
-/// A running worker; killed when dropped.
+/// A running worker; killed when dropped (the scale tests start theirs through it too).
 pub(crate) struct Worker {
     pub child: Child,
     pub grpc: SocketAddr,

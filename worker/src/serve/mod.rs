@@ -55,10 +55,12 @@ pub enum RoleConfig {
         fault: Option<kvplane::SendFault>,
     },
     /// Decode; prompts are prefilled by the worker at `prefill` (a gRPC URI), which sends the
-    /// KV to this worker's data-plane listener at `kv_listen`.
+    /// KV to this worker's data-plane listener at `kv_listen`, reached at `kv_advertise` (the
+    /// listener's own address when `None`; a pod IP when it listens on 0.0.0.0).
     Decode {
         prefill: String,
         kv_listen: SocketAddr,
+        kv_advertise: Option<SocketAddr>,
     },
 }
 
@@ -177,7 +179,11 @@ impl BoundWorker {
                 RoleConfig::Prefill { batch_bytes, fault } => {
                     (ServiceRole::Prefill { batch_bytes, fault }, None)
                 }
-                RoleConfig::Decode { prefill, kv_listen } => {
+                RoleConfig::Decode {
+                    prefill,
+                    kv_listen,
+                    kv_advertise,
+                } => {
                     let kv = bind("KV data", kv_listen).await?;
                     let kv_address = kv.local_addr().map_err(|source| StartError::Bind {
                         what: "KV data",
@@ -193,7 +199,7 @@ impl BoundWorker {
                     (
                         ServiceRole::Decode(PrefillPeer {
                             client,
-                            kv_address: kv_address.to_string(),
+                            kv_address: kv_advertise.unwrap_or(kv_address).to_string(),
                         }),
                         Some(kv),
                     )
