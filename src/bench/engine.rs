@@ -70,12 +70,22 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     let mut decode_b1 = Vec::new();
     let mut decode_b1_unchecked = Vec::new();
     let mut decode_b8 = Vec::new();
-    for _ in 0..args.runs {
+    for run in 0..args.runs {
         prefill.push(bench.prefill(&long_prompt)?);
-        decode_b1.push(bench.decode(&[&all[..32]], args.decode_tokens)?);
-        // The page-tag check's cost: the same decode with the check off, right after.
-        bench.engine.set_tag_check(TagCheck::Off);
-        decode_b1_unchecked.push(bench.decode(&[&all[..32]], args.decode_tokens)?);
+        // The page-tag check's cost: the same decode with the check on and off, back to back,
+        // in alternating order so that neither side always runs first.
+        for check in if run % 2 == 0 {
+            [TagCheck::On, TagCheck::Off]
+        } else {
+            [TagCheck::Off, TagCheck::On]
+        } {
+            bench.engine.set_tag_check(check);
+            let tok_s = bench.decode(&[&all[..32]], args.decode_tokens)?;
+            match check {
+                TagCheck::On => decode_b1.push(tok_s),
+                TagCheck::Off => decode_b1_unchecked.push(tok_s),
+            }
+        }
         bench.engine.set_tag_check(TagCheck::On);
         let prompts: Vec<&[u32]> = (0..8).map(|i| &all[i * 7..i * 7 + 32]).collect();
         decode_b8.push(bench.decode(&prompts, args.decode_tokens)?);
