@@ -22,6 +22,7 @@ pub mod config;
 pub mod keys;
 pub mod limits;
 pub mod metrics;
+pub mod policy;
 pub mod preflight;
 pub mod routing;
 pub mod server;

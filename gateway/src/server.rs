@@ -17,6 +17,7 @@ use crate::api::{self, ApiState};
 use crate::config::Config;
 use crate::limits::Limiter;
 use crate::metrics::Metrics;
+use crate::policy::{Policies, PolicyError};
 use crate::workers::{EndpointError, Workers};
 
 /// How long shutdown waits for in-flight connections.
@@ -33,6 +34,8 @@ pub enum GatewayError {
     },
     #[error(transparent)]
     Endpoint(#[from] EndpointError),
+    #[error("policies: {0}")]
+    Policy(#[from] PolicyError),
 }
 
 /// A gateway with both listeners bound, not yet serving.
@@ -44,6 +47,7 @@ pub struct BoundGateway {
     admin_router: Router,
     workers: Workers,
     metrics: Metrics,
+    policies: Policies,
     refresh_interval: Duration,
     header_timeout: Duration,
 }
@@ -60,12 +64,20 @@ impl BoundGateway {
         let admin = bind("admin", config.listen.admin).await?;
         let workers = Workers::new(&config.workers)?;
         let metrics = Metrics::default();
+        let policies = match config.policies {
+            None => Policies::disabled(),
+            // Compiling components takes a while: off the async threads.
+            Some(settings) => tokio::task::spawn_blocking(move || Policies::load(settings))
+                .await
+                .map_err(|_| GatewayError::Policy(PolicyError::Disabled))??,
+        };
         let api_router = api::router(
             ApiState {
                 workers: workers.clone(),
                 limiter: Limiter::default(),
                 metrics: metrics.clone(),
                 http: config.http,
+                policies: policies.clone(),
             },
             Arc::new(config.keyring),
         );
@@ -74,6 +86,7 @@ impl BoundGateway {
                 workers: workers.clone(),
                 metrics: metrics.clone(),
                 tenants: Arc::new(config.tenants),
+                policies: policies.clone(),
             },
             config.admin_token,
         );
@@ -84,6 +97,7 @@ impl BoundGateway {
             admin_router,
             workers,
             metrics,
+            policies,
             refresh_interval: config.refresh_interval,
             header_timeout: config.http.header_timeout,
         })
@@ -106,11 +120,17 @@ impl BoundGateway {
         &self.metrics
     }
 
+    /// The policy plugins (what `/policies` shows).
+    pub fn policies(&self) -> &Policies {
+        &self.policies
+    }
+
     /// Reads every worker once (so the first request finds the model registered when the
     /// workers are up), then serves until `shutdown` completes.
     pub async fn serve(self, shutdown: impl Future<Output = ()> + Send + 'static) {
         self.workers.refresh().await;
         let refresh = self.workers.spawn_refresh(self.refresh_interval);
+        let watch = self.policies.spawn_watch();
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
             shutdown.await;
@@ -125,6 +145,9 @@ impl BoundGateway {
         let admin = serve_listener(self.admin, self.admin_router, self.header_timeout, stop_rx);
         tokio::join!(api, admin);
         refresh.abort();
+        if let Some(watch) = watch {
+            watch.abort();
+        }
     }
 }
 

@@ -10,6 +10,7 @@ use serde_json::json;
 
 use crate::admission::ContextLengthExceeded;
 use crate::limits::{LimitError, retry_after};
+use crate::policy::{Refusal, Refused};
 
 use super::validate::RequestError;
 
@@ -59,9 +60,37 @@ pub enum ApiError {
     /// The request did not finish within the configured time.
     #[error("the request did not complete within {secs} s")]
     Timeout { secs: u64 },
+    /// A policy plugin refused the request (`status` is the plugin's 4xx).
+    #[error("{message}")]
+    PolicyDenied {
+        plugin: String,
+        status: u16,
+        message: String,
+    },
+    /// A policy plugin failed (trapped, timed out, exceeded its memory or answered garbage)
+    /// and its binding fails closed; details are in the gateway's log.
+    #[error("a policy check failed, so the request was refused")]
+    PolicyFailed,
     /// A bug; details are in the gateway's or the worker's log.
     #[error("internal error")]
     Internal,
+}
+
+impl From<Refused> for ApiError {
+    fn from(refused: Refused) -> ApiError {
+        match refused.refusal {
+            Refusal::Denied {
+                plugin,
+                status,
+                message,
+            } => ApiError::PolicyDenied {
+                plugin: plugin.to_string(),
+                status,
+                message,
+            },
+            Refusal::Failed { .. } => ApiError::PolicyFailed,
+        }
+    }
 }
 
 /// HTTP status and OpenAI `type` / `code` of an error.
@@ -119,6 +148,19 @@ pub fn mapping(err: &ApiError) -> Mapping {
             INVALID_REQUEST,
             Some("timeout"),
         ),
+        ApiError::PolicyDenied { status, .. } => m(
+            StatusCode::from_u16(*status)
+                .ok()
+                .filter(StatusCode::is_client_error)
+                .unwrap_or(StatusCode::FORBIDDEN),
+            "policy_denied",
+            Some("policy_denied"),
+        ),
+        ApiError::PolicyFailed => m(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "policy_error",
+            Some("policy_error"),
+        ),
         ApiError::Internal => m(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal_error",
@@ -146,6 +188,8 @@ impl ApiError {
             | ApiError::WorkerUnavailable
             | ApiError::KvIntegrity
             | ApiError::Timeout { .. }
+            | ApiError::PolicyDenied { .. }
+            | ApiError::PolicyFailed
             | ApiError::Internal => None,
         }
     }
@@ -262,6 +306,32 @@ mod tests {
             500,
             "kv_integrity_error",
             Some("kv_integrity_error"),
+        );
+        check(
+            ApiError::PolicyDenied {
+                plugin: "p".into(),
+                status: 429,
+                message: "m".into(),
+            },
+            429,
+            "policy_denied",
+            Some("policy_denied"),
+        );
+        check(
+            ApiError::PolicyDenied {
+                plugin: "p".into(),
+                status: 200,
+                message: "m".into(),
+            },
+            403,
+            "policy_denied",
+            Some("policy_denied"),
+        );
+        check(
+            ApiError::PolicyFailed,
+            500,
+            "policy_error",
+            Some("policy_error"),
         );
     }
 

@@ -6,8 +6,9 @@
 //! Auth layer (key → tenant; tenant headers stripped) ─▶ tenant limits (in flight, requests/min)
 //!   ─▶ body (size limit) ─▶ validate::parse_* → Valid* ─▶ chat template + tokenizer (the
 //!   worker's) ─▶ admission (prompt + max tokens ≤ effective limit, else 400 before any worker
-//!   is contacted) ─▶ tokens/min ─▶ route (least outstanding tokens) ─▶ Generate(token ids)
-//!   ─▶ JSON or SSE
+//!   is contacted) ─▶ policy chain (allow | deny; a clamp is admitted again) ─▶ tokens/min
+//!   ─▶ route (least outstanding tokens) ─▶ Generate(token ids) ─▶ JSON or SSE
+//!   ─▶ end: on-response-end, or on client disconnect the chain's directive (crate::policy)
 //! ```
 
 mod error;
@@ -24,6 +25,7 @@ use axum::extract::{Extension, Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use http::HeaderMap;
 use http::header::CONTENT_TYPE;
 use tokio::time::Instant;
 
@@ -36,6 +38,7 @@ use crate::auth::{AuthLayer, Authenticated};
 use crate::config::{HttpLimits, Keyring};
 use crate::limits::Limiter;
 use crate::metrics::Metrics;
+use crate::policy::{Policies, Progress, RequestFacts};
 use crate::tenant::Tenant;
 use crate::workers::{ServedModel, Workers};
 
@@ -46,6 +49,7 @@ pub struct ApiState {
     pub limiter: Limiter,
     pub metrics: Metrics,
     pub http: HttpLimits,
+    pub policies: Policies,
 }
 
 /// The API router, authenticated and counted.
@@ -108,20 +112,32 @@ pub enum Endpoint {
     Completion,
 }
 
+impl Endpoint {
+    /// Its path (the route policies match on).
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completion => "/v1/completions",
+        }
+    }
+}
+
 async fn chat_completions(
     State(state): State<ApiState>,
     Extension(Authenticated(tenant)): Extension<Authenticated>,
+    headers: HeaderMap,
     body: Body,
 ) -> Response {
-    serve(state, tenant, Endpoint::Chat, body).await
+    serve(state, tenant, Endpoint::Chat, headers, body).await
 }
 
 async fn completions(
     State(state): State<ApiState>,
     Extension(Authenticated(tenant)): Extension<Authenticated>,
+    headers: HeaderMap,
     body: Body,
 ) -> Response {
-    serve(state, tenant, Endpoint::Completion, body).await
+    serve(state, tenant, Endpoint::Completion, headers, body).await
 }
 
 /// A validated request of either endpoint, before tokenization.
@@ -139,11 +155,18 @@ impl Parsed {
     }
 }
 
-async fn serve(state: ApiState, tenant: Arc<Tenant>, endpoint: Endpoint, body: Body) -> Response {
+async fn serve(
+    state: ApiState,
+    tenant: Arc<Tenant>,
+    endpoint: Endpoint,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     let timeout = state.http.request_timeout;
     let deadline = Instant::now() + timeout;
     let secs = timeout.as_secs();
-    let result = tokio::time::timeout_at(deadline, start(&state, tenant, endpoint, body)).await;
+    let result =
+        tokio::time::timeout_at(deadline, start(&state, tenant, endpoint, &headers, body)).await;
     match result {
         Err(_) => ApiError::Timeout { secs }.into_response(),
         Ok(Err(e)) => e.into_response(),
@@ -156,6 +179,7 @@ async fn start(
     state: &ApiState,
     tenant: Arc<Tenant>,
     endpoint: Endpoint,
+    headers: &HeaderMap,
     body: Body,
 ) -> Result<respond::Started, ApiError> {
     let mut permit = state.limiter.start(&tenant)?;
@@ -198,12 +222,6 @@ async fn start(
         state.http.default_max_tokens,
         limit,
     )?;
-    permit.charge_tokens(admitted.total_tokens())?;
-    let route = state
-        .workers
-        .route(&admitted)
-        .ok_or(ApiError::NoHealthyWorker)?;
-
     let id = format!(
         "{}-{:016x}{:08x}",
         match endpoint {
@@ -213,6 +231,34 @@ async fn start(
         rand::random::<u64>(),
         rand::random::<u32>()
     );
+    // The policy chain (design step 3); a clamp of max tokens goes through admission again.
+    let policy = state
+        .policies
+        .on_request(RequestFacts {
+            id: &id,
+            tenant: tenant.id.as_str(),
+            model: &model.name,
+            route: endpoint.path(),
+            headers,
+            prompt_tokens: admitted.prompt_tokens,
+            max_tokens: admitted.max_new_tokens,
+        })
+        .await?;
+    let admitted = match policy.clamp() {
+        None => admitted,
+        Some(max) => admit(
+            prompt.len(),
+            Some(max),
+            state.http.default_max_tokens,
+            limit,
+        )?,
+    };
+    permit.charge_tokens(admitted.total_tokens())?;
+    let route = state
+        .workers
+        .route(&admitted)
+        .ok_or(ApiError::NoHealthyWorker)?;
+
     let request = upstream::Generate {
         request_id: &id,
         tenant: tenant.id.as_str(),
@@ -246,7 +292,9 @@ async fn start(
         permit,
         route,
         metrics: state.metrics.clone(),
-        upstream: stream,
+        upstream: Some(stream),
+        progress: Progress::default(),
+        policy: Some(policy),
     })
 }
 
