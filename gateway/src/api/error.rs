@@ -337,19 +337,7 @@ mod tests {
             Some("audit_unavailable"),
         );
         check(ApiError::NotFound, 404, INVALID_REQUEST, Some("not_found"));
-    }
-
-    #[test]
-    fn error_responses_name_their_class_for_the_audit_record() {
-        let r = ApiError::KvIntegrity.into_response();
-        assert_eq!(
-            r.extensions().get::<ErrorType>(),
-            Some(&ErrorType("kv_integrity_error"))
-        );
-        let r = ApiError::from(RequestError::EmptyMessages).into_response();
-        assert_eq!(
-            r.extensions().get::<ErrorType>(),
-            Some(&ErrorType(INVALID_REQUEST))
+        check(
             ApiError::PolicyDenied {
                 plugin: "p".into(),
                 status: 429,
@@ -374,6 +362,20 @@ mod tests {
             500,
             "policy_error",
             Some("policy_error"),
+        );
+    }
+
+    #[test]
+    fn error_responses_name_their_class_for_the_audit_record() {
+        let r = ApiError::KvIntegrity.into_response();
+        assert_eq!(
+            r.extensions().get::<ErrorType>(),
+            Some(&ErrorType("kv_integrity_error"))
+        );
+        let r = ApiError::from(RequestError::EmptyMessages).into_response();
+        assert_eq!(
+            r.extensions().get::<ErrorType>(),
+            Some(&ErrorType(INVALID_REQUEST))
         );
     }
 
