@@ -20,13 +20,13 @@ const STARTUP_LIMIT: Duration = Duration::from_secs(90);
 /// Upper bound for one HTTP exchange.
 const HTTP_LIMIT: Duration = Duration::from_secs(60);
 
-const KEY_A: &str = "sk-demo-tenant-a";
-const KEY_B: &str = "sk-demo-tenant-b";
-const ADMIN: &str = "sk-demo-admin";
+pub(crate) const KEY_A: &str = "sk-demo-tenant-a";
+pub(crate) const KEY_B: &str = "sk-demo-tenant-b";
+pub(crate) const ADMIN: &str = "sk-demo-admin";
 const KEY_LIMITED: &str = "sk-test-limited";
 const KEY_SERIAL: &str = "sk-test-serial";
 
-fn repo() -> PathBuf {
+pub(crate) fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
@@ -34,10 +34,17 @@ fn sha256_hex(key: &str) -> String {
     bulkhead_gateway::keys::KeyHash::of(key).to_hex()
 }
 
-/// The default configuration plus two tenants with tight limits.
-fn test_config(dir: &std::path::Path) -> PathBuf {
+/// The default configuration plus two tenants with tight limits; `policies` replaces the
+/// default policy set file.
+fn test_config(dir: &std::path::Path, policies: Option<&std::path::Path>) -> PathBuf {
     let mut text = std::fs::read_to_string(repo().join("deploy/local/gateway.toml"))
         .expect("deploy/local/gateway.toml");
+    if let Some(p) = policies {
+        text = text.replace(
+            "file = \"policies/local.toml\"",
+            &format!("file = {:?}", p.display().to_string()),
+        );
+    }
     // Move the worker table last so the appended tenants are not inside it.
     let (head, worker) = text
         .split_once("\n[[workers]]")
@@ -61,10 +68,10 @@ fn test_config(dir: &std::path::Path) -> PathBuf {
 }
 
 /// A running `bulkhead up`; stopped when dropped.
-struct Up {
+pub(crate) struct Up {
     child: Child,
-    api: String,
-    admin: String,
+    pub(crate) api: String,
+    pub(crate) admin: String,
     worker: String,
     worker_pid: u32,
     _dir: TempDir,
@@ -102,13 +109,18 @@ impl Drop for TempDir {
 
 impl Up {
     fn start(extra: &[&str]) -> Up {
+        Up::start_with_policies(extra, None)
+    }
+
+    /// `bulkhead up` with the policy set file `policies` instead of the default one.
+    pub(crate) fn start_with_policies(extra: &[&str], policies: Option<&std::path::Path>) -> Up {
         let dir = std::env::temp_dir().join(format!(
             "bulkhead-gw-{}-{:x}",
             std::process::id(),
             rand::random::<u32>()
         ));
         std::fs::create_dir_all(&dir).expect("temp dir");
-        let config = test_config(&dir);
+        let config = test_config(&dir, policies);
         let model = std::env::var_os("BULKHEAD_MODEL").map_or_else(
             || {
                 PathBuf::from(std::env::var_os("HOME").expect("HOME"))
@@ -171,7 +183,7 @@ impl Up {
     }
 
     /// Waits (bounded) until the gateway routes to the worker.
-    fn wait_routable(&self) {
+    pub(crate) fn wait_routable(&self) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let (status, _) = http(&self.admin, "GET", "/healthz", Some(ADMIN), &[], "");
@@ -186,7 +198,7 @@ impl Up {
         }
     }
 
-    fn metrics(&self) -> String {
+    pub(crate) fn metrics(&self) -> String {
         let (status, body) = http(&self.admin, "GET", "/metrics", Some(ADMIN), &[], "");
         assert_eq!(status, 200, "{body}");
         body
@@ -205,7 +217,7 @@ impl Up {
 }
 
 /// One HTTP/1.1 exchange (Connection: close): (status, body).
-fn http(
+pub(crate) fn http(
     addr: &str,
     method: &str,
     path: &str,
@@ -277,18 +289,18 @@ fn dechunk(mut body: &str) -> String {
     out
 }
 
-fn json(body: &str) -> serde_json::Value {
+pub(crate) fn json(body: &str) -> serde_json::Value {
     serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))
 }
 
-fn metric(text: &str, name: &str) -> u64 {
+pub(crate) fn metric(text: &str, name: &str) -> u64 {
     text.lines()
         .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
         .unwrap_or(0)
 }
 
 /// Runs `f` on its own thread and fails the test if it takes longer than [`TEST_LIMIT`].
-fn bounded(f: impl FnOnce() + Send + 'static) {
+pub(crate) fn bounded(f: impl FnOnce() + Send + 'static) {
     let (tx, rx) = mpsc::channel();
     let handle = std::thread::spawn(move || {
         f();
