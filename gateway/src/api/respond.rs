@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
 
-use axum::response::sse::{Event, Sse};
+use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use bulkhead_worker::serve::proto::{Done, GenerateResponse, Item};
 use http::header::CONTENT_TYPE;
@@ -306,7 +306,14 @@ fn stream(started: Started) -> Response {
             }
         }
     });
-    let mut response = Sse::new(events).into_response();
+    // Comments while the worker is silent (prefill): a client that went away is noticed on
+    // the next write, so the policies' disconnect directive runs during prefill too.
+    let mut response = Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(SSE_KEEP_ALIVE))
+        .into_response();
     response.extensions_mut().insert(Streamed);
     response
 }
+
+/// How often an idle SSE stream sends a comment.
+const SSE_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(1);
