@@ -5,7 +5,11 @@
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+
+use serde_json::json;
 
 use crate::up::{
     ADMIN, HTTP_LIMIT, KEY_A, KEY_B, KEY_LIMITED, Options, TempDir, Up, bounded, exchange, header,
@@ -27,7 +31,8 @@ fn component(name: &str) -> (PathBuf, String) {
     (path, digest)
 }
 
-fn policy_set(dir: &Path) -> PathBuf {
+/// The three built-ins; tenant-a is labelled with `tier`.
+fn policy_set(dir: &Path, tier: &str) -> PathBuf {
     let mut text = String::new();
     for name in ["length-limit", "tenant-tag", "abort-guard"] {
         let (path, digest) = component(name);
@@ -36,30 +41,39 @@ fn policy_set(dir: &Path) -> PathBuf {
             path.display().to_string()
         ));
     }
-    text.push_str(
+    text.push_str(&format!(
         r#"
 [[chain]]
 plugin = "tenant-tag"
-config = { echo = ["tier"], tenants = { tenant-a = { tier = "gold" } } }
+config = {{ echo = ["tier"], tenants = {{ tenant-a = {{ tier = "{tier}" }} }} }}
 
 [[chain]]
 plugin = "length-limit"
-config = { tenants = { tenant-b = { max_prompt_tokens = 10 } }, routes = { "/v1/completions" = { max_total_tokens = 24 } } }
+config = {{ tenants = {{ tenant-b = {{ max_prompt_tokens = 10 }} }}, routes = {{ "/v1/completions" = {{ max_total_tokens = 24 }} }} }}
 
 [[chain]]
 plugin = "abort-guard"
 tenants = ["tenant-a"]
-config = { max_held_per_tenant = 4 }
+config = {{ max_held_per_tenant = 4 }}
 
 [[chain]]
 plugin = "abort-guard"
 tenants = ["tenant-limited"]
-config = { max_held_per_tenant = 0 }
+config = {{ max_held_per_tenant = 0 }}
 "#,
-    );
+    ));
     let path = dir.join("policies.toml");
     std::fs::write(&path, text).expect("writes the policy set");
     path
+}
+
+/// `bulkhead up` with the policy set file `file`.
+fn with_policies(file: &Path) -> Up {
+    let set = format!("file = {:?}", file.display().to_string());
+    Up::launch(Options {
+        replace: &[("file = \"policies/local.toml\"", &set)],
+        ..Options::default()
+    })
 }
 
 /// Sends a streaming chat request (keep-alive, so the gateway sees the socket close), waits
@@ -104,11 +118,7 @@ fn wait_for(up: &Up, series: &str, at_least: u64) -> String {
 fn policies_deny_clamp_label_and_hold_an_abandoned_request_until_its_first_token() {
     bounded(|| {
         let dir = TempDir::new("policies");
-        let set = format!("file = {:?}", policy_set(&dir.0).display().to_string());
-        let up = Up::launch(Options {
-            replace: &[("file = \"policies/local.toml\"", &set)],
-            ..Options::default()
-        });
+        let up = with_policies(&policy_set(&dir.0, "gold"));
         up.wait_routable();
 
         // tenant-b's prompts are limited to 10 tokens (the chat template alone is more).
@@ -210,5 +220,105 @@ fn policies_deny_clamp_label_and_hold_an_abandoned_request_until_its_first_token
             Some(4),
             "{body}"
         );
+    });
+}
+
+#[test]
+fn a_reload_under_load_swaps_the_set_without_failing_a_request() {
+    bounded(|| {
+        let dir = TempDir::new("reload");
+        let file = policy_set(&dir.0, "gold");
+        let up = Arc::new(with_policies(&file));
+        up.wait_routable();
+
+        // Two clients keep sending; each answer's status and tier label is kept in order.
+        let stop = Arc::new(AtomicBool::new(false));
+        let clients: Vec<_> = (0..2)
+            .map(|_| {
+                let (up, stop) = (up.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let mut seen = Vec::new();
+                    while !stop.load(Ordering::Relaxed) {
+                        let (status, head, body) = exchange(
+                            &up.api,
+                            "POST",
+                            "/v1/completions",
+                            Some(KEY_A),
+                            &[],
+                            r#"{"prompt":"Hi","max_tokens":1,"temperature":0}"#,
+                        );
+                        seen.push((
+                            status,
+                            header(&head, "x-bulkhead-tier").map(str::to_owned),
+                            body,
+                        ));
+                    }
+                    seen
+                })
+            })
+            .collect();
+
+        let reload = || {
+            let (status, body) = http(&up.admin, "POST", "/policies/reload", Some(ADMIN), &[], "");
+            (status, json(&body))
+        };
+        for tier in ["t1", "t2", "t3"] {
+            std::thread::sleep(Duration::from_millis(400));
+            policy_set(&dir.0, tier);
+            let (status, answer) = reload();
+            assert_eq!(
+                (status, &answer["reloaded"]),
+                (200, &json!(true)),
+                "{answer}"
+            );
+        }
+        // A broken set (a wrong pin) is refused and the last good one stays.
+        std::thread::sleep(Duration::from_millis(400));
+        let text = std::fs::read_to_string(&file).expect("reads the set");
+        let (_, digest) = component("tenant-tag");
+        std::fs::write(&file, text.replace(&digest, &"0".repeat(64))).expect("breaks the set");
+        let (status, refused) = reload();
+        assert_eq!(status, 422, "{refused}");
+        assert!(
+            refused["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("pins 0000")),
+            "{refused}"
+        );
+        std::thread::sleep(Duration::from_millis(400));
+        stop.store(true, Ordering::Relaxed);
+
+        let seen: Vec<_> = clients
+            .into_iter()
+            .flat_map(|c| c.join().expect("a client"))
+            .collect();
+        let failed: Vec<_> = seen
+            .iter()
+            .filter(|(status, _, _)| *status != 200)
+            .collect();
+        assert!(
+            failed.is_empty(),
+            "{} of {} failed: {failed:?}",
+            failed.len(),
+            seen.len()
+        );
+        let tiers: std::collections::BTreeSet<_> = seen
+            .iter()
+            .filter_map(|(_, tier, _)| tier.as_deref())
+            .collect();
+        assert!(tiers.contains("gold") && tiers.contains("t3"), "{tiers:?}");
+        assert!(
+            seen.iter().all(|(_, tier, _)| tier.is_some()),
+            "every answer was labelled by one complete set"
+        );
+        let (_, head, _) = exchange(
+            &up.api,
+            "POST",
+            "/v1/completions",
+            Some(KEY_A),
+            &[],
+            r#"{"prompt":"Hi","max_tokens":1,"temperature":0}"#,
+        );
+        assert_eq!(header(&head, "x-bulkhead-tier"), Some("t3"), "{head}");
     });
 }
