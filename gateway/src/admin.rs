@@ -1,6 +1,8 @@
 //! The admin listener (its own port, its own bearer token): `/healthz`, `/metrics`
 //! (Prometheus text), `/workers` (what each worker reported, and why it is or is not routed to),
 //! `/audit/{tenant}` (any tenant's audit records, and `_gateway` for unauthenticated requests).
+//! `/policies` (the active policy set; `POST /policies/reload` loads the file again and swaps
+//! it in only when valid).
 
 use std::sync::Arc;
 
@@ -8,13 +10,14 @@ use axum::Router;
 use axum::extract::{FromRef, Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use http::StatusCode;
 use http::header::{AUTHORIZATION, CONTENT_TYPE};
 use serde_json::json;
 
 use crate::keys::KeyHash;
 use crate::metrics::Metrics;
+use crate::policy::Policies;
 use crate::tenant::Tenant;
 use crate::trail::{self, Recorder};
 use crate::workers::Workers;
@@ -26,6 +29,7 @@ pub struct AdminState {
     pub metrics: Metrics,
     pub tenants: Arc<Vec<Arc<Tenant>>>,
     pub recorder: Recorder,
+    pub policies: Policies,
 }
 
 impl FromRef<AdminState> for Recorder {
@@ -41,6 +45,8 @@ pub fn router(state: AdminState, token: KeyHash) -> Router {
         .route("/metrics", get(metrics))
         .route("/workers", get(workers))
         .route("/audit/{tenant}", get(trail::admin_read))
+        .route("/policies", get(policies))
+        .route("/policies/reload", post(reload_policies))
         .with_state(state)
         .layer(middleware::from_fn_with_state(token, require_token))
 }
@@ -99,9 +105,41 @@ async fn healthz(State(state): State<AdminState>) -> Response {
 }
 
 async fn metrics(State(state): State<AdminState>) -> Response {
+    let mut text = state.metrics.render(&state.tenants, &state.workers);
+    state.policies.render_metrics(&mut text);
+    ([(CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+async fn policies(State(state): State<AdminState>) -> Response {
     (
-        [(CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.metrics.render(&state.tenants, &state.workers),
+        [(CONTENT_TYPE, "application/json")],
+        state.policies.status().to_string(),
+    )
+        .into_response()
+}
+
+/// 200 with the new set, or 422 with why it was refused (the previous set stays active).
+async fn reload_policies(State(state): State<AdminState>) -> Response {
+    let policies = state.policies.clone();
+    let result = tokio::task::spawn_blocking(move || policies.reload().map(|_| ())).await;
+    let (status, body) = match result {
+        Ok(Ok(())) => (
+            StatusCode::OK,
+            json!({"reloaded": true, "policies": state.policies.status()}),
+        ),
+        Ok(Err(e)) => (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            json!({"reloaded": false, "error": e.to_string(), "policies": state.policies.status()}),
+        ),
+        Err(_) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            json!({"reloaded": false, "error": "the reload task failed"}),
+        ),
+    };
+    (
+        status,
+        [(CONTENT_TYPE, "application/json")],
+        body.to_string(),
     )
         .into_response()
 }

@@ -42,6 +42,13 @@
 //! context_length = 8192             # what it serves (the gateway admits against it)
 //! tokenizer = "/models/m.gguf"      # the same model's GGUF: tokenizer and chat template
 //! key_env = "VLLM_API_KEY"          # optional: the variable holding the server's key
+//! [policies]                        # optional: no policy plugins without it
+//! file = "policies/local.toml"      # paths relative to the working directory
+//! cache_dir = "plugins/dist/cache"  # compiled components (optional: compile at each load)
+//! watch_secs = 2                    # reload when the file changes (0: admin call only)
+//! hold_limit_secs = 30              # longest hold of an abandoned request's stream
+//! instances = 64                    # plugin instances alive at once
+//! max_memory_mib = 256              # the most memory any plugin may be given
 //! ```
 //!
 //! Instead of (or besides) `[[workers]]`, `[[worker_groups]]` name DNS names that resolve to
@@ -58,6 +65,7 @@ use serde::Deserialize;
 
 use crate::discovery::{GroupError, RawWorkerGroup, WorkerGroup};
 use crate::keys::{KeyHash, KeyHashError};
+use crate::policy::{PolicySettings, SandboxSettings};
 use crate::tenant::{Tenant, TenantId, TenantIdError, TenantLimits};
 
 /// The validated configuration.
@@ -78,6 +86,8 @@ pub struct Config {
     pub worker_groups: Vec<WorkerGroup>,
     /// How often the gateway re-reads every worker's Info and Health.
     pub refresh_interval: Duration,
+    /// Policy plugins; `None`: none run.
+    pub policies: Option<PolicySettings>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -308,6 +318,19 @@ struct RawConfig {
     worker_groups: Vec<RawWorkerGroup>,
     #[serde(default = "default_refresh_secs")]
     worker_refresh_secs: u64,
+    #[serde(default)]
+    policies: Option<RawPolicies>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPolicies {
+    file: std::path::PathBuf,
+    cache_dir: Option<std::path::PathBuf>,
+    watch_secs: Option<u64>,
+    hold_limit_secs: Option<u64>,
+    instances: Option<u32>,
+    max_memory_mib: Option<u32>,
 }
 
 fn default_refresh_secs() -> u64 {
@@ -416,6 +439,7 @@ impl Config {
             workers,
             worker_groups,
             refresh_interval: Duration::from_secs(raw.worker_refresh_secs),
+            policies: raw.policies.map(policy_settings).transpose()?,
         })
     }
 }
@@ -463,6 +487,38 @@ fn audit_settings(raw: &RawAudit) -> Result<AuditSettings, ConfigError> {
         durability: raw.durability.unwrap_or(d.durability),
         on_failure: raw.on_failure.unwrap_or(d.on_failure),
         segment_bytes: raw.segment_bytes.unwrap_or(d.segment_bytes),
+    })
+}
+
+fn policy_settings(raw: RawPolicies) -> Result<PolicySettings, ConfigError> {
+    let d = SandboxSettings::default();
+    let instances = raw.instances.unwrap_or(d.instances);
+    if instances == 0 {
+        return Err(ConfigError::ZeroSetting {
+            field: "policies.instances",
+        });
+    }
+    let max_memory_bytes = match raw.max_memory_mib {
+        None => d.max_memory_bytes,
+        Some(0) => {
+            return Err(ConfigError::ZeroSetting {
+                field: "policies.max_memory_mib",
+            });
+        }
+        Some(mib) => (mib as usize).saturating_mul(1 << 20),
+    };
+    Ok(PolicySettings {
+        file: raw.file,
+        sandbox: SandboxSettings {
+            instances,
+            max_memory_bytes,
+            cache_dir: raw.cache_dir,
+        },
+        watch_interval: match raw.watch_secs.unwrap_or(2) {
+            0 => None,
+            s => Some(Duration::from_secs(s)),
+        },
+        hold_limit: Duration::from_secs(raw.hold_limit_secs.unwrap_or(30)),
     })
 }
 

@@ -24,6 +24,7 @@ pub mod discovery;
 pub mod keys;
 pub mod limits;
 pub mod metrics;
+pub mod policy;
 pub mod preflight;
 pub mod routing;
 pub mod server;

@@ -19,6 +19,7 @@ use crate::config::Config;
 use crate::discovery::{self, SystemResolver, WorkerGroup};
 use crate::limits::Limiter;
 use crate::metrics::Metrics;
+use crate::policy::{Policies, PolicyError};
 use crate::trail::Recorder;
 use crate::workers::{EndpointError, Workers};
 
@@ -41,6 +42,8 @@ pub enum GatewayError {
         dir: String,
         source: bulkhead_audit::AuditError,
     },
+    #[error("policies: {0}")]
+    Policy(#[from] PolicyError),
 }
 
 /// A gateway with both listeners bound, not yet serving.
@@ -53,6 +56,7 @@ pub struct BoundGateway {
     workers: Workers,
     metrics: Metrics,
     recorder: Recorder,
+    policies: Policies,
     refresh_interval: Duration,
     header_timeout: Duration,
     /// Workers found through DNS, re-resolved every refresh interval.
@@ -81,6 +85,13 @@ impl BoundGateway {
         let api = bind("API", config.listen.api).await?;
         let admin = bind("admin", config.listen.admin).await?;
         let workers = Workers::new(&config.workers)?;
+        let policies = match config.policies {
+            None => Policies::disabled(),
+            // Compiling components takes a while: off the async threads.
+            Some(settings) => tokio::task::spawn_blocking(move || Policies::load(settings))
+                .await
+                .map_err(|_| GatewayError::Policy(PolicyError::Disabled))??,
+        };
         let api_router = api::router(
             ApiState {
                 workers: workers.clone(),
@@ -88,6 +99,7 @@ impl BoundGateway {
                 metrics: metrics.clone(),
                 http: config.http,
                 recorder: recorder.clone(),
+                policies: policies.clone(),
             },
             Arc::new(config.keyring),
         );
@@ -97,6 +109,7 @@ impl BoundGateway {
                 metrics: metrics.clone(),
                 tenants: Arc::new(config.tenants),
                 recorder: recorder.clone(),
+                policies: policies.clone(),
             },
             config.admin_token,
         );
@@ -108,6 +121,7 @@ impl BoundGateway {
             workers,
             metrics,
             recorder,
+            policies,
             refresh_interval: config.refresh_interval,
             header_timeout: config.http.header_timeout,
             groups: config.worker_groups,
@@ -131,6 +145,11 @@ impl BoundGateway {
         &self.metrics
     }
 
+    /// The policy plugins (what `/policies` shows).
+    pub fn policies(&self) -> &Policies {
+        &self.policies
+    }
+
     /// Reads every worker once (so the first request finds the model registered when the
     /// workers are up), then serves until `shutdown` completes.
     pub async fn serve(self, shutdown: impl Future<Output = ()> + Send + 'static) {
@@ -145,6 +164,7 @@ impl BoundGateway {
                 self.refresh_interval,
             )
         });
+        let watch = self.policies.spawn_watch();
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
             shutdown.await;
@@ -164,6 +184,9 @@ impl BoundGateway {
         }
         if let Err(e) = self.recorder.flush() {
             tracing::error!(error = %e, "the audit log's last records could not be flushed");
+        }
+        if let Some(watch) = watch {
+            watch.abort();
         }
     }
 }

@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use crate::gateway::QUESTION;
 use crate::up::{
-    ADMIN, KEY_A, KEY_B, Options, TempDir, Up, bounded, exchange, header, http, json, send,
+    ADMIN, KEY_A, KEY_B, Options, TempDir, Up, bounded, exchange, header, http, json, records, send,
 };
 
 /// `GET /v1/audit` with `key`: the records (`data`) of the page.
@@ -30,29 +30,6 @@ fn audit_page(up: &Up, key: &str, query: &str) -> Value {
     json(&body)
 }
 
-fn records(page: &Value) -> Vec<Value> {
-    page["data"]
-        .as_array()
-        .expect("data is a list")
-        .iter()
-        .map(|e| e["record"].clone())
-        .collect()
-}
-
-/// Every record of `tenant`, read through the admin listener.
-fn admin_records(up: &Up, tenant: &str) -> Vec<Value> {
-    let (status, body) = http(
-        &up.admin,
-        "GET",
-        &format!("/audit/{tenant}?limit=1000"),
-        Some(ADMIN),
-        &[],
-        "",
-    );
-    assert_eq!(status, 200, "{body}");
-    records(&json(&body))
-}
-
 /// `bulkhead audit verify DIR`: (passed, output).
 fn verify(dir: &Path) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
@@ -66,18 +43,6 @@ fn verify(dir: &Path) -> (bool, String) {
         String::from_utf8_lossy(&out.stderr)
     );
     (out.status.success(), text)
-}
-
-/// Waits (bounded) until `tenant` has `n` records.
-fn wait_records(up: &Up, tenant: &str, n: usize) -> Vec<Value> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let got = admin_records(up, tenant);
-        if got.len() >= n || Instant::now() > deadline {
-            return got;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 #[test]
@@ -150,7 +115,7 @@ fn every_request_leaves_one_record_in_its_tenants_log_that_only_it_can_read() {
         drop(s);
 
         // A's log: exactly its six requests, in order, with their outcomes.
-        let a = wait_records(&up, "tenant-a", 6);
+        let a = up.wait_records("tenant-a", 6);
         let outcome: Vec<(u64, Option<&str>)> = a
             .iter()
             .map(|r| {
@@ -200,7 +165,7 @@ fn every_request_leaves_one_record_in_its_tenants_log_that_only_it_can_read() {
         assert_eq!(a[3]["bulkhead.kv.integrity"]["result"], "not_checked");
 
         // B's log: the canary's request (hashed, not stored) and the disconnect.
-        let b = wait_records(&up, "tenant-b", 2);
+        let b = up.wait_records("tenant-b", 2);
         assert_eq!(b.len(), 2, "{b:#?}");
         assert_eq!(b[1]["bulkhead.disconnect.phase"], "decode", "{:#?}", b[1]);
         assert_eq!(b[1]["error.type"], "client_disconnected");
@@ -210,7 +175,7 @@ fn every_request_leaves_one_record_in_its_tenants_log_that_only_it_can_read() {
             !serde_json::to_string(&b).expect("json").contains(&canary),
             "prompts are hashed, not stored, without capture"
         );
-        let gateway = admin_records(&up, "_gateway");
+        let gateway = up.admin_records("_gateway");
         assert_eq!(gateway.len(), 2, "{gateway:#?}");
         assert!(
             gateway
@@ -386,7 +351,7 @@ fn kill_9_under_load_loses_no_answered_request_and_the_chain_continues() {
         let after = header(&head, "x-request-id").expect("id").to_owned();
         let mut recorded = HashSet::new();
         for tenant in ["tenant-a", "tenant-b"] {
-            for r in admin_records(&up, tenant) {
+            for r in up.admin_records(tenant) {
                 recorded.insert(
                     r["bulkhead.request.id"]
                         .as_str()

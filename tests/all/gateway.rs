@@ -5,8 +5,6 @@ use std::io::Read;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use bulkhead_worker::serve::proto::{HealthRequest, WorkerClient};
-
 use crate::up::{
     ADMIN, HTTP_LIMIT, KEY_A, KEY_B, KEY_LIMITED, KEY_SERIAL, Options, Up, bounded, http, json,
     metric, python, repo, send,
@@ -53,24 +51,7 @@ fn the_gateway_enforces_keys_admission_tenancy_and_limits() {
         assert_eq!(status, 401, "no key at all");
 
         // Over the limit: 400 before any worker is contacted; no page was ever reserved.
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        let health = || {
-            runtime.block_on(async {
-                let mut c = WorkerClient::connect(format!("http://{}", up.worker))
-                    .await
-                    .expect("connects to the worker");
-                c.health(HealthRequest {})
-                    .await
-                    .expect("health")
-                    .into_inner()
-                    .pool
-                    .expect("pool")
-            })
-        };
-        let before = health();
+        let before = up.pool();
         let long = format!(
             r#"{{"messages":[{{"role":"user","content":"{}"}}],"max_tokens":16}}"#,
             "hello ".repeat(9000)
@@ -85,7 +66,7 @@ fn the_gateway_enforces_keys_admission_tenancy_and_limits() {
         );
         assert_eq!(status, 400, "max_tokens alone over the limit: {body}");
         assert_eq!(json(&body)["error"]["code"], "context_length_exceeded");
-        let after = health();
+        let after = up.pool();
         assert_eq!(after.free, before.free, "free pages unchanged");
         assert_eq!(after.free, after.total, "no page reserved");
         assert_eq!(after.reserved, 0);

@@ -3,6 +3,7 @@
 mod audit;
 mod gateway;
 mod netns;
+mod policies;
 mod scale;
 mod transfer_faults;
 mod up;

@@ -11,6 +11,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use bulkhead_worker::serve::proto::{HealthRequest, HealthResponse, PoolPages, WorkerClient};
+
 /// Upper bound for any one test, startup included.
 pub const TEST_LIMIT: Duration = Duration::from_secs(240);
 /// Upper bound for `bulkhead up` to load the model and bind.
@@ -229,6 +231,72 @@ impl Up {
         body
     }
 
+    /// The serving worker's health over gRPC: its pool's page counts and running requests.
+    pub fn health(&self) -> HealthResponse {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let mut c = WorkerClient::connect(format!("http://{}", self.worker))
+                .await
+                .expect("connects to the worker");
+            c.health(HealthRequest {})
+                .await
+                .expect("health")
+                .into_inner()
+        })
+    }
+
+    /// The serving worker's pool pages.
+    pub fn pool(&self) -> PoolPages {
+        self.health().pool.expect("the worker reports its pool")
+    }
+
+    /// Waits (bounded) until the serving worker runs nothing and every page is free.
+    pub fn wait_pool_drained(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let h = self.health();
+            let pool = h.pool.expect("the worker reports its pool");
+            if pool.free == pool.total && h.running == 0 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "pages still held: {pool:?}, {} running",
+                h.running
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Every record of `tenant`, read through the admin listener.
+    pub fn admin_records(&self, tenant: &str) -> Vec<serde_json::Value> {
+        let (status, body) = http(
+            &self.admin,
+            "GET",
+            &format!("/audit/{tenant}?limit=1000"),
+            Some(ADMIN),
+            &[],
+            "",
+        );
+        assert_eq!(status, 200, "{body}");
+        records(&json(&body))
+    }
+
+    /// Waits (bounded) until `tenant` has `n` records; returns what it has then.
+    pub fn wait_records(&self, tenant: &str, n: usize) -> Vec<serde_json::Value> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let got = self.admin_records(tenant);
+            if got.len() >= n || Instant::now() > deadline {
+                return got;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     pub fn chat(&self, key: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
         http(
             &self.api,
@@ -335,6 +403,16 @@ fn dechunk(mut body: &str) -> String {
         body = rest[n..].trim_start_matches("\r\n");
     }
     out
+}
+
+/// The records of a page of the audit API (`data[].record`).
+pub fn records(page: &serde_json::Value) -> Vec<serde_json::Value> {
+    page["data"]
+        .as_array()
+        .expect("data is a list")
+        .iter()
+        .map(|e| e["record"].clone())
+        .collect()
 }
 
 pub fn json(body: &str) -> serde_json::Value {

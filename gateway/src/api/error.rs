@@ -10,6 +10,7 @@ use serde_json::json;
 
 use crate::admission::ContextLengthExceeded;
 use crate::limits::{LimitError, retry_after};
+use crate::policy::{Refusal, Refused};
 
 use super::validate::RequestError;
 
@@ -67,6 +68,17 @@ pub enum ApiError {
     /// The audit log cannot write, and the gateway refuses to serve unaudited traffic.
     #[error("the audit log is unavailable; no request is served unaudited. Retry later")]
     AuditUnavailable,
+    /// A policy plugin refused the request (`status` is the plugin's 4xx).
+    #[error("{message}")]
+    PolicyDenied {
+        plugin: String,
+        status: u16,
+        message: String,
+    },
+    /// A policy plugin failed (trapped, timed out, exceeded its memory or answered garbage)
+    /// and its binding fails closed; details are in the gateway's log.
+    #[error("a policy check failed, so the request was refused")]
+    PolicyFailed,
     /// A bug; details are in the gateway's or the worker's log.
     #[error("internal error")]
     Internal,
@@ -76,6 +88,22 @@ pub enum ApiError {
 /// response's extensions for the audit record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ErrorType(pub &'static str);
+impl From<Refused> for ApiError {
+    fn from(refused: Refused) -> ApiError {
+        match refused.refusal {
+            Refusal::Denied {
+                plugin,
+                status,
+                message,
+            } => ApiError::PolicyDenied {
+                plugin: plugin.to_string(),
+                status,
+                message,
+            },
+            Refusal::Failed { .. } => ApiError::PolicyFailed,
+        }
+    }
+}
 
 /// HTTP status and OpenAI `type` / `code` of an error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,6 +166,19 @@ pub fn mapping(err: &ApiError) -> Mapping {
             "service_unavailable",
             Some("audit_unavailable"),
         ),
+        ApiError::PolicyDenied { status, .. } => m(
+            StatusCode::from_u16(*status)
+                .ok()
+                .filter(StatusCode::is_client_error)
+                .unwrap_or(StatusCode::FORBIDDEN),
+            "policy_denied",
+            Some("policy_denied"),
+        ),
+        ApiError::PolicyFailed => m(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "policy_error",
+            Some("policy_error"),
+        ),
         ApiError::Internal => m(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal_error",
@@ -167,6 +208,8 @@ impl ApiError {
             | ApiError::Timeout { .. }
             | ApiError::NotFound
             | ApiError::AuditUnavailable
+            | ApiError::PolicyDenied { .. }
+            | ApiError::PolicyFailed
             | ApiError::Internal => None,
         }
     }
@@ -294,6 +337,32 @@ mod tests {
             Some("audit_unavailable"),
         );
         check(ApiError::NotFound, 404, INVALID_REQUEST, Some("not_found"));
+        check(
+            ApiError::PolicyDenied {
+                plugin: "p".into(),
+                status: 429,
+                message: "m".into(),
+            },
+            429,
+            "policy_denied",
+            Some("policy_denied"),
+        );
+        check(
+            ApiError::PolicyDenied {
+                plugin: "p".into(),
+                status: 200,
+                message: "m".into(),
+            },
+            403,
+            "policy_denied",
+            Some("policy_denied"),
+        );
+        check(
+            ApiError::PolicyFailed,
+            500,
+            "policy_error",
+            Some("policy_error"),
+        );
     }
 
     #[test]

@@ -7,8 +7,10 @@
 //!   stripped) ─▶ account ─▶ tenant limits (in flight, requests/min)
 //!   ─▶ body (size limit) ─▶ validate::parse_* → Valid* ─▶ chat template + tokenizer (the
 //!   worker's) ─▶ admission (prompt + max tokens ≤ effective limit, else 400 before any worker
-//!   is contacted) ─▶ tokens/min ─▶ route (least outstanding tokens) ─▶ Generate(token ids)
-//!   ─▶ JSON or SSE ─▶ the audit record (before the response in durable mode)
+//!   is contacted) ─▶ policy chain (allow | deny; a clamp is admitted again) ─▶ tokens/min
+//!   ─▶ route (least outstanding tokens) ─▶ Generate(token ids) ─▶ JSON or SSE
+//!   ─▶ end: on-response-end, or on client disconnect the chain's directive (crate::policy)
+//!   ─▶ the audit record (before the response in durable mode)
 //! ```
 
 mod error;
@@ -25,6 +27,7 @@ use axum::extract::{Extension, FromRef, State};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use http::HeaderMap;
 use http::header::CONTENT_TYPE;
 use tokio::time::Instant;
 
@@ -38,6 +41,7 @@ use crate::auth::{AuthLayer, Authenticated};
 use crate::config::{HttpLimits, Keyring};
 use crate::limits::Limiter;
 use crate::metrics::Metrics;
+use crate::policy::{Policies, Progress, RequestFacts};
 use crate::trail::{self, Recorder, Trail};
 use crate::workers::{ServedModel, Workers};
 
@@ -49,6 +53,7 @@ pub struct ApiState {
     pub metrics: Metrics,
     pub http: HttpLimits,
     pub recorder: Recorder,
+    pub policies: Policies,
 }
 
 impl FromRef<ApiState> for Recorder {
@@ -102,22 +107,34 @@ pub enum Endpoint {
     Completion,
 }
 
+impl Endpoint {
+    /// Its path (the route policies match on).
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completion => "/v1/completions",
+        }
+    }
+}
+
 async fn chat_completions(
     State(state): State<ApiState>,
     Extension(who): Extension<Authenticated>,
     Extension(trail): Extension<Trail>,
+    headers: HeaderMap,
     body: Body,
 ) -> Response {
-    serve(state, who, trail, Endpoint::Chat, body).await
+    serve(state, who, trail, Endpoint::Chat, headers, body).await
 }
 
 async fn completions(
     State(state): State<ApiState>,
     Extension(who): Extension<Authenticated>,
     Extension(trail): Extension<Trail>,
+    headers: HeaderMap,
     body: Body,
 ) -> Response {
-    serve(state, who, trail, Endpoint::Completion, body).await
+    serve(state, who, trail, Endpoint::Completion, headers, body).await
 }
 
 /// A validated request of either endpoint, before tokenization.
@@ -157,13 +174,17 @@ async fn serve(
     who: Authenticated,
     trail: Trail,
     endpoint: Endpoint,
+    headers: HeaderMap,
     body: Body,
 ) -> Response {
     let timeout = state.http.request_timeout;
     let deadline = Instant::now() + timeout;
     let secs = timeout.as_secs();
-    let result =
-        tokio::time::timeout_at(deadline, start(&state, &who, &trail, endpoint, body)).await;
+    let result = tokio::time::timeout_at(
+        deadline,
+        start(&state, &who, &trail, endpoint, &headers, body),
+    )
+    .await;
     match result {
         Err(_) => ApiError::Timeout { secs }.into_response(),
         Ok(Err(e)) => {
@@ -180,6 +201,7 @@ async fn start(
     who: &Authenticated,
     trail: &Trail,
     endpoint: Endpoint,
+    headers: &HeaderMap,
     body: Body,
 ) -> Result<respond::Started, ApiError> {
     let tenant = who.tenant.clone();
@@ -225,6 +247,30 @@ async fn start(
         state.http.default_max_tokens,
         limit,
     )?;
+    // The policy chain (design step 3); a clamp of max tokens goes through admission again.
+    let request_id = trail.request_id();
+    let policy = state
+        .policies
+        .on_request(RequestFacts {
+            id: &request_id,
+            tenant: tenant.id.as_str(),
+            model: &model.name,
+            route: endpoint.path(),
+            headers,
+            prompt_tokens: admitted.prompt_tokens,
+            max_tokens: admitted.max_new_tokens,
+        })
+        .await?;
+    trail.policy(policy.decisions().iter().map(Into::into).collect());
+    let admitted = match policy.clamp() {
+        None => admitted,
+        Some(max) => admit(
+            prompt.len(),
+            Some(max),
+            state.http.default_max_tokens,
+            limit,
+        )?,
+    };
     permit.charge_tokens(admitted.total_tokens())?;
     let route = state
         .workers
@@ -232,7 +278,6 @@ async fn start(
         .ok_or(ApiError::NoHealthyWorker)?;
     trail.routed(&route);
 
-    let request_id = trail.request_id();
     let request = upstream::Generate {
         request_id: &request_id,
         tenant: tenant.id.as_str(),
@@ -271,7 +316,9 @@ async fn start(
         permit,
         route,
         metrics: state.metrics.clone(),
-        upstream: stream,
+        upstream: Some(stream),
+        progress: Progress::default(),
+        policy: Some(policy),
         trail: trail.clone(),
     })
 }

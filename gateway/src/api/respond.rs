@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
 
-use axum::response::sse::{Event, Sse};
+use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use bulkhead_worker::serve::proto::{Done, GenerateResponse, Item};
 use http::header::CONTENT_TYPE;
@@ -15,6 +15,7 @@ use tokio::time::Instant;
 
 use crate::limits::RequestPermit;
 use crate::metrics::Metrics;
+use crate::policy::{Progress, RequestPolicy};
 use crate::tenant::Tenant;
 use crate::trail::Trail;
 use crate::upstreams::UpstreamStream;
@@ -26,6 +27,9 @@ use super::upstream::{finish_reason, from_status};
 use super::validate::Stream;
 
 /// A request the worker accepted; holds the tenant's permit and the route until it ends.
+/// Dropping it ends the request's policies: `on-response-end`, or — when it did not reach
+/// the end, i.e. the client went away — the chain's disconnect directive, which may keep
+/// reading `upstream` for a while before dropping it (see [`crate::policy`]).
 #[derive(Debug)]
 pub struct Started {
     pub endpoint: Endpoint,
@@ -37,8 +41,21 @@ pub struct Started {
     pub permit: RequestPermit,
     pub route: Route,
     pub metrics: Metrics,
-    pub upstream: UpstreamStream,
+    /// `None` only once handed to the policies at drop.
+    pub upstream: Option<UpstreamStream>,
+    /// How far the stream got.
+    pub progress: Progress,
+    /// `None` only once finished at drop.
+    pub policy: Option<RequestPolicy>,
     pub trail: Trail,
+}
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        if let Some(policy) = self.policy.take() {
+            policy.finish(self.upstream.take(), self.progress);
+        }
+    }
 }
 
 /// Marks a streamed response: its stream commits the audit record itself, before `[DONE]`.
@@ -54,8 +71,21 @@ enum Step {
 impl Started {
     /// The next step, or the error that ends the request.
     async fn next(&mut self) -> Result<Step, ApiError> {
+        let step = self.step().await;
+        match &step {
+            Ok(Step::Text(_)) => self.progress.tokens = self.progress.tokens.saturating_add(1),
+            Ok(Step::Done(d)) => self.progress.usage = Some((d.prompt_tokens, d.completion_tokens)),
+            Err(_) => self.progress.failed = true,
+        }
+        step
+    }
+
+    async fn step(&mut self) -> Result<Step, ApiError> {
         loop {
-            match self.upstream.message().await {
+            let Some(upstream) = self.upstream.as_mut() else {
+                return Err(ApiError::Internal);
+            };
+            match upstream.message().await {
                 Ok(Some(GenerateResponse {
                     item: Some(Item::Token(t)),
                 })) => {
@@ -175,14 +205,23 @@ impl Started {
 
 /// The response for a started request: JSON (bounded by `deadline`) or SSE.
 pub async fn respond(started: Started, deadline: Instant, secs: u64) -> Response {
-    if started.stream_mode.is_some() {
-        return stream(started);
+    let mut headers = http::HeaderMap::new();
+    if let Some(policy) = &started.policy {
+        policy.add_headers(&mut headers);
     }
-    match tokio::time::timeout_at(deadline, collect(started)).await {
-        Err(_) => ApiError::Timeout { secs }.into_response(),
-        Ok(Err(e)) => e.into_response(),
-        Ok(Ok(body)) => ([(CONTENT_TYPE, "application/json")], body.to_string()).into_response(),
-    }
+    let mut response = if started.stream_mode.is_some() {
+        stream(started)
+    } else {
+        match tokio::time::timeout_at(deadline, collect(started)).await {
+            Err(_) => ApiError::Timeout { secs }.into_response(),
+            Ok(Err(e)) => e.into_response(),
+            Ok(Ok(body)) => {
+                ([(CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+            }
+        }
+    };
+    response.headers_mut().extend(headers);
+    response
 }
 
 async fn collect(mut started: Started) -> Result<Value, ApiError> {
@@ -267,7 +306,14 @@ fn stream(started: Started) -> Response {
             }
         }
     });
-    let mut response = Sse::new(events).into_response();
+    // Comments while the worker is silent (prefill): a client that went away is noticed on
+    // the next write, so the policies' disconnect directive runs during prefill too.
+    let mut response = Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(SSE_KEEP_ALIVE))
+        .into_response();
     response.extensions_mut().insert(Streamed);
     response
 }
+
+/// How often an idle SSE stream sends a comment.
+const SSE_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(1);

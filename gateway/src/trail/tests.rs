@@ -79,6 +79,12 @@ fn table() -> Vec<ApiError> {
         ApiError::Timeout { secs: 1 },
         ApiError::NotFound,
         ApiError::AuditUnavailable,
+        ApiError::PolicyDenied {
+            plugin: "p".into(),
+            status: 403,
+            message: "m".into(),
+        },
+        ApiError::PolicyFailed,
         ApiError::Internal,
     ]
 }

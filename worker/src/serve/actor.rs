@@ -88,7 +88,16 @@ pub struct EngineHandle {
     commands: std_mpsc::Sender<Command>,
     next_id: Arc<AtomicU64>,
     metrics: Arc<Metrics>,
+    /// The engine's stats as of its last step, for when it is too busy to answer.
+    published: Arc<Published>,
 }
+
+/// The stats the engine thread publishes before each step.
+type Published = std::sync::Mutex<EngineStats>;
+
+/// How long [`EngineHandle::stats`] waits for a fresh answer before it returns the published
+/// one: a step can be a long prefill, and health must not depend on the engine being idle.
+const STATS_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// The engine thread, for joining at shutdown.
 #[derive(Debug)]
@@ -114,13 +123,16 @@ impl EngineHandle {
     ) -> std::io::Result<(EngineHandle, EngineThread)> {
         let (tx, rx) = std_mpsc::channel();
         let thread_metrics = metrics.clone();
+        let published = Arc::new(Published::new(stats_of(&engine)));
+        let thread_published = published.clone();
         let thread = std::thread::Builder::new()
             .name("bulkhead-engine".into())
-            .spawn(move || run(engine, rx, &thread_metrics))?;
+            .spawn(move || run(engine, rx, &thread_metrics, &thread_published))?;
         let handle = EngineHandle {
             commands: tx,
             next_id: Arc::new(AtomicU64::new(1)),
             metrics,
+            published,
         };
         Ok((handle, EngineThread(thread)))
     }
@@ -203,17 +215,30 @@ impl EngineHandle {
         let _ = self.commands.send(Command::Close(Box::new(outbound)));
     }
 
+    /// The engine's stats: fresh (after every command sent before) when the engine answers
+    /// within [`STATS_WAIT`], else as published before its current step.
     pub async fn stats(&self) -> Result<EngineStats, ServeError> {
         let (reply, answer) = oneshot::channel();
         self.commands
             .send(Command::Stats { reply })
             .map_err(|_| ServeError::EngineGone)?;
-        answer.await.map_err(|_| ServeError::EngineGone)
+        match tokio::time::timeout(STATS_WAIT, answer).await {
+            Ok(fresh) => fresh.map_err(|_| ServeError::EngineGone),
+            Err(_busy) => Ok(*self
+                .published
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)),
+        }
     }
 }
 
 /// The engine thread's loop.
-fn run(mut engine: Engine, commands: std_mpsc::Receiver<Command>, metrics: &Metrics) {
+fn run(
+    mut engine: Engine,
+    commands: std_mpsc::Receiver<Command>,
+    metrics: &Metrics,
+    published: &Published,
+) {
     loop {
         // Block only when there is nothing to do; released pages waiting for a scrub count as
         // work, since `step` is what scrubs them back onto the free list. Transfer deadlines
@@ -244,7 +269,21 @@ fn run(mut engine: Engine, commands: std_mpsc::Receiver<Command>, metrics: &Metr
                 }
             }
         }
+        *published
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = stats_of(&engine);
         engine.step();
+    }
+}
+
+fn stats_of(engine: &Engine) -> EngineStats {
+    let (waiting, running) = engine.load();
+    EngineStats {
+        pool: engine.pool().stats(),
+        waiting,
+        running,
+        capacity: engine.capacity(),
+        transfers: engine.transfer_stats(),
     }
 }
 
@@ -278,14 +317,7 @@ fn handle(engine: &mut Engine, command: Command, metrics: &Metrics) {
         Command::TransportClosed(nonces) => engine.transport_closed(&nonces),
         Command::Close(outbound) => outbound.close(),
         Command::Stats { reply } => {
-            let (waiting, running) = engine.load();
-            let _ = reply.send(EngineStats {
-                pool: engine.pool().stats(),
-                waiting,
-                running,
-                capacity: engine.capacity(),
-                transfers: engine.transfer_stats(),
-            });
+            let _ = reply.send(stats_of(engine));
         }
     }
 }

@@ -77,13 +77,29 @@ impl PrefillCall {
     }
 }
 
+/// A decode request whose prefill worker accepted it.
+pub struct RemoteStart {
+    /// The request's first event when it came before prefill's answer was read.
+    pub early: Option<Event>,
+    /// The rest of the request's events.
+    pub events: Events,
+    pub guard: CancelOnDrop,
+    /// The live prefill call.
+    pub call: PrefillCall,
+}
+
+/// Which of the two waits of [`start_remote_prefill`] ended first.
+enum Raced<A> {
+    Answer(A),
+    Event(Option<Event>),
+}
+
 /// Decode role: waits for the engine's reservation and hands it to the prefill worker.
-/// Returns the request's events and the live prefill call.
 pub async fn start_remote_prefill(
     engine: &EngineHandle,
     peer: &PrefillPeer,
     valid: ValidGenerate,
-) -> Result<(Events, CancelOnDrop, PrefillCall), ServeError> {
+) -> Result<RemoteStart, ServeError> {
     let prompt = valid.prompt.clone();
     let sampling = valid.sampling;
     let (caller_id, tenant) = (valid.caller_id.clone(), valid.tenant.clone());
@@ -122,25 +138,35 @@ pub async fn start_remote_prefill(
     };
     // An unreachable or silent prefill worker must not hold the request past its transfer
     // deadline: the engine's verdict (a timeout) ends the wait.
-    let (call, first) = tokio::select! {
-        answer = answer => answer.map_err(|s| unavailable(s.message().to_owned()))?,
-        event = events.recv() => return Err(match event {
-            Some(Event::Failed(f)) => ServeError::Failed(f),
-            None => ServeError::EngineGone,
-            Some(other) => {
-                tracing::error!(event = ?other, "a decode request's event before its prefill answered");
-                ServeError::Internal { what: "engine" }
-            }
-        }),
+    tokio::pin!(answer);
+    let raced = tokio::select! {
+        answer = &mut answer => Raced::Answer(answer),
+        event = events.recv() => Raced::Event(event),
     };
+    let (answer, early) = match raced {
+        Raced::Answer(answer) => (answer, None),
+        Raced::Event(Some(Event::Failed(f))) => return Err(ServeError::Failed(f)),
+        Raced::Event(None) => return Err(ServeError::EngineGone),
+        // The KV was sent and committed before the call's first answer was read (a short
+        // prompt on a fast data plane): prefill did accept. The event is the stream's first.
+        Raced::Event(Some(early @ (Event::Token { .. } | Event::Done { .. }))) => {
+            (answer.await, Some(early))
+        }
+        Raced::Event(Some(other)) => {
+            tracing::error!(event = ?other, "a decode request's event before its prefill answered");
+            return Err(ServeError::Internal { what: "engine" });
+        }
+    };
+    let (call, first) = answer.map_err(|s| unavailable(s.message().to_owned()))?;
     match first {
         Some(proto::PrefillEvent {
             event: Some(PrefillItem::Accepted(_)),
-        }) => Ok((
+        }) => Ok(RemoteStart {
+            early,
             events,
             guard,
-            PrefillCall::watch(engine.clone(), target.nonce, call),
-        )),
+            call: PrefillCall::watch(engine.clone(), target.nonce, call),
+        }),
         Some(proto::PrefillEvent {
             event: Some(PrefillItem::Rejected(refusal)),
         }) => {

@@ -132,17 +132,18 @@ impl proto::Worker for WorkerService {
                     valid.into_request(id, sink)
                 })
                 .await
-                .map(|(events, guard)| (events, guard, None)),
+                .map(|(events, guard)| (None, events, guard, None)),
             ServiceRole::Decode(peer) => disagg::start_remote_prefill(&self.engine, peer, valid)
                 .await
-                .map(|(events, guard, call)| (events, guard, Some(call))),
+                .map(|s| (s.early, s.events, s.guard, Some(s.call))),
             ServiceRole::Prefill { .. } => Err(ValidationError::WrongRole {
                 role: "prefill",
                 call: "Generate",
             }
             .into()),
         };
-        let (events, guard, prefill) = started.map_err(|e| self.refuse(&caller_id, &tenant, e))?;
+        let (early, events, guard, prefill) =
+            started.map_err(|e| self.refuse(&caller_id, &tenant, e))?;
         tracing::info!(
             request = %guard.id(),
             caller_id,
@@ -152,6 +153,7 @@ impl proto::Worker for WorkerService {
             "request admitted"
         );
         Ok(Response::new(GenerateStream {
+            early,
             events,
             guard,
             finished: false,
@@ -206,6 +208,8 @@ fn saturate(n: usize) -> u32 {
 /// the request in the engine, which frees its pages.
 #[derive(Debug)]
 pub struct GenerateStream {
+    /// An event that arrived before the stream started (see [`disagg::RemoteStart`]).
+    early: Option<Event>,
     events: Events,
     guard: CancelOnDrop,
     /// The final item (`Done` or an error) was sent.
@@ -222,9 +226,12 @@ impl Stream for GenerateStream {
         if this.finished {
             return Poll::Ready(None);
         }
-        let event = match this.events.poll_recv(cx) {
-            Poll::Pending => return Poll::Pending,
-            Poll::Ready(e) => e,
+        let event = match this.early.take() {
+            Some(early) => Some(early),
+            None => match this.events.poll_recv(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(e) => e,
+            },
         };
         let item = match event {
             Some(Event::Token { token, text }) => Ok(Item::Token(proto::Token { id: token, text })),

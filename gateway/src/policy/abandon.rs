@@ -1,0 +1,244 @@
+//! The end of a request: `on-response-end` for accounting, and — when the client went away
+//! before the end — `on-disconnect`, whose directive says how long the gateway keeps reading
+//! the worker's stream before dropping it (dropping it cancels the request at the worker).
+//!
+//! ```text
+//!  client gone ─▶ directive ─┬─ abort-now ──────────────────────────────────▶ drop stream
+//!                            ├─ hold-until-prefill-done ─┐ (the first token is when the
+//!                            ├─ hold-until-first-token ──┴─ gateway sees prefill done) ─▶ drop
+//!                            └─ hold-until-complete ──── until Done ────────────────────▶ drop
+//!  each hold is bounded by the hold limit; then on-response-end(client-disconnected)
+//! ```
+//!
+//! The gateway sees one stream (to the decode or colocated worker), so it reports the phase
+//! as `prefilling` until the first token and `decoding` after.
+
+use std::sync::Arc;
+
+use bulkhead_worker::serve::proto::Item;
+
+use crate::upstreams::UpstreamStream;
+
+use super::bindings::{Directive, Disconnect, Hooks, Outcome, Phase, ResponseEnd, Usage};
+use super::chain::{Binding, PolicySet};
+use super::handle::Policies;
+use super::request::RequestPolicy;
+
+/// How far a request got, as the gateway saw it.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// Token messages received from the worker.
+    pub tokens: u32,
+    /// (prompt, completion) tokens, once the worker said Done.
+    pub usage: Option<(u32, u32)>,
+    /// The request failed (before or after its 200).
+    pub failed: bool,
+}
+
+/// The directive a failing `on-disconnect` plugin gets when its binding fails closed: the
+/// design's default (never abort before the first token).
+const ON_FAULT: Directive = Directive::HoldUntilFirstToken;
+
+fn rank(d: Directive) -> u8 {
+    match d {
+        Directive::AbortNow => 0,
+        Directive::HoldUntilPrefillDone => 1,
+        Directive::HoldUntilFirstToken => 2,
+        Directive::HoldUntilComplete => 3,
+    }
+}
+
+fn label(d: Directive) -> &'static str {
+    match d {
+        Directive::AbortNow => "abort_now",
+        Directive::HoldUntilPrefillDone => "hold_until_prefill_done",
+        Directive::HoldUntilFirstToken => "hold_until_first_token",
+        Directive::HoldUntilComplete => "hold_until_complete",
+    }
+}
+
+/// What the end of a request needs, owned (it may run in a task after the response is gone).
+struct Ending {
+    policies: Policies,
+    set: Arc<PolicySet>,
+    matched: Vec<usize>,
+    id: String,
+    tenant: String,
+}
+
+impl Ending {
+    fn wanting(&self, hook: Hooks) -> impl Iterator<Item = &Binding> {
+        self.matched
+            .iter()
+            .map(|&i| &self.set.bindings[i])
+            .filter(move |b| b.hooks.contains(hook))
+    }
+
+    /// The longest hold any `on-disconnect` plugin asks for (abort-now when none asks).
+    /// Synchronous: plugin calls.
+    fn directive(&self, progress: Progress, held_for_tenant: u32) -> Directive {
+        let event = Disconnect {
+            request_id: self.id.clone(),
+            tenant: self.tenant.clone(),
+            phase: if progress.tokens == 0 {
+                Phase::Prefilling
+            } else {
+                Phase::Decoding
+            },
+            tokens_so_far: progress.tokens,
+            held_for_tenant,
+        };
+        let mut directive = Directive::AbortNow;
+        for b in self.wanting(Hooks::ON_DISCONNECT) {
+            let d = match b.plugin.on_disconnect(&b.config, &event) {
+                Ok(d) => d,
+                Err(fault) => {
+                    self.policies.stats().fault(&b.plugin.name, fault.kind());
+                    tracing::warn!(plugin = %b.plugin.name, request = %self.id, %fault,
+                        "a policy plugin failed on a disconnect");
+                    if b.fail_open {
+                        continue;
+                    }
+                    ON_FAULT
+                }
+            };
+            if rank(d) > rank(directive) {
+                directive = d;
+            }
+        }
+        directive
+    }
+
+    /// `on-response-end` of every plugin that asked (synchronous: plugin calls).
+    fn response_end(&self, outcome: Outcome, usage: (u32, u32)) {
+        let event = ResponseEnd {
+            request_id: self.id.clone(),
+            tenant: self.tenant.clone(),
+            usage: Usage {
+                prompt_tokens: usage.0,
+                completion_tokens: usage.1,
+            },
+            outcome,
+        };
+        for b in self.wanting(Hooks::ON_RESPONSE_END) {
+            if let Err(fault) = b.plugin.on_response_end(&b.config, &event) {
+                self.policies.stats().fault(&b.plugin.name, fault.kind());
+                tracing::warn!(plugin = %b.plugin.name, request = %self.id, %fault,
+                    "a policy plugin failed at a response's end");
+            }
+        }
+    }
+
+    /// [`Ending::response_end`] in the sandbox, when some plugin asked for it.
+    async fn end(self: Arc<Self>, outcome: Outcome, usage: (u32, u32)) {
+        if self.wanting(Hooks::ON_RESPONSE_END).next().is_none() {
+            return;
+        }
+        let policies = self.policies.clone();
+        let outcome = policies
+            .offload(move || self.response_end(outcome, usage))
+            .await;
+        if let Some(Err(fault)) = outcome {
+            tracing::warn!(%fault, "on-response-end could not run");
+        }
+    }
+
+    async fn abandoned(self: Arc<Self>, upstream: Option<UpstreamStream>, mut progress: Progress) {
+        let (held_before, held) = self.policies.hold(&self.tenant);
+        let directive = if self.wanting(Hooks::ON_DISCONNECT).next().is_none() {
+            Directive::AbortNow
+        } else {
+            let ending = self.clone();
+            match self
+                .policies
+                .offload(move || ending.directive(progress, held_before))
+                .await
+            {
+                Some(Ok(d)) => d,
+                Some(Err(fault)) => {
+                    tracing::warn!(request = %self.id, %fault, "on-disconnect could not run");
+                    ON_FAULT
+                }
+                None => Directive::AbortNow,
+            }
+        };
+        self.policies.stats().abandoned(label(directive));
+        if let Some(mut upstream) = upstream {
+            let limit = self.policies.hold_limit();
+            let _ =
+                tokio::time::timeout(limit, drain(&mut upstream, directive, &mut progress)).await;
+            let at = match (progress.usage, progress.tokens) {
+                (Some(_), _) => "after_done",
+                (None, 0) => "before_first_token",
+                (None, _) => "after_first_token",
+            };
+            self.policies.stats().dropped(at);
+            tracing::debug!(request = %self.id, directive = label(directive),
+                tokens = progress.tokens, at, "an abandoned request's stream is dropped");
+        }
+        drop(held);
+        let usage = progress.usage.unwrap_or((0, progress.tokens));
+        self.end(Outcome::ClientDisconnected, usage).await;
+    }
+}
+
+/// Reads `upstream` until `directive` is satisfied (or the stream ends).
+async fn drain(upstream: &mut UpstreamStream, directive: Directive, progress: &mut Progress) {
+    let until_complete = match directive {
+        Directive::AbortNow => return,
+        Directive::HoldUntilPrefillDone | Directive::HoldUntilFirstToken => {
+            if progress.tokens > 0 {
+                return;
+            }
+            false
+        }
+        Directive::HoldUntilComplete => true,
+    };
+    while let Ok(Some(message)) = upstream.message().await {
+        match message.item {
+            Some(Item::Token(_)) => {
+                progress.tokens = progress.tokens.saturating_add(1);
+                if !until_complete {
+                    return;
+                }
+            }
+            Some(Item::Done(d)) => {
+                progress.usage = Some((d.prompt_tokens, d.completion_tokens));
+                return;
+            }
+            None => {}
+        }
+    }
+}
+
+impl RequestPolicy {
+    /// The request ended: completed (`progress.usage`), failed, or abandoned by its client
+    /// (neither). Called once, when the response's state is dropped; the work runs in a task.
+    pub fn finish(self, upstream: Option<UpstreamStream>, progress: Progress) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let ending = Arc::new(Ending {
+            policies: self.policies.clone(),
+            set: self.set.clone(),
+            matched: self.matched.clone(),
+            id: self.id.clone(),
+            tenant: self.tenant.clone(),
+        });
+        let outcome = match (progress.usage, progress.failed) {
+            (Some(usage), _) => Some((Outcome::Completed, usage)),
+            (None, true) => Some((Outcome::Failed, (0, progress.tokens))),
+            (None, false) => None,
+        };
+        match outcome {
+            Some((outcome, usage)) => {
+                if ending.wanting(Hooks::ON_RESPONSE_END).next().is_some() {
+                    runtime.spawn(ending.end(outcome, usage));
+                }
+            }
+            None => {
+                runtime.spawn(ending.abandoned(upstream, progress));
+            }
+        }
+    }
+}

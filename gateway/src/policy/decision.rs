@@ -1,0 +1,65 @@
+//! What each policy decided about a request: the small public record the audit log carries.
+
+use super::digest::Digest;
+
+/// One plugin's decision on one request.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Decision {
+    /// The plugin's name in the policy set.
+    pub plugin: String,
+    /// The SHA-256 of the component that decided.
+    pub sha256: Digest,
+    pub verdict: DecisionVerdict,
+}
+
+/// What the plugin said.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case", tag = "verdict")]
+pub enum DecisionVerdict {
+    /// Allowed; `clamped_to` when it lowered max tokens.
+    Allow { clamped_to: Option<u32> },
+    /// Refused with this status.
+    Deny { status: u16 },
+    /// The plugin failed (`fault` is its kind); `fail_open` when the request went on anyway.
+    Fault {
+        fault: &'static str,
+        fail_open: bool,
+    },
+}
+
+impl DecisionVerdict {
+    /// A short label for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            DecisionVerdict::Allow { clamped_to: None } => "allow",
+            DecisionVerdict::Allow {
+                clamped_to: Some(_),
+            } => "clamp",
+            DecisionVerdict::Deny { .. } => "deny",
+            DecisionVerdict::Fault {
+                fail_open: true, ..
+            } => "fault_fail_open",
+            DecisionVerdict::Fault {
+                fail_open: false, ..
+            } => "fault",
+        }
+    }
+}
+
+impl From<&Decision> for bulkhead_audit::PolicyDecision {
+    fn from(d: &Decision) -> bulkhead_audit::PolicyDecision {
+        use bulkhead_audit::Verdict;
+        bulkhead_audit::PolicyDecision {
+            plugin: d.plugin.clone(),
+            digest: bulkhead_audit::Sha256Digest(d.sha256.to_bytes()),
+            verdict: match d.verdict {
+                DecisionVerdict::Allow { clamped_to: None } => Verdict::Allow,
+                DecisionVerdict::Allow {
+                    clamped_to: Some(_),
+                } => Verdict::Mutate,
+                DecisionVerdict::Deny { status } => Verdict::Deny { status },
+                DecisionVerdict::Fault { .. } => Verdict::Error,
+            },
+        }
+    }
+}

@@ -1,0 +1,234 @@
+//! [`Policies`]: the gateway's handle on the active policy set. A reload (admin call or file
+//! change) loads and validates a whole new set first and swaps it in only when it is good;
+//! requests in flight keep the set they started with (they hold an `Arc` of it), and a bad
+//! new set leaves the old one active and says why.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Duration;
+
+use super::chain::PolicySet;
+use super::digest::Digest;
+use super::load::{self, LoadError};
+use super::plugin::Fault;
+use super::sandbox::{Sandbox, SandboxError, SandboxSettings};
+use super::stats::Stats;
+
+/// How the gateway runs its policies (from the `[policies]` section of its configuration).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicySettings {
+    /// The policy set file.
+    pub file: PathBuf,
+    pub sandbox: SandboxSettings,
+    /// How often the file is checked for a change; `None`: only the admin call reloads.
+    pub watch_interval: Option<Duration>,
+    /// The longest the gateway keeps reading an abandoned request's stream for a hold
+    /// directive.
+    pub hold_limit: Duration,
+}
+
+/// Why policies cannot be loaded or reloaded.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error("the policy sandbox cannot start: {0}")]
+    Sandbox(#[from] SandboxError),
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error("policies are not configured (no [policies] in the gateway configuration)")]
+    Disabled,
+}
+
+/// The active policy set and what every request needs besides it; a cheap `Clone`.
+#[derive(Debug, Clone)]
+pub struct Policies {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    /// `None` when policies are disabled.
+    runtime: Option<(Sandbox, PolicySettings)>,
+    current: RwLock<Arc<PolicySet>>,
+    /// Why the last reload was refused (cleared by a good one).
+    last_error: Mutex<Option<String>>,
+    /// One reload at a time.
+    reloading: Mutex<()>,
+    /// tenant → abandoned requests held now.
+    held: Mutex<HashMap<String, u32>>,
+    stats: Stats,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Policies {
+    /// No policies: every request passes unchanged; disconnects abort at once.
+    pub fn disabled() -> Policies {
+        Policies::new(None, PolicySet::empty())
+    }
+
+    /// Starts the sandbox and loads the set in `settings.file` (blocking: compiles).
+    pub fn load(settings: PolicySettings) -> Result<Policies, PolicyError> {
+        let sandbox = Sandbox::new(settings.sandbox.clone())?;
+        let set = load::load(&sandbox, &settings.file)?;
+        Ok(Policies::new(Some((sandbox, settings)), set))
+    }
+
+    fn new(runtime: Option<(Sandbox, PolicySettings)>, set: PolicySet) -> Policies {
+        Policies {
+            inner: Arc::new(Inner {
+                runtime,
+                current: RwLock::new(Arc::new(set)),
+                last_error: Mutex::new(None),
+                reloading: Mutex::new(()),
+                held: Mutex::new(HashMap::new()),
+                stats: Stats::default(),
+            }),
+        }
+    }
+
+    /// The active set (requests keep it until they end).
+    pub fn current(&self) -> Arc<PolicySet> {
+        self.inner
+            .current
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    pub(super) fn stats(&self) -> &Stats {
+        &self.inner.stats
+    }
+
+    /// Runs plugin calls `f` in the sandbox (see [`Sandbox::offload`]); policies that are
+    /// disabled have no plugin to call, so `f` never runs and this is `None`.
+    pub(super) async fn offload<R: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> R + Send + 'static,
+    ) -> Option<Result<R, Fault>> {
+        match &self.inner.runtime {
+            Some((sandbox, _)) => Some(sandbox.offload(f).await),
+            None => None,
+        }
+    }
+
+    pub(super) fn hold_limit(&self) -> Duration {
+        self.inner
+            .runtime
+            .as_ref()
+            .map_or(Duration::ZERO, |(_, s)| s.hold_limit)
+    }
+
+    /// Loads the file again and swaps the new set in when it is valid; otherwise the active
+    /// set stays and the error says why (blocking: compiles; call off the async threads).
+    pub fn reload(&self) -> Result<Arc<PolicySet>, PolicyError> {
+        let (sandbox, settings) = self.inner.runtime.as_ref().ok_or(PolicyError::Disabled)?;
+        let _one = lock(&self.inner.reloading);
+        match load::load(sandbox, &settings.file) {
+            Ok(set) => {
+                let set = Arc::new(set);
+                *self
+                    .inner
+                    .current
+                    .write()
+                    .unwrap_or_else(PoisonError::into_inner) = set.clone();
+                *lock(&self.inner.last_error) = None;
+                self.inner.stats.reload(true);
+                tracing::info!(bindings = set.bindings.len(), "policy set reloaded");
+                Ok(set)
+            }
+            Err(e) => {
+                *lock(&self.inner.last_error) = Some(e.to_string());
+                self.inner.stats.reload(false);
+                tracing::warn!(error = %e, "policy reload refused; the previous set stays active");
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Why the last reload was refused, if it was.
+    pub fn last_error(&self) -> Option<String> {
+        lock(&self.inner.last_error).clone()
+    }
+
+    /// Checks the policy file every `watch_interval` and reloads when its content changed
+    /// (a refused content is not retried until it changes again). `None` when not watching.
+    pub fn spawn_watch(&self) -> Option<tokio::task::JoinHandle<()>> {
+        let (_, settings) = self.inner.runtime.as_ref()?;
+        let interval = settings.watch_interval?;
+        let file = settings.file.clone();
+        let policies = self.clone();
+        Some(tokio::spawn(async move {
+            let mut seen: Option<Digest> = policies.current().source();
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let path = file.clone();
+                let Ok(Ok(bytes)) = tokio::task::spawn_blocking(move || std::fs::read(path)).await
+                else {
+                    continue;
+                };
+                let digest = Digest::of(&bytes);
+                if Some(digest) == seen {
+                    continue;
+                }
+                seen = Some(digest);
+                let p = policies.clone();
+                let _ = tokio::task::spawn_blocking(move || p.reload()).await;
+            }
+        }))
+    }
+
+    /// Counts one more abandoned request held for `tenant`; returns how many were held before.
+    pub(super) fn hold(&self, tenant: &str) -> (u32, Held) {
+        let mut held = lock(&self.inner.held);
+        let n = held.entry(tenant.to_owned()).or_default();
+        let before = *n;
+        *n = n.saturating_add(1);
+        (
+            before,
+            Held {
+                policies: self.clone(),
+                tenant: tenant.to_owned(),
+            },
+        )
+    }
+
+    /// The policy counters, in Prometheus text.
+    pub fn render_metrics(&self, out: &mut String) {
+        self.inner.stats.render(out);
+    }
+
+    /// What `GET /policies` shows: the active set and the last refused reload.
+    pub fn status(&self) -> serde_json::Value {
+        let set = self.current();
+        serde_json::json!({
+            "enabled": self.inner.runtime.is_some(),
+            "source_sha256": set.source(),
+            "chain": set.summary(),
+            "last_reload_error": self.last_error(),
+        })
+    }
+}
+
+/// One abandoned request held; released on drop.
+#[derive(Debug)]
+pub(super) struct Held {
+    policies: Policies,
+    tenant: String,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut held = lock(&self.policies.inner.held);
+        if let Some(n) = held.get_mut(&self.tenant) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                held.remove(&self.tenant);
+            }
+        }
+    }
+}

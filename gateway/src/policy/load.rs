@@ -1,0 +1,340 @@
+//! Reading a policy set file into a validated [`PolicySet`]: every plugin's bytes checked
+//! against its sha256 pin, compiled (or read from the cache) and pre-instantiated; every
+//! binding's configuration validated against the JSON Schema beside its plugin, then offered
+//! to the plugin's own `configure`. Any failure refuses the whole set and says where.
+//!
+//! ```toml
+//! [plugins.length-limit]
+//! component = "../plugins/dist/length-limit.wasm"  # relative to this file; the schema is
+//! sha256 = "…64 hex…"                              # length-limit.schema.json beside it
+//! memory_mib = 16                                   # optional (default 16)
+//! timeout_ms = 50                                   # optional (default 50)
+//!
+//! [[chain]]                                         # in order
+//! plugin = "length-limit"
+//! routes = ["/v1/chat/completions"]                 # optional: every route
+//! tenants = ["tenant-a"]                            # optional: every tenant
+//! headers = ["x-project"]                           # request headers the plugin sees
+//! fail_open = false                                 # a failing plugin fails the request
+//! config = { max_prompt_tokens = 4096 }             # JSON for the plugin, schema-checked
+//! ```
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::HeaderName;
+use serde::Deserialize;
+
+use super::chain::{Binding, PolicySet};
+use super::digest::Digest;
+use super::plugin::{CallLimits, Fault, Loaded};
+use super::sandbox::Sandbox;
+
+/// The API routes a binding may name.
+pub const ROUTES: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
+
+/// Headers no plugin may see: credentials.
+const SECRET_HEADERS: [&str; 4] = [
+    "authorization",
+    "cookie",
+    "proxy-authorization",
+    "x-api-key",
+];
+
+const DEFAULT_MEMORY_MIB: u32 = 16;
+const DEFAULT_TIMEOUT_MS: u64 = 50;
+
+/// Why a policy set is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    Toml {
+        path: String,
+        source: Box<toml::de::Error>,
+    },
+    #[error("plugin {plugin:?}: sha256 = {value:?} is not 64 hex digits")]
+    BadPin { plugin: String, value: String },
+    #[error(
+        "plugin {plugin:?}: {path} has sha256 {actual}, but the set pins {pinned}; rebuild it \
+         (scripts/build-plugins) or update the pin"
+    )]
+    PinMismatch {
+        plugin: String,
+        path: String,
+        pinned: Digest,
+        actual: Digest,
+    },
+    #[error("plugin {plugin:?}: {field} {reason}")]
+    Limit {
+        plugin: String,
+        field: &'static str,
+        reason: String,
+    },
+    #[error("plugin {plugin:?}: its schema {path} is not a usable JSON Schema: {reason}")]
+    Schema {
+        plugin: String,
+        path: String,
+        reason: String,
+    },
+    #[error("plugin {plugin:?}: cannot compile {path}: {reason}")]
+    Compile {
+        plugin: String,
+        path: String,
+        reason: String,
+    },
+    #[error("chain[{index}]: plugin {plugin:?} is not defined under [plugins]")]
+    UnknownPlugin { index: usize, plugin: String },
+    #[error("chain[{index}] ({plugin}): route {route:?} is not one of {ROUTES:?}")]
+    UnknownRoute {
+        index: usize,
+        plugin: String,
+        route: String,
+    },
+    #[error("chain[{index}] ({plugin}): header {header:?} {reason}")]
+    Header {
+        index: usize,
+        plugin: String,
+        header: String,
+        reason: &'static str,
+    },
+    #[error("chain[{index}] ({plugin}): the configuration does not match its schema: {errors}")]
+    InvalidConfig {
+        index: usize,
+        plugin: String,
+        errors: String,
+    },
+    #[error("chain[{index}] ({plugin}): the plugin refused its configuration: {fault}")]
+    Configure {
+        index: usize,
+        plugin: String,
+        fault: Fault,
+    },
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSet {
+    #[serde(default)]
+    plugins: BTreeMap<String, RawPlugin>,
+    #[serde(default)]
+    chain: Vec<RawBinding>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPlugin {
+    component: PathBuf,
+    sha256: String,
+    memory_mib: Option<u32>,
+    timeout_ms: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBinding {
+    plugin: String,
+    routes: Option<Vec<String>>,
+    tenants: Option<Vec<String>>,
+    #[serde(default)]
+    headers: Vec<String>,
+    #[serde(default)]
+    fail_open: bool,
+    #[serde(default)]
+    config: toml::Table,
+}
+
+/// A plugin of the set, loaded, and its configuration schema.
+struct Prepared {
+    loaded: Arc<Loaded>,
+    schema: jsonschema::Validator,
+}
+
+/// Reads, checks and loads the policy set at `path` (component paths are relative to it).
+pub(super) fn load(sandbox: &Sandbox, path: &Path) -> Result<PolicySet, LoadError> {
+    let text = read(path)?;
+    let raw: RawSet =
+        toml::from_str(&String::from_utf8_lossy(&text)).map_err(|e| LoadError::Toml {
+            path: path.display().to_string(),
+            source: Box::new(e),
+        })?;
+    let base = path.parent().unwrap_or(Path::new("."));
+    let mut plugins = HashMap::new();
+    // Only the plugins some binding uses are loaded.
+    let used: HashSet<&str> = raw.chain.iter().map(|b| b.plugin.as_str()).collect();
+    for (name, p) in raw
+        .plugins
+        .iter()
+        .filter(|(n, _)| used.contains(n.as_str()))
+    {
+        plugins.insert(name.as_str(), prepare(sandbox, base, name, p)?);
+    }
+    let mut bindings = Vec::with_capacity(raw.chain.len());
+    for (index, b) in raw.chain.into_iter().enumerate() {
+        let prepared = plugins
+            .get(b.plugin.as_str())
+            .ok_or_else(|| LoadError::UnknownPlugin {
+                index,
+                plugin: b.plugin.clone(),
+            })?;
+        bindings.push(bind(index, b, prepared)?);
+    }
+    Ok(PolicySet::new(bindings, Digest::of(&text)))
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, LoadError> {
+    std::fs::read(path).map_err(|source| LoadError::Read {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+fn prepare(
+    sandbox: &Sandbox,
+    base: &Path,
+    name: &str,
+    raw: &RawPlugin,
+) -> Result<Prepared, LoadError> {
+    let pinned = Digest::from_hex(&raw.sha256).ok_or_else(|| LoadError::BadPin {
+        plugin: name.to_owned(),
+        value: raw.sha256.clone(),
+    })?;
+    let path = base.join(&raw.component);
+    let bytes = read(&path)?;
+    let actual = Digest::of(&bytes);
+    if actual != pinned {
+        return Err(LoadError::PinMismatch {
+            plugin: name.to_owned(),
+            path: path.display().to_string(),
+            pinned,
+            actual,
+        });
+    }
+    let limits = limits(sandbox, name, raw)?;
+    let schema = schema(name, &path.with_extension("schema.json"))?;
+    let (pre, compiled) = sandbox
+        .prepare(&bytes, &actual)
+        .map_err(|e| LoadError::Compile {
+            plugin: name.to_owned(),
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+    tracing::debug!(plugin = name, sha256 = %actual, ?compiled, "policy plugin loaded");
+    let loaded = Loaded::new(name.into(), actual, pre, limits, sandbox.clone());
+    Ok(Prepared {
+        loaded: Arc::new(loaded),
+        schema,
+    })
+}
+
+fn limits(sandbox: &Sandbox, name: &str, raw: &RawPlugin) -> Result<CallLimits, LoadError> {
+    let err = |field, reason: String| LoadError::Limit {
+        plugin: name.to_owned(),
+        field,
+        reason,
+    };
+    let mib = raw.memory_mib.unwrap_or(DEFAULT_MEMORY_MIB);
+    let memory_bytes = (mib as usize).saturating_mul(1 << 20);
+    let max = sandbox.settings.max_memory_bytes;
+    if mib == 0 || memory_bytes > max {
+        return Err(err(
+            "memory_mib",
+            format!("must be between 1 and {} (the sandbox's limit)", max >> 20),
+        ));
+    }
+    let ms = raw.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS);
+    if !(1..=10_000).contains(&ms) {
+        return Err(err("timeout_ms", "must be between 1 and 10000".into()));
+    }
+    Ok(CallLimits {
+        memory_bytes,
+        timeout: Duration::from_millis(ms),
+    })
+}
+
+fn schema(name: &str, path: &Path) -> Result<jsonschema::Validator, LoadError> {
+    let err = |reason: String| LoadError::Schema {
+        plugin: name.to_owned(),
+        path: path.display().to_string(),
+        reason,
+    };
+    let text = read(path)?;
+    let value: serde_json::Value = serde_json::from_slice(&text).map_err(|e| err(e.to_string()))?;
+    jsonschema::validator_for(&value).map_err(|e| err(e.to_string()))
+}
+
+fn bind(index: usize, raw: RawBinding, prepared: &Prepared) -> Result<Binding, LoadError> {
+    let plugin = raw.plugin;
+    if let Some(route) = raw
+        .routes
+        .iter()
+        .flatten()
+        .find(|r| !ROUTES.contains(&r.as_str()))
+    {
+        return Err(LoadError::UnknownRoute {
+            index,
+            plugin,
+            route: route.clone(),
+        });
+    }
+    let mut headers = Vec::with_capacity(raw.headers.len());
+    for h in &raw.headers {
+        let header_err = |reason| LoadError::Header {
+            index,
+            plugin: plugin.clone(),
+            header: h.clone(),
+            reason,
+        };
+        let name = HeaderName::from_bytes(h.as_bytes())
+            .map_err(|_| header_err("is not a valid header name"))?;
+        if SECRET_HEADERS.contains(&name.as_str()) {
+            return Err(header_err("carries credentials; no plugin may see it"));
+        }
+        headers.push(name);
+    }
+    let config = serde_json::to_value(&raw.config).map_err(|e| LoadError::InvalidConfig {
+        index,
+        plugin: plugin.clone(),
+        errors: e.to_string(),
+    })?;
+    let errors: Vec<String> = prepared
+        .schema
+        .iter_errors(&config)
+        .map(|e| {
+            let at = e.instance_path().to_string();
+            let at = if at.is_empty() { "/".to_owned() } else { at };
+            format!("at {at}: {e}")
+        })
+        .collect();
+    if !errors.is_empty() {
+        return Err(LoadError::InvalidConfig {
+            index,
+            plugin,
+            errors: errors.join("; "),
+        });
+    }
+    let config: Arc<str> = config.to_string().into();
+    let hooks = prepared
+        .loaded
+        .configure(&config)
+        .map_err(|fault| LoadError::Configure {
+            index,
+            plugin: plugin.clone(),
+            fault,
+        })?;
+    Ok(Binding {
+        plugin: prepared.loaded.clone(),
+        config,
+        routes: raw.routes,
+        tenants: raw.tenants.map(|t| t.into_iter().collect()),
+        headers,
+        fail_open: raw.fail_open,
+        hooks,
+    })
+}

@@ -1,0 +1,47 @@
+//! Policy plugins: WebAssembly components (any language) that see each request and decide.
+//!
+//! ```text
+//!  wit/policy.wit (bulkhead:policy@0.1.x) ── the contract
+//!  policies/*.toml ──load──▶ PolicySet: [Binding(plugin pinned by sha256, JSON config checked
+//!                    (file)   against the plugin's schema, routes, tenants, fail-open)]
+//!                               │ swapped whole on reload (admin call or file change)
+//!  request ─▶ on-request chain ─▶ allow (tags, clamp max tokens, response headers) | deny
+//!  client gone ─▶ on-disconnect ─▶ abort now | hold until prefill / first token / complete
+//!  end ─▶ on-response-end (usage, outcome)
+//! ```
+//!
+//! Every call runs in a fresh store and instance (pooling allocator, `InstancePre`), with a
+//! memory limit, an epoch deadline and a slot from a semaphore. A plugin that traps, runs
+//! past its deadline, exceeds its memory or returns garbage fails the request closed
+//! (500 `policy_error`) unless its binding is fail-open. Plugins get no files, no network, no
+//! environment: only the world's `host` interface (a bounded log) and an empty WASI.
+
+mod abandon;
+mod bindings;
+mod cache;
+mod chain;
+mod decision;
+mod digest;
+mod handle;
+mod host;
+mod limiter;
+mod load;
+mod plugin;
+mod request;
+mod sandbox;
+mod stats;
+mod verdict;
+
+pub use abandon::Progress;
+pub use cache::Compiled;
+pub use chain::{BindingSummary, PolicySet};
+pub use decision::{Decision, DecisionVerdict};
+pub use digest::Digest;
+pub use handle::{Policies, PolicyError, PolicySettings};
+pub use load::{LoadError, ROUTES};
+pub use plugin::{CallLimits, Fault};
+pub use request::{Refusal, Refused, RequestFacts, RequestPolicy};
+pub use sandbox::{SandboxError, SandboxSettings, TICK};
+
+#[cfg(test)]
+mod tests;

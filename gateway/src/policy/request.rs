@@ -1,0 +1,269 @@
+//! The `on-request` chain: every binding that applies, in order, sees the request (with the
+//! max tokens the previous ones left) and allows it with mutations, or refuses it. The first
+//! refusal ends the chain; a failing plugin refuses the request unless its binding is
+//! fail-open. The result, [`RequestPolicy`], travels with the request to its end.
+
+use std::num::NonZeroU32;
+use std::sync::Arc;
+
+use http::{HeaderMap, HeaderName, HeaderValue};
+
+use super::bindings::{Header, Hooks, RequestView};
+use super::chain::PolicySet;
+use super::decision::{Decision, DecisionVerdict};
+use super::handle::Policies;
+use super::plugin::Fault;
+use super::verdict::{Checked, check};
+
+/// What the gateway knows of a request when the chain runs (after tokenization and
+/// admission, before routing).
+#[derive(Debug, Clone, Copy)]
+pub struct RequestFacts<'a> {
+    pub id: &'a str,
+    pub tenant: &'a str,
+    pub model: &'a str,
+    /// The API path, one of [`super::ROUTES`].
+    pub route: &'a str,
+    /// The client's headers (each binding sees only those it selected).
+    pub headers: &'a HeaderMap,
+    pub prompt_tokens: u32,
+    /// The admitted max tokens.
+    pub max_tokens: u32,
+}
+
+/// Why the chain refused a request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// A plugin denied it (status: a 4xx).
+    #[error("{message}")]
+    Denied {
+        plugin: Arc<str>,
+        status: u16,
+        message: String,
+    },
+    /// A plugin failed and its binding fails closed.
+    #[error("policy {plugin} failed: {fault}")]
+    Failed { plugin: Arc<str>, fault: Fault },
+}
+
+/// A refusal and every decision up to it (for the audit record).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refused {
+    pub decisions: Vec<Decision>,
+    pub refusal: Refusal,
+}
+
+/// One request's policy state, from the chain's allow to the request's end.
+#[derive(Debug)]
+pub struct RequestPolicy {
+    pub(super) policies: Policies,
+    /// The set the request started with (a reload does not change it).
+    pub(super) set: Arc<PolicySet>,
+    /// Indices of the bindings that apply, in order.
+    pub(super) matched: Vec<usize>,
+    pub(super) id: String,
+    pub(super) tenant: String,
+    decisions: Vec<Decision>,
+    tags: Vec<(String, String)>,
+    headers: Vec<(HeaderName, HeaderValue)>,
+    /// Lower than the admitted max tokens, when a plugin clamped.
+    clamp: Option<NonZeroU32>,
+}
+
+impl RequestPolicy {
+    /// Every plugin's decision, in chain order.
+    pub fn decisions(&self) -> &[Decision] {
+        &self.decisions
+    }
+
+    /// The tags the plugins attached.
+    pub fn tags(&self) -> &[(String, String)] {
+        &self.tags
+    }
+
+    /// The max tokens the plugins clamped the request to, when lower than admitted; the
+    /// caller re-runs admission with it.
+    pub fn clamp(&self) -> Option<NonZeroU32> {
+        self.clamp
+    }
+
+    /// Adds the plugins' headers to a response.
+    pub fn add_headers(&self, headers: &mut HeaderMap) {
+        for (name, value) in &self.headers {
+            headers.append(name.clone(), value.clone());
+        }
+    }
+}
+
+fn selected(headers: &HeaderMap, names: &[HeaderName]) -> Vec<Header> {
+    names
+        .iter()
+        .flat_map(|name| {
+            headers.get_all(name).iter().filter_map(move |v| {
+                v.to_str().ok().map(|value| Header {
+                    name: name.as_str().to_owned(),
+                    value: value.to_owned(),
+                })
+            })
+        })
+        .collect()
+}
+
+/// [`RequestFacts`], owned: the chain runs on the blocking pool.
+struct Facts {
+    id: String,
+    tenant: String,
+    model: String,
+    route: String,
+    headers: HeaderMap,
+    prompt_tokens: u32,
+    max_tokens: u32,
+}
+
+/// What the chain allowed.
+struct Chained {
+    decisions: Vec<Decision>,
+    tags: Vec<(String, String)>,
+    headers: Vec<(HeaderName, HeaderValue)>,
+    max_tokens: u32,
+}
+
+/// The `on-request` chain over the bindings `matched` of `set` (synchronous: plugin calls).
+fn chain(
+    policies: &Policies,
+    set: &PolicySet,
+    matched: &[usize],
+    facts: &Facts,
+) -> Result<Chained, Refused> {
+    let mut out = Chained {
+        decisions: Vec::new(),
+        tags: Vec::new(),
+        headers: Vec::new(),
+        max_tokens: facts.max_tokens,
+    };
+    for &i in matched {
+        let binding = &set.bindings[i];
+        if !binding.hooks.contains(Hooks::ON_REQUEST) {
+            continue;
+        }
+        let plugin = &binding.plugin;
+        let view = RequestView {
+            request_id: facts.id.clone(),
+            tenant: facts.tenant.clone(),
+            model: facts.model.clone(),
+            route: facts.route.clone(),
+            prompt_tokens: facts.prompt_tokens,
+            max_tokens: out.max_tokens,
+            headers: selected(&facts.headers, &binding.headers),
+        };
+        let answer = plugin.on_request(&binding.config, &view).and_then(check);
+        let (verdict, refusal) = match answer {
+            Ok(Checked::Allow {
+                tags,
+                clamp,
+                headers,
+            }) => {
+                let clamped_to = clamp.filter(|&c| c < out.max_tokens);
+                if let Some(c) = clamped_to {
+                    out.max_tokens = c;
+                }
+                out.tags.extend(tags);
+                out.headers.extend(headers);
+                (DecisionVerdict::Allow { clamped_to }, None)
+            }
+            Ok(Checked::Deny { status, message }) => (
+                DecisionVerdict::Deny { status },
+                Some(Refusal::Denied {
+                    plugin: plugin.name.clone(),
+                    status,
+                    message,
+                }),
+            ),
+            Err(fault) => {
+                policies.stats().fault(&plugin.name, fault.kind());
+                tracing::warn!(plugin = %plugin.name, request = %facts.id, %fault,
+                    fail_open = binding.fail_open, "a policy plugin failed on a request");
+                let verdict = DecisionVerdict::Fault {
+                    fault: fault.kind(),
+                    fail_open: binding.fail_open,
+                };
+                let refusal = (!binding.fail_open).then(|| Refusal::Failed {
+                    plugin: plugin.name.clone(),
+                    fault,
+                });
+                (verdict, refusal)
+            }
+        };
+        policies.stats().decision(&plugin.name, verdict.label());
+        out.decisions.push(decision(plugin, verdict));
+        if let Some(refusal) = refusal {
+            return Err(Refused {
+                decisions: out.decisions,
+                refusal,
+            });
+        }
+    }
+    Ok(out)
+}
+
+impl Policies {
+    /// Runs the `on-request` chain of the active set on a request.
+    pub async fn on_request(&self, facts: RequestFacts<'_>) -> Result<RequestPolicy, Refused> {
+        let set = self.current();
+        let matched = set.matching(facts.route, facts.tenant);
+        let unchanged = || Chained {
+            decisions: Vec::new(),
+            tags: Vec::new(),
+            headers: Vec::new(),
+            max_tokens: facts.max_tokens,
+        };
+        let wanted = matched
+            .iter()
+            .any(|&i| set.bindings[i].hooks.contains(Hooks::ON_REQUEST));
+        let chained = if wanted {
+            let owned = Facts {
+                id: facts.id.to_owned(),
+                tenant: facts.tenant.to_owned(),
+                model: facts.model.to_owned(),
+                route: facts.route.to_owned(),
+                headers: facts.headers.clone(),
+                prompt_tokens: facts.prompt_tokens,
+                max_tokens: facts.max_tokens,
+            };
+            let (policies, s, m) = (self.clone(), set.clone(), matched.clone());
+            match self.offload(move || chain(&policies, &s, &m, &owned)).await {
+                Some(chained) => chained.map_err(|fault| Refused {
+                    decisions: Vec::new(),
+                    refusal: Refusal::Failed {
+                        plugin: "(sandbox)".into(),
+                        fault,
+                    },
+                })??,
+                None => unchanged(),
+            }
+        } else {
+            unchanged()
+        };
+        Ok(RequestPolicy {
+            policies: self.clone(),
+            set,
+            matched,
+            id: facts.id.to_owned(),
+            tenant: facts.tenant.to_owned(),
+            clamp: (chained.max_tokens < facts.max_tokens)
+                .then(|| NonZeroU32::new(chained.max_tokens))
+                .flatten(),
+            decisions: chained.decisions,
+            tags: chained.tags,
+            headers: chained.headers,
+        })
+    }
+}
+
+fn decision(plugin: &super::plugin::Loaded, verdict: DecisionVerdict) -> Decision {
+    Decision {
+        plugin: plugin.name.to_string(),
+        sha256: plugin.digest,
+        verdict,
+    }
+}

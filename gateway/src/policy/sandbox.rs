@@ -1,0 +1,163 @@
+//! The engine every plugin runs in: the component model, the pooling allocator, epoch
+//! interruption (a background thread advances the epoch every [`TICK`]), one linker offering
+//! the world's `host` imports and an empty WASI, and a semaphore in front of instantiation.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use wasmtime::component::{Component, Linker};
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
+
+use super::bindings::{Plugin, PluginPre};
+use super::cache::{self, Compiled};
+use super::digest::Digest;
+use super::host::Host;
+use super::plugin::Fault;
+
+/// How often the epoch advances: the granularity of every call's deadline.
+pub const TICK: Duration = Duration::from_millis(2);
+
+/// The longest a call waits for an instance slot before failing as [`Fault::Busy`].
+const SLOT_WAIT: Duration = Duration::from_secs(1);
+
+/// Limits of the whole sandbox, fixed for the gateway's lifetime (a reload keeps them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SandboxSettings {
+    /// Plugin instances alive at once (the pool's size, and the semaphore's).
+    pub instances: u32,
+    /// The most linear memory any plugin may be given, in bytes.
+    pub max_memory_bytes: usize,
+    /// Where compiled components are cached; `None`: compile at every load.
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl Default for SandboxSettings {
+    fn default() -> SandboxSettings {
+        SandboxSettings {
+            instances: 64,
+            max_memory_bytes: 256 << 20,
+            cache_dir: None,
+        }
+    }
+}
+
+/// Why the sandbox cannot be built or a component not compiled.
+#[derive(Debug, thiserror::Error)]
+#[error("{0:#}")]
+pub struct SandboxError(wasmtime::Error);
+
+/// The engine, the linker and the instance slots, shared by every policy set.
+#[derive(Clone)]
+pub(super) struct Sandbox {
+    engine: Engine,
+    linker: Arc<Linker<Host>>,
+    slots: Arc<tokio::sync::Semaphore>,
+    pub(super) settings: SandboxSettings,
+}
+
+impl std::fmt::Debug for Sandbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sandbox")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sandbox {
+    pub(super) fn new(settings: SandboxSettings) -> Result<Sandbox, SandboxError> {
+        let mut pool = PoolingAllocationConfig::new();
+        let n = settings.instances.max(1);
+        // Guests in Python or JavaScript bring several core modules, memories and large
+        // tables; Rust and C guests need one of each.
+        pool.total_component_instances(n)
+            .total_core_instances(n.saturating_mul(64))
+            .total_memories(n.saturating_mul(4))
+            .total_tables(n.saturating_mul(8))
+            .max_core_instances_per_component(64)
+            .max_memories_per_component(4)
+            .max_tables_per_component(8)
+            .max_core_instance_size(4 << 20)
+            .table_elements(100_000)
+            .max_memory_size(settings.max_memory_bytes);
+        let mut config = Config::new();
+        config
+            .wasm_component_model(true)
+            .epoch_interruption(true)
+            .memory_reservation(settings.max_memory_bytes as u64)
+            .memory_reservation_for_growth(0)
+            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+        let engine = Engine::new(&config).map_err(SandboxError)?;
+        let mut linker = Linker::<Host>::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(SandboxError)?;
+        Plugin::add_to_linker::<Host, wasmtime::component::HasSelf<Host>>(&mut linker, |h| h)
+            .map_err(SandboxError)?;
+        spawn_ticker(&engine).map_err(|e| SandboxError(e.into()))?;
+        Ok(Sandbox {
+            engine,
+            linker: Arc::new(linker),
+            slots: Arc::new(tokio::sync::Semaphore::new(n as usize)),
+            settings,
+        })
+    }
+
+    /// Runs `f` (plugin calls) on the blocking pool once an instance slot is free, waiting
+    /// at most [`SLOT_WAIT`]. Plugin calls are synchronous and WASI's synchronous bindings block
+    /// on the async runtime, so they must never run on its worker threads.
+    pub(super) async fn offload<R: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> R + Send + 'static,
+    ) -> Result<R, Fault> {
+        let permit = tokio::time::timeout(SLOT_WAIT, self.slots.clone().acquire_owned())
+            .await
+            .map_err(|_| Fault::Busy)?
+            .map_err(|_| Fault::Busy)?;
+        tokio::task::spawn_blocking(move || {
+            let _slot = permit;
+            f()
+        })
+        .await
+        .map_err(|_| Fault::Trap("the host thread running the call failed".into()))
+    }
+
+    pub(super) fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// Compiles (or reads from the cache) and pre-instantiates a component: every import is
+    /// resolved now, so a per-call instantiation only allocates.
+    pub(super) fn prepare(
+        &self,
+        bytes: &[u8],
+        digest: &Digest,
+    ) -> Result<(PluginPre<Host>, Compiled), SandboxError> {
+        let (component, compiled) = cache::compile(
+            &self.engine,
+            bytes,
+            digest,
+            self.settings.cache_dir.as_deref(),
+        )
+        .map_err(SandboxError)?;
+        Ok((self.pre(&component).map_err(SandboxError)?, compiled))
+    }
+
+    fn pre(&self, component: &Component) -> wasmtime::Result<PluginPre<Host>> {
+        PluginPre::new(self.linker.instantiate_pre(component)?)
+    }
+}
+
+/// Advances `engine`'s epoch every [`TICK`] until the engine is gone. Without it no deadline
+/// would ever fire, so failing to start it fails the sandbox.
+fn spawn_ticker(engine: &Engine) -> std::io::Result<()> {
+    let weak = engine.weak();
+    std::thread::Builder::new()
+        .name("policy-epoch".into())
+        .spawn(move || {
+            while let Some(engine) = weak.upgrade() {
+                engine.increment_epoch();
+                drop(engine);
+                std::thread::sleep(TICK);
+            }
+        })
+        .map(drop)
+}

@@ -1,0 +1,105 @@
+//! The policy host's counters, rendered into the gateway's `/metrics`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex, PoisonError};
+
+#[derive(Debug, Default)]
+struct Counters {
+    /// (plugin, verdict label) → decisions.
+    decisions: BTreeMap<(Arc<str>, &'static str), u64>,
+    /// (plugin, fault kind) → failed calls (any hook).
+    faults: BTreeMap<(Arc<str>, &'static str), u64>,
+    /// directive → abandoned requests handled with it.
+    abandoned: BTreeMap<&'static str, u64>,
+    /// When an abandoned request's stream was dropped (i.e. cancelled at the worker):
+    /// "before_first_token", "after_first_token", "after_done".
+    dropped: BTreeMap<&'static str, u64>,
+    /// "ok" / "refused" → reloads.
+    reloads: BTreeMap<&'static str, u64>,
+}
+
+/// A cheap `Clone` handle on the counters.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Stats(Arc<Mutex<Counters>>);
+
+impl Stats {
+    fn with<R>(&self, f: impl FnOnce(&mut Counters) -> R) -> R {
+        f(&mut self.0.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    pub(super) fn decision(&self, plugin: &Arc<str>, verdict: &'static str) {
+        self.with(|c| *c.decisions.entry((plugin.clone(), verdict)).or_default() += 1);
+    }
+
+    pub(super) fn fault(&self, plugin: &Arc<str>, kind: &'static str) {
+        self.with(|c| *c.faults.entry((plugin.clone(), kind)).or_default() += 1);
+    }
+
+    pub(super) fn abandoned(&self, directive: &'static str) {
+        self.with(|c| *c.abandoned.entry(directive).or_default() += 1);
+    }
+
+    pub(super) fn dropped(&self, at: &'static str) {
+        self.with(|c| *c.dropped.entry(at).or_default() += 1);
+    }
+
+    pub(super) fn reload(&self, ok: bool) {
+        self.with(|c| {
+            *c.reloads
+                .entry(if ok { "ok" } else { "refused" })
+                .or_default() += 1
+        });
+    }
+
+    pub(super) fn render(&self, out: &mut String) {
+        self.with(|c| {
+            let mut family = |name: &str, help: &str, rows: Vec<(String, u64)>| {
+                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+                for (labels, n) in rows {
+                    let _ = writeln!(out, "{name}{{{labels}}} {n}");
+                }
+            };
+            family(
+                "bulkhead_policy_decisions_total",
+                "Policy decisions on requests by plugin and verdict.",
+                c.decisions
+                    .iter()
+                    .map(|((p, v), n)| (format!("plugin=\"{p}\",verdict=\"{v}\""), *n))
+                    .collect(),
+            );
+            family(
+                "bulkhead_policy_faults_total",
+                "Policy plugin calls that trapped, timed out, exceeded memory or returned garbage.",
+                c.faults
+                    .iter()
+                    .map(|((p, k), n)| (format!("plugin=\"{p}\",kind=\"{k}\""), *n))
+                    .collect(),
+            );
+            family(
+                "bulkhead_policy_abandoned_total",
+                "Requests whose client went away, by the directive applied.",
+                c.abandoned
+                    .iter()
+                    .map(|(d, n)| (format!("directive=\"{d}\""), *n))
+                    .collect(),
+            );
+            family(
+                "bulkhead_policy_abandoned_dropped_total",
+                "Abandoned requests by when their worker stream was dropped (cancelling them).",
+                c.dropped
+                    .iter()
+                    .map(|(at, n)| (format!("at=\"{at}\""), *n))
+                    .collect(),
+            );
+            family(
+                "bulkhead_policy_reloads_total",
+                "Policy set reloads by result.",
+                c.reloads
+                    .iter()
+                    .map(|(r, n)| (format!("result=\"{r}\""), *n))
+                    .collect(),
+            );
+        });
+    }
+}

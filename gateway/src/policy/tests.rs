@@ -1,0 +1,586 @@
+//! The policy host against real components (plugins/dist/, built by scripts/build-plugins):
+//! the built-ins, a Python policy, a 0.1.0 plugin, and hostile plugins for every limit.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http::HeaderMap;
+
+use super::*;
+
+/// Where scripts/build-plugins puts the components.
+fn dist() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../plugins/dist")
+}
+
+/// The component `name`, with its sha256; fails with what to run when it was not built.
+fn component(name: &str) -> (PathBuf, Digest) {
+    let path = dist().join(format!("{name}.wasm"));
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}. Build the policy plugins first: scripts/build-plugins",
+            path.display()
+        )
+    });
+    (path, Digest::of(&bytes))
+}
+
+/// A scratch directory removed on drop.
+#[derive(Debug)]
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Scratch {
+        let dir = std::env::temp_dir().join(format!(
+            "bulkhead-policy-{}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `[plugins.NAME]` for the built component `name`, with extra fields.
+fn plugin(name: &str, extra: &str) -> String {
+    let (path, digest) = component(name);
+    format!(
+        "[plugins.{name:?}]\ncomponent = {:?}\nsha256 = \"{digest}\"\n{extra}\n",
+        path.display().to_string()
+    )
+}
+
+fn binding(name: &str, extra: &str) -> String {
+    format!("[[chain]]\nplugin = \"{name}\"\n{extra}\n")
+}
+
+fn settings(file: &Path, cache: Option<PathBuf>) -> PolicySettings {
+    PolicySettings {
+        file: file.to_owned(),
+        sandbox: SandboxSettings {
+            instances: 8,
+            max_memory_bytes: 128 << 20,
+            cache_dir: cache,
+        },
+        watch_interval: None,
+        hold_limit: Duration::from_secs(5),
+    }
+}
+
+fn write(dir: &Scratch, text: &str) -> PathBuf {
+    let path = dir.0.join("policies.toml");
+    std::fs::write(&path, text).expect("writes the policy file");
+    path
+}
+
+fn load(text: &str) -> Result<(Policies, Scratch), PolicyError> {
+    let dir = Scratch::new();
+    let path = write(&dir, text);
+    Policies::load(settings(&path, None)).map(|p| (p, dir))
+}
+
+fn loaded(text: &str) -> (Policies, Scratch) {
+    load(text).unwrap_or_else(|e| panic!("the set loads: {e}"))
+}
+
+struct Ask<'a> {
+    tenant: &'a str,
+    route: &'a str,
+    prompt: u32,
+    max: u32,
+    headers: HeaderMap,
+}
+
+impl Default for Ask<'_> {
+    fn default() -> Self {
+        Ask {
+            tenant: "tenant-a",
+            route: "/v1/chat/completions",
+            prompt: 10,
+            max: 100,
+            headers: HeaderMap::new(),
+        }
+    }
+}
+
+async fn ask(p: &Policies, a: Ask<'_>) -> Result<RequestPolicy, Refused> {
+    p.on_request(RequestFacts {
+        id: "chatcmpl-test",
+        tenant: a.tenant,
+        model: "m",
+        route: a.route,
+        headers: &a.headers,
+        prompt_tokens: a.prompt,
+        max_tokens: a.max,
+    })
+    .await
+}
+
+fn fault_of(r: Result<RequestPolicy, Refused>) -> Fault {
+    match r {
+        Err(Refused {
+            refusal: Refusal::Failed { fault, .. },
+            ..
+        }) => fault,
+        other => panic!("expected a failed policy, got {other:?}"),
+    }
+}
+
+fn denial_of(r: Result<RequestPolicy, Refused>) -> (u16, String) {
+    match r {
+        Err(Refused {
+            refusal: Refusal::Denied {
+                status, message, ..
+            },
+            ..
+        }) => (status, message),
+        other => panic!("expected a denial, got {other:?}"),
+    }
+}
+
+const LIMITS: &str = "config = { max_prompt_tokens = 100, max_total_tokens = 150, \
+                      tenants = { tenant-b = { max_prompt_tokens = 20 } } }";
+
+#[tokio::test]
+async fn length_limit_clamps_and_denies_per_tenant_and_tenant_tag_labels() {
+    let (p, _dir) = loaded(&format!(
+        "{}{}{}{}",
+        plugin("length-limit", ""),
+        plugin("tenant-tag", ""),
+        binding(
+            "tenant-tag",
+            "config = { echo = [\"tier\"], tenants = { tenant-a = { tier = \"gold\" } } }"
+        ),
+        binding("length-limit", LIMITS),
+    ));
+    // Fits: unchanged.
+    let ok = ask(&p, Ask::default()).await.expect("allowed");
+    assert_eq!(ok.clamp(), None);
+    assert!(ok.tags().contains(&("tenant".into(), "tenant-a".into())));
+    assert!(ok.tags().contains(&("tier".into(), "gold".into())));
+    let mut headers = HeaderMap::new();
+    ok.add_headers(&mut headers);
+    assert_eq!(headers["x-bulkhead-tier"], "gold");
+    assert_eq!(ok.decisions().len(), 2);
+    assert_eq!(ok.decisions()[1].plugin, "length-limit");
+    assert_eq!(ok.decisions()[1].sha256, component("length-limit").1);
+    // prompt + max over the total: clamped to what is left.
+    let clamped = ask(
+        &p,
+        Ask {
+            prompt: 50,
+            max: 200,
+            ..Ask::default()
+        },
+    )
+    .await
+    .expect("allowed");
+    assert_eq!(clamped.clamp().map(|c| c.get()), Some(100));
+    assert_eq!(
+        clamped.decisions()[1].verdict,
+        DecisionVerdict::Allow {
+            clamped_to: Some(100)
+        }
+    );
+    // A prompt over the limit: denied with 400; tenant-b's own limit is tighter.
+    let (status, message) = denial_of(
+        ask(
+            &p,
+            Ask {
+                prompt: 120,
+                ..Ask::default()
+            },
+        )
+        .await,
+    );
+    assert_eq!(status, 400);
+    assert!(message.contains("120"), "{message}");
+    let (status, _) = denial_of(
+        ask(
+            &p,
+            Ask {
+                tenant: "tenant-b",
+                prompt: 30,
+                ..Ask::default()
+            },
+        )
+        .await,
+    );
+    assert_eq!(status, 400);
+    let mut metrics = String::new();
+    p.render_metrics(&mut metrics);
+    assert!(
+        metrics.contains(
+            "bulkhead_policy_decisions_total{plugin=\"length-limit\",verdict=\"clamp\"} 1"
+        ),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn bindings_apply_only_to_their_routes_and_tenants() {
+    let (p, _dir) = loaded(&format!(
+        "{}{}",
+        plugin("length-limit", ""),
+        binding(
+            "length-limit",
+            "routes = [\"/v1/completions\"]\ntenants = [\"tenant-b\"]\n\
+             config = { max_prompt_tokens = 5 }"
+        ),
+    ));
+    for (tenant, route, applies) in [
+        ("tenant-b", "/v1/completions", true),
+        ("tenant-a", "/v1/completions", false),
+        ("tenant-b", "/v1/chat/completions", false),
+    ] {
+        let r = ask(
+            &p,
+            Ask {
+                tenant,
+                route,
+                ..Ask::default()
+            },
+        )
+        .await;
+        assert_eq!(r.is_err(), applies, "{tenant} {route}");
+    }
+}
+
+#[tokio::test]
+async fn an_infinite_loop_is_stopped_at_its_deadline_and_fails_closed() {
+    let (p, _dir) = loaded(&format!(
+        "{}{}",
+        plugin("hostile", "timeout_ms = 50"),
+        binding("hostile", "config = { attack = \"loop\" }"),
+    ));
+    let t0 = Instant::now();
+    assert_eq!(fault_of(ask(&p, Ask::default()).await), Fault::Timeout);
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+}
+
+#[tokio::test]
+async fn a_memory_bomb_hits_its_memory_limit_and_fails_closed() {
+    let (p, _dir) = loaded(&format!(
+        "{}{}",
+        plugin("hostile", "memory_mib = 8\ntimeout_ms = 2000"),
+        binding("hostile", "config = { attack = \"memory\" }"),
+    ));
+    assert_eq!(fault_of(ask(&p, Ask::default()).await), Fault::Memory);
+}
+
+#[tokio::test]
+async fn a_trap_fails_closed_unless_the_binding_is_fail_open() {
+    let (p, _dir) = loaded(&format!(
+        "{}{}",
+        plugin("hostile", ""),
+        binding("hostile", "config = { attack = \"trap\" }"),
+    ));
+    assert!(matches!(
+        fault_of(ask(&p, Ask::default()).await),
+        Fault::Trap(_)
+    ));
+    let (p, _dir) = loaded(&format!(
+        "{}{}",
+        plugin("hostile", ""),
+        binding(
+            "hostile",
+            "fail_open = true\nconfig = { attack = \"trap\" }"
+        ),
+    ));
+    let allowed = ask(&p, Ask::default())
+        .await
+        .expect("fail-open lets it through");
+    assert_eq!(
+        allowed.decisions()[0].verdict,
+        DecisionVerdict::Fault {
+            fault: "trap",
+            fail_open: true
+        }
+    );
+}
+
+#[tokio::test]
+async fn garbage_answers_fail_closed() {
+    for attack in ["bad-status", "bad-header"] {
+        let (p, _dir) = loaded(&format!(
+            "{}{}",
+            plugin("hostile", ""),
+            binding("hostile", &format!("config = {{ attack = \"{attack}\" }}")),
+        ));
+        assert!(
+            matches!(fault_of(ask(&p, Ask::default()).await), Fault::Garbage(_)),
+            "{attack}"
+        );
+    }
+}
+
+/// The host offers `bulkhead:policy@0.1.1`; this plugin was built against 0.1.0 (before
+/// `host.gateway-version`) and must load and act unchanged.
+#[tokio::test]
+async fn a_plugin_built_against_0_1_0_works_in_the_0_1_1_host() {
+    let wit = include_str!("../../../wit/policy.wit");
+    assert!(wit.contains("package bulkhead:policy@0.1.1;"));
+    let (path, _) = component("compat-0.1.0");
+    let bytes = std::fs::read(path).expect("reads");
+    let imports = |name: &[u8]| bytes.windows(name.len()).any(|w| w == name);
+    assert!(imports(b"bulkhead:policy/host@0.1.0"));
+    assert!(!imports(b"bulkhead:policy/host@0.1.1"));
+    let (p, _dir) = loaded(&format!(
+        "{}{}",
+        plugin("compat-0.1.0", ""),
+        binding("compat-0.1.0", "headers = [\"x-compat\"]"),
+    ));
+    ask(&p, Ask::default()).await.expect("allowed");
+    let mut headers = HeaderMap::new();
+    headers.insert("x-compat", "deny".parse().expect("value"));
+    let (status, _) = denial_of(
+        ask(
+            &p,
+            Ask {
+                headers,
+                ..Ask::default()
+            },
+        )
+        .await,
+    );
+    assert_eq!(status, 418);
+}
+
+#[tokio::test]
+async fn a_python_policy_loads_and_acts() {
+    let dir = Scratch::new();
+    let path = write(
+        &dir,
+        &format!(
+            "{}{}",
+            plugin("header-gate", "timeout_ms = 1000\nmemory_mib = 64"),
+            binding(
+                "header-gate",
+                "headers = [\"x-project\"]\nconfig = { header = \"x-project\", \
+                 tenants = [\"tenant-b\"], status = 412, tag = \"project\" }"
+            ),
+        ),
+    );
+    // The compile cache beside the components, as the default deployment does: a second
+    // run of this test skips the seconds-long compile.
+    let p = Policies::load(settings(&path, Some(dist().join("cache")))).expect("loads");
+    let (status, message) = denial_of(
+        ask(
+            &p,
+            Ask {
+                tenant: "tenant-b",
+                ..Ask::default()
+            },
+        )
+        .await,
+    );
+    assert_eq!(status, 412);
+    assert!(message.contains("x-project"), "{message}");
+    let mut headers = HeaderMap::new();
+    headers.insert("x-project", "apollo".parse().expect("value"));
+    let ok = ask(
+        &p,
+        Ask {
+            tenant: "tenant-b",
+            headers,
+            ..Ask::default()
+        },
+    )
+    .await
+    .expect("allowed");
+    assert_eq!(ok.tags(), &[("project".to_owned(), "apollo".to_owned())]);
+}
+
+#[test]
+fn a_set_is_refused_for_a_wrong_pin_a_bad_config_or_a_credential_header() {
+    let (path, digest) = component("length-limit");
+    let wrong = Digest::of(b"something else");
+    let set = format!(
+        "[plugins.length-limit]\ncomponent = {:?}\nsha256 = \"{wrong}\"\n{}",
+        path.display().to_string(),
+        binding("length-limit", "")
+    );
+    let e = load(&set).expect_err("wrong pin");
+    assert!(
+        matches!(&e, PolicyError::Load(LoadError::PinMismatch { actual, .. }) if *actual == digest),
+        "{e}"
+    );
+    let e = load(&format!(
+        "{}{}",
+        plugin("length-limit", ""),
+        binding("length-limit", "config = { max_prompt_tokens = \"many\" }")
+    ))
+    .expect_err("bad config");
+    assert!(
+        matches!(&e, PolicyError::Load(LoadError::InvalidConfig { errors, .. }) if errors.contains("max_prompt_tokens")),
+        "{e}"
+    );
+    let e = load(&format!(
+        "{}{}",
+        plugin("length-limit", ""),
+        binding("length-limit", "headers = [\"authorization\"]")
+    ))
+    .expect_err("credentials");
+    assert!(
+        matches!(e, PolicyError::Load(LoadError::Header { .. })),
+        "{e}"
+    );
+    let e = load(&binding("nowhere", "")).expect_err("unknown plugin");
+    assert!(
+        matches!(e, PolicyError::Load(LoadError::UnknownPlugin { .. })),
+        "{e}"
+    );
+}
+
+#[tokio::test]
+async fn a_bad_reload_keeps_the_old_set_and_says_why_and_in_flight_requests_keep_theirs() {
+    let dir = Scratch::new();
+    let strict = format!(
+        "{}{}",
+        plugin("length-limit", ""),
+        binding("length-limit", "config = { max_prompt_tokens = 5 }")
+    );
+    let path = write(&dir, &strict);
+    let p = Policies::load(settings(&path, None)).expect("loads");
+    let before = p.current();
+    // A request in flight holds the set it started with.
+    let in_flight = ask(
+        &p,
+        Ask {
+            prompt: 1,
+            ..Ask::default()
+        },
+    )
+    .await
+    .expect("allowed");
+    // A bad set: refused, the old one stays and the reason is kept.
+    write(
+        &dir,
+        &format!(
+            "{}{}",
+            plugin("length-limit", ""),
+            binding("length-limit", "config = { max_prompt_tokens = -1 }")
+        ),
+    );
+    let e = p.reload().expect_err("a bad set is refused");
+    assert!(Arc::ptr_eq(&before, &p.current()));
+    assert_eq!(p.last_error(), Some(e.to_string()));
+    assert!(
+        ask(&p, Ask::default()).await.is_err(),
+        "the strict set is still active"
+    );
+    // A good set: swapped in whole.
+    write(
+        &dir,
+        &format!(
+            "{}{}",
+            plugin("length-limit", ""),
+            binding("length-limit", "config = { max_prompt_tokens = 500 }")
+        ),
+    );
+    p.reload().expect("a good set loads");
+    assert!(!Arc::ptr_eq(&before, &p.current()));
+    assert_eq!(p.last_error(), None);
+    ask(&p, Ask::default())
+        .await
+        .expect("the new set allows it");
+    assert!(Arc::ptr_eq(&in_flight.set, &before));
+}
+
+#[test]
+fn the_compile_cache_is_written_and_a_corrupt_entry_is_never_trusted() {
+    let dir = Scratch::new();
+    let cache = dir.0.join("cache");
+    let path = write(
+        &dir,
+        &format!(
+            "{}{}",
+            plugin("length-limit", ""),
+            binding("length-limit", "")
+        ),
+    );
+    Policies::load(settings(&path, Some(cache.clone()))).expect("loads");
+    let entries: Vec<_> = std::fs::read_dir(&cache)
+        .expect("the cache exists")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    let name = entries[0]
+        .file_name()
+        .expect("name")
+        .to_string_lossy()
+        .into_owned();
+    assert!(
+        name.starts_with(&component("length-limit").1.to_string()),
+        "{name}"
+    );
+    std::fs::write(&entries[0], b"not a compiled component").expect("corrupts it");
+    Policies::load(settings(&path, Some(cache))).expect("recompiles");
+    assert_ne!(
+        std::fs::read(&entries[0]).expect("rewritten"),
+        b"not a compiled component"
+    );
+}
+
+async fn abandoned_directives(p: &Policies) -> String {
+    // The end of a request runs in a task: give it a moment.
+    for _ in 0..100 {
+        let mut m = String::new();
+        p.render_metrics(&mut m);
+        if m.contains("bulkhead_policy_abandoned_total{") {
+            return m;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("no abandoned request was counted");
+}
+
+#[tokio::test]
+async fn abort_guard_holds_an_abandoned_prefill_and_caps_what_a_tenant_holds() {
+    let set = format!(
+        "{}{}",
+        plugin("abort-guard", ""),
+        binding("abort-guard", "config = { max_held_per_tenant = 1 }")
+    );
+    // Abandoned before the first token: held until prefill is done.
+    let (p, _dir) = loaded(&set);
+    let r = ask(&p, Ask::default()).await.expect("allowed");
+    r.finish(None, Progress::default());
+    let m = abandoned_directives(&p).await;
+    assert!(
+        m.contains("directive=\"hold_until_prefill_done\"} 1"),
+        "{m}"
+    );
+    // Already decoding: nothing to protect, abort now.
+    let (p, _dir) = loaded(&set);
+    let r = ask(&p, Ask::default()).await.expect("allowed");
+    r.finish(
+        None,
+        Progress {
+            tokens: 3,
+            ..Progress::default()
+        },
+    );
+    assert!(
+        abandoned_directives(&p)
+            .await
+            .contains("directive=\"abort_now\"} 1")
+    );
+    // The tenant already holds its one: abort now.
+    let (p, _dir) = loaded(&set);
+    let (_, _held) = p.hold("tenant-a");
+    let r = ask(&p, Ask::default()).await.expect("allowed");
+    r.finish(None, Progress::default());
+    assert!(
+        abandoned_directives(&p)
+            .await
+            .contains("directive=\"abort_now\"} 1")
+    );
+}

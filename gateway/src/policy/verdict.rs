@@ -1,0 +1,179 @@
+//! A plugin's `on-request` answer, checked: what a plugin returns is untrusted input. A verdict
+//! that breaks a rule is garbage, which fails the request like a trap.
+
+use http::{HeaderName, HeaderValue};
+
+use super::bindings::Verdict;
+use super::plugin::Fault;
+
+/// The most tags, and headers, one plugin may add to a request.
+const MAX_TAGS: usize = 32;
+const MAX_HEADERS: usize = 16;
+const MAX_TAG_KEY: usize = 64;
+const MAX_TAG_VALUE: usize = 256;
+const MAX_MESSAGE: usize = 1024;
+
+/// A verdict that passed every check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Checked {
+    Allow {
+        tags: Vec<(String, String)>,
+        /// At least 1.
+        clamp: Option<u32>,
+        /// Names start with `x-`.
+        headers: Vec<(HeaderName, HeaderValue)>,
+    },
+    Deny {
+        /// A 4xx.
+        status: u16,
+        message: String,
+    },
+}
+
+fn garbage(what: String) -> Fault {
+    Fault::Garbage(what)
+}
+
+/// Checks `verdict` against the rules the WIT states.
+pub(super) fn check(verdict: Verdict) -> Result<Checked, Fault> {
+    match verdict {
+        Verdict::Deny(d) => {
+            if !(400..=499).contains(&d.status) {
+                return Err(garbage(format!("deny status {} is not a 4xx", d.status)));
+            }
+            if d.message.len() > MAX_MESSAGE {
+                return Err(garbage(format!(
+                    "a deny message of {} bytes (at most {MAX_MESSAGE})",
+                    d.message.len()
+                )));
+            }
+            Ok(Checked::Deny {
+                status: d.status,
+                message: d.message,
+            })
+        }
+        Verdict::Allow(m) => {
+            if m.clamp_max_tokens == Some(0) {
+                return Err(garbage("clamp-max-tokens of 0".into()));
+            }
+            if m.tags.len() > MAX_TAGS || m.add_headers.len() > MAX_HEADERS {
+                return Err(garbage(format!(
+                    "{} tags and {} headers (at most {MAX_TAGS} and {MAX_HEADERS})",
+                    m.tags.len(),
+                    m.add_headers.len()
+                )));
+            }
+            let mut tags = Vec::with_capacity(m.tags.len());
+            for t in m.tags {
+                let key_ok = !t.key.is_empty()
+                    && t.key.len() <= MAX_TAG_KEY
+                    && t.key.bytes().all(|b| {
+                        b.is_ascii_lowercase() || b.is_ascii_digit() || b"_.-".contains(&b)
+                    });
+                let value_ok =
+                    t.value.len() <= MAX_TAG_VALUE && t.value.chars().all(|c| !c.is_control());
+                if !key_ok || !value_ok {
+                    return Err(garbage(format!("an invalid tag {:?}", t.key)));
+                }
+                tags.push((t.key, t.value));
+            }
+            let mut headers = Vec::with_capacity(m.add_headers.len());
+            for h in m.add_headers {
+                let name = HeaderName::from_bytes(h.name.as_bytes())
+                    .ok()
+                    .filter(|n| n.as_str().starts_with("x-"));
+                let value = HeaderValue::from_str(&h.value).ok();
+                match (name, value) {
+                    (Some(n), Some(v)) => headers.push((n, v)),
+                    _ => {
+                        return Err(garbage(format!(
+                            "a header {:?} that is not a valid x- header",
+                            h.name
+                        )));
+                    }
+                }
+            }
+            Ok(Checked::Allow {
+                tags,
+                clamp: m.clamp_max_tokens,
+                headers,
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::bindings::{Denial, Header, Mutations, Tag};
+    use super::*;
+
+    fn allow(m: impl FnOnce(&mut Mutations)) -> Verdict {
+        let mut mutations = Mutations {
+            tags: Vec::new(),
+            clamp_max_tokens: None,
+            add_headers: Vec::new(),
+        };
+        m(&mut mutations);
+        Verdict::Allow(mutations)
+    }
+
+    #[test]
+    fn a_denial_must_be_a_4xx_with_a_bounded_message() {
+        let deny = |status, message: &str| {
+            check(Verdict::Deny(Denial {
+                status,
+                message: message.into(),
+            }))
+        };
+        assert!(matches!(
+            deny(403, "no"),
+            Ok(Checked::Deny { status: 403, .. })
+        ));
+        for status in [0, 200, 302, 500, 999] {
+            assert!(
+                matches!(deny(status, "no"), Err(Fault::Garbage(_))),
+                "{status}"
+            );
+        }
+        assert!(matches!(
+            deny(400, &"x".repeat(2000)),
+            Err(Fault::Garbage(_))
+        ));
+    }
+
+    #[test]
+    fn mutations_that_break_the_rules_are_garbage() {
+        assert!(matches!(
+            check(allow(|m| m.clamp_max_tokens = Some(0))),
+            Err(Fault::Garbage(_))
+        ));
+        let header = |name: &str, value: &str| {
+            check(allow(|m| {
+                m.add_headers.push(Header {
+                    name: name.into(),
+                    value: value.into(),
+                })
+            }))
+        };
+        assert!(header("x-tier", "gold").is_ok());
+        for (n, v) in [
+            ("set-cookie", "a=b"),
+            ("x-a\r\nset-cookie", "a"),
+            ("x-ok", "a\r\nb"),
+            ("", "a"),
+        ] {
+            assert!(matches!(header(n, v), Err(Fault::Garbage(_))), "{n:?}");
+        }
+        let tag = |key: &str| {
+            check(allow(|m| {
+                m.tags.push(Tag {
+                    key: key.into(),
+                    value: "v".into(),
+                })
+            }))
+        };
+        assert!(tag("cost_center").is_ok());
+        assert!(matches!(tag("Bad Key"), Err(Fault::Garbage(_))));
+        assert!(matches!(tag(""), Err(Fault::Garbage(_))));
+    }
+}

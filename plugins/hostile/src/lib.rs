@@ -1,0 +1,98 @@
+//! `hostile`: a test plugin that misbehaves on purpose in `on-request` (and `on-disconnect`),
+//! chosen by its configuration, so the gateway's limits are tested against real components:
+//! `loop` (never returns: the epoch deadline), `memory` (grows memory without end: the store's
+//! memory limit), `trap` (panics: a trap), `bad-status` (denies with a status that is not a
+//! 4xx) and `bad-header` (adds a header that is not valid HTTP): garbage verdicts.
+
+use bulkhead_policy_guest::{
+    ConfigSlot, Denial, Directive, Disconnect, Guest, Header, Hooks, Mutations, RequestView,
+    ResponseEnd, Verdict, configured, parse_config, store,
+};
+use serde::Deserialize;
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum Attack {
+    Loop,
+    Memory,
+    Trap,
+    BadStatus,
+    BadHeader,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Config {
+    attack: Attack,
+}
+
+thread_local! {
+    static CONFIG: ConfigSlot<Config> = const { ConfigSlot::new(None) };
+}
+
+fn spin() -> ! {
+    let mut n: u64 = 0;
+    loop {
+        n = std::hint::black_box(n.wrapping_add(1));
+    }
+}
+
+fn bomb() -> usize {
+    let mut hoard: Vec<Vec<u8>> = Vec::new();
+    loop {
+        hoard.push(vec![1u8; 1 << 20]);
+        std::hint::black_box(&hoard);
+        if hoard.len() == usize::MAX {
+            return hoard.len();
+        }
+    }
+}
+
+fn attack(attack: Attack) -> Verdict {
+    match attack {
+        Attack::Loop => spin(),
+        Attack::Memory => {
+            let n = bomb();
+            Verdict::Deny(Denial {
+                status: 403,
+                message: format!("{n}"),
+            })
+        }
+        Attack::Trap => panic!("hostile plugin: trap on purpose"),
+        Attack::BadStatus => Verdict::Deny(Denial {
+            status: 200,
+            message: "a denial that says OK".into(),
+        }),
+        Attack::BadHeader => Verdict::Allow(Mutations {
+            tags: Vec::new(),
+            clamp_max_tokens: None,
+            add_headers: vec![Header {
+                name: "bad header\r\nset-cookie".into(),
+                value: "x".into(),
+            }],
+        }),
+    }
+}
+
+struct Hostile;
+
+impl Guest for Hostile {
+    fn configure(config: String) -> Result<Hooks, String> {
+        store(&CONFIG, parse_config::<Config>(&config)?);
+        Ok(Hooks::ON_REQUEST | Hooks::ON_DISCONNECT)
+    }
+
+    fn on_request(_: RequestView) -> Verdict {
+        configured(&CONFIG, |c| attack(c.attack))
+    }
+
+    fn on_disconnect(_: Disconnect) -> Directive {
+        configured(&CONFIG, |c| match attack(c.attack) {
+            Verdict::Allow(_) | Verdict::Deny(_) => Directive::HoldUntilComplete,
+        })
+    }
+
+    fn on_response_end(_: ResponseEnd) {}
+}
+
+bulkhead_policy_guest::export!(Hostile with_types_in bulkhead_policy_guest::bindings);

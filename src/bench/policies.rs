@@ -1,0 +1,89 @@
+//! `bulkhead bench policies`: the per-request cost of a policy set's `on-request` chain (every
+//! call in a fresh instance, as the gateway runs it), against no policies, as one JSON object.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use bulkhead_gateway::policy::{Policies, PolicySettings, RequestFacts, SandboxSettings};
+use serde_json::json;
+
+#[derive(Debug, clap::Args)]
+pub struct PoliciesArgs {
+    /// The policy set (plugins built by scripts/build-plugins).
+    #[arg(long, default_value = "policies/local.toml")]
+    policies: PathBuf,
+    /// Where compiled components are cached.
+    #[arg(long, default_value = "plugins/dist/cache")]
+    cache_dir: PathBuf,
+    /// Requests through the chain.
+    #[arg(long, default_value_t = 5000)]
+    requests: usize,
+}
+
+/// Microseconds at quantile `q` of sorted `v`.
+fn quantile_us(v: &[Duration], q: f64) -> f64 {
+    let i = ((v.len() as f64 - 1.0) * q).round() as usize;
+    v[i].as_secs_f64() * 1e6
+}
+
+async fn measure(policies: &Policies, requests: usize) -> anyhow::Result<Vec<Duration>> {
+    let headers = http::HeaderMap::new();
+    let mut times = Vec::with_capacity(requests);
+    for i in 0..requests {
+        let id = format!("chatcmpl-bench-{i}");
+        let t0 = Instant::now();
+        let r = policies
+            .on_request(RequestFacts {
+                id: &id,
+                tenant: if i % 2 == 0 { "tenant-a" } else { "tenant-b" },
+                model: "bench",
+                route: "/v1/chat/completions",
+                headers: &headers,
+                prompt_tokens: 100,
+                max_tokens: 256,
+            })
+            .await;
+        times.push(t0.elapsed());
+        r.map_err(|e| anyhow::anyhow!("the chain refused a benchmark request: {e:?}"))?;
+    }
+    times.sort();
+    Ok(times)
+}
+
+pub fn run(args: PoliciesArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.requests > 0, "--requests must be at least 1");
+    let t0 = Instant::now();
+    let policies = Policies::load(PolicySettings {
+        file: args.policies.clone(),
+        sandbox: SandboxSettings {
+            cache_dir: Some(args.cache_dir),
+            ..SandboxSettings::default()
+        },
+        watch_interval: None,
+        hold_limit: Duration::from_secs(1),
+    })
+    .with_context(|| format!("loading {}", args.policies.display()))?;
+    let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (on, off) = runtime.block_on(async {
+        // Warm up (first instantiations fault in the pool's pages).
+        measure(&policies, 100.min(args.requests)).await?;
+        let on = measure(&policies, args.requests).await?;
+        let off = measure(&Policies::disabled(), args.requests).await?;
+        anyhow::Ok((on, off))
+    })?;
+    let chain = policies.current().summary();
+    let out = json!({
+        "policies": args.policies.display().to_string(),
+        "bindings": chain.iter().map(|b| b.plugin.clone()).collect::<Vec<_>>(),
+        "load_ms": load_ms,
+        "requests": args.requests,
+        "chain_us": {"p50": quantile_us(&on, 0.5), "p99": quantile_us(&on, 0.99)},
+        "no_policies_us": {"p50": quantile_us(&off, 0.5), "p99": quantile_us(&off, 0.99)},
+    });
+    println!("{out}");
+    Ok(())
+}

@@ -1,0 +1,324 @@
+//! Policy plugins end to end: `bulkhead up` with the real built-in components (built by
+//! scripts/build-plugins) on the real model — a denial, a clamp, labels, and the abort guard
+//! holding an abandoned request until its first token.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::up::{
+    ADMIN, HTTP_LIMIT, KEY_A, KEY_B, KEY_LIMITED, Options, TempDir, Up, bounded, exchange, header,
+    http, json, metric, repo,
+};
+
+/// The control tenant of `Up` (its `abort-guard` may hold nothing).
+const KEY_CONTROL: &str = KEY_LIMITED;
+
+fn component(name: &str) -> (PathBuf, String) {
+    let path = repo().join("plugins/dist").join(format!("{name}.wasm"));
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}. Build the policy plugins first: scripts/build-plugins",
+            path.display()
+        )
+    });
+    let digest = bulkhead_gateway::policy::Digest::of(&bytes).to_string();
+    (path, digest)
+}
+
+/// The three built-ins; tenant-a is labelled with `tier`.
+fn policy_set(dir: &Path, tier: &str) -> PathBuf {
+    let mut text = String::new();
+    for name in ["length-limit", "tenant-tag", "abort-guard"] {
+        let (path, digest) = component(name);
+        text.push_str(&format!(
+            "[plugins.{name}]\ncomponent = {:?}\nsha256 = \"{digest}\"\n",
+            path.display().to_string()
+        ));
+    }
+    text.push_str(&format!(
+        r#"
+[[chain]]
+plugin = "tenant-tag"
+config = {{ echo = ["tier"], tenants = {{ tenant-a = {{ tier = "{tier}" }} }} }}
+
+[[chain]]
+plugin = "length-limit"
+config = {{ tenants = {{ tenant-b = {{ max_prompt_tokens = 10 }} }}, routes = {{ "/v1/completions" = {{ max_total_tokens = 24 }} }} }}
+
+[[chain]]
+plugin = "abort-guard"
+tenants = ["tenant-a"]
+config = {{ max_held_per_tenant = 4 }}
+
+[[chain]]
+plugin = "abort-guard"
+tenants = ["tenant-limited"]
+config = {{ max_held_per_tenant = 0 }}
+"#,
+    ));
+    let path = dir.join("policies.toml");
+    std::fs::write(&path, text).expect("writes the policy set");
+    path
+}
+
+/// `bulkhead up` with the policy set file `file`.
+fn with_policies(file: &Path) -> Up {
+    let set = format!("file = {:?}", file.display().to_string());
+    Up::launch(Options {
+        replace: &[("file = \"policies/local.toml\"", &set)],
+        ..Options::default()
+    })
+}
+
+/// Sends a streaming chat request (keep-alive, so the gateway sees the socket close), waits
+/// for the response head, then goes away.
+fn abandon(addr: &str, key: &str, body: &str) {
+    let mut s = TcpStream::connect(addr).expect("connects");
+    s.set_read_timeout(Some(HTTP_LIMIT)).expect("timeout");
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n\
+         Authorization: Bearer {key}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("sends");
+    let mut head = [0u8; 12];
+    s.read_exact(&mut head).expect("the response starts");
+    if !head.starts_with(b"HTTP/1.1 200") {
+        let mut rest = String::new();
+        let _ = s.read_to_string(&mut rest);
+        panic!("{}{rest}", String::from_utf8_lossy(&head));
+    }
+    drop(s);
+}
+
+fn wait_for(up: &Up, series: &str, at_least: u64) -> String {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let m = up.metrics();
+        if metric(&m, series) >= at_least {
+            return m;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{series} never reached {at_least}:\n{m}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn policies_deny_clamp_label_and_hold_an_abandoned_request_until_its_first_token() {
+    bounded(|| {
+        let dir = TempDir::new("policies");
+        let up = with_policies(&policy_set(&dir.0, "gold"));
+        up.wait_routable();
+
+        // tenant-b's prompts are limited to 10 tokens (the chat template alone is more).
+        let question = r#"{"messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":8,"temperature":0}"#;
+        let (status, _, body) = exchange(
+            &up.api,
+            "POST",
+            "/v1/chat/completions",
+            Some(KEY_B),
+            &[],
+            question,
+        );
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(json(&body)["error"]["code"], "policy_denied", "{body}");
+
+        // tenant-a passes, labelled (the tier echoed as a header).
+        let (status, head, body) = exchange(
+            &up.api,
+            "POST",
+            "/v1/chat/completions",
+            Some(KEY_A),
+            &[],
+            question,
+        );
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(header(&head, "x-bulkhead-tier"), Some("gold"), "{head}");
+
+        // /v1/completions: prompt + max tokens clamped to 24 in all.
+        let counting = r#"{"prompt":"1, 2, 3, 4, 5,","max_tokens":200,"temperature":0}"#;
+        let (status, _, body) = exchange(
+            &up.api,
+            "POST",
+            "/v1/completions",
+            Some(KEY_A),
+            &[],
+            counting,
+        );
+        assert_eq!(status, 200, "{body}");
+        let usage = &json(&body)["usage"];
+        let total = usage["total_tokens"].as_u64().expect("usage");
+        assert!(total <= 24, "clamped to 24 tokens in all: {usage}");
+        assert!(usage["completion_tokens"].as_u64() > Some(1), "{usage}");
+
+        // A long prompt, abandoned during prefill. tenant-a's abort guard holds the stream
+        // until the first token; the control tenant's cancels at once.
+        let long = format!(
+            r#"{{"messages":[{{"role":"user","content":"Summarize: {}"}}],"max_tokens":64,"stream":true,"temperature":0}}"#,
+            "the quick brown fox jumps over the lazy dog. ".repeat(120)
+        );
+        abandon(&up.api, KEY_A, &long);
+        let m = wait_for(
+            &up,
+            "bulkhead_policy_abandoned_dropped_total{at=\"after_first_token\"}",
+            1,
+        );
+        assert_eq!(
+            metric(
+                &m,
+                "bulkhead_policy_abandoned_total{directive=\"hold_until_prefill_done\"}"
+            ),
+            1,
+            "{m}"
+        );
+        assert_eq!(
+            metric(
+                &m,
+                "bulkhead_policy_abandoned_dropped_total{at=\"before_first_token\"}"
+            ),
+            0,
+            "{m}"
+        );
+        // The worker then saw a clean cancel: every page is back, nothing runs.
+        up.wait_pool_drained();
+        let held = up.wait_records("tenant-a", 3);
+        let record = held.last().expect("the abandoned request's record");
+        assert_eq!(record["error.type"], "client_disconnected", "{record:#}");
+        assert_eq!(record["bulkhead.disconnect.phase"], "prefill", "{record:#}");
+        abandon(&up.api, KEY_CONTROL, &long);
+        let m = wait_for(
+            &up,
+            "bulkhead_policy_abandoned_dropped_total{at=\"before_first_token\"}",
+            1,
+        );
+        assert_eq!(
+            metric(
+                &m,
+                "bulkhead_policy_abandoned_total{directive=\"abort_now\"}"
+            ),
+            1,
+            "{m}"
+        );
+        up.wait_pool_drained();
+
+        // The set in force, as the admin listener reports it.
+        let (status, body) = http(&up.admin, "GET", "/policies", Some(ADMIN), &[], "");
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            json(&body)["chain"].as_array().map(Vec::len),
+            Some(4),
+            "{body}"
+        );
+    });
+}
+
+#[test]
+fn a_reload_under_load_swaps_the_set_without_failing_a_request() {
+    bounded(|| {
+        let dir = TempDir::new("reload");
+        let file = policy_set(&dir.0, "gold");
+        let up = Arc::new(with_policies(&file));
+        up.wait_routable();
+
+        // Two clients keep sending; each answer's status and tier label is kept in order.
+        let stop = Arc::new(AtomicBool::new(false));
+        let clients: Vec<_> = (0..2)
+            .map(|_| {
+                let (up, stop) = (up.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let mut seen = Vec::new();
+                    while !stop.load(Ordering::Relaxed) {
+                        let (status, head, body) = exchange(
+                            &up.api,
+                            "POST",
+                            "/v1/completions",
+                            Some(KEY_A),
+                            &[],
+                            r#"{"prompt":"Hi","max_tokens":1,"temperature":0}"#,
+                        );
+                        seen.push((
+                            status,
+                            header(&head, "x-bulkhead-tier").map(str::to_owned),
+                            body,
+                        ));
+                    }
+                    seen
+                })
+            })
+            .collect();
+
+        let reload = || {
+            let (status, body) = http(&up.admin, "POST", "/policies/reload", Some(ADMIN), &[], "");
+            (status, json(&body))
+        };
+        for tier in ["t1", "t2", "t3"] {
+            std::thread::sleep(Duration::from_millis(400));
+            policy_set(&dir.0, tier);
+            let (status, answer) = reload();
+            assert_eq!(
+                (status, &answer["reloaded"]),
+                (200, &json!(true)),
+                "{answer}"
+            );
+        }
+        // A broken set (a wrong pin) is refused and the last good one stays.
+        std::thread::sleep(Duration::from_millis(400));
+        let text = std::fs::read_to_string(&file).expect("reads the set");
+        let (_, digest) = component("tenant-tag");
+        std::fs::write(&file, text.replace(&digest, &"0".repeat(64))).expect("breaks the set");
+        let (status, refused) = reload();
+        assert_eq!(status, 422, "{refused}");
+        assert!(
+            refused["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("pins 0000")),
+            "{refused}"
+        );
+        std::thread::sleep(Duration::from_millis(400));
+        stop.store(true, Ordering::Relaxed);
+
+        let seen: Vec<_> = clients
+            .into_iter()
+            .flat_map(|c| c.join().expect("a client"))
+            .collect();
+        let failed: Vec<_> = seen
+            .iter()
+            .filter(|(status, _, _)| *status != 200)
+            .collect();
+        assert!(
+            failed.is_empty(),
+            "{} of {} failed: {failed:?}",
+            failed.len(),
+            seen.len()
+        );
+        let tiers: std::collections::BTreeSet<_> = seen
+            .iter()
+            .filter_map(|(_, tier, _)| tier.as_deref())
+            .collect();
+        assert!(tiers.contains("gold") && tiers.contains("t3"), "{tiers:?}");
+        assert!(
+            seen.iter().all(|(_, tier, _)| tier.is_some()),
+            "every answer was labelled by one complete set"
+        );
+        let (_, head, _) = exchange(
+            &up.api,
+            "POST",
+            "/v1/completions",
+            Some(KEY_A),
+            &[],
+            r#"{"prompt":"Hi","max_tokens":1,"temperature":0}"#,
+        );
+        assert_eq!(header(&head, "x-bulkhead-tier"), Some("t3"), "{head}");
+    });
+}
