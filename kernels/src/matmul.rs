@@ -70,6 +70,14 @@ impl<'a> QMatrix<'a> {
     pub fn cols(&self) -> usize {
         self.cols
     }
+    /// Bytes of one stored row.
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+    /// The stored rows, one after another (`rows × row_bytes` bytes).
+    pub fn bytes(&self) -> &'a [u8] {
+        self.data
+    }
 
     fn row(&self, r: usize) -> &'a [u8] {
         &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
