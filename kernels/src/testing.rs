@@ -41,13 +41,21 @@ pub fn cuda_or_skip(test: &str) -> Option<CudaDevice> {
 
 /// Defines `$name::on_cpu` (every SIMD level) and, under the `cuda` feature, `$name::on_cuda`
 /// from one `fn $name(dev: &Device) -> Result<(), DeviceError>` in scope.
+/// `device_test!($name, cpu = best)` runs the CPU half at the best SIMD level only (for tests
+/// too slow to repeat per level; the levels are compared elsewhere).
 #[macro_export]
 macro_rules! device_test {
     ($name:ident) => {
+        $crate::device_test!(@define $name, $crate::Simd::available());
+    };
+    ($name:ident, cpu = best) => {
+        $crate::device_test!(@define $name, [$crate::Simd::best()]);
+    };
+    (@define $name:ident, $levels:expr) => {
         mod $name {
             #[test]
             fn on_cpu() {
-                for simd in $crate::Simd::available() {
+                for simd in $levels {
                     if let Err(e) = super::$name(&$crate::device::Device::Cpu(simd)) {
                         panic!("{simd:?}: {e}");
                     }

@@ -47,6 +47,10 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
         args.runs > 0 && args.pages > 0,
         "--runs and --pages must be at least 1"
     );
+    anyhow::ensure!(
+        args.model.device == bulkhead_kernels::DeviceSpec::Cpu,
+        "bench transfer measures the CPU data path only; use --device cpu"
+    );
     let threads = args.model.init_threads()?;
     let path = args.model.path()?;
     let loaded = LoadedModel::open(&path)?;
@@ -102,7 +106,8 @@ struct Payload {
 impl Payload {
     fn new(layout: bulkhead_kernels::attention::KvLayout, pages: usize) -> Payload {
         let mut source = KvMemory::new(layout, pages);
-        for (i, v) in source.values_mut().iter_mut().enumerate() {
+        // `KvMemory::new` is host memory, so this fills every value.
+        for (i, v) in source.host_mut().into_iter().flatten().enumerate() {
             *v = half::f16::from_f32((i % 251) as f32 / 251.0);
         }
         Payload {
@@ -124,7 +129,8 @@ impl Payload {
         let page = self.layout.page_bytes();
         let bytes: Vec<u8> = self
             .source
-            .values()
+            .host()
+            .unwrap_or_default()
             .iter()
             .flat_map(|v| v.to_le_bytes())
             .collect();

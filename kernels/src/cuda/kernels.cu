@@ -285,24 +285,25 @@ extern "C" __global__ void write_kv(KV_PARAMS, int layer, const float* k, const 
     a.pool[kv_at(a, page, layer, 1, h, slot) + d] = f2h(v[i]);
 }
 
-#define ATT_MAX_DIMS 4  // head_dim ≤ 128, a multiple of 32 (checked by the host)
+#define ATT_MAX_DIMS 4  // head_dim ≤ 128 (checked by the host)
 
 // attention::attend: causal GQA attention of every new token over positions 0..=pos of its
-// sequence. One warp per (token, head); lanes hold head_dim / 32 dimensions each; online
-// softmax. Every page is tag-checked before it is read and every key slot is checked for the
-// canary; a failure records itself in `status` and stops that warp (the host fails the
-// sequence and discards its rows).
+// sequence. One warp per (token, head); lane l holds dimensions l, l + 32, … below head_dim;
+// online softmax. Every page is tag-checked before it is read and every key slot is checked
+// for the canary; a failure records itself in `status` and stops that warp (the host fails
+// the sequence and discards its rows).
 extern "C" __global__ void attend(KV_PARAMS, int layer, const float* q, int heads,
                                   float scale, float* out) {
     KV_ARGS;
     int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
-    int hd = a.head_dim, per = hd / 32;
+    int hd = a.head_dim;
     float* o = out + ((size_t)t * heads + h) * hd;
     int s = a.tok_seq[t];
     float acc[ATT_MAX_DIMS], qv[ATT_MAX_DIMS];
     for (int i = 0; i < ATT_MAX_DIMS; i++) {
+        int d = lane + 32 * i;
         acc[i] = 0.0f;
-        qv[i] = i < per ? q[((size_t)t * heads + h) * hd + lane + 32 * i] : 0.0f;
+        qv[i] = d < hd ? q[((size_t)t * heads + h) * hd + d] : 0.0f;
     }
     float mx = __int_as_float(0xff800000), l = 0.0f;  // -inf
     if (s >= 0) {
@@ -326,17 +327,26 @@ extern "C" __global__ void attend(KV_PARAMS, int layer, const float* q, int head
                 break;
             }
             float part = 0.0f;
-            for (int i = 0; i < per; i++) part += qv[i] * h2f(key[lane + 32 * i]);
+            for (int i = 0; i < ATT_MAX_DIMS; i++) {
+                int d = lane + 32 * i;
+                if (d < hd) part += qv[i] * h2f(key[d]);
+            }
             float score = warp_sum(part) * scale;
             float mnew = fmaxf(mx, score);
             float corr = expf(mx - mnew);
             float e = expf(score - mnew);
             l = l * corr + e;
-            for (int i = 0; i < per; i++) acc[i] = acc[i] * corr + e * h2f(val[lane + 32 * i]);
+            for (int i = 0; i < ATT_MAX_DIMS; i++) {
+                int d = lane + 32 * i;
+                if (d < hd) acc[i] = acc[i] * corr + e * h2f(val[d]);
+            }
             mx = mnew;
         }
     }
-    for (int i = 0; i < per; i++) o[lane + 32 * i] = l > 0.0f ? acc[i] / l : 0.0f;
+    for (int i = 0; i < ATT_MAX_DIMS; i++) {
+        int d = lane + 32 * i;
+        if (d < hd) o[d] = l > 0.0f ? acc[i] / l : 0.0f;
+    }
 }
 
 // Fills `n` f16 values with `bits` (the scrub of a released page: zero or the canary).
@@ -361,4 +371,14 @@ extern "C" __global__ void scatter_runs(const u16* src, u16* dst, int runs, int 
     if (i >= (size_t)runs * width) return;
     size_t r = i / width, j = i % width;
     dst[r * stride + j] = src[i];
+}
+
+// Rows `ids[..n]` of a row-major f32 matrix of `rows × width` (the last token of each
+// sequence, for the LM head); an id outside the matrix gives a zero row.
+extern "C" __global__ void gather_rows(const float* src, int rows, int width, const u32* ids,
+                                       int n, float* out) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n * width) return;
+    u32 id = ids[i / width];
+    out[i] = id < (u32)rows ? src[(size_t)id * width + i % width] : 0.0f;
 }

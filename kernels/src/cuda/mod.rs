@@ -40,7 +40,7 @@ pub use step::StepSeq;
 
 /// Every kernel the host loads from [`SOURCE`].
 #[cfg(test)]
-const KERNELS: [&str; 12] = [
+const KERNELS: [&str; 13] = [
     "rms_norm",
     "rope",
     "silu_mul",
@@ -53,6 +53,7 @@ const KERNELS: [&str; 12] = [
     "fill_u16",
     "gather_runs",
     "scatter_runs",
+    "gather_rows",
 ];
 
 /// The kernels' CUDA C source (self-contained: NVRTC needs no CUDA headers).

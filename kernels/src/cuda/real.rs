@@ -107,6 +107,7 @@ struct Kernels {
     fill_u16: CudaFunction,
     gather_runs: CudaFunction,
     scatter_runs: CudaFunction,
+    gather_rows: CudaFunction,
 }
 
 impl Kernels {
@@ -125,6 +126,7 @@ impl Kernels {
             fill_u16: f("fill_u16")?,
             gather_runs: f("gather_runs")?,
             scatter_runs: f("scatter_runs")?,
+            gather_rows: f("gather_rows")?,
         })
     }
 }
@@ -637,11 +639,45 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// Rows `ids[..n]` of `src` (rows of `width` values) into `out`; ids outside give zeros.
+    pub fn gather_rows(
+        &self,
+        src: &CudaBuf<f32>,
+        width: usize,
+        ids: &CudaBuf<u32>,
+        n: usize,
+        out: &mut CudaBuf<f32>,
+    ) -> Result<(), DeviceError> {
+        if width == 0 {
+            return Err(shape("gather of empty rows".into()));
+        }
+        need(ids, n, "row ids")?;
+        need(out, n * width, "gathered rows")?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (rows, w, len) = (int(src.len() / width)?, int(width)?, int(n)?);
+        let mut b = self
+            .stream()
+            .launch_builder(&self.inner.kernels.gather_rows);
+        b.arg(&src.0)
+            .arg(&rows)
+            .arg(&w)
+            .arg(&ids.0)
+            .arg(&len)
+            .arg(&mut out.0);
+        // SAFETY: arguments match `gather_rows`'s parameters; thread i < n × width reads
+        // ids[i / width] and, only when that id is below src.len() / width, src inside its
+        // rows; it writes out[i] (checked above).
+        unsafe { b.launch(linear(n * width)?) }.map_err(driver("launch gather_rows"))?;
+        Ok(())
+    }
+
     /// The KV pool for `pages` pages of `layout`, zeroed.
     pub fn kv_pool(&self, layout: KvLayout, pages: usize) -> Result<DeviceKv, DeviceError> {
-        if !layout.head_dim.is_multiple_of(32) || layout.head_dim > 128 || layout.head_dim == 0 {
+        if layout.head_dim == 0 || layout.head_dim > 128 {
             return Err(shape(format!(
-                "head_dim {} (the attention kernel takes multiples of 32 up to 128)",
+                "head_dim {} (the attention kernel takes 1 to 128)",
                 layout.head_dim
             )));
         }
@@ -824,7 +860,7 @@ impl CudaDevice {
         };
         // SAFETY: arguments match `attend`'s parameters (KV_PARAMS, then layer, q, heads,
         // scale, out). Warp (t, h) reads q and writes out at row t × heads + h (checked
-        // sizes; head_dim ≤ 128 and a multiple of 32, checked by `kv_pool`), reads table
+        // sizes; head_dim ≤ 128, checked by `kv_pool`), reads table
         // entries below `needed` for positions ≤ its own, and bounds-checks every page before
         // reading it.
         unsafe { b.launch(cfg) }.map_err(driver("launch attend"))?;

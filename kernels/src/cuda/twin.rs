@@ -181,6 +181,16 @@ impl CudaDevice {
     ) -> Result<(), DeviceError> {
         match self.never {}
     }
+    pub fn gather_rows(
+        &self,
+        _src: &CudaBuf<f32>,
+        _width: usize,
+        _ids: &CudaBuf<u32>,
+        _n: usize,
+        _out: &mut CudaBuf<f32>,
+    ) -> Result<(), DeviceError> {
+        match self.never {}
+    }
     pub fn kv_pool(&self, _layout: KvLayout, _pages: usize) -> Result<DeviceKv, DeviceError> {
         match self.never {}
     }
