@@ -84,10 +84,11 @@ pub fn ptx_file_contents(ptx: &str) -> String {
     format!("{}\n{ptx}", ptx_header())
 }
 
-/// Checks a PTX file's header against this build's kernels; returns the PTX.
+/// Checks a PTX file's header against this build's kernels (and that it is text the driver
+/// can take: no NUL byte).
 pub fn check_ptx_file(path: &std::path::Path, text: &str) -> Result<(), DeviceError> {
     let first = text.lines().next().unwrap_or_default();
-    if first != ptx_header() {
+    if first != ptx_header() || text.contains('\0') {
         return Err(DeviceError::StalePtx {
             path: path.to_owned(),
             found: first.chars().take(80).collect(),
@@ -148,6 +149,8 @@ mod tests {
             Err(DeviceError::StalePtx { .. })
         ));
         assert!(check_ptx_file(path, "").is_err());
+        let with_nul = format!("{good}\0");
+        assert!(check_ptx_file(path, &with_nul).is_err());
     }
 
     /// NVRTC accepts the source and emits every kernel (where libnvrtc is present; CI
