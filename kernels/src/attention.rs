@@ -122,7 +122,9 @@ pub struct PagedSeq<'a> {
 }
 
 impl PagedSeq<'_> {
-    fn check(&self, layout: &KvLayout, tags: TagView<'_>) -> Result<(), IntegrityError> {
+    /// Pages of the table the call touches, or `TableTooShort` when the table cannot hold the
+    /// sequence's tokens.
+    pub fn needed_pages(&self, layout: &KvLayout) -> Result<usize, IntegrityError> {
         let tokens = self.cached + self.new;
         let needed = tokens.div_ceil(layout.page_tokens);
         if self.table.len() < needed {
@@ -132,6 +134,11 @@ impl PagedSeq<'_> {
                 tokens,
             });
         }
+        Ok(needed)
+    }
+
+    fn check(&self, layout: &KvLayout, tags: TagView<'_>) -> Result<(), IntegrityError> {
+        let needed = self.needed_pages(layout)?;
         if tags.check == TagCheck::On {
             for (index, r) in self.table[..needed].iter().enumerate() {
                 let found = tags.tags.get(r.page.index()).copied();
