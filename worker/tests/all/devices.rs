@@ -4,14 +4,22 @@
 //!
 //! Stated tolerances against the oracle:
 //! - tiny random models, every weight format: logits within [`TINY_TOLERANCE`];
-//! - the real model on the golden prompts: the prompt's last logits within
-//!   [`LOGIT_TOLERANCE`] over the whole vocabulary, and greedy tokens equal up to the first
-//!   step where the oracle's top-1 margin is below [`ROBUST_MARGIN`]. Every device computes
-//!   the same integer block dots; only float sums run in another order. But activations are
-//!   quantized to 8 bits before every matmul (as llama.cpp does), so a last-bit difference
-//!   can move a value to the next step, and over 30 layers that grows: the AVX2 path differs
-//!   from the portable one by up to 0.64 on ~25-scale logits, the size of llama.cpp's own
-//!   0.66 between batched and one-by-one prefill (golden.rs uses the same bounds against it).
+//! - the real model on the golden prompts, at a CPU SIMD level: the prompt's last logits and
+//!   the greedy tokens equal bit for bit. Every CPU level computes the same float operations
+//!   in the same order (the matmul tiles and the attention kernels alike), so any difference
+//!   is a bug;
+//! - the real model on the golden prompts, on CUDA: the prompt's last logits of the tokens
+//!   llama.cpp ranks in its top 40 (those golden.json records, the set golden.rs checks)
+//!   within [`LOGIT_TOLERANCE`], and greedy tokens equal up to the first step where the
+//!   oracle's top-1 margin is below [`ROBUST_MARGIN`]. CUDA computes the same integer block
+//!   dots but sums floats in another order, and activations are quantized to 8 bits before
+//!   every matmul (as llama.cpp does), so a last-bit difference can move a value to the next
+//!   step, and over 30 layers that grows. Measured on the CPU before its levels were made
+//!   identical, with an order change in the attention sums alone (a sequential sum against
+//!   8 lanes with FMA), over all 10 golden prompts: 0.27 to 0.50 on those top-40 logits, but
+//!   0.45 to 1.34 over the whole vocabulary, where far-down tokens move most; hence the
+//!   top-40 set. The bound is golden.rs's against llama.cpp, which itself moves by up to 0.66
+//!   between batched and one-by-one prefill of the same prompt.
 
 use bulkhead_kernels::{DType, Device, DeviceError, Simd, device_test};
 use bulkhead_kvpool::Scrub;
@@ -21,7 +29,7 @@ use bulkhead_worker::tiny_model::TinySpec;
 use crate::common::{Session, real_model_owned, tiny_model_on};
 
 const TINY_TOLERANCE: f32 = 1e-3;
-const LOGIT_TOLERANCE: f32 = 1.0;
+const LOGIT_TOLERANCE: f32 = 0.75;
 const ROBUST_MARGIN: f32 = 1.0;
 /// Greedy steps per golden prompt.
 const STEPS: usize = 12;
@@ -85,32 +93,46 @@ fn margin(logits: &[f32]) -> f32 {
     logits[top] - second
 }
 
-/// The golden prompts (their tokens as llama.cpp tokenized them).
-fn golden_prompts() -> Vec<(String, Vec<u32>)> {
+/// A golden prompt: its name, its tokens as llama.cpp tokenized them, and the ids of the
+/// tokens llama.cpp ranks in its top 40 for the prompt's last position.
+struct Golden {
+    name: String,
+    tokens: Vec<u32>,
+    top: Vec<usize>,
+}
+
+fn golden_prompts() -> Vec<Golden> {
     let text = std::fs::read_to_string(crate::common::fixtures_dir().join("golden.json"))
         .expect("read golden.json");
     let json: serde_json::Value = serde_json::from_str(&text).expect("parse golden.json");
+    let ids = |v: &serde_json::Value| v.as_u64().expect("token id");
     json["cases"]
         .as_array()
         .expect("cases")
         .iter()
-        .map(|c| {
-            let tokens = c["tokens"]
+        .map(|c| Golden {
+            name: c["name"].as_str().expect("name").to_owned(),
+            tokens: c["tokens"]
                 .as_array()
                 .expect("tokens")
                 .iter()
-                .map(|t| t.as_u64().expect("token") as u32)
-                .collect();
-            (c["name"].as_str().expect("name").to_owned(), tokens)
+                .map(|t| ids(t) as u32)
+                .collect(),
+            top: c["prompt_logits"]["top"]
+                .as_array()
+                .expect("top logits")
+                .iter()
+                .map(|pair| ids(&pair[0]) as usize)
+                .collect(),
         })
         .collect()
 }
 
-fn greedy(dev: &Device, prompts: &[(String, Vec<u32>)]) -> Result<Vec<Run>, DeviceError> {
+fn greedy(dev: &Device, prompts: &[Golden]) -> Result<Vec<Run>, DeviceError> {
     let mut loaded = real_model_owned();
     loaded.model.to_device(dev)?;
     let mut runs = Vec::new();
-    for (_, prompt) in prompts {
+    for Golden { tokens: prompt, .. } in prompts {
         let total = prompt.len() + STEPS;
         let mut s = Session::new(&loaded.model, (total as u32).div_ceil(16), Scrub::None);
         let alloc = s.allocate(1, total);
@@ -132,6 +154,10 @@ fn greedy(dev: &Device, prompts: &[(String, Vec<u32>)]) -> Result<Vec<Run>, Devi
     Ok(runs)
 }
 
+fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
 /// The CPU halves take the first three golden prompts (CI has two cores); CUDA takes all.
 fn the_golden_prompts_decode_like_the_portable_cpu(dev: &Device) -> Result<(), DeviceError> {
     let all = golden_prompts();
@@ -143,18 +169,35 @@ fn the_golden_prompts_decode_like_the_portable_cpu(dev: &Device) -> Result<(), D
     };
     let oracle = greedy(&Device::Cpu(Simd::Portable), prompts)?;
     let got = greedy(dev, prompts)?;
-    let mut worst = 0.0f32;
-    for (((name, _), want), got) in prompts.iter().zip(&oracle).zip(&got) {
-        let diff = got
-            .logits
-            .iter()
-            .zip(&want.logits)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f32::max);
-        worst = worst.max(diff);
+    if let Device::Cpu(_) = dev {
+        for ((golden, want), got) in prompts.iter().zip(&oracle).zip(&got) {
+            let name = &golden.name;
+            assert!(
+                bits(&got.logits) == bits(&want.logits),
+                "{name} on {}: prompt logits differ from the portable CPU's",
+                dev.describe()
+            );
+            assert_eq!(
+                (&got.tokens, bits(&got.margins)),
+                (&want.tokens, bits(&want.margins)),
+                "{name} on {}: greedy tokens and margins",
+                dev.describe()
+            );
+        }
+        return Ok(());
+    }
+    let (mut worst, mut worst_anywhere) = (0.0f32, 0.0f32);
+    for ((golden, want), got) in prompts.iter().zip(&oracle).zip(&got) {
+        let name = &golden.name;
+        let diff = |i: usize| (got.logits[i] - want.logits[i]).abs();
+        let top = golden.top.iter().map(|&i| diff(i)).fold(0.0, f32::max);
+        worst = worst.max(top);
+        worst_anywhere = (0..want.logits.len())
+            .map(diff)
+            .fold(worst_anywhere, f32::max);
         assert!(
-            diff <= LOGIT_TOLERANCE,
-            "{name} on {}: prompt logits differ by {diff}",
+            top <= LOGIT_TOLERANCE,
+            "{name} on {}: prompt logits of llama.cpp's top 40 differ by {top}",
             dev.describe()
         );
         let robust = want
@@ -171,7 +214,8 @@ fn the_golden_prompts_decode_like_the_portable_cpu(dev: &Device) -> Result<(), D
         );
     }
     eprintln!(
-        "{}: largest logit difference from the portable CPU: {worst}",
+        "{}: largest logit difference from the portable CPU: {worst} on llama.cpp's top 40, \
+         {worst_anywhere} over the whole vocabulary",
         dev.describe()
     );
     Ok(())
