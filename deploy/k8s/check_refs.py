@@ -2,15 +2,23 @@
 schemas cannot see. Every name a pod refers to exists (ConfigMaps, Secrets, claims, volumes,
 probe ports), every Service selects a workload that exposes its target port, the HPA and PDBs
 target real workloads, and the addresses the gateway configuration and the decode workers dial
-are Services with those ports. Exits non-zero listing every problem.
+are Services with those ports, every `$(VAR)` in an env value names a variable defined above it
+(Kubernetes expands only those), every object but the Namespace is in that Namespace (names
+resolve only within one), and every object carries the `app.kubernetes.io/part-of` label
+(written per object in the base, see deploy/k8s/base/kustomization.yaml). Exits non-zero
+listing every problem.
 
     python3 deploy/k8s/check_refs.py rendered.yaml
 """
 
+import re
 import sys
 import tomllib
 
 import yaml
+
+PART_OF = ("app.kubernetes.io/part-of", "bulkhead")
+VAR_REF = re.compile(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
 
 def main(path):
@@ -20,6 +28,14 @@ def main(path):
     by_kind = {}
     for o in objects:
         by_kind.setdefault(o["kind"], {})[o["metadata"]["name"]] = o
+        if (o["metadata"].get("labels") or {}).get(PART_OF[0]) != PART_OF[1]:
+            problems.append(f"{o['kind']} {o['metadata']['name']}: no label {PART_OF[0]}: {PART_OF[1]}")
+    namespaces = list(by_kind.get("Namespace", {}))
+    if len(namespaces) != 1:
+        problems.append(f"{len(namespaces)} Namespaces, expected one")
+    for o in objects:
+        if o["kind"] != "Namespace" and namespaces and o["metadata"].get("namespace") != namespaces[0]:
+            problems.append(f"{o['kind']} {o['metadata']['name']}: not in Namespace {namespaces[0]}")
     workloads = {**by_kind.get("Deployment", {}), **by_kind.get("StatefulSet", {})}
 
     def exists(kind, name, where):
@@ -59,7 +75,12 @@ def main(path):
             for m in c.get("volumeMounts", []):
                 if m["name"] not in volumes:
                     problems.append(f"{cwhere}: mounts undefined volume {m['name']!r}")
+            defined = set()
             for e in c.get("env", []):
+                for var in VAR_REF.findall(e.get("value", "")):
+                    if var not in defined:
+                        problems.append(f"{cwhere}: env {e['name']} refers to $({var}), not defined above it")
+                defined.add(e["name"])
                 ref = e.get("valueFrom", {})
                 if "secretKeyRef" in ref:
                     exists("Secret", ref["secretKeyRef"]["name"], cwhere)

@@ -116,23 +116,22 @@ fn records(recorder: &Recorder) -> Vec<AuditRecord> {
         .collect()
 }
 
-fn settings(durability: Durability, on_failure: OnAuditFailure) -> AuditSettings {
-    AuditSettings {
+/// A recorder over `dir` with these settings.
+fn open(dir: &Scratch, durability: Durability, on_failure: OnAuditFailure) -> Recorder {
+    let settings = AuditSettings {
         durability,
         on_failure,
         ..AuditSettings::default()
-    }
+    };
+    Recorder::open(&dir.0, settings, Metrics::default())
+        .expect("opens")
+        .0
 }
 
 #[tokio::test]
 async fn every_entry_of_the_error_table_leaves_exactly_one_record() {
     let dir = Scratch::new();
-    let (recorder, _) = Recorder::open(
-        &dir.0,
-        settings(Durability::Durable, OnAuditFailure::Refuse),
-        Metrics::default(),
-    )
-    .expect("opens");
+    let recorder = open(&dir, Durability::Durable, OnAuditFailure::Refuse);
     let app = app(&recorder);
     let n = table().len();
     let mut ids = Vec::new();
@@ -187,12 +186,7 @@ async fn hang(Extension(trail): Extension<Trail>) -> Response {
 #[tokio::test]
 async fn a_request_abandoned_by_its_client_is_recorded_once_with_its_phase() {
     let dir = Scratch::new();
-    let (recorder, _) = Recorder::open(
-        &dir.0,
-        settings(Durability::Durable, OnAuditFailure::Refuse),
-        Metrics::default(),
-    )
-    .expect("opens");
+    let recorder = open(&dir, Durability::Durable, OnAuditFailure::Refuse);
     let app = Router::new()
         .route("/hang", get(hang))
         .layer(middleware::from_fn_with_state(recorder.clone(), audited));
@@ -219,12 +213,7 @@ fn break_gateway_log(dir: &std::path::Path) {
 #[tokio::test]
 async fn a_broken_log_refuses_requests_rather_than_serve_them_unaudited() {
     let dir = Scratch::new();
-    let (recorder, _) = Recorder::open(
-        &dir.0,
-        settings(Durability::Durable, OnAuditFailure::Refuse),
-        Metrics::default(),
-    )
-    .expect("opens");
+    let recorder = open(&dir, Durability::Durable, OnAuditFailure::Refuse);
     break_gateway_log(&dir.0);
     let app = app(&recorder);
     let r = call(&app, "/ok").await;
@@ -247,12 +236,7 @@ async fn a_broken_log_refuses_requests_rather_than_serve_them_unaudited() {
 #[tokio::test]
 async fn a_broken_log_configured_to_serve_keeps_serving_and_counts_what_it_lost() {
     let dir = Scratch::new();
-    let (recorder, _) = Recorder::open(
-        &dir.0,
-        settings(Durability::Durable, OnAuditFailure::Serve),
-        Metrics::default(),
-    )
-    .expect("opens");
+    let recorder = open(&dir, Durability::Durable, OnAuditFailure::Serve);
     break_gateway_log(&dir.0);
     let app = app(&recorder);
     assert_eq!(call(&app, "/ok").await.status(), StatusCode::OK);
@@ -265,12 +249,7 @@ async fn a_broken_log_configured_to_serve_keeps_serving_and_counts_what_it_lost(
 #[tokio::test]
 async fn group_commit_answers_before_the_fsync_and_the_record_follows() {
     let dir = Scratch::new();
-    let (recorder, _) = Recorder::open(
-        &dir.0,
-        settings(Durability::Group, OnAuditFailure::Refuse),
-        Metrics::default(),
-    )
-    .expect("opens");
+    let recorder = open(&dir, Durability::Group, OnAuditFailure::Refuse);
     let app = app(&recorder);
     for _ in 0..5 {
         assert_eq!(call(&app, "/ok").await.status(), StatusCode::OK);
