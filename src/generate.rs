@@ -7,7 +7,6 @@ use anyhow::{Context, bail};
 use bulkhead_kvpool::RequestId;
 use bulkhead_worker::chat::Message;
 use bulkhead_worker::engine::{Engine, EngineConfig, Event, KvBudget, Request};
-use bulkhead_worker::loader::LoadedModel;
 use bulkhead_worker::sampling::SamplingParams;
 
 use crate::model_path::ModelArgs;
@@ -42,7 +41,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     args.model.init_threads()?;
-    let loaded = LoadedModel::open(&args.model.path()?)?;
+    let (loaded, _) = args.model.load()?;
     let prompt = if args.chat {
         let chat = loaded
             .chat

@@ -47,6 +47,13 @@ enum Command {
     },
     /// Print the SHA-256 digest of each key read from stdin (one per line), for configs.
     HashKey,
+    /// Compile the CUDA kernels with NVRTC into a PTX file, for GPU machines without NVRTC
+    /// (pass it there with --cuda-ptx; scripts/gpu-bundle does this).
+    CudaPtx {
+        /// Where to write the PTX.
+        #[arg(long)]
+        out: std::path::PathBuf,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -58,6 +65,7 @@ fn main() -> anyhow::Result<()> {
         | Command::Bench { .. }
         | Command::Audit { .. }
         | Command::HashKey
+        | Command::CudaPtx { .. }
         | Command::Preflight(_) => "warn",
     };
     tracing_subscriber::fmt()
@@ -76,5 +84,15 @@ fn main() -> anyhow::Result<()> {
         Command::Preflight(args) => gateway::preflight(args),
         Command::Audit { what } => audit::run(what),
         Command::HashKey => gateway::hash_key(),
+        Command::CudaPtx { out } => cuda_ptx(&out),
     }
+}
+
+fn cuda_ptx(out: &std::path::Path) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let ptx = bulkhead_kernels::cuda::compile_ptx()?;
+    std::fs::write(out, bulkhead_kernels::cuda::ptx_file_contents(&ptx))
+        .with_context(|| format!("writing {}", out.display()))?;
+    eprintln!("wrote the CUDA kernels to {}", out.display());
+    Ok(())
 }

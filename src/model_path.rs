@@ -1,13 +1,21 @@
-//! Where the default model lives, and the thread pool every command sets up the same way.
+//! Where the default model lives, the device it runs on, and the thread pool every command
+//! sets up the same way.
 
 use std::path::PathBuf;
 
 use anyhow::Context;
+use bulkhead_kernels::cuda::KernelSource;
+use bulkhead_kernels::{Device, DeviceSpec};
+use bulkhead_worker::loader::LoadedModel;
 
 /// Environment variable naming the model file.
 pub const MODEL_ENV: &str = "BULKHEAD_MODEL";
 /// Environment variable naming the directory `scripts/fetch-model` caches models in.
 pub const MODEL_DIR_ENV: &str = "BULKHEAD_MODEL_DIR";
+/// Environment variable naming the device (`--device`).
+pub const DEVICE_ENV: &str = "BULKHEAD_DEVICE";
+/// Environment variable naming the CUDA kernels' PTX file (`--cuda-ptx`).
+pub const CUDA_PTX_ENV: &str = "BULKHEAD_CUDA_PTX";
 /// The default model's file name inside that directory.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -20,6 +28,14 @@ pub struct ModelArgs {
     /// Compute threads [default: the machine's cores]
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Where the forward pass and the KV pool run: cpu, cuda or cuda:N (CUDA needs a build
+    /// with --features cuda and an NVIDIA driver; checked at startup)
+    #[arg(long, env = DEVICE_ENV, default_value = "cpu")]
+    pub device: DeviceSpec,
+    /// PTX file with the CUDA kernels, made by `bulkhead cuda-ptx` (for machines without
+    /// NVRTC) [default: compile the kernels with NVRTC at startup]
+    #[arg(long, env = CUDA_PTX_ENV)]
+    pub cuda_ptx: Option<PathBuf>,
 }
 
 impl ModelArgs {
@@ -42,6 +58,38 @@ impl ModelArgs {
             path.display()
         );
         Ok(path)
+    }
+
+    /// Opens `--device`. Call before loading the model: a build or machine without the
+    /// device fails at once, with the reason and the way out.
+    pub fn open_device(&self) -> anyhow::Result<Device> {
+        let source = self
+            .cuda_ptx
+            .clone()
+            .map_or(KernelSource::Nvrtc, KernelSource::Ptx);
+        Device::open(self.device, &source).with_context(|| format!("--device {}", self.device))
+    }
+
+    /// Opens the device, then the model (from [`ModelArgs::path`]) on it.
+    pub fn load(&self) -> anyhow::Result<(LoadedModel, PathBuf)> {
+        let device = self.open_device()?;
+        let path = self.path()?;
+        let mut loaded = LoadedModel::open(&path)?;
+        loaded
+            .model
+            .to_device(&device)
+            .with_context(|| format!("loading the weights onto {}", device.describe()))?;
+        tracing::info!(device = %device.describe(), "model loaded");
+        Ok((loaded, path))
+    }
+
+    /// The flags that select the device, to pass on to a child process.
+    pub fn device_args(&self) -> Vec<std::ffi::OsString> {
+        let mut args = vec!["--device".into(), self.device.to_string().into()];
+        if let Some(p) = &self.cuda_ptx {
+            args.extend(["--cuda-ptx".into(), p.clone().into_os_string()]);
+        }
+        args
     }
 
     /// Sizes the global compute pool; returns the thread count.

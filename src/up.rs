@@ -188,6 +188,7 @@ async fn start_worker(
     if let Some(t) = kv_tokens {
         cmd.arg("--kv-tokens").arg(t.to_string());
     }
+    cmd.args(args.model.device_args());
     if let Some(t) = args.model.threads {
         cmd.arg("--threads").arg(t.to_string());
     }

@@ -7,7 +7,6 @@ use std::time::Duration;
 use anyhow::Context;
 use bulkhead_kvpool::Scrub;
 use bulkhead_worker::engine::{EngineConfig, KvBudget};
-use bulkhead_worker::loader::LoadedModel;
 use bulkhead_worker::serve::kvplane::SendFault;
 use bulkhead_worker::serve::transport::{KvTransport, TransportConfig};
 use bulkhead_worker::serve::{BoundWorker, RoleConfig, ServeConfig};
@@ -220,8 +219,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         );
     }
     args.model.init_threads()?;
-    let path = args.model.path()?;
-    let loaded = LoadedModel::open(&path)?;
+    let (loaded, path) = args.model.load()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("bulkhead-io")

@@ -4,8 +4,6 @@
 #
 #   docker build -f deploy/docker/cuda.Dockerfile -t bulkhead:cuda .     # from the repo root
 #
-# NOTE: the `cuda` feature of the `bulkhead` package is being added in its own change
-# (`cuda = ["bulkhead-worker/cuda"]`); until it lands this build stops at "unknown feature".
 # The Rust toolchain is copied from the official Rust image into NVIDIA's devel image (the
 # Debian-built toolchain runs on Ubuntu 24.04's newer glibc), so kernels that need nvcc at
 # build time find it. Run the image with the NVIDIA container toolkit (`--gpus all`, or a

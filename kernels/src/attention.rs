@@ -122,7 +122,9 @@ pub struct PagedSeq<'a> {
 }
 
 impl PagedSeq<'_> {
-    fn check(&self, layout: &KvLayout, tags: TagView<'_>) -> Result<(), IntegrityError> {
+    /// Pages of the table the call touches, or `TableTooShort` when the table cannot hold the
+    /// sequence's tokens.
+    pub fn needed_pages(&self, layout: &KvLayout) -> Result<usize, IntegrityError> {
         let tokens = self.cached + self.new;
         let needed = tokens.div_ceil(layout.page_tokens);
         if self.table.len() < needed {
@@ -132,6 +134,11 @@ impl PagedSeq<'_> {
                 tokens,
             });
         }
+        Ok(needed)
+    }
+
+    fn check(&self, layout: &KvLayout, tags: TagView<'_>) -> Result<(), IntegrityError> {
+        let needed = self.needed_pages(layout)?;
         if tags.check == TagCheck::On {
             for (index, r) in self.table[..needed].iter().enumerate() {
                 let found = tags.tags.get(r.page.index()).copied();
@@ -243,7 +250,7 @@ thread_local! {
 
 fn dot_f16(simd: Simd, a: &[f32], b: &[f16]) -> f32 {
     match simd {
-        Simd::Portable => a.iter().zip(b).map(|(x, y)| x * y.to_f32()).sum(),
+        Simd::Portable => portable::dot_f16(a, b),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Simd::Avx2` and `Simd::Avx512` are only constructed after detecting AVX2,
         // FMA and F16C.
@@ -253,13 +260,55 @@ fn dot_f16(simd: Simd, a: &[f32], b: &[f16]) -> f32 {
 
 fn axpy_f16(simd: Simd, out: &mut [f32], a: f32, x: &[f16]) {
     match simd {
-        Simd::Portable => out
-            .iter_mut()
-            .zip(x)
-            .for_each(|(o, x)| *o += a * x.to_f32()),
+        Simd::Portable => portable::axpy_f16(out, a, x),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `dot_f16`.
         Simd::Avx2 | Simd::Avx512 => unsafe { avx2::axpy_f16(out, a, x) },
+    }
+}
+
+/// The reference kernels, in plain Rust. They compute the SIMD kernels' float operations in
+/// the same order (`LANES` fused multiply-add accumulators over whole groups of values,
+/// summed in lane order, then the rest with plain multiplies and adds), so every level is
+/// bit-identical, as the matmul tiles are. Any other order is as correct but not identical,
+/// and over 30 layers a last-bit difference that moves an activation to the next 8-bit step
+/// grows: a plain sequential sum here put the real model's logits up to 1.34 away from the
+/// SIMD levels' on the golden prompts.
+mod portable {
+    use half::f16;
+
+    /// f32 lanes of one 256-bit register, the SIMD kernels' accumulator width.
+    const LANES: usize = 8;
+
+    pub(super) fn dot_f16(a: &[f32], b: &[f16]) -> f32 {
+        let n = a.len().min(b.len());
+        let whole = n - n % LANES;
+        let mut lanes = [0.0f32; LANES];
+        for (a, b) in a[..whole]
+            .chunks_exact(LANES)
+            .zip(b[..whole].chunks_exact(LANES))
+        {
+            for ((acc, x), y) in lanes.iter_mut().zip(a).zip(b) {
+                *acc = x.mul_add(y.to_f32(), *acc);
+            }
+        }
+        lanes.iter().sum::<f32>()
+            + a[whole..n]
+                .iter()
+                .zip(&b[whole..n])
+                .map(|(x, y)| x * y.to_f32())
+                .sum::<f32>()
+    }
+
+    pub(super) fn axpy_f16(out: &mut [f32], a: f32, x: &[f16]) {
+        let n = out.len().min(x.len());
+        let whole = n - n % LANES;
+        for (o, x) in out[..whole].iter_mut().zip(&x[..whole]) {
+            *o = a.mul_add(x.to_f32(), *o);
+        }
+        for (o, x) in out[whole..n].iter_mut().zip(&x[whole..n]) {
+            *o += a * x.to_f32();
+        }
     }
 }
 
@@ -440,6 +489,32 @@ mod tests {
                 }
             }
         });
+    }
+
+    /// Every length: whole groups of lanes, a rest, and both.
+    #[test]
+    fn every_level_dots_and_accumulates_bit_identically_to_the_portable_one() {
+        for n in [1, 7, 8, 21, 64] {
+            let a = values(n, 5);
+            let b: Vec<f16> = values(n, 6).into_iter().map(f16::from_f32).collect();
+            let want_dot = dot_f16(Simd::Portable, &a, &b);
+            let mut want_out = values(n, 7);
+            axpy_f16(Simd::Portable, &mut want_out, 0.37, &b);
+            for simd in Simd::available() {
+                assert_eq!(
+                    dot_f16(simd, &a, &b).to_bits(),
+                    want_dot.to_bits(),
+                    "{simd:?} dot, {n} values"
+                );
+                let mut out = values(n, 7);
+                axpy_f16(simd, &mut out, 0.37, &b);
+                assert_eq!(
+                    out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    want_out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{simd:?} axpy, {n} values"
+                );
+            }
+        }
     }
 
     #[test]

@@ -70,8 +70,11 @@ impl<'a> QMatrix<'a> {
     pub fn cols(&self) -> usize {
         self.cols
     }
-
-    /// The stored bytes, row after row.
+    /// Bytes of one stored row.
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+    /// The stored rows, one after another (`rows × row_bytes` bytes).
     pub fn bytes(&self) -> &'a [u8] {
         self.data
     }

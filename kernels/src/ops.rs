@@ -29,6 +29,11 @@ impl Rope {
         Rope { inv_freq }
     }
 
+    /// `base^(-2i/head_dim)` for every pair `i` (what a device computes angles from).
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
     pub fn head_dim(&self) -> usize {
         self.inv_freq.len() * 2
     }

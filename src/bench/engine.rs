@@ -9,7 +9,6 @@ use bulkhead_kernels::Simd;
 use bulkhead_kernels::attention::TagCheck;
 use bulkhead_kvpool::RequestId;
 use bulkhead_worker::engine::{Engine, EngineConfig, Event, KvBudget, Request};
-use bulkhead_worker::loader::LoadedModel;
 use bulkhead_worker::sampling::SamplingParams;
 use serde_json::json;
 
@@ -26,6 +25,9 @@ pub struct EngineArgs {
     /// New tokens per request for the decode measurements.
     #[arg(long, default_value_t = 128)]
     decode_tokens: usize,
+    /// Requests decoding together, one measurement each (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,64")]
+    decode_batches: Vec<usize>,
     /// Repetitions; the medians are reported.
     #[arg(long, default_value_t = 3)]
     runs: usize,
@@ -40,11 +42,20 @@ pub(super) const TEXT: &str = "The harbour woke before the town did. Fishing boa
     grey water. In the market hall, traders stacked crates of apples and pears, argued about the \
     price of salt, and drank coffee from chipped enamel mugs. ";
 
+/// Tokens of the short prompts the decode measurements start from.
+const DECODE_PROMPT: usize = 32;
+
+/// Every figure is measured with the integrity checks on (the page-tag check in attention,
+/// and XXH3 checksums of the prompt's KV pages as a prefill worker sends them) and off, in
+/// the same run, interleaved, so their cost is read off one report.
 pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.runs > 0, "--runs must be at least 1");
+    anyhow::ensure!(
+        args.decode_batches.iter().all(|&b| b > 0),
+        "--decode-batches must be at least 1 each"
+    );
     let threads = args.model.init_threads()?;
-    let path = args.model.path()?;
-    let mut loaded = LoadedModel::open(&path)?;
+    let (mut loaded, path) = args.model.load()?;
     if let Some(name) = &args.simd {
         let simd = Simd::by_name(name).with_context(|| {
             let have: Vec<_> = Simd::available().iter().map(|s| s.name()).collect();
@@ -52,13 +63,20 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
         })?;
         loaded.model.set_simd(simd);
     }
-    let text = TEXT.repeat(1 + args.prefill_tokens * 6 / TEXT.len());
+    let device = loaded.model.device().describe();
+    let text = TEXT.repeat(1 + (args.prefill_tokens + 8 * 64) * 6 / TEXT.len());
     let all = loaded.tokenizer.encode(&text, false)?;
-    anyhow::ensure!(all.len() >= args.prefill_tokens, "benchmark text too short");
+    let longest = args.decode_batches.iter().copied().max().unwrap_or(1);
+    anyhow::ensure!(
+        all.len() >= args.prefill_tokens && all.len() >= 7 * longest + DECODE_PROMPT,
+        "benchmark text too short"
+    );
     let long_prompt = all[..args.prefill_tokens].to_vec();
+    let per_request = (args.prefill_tokens.max(DECODE_PROMPT) + args.decode_tokens) as u64;
     let config = EngineConfig {
-        kv: KvBudget::Tokens(((args.prefill_tokens + args.decode_tokens) * 8 + 1024) as u64),
+        kv: KvBudget::Tokens(per_request * (longest as u64 + 2) + 1024),
         max_batch_tokens: args.prefill_tokens.max(64),
+        max_running: longest.max(1),
         ..EngineConfig::default()
     };
     let mut bench = Bench {
@@ -66,45 +84,90 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
         next_id: 0,
     };
 
-    let mut prefill = Vec::new();
-    let mut decode_b1 = Vec::new();
-    let mut decode_b1_unchecked = Vec::new();
-    let mut decode_b8 = Vec::new();
+    // Per check setting (0: on, 1: off), per run: prefill seconds, checksum seconds and the
+    // decode rate of each batch size. Each run measures both settings back to back, in
+    // alternating order so that neither side always runs first.
+    let mut prefill = [Vec::new(), Vec::new()];
+    let mut checksum = Vec::new();
+    let mut decode: [Vec<Vec<f64>>; 2] = [
+        vec![Vec::new(); args.decode_batches.len()],
+        vec![Vec::new(); args.decode_batches.len()],
+    ];
     for run in 0..args.runs {
-        prefill.push(bench.prefill(&long_prompt)?);
-        // The page-tag check's cost: the same decode with the check on and off, back to back,
-        // in alternating order so that neither side always runs first.
-        for check in if run % 2 == 0 {
+        let order = if run % 2 == 0 {
             [TagCheck::On, TagCheck::Off]
         } else {
             [TagCheck::Off, TagCheck::On]
-        } {
+        };
+        for check in order {
             bench.engine.set_tag_check(check);
-            let tok_s = bench.decode(&[&all[..32]], args.decode_tokens)?;
-            match check {
-                TagCheck::On => decode_b1.push(tok_s),
-                TagCheck::Off => decode_b1_unchecked.push(tok_s),
+            let side = usize::from(check == TagCheck::Off);
+            let (seconds, pages) = bench.prefill(&long_prompt)?;
+            prefill[side].push(seconds);
+            // With the checks on, the prompt's KV is also read out and checksummed the way a
+            // prefill worker frames it for decode.
+            if check == TagCheck::On {
+                checksum.push(bench.checksum(pages)?);
+            }
+            for (d, &batch) in decode[side].iter_mut().zip(&args.decode_batches) {
+                let prompts: Vec<&[u32]> = (0..batch)
+                    .map(|i| &all[i * 7..i * 7 + DECODE_PROMPT])
+                    .collect();
+                d.push(bench.decode(&prompts, args.decode_tokens)?);
             }
         }
-        bench.engine.set_tag_check(TagCheck::On);
-        let prompts: Vec<&[u32]> = (0..8).map(|i| &all[i * 7..i * 7 + 32]).collect();
-        decode_b8.push(bench.decode(&prompts, args.decode_tokens)?);
     }
-    let report = json!({
-        "model": path.display().to_string(),
-        "threads": threads,
-        "simd": bench.engine.model().simd().name(),
-        "runs": args.runs,
-        "prefill_prompt_tokens": args.prefill_tokens,
-        "decode_new_tokens": args.decode_tokens,
-        "prefill_tok_s": median(prefill),
-        "decode_b1_tok_s": median(decode_b1.clone()),
-        "decode_b8_tok_s": median(decode_b8),
-        "decode_b1_tag_check_off_tok_s": median(decode_b1_unchecked.clone()),
-        "tag_check_cost_pct": tag_check_cost_pct(&decode_b1, &decode_b1_unchecked),
-        "peak_rss_bytes": peak_rss_bytes()?,
-    });
-    println!("{report}");
+    bench.engine.set_tag_check(TagCheck::On);
+    let tokens = long_prompt.len() as f64;
+    let mut out = serde_json::Map::new();
+    out.insert("model".into(), json!(path.display().to_string()));
+    out.insert("device".into(), json!(device));
+    out.insert("threads".into(), json!(threads));
+    out.insert("simd".into(), json!(bench.engine.model().simd().name()));
+    out.insert("runs".into(), json!(args.runs));
+    out.insert("prefill_prompt_tokens".into(), json!(args.prefill_tokens));
+    out.insert("decode_new_tokens".into(), json!(args.decode_tokens));
+    // The page-tag check on (the default) without the checksum: what the llama.cpp
+    // comparison (`scripts/bench/summarize.py`) reads.
+    let on_rates: Vec<f64> = prefill[0].iter().map(|s| tokens / s).collect();
+    out.insert("prefill_tok_s".into(), json!(median(on_rates)));
+    for (d, batch) in decode[0].iter().zip(&args.decode_batches) {
+        out.insert(format!("decode_b{batch}_tok_s"), json!(median(d.clone())));
+    }
+    // Every integrity check on (tag check and the prompt's KV checksum) and off.
+    let with_checksum: Vec<f64> = prefill[0]
+        .iter()
+        .zip(&checksum)
+        .map(|(s, c)| tokens / (s + c))
+        .collect();
+    out.insert(
+        "prefill_tok_s_checks_on".into(),
+        json!(median(with_checksum)),
+    );
+    let off_rates: Vec<f64> = prefill[1].iter().map(|s| tokens / s).collect();
+    out.insert("prefill_tok_s_checks_off".into(), json!(median(off_rates)));
+    for (side, suffix) in [(0, "checks_on"), (1, "checks_off")] {
+        for (d, batch) in decode[side].iter().zip(&args.decode_batches) {
+            out.insert(
+                format!("decode_b{batch}_tok_s_{suffix}"),
+                json!(median(d.clone())),
+            );
+        }
+    }
+    // The tag check's cost, paired per run, at the first batch size.
+    if let (Some(on), Some(off)) = (decode[0].first(), decode[1].first()) {
+        let batch = args.decode_batches[0];
+        out.insert(
+            format!("decode_b{batch}_tag_check_off_tok_s"),
+            json!(median(off.clone())),
+        );
+        out.insert(
+            "tag_check_cost_pct".into(),
+            json!(tag_check_cost_pct(on, off)),
+        );
+    }
+    out.insert("peak_rss_bytes".into(), json!(peak_rss_bytes()?));
+    println!("{}", serde_json::Value::Object(out));
     Ok(())
 }
 
@@ -144,12 +207,25 @@ impl Bench {
         Ok(rx)
     }
 
-    /// Prompt tokens per second until the first token.
-    fn prefill(&mut self, prompt: &[u32]) -> anyhow::Result<f64> {
+    /// Seconds from submitting `prompt` to its first token, and the KV pages it used (as
+    /// (page, tokens in it)) for the checksum measurement.
+    fn prefill(&mut self, prompt: &[u32]) -> anyhow::Result<(f64, usize)> {
         let rx = self.submit(prompt, 1)?;
         let start = Instant::now();
         drain(&mut self.engine, &[rx])?;
-        Ok(prompt.len() as f64 / start.elapsed().as_secs_f64())
+        let pages = prompt
+            .len()
+            .div_ceil(self.engine.capacity().page_tokens as usize);
+        Ok((start.elapsed().as_secs_f64(), pages))
+    }
+
+    /// Seconds to read `pages` whole pages out of the engine's KV memory and checksum each as
+    /// a transfer frame (what a prefill worker adds before sending).
+    fn checksum(&self, pages: usize) -> anyhow::Result<f64> {
+        let start = Instant::now();
+        let total = self.engine.checksum_pages(pages)?;
+        std::hint::black_box(total);
+        Ok(start.elapsed().as_secs_f64())
     }
 
     /// Aggregate generated tokens per second across `prompts` decoding together, counted from

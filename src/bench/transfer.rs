@@ -68,6 +68,10 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
         args.runs > 0 && args.pages > 0,
         "--runs and --pages must be at least 1"
     );
+    anyhow::ensure!(
+        args.model.device == bulkhead_kernels::DeviceSpec::Cpu,
+        "bench transfer measures the CPU data path only; use --device cpu"
+    );
     let threads = args.model.init_threads()?;
     let path = args.model.path()?;
     let loaded = LoadedModel::open(&path)?;
@@ -171,7 +175,8 @@ impl Deliver for ToThread {
 impl Payload {
     fn new(layout: bulkhead_kernels::attention::KvLayout, pages: usize) -> Payload {
         let mut source = KvMemory::new(layout, pages);
-        for (i, v) in source.values_mut().iter_mut().enumerate() {
+        // `KvMemory::new` is host memory, so this fills every value.
+        for (i, v) in source.host_mut().into_iter().flatten().enumerate() {
             *v = half::f16::from_f32((i % 251) as f32 / 251.0);
         }
         Payload {
@@ -194,7 +199,8 @@ impl Payload {
         let page = self.layout.page_bytes();
         let bytes: Vec<u8> = self
             .source
-            .values()
+            .host()
+            .unwrap_or_default()
             .iter()
             .flat_map(|v| v.to_le_bytes())
             .collect();
@@ -230,7 +236,10 @@ impl Payload {
         let start = Instant::now();
         let mut acc = 0u64;
         for i in 0..self.pages as u32 {
-            let bytes = self.source.page_bytes(PageId::new(i));
+            let bytes = self
+                .source
+                .page_bytes(PageId::new(i))
+                .expect("the benchmark's pool is in host memory");
             acc ^= frame_checksum(&nonce, i, Tag::new(1), &(0..1), bytes);
         }
         std::hint::black_box(acc);
@@ -302,7 +311,9 @@ impl Payload {
         let (tx, rx) = mpsc::channel();
         // Decode's pool is long-lived in a worker: its memory is in place before a transfer.
         let mut dest = KvMemory::new(self.layout, self.pages);
-        dest.values_mut().fill(half::f16::ZERO);
+        dest.host_mut()
+            .expect("the benchmark's pool is in host memory")
+            .fill(half::f16::ZERO);
         let decode = {
             let (t, buffers) = (target.clone(), self.buffers.clone());
             thread::spawn(move || decode_thread(dest, t, scope.checks, rx, &buffers))

@@ -121,6 +121,12 @@ pub enum StartupError {
     },
     #[error("{what} must be at least 1")]
     Zero { what: &'static str },
+    #[error("cannot allocate the KV pool ({bytes} bytes) on {device}: {error}")]
+    Device {
+        device: String,
+        bytes: u64,
+        error: bulkhead_kernels::DeviceError,
+    },
 }
 
 /// Sizes of the pool and the served context, as measured at startup (invariant I7).
@@ -294,8 +300,16 @@ impl Engine {
             served_context = capacity.served_context,
             "KV pool measured"
         );
+        let device = model.device();
+        let kv = KvMemory::on(&device, layout, pages.get() as usize).map_err(|error| {
+            StartupError::Device {
+                device: device.describe(),
+                bytes: u64::from(pages.get()) * page_bytes,
+                error,
+            }
+        })?;
         Ok(Engine {
-            kv: KvMemory::new(layout, pages.get() as usize),
+            kv,
             pool: PagePool::new(pool_config),
             model,
             tokenizer,
@@ -321,6 +335,27 @@ impl Engine {
 
     pub fn capacity(&self) -> Capacity {
         self.capacity
+    }
+
+    /// Benchmarks: reads pages `0..pages` of the KV memory whole and checksums each as a
+    /// transfer frame does (XXH3-64 over the frame fields and the bytes); the checksums XORed.
+    pub fn checksum_pages(&self, pages: usize) -> Result<u64, crate::kv::SlotError> {
+        let pt = self.capacity.page_tokens;
+        let mut acc = 0;
+        for p in 0..pages.min(self.capacity.pool_pages as usize) {
+            let page = p as u32;
+            let bytes = self
+                .kv
+                .read_slots(bulkhead_kvpool::PageId::new(page), 0..pt as usize)?;
+            acc ^= bulkhead_handoff::frame_checksum(
+                &SessionNonce([0; 16]),
+                page,
+                bulkhead_kvpool::Tag::new(0),
+                &(0..pt),
+                &bytes,
+            );
+        }
+        Ok(acc)
     }
 
     pub fn pool(&self) -> &PagePool {
@@ -659,7 +694,13 @@ impl Engine {
         self.expire(Instant::now());
         let scrub = self.pool.config().scrub;
         let kv = &mut self.kv;
-        self.pool.scrub_pending(|page| kv.scrub(page, scrub));
+        self.pool.scrub_pending(|page| {
+            if let Err(e) = kv.scrub(page, scrub) {
+                // The page still goes back with a new tag, so no stale read can reach it
+                // (I2); an unscrubbed page is a lost defence in depth, worth an operator's look.
+                tracing::error!(%page, error = %e, "scrubbing a released KV page failed");
+            }
+        });
         self.start_waiting();
         if self.running.is_empty() {
             return;
@@ -720,8 +761,8 @@ impl Engine {
         let results = match results {
             Ok(r) => r,
             Err(e) => {
-                // The weights were validated at load; this is a bug, not a request's fault.
-                tracing::error!(error = %e, "forward pass shape error; failing the batch");
+                // The weights were validated at load: a bug or a device fault, not a request's.
+                tracing::error!(error = %e, "forward pass failed; failing the batch");
                 plan.iter()
                     .map(|_| Err(crate::model::SeqFailure::Internal(e.to_string())))
                     .collect()

@@ -6,7 +6,7 @@
 
 use bulkhead_kernels::attention::{IntegrityError, PagedKv, PagedSeq, TagView, attend, write_kv};
 use bulkhead_kernels::ops::{Rope, add_assign, rms_norm, silu_mul};
-use bulkhead_kernels::{ShapeError, matmul};
+use bulkhead_kernels::{DeviceError, ShapeError, matmul};
 use bulkhead_kvpool::PageRef;
 
 use super::{Model, Scratch};
@@ -39,15 +39,39 @@ pub enum SeqFailure {
 /// Per sequence: its logits (when asked for) or why it failed.
 pub type SeqResult = Result<Option<Vec<f32>>, SeqFailure>;
 
+/// Why a whole step failed (a bug or a device fault, never a request's doing).
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error("weight shape: {0}")]
+    Shape(#[from] ShapeError),
+    #[error("device: {0}")]
+    Device(#[from] DeviceError),
+    #[error("the KV pool is not in the memory of the device the model runs on")]
+    KvElsewhere,
+}
+
 impl Model {
     /// Runs one step for `batch`, writing the new tokens' K/V into `kv` and reading only pages
     /// whose current tag (`view.tags`, indexed by page) matches the sequence's page table.
+    /// Runs on the model's device; `kv` must be in that device's memory.
     pub fn forward(
         &self,
         batch: &[SeqStep<'_>],
         kv: &mut KvMemory,
         view: TagView<'_>,
-    ) -> Result<Vec<SeqResult>, ShapeError> {
+    ) -> Result<Vec<SeqResult>, ForwardError> {
+        match &self.cuda {
+            Some(cuda) => cuda.forward(&self.config, batch, kv, view),
+            None => self.forward_cpu(batch, kv, view),
+        }
+    }
+
+    fn forward_cpu(
+        &self,
+        batch: &[SeqStep<'_>],
+        kv: &mut KvMemory,
+        view: TagView<'_>,
+    ) -> Result<Vec<SeqResult>, ForwardError> {
         let c = &self.config;
         let (dim, kvd, hd) = (c.dim, c.kv_heads * c.head_dim, c.head_dim);
         let n: usize = batch.iter().map(|s| s.tokens.len()).sum();
@@ -127,9 +151,10 @@ impl Model {
                 let kv_rows = rows.start * kvd..rows.end * kvd;
                 let dim_rows = rows.start * dim..rows.end * dim;
                 let layout = *kv.layout();
+                let mem = kv.host_mut().ok_or(ForwardError::KvElsewhere)?;
                 let r = write_kv(
                     &layout,
-                    kv.values_mut(),
+                    mem,
                     view,
                     seq,
                     l,
@@ -138,7 +163,7 @@ impl Model {
                 .and_then(|()| {
                     let paged = PagedKv {
                         layout: &layout,
-                        values: kv.values(),
+                        values: mem,
                         tags: view,
                     };
                     attend(

@@ -2,6 +2,7 @@
 //! pass over the paged KV pool.
 
 mod config;
+mod cuda;
 mod forward;
 mod weights;
 
@@ -10,12 +11,13 @@ use std::sync::Mutex;
 
 use bulkhead_kernels::attention::KvLayout;
 use bulkhead_kernels::ops::Rope;
-use bulkhead_kernels::{Activations, Simd};
+use bulkhead_kernels::{Activations, Device, DeviceError, Simd};
 
 pub use config::{ModelConfig, RopeStyle};
-pub use forward::{SeqFailure, SeqResult, SeqStep};
+pub use forward::{ForwardError, SeqFailure, SeqResult, SeqStep};
 
 use crate::gguf::{Gguf, GgufError};
+use cuda::CudaModel;
 use weights::Weights;
 
 /// A loaded model: the mapped file, its configuration and its weights.
@@ -25,7 +27,10 @@ pub struct Model {
     config: ModelConfig,
     weights: Weights,
     rope: Rope,
+    /// The CPU kernels' SIMD level (the CPU path, and the oracle for the others).
     simd: Simd,
+    /// The weights on a CUDA device, when the model runs there ([`Model::to_device`]).
+    cuda: Option<CudaModel>,
     /// The forward pass's working buffers, kept between steps so a decode step allocates
     /// nothing once they have grown to the batch size.
     scratch: Mutex<Scratch>,
@@ -65,6 +70,7 @@ impl Model {
             rope,
             simd: Simd::best(),
             scratch: Mutex::default(),
+            cuda: None,
         })
     }
 
@@ -79,6 +85,35 @@ impl Model {
     /// Uses the given SIMD level for every kernel (tests force each level in turn).
     pub fn set_simd(&mut self, simd: Simd) {
         self.simd = simd;
+    }
+
+    /// Runs the model on `device` from now on: on the CPU at its SIMD level, or on a CUDA
+    /// device after uploading the weights (the KV pool must then live there too, see
+    /// `KvMemory::on`).
+    pub fn to_device(&mut self, device: &Device) -> Result<(), DeviceError> {
+        match device {
+            Device::Cpu(simd) => {
+                self.simd = *simd;
+                self.cuda = None;
+            }
+            Device::Cuda(dev) => {
+                self.cuda = Some(CudaModel::upload(
+                    dev,
+                    &self.gguf,
+                    &self.weights,
+                    &self.rope,
+                )?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Where the forward pass runs.
+    pub fn device(&self) -> Device {
+        match &self.cuda {
+            Some(c) => Device::Cuda(c.device().clone()),
+            None => Device::Cpu(self.simd),
+        }
     }
 
     pub fn simd(&self) -> Simd {

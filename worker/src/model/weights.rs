@@ -1,41 +1,96 @@
-//! The model's weights, packed once at load for the kernels that read them
+//! The model's weights, packed once at load for the CPU kernels that read them
 //! ([`PackedMatrix`]). Once a matrix is packed, its pages of the mapped file are handed back
 //! to the kernel, so the file's bytes and the packed copy are never resident together.
+//!
+//! Each matrix also keeps where it lies in the file ([`MatDesc`]): the CUDA kernels read the
+//! GGUF block layout, not the packed one, so `Model::to_device` uploads from the file (a
+//! released range faults back in from the file) and releases the range again.
 
-use bulkhead_kernels::PackedMatrix;
+use std::ops::Range;
+
+use bulkhead_kernels::{DType, PackedMatrix, QMatrix, ShapeError};
 
 use super::ModelConfig;
 use crate::gguf::{Gguf, GgufError};
 
+/// A weight matrix inside the mapped file, its shape checked at load.
+#[derive(Debug, Clone)]
+pub(super) struct MatDesc {
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    bytes: Range<usize>,
+}
+
+impl MatDesc {
+    /// The matrix over the file's bytes (in GGUF block layout). Cannot fail for the file it
+    /// was loaded from.
+    pub(super) fn bind<'a>(&self, g: &'a Gguf) -> Result<QMatrix<'a>, ShapeError> {
+        QMatrix::new(
+            self.dtype,
+            self.rows,
+            self.cols,
+            g.bytes(self.bytes.clone()),
+        )
+    }
+
+    /// Hands the matrix's pages of the mapped file back to the kernel (see [`Gguf::release`]).
+    pub(super) fn release(&self, g: &Gguf) {
+        g.release(self.bytes.clone());
+    }
+}
+
+/// A weight matrix: packed for the CPU, and where it lies in the file.
+#[derive(Debug)]
+pub(super) struct Mat {
+    pub packed: PackedMatrix,
+    pub file: MatDesc,
+}
+
+impl std::ops::Deref for Mat {
+    type Target = PackedMatrix;
+
+    fn deref(&self) -> &PackedMatrix {
+        &self.packed
+    }
+}
+
 /// Tensor `name` (`rows × cols`) packed for the kernels; its file pages are released.
-fn pack(g: &Gguf, name: &str, rows: usize, cols: usize) -> Result<PackedMatrix, GgufError> {
-    let packed = PackedMatrix::pack(&g.matrix(name, rows, cols)?);
-    g.release(g.tensor_range(name)?);
-    Ok(packed)
+fn pack(g: &Gguf, name: &str, rows: usize, cols: usize) -> Result<Mat, GgufError> {
+    let m = g.matrix(name, rows, cols)?;
+    let file = MatDesc {
+        dtype: m.dtype(),
+        rows,
+        cols,
+        bytes: g.tensor_range(name)?,
+    };
+    let packed = PackedMatrix::pack(&m);
+    file.release(g);
+    Ok(Mat { packed, file })
 }
 
 /// One transformer block's weights.
 #[derive(Debug)]
 pub(super) struct Layer {
     pub attn_norm: Vec<f32>,
-    pub wq: PackedMatrix,
-    pub wk: PackedMatrix,
-    pub wv: PackedMatrix,
-    pub wo: PackedMatrix,
+    pub wq: Mat,
+    pub wk: Mat,
+    pub wv: Mat,
+    pub wo: Mat,
     pub ffn_norm: Vec<f32>,
-    pub w_gate: PackedMatrix,
-    pub w_up: PackedMatrix,
-    pub w_down: PackedMatrix,
+    pub w_gate: Mat,
+    pub w_up: Mat,
+    pub w_down: Mat,
 }
 
 /// All weights of a Llama-family model.
 #[derive(Debug)]
 pub(super) struct Weights {
-    pub embed: PackedMatrix,
+    pub embed: Mat,
     pub layers: Vec<Layer>,
     pub out_norm: Vec<f32>,
     /// `output.weight`; `None` when the head is tied to the embedding.
-    output: Option<PackedMatrix>,
+    output: Option<Mat>,
 }
 
 impl Weights {
@@ -71,7 +126,7 @@ impl Weights {
     }
 
     /// The LM head: `output.weight`, or the embedding when the head is tied to it.
-    pub fn lm_head(&self) -> &PackedMatrix {
+    pub fn lm_head(&self) -> &Mat {
         self.output.as_ref().unwrap_or(&self.embed)
     }
 }

@@ -5,6 +5,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, OnceLock};
 
 use bulkhead_kernels::attention::{TagCheck, TagView};
+use bulkhead_kernels::{Device, DeviceError};
 use bulkhead_kvpool::{Allocation, PagePool, PageRef, PoolConfig, RequestId, Scrub};
 use bulkhead_worker::engine::{Engine, EngineConfig, Event, Failure, FinishReason, Request};
 use bulkhead_worker::kv::KvMemory;
@@ -54,6 +55,13 @@ pub fn tiny_model(spec: TinySpec) -> LoadedModel {
     loaded
 }
 
+/// As [`tiny_model`], on `dev`.
+pub fn tiny_model_on(spec: TinySpec, dev: &Device) -> Result<LoadedModel, DeviceError> {
+    let mut loaded = tiny_model(spec);
+    loaded.model.to_device(dev)?;
+    Ok(loaded)
+}
+
 pub fn temp_path(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!(
         "bulkhead-test-{}-{}-{name}",
@@ -62,8 +70,8 @@ pub fn temp_path(name: &str) -> PathBuf {
     ))
 }
 
-/// A bare forward-pass session over its own pool: allocations and steps under the test's
-/// control, for checks below the engine.
+/// A bare forward-pass session over its own pool (in the memory of the model's device):
+/// allocations and steps under the test's control, for checks below the engine.
 pub struct Session<'m> {
     pub model: &'m Model,
     pub pool: PagePool,
@@ -78,7 +86,7 @@ impl<'m> Session<'m> {
         Session {
             model,
             pool: PagePool::new(config),
-            kv: KvMemory::new(layout, pages as usize),
+            kv: KvMemory::on(&model.device(), layout, pages as usize).expect("KV memory"),
             check: TagCheck::On,
         }
     }
@@ -101,7 +109,8 @@ impl<'m> Session<'m> {
     ) -> Result<Vec<f32>, SeqFailure> {
         let scrub = self.pool.config().scrub;
         let kv = &mut self.kv;
-        self.pool.scrub_pending(|p| kv.scrub(p, scrub));
+        self.pool
+            .scrub_pending(|p| kv.scrub(p, scrub).expect("scrub"));
         let step = SeqStep {
             tokens,
             table,
@@ -198,6 +207,11 @@ pub fn engine(loaded: LoadedModel, config: EngineConfig) -> Engine {
     Engine::new(loaded.model, loaded.tokenizer, config).expect("engine starts")
 }
 
-pub fn fixtures_dir() -> &'static Path {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures"))
+/// The test fixtures: `BULKHEAD_FIXTURES` when set (a test binary run away from its source
+/// tree, as scripts/gpu-check does), else this crate's `tests/fixtures`.
+pub fn fixtures_dir() -> PathBuf {
+    std::env::var_os("BULKHEAD_FIXTURES").map_or_else(
+        || Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures")).to_owned(),
+        PathBuf::from,
+    )
 }

@@ -1,27 +1,33 @@
 //! Invariant I2 (no stale reads) at the kernel boundary: a page table that outlived its
-//! allocation must never attend over the pages' new owner.
+//! allocation must never attend over the pages' new owner. Every test runs on every device
+//! (`device_test!`): the tag check and the canary live in each device's attention kernel.
 
 use bulkhead_kernels::attention::{IntegrityError, TagCheck};
+use bulkhead_kernels::{Device, DeviceError, device_test};
 use bulkhead_kvpool::{PageRef, Scrub};
 use bulkhead_worker::model::SeqFailure;
 use bulkhead_worker::tiny_model::TinySpec;
 
-use crate::common::{Session, tiny_model};
+use crate::common::{Session, tiny_model_on};
+
+/// What A's stale step produced, and what A's step computes over its own KV alone.
+type StaleRead = (Result<Vec<f32>, SeqFailure>, Vec<f32>);
 
 /// Tenant A prefills, its pages are released and handed to tenant B, and then A's stale page
 /// table is used for one more decode step.
-fn stale_read(check: TagCheck) -> (Result<Vec<f32>, SeqFailure>, Vec<f32>) {
-    stale_read_with(check, Scrub::None, true)
+fn stale_read(dev: &Device, check: TagCheck) -> Result<StaleRead, DeviceError> {
+    stale_read_with(dev, check, Scrub::None, true)
 }
 
 /// As [`stale_read`], with a scrub policy, and B's prefill optional (A's pages released, not
 /// yet reused).
 fn stale_read_with(
+    dev: &Device,
     check: TagCheck,
     scrub: Scrub,
     reuse: bool,
-) -> (Result<Vec<f32>, SeqFailure>, Vec<f32>) {
-    let loaded = tiny_model(TinySpec::default());
+) -> Result<StaleRead, DeviceError> {
+    let loaded = tiny_model_on(TinySpec::default(), dev)?;
     let prompt_a: Vec<u32> = (3..35).collect();
     let prompt_b: Vec<u32> = (100..132).collect();
     // Two pages: exactly one 32-token sequence, so B must reuse A's pages.
@@ -47,53 +53,68 @@ fn stale_read_with(
     let mut fresh = Session::new(&loaded.model, 2, Scrub::None);
     let own = fresh.allocate(1, 32);
     let honest = fresh.run(own.pages(), 0, &prompt_a).expect("A alone");
-    (through_stale_table, honest)
+    Ok((through_stale_table, honest))
 }
 
-#[test]
-fn without_the_tag_check_a_stale_table_reads_another_tenants_kv() {
-    let (stale, honest) = stale_read(TagCheck::Off);
+fn without_the_tag_check_a_stale_table_reads_another_tenants_kv(
+    dev: &Device,
+) -> Result<(), DeviceError> {
+    let (stale, honest) = stale_read(dev, TagCheck::Off)?;
     let leaked = stale.expect("nothing stops the read when the check is off");
     assert_ne!(
         leaked, honest,
         "the stale read attended over B's KV, not A's"
     );
+    Ok(())
 }
+device_test!(without_the_tag_check_a_stale_table_reads_another_tenants_kv);
 
-#[test]
-fn the_tag_check_stops_a_stale_table() {
-    let (stale, _) = stale_read(TagCheck::On);
+fn the_tag_check_stops_a_stale_table(dev: &Device) -> Result<(), DeviceError> {
+    let (stale, _) = stale_read(dev, TagCheck::On)?;
     match stale {
         Err(SeqFailure::Integrity(IntegrityError::TagMismatch { index: 0, .. })) => {}
         other => panic!("expected a tag mismatch on the first page, got {other:?}"),
     }
+    Ok(())
 }
+device_test!(the_tag_check_stops_a_stale_table);
 
-#[test]
-fn zeroed_pages_are_zero_after_release() {
-    let loaded = tiny_model(TinySpec::default());
+fn zeroed_pages_are_zero_after_release(dev: &Device) -> Result<(), DeviceError> {
+    let loaded = tiny_model_on(TinySpec::default(), dev)?;
     let mut s = Session::new(&loaded.model, 2, Scrub::Zero);
     let a = s.allocate(1, 32);
     s.run(a.pages(), 0, &[5, 6, 7]).expect("prefill");
     let page = a.pages()[0].page;
     assert!(
-        s.kv.page(page).iter().any(|v| v.to_f32() != 0.0),
+        s.kv.page(page)
+            .expect("page")
+            .iter()
+            .any(|v| v.to_f32() != 0.0),
         "prefill wrote the page"
     );
     drop(a);
     let kv = &mut s.kv;
-    s.pool.scrub_pending(|p| kv.scrub(p, Scrub::Zero));
+    s.pool
+        .scrub_pending(|p| kv.scrub(p, Scrub::Zero).expect("scrub"));
     assert!(
-        s.kv.page(page).iter().all(|v| v.to_bits() == 0),
+        s.kv.page(page)
+            .expect("page")
+            .iter()
+            .all(|v| v.to_bits() == 0),
         "released page is zeroed"
     );
+    Ok(())
 }
+device_test!(zeroed_pages_are_zero_after_release);
 
-#[test]
-fn the_canary_catches_a_read_of_a_released_page_even_without_the_tag_check() {
-    let (stale, _) = stale_read_with(TagCheck::Off, Scrub::Canary, false);
+fn the_canary_catches_a_read_of_a_released_page_even_without_the_tag_check(
+    dev: &Device,
+) -> Result<(), DeviceError> {
+    let (stale, _) = stale_read_with(dev, TagCheck::Off, Scrub::Canary, false)?;
     match stale {
         Err(SeqFailure::Integrity(IntegrityError::CanaryRead { position: 0 })) => {}
         other => panic!("expected a canary read at position 0, got {other:?}"),
     }
+    Ok(())
 }
+device_test!(the_canary_catches_a_read_of_a_released_page_even_without_the_tag_check);

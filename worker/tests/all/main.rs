@@ -3,7 +3,7 @@
 mod admission;
 mod batch_invariance;
 mod common;
+mod devices;
 mod disaggregation;
 mod golden;
 mod isolation;
-mod simd_paths;
