@@ -662,6 +662,60 @@ async fn a_prefill_worker_killed_mid_request_fails_it_fast_and_decode_gets_its_p
     .await;
 }
 
+#[tokio::test]
+async fn short_requests_whose_kv_commits_before_the_prefill_answer_is_read_still_succeed() {
+    bounded(async {
+        // A one-token answer to a short prompt: the KV can arrive and commit on decode before
+        // the Prefill call's `Accepted` is read. That must not be an error (it was, at random).
+        let (_prefill, decode) = disaggregated("2048", "2048");
+        let mut client = decode.client().await;
+        for i in 0..24 {
+            let answer = run_to_end(&mut client, chat("Hi", 1)).await;
+            assert!(answer.is_ok(), "request {i}: {answer:?}");
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn health_answers_while_a_long_prefill_keeps_the_engine_busy() {
+    bounded(async {
+        let worker = Worker::start(&["--kv-tokens", "8192"]);
+        let long = "Describe the harbour, the boats, the market and the people in great detail. "
+            .repeat(60);
+        let mut client = worker.client().await;
+        let request = tokio::spawn(async move { run_to_end(&mut client, chat(&long, 1)).await });
+        let mut probe = worker.client().await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while health(&mut probe).await.running == 0 {
+            assert!(Instant::now() < deadline, "the request never started");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // The engine thread is in the prompt's forward pass (seconds on one thread); health
+        // must not wait for it, or the gateway marks a busy worker unhealthy.
+        let mut answered_during_prefill = 0;
+        while !request.is_finished() {
+            let asked = Instant::now();
+            let h = health(&mut probe).await;
+            assert!(
+                asked.elapsed() < Duration::from_secs(1),
+                "health took {:?} while the engine was busy",
+                asked.elapsed()
+            );
+            if h.running == 1 && !request.is_finished() {
+                answered_during_prefill += 1;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(
+            answered_during_prefill > 0,
+            "the prefill was too short to probe"
+        );
+        request.await.expect("the client task").expect("the answer");
+    })
+    .await;
+}
+
 /// `bulkhead preflight` over deploy/local/gateway.toml with its workers' addresses replaced.
 fn preflight(prefill: &Worker, decode: &Worker) -> (bool, String) {
     let base = std::fs::read_to_string(concat!(
