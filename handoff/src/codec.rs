@@ -289,8 +289,17 @@ mod tests {
             encode(&m, &mut buf);
             buf.extend_from_slice(b"next");
             let (back, used) = decode(&buf, 1 << 20).unwrap().unwrap();
-            prop_assert_eq!(back, m);
+            prop_assert_eq!(&back, &m);
             prop_assert_eq!(used, buf.len() - 4);
+            // `head_len` names exactly the bytes `decode_head` reads: all of a whole message,
+            // a frame's head without its bytes.
+            let prefix: [u8; HEADER] = buf[..HEADER].try_into().unwrap();
+            let head = head_len(&prefix).unwrap();
+            let (_, head_used) = decode_head(&buf[..head], 1 << 20).unwrap().unwrap();
+            prop_assert_eq!(head_used, head);
+            prop_assert_eq!(decode_head(&buf[..head - 1], 1 << 20), Ok(None));
+            let whole = if matches!(m, Message::Frame(_)) { FRAME_HEAD } else { used };
+            prop_assert_eq!(head, whole);
             for cut in 0..used {
                 prop_assert_eq!(decode(&buf[..cut], 1 << 20), Ok(None));
             }
@@ -313,6 +322,47 @@ mod tests {
                 prop_assert!(!ok, "a corrupted frame passed its checksum");
             }
         }
+    }
+
+    /// A valid closed message with byte `at` set to `value`.
+    fn closed_with(at: usize, value: u8) -> Vec<u8> {
+        let mut buf = Vec::new();
+        let nonce = SessionNonce([0; 16]);
+        let reason = CloseReason::Complete;
+        encode(&Message::Closed { nonce, reason }, &mut buf);
+        buf[at] = value;
+        buf
+    }
+
+    #[test]
+    fn malformed_heads_are_refused_with_their_reason() {
+        let refused = |buf: &[u8]| decode(buf, 64).expect_err("malformed");
+        assert_eq!(refused(&closed_with(0, b'X')), CodecError::Magic(*b"XHKV"));
+        assert_eq!(refused(&closed_with(4, 2)), CodecError::Version(2));
+        assert_eq!(refused(&closed_with(5, 9)), CodecError::Kind(9));
+        assert_eq!(refused(&closed_with(6, 1)), CodecError::Reserved);
+        assert_eq!(refused(&closed_with(7, 1)), CodecError::Reserved);
+        assert_eq!(refused(&closed_with(HEADER, 3)), CodecError::CloseReason(3));
+        let prefix: [u8; HEADER] = closed_with(5, 9)[..HEADER].try_into().unwrap();
+        assert_eq!(
+            head_len(&prefix),
+            None,
+            "an unknown kind has no head length"
+        );
+
+        let mut frame = Vec::new();
+        let f = Frame::new(SessionNonce([0; 16]), 0, Tag::new(1), 5..6, vec![0; 4]);
+        encode_frame(&f, &mut frame);
+        frame[HEADER + 16..HEADER + 20].copy_from_slice(&5u32.to_le_bytes());
+        assert_eq!(refused(&frame), CodecError::Tokens { start: 5, end: 5 });
+    }
+
+    #[test]
+    fn a_frame_of_exactly_the_limit_is_accepted() {
+        let f = Frame::new(SessionNonce([0; 16]), 0, Tag::new(1), 0..1, vec![3; 64]);
+        let mut buf = Vec::new();
+        encode_frame(&f, &mut buf);
+        assert_eq!(decode(&buf, 64), Ok(Some((Message::Frame(f), buf.len()))));
     }
 
     #[test]

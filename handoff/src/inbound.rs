@@ -400,6 +400,7 @@ mod tests {
             s.accept(&c(&fs[1]), live),
             Err(DropReason::Corrupt { index: 1 })
         );
+        assert_eq!(s.dropped(), 1);
         assert!(s.accept(&c(&fs[2]), live).is_ok());
         assert_eq!(
             s.finish(&manifest(&fs), live),
@@ -469,6 +470,54 @@ mod tests {
             Err(IntegrityFailure::PageDuplicated { index: 0 })
         );
         assert_eq!(s.accept(&c(&fs[2]), live), Err(DropReason::AfterManifest));
+    }
+
+    #[test]
+    fn a_dropped_frame_fails_a_transfer_that_is_otherwise_complete() {
+        let r = reservation();
+        let fs = frames(&r);
+        let mut s = Inbound::new(r);
+        let stale = Frame::new(NONCE, 0, Tag::new(69), 0..16, vec![0; 64]);
+        assert!(s.accept(&c(&stale), live).is_err());
+        fs.iter().for_each(|f| {
+            s.accept(&c(f), live).unwrap();
+        });
+        assert_eq!(
+            s.finish(&manifest(&fs), live),
+            Err(IntegrityFailure::FramesDropped { dropped: 1 })
+        );
+    }
+
+    #[test]
+    fn every_drop_reason_has_its_own_label_in_declaration_order() {
+        let (index, tag, tokens) = (0, Tag::new(1), 0..1);
+        let reasons = [
+            DropReason::WrongSession,
+            DropReason::IndexOutOfRange { index, pages: 1 },
+            DropReason::TagNotReserved {
+                index,
+                frame: tag,
+                reserved: tag,
+            },
+            DropReason::PageLeftSession {
+                index,
+                current: None,
+            },
+            DropReason::WrongTokens {
+                index,
+                got: tokens,
+                want: None,
+            },
+            DropReason::WrongLength {
+                index,
+                got: 0,
+                want: 1,
+            },
+            DropReason::Duplicate { index },
+            DropReason::Corrupt { index },
+            DropReason::AfterManifest,
+        ];
+        assert_eq!(reasons.map(|r| r.label()), DropReason::LABELS);
     }
 
     #[test]

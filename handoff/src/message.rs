@@ -242,7 +242,44 @@ mod tests {
         assert_eq!(page_tokens_range(0, 16, 40), Some(0..16));
         assert_eq!(page_tokens_range(2, 16, 40), Some(32..40));
         assert_eq!(page_tokens_range(3, 16, 40), None);
+        assert_eq!(
+            page_tokens_range(2, 16, 32),
+            None,
+            "a page starting at the end"
+        );
         assert_eq!(page_tokens_range(u32::MAX, 16, 40), None);
+    }
+
+    #[test]
+    fn the_digest_covers_every_checksum_in_page_order() {
+        let d = digest([1, 2]);
+        assert_eq!(d, digest(vec![1, 2]));
+        assert_ne!(d, digest([2, 1]));
+        assert_ne!(d, digest([1]));
+        assert_ne!(d, digest([1, 3]));
+    }
+
+    #[test]
+    fn a_checked_frame_keeps_its_header_bytes_and_verdict() {
+        let frame = Frame::new(SessionNonce([1; 16]), 0, Tag::new(2), 0..1, vec![7, 8]);
+        let checked = frame.clone().check();
+        assert!(checked.intact());
+        assert_eq!(checked.header(), &frame.header);
+        assert_eq!(checked.into_bytes(), [7, 8]);
+        let mut corrupt = frame;
+        corrupt.header.checksum ^= 1;
+        assert!(!corrupt.check().intact());
+    }
+
+    #[test]
+    fn a_nonce_shows_as_hex() {
+        let mut bytes = [0; 16];
+        bytes[0] = 0xab;
+        bytes[15] = 0x01;
+        let nonce = SessionNonce(bytes);
+        let hex = "ab000000000000000000000000000001";
+        assert_eq!(nonce.to_string(), hex);
+        assert_eq!(format!("{nonce:?}"), format!("SessionNonce({hex})"));
     }
 
     #[test]

@@ -87,3 +87,26 @@ impl fmt::Display for NotNow {
 }
 
 impl std::error::Error for NotNow {}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Scrub;
+    use crate::ids::RequestId;
+    use crate::test_support::{pool, reserve};
+
+    #[test]
+    fn a_refused_reservation_says_who_waits_for_how_many_pages() {
+        let pool = pool(4, Scrub::None);
+        let _held = reserve(&pool, 1, 48);
+        let admissible = pool.admit(RequestId::new(2), 40).expect("fits the pool");
+        assert_eq!(
+            format!("{admissible:?}"),
+            "Admissible { owner: RequestId(2), tokens: 40, pages: 3, .. }"
+        );
+        let not_now = pool.reserve(admissible).expect_err("one page is free");
+        assert_eq!(
+            not_now.to_string(),
+            "request 2 needs 3 free KV pages and the pool has fewer right now; retry later"
+        );
+    }
+}

@@ -116,10 +116,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn page_id_round_trips_its_index() {
+    fn ids_round_trip_their_raw_values() {
         let id = PageId::new(u32::MAX);
         assert_eq!(id.get(), u32::MAX);
         assert_eq!(id.index(), u32::MAX as usize);
+        assert_eq!(Tag::new(u64::MAX).get(), u64::MAX);
+        assert_eq!(RequestId::new(u64::MAX).get(), u64::MAX);
     }
 
     #[test]

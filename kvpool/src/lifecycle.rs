@@ -281,6 +281,34 @@ mod tests {
     }
 
     #[test]
+    fn every_lifecycle_object_shows_its_owner_tokens_and_page_table() {
+        let pool = pool(4, Scrub::None);
+        let reservation = reserve(&pool, 7, 20);
+        let table = format!("{:?}", reservation.pages());
+        let fields = format!("{{ owner: RequestId(7), tokens: 20, pages: {table}, .. }}");
+        assert_eq!(format!("{reservation:?}"), format!("Reservation {fields}"));
+        let allocation = reservation.commit();
+        assert_eq!(format!("{allocation:?}"), format!("Allocation {fields}"));
+        let releasing = allocation.begin_release();
+        assert_eq!(format!("{releasing:?}"), format!("Releasing {fields}"));
+        let quarantined = releasing.timed_out();
+        assert_eq!(format!("{quarantined:?}"), format!("Quarantined {fields}"));
+    }
+
+    #[test]
+    fn a_late_reclaim_never_frees_a_page_the_operator_already_released() {
+        let pool = pool(2, Scrub::None);
+        let quarantined = reserve(&pool, 1, 16).quarantine();
+        assert_eq!(pool.release_quarantine(), 1);
+        assert_eq!(pool.free_pages(), 2);
+        // The page is free again with the tag it was quarantined with: the handle's reclaim
+        // must not put it on the free list a second time.
+        assert_eq!(quarantined.reclaim(), 0);
+        assert_eq!(pool.free_pages(), 2);
+        pool.check_invariants().expect("each page is free once");
+    }
+
+    #[test]
     fn dropping_an_allocation_returns_its_pages() {
         let pool = pool(4, Scrub::None);
         let allocation = reserve(&pool, 1, 50).commit();

@@ -248,6 +248,7 @@ mod tests {
     #[test]
     fn a_prompt_that_fills_the_whole_pool_is_admitted() {
         let pool = pool(4, Scrub::None);
+        assert_eq!((pool.pages_for(64), pool.pages_for(65)), (4, 5));
         let admissible = pool.admit(RequestId::new(1), 64).expect("exactly fits");
         assert_eq!(admissible.pages(), 4);
         assert_eq!(pool.stats().free, 4, "admission allocates nothing");
@@ -386,6 +387,31 @@ mod tests {
         assert_eq!(pool.free_pages(), 2);
         pool.check_invariants()
             .expect("invariants hold after poisoning");
+    }
+
+    #[test]
+    fn the_handle_reports_a_broken_invariant() {
+        let pool = pool(2, Scrub::None);
+        pool.check_invariants().expect("a fresh pool is consistent");
+        pool.lock().miscount_for_test();
+        assert!(matches!(
+            pool.check_invariants(),
+            Err(InvariantViolation::Count {
+                counter: "quarantined",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn debug_shows_the_configuration_without_taking_the_lock() {
+        let pool = pool(3, Scrub::Canary);
+        // Formatting while the lock is held would deadlock if `Debug` took it.
+        let shown = pool.with_tags(|_| format!("{pool:?}"));
+        assert_eq!(
+            shown,
+            "PagePool { config: PoolConfig { pages: 3, page_tokens: 16, scrub: Canary }, .. }"
+        );
     }
 
     #[test]

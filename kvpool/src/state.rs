@@ -450,6 +450,15 @@ impl PoolState {
     }
 }
 
+#[cfg(test)]
+impl PoolState {
+    /// Test hook: breaks the maintained counts, so that tests of the layers above can see a
+    /// broken state reported.
+    pub(crate) fn miscount_for_test(&mut self) {
+        self.stats.quarantined += 1;
+    }
+}
+
 fn mismatch(entry: &PageRef, found: Found) -> TagMismatch {
     TagMismatch {
         page: entry.page,
@@ -461,6 +470,7 @@ fn mismatch(entry: &PageRef, found: Found) -> TagMismatch {
 #[cfg(test)]
 mod tests {
     use std::num::NonZeroU32;
+    use std::panic::{AssertUnwindSafe, catch_unwind};
 
     use super::*;
     use crate::config::Scrub;
@@ -512,6 +522,71 @@ mod tests {
             s.check_invariants(),
             Err(InvariantViolation::MissingFromQueue { state: "free", .. })
         ));
+    }
+
+    #[test]
+    fn the_checker_catches_per_page_arrays_of_the_wrong_length() {
+        let mut s = state(3, Scrub::None);
+        s.tags.pop();
+        assert_eq!(
+            s.check_invariants(),
+            Err(InvariantViolation::PageArrays {
+                pages: 3,
+                states: 3,
+                tags: 2
+            })
+        );
+    }
+
+    #[test]
+    fn the_checker_catches_a_released_page_lost_from_the_scrub_queue() {
+        let mut s = state(3, Scrub::Zero);
+        let owner = RequestId::new(1);
+        let table = s.reserve(owner, 1).expect("a page is free");
+        s.transition(owner, &table, Hold::Reserved, Target::Release);
+        s.check_invariants()
+            .expect("the page waits in the scrub queue");
+        s.scrub.clear();
+        assert_eq!(
+            s.check_invariants(),
+            Err(InvariantViolation::MissingFromQueue {
+                page: table[0].page,
+                state: "pending scrub",
+            })
+        );
+    }
+
+    /// I1: a transition moves only pages the caller holds in the stated hold with the stated
+    /// tag. A mismatch trips the `debug_assert` in test builds and is skipped in release
+    /// builds; either way the page stays with its holder.
+    #[test]
+    fn a_transition_never_moves_a_page_held_by_another_owner_or_with_another_tag() {
+        let mut s = state(2, Scrub::None);
+        let owner = RequestId::new(1);
+        let table = s.reserve(owner, 1).expect("a page is free");
+        let entry = table[0];
+        let stale = PageRef {
+            tag: Tag::new(entry.tag.get() - 1),
+            ..entry
+        };
+        let attempts = [
+            (RequestId::new(2), entry, Hold::Reserved),
+            (owner, stale, Hold::Reserved),
+            (owner, entry, Hold::Owned),
+        ];
+        for (who, page, from) in attempts {
+            let moved = catch_unwind(AssertUnwindSafe(|| {
+                s.transition(who, &[page], from, Target::Release);
+            }));
+            assert_eq!(
+                moved.is_err(),
+                cfg!(debug_assertions),
+                "{who} {page:?} {from:?}"
+            );
+            assert_eq!(s.states[entry.page.index()], PageState::Reserved { owner });
+            assert_eq!(s.stats().free, 1);
+            s.check_invariants().expect("nothing moved");
+        }
     }
 
     #[test]

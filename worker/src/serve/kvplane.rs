@@ -90,14 +90,18 @@ impl Deliver for EngineHandle {
     }
 }
 
-/// Decode role: accepts data-plane connections until the listener fails.
-pub async fn serve(listener: TcpListener, engine: EngineHandle) -> std::io::Result<()> {
+/// Decode role: accepts data-plane connections until the listener fails; each connection's
+/// messages go to `to` (the engine).
+pub async fn serve(
+    listener: TcpListener,
+    to: impl Deliver + Clone + Send + Sync + 'static,
+) -> std::io::Result<()> {
     let buffers = Buffers::default();
     loop {
         let (socket, peer) = listener.accept().await?;
-        let (engine, buffers) = (engine.clone(), buffers.clone());
+        let (to, buffers) = (to.clone(), buffers.clone());
         tokio::spawn(async move {
-            if let Err(e) = receive(socket, &engine, &buffers).await {
+            if let Err(e) = receive(socket, &to, &buffers).await {
                 tracing::warn!(%peer, error = %e, "KV data connection ended with an error");
             }
         });
@@ -342,10 +346,11 @@ mod tests {
 
     use super::*;
 
-    #[derive(Default)]
+    /// What arrived; clones share it (so that `serve` can hand one to each connection).
+    #[derive(Default, Clone)]
     struct Log {
-        got: Mutex<Vec<Received>>,
-        closed: Mutex<Vec<SessionNonce>>,
+        got: Arc<Mutex<Vec<Received>>>,
+        closed: Arc<Mutex<Vec<SessionNonce>>>,
     }
 
     impl Deliver for Log {
@@ -422,6 +427,135 @@ mod tests {
             assert_eq!(*got, want);
             assert!(log.closed.lock().expect("lock").is_empty());
         }
+    }
+
+    /// What the receiver gets for `fs[..n]` followed by `last`.
+    fn received(fs: &[Frame], n: usize, last: Received) -> Vec<Received> {
+        fs[..n]
+            .iter()
+            .cloned()
+            .map(|f| Received::Frame(f.check()))
+            .chain([last])
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn an_aborted_send_stops_after_the_current_batch_with_closed_aborted() {
+        let fs = frames(5, 100);
+        let m = manifest(&fs);
+        let aborted = Received::Closed {
+            nonce: NONCE,
+            reason: CloseReason::Aborted,
+        };
+        // A batch is at least one frame and grows while it is under `batch_bytes`.
+        for (batch, sent) in [(1, 1), (2 * (FRAME_HEAD + 100), 2)] {
+            let (mut tx, rx) = tokio::io::duplex(1 << 20);
+            let log = Log::default();
+            let (result, end) = tokio::join!(send_on(&mut tx, &fs, &m, batch, || true), async {
+                receive(rx, &log, &Buffers::default()).await
+            });
+            assert_eq!(result.expect("sent"), Sent::Aborted);
+            end.expect("clean end");
+            let got = log.got.lock().expect("lock");
+            assert_eq!(*got, received(&fs, sent, aborted.clone()), "batch {batch}");
+            assert!(log.closed.lock().expect("lock").is_empty());
+        }
+    }
+
+    #[tokio::test]
+    async fn a_send_whose_last_batch_is_out_completes_and_counts_its_bytes() {
+        let fs = frames(3, 100);
+        let m = manifest(&fs);
+        let (mut tx, rx) = tokio::io::duplex(1 << 20);
+        let log = Log::default();
+        let (result, end) = tokio::join!(send_on(&mut tx, &fs, &m, 1 << 20, || true), async {
+            receive(rx, &log, &Buffers::default()).await
+        });
+        end.expect("clean end");
+        let mut tail = Vec::new();
+        encode(&Message::Manifest(m), &mut tail);
+        encode(
+            &Message::Closed {
+                nonce: NONCE,
+                reason: CloseReason::Complete,
+            },
+            &mut tail,
+        );
+        let bytes = (3 * (FRAME_HEAD + 100) + tail.len()) as u64;
+        assert_eq!(result.expect("sent"), Sent::Complete { frames: 3, bytes });
+        assert_eq!(log.got.lock().expect("lock").len(), 5);
+    }
+
+    #[tokio::test]
+    async fn a_stall_fault_stops_sending_after_its_frame_count() {
+        let fs = frames(5, 100);
+        let m = manifest(&fs);
+        let (mut tx, rx) = tokio::io::duplex(1 << 20);
+        let log = Log::default();
+        let stall = Some(SendFault::StallAfterFrames(2));
+        let buffers = Buffers::default();
+        let both = async {
+            tokio::join!(
+                send_frames(&mut tx, &fs, &m, 1, stall, || false),
+                receive(rx, &log, &buffers)
+            )
+        };
+        let wait = std::time::Duration::from_millis(300);
+        assert!(tokio::time::timeout(wait, both).await.is_err(), "stalled");
+        let got = log.got.lock().expect("lock");
+        let frames: Vec<Received> = fs[..2]
+            .iter()
+            .cloned()
+            .map(|f| Received::Frame(f.check()))
+            .collect();
+        assert_eq!(*got, frames);
+    }
+
+    #[tokio::test]
+    async fn the_listener_takes_a_transfer_and_a_drain_acknowledgement_on_their_own_connections() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("address").to_string();
+        let log = Log::default();
+        let server = tokio::spawn(serve(listener, log.clone()));
+        let fs = frames(2, 100);
+        let sent = send(&address, &fs, &manifest(&fs), 1 << 20, || false).await;
+        assert!(
+            matches!(sent, Ok(Sent::Complete { frames: 2, .. })),
+            "{sent:?}"
+        );
+        send_closed(&address, NONCE, CloseReason::Aborted)
+            .await
+            .expect("sent");
+        // The connections are served on tasks of their own: wait (bounded) for all of it.
+        for _ in 0..500 {
+            if log.got.lock().expect("lock").len() == 5 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        server.abort();
+        let got = log.got.lock().expect("lock");
+        assert_eq!(got.len(), 5, "{got:?}");
+        assert_eq!(
+            got[4],
+            Received::Closed {
+                nonce: NONCE,
+                reason: CloseReason::Aborted
+            }
+        );
+    }
+
+    #[test]
+    fn spare_buffers_are_bounded_and_handed_out_empty_with_room() {
+        let buffers = Buffers::default();
+        for _ in 0..SPARE_BUFFERS + 3 {
+            buffers.give(vec![7; 8]);
+        }
+        let spares = || buffers.0.lock().expect("lock").len();
+        assert_eq!(spares(), SPARE_BUFFERS);
+        let b = buffers.take(100);
+        assert!(b.is_empty() && b.capacity() >= 100, "{b:?}");
+        assert_eq!(spares(), SPARE_BUFFERS - 1);
     }
 
     #[tokio::test]

@@ -3,6 +3,7 @@
 
 use std::sync::mpsc;
 
+use bulkhead_kvpool::RequestId;
 use bulkhead_worker::engine::{
     Engine, EngineConfig, FinishReason, KvBudget, StartupError, SubmitError,
 };
@@ -84,6 +85,11 @@ fn a_prompt_over_the_pool_is_rejected_before_any_allocation() {
     );
     assert_eq!(e.pool().stats(), before, "nothing was reserved");
     assert!(!e.has_work(), "nothing was queued");
+    let (tx, _rx) = mpsc::channel();
+    assert!(
+        e.submit(request(2, &[5; 60], 4, tx)).is_ok(),
+        "exactly the pool fits"
+    );
 }
 
 #[test]
@@ -186,5 +192,37 @@ fn a_dropped_listener_cancels_the_request_and_frees_its_pages() {
     drop(rx);
     e.step();
     assert!(!e.has_work(), "cancelled");
+    assert_all_pages_back(&e);
+}
+
+#[test]
+fn at_most_max_running_requests_hold_pages_at_once_and_cancel_finds_each_once() {
+    let mut e = tiny_engine(
+        256,
+        EngineConfig {
+            max_running: 1,
+            ..EngineConfig::default()
+        },
+    );
+    let mut rxs = Vec::new();
+    for id in [1, 2, 3] {
+        let (tx, rx) = mpsc::channel();
+        let mut r = request(id, &[5; 4], 50, tx);
+        r.ignore_eos = true; // runs until cancelled or 50 tokens
+        e.submit(r).map_err(|(err, _)| err).expect("fits the pool");
+        rxs.push(rx);
+    }
+    e.step();
+    assert_eq!(e.load(), (2, 1), "one runs, two wait");
+    assert!(!e.cancel(RequestId::new(9)), "no such request");
+    assert!(e.cancel(RequestId::new(3)), "a waiting request");
+    assert!(!e.cancel(RequestId::new(3)), "already cancelled");
+    assert!(e.cancel(RequestId::new(1)), "the running request");
+    assert_eq!(e.load(), (1, 0));
+    while e.has_work() {
+        e.step();
+    }
+    let outs: Vec<_> = rxs.into_iter().map(collect).collect();
+    assert!(matches!(outs[1].finish, Some(Ok(_))), "{:?}", outs[1]);
     assert_all_pages_back(&e);
 }

@@ -3,10 +3,11 @@
 //! complete, verified transfer is ever attended over, and every page comes back.
 
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bulkhead_handoff::codec::{decode, encode};
-use bulkhead_handoff::{CloseReason, IntegrityFailure, Message, Reservation};
+use bulkhead_handoff::{CloseReason, IntegrityFailure, Message, Reservation, SessionNonce};
+use bulkhead_kvpool::RequestId;
 use bulkhead_worker::engine::{
     Engine, EngineConfig, Event, Failure, KvBudget, Outbound, SubmitError,
 };
@@ -239,16 +240,19 @@ fn an_aborted_transfer_keeps_its_pages_until_the_drain_acknowledgement() {
     let (target, _rx) = reserve(&mut d, 1, &prompt, 8);
     let out = prefill(&mut p, 1, &prompt, target).expect("prefill");
     d.deliver(wire(&Message::Frame(out.frames[0].clone())));
-    assert!(
-        d.cancel(bulkhead_kvpool::RequestId::new(1)),
-        "client went away mid-transfer"
-    );
+    assert!(d.cancel(RequestId::new(1)), "client went away mid-transfer");
     let held = d.pool().stats();
     assert!(held.releasing > 0, "pages wait for the drain: {held:?}");
     // A late frame of the aborted session is dropped, never written.
     let dropped = d.transfer_stats().frames_dropped.total();
     d.deliver(wire(&Message::Frame(out.frames[1].clone())));
     assert_eq!(d.transfer_stats().frames_dropped.total(), dropped + 1);
+    d.step();
+    assert_eq!(
+        d.pool().stats(),
+        held,
+        "the drain deadline is release_timeout away"
+    );
     d.deliver(Message::Closed {
         nonce: out.nonce(),
         reason: CloseReason::Aborted,
@@ -271,7 +275,7 @@ fn without_a_drain_acknowledgement_pages_are_quarantined_never_freed() {
     );
     let prompt: Vec<u32> = (3..40).collect();
     let (_target, _rx) = reserve(&mut d, 1, &prompt, 8);
-    d.cancel(bulkhead_kvpool::RequestId::new(1));
+    d.cancel(RequestId::new(1));
     d.step();
     let s = d.pool().stats();
     assert_eq!(s.quarantined, 3, "{s:?}"); // 45 tokens → 3 pages
@@ -300,5 +304,154 @@ fn a_transfer_that_never_completes_times_out() {
     assert!(
         d.pool().stats().releasing > 0,
         "the pages wait for the drain, not the free list"
+    );
+}
+
+#[test]
+fn a_verified_transfer_writes_every_frame_and_hands_back_every_buffer() {
+    let (mut d, mut p) = (tiny_engine(256), tiny_engine(256));
+    let prompt: Vec<u32> = (3..40).collect();
+    let (target, rx) = reserve(&mut d, 1, &prompt, 8);
+    let out = prefill(&mut p, 1, &prompt, target).expect("prefill");
+    for f in &out.frames {
+        let back = d.deliver(wire(&Message::Frame(f.clone())));
+        assert_eq!(
+            back.as_ref(),
+            Some(&f.bytes),
+            "the buffer comes back for reuse"
+        );
+    }
+    assert_eq!(d.transfer_stats().frames_written, out.frames.len() as u64);
+    assert_eq!(
+        d.deliver(wire(&Message::Manifest(out.manifest.clone()))),
+        None
+    );
+    out.close();
+    let outcome = finish(&mut d, rx);
+    assert!(matches!(outcome.finish, Some(Ok(_))), "{outcome:?}");
+    assert_pages_back(&d, 0);
+}
+
+#[test]
+fn prefill_refuses_a_reservation_that_does_not_describe_its_prompt() {
+    let (mut d, mut p) = (tiny_engine(256), tiny_engine(256));
+    // 37 tokens: 3 pages of 16, and still 3 pages of 13 (so only the field under test differs).
+    let prompt: Vec<u32> = (3..40).collect();
+    let (target, _rx) = reserve(&mut d, 1, &prompt, 8);
+    let before = p.pool().stats();
+    let changes: [fn(&mut Reservation); 4] = [
+        |t| t.prompt_tokens += 1,
+        |t| t.page_tokens = 13,
+        |t| t.token_bytes += 1,
+        |t| {
+            t.pages.pop();
+        },
+    ];
+    for (i, change) in changes.iter().enumerate() {
+        let mut t = target.clone();
+        change(&mut t);
+        let (tx, _rx) = mpsc::channel();
+        let refused = p
+            .submit_prefill(request(10 + i as u64, &prompt, 1, tx), t)
+            .map_err(|(e, _)| e);
+        assert!(
+            matches!(refused, Err(SubmitError::ReservationMismatch(_))),
+            "change {i}: {refused:?}"
+        );
+    }
+    assert_eq!(p.pool().stats(), before, "prefill allocated nothing");
+    assert!(!p.has_work());
+}
+
+#[test]
+fn a_torn_down_transport_fails_the_transfer_and_counts_as_the_drain() {
+    let mut d = tiny_engine(256);
+    let prompt: Vec<u32> = (3..40).collect();
+    let (first, rx) = reserve(&mut d, 1, &prompt, 8);
+    let (abandoned, _rx) = reserve(&mut d, 2, &prompt, 8);
+    assert!(d.cancel(RequestId::new(2)));
+    assert!(d.pool().stats().releasing > 0, "waiting for the drain");
+    let s = d.transfer_stats();
+    assert_eq!(
+        (s.transfers_in_flight, s.in_flight_tokens, s.reserved_tokens),
+        (1, 37, 45),
+        "the first transfer's 37 prompt tokens, 45 with the tokens to generate"
+    );
+    d.transport_closed(&[first.nonce, abandoned.nonce]);
+    assert_eq!(
+        collect(rx).finish,
+        Some(Err(Failure::PrefillClosed("prefill failed")))
+    );
+    d.step();
+    assert_pages_back(&d, 0);
+}
+
+/// Decode's side of a transfer whose second frame arrives corrupted: the request fails and
+/// its pages are quarantined. Returns the session.
+fn quarantine_a_transfer(d: &mut Engine) -> SessionNonce {
+    let mut p = tiny_engine(256);
+    let prompt: Vec<u32> = (3..40).collect();
+    let (target, _rx) = reserve(d, 1, &prompt, 8);
+    let out = prefill(&mut p, 1, &prompt, target).expect("prefill");
+    let mut corrupt = out.frames[1].clone();
+    corrupt.bytes[0] ^= 1;
+    for f in [&out.frames[0], &corrupt, &out.frames[2]] {
+        d.deliver(wire(&Message::Frame(f.clone())));
+    }
+    d.deliver(wire(&Message::Manifest(out.manifest.clone())));
+    assert_eq!(d.pool().stats().quarantined, 3);
+    assert_eq!(d.transfer_stats().integrity_failures, 1);
+    out.nonce()
+}
+
+#[test]
+fn a_quarantined_transfer_comes_back_only_after_its_peer_is_gone_and_the_grace_period() {
+    for (grace, back) in [(Duration::ZERO, true), (Duration::from_secs(3600), false)] {
+        let mut d = engine(
+            tiny_model(TinySpec::default()),
+            EngineConfig {
+                kv: KvBudget::Tokens(256),
+                reclaim_after: grace,
+                ..EngineConfig::default()
+            },
+        );
+        let nonce = quarantine_a_transfer(&mut d);
+        d.step();
+        assert_pages_back(&d, 3); // the peer may still write: never reused
+        assert_eq!(d.transfer_stats().quarantined_sessions, 1);
+        d.deliver(Message::Closed {
+            nonce,
+            reason: CloseReason::Aborted,
+        });
+        d.step();
+        let (quarantined, reclaimed) = if back { (0, 3) } else { (3, 0) };
+        assert_pages_back(&d, quarantined);
+        assert_eq!(d.transfer_stats().reclaimed_pages, reclaimed, "{grace:?}");
+    }
+}
+
+#[test]
+fn a_transfer_waits_the_timeout_plus_its_bytes_at_the_floor_rate() {
+    let prompt: Vec<u32> = (3..40).collect();
+    let token_bytes = tiny_engine(256).capacity().token_bytes;
+    let bytes = prompt.len() as u64 * token_bytes;
+    // The floor rate moves the prompt's bytes in exactly one second.
+    let mut d = engine(
+        tiny_model(TinySpec::default()),
+        EngineConfig {
+            kv: KvBudget::Tokens(256),
+            transfer_timeout: Duration::from_secs(100),
+            transfer_floor_bytes_per_s: bytes,
+            ..EngineConfig::default()
+        },
+    );
+    let earliest = Instant::now() + Duration::from_secs(101);
+    let _transfer = reserve(&mut d, 1, &prompt, 8);
+    let latest = Instant::now() + Duration::from_secs(101);
+    let deadline = d.next_deadline().expect("a transfer in flight");
+    assert!(
+        earliest <= deadline && deadline <= latest,
+        "{:?} after the earliest",
+        deadline.checked_duration_since(earliest)
     );
 }
