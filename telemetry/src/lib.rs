@@ -25,6 +25,10 @@ pub mod propagation;
 
 pub use audit::AuditExport;
 pub use install::{Otlp, OtlpEndpoint, Settings, Telemetry, TelemetryError};
+pub use opentelemetry::KeyValue;
+
+/// The resource attribute that names a worker's role: `both`, `prefill` or `decode`.
+pub const WORKER_ROLE: &str = "bulkhead.worker.role";
 
 /// `rpc.service` of the worker protocol's spans (gateway → worker, decode → prefill).
 pub const WORKER_RPC_SERVICE: &str = "bulkhead.worker.v1.Worker";
