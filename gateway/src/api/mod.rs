@@ -3,8 +3,9 @@
 //!
 //! One request, in order (design.md steps 1–5):
 //! ```text
-//! traced (the request's span) ─▶ audited (a trail: one audit record per request) ─▶ Auth layer (key → tenant; tenant headers
-//!   stripped) ─▶ account ─▶ tenant limits (in flight, requests/min)
+//! traced (the request's span, crate::traced) ─▶ audited (a trail: one audit record per
+//!   request) ─▶ Auth layer (key → tenant; tenant headers stripped) ─▶ account
+//!   ─▶ tenant limits (in flight, requests/min)
 //!   ─▶ body (size limit) ─▶ validate::parse_* → Valid* ─▶ chat template + tokenizer (the
 //!   worker's) ─▶ admission (prompt + max tokens ≤ effective limit, else 400 before any worker
 //!   is contacted) ─▶ policy chain (allow | deny; a clamp is admitted again) ─▶ tokens/min
