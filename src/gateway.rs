@@ -9,6 +9,8 @@ use anyhow::Context;
 use bulkhead_gateway::keys::KeyHash;
 use bulkhead_gateway::{BoundGateway, Config};
 
+use crate::telemetry::Service;
+
 /// Environment variables, one per flag.
 pub mod env {
     pub const CONFIG: &str = "BULKHEAD_GATEWAY_CONFIG";
@@ -21,14 +23,20 @@ pub struct Args {
     config: PathBuf,
     #[command(flatten)]
     data_dir: crate::data_dir::DataDir,
+    #[command(flatten)]
+    otlp: crate::telemetry::OtlpArgs,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let config = Config::load(&args.config)
         .with_context(|| format!("invalid configuration {}", args.config.display()))?;
+    let export = crate::telemetry::gateway_export(&args.otlp, &config.telemetry)?;
+    // Dropped last, after the runtime: exports what is still queued.
+    let telemetry = crate::telemetry::install("info", export.map(|o| (Service::Gateway, o)))?;
+    let audit_export = telemetry.audit_export();
     let data_dir = args.data_dir.path()?;
     runtime()?.block_on(async move {
-        let gateway = BoundGateway::bind(config, &data_dir).await?;
+        let gateway = BoundGateway::bind(config, &data_dir, audit_export).await?;
         let (api, admin) = (gateway.api_addr()?, gateway.admin_addr()?);
         tracing::info!(%api, %admin, "gateway serving");
         println!("bulkhead gateway ready api={api} admin={admin}");

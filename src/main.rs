@@ -6,6 +6,7 @@ mod data_dir;
 mod gateway;
 mod generate;
 mod model_path;
+mod telemetry;
 mod up;
 mod worker;
 
@@ -58,23 +59,17 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     let command = Cli::parse().command;
-    // Servers log their startup facts (measured pool, served context) by default.
-    let default_level = match command {
-        Command::Worker(_) | Command::Gateway(_) | Command::Up(_) => "info",
+    // The servers install their own telemetry (they export spans when configured to) and log
+    // their startup facts (measured pool, served context) by default; the rest only warn.
+    let _log = match command {
+        Command::Worker(_) | Command::Gateway(_) | Command::Up(_) => None,
         Command::Generate(_)
         | Command::Bench { .. }
         | Command::Audit { .. }
         | Command::HashKey
         | Command::CudaPtx { .. }
-        | Command::Preflight(_) => "warn",
+        | Command::Preflight(_) => Some(telemetry::install("warn", None)?),
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("BULKHEAD_LOG")
-                .unwrap_or_else(|_| default_level.into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     match command {
         Command::Generate(args) => generate::run(args),
         Command::Bench { what } => bench::run(what),

@@ -15,6 +15,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 use crate::model_path::ModelArgs;
+use crate::telemetry::Service;
 
 /// The default configuration, built into the binary so `bulkhead up` works from anywhere.
 const DEFAULT_CONFIG: &str = include_str!("../deploy/local/gateway.toml");
@@ -87,9 +88,11 @@ pub struct Args {
     config: Option<PathBuf>,
     #[command(flatten)]
     data_dir: crate::data_dir::DataDir,
+    #[command(flatten)]
+    otlp: crate::telemetry::OtlpArgs,
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(mut args: Args) -> anyhow::Result<()> {
     let mut config = match &args.config {
         Some(path) => Config::load(path)
             .with_context(|| format!("invalid configuration {}", path.display()))?,
@@ -100,6 +103,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(port) = args.admin_port {
         config.listen.admin.set_port(port);
     }
+    let export = crate::telemetry::gateway_export(&args.otlp, &config.telemetry)?;
+    // The workers export to the same collector as the gateway.
+    args.otlp.otlp_endpoint = export.as_ref().map(|o| o.endpoint.clone());
+    // Dropped last, after the runtime: exports what is still queued.
+    let telemetry = crate::telemetry::install("info", export.map(|o| (Service::Gateway, o)))?;
+    let audit_export = telemetry.audit_export();
     let model = args.model.path()?;
     let data_dir = args.data_dir.path()?;
 
@@ -123,7 +132,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 workers.push(d);
             }
         }
-        let gateway = BoundGateway::bind(config, &data_dir).await?;
+        let gateway = BoundGateway::bind(config, &data_dir, audit_export).await?;
         let (api, admin) = (gateway.api_addr()?, gateway.admin_addr()?);
         let listing: Vec<String> = workers
             .iter()
@@ -187,6 +196,9 @@ async fn start_worker(
         .arg(model);
     if let Some(t) = kv_tokens {
         cmd.arg("--kv-tokens").arg(t.to_string());
+    }
+    if let Some(endpoint) = &args.otlp.otlp_endpoint {
+        cmd.arg("--otlp-endpoint").arg(endpoint.to_string());
     }
     cmd.args(args.model.device_args());
     if let Some(t) = args.model.threads {

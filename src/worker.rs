@@ -11,7 +11,10 @@ use bulkhead_worker::serve::kvplane::SendFault;
 use bulkhead_worker::serve::transport::{KvTransport, TransportConfig};
 use bulkhead_worker::serve::{BoundWorker, RoleConfig, ServeConfig};
 
+use bulkhead_telemetry::Otlp;
+
 use crate::model_path::ModelArgs;
+use crate::telemetry::Service;
 
 /// Environment variables, one per flag (`--listen` ↔ `BULKHEAD_LISTEN`, …).
 pub mod env {
@@ -142,6 +145,8 @@ pub struct Args {
     /// first device]
     #[arg(long, env = env::RDMA_DEVICE)]
     rdma_device: Option<String>,
+    #[command(flatten)]
+    otlp: crate::telemetry::OtlpArgs,
 }
 
 impl Args {
@@ -209,6 +214,20 @@ impl Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    let role = match args.role {
+        Role::Both => "both",
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+    };
+    let export = args.otlp.otlp_endpoint.clone().map(|endpoint| {
+        let otlp = Otlp {
+            endpoint,
+            audit_logs: false,
+        };
+        (Service::Worker(role), otlp)
+    });
+    // Dropped last, after the runtime: exports what is still queued.
+    let _telemetry = crate::telemetry::install("info", export)?;
     let config = args.config()?;
     // Before the model is loaded: a data plane this build or machine lacks fails the start now.
     let transport = KvTransport::open(&args.transport()?)?;

@@ -13,8 +13,9 @@
 //!   its grammar admits no path tricks (I6).
 //! - [`verify()`] checks every chain and reports each tenant's first problem by file and line.
 //!
-//! Not here yet: the gateway's use of it, the HTTP read API and its auth, OpenTelemetry export,
-//! retention.
+//! Elsewhere: the gateway's use of it and the HTTP read API (`bulkhead-gateway`'s `trail`), the
+//! export of each record as an OpenTelemetry log record (`bulkhead-telemetry`'s `audit`).
+//! Not here yet: retention.
 #![warn(missing_docs)]
 
 mod error;

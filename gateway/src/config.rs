@@ -20,6 +20,11 @@
 //! on_failure = "refuse"             # or "serve": keep serving while the log is broken
 //! segment_bytes = 67108864
 //!
+//! [telemetry]                       # optional; OpenTelemetry export is off without it
+//! otlp_endpoint = "http://127.0.0.1:4318"  # a collector (OTLP over HTTP/protobuf); spans go
+//!                                   # to /v1/traces. OTEL_EXPORTER_OTLP_ENDPOINT overrides it
+//! audit_logs = false                # also export each audit record as a log record (/v1/logs)
+//!
 //! [[tenants]]
 //! id = "tenant-a"                   # a-z 0-9 - _; ids starting with '_' are reserved
 //! key_sha256 = ["…64 hex…"]         # sha256 of each API key; never the key itself
@@ -61,6 +66,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bulkhead_telemetry::{OtlpEndpoint, TelemetryError};
 use serde::Deserialize;
 
 use crate::discovery::{GroupError, RawWorkerGroup, WorkerGroup};
@@ -88,6 +94,19 @@ pub struct Config {
     pub refresh_interval: Duration,
     /// Policy plugins; `None`: none run.
     pub policies: Option<PolicySettings>,
+    /// OpenTelemetry export.
+    pub telemetry: TelemetrySettings,
+}
+
+/// OpenTelemetry export: off unless a collector is named here or by the process's flags and
+/// environment (which override this).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TelemetrySettings {
+    /// The collector's base URL (OTLP over HTTP/protobuf).
+    pub otlp_endpoint: Option<OtlpEndpoint>,
+    /// Export each final audit record as an OpenTelemetry log record as well (it stays in the
+    /// tenant's log either way; captured content is never exported).
+    pub audit_logs: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -299,6 +318,8 @@ pub enum ConfigError {
     OpenAiOnly { name: String, field: &'static str },
     #[error(transparent)]
     Group(#[from] GroupError),
+    #[error("telemetry.otlp_endpoint: {0}")]
+    Telemetry(#[from] TelemetryError),
 }
 
 #[derive(Debug, Deserialize)]
@@ -320,6 +341,16 @@ struct RawConfig {
     worker_refresh_secs: u64,
     #[serde(default)]
     policies: Option<RawPolicies>,
+    #[serde(default)]
+    telemetry: RawTelemetry,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTelemetry {
+    otlp_endpoint: Option<String>,
+    #[serde(default)]
+    audit_logs: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -440,6 +471,15 @@ impl Config {
             worker_groups,
             refresh_interval: Duration::from_secs(raw.worker_refresh_secs),
             policies: raw.policies.map(policy_settings).transpose()?,
+            telemetry: TelemetrySettings {
+                otlp_endpoint: raw
+                    .telemetry
+                    .otlp_endpoint
+                    .as_deref()
+                    .map(str::parse)
+                    .transpose()?,
+                audit_logs: raw.telemetry.audit_logs,
+            },
         })
     }
 }
@@ -736,6 +776,31 @@ mod tests {
         assert!(c.keyring.tenant(&KeyHash::of("sk-c")).is_none());
         assert_eq!(c.workers[0].endpoint, "http://127.0.0.1:50051");
         assert_eq!(c.http, HttpLimits::default());
+    }
+
+    #[test]
+    fn telemetry_is_off_by_default_and_a_bad_endpoint_is_refused_by_name() {
+        let c = Config::parse(&config(&tenant("tenant-a", "k"), WORKER)).expect("valid");
+        assert_eq!(c.telemetry, TelemetrySettings::default());
+        assert_eq!(c.telemetry.otlp_endpoint, None);
+        let text = config(
+            &tenant("tenant-a", "k"),
+            &format!(
+                "{WORKER}[telemetry]\notlp_endpoint = \"http://127.0.0.1:4318/\"\naudit_logs = true\n"
+            ),
+        );
+        let c = Config::parse(&text).expect("valid");
+        let endpoint = c.telemetry.otlp_endpoint.expect("an endpoint");
+        assert_eq!(endpoint.traces(), "http://127.0.0.1:4318/v1/traces");
+        assert!(c.telemetry.audit_logs);
+        let bad = config(
+            &tenant("tenant-a", "k"),
+            &format!("{WORKER}[telemetry]\notlp_endpoint = \"https://collector:4318\"\n"),
+        );
+        let e = Config::parse(&bad)
+            .expect_err("https is not built in")
+            .to_string();
+        assert!(e.contains("telemetry.otlp_endpoint"), "{e}");
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //!                                              ▼
 //!                                    workers (Info/Health refreshed; least outstanding tokens)
 //!  every request ─▶ trail: one record in its tenant's hash-chained audit log (I5, I6)
+//!  every request ─▶ traced: one span tree, continuing the client's trace (OpenTelemetry)
 //!  operator ─HTTP─▶ admin (/healthz, /metrics, /workers, /audit/{tenant}; its own token)
 //! ```
 //!
@@ -29,6 +30,7 @@ pub mod preflight;
 pub mod routing;
 pub mod server;
 pub mod tenant;
+pub mod traced;
 pub mod trail;
 pub mod upstreams;
 pub mod workers;

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
+use bulkhead_telemetry::AuditExport;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
@@ -65,15 +66,22 @@ pub struct BoundGateway {
 
 impl BoundGateway {
     /// Opens the audit log in `data_dir/audit`, binds both listeners and builds the routers;
-    /// contacts no worker yet.
-    pub async fn bind(config: Config, data_dir: &Path) -> Result<BoundGateway, GatewayError> {
+    /// contacts no worker yet. With `audit_export`, every audit record is also exported as an
+    /// OpenTelemetry log record (see [`crate::config::TelemetrySettings`]).
+    pub async fn bind(
+        config: Config,
+        data_dir: &Path,
+        audit_export: Option<AuditExport>,
+    ) -> Result<BoundGateway, GatewayError> {
         let metrics = Metrics::default();
         let audit_dir = data_dir.join("audit");
-        let (recorder, recoveries) = Recorder::open(&audit_dir, config.audit, metrics.clone())
-            .map_err(|source| GatewayError::Audit {
-                dir: audit_dir.display().to_string(),
-                source,
-            })?;
+        let (recorder, recoveries) =
+            Recorder::open(&audit_dir, config.audit, metrics.clone(), audit_export).map_err(
+                |source| GatewayError::Audit {
+                    dir: audit_dir.display().to_string(),
+                    source,
+                },
+            )?;
         for r in recoveries {
             tracing::warn!(recovery = ?r, "the audit log repaired a crash's leftovers");
         }

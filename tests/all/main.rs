@@ -4,6 +4,7 @@ mod audit;
 mod device;
 mod gateway;
 mod netns;
+mod otel;
 mod policies;
 mod scale;
 mod transfer_faults;

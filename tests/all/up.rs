@@ -89,6 +89,8 @@ pub struct Options<'a> {
     pub replace: &'a [(&'a str, &'a str)],
     /// A data directory to use (kept after the test); a fresh scratch one otherwise.
     pub data_dir: Option<PathBuf>,
+    /// Extra environment variables of `bulkhead up` (its workers inherit them).
+    pub env: &'a [(&'a str, &'a str)],
 }
 
 impl Drop for Up {
@@ -168,6 +170,7 @@ impl Up {
             .arg(&data_dir)
             .args(options.args)
             .env("BULKHEAD_LOG", "warn")
+            .envs(options.env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

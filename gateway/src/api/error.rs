@@ -113,6 +113,20 @@ pub struct Mapping {
     pub code: Option<&'static str>,
 }
 
+impl Mapping {
+    /// The error class recorded in audit records and spans: the `code`, else the `type`.
+    pub fn error_type(&self) -> &'static str {
+        self.code.unwrap_or(self.kind)
+    }
+}
+
+impl ApiError {
+    /// This error's class (see [`Mapping::error_type`]).
+    pub fn error_type(&self) -> &'static str {
+        mapping(self).error_type()
+    }
+}
+
 const INVALID_REQUEST: &str = "invalid_request_error";
 
 /// The one error table of the API (design.md, "Errors → HTTP").
@@ -228,7 +242,8 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let Mapping { status, kind, code } = mapping(&self);
+        let class = mapping(&self);
+        let status = class.status;
         let mut response = (
             status,
             [(header::CONTENT_TYPE, "application/json")],
@@ -247,7 +262,7 @@ impl IntoResponse for ApiError {
         }
         response
             .extensions_mut()
-            .insert(ErrorType(code.unwrap_or(kind)));
+            .insert(ErrorType(class.error_type()));
         response
     }
 }

@@ -3,8 +3,9 @@
 //!
 //! One request, in order (design.md steps 1–5):
 //! ```text
-//! audited (a trail: one audit record per request) ─▶ Auth layer (key → tenant; tenant headers
-//!   stripped) ─▶ account ─▶ tenant limits (in flight, requests/min)
+//! traced (the request's span, crate::traced) ─▶ audited (a trail: one audit record per
+//!   request) ─▶ Auth layer (key → tenant; tenant headers stripped) ─▶ account
+//!   ─▶ tenant limits (in flight, requests/min)
 //!   ─▶ body (size limit) ─▶ validate::parse_* → Valid* ─▶ chat template + tokenizer (the
 //!   worker's) ─▶ admission (prompt + max tokens ≤ effective limit, else 400 before any worker
 //!   is contacted) ─▶ policy chain (allow | deny; a clamp is admitted again) ─▶ tokens/min
@@ -18,6 +19,7 @@ mod respond;
 mod upstream;
 pub mod validate;
 
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -30,13 +32,15 @@ use axum::routing::{get, post};
 use http::HeaderMap;
 use http::header::CONTENT_TYPE;
 use tokio::time::Instant;
+use tracing::Instrument as _;
+use tracing::field::Empty;
 
 pub use error::{ApiError, ErrorType, Mapping, mapping};
 pub use respond::Streamed;
 pub use upstream::{WorkerFailure, from_status};
 use validate::{CompletionPrompt, ValidCommon, parse_chat, parse_completion};
 
-use crate::admission::admit;
+use crate::admission::{Admitted, EffectiveLimit, admit};
 use crate::auth::{AuthLayer, Authenticated};
 use crate::config::{HttpLimits, Keyring};
 use crate::limits::Limiter;
@@ -79,6 +83,7 @@ pub fn router(state: ApiState, keyring: Arc<Keyring>) -> Router {
         ))
         .layer(AuthLayer::new(keyring, metrics))
         .layer(middleware::from_fn_with_state(recorder, trail::audited))
+        .layer(middleware::from_fn(crate::traced::traced))
 }
 
 async fn not_found() -> Response {
@@ -230,6 +235,7 @@ async fn start(
             let prompt = tokenize(&model, &parsed);
             (parsed, prompt)
         })
+        .instrument(tracing::info_span!("tokenize"))
         .await
         .map_err(|_| ApiError::Internal)?
     };
@@ -241,7 +247,7 @@ async fn start(
         .workers
         .effective_limit(tenant.limits.max_context)
         .ok_or(ApiError::NoHealthyWorker)?;
-    let admitted = admit(
+    let admitted = admission(
         prompt.len(),
         common.max_tokens,
         state.http.default_max_tokens,
@@ -249,6 +255,12 @@ async fn start(
     )?;
     // The policy chain (design step 3); a clamp of max tokens goes through admission again.
     let request_id = trail.request_id();
+    let policy_span = tracing::info_span!(
+        "policy",
+        bulkhead.policy.decisions = Empty,
+        bulkhead.policy.max_tokens = Empty,
+        error.type = Empty,
+    );
     let policy = state
         .policies
         .on_request(RequestFacts {
@@ -260,11 +272,22 @@ async fn start(
             prompt_tokens: admitted.prompt_tokens,
             max_tokens: admitted.max_new_tokens,
         })
-        .await?;
+        .instrument(policy_span.clone())
+        .await
+        .map_err(ApiError::from)
+        .inspect_err(|e| {
+            policy_span.record("error.type", e.error_type());
+        })?;
+    policy_span.record("bulkhead.policy.decisions", policy.decisions().len());
+    policy_span.record(
+        "bulkhead.policy.max_tokens",
+        policy.clamp().map(NonZeroU32::get),
+    );
+    drop(policy_span);
     trail.policy(policy.decisions().iter().map(Into::into).collect());
     let admitted = match policy.clamp() {
         None => admitted,
-        Some(max) => admit(
+        Some(max) => admission(
             prompt.len(),
             Some(max),
             state.http.default_max_tokens,
@@ -272,10 +295,21 @@ async fn start(
         )?,
     };
     permit.charge_tokens(admitted.total_tokens())?;
-    let route = state
-        .workers
-        .route(&admitted)
-        .ok_or(ApiError::NoHealthyWorker)?;
+    let route = tracing::info_span!(
+        "route",
+        bulkhead.workers.decode = Empty,
+        bulkhead.workers.prefill = Empty,
+    )
+    .in_scope(|| {
+        let route = state.workers.route(&admitted);
+        if let Some(r) = &route {
+            let span = tracing::Span::current();
+            span.record("bulkhead.workers.decode", r.worker.as_str());
+            span.record("bulkhead.workers.prefill", r.prefill.as_deref());
+        }
+        route
+    })
+    .ok_or(ApiError::NoHealthyWorker)?;
     trail.routed(&route);
 
     let request = upstream::Generate {
@@ -287,10 +321,13 @@ async fn start(
         stop: &common.stop,
     }
     .into_request();
-    let stream = match route.client.generate(request).await {
+    let upstream_span = route.client.span(&route.worker);
+    let generating = route.client.generate(request, &upstream_span);
+    let stream = match generating.instrument(upstream_span.clone()).await {
         Ok(stream) => stream,
         Err(status) => {
             let failure = from_status(&status);
+            upstream::span_failed(&upstream_span, &failure.error);
             if failure.worker_down {
                 tracing::warn!(worker = %route.worker, %status, "the worker failed a Generate call");
                 route.failed(status.message());
@@ -320,6 +357,30 @@ async fn start(
         progress: Progress::default(),
         policy: Some(policy),
         trail: trail.clone(),
+        upstream_span,
+    })
+}
+
+/// Gateway admission (design step 4) in its span: prompt + max tokens against `limit`.
+fn admission(
+    prompt_tokens: usize,
+    max_tokens: Option<NonZeroU32>,
+    default_max_tokens: NonZeroU32,
+    limit: EffectiveLimit,
+) -> Result<Admitted, ApiError> {
+    let span = tracing::info_span!(
+        "admission",
+        gen_ai.usage.input_tokens = prompt_tokens,
+        gen_ai.request.max_tokens = max_tokens.map(NonZeroU32::get),
+        bulkhead.admission.limit = limit.tokens,
+        error.type = Empty,
+    );
+    span.in_scope(|| {
+        admit(prompt_tokens, max_tokens, default_max_tokens, limit)
+            .map_err(ApiError::from)
+            .inspect_err(|e| {
+                span.record("error.type", e.error_type());
+            })
     })
 }
 

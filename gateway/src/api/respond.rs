@@ -12,6 +12,7 @@ use bulkhead_worker::serve::proto::{Done, GenerateResponse, Item};
 use http::header::CONTENT_TYPE;
 use serde_json::{Value, json};
 use tokio::time::Instant;
+use tracing::Instrument as _;
 
 use crate::limits::RequestPermit;
 use crate::metrics::Metrics;
@@ -23,7 +24,7 @@ use crate::workers::Route;
 
 use super::Endpoint;
 use super::error::ApiError;
-use super::upstream::{finish_reason, from_status};
+use super::upstream::{finish_reason, from_status, span_failed};
 use super::validate::Stream;
 
 /// A request the worker accepted; holds the tenant's permit and the route until it ends.
@@ -48,6 +49,8 @@ pub struct Started {
     /// `None` only once finished at drop.
     pub policy: Option<RequestPolicy>,
     pub trail: Trail,
+    /// The upstream call's client span: open while the upstream stream is read.
+    pub upstream_span: tracing::Span,
 }
 
 impl Drop for Started {
@@ -105,6 +108,7 @@ impl Started {
                     tracing::warn!(worker = %self.route.worker, id = %self.id, "the worker ended a stream without Done");
                     self.route.failed("a stream ended without Done");
                     self.trail.failed(&ApiError::WorkerUnavailable, None);
+                    span_failed(&self.upstream_span, &ApiError::WorkerUnavailable);
                     return Err(ApiError::WorkerUnavailable);
                 }
                 Err(status) => {
@@ -114,6 +118,7 @@ impl Started {
                         self.route.failed(status.message());
                     }
                     self.trail.failed(&failure.error, failure.refused_by);
+                    span_failed(&self.upstream_span, &failure.error);
                     return Err(failure.error);
                 }
             }
@@ -209,10 +214,12 @@ pub async fn respond(started: Started, deadline: Instant, secs: u64) -> Response
     if let Some(policy) = &started.policy {
         policy.add_headers(&mut headers);
     }
-    let mut response = if started.stream_mode.is_some() {
-        stream(started)
+    let sse = started.stream_mode.is_some();
+    let span = tracing::info_span!("stream", bulkhead.stream = if sse { "sse" } else { "json" });
+    let mut response = if sse {
+        stream(started, span)
     } else {
-        match tokio::time::timeout_at(deadline, collect(started)).await {
+        match tokio::time::timeout_at(deadline, collect(started).instrument(span)).await {
             Err(_) => ApiError::Timeout { secs }.into_response(),
             Ok(Err(e)) => e.into_response(),
             Ok(Ok(body)) => {
@@ -243,18 +250,21 @@ struct Streamer {
     queue: VecDeque<Event>,
     first: bool,
     ended: bool,
+    /// The stream's span: open until the stream is dropped.
+    _span: tracing::Span,
 }
 
 fn data(v: &Value) -> Event {
     Event::default().data(v.to_string())
 }
 
-fn stream(started: Started) -> Response {
+fn stream(started: Started, span: tracing::Span) -> Response {
     let state = Streamer {
         started,
         queue: VecDeque::new(),
         first: true,
         ended: false,
+        _span: span,
     };
     let events = futures_util::stream::unfold(state, |mut s| async move {
         loop {
@@ -294,12 +304,7 @@ fn stream(started: Started) -> Response {
                 }
                 Err(e) => {
                     s.started.metrics.stream_error(&s.started.tenant.id);
-                    let class = crate::api::mapping(&e);
-                    let recorded = s
-                        .started
-                        .trail
-                        .finish(200, Some(class.code.unwrap_or(class.kind)))
-                        .await;
+                    let recorded = s.started.trail.finish(200, Some(e.error_type())).await;
                     s.queue.push_back(data(&recorded.err().unwrap_or(e).body()));
                     s.ended = true;
                 }

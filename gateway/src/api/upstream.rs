@@ -79,6 +79,12 @@ pub fn from_status(status: &tonic::Status) -> WorkerFailure {
     }
 }
 
+/// Marks the upstream call's span failed with `error`'s class.
+pub fn span_failed(span: &tracing::Span, error: &ApiError) {
+    span.record("error.type", error.error_type());
+    span.record("otel.status_code", "ERROR");
+}
+
 /// OpenAI's `finish_reason` for the worker's.
 pub fn finish_reason(reason: i32) -> &'static str {
     match proto::FinishReason::try_from(reason) {

@@ -59,8 +59,21 @@ where
     }
 
     fn call(&mut self, mut request: Request<B>) -> Self::Future {
-        strip_tenant_headers(request.headers_mut());
-        match authenticate(request.headers_mut(), &self.keyring) {
+        let span = tracing::info_span!(
+            "auth",
+            bulkhead.tenant.id = tracing::field::Empty,
+            error.type = tracing::field::Empty
+        );
+        let authenticated = span.in_scope(|| {
+            strip_tenant_headers(request.headers_mut());
+            let authenticated = authenticate(request.headers_mut(), &self.keyring);
+            match &authenticated {
+                Some(a) => span.record("bulkhead.tenant.id", a.tenant.id.as_str()),
+                None => span.record("error.type", ApiError::InvalidApiKey.error_type()),
+            };
+            authenticated
+        });
+        match authenticated {
             Some(authenticated) => {
                 request.extensions_mut().insert(authenticated);
                 ResponseFuture::inner(self.inner.call(request))

@@ -9,6 +9,7 @@ use bulkhead_audit::{
     Sha256Digest, WorkerPair,
 };
 use sha2::{Digest, Sha256};
+use tracing::Span;
 
 use crate::api::ApiError;
 use crate::auth::Authenticated;
@@ -42,6 +43,9 @@ struct Draft {
     completion: Option<Sha256>,
     completion_text: String,
     committed: bool,
+    /// The request's span: the record's facts are mirrored onto it, and it is let go when
+    /// the record is sealed.
+    span: Span,
 }
 
 fn lock(m: &Mutex<Draft>) -> MutexGuard<'_, Draft> {
@@ -61,7 +65,8 @@ fn millis(since: Instant) -> u64 {
 
 impl Trail {
     /// A draft charged to the gateway's own log until [`Trail::authenticated`] names a tenant.
-    pub(super) fn new(recorder: Recorder, request_id: String) -> Trail {
+    pub(super) fn new(recorder: Recorder, request_id: String, span: Span) -> Trail {
+        span.record("bulkhead.request.id", request_id.as_str());
         let record = AuditRecord {
             time_unix_ms: 0,
             request_id,
@@ -95,6 +100,7 @@ impl Trail {
             completion: None,
             completion_text: String::new(),
             committed: false,
+            span,
         })))
     }
 
@@ -111,6 +117,7 @@ impl Trail {
     pub fn authenticated(&self, who: &Authenticated) {
         self.with(|d| {
             d.record.tenant = who.tenant.id.clone();
+            d.span.record("bulkhead.tenant.id", who.tenant.id.as_str());
             d.record.key_id = who.key_id.to_string();
             d.capture = who.tenant.capture_content;
         });
@@ -123,7 +130,10 @@ impl Trail {
 
     /// The model the request asked for (or the served one when it named none).
     pub fn model(&self, model: &str) {
-        self.with(|d| d.record.model = model.to_owned());
+        self.with(|d| {
+            d.record.model = model.to_owned();
+            d.span.record("gen_ai.request.model", model);
+        });
     }
 
     /// The prompt as received and its token count: hashed, and kept only for tenants that
@@ -271,7 +281,8 @@ impl Draft {
         if self.capture && self.record.completion_sha256.is_some() {
             self.record.completion = Some(std::mem::take(&mut self.completion_text));
         }
-        self.recorder.ended(&self.record);
+        let span = std::mem::replace(&mut self.span, Span::none());
+        self.recorder.ended(&self.record, &span);
         self.record.clone()
     }
 }

@@ -37,7 +37,8 @@ pub async fn audited(
         return ApiError::AuditUnavailable.into_response();
     }
     let id = request_id();
-    let trail = recorder.trail(id.clone());
+    // Inside `traced`: the current span is the request's.
+    let trail = recorder.trail(id.clone(), tracing::Span::current());
     if let Some(path) = request.extensions().get::<MatchedPath>() {
         trail.route(path.as_str());
     }

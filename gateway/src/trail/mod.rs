@@ -11,6 +11,9 @@
 //!       left — is recorded on drop with the phase it was in.
 //! ```
 //!
+//! Each final record also ends the request's span (its outcome recorded on it) and, when audit
+//! log export is on, goes out as an OpenTelemetry log record in the same trace.
+//!
 //! While the log cannot write, [`OnAuditFailure::Refuse`] turns every new request away with
 //! 503 `audit_unavailable` rather than serve it unaudited; health says why.
 
@@ -26,6 +29,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bulkhead_audit::{AuditError, AuditLog, AuditRecord, Recovery, Seq, TenantId};
+use bulkhead_telemetry::AuditExport;
+use tracing::Span;
 
 pub use draft::{CLIENT_CLOSED, CLIENT_CLOSED_TYPE, Trail};
 pub use layer::{account, audited};
@@ -60,15 +65,19 @@ struct Inner {
     lost: AtomicU64,
     /// Every final record's latency feeds the request-duration and TTFT histograms.
     metrics: Metrics,
+    /// Every final record is also exported as a log record, when configured.
+    export: Option<AuditExport>,
 }
 
 impl Recorder {
     /// Opens (or creates) the audit log in `dir`, resuming every chain; what recovery repaired
-    /// is returned for the caller to log.
+    /// is returned for the caller to log. With `export`, every final record is also exported as
+    /// an OpenTelemetry log record.
     pub fn open(
         dir: &Path,
         settings: AuditSettings,
         metrics: Metrics,
+        export: Option<AuditExport>,
     ) -> Result<(Recorder, Vec<Recovery>), AuditError> {
         let mut config = bulkhead_audit::Config::new(dir);
         config.segment_bytes = settings.segment_bytes;
@@ -86,6 +95,7 @@ impl Recorder {
             gateway,
             lost: AtomicU64::new(0),
             metrics,
+            export,
         };
         Ok((
             Recorder {
@@ -95,9 +105,9 @@ impl Recorder {
         ))
     }
 
-    /// A new request's trail.
-    pub fn trail(&self, request_id: String) -> Trail {
-        Trail::new(self.clone(), request_id)
+    /// A new request's trail; `span` is the request's span.
+    pub fn trail(&self, request_id: String, span: Span) -> Trail {
+        Trail::new(self.clone(), request_id, span)
     }
 
     fn gateway_tenant(&self) -> &TenantId {
@@ -125,11 +135,20 @@ impl Recorder {
         self.inner.lost.load(Ordering::Relaxed)
     }
 
-    /// A request ended: its latency goes to the histograms.
-    fn ended(&self, record: &AuditRecord) {
+    /// A request ended: its latency goes to the histograms, its outcome onto its span, and
+    /// the record to the collector when export is on.
+    fn ended(&self, record: &AuditRecord, span: &Span) {
         self.inner
             .metrics
             .latency(&record.tenant, record.total_ms, record.ttft_ms);
+        span.record("gen_ai.usage.input_tokens", record.input_tokens);
+        span.record("gen_ai.usage.output_tokens", record.output_tokens);
+        if let Some(error) = &record.error_type {
+            span.record("error.type", error.as_str());
+        }
+        if let Some(export) = &self.inner.export {
+            export.export(record, span);
+        }
     }
 
     /// Appends `record`; in durable mode, returns once it is fsynced.

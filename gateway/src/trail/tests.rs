@@ -129,7 +129,7 @@ fn open(dir: &Scratch, durability: Durability, on_failure: OnAuditFailure) -> Re
         on_failure,
         ..AuditSettings::default()
     };
-    Recorder::open(&dir.0, settings, Metrics::default())
+    Recorder::open(&dir.0, settings, Metrics::default(), None)
         .expect("opens")
         .0
 }

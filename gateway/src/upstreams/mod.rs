@@ -7,9 +7,12 @@ pub mod openai;
 
 use std::sync::Arc;
 
+use bulkhead_telemetry::{WORKER_RPC_SERVICE, propagation};
 use bulkhead_worker::serve::proto::{GenerateRequest, GenerateResponse, WorkerClient};
 use tonic::transport::Channel;
 use tonic::{Status, Streaming};
+use tracing::Span;
+use tracing::field::Empty;
 
 pub use openai::{OpenAiClient, SseStream};
 
@@ -30,16 +33,55 @@ pub enum UpstreamStream {
 }
 
 impl Upstream {
-    /// Starts a generation.
-    pub async fn generate(&self, request: GenerateRequest) -> Result<UpstreamStream, Status> {
+    /// The client span of a generation on `worker` (named after the call, as OpenTelemetry's
+    /// RPC and HTTP conventions have it); it lasts as long as the generation's stream.
+    pub fn span(&self, worker: &str) -> Span {
+        match self {
+            Upstream::Grpc(_) => tracing::info_span!(
+                "upstream",
+                otel.name = format!("{WORKER_RPC_SERVICE}/Generate"),
+                otel.kind = "client",
+                rpc.system = "grpc",
+                rpc.service = WORKER_RPC_SERVICE,
+                rpc.method = "Generate",
+                bulkhead.worker = worker,
+                error.type = Empty,
+                otel.status_code = Empty,
+            ),
+            Upstream::OpenAi(_) => tracing::info_span!(
+                "upstream",
+                otel.name = "POST /v1/completions",
+                otel.kind = "client",
+                http.request.method = "POST",
+                bulkhead.worker = worker,
+                error.type = Empty,
+                otel.status_code = Empty,
+            ),
+        }
+    }
+
+    /// Starts a generation, passing `span`'s trace context on (gRPC metadata or HTTP headers).
+    pub async fn generate(
+        &self,
+        request: GenerateRequest,
+        span: &Span,
+    ) -> Result<UpstreamStream, Status> {
         match self {
             Upstream::Grpc(client) => {
                 let mut client = client.clone();
+                let mut request = tonic::Request::new(request);
+                propagation::inject(span, request.metadata_mut().as_mut());
                 Ok(UpstreamStream::Grpc(
                     client.generate(request).await?.into_inner(),
                 ))
             }
-            Upstream::OpenAi(client) => Ok(UpstreamStream::OpenAi(client.generate(request).await?)),
+            Upstream::OpenAi(client) => {
+                let mut headers = http::HeaderMap::new();
+                propagation::inject(span, &mut headers);
+                Ok(UpstreamStream::OpenAi(
+                    client.generate(request, headers).await?,
+                ))
+            }
         }
     }
 }

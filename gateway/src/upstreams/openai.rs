@@ -109,9 +109,13 @@ impl OpenAiClient {
             .unwrap_or_else(|_| Err(format!("no answer within {} s", PROBE_TIMEOUT.as_secs())))
     }
 
-    /// Starts the completion; a refusal or transport failure is a status with the worker
-    /// protocol's error code.
-    pub async fn generate(&self, request: GenerateRequest) -> Result<SseStream, Status> {
+    /// Starts the completion, sending `headers` along (the trace context); a refusal or
+    /// transport failure is a status with the worker protocol's error code.
+    pub async fn generate(
+        &self,
+        request: GenerateRequest,
+        headers: http::HeaderMap,
+    ) -> Result<SseStream, Status> {
         let Some(Prompt::Tokens(prompt)) = request.prompt else {
             return Err(Status::internal("the gateway sends token prompts only"));
         };
@@ -139,6 +143,7 @@ impl OpenAiClient {
         }
         let response = self
             .request(reqwest::Method::POST, "/v1/completions")
+            .headers(headers)
             .header("content-type", "application/json")
             .body(body.to_string())
             .send()

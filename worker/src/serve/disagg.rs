@@ -19,14 +19,17 @@ use tokio::sync::mpsc;
 use tonic::Status;
 use tonic::codegen::tokio_stream::Stream;
 use tonic::transport::Channel;
+use tracing::field::Empty;
+use tracing::{Instrument as _, Span};
 
 use bulkhead_handoff::{CloseReason, SessionNonce};
 
 use super::actor::{CancelOnDrop, EngineHandle, Events, Submission};
-use super::error::{ServeError, ValidationError, status};
+use super::error::{ServeError, ValidationError, codes, status};
 use super::kvplane::{self, SendFault, Sent};
 use super::proto::{self, PrefillItem, WorkerClient};
 use super::refusal::{from_proto_reservation, from_refusal, to_proto_reservation, to_refusal};
+use super::spans;
 use super::validate::{self, ValidGenerate};
 use crate::engine::{Event, Request};
 
@@ -52,22 +55,30 @@ impl Drop for PrefillCall {
 }
 
 impl PrefillCall {
+    /// `span` is the call's client span; it ends with the call.
     fn watch(
         engine: EngineHandle,
         nonce: SessionNonce,
         mut call: tonic::Streaming<proto::PrefillEvent>,
+        span: Span,
     ) -> PrefillCall {
         PrefillCall(tokio::spawn(async move {
             loop {
                 match call.message().await {
                     Ok(Some(proto::PrefillEvent {
-                        event: Some(PrefillItem::Sent(_)),
-                    })) => return,
+                        event: Some(PrefillItem::Sent(sent)),
+                    })) => {
+                        span.record("bulkhead.kv.frames", sent.frames);
+                        span.record("bulkhead.kv.bytes", sent.bytes);
+                        return;
+                    }
                     Ok(Some(_)) => {}
                     Ok(None) | Err(_) => {
                         // The prefill side is gone or failed: nothing more of this session
                         // will be sent. (Frames already on the data plane are dropped: the
                         // session is no longer open.)
+                        span.record("error.type", codes::SERVICE_UNAVAILABLE);
+                        span.record("otel.status_code", "ERROR");
                         engine.transport_closed(vec![nonce]);
                         return;
                     }
@@ -103,18 +114,24 @@ pub async fn start_remote_prefill(
     let prompt = valid.prompt.clone();
     let sampling = valid.sampling;
     let (caller_id, tenant) = (valid.caller_id.clone(), valid.tenant.clone());
-    let (mut events, guard) = engine
-        .submit(Submission::Decode, |id, sink| valid.into_request(id, sink))
-        .await?;
-    let target = match events.recv().await {
-        Some(Event::Reserved(target)) => target,
-        Some(Event::Failed(f)) => return Err(ServeError::Failed(f)),
-        None => return Err(ServeError::EngineGone),
-        Some(other) => {
-            tracing::error!(event = ?other, "a decode request's first event was not its reservation");
-            return Err(ServeError::Internal { what: "engine" });
+    let admission = async {
+        let (mut events, guard) = engine
+            .submit(Submission::Decode, |id, sink| valid.into_request(id, sink))
+            .await?;
+        match events.recv().await {
+            Some(Event::Reserved(target)) => Ok((events, guard, target)),
+            Some(Event::Failed(f)) => Err(ServeError::Failed(f)),
+            None => Err(ServeError::EngineGone),
+            Some(other) => {
+                tracing::error!(event = ?other, "a decode request's first event was not its reservation");
+                Err(ServeError::Internal { what: "engine" })
+            }
         }
     };
+    // Admission here ends with the pages reserved.
+    let (mut events, guard, target) = admission
+        .instrument(tracing::info_span!("admission"))
+        .await?;
     let request = proto::PrefillRequest {
         request_id: caller_id,
         tenant,
@@ -131,11 +148,14 @@ pub async fn start_remote_prefill(
     // Failing here drops `guard`: the request is cancelled and its pages wait for the drain.
     let unavailable = |reason: String| ServeError::PrefillUnavailable { reason };
     let client = peer.client.clone();
+    let mut request = tonic::Request::new(request);
+    let call_span = spans::prefill_call(request.metadata_mut());
     let answer = async move {
         let mut call = client.clone().prefill(request).await?.into_inner();
         let first = call.message().await?;
         Ok::<_, Status>((call, first))
-    };
+    }
+    .instrument(call_span.clone());
     // An unreachable or silent prefill worker must not hold the request past its transfer
     // deadline: the engine's verdict (a timeout) ends the wait.
     tokio::pin!(answer);
@@ -157,16 +177,21 @@ pub async fn start_remote_prefill(
             return Err(ServeError::Internal { what: "engine" });
         }
     };
-    let (call, first) = answer.map_err(|s| unavailable(s.message().to_owned()))?;
-    match first {
+    let (call, first) = answer.map_err(|s| {
+        spans::failed(&call_span, &s);
+        unavailable(s.message().to_owned())
+    })?;
+    let refused = match first {
         Some(proto::PrefillEvent {
             event: Some(PrefillItem::Accepted(_)),
-        }) => Ok(RemoteStart {
-            early,
-            events,
-            guard,
-            call: PrefillCall::watch(engine.clone(), target.nonce, call),
-        }),
+        }) => {
+            return Ok(RemoteStart {
+                early,
+                events,
+                guard,
+                call: PrefillCall::watch(engine.clone(), target.nonce, call, call_span),
+            });
+        }
         Some(proto::PrefillEvent {
             event: Some(PrefillItem::Rejected(refusal)),
         }) => {
@@ -174,10 +199,12 @@ pub async fn start_remote_prefill(
             engine.prefill_rejected(target.nonce, reason.clone());
             let mut guard = guard;
             guard.disarm();
-            Err(ServeError::Submit(reason))
+            ServeError::Submit(reason)
         }
-        other => Err(unavailable(format!("unexpected first answer {other:?}"))),
-    }
+        other => unavailable(format!("unexpected first answer {other:?}")),
+    };
+    spans::failed(&call_span, &status(&refused));
+    Err(refused)
 }
 
 /// The `Prefill` answer stream.
@@ -213,7 +240,9 @@ pub async fn prefill(
     let engine = engine.clone();
     let caller_id = request.request_id;
     let prompt = request.prompt;
-    tokio::spawn(async move {
+    // In the `Prefill` call's span (the caller's): the steps below are its children.
+    let span = Span::current();
+    let task = async move {
         let item = |event| Ok(proto::PrefillEvent { event: Some(event) });
         let submitted = engine
             .submit(Submission::PrefillFor(target), |id, sink| Request {
@@ -225,6 +254,7 @@ pub async fn prefill(
                 ignore_eos: true,
                 sink,
             })
+            .instrument(tracing::info_span!("admission"))
             .await;
         let answer = match submitted {
             Err(ServeError::Submit(e)) => {
@@ -243,11 +273,15 @@ pub async fn prefill(
                 return;
             }
         };
+        if let Err(status) = &answer {
+            spans::failed(&Span::current(), status);
+        }
         if tx.send(answer).await.is_err() {
             // Decode left before it heard the answer: it may be waiting for the drain.
             acknowledge_abort(&send).await;
         }
-    });
+    };
+    tokio::spawn(task.instrument(span));
     Ok(Box::pin(
         tonic::codegen::tokio_stream::wrappers::ReceiverStream::new(rx),
     ))
@@ -281,8 +315,9 @@ async fn transfer(
     tx: mpsc::Sender<Result<proto::PrefillEvent, Status>>,
     send: SendTo,
 ) {
+    let computing = tracing::info_span!("prefill");
     let outbound = tokio::select! {
-        event = events.recv() => match event {
+        event = events.recv().instrument(computing.clone()) => match event {
             Some(Event::Prefilled(outbound)) => outbound,
             Some(Event::Failed(f)) => {
                 if tx.send(Err(status(&ServeError::Failed(f)))).await.is_err() {
@@ -308,10 +343,19 @@ async fn transfer(
             return;
         }
     };
+    drop(computing);
     guard.disarm();
     let sending = engine
         .metrics()
         .sending(u64::from(outbound.manifest.tokens));
+    let transfer_span = tracing::info_span!(
+        "kv_transfer",
+        bulkhead.kv.tokens = outbound.manifest.tokens,
+        bulkhead.kv.frames = Empty,
+        bulkhead.kv.bytes = Empty,
+        bulkhead.kv.aborted = Empty,
+        error.type = Empty,
+    );
     let sent = kvplane::send_with(
         &send.address,
         &outbound.frames,
@@ -320,8 +364,22 @@ async fn transfer(
         send.fault,
         || tx.is_closed(),
     )
+    .instrument(transfer_span.clone())
     .await;
     drop(sending);
+    match &sent {
+        Ok(Sent::Complete { frames, bytes }) => {
+            transfer_span.record("bulkhead.kv.frames", frames);
+            transfer_span.record("bulkhead.kv.bytes", bytes);
+        }
+        Ok(Sent::Aborted) => {
+            transfer_span.record("bulkhead.kv.aborted", true);
+        }
+        Err(_) => {
+            transfer_span.record("error.type", codes::SERVICE_UNAVAILABLE);
+        }
+    }
+    drop(transfer_span);
     engine.close(outbound);
     let answer = match sent {
         Ok(Sent::Complete { frames, bytes }) => Ok(proto::PrefillEvent {

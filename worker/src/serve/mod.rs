@@ -22,6 +22,7 @@ mod metrics;
 pub mod proto;
 mod refusal;
 mod service;
+mod spans;
 pub mod transport;
 mod validate;
 

@@ -6,6 +6,7 @@ use std::task::{Context, Poll};
 
 use tonic::codegen::tokio_stream::Stream;
 use tonic::{Request, Response, Status};
+use tracing::{Instrument as _, Span};
 
 use crate::engine::{Event, FinishReason};
 
@@ -15,6 +16,7 @@ use super::error::{ServeError, ValidationError, status};
 use super::kvplane::SendFault;
 use super::metrics::Outcome;
 use super::proto::{self, Item};
+use super::spans;
 use super::validate::{Prompter, ValidGenerate};
 
 /// The part this worker plays.
@@ -74,43 +76,20 @@ impl WorkerService {
         tracing::info!(caller_id, tenant, error = %e, "request refused");
         status(&e)
     }
-}
 
-#[tonic::async_trait]
-impl proto::Worker for WorkerService {
-    type GenerateStream = GenerateStream;
-    type PrefillStream = PrefillStream;
-
-    async fn prefill(
+    /// `Generate` up to the response stream: validation, admission and (decode) the prefill
+    /// worker's acceptance. `span` is the call's; the stream keeps it until the request ends.
+    async fn start(
         &self,
-        request: Request<proto::PrefillRequest>,
-    ) -> Result<Response<PrefillStream>, Status> {
-        match &self.role {
-            ServiceRole::Prefill { batch_bytes, fault } => {
-                disagg::prefill(&self.engine, request.into_inner(), *batch_bytes, *fault)
-                    .await
-                    .map(Response::new)
-            }
-            ServiceRole::Both | ServiceRole::Decode(_) => {
-                let e = ValidationError::WrongRole {
-                    role: self.role.name(),
-                    call: "Prefill",
-                };
-                Err(status(&e.into()))
-            }
-        }
-    }
-
-    async fn generate(
-        &self,
-        request: Request<proto::GenerateRequest>,
-    ) -> Result<Response<GenerateStream>, Status> {
-        let request = request.into_inner();
+        request: proto::GenerateRequest,
+        span: Span,
+    ) -> Result<GenerateStream, Status> {
         let (caller_id, tenant) = (request.request_id.clone(), request.tenant.clone());
         let prompter = self.prompter.clone();
         let parsed = tokio::task::spawn_blocking(move || {
             ValidGenerate::parse(request, prompter.as_ref(), rand::random)
         })
+        .instrument(tracing::info_span!("validate"))
         .await;
         let valid = match parsed {
             Ok(Ok(v)) => v,
@@ -125,12 +104,15 @@ impl proto::Worker for WorkerService {
         };
         let prompt_tokens = valid.prompt.len();
         let max_new_tokens = valid.max_new_tokens;
+        span.record("gen_ai.usage.input_tokens", prompt_tokens);
+        span.record("gen_ai.request.max_tokens", max_new_tokens);
         let started = match &self.role {
             ServiceRole::Both => self
                 .engine
                 .submit(Submission::Colocated, |id, sink| {
                     valid.into_request(id, sink)
                 })
+                .instrument(tracing::info_span!("admission"))
                 .await
                 .map(|(events, guard)| (None, events, guard, None)),
             ServiceRole::Decode(peer) => disagg::start_remote_prefill(&self.engine, peer, valid)
@@ -152,13 +134,84 @@ impl proto::Worker for WorkerService {
             max_new_tokens,
             "request admitted"
         );
-        Ok(Response::new(GenerateStream {
+        // Colocated, the prompt's forward pass runs here until the first token; a decode
+        // worker's prefill ran on the prefill worker.
+        let phase = match self.role {
+            ServiceRole::Both => tracing::info_span!(parent: &span, "prefill"),
+            ServiceRole::Decode(_) | ServiceRole::Prefill { .. } => Span::none(),
+        };
+        Ok(GenerateStream {
             early,
             events,
             guard,
             finished: false,
             _prefill: prefill,
-        }))
+            span,
+            phase,
+            decoding: false,
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl proto::Worker for WorkerService {
+    type GenerateStream = GenerateStream;
+    type PrefillStream = PrefillStream;
+
+    async fn prefill(
+        &self,
+        request: Request<proto::PrefillRequest>,
+    ) -> Result<Response<PrefillStream>, Status> {
+        let span = {
+            let r = request.get_ref();
+            spans::server(
+                "Prefill",
+                self.role.name(),
+                &r.request_id,
+                &r.tenant,
+                request.metadata(),
+            )
+        };
+        span.record("gen_ai.usage.input_tokens", request.get_ref().prompt.len());
+        match &self.role {
+            ServiceRole::Prefill { batch_bytes, fault } => {
+                let prefilling =
+                    disagg::prefill(&self.engine, request.into_inner(), *batch_bytes, *fault);
+                prefilling
+                    .instrument(span.clone())
+                    .await
+                    .inspect_err(|status| spans::failed(&span, status))
+                    .map(Response::new)
+            }
+            ServiceRole::Both | ServiceRole::Decode(_) => {
+                let e = ValidationError::WrongRole {
+                    role: self.role.name(),
+                    call: "Prefill",
+                };
+                Err(status(&e.into()))
+            }
+        }
+    }
+
+    async fn generate(
+        &self,
+        request: Request<proto::GenerateRequest>,
+    ) -> Result<Response<GenerateStream>, Status> {
+        let span = {
+            let r = request.get_ref();
+            spans::server(
+                "Generate",
+                self.role.name(),
+                &r.request_id,
+                &r.tenant,
+                request.metadata(),
+            )
+        };
+        self.start(request.into_inner(), span.clone())
+            .instrument(span.clone())
+            .await
+            .inspect_err(|status| spans::failed(&span, status))
+            .map(Response::new)
     }
 
     async fn info(
@@ -216,6 +269,12 @@ pub struct GenerateStream {
     finished: bool,
     /// Decode role: the prefill call; dropping it (with this stream) aborts the transfer.
     _prefill: Option<PrefillCall>,
+    /// The `Generate` call's span, open until the stream ends.
+    span: Span,
+    /// The step under way: `prefill` (colocated, until the first token), then `decode`.
+    phase: Span,
+    /// The first token was seen: `phase` is the decode span.
+    decoding: bool,
 }
 
 impl Stream for GenerateStream {
@@ -233,6 +292,10 @@ impl Stream for GenerateStream {
                 Poll::Ready(e) => e,
             },
         };
+        if matches!(event, Some(Event::Token { .. } | Event::Done { .. })) && !this.decoding {
+            this.decoding = true;
+            this.phase = tracing::info_span!(parent: &this.span, "decode");
+        }
         let item = match event {
             Some(Event::Token { token, text }) => Ok(Item::Token(proto::Token { id: token, text })),
             Some(Event::Done {
@@ -240,6 +303,8 @@ impl Stream for GenerateStream {
                 usage,
                 text_tail,
             }) => {
+                this.span
+                    .record("gen_ai.usage.output_tokens", usage.completion_tokens);
                 this.finish();
                 Ok(Item::Done(proto::Done {
                     finish_reason: match reason {
@@ -270,6 +335,9 @@ impl Stream for GenerateStream {
                 Err(status(&ServeError::EngineGone))
             }
         };
+        if let Err(status) = &item {
+            spans::failed(&this.span, status);
+        }
         Poll::Ready(Some(
             item.map(|item| proto::GenerateResponse { item: Some(item) }),
         ))
@@ -280,5 +348,6 @@ impl GenerateStream {
     fn finish(&mut self) {
         self.finished = true;
         self.guard.disarm();
+        self.phase = Span::none();
     }
 }

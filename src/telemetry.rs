@@ -1,0 +1,85 @@
+//! Logs and OpenTelemetry for every command: `BULKHEAD_LOG` filters the stderr log; the
+//! servers (`worker`, `gateway`, `up`) also export spans — and the gateway its audit records —
+//! over OTLP when an endpoint is given (`--otlp-endpoint`, the standard
+//! `OTEL_EXPORTER_OTLP_ENDPOINT`, or the gateway configuration's `[telemetry]`).
+
+use anyhow::Context;
+use bulkhead_telemetry::{KeyValue, Otlp, OtlpEndpoint, Settings, Telemetry};
+
+/// Environment variables.
+pub mod env {
+    /// The stderr log's filter (tracing env-filter syntax).
+    pub const LOG: &str = "BULKHEAD_LOG";
+    /// The collector's base URL (OpenTelemetry's standard variable).
+    pub const OTLP_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
+}
+
+/// The process kinds, by the `service.name` their telemetry carries.
+#[derive(Debug, Clone, Copy)]
+pub enum Service {
+    Gateway,
+    /// A worker, with its role (`both`, `prefill`, `decode`).
+    Worker(&'static str),
+}
+
+/// `--otlp-endpoint`, shared by the servers.
+#[derive(Debug, Clone, clap::Args)]
+pub struct OtlpArgs {
+    /// Export spans over OTLP (HTTP/protobuf) to this collector: its base URL, e.g.
+    /// http://127.0.0.1:4318 (spans go to /v1/traces, audit records to /v1/logs). Off when
+    /// unset (a gateway configuration's [telemetry] otlp_endpoint applies then).
+    #[arg(long, env = env::OTLP_ENDPOINT, value_name = "URL")]
+    pub otlp_endpoint: Option<OtlpEndpoint>,
+}
+
+/// Installs the stderr log (`BULKHEAD_LOG`, else `default_level`) and, with `export`, the
+/// export of that service's telemetry.
+pub fn install(default_level: &str, export: Option<(Service, Otlp)>) -> anyhow::Result<Telemetry> {
+    let log_filter = tracing_subscriber::EnvFilter::try_from_env(env::LOG)
+        .unwrap_or_else(|_| default_level.into());
+    let (service_name, resource, otlp) = match export {
+        None => ("bulkhead", Vec::new(), None),
+        Some((Service::Gateway, otlp)) => ("bulkhead-gateway", Vec::new(), Some(otlp)),
+        Some((Service::Worker(role), otlp)) => (
+            "bulkhead-worker",
+            vec![KeyValue::new(bulkhead_telemetry::WORKER_ROLE, role)],
+            Some(otlp),
+        ),
+    };
+    let endpoint = otlp.as_ref().map(|o| o.endpoint.to_string());
+    let telemetry = Telemetry::install(Settings {
+        service_name,
+        resource,
+        log_filter,
+        otlp,
+    })
+    .context("starting telemetry")?;
+    if let Some(endpoint) = endpoint {
+        tracing::info!(%endpoint, service_name, "exporting spans over OTLP");
+    }
+    Ok(telemetry)
+}
+
+/// The gateway's export: `--otlp-endpoint` (or `OTEL_EXPORTER_OTLP_ENDPOINT`) over the
+/// configuration's `[telemetry] otlp_endpoint`; audit records too when the configuration says.
+pub fn gateway_export(
+    args: &OtlpArgs,
+    config: &bulkhead_gateway::config::TelemetrySettings,
+) -> anyhow::Result<Option<Otlp>> {
+    let endpoint = args
+        .otlp_endpoint
+        .clone()
+        .or_else(|| config.otlp_endpoint.clone());
+    match endpoint {
+        Some(endpoint) => Ok(Some(Otlp {
+            endpoint,
+            audit_logs: config.audit_logs,
+        })),
+        None if config.audit_logs => anyhow::bail!(
+            "telemetry.audit_logs needs a collector: set telemetry.otlp_endpoint, \
+             --otlp-endpoint or {}",
+            env::OTLP_ENDPOINT
+        ),
+        None => Ok(None),
+    }
+}
