@@ -545,6 +545,63 @@ mod tests {
         );
     }
 
+    /// An engine thread over a tiny random model and a 256-token pool.
+    fn engine_thread() -> EngineHandle {
+        use crate::engine::{Engine, EngineConfig, KvBudget};
+        let path = std::env::temp_dir().join(format!(
+            "bulkhead-kvplane-{}-{}.gguf",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        crate::tiny_model::TinySpec::default()
+            .write(&path)
+            .expect("write the tiny model");
+        let loaded = crate::loader::LoadedModel::open(&path).expect("load the tiny model");
+        let _ = std::fs::remove_file(&path);
+        let config = EngineConfig {
+            kv: KvBudget::Tokens(256),
+            ..EngineConfig::default()
+        };
+        let engine = Engine::new(loaded.model, loaded.tokenizer, config).expect("engine starts");
+        let metrics = Arc::new(super::super::Metrics::default());
+        EngineHandle::spawn(engine, metrics).expect("spawn").0
+    }
+
+    #[tokio::test]
+    async fn the_engine_takes_what_the_receive_path_hands_it() {
+        use crate::engine::{Event, Failure, Request};
+        use crate::sampling::SamplingParams;
+        let engine = engine_thread();
+        let (mut events, _cancel) = engine
+            .submit(super::super::Submission::Decode, |id, sink| Request {
+                id,
+                prompt: vec![5; 20],
+                max_new_tokens: 4,
+                sampling: SamplingParams::GREEDY,
+                stop: Vec::new(),
+                ignore_eos: false,
+                sink,
+            })
+            .await
+            .expect("admitted");
+        let Some(Event::Reserved(target)) = events.recv().await else {
+            panic!("expected the reservation");
+        };
+        // A frame of no session: dropped, counted, its buffer handed back for reuse.
+        let buffers = Buffers::default();
+        let stray = Frame::new(SessionNonce([9; 16]), 0, Tag::new(1), 0..1, vec![1; 8]);
+        Deliver::deliver(&engine, Received::Frame(stray.check()), &buffers);
+        // The transfer's connection ends: the request fails at once.
+        Deliver::transport_closed(&engine, vec![target.nonce]);
+        assert!(matches!(
+            events.recv().await,
+            Some(Event::Failed(Failure::PrefillClosed(_)))
+        ));
+        let stats = engine.stats().await.expect("stats");
+        assert_eq!(stats.transfers.frames_dropped.get("no_session"), 1);
+        assert_eq!(buffers.0.lock().expect("lock").len(), 1);
+    }
+
     #[test]
     fn spare_buffers_are_bounded_and_handed_out_empty_with_room() {
         let buffers = Buffers::default();
