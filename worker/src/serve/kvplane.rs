@@ -412,30 +412,27 @@ mod tests {
         for (batch, pipe) in [(1, 7), (4000, 1 << 20), (1 << 20, 100)] {
             let log = round_trip(&fs, batch, pipe).await;
             let got = log.got.lock().expect("lock");
-            let want: Vec<Received> = fs
-                .iter()
-                .cloned()
-                .map(|f| Received::Frame(f.check()))
-                .chain([
+            let want = received(
+                &fs,
+                [
                     Received::Manifest(manifest(&fs)),
                     Received::Closed {
                         nonce: NONCE,
                         reason: CloseReason::Complete,
                     },
-                ])
-                .collect();
+                ],
+            );
             assert_eq!(*got, want);
             assert!(log.closed.lock().expect("lock").is_empty());
         }
     }
 
-    /// What the receiver gets for `fs[..n]` followed by `last`.
-    fn received(fs: &[Frame], n: usize, last: Received) -> Vec<Received> {
-        fs[..n]
-            .iter()
+    /// What the receiver gets for the frames `fs` followed by the messages `then`.
+    fn received(fs: &[Frame], then: impl IntoIterator<Item = Received>) -> Vec<Received> {
+        fs.iter()
             .cloned()
             .map(|f| Received::Frame(f.check()))
-            .chain([last])
+            .chain(then)
             .collect()
     }
 
@@ -457,7 +454,11 @@ mod tests {
             assert_eq!(result.expect("sent"), Sent::Aborted);
             end.expect("clean end");
             let got = log.got.lock().expect("lock");
-            assert_eq!(*got, received(&fs, sent, aborted.clone()), "batch {batch}");
+            assert_eq!(
+                *got,
+                received(&fs[..sent], [aborted.clone()]),
+                "batch {batch}"
+            );
             assert!(log.closed.lock().expect("lock").is_empty());
         }
     }
@@ -503,12 +504,7 @@ mod tests {
         let wait = std::time::Duration::from_millis(300);
         assert!(tokio::time::timeout(wait, both).await.is_err(), "stalled");
         let got = log.got.lock().expect("lock");
-        let frames: Vec<Received> = fs[..2]
-            .iter()
-            .cloned()
-            .map(|f| Received::Frame(f.check()))
-            .collect();
-        assert_eq!(*got, frames);
+        assert_eq!(*got, received(&fs[..2], std::iter::empty()));
     }
 
     #[tokio::test]
