@@ -412,30 +412,27 @@ mod tests {
         for (batch, pipe) in [(1, 7), (4000, 1 << 20), (1 << 20, 100)] {
             let log = round_trip(&fs, batch, pipe).await;
             let got = log.got.lock().expect("lock");
-            let want: Vec<Received> = fs
-                .iter()
-                .cloned()
-                .map(|f| Received::Frame(f.check()))
-                .chain([
+            let want = received(
+                &fs,
+                [
                     Received::Manifest(manifest(&fs)),
                     Received::Closed {
                         nonce: NONCE,
                         reason: CloseReason::Complete,
                     },
-                ])
-                .collect();
+                ],
+            );
             assert_eq!(*got, want);
             assert!(log.closed.lock().expect("lock").is_empty());
         }
     }
 
-    /// What the receiver gets for `fs[..n]` followed by `last`.
-    fn received(fs: &[Frame], n: usize, last: Received) -> Vec<Received> {
-        fs[..n]
-            .iter()
+    /// What the receiver gets for the frames `fs` followed by the messages `then`.
+    fn received(fs: &[Frame], then: impl IntoIterator<Item = Received>) -> Vec<Received> {
+        fs.iter()
             .cloned()
             .map(|f| Received::Frame(f.check()))
-            .chain([last])
+            .chain(then)
             .collect()
     }
 
@@ -457,7 +454,11 @@ mod tests {
             assert_eq!(result.expect("sent"), Sent::Aborted);
             end.expect("clean end");
             let got = log.got.lock().expect("lock");
-            assert_eq!(*got, received(&fs, sent, aborted.clone()), "batch {batch}");
+            assert_eq!(
+                *got,
+                received(&fs[..sent], [aborted.clone()]),
+                "batch {batch}"
+            );
             assert!(log.closed.lock().expect("lock").is_empty());
         }
     }
@@ -503,12 +504,7 @@ mod tests {
         let wait = std::time::Duration::from_millis(300);
         assert!(tokio::time::timeout(wait, both).await.is_err(), "stalled");
         let got = log.got.lock().expect("lock");
-        let frames: Vec<Received> = fs[..2]
-            .iter()
-            .cloned()
-            .map(|f| Received::Frame(f.check()))
-            .collect();
-        assert_eq!(*got, frames);
+        assert_eq!(*got, received(&fs[..2], std::iter::empty()));
     }
 
     #[tokio::test]
@@ -543,6 +539,63 @@ mod tests {
                 reason: CloseReason::Aborted
             }
         );
+    }
+
+    /// An engine thread over a tiny random model and a 256-token pool.
+    fn engine_thread() -> EngineHandle {
+        use crate::engine::{Engine, EngineConfig, KvBudget};
+        let path = std::env::temp_dir().join(format!(
+            "bulkhead-kvplane-{}-{}.gguf",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        crate::tiny_model::TinySpec::default()
+            .write(&path)
+            .expect("write the tiny model");
+        let loaded = crate::loader::LoadedModel::open(&path).expect("load the tiny model");
+        let _ = std::fs::remove_file(&path);
+        let config = EngineConfig {
+            kv: KvBudget::Tokens(256),
+            ..EngineConfig::default()
+        };
+        let engine = Engine::new(loaded.model, loaded.tokenizer, config).expect("engine starts");
+        let metrics = Arc::new(super::super::Metrics::default());
+        EngineHandle::spawn(engine, metrics).expect("spawn").0
+    }
+
+    #[tokio::test]
+    async fn the_engine_takes_what_the_receive_path_hands_it() {
+        use crate::engine::{Event, Failure, Request};
+        use crate::sampling::SamplingParams;
+        let engine = engine_thread();
+        let (mut events, _cancel) = engine
+            .submit(super::super::Submission::Decode, |id, sink| Request {
+                id,
+                prompt: vec![5; 20],
+                max_new_tokens: 4,
+                sampling: SamplingParams::GREEDY,
+                stop: Vec::new(),
+                ignore_eos: false,
+                sink,
+            })
+            .await
+            .expect("admitted");
+        let Some(Event::Reserved(target)) = events.recv().await else {
+            panic!("expected the reservation");
+        };
+        // A frame of no session: dropped, counted, its buffer handed back for reuse.
+        let buffers = Buffers::default();
+        let stray = Frame::new(SessionNonce([9; 16]), 0, Tag::new(1), 0..1, vec![1; 8]);
+        Deliver::deliver(&engine, Received::Frame(stray.check()), &buffers);
+        // The transfer's connection ends: the request fails at once.
+        Deliver::transport_closed(&engine, vec![target.nonce]);
+        assert!(matches!(
+            events.recv().await,
+            Some(Event::Failed(Failure::PrefillClosed(_)))
+        ));
+        let stats = engine.stats().await.expect("stats");
+        assert_eq!(stats.transfers.frames_dropped.get("no_session"), 1);
+        assert_eq!(buffers.0.lock().expect("lock").len(), 1);
     }
 
     #[test]
