@@ -470,6 +470,19 @@ async fn a_javascript_policy_loads_and_acts() {
     )
     .await
     .expect("another header value is allowed");
+    // A configuration the schema accepts and the plugin refuses (its `configure` throws):
+    // the set is refused with the plugin's reason.
+    let path = write(
+        &dir,
+        &format!(
+            "{}{}",
+            plugin("model-gate", "timeout_ms = 1000\nmemory_mib = 64"),
+            binding("model-gate", "config = { models = [\"a*b\"] }")
+        ),
+    );
+    let e = Policies::load(settings(&path, Some(dist().join("cache"))))
+        .expect_err("refused by the plugin");
+    assert!(e.to_string().contains("a * may only end it"), "{e}");
 }
 
 #[tokio::test]
