@@ -1,5 +1,6 @@
 //! The policy host against real components (plugins/dist/, built by scripts/build-plugins):
-//! the built-ins, a Python policy, a 0.1.0 plugin, and hostile plugins for every limit.
+//! the built-ins, a policy in each other language (Python, JavaScript, C), a 0.1.0 plugin, and
+//! hostile plugins for every limit.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -92,6 +93,7 @@ fn loaded(text: &str) -> (Policies, Scratch) {
 
 struct Ask<'a> {
     tenant: &'a str,
+    model: &'a str,
     route: &'a str,
     prompt: u32,
     max: u32,
@@ -102,6 +104,7 @@ impl Default for Ask<'_> {
     fn default() -> Self {
         Ask {
             tenant: "tenant-a",
+            model: "m",
             route: "/v1/chat/completions",
             prompt: 10,
             max: 100,
@@ -114,7 +117,7 @@ async fn ask(p: &Policies, a: Ask<'_>) -> Result<RequestPolicy, Refused> {
     p.on_request(RequestFacts {
         id: "chatcmpl-test",
         tenant: a.tenant,
-        model: "m",
+        model: a.model,
         route: a.route,
         headers: &a.headers,
         prompt_tokens: a.prompt,
@@ -396,6 +399,140 @@ async fn a_python_policy_loads_and_acts() {
     .await
     .expect("allowed");
     assert_eq!(ok.tags(), &[("project".to_owned(), "apollo".to_owned())]);
+}
+
+#[tokio::test]
+async fn a_javascript_policy_loads_and_acts() {
+    let dir = Scratch::new();
+    let path = write(
+        &dir,
+        &format!(
+            "{}{}",
+            plugin("model-gate", "timeout_ms = 1000\nmemory_mib = 64"),
+            binding(
+                "model-gate",
+                "headers = [\"x-client\"]\nconfig = { models = [\"big-*\", \"legacy\"], \
+                 header = \"x-client\", values = [\"scraper\"], status = 451 }"
+            ),
+        ),
+    );
+    // Cached compiles, as for the Python policy: the component is about 12 MB.
+    let p = Policies::load(settings(&path, Some(dist().join("cache")))).expect("loads");
+    let ok = ask(
+        &p,
+        Ask {
+            model: "small-1",
+            ..Ask::default()
+        },
+    )
+    .await
+    .expect("an unlisted model is allowed");
+    assert_eq!(ok.clamp(), None);
+    assert!(ok.tags().is_empty());
+    // A listed model, by prefix and exactly: the configured status, the plugin's reason.
+    for model in ["big-70b", "legacy"] {
+        let (status, message) = denial_of(
+            ask(
+                &p,
+                Ask {
+                    model,
+                    ..Ask::default()
+                },
+            )
+            .await,
+        );
+        assert_eq!(status, 451);
+        assert_eq!(message, format!("model {model} is not available"));
+    }
+    // A listed header value, on an allowed model.
+    let mut headers = HeaderMap::new();
+    headers.insert("x-client", "scraper".parse().expect("value"));
+    let (status, message) = denial_of(
+        ask(
+            &p,
+            Ask {
+                headers,
+                ..Ask::default()
+            },
+        )
+        .await,
+    );
+    assert_eq!(status, 451);
+    assert!(message.contains("x-client"), "{message}");
+    let mut headers = HeaderMap::new();
+    headers.insert("x-client", "browser".parse().expect("value"));
+    ask(
+        &p,
+        Ask {
+            headers,
+            ..Ask::default()
+        },
+    )
+    .await
+    .expect("another header value is allowed");
+    // A configuration the schema accepts and the plugin refuses (its `configure` throws):
+    // the set is refused with the plugin's reason.
+    let path = write(
+        &dir,
+        &format!(
+            "{}{}",
+            plugin("model-gate", "timeout_ms = 1000\nmemory_mib = 64"),
+            binding("model-gate", "config = { models = [\"a*b\"] }")
+        ),
+    );
+    let e = Policies::load(settings(&path, Some(dist().join("cache"))))
+        .expect_err("refused by the plugin");
+    assert!(e.to_string().contains("a * may only end it"), "{e}");
+}
+
+#[tokio::test]
+async fn a_c_policy_loads_and_acts() {
+    let (p, _dir) = loaded(&format!(
+        "{}{}",
+        plugin("token-cap", ""),
+        binding(
+            "token-cap",
+            "config = { default = 64, tenants = { tenant-b = 16 }, \
+             header = \"x-bulkhead-token-cap\" }"
+        ),
+    ));
+    // Under the default cap: unchanged, no header.
+    let ok = ask(
+        &p,
+        Ask {
+            max: 50,
+            ..Ask::default()
+        },
+    )
+    .await
+    .expect("allowed");
+    assert_eq!(ok.clamp(), None);
+    let mut headers = HeaderMap::new();
+    ok.add_headers(&mut headers);
+    assert!(headers.is_empty(), "{headers:?}");
+    // Over it: clamped to the tenant's cap (listed, or the default), which the header states.
+    for (tenant, cap) in [("tenant-b", 16), ("tenant-a", 64)] {
+        let clamped = ask(
+            &p,
+            Ask {
+                tenant,
+                max: 100,
+                ..Ask::default()
+            },
+        )
+        .await
+        .expect("allowed");
+        assert_eq!(clamped.clamp().map(|c| c.get()), Some(cap));
+        assert_eq!(
+            clamped.decisions()[0].verdict,
+            DecisionVerdict::Allow {
+                clamped_to: Some(cap)
+            }
+        );
+        let mut headers = HeaderMap::new();
+        clamped.add_headers(&mut headers);
+        assert_eq!(headers["x-bulkhead-token-cap"], cap.to_string());
+    }
 }
 
 #[test]
