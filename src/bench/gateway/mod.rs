@@ -161,7 +161,7 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
         for &kind in &kinds {
             eprintln!("starting {}", kind.label());
             match targets::start(kind, &setup, args.stream).await {
-                Ok(Started::Ready(t)) => running.push(t),
+                Ok(Started::Ready(t)) => running.push(*t),
                 Ok(Started::Skipped(why)) => {
                     eprintln!("skipping {}: {why}", kind.label());
                     results.skipped.push((kind, why));

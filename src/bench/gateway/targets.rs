@@ -136,7 +136,7 @@ impl Target {
 /// A target started, or why not.
 #[derive(Debug)]
 pub enum Started {
-    Ready(Target),
+    Ready(Box<Target>),
     Skipped(String),
 }
 
@@ -163,12 +163,12 @@ pub async fn start(kind: Kind, setup: &Setup, stream: bool) -> anyhow::Result<St
         anyhow::Ok(ask)
     };
     match probed.await {
-        Ok(ask) => Ok(Started::Ready(Target {
+        Ok(ask) => Ok(Started::Ready(Box::new(Target {
             kind,
             addr,
             ask: Arc::new(ask),
             child: process,
-        })),
+        }))),
         Err(e) => {
             if let Some(mut c) = process {
                 child::stop(&mut c, STOP_LIMIT, kind.label()).await;
@@ -399,7 +399,7 @@ fn nginx_config(dir: &Path, listen: SocketAddr, upstream: SocketAddr) -> String 
 
 async fn nginx(setup: &Setup) -> anyhow::Result<(SocketAddr, Child)> {
     let Some(bin) = setup.nginx.clone() else {
-        bail!("nginx is not installed (scripts/bench-gateway-peers installs it, or pass --nginx)");
+        bail!("nginx not found (scripts/bench-gateway-peers installs it, or pass --nginx PATH)");
     };
     let dir = setup.scratch.join("nginx");
     std::fs::create_dir_all(&dir)?;
@@ -431,7 +431,7 @@ fn litellm_config(upstream: SocketAddr) -> String {
 async fn litellm(setup: &Setup) -> anyhow::Result<(SocketAddr, Child)> {
     let Some(bin) = setup.litellm.clone() else {
         bail!(
-            "LiteLLM proxy is not installed (scripts/bench-gateway-peers installs it, or pass --litellm)"
+            "LiteLLM proxy not found (scripts/bench-gateway-peers installs it, or pass --litellm PATH)"
         );
     };
     let dir = setup.scratch.join("litellm");
