@@ -134,6 +134,11 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
         args.seconds > 0.0 && args.warmup_seconds >= 0.0,
         "--seconds must be positive and --warmup-seconds not negative"
     );
+    if cfg!(debug_assertions) {
+        eprintln!(
+            "note: a debug build measures a slower gateway; quote figures of a release build"
+        );
+    }
     let kinds: Vec<Kind> = Kind::ALL
         .into_iter()
         .filter(|k| args.targets.contains(k))
@@ -190,6 +195,14 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
 /// How the bench was run, for the report.
 fn settings(args: &GatewayArgs) -> Map<String, Value> {
     let mut s = Map::new();
+    s.insert(
+        "build".into(),
+        json!(if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        }),
+    );
     s.insert("connections".into(), json!(args.connections));
     s.insert("seconds".into(), json!(args.seconds));
     s.insert("warmup_seconds".into(), json!(args.warmup_seconds));
