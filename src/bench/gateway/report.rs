@@ -57,6 +57,20 @@ impl Results {
         }))
     }
 
+    /// The issues' goals, where measured: the gateway (policies off) within 10% of nginx's
+    /// requests/s; the policy chain costing under 5% of the gateway's requests/s.
+    fn goals(&self) -> Map<String, Value> {
+        let mut goals = Map::new();
+        let ratio = |a, b| self.paired(a, b, |x, y| x.rps / y.rps);
+        if let Some(r) = ratio(Kind::Bulkhead, Kind::Nginx) {
+            goals.insert("within_10pct_of_nginx".into(), json!(r >= 0.9));
+        }
+        if let Some(r) = ratio(Kind::BulkheadPolicies, Kind::Bulkhead) {
+            goals.insert("policy_chain_under_5pct".into(), json!(r > 0.95));
+        }
+        goals
+    }
+
     /// The JSON report: `settings` (how it was run), then per target its medians, its latency
     /// added over the direct baseline, and its ratios to nginx and LiteLLM; the skipped
     /// targets; the policy chain's cost.
@@ -100,6 +114,7 @@ impl Results {
         if let Some(chain) = self.policy_chain() {
             out.insert("policy_chain".into(), chain);
         }
+        out.insert("goals".into(), Value::Object(self.goals()));
         Value::Object(out)
     }
 
@@ -152,6 +167,16 @@ impl Results {
                 chain["rps_on_vs_off"].as_f64().unwrap_or(f64::NAN),
                 chain["added_p50_us"].as_f64().unwrap_or(f64::NAN),
                 chain["added_p99_us"].as_f64().unwrap_or(f64::NAN),
+            ));
+        }
+        for (goal, met) in self.goals() {
+            out.push_str(&format!(
+                "goal {goal}: {}\n",
+                if met.as_bool() == Some(true) {
+                    "met"
+                } else {
+                    "NOT met"
+                }
             ));
         }
         out
@@ -208,6 +233,14 @@ mod tests {
         let chain = &json["policy_chain"];
         assert!((chain["rps_on_vs_off"].as_f64().expect("ratio") - 0.95).abs() < 1e-9);
         assert_eq!(chain["added_p50_us"], 20.0);
+        assert_eq!(
+            json["goals"]["within_10pct_of_nginx"], false,
+            "0.89 of nginx"
+        );
+        assert_eq!(
+            json["goals"]["policy_chain_under_5pct"], false,
+            "a cost of exactly 5% is not under 5%"
+        );
     }
 
     #[test]
