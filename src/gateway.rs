@@ -66,10 +66,13 @@ pub fn preflight(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Threads of the gateway's async runtime.
+pub const RUNTIME_THREADS: usize = 2;
+
 /// The gateway's async runtime.
 pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(RUNTIME_THREADS)
         .thread_name("bulkhead-gateway")
         .enable_all()
         .build()

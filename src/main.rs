@@ -2,6 +2,7 @@
 
 mod audit;
 mod bench;
+mod child;
 mod data_dir;
 mod gateway;
 mod generate;

@@ -1,7 +1,7 @@
 //! Where the default model lives, the device it runs on, and the thread pool every command
 //! sets up the same way.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use bulkhead_kernels::cuda::KernelSource;
@@ -38,26 +38,31 @@ pub struct ModelArgs {
     pub cuda_ptx: Option<PathBuf>,
 }
 
+/// `model`, or the default model's cached file, after checking that the file exists.
+pub fn resolve(model: Option<&Path>) -> anyhow::Result<PathBuf> {
+    let path = match model {
+        Some(p) => p.to_owned(),
+        None => {
+            let dir = match std::env::var_os(MODEL_DIR_ENV) {
+                Some(d) => PathBuf::from(d),
+                None => PathBuf::from(std::env::var_os("HOME").context("HOME is not set")?)
+                    .join(".cache/bulkhead/models"),
+            };
+            dir.join(DEFAULT_MODEL_FILE)
+        }
+    };
+    anyhow::ensure!(
+        path.is_file(),
+        "model file {} not found; run scripts/fetch-model or pass --model",
+        path.display()
+    );
+    Ok(path)
+}
+
 impl ModelArgs {
     /// The model path, after checking that the file exists.
     pub fn path(&self) -> anyhow::Result<PathBuf> {
-        let path = match &self.model {
-            Some(p) => p.clone(),
-            None => {
-                let dir = match std::env::var_os(MODEL_DIR_ENV) {
-                    Some(d) => PathBuf::from(d),
-                    None => PathBuf::from(std::env::var_os("HOME").context("HOME is not set")?)
-                        .join(".cache/bulkhead/models"),
-                };
-                dir.join(DEFAULT_MODEL_FILE)
-            }
-        };
-        anyhow::ensure!(
-            path.is_file(),
-            "model file {} not found; run scripts/fetch-model or pass --model",
-            path.display()
-        );
-        Ok(path)
+        resolve(self.model.as_deref())
     }
 
     /// Opens `--device`. Call before loading the model: a build or machine without the

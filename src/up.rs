@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use bulkhead_gateway::{BoundGateway, Config};
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+use crate::child;
 use crate::model_path::ModelArgs;
 use crate::telemetry::Service;
 
@@ -161,7 +161,7 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
         let _ = stop_tx.send(true);
         let _ = serving.await;
         for w in &mut workers {
-            stop_worker(&mut w.child).await;
+            child::stop(&mut w.child, WORKER_STOP_LIMIT, &format!("{} worker", w.role)).await;
         }
         if let Some((index, status)) = worker_died {
             bail!("the {} worker exited ({status:?}); stopped everything", workers[index].role);
@@ -208,75 +208,23 @@ async fn start_worker(
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .kill_on_drop(true);
-    die_with_parent(&mut cmd);
+    child::die_with_parent(&mut cmd);
+    let what = format!("{role} worker");
     let mut child = cmd
         .spawn()
-        .with_context(|| format!("starting the {role} worker"))?;
-    let stdout = child.stdout.take().context("the worker's stdout")?;
-    let mut lines = BufReader::new(stdout).lines();
-    let ready = tokio::time::timeout(WORKER_START_LIMIT, async {
-        while let Some(line) = lines.next_line().await? {
-            if let Some(rest) = line.strip_prefix("bulkhead worker ready ") {
-                return Ok::<_, std::io::Error>(Some(rest.to_owned()));
-            }
-        }
-        Ok(None)
-    })
-    .await;
-    let ready = match ready {
-        Ok(Ok(Some(line))) => line,
-        Ok(Ok(None)) => bail!("the {role} worker exited before it was ready (see its log above)"),
-        Ok(Err(e)) => bail!("reading the worker's output: {e}"),
-        Err(_) => bail!(
-            "the worker was not ready within {} s",
-            WORKER_START_LIMIT.as_secs()
-        ),
-    };
-    // Keep draining its stdout so it never blocks on a full pipe.
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    let grpc = ready
-        .split_whitespace()
-        .find_map(|f| f.strip_prefix("grpc="))
+        .with_context(|| format!("starting the {what}"))?;
+    let ready = child::ready_line(
+        &mut child,
+        "bulkhead worker ready ",
+        WORKER_START_LIMIT,
+        &what,
+    )
+    .await?;
+    let grpc = child::field(&ready, "grpc")
         .context("the worker's ready line has no grpc= address")?
         .to_owned();
     Ok(Worker { child, grpc, role })
 }
-
-/// SIGTERM, then SIGKILL if the worker has not stopped in time.
-async fn stop_worker(child: &mut Child) {
-    if let Some(pid) = child.id().and_then(|p| libc::pid_t::try_from(p).ok()) {
-        // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped, so the pid
-        // cannot have been reused) and a valid signal number; no memory is involved.
-        unsafe {
-            libc::kill(pid, libc::SIGTERM);
-        }
-    }
-    if tokio::time::timeout(WORKER_STOP_LIMIT, child.wait())
-        .await
-        .is_err()
-    {
-        eprintln!("bulkhead up: the worker did not stop; killing it");
-        let _ = child.kill().await;
-    }
-}
-
-/// The child gets SIGTERM if this process dies first (Linux), so no worker is orphaned.
-#[cfg(target_os = "linux")]
-fn die_with_parent(cmd: &mut Command) {
-    // SAFETY: the closure runs in the forked child before exec and only calls prctl(2), which
-    // is async-signal-safe; it touches no memory of the parent.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) == -1 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-}
-
-#[cfg(not(target_os = "linux"))]
-fn die_with_parent(_cmd: &mut Command) {}
 
 #[cfg(test)]
 mod tests {

@@ -1,6 +1,7 @@
 //! `bulkhead bench`: benchmarks that print one JSON object on stdout, medians over `--runs`.
 
 mod engine;
+mod gateway;
 mod policies;
 mod transfer;
 
@@ -15,6 +16,13 @@ pub enum What {
     Transfer(transfer::TransferArgs),
     /// Per-request cost of a policy set's on-request chain (p50, p99 µs) against none.
     Policies(policies::PoliciesArgs),
+    /// Requests/s and latency of the gateway in front of an instant OpenAI-compatible upstream,
+    /// side by side with the upstream alone, nginx and LiteLLM proxy, policy chain on and off.
+    Gateway(gateway::GatewayArgs),
+    /// The gateway bench's load target: an instant OpenAI-compatible server (started by
+    /// `bench gateway`).
+    #[command(hide = true)]
+    LoadTarget(gateway::LoadTargetArgs),
 }
 
 pub fn run(what: What) -> anyhow::Result<()> {
@@ -22,6 +30,8 @@ pub fn run(what: What) -> anyhow::Result<()> {
         What::Engine(args) => engine::run(args),
         What::Transfer(args) => transfer::run(args),
         What::Policies(args) => policies::run(args),
+        What::Gateway(args) => gateway::run(args),
+        What::LoadTarget(args) => gateway::load_target::run(args),
     }
 }
 

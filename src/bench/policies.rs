@@ -8,14 +8,21 @@ use anyhow::Context;
 use bulkhead_gateway::policy::{Policies, PolicySettings, RequestFacts, SandboxSettings};
 use serde_json::json;
 
+/// A policy set and its compiled-component cache, as the benches take them.
 #[derive(Debug, clap::Args)]
-pub struct PoliciesArgs {
+pub struct PolicySetArgs {
     /// The policy set (plugins built by scripts/build-plugins).
     #[arg(long, default_value = "policies/local.toml")]
-    policies: PathBuf,
+    pub policies: PathBuf,
     /// Where compiled components are cached.
     #[arg(long, default_value = "plugins/dist/cache")]
-    cache_dir: PathBuf,
+    pub cache_dir: PathBuf,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PoliciesArgs {
+    #[command(flatten)]
+    set: PolicySetArgs,
     /// Requests through the chain.
     #[arg(long, default_value_t = 5000)]
     requests: usize,
@@ -54,16 +61,20 @@ async fn measure(policies: &Policies, requests: usize) -> anyhow::Result<Vec<Dur
 pub fn run(args: PoliciesArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.requests > 0, "--requests must be at least 1");
     let t0 = Instant::now();
+    let PolicySetArgs {
+        policies: file,
+        cache_dir,
+    } = args.set;
     let policies = Policies::load(PolicySettings {
-        file: args.policies.clone(),
+        file: file.clone(),
         sandbox: SandboxSettings {
-            cache_dir: Some(args.cache_dir),
+            cache_dir: Some(cache_dir),
             ..SandboxSettings::default()
         },
         watch_interval: None,
         hold_limit: Duration::from_secs(1),
     })
-    .with_context(|| format!("loading {}", args.policies.display()))?;
+    .with_context(|| format!("loading {}", file.display()))?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -77,7 +88,7 @@ pub fn run(args: PoliciesArgs) -> anyhow::Result<()> {
     })?;
     let chain = policies.current().summary();
     let out = json!({
-        "policies": args.policies.display().to_string(),
+        "policies": file.display().to_string(),
         "bindings": chain.iter().map(|b| b.plugin.clone()).collect::<Vec<_>>(),
         "load_ms": load_ms,
         "requests": args.requests,

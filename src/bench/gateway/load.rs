@@ -1,0 +1,292 @@
+//! The load generator: closed loop over N HTTP/1.1 keep-alive connections. Each connection
+//! sends its next request as soon as it has read the previous answer whole; every answer that
+//! completes inside the measured window (after the warm-up) is counted and its latency, from
+//! sending the request to the answer's last byte, recorded.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use http::header::{AUTHORIZATION, CONTENT_TYPE, HOST};
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Empty, Full};
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use super::load_target::ANSWER;
+
+/// Pause before reconnecting after a failed connection, so a dead target is not spun on.
+const RECONNECT_PAUSE: Duration = Duration::from_millis(20);
+
+/// The request every connection sends, and how its answer is checked.
+#[derive(Debug, Clone)]
+pub struct Ask {
+    pub path: &'static str,
+    pub bearer: Option<String>,
+    pub body: Bytes,
+    /// The answer is an SSE stream (it must end with `data: [DONE]`); otherwise one JSON
+    /// object carrying the load target's answer.
+    pub stream: bool,
+}
+
+impl Ask {
+    /// A chat completion of `model`, streamed or not.
+    pub fn chat(model: &str, bearer: Option<String>, stream: bool) -> Ask {
+        let mut body = serde_json::json!({
+            "model": model,
+            "messages": [{"role": "user", "content": "What is 2+2?"}],
+            "max_tokens": 16,
+        });
+        if stream {
+            body["stream"] = true.into();
+        }
+        Ask {
+            path: "/v1/chat/completions",
+            bearer,
+            body: Bytes::from(body.to_string()),
+            stream,
+        }
+    }
+
+    fn request(&self, addr: SocketAddr) -> anyhow::Result<Request<Full<Bytes>>> {
+        let mut r = Request::builder()
+            .method(Method::POST)
+            .uri(self.path)
+            .header(HOST, addr.to_string())
+            .header(CONTENT_TYPE, "application/json");
+        if let Some(key) = &self.bearer {
+            r = r.header(AUTHORIZATION, format!("Bearer {key}"));
+        }
+        r.body(Full::new(self.body.clone()))
+            .context("building the request")
+    }
+
+    /// Whether `body`, answered with `status`, is the answer the load target gives.
+    fn accepts(&self, status: StatusCode, body: &[u8]) -> bool {
+        if status != StatusCode::OK {
+            return false;
+        }
+        let text = String::from_utf8_lossy(body);
+        if self.stream {
+            text.trim_end().ends_with("data: [DONE]")
+        } else {
+            text.contains(ANSWER)
+        }
+    }
+}
+
+/// One load: `connections` connections to `addr`, a warm-up, then the measured window.
+#[derive(Debug, Clone)]
+pub struct Load {
+    pub addr: SocketAddr,
+    pub ask: Arc<Ask>,
+    pub connections: usize,
+    pub warmup: Duration,
+    pub window: Duration,
+}
+
+/// What one load measured.
+#[derive(Debug, Clone, Default)]
+pub struct Sample {
+    /// Latencies of the answers completed inside the window, sorted.
+    pub latencies: Vec<Duration>,
+    /// Wrong answers and failed exchanges inside the window.
+    pub errors: u64,
+    /// The first failure seen, for the report.
+    pub first_error: Option<String>,
+    /// The window's length.
+    pub window: Duration,
+}
+
+impl Sample {
+    /// Correct answers per second over the window.
+    pub fn rps(&self) -> f64 {
+        self.latencies.len() as f64 / self.window.as_secs_f64()
+    }
+
+    /// Microseconds at quantile `q` (nearest rank); `None` without answers.
+    pub fn quantile_us(&self, q: f64) -> Option<f64> {
+        let last = self.latencies.len().checked_sub(1)?;
+        let i = ((last as f64) * q).round() as usize;
+        Some(self.latencies[i.min(last)].as_secs_f64() * 1e6)
+    }
+}
+
+/// Runs `load` and returns what it measured.
+pub async fn drive(load: &Load) -> Sample {
+    let start = Instant::now() + load.warmup;
+    let end = start + load.window;
+    let tasks: Vec<_> = (0..load.connections)
+        .map(|_| tokio::spawn(connection(load.addr, load.ask.clone(), start, end)))
+        .collect();
+    let mut sample = Sample {
+        window: load.window,
+        ..Sample::default()
+    };
+    for task in tasks {
+        match task.await {
+            Ok(part) => {
+                sample.latencies.extend(part.latencies);
+                sample.errors += part.errors;
+                if sample.first_error.is_none() {
+                    sample.first_error = part.first_error;
+                }
+            }
+            Err(e) => {
+                sample.errors += 1;
+                sample
+                    .first_error
+                    .get_or_insert(format!("a load task failed: {e}"));
+            }
+        }
+    }
+    sample.latencies.sort_unstable();
+    sample
+}
+
+/// One connection's closed loop until `end`; what completes from `start` on counts.
+async fn connection(addr: SocketAddr, ask: Arc<Ask>, start: Instant, end: Instant) -> Sample {
+    let mut out = Sample::default();
+    let fail = |out: &mut Sample, at: Instant, what: String| {
+        if at >= start {
+            out.errors += 1;
+            out.first_error.get_or_insert(what);
+        }
+    };
+    let mut sender: Option<SendRequest<Full<Bytes>>> = None;
+    while Instant::now() < end {
+        let s = match sender.take().filter(|s| !s.is_closed()) {
+            Some(s) => s,
+            None => match tokio::time::timeout_at(end, connect(addr)).await {
+                Err(_) => break,
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    fail(
+                        &mut out,
+                        Instant::now(),
+                        format!("connecting to {addr}: {e:#}"),
+                    );
+                    tokio::time::sleep(RECONNECT_PAUSE).await;
+                    continue;
+                }
+            },
+        };
+        let mut s = s;
+        let t0 = Instant::now();
+        let exchanged = tokio::time::timeout_at(end, exchange(&mut s, &ask, addr)).await;
+        let done = Instant::now();
+        match exchanged {
+            // The window closed mid-request: it is neither counted nor a failure.
+            Err(_) => break,
+            Ok(Ok((status, body))) => {
+                if ask.accepts(status, &body) {
+                    if done >= start {
+                        out.latencies.push(done - t0);
+                    }
+                } else {
+                    let text = String::from_utf8_lossy(&body[..body.len().min(300)]).into_owned();
+                    fail(&mut out, done, format!("answered {status}: {text}"));
+                }
+                sender = Some(s);
+            }
+            Ok(Err(e)) => {
+                fail(&mut out, done, format!("exchange with {addr}: {e:#}"));
+                tokio::time::sleep(RECONNECT_PAUSE).await;
+            }
+        }
+    }
+    out
+}
+
+async fn connect<B>(addr: SocketAddr) -> anyhow::Result<SendRequest<B>>
+where
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let stream = TcpStream::connect(addr).await?;
+    stream.set_nodelay(true)?;
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(async move {
+        // Ends when the connection closes, whichever side closes it.
+        let _ = conn.await;
+    });
+    Ok(sender)
+}
+
+async fn exchange(
+    sender: &mut SendRequest<Full<Bytes>>,
+    ask: &Ask,
+    addr: SocketAddr,
+) -> anyhow::Result<(StatusCode, Bytes)> {
+    sender.ready().await?;
+    let response = sender.send_request(ask.request(addr)?).await?;
+    let status = response.status();
+    let body = response.into_body().collect().await?.to_bytes();
+    Ok((status, body))
+}
+
+/// Sends `ask` once on a fresh connection and checks the answer: a target is probed this way
+/// before it is measured.
+pub async fn probe(addr: SocketAddr, ask: &Ask) -> anyhow::Result<()> {
+    let mut sender = connect(addr).await?;
+    let (status, body) = exchange(&mut sender, ask, addr).await?;
+    if !ask.accepts(status, &body) {
+        let text = String::from_utf8_lossy(&body[..body.len().min(500)]).into_owned();
+        bail!("answered {status}, not the load target's answer: {text}");
+    }
+    Ok(())
+}
+
+/// `GET path` on a fresh connection, with a bearer token if given: the status and the body.
+pub async fn get(
+    addr: SocketAddr,
+    path: &str,
+    bearer: Option<&str>,
+) -> anyhow::Result<(StatusCode, Bytes)> {
+    let mut sender = connect::<Empty<Bytes>>(addr).await?;
+    let mut r = Request::builder()
+        .method(Method::GET)
+        .uri(path)
+        .header(HOST, addr.to_string());
+    if let Some(key) = bearer {
+        r = r.header(AUTHORIZATION, format!("Bearer {key}"));
+    }
+    let response = sender.send_request(r.body(Empty::new())?).await?;
+    let status = response.status();
+    Ok((status, response.into_body().collect().await?.to_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_are_nearest_rank_and_absent_without_answers() {
+        let sample = Sample {
+            latencies: (1..=100).map(Duration::from_micros).collect(),
+            window: Duration::from_secs(2),
+            ..Sample::default()
+        };
+        assert_eq!(sample.quantile_us(0.5), Some(51.0));
+        assert_eq!(sample.quantile_us(0.99), Some(99.0));
+        assert_eq!(sample.rps(), 50.0);
+        assert_eq!(Sample::default().quantile_us(0.5), None);
+    }
+
+    #[test]
+    fn only_the_load_targets_answer_is_accepted() {
+        let plain = Ask::chat("m", None, false);
+        let body = format!(r#"{{"choices":[{{"message":{{"content":"{ANSWER}"}}}}]}}"#);
+        assert!(plain.accepts(StatusCode::OK, body.as_bytes()));
+        assert!(!plain.accepts(StatusCode::TOO_MANY_REQUESTS, body.as_bytes()));
+        assert!(!plain.accepts(StatusCode::OK, b"{}"));
+        let stream = Ask::chat("m", None, true);
+        assert!(stream.accepts(StatusCode::OK, b"data: {}\n\ndata: [DONE]\n\n"));
+        assert!(!stream.accepts(StatusCode::OK, b"data: {}\n\n"));
+    }
+}

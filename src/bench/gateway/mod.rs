@@ -1,0 +1,303 @@
+//! `bulkhead bench gateway`: the gateway's own overhead, not the model's. One run measures, with
+//! the same closed-loop client load (N keep-alive connections, a fixed window, every request's
+//! latency recorded), each target in front of the same instant OpenAI-compatible upstream (the
+//! load target, its own process):
+//!
+//! ```text
+//!                        ┌──────────────────────────────┐
+//!   load generator ──────┤ direct (the baseline)        ├──► load target
+//!   (this process,       │ bulkhead gateway, policies off│    (`bench load-target`,
+//!    N connections)      │ bulkhead gateway, policies on │     answers at once)
+//!                        │ nginx (proxy_pass)            │
+//!                        │ LiteLLM proxy                 │
+//!                        └──────────────────────────────┘
+//! ```
+//!
+//! Every target is a real process on a loopback socket, started once and kept running; each run
+//! measures every target once, in an order that rotates from run to run. Reported: per target
+//! the medians over runs of requests/s, p50 and p99; the latency added over the direct
+//! baseline; the ratios to nginx and to LiteLLM; the policy chain's cost (on against off).
+//! Paired figures are medians of each run's pair. A table on stderr, one JSON object on stdout.
+//!
+//! The gateway does its whole request path: authentication, tenant limits, chat template and
+//! tokenization, admission, the policy chain, the upstream call (a streamed `/v1/completions`,
+//! as for any OpenAI-compatible upstream) and an audit record per request (`--audit`). nginx and
+//! LiteLLM pass the client's chat request through.
+
+mod load;
+pub mod load_target;
+mod report;
+mod targets;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use serde_json::{Map, Value, json};
+
+pub use load_target::LoadTargetArgs;
+
+use super::median;
+use super::policies::PolicySetArgs;
+use crate::child;
+use load::{Load, Sample};
+use report::{Figures, Results};
+use targets::{Audit, Kind, Setup, Started, Target};
+
+#[derive(Debug, clap::Args)]
+pub struct GatewayArgs {
+    /// Connections the load keeps open; each sends its next request as soon as the last one
+    /// is answered.
+    #[arg(long, default_value_t = 32)]
+    connections: usize,
+    /// Seconds measured per target per run.
+    #[arg(long, default_value_t = 3.0)]
+    seconds: f64,
+    /// Seconds of load before each measurement, not counted.
+    #[arg(long, default_value_t = 0.5)]
+    warmup_seconds: f64,
+    /// Repetitions; each measures every target once; medians are reported.
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Streamed chat completions (SSE) instead of whole ones.
+    #[arg(long)]
+    stream: bool,
+    /// The targets to measure (comma-separated).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = Kind::ALL)]
+    targets: Vec<Kind>,
+    /// GGUF whose tokenizer and chat template the gateway applies [default: the model fetched
+    /// by scripts/fetch-model]
+    #[arg(long, env = crate::model_path::MODEL_ENV)]
+    model: Option<PathBuf>,
+    #[command(flatten)]
+    policy_set: PolicySetArgs,
+    /// The gateway's audit durability: `group` (records fsynced within a few ms) or `durable`
+    /// (every response waits for its record's fsync).
+    #[arg(long, value_enum, default_value_t = Audit::Group)]
+    audit: Audit,
+    /// The nginx binary [default: nginx on PATH, else /usr/sbin/nginx]
+    #[arg(long)]
+    nginx: Option<PathBuf>,
+    /// LiteLLM proxy's `litellm` [default: $BULKHEAD_LITELLM_VENV/bin/litellm, else
+    /// ~/.cache/bulkhead/litellm-venv/bin/litellm, where scripts/bench-gateway-peers puts it]
+    #[arg(long)]
+    litellm: Option<PathBuf>,
+    /// Threads of the load generator.
+    #[arg(long, default_value_t = 1)]
+    client_threads: usize,
+    /// Threads of the load target.
+    #[arg(long, default_value_t = 1)]
+    target_threads: usize,
+}
+
+/// A tokio runtime with `threads` threads (one: a current-thread runtime).
+fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
+    anyhow::ensure!(threads > 0, "thread counts must be at least 1");
+    let mut builder = if threads == 1 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(threads);
+        b
+    };
+    builder
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// A directory for the targets' configurations, logs and audit data; removed when dropped.
+#[derive(Debug)]
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> anyhow::Result<Scratch> {
+        let dir =
+            std::env::temp_dir().join(format!("bulkhead-bench-gateway-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        Ok(Scratch(dir))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.runs > 0 && args.connections > 0,
+        "--runs and --connections must be at least 1"
+    );
+    anyhow::ensure!(
+        args.seconds > 0.0 && args.warmup_seconds >= 0.0,
+        "--seconds must be positive and --warmup-seconds not negative"
+    );
+    if cfg!(debug_assertions) {
+        eprintln!(
+            "note: a debug build measures a slower gateway; quote figures of a release build"
+        );
+    }
+    let kinds: Vec<Kind> = Kind::ALL
+        .into_iter()
+        .filter(|k| args.targets.contains(k))
+        .collect();
+    let scratch = Scratch::new()?;
+    let setup = |upstream| -> anyhow::Result<Setup> {
+        Ok(Setup {
+            upstream,
+            model: crate::model_path::resolve(args.model.as_deref())?,
+            policies: std::path::absolute(&args.policy_set.policies)?,
+            cache_dir: std::path::absolute(&args.policy_set.cache_dir)?,
+            audit: args.audit,
+            connections: args.connections,
+            nginx: targets::find_nginx(args.nginx.clone()),
+            litellm: targets::find_litellm(args.litellm.clone()),
+            scratch: scratch.0.clone(),
+        })
+    };
+    let results = runtime(args.client_threads)?.block_on(async {
+        let (mut upstream, addr) = targets::load_target(args.target_threads).await?;
+        let setup = setup(addr)?;
+        let mut running = Vec::new();
+        let mut results = Results::default();
+        let mut outcome = Ok(());
+        for &kind in &kinds {
+            eprintln!("starting {}", kind.label());
+            match targets::start(kind, &setup, args.stream).await {
+                Ok(Started::Ready(t)) => running.push(*t),
+                Ok(Started::Skipped(why)) => {
+                    eprintln!("skipping {}: {why}", kind.label());
+                    results.skipped.push((kind, why));
+                }
+                Err(e) => {
+                    outcome = Err(e);
+                    break;
+                }
+            }
+        }
+        if outcome.is_ok() {
+            outcome = measure(&args, &mut running, &mut results).await;
+        }
+        for t in &mut running {
+            t.stop().await;
+        }
+        child::stop(&mut upstream, Duration::from_secs(5), "load target").await;
+        outcome.map(|()| results)
+    })?;
+    drop(scratch);
+    eprint!("\n{}", results.table());
+    println!("{}", results.to_json(settings(&args)));
+    Ok(())
+}
+
+/// How the bench was run, for the report.
+fn settings(args: &GatewayArgs) -> Map<String, Value> {
+    let mut s = Map::new();
+    s.insert(
+        "build".into(),
+        json!(if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        }),
+    );
+    s.insert("connections".into(), json!(args.connections));
+    s.insert("seconds".into(), json!(args.seconds));
+    s.insert("warmup_seconds".into(), json!(args.warmup_seconds));
+    s.insert("runs".into(), json!(args.runs));
+    s.insert("stream".into(), json!(args.stream));
+    s.insert("audit".into(), json!(args.audit.name()));
+    s.insert(
+        "policies".into(),
+        json!(args.policy_set.policies.display().to_string()),
+    );
+    s.insert("client_threads".into(), json!(args.client_threads));
+    s.insert("load_target_threads".into(), json!(args.target_threads));
+    s.insert(
+        "gateway_threads".into(),
+        json!(crate::gateway::RUNTIME_THREADS),
+    );
+    s
+}
+
+/// Every run measures every running target once, starting one target later each run. A peer
+/// that answers nothing correctly in a run is dropped (skipped, with its first error); a
+/// Bulkhead target or the baseline doing so fails the bench.
+async fn measure(
+    args: &GatewayArgs,
+    running: &mut Vec<Target>,
+    results: &mut Results,
+) -> anyhow::Result<()> {
+    for run in 0..args.runs {
+        let mut i = 0;
+        while i < running.len() {
+            let at = (run + i) % running.len();
+            let target = &running[at];
+            let sample = load::drive(&Load {
+                addr: target.addr,
+                ask: target.ask.clone(),
+                connections: args.connections,
+                warmup: Duration::from_secs_f64(args.warmup_seconds),
+                window: Duration::from_secs_f64(args.seconds),
+            })
+            .await;
+            let kind = target.kind;
+            let Some(figures) = figures(&sample) else {
+                let why = format!(
+                    "answered no request correctly in run {}: {}",
+                    run + 1,
+                    sample.first_error.as_deref().unwrap_or("no answer at all")
+                );
+                match kind {
+                    Kind::Nginx | Kind::Litellm => {
+                        eprintln!("dropping {}: {why}", kind.label());
+                        let mut gone = running.remove(at);
+                        gone.stop().await;
+                        results.measured.retain(|(k, _)| *k != kind);
+                        results.skipped.push((kind, why));
+                        continue;
+                    }
+                    Kind::Direct | Kind::Bulkhead | Kind::BulkheadPolicies => {
+                        bail!("{} {why}", kind.label())
+                    }
+                }
+            };
+            eprintln!(
+                "run {}/{} {:<24} {:>8.0} req/s  p50 {:>6.0} µs  p99 {:>6.0} µs  errors {}",
+                run + 1,
+                args.runs,
+                kind.label(),
+                figures.rps,
+                figures.p50_us,
+                figures.p99_us,
+                figures.errors
+            );
+            if let Some(e) = &sample.first_error {
+                eprintln!("  first error: {e}");
+            }
+            match results.measured.iter_mut().find(|(k, _)| *k == kind) {
+                Some((_, runs)) => runs.push(figures),
+                None => results.measured.push((kind, vec![figures])),
+            }
+            i += 1;
+        }
+    }
+    // The report lists the targets in their fixed order.
+    results
+        .measured
+        .sort_by_key(|(k, _)| Kind::ALL.iter().position(|a| a == k));
+    Ok(())
+}
+
+/// A sample's figures; `None` if it holds no correct answer.
+fn figures(sample: &Sample) -> Option<Figures> {
+    Some(Figures {
+        rps: sample.rps(),
+        p50_us: sample.quantile_us(0.5)?,
+        p99_us: sample.quantile_us(0.99)?,
+        requests: sample.latencies.len(),
+        errors: sample.errors,
+    })
+}

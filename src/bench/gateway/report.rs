@@ -1,0 +1,267 @@
+//! The gateway bench's figures: per target, medians over runs; against the baseline and the
+//! peers, the median of each run's paired figure (every run measures every target once, back
+//! to back, so a slow phase of a shared machine hits the pair alike). A table and one JSON
+//! object.
+
+use serde_json::{Map, Value, json};
+
+use super::median;
+use super::targets::Kind;
+
+/// One target in one run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Figures {
+    pub rps: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub requests: usize,
+    pub errors: u64,
+}
+
+/// Every target's figures, run by run (index `i` of every list is run `i`), and the targets
+/// skipped with the reason.
+#[derive(Debug, Clone, Default)]
+pub struct Results {
+    pub measured: Vec<(Kind, Vec<Figures>)>,
+    pub skipped: Vec<(Kind, String)>,
+}
+
+impl Results {
+    fn runs(&self, kind: Kind) -> Option<&[Figures]> {
+        self.measured
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map(|(_, f)| f.as_slice())
+    }
+
+    /// The median over runs of `f(this run's a, this run's b)`, if both were measured.
+    fn paired(&self, a: Kind, b: Kind, f: impl Fn(&Figures, &Figures) -> f64) -> Option<f64> {
+        let (a, b) = (self.runs(a)?, self.runs(b)?);
+        let v: Vec<f64> = a.iter().zip(b).map(|(x, y)| f(x, y)).collect();
+        (!v.is_empty()).then(|| median(v))
+    }
+
+    fn vs(&self, kind: Kind, peer: Kind) -> Option<Value> {
+        let rps = self.paired(kind, peer, |a, b| a.rps / b.rps)?;
+        let p50 = self.paired(kind, peer, |a, b| a.p50_us / b.p50_us)?;
+        Some(json!({"rps_ratio": rps, "p50_ratio": p50}))
+    }
+
+    /// The policy chain's cost: requests/s with it on over off, and the added p50 and p99.
+    fn policy_chain(&self) -> Option<Value> {
+        let (on, off) = (Kind::BulkheadPolicies, Kind::Bulkhead);
+        Some(json!({
+            "rps_on_vs_off": self.paired(on, off, |a, b| a.rps / b.rps)?,
+            "added_p50_us": self.paired(on, off, |a, b| a.p50_us - b.p50_us)?,
+            "added_p99_us": self.paired(on, off, |a, b| a.p99_us - b.p99_us)?,
+        }))
+    }
+
+    /// The issues' goals, where measured: the gateway (policies off) within 10% of nginx's
+    /// requests/s; the policy chain costing under 5% of the gateway's requests/s.
+    fn goals(&self) -> Map<String, Value> {
+        let mut goals = Map::new();
+        let ratio = |a, b| self.paired(a, b, |x, y| x.rps / y.rps);
+        if let Some(r) = ratio(Kind::Bulkhead, Kind::Nginx) {
+            goals.insert("within_10pct_of_nginx".into(), json!(r >= 0.9));
+        }
+        if let Some(r) = ratio(Kind::BulkheadPolicies, Kind::Bulkhead) {
+            goals.insert("policy_chain_under_5pct".into(), json!(r > 0.95));
+        }
+        goals
+    }
+
+    /// The JSON report: `settings` (how it was run), then per target its medians, its latency
+    /// added over the direct baseline, and its ratios to nginx and LiteLLM; the skipped
+    /// targets; the policy chain's cost.
+    pub fn to_json(&self, settings: Map<String, Value>) -> Value {
+        let mut out = settings;
+        let mut targets = Map::new();
+        for (kind, runs) in &self.measured {
+            let column = |f: fn(&Figures) -> f64| median(runs.iter().map(f).collect());
+            let mut t = Map::new();
+            t.insert("rps".into(), json!(column(|f| f.rps)));
+            t.insert("p50_us".into(), json!(column(|f| f.p50_us)));
+            t.insert("p99_us".into(), json!(column(|f| f.p99_us)));
+            t.insert(
+                "requests".into(),
+                json!(runs.iter().map(|f| f.requests).sum::<usize>()),
+            );
+            t.insert(
+                "errors".into(),
+                json!(runs.iter().map(|f| f.errors).sum::<u64>()),
+            );
+            if let Some(added) = self.paired(*kind, Kind::Direct, |a, b| a.p50_us - b.p50_us) {
+                t.insert("added_p50_us".into(), json!(added));
+            }
+            if let Some(added) = self.paired(*kind, Kind::Direct, |a, b| a.p99_us - b.p99_us) {
+                t.insert("added_p99_us".into(), json!(added));
+            }
+            for peer in [Kind::Nginx, Kind::Litellm] {
+                if let Some(v) = self.vs(*kind, peer).filter(|_| *kind != peer) {
+                    t.insert(format!("vs_{}", peer.key()), v);
+                }
+            }
+            targets.insert(kind.key().into(), Value::Object(t));
+        }
+        out.insert("targets".into(), Value::Object(targets));
+        let skipped: Map<String, Value> = self
+            .skipped
+            .iter()
+            .map(|(k, why)| (k.key().to_owned(), json!(why)))
+            .collect();
+        out.insert("skipped".into(), Value::Object(skipped));
+        if let Some(chain) = self.policy_chain() {
+            out.insert("policy_chain".into(), chain);
+        }
+        out.insert("goals".into(), Value::Object(self.goals()));
+        Value::Object(out)
+    }
+
+    /// The table: one row per target (medians), then the skipped ones and the chain's cost.
+    pub fn table(&self) -> String {
+        let mut out = format!(
+            "{:<24} {:>9} {:>9} {:>9} {:>10} {:>14} {:>16} {:>7}\n",
+            "target",
+            "req/s",
+            "p50 µs",
+            "p99 µs",
+            "+p50 µs",
+            "req/s ÷ nginx",
+            "req/s ÷ LiteLLM",
+            "errors"
+        );
+        let num = |v: Option<f64>, digits: usize| {
+            v.map_or_else(|| "—".to_owned(), |v| format!("{v:.digits$}"))
+        };
+        for kind in Kind::ALL {
+            if let Some(runs) = self.runs(kind) {
+                let column = |f: fn(&Figures) -> f64| median(runs.iter().map(f).collect());
+                let ratio = |peer| {
+                    (kind != peer)
+                        .then(|| self.paired(kind, peer, |a, b| a.rps / b.rps))
+                        .flatten()
+                };
+                out.push_str(&format!(
+                    "{:<24} {:>9.0} {:>9.0} {:>9.0} {:>10} {:>14} {:>16} {:>7}\n",
+                    kind.label(),
+                    column(|f| f.rps),
+                    column(|f| f.p50_us),
+                    column(|f| f.p99_us),
+                    num(
+                        self.paired(kind, Kind::Direct, |a, b| a.p50_us - b.p50_us),
+                        0
+                    ),
+                    num(ratio(Kind::Nginx), 2),
+                    num(ratio(Kind::Litellm), 2),
+                    runs.iter().map(|f| f.errors).sum::<u64>(),
+                ));
+            }
+        }
+        for (kind, why) in &self.skipped {
+            out.push_str(&format!("{:<24} skipped: {why}\n", kind.label()));
+        }
+        if let Some(chain) = self.policy_chain() {
+            out.push_str(&format!(
+                "policy chain: req/s on ÷ off {:.3}, added p50 {:.0} µs, added p99 {:.0} µs\n",
+                chain["rps_on_vs_off"].as_f64().unwrap_or(f64::NAN),
+                chain["added_p50_us"].as_f64().unwrap_or(f64::NAN),
+                chain["added_p99_us"].as_f64().unwrap_or(f64::NAN),
+            ));
+        }
+        for (goal, met) in self.goals() {
+            out.push_str(&format!(
+                "goal {goal}: {}\n",
+                if met.as_bool() == Some(true) {
+                    "met"
+                } else {
+                    "NOT met"
+                }
+            ));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f(rps: f64, p50_us: f64) -> Figures {
+        Figures {
+            rps,
+            p50_us,
+            p99_us: p50_us * 2.0,
+            requests: rps as usize,
+            errors: 0,
+        }
+    }
+
+    fn results() -> Results {
+        Results {
+            measured: vec![
+                (
+                    Kind::Direct,
+                    vec![f(1000.0, 100.0), f(500.0, 200.0), f(1000.0, 100.0)],
+                ),
+                (
+                    Kind::Bulkhead,
+                    vec![f(800.0, 150.0), f(400.0, 300.0), f(800.0, 150.0)],
+                ),
+                (
+                    Kind::BulkheadPolicies,
+                    vec![f(760.0, 170.0), f(380.0, 320.0), f(760.0, 170.0)],
+                ),
+                (
+                    Kind::Nginx,
+                    vec![f(900.0, 120.0), f(450.0, 240.0), f(900.0, 120.0)],
+                ),
+            ],
+            skipped: vec![(Kind::Litellm, "not installed".into())],
+        }
+    }
+
+    #[test]
+    fn ratios_are_paired_per_run_so_a_slow_run_does_not_skew_them() {
+        let json = results().to_json(Map::new());
+        let off = &json["targets"]["bulkhead_policies_off"];
+        // Run 2 is half as fast for everyone: every paired ratio is still 800/900.
+        let r = off["vs_nginx"]["rps_ratio"].as_f64().expect("a ratio");
+        assert!((r - 800.0 / 900.0).abs() < 1e-9, "{r}");
+        assert_eq!(off["added_p50_us"], 50.0);
+        assert_eq!(off["rps"], 800.0);
+        let chain = &json["policy_chain"];
+        assert!((chain["rps_on_vs_off"].as_f64().expect("ratio") - 0.95).abs() < 1e-9);
+        assert_eq!(chain["added_p50_us"], 20.0);
+        assert_eq!(
+            json["goals"]["within_10pct_of_nginx"], false,
+            "0.89 of nginx"
+        );
+        assert_eq!(
+            json["goals"]["policy_chain_under_5pct"], false,
+            "a cost of exactly 5% is not under 5%"
+        );
+    }
+
+    #[test]
+    fn skipped_peers_are_named_with_their_reason_and_have_no_ratios() {
+        let json = results().to_json(Map::new());
+        assert_eq!(json["skipped"]["litellm"], "not installed");
+        assert!(json["targets"].get("litellm").is_none());
+        assert!(
+            json["targets"]["bulkhead_policies_on"]
+                .get("vs_litellm")
+                .is_none()
+        );
+        assert!(json["targets"]["nginx"].get("vs_nginx").is_none());
+        let table = results().table();
+        assert!(
+            table.contains("litellm                  skipped: not installed"),
+            "{table}"
+        );
+        assert!(
+            table.contains("policy chain: req/s on ÷ off 0.950"),
+            "{table}"
+        );
+    }
+}

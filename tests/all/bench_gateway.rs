@@ -1,0 +1,78 @@
+//! `bulkhead bench gateway` in a tiny configuration (1 s windows, 2 connections, the Bulkhead
+//! targets and the baseline only; nginx and LiteLLM are left out so CI needs neither): the
+//! report has every field and every target answered requests, streamed and not.
+
+use std::process::{Command, Stdio};
+
+use serde_json::Value;
+
+use crate::up::{bounded, json, repo};
+
+/// Runs the bench on `targets` with `extra` flags; its JSON report.
+fn bench(targets: &str, extra: &[&str]) -> Value {
+    let output = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+        .args(["bench", "gateway", "--runs", "1", "--connections", "2"])
+        .args([
+            "--seconds",
+            "1",
+            "--warmup-seconds",
+            "0.2",
+            "--targets",
+            targets,
+        ])
+        .args(extra)
+        .current_dir(repo())
+        .stdin(Stdio::null())
+        .output()
+        .expect("the bulkhead binary runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "bench gateway failed:\n{stderr}");
+    assert!(
+        stderr.contains("req/s ÷ nginx"),
+        "the table is on stderr:\n{stderr}"
+    );
+    json(&String::from_utf8_lossy(&output.stdout))
+}
+
+fn assert_answered(report: &Value, key: &str) {
+    let t = &report["targets"][key];
+    assert!(t["rps"].as_f64() > Some(0.0), "{key}: {t}");
+    assert!(t["requests"].as_u64() > Some(0), "{key}: {t}");
+    assert_eq!(t["errors"], 0, "{key}: {t}");
+    for field in ["p50_us", "p99_us", "added_p50_us", "added_p99_us"] {
+        assert!(t[field].is_f64(), "{key}.{field}: {t}");
+    }
+    assert!(t["p99_us"].as_f64() >= t["p50_us"].as_f64(), "{key}: {t}");
+}
+
+#[test]
+fn the_gateway_bench_reports_each_bulkhead_target_and_the_policy_chains_cost() {
+    bounded(|| {
+        let report = bench("direct,bulkhead,bulkhead-policies", &[]);
+        for key in ["direct", "bulkhead_policies_off", "bulkhead_policies_on"] {
+            assert_answered(&report, key);
+        }
+        for field in ["rps_on_vs_off", "added_p50_us", "added_p99_us"] {
+            assert!(report["policy_chain"][field].is_f64(), "{report}");
+        }
+        assert_eq!(report["skipped"], serde_json::json!({}));
+        assert_eq!(report["connections"], 2);
+
+        let streamed = bench("direct,bulkhead", &["--stream"]);
+        assert_eq!(streamed["stream"], true);
+        for key in ["direct", "bulkhead_policies_off"] {
+            assert_answered(&streamed, key);
+        }
+    });
+}
+
+#[test]
+fn a_peer_that_is_not_installed_is_skipped_with_the_reason() {
+    bounded(|| {
+        let report = bench("direct,nginx", &["--nginx", "/nonexistent/nginx"]);
+        assert_answered(&report, "direct");
+        let why = report["skipped"]["nginx"].as_str().unwrap_or_default();
+        assert!(why.contains("scripts/bench-gateway-peers"), "{report}");
+        assert!(report["targets"].get("nginx").is_none(), "{report}");
+    });
+}
