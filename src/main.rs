@@ -6,6 +6,7 @@ mod data_dir;
 mod gateway;
 mod generate;
 mod model_path;
+mod switches;
 mod up;
 mod worker;
 
@@ -67,6 +68,7 @@ fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
+    switches::install()?;
     match command {
         Command::Generate(args) => generate::run(args),
         Command::Bench { what } => bench::run(what),

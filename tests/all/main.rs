@@ -1,8 +1,15 @@
 //! End-to-end tests of the `bulkhead` binary: one test binary for the whole package.
 
 mod audit;
+mod cluster;
 mod gateway;
+mod isolation;
+mod isolation_load;
+// Scenarios that turn checks off: test builds only (`--features check-switches`).
+#[cfg(feature = "check-switches")]
+mod isolation_switches;
 mod netns;
+mod oracles;
 mod policies;
 mod scale;
 mod transfer_faults;
