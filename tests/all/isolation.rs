@@ -210,8 +210,15 @@ fn the_incident_is_refused_at_the_gateway_while_other_tenants_are_served_and_not
         let baseline = baseline(&cluster);
         let ledger = Ledger::default();
         let a_canary = canary(&TENANT_A);
+        let over = over_pool(&a_canary);
+        // Over prefill's pool only, and over both pools.
+        let tokens = over
+            .each_ref()
+            .map(|body| reference.prompt_tokens("/v1/completions", body));
+        assert!((257..504).contains(&tokens[0]), "{tokens:?}");
+        assert!(tokens[1] > 512, "{tokens:?}");
         let started = Instant::now();
-        let refused = incident_traffic(cluster.api(), &ledger, &a_canary, &over_pool(&a_canary));
+        let refused = incident_traffic(cluster.api(), &ledger, &a_canary, &over);
         for e in &refused {
             assert_refused_by(&cluster, e, "gateway");
             let message =

@@ -12,8 +12,6 @@
 
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
-
 use crate::cluster::{Cluster, Spec, VERBOSE_LOG};
 use crate::isolation::{
     SWITCH_STRINGS, assert_refused_by, baseline, binary_contains, completion, incident_traffic,
@@ -40,7 +38,7 @@ fn the_test_build_holds_the_switches() {
 /// The incident with `check` off alone: A's prompt over the prefill pool and A's prompt over
 /// both pools are refused with 400 `context_length_exceeded` by `layers` (in that order), the
 /// other tenants are served, and every oracle holds.
-fn with_one_check_off(check: &str, layers: [&str; 2]) {
+fn with_one_check_off(check: &'static str, layers: [&'static str; 2]) {
     bounded(move || {
         let (cluster, mut reference) = start_with_reference(&[(SWITCHES, check)]);
         let baseline = baseline(&cluster);
@@ -144,7 +142,10 @@ fn with_every_check_off_the_incident_prompt_is_never_placed_so_it_fails_instead_
             "{record:#}"
         );
         // The pools come back whole (prefill's queue let go when decode gave up), and the other
-        // tenants are served as before.
+        // tenants are served as before — once the gateway, which took the failure for a sick
+        // worker and stopped routing to it, has checked it again (an availability cost of the
+        // stall for every tenant).
+        cluster.gateway.wait_until(&[("local-decode", true)]);
         std::thread::scope(|s| {
             for tenant in [TENANT_B, TENANT_C] {
                 let (api, ledger) = (&api, &ledger);
@@ -189,44 +190,27 @@ fn placeholder_cluster(checks: &str) -> Cluster {
 }
 
 /// Tenant A's request that fits: a prompt of A's canary, over and over (under prefill's 64
-/// tokens), with enough new tokens that prompt + output take every decode page. Then tenant B's
-/// prompt over prefill's pool, the same size in pages. Returns (A's canary, B's canary).
-fn placeholder_traffic(cluster: &Cluster, ledger: &Ledger) -> (String, String) {
-    let a_canary = canary(&TENANT_A);
+/// tokens), with enough new tokens that prompt + output take exactly every decode page. Then
+/// tenant B's prompt over prefill's pool (under decode's), also taking exactly every page: its
+/// reservation is A's pages, in A's order.
+fn placeholder_traffic(cluster: &Cluster, ledger: &Ledger, reference: &Reference, a_canary: &str) {
+    let pool = PAGE * DECODE_PAGES;
+    let path = "/v1/completions";
     let a_prompt = format!("{a_canary} ").repeat(5);
-    let probe = ledger.send(
-        cluster.api(),
-        TENANT_A,
-        "/v1/completions",
-        &completion(&a_prompt, 1, false),
-        &[&a_canary],
-    );
-    assert_eq!(probe.status, 200, "{}", probe.response);
-    let a_tokens =
-        serde_json::from_str::<Value>(&probe.response).expect("JSON")["usage"]["prompt_tokens"]
-            .as_u64()
-            .expect("usage");
+    let a_tokens = reference.prompt_tokens(path, &completion(&a_prompt, 1, false));
     assert!(a_tokens <= 64, "A's prompt fits prefill's pool: {a_tokens}");
-    let fill = PAGE * DECODE_PAGES - a_tokens;
-    let a = ledger.send(
-        cluster.api(),
-        TENANT_A,
-        "/v1/completions",
-        &completion(&a_prompt, fill as u32, false),
-        &[&a_canary],
-    );
+    let a_body = completion(&a_prompt, (pool - a_tokens) as u32, false);
+    let a = ledger.send(cluster.api(), TENANT_A, path, &a_body, &[a_canary]);
     assert_eq!(a.status, 200, "{}", a.response);
     let b_canary = canary(&TENANT_B);
-    // About 100 tokens, with 24 to generate: 8 pages as well.
-    let b_prompt = long_prompt(&b_canary, 100);
-    ledger.send(
-        cluster.api(),
-        TENANT_B,
-        "/v1/completions",
-        &completion(&b_prompt, 24, false),
-        &[&b_canary],
+    let b_prompt = long_prompt(&b_canary, 80);
+    let b_tokens = reference.prompt_tokens(path, &completion(&b_prompt, 1, false));
+    assert!(
+        (65..pool - 8).contains(&b_tokens),
+        "B's prompt is over prefill's pool and leaves room to generate: {b_tokens}"
     );
-    (a_canary, b_canary)
+    let b_body = completion(&b_prompt, (pool - b_tokens) as u32, false);
+    ledger.send(cluster.api(), TENANT_B, path, &b_body, &[&b_canary]);
 }
 
 #[test]
@@ -242,7 +226,7 @@ fn the_incidents_placeholder_is_stopped_by_the_handoff_verification_and_its_page
         });
         let baseline = baseline(&cluster);
         let ledger = Ledger::default();
-        placeholder_traffic(&cluster, &ledger);
+        placeholder_traffic(&cluster, &ledger, &reference, &canary(&TENANT_A));
         let b = ledger.all().pop().expect("B's exchange");
         assert_eq!(b.status, 500, "{}", b.response);
         assert_eq!(
@@ -284,7 +268,11 @@ fn with_the_placeholder_put_back_and_the_checks_off_the_oracles_detect_the_leak(
         });
         let baseline = baseline(&cluster);
         let ledger = Ledger::default();
-        let (a_canary, _) = placeholder_traffic(&cluster, &ledger);
+        // A fixed canary: greedy decoding over the same pages makes the run deterministic, and
+        // with this one the model copies A's canary into B's answer (with another it may copy
+        // only part of it, and solo equality alone would see the leak).
+        let a_canary = "QXA65677683";
+        placeholder_traffic(&cluster, &ledger, &reference, a_canary);
         let b = ledger.all().pop().expect("B's exchange");
         // The incident's symptom: HTTP 200, the right prompt_tokens, another tenant's data.
         assert_eq!(b.status, 200, "{}", b.response);
@@ -302,7 +290,7 @@ fn with_the_placeholder_put_back_and_the_checks_off_the_oracles_detect_the_leak(
         assert!(
             findings
                 .iter()
-                .any(|f| f.starts_with("LEAK: tenant-b") && f.contains(&a_canary)),
+                .any(|f| f.starts_with("LEAK: tenant-b") && f.contains(a_canary)),
             "the canary oracle must find A's canary in B's answer: {findings:#?}"
         );
     });

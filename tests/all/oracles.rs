@@ -232,10 +232,24 @@ pub(crate) fn assert_clean(findings: &[String]) {
 
 /// A short excerpt of `text` around `needle`, for a finding.
 fn around(text: &str, needle: &str) -> String {
-    let at = text.find(needle).unwrap_or(0);
+    // A reformatted canary: near its first letters.
+    let at = text
+        .find(needle)
+        .or_else(|| text.find(needle.get(..3).unwrap_or(needle)))
+        .unwrap_or(0);
     let start = text.floor_char_boundary(at.saturating_sub(80));
     let end = text.ceil_char_boundary((at + needle.len() + 80).min(text.len()));
     text[start..end].replace('\n', "⏎")
+}
+
+/// Text as the canary oracle compares it: letters and digits only, in upper case. A model that
+/// leaks a canary may reformat it (`QXA65677683` came back as `QXA6567-7683`); squashed, it
+/// is still found.
+fn squash(text: &str) -> String {
+    text.chars()
+        .filter(char::is_ascii_alphanumeric)
+        .map(|c| c.to_ascii_uppercase())
+        .collect()
 }
 
 /// The canary oracle over `exchanges`, the processes' `logs` (name, text) and each tenant's
@@ -251,8 +265,9 @@ pub(crate) fn canary_findings(
         .collect();
     let mut findings = Vec::new();
     for e in exchanges {
+        let response = squash(&e.response);
         for &(owner, c) in &planted {
-            if owner != e.tenant.id && e.response.contains(c) {
+            if owner != e.tenant.id && response.contains(&squash(c)) {
                 findings.push(format!(
                     "LEAK: {}'s response (request {}, status {}) carries {owner}'s canary {c}: …{}…",
                     e.tenant.id,
@@ -264,19 +279,24 @@ pub(crate) fn canary_findings(
         }
     }
     for (name, text) in logs {
-        for &(owner, c) in &planted {
-            if let Some(line) = text.lines().find(|l| l.contains(c)) {
-                findings.push(format!(
-                    "the {name} log carries {owner}'s canary {c}: {}",
-                    around(line, c)
-                ));
+        let mut seen = std::collections::HashSet::new();
+        for line in text.lines() {
+            let squashed = squash(line);
+            for &(owner, c) in &planted {
+                if squashed.contains(&squash(c)) && seen.insert(c) {
+                    findings.push(format!(
+                        "the {name} log carries {owner}'s canary {c}: {}",
+                        around(line, c)
+                    ));
+                }
             }
         }
     }
     for (tenant, records) in audit {
         let text = serde_json::to_string(records).expect("records are JSON");
+        let squashed = squash(&text);
         for &(owner, c) in &planted {
-            if owner != tenant && text.contains(c) {
+            if owner != tenant && squashed.contains(&squash(c)) {
                 findings.push(format!(
                     "{tenant}'s audit log carries {owner}'s canary {c}: …{}…",
                     around(&text, c)
@@ -347,6 +367,26 @@ impl Reference {
             up,
             answers: HashMap::new(),
         }
+    }
+
+    /// How many tokens the prompt of `body` (a request on `path`) takes, as the gateway counts
+    /// them (asked of the reference, so the deployment under test sees nothing of it).
+    pub fn prompt_tokens(&self, path: &str, body: &str) -> u64 {
+        let mut probe: Value = serde_json::from_str(body).expect("a JSON body");
+        probe["max_tokens"] = 1.into();
+        probe["stream"] = false.into();
+        let (status, _, response) = exchange(
+            &self.up.api,
+            "POST",
+            path,
+            Some(KEY_A),
+            &[],
+            &probe.to_string(),
+        );
+        assert_eq!(status, 200, "the reference counts {body}: {response}");
+        serde_json::from_str::<Value>(&response).expect("JSON")["usage"]["prompt_tokens"]
+            .as_u64()
+            .expect("usage")
     }
 
     /// The answer to `body` on `path`, run alone.

@@ -28,7 +28,7 @@ use super::kvplane::{self, SendFault, Sent};
 use super::proto::{self, PrefillItem, WorkerClient};
 use super::refusal::{from_proto_reservation, from_refusal, to_proto_reservation, to_refusal};
 use super::validate::{self, ValidGenerate};
-use crate::engine::{Event, Request};
+use crate::engine::{Event, Failure, Request};
 
 /// A decode worker's way to its prefill worker.
 #[derive(Debug, Clone)]
@@ -174,7 +174,8 @@ pub async fn start_remote_prefill(
             engine.prefill_rejected(target.nonce, reason.clone());
             let mut guard = guard;
             guard.disarm();
-            Err(ServeError::Submit(reason))
+            // Prefill's admission refused it, not this worker's: the status names that layer.
+            Err(ServeError::Failed(Failure::PrefillRejected(reason)))
         }
         other => Err(unavailable(format!("unexpected first answer {other:?}"))),
     }
