@@ -129,6 +129,22 @@ impl Gateway {
     }
 }
 
+/// `bulkhead preflight --config CONFIG`: (passed, report).
+pub(crate) fn preflight(config: &Path) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+        .arg("preflight")
+        .arg("--config")
+        .arg(config)
+        .output()
+        .expect("bulkhead preflight runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
 /// How to start a [`Cluster`] beyond the defaults.
 #[derive(Default, Clone, Copy)]
 pub(crate) struct Spec<'a> {
@@ -151,6 +167,8 @@ pub(crate) struct Cluster {
     pub gateway: Gateway,
     pub prefill: Worker,
     pub decode: Worker,
+    /// The gateway's configuration file.
+    pub config: std::path::PathBuf,
     prefill_args: Vec<String>,
     decode_args: Vec<String>,
     env: Vec<(String, String)>,
@@ -192,6 +210,7 @@ impl Cluster {
             gateway,
             prefill,
             decode,
+            config,
             prefill_args: own(&prefill_args),
             decode_args,
             env,

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::cluster::{Cluster, Spec, VERBOSE_LOG};
+use crate::cluster::{Cluster, Spec, VERBOSE_LOG, preflight};
 use crate::oracles::{
     Exchange, Ledger, Pool, Reference, TENANT_A, TENANT_B, TENANT_C, Tenant, assert_clean,
     audit_findings, canary, canary_findings, pool_findings, solo_findings, tenant_c_toml,
@@ -207,6 +207,14 @@ pub(crate) fn start_with_reference(env: &[(&str, &str)]) -> (Cluster, Reference)
 fn the_incident_is_refused_at_the_gateway_while_other_tenants_are_served_and_nothing_leaks() {
     bounded(|| {
         let (cluster, mut reference) = start_with_reference(&[]);
+        // Pools smaller than the model's context pass the deployment check (I7): each worker
+        // serves no more than its pool holds.
+        let (passed, report) = preflight(&cluster.config);
+        assert!(passed, "{report}");
+        assert!(
+            report.contains("pool 256 tokens, served context 256"),
+            "{report}"
+        );
         let baseline = baseline(&cluster);
         let ledger = Ledger::default();
         let a_canary = canary(&TENANT_A);

@@ -12,7 +12,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::cluster::{Cluster, Spec, VERBOSE_LOG};
+use crate::cluster::{Cluster, Spec, VERBOSE_LOG, preflight};
 use crate::isolation::{
     SWITCH_STRINGS, assert_refused_by, baseline, binary_contains, completion, incident_traffic,
     long_prompt, oracle_findings, over_pool, record_of, start_with_reference,
@@ -55,11 +55,28 @@ fn with_one_check_off(check: &'static str, layers: [&'static str; 2]) {
             &ledger,
             &mut reference,
         ));
-        let (_, log) = &cluster.logs()[0];
+        // The process whose check is off says so loudly.
+        let loud = match check {
+            "gateway-limit" => 0,
+            "prefill-admission" => 1,
+            _ => 2,
+        };
+        let (name, log) = &cluster.logs()[loud];
         assert!(
-            check != "gateway-limit" || log.contains("ISOLATION CHECK TURNED OFF"),
-            "the gateway says loudly that its check is off"
+            log.contains("ISOLATION CHECK TURNED OFF") && log.contains(check),
+            "the {name} log does not say that {check} is off"
         );
+        // The deployment check sees a worker whose integrity checks are off; the gateway,
+        // which routes on its own checks (pool, context, pair), does not refuse it.
+        let (passed, report) = preflight(&cluster.config);
+        let integrity_off = matches!(check, "handoff-verification" | "tag-check");
+        assert_eq!(passed, !integrity_off, "{report}");
+        if integrity_off {
+            assert!(
+                report.contains("FAIL local-decode") && report.contains("integrity checks on"),
+                "{report}"
+            );
+        }
     });
 }
 

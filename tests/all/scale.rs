@@ -6,10 +6,9 @@
 //! traffic to the other, and no tenant ever receives another tenant's canary.
 
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::cluster::Gateway;
+use crate::cluster::{Gateway, preflight};
 use crate::up::{ADMIN, TempDir, bounded, http, metric, sha256_hex};
 use crate::worker_grpc::Worker;
 
@@ -139,21 +138,6 @@ fn loopback_name() -> &'static str {
         .map(|a| a.map(|a| a.ip().to_string()).collect::<Vec<_>>())
         .is_ok_and(|ips| ips == ["127.0.0.1"]);
     if v4_only { "localhost" } else { "127.0.0.1" }
-}
-
-fn preflight(config: &Path) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
-        .arg("preflight")
-        .arg("--config")
-        .arg(config)
-        .output()
-        .expect("bulkhead preflight runs");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
 }
 
 #[test]
