@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
+use std::net::IpAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, mpsc};
@@ -158,6 +159,19 @@ pub(crate) struct Spec<'a> {
     pub replace: &'a [(&'a str, &'a str)],
     /// Extra TOML tables for the gateway's configuration.
     pub toml: &'a str,
+    /// Where the workers run: `None`, both on loopback.
+    pub placement: Option<Placement<'a>>,
+}
+
+/// Workers each in a network namespace of its own (see crate::netns), the gateway in the test's.
+#[derive(Clone, Copy)]
+pub(crate) struct Placement<'a> {
+    pub prefill: &'a Place<'a>,
+    pub decode: &'a Place<'a>,
+    /// The prefill worker's IP as the decode worker reaches it (across the workers' link).
+    pub prefill_from_decode: IpAddr,
+    /// The IP the decode worker's KV listener binds, reachable from the prefill worker.
+    pub decode_kv: IpAddr,
 }
 
 /// A prefill worker and a decode worker (separate processes) behind a `bulkhead gateway`
@@ -189,9 +203,30 @@ impl Cluster {
             .collect();
         let own = |args: &[&str]| args.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
         let prefill_args = [&["--role", "prefill"][..], spec.prefill].concat();
-        let prefill = spawn_worker(&own(&prefill_args), &env);
         let decode_args = own(spec.decode);
-        let decode = spawn_worker(&decode_role(&prefill, None, &decode_args), &env);
+        let (prefill, decode) = match spec.placement {
+            None => {
+                let prefill = spawn_worker(&Place::LOCAL, &own(&prefill_args), &env);
+                let wiring = decode_role(&prefill, None, &decode_args);
+                (prefill, spawn_worker(&Place::LOCAL, &wiring, &env))
+            }
+            Some(at) => {
+                let prefill = spawn_worker(at.prefill, &own(&prefill_args), &env);
+                let mut wiring: Vec<String> = [
+                    "--role",
+                    "decode",
+                    "--prefill",
+                    &format!("http://{}:{}", at.prefill_from_decode, prefill.grpc.port()),
+                    "--kv-listen",
+                    &format!("{}:0", at.decode_kv),
+                ]
+                .iter()
+                .map(|s| (*s).to_owned())
+                .collect();
+                wiring.extend_from_slice(&decode_args);
+                (prefill, spawn_worker(at.decode, &wiring, &env))
+            }
+        };
         let dir = TempDir::new("cluster");
         let prefill_uri = format!("http://{}", prefill.grpc);
         let decode_uri = format!("http://{}", decode.grpc);
@@ -232,19 +267,20 @@ impl Cluster {
     }
 
     /// Kills the prefill worker (SIGKILL) and starts a new one with the same flags on the same
-    /// gRPC address, so the gateway and the decode worker find it again.
+    /// gRPC address, so the gateway and the decode worker find it again (loopback clusters).
     pub(crate) fn restart_prefill(&mut self) {
         kill(&mut self.prefill);
         let listen = ["--listen".to_owned(), self.prefill.grpc.to_string()];
-        self.prefill = spawn_worker(&[&self.prefill_args[..], &listen[..]].concat(), &self.env);
+        let args = [&self.prefill_args[..], &listen[..]].concat();
+        self.prefill = spawn_worker(&Place::LOCAL, &args, &self.env);
     }
 
     /// Kills the decode worker (SIGKILL) and starts a new one with the same flags on the same
-    /// gRPC address.
+    /// gRPC address (loopback clusters).
     pub(crate) fn restart_decode(&mut self) {
         kill(&mut self.decode);
         let args = decode_role(&self.prefill, Some(self.decode.grpc), &self.decode_args);
-        self.decode = spawn_worker(&args, &self.env);
+        self.decode = spawn_worker(&Place::LOCAL, &args, &self.env);
     }
 }
 
@@ -279,8 +315,8 @@ fn decode_role(
     args
 }
 
-fn spawn_worker(args: &[String], env: &[(String, String)]) -> Worker {
+fn spawn_worker(place: &Place<'_>, args: &[String], env: &[(String, String)]) -> Worker {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    Worker::start_with(&Place::LOCAL, &args, &env)
+    Worker::start_with(place, &args, &env)
 }

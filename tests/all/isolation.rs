@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::cluster::{Cluster, Spec, VERBOSE_LOG, preflight};
+use crate::cluster::{Cluster, Placement, Spec, VERBOSE_LOG, preflight};
 use crate::oracles::{
     Exchange, Ledger, Pool, Reference, TENANT_A, TENANT_B, TENANT_C, Tenant, assert_clean,
     audit_findings, canary, canary_findings, pool_findings, solo_findings, tenant_c_toml,
@@ -26,8 +26,8 @@ pub(crate) const DECODE_POOL: &str = "512";
 
 /// The incident's deployment: both pools far smaller than the model's 8192-token context, the
 /// prefill pool the smaller one; a decode transfer deadline of 3 s; every process logging at
-/// debug; `env` added to every process.
-pub(crate) fn incident_cluster(env: &[(&str, &str)]) -> Cluster {
+/// debug; `env` added to every process; the workers on loopback unless `placement` says.
+pub(crate) fn incident_cluster(env: &[(&str, &str)], placement: Option<Placement<'_>>) -> Cluster {
     let toml = tenant_c_toml();
     let mut all_env = vec![("BULKHEAD_LOG", VERBOSE_LOG)];
     all_env.extend_from_slice(env);
@@ -36,6 +36,7 @@ pub(crate) fn incident_cluster(env: &[(&str, &str)]) -> Cluster {
         decode: &["--kv-tokens", DECODE_POOL, "--transfer-timeout-ms", "3000"],
         env: &all_env,
         toml: &toml,
+        placement,
         ..Spec::default()
     })
 }
@@ -194,60 +195,67 @@ pub(crate) fn assert_refused_by(cluster: &Cluster, e: &Exchange, layer: &str) {
     );
 }
 
-/// Starts the cluster under test and the solo reference at once (each loads the model).
-pub(crate) fn start_with_reference(env: &[(&str, &str)]) -> (Cluster, Reference) {
+/// Starts the incident's cluster and the solo reference at once (each loads the model).
+pub(crate) fn start_with_reference(
+    env: &[(&str, &str)],
+    placement: Option<Placement<'_>>,
+) -> (Cluster, Reference) {
     std::thread::scope(|s| {
         let reference = s.spawn(Reference::start);
-        let cluster = incident_cluster(env);
+        let cluster = incident_cluster(env, placement);
         (cluster, reference.join().expect("the reference starts"))
     })
 }
 
+/// The incident with every check on, the workers at `placement`: A's prompts over the pools are
+/// refused by the gateway (its limit is the prefill pool's 256), B's and C's requests are
+/// served exactly as alone, and no oracle finds anything.
+pub(crate) fn the_incident_at(placement: Option<Placement<'_>>) {
+    let (cluster, mut reference) = start_with_reference(&[], placement);
+    // Pools smaller than the model's context pass the deployment check (I7): each worker
+    // serves no more than its pool holds.
+    let (passed, report) = preflight(&cluster.config);
+    assert!(passed, "{report}");
+    assert!(
+        report.contains("pool 256 tokens, served context 256"),
+        "{report}"
+    );
+    let baseline = baseline(&cluster);
+    let ledger = Ledger::default();
+    let a_canary = canary(&TENANT_A);
+    let over = over_pool(&a_canary);
+    // Over prefill's pool only, and over both pools.
+    let tokens = over
+        .each_ref()
+        .map(|body| reference.prompt_tokens("/v1/completions", body));
+    assert!((257..504).contains(&tokens[0]), "{tokens:?}");
+    assert!(tokens[1] > 512, "{tokens:?}");
+    let started = Instant::now();
+    let refused = incident_traffic(cluster.api(), &ledger, &a_canary, &over);
+    for e in &refused {
+        assert_refused_by(&cluster, e, "gateway");
+        let message = serde_json::from_str::<Value>(&e.response).expect("JSON")["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(
+            message.contains("the limit is 256"),
+            "the limit is the smaller pool's: {message}"
+        );
+    }
+    assert!(started.elapsed() < Duration::from_secs(120));
+    assert_clean(&oracle_findings(
+        &cluster,
+        baseline,
+        [0, 0],
+        &ledger,
+        &mut reference,
+    ));
+}
+
 #[test]
 fn the_incident_is_refused_at_the_gateway_while_other_tenants_are_served_and_nothing_leaks() {
-    bounded(|| {
-        let (cluster, mut reference) = start_with_reference(&[]);
-        // Pools smaller than the model's context pass the deployment check (I7): each worker
-        // serves no more than its pool holds.
-        let (passed, report) = preflight(&cluster.config);
-        assert!(passed, "{report}");
-        assert!(
-            report.contains("pool 256 tokens, served context 256"),
-            "{report}"
-        );
-        let baseline = baseline(&cluster);
-        let ledger = Ledger::default();
-        let a_canary = canary(&TENANT_A);
-        let over = over_pool(&a_canary);
-        // Over prefill's pool only, and over both pools.
-        let tokens = over
-            .each_ref()
-            .map(|body| reference.prompt_tokens("/v1/completions", body));
-        assert!((257..504).contains(&tokens[0]), "{tokens:?}");
-        assert!(tokens[1] > 512, "{tokens:?}");
-        let started = Instant::now();
-        let refused = incident_traffic(cluster.api(), &ledger, &a_canary, &over);
-        for e in &refused {
-            assert_refused_by(&cluster, e, "gateway");
-            let message =
-                serde_json::from_str::<Value>(&e.response).expect("JSON")["error"]["message"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned();
-            assert!(
-                message.contains("the limit is 256"),
-                "the limit is the smaller pool's: {message}"
-            );
-        }
-        assert!(started.elapsed() < Duration::from_secs(120));
-        assert_clean(&oracle_findings(
-            &cluster,
-            baseline,
-            [0, 0],
-            &ledger,
-            &mut reference,
-        ));
-    });
+    bounded(|| the_incident_at(None));
 }
 
 /// Strings only the switches' code holds (bulkhead-checks' feature `switches`, the binary's

@@ -43,6 +43,7 @@ fn start(prefill_pool: &str, decode_pool: &str, replace: &[(&str, &str)]) -> (Cl
             env: &[("BULKHEAD_LOG", VERBOSE_LOG)],
             replace,
             toml: &toml,
+            placement: None,
         });
         (cluster, reference.join().expect("the reference starts"))
     })

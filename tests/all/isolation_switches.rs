@@ -40,7 +40,7 @@ fn the_test_build_holds_the_switches() {
 /// other tenants are served, and every oracle holds.
 fn with_one_check_off(check: &'static str, layers: [&'static str; 2]) {
     bounded(move || {
-        let (cluster, mut reference) = start_with_reference(&[(SWITCHES, check)]);
+        let (cluster, mut reference) = start_with_reference(&[(SWITCHES, check)], None);
         let baseline = baseline(&cluster);
         let ledger = Ledger::default();
         let a_canary = canary(&TENANT_A);
@@ -110,7 +110,7 @@ fn without_the_tag_check_the_gateway_refuses_the_incident() {
 #[test]
 fn with_every_check_off_the_incident_prompt_is_never_placed_so_it_fails_instead_of_leaking() {
     bounded(|| {
-        let (cluster, mut reference) = start_with_reference(&[(SWITCHES, "all")]);
+        let (cluster, mut reference) = start_with_reference(&[(SWITCHES, "all")], None);
         let baseline = baseline(&cluster);
         let ledger = Ledger::default();
         let a_canary = canary(&TENANT_A);
