@@ -13,8 +13,10 @@
 //!
 //! A gap this suite found (I5): a client that closes its socket the instant it has sent a
 //! request (before any byte of the answer) sometimes leaves no audit record at all — in one
-//! soak, 4 of 5 such requests. Nothing was served and no worker was asked, but the request did
-//! reach the gateway's socket. The soak therefore leaves no earlier than the response head.
+//! soak 4 of 5 such requests, in a batch of 10 right after startup 3 (still missing 25 s and
+//! one more request later); other batches had all 10. The request did reach the gateway's
+//! socket. `a_client_that_closes_at_once_still_gets_one_audit_record` reproduces it (ignored
+//! until fixed); the soak therefore leaves no earlier than the response head.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -473,5 +475,31 @@ fn a_bounded_mixed_soak_with_random_aborts_keeps_worker_memory_flat_and_leaks_no
             &ledger,
             &mut reference,
         ));
+    });
+}
+
+/// I5 for a client that closes its socket the moment it has sent a complete request. Fails
+/// intermittently today (see the module doc): run with `--run-ignored all` to reproduce.
+#[test]
+#[ignore = "known gap (I5): some requests whose client closes at once leave no audit record"]
+fn a_client_that_closes_at_once_still_gets_one_audit_record() {
+    bounded(|| {
+        let up = crate::up::Up::start(&[]);
+        up.wait_routable();
+        let body = chat("hi", 2, true);
+        for _ in 0..3 {
+            let before = up.admin_records(TENANT_A.id).len();
+            for _ in 0..10 {
+                drop(crate::up::open(
+                    &up.api,
+                    TENANT_A.key,
+                    "/v1/chat/completions",
+                    &body,
+                ));
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let records = up.wait_records(TENANT_A.id, before + 10);
+            assert_eq!(records.len(), before + 10, "one record per request");
+        }
     });
 }
