@@ -75,17 +75,40 @@ pub enum Fault {
     /// one-token placeholder, whose one page is sent to decode with a manifest that claims the
     /// whole prompt.
     IncidentPlaceholder,
+    /// Prefill flips a byte of the second frame of every transfer after its checksum.
+    CorruptFrame,
+    /// Prefill never sends the second frame of a transfer (the manifest still counts it).
+    DropFrame,
+    /// Prefill sends the second frame of a transfer twice.
+    DuplicateFrame,
+    /// Prefill sends the second frame under another session's nonce (a well-formed frame).
+    ForgedNonce,
+    /// Prefill sends the second frame with a tag the reservation does not hold for that page
+    /// (an earlier holder's, one less: a well-formed frame).
+    StaleTag,
 }
 
 impl Fault {
     /// Every fault.
-    pub const ALL: [Fault; 1] = [Fault::IncidentPlaceholder];
+    pub const ALL: [Fault; 6] = [
+        Fault::IncidentPlaceholder,
+        Fault::CorruptFrame,
+        Fault::DropFrame,
+        Fault::DuplicateFrame,
+        Fault::ForgedNonce,
+        Fault::StaleTag,
+    ];
 
     /// The fault's name in switch lists.
     #[must_use]
     pub const fn name(self) -> &'static str {
         match self {
             Fault::IncidentPlaceholder => "incident-placeholder",
+            Fault::CorruptFrame => "corrupt-frame",
+            Fault::DropFrame => "drop-frame",
+            Fault::DuplicateFrame => "duplicate-frame",
+            Fault::ForgedNonce => "forged-nonce",
+            Fault::StaleTag => "stale-tag",
         }
     }
 
@@ -134,7 +157,11 @@ mod tests {
         }
         let names: std::collections::HashSet<_> = Check::ALL.iter().map(|c| c.name()).collect();
         assert_eq!(names.len(), Check::ALL.len());
-        assert!(Fault::ALL.iter().all(|f| f.bit() != 0));
+        let mut bits = 0u8;
+        for f in Fault::ALL {
+            assert_eq!(bits & f.bit(), 0, "{f:?}");
+            bits |= f.bit();
+        }
     }
 
     #[cfg(not(feature = "switches"))]

@@ -4,12 +4,14 @@
 //! aborts whose worker memory must stay flat. Every scenario ends with the same oracles
 //! (crate::oracles) over everything it sent.
 //!
-//! Faults in the KV frames themselves are covered where they can be injected precisely: a
-//! corrupted, dropped or duplicated frame, a stale or forged session or tag, a late frame of an
-//! aborted transfer, the incident's one-page placeholder (bulkhead-handoff's and the worker's
-//! tests: `worker/tests/all/disaggregation.rs`); a stuck and then dead peer, a transfer dropped
-//! before its KV exists (`transfer_faults.rs`); delayed, reordered or lost packets and a
-//! partition between the workers in network namespaces (`netns.rs`).
+//! Faults in the KV frames themselves: a corrupted, dropped or duplicated frame and a frame
+//! under a forged nonce or a stale tag, between real processes, need a test build to inject
+//! them (`isolation_switches.rs`); a late frame of an aborted transfer and the same faults
+//! message by message in one process (`worker/tests/all/disaggregation.rs`,
+//! `handoff/src/inbound.rs`); a stuck and then dead peer, a transfer dropped before its KV
+//! exists (`transfer_faults.rs`); a paced (rate-limited) link — delay, loss and reordering
+//! where the kernel has netem — and a partition between workers in network namespaces
+//! (`netns.rs`).
 //!
 //! A gap this suite found (I5): a client that closes its socket the instant it has sent a
 //! request (before any byte of the answer) sometimes leaves no audit record at all — in one

@@ -312,3 +312,80 @@ fn with_the_placeholder_put_back_and_the_checks_off_the_oracles_detect_the_leak(
         );
     });
 }
+
+/// A prompt of several pages from B while the prefill worker tampers with the second frame of
+/// every transfer (`fault`): decode never commits it — 500 `kv_integrity_error`, its whole
+/// reservation quarantined — and drops the frame for the reason `dropped` names, if any.
+fn with_a_frame_fault(fault: &'static str, dropped: Option<&'static str>) {
+    bounded(move || {
+        let toml = tenant_c_toml();
+        let (cluster, mut reference) = std::thread::scope(|s| {
+            let r = s.spawn(Reference::start);
+            let cluster = Cluster::start(Spec {
+                prefill: &["--kv-tokens", "512"],
+                decode: &["--kv-tokens", "512"],
+                env: &[("BULKHEAD_LOG", VERBOSE_LOG), (SWITCHES, fault)],
+                toml: &toml,
+                ..Spec::default()
+            });
+            (cluster, r.join().expect("reference"))
+        });
+        let baseline = baseline(&cluster);
+        let ledger = Ledger::default();
+        let c = canary(&TENANT_B);
+        let body = completion(&long_prompt(&c, 60), 8, false);
+        let tokens = reference.prompt_tokens("/v1/completions", &body);
+        assert!(tokens > PAGE, "the prompt spans pages: {tokens}");
+        let pages = (tokens + 8).div_ceil(PAGE) as u32;
+        let e = ledger.send(cluster.api(), TENANT_B, "/v1/completions", &body, &[&c]);
+        assert_eq!(e.status, 500, "{}", e.response);
+        assert_eq!(e.error_code().as_deref(), Some("kv_integrity_error"));
+        let record = record_of(&cluster, &e);
+        assert_eq!(
+            record["bulkhead.kv.integrity"]["result"], "failed",
+            "{record:#}"
+        );
+        let m = cluster.decode.metrics();
+        assert_eq!(
+            metric(&m, "bulkhead_kv_integrity_failures_total"),
+            1.0,
+            "{m}"
+        );
+        if let Some(reason) = dropped {
+            let series = format!("bulkhead_kv_frames_dropped_total{{reason=\"{reason}\"}}");
+            assert!(metric(&m, &series) >= 1.0, "{m}");
+        }
+        assert_clean(&oracle_findings(
+            &cluster,
+            baseline,
+            [0, pages],
+            &ledger,
+            &mut reference,
+        ));
+    });
+}
+
+#[test]
+fn a_corrupted_frame_across_processes_fails_the_request_and_quarantines_its_pages() {
+    with_a_frame_fault("corrupt-frame", Some("corrupt"));
+}
+
+#[test]
+fn a_dropped_frame_across_processes_fails_the_request_and_quarantines_its_pages() {
+    with_a_frame_fault("drop-frame", None);
+}
+
+#[test]
+fn a_duplicated_frame_across_processes_fails_the_request_and_quarantines_its_pages() {
+    with_a_frame_fault("duplicate-frame", Some("duplicate"));
+}
+
+#[test]
+fn a_frame_under_a_forged_nonce_is_never_written_and_the_request_fails() {
+    with_a_frame_fault("forged-nonce", Some("no_session"));
+}
+
+#[test]
+fn a_frame_with_a_stale_tag_is_never_written_and_the_request_fails() {
+    with_a_frame_fault("stale-tag", Some("tag_not_reserved"));
+}

@@ -313,15 +313,17 @@ async fn transfer(
     let sending = engine
         .metrics()
         .sending(u64::from(outbound.manifest.tokens));
+    let frames = super::tamper::frames(&outbound.frames);
     let sent = kvplane::send_with(
         &send.address,
-        &outbound.frames,
+        &frames,
         &outbound.manifest,
         send.batch_bytes,
         send.fault,
         || tx.is_closed(),
     )
     .await;
+    drop(frames);
     drop(sending);
     engine.close(outbound);
     let answer = match sent {

@@ -22,6 +22,7 @@ mod metrics;
 pub mod proto;
 mod refusal;
 mod service;
+mod tamper;
 pub mod transport;
 mod validate;
 
