@@ -7,6 +7,7 @@ mod data_dir;
 mod gateway;
 mod generate;
 mod model_path;
+mod switches;
 mod telemetry;
 mod up;
 mod worker;

@@ -54,6 +54,8 @@ pub fn install(default_level: &str, export: Option<(Service, Otlp)>) -> anyhow::
         otlp,
     })
     .context("starting telemetry")?;
+    // Test builds: the switches are turned on once the log exists to say so loudly.
+    crate::switches::install()?;
     if let Some(endpoint) = endpoint {
         tracing::info!(%endpoint, service_name, "exporting spans over OTLP");
     }

@@ -7,6 +7,8 @@
 
 use std::num::NonZeroU32;
 
+use bulkhead_checks::Check;
+
 /// What one routable worker reported (its Info).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WorkerCapacity {
@@ -90,7 +92,8 @@ pub fn admit(
         max_new_tokens: max_new,
         limit: limit.tokens,
     };
-    if prompt == 0 || requested > limit.tokens {
+    let over = requested > limit.tokens && bulkhead_checks::enabled(Check::GatewayLimit);
+    if prompt == 0 || over {
         return Err(rejected);
     }
     match (u32::try_from(prompt), u32::try_from(max_new)) {

@@ -21,9 +21,11 @@ pub struct Admissible {
     pub(crate) pool: PoolIdentity,
     /// The request the pages will belong to.
     pub(crate) owner: RequestId,
-    /// Tokens asked for; `tokens <= capacity_tokens` of the admitting pool.
+    /// Tokens asked for; `tokens <= capacity_tokens` of the admitting pool (except from
+    /// `admit_unchecked`, in test builds only).
     pub(crate) tokens: u64,
-    /// `ceil(tokens / page_tokens)`; at most the admitting pool's page count (hence `u32`).
+    /// `ceil(tokens / page_tokens)`; at most the admitting pool's page count, except from
+    /// `admit_unchecked` (then `reserve` never succeeds).
     pub(crate) pages: u32,
 }
 

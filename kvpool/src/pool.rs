@@ -83,6 +83,22 @@ impl PagePool {
         }
     }
 
+    /// TEST BUILDS ONLY (feature `check-switches`): an admission that skips the capacity
+    /// check, as if admission were off. A request larger than the pool gets an [`Admissible`]
+    /// that [`PagePool::reserve`] can never satisfy: it comes back as [`NotNow`] forever,
+    /// because a reservation takes every page it needs or none.
+    #[cfg(feature = "check-switches")]
+    #[must_use]
+    pub fn admit_unchecked(&self, owner: RequestId, tokens: u64) -> Admissible {
+        let config = &self.shared.config;
+        Admissible {
+            pool: self.shared.identity,
+            owner,
+            tokens,
+            pages: u32::try_from(config.pages_for(tokens)).unwrap_or(u32::MAX),
+        }
+    }
+
     /// Reserves the pages of an admitted request now, each with a fresh tag, from the front of
     /// the free list.
     ///
@@ -243,6 +259,22 @@ mod tests {
                 capacity_tokens: 64
             })
         ));
+    }
+
+    /// Why the incident cannot happen here even with admission off: a reservation takes every
+    /// page it needs or none, so a request larger than the pool is never placed at all.
+    #[cfg(feature = "check-switches")]
+    #[test]
+    fn without_admission_a_request_larger_than_the_pool_is_never_reserved_even_when_all_is_free() {
+        let pool = pool(4, Scrub::None);
+        let mut admissible = pool.admit_unchecked(RequestId::new(1), 65);
+        assert_eq!(admissible.pages(), 5);
+        for _ in 0..3 {
+            let not_now = pool.reserve(admissible).expect_err("5 pages never fit 4");
+            admissible = not_now.into_inner();
+            assert_eq!(pool.free_pages(), 4, "nothing was taken");
+        }
+        pool.check_invariants().expect("invariants hold");
     }
 
     #[test]

@@ -2,9 +2,16 @@
 
 mod audit;
 mod bench_gateway;
+mod cluster;
 mod device;
 mod gateway;
+mod isolation;
+mod isolation_load;
+// Scenarios that turn checks off: test builds only (`--features check-switches`).
+#[cfg(feature = "check-switches")]
+mod isolation_switches;
 mod netns;
+mod oracles;
 mod otel;
 mod policies;
 mod scale;

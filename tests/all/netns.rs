@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use bulkhead_worker::serve::proto::error_code;
 
+use crate::cluster::Placement;
 use crate::worker_grpc::{
     Place, Worker, bounded, chat, metric, metric_sum, run_to_end, text_of, wait_all_pages_back,
 };
@@ -351,4 +352,28 @@ async fn a_partition_fails_the_request_within_its_deadline_and_the_pools_recover
         assert_eq!(again, before);
     })
     .await;
+}
+
+/// The isolation suite's incident (crate::isolation) with the prefill worker and the decode
+/// worker each in its namespace, the link between them impaired, the gateway in the test's
+/// namespace: the over-pool prompts are refused, the other tenants' KV crosses the impaired
+/// link, and no oracle finds anything.
+#[test]
+fn across_namespaces_over_an_impaired_link_the_incident_is_refused_and_nothing_leaks() {
+    crate::up::bounded(|| {
+        let Some(net) = net_or_skip(
+            "across_namespaces_over_an_impaired_link_the_incident_is_refused_and_nothing_leaks",
+        ) else {
+            return;
+        };
+        let impairment = net.impair();
+        eprintln!("the workers' link: {impairment:?}");
+        let (prefill, decode) = (net.prefill_place(), net.decode_place());
+        crate::isolation::the_incident_at(Some(Placement {
+            prefill: &prefill,
+            decode: &decode,
+            prefill_from_decode: IpAddr::V4(net.ip(1)),
+            decode_kv: IpAddr::V4(net.ip(2)),
+        }));
+    });
 }

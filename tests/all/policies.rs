@@ -2,8 +2,7 @@
 //! scripts/build-plugins) on the real model — a denial, a clamp, labels, and the abort guard
 //! holding an abandoned request until its first token.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,14 +11,14 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use crate::up::{
-    ADMIN, HTTP_LIMIT, KEY_A, KEY_B, KEY_LIMITED, Options, TempDir, Up, bounded, exchange, header,
-    http, json, metric, repo,
+    ADMIN, KEY_A, KEY_B, KEY_LIMITED, Options, TempDir, Up, bounded, exchange, header, http, json,
+    metric, open, repo,
 };
 
 /// The control tenant of `Up` (its `abort-guard` may hold nothing).
 const KEY_CONTROL: &str = KEY_LIMITED;
 
-fn component(name: &str) -> (PathBuf, String) {
+pub(crate) fn component(name: &str) -> (PathBuf, String) {
     let path = repo().join("plugins/dist").join(format!("{name}.wasm"));
     let bytes = std::fs::read(&path).unwrap_or_else(|e| {
         panic!(
@@ -79,16 +78,7 @@ fn with_policies(file: &Path) -> Up {
 /// Sends a streaming chat request (keep-alive, so the gateway sees the socket close), waits
 /// for the response head, then goes away.
 fn abandon(addr: &str, key: &str, body: &str) {
-    let mut s = TcpStream::connect(addr).expect("connects");
-    s.set_read_timeout(Some(HTTP_LIMIT)).expect("timeout");
-    write!(
-        s,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n\
-         Authorization: Bearer {key}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("sends");
+    let mut s = open(addr, key, "/v1/chat/completions", body);
     let mut head = [0u8; 12];
     s.read_exact(&mut head).expect("the response starts");
     if !head.starts_with(b"HTTP/1.1 200") {

@@ -5,14 +5,11 @@
 //! decode workers; preflight covers all four workers; killing one decode worker moves the
 //! traffic to the other, and no tenant ever receives another tenant's canary.
 
-use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::up::{ADMIN, STARTUP_LIMIT, TempDir, bounded, http, json, metric, sha256_hex};
+use crate::cluster::{Gateway, preflight};
+use crate::up::{ADMIN, TempDir, bounded, http, metric, sha256_hex};
 use crate::worker_grpc::Worker;
 
 /// (tenant, key, canary): each tenant's prompts carry its own canary string.
@@ -21,95 +18,6 @@ const TENANTS: [(&str, &str, &str); 3] = [
     ("tenant-b", "sk-scale-b", "CANARY-BRAVO-91C2"),
     ("tenant-c", "sk-scale-c", "CANARY-CHARLIE-5E0D"),
 ];
-
-/// A `bulkhead gateway` process; killed when dropped.
-struct Gateway {
-    child: Child,
-    api: String,
-    admin: String,
-}
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Gateway {
-    fn start(config: &Path, data_dir: &Path) -> Gateway {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
-            .arg("gateway")
-            .arg("--config")
-            .arg(config)
-            .arg("--data-dir")
-            .arg(data_dir)
-            .env("BULKHEAD_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("bulkhead gateway starts");
-        let stdout = child.stdout.take().expect("piped");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(rest) = line.strip_prefix("bulkhead gateway ready ") {
-                    let _ = tx.send(rest.to_owned());
-                }
-            }
-        });
-        let mut gateway = Gateway {
-            child,
-            api: String::new(),
-            admin: String::new(),
-        };
-        let ready = rx
-            .recv_timeout(STARTUP_LIMIT)
-            .expect("the gateway reports ready");
-        for field in ready.split_whitespace() {
-            match field.split_once('=') {
-                Some(("api", v)) => gateway.api = v.to_owned(),
-                Some(("admin", v)) => gateway.admin = v.to_owned(),
-                _ => panic!("unexpected field {field} in the ready line"),
-            }
-        }
-        gateway
-    }
-
-    /// `/workers` as name → routable.
-    fn routable(&self) -> HashMap<String, bool> {
-        let (status, body) = http(&self.admin, "GET", "/workers", Some(ADMIN), &[], "");
-        assert_eq!(status, 200, "{body}");
-        json(&body)["workers"]
-            .as_array()
-            .expect("a list")
-            .iter()
-            .map(|w| {
-                (
-                    w["name"].as_str().unwrap_or_default().to_owned(),
-                    w["routable"].as_bool().unwrap_or(false),
-                )
-            })
-            .collect()
-    }
-
-    /// Waits (bounded) until `/workers` says exactly `want` about the workers it names.
-    fn wait_until(&self, want: &[(&str, bool)]) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let now = self.routable();
-            if want.iter().all(|(n, r)| now.get(*n) == Some(r)) {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "want {want:?}, /workers: {now:?}"
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
-}
 
 /// The gateway's configuration: the prefill and decode groups found through DNS (`localhost`
 /// resolves to the first pair's loopback address), the second pair listed.
@@ -232,21 +140,6 @@ fn loopback_name() -> &'static str {
     if v4_only { "localhost" } else { "127.0.0.1" }
 }
 
-fn preflight(config: &Path) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
-        .arg("preflight")
-        .arg("--config")
-        .arg(config)
-        .output()
-        .expect("bulkhead preflight runs");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
-}
-
 #[test]
 fn two_prefill_and_two_decode_workers_share_the_load_and_survive_a_lost_decode_worker() {
     bounded(|| {
@@ -307,7 +200,7 @@ fn two_prefill_and_two_decode_workers_share_the_load_and_survive_a_lost_decode_w
             "{report}"
         );
 
-        let gateway = Gateway::start(&config_path, &dir.0.join("data"));
+        let gateway = Gateway::start(&config_path, &dir.0.join("data"), &[]);
         gateway.wait_until(&[(&member_a, true), ("decode-b", true)]);
 
         // Mixed traffic from three tenants at once spreads over both decode workers.

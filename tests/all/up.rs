@@ -36,7 +36,7 @@ pub fn sha256_hex(key: &str) -> String {
 
 /// The default configuration with `replace`'s edits, plus two tenants with tight limits and
 /// `extra` (TOML tables placed before the worker tables).
-fn test_config(dir: &std::path::Path, replace: &[(&str, &str)], extra: &str) -> PathBuf {
+pub(crate) fn test_config(dir: &std::path::Path, replace: &[(&str, &str)], extra: &str) -> PathBuf {
     let mut text = std::fs::read_to_string(repo().join("deploy/local/gateway.toml"))
         .expect("deploy/local/gateway.toml");
     for (from, to) in replace {
@@ -276,28 +276,12 @@ impl Up {
 
     /// Every record of `tenant`, read through the admin listener.
     pub fn admin_records(&self, tenant: &str) -> Vec<serde_json::Value> {
-        let (status, body) = http(
-            &self.admin,
-            "GET",
-            &format!("/audit/{tenant}?limit=1000"),
-            Some(ADMIN),
-            &[],
-            "",
-        );
-        assert_eq!(status, 200, "{body}");
-        records(&json(&body))
+        admin_records(&self.admin, tenant)
     }
 
     /// Waits (bounded) until `tenant` has `n` records; returns what it has then.
     pub fn wait_records(&self, tenant: &str, n: usize) -> Vec<serde_json::Value> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let got = self.admin_records(tenant);
-            if got.len() >= n || Instant::now() > deadline {
-                return got;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        wait_records(&self.admin, tenant, n)
     }
 
     pub fn chat(&self, key: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
@@ -377,7 +361,25 @@ pub fn send(
     s
 }
 
-fn parse_response(raw: &str) -> (u16, String) {
+/// Sends a POST with `key` on a keep-alive connection (so that the gateway sees the socket
+/// close when the client leaves) and returns the connection, to read as far as the test likes.
+pub fn open(addr: &str, key: &str, path: &str, body: &str) -> TcpStream {
+    let mut s = TcpStream::connect(addr).expect("connects");
+    s.set_read_timeout(Some(HTTP_LIMIT)).expect("timeout");
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\n\
+         Authorization: Bearer {key}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("sends");
+    s
+}
+
+/// A raw HTTP/1.1 response (complete or not): its status (0 before the status line) and its
+/// body, de-chunked as far as whole chunks arrived.
+pub fn parse_response(raw: &str) -> (u16, String) {
     let status = raw
         .split_whitespace()
         .nth(1)
@@ -406,6 +408,32 @@ fn dechunk(mut body: &str) -> String {
         body = rest[n..].trim_start_matches("\r\n");
     }
     out
+}
+
+/// Every audit record of `tenant`, read through the gateway's admin listener at `admin`.
+pub fn admin_records(admin: &str, tenant: &str) -> Vec<serde_json::Value> {
+    let (status, body) = http(
+        admin,
+        "GET",
+        &format!("/audit/{tenant}?limit=1000"),
+        Some(ADMIN),
+        &[],
+        "",
+    );
+    assert_eq!(status, 200, "{body}");
+    records(&json(&body))
+}
+
+/// Waits (bounded) until `tenant` has `n` audit records; returns what it has then.
+pub fn wait_records(admin: &str, tenant: &str, n: usize) -> Vec<serde_json::Value> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let got = admin_records(admin, tenant);
+        if got.len() >= n || Instant::now() > deadline {
+            return got;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// The records of a page of the audit API (`data[].record`).

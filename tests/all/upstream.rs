@@ -2,31 +2,27 @@
 //! OpenAI-compatible server: `bulkhead up` with its workers) through `openai = …`. A
 //! tokenizes, admits, limits and audits; B sees token ids only.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use crate::cluster::Gateway;
+use crate::up::{ADMIN, KEY_A, KEY_B, TempDir, Up, bounded, http, json, sha256_hex};
 
-use crate::up::{ADMIN, KEY_A, KEY_B, STARTUP_LIMIT, TempDir, Up, bounded, http, json, sha256_hex};
-
-/// A `bulkhead gateway` process; killed when dropped.
-struct Gateway {
-    child: Child,
-    api: String,
-    admin: String,
+/// A `bulkhead gateway` fronting an upstream, and its configuration's directory.
+struct Front {
+    gateway: Gateway,
     _dir: TempDir,
 }
 
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+impl std::ops::Deref for Front {
+    type Target = Gateway;
+
+    fn deref(&self) -> &Gateway {
+        &self.gateway
     }
 }
 
-impl Gateway {
+impl Front {
     /// Fronts `upstream` (an OpenAI-compatible base URL serving `model`), authenticating to
     /// it with `upstream_key`; its own tenant is tenant-a (`KEY_A`), with `max_context`.
-    fn start(upstream: &str, model: &str, upstream_key: &str, max_context: u32) -> Gateway {
+    fn start(upstream: &str, model: &str, upstream_key: &str, max_context: u32) -> Front {
         let dir = TempDir::new("gw-front");
         let model_file =
             std::env::var("BULKHEAD_MODEL").expect("BULKHEAD_MODEL (scripts/fetch-model)");
@@ -43,54 +39,12 @@ impl Gateway {
         );
         let path = dir.0.join("front.toml");
         std::fs::write(&path, config).expect("writes the config");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
-            .arg("gateway")
-            .arg("--config")
-            .arg(&path)
-            .arg("--data-dir")
-            .arg(dir.0.join("data"))
-            .env("UPSTREAM_KEY", upstream_key)
-            .env("BULKHEAD_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("bulkhead gateway starts");
-        let stdout = child.stdout.take().expect("piped");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(rest) = line.strip_prefix("bulkhead gateway ready ") {
-                    let _ = tx.send(rest.to_owned());
-                }
-            }
-        });
-        let ready = rx
-            .recv_timeout(STARTUP_LIMIT)
-            .expect("the gateway reports ready");
-        let field = |k: &str| {
-            ready
-                .split_whitespace()
-                .find_map(|f| f.strip_prefix(&format!("{k}=")))
-                .expect("address")
-                .to_owned()
-        };
-        Gateway {
-            api: field("api"),
-            admin: field("admin"),
-            child,
-            _dir: dir,
-        }
-    }
-
-    fn wait_routable(&self) {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while http(&self.admin, "GET", "/healthz", Some(ADMIN), &[], "").0 != 200 {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the front gateway never became healthy"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(200));
-        }
+        let gateway = Gateway::start(
+            &path,
+            &dir.0.join("data"),
+            &[("UPSTREAM_KEY", upstream_key)],
+        );
+        Front { gateway, _dir: dir }
     }
 }
 
@@ -106,8 +60,8 @@ fn the_gateway_fronts_an_openai_compatible_server_with_its_own_tenants_admission
             .as_str()
             .expect("a model")
             .to_owned();
-        let front = Gateway::start(&format!("http://{}", back.api), &model, KEY_B, 1024);
-        front.wait_routable();
+        let front = Front::start(&format!("http://{}", back.api), &model, KEY_B, 1024);
+        front.wait_healthy();
 
         // Greedy: the answer through the front equals the answer straight from the back.
         let (status, direct) = back.chat(KEY_B, &[], CHAT);

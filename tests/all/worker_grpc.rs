@@ -47,7 +47,7 @@ pub(crate) struct Place<'a> {
 }
 
 impl Place<'_> {
-    const LOCAL: Place<'static> = Place {
+    pub(crate) const LOCAL: Place<'static> = Place {
         netns: None,
         bind: "127.0.0.1",
         reach: IpAddr::V4(Ipv4Addr::LOCALHOST),
@@ -58,6 +58,8 @@ fn command(args: &[&str]) -> Command {
     command_in(&Place::LOCAL, args)
 }
 
+/// `bulkhead worker` at `place` with `args`; gRPC and admin on free ports of the place's bind
+/// address unless `args` name a `--listen` address.
 fn command_in(place: &Place<'_>, args: &[&str]) -> Command {
     let mut cmd = match place.netns {
         None => Command::new(env!("CARGO_BIN_EXE_bulkhead")),
@@ -68,12 +70,16 @@ fn command_in(place: &Place<'_>, args: &[&str]) -> Command {
         }
     };
     let (listen, admin) = (format!("{}:0", place.bind), format!("{}:0", place.bind));
-    cmd.arg("worker")
-        .arg("--model")
-        .arg(model_path())
-        .args(["--threads", "1", "--listen", &listen])
-        .args(["--admin-listen", &admin])
-        .args(args)
+    cmd.arg("worker").arg("--model").arg(model_path()).args([
+        "--threads",
+        "1",
+        "--admin-listen",
+        &admin,
+    ]);
+    if !args.contains(&"--listen") {
+        cmd.args(["--listen", &listen]);
+    }
+    cmd.args(args)
         .env_remove("BULKHEAD_LOG")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -99,7 +105,7 @@ impl Drop for Worker {
 }
 
 /// Collects a child's stderr in the background, for failure messages.
-fn collect(stream: impl Read + Send + 'static) -> Arc<Mutex<String>> {
+pub(crate) fn collect(stream: impl Read + Send + 'static) -> Arc<Mutex<String>> {
     let text = Arc::new(Mutex::new(String::new()));
     let sink = text.clone();
     std::thread::spawn(move || {
@@ -134,7 +140,13 @@ impl Worker {
 
     /// Starts `bulkhead worker` with `args` at `place` and waits for its ready line.
     pub(crate) fn start_in(place: &Place<'_>, args: &[&str]) -> Worker {
+        Worker::start_with(place, args, &[])
+    }
+
+    /// [`Worker::start_in`], with `env` added to the worker's environment.
+    pub(crate) fn start_with(place: &Place<'_>, args: &[&str], env: &[(&str, &str)]) -> Worker {
         let mut child = command_in(place, args)
+            .envs(env.iter().copied())
             .spawn()
             .expect("the bulkhead binary starts");
         let stdout = child.stdout.take().expect("stdout is piped");

@@ -27,12 +27,14 @@
 mod request;
 mod stats;
 mod stops;
+mod switched;
 mod transfer;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::num::NonZeroU32;
 use std::time::{Duration, Instant};
 
+use bulkhead_checks::Check;
 use bulkhead_handoff::{CloseReason, Received, SessionNonce};
 use bulkhead_kernels::attention::{TagCheck, TagView};
 use bulkhead_kvpool::{Admissible, Allocation, PagePool, PoolConfig, RequestId, Scrub};
@@ -315,7 +317,12 @@ impl Engine {
             tokenizer,
             config,
             capacity,
-            tag_check: TagCheck::On,
+            tag_check: if bulkhead_checks::enabled(Check::TagCheck) {
+                TagCheck::On
+            } else {
+                tracing::warn!("CHECK TURNED OFF: attention reads pages without comparing tags");
+                TagCheck::Off
+            },
             waiting: VecDeque::new(),
             running: Vec::new(),
             transfers: HashMap::new(),
@@ -460,17 +467,19 @@ impl Engine {
         reason = "a refused request goes back whole; submission is not a hot path"
     )]
     fn enqueue(&mut self, request: Request, role: Role) -> Result<(), (SubmitError, Request)> {
-        match self.admit(&request, &role) {
-            Ok(admissible) => {
-                self.waiting.push_back(Waiting {
-                    request,
-                    admissible,
-                    role,
-                });
-                Ok(())
+        let (request, admissible) = match self.admit(&request, &role) {
+            Ok(admissible) => (request, admissible),
+            Err(e) if matches!(role, Role::PrefillFor(_)) => {
+                switched::prefill_refused(&self.pool, e, request)?
             }
-            Err(e) => Err((e, request)),
-        }
+            Err(e) => return Err((e, request)),
+        };
+        self.waiting.push_back(Waiting {
+            request,
+            admissible,
+            role,
+        });
+        Ok(())
     }
 
     fn admit(&self, r: &Request, role: &Role) -> Result<Admissible, SubmitError> {
@@ -488,20 +497,25 @@ impl Engine {
             return Err(SubmitError::DuplicateId(r.id));
         }
         // A prefill worker holds only the prompt; everything else holds prompt + new tokens.
-        let requested = match role {
+        let (requested, check) = match role {
             Role::PrefillFor(target) => {
                 self.check_target(r, target)?;
-                r.prompt.len() as u64
+                (r.prompt.len() as u64, Check::PrefillAdmission)
             }
-            Role::Colocated | Role::Decode => r.prompt.len() as u64 + r.max_new_tokens as u64,
+            Role::Colocated | Role::Decode => (
+                r.prompt.len() as u64 + r.max_new_tokens as u64,
+                Check::DecodeAdmission,
+            ),
         };
+        // Both capacity checks below are this layer's; only a test build can turn them off.
+        let checked = bulkhead_checks::enabled(check);
         let exceeded = |limit| SubmitError::ContextLengthExceeded {
             requested,
             limit,
             prompt: r.prompt.len(),
             max_new: r.max_new_tokens,
         };
-        if requested > self.capacity.served_context as u64 {
+        if checked && requested > self.capacity.served_context as u64 {
             return Err(exceeded(self.capacity.served_context as u64));
         }
         if self.waiting.len() >= self.config.queue_capacity {
@@ -510,7 +524,7 @@ impl Engine {
             });
         }
         // The pool's own check, independent of the served-context check above.
-        self.pool.admit(r.id, requested).map_err(|e| match e {
+        switched::pool_admit(&self.pool, r.id, requested, checked).map_err(|e| match e {
             bulkhead_kvpool::Rejected::ContextLengthExceeded {
                 capacity_tokens, ..
             } => exceeded(capacity_tokens),

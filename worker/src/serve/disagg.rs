@@ -31,7 +31,7 @@ use super::proto::{self, PrefillItem, WorkerClient};
 use super::refusal::{from_proto_reservation, from_refusal, to_proto_reservation, to_refusal};
 use super::spans;
 use super::validate::{self, ValidGenerate};
-use crate::engine::{Event, Request};
+use crate::engine::{Event, Failure, Request};
 
 /// A decode worker's way to its prefill worker.
 #[derive(Debug, Clone)]
@@ -199,7 +199,8 @@ pub async fn start_remote_prefill(
             engine.prefill_rejected(target.nonce, reason.clone());
             let mut guard = guard;
             guard.disarm();
-            ServeError::Submit(reason)
+            // Prefill's admission refused it, not this worker's: the status names that layer.
+            ServeError::Failed(Failure::PrefillRejected(reason))
         }
         other => unavailable(format!("unexpected first answer {other:?}")),
     };
@@ -356,9 +357,10 @@ async fn transfer(
         bulkhead.kv.aborted = Empty,
         error.type = Empty,
     );
+    let frames = super::tamper::frames(&outbound.frames);
     let sent = kvplane::send_with(
         &send.address,
-        &outbound.frames,
+        &frames,
         &outbound.manifest,
         send.batch_bytes,
         send.fault,
@@ -366,6 +368,7 @@ async fn transfer(
     )
     .instrument(transfer_span.clone())
     .await;
+    drop(frames);
     drop(sending);
     match &sent {
         Ok(Sent::Complete { frames, bytes }) => {

@@ -90,8 +90,9 @@ pub fn set_handoff(
         kv_heads: layout.kv_heads as u32,
         head_dim: layout.head_dim as u32,
         tag_check: engine.tag_check() == TagCheck::On,
-        // Every transfer is verified and every abandoned one drained: there is no switch.
-        checksums: true,
+        // Every transfer is verified (only a test build can turn that off) and every abandoned
+        // one drained.
+        checksums: bulkhead_checks::enabled(bulkhead_checks::Check::HandoffVerification),
         deferred_release: true,
         transfer_batch_bytes: batch_bytes.map_or(0, |b| b as u64),
         transfer_floor_bytes_per_s: config.transfer_floor_bytes_per_s,

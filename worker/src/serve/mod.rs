@@ -23,6 +23,7 @@ pub mod proto;
 mod refusal;
 mod service;
 mod spans;
+mod tamper;
 pub mod transport;
 mod validate;
 
