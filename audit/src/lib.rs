@@ -34,8 +34,8 @@ pub use line::Seq;
 pub use log::{AuditLog, Config, Durability, Receipt, Recovery};
 pub use read::read;
 pub use record::{
-    Admission, AdmissionOutcome, AuditRecord, DisconnectPhase, Integrity, Layer, PolicyDecision,
-    Verdict, WorkerPair,
+    Admission, AdmissionOutcome, AuditRecord, Directive, DisconnectPhase, Dropped, Hold, Integrity,
+    Layer, PolicyDecision, Verdict, WorkerPair,
 };
 pub use tenant::{MAX_TENANT_LEN, TenantId, TenantIdError};
 pub use verify::{Problem, Reason, Report, TenantReport, verify};

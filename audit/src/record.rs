@@ -63,6 +63,15 @@ pub struct AuditRecord {
     /// Where the client disconnected; `None` when it did not.
     #[serde(rename = "bulkhead.disconnect.phase")]
     pub disconnect: Option<DisconnectPhase>,
+    /// What the gateway did with the worker's stream after the client left: the policies'
+    /// disconnect directive and how far the stream got before it was dropped. `None` when the
+    /// client stayed, or left before any worker stream was open.
+    #[serde(
+        rename = "bulkhead.disconnect.hold",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub hold: Option<Hold>,
     /// SHA-256 of the prompt as received (the request body's messages or prompt).
     #[serde(rename = "bulkhead.prompt.sha256")]
     pub prompt_sha256: Option<Sha256Digest>,
@@ -169,6 +178,44 @@ pub enum Integrity {
         /// Which check, in words.
         reason: String,
     },
+}
+
+/// An abandoned request's worker stream: held as the policies directed, then dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hold {
+    /// The longest hold any `on-disconnect` policy asked for.
+    pub directive: Directive,
+    /// How far the stream had got when the gateway dropped it (cancelling the request at
+    /// the worker unless it was done).
+    pub dropped: Dropped,
+    /// How long the gateway held the stream after the client left, in milliseconds.
+    pub held_ms: u64,
+}
+
+/// A disconnect directive (the policy WIT's `directive`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Directive {
+    /// Drop the stream at once.
+    AbortNow,
+    /// Hold until prefill is done (the gateway sees that as the first token).
+    HoldUntilPrefillDone,
+    /// Hold until the first token.
+    HoldUntilFirstToken,
+    /// Hold until the request completes.
+    HoldUntilComplete,
+}
+
+/// How far an abandoned request's worker stream had got when it was dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Dropped {
+    /// No token had come (the request was cancelled during prefill).
+    BeforeFirstToken,
+    /// After some tokens, before the end (the request was cancelled while decoding).
+    AfterFirstToken,
+    /// The request had completed.
+    AfterDone,
 }
 
 /// Where in its life a request was when the client disconnected.

@@ -166,6 +166,7 @@ mod tests {
             ttft_ms: Some(12),
             total_ms: 40,
             disconnect: None,
+            hold: None,
             prompt_sha256: Some(Sha256Digest::of(b"the prompt")),
             completion_sha256: Some(Sha256Digest::of(b"the completion")),
             prompt: Some("the prompt".into()),

@@ -614,8 +614,16 @@ pub(crate) fn audit_findings(
                 record["http.response.status_code"].as_u64().unwrap_or(0),
                 record["error.type"].as_str().map(str::to_owned),
             );
-            let want_error = if e.abandoned {
+            // A client that left before reading the end may have left after the gateway wrote
+            // it: then the record truthfully says the request completed (200, tokens sent).
+            let completed_before_leaving = e.abandoned
+                && status == 200
+                && error.is_none()
+                && record["gen_ai.usage.output_tokens"].as_u64() > Some(0);
+            let want_error = if e.abandoned && !completed_before_leaving {
                 Some("client_disconnected".to_owned())
+            } else if e.abandoned {
+                None
             } else {
                 e.error_code()
             };

@@ -186,6 +186,11 @@ fn policies_deny_clamp_label_and_hold_an_abandoned_request_until_its_first_token
         let record = held.last().expect("the abandoned request's record");
         assert_eq!(record["error.type"], "client_disconnected", "{record:#}");
         assert_eq!(record["bulkhead.disconnect.phase"], "prefill", "{record:#}");
+        // The record is written once the hold ended, and says how the stream was held.
+        let hold = &record["bulkhead.disconnect.hold"];
+        assert_eq!(hold["directive"], "hold_until_prefill_done", "{record:#}");
+        assert_eq!(hold["dropped"], "after_first_token", "{record:#}");
+        let before = up.admin_records("tenant-limited").len();
         abandon(&up.api, KEY_CONTROL, &long);
         let m = wait_for(
             &up,
@@ -201,6 +206,13 @@ fn policies_deny_clamp_label_and_hold_an_abandoned_request_until_its_first_token
             "{m}"
         );
         up.wait_pool_drained();
+        let record = up
+            .wait_records("tenant-limited", before + 1)
+            .pop()
+            .expect("its record");
+        let hold = &record["bulkhead.disconnect.hold"];
+        assert_eq!(hold["directive"], "abort_now", "{record:#}");
+        assert_eq!(hold["dropped"], "before_first_token", "{record:#}");
 
         // The set in force, as the admin listener reports it.
         let (status, body) = http(&up.admin, "GET", "/policies", Some(ADMIN), &[], "");

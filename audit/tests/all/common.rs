@@ -68,6 +68,7 @@ pub fn record(tenant: &TenantId, i: u64) -> AuditRecord {
         ttft_ms: Some(12),
         total_ms: 40 + i,
         disconnect: None,
+        hold: None,
         prompt_sha256: Some(Sha256Digest::of(format!("prompt {i}").as_bytes())),
         completion_sha256: Some(Sha256Digest::of(b"completion")),
         prompt: None,

@@ -56,7 +56,7 @@ pub struct Started {
 impl Drop for Started {
     fn drop(&mut self) {
         if let Some(policy) = self.policy.take() {
-            policy.finish(self.upstream.take(), self.progress);
+            policy.finish(self.upstream.take(), self.progress, self.trail.clone());
         }
     }
 }

@@ -14,9 +14,12 @@
 //! as `prefilling` until the first token and `decoding` after.
 
 use std::sync::Arc;
+use std::time::Instant;
 
+use bulkhead_audit::{self as audit, Dropped, Hold};
 use bulkhead_worker::serve::proto::Item;
 
+use crate::trail::Trail;
 use crate::upstreams::UpstreamStream;
 
 use super::bindings::{Directive, Disconnect, Hooks, Outcome, Phase, ResponseEnd, Usage};
@@ -54,6 +57,16 @@ fn label(d: Directive) -> &'static str {
         Directive::HoldUntilPrefillDone => "hold_until_prefill_done",
         Directive::HoldUntilFirstToken => "hold_until_first_token",
         Directive::HoldUntilComplete => "hold_until_complete",
+    }
+}
+
+/// The directive as the audit record names it.
+fn recorded(d: Directive) -> audit::Directive {
+    match d {
+        Directive::AbortNow => audit::Directive::AbortNow,
+        Directive::HoldUntilPrefillDone => audit::Directive::HoldUntilPrefillDone,
+        Directive::HoldUntilFirstToken => audit::Directive::HoldUntilFirstToken,
+        Directive::HoldUntilComplete => audit::Directive::HoldUntilComplete,
     }
 }
 
@@ -143,7 +156,12 @@ impl Ending {
         }
     }
 
-    async fn abandoned(self: Arc<Self>, upstream: Option<UpstreamStream>, mut progress: Progress) {
+    async fn abandoned(
+        self: Arc<Self>,
+        upstream: Option<UpstreamStream>,
+        mut progress: Progress,
+        trail: Trail,
+    ) {
         let (held_before, held) = self.policies.hold(&self.tenant);
         let directive = if self.wanting(Hooks::ON_DISCONNECT).next().is_none() {
             Directive::AbortNow
@@ -164,18 +182,28 @@ impl Ending {
         };
         self.policies.stats().abandoned(label(directive));
         if let Some(mut upstream) = upstream {
+            let since = Instant::now();
             let limit = self.policies.hold_limit();
             let _ =
                 tokio::time::timeout(limit, drain(&mut upstream, directive, &mut progress)).await;
-            let at = match (progress.usage, progress.tokens) {
-                (Some(_), _) => "after_done",
-                (None, 0) => "before_first_token",
-                (None, _) => "after_first_token",
+            drop(upstream);
+            let (at, dropped) = match (progress.usage, progress.tokens) {
+                (Some(_), _) => ("after_done", Dropped::AfterDone),
+                (None, 0) => ("before_first_token", Dropped::BeforeFirstToken),
+                (None, _) => ("after_first_token", Dropped::AfterFirstToken),
             };
             self.policies.stats().dropped(at);
             tracing::debug!(request = %self.id, directive = label(directive),
                 tokens = progress.tokens, at, "an abandoned request's stream is dropped");
+            trail.held(Hold {
+                directive: recorded(directive),
+                dropped,
+                held_ms: u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX),
+            });
         }
+        // The request's record is written once the trail's last holder lets go: here, with
+        // the hold in it.
+        drop(trail);
         drop(held);
         let usage = progress.usage.unwrap_or((0, progress.tokens));
         self.end(Outcome::ClientDisconnected, usage).await;
@@ -214,7 +242,9 @@ async fn drain(upstream: &mut UpstreamStream, directive: Directive, progress: &m
 impl RequestPolicy {
     /// The request ended: completed (`progress.usage`), failed, or abandoned by its client
     /// (neither). Called once, when the response's state is dropped; the work runs in a task.
-    pub fn finish(self, upstream: Option<UpstreamStream>, progress: Progress) {
+    /// An abandoned request's `trail` is kept until its stream is dropped, so that its record
+    /// says how the stream was held.
+    pub fn finish(self, upstream: Option<UpstreamStream>, progress: Progress, trail: Trail) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -237,7 +267,7 @@ impl RequestPolicy {
                 }
             }
             None => {
-                runtime.spawn(ending.abandoned(upstream, progress));
+                runtime.spawn(ending.abandoned(upstream, progress, trail));
             }
         }
     }

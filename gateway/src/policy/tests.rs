@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 use http::HeaderMap;
 
 use super::*;
+use crate::config::AuditSettings;
+use crate::metrics::Metrics;
+use crate::trail::{Recorder, Trail};
 
 /// Where scripts/build-plugins puts the components.
 fn dist() -> PathBuf {
@@ -89,6 +92,18 @@ fn load(text: &str) -> Result<(Policies, Scratch), PolicyError> {
 
 fn loaded(text: &str) -> (Policies, Scratch) {
     load(text).unwrap_or_else(|e| panic!("the set loads: {e}"))
+}
+
+/// A trail whose record goes to an audit log in `dir` (written when the trail is dropped).
+fn trail(dir: &Scratch) -> Trail {
+    let (recorder, _) = Recorder::open(
+        &dir.0.join("audit"),
+        AuditSettings::default(),
+        Metrics::default(),
+        None,
+    )
+    .expect("opens the audit log");
+    recorder.trail("req-test".into(), tracing::Span::none())
 }
 
 struct Ask<'a> {
@@ -687,16 +702,16 @@ async fn abort_guard_holds_an_abandoned_prefill_and_caps_what_a_tenant_holds() {
         binding("abort-guard", "config = { max_held_per_tenant = 1 }")
     );
     // Abandoned before the first token: held until prefill is done.
-    let (p, _dir) = loaded(&set);
+    let (p, dir) = loaded(&set);
     let r = ask(&p, Ask::default()).await.expect("allowed");
-    r.finish(None, Progress::default());
+    r.finish(None, Progress::default(), trail(&dir));
     let m = abandoned_directives(&p).await;
     assert!(
         m.contains("directive=\"hold_until_prefill_done\"} 1"),
         "{m}"
     );
     // Already decoding: nothing to protect, abort now.
-    let (p, _dir) = loaded(&set);
+    let (p, dir) = loaded(&set);
     let r = ask(&p, Ask::default()).await.expect("allowed");
     r.finish(
         None,
@@ -704,6 +719,7 @@ async fn abort_guard_holds_an_abandoned_prefill_and_caps_what_a_tenant_holds() {
             tokens: 3,
             ..Progress::default()
         },
+        trail(&dir),
     );
     assert!(
         abandoned_directives(&p)
@@ -711,10 +727,10 @@ async fn abort_guard_holds_an_abandoned_prefill_and_caps_what_a_tenant_holds() {
             .contains("directive=\"abort_now\"} 1")
     );
     // The tenant already holds its one: abort now.
-    let (p, _dir) = loaded(&set);
+    let (p, dir) = loaded(&set);
     let (_, _held) = p.hold("tenant-a");
     let r = ask(&p, Ask::default()).await.expect("allowed");
-    r.finish(None, Progress::default());
+    r.finish(None, Progress::default(), trail(&dir));
     assert!(
         abandoned_directives(&p)
             .await

@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use bulkhead_audit::{
-    Admission, AdmissionOutcome, AuditRecord, DisconnectPhase, Integrity, Layer, PolicyDecision,
-    Sha256Digest, WorkerPair,
+    Admission, AdmissionOutcome, AuditRecord, DisconnectPhase, Hold, Integrity, Layer,
+    PolicyDecision, Sha256Digest, WorkerPair,
 };
 use sha2::{Digest, Sha256};
 use tracing::Span;
@@ -85,6 +85,7 @@ impl Trail {
             ttft_ms: None,
             total_ms: 0,
             disconnect: None,
+            hold: None,
             prompt_sha256: None,
             completion_sha256: None,
             prompt: None,
@@ -259,6 +260,12 @@ impl Trail {
             Err(_) if recorder.refuses_on_failure() => Err(ApiError::AuditUnavailable),
             Ok(()) | Err(_) => Ok(()),
         }
+    }
+
+    /// The client left and the worker's stream was held as the policies directed, then
+    /// dropped (recorded when the last holder of the trail lets go).
+    pub fn held(&self, hold: Hold) {
+        self.with(|d| d.record.hold = Some(hold));
     }
 
     /// The status the response carries, for a request whose end is recorded elsewhere (a
