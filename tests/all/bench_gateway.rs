@@ -46,14 +46,22 @@ fn assert_answered(report: &Value, key: &str) {
 }
 
 #[test]
-fn the_gateway_bench_reports_each_bulkhead_target_and_the_policy_chains_cost() {
+fn the_gateway_bench_reports_each_bulkhead_target_the_policy_chains_and_durable_audits_cost() {
     bounded(|| {
-        let report = bench("direct,bulkhead,bulkhead-policies", &[]);
-        for key in ["direct", "bulkhead_policies_off", "bulkhead_policies_on"] {
+        let report = bench("direct,bulkhead,bulkhead-policies,bulkhead-durable", &[]);
+        for key in [
+            "direct",
+            "bulkhead_policies_off",
+            "bulkhead_policies_on",
+            "bulkhead_audit_durable",
+        ] {
             assert_answered(&report, key);
         }
         for field in ["rps_on_vs_off", "added_p50_us", "added_p99_us"] {
             assert!(report["policy_chain"][field].is_f64(), "{report}");
+        }
+        for field in ["rps_durable_vs_group", "added_p50_us", "added_p99_us"] {
+            assert!(report["durable_audit"][field].is_f64(), "{report}");
         }
         assert_eq!(report["skipped"], serde_json::json!({}));
         assert_eq!(report["connections"], 2);

@@ -21,7 +21,8 @@
 //!
 //! The gateway does its whole request path: authentication, tenant limits, chat template and
 //! tokenization, admission, the policy chain, the upstream call (a streamed `/v1/completions`,
-//! as for any OpenAI-compatible upstream) and an audit record per request (`--audit`). nginx and
+//! as for any OpenAI-compatible upstream) and an audit record per request (group commit, and in
+//! one more target durable: each response waits for its record's fsync). nginx and
 //! LiteLLM pass the client's chat request through.
 
 mod load;
@@ -42,7 +43,7 @@ use super::policies::PolicySetArgs;
 use crate::child;
 use load::{Load, Sample};
 use report::{Figures, Results};
-use targets::{Audit, Kind, Setup, Started, Target};
+use targets::{Kind, Setup, Started, Target};
 
 #[derive(Debug, clap::Args)]
 pub struct GatewayArgs {
@@ -71,10 +72,6 @@ pub struct GatewayArgs {
     model: Option<PathBuf>,
     #[command(flatten)]
     policy_set: PolicySetArgs,
-    /// The gateway's audit durability: `group` (records fsynced within a few ms) or `durable`
-    /// (every response waits for its record's fsync).
-    #[arg(long, value_enum, default_value_t = Audit::Group)]
-    audit: Audit,
     /// The nginx binary [default: nginx on PATH, else /usr/sbin/nginx]
     #[arg(long)]
     nginx: Option<PathBuf>,
@@ -150,7 +147,6 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
             model: crate::model_path::resolve(args.model.as_deref())?,
             policies: std::path::absolute(&args.policy_set.policies)?,
             cache_dir: std::path::absolute(&args.policy_set.cache_dir)?,
-            audit: args.audit,
             connections: args.connections,
             nginx: targets::find_nginx(args.nginx.clone()),
             litellm: targets::find_litellm(args.litellm.clone()),
@@ -208,7 +204,6 @@ fn settings(args: &GatewayArgs) -> Map<String, Value> {
     s.insert("warmup_seconds".into(), json!(args.warmup_seconds));
     s.insert("runs".into(), json!(args.runs));
     s.insert("stream".into(), json!(args.stream));
-    s.insert("audit".into(), json!(args.audit.name()));
     s.insert(
         "policies".into(),
         json!(args.policy_set.policies.display().to_string()),
@@ -259,7 +254,10 @@ async fn measure(
                         results.skipped.push((kind, why));
                         continue;
                     }
-                    Kind::Direct | Kind::Bulkhead | Kind::BulkheadPolicies => {
+                    Kind::Direct
+                    | Kind::Bulkhead
+                    | Kind::BulkheadPolicies
+                    | Kind::BulkheadDurable => {
                         bail!("{} {why}", kind.label())
                     }
                 }

@@ -57,6 +57,18 @@ impl Results {
         }))
     }
 
+    /// Durable audit's cost over group commit (both with policies off): requests/s durable
+    /// over group, and the added p50 and p99. There is no target without audit: the gateway
+    /// never serves a request it has not recorded (I5).
+    fn durable_audit(&self) -> Option<Value> {
+        let (durable, group) = (Kind::BulkheadDurable, Kind::Bulkhead);
+        Some(json!({
+            "rps_durable_vs_group": self.paired(durable, group, |a, b| a.rps / b.rps)?,
+            "added_p50_us": self.paired(durable, group, |a, b| a.p50_us - b.p50_us)?,
+            "added_p99_us": self.paired(durable, group, |a, b| a.p99_us - b.p99_us)?,
+        }))
+    }
+
     /// The issues' goals, where measured: the gateway (policies off) within 10% of nginx's
     /// requests/s; the policy chain costing under 5% of the gateway's requests/s.
     fn goals(&self) -> Map<String, Value> {
@@ -114,6 +126,9 @@ impl Results {
         if let Some(chain) = self.policy_chain() {
             out.insert("policy_chain".into(), chain);
         }
+        if let Some(audit) = self.durable_audit() {
+            out.insert("durable_audit".into(), audit);
+        }
         out.insert("goals".into(), Value::Object(self.goals()));
         Value::Object(out)
     }
@@ -169,6 +184,14 @@ impl Results {
                 chain["added_p99_us"].as_f64().unwrap_or(f64::NAN),
             ));
         }
+        if let Some(audit) = self.durable_audit() {
+            out.push_str(&format!(
+                "durable audit: req/s durable ÷ group commit {:.3}, added p50 {:.0} µs, added p99 {:.0} µs\n",
+                audit["rps_durable_vs_group"].as_f64().unwrap_or(f64::NAN),
+                audit["added_p50_us"].as_f64().unwrap_or(f64::NAN),
+                audit["added_p99_us"].as_f64().unwrap_or(f64::NAN),
+            ));
+        }
         for (goal, met) in self.goals() {
             out.push_str(&format!(
                 "goal {goal}: {}\n",
@@ -213,6 +236,10 @@ mod tests {
                     vec![f(760.0, 170.0), f(380.0, 320.0), f(760.0, 170.0)],
                 ),
                 (
+                    Kind::BulkheadDurable,
+                    vec![f(600.0, 250.0), f(300.0, 500.0), f(600.0, 250.0)],
+                ),
+                (
                     Kind::Nginx,
                     vec![f(900.0, 120.0), f(450.0, 240.0), f(900.0, 120.0)],
                 ),
@@ -233,6 +260,14 @@ mod tests {
         let chain = &json["policy_chain"];
         assert!((chain["rps_on_vs_off"].as_f64().expect("ratio") - 0.95).abs() < 1e-9);
         assert_eq!(chain["added_p50_us"], 20.0);
+        let audit = &json["durable_audit"];
+        assert!((audit["rps_durable_vs_group"].as_f64().expect("ratio") - 0.75).abs() < 1e-9);
+        assert_eq!(audit["added_p50_us"], 100.0);
+        assert!(
+            results()
+                .table()
+                .contains("durable audit: req/s durable ÷ group commit 0.750")
+        );
         assert_eq!(
             json["goals"]["within_10pct_of_nginx"], false,
             "0.89 of nginx"

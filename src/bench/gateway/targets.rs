@@ -1,6 +1,6 @@
 //! What the load is sent to, each a real process on a loopback socket in front of the same
-//! load target: the load target itself, Bulkhead's gateway (policy chain off, and on), nginx
-//! and LiteLLM proxy. Each is started once, probed with one request, and kept running until
+//! load target: the load target itself, Bulkhead's gateway (policy chain off, and on, with
+//! group-commit audit; and policies off with durable audit), nginx and LiteLLM proxy. Each is started once, probed with one request, and kept running until
 //! the bench ends. A peer (nginx, LiteLLM) that is not installed or does not start is skipped,
 //! with the reason; Bulkhead failing to start fails the bench.
 
@@ -36,10 +36,13 @@ pub const LITELLM_VENV_ENV: &str = "BULKHEAD_LITELLM_VENV";
 pub enum Kind {
     /// The load target itself, no proxy: the baseline.
     Direct,
-    /// Bulkhead's gateway without policy plugins.
+    /// Bulkhead's gateway without policy plugins (audit records fsynced in groups).
     Bulkhead,
     /// Bulkhead's gateway with the policy set (`--policies`).
     BulkheadPolicies,
+    /// Bulkhead's gateway without policy plugins, every response waiting for its audit
+    /// record's fsync.
+    BulkheadDurable,
     /// nginx as a reverse proxy.
     Nginx,
     /// LiteLLM proxy.
@@ -47,10 +50,11 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub const ALL: [Kind; 5] = [
+    pub const ALL: [Kind; 6] = [
         Kind::Direct,
         Kind::Bulkhead,
         Kind::BulkheadPolicies,
+        Kind::BulkheadDurable,
         Kind::Nginx,
         Kind::Litellm,
     ];
@@ -61,6 +65,7 @@ impl Kind {
             Kind::Direct => "direct",
             Kind::Bulkhead => "bulkhead_policies_off",
             Kind::BulkheadPolicies => "bulkhead_policies_on",
+            Kind::BulkheadDurable => "bulkhead_audit_durable",
             Kind::Nginx => "nginx",
             Kind::Litellm => "litellm",
         }
@@ -72,6 +77,7 @@ impl Kind {
             Kind::Direct => "direct (no proxy)",
             Kind::Bulkhead => "bulkhead, policies off",
             Kind::BulkheadPolicies => "bulkhead, policies on",
+            Kind::BulkheadDurable => "bulkhead, durable audit",
             Kind::Nginx => "nginx",
             Kind::Litellm => "litellm",
         }
@@ -79,8 +85,8 @@ impl Kind {
 }
 
 /// Whether the gateway's responses wait for their audit record's fsync.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Audit {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Audit {
     /// Records fsynced in groups within a few milliseconds.
     Group,
     /// Every response waits for its record's fsync.
@@ -88,7 +94,7 @@ pub enum Audit {
 }
 
 impl Audit {
-    pub fn name(self) -> &'static str {
+    fn name(self) -> &'static str {
         match self {
             Audit::Group => "group",
             Audit::Durable => "durable",
@@ -106,7 +112,6 @@ pub struct Setup {
     /// The policy set and the compiled-component cache (absolute paths).
     pub policies: PathBuf,
     pub cache_dir: PathBuf,
-    pub audit: Audit,
     /// Connections the load opens (the bench tenant's concurrency limit is above it).
     pub connections: usize,
     pub nginx: Option<PathBuf>,
@@ -145,8 +150,9 @@ pub enum Started {
 pub async fn start(kind: Kind, setup: &Setup, stream: bool) -> anyhow::Result<Started> {
     let (addr, process) = match kind {
         Kind::Direct => (setup.upstream, None),
-        Kind::Bulkhead => gateway(kind, setup, false).await?,
-        Kind::BulkheadPolicies => gateway(kind, setup, true).await?,
+        Kind::Bulkhead => gateway(kind, setup, false, Audit::Group).await?,
+        Kind::BulkheadPolicies => gateway(kind, setup, true, Audit::Group).await?,
+        Kind::BulkheadDurable => gateway(kind, setup, false, Audit::Durable).await?,
         Kind::Nginx => match nginx(setup).await {
             Ok((addr, c)) => (addr, Some(c)),
             Err(e) => return Ok(Started::Skipped(format!("{e:#}"))),
@@ -179,7 +185,9 @@ pub async fn start(kind: Kind, setup: &Setup, stream: bool) -> anyhow::Result<St
             );
             match kind {
                 Kind::Nginx | Kind::Litellm => Ok(Started::Skipped(why)),
-                Kind::Direct | Kind::Bulkhead | Kind::BulkheadPolicies => bail!(why),
+                Kind::Direct | Kind::Bulkhead | Kind::BulkheadPolicies | Kind::BulkheadDurable => {
+                    bail!(why)
+                }
             }
         }
     }
@@ -221,8 +229,8 @@ fn spawn_reporting(mut cmd: Command, what: &str) -> anyhow::Result<Child> {
 }
 
 /// The gateway's configuration: one tenant with limits the load cannot reach, the load target
-/// as its one OpenAI-compatible upstream, and the policy set if `policies`.
-fn gateway_config(setup: &Setup, policies: bool) -> String {
+/// as its one OpenAI-compatible upstream, the policy set if `policies`, and `audit`.
+fn gateway_config(setup: &Setup, policies: bool, audit: Audit) -> String {
     let concurrency = setup.connections.saturating_mul(2).max(16);
     let mut text = format!(
         "[listen]\napi = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n\n\
@@ -233,7 +241,7 @@ fn gateway_config(setup: &Setup, policies: bool) -> String {
          [[workers]]\nname = \"load-target\"\nopenai = \"http://{upstream}\"\nrole = \"both\"\n\
          model = \"{model}\"\ncontext_length = 2048\ntokenizer = {tokenizer:?}\n",
         admin = KeyHash::of(ADMIN).to_hex(),
-        durability = setup.audit.name(),
+        durability = audit.name(),
         key = KeyHash::of(KEY).to_hex(),
         rpm = u32::MAX,
         tpm = u64::from(u32::MAX) * 1000,
@@ -255,11 +263,12 @@ async fn gateway(
     kind: Kind,
     setup: &Setup,
     policies: bool,
+    audit: Audit,
 ) -> anyhow::Result<(SocketAddr, Option<Child>)> {
     let dir = setup.scratch.join(kind.key());
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let config = dir.join("gateway.toml");
-    std::fs::write(&config, gateway_config(setup, policies))
+    std::fs::write(&config, gateway_config(setup, policies, audit))
         .with_context(|| format!("writing {}", config.display()))?;
     let mut cmd = Command::new(std::env::current_exe().context("finding this executable")?);
     cmd.arg("gateway")
@@ -461,7 +470,6 @@ mod tests {
             model: PathBuf::from("/models/m.gguf"),
             policies: PathBuf::from("/repo/policies/local.toml"),
             cache_dir: PathBuf::from("/repo/plugins/dist/cache"),
-            audit: Audit::Group,
             connections: 64,
             nginx: None,
             litellm: None,
