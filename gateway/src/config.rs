@@ -1,5 +1,7 @@
-//! The gateway's configuration: a TOML file, parsed and validated once at start into [`Config`].
-//! Nothing downstream re-checks it, and nothing downstream reads the file or the environment.
+//! The gateway's configuration: a TOML file, parsed and validated at start into [`Config`].
+//! Nothing downstream re-checks it, and nothing downstream reads the environment. A tenants
+//! reload ([`crate::tenants`]) reads the file again through this same parser and applies only
+//! its tenants.
 //!
 //! ```toml
 //! [listen]
