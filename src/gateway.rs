@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use bulkhead_gateway::keys::KeyHash;
+use bulkhead_gateway::tenants::ConfigFile;
 use bulkhead_gateway::{BoundGateway, Config};
 
 use crate::telemetry::Service;
@@ -28,7 +29,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let config = Config::load(&args.config)
+    let (config, file) = ConfigFile::load(&args.config)
         .with_context(|| format!("invalid configuration {}", args.config.display()))?;
     let export = crate::telemetry::gateway_export(&args.otlp, &config.telemetry)?;
     // Dropped last, after the runtime: exports what is still queued.
@@ -36,7 +37,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let audit_export = telemetry.audit_export();
     let data_dir = args.data_dir.path()?;
     runtime()?.block_on(async move {
-        let gateway = BoundGateway::bind(config, &data_dir, audit_export).await?;
+        let gateway = BoundGateway::bind(config, Some(file), &data_dir, audit_export).await?;
         let (api, admin) = (gateway.api_addr()?, gateway.admin_addr()?);
         tracing::info!(%api, %admin, "gateway serving");
         println!("bulkhead gateway ready api={api} admin={admin}");

@@ -10,6 +10,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use bulkhead_gateway::tenants::ConfigFile;
 use bulkhead_gateway::{BoundGateway, Config};
 use tokio::process::{Child, Command};
 
@@ -93,10 +94,16 @@ pub struct Args {
 }
 
 pub fn run(mut args: Args) -> anyhow::Result<()> {
-    let mut config = match &args.config {
-        Some(path) => Config::load(path)
+    // Tenants reloads read the file again (compared with it as read here, before the ports and
+    // worker addresses below are filled in); the built-in configuration has no file.
+    let (mut config, file) = match &args.config {
+        Some(path) => ConfigFile::load(path)
+            .map(|(config, file)| (config, Some(file)))
             .with_context(|| format!("invalid configuration {}", path.display()))?,
-        None => Config::parse(DEFAULT_CONFIG).context("the built-in deploy/local/gateway.toml")?,
+        None => (
+            Config::parse(DEFAULT_CONFIG).context("the built-in deploy/local/gateway.toml")?,
+            None,
+        ),
     };
     let layout = Layout::of(&config.workers)?;
     config.listen.api.set_port(args.port);
@@ -132,7 +139,7 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
                 workers.push(d);
             }
         }
-        let gateway = BoundGateway::bind(config, &data_dir, audit_export).await?;
+        let gateway = BoundGateway::bind(config, file, &data_dir, audit_export).await?;
         let (api, admin) = (gateway.api_addr()?, gateway.admin_addr()?);
         let listing: Vec<String> = workers
             .iter()
@@ -244,7 +251,8 @@ mod tests {
             assert!(!setting.contains("sk-"), "a clear key in a setting: {line}");
         }
         let a = config
-            .keyring
+            .tenants
+            .keyring()
             .tenant(&bulkhead_gateway::keys::KeyHash::of("sk-demo-tenant-a"))
             .expect("tenant-a's demo key");
         assert_eq!(a.id.as_str(), "tenant-a");

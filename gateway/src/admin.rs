@@ -2,9 +2,9 @@
 //! (Prometheus text), `/workers` (what each worker reported, and why it is or is not routed to),
 //! `/audit/{tenant}` (any tenant's audit records, and `_gateway` for unauthenticated requests).
 //! `/policies` (the active policy set; `POST /policies/reload` loads the file again and swaps
-//! it in only when valid).
-
-use std::sync::Arc;
+//! it in only when valid). `/tenants` (ids, limits, key ids; `POST /tenants/reload` reads the
+//! configuration file again and swaps its tenants in only when it is valid, see
+//! [`crate::tenants`]).
 
 use axum::Router;
 use axum::extract::{FromRef, Request, State};
@@ -18,7 +18,7 @@ use serde_json::json;
 use crate::keys::KeyHash;
 use crate::metrics::Metrics;
 use crate::policy::Policies;
-use crate::tenant::Tenant;
+use crate::tenants::{ReloadError, Tenants};
 use crate::trail::{self, Recorder};
 use crate::workers::Workers;
 
@@ -27,7 +27,7 @@ use crate::workers::Workers;
 pub struct AdminState {
     pub workers: Workers,
     pub metrics: Metrics,
-    pub tenants: Arc<Vec<Arc<Tenant>>>,
+    pub tenants: Tenants,
     pub recorder: Recorder,
     pub policies: Policies,
 }
@@ -47,6 +47,8 @@ pub fn router(state: AdminState, token: KeyHash) -> Router {
         .route("/audit/{tenant}", get(trail::admin_read))
         .route("/policies", get(policies))
         .route("/policies/reload", post(reload_policies))
+        .route("/tenants", get(tenants))
+        .route("/tenants/reload", post(reload_tenants))
         .with_state(state)
         .layer(middleware::from_fn_with_state(token, require_token))
 }
@@ -105,8 +107,11 @@ async fn healthz(State(state): State<AdminState>) -> Response {
 }
 
 async fn metrics(State(state): State<AdminState>) -> Response {
-    let mut text = state.metrics.render(&state.tenants, &state.workers);
+    let mut text = state
+        .metrics
+        .render(&state.tenants.current(), &state.workers);
     state.policies.render_metrics(&mut text);
+    state.tenants.render_metrics(&mut text);
     ([(CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
@@ -131,6 +136,57 @@ async fn reload_policies(State(state): State<AdminState>) -> Response {
             StatusCode::UNPROCESSABLE_ENTITY,
             json!({"reloaded": false, "error": e.to_string(), "policies": state.policies.status()}),
         ),
+        Err(_) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            json!({"reloaded": false, "error": "the reload task failed"}),
+        ),
+    };
+    (
+        status,
+        [(CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+async fn tenants(State(state): State<AdminState>) -> Response {
+    (
+        [(CONTENT_TYPE, "application/json")],
+        state.tenants.status().to_string(),
+    )
+        .into_response()
+}
+
+/// 200 with what changed (and the sections that need a restart), or why nothing did: 422 for
+/// a file that does not validate, 409 with no file to read; the running set stays.
+async fn reload_tenants(State(state): State<AdminState>) -> Response {
+    let tenants = state.tenants.clone();
+    let result = tokio::task::spawn_blocking(move || tenants.reload()).await;
+    let names = |ids: &[crate::tenant::TenantId]| -> Vec<String> {
+        ids.iter().map(ToString::to_string).collect()
+    };
+    let (status, body) = match result {
+        Ok(Ok(r)) => (
+            StatusCode::OK,
+            json!({
+                "reloaded": true,
+                "added": names(&r.added),
+                "removed": names(&r.removed),
+                "changed": names(&r.changed),
+                "restart_required": r.restart_required.iter().map(|s| s.name()).collect::<Vec<_>>(),
+                "tenants": state.tenants.status(),
+            }),
+        ),
+        Ok(Err(e)) => {
+            let status = match e {
+                ReloadError::NoFile => StatusCode::CONFLICT,
+                ReloadError::Invalid(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            };
+            (
+                status,
+                json!({"reloaded": false, "error": e.to_string(), "tenants": state.tenants.status()}),
+            )
+        }
         Err(_) => (
             StatusCode::INTERNAL_SERVER_ERROR,
             json!({"reloaded": false, "error": "the reload task failed"}),

@@ -1,5 +1,7 @@
-//! The gateway's configuration: a TOML file, parsed and validated once at start into [`Config`].
-//! Nothing downstream re-checks it, and nothing downstream reads the file or the environment.
+//! The gateway's configuration: a TOML file, parsed and validated at start into [`Config`].
+//! Nothing downstream re-checks it, and nothing downstream reads the environment. A tenants
+//! reload ([`crate::tenants`]) reads the file again through this same parser and applies only
+//! its tenants.
 //!
 //! ```toml
 //! [listen]
@@ -59,11 +61,10 @@
 //! Instead of (or besides) `[[workers]]`, `[[worker_groups]]` name DNS names that resolve to
 //! many workers (Kubernetes headless Services): see [`crate::discovery`].
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::num::{NonZeroU32, NonZeroU64};
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use bulkhead_telemetry::{OtlpEndpoint, TelemetryError};
@@ -73,6 +74,7 @@ use crate::discovery::{GroupError, RawWorkerGroup, WorkerGroup};
 use crate::keys::{KeyHash, KeyHashError};
 use crate::policy::{PolicySettings, SandboxSettings};
 use crate::tenant::{Tenant, TenantId, TenantIdError, TenantLimits};
+use crate::tenants::{TenantSet, TenantSetBuilder};
 
 /// The validated configuration.
 #[derive(Debug, Clone)]
@@ -82,10 +84,9 @@ pub struct Config {
     pub admin_token: KeyHash,
     pub http: HttpLimits,
     pub audit: AuditSettings,
-    /// Every API key's hash → its tenant. Keys are unique across tenants.
-    pub keyring: Keyring,
-    /// The tenants, in file order.
-    pub tenants: Vec<Arc<Tenant>>,
+    /// The tenants, their limits and their keys (the only part a running gateway reloads:
+    /// [`crate::tenants`]).
+    pub tenants: TenantSet,
     /// Names are unique across workers and groups; at least one worker or group.
     pub workers: Vec<WorkerConfig>,
     /// Workers found through DNS, re-resolved every `refresh_interval`.
@@ -181,33 +182,6 @@ pub enum OnAuditFailure {
     Refuse,
     /// Keep serving, unaudited, and say so in health and metrics.
     Serve,
-}
-
-/// API key hashes → tenants.
-#[derive(Debug, Clone, Default)]
-pub struct Keyring {
-    by_hash: HashMap<KeyHash, Arc<Tenant>>,
-}
-
-impl Keyring {
-    /// The tenant whose key hashes to `hash`.
-    pub fn tenant(&self, hash: &KeyHash) -> Option<&Arc<Tenant>> {
-        self.by_hash.get(hash)
-    }
-
-    /// How many keys there are.
-    pub fn len(&self) -> usize {
-        self.by_hash.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.by_hash.is_empty()
-    }
-
-    /// Every key hash (tests check that no clear key is among them).
-    pub fn hashes(&self) -> impl Iterator<Item = &KeyHash> {
-        self.by_hash.keys()
-    }
 }
 
 /// What a worker does. Requests are routed to `both` and `decode` workers; a decode worker
@@ -450,7 +424,7 @@ impl Config {
             KeyHash::from_hex(&raw.admin.token_sha256).map_err(ConfigError::AdminToken)?;
         let http = http_limits(&raw.http)?;
         let audit = audit_settings(&raw.audit)?;
-        let (keyring, tenants) = tenants(raw.tenants)?;
+        let tenants = tenants(raw.tenants)?;
         let (workers, worker_groups) = workers(raw.workers, raw.worker_groups)?;
         if raw.worker_refresh_secs == 0 {
             return Err(ConfigError::ZeroSetting {
@@ -465,7 +439,6 @@ impl Config {
             admin_token,
             http,
             audit,
-            keyring,
             tenants,
             workers,
             worker_groups,
@@ -562,20 +535,12 @@ fn policy_settings(raw: RawPolicies) -> Result<PolicySettings, ConfigError> {
     })
 }
 
-fn tenants(raw: Vec<RawTenant>) -> Result<(Keyring, Vec<Arc<Tenant>>), ConfigError> {
-    if raw.is_empty() {
-        return Err(ConfigError::NoTenants);
-    }
-    let mut keyring = Keyring::default();
-    let mut tenants = Vec::with_capacity(raw.len());
-    let mut seen = HashSet::new();
+fn tenants(raw: Vec<RawTenant>) -> Result<TenantSet, ConfigError> {
+    let mut set = TenantSetBuilder::default();
     for t in raw {
         let id = TenantId::new(&t.id)?;
         if t.id.starts_with('_') {
             return Err(ConfigError::ReservedTenant { tenant: t.id });
-        }
-        if !seen.insert(id.clone()) {
-            return Err(ConfigError::DuplicateTenant { tenant: t.id });
         }
         let zero = |field| ConfigError::ZeroLimit {
             tenant: t.id.clone(),
@@ -590,30 +555,26 @@ fn tenants(raw: Vec<RawTenant>) -> Result<(Keyring, Vec<Arc<Tenant>>), ConfigErr
             tokens_per_minute: NonZeroU64::new(t.tokens_per_minute)
                 .ok_or_else(|| zero("tokens_per_minute"))?,
         };
-        if t.key_sha256.is_empty() {
-            return Err(ConfigError::NoKeys { tenant: t.id });
-        }
-        let tenant = Arc::new(Tenant {
+        let keys = t
+            .key_sha256
+            .iter()
+            .enumerate()
+            .map(|(index, hex)| {
+                KeyHash::from_hex(hex).map_err(|source| ConfigError::KeyHash {
+                    tenant: t.id.clone(),
+                    index,
+                    source,
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let tenant = Tenant {
             id,
             limits,
             capture_content: t.capture_content,
-        });
-        for (index, hex) in t.key_sha256.iter().enumerate() {
-            let hash = KeyHash::from_hex(hex).map_err(|source| ConfigError::KeyHash {
-                tenant: t.id.clone(),
-                index,
-                source,
-            })?;
-            if let Some(other) = keyring.by_hash.insert(hash, tenant.clone()) {
-                return Err(ConfigError::SharedKey {
-                    tenant: t.id.clone(),
-                    other: other.id.to_string(),
-                });
-            }
-        }
-        tenants.push(tenant);
+        };
+        set.add(tenant, keys)?;
     }
-    Ok((keyring, tenants))
+    set.build()
 }
 
 fn workers(
@@ -771,9 +732,13 @@ mod tests {
         ))
         .expect("valid");
         assert_eq!(c.tenants.len(), 2);
-        let a = c.keyring.tenant(&KeyHash::of("sk-a")).expect("a's key");
+        let a = c
+            .tenants
+            .keyring()
+            .tenant(&KeyHash::of("sk-a"))
+            .expect("a's key");
         assert_eq!(a.id.as_str(), "tenant-a");
-        assert!(c.keyring.tenant(&KeyHash::of("sk-c")).is_none());
+        assert!(c.tenants.keyring().tenant(&KeyHash::of("sk-c")).is_none());
         assert_eq!(c.workers[0].endpoint, "http://127.0.0.1:50051");
         assert_eq!(c.http, HttpLimits::default());
     }
@@ -809,7 +774,7 @@ mod tests {
         assert_eq!(c.audit, AuditSettings::default());
         assert_eq!(c.audit.durability, Durability::Durable);
         assert_eq!(c.audit.on_failure, OnAuditFailure::Refuse);
-        assert!(!c.tenants[0].capture_content);
+        assert!(!c.tenants.members()[0].tenant.capture_content);
         let text = config(
             &(tenant("tenant-a", "k") + "capture_content = true\n"),
             &format!("{WORKER}[audit]\ndurability = \"group\"\non_failure = \"serve\"\n"),
@@ -817,7 +782,7 @@ mod tests {
         let c = Config::parse(&text).expect("valid");
         assert_eq!(c.audit.durability, Durability::Group);
         assert_eq!(c.audit.on_failure, OnAuditFailure::Serve);
-        assert!(c.tenants[0].capture_content);
+        assert!(c.tenants.members()[0].tenant.capture_content);
         let bad = config(
             &tenant("tenant-a", "k"),
             &format!("{WORKER}[audit]\ndurability = \"sometimes\"\n"),
@@ -849,7 +814,8 @@ mod tests {
             "{dump}"
         );
         assert!(
-            c.keyring
+            c.tenants
+                .keyring()
                 .hashes()
                 .all(|h| *h == KeyHash::of("sk-clear-key"))
         );

@@ -7,7 +7,8 @@
 //!                                    workers (Info/Health refreshed; least outstanding tokens)
 //!  every request ─▶ trail: one record in its tenant's hash-chained audit log (I5, I6)
 //!  every request ─▶ traced: one span tree, continuing the client's trace (OpenTelemetry)
-//!  operator ─HTTP─▶ admin (/healthz, /metrics, /workers, /audit/{tenant}; its own token)
+//!  operator ─HTTP─▶ admin (/healthz, /metrics, /workers, /audit/{tenant}, /policies,
+//!                    /tenants; its own token); POST /tenants/reload swaps keys and limits
 //! ```
 //!
 //! The tenant comes only from the authenticated key. The gateway tokenizes with the served
@@ -30,6 +31,7 @@ pub mod preflight;
 pub mod routing;
 pub mod server;
 pub mod tenant;
+pub mod tenants;
 pub mod traced;
 pub mod trail;
 pub mod upstreams;

@@ -5,12 +5,19 @@
 //! shared [`Limiter`] holds one budget per tenant behind a mutex held for a few arithmetic
 //! operations, never across an await. A [`RequestPermit`] holds the tenant's concurrency slot
 //! and returns it (and the unused part of its token charge) when dropped.
+//!
+//! A tenants reload ([`crate::tenants`]) retunes the budgets of the tenants that stay to their
+//! new limits ([`Limiter::retune`]): requests in flight and each minute's usage carry over, so a
+//! reload never lets a tenant burst past its limit. Budgets of removed tenants are kept (a few
+//! bytes each) until their last permit drops and beyond: a tenant removed and added back keeps
+//! its usage.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::tenant::{Tenant, TenantId, TenantLimits};
+use crate::tenants::TenantSet;
 
 /// Which limit a request ran into.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -41,6 +48,8 @@ pub enum LimitError {
 #[derive(Debug, Clone)]
 struct Bucket {
     capacity: f64,
+    /// What may be taken now: at most `capacity`; below 0 after a [`Bucket::resize`] to less
+    /// than what the last minute used (a debt that refills like the rest).
     level: f64,
     at: Instant,
 }
@@ -74,6 +83,15 @@ impl Bucket {
 
     fn give_back(&mut self, n: u64) {
         self.level = (self.level + n as f64).min(self.capacity);
+    }
+
+    /// A new capacity that keeps what the window has used: `capacity - level` stays the same,
+    /// so lowering the capacity below the usage leaves a debt rather than a fresh budget.
+    fn resize(&mut self, capacity: u64, now: Instant) {
+        self.refill(now);
+        let used = self.capacity - self.level;
+        self.capacity = capacity as f64;
+        self.level = self.capacity - used;
     }
 }
 
@@ -132,6 +150,18 @@ impl TenantBudget {
         self.tokens.take(n, now).map_err(refuse)
     }
 
+    /// New limits for the requests that start from now on; requests in flight and the
+    /// minute's usage carry over (see [`Bucket::resize`]).
+    pub fn retune(&mut self, limits: TenantLimits, now: Instant) {
+        if limits == self.limits {
+            return;
+        }
+        self.requests
+            .resize(u64::from(limits.requests_per_minute.get()), now);
+        self.tokens.resize(limits.tokens_per_minute.get(), now);
+        self.limits = limits;
+    }
+
     /// Ends a request: frees its slot and refunds `unused` charged tokens.
     pub fn finish(&mut self, unused: u64) {
         self.in_flight = self.in_flight.saturating_sub(1);
@@ -169,6 +199,19 @@ impl Limiter {
     fn with<R>(&self, tenant: &TenantId, f: impl FnOnce(&mut TenantBudget) -> R) -> Option<R> {
         let mut budgets = self.budgets.lock().unwrap_or_else(PoisonError::into_inner);
         budgets.get_mut(tenant).map(f)
+    }
+
+    /// Gives every tenant of `tenants` that already has a budget its limits from `tenants`
+    /// (a reload); see [`TenantBudget::retune`]. Tenants without one get it at their first
+    /// request.
+    pub fn retune(&self, tenants: &TenantSet) {
+        let now = Instant::now();
+        let mut budgets = self.budgets.lock().unwrap_or_else(PoisonError::into_inner);
+        for tenant in tenants.tenants() {
+            if let Some(budget) = budgets.get_mut(&tenant.id) {
+                budget.retune(tenant.limits, now);
+            }
+        }
     }
 
     /// Requests in flight for `tenant` now.
@@ -302,6 +345,54 @@ mod tests {
             ),
             "larger than the whole budget: never"
         );
+    }
+
+    #[test]
+    fn retuning_keeps_in_flight_requests_and_the_minutes_usage() {
+        let t0 = Instant::now();
+        let mut b = TenantBudget::new(limits(4, 10, 1000), t0);
+        for _ in 0..3 {
+            b.start(&id(), t0).expect("under 4 in flight and 10/min");
+        }
+        b.charge(&id(), 600, t0).expect("fits");
+        // Lowered below what is in flight and below what the minute used: nothing more starts.
+        b.retune(limits(2, 2, 500), t0);
+        assert_eq!(b.in_flight(), 3, "in-flight requests carry over");
+        assert!(matches!(
+            b.start(&id(), t0),
+            Err(LimitError::Concurrency { limit: 2, .. })
+        ));
+        b.finish(0);
+        b.finish(0);
+        assert!(
+            matches!(
+                b.start(&id(), t0),
+                Err(LimitError::RequestsPerMinute { limit: 2, .. })
+            ),
+            "3 requests used of the new 2 per minute: no fresh budget"
+        );
+        assert!(
+            b.charge(&id(), 1, t0).is_err(),
+            "600 tokens used of the new 500 per minute"
+        );
+        // Raised again: the same usage counts against the larger limit.
+        b.retune(limits(20, 10, 1000), t0);
+        assert_eq!(b.in_flight(), 1);
+        for _ in 0..7 {
+            b.start(&id(), t0).expect("3 of 10 used");
+        }
+        assert!(b.start(&id(), t0).is_err(), "10 of 10 used");
+        b.charge(&id(), 400, t0).expect("600 of 1000 used");
+        assert!(b.charge(&id(), 1, t0).is_err(), "1000 of 1000 used");
+        // The debt refills like the rest of the bucket.
+        let mut d = TenantBudget::new(limits(100, 60, 1000), t0);
+        for _ in 0..60 {
+            d.start(&id(), t0).expect("60/min");
+        }
+        d.retune(limits(100, 30, 1000), t0);
+        assert!(d.start(&id(), t0 + Duration::from_secs(59)).is_err());
+        d.start(&id(), t0 + Duration::from_secs(62))
+            .expect("62 s at 30/min: the 30-request debt paid and one request refilled");
     }
 
     #[test]

@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::tenant::{Tenant, TenantId};
+use crate::tenant::TenantId;
+use crate::tenants::TenantSet;
 use crate::workers::{Health, Workers};
 
 /// Histogram bucket bounds in milliseconds (rendered in seconds).
@@ -135,7 +136,7 @@ impl Metrics {
     }
 
     /// The Prometheus text exposition.
-    pub fn render(&self, tenants: &[Arc<Tenant>], workers: &Workers) -> String {
+    pub fn render(&self, tenants: &TenantSet, workers: &Workers) -> String {
         let mut out = String::new();
         self.with(|c| render_counters(&mut out, c));
         family(
@@ -145,7 +146,7 @@ impl Metrics {
             "The longest prompt + max tokens a tenant's request may take now (0: no routable \
              worker).",
         );
-        for t in tenants {
+        for t in tenants.tenants() {
             let limit = workers
                 .effective_limit(t.limits.max_context)
                 .map_or(0, |l| l.tokens);

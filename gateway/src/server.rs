@@ -4,7 +4,6 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -21,6 +20,7 @@ use crate::discovery::{self, SystemResolver, WorkerGroup};
 use crate::limits::Limiter;
 use crate::metrics::Metrics;
 use crate::policy::{Policies, PolicyError};
+use crate::tenants::{ConfigFile, Tenants};
 use crate::trail::Recorder;
 use crate::workers::{EndpointError, Workers};
 
@@ -58,6 +58,7 @@ pub struct BoundGateway {
     metrics: Metrics,
     recorder: Recorder,
     policies: Policies,
+    tenants: Tenants,
     refresh_interval: Duration,
     header_timeout: Duration,
     /// Workers found through DNS, re-resolved every refresh interval.
@@ -67,9 +68,11 @@ pub struct BoundGateway {
 impl BoundGateway {
     /// Opens the audit log in `data_dir/audit`, binds both listeners and builds the routers;
     /// contacts no worker yet. With `audit_export`, every audit record is also exported as an
-    /// OpenTelemetry log record (see [`crate::config::TelemetrySettings`]).
+    /// OpenTelemetry log record (see [`crate::config::TelemetrySettings`]). `file` is where
+    /// `config` came from, which tenants reloads read again (`None`: they are refused).
     pub async fn bind(
         config: Config,
+        file: Option<ConfigFile>,
         data_dir: &Path,
         audit_export: Option<AuditExport>,
     ) -> Result<BoundGateway, GatewayError> {
@@ -100,22 +103,20 @@ impl BoundGateway {
                 .await
                 .map_err(|_| GatewayError::Policy(PolicyError::Disabled))??,
         };
-        let api_router = api::router(
-            ApiState {
-                workers: workers.clone(),
-                limiter: Limiter::default(),
-                metrics: metrics.clone(),
-                http: config.http,
-                recorder: recorder.clone(),
-                policies: policies.clone(),
-            },
-            Arc::new(config.keyring),
-        );
+        let tenants = Tenants::new(config.tenants, Limiter::default(), file);
+        let api_router = api::router(ApiState {
+            workers: workers.clone(),
+            tenants: tenants.clone(),
+            metrics: metrics.clone(),
+            http: config.http,
+            recorder: recorder.clone(),
+            policies: policies.clone(),
+        });
         let admin_router = admin::router(
             AdminState {
                 workers: workers.clone(),
                 metrics: metrics.clone(),
-                tenants: Arc::new(config.tenants),
+                tenants: tenants.clone(),
                 recorder: recorder.clone(),
                 policies: policies.clone(),
             },
@@ -130,6 +131,7 @@ impl BoundGateway {
             metrics,
             recorder,
             policies,
+            tenants,
             refresh_interval: config.refresh_interval,
             header_timeout: config.http.header_timeout,
             groups: config.worker_groups,
@@ -158,6 +160,11 @@ impl BoundGateway {
         &self.policies
     }
 
+    /// The tenants, their keys and limits (what `/tenants` shows and reloads).
+    pub fn tenants(&self) -> &Tenants {
+        &self.tenants
+    }
+
     /// Reads every worker once (so the first request finds the model registered when the
     /// workers are up), then serves until `shutdown` completes.
     pub async fn serve(self, shutdown: impl Future<Output = ()> + Send + 'static) {
@@ -173,6 +180,7 @@ impl BoundGateway {
             )
         });
         let watch = self.policies.spawn_watch();
+        let hangup = self.tenants.spawn_reload_on_hangup();
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
             shutdown.await;
@@ -195,6 +203,9 @@ impl BoundGateway {
         }
         if let Some(watch) = watch {
             watch.abort();
+        }
+        if let Some(hangup) = hangup {
+            hangup.abort();
         }
     }
 }

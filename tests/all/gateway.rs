@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::up::{
     ADMIN, HTTP_LIMIT, KEY_A, KEY_B, KEY_LIMITED, KEY_SERIAL, Options, Up, bounded, http, json,
-    metric, python, repo, send,
+    metric, python, repo, send, sha256_hex,
 };
 
 pub const QUESTION: &str =
@@ -142,6 +142,100 @@ fn the_gateway_enforces_keys_admission_tenancy_and_limits() {
             assert!(Instant::now() < deadline, "the slot never came back");
             std::thread::sleep(Duration::from_millis(200));
         }
+    });
+}
+
+#[test]
+fn tenants_reload_from_the_rewritten_config_file_while_the_stack_serves() {
+    bounded(|| {
+        const KEY_NEW: &str = "sk-test-new";
+        let tiny = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":1}"#;
+        let up = Up::start(&[]);
+        up.wait_routable();
+        let reload = || http(&up.admin, "POST", "/tenants/reload", Some(ADMIN), &[], "");
+        assert_eq!(up.chat(KEY_B, &[], tiny).0, 200);
+        assert_eq!(up.chat(KEY_NEW, &[], tiny).0, 401, "not a tenant yet");
+
+        // The file rewritten: tenant-b removed, tenant-new added, tenant-a down to one request
+        // per minute, and an [http] setting changed (a restart-only section).
+        let text = std::fs::read_to_string(&up.config).expect("the config");
+        let b_start = text
+            .find("[[tenants]]\nid = \"tenant-b\"")
+            .expect("tenant-b's table");
+        let b_len = text[b_start..]
+            .find("tokens_per_minute = 1000000\n")
+            .expect("tenant-b's last line")
+            + "tokens_per_minute = 1000000\n".len();
+        let new_tenant = format!(
+            "[[tenants]]\nid = \"tenant-new\"\nkey_sha256 = [\"{}\"]\nmax_context = 8192\n\
+             max_concurrent = 2\nrequests_per_minute = 600\ntokens_per_minute = 1000000\n",
+            sha256_hex(KEY_NEW)
+        );
+        let mut rewritten = text.clone();
+        rewritten.replace_range(b_start..b_start + b_len, "");
+        let rewritten = rewritten
+            .replacen("requests_per_minute = 600", "requests_per_minute = 1", 1)
+            .replace("default_max_tokens = 512", "default_max_tokens = 256")
+            .replacen("\n[[workers]]", &format!("\n{new_tenant}\n[[workers]]"), 1);
+        std::fs::write(&up.config, &rewritten).expect("rewrites the config");
+        let (status, body) = reload();
+        assert_eq!(status, 200, "{body}");
+        let answer = json(&body);
+        assert_eq!(answer["reloaded"], true, "{body}");
+        assert_eq!(answer["added"], serde_json::json!(["tenant-new"]), "{body}");
+        assert_eq!(answer["removed"], serde_json::json!(["tenant-b"]), "{body}");
+        assert_eq!(answer["changed"], serde_json::json!(["tenant-a"]), "{body}");
+        // `bulkhead up` filled in its ports and worker addresses: not a change of the file.
+        assert_eq!(
+            answer["restart_required"],
+            serde_json::json!(["http"]),
+            "{body}"
+        );
+
+        // The removed tenant's key: 401 from the next request on. The new one works at once,
+        // with its own audit log.
+        let (status, body) = up.chat(KEY_B, &[], tiny);
+        assert_eq!(status, 401, "{body}");
+        assert_eq!(json(&body)["error"]["code"], "invalid_api_key");
+        let (status, body) = up.chat(KEY_NEW, &[], tiny);
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(up.wait_records("tenant-new", 1).len(), 1);
+        // The lowered limit: the second request of the minute gets 429.
+        assert_eq!(up.chat(KEY_A, &[], tiny).0, 200);
+        let (status, body) = up.chat(KEY_A, &[], tiny);
+        assert_eq!(status, 429, "{body}");
+        assert_eq!(json(&body)["error"]["code"], "rate_limit_exceeded");
+
+        // The listing: ids, limits and key ids, never a key or its hash.
+        let (status, listing) = http(&up.admin, "GET", "/tenants", Some(ADMIN), &[], "");
+        assert_eq!(status, 200, "{listing}");
+        let ids: Vec<_> = json(&listing)["tenants"]
+            .as_array()
+            .expect("a list")
+            .iter()
+            .map(|t| t["id"].as_str().expect("an id").to_owned())
+            .collect();
+        assert_eq!(
+            ids,
+            ["tenant-a", "tenant-limited", "tenant-serial", "tenant-new"]
+        );
+        for key in [KEY_A, KEY_NEW] {
+            assert!(!listing.contains(key), "{listing}");
+            assert!(!listing.contains(&sha256_hex(key)), "{listing}");
+        }
+
+        // A broken file (tenant-new twice): 422 with the reason; the running set stays.
+        std::fs::write(&up.config, format!("{rewritten}\n{new_tenant}")).expect("rewrites");
+        let (status, body) = reload();
+        assert_eq!(status, 422, "{body}");
+        let answer = json(&body);
+        assert_eq!(answer["reloaded"], false, "{body}");
+        let error = answer["error"].as_str().expect("a reason");
+        assert!(error.contains("\"tenant-new\" is defined twice"), "{body}");
+        assert_eq!(up.chat(KEY_NEW, &[], tiny).0, 200, "the running set stays");
+        assert_eq!(up.chat(KEY_B, &[], tiny).0, 401);
+        let (_, listing) = http(&up.admin, "GET", "/tenants", Some(ADMIN), &[], "");
+        assert_eq!(json(&listing)["last_reload_error"], error, "{listing}");
     });
 }
 

@@ -75,6 +75,8 @@ pub struct Up {
     pub worker_pid: u32,
     /// The gateway's data directory (the audit log is in `audit/`).
     pub data_dir: PathBuf,
+    /// The gateway's configuration file (`POST /tenants/reload` reads it again).
+    pub config: PathBuf,
     _dir: TempDir,
 }
 
@@ -192,6 +194,7 @@ impl Up {
             worker: String::new(),
             worker_pid: 0,
             data_dir,
+            config,
             _dir: dir,
         };
         let ready = rx

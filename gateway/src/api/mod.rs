@@ -20,7 +20,6 @@ mod upstream;
 pub mod validate;
 
 use std::num::NonZeroU32;
-use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
@@ -42,10 +41,10 @@ use validate::{CompletionPrompt, ValidCommon, parse_chat, parse_completion};
 
 use crate::admission::{Admitted, EffectiveLimit, admit};
 use crate::auth::{AuthLayer, Authenticated};
-use crate::config::{HttpLimits, Keyring};
-use crate::limits::Limiter;
+use crate::config::HttpLimits;
 use crate::metrics::Metrics;
 use crate::policy::{Policies, Progress, RequestFacts};
+use crate::tenants::Tenants;
 use crate::trail::{self, Recorder, Trail};
 use crate::workers::{ServedModel, Workers};
 
@@ -53,7 +52,8 @@ use crate::workers::{ServedModel, Workers};
 #[derive(Debug, Clone)]
 pub struct ApiState {
     pub workers: Workers,
-    pub limiter: Limiter,
+    /// Who may call (keys) and their limits; reloadable.
+    pub tenants: Tenants,
     pub metrics: Metrics,
     pub http: HttpLimits,
     pub recorder: Recorder,
@@ -67,9 +67,10 @@ impl FromRef<ApiState> for Recorder {
 }
 
 /// The API router: audited, authenticated and counted.
-pub fn router(state: ApiState, keyring: Arc<Keyring>) -> Router {
+pub fn router(state: ApiState) -> Router {
     let metrics = state.metrics.clone();
     let recorder = state.recorder.clone();
+    let tenants = state.tenants.clone();
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
@@ -81,7 +82,7 @@ pub fn router(state: ApiState, keyring: Arc<Keyring>) -> Router {
             metrics.clone(),
             trail::account,
         ))
-        .layer(AuthLayer::new(keyring, metrics))
+        .layer(AuthLayer::new(tenants, metrics))
         .layer(middleware::from_fn_with_state(recorder, trail::audited))
         .layer(middleware::from_fn(crate::traced::traced))
 }
@@ -210,7 +211,7 @@ async fn start(
     body: Body,
 ) -> Result<respond::Started, ApiError> {
     let tenant = who.tenant.clone();
-    let mut permit = state.limiter.start(&tenant)?;
+    let mut permit = state.tenants.limiter().start(&tenant)?;
     let limit = state.http.max_body_bytes;
     let bytes = axum::body::to_bytes(body, limit)
         .await

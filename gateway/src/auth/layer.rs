@@ -1,6 +1,5 @@
 //! The tower layer that authenticates every request before the inner service sees it.
 
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use axum::response::{IntoResponse, Response};
@@ -9,19 +8,20 @@ use tower::{Layer, Service};
 
 use super::{ResponseFuture, authenticate, strip_tenant_headers};
 use crate::api::ApiError;
-use crate::config::Keyring;
 use crate::metrics::Metrics;
+use crate::tenants::Tenants;
 
 /// Wraps a service in [`Auth`].
 #[derive(Debug, Clone)]
 pub struct AuthLayer {
-    keyring: Arc<Keyring>,
+    tenants: Tenants,
     metrics: Metrics,
 }
 
 impl AuthLayer {
-    pub fn new(keyring: Arc<Keyring>, metrics: Metrics) -> AuthLayer {
-        AuthLayer { keyring, metrics }
+    /// Authenticates against the tenant set active when each request arrives.
+    pub fn new(tenants: Tenants, metrics: Metrics) -> AuthLayer {
+        AuthLayer { tenants, metrics }
     }
 }
 
@@ -31,18 +31,19 @@ impl<S> Layer<S> for AuthLayer {
     fn layer(&self, inner: S) -> Auth<S> {
         Auth {
             inner,
-            keyring: self.keyring.clone(),
+            tenants: self.tenants.clone(),
             metrics: self.metrics.clone(),
         }
     }
 }
 
 /// Strips client tenant headers, then admits only requests with a known key, tagging them
-/// with [`Authenticated`]; the rest get 401 without reaching `inner`.
+/// with [`Authenticated`]; the rest get 401 without reaching `inner`. Each request is checked
+/// against the set active when it arrives (a reload counts from the next request on).
 #[derive(Debug, Clone)]
 pub struct Auth<S> {
     inner: S,
-    keyring: Arc<Keyring>,
+    tenants: Tenants,
     metrics: Metrics,
 }
 
@@ -66,7 +67,8 @@ where
         );
         let authenticated = span.in_scope(|| {
             strip_tenant_headers(request.headers_mut());
-            let authenticated = authenticate(request.headers_mut(), &self.keyring);
+            let authenticated =
+                authenticate(request.headers_mut(), self.tenants.current().keyring());
             match &authenticated {
                 Some(a) => span.record("bulkhead.tenant.id", a.tenant.id.as_str()),
                 None => span.record("error.type", ApiError::InvalidApiKey.error_type()),

@@ -18,9 +18,9 @@ use http::header::AUTHORIZATION;
 pub use future::ResponseFuture;
 pub use layer::{Auth, AuthLayer};
 
-use crate::config::Keyring;
 use crate::keys::{KeyHash, KeyId};
 use crate::tenant::Tenant;
+use crate::tenants::Keyring;
 
 /// The authenticated tenant and the id of the key that proved it, put into the request's
 /// extensions by [`Auth`].
@@ -90,7 +90,11 @@ mod tests {
             KeyHash::of("sk-a").to_hex(),
             KeyHash::of("sk-b").to_hex(),
         );
-        Config::parse(&text).expect("valid").keyring
+        Config::parse(&text)
+            .expect("valid")
+            .tenants
+            .keyring()
+            .clone()
     }
 
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {

@@ -483,7 +483,8 @@ mod tests {
             let config = bulkhead_gateway::Config::parse(&gateway_config(&setup(), policies))
                 .expect("a valid configuration");
             let tenant = config
-                .keyring
+                .tenants
+                .keyring()
                 .tenant(&KeyHash::of(KEY))
                 .expect("the bench key names the tenant");
             assert!(tenant.limits.max_concurrent.get() as usize > setup().connections);

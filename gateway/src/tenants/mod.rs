@@ -1,0 +1,243 @@
+//! [`Tenants`]: the gateway's handle on the active tenants — their keys and limits — which a
+//! reload replaces as a whole without a restart.
+//!
+//! ```text
+//!  POST /tenants/reload, SIGHUP
+//!        │
+//!        ▼
+//!  ConfigFile::read ── the whole file, the startup parser ──▶ refused: 422, the running set
+//!        │                                                   stays, last_reload_error says why
+//!        ▼ a TenantSet (ids, limits, keyring)
+//!  Limiter::retune (tenants that stay: new limits; in-flight counts and the minute's usage kept)
+//!        │
+//!        ▼
+//!  swap: the next request authenticates against the new keyring
+//! ```
+//!
+//! Invariants, each with a test in `tests.rs`:
+//! - a file that does not parse and validate changes nothing;
+//! - a removed tenant's key, or a key rotated away, is refused from the next request on;
+//!   requests in flight keep the tenant (and limits) they were authenticated with;
+//! - a changed limit applies to requests that start after the reload, and the limiter keeps
+//!   the in-flight counts and window usage of tenants that stay (a reload is not a reset);
+//! - sections a running gateway does not change (listeners, admin token, HTTP limits, audit,
+//!   workers, policies' settings, telemetry) are not applied, and the reload names those
+//!   that differ.
+
+mod reload;
+mod set;
+#[cfg(test)]
+mod tests;
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+
+pub use reload::{ConfigFile, ReloadError, Reloaded, Section};
+pub(crate) use set::TenantSetBuilder;
+pub use set::{Keyring, Member, TenantSet};
+
+use crate::limits::Limiter;
+
+/// The active tenant set and the limiter that enforces it; a cheap `Clone`.
+#[derive(Debug, Clone)]
+pub struct Tenants {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    current: RwLock<Arc<TenantSet>>,
+    /// Every tenant's budget; retuned at each swap.
+    limiter: Limiter,
+    /// Where reloads read; `None`: the gateway was started from text, not a file.
+    file: Option<ConfigFile>,
+    /// One reload at a time, so two reloads cannot swap in the older file last.
+    reloading: Mutex<()>,
+    /// Why the last reload was refused (cleared by a good one).
+    last_error: Mutex<Option<String>>,
+    reloads_ok: AtomicU64,
+    reloads_refused: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Tenants {
+    /// `set` active, enforced by `limiter`; reloads read `file`.
+    pub fn new(set: TenantSet, limiter: Limiter, file: Option<ConfigFile>) -> Tenants {
+        Tenants {
+            inner: Arc::new(Inner {
+                current: RwLock::new(Arc::new(set)),
+                limiter,
+                file,
+                reloading: Mutex::new(()),
+                last_error: Mutex::new(None),
+                reloads_ok: AtomicU64::new(0),
+                reloads_refused: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// The active set (a request keeps the tenant it authenticated as until it ends).
+    pub fn current(&self) -> Arc<TenantSet> {
+        self.inner
+            .current
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The per-tenant limits' state.
+    pub fn limiter(&self) -> &Limiter {
+        &self.inner.limiter
+    }
+
+    /// The file reloads read, if any.
+    pub fn file(&self) -> Option<&ConfigFile> {
+        self.inner.file.as_ref()
+    }
+
+    /// Reads the configuration file again and, when it is valid, swaps its tenants in; the
+    /// restart-only sections are never applied (the answer names those that differ). Otherwise
+    /// nothing changes and the error says why. Blocking (reads a file): call off the async
+    /// threads.
+    pub fn reload(&self) -> Result<Reloaded, ReloadError> {
+        let _one = lock(&self.inner.reloading);
+        let result = self
+            .inner
+            .file
+            .as_ref()
+            .ok_or(ReloadError::NoFile)
+            .and_then(|file| Ok(file.read()?));
+        match result {
+            Ok((set, restart_required)) => {
+                let reloaded = Reloaded::between(&self.current(), &set, restart_required);
+                self.swap(set);
+                *lock(&self.inner.last_error) = None;
+                self.inner.reloads_ok.fetch_add(1, Ordering::Relaxed);
+                let names = |ids: &[crate::tenant::TenantId]| {
+                    ids.iter().map(|id| id.to_string()).collect::<Vec<_>>()
+                };
+                tracing::info!(
+                    added = ?names(&reloaded.added),
+                    removed = ?names(&reloaded.removed),
+                    changed = ?names(&reloaded.changed),
+                    restart_required = ?reloaded.restart_required.iter().map(|s| s.name()).collect::<Vec<_>>(),
+                    "tenants reloaded"
+                );
+                Ok(reloaded)
+            }
+            Err(e) => {
+                *lock(&self.inner.last_error) = Some(e.to_string());
+                self.inner.reloads_refused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %e, "tenants reload refused; the running set stays");
+                Err(e)
+            }
+        }
+    }
+
+    /// Makes `set` the active one: the limiter takes the new limits first, so a request that
+    /// authenticates against the new set is always limited by them.
+    fn swap(&self, set: TenantSet) {
+        self.inner.limiter.retune(&set);
+        *self
+            .inner
+            .current
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = Arc::new(set);
+    }
+
+    /// Why the last reload was refused, if it was.
+    pub fn last_error(&self) -> Option<String> {
+        lock(&self.inner.last_error).clone()
+    }
+
+    /// What `GET /tenants` shows: every tenant's id, limits, key ids (never a key or its
+    /// hash) and requests in flight; the file reloads read and the last refused reload.
+    pub fn status(&self) -> serde_json::Value {
+        let set = self.current();
+        let tenants: Vec<_> = set
+            .members()
+            .iter()
+            .map(|m| {
+                let t = &m.tenant;
+                serde_json::json!({
+                    "id": t.id.as_str(),
+                    "limits": {
+                        "max_context": t.limits.max_context.get(),
+                        "max_concurrent": t.limits.max_concurrent.get(),
+                        "requests_per_minute": t.limits.requests_per_minute.get(),
+                        "tokens_per_minute": t.limits.tokens_per_minute.get(),
+                    },
+                    "capture_content": t.capture_content,
+                    "key_ids": m.key_ids.iter().map(|k| k.as_str()).collect::<Vec<_>>(),
+                    "in_flight": self.inner.limiter.in_flight(&t.id),
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "tenants": tenants,
+            "file": self.inner.file.as_ref().map(|f| f.path().display().to_string()),
+            "last_reload_error": self.last_error(),
+        })
+    }
+
+    /// `bulkhead_tenant_reloads_total{result}`, in Prometheus text.
+    pub fn render_metrics(&self, out: &mut String) {
+        let name = "bulkhead_tenant_reloads_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Tenants reloads by result.\n# TYPE {name} counter\n\
+             {name}{{result=\"ok\"}} {}\n{name}{{result=\"refused\"}} {}",
+            self.inner.reloads_ok.load(Ordering::Relaxed),
+            self.inner.reloads_refused.load(Ordering::Relaxed),
+        );
+    }
+
+    /// Reloads on every SIGHUP, when there is a file to read; `None` otherwise (or where the
+    /// platform has no SIGHUP).
+    pub fn spawn_reload_on_hangup(&self) -> Option<tokio::task::JoinHandle<()>> {
+        self.inner.file.as_ref()?;
+        hangups().map(|mut hangups| {
+            let tenants = self.clone();
+            tokio::spawn(async move {
+                while hangups.recv().await.is_some() {
+                    let t = tenants.clone();
+                    // The outcome is logged, counted and shown by `GET /tenants`.
+                    let _ = tokio::task::spawn_blocking(move || t.reload()).await;
+                }
+            })
+        })
+    }
+}
+
+/// SIGHUP deliveries.
+#[cfg(unix)]
+fn hangups() -> Option<tokio::signal::unix::Signal> {
+    use tokio::signal::unix::{SignalKind, signal};
+    signal(SignalKind::hangup())
+        .map_err(
+            |e| tracing::warn!(error = %e, "cannot listen for SIGHUP; reload with the admin call"),
+        )
+        .ok()
+}
+
+/// No SIGHUP here: reload with the admin call.
+#[cfg(not(unix))]
+fn hangups() -> Option<NoHangups> {
+    None
+}
+
+/// The twin of tokio's `Signal` where there is no SIGHUP; never constructed.
+#[cfg(not(unix))]
+#[derive(Debug)]
+enum NoHangups {}
+
+#[cfg(not(unix))]
+impl NoHangups {
+    async fn recv(&mut self) -> Option<()> {
+        match *self {}
+    }
+}

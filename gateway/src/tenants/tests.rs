@@ -1,0 +1,370 @@
+//! The reload's invariants (see the module doc), through the same parser, the auth layer and
+//! the limiter that serve requests.
+
+use std::convert::Infallible;
+use std::path::PathBuf;
+
+use axum::body::Body;
+use axum::response::Response;
+use futures_util::FutureExt as _;
+use http::{Request, StatusCode};
+use tower::{Layer as _, service_fn};
+
+use super::*;
+use crate::auth::{AuthLayer, Authenticated};
+use crate::keys::KeyHash;
+use crate::limits::LimitError;
+use crate::metrics::Metrics;
+use crate::tenant::TenantId;
+
+/// A scratch configuration file, removed on drop.
+struct Scratch {
+    dir: PathBuf,
+}
+
+impl Scratch {
+    fn new() -> Scratch {
+        let dir = std::env::temp_dir().join(format!(
+            "bulkhead-tenants-{}-{:x}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        Scratch { dir }
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.join("gateway.toml")
+    }
+
+    fn write(&self, text: &str) {
+        std::fs::write(self.path(), text).expect("writes the config");
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A tenant with `keys`, `concurrent` requests at once and `rpm` requests per minute.
+fn tenant(id: &str, keys: &[&str], concurrent: u32, rpm: u32) -> String {
+    let keys: Vec<String> = keys
+        .iter()
+        .map(|k| format!("\"{}\"", KeyHash::of(k).to_hex()))
+        .collect();
+    format!(
+        "[[tenants]]\nid = \"{id}\"\nkey_sha256 = [{}]\nmax_context = 2048\n\
+         max_concurrent = {concurrent}\nrequests_per_minute = {rpm}\ntokens_per_minute = 100000\n",
+        keys.join(", ")
+    )
+}
+
+const WORKER: &str = "[[workers]]\nname = \"w\"\ngrpc = \"127.0.0.1:50051\"\nrole = \"both\"\n";
+
+/// A whole configuration: `head` (sections before the tenants), the tenants, one worker.
+fn config(head: &str, tenants: &str) -> String {
+    format!(
+        "[listen]\napi = \"127.0.0.1:8080\"\nadmin = \"127.0.0.1:9090\"\n\
+         [admin]\ntoken_sha256 = \"{}\"\n{head}\n{tenants}\n{WORKER}",
+        KeyHash::of("admin").to_hex()
+    )
+}
+
+/// Tenants started from `text`, written to a scratch file that reloads read.
+fn start(text: &str) -> (Scratch, Tenants) {
+    let scratch = Scratch::new();
+    scratch.write(text);
+    let (config, file) = ConfigFile::load(&scratch.path()).expect("a valid configuration");
+    (
+        scratch,
+        Tenants::new(config.tenants, Limiter::default(), Some(file)),
+    )
+}
+
+/// The auth layer on `tenants` around a handler that answers 200 with the tenant it saw.
+fn auth(
+    tenants: &Tenants,
+) -> impl tower::Service<Request<Body>, Response = Response, Error = Infallible> + Clone {
+    AuthLayer::new(tenants.clone(), Metrics::default()).layer(service_fn(
+        |request: Request<Body>| async move {
+            let who = request
+                .extensions()
+                .get::<Authenticated>()
+                .map(|a| a.tenant.id.to_string())
+                .unwrap_or_default();
+            Ok::<_, Infallible>(Response::new(Body::from(who)))
+        },
+    ))
+}
+
+/// One request with `key` through `service`: its status and the tenant the handler saw.
+fn call<S>(service: &S, key: &str) -> (StatusCode, String)
+where
+    S: tower::Service<Request<Body>, Response = Response, Error = Infallible> + Clone,
+{
+    let request = Request::builder()
+        .header("authorization", format!("Bearer {key}"))
+        .body(Body::empty())
+        .expect("a request");
+    let response = service
+        .clone()
+        .call(request)
+        .now_or_never()
+        .expect("answers at once")
+        .expect("infallible");
+    let status = response.status();
+    let body = axum::body::to_bytes(response.into_body(), 1024)
+        .now_or_never()
+        .expect("a ready body")
+        .expect("a body");
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+fn id(s: &str) -> TenantId {
+    TenantId::new(s).expect("valid")
+}
+
+#[test]
+fn a_file_that_does_not_validate_changes_nothing_and_says_why() {
+    let good = config("", &tenant("tenant-a", &["sk-a"], 2, 60));
+    let (scratch, tenants) = start(&good);
+    let service = auth(&tenants);
+    let before = tenants.current();
+    for (bad, reason) in [
+        (
+            config(
+                "",
+                &(tenant("tenant-a", &["sk-x"], 2, 60) + &tenant("tenant-b", &["sk-x"], 2, 60)),
+            ),
+            "also a key of tenant",
+        ),
+        (
+            config(
+                "",
+                &(tenant("tenant-a", &["sk-x"], 2, 60) + &tenant("tenant-a", &["sk-y"], 2, 60)),
+            ),
+            "defined twice",
+        ),
+        (good.replace("[[tenants]]", "[[tenants]"), "line"),
+        (
+            good.replace("max_concurrent = 2", "max_concurrent = 0"),
+            "max_concurrent must be at least 1",
+        ),
+        (config("", ""), "no tenants"),
+    ] {
+        scratch.write(&bad);
+        let err = tenants.reload().expect_err("refused");
+        assert!(matches!(err, ReloadError::Invalid(_)), "{err:?}");
+        let said = err.to_string();
+        assert!(said.contains(reason), "{said}");
+        assert!(
+            Arc::ptr_eq(&before, &tenants.current()),
+            "the running set stays"
+        );
+        assert_eq!(call(&service, "sk-a"), (StatusCode::OK, "tenant-a".into()));
+        assert_eq!(call(&service, "sk-x").0, StatusCode::UNAUTHORIZED);
+        assert_eq!(tenants.last_error().as_deref(), Some(said.as_str()));
+        assert_eq!(tenants.status()["last_reload_error"], said.as_str());
+    }
+    std::fs::remove_file(scratch.path()).expect("removes the file");
+    assert!(matches!(tenants.reload(), Err(ReloadError::Invalid(_))));
+    assert!(Arc::ptr_eq(&before, &tenants.current()));
+    scratch.write(&good);
+    tenants.reload().expect("a good file again");
+    assert_eq!(tenants.last_error(), None, "a good reload clears the error");
+}
+
+#[test]
+fn a_removed_tenant_or_a_rotated_key_is_refused_from_the_next_request_on() {
+    let (scratch, tenants) = start(&config(
+        "",
+        &(tenant("tenant-a", &["sk-a", "sk-a2"], 2, 60) + &tenant("tenant-b", &["sk-b"], 2, 60)),
+    ));
+    let service = auth(&tenants);
+    assert_eq!(call(&service, "sk-b"), (StatusCode::OK, "tenant-b".into()));
+    assert_eq!(call(&service, "sk-c").0, StatusCode::UNAUTHORIZED);
+    // A request of tenant-b in flight across the reload: authenticated, holding its slot.
+    let in_flight = tenants
+        .current()
+        .keyring()
+        .tenant(&KeyHash::of("sk-b"))
+        .expect("b's key")
+        .clone();
+    let permit = tenants.limiter().start(&in_flight).expect("b's slot");
+
+    // tenant-b removed; tenant-a's sk-a rotated away for sk-a3; tenant-c new.
+    scratch.write(&config(
+        "",
+        &(tenant("tenant-a", &["sk-a2", "sk-a3"], 2, 60) + &tenant("tenant-c", &["sk-c"], 1, 60)),
+    ));
+    let reloaded = tenants.reload().expect("valid");
+    assert_eq!(
+        reloaded,
+        Reloaded {
+            added: vec![id("tenant-c")],
+            removed: vec![id("tenant-b")],
+            changed: vec![id("tenant-a")],
+            restart_required: vec![],
+        }
+    );
+    assert_eq!(call(&service, "sk-b").0, StatusCode::UNAUTHORIZED);
+    assert_eq!(call(&service, "sk-a").0, StatusCode::UNAUTHORIZED);
+    assert_eq!(call(&service, "sk-a2"), (StatusCode::OK, "tenant-a".into()));
+    assert_eq!(call(&service, "sk-a3"), (StatusCode::OK, "tenant-a".into()));
+    assert_eq!(
+        call(&service, "sk-c"),
+        (StatusCode::OK, "tenant-c".into()),
+        "a new tenant works at once"
+    );
+    let c = tenants
+        .current()
+        .get(&id("tenant-c"))
+        .expect("tenant-c")
+        .clone();
+    let _c = tenants.limiter().start(&c).expect("c's own budget");
+    assert!(tenants.limiter().start(&c).is_err(), "c's limit: 1 at once");
+
+    // The request in flight finishes on what it started with, and gives its slot back.
+    assert_eq!(in_flight.id.as_str(), "tenant-b");
+    assert_eq!(tenants.limiter().in_flight(&in_flight.id), 1);
+    drop(permit);
+    assert_eq!(tenants.limiter().in_flight(&in_flight.id), 0);
+}
+
+#[test]
+fn the_limiter_keeps_in_flight_counts_and_the_minutes_usage_across_a_reload() {
+    let text = |concurrent, rpm| config("", &tenant("tenant-a", &["sk-a"], concurrent, rpm));
+    let (scratch, tenants) = start(&text(2, 5));
+    let a = || {
+        tenants
+            .current()
+            .get(&id("tenant-a"))
+            .expect("tenant-a")
+            .clone()
+    };
+    let limiter = tenants.limiter().clone();
+    let held = limiter.start(&a()).expect("1 of 5");
+    drop(limiter.start(&a()).expect("2 of 5"));
+
+    // The same file again resets nothing: one in flight, two of the minute's five used.
+    tenants.reload().expect("unchanged");
+    let second = limiter.start(&a()).expect("2 in flight, 3 of 5");
+    assert!(
+        matches!(
+            limiter.start(&a()),
+            Err(LimitError::Concurrency { limit: 2, .. })
+        ),
+        "the in-flight count survived the reload"
+    );
+    drop(second);
+
+    // Lowered: the new limits apply to the next request, against the kept counts.
+    scratch.write(&text(1, 3));
+    let reloaded = tenants.reload().expect("valid");
+    assert_eq!(reloaded.changed, vec![id("tenant-a")]);
+    assert_eq!(a().limits.max_concurrent.get(), 1);
+    assert!(matches!(
+        limiter.start(&a()),
+        Err(LimitError::Concurrency { limit: 1, .. })
+    ));
+    drop(held);
+    assert!(
+        matches!(
+            limiter.start(&a()),
+            Err(LimitError::RequestsPerMinute { limit: 3, .. })
+        ),
+        "3 of the new 3 per minute already used: no burst from a reload"
+    );
+
+    // Raised again: the same usage, against the larger limit.
+    scratch.write(&text(2, 5));
+    tenants.reload().expect("valid");
+    let fourth = limiter.start(&a()).expect("4 of 5");
+    drop(fourth);
+    drop(limiter.start(&a()).expect("5 of 5"));
+    assert!(matches!(
+        limiter.start(&a()),
+        Err(LimitError::RequestsPerMinute { limit: 5, .. })
+    ));
+}
+
+#[test]
+fn sections_that_need_a_restart_are_reported_and_not_applied() {
+    let tenants_a = tenant("tenant-a", &["sk-a"], 2, 60);
+    let (scratch, tenants) = start(&config("", &tenants_a));
+    assert_eq!(
+        tenants.reload().expect("unchanged").restart_required,
+        vec![],
+        "nothing differs"
+    );
+
+    let changed = config(
+        "[http]\ndefault_max_tokens = 64\n[telemetry]\notlp_endpoint = \"http://127.0.0.1:4318\"\n",
+        &tenant("tenant-a", &["sk-a2"], 2, 60),
+    )
+    .replace("127.0.0.1:8080", "127.0.0.1:8081")
+    .replace("127.0.0.1:50051", "127.0.0.1:50052");
+    scratch.write(&changed);
+    let reloaded = tenants.reload().expect("valid");
+    assert_eq!(
+        reloaded.restart_required,
+        vec![
+            Section::Listen,
+            Section::Http,
+            Section::Workers,
+            Section::Telemetry
+        ]
+    );
+    assert_eq!(
+        reloaded.changed,
+        vec![id("tenant-a")],
+        "the tenants are applied all the same"
+    );
+    let service = auth(&tenants);
+    assert_eq!(call(&service, "sk-a2").0, StatusCode::OK);
+    // Not applied: the next reload still finds them different from what runs.
+    let again = tenants.reload().expect("valid");
+    assert_eq!(again.restart_required, reloaded.restart_required);
+    assert_eq!(again.changed, vec![]);
+    let names: Vec<_> = again.restart_required.iter().map(|s| s.name()).collect();
+    assert_eq!(names, ["listen", "http", "workers", "telemetry"]);
+}
+
+#[test]
+fn without_a_file_a_reload_is_refused_and_nothing_changes() {
+    let config =
+        crate::Config::parse(&config("", &tenant("tenant-a", &["sk-a"], 2, 60))).expect("valid");
+    let tenants = Tenants::new(config.tenants, Limiter::default(), None);
+    let before = tenants.current();
+    assert!(matches!(tenants.reload(), Err(ReloadError::NoFile)));
+    assert!(Arc::ptr_eq(&before, &tenants.current()));
+    assert!(tenants.spawn_reload_on_hangup().is_none());
+}
+
+#[test]
+fn the_listing_names_key_ids_and_limits_never_keys_or_hashes() {
+    let (_scratch, tenants) = start(&config(
+        "",
+        &(tenant("tenant-a", &["sk-a", "sk-a2"], 2, 60) + &tenant("tenant-b", &["sk-b"], 3, 7)),
+    ));
+    let status = tenants.status();
+    let text = status.to_string();
+    for key in ["sk-a", "sk-a2", "sk-b"] {
+        assert!(!text.contains(key), "{text}");
+        assert!(!text.contains(&KeyHash::of(key).to_hex()), "{text}");
+    }
+    let b = &status["tenants"][1];
+    assert_eq!(b["id"], "tenant-b");
+    assert_eq!(b["limits"]["max_concurrent"], 3);
+    assert_eq!(b["limits"]["requests_per_minute"], 7);
+    assert_eq!(b["in_flight"], 0);
+    assert_eq!(
+        status["tenants"][0]["key_ids"],
+        serde_json::json!([
+            KeyHash::of("sk-a").id().as_str(),
+            KeyHash::of("sk-a2").id().as_str()
+        ])
+    );
+}
