@@ -1,13 +1,17 @@
 //! Startup and serving: bind both listeners (so a caller can print the bound addresses before
 //! traffic), read every worker once, then serve until shutdown.
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
 use axum::Router;
+use axum::response::Response;
 use bulkhead_telemetry::AuditExport;
+use http::Request;
+use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
@@ -21,7 +25,7 @@ use crate::limits::Limiter;
 use crate::metrics::Metrics;
 use crate::policy::{Policies, PolicyError};
 use crate::tenants::{ConfigFile, Tenants};
-use crate::trail::Recorder;
+use crate::trail::{Recorder, Watch};
 use crate::workers::{EndpointError, Workers};
 
 /// How long shutdown waits for in-flight connections.
@@ -186,13 +190,19 @@ impl BoundGateway {
             shutdown.await;
             let _ = stop_tx.send(true);
         });
-        let api = serve_listener(
-            self.api,
-            self.api_router,
-            self.header_timeout,
-            stop_rx.clone(),
+        // Every API request is recorded, even one hyper drops before the router runs it.
+        let api_service = Watch::new(
+            TowerToHyperService::new(self.api_router),
+            self.recorder.clone(),
+            self.tenants.clone(),
         );
-        let admin = serve_listener(self.admin, self.admin_router, self.header_timeout, stop_rx);
+        let api = serve_listener(self.api, api_service, self.header_timeout, stop_rx.clone());
+        let admin = serve_listener(
+            self.admin,
+            TowerToHyperService::new(self.admin_router),
+            self.header_timeout,
+            stop_rx,
+        );
         tokio::join!(api, admin);
         refresh.abort();
         if let Some(d) = discover {
@@ -217,12 +227,18 @@ async fn stopped(stop: &mut tokio::sync::watch::Receiver<bool>) {
 
 /// Accepts HTTP/1.1 connections until stopped; a client that has not sent its headers within
 /// `header_timeout` is disconnected (slowloris). In-flight connections get [`DRAIN_LIMIT`].
-async fn serve_listener(
+async fn serve_listener<S>(
     listener: TcpListener,
-    router: Router,
+    service: S,
     header_timeout: Duration,
     mut stop: tokio::sync::watch::Receiver<bool>,
-) {
+) where
+    S: hyper::service::Service<Request<Incoming>, Response = Response, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
     let graceful = GracefulShutdown::new();
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
@@ -242,8 +258,7 @@ async fn serve_listener(
             () = stopped(&mut stop) => break,
         };
         let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(router.clone());
-        let connection = builder.serve_connection(TokioIo::new(stream), service);
+        let connection = builder.serve_connection(TokioIo::new(stream), service.clone());
         let connection = graceful.watch(connection);
         tokio::spawn(async move {
             if let Err(e) = connection.await {

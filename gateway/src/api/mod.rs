@@ -66,16 +66,23 @@ impl FromRef<ApiState> for Recorder {
     }
 }
 
+pub const CHAT_ROUTE: &str = "/v1/chat/completions";
+pub const COMPLETIONS_ROUTE: &str = "/v1/completions";
+pub const MODELS_ROUTE: &str = "/v1/models";
+pub const AUDIT_ROUTE: &str = "/v1/audit";
+/// Every route of the API.
+pub const ROUTES: [&str; 4] = [CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE, AUDIT_ROUTE];
+
 /// The API router: audited, authenticated and counted.
 pub fn router(state: ApiState) -> Router {
     let metrics = state.metrics.clone();
     let recorder = state.recorder.clone();
     let tenants = state.tenants.clone();
     Router::new()
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/completions", post(completions))
-        .route("/v1/models", get(models))
-        .route("/v1/audit", get(trail::tenant_read))
+        .route(CHAT_ROUTE, post(chat_completions))
+        .route(COMPLETIONS_ROUTE, post(completions))
+        .route(MODELS_ROUTE, get(models))
+        .route(AUDIT_ROUTE, get(trail::tenant_read))
         .fallback(not_found)
         .with_state(state)
         .layer(middleware::from_fn_with_state(

@@ -17,7 +17,7 @@ use super::{Recorder, Trail};
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 
 /// A fresh request id: 24 random hex digits after `req-`.
-fn request_id() -> String {
+pub(super) fn request_id() -> String {
     format!(
         "req-{:016x}{:08x}",
         rand::random::<u64>(),

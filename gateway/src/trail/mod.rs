@@ -22,6 +22,7 @@ mod layer;
 mod read;
 #[cfg(test)]
 mod tests;
+mod unserved;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -35,6 +36,7 @@ use tracing::Span;
 pub use draft::{CLIENT_CLOSED, CLIENT_CLOSED_TYPE, Trail};
 pub use layer::{account, audited};
 pub use read::{AuditPage, admin_read, tenant_read};
+pub use unserved::Watch;
 
 use crate::config::{AuditSettings, Durability, OnAuditFailure};
 use crate::metrics::Metrics;

@@ -479,9 +479,14 @@ mod tests {
 
     #[test]
     fn the_gateway_configuration_is_valid_and_its_limits_are_out_of_the_loads_reach() {
-        for policies in [false, true] {
-            let config = bulkhead_gateway::Config::parse(&gateway_config(&setup(), policies))
-                .expect("a valid configuration");
+        for (policies, audit) in [
+            (false, Audit::Group),
+            (true, Audit::Group),
+            (false, Audit::Durable),
+        ] {
+            let config =
+                bulkhead_gateway::Config::parse(&gateway_config(&setup(), policies, audit))
+                    .expect("a valid configuration");
             let tenant = config
                 .tenants
                 .keyring()
@@ -489,6 +494,10 @@ mod tests {
                 .expect("the bench key names the tenant");
             assert!(tenant.limits.max_concurrent.get() as usize > setup().connections);
             assert_eq!(config.policies.is_some(), policies);
+            assert_eq!(
+                config.audit.durability == bulkhead_gateway::config::Durability::Durable,
+                audit == Audit::Durable
+            );
         }
     }
 
