@@ -284,13 +284,17 @@ fn clients_that_leave_at_every_phase_with_and_without_the_abort_guard_leave_no_p
 }
 
 /// Sends `tenant`'s fitting requests over and over until `stop`; any outcome is recorded.
+/// After a failure it waits a little, as a client would: while a worker is down the gateway
+/// answers at once, and without a pause the tenant would spend its requests-per-minute limit.
 fn keep_sending(api: &str, ledger: &Ledger, tenant: Tenant, stop: &AtomicBool) {
     let requests = fitting(tenant);
     for (path, body, c) in requests.iter().cycle() {
         if stop.load(Ordering::Relaxed) {
             return;
         }
-        ledger.send(api, tenant, path, body, &[c]);
+        if ledger.send(api, tenant, path, body, &[c]).status != 200 {
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 }
 

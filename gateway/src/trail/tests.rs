@@ -270,3 +270,66 @@ async fn group_commit_answers_before_the_fsync_and_the_record_follows() {
     let report = bulkhead_audit::verify(&dir.0, None);
     assert!(report.passed(), "{report}");
 }
+
+/// The tenants of the `Watch` test: `tenant-a`, whose key is `sk-a`.
+fn tenants() -> crate::tenants::Tenants {
+    let key = crate::keys::KeyHash::of("sk-a").to_hex();
+    let text = format!(
+        "[listen]\napi = \"127.0.0.1:8080\"\nadmin = \"127.0.0.1:9090\"\n\
+         [admin]\ntoken_sha256 = \"{}\"\n\
+         [[tenants]]\nid = \"tenant-a\"\nkey_sha256 = [\"{key}\"]\nmax_context = 2048\n\
+         max_concurrent = 2\nrequests_per_minute = 60\ntokens_per_minute = 100000\n\
+         [[workers]]\nname = \"w\"\ngrpc = \"127.0.0.1:50051\"\nrole = \"both\"\n",
+        crate::keys::KeyHash::of("admin").to_hex()
+    );
+    let config = crate::Config::parse(&text).expect("a valid configuration");
+    crate::tenants::Tenants::new(config.tenants, crate::limits::Limiter::default(), None)
+}
+
+#[tokio::test]
+async fn a_request_dropped_before_the_api_ran_it_is_recorded_once_in_its_tenants_log() {
+    use hyper::service::Service as _;
+    use hyper_util::service::TowerToHyperService;
+
+    let dir = Scratch::new();
+    let recorder = open(&dir, Durability::Group, OnAuditFailure::Refuse);
+    let watch = super::Watch::new(
+        TowerToHyperService::new(app(&recorder)),
+        recorder.clone(),
+        tenants(),
+    );
+    let request = |key: &str, path: &str| {
+        Request::builder()
+            .uri(path)
+            .header(http::header::AUTHORIZATION, format!("Bearer {key}"))
+            .body(Body::empty())
+            .expect("a request")
+    };
+    // Handed over, then dropped unpolled (its client closed in the same read): one record each,
+    // in the tenant's log for a valid key, in the gateway's for an unknown one.
+    drop(watch.call(request("sk-a", "/v1/chat/completions")));
+    drop(watch.call(request("sk-unknown", "/some/where")));
+    // Polled to the end: the API's trail records it, the watch adds nothing.
+    let served = watch.call(request("sk-a", "/ok")).await.expect("served");
+    assert_eq!(served.status(), StatusCode::OK);
+    recorder.flush().expect("flush");
+    let tenant = TenantId::new("tenant-a").expect("valid");
+    let mine: Vec<AuditRecord> = recorder
+        .read(&tenant, Seq(0), 100)
+        .expect("reads")
+        .into_iter()
+        .map(|(_, r)| r)
+        .collect();
+    assert_eq!(mine.len(), 1, "{mine:#?}");
+    assert_eq!(mine[0].route, "/v1/chat/completions");
+    assert_eq!(mine[0].status, super::CLIENT_CLOSED);
+    assert_eq!(mine[0].disconnect, Some(DisconnectPhase::BeforeAdmission));
+    let gateway = records(&recorder);
+    assert_eq!(
+        gateway.len(),
+        2,
+        "the unknown key's and the served one: {gateway:#?}"
+    );
+    assert_eq!(gateway[0].route, super::UNMATCHED_ROUTE);
+    assert_eq!(gateway[1].status, 200);
+}
