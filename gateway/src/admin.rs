@@ -64,14 +64,11 @@ async fn require_token(State(token): State<KeyHash>, request: Request, next: Nex
     if given == Some(token) {
         next.run(request).await
     } else {
-        (
+        json_reply(
             StatusCode::UNAUTHORIZED,
-            [(CONTENT_TYPE, "application/json")],
-            json!({"error": {"message": "the admin listener needs `Authorization: Bearer <admin token>`",
-                             "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}})
-            .to_string(),
+            &json!({"error": {"message": "the admin listener needs `Authorization: Bearer <admin token>`",
+                              "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}}),
         )
-            .into_response()
     }
 }
 
@@ -98,12 +95,7 @@ async fn healthz(State(state): State<AdminState>) -> Response {
             "lost_records": state.recorder.lost(),
         },
     });
-    (
-        status,
-        [(CONTENT_TYPE, "application/json")],
-        body.to_string(),
-    )
-        .into_response()
+    json_reply(status, &body)
 }
 
 async fn metrics(State(state): State<AdminState>) -> Response {
@@ -116,57 +108,46 @@ async fn metrics(State(state): State<AdminState>) -> Response {
 }
 
 async fn policies(State(state): State<AdminState>) -> Response {
-    (
-        [(CONTENT_TYPE, "application/json")],
-        state.policies.status().to_string(),
-    )
-        .into_response()
+    json_reply(StatusCode::OK, &state.policies.status())
 }
 
 /// 200 with the new set, or 422 with why it was refused (the previous set stays active).
 async fn reload_policies(State(state): State<AdminState>) -> Response {
     let policies = state.policies.clone();
-    let result = tokio::task::spawn_blocking(move || policies.reload().map(|_| ())).await;
+    let result = match off_thread(move || policies.reload().map(|_| ())).await {
+        Ok(result) => result,
+        Err(failed) => return failed,
+    };
     let (status, body) = match result {
-        Ok(Ok(())) => (
+        Ok(()) => (
             StatusCode::OK,
             json!({"reloaded": true, "policies": state.policies.status()}),
         ),
-        Ok(Err(e)) => (
+        Err(e) => (
             StatusCode::UNPROCESSABLE_ENTITY,
             json!({"reloaded": false, "error": e.to_string(), "policies": state.policies.status()}),
         ),
-        Err(_) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            json!({"reloaded": false, "error": "the reload task failed"}),
-        ),
     };
-    (
-        status,
-        [(CONTENT_TYPE, "application/json")],
-        body.to_string(),
-    )
-        .into_response()
+    json_reply(status, &body)
 }
 
 async fn tenants(State(state): State<AdminState>) -> Response {
-    (
-        [(CONTENT_TYPE, "application/json")],
-        state.tenants.status().to_string(),
-    )
-        .into_response()
+    json_reply(StatusCode::OK, &state.tenants.status())
 }
 
 /// 200 with what changed (and the sections that need a restart), or why nothing did: 422 for
 /// a file that does not validate, 409 with no file to read; the running set stays.
 async fn reload_tenants(State(state): State<AdminState>) -> Response {
     let tenants = state.tenants.clone();
-    let result = tokio::task::spawn_blocking(move || tenants.reload()).await;
+    let result = match off_thread(move || tenants.reload()).await {
+        Ok(result) => result,
+        Err(failed) => return failed,
+    };
     let names = |ids: &[crate::tenant::TenantId]| -> Vec<String> {
         ids.iter().map(ToString::to_string).collect()
     };
     let (status, body) = match result {
-        Ok(Ok(r)) => (
+        Ok(r) => (
             StatusCode::OK,
             json!({
                 "reloaded": true,
@@ -177,7 +158,7 @@ async fn reload_tenants(State(state): State<AdminState>) -> Response {
                 "tenants": state.tenants.status(),
             }),
         ),
-        Ok(Err(e)) => {
+        Err(e) => {
             let status = match e {
                 ReloadError::NoFile => StatusCode::CONFLICT,
                 ReloadError::Invalid(_) => StatusCode::UNPROCESSABLE_ENTITY,
@@ -187,11 +168,25 @@ async fn reload_tenants(State(state): State<AdminState>) -> Response {
                 json!({"reloaded": false, "error": e.to_string(), "tenants": state.tenants.status()}),
             )
         }
-        Err(_) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            json!({"reloaded": false, "error": "the reload task failed"}),
-        ),
     };
+    json_reply(status, &body)
+}
+
+/// Runs a reload (it reads files and may compile components) off the async threads; a task
+/// that failed is answered 500.
+async fn off_thread<T: Send + 'static>(
+    reload: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, Response> {
+    tokio::task::spawn_blocking(reload).await.map_err(|_| {
+        json_reply(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &json!({"reloaded": false, "error": "the reload task failed"}),
+        )
+    })
+}
+
+/// `body` as a JSON response with `status`.
+fn json_reply(status: StatusCode, body: &serde_json::Value) -> Response {
     (
         status,
         [(CONTENT_TYPE, "application/json")],
@@ -201,6 +196,5 @@ async fn reload_tenants(State(state): State<AdminState>) -> Response {
 }
 
 async fn workers(State(state): State<AdminState>) -> Response {
-    let body = json!({"workers": state.workers.reports()});
-    ([(CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+    json_reply(StatusCode::OK, &json!({"workers": state.workers.reports()}))
 }

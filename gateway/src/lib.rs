@@ -29,6 +29,8 @@ pub mod metrics;
 pub mod policy;
 pub mod preflight;
 pub mod routing;
+#[cfg(test)]
+mod scratch;
 pub mod server;
 pub mod tenant;
 pub mod tenants;

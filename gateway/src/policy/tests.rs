@@ -11,6 +11,7 @@ use http::HeaderMap;
 use super::*;
 use crate::config::AuditSettings;
 use crate::metrics::Metrics;
+use crate::scratch::Scratch;
 use crate::trail::{Recorder, Trail};
 
 /// Where scripts/build-plugins puts the components.
@@ -28,28 +29,6 @@ fn component(name: &str) -> (PathBuf, Digest) {
         )
     });
     (path, Digest::of(&bytes))
-}
-
-/// A scratch directory removed on drop.
-#[derive(Debug)]
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new() -> Scratch {
-        let dir = std::env::temp_dir().join(format!(
-            "bulkhead-policy-{}-{:08x}",
-            std::process::id(),
-            rand::random::<u32>()
-        ));
-        std::fs::create_dir_all(&dir).expect("scratch dir");
-        Scratch(dir)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// `[plugins.NAME]` for the built component `name`, with extra fields.
@@ -85,7 +64,7 @@ fn write(dir: &Scratch, text: &str) -> PathBuf {
 }
 
 fn load(text: &str) -> Result<(Policies, Scratch), PolicyError> {
-    let dir = Scratch::new();
+    let dir = Scratch::new("policy");
     let path = write(&dir, text);
     Policies::load(settings(&path, None)).map(|p| (p, dir))
 }
@@ -373,7 +352,7 @@ async fn a_plugin_built_against_0_1_0_works_in_the_0_1_1_host() {
 
 #[tokio::test]
 async fn a_python_policy_loads_and_acts() {
-    let dir = Scratch::new();
+    let dir = Scratch::new("policy");
     let path = write(
         &dir,
         &format!(
@@ -418,7 +397,7 @@ async fn a_python_policy_loads_and_acts() {
 
 #[tokio::test]
 async fn a_javascript_policy_loads_and_acts() {
-    let dir = Scratch::new();
+    let dir = Scratch::new("policy");
     let path = write(
         &dir,
         &format!(
@@ -593,7 +572,7 @@ fn a_set_is_refused_for_a_wrong_pin_a_bad_config_or_a_credential_header() {
 
 #[tokio::test]
 async fn a_bad_reload_keeps_the_old_set_and_says_why_and_in_flight_requests_keep_theirs() {
-    let dir = Scratch::new();
+    let dir = Scratch::new("policy");
     let strict = format!(
         "{}{}",
         plugin("length-limit", ""),
@@ -648,7 +627,7 @@ async fn a_bad_reload_keeps_the_old_set_and_says_why_and_in_flight_requests_keep
 
 #[test]
 fn the_compile_cache_is_written_and_a_corrupt_entry_is_never_trusted() {
-    let dir = Scratch::new();
+    let dir = Scratch::new("policy");
     let cache = dir.0.join("cache");
     let path = write(
         &dir,

@@ -15,37 +15,17 @@ use crate::auth::{AuthLayer, Authenticated};
 use crate::keys::KeyHash;
 use crate::limits::LimitError;
 use crate::metrics::Metrics;
+use crate::scratch::Scratch;
 use crate::tenant::TenantId;
 
-/// A scratch configuration file, removed on drop.
-struct Scratch {
-    dir: PathBuf,
+/// The scratch configuration file in `dir`.
+fn config_path(dir: &Scratch) -> PathBuf {
+    dir.0.join("gateway.toml")
 }
 
-impl Scratch {
-    fn new() -> Scratch {
-        let dir = std::env::temp_dir().join(format!(
-            "bulkhead-tenants-{}-{:x}",
-            std::process::id(),
-            rand::random::<u64>()
-        ));
-        std::fs::create_dir_all(&dir).expect("scratch dir");
-        Scratch { dir }
-    }
-
-    fn path(&self) -> PathBuf {
-        self.dir.join("gateway.toml")
-    }
-
-    fn write(&self, text: &str) {
-        std::fs::write(self.path(), text).expect("writes the config");
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// Writes the scratch configuration file.
+fn write(dir: &Scratch, text: &str) {
+    std::fs::write(config_path(dir), text).expect("writes the config");
 }
 
 /// A tenant with `keys`, `concurrent` requests at once and `rpm` requests per minute.
@@ -74,9 +54,9 @@ fn config(head: &str, tenants: &str) -> String {
 
 /// Tenants started from `text`, written to a scratch file that reloads read.
 fn start(text: &str) -> (Scratch, Tenants) {
-    let scratch = Scratch::new();
-    scratch.write(text);
-    let (config, file) = ConfigFile::load(&scratch.path()).expect("a valid configuration");
+    let scratch = Scratch::new("tenants");
+    write(&scratch, text);
+    let (config, file) = ConfigFile::load(&config_path(&scratch)).expect("a valid configuration");
     (
         scratch,
         Tenants::new(config.tenants, Limiter::default(), Some(file)),
@@ -154,7 +134,7 @@ fn a_file_that_does_not_validate_changes_nothing_and_says_why() {
         ),
         (config("", ""), "no tenants"),
     ] {
-        scratch.write(&bad);
+        write(&scratch, &bad);
         let err = tenants.reload().expect_err("refused");
         assert!(matches!(err, ReloadError::Invalid(_)), "{err:?}");
         let said = err.to_string();
@@ -168,10 +148,10 @@ fn a_file_that_does_not_validate_changes_nothing_and_says_why() {
         assert_eq!(tenants.last_error().as_deref(), Some(said.as_str()));
         assert_eq!(tenants.status()["last_reload_error"], said.as_str());
     }
-    std::fs::remove_file(scratch.path()).expect("removes the file");
+    std::fs::remove_file(config_path(&scratch)).expect("removes the file");
     assert!(matches!(tenants.reload(), Err(ReloadError::Invalid(_))));
     assert!(Arc::ptr_eq(&before, &tenants.current()));
-    scratch.write(&good);
+    write(&scratch, &good);
     tenants.reload().expect("a good file again");
     assert_eq!(tenants.last_error(), None, "a good reload clears the error");
 }
@@ -195,10 +175,14 @@ fn a_removed_tenant_or_a_rotated_key_is_refused_from_the_next_request_on() {
     let permit = tenants.limiter().start(&in_flight).expect("b's slot");
 
     // tenant-b removed; tenant-a's sk-a rotated away for sk-a3; tenant-c new.
-    scratch.write(&config(
-        "",
-        &(tenant("tenant-a", &["sk-a2", "sk-a3"], 2, 60) + &tenant("tenant-c", &["sk-c"], 1, 60)),
-    ));
+    write(
+        &scratch,
+        &config(
+            "",
+            &(tenant("tenant-a", &["sk-a2", "sk-a3"], 2, 60)
+                + &tenant("tenant-c", &["sk-c"], 1, 60)),
+        ),
+    );
     let reloaded = tenants.reload().expect("valid");
     assert_eq!(
         reloaded,
@@ -261,7 +245,7 @@ fn the_limiter_keeps_in_flight_counts_and_the_minutes_usage_across_a_reload() {
     drop(second);
 
     // Lowered: the new limits apply to the next request, against the kept counts.
-    scratch.write(&text(1, 3));
+    write(&scratch, &text(1, 3));
     let reloaded = tenants.reload().expect("valid");
     assert_eq!(reloaded.changed, vec![id("tenant-a")]);
     assert_eq!(a().limits.max_concurrent.get(), 1);
@@ -279,7 +263,7 @@ fn the_limiter_keeps_in_flight_counts_and_the_minutes_usage_across_a_reload() {
     );
 
     // Raised again: the same usage, against the larger limit.
-    scratch.write(&text(2, 5));
+    write(&scratch, &text(2, 5));
     tenants.reload().expect("valid");
     let fourth = limiter.start(&a()).expect("4 of 5");
     drop(fourth);
@@ -306,7 +290,7 @@ fn sections_that_need_a_restart_are_reported_and_not_applied() {
     )
     .replace("127.0.0.1:8080", "127.0.0.1:8081")
     .replace("127.0.0.1:50051", "127.0.0.1:50052");
-    scratch.write(&changed);
+    write(&scratch, &changed);
     let reloaded = tenants.reload().expect("valid");
     assert_eq!(
         reloaded.restart_required,

@@ -1,7 +1,6 @@
 //! The trail in process: every entry of the error table, a success and an abandoned request
 //! each leave exactly one record; a broken log turns requests away.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use axum::Router;
@@ -21,27 +20,7 @@ use crate::api::{ApiError, mapping};
 use crate::config::{AuditSettings, Durability, OnAuditFailure};
 use crate::limits::LimitError;
 use crate::metrics::Metrics;
-
-/// A scratch directory removed on drop.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new() -> Scratch {
-        let dir = std::env::temp_dir().join(format!(
-            "bulkhead-trail-{}-{:x}",
-            std::process::id(),
-            rand::random::<u64>()
-        ));
-        std::fs::create_dir_all(&dir).expect("scratch dir");
-        Scratch(dir)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use crate::scratch::Scratch;
 
 /// Every error of the API's table, by index.
 fn table() -> Vec<ApiError> {
@@ -136,7 +115,7 @@ fn open(dir: &Scratch, durability: Durability, on_failure: OnAuditFailure) -> Re
 
 #[tokio::test]
 async fn every_entry_of_the_error_table_leaves_exactly_one_record() {
-    let dir = Scratch::new();
+    let dir = Scratch::new("trail");
     let recorder = open(&dir, Durability::Durable, OnAuditFailure::Refuse);
     let app = app(&recorder);
     let n = table().len();
@@ -191,7 +170,7 @@ async fn hang(Extension(trail): Extension<Trail>) -> Response {
 
 #[tokio::test]
 async fn a_request_abandoned_by_its_client_is_recorded_once_with_its_phase() {
-    let dir = Scratch::new();
+    let dir = Scratch::new("trail");
     let recorder = open(&dir, Durability::Durable, OnAuditFailure::Refuse);
     let app = Router::new()
         .route("/hang", get(hang))
@@ -218,7 +197,7 @@ fn break_gateway_log(dir: &std::path::Path) {
 
 #[tokio::test]
 async fn a_broken_log_refuses_requests_rather_than_serve_them_unaudited() {
-    let dir = Scratch::new();
+    let dir = Scratch::new("trail");
     let recorder = open(&dir, Durability::Durable, OnAuditFailure::Refuse);
     break_gateway_log(&dir.0);
     let app = app(&recorder);
@@ -241,7 +220,7 @@ async fn a_broken_log_refuses_requests_rather_than_serve_them_unaudited() {
 
 #[tokio::test]
 async fn a_broken_log_configured_to_serve_keeps_serving_and_counts_what_it_lost() {
-    let dir = Scratch::new();
+    let dir = Scratch::new("trail");
     let recorder = open(&dir, Durability::Durable, OnAuditFailure::Serve);
     break_gateway_log(&dir.0);
     let app = app(&recorder);
@@ -254,7 +233,7 @@ async fn a_broken_log_configured_to_serve_keeps_serving_and_counts_what_it_lost(
 
 #[tokio::test]
 async fn group_commit_answers_before_the_fsync_and_the_record_follows() {
-    let dir = Scratch::new();
+    let dir = Scratch::new("trail");
     let recorder = open(&dir, Durability::Group, OnAuditFailure::Refuse);
     let app = app(&recorder);
     for _ in 0..5 {
@@ -291,7 +270,7 @@ async fn a_request_dropped_before_the_api_ran_it_is_recorded_once_in_its_tenants
     use hyper::service::Service as _;
     use hyper_util::service::TowerToHyperService;
 
-    let dir = Scratch::new();
+    let dir = Scratch::new("trail");
     let recorder = open(&dir, Durability::Group, OnAuditFailure::Refuse);
     let watch = super::Watch::new(
         TowerToHyperService::new(app(&recorder)),
