@@ -172,7 +172,13 @@ impl KvMemory {
 
     fn read_runs(&self, runs: &Runs) -> Result<Vec<f16>, SlotError> {
         Ok(match &self.store {
-            Store::Host(v) => runs.ranges().flat_map(|r| v[r].iter().copied()).collect(),
+            Store::Host(v) => {
+                let mut out = Vec::with_capacity(runs.runs * runs.width);
+                for r in runs.ranges() {
+                    out.extend_from_slice(&v[r]);
+                }
+                out
+            }
             Store::Cuda(kv) => kv
                 .read_runs(runs.start, runs.runs, runs.stride, runs.width)?
                 .into_iter()
@@ -184,8 +190,18 @@ impl KvMemory {
     /// The KV of `slots` of `page` — every layer, K and V, every head — as little-endian f16
     /// bytes: `slots.len() * layout.token_bytes()` of them.
     pub fn read_slots(&self, page: PageId, slots: Range<usize>) -> Result<Vec<u8>, SlotError> {
-        let values = self.read_runs(&self.slot_runs(page, &slots)?)?;
-        Ok(bytemuck::cast_slice(&values).to_vec())
+        let runs = self.slot_runs(page, &slots)?;
+        Ok(match &self.store {
+            // Host memory: straight into the frame's bytes, one copy.
+            Store::Host(v) => {
+                let mut bytes = Vec::with_capacity(runs.runs * runs.width * 2);
+                for r in runs.ranges() {
+                    bytes.extend_from_slice(bytemuck::cast_slice(&v[r]));
+                }
+                bytes
+            }
+            Store::Cuda(_) => bytemuck::cast_slice(&self.read_runs(&runs)?).to_vec(),
+        })
     }
 
     /// Writes bytes produced by [`KvMemory::read_slots`] into `slots` of `page`.
