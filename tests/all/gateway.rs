@@ -236,6 +236,24 @@ fn tenants_reload_from_the_rewritten_config_file_while_the_stack_serves() {
         assert_eq!(up.chat(KEY_B, &[], tiny).0, 401);
         let (_, listing) = http(&up.admin, "GET", "/tenants", Some(ADMIN), &[], "");
         assert_eq!(json(&listing)["last_reload_error"], error, "{listing}");
+
+        // SIGHUP reloads too: the file as it was, and tenant-b's key works again.
+        std::fs::write(&up.config, &text).expect("restores the config");
+        let hup = Command::new("kill")
+            .args(["-HUP", &up.child.id().to_string()])
+            .status()
+            .expect("runs kill");
+        assert!(hup.success());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while up.chat(KEY_B, &[], tiny).0 != 200 {
+            assert!(
+                Instant::now() < deadline,
+                "SIGHUP did not reload the tenants"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let (_, listing) = http(&up.admin, "GET", "/tenants", Some(ADMIN), &[], "");
+        assert!(json(&listing)["last_reload_error"].is_null(), "{listing}");
     });
 }
 
