@@ -469,9 +469,14 @@ fn a_bounded_mixed_soak_with_random_aborts_keeps_worker_memory_flat_and_leaks_no
              warm-up, {after:?} KiB at the end",
             ledger.all().len()
         );
+        // A leak that matters here is KV: a page's frame is 360 KiB, and a request's transfer
+        // holds tens of them, so a leak of one transfer per abort would grow a worker by
+        // hundreds of MiB over the soak. The allocator's high-water mark (frames of several
+        // transfers in flight at once) moves by up to ~17 MiB between runs: the bound leaves
+        // room for that and none for a leaked transfer.
         for (name, (w, a)) in ["prefill", "decode"].iter().zip(warm.iter().zip(after)) {
             assert!(
-                a <= w + 16 * 1024,
+                a <= w + 32 * 1024,
                 "the {name} worker grew from {w} KiB to {a} KiB over {took:?} of soak"
             );
         }
