@@ -206,6 +206,19 @@ pub enum Directive {
     HoldUntilComplete,
 }
 
+impl Directive {
+    /// The directive's name, as the record and the metrics write it.
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Directive::AbortNow => "abort_now",
+            Directive::HoldUntilPrefillDone => "hold_until_prefill_done",
+            Directive::HoldUntilFirstToken => "hold_until_first_token",
+            Directive::HoldUntilComplete => "hold_until_complete",
+        }
+    }
+}
+
 /// How far an abandoned request's worker stream had got when it was dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -216,6 +229,18 @@ pub enum Dropped {
     AfterFirstToken,
     /// The request had completed.
     AfterDone,
+}
+
+impl Dropped {
+    /// The name, as the record and the metrics write it.
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Dropped::BeforeFirstToken => "before_first_token",
+            Dropped::AfterFirstToken => "after_first_token",
+            Dropped::AfterDone => "after_done",
+        }
+    }
 }
 
 /// Where in its life a request was when the client disconnected.
@@ -230,4 +255,28 @@ pub enum DisconnectPhase {
     BeforeFirstToken,
     /// While tokens were streaming.
     Decode,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hold_names_are_the_serialized_names() {
+        for d in [
+            Directive::AbortNow,
+            Directive::HoldUntilPrefillDone,
+            Directive::HoldUntilFirstToken,
+            Directive::HoldUntilComplete,
+        ] {
+            assert_eq!(serde_json::to_value(d).expect("serializes"), d.name());
+        }
+        for d in [
+            Dropped::BeforeFirstToken,
+            Dropped::AfterFirstToken,
+            Dropped::AfterDone,
+        ] {
+            assert_eq!(serde_json::to_value(d).expect("serializes"), d.name());
+        }
+    }
 }

@@ -51,15 +51,6 @@ fn rank(d: Directive) -> u8 {
     }
 }
 
-fn label(d: Directive) -> &'static str {
-    match d {
-        Directive::AbortNow => "abort_now",
-        Directive::HoldUntilPrefillDone => "hold_until_prefill_done",
-        Directive::HoldUntilFirstToken => "hold_until_first_token",
-        Directive::HoldUntilComplete => "hold_until_complete",
-    }
-}
-
 /// The directive as the audit record names it.
 fn recorded(d: Directive) -> audit::Directive {
     match d {
@@ -180,21 +171,22 @@ impl Ending {
                 None => Directive::AbortNow,
             }
         };
-        self.policies.stats().abandoned(label(directive));
+        self.policies.stats().abandoned(recorded(directive).name());
         if let Some(mut upstream) = upstream {
             let since = Instant::now();
             let limit = self.policies.hold_limit();
             let _ =
                 tokio::time::timeout(limit, drain(&mut upstream, directive, &mut progress)).await;
             drop(upstream);
-            let (at, dropped) = match (progress.usage, progress.tokens) {
-                (Some(_), _) => ("after_done", Dropped::AfterDone),
-                (None, 0) => ("before_first_token", Dropped::BeforeFirstToken),
-                (None, _) => ("after_first_token", Dropped::AfterFirstToken),
+            let dropped = match (progress.usage, progress.tokens) {
+                (Some(_), _) => Dropped::AfterDone,
+                (None, 0) => Dropped::BeforeFirstToken,
+                (None, _) => Dropped::AfterFirstToken,
             };
-            self.policies.stats().dropped(at);
-            tracing::debug!(request = %self.id, directive = label(directive),
-                tokens = progress.tokens, at, "an abandoned request's stream is dropped");
+            self.policies.stats().dropped(dropped.name());
+            tracing::debug!(request = %self.id, directive = recorded(directive).name(),
+                tokens = progress.tokens, at = dropped.name(),
+                "an abandoned request's stream is dropped");
             trail.held(Hold {
                 directive: recorded(directive),
                 dropped,
