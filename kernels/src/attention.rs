@@ -185,6 +185,15 @@ pub fn write_kv(
     Ok(())
 }
 
+/// A sequence of a batched attention call. Its rows of `q` and `out` follow the previous
+/// sequence's, `seq.new` of them.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchSeq<'a> {
+    pub seq: PagedSeq<'a>,
+    /// `false`: the caller has already failed this sequence; its rows are left as they are.
+    pub live: bool,
+}
+
 /// Causal attention of the sequence's new tokens over all its cached tokens in `layer`.
 /// `q` and `out` are `seq.new × heads × head_dim`; query token `t` sits at position
 /// `seq.cached + t` and attends over positions `0..=seq.cached + t`.
@@ -196,74 +205,140 @@ pub fn attend(
     q: &[f32],
     out: &mut [f32],
 ) -> Result<(), IntegrityError> {
+    let [result] = attend_batch(simd, kv, &[BatchSeq { seq, live: true }], layer, q, out)
+        .try_into()
+        .unwrap_or([Ok(())]);
+    result
+}
+
+/// [`attend`] for every live sequence of a batch in one parallel loop, one result per
+/// sequence. `q` and `out` hold every sequence's rows, in order. A loop item is one query row
+/// and one KV head: the group of query heads sharing that KV head reads each key and value
+/// once. Each output value is computed by the same operations in the same order whatever the
+/// batch, so results are batch-invariant bit for bit.
+pub fn attend_batch(
+    simd: Simd,
+    kv: PagedKv<'_>,
+    seqs: &[BatchSeq<'_>],
+    layer: usize,
+    q: &[f32],
+    out: &mut [f32],
+) -> Vec<Result<(), IntegrityError>> {
     let PagedKv {
         layout,
         values: pool,
         tags,
     } = kv;
-    seq.check(layout, tags)?;
-    if seq.new == 0 {
-        return Ok(());
-    }
-    let heads = q.len() / (seq.new * layout.head_dim);
+    let checked: Vec<Result<(), IntegrityError>> = seqs
+        .iter()
+        .map(|s| match s.live {
+            true => s.seq.check(layout, tags),
+            false => Ok(()),
+        })
+        .collect();
+    // Canary reads found during the loop: (sequence, position).
+    let canaries = Mutex::new(Vec::new());
+    let rows: usize = seqs.iter().map(|s| s.seq.new).sum();
     let hd = layout.head_dim;
+    let heads = q.len() / (rows * hd).max(1);
+    assert!(
+        q.len() == rows * heads * hd && out.len() == q.len(),
+        "attention shapes: {rows} rows, q {} values, out {}",
+        q.len(),
+        out.len()
+    );
     let group = heads / layout.kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
-    let failed = Mutex::new(None);
-    crate::pool::global().for_each_chunk_mut(out, hd, &|i, o| {
-        let (t, h) = (i / heads, i % heads);
-        let kvh = h / group;
-        let qrow = &q[i * hd..(i + 1) * hd];
+    crate::pool::global().for_each_chunk_mut(out, group * hd, &|i, o| {
+        let (row, kvh) = (i / layout.kv_heads, i % layout.kv_heads);
+        // The sequence holding `row`, and the row's token within it.
+        let (mut s, mut t) = (0, row);
+        while t >= seqs[s].seq.new {
+            t -= seqs[s].seq.new;
+            s += 1;
+        }
+        if !seqs[s].live || checked[s].is_err() {
+            return;
+        }
+        let seq = seqs[s].seq;
         let len = seq.cached + t + 1;
-        SCORES.with_borrow_mut(|scores| {
+        let qs = &q[(row * heads + kvh * group) * hd..][..group * hd];
+        let at = |pos: usize, v: bool| {
+            let page = seq.table[pos / layout.page_tokens].page.index();
+            layout.offset(page, layer, v, kvh, pos % layout.page_tokens)
+        };
+        SCRATCH.with_borrow_mut(|(scores, row)| {
             scores.clear();
+            scores.resize(group * len, 0.0);
+            row.resize(hd, 0.0);
             for pos in 0..len {
-                let page = seq.table[pos / layout.page_tokens].page.index();
-                let at = layout.offset(page, layer, false, kvh, pos % layout.page_tokens);
-                let key = &pool[at..at + hd];
+                let key = &pool[at(pos, false)..][..hd];
                 if tags.canary && key[0].to_bits() == CANARY.to_bits() {
-                    let mut first = failed.lock().unwrap_or_else(|p| p.into_inner());
-                    first.get_or_insert(IntegrityError::CanaryRead { position: pos });
+                    let mut found = canaries.lock().unwrap_or_else(|p| p.into_inner());
+                    found.push((s, pos));
                     return;
                 }
-                scores.push(dot_f16(simd, qrow, key) * scale);
+                widen(simd, key, row);
+                for (j, qh) in qs.chunks_exact(hd).enumerate() {
+                    scores[j * len + pos] = dot(simd, qh, row) * scale;
+                }
             }
-            softmax(scores);
+            for head in scores.chunks_exact_mut(len) {
+                softmax(head);
+            }
             o.fill(0.0);
-            for (pos, &p) in scores.iter().enumerate() {
-                let page = seq.table[pos / layout.page_tokens].page.index();
-                let at = layout.offset(page, layer, true, kvh, pos % layout.page_tokens);
-                axpy_f16(simd, o, p, &pool[at..at + hd]);
+            for pos in 0..len {
+                widen(simd, &pool[at(pos, true)..][..hd], row);
+                for (j, oh) in o.chunks_exact_mut(hd).enumerate() {
+                    axpy(simd, oh, scores[j * len + pos], row);
+                }
             }
         });
     });
-    match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        Some(e) => Err(e),
-        None => Ok(()),
+    let mut results = checked;
+    let mut found = canaries.into_inner().unwrap_or_else(|p| p.into_inner());
+    // Per sequence the lowest position, whichever thread found it first.
+    found.sort_unstable();
+    for (s, position) in found {
+        if results[s].is_ok() {
+            results[s] = Err(IntegrityError::CanaryRead { position });
+        }
     }
+    results
 }
 
 thread_local! {
-    /// One query's attention scores; kept per thread so a decode step allocates nothing.
-    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// One loop item's attention scores (a row per query head) and one key or value row in
+    /// f32; kept per thread so a decode step allocates nothing.
+    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-fn dot_f16(simd: Simd, a: &[f32], b: &[f16]) -> f32 {
+/// `out = x` in f32 (exact: every f16 is an f32).
+fn widen(simd: Simd, x: &[f16], out: &mut [f32]) {
     match simd {
-        Simd::Portable => portable::dot_f16(a, b),
+        Simd::Portable => portable::widen(x, out),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Simd::Avx2` and `Simd::Avx512` are only constructed after detecting AVX2,
         // FMA and F16C.
-        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::dot_f16(a, b) },
+        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::widen(x, out) },
     }
 }
 
-fn axpy_f16(simd: Simd, out: &mut [f32], a: f32, x: &[f16]) {
+fn dot(simd: Simd, a: &[f32], b: &[f32]) -> f32 {
     match simd {
-        Simd::Portable => portable::axpy_f16(out, a, x),
+        Simd::Portable => portable::dot(a, b),
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as in `dot_f16`.
-        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::axpy_f16(out, a, x) },
+        // SAFETY: as in `widen`.
+        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::dot(a, b) },
+    }
+}
+
+fn axpy(simd: Simd, out: &mut [f32], a: f32, x: &[f32]) {
+    match simd {
+        Simd::Portable => portable::axpy(out, a, x),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `widen`.
+        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::axpy(out, a, x) },
     }
 }
 
@@ -280,7 +355,13 @@ mod portable {
     /// f32 lanes of one 256-bit register, the SIMD kernels' accumulator width.
     const LANES: usize = 8;
 
-    pub(super) fn dot_f16(a: &[f32], b: &[f16]) -> f32 {
+    pub(super) fn widen(x: &[f16], out: &mut [f32]) {
+        for (o, x) in out.iter_mut().zip(x) {
+            *o = x.to_f32();
+        }
+    }
+
+    pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
         let n = a.len().min(b.len());
         let whole = n - n % LANES;
         let mut lanes = [0.0f32; LANES];
@@ -289,25 +370,25 @@ mod portable {
             .zip(b[..whole].chunks_exact(LANES))
         {
             for ((acc, x), y) in lanes.iter_mut().zip(a).zip(b) {
-                *acc = x.mul_add(y.to_f32(), *acc);
+                *acc = x.mul_add(*y, *acc);
             }
         }
         lanes.iter().sum::<f32>()
             + a[whole..n]
                 .iter()
                 .zip(&b[whole..n])
-                .map(|(x, y)| x * y.to_f32())
+                .map(|(x, y)| x * y)
                 .sum::<f32>()
     }
 
-    pub(super) fn axpy_f16(out: &mut [f32], a: f32, x: &[f16]) {
+    pub(super) fn axpy(out: &mut [f32], a: f32, x: &[f32]) {
         let n = out.len().min(x.len());
         let whole = n - n % LANES;
         for (o, x) in out[..whole].iter_mut().zip(&x[..whole]) {
-            *o = a.mul_add(x.to_f32(), *o);
+            *o = a.mul_add(*x, *o);
         }
         for (o, x) in out[whole..n].iter_mut().zip(&x[whole..n]) {
-            *o += a * x.to_f32();
+            *o += a * x;
         }
     }
 }
@@ -319,18 +400,37 @@ mod avx2 {
     use half::f16;
 
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_f16(a: &[f32], b: &[f16]) -> f32 {
+    /// The CPU must support AVX2 and F16C.
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn widen(x: &[f16], out: &mut [f32]) {
+        let n = out.len().min(x.len());
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: `i + 8 <= n` and both slices hold at least `n` values; f16 is 2 bytes.
+            unsafe {
+                let y = _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr().add(i).cast()));
+                _mm256_storeu_ps(out.as_mut_ptr().add(i), y);
+            }
+            i += 8;
+        }
+        for (o, x) in out[i..n].iter_mut().zip(&x[i..n]) {
+            *o = x.to_f32();
+        }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
         let n = a.len().min(b.len());
         let mut acc = _mm256_setzero_ps();
         let mut i = 0;
         while i + 8 <= n {
-            // SAFETY: `i + 8 <= n` and both slices hold at least `n` values; f16 is 2 bytes.
+            // SAFETY: `i + 8 <= n` and both slices hold at least `n` values.
             let (x, y) = unsafe {
                 (
                     _mm256_loadu_ps(a.as_ptr().add(i)),
-                    _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().add(i).cast())),
+                    _mm256_loadu_ps(b.as_ptr().add(i)),
                 )
             };
             acc = _mm256_fmadd_ps(x, y, acc);
@@ -343,14 +443,14 @@ mod avx2 {
             + a[i..n]
                 .iter()
                 .zip(&b[i..n])
-                .map(|(x, y)| x * y.to_f32())
+                .map(|(x, y)| x * y)
                 .sum::<f32>()
     }
 
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn axpy_f16(out: &mut [f32], a: f32, x: &[f16]) {
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn axpy(out: &mut [f32], a: f32, x: &[f32]) {
         let n = out.len().min(x.len());
         let va = _mm256_set1_ps(a);
         let mut i = 0;
@@ -358,13 +458,13 @@ mod avx2 {
             // SAFETY: `i + 8 <= n` and both slices hold at least `n` values.
             unsafe {
                 let p = out.as_mut_ptr().add(i);
-                let y = _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr().add(i).cast()));
+                let y = _mm256_loadu_ps(x.as_ptr().add(i));
                 _mm256_storeu_ps(p, _mm256_fmadd_ps(va, y, _mm256_loadu_ps(p)));
             }
             i += 8;
         }
         for (o, x) in out[i..n].iter_mut().zip(&x[i..n]) {
-            *o += a * x.to_f32();
+            *o += a * x;
         }
     }
 }
@@ -493,25 +593,144 @@ mod tests {
 
     /// Every length: whole groups of lanes, a rest, and both.
     #[test]
-    fn every_level_dots_and_accumulates_bit_identically_to_the_portable_one() {
+    fn every_level_widens_dots_and_accumulates_bit_identically_to_the_portable_one() {
         for n in [1, 7, 8, 21, 64] {
             let a = values(n, 5);
-            let b: Vec<f16> = values(n, 6).into_iter().map(f16::from_f32).collect();
-            let want_dot = dot_f16(Simd::Portable, &a, &b);
+            let halves: Vec<f16> = values(n, 6).into_iter().map(f16::from_f32).collect();
+            let mut b = vec![0.0; n];
+            widen(Simd::Portable, &halves, &mut b);
+            assert!(b.iter().zip(&halves).all(|(x, h)| *x == h.to_f32()));
+            let want_dot = dot(Simd::Portable, &a, &b);
             let mut want_out = values(n, 7);
-            axpy_f16(Simd::Portable, &mut want_out, 0.37, &b);
+            axpy(Simd::Portable, &mut want_out, 0.37, &b);
             for simd in Simd::available() {
+                let mut wide = vec![0.0; n];
+                widen(simd, &halves, &mut wide);
+                assert_eq!(wide, b, "{simd:?} widen, {n} values");
                 assert_eq!(
-                    dot_f16(simd, &a, &b).to_bits(),
+                    dot(simd, &a, &b).to_bits(),
                     want_dot.to_bits(),
                     "{simd:?} dot, {n} values"
                 );
                 let mut out = values(n, 7);
-                axpy_f16(simd, &mut out, 0.37, &b);
+                axpy(simd, &mut out, 0.37, &b);
                 assert_eq!(
                     out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                     want_out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                     "{simd:?} axpy, {n} values"
+                );
+            }
+        }
+    }
+
+    /// One batched call gives every sequence exactly what it gets alone; a sequence the caller
+    /// already failed is left alone, and one whose page moved on fails without touching the
+    /// others.
+    #[test]
+    fn a_batched_call_is_bit_identical_to_each_sequence_alone_and_fails_only_the_stale_one() {
+        let pool = PagePool::new(config(12));
+        let kvd = LAYOUT.kv_heads * LAYOUT.head_dim;
+        let row = HEADS * LAYOUT.head_dim;
+        let mut mem = vec![f16::ZERO; LAYOUT.page_values() * 12];
+        // Cached tokens and new tokens of four sequences: prefill, decode, decode, prefill.
+        let shapes: [(usize, usize); 4] = [(0, 5), (6, 1), (9, 1), (2, 3)];
+        let allocs: Vec<_> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, (cached, new))| {
+                let admissible = pool
+                    .admit(RequestId::new(i as u64 + 1), (cached + new) as u64)
+                    .unwrap();
+                pool.reserve(admissible).unwrap().commit()
+            })
+            .collect();
+        let q = values(shapes.iter().map(|(_, n)| n).sum::<usize>() * row, 11);
+        pool.with_tags(|tags| {
+            let view = TagView {
+                tags,
+                check: TagCheck::On,
+                canary: true,
+            };
+            for (i, ((cached, new), alloc)) in shapes.iter().zip(&allocs).enumerate() {
+                let tokens = cached + new;
+                let (k, v) = (
+                    values(tokens * kvd, 20 + i as u32),
+                    values(tokens * kvd, 40 + i as u32),
+                );
+                let seq = PagedSeq {
+                    table: alloc.pages(),
+                    cached: 0,
+                    new: tokens,
+                };
+                write_kv(&LAYOUT, &mut mem, view, seq, 0, (&k, &v)).unwrap();
+            }
+        });
+        let seq = |i: usize| PagedSeq {
+            table: allocs[i].pages(),
+            cached: shapes[i].0,
+            new: shapes[i].1,
+        };
+        let rows = |i: usize| {
+            let start: usize = shapes[..i].iter().map(|(_, n)| n).sum();
+            start * row..(start + shapes[i].1) * row
+        };
+        // The third sequence's table names its first page with a tag the page never had.
+        let mut table2 = allocs[2].pages().to_vec();
+        table2[0] = PageRef {
+            page: table2[0].page,
+            tag: Tag::new(u64::MAX),
+        };
+        let tags = pool.with_tags(|tags| tags.to_vec());
+        for simd in Simd::available() {
+            let view = TagView {
+                tags: &tags,
+                check: TagCheck::On,
+                canary: true,
+            };
+            let kv = PagedKv {
+                layout: &LAYOUT,
+                values: &mem,
+                tags: view,
+            };
+            let mut batch = vec![7.0; q.len()];
+            let mut seqs: Vec<BatchSeq<'_>> = (0..4)
+                .map(|i| BatchSeq {
+                    seq: seq(i),
+                    live: true,
+                })
+                .collect();
+            seqs[1].live = false;
+            seqs[2].seq.table = &table2;
+            let results = attend_batch(simd, kv, &seqs, 0, &q, &mut batch);
+            assert_eq!(results[0], Ok(()));
+            assert_eq!(
+                results[1],
+                Ok(()),
+                "{simd:?}: a sequence not live is not checked"
+            );
+            assert!(
+                matches!(
+                    results[2],
+                    Err(IntegrityError::TagMismatch { index: 0, .. })
+                ),
+                "{simd:?}: {:?}",
+                results[2]
+            );
+            assert_eq!(results[3], Ok(()));
+            assert!(
+                batch[rows(1)].iter().all(|&x| x == 7.0),
+                "{simd:?}: not live, untouched"
+            );
+            for i in [0, 3] {
+                let mut alone = vec![0.0; rows(i).len()];
+                attend(simd, kv, seq(i), 0, &q[rows(i)], &mut alone).unwrap();
+                assert_eq!(
+                    batch[rows(i)]
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect::<Vec<_>>(),
+                    alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "{simd:?} sequence {i}"
                 );
             }
         }

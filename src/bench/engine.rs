@@ -31,6 +31,11 @@ pub struct EngineArgs {
     /// Repetitions; the medians are reported.
     #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// The KV pool's capacity in tokens (the context the engine serves):
+    /// `scripts/bench-vs-llamacpp` gives llama.cpp the same `n_ctx`, so that peak memory
+    /// compares like with like.
+    #[arg(long, default_value_t = 6144)]
+    kv_tokens: u64,
     /// Kernel level to use (`portable`, `avx2`, `avx512`) [default: the best this CPU has].
     #[arg(long)]
     simd: Option<String>,
@@ -72,9 +77,17 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
         "benchmark text too short"
     );
     let long_prompt = all[..args.prefill_tokens].to_vec();
-    let per_request = (args.prefill_tokens.max(DECODE_PROMPT) + args.decode_tokens) as u64;
+    // The pool must hold the long prompt, or every decode request of the largest batch at
+    // once (pages are given back between measurements).
+    let needed = (args.prefill_tokens as u64)
+        .max((DECODE_PROMPT + args.decode_tokens) as u64 * longest as u64);
+    anyhow::ensure!(
+        args.kv_tokens >= needed,
+        "--kv-tokens {} is too small for these measurements: they need {needed}",
+        args.kv_tokens
+    );
     let config = EngineConfig {
-        kv: KvBudget::Tokens(per_request * (longest as u64 + 2) + 1024),
+        kv: KvBudget::Tokens(args.kv_tokens),
         max_batch_tokens: args.prefill_tokens.max(64),
         max_running: longest.max(1),
         ..EngineConfig::default()
@@ -127,6 +140,7 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     out.insert("runs".into(), json!(args.runs));
     out.insert("prefill_prompt_tokens".into(), json!(args.prefill_tokens));
     out.insert("decode_new_tokens".into(), json!(args.decode_tokens));
+    out.insert("kv_tokens".into(), json!(args.kv_tokens));
     // The page-tag check on (the default) without the checksum: what the llama.cpp
     // comparison (`scripts/bench/summarize.py`) reads.
     let on_rates: Vec<f64> = prefill[0].iter().map(|s| tokens / s).collect();

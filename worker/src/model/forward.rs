@@ -1,10 +1,12 @@
 //! One batched forward step. The batch concatenates every sequence's new tokens — a decode
 //! step contributes one, a prefill chunk many — so the weight matmuls run once for all of
-//! them; attention runs per sequence over its own pages. Each output value is computed the
+//! them; attention runs once for the batch, each sequence over its own pages. Each output value is computed the
 //! same way whatever else is in the batch (see `bulkhead_kernels::matmul`), so a sequence's
 //! results do not depend on its neighbours.
 
-use bulkhead_kernels::attention::{IntegrityError, PagedKv, PagedSeq, TagView, attend, write_kv};
+use bulkhead_kernels::attention::{
+    BatchSeq, IntegrityError, PagedKv, PagedSeq, TagView, attend_batch, write_kv,
+};
 use bulkhead_kernels::ops::{Rope, add_assign, rms_norm, silu_mul};
 use bulkhead_kernels::{DeviceError, ShapeError, matmul};
 use bulkhead_kvpool::PageRef;
@@ -125,6 +127,18 @@ impl Model {
             }
         }
 
+        let mut seqs: Vec<BatchSeq<'_>> = batch
+            .iter()
+            .zip(&failed)
+            .map(|(s, f)| BatchSeq {
+                seq: PagedSeq {
+                    table: s.table,
+                    cached: s.cached,
+                    new: s.tokens.len(),
+                },
+                live: f.is_none(),
+            })
+            .collect();
         for (l, w) in self.weights.layers.iter().enumerate() {
             rms_norm(x, &w.attn_norm, c.rms_eps, xn);
             acts.load(xn, n, dim);
@@ -136,48 +150,43 @@ impl Model {
                 Rope::apply(a, &mut q[r * dim..(r + 1) * dim]);
                 Rope::apply(a, &mut k[r * kvd..(r + 1) * kvd]);
             }
+            let layout = *kv.layout();
+            let mem = kv.host_mut().ok_or(ForwardError::KvElsewhere)?;
             let mut row0 = 0;
-            for (si, s) in batch.iter().enumerate() {
-                let rows = row0..row0 + s.tokens.len();
+            for (si, s) in seqs.iter_mut().enumerate() {
+                let rows = row0..row0 + s.seq.new;
                 row0 = rows.end;
-                if failed[si].is_some() {
+                if !s.live {
                     continue;
                 }
-                let seq = PagedSeq {
-                    table: s.table,
-                    cached: s.cached,
-                    new: s.tokens.len(),
-                };
                 let kv_rows = rows.start * kvd..rows.end * kvd;
-                let dim_rows = rows.start * dim..rows.end * dim;
-                let layout = *kv.layout();
-                let mem = kv.host_mut().ok_or(ForwardError::KvElsewhere)?;
-                let r = write_kv(
+                let written = write_kv(
                     &layout,
                     mem,
                     view,
-                    seq,
+                    s.seq,
                     l,
                     (&k[kv_rows.clone()], &v[kv_rows]),
-                )
-                .and_then(|()| {
-                    let paged = PagedKv {
-                        layout: &layout,
-                        values: mem,
-                        tags: view,
-                    };
-                    attend(
-                        self.simd,
-                        paged,
-                        seq,
-                        l,
-                        &q[dim_rows.clone()],
-                        &mut att[dim_rows.clone()],
-                    )
-                });
+                );
+                if let Err(e) = written {
+                    failed[si] = Some(e.into());
+                    s.live = false;
+                }
+            }
+            let paged = PagedKv {
+                layout: &layout,
+                values: mem,
+                tags: view,
+            };
+            let attended = attend_batch(self.simd, paged, &seqs, l, q, att);
+            let mut row0 = 0;
+            for (si, (s, r)) in seqs.iter_mut().zip(attended).enumerate() {
+                let rows = row0..row0 + s.seq.new;
+                row0 = rows.end;
                 if let Err(e) = r {
                     failed[si] = Some(e.into());
-                    att[dim_rows].fill(0.0);
+                    s.live = false;
+                    att[rows.start * dim..rows.end * dim].fill(0.0);
                 }
             }
             acts.load(att, n, dim);
