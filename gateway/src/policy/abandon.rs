@@ -79,8 +79,7 @@ impl Ending {
     }
 
     /// The longest hold any `on-disconnect` plugin asks for (abort-now when none asks).
-    /// Synchronous: plugin calls.
-    fn directive(&self, progress: Progress, held_for_tenant: u32) -> Directive {
+    async fn directive(&self, progress: Progress, held_for_tenant: u32) -> Directive {
         let event = Disconnect {
             request_id: self.id.clone(),
             tenant: self.tenant.clone(),
@@ -94,7 +93,7 @@ impl Ending {
         };
         let mut directive = Directive::AbortNow;
         for b in self.wanting(Hooks::ON_DISCONNECT) {
-            let d = match b.plugin.on_disconnect(&b.config, &event) {
+            let d = match b.plugin.on_disconnect(&b.config, &event).await {
                 Ok(d) => d,
                 Err(fault) => {
                     self.policies.stats().fault(&b.plugin.name, fault.kind());
@@ -113,8 +112,8 @@ impl Ending {
         directive
     }
 
-    /// `on-response-end` of every plugin that asked (synchronous: plugin calls).
-    fn response_end(&self, outcome: Outcome, usage: (u32, u32)) {
+    /// `on-response-end` of every plugin that asked.
+    async fn response_end(&self, outcome: Outcome, usage: (u32, u32)) {
         let event = ResponseEnd {
             request_id: self.id.clone(),
             tenant: self.tenant.clone(),
@@ -125,7 +124,7 @@ impl Ending {
             outcome,
         };
         for b in self.wanting(Hooks::ON_RESPONSE_END) {
-            if let Err(fault) = b.plugin.on_response_end(&b.config, &event) {
+            if let Err(fault) = b.plugin.on_response_end(&b.config, &event).await {
                 self.policies.stats().fault(&b.plugin.name, fault.kind());
                 tracing::warn!(plugin = %b.plugin.name, request = %self.id, %fault,
                     "a policy plugin failed at a response's end");
@@ -133,17 +132,15 @@ impl Ending {
         }
     }
 
-    /// [`Ending::response_end`] in the sandbox, when some plugin asked for it.
+    /// [`Ending::response_end`] in an instance slot, when some plugin asked for it.
     async fn end(self: Arc<Self>, outcome: Outcome, usage: (u32, u32)) {
         if self.wanting(Hooks::ON_RESPONSE_END).next().is_none() {
             return;
         }
-        let policies = self.policies.clone();
-        let outcome = policies
-            .offload(move || self.response_end(outcome, usage))
-            .await;
-        if let Some(Err(fault)) = outcome {
-            tracing::warn!(%fault, "on-response-end could not run");
+        match self.policies.slot().await {
+            Some(Ok(_slot)) => self.response_end(outcome, usage).await,
+            Some(Err(fault)) => tracing::warn!(%fault, "on-response-end could not run"),
+            None => {}
         }
     }
 
@@ -157,13 +154,8 @@ impl Ending {
         let directive = if self.wanting(Hooks::ON_DISCONNECT).next().is_none() {
             Directive::AbortNow
         } else {
-            let ending = self.clone();
-            match self
-                .policies
-                .offload(move || ending.directive(progress, held_before))
-                .await
-            {
-                Some(Ok(d)) => d,
+            match self.policies.slot().await {
+                Some(Ok(_slot)) => self.directive(progress, held_before).await,
                 Some(Err(fault)) => {
                     tracing::warn!(request = %self.id, %fault, "on-disconnect could not run");
                     ON_FAULT

@@ -6,9 +6,12 @@
     reason = "generated code; its types are never logged whole"
 )]
 mod generated {
+    // Exports are called asynchronously: a call runs on the async worker that asked for it
+    // and yields to the runtime at every epoch tick (see `plugin.rs`).
     wasmtime::component::bindgen!({
         world: "plugin",
         path: "../wit",
+        exports: { default: async },
     });
 }
 

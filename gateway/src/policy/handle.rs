@@ -8,6 +8,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
+use tokio::sync::OwnedSemaphorePermit;
+
 use super::chain::PolicySet;
 use super::digest::Digest;
 use super::load::{self, LoadError};
@@ -102,14 +104,11 @@ impl Policies {
         &self.inner.stats
     }
 
-    /// Runs plugin calls `f` in the sandbox (see [`Sandbox::offload`]); policies that are
-    /// disabled have no plugin to call, so `f` never runs and this is `None`.
-    pub(super) async fn offload<R: Send + 'static>(
-        &self,
-        f: impl FnOnce() -> R + Send + 'static,
-    ) -> Option<Result<R, Fault>> {
+    /// An instance slot of the sandbox (see [`Sandbox::slot`]); policies that are disabled
+    /// have no plugin to call, so this is `None`.
+    pub(super) async fn slot(&self) -> Option<Result<OwnedSemaphorePermit, Fault>> {
         match &self.inner.runtime {
-            Some((sandbox, _)) => Some(sandbox.offload(f).await),
+            Some((sandbox, _)) => Some(sandbox.slot().await),
             None => None,
         }
     }

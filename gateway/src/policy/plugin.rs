@@ -1,13 +1,16 @@
 //! One loaded plugin and its calls. Every call gets a fresh store (its own memory limit and
-//! deadline), a fresh instance from the pool, then `configure` and the one hook. Whatever the
+//! deadline), a fresh instance from the pool, then `configure` and the one hook, all on the
+//! calling task. Whatever the
 //! guest does, the caller gets a value or a [`Fault`]; nothing it does can panic the gateway.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use wasmtime::{Store, Trap};
+use wasmtime::{Store, Trap, UpdateDeadline};
 
-use super::bindings::{Directive, Disconnect, Hooks, PluginPre, RequestView, ResponseEnd, Verdict};
+use super::bindings::{
+    Directive, Disconnect, Hooks, Plugin, PluginPre, RequestView, ResponseEnd, Verdict,
+};
 use super::digest::Digest;
 use super::host::Host;
 use super::sandbox::{Sandbox, TICK};
@@ -90,70 +93,113 @@ impl Loaded {
         }
     }
 
-    /// Instantiates, configures with `config` and runs `hook`, all within the call's limits.
-    /// Synchronous, and must run off the async worker threads (WASI's synchronous bindings
-    /// block on the runtime): on the blocking pool, see [`Sandbox::offload`].
-    fn run<R>(
+    /// Instantiates, configures with `config` and runs `hook`, all within the call's limits,
+    /// on the calling task. The guest yields to the runtime at every epoch tick and traps
+    /// (as [`Fault::Timeout`]) at the first tick past its deadline; a host call that waits
+    /// (a WASI clock) is cut off at the deadline too, by dropping the call.
+    async fn run<R>(
         &self,
         config: &str,
-        hook: impl FnOnce(&mut Store<Host>, &super::bindings::Plugin) -> wasmtime::Result<R>,
+        hook: impl AsyncFnOnce(&mut Store<Host>, &Plugin) -> wasmtime::Result<R>,
     ) -> Result<(Hooks, R), Fault> {
         let mut store = Store::new(
             self.sandbox.engine(),
             Host::new(self.name.clone(), self.limits.memory_bytes),
         );
         store.limiter(|h| &mut h.limiter);
-        let ticks = self.limits.timeout.as_micros().div_ceil(TICK.as_micros()) + 1;
-        store.set_epoch_deadline(u64::try_from(ticks).unwrap_or(u64::MAX));
-        store.epoch_deadline_trap();
-        let result = (|| {
-            let plugin = self.pre.instantiate(&mut store)?;
+        let deadline = Instant::now() + self.limits.timeout;
+        store.set_epoch_deadline(1);
+        store.epoch_deadline_callback(move |_| {
+            Ok(if Instant::now() < deadline {
+                UpdateDeadline::Yield(1)
+            } else {
+                UpdateDeadline::Interrupt
+            })
+        });
+        let call = async {
+            let plugin = self.pre.instantiate_async(&mut store).await?;
             let configured = plugin
                 .bulkhead_policy_policy()
-                .call_configure(&mut store, config)?;
+                .call_configure(&mut store, config)
+                .await?;
             match configured {
-                Ok(hooks) => Ok(Ok((hooks, hook(&mut store, &plugin)?))),
+                Ok(hooks) => Ok(Ok((hooks, hook(&mut store, &plugin).await?))),
                 Err(reason) => Ok(Err(reason)),
             }
-        })();
+        };
+        // The epoch trap fires within a tick of the deadline; the timeout is the backstop for
+        // a guest parked in a host call.
+        let result = tokio::time::timeout(self.limits.timeout + 2 * TICK, call).await;
         match result {
-            Ok(Ok(done)) => Ok(done),
-            Ok(Err(reason)) => Err(Fault::Garbage(format!(
+            Err(_) => Err(Fault::Timeout),
+            Ok(Ok(Ok(done))) => Ok(done),
+            Ok(Ok(Err(reason))) => Err(Fault::Garbage(format!(
                 "configure refused its configuration: {}",
                 truncate(&reason)
             ))),
-            Err(e) => Err(classify(&store, &e)),
+            Ok(Err(e)) => Err(classify(&store, &e)),
         }
     }
 
-    /// Load time: the hooks the plugin wants with `config`, or why it refuses it.
+    /// Load time: the hooks the plugin wants with `config`, or why it refuses it. Loading is
+    /// synchronous (and may run on an async worker thread, as in tests), so the call runs on a
+    /// thread of its own with a runtime of its own.
     pub(super) fn configure(&self, config: &str) -> Result<Hooks, Fault> {
-        self.run(config, |_, _| Ok(())).map(|(hooks, ())| hooks)
+        let lost = |what: &str| Fault::Trap(format!("the host thread running configure {what}"));
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    tokio::runtime::Builder::new_current_thread()
+                        .enable_time()
+                        .build()
+                        .map_err(|e| lost(&format!("has no runtime: {e}")))?
+                        .block_on(self.run(config, async |_, _| Ok(())))
+                        .map(|(hooks, ())| hooks)
+                })
+                .join()
+                .unwrap_or_else(|_| Err(lost("failed")))
+        })
     }
 
-    pub(super) fn on_request(&self, config: &str, request: &RequestView) -> Result<Verdict, Fault> {
-        self.run(config, |store, p| {
-            p.bulkhead_policy_policy().call_on_request(store, request)
+    pub(super) async fn on_request(
+        &self,
+        config: &str,
+        request: &RequestView,
+    ) -> Result<Verdict, Fault> {
+        self.run(config, async |store, p| {
+            p.bulkhead_policy_policy()
+                .call_on_request(store, request)
+                .await
         })
+        .await
         .map(|(_, r)| r)
     }
 
-    pub(super) fn on_disconnect(
+    pub(super) async fn on_disconnect(
         &self,
         config: &str,
         event: &Disconnect,
     ) -> Result<Directive, Fault> {
-        self.run(config, |store, p| {
-            p.bulkhead_policy_policy().call_on_disconnect(store, event)
+        self.run(config, async |store, p| {
+            p.bulkhead_policy_policy()
+                .call_on_disconnect(store, event)
+                .await
         })
+        .await
         .map(|(_, r)| r)
     }
 
-    pub(super) fn on_response_end(&self, config: &str, event: &ResponseEnd) -> Result<(), Fault> {
-        self.run(config, |store, p| {
+    pub(super) async fn on_response_end(
+        &self,
+        config: &str,
+        event: &ResponseEnd,
+    ) -> Result<(), Fault> {
+        self.run(config, async |store, p| {
             p.bulkhead_policy_policy()
                 .call_on_response_end(store, event)
+                .await
         })
+        .await
         .map(|(_, r)| r)
     }
 }

@@ -109,17 +109,6 @@ fn selected(headers: &HeaderMap, names: &[HeaderName]) -> Vec<Header> {
         .collect()
 }
 
-/// [`RequestFacts`], owned: the chain runs on the blocking pool.
-struct Facts {
-    id: String,
-    tenant: String,
-    model: String,
-    route: String,
-    headers: HeaderMap,
-    prompt_tokens: u32,
-    max_tokens: u32,
-}
-
 /// What the chain allowed.
 struct Chained {
     decisions: Vec<Decision>,
@@ -128,12 +117,12 @@ struct Chained {
     max_tokens: u32,
 }
 
-/// The `on-request` chain over the bindings `matched` of `set` (synchronous: plugin calls).
-fn chain(
+/// The `on-request` chain over the bindings `matched` of `set`.
+async fn chain(
     policies: &Policies,
     set: &PolicySet,
     matched: &[usize],
-    facts: &Facts,
+    facts: &RequestFacts<'_>,
 ) -> Result<Chained, Refused> {
     let mut out = Chained {
         decisions: Vec::new(),
@@ -148,15 +137,18 @@ fn chain(
         }
         let plugin = &binding.plugin;
         let view = RequestView {
-            request_id: facts.id.clone(),
-            tenant: facts.tenant.clone(),
-            model: facts.model.clone(),
-            route: facts.route.clone(),
+            request_id: facts.id.to_owned(),
+            tenant: facts.tenant.to_owned(),
+            model: facts.model.to_owned(),
+            route: facts.route.to_owned(),
             prompt_tokens: facts.prompt_tokens,
             max_tokens: out.max_tokens,
-            headers: selected(&facts.headers, &binding.headers),
+            headers: selected(facts.headers, &binding.headers),
         };
-        let answer = plugin.on_request(&binding.config, &view).and_then(check);
+        let answer = plugin
+            .on_request(&binding.config, &view)
+            .await
+            .and_then(check);
         let (verdict, refusal) = match answer {
             Ok(Checked::Allow {
                 tags,
@@ -221,24 +213,17 @@ impl Policies {
             .iter()
             .any(|&i| set.bindings[i].hooks.contains(Hooks::ON_REQUEST));
         let chained = if wanted {
-            let owned = Facts {
-                id: facts.id.to_owned(),
-                tenant: facts.tenant.to_owned(),
-                model: facts.model.to_owned(),
-                route: facts.route.to_owned(),
-                headers: facts.headers.clone(),
-                prompt_tokens: facts.prompt_tokens,
-                max_tokens: facts.max_tokens,
-            };
-            let (policies, s, m) = (self.clone(), set.clone(), matched.clone());
-            match self.offload(move || chain(&policies, &s, &m, &owned)).await {
-                Some(chained) => chained.map_err(|fault| Refused {
-                    decisions: Vec::new(),
-                    refusal: Refusal::Failed {
-                        plugin: "(sandbox)".into(),
-                        fault,
-                    },
-                })??,
+            match self.slot().await {
+                Some(Ok(_slot)) => chain(self, &set, &matched, &facts).await?,
+                Some(Err(fault)) => {
+                    return Err(Refused {
+                        decisions: Vec::new(),
+                        refusal: Refusal::Failed {
+                            plugin: "(sandbox)".into(),
+                            fault,
+                        },
+                    });
+                }
                 None => unchanged(),
             }
         } else {

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::OwnedSemaphorePermit;
 use wasmtime::component::{Component, Linker};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
@@ -98,7 +99,7 @@ impl Sandbox {
             .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
         let engine = Engine::new(&config).map_err(SandboxError)?;
         let mut linker = Linker::<Host>::new(&engine);
-        wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(SandboxError)?;
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(SandboxError)?;
         Plugin::add_to_linker::<Host, wasmtime::component::HasSelf<Host>>(&mut linker, |h| h)
             .map_err(SandboxError)?;
         spawn_ticker(&engine).map_err(|e| SandboxError(e.into()))?;
@@ -110,23 +111,14 @@ impl Sandbox {
         })
     }
 
-    /// Runs `f` (plugin calls) on the blocking pool once an instance slot is free, waiting
-    /// at most [`SLOT_WAIT`]. Plugin calls are synchronous and WASI's synchronous bindings block
-    /// on the async runtime, so they must never run on its worker threads.
-    pub(super) async fn offload<R: Send + 'static>(
-        &self,
-        f: impl FnOnce() -> R + Send + 'static,
-    ) -> Result<R, Fault> {
-        let permit = tokio::time::timeout(SLOT_WAIT, self.slots.clone().acquire_owned())
+    /// An instance slot, waiting at most [`SLOT_WAIT`] for one to be free. Plugin calls run on
+    /// the async worker that holds it: they are asynchronous and yield at every epoch tick, so
+    /// a slow plugin never blocks the runtime's threads.
+    pub(super) async fn slot(&self) -> Result<OwnedSemaphorePermit, Fault> {
+        tokio::time::timeout(SLOT_WAIT, self.slots.clone().acquire_owned())
             .await
             .map_err(|_| Fault::Busy)?
-            .map_err(|_| Fault::Busy)?;
-        tokio::task::spawn_blocking(move || {
-            let _slot = permit;
-            f()
-        })
-        .await
-        .map_err(|_| Fault::Trap("the host thread running the call failed".into()))
+            .map_err(|_| Fault::Busy)
     }
 
     pub(super) fn engine(&self) -> &Engine {

@@ -262,6 +262,31 @@ async fn an_infinite_loop_is_stopped_at_its_deadline_and_fails_closed() {
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
 }
 
+/// Plugin calls run on the async worker that asked for them, so a spinning guest must yield:
+/// on a runtime with a single thread, another request's task still runs while the loop spins
+/// towards its deadline.
+#[tokio::test(flavor = "current_thread")]
+async fn a_spinning_plugin_yields_its_thread_to_other_requests_until_its_deadline() {
+    let (p, _dir) = loaded(&format!(
+        "{}{}",
+        plugin("hostile", "timeout_ms = 600"),
+        binding("hostile", "config = { attack = \"loop\" }"),
+    ));
+    let t0 = Instant::now();
+    let other = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        t0.elapsed()
+    });
+    assert_eq!(fault_of(ask(&p, Ask::default()).await), Fault::Timeout);
+    let spun = t0.elapsed();
+    let waited = other.await.expect("the other task ran");
+    assert!(spun >= Duration::from_millis(600), "{spun:?}");
+    assert!(
+        waited < Duration::from_millis(300),
+        "the other task waited {waited:?} for a thread the plugin held for {spun:?}"
+    );
+}
+
 #[tokio::test]
 async fn a_memory_bomb_hits_its_memory_limit_and_fails_closed() {
     let (p, _dir) = loaded(&format!(
