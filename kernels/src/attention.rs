@@ -263,34 +263,51 @@ pub fn attend_batch(
         let seq = seqs[s].seq;
         let len = seq.cached + t + 1;
         let qs = &q[(row * heads + kvh * group) * hd..][..group * hd];
-        let at = |pos: usize, v: bool| {
-            let page = seq.table[pos / layout.page_tokens].page.index();
-            layout.offset(page, layer, v, kvh, pos % layout.page_tokens)
-        };
-        SCRATCH.with_borrow_mut(|(scores, row)| {
+        let pt = layout.page_tokens;
+        // The sequence's pages under positions `0..len`, with the first position of each:
+        // within a page, one KV head's slots of one layer lie one after another.
+        let pages = seq.table[..len.div_ceil(pt)]
+            .iter()
+            .enumerate()
+            .map(|(p, r)| (p * pt, (len - p * pt).min(pt), r.page.index()));
+        SCRATCH.with_borrow_mut(|(scores, rows)| {
             scores.clear();
             scores.resize(group * len, 0.0);
-            row.resize(hd, 0.0);
-            for pos in 0..len {
-                let key = &pool[at(pos, false)..][..hd];
-                if tags.canary && key[0].to_bits() == CANARY.to_bits() {
+            rows.resize(pt * hd, 0.0);
+            for (first, n, page) in pages.clone() {
+                let at = layout.offset(page, layer, false, kvh, 0);
+                let keys = &pool[at..at + n * hd];
+                if tags.canary
+                    && let Some(slot) = keys
+                        .chunks_exact(hd)
+                        .position(|k| k[0].to_bits() == CANARY.to_bits())
+                {
                     let mut found = canaries.lock().unwrap_or_else(|p| p.into_inner());
-                    found.push((s, pos));
+                    found.push((s, first + slot));
                     return;
                 }
-                widen(simd, key, row);
+                widen(simd, keys, &mut rows[..n * hd]);
                 for (j, qh) in qs.chunks_exact(hd).enumerate() {
-                    scores[j * len + pos] = dot(simd, qh, row) * scale;
+                    dots(
+                        simd,
+                        qh,
+                        &rows[..n * hd],
+                        &mut scores[j * len + first..][..n],
+                    );
                 }
             }
             for head in scores.chunks_exact_mut(len) {
+                for x in head.iter_mut() {
+                    *x *= scale;
+                }
                 softmax(head);
             }
             o.fill(0.0);
-            for pos in 0..len {
-                widen(simd, &pool[at(pos, true)..][..hd], row);
+            for (first, n, page) in pages {
+                let at = layout.offset(page, layer, true, kvh, 0);
+                widen(simd, &pool[at..at + n * hd], &mut rows[..n * hd]);
                 for (j, oh) in o.chunks_exact_mut(hd).enumerate() {
-                    axpy(simd, oh, scores[j * len + pos], row);
+                    axpys(simd, oh, &scores[j * len + first..][..n], &rows[..n * hd]);
                 }
             }
         });
@@ -324,21 +341,23 @@ fn widen(simd: Simd, x: &[f16], out: &mut [f32]) {
     }
 }
 
-fn dot(simd: Simd, a: &[f32], b: &[f32]) -> f32 {
+/// `out[i] = dot(q, rows[i])` for each `q.len()`-value row of `rows`.
+fn dots(simd: Simd, q: &[f32], rows: &[f32], out: &mut [f32]) {
     match simd {
-        Simd::Portable => portable::dot(a, b),
+        Simd::Portable => portable::dots(q, rows, out),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `widen`.
-        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::dot(a, b) },
+        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::dots(q, rows, out) },
     }
 }
 
-fn axpy(simd: Simd, out: &mut [f32], a: f32, x: &[f32]) {
+/// `out += w[i] * rows[i]` for each `out.len()`-value row of `rows`, in order.
+fn axpys(simd: Simd, out: &mut [f32], w: &[f32], rows: &[f32]) {
     match simd {
-        Simd::Portable => portable::axpy(out, a, x),
+        Simd::Portable => portable::axpys(out, w, rows),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `widen`.
-        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::axpy(out, a, x) },
+        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::axpys(out, w, rows) },
     }
 }
 
@@ -381,6 +400,19 @@ mod portable {
                 .sum::<f32>()
     }
 
+    pub(super) fn dots(q: &[f32], rows: &[f32], out: &mut [f32]) {
+        for (o, row) in out.iter_mut().zip(rows.chunks_exact(q.len())) {
+            *o = dot(q, row);
+        }
+    }
+
+    pub(super) fn axpys(out: &mut [f32], w: &[f32], rows: &[f32]) {
+        let n = out.len();
+        for (&a, row) in w.iter().zip(rows.chunks_exact(n)) {
+            axpy(out, a, row);
+        }
+    }
+
     pub(super) fn axpy(out: &mut [f32], a: f32, x: &[f32]) {
         let n = out.len().min(x.len());
         let whole = n - n % LANES;
@@ -418,53 +450,74 @@ mod avx2 {
         }
     }
 
+    /// `out[i]` = the dot product of `q` with row `i` of `rows`, bit-identical to
+    /// `portable::dot`: per row one 8-lane accumulator over whole chunks of 8, its lanes summed
+    /// in order, then the rest. Eight rows run at once, as independent chains.
+    ///
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len().min(b.len());
-        let mut acc = _mm256_setzero_ps();
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: `i + 8 <= n` and both slices hold at least `n` values.
-            let (x, y) = unsafe {
-                (
-                    _mm256_loadu_ps(a.as_ptr().add(i)),
-                    _mm256_loadu_ps(b.as_ptr().add(i)),
-                )
-            };
-            acc = _mm256_fmadd_ps(x, y, acc);
-            i += 8;
+    pub unsafe fn dots(q: &[f32], rows: &[f32], out: &mut [f32]) {
+        const ROWS: usize = 8;
+        let hd = q.len();
+        let whole = hd - hd % 8;
+        let mut r = 0;
+        while r < out.len() {
+            let m = (out.len() - r).min(ROWS);
+            let mut acc = [_mm256_setzero_ps(); ROWS];
+            let mut i = 0;
+            while i < whole {
+                // SAFETY: `i + 8 <= hd`; `q` holds `hd` values.
+                let x = unsafe { _mm256_loadu_ps(q.as_ptr().add(i)) };
+                for (j, acc) in acc[..m].iter_mut().enumerate() {
+                    // SAFETY: row `r + j` is inside `rows` (`out` has a value per row).
+                    let y = unsafe { _mm256_loadu_ps(rows.as_ptr().add((r + j) * hd + i)) };
+                    *acc = _mm256_fmadd_ps(x, y, *acc);
+                }
+                i += 8;
+            }
+            let mut lanes = [[0.0f32; 8]; ROWS];
+            for (l, a) in lanes[..m].iter_mut().zip(&acc) {
+                // SAFETY: `l` holds 8 f32.
+                unsafe { _mm256_storeu_ps(l.as_mut_ptr(), *a) };
+            }
+            for (j, l) in lanes[..m].iter().enumerate() {
+                let row = &rows[(r + j) * hd..(r + j + 1) * hd];
+                out[r + j] = l.iter().sum::<f32>()
+                    + q[whole..]
+                        .iter()
+                        .zip(&row[whole..])
+                        .map(|(x, y)| x * y)
+                        .sum::<f32>();
+            }
+            r += m;
         }
-        let mut lanes = [0.0f32; 8];
-        // SAFETY: `lanes` holds 8 f32.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-        lanes.iter().sum::<f32>()
-            + a[i..n]
-                .iter()
-                .zip(&b[i..n])
-                .map(|(x, y)| x * y)
-                .sum::<f32>()
     }
 
+    /// `out += w[i] * row i of rows` for each row in order, bit-identical to
+    /// `portable::axpy` row after row.
+    ///
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn axpy(out: &mut [f32], a: f32, x: &[f32]) {
-        let n = out.len().min(x.len());
-        let va = _mm256_set1_ps(a);
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: `i + 8 <= n` and both slices hold at least `n` values.
-            unsafe {
-                let p = out.as_mut_ptr().add(i);
-                let y = _mm256_loadu_ps(x.as_ptr().add(i));
-                _mm256_storeu_ps(p, _mm256_fmadd_ps(va, y, _mm256_loadu_ps(p)));
+    pub unsafe fn axpys(out: &mut [f32], w: &[f32], rows: &[f32]) {
+        let n = out.len();
+        let whole = n - n % 8;
+        for (&a, row) in w.iter().zip(rows.chunks_exact(n)) {
+            let va = _mm256_set1_ps(a);
+            let mut i = 0;
+            while i < whole {
+                // SAFETY: `i + 8 <= n`; `out` and `row` hold `n` values.
+                unsafe {
+                    let p = out.as_mut_ptr().add(i);
+                    let y = _mm256_loadu_ps(row.as_ptr().add(i));
+                    _mm256_storeu_ps(p, _mm256_fmadd_ps(va, y, _mm256_loadu_ps(p)));
+                }
+                i += 8;
             }
-            i += 8;
-        }
-        for (o, x) in out[i..n].iter_mut().zip(&x[i..n]) {
-            *o += a * x;
+            for (o, x) in out[whole..].iter_mut().zip(&row[whole..]) {
+                *o += a * x;
+            }
         }
     }
 }
@@ -591,34 +644,46 @@ mod tests {
         });
     }
 
-    /// Every length: whole groups of lanes, a rest, and both.
+    /// Every row length (whole groups of lanes, a rest, and both) and every number of rows
+    /// (the SIMD dots take eight at a time): each level matches the portable kernels row by
+    /// row, bit for bit.
     #[test]
     fn every_level_widens_dots_and_accumulates_bit_identically_to_the_portable_one() {
         for n in [1, 7, 8, 21, 64] {
-            let a = values(n, 5);
-            let halves: Vec<f16> = values(n, 6).into_iter().map(f16::from_f32).collect();
-            let mut b = vec![0.0; n];
-            widen(Simd::Portable, &halves, &mut b);
-            assert!(b.iter().zip(&halves).all(|(x, h)| *x == h.to_f32()));
-            let want_dot = dot(Simd::Portable, &a, &b);
-            let mut want_out = values(n, 7);
-            axpy(Simd::Portable, &mut want_out, 0.37, &b);
-            for simd in Simd::available() {
-                let mut wide = vec![0.0; n];
-                widen(simd, &halves, &mut wide);
-                assert_eq!(wide, b, "{simd:?} widen, {n} values");
-                assert_eq!(
-                    dot(simd, &a, &b).to_bits(),
-                    want_dot.to_bits(),
-                    "{simd:?} dot, {n} values"
-                );
-                let mut out = values(n, 7);
-                axpy(simd, &mut out, 0.37, &b);
-                assert_eq!(
-                    out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    want_out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    "{simd:?} axpy, {n} values"
-                );
+            for rows in [1, 5, 8, 13] {
+                let q = values(n, 5);
+                let halves: Vec<f16> = values(n * rows, 6).into_iter().map(f16::from_f32).collect();
+                let mut wide = vec![0.0; n * rows];
+                widen(Simd::Portable, &halves, &mut wide);
+                assert!(wide.iter().zip(&halves).all(|(x, h)| *x == h.to_f32()));
+                let want_dots: Vec<u32> = wide
+                    .chunks_exact(n)
+                    .map(|row| portable::dot(&q, row).to_bits())
+                    .collect();
+                let w = values(rows, 8);
+                let mut want_out = values(n, 7);
+                for (&a, row) in w.iter().zip(wide.chunks_exact(n)) {
+                    portable::axpy(&mut want_out, a, row);
+                }
+                for simd in Simd::available() {
+                    let mut got = vec![0.0; n * rows];
+                    widen(simd, &halves, &mut got);
+                    assert_eq!(got, wide, "{simd:?} widen, {n} values");
+                    let mut d = vec![0.0; rows];
+                    dots(simd, &q, &wide, &mut d);
+                    assert_eq!(
+                        d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        want_dots,
+                        "{simd:?} dots, {rows} rows of {n}"
+                    );
+                    let mut out = values(n, 7);
+                    axpys(simd, &mut out, &w, &wide);
+                    assert_eq!(
+                        out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        want_out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "{simd:?} axpys, {rows} rows of {n}"
+                    );
+                }
             }
         }
     }
