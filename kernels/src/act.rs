@@ -29,7 +29,7 @@ impl BlockQ8 {
 
     /// Quantizes one block of exactly [`BLOCK`] values.
     pub fn quantize(values: &[f32]) -> BlockQ8 {
-        let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let amax = amax(values);
         let d = amax / 127.0;
         let id = if d == 0.0 { 0.0 } else { 1.0 / d };
         let mut qs = [0i8; BLOCK];
@@ -46,6 +46,23 @@ impl BlockQ8 {
             sum,
         }
     }
+}
+
+/// The largest `|v|` (0 for none), over eight independent lanes so that it vectorizes (a
+/// single running `f32::max` is one long dependency chain). The maximum does not depend on
+/// the order it is taken in.
+fn amax(values: &[f32]) -> f32 {
+    let larger = |m: f32, a: f32| if a > m { a } else { m };
+    let mut lanes = [0.0f32; 8];
+    let chunks = values.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (m, v) in lanes.iter_mut().zip(c) {
+            *m = larger(*m, v.abs());
+        }
+    }
+    let lanes = lanes.into_iter().fold(0.0, larger);
+    rest.iter().fold(lanes, |m, v| larger(m, v.abs()))
 }
 
 /// `v` rounded to the nearest integer, ties to even, for `|v| < 2^22` (activations scaled to
@@ -128,6 +145,15 @@ mod tests {
     fn rounding_is_to_nearest_ties_to_even() {
         for v in [-127.0, -2.5, -1.5, -0.5, 0.49, 0.5, 1.5, 2.5, 126.6, 127.0] {
             assert_eq!(round_ties_even(v), v.round_ties_even(), "{v}");
+        }
+    }
+
+    #[test]
+    fn the_lane_wise_maximum_is_the_plain_one() {
+        for n in [0, 3, 8, 32, 37] {
+            let values: Vec<f32> = (0..n).map(|i| ((i * 7919) % 61) as f32 - 30.5).collect();
+            let plain = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            assert_eq!(amax(&values).to_bits(), plain.to_bits(), "{n} values");
         }
     }
 
