@@ -2,19 +2,22 @@
 measures ours: prefill tokens/s of one prompt until its logits, and decode tokens/s of greedy
 generation at batch 1. Prints one JSON object on stdout.
 
-Uses llama-cpp-python 0.3.36. The model loads with `use_extra_bufts = False`: llama.cpp's AMX
-repacked matmul crashes on CPUs that report AMX (see scripts/golden/README.md); on other CPUs
-the flag changes nothing.
+Uses llama-cpp-python 0.3.36, loaded by scripts/llamacpp_cpu.py (llama.cpp's AMX repacked
+matmul off: it crashes on CPUs that report AMX, see scripts/golden/README.md).
 """
 
 import argparse
 import json
+import os
 import resource
+import sys
 import time
 
 import llama_cpp
-import llama_cpp.llama_cpp as llama_capi
 import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import llamacpp_cpu  # noqa: E402
 
 # Must stay the prose of `src/bench/engine.rs` (TEXT).
 TEXT = (
@@ -26,25 +29,14 @@ TEXT = (
 
 
 def load(path, threads, n_ctx):
-    orig = llama_capi.llama_model_default_params
-
-    def no_extra_bufts():
-        p = orig()
-        p.use_extra_bufts = False
-        return p
-
-    llama_capi.llama_model_default_params = no_extra_bufts
-    try:
-        return llama_cpp.Llama(
-            model_path=path,
-            n_ctx=n_ctx,
-            n_threads=threads,
-            n_threads_batch=threads,
-            n_batch=512,
-            verbose=False,
-        )
-    finally:
-        llama_capi.llama_model_default_params = orig
+    return llamacpp_cpu.load(
+        path,
+        n_ctx=n_ctx,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_batch=512,
+        verbose=False,
+    )
 
 
 def main():

@@ -19,7 +19,9 @@ import sys
 import numpy as np
 
 import llama_cpp
-import llama_cpp.llama_cpp as llama_capi
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import llamacpp_cpu  # noqa: E402
 
 EXPECTED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -127,31 +129,16 @@ def check_template(template, user_content):
 
 
 def load_model(path):
-    # llama-cpp-python 0.3.36 has no keyword for llama_model_params.use_extra_bufts. With extra
-    # buffer types enabled, llama.cpp repacks Q4_1 weights for its AMX kernels on CPUs that
-    # report AMX, and that path crashes (SIGSEGV) on this machine. Wrap the default-params
-    # function that Llama.__init__ calls so the model loads with plain CPU buffers.
-    orig = llama_capi.llama_model_default_params
-
-    def no_extra_bufts():
-        p = orig()
-        p.use_extra_bufts = False
-        return p
-
-    llama_capi.llama_model_default_params = no_extra_bufts
-    try:
-        return llama_cpp.Llama(
-            model_path=path,
-            n_ctx=N_CTX,
-            n_threads=N_THREADS,
-            n_threads_batch=N_THREADS,
-            n_batch=N_BATCH,
-            logits_all=True,
-            seed=SEED,
-            verbose=False,
-        )
-    finally:
-        llama_capi.llama_model_default_params = orig
+    return llamacpp_cpu.load(
+        path,
+        n_ctx=N_CTX,
+        n_threads=N_THREADS,
+        n_threads_batch=N_THREADS,
+        n_batch=N_BATCH,
+        logits_all=True,
+        seed=SEED,
+        verbose=False,
+    )
 
 
 def tokenize(llm, text, special=True):
