@@ -139,9 +139,15 @@ impl ChatTemplate {
             })
             .collect();
         let rendered = self.render(&marked, add_generation_prompt)?;
-        let tokenize = |text: &str, special: bool| {
+        let content = |text: &str| {
             tokenizer
-                .encode(text, special)
+                .encode(text, false)
+                .map_err(|e| ChatError::Tokenize(e.to_string()))
+        };
+        // What the template rendered around the contents (special tokens parsed there only).
+        let template = |text: &str| {
+            tokenizer
+                .encode_template(text)
                 .map_err(|e| ChatError::Tokenize(e.to_string()))
         };
         let mut tokens = Vec::new();
@@ -149,14 +155,14 @@ impl ChatTemplate {
         for (i, m) in messages.iter().enumerate() {
             let mark = marker(i);
             let (before, after) = rest.split_once(&mark).ok_or(ChatError::ContentRewritten)?;
-            tokens.extend(tokenize(before, true)?);
-            tokens.extend(tokenize(&m.content, false)?);
+            tokens.extend_from_slice(&template(before)?);
+            tokens.extend(content(&m.content)?);
             rest = after;
         }
         if rest.contains('\u{F8F0}') {
             return Err(ChatError::ContentRewritten);
         }
-        tokens.extend(tokenize(rest, true)?);
+        tokens.extend_from_slice(&template(rest)?);
         Ok(tokens)
     }
 }

@@ -7,6 +7,7 @@
 //! streaming can emit text only at UTF-8 boundaries ([`Detokenizer`]).
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use tokenizers::SplitDelimiterBehavior;
 use tokenizers::models::bpe::{BPE, Vocab};
@@ -55,7 +56,14 @@ pub struct Tokenizer {
     eos: TokenId,
     /// Tokens that end generation: EOS plus `<|endoftext|>`/`<|eot_id|>`-style control tokens.
     stop: Vec<TokenId>,
+    /// Ids of the texts a chat template renders around the messages (see
+    /// [`Tokenizer::encode_template`]).
+    template_pieces: Mutex<HashMap<String, Arc<[TokenId]>>>,
 }
+
+/// The most template pieces kept; the cache is emptied when it is full, so texts that vary
+/// from request to request cannot grow it.
+const TEMPLATE_PIECES: usize = 256;
 
 /// A tokenizer's data, as a GGUF file holds it and a worker's Info hands it to the gateway.
 #[derive(Debug, Clone, Copy)]
@@ -203,6 +211,7 @@ impl Tokenizer {
             bos: bos.filter(|&b| (b as usize) < tokens.len()),
             eos,
             stop,
+            template_pieces: Mutex::new(HashMap::new()),
         })
     }
 
@@ -253,6 +262,40 @@ impl Tokenizer {
             }
         }
         Ok(out)
+    }
+
+    /// [`Tokenizer::encode`] with special tokens parsed, for text a chat template rendered
+    /// around the messages' contents (its default system prompt, the role headers, the
+    /// generation prompt): the same few pieces on every request, so their ids come from a
+    /// bounded cache after the first time.
+    pub fn encode_template(&self, text: &str) -> Result<Arc<[TokenId]>, TokenizerError> {
+        let cached = |p: &Mutex<HashMap<String, Arc<[TokenId]>>>| {
+            p.lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get(text)
+                .cloned()
+        };
+        if let Some(ids) = cached(&self.template_pieces) {
+            return Ok(ids);
+        }
+        let ids: Arc<[TokenId]> = self.encode(text, true)?.into();
+        let mut pieces = self
+            .template_pieces
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if pieces.len() >= TEMPLATE_PIECES {
+            pieces.clear();
+        }
+        pieces.insert(text.to_owned(), ids.clone());
+        Ok(ids)
+    }
+
+    #[cfg(test)]
+    fn template_pieces_cached(&self) -> usize {
+        self.template_pieces
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
     }
 
     /// The earliest special token in `text`: (byte offset, byte length, id).
@@ -425,5 +468,21 @@ mod tests {
         let mut d = Detokenizer::default();
         let pieces: Vec<String> = ids.iter().map(|&i| d.push(&t, i)).collect();
         assert_eq!(pieces, ["", "é", "", "", "", "🙂"]);
+    }
+
+    #[test]
+    fn template_pieces_come_out_as_encoded_and_the_cache_stays_bounded() {
+        let t = tokenizer("smollm").expect("smollm");
+        let piece = "<|im_start|>system\nx<|im_end|>\n<|im_start|>user\n";
+        let want = t.encode(piece, true).expect("encode");
+        assert_eq!(*t.encode_template(piece).expect("first"), *want);
+        assert_eq!(*t.encode_template(piece).expect("cached"), *want);
+        assert_eq!(t.template_pieces_cached(), 1);
+        for i in 0..TEMPLATE_PIECES + 10 {
+            let text = format!("<|im_start|>piece {i}");
+            let ids = t.encode_template(&text).expect("encode");
+            assert_eq!(*ids, *t.encode(&text, true).expect("encode"));
+            assert!(t.template_pieces_cached() <= TEMPLATE_PIECES);
+        }
     }
 }
