@@ -205,10 +205,8 @@ pub fn attend(
     q: &[f32],
     out: &mut [f32],
 ) -> Result<(), IntegrityError> {
-    let [result] = attend_batch(simd, kv, &[BatchSeq { seq, live: true }], layer, q, out)
-        .try_into()
-        .unwrap_or([Ok(())]);
-    result
+    // One result per sequence: exactly one here.
+    attend_batch(simd, kv, &[BatchSeq { seq, live: true }], layer, q, out).swap_remove(0)
 }
 
 /// [`attend`] for every live sequence of a batch in one parallel loop, one result per
@@ -325,8 +323,8 @@ pub fn attend_batch(
 }
 
 thread_local! {
-    /// One loop item's attention scores (a row per query head) and one key or value row in
-    /// f32; kept per thread so a decode step allocates nothing.
+    /// One loop item's attention scores (a row per query head) and one page of keys or
+    /// values in f32; kept per thread so a decode step allocates nothing.
     static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 

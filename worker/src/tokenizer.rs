@@ -7,7 +7,7 @@
 //! streaming can emit text only at UTF-8 boundaries ([`Detokenizer`]).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tokenizers::SplitDelimiterBehavior;
 use tokenizers::models::bpe::{BPE, Vocab};
@@ -269,20 +269,12 @@ impl Tokenizer {
     /// generation prompt): the same few pieces on every request, so their ids come from a
     /// bounded cache after the first time.
     pub fn encode_template(&self, text: &str) -> Result<Arc<[TokenId]>, TokenizerError> {
-        let cached = |p: &Mutex<HashMap<String, Arc<[TokenId]>>>| {
-            p.lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .get(text)
-                .cloned()
-        };
-        if let Some(ids) = cached(&self.template_pieces) {
-            return Ok(ids);
+        if let Some(ids) = self.template_pieces().get(text) {
+            return Ok(ids.clone());
         }
+        // Encoded outside the lock; two threads may both encode a new piece, to the same ids.
         let ids: Arc<[TokenId]> = self.encode(text, true)?.into();
-        let mut pieces = self
-            .template_pieces
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut pieces = self.template_pieces();
         if pieces.len() >= TEMPLATE_PIECES {
             pieces.clear();
         }
@@ -290,12 +282,10 @@ impl Tokenizer {
         Ok(ids)
     }
 
-    #[cfg(test)]
-    fn template_pieces_cached(&self) -> usize {
+    fn template_pieces(&self) -> MutexGuard<'_, HashMap<String, Arc<[TokenId]>>> {
         self.template_pieces
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .len()
     }
 
     /// The earliest special token in `text`: (byte offset, byte length, id).
@@ -477,12 +467,12 @@ mod tests {
         let want = t.encode(piece, true).expect("encode");
         assert_eq!(*t.encode_template(piece).expect("first"), *want);
         assert_eq!(*t.encode_template(piece).expect("cached"), *want);
-        assert_eq!(t.template_pieces_cached(), 1);
+        assert_eq!(t.template_pieces().len(), 1);
         for i in 0..TEMPLATE_PIECES + 10 {
             let text = format!("<|im_start|>piece {i}");
             let ids = t.encode_template(&text).expect("encode");
             assert_eq!(*ids, *t.encode(&text, true).expect("encode"));
-            assert!(t.template_pieces_cached() <= TEMPLATE_PIECES);
+            assert!(t.template_pieces().len() <= TEMPLATE_PIECES);
         }
     }
 }

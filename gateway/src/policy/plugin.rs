@@ -1,7 +1,7 @@
 //! One loaded plugin and its calls. Every call gets a fresh store (its own memory limit and
 //! deadline), a fresh instance from the pool, then `configure` and the one hook, all on the
-//! calling task. Whatever the
-//! guest does, the caller gets a value or a [`Fault`]; nothing it does can panic the gateway.
+//! calling task. Whatever the guest does, the caller gets a value or a [`Fault`]; nothing it
+//! does can panic the gateway.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -130,6 +130,16 @@ fn fault_of(r: Result<RequestPolicy, Refused>) -> Fault {
     }
 }
 
+/// A set of the `hostile` test plugin alone: `limits` for its `[plugins]` entry,
+/// `binding_extra` for its chain entry (its attack, and whatever else the binding says).
+fn hostile(limits: &str, binding_extra: &str) -> (Policies, Scratch) {
+    loaded(&format!(
+        "{}{}",
+        plugin("hostile", limits),
+        binding("hostile", binding_extra),
+    ))
+}
+
 fn denial_of(r: Result<RequestPolicy, Refused>) -> (u16, String) {
     match r {
         Err(Refused {
@@ -252,11 +262,17 @@ async fn bindings_apply_only_to_their_routes_and_tenants() {
 
 #[tokio::test]
 async fn an_infinite_loop_is_stopped_at_its_deadline_and_fails_closed() {
-    let (p, _dir) = loaded(&format!(
-        "{}{}",
-        plugin("hostile", "timeout_ms = 50"),
-        binding("hostile", "config = { attack = \"loop\" }"),
-    ));
+    let (p, _dir) = hostile("timeout_ms = 50", "config = { attack = \"loop\" }");
+    let t0 = Instant::now();
+    assert_eq!(fault_of(ask(&p, Ask::default()).await), Fault::Timeout);
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+}
+
+/// A guest waiting in a host call (a 5 s WASI sleep) runs no code, so no epoch deadline can
+/// stop it; the call's timeout does.
+#[tokio::test]
+async fn a_plugin_parked_in_a_host_call_is_cut_off_at_its_deadline() {
+    let (p, _dir) = hostile("timeout_ms = 50", "config = { attack = \"sleep\" }");
     let t0 = Instant::now();
     assert_eq!(fault_of(ask(&p, Ask::default()).await), Fault::Timeout);
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
@@ -267,11 +283,7 @@ async fn an_infinite_loop_is_stopped_at_its_deadline_and_fails_closed() {
 /// towards its deadline.
 #[tokio::test(flavor = "current_thread")]
 async fn a_spinning_plugin_yields_its_thread_to_other_requests_until_its_deadline() {
-    let (p, _dir) = loaded(&format!(
-        "{}{}",
-        plugin("hostile", "timeout_ms = 600"),
-        binding("hostile", "config = { attack = \"loop\" }"),
-    ));
+    let (p, _dir) = hostile("timeout_ms = 600", "config = { attack = \"loop\" }");
     let t0 = Instant::now();
     let other = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -289,33 +301,21 @@ async fn a_spinning_plugin_yields_its_thread_to_other_requests_until_its_deadlin
 
 #[tokio::test]
 async fn a_memory_bomb_hits_its_memory_limit_and_fails_closed() {
-    let (p, _dir) = loaded(&format!(
-        "{}{}",
-        plugin("hostile", "memory_mib = 8\ntimeout_ms = 2000"),
-        binding("hostile", "config = { attack = \"memory\" }"),
-    ));
+    let (p, _dir) = hostile(
+        "memory_mib = 8\ntimeout_ms = 2000",
+        "config = { attack = \"memory\" }",
+    );
     assert_eq!(fault_of(ask(&p, Ask::default()).await), Fault::Memory);
 }
 
 #[tokio::test]
 async fn a_trap_fails_closed_unless_the_binding_is_fail_open() {
-    let (p, _dir) = loaded(&format!(
-        "{}{}",
-        plugin("hostile", ""),
-        binding("hostile", "config = { attack = \"trap\" }"),
-    ));
+    let (p, _dir) = hostile("", "config = { attack = \"trap\" }");
     assert!(matches!(
         fault_of(ask(&p, Ask::default()).await),
         Fault::Trap(_)
     ));
-    let (p, _dir) = loaded(&format!(
-        "{}{}",
-        plugin("hostile", ""),
-        binding(
-            "hostile",
-            "fail_open = true\nconfig = { attack = \"trap\" }"
-        ),
-    ));
+    let (p, _dir) = hostile("", "fail_open = true\nconfig = { attack = \"trap\" }");
     let allowed = ask(&p, Ask::default())
         .await
         .expect("fail-open lets it through");
@@ -331,11 +331,7 @@ async fn a_trap_fails_closed_unless_the_binding_is_fail_open() {
 #[tokio::test]
 async fn garbage_answers_fail_closed() {
     for attack in ["bad-status", "bad-header"] {
-        let (p, _dir) = loaded(&format!(
-            "{}{}",
-            plugin("hostile", ""),
-            binding("hostile", &format!("config = {{ attack = \"{attack}\" }}")),
-        ));
+        let (p, _dir) = hostile("", &format!("config = {{ attack = \"{attack}\" }}"));
         assert!(
             matches!(fault_of(ask(&p, Ask::default()).await), Fault::Garbage(_)),
             "{attack}"

@@ -2,7 +2,8 @@
 //! chosen by its configuration, so the gateway's limits are tested against real components:
 //! `loop` (never returns: the epoch deadline), `memory` (grows memory without end: the store's
 //! memory limit), `trap` (panics: a trap), `bad-status` (denies with a status that is not a
-//! 4xx) and `bad-header` (adds a header that is not valid HTTP): garbage verdicts.
+//! 4xx) and `bad-header` (adds a header that is not valid HTTP): garbage verdicts; `sleep`
+//! (waits 5 s in a WASI clock, where no epoch deadline can stop it: the call's timeout).
 
 use bulkhead_policy_guest::{
     ConfigSlot, Denial, Directive, Disconnect, Guest, Header, Hooks, Mutations, RequestView,
@@ -18,6 +19,7 @@ enum Attack {
     Trap,
     BadStatus,
     BadHeader,
+    Sleep,
 }
 
 #[derive(Debug, Deserialize)]
@@ -63,6 +65,14 @@ fn attack(attack: Attack) -> Verdict {
             status: 200,
             message: "a denial that says OK".into(),
         }),
+        Attack::Sleep => {
+            std::thread::sleep(std::time::Duration::from_secs(5));
+            Verdict::Allow(Mutations {
+                tags: Vec::new(),
+                clamp_max_tokens: None,
+                add_headers: Vec::new(),
+            })
+        }
         Attack::BadHeader => Verdict::Allow(Mutations {
             tags: Vec::new(),
             clamp_max_tokens: None,

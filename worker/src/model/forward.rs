@@ -1,8 +1,9 @@
 //! One batched forward step. The batch concatenates every sequence's new tokens — a decode
 //! step contributes one, a prefill chunk many — so the weight matmuls run once for all of
-//! them; attention runs once for the batch, each sequence over its own pages. Each output value is computed the
-//! same way whatever else is in the batch (see `bulkhead_kernels::matmul`), so a sequence's
-//! results do not depend on its neighbours.
+//! them; attention runs once for the batch, each sequence over its own pages. Each output
+//! value is computed the same way whatever else is in the batch (see
+//! `bulkhead_kernels::matmul` and `bulkhead_kernels::attention`), so a sequence's results do
+//! not depend on its neighbours.
 
 use bulkhead_kernels::attention::{
     BatchSeq, IntegrityError, PagedKv, PagedSeq, TagView, attend_batch, write_kv,
