@@ -17,6 +17,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+use super::cpu::ProcessTree;
 use super::load_target::ANSWER;
 
 /// Pause before reconnecting after a failed connection, so a dead target is not spun on.
@@ -87,6 +88,8 @@ pub struct Load {
     pub connections: usize,
     pub warmup: Duration,
     pub window: Duration,
+    /// The processes serving `addr`, whose CPU time over the window is metered.
+    pub meter: Option<ProcessTree>,
 }
 
 /// What one load measured.
@@ -100,12 +103,20 @@ pub struct Sample {
     pub first_error: Option<String>,
     /// The window's length.
     pub window: Duration,
+    /// CPU time the metered processes used over the window.
+    pub cpu: Option<Duration>,
 }
 
 impl Sample {
     /// Correct answers per second over the window.
     pub fn rps(&self) -> f64 {
         self.latencies.len() as f64 / self.window.as_secs_f64()
+    }
+
+    /// CPU microseconds the metered processes spent per correct answer.
+    pub fn cpu_us_per_request(&self) -> Option<f64> {
+        let (cpu, answers) = (self.cpu?, self.latencies.len());
+        (answers > 0).then(|| cpu.as_secs_f64() * 1e6 / answers as f64)
     }
 
     /// Microseconds at quantile `q` (nearest rank); `None` without answers.
@@ -123,8 +134,18 @@ pub async fn drive(load: &Load) -> Sample {
     let tasks: Vec<_> = (0..load.connections)
         .map(|_| tokio::spawn(connection(load.addr, load.ask.clone(), start, end)))
         .collect();
+    let cpu = match load.meter {
+        Some(tree) => {
+            tokio::time::sleep_until(start).await;
+            let before = tree.cpu();
+            tokio::time::sleep_until(end).await;
+            before.zip(tree.cpu()).map(|(b, a)| a.saturating_sub(b))
+        }
+        None => None,
+    };
     let mut sample = Sample {
         window: load.window,
+        cpu,
         ..Sample::default()
     };
     for task in tasks {

@@ -25,6 +25,7 @@
 //! one more target durable: each response waits for its record's fsync). nginx and
 //! LiteLLM pass the client's chat request through.
 
+mod cpu;
 mod load;
 pub mod load_target;
 mod report;
@@ -141,9 +142,10 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
         .filter(|k| args.targets.contains(k))
         .collect();
     let scratch = Scratch::new()?;
-    let setup = |upstream| -> anyhow::Result<Setup> {
+    let setup = |upstream, upstream_process| -> anyhow::Result<Setup> {
         Ok(Setup {
             upstream,
+            upstream_process,
             model: crate::model_path::resolve(args.model.as_deref())?,
             policies: std::path::absolute(&args.policy_set.policies)?,
             cache_dir: std::path::absolute(&args.policy_set.cache_dir)?,
@@ -155,7 +157,7 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
     };
     let results = runtime(args.client_threads)?.block_on(async {
         let (mut upstream, addr) = targets::load_target(args.target_threads).await?;
-        let setup = setup(addr)?;
+        let setup = setup(addr, upstream.id().map(cpu::ProcessTree))?;
         let mut running = Vec::new();
         let mut results = Results::default();
         let mut outcome = Ok(());
@@ -236,6 +238,7 @@ async fn measure(
                 connections: args.connections,
                 warmup: Duration::from_secs_f64(args.warmup_seconds),
                 window: Duration::from_secs_f64(args.seconds),
+                meter: target.meter,
             })
             .await;
             let kind = target.kind;
@@ -263,13 +266,16 @@ async fn measure(
                 }
             };
             eprintln!(
-                "run {}/{} {:<24} {:>8.0} req/s  p50 {:>6.0} µs  p99 {:>6.0} µs  errors {}",
+                "run {}/{} {:<24} {:>8.0} req/s  p50 {:>6.0} µs  p99 {:>6.0} µs  CPU {:>5} µs/req  errors {}",
                 run + 1,
                 args.runs,
                 kind.label(),
                 figures.rps,
                 figures.p50_us,
                 figures.p99_us,
+                figures
+                    .cpu_us
+                    .map_or_else(|| "—".to_owned(), |c| format!("{c:.0}")),
                 figures.errors
             );
             if let Some(e) = &sample.first_error {
@@ -297,5 +303,6 @@ fn figures(sample: &Sample) -> Option<Figures> {
         p99_us: sample.quantile_us(0.99)?,
         requests: sample.latencies.len(),
         errors: sample.errors,
+        cpu_us: sample.cpu_us_per_request(),
     })
 }

@@ -16,6 +16,8 @@ pub struct Figures {
     pub p99_us: f64,
     pub requests: usize,
     pub errors: u64,
+    /// CPU microseconds the target's processes spent per answer; `None` where not metered.
+    pub cpu_us: Option<f64>,
 }
 
 /// Every target's figures, run by run (index `i` of every list is run `i`), and the targets
@@ -36,25 +38,55 @@ impl Results {
 
     /// The median over runs of `f(this run's a, this run's b)`, if both were measured.
     fn paired(&self, a: Kind, b: Kind, f: impl Fn(&Figures, &Figures) -> f64) -> Option<f64> {
+        self.paired_where(a, b, |x, y| Some(f(x, y)))
+    }
+
+    /// The median over the runs where `f` has a figure.
+    fn paired_where(
+        &self,
+        a: Kind,
+        b: Kind,
+        f: impl Fn(&Figures, &Figures) -> Option<f64>,
+    ) -> Option<f64> {
         let (a, b) = (self.runs(a)?, self.runs(b)?);
-        let v: Vec<f64> = a.iter().zip(b).map(|(x, y)| f(x, y)).collect();
+        let v: Vec<f64> = a.iter().zip(b).filter_map(|(x, y)| f(x, y)).collect();
+        (!v.is_empty()).then(|| median(v))
+    }
+
+    /// `kind`'s CPU per request over `peer`'s, paired by run.
+    fn cpu_ratio(&self, kind: Kind, peer: Kind) -> Option<f64> {
+        self.paired_where(kind, peer, |a, b| Some(a.cpu_us? / b.cpu_us?))
+    }
+
+    /// The median over runs of a target's CPU per request, where metered.
+    fn cpu_us(&self, kind: Kind) -> Option<f64> {
+        let v: Vec<f64> = self.runs(kind)?.iter().filter_map(|f| f.cpu_us).collect();
         (!v.is_empty()).then(|| median(v))
     }
 
     fn vs(&self, kind: Kind, peer: Kind) -> Option<Value> {
         let rps = self.paired(kind, peer, |a, b| a.rps / b.rps)?;
         let p50 = self.paired(kind, peer, |a, b| a.p50_us / b.p50_us)?;
-        Some(json!({"rps_ratio": rps, "p50_ratio": p50}))
+        let mut v = json!({"rps_ratio": rps, "p50_ratio": p50});
+        if let Some(cpu) = self.cpu_ratio(kind, peer) {
+            v["cpu_per_request_ratio"] = json!(cpu);
+        }
+        Some(v)
     }
 
-    /// The policy chain's cost: requests/s with it on over off, and the added p50 and p99.
+    /// The policy chain's cost: requests/s with it on over off, the added p50 and p99, and
+    /// the added CPU per request where metered.
     fn policy_chain(&self) -> Option<Value> {
         let (on, off) = (Kind::BulkheadPolicies, Kind::Bulkhead);
-        Some(json!({
+        let mut v = json!({
             "rps_on_vs_off": self.paired(on, off, |a, b| a.rps / b.rps)?,
             "added_p50_us": self.paired(on, off, |a, b| a.p50_us - b.p50_us)?,
             "added_p99_us": self.paired(on, off, |a, b| a.p99_us - b.p99_us)?,
-        }))
+        });
+        if let Some(cpu) = self.paired_where(on, off, |a, b| Some(a.cpu_us? - b.cpu_us?)) {
+            v["added_cpu_us_per_request"] = json!(cpu);
+        }
+        Some(v)
     }
 
     /// Durable audit's cost over group commit (both with policies off): requests/s durable
@@ -95,6 +127,9 @@ impl Results {
             t.insert("rps".into(), json!(column(|f| f.rps)));
             t.insert("p50_us".into(), json!(column(|f| f.p50_us)));
             t.insert("p99_us".into(), json!(column(|f| f.p99_us)));
+            if let Some(cpu) = self.cpu_us(*kind) {
+                t.insert("cpu_us_per_request".into(), json!(cpu));
+            }
             t.insert(
                 "requests".into(),
                 json!(runs.iter().map(|f| f.requests).sum::<usize>()),
@@ -136,7 +171,7 @@ impl Results {
     /// The table: one row per target (medians), then the skipped ones and the chain's cost.
     pub fn table(&self) -> String {
         let mut out = format!(
-            "{:<24} {:>9} {:>9} {:>9} {:>10} {:>14} {:>16} {:>7}\n",
+            "{:<24} {:>9} {:>9} {:>9} {:>10} {:>14} {:>16} {:>12} {:>12} {:>7}\n",
             "target",
             "req/s",
             "p50 µs",
@@ -144,6 +179,8 @@ impl Results {
             "+p50 µs",
             "req/s ÷ nginx",
             "req/s ÷ LiteLLM",
+            "CPU µs/req",
+            "CPU ÷ nginx",
             "errors"
         );
         let num = |v: Option<f64>, digits: usize| {
@@ -158,7 +195,7 @@ impl Results {
                         .flatten()
                 };
                 out.push_str(&format!(
-                    "{:<24} {:>9.0} {:>9.0} {:>9.0} {:>10} {:>14} {:>16} {:>7}\n",
+                    "{:<24} {:>9.0} {:>9.0} {:>9.0} {:>10} {:>14} {:>16} {:>12} {:>12} {:>7}\n",
                     kind.label(),
                     column(|f| f.rps),
                     column(|f| f.p50_us),
@@ -169,6 +206,13 @@ impl Results {
                     ),
                     num(ratio(Kind::Nginx), 2),
                     num(ratio(Kind::Litellm), 2),
+                    num(self.cpu_us(kind), 0),
+                    num(
+                        (kind != Kind::Nginx)
+                            .then(|| self.cpu_ratio(kind, Kind::Nginx))
+                            .flatten(),
+                        2
+                    ),
                     runs.iter().map(|f| f.errors).sum::<u64>(),
                 ));
             }
@@ -178,10 +222,11 @@ impl Results {
         }
         if let Some(chain) = self.policy_chain() {
             out.push_str(&format!(
-                "policy chain: req/s on ÷ off {:.3}, added p50 {:.0} µs, added p99 {:.0} µs\n",
+                "policy chain: req/s on ÷ off {:.3}, added p50 {:.0} µs, added p99 {:.0} µs, added CPU {} µs/req\n",
                 chain["rps_on_vs_off"].as_f64().unwrap_or(f64::NAN),
                 chain["added_p50_us"].as_f64().unwrap_or(f64::NAN),
                 chain["added_p99_us"].as_f64().unwrap_or(f64::NAN),
+                num(chain["added_cpu_us_per_request"].as_f64(), 0),
             ));
         }
         if let Some(audit) = self.durable_audit() {
@@ -217,6 +262,8 @@ mod tests {
             p99_us: p50_us * 2.0,
             requests: rps as usize,
             errors: 0,
+            // One core's worth of CPU at these rates.
+            cpu_us: Some(1e6 / rps),
         }
     }
 
@@ -257,8 +304,19 @@ mod tests {
         assert!((r - 800.0 / 900.0).abs() < 1e-9, "{r}");
         assert_eq!(off["added_p50_us"], 50.0);
         assert_eq!(off["rps"], 800.0);
+        let cpu = off["vs_nginx"]["cpu_per_request_ratio"]
+            .as_f64()
+            .expect("a CPU ratio");
+        assert!((cpu - 900.0 / 800.0).abs() < 1e-9, "{cpu}");
         let chain = &json["policy_chain"];
         assert!((chain["rps_on_vs_off"].as_f64().expect("ratio") - 0.95).abs() < 1e-9);
+        let added = chain["added_cpu_us_per_request"]
+            .as_f64()
+            .expect("added CPU");
+        assert!(
+            (added - (1e6 / 760.0 - 1e6 / 800.0)).abs() < 1e-6,
+            "{added}"
+        );
         assert_eq!(chain["added_p50_us"], 20.0);
         let audit = &json["durable_audit"];
         assert!((audit["rps_durable_vs_group"].as_f64().expect("ratio") - 0.75).abs() < 1e-9);
@@ -275,6 +333,29 @@ mod tests {
         assert_eq!(
             json["goals"]["policy_chain_under_5pct"], false,
             "a cost of exactly 5% is not under 5%"
+        );
+    }
+
+    #[test]
+    fn runs_without_a_cpu_figure_are_left_out_of_the_cpu_columns_only() {
+        let mut r = results();
+        for (_, runs) in &mut r.measured {
+            runs[0].cpu_us = None;
+            runs[1].cpu_us = None;
+        }
+        let json = r.to_json(Map::new());
+        let off = &json["targets"]["bulkhead_policies_off"];
+        assert_eq!(off["cpu_us_per_request"], 1e6 / 800.0, "run 3 alone");
+        assert_eq!(off["rps"], 800.0, "every run still counts for req/s");
+        for (_, runs) in &mut r.measured {
+            runs[2].cpu_us = None;
+        }
+        let json = r.to_json(Map::new());
+        assert!(json["targets"]["nginx"].get("cpu_us_per_request").is_none());
+        assert!(
+            json["policy_chain"]
+                .get("added_cpu_us_per_request")
+                .is_none()
         );
     }
 

@@ -15,6 +15,7 @@ use bulkhead_gateway::keys::KeyHash;
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
+use super::cpu::ProcessTree;
 use super::load::{self, Ask};
 use super::load_target;
 use crate::child;
@@ -105,8 +106,9 @@ impl Audit {
 /// Everything the targets are started from.
 #[derive(Debug)]
 pub struct Setup {
-    /// The load target's address.
+    /// The load target's address and process.
     pub upstream: SocketAddr,
+    pub upstream_process: Option<ProcessTree>,
     /// The GGUF whose tokenizer and chat template the gateway uses.
     pub model: PathBuf,
     /// The policy set and the compiled-component cache (absolute paths).
@@ -126,6 +128,8 @@ pub struct Target {
     pub addr: SocketAddr,
     /// The request the load sends it (asking for the model it lists).
     pub ask: Arc<Ask>,
+    /// The processes serving `addr`, metered while the load runs.
+    pub meter: Option<ProcessTree>,
     /// The process behind it (the load target's process is the bench's to stop).
     child: Option<Child>,
 }
@@ -173,6 +177,10 @@ pub async fn start(kind: Kind, setup: &Setup, stream: bool) -> anyhow::Result<St
             kind,
             addr,
             ask: Arc::new(ask),
+            meter: match &process {
+                Some(c) => c.id().map(ProcessTree),
+                None => setup.upstream_process,
+            },
             child: process,
         }))),
         Err(e) => {
@@ -467,6 +475,7 @@ mod tests {
     fn setup() -> Setup {
         Setup {
             upstream: "127.0.0.1:7".parse().expect("addr"),
+            upstream_process: None,
             model: PathBuf::from("/models/m.gguf"),
             policies: PathBuf::from("/repo/policies/local.toml"),
             cache_dir: PathBuf::from("/repo/plugins/dist/cache"),
