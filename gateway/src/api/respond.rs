@@ -10,7 +10,6 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use bulkhead_worker::serve::proto::{Done, GenerateResponse, Item};
 use http::header::CONTENT_TYPE;
-use serde_json::{Value, json};
 use tokio::time::Instant;
 use tracing::Instrument as _;
 
@@ -26,6 +25,7 @@ use super::Endpoint;
 use super::error::ApiError;
 use super::upstream::{finish_reason, from_status, span_failed};
 use super::validate::Stream;
+use super::wire::Head;
 
 /// A request the worker accepted; holds the tenant's permit and the route until it ends.
 /// Dropping it ends the request's policies: `on-response-end`, or — when it did not reach
@@ -135,76 +135,19 @@ impl Started {
             .set_used(u64::from(d.prompt_tokens) + u64::from(d.completion_tokens));
     }
 
-    fn usage(d: &Done) -> Value {
-        json!({
-            "prompt_tokens": d.prompt_tokens,
-            "completion_tokens": d.completion_tokens,
-            "total_tokens": d.prompt_tokens + d.completion_tokens,
-        })
-    }
-
-    /// The whole response, for `stream: false`.
-    fn body(&self, text: String, d: &Done) -> Value {
-        let finish = finish_reason(d.finish_reason);
-        match self.endpoint {
-            Endpoint::Chat => json!({
-                "id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": null, "finish_reason": finish}],
-                "usage": Self::usage(d),
-            }),
-            Endpoint::Completion => json!({
-                "id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
-                "usage": Self::usage(d),
-            }),
+    fn head(&self) -> Head<'_> {
+        Head {
+            endpoint: self.endpoint,
+            id: &self.id,
+            created: self.created,
+            model: &self.model,
         }
     }
 
     /// One streamed chunk: a text delta, or (with `finish`) the closing one.
-    fn chunk(&self, text: Option<&str>, finish: Option<&str>, first: bool) -> Value {
-        let usage_field = self.stream_mode.is_some_and(|s| s.include_usage);
-        let mut chunk = match self.endpoint {
-            Endpoint::Chat => {
-                let mut delta = serde_json::Map::new();
-                if first {
-                    delta.insert("role".into(), "assistant".into());
-                }
-                if let Some(t) = text {
-                    delta.insert("content".into(), t.into());
-                }
-                json!({
-                    "id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                    "model": self.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": null,
-                                 "finish_reason": finish}],
-                })
-            }
-            Endpoint::Completion => json!({
-                "id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": null,
-                             "finish_reason": finish}],
-            }),
-        };
-        if usage_field {
-            chunk["usage"] = Value::Null;
-        }
-        chunk
-    }
-
-    /// The last chunk when `include_usage`: no choices, the usage.
-    fn usage_chunk(&self, d: &Done) -> Value {
-        let object = match self.endpoint {
-            Endpoint::Chat => "chat.completion.chunk",
-            Endpoint::Completion => "text_completion",
-        };
-        json!({
-            "id": self.id, "object": object, "created": self.created, "model": self.model,
-            "choices": [], "usage": Self::usage(d),
-        })
+    fn chunk(&self, text: Option<&str>, finish: Option<&str>, first: bool) -> Event {
+        let with_usage = self.stream_mode.is_some_and(|s| s.include_usage);
+        Event::default().data(self.head().chunk(text, finish, first, with_usage))
     }
 }
 
@@ -222,23 +165,22 @@ pub async fn respond(started: Started, deadline: Instant, secs: u64) -> Response
         match tokio::time::timeout_at(deadline, collect(started).instrument(span)).await {
             Err(_) => ApiError::Timeout { secs }.into_response(),
             Ok(Err(e)) => e.into_response(),
-            Ok(Ok(body)) => {
-                ([(CONTENT_TYPE, "application/json")], body.to_string()).into_response()
-            }
+            Ok(Ok(body)) => ([(CONTENT_TYPE, "application/json")], body).into_response(),
         }
     };
     response.headers_mut().extend(headers);
     response
 }
 
-async fn collect(mut started: Started) -> Result<Value, ApiError> {
+async fn collect(mut started: Started) -> Result<String, ApiError> {
     let mut text = String::new();
     loop {
         match started.next().await? {
             Step::Text(t) => text.push_str(&t),
             Step::Done(d) => {
                 text.push_str(&d.text_tail);
-                return Ok(started.body(text, &d));
+                let finish = finish_reason(d.finish_reason);
+                return Ok(started.head().whole(&text, &d, finish));
             }
         }
     }
@@ -254,8 +196,9 @@ struct Streamer {
     _span: tracing::Span,
 }
 
-fn data(v: &Value) -> Event {
-    Event::default().data(v.to_string())
+/// An error event.
+fn error_event(e: &ApiError) -> Event {
+    Event::default().data(e.body().to_string())
 }
 
 fn stream(started: Started, span: tracing::Span) -> Response {
@@ -277,8 +220,7 @@ fn stream(started: Started, span: tracing::Span) -> Response {
             match s.started.next().await {
                 Ok(Step::Text(t)) => {
                     if !t.is_empty() || s.first {
-                        let chunk = s.started.chunk(Some(&t), None, s.first);
-                        s.queue.push_back(data(&chunk));
+                        s.queue.push_back(s.started.chunk(Some(&t), None, s.first));
                         s.first = false;
                     }
                 }
@@ -286,26 +228,27 @@ fn stream(started: Started, span: tracing::Span) -> Response {
                     let tail = (!d.text_tail.is_empty()).then_some(d.text_tail.as_str());
                     if tail.is_some() || s.first {
                         let chunk = s.started.chunk(tail.or(Some("")), None, s.first);
-                        s.queue.push_back(data(&chunk));
+                        s.queue.push_back(chunk);
                         s.first = false;
                     }
                     let finish = finish_reason(d.finish_reason);
                     s.queue
-                        .push_back(data(&s.started.chunk(None, Some(finish), false)));
+                        .push_back(s.started.chunk(None, Some(finish), false));
                     if s.started.stream_mode.is_some_and(|m| m.include_usage) {
-                        s.queue.push_back(data(&s.started.usage_chunk(&d)));
+                        let usage = s.started.head().usage_chunk(&d);
+                        s.queue.push_back(Event::default().data(usage));
                     }
                     // `[DONE]` only once the record is committed (durable, in durable mode).
                     match s.started.trail.finish(200, None).await {
                         Ok(()) => s.queue.push_back(Event::default().data("[DONE]")),
-                        Err(e) => s.queue.push_back(data(&e.body())),
+                        Err(e) => s.queue.push_back(error_event(&e)),
                     }
                     s.ended = true;
                 }
                 Err(e) => {
                     s.started.metrics.stream_error(&s.started.tenant.id);
                     let recorded = s.started.trail.finish(200, Some(e.error_type())).await;
-                    s.queue.push_back(data(&recorded.err().unwrap_or(e).body()));
+                    s.queue.push_back(error_event(&recorded.err().unwrap_or(e)));
                     s.ended = true;
                 }
             }

@@ -4,6 +4,7 @@
 //! as the worker protocol's tokens and `Done`. Upstream errors become statuses with the worker
 //! protocol's error codes, so one table maps both kinds of upstream onto the API's errors.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::pin::Pin;
 use std::time::Duration;
@@ -13,7 +14,8 @@ use bulkhead_worker::serve::proto::{
 };
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt as _};
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use tonic::{Code, Status};
 
 /// Bound on a health probe.
@@ -26,10 +28,35 @@ const MAX_EVENT_BYTES: usize = 1 << 20;
 /// One OpenAI-compatible server and the model name it is asked for.
 #[derive(Debug)]
 pub struct OpenAiClient {
-    base: String,
+    /// `GET` here lists the models.
+    models: reqwest::Url,
+    /// `POST` here starts a completion.
+    completions: reqwest::Url,
     model: String,
     key: Option<String>,
     http: reqwest::Client,
+}
+
+/// The body of the one request the gateway sends: a streamed `/v1/completions` of token ids.
+#[derive(Serialize)]
+struct CompletionRequest<'a> {
+    model: &'a str,
+    prompt: &'a [u32],
+    max_tokens: u32,
+    stream: bool,
+    stream_options: StreamOptions,
+    temperature: f32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_p: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seed: Option<u64>,
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    stop: &'a [String],
+}
+
+#[derive(Serialize)]
+struct StreamOptions {
+    include_usage: bool,
 }
 
 type Body = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
@@ -37,7 +64,14 @@ type Body = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
 /// A streaming completion in progress.
 pub struct SseStream {
     body: Body,
+    /// Bytes read and not yet parsed: at most a part of one event.
     buf: Vec<u8>,
+    events: Events,
+}
+
+/// What the events parsed so far say.
+#[derive(Debug)]
+struct Events {
     /// Parsed items not yet returned.
     ready: VecDeque<GenerateResponse>,
     finish: FinishReason,
@@ -45,14 +79,37 @@ pub struct SseStream {
     prompt_tokens: u32,
     chunks: u32,
     ended: bool,
+    /// An event that failed to parse, or said the upstream failed: returned after the items
+    /// before it.
+    failure: Option<Status>,
 }
 
 impl std::fmt::Debug for SseStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SseStream")
-            .field("ended", &self.ended)
+            .field("ended", &self.events.ended)
             .finish_non_exhaustive()
     }
+}
+
+/// One completion chunk, as much of it as the gateway reads: borrowed from the event where
+/// the text has no escapes. Unknown fields are ignored.
+#[derive(Deserialize)]
+struct Chunk<'a> {
+    #[serde(default, borrow)]
+    choices: Vec<Choice<'a>>,
+    #[serde(default)]
+    usage: Option<Value>,
+    #[serde(default)]
+    error: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct Choice<'a> {
+    #[serde(default, borrow)]
+    text: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    finish_reason: Option<Cow<'a, str>>,
 }
 
 impl OpenAiClient {
@@ -64,16 +121,22 @@ impl OpenAiClient {
             .tcp_nodelay(true)
             .build()
             .map_err(|e| e.to_string())?;
+        let base = base.trim_end_matches('/');
+        let url = |path: &str| {
+            reqwest::Url::parse(&format!("{base}{path}"))
+                .map_err(|e| format!("{base:?} is not a base URL: {e}"))
+        };
         Ok(OpenAiClient {
-            base: base.trim_end_matches('/').to_owned(),
+            models: url("/v1/models")?,
+            completions: url("/v1/completions")?,
             model: model.to_owned(),
             key,
             http,
         })
     }
 
-    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        let r = self.http.request(method, format!("{}{path}", self.base));
+    fn request(&self, method: reqwest::Method, url: &reqwest::Url) -> reqwest::RequestBuilder {
+        let r = self.http.request(method, url.clone());
         match &self.key {
             Some(k) => r.bearer_auth(k),
             None => r,
@@ -84,7 +147,7 @@ impl OpenAiClient {
     pub async fn health(&self) -> Result<(), String> {
         let probe = async {
             let r = self
-                .request(reqwest::Method::GET, "/v1/models")
+                .request(reqwest::Method::GET, &self.models)
                 .send()
                 .await
                 .map_err(|e| format!("GET /v1/models: {e}"))?;
@@ -120,32 +183,26 @@ impl OpenAiClient {
             return Err(Status::internal("the gateway sends token prompts only"));
         };
         let sampling = request.sampling.unwrap_or_default();
-        let mut body = json!({
-            "model": self.model,
-            "prompt": prompt.ids,
-            "max_tokens": request.max_new_tokens,
-            "stream": true,
-            "stream_options": {"include_usage": true},
-        });
-        let fields = [
-            ("temperature", Some(Value::from(sampling.temperature))),
-            ("top_p", sampling.top_p.map(Value::from)),
-            ("seed", sampling.seed.map(Value::from)),
-            (
-                "stop",
-                (!request.stop.is_empty()).then(|| Value::from(request.stop.clone())),
-            ),
-        ];
-        for (name, value) in fields {
-            if let Some(v) = value {
-                body[name] = v;
-            }
-        }
+        let body = CompletionRequest {
+            model: &self.model,
+            prompt: &prompt.ids,
+            max_tokens: request.max_new_tokens,
+            stream: true,
+            stream_options: StreamOptions {
+                include_usage: true,
+            },
+            temperature: sampling.temperature,
+            top_p: sampling.top_p,
+            seed: sampling.seed,
+            stop: &request.stop,
+        };
+        let body = serde_json::to_vec(&body)
+            .map_err(|e| Status::internal(format!("encoding the upstream request: {e}")))?;
         let response = self
-            .request(reqwest::Method::POST, "/v1/completions")
+            .request(reqwest::Method::POST, &self.completions)
             .headers(headers)
             .header("content-type", "application/json")
-            .body(body.to_string())
+            .body(body)
             .send()
             .await
             .map_err(|e| Status::unavailable(format!("the upstream is unreachable: {e}")))?;
@@ -154,16 +211,10 @@ impl OpenAiClient {
             let text = read_bounded(response).await.unwrap_or_default();
             return Err(refusal(status.as_u16(), &text));
         }
-        Ok(SseStream {
-            body: Box::pin(response.bytes_stream()),
-            buf: Vec::new(),
-            ready: VecDeque::new(),
-            finish: FinishReason::Stop,
-            usage: None,
-            prompt_tokens: u32::try_from(prompt.ids.len()).unwrap_or(u32::MAX),
-            chunks: 0,
-            ended: false,
-        })
+        Ok(SseStream::new(
+            Box::pin(response.bytes_stream()),
+            u32::try_from(prompt.ids.len()).unwrap_or(u32::MAX),
+        ))
     }
 }
 
@@ -209,22 +260,39 @@ fn refusal(status: u16, body: &[u8]) -> Status {
 }
 
 impl SseStream {
+    fn new(body: Body, prompt_tokens: u32) -> SseStream {
+        SseStream {
+            body,
+            buf: Vec::new(),
+            events: Events {
+                ready: VecDeque::new(),
+                finish: FinishReason::Stop,
+                usage: None,
+                prompt_tokens,
+                chunks: 0,
+                ended: false,
+                failure: None,
+            },
+        }
+    }
+
     /// The next token or the closing `Done`; `None` after it.
     pub async fn message(&mut self) -> Result<Option<GenerateResponse>, Status> {
         loop {
-            if let Some(item) = self.ready.pop_front() {
+            if let Some(item) = self.events.ready.pop_front() {
                 return Ok(Some(item));
             }
-            if self.ended {
-                return Ok(None);
+            if let Some(failure) = self.events.failure.take() {
+                return Err(failure);
             }
-            if let Some(event) = self.next_event() {
-                self.parse(&event)?;
-                continue;
+            if self.events.ended {
+                return Ok(None);
             }
             match self.body.next().await {
                 Some(Ok(bytes)) => {
                     self.buf.extend_from_slice(&bytes);
+                    let parsed = self.events.parse_all(&self.buf);
+                    self.buf.drain(..parsed);
                     if self.buf.len() > MAX_EVENT_BYTES {
                         return Err(Status::internal("an upstream SSE event is too long"));
                     }
@@ -242,26 +310,62 @@ impl SseStream {
             }
         }
     }
+}
 
-    /// The next complete event's data, removed from the buffer.
-    fn next_event(&mut self) -> Option<String> {
-        let (at, sep) = [&b"\n\n"[..], b"\r\n\r\n"]
-            .iter()
-            .filter_map(|sep| {
-                self.buf
-                    .windows(sep.len())
-                    .position(|w| w == *sep)
-                    .map(|i| (i, sep.len()))
-            })
-            .min()?;
-        let event: Vec<u8> = self.buf.drain(..at + sep).collect();
-        let text = String::from_utf8_lossy(&event[..at]);
-        let data: Vec<&str> = text
-            .lines()
+/// The first complete event in `buf`: its length with the blank line that ends it, and its
+/// data (the `data:` lines' values, joined by newlines). An event ends at `\n\n` or
+/// `\r\n\r\n`, whichever comes first.
+fn next_event(buf: &[u8]) -> Option<(usize, Cow<'_, str>)> {
+    let (at, sep) = (0..buf.len()).find_map(|i| {
+        let rest = &buf[i..];
+        if rest.starts_with(b"\n\n") {
+            Some((i, 2))
+        } else if rest.starts_with(b"\r\n\r\n") {
+            Some((i, 4))
+        } else {
+            None
+        }
+    })?;
+    let text = String::from_utf8_lossy(&buf[..at]);
+    let data = |text: &str| -> Vec<String> {
+        text.lines()
             .filter_map(|l| l.strip_prefix("data:"))
-            .map(str::trim_start)
-            .collect();
-        Some(data.join("\n"))
+            .map(|d| d.trim_start().to_owned())
+            .collect()
+    };
+    // The usual event is one `data:` line: borrowed, no copy.
+    let one = match &text {
+        Cow::Borrowed(t) => {
+            let mut lines = t.lines().filter_map(|l| l.strip_prefix("data:"));
+            match (lines.next(), lines.next()) {
+                (Some(d), None) => Some(Cow::Borrowed(d.trim_start())),
+                (None, _) => Some(Cow::Borrowed("")),
+                (Some(_), Some(_)) => None,
+            }
+        }
+        Cow::Owned(_) => None,
+    };
+    Some((
+        at + sep,
+        one.unwrap_or_else(|| Cow::Owned(data(&text).join("\n"))),
+    ))
+}
+
+impl Events {
+    /// Parses every complete event in `buf` up to `[DONE]` or a failure (which ends the
+    /// stream too); returns how many bytes they took.
+    fn parse_all(&mut self, buf: &[u8]) -> usize {
+        let mut parsed = 0;
+        while !self.ended
+            && let Some((len, data)) = next_event(&buf[parsed..])
+        {
+            if let Err(failure) = self.parse(&data) {
+                self.failure = Some(failure);
+                self.ended = true;
+            }
+            parsed += len;
+        }
+        parsed
     }
 
     fn parse(&mut self, data: &str) -> Result<(), Status> {
@@ -282,31 +386,34 @@ impl SseStream {
             self.ended = true;
             return Ok(());
         }
-        let chunk: Value = serde_json::from_str(data)
-            .map_err(|e| Status::internal(format!("an upstream SSE event is not JSON: {e}")))?;
-        if !chunk["error"].is_null() {
+        let chunk: Chunk<'_> = serde_json::from_str(data).map_err(|e| {
+            Status::internal(format!(
+                "an upstream SSE event is not a completion chunk: {e}"
+            ))
+        })?;
+        if let Some(error) = chunk.error.filter(|e| !e.is_null()) {
             return Err(Status::unavailable(format!(
                 "the upstream failed mid-stream: {}",
-                chunk["error"]["message"].as_str().unwrap_or("no message")
+                error["message"].as_str().unwrap_or("no message")
             )));
         }
-        if let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) {
+        if let Some(usage) = chunk.usage.filter(Value::is_object) {
             let n = |k: &str| usage[k].as_u64().and_then(|v| u32::try_from(v).ok());
             if let (Some(p), Some(c)) = (n("prompt_tokens"), n("completion_tokens")) {
                 self.usage = Some((p, c));
             }
         }
-        if let Some(choice) = chunk["choices"].get(0) {
-            if let Some(text) = choice["text"].as_str().filter(|t| !t.is_empty()) {
+        if let Some(choice) = chunk.choices.into_iter().next() {
+            if let Some(text) = choice.text.filter(|t| !t.is_empty()) {
                 self.chunks += 1;
                 self.ready.push_back(GenerateResponse {
                     item: Some(Item::Token(Token {
-                        text: text.to_owned(),
+                        text: text.into_owned(),
                         ..Token::default()
                     })),
                 });
             }
-            match choice["finish_reason"].as_str() {
+            match choice.finish_reason.as_deref() {
                 Some("length") => self.finish = FinishReason::Length,
                 Some(_) => self.finish = FinishReason::Stop,
                 None => {}
@@ -326,16 +433,7 @@ mod tests {
             .iter()
             .map(|c| Ok(Bytes::from(c.to_string())))
             .collect();
-        SseStream {
-            body: Box::pin(futures_util::stream::iter(owned)),
-            buf: Vec::new(),
-            ready: VecDeque::new(),
-            finish: FinishReason::Stop,
-            usage: None,
-            prompt_tokens: 3,
-            chunks: 0,
-            ended: false,
-        }
+        SseStream::new(Box::pin(futures_util::stream::iter(owned)), 3)
     }
 
     async fn drain(mut s: SseStream) -> Result<(String, Done), Status> {
@@ -361,6 +459,62 @@ mod tests {
         assert_eq!(text, "Hello");
         assert_eq!(done.finish_reason, i32::from(FinishReason::Length));
         assert_eq!((done.prompt_tokens, done.completion_tokens), (5, 2));
+    }
+
+    #[tokio::test]
+    async fn a_stream_reads_the_same_however_its_bytes_are_cut() {
+        let whole = concat!(
+            ": a comment, no data\n\n",
+            "data: {\"choices\":[{\"text\":\"caf\\u00e9 \\\"x\\\"\",\"finish_reason\":null}],\"extra\":[1,{}]}\r\n\r\n",
+            "data: {\"choices\":[{\"text\":\"\",\"finish_reason\":\"length\"}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":1}}\n\n",
+            "data: [DONE]\n\n",
+        );
+        for size in [1, 2, 3, 7, 64, whole.len()] {
+            let pieces: Vec<String> = whole
+                .as_bytes()
+                .chunks(size)
+                .map(|c| String::from_utf8_lossy(c).into_owned())
+                .collect();
+            if pieces.concat() != whole {
+                continue; // a cut inside a multi-byte character: not this test's concern
+            }
+            let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
+            let (text, done) = drain(stream(&refs)).await.expect("a complete stream");
+            assert_eq!(text, "café \"x\"", "cut every {size} bytes");
+            assert_eq!(done.finish_reason, i32::from(FinishReason::Length));
+            assert_eq!((done.prompt_tokens, done.completion_tokens), (5, 1));
+        }
+    }
+
+    #[tokio::test]
+    async fn tokens_before_a_failing_event_arrive_before_its_error() {
+        let mut s = stream(&[concat!(
+            "data: {\"choices\":[{\"text\":\"a\"}]}\n\n",
+            "data: {\"error\":{\"message\":\"boom\"}}\n\n",
+            "data: {\"choices\":[{\"text\":\"never\"}]}\n\n",
+        )]);
+        let first = s
+            .message()
+            .await
+            .expect("the token first")
+            .and_then(|m| m.item);
+        assert!(matches!(first, Some(Item::Token(t)) if t.text == "a"));
+        let e = s.message().await.expect_err("then the failure");
+        assert!(e.message().contains("boom"), "{e:?}");
+        assert!(
+            s.message().await.expect("ended").is_none(),
+            "nothing after it"
+        );
+    }
+
+    #[test]
+    fn multi_line_data_is_joined_and_a_single_line_is_borrowed() {
+        let (len, data) = next_event(b"data: a\ndata:b\n\nrest").expect("an event");
+        assert_eq!((len, &*data), (16, "a\nb"));
+        let (_, data) = next_event(b"data: {}\n\n").expect("an event");
+        assert!(matches!(data, Cow::Borrowed("{}")));
+        assert!(next_event(b"data: {}\n").is_none(), "not complete yet");
     }
 
     #[tokio::test]
