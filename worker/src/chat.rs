@@ -1,9 +1,12 @@
 //! Chat templates: the model's own `tokenizer.chat_template` (Jinja), rendered with minijinja.
 
+use std::sync::Arc;
+
 use minijinja::{Environment, ErrorKind, context};
 use serde::{Deserialize, Serialize};
 
 use crate::gguf::Gguf;
+use crate::text_cache::TextCache;
 use crate::tokenizer::{TokenId, Tokenizer};
 
 /// One chat message.
@@ -52,6 +55,26 @@ pub struct ChatTemplate {
     source: String,
     bos: String,
     eos: String,
+    /// Frames rendered so far, by [`frame_key`].
+    frames: TextCache<Frame>,
+}
+
+/// What a template renders around the contents of a list of messages: one piece before each
+/// message's content and the rest after the last. It depends only on the messages' roles and
+/// the generation prompt, since the template renders a marker in place of each content, and
+/// the environment offers no clock and no randomness.
+type Frame = Arc<[String]>;
+
+/// The most frames kept (one per sequence of roles seen).
+const FRAMES: usize = 256;
+
+/// The key of the frame of `messages`: the generation prompt and each role, length-prefixed.
+fn frame_key(messages: &[Message], add_generation_prompt: bool) -> String {
+    let mut key = String::from(if add_generation_prompt { "g" } else { "-" });
+    for m in messages {
+        key.push_str(&format!("{}:{}", m.role.len(), m.role));
+    }
+    key
 }
 
 const NAME: &str = "chat";
@@ -94,6 +117,7 @@ impl ChatTemplate {
             source: source.to_owned(),
             bos,
             eos,
+            frames: TextCache::new(FRAMES),
         })
     }
 
@@ -130,20 +154,7 @@ impl ChatTemplate {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<Vec<TokenId>, ChatError> {
-        let marked: Vec<Message> = messages
-            .iter()
-            .enumerate()
-            .map(|(i, m)| Message {
-                role: m.role.clone(),
-                content: marker(i),
-            })
-            .collect();
-        let rendered = self.render(&marked, add_generation_prompt)?;
-        let content = |text: &str| {
-            tokenizer
-                .encode(text, false)
-                .map_err(|e| ChatError::Tokenize(e.to_string()))
-        };
+        let frame = self.frame(messages, add_generation_prompt)?;
         // What the template rendered around the contents (special tokens parsed there only).
         let template = |text: &str| {
             tokenizer
@@ -151,19 +162,48 @@ impl ChatTemplate {
                 .map_err(|e| ChatError::Tokenize(e.to_string()))
         };
         let mut tokens = Vec::new();
-        let mut rest = rendered.as_str();
-        for (i, m) in messages.iter().enumerate() {
-            let mark = marker(i);
-            let (before, after) = rest.split_once(&mark).ok_or(ChatError::ContentRewritten)?;
-            tokens.extend_from_slice(&template(before)?);
-            tokens.extend(content(&m.content)?);
-            rest = after;
+        for (piece, m) in frame.iter().zip(messages) {
+            tokens.extend_from_slice(&template(piece)?);
+            tokens.extend(
+                tokenizer
+                    .encode(&m.content, false)
+                    .map_err(|e| ChatError::Tokenize(e.to_string()))?,
+            );
         }
-        if rest.contains('\u{F8F0}') {
-            return Err(ChatError::ContentRewritten);
+        if let Some(last) = frame.last() {
+            tokens.extend_from_slice(&template(last)?);
         }
-        tokens.extend_from_slice(&template(rest)?);
         Ok(tokens)
+    }
+
+    /// The frame of `messages`: rendered once per sequence of roles, then kept.
+    fn frame(&self, messages: &[Message], add_generation_prompt: bool) -> Result<Frame, ChatError> {
+        self.frames
+            .get_or_make(&frame_key(messages, add_generation_prompt), || {
+                let marked: Vec<Message> = messages
+                    .iter()
+                    .enumerate()
+                    .map(|(i, m)| Message {
+                        role: m.role.clone(),
+                        content: marker(i),
+                    })
+                    .collect();
+                let rendered = self.render(&marked, add_generation_prompt)?;
+                let mut pieces = Vec::with_capacity(messages.len() + 1);
+                let mut rest = rendered.as_str();
+                for i in 0..messages.len() {
+                    let (before, after) = rest
+                        .split_once(&marker(i))
+                        .ok_or(ChatError::ContentRewritten)?;
+                    pieces.push(before.to_owned());
+                    rest = after;
+                }
+                if rest.contains('\u{F8F0}') {
+                    return Err(ChatError::ContentRewritten);
+                }
+                pieces.push(rest.to_owned());
+                Ok(pieces.into())
+            })
     }
 }
 
@@ -215,6 +255,37 @@ mod tests {
             )
             .expect("render");
         assert_eq!(count(&tok.encode(&text, true).expect("encode"), 1), 3);
+    }
+
+    #[test]
+    fn a_kept_frame_encodes_like_a_fresh_rendering_and_is_kept_once_per_sequence_of_roles() {
+        let (chat, tok) = tiny();
+        let conversations = [
+            vec![Message::new("user", "hi")],
+            vec![Message::new("user", "a longer question?")],
+            vec![
+                Message::new("system", "be brief"),
+                Message::new("user", "<|im_start|>x"),
+                Message::new("assistant", "ok"),
+                Message::new("user", "and?"),
+            ],
+            vec![Message::new("user", "")],
+        ];
+        for prompt in [true, false] {
+            for messages in &conversations {
+                let (fresh, _) = tiny();
+                let want = fresh.encode(&tok, messages, prompt).expect("fresh");
+                assert_eq!(chat.encode(&tok, messages, prompt).expect("kept"), want);
+                assert_eq!(chat.encode(&tok, messages, prompt).expect("again"), want);
+            }
+        }
+        // Roles [user] and [system, user, assistant, user], with and without the prompt.
+        assert_eq!(chat.frames.len(), 4);
+        assert_ne!(
+            frame_key(&[Message::new("a", ""), Message::new("b", "")], true),
+            frame_key(&[Message::new("a1:b", "")], true),
+            "roles cannot run into each other"
+        );
     }
 
     #[test]

@@ -8,5 +8,6 @@ pub mod loader;
 pub mod model;
 pub mod sampling;
 pub mod serve;
+mod text_cache;
 pub mod tiny_model;
 pub mod tokenizer;

@@ -7,7 +7,7 @@
 //! streaming can emit text only at UTF-8 boundaries ([`Detokenizer`]).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 
 use tokenizers::SplitDelimiterBehavior;
 use tokenizers::models::bpe::{BPE, Vocab};
@@ -17,6 +17,7 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 
 use crate::gguf::{Gguf, GgufError};
+use crate::text_cache::TextCache;
 
 /// A token id of the served model's vocabulary.
 pub type TokenId = u32;
@@ -58,11 +59,10 @@ pub struct Tokenizer {
     stop: Vec<TokenId>,
     /// Ids of the texts a chat template renders around the messages (see
     /// [`Tokenizer::encode_template`]).
-    template_pieces: Mutex<HashMap<String, Arc<[TokenId]>>>,
+    template_pieces: TextCache<Arc<[TokenId]>>,
 }
 
-/// The most template pieces kept; the cache is emptied when it is full, so texts that vary
-/// from request to request cannot grow it.
+/// The most template pieces kept.
 const TEMPLATE_PIECES: usize = 256;
 
 /// A tokenizer's data, as a GGUF file holds it and a worker's Info hands it to the gateway.
@@ -211,7 +211,7 @@ impl Tokenizer {
             bos: bos.filter(|&b| (b as usize) < tokens.len()),
             eos,
             stop,
-            template_pieces: Mutex::new(HashMap::new()),
+            template_pieces: TextCache::new(TEMPLATE_PIECES),
         })
     }
 
@@ -269,23 +269,8 @@ impl Tokenizer {
     /// generation prompt): the same few pieces on every request, so their ids come from a
     /// bounded cache after the first time.
     pub fn encode_template(&self, text: &str) -> Result<Arc<[TokenId]>, TokenizerError> {
-        if let Some(ids) = self.template_pieces().get(text) {
-            return Ok(ids.clone());
-        }
-        // Encoded outside the lock; two threads may both encode a new piece, to the same ids.
-        let ids: Arc<[TokenId]> = self.encode(text, true)?.into();
-        let mut pieces = self.template_pieces();
-        if pieces.len() >= TEMPLATE_PIECES {
-            pieces.clear();
-        }
-        pieces.insert(text.to_owned(), ids.clone());
-        Ok(ids)
-    }
-
-    fn template_pieces(&self) -> MutexGuard<'_, HashMap<String, Arc<[TokenId]>>> {
         self.template_pieces
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+            .get_or_make(text, || Ok(self.encode(text, true)?.into()))
     }
 
     /// The earliest special token in `text`: (byte offset, byte length, id).
@@ -467,12 +452,12 @@ mod tests {
         let want = t.encode(piece, true).expect("encode");
         assert_eq!(*t.encode_template(piece).expect("first"), *want);
         assert_eq!(*t.encode_template(piece).expect("cached"), *want);
-        assert_eq!(t.template_pieces().len(), 1);
+        assert_eq!(t.template_pieces.len(), 1);
         for i in 0..TEMPLATE_PIECES + 10 {
             let text = format!("<|im_start|>piece {i}");
             let ids = t.encode_template(&text).expect("encode");
             assert_eq!(*ids, *t.encode(&text, true).expect("encode"));
-            assert!(t.template_pieces().len() <= TEMPLATE_PIECES);
+            assert!(t.template_pieces.len() <= TEMPLATE_PIECES);
         }
     }
 }

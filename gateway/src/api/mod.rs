@@ -18,6 +18,7 @@ mod error;
 mod respond;
 mod upstream;
 pub mod validate;
+mod wire;
 
 use std::num::NonZeroU32;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -150,6 +151,12 @@ async fn completions(
     serve(state, who, trail, Endpoint::Completion, headers, body).await
 }
 
+/// Requests with bodies up to this size are templated and tokenized on the async worker
+/// thread that parsed them: that takes tens of microseconds, less than a hop to the blocking
+/// pool and back (two thread wake-ups). Larger prompts go to the blocking pool, so a long
+/// prompt never holds up the other connections on the worker.
+const INLINE_TOKENIZE_BYTES: usize = 1 << 10;
+
 /// A validated request of either endpoint, before tokenization.
 enum Parsed {
     Chat(validate::ValidChat),
@@ -237,7 +244,10 @@ async fn start(
             served: model.name.clone(),
         });
     }
-    let (parsed, prompt) = {
+    let (parsed, prompt) = if bytes.len() <= INLINE_TOKENIZE_BYTES {
+        let prompt = tracing::info_span!("tokenize").in_scope(|| tokenize(&model, &parsed));
+        (parsed, prompt)
+    } else {
         let model = model.clone();
         tokio::task::spawn_blocking(move || {
             let prompt = tokenize(&model, &parsed);
