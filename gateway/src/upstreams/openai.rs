@@ -13,7 +13,14 @@ use bulkhead_worker::serve::proto::{
     Done, FinishReason, GenerateRequest, GenerateResponse, Item, Prompt, Token, error_code_status,
 };
 use bytes::Bytes;
-use futures_util::{Stream, StreamExt as _};
+use futures_util::{Stream, StreamExt as _, TryStreamExt as _};
+use http::header::{AUTHORIZATION, CONTENT_TYPE};
+use http::{HeaderValue, Method, Request, Uri};
+use http_body_util::{BodyExt as _, Full, Limited};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tonic::{Code, Status};
@@ -25,17 +32,23 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The longest SSE event or error body the gateway reads; longer is a protocol error.
 const MAX_EVENT_BYTES: usize = 1 << 20;
 
-/// One OpenAI-compatible server and the model name it is asked for.
+/// One OpenAI-compatible server and the model name it is asked for, over plain HTTP/1.1
+/// keep-alive connections (hyper's pooled client: this is the gateway's hot path, and an
+/// upstream that redirects is an error, not something to follow).
 #[derive(Debug)]
 pub struct OpenAiClient {
     /// `GET` here lists the models.
-    models: reqwest::Url,
+    models: Uri,
     /// `POST` here starts a completion.
-    completions: reqwest::Url,
+    completions: Uri,
     model: String,
-    key: Option<String>,
-    http: reqwest::Client,
+    /// `Bearer` and the upstream's own key, when it needs one (marked sensitive).
+    authorization: Option<HeaderValue>,
+    http: Client<HttpConnector, Full<Bytes>>,
 }
+
+/// A failure reading a body, whatever its source.
+type BodyError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The body of the one request the gateway sends: a streamed `/v1/completions` of token ids.
 #[derive(Serialize)]
@@ -59,7 +72,7 @@ struct StreamOptions {
     include_usage: bool,
 }
 
-type Body = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
+type Body = Pin<Box<dyn Stream<Item = Result<Bytes, BodyError>> + Send>>;
 
 /// A streaming completion in progress.
 pub struct SseStream {
@@ -116,39 +129,76 @@ impl OpenAiClient {
     /// A client for the server at `base` (`http://host:port`), asking for `model`, with the
     /// upstream's own API key when it needs one.
     pub fn new(base: &str, model: &str, key: Option<String>) -> Result<OpenAiClient, String> {
-        let http = reqwest::Client::builder()
-            .connect_timeout(CONNECT_TIMEOUT)
-            .tcp_nodelay(true)
-            .build()
-            .map_err(|e| e.to_string())?;
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
+        connector.set_nodelay(true);
+        let http = Client::builder(TokioExecutor::new()).build(connector);
         let base = base.trim_end_matches('/');
-        let url = |path: &str| {
-            reqwest::Url::parse(&format!("{base}{path}"))
-                .map_err(|e| format!("{base:?} is not a base URL: {e}"))
+        let uri = |path: &str| -> Result<Uri, String> {
+            let uri: Uri = format!("{base}{path}")
+                .parse()
+                .map_err(|e| format!("{base:?} is not a base URL: {e}"))?;
+            match (uri.scheme_str(), uri.host()) {
+                (Some("http"), Some(_)) => Ok(uri),
+                _ => Err(format!(
+                    "{base:?} is not an http://host[:port] URL (plain HTTP only)"
+                )),
+            }
         };
+        let authorization = key
+            .map(|k| {
+                let mut v = HeaderValue::try_from(format!("Bearer {k}"))
+                    .map_err(|_| "the upstream key is not a valid header value".to_owned())?;
+                v.set_sensitive(true);
+                Ok::<_, String>(v)
+            })
+            .transpose()?;
         Ok(OpenAiClient {
-            models: url("/v1/models")?,
-            completions: url("/v1/completions")?,
+            models: uri("/v1/models")?,
+            completions: uri("/v1/completions")?,
             model: model.to_owned(),
-            key,
+            authorization,
             http,
         })
     }
 
-    fn request(&self, method: reqwest::Method, url: &reqwest::Url) -> reqwest::RequestBuilder {
-        let r = self.http.request(method, url.clone());
-        match &self.key {
-            Some(k) => r.bearer_auth(k),
-            None => r,
+    /// Sends `method uri` with `body`, the key and `headers`.
+    async fn send(
+        &self,
+        method: Method,
+        uri: &Uri,
+        headers: http::HeaderMap,
+        body: Bytes,
+    ) -> Result<http::Response<Incoming>, String> {
+        let mut request = Request::builder()
+            .method(method)
+            .uri(uri.clone())
+            .body(Full::new(body))
+            .map_err(|e| e.to_string())?;
+        let h = request.headers_mut();
+        h.extend(headers);
+        if let Some(auth) = &self.authorization {
+            h.insert(AUTHORIZATION, auth.clone());
         }
+        self.http.request(request).await.map_err(|e| {
+            // The connector's reason (refused, timed out) is the error's source.
+            match std::error::Error::source(&e) {
+                Some(source) => format!("{e}: {source}"),
+                None => e.to_string(),
+            }
+        })
     }
 
     /// Whether the server answers `GET /v1/models` and lists the model.
     pub async fn health(&self) -> Result<(), String> {
         let probe = async {
             let r = self
-                .request(reqwest::Method::GET, &self.models)
-                .send()
+                .send(
+                    Method::GET,
+                    &self.models,
+                    http::HeaderMap::new(),
+                    Bytes::new(),
+                )
                 .await
                 .map_err(|e| format!("GET /v1/models: {e}"))?;
             let status = r.status();
@@ -198,12 +248,10 @@ impl OpenAiClient {
         };
         let body = serde_json::to_vec(&body)
             .map_err(|e| Status::internal(format!("encoding the upstream request: {e}")))?;
+        let mut headers = headers;
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         let response = self
-            .request(reqwest::Method::POST, &self.completions)
-            .headers(headers)
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
+            .send(Method::POST, &self.completions, headers, body.into())
             .await
             .map_err(|e| Status::unavailable(format!("the upstream is unreachable: {e}")))?;
         let status = response.status();
@@ -212,23 +260,26 @@ impl OpenAiClient {
             return Err(refusal(status.as_u16(), &text));
         }
         Ok(SseStream::new(
-            Box::pin(response.bytes_stream()),
+            Box::pin(
+                response
+                    .into_body()
+                    .into_data_stream()
+                    .map_err(BodyError::from),
+            ),
             u32::try_from(prompt.ids.len()).unwrap_or(u32::MAX),
         ))
     }
 }
 
-async fn read_bounded(mut response: reqwest::Response) -> Result<Vec<u8>, String> {
-    let mut out = Vec::new();
-    while let Some(chunk) = response.chunk().await.map_err(|e| e.to_string())? {
-        if out.len() + chunk.len() > MAX_EVENT_BYTES {
-            return Err(format!(
-                "the upstream's answer exceeds {MAX_EVENT_BYTES} bytes"
-            ));
-        }
-        out.extend_from_slice(&chunk);
-    }
-    Ok(out)
+async fn read_bounded(response: http::Response<Incoming>) -> Result<Bytes, String> {
+    Limited::new(response.into_body(), MAX_EVENT_BYTES)
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .map_err(|e| match e.downcast::<http_body_util::LengthLimitError>() {
+            Ok(_) => format!("the upstream's answer exceeds {MAX_EVENT_BYTES} bytes"),
+            Err(e) => e.to_string(),
+        })
 }
 
 /// The status for an upstream's error answer, coded like the worker protocol's.
@@ -429,7 +480,7 @@ mod tests {
     use bulkhead_worker::serve::proto::error_code;
 
     fn stream(chunks: &[&str]) -> SseStream {
-        let owned: Vec<reqwest::Result<Bytes>> = chunks
+        let owned: Vec<Result<Bytes, BodyError>> = chunks
             .iter()
             .map(|c| Ok(Bytes::from(c.to_string())))
             .collect();
@@ -534,6 +585,25 @@ mod tests {
             drain(endless).await.is_err(),
             "an unbounded event is refused"
         );
+    }
+
+    #[test]
+    fn only_plain_http_bases_and_header_safe_keys_make_a_client() {
+        let ok = OpenAiClient::new("http://127.0.0.1:8000/", "m", Some("sk-x".into()))
+            .expect("a plain HTTP base");
+        assert_eq!(ok.completions, "http://127.0.0.1:8000/v1/completions");
+        assert!(
+            ok.authorization
+                .as_ref()
+                .is_some_and(HeaderValue::is_sensitive)
+        );
+        for base in ["https://host", "host:8000", "http://", "ftp://host"] {
+            assert!(
+                OpenAiClient::new(base, "m", None).is_err(),
+                "{base} is refused"
+            );
+        }
+        assert!(OpenAiClient::new("http://h", "m", Some("sk\nx".into())).is_err());
     }
 
     #[test]
