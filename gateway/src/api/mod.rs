@@ -171,19 +171,29 @@ impl Parsed {
         }
     }
 
-    /// The prompt as the audit record hashes it: the messages as JSON, or the prompt text.
+    /// The prompt as the audit record hashes it: the messages as JSON (each `{"content",
+    /// "role"}`, keys in that order), or the prompt text, or the token ids as JSON.
     fn audited_text(&self) -> String {
+        #[derive(serde::Serialize)]
+        struct Audited<'a> {
+            content: &'a str,
+            role: &'a str,
+        }
         match self {
-            Parsed::Chat(c) => serde_json::Value::Array(
-                c.messages
+            Parsed::Chat(c) => {
+                let messages: Vec<Audited<'_>> = c
+                    .messages
                     .iter()
-                    .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
-                    .collect(),
-            )
-            .to_string(),
+                    .map(|m| Audited {
+                        content: &m.content,
+                        role: &m.role,
+                    })
+                    .collect();
+                serde_json::to_string(&messages).unwrap_or_default()
+            }
             Parsed::Completion(c) => match &c.prompt {
                 CompletionPrompt::Text(t) => t.clone(),
-                CompletionPrompt::Tokens(ids) => serde_json::json!(ids).to_string(),
+                CompletionPrompt::Tokens(ids) => serde_json::to_string(ids).unwrap_or_default(),
             },
         }
     }
@@ -435,5 +445,25 @@ fn tokenize(model: &ServedModel, parsed: &Parsed) -> Result<Vec<u32>, ApiError> 
                 }
             }
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_audited_prompt_keeps_its_byte_format() {
+        // Records written before and after must hash prompts alike: keys sorted, compact.
+        let chat = validate::parse_chat(
+            br#"{"messages":[{"role":"system","content":"be \"brief\""},{"role":"user","content":"hi\n"}]}"#,
+        )
+        .expect("valid");
+        assert_eq!(
+            Parsed::Chat(chat).audited_text(),
+            r#"[{"content":"be \"brief\"","role":"system"},{"content":"hi\n","role":"user"}]"#
+        );
+        let ids = validate::parse_completion(br#"{"prompt":[1,2,3]}"#).expect("valid");
+        assert_eq!(Parsed::Completion(ids).audited_text(), "[1,2,3]");
     }
 }

@@ -367,39 +367,48 @@ impl SseStream {
 /// data (the `data:` lines' values, joined by newlines). An event ends at `\n\n` or
 /// `\r\n\r\n`, whichever comes first.
 fn next_event(buf: &[u8]) -> Option<(usize, Cow<'_, str>)> {
-    let (at, sep) = (0..buf.len()).find_map(|i| {
-        let rest = &buf[i..];
-        if rest.starts_with(b"\n\n") {
-            Some((i, 2))
-        } else if rest.starts_with(b"\r\n\r\n") {
-            Some((i, 4))
-        } else {
-            None
-        }
-    })?;
-    let text = String::from_utf8_lossy(&buf[..at]);
-    let data = |text: &str| -> Vec<String> {
-        text.lines()
-            .filter_map(|l| l.strip_prefix("data:"))
-            .map(|d| d.trim_start().to_owned())
-            .collect()
+    let (at, sep) = event_end(buf)?;
+    let data = match std::str::from_utf8(&buf[..at]) {
+        Ok(text) => event_data(text),
+        Err(_) => Cow::Owned(event_data(&String::from_utf8_lossy(&buf[..at])).into_owned()),
     };
-    // The usual event is one `data:` line: borrowed, no copy.
-    let one = match &text {
-        Cow::Borrowed(t) => {
-            let mut lines = t.lines().filter_map(|l| l.strip_prefix("data:"));
-            match (lines.next(), lines.next()) {
-                (Some(d), None) => Some(Cow::Borrowed(d.trim_start())),
-                (None, _) => Some(Cow::Borrowed("")),
-                (Some(_), Some(_)) => None,
-            }
+    Some((at + sep, data))
+}
+
+/// An event's data: its one `data:` line's value (borrowed: the usual event), or the values
+/// of several joined by newlines.
+fn event_data(text: &str) -> Cow<'_, str> {
+    let mut data = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(str::trim_start);
+    match (data.next(), data.next()) {
+        (None, _) => Cow::Borrowed(""),
+        (Some(one), None) => Cow::Borrowed(one),
+        (Some(first), Some(second)) => {
+            let mut all = vec![first, second];
+            all.extend(data);
+            Cow::Owned(all.join("\n"))
         }
-        Cow::Owned(_) => None,
-    };
-    Some((
-        at + sep,
-        one.unwrap_or_else(|| Cow::Owned(data(&text).join("\n"))),
-    ))
+    }
+}
+
+/// Where the first event in `buf` ends: the offset of its blank line's separator, and the
+/// separator's length. Every separator holds a `\n`, so only those are looked at; the first
+/// one that completes `\n\n` or `\r\n\r\n` is the earliest separator.
+fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
+    let mut from = 0;
+    loop {
+        let i = from + buf[from..].iter().position(|&b| b == b'\n')?;
+        let after = &buf[i + 1..];
+        if after.starts_with(b"\n") {
+            return Some((i, 2));
+        }
+        if i >= 1 && buf[i - 1] == b'\r' && after.starts_with(b"\r\n") {
+            return Some((i - 1, 4));
+        }
+        from = i + 1;
+    }
 }
 
 impl Events {
@@ -560,12 +569,49 @@ mod tests {
     }
 
     #[test]
+    fn the_event_end_is_the_earliest_separator_of_either_kind() {
+        // Every string of up to 8 bytes over '\n', '\r' and 'a', against a plain search.
+        let naive = |buf: &[u8]| {
+            (0..buf.len()).find_map(|i| {
+                if buf[i..].starts_with(b"\n\n") {
+                    Some((i, 2))
+                } else if buf[i..].starts_with(b"\r\n\r\n") {
+                    Some((i, 4))
+                } else {
+                    None
+                }
+            })
+        };
+        let mut strings: Vec<Vec<u8>> = vec![Vec::new()];
+        for _ in 0..8 {
+            let longer: Vec<Vec<u8>> = strings
+                .iter()
+                .filter(|s| s.len() == strings.last().map_or(0, Vec::len))
+                .flat_map(|s| {
+                    [b'\n', b'\r', b'a'].map(|b| {
+                        let mut t = s.clone();
+                        t.push(b);
+                        t
+                    })
+                })
+                .collect();
+            strings.extend(longer);
+        }
+        assert_eq!(strings.len(), (0..=8).map(|n| 3usize.pow(n)).sum::<usize>());
+        for s in &strings {
+            assert_eq!(event_end(s), naive(s), "{s:?}");
+        }
+    }
+
+    #[test]
     fn multi_line_data_is_joined_and_a_single_line_is_borrowed() {
         let (len, data) = next_event(b"data: a\ndata:b\n\nrest").expect("an event");
         assert_eq!((len, &*data), (16, "a\nb"));
         let (_, data) = next_event(b"data: {}\n\n").expect("an event");
         assert!(matches!(data, Cow::Borrowed("{}")));
         assert!(next_event(b"data: {}\n").is_none(), "not complete yet");
+        let (_, data) = next_event(b"data: \xff{}\n\n").expect("an event");
+        assert_eq!(data, "\u{FFFD}{}", "invalid UTF-8 is replaced, not fatal");
     }
 
     #[tokio::test]
