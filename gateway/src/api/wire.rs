@@ -88,6 +88,17 @@ struct TextChoice<'a> {
     finish_reason: Option<&'a str>,
 }
 
+impl<'a> TextChoice<'a> {
+    fn new(text: &'a str, finish_reason: Option<&'a str>) -> TextChoice<'a> {
+        TextChoice {
+            index: 0,
+            text,
+            logprobs: (),
+            finish_reason,
+        }
+    }
+}
+
 #[derive(Serialize)]
 struct DeltaChoice<'a> {
     index: u32,
@@ -136,12 +147,7 @@ impl Head<'_> {
                 self.body("chat.completion", [choice], usage)
             }
             Endpoint::Completion => {
-                let choice = TextChoice {
-                    index: 0,
-                    text,
-                    logprobs: (),
-                    finish_reason: Some(finish),
-                };
+                let choice = TextChoice::new(text, Some(finish));
                 self.body("text_completion", [choice], usage)
             }
         }
@@ -176,12 +182,7 @@ impl Head<'_> {
                 self.body("chat.completion.chunk", [choice], usage)
             }
             Endpoint::Completion => {
-                let choice = TextChoice {
-                    index: 0,
-                    text: text.unwrap_or(""),
-                    logprobs: (),
-                    finish_reason: finish,
-                };
+                let choice = TextChoice::new(text.unwrap_or(""), finish);
                 self.body("text_completion", [choice], usage)
             }
         }
