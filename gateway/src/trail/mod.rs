@@ -20,6 +20,7 @@
 mod draft;
 mod layer;
 mod read;
+mod syncer;
 #[cfg(test)]
 mod tests;
 mod unserved;
@@ -69,6 +70,8 @@ struct Inner {
     metrics: Metrics,
     /// Every final record is also exported as a log record, when configured.
     export: Option<AuditExport>,
+    /// Durable mode: the thread whose fsyncs responses wait for.
+    syncer: Option<syncer::Syncer>,
 }
 
 impl Recorder {
@@ -91,20 +94,31 @@ impl Recorder {
         let gateway = TenantId::new(GATEWAY_LOG).map_err(|e| AuditError::Poisoned {
             reason: format!("the gateway log's id: {e}"),
         })?;
-        let inner = Inner {
-            log,
-            settings,
-            gateway,
-            lost: AtomicU64::new(0),
-            metrics,
-            export,
-        };
-        Ok((
-            Recorder {
-                inner: Arc::new(inner),
-            },
-            recoveries,
-        ))
+        let mut started = Ok(());
+        let inner = Arc::new_cyclic(|me: &std::sync::Weak<Inner>| {
+            let syncer = match settings.durability {
+                Durability::Group => None,
+                Durability::Durable => {
+                    let me = me.clone();
+                    syncer::Syncer::start(move || me.upgrade().map(|i| i.log.flush()))
+                        .map_err(|e| started = Err(e))
+                        .ok()
+                }
+            };
+            Inner {
+                log,
+                settings,
+                gateway,
+                lost: AtomicU64::new(0),
+                metrics,
+                export,
+                syncer,
+            }
+        });
+        started.map_err(|e| AuditError::Poisoned {
+            reason: format!("starting the audit fsync thread: {e}"),
+        })?;
+        Ok((Recorder { inner }, recoveries))
     }
 
     /// A new request's trail; `span` is the request's span.
@@ -164,16 +178,11 @@ impl Recorder {
     }
 
     async fn commit_inner(&self, record: AuditRecord) -> Result<(), AuditError> {
-        let receipt = self.inner.log.append(&record.tenant, &record)?;
-        if self.inner.settings.durability == Durability::Group {
-            return Ok(());
+        self.inner.log.append(&record.tenant, &record)?;
+        match &self.inner.syncer {
+            None => Ok(()),
+            Some(syncer) => syncer.durable().await,
         }
-        let this = self.clone();
-        tokio::task::spawn_blocking(move || this.inner.log.wait_durable(&receipt))
-            .await
-            .map_err(|e| AuditError::Poisoned {
-                reason: format!("the fsync task failed: {e}"),
-            })?
     }
 
     /// Appends the record of an abandoned request without waiting (nobody is left to answer).
