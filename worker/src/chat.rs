@@ -1,5 +1,6 @@
 //! Chat templates: the model's own `tokenizer.chat_template` (Jinja), rendered with minijinja.
 
+use std::fmt::Write as _;
 use std::sync::Arc;
 
 use minijinja::{Environment, ErrorKind, context};
@@ -72,7 +73,7 @@ const FRAMES: usize = 256;
 fn frame_key(messages: &[Message], add_generation_prompt: bool) -> String {
     let mut key = String::from(if add_generation_prompt { "g" } else { "-" });
     for m in messages {
-        key.push_str(&format!("{}:{}", m.role.len(), m.role));
+        let _ = write!(key, "{}:{}", m.role.len(), m.role);
     }
     key
 }
@@ -213,7 +214,11 @@ mod tests {
     use crate::tiny_model::TinySpec;
 
     fn tiny() -> (ChatTemplate, Tokenizer) {
-        let path = std::env::temp_dir().join(format!("bulkhead-chat-{}.gguf", std::process::id()));
+        // One file per call: tests running on threads of one process must not share it.
+        static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path =
+            std::env::temp_dir().join(format!("bulkhead-chat-{}-{call}.gguf", std::process::id()));
         TinySpec::default().write(&path).expect("write");
         let g = Gguf::open(&path).expect("open");
         let _ = std::fs::remove_file(&path);
