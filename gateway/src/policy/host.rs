@@ -20,7 +20,9 @@ pub(super) struct Host {
     pub(super) plugin: Arc<str>,
     pub(super) limiter: Limiter,
     logged: u32,
-    wasi: WasiCtx,
+    /// Built at the guest's first WASI call: a component that imports no WASI (as the
+    /// built-ins) never pays for one.
+    wasi: Option<WasiCtx>,
     table: ResourceTable,
 }
 
@@ -39,8 +41,7 @@ impl Host {
             plugin,
             limiter: Limiter::new(memory_bytes),
             logged: 0,
-            // Deny-all: no preopened directory, no environment, no sockets allowed.
-            wasi: WasiCtx::builder().build(),
+            wasi: None,
             table: ResourceTable::new(),
         }
     }
@@ -49,7 +50,8 @@ impl Host {
 impl WasiView for Host {
     fn ctx(&mut self) -> WasiCtxView<'_> {
         WasiCtxView {
-            ctx: &mut self.wasi,
+            // Deny-all: no preopened directory, no environment, no sockets allowed.
+            ctx: self.wasi.get_or_insert_with(|| WasiCtx::builder().build()),
             table: &mut self.table,
         }
     }

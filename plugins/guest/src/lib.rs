@@ -7,6 +7,13 @@
 //! bulkhead_policy_guest::export!(MyPolicy with_types_in bulkhead_policy_guest::bindings);
 //! ```
 
+#[cfg(any(test, all(target_family = "wasm", target_os = "unknown")))]
+mod heap;
+
+#[cfg(all(target_family = "wasm", target_os = "unknown"))]
+#[global_allocator]
+static HEAP: heap::Bump<heap::Linear> = heap::Bump::new(heap::Linear);
+
 pub mod bindings {
     wit_bindgen::generate!({
         world: "plugin",
