@@ -11,3 +11,4 @@ pub mod serve;
 mod text_cache;
 pub mod tiny_model;
 pub mod tokenizer;
+mod words;

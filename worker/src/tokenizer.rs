@@ -9,15 +9,16 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use tokenizers::SplitDelimiterBehavior;
 use tokenizers::models::bpe::{BPE, Vocab};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{Model, SplitDelimiterBehavior};
 
 use crate::gguf::{Gguf, GgufError};
 use crate::text_cache::TextCache;
+use crate::words;
 
 /// A token id of the served model's vocabulary.
 pub type TokenId = u32;
@@ -47,6 +48,9 @@ const TYPE_USER_DEFINED: i32 = 4;
 #[derive(Debug)]
 pub struct Tokenizer {
     bpe: tokenizers::Tokenizer,
+    /// For GPT-2's pre-tokenizer (`Some(digits apart)`): words are cut by [`words::split`]
+    /// and go straight to the BPE model, instead of through `bpe`'s regex pipeline.
+    gpt2_words: Option<bool>,
     /// Exact bytes of every token id (control tokens: their text).
     bytes: Vec<Vec<u8>>,
     /// Control and user-defined tokens, longest first, matched in text when asked.
@@ -167,7 +171,8 @@ impl Tokenizer {
             .build()
             .map_err(|e| TokenizerError::Build(e.to_string()))?;
         let mut tk = tokenizers::Tokenizer::new(bpe);
-        tk.with_pre_tokenizer(Some(pre_tokenizer(pre.unwrap_or("default"))?));
+        let pre = pre.unwrap_or("default");
+        tk.with_pre_tokenizer(Some(pre_tokenizer(pre)?));
 
         let unicode_to_byte = byte_level_inverse();
         let mut specials = Vec::new();
@@ -205,6 +210,11 @@ impl Tokenizer {
         }
         Ok(Tokenizer {
             bpe: tk,
+            gpt2_words: match pre {
+                "default" | "gpt2" => Some(false),
+                "smollm" | "starcoder" => Some(true),
+                _ => None,
+            },
             bytes,
             specials,
             control,
@@ -247,11 +257,7 @@ impl Tokenizer {
                 None => (rest, None),
             };
             if !plain.is_empty() {
-                let enc = self
-                    .bpe
-                    .encode_fast(plain, false)
-                    .map_err(|e| TokenizerError::Encode(e.to_string()))?;
-                out.extend_from_slice(enc.get_ids());
+                self.encode_plain(plain, &mut out)?;
             }
             match special {
                 Some((len, id)) => {
@@ -262,6 +268,31 @@ impl Tokenizer {
             }
         }
         Ok(out)
+    }
+
+    /// Appends the ids of `text` (no special tokens in it) to `out`.
+    fn encode_plain(&self, text: &str, out: &mut Vec<TokenId>) -> Result<(), TokenizerError> {
+        let encode_error = |e: tokenizers::Error| TokenizerError::Encode(e.to_string());
+        let Some(digits_apart) = self.gpt2_words else {
+            let enc = self.bpe.encode_fast(text, false).map_err(encode_error)?;
+            out.extend_from_slice(enc.get_ids());
+            return Ok(());
+        };
+        let model = self.bpe.get_model();
+        let mut word = String::new();
+        let mut failed = None;
+        words::split(text, digits_apart, |piece| {
+            if failed.is_some() {
+                return;
+            }
+            word.clear();
+            word.extend(piece.bytes().map(byte_level_char));
+            match model.tokenize(&word) {
+                Ok(tokens) => out.extend(tokens.iter().map(|t| t.id)),
+                Err(e) => failed = Some(e),
+            }
+        });
+        failed.map_or(Ok(()), |e| Err(encode_error(e)))
     }
 
     /// [`Tokenizer::encode`] with special tokens parsed, for text a chat template rendered
@@ -304,7 +335,8 @@ impl Tokenizer {
 const PRE_TOKENIZERS: &str = "default, gpt2, smollm, starcoder, llama-bpe, llama3, qwen2";
 
 /// GPT-2's word-splitting expression.
-const GPT2_SPLIT: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+pub(crate) const GPT2_SPLIT: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
 /// Llama 3's, which Qwen2 shares except that it takes digits one at a time.
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -413,6 +445,23 @@ mod tests {
                 text,
                 "{pre}"
             );
+        }
+    }
+
+    /// The hand-cut words give the ids the `tokenizers` pipeline gives.
+    #[test]
+    fn gpt2_words_encode_as_the_regex_pipeline() {
+        for pre in ["gpt2", "smollm"] {
+            let t = tokenizer(pre).expect(pre);
+            assert!(t.gpt2_words.is_some(), "{pre}");
+            proptest::test_runner::TestRunner::default()
+                .run(&"[ a-z0-9'\n\t!é中²]{0,24}", |text| {
+                    let want = t.bpe.encode_fast(text.as_str(), false).expect("pipeline");
+                    let got = t.encode(&text, false).expect("encode");
+                    proptest::prop_assert_eq!(got.as_slice(), want.get_ids());
+                    Ok(())
+                })
+                .expect(pre);
         }
     }
 
