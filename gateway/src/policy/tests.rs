@@ -371,6 +371,28 @@ async fn a_plugin_built_against_0_1_0_works_in_the_0_1_1_host() {
     assert_eq!(status, 418);
 }
 
+/// The built-ins are bare components: they import the policy world and no WASI, so a call
+/// builds no WASI context and instantiates one core module (scripts/build-plugins). The hostile
+/// plugin, built for wasm32-wasip2 for its clock, shows what the check sees otherwise.
+#[test]
+fn the_built_ins_import_no_wasi() {
+    let engine = wasmtime::Engine::default();
+    let wasi_imports = |name: &str| {
+        let (path, _) = component(name);
+        let component = wasmtime::component::Component::from_file(&engine, path).expect(name);
+        component
+            .component_type()
+            .imports(&engine)
+            .map(|(import, _)| import.to_owned())
+            .filter(|import| import.starts_with("wasi:"))
+            .collect::<Vec<_>>()
+    };
+    for name in ["length-limit", "tenant-tag", "abort-guard"] {
+        assert_eq!(wasi_imports(name), Vec::<String>::new(), "{name}");
+    }
+    assert!(!wasi_imports("hostile").is_empty());
+}
+
 #[tokio::test]
 async fn a_python_policy_loads_and_acts() {
     let dir = Scratch::new("policy");
