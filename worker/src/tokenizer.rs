@@ -48,9 +48,9 @@ const TYPE_USER_DEFINED: i32 = 4;
 #[derive(Debug)]
 pub struct Tokenizer {
     bpe: tokenizers::Tokenizer,
-    /// For GPT-2's pre-tokenizer (`Some(digits apart)`): words are cut by [`words::split`]
-    /// and go straight to the BPE model, instead of through `bpe`'s regex pipeline.
-    gpt2_words: Option<bool>,
+    /// GPT-2's words are cut by [`words::split`] and go straight to the BPE model; the other
+    /// pre-tokenizers run `bpe`'s regex pipeline.
+    pre: PreTokenizer,
     /// Exact bytes of every token id (control tokens: their text).
     bytes: Vec<Vec<u8>>,
     /// Control and user-defined tokens, longest first, matched in text when asked.
@@ -171,8 +171,8 @@ impl Tokenizer {
             .build()
             .map_err(|e| TokenizerError::Build(e.to_string()))?;
         let mut tk = tokenizers::Tokenizer::new(bpe);
-        let pre = pre.unwrap_or("default");
-        tk.with_pre_tokenizer(Some(pre_tokenizer(pre)?));
+        let pre = PreTokenizer::named(pre.unwrap_or("default"))?;
+        tk.with_pre_tokenizer(Some(pre.pipeline()?));
 
         let unicode_to_byte = byte_level_inverse();
         let mut specials = Vec::new();
@@ -210,11 +210,7 @@ impl Tokenizer {
         }
         Ok(Tokenizer {
             bpe: tk,
-            gpt2_words: match pre {
-                "default" | "gpt2" => Some(false),
-                "smollm" | "starcoder" => Some(true),
-                _ => None,
-            },
+            pre,
             bytes,
             specials,
             control,
@@ -273,7 +269,7 @@ impl Tokenizer {
     /// Appends the ids of `text` (no special tokens in it) to `out`.
     fn encode_plain(&self, text: &str, out: &mut Vec<TokenId>) -> Result<(), TokenizerError> {
         let encode_error = |e: tokenizers::Error| TokenizerError::Encode(e.to_string());
-        let Some(digits_apart) = self.gpt2_words else {
+        let PreTokenizer::Gpt2 { digits_apart } = self.pre else {
             let enc = self.bpe.encode_fast(text, false).map_err(encode_error)?;
             out.extend_from_slice(enc.get_ids());
             return Ok(());
@@ -335,37 +331,60 @@ impl Tokenizer {
 const PRE_TOKENIZERS: &str = "default, gpt2, smollm, starcoder, llama-bpe, llama3, qwen2";
 
 /// GPT-2's word-splitting expression.
-pub(crate) const GPT2_SPLIT: &str =
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+const GPT2_SPLIT: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
 /// Llama 3's, which Qwen2 shares except that it takes digits one at a time.
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// The pre-tokenizer a GGUF file names: how text is cut into words before byte-level BPE.
-fn pre_tokenizer(name: &str) -> Result<Sequence, TokenizerError> {
-    let split = |pattern: &str| {
-        Split::new(
-            SplitPattern::Regex(pattern.into()),
-            SplitDelimiterBehavior::Isolated,
-            false,
-        )
-        .map_err(|e| TokenizerError::Build(e.to_string()))
-    };
-    let bytes = ByteLevel::new(false, false, false);
-    Ok(Sequence::new(match name {
-        "default" | "gpt2" => vec![split(GPT2_SPLIT)?.into(), bytes.into()],
-        // SmolLM and StarCoder: every digit on its own, then GPT-2's rules.
-        "smollm" | "starcoder" => vec![
-            Digits::new(true).into(),
-            split(GPT2_SPLIT)?.into(),
-            bytes.into(),
-        ],
-        "llama-bpe" | "llama3" => vec![split(LLAMA3_SPLIT)?.into(), bytes.into()],
-        "qwen2" => vec![
-            split(&LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"))?.into(),
-            bytes.into(),
-        ],
-        other => return Err(TokenizerError::UnsupportedPreTokenizer(other.into())),
-    }))
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PreTokenizer {
+    /// GPT-2's expression ([`GPT2_SPLIT`]); SmolLM and StarCoder cut every digit apart first.
+    Gpt2 { digits_apart: bool },
+    /// Llama 3's expression.
+    Llama3,
+    /// Llama 3's expression, taking digits one at a time.
+    Qwen2,
+}
+
+impl PreTokenizer {
+    fn named(name: &str) -> Result<PreTokenizer, TokenizerError> {
+        Ok(match name {
+            "default" | "gpt2" => PreTokenizer::Gpt2 {
+                digits_apart: false,
+            },
+            "smollm" | "starcoder" => PreTokenizer::Gpt2 { digits_apart: true },
+            "llama-bpe" | "llama3" => PreTokenizer::Llama3,
+            "qwen2" => PreTokenizer::Qwen2,
+            other => return Err(TokenizerError::UnsupportedPreTokenizer(other.into())),
+        })
+    }
+
+    /// Its `tokenizers` pipeline, byte-level mapping included.
+    pub(crate) fn pipeline(self) -> Result<Sequence, TokenizerError> {
+        let split = |pattern: &str| {
+            Split::new(
+                SplitPattern::Regex(pattern.into()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(|e| TokenizerError::Build(e.to_string()))
+        };
+        let bytes = ByteLevel::new(false, false, false).into();
+        Ok(Sequence::new(match self {
+            PreTokenizer::Gpt2 { digits_apart } => {
+                let mut steps = vec![split(GPT2_SPLIT)?.into(), bytes];
+                if digits_apart {
+                    steps.insert(0, Digits::new(true).into());
+                }
+                steps
+            }
+            PreTokenizer::Llama3 => vec![split(LLAMA3_SPLIT)?.into(), bytes],
+            PreTokenizer::Qwen2 => vec![
+                split(&LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"))?.into(),
+                bytes,
+            ],
+        }))
+    }
 }
 
 /// GPT-2's byte-level alphabet: the printable character that stands for byte `b` in a
@@ -453,7 +472,7 @@ mod tests {
     fn gpt2_words_encode_as_the_regex_pipeline() {
         for pre in ["gpt2", "smollm"] {
             let t = tokenizer(pre).expect(pre);
-            assert!(t.gpt2_words.is_some(), "{pre}");
+            assert!(matches!(t.pre, PreTokenizer::Gpt2 { .. }), "{pre}");
             proptest::test_runner::TestRunner::default()
                 .run(&"[ a-z0-9'\n\t!é中²]{0,24}", |text| {
                     let want = t.bpe.encode_fast(text.as_str(), false).expect("pipeline");
