@@ -244,11 +244,6 @@ impl AuditLog {
         self.inner.flush()
     }
 
-    /// Waits until the receipt's record is durable (flushing if needed).
-    pub fn wait_durable(&self, receipt: &Receipt) -> Result<(), AuditError> {
-        self.inner.sync(&receipt.tenant, receipt.seq)
-    }
-
     /// Up to `limit` durable records of `tenant` with `seq >= since`, in order.
     pub fn read(
         &self,

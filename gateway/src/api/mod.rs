@@ -20,6 +20,7 @@ mod upstream;
 pub mod validate;
 mod wire;
 
+use std::borrow::Cow;
 use std::num::NonZeroU32;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -173,7 +174,7 @@ impl Parsed {
 
     /// The prompt as the audit record hashes it: the messages as JSON (each `{"content",
     /// "role"}`, keys in that order), or the prompt text, or the token ids as JSON.
-    fn audited_text(&self) -> String {
+    fn audited_text(&self) -> Cow<'_, str> {
         #[derive(serde::Serialize)]
         struct Audited<'a> {
             content: &'a str,
@@ -189,11 +190,13 @@ impl Parsed {
                         role: &m.role,
                     })
                     .collect();
-                serde_json::to_string(&messages).unwrap_or_default()
+                serde_json::to_string(&messages).unwrap_or_default().into()
             }
             Parsed::Completion(c) => match &c.prompt {
-                CompletionPrompt::Text(t) => t.clone(),
-                CompletionPrompt::Tokens(ids) => serde_json::to_string(ids).unwrap_or_default(),
+                CompletionPrompt::Text(t) => Cow::Borrowed(t),
+                CompletionPrompt::Tokens(ids) => {
+                    serde_json::to_string(ids).unwrap_or_default().into()
+                }
             },
         }
     }

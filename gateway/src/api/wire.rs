@@ -179,22 +179,30 @@ impl Head<'_> {
                     logprobs: (),
                     finish_reason: finish,
                 };
-                self.body("chat.completion.chunk", [choice], usage)
+                self.body(self.chunk_object(), [choice], usage)
             }
             Endpoint::Completion => {
                 let choice = TextChoice::new(text.unwrap_or(""), finish);
-                self.body("text_completion", [choice], usage)
+                self.body(self.chunk_object(), [choice], usage)
             }
         }
     }
 
     /// The last chunk when the stream asked for usage: no choices, the usage.
     pub fn usage_chunk(&self, d: &Done) -> String {
-        let object = match self.endpoint {
+        self.body(
+            self.chunk_object(),
+            [(); 0],
+            UsageField::Counts(Usage::of(d)),
+        )
+    }
+
+    /// The `object` of a streamed chunk.
+    fn chunk_object(&self) -> &'static str {
+        match self.endpoint {
             Endpoint::Chat => "chat.completion.chunk",
             Endpoint::Completion => "text_completion",
-        };
-        self.body(object, [(); 0], UsageField::Counts(Usage::of(d)))
+        }
     }
 }
 

@@ -60,7 +60,8 @@ pub struct Recorder {
 
 #[derive(Debug)]
 struct Inner {
-    log: AuditLog,
+    /// Shared with the durable mode's fsync thread, which holds it weakly.
+    log: Arc<AuditLog>,
     settings: AuditSettings,
     gateway: TenantId,
     /// Records that could not be written (served anyway under `on_failure = "serve"`, or
@@ -94,30 +95,27 @@ impl Recorder {
         let gateway = TenantId::new(GATEWAY_LOG).map_err(|e| AuditError::Poisoned {
             reason: format!("the gateway log's id: {e}"),
         })?;
-        let mut started = Ok(());
-        let inner = Arc::new_cyclic(|me: &std::sync::Weak<Inner>| {
-            let syncer = match settings.durability {
-                Durability::Group => None,
-                Durability::Durable => {
-                    let me = me.clone();
-                    syncer::Syncer::start(move || me.upgrade().map(|i| i.log.flush()))
-                        .map_err(|e| started = Err(e))
-                        .ok()
-                }
-            };
-            Inner {
-                log,
-                settings,
-                gateway,
-                lost: AtomicU64::new(0),
-                metrics,
-                export,
-                syncer,
+        let log = Arc::new(log);
+        let syncer = match settings.durability {
+            Durability::Group => None,
+            Durability::Durable => {
+                let weak = Arc::downgrade(&log);
+                let syncer = syncer::Syncer::start(move || weak.upgrade().map(|l| l.flush()))
+                    .map_err(|e| AuditError::Poisoned {
+                        reason: format!("starting the audit fsync thread: {e}"),
+                    })?;
+                Some(syncer)
             }
+        };
+        let inner = Arc::new(Inner {
+            log,
+            settings,
+            gateway,
+            lost: AtomicU64::new(0),
+            metrics,
+            export,
+            syncer,
         });
-        started.map_err(|e| AuditError::Poisoned {
-            reason: format!("starting the audit fsync thread: {e}"),
-        })?;
         Ok((Recorder { inner }, recoveries))
     }
 

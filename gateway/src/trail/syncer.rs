@@ -24,13 +24,15 @@ struct Shared {
     requested: AtomicU64,
     /// Flushes started so far.
     started: AtomicU64,
-    done: watch::Sender<Flushed>,
     stop: AtomicBool,
 }
 
 #[derive(Debug)]
 pub(super) struct Syncer {
     shared: Arc<Shared>,
+    /// Finished flushes. The thread holds the only sender: when it ends, for whatever reason,
+    /// every waiter learns it instead of waiting forever.
+    done: watch::Receiver<Flushed>,
     thread: Thread,
 }
 
@@ -43,9 +45,9 @@ impl Syncer {
         let shared = Arc::new(Shared {
             requested: AtomicU64::new(0),
             started: AtomicU64::new(0),
-            done: watch::Sender::new(Flushed::default()),
             stop: AtomicBool::new(false),
         });
+        let (done_tx, done) = watch::channel(Flushed::default());
         let own = shared.clone();
         let handle = std::thread::Builder::new()
             .name("audit-fsync".into())
@@ -60,7 +62,7 @@ impl Syncer {
                     handled = requested;
                     let count = own.started.fetch_add(1, Ordering::SeqCst) + 1;
                     let Some(result) = flush() else { return };
-                    own.done.send_replace(Flushed {
+                    done_tx.send_replace(Flushed {
                         count,
                         failure: result.err().map(|e| e.to_string()),
                     });
@@ -68,6 +70,7 @@ impl Syncer {
             })?;
         Ok(Syncer {
             shared,
+            done,
             thread: handle.thread().clone(),
         })
     }
@@ -78,7 +81,7 @@ impl Syncer {
     /// released the log's state lock before this read; had the flush taken that lock first, its
     /// `started` increment (made before) would be visible to this read.
     pub(super) async fn durable(&self) -> Result<(), AuditError> {
-        let mut done = self.shared.done.subscribe();
+        let mut done = self.done.clone();
         let after = self.shared.started.load(Ordering::SeqCst);
         self.shared.requested.fetch_add(1, Ordering::SeqCst);
         self.thread.unpark();
@@ -158,6 +161,13 @@ mod tests {
             flushes < 200,
             "{flushes} flushes for 200 waiters: none shared"
         );
+    }
+
+    #[tokio::test]
+    async fn waiters_fail_when_the_thread_ends() {
+        let syncer = Syncer::start(|| None).expect("thread");
+        let e = syncer.durable().await.expect_err("no flush will come");
+        assert!(e.to_string().contains("fsync thread stopped"), "{e}");
     }
 
     #[tokio::test]

@@ -111,9 +111,8 @@ impl std::fmt::Debug for SseStream {
 struct Chunk<'a> {
     #[serde(default, borrow)]
     choices: Vec<Choice<'a>>,
-    #[serde(default)]
     usage: Option<Value>,
-    #[serde(default)]
+    /// JSON `null` reads as `None`.
     error: Option<Value>,
 }
 
@@ -341,9 +340,16 @@ impl SseStream {
             }
             match self.body.next().await {
                 Some(Ok(bytes)) => {
-                    self.buf.extend_from_slice(&bytes);
-                    let parsed = self.events.parse_all(&self.buf);
-                    self.buf.drain(..parsed);
+                    // Most reads hold whole events: parse them where they lie, and keep only
+                    // an unfinished tail.
+                    if self.buf.is_empty() {
+                        let parsed = self.events.parse_all(&bytes);
+                        self.buf.extend_from_slice(&bytes[parsed..]);
+                    } else {
+                        self.buf.extend_from_slice(&bytes);
+                        let parsed = self.events.parse_all(&self.buf);
+                        self.buf.drain(..parsed);
+                    }
                     if self.buf.len() > MAX_EVENT_BYTES {
                         return Err(Status::internal("an upstream SSE event is too long"));
                     }
@@ -451,7 +457,7 @@ impl Events {
                 "an upstream SSE event is not a completion chunk: {e}"
             ))
         })?;
-        if let Some(error) = chunk.error.filter(|e| !e.is_null()) {
+        if let Some(error) = chunk.error {
             return Err(Status::unavailable(format!(
                 "the upstream failed mid-stream: {}",
                 error["message"].as_str().unwrap_or("no message")

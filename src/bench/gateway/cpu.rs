@@ -11,13 +11,20 @@ pub struct ProcessTree(pub u32);
 
 impl ProcessTree {
     /// User plus system CPU time used so far by every thread of the process and of its live
-    /// descendants; `None` where `/proc` cannot tell (not Linux, or the process is gone).
+    /// descendants; `None` where `/proc` cannot tell (not Linux, or the process itself is
+    /// gone).
     pub fn cpu(self) -> Option<Duration> {
         let ticks_per_second = clock_ticks_per_second()?;
         let mut ticks = 0u64;
         let mut pending = vec![self.0];
         while let Some(pid) = pending.pop() {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let stat = match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+                Ok(stat) => stat,
+                // A descendant may exit between listing and reading: its time is no longer
+                // ours to count, and the rest of the tree still is.
+                Err(_) if pid != self.0 => continue,
+                Err(_) => return None,
+            };
             ticks = ticks.saturating_add(used_ticks(&stat)?);
             pending.extend(children(pid));
         }
