@@ -25,6 +25,8 @@ pub struct Args {
     #[command(flatten)]
     data_dir: crate::data_dir::DataDir,
     #[command(flatten)]
+    threads: crate::runtime::Threads,
+    #[command(flatten)]
     otlp: crate::telemetry::OtlpArgs,
 }
 
@@ -36,8 +38,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let telemetry = crate::telemetry::install("info", export.map(|o| (Service::Gateway, o)))?;
     let audit_export = telemetry.audit_export();
     let data_dir = args.data_dir.path()?;
-    runtime()?.block_on(async move {
-        let gateway = BoundGateway::bind(config, Some(file), &data_dir, audit_export).await?;
+    crate::runtime::main()?.block_on(async move {
+        let gateway = BoundGateway::bind(config, Some(file), &data_dir, audit_export)
+            .await?
+            .serving_threads(args.threads.count());
         let (api, admin) = (gateway.api_addr()?, gateway.admin_addr()?);
         tracing::info!(%api, %admin, "gateway serving");
         println!("bulkhead gateway ready api={api} admin={admin}");
@@ -51,7 +55,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 pub fn preflight(args: Args) -> anyhow::Result<()> {
     let config = Config::load(&args.config)
         .with_context(|| format!("invalid configuration {}", args.config.display()))?;
-    let answers = runtime()?.block_on(bulkhead_gateway::preflight::ask(
+    let answers = crate::runtime::main()?.block_on(bulkhead_gateway::preflight::ask(
         &config,
         &bulkhead_gateway::discovery::SystemResolver,
     ));
@@ -65,19 +69,6 @@ pub fn preflight(args: Args) -> anyhow::Result<()> {
     );
     println!("\npreflight: every check passed");
     Ok(())
-}
-
-/// Threads of the gateway's async runtime.
-pub const RUNTIME_THREADS: usize = 2;
-
-/// The gateway's async runtime.
-pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(RUNTIME_THREADS)
-        .thread_name("bulkhead-gateway")
-        .enable_all()
-        .build()
-        .context("starting the async runtime")
 }
 
 /// Reads one key per line on stdin (so it stays out of shell history and `ps`) and prints

@@ -7,6 +7,7 @@ mod data_dir;
 mod gateway;
 mod generate;
 mod model_path;
+mod runtime;
 mod switches;
 mod telemetry;
 mod up;
@@ -95,4 +96,15 @@ fn cuda_ptx(out: &std::path::Path) -> anyhow::Result<()> {
         .with_context(|| format!("writing {}", out.display()))?;
     eprintln!("wrote the CUDA kernels to {}", out.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    /// Every subcommand's flags are distinct (clap checks this only when the subcommand runs).
+    #[test]
+    fn the_command_line_is_well_formed() {
+        super::Cli::command().debug_assert();
+    }
 }

@@ -90,6 +90,8 @@ pub struct Args {
     #[command(flatten)]
     data_dir: crate::data_dir::DataDir,
     #[command(flatten)]
+    threads: crate::runtime::Threads,
+    #[command(flatten)]
     otlp: crate::telemetry::OtlpArgs,
 }
 
@@ -119,7 +121,7 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     let model = args.model.path()?;
     let data_dir = args.data_dir.path()?;
 
-    crate::gateway::runtime()?.block_on(async move {
+    crate::runtime::main()?.block_on(async move {
         let mut workers = Vec::new();
         match layout {
             Layout::Colocated(i) => {
@@ -139,7 +141,9 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
                 workers.push(d);
             }
         }
-        let gateway = BoundGateway::bind(config, file, &data_dir, audit_export).await?;
+        let gateway = BoundGateway::bind(config, file, &data_dir, audit_export)
+            .await?
+            .serving_threads(args.threads.count());
         let (api, admin) = (gateway.api_addr()?, gateway.admin_addr()?);
         let listing: Vec<String> = workers
             .iter()

@@ -1,19 +1,14 @@
 //! Startup and serving: bind both listeners (so a caller can print the bound addresses before
 //! traffic), read every worker once, then serve until shutdown.
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::path::Path;
 use std::time::Duration;
 
 use axum::Router;
-use axum::response::Response;
 use bulkhead_telemetry::AuditExport;
-use http::Request;
-use hyper::body::Incoming;
-use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 
@@ -24,12 +19,10 @@ use crate::discovery::{self, SystemResolver, WorkerGroup};
 use crate::limits::Limiter;
 use crate::metrics::Metrics;
 use crate::policy::{Policies, PolicyError};
+use crate::serving::{serve_listener, serve_threads};
 use crate::tenants::{ConfigFile, Tenants};
 use crate::trail::{Recorder, Watch};
 use crate::workers::{EndpointError, Workers};
-
-/// How long shutdown waits for in-flight connections.
-const DRAIN_LIMIT: Duration = Duration::from_secs(10);
 
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
@@ -67,6 +60,8 @@ pub struct BoundGateway {
     header_timeout: Duration,
     /// Workers found through DNS, re-resolved every refresh interval.
     groups: Vec<WorkerGroup>,
+    /// Threads serving API connections (see [`crate::serving`]).
+    threads: NonZeroUsize,
 }
 
 impl BoundGateway {
@@ -139,7 +134,14 @@ impl BoundGateway {
             refresh_interval: config.refresh_interval,
             header_timeout: config.http.header_timeout,
             groups: config.worker_groups,
+            threads: NonZeroUsize::MIN,
         })
+    }
+
+    /// Serves the API on `threads` threads (see [`crate::serving`]); default one.
+    pub fn serving_threads(mut self, threads: NonZeroUsize) -> BoundGateway {
+        self.threads = threads;
+        self
     }
 
     pub fn api_addr(&self) -> std::io::Result<SocketAddr> {
@@ -196,7 +198,13 @@ impl BoundGateway {
             self.recorder.clone(),
             self.tenants.clone(),
         );
-        let api = serve_listener(self.api, api_service, self.header_timeout, stop_rx.clone());
+        let api = serve_threads(
+            self.api,
+            api_service,
+            self.header_timeout,
+            self.threads,
+            stop_rx.clone(),
+        );
         let admin = serve_listener(
             self.admin,
             TowerToHyperService::new(self.admin_router),
@@ -217,59 +225,5 @@ impl BoundGateway {
         if let Some(hangup) = hangup {
             hangup.abort();
         }
-    }
-}
-
-/// Completes once stop is set (or its sender is gone, which also means stop).
-async fn stopped(stop: &mut tokio::sync::watch::Receiver<bool>) {
-    let _ = stop.wait_for(|s| *s).await;
-}
-
-/// Accepts HTTP/1.1 connections until stopped; a client that has not sent its headers within
-/// `header_timeout` is disconnected (slowloris). In-flight connections get [`DRAIN_LIMIT`].
-async fn serve_listener<S>(
-    listener: TcpListener,
-    service: S,
-    header_timeout: Duration,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) where
-    S: hyper::service::Service<Request<Incoming>, Response = Response, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-{
-    let graceful = GracefulShutdown::new();
-    let mut builder = hyper::server::conn::http1::Builder::new();
-    builder
-        .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout);
-    loop {
-        let (stream, _) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // Out of file descriptors and the like: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            () = stopped(&mut stop) => break,
-        };
-        let _ = stream.set_nodelay(true);
-        let connection = builder.serve_connection(TokioIo::new(stream), service.clone());
-        let connection = graceful.watch(connection);
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(error = %e, "connection ended with an error");
-            }
-        });
-    }
-    if tokio::time::timeout(DRAIN_LIMIT, graceful.shutdown())
-        .await
-        .is_err()
-    {
-        tracing::warn!("connections still open at shutdown; closing them");
     }
 }

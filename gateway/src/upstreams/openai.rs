@@ -23,6 +23,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use thread_local::ThreadLocal;
 use tonic::{Code, Status};
 
 /// Bound on a health probe.
@@ -35,6 +36,10 @@ const MAX_EVENT_BYTES: usize = 1 << 20;
 /// One OpenAI-compatible server and the model name it is asked for, over plain HTTP/1.1
 /// keep-alive connections (hyper's pooled client: this is the gateway's hot path, and an
 /// upstream that redirects is an error, not something to follow).
+///
+/// Each thread that calls gets a pool of its own: a connection's task runs on the runtime
+/// that opened it, so a request served on one thread never waits on another thread's
+/// connection (the gateway serves on one single-threaded runtime per thread).
 #[derive(Debug)]
 pub struct OpenAiClient {
     /// `GET` here lists the models.
@@ -44,7 +49,7 @@ pub struct OpenAiClient {
     model: String,
     /// `Bearer` and the upstream's own key, when it needs one (marked sensitive).
     authorization: Option<HeaderValue>,
-    http: Client<HttpConnector, Full<Bytes>>,
+    http: ThreadLocal<Client<HttpConnector, Full<Bytes>>>,
 }
 
 /// A failure reading a body, whatever its source.
@@ -128,10 +133,6 @@ impl OpenAiClient {
     /// A client for the server at `base` (`http://host:port`), asking for `model`, with the
     /// upstream's own API key when it needs one.
     pub fn new(base: &str, model: &str, key: Option<String>) -> Result<OpenAiClient, String> {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
-        connector.set_nodelay(true);
-        let http = Client::builder(TokioExecutor::new()).build(connector);
         let base = base.trim_end_matches('/');
         let uri = |path: &str| -> Result<Uri, String> {
             let uri: Uri = format!("{base}{path}")
@@ -157,7 +158,17 @@ impl OpenAiClient {
             completions: uri("/v1/completions")?,
             model: model.to_owned(),
             authorization,
-            http,
+            http: ThreadLocal::new(),
+        })
+    }
+
+    /// The calling thread's pooled client.
+    fn http(&self) -> &Client<HttpConnector, Full<Bytes>> {
+        self.http.get_or(|| {
+            let mut connector = HttpConnector::new();
+            connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
+            connector.set_nodelay(true);
+            Client::builder(TokioExecutor::new()).build(connector)
         })
     }
 
@@ -179,7 +190,7 @@ impl OpenAiClient {
         if let Some(auth) = &self.authorization {
             h.insert(AUTHORIZATION, auth.clone());
         }
-        self.http.request(request).await.map_err(|e| {
+        self.http().request(request).await.map_err(|e| {
             // The connector's reason (refused, timed out) is the error's source.
             match std::error::Error::source(&e) {
                 Some(source) => format!("{e}: {source}"),

@@ -11,6 +11,7 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -43,12 +44,12 @@ pub struct LoadTargetArgs {
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: SocketAddr,
     /// Threads serving connections.
-    #[arg(long, default_value_t = 1)]
-    threads: usize,
+    #[arg(long, default_value_t = NonZeroUsize::MIN)]
+    threads: NonZeroUsize,
 }
 
 pub fn run(args: LoadTargetArgs) -> anyhow::Result<()> {
-    super::runtime(args.threads)?.block_on(async {
+    crate::runtime::build(args.threads, "bench-load-target")?.block_on(async {
         let listener = TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("binding {}", args.listen))?;

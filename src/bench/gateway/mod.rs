@@ -31,6 +31,7 @@ pub mod load_target;
 mod report;
 mod targets;
 
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -81,27 +82,15 @@ pub struct GatewayArgs {
     #[arg(long)]
     litellm: Option<PathBuf>,
     /// Threads of the load generator.
-    #[arg(long, default_value_t = 1)]
-    client_threads: usize,
+    #[arg(long, default_value_t = NonZeroUsize::MIN)]
+    client_threads: NonZeroUsize,
     /// Threads of the load target.
-    #[arg(long, default_value_t = 1)]
-    target_threads: usize,
-}
-
-/// A tokio runtime with `threads` threads (one: a current-thread runtime).
-fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
-    anyhow::ensure!(threads > 0, "thread counts must be at least 1");
-    let mut builder = if threads == 1 {
-        tokio::runtime::Builder::new_current_thread()
-    } else {
-        let mut b = tokio::runtime::Builder::new_multi_thread();
-        b.worker_threads(threads);
-        b
-    };
-    builder
-        .enable_all()
-        .build()
-        .context("starting the async runtime")
+    #[arg(long, default_value_t = NonZeroUsize::MIN)]
+    target_threads: NonZeroUsize,
+    /// Threads of the gateway's runtime, and nginx's worker processes [default: one per CPU,
+    /// as `bulkhead gateway` runs]
+    #[arg(long)]
+    gateway_threads: Option<NonZeroUsize>,
 }
 
 /// A directory for the targets' configurations, logs and audit data; removed when dropped.
@@ -150,12 +139,13 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
             policies: std::path::absolute(&args.policy_set.policies)?,
             cache_dir: std::path::absolute(&args.policy_set.cache_dir)?,
             connections: args.connections,
+            threads: gateway_threads(&args),
             nginx: targets::find_nginx(args.nginx.clone()),
             litellm: targets::find_litellm(args.litellm.clone()),
             scratch: scratch.0.clone(),
         })
     };
-    let results = runtime(args.client_threads)?.block_on(async {
+    let results = crate::runtime::build(args.client_threads, "bench-load")?.block_on(async {
         let (mut upstream, addr) = targets::load_target(args.target_threads).await?;
         let setup = setup(addr, upstream.id().map(cpu::ProcessTree))?;
         let mut running = Vec::new();
@@ -190,6 +180,11 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The gateway's threads (and nginx's workers).
+fn gateway_threads(args: &GatewayArgs) -> NonZeroUsize {
+    args.gateway_threads.unwrap_or_else(crate::runtime::per_cpu)
+}
+
 /// How the bench was run, for the report.
 fn settings(args: &GatewayArgs) -> Map<String, Value> {
     let mut s = Map::new();
@@ -212,10 +207,7 @@ fn settings(args: &GatewayArgs) -> Map<String, Value> {
     );
     s.insert("client_threads".into(), json!(args.client_threads));
     s.insert("load_target_threads".into(), json!(args.target_threads));
-    s.insert(
-        "gateway_threads".into(),
-        json!(crate::gateway::RUNTIME_THREADS),
-    );
+    s.insert("gateway_threads".into(), json!(gateway_threads(args)));
     s
 }
 

@@ -5,6 +5,7 @@
 //! with the reason; Bulkhead failing to start fails the bench.
 
 use std::net::{SocketAddr, TcpListener};
+use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
@@ -116,6 +117,8 @@ pub struct Setup {
     pub cache_dir: PathBuf,
     /// Connections the load opens (the bench tenant's concurrency limit is above it).
     pub connections: usize,
+    /// The gateway's runtime threads, and nginx's worker processes.
+    pub threads: NonZeroUsize,
     pub nginx: Option<PathBuf>,
     pub litellm: Option<PathBuf>,
     pub scratch: PathBuf,
@@ -213,7 +216,7 @@ async fn listed_model(addr: SocketAddr) -> anyhow::Result<String> {
 }
 
 /// Starts the load target (`bulkhead bench load-target`) with `threads` threads.
-pub async fn load_target(threads: usize) -> anyhow::Result<(Child, SocketAddr)> {
+pub async fn load_target(threads: NonZeroUsize) -> anyhow::Result<(Child, SocketAddr)> {
     let mut cmd = Command::new(std::env::current_exe().context("finding this executable")?);
     cmd.args(["bench", "load-target", "--threads", &threads.to_string()]);
     let mut c = spawn_reporting(cmd, "load target")?;
@@ -284,6 +287,8 @@ async fn gateway(
         .arg(&config)
         .arg("--data-dir")
         .arg(dir.join("data"))
+        .arg("--serving-threads")
+        .arg(setup.threads.to_string())
         .env("BULKHEAD_LOG", "warn");
     let what = kind.label();
     let mut c = spawn_reporting(cmd, what)?;
@@ -397,7 +402,12 @@ pub fn find_litellm(given: Option<PathBuf>) -> Option<PathBuf> {
 /// nginx's configuration: a reverse proxy as one would deploy it in front of an LLM server
 /// (HTTP/1.1 keep-alive to the upstream, no response buffering so streams flow, an access
 /// log), with as many worker processes as the gateway has threads.
-fn nginx_config(dir: &Path, listen: SocketAddr, upstream: SocketAddr) -> String {
+fn nginx_config(
+    dir: &Path,
+    listen: SocketAddr,
+    upstream: SocketAddr,
+    workers: NonZeroUsize,
+) -> String {
     let d = dir.display();
     format!(
         "worker_processes {workers};\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\n\
@@ -410,7 +420,6 @@ fn nginx_config(dir: &Path, listen: SocketAddr, upstream: SocketAddr) -> String 
          server {{\n    listen {listen};\n    location / {{\n\
          proxy_pass http://load_target;\n      proxy_http_version 1.1;\n\
          proxy_set_header Connection \"\";\n      proxy_buffering off;\n    }}\n  }}\n}}\n",
-        workers = crate::gateway::RUNTIME_THREADS,
     )
 }
 
@@ -422,7 +431,10 @@ async fn nginx(setup: &Setup) -> anyhow::Result<(SocketAddr, Child)> {
     std::fs::create_dir_all(&dir)?;
     let addr = free_port()?;
     let conf = dir.join("nginx.conf");
-    std::fs::write(&conf, nginx_config(&dir, addr, setup.upstream))?;
+    std::fs::write(
+        &conf,
+        nginx_config(&dir, addr, setup.upstream, setup.threads),
+    )?;
     let mut cmd = Command::new(&bin);
     cmd.arg("-e")
         .arg(dir.join("error.log"))
@@ -480,6 +492,7 @@ mod tests {
             policies: PathBuf::from("/repo/policies/local.toml"),
             cache_dir: PathBuf::from("/repo/plugins/dist/cache"),
             connections: 64,
+            threads: NonZeroUsize::MIN,
             nginx: None,
             litellm: None,
             scratch: PathBuf::from("/tmp/x"),

@@ -1,0 +1,380 @@
+//! Accepting and serving HTTP/1.1 connections. The admin listener is served on the caller's
+//! runtime; the API on serving threads: the caller's runtime accepts every connection and
+//! deals it to the thread with the fewest open connections, and that thread serves it, every
+//! request on it start to end, on a single-threaded runtime of its own.
+//!
+//! Why threads of their own rather than one work-stealing runtime: with the latter, a request
+//! hops between threads (the connection's task, the upstream connection's task, wake-ups
+//! through the other thread's queue), and the gateway spent about a quarter more CPU per
+//! request for it (README, "gateway figures"). A connection is handed over once, when dealt.
+
+use std::convert::Infallible;
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::response::Response;
+use http::Request;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot, watch};
+
+/// How long shutdown waits for in-flight connections.
+const DRAIN_LIMIT: Duration = Duration::from_secs(10);
+
+/// What serves a connection's requests.
+pub trait Service:
+    hyper::service::Service<
+        Request<Incoming>,
+        Response = Response,
+        Error = Infallible,
+        Future: Send + 'static,
+    > + Clone
+    + Send
+    + 'static
+{
+}
+
+impl<S> Service for S where
+    S: hyper::service::Service<
+            Request<Incoming>,
+            Response = Response,
+            Error = Infallible,
+            Future: Send + 'static,
+        > + Clone
+        + Send
+        + 'static
+{
+}
+
+/// Serves `listener` on the calling runtime until `stop`; a client that has not sent its
+/// headers within `header_timeout` is disconnected (slowloris). In-flight connections get
+/// [`DRAIN_LIMIT`].
+pub async fn serve_listener<S: Service>(
+    listener: TcpListener,
+    service: S,
+    header_timeout: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let connections = Connections::new(service, header_timeout);
+    accept(&listener, &mut stop, |stream| {
+        connections.serve(stream, Open::new(Arc::default()));
+    })
+    .await;
+    connections.drain().await;
+}
+
+/// Serves `listener` on `threads` threads until `stop`: the calling runtime accepts and is one
+/// of them; the others are started here, each with a single-threaded runtime, and have
+/// drained and ended when this returns. A thread that cannot be started is left out (and
+/// logged); its connections go to the others.
+pub async fn serve_threads<S: Service>(
+    listener: TcpListener,
+    service: S,
+    header_timeout: Duration,
+    threads: NonZeroUsize,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut seats = vec![Seat {
+        open: Arc::default(),
+        to: None,
+    }];
+    let mut ended = Vec::new();
+    for index in 1..threads.get() {
+        match spawn_thread(index, service.clone(), header_timeout) {
+            Ok((to, done)) => {
+                seats.push(Seat {
+                    open: Arc::default(),
+                    to: Some(to),
+                });
+                ended.push(done);
+            }
+            Err(e) => tracing::error!(error = %e, "an API serving thread did not start"),
+        }
+    }
+    let local = Connections::new(service, header_timeout);
+    accept(&listener, &mut stop, |stream| {
+        let (open, stream) = deal(&mut seats, stream);
+        if let Some(stream) = stream {
+            local.serve(stream, open);
+        }
+    })
+    .await;
+    // Closing the channels tells the other threads to drain and end.
+    drop(seats);
+    local.drain().await;
+    for done in ended {
+        let _ = done.await;
+    }
+}
+
+/// A serving thread as the dealer sees it.
+struct Seat {
+    /// Its open connections.
+    open: Arc<AtomicUsize>,
+    /// Where its connections are sent; `None`: the accepting thread itself.
+    to: Option<mpsc::UnboundedSender<Dealt>>,
+}
+
+/// A connection handed to another thread, with its count on that thread's seat.
+type Dealt = (std::net::TcpStream, Open);
+
+/// Gives `stream` to the seat with the fewest open connections (the first of them on a tie).
+/// Returns the stream when it is the accepting thread's to serve, with its count. A thread
+/// that has gone (its channel closed) loses its seat, and the stream goes to another.
+fn deal(seats: &mut Vec<Seat>, stream: TcpStream) -> (Open, Option<TcpStream>) {
+    let mut stream = stream;
+    loop {
+        let (i, seat) = seats
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, s)| s.open.load(Ordering::Relaxed))
+            .expect("the accepting thread's seat is never removed");
+        let open = Open::new(seat.open.clone());
+        let Some(to) = &seat.to else {
+            return (open, Some(stream));
+        };
+        let sent = stream
+            .into_std()
+            .map_err(|e| tracing::warn!(error = %e, "a connection could not be handed over"))
+            .ok()
+            .map(|std| to.send((std, open)));
+        match sent {
+            None | Some(Ok(())) => return (Open::new(Arc::default()), None),
+            Some(Err(mpsc::error::SendError((std, _)))) => {
+                tracing::error!(
+                    thread = i,
+                    "an API serving thread has ended; dealing around it"
+                );
+                seats.remove(i);
+                match TcpStream::from_std(std) {
+                    Ok(s) => stream = s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "a connection could not be taken back");
+                        return (Open::new(Arc::default()), None);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One open connection, counted on its thread's seat until dropped.
+struct Open(Arc<AtomicUsize>);
+
+impl Open {
+    fn new(count: Arc<AtomicUsize>) -> Open {
+        count.fetch_add(1, Ordering::Relaxed);
+        Open(count)
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Starts serving thread `index` (besides the accepting one), which serves the connections
+/// sent to it until the sender is gone. The receiver completes once the thread has drained
+/// them and shut its runtime down.
+fn spawn_thread<S: Service>(
+    index: usize,
+    service: S,
+    header_timeout: Duration,
+) -> std::io::Result<(mpsc::UnboundedSender<Dealt>, oneshot::Receiver<()>)> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (to, mut from) = mpsc::unbounded_channel::<Dealt>();
+    let (finished, done) = oneshot::channel();
+    std::thread::Builder::new()
+        .name(format!("bulkhead-api-{index}"))
+        .spawn(move || {
+            runtime.block_on(async {
+                let connections = Connections::new(service, header_timeout);
+                while let Some((std, open)) = from.recv().await {
+                    match TcpStream::from_std(std) {
+                        Ok(stream) => connections.serve(stream, open),
+                        Err(e) => tracing::warn!(error = %e, "a dealt connection was lost"),
+                    }
+                }
+                connections.drain().await;
+            });
+            // Tasks its connections spawned (held abandoned requests) end with it.
+            drop(runtime);
+            let _ = finished.send(());
+        })?;
+    Ok((to, done))
+}
+
+/// The connections one thread serves: HTTP/1.1 with a header timeout, each watched so that
+/// shutdown can drain them.
+struct Connections<S> {
+    service: S,
+    builder: hyper::server::conn::http1::Builder,
+    graceful: GracefulShutdown,
+}
+
+impl<S: Service> Connections<S> {
+    fn new(service: S, header_timeout: Duration) -> Connections<S> {
+        let mut builder = hyper::server::conn::http1::Builder::new();
+        builder
+            .timer(TokioTimer::new())
+            .header_read_timeout(header_timeout);
+        Connections {
+            service,
+            builder,
+            graceful: GracefulShutdown::new(),
+        }
+    }
+
+    /// Serves `stream` on a task of the current runtime; `open` counts it until it closes.
+    fn serve(&self, stream: TcpStream, open: Open) {
+        let _ = stream.set_nodelay(true);
+        let connection = self
+            .builder
+            .serve_connection(TokioIo::new(stream), self.service.clone());
+        let connection = self.graceful.watch(connection);
+        tokio::spawn(async move {
+            let _open = open;
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+        });
+    }
+
+    /// Asks every connection to finish its request in flight and close; waits at most
+    /// [`DRAIN_LIMIT`].
+    async fn drain(self) {
+        if tokio::time::timeout(DRAIN_LIMIT, self.graceful.shutdown())
+            .await
+            .is_err()
+        {
+            tracing::warn!("connections still open at shutdown; closing them");
+        }
+    }
+}
+
+/// Completes once stop is set (or its sender is gone, which also means stop).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// Accepts connections until `stop`, handing each to `deal`.
+async fn accept(
+    listener: &TcpListener,
+    stop: &mut watch::Receiver<bool>,
+    mut deal: impl FnMut(TcpStream),
+) {
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => deal(stream),
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            () = stopped(stop) => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use axum::body::Body;
+    use http_body_util::BodyExt as _;
+
+    /// A service answering with the name of the thread that serves the request.
+    fn thread_name() -> impl Service {
+        hyper::service::service_fn(|_: Request<Incoming>| async {
+            let name = std::thread::current().name().unwrap_or("").to_owned();
+            Ok::<_, Infallible>(Response::new(Body::from(name)))
+        })
+    }
+
+    /// A keep-alive connection to `addr`.
+    async fn connect(
+        addr: std::net::SocketAddr,
+    ) -> hyper::client::conn::http1::SendRequest<http_body_util::Empty<bytes::Bytes>> {
+        let stream = TcpStream::connect(addr).await.expect("connect");
+        let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .expect("handshake");
+        tokio::spawn(conn);
+        send
+    }
+
+    /// The name of the thread that serves a request on `send`'s connection.
+    async fn served_by(
+        send: &mut hyper::client::conn::http1::SendRequest<http_body_util::Empty<bytes::Bytes>>,
+    ) -> String {
+        let request = Request::get("/")
+            .header("host", "test")
+            .body(http_body_util::Empty::new())
+            .expect("request");
+        let response = send.send_request(request).await.expect("response");
+        let body = response.into_body().collect().await.expect("body");
+        String::from_utf8(body.to_bytes().to_vec()).expect("utf-8")
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn each_connection_goes_to_the_thread_with_the_fewest_open_and_stays_there() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (stop_tx, stop) = watch::channel(false);
+        let three = NonZeroUsize::new(3).expect("3");
+        let serving = tokio::spawn(serve_threads(
+            listener,
+            thread_name(),
+            Duration::from_secs(5),
+            three,
+            stop,
+        ));
+        let here = std::thread::current().name().unwrap_or("").to_owned();
+        let mut connections = Vec::new();
+        let mut names = Vec::new();
+        for _ in 0..6 {
+            let mut c = connect(addr).await;
+            names.push(served_by(&mut c).await);
+            connections.push(c);
+        }
+        let expected = [here.as_str(), "bulkhead-api-1", "bulkhead-api-2"];
+        assert_eq!(names[..3], expected, "dealt in turn while all were even");
+        assert_eq!(names[3..], expected, "and again");
+        // Every request on a connection is served by the thread it was dealt to.
+        for (c, name) in connections.iter_mut().zip(&names) {
+            assert_eq!(&served_by(c).await, name);
+        }
+        // The thread whose connections close gets the next one.
+        let closed = connections.remove(4);
+        drop(closed);
+        let closed = connections.remove(1);
+        drop(closed);
+        let mut next = None;
+        for _ in 0..100 {
+            let mut c = connect(addr).await;
+            let name = served_by(&mut c).await;
+            if name == "bulkhead-api-1" {
+                next = Some(c);
+                break;
+            }
+            // The close had not been seen yet: that connection went elsewhere; try again.
+            drop(c);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(next.is_some(), "the emptied thread got no new connection");
+        stop_tx.send(true).expect("stop");
+        tokio::time::timeout(Duration::from_secs(5), serving)
+            .await
+            .expect("every thread drained and ended")
+            .expect("no panic");
+    }
+}
