@@ -194,9 +194,12 @@ fn clients_that_leave_at_every_phase_with_and_without_the_abort_guard_leave_no_p
         // Counting: it never stops on its own before its 440 tokens.
         let count: String = (1..=12).map(|i| format!("{i}, ")).collect();
         let hog = completion(&format!("{a_canary} counts: {count}"), 440, true);
+        // Its client leaves once B's and C's have left (a fixed delay was outrun by a quick
+        // machine, which finished all 440 tokens first).
+        let others_left = AtomicBool::new(false);
         std::thread::scope(|s| {
             let hog = s.spawn(|| {
-                let leave = Leave::After(Duration::from_secs(4));
+                let leave = Leave::When(&others_left);
                 ledger.abandon(api, TENANT_A, "/v1/completions", &hog, &[&a_canary], leave)
             });
             wait_metric(&cluster.decode, "running the hog", |m| {
@@ -220,8 +223,13 @@ fn clients_that_leave_at_every_phase_with_and_without_the_abort_guard_leave_no_p
                     }
                 });
             });
+            others_left.store(true, Ordering::SeqCst);
             assert!(peak >= 2.0, "B's and C's requests waited for pages: {peak}");
-            assert!(hog.join().expect("the hog").abandoned);
+            let hog = hog.join().expect("the hog");
+            assert!(
+                hog.abandoned,
+                "the hog ended before its client left: {hog:?}"
+            );
         });
 
         // During prefill (after the head, before the first token), and during decode (after two

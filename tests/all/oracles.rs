@@ -17,6 +17,7 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -106,9 +107,12 @@ impl Exchange {
 
 /// When a client that abandons its request leaves.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum Leave {
+pub(crate) enum Leave<'a> {
     /// This long after sending it, whatever arrived by then (maybe not even the head).
     After(Duration),
+    /// As soon as the flag is set (by the scenario, once what the request had to hold up has
+    /// happened), whatever arrived by then.
+    When(&'a AtomicBool),
     /// As soon as the response head arrived (the worker accepted the request).
     AfterHead,
     /// As soon as this many stream events (`data:` lines) arrived.
@@ -154,14 +158,14 @@ impl Ledger {
         path: &str,
         body: &str,
         canaries: &[&str],
-        leave: Leave,
+        leave: Leave<'_>,
     ) -> Exchange {
         use std::io::Read;
         let mut s = open(api, tenant.key, path, body);
         let deadline = Instant::now()
             + match leave {
                 Leave::After(d) => d,
-                Leave::AfterHead | Leave::AfterEvents(_) => crate::up::HTTP_LIMIT,
+                Leave::When(_) | Leave::AfterHead | Leave::AfterEvents(_) => crate::up::HTTP_LIMIT,
             };
         s.set_read_timeout(Some(Duration::from_millis(20)))
             .expect("a timeout");
@@ -175,6 +179,7 @@ impl Ledger {
             let text = String::from_utf8_lossy(&raw);
             let leave_now = match leave {
                 Leave::After(_) => false,
+                Leave::When(flag) => flag.load(Ordering::SeqCst),
                 Leave::AfterHead => text.contains("\r\n\r\n"),
                 Leave::AfterEvents(n) => text.matches("data:").count() >= n,
             };
