@@ -281,7 +281,11 @@ impl OpenAiClient {
     }
 }
 
-async fn read_bounded(response: http::Response<Incoming>) -> Result<Bytes, String> {
+async fn read_bounded<B>(response: http::Response<B>) -> Result<Bytes, String>
+where
+    B: hyper::body::Body,
+    B::Error: Into<BodyError>,
+{
     Limited::new(response.into_body(), MAX_EVENT_BYTES)
         .collect()
         .await
@@ -504,6 +508,19 @@ impl Events {
 mod tests {
     use super::*;
     use bulkhead_worker::serve::proto::error_code;
+
+    #[tokio::test]
+    async fn an_answer_over_the_bound_is_an_error_and_one_at_it_is_read() {
+        let answer = |n: usize| http::Response::new(Full::new(Bytes::from(vec![b'x'; n])));
+        let at = read_bounded(answer(MAX_EVENT_BYTES))
+            .await
+            .expect("at the bound");
+        assert_eq!(at.len(), MAX_EVENT_BYTES);
+        let over = read_bounded(answer(MAX_EVENT_BYTES + 1))
+            .await
+            .expect_err("over the bound");
+        assert!(over.contains("exceeds"), "{over}");
+    }
 
     fn stream(chunks: &[&str]) -> SseStream {
         let owned: Vec<Result<Bytes, BodyError>> = chunks
