@@ -19,7 +19,7 @@ use crate::discovery::{self, SystemResolver, WorkerGroup};
 use crate::limits::Limiter;
 use crate::metrics::Metrics;
 use crate::policy::{Policies, PolicyError};
-use crate::serving::{serve_listener, serve_threads};
+use crate::serving;
 use crate::tenants::{ConfigFile, Tenants};
 use crate::trail::{Recorder, Watch};
 use crate::workers::{EndpointError, Workers};
@@ -198,17 +198,18 @@ impl BoundGateway {
             self.recorder.clone(),
             self.tenants.clone(),
         );
-        let api = serve_threads(
+        let api = serving::serve(
             self.api,
             api_service,
             self.header_timeout,
             self.threads,
             stop_rx.clone(),
         );
-        let admin = serve_listener(
+        let admin = serving::serve(
             self.admin,
             TowerToHyperService::new(self.admin_router),
             self.header_timeout,
+            NonZeroUsize::MIN,
             stop_rx,
         );
         tokio::join!(api, admin);

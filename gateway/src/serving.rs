@@ -51,28 +51,13 @@ impl<S> Service for S where
 {
 }
 
-/// Serves `listener` on the calling runtime until `stop`; a client that has not sent its
-/// headers within `header_timeout` is disconnected (slowloris). In-flight connections get
-/// [`DRAIN_LIMIT`].
-pub async fn serve_listener<S: Service>(
-    listener: TcpListener,
-    service: S,
-    header_timeout: Duration,
-    mut stop: watch::Receiver<bool>,
-) {
-    let connections = Connections::new(service, header_timeout);
-    accept(&listener, &mut stop, |stream| {
-        connections.serve(stream, Open::new(Arc::default()));
-    })
-    .await;
-    connections.drain().await;
-}
-
 /// Serves `listener` on `threads` threads until `stop`: the calling runtime accepts and is one
-/// of them; the others are started here, each with a single-threaded runtime, and have
-/// drained and ended when this returns. A thread that cannot be started is left out (and
-/// logged); its connections go to the others.
-pub async fn serve_threads<S: Service>(
+/// of them (with one thread, the only one); the others are started here, each with a
+/// single-threaded runtime, and have drained and ended when this returns. A thread that
+/// cannot be started is left out (and logged); its connections go to the others. A client
+/// that has not sent its headers within `header_timeout` is disconnected (slowloris);
+/// in-flight connections get [`DRAIN_LIMIT`] at shutdown.
+pub async fn serve<S: Service>(
     listener: TcpListener,
     service: S,
     header_timeout: Duration,
@@ -98,8 +83,7 @@ pub async fn serve_threads<S: Service>(
     }
     let local = Connections::new(service, header_timeout);
     accept(&listener, &mut stop, |stream| {
-        let (open, stream) = deal(&mut seats, stream);
-        if let Some(stream) = stream {
+        if let Some((stream, open)) = deal(&mut seats, stream) {
             local.serve(stream, open);
         }
     })
@@ -124,10 +108,9 @@ struct Seat {
 type Dealt = (std::net::TcpStream, Open);
 
 /// Gives `stream` to the seat with the fewest open connections (the first of them on a tie).
-/// Returns the stream when it is the accepting thread's to serve, with its count. A thread
-/// that has gone (its channel closed) loses its seat, and the stream goes to another.
-fn deal(seats: &mut Vec<Seat>, stream: TcpStream) -> (Open, Option<TcpStream>) {
-    let mut stream = stream;
+/// Returns it, with its count, when it is the accepting thread's to serve. A thread that has
+/// gone (its channel closed) loses its seat, and the stream goes to another.
+fn deal(seats: &mut Vec<Seat>, mut stream: TcpStream) -> Option<(TcpStream, Open)> {
     loop {
         let (i, seat) = seats
             .iter()
@@ -136,30 +119,21 @@ fn deal(seats: &mut Vec<Seat>, stream: TcpStream) -> (Open, Option<TcpStream>) {
             .expect("the accepting thread's seat is never removed");
         let open = Open::new(seat.open.clone());
         let Some(to) = &seat.to else {
-            return (open, Some(stream));
+            return Some((stream, open));
         };
-        let sent = stream
+        let std = stream
             .into_std()
             .map_err(|e| tracing::warn!(error = %e, "a connection could not be handed over"))
-            .ok()
-            .map(|std| to.send((std, open)));
-        match sent {
-            None | Some(Ok(())) => return (Open::new(Arc::default()), None),
-            Some(Err(mpsc::error::SendError((std, _)))) => {
-                tracing::error!(
-                    thread = i,
-                    "an API serving thread has ended; dealing around it"
-                );
-                seats.remove(i);
-                match TcpStream::from_std(std) {
-                    Ok(s) => stream = s,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "a connection could not be taken back");
-                        return (Open::new(Arc::default()), None);
-                    }
-                }
-            }
-        }
+            .ok()?;
+        let mpsc::error::SendError((std, _)) = to.send((std, open)).err()?;
+        tracing::error!(
+            thread = i,
+            "an API serving thread has ended; dealing around it"
+        );
+        seats.remove(i);
+        stream = TcpStream::from_std(std)
+            .map_err(|e| tracing::warn!(error = %e, "a connection could not be taken back"))
+            .ok()?;
     }
 }
 
@@ -332,7 +306,7 @@ mod tests {
         let addr = listener.local_addr().expect("addr");
         let (stop_tx, stop) = watch::channel(false);
         let three = NonZeroUsize::new(3).expect("3");
-        let serving = tokio::spawn(serve_threads(
+        let serving = tokio::spawn(serve(
             listener,
             thread_name(),
             Duration::from_secs(5),
@@ -377,5 +351,32 @@ mod tests {
             .await
             .expect("every thread drained and ended")
             .expect("no panic");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_thread_that_has_ended_loses_its_seat_and_its_connection_is_served_here() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let _client = TcpStream::connect(listener.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (stream, _) = listener.accept().await.expect("accept");
+        let here = Arc::new(AtomicUsize::new(5));
+        let (to, ended) = mpsc::unbounded_channel();
+        drop(ended);
+        let mut seats = vec![
+            Seat {
+                open: here.clone(),
+                to: None,
+            },
+            Seat {
+                open: Arc::default(),
+                to: Some(to),
+            },
+        ];
+        let (_stream, open) = deal(&mut seats, stream).expect("served by the accepting thread");
+        assert_eq!(seats.len(), 1, "the ended thread's seat is gone");
+        assert_eq!(here.load(Ordering::Relaxed), 6, "counted here");
+        drop(open);
+        assert_eq!(here.load(Ordering::Relaxed), 5, "and uncounted when closed");
     }
 }
