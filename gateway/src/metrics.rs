@@ -2,10 +2,17 @@
 //! latency and time to first token by tenant (histograms, fed by each request's final audit
 //! record); the effective context limit and worker health are read from [`Workers`] when
 //! rendered.
+//!
+//! Every thread that records keeps counters of its own (a serving thread never takes a lock
+//! that another thread takes on every request, and its counters' cache lines stay on its
+//! core); rendering sums them. A thread's counters outlive it (a later thread may take them
+//! over), so no count is lost when a thread ends.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use thread_local::ThreadLocal;
 
 use crate::tenant::TenantId;
 use crate::tenants::TenantSet;
@@ -26,6 +33,14 @@ struct Histogram {
 }
 
 impl Histogram {
+    fn add(&mut self, other: &Histogram) {
+        for (mine, theirs) in self.buckets.iter_mut().zip(other.buckets) {
+            *mine += theirs;
+        }
+        self.count += other.count;
+        self.sum_ms = self.sum_ms.saturating_add(other.sum_ms);
+    }
+
     fn observe(&mut self, ms: u64) {
         if let Some(i) = BUCKETS_MS.iter().position(|&b| ms <= b) {
             self.buckets[i] += 1;
@@ -58,8 +73,8 @@ impl Histogram {
 
 #[derive(Debug, Default)]
 struct Counters {
-    /// (tenant, HTTP status) → requests.
-    requests: BTreeMap<(TenantId, u16), u64>,
+    /// tenant → HTTP status → requests.
+    requests: BTreeMap<TenantId, BTreeMap<u16, u64>>,
     /// Requests refused before a tenant was known (401).
     unauthenticated: u64,
     /// tenant → (prompt tokens, completion tokens).
@@ -72,10 +87,53 @@ struct Counters {
     ttft: BTreeMap<TenantId, Histogram>,
 }
 
+/// `tenant`'s entry of `map`, made on first use (the id is copied only then).
+fn of<'m, V: Default>(map: &'m mut BTreeMap<TenantId, V>, tenant: &TenantId) -> &'m mut V {
+    if !map.contains_key(tenant) {
+        map.insert(tenant.clone(), V::default());
+    }
+    map.get_mut(tenant).expect("inserted above")
+}
+
+impl Counters {
+    /// Adds `other`'s counts to these.
+    fn add(&mut self, other: &Counters) {
+        for (tenant, statuses) in &other.requests {
+            let mine = of(&mut self.requests, tenant);
+            for (status, n) in statuses {
+                *mine.entry(*status).or_default() += n;
+            }
+        }
+        self.unauthenticated += other.unauthenticated;
+        for (tenant, (prompt, completion)) in &other.tokens {
+            let mine = of(&mut self.tokens, tenant);
+            mine.0 += prompt;
+            mine.1 += completion;
+        }
+        for (tenant, n) in &other.stream_errors {
+            *of(&mut self.stream_errors, tenant) += n;
+        }
+        for (mine, theirs) in [
+            (&mut self.duration, &other.duration),
+            (&mut self.ttft, &other.ttft),
+        ] {
+            for (tenant, h) in theirs {
+                of(mine, tenant).add(h);
+            }
+        }
+    }
+}
+
 /// The counters; a cheap `Clone` handle.
 #[derive(Debug, Clone, Default)]
 pub struct Metrics {
-    counters: Arc<Mutex<Counters>>,
+    /// Each recording thread's own counters.
+    counters: Arc<ThreadLocal<Mutex<Counters>>>,
+}
+
+fn lock(m: &Mutex<Counters>) -> MutexGuard<'_, Counters> {
+    // Every update is a few additions: a panic mid-way leaves usable counts.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Writes a metric family's `HELP` and `TYPE` lines.
@@ -84,13 +142,23 @@ fn family(out: &mut String, name: &str, kind: &str, help: &str) {
 }
 
 impl Metrics {
+    /// Runs `f` on this thread's counters.
     fn with<R>(&self, f: impl FnOnce(&mut Counters) -> R) -> R {
-        f(&mut self.counters.lock().unwrap_or_else(PoisonError::into_inner))
+        f(&mut lock(self.counters.get_or_default()))
+    }
+
+    /// Every thread's counters, summed.
+    fn total(&self) -> Counters {
+        let mut total = Counters::default();
+        for counters in self.counters.iter() {
+            total.add(&lock(counters));
+        }
+        total
     }
 
     /// One finished request of `tenant` with `status`.
     pub fn request(&self, tenant: &TenantId, status: u16) {
-        self.with(|c| *c.requests.entry((tenant.clone(), status)).or_default() += 1);
+        self.with(|c| *of(&mut c.requests, tenant).entry(status).or_default() += 1);
     }
 
     /// One request refused for its key.
@@ -101,7 +169,7 @@ impl Metrics {
     /// Tokens of one completed generation.
     pub fn tokens(&self, tenant: &TenantId, prompt: u64, completion: u64) {
         self.with(|c| {
-            let t = c.tokens.entry(tenant.clone()).or_default();
+            let t = of(&mut c.tokens, tenant);
             t.0 += prompt;
             t.1 += completion;
         });
@@ -109,36 +177,34 @@ impl Metrics {
 
     /// A stream that failed after its 200.
     pub fn stream_error(&self, tenant: &TenantId) {
-        self.with(|c| *c.stream_errors.entry(tenant.clone()).or_default() += 1);
+        self.with(|c| *of(&mut c.stream_errors, tenant) += 1);
     }
 
     /// One ended request's latency, and its time to first token when it produced one.
     pub fn latency(&self, tenant: &TenantId, total_ms: u64, ttft_ms: Option<u64>) {
         self.with(|c| {
-            c.duration
-                .entry(tenant.clone())
-                .or_default()
-                .observe(total_ms);
+            of(&mut c.duration, tenant).observe(total_ms);
             if let Some(ms) = ttft_ms {
-                c.ttft.entry(tenant.clone()).or_default().observe(ms);
+                of(&mut c.ttft, tenant).observe(ms);
             }
         });
     }
 
     /// Requests counted for `tenant` with `status` (tests).
     pub fn requests_of(&self, tenant: &TenantId, status: u16) -> u64 {
-        self.with(|c| {
-            c.requests
-                .get(&(tenant.clone(), status))
-                .copied()
-                .unwrap_or(0)
-        })
+        let total = self.total();
+        total
+            .requests
+            .get(tenant)
+            .and_then(|s| s.get(&status))
+            .copied()
+            .unwrap_or(0)
     }
 
     /// The Prometheus text exposition.
     pub fn render(&self, tenants: &TenantSet, workers: &Workers) -> String {
         let mut out = String::new();
-        self.with(|c| render_counters(&mut out, c));
+        render_counters(&mut out, &self.total());
         family(
             &mut out,
             "bulkhead_gateway_effective_context_tokens",
@@ -198,11 +264,13 @@ fn render_counters(out: &mut String, c: &Counters) {
         "counter",
         "API requests by tenant and HTTP status.",
     );
-    for ((tenant, status), n) in &c.requests {
-        let _ = writeln!(
-            out,
-            "bulkhead_gateway_requests_total{{tenant=\"{tenant}\",status=\"{status}\"}} {n}"
-        );
+    for (tenant, statuses) in &c.requests {
+        for (status, n) in statuses {
+            let _ = writeln!(
+                out,
+                "bulkhead_gateway_requests_total{{tenant=\"{tenant}\",status=\"{status}\"}} {n}"
+            );
+        }
     }
     family(
         out,
@@ -269,7 +337,7 @@ mod tests {
         m.latency(&t, 70, None);
         m.latency(&t, 1_000_000, None);
         let mut out = String::new();
-        m.with(|c| render_counters(&mut out, c));
+        render_counters(&mut out, &m.total());
         let line = |needle: &str| {
             out.lines()
                 .find(|l| l.starts_with(needle))
@@ -295,5 +363,45 @@ mod tests {
             line("bulkhead_gateway_ttft_seconds_count{tenant=\"t\"}"),
             "1"
         );
+    }
+
+    #[test]
+    fn counts_recorded_on_every_thread_are_summed() {
+        let m = Metrics::default();
+        let (a, b) = (
+            TenantId::new("a").expect("valid"),
+            TenantId::new("b").expect("valid"),
+        );
+        let record = |m: &Metrics| {
+            m.request(&a, 200);
+            m.request(&b, 429);
+            m.tokens(&a, 10, 2);
+            m.stream_error(&a);
+            m.latency(&a, 70, Some(3));
+            m.unauthenticated();
+        };
+        record(&m);
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(|| record(&m));
+            }
+        });
+        assert_eq!(m.requests_of(&a, 200), 3);
+        assert_eq!(m.requests_of(&b, 429), 3);
+        assert_eq!(m.requests_of(&b, 200), 0);
+        let mut out = String::new();
+        render_counters(&mut out, &m.total());
+        for line in [
+            "bulkhead_gateway_requests_total{tenant=\"a\",status=\"200\"} 3",
+            "bulkhead_gateway_unauthenticated_requests_total 3",
+            "bulkhead_gateway_tokens_in_total{tenant=\"a\"} 30",
+            "bulkhead_gateway_tokens_out_total{tenant=\"a\"} 6",
+            "bulkhead_gateway_stream_errors_total{tenant=\"a\"} 3",
+            "bulkhead_gateway_request_duration_seconds_bucket{tenant=\"a\",le=\"0.1\"} 3",
+            "bulkhead_gateway_request_duration_seconds_sum{tenant=\"a\"} 0.21",
+            "bulkhead_gateway_ttft_seconds_count{tenant=\"a\"} 3",
+        ] {
+            assert!(out.lines().any(|l| l == line), "{line} missing:\n{out}");
+        }
     }
 }

@@ -26,18 +26,14 @@ use tracing::field::Empty;
 /// (inside) records the request's facts and outcome, and keeps the span open until the
 /// audit record is sealed — after the last byte of a stream.
 pub async fn traced(request: Request, next: Next) -> Response {
-    let method = request.method().as_str().to_owned();
+    let method = request.method().as_str();
     let route = request
         .extensions()
         .get::<MatchedPath>()
-        .map(|p| p.as_str().to_owned());
-    let name = match &route {
-        Some(route) => format!("{method} {route}"),
-        None => method.clone(),
-    };
+        .map(MatchedPath::as_str);
     let span = tracing::info_span!(
         "request",
-        otel.name = name,
+        otel.name = Empty,
         otel.kind = "server",
         otel.status_code = Empty,
         http.request.method = method,
@@ -50,6 +46,13 @@ pub async fn traced(request: Request, next: Next) -> Response {
         gen_ai.usage.output_tokens = Empty,
         error.type = Empty,
     );
+    // The name is built only for a span someone records (no allocation otherwise).
+    if !span.is_disabled() {
+        match route {
+            Some(route) => span.record("otel.name", format!("{method} {route}")),
+            None => span.record("otel.name", method),
+        };
+    }
     bulkhead_telemetry::propagation::continue_trace(&span, request.headers());
     let response = next.run(request).instrument(span.clone()).await;
     let status = response.status();
