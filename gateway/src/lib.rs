@@ -32,7 +32,7 @@ pub mod routing;
 #[cfg(test)]
 mod scratch;
 pub mod server;
-mod serving;
+pub mod serving;
 pub mod tenant;
 pub mod tenants;
 pub mod traced;

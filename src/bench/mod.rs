@@ -23,6 +23,10 @@ pub enum What {
     /// `bench gateway`).
     #[command(hide = true)]
     LoadTarget(gateway::LoadTargetArgs),
+    /// The gateway bench's floor: the gateway's serving stack passing requests through
+    /// untouched (started by `bench gateway`).
+    #[command(hide = true)]
+    PassThrough(gateway::PassThroughArgs),
 }
 
 pub fn run(what: What) -> anyhow::Result<()> {
@@ -32,6 +36,7 @@ pub fn run(what: What) -> anyhow::Result<()> {
         What::Policies(args) => policies::run(args),
         What::Gateway(args) => gateway::run(args),
         What::LoadTarget(args) => gateway::load_target::run(args),
+        What::PassThrough(args) => gateway::pass_through::run(args),
     }
 }
 

@@ -1,6 +1,7 @@
 //! `bulkhead bench gateway` in a tiny configuration (1 s windows, 2 connections, the Bulkhead
-//! targets and the baseline only; nginx and LiteLLM are left out so CI needs neither): the
-//! report has every field and every target answered requests, streamed and not.
+//! targets, the pass-through floor and the baseline only; nginx and LiteLLM are left out so CI
+//! needs neither): the report has every field and every target answered requests, streamed
+//! and not.
 
 use std::process::{Command, Stdio};
 
@@ -48,12 +49,16 @@ fn assert_answered(report: &Value, key: &str) {
 #[test]
 fn the_gateway_bench_reports_each_bulkhead_target_the_policy_chains_and_durable_audits_cost() {
     bounded(|| {
-        let report = bench("direct,bulkhead,bulkhead-policies,bulkhead-durable", &[]);
+        let report = bench(
+            "direct,bulkhead,bulkhead-policies,bulkhead-durable,pass-through",
+            &[],
+        );
         for key in [
             "direct",
             "bulkhead_policies_off",
             "bulkhead_policies_on",
             "bulkhead_audit_durable",
+            "pass_through",
         ] {
             assert_answered(&report, key);
         }
@@ -63,6 +68,7 @@ fn the_gateway_bench_reports_each_bulkhead_target_the_policy_chains_and_durable_
         for field in ["rps_durable_vs_group", "added_p50_us", "added_p99_us"] {
             assert!(report["durable_audit"][field].is_f64(), "{report}");
         }
+        assert!(report["floor"]["gateway_rps_vs_floor"].is_f64(), "{report}");
         assert_eq!(report["skipped"], serde_json::json!({}));
         assert_eq!(report["connections"], 2);
 

@@ -23,11 +23,15 @@
 //! tokenization, admission, the policy chain, the upstream call (a streamed `/v1/completions`,
 //! as for any OpenAI-compatible upstream) and an audit record per request (group commit, and in
 //! one more target durable: each response waits for its record's fsync). nginx and
-//! LiteLLM pass the client's chat request through.
+//! LiteLLM pass the client's chat request through, and so does the pass-through floor: the
+//! gateway's serving threads, hyper's server and a hyper client, and nothing else. The
+//! gateway's CPU per request over the floor's is what the gateway's own work costs; the
+//! floor's over nginx's is what the serving stack costs.
 
 mod cpu;
 mod load;
 pub mod load_target;
+pub mod pass_through;
 mod report;
 mod targets;
 
@@ -39,6 +43,7 @@ use anyhow::{Context, bail};
 use serde_json::{Map, Value, json};
 
 pub use load_target::LoadTargetArgs;
+pub use pass_through::PassThroughArgs;
 
 use super::median;
 use super::policies::PolicySetArgs;
@@ -252,7 +257,8 @@ async fn measure(
                     Kind::Direct
                     | Kind::Bulkhead
                     | Kind::BulkheadPolicies
-                    | Kind::BulkheadDurable => {
+                    | Kind::BulkheadDurable
+                    | Kind::PassThrough => {
                         bail!("{} {why}", kind.label())
                     }
                 }

@@ -101,6 +101,23 @@ impl Results {
         }))
     }
 
+    /// The stack's floor: the pass-through's requests/s over nginx's (what the serving stack
+    /// costs), and the gateway's (policies off) requests/s over the floor's and CPU per
+    /// request above it (what the gateway's own work costs).
+    fn floor(&self) -> Option<Value> {
+        let (gateway, floor) = (Kind::Bulkhead, Kind::PassThrough);
+        let mut v = json!({
+            "gateway_rps_vs_floor": self.paired(gateway, floor, |a, b| a.rps / b.rps)?,
+        });
+        if let Some(r) = self.paired(floor, Kind::Nginx, |a, b| a.rps / b.rps) {
+            v["floor_rps_vs_nginx"] = json!(r);
+        }
+        if let Some(cpu) = self.paired_where(gateway, floor, |a, b| Some(a.cpu_us? - b.cpu_us?)) {
+            v["gateway_added_cpu_us_per_request"] = json!(cpu);
+        }
+        Some(v)
+    }
+
     /// The issues' goals, where measured: the gateway (policies off) within 10% of nginx's
     /// requests/s; the policy chain costing under 5% of the gateway's requests/s.
     fn goals(&self) -> Map<String, Value> {
@@ -163,6 +180,9 @@ impl Results {
         }
         if let Some(audit) = self.durable_audit() {
             out.insert("durable_audit".into(), audit);
+        }
+        if let Some(floor) = self.floor() {
+            out.insert("floor".into(), floor);
         }
         out.insert("goals".into(), Value::Object(self.goals()));
         Value::Object(out)
@@ -237,6 +257,14 @@ impl Results {
                 audit["added_p99_us"].as_f64().unwrap_or(f64::NAN),
             ));
         }
+        if let Some(floor) = self.floor() {
+            out.push_str(&format!(
+                "floor: pass-through req/s ÷ nginx {}; gateway (policies off) req/s ÷ pass-through {:.3}, its own work {} CPU µs/req\n",
+                num(floor["floor_rps_vs_nginx"].as_f64(), 3),
+                floor["gateway_rps_vs_floor"].as_f64().unwrap_or(f64::NAN),
+                num(floor["gateway_added_cpu_us_per_request"].as_f64(), 0),
+            ));
+        }
         for (goal, met) in self.goals() {
             out.push_str(&format!(
                 "goal {goal}: {}\n",
@@ -287,6 +315,10 @@ mod tests {
                     vec![f(600.0, 250.0), f(300.0, 500.0), f(600.0, 250.0)],
                 ),
                 (
+                    Kind::PassThrough,
+                    vec![f(1000.0, 110.0), f(500.0, 220.0), f(1000.0, 110.0)],
+                ),
+                (
                     Kind::Nginx,
                     vec![f(900.0, 120.0), f(450.0, 240.0), f(900.0, 120.0)],
                 ),
@@ -334,6 +366,28 @@ mod tests {
             json["goals"]["policy_chain_under_5pct"], false,
             "a cost of exactly 5% is not under 5%"
         );
+    }
+
+    #[test]
+    fn the_floor_splits_the_gap_to_nginx_into_the_stack_and_the_gateways_own_work() {
+        let json = results().to_json(Map::new());
+        let floor = &json["floor"];
+        let r = floor["floor_rps_vs_nginx"].as_f64().expect("a ratio");
+        assert!((r - 1000.0 / 900.0).abs() < 1e-9, "{r}");
+        let r = floor["gateway_rps_vs_floor"].as_f64().expect("a ratio");
+        assert!((r - 0.8).abs() < 1e-9, "{r}");
+        let own = floor["gateway_added_cpu_us_per_request"]
+            .as_f64()
+            .expect("added CPU");
+        assert!((own - (1e6 / 800.0 - 1e6 / 1000.0)).abs() < 1e-6, "{own}");
+        let table = results().table();
+        assert!(
+            table.contains("floor: pass-through req/s ÷ nginx 1.111; gateway (policies off) req/s ÷ pass-through 0.800, its own work 250 CPU µs/req"),
+            "{table}"
+        );
+        let mut r = results();
+        r.measured.retain(|(k, _)| *k != Kind::PassThrough);
+        assert!(r.to_json(Map::new()).get("floor").is_none());
     }
 
     #[test]

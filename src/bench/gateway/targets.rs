@@ -1,7 +1,8 @@
 //! What the load is sent to, each a real process on a loopback socket in front of the same
 //! load target: the load target itself, Bulkhead's gateway (policy chain off, and on, with
-//! group-commit audit; and policies off with durable audit), nginx and LiteLLM proxy. Each is started once, probed with one request, and kept running until
-//! the bench ends. A peer (nginx, LiteLLM) that is not installed or does not start is skipped,
+//! group-commit audit; and policies off with durable audit), the pass-through floor (the
+//! gateway's serving stack doing nothing but proxying), nginx and LiteLLM proxy. Each is
+//! started once, probed with one request, and kept running until the bench ends. A peer (nginx, LiteLLM) that is not installed or does not start is skipped,
 //! with the reason; Bulkhead failing to start fails the bench.
 
 use std::net::{SocketAddr, TcpListener};
@@ -19,6 +20,7 @@ use tokio::time::Instant;
 use super::cpu::ProcessTree;
 use super::load::{self, Ask};
 use super::load_target;
+use super::pass_through;
 use crate::child;
 
 /// The bench tenant's API key (the gateway's tenant; LiteLLM's master key).
@@ -45,6 +47,9 @@ pub enum Kind {
     /// Bulkhead's gateway without policy plugins, every response waiting for its audit
     /// record's fsync.
     BulkheadDurable,
+    /// The gateway's serving stack (its serving threads, hyper's server, a pooled hyper
+    /// client) passing requests through untouched: the floor under the gateway's own work.
+    PassThrough,
     /// nginx as a reverse proxy.
     Nginx,
     /// LiteLLM proxy.
@@ -52,11 +57,12 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub const ALL: [Kind; 6] = [
+    pub const ALL: [Kind; 7] = [
         Kind::Direct,
         Kind::Bulkhead,
         Kind::BulkheadPolicies,
         Kind::BulkheadDurable,
+        Kind::PassThrough,
         Kind::Nginx,
         Kind::Litellm,
     ];
@@ -68,6 +74,7 @@ impl Kind {
             Kind::Bulkhead => "bulkhead_policies_off",
             Kind::BulkheadPolicies => "bulkhead_policies_on",
             Kind::BulkheadDurable => "bulkhead_audit_durable",
+            Kind::PassThrough => "pass_through",
             Kind::Nginx => "nginx",
             Kind::Litellm => "litellm",
         }
@@ -80,6 +87,7 @@ impl Kind {
             Kind::Bulkhead => "bulkhead, policies off",
             Kind::BulkheadPolicies => "bulkhead, policies on",
             Kind::BulkheadDurable => "bulkhead, durable audit",
+            Kind::PassThrough => "pass-through floor",
             Kind::Nginx => "nginx",
             Kind::Litellm => "litellm",
         }
@@ -160,6 +168,10 @@ pub async fn start(kind: Kind, setup: &Setup, stream: bool) -> anyhow::Result<St
         Kind::Bulkhead => gateway(kind, setup, false, Audit::Group).await?,
         Kind::BulkheadPolicies => gateway(kind, setup, true, Audit::Group).await?,
         Kind::BulkheadDurable => gateway(kind, setup, false, Audit::Durable).await?,
+        Kind::PassThrough => {
+            let (c, addr) = pass_through(setup).await?;
+            (addr, Some(c))
+        }
         Kind::Nginx => match nginx(setup).await {
             Ok((addr, c)) => (addr, Some(c)),
             Err(e) => return Ok(Started::Skipped(format!("{e:#}"))),
@@ -196,9 +208,11 @@ pub async fn start(kind: Kind, setup: &Setup, stream: bool) -> anyhow::Result<St
             );
             match kind {
                 Kind::Nginx | Kind::Litellm => Ok(Started::Skipped(why)),
-                Kind::Direct | Kind::Bulkhead | Kind::BulkheadPolicies | Kind::BulkheadDurable => {
-                    bail!(why)
-                }
+                Kind::Direct
+                | Kind::Bulkhead
+                | Kind::BulkheadPolicies
+                | Kind::BulkheadDurable
+                | Kind::PassThrough => bail!(why),
             }
         }
     }
@@ -217,14 +231,47 @@ async fn listed_model(addr: SocketAddr) -> anyhow::Result<String> {
 
 /// Starts the load target (`bulkhead bench load-target`) with `threads` threads.
 pub async fn load_target(threads: NonZeroUsize) -> anyhow::Result<(Child, SocketAddr)> {
+    let threads = threads.to_string();
+    bench_process(
+        &["load-target", "--threads", &threads],
+        load_target::READY,
+        "load target",
+    )
+    .await
+}
+
+/// Starts the pass-through floor (`bulkhead bench pass-through`) in front of the load target,
+/// with the gateway's serving threads.
+async fn pass_through(setup: &Setup) -> anyhow::Result<(Child, SocketAddr)> {
+    let (upstream, threads) = (setup.upstream.to_string(), setup.threads.to_string());
+    bench_process(
+        &[
+            "pass-through",
+            "--upstream",
+            &upstream,
+            "--threads",
+            &threads,
+        ],
+        pass_through::READY,
+        Kind::PassThrough.label(),
+    )
+    .await
+}
+
+/// Runs `bulkhead bench ARGS` and waits for its `ready` line, which names its `addr=`.
+async fn bench_process(
+    args: &[&str],
+    ready: &str,
+    what: &str,
+) -> anyhow::Result<(Child, SocketAddr)> {
     let mut cmd = Command::new(std::env::current_exe().context("finding this executable")?);
-    cmd.args(["bench", "load-target", "--threads", &threads.to_string()]);
-    let mut c = spawn_reporting(cmd, "load target")?;
-    let line = child::ready_line(&mut c, load_target::READY, START_LIMIT, "load target").await?;
+    cmd.arg("bench").args(args);
+    let mut c = spawn_reporting(cmd, what)?;
+    let line = child::ready_line(&mut c, ready, START_LIMIT, what).await?;
     let addr = child::field(&line, "addr")
-        .context("the load target's ready line has no addr=")?
+        .with_context(|| format!("the {what}'s ready line has no addr="))?
         .parse()
-        .context("the load target's address")?;
+        .with_context(|| format!("the {what}'s address"))?;
     Ok((c, addr))
 }
 
