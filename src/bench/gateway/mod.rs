@@ -245,23 +245,15 @@ async fn measure(
                     run + 1,
                     sample.first_error.as_deref().unwrap_or("no answer at all")
                 );
-                match kind {
-                    Kind::Nginx | Kind::Litellm => {
-                        eprintln!("dropping {}: {why}", kind.label());
-                        let mut gone = running.remove(at);
-                        gone.stop().await;
-                        results.measured.retain(|(k, _)| *k != kind);
-                        results.skipped.push((kind, why));
-                        continue;
-                    }
-                    Kind::Direct
-                    | Kind::Bulkhead
-                    | Kind::BulkheadPolicies
-                    | Kind::BulkheadDurable
-                    | Kind::PassThrough => {
-                        bail!("{} {why}", kind.label())
-                    }
+                if !kind.is_peer() {
+                    bail!("{} {why}", kind.label());
                 }
+                eprintln!("dropping {}: {why}", kind.label());
+                let mut gone = running.remove(at);
+                gone.stop().await;
+                results.measured.retain(|(k, _)| *k != kind);
+                results.skipped.push((kind, why));
+                continue;
             };
             eprintln!(
                 "run {}/{} {:<24} {:>8.0} req/s  p50 {:>6.0} µs  p99 {:>6.0} µs  CPU {:>5} µs/req  errors {}",

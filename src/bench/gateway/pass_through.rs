@@ -11,11 +11,11 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
-use std::time::Duration;
 
 use anyhow::Context;
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
+use bulkhead_gateway::config::HttpLimits;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, StatusCode, Uri};
 use hyper::body::Incoming;
@@ -27,8 +27,6 @@ use tokio::sync::watch;
 
 /// The line the proxy prints once it listens; `addr=` follows.
 pub const READY: &str = "bulkhead pass-through ready ";
-/// How long a client may take to send its request headers (as the gateway's default).
-const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, clap::Args)]
 pub struct PassThroughArgs {
@@ -69,7 +67,9 @@ async fn proxy(
     let authority = Authority::try_from(upstream.to_string())
         .context("the upstream address as a URI authority")?;
     let service = hyper::service::service_fn(move |req| pass(req, authority.clone()));
-    bulkhead_gateway::serving::serve(listener, service, HEADER_TIMEOUT, threads, stop).await;
+    // A client gets as long to send its request headers as the gateway gives it by default.
+    let header_timeout = HttpLimits::default().header_timeout;
+    bulkhead_gateway::serving::serve(listener, service, header_timeout, threads, stop).await;
     Ok(())
 }
 

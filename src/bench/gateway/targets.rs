@@ -81,6 +81,19 @@ impl Kind {
     }
 
     /// The target's row label in the table.
+    /// A peer measured beside Bulkhead (its failing is a skip, with the reason), not one of
+    /// Bulkhead's own targets (its failing fails the bench).
+    pub fn is_peer(self) -> bool {
+        match self {
+            Kind::Nginx | Kind::Litellm => true,
+            Kind::Direct
+            | Kind::Bulkhead
+            | Kind::BulkheadPolicies
+            | Kind::BulkheadDurable
+            | Kind::PassThrough => false,
+        }
+    }
+
     pub fn label(self) -> &'static str {
         match self {
             Kind::Direct => "direct (no proxy)",
@@ -206,13 +219,10 @@ pub async fn start(kind: Kind, setup: &Setup, stream: bool) -> anyhow::Result<St
                 "{} does not answer the bench's request: {e:#}",
                 kind.label()
             );
-            match kind {
-                Kind::Nginx | Kind::Litellm => Ok(Started::Skipped(why)),
-                Kind::Direct
-                | Kind::Bulkhead
-                | Kind::BulkheadPolicies
-                | Kind::BulkheadDurable
-                | Kind::PassThrough => bail!(why),
+            if kind.is_peer() {
+                Ok(Started::Skipped(why))
+            } else {
+                bail!(why)
             }
         }
     }
