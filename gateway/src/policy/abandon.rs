@@ -93,7 +93,7 @@ impl Ending {
         };
         let mut directive = Directive::AbortNow;
         for b in self.wanting(Hooks::ON_DISCONNECT) {
-            let d = match b.plugin.on_disconnect(&b.config, &event).await {
+            let d = match b.plugin.on_disconnect(&b.configured, &event).await {
                 Ok(d) => d,
                 Err(fault) => {
                     self.policies.stats().fault(&b.plugin.name, fault.kind());
@@ -124,7 +124,7 @@ impl Ending {
             outcome,
         };
         for b in self.wanting(Hooks::ON_RESPONSE_END) {
-            if let Err(fault) = b.plugin.on_response_end(&b.config, &event).await {
+            if let Err(fault) = b.plugin.on_response_end(&b.configured, &event).await {
                 self.policies.stats().fault(&b.plugin.name, fault.kind());
                 tracing::warn!(plugin = %b.plugin.name, request = %self.id, %fault,
                     "a policy plugin failed at a response's end");

@@ -7,15 +7,16 @@ use http::HeaderName;
 
 use super::bindings::Hooks;
 use super::digest::Digest;
-use super::plugin::Loaded;
+use super::plugin::{Configured, Loaded};
 
 /// One entry of the chain: a plugin with its configuration, where it applies, and how it
 /// fails.
 #[derive(Debug)]
 pub(super) struct Binding {
     pub(super) plugin: Arc<Loaded>,
-    /// The JSON configuration, valid against the plugin's schema and accepted by the plugin.
-    pub(super) config: Arc<str>,
+    /// How its calls start: configured from its JSON (valid against the plugin's schema and
+    /// accepted by the plugin), once at load or at every call.
+    pub(super) configured: Configured,
     /// `None`: every route.
     pub(super) routes: Option<Vec<String>>,
     /// `None`: every tenant.
@@ -54,6 +55,9 @@ pub struct BindingSummary {
     pub tenants: Option<Vec<String>>,
     pub fail_open: bool,
     pub hooks: Vec<&'static str>,
+    /// Its calls start from a snapshot taken after `configure` at load (false: each call
+    /// runs `configure`).
+    pub snapshot: bool,
 }
 
 impl PolicySet {
@@ -106,6 +110,7 @@ impl PolicySet {
                 .filter(|(h, _)| b.hooks.contains(*h))
                 .map(|(_, n)| n)
                 .collect(),
+                snapshot: b.configured.is_snapshot(),
             })
             .collect()
     }

@@ -31,6 +31,7 @@ use super::chain::{Binding, PolicySet};
 use super::digest::Digest;
 use super::plugin::{CallLimits, Fault, Loaded};
 use super::sandbox::Sandbox;
+use super::snapshot::Snapshotter;
 
 /// The API routes a binding may name.
 pub const ROUTES: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
@@ -225,8 +226,21 @@ fn prepare(
             path: path.display().to_string(),
             reason: e.to_string(),
         })?;
+    let snapshotter = Snapshotter::new(sandbox, &pre, &bytes)
+        .inspect_err(|reason| {
+            tracing::info!(plugin = name, %reason,
+                "policy plugin not snapshotted: each call runs its configure");
+        })
+        .ok();
     tracing::debug!(plugin = name, sha256 = %actual, ?compiled, "policy plugin loaded");
-    let loaded = Loaded::new(name.into(), actual, pre, limits, sandbox.clone());
+    let loaded = Loaded::new(
+        name.into(),
+        actual,
+        pre,
+        snapshotter,
+        limits,
+        sandbox.clone(),
+    );
     Ok(Prepared {
         loaded: Arc::new(loaded),
         schema,
@@ -319,10 +333,9 @@ fn bind(index: usize, raw: RawBinding, prepared: &Prepared) -> Result<Binding, L
             errors: errors.join("; "),
         });
     }
-    let config: Arc<str> = config.to_string().into();
-    let hooks = prepared
+    let (hooks, configured) = prepared
         .loaded
-        .configure(&config)
+        .configure(&config.to_string())
         .map_err(|fault| LoadError::Configure {
             index,
             plugin: plugin.clone(),
@@ -330,7 +343,7 @@ fn bind(index: usize, raw: RawBinding, prepared: &Prepared) -> Result<Binding, L
         })?;
     Ok(Binding {
         plugin: prepared.loaded.clone(),
-        config,
+        configured,
         routes: raw.routes,
         tenants: raw.tenants.map(|t| t.into_iter().collect()),
         headers,

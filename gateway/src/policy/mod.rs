@@ -11,7 +11,9 @@
 //! ```
 //!
 //! Every call runs in a fresh store and instance (pooling allocator, `InstancePre`), with a
-//! memory limit, an epoch deadline and a slot from a semaphore. A plugin that traps, runs
+//! memory limit, an epoch deadline and a slot from a semaphore. The instance starts configured:
+//! from a snapshot of the plugin taken after its binding's `configure` at load, or, for a
+//! plugin that imports WASI, by running `configure` first. A plugin that traps, runs
 //! past its deadline, exceeds its memory or returns garbage fails the request closed
 //! (500 `policy_error`) unless its binding is fail-open. Plugins get no files, no network, no
 //! environment: only the world's `host` interface (a bounded log) and an empty WASI.
@@ -29,6 +31,7 @@ mod load;
 mod plugin;
 mod request;
 mod sandbox;
+mod snapshot;
 mod stats;
 mod verdict;
 

@@ -1,6 +1,6 @@
 //! One loaded plugin and its calls. Every call gets a fresh store (its own memory limit and
-//! deadline), a fresh instance from the pool, then `configure` and the one hook, all on the
-//! calling task. Whatever the guest does, the caller gets a value or a [`Fault`]; nothing it
+//! deadline) and a fresh instance from the pool, configured (from the binding's snapshot, or by
+//! `configure` with its JSON), then the one hook, all on the calling task. Whatever the guest does, the caller gets a value or a [`Fault`]; nothing it
 //! does can panic the gateway.
 
 use std::sync::Arc;
@@ -14,6 +14,7 @@ use super::bindings::{
 use super::digest::Digest;
 use super::host::Host;
 use super::sandbox::{Sandbox, TICK};
+use super::snapshot::Snapshotter;
 
 /// The limits of one plugin's calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +60,8 @@ pub(super) struct Loaded {
     pub(super) name: Arc<str>,
     pub(super) digest: Digest,
     pre: PluginPre<Host>,
+    /// `None`: the plugin cannot be snapshotted (see [`Snapshotter`]).
+    snapshotter: Option<Snapshotter>,
     limits: CallLimits,
     sandbox: Sandbox,
 }
@@ -69,7 +72,33 @@ impl std::fmt::Debug for Loaded {
             .field("name", &self.name)
             .field("digest", &self.digest)
             .field("limits", &self.limits)
+            .field("snapshots", &self.snapshotter.is_some())
             .finish_non_exhaustive()
+    }
+}
+
+/// How the calls of one binding (a plugin with its configuration) start, chosen at load.
+pub(super) enum Configured {
+    /// From the plugin's state after `configure`, snapshotted at load: a call instantiates it
+    /// and goes straight to its hook.
+    Snapshot(PluginPre<Host>),
+    /// The plugin cannot be snapshotted: every call instantiates it and runs `configure` with
+    /// this JSON before its hook.
+    PerCall(Arc<str>),
+}
+
+impl std::fmt::Debug for Configured {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Configured::Snapshot(_) => f.write_str("Snapshot"),
+            Configured::PerCall(config) => f.debug_tuple("PerCall").field(config).finish(),
+        }
+    }
+}
+
+impl Configured {
+    pub(super) fn is_snapshot(&self) -> bool {
+        matches!(self, Configured::Snapshot(_))
     }
 }
 
@@ -81,6 +110,7 @@ impl Loaded {
         name: Arc<str>,
         digest: Digest,
         pre: PluginPre<Host>,
+        snapshotter: Option<Snapshotter>,
         limits: CallLimits,
         sandbox: Sandbox,
     ) -> Loaded {
@@ -88,20 +118,20 @@ impl Loaded {
             name,
             digest,
             pre,
+            snapshotter,
             limits,
             sandbox,
         }
     }
 
-    /// Instantiates, configures with `config` and runs `hook`, all within the call's limits,
-    /// on the calling task. The guest yields to the runtime at every epoch tick and traps
-    /// (as [`Fault::Timeout`]) at the first tick past its deadline; a host call that waits
-    /// (a WASI clock) is cut off at the deadline too, by dropping the call.
-    async fn run<R>(
+    /// Runs `call` in a fresh store, within the plugin's limits, on the calling task. The
+    /// guest yields to the runtime at every epoch tick and traps (as [`Fault::Timeout`]) at the
+    /// first tick past its deadline; a host call that waits (a WASI clock) is cut off at the
+    /// deadline too, by dropping the call.
+    async fn limited<R>(
         &self,
-        config: &str,
-        hook: impl AsyncFnOnce(&mut Store<Host>, &Plugin) -> wasmtime::Result<R>,
-    ) -> Result<(Hooks, R), Fault> {
+        call: impl AsyncFnOnce(&mut Store<Host>) -> wasmtime::Result<Result<R, Fault>>,
+    ) -> Result<R, Fault> {
         let mut store = Store::new(
             self.sandbox.engine(),
             Host::new(self.name.clone(), self.limits.memory_bytes),
@@ -116,35 +146,58 @@ impl Loaded {
                 UpdateDeadline::Interrupt
             })
         });
-        let call = async {
-            let plugin = self.pre.instantiate_async(&mut store).await?;
-            let configured = plugin
-                .bulkhead_policy_policy()
-                .call_configure(&mut store, config)
-                .await?;
-            match configured {
-                Ok(hooks) => Ok(Ok((hooks, hook(&mut store, &plugin).await?))),
-                Err(reason) => Ok(Err(reason)),
-            }
-        };
         // The epoch trap fires within a tick of the deadline; the timeout is the backstop for
         // a guest parked in a host call.
-        let result = tokio::time::timeout(self.limits.timeout + 2 * TICK, call).await;
-        match result {
+        match tokio::time::timeout(self.limits.timeout + 2 * TICK, call(&mut store)).await {
             Err(_) => Err(Fault::Timeout),
-            Ok(Ok(Ok(done))) => Ok(done),
-            Ok(Ok(Err(reason))) => Err(Fault::Garbage(format!(
-                "configure refused its configuration: {}",
-                truncate(&reason)
-            ))),
+            Ok(Ok(done)) => done,
             Ok(Err(e)) => Err(classify(&store, &e)),
         }
     }
 
-    /// Load time: the hooks the plugin wants with `config`, or why it refuses it. Loading is
-    /// synchronous (and may run on an async worker thread, as in tests), so the call runs on a
-    /// thread of its own with a runtime of its own.
-    pub(super) fn configure(&self, config: &str) -> Result<Hooks, Fault> {
+    /// Instantiates the binding's plugin as `configured` says and runs `hook`, within the
+    /// call's limits ([`Loaded::limited`]).
+    async fn run<R>(
+        &self,
+        configured: &Configured,
+        hook: impl AsyncFnOnce(&mut Store<Host>, &Plugin) -> wasmtime::Result<R>,
+    ) -> Result<R, Fault> {
+        self.limited(async |store| {
+            let plugin = match configured {
+                Configured::Snapshot(pre) => pre.instantiate_async(&mut *store).await?,
+                Configured::PerCall(config) => match self.configure_in(store, config).await? {
+                    Ok((plugin, _)) => plugin,
+                    Err(fault) => return Ok(Err(fault)),
+                },
+            };
+            Ok(Ok(hook(store, &plugin).await?))
+        })
+        .await
+    }
+
+    /// A fresh instance of the plugin in `store`, configured with `config`, and the hooks it
+    /// asked for; or its refusal.
+    async fn configure_in(
+        &self,
+        store: &mut Store<Host>,
+        config: &str,
+    ) -> wasmtime::Result<Result<(Plugin, Hooks), Fault>> {
+        let plugin = self.pre.instantiate_async(&mut *store).await?;
+        let answer = plugin
+            .bulkhead_policy_policy()
+            .call_configure(&mut *store, config)
+            .await?;
+        Ok(answer
+            .map(|hooks| (plugin, hooks))
+            .map_err(|reason| refused(&reason)))
+    }
+
+    /// Load time: the hooks the plugin wants with `config` and how the binding's calls start,
+    /// or why the plugin refuses `config`. A plugin that can be snapshotted is configured once
+    /// here and its calls start from the snapshot; when the snapshot cannot be used, they
+    /// run `configure` each. Loading is synchronous (and may run on an async worker thread,
+    /// as in tests), so the call runs on a thread of its own with a runtime of its own.
+    pub(super) fn configure(&self, config: &str) -> Result<(Hooks, Configured), Fault> {
         let lost = |what: &str| Fault::Trap(format!("the host thread running configure {what}"));
         std::thread::scope(|scope| {
             scope
@@ -153,55 +206,113 @@ impl Loaded {
                         .enable_time()
                         .build()
                         .map_err(|e| lost(&format!("has no runtime: {e}")))?
-                        .block_on(self.run(config, async |_, _| Ok(())))
-                        .map(|(hooks, ())| hooks)
+                        .block_on(self.configure_once(config))
                 })
                 .join()
                 .unwrap_or_else(|_| Err(lost("failed")))
         })
     }
 
+    async fn configure_once(&self, config: &str) -> Result<(Hooks, Configured), Fault> {
+        let per_call = || Configured::PerCall(config.into());
+        let Some(snapshotter) = &self.snapshotter else {
+            let (_, hooks) = self
+                .limited(async |store| self.configure_in(store, config).await)
+                .await?;
+            return Ok((hooks, per_call()));
+        };
+        let (hooks, snapshot) = self
+            .limited(async |store| {
+                Ok(snapshotter
+                    .configure(store, config)
+                    .await?
+                    .map_err(|reason| refused(&reason)))
+            })
+            .await?;
+        let prepared = snapshot.and_then(|bytes| {
+            self.sandbox
+                .prepare(&bytes, &Digest::of(&bytes))
+                .map(|(pre, _)| pre)
+                .map_err(|e| e.to_string())
+        });
+        match prepared {
+            Ok(pre) => Ok((hooks, Configured::Snapshot(pre))),
+            Err(reason) => {
+                tracing::warn!(plugin = %self.name, %reason,
+                    "a policy plugin's configured state cannot be snapshotted; every call \
+                     configures it");
+                Ok((hooks, per_call()))
+            }
+        }
+    }
+
     pub(super) async fn on_request(
         &self,
-        config: &str,
+        configured: &Configured,
         request: &RequestView,
     ) -> Result<Verdict, Fault> {
-        self.run(config, async |store, p| {
+        self.run(configured, async |store, p| {
             p.bulkhead_policy_policy()
                 .call_on_request(store, request)
                 .await
         })
         .await
-        .map(|(_, r)| r)
     }
 
     pub(super) async fn on_disconnect(
         &self,
-        config: &str,
+        configured: &Configured,
         event: &Disconnect,
     ) -> Result<Directive, Fault> {
-        self.run(config, async |store, p| {
+        self.run(configured, async |store, p| {
             p.bulkhead_policy_policy()
                 .call_on_disconnect(store, event)
                 .await
         })
         .await
-        .map(|(_, r)| r)
     }
 
     pub(super) async fn on_response_end(
         &self,
-        config: &str,
+        configured: &Configured,
         event: &ResponseEnd,
     ) -> Result<(), Fault> {
-        self.run(config, async |store, p| {
+        self.run(configured, async |store, p| {
             p.bulkhead_policy_policy()
                 .call_on_response_end(store, event)
                 .await
         })
         .await
-        .map(|(_, r)| r)
     }
+}
+
+#[cfg(test)]
+impl Loaded {
+    /// What the gateway never does: `requests`, one after the other, in one instance (tests
+    /// show what a plugin would carry from one call to the next).
+    pub(super) async fn on_requests_in_one_instance(
+        &self,
+        configured: &Configured,
+        requests: &[RequestView],
+    ) -> Result<Vec<Verdict>, Fault> {
+        self.run(configured, async |store, p| {
+            let mut verdicts = Vec::new();
+            for request in requests {
+                let policy = p.bulkhead_policy_policy();
+                verdicts.push(policy.call_on_request(&mut *store, request).await?);
+            }
+            Ok(verdicts)
+        })
+        .await
+    }
+}
+
+/// A plugin's refusal of its configuration, as a fault.
+fn refused(reason: &str) -> Fault {
+    Fault::Garbage(format!(
+        "configure refused its configuration: {}",
+        truncate(reason)
+    ))
 }
 
 fn truncate(s: &str) -> String {

@@ -146,7 +146,7 @@ async fn chain(
             headers: selected(facts.headers, &binding.headers),
         };
         let answer = plugin
-            .on_request(&binding.config, &view)
+            .on_request(&binding.configured, &view)
             .await
             .and_then(check);
         let (verdict, refusal) = match answer {

@@ -393,6 +393,119 @@ fn the_built_ins_import_no_wasi() {
     assert!(!wasi_imports("hostile").is_empty());
 }
 
+/// The value of tag `key` of an allowed request.
+fn tag<'a>(allowed: &'a RequestPolicy, key: &str) -> &'a str {
+    allowed
+        .tags()
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.as_str())
+        .unwrap_or_else(|| panic!("no tag {key}: {:?}", allowed.tags()))
+}
+
+#[tokio::test]
+async fn every_call_starts_configured_in_a_fresh_instance_and_carries_nothing_over() {
+    let (p, _dir) = loaded(&format!(
+        "{}{}",
+        plugin("carry-over", ""),
+        binding("carry-over", "config = { label = \"gold\" }"),
+    ));
+    assert!(
+        p.current().summary()[0].snapshot,
+        "a plugin that imports only the world is snapshotted"
+    );
+    // Through the gateway's path: each request meets an instance that has seen nothing, but
+    // is configured (the label comes from the configuration).
+    for tenant in ["tenant-a", "tenant-b", "tenant-a", "tenant-b"] {
+        let allowed = ask(
+            &p,
+            Ask {
+                tenant,
+                ..Ask::default()
+            },
+        )
+        .await
+        .expect("allowed");
+        assert_eq!(tag(&allowed, "previous"), "none", "{tenant}");
+        assert_eq!(tag(&allowed, "calls"), "1", "{tenant}");
+        assert_eq!(tag(&allowed, "label"), "gold", "{tenant}");
+    }
+    // What it prevents: the same plugin, snapshot and configuration, with two tenants'
+    // requests in one instance, hands tenant-a's identity to tenant-b's request.
+    let set = p.current();
+    let b = &set.bindings[0];
+    let view = |tenant: &str| bindings::RequestView {
+        request_id: format!("req-{tenant}"),
+        tenant: tenant.into(),
+        model: "m".into(),
+        route: "/v1/chat/completions".into(),
+        prompt_tokens: 1,
+        max_tokens: 1,
+        headers: Vec::new(),
+    };
+    let verdicts = b
+        .plugin
+        .on_requests_in_one_instance(&b.configured, &[view("tenant-a"), view("tenant-b")])
+        .await
+        .expect("both calls answer");
+    let bindings::Verdict::Allow(second) = &verdicts[1] else {
+        panic!("allowed: {verdicts:?}");
+    };
+    assert!(
+        second
+            .tags
+            .iter()
+            .any(|t| t.key == "previous" && t.value == "tenant-a"),
+        "{second:?}"
+    );
+}
+
+#[tokio::test]
+async fn plugins_that_import_only_the_world_are_snapshotted_and_wasi_guests_configure_per_call() {
+    let names = [
+        "length-limit",
+        "tenant-tag",
+        "abort-guard",
+        "compat-0.1.0",
+        "hostile",
+    ];
+    let mut text = String::new();
+    for name in names {
+        text += &plugin(name, "");
+    }
+    text += &binding("length-limit", LIMITS);
+    text += &binding("tenant-tag", "");
+    text += &binding("abort-guard", "config = { max_held_per_tenant = 2 }");
+    text += &binding("compat-0.1.0", "");
+    text += &binding(
+        "hostile",
+        "config = { attack = \"trap\" }\nfail_open = true",
+    );
+    let (p, _dir) = loaded(&text);
+    let snapshot: Vec<(String, bool)> = p
+        .current()
+        .summary()
+        .into_iter()
+        .map(|b| (b.plugin, b.snapshot))
+        .collect();
+    let expected: Vec<(String, bool)> = names
+        .iter()
+        .map(|&n| (n.to_owned(), n != "hostile"))
+        .collect();
+    assert_eq!(snapshot, expected);
+    // Both kinds act: the snapshotted chain allows and tags, and the per-call hostile
+    // plugin still traps (configured at its call: its attack came from the configuration).
+    let allowed = ask(&p, Ask::default()).await.expect("allowed");
+    assert_eq!(tag(&allowed, "tenant"), "tenant-a");
+    let faults: Vec<_> = allowed
+        .decisions()
+        .iter()
+        .filter(|d| matches!(d.verdict, DecisionVerdict::Fault { .. }))
+        .map(|d| d.plugin.clone())
+        .collect();
+    assert_eq!(faults, ["hostile"]);
+}
+
 #[tokio::test]
 async fn a_python_policy_loads_and_acts() {
     let dir = Scratch::new("policy");
@@ -411,6 +524,8 @@ async fn a_python_policy_loads_and_acts() {
     // The compile cache beside the components, as the default deployment does: a second
     // run of this test skips the seconds-long compile.
     let p = Policies::load(settings(&path, Some(dist().join("cache")))).expect("loads");
+    // componentize-py's --stub-wasi leaves it importing only the world: snapshotted.
+    assert!(p.current().summary()[0].snapshot);
     let (status, message) = denial_of(
         ask(
             &p,
@@ -455,6 +570,10 @@ async fn a_javascript_policy_loads_and_acts() {
     );
     // Cached compiles, as for the Python policy: the component is about 12 MB.
     let p = Policies::load(settings(&path, Some(dist().join("cache")))).expect("loads");
+    assert!(
+        p.current().summary()[0].snapshot,
+        "imports only the world: snapshotted"
+    );
     let ok = ask(
         &p,
         Ask {
@@ -533,6 +652,10 @@ async fn a_c_policy_loads_and_acts() {
              header = \"x-bulkhead-token-cap\" }"
         ),
     ));
+    assert!(
+        p.current().summary()[0].snapshot,
+        "imports only the world: snapshotted"
+    );
     // Under the default cap: unchanged, no header.
     let ok = ask(
         &p,
@@ -681,26 +804,42 @@ fn the_compile_cache_is_written_and_a_corrupt_entry_is_never_trusted() {
         ),
     );
     Policies::load(settings(&path, Some(cache.clone()))).expect("loads");
-    let entries: Vec<_> = std::fs::read_dir(&cache)
-        .expect("the cache exists")
-        .map(|e| e.expect("entry").path())
-        .collect();
-    assert_eq!(entries.len(), 1, "{entries:?}");
-    let name = entries[0]
-        .file_name()
-        .expect("name")
-        .to_string_lossy()
-        .into_owned();
-    assert!(
-        name.starts_with(&component("length-limit").1.to_string()),
-        "{name}"
-    );
-    std::fs::write(&entries[0], b"not a compiled component").expect("corrupts it");
-    Policies::load(settings(&path, Some(cache))).expect("recompiles");
+    let entries = || -> Vec<PathBuf> {
+        let mut e: Vec<_> = std::fs::read_dir(&cache)
+            .expect("the cache exists")
+            .map(|e| e.expect("entry").path())
+            .collect();
+        e.sort();
+        e
+    };
+    // The plugin, the plugin instrumented for snapshots, and the binding's snapshot.
+    let first = entries();
+    assert_eq!(first.len(), 3, "{first:?}");
+    let own = component("length-limit").1.to_string();
+    let plugin_entry = first
+        .iter()
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(&own))
+        })
+        .unwrap_or_else(|| panic!("no entry for the plugin itself: {first:?}"));
+    for entry in &first {
+        std::fs::write(entry, b"not a compiled component").expect("corrupts it");
+    }
+    Policies::load(settings(&path, Some(cache.clone()))).expect("recompiles");
     assert_ne!(
-        std::fs::read(&entries[0]).expect("rewritten"),
+        std::fs::read(plugin_entry).expect("rewritten"),
         b"not a compiled component"
     );
+    // A snapshot of the same plugin and configuration is the same component: loading again
+    // found every entry it wrote the first time, and none is corrupt now.
+    assert_eq!(entries(), first);
+    for entry in &first {
+        assert_ne!(
+            std::fs::read(entry).expect("rewritten"),
+            b"not a compiled component"
+        );
+    }
 }
 
 async fn abandoned_directives(p: &Policies) -> String {

@@ -1,0 +1,196 @@
+//! Pre-initialised plugins. A binding's `configure` runs once, at load, in an instance of its
+//! plugin that Wizer has instrumented to show its memories and globals; Wizer then writes that
+//! configured state into a new component (its data segments and global initialisers), and
+//! every call of the binding instantiates that: a fresh instance, already configured, that no
+//! call has touched before. No call parses the binding's configuration again.
+//!
+//! Only a plugin that imports nothing but the world's own interfaces is snapshotted: its
+//! configured state then depends on its configuration alone (`host` gives it a version string
+//! and a log). A plugin that imports WASI could have drawn on a clock or on randomness in
+//! `configure`, and a snapshot would replay that one draw in every call; it, and a plugin
+//! Wizer cannot rewrite, runs `configure` at every call instead.
+
+use std::sync::Arc;
+
+use wasmtime::Store;
+use wasmtime::component::{ComponentType, Instance, Lift, WasmList};
+use wasmtime_wizer::{ComponentInstanceState, Wizer};
+
+use super::bindings::{Hooks, Plugin, PluginPre};
+use super::digest::Digest;
+use super::host::Host;
+use super::sandbox::Sandbox;
+
+/// The prefix of the world's own interfaces (`host` and `types`, of any 0.1.x).
+const WORLD: &str = "bulkhead:policy/";
+
+/// What snapshots one plugin: Wizer, the plugin as built, and the plugin instrumented.
+pub(super) struct Snapshotter {
+    wizer: Wizer,
+    /// The component as built: each snapshot is a rewrite of it.
+    bytes: Arc<[u8]>,
+    /// The component instrumented to export its memories and globals, pre-instantiated.
+    instrumented: PluginPre<Host>,
+}
+
+/// What `configure` in an instrumented instance gives: the hooks the plugin asked for, and the
+/// snapshot's component, or why none could be taken.
+pub(super) type Snapshot = (Hooks, Result<Vec<u8>, String>);
+
+impl Snapshotter {
+    /// A snapshotter for the plugin `bytes`, pre-instantiated as `pre`; or why it cannot be
+    /// snapshotted.
+    pub(super) fn new(
+        sandbox: &Sandbox,
+        pre: &PluginPre<Host>,
+        bytes: &[u8],
+    ) -> Result<Snapshotter, String> {
+        let component = pre.instance_pre().component();
+        if let Some((name, _)) = component
+            .component_type()
+            .imports(sandbox.engine())
+            .find(|(name, _)| !name.starts_with(WORLD))
+        {
+            return Err(format!(
+                "it imports {name}, which its configure may have drawn on"
+            ));
+        }
+        let mut wizer = Wizer::new();
+        // The snapshot keeps exporting `configure`: the world requires it (no call uses it).
+        wizer.keep_init_func(true);
+        let (_, instrumented) = wizer
+            .instrument_component(bytes)
+            .map_err(|e| format!("Wizer cannot instrument it: {e:#}"))?;
+        let (instrumented, _) = sandbox
+            .prepare(&instrumented, &Digest::of(&instrumented))
+            .map_err(|e| format!("its instrumented component does not load: {e}"))?;
+        Ok(Snapshotter {
+            wizer,
+            bytes: bytes.into(),
+            instrumented,
+        })
+    }
+
+    /// Runs `configure` with `config` in a fresh instrumented instance in `store`, then
+    /// snapshots that instance. `Err(reason)`: the plugin refused `config`.
+    pub(super) async fn configure(
+        &self,
+        store: &mut Store<Host>,
+        config: &str,
+    ) -> wasmtime::Result<Result<Snapshot, String>> {
+        let instance = self
+            .instrumented
+            .instance_pre()
+            .instantiate_async(&mut *store)
+            .await?;
+        let plugin = Plugin::new(&mut *store, &instance)?;
+        let answer = plugin
+            .bulkhead_policy_policy()
+            .call_configure(&mut *store, config)
+            .await?;
+        Ok(match answer {
+            Ok(hooks) => Ok((hooks, self.snapshot(store, instance).await)),
+            Err(reason) => Err(reason),
+        })
+    }
+
+    /// The component whose instances start in the state `instance` is in now.
+    async fn snapshot(
+        &self,
+        store: &mut Store<Host>,
+        instance: Instance,
+    ) -> Result<Vec<u8>, String> {
+        // The context borrows the bytes it parsed, so it is parsed again here (a fraction of
+        // a millisecond for the Rust and C guests that can be snapshotted).
+        let (cx, _) = self
+            .wizer
+            .instrument_component(&self.bytes)
+            .map_err(|e| format!("{e:#}"))?;
+        let mut probe = Probe {
+            store,
+            instance,
+            failed: None,
+        };
+        let rewritten = self
+            .wizer
+            .snapshot_component(&cx, &mut probe)
+            .await
+            .map_err(|e| format!("{e:#}"))?;
+        match probe.failed {
+            Some(e) => Err(format!("reading its state failed: {e:#}")),
+            None => Ok(rewritten),
+        }
+    }
+}
+
+/// Reads an instrumented instance's state for Wizer through the exports instrumenting added.
+/// Wizer's interface has no room for an error, so the first one is kept here (the snapshot is
+/// then discarded) and the reads after it answer zeros.
+struct Probe<'a> {
+    store: &'a mut Store<Host>,
+    instance: Instance,
+    failed: Option<wasmtime::Error>,
+}
+
+impl Probe<'_> {
+    /// Calls `func` of the exported instance `group`, which takes nothing and returns an `R`.
+    async fn call<R>(&mut self, group: &str, func: &str) -> Option<R>
+    where
+        R: ComponentType + Lift + Send + Sync + 'static,
+    {
+        if self.failed.is_some() {
+            return None;
+        }
+        let missing = || wasmtime::Error::msg(format!("no export {group}#{func}"));
+        let answer = async {
+            let g = self
+                .instance
+                .get_export_index(&mut *self.store, None, group)
+                .ok_or_else(missing)?;
+            let f = self
+                .instance
+                .get_export_index(&mut *self.store, Some(&g), func)
+                .ok_or_else(missing)?;
+            let f = self
+                .instance
+                .get_typed_func::<(), (R,)>(&mut *self.store, f)?;
+            Ok(f.call_async(&mut *self.store, ()).await?.0)
+        }
+        .await;
+        answer.map_err(|e| self.failed = Some(e)).ok()
+    }
+}
+
+impl ComponentInstanceState for Probe<'_> {
+    async fn call_func_ret_list_u8(
+        &mut self,
+        instance: &str,
+        func: &str,
+        contents: impl FnOnce(&[u8]) + Send,
+    ) {
+        match self.call::<WasmList<u8>>(instance, func).await {
+            Some(list) => contents(list.as_le_slice(&*self.store)),
+            None => contents(&[]),
+        }
+    }
+
+    async fn call_func_ret_s32(&mut self, instance: &str, func: &str) -> i32 {
+        self.call(instance, func).await.unwrap_or_default()
+    }
+
+    async fn call_func_ret_s64(&mut self, instance: &str, func: &str) -> i64 {
+        self.call(instance, func).await.unwrap_or_default()
+    }
+
+    async fn call_func_ret_f32(&mut self, instance: &str, func: &str) -> u32 {
+        self.call::<f32>(instance, func)
+            .await
+            .map_or(0, f32::to_bits)
+    }
+
+    async fn call_func_ret_f64(&mut self, instance: &str, func: &str) -> u64 {
+        self.call::<f64>(instance, func)
+            .await
+            .map_or(0, f64::to_bits)
+    }
+}
