@@ -1,5 +1,6 @@
 //! `bulkhead bench policies`: the per-request cost of a policy set's `on-request` chain (every
-//! call in a fresh instance, as the gateway runs it), against no policies, as one JSON object.
+//! call in a fresh instance, as the gateway runs it), against no policies, as one JSON object,
+//! with each binding's plugin and whether its calls start from a snapshot.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -89,7 +90,10 @@ pub fn run(args: PoliciesArgs) -> anyhow::Result<()> {
     let chain = policies.current().summary();
     let out = json!({
         "policies": file.display().to_string(),
-        "bindings": chain.iter().map(|b| b.plugin.clone()).collect::<Vec<_>>(),
+        "bindings": chain
+            .iter()
+            .map(|b| json!({"plugin": b.plugin, "snapshot": b.snapshot}))
+            .collect::<Vec<_>>(),
         "load_ms": load_ms,
         "requests": args.requests,
         "chain_us": {"p50": quantile_us(&on, 0.5), "p99": quantile_us(&on, 0.99)},

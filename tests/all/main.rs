@@ -2,6 +2,7 @@
 
 mod audit;
 mod bench_gateway;
+mod bench_policies;
 mod cluster;
 mod device;
 mod gateway;
