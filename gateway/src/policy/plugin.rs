@@ -124,14 +124,10 @@ impl Loaded {
         }
     }
 
-    /// Runs `call` in a fresh store, within the plugin's limits, on the calling task. The
-    /// guest yields to the runtime at every epoch tick and traps (as [`Fault::Timeout`]) at the
-    /// first tick past its deadline; a host call that waits (a WASI clock) is cut off at the
-    /// deadline too, by dropping the call.
-    async fn limited<R>(
-        &self,
-        call: impl AsyncFnOnce(&mut Store<Host>) -> wasmtime::Result<Result<R, Fault>>,
-    ) -> Result<R, Fault> {
+    /// A fresh store with the plugin's limits: its memory limit, and an epoch deadline
+    /// [`CallLimits::timeout`] from now. The guest yields to the runtime at every epoch tick
+    /// and traps (as [`Fault::Timeout`]) at the first tick past its deadline.
+    fn store(&self) -> Store<Host> {
         let mut store = Store::new(
             self.sandbox.engine(),
             Host::new(self.name.clone(), self.limits.memory_bytes),
@@ -146,12 +142,23 @@ impl Loaded {
                 UpdateDeadline::Interrupt
             })
         });
+        store
+    }
+
+    /// Runs `call` in `store` (from [`Loaded::store`]) on the calling task, within the
+    /// plugin's limits: a host call that waits (a WASI clock) is cut off at the deadline too,
+    /// by dropping the call.
+    async fn limited<R>(
+        &self,
+        store: &mut Store<Host>,
+        call: impl AsyncFnOnce(&mut Store<Host>) -> wasmtime::Result<Result<R, Fault>>,
+    ) -> Result<R, Fault> {
         // The epoch trap fires within a tick of the deadline; the timeout is the backstop for
         // a guest parked in a host call.
-        match tokio::time::timeout(self.limits.timeout + 2 * TICK, call(&mut store)).await {
+        match tokio::time::timeout(self.limits.timeout + 2 * TICK, call(&mut *store)).await {
             Err(_) => Err(Fault::Timeout),
             Ok(Ok(done)) => done,
-            Ok(Err(e)) => Err(classify(&store, &e)),
+            Ok(Err(e)) => Err(classify(store, &e)),
         }
     }
 
@@ -162,7 +169,7 @@ impl Loaded {
         configured: &Configured,
         hook: impl AsyncFnOnce(&mut Store<Host>, &Plugin) -> wasmtime::Result<R>,
     ) -> Result<R, Fault> {
-        self.limited(async |store| {
+        self.limited(&mut self.store(), async |store| {
             let plugin = match configured {
                 Configured::Snapshot(pre) => pre.instantiate_async(&mut *store).await?,
                 Configured::PerCall(config) => match self.configure_in(store, config).await? {
@@ -215,20 +222,24 @@ impl Loaded {
 
     async fn configure_once(&self, config: &str) -> Result<(Hooks, Configured), Fault> {
         let per_call = || Configured::PerCall(config.into());
+        let mut store = self.store();
         let Some(snapshotter) = &self.snapshotter else {
             let (_, hooks) = self
-                .limited(async |store| self.configure_in(store, config).await)
+                .limited(&mut store, async |store| {
+                    self.configure_in(store, config).await
+                })
                 .await?;
             return Ok((hooks, per_call()));
         };
-        let (hooks, snapshot) = self
-            .limited(async |store| {
+        let (hooks, instance) = self
+            .limited(&mut store, async |store| {
                 Ok(snapshotter
                     .configure(store, config)
                     .await?
                     .map_err(|reason| refused(&reason)))
             })
             .await?;
+        let snapshot = snapshotter.snapshot(&mut store, instance).await;
         let prepared = snapshot.and_then(|bytes| {
             self.sandbox
                 .prepare(&bytes, &Digest::of(&bytes))

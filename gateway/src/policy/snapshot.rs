@@ -10,10 +10,12 @@
 //! `configure`, and a snapshot would replay that one draw in every call; it, and a plugin
 //! Wizer cannot rewrite, runs `configure` at every call instead.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
-use wasmtime::Store;
+use futures_util::FutureExt;
 use wasmtime::component::{ComponentType, Instance, Lift, WasmList};
+use wasmtime::{Store, UpdateDeadline};
 use wasmtime_wizer::{ComponentInstanceState, Wizer};
 
 use super::bindings::{Hooks, Plugin, PluginPre};
@@ -32,10 +34,6 @@ pub(super) struct Snapshotter {
     /// The component instrumented to export its memories and globals, pre-instantiated.
     instrumented: PluginPre<Host>,
 }
-
-/// What `configure` in an instrumented instance gives: the hooks the plugin asked for, and the
-/// snapshot's component, or why none could be taken.
-pub(super) type Snapshot = (Hooks, Result<Vec<u8>, String>);
 
 impl Snapshotter {
     /// A snapshotter for the plugin `bytes`, pre-instantiated as `pre`; or why it cannot be
@@ -58,9 +56,11 @@ impl Snapshotter {
         let mut wizer = Wizer::new();
         // The snapshot keeps exporting `configure`: the world requires it (no call uses it).
         wizer.keep_init_func(true);
-        let (_, instrumented) = wizer
-            .instrument_component(bytes)
-            .map_err(|e| format!("Wizer cannot instrument it: {e:#}"))?;
+        let instrumented = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            wizer.instrument_component(bytes).map(|(_, wasm)| wasm)
+        }))
+        .map_err(|_| "Wizer panicked instrumenting it".to_owned())?
+        .map_err(|e| format!("Wizer cannot instrument it: {e:#}"))?;
         let (instrumented, _) = sandbox
             .prepare(&instrumented, &Digest::of(&instrumented))
             .map_err(|e| format!("its instrumented component does not load: {e}"))?;
@@ -71,13 +71,13 @@ impl Snapshotter {
         })
     }
 
-    /// Runs `configure` with `config` in a fresh instrumented instance in `store`, then
-    /// snapshots that instance. `Err(reason)`: the plugin refused `config`.
+    /// Runs `configure` with `config` in a fresh instrumented instance in `store`: the hooks
+    /// the plugin asked for and the configured instance; `Err(reason)`: it refused `config`.
     pub(super) async fn configure(
         &self,
         store: &mut Store<Host>,
         config: &str,
-    ) -> wasmtime::Result<Result<Snapshot, String>> {
+    ) -> wasmtime::Result<Result<(Hooks, Instance), String>> {
         let instance = self
             .instrumented
             .instance_pre()
@@ -88,14 +88,29 @@ impl Snapshotter {
             .bulkhead_policy_policy()
             .call_configure(&mut *store, config)
             .await?;
-        Ok(match answer {
-            Ok(hooks) => Ok((hooks, self.snapshot(store, instance).await)),
-            Err(reason) => Err(reason),
-        })
+        Ok(answer.map(|hooks| (hooks, instance)))
     }
 
-    /// The component whose instances start in the state `instance` is in now.
-    async fn snapshot(
+    /// The component whose instances start in the state `instance` (configured, in `store`)
+    /// is in now, or why none could be made. The plugin's own code has finished: what runs in
+    /// the instance from here is only the instrumentation's reads of its memories and globals,
+    /// and, with Wizer's scan of a large memory (a Python guest's is tens of MB) between
+    /// them, the whole may outlast the plugin's call deadline, so the store's deadline no
+    /// longer interrupts. Wizer's panics are errors here: a component it cannot rewrite makes
+    /// its binding configure per call, and never takes the gateway down.
+    pub(super) async fn snapshot(
+        &self,
+        store: &mut Store<Host>,
+        instance: Instance,
+    ) -> Result<Vec<u8>, String> {
+        store.epoch_deadline_callback(|_| Ok(UpdateDeadline::Yield(1)));
+        AssertUnwindSafe(self.rewrite(store, instance))
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|_| Err("Wizer panicked taking its snapshot".into()))
+    }
+
+    async fn rewrite(
         &self,
         store: &mut Store<Host>,
         instance: Instance,
