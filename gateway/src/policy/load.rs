@@ -1,7 +1,8 @@
 //! Reading a policy set file into a validated [`PolicySet`]: every plugin's bytes checked
 //! against its sha256 pin, compiled (or read from the cache) and pre-instantiated; every
 //! binding's configuration validated against the JSON Schema beside its plugin, then offered
-//! to the plugin's own `configure`. Any failure refuses the whole set and says where.
+//! to the plugin's own `configure` (and the configured plugin snapshotted, where it can be:
+//! see `snapshot.rs`). Any failure refuses the whole set and says where.
 //!
 //! ```toml
 //! [plugins.length-limit]
