@@ -1,7 +1,7 @@
 //! One loaded plugin and its calls. Every call gets a fresh store (its own memory limit and
 //! deadline) and a fresh instance from the pool, configured (from the binding's snapshot, or by
-//! `configure` with its JSON), then the one hook, all on the calling task. Whatever the guest does, the caller gets a value or a [`Fault`]; nothing it
-//! does can panic the gateway.
+//! `configure` with its JSON), then the one hook, all on the calling task. Whatever the guest
+//! does, the caller gets a value or a [`Fault`]; nothing it does can panic the gateway.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,7 +21,9 @@ use super::snapshot::Snapshotter;
 pub struct CallLimits {
     /// Linear memory per call, in bytes.
     pub memory_bytes: usize,
-    /// Wall time per call (instantiation, `configure` and the hook together).
+    /// Wall time per call: instantiation, `configure` (unless the binding starts from a
+    /// snapshot) and the hook together; at load, instantiation and `configure` (taking the
+    /// snapshot after it is not counted).
     pub timeout: Duration,
 }
 

@@ -78,6 +78,8 @@ impl Snapshotter {
         store: &mut Store<Host>,
         config: &str,
     ) -> wasmtime::Result<Result<(Hooks, Instance), String>> {
+        // Not `PluginPre::instantiate_async`, as a per-call instance is made: Wizer reads the
+        // state through the untyped `Instance`, which that does not return.
         let instance = self
             .instrumented
             .instance_pre()
