@@ -152,10 +152,12 @@ struct RawBinding {
     config: toml::Table,
 }
 
-/// A plugin of the set, loaded, and its configuration schema.
+/// A plugin of the set, loaded, its configuration schema, and what snapshots its bindings
+/// (`None`: it cannot be snapshotted), kept only while the set loads.
 struct Prepared {
     loaded: Arc<Loaded>,
     schema: jsonschema::Validator,
+    snapshotter: Option<Snapshotter>,
 }
 
 /// Reads, checks and loads the policy set at `path` (component paths are relative to it).
@@ -234,17 +236,11 @@ fn prepare(
         })
         .ok();
     tracing::debug!(plugin = name, sha256 = %actual, ?compiled, "policy plugin loaded");
-    let loaded = Loaded::new(
-        name.into(),
-        actual,
-        pre,
-        snapshotter,
-        limits,
-        sandbox.clone(),
-    );
+    let loaded = Loaded::new(name.into(), actual, pre, limits, sandbox.clone());
     Ok(Prepared {
         loaded: Arc::new(loaded),
         schema,
+        snapshotter,
     })
 }
 
@@ -336,7 +332,7 @@ fn bind(index: usize, raw: RawBinding, prepared: &Prepared) -> Result<Binding, L
     }
     let (hooks, configured) = prepared
         .loaded
-        .configure(&config.to_string())
+        .configure(&config.to_string(), prepared.snapshotter.as_ref())
         .map_err(|fault| LoadError::Configure {
             index,
             plugin: plugin.clone(),

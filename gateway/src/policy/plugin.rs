@@ -62,8 +62,6 @@ pub(super) struct Loaded {
     pub(super) name: Arc<str>,
     pub(super) digest: Digest,
     pre: PluginPre<Host>,
-    /// `None`: the plugin cannot be snapshotted (see [`Snapshotter`]).
-    snapshotter: Option<Snapshotter>,
     limits: CallLimits,
     sandbox: Sandbox,
 }
@@ -74,7 +72,6 @@ impl std::fmt::Debug for Loaded {
             .field("name", &self.name)
             .field("digest", &self.digest)
             .field("limits", &self.limits)
-            .field("snapshots", &self.snapshotter.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -112,7 +109,6 @@ impl Loaded {
         name: Arc<str>,
         digest: Digest,
         pre: PluginPre<Host>,
-        snapshotter: Option<Snapshotter>,
         limits: CallLimits,
         sandbox: Sandbox,
     ) -> Loaded {
@@ -120,7 +116,6 @@ impl Loaded {
             name,
             digest,
             pre,
-            snapshotter,
             limits,
             sandbox,
         }
@@ -202,11 +197,15 @@ impl Loaded {
     }
 
     /// Load time: the hooks the plugin wants with `config` and how the binding's calls start,
-    /// or why the plugin refuses `config`. A plugin that can be snapshotted is configured once
-    /// here and its calls start from the snapshot; when the snapshot cannot be used, they
-    /// run `configure` each. Loading is synchronous (and may run on an async worker thread,
+    /// or why the plugin refuses `config`. With a `snapshotter` (the plugin can be
+    /// snapshotted), it is configured once here and its calls start from the snapshot; without
+    /// one, or when the snapshot cannot be used, they run `configure` each. Loading is synchronous (and may run on an async worker thread,
     /// as in tests), so the call runs on a thread of its own with a runtime of its own.
-    pub(super) fn configure(&self, config: &str) -> Result<(Hooks, Configured), Fault> {
+    pub(super) fn configure(
+        &self,
+        config: &str,
+        snapshotter: Option<&Snapshotter>,
+    ) -> Result<(Hooks, Configured), Fault> {
         let lost = |what: &str| Fault::Trap(format!("the host thread running configure {what}"));
         std::thread::scope(|scope| {
             scope
@@ -215,17 +214,21 @@ impl Loaded {
                         .enable_time()
                         .build()
                         .map_err(|e| lost(&format!("has no runtime: {e}")))?
-                        .block_on(self.configure_once(config))
+                        .block_on(self.configure_once(config, snapshotter))
                 })
                 .join()
                 .unwrap_or_else(|_| Err(lost("failed")))
         })
     }
 
-    async fn configure_once(&self, config: &str) -> Result<(Hooks, Configured), Fault> {
+    async fn configure_once(
+        &self,
+        config: &str,
+        snapshotter: Option<&Snapshotter>,
+    ) -> Result<(Hooks, Configured), Fault> {
         let per_call = || Configured::PerCall(config.into());
         let mut store = self.store();
-        let Some(snapshotter) = &self.snapshotter else {
+        let Some(snapshotter) = snapshotter else {
             let (_, hooks) = self
                 .limited(&mut store, async |store| {
                     self.configure_in(store, config).await
