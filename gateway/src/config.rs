@@ -52,6 +52,7 @@
 //! [policies]                        # optional: no policy plugins without it
 //! file = "policies/local.toml"      # paths relative to the working directory
 //! cache_dir = "plugins/dist/cache"  # compiled components (optional: compile at each load)
+//! cache_max_mib = 1024              # the cache's bound, least recently used evicted first
 //! watch_secs = 2                    # reload when the file changes (0: admin call only)
 //! hold_limit_secs = 30              # longest hold of an abandoned request's stream
 //! instances = 64                    # plugin instances alive at once
@@ -332,6 +333,7 @@ struct RawTelemetry {
 struct RawPolicies {
     file: std::path::PathBuf,
     cache_dir: Option<std::path::PathBuf>,
+    cache_max_mib: Option<u64>,
     watch_secs: Option<u64>,
     hold_limit_secs: Option<u64>,
     instances: Option<u32>,
@@ -526,6 +528,9 @@ fn policy_settings(raw: RawPolicies) -> Result<PolicySettings, ConfigError> {
             instances,
             max_memory_bytes,
             cache_dir: raw.cache_dir,
+            cache_max_bytes: raw
+                .cache_max_mib
+                .map_or(d.cache_max_bytes, |mib| mib.saturating_mul(1 << 20)),
         },
         watch_interval: match raw.watch_secs.unwrap_or(2) {
             0 => None,
@@ -788,6 +793,44 @@ mod tests {
             &format!("{WORKER}[audit]\ndurability = \"sometimes\"\n"),
         );
         assert!(Config::parse(&bad).is_err());
+    }
+
+    #[test]
+    fn policy_settings_default_and_parse_when_given() {
+        let section = |extra: &str| {
+            let text = config(
+                &tenant("tenant-a", "k"),
+                &format!("{WORKER}[policies]\nfile = \"p.toml\"\n{extra}"),
+            );
+            Config::parse(&text).map(|c| c.policies.expect("policies on"))
+        };
+        let p = section("").expect("valid");
+        assert_eq!(p.sandbox, SandboxSettings::default());
+        assert_eq!(p.watch_interval, Some(Duration::from_secs(2)));
+        let p = section(
+            "cache_dir = \"c\"\ncache_max_mib = 64\ninstances = 4\nmax_memory_mib = 32\n\
+             watch_secs = 0\n",
+        )
+        .expect("valid");
+        assert_eq!(
+            p.sandbox,
+            SandboxSettings {
+                instances: 4,
+                max_memory_bytes: 32 << 20,
+                cache_dir: Some("c".into()),
+                cache_max_bytes: 64 << 20,
+            }
+        );
+        assert_eq!(p.watch_interval, None);
+        // A bound of 0 keeps only what the active set uses; no instance at all is refused.
+        assert_eq!(
+            section("cache_max_mib = 0\n")
+                .expect("valid")
+                .sandbox
+                .cache_max_bytes,
+            0
+        );
+        assert!(section("instances = 0\n").is_err());
     }
 
     #[test]

@@ -2,9 +2,15 @@
 //! seconds to compile) is compiled once per component and engine configuration, not at every
 //! start or reload. An entry is named `<component sha256>-<engine hash>.cwasm`; a missing,
 //! stale or unreadable entry is rebuilt, never trusted.
+//!
+//! Every binding's snapshot is an entry of its own (see `snapshot.rs`), so each configuration
+//! an operator ever loads adds one: after a set loads, [`prune`] keeps the cache within its
+//! size, evicting the entries used least recently (an entry's modification time is refreshed
+//! whenever it is read) and never one the set just loaded used.
 
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
 
 use wasmtime::Engine;
 use wasmtime::component::Component;
@@ -51,7 +57,10 @@ pub(super) fn compile(
         // entry's name carries the engine's compatibility hash, and wasmtime checks its own
         // header and version again before use.
         match unsafe { Component::deserialize(engine, &artifact) } {
-            Ok(component) => return Ok((component, Compiled::Cached)),
+            Ok(component) => {
+                touch(&path);
+                return Ok((component, Compiled::Cached));
+            }
             Err(e) => tracing::warn!(path = %path.display(), error = %e,
                 "a cached compiled component is unusable; compiling again"),
         }
@@ -63,6 +72,97 @@ pub(super) fn compile(
     // SAFETY: `artifact` was produced just above by `precompile_component` of this engine.
     let component = unsafe { Component::deserialize(engine, &artifact)? };
     Ok((component, Compiled::Fresh))
+}
+
+/// Marks the entry at `path` as used now, for [`prune`]'s order. A cache the gateway may read
+/// but not write still works; its entries only age.
+fn touch(path: &Path) {
+    let now = SystemTime::now();
+    if let Err(e) = std::fs::File::options()
+        .write(true)
+        .open(path)
+        .and_then(|f| f.set_modified(now))
+    {
+        tracing::debug!(path = %path.display(), error = %e, "cannot refresh a cache entry's time");
+    }
+}
+
+/// What [`prune`] removed.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Pruned {
+    pub(super) entries: usize,
+    pub(super) bytes: u64,
+}
+
+/// A temporary file older than this was left by a writer that died (a write takes seconds at
+/// most); a younger one may be another gateway's write in progress.
+const ABANDONED_TMP: Duration = Duration::from_secs(3600);
+
+/// Slack below `used_since` still counted as used since: filesystems round modification times
+/// (down to whole seconds on some, two on FAT).
+const MTIME_SLACK: Duration = Duration::from_secs(2);
+
+/// Removes the least recently used entries under `dir` until the entries take at most
+/// `max_bytes`, sparing every entry used since `used_since` (those of the set just loaded,
+/// which may alone exceed the bound), and removes abandoned temporary files. Other files are
+/// left alone.
+pub(super) fn prune(dir: &Path, max_bytes: u64, used_since: SystemTime) -> std::io::Result<Pruned> {
+    let now = SystemTime::now();
+    let spared_after = used_since.checked_sub(MTIME_SLACK).unwrap_or(used_since);
+    let mut entries = Vec::new();
+    let mut total = 0u64;
+    let mut pruned = Pruned::default();
+    for e in std::fs::read_dir(dir)?.flatten() {
+        let path = e.path();
+        let Ok(meta) = e.metadata() else { continue };
+        let Ok(modified) = meta.modified() else {
+            continue;
+        };
+        if !meta.is_file() {
+            continue;
+        }
+        match path.extension().and_then(|x| x.to_str()) {
+            Some("cwasm") => {
+                total += meta.len();
+                if modified < spared_after {
+                    entries.push((modified, meta.len(), path));
+                }
+            }
+            Some(x) if x.starts_with("tmp") => {
+                let age = now.duration_since(modified).unwrap_or_default();
+                if age > ABANDONED_TMP && remove(&path) {
+                    pruned.entries += 1;
+                    pruned.bytes += meta.len();
+                }
+            }
+            _ => {}
+        }
+    }
+    entries.sort();
+    for (_, len, path) in entries {
+        if total <= max_bytes {
+            break;
+        }
+        if remove(&path) {
+            total -= len;
+            pruned.entries += 1;
+            pruned.bytes += len;
+        }
+    }
+    Ok(pruned)
+}
+
+/// Removes a file (another gateway sharing the cache may have removed it first); whether it
+/// is gone.
+fn remove(path: &Path) -> bool {
+    match std::fs::remove_file(path) {
+        Ok(()) => true,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot evict a cache entry");
+            false
+        }
+    }
 }
 
 /// Writes `artifact` at `path` whole: to a temporary name first, then renamed.
@@ -87,4 +187,69 @@ fn create_private_dir(dir: &Path) -> std::io::Result<()> {
 #[cfg(not(unix))]
 fn create_private_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scratch::Scratch;
+
+    /// A file of `len` bytes under `dir`, last modified `age` ago.
+    fn file(dir: &Path, name: &str, len: usize, age: Duration) -> PathBuf {
+        let path = dir.join(name);
+        std::fs::write(&path, vec![0u8; len]).expect("writes");
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .and_then(|f| f.set_modified(SystemTime::now() - age))
+            .expect("sets the time");
+        path
+    }
+
+    #[test]
+    fn pruning_evicts_the_least_recently_used_entries_and_spares_the_loaded_set() {
+        let dir = Scratch::new("cache");
+        let hour = Duration::from_secs(3600);
+        let oldest = file(&dir.0, "a-1.cwasm", 400, 5 * hour);
+        let older = file(&dir.0, "b-1.cwasm", 400, 4 * hour);
+        let old = file(&dir.0, "c-1.cwasm", 400, 3 * hour);
+        let abandoned = file(&dir.0, "d-1.tmp0000abcd", 50, 2 * hour);
+        let writing = file(&dir.0, "e-1.tmp0000abcd", 50, Duration::ZERO);
+        let other = file(&dir.0, "notes.txt", 10_000, 9 * hour);
+        let loading = SystemTime::now() - Duration::from_secs(60);
+        // Used by the set being loaded: spared, though they alone exceed the bound.
+        let used = file(&dir.0, "f-1.cwasm", 600, Duration::ZERO);
+        let used_too = file(&dir.0, "g-1.cwasm", 600, Duration::ZERO);
+
+        // 2400 bytes of entries, at most 1600: the two oldest go, and the old one stays.
+        let pruned = prune(&dir.0, 1600, loading).expect("prunes");
+        assert_eq!(
+            pruned,
+            Pruned {
+                entries: 3,
+                bytes: 850
+            }
+        );
+        for gone in [&oldest, &older, &abandoned] {
+            assert!(!gone.exists(), "{} should be evicted", gone.display());
+        }
+        for kept in [&old, &writing, &other, &used, &used_too] {
+            assert!(kept.exists(), "{} should be kept", kept.display());
+        }
+
+        // A bound below what the loaded set uses: everything else goes, the set stays.
+        let pruned = prune(&dir.0, 0, loading).expect("prunes");
+        assert_eq!(
+            pruned,
+            Pruned {
+                entries: 1,
+                bytes: 400
+            }
+        );
+        assert!(!old.exists() && used.exists() && used_too.exists());
+
+        // Within the bound: nothing to do.
+        let pruned = prune(&dir.0, 1 << 20, SystemTime::now()).expect("prunes");
+        assert_eq!(pruned, Pruned::default());
+    }
 }

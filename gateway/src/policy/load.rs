@@ -23,7 +23,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use http::HeaderName;
 use serde::Deserialize;
@@ -162,6 +162,7 @@ struct Prepared {
 
 /// Reads, checks and loads the policy set at `path` (component paths are relative to it).
 pub(super) fn load(sandbox: &Sandbox, path: &Path) -> Result<PolicySet, LoadError> {
+    let started = SystemTime::now();
     let text = read(path)?;
     let raw: RawSet =
         toml::from_str(&String::from_utf8_lossy(&text)).map_err(|e| LoadError::Toml {
@@ -189,6 +190,8 @@ pub(super) fn load(sandbox: &Sandbox, path: &Path) -> Result<PolicySet, LoadErro
             })?;
         bindings.push(bind(index, b, prepared)?);
     }
+    // Only a set that loads prunes: a refused one leaves the active set's entries as they were.
+    sandbox.prune_cache(started);
     Ok(PolicySet::new(bindings, Digest::of(&text)))
 }
 

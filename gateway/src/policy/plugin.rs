@@ -199,8 +199,9 @@ impl Loaded {
     /// Load time: the hooks the plugin wants with `config` and how the binding's calls start,
     /// or why the plugin refuses `config`. With a `snapshotter` (the plugin can be
     /// snapshotted), it is configured once here and its calls start from the snapshot; without
-    /// one, or when the snapshot cannot be used, they run `configure` each. Loading is synchronous (and may run on an async worker thread,
-    /// as in tests), so the call runs on a thread of its own with a runtime of its own.
+    /// one, or when the snapshot cannot be used, they run `configure` each. Loading is
+    /// synchronous (and may run on an async worker thread, as in tests), so the call runs on a
+    /// thread of its own with a runtime of its own.
     pub(super) fn configure(
         &self,
         config: &str,

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::sync::OwnedSemaphorePermit;
 use wasmtime::component::{Component, Linker};
@@ -40,6 +40,9 @@ pub struct SandboxSettings {
     pub max_memory_bytes: usize,
     /// Where compiled components are cached; `None`: compile at every load.
     pub cache_dir: Option<PathBuf>,
+    /// The most the cache's entries may take on disk once a set has loaded: the least recently
+    /// used go first, never one the active set uses.
+    pub cache_max_bytes: u64,
 }
 
 impl Default for SandboxSettings {
@@ -48,6 +51,7 @@ impl Default for SandboxSettings {
             instances: 64,
             max_memory_bytes: 256 << 20,
             cache_dir: None,
+            cache_max_bytes: 1 << 30,
         }
     }
 }
@@ -142,6 +146,21 @@ impl Sandbox {
         )
         .map_err(SandboxError)?;
         Ok((self.pre(&component).map_err(SandboxError)?, compiled))
+    }
+
+    /// Keeps the compile cache within its bound once a set has loaded; the entries used since
+    /// `used_since` (the load's start) stay.
+    pub(super) fn prune_cache(&self, used_since: SystemTime) {
+        let Some(dir) = &self.settings.cache_dir else {
+            return;
+        };
+        match cache::prune(dir, self.settings.cache_max_bytes, used_since) {
+            Ok(p) if p.entries > 0 => tracing::info!(dir = %dir.display(), evicted = p.entries,
+                bytes = p.bytes, "policy compile cache pruned"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(dir = %dir.display(), error = %e,
+                "cannot prune the policy compile cache"),
+        }
     }
 
     fn pre(&self, component: &Component) -> wasmtime::Result<PluginPre<Host>> {

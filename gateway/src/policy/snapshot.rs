@@ -140,6 +140,22 @@ impl Snapshotter {
     }
 }
 
+#[cfg(test)]
+impl Snapshotter {
+    /// What no load builds: a snapshotter whose instrumented plugin is the plugin as built
+    /// (`pre`), so `configure` runs but every read of the state fails (nothing exports it):
+    /// for tests of a plugin whose snapshot cannot be taken.
+    pub(super) fn with_unreadable_state(pre: &PluginPre<Host>, bytes: &[u8]) -> Snapshotter {
+        let mut wizer = Wizer::new();
+        wizer.keep_init_func(true);
+        Snapshotter {
+            wizer,
+            bytes: bytes.into(),
+            instrumented: pre.clone(),
+        }
+    }
+}
+
 /// Reads an instrumented instance's state for Wizer through the exports instrumenting added.
 /// Wizer's interface has no room for an error, so the first one is kept here (the snapshot is
 /// then discarded) and the reads after it answer zeros.

@@ -51,6 +51,7 @@ fn settings(file: &Path, cache: Option<PathBuf>) -> PolicySettings {
             instances: 8,
             max_memory_bytes: 128 << 20,
             cache_dir: cache,
+            ..SandboxSettings::default()
         },
         watch_interval: None,
         hold_limit: Duration::from_secs(5),
@@ -403,6 +404,19 @@ fn tag<'a>(allowed: &'a RequestPolicy, key: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no tag {key}: {:?}", allowed.tags()))
 }
 
+/// What a plugin is shown of a one-token request of `tenant`, straight to its hook.
+fn request_view(tenant: &str) -> bindings::RequestView {
+    bindings::RequestView {
+        request_id: format!("req-{tenant}"),
+        tenant: tenant.into(),
+        model: "m".into(),
+        route: "/v1/chat/completions".into(),
+        prompt_tokens: 1,
+        max_tokens: 1,
+        headers: Vec::new(),
+    }
+}
+
 #[tokio::test]
 async fn every_call_starts_configured_in_a_fresh_instance_and_carries_nothing_over() {
     let (p, _dir) = loaded(&format!(
@@ -434,18 +448,12 @@ async fn every_call_starts_configured_in_a_fresh_instance_and_carries_nothing_ov
     // requests in one instance, hands tenant-a's identity to tenant-b's request.
     let set = p.current();
     let b = &set.bindings[0];
-    let view = |tenant: &str| bindings::RequestView {
-        request_id: format!("req-{tenant}"),
-        tenant: tenant.into(),
-        model: "m".into(),
-        route: "/v1/chat/completions".into(),
-        prompt_tokens: 1,
-        max_tokens: 1,
-        headers: Vec::new(),
-    };
     let verdicts = b
         .plugin
-        .on_requests_in_one_instance(&b.configured, &[view("tenant-a"), view("tenant-b")])
+        .on_requests_in_one_instance(
+            &b.configured,
+            &[request_view("tenant-a"), request_view("tenant-b")],
+        )
         .await
         .expect("both calls answer");
     let bindings::Verdict::Allow(second) = &verdicts[1] else {
@@ -458,6 +466,49 @@ async fn every_call_starts_configured_in_a_fresh_instance_and_carries_nothing_ov
             .any(|t| t.key == "previous" && t.value == "tenant-a"),
         "{second:?}"
     );
+}
+
+#[tokio::test]
+async fn a_binding_whose_snapshot_cannot_be_taken_configures_at_every_call_and_acts() {
+    let sandbox = sandbox::Sandbox::new(SandboxSettings::default()).expect("a sandbox");
+    let (path, digest) = component("carry-over");
+    let bytes = std::fs::read(path).expect("reads");
+    let (pre, _) = sandbox.prepare(&bytes, &digest).expect("compiles");
+    let limits = CallLimits {
+        memory_bytes: 16 << 20,
+        timeout: Duration::from_secs(5),
+    };
+    let loaded = plugin::Loaded::new("carry-over".into(), digest, pre.clone(), limits, sandbox);
+    let config = r#"{"label":"gold"}"#;
+    // Wizer's reads of the configured state fail: the binding is configured per call.
+    let unreadable = snapshot::Snapshotter::with_unreadable_state(&pre, &bytes);
+    let (hooks, configured) = loaded
+        .configure(config, Some(&unreadable))
+        .expect("the plugin accepts its configuration");
+    assert_eq!(hooks, bindings::Hooks::ON_REQUEST);
+    assert!(
+        matches!(&configured, plugin::Configured::PerCall(c) if &**c == config),
+        "{configured:?}"
+    );
+    // And it acts, configured at the call, in a fresh instance each time.
+    for tenant in ["tenant-a", "tenant-b"] {
+        let verdict = loaded
+            .on_request(&configured, &request_view(tenant))
+            .await
+            .expect("answers");
+        let bindings::Verdict::Allow(m) = verdict else {
+            panic!("allowed: {verdict:?}");
+        };
+        let tags: Vec<(&str, &str)> = m
+            .tags
+            .iter()
+            .map(|t| (t.key.as_str(), t.value.as_str()))
+            .collect();
+        assert_eq!(
+            tags,
+            [("previous", "none"), ("calls", "1"), ("label", "gold")]
+        );
+    }
 }
 
 #[tokio::test]
@@ -840,6 +891,76 @@ fn the_compile_cache_is_written_and_a_corrupt_entry_is_never_trusted() {
             b"not a compiled component"
         );
     }
+}
+
+/// Sets `path`'s modification time to `age` ago.
+fn age(path: &Path, age: Duration) {
+    std::fs::File::options()
+        .write(true)
+        .open(path)
+        .and_then(|f| f.set_modified(std::time::SystemTime::now() - age))
+        .expect("sets the time");
+}
+
+#[test]
+fn a_load_keeps_the_compile_cache_bounded_evicting_the_least_recently_used_never_its_own() {
+    let dir = Scratch::new("policy");
+    let cache = dir.0.join("cache");
+    let path = write(
+        &dir,
+        &format!(
+            "{}{}",
+            plugin("length-limit", ""),
+            binding("length-limit", "")
+        ),
+    );
+    Policies::load(settings(&path, Some(cache.clone()))).expect("loads");
+    let own: Vec<PathBuf> = std::fs::read_dir(&cache)
+        .expect("the cache exists")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    let own_bytes: u64 = own
+        .iter()
+        .map(|p| std::fs::metadata(p).expect("entry").len())
+        .sum();
+    // What earlier configurations left: one used a day ago, one an hour ago.
+    let day = Duration::from_secs(86_400);
+    let stale = |name: &str, len: usize, ago: Duration| {
+        let p = cache.join(format!(
+            "{}-0000000000000000.cwasm",
+            Digest::of(name.as_bytes())
+        ));
+        std::fs::write(&p, vec![0u8; len]).expect("writes");
+        age(&p, ago);
+        p
+    };
+    let a_day_ago = stale("a day ago", 4 << 20, day);
+    let an_hour_ago = stale("an hour ago", 64 << 10, Duration::from_secs(3600));
+    // The set's own entries look older than both: only being read again by this load keeps
+    // them off the front of the eviction order.
+    for p in &own {
+        age(p, 2 * day);
+    }
+    let mut bounded = settings(&path, Some(cache.clone()));
+    bounded.sandbox.cache_max_bytes = own_bytes + (64 << 10) + 4096;
+    Policies::load(bounded).expect("loads from the cache");
+    assert!(
+        !a_day_ago.exists(),
+        "the least recently used entry is evicted"
+    );
+    assert!(
+        an_hour_ago.exists(),
+        "the next one fits under the bound and stays"
+    );
+    for p in &own {
+        assert!(p.exists(), "the loaded set's entry {} is kept", p.display());
+    }
+    // A bound below the set's own entries: everything else goes, the set's stay.
+    let mut tiny = settings(&path, Some(cache.clone()));
+    tiny.sandbox.cache_max_bytes = 0;
+    Policies::load(tiny).expect("loads from the cache");
+    assert!(!an_hour_ago.exists());
+    assert!(own.iter().all(|p| p.exists()));
 }
 
 async fn abandoned_directives(p: &Policies) -> String {
