@@ -14,62 +14,22 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use thread_local::ThreadLocal;
 
+use crate::histogram::Scale;
 use crate::tenant::TenantId;
 use crate::tenants::TenantSet;
 use crate::workers::{Health, Workers};
 
-/// Histogram bucket bounds in milliseconds (rendered in seconds).
-const BUCKETS_MS: [u64; 14] = [
-    5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 30_000, 60_000, 300_000,
-];
+/// Request latencies: milliseconds, from 5 ms to 5 minutes.
+struct Millis;
 
-/// A latency histogram with [`BUCKETS_MS`] bounds.
-#[derive(Debug, Clone, Default)]
-struct Histogram {
-    /// Observations ≤ each bound (not cumulative; summed when rendered).
-    buckets: [u64; BUCKETS_MS.len()],
-    count: u64,
-    sum_ms: u64,
+impl Scale for Millis {
+    const BOUNDS: &'static [u64] = &[
+        5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 30_000, 60_000, 300_000,
+    ];
+    const PER_SECOND: u64 = 1000;
 }
 
-impl Histogram {
-    fn add(&mut self, other: &Histogram) {
-        for (mine, theirs) in self.buckets.iter_mut().zip(other.buckets) {
-            *mine += theirs;
-        }
-        self.count += other.count;
-        self.sum_ms = self.sum_ms.saturating_add(other.sum_ms);
-    }
-
-    fn observe(&mut self, ms: u64) {
-        if let Some(i) = BUCKETS_MS.iter().position(|&b| ms <= b) {
-            self.buckets[i] += 1;
-        }
-        self.count += 1;
-        self.sum_ms = self.sum_ms.saturating_add(ms);
-    }
-
-    fn render(&self, out: &mut String, name: &str, tenant: &TenantId) {
-        let mut cumulative = 0;
-        for (bound, n) in BUCKETS_MS.iter().zip(self.buckets) {
-            cumulative += n;
-            let le = *bound as f64 / 1000.0;
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{tenant=\"{tenant}\",le=\"{le}\"}} {cumulative}"
-            );
-        }
-        let _ = writeln!(
-            out,
-            "{name}_bucket{{tenant=\"{tenant}\",le=\"+Inf\"}} {}\n\
-             {name}_sum{{tenant=\"{tenant}\"}} {}\n\
-             {name}_count{{tenant=\"{tenant}\"}} {}",
-            self.count,
-            self.sum_ms as f64 / 1000.0,
-            self.count
-        );
-    }
-}
+type Histogram = crate::histogram::Histogram<Millis>;
 
 #[derive(Debug, Default)]
 struct Counters {
@@ -320,7 +280,7 @@ fn render_counters(out: &mut String, c: &Counters) {
     ] {
         family(out, name, "histogram", help);
         for (tenant, h) in histograms {
-            h.render(out, name, tenant);
+            h.render(out, name, &format!("tenant=\"{tenant}\""));
         }
     }
 }

@@ -26,6 +26,7 @@ use super::bindings::{Directive, Disconnect, Hooks, Outcome, Phase, ResponseEnd,
 use super::chain::{Binding, PolicySet};
 use super::handle::Policies;
 use super::request::RequestPolicy;
+use super::stats::Hook;
 
 /// How far a request got, as the gateway saw it.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -93,10 +94,14 @@ impl Ending {
         };
         let mut directive = Directive::AbortNow;
         for b in self.wanting(Hooks::ON_DISCONNECT) {
-            let d = match b.plugin.on_disconnect(&b.configured, &event).await {
+            let started = Instant::now();
+            let answer = b.plugin.on_disconnect(&b.configured, &event).await;
+            let stats = self.policies.stats();
+            stats.call(&b.plugin.name, Hook::Disconnect, started.elapsed());
+            let d = match answer {
                 Ok(d) => d,
                 Err(fault) => {
-                    self.policies.stats().fault(&b.plugin.name, fault.kind());
+                    stats.fault(&b.plugin.name, fault.kind());
                     tracing::warn!(plugin = %b.plugin.name, request = %self.id, %fault,
                         "a policy plugin failed on a disconnect");
                     if b.fail_open {
@@ -124,8 +129,12 @@ impl Ending {
             outcome,
         };
         for b in self.wanting(Hooks::ON_RESPONSE_END) {
-            if let Err(fault) = b.plugin.on_response_end(&b.configured, &event).await {
-                self.policies.stats().fault(&b.plugin.name, fault.kind());
+            let started = Instant::now();
+            let answer = b.plugin.on_response_end(&b.configured, &event).await;
+            let stats = self.policies.stats();
+            stats.call(&b.plugin.name, Hook::ResponseEnd, started.elapsed());
+            if let Err(fault) = answer {
+                stats.fault(&b.plugin.name, fault.kind());
                 tracing::warn!(plugin = %b.plugin.name, request = %self.id, %fault,
                     "a policy plugin failed at a response's end");
             }

@@ -5,6 +5,7 @@
 
 use std::num::NonZeroU32;
 use std::sync::Arc;
+use std::time::Instant;
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 
@@ -145,10 +146,12 @@ async fn chain(
             max_tokens: out.max_tokens,
             headers: selected(facts.headers, &binding.headers),
         };
+        let started = Instant::now();
         let answer = plugin
             .on_request(&binding.configured, &view)
             .await
             .and_then(check);
+        let took = started.elapsed();
         let (verdict, refusal) = match answer {
             Ok(Checked::Allow {
                 tags,
@@ -186,7 +189,9 @@ async fn chain(
                 (verdict, refusal)
             }
         };
-        policies.stats().decision(&plugin.name, verdict.label());
+        policies
+            .stats()
+            .decision(&plugin.name, verdict.label(), took);
         out.decisions.push(decision(plugin, verdict));
         if let Some(refusal) = refusal {
             return Err(Refused {

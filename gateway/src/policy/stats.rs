@@ -1,8 +1,40 @@
-//! The policy host's counters, rendered into the gateway's `/metrics`.
+//! The policy host's counters and call durations, rendered into the gateway's `/metrics`.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use crate::histogram::{Histogram, Scale};
+
+/// Plugin calls: microseconds, from 10 µs (a call from a snapshot) to 10 s (the longest
+/// deadline a binding may set).
+struct Micros;
+
+impl Scale for Micros {
+    const BOUNDS: &'static [u64] = &[
+        10, 25, 50, 100, 250, 500, 1_000, 2_500, 10_000, 50_000, 250_000, 1_000_000, 10_000_000,
+    ];
+    const PER_SECOND: u64 = 1_000_000;
+}
+
+/// The hooks, as the WIT names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Hook {
+    Request,
+    Disconnect,
+    ResponseEnd,
+}
+
+impl Hook {
+    fn name(self) -> &'static str {
+        match self {
+            Hook::Request => "on-request",
+            Hook::Disconnect => "on-disconnect",
+            Hook::ResponseEnd => "on-response-end",
+        }
+    }
+}
 
 #[derive(Debug, Default)]
 struct Counters {
@@ -10,6 +42,8 @@ struct Counters {
     decisions: BTreeMap<(Arc<str>, &'static str), u64>,
     /// (plugin, fault kind) → failed calls (any hook).
     faults: BTreeMap<(Arc<str>, &'static str), u64>,
+    /// (plugin, hook) → how long its calls took, instantiation included, failed ones too.
+    calls: BTreeMap<(Arc<str>, Hook), Histogram<Micros>>,
     /// directive → abandoned requests handled with it.
     abandoned: BTreeMap<&'static str, u64>,
     /// When an abandoned request's stream was dropped (i.e. cancelled at the worker):
@@ -28,8 +62,17 @@ impl Stats {
         f(&mut self.0.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
-    pub(super) fn decision(&self, plugin: &Arc<str>, verdict: &'static str) {
-        self.with(|c| *c.decisions.entry((plugin.clone(), verdict)).or_default() += 1);
+    /// An `on-request` call that took `took` and decided `verdict`.
+    pub(super) fn decision(&self, plugin: &Arc<str>, verdict: &'static str, took: Duration) {
+        self.with(|c| {
+            *c.decisions.entry((plugin.clone(), verdict)).or_default() += 1;
+            observe(c, plugin, Hook::Request, took);
+        });
+    }
+
+    /// A call of another hook that took `took`.
+    pub(super) fn call(&self, plugin: &Arc<str>, hook: Hook, took: Duration) {
+        self.with(|c| observe(c, plugin, hook, took));
     }
 
     pub(super) fn fault(&self, plugin: &Arc<str>, kind: &'static str) {
@@ -100,6 +143,27 @@ impl Stats {
                     .map(|(r, n)| (format!("result=\"{r}\""), *n))
                     .collect(),
             );
+            let name = "bulkhead_policy_call_duration_seconds";
+            let _ = writeln!(
+                out,
+                "# HELP {name} Policy plugin calls by plugin and hook, from instantiation to \
+                 answer.\n# TYPE {name} histogram"
+            );
+            for ((plugin, hook), h) in &c.calls {
+                h.render(
+                    out,
+                    name,
+                    &format!("plugin=\"{plugin}\",hook=\"{}\"", hook.name()),
+                );
+            }
         });
     }
+}
+
+fn observe(c: &mut Counters, plugin: &Arc<str>, hook: Hook, took: Duration) {
+    let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+    c.calls
+        .entry((plugin.clone(), hook))
+        .or_default()
+        .observe(micros);
 }

@@ -230,6 +230,16 @@ async fn length_limit_clamps_and_denies_per_tenant_and_tenant_tag_labels() {
         ),
         "{metrics}"
     );
+    // Each plugin's four on-request calls were timed, every one within its deadline.
+    for plugin in ["length-limit", "tenant-tag"] {
+        let labels = format!("plugin=\"{plugin}\",hook=\"on-request\"");
+        for line in [
+            format!("bulkhead_policy_call_duration_seconds_count{{{labels}}} 4"),
+            format!("bulkhead_policy_call_duration_seconds_bucket{{{labels},le=\"10\"}} 4"),
+        ] {
+            assert!(metrics.contains(&line), "no {line:?} in {metrics}");
+        }
+    }
 }
 
 #[tokio::test]
@@ -990,6 +1000,13 @@ async fn abort_guard_holds_an_abandoned_prefill_and_caps_what_a_tenant_holds() {
     let m = abandoned_directives(&p).await;
     assert!(
         m.contains("directive=\"hold_until_prefill_done\"} 1"),
+        "{m}"
+    );
+    assert!(
+        m.contains(
+            "bulkhead_policy_call_duration_seconds_count{plugin=\"abort-guard\",\
+             hook=\"on-disconnect\"} 1"
+        ),
         "{m}"
     );
     // Already decoding: nothing to protect, abort now.
