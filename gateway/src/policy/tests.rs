@@ -852,12 +852,12 @@ async fn a_bad_reload_keeps_the_old_set_and_says_why_and_in_flight_requests_keep
     assert!(Arc::ptr_eq(&in_flight.set, &before));
 }
 
-#[test]
-fn the_compile_cache_is_written_and_a_corrupt_entry_is_never_trusted() {
-    let dir = Scratch::new("policy");
+/// A set of one length-limit binding in `dir`, loaded once with a compile cache of its own:
+/// the set's file and the cache.
+fn cached_length_limit(dir: &Scratch) -> (PathBuf, PathBuf) {
     let cache = dir.0.join("cache");
     let path = write(
-        &dir,
+        dir,
         &format!(
             "{}{}",
             plugin("length-limit", ""),
@@ -865,14 +865,24 @@ fn the_compile_cache_is_written_and_a_corrupt_entry_is_never_trusted() {
         ),
     );
     Policies::load(settings(&path, Some(cache.clone()))).expect("loads");
-    let entries = || -> Vec<PathBuf> {
-        let mut e: Vec<_> = std::fs::read_dir(&cache)
-            .expect("the cache exists")
-            .map(|e| e.expect("entry").path())
-            .collect();
-        e.sort();
-        e
-    };
+    (path, cache)
+}
+
+/// The files in the compile cache `dir`, sorted.
+fn cache_entries(dir: &Path) -> Vec<PathBuf> {
+    let mut e: Vec<_> = std::fs::read_dir(dir)
+        .expect("the cache exists")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    e.sort();
+    e
+}
+
+#[test]
+fn the_compile_cache_is_written_and_a_corrupt_entry_is_never_trusted() {
+    let dir = Scratch::new("policy");
+    let (path, cache) = cached_length_limit(&dir);
+    let entries = || cache_entries(&cache);
     // The plugin, the plugin instrumented for snapshots, and the binding's snapshot.
     let first = entries();
     assert_eq!(first.len(), 3, "{first:?}");
@@ -915,20 +925,8 @@ fn age(path: &Path, age: Duration) {
 #[test]
 fn a_load_keeps_the_compile_cache_bounded_evicting_the_least_recently_used_never_its_own() {
     let dir = Scratch::new("policy");
-    let cache = dir.0.join("cache");
-    let path = write(
-        &dir,
-        &format!(
-            "{}{}",
-            plugin("length-limit", ""),
-            binding("length-limit", "")
-        ),
-    );
-    Policies::load(settings(&path, Some(cache.clone()))).expect("loads");
-    let own: Vec<PathBuf> = std::fs::read_dir(&cache)
-        .expect("the cache exists")
-        .map(|e| e.expect("entry").path())
-        .collect();
+    let (path, cache) = cached_length_limit(&dir);
+    let own = cache_entries(&cache);
     let own_bytes: u64 = own
         .iter()
         .map(|p| std::fs::metadata(p).expect("entry").len())
