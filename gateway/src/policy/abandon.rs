@@ -23,10 +23,9 @@ use crate::trail::Trail;
 use crate::upstreams::UpstreamStream;
 
 use super::bindings::{Directive, Disconnect, Hooks, Outcome, Phase, ResponseEnd, Usage};
-use super::chain::{Binding, PolicySet};
+use super::chain::{Binding, Hook, PolicySet};
 use super::handle::Policies;
 use super::request::RequestPolicy;
-use super::stats::Hook;
 
 /// How far a request got, as the gateway saw it.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]

@@ -9,6 +9,35 @@ use super::bindings::Hooks;
 use super::digest::Digest;
 use super::plugin::{Configured, Loaded};
 
+/// One of the hooks a plugin may ask for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Hook {
+    Request,
+    Disconnect,
+    ResponseEnd,
+}
+
+impl Hook {
+    const ALL: [Hook; 3] = [Hook::Request, Hook::Disconnect, Hook::ResponseEnd];
+
+    /// Its name in the WIT.
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Hook::Request => "on-request",
+            Hook::Disconnect => "on-disconnect",
+            Hook::ResponseEnd => "on-response-end",
+        }
+    }
+
+    fn flag(self) -> Hooks {
+        match self {
+            Hook::Request => Hooks::ON_REQUEST,
+            Hook::Disconnect => Hooks::ON_DISCONNECT,
+            Hook::ResponseEnd => Hooks::ON_RESPONSE_END,
+        }
+    }
+}
+
 /// One entry of the chain: a plugin with its configuration, where it applies, and how it
 /// fails.
 #[derive(Debug)]
@@ -101,15 +130,11 @@ impl PolicySet {
                     t
                 }),
                 fail_open: b.fail_open,
-                hooks: [
-                    (Hooks::ON_REQUEST, "on-request"),
-                    (Hooks::ON_DISCONNECT, "on-disconnect"),
-                    (Hooks::ON_RESPONSE_END, "on-response-end"),
-                ]
-                .into_iter()
-                .filter(|(h, _)| b.hooks.contains(*h))
-                .map(|(_, n)| n)
-                .collect(),
+                hooks: Hook::ALL
+                    .into_iter()
+                    .filter(|h| b.hooks.contains(h.flag()))
+                    .map(Hook::name)
+                    .collect(),
                 snapshot: b.configured.is_snapshot(),
             })
             .collect()

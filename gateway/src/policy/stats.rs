@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use super::chain::Hook;
 use crate::histogram::{Histogram, Scale};
 
 /// Plugin calls: microseconds, from 10 µs (a call from a snapshot) to 10 s (the longest
@@ -16,24 +17,6 @@ impl Scale for Micros {
         10, 25, 50, 100, 250, 500, 1_000, 2_500, 10_000, 50_000, 250_000, 1_000_000, 10_000_000,
     ];
     const PER_SECOND: u64 = 1_000_000;
-}
-
-/// The hooks, as the WIT names them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(super) enum Hook {
-    Request,
-    Disconnect,
-    ResponseEnd,
-}
-
-impl Hook {
-    fn name(self) -> &'static str {
-        match self {
-            Hook::Request => "on-request",
-            Hook::Disconnect => "on-disconnect",
-            Hook::ResponseEnd => "on-response-end",
-        }
-    }
 }
 
 #[derive(Debug, Default)]
