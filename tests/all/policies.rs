@@ -66,14 +66,25 @@ config = {{ max_held_per_tenant = 0 }}
     path
 }
 
-/// `bulkhead up` with the policy set file `file`.
+/// `bulkhead up` with the policy set file `file`. Its hold limit is longer than the default
+/// 30 s: a held prefill of the long prompt below took more than 30 s on a loaded CI machine,
+/// and the limit then cut it before its first token.
 fn with_policies(file: &Path) -> Up {
     let set = format!("file = {:?}", file.display().to_string());
     Up::launch(Options {
-        replace: &[("file = \"policies/local.toml\"", &set)],
+        replace: &[
+            ("file = \"policies/local.toml\"", &set),
+            (
+                "hold_limit_secs = 30",
+                &format!("hold_limit_secs = {HOLD_LIMIT_SECS}"),
+            ),
+        ],
         ..Options::default()
     })
 }
+
+/// The test gateway's hold limit; [`wait_for`] waits a little longer.
+const HOLD_LIMIT_SECS: u64 = 100;
 
 /// Sends a streaming chat request (keep-alive, so the gateway sees the socket close), waits
 /// for the response head, then goes away.
@@ -90,7 +101,7 @@ fn abandon(addr: &str, key: &str, body: &str) {
 }
 
 fn wait_for(up: &Up, series: &str, at_least: u64) -> String {
-    let deadline = Instant::now() + Duration::from_secs(90);
+    let deadline = Instant::now() + Duration::from_secs(HOLD_LIMIT_SECS + 15);
     loop {
         let m = up.metrics();
         if metric(&m, series) >= at_least {
