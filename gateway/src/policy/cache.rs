@@ -189,6 +189,16 @@ fn create_private_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)
 }
 
+/// Sets `path`'s modification time to `age` ago (tests: entries of an earlier use).
+#[cfg(test)]
+pub(super) fn backdate(path: &Path, age: Duration) {
+    std::fs::File::options()
+        .write(true)
+        .open(path)
+        .and_then(|f| f.set_modified(SystemTime::now() - age))
+        .expect("sets the time");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -198,11 +208,7 @@ mod tests {
     fn file(dir: &Path, name: &str, len: usize, age: Duration) -> PathBuf {
         let path = dir.join(name);
         std::fs::write(&path, vec![0u8; len]).expect("writes");
-        std::fs::File::options()
-            .write(true)
-            .open(&path)
-            .and_then(|f| f.set_modified(SystemTime::now() - age))
-            .expect("sets the time");
+        backdate(&path, age);
         path
     }
 

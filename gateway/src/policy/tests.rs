@@ -913,15 +913,6 @@ fn the_compile_cache_is_written_and_a_corrupt_entry_is_never_trusted() {
     }
 }
 
-/// Sets `path`'s modification time to `age` ago.
-fn age(path: &Path, age: Duration) {
-    std::fs::File::options()
-        .write(true)
-        .open(path)
-        .and_then(|f| f.set_modified(std::time::SystemTime::now() - age))
-        .expect("sets the time");
-}
-
 #[test]
 fn a_load_keeps_the_compile_cache_bounded_evicting_the_least_recently_used_never_its_own() {
     let dir = Scratch::new("policy");
@@ -939,7 +930,7 @@ fn a_load_keeps_the_compile_cache_bounded_evicting_the_least_recently_used_never
             Digest::of(name.as_bytes())
         ));
         std::fs::write(&p, vec![0u8; len]).expect("writes");
-        age(&p, ago);
+        cache::backdate(&p, ago);
         p
     };
     let a_day_ago = stale("a day ago", 4 << 20, day);
@@ -947,7 +938,7 @@ fn a_load_keeps_the_compile_cache_bounded_evicting_the_least_recently_used_never
     // The set's own entries look older than both: only being read again by this load keeps
     // them off the front of the eviction order.
     for p in &own {
-        age(p, 2 * day);
+        cache::backdate(p, 2 * day);
     }
     let mut bounded = settings(&path, Some(cache.clone()));
     bounded.sandbox.cache_max_bytes = own_bytes + (64 << 10) + 4096;
