@@ -99,6 +99,9 @@ pub enum IntegrityFailure {
     TagChanged { index: usize, current: Option<Tag> },
     #[error("{dropped} frames of this session were dropped")]
     FramesDropped { dropped: u32 },
+    /// Not a page's fault: the peer's first token cannot be a token of the served model.
+    #[error("the manifest's first token {token} is outside the vocabulary of {vocab}")]
+    FirstTokenOutOfRange { token: u32, vocab: usize },
 }
 
 /// A verified transfer.

@@ -194,3 +194,107 @@ async fn a_request_dropped_while_prefill_computes_is_acknowledged_not_quarantine
     })
     .await;
 }
+
+/// Lowers the soft limit on `pid`'s open descriptors to its open ones plus `spare`.
+fn limit_descriptors(pid: u32, spare: u64) {
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("the worker's descriptors")
+        .count() as u64;
+    let mut old = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: a null new limit only reads the old one into `old`, which lives across the call.
+    let read = unsafe {
+        libc::prlimit(
+            pid as libc::pid_t,
+            libc::RLIMIT_NOFILE,
+            std::ptr::null(),
+            &mut old,
+        )
+    };
+    assert_eq!(read, 0, "reading the worker's limit");
+    let new = libc::rlimit {
+        rlim_cur: open + spare,
+        rlim_max: old.rlim_max,
+    };
+    // SAFETY: `new` lives across the call; a null old limit is not written.
+    let set = unsafe {
+        libc::prlimit(
+            pid as libc::pid_t,
+            libc::RLIMIT_NOFILE,
+            &new,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(set, 0, "lowering the worker's limit");
+}
+
+#[tokio::test]
+async fn peers_that_exhaust_the_decode_workers_descriptors_do_not_stop_it() {
+    bounded(async {
+        // Nothing is ever sent to this prefill address: no request is made.
+        let mut decode = Worker::start(&[
+            "--role",
+            "decode",
+            "--prefill",
+            "http://127.0.0.1:9",
+            "--kv-listen",
+            "127.0.0.1:0",
+            "--kv-tokens",
+            "2048",
+        ]);
+        let kv = decode.kv.expect("a decode worker listens for KV");
+        limit_descriptors(decode.child.id(), 8);
+        // Far more idle connections than descriptors left: its accepts fail (EMFILE) for a
+        // while, with connections still queued behind them.
+        let mut idle = Vec::new();
+        for _ in 0..64 {
+            idle.push(tokio::net::TcpStream::connect(kv).await.expect("connects"));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            decode
+                .child
+                .try_wait()
+                .expect("the worker's status")
+                .is_none(),
+            "the decode worker exited; stderr:\n{}",
+            text_of(&decode.stderr)
+        );
+        assert!(
+            text_of(&decode.stderr).contains("accepting a KV data connection failed"),
+            "the limit was reached; stderr:\n{}",
+            text_of(&decode.stderr)
+        );
+        // The peers leave: their descriptors come back, and the worker serves as before —
+        // its control port, and its data port (a connection that sends garbage is taken and
+        // closed, not left waiting in the queue).
+        drop(idle);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let mut s = tokio::net::TcpStream::connect(kv).await.expect("connects");
+            tokio::io::AsyncWriteExt::write_all(&mut s, &[0xff; 64])
+                .await
+                .expect("writes");
+            let mut buf = [0u8; 8];
+            let read = tokio::time::timeout(
+                Duration::from_secs(2),
+                tokio::io::AsyncReadExt::read(&mut s, &mut buf),
+            )
+            .await;
+            if matches!(read, Ok(Ok(0)) | Ok(Err(_))) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the KV port never took a connection again; stderr:\n{}",
+                text_of(&decode.stderr)
+            );
+        }
+        let h = health(&mut decode.client().await).await;
+        assert!(pool(&h).total > 0, "{h:?}");
+        assert!(decode.child.try_wait().expect("status").is_none());
+    })
+    .await;
+}

@@ -35,7 +35,7 @@ use std::num::NonZeroU32;
 use std::time::{Duration, Instant};
 
 use bulkhead_checks::Check;
-use bulkhead_handoff::{CloseReason, Received, SessionNonce};
+use bulkhead_handoff::{CloseReason, IntegrityFailure, Received, SessionNonce};
 use bulkhead_kernels::attention::{TagCheck, TagView};
 use bulkhead_kvpool::{Admissible, Allocation, PagePool, PoolConfig, RequestId, Scrub};
 
@@ -482,6 +482,11 @@ impl Engine {
         Ok(())
     }
 
+    /// The token ids both the tokenizer and the model know.
+    fn vocab(&self) -> usize {
+        self.tokenizer.vocab_size().min(self.model.config().vocab)
+    }
+
     fn admit(&self, r: &Request, role: &Role) -> Result<Admissible, SubmitError> {
         if r.prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
@@ -489,7 +494,7 @@ impl Engine {
         if r.max_new_tokens == 0 {
             return Err(SubmitError::NoNewTokens);
         }
-        let vocab = self.tokenizer.vocab_size().min(self.model.config().vocab);
+        let vocab = self.vocab();
         if let Some(&token) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(SubmitError::TokenOutOfRange { token, vocab });
         }
@@ -627,7 +632,19 @@ impl Engine {
             Received::Manifest(manifest) => {
                 let mut t = self.transfers.remove(&nonce)?;
                 let pool = &self.pool;
-                match t.inbound.finish(&manifest, |page| live_tag(pool, page)) {
+                let vocab = self.vocab();
+                // Verified pages with a first token the model does not have: the peer is not
+                // to be trusted with them either.
+                let verified = t
+                    .inbound
+                    .finish(&manifest, |page| live_tag(pool, page))
+                    .and_then(|done| match done.first_token {
+                        token if token as usize >= vocab => {
+                            Err(IntegrityFailure::FirstTokenOutOfRange { token, vocab })
+                        }
+                        _ => Ok(done),
+                    });
+                match verified {
                     Ok(done) => self.start_decoding(t, done.first_token),
                     Err(failure) => {
                         self.stats.integrity_failures += 1;

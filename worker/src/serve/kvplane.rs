@@ -23,8 +23,10 @@
 //! batches.
 
 use std::collections::HashSet;
+use std::convert::Infallible;
 use std::io::IoSlice;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bulkhead_handoff::codec::{
     FRAME_HEAD, HEADER, Head, decode_head, encode, frame_head, head_len,
@@ -90,15 +92,28 @@ impl Deliver for EngineHandle {
     }
 }
 
-/// Decode role: accepts data-plane connections until the listener fails; each connection's
-/// messages go to `to` (the engine).
+/// How long accepting pauses after it failed: a failure that says the process is out of a
+/// resource (descriptors, memory) would otherwise repeat at once, in a busy loop.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Decode role: accepts data-plane connections for as long as the worker serves; each
+/// connection's messages go to `to` (the engine). A failed accept — a peer that reset before
+/// it was taken, or descriptors run out because peers hold many connections open — is logged
+/// and accepting goes on after [`ACCEPT_BACKOFF`]: no peer can stop the worker this way.
 pub async fn serve(
     listener: TcpListener,
     to: impl Deliver + Clone + Send + Sync + 'static,
-) -> std::io::Result<()> {
+) -> Infallible {
     let buffers = Buffers::default();
     loop {
-        let (socket, peer) = listener.accept().await?;
+        let (socket, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting a KV data connection failed; still listening");
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+                continue;
+            }
+        };
         let (to, buffers) = (to.clone(), buffers.clone());
         tokio::spawn(async move {
             if let Err(e) = receive(socket, &to, &buffers).await {

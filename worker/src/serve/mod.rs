@@ -101,8 +101,6 @@ pub enum StartError {
     Grpc(#[from] tonic::transport::Error),
     #[error("the admin server failed: {0}")]
     Admin(std::io::Error),
-    #[error("the KV data listener failed: {0}")]
-    KvPlane(std::io::Error),
     #[error("the prefill address {uri:?} is not a valid URI: {reason}")]
     PrefillUri { uri: String, reason: String },
 }
@@ -258,8 +256,8 @@ impl BoundWorker {
             async move {
                 match listener {
                     Some(l) => tokio::select! {
-                        r = kvplane::serve(l, engine) => r,
-                        () = stop => Ok(()),
+                        never = kvplane::serve(l, engine) => match never {},
+                        () = stop => (),
                     },
                     None => std::future::pending().await,
                 }
@@ -276,7 +274,7 @@ impl BoundWorker {
         let result = tokio::select! {
             r = grpc => r.map_err(StartError::from),
             r = admin => r.map_err(StartError::Admin),
-            r = kv => r.map_err(StartError::KvPlane),
+            () = kv => Ok(()),
         };
         // Both servers (and so every handle but in-flight streams') are gone; the engine thread
         // ends once the last request is cancelled or done.

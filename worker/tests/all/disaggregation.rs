@@ -211,6 +211,35 @@ fn a_dropped_frame_fails_the_request() {
 }
 
 #[test]
+fn a_manifest_whose_first_token_is_outside_the_vocabulary_fails_the_request_before_any_token() {
+    let (mut d, mut p) = (tiny_engine(256), tiny_engine(256));
+    let vocab = d.tokenizer().vocab_size();
+    let prompt: Vec<u32> = (3..40).collect();
+    let out = disaggregated(&mut d, &mut p, &prompt, 8, |m| match m {
+        Message::Manifest(mut manifest) => {
+            manifest.first_token = vocab as u32;
+            Some(Message::Manifest(manifest))
+        }
+        other => Some(other),
+    });
+    assert_eq!(
+        out.finish,
+        Some(Err(Failure::Transfer(
+            IntegrityFailure::FirstTokenOutOfRange {
+                token: vocab as u32,
+                vocab
+            }
+        )))
+    );
+    assert!(
+        out.tokens.is_empty(),
+        "the bogus token never reached the client"
+    );
+    assert_pages_back(&d, 3);
+    assert_pages_back(&p, 0);
+}
+
+#[test]
 fn the_incident_a_one_page_placeholder_never_reaches_decode() {
     // Prefill "rejects" by computing a one-token placeholder and claiming success.
     let (mut d, mut p) = (tiny_engine(256), tiny_engine(256));
