@@ -437,6 +437,26 @@ fn bad_input_gets_a_clear_error_and_the_gateway_keeps_serving() {
             assert_eq!(json(&reply)["error"]["param"], param, "{reply}");
         }
 
+        // An empty completion prompt: 400 saying so, not a context length it did not exceed.
+        let (status, reply) = http(
+            &up.api,
+            "POST",
+            "/v1/completions",
+            Some(KEY_A),
+            &[],
+            r#"{"prompt":""}"#,
+        );
+        assert_eq!(status, 400, "{reply}");
+        let error = &json(&reply)["error"];
+        assert_eq!(error["type"], "invalid_request_error", "{reply}");
+        assert!(error["code"].is_null(), "{reply}");
+        assert!(
+            error["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("empty")),
+            "{reply}"
+        );
+
         // Nothing was lost: the same tenant is served, and every request was counted.
         let (status, body) = up.chat(KEY_A, &[], QUESTION);
         assert_eq!(status, 200, "{body}");
@@ -446,7 +466,7 @@ fn bad_input_gets_a_clear_error_and_the_gateway_keeps_serving() {
                 &m,
                 r#"bulkhead_gateway_requests_total{tenant="tenant-a",status="400"}"#
             ),
-            4,
+            5,
             "{m}"
         );
         assert!(
