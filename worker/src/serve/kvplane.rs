@@ -37,8 +37,8 @@ use tokio::net::{TcpListener, TcpStream};
 
 use super::actor::EngineHandle;
 
-/// Frames larger than this are refused before their bytes are read (a page of a large model
-/// is a few MiB).
+/// The largest frame any receive path takes (a page of a large model is a few MiB); a decode
+/// worker's own limit is its page size ([`Buffers::up_to`]).
 pub const MAX_FRAME_BYTES: u32 = 256 << 20;
 
 /// The receive buffer for message heads and small messages; frame bytes bypass it.
@@ -46,17 +46,37 @@ const HEAD_BUFFER: usize = 8 << 10;
 
 /// Frame buffers the receive path reuses: whoever writes a frame's bytes into their page
 /// gives the buffer back, so a steady stream of transfers allocates (and faults in) no new
-/// memory for them.
-#[derive(Debug, Clone, Default)]
-pub struct Buffers(Arc<Mutex<Vec<Vec<u8>>>>);
+/// memory for them. A frame longer than `max_frame` is refused before anything is allocated
+/// for it, so no peer can make the receive path reserve (and keep, as spares) more than that
+/// per buffer.
+#[derive(Debug, Clone)]
+pub struct Buffers {
+    spares: Arc<Mutex<Vec<Vec<u8>>>>,
+    max_frame: u32,
+}
 
 /// Spare buffers kept (each about a page).
 const SPARE_BUFFERS: usize = 64;
 
+impl Default for Buffers {
+    /// Buffers for frames of up to [`MAX_FRAME_BYTES`].
+    fn default() -> Buffers {
+        Buffers::up_to(MAX_FRAME_BYTES)
+    }
+}
+
 impl Buffers {
+    /// Buffers for frames of at most `max_frame` bytes (a decode worker's page).
+    pub fn up_to(max_frame: u32) -> Buffers {
+        Buffers {
+            spares: Arc::default(),
+            max_frame: max_frame.min(MAX_FRAME_BYTES),
+        }
+    }
+
     /// An empty buffer with room for `len` bytes.
     fn take(&self, len: usize) -> Vec<u8> {
-        let spare = self.0.lock().ok().and_then(|mut v| v.pop());
+        let spare = self.spares.lock().ok().and_then(|mut v| v.pop());
         let mut b = spare.unwrap_or_default();
         b.clear();
         b.reserve_exact(len);
@@ -65,7 +85,7 @@ impl Buffers {
 
     /// Gives a frame's buffer back for the next frame.
     pub fn give(&self, buffer: Vec<u8>) {
-        if let Ok(mut v) = self.0.lock()
+        if let Ok(mut v) = self.spares.lock()
             && v.len() < SPARE_BUFFERS
         {
             v.push(buffer);
@@ -97,14 +117,16 @@ impl Deliver for EngineHandle {
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
 /// Decode role: accepts data-plane connections for as long as the worker serves; each
-/// connection's messages go to `to` (the engine). A failed accept — a peer that reset before
+/// connection's messages go to `to` (the engine), frames of at most `max_frame` bytes (a
+/// page). A failed accept — a peer that reset before
 /// it was taken, or descriptors run out because peers hold many connections open — is logged
 /// and accepting goes on after [`ACCEPT_BACKOFF`]: no peer can stop the worker this way.
 pub async fn serve(
     listener: TcpListener,
     to: impl Deliver + Clone + Send + Sync + 'static,
+    max_frame: u32,
 ) -> Infallible {
-    let buffers = Buffers::default();
+    let buffers = Buffers::up_to(max_frame);
     loop {
         let (socket, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -169,7 +191,7 @@ async fn read_message(
     let len = head_len(&prefix).unwrap_or(HEADER);
     reader.read_exact(&mut head[HEADER..len]).await?;
     let invalid = |e| std::io::Error::new(std::io::ErrorKind::InvalidData, e);
-    let head = match decode_head(&head[..len], MAX_FRAME_BYTES).map_err(invalid)? {
+    let head = match decode_head(&head[..len], buffers.max_frame).map_err(invalid)? {
         Some((head, _)) => head,
         // `head_len` and `decode_head` agree on every kind: unreachable, but not a panic.
         None => return Err(std::io::Error::other("message head shorter than its kind")),
@@ -527,7 +549,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let address = listener.local_addr().expect("address").to_string();
         let log = Log::default();
-        let server = tokio::spawn(serve(listener, log.clone()));
+        let server = tokio::spawn(serve(listener, log.clone(), MAX_FRAME_BYTES));
         let fs = frames(2, 100);
         let sent = send(&address, &fs, &manifest(&fs), 1 << 20, || false).await;
         assert!(
@@ -610,7 +632,7 @@ mod tests {
         ));
         let stats = engine.stats().await.expect("stats");
         assert_eq!(stats.transfers.frames_dropped.get("no_session"), 1);
-        assert_eq!(buffers.0.lock().expect("lock").len(), 1);
+        assert_eq!(buffers.spares.lock().expect("lock").len(), 1);
     }
 
     #[test]
@@ -619,7 +641,7 @@ mod tests {
         for _ in 0..SPARE_BUFFERS + 3 {
             buffers.give(vec![7; 8]);
         }
-        let spares = || buffers.0.lock().expect("lock").len();
+        let spares = || buffers.spares.lock().expect("lock").len();
         assert_eq!(spares(), SPARE_BUFFERS);
         let b = buffers.take(100);
         assert!(b.is_empty() && b.capacity() >= 100, "{b:?}");
@@ -688,5 +710,26 @@ mod tests {
         huge[HEADER + 28..HEADER + 32].copy_from_slice(&u32::MAX.to_le_bytes());
         let refused = receive(&huge[..], &Log::default(), &Buffers::default()).await;
         assert!(refused.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_frame_longer_than_a_page_is_refused_before_its_bytes_are_read() {
+        let fs = frames(2, 100);
+        let len = fs[0].bytes.len() as u32;
+        let mut wire = Vec::new();
+        fs.iter().for_each(|f| encode_frame(f, &mut wire));
+        let log = Log::default();
+        receive(&wire[..], &log, &Buffers::up_to(len))
+            .await
+            .expect("frames of exactly a page are taken");
+        assert_eq!(log.got.lock().expect("lock").len(), 2);
+        let log = Log::default();
+        let refused = receive(&wire[..], &log, &Buffers::up_to(len - 1)).await;
+        let e = refused.expect_err("one byte over a page");
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
+        assert!(
+            log.got.lock().expect("lock").is_empty(),
+            "nothing delivered"
+        );
     }
 }

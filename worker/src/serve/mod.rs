@@ -253,10 +253,12 @@ impl BoundWorker {
         };
         let kv = {
             let (listener, engine, stop) = (self.kv, self.engine.clone(), stopped(stop_rx.clone()));
+            // No frame is longer than one of this worker's pages.
+            let max_frame = u32::try_from(self.capacity.page_bytes).unwrap_or(u32::MAX);
             async move {
                 match listener {
                     Some(l) => tokio::select! {
-                        never = kvplane::serve(l, engine) => match never {},
+                        never = kvplane::serve(l, engine, max_frame) => match never {},
                         () = stop => (),
                     },
                     None => std::future::pending().await,
