@@ -296,31 +296,51 @@ where
         })
 }
 
-/// The status for an upstream's error answer, coded like the worker protocol's.
-fn refusal(status: u16, body: &[u8]) -> Status {
+/// The status for an upstream's error answer (`http`: its HTTP status and body).
+fn refusal(http: u16, body: &[u8]) -> Status {
     let parsed: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-    let message = parsed["error"]["message"]
+    coded(Some(http), &parsed["error"])
+}
+
+/// The status for an upstream's OpenAI error object (`message`, `type`, `code`), from an
+/// error answer (`http`, its status) or from an error event after the 200 (`None`), coded
+/// like the worker protocol's: a code of the API's table keeps its meaning (another Bulkhead
+/// gateway upstream says `kv_integrity_error` so), and only an upstream in trouble — a 5xx,
+/// or an event, without such a code — reads as unavailable (its route marked failed).
+fn coded(http: Option<u16>, error: &Value) -> Status {
+    let message = error["message"]
         .as_str()
         .unwrap_or("the upstream refused the request")
         .chars()
         .take(1000)
         .collect::<String>();
-    let code = parsed["error"]["code"].as_str().unwrap_or_default();
-    match status {
-        400 if code == "context_length_exceeded" => {
-            error_code_status(Code::InvalidArgument, message, "context_length_exceeded")
-        }
-        400 | 404 | 413 | 422 => {
-            error_code_status(Code::InvalidArgument, message, "invalid_request_error")
-        }
-        429 => error_code_status(Code::ResourceExhausted, message, "rate_limit_exceeded"),
+    let code = error["code"]
+        .as_str()
+        .or_else(|| error["type"].as_str())
+        .unwrap_or_default();
+    match (http, code) {
         // A key the upstream refuses is the gateway's misconfiguration, not the client's.
-        401 | 403 => error_code_status(
+        (Some(401 | 403), _) => error_code_status(
             Code::Internal,
             "the upstream refused the gateway's key".to_owned(),
             "internal_error",
         ),
-        _ => Status::unavailable(format!("the upstream answered {status}: {message}")),
+        (_, "context_length_exceeded") => {
+            error_code_status(Code::InvalidArgument, message, "context_length_exceeded")
+        }
+        (_, "kv_integrity_error") => {
+            error_code_status(Code::Internal, message, "kv_integrity_error")
+        }
+        (Some(429), _) | (_, "rate_limit_exceeded") => {
+            error_code_status(Code::ResourceExhausted, message, "rate_limit_exceeded")
+        }
+        (Some(400 | 404 | 413 | 422), _) => {
+            error_code_status(Code::InvalidArgument, message, "invalid_request_error")
+        }
+        (Some(status), _) => {
+            Status::unavailable(format!("the upstream answered {status}: {message}"))
+        }
+        (None, _) => Status::unavailable(format!("the upstream failed mid-stream: {message}")),
     }
 }
 
@@ -473,10 +493,7 @@ impl Events {
             ))
         })?;
         if let Some(error) = chunk.error {
-            return Err(Status::unavailable(format!(
-                "the upstream failed mid-stream: {}",
-                error["message"].as_str().unwrap_or("no message")
-            )));
+            return Err(coded(None, &error));
         }
         if let Some(usage) = chunk.usage.filter(Value::is_object) {
             let n = |k: &str| usage[k].as_u64().and_then(|v| u32::try_from(v).ok());
@@ -705,5 +722,35 @@ mod tests {
             None,
             "no code: the upstream is in trouble"
         );
+    }
+
+    #[tokio::test]
+    async fn an_upstreams_kv_integrity_error_stays_one_and_leaves_its_route_up() {
+        let body = br#"{"error":{"message":"KV transfer integrity","type":"kv_integrity_error","code":"kv_integrity_error"}}"#;
+        let event = format!("data: {}\n\n", std::str::from_utf8(body).expect("UTF-8"));
+        let answered = refusal(500, body);
+        let streamed = drain(stream(&[&event])).await.expect_err("an error event");
+        for status in [answered, streamed] {
+            assert_eq!(
+                error_code(&status),
+                Some("kv_integrity_error"),
+                "{status:?}"
+            );
+            let failure = crate::api::from_status(&status);
+            assert!(
+                matches!(failure.error, crate::api::ApiError::KvIntegrity),
+                "{:?}",
+                failure.error
+            );
+            assert!(
+                !failure.worker_down,
+                "one request's failure, not the upstream's"
+            );
+        }
+        // Without a code of the table, a 500 or an event is the upstream's trouble.
+        assert_eq!(refusal(500, b"{}").code(), Code::Unavailable);
+        let event = "data: {\"error\":{\"message\":\"boom\",\"code\":\"oops\"}}\n\n";
+        let status = drain(stream(&[event])).await.expect_err("an error event");
+        assert!(crate::api::from_status(&status).worker_down);
     }
 }
