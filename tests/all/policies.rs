@@ -335,3 +335,51 @@ fn a_reload_under_load_swaps_the_set_without_failing_a_request() {
         assert_eq!(header(&head, "x-bulkhead-tier"), Some("t3"), "{head}");
     });
 }
+
+/// A whole (not streamed) answer that outlasts the gateway's request timeout: the client gets
+/// 408, and the request counts as failed, not as abandoned by its client. The abort guard is
+/// never asked for a directive (it could hold the worker's stream on after the 408), and the
+/// worker's stream is cancelled.
+#[test]
+fn a_whole_answer_past_the_request_timeout_fails_and_is_not_held_as_abandoned() {
+    bounded(|| {
+        let up = Up::launch(Options {
+            replace: &[("request_timeout_secs = 300", "request_timeout_secs = 3")],
+            ..Options::default()
+        });
+        up.wait_routable();
+        // Greedy, this prompt runs to max_tokens: about a thousand tokens, far past 3 s.
+        let body = r#"{"messages":[{"role":"user","content":"Repeat the word hello 3000 times."}],"max_tokens":1000,"temperature":0}"#;
+        let started = Instant::now();
+        let (status, reply) = up.chat(KEY_A, &[], body);
+        assert_eq!(status, 408, "{reply}");
+        assert_eq!(json(&reply)["error"]["code"], "timeout", "{reply}");
+        assert!(started.elapsed() < Duration::from_secs(30));
+        // The worker started answering before the deadline (so the request had started).
+        let m = up.metrics();
+        assert_eq!(
+            metric(
+                &m,
+                r#"bulkhead_gateway_ttft_seconds_count{tenant="tenant-a"}"#
+            ),
+            1,
+            "{m}"
+        );
+        // Whatever a disconnect would have asked, it would have by now.
+        std::thread::sleep(Duration::from_secs(2));
+        let m = up.metrics();
+        assert!(
+            !m.lines().any(
+                |l| l.starts_with("bulkhead_policy_call_duration_seconds_count")
+                    && l.contains("hook=\"on-disconnect\"")
+            ),
+            "no disconnect directive was asked for:\n{m}"
+        );
+        let records = up.wait_records("tenant-a", 1);
+        let last = records.last().expect("a record");
+        assert_eq!(last["http.response.status_code"], 408, "{last}");
+        assert_eq!(last["error.type"], "timeout", "{last}");
+        assert!(last["bulkhead.disconnect.phase"].is_null(), "{last}");
+        assert!(last["bulkhead.disconnect.hold"].is_null(), "{last}");
+    });
+}

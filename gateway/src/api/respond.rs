@@ -125,6 +125,15 @@ impl Started {
         }
     }
 
+    /// The gateway gives up on the request at its deadline: it failed.
+    fn timed_out(&mut self, secs: u64) -> ApiError {
+        let e = ApiError::Timeout { secs };
+        self.progress.failed = true;
+        self.trail.failed(&e, None);
+        span_failed(&self.upstream_span, &e);
+        e
+    }
+
     fn finished(&mut self, d: &Done) {
         self.metrics.tokens(
             &self.tenant.id,
@@ -162,20 +171,26 @@ pub async fn respond(started: Started, deadline: Instant, secs: u64) -> Response
     let mut response = if sse {
         stream(started, span)
     } else {
-        match tokio::time::timeout_at(deadline, collect(started).instrument(span)).await {
-            Err(_) => ApiError::Timeout { secs }.into_response(),
-            Ok(Err(e)) => e.into_response(),
-            Ok(Ok(body)) => ([(CONTENT_TYPE, "application/json")], body).into_response(),
+        match collect(started, deadline, secs).instrument(span).await {
+            Err(e) => e.into_response(),
+            Ok(body) => ([(CONTENT_TYPE, "application/json")], body).into_response(),
         }
     };
     response.headers_mut().extend(headers);
     response
 }
 
-async fn collect(mut started: Started) -> Result<String, ApiError> {
+/// The whole answer, read until the worker's `Done` or `deadline`. A request the gateway gives
+/// up on at its deadline failed: its policies hear so, and its stream is cancelled; it was not
+/// abandoned by its client, whose disconnect directive could hold it on.
+async fn collect(mut started: Started, deadline: Instant, secs: u64) -> Result<String, ApiError> {
     let mut text = String::new();
     loop {
-        match started.next().await? {
+        let step = match tokio::time::timeout_at(deadline, started.next()).await {
+            Ok(step) => step?,
+            Err(_) => return Err(started.timed_out(secs)),
+        };
+        match step {
             Step::Text(t) => text.push_str(&t),
             Step::Done(d) => {
                 text.push_str(&d.text_tail);
