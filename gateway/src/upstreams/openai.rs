@@ -66,8 +66,9 @@ struct CompletionRequest<'a> {
     temperature: f32,
     #[serde(skip_serializing_if = "Option::is_none")]
     top_p: Option<f32>,
+    /// Signed, as OpenAI's API and servers like vLLM take it ([`signed_seed`]).
     #[serde(skip_serializing_if = "Option::is_none")]
-    seed: Option<u64>,
+    seed: Option<i64>,
     #[serde(skip_serializing_if = "<[String]>::is_empty")]
     stop: &'a [String],
 }
@@ -232,14 +233,10 @@ impl OpenAiClient {
             .unwrap_or_else(|_| Err(format!("no answer within {} s", PROBE_TIMEOUT.as_secs())))
     }
 
-    /// Starts the completion, sending `headers` along (the trace context); a refusal or
-    /// transport failure is a status with the worker protocol's error code.
-    pub async fn generate(
-        &self,
-        request: GenerateRequest,
-        headers: http::HeaderMap,
-    ) -> Result<SseStream, Status> {
-        let Some(Prompt::Tokens(prompt)) = request.prompt else {
+    /// The upstream request's JSON for `request` (its token ids as a streamed completion),
+    /// and how many tokens its prompt has.
+    fn completion_body(&self, request: &GenerateRequest) -> Result<(Vec<u8>, u32), Status> {
+        let Some(Prompt::Tokens(prompt)) = &request.prompt else {
             return Err(Status::internal("the gateway sends token prompts only"));
         };
         let sampling = request.sampling.unwrap_or_default();
@@ -253,11 +250,22 @@ impl OpenAiClient {
             },
             temperature: sampling.temperature,
             top_p: sampling.top_p,
-            seed: sampling.seed,
+            seed: sampling.seed.map(signed_seed),
             stop: &request.stop,
         };
-        let body = serde_json::to_vec(&body)
+        let json = serde_json::to_vec(&body)
             .map_err(|e| Status::internal(format!("encoding the upstream request: {e}")))?;
+        Ok((json, u32::try_from(prompt.ids.len()).unwrap_or(u32::MAX)))
+    }
+
+    /// Starts the completion, sending `headers` along (the trace context); a refusal or
+    /// transport failure is a status with the worker protocol's error code.
+    pub async fn generate(
+        &self,
+        request: GenerateRequest,
+        headers: http::HeaderMap,
+    ) -> Result<SseStream, Status> {
+        let (body, prompt_tokens) = self.completion_body(&request)?;
         let mut headers = headers;
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         let response = self
@@ -276,7 +284,7 @@ impl OpenAiClient {
                     .into_data_stream()
                     .map_err(BodyError::from),
             ),
-            u32::try_from(prompt.ids.len()).unwrap_or(u32::MAX),
+            prompt_tokens,
         ))
     }
 }
@@ -294,6 +302,14 @@ where
             Ok(_) => format!("the upstream's answer exceeds {MAX_EVENT_BYTES} bytes"),
             Err(e) => e.to_string(),
         })
+}
+
+/// A client's seed as an OpenAI-compatible upstream takes it: a signed 64-bit integer. The
+/// gateway keeps a negative seed's bits in an unsigned one (the worker protocol's type); this
+/// gives them back, so `-1` goes out as `-1`, and no seed goes out of the signed range (a
+/// server checking it would refuse a valid request).
+fn signed_seed(seed: u64) -> i64 {
+    i64::from_ne_bytes(seed.to_ne_bytes())
 }
 
 /// The status for an upstream's error answer (`http`: its HTTP status and body).
@@ -524,7 +540,7 @@ impl Events {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bulkhead_worker::serve::proto::error_code;
+    use bulkhead_worker::serve::proto::{SamplingParams, TokenPrompt, error_code};
 
     #[tokio::test]
     async fn an_answer_over_the_bound_is_an_error_and_one_at_it_is_read() {
@@ -722,6 +738,33 @@ mod tests {
             None,
             "no code: the upstream is in trouble"
         );
+    }
+
+    #[test]
+    fn seeds_go_out_signed_as_the_client_sent_them() {
+        let client = OpenAiClient::new("http://127.0.0.1:8000", "m", None).expect("a client");
+        for (sent, out) in [
+            ("-1", -1),
+            ("42", 42),
+            ("18446744073709551614", -2),
+            ("9223372036854775808", i64::MIN),
+        ] {
+            let body = format!(r#"{{"prompt":"x","seed":{sent}}}"#);
+            let parsed =
+                crate::api::validate::parse_completion(body.as_bytes()).expect("a valid seed");
+            let request = GenerateRequest {
+                prompt: Some(Prompt::Tokens(TokenPrompt { ids: vec![1, 2] })),
+                sampling: Some(SamplingParams {
+                    seed: parsed.common.sampling.seed,
+                    ..SamplingParams::default()
+                }),
+                ..GenerateRequest::default()
+            };
+            let json: Value =
+                serde_json::from_slice(&client.completion_body(&request).expect("a body").0)
+                    .expect("JSON");
+            assert_eq!(json["seed"], out, "seed {sent}");
+        }
     }
 
     #[tokio::test]
