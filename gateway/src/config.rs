@@ -15,6 +15,7 @@
 //! max_body_bytes = 1048576
 //! request_timeout_secs = 300
 //! header_timeout_secs = 10
+//! stream_idle_timeout_secs = 120    # a worker silent this long mid-answer has failed it
 //! default_max_tokens = 512
 //!
 //! [audit]                           # optional; these are the defaults
@@ -127,6 +128,11 @@ pub struct HttpLimits {
     pub request_timeout: Duration,
     /// A client that has not sent its request headers by then is disconnected (slowloris).
     pub header_timeout: Duration,
+    /// A worker (or upstream) that sends nothing for this long once it has accepted a request
+    /// — not a token, not its end — has failed it: the client gets an error (an error event
+    /// when streaming), never an endless wait behind keep-alive comments. It must cover the
+    /// longest prefill and queue wait before a first token.
+    pub stream_idle_timeout: Duration,
     /// `max_tokens` when a request does not say (clamped to what is left of the limit).
     pub default_max_tokens: NonZeroU32,
 }
@@ -137,6 +143,7 @@ impl Default for HttpLimits {
             max_body_bytes: 1 << 20,
             request_timeout: Duration::from_secs(300),
             header_timeout: Duration::from_secs(10),
+            stream_idle_timeout: Duration::from_secs(120),
             default_max_tokens: NonZeroU32::MIN.saturating_add(511),
         }
     }
@@ -363,6 +370,7 @@ struct RawHttp {
     max_body_bytes: Option<usize>,
     request_timeout_secs: Option<u64>,
     header_timeout_secs: Option<u64>,
+    stream_idle_timeout_secs: Option<u64>,
     default_max_tokens: Option<u32>,
 }
 
@@ -481,6 +489,11 @@ fn http_limits(raw: &RawHttp) -> Result<HttpLimits, ConfigError> {
             raw.header_timeout_secs,
             "http.header_timeout_secs",
             d.header_timeout.as_secs(),
+        )?),
+        stream_idle_timeout: Duration::from_secs(nonzero(
+            raw.stream_idle_timeout_secs,
+            "http.stream_idle_timeout_secs",
+            d.stream_idle_timeout.as_secs(),
         )?),
         default_max_tokens: match raw.default_max_tokens {
             None => d.default_max_tokens,

@@ -302,6 +302,72 @@ fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
 }
 
 #[test]
+fn a_worker_gone_silent_mid_stream_ends_the_stream_with_an_error_event() {
+    bounded(|| {
+        let up = Up::launch(Options {
+            args: &["--kv-tokens", "4096"],
+            replace: &[(
+                "stream_idle_timeout_secs = 120",
+                "stream_idle_timeout_secs = 2",
+            )],
+            ..Options::default()
+        });
+        up.wait_routable();
+        let body = r#"{"messages":[{"role":"user","content":"Tell me a long story."}],"max_tokens":2000,"stream":true,"temperature":0}"#;
+        let mut s = send(
+            &up.api,
+            "POST",
+            "/v1/chat/completions",
+            Some(KEY_A),
+            &[],
+            body,
+        );
+        s.set_read_timeout(Some(Duration::from_secs(1)))
+            .expect("a read timeout");
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&seen).contains("data:") {
+            let n = s.read(&mut buf).expect("the stream starts");
+            assert!(n > 0, "the stream ended before the stop");
+            seen.extend_from_slice(&buf[..n]);
+        }
+        // Stopped, not killed: its connections stay open and nothing more comes.
+        let signal = |sig: &str| {
+            let sent = Command::new("kill")
+                .args([sig, &up.worker_pid.to_string()])
+                .status()
+                .expect("kill runs");
+            assert!(sent.success(), "kill {sig}");
+        };
+        signal("-STOP");
+        let started = Instant::now();
+        let mut rest = Vec::new();
+        // The gateway's keep-alive comments keep coming: read until the stream ends, or give
+        // up well past the idle timeout.
+        while started.elapsed() < Duration::from_secs(20) {
+            match s.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => rest.extend_from_slice(&buf[..n]),
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::WouldBlock
+                        || e.kind() == std::io::ErrorKind::TimedOut => {}
+                Err(e) => panic!("reading the stream: {e}"),
+            }
+        }
+        signal("-CONT");
+        let rest = String::from_utf8_lossy(&rest);
+        assert!(
+            rest.contains(r#""error""#) && rest.contains("service_unavailable"),
+            "no error event within 20 s of the worker going silent:\n{rest}"
+        );
+        assert!(
+            !rest.contains("[DONE]"),
+            "a failed stream must not look complete:\n{rest}"
+        );
+    });
+}
+
+#[test]
 fn the_incident_configuration_is_refused_by_the_gateway_and_the_rest_is_served_disaggregated() {
     bounded(|| {
         // The incident: the decode side could hold the request, the prefill pool cannot.

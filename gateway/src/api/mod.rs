@@ -395,6 +395,7 @@ async fn start(
         policy: Some(policy),
         trail: trail.clone(),
         upstream_span,
+        idle: state.http.stream_idle_timeout,
     })
 }
 

@@ -51,6 +51,8 @@ pub struct Started {
     pub trail: Trail,
     /// The upstream call's client span: open while the upstream stream is read.
     pub upstream_span: tracing::Span,
+    /// The longest the worker may stay silent ([`crate::config::HttpLimits::stream_idle_timeout`]).
+    pub idle: std::time::Duration,
 }
 
 impl Drop for Started {
@@ -88,7 +90,10 @@ impl Started {
             let Some(upstream) = self.upstream.as_mut() else {
                 return Err(ApiError::Internal);
             };
-            match upstream.message().await {
+            let Ok(message) = tokio::time::timeout(self.idle, upstream.message()).await else {
+                return Err(self.stalled());
+            };
+            match message {
                 Ok(Some(GenerateResponse {
                     item: Some(Item::Token(t)),
                 })) => {
@@ -123,6 +128,18 @@ impl Started {
                 }
             }
         }
+    }
+
+    /// The worker sent nothing for [`Started::idle`]: it failed the request, and is not routed
+    /// to until its health check answers again.
+    fn stalled(&mut self) -> ApiError {
+        let secs = self.idle.as_secs();
+        tracing::warn!(worker = %self.route.worker, id = %self.id, secs, "the worker went silent mid-request");
+        self.route
+            .failed(&format!("sent nothing for {secs} s mid-request"));
+        self.trail.failed(&ApiError::WorkerUnavailable, None);
+        span_failed(&self.upstream_span, &ApiError::WorkerUnavailable);
+        ApiError::WorkerUnavailable
     }
 
     /// The gateway gives up on the request at its deadline: it failed.
