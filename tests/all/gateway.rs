@@ -257,32 +257,44 @@ fn tenants_reload_from_the_rewritten_config_file_while_the_stack_serves() {
     });
 }
 
+/// Starts a long greedy stream on `up` and reads until its first data event; returns the
+/// connection and what was read.
+fn a_long_stream_under_way(up: &Up) -> (std::net::TcpStream, Vec<u8>) {
+    let body = r#"{"messages":[{"role":"user","content":"Tell me a long story."}],"max_tokens":2000,"stream":true,"temperature":0}"#;
+    let mut s = send(
+        &up.api,
+        "POST",
+        "/v1/chat/completions",
+        Some(KEY_A),
+        &[],
+        body,
+    );
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data:") {
+        let n = s.read(&mut buf).expect("the stream starts");
+        assert!(n > 0, "the stream ended before its first event");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    (s, seen)
+}
+
+/// Sends `signal` (`-KILL`, `-STOP`, …) to `up`'s decode worker.
+fn signal_worker(up: &Up, signal: &str) {
+    let sent = Command::new("kill")
+        .args([signal, &up.worker_pid.to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(sent.success(), "kill {signal}");
+}
+
 #[test]
 fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
     bounded(|| {
         let up = Up::start(&["--kv-tokens", "4096"]);
         up.wait_routable();
-        let body = r#"{"messages":[{"role":"user","content":"Tell me a long story."}],"max_tokens":2000,"stream":true,"temperature":0}"#;
-        let mut s = send(
-            &up.api,
-            "POST",
-            "/v1/chat/completions",
-            Some(KEY_A),
-            &[],
-            body,
-        );
-        let mut seen = Vec::new();
-        let mut buf = [0u8; 4096];
-        while !String::from_utf8_lossy(&seen).contains("data:") {
-            let n = s.read(&mut buf).expect("the stream starts");
-            assert!(n > 0, "the stream ended before the kill");
-            seen.extend_from_slice(&buf[..n]);
-        }
-        let killed = Command::new("kill")
-            .args(["-KILL", &up.worker_pid.to_string()])
-            .status()
-            .expect("kill runs");
-        assert!(killed.success());
+        let (mut s, seen) = a_long_stream_under_way(&up);
+        signal_worker(&up, "-KILL");
         // The rest arrives promptly (read timeout: HTTP_LIMIT), ending with an error event.
         let started = Instant::now();
         let mut rest = String::new();
@@ -313,35 +325,14 @@ fn a_worker_gone_silent_mid_stream_ends_the_stream_with_an_error_event() {
             ..Options::default()
         });
         up.wait_routable();
-        let body = r#"{"messages":[{"role":"user","content":"Tell me a long story."}],"max_tokens":2000,"stream":true,"temperature":0}"#;
-        let mut s = send(
-            &up.api,
-            "POST",
-            "/v1/chat/completions",
-            Some(KEY_A),
-            &[],
-            body,
-        );
+        let (mut s, _) = a_long_stream_under_way(&up);
         s.set_read_timeout(Some(Duration::from_secs(1)))
             .expect("a read timeout");
-        let mut seen = Vec::new();
-        let mut buf = [0u8; 4096];
-        while !String::from_utf8_lossy(&seen).contains("data:") {
-            let n = s.read(&mut buf).expect("the stream starts");
-            assert!(n > 0, "the stream ended before the stop");
-            seen.extend_from_slice(&buf[..n]);
-        }
         // Stopped, not killed: its connections stay open and nothing more comes.
-        let signal = |sig: &str| {
-            let sent = Command::new("kill")
-                .args([sig, &up.worker_pid.to_string()])
-                .status()
-                .expect("kill runs");
-            assert!(sent.success(), "kill {sig}");
-        };
-        signal("-STOP");
+        signal_worker(&up, "-STOP");
         let started = Instant::now();
         let mut rest = Vec::new();
+        let mut buf = [0u8; 4096];
         // The gateway's keep-alive comments keep coming: read until the stream ends, or give
         // up well past the idle timeout.
         while started.elapsed() < Duration::from_secs(20) {
@@ -354,7 +345,7 @@ fn a_worker_gone_silent_mid_stream_ends_the_stream_with_an_error_event() {
                 Err(e) => panic!("reading the stream: {e}"),
             }
         }
-        signal("-CONT");
+        signal_worker(&up, "-CONT");
         let rest = String::from_utf8_lossy(&rest);
         assert!(
             rest.contains(r#""error""#) && rest.contains("service_unavailable"),
