@@ -3,7 +3,7 @@
 //! tokenizes, admits, limits and audits; B sees token ids only.
 
 use crate::cluster::Gateway;
-use crate::up::{ADMIN, KEY_A, KEY_B, TempDir, Up, bounded, http, json, sha256_hex};
+use crate::up::{ADMIN, KEY_A, KEY_B, Options, TempDir, Up, bounded, http, json, sha256_hex};
 
 /// A `bulkhead gateway` fronting an upstream, and its configuration's directory.
 struct Front {
@@ -22,7 +22,13 @@ impl std::ops::Deref for Front {
 impl Front {
     /// Fronts `upstream` (an OpenAI-compatible base URL serving `model`), authenticating to
     /// it with `upstream_key`; its own tenant is tenant-a (`KEY_A`), with `max_context`.
-    fn start(upstream: &str, model: &str, upstream_key: &str, max_context: u32) -> Front {
+    fn start(
+        upstream: &str,
+        model: &str,
+        upstream_key: &str,
+        max_context: u32,
+        tokens_per_minute: u64,
+    ) -> Front {
         let dir = TempDir::new("gw-front");
         let model_file =
             std::env::var("BULKHEAD_MODEL").expect("BULKHEAD_MODEL (scripts/fetch-model)");
@@ -30,7 +36,7 @@ impl Front {
             "[listen]\napi = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n\
              [admin]\ntoken_sha256 = \"{admin}\"\n\
              [[tenants]]\nid = \"tenant-a\"\nkey_sha256 = [\"{a}\"]\nmax_context = {max_context}\n\
-             max_concurrent = 4\nrequests_per_minute = 600\ntokens_per_minute = 1000000\n\
+             max_concurrent = 4\nrequests_per_minute = 600\ntokens_per_minute = {tokens_per_minute}\n\
              [[workers]]\nname = \"upstream-b\"\nopenai = \"{upstream}\"\nrole = \"both\"\n\
              model = \"{model}\"\ncontext_length = 2048\ntokenizer = \"{model_file}\"\n\
              key_env = \"UPSTREAM_KEY\"\n",
@@ -60,7 +66,13 @@ fn the_gateway_fronts_an_openai_compatible_server_with_its_own_tenants_admission
             .as_str()
             .expect("a model")
             .to_owned();
-        let front = Front::start(&format!("http://{}", back.api), &model, KEY_B, 1024);
+        let front = Front::start(
+            &format!("http://{}", back.api),
+            &model,
+            KEY_B,
+            1024,
+            1_000_000,
+        );
         front.wait_healthy();
 
         // Greedy: the answer through the front equals the answer straight from the back.
@@ -156,5 +168,49 @@ fn the_gateway_fronts_an_openai_compatible_server_with_its_own_tenants_admission
             CHAT,
         );
         assert_eq!(status, 503, "{body}");
+    });
+}
+
+/// A request the upstream refuses (429: its tenant is over its requests per minute) costs the
+/// front's tenant none of its tokens per minute: each refusal is the upstream's, never the
+/// front's own limit reached by charges for work that was never done.
+#[test]
+fn requests_the_upstream_refuses_are_not_charged_to_the_tenants_tokens_per_minute() {
+    bounded(|| {
+        let back = Up::launch(Options {
+            replace: &[("requests_per_minute = 600", "requests_per_minute = 1")],
+            ..Options::default()
+        });
+        back.wait_routable();
+        let (_, models) = http(&back.api, "GET", "/v1/models", Some(KEY_B), &[], "");
+        let model = json(&models)["data"][0]["id"]
+            .as_str()
+            .expect("a model")
+            .to_owned();
+        // Each request charges its prompt and max_tokens (about 50): six would spend 300.
+        let front = Front::start(&format!("http://{}", back.api), &model, KEY_B, 1024, 300);
+        front.wait_healthy();
+        for i in 0..8 {
+            let (status, body) = http(
+                &front.api,
+                "POST",
+                "/v1/chat/completions",
+                Some(KEY_A),
+                &[],
+                CHAT,
+            );
+            if status == 200 {
+                continue; // the back's one request of this minute
+            }
+            assert_eq!(status, 429, "request {i}: {body}");
+            let message = json(&body)["error"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            assert!(
+                message.contains("worker is busy"),
+                "request {i} was refused by the front's own limit: {body}"
+            );
+        }
     });
 }

@@ -363,6 +363,9 @@ async fn start(
     let stream = match generating.instrument(upstream_span.clone()).await {
         Ok(stream) => stream,
         Err(status) => {
+            // Refused (or unreachable) before any token: none of the tokens charged were used,
+            // so a client retrying a busy worker is not charged for every try.
+            permit.set_used(0);
             let failure = from_status(&status);
             upstream::span_failed(&upstream_span, &failure.error);
             if failure.worker_down {
