@@ -54,13 +54,10 @@ impl Front {
     }
 }
 
-const CHAT: &str = r#"{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":12,"temperature":0}"#;
-
-#[test]
-fn the_gateway_fronts_an_openai_compatible_server_with_its_own_tenants_admission_and_audit() {
-    bounded(|| {
-        let back = Up::start(&[]);
-        back.wait_routable();
+impl Front {
+    /// Fronts `back` (as its tenant-b), with tenant-a's `max_context` and `tokens_per_minute`;
+    /// returns once the front sees the back healthy.
+    fn before(back: &Up, max_context: u32, tokens_per_minute: u64) -> Front {
         let (_, models) = http(&back.api, "GET", "/v1/models", Some(KEY_B), &[], "");
         let model = json(&models)["data"][0]["id"]
             .as_str()
@@ -70,22 +67,39 @@ fn the_gateway_fronts_an_openai_compatible_server_with_its_own_tenants_admission
             &format!("http://{}", back.api),
             &model,
             KEY_B,
-            1024,
-            1_000_000,
+            max_context,
+            tokens_per_minute,
         );
         front.wait_healthy();
+        front
+    }
 
-        // Greedy: the answer through the front equals the answer straight from the back.
-        let (status, direct) = back.chat(KEY_B, &[], CHAT);
-        assert_eq!(status, 200, "{direct}");
-        let (status, fronted) = http(
-            &front.api,
+    /// Tenant-a's chat completion `body` through the front.
+    fn chat(&self, body: &str) -> (u16, String) {
+        http(
+            &self.api,
             "POST",
             "/v1/chat/completions",
             Some(KEY_A),
             &[],
-            CHAT,
-        );
+            body,
+        )
+    }
+}
+
+const CHAT: &str = r#"{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":12,"temperature":0}"#;
+
+#[test]
+fn the_gateway_fronts_an_openai_compatible_server_with_its_own_tenants_admission_and_audit() {
+    bounded(|| {
+        let back = Up::start(&[]);
+        back.wait_routable();
+        let front = Front::before(&back, 1024, 1_000_000);
+
+        // Greedy: the answer through the front equals the answer straight from the back.
+        let (status, direct) = back.chat(KEY_B, &[], CHAT);
+        assert_eq!(status, 200, "{direct}");
+        let (status, fronted) = front.chat(CHAT);
         assert_eq!(status, 200, "{fronted}");
         let text = |b: &str| {
             json(b)["choices"][0]["message"]["content"]
@@ -105,14 +119,7 @@ fn the_gateway_fronts_an_openai_compatible_server_with_its_own_tenants_admission
         );
         // Streaming through the front ends with [DONE].
         let stream = CHAT.replace("\"temperature\":0", "\"temperature\":0,\"stream\":true");
-        let (status, body) = http(
-            &front.api,
-            "POST",
-            "/v1/chat/completions",
-            Some(KEY_A),
-            &[],
-            &stream,
-        );
+        let (status, body) = front.chat(&stream);
         assert_eq!(status, 200);
         assert!(body.contains("[DONE]"), "{body}");
 
@@ -127,14 +134,7 @@ fn the_gateway_fronts_an_openai_compatible_server_with_its_own_tenants_admission
         );
         let before = json(&before)["data"].as_array().map_or(0, Vec::len);
         let long = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":2000}"#;
-        let (status, body) = http(
-            &front.api,
-            "POST",
-            "/v1/chat/completions",
-            Some(KEY_A),
-            &[],
-            long,
-        );
+        let (status, body) = front.chat(long);
         assert_eq!(status, 400, "{body}");
         assert_eq!(json(&body)["error"]["code"], "context_length_exceeded");
         let (_, after) = http(
@@ -159,14 +159,7 @@ fn the_gateway_fronts_an_openai_compatible_server_with_its_own_tenants_admission
 
         // The upstream goes away: a clear 503, not a hang.
         drop(back);
-        let (status, body) = http(
-            &front.api,
-            "POST",
-            "/v1/chat/completions",
-            Some(KEY_A),
-            &[],
-            CHAT,
-        );
+        let (status, body) = front.chat(CHAT);
         assert_eq!(status, 503, "{body}");
     });
 }
@@ -182,23 +175,10 @@ fn requests_the_upstream_refuses_are_not_charged_to_the_tenants_tokens_per_minut
             ..Options::default()
         });
         back.wait_routable();
-        let (_, models) = http(&back.api, "GET", "/v1/models", Some(KEY_B), &[], "");
-        let model = json(&models)["data"][0]["id"]
-            .as_str()
-            .expect("a model")
-            .to_owned();
         // Each request charges its prompt and max_tokens (about 50): six would spend 300.
-        let front = Front::start(&format!("http://{}", back.api), &model, KEY_B, 1024, 300);
-        front.wait_healthy();
+        let front = Front::before(&back, 1024, 300);
         for i in 0..8 {
-            let (status, body) = http(
-                &front.api,
-                "POST",
-                "/v1/chat/completions",
-                Some(KEY_A),
-                &[],
-                CHAT,
-            );
+            let (status, body) = front.chat(CHAT);
             if status == 200 {
                 continue; // the back's one request of this minute
             }
