@@ -429,7 +429,7 @@ fn admission(
 /// prompts as plain text (control-token text in them stays text). A prompt of no tokens (an
 /// empty completion prompt) is refused as such, not left for admission to call too long.
 fn tokenize(model: &ServedModel, parsed: &Parsed) -> Result<Vec<u32>, ApiError> {
-    let ids = tokenize_any(model, parsed)?;
+    let ids = prompt_ids(model, parsed)?;
     if ids.is_empty() {
         return Err(ApiError::Prompt {
             reason: "the prompt is empty: there is no token to generate from".into(),
@@ -438,7 +438,8 @@ fn tokenize(model: &ServedModel, parsed: &Parsed) -> Result<Vec<u32>, ApiError> 
     Ok(ids)
 }
 
-fn tokenize_any(model: &ServedModel, parsed: &Parsed) -> Result<Vec<u32>, ApiError> {
+/// The prompt's token ids, however many (none for an empty completion prompt).
+fn prompt_ids(model: &ServedModel, parsed: &Parsed) -> Result<Vec<u32>, ApiError> {
     let prompt = |e: &dyn std::fmt::Display| ApiError::Prompt {
         reason: format!("the prompt cannot be tokenized: {e}"),
     };

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
+use bulkhead_audit::Layer;
 use bulkhead_worker::serve::proto::{Done, GenerateResponse, Item};
 use http::header::CONTENT_TYPE;
 use tokio::time::Instant;
@@ -91,7 +92,8 @@ impl Started {
                 return Err(ApiError::Internal);
             };
             let Ok(message) = tokio::time::timeout(self.idle, upstream.message()).await else {
-                return Err(self.stalled());
+                let secs = self.idle.as_secs();
+                return Err(self.worker_down(&format!("sent nothing for {secs} s mid-request")));
             };
             match message {
                 Ok(Some(GenerateResponse {
@@ -109,46 +111,39 @@ impl Started {
                     return Ok(Step::Done(d));
                 }
                 Ok(Some(GenerateResponse { item: None })) => continue,
-                Ok(None) => {
-                    tracing::warn!(worker = %self.route.worker, id = %self.id, "the worker ended a stream without Done");
-                    self.route.failed("a stream ended without Done");
-                    self.trail.failed(&ApiError::WorkerUnavailable, None);
-                    span_failed(&self.upstream_span, &ApiError::WorkerUnavailable);
-                    return Err(ApiError::WorkerUnavailable);
-                }
+                Ok(None) => return Err(self.worker_down("a stream ended without Done")),
                 Err(status) => {
                     let failure = from_status(&status);
                     if failure.worker_down {
                         tracing::warn!(worker = %self.route.worker, id = %self.id, %status, "the worker failed mid-request");
                         self.route.failed(status.message());
                     }
-                    self.trail.failed(&failure.error, failure.refused_by);
-                    span_failed(&self.upstream_span, &failure.error);
-                    return Err(failure.error);
+                    return Err(self.failed(failure.error, failure.refused_by));
                 }
             }
         }
     }
 
-    /// The worker sent nothing for [`Started::idle`]: it failed the request, and is not routed
-    /// to until its health check answers again.
-    fn stalled(&mut self) -> ApiError {
-        let secs = self.idle.as_secs();
-        tracing::warn!(worker = %self.route.worker, id = %self.id, secs, "the worker went silent mid-request");
-        self.route
-            .failed(&format!("sent nothing for {secs} s mid-request"));
-        self.trail.failed(&ApiError::WorkerUnavailable, None);
-        span_failed(&self.upstream_span, &ApiError::WorkerUnavailable);
-        ApiError::WorkerUnavailable
+    /// The worker broke its stream (`why`: it ended without `Done`, or went silent for
+    /// [`Started::idle`]): the request failed, and the worker is not routed to until its
+    /// health check answers again.
+    fn worker_down(&mut self, why: &str) -> ApiError {
+        tracing::warn!(worker = %self.route.worker, id = %self.id, why, "the worker failed mid-request");
+        self.route.failed(why);
+        self.failed(ApiError::WorkerUnavailable, None)
+    }
+
+    /// Records `error` as how the request ended, on its audit trail and its upstream span.
+    fn failed(&mut self, error: ApiError, refused_by: Option<Layer>) -> ApiError {
+        self.trail.failed(&error, refused_by);
+        span_failed(&self.upstream_span, &error);
+        error
     }
 
     /// The gateway gives up on the request at its deadline: it failed.
     fn timed_out(&mut self, secs: u64) -> ApiError {
-        let e = ApiError::Timeout { secs };
         self.progress.failed = true;
-        self.trail.failed(&e, None);
-        span_failed(&self.upstream_span, &e);
-        e
+        self.failed(ApiError::Timeout { secs }, None)
     }
 
     fn finished(&mut self, d: &Done) {
