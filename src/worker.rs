@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use bulkhead_kvpool::Scrub;
 use bulkhead_worker::engine::{EngineConfig, KvBudget};
-use bulkhead_worker::serve::kvplane::SendFault;
+use bulkhead_worker::serve::kvplane::{DEFAULT_PEER_TIMEOUT, SendFault};
 use bulkhead_worker::serve::transport::{KvTransport, TransportConfig};
 use bulkhead_worker::serve::{BoundWorker, RoleConfig, ServeConfig};
 
@@ -36,6 +36,7 @@ pub mod env {
     pub const TRANSFER_TIMEOUT_MS: &str = "BULKHEAD_TRANSFER_TIMEOUT_MS";
     pub const RELEASE_TIMEOUT_MS: &str = "BULKHEAD_RELEASE_TIMEOUT_MS";
     pub const RECLAIM_AFTER_MS: &str = "BULKHEAD_RECLAIM_AFTER_MS";
+    pub const KV_PEER_TIMEOUT_MS: &str = "BULKHEAD_KV_PEER_TIMEOUT_MS";
     pub const TRANSFER_FLOOR: &str = "BULKHEAD_TRANSFER_FLOOR";
     pub const KV_TRANSPORT: &str = "BULKHEAD_KV_TRANSPORT";
     pub const RDMA_DEVICE: &str = "BULKHEAD_RDMA_DEVICE";
@@ -133,6 +134,12 @@ pub struct Args {
     /// connection closed) its pages are scrubbed and reused (milliseconds).
     #[arg(long, env = env::RECLAIM_AFTER_MS, default_value_t = 2_000)]
     reclaim_after_ms: u64,
+    /// Prefill and decode roles: how long a KV data-plane peer that vanished (a dead host, a
+    /// partition without a reset) can hold a connection: bytes it leaves unacknowledged this
+    /// long, or keepalive probes unanswered from a third of it on, close the connection
+    /// (milliseconds). A live peer, however slow, keeps its connection.
+    #[arg(long, env = env::KV_PEER_TIMEOUT_MS, default_value_t = DEFAULT_PEER_TIMEOUT.as_millis() as u64)]
+    kv_peer_timeout_ms: u64,
     /// Fault injection for tests (prefill role): stop sending a transfer once this many frames
     /// are written and hold the connection open, like a live but stuck peer.
     #[arg(long, hide = true)]
@@ -209,6 +216,7 @@ impl Args {
                 release_timeout: Duration::from_millis(self.release_timeout_ms),
                 reclaim_after: Duration::from_millis(self.reclaim_after_ms),
             },
+            kv_peer_timeout: Duration::from_millis(self.kv_peer_timeout_ms),
         })
     }
 }

@@ -165,18 +165,23 @@ impl Net {
                     "\n*** NETEM UNAVAILABLE ({e}).\n*** Delay, jitter, loss and reordering are NOT \
                      tested on this machine; the link gets a token-bucket rate limit instead.\n"
                 );
-                for (ns, dev) in self.link() {
-                    run(
-                        "ip",
-                        &[
-                            "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root",
-                            "tbf", "rate", "40mbit", "burst", "32kb", "latency", "400ms",
-                        ],
-                    )
-                    .expect("tbf is available");
-                }
+                self.limit_rate();
                 Impairment::RateLimit
             }
+        }
+    }
+
+    /// Limits both directions of the workers' link to 40 Mbit/s (token bucket).
+    fn limit_rate(&self) {
+        for (ns, dev) in self.link() {
+            run(
+                "ip",
+                &[
+                    "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+                    "rate", "40mbit", "burst", "32kb", "latency", "400ms",
+                ],
+            )
+            .expect("tbf is available");
         }
     }
 
@@ -189,11 +194,10 @@ impl Net {
     }
 
     /// A prefill worker in its namespace and a decode worker in its own, wired over the link.
-    fn pair(&self, decode_args: &[&str]) -> (Worker, Worker) {
-        let prefill = Worker::start_in(
-            &self.prefill_place(),
-            &["--role", "prefill", "--kv-tokens", "2048"],
-        );
+    fn pair(&self, prefill_args: &[&str], decode_args: &[&str]) -> (Worker, Worker) {
+        let mut args = vec!["--role", "prefill", "--kv-tokens", "2048"];
+        args.extend_from_slice(prefill_args);
+        let prefill = Worker::start_in(&self.prefill_place(), &args);
         let address = format!("http://{}:{}", self.ip(1), prefill.grpc.port());
         let kv = format!("{}:0", self.ip(2));
         let mut args = vec![
@@ -261,7 +265,7 @@ async fn over_an_impaired_link_between_namespaces_the_answer_is_unchanged() {
         return;
     };
     bounded(async {
-        let (prefill, decode) = net.pair(&[]);
+        let (prefill, decode) = net.pair(&[], &[]);
         let request = chat("What is 2+2?", 24);
         let clean = run_to_end(&mut decode.client().await, request.clone())
             .await
@@ -309,14 +313,17 @@ async fn a_partition_fails_the_request_within_its_deadline_and_the_pools_recover
         return;
     };
     bounded(async {
-        let (prefill, decode) = net.pair(&[
-            "--transfer-timeout-ms",
-            "3000",
-            "--release-timeout-ms",
-            "1000",
-            "--reclaim-after-ms",
-            "300",
-        ]);
+        let (prefill, decode) = net.pair(
+            &[],
+            &[
+                "--transfer-timeout-ms",
+                "3000",
+                "--release-timeout-ms",
+                "1000",
+                "--reclaim-after-ms",
+                "300",
+            ],
+        );
         let request = chat("What is 2+2?", 8);
         // Connections are up before the partition, as in a serving pair.
         let before = run_to_end(&mut decode.client().await, request.clone())
@@ -350,6 +357,71 @@ async fn a_partition_fails_the_request_within_its_deadline_and_the_pools_recover
             .await
             .expect("an answer after the partition healed");
         assert_eq!(again, before);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_peer_lost_mid_transfer_for_good_gives_both_workers_their_pages_back() {
+    let Some(net) =
+        net_or_skip("a_peer_lost_mid_transfer_for_good_gives_both_workers_their_pages_back")
+    else {
+        return;
+    };
+    bounded(async {
+        // A dead host or a partition that never heals: no reset ever comes. Each end must
+        // learn that its peer is gone from the silence alone (`--kv-peer-timeout-ms`).
+        let peer_timeout = ["--kv-peer-timeout-ms", "2000"];
+        let mut decode_args = vec![
+            "--release-timeout-ms",
+            "500",
+            "--reclaim-after-ms",
+            "300",
+            // The transfer takes seconds on the slowed link: no deadline ends it first.
+            "--transfer-floor",
+            "100KB",
+        ];
+        decode_args.extend_from_slice(&peer_timeout);
+        let (prefill, decode) = net.pair(&peer_timeout, &decode_args);
+        net.limit_rate();
+        let mut client = decode.client().await;
+        // About 600 prompt tokens: tens of megabytes of KV, several seconds at 40 Mbit/s.
+        let long = "The harbour town keeps every record in order. ".repeat(60);
+        let request = tokio::spawn(async move { run_to_end(&mut client, chat(&long, 8)).await });
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let m = decode.metrics();
+            if metric(&m, "bulkhead_kv_frames_written_total") >= 2.0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the transfer never started:\n{m}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        net.set_link(false);
+        let lost = Instant::now();
+        let err = tokio::time::timeout(Duration::from_secs(30), request)
+            .await
+            .expect("the request fails within 30 s of the loss")
+            .expect("the request's task")
+            .expect_err("the transfer cannot complete");
+        assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+        // Both pools recover while the link stays down: decode's pages once its data
+        // connection is known dead, prefill's once its blocked write times out.
+        pools_at_baseline(&prefill, &decode).await;
+        assert!(
+            lost.elapsed() < Duration::from_secs(30),
+            "recovered {:?} after the loss",
+            lost.elapsed()
+        );
+        let p = prefill.metrics();
+        assert_eq!(
+            metric(&p, "bulkhead_kv_transfers_in_flight{side=\"send\"}"),
+            0.0,
+            "{p}"
+        );
     })
     .await;
 }

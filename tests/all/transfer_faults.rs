@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use bulkhead_worker::serve::proto::error_code;
+use bulkhead_worker::serve::proto::{self, InfoRequest, PrefillItem, error_code};
 
 use crate::worker_grpc::{
     Worker, bounded, chat, health, metric, pool, run_to_end, text_of, wait_all_pages_back,
@@ -191,6 +191,75 @@ async fn a_request_dropped_while_prefill_computes_is_acknowledged_not_quarantine
         let p = wait_all_pages_back(&prefill).await;
         assert_eq!(p.free + p.pending_scrub, p.total, "{p:?}");
         assert_eq!(metric(&prefill.metrics(), SENDING), 0.0);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_decode_peer_that_stops_reading_and_hangs_up_gets_no_hold_on_prefills_pages() {
+    bounded(async {
+        let prefill = Worker::start(&["--role", "prefill", "--kv-tokens", "4096"]);
+        // A data-plane peer that accepts and never reads: prefill's writes block once the
+        // socket buffers are full (the prompt's KV is tens of megabytes).
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("binds");
+        let kv_address = listener.local_addr().expect("its address").to_string();
+        let _unread = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                held.push(socket);
+            }
+        });
+        let mut pc = prefill.client().await;
+        let info = pc
+            .info(InfoRequest::default())
+            .await
+            .expect("info")
+            .into_inner();
+        let handoff = info
+            .handoff
+            .expect("a prefill worker describes its handoff");
+        let prompt: Vec<u32> = (0..1500).map(|i| 100 + (i * 7) % 4000).collect();
+        let pages = prompt.len().div_ceil(info.page_tokens as usize) as u32;
+        let request = proto::PrefillRequest {
+            request_id: "unread".into(),
+            tenant: "tenant-a".into(),
+            prompt,
+            sampling: None,
+            reservation: Some(proto::KvReservation {
+                nonce: vec![7; 16],
+                pages: (0..pages)
+                    .map(|page| proto::ReservedPage { page, tag: 1 })
+                    .collect(),
+                prompt_tokens: 1500,
+                page_tokens: info.page_tokens,
+                token_bytes: handoff.token_bytes as u32,
+            }),
+            kv_address,
+        };
+        let mut call = pc.prefill(request).await.expect("called").into_inner();
+        let first = call.message().await.expect("an answer");
+        assert!(
+            matches!(first.and_then(|e| e.event), Some(PrefillItem::Accepted(_))),
+            "prefill admits the prompt"
+        );
+        wait_metrics(&prefill, "the send", |m| metric(m, SENDING) == 1.0).await;
+        // Let the writes fill the buffers and block, then hang up as decode does at its
+        // transfer deadline.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(
+            metric(&prefill.metrics(), SENDING),
+            1.0,
+            "the send is blocked"
+        );
+        drop(call);
+        wait_metrics(&prefill, "the blocked send to end", |m| {
+            metric(m, SENDING) == 0.0
+        })
+        .await;
+        let p = wait_all_pages_back(&prefill).await;
+        assert_eq!(p.free + p.pending_scrub, p.total, "{p:?}");
     })
     .await;
 }

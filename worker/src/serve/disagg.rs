@@ -3,7 +3,10 @@
 //! Decode ([`start_remote_prefill`]): after the engine reserved the pages, call the prefill
 //! worker's `Prefill` with the reservation. A refusal there fails the request at once with the
 //! prefill worker's reason and releases the reservation (nothing was sent); an unreachable
-//! prefill worker fails it with `service_unavailable` and the pages wait for the drain. The
+//! prefill worker, or a call that ends before accepting, fails it with `service_unavailable`
+//! and releases the reservation too, as the end of an accepted call does: prefill sends only
+//! while its call is open, and decode writes every frame itself, dropping those of a closed
+//! session (a transport whose peer writes remotely would need its own teardown here). The
 //! call's stream is kept with the client's stream: when the client goes away, dropping it
 //! aborts the transfer on the prefill side.
 //!
@@ -26,7 +29,7 @@ use bulkhead_handoff::{CloseReason, SessionNonce};
 
 use super::actor::{CancelOnDrop, EngineHandle, Events, Submission};
 use super::error::{ServeError, ValidationError, codes, status};
-use super::kvplane::{self, SendFault, Sent};
+use super::kvplane::{self, SendFault, SendOptions, Sent};
 use super::proto::{self, PrefillItem, WorkerClient};
 use super::refusal::{from_proto_reservation, from_refusal, to_proto_reservation, to_refusal};
 use super::spans;
@@ -145,7 +148,8 @@ pub async fn start_remote_prefill(
         reservation: Some(to_proto_reservation(&target)),
         kv_address: peer.kv_address.clone(),
     };
-    // Failing here drops `guard`: the request is cancelled and its pages wait for the drain.
+    // Failing here drops `guard`: the request is cancelled (its pages wait for the drain unless
+    // the call is known over).
     let unavailable = |reason: String| ServeError::PrefillUnavailable { reason };
     let client = peer.client.clone();
     let mut request = tonic::Request::new(request);
@@ -177,8 +181,14 @@ pub async fn start_remote_prefill(
             return Err(ServeError::Internal { what: "engine" });
         }
     };
+    // A call that ended without accepting (it failed, even at connect, or the stream closed)
+    // cannot carry frames any more: like the watcher's, its end is the session's teardown, so
+    // the reservation comes back now instead of being quarantined for good at the release
+    // timeout (no data connection of the session will ever close to reclaim it).
+    let call_over = || engine.transport_closed(vec![target.nonce]);
     let (call, first) = answer.map_err(|s| {
         spans::failed(&call_span, &s);
+        call_over();
         unavailable(s.message().to_owned())
     })?;
     let refused = match first {
@@ -202,7 +212,10 @@ pub async fn start_remote_prefill(
             // Prefill's admission refused it, not this worker's: the status names that layer.
             ServeError::Failed(Failure::PrefillRejected(reason))
         }
-        other => unavailable(format!("unexpected first answer {other:?}")),
+        other => {
+            call_over();
+            unavailable(format!("unexpected first answer {other:?}"))
+        }
     };
     spans::failed(&call_span, &status(&refused));
     Err(refused)
@@ -217,8 +230,7 @@ pub type PrefillStream = Pin<Box<dyn Stream<Item = Result<proto::PrefillEvent, S
 pub async fn prefill(
     engine: &EngineHandle,
     request: proto::PrefillRequest,
-    batch_bytes: usize,
-    fault: Option<SendFault>,
+    options: SendOptions,
 ) -> Result<PrefillStream, Status> {
     let target = request
         .reservation
@@ -235,8 +247,7 @@ pub async fn prefill(
     let send = SendTo {
         nonce: target.nonce,
         address: request.kv_address,
-        batch_bytes,
-        fault,
+        options,
     };
     let engine = engine.clone();
     let caller_id = request.request_id;
@@ -303,8 +314,7 @@ async fn acknowledge_abort(send: &SendTo) {
 struct SendTo {
     nonce: SessionNonce,
     address: String,
-    batch_bytes: usize,
-    fault: Option<SendFault>,
+    options: SendOptions,
 }
 
 /// Waits for the prompt's KV and writes it to decode; the source pages go back once the
@@ -358,16 +368,30 @@ async fn transfer(
         error.type = Empty,
     );
     let frames = super::tamper::frames(&outbound.frames);
-    let sent = kvplane::send_with(
+    let writes = kvplane::send_with(
         &send.address,
         &frames,
         &outbound.manifest,
-        send.batch_bytes,
-        send.fault,
+        send.options,
         || tx.is_closed(),
     )
-    .instrument(transfer_span.clone())
-    .await;
+    .instrument(transfer_span.clone());
+    // Between batches the send itself sees decode hang up; a connect or a write that waits on
+    // a peer that stopped reading does not. Decode hangs up at its transfer deadline: dropping
+    // the send then closes the data connection (decode's teardown of the session), and the
+    // source pages come back instead of waiting on that peer for ever. (A stall injected as a
+    // fault plays a prefill worker that is stuck as a whole: it does not hear that either.)
+    let hung_up = async {
+        match send.options.fault {
+            Some(SendFault::StallAfterFrames(_)) => std::future::pending().await,
+            None => tx.closed().await,
+        }
+    };
+    let sent = tokio::select! {
+        biased;
+        sent = writes => sent,
+        () = hung_up => Ok(Sent::Aborted),
+    };
     drop(frames);
     drop(sending);
     match &sent {

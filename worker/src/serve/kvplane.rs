@@ -21,6 +21,11 @@
 //! Sending (prefill): frames go out with vectored writes, each frame's 56-byte head and its
 //! bytes where they lie, in batches of about `batch_bytes`; `aborted` is checked between
 //! batches.
+//!
+//! Both ends bound how long a peer that vanished — a dead host, a partition without a reset —
+//! keeps a connection ([`bound_peer`]): without it, decode never learnt that such a peer was
+//! gone (its quarantined pages never came back) and prefill's write waited on it for the
+//! kernel's retransmissions, about a quarter of an hour, holding its source pages.
 
 use std::collections::HashSet;
 use std::convert::Infallible;
@@ -112,19 +117,42 @@ impl Deliver for EngineHandle {
     }
 }
 
+/// How long a vanished data-plane peer can hold a connection by default
+/// (`bulkhead worker --kv-peer-timeout-ms`).
+pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Makes a peer that vanished end `socket` within about `limit`: bytes it leaves unacknowledged
+/// that long fail the connection (`TCP_USER_TIMEOUT`), and an idle connection is probed
+/// (keepalive) from a third of that on. A live peer that is merely slow or stuck acknowledges
+/// what it reads and answers the probes from its kernel, so it keeps its connection (and its
+/// quarantined pages stay out of circulation while it could still write).
+pub fn bound_peer(socket: &TcpStream, limit: Duration) -> std::io::Result<()> {
+    let socket = socket2::SockRef::from(socket);
+    let at_least_a_second = |d: Duration| d.max(Duration::from_secs(1));
+    socket.set_tcp_keepalive(
+        &socket2::TcpKeepalive::new()
+            .with_time(at_least_a_second(limit / 3))
+            .with_interval(at_least_a_second(limit / 6))
+            .with_retries(4),
+    )?;
+    socket.set_tcp_user_timeout(Some(limit))
+}
+
 /// How long accepting pauses after it failed: a failure that says the process is out of a
 /// resource (descriptors, memory) would otherwise repeat at once, in a busy loop.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
 /// Decode role: accepts data-plane connections for as long as the worker serves; each
 /// connection's messages go to `to` (the engine), frames of at most `max_frame` bytes (a
-/// page). A failed accept — a peer that reset before
-/// it was taken, or descriptors run out because peers hold many connections open — is logged
-/// and accepting goes on after [`ACCEPT_BACKOFF`]: no peer can stop the worker this way.
+/// page); a peer that vanishes loses its connection after about `peer_timeout`. A failed
+/// accept — a peer that reset before it was taken, or descriptors run out because peers hold
+/// many connections open — is logged and accepting goes on after [`ACCEPT_BACKOFF`]: no peer
+/// can stop the worker this way.
 pub async fn serve(
     listener: TcpListener,
     to: impl Deliver + Clone + Send + Sync + 'static,
     max_frame: u32,
+    peer_timeout: Duration,
 ) -> Infallible {
     let buffers = Buffers::up_to(max_frame);
     loop {
@@ -136,6 +164,9 @@ pub async fn serve(
                 continue;
             }
         };
+        if let Err(e) = bound_peer(&socket, peer_timeout) {
+            tracing::warn!(%peer, error = %e, "cannot bound a KV data connection's dead peer");
+        }
         let (to, buffers) = (to.clone(), buffers.clone());
         tokio::spawn(async move {
             if let Err(e) = receive(socket, &to, &buffers).await {
@@ -246,20 +277,44 @@ pub async fn send(
     batch_bytes: usize,
     aborted: impl Fn() -> bool,
 ) -> std::io::Result<Sent> {
-    send_with(address, frames, manifest, batch_bytes, None, aborted).await
+    let options = SendOptions {
+        batch_bytes,
+        peer_timeout: DEFAULT_PEER_TIMEOUT,
+        fault: None,
+    };
+    send_with(address, frames, manifest, options, aborted).await
 }
 
-/// [`send`], with a fault injected.
+/// How prefill writes its transfers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendOptions {
+    /// Frames go out in batches of about this many bytes.
+    pub batch_bytes: usize,
+    /// How long a decode peer that vanished can hold the connection ([`bound_peer`]).
+    pub peer_timeout: Duration,
+    /// A fault to inject (tests only).
+    pub fault: Option<SendFault>,
+}
+
+/// [`send`], with every option.
 pub async fn send_with(
     address: &str,
     frames: &[Frame],
     manifest: &Manifest,
-    batch_bytes: usize,
-    fault: Option<SendFault>,
+    options: SendOptions,
     aborted: impl Fn() -> bool,
 ) -> std::io::Result<Sent> {
-    let mut socket = TcpStream::connect(address).await?;
+    let SendOptions {
+        batch_bytes,
+        peer_timeout,
+        fault,
+    } = options;
+    // A host that does not answer at all is as gone as one that stops answering.
+    let mut socket = tokio::time::timeout(peer_timeout, TcpStream::connect(address))
+        .await
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
     socket.set_nodelay(true)?;
+    bound_peer(&socket, peer_timeout)?;
     send_frames(&mut socket, frames, manifest, batch_bytes, fault, aborted).await
 }
 
@@ -444,6 +499,30 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_data_connection_bounds_how_long_a_vanished_peer_holds_it() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let socket = TcpStream::connect(listener.local_addr().expect("address"))
+            .await
+            .expect("connects");
+        bound_peer(&socket, Duration::from_secs(30)).expect("bounded");
+        let s = socket2::SockRef::from(&socket);
+        assert!(s.keepalive().expect("SO_KEEPALIVE"));
+        let probes = (
+            s.tcp_keepalive_time().expect("TCP_KEEPIDLE"),
+            s.tcp_keepalive_interval().expect("TCP_KEEPINTVL"),
+        );
+        assert_eq!(probes, (Duration::from_secs(10), Duration::from_secs(5)));
+        let unacknowledged = s.tcp_user_timeout().expect("TCP_USER_TIMEOUT");
+        assert_eq!(unacknowledged, Some(Duration::from_secs(30)));
+        // A short bound still probes at whole seconds (the kernel's unit).
+        bound_peer(&socket, Duration::from_millis(1500)).expect("bounded");
+        assert_eq!(
+            s.tcp_keepalive_interval().expect("TCP_KEEPINTVL"),
+            Duration::from_secs(1)
+        );
+    }
+
+    #[tokio::test]
     async fn every_frame_arrives_checked_and_in_order_however_the_stream_splits() {
         let fs = frames(5, 3000);
         for (batch, pipe) in [(1, 7), (4000, 1 << 20), (1 << 20, 100)] {
@@ -549,7 +628,12 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let address = listener.local_addr().expect("address").to_string();
         let log = Log::default();
-        let server = tokio::spawn(serve(listener, log.clone(), MAX_FRAME_BYTES));
+        let server = tokio::spawn(serve(
+            listener,
+            log.clone(),
+            MAX_FRAME_BYTES,
+            DEFAULT_PEER_TIMEOUT,
+        ));
         let fs = frames(2, 100);
         let sent = send(&address, &fs, &manifest(&fs), 1 << 20, || false).await;
         assert!(

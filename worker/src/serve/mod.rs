@@ -31,6 +31,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 
@@ -75,6 +76,9 @@ pub struct ServeConfig {
     /// The admin HTTP address (`/metrics`, `/healthz`); port 0 picks a free port.
     pub admin_listen: SocketAddr,
     pub engine: EngineConfig,
+    /// Prefill and decode roles: how long a data-plane peer that vanished can hold a
+    /// connection (see [`kvplane::bound_peer`]).
+    pub kv_peer_timeout: Duration,
 }
 
 /// Why the worker could not start or stopped serving.
@@ -112,6 +116,7 @@ pub struct BoundWorker {
     admin: TcpListener,
     /// Decode role: the KV data-plane listener.
     kv: Option<TcpListener>,
+    kv_peer_timeout: Duration,
     service: WorkerService,
     engine: EngineHandle,
     thread: EngineThread,
@@ -119,7 +124,7 @@ pub struct BoundWorker {
 }
 
 /// How long shutdown waits for the engine thread to wind down.
-const ENGINE_STOP_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+const ENGINE_STOP_LIMIT: Duration = Duration::from_secs(10);
 
 impl BoundWorker {
     /// Starts the engine on `loaded` (read from `model_path`) and binds both ports.
@@ -177,7 +182,12 @@ impl BoundWorker {
             match config.role {
                 RoleConfig::Both => (ServiceRole::Both, None),
                 RoleConfig::Prefill { batch_bytes, fault } => {
-                    (ServiceRole::Prefill { batch_bytes, fault }, None)
+                    let options = kvplane::SendOptions {
+                        batch_bytes,
+                        peer_timeout: config.kv_peer_timeout,
+                        fault,
+                    };
+                    (ServiceRole::Prefill(options), None)
                 }
                 RoleConfig::Decode {
                     prefill,
@@ -210,6 +220,7 @@ impl BoundWorker {
             grpc,
             admin,
             kv,
+            kv_peer_timeout: config.kv_peer_timeout,
             service,
             engine,
             thread,
@@ -253,12 +264,13 @@ impl BoundWorker {
         };
         let kv = {
             let (listener, engine, stop) = (self.kv, self.engine.clone(), stopped(stop_rx.clone()));
+            let peer_timeout = self.kv_peer_timeout;
             // No frame is longer than one of this worker's pages.
             let max_frame = u32::try_from(self.capacity.page_bytes).unwrap_or(u32::MAX);
             async move {
                 match listener {
                     Some(l) => tokio::select! {
-                        never = kvplane::serve(l, engine, max_frame) => match never {},
+                        never = kvplane::serve(l, engine, max_frame, peer_timeout) => match never {},
                         () = stop => (),
                     },
                     None => std::future::pending().await,

@@ -13,7 +13,7 @@ use crate::engine::{Event, FinishReason};
 use super::actor::{CancelOnDrop, EngineHandle, Events, Submission};
 use super::disagg::{self, PrefillCall, PrefillPeer, PrefillStream};
 use super::error::{ServeError, ValidationError, status};
-use super::kvplane::SendFault;
+use super::kvplane::SendOptions;
 use super::metrics::Outcome;
 use super::proto::{self, Item};
 use super::spans;
@@ -24,11 +24,8 @@ use super::validate::{Prompter, ValidGenerate};
 pub enum ServiceRole {
     /// Prefill and decode in this process.
     Both,
-    /// Serves `Prefill` for decode workers; writes KV in batches of about `batch_bytes`.
-    Prefill {
-        batch_bytes: usize,
-        fault: Option<SendFault>,
-    },
+    /// Serves `Prefill` for decode workers, writing their KV as `SendOptions` say.
+    Prefill(SendOptions),
     /// Serves `Generate`; prompts are prefilled by the peer.
     Decode(PrefillPeer),
 }
@@ -37,7 +34,7 @@ impl ServiceRole {
     fn name(&self) -> &'static str {
         match self {
             ServiceRole::Both => "both",
-            ServiceRole::Prefill { .. } => "prefill",
+            ServiceRole::Prefill(_) => "prefill",
             ServiceRole::Decode(_) => "decode",
         }
     }
@@ -118,7 +115,7 @@ impl WorkerService {
             ServiceRole::Decode(peer) => disagg::start_remote_prefill(&self.engine, peer, valid)
                 .await
                 .map(|s| (s.early, s.events, s.guard, Some(s.call))),
-            ServiceRole::Prefill { .. } => Err(ValidationError::WrongRole {
+            ServiceRole::Prefill(_) => Err(ValidationError::WrongRole {
                 role: "prefill",
                 call: "Generate",
             }
@@ -138,7 +135,7 @@ impl WorkerService {
         // worker's prefill ran on the prefill worker.
         let phase = match self.role {
             ServiceRole::Both => tracing::info_span!(parent: &span, "prefill"),
-            ServiceRole::Decode(_) | ServiceRole::Prefill { .. } => Span::none(),
+            ServiceRole::Decode(_) | ServiceRole::Prefill(_) => Span::none(),
         };
         Ok(GenerateStream {
             early,
@@ -174,9 +171,8 @@ impl proto::Worker for WorkerService {
         };
         span.record("gen_ai.usage.input_tokens", request.get_ref().prompt.len());
         match &self.role {
-            ServiceRole::Prefill { batch_bytes, fault } => {
-                let prefilling =
-                    disagg::prefill(&self.engine, request.into_inner(), *batch_bytes, *fault);
+            ServiceRole::Prefill(options) => {
+                let prefilling = disagg::prefill(&self.engine, request.into_inner(), *options);
                 prefilling
                     .instrument(span.clone())
                     .await
