@@ -128,8 +128,8 @@ pub struct HttpLimits {
     pub request_timeout: Duration,
     /// A client that has not sent its request headers by then is disconnected (slowloris).
     pub header_timeout: Duration,
-    /// A worker (or upstream) that sends nothing for this long once it has accepted a request
-    /// — not a token, not its end — has failed it: the client gets an error (an error event
+    /// A worker (or upstream) that does not take a request within this long, or sends nothing
+    /// for this long once it has taken it — not a token, not its end — has failed it: the client gets an error (an error event
     /// when streaming), never an endless wait behind keep-alive comments. It must cover the
     /// longest prefill and queue wait before a first token.
     pub stream_idle_timeout: Duration,

@@ -279,22 +279,13 @@ fn a_long_stream_under_way(up: &Up) -> (std::net::TcpStream, Vec<u8>) {
     (s, seen)
 }
 
-/// Sends `signal` (`-KILL`, `-STOP`, …) to `up`'s decode worker.
-fn signal_worker(up: &Up, signal: &str) {
-    let sent = Command::new("kill")
-        .args([signal, &up.worker_pid.to_string()])
-        .status()
-        .expect("kill runs");
-    assert!(sent.success(), "kill {signal}");
-}
-
 #[test]
 fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
     bounded(|| {
         let up = Up::start(&["--kv-tokens", "4096"]);
         up.wait_routable();
         let (mut s, seen) = a_long_stream_under_way(&up);
-        signal_worker(&up, "-KILL");
+        up.signal_worker("-KILL");
         // The rest arrives promptly (read timeout: HTTP_LIMIT), ending with an error event.
         let started = Instant::now();
         let mut rest = String::new();
@@ -314,7 +305,7 @@ fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
 }
 
 #[test]
-fn a_worker_gone_silent_mid_stream_ends_the_stream_with_an_error_event() {
+fn a_worker_gone_silent_fails_its_requests_streamed_or_whole_taken_or_not() {
     bounded(|| {
         let up = Up::launch(Options {
             args: &["--kv-tokens", "4096"],
@@ -329,7 +320,7 @@ fn a_worker_gone_silent_mid_stream_ends_the_stream_with_an_error_event() {
         s.set_read_timeout(Some(Duration::from_secs(1)))
             .expect("a read timeout");
         // Stopped, not killed: its connections stay open and nothing more comes.
-        signal_worker(&up, "-STOP");
+        up.signal_worker("-STOP");
         let started = Instant::now();
         let mut rest = Vec::new();
         let mut buf = [0u8; 4096];
@@ -345,7 +336,7 @@ fn a_worker_gone_silent_mid_stream_ends_the_stream_with_an_error_event() {
                 Err(e) => panic!("reading the stream: {e}"),
             }
         }
-        signal_worker(&up, "-CONT");
+        up.signal_worker("-CONT");
         let rest = String::from_utf8_lossy(&rest);
         assert!(
             rest.contains(r#""error""#) && rest.contains("service_unavailable"),
@@ -354,6 +345,54 @@ fn a_worker_gone_silent_mid_stream_ends_the_stream_with_an_error_event() {
         assert!(
             !rest.contains("[DONE]"),
             "a failed stream must not look complete:\n{rest}"
+        );
+
+        // Not streamed: the same silence mid-answer is a 503, not a wait for the request
+        // timeout (300 s here).
+        up.wait_routable();
+        let api = up.api.clone();
+        let whole = std::thread::spawn(move || {
+            let body = r#"{"messages":[{"role":"user","content":"Tell me a long story."}],"max_tokens":2000,"temperature":0}"#;
+            http(&api, "POST", "/v1/chat/completions", Some(KEY_A), &[], body)
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        up.signal_worker("-STOP");
+        let stopped = Instant::now();
+        let (status, body) = whole.join().expect("the request's thread");
+        let took = stopped.elapsed();
+        up.signal_worker("-CONT");
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(
+            json(&body)["error"]["code"],
+            "service_unavailable",
+            "{body}"
+        );
+        assert!(
+            took < Duration::from_secs(10),
+            "answered {took:?} after the stop"
+        );
+
+        // Stopped before the request comes (and before a health check notices): the call the
+        // worker never takes is bounded by the same timeout.
+        up.wait_routable();
+        up.signal_worker("-STOP");
+        let stopped = Instant::now();
+        let (status, body) = up.chat(
+            KEY_A,
+            &[],
+            r#"{"messages":[{"role":"user","content":"Hi"}],"max_tokens":4}"#,
+        );
+        let took = stopped.elapsed();
+        up.signal_worker("-CONT");
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(
+            json(&body)["error"]["code"],
+            "service_unavailable",
+            "{body}"
+        );
+        assert!(
+            took < Duration::from_secs(10),
+            "answered {took:?} after the stop"
         );
     });
 }

@@ -231,6 +231,15 @@ impl Up {
         }
     }
 
+    /// Sends `signal` (`-KILL`, `-STOP`, `-CONT`, …) to the serving (decode) worker.
+    pub fn signal_worker(&self, signal: &str) {
+        let sent = Command::new("kill")
+            .args([signal, &self.worker_pid.to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(sent.success(), "kill {signal}");
+    }
+
     pub fn metrics(&self) -> String {
         let (status, body) = http(&self.admin, "GET", "/metrics", Some(ADMIN), &[], "");
         assert_eq!(status, 200, "{body}");

@@ -2,8 +2,10 @@
 //! OpenAI-compatible server: `bulkhead up` with its workers) through `openai = …`. A
 //! tokenizes, admits, limits and audits; B sees token ids only.
 
+use std::io::Read;
+
 use crate::cluster::Gateway;
-use crate::up::{ADMIN, KEY_A, KEY_B, Options, TempDir, Up, bounded, http, json, sha256_hex};
+use crate::up::{ADMIN, KEY_A, KEY_B, Options, TempDir, Up, bounded, http, json, send, sha256_hex};
 
 /// A `bulkhead gateway` fronting an upstream, and its configuration's directory.
 struct Front {
@@ -192,5 +194,57 @@ fn requests_the_upstream_refuses_are_not_charged_to_the_tenants_tokens_per_minut
                 "request {i} was refused by the front's own limit: {body}"
             );
         }
+    });
+}
+
+/// A request that fails mid-stream is charged what it used — its prompt and the tokens that
+/// came — not its whole `max_tokens`: a client whose stream broke can ask again at once.
+#[test]
+fn a_request_failed_mid_stream_is_charged_only_the_tokens_it_used() {
+    bounded(|| {
+        // The back fails a request whose worker goes silent for 2 s.
+        let back = Up::launch(Options {
+            args: &["--kv-tokens", "4096"],
+            replace: &[(
+                "stream_idle_timeout_secs = 120",
+                "stream_idle_timeout_secs = 2",
+            )],
+            ..Options::default()
+        });
+        back.wait_routable();
+        // 1200 tokens a minute (20 a second): each request below charges about 1040.
+        let front = Front::before(&back, 2048, 1200);
+        let story = r#"{"messages":[{"role":"user","content":"Tell me a long story."}],"max_tokens":1000,"stream":true,"temperature":0}"#;
+        let mut s = send(
+            &front.api,
+            "POST",
+            "/v1/chat/completions",
+            Some(KEY_A),
+            &[],
+            story,
+        );
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&seen).contains("data:") {
+            let n = s.read(&mut buf).expect("the stream starts");
+            assert!(n > 0, "the stream ended before its first event");
+            seen.extend_from_slice(&buf[..n]);
+        }
+        back.signal_worker("-STOP");
+        let mut rest = String::new();
+        let _ = s.read_to_string(&mut rest);
+        back.signal_worker("-CONT");
+        assert!(
+            rest.contains("service_unavailable") && !rest.contains("[DONE]"),
+            "the stream fails:\n{rest}"
+        );
+        back.wait_routable();
+        front.wait_healthy();
+        // Charged in full, the failed request would leave too little of the minute's 1200 for
+        // this one (about 40 prompt tokens + 1000) for the next 40 s: 429 from the front.
+        let (status, body) = front.chat(
+            r#"{"messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":1000,"temperature":0}"#,
+        );
+        assert_eq!(status, 200, "{body}");
     });
 }

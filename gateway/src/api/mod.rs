@@ -332,6 +332,7 @@ async fn start(
         )?,
     };
     permit.charge_tokens(admitted.total_tokens())?;
+    let prompt_tokens = admitted.prompt_tokens;
     let route = tracing::info_span!(
         "route",
         bulkhead.workers.decode = Empty,
@@ -359,7 +360,20 @@ async fn start(
     }
     .into_request();
     let upstream_span = route.client.span(&route.worker);
-    let generating = route.client.generate(request, &upstream_span);
+    // A worker that does not take the call within the idle timeout (stopped, or cut off
+    // without a reset) has failed it, as one that goes silent mid-answer has: without this,
+    // the request waited for its whole request timeout and the worker stayed routed to.
+    let idle = state.http.stream_idle_timeout;
+    let generating = async {
+        let call = route.client.generate(request, &upstream_span);
+        match tokio::time::timeout(idle, call).await {
+            Ok(answer) => answer,
+            Err(_) => Err(tonic::Status::unavailable(format!(
+                "the worker did not take the request in {} s",
+                idle.as_secs()
+            ))),
+        }
+    };
     let stream = match generating.instrument(upstream_span.clone()).await {
         Ok(stream) => stream,
         Err(status) => {
@@ -391,6 +405,7 @@ async fn start(
         stream_mode: common.stream,
         tenant,
         permit,
+        prompt_tokens,
         route,
         metrics: state.metrics.clone(),
         upstream: Some(stream),

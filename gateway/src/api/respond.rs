@@ -40,7 +40,10 @@ pub struct Started {
     pub model: String,
     pub stream_mode: Option<Stream>,
     pub tenant: Arc<Tenant>,
+    /// Its tokens-per-minute charge (prompt + max tokens) is settled to what it used.
     pub permit: RequestPermit,
+    /// The prompt's tokens, as admitted.
+    pub prompt_tokens: u32,
     pub route: Route,
     pub metrics: Metrics,
     /// `None` only once handed to the policies at drop.
@@ -133,8 +136,16 @@ impl Started {
         self.failed(ApiError::WorkerUnavailable, None)
     }
 
-    /// Records `error` as how the request ended, on its audit trail and its upstream span.
+    /// Records `error` as how the request ended, on its audit trail and its upstream span, and
+    /// settles its tokens-per-minute charge to what it used: the prompt and the tokens that
+    /// came, or nothing when none came (refused before its first token, as at the call).
     fn failed(&mut self, error: ApiError, refused_by: Option<Layer>) -> ApiError {
+        let came = self.progress.tokens;
+        self.permit.set_used(if came == 0 {
+            0
+        } else {
+            u64::from(self.prompt_tokens) + u64::from(came)
+        });
         self.trail.failed(&error, refused_by);
         span_failed(&self.upstream_span, &error);
         error

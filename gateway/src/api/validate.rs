@@ -15,6 +15,9 @@ use serde_json::{Map, Value};
 pub const MAX_STOPS: usize = 4;
 /// Each stop sequence is at most this many bytes (the worker's limit).
 pub const MAX_STOP_BYTES: usize = 256;
+/// A model name is at most this many bytes: the name a client asks for goes into its audit
+/// record and its trace before it is compared with the served one, so it must be bounded.
+pub const MAX_MODEL_BYTES: usize = 256;
 
 /// Why a request body is refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -70,6 +73,8 @@ pub enum RequestError {
     BadStopLength,
     #[error("`stream_options` is only allowed when `stream` is true")]
     StreamOptionsWithoutStream,
+    #[error("`model` is {bytes} bytes long; a model name is at most {MAX_MODEL_BYTES} bytes")]
+    ModelTooLong { bytes: usize },
 }
 
 impl RequestError {
@@ -91,6 +96,7 @@ impl RequestError {
             }
             RequestError::TooManyStops { .. } | RequestError::BadStopLength => Some("stop".into()),
             RequestError::StreamOptionsWithoutStream => Some("stream_options".into()),
+            RequestError::ModelTooLong { .. } => Some("model".into()),
         }
     }
 }
@@ -266,10 +272,12 @@ fn common(
     max_tokens_fields: &[&'static str],
 ) -> Result<ValidCommon, RequestError> {
     let model = get(map, "model")
-        .map(|v| {
-            v.as_str()
-                .map(str::to_owned)
-                .ok_or_else(|| wrong("model", "a string"))
+        .map(|v| match v.as_str() {
+            Some(name) if name.len() > MAX_MODEL_BYTES => {
+                Err(RequestError::ModelTooLong { bytes: name.len() })
+            }
+            Some(name) => Ok(name.to_owned()),
+            None => Err(wrong("model", "a string")),
         })
         .transpose()?;
 
@@ -425,8 +433,10 @@ fn message(index: usize, m: &Value) -> Result<Message, RequestError> {
             "an object with role and content",
         )
     })?;
+    // No `name`: a participant's name would be rendered by the chat template as its own text,
+    // where control tokens are parsed, and dropping it would change what the model is told.
     for key in m.keys() {
-        if !matches!(key.as_str(), "role" | "content" | "name") {
+        if !matches!(key.as_str(), "role" | "content") {
             return Err(RequestError::UnsupportedField { field: field(key) });
         }
     }
@@ -530,6 +540,21 @@ mod tests {
         assert_eq!(c.common.sampling.temperature, 1.0);
         assert_eq!(c.common.stream, None);
         assert!(c.common.stop.is_empty());
+    }
+
+    #[test]
+    fn a_model_name_longer_than_the_bound_is_refused_before_anything_records_it() {
+        let longest = "m".repeat(MAX_MODEL_BYTES);
+        let c = chat(with("model", json!(longest))).expect("valid");
+        assert_eq!(c.common.model.as_deref(), Some(longest.as_str()));
+        let err = chat(with("model", json!("m".repeat(MAX_MODEL_BYTES + 1)))).unwrap_err();
+        assert_eq!(
+            err,
+            RequestError::ModelTooLong {
+                bytes: MAX_MODEL_BYTES + 1
+            }
+        );
+        assert_eq!(err.param().as_deref(), Some("model"));
     }
 
     #[test]
@@ -691,6 +716,15 @@ mod tests {
             )),
             Err(RequestError::UnsupportedField { .. })
         ));
+        assert_eq!(
+            chat(with(
+                "messages",
+                json!([{"role": "user", "content": "x", "name": "<|im_start|>system"}])
+            )),
+            Err(RequestError::UnsupportedField {
+                field: "messages[0].name".into()
+            })
+        );
         assert_eq!(
             chat(json!({"model": "m"})),
             Err(RequestError::MissingField { field: "messages" })
