@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::up::{
     ADMIN, HTTP_LIMIT, KEY_A, KEY_B, KEY_LIMITED, KEY_SERIAL, Options, Up, bounded, http, json,
-    metric, python, repo, send, sha256_hex,
+    metric, python, repo, send, sha256_hex, stream_under_way,
 };
 
 pub const QUESTION: &str =
@@ -257,26 +257,10 @@ fn tenants_reload_from_the_rewritten_config_file_while_the_stack_serves() {
     });
 }
 
-/// Starts a long greedy stream on `up` and reads until its first data event; returns the
-/// connection and what was read.
+/// Starts a long greedy stream on `up` and reads until its first data event.
 fn a_long_stream_under_way(up: &Up) -> (std::net::TcpStream, Vec<u8>) {
     let body = r#"{"messages":[{"role":"user","content":"Tell me a long story."}],"max_tokens":2000,"stream":true,"temperature":0}"#;
-    let mut s = send(
-        &up.api,
-        "POST",
-        "/v1/chat/completions",
-        Some(KEY_A),
-        &[],
-        body,
-    );
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("data:") {
-        let n = s.read(&mut buf).expect("the stream starts");
-        assert!(n > 0, "the stream ended before its first event");
-        seen.extend_from_slice(&buf[..n]);
-    }
-    (s, seen)
+    stream_under_way(&up.api, KEY_A, body)
 }
 
 #[test]
@@ -358,43 +342,37 @@ fn a_worker_gone_silent_fails_its_requests_streamed_or_whole_taken_or_not() {
         std::thread::sleep(Duration::from_millis(500));
         up.signal_worker("-STOP");
         let stopped = Instant::now();
-        let (status, body) = whole.join().expect("the request's thread");
+        let answer = whole.join().expect("the request's thread");
         let took = stopped.elapsed();
         up.signal_worker("-CONT");
-        assert_eq!(status, 503, "{body}");
-        assert_eq!(
-            json(&body)["error"]["code"],
-            "service_unavailable",
-            "{body}"
-        );
-        assert!(
-            took < Duration::from_secs(10),
-            "answered {took:?} after the stop"
-        );
+        unavailable_soon(answer, took);
 
         // Stopped before the request comes (and before a health check notices): the call the
         // worker never takes is bounded by the same timeout.
         up.wait_routable();
         up.signal_worker("-STOP");
         let stopped = Instant::now();
-        let (status, body) = up.chat(
+        let answer = up.chat(
             KEY_A,
             &[],
             r#"{"messages":[{"role":"user","content":"Hi"}],"max_tokens":4}"#,
         );
         let took = stopped.elapsed();
         up.signal_worker("-CONT");
-        assert_eq!(status, 503, "{body}");
-        assert_eq!(
-            json(&body)["error"]["code"],
-            "service_unavailable",
-            "{body}"
-        );
-        assert!(
-            took < Duration::from_secs(10),
-            "answered {took:?} after the stop"
-        );
+        unavailable_soon(answer, took);
     });
+}
+
+/// A 503 `service_unavailable` that came `took` after the worker stopped: well within 10 s
+/// (the idle timeout is 2 s), nowhere near the request timeout.
+fn unavailable_soon((status, body): (u16, String), took: Duration) {
+    assert_eq!(status, 503, "{body}");
+    let code = &json(&body)["error"]["code"];
+    assert_eq!(code, "service_unavailable", "{body}");
+    assert!(
+        took < Duration::from_secs(10),
+        "answered {took:?} after the stop"
+    );
 }
 
 #[test]

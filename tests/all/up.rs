@@ -308,6 +308,20 @@ impl Up {
     }
 }
 
+/// Posts the streamed chat completion `body` to `api` as `key` and reads until its first data
+/// event: the connection, and what was read.
+pub fn stream_under_way(api: &str, key: &str, body: &str) -> (TcpStream, Vec<u8>) {
+    let mut s = send(api, "POST", "/v1/chat/completions", Some(key), &[], body);
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data:") {
+        let n = s.read(&mut buf).expect("the stream starts");
+        assert!(n > 0, "the stream ended before its first event");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    (s, seen)
+}
+
 /// One HTTP/1.1 exchange (Connection: close): (status, body).
 pub fn http(
     addr: &str,

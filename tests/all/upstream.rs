@@ -5,7 +5,9 @@
 use std::io::Read;
 
 use crate::cluster::Gateway;
-use crate::up::{ADMIN, KEY_A, KEY_B, Options, TempDir, Up, bounded, http, json, send, sha256_hex};
+use crate::up::{
+    ADMIN, KEY_A, KEY_B, Options, TempDir, Up, bounded, http, json, sha256_hex, stream_under_way,
+};
 
 /// A `bulkhead gateway` fronting an upstream, and its configuration's directory.
 struct Front {
@@ -215,21 +217,7 @@ fn a_request_failed_mid_stream_is_charged_only_the_tokens_it_used() {
         // 1200 tokens a minute (20 a second): each request below charges about 1040.
         let front = Front::before(&back, 2048, 1200);
         let story = r#"{"messages":[{"role":"user","content":"Tell me a long story."}],"max_tokens":1000,"stream":true,"temperature":0}"#;
-        let mut s = send(
-            &front.api,
-            "POST",
-            "/v1/chat/completions",
-            Some(KEY_A),
-            &[],
-            story,
-        );
-        let mut seen = Vec::new();
-        let mut buf = [0u8; 4096];
-        while !String::from_utf8_lossy(&seen).contains("data:") {
-            let n = s.read(&mut buf).expect("the stream starts");
-            assert!(n > 0, "the stream ended before its first event");
-            seen.extend_from_slice(&buf[..n]);
-        }
+        let (mut s, _) = stream_under_way(&front.api, KEY_A, story);
         back.signal_worker("-STOP");
         let mut rest = String::new();
         let _ = s.read_to_string(&mut rest);

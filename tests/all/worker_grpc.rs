@@ -675,45 +675,6 @@ async fn a_prefill_worker_killed_mid_request_fails_it_fast_and_decode_gets_its_p
 }
 
 #[tokio::test]
-async fn requests_while_prefill_is_down_give_decode_its_pages_back_not_quarantine() {
-    bounded(async {
-        // A prefill worker that is gone before the requests come: each Prefill call fails at
-        // connect, so no frame of those sessions can ever be sent. Their pages must come back,
-        // not wait out the release timeout and stay quarantined (every request of an outage
-        // took pages for good, and a decode worker whose prefill restarted had none left).
-        let mut prefill = Worker::start(&["--role", "prefill", "--kv-tokens", "2048"]);
-        let decode = Worker::start(&[
-            "--role",
-            "decode",
-            "--prefill",
-            &format!("http://{}", prefill.grpc),
-            "--kv-listen",
-            "127.0.0.1:0",
-            "--kv-tokens",
-            "2048",
-            "--release-timeout-ms",
-            "300",
-        ]);
-        prefill.child.kill().expect("kill the prefill worker");
-        prefill.child.wait().expect("reap the prefill worker");
-        let mut client = decode.client().await;
-        for i in 0..3 {
-            let err = run_to_end(&mut client, chat("What is 2+2?", 8))
-                .await
-                .expect_err("no prefill worker to serve it");
-            assert_eq!(err.code(), tonic::Code::Unavailable, "request {i}: {err:?}");
-            assert_eq!(error_code(&err), Some("service_unavailable"), "{err:?}");
-        }
-        // Past the release timeout, a reservation that was not given back is quarantined.
-        tokio::time::sleep(Duration::from_millis(900)).await;
-        let p = pool(&health(&mut client).await);
-        assert_eq!(p.quarantined, 0, "{p:?}");
-        assert_eq!(p.free + p.pending_scrub, p.total, "{p:?}");
-    })
-    .await;
-}
-
-#[tokio::test]
 async fn short_requests_whose_kv_commits_before_the_prefill_answer_is_read_still_succeed() {
     bounded(async {
         // A one-token answer to a short prompt: the KV can arrive and commit on decode before
