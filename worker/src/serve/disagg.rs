@@ -29,7 +29,7 @@ use bulkhead_handoff::{CloseReason, SessionNonce};
 
 use super::actor::{CancelOnDrop, EngineHandle, Events, Submission};
 use super::error::{ServeError, ValidationError, codes, status};
-use super::kvplane::{self, SendFault, SendOptions, Sent};
+use super::kvplane::{self, SendOptions, Sent};
 use super::proto::{self, PrefillItem, WorkerClient};
 use super::refusal::{from_proto_reservation, from_refusal, to_proto_reservation, to_refusal};
 use super::spans;
@@ -379,18 +379,11 @@ async fn transfer(
     // Between batches the send itself sees decode hang up; a connect or a write that waits on
     // a peer that stopped reading does not. Decode hangs up at its transfer deadline: dropping
     // the send then closes the data connection (decode's teardown of the session), and the
-    // source pages come back instead of waiting on that peer for ever. (A stall injected as a
-    // fault plays a prefill worker that is stuck as a whole: it does not hear that either.)
-    let hung_up = async {
-        match send.options.fault {
-            Some(SendFault::StallAfterFrames(_)) => std::future::pending().await,
-            None => tx.closed().await,
-        }
-    };
+    // source pages come back instead of waiting on that peer for ever.
     let sent = tokio::select! {
         biased;
         sent = writes => sent,
-        () = hung_up => Ok(Sent::Aborted),
+        () = tx.closed() => Ok(Sent::Aborted),
     };
     drop(frames);
     drop(sending);

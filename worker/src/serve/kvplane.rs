@@ -256,7 +256,8 @@ async fn read_bytes(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SendFault {
     /// Once at least this many frames are written, stop sending and keep the connection open
-    /// for as long as the process lives: a live peer that is slow.
+    /// for as long as the process lives, even after the send is given up: a live peer that
+    /// is stuck.
     StallAfterFrames(u32),
 }
 
@@ -315,6 +316,19 @@ pub async fn send_with(
         .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
     socket.set_nodelay(true)?;
     bound_peer(&socket, peer_timeout)?;
+    if fault.is_some() {
+        // The stall plays a peer whose connection stays open for as long as the process
+        // lives, whatever its caller does: the socket goes to a task of its own, and this
+        // send waits until its caller gives up on it.
+        let (frames, manifest) = (frames.to_vec(), manifest.clone());
+        tokio::spawn(async move {
+            let held = send_frames(&mut socket, &frames, &manifest, batch_bytes, fault, || {
+                false
+            });
+            let _ = held.await;
+        });
+        return std::future::pending().await;
+    }
     send_frames(&mut socket, frames, manifest, batch_bytes, fault, aborted).await
 }
 
