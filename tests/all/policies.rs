@@ -387,3 +387,77 @@ fn a_whole_answer_past_the_request_timeout_fails_and_is_not_held_as_abandoned() 
         assert!(last["bulkhead.disconnect.hold"].is_null(), "{last}");
     });
 }
+
+/// A request its client abandoned is still its tenant's while the abort guard holds its
+/// stream: it keeps its concurrency slot until the stream is dropped, and is then charged its
+/// prompt and the tokens that came, not its whole `max_tokens`.
+#[test]
+fn an_abandoned_request_keeps_its_slot_while_held_and_is_charged_what_it_used() {
+    bounded(|| {
+        // tenant-a: one request at a time, 4000 tokens a minute (about 67 a second).
+        let up = Up::launch(Options {
+            replace: &[
+                ("max_concurrent = 8", "max_concurrent = 1"),
+                ("tokens_per_minute = 1000000", "tokens_per_minute = 4000"),
+            ],
+            ..Options::default()
+        });
+        up.wait_routable();
+        // About 1200 prompt tokens + 2500: charged about 3700 of the minute's 4000.
+        let long = format!(
+            r#"{{"messages":[{{"role":"user","content":"Summarize: {}"}}],"max_tokens":2500,"stream":true,"temperature":0}}"#,
+            "the quick brown fox jumps over the lazy dog. ".repeat(120)
+        );
+        // The worker is stopped mid-prefill (the response head comes before the first token),
+        // so the guard's hold lasts until the test lets it go on.
+        let mut s = open(&up.api, KEY_A, "/v1/chat/completions", &long);
+        let mut head = [0u8; 12];
+        s.read_exact(&mut head).expect("the response starts");
+        assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+        up.signal_worker("-STOP");
+        drop(s);
+        let m = wait_for(
+            &up,
+            "bulkhead_policy_abandoned_total{directive=\"hold_until_prefill_done\"}",
+            1,
+        );
+        assert_eq!(
+            metric(
+                &m,
+                "bulkhead_policy_abandoned_dropped_total{at=\"before_first_token\"}"
+            ) + metric(
+                &m,
+                "bulkhead_policy_abandoned_dropped_total{at=\"after_first_token\"}"
+            ),
+            0,
+            "still held:\n{m}"
+        );
+        // Held, it still takes tenant-a's one slot.
+        let question = r#"{"messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":2000,"temperature":0}"#;
+        let (status, body) = up.chat(KEY_A, &[], question);
+        up.signal_worker("-CONT");
+        assert_eq!(status, 429, "{body}");
+        assert!(body.contains("in flight"), "{body}");
+        // The hold ends (at the first token, or at the hold limit) and the slot comes back.
+        let deadline = Instant::now() + Duration::from_secs(90);
+        while in_flight(&up, "tenant-a") > 0 {
+            assert!(Instant::now() < deadline, "the held request never let go");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        // Charged in full, the abandoned request would leave about 300 of the minute's 4000:
+        // this request (about 30 prompt tokens + 2000) would get 429 for most of a minute.
+        let (status, body) = up.chat(KEY_A, &[], question);
+        assert_eq!(status, 200, "{body}");
+    });
+}
+
+/// `tenant`'s requests in flight, from the admin listener.
+fn in_flight(up: &Up, tenant: &str) -> u64 {
+    let (status, body) = http(&up.admin, "GET", "/tenants", Some(ADMIN), &[], "");
+    assert_eq!(status, 200, "{body}");
+    json(&body)["tenants"]
+        .as_array()
+        .and_then(|ts| ts.iter().find(|t| t["id"] == tenant))
+        .and_then(|t| t["in_flight"].as_u64())
+        .unwrap_or_else(|| panic!("no {tenant} in {body}"))
+}

@@ -404,7 +404,7 @@ async fn start(
         model: model.name.clone(),
         stream_mode: common.stream,
         tenant,
-        permit,
+        permit: Some(permit),
         prompt_tokens,
         route,
         metrics: state.metrics.clone(),

@@ -16,7 +16,7 @@ use tracing::Instrument as _;
 
 use crate::limits::RequestPermit;
 use crate::metrics::Metrics;
-use crate::policy::{Progress, RequestPolicy};
+use crate::policy::{Charge, Progress, RequestPolicy};
 use crate::tenant::Tenant;
 use crate::trail::Trail;
 use crate::upstreams::UpstreamStream;
@@ -40,8 +40,10 @@ pub struct Started {
     pub model: String,
     pub stream_mode: Option<Stream>,
     pub tenant: Arc<Tenant>,
-    /// Its tokens-per-minute charge (prompt + max tokens) is settled to what it used.
-    pub permit: RequestPermit,
+    /// Its tokens-per-minute charge (prompt + max tokens) is settled to what it used. `None`
+    /// only once handed to the policies at drop: an abandoned request keeps its tenant's
+    /// concurrency slot while its stream is held.
+    pub permit: Option<RequestPermit>,
     /// The prompt's tokens, as admitted.
     pub prompt_tokens: u32,
     pub route: Route,
@@ -61,8 +63,17 @@ pub struct Started {
 
 impl Drop for Started {
     fn drop(&mut self) {
-        if let Some(policy) = self.policy.take() {
-            policy.finish(self.upstream.take(), self.progress, self.trail.clone());
+        if let (Some(policy), Some(permit)) = (self.policy.take(), self.permit.take()) {
+            let charge = Charge {
+                permit,
+                prompt_tokens: self.prompt_tokens,
+            };
+            policy.finish(
+                self.upstream.take(),
+                self.progress,
+                self.trail.clone(),
+                charge,
+            );
         }
     }
 }
@@ -141,7 +152,7 @@ impl Started {
     /// came, or nothing when none came (refused before its first token, as at the call).
     fn failed(&mut self, error: ApiError, refused_by: Option<Layer>) -> ApiError {
         let came = self.progress.tokens;
-        self.permit.set_used(if came == 0 {
+        self.set_used(if came == 0 {
             0
         } else {
             u64::from(self.prompt_tokens) + u64::from(came)
@@ -163,8 +174,13 @@ impl Started {
             u64::from(d.prompt_tokens),
             u64::from(d.completion_tokens),
         );
-        self.permit
-            .set_used(u64::from(d.prompt_tokens) + u64::from(d.completion_tokens));
+        self.set_used(u64::from(d.prompt_tokens) + u64::from(d.completion_tokens));
+    }
+
+    fn set_used(&mut self, used: u64) {
+        if let Some(permit) = self.permit.as_mut() {
+            permit.set_used(used);
+        }
     }
 
     fn head(&self) -> Head<'_> {

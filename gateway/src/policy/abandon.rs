@@ -19,6 +19,7 @@ use std::time::Instant;
 use bulkhead_audit::{self as audit, Dropped, Hold};
 use bulkhead_worker::serve::proto::Item;
 
+use crate::limits::RequestPermit;
 use crate::trail::Trail;
 use crate::upstreams::UpstreamStream;
 
@@ -36,6 +37,27 @@ pub struct Progress {
     pub usage: Option<(u32, u32)>,
     /// The request failed (before or after its 200).
     pub failed: bool,
+}
+
+/// A request's claim on its tenant's budget, handed over with its end: an abandoned request
+/// keeps its concurrency slot while its stream is held, and is charged its prompt and the
+/// tokens that came (until the hold ended), not its whole `max_tokens`.
+#[derive(Debug)]
+pub struct Charge {
+    pub permit: RequestPermit,
+    /// The prompt's tokens, as admitted.
+    pub prompt_tokens: u32,
+}
+
+impl Charge {
+    /// Settles the charge to what the request used, as far as `progress` got.
+    fn settle(mut self, progress: Progress) {
+        let used = match progress.usage {
+            Some((prompt, completion)) => u64::from(prompt) + u64::from(completion),
+            None => u64::from(self.prompt_tokens) + u64::from(progress.tokens),
+        };
+        self.permit.set_used(used);
+    }
 }
 
 /// The directive a failing `on-disconnect` plugin gets when its binding fails closed: the
@@ -157,6 +179,7 @@ impl Ending {
         upstream: Option<UpstreamStream>,
         mut progress: Progress,
         trail: Trail,
+        charge: Charge,
     ) {
         let (held_before, held) = self.policies.hold(&self.tenant);
         let directive = if self.wanting(Hooks::ON_DISCONNECT).next().is_none() {
@@ -197,6 +220,7 @@ impl Ending {
         // the hold in it.
         drop(trail);
         drop(held);
+        charge.settle(progress);
         let usage = progress.usage.unwrap_or((0, progress.tokens));
         self.end(Outcome::ClientDisconnected, usage).await;
     }
@@ -235,8 +259,14 @@ impl RequestPolicy {
     /// The request ended: completed (`progress.usage`), failed, or abandoned by its client
     /// (neither). Called once, when the response's state is dropped; the work runs in a task.
     /// An abandoned request's `trail` is kept until its stream is dropped, so that its record
-    /// says how the stream was held.
-    pub fn finish(self, upstream: Option<UpstreamStream>, progress: Progress, trail: Trail) {
+    /// says how the stream was held, and its `charge` until then too, settled to what it used.
+    pub fn finish(
+        self,
+        upstream: Option<UpstreamStream>,
+        progress: Progress,
+        trail: Trail,
+        charge: Charge,
+    ) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -259,7 +289,7 @@ impl RequestPolicy {
                 }
             }
             None => {
-                runtime.spawn(ending.abandoned(upstream, progress, trail));
+                runtime.spawn(ending.abandoned(upstream, progress, trail, charge));
             }
         }
     }

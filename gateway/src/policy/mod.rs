@@ -35,7 +35,7 @@ mod snapshot;
 mod stats;
 mod verdict;
 
-pub use abandon::Progress;
+pub use abandon::{Charge, Progress};
 pub use cache::Compiled;
 pub use chain::{BindingSummary, PolicySet};
 pub use decision::{Decision, DecisionVerdict};

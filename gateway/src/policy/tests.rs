@@ -10,8 +10,10 @@ use http::HeaderMap;
 
 use super::*;
 use crate::config::AuditSettings;
+use crate::limits::Limiter;
 use crate::metrics::Metrics;
 use crate::scratch::Scratch;
+use crate::tenant::{Tenant, TenantId, TenantLimits};
 use crate::trail::{Recorder, Trail};
 
 /// Where scripts/build-plugins puts the components.
@@ -84,6 +86,30 @@ fn trail(dir: &Scratch) -> Trail {
     )
     .expect("opens the audit log");
     recorder.trail("req-test".into(), tracing::Span::none())
+}
+
+/// tenant-a, allowed `tokens_per_minute`, one request at a time.
+fn tenant(tokens_per_minute: u64) -> Arc<Tenant> {
+    let nz = |n| std::num::NonZeroU32::new(n).expect("nonzero");
+    Arc::new(Tenant {
+        id: TenantId::new("tenant-a").expect("valid"),
+        limits: TenantLimits {
+            max_context: nz(8192),
+            max_concurrent: nz(1),
+            requests_per_minute: nz(600),
+            tokens_per_minute: std::num::NonZeroU64::new(tokens_per_minute).expect("nonzero"),
+        },
+        capture_content: false,
+    })
+}
+
+/// A request's claim on a tenant of its own (with room to spare), for tests that do not look
+/// at it.
+fn charge() -> Charge {
+    Charge {
+        permit: Limiter::default().start(&tenant(1000)).expect("room"),
+        prompt_tokens: 10,
+    }
 }
 
 struct Ask<'a> {
@@ -985,7 +1011,7 @@ async fn abort_guard_holds_an_abandoned_prefill_and_caps_what_a_tenant_holds() {
     // Abandoned before the first token: held until prefill is done.
     let (p, dir) = loaded(&set);
     let r = ask(&p, Ask::default()).await.expect("allowed");
-    r.finish(None, Progress::default(), trail(&dir));
+    r.finish(None, Progress::default(), trail(&dir), charge());
     let m = abandoned_directives(&p).await;
     assert!(
         m.contains("directive=\"hold_until_prefill_done\"} 1"),
@@ -1008,6 +1034,7 @@ async fn abort_guard_holds_an_abandoned_prefill_and_caps_what_a_tenant_holds() {
             ..Progress::default()
         },
         trail(&dir),
+        charge(),
     );
     assert!(
         abandoned_directives(&p)
@@ -1018,10 +1045,50 @@ async fn abort_guard_holds_an_abandoned_prefill_and_caps_what_a_tenant_holds() {
     let (p, dir) = loaded(&set);
     let (_, _held) = p.hold("tenant-a");
     let r = ask(&p, Ask::default()).await.expect("allowed");
-    r.finish(None, Progress::default(), trail(&dir));
+    r.finish(None, Progress::default(), trail(&dir), charge());
     assert!(
         abandoned_directives(&p)
             .await
             .contains("directive=\"abort_now\"} 1")
+    );
+}
+
+#[tokio::test]
+async fn an_abandoned_request_keeps_its_slot_until_its_end_and_is_charged_what_it_used() {
+    let (p, dir) = loaded(&format!(
+        "{}{}",
+        plugin("abort-guard", ""),
+        binding("abort-guard", "config = { max_held_per_tenant = 1 }")
+    ));
+    let a = tenant(1000);
+    let limiter = Limiter::default();
+    let mut permit = limiter.start(&a).expect("the one slot");
+    permit
+        .charge_tokens(1000)
+        .expect("prompt 10 + max tokens 990");
+    let r = ask(&p, Ask::default()).await.expect("allowed");
+    let progress = Progress {
+        tokens: 3,
+        ..Progress::default()
+    };
+    let charge = Charge {
+        permit,
+        prompt_tokens: 10,
+    };
+    r.finish(None, progress, trail(&dir), charge);
+    abandoned_directives(&p).await;
+    for _ in 0..100 {
+        if limiter.in_flight(&a.id) == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut next = limiter.start(&a).expect("the slot came back at the end");
+    // 13 used (prompt and the 3 tokens that came): 987 of the minute's 1000 are back.
+    next.charge_tokens(987).expect("the unused 987 refunded");
+    // The 13 used stay charged (the bucket refills 1000 a minute: 60 would take 3.6 s).
+    assert!(
+        next.charge_tokens(60).is_err(),
+        "what it used stays charged"
     );
 }
