@@ -27,7 +27,7 @@ use bulkhead_worker::engine::{Engine, EngineConfig, Event, KvBudget, Request, wr
 use bulkhead_worker::kv::KvMemory;
 use bulkhead_worker::loader::LoadedModel;
 use bulkhead_worker::sampling::SamplingParams;
-use bulkhead_worker::serve::kvplane::{self, Buffers, Deliver};
+use bulkhead_worker::serve::kvplane::{self, Buffers, Deliver, Lease};
 use serde_json::json;
 use tokio::runtime::Runtime;
 
@@ -158,13 +158,13 @@ struct Payload {
     buffers: Buffers,
 }
 
-/// A stand-in for decode's engine thread: messages go over a channel to a thread that owns
-/// the destination pool, as `Command::Deliver` does.
-struct ToThread(mpsc::Sender<Option<Received>>);
+/// A stand-in for decode's engine thread: messages (with their leases on the receive budget)
+/// go over a channel to a thread that owns the destination pool, as `Command::Deliver` does.
+struct ToThread(mpsc::Sender<Option<(Received, Lease)>>);
 
 impl Deliver for ToThread {
-    fn deliver(&self, message: Received, _buffers: &Buffers) {
-        let _ = self.0.send(Some(message));
+    fn deliver(&self, message: Received, _buffers: &Buffers, lease: Lease) {
+        let _ = self.0.send(Some((message, lease)));
     }
 
     fn transport_closed(&self, _nonces: Vec<bulkhead_handoff::SessionNonce>) {
@@ -350,13 +350,14 @@ fn decode_thread(
     mut dest: KvMemory,
     t: Reservation,
     checks: bool,
-    rx: mpsc::Receiver<Option<Received>>,
+    rx: mpsc::Receiver<Option<(Received, Lease)>>,
     buffers: &Buffers,
 ) -> anyhow::Result<()> {
     let mut inbound = Inbound::new(t.clone());
     let live = |p: PageId| t.pages.get(p.index()).map(|r| r.tag);
     let pt = t.page_tokens as usize;
-    while let Ok(Some(m)) = rx.recv() {
+    // Each message's lease is dropped once it is dealt with, as on the engine thread.
+    while let Ok(Some((m, _lease))) = rx.recv() {
         match m {
             Received::Frame(f) if checks => {
                 write_frame(&mut inbound, &mut dest, &f, live)?;
@@ -477,7 +478,7 @@ impl Ttft {
 struct Collect(Mutex<Vec<Received>>);
 
 impl Deliver for Collect {
-    fn deliver(&self, message: Received, _buffers: &Buffers) {
+    fn deliver(&self, message: Received, _buffers: &Buffers, _lease: Lease) {
         if let Ok(mut v) = self.0.lock() {
             v.push(message);
         }

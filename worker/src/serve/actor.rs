@@ -30,7 +30,7 @@ use crate::engine::{
 };
 
 use super::error::ServeError;
-use super::kvplane::Buffers;
+use super::kvplane::{Buffers, Lease};
 use super::metrics::{Metrics, Outcome};
 
 /// A snapshot of the engine's load and pool.
@@ -64,7 +64,7 @@ enum Command {
         reply: oneshot::Sender<Result<(), ServeError>>,
     },
     /// A KV data-plane message for a decode-side transfer (frames checked on arrival).
-    Deliver(Received, Buffers),
+    Deliver(Received, Buffers, Lease),
     /// The prefill worker refused a transfer; nothing of it will arrive.
     PrefillRejected {
         nonce: SessionNonce,
@@ -193,9 +193,12 @@ impl EngineHandle {
         let _ = self.commands.send(Command::Cancel { id });
     }
 
-    /// Hands a data-plane message to the engine; a frame's buffer goes back to `buffers`.
-    pub fn deliver(&self, message: Received, buffers: Buffers) {
-        let _ = self.commands.send(Command::Deliver(message, buffers));
+    /// Hands a data-plane message to the engine; a frame's buffer goes back to `buffers`, and
+    /// `lease` is dropped once the message is dealt with.
+    pub fn deliver(&self, message: Received, buffers: Buffers, lease: Lease) {
+        let _ = self
+            .commands
+            .send(Command::Deliver(message, buffers, lease));
     }
 
     /// The prefill worker refused transfer `nonce`.
@@ -308,10 +311,11 @@ fn handle(engine: &mut Engine, command: Command, metrics: &Metrics) {
                 metrics.count(Outcome::Cancelled);
             }
         }
-        Command::Deliver(message, buffers) => {
+        Command::Deliver(message, buffers, lease) => {
             if let Some(spent) = engine.deliver(message) {
                 buffers.give(spent);
             }
+            drop(lease);
         }
         Command::PrefillRejected { nonce, reason } => engine.prefill_rejected(nonce, reason),
         Command::TransportClosed(nonces) => engine.transport_closed(&nonces),

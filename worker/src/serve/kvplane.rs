@@ -13,6 +13,12 @@
 //!                                                     (this task)         + one copy into the page
 //! ```
 //!
+//! What waits for the engine is bounded ([`RECEIVE_BUDGET_BYTES`] over all connections): each
+//! message holds a [`Lease`] on the budget until the engine is done with it, and a connection
+//! whose next message does not fit waits before reading it, so a peer that sends faster than
+//! the engine writes — or floods frames of no session — is slowed by TCP instead of queued in
+//! memory. One connection carries at most [`MAX_OPEN_SESSIONS`] open sessions.
+//!
 //! When a connection ends — cleanly or not — every session it carried that was not closed is
 //! reported as torn down: nothing more of it can arrive, which is the drain acknowledgement
 //! for aborted transfers. A peer that sends bytes the codec refuses loses its connection,
@@ -39,6 +45,7 @@ use bulkhead_handoff::codec::{
 use bulkhead_handoff::{CloseReason, Frame, Manifest, Message, Received, SessionNonce};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::actor::EngineHandle;
 
@@ -49,6 +56,19 @@ pub const MAX_FRAME_BYTES: u32 = 256 << 20;
 /// The receive buffer for message heads and small messages; frame bytes bypass it.
 const HEAD_BUFFER: usize = 8 << 10;
 
+/// The most bytes of received messages waiting for the engine at once, over all of a decode
+/// worker's data connections (never less than one largest frame and its cost): about a
+/// hundred pages of the default model, so the engine is never starved between two reads.
+pub const RECEIVE_BUDGET_BYTES: usize = 64 << 20;
+
+/// What a message counts against the budget beyond its frame bytes: its place in the
+/// engine's queue, so that a flood of small messages is bounded too.
+const MESSAGE_COST: usize = 256;
+
+/// The most sessions one data connection may carry open at once (prefill opens one per
+/// connection); a peer that opens more loses its connection.
+pub const MAX_OPEN_SESSIONS: usize = 64;
+
 /// Frame buffers the receive path reuses: whoever writes a frame's bytes into their page
 /// gives the buffer back, so a steady stream of transfers allocates (and faults in) no new
 /// memory for them. A frame longer than `max_frame` is refused before anything is allocated
@@ -58,6 +78,15 @@ const HEAD_BUFFER: usize = 8 << 10;
 pub struct Buffers {
     spares: Arc<Mutex<Vec<Vec<u8>>>>,
     max_frame: u32,
+    /// Bytes of received messages the engine has not finished with ([`Lease`]).
+    budget: Arc<Semaphore>,
+}
+
+/// A received message's claim on the receive budget: given back when dropped, i.e. once the
+/// engine wrote the frame's bytes (or refused them).
+#[derive(Debug)]
+pub struct Lease {
+    _permit: OwnedSemaphorePermit,
 }
 
 /// Spare buffers kept (each about a page).
@@ -73,10 +102,27 @@ impl Default for Buffers {
 impl Buffers {
     /// Buffers for frames of at most `max_frame` bytes (a decode worker's page).
     pub fn up_to(max_frame: u32) -> Buffers {
+        Buffers::with_budget(max_frame, RECEIVE_BUDGET_BYTES)
+    }
+
+    /// Buffers for frames of at most `max_frame` bytes, with at most `budget` bytes waiting
+    /// for the engine at once (raised to one largest message when lower).
+    fn with_budget(max_frame: u32, budget: usize) -> Buffers {
+        let max_frame = max_frame.min(MAX_FRAME_BYTES);
         Buffers {
             spares: Arc::default(),
-            max_frame: max_frame.min(MAX_FRAME_BYTES),
+            max_frame,
+            budget: Arc::new(Semaphore::new(budget.max(cost(max_frame)))),
         }
+    }
+
+    /// Waits until `bytes` fit in the budget and claims them.
+    async fn lease(&self, bytes: usize) -> std::io::Result<Lease> {
+        let n = u32::try_from(bytes).map_err(std::io::Error::other)?;
+        let permit = self.budget.clone().acquire_many_owned(n).await;
+        // The semaphore is never closed.
+        let permit = permit.map_err(std::io::Error::other)?;
+        Ok(Lease { _permit: permit })
     }
 
     /// An empty buffer with room for `len` bytes.
@@ -98,18 +144,23 @@ impl Buffers {
     }
 }
 
+/// What a message of `frame_bytes` counts against the receive budget.
+fn cost(frame_bytes: u32) -> usize {
+    frame_bytes as usize + MESSAGE_COST
+}
+
 /// Where decode's receive path hands what arrives: the engine thread, or a bench's stand-in.
 pub trait Deliver {
     /// One message, in the order it arrived; a frame's buffer goes back to `buffers` once
-    /// its bytes are written.
-    fn deliver(&self, message: Received, buffers: &Buffers);
+    /// its bytes are written, and `lease` is dropped once the message is dealt with.
+    fn deliver(&self, message: Received, buffers: &Buffers, lease: Lease);
     /// The connection that carried `nonces` ended: nothing more of them can arrive.
     fn transport_closed(&self, nonces: Vec<SessionNonce>);
 }
 
 impl Deliver for EngineHandle {
-    fn deliver(&self, message: Received, buffers: &Buffers) {
-        EngineHandle::deliver(self, message, buffers.clone());
+    fn deliver(&self, message: Received, buffers: &Buffers, lease: Lease) {
+        EngineHandle::deliver(self, message, buffers.clone(), lease);
     }
 
     fn transport_closed(&self, nonces: Vec<SessionNonce>) {
@@ -187,16 +238,25 @@ pub async fn receive(
     let result = loop {
         match read_message(&mut reader, buffers).await {
             Ok(None) => break Ok(()),
-            Ok(Some(message)) => {
+            Ok(Some((message, lease))) => {
                 match &message {
                     Received::Closed { nonce, .. } => {
                         open.remove(nonce);
                     }
                     other => {
-                        open.insert(other.nonce());
+                        let nonce = other.nonce();
+                        if open.len() == MAX_OPEN_SESSIONS && !open.contains(&nonce) {
+                            break Err(std::io::Error::new(
+                                std::io::ErrorKind::InvalidData,
+                                format!(
+                                    "more than {MAX_OPEN_SESSIONS} sessions open on one data connection"
+                                ),
+                            ));
+                        }
+                        open.insert(nonce);
                     }
                 }
-                to.deliver(message, buffers);
+                to.deliver(message, buffers, lease);
             }
             Err(e) => break Err(e),
         }
@@ -205,11 +265,12 @@ pub async fn receive(
     result
 }
 
-/// Reads the next message: `None` at a clean end of the stream (between messages).
+/// Reads the next message, with its lease on the receive budget (waiting for room before a
+/// frame's bytes are read): `None` at a clean end of the stream (between messages).
 async fn read_message(
     reader: &mut (impl AsyncRead + Unpin),
     buffers: &Buffers,
-) -> std::io::Result<Option<Received>> {
+) -> std::io::Result<Option<(Received, Lease)>> {
     let mut head = [0u8; FRAME_HEAD];
     let first = reader.read(&mut head[..HEADER]).await?;
     if first == 0 {
@@ -228,10 +289,14 @@ async fn read_message(
         None => return Err(std::io::Error::other("message head shorter than its kind")),
     };
     match head {
-        Head::Whole(m) => Ok(Some(m.into())),
+        Head::Whole(m) => Ok(Some((m.into(), buffers.lease(cost(0)).await?))),
         Head::Frame { header, len } => {
+            let lease = buffers.lease(cost(len)).await?;
             let bytes = read_bytes(reader, buffers.take(len as usize), len as usize).await?;
-            Ok(Some(Received::Frame(Frame { header, bytes }.check())))
+            Ok(Some((
+                Received::Frame(Frame { header, bytes }.check()),
+                lease,
+            )))
         }
     }
 }
@@ -460,7 +525,7 @@ mod tests {
     }
 
     impl Deliver for Log {
-        fn deliver(&self, message: Received, buffers: &Buffers) {
+        fn deliver(&self, message: Received, buffers: &Buffers, _lease: Lease) {
             // Give the buffer back, as the engine does, so that buffers are reused.
             if let Received::Frame(f) = &message {
                 buffers.give(f.clone().into_bytes());
@@ -617,6 +682,75 @@ mod tests {
         assert_eq!(log.got.lock().expect("lock").len(), 5);
     }
 
+    /// An engine that falls behind: it keeps every lease until told to catch up.
+    #[derive(Default, Clone)]
+    struct Behind {
+        leases: Arc<Mutex<Vec<Lease>>>,
+        taken: Arc<Mutex<usize>>,
+    }
+
+    impl Deliver for Behind {
+        fn deliver(&self, message: Received, buffers: &Buffers, lease: Lease) {
+            if let Received::Frame(f) = message {
+                buffers.give(f.into_bytes());
+            }
+            self.leases.lock().expect("lock").push(lease);
+            *self.taken.lock().expect("lock") += 1;
+        }
+        fn transport_closed(&self, _: Vec<SessionNonce>) {}
+    }
+
+    #[tokio::test]
+    async fn what_waits_for_the_engine_is_held_to_the_receive_budget() {
+        // 40 frames of 1000 bytes, all in the pipe at once; room for 4 of them.
+        let fs = frames(40, 1000);
+        let buffers = Buffers::with_budget(1000, 4 * cost(1000));
+        let behind = Behind::default();
+        let (mut tx, rx) = tokio::io::duplex(1 << 20);
+        let receiving = tokio::spawn({
+            let (behind, buffers) = (behind.clone(), buffers.clone());
+            async move { receive(rx, &behind, &buffers).await }
+        });
+        let sent = send_on(&mut tx, &fs, &manifest(&fs), 1 << 20, || false).await;
+        assert!(matches!(sent, Ok(Sent::Complete { .. })));
+        drop(tx);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(
+            *behind.taken.lock().expect("lock"),
+            4,
+            "stopped at the budget"
+        );
+        assert!(!receiving.is_finished());
+        // The engine catches up: the rest comes, the manifest and `Closed` too.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !receiving.is_finished() {
+            assert!(tokio::time::Instant::now() < deadline, "never finished");
+            behind.leases.lock().expect("lock").clear();
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        receiving.await.expect("joined").expect("clean end");
+        assert_eq!(*behind.taken.lock().expect("lock"), 42);
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_opens_too_many_sessions_loses_it() {
+        let mut bytes = Vec::new();
+        for i in 0..=MAX_OPEN_SESSIONS {
+            let mut nonce = [0; 16];
+            nonce[..8].copy_from_slice(&(i as u64).to_le_bytes());
+            let mut m = manifest(&[]);
+            m.nonce = SessionNonce(nonce);
+            encode(&Message::Manifest(m), &mut bytes);
+        }
+        let log = Log::default();
+        let ended = receive(&bytes[..], &log, &Buffers::default()).await;
+        let e = ended.expect_err("refused");
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
+        assert_eq!(log.got.lock().expect("lock").len(), MAX_OPEN_SESSIONS);
+        // Every session it opened is reported torn down.
+        assert_eq!(log.closed.lock().expect("lock").len(), MAX_OPEN_SESSIONS);
+    }
+
     #[tokio::test]
     async fn a_stall_fault_stops_sending_after_its_frame_count() {
         let fs = frames(5, 100);
@@ -718,10 +852,13 @@ mod tests {
         let Some(Event::Reserved(target)) = events.recv().await else {
             panic!("expected the reservation");
         };
-        // A frame of no session: dropped, counted, its buffer handed back for reuse.
+        // A frame of no session: dropped, counted, its buffer handed back for reuse and its
+        // lease on the receive budget given back.
         let buffers = Buffers::default();
+        let budget = buffers.budget.available_permits();
         let stray = Frame::new(SessionNonce([9; 16]), 0, Tag::new(1), 0..1, vec![1; 8]);
-        Deliver::deliver(&engine, Received::Frame(stray.check()), &buffers);
+        let lease = buffers.lease(cost(8)).await.expect("room");
+        Deliver::deliver(&engine, Received::Frame(stray.check()), &buffers, lease);
         // The transfer's connection ends: the request fails at once.
         Deliver::transport_closed(&engine, vec![target.nonce]);
         assert!(matches!(
@@ -731,6 +868,7 @@ mod tests {
         let stats = engine.stats().await.expect("stats");
         assert_eq!(stats.transfers.frames_dropped.get("no_session"), 1);
         assert_eq!(buffers.spares.lock().expect("lock").len(), 1);
+        assert_eq!(buffers.budget.available_permits(), budget);
     }
 
     #[test]
