@@ -306,9 +306,9 @@ async fn over_an_impaired_link_between_namespaces_the_answer_is_unchanged() {
 }
 
 #[tokio::test]
-async fn a_partition_fails_the_request_within_its_deadline_and_the_pools_recover_once_it_heals() {
+async fn a_partition_fails_the_request_within_its_deadline_and_the_pools_recover_before_it_heals() {
     let Some(net) = net_or_skip(
-        "a_partition_fails_the_request_within_its_deadline_and_the_pools_recover_once_it_heals",
+        "a_partition_fails_the_request_within_its_deadline_and_the_pools_recover_before_it_heals",
     ) else {
         return;
     };
@@ -343,8 +343,9 @@ async fn a_partition_fails_the_request_within_its_deadline_and_the_pools_recover
             "a 3 s transfer deadline failed after {took:?}"
         );
 
-        net.set_link(true);
+        // The pages come back while the partition lasts: it may never heal.
         pools_at_baseline(&prefill, &decode).await;
+        net.set_link(true);
         let m = decode.metrics();
         assert!(
             metric(&m, "bulkhead_kv_abort_ack_seconds_count")

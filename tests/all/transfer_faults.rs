@@ -224,6 +224,52 @@ async fn requests_while_prefill_is_down_give_decode_its_pages_back_not_quarantin
 }
 
 #[tokio::test]
+async fn requests_given_up_before_a_silent_prefill_answers_give_decode_its_pages_back() {
+    bounded(async {
+        // A prefill worker that is there but never answers (stopped: its kernel still accepts
+        // connections). A request whose transfer deadline passes, and one whose client leaves,
+        // before prefill answered: neither can ever get a drain acknowledgement while prefill
+        // stays silent, and no data connection of theirs ever opened to close. Their pages
+        // must come back, not be quarantined for as long as the silence lasts.
+        let (prefill, decode) = pair(
+            &[],
+            &[
+                "--transfer-timeout-ms",
+                "2000",
+                "--release-timeout-ms",
+                "300",
+            ],
+        );
+        let mut client = decode.client().await;
+        let before = pool(&health(&mut client).await);
+        let stopped = std::process::Command::new("kill")
+            .args(["-STOP", &prefill.child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(stopped.success());
+        let err = run_to_end(&mut client, chat("What is 2+2?", 8))
+            .await
+            .expect_err("no answer from prefill");
+        assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+        let left = tokio::time::timeout(
+            Duration::from_millis(500),
+            run_to_end(&mut client, chat("What is 2+2?", 8)),
+        )
+        .await;
+        assert!(left.is_err(), "the client left before any answer: {left:?}");
+        // Past the release timeout, a reservation that was not given back is quarantined.
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        let p = pool(&health(&mut client).await);
+        let _ = std::process::Command::new("kill")
+            .args(["-CONT", &prefill.child.id().to_string()])
+            .status();
+        assert_eq!(p.quarantined, 0, "{p:?}");
+        assert_eq!(p.free + p.pending_scrub, before.total, "{p:?}");
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn a_decode_peer_that_stops_reading_and_hangs_up_gets_no_hold_on_prefills_pages() {
     bounded(async {
         let prefill = Worker::start(&["--role", "prefill", "--kv-tokens", "4096"]);

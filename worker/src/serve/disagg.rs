@@ -4,11 +4,12 @@
 //! worker's `Prefill` with the reservation. A refusal there fails the request at once with the
 //! prefill worker's reason and releases the reservation (nothing was sent); an unreachable
 //! prefill worker, or a call that ends before accepting, fails it with `service_unavailable`
-//! and releases the reservation too, as the end of an accepted call does: prefill sends only
-//! while its call is open, and decode writes every frame itself, dropping those of a closed
-//! session (a transport whose peer writes remotely would need its own teardown here). The
-//! call's stream is kept with the client's stream: when the client goes away, dropping it
-//! aborts the transfer on the prefill side.
+//! and releases the reservation too, as the end of an accepted call does — also when the
+//! transfer deadline or the client's going away ends the call before prefill answered: prefill
+//! sends only while its call is open, and decode writes every frame itself, dropping those of
+//! a closed session (a transport whose peer writes remotely would need its own teardown here).
+//! The accepted call's stream is kept with the client's stream: when the client goes away,
+//! dropping it aborts the transfer on the prefill side, whose `Closed(aborted)` releases it.
 //!
 //! Prefill ([`prefill`]): admit into this worker's own pool, compute, and write the frames to
 //! decode's data plane in bounded batches, stopping with `Closed(aborted)` as soon as decode
@@ -102,6 +103,34 @@ pub struct RemoteStart {
     pub call: PrefillCall,
 }
 
+/// A `Prefill` call prefill has not answered yet. If it ends so — it failed, even at connect,
+/// its stream closed, the engine's transfer deadline came first, or the client went away and
+/// the call was dropped — the end is the session's teardown, as the end of an accepted call
+/// is (see [`PrefillCall`]): the reservation comes back at once. Waiting for prefill's drain
+/// acknowledgement instead held it for good when none ever came (prefill down, a partition
+/// that does not heal): no data connection of the session ever opened, so none closes to
+/// reclaim it.
+struct Unanswered<'a> {
+    engine: &'a EngineHandle,
+    /// `None` once prefill answered.
+    nonce: Option<SessionNonce>,
+}
+
+impl Unanswered<'_> {
+    /// Prefill answered (accepted or refused): what follows is said by the answer.
+    fn answered(mut self) {
+        self.nonce = None;
+    }
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if let Some(nonce) = self.nonce {
+            self.engine.transport_closed(vec![nonce]);
+        }
+    }
+}
+
 /// Which of the two waits of [`start_remote_prefill`] ended first.
 enum Raced<A> {
     Answer(A),
@@ -148,8 +177,7 @@ pub async fn start_remote_prefill(
         reservation: Some(to_proto_reservation(&target)),
         kv_address: peer.kv_address.clone(),
     };
-    // Failing here drops `guard`: the request is cancelled (its pages wait for the drain unless
-    // the call is known over).
+    // Failing here drops `guard`: the request is cancelled.
     let unavailable = |reason: String| ServeError::PrefillUnavailable { reason };
     let client = peer.client.clone();
     let mut request = tonic::Request::new(request);
@@ -160,6 +188,12 @@ pub async fn start_remote_prefill(
         Ok::<_, Status>((call, first))
     }
     .instrument(call_span.clone());
+    // Until prefill answers, however this ends — the call failed or closed, the engine's
+    // transfer deadline, the client gone — the call's end is the session's teardown.
+    let unanswered = Unanswered {
+        engine,
+        nonce: Some(target.nonce),
+    };
     // An unreachable or silent prefill worker must not hold the request past its transfer
     // deadline: the engine's verdict (a timeout) ends the wait.
     tokio::pin!(answer);
@@ -181,20 +215,15 @@ pub async fn start_remote_prefill(
             return Err(ServeError::Internal { what: "engine" });
         }
     };
-    // A call that ended without accepting (it failed, even at connect, or the stream closed)
-    // cannot carry frames any more: like the watcher's, its end is the session's teardown, so
-    // the reservation comes back now instead of being quarantined for good at the release
-    // timeout (no data connection of the session will ever close to reclaim it).
-    let call_over = || engine.transport_closed(vec![target.nonce]);
     let (call, first) = answer.map_err(|s| {
         spans::failed(&call_span, &s);
-        call_over();
         unavailable(s.message().to_owned())
     })?;
     let refused = match first {
         Some(proto::PrefillEvent {
             event: Some(PrefillItem::Accepted(_)),
         }) => {
+            unanswered.answered();
             return Ok(RemoteStart {
                 early,
                 events,
@@ -206,16 +235,14 @@ pub async fn start_remote_prefill(
             event: Some(PrefillItem::Rejected(refusal)),
         }) => {
             let reason = from_refusal(&refusal);
+            unanswered.answered();
             engine.prefill_rejected(target.nonce, reason.clone());
             let mut guard = guard;
             guard.disarm();
             // Prefill's admission refused it, not this worker's: the status names that layer.
             ServeError::Failed(Failure::PrefillRejected(reason))
         }
-        other => {
-            call_over();
-            unavailable(format!("unexpected first answer {other:?}"))
-        }
+        other => unavailable(format!("unexpected first answer {other:?}")),
     };
     spans::failed(&call_span, &status(&refused));
     Err(refused)
