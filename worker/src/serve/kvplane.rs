@@ -15,7 +15,7 @@
 //!
 //! What waits for the engine is bounded ([`RECEIVE_BUDGET_BYTES`] over all connections): each
 //! message holds a [`Lease`] on the budget until the engine is done with it, and a connection
-//! whose next message does not fit waits before reading it, so a peer that sends faster than
+//! whose message does not fit waits before reading the next, so a peer that sends faster than
 //! the engine writes — or floods frames of no session — is slowed by TCP instead of queued in
 //! memory. One connection carries at most [`MAX_OPEN_SESSIONS`] open sessions.
 //!
@@ -265,8 +265,8 @@ pub async fn receive(
     result
 }
 
-/// Reads the next message, with its lease on the receive budget (waiting for room before a
-/// frame's bytes are read): `None` at a clean end of the stream (between messages).
+/// Reads the next message, with its lease on the receive budget (waiting for room once it is
+/// read): `None` at a clean end of the stream (between messages).
 async fn read_message(
     reader: &mut (impl AsyncRead + Unpin),
     buffers: &Buffers,
@@ -291,8 +291,11 @@ async fn read_message(
     match head {
         Head::Whole(m) => Ok(Some((m.into(), buffers.lease(cost(0)).await?))),
         Head::Frame { header, len } => {
-            let lease = buffers.lease(cost(len)).await?;
+            // The lease is taken once the bytes are in: a peer that sends a frame's head and
+            // then trickles (or withholds) its bytes holds its own buffer, never the budget
+            // that every other connection's transfers need.
             let bytes = read_bytes(reader, buffers.take(len as usize), len as usize).await?;
+            let lease = buffers.lease(cost(len)).await?;
             Ok(Some((
                 Received::Frame(Frame { header, bytes }.check()),
                 lease,
@@ -730,6 +733,42 @@ mod tests {
         }
         receiving.await.expect("joined").expect("clean end");
         assert_eq!(*behind.taken.lock().expect("lock"), 42);
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_withholds_a_frames_bytes_holds_none_of_the_budget() {
+        // Room for one frame. One peer sends a frame's head and 10 of its 1000 bytes, then
+        // nothing; another's whole transfer must still get through.
+        let fs = frames(3, 1000);
+        let buffers = Buffers::with_budget(1000, cost(1000));
+        let mut partial = Vec::new();
+        encode_frame(&fs[0], &mut partial);
+        let (mut stalled, rx) = tokio::io::duplex(1 << 20);
+        stalled
+            .write_all(&partial[..FRAME_HEAD + 10])
+            .await
+            .expect("writes");
+        let withheld = tokio::spawn({
+            let buffers = buffers.clone();
+            async move { receive(rx, &Log::default(), &buffers).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let (mut tx, rx) = tokio::io::duplex(1 << 20);
+        let log = Log::default();
+        let whole = async {
+            let sent = send_on(&mut tx, &fs, &manifest(&fs), 1 << 20, || false).await;
+            drop(tx);
+            sent
+        };
+        let both = async { tokio::join!(whole, receive(rx, &log, &buffers)) };
+        let (sent, received) = tokio::time::timeout(Duration::from_secs(5), both)
+            .await
+            .expect("the whole transfer is not held up");
+        assert!(matches!(sent, Ok(Sent::Complete { .. })));
+        received.expect("clean end");
+        assert_eq!(log.got.lock().expect("lock").len(), 5);
+        assert!(!withheld.is_finished());
+        drop(stalled);
     }
 
     #[tokio::test]
