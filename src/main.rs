@@ -39,7 +39,7 @@ enum Command {
         what: bench::What,
     },
     /// Serve the model over gRPC (bulkhead.worker.v1), with /metrics on an admin port.
-    Worker(worker::Args),
+    Worker(Box<worker::Args>),
     /// Serve the OpenAI-compatible gateway in front of the configured workers.
     Gateway(gateway::Args),
     /// Check the workers a gateway configuration lists before traffic: pools against served
@@ -79,7 +79,7 @@ fn main() -> anyhow::Result<()> {
     match command {
         Command::Generate(args) => generate::run(args),
         Command::Bench { what } => bench::run(what),
-        Command::Worker(args) => worker::run(args),
+        Command::Worker(args) => worker::run(*args),
         Command::Gateway(args) => gateway::run(args),
         Command::Up(args) => up::run(args),
         Command::Preflight(args) => gateway::preflight(args),

@@ -12,6 +12,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use bulkhead_gateway::tenants::ConfigFile;
 use bulkhead_gateway::{BoundGateway, Config};
+use bulkhead_worker::serve::ClusterToken;
 use tokio::process::{Child, Command};
 
 use crate::child;
@@ -20,6 +21,8 @@ use crate::telemetry::Service;
 
 /// The default configuration, built into the binary so `bulkhead up` works from anywhere.
 const DEFAULT_CONFIG: &str = include_str!("../deploy/local/gateway.toml");
+/// The cluster token's file in the data directory (owner-only; rewritten at every start).
+pub const CLUSTER_TOKEN_FILE: &str = "cluster-token";
 /// How long the worker may take to load the model and bind.
 const WORKER_START_LIMIT: Duration = Duration::from_secs(120);
 /// How long the worker gets to stop after SIGTERM before it is killed.
@@ -120,21 +123,26 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     let audit_export = telemetry.audit_export();
     let model = args.model.path()?;
     let data_dir = args.data_dir.path()?;
+    // A fresh cluster token each start: the workers answer only the gateway (and decode only
+    // its prefill worker), never another process that finds their loopback ports.
+    let token_file = data_dir.join(CLUSTER_TOKEN_FILE);
+    write_cluster_token(&token_file)?;
+    config.cluster_token_file = Some(token_file.clone());
 
     crate::runtime::main()?.block_on(async move {
         let mut workers = Vec::new();
         match layout {
             Layout::Colocated(i) => {
-                let w = start_worker(&args, &model, &["--role", "both"], args.kv_tokens).await?;
+                let w = start_worker(&args, &model, &token_file, &["--role", "both"], args.kv_tokens).await?;
                 config.workers[i].endpoint = format!("http://{}", w.grpc);
                 workers.push(w);
             }
             Layout::Split { prefill, decode } => {
-                let p = start_worker(&args, &model, &["--role", "prefill"], args.prefill_kv_tokens.or(args.kv_tokens))
+                let p = start_worker(&args, &model, &token_file, &["--role", "prefill"], args.prefill_kv_tokens.or(args.kv_tokens))
                     .await?;
                 let prefill_uri = format!("http://{}", p.grpc);
                 let d_args = ["--role", "decode", "--prefill", &prefill_uri, "--kv-listen", "127.0.0.1:0"];
-                let d = start_worker(&args, &model, &d_args, args.decode_kv_tokens.or(args.kv_tokens)).await?;
+                let d = start_worker(&args, &model, &token_file, &d_args, args.decode_kv_tokens.or(args.kv_tokens)).await?;
                 config.workers[prefill].endpoint = prefill_uri;
                 config.workers[decode].endpoint = format!("http://{}", d.grpc);
                 workers.push(p);
@@ -189,11 +197,36 @@ struct Worker {
     role: String,
 }
 
-/// Starts `bulkhead worker` with `role_args` and a KV pool of `kv_tokens`, and waits until it
-/// reports ready.
+/// A fresh random cluster token, written to `path` readable by this user only.
+fn write_cluster_token(path: &std::path::Path) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let (_, secret) = ClusterToken::generate();
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    // Removed first: an existing file keeps its mode when opened for writing.
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(e).with_context(|| format!("removing the old {}", path.display()));
+        }
+        _ => {}
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .and_then(|mut f| f.write_all(secret.as_bytes()))
+        .with_context(|| format!("writing the cluster token to {}", path.display()))
+}
+
+/// Starts `bulkhead worker` with `role_args`, a KV pool of `kv_tokens` and the cluster token in
+/// `token_file`, and waits until it reports ready.
 async fn start_worker(
     args: &Args,
     model: &std::path::Path,
+    token_file: &std::path::Path,
     role_args: &[&str],
     kv_tokens: Option<u64>,
 ) -> anyhow::Result<Worker> {
@@ -204,7 +237,9 @@ async fn start_worker(
         .args(role_args)
         .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
         .arg("--model")
-        .arg(model);
+        .arg(model)
+        .arg("--cluster-token-file")
+        .arg(token_file);
     if let Some(t) = kv_tokens {
         cmd.arg("--kv-tokens").arg(t.to_string());
     }

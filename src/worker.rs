@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -9,7 +10,7 @@ use bulkhead_kvpool::Scrub;
 use bulkhead_worker::engine::{EngineConfig, KvBudget};
 use bulkhead_worker::serve::kvplane::{DEFAULT_PEER_TIMEOUT, SendFault};
 use bulkhead_worker::serve::transport::{KvTransport, TransportConfig};
-use bulkhead_worker::serve::{BoundWorker, RoleConfig, ServeConfig};
+use bulkhead_worker::serve::{BoundWorker, ClusterToken, RoleConfig, ServeConfig};
 
 use bulkhead_telemetry::Otlp;
 
@@ -40,6 +41,7 @@ pub mod env {
     pub const TRANSFER_FLOOR: &str = "BULKHEAD_TRANSFER_FLOOR";
     pub const KV_TRANSPORT: &str = "BULKHEAD_KV_TRANSPORT";
     pub const RDMA_DEVICE: &str = "BULKHEAD_RDMA_DEVICE";
+    pub const CLUSTER_TOKEN_FILE: &str = "BULKHEAD_CLUSTER_TOKEN_FILE";
 }
 
 /// What a worker process does.
@@ -152,6 +154,11 @@ pub struct Args {
     /// first device]
     #[arg(long, env = env::RDMA_DEVICE)]
     rdma_device: Option<String>,
+    /// A file holding the deployment's shared secret (at least 32 printable characters): the
+    /// worker then answers only gRPC calls that present it, and presents it to its prefill
+    /// worker. Without it, anyone who reaches the gRPC port can run requests past the gateway.
+    #[arg(long, env = env::CLUSTER_TOKEN_FILE)]
+    cluster_token_file: Option<PathBuf>,
     #[command(flatten)]
     otlp: crate::telemetry::OtlpArgs,
 }
@@ -217,6 +224,11 @@ impl Args {
                 reclaim_after: Duration::from_millis(self.reclaim_after_ms),
             },
             kv_peer_timeout: Duration::from_millis(self.kv_peer_timeout_ms),
+            cluster_token: self
+                .cluster_token_file
+                .as_deref()
+                .map(ClusterToken::read)
+                .transpose()?,
         })
     }
 }

@@ -28,6 +28,10 @@
 //!                                   # to /v1/traces. OTEL_EXPORTER_OTLP_ENDPOINT overrides it
 //! audit_logs = false                # also export each audit record as a log record (/v1/logs)
 //!
+//! [cluster]                         # optional; the workers' shared secret
+//! token_file = "/run/secrets/bulkhead-cluster-token"  # presented on every call to a worker
+//!                                   # (`bulkhead worker --cluster-token-file`, the same file)
+//!
 //! [[tenants]]
 //! id = "tenant-a"                   # a-z 0-9 - _; ids starting with '_' are reserved
 //! key_sha256 = ["…64 hex…"]         # sha256 of each API key; never the key itself
@@ -66,10 +70,11 @@
 use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::num::{NonZeroU32, NonZeroU64};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use bulkhead_telemetry::{OtlpEndpoint, TelemetryError};
+use bulkhead_worker::serve::cluster_token::{ClusterToken, TokenError};
 use serde::Deserialize;
 
 use crate::discovery::{GroupError, RawWorkerGroup, WorkerGroup};
@@ -99,6 +104,10 @@ pub struct Config {
     pub policies: Option<PolicySettings>,
     /// OpenTelemetry export.
     pub telemetry: TelemetrySettings,
+    /// The file holding the secret presented on every gRPC call to a worker
+    /// ([`Config::cluster_token`]); `None`: calls carry none, and only workers without one
+    /// answer them.
+    pub cluster_token_file: Option<PathBuf>,
 }
 
 /// OpenTelemetry export: off unless a collector is named here or by the process's flags and
@@ -251,6 +260,8 @@ pub enum ConfigError {
     },
     #[error("{0}")]
     Toml(#[from] toml::de::Error),
+    #[error("cluster.token_file: {0}")]
+    ClusterToken(#[from] TokenError),
     #[error("admin.token_sha256: {0}")]
     AdminToken(KeyHashError),
     #[error(transparent)]
@@ -325,6 +336,14 @@ struct RawConfig {
     policies: Option<RawPolicies>,
     #[serde(default)]
     telemetry: RawTelemetry,
+    #[serde(default)]
+    cluster: RawCluster,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCluster {
+    token_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -463,7 +482,15 @@ impl Config {
                     .transpose()?,
                 audit_logs: raw.telemetry.audit_logs,
             },
+            cluster_token_file: raw.cluster.token_file,
         })
+    }
+
+    /// The cluster token, read from its file now (a secret is mounted where the process runs,
+    /// so checking a configuration elsewhere does not need it).
+    pub fn cluster_token(&self) -> Result<Option<ClusterToken>, ConfigError> {
+        let token = self.cluster_token_file.as_deref().map(ClusterToken::read);
+        Ok(token.transpose()?)
     }
 }
 
@@ -784,6 +811,43 @@ mod tests {
             .expect_err("https is not built in")
             .to_string();
         assert!(e.contains("telemetry.otlp_endpoint"), "{e}");
+    }
+
+    #[test]
+    fn the_cluster_token_is_read_from_its_file_and_a_bad_one_is_refused_by_name() {
+        let c = Config::parse(&config(&tenant("tenant-a", "k"), WORKER)).expect("valid");
+        assert!(c.cluster_token().expect("none to read").is_none());
+        let dir = crate::scratch::Scratch::new("cluster-token");
+        let with = |file: &std::path::Path| {
+            Config::parse(&config(
+                &tenant("tenant-a", "k"),
+                &format!(
+                    "{WORKER}[cluster]\ntoken_file = {:?}\n",
+                    file.display().to_string()
+                ),
+            ))
+            .expect("valid: the file is read when the token is needed")
+            .cluster_token()
+        };
+        let file = dir.0.join("token");
+        std::fs::write(&file, "0123456789abcdef0123456789abcdef\n").expect("writes");
+        assert_eq!(
+            with(&file).expect("a valid token"),
+            Some(ClusterToken::parse("0123456789abcdef0123456789abcdef").expect("valid"))
+        );
+        std::fs::write(&file, "short").expect("writes");
+        let e = with(&file).expect_err("too short").to_string();
+        assert!(
+            e.contains("cluster.token_file") && e.contains("at least 32"),
+            "{e}"
+        );
+        let e = with(&dir.0.join("missing"))
+            .expect_err("no file")
+            .to_string();
+        assert!(
+            e.contains("cluster.token_file") && e.contains("missing"),
+            "{e}"
+        );
     }
 
     #[test]

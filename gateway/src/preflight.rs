@@ -8,7 +8,8 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use bulkhead_worker::serve::proto::{InfoRequest, InfoResponse, KvHandoff, WorkerClient};
+use bulkhead_worker::serve::cluster_token::{self, ClusterToken};
+use bulkhead_worker::serve::proto::{InfoRequest, InfoResponse, KvHandoff};
 use tonic::transport::Endpoint;
 
 use crate::config::{Config, Protocol, WorkerConfig, WorkerRole};
@@ -35,10 +36,14 @@ pub struct Check {
     pub detail: String,
 }
 
-/// Asks every worker in `config` for its Info (concurrently, each bounded): the listed ones
-/// and every member its worker groups resolve to now. A group that resolves to no worker is
-/// one unreachable answer under the group's name.
-pub async fn ask(config: &Config, resolver: &impl Resolve) -> Vec<Answer> {
+/// Asks every worker in `config` for its Info (concurrently, each bounded, presenting
+/// `token`): the listed ones and every member its worker groups resolve to now. A group that
+/// resolves to no worker is one unreachable answer under the group's name.
+pub async fn ask(
+    config: &Config,
+    token: Option<&ClusterToken>,
+    resolver: &impl Resolve,
+) -> Vec<Answer> {
     // An OpenAI-compatible upstream's pool is its own: nothing here can check it.
     let mut workers: Vec<WorkerConfig> = config
         .workers
@@ -71,7 +76,7 @@ pub async fn ask(config: &Config, resolver: &impl Resolve) -> Vec<Answer> {
                 .connect()
                 .await
                 .map_err(|e| e.to_string())?;
-            let answer = WorkerClient::new(channel)
+            let answer = cluster_token::client(channel, token.cloned())
                 .info(InfoRequest {
                     include_tokenizer: false,
                 })
@@ -401,7 +406,7 @@ mod tests {
         }
         let config = crate::Config::parse(include_str!("../../deploy/k8s/base/gateway.toml"))
             .expect("valid");
-        let answers = ask(&config, &Nothing).await;
+        let answers = ask(&config, None, &Nothing).await;
         let (text, passed) = render(&answers, &checks(&answers));
         assert!(!passed);
         assert!(

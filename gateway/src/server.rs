@@ -42,6 +42,8 @@ pub enum GatewayError {
     },
     #[error("policies: {0}")]
     Policy(#[from] PolicyError),
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
 }
 
 /// A gateway with both listeners bound, not yet serving.
@@ -94,7 +96,7 @@ impl BoundGateway {
         };
         let api = bind("API", config.listen.api).await?;
         let admin = bind("admin", config.listen.admin).await?;
-        let workers = Workers::new(&config.workers)?;
+        let workers = Workers::new(&config.workers, config.cluster_token()?)?;
         let policies = match config.policies {
             None => Policies::disabled(),
             // Compiling components takes a while: off the async threads.

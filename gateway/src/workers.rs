@@ -20,13 +20,14 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bulkhead_worker::chat::ChatTemplate;
+use bulkhead_worker::serve::cluster_token::{self, ClusterToken};
 use bulkhead_worker::serve::info::describe_file;
 use bulkhead_worker::serve::proto::{
-    self, HealthRequest, InfoRequest, ServingStatus, TokenizerData, WorkerClient,
+    self, HealthRequest, InfoRequest, ServingStatus, TokenizerData,
 };
 use bulkhead_worker::tokenizer::{Tokenizer, TokenizerParts};
 use serde::Serialize;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 
 use crate::admission::{Admitted, EffectiveLimit, WorkerCapacity, effective_limit};
 use crate::config::{OpenAiUpstream, Protocol, WorkerConfig, WorkerRole};
@@ -300,6 +301,8 @@ struct State {
     model: Option<Arc<ServedModel>>,
     /// The next entry id.
     next_id: u64,
+    /// Presented on every call to a Bulkhead worker.
+    cluster_token: Option<ClusterToken>,
 }
 
 impl State {
@@ -320,7 +323,7 @@ impl State {
     }
 
     fn push(&mut self, config: WorkerConfig) -> Result<(), EndpointError> {
-        let client = client(&config)?;
+        let client = client(&config, self.cluster_token.clone())?;
         self.entries.push(Entry {
             id: self.next_id,
             config,
@@ -481,9 +484,16 @@ fn role_name(role: WorkerRole) -> &'static str {
 }
 
 impl Workers {
-    /// Lazily connected clients for `configs`; nothing is contacted until [`Workers::refresh`].
-    pub fn new(configs: &[WorkerConfig]) -> Result<Workers, EndpointError> {
-        let mut state = State::default();
+    /// Lazily connected clients for `configs`, presenting `cluster_token` on every call;
+    /// nothing is contacted until [`Workers::refresh`].
+    pub fn new(
+        configs: &[WorkerConfig],
+        cluster_token: Option<ClusterToken>,
+    ) -> Result<Workers, EndpointError> {
+        let mut state = State {
+            cluster_token,
+            ..State::default()
+        };
         for c in configs {
             state.push(c.clone())?;
         }
@@ -709,7 +719,7 @@ impl Workers {
 /// Where the served model's tokenizer comes from.
 enum ModelSource {
     /// A Bulkhead worker's Info, asked again with the tokenizer.
-    Grpc(WorkerClient<Channel>),
+    Grpc(cluster_token::Client),
     /// An OpenAI upstream's configured GGUF, already read.
     File(Arc<proto::InfoResponse>, Arc<TokenizerData>),
 }
@@ -776,8 +786,9 @@ async fn probe(client: Upstream, describe: Option<Describe>) -> Probe {
     }
 }
 
-/// The client for a configured worker; nothing is contacted yet.
-fn client(c: &WorkerConfig) -> Result<Upstream, EndpointError> {
+/// The client for a configured worker (presenting `token`, when it is a Bulkhead worker);
+/// nothing is contacted yet.
+fn client(c: &WorkerConfig, token: Option<ClusterToken>) -> Result<Upstream, EndpointError> {
     let invalid = |reason: String| EndpointError {
         name: c.name.clone(),
         reason,
@@ -788,7 +799,10 @@ fn client(c: &WorkerConfig) -> Result<Upstream, EndpointError> {
                 .map_err(|e| invalid(e.to_string()))?
                 .connect_timeout(CONNECT_TIMEOUT)
                 .tcp_nodelay(true);
-            Ok(Upstream::Grpc(WorkerClient::new(endpoint.connect_lazy())))
+            Ok(Upstream::Grpc(cluster_token::client(
+                endpoint.connect_lazy(),
+                token,
+            )))
         }
         Protocol::OpenAi(o) => {
             let key = o.key_env.as_ref().and_then(|v| std::env::var(v).ok());

@@ -375,6 +375,49 @@ fn unavailable_soon((status, body): (u16, String), took: Duration) {
     );
 }
 
+/// `bulkhead up`'s workers answer only calls that present its cluster token: a process that
+/// reaches a worker's port cannot run a request past the gateway (under any tenant's name,
+/// with no key, limit, policy or audit record), while the gateway (and decode, calling its
+/// prefill worker) present it and serve.
+#[test]
+fn the_workers_answer_only_calls_that_present_the_cluster_token() {
+    use bulkhead_worker::serve::ClusterToken;
+    use bulkhead_worker::serve::proto::HealthRequest;
+    bounded(|| {
+        let up = Up::start(&[]);
+        up.wait_routable();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let wrong = ClusterToken::generate().0;
+        for token in [None, Some(wrong)] {
+            let described = format!("{token:?}");
+            let (health, generate) = runtime.block_on(async {
+                let mut c = up.worker_client(token).await;
+                let mut spoofed = crate::worker_grpc::chat("What is 2+2?", 8);
+                spoofed.tenant = "tenant-b".into();
+                let generate = c.generate(spoofed).await.map(|_| ());
+                (c.health(HealthRequest {}).await.map(|_| ()), generate)
+            });
+            for (call, answer) in [("Health", health), ("Generate", generate)] {
+                let status = answer.expect_err(&format!("{call} without the token ({described})"));
+                assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+            }
+        }
+        // Through the gateway (and decode's call to prefill), everything works.
+        let (status, body) = up.chat(KEY_B, &[], QUESTION);
+        assert_eq!(status, 200, "{body}");
+        let h = runtime.block_on(async {
+            up.worker_client(Some(up.cluster_token()))
+                .await
+                .health(HealthRequest {})
+                .await
+        });
+        assert!(h.is_ok(), "{h:?}");
+    });
+}
+
 #[test]
 fn the_incident_configuration_is_refused_by_the_gateway_and_the_rest_is_served_disaggregated() {
     bounded(|| {

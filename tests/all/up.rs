@@ -11,7 +11,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use bulkhead_worker::serve::proto::{HealthRequest, HealthResponse, PoolPages, WorkerClient};
+use bulkhead_worker::serve::cluster_token::{self, ClusterToken};
+use bulkhead_worker::serve::proto::{HealthRequest, HealthResponse, PoolPages};
 
 /// Upper bound for any one test, startup included.
 pub const TEST_LIMIT: Duration = Duration::from_secs(240);
@@ -253,14 +254,28 @@ impl Up {
             .build()
             .expect("runtime");
         runtime.block_on(async {
-            let mut c = WorkerClient::connect(format!("http://{}", self.worker))
+            self.worker_client(Some(self.cluster_token()))
                 .await
-                .expect("connects to the worker");
-            c.health(HealthRequest {})
+                .health(HealthRequest {})
                 .await
                 .expect("health")
                 .into_inner()
         })
+    }
+
+    /// The cluster token `bulkhead up` made for this start (its workers require it).
+    pub fn cluster_token(&self) -> ClusterToken {
+        ClusterToken::read(&self.data_dir.join("cluster-token")).expect("up wrote its token")
+    }
+
+    /// A client of the serving worker that presents `token`.
+    pub async fn worker_client(&self, token: Option<ClusterToken>) -> cluster_token::Client {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", self.worker))
+            .expect("a URI")
+            .connect()
+            .await
+            .expect("connects to the worker");
+        cluster_token::client(channel, token)
     }
 
     /// The serving worker's pool pages.

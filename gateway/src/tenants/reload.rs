@@ -60,6 +60,7 @@ pub enum Section {
     WorkerRefresh,
     Policies,
     Telemetry,
+    Cluster,
 }
 
 impl Section {
@@ -75,6 +76,7 @@ impl Section {
             Section::WorkerRefresh => "worker_refresh_secs",
             Section::Policies => "policies",
             Section::Telemetry => "telemetry",
+            Section::Cluster => "cluster",
         }
     }
 }
@@ -91,6 +93,7 @@ struct RestartOnly {
     refresh_interval: Duration,
     policies: Option<PolicySettings>,
     telemetry: TelemetrySettings,
+    cluster_token_file: Option<PathBuf>,
 }
 
 impl RestartOnly {
@@ -107,6 +110,7 @@ impl RestartOnly {
             refresh_interval,
             policies,
             telemetry,
+            cluster_token_file,
         } = config;
         RestartOnly {
             listen: *listen,
@@ -118,6 +122,7 @@ impl RestartOnly {
             refresh_interval: *refresh_interval,
             policies: policies.clone(),
             telemetry: telemetry.clone(),
+            cluster_token_file: cluster_token_file.clone(),
         }
     }
 
@@ -133,6 +138,7 @@ impl RestartOnly {
             refresh_interval,
             policies,
             telemetry,
+            cluster_token_file,
         } = self;
         [
             (Section::Listen, *listen != file.listen),
@@ -147,6 +153,10 @@ impl RestartOnly {
             ),
             (Section::Policies, *policies != file.policies),
             (Section::Telemetry, *telemetry != file.telemetry),
+            (
+                Section::Cluster,
+                *cluster_token_file != file.cluster_token_file,
+            ),
         ]
         .into_iter()
         .filter_map(|(section, differs)| differs.then_some(section))

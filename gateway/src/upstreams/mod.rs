@@ -8,8 +8,8 @@ pub mod openai;
 use std::sync::Arc;
 
 use bulkhead_telemetry::{WORKER_RPC_SERVICE, propagation};
-use bulkhead_worker::serve::proto::{GenerateRequest, GenerateResponse, WorkerClient};
-use tonic::transport::Channel;
+use bulkhead_worker::serve::cluster_token;
+use bulkhead_worker::serve::proto::{GenerateRequest, GenerateResponse};
 use tonic::{Status, Streaming};
 use tracing::Span;
 use tracing::field::Empty;
@@ -20,7 +20,7 @@ pub use openai::{OpenAiClient, SseStream};
 #[derive(Debug, Clone)]
 pub enum Upstream {
     /// A Bulkhead worker.
-    Grpc(WorkerClient<Channel>),
+    Grpc(cluster_token::Client),
     /// An OpenAI-compatible HTTP server.
     OpenAi(Arc<OpenAiClient>),
 }

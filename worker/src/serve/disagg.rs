@@ -22,16 +22,16 @@ use std::pin::Pin;
 use tokio::sync::mpsc;
 use tonic::Status;
 use tonic::codegen::tokio_stream::Stream;
-use tonic::transport::Channel;
 use tracing::field::Empty;
 use tracing::{Instrument as _, Span};
 
 use bulkhead_handoff::{CloseReason, SessionNonce};
 
 use super::actor::{CancelOnDrop, EngineHandle, Events, Submission};
+use super::cluster_token::Client;
 use super::error::{ServeError, ValidationError, codes, status};
 use super::kvplane::{self, SendOptions, Sent};
-use super::proto::{self, PrefillItem, WorkerClient};
+use super::proto::{self, PrefillItem};
 use super::refusal::{from_proto_reservation, from_refusal, to_proto_reservation, to_refusal};
 use super::spans;
 use super::validate::{self, ValidGenerate};
@@ -40,7 +40,7 @@ use crate::engine::{Event, Failure, Request};
 /// A decode worker's way to its prefill worker.
 #[derive(Debug, Clone)]
 pub struct PrefillPeer {
-    pub client: WorkerClient<Channel>,
+    pub client: Client,
     /// Where the prefill worker sends KV: this worker's data-plane address.
     pub kv_address: String,
 }

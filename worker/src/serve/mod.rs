@@ -14,6 +14,7 @@
 
 mod actor;
 mod admin;
+pub mod cluster_token;
 mod disagg;
 mod error;
 pub mod info;
@@ -36,6 +37,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 pub use actor::{CancelOnDrop, EngineHandle, EngineStats, EngineThread, Submission};
+pub use cluster_token::ClusterToken;
 pub use disagg::PrefillPeer;
 pub use error::{ServeError, ValidationError, codes, status};
 pub use metrics::{Metrics, Outcome};
@@ -79,6 +81,9 @@ pub struct ServeConfig {
     /// Prefill and decode roles: how long a data-plane peer that vanished can hold a
     /// connection (see [`kvplane::bound_peer`]).
     pub kv_peer_timeout: Duration,
+    /// The deployment's shared secret: required on every gRPC call to this worker and
+    /// presented on its own (see [`cluster_token`]). `None` answers any caller.
+    pub cluster_token: Option<ClusterToken>,
 }
 
 /// Why the worker could not start or stopped serving.
@@ -117,6 +122,8 @@ pub struct BoundWorker {
     /// Decode role: the KV data-plane listener.
     kv: Option<TcpListener>,
     kv_peer_timeout: Duration,
+    /// Required on every gRPC call.
+    cluster_token: Option<ClusterToken>,
     service: WorkerService,
     engine: EngineHandle,
     thread: EngineThread,
@@ -178,49 +185,52 @@ impl BoundWorker {
 
         let (engine, thread) = EngineHandle::spawn(engine, Arc::new(Metrics::default()))
             .map_err(StartError::Thread)?;
-        let (role, kv) =
-            match config.role {
-                RoleConfig::Both => (ServiceRole::Both, None),
-                RoleConfig::Prefill { batch_bytes, fault } => {
-                    let options = kvplane::SendOptions {
-                        batch_bytes,
-                        peer_timeout: config.kv_peer_timeout,
-                        fault,
-                    };
-                    (ServiceRole::Prefill(options), None)
-                }
-                RoleConfig::Decode {
-                    prefill,
-                    kv_listen,
-                    kv_advertise,
-                } => {
-                    let kv = bind("KV data", kv_listen).await?;
-                    let kv_address = kv.local_addr().map_err(|source| StartError::Bind {
-                        what: "KV data",
-                        addr: kv_listen,
-                        source,
-                    })?;
-                    let endpoint = tonic::transport::Endpoint::from_shared(prefill.clone())
-                        .map_err(|e| StartError::PrefillUri {
+        let (role, kv) = match config.role {
+            RoleConfig::Both => (ServiceRole::Both, None),
+            RoleConfig::Prefill { batch_bytes, fault } => {
+                let options = kvplane::SendOptions {
+                    batch_bytes,
+                    peer_timeout: config.kv_peer_timeout,
+                    fault,
+                };
+                (ServiceRole::Prefill(options), None)
+            }
+            RoleConfig::Decode {
+                prefill,
+                kv_listen,
+                kv_advertise,
+            } => {
+                let kv = bind("KV data", kv_listen).await?;
+                let kv_address = kv.local_addr().map_err(|source| StartError::Bind {
+                    what: "KV data",
+                    addr: kv_listen,
+                    source,
+                })?;
+                let endpoint =
+                    tonic::transport::Endpoint::from_shared(prefill.clone()).map_err(|e| {
+                        StartError::PrefillUri {
                             uri: prefill,
                             reason: e.to_string(),
-                        })?;
-                    let client = proto::WorkerClient::new(endpoint.connect_lazy());
-                    (
-                        ServiceRole::Decode(PrefillPeer {
-                            client,
-                            kv_address: kv_advertise.unwrap_or(kv_address).to_string(),
-                        }),
-                        Some(kv),
-                    )
-                }
-            };
+                        }
+                    })?;
+                let client =
+                    cluster_token::client(endpoint.connect_lazy(), config.cluster_token.clone());
+                (
+                    ServiceRole::Decode(PrefillPeer {
+                        client,
+                        kv_address: kv_advertise.unwrap_or(kv_address).to_string(),
+                    }),
+                    Some(kv),
+                )
+            }
+        };
         let service = WorkerService::new(role, engine.clone(), prompter, info, tokenizer_data);
         Ok(BoundWorker {
             grpc,
             admin,
             kv,
             kv_peer_timeout: config.kv_peer_timeout,
+            cluster_token: config.cluster_token,
             service,
             engine,
             thread,
@@ -280,7 +290,10 @@ impl BoundWorker {
         let admin = axum::serve(self.admin, admin::router(self.engine))
             .with_graceful_shutdown(stopped(stop_rx.clone()));
         let grpc = tonic::transport::Server::builder()
-            .add_service(proto::WorkerServer::new(self.service))
+            .add_service(proto::WorkerServer::with_interceptor(
+                self.service,
+                cluster_token::Requires(self.cluster_token),
+            ))
             .serve_with_incoming_shutdown(
                 tonic::transport::server::TcpIncoming::from(self.grpc),
                 stopped(stop_rx),
