@@ -365,7 +365,7 @@ async fn start(
     // the request waited for its whole request timeout and the worker stayed routed to.
     let idle = state.http.stream_idle_timeout;
     let generating = async {
-        let call = route.client.generate(request, &upstream_span);
+        let call = route.client.generate(request, &upstream_span, &model);
         match tokio::time::timeout(idle, call).await {
             Ok(answer) => answer,
             Err(_) => Err(tonic::Status::unavailable(format!(

@@ -14,7 +14,9 @@ use tonic::{Status, Streaming};
 use tracing::Span;
 use tracing::field::Empty;
 
-pub use openai::{OpenAiClient, SseStream};
+use crate::workers::ServedModel;
+
+pub use openai::{OpenAiClient, SseStream, TokenCounter};
 
 /// A client for one upstream; a cheap `Clone`.
 #[derive(Debug, Clone)]
@@ -61,10 +63,13 @@ impl Upstream {
     }
 
     /// Starts a generation, passing `span`'s trace context on (gRPC metadata or HTTP headers).
+    /// An OpenAI-compatible upstream that sends no usage has its completion counted with
+    /// `model`'s tokenizer.
     pub async fn generate(
         &self,
         request: GenerateRequest,
         span: &Span,
+        model: &Arc<ServedModel>,
     ) -> Result<UpstreamStream, Status> {
         match self {
             Upstream::Grpc(client) => {
@@ -78,8 +83,13 @@ impl Upstream {
             Upstream::OpenAi(client) => {
                 let mut headers = http::HeaderMap::new();
                 propagation::inject(span, &mut headers);
+                let model = model.clone();
+                let counter = TokenCounter::new(move |text| {
+                    let ids = model.tokenizer.encode(text, false).ok()?;
+                    u32::try_from(ids.len()).ok()
+                });
                 Ok(UpstreamStream::OpenAi(
-                    client.generate(request, headers).await?,
+                    client.generate(request, headers, counter).await?,
                 ))
             }
         }

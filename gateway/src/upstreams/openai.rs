@@ -88,6 +88,26 @@ pub struct SseStream {
     events: Events,
 }
 
+/// Counts a completion's tokens with the served model's tokenizer: for an upstream that sends
+/// no usage (it ignored `stream_options.include_usage`), where counting its chunks would
+/// undercount a server that sends several tokens in one (and the tenant's charge with it).
+pub struct TokenCounter(Box<Count>);
+
+/// Tokens in a text, when they can be counted.
+type Count = dyn Fn(&str) -> Option<u32> + Send + Sync;
+
+impl TokenCounter {
+    pub fn new(count: impl Fn(&str) -> Option<u32> + Send + Sync + 'static) -> TokenCounter {
+        TokenCounter(Box::new(count))
+    }
+}
+
+impl std::fmt::Debug for TokenCounter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TokenCounter")
+    }
+}
+
 /// What the events parsed so far say.
 #[derive(Debug)]
 struct Events {
@@ -96,6 +116,10 @@ struct Events {
     finish: FinishReason,
     usage: Option<(u32, u32)>,
     prompt_tokens: u32,
+    /// The completion so far, counted at the end when no usage came.
+    text: String,
+    counter: TokenCounter,
+    /// Chunks with text: the count when the counter cannot count.
     chunks: u32,
     ended: bool,
     /// An event that failed to parse, or said the upstream failed: returned after the items
@@ -259,11 +283,13 @@ impl OpenAiClient {
     }
 
     /// Starts the completion, sending `headers` along (the trace context); a refusal or
-    /// transport failure is a status with the worker protocol's error code.
+    /// transport failure is a status with the worker protocol's error code. `counter` counts
+    /// the completion's tokens when the upstream sends no usage.
     pub async fn generate(
         &self,
         request: GenerateRequest,
         headers: http::HeaderMap,
+        counter: TokenCounter,
     ) -> Result<SseStream, Status> {
         let (body, prompt_tokens) = self.completion_body(&request)?;
         let mut headers = headers;
@@ -285,6 +311,7 @@ impl OpenAiClient {
                     .map_err(BodyError::from),
             ),
             prompt_tokens,
+            counter,
         ))
     }
 }
@@ -361,7 +388,7 @@ fn coded(http: Option<u16>, error: &Value) -> Status {
 }
 
 impl SseStream {
-    fn new(body: Body, prompt_tokens: u32) -> SseStream {
+    fn new(body: Body, prompt_tokens: u32, counter: TokenCounter) -> SseStream {
         SseStream {
             body,
             buf: Vec::new(),
@@ -370,6 +397,8 @@ impl SseStream {
                 finish: FinishReason::Stop,
                 usage: None,
                 prompt_tokens,
+                text: String::new(),
+                counter,
                 chunks: 0,
                 ended: false,
                 failure: None,
@@ -490,8 +519,10 @@ impl Events {
             return Ok(());
         }
         if data == "[DONE]" {
-            let (prompt_tokens, completion_tokens) =
-                self.usage.unwrap_or((self.prompt_tokens, self.chunks));
+            let (prompt_tokens, completion_tokens) = self.usage.unwrap_or_else(|| {
+                let counted = (self.counter.0)(&self.text);
+                (self.prompt_tokens, counted.unwrap_or(self.chunks))
+            });
             self.ready.push_back(GenerateResponse {
                 item: Some(Item::Done(Done {
                     finish_reason: self.finish.into(),
@@ -520,6 +551,7 @@ impl Events {
         if let Some(choice) = chunk.choices.into_iter().next() {
             if let Some(text) = choice.text.filter(|t| !t.is_empty()) {
                 self.chunks += 1;
+                self.text.push_str(&text);
                 self.ready.push_back(GenerateResponse {
                     item: Some(Item::Token(Token {
                         text: text.into_owned(),
@@ -560,7 +592,9 @@ mod tests {
             .iter()
             .map(|c| Ok(Bytes::from(c.to_string())))
             .collect();
-        SseStream::new(Box::pin(futures_util::stream::iter(owned)), 3)
+        // Counts words: a stand-in tokenizer.
+        let words = TokenCounter::new(|t| u32::try_from(t.split_whitespace().count()).ok());
+        SseStream::new(Box::pin(futures_util::stream::iter(owned)), 3, words)
     }
 
     async fn drain(mut s: SseStream) -> Result<(String, Done), Status> {
@@ -586,6 +620,19 @@ mod tests {
         assert_eq!(text, "Hello");
         assert_eq!(done.finish_reason, i32::from(FinishReason::Length));
         assert_eq!((done.prompt_tokens, done.completion_tokens), (5, 2));
+    }
+
+    #[tokio::test]
+    async fn without_usage_the_completion_is_counted_by_the_tokenizer_not_by_chunks() {
+        // Two chunks of three and two "tokens" (words, for the stand-in tokenizer).
+        let s = stream(&[
+            "data: {\"choices\":[{\"text\":\"one two three\",\"finish_reason\":null}]}\n\n",
+            "data: {\"choices\":[{\"text\":\" four five\",\"finish_reason\":\"stop\"}]}\n\n",
+            "data: [DONE]\n\n",
+        ]);
+        let (text, done) = drain(s).await.expect("a complete stream");
+        assert_eq!(text, "one two three four five");
+        assert_eq!((done.prompt_tokens, done.completion_tokens), (3, 5));
     }
 
     #[tokio::test]
