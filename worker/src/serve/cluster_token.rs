@@ -3,6 +3,10 @@
 //! (`authorization: Bearer …`) and presents it on its own calls (decode → prefill); the gateway
 //! presents it on every call to its workers (`[cluster] token_file`).
 //!
+//! The file holds one secret per line: the first is presented, every one is accepted. To rotate
+//! without a refused call: add the new secret as a second line everywhere (restart each
+//! process), move it to the first line everywhere, then drop the old one.
+//!
 //! Without it, anyone who reaches a worker's gRPC port runs requests past the gateway: under
 //! any tenant's name, with none of its keys, limits, policies or audit records, and a prefill
 //! worker computes whatever prompt it is sent and writes the KV to whatever address it is given.
@@ -48,10 +52,14 @@ pub enum TokenError {
     NotPrintable,
 }
 
-/// A cluster secret, as the `authorization` value calls carry. Its `Debug` never shows it.
+/// A cluster secret, as the `authorization` value calls carry, and the others accepted while
+/// it is rotated. Its `Debug` never shows them.
 #[derive(Clone, PartialEq, Eq)]
 pub struct ClusterToken {
+    /// Presented on calls, and accepted.
     header: MetadataValue<Ascii>,
+    /// Accepted too (the next or the previous secret during a rotation).
+    also_accepted: Vec<MetadataValue<Ascii>>,
 }
 
 impl std::fmt::Debug for ClusterToken {
@@ -60,19 +68,33 @@ impl std::fmt::Debug for ClusterToken {
     }
 }
 
+/// `secret` as an `authorization` value.
+fn bearer(secret: &str) -> Result<MetadataValue<Ascii>, TokenError> {
+    if !secret.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(TokenError::NotPrintable);
+    }
+    if secret.len() < MIN_SECRET_CHARS {
+        return Err(TokenError::TooShort(secret.len()));
+    }
+    MetadataValue::try_from(format!("Bearer {secret}")).map_err(|_| TokenError::NotPrintable)
+}
+
+/// Whether `a` and `b` are equal, in time that does not depend on where they differ.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |differ, (x, y)| differ | (x ^ y)) == 0
+}
+
 impl ClusterToken {
-    /// The token in `secret` (surrounding whitespace trimmed).
-    pub fn parse(secret: &str) -> Result<ClusterToken, TokenError> {
-        let secret = secret.trim();
-        if !secret.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(TokenError::NotPrintable);
-        }
-        if secret.len() < MIN_SECRET_CHARS {
-            return Err(TokenError::TooShort(secret.len()));
-        }
-        let header = MetadataValue::try_from(format!("Bearer {secret}"))
-            .map_err(|_| TokenError::NotPrintable)?;
-        Ok(ClusterToken { header })
+    /// The secrets in `text`, one per line (blank lines and surrounding whitespace ignored):
+    /// the first is presented, all are accepted.
+    pub fn parse(text: &str) -> Result<ClusterToken, TokenError> {
+        let mut secrets = text.lines().map(str::trim).filter(|l| !l.is_empty());
+        let header = bearer(secrets.next().unwrap_or_default())?;
+        let also_accepted = secrets.map(bearer).collect::<Result<_, _>>()?;
+        Ok(ClusterToken {
+            header,
+            also_accepted,
+        })
     }
 
     /// The token in the file at `path`.
@@ -92,16 +114,12 @@ impl ClusterToken {
         (token, secret)
     }
 
-    /// Whether `presented` (an `authorization` value) is this token, in time that does not
-    /// depend on where they differ.
+    /// Whether `presented` (an `authorization` value) is one of this token's secrets; every
+    /// one is compared, each in constant time.
     fn admits(&self, presented: &[u8]) -> bool {
-        let expected = self.header.as_bytes();
-        expected.len() == presented.len()
-            && expected
-                .iter()
-                .zip(presented)
-                .fold(0u8, |differ, (a, b)| differ | (a ^ b))
-                == 0
+        std::iter::once(&self.header)
+            .chain(&self.also_accepted)
+            .fold(false, |found, t| found | same(t.as_bytes(), presented))
     }
 }
 
@@ -173,6 +191,32 @@ mod tests {
         assert!(requires.call(sent).is_ok());
         // Without a token, every call is answered (the worker runs unprotected).
         assert!(Requires(None).call(presented(None)).is_ok());
+    }
+
+    #[test]
+    fn a_second_secret_is_accepted_and_never_presented_so_a_rotation_refuses_no_call() {
+        let old = "0123456789abcdef0123456789abcdef";
+        let new = "fedcba9876543210fedcba9876543210";
+        let both = ClusterToken::parse(&format!("{old}\n\n{new}\n")).expect("two secrets");
+        let bearer = |s: &str| Some(format!("Bearer {s}"));
+        let mut requires = Requires(Some(both.clone()));
+        for secret in [old, new] {
+            let call = presented(bearer(secret).as_deref());
+            assert!(requires.call(call).is_ok(), "{secret} accepted");
+        }
+        let other = "00000000000000000000000000000000";
+        assert!(requires.call(presented(bearer(other).as_deref())).is_err());
+        // The first line is the one presented.
+        let sent = Presents(Some(both)).call(Request::new(())).expect("added");
+        assert_eq!(
+            sent.metadata().get(HEADER).and_then(|v| v.to_str().ok()),
+            bearer(old).as_deref()
+        );
+        // A bad second line is refused like a bad first one.
+        assert!(matches!(
+            ClusterToken::parse(&format!("{old}\nshort")),
+            Err(TokenError::TooShort(5))
+        ));
     }
 
     #[test]
