@@ -12,6 +12,7 @@
 //! worker computes whatever prompt it is sent and writes the KV to whatever address it is given.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::Interceptor;
@@ -26,7 +27,7 @@ pub type Client = WorkerClient<InterceptedService<Channel, Presents>>;
 
 /// A client of the worker at the other end of `channel`, presenting `token`.
 pub fn client(channel: Channel, token: Option<ClusterToken>) -> Client {
-    WorkerClient::with_interceptor(channel, Presents(token))
+    WorkerClient::with_interceptor(channel, Presents(token.map(Arc::new)))
 }
 
 /// The shortest secret accepted: 128 bits as hex.
@@ -123,9 +124,10 @@ impl ClusterToken {
     }
 }
 
-/// A client's side: adds the token (when there is one) to every call.
+/// A client's side: adds the token (when there is one) to every call. Shared: a client is
+/// cloned for every call.
 #[derive(Debug, Clone, Default)]
-pub struct Presents(pub Option<ClusterToken>);
+pub struct Presents(pub Option<Arc<ClusterToken>>);
 
 impl Interceptor for Presents {
     fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
@@ -185,7 +187,7 @@ mod tests {
         let right = format!("Bearer {SECRET}");
         assert!(requires.call(presented(Some(&right))).is_ok());
         // What a client with the token sends is admitted.
-        let sent = Presents(Some(ClusterToken::parse(SECRET).expect("valid")))
+        let sent = Presents(Some(Arc::new(ClusterToken::parse(SECRET).expect("valid"))))
             .call(Request::new(()))
             .expect("added");
         assert!(requires.call(sent).is_ok());
@@ -207,7 +209,9 @@ mod tests {
         let other = "00000000000000000000000000000000";
         assert!(requires.call(presented(bearer(other).as_deref())).is_err());
         // The first line is the one presented.
-        let sent = Presents(Some(both)).call(Request::new(())).expect("added");
+        let sent = Presents(Some(Arc::new(both)))
+            .call(Request::new(()))
+            .expect("added");
         assert_eq!(
             sent.metadata().get(HEADER).and_then(|v| v.to_str().ok()),
             bearer(old).as_deref()
