@@ -605,6 +605,55 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_decode_peer_that_never_answers_the_connect_fails_the_send_within_the_peer_timeout() {
+        // A listener whose accept queue is full (backlog 0, one connection never accepted):
+        // the kernel drops the next connection's SYNs, as from a host that is gone.
+        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+            .expect("socket");
+        socket
+            .bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())
+            .expect("bind");
+        socket.listen(0).expect("listen");
+        let address = socket
+            .local_addr()
+            .expect("address")
+            .as_socket()
+            .expect("an IP address");
+        let mut queued = Vec::new();
+        let filled = async {
+            loop {
+                let connect = TcpStream::connect(address);
+                match tokio::time::timeout(Duration::from_millis(300), connect).await {
+                    Ok(Ok(s)) => queued.push(s),
+                    Ok(Err(e)) => panic!("connect failed instead of hanging: {e}"),
+                    Err(_) => return,
+                }
+                assert!(queued.len() < 16, "the accept queue never filled");
+            }
+        };
+        filled.await;
+        let fs = frames(1, 100);
+        let options = SendOptions {
+            batch_bytes: 1 << 20,
+            peer_timeout: Duration::from_millis(500),
+            fault: None,
+        };
+        let (to, m) = (address.to_string(), manifest(&fs));
+        let started = std::time::Instant::now();
+        let sending = send_with(&to, &fs, &m, options, || false);
+        let sent = tokio::time::timeout(Duration::from_secs(10), sending)
+            .await
+            .expect("the send ends on its own");
+        let e = sent.expect_err("nobody answered");
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
+    #[tokio::test]
     async fn every_frame_arrives_checked_and_in_order_however_the_stream_splits() {
         let fs = frames(5, 3000);
         for (batch, pipe) in [(1, 7), (4000, 1 << 20), (1 << 20, 100)] {
