@@ -23,6 +23,10 @@ const ASK_LIMIT: Duration = Duration::from_secs(5);
 pub struct Answer {
     pub worker: WorkerConfig,
     pub info: Result<InfoResponse, String>,
+    /// With a cluster token configured: whether the worker also answered a call that
+    /// presented none (it was started without `--cluster-token-file`, so anyone who reaches
+    /// it runs requests past the gateway). `None`: not asked.
+    pub open: Option<bool>,
 }
 
 /// One check's verdict.
@@ -65,6 +69,7 @@ pub async fn ask(
                     group: None,
                 },
                 info: Err(error),
+                open: None,
             }),
         }
     }
@@ -76,21 +81,39 @@ pub async fn ask(
                 .connect()
                 .await
                 .map_err(|e| e.to_string())?;
-            let answer = cluster_token::client(channel, token.cloned())
+            let answer = cluster_token::client(channel.clone(), token.cloned())
                 .info(InfoRequest {
                     include_tokenizer: false,
                 })
                 .await;
-            answer
+            let info = answer
                 .map(tonic::Response::into_inner)
-                .map_err(|s| s.message().to_owned())
+                .map_err(|s| s.message().to_owned())?;
+            // A worker that requires the token refuses the same call without it.
+            let open = match token {
+                Some(_) => {
+                    let bare = cluster_token::client(channel, None)
+                        .info(InfoRequest {
+                            include_tokenizer: false,
+                        })
+                        .await;
+                    Some(bare.is_ok())
+                }
+                None => None,
+            };
+            Ok((info, open))
         };
-        let info = tokio::time::timeout(ASK_LIMIT * 2, info)
+        let answer = tokio::time::timeout(ASK_LIMIT * 2, info)
             .await
             .unwrap_or_else(|_| Err("timed out".into()));
+        let (info, open) = match answer {
+            Ok((info, open)) => (Ok(info), open),
+            Err(e) => (Err(e), None),
+        };
         Answer {
             worker: w.clone(),
             info,
+            open,
         }
     }))
     .await;
@@ -121,6 +144,19 @@ pub fn checks(answers: &[Answer]) -> Vec<Check> {
             true,
             format!("serves {}", info.model_id),
         ));
+        if let Some(open) = a.open {
+            out.push(check(
+                "requires the cluster token",
+                !open,
+                if open {
+                    "it answered a call that presented no token (started without \
+                     --cluster-token-file?)"
+                        .into()
+                } else {
+                    "a call without the token was refused".into()
+                },
+            ));
+        }
         out.push(check(
             "pool covers the served context",
             info.pool_tokens >= info.context_length,
@@ -306,10 +342,12 @@ mod tests {
             Answer {
                 worker: worker("p", WorkerRole::Prefill, None),
                 info: Ok(prefill),
+                open: None,
             },
             Answer {
                 worker: worker("d", WorkerRole::Decode, Some("p")),
                 info: Ok(decode),
+                open: None,
             },
         ]
     }
@@ -381,14 +419,17 @@ mod tests {
             Answer {
                 worker: member("p@a", WorkerRole::Prefill, None, "p"),
                 info: Ok(info("m", 8192, 8192, 16, 4 << 20)),
+                open: None,
             },
             Answer {
                 worker: member("p@b", WorkerRole::Prefill, None, "p"),
                 info: Ok(info("m", 8192, 8192, 32, 4 << 20)),
+                open: None,
             },
             Answer {
                 worker: member("d@a", WorkerRole::Decode, Some("p"), "d"),
                 info: Ok(info("m", 8192, 8192, 16, 0)),
+                open: None,
             },
         ];
         let checks = checks(&answers);
@@ -417,6 +458,28 @@ mod tests {
     }
 
     #[test]
+    fn a_worker_that_answers_without_the_cluster_token_fails() {
+        let answer = |name: &str, open| Answer {
+            worker: worker(name, WorkerRole::Both, None),
+            info: Ok(info("m", 8192, 8192, 16, 0)),
+            open,
+        };
+        let answers = vec![
+            answer("open", Some(true)),
+            answer("closed", Some(false)),
+            answer("not-asked", None),
+        ];
+        let checks = checks(&answers);
+        assert_eq!(failed(&checks), [("open", "requires the cluster token")]);
+        let asked = |name: &str| {
+            checks
+                .iter()
+                .any(|c| c.subject == name && c.name == "requires the cluster token")
+        };
+        assert!(asked("closed") && !asked("not-asked"));
+    }
+
+    #[test]
     fn an_unreachable_worker_or_integrity_off_fails() {
         let mut off = info("m", 8192, 8192, 16, 0);
         if let Some(h) = off.handoff.as_mut() {
@@ -426,10 +489,12 @@ mod tests {
             Answer {
                 worker: worker("a", WorkerRole::Both, None),
                 info: Err("connection refused".into()),
+                open: None,
             },
             Answer {
                 worker: worker("b", WorkerRole::Both, None),
                 info: Ok(off),
+                open: None,
             },
         ];
         let (text, passed) = render(&answers, &checks(&answers));

@@ -730,6 +730,12 @@ async fn health_answers_while_a_long_prefill_keeps_the_engine_busy() {
 
 /// `bulkhead preflight` over deploy/local/gateway.toml with its workers' addresses replaced.
 fn preflight(prefill: &Worker, decode: &Worker) -> (bool, String) {
+    preflight_with(prefill, decode, "")
+}
+
+/// `bulkhead preflight` on the default configuration pointed at `prefill` and `decode`, with
+/// `extra` TOML appended.
+fn preflight_with(prefill: &Worker, decode: &Worker, extra: &str) -> (bool, String) {
     let base = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/deploy/local/gateway.toml"
@@ -740,7 +746,8 @@ fn preflight(prefill: &Worker, decode: &Worker) -> (bool, String) {
             "http://127.0.0.1:50052",
             &format!("http://{}", prefill.grpc),
         )
-        .replace("http://127.0.0.1:50051", &format!("http://{}", decode.grpc));
+        .replace("http://127.0.0.1:50051", &format!("http://{}", decode.grpc))
+        + extra;
     let path = std::env::temp_dir().join(format!(
         "bulkhead-preflight-{}-{}.toml",
         std::process::id(),
@@ -792,6 +799,62 @@ async fn preflight_passes_a_sound_pair_and_fails_a_mismatched_one() {
             !text.contains("FAIL local-decode ↔ local-prefill       same model"),
             "{text}"
         );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn preflight_fails_a_worker_that_answers_without_the_cluster_token() {
+    bounded(async {
+        let dir = std::env::temp_dir().join(format!(
+            "bulkhead-token-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir).expect("a directory");
+        let token = dir.join("cluster-token");
+        std::fs::write(&token, "0123456789abcdef0123456789abcdef\n").expect("writes");
+        let token_arg = token.display().to_string();
+        // The prefill worker requires the token; the decode worker was started without it.
+        let prefill = Worker::start(&[
+            "--role",
+            "prefill",
+            "--kv-tokens",
+            "2048",
+            "--cluster-token-file",
+            &token_arg,
+        ]);
+        let address = format!("http://{}", prefill.grpc);
+        let decode = Worker::start(&[
+            "--role",
+            "decode",
+            "--prefill",
+            &address,
+            "--kv-listen",
+            "127.0.0.1:0",
+            "--kv-tokens",
+            "2048",
+        ]);
+        let with_token = format!("\n[cluster]\ntoken_file = {token_arg:?}\n");
+        let (ok, text) = preflight_with(&prefill, &decode, &with_token);
+        assert!(!ok, "{text}");
+        assert!(
+            text.contains("FAIL local-decode") && text.contains("requires the cluster token"),
+            "{text}"
+        );
+        assert!(
+            text.contains("PASS local-prefill                requires the cluster token"),
+            "{text}"
+        );
+        // Without the token, the gateway's side cannot even ask the prefill worker.
+        let (ok, text) = preflight(&prefill, &decode);
+        assert!(!ok, "{text}");
+        assert!(
+            text.contains("local-prefill    prefill  unreachable")
+                && text.contains("cluster token"),
+            "{text}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     })
     .await;
 }
