@@ -102,6 +102,11 @@ pub enum Unroutable {
     PrefillUnusable { prefill: String, why: String },
     #[error("preflight fails between it and its prefill worker: {check} ({detail})")]
     PreflightFails { check: &'static str, detail: String },
+    #[error(
+        "it answers calls that present no cluster token (started without \
+         --cluster-token-file?): anyone who reaches it runs requests past the gateway"
+    )]
+    AnswersWithoutToken,
 }
 
 /// Whether a worker may be routed to: `None` when it may.
@@ -255,6 +260,11 @@ struct Entry {
     id: u64,
     config: WorkerConfig,
     client: Upstream,
+    /// With a cluster token: a client of the same worker presenting none, to check that the
+    /// worker refuses it.
+    bare: Option<cluster_token::Client>,
+    /// The worker answered `bare` at the last probe.
+    open: bool,
     facts: Option<Facts>,
     /// The last Info as received, for the handoff checks between a decode worker and its
     /// prefill worker.
@@ -323,11 +333,13 @@ impl State {
     }
 
     fn push(&mut self, config: WorkerConfig) -> Result<(), EndpointError> {
-        let client = client(&config, self.cluster_token.clone())?;
+        let (client, bare) = client(&config, self.cluster_token.clone())?;
         self.entries.push(Entry {
             id: self.next_id,
             config,
             client,
+            bare,
+            open: false,
             facts: None,
             info: None,
             tokenizer: None,
@@ -341,8 +353,14 @@ impl State {
 
     /// Why `e` cannot take requests: its own state, and for a decode worker its prefill
     /// worker's too (a request needs both legs).
+    /// Whether `e` itself may be routed to (or fill a decode worker's pages).
+    fn own(&self, e: &Entry) -> Option<Unroutable> {
+        unroutable(e.facts.as_ref(), &e.health, self.served_id())
+            .or_else(|| e.open.then_some(Unroutable::AnswersWithoutToken))
+    }
+
     fn unroutable(&self, e: &Entry) -> Option<Unroutable> {
-        let own = unroutable(e.facts.as_ref(), &e.health, self.served_id());
+        let own = self.own(e);
         match (e.config.role, &e.config.prefill) {
             (WorkerRole::Both, _) => own,
             (WorkerRole::Prefill, _) => own.or(Some(Unroutable::PrefillOnly)),
@@ -354,7 +372,7 @@ impl State {
                 let prefills = self.prefills(name);
                 let mut first_why = None;
                 let usable = prefills.clone().filter(|p| {
-                    let why = unroutable(p.facts.as_ref(), &p.health, self.served_id());
+                    let why = self.own(p);
                     if first_why.is_none() {
                         first_why.clone_from(&why);
                     }
@@ -596,17 +614,15 @@ impl Workers {
     /// Reads every worker's Health and Info (concurrently, each bounded), and (re)builds the
     /// served model when there is none yet or no healthy worker serves it any more.
     pub async fn refresh(&self) {
-        let probes: Vec<(u64, Upstream, Option<Describe>)> = self.with(|s| {
+        let probes: Vec<_> = self.with(|s| {
             s.entries
                 .iter()
-                .map(|e| (e.id, e.client.clone(), e.describe()))
+                .map(|e| (e.id, e.client.clone(), e.describe(), e.bare.clone()))
                 .collect()
         });
-        let answers = futures_util::future::join_all(
-            probes
-                .into_iter()
-                .map(|(i, client, describe)| async move { (i, probe(client, describe).await) }),
-        )
+        let answers = futures_util::future::join_all(probes.into_iter().map(
+            |(i, client, describe, bare)| async move { (i, probe(client, describe, bare).await) },
+        ))
         .await;
 
         let wanted = self.with(|s| {
@@ -615,6 +631,7 @@ impl Workers {
                 let Some(e) = s.entry_mut(i) else {
                     continue;
                 };
+                e.open = answer.open;
                 match answer.health {
                     Ok(h) => e.health = h,
                     Err(error) => {
@@ -732,17 +749,28 @@ struct Probe {
     health: Result<Health, String>,
     /// Info (and, read from a GGUF, its tokenizer); `None` when not asked this time.
     info: Option<Result<Described, String>>,
+    /// It answered a call presenting no cluster token.
+    open: bool,
 }
 
 /// An Info, and the tokenizer when it was read from a GGUF.
 type Described = (Arc<proto::InfoResponse>, Option<Arc<TokenizerData>>);
 
-/// Health and Info of one upstream: a worker's Health and Info RPCs, or an OpenAI server's
-/// model list and (once) the Info its configured GGUF gives.
-async fn probe(client: Upstream, describe: Option<Describe>) -> Probe {
+/// Health and Info of one upstream: a worker's Health and Info RPCs (and, with `bare`, whether
+/// it answers Health without the cluster token), or an OpenAI server's model list and (once)
+/// the Info its configured GGUF gives.
+async fn probe(
+    client: Upstream,
+    describe: Option<Describe>,
+    bare: Option<cluster_token::Client>,
+) -> Probe {
     match client {
         Upstream::Grpc(mut client) => {
             let health = rpc(client.health(HealthRequest {})).await;
+            let open = match (&health, bare) {
+                (Ok(_), Some(mut bare)) => rpc(bare.health(HealthRequest {})).await.is_ok(),
+                _ => false,
+            };
             let info = match &health {
                 Ok(_) => Some(
                     rpc(client.info(InfoRequest {
@@ -756,6 +784,7 @@ async fn probe(client: Upstream, describe: Option<Describe>) -> Probe {
             Probe {
                 health: health.map(|h| health_of(&h)),
                 info,
+                open,
             }
         }
         Upstream::OpenAi(client) => {
@@ -781,14 +810,22 @@ async fn probe(client: Upstream, describe: Option<Describe>) -> Probe {
                 ),
                 _ => None,
             };
-            Probe { health, info }
+            // The token is between Bulkhead's own processes: not asked of another server.
+            Probe {
+                health,
+                info,
+                open: false,
+            }
         }
     }
 }
 
-/// The client for a configured worker (presenting `token`, when it is a Bulkhead worker);
-/// nothing is contacted yet.
-fn client(c: &WorkerConfig, token: Option<ClusterToken>) -> Result<Upstream, EndpointError> {
+/// The client for a configured worker (presenting `token`, when it is a Bulkhead worker) and,
+/// with a token, one presenting none over the same connection; nothing is contacted yet.
+fn client(
+    c: &WorkerConfig,
+    token: Option<ClusterToken>,
+) -> Result<(Upstream, Option<cluster_token::Client>), EndpointError> {
     let invalid = |reason: String| EndpointError {
         name: c.name.clone(),
         reason,
@@ -799,15 +836,16 @@ fn client(c: &WorkerConfig, token: Option<ClusterToken>) -> Result<Upstream, End
                 .map_err(|e| invalid(e.to_string()))?
                 .connect_timeout(CONNECT_TIMEOUT)
                 .tcp_nodelay(true);
-            Ok(Upstream::Grpc(cluster_token::client(
-                endpoint.connect_lazy(),
-                token,
-            )))
+            let channel = endpoint.connect_lazy();
+            let bare = token
+                .is_some()
+                .then(|| cluster_token::client(channel.clone(), None));
+            Ok((Upstream::Grpc(cluster_token::client(channel, token)), bare))
         }
         Protocol::OpenAi(o) => {
             let key = o.key_env.as_ref().and_then(|v| std::env::var(v).ok());
             let client = OpenAiClient::new(&c.endpoint, &o.model, key).map_err(invalid)?;
-            Ok(Upstream::OpenAi(Arc::new(client)))
+            Ok((Upstream::OpenAi(Arc::new(client)), None))
         }
     }
 }

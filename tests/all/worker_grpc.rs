@@ -16,6 +16,8 @@ use bulkhead_worker::serve::proto::{
 };
 use tonic::transport::Channel;
 
+use crate::up::TempDir;
+
 /// Upper bound for any one test, startup included.
 const TEST_LIMIT: Duration = Duration::from_secs(180);
 /// Upper bound for a worker to load the model and bind its ports.
@@ -803,39 +805,40 @@ async fn preflight_passes_a_sound_pair_and_fails_a_mismatched_one() {
     .await;
 }
 
+/// A prefill worker that requires a cluster token and a decode worker started without one
+/// (it answers anyone), with the token file's directory and the gateway configuration's
+/// `[cluster]` table naming that file.
+fn half_protected_pair() -> (TempDir, String, Worker, Worker) {
+    let dir = TempDir::new("token");
+    let token = dir.0.join("cluster-token").display().to_string();
+    std::fs::write(&token, "0123456789abcdef0123456789abcdef\n").expect("writes");
+    let prefill = Worker::start(&[
+        "--role",
+        "prefill",
+        "--kv-tokens",
+        "2048",
+        "--cluster-token-file",
+        &token,
+    ]);
+    let address = format!("http://{}", prefill.grpc);
+    let decode = Worker::start(&[
+        "--role",
+        "decode",
+        "--prefill",
+        &address,
+        "--kv-listen",
+        "127.0.0.1:0",
+        "--kv-tokens",
+        "2048",
+    ]);
+    let cluster = format!("\n[cluster]\ntoken_file = {token:?}\n");
+    (dir, cluster, prefill, decode)
+}
+
 #[tokio::test]
 async fn preflight_fails_a_worker_that_answers_without_the_cluster_token() {
     bounded(async {
-        let dir = std::env::temp_dir().join(format!(
-            "bulkhead-token-{}-{}",
-            std::process::id(),
-            rand::random::<u32>()
-        ));
-        std::fs::create_dir_all(&dir).expect("a directory");
-        let token = dir.join("cluster-token");
-        std::fs::write(&token, "0123456789abcdef0123456789abcdef\n").expect("writes");
-        let token_arg = token.display().to_string();
-        // The prefill worker requires the token; the decode worker was started without it.
-        let prefill = Worker::start(&[
-            "--role",
-            "prefill",
-            "--kv-tokens",
-            "2048",
-            "--cluster-token-file",
-            &token_arg,
-        ]);
-        let address = format!("http://{}", prefill.grpc);
-        let decode = Worker::start(&[
-            "--role",
-            "decode",
-            "--prefill",
-            &address,
-            "--kv-listen",
-            "127.0.0.1:0",
-            "--kv-tokens",
-            "2048",
-        ]);
-        let with_token = format!("\n[cluster]\ntoken_file = {token_arg:?}\n");
+        let (_dir, with_token, prefill, decode) = half_protected_pair();
         let (ok, text) = preflight_with(&prefill, &decode, &with_token);
         assert!(!ok, "{text}");
         assert!(
@@ -854,7 +857,6 @@ async fn preflight_fails_a_worker_that_answers_without_the_cluster_token() {
                 && text.contains("cluster token"),
             "{text}"
         );
-        let _ = std::fs::remove_dir_all(&dir);
     })
     .await;
 }
@@ -941,6 +943,81 @@ fn http_request(addr: &str, method: &str, path: &str, token: &str, body: &str) -
     )
 }
 
+/// A `bulkhead gateway` process on the default configuration in front of the prefill worker
+/// at `prefill` and `decode`, with `extra` TOML appended; killed when dropped.
+struct GatewayBefore {
+    child: std::process::Child,
+    api: String,
+    admin: String,
+    config: std::path::PathBuf,
+}
+
+impl GatewayBefore {
+    fn start(prefill: &str, decode: &Worker, extra: &str) -> GatewayBefore {
+        let base = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/deploy/local/gateway.toml"
+        ))
+        .expect("the default config");
+        let config = base
+            .replace("127.0.0.1:8080", "127.0.0.1:0")
+            .replace("127.0.0.1:9090", "127.0.0.1:0")
+            .replace("http://127.0.0.1:50052", prefill)
+            .replace("http://127.0.0.1:50051", &format!("http://{}", decode.grpc))
+            + extra;
+        let path = std::env::temp_dir().join(format!(
+            "bulkhead-gw-{}-{}.toml",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::write(&path, config).expect("write the config");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+            .args(["gateway", "--config"])
+            .arg(&path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the gateway starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("piped"))
+            .read_line(&mut line)
+            .expect("a ready line");
+        let field = |k: &str| {
+            line.split_whitespace()
+                .find_map(|f| f.strip_prefix(k))
+                .map(str::to_owned)
+                .expect("the ready line names it")
+        };
+        GatewayBefore {
+            child,
+            api: field("api="),
+            admin: field("admin="),
+            config: path,
+        }
+    }
+
+    /// `/workers` once it contains `what` (or after 30 s).
+    async fn workers_once(&self, what: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let (_, body) = http_request(&self.admin, "GET", "/workers", "sk-demo-admin", "");
+            if body.contains(what) || Instant::now() > deadline {
+                return body;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+impl Drop for GatewayBefore {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.config);
+    }
+}
+
 #[tokio::test]
 async fn the_gateway_does_not_route_to_a_pair_that_fails_preflight() {
     bounded(async {
@@ -963,50 +1040,10 @@ async fn the_gateway_does_not_route_to_a_pair_that_fails_preflight() {
             "--kv-tokens",
             "2048",
         ]);
-        let base = std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/deploy/local/gateway.toml"
-        ))
-        .expect("the default config");
-        let config = base
-            .replace("127.0.0.1:8080", "127.0.0.1:0")
-            .replace("127.0.0.1:9090", "127.0.0.1:0")
-            .replace("http://127.0.0.1:50052", &address)
-            .replace("http://127.0.0.1:50051", &format!("http://{}", decode.grpc));
-        let path = std::env::temp_dir().join(format!(
-            "bulkhead-gw-{}-{}.toml",
-            std::process::id(),
-            rand::random::<u32>()
-        ));
-        std::fs::write(&path, config).expect("write the config");
-        let mut gateway = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
-            .args(["gateway", "--config"])
-            .arg(&path)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("the gateway starts");
-        let mut line = String::new();
-        BufReader::new(gateway.stdout.take().expect("piped"))
-            .read_line(&mut line)
-            .expect("a ready line");
-        let field = |k: &str| {
-            line.split_whitespace()
-                .find_map(|f| f.strip_prefix(k))
-                .map(str::to_owned)
-                .expect("the ready line names it")
-        };
-        let (api, admin) = (field("api="), field("admin="));
+        let gateway = GatewayBefore::start(&address, &decode, "");
+        let api = gateway.api.clone();
         // The gateway has read both workers' Info: the decode worker is not routed to.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let workers = loop {
-            let (_, body) = http_request(&admin, "GET", "/workers", "sk-demo-admin", "");
-            if body.contains("preflight_fails") || Instant::now() > deadline {
-                break body;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
+        let workers = gateway.workers_once("preflight_fails").await;
         let body = r#"{"messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":8}"#;
         let (status, answer) = http_request(
             &api,
@@ -1015,15 +1052,38 @@ async fn the_gateway_does_not_route_to_a_pair_that_fails_preflight() {
             "sk-demo-tenant-a",
             body,
         );
-        let _ = gateway.kill();
-        let _ = gateway.wait();
-        let _ = std::fs::remove_file(&path);
+        drop(gateway);
         assert!(
             workers.contains("preflight_fails") && workers.contains("same page size"),
             "{workers}"
         );
         assert!(status.contains("503"), "{status} {answer}");
         assert!(answer.contains("service_unavailable"), "{answer}");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_gateway_does_not_route_to_a_worker_that_answers_without_the_cluster_token() {
+    bounded(async {
+        let (_dir, with_token, prefill, decode) = half_protected_pair();
+        let address = format!("http://{}", prefill.grpc);
+        let gateway = GatewayBefore::start(&address, &decode, &with_token);
+        let workers = gateway.workers_once("answers_without_token").await;
+        let body = r#"{"messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":8}"#;
+        let (status, answer) = http_request(
+            &gateway.api,
+            "POST",
+            "/v1/chat/completions",
+            "sk-demo-tenant-a",
+            body,
+        );
+        drop(gateway);
+        assert!(
+            workers.contains("answers_without_token") && workers.contains("--cluster-token-file"),
+            "{workers}"
+        );
+        assert!(status.contains("503"), "{status} {answer}");
     })
     .await;
 }
