@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use bulkhead_worker::serve::proto::{self, InfoRequest, PrefillItem, error_code};
 
 use crate::worker_grpc::{
-    Worker, bounded, chat, health, metric, pool, run_to_end, text_of, wait_all_pages_back,
+    Worker, bounded, chat, decode_for, health, metric, pool, run_to_end, text_of,
+    wait_all_pages_back,
 };
 
 /// A prefill worker with `prefill_args` and a decode worker wired to it with `decode_args`.
@@ -15,19 +16,9 @@ fn pair(prefill_args: &[&str], decode_args: &[&str]) -> (Worker, Worker) {
     let mut args = vec!["--role", "prefill", "--kv-tokens", "2048"];
     args.extend_from_slice(prefill_args);
     let prefill = Worker::start(&args);
-    let address = format!("http://{}", prefill.grpc);
-    let mut args = vec![
-        "--role",
-        "decode",
-        "--prefill",
-        &address,
-        "--kv-listen",
-        "127.0.0.1:0",
-        "--kv-tokens",
-        "2048",
-    ];
+    let mut args = vec!["--kv-tokens", "2048"];
     args.extend_from_slice(decode_args);
-    let decode = Worker::start(&args);
+    let decode = decode_for(&prefill, &args);
     (prefill, decode)
 }
 

@@ -559,17 +559,7 @@ pub(crate) async fn wait_all_pages_back(worker: &Worker) -> proto::PoolPages {
 /// A prefill worker and a decode worker wired to it.
 fn disaggregated(prefill_tokens: &str, decode_tokens: &str) -> (Worker, Worker) {
     let prefill = Worker::start(&["--role", "prefill", "--kv-tokens", prefill_tokens]);
-    let address = format!("http://{}", prefill.grpc);
-    let decode = Worker::start(&[
-        "--role",
-        "decode",
-        "--prefill",
-        &address,
-        "--kv-listen",
-        "127.0.0.1:0",
-        "--kv-tokens",
-        decode_tokens,
-    ]);
+    let decode = decode_for(&prefill, &["--kv-tokens", decode_tokens]);
     assert!(
         decode.kv.is_some(),
         "the decode worker reports its KV listener"
@@ -783,14 +773,7 @@ async fn preflight_passes_a_sound_pair_and_fails_a_mismatched_one() {
         );
 
         // A prefill worker with another page size cannot fill decode's pages.
-        let odd = Worker::start(&[
-            "--role",
-            "prefill",
-            "--kv-tokens",
-            "2048",
-            "--page-tokens",
-            "32",
-        ]);
+        let odd = odd_page_prefill();
         let (ok, text) = preflight(&odd, &decode);
         assert!(!ok, "{text}");
         assert!(
@@ -803,6 +786,27 @@ async fn preflight_passes_a_sound_pair_and_fails_a_mismatched_one() {
         );
     })
     .await;
+}
+
+/// A decode worker whose prompts `prefill` fills, started with `args` besides.
+pub(crate) fn decode_for(prefill: &Worker, args: &[&str]) -> Worker {
+    let address = format!("http://{}", prefill.grpc);
+    let mut all = vec!["--role", "decode", "--prefill", &address];
+    all.extend_from_slice(&["--kv-listen", "127.0.0.1:0"]);
+    all.extend_from_slice(args);
+    Worker::start(&all)
+}
+
+/// A prefill worker whose pages hold 32 tokens (decode's hold 16): the pair fails preflight.
+fn odd_page_prefill() -> Worker {
+    Worker::start(&[
+        "--role",
+        "prefill",
+        "--kv-tokens",
+        "2048",
+        "--page-tokens",
+        "32",
+    ])
 }
 
 /// A prefill worker that requires a cluster token and a decode worker started without one
@@ -820,17 +824,7 @@ fn half_protected_pair() -> (TempDir, String, Worker, Worker) {
         "--cluster-token-file",
         &token,
     ]);
-    let address = format!("http://{}", prefill.grpc);
-    let decode = Worker::start(&[
-        "--role",
-        "decode",
-        "--prefill",
-        &address,
-        "--kv-listen",
-        "127.0.0.1:0",
-        "--kv-tokens",
-        "2048",
-    ]);
+    let decode = decode_for(&prefill, &["--kv-tokens", "2048"]);
     let cluster = format!("\n[cluster]\ntoken_file = {token:?}\n");
     (dir, cluster, prefill, decode)
 }
@@ -943,8 +937,8 @@ fn http_request(addr: &str, method: &str, path: &str, token: &str, body: &str) -
     )
 }
 
-/// A `bulkhead gateway` process on the default configuration in front of the prefill worker
-/// at `prefill` and `decode`, with `extra` TOML appended; killed when dropped.
+/// A `bulkhead gateway` process on the default configuration in front of `prefill` and
+/// `decode`, with `extra` TOML appended; killed when dropped.
 struct GatewayBefore {
     child: std::process::Child,
     api: String,
@@ -953,7 +947,7 @@ struct GatewayBefore {
 }
 
 impl GatewayBefore {
-    fn start(prefill: &str, decode: &Worker, extra: &str) -> GatewayBefore {
+    fn start(prefill: &Worker, decode: &Worker, extra: &str) -> GatewayBefore {
         let base = std::fs::read_to_string(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/deploy/local/gateway.toml"
@@ -962,7 +956,10 @@ impl GatewayBefore {
         let config = base
             .replace("127.0.0.1:8080", "127.0.0.1:0")
             .replace("127.0.0.1:9090", "127.0.0.1:0")
-            .replace("http://127.0.0.1:50052", prefill)
+            .replace(
+                "http://127.0.0.1:50052",
+                &format!("http://{}", prefill.grpc),
+            )
             .replace("http://127.0.0.1:50051", &format!("http://{}", decode.grpc))
             + extra;
         let path = std::env::temp_dir().join(format!(
@@ -997,6 +994,18 @@ impl GatewayBefore {
         }
     }
 
+    /// A short chat request as tenant-a: (status line, body).
+    fn ask(&self) -> (String, String) {
+        let body = r#"{"messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":8}"#;
+        http_request(
+            &self.api,
+            "POST",
+            "/v1/chat/completions",
+            "sk-demo-tenant-a",
+            body,
+        )
+    }
+
     /// `/workers` once it contains `what` (or after 30 s).
     async fn workers_once(&self, what: &str) -> String {
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -1018,47 +1027,28 @@ impl Drop for GatewayBefore {
     }
 }
 
+/// Starts a gateway (with `extra` configuration) before `prefill` and `decode`; once its
+/// `/workers` names `reason`, a request gets 503. Returns `/workers`.
+async fn not_routed(prefill: &Worker, decode: &Worker, extra: &str, reason: &str) -> String {
+    let gateway = GatewayBefore::start(prefill, decode, extra);
+    let workers = gateway.workers_once(reason).await;
+    let (status, answer) = gateway.ask();
+    assert!(workers.contains(reason), "{workers}");
+    assert!(
+        status.contains("503") && answer.contains("service_unavailable"),
+        "{status} {answer}"
+    );
+    workers
+}
+
 #[tokio::test]
 async fn the_gateway_does_not_route_to_a_pair_that_fails_preflight() {
     bounded(async {
-        let decode_prefill = Worker::start(&[
-            "--role",
-            "prefill",
-            "--kv-tokens",
-            "2048",
-            "--page-tokens",
-            "32",
-        ]);
-        let address = format!("http://{}", decode_prefill.grpc);
-        let decode = Worker::start(&[
-            "--role",
-            "decode",
-            "--prefill",
-            &address,
-            "--kv-listen",
-            "127.0.0.1:0",
-            "--kv-tokens",
-            "2048",
-        ]);
-        let gateway = GatewayBefore::start(&address, &decode, "");
-        let api = gateway.api.clone();
+        let decode_prefill = odd_page_prefill();
+        let decode = decode_for(&decode_prefill, &["--kv-tokens", "2048"]);
         // The gateway has read both workers' Info: the decode worker is not routed to.
-        let workers = gateway.workers_once("preflight_fails").await;
-        let body = r#"{"messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":8}"#;
-        let (status, answer) = http_request(
-            &api,
-            "POST",
-            "/v1/chat/completions",
-            "sk-demo-tenant-a",
-            body,
-        );
-        drop(gateway);
-        assert!(
-            workers.contains("preflight_fails") && workers.contains("same page size"),
-            "{workers}"
-        );
-        assert!(status.contains("503"), "{status} {answer}");
-        assert!(answer.contains("service_unavailable"), "{answer}");
+        let workers = not_routed(&decode_prefill, &decode, "", "preflight_fails").await;
+        assert!(workers.contains("same page size"), "{workers}");
     })
     .await;
 }
@@ -1067,23 +1057,8 @@ async fn the_gateway_does_not_route_to_a_pair_that_fails_preflight() {
 async fn the_gateway_does_not_route_to_a_worker_that_answers_without_the_cluster_token() {
     bounded(async {
         let (_dir, with_token, prefill, decode) = half_protected_pair();
-        let address = format!("http://{}", prefill.grpc);
-        let gateway = GatewayBefore::start(&address, &decode, &with_token);
-        let workers = gateway.workers_once("answers_without_token").await;
-        let body = r#"{"messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":8}"#;
-        let (status, answer) = http_request(
-            &gateway.api,
-            "POST",
-            "/v1/chat/completions",
-            "sk-demo-tenant-a",
-            body,
-        );
-        drop(gateway);
-        assert!(
-            workers.contains("answers_without_token") && workers.contains("--cluster-token-file"),
-            "{workers}"
-        );
-        assert!(status.contains("503"), "{status} {answer}");
+        let workers = not_routed(&prefill, &decode, &with_token, "answers_without_token").await;
+        assert!(workers.contains("--cluster-token-file"), "{workers}");
     })
     .await;
 }
