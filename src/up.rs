@@ -13,6 +13,7 @@ use anyhow::{Context, bail};
 use bulkhead_gateway::tenants::ConfigFile;
 use bulkhead_gateway::{BoundGateway, Config};
 use bulkhead_worker::serve::ClusterToken;
+use bulkhead_worker::serve::cluster_token;
 use tokio::process::{Child, Command};
 
 use crate::child;
@@ -199,25 +200,11 @@ struct Worker {
 
 /// A fresh random cluster token, written to `path` readable by this user only.
 fn write_cluster_token(path: &std::path::Path) -> anyhow::Result<()> {
-    use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
     let (_, secret) = ClusterToken::generate();
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    // Removed first: an existing file keeps its mode when opened for writing.
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            return Err(e).with_context(|| format!("removing the old {}", path.display()));
-        }
-        _ => {}
-    }
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
-        .and_then(|mut f| f.write_all(secret.as_bytes()))
+    cluster_token::write_file(path, &secret)
         .with_context(|| format!("writing the cluster token to {}", path.display()))
 }
 

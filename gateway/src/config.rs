@@ -830,12 +830,15 @@ mod tests {
             .cluster_token()
         };
         let file = dir.0.join("token");
-        std::fs::write(&file, "0123456789abcdef0123456789abcdef\n").expect("writes");
+        let write = |text: &str| {
+            bulkhead_worker::serve::cluster_token::write_file(&file, text).expect("writes");
+        };
+        write("0123456789abcdef0123456789abcdef\n");
         assert_eq!(
             with(&file).expect("a valid token"),
             Some(ClusterToken::parse("0123456789abcdef0123456789abcdef").expect("valid"))
         );
-        std::fs::write(&file, "short").expect("writes");
+        write("short");
         let e = with(&file).expect_err("too short").to_string();
         assert!(
             e.contains("cluster.token_file") && e.contains("at least 32"),

@@ -815,7 +815,11 @@ fn odd_page_prefill() -> Worker {
 fn half_protected_pair() -> (TempDir, String, Worker, Worker) {
     let dir = TempDir::new("token");
     let token = dir.0.join("cluster-token").display().to_string();
-    std::fs::write(&token, "0123456789abcdef0123456789abcdef\n").expect("writes");
+    bulkhead_worker::serve::cluster_token::write_file(
+        std::path::Path::new(&token),
+        "0123456789abcdef0123456789abcdef\n",
+    )
+    .expect("writes");
     let prefill = Worker::start(&[
         "--role",
         "prefill",

@@ -51,6 +51,11 @@ pub enum TokenError {
     TooShort(usize),
     #[error("the cluster token must be printable ASCII without spaces")]
     NotPrintable,
+    #[error(
+        "the cluster token file {path} is open to other users (mode {mode:o}): \
+         `chmod o-rwx` it (its owner, or a group, may read it)"
+    )]
+    Exposed { path: String, mode: u32 },
 }
 
 /// A cluster secret, as the `authorization` value calls carry, and the others accepted while
@@ -98,13 +103,26 @@ impl ClusterToken {
         })
     }
 
-    /// The token in the file at `path`.
+    /// The token in the file at `path`, which other users may not read or write (as ssh
+    /// refuses an exposed private key: a secret anyone on the host can read is no secret).
     pub fn read(path: &Path) -> Result<ClusterToken, TokenError> {
-        let text = std::fs::read_to_string(path).map_err(|source| TokenError::Read {
-            path: path.display().to_string(),
+        use std::os::unix::fs::PermissionsExt as _;
+        let shown = || path.display().to_string();
+        let unreadable = |source| TokenError::Read {
+            path: shown(),
             source,
-        })?;
-        ClusterToken::parse(&text)
+        };
+        let mode = std::fs::metadata(path)
+            .map_err(unreadable)?
+            .permissions()
+            .mode();
+        if mode & 0o007 != 0 {
+            return Err(TokenError::Exposed {
+                path: shown(),
+                mode: mode & 0o777,
+            });
+        }
+        ClusterToken::parse(&std::fs::read_to_string(path).map_err(unreadable)?)
     }
 
     /// A fresh random token (256 bits) and its secret, to write where the others read it.
@@ -122,6 +140,24 @@ impl ClusterToken {
             .chain(&self.also_accepted)
             .fold(false, |found, t| found | same(t.as_bytes(), presented))
     }
+}
+
+/// Writes `secrets` to `path` as a token file: created anew (whatever was there is replaced),
+/// readable and writable by its owner only.
+pub fn write_file(path: &Path, secrets: &str) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    // Removed first: a file opened for writing keeps its mode.
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?
+        .write_all(secrets.as_bytes())
 }
 
 /// A client's side: adds the token (when there is one) to every call. Shared: a client is
@@ -221,6 +257,34 @@ mod tests {
             ClusterToken::parse(&format!("{old}\nshort")),
             Err(TokenError::TooShort(5))
         ));
+    }
+
+    #[test]
+    fn a_token_file_other_users_can_open_is_refused() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir =
+            std::env::temp_dir().join(format!("bulkhead-token-mode-{}", rand::random::<u64>()));
+        std::fs::create_dir_all(&dir).expect("a directory");
+        let file = dir.join("token");
+        write_file(&file, SECRET).expect("writes");
+        assert!(
+            ClusterToken::read(&file).is_ok(),
+            "written for its owner only"
+        );
+        let mode = |m| std::fs::set_permissions(&file, std::fs::Permissions::from_mode(m));
+        for open in [0o644, 0o604, 0o602, 0o601] {
+            mode(open).expect("chmod");
+            let refused = ClusterToken::read(&file);
+            assert!(
+                matches!(refused, Err(TokenError::Exposed { mode, .. }) if mode == open),
+                "{open:o}: {refused:?}"
+            );
+        }
+        for closed in [0o600, 0o440, 0o400] {
+            mode(closed).expect("chmod");
+            assert!(ClusterToken::read(&file).is_ok(), "{closed:o}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
