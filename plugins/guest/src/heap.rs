@@ -193,11 +193,13 @@ mod tests {
         Resize(usize, usize),
     }
 
+    /// Sizes from 1: `GlobalAlloc` is never asked for zero bytes (its contract), and blocks of
+    /// zero bytes may share an address, which is no overlap.
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
-            (0usize..40_000, 0u32..7).prop_map(|(size, align_log2)| Op::Alloc { size, align_log2 }),
+            (1usize..40_000, 0u32..7).prop_map(|(size, align_log2)| Op::Alloc { size, align_log2 }),
             any::<usize>().prop_map(Op::Free),
-            (any::<usize>(), 0usize..40_000).prop_map(|(i, s)| Op::Resize(i, s)),
+            (any::<usize>(), 1usize..40_000).prop_map(|(i, s)| Op::Resize(i, s)),
         ]
     }
 
