@@ -23,7 +23,7 @@ use crate::telemetry::Service;
 /// The default configuration, built into the binary so `bulkhead up` works from anywhere.
 const DEFAULT_CONFIG: &str = include_str!("../deploy/local/gateway.toml");
 /// The cluster token's file in the data directory (owner-only; rewritten at every start).
-pub const CLUSTER_TOKEN_FILE: &str = "cluster-token";
+const CLUSTER_TOKEN_FILE: &str = "cluster-token";
 /// How long the worker may take to load the model and bind.
 const WORKER_START_LIMIT: Duration = Duration::from_secs(120);
 /// How long the worker gets to stop after SIGTERM before it is killed.

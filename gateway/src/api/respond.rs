@@ -151,12 +151,11 @@ impl Started {
     /// settles its tokens-per-minute charge to what it used: the prompt and the tokens that
     /// came, or nothing when none came (refused before its first token, as at the call).
     fn failed(&mut self, error: ApiError, refused_by: Option<Layer>) -> ApiError {
-        let came = self.progress.tokens;
-        self.set_used(if came == 0 {
-            0
-        } else {
-            u64::from(self.prompt_tokens) + u64::from(came)
-        });
+        let used = match self.progress.tokens {
+            0 => 0,
+            _ => self.progress.used(self.prompt_tokens),
+        };
+        self.set_used(used);
         self.trail.failed(&error, refused_by);
         span_failed(&self.upstream_span, &error);
         error

@@ -39,6 +39,17 @@ pub struct Progress {
     pub failed: bool,
 }
 
+impl Progress {
+    /// The tokens the request used as far as it got: the worker's usage once it said Done,
+    /// else the prompt (`prompt_tokens`, as admitted) and the tokens that came.
+    pub fn used(&self, prompt_tokens: u32) -> u64 {
+        match self.usage {
+            Some((prompt, completion)) => u64::from(prompt) + u64::from(completion),
+            None => u64::from(prompt_tokens) + u64::from(self.tokens),
+        }
+    }
+}
+
 /// A request's claim on its tenant's budget, handed over with its end: an abandoned request
 /// keeps its concurrency slot while its stream is held, and is charged its prompt and the
 /// tokens that came (until the hold ended), not its whole `max_tokens`.
@@ -52,11 +63,7 @@ pub struct Charge {
 impl Charge {
     /// Settles the charge to what the request used, as far as `progress` got.
     fn settle(mut self, progress: Progress) {
-        let used = match progress.usage {
-            Some((prompt, completion)) => u64::from(prompt) + u64::from(completion),
-            None => u64::from(self.prompt_tokens) + u64::from(progress.tokens),
-        };
-        self.permit.set_used(used);
+        self.permit.set_used(progress.used(self.prompt_tokens));
     }
 }
 

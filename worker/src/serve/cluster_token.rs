@@ -106,23 +106,25 @@ impl ClusterToken {
     /// The token in the file at `path`, which other users may not read or write (as ssh
     /// refuses an exposed private key: a secret anyone on the host can read is no secret).
     pub fn read(path: &Path) -> Result<ClusterToken, TokenError> {
+        use std::io::Read as _;
         use std::os::unix::fs::PermissionsExt as _;
         let shown = || path.display().to_string();
         let unreadable = |source| TokenError::Read {
             path: shown(),
             source,
         };
-        let mode = std::fs::metadata(path)
-            .map_err(unreadable)?
-            .permissions()
-            .mode();
+        // One open: the mode checked is the mode of the file read.
+        let mut file = std::fs::File::open(path).map_err(unreadable)?;
+        let mode = file.metadata().map_err(unreadable)?.permissions().mode();
         if mode & 0o007 != 0 {
             return Err(TokenError::Exposed {
                 path: shown(),
                 mode: mode & 0o777,
             });
         }
-        ClusterToken::parse(&std::fs::read_to_string(path).map_err(unreadable)?)
+        let mut text = String::new();
+        file.read_to_string(&mut text).map_err(unreadable)?;
+        ClusterToken::parse(&text)
     }
 
     /// A fresh random token (256 bits) and its secret, to write where the others read it.
