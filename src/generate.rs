@@ -4,7 +4,7 @@ use std::io::Write;
 use std::sync::mpsc;
 
 use anyhow::{Context, bail};
-use bulkhead_kvpool::RequestId;
+use bulkhead_kvpool::{RequestId, Scope};
 use bulkhead_worker::chat::Message;
 use bulkhead_worker::engine::{Engine, EngineConfig, Event, KvBudget, Request};
 use bulkhead_worker::sampling::SamplingParams;
@@ -71,6 +71,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let (tx, rx) = mpsc::channel();
     let request = Request {
         id: RequestId::new(1),
+        tenant: Scope::new("local"),
         prompt,
         max_new_tokens: args.max_tokens,
         sampling,

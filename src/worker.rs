@@ -30,6 +30,7 @@ pub mod env {
     pub const MAX_RUNNING: &str = "BULKHEAD_MAX_RUNNING";
     pub const QUEUE_CAPACITY: &str = "BULKHEAD_QUEUE_CAPACITY";
     pub const SCRUB: &str = "BULKHEAD_SCRUB";
+    pub const PREFIX_CACHE: &str = "BULKHEAD_PREFIX_CACHE";
     pub const PREFILL: &str = "BULKHEAD_PREFILL";
     pub const KV_LISTEN: &str = "BULKHEAD_KV_LISTEN";
     pub const KV_ADVERTISE: &str = "BULKHEAD_KV_ADVERTISE";
@@ -108,6 +109,12 @@ pub struct Args {
     /// What released KV pages are filled with before reuse.
     #[arg(long, env = env::SCRUB, value_enum, default_value_t = ScrubArg::Zero)]
     scrub: ScrubArg,
+    /// Prefill and both roles: keep the whole pages of each prompt's KV in its tenant's prefix
+    /// cache, so a later prompt of the same tenant that starts with the same tokens computes
+    /// only the rest. Never shared between tenants; cached pages are evicted, least recently
+    /// used first, when a reservation needs them. Off by default for now.
+    #[arg(long, env = env::PREFIX_CACHE, default_value_t = false, action = clap::ArgAction::Set)]
+    prefix_cache: bool,
     /// Decode role: the prefill worker's gRPC address (http://host:port).
     #[arg(long, env = env::PREFILL, required_if_eq("role", "decode"))]
     prefill: Option<String>,
@@ -222,6 +229,7 @@ impl Args {
                 transfer_floor_bytes_per_s: self.transfer_floor,
                 release_timeout: Duration::from_millis(self.release_timeout_ms),
                 reclaim_after: Duration::from_millis(self.reclaim_after_ms),
+                prefix_cache: self.prefix_cache,
             },
             kv_peer_timeout: Duration::from_millis(self.kv_peer_timeout_ms),
             cluster_token: self

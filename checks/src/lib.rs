@@ -38,16 +38,20 @@ pub enum Check {
     HandoffVerification,
     /// The attention kernel's comparison of every page's tag with the pool's before it reads.
     TagCheck,
+    /// The prefix cache's scoping: a prompt reads only cached pages its own tenant's requests
+    /// computed (off: one cache shared by every tenant).
+    PrefixScope,
 }
 
 impl Check {
     /// Every check, in request-path order.
-    pub const ALL: [Check; 5] = [
+    pub const ALL: [Check; 6] = [
         Check::GatewayLimit,
         Check::DecodeAdmission,
         Check::PrefillAdmission,
         Check::HandoffVerification,
         Check::TagCheck,
+        Check::PrefixScope,
     ];
 
     /// The check's name in switch lists (`gateway-limit`, …).
@@ -59,6 +63,7 @@ impl Check {
             Check::PrefillAdmission => "prefill-admission",
             Check::HandoffVerification => "handoff-verification",
             Check::TagCheck => "tag-check",
+            Check::PrefixScope => "prefix-scope",
         }
     }
 

@@ -110,6 +110,14 @@ pub enum InvariantViolation {
         /// The shared tag.
         tag: Tag,
     },
+    /// The prefix cache's index disagrees with itself or with the pages' states.
+    #[error("prefix cache: {page} {problem}")]
+    PrefixIndex {
+        /// The page.
+        page: PageId,
+        /// What is wrong.
+        problem: &'static str,
+    },
     /// A page carries a tag the counter has not handed out yet (a later allocation could
     /// reuse it).
     #[error("{page} carries {tag} but the next tag to hand out is {next}")]

@@ -16,6 +16,13 @@
 //!   than every tag the pool handed out before. A page table ([`PageRef`]s) made for an
 //!   earlier holder of a page fails [`PagePool::verify`] and the kernel's check through
 //!   [`PagePool::with_tags`].
+//! - **Prefix cache, per scope.** An allocation's whole prompt pages may be kept after its
+//!   request ([`Allocation::keep_prompt`]) in its [`Scope`]'s cache; a later request of the
+//!   same scope whose prompt starts with the same tokens reads them ([`PagePool::cached_prefix`],
+//!   [`Prefix`]) and reserves only the rest ([`PagePool::reserve_after`]). A cached page keeps
+//!   its tag, is read-only, is never found from another scope, and is evicted
+//!   ([`PagePool::evict`]) only while nobody reads it. I1 with the cache: every page is free,
+//!   waiting for a scrub, quarantined, cached once, or held by exactly one lifecycle object.
 //! - **No premature reuse.** Freed pages join the back of a FIFO free list; with
 //!   [`Scrub::Zero`] or [`Scrub::Canary`] they are not allocatable until the physical layer has
 //!   scrubbed them ([`PagePool::scrub_pending`]).
@@ -27,14 +34,16 @@ mod error;
 mod ids;
 pub mod lifecycle;
 mod pool;
+mod prefix;
 mod state;
 
 pub use admission::{Admissible, NotNow};
 pub use config::{DEFAULT_PAGE_TOKENS, PoolConfig, Scrub};
 pub use error::{Found, InvariantViolation, Rejected, TagMismatch};
 pub use ids::{PageId, PageRef, RequestId, Tag};
-pub use lifecycle::{Allocation, Quarantined, Releasing, Reservation};
+pub use lifecycle::{Allocation, Prefix, Quarantined, Releasing, Reservation};
 pub use pool::PagePool;
+pub use prefix::Scope;
 pub use state::{PoolState, PoolStats};
 
 #[cfg(test)]

@@ -35,6 +35,7 @@ use std::mem;
 
 use crate::ids::{PageRef, RequestId};
 use crate::pool::PagePool;
+use crate::prefix::Scope;
 use crate::state::{Hold, Target};
 
 /// What every lifecycle object holds.
@@ -180,6 +181,24 @@ impl Allocation {
     /// The request ended and nothing can write the pages: release them now (same as dropping).
     pub fn release(self) {}
 
+    /// The request ended and nothing can write the pages: keep those its prompt filled whole
+    /// in the prefix cache of `prefix`'s scope, and release the rest. `prefix` must be the one
+    /// the allocation was reserved after ([`PagePool::reserve_after`]): `prompt` is the whole
+    /// prompt, its first `prefix.tokens()` tokens are in the prefix's pages and page `i` of
+    /// this allocation holds the `i`-th whole page of tokens after them. A page whose tokens
+    /// another request of the scope cached first is released. Returns how many pages were
+    /// cached.
+    pub fn keep_prompt(mut self, prefix: Prefix, prompt: &[u32]) -> u32 {
+        let page_tokens = self.0.pool.config().page_tokens.get() as usize;
+        let after = prompt.get(prefix.tokens()..).unwrap_or_default();
+        let chunks: Vec<&[u32]> = after.chunks_exact(page_tokens).collect();
+        let pages = mem::take(&mut self.0.pages);
+        let parent = prefix.pages().last().copied();
+        self.0
+            .pool
+            .cache(self.0.owner, &pages, &chunks, prefix.scope(), parent)
+    }
+
     /// The pages' contents are suspect: take them out of service until an operator releases the
     /// quarantine.
     pub fn quarantine(mut self) -> Quarantined {
@@ -196,6 +215,60 @@ impl Drop for Allocation {
 impl fmt::Debug for Allocation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.0.fmt("Allocation", f)
+    }
+}
+
+/// Cached pages a request reads: the first whole pages of its prompt, found in its scope's
+/// prefix cache ([`PagePool::cached_prefix`]). While it is held they are never evicted;
+/// dropping it lets them go (they stay cached until evicted). Its pages are read-only: the
+/// request's own pages ([`PagePool::reserve_after`]) follow them in its page table.
+#[must_use = "dropping a Prefix lets its pages be evicted"]
+pub struct Prefix {
+    pool: PagePool,
+    scope: Scope,
+    pages: Vec<PageRef>,
+}
+
+impl Prefix {
+    pub(crate) fn new(pool: PagePool, scope: Scope, pages: Vec<PageRef>) -> Self {
+        Self { pool, scope, pages }
+    }
+
+    pub(crate) fn pool(&self) -> &PagePool {
+        &self.pool
+    }
+
+    /// The cached pages, in prompt order; they head the request's page table.
+    #[must_use]
+    pub fn pages(&self) -> &[PageRef] {
+        &self.pages
+    }
+
+    /// Prompt tokens the pages hold (`pages().len() * page_tokens`).
+    #[must_use]
+    pub fn tokens(&self) -> usize {
+        self.pages.len() * self.pool.config().page_tokens.get() as usize
+    }
+
+    /// The scope the pages were found in, and the request's pages will be kept in.
+    #[must_use]
+    pub fn scope(&self) -> &Scope {
+        &self.scope
+    }
+}
+
+impl Drop for Prefix {
+    fn drop(&mut self) {
+        self.pool.unread(&self.pages);
+    }
+}
+
+impl fmt::Debug for Prefix {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Prefix")
+            .field("scope", &self.scope)
+            .field("pages", &self.pages)
+            .finish_non_exhaustive()
     }
 }
 

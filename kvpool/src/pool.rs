@@ -8,7 +8,8 @@ use crate::admission::{Admissible, NotNow, PoolIdentity};
 use crate::config::PoolConfig;
 use crate::error::{InvariantViolation, Rejected, TagMismatch};
 use crate::ids::{PageId, PageRef, RequestId, Tag};
-use crate::lifecycle::Reservation;
+use crate::lifecycle::{Prefix, Reservation};
+use crate::prefix::Scope;
 use crate::state::{Hold, PoolState, PoolStats, Target};
 
 /// Source of pool identities; only used to tell pools apart.
@@ -108,19 +109,79 @@ impl PagePool {
     /// needs. An admission made by another pool is never reserved here: it always comes back
     /// as `NotNow`.
     pub fn reserve(&self, admissible: Admissible) -> Result<Reservation, NotNow> {
+        self.reserve_pages(admissible, 0)
+    }
+
+    /// Reserves the pages of an admitted request that `prefix` does not hold: its first
+    /// `prefix.pages().len()` pages are the cached ones, so the reservation holds the rest,
+    /// for the tokens after them.
+    ///
+    /// # Errors
+    ///
+    /// As [`PagePool::reserve`]; a prefix found in another pool is never reserved after
+    /// either.
+    pub fn reserve_after(
+        &self,
+        admissible: Admissible,
+        prefix: &Prefix,
+    ) -> Result<Reservation, NotNow> {
+        if !Arc::ptr_eq(&prefix.pool().shared, &self.shared) {
+            return Err(NotNow(admissible));
+        }
+        let cached = u32::try_from(prefix.pages().len()).unwrap_or(u32::MAX);
+        self.reserve_pages(admissible, cached)
+    }
+
+    fn reserve_pages(&self, admissible: Admissible, cached: u32) -> Result<Reservation, NotNow> {
         if admissible.pool != self.shared.identity {
             return Err(NotNow(admissible));
         }
-        let reserved = self.lock().reserve(admissible.owner, admissible.pages);
+        let pages = admissible.pages.saturating_sub(cached);
+        let reserved = self.lock().reserve(admissible.owner, pages);
+        let cached_tokens = u64::from(cached) * u64::from(self.shared.config.page_tokens.get());
         match reserved {
             Some(pages) => Ok(Reservation::new(
                 self.clone(),
                 admissible.owner,
-                admissible.tokens,
+                admissible.tokens.saturating_sub(cached_tokens),
                 pages,
             )),
             None => Err(NotNow(admissible)),
         }
+    }
+
+    /// Prefix cache: the cached pages of `scope` that hold `prompt`'s first whole pages, as
+    /// many as are cached in a row from the first, at most `max_pages`. They are read — never
+    /// evicted — until the returned [`Prefix`] is dropped; it is empty when nothing matched.
+    pub fn cached_prefix(&self, scope: &Scope, prompt: &[u32], max_pages: usize) -> Prefix {
+        let page_tokens = self.shared.config.page_tokens.get() as usize;
+        let chunks = prompt.chunks_exact(page_tokens).take(max_pages);
+        let pages = self.lock().find_prefix(scope, chunks);
+        Prefix::new(self.clone(), scope.clone(), pages)
+    }
+
+    /// Prefix cache: gives up to `pages` cached pages that no request reads back towards the
+    /// free list (through the scrub queue if the pool scrubs), least recently used first.
+    /// Returns how many.
+    pub fn evict(&self, pages: u32) -> u32 {
+        self.lock().evict(pages)
+    }
+
+    /// Takes a reader off each of `pages` (a [`Prefix`] being dropped).
+    pub(crate) fn unread(&self, pages: &[PageRef]) {
+        self.lock().unread(pages);
+    }
+
+    /// Moves an allocation's pages into the prefix cache; see [`PoolState::cache`].
+    pub(crate) fn cache(
+        &self,
+        owner: RequestId,
+        pages: &[PageRef],
+        chunks: &[&[u32]],
+        scope: &Scope,
+        parent: Option<PageRef>,
+    ) -> u32 {
+        self.lock().cache(owner, pages, chunks, scope, parent)
     }
 
     /// Pages on the free list (allocatable now).

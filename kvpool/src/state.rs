@@ -13,6 +13,7 @@ use std::collections::VecDeque;
 use crate::config::PoolConfig;
 use crate::error::{Found, InvariantViolation, TagMismatch};
 use crate::ids::{PageId, PageRef, RequestId, Tag};
+use crate::prefix::{Inserted, PrefixIndex, Scope};
 
 /// Which lifecycle object holds a page.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -51,6 +52,9 @@ pub(crate) enum PageState {
     Quarantined,
     /// Released, waiting in the scrub queue for the physical layer to scrub it.
     PendingScrub,
+    /// Kept in the prefix cache: its KV is read-only, read by any number of requests of its
+    /// scope, and named by exactly one entry of the [`PrefixIndex`].
+    Cached,
 }
 
 impl PageState {
@@ -62,9 +66,13 @@ impl PageState {
         }
     }
 
-    /// Held by a reservation or an allocation: page tables naming it with its tag are valid.
+    /// Held by a reservation or an allocation, or cached: page tables naming it with its tag
+    /// are valid.
     const fn is_live(self) -> bool {
-        matches!(self, Self::Reserved { .. } | Self::Owned { .. })
+        matches!(
+            self,
+            Self::Reserved { .. } | Self::Owned { .. } | Self::Cached
+        )
     }
 
     const fn name(self) -> &'static str {
@@ -75,6 +83,7 @@ impl PageState {
             Self::Releasing { .. } => "releasing",
             Self::Quarantined => "quarantined",
             Self::PendingScrub => "pending scrub",
+            Self::Cached => "cached",
         }
     }
 }
@@ -96,6 +105,9 @@ pub struct PoolStats {
     pub quarantined: u32,
     /// Released pages waiting for [`PagePool::scrub_pending`](crate::PagePool::scrub_pending).
     pub pending_scrub: u32,
+    /// Pages in the prefix cache (given back by [`PagePool::evict`](crate::PagePool::evict)
+    /// when nobody reads them).
+    pub cached: u32,
 }
 
 impl PoolStats {
@@ -107,6 +119,7 @@ impl PoolStats {
             PageState::Releasing { .. } => &mut self.releasing,
             PageState::Quarantined => &mut self.quarantined,
             PageState::PendingScrub => &mut self.pending_scrub,
+            PageState::Cached => &mut self.cached,
         }
     }
 
@@ -141,6 +154,8 @@ pub struct PoolState {
     next_tag: u64,
     /// Maintained counts; equal to a recount of `states`.
     stats: PoolStats,
+    /// Exactly the pages in `PageState::Cached`, by scope, parent and tokens.
+    prefix: PrefixIndex,
 }
 
 impl PoolState {
@@ -161,6 +176,7 @@ impl PoolState {
                 free: pages,
                 ..PoolStats::default()
             },
+            prefix: PrefixIndex::default(),
         }
     }
 
@@ -233,35 +249,125 @@ impl PoolState {
     ) {
         let expected = PageState::held(from, owner);
         for entry in pages {
-            let i = entry.page.index();
-            let (Some(state), Some(&tag)) = (self.states.get_mut(i), self.tags.get(i)) else {
-                debug_assert!(false, "{} out of range", entry.page);
-                continue;
-            };
-            let holds = *state == expected && tag == entry.tag;
-            debug_assert!(
-                holds,
-                "{} is {:?} with {tag}, expected {expected:?} with {}",
-                entry.page, *state, entry.tag
-            );
-            if !holds {
+            if !self.is_in(*entry, expected) {
                 continue;
             }
-            let next = match to {
-                Target::Hold(hold) => PageState::held(hold, owner),
-                Target::Quarantine => PageState::Quarantined,
-                Target::Release if self.config.scrub.is_deferred() => {
-                    self.scrub.push_back(entry.page);
-                    PageState::PendingScrub
-                }
-                Target::Release => {
-                    self.free.push_back(entry.page);
-                    PageState::Free
-                }
-            };
-            self.stats.shift(*state, next);
-            *state = next;
+            match to {
+                Target::Hold(hold) => self.set(entry.page, expected, PageState::held(hold, owner)),
+                Target::Quarantine => self.set(entry.page, expected, PageState::Quarantined),
+                Target::Release => self.release_page(entry.page, expected),
+            }
         }
+    }
+
+    /// Whether `entry`'s page is in state `expected` with the entry's tag; a `debug_assert`
+    /// fails when it is not (the caller's proof of holding it was wrong).
+    fn is_in(&self, entry: PageRef, expected: PageState) -> bool {
+        let i = entry.page.index();
+        let (Some(&state), Some(&tag)) = (self.states.get(i), self.tags.get(i)) else {
+            debug_assert!(false, "{} out of range", entry.page);
+            return false;
+        };
+        let holds = state == expected && tag == entry.tag;
+        debug_assert!(
+            holds,
+            "{} is {state:?} with {tag}, expected {expected:?} with {}",
+            entry.page, entry.tag
+        );
+        holds
+    }
+
+    /// Records `page`, now in `from`, as being in `to`.
+    fn set(&mut self, page: PageId, from: PageState, to: PageState) {
+        if let Some(state) = self.states.get_mut(page.index()) {
+            self.stats.shift(from, to);
+            *state = to;
+        }
+    }
+
+    /// Sends `page`, now in `from`, towards the free list: into the scrub queue if the pool
+    /// scrubs, else straight onto the free list.
+    fn release_page(&mut self, page: PageId, from: PageState) {
+        let next = if self.config.scrub.is_deferred() {
+            self.scrub.push_back(page);
+            PageState::PendingScrub
+        } else {
+            self.free.push_back(page);
+            PageState::Free
+        };
+        self.set(page, from, next);
+    }
+
+    /// Prefix cache: the pages of `scope` that hold `chunks` in order from the scope's root,
+    /// as far as they are cached; each gains a reader until [`PoolState::unread`].
+    pub(crate) fn find_prefix<'a>(
+        &mut self,
+        scope: &Scope,
+        chunks: impl Iterator<Item = &'a [u32]>,
+    ) -> Vec<PageRef> {
+        self.prefix.find(scope, chunks)
+    }
+
+    /// Prefix cache: takes one reader off each of `pages`.
+    pub(crate) fn unread(&mut self, pages: &[PageRef]) {
+        self.prefix.unread(pages);
+    }
+
+    /// Moves the pages `owner` holds in an allocation into the prefix cache of `scope`: page
+    /// `i` holds `chunks[i]`, the first of them right after `parent` (a cached page of
+    /// `scope`, or the root). A page whose tokens are cached already after the same parent
+    /// (another request of the scope computed them) is released and the chain goes on from
+    /// the cached one; once the chain cannot go on (its parent is not cached), and past the
+    /// chunks, pages are released. Returns how many pages were cached.
+    pub(crate) fn cache(
+        &mut self,
+        owner: RequestId,
+        pages: &[PageRef],
+        chunks: &[&[u32]],
+        scope: &Scope,
+        parent: Option<PageRef>,
+    ) -> u32 {
+        let owned = PageState::held(Hold::Owned, owner);
+        let mut parent = Some(parent);
+        let mut cached = 0;
+        for (i, entry) in pages.iter().enumerate() {
+            if !self.is_in(*entry, owned) {
+                continue;
+            }
+            let inserted = match (parent, chunks.get(i)) {
+                (Some(after), Some(tokens)) => self.prefix.insert(scope, after, tokens, *entry),
+                _ => None,
+            };
+            match inserted {
+                Some(Inserted::Cached) => {
+                    self.set(entry.page, owned, PageState::Cached);
+                    cached += 1;
+                    parent = Some(Some(*entry));
+                }
+                Some(Inserted::Present(page)) => {
+                    self.release_page(entry.page, owned);
+                    parent = Some(Some(page));
+                }
+                None => {
+                    self.release_page(entry.page, owned);
+                    parent = None;
+                }
+            }
+        }
+        cached
+    }
+
+    /// Takes up to `n` cached pages that nobody reads out of the prefix cache, least recently
+    /// used first, towards the free list (through the scrub queue if the pool scrubs).
+    /// Returns how many.
+    pub(crate) fn evict(&mut self, n: u32) -> u32 {
+        let pages = self.prefix.evict(n);
+        for entry in &pages {
+            if self.is_in(*entry, PageState::Cached) {
+                self.release_page(entry.page, PageState::Cached);
+            }
+        }
+        u32::try_from(pages.len()).unwrap_or(u32::MAX)
     }
 
     /// Calls `f` for each page waiting for a scrub, oldest first, then frees it. A page leaves
@@ -301,25 +407,16 @@ impl PoolState {
     /// a page that left the quarantine since (and was perhaps reserved again, with a new tag)
     /// is left alone. Returns how many pages left quarantine.
     pub(crate) fn reclaim(&mut self, pages: &[PageRef]) -> u32 {
-        let deferred = self.config.scrub.is_deferred();
         let mut released = 0;
         for entry in pages {
             let i = entry.page.index();
-            let (Some(state), Some(&tag)) = (self.states.get_mut(i), self.tags.get(i)) else {
+            let (Some(&state), Some(&tag)) = (self.states.get(i), self.tags.get(i)) else {
                 continue;
             };
-            if *state != PageState::Quarantined || tag != entry.tag {
+            if state != PageState::Quarantined || tag != entry.tag {
                 continue;
             }
-            let next = if deferred {
-                self.scrub.push_back(entry.page);
-                PageState::PendingScrub
-            } else {
-                self.free.push_back(entry.page);
-                PageState::Free
-            };
-            self.stats.shift(*state, next);
-            *state = next;
+            self.release_page(entry.page, state);
             released += 1;
         }
         released
@@ -327,7 +424,8 @@ impl PoolState {
 
     /// Checks the whole state against its invariants: one state and one tag per page; the free
     /// list and the scrub queue hold exactly the pages in their states, each once; maintained
-    /// counts equal a recount; tags pairwise distinct and below the counter.
+    /// counts equal a recount; the prefix index names exactly the cached pages, with their
+    /// tags, each chain whole within one scope; tags pairwise distinct and below the counter.
     ///
     /// # Errors
     ///
@@ -375,6 +473,7 @@ impl PoolState {
                 self.stats.pending_scrub,
                 counted.pending_scrub,
             ),
+            ("cached", self.stats.cached, counted.cached),
         ] {
             if recorded != counted {
                 return Err(InvariantViolation::Count {
@@ -384,6 +483,18 @@ impl PoolState {
                 });
             }
         }
+
+        if self.prefix.len() != self.stats.cached as usize {
+            return Err(InvariantViolation::Count {
+                counter: "prefix index",
+                recorded: u32::try_from(self.prefix.len()).unwrap_or(u32::MAX),
+                counted: self.stats.cached,
+            });
+        }
+        self.prefix.check(|entry| {
+            let i = entry.page.index();
+            self.states.get(i) == Some(&PageState::Cached) && self.tags.get(i) == Some(&entry.tag)
+        })?;
 
         let mut by_tag: Vec<(Tag, usize)> =
             self.tags.iter().copied().zip(0..self.tags.len()).collect();
@@ -587,6 +698,26 @@ mod tests {
             assert_eq!(s.stats().free, 1);
             s.check_invariants().expect("nothing moved");
         }
+    }
+
+    #[test]
+    fn the_checker_catches_a_cached_page_that_left_the_cache_without_the_index() {
+        let mut s = state(4, Scrub::None);
+        let owner = RequestId::new(1);
+        let table = s.reserve(owner, 2).expect("pages are free");
+        s.transition(owner, &table, Hold::Reserved, Target::Hold(Hold::Owned));
+        let tokens: Vec<u32> = (0..32).collect();
+        let chunks: Vec<&[u32]> = tokens.chunks(16).collect();
+        assert_eq!(s.cache(owner, &table, &chunks, &Scope::new("a"), None), 2);
+        s.check_invariants().expect("both pages cached and indexed");
+        s.set(table[1].page, PageState::Cached, PageState::Owned { owner });
+        assert!(matches!(
+            s.check_invariants(),
+            Err(InvariantViolation::Count {
+                counter: "prefix index",
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use bulkhead_kernels::Simd;
 use bulkhead_kernels::attention::TagCheck;
-use bulkhead_kvpool::RequestId;
+use bulkhead_kvpool::{RequestId, Scope};
 use bulkhead_worker::engine::{Engine, EngineConfig, Event, KvBudget, Request};
 use bulkhead_worker::sampling::SamplingParams;
 use serde_json::json;
@@ -207,6 +207,7 @@ impl Bench {
         self.next_id += 1;
         let request = Request {
             id: RequestId::new(self.next_id),
+            tenant: Scope::new("bench"),
             prompt: prompt.to_vec(),
             max_new_tokens: max_new,
             sampling: SamplingParams::GREEDY,

@@ -425,6 +425,7 @@ impl Ttft {
     fn request(prompt: &[u32], tx: mpsc::Sender<Event>) -> Request {
         Request {
             id: RequestId::new(rand::random::<u64>() >> 1),
+            tenant: bulkhead_kvpool::Scope::new("bench"),
             prompt: prompt.to_vec(),
             max_new_tokens: 1,
             sampling: SamplingParams::GREEDY,

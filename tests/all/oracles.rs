@@ -449,6 +449,8 @@ pub(crate) struct Pool {
     pub releasing: u32,
     pub quarantined: u32,
     pub pending_scrub: u32,
+    /// In the tenants' prefix caches: given back whenever a reservation needs them.
+    pub cached: u32,
     /// Quarantined pages reclaimed since the worker started (a counter: a transfer's
     /// quarantined pages come back once its peer is known gone).
     pub reclaimed: u32,
@@ -467,6 +469,7 @@ impl Pool {
             releasing: pages("releasing"),
             quarantined: pages("quarantined"),
             pending_scrub: pages("pending_scrub"),
+            cached: pages("cached"),
             reclaimed: metric(&m, "bulkhead_kv_reclaimed_pages_total") as u32,
         }
     }
@@ -480,6 +483,7 @@ impl Pool {
             releasing: 0,
             quarantined: 0,
             pending_scrub: 0,
+            cached: 0,
             reclaimed: 0,
         }
     }
@@ -491,11 +495,13 @@ impl Pool {
             + self.releasing
             + self.quarantined
             + self.pending_scrub
+            + self.cached
     }
 
-    /// Free, or free as soon as the engine's next step scrubs them.
+    /// Free, or free as soon as a reservation needs them: scrubbed at the engine's next step,
+    /// or evicted from a prefix cache.
     pub fn available(&self) -> u32 {
-        self.free + self.pending_scrub
+        self.free + self.pending_scrub + self.cached
     }
 
     /// Nothing held by a request or a transfer.

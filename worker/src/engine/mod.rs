@@ -17,9 +17,15 @@
 //!            ▼                           ▼                      source pages held by it)
 //!        decode one token per step, stream text, stop
 //!            │
-//!  done / cancelled: the Allocation drops (pages scrubbed, then free);
+//!  done / cancelled: the Allocation drops (pages scrubbed, then free) — with the prefix
+//!  cache on, the whole pages of its computed prompt stay in its tenant's cache instead;
 //!  failed integrity: quarantined
 //! ```
+//!
+//! With the prefix cache on (colocated and prefill roles), a request whose prompt starts
+//! with whole pages its own tenant's requests computed reads those pages ([`Prefix`]) and
+//! reserves and computes only the rest; when pages are short, cached pages nobody reads are
+//! evicted to make room.
 //!
 //! Pages for the whole request (prompt + max new tokens) are reserved before it runs, so a
 //! running request never waits for memory and nothing is ever preempted or truncated.
@@ -37,10 +43,15 @@ use std::time::{Duration, Instant};
 use bulkhead_checks::Check;
 use bulkhead_handoff::{CloseReason, IntegrityFailure, Received, SessionNonce};
 use bulkhead_kernels::attention::{TagCheck, TagView};
-use bulkhead_kvpool::{Admissible, Allocation, PagePool, PoolConfig, RequestId, Scrub};
+use bulkhead_kvpool::{
+    Admissible, Allocation, NotNow, PagePool, PageRef, PoolConfig, Prefix, RequestId, Reservation,
+    Scope, Scrub,
+};
 
 pub use request::{Delivery, Event, EventSink, Failure, FinishReason, Request, SubmitError, Usage};
-pub use stats::{ABORT_ACK_BUCKETS, DROP_LABELS, FrameDrops, Histogram, TransferStats};
+pub use stats::{
+    ABORT_ACK_BUCKETS, DROP_LABELS, FrameDrops, Histogram, PrefixStats, TransferStats,
+};
 pub use stops::{StopScan, StopWatch};
 pub use transfer::{NotWritten, Outbound, write_frame};
 
@@ -84,6 +95,10 @@ pub struct EngineConfig {
     /// Decode role: how long after a quarantined transfer's peer is known gone (its transport
     /// closed, or its `Closed` came late) its pages are scrubbed and reused.
     pub reclaim_after: Duration,
+    /// Keep the whole pages of every prompt computed here in its tenant's prefix cache, and
+    /// start each prompt from the longest cached run of its own tenant's pages (colocated and
+    /// prefill roles; a decode worker computes no prompt).
+    pub prefix_cache: bool,
 }
 
 impl Default for EngineConfig {
@@ -100,6 +115,7 @@ impl Default for EngineConfig {
             transfer_floor_bytes_per_s: 100_000_000,
             release_timeout: Duration::from_secs(10),
             reclaim_after: Duration::from_secs(2),
+            prefix_cache: false,
         }
     }
 }
@@ -169,6 +185,10 @@ struct Waiting {
 struct Running {
     request: Request,
     pages: Allocation,
+    /// The cached pages the prompt starts with, read-only; `None` without the prefix cache.
+    prefix: Option<Prefix>,
+    /// The page table the model reads through: the prefix's pages, then `pages`'.
+    table: Vec<PageRef>,
     /// `Some` on a prefill worker: where the KV goes after the prompt.
     target: Option<bulkhead_handoff::Reservation>,
     /// Prompt tokens already in the pages.
@@ -183,15 +203,19 @@ impl Running {
     fn new(
         request: Request,
         pages: Allocation,
+        prefix: Option<Prefix>,
         target: Option<bulkhead_handoff::Reservation>,
     ) -> Running {
+        let cached = prefix.as_ref().map(Prefix::pages).unwrap_or_default();
         Running {
             sampler: Sampler::new(request.sampling),
             stops: StopWatch::new(request.stop.clone()),
+            table: [cached, pages.pages()].concat(),
+            prefilled: prefix.as_ref().map_or(0, Prefix::tokens),
             request,
             pages,
+            prefix,
             target,
-            prefilled: 0,
             generated: Vec::new(),
             detok: Detokenizer::default(),
         }
@@ -204,6 +228,18 @@ impl Running {
     /// Tokens in the KV cache.
     fn cached(&self) -> usize {
         self.prefilled + self.generated.len().saturating_sub(1)
+    }
+
+    /// Prompt tokens read from the prefix cache instead of computed.
+    fn cached_prompt(&self) -> usize {
+        self.prefix.as_ref().map_or(0, Prefix::tokens)
+    }
+
+    /// The request ended and nothing can write its pages: the whole pages of its prompt that
+    /// are computed go to its tenant's prefix cache (with the cache on), the rest are released.
+    fn retire(self) {
+        let computed = &self.request.prompt[..self.prefilled];
+        transfer::retire(self.pages, self.prefix, computed);
     }
 }
 
@@ -234,6 +270,7 @@ pub struct Engine {
     /// Quarantined transfers, until their peer is known gone.
     suspects: HashMap<SessionNonce, Suspect>,
     stats: TransferStats,
+    prefix_stats: PrefixStats,
 }
 
 impl Engine {
@@ -329,6 +366,7 @@ impl Engine {
             draining: HashMap::new(),
             suspects: HashMap::new(),
             stats: TransferStats::default(),
+            prefix_stats: PrefixStats::default(),
         })
     }
 
@@ -386,6 +424,11 @@ impl Engine {
             quarantined_sessions: self.suspects.len() as u64,
             ..self.stats
         }
+    }
+
+    /// The prefix cache's counters.
+    pub fn prefix_stats(&self) -> PrefixStats {
+        self.prefix_stats
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -710,12 +753,12 @@ impl Engine {
 
     /// A verified transfer: the pages become the request's and it decodes from the first token.
     fn start_decoding(&mut self, t: Transfer, first_token: TokenId) {
-        let mut r = Running::new(t.request, t.pages.commit(), None);
+        let mut r = Running::new(t.request, t.pages.commit(), None, None);
         r.prefilled = r.request.prompt.len();
         let outcome = accept_token(&self.tokenizer, &mut r, first_token);
         match outcome {
             Outcome::Continue => self.running.push(r),
-            _ => r.pages.release(),
+            _ => r.retire(),
         }
     }
 
@@ -723,15 +766,7 @@ impl Engine {
     /// requests that fit, run one forward pass over every running request, emit events.
     pub fn step(&mut self) {
         self.expire(Instant::now());
-        let scrub = self.pool.config().scrub;
-        let kv = &mut self.kv;
-        self.pool.scrub_pending(|page| {
-            if let Err(e) = kv.scrub(page, scrub) {
-                // The page still goes back with a new tag, so no stale read can reach it
-                // (I2); an unscrubbed page is a lost defence in depth, worth an operator's look.
-                tracing::error!(%page, error = %e, "scrubbing a released KV page failed");
-            }
-        });
+        self.scrub();
         self.start_waiting();
         if self.running.is_empty() {
             return;
@@ -768,14 +803,14 @@ impl Engine {
                 };
                 SeqStep {
                     tokens,
-                    table: r.pages.pages(),
+                    table: &r.table,
                     cached: r.cached(),
                     logits,
                 }
             })
             .collect();
         let (model, kv, check) = (&self.model, &mut self.kv, self.tag_check);
-        let canary = scrub == Scrub::Canary;
+        let canary = self.pool.config().scrub == Scrub::Canary;
         let results = self.pool.with_tags(|tags| {
             model.forward(
                 &steps,
@@ -816,9 +851,7 @@ impl Engine {
                     // Suspect contents, no peer: quarantined until an operator releases them.
                     let _ = self.running.swap_remove(i).pages.quarantine();
                 }
-                Outcome::Finished | Outcome::Cancelled => {
-                    self.running.swap_remove(i).pages.release()
-                }
+                Outcome::Finished | Outcome::Cancelled => self.running.swap_remove(i).retire(),
             }
         }
     }
@@ -874,8 +907,15 @@ impl Engine {
             let Some(w) = self.waiting.pop_front() else {
                 break;
             };
-            let reservation = match self.pool.reserve(w.admissible) {
-                Ok(r) => r,
+            let prefix = self.cached_prefix(&w);
+            let reservation = match self.reserve(w.admissible, prefix.as_ref()) {
+                Ok(r) => {
+                    if let Some(p) = &prefix {
+                        self.prefix_stats.prompt_tokens += w.request.prompt.len() as u64;
+                        self.prefix_stats.cached_tokens += p.tokens() as u64;
+                    }
+                    r
+                }
                 Err(not_now) => {
                     self.waiting.push_front(Waiting {
                         request: w.request,
@@ -887,12 +927,12 @@ impl Engine {
             };
             match w.role {
                 Role::Colocated => {
-                    self.running
-                        .push(Running::new(w.request, reservation.commit(), None))
+                    let r = Running::new(w.request, reservation.commit(), prefix, None);
+                    self.running.push(r);
                 }
                 Role::PrefillFor(target) => {
-                    self.running
-                        .push(Running::new(w.request, reservation.commit(), Some(target)))
+                    let r = Running::new(w.request, reservation.commit(), prefix, Some(target));
+                    self.running.push(r);
                 }
                 Role::Decode => {
                     let mut request = w.request;
@@ -929,6 +969,62 @@ impl Engine {
         }
     }
 
+    /// Scrubs the released pages waiting for it, so they can be reserved again.
+    fn scrub(&mut self) {
+        let scrub = self.pool.config().scrub;
+        let kv = &mut self.kv;
+        self.pool.scrub_pending(|page| {
+            if let Err(e) = kv.scrub(page, scrub) {
+                // The page still goes back with a new tag, so no stale read can reach it
+                // (I2); an unscrubbed page is a lost defence in depth, worth an operator's look.
+                tracing::error!(%page, error = %e, "scrubbing a released KV page failed");
+            }
+        });
+    }
+
+    /// The cached pages a waiting request's prompt starts with, when it computes its prompt
+    /// here and the prefix cache is on: at most all but its last token, which must be
+    /// computed for the first token's logits. Looked up in the request's tenant's cache — or,
+    /// in a test build with the `prefix-scope` check off, in one cache shared by every tenant.
+    fn cached_prefix(&self, w: &Waiting) -> Option<Prefix> {
+        if !self.config.prefix_cache || matches!(w.role, Role::Decode) {
+            return None;
+        }
+        let scope = if bulkhead_checks::enabled(Check::PrefixScope) {
+            w.request.tenant.clone()
+        } else {
+            Scope::new("")
+        };
+        let prompt = &w.request.prompt;
+        let max_pages = (prompt.len() - 1) / self.capacity.page_tokens as usize;
+        Some(self.pool.cached_prefix(&scope, prompt, max_pages))
+    }
+
+    /// Reserves a request's pages (after `prefix`'s, if any). Cached pages that no request
+    /// reads make room when the free pages are short.
+    fn reserve(
+        &mut self,
+        admissible: Admissible,
+        prefix: Option<&Prefix>,
+    ) -> Result<Reservation, NotNow> {
+        let reserve = |pool: &PagePool, a| match prefix {
+            Some(p) => pool.reserve_after(a, p),
+            None => pool.reserve(a),
+        };
+        let not_now = match reserve(&self.pool, admissible) {
+            Ok(r) => return Ok(r),
+            Err(not_now) => not_now,
+        };
+        let cached = prefix.map_or(0, |p| p.pages().len() as u32);
+        let needed = not_now.admissible().pages().saturating_sub(cached);
+        let short = needed.saturating_sub(self.pool.free_pages());
+        if self.pool.evict(short) == 0 {
+            return Err(not_now);
+        }
+        self.scrub();
+        reserve(&self.pool, not_now.into_inner())
+    }
+
     /// Applies one forward result to running request `i`, which processed `n` tokens.
     fn advance(&mut self, i: usize, n: usize, result: SeqResult) -> Outcome {
         let r = &mut self.running[i];
@@ -959,11 +1055,19 @@ impl Engine {
         let Running {
             mut request,
             pages,
+            prefix,
+            table,
             target,
             ..
         } = r;
         let Some(target) = target else { return };
-        let event = match Outbound::build(&self.kv, pages, &target, first_token) {
+        let source = transfer::Source {
+            table,
+            pages,
+            prefix,
+            prompt: std::mem::take(&mut request.prompt),
+        };
+        let event = match Outbound::build(&self.kv, source, &target, first_token) {
             Ok(outbound) => Event::Prefilled(outbound),
             Err(e) => {
                 tracing::error!(error = %e, "reading the prompt's KV out failed");
@@ -990,6 +1094,7 @@ fn accept_token(tokenizer: &Tokenizer, r: &mut Running, token: TokenId) -> Outco
     let usage = Usage {
         prompt_tokens: r.request.prompt.len(),
         completion_tokens: r.generated.len(),
+        cached_tokens: r.cached_prompt(),
     };
     let (text, finish) = if tokenizer.is_stop(token) && !r.request.ignore_eos {
         (String::new(), Some(FinishReason::Stop))

@@ -1,6 +1,6 @@
 //! What a caller hands the engine, and what it gets back.
 
-use bulkhead_kvpool::RequestId;
+use bulkhead_kvpool::{RequestId, Scope};
 
 use bulkhead_handoff::IntegrityFailure;
 
@@ -13,6 +13,8 @@ use crate::tokenizer::TokenId;
 #[derive(Debug)]
 pub struct Request {
     pub id: RequestId,
+    /// Whose request it is: the prefix cache it reads and adds to.
+    pub tenant: Scope,
     pub prompt: Vec<TokenId>,
     /// At least 1.
     pub max_new_tokens: usize,
@@ -42,6 +44,8 @@ pub enum Delivery {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from the tenant's prefix cache instead of being computed.
+    pub cached_tokens: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,6 +2,15 @@
 
 use std::time::Duration;
 
+/// The prefix cache's counters: how much of the prompts computed here it served.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixStats {
+    /// Prompt tokens of the requests that looked their prompt up in the cache.
+    pub prompt_tokens: u64,
+    /// Of those, tokens whose KV was read from the cache instead of computed.
+    pub cached_tokens: u64,
+}
+
 /// Why decode dropped a frame, as counted: no live session (unknown, or already abandoned: a
 /// late frame), one of [`bulkhead_handoff::DropReason::LABELS`], or an accepted frame that did not fit its page
 /// (a bug).

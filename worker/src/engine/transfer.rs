@@ -31,7 +31,7 @@ use bulkhead_handoff::{
     digest, page_tokens_range,
 };
 use bulkhead_kvpool::{
-    Allocation, PageId, PagePool, PageRef, Quarantined, Releasing, Reservation, Tag,
+    Allocation, PageId, PagePool, PageRef, Prefix, Quarantined, Releasing, Reservation, Tag,
 };
 
 use super::request::Request;
@@ -133,26 +133,38 @@ pub(super) fn target(
     }
 }
 
+/// What a prefill worker reads a prompt's KV from: the request's page table (its cached
+/// prefix's pages, then its own) and what holds those pages.
+#[derive(Debug)]
+pub(super) struct Source {
+    pub table: Vec<PageRef>,
+    pub pages: Allocation,
+    pub prefix: Option<Prefix>,
+    /// The whole prompt, to keep its pages in the prefix cache when the transfer is over.
+    pub prompt: Vec<u32>,
+}
+
 /// What a prefill worker sends for one request: every page's frame, the manifest, and the
 /// source pages, held until the transfer is closed (dropping the `Outbound` closes it).
 #[derive(Debug)]
 pub struct Outbound {
     pub frames: Vec<Frame>,
     pub manifest: Manifest,
-    source: Allocation,
+    /// Boxed: an `Outbound` travels in every engine event's enum.
+    source: Box<Source>,
 }
 
 impl Outbound {
     /// Reads the prompt's KV out of `source` into frames for `target`.
     pub(super) fn build(
         kv: &KvMemory,
-        source: Allocation,
+        source: Source,
         target: &Target,
         first_token: u32,
     ) -> Result<Outbound, SlotError> {
         let pt = target.page_tokens;
         let mut frames = Vec::with_capacity(target.pages.len());
-        for (index, (dst, src)) in target.pages.iter().zip(source.pages()).enumerate() {
+        for (index, (dst, src)) in target.pages.iter().zip(&source.table).enumerate() {
             let index = index as u32;
             let Some(tokens) = page_tokens_range(index, pt, target.prompt_tokens) else {
                 break;
@@ -170,7 +182,7 @@ impl Outbound {
         Ok(Outbound {
             frames,
             manifest,
-            source,
+            source: Box::new(source),
         })
     }
 
@@ -178,8 +190,32 @@ impl Outbound {
         self.manifest.nonce
     }
 
-    /// The transfer is over (sent, or abandoned and acknowledged): release the source pages.
+    /// Prompt tokens whose KV was read from the prefix cache instead of computed.
+    pub fn cached_tokens(&self) -> usize {
+        self.source.prefix.as_ref().map_or(0, Prefix::tokens)
+    }
+
+    /// The transfer is over (sent, or abandoned and acknowledged): the prompt's whole pages go
+    /// to the tenant's prefix cache (with the cache on), the rest of the source is released.
     pub fn close(self) {
-        self.source.release();
+        let Source {
+            pages,
+            prefix,
+            prompt,
+            ..
+        } = *self.source;
+        retire(pages, prefix, &prompt);
+    }
+}
+
+/// A request's pages once nothing can write them: with the prefix cache on (`prefix` is
+/// `Some`), the whole pages of `computed` — the prompt tokens whose KV is in the pages — go
+/// to the tenant's cache; the rest are released.
+pub(super) fn retire(pages: Allocation, prefix: Option<Prefix>, computed: &[u32]) {
+    match prefix {
+        Some(prefix) => {
+            pages.keep_prompt(prefix, computed);
+        }
+        None => pages.release(),
     }
 }

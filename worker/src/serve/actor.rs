@@ -25,8 +25,8 @@ use bulkhead_kvpool::{PoolStats, RequestId};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::engine::{
-    Capacity, Delivery, Engine, Event, EventSink, FinishReason, Outbound, Request, SubmitError,
-    TransferStats,
+    Capacity, Delivery, Engine, Event, EventSink, FinishReason, Outbound, PrefixStats, Request,
+    SubmitError, TransferStats,
 };
 
 use super::error::ServeError;
@@ -42,6 +42,7 @@ pub struct EngineStats {
     pub running: usize,
     pub capacity: Capacity,
     pub transfers: TransferStats,
+    pub prefix: PrefixStats,
 }
 
 /// How a request is submitted: which part of it runs on this worker.
@@ -287,6 +288,7 @@ fn stats_of(engine: &Engine) -> EngineStats {
         running,
         capacity: engine.capacity(),
         transfers: engine.transfer_stats(),
+        prefix: engine.prefix_stats(),
     }
 }
 

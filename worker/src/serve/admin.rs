@@ -100,7 +100,7 @@ mod tests {
     use bulkhead_kvpool::PoolStats;
 
     use super::*;
-    use crate::engine::{Capacity, TransferStats};
+    use crate::engine::{Capacity, PrefixStats, TransferStats};
 
     /// 10 pages of 16 tokens serving `served_context`, `quarantined` of them out of service.
     fn stats(served_context: usize, quarantined: u32) -> EngineStats {
@@ -114,6 +114,7 @@ mod tests {
             waiting: 0,
             running: 0,
             transfers: TransferStats::default(),
+            prefix: PrefixStats::default(),
             capacity: Capacity {
                 token_bytes: 256,
                 pool_pages: 10,

@@ -26,6 +26,7 @@ use tracing::field::Empty;
 use tracing::{Instrument as _, Span};
 
 use bulkhead_handoff::{CloseReason, SessionNonce};
+use bulkhead_kvpool::Scope;
 
 use super::actor::{CancelOnDrop, EngineHandle, Events, Submission};
 use super::cluster_token::Client;
@@ -278,6 +279,7 @@ pub async fn prefill(
     };
     let engine = engine.clone();
     let caller_id = request.request_id;
+    let tenant = Scope::new(&request.tenant);
     let prompt = request.prompt;
     // In the `Prefill` call's span (the caller's): the steps below are its children.
     let span = Span::current();
@@ -286,6 +288,7 @@ pub async fn prefill(
         let submitted = engine
             .submit(Submission::PrefillFor(target), |id, sink| Request {
                 id,
+                tenant,
                 prompt,
                 max_new_tokens: 1,
                 sampling,

@@ -931,6 +931,7 @@ mod tests {
         let (mut events, _cancel) = engine
             .submit(super::super::Submission::Decode, |id, sink| Request {
                 id,
+                tenant: bulkhead_kvpool::Scope::new("test"),
                 prompt: vec![5; 20],
                 max_new_tokens: 4,
                 sampling: SamplingParams::GREEDY,

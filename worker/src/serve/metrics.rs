@@ -165,6 +165,7 @@ impl Metrics {
             ("releasing", p.releasing),
             ("quarantined", p.quarantined),
             ("pending_scrub", p.pending_scrub),
+            ("cached", p.cached),
         ] {
             let _ = writeln!(out, "bulkhead_kv_pool_pages{{state=\"{state}\"}} {n}");
         }
@@ -225,6 +226,21 @@ impl Metrics {
             self.generated_tokens()
         );
         self.render_transfers(&mut out, &stats.transfers);
+        for (name, help, value) in [
+            (
+                "bulkhead_prefix_cache_prompt_tokens_total",
+                "Prompt tokens of the requests that looked their prompt up in the tenant's prefix cache.",
+                stats.prefix.prompt_tokens,
+            ),
+            (
+                "bulkhead_prefix_cache_hit_tokens_total",
+                "Prompt tokens whose KV was read from the tenant's prefix cache instead of computed.",
+                stats.prefix.cached_tokens,
+            ),
+        ] {
+            family(&mut out, name, "counter", help);
+            let _ = writeln!(out, "{name} {value}");
+        }
         out
     }
 
@@ -329,7 +345,7 @@ mod tests {
     use bulkhead_kvpool::PoolStats;
 
     use super::*;
-    use crate::engine::Capacity;
+    use crate::engine::{Capacity, PrefixStats};
 
     fn stats() -> EngineStats {
         EngineStats {
@@ -341,6 +357,7 @@ mod tests {
                 releasing: 0,
                 quarantined: 1,
                 pending_scrub: 0,
+                cached: 0,
             },
             waiting: 2,
             running: 1,
@@ -350,6 +367,7 @@ mod tests {
                 reserved_tokens: 300,
                 ..TransferStats::default()
             },
+            prefix: PrefixStats::default(),
             capacity: Capacity {
                 token_bytes: 256,
                 pool_pages: 10,

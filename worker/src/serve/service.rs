@@ -236,6 +236,7 @@ impl proto::Worker for WorkerService {
                     releasing: stats.pool.releasing,
                     quarantined: stats.pool.quarantined,
                     pending_scrub: stats.pool.pending_scrub,
+                    cached: stats.pool.cached,
                 }),
                 queue_depth: saturate(stats.waiting),
                 running: saturate(stats.running),

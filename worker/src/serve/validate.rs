@@ -4,7 +4,7 @@
 //! The engine still runs its own admission (empty prompt, token range, context length, queue):
 //! checks are repeated at each layer on purpose.
 
-use bulkhead_kvpool::RequestId;
+use bulkhead_kvpool::{RequestId, Scope};
 
 use crate::chat::{ChatTemplate, Message};
 use crate::engine::{EventSink, Request};
@@ -106,6 +106,7 @@ impl ValidGenerate {
     pub fn into_request(self, id: RequestId, sink: Box<dyn EventSink>) -> Request {
         Request {
             id,
+            tenant: Scope::new(&self.tenant),
             prompt: self.prompt,
             max_new_tokens: self.max_new_tokens,
             sampling: self.sampling,

@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 
 use bulkhead_kernels::attention::{TagCheck, TagView};
 use bulkhead_kernels::{Device, DeviceError};
-use bulkhead_kvpool::{Allocation, PagePool, PageRef, PoolConfig, RequestId, Scrub};
+use bulkhead_kvpool::{Allocation, PagePool, PageRef, PoolConfig, RequestId, Scope, Scrub};
 use bulkhead_worker::engine::{Engine, EngineConfig, Event, Failure, FinishReason, Request};
 use bulkhead_worker::kv::KvMemory;
 use bulkhead_worker::loader::LoadedModel;
@@ -148,6 +148,7 @@ pub struct Outcome {
 pub fn request(id: u64, prompt: &[TokenId], max_new: usize, tx: mpsc::Sender<Event>) -> Request {
     Request {
         id: RequestId::new(id),
+        tenant: Scope::new("test"),
         prompt: prompt.to_vec(),
         max_new_tokens: max_new,
         sampling: SamplingParams::GREEDY,

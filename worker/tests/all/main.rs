@@ -7,3 +7,4 @@ mod devices;
 mod disaggregation;
 mod golden;
 mod isolation;
+mod prefix_cache;

@@ -1,0 +1,428 @@
+//! The prefix cache's index: full pages of prompt KV kept after their request ended, so that a
+//! later request of the same [`Scope`] (a tenant) whose prompt starts with the same tokens
+//! reads them instead of computing them again.
+//!
+//! A cached page is keyed by its scope, the cached page before it (its parent, by page and
+//! tag) and the exact tokens it holds. A lookup walks a prompt page by page from the scope's
+//! root and stops at the first page that is not cached. Keys compare whole token lists, never
+//! hashes, so two prompts share a page only when every token up to its end is equal; and the
+//! scope is part of every key, so no lookup ever reaches another scope's pages (I6).
+//!
+//! Each entry counts the requests reading it (`readers`, held by
+//! [`Prefix`](crate::Prefix) handles) and its cached children. Only a page nobody reads and
+//! nothing continues — a leaf — can be evicted, least recently used first, so a chain is
+//! always whole from its root.
+
+use std::cmp::Reverse;
+use std::collections::hash_map::Entry as Slot;
+use std::collections::{BinaryHeap, HashMap};
+use std::fmt;
+use std::sync::Arc;
+
+use crate::error::InvariantViolation;
+use crate::ids::{PageId, PageRef};
+
+/// Whose cached prefixes a request may read, and whose it adds to: one tenant. Requests of
+/// different scopes never share a cached page.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Scope(Arc<str>);
+
+impl Scope {
+    /// The scope named `name` (a tenant id).
+    #[must_use]
+    pub fn new(name: &str) -> Self {
+        Self(Arc::from(name))
+    }
+
+    /// The scope's name.
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Scope({:?})", &*self.0)
+    }
+}
+
+/// What identifies a cached page's contents: the scope, the page before it, and its tokens.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+struct Key {
+    scope: Scope,
+    parent: Option<PageRef>,
+    tokens: Box<[u32]>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    page: PageRef,
+    /// [`Prefix`](crate::Prefix) handles reading the page.
+    readers: u32,
+    /// Cached pages whose parent is this page.
+    children: u32,
+    /// When the page was last cached or found (the index's clock), for LRU eviction.
+    used: u64,
+}
+
+/// The index of cached pages. Lives in the pool's state, which keeps each page it names in
+/// the `Cached` state.
+#[derive(Debug, Default)]
+pub(crate) struct PrefixIndex {
+    entries: HashMap<Key, Entry>,
+    /// The key of each cached page.
+    keys: HashMap<PageId, Key>,
+    clock: u64,
+}
+
+/// What [`PrefixIndex::insert`] did with a page.
+pub(crate) enum Inserted {
+    /// The page is cached now.
+    Cached,
+    /// The same tokens after the same parent were already cached, in this page: the offered
+    /// page is not needed.
+    Present(PageRef),
+}
+
+impl PrefixIndex {
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// The cached pages that hold `chunks` in order after the scope's root, as far as they
+    /// are cached; each found page gains a reader.
+    pub(crate) fn find<'a>(
+        &mut self,
+        scope: &Scope,
+        chunks: impl Iterator<Item = &'a [u32]>,
+    ) -> Vec<PageRef> {
+        let mut found = Vec::new();
+        let mut parent = None;
+        for tokens in chunks {
+            let key = Key {
+                scope: scope.clone(),
+                parent,
+                tokens: tokens.into(),
+            };
+            let now = self.tick();
+            let Some(entry) = self.entries.get_mut(&key) else {
+                break;
+            };
+            entry.readers += 1;
+            entry.used = now;
+            found.push(entry.page);
+            parent = Some(entry.page);
+        }
+        found
+    }
+
+    /// Takes one reader off each of `pages` (those still cached with their tags).
+    pub(crate) fn unread(&mut self, pages: &[PageRef]) {
+        for page in pages {
+            if let Some(entry) = self.entry_mut(*page) {
+                debug_assert!(entry.readers > 0, "{page:?} read by nobody");
+                entry.readers = entry.readers.saturating_sub(1);
+            }
+        }
+    }
+
+    fn entry_mut(&mut self, page: PageRef) -> Option<&mut Entry> {
+        let key = self.keys.get(&page.page)?;
+        self.entries.get_mut(key).filter(|e| e.page == page)
+    }
+
+    /// Whether `page` is cached with its tag.
+    pub(crate) fn holds(&self, page: PageRef) -> bool {
+        self.keys
+            .get(&page.page)
+            .and_then(|key| self.entries.get(key))
+            .is_some_and(|e| e.page == page)
+    }
+
+    /// Caches `page` as holding `tokens` after `parent` (a cached page of the same scope, or
+    /// the root). A parent that is not cached any more is refused: nothing could ever find
+    /// the page.
+    pub(crate) fn insert(
+        &mut self,
+        scope: &Scope,
+        parent: Option<PageRef>,
+        tokens: &[u32],
+        page: PageRef,
+    ) -> Option<Inserted> {
+        if let Some(p) = parent {
+            let parent_scope = self.keys.get(&p.page).map(|k| &k.scope);
+            if !self.holds(p) || parent_scope != Some(scope) {
+                return None;
+            }
+        }
+        let key = Key {
+            scope: scope.clone(),
+            parent,
+            tokens: tokens.into(),
+        };
+        let used = self.tick();
+        match self.entries.entry(key) {
+            Slot::Occupied(o) => return Some(Inserted::Present(o.get().page)),
+            Slot::Vacant(v) => {
+                self.keys.insert(page.page, v.key().clone());
+                v.insert(Entry {
+                    page,
+                    readers: 0,
+                    children: 0,
+                    used,
+                });
+            }
+        }
+        if let Some(p) = parent.and_then(|p| self.entry_mut(p)) {
+            p.children += 1;
+        }
+        Some(Inserted::Cached)
+    }
+
+    /// Takes up to `n` pages out of the index, least recently used leaves first (a parent
+    /// whose last child goes becomes a leaf), never one that is read. Returns them.
+    pub(crate) fn evict(&mut self, n: u32) -> Vec<PageRef> {
+        let mut leaves: BinaryHeap<Reverse<(u64, PageId)>> = self
+            .entries
+            .values()
+            .filter(|e| e.readers == 0 && e.children == 0)
+            .map(|e| Reverse((e.used, e.page.page)))
+            .collect();
+        let mut evicted = Vec::new();
+        while evicted.len() < n as usize {
+            let Some(Reverse((_, page))) = leaves.pop() else {
+                break;
+            };
+            let Some(key) = self.keys.remove(&page) else {
+                continue;
+            };
+            let Some(entry) = self.entries.remove(&key) else {
+                continue;
+            };
+            evicted.push(entry.page);
+            if let Some(parent) = key.parent.and_then(|p| self.entry_mut(p)) {
+                parent.children = parent.children.saturating_sub(1);
+                if parent.children == 0 && parent.readers == 0 {
+                    leaves.push(Reverse((parent.used, parent.page.page)));
+                }
+            }
+        }
+        evicted
+    }
+
+    /// Pages cached.
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Checks the index against itself and the pool: `keys` and `entries` name the same
+    /// pages, the pool has each entry's page `cached` with the entry's tag, every parent is
+    /// cached in the same scope, and every children count equals a recount.
+    pub(crate) fn check(&self, cached: impl Fn(PageRef) -> bool) -> Result<(), InvariantViolation> {
+        let bad = |page: PageId, problem: &'static str| {
+            Err(InvariantViolation::PrefixIndex { page, problem })
+        };
+        if self.keys.len() != self.entries.len() {
+            let page = self.keys.keys().next().copied().unwrap_or(PageId::new(0));
+            return bad(
+                page,
+                "indexed by page and by key a different number of times",
+            );
+        }
+        let mut children: HashMap<PageId, u32> = HashMap::new();
+        for (key, entry) in &self.entries {
+            let page = entry.page.page;
+            if self.keys.get(&page) != Some(key) {
+                return bad(page, "not indexed by its page");
+            }
+            if !cached(entry.page) {
+                return bad(page, "indexed but not cached with its tag in the pool");
+            }
+            if let Some(parent) = key.parent {
+                let parent_key = self.keys.get(&parent.page);
+                if !self.holds(parent) || parent_key.map(|k| &k.scope) != Some(&key.scope) {
+                    return bad(page, "its parent is not cached in its scope");
+                }
+                *children.entry(parent.page).or_default() += 1;
+            }
+        }
+        for entry in self.entries.values() {
+            let counted = children.get(&entry.page.page).copied().unwrap_or(0);
+            if entry.children != counted {
+                return bad(entry.page.page, "children miscounted");
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Scrub;
+    use crate::ids::RequestId;
+    use crate::lifecycle::{Allocation, Prefix};
+    use crate::pool::PagePool;
+    use crate::prefix::Scope;
+    use crate::test_support::pool;
+
+    /// Tokens `0..n` after `first` (pages of the default 16 tokens).
+    fn prompt(first: u32, n: u32) -> Vec<u32> {
+        (first..first + n).collect()
+    }
+
+    /// Runs `prompt` (with room for `new` tokens) in `scope` as a request would: reads its
+    /// cached prefix, reserves the rest, commits.
+    fn run(
+        pool: &PagePool,
+        owner: u64,
+        scope: &Scope,
+        prompt: &[u32],
+        new: u64,
+    ) -> (Prefix, Allocation) {
+        let tokens = prompt.len() as u64 + new;
+        let admissible = pool.admit(RequestId::new(owner), tokens).expect("fits");
+        let prefix = pool.cached_prefix(scope, prompt, (prompt.len() - 1) / 16);
+        let reservation = pool.reserve_after(admissible, &prefix).expect("pages free");
+        (prefix, reservation.commit())
+    }
+
+    #[test]
+    fn a_kept_prompt_is_found_by_its_scope_and_never_by_another() {
+        let pool = pool(8, Scrub::None);
+        let (a, b) = (Scope::new("tenant-a"), Scope::new("tenant-b"));
+        let p = prompt(100, 40);
+        let (prefix, allocation) = run(&pool, 1, &a, &p, 8);
+        assert!(prefix.pages().is_empty(), "nothing cached yet");
+        let kept: Vec<_> = allocation.pages()[..2].to_vec();
+        assert_eq!(
+            allocation.keep_prompt(prefix, &p),
+            2,
+            "two whole pages of 40 tokens"
+        );
+        let stats = pool.stats();
+        assert_eq!((stats.cached, stats.free, stats.owned), (2, 6, 0));
+
+        let found = pool.cached_prefix(&a, &p, 10);
+        assert_eq!(found.pages(), kept.as_slice());
+        assert_eq!(found.tokens(), 32);
+        assert_eq!(pool.verify(found.pages()), Ok(()), "cached pages are live");
+        let other = pool.cached_prefix(&b, &p, 10);
+        assert!(other.pages().is_empty(), "another scope finds nothing");
+        assert_eq!(
+            pool.cached_prefix(&a, &p, 1).pages(),
+            &kept[..1],
+            "at most max_pages"
+        );
+        pool.check_invariants().expect("invariants hold");
+    }
+
+    #[test]
+    fn a_prompt_that_differs_in_one_token_shares_only_the_pages_before_it() {
+        let pool = pool(8, Scrub::None);
+        let a = Scope::new("a");
+        let p = prompt(0, 48);
+        let (prefix, allocation) = run(&pool, 1, &a, &p, 1);
+        allocation.keep_prompt(prefix, &p);
+        let mut q = p.clone();
+        q[20] = 999; // in the second page
+        assert_eq!(pool.cached_prefix(&a, &q, 10).pages().len(), 1);
+        q[3] = 999;
+        assert!(pool.cached_prefix(&a, &q, 10).pages().is_empty());
+    }
+
+    #[test]
+    fn a_request_after_a_prefix_reserves_only_the_rest_and_extends_the_chain() {
+        let pool = pool(8, Scrub::None);
+        let a = Scope::new("a");
+        let p = prompt(0, 40);
+        let (prefix, allocation) = run(&pool, 1, &a, &p, 1);
+        allocation.keep_prompt(prefix, &p);
+
+        // The same 32 tokens, then 30 more: two pages found, 62 + 10 tokens need 5 pages.
+        let mut longer = p[..32].to_vec();
+        longer.extend(500..530);
+        let (prefix, allocation) = run(&pool, 2, &a, &longer, 10);
+        assert_eq!(prefix.pages().len(), 2);
+        assert_eq!(
+            allocation.pages().len(),
+            3,
+            "5 pages in all, 2 of them cached"
+        );
+        assert_eq!(allocation.tokens(), 72 - 32);
+        let own = allocation.pages()[0];
+        assert_eq!(
+            allocation.keep_prompt(prefix, &longer),
+            1,
+            "one more whole page"
+        );
+        assert_eq!(
+            pool.cached_prefix(&a, &longer, 10).pages().last(),
+            Some(&own)
+        );
+        assert_eq!(pool.stats().cached, 3);
+        pool.check_invariants().expect("invariants hold");
+    }
+
+    #[test]
+    fn two_requests_that_computed_the_same_pages_cache_them_once() {
+        let pool = pool(8, Scrub::None);
+        let a = Scope::new("a");
+        let p = prompt(0, 33);
+        let first = run(&pool, 1, &a, &p, 1);
+        let second = run(&pool, 2, &a, &p, 1);
+        let kept = first.1.pages()[..2].to_vec();
+        assert_eq!(first.1.keep_prompt(first.0, &p), 2);
+        assert_eq!(second.1.keep_prompt(second.0, &p), 0, "already cached");
+        let stats = pool.stats();
+        assert_eq!((stats.cached, stats.free), (2, 6));
+        assert_eq!(pool.cached_prefix(&a, &p, 10).pages(), kept.as_slice());
+        pool.check_invariants().expect("invariants hold");
+    }
+
+    #[test]
+    fn eviction_takes_unread_leaves_least_recently_used_first_and_never_a_read_page() {
+        let pool = pool(8, Scrub::Zero);
+        let a = Scope::new("a");
+        let (old, new) = (prompt(0, 33), prompt(1000, 33));
+        for (owner, p) in [(1, &old), (2, &new)] {
+            let (prefix, allocation) = run(&pool, owner, &a, p, 1);
+            allocation.keep_prompt(prefix, p);
+        }
+        pool.scrub_pending(|_| {});
+        let reading = pool.cached_prefix(&a, &new, 10);
+        assert_eq!(reading.pages().len(), 2);
+        // `old` is least recently used and unread: its leaf goes first, then its root.
+        assert_eq!(pool.evict(1), 1);
+        assert_eq!(pool.cached_prefix(&a, &old, 10).pages().len(), 1);
+        assert_eq!(pool.evict(8), 1, "the read chain stays");
+        assert_eq!(pool.verify(reading.pages()), Ok(()));
+        assert_eq!(
+            pool.stats().pending_scrub,
+            2,
+            "evicted pages are scrubbed first"
+        );
+        let table = reading.pages().to_vec();
+        drop(reading);
+        assert_eq!(pool.evict(8), 2);
+        pool.scrub_pending(|_| {});
+        assert_eq!(pool.free_pages(), 8, "every page comes back");
+        assert!(pool.verify(&table).is_err(), "an evicted page is not live");
+        pool.check_invariants().expect("invariants hold");
+    }
+
+    #[test]
+    fn an_evicted_page_gets_a_new_tag_so_no_table_of_the_cache_reads_it_again() {
+        let pool = pool(2, Scrub::None);
+        let a = Scope::new("a");
+        let p = prompt(0, 17);
+        let (prefix, allocation) = run(&pool, 1, &a, &p, 1);
+        allocation.keep_prompt(prefix, &p);
+        let cached = pool.cached_prefix(&a, &p, 10).pages().to_vec();
+        assert_eq!(pool.evict(1), 1);
+        let (_, again) = run(&pool, 2, &Scope::new("b"), &prompt(7, 20), 1);
+        assert!(again.pages().iter().any(|e| e.page == cached[0].page));
+        assert!(pool.verify(&cached).is_err());
+    }
+}

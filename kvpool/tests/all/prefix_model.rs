@@ -1,0 +1,211 @@
+//! Random request sequences over the prefix cache against an independent record of what
+//! every cached page holds.
+//!
+//! Prompts are drawn from two tokens, so prompts often share leading pages, and from two
+//! scopes. The record maps each (scope, tokens up to a page's end) that the test saw cached to
+//! its page. After every operation:
+//!
+//! - `check_invariants` holds;
+//! - a lookup finds exactly the longest run of recorded pages of its own scope that match
+//!   the prompt page by page — never a page of another scope (I6), never a page holding other
+//!   tokens — and those pages verify;
+//! - a page that a running request reads is never evicted;
+//! - once everything is dropped and the cache emptied, every page is free again.
+
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+
+use bulkhead_kvpool::{Allocation, PagePool, PageRef, PoolConfig, Prefix, RequestId, Scope, Scrub};
+use proptest::prelude::*;
+
+const PAGE_TOKENS: u32 = 2;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Start {
+        scope: usize,
+        prompt: Vec<u32>,
+        new: u64,
+    },
+    Finish(usize),
+    Fail(usize),
+    Abandon(usize),
+    Evict(u32),
+    Scrub,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let i = any::<usize>;
+    prop_oneof![
+        4 => (0..2usize, prop::collection::vec(0..2u32, 1..=8), 1..=3u64)
+            .prop_map(|(scope, prompt, new)| Op::Start { scope, prompt, new }),
+        3 => i().prop_map(Op::Finish),
+        1 => i().prop_map(Op::Fail),
+        1 => i().prop_map(Op::Abandon),
+        1 => (0..4u32).prop_map(Op::Evict),
+        1 => Just(Op::Scrub),
+    ]
+}
+
+struct Running {
+    scope: usize,
+    prompt: Vec<u32>,
+    prefix: Prefix,
+    pages: Allocation,
+}
+
+struct Model {
+    pool: PagePool,
+    scopes: [Scope; 2],
+    next_owner: u64,
+    /// (scope, tokens from the prompt's start through the page's end) → the cached page.
+    cached: HashMap<(usize, Vec<u32>), PageRef>,
+    running: Vec<Running>,
+}
+
+impl Model {
+    fn new(pages: u32, scrub: Scrub) -> Model {
+        Model {
+            pool: PagePool::new(PoolConfig {
+                pages: NonZeroU32::new(pages).expect("pages"),
+                page_tokens: NonZeroU32::new(PAGE_TOKENS).expect("tokens"),
+                scrub,
+            }),
+            scopes: [Scope::new("tenant-a"), Scope::new("tenant-b")],
+            next_owner: 0,
+            cached: HashMap::new(),
+            running: Vec::new(),
+        }
+    }
+
+    /// The pages the record says hold `prompt`'s whole pages in `scope`, in a row from the
+    /// first, at most `max`.
+    fn expected(&self, scope: usize, prompt: &[u32], max: usize) -> Vec<PageRef> {
+        let pt = PAGE_TOKENS as usize;
+        (1..=max)
+            .map_while(|k| {
+                self.cached
+                    .get(&(scope, prompt[..k * pt].to_vec()))
+                    .copied()
+            })
+            .collect()
+    }
+
+    fn apply(&mut self, op: Op) {
+        let pt = PAGE_TOKENS as usize;
+        match op {
+            Op::Start { scope, prompt, new } => {
+                self.next_owner += 1;
+                let owner = RequestId::new(self.next_owner);
+                let tokens = prompt.len() as u64 + new;
+                let Ok(admissible) = self.pool.admit(owner, tokens) else {
+                    return;
+                };
+                let max = (prompt.len() - 1) / pt;
+                let prefix = self.pool.cached_prefix(&self.scopes[scope], &prompt, max);
+                assert_eq!(
+                    prefix.pages(),
+                    self.expected(scope, &prompt, max).as_slice(),
+                    "the lookup finds exactly its scope's matching pages"
+                );
+                assert_eq!(self.pool.verify(prefix.pages()), Ok(()));
+                if let Ok(reservation) = self.pool.reserve_after(admissible, &prefix) {
+                    let needed = tokens.div_ceil(PAGE_TOKENS.into()) as usize;
+                    assert_eq!(reservation.pages().len() + prefix.pages().len(), needed);
+                    self.running.push(Running {
+                        scope,
+                        prompt,
+                        prefix,
+                        pages: reservation.commit(),
+                    });
+                }
+            }
+            Op::Finish(i) => {
+                let Some(r) = take(&mut self.running, i) else {
+                    return;
+                };
+                let skip = r.prefix.pages().len();
+                let own = r.pages.pages().to_vec();
+                let kept = r.pages.keep_prompt(r.prefix, &r.prompt);
+                let mut counted = 0;
+                for (j, page) in own.iter().enumerate() {
+                    let end = (skip + j + 1) * pt;
+                    if self.pool.verify(&[*page]).is_err() {
+                        continue;
+                    }
+                    assert!(
+                        end <= r.prompt.len(),
+                        "{page:?} cached but not a whole prompt page"
+                    );
+                    let key = (r.scope, r.prompt[..end].to_vec());
+                    assert!(self.cached.insert(key, *page).is_none(), "cached twice");
+                    counted += 1;
+                }
+                assert_eq!(kept, counted);
+            }
+            Op::Fail(i) => {
+                if let Some(r) = take(&mut self.running, i) {
+                    let _ = r.pages.quarantine();
+                    self.pool.release_quarantine();
+                }
+            }
+            Op::Abandon(i) => drop(take(&mut self.running, i)),
+            Op::Evict(n) => {
+                let before = self.cached.len();
+                let evicted = self.pool.evict(n);
+                self.cached
+                    .retain(|_, page| self.pool.verify(&[*page]).is_ok());
+                assert_eq!(before - self.cached.len(), evicted as usize);
+                for r in &self.running {
+                    assert_eq!(
+                        self.pool.verify(r.prefix.pages()),
+                        Ok(()),
+                        "a read page was evicted"
+                    );
+                }
+            }
+            Op::Scrub => self.pool.scrub_pending(|_| {}),
+        }
+    }
+
+    fn check(&self) {
+        if let Err(violation) = self.pool.check_invariants() {
+            panic!("{violation}");
+        }
+        assert_eq!(self.pool.stats().cached as usize, self.cached.len());
+    }
+
+    fn finish(mut self) {
+        self.running.clear();
+        self.pool.evict(u32::MAX);
+        self.pool.scrub_pending(|_| {});
+        let stats = self.pool.stats();
+        assert_eq!(stats.free, stats.total, "pages always come back");
+    }
+}
+
+fn take<T>(items: &mut Vec<T>, i: usize) -> Option<T> {
+    if items.is_empty() {
+        None
+    } else {
+        Some(items.swap_remove(i % items.len()))
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn a_lookup_finds_only_its_scopes_pages_holding_exactly_its_tokens(
+        pages in 4u32..=16,
+        scrub in prop_oneof![Just(Scrub::None), Just(Scrub::Zero)],
+        ops in prop::collection::vec(op(), 1..80),
+    ) {
+        let mut model = Model::new(pages, scrub);
+        for op in ops {
+            model.apply(op);
+            model.check();
+        }
+        model.finish();
+    }
+}
