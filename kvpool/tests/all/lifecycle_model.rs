@@ -22,6 +22,8 @@ use bulkhead_kvpool::{
 };
 use proptest::prelude::*;
 
+use crate::take;
+
 #[derive(Clone, Debug)]
 enum Op {
     Reserve { tokens: u64 },
@@ -367,14 +369,6 @@ impl Model {
         if let Err(violation) = self.pool.check_invariants() {
             panic!("{violation}");
         }
-    }
-}
-
-fn take<T>(items: &mut Vec<T>, i: usize) -> Option<T> {
-    if items.is_empty() {
-        None
-    } else {
-        Some(items.swap_remove(i % items.len()))
     }
 }
 

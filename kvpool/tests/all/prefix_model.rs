@@ -18,6 +18,8 @@ use std::num::NonZeroU32;
 use bulkhead_kvpool::{Allocation, PagePool, PageRef, PoolConfig, Prefix, RequestId, Scope, Scrub};
 use proptest::prelude::*;
 
+use crate::take;
+
 const PAGE_TOKENS: u32 = 2;
 
 #[derive(Clone, Debug)]
@@ -181,14 +183,6 @@ impl Model {
         self.pool.scrub_pending(|_| {});
         let stats = self.pool.stats();
         assert_eq!(stats.free, stats.total, "pages always come back");
-    }
-}
-
-fn take<T>(items: &mut Vec<T>, i: usize) -> Option<T> {
-    if items.is_empty() {
-        None
-    } else {
-        Some(items.swap_remove(i % items.len()))
     }
 }
 
