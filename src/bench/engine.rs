@@ -92,10 +92,7 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
         max_running: longest.max(1),
         ..EngineConfig::default()
     };
-    let mut bench = Bench {
-        engine: Engine::new(loaded.model, loaded.tokenizer, config)?,
-        next_id: 0,
-    };
+    let mut bench = Bench::new(Engine::new(loaded.model, loaded.tokenizer, config)?);
 
     // Per check setting (0: on, 1: off), per run: prefill seconds, checksum seconds and the
     // decode rate of each batch size. Each run measures both settings back to back, in
@@ -196,12 +193,17 @@ fn tag_check_cost_pct(on: &[f64], off: &[f64]) -> f64 {
     )
 }
 
-struct Bench {
-    engine: Engine,
+/// An engine driven one request (or batch) at a time, as the benchmarks measure it.
+pub(super) struct Bench {
+    pub(super) engine: Engine,
     next_id: u64,
 }
 
 impl Bench {
+    pub(super) fn new(engine: Engine) -> Bench {
+        Bench { engine, next_id: 0 }
+    }
+
     fn submit(&mut self, prompt: &[u32], max_new: usize) -> anyhow::Result<mpsc::Receiver<Event>> {
         let (tx, rx) = mpsc::channel();
         self.next_id += 1;
@@ -224,7 +226,7 @@ impl Bench {
 
     /// Seconds from submitting `prompt` to its first token, and the KV pages it used (as
     /// (page, tokens in it)) for the checksum measurement.
-    fn prefill(&mut self, prompt: &[u32]) -> anyhow::Result<(f64, usize)> {
+    pub(super) fn prefill(&mut self, prompt: &[u32]) -> anyhow::Result<(f64, usize)> {
         let rx = self.submit(prompt, 1)?;
         let start = Instant::now();
         drain(&mut self.engine, &[rx])?;

@@ -3,6 +3,7 @@
 mod engine;
 mod gateway;
 mod policies;
+mod prefix;
 mod transfer;
 
 use anyhow::Context;
@@ -11,6 +12,9 @@ use anyhow::Context;
 pub enum What {
     /// Prefill and decode tokens/s of the engine.
     Engine(engine::EngineArgs),
+    /// Time to first token of prompts that share a long system prompt, the tenant's prefix
+    /// cache off and on.
+    Prefix(prefix::PrefixArgs),
     /// KV handoff throughput over loopback against a raw socket copy, integrity checks on and
     /// off, and time to first token disaggregated against colocated.
     Transfer(transfer::TransferArgs),
@@ -32,6 +36,7 @@ pub enum What {
 pub fn run(what: What) -> anyhow::Result<()> {
     match what {
         What::Engine(args) => engine::run(args),
+        What::Prefix(args) => prefix::run(args),
         What::Transfer(args) => transfer::run(args),
         What::Policies(args) => policies::run(args),
         What::Gateway(args) => gateway::run(args),

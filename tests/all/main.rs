@@ -3,6 +3,7 @@
 mod audit;
 mod bench_gateway;
 mod bench_policies;
+mod bench_prefix;
 mod cluster;
 mod device;
 mod gateway;

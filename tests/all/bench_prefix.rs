@@ -1,0 +1,38 @@
+//! `bulkhead bench prefix`, briefly: requests sharing a system prompt read it from the
+//! tenant's prefix cache on the side where the cache is on, and both sides are timed.
+
+use std::process::{Command, Stdio};
+
+use crate::up::{bounded, json};
+
+#[test]
+fn the_prefix_bench_serves_the_shared_system_prompt_from_the_cache() {
+    bounded(|| {
+        let output = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+            .args([
+                "bench",
+                "prefix",
+                "--shared-tokens",
+                "64",
+                "--question-tokens",
+                "8",
+            ])
+            .args(["--requests", "3", "--runs", "1"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("the bulkhead binary runs");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "bench prefix failed:\n{stderr}");
+        let report = json(&String::from_utf8_lossy(&output.stdout));
+        // 3 prompts of 72 tokens: the first computes everything, the next two read the 64
+        // shared tokens (four whole pages): 128 of 216.
+        let read = report["prompt_tokens_read_from_cache_pct"].as_f64();
+        assert_eq!(read.map(|p| p.round()), Some(59.0), "{report}");
+        for side in ["ttft_ms_cache_off", "ttft_ms_cache_on", "ttft_off_over_on"] {
+            assert!(
+                report[side].as_f64().is_some_and(|v| v > 0.0),
+                "{side}: {report}"
+            );
+        }
+    });
+}
