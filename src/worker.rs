@@ -112,8 +112,8 @@ pub struct Args {
     /// Prefill and both roles: keep the whole pages of each prompt's KV in its tenant's prefix
     /// cache, so a later prompt of the same tenant that starts with the same tokens computes
     /// only the rest. Never shared between tenants; cached pages are evicted, least recently
-    /// used first, when a reservation needs them. Off by default for now.
-    #[arg(long, env = env::PREFIX_CACHE, default_value_t = false, action = clap::ArgAction::Set)]
+    /// used first, when a reservation needs them.
+    #[arg(long, env = env::PREFIX_CACHE, default_value_t = true, action = clap::ArgAction::Set)]
     prefix_cache: bool,
     /// Decode role: the prefill worker's gRPC address (http://host:port).
     #[arg(long, env = env::PREFILL, required_if_eq("role", "decode"))]

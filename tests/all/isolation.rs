@@ -165,6 +165,50 @@ pub(crate) fn oracle_findings(
     findings
 }
 
+/// Tenant A sends one long prompt twice, then tenant B sends the same prompt, on the
+/// incident's cluster with `env`: the prompt tokens the prefill worker read from a prefix
+/// cache during A's second request and during B's. Every oracle must hold.
+pub(crate) fn one_prompt_from_two_tenants(env: &[(&str, &str)]) -> [f64; 2] {
+    let mut env = env.to_vec();
+    env.push(("BULKHEAD_PREFIX_CACHE", "true"));
+    let (cluster, mut reference) = start_with_reference(&env, None);
+    let baseline = baseline(&cluster);
+    let ledger = Ledger::default();
+    let body = completion(&long_prompt("in the harbour", 120), 8, false);
+    let hits = || {
+        let m = cluster.prefill.metrics();
+        crate::worker_grpc::metric(&m, "bulkhead_prefix_cache_hit_tokens_total")
+    };
+    let send = |tenant: Tenant| {
+        let before = hits();
+        let e = ledger.send(cluster.api(), tenant, "/v1/completions", &body, &[]);
+        assert_eq!(e.status, 200, "{}: {}", tenant.id, e.response);
+        hits() - before
+    };
+    send(TENANT_A);
+    let read = [send(TENANT_A), send(TENANT_B)];
+    assert_clean(&oracle_findings(
+        &cluster,
+        baseline,
+        [0, 0],
+        &ledger,
+        &mut reference,
+    ));
+    read
+}
+
+#[test]
+fn a_prompt_reads_only_its_own_tenants_prefix_cache() {
+    bounded(|| {
+        let [a, b] = one_prompt_from_two_tenants(&[]);
+        assert!(
+            a >= 64.0,
+            "tenant A's repeat read its own cached pages: {a}"
+        );
+        assert_eq!(b, 0.0, "tenant B read tenant A's cached pages");
+    });
+}
+
 /// The audit record of `e` (its tenant's, through the admin listener).
 pub(crate) fn record_of(cluster: &Cluster, e: &Exchange) -> Value {
     let id = e.request_id.as_deref().expect("a request id");

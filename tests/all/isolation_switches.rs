@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use crate::cluster::{Cluster, Spec, VERBOSE_LOG, preflight};
 use crate::isolation::{
     SWITCH_STRINGS, assert_refused_by, baseline, binary_contains, completion, incident_traffic,
-    long_prompt, oracle_findings, over_pool, record_of, start_with_reference,
+    long_prompt, one_prompt_from_two_tenants, oracle_findings, over_pool, record_of,
+    start_with_reference,
 };
 use crate::oracles::{
     Ledger, Pool, Reference, TENANT_A, TENANT_B, TENANT_C, assert_clean, canary, tenant_c_toml,
@@ -105,6 +106,20 @@ fn without_the_handoff_verification_the_gateway_refuses_the_incident() {
 #[test]
 fn without_the_tag_check_the_gateway_refuses_the_incident() {
     with_one_check_off("tag-check", ["gateway", "gateway"]);
+}
+
+#[test]
+fn without_the_prefix_scope_a_tenant_reads_another_tenants_cached_prompt() {
+    bounded(|| {
+        let [a, b] = one_prompt_from_two_tenants(&[(SWITCHES, "prefix-scope")]);
+        assert!(
+            a >= 64.0,
+            "tenant A's repeat read its own cached pages: {a}"
+        );
+        // One cache for every tenant: B's prompt is served from A's pages, and how fast it
+        // is served tells B what A sent — what the scope prevents (isolation::a_prompt_reads_…).
+        assert_eq!(b, a, "tenant B read tenant A's cached pages");
+    });
 }
 
 #[test]

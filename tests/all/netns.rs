@@ -22,7 +22,8 @@ use bulkhead_worker::serve::proto::error_code;
 
 use crate::cluster::Placement;
 use crate::worker_grpc::{
-    Place, Worker, bounded, chat, metric, metric_sum, run_to_end, text_of, wait_all_pages_back,
+    Place, Worker, available, bounded, chat, metric, metric_sum, run_to_end, text_of,
+    wait_all_pages_back,
 };
 
 /// Two namespaces joined by an impairable veth pair; removed (with their links) on drop.
@@ -245,7 +246,7 @@ async fn pools_at_baseline(prefill: &Worker, decode: &Worker) {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             let p = wait_all_pages_back(w).await;
-            if p.free + p.pending_scrub == p.total && p.quarantined == 0 {
+            if available(&p) == p.total && p.quarantined == 0 {
                 break;
             }
             assert!(

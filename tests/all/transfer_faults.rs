@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use bulkhead_worker::serve::proto::{self, InfoRequest, PrefillItem, error_code};
 
 use crate::worker_grpc::{
-    Worker, bounded, chat, decode_for, health, metric, pool, run_to_end, text_of,
+    Worker, available, bounded, chat, decode_for, health, metric, pool, run_to_end, text_of,
     wait_all_pages_back,
 };
 
@@ -137,7 +137,7 @@ async fn a_stuck_peer_keeps_its_quarantined_pages_until_it_dies_then_they_come_b
             "{m}"
         );
         let p = wait_all_pages_back(&decode).await;
-        assert_eq!(p.free + p.pending_scrub, p.total, "{p:?}");
+        assert_eq!(available(&p), p.total, "{p:?}");
     })
     .await;
 }
@@ -179,9 +179,9 @@ async fn a_request_dropped_while_prefill_computes_is_acknowledged_not_quarantine
             "{m}"
         );
         let p = wait_all_pages_back(&decode).await;
-        assert_eq!(p.free + p.pending_scrub, before.total, "{p:?}");
+        assert_eq!(available(&p), before.total, "{p:?}");
         let p = wait_all_pages_back(&prefill).await;
-        assert_eq!(p.free + p.pending_scrub, p.total, "{p:?}");
+        assert_eq!(available(&p), p.total, "{p:?}");
         assert_eq!(metric(&prefill.metrics(), SENDING), 0.0);
     })
     .await;
@@ -209,7 +209,7 @@ async fn requests_while_prefill_is_down_give_decode_its_pages_back_not_quarantin
         tokio::time::sleep(Duration::from_millis(900)).await;
         let p = pool(&health(&mut client).await);
         assert_eq!(p.quarantined, 0, "{p:?}");
-        assert_eq!(p.free + p.pending_scrub, p.total, "{p:?}");
+        assert_eq!(available(&p), p.total, "{p:?}");
     })
     .await;
 }
@@ -255,7 +255,7 @@ async fn requests_given_up_before_a_silent_prefill_answers_give_decode_its_pages
             .args(["-CONT", &prefill.child.id().to_string()])
             .status();
         assert_eq!(p.quarantined, 0, "{p:?}");
-        assert_eq!(p.free + p.pending_scrub, before.total, "{p:?}");
+        assert_eq!(available(&p), before.total, "{p:?}");
     })
     .await;
 }
@@ -325,7 +325,7 @@ async fn a_decode_peer_that_stops_reading_and_hangs_up_gets_no_hold_on_prefills_
         })
         .await;
         let p = wait_all_pages_back(&prefill).await;
-        assert_eq!(p.free + p.pending_scrub, p.total, "{p:?}");
+        assert_eq!(available(&p), p.total, "{p:?}");
     })
     .await;
 }

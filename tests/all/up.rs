@@ -283,13 +283,13 @@ impl Up {
         self.health().pool.expect("the worker reports its pool")
     }
 
-    /// Waits (bounded) until the serving worker runs nothing and every page is free.
+    /// Waits (bounded) until the serving worker runs nothing and every page is available.
     pub fn wait_pool_drained(&self) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let h = self.health();
             let pool = h.pool.expect("the worker reports its pool");
-            if pool.free == pool.total && h.running == 0 {
+            if crate::worker_grpc::available(&pool) == pool.total && h.running == 0 {
                 return;
             }
             assert!(

@@ -256,6 +256,12 @@ pub(crate) fn pool(h: &proto::HealthResponse) -> proto::PoolPages {
     h.pool.expect("health reports the pool")
 }
 
+/// Pages no request holds: free, waiting for their scrub, or in a tenant's prefix cache
+/// (evicted as soon as a reservation needs them).
+pub(crate) fn available(p: &proto::PoolPages) -> u32 {
+    p.free + p.pending_scrub + p.cached
+}
+
 pub(crate) fn chat(content: &str, max_new_tokens: u32) -> GenerateRequest {
     GenerateRequest {
         request_id: "test".into(),
@@ -440,7 +446,7 @@ async fn dropping_the_stream_returns_every_page_to_the_pool() {
         loop {
             let h = health(&mut client).await;
             let p = pool(&h);
-            if p.free == p.total && h.running == 0 {
+            if available(&p) == p.total && h.running == 0 {
                 break;
             }
             assert!(
@@ -543,13 +549,13 @@ pub(crate) async fn run_to_end(
     Ok((text, tokens))
 }
 
-/// Polls `worker` until every page is free (or waiting for its scrub), within a bound.
+/// Polls `worker` until every page is available again ([`available`]), within a bound.
 pub(crate) async fn wait_all_pages_back(worker: &Worker) -> proto::PoolPages {
     let mut client = worker.client().await;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let p = pool(&health(&mut client).await);
-        if p.free + p.pending_scrub == p.total || Instant::now() > deadline {
+        if available(&p) == p.total || Instant::now() > deadline {
             return p;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -586,7 +592,7 @@ async fn prefill_and_decode_processes_answer_like_a_colocated_worker() {
         );
         for w in [&prefill, &decode] {
             let p = wait_all_pages_back(w).await;
-            assert_eq!(p.free + p.pending_scrub, p.total, "{p:?}");
+            assert_eq!(available(&p), p.total, "{p:?}");
             assert_eq!(p.quarantined, 0);
         }
         let metrics = decode.metrics();
@@ -622,7 +628,7 @@ async fn a_prompt_over_the_prefill_pool_is_refused_with_context_length_exceeded(
         assert_eq!(error_code(&err), Some("context_length_exceeded"), "{err:?}");
         let p = wait_all_pages_back(&decode).await;
         assert_eq!(
-            p.free + p.pending_scrub,
+            available(&p),
             p.total,
             "decode released its reservation: {p:?}"
         );
@@ -661,7 +667,7 @@ async fn a_prefill_worker_killed_mid_request_fails_it_fast_and_decode_gets_its_p
         assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
         assert_eq!(error_code(&err), Some("service_unavailable"));
         let p = wait_all_pages_back(&decode).await;
-        assert_eq!(p.free + p.pending_scrub, p.total, "{p:?}");
+        assert_eq!(available(&p), p.total, "{p:?}");
     })
     .await;
 }
@@ -911,7 +917,7 @@ async fn a_decode_worker_killed_mid_generation_leaves_prefill_with_every_page_ba
         assert!(killed_at.elapsed() < Duration::from_secs(5));
         let p = wait_all_pages_back(&prefill).await;
         assert_eq!(
-            p.free + p.pending_scrub,
+            available(&p),
             p.total,
             "prefill released its source pages: {p:?}"
         );
