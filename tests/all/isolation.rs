@@ -183,7 +183,12 @@ pub(crate) fn one_prompt_from_two_tenants(env: &[(&str, &str)]) -> [f64; 2] {
         let before = hits();
         let e = ledger.send(cluster.api(), tenant, "/v1/completions", &body, &[]);
         assert_eq!(e.status, 200, "{}: {}", tenant.id, e.response);
-        hits() - before
+        let read = hits() - before;
+        // The client is told, in OpenAI's field, through decode from prefill's answer.
+        let usage: Value = serde_json::from_str(&e.response).expect("a JSON body");
+        let told = &usage["usage"]["prompt_tokens_details"]["cached_tokens"];
+        assert_eq!(told.as_f64(), Some(read), "{}", e.response);
+        read
     };
     send(TENANT_A);
     let read = [send(TENANT_A), send(TENANT_B)];

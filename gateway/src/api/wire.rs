@@ -53,6 +53,14 @@ struct Usage {
     prompt_tokens: u32,
     completion_tokens: u32,
     total_tokens: u32,
+    prompt_tokens_details: PromptTokensDetails,
+}
+
+/// OpenAI's breakdown of the prompt tokens: those read from a prompt cache (here, the
+/// tenant's own prefix cache).
+#[derive(Serialize)]
+struct PromptTokensDetails {
+    cached_tokens: u32,
 }
 
 impl Usage {
@@ -61,6 +69,9 @@ impl Usage {
             prompt_tokens: d.prompt_tokens,
             completion_tokens: d.completion_tokens,
             total_tokens: d.prompt_tokens.saturating_add(d.completion_tokens),
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: d.cached_tokens,
+            },
         }
     }
 }
@@ -230,6 +241,7 @@ mod tests {
         prompt_tokens: 3,
         completion_tokens: 2,
         text_tail: String::new(),
+        cached_tokens: 1,
     };
 
     #[test]
@@ -239,14 +251,16 @@ mod tests {
             json!({"id": "cmpl-1", "object": "chat.completion", "created": 7, "model": "m",
                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi \"x\""},
                                 "logprobs": null, "finish_reason": "stop"}],
-                   "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+                   "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 1}}})
         );
         assert_eq!(
             parsed(&head(Endpoint::Completion).whole("hi", &DONE, "length")),
             json!({"id": "cmpl-1", "object": "text_completion", "created": 7, "model": "m",
                    "choices": [{"index": 0, "text": "hi", "logprobs": null,
                                 "finish_reason": "length"}],
-                   "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+                   "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 1}}})
         );
     }
 
@@ -272,7 +286,8 @@ mod tests {
             parsed(&chat.usage_chunk(&DONE)),
             json!({"id": "cmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m",
                    "choices": [],
-                   "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+                   "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 1}}})
         );
     }
 }

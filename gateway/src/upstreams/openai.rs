@@ -115,6 +115,8 @@ struct Events {
     ready: VecDeque<GenerateResponse>,
     finish: FinishReason,
     usage: Option<(u32, u32)>,
+    /// The upstream's `usage.prompt_tokens_details.cached_tokens` (0 when it sends none).
+    cached_tokens: u32,
     prompt_tokens: u32,
     /// The completion so far, counted at the end when no usage came.
     text: String,
@@ -396,6 +398,7 @@ impl SseStream {
                 ready: VecDeque::new(),
                 finish: FinishReason::Stop,
                 usage: None,
+                cached_tokens: 0,
                 prompt_tokens,
                 text: String::new(),
                 counter,
@@ -529,6 +532,7 @@ impl Events {
                     prompt_tokens,
                     completion_tokens,
                     text_tail: String::new(),
+                    cached_tokens: self.cached_tokens,
                 })),
             });
             self.ended = true;
@@ -547,6 +551,8 @@ impl Events {
             if let (Some(p), Some(c)) = (n("prompt_tokens"), n("completion_tokens")) {
                 self.usage = Some((p, c));
             }
+            let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64();
+            self.cached_tokens = cached.and_then(|v| u32::try_from(v).ok()).unwrap_or(0);
         }
         if let Some(choice) = chunk.choices.into_iter().next() {
             if let Some(text) = choice.text.filter(|t| !t.is_empty()) {
@@ -613,13 +619,18 @@ mod tests {
         let s = stream(&[
             "data: {\"choices\":[{\"text\":\"Hel\",\"finish_reason\":null}]}\n",
             "\ndata: {\"choices\":[{\"text\":\"lo\",\"finish_reason\":\"length\"}]}\r\n\r\n",
-            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2}}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2,",
+            "\"prompt_tokens_details\":{\"cached_tokens\":4}}}\n\n",
             "data: [DONE]\n\n",
         ]);
         let (text, done) = drain(s).await.expect("a complete stream");
         assert_eq!(text, "Hello");
         assert_eq!(done.finish_reason, i32::from(FinishReason::Length));
         assert_eq!((done.prompt_tokens, done.completion_tokens), (5, 2));
+        assert_eq!(
+            done.cached_tokens, 4,
+            "the upstream's prompt cache, passed through"
+        );
     }
 
     #[tokio::test]

@@ -18,6 +18,8 @@
 //! plane: its drain acknowledgement, as the protocol model has it.
 
 use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
 
 use tokio::sync::mpsc;
 use tonic::Status;
@@ -51,15 +53,51 @@ pub struct PrefillPeer {
 /// transfer timeout. Dropping it (with the client's stream) cancels the call, which aborts
 /// the transfer on the prefill side.
 #[derive(Debug)]
-pub struct PrefillCall(tokio::task::JoinHandle<()>);
+pub struct PrefillCall {
+    /// Ends with prefill's `Sent` (its `cached_tokens`) or with the call (0).
+    watch: tokio::task::JoinHandle<u32>,
+    /// What the watch ended with, once it ended (or 0 once waiting for it timed out).
+    cached_tokens: Option<u32>,
+    /// Started when the request's `Done` first waits for the watch.
+    wait: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+/// How long a finished request's `Done` waits for prefill's `Sent`, which prefill answers as
+/// soon as the manifest (that decode verified before the first token) is written.
+const SENT_WAIT: Duration = Duration::from_secs(1);
 
 impl Drop for PrefillCall {
     fn drop(&mut self) {
-        self.0.abort();
+        self.watch.abort();
     }
 }
 
 impl PrefillCall {
+    /// The prompt tokens prefill read from its tenant's prefix cache, for the request's usage:
+    /// ready once prefill said it sent everything, 0 if the call ended without saying so or
+    /// did not say within [`SENT_WAIT`] of the first ask.
+    pub fn poll_cached_tokens(&mut self, cx: &mut Context<'_>) -> Poll<u32> {
+        if let Some(n) = self.cached_tokens {
+            return Poll::Ready(n);
+        }
+        if let Poll::Ready(ended) = Pin::new(&mut self.watch).poll(cx) {
+            let n = ended.unwrap_or(0);
+            self.cached_tokens = Some(n);
+            return Poll::Ready(n);
+        }
+        let wait = self
+            .wait
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(SENT_WAIT)));
+        match wait.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                tracing::debug!("prefill's Sent did not come in time: no cached-token count");
+                self.cached_tokens = Some(0);
+                Poll::Ready(0)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
     /// `span` is the call's client span; it ends with the call.
     fn watch(
         engine: EngineHandle,
@@ -67,7 +105,7 @@ impl PrefillCall {
         mut call: tonic::Streaming<proto::PrefillEvent>,
         span: Span,
     ) -> PrefillCall {
-        PrefillCall(tokio::spawn(async move {
+        let watch = tokio::spawn(async move {
             loop {
                 match call.message().await {
                     Ok(Some(proto::PrefillEvent {
@@ -75,7 +113,7 @@ impl PrefillCall {
                     })) => {
                         span.record("bulkhead.kv.frames", sent.frames);
                         span.record("bulkhead.kv.bytes", sent.bytes);
-                        return;
+                        return sent.cached_tokens;
                     }
                     Ok(Some(_)) => {}
                     Ok(None) | Err(_) => {
@@ -85,11 +123,16 @@ impl PrefillCall {
                         span.record("error.type", codes::SERVICE_UNAVAILABLE);
                         span.record("otel.status_code", "ERROR");
                         engine.transport_closed(vec![nonce]);
-                        return;
+                        return 0;
                     }
                 }
             }
-        }))
+        });
+        PrefillCall {
+            watch,
+            cached_tokens: None,
+            wait: None,
+        }
     }
 }
 
@@ -430,10 +473,15 @@ async fn transfer(
         }
     }
     drop(transfer_span);
+    let cached_tokens = u32::try_from(outbound.cached_tokens()).unwrap_or(u32::MAX);
     engine.close(outbound);
     let answer = match sent {
         Ok(Sent::Complete { frames, bytes }) => Ok(proto::PrefillEvent {
-            event: Some(PrefillItem::Sent(proto::PrefillSent { frames, bytes })),
+            event: Some(PrefillItem::Sent(proto::PrefillSent {
+                frames,
+                bytes,
+                cached_tokens,
+            })),
         }),
         Ok(Sent::Aborted) => return,
         Err(e) => {

@@ -142,7 +142,7 @@ impl WorkerService {
             events,
             guard,
             finished: false,
-            _prefill: prefill,
+            prefill,
             span,
             phase,
             decoding: false,
@@ -264,8 +264,9 @@ pub struct GenerateStream {
     guard: CancelOnDrop,
     /// The final item (`Done` or an error) was sent.
     finished: bool,
-    /// Decode role: the prefill call; dropping it (with this stream) aborts the transfer.
-    _prefill: Option<PrefillCall>,
+    /// Decode role: the prefill call; dropping it (with this stream) aborts the transfer. Its
+    /// answer says how much of the prompt prefill read from its prefix cache.
+    prefill: Option<PrefillCall>,
     /// The `Generate` call's span, open until the stream ends.
     span: Span,
     /// The step under way: `prefill` (colocated, until the first token), then `decode`.
@@ -297,9 +298,23 @@ impl Stream for GenerateStream {
             Some(Event::Token { token, text }) => Ok(Item::Token(proto::Token { id: token, text })),
             Some(Event::Done {
                 reason,
-                usage,
+                mut usage,
                 text_tail,
             }) => {
+                // Decode role: the prompt's cached part is prefill's to say.
+                if let Some(call) = this.prefill.as_mut() {
+                    match call.poll_cached_tokens(cx) {
+                        Poll::Ready(n) => usage.cached_tokens = n as usize,
+                        Poll::Pending => {
+                            this.early = Some(Event::Done {
+                                reason,
+                                usage,
+                                text_tail,
+                            });
+                            return Poll::Pending;
+                        }
+                    }
+                }
                 this.span
                     .record("gen_ai.usage.output_tokens", usage.completion_tokens);
                 this.finish();
@@ -312,6 +327,7 @@ impl Stream for GenerateStream {
                     prompt_tokens: saturate(usage.prompt_tokens),
                     completion_tokens: saturate(usage.completion_tokens),
                     text_tail,
+                    cached_tokens: saturate(usage.cached_tokens),
                 }))
             }
             Some(Event::Failed(failure)) => {
