@@ -493,3 +493,38 @@ async fn transfer(
     };
     let _ = tx.send(answer).await;
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+
+    fn call(watch: tokio::task::JoinHandle<u32>) -> PrefillCall {
+        PrefillCall {
+            watch,
+            cached_tokens: None,
+            wait: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn done_gets_prefills_cached_count_and_waits_for_it_at_most_sent_wait() {
+        let mut answered = call(tokio::spawn(async { 48 }));
+        let n = std::future::poll_fn(|cx| answered.poll_cached_tokens(cx)).await;
+        assert_eq!(n, 48, "prefill's Sent said 48");
+        assert_eq!(
+            std::future::poll_fn(|cx| answered.poll_cached_tokens(cx)).await,
+            48
+        );
+
+        // A prefill worker that never answers `Sent` holds the request's end for SENT_WAIT,
+        // not for ever; the count is then 0 (unknown).
+        let mut silent = call(tokio::spawn(std::future::pending()));
+        let started = Instant::now();
+        let n = std::future::poll_fn(|cx| silent.poll_cached_tokens(cx)).await;
+        let waited = started.elapsed();
+        assert_eq!(n, 0);
+        assert!(waited >= SENT_WAIT && waited < SENT_WAIT * 5, "{waited:?}");
+    }
+}
