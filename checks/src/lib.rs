@@ -5,6 +5,8 @@
 //! limit, decode admission, prefill admission, decode's verification of a KV handoff, and the
 //! attention kernel's page-tag check. The isolation suite proves that with any one of them off
 //! the others still stop the incident, and that its oracles see a leak once nothing stops it.
+//! The prefix cache's scoping is the one check no other layer stands in for: with it off, its
+//! tests show one tenant's prompt served from another tenant's cached pages.
 //! For that it needs a build in which a check can be off:
 //!
 //! ```text

@@ -425,4 +425,21 @@ mod tests {
         assert!(again.pages().iter().any(|e| e.page == cached[0].page));
         assert!(pool.verify(&cached).is_err());
     }
+
+    #[test]
+    fn a_prefix_found_in_another_pool_is_never_reserved_after() {
+        let (here, there) = (pool(4, Scrub::None), pool(4, Scrub::None));
+        let a = Scope::new("a");
+        let p = prompt(0, 33);
+        let (prefix, allocation) = run(&there, 1, &a, &p, 1);
+        allocation.keep_prompt(prefix, &p);
+        let foreign = there.cached_prefix(&a, &p, 10);
+        assert_eq!(foreign.pages().len(), 2);
+        let admissible = here.admit(RequestId::new(2), 40).expect("fits");
+        let refused = here
+            .reserve_after(admissible, &foreign)
+            .expect_err("another pool's pages");
+        assert_eq!(refused.admissible().owner(), RequestId::new(2));
+        assert_eq!(here.free_pages(), 4, "nothing reserved");
+    }
 }

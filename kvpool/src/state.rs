@@ -721,6 +721,27 @@ mod tests {
     }
 
     #[test]
+    fn pages_kept_after_a_parent_that_is_no_longer_cached_are_released_not_cached() {
+        let mut s = state(4, Scrub::None);
+        let owner = RequestId::new(1);
+        let table = s.reserve(owner, 2).expect("pages are free");
+        s.transition(owner, &table, Hold::Reserved, Target::Hold(Hold::Owned));
+        let tokens: Vec<u32> = (0..32).collect();
+        let chunks: Vec<&[u32]> = tokens.chunks(16).collect();
+        // A parent the index never held (an evicted page, by its old tag): no lookup could
+        // reach what follows it.
+        let gone = PageRef {
+            page: PageId::new(3),
+            tag: Tag::new(1),
+        };
+        let scope = Scope::new("a");
+        assert_eq!(s.cache(owner, &table, &chunks, &scope, Some(gone)), 0);
+        let stats = s.stats();
+        assert_eq!((stats.cached, stats.free, stats.owned), (0, 4, 0));
+        s.check_invariants().expect("every page released");
+    }
+
+    #[test]
     fn the_checker_catches_a_miscount() {
         let mut s = state(3, Scrub::None);
         s.stats.quarantined = 1;
