@@ -55,10 +55,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 pub fn preflight(args: Args) -> anyhow::Result<()> {
     let config = Config::load(&args.config)
         .with_context(|| format!("invalid configuration {}", args.config.display()))?;
-    let token = config.cluster_token()?;
+    let cluster = config.cluster_access()?;
     let answers = crate::runtime::main()?.block_on(bulkhead_gateway::preflight::ask(
         &config,
-        token.as_ref(),
+        &cluster,
         &bulkhead_gateway::discovery::SystemResolver,
     ));
     let checks = bulkhead_gateway::preflight::checks(&answers);

@@ -128,7 +128,7 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     // its prefill worker), never another process that finds their loopback ports.
     let token_file = data_dir.join(CLUSTER_TOKEN_FILE);
     write_cluster_token(&token_file)?;
-    config.cluster_token_file = Some(token_file.clone());
+    config.cluster.token_file = Some(token_file.clone());
 
     crate::runtime::main()?.block_on(async move {
         let mut workers = Vec::new();

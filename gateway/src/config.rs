@@ -31,6 +31,9 @@
 //! [cluster]                         # optional; the workers' shared secret
 //! token_file = "/run/secrets/bulkhead-cluster-token"  # presented on every call to a worker
 //!                                   # (`bulkhead worker --cluster-token-file`, the same file)
+//! tls_ca = "/run/tls/ca.pem"        # optional, all three or none: mutual TLS to every worker
+//! tls_cert = "/run/tls/gateway.pem" # (`bulkhead worker --tls-ca --tls-cert --tls-key`): the
+//! tls_key = "/run/tls/gateway.key"  # deployment's CA, the gateway's certificate and key
 //!
 //! [[tenants]]
 //! id = "tenant-a"                   # a-z 0-9 - _; ids starting with '_' are reserved
@@ -75,6 +78,7 @@ use std::time::Duration;
 
 use bulkhead_telemetry::{OtlpEndpoint, TelemetryError};
 use bulkhead_worker::serve::cluster_token::{ClusterToken, TokenError};
+use bulkhead_worker::serve::tls::{ClusterTls, TlsError, TlsFiles};
 use serde::Deserialize;
 
 use crate::discovery::{GroupError, RawWorkerGroup, WorkerGroup};
@@ -104,10 +108,27 @@ pub struct Config {
     pub policies: Option<PolicySettings>,
     /// OpenTelemetry export.
     pub telemetry: TelemetrySettings,
-    /// The file holding the secret presented on every gRPC call to a worker
-    /// ([`Config::cluster_token`]); `None`: calls carry none, and only workers without one
-    /// answer them.
-    pub cluster_token_file: Option<PathBuf>,
+    /// How the gateway reaches its Bulkhead workers ([`Config::cluster_access`]).
+    pub cluster: ClusterSettings,
+}
+
+/// Where the gateway's credentials towards its workers lie (`[cluster]`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClusterSettings {
+    /// The file holding the secret presented on every gRPC call to a worker; `None`: calls
+    /// carry none, and only workers without one answer them.
+    pub token_file: Option<PathBuf>,
+    /// The deployment's mutual TLS; `None`: calls go over plain TCP.
+    pub tls: Option<TlsFiles>,
+}
+
+/// The gateway's credentials towards its Bulkhead workers, read and checked.
+#[derive(Debug, Clone, Default)]
+pub struct ClusterAccess {
+    /// Presented on every call.
+    pub token: Option<ClusterToken>,
+    /// Every call goes over TLS, to workers the CA signed, presenting the gateway's certificate.
+    pub tls: Option<ClusterTls>,
 }
 
 /// OpenTelemetry export: off unless a collector is named here or by the process's flags and
@@ -262,6 +283,10 @@ pub enum ConfigError {
     Toml(#[from] toml::de::Error),
     #[error("cluster.token_file: {0}")]
     ClusterToken(#[from] TokenError),
+    #[error("cluster: {0}")]
+    ClusterTls(#[from] TlsError),
+    #[error("cluster: tls_ca, tls_cert and tls_key go together (all three or none)")]
+    PartialTls,
     #[error("admin.token_sha256: {0}")]
     AdminToken(KeyHashError),
     #[error(transparent)]
@@ -344,6 +369,9 @@ struct RawConfig {
 #[serde(deny_unknown_fields)]
 struct RawCluster {
     token_file: Option<PathBuf>,
+    tls_ca: Option<PathBuf>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -482,16 +510,32 @@ impl Config {
                     .transpose()?,
                 audit_logs: raw.telemetry.audit_logs,
             },
-            cluster_token_file: raw.cluster.token_file,
+            cluster: cluster_settings(raw.cluster)?,
         })
     }
 
-    /// The cluster token, read from its file now (a secret is mounted where the process runs,
-    /// so checking a configuration elsewhere does not need it).
-    pub fn cluster_token(&self) -> Result<Option<ClusterToken>, ConfigError> {
-        let token = self.cluster_token_file.as_deref().map(ClusterToken::read);
-        Ok(token.transpose()?)
+    /// The cluster token and TLS, read from their files now (secrets are mounted where the
+    /// process runs, so checking a configuration elsewhere does not need them).
+    pub fn cluster_access(&self) -> Result<ClusterAccess, ConfigError> {
+        let token = self.cluster.token_file.as_deref().map(ClusterToken::read);
+        let tls = self.cluster.tls.as_ref().map(ClusterTls::load);
+        Ok(ClusterAccess {
+            token: token.transpose()?,
+            tls: tls.transpose()?,
+        })
     }
+}
+
+fn cluster_settings(raw: RawCluster) -> Result<ClusterSettings, ConfigError> {
+    let tls = match (raw.tls_ca, raw.tls_cert, raw.tls_key) {
+        (Some(ca), Some(cert), Some(key)) => Some(TlsFiles { ca, cert, key }),
+        (None, None, None) => None,
+        _ => return Err(ConfigError::PartialTls),
+    };
+    Ok(ClusterSettings {
+        token_file: raw.token_file,
+        tls,
+    })
 }
 
 fn http_limits(raw: &RawHttp) -> Result<HttpLimits, ConfigError> {
@@ -816,7 +860,7 @@ mod tests {
     #[test]
     fn the_cluster_token_is_read_from_its_file_and_a_bad_one_is_refused_by_name() {
         let c = Config::parse(&config(&tenant("tenant-a", "k"), WORKER)).expect("valid");
-        assert!(c.cluster_token().expect("none to read").is_none());
+        assert!(c.cluster_access().expect("none to read").token.is_none());
         let dir = crate::scratch::Scratch::new("cluster-token");
         let with = |file: &std::path::Path| {
             Config::parse(&config(
@@ -827,7 +871,8 @@ mod tests {
                 ),
             ))
             .expect("valid: the file is read when the token is needed")
-            .cluster_token()
+            .cluster_access()
+            .map(|access| access.token)
         };
         let file = dir.0.join("token");
         let write = |text: &str| {

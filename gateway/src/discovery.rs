@@ -357,7 +357,8 @@ mod tests {
     #[tokio::test]
     async fn members_follow_the_dns_answers_and_survive_a_failed_lookup() {
         let g = group(WorkerRole::Both, None);
-        let workers = Workers::new(&[], None).expect("no static workers");
+        let workers =
+            Workers::new(&[], crate::config::ClusterAccess::default()).expect("no static workers");
         let r = FakeResolver::default();
         r.set(&g.dns, &["127.0.0.1:1", "127.0.0.2:1"]);
         sync(&workers, std::slice::from_ref(&g), &r).await;

@@ -8,11 +8,11 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use bulkhead_worker::serve::cluster_token::{self, ClusterToken};
+use bulkhead_worker::serve::cluster_token;
 use bulkhead_worker::serve::proto::{InfoRequest, InfoResponse, KvHandoff};
-use tonic::transport::Endpoint;
+use bulkhead_worker::serve::tls;
 
-use crate::config::{Config, Protocol, WorkerConfig, WorkerRole};
+use crate::config::{ClusterAccess, Config, Protocol, WorkerConfig, WorkerRole};
 use crate::discovery::{Resolve, resolve_group};
 
 /// Bound on connecting to and asking each worker.
@@ -43,11 +43,7 @@ pub struct Check {
 /// Asks every worker in `config` for its Info (concurrently, each bounded, presenting
 /// `token`): the listed ones and every member its worker groups resolve to now. A group that
 /// resolves to no worker is one unreachable answer under the group's name.
-pub async fn ask(
-    config: &Config,
-    token: Option<&ClusterToken>,
-    resolver: &impl Resolve,
-) -> Vec<Answer> {
+pub async fn ask(config: &Config, cluster: &ClusterAccess, resolver: &impl Resolve) -> Vec<Answer> {
     // An OpenAI-compatible upstream's pool is its own: nothing here can check it.
     let mut workers: Vec<WorkerConfig> = config
         .workers
@@ -75,7 +71,9 @@ pub async fn ask(
     }
     let mut answers = futures_util::future::join_all(workers.iter().map(|w| async move {
         let info = async {
-            let endpoint = Endpoint::from_shared(w.endpoint.clone()).map_err(|e| e.to_string())?;
+            let endpoint =
+                tls::endpoint(&w.endpoint, cluster.tls.as_ref()).map_err(|e| e.to_string())?;
+            let token = cluster.token.as_ref();
             let channel = endpoint
                 .connect_timeout(ASK_LIMIT)
                 .connect()
@@ -447,7 +445,7 @@ mod tests {
         }
         let config = crate::Config::parse(include_str!("../../deploy/k8s/base/gateway.toml"))
             .expect("valid");
-        let answers = ask(&config, None, &Nothing).await;
+        let answers = ask(&config, &ClusterAccess::default(), &Nothing).await;
         let (text, passed) = render(&answers, &checks(&answers));
         assert!(!passed);
         assert!(

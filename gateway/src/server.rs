@@ -96,7 +96,7 @@ impl BoundGateway {
         };
         let api = bind("API", config.listen.api).await?;
         let admin = bind("admin", config.listen.admin).await?;
-        let workers = Workers::new(&config.workers, config.cluster_token()?)?;
+        let workers = Workers::new(&config.workers, config.cluster_access()?)?;
         let policies = match config.policies {
             None => Policies::disabled(),
             // Compiling components takes a while: off the async threads.

@@ -20,17 +20,17 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bulkhead_worker::chat::ChatTemplate;
-use bulkhead_worker::serve::cluster_token::{self, ClusterToken};
+use bulkhead_worker::serve::cluster_token;
 use bulkhead_worker::serve::info::describe_file;
 use bulkhead_worker::serve::proto::{
     self, HealthRequest, InfoRequest, ServingStatus, TokenizerData,
 };
+use bulkhead_worker::serve::tls;
 use bulkhead_worker::tokenizer::{Tokenizer, TokenizerParts};
 use serde::Serialize;
-use tonic::transport::Endpoint;
 
 use crate::admission::{Admitted, EffectiveLimit, WorkerCapacity, effective_limit};
-use crate::config::{OpenAiUpstream, Protocol, WorkerConfig, WorkerRole};
+use crate::config::{ClusterAccess, OpenAiUpstream, Protocol, WorkerConfig, WorkerRole};
 use crate::routing::{Candidate, least_outstanding};
 use crate::upstreams::{OpenAiClient, Upstream};
 use std::num::NonZeroU32;
@@ -311,8 +311,8 @@ struct State {
     model: Option<Arc<ServedModel>>,
     /// The next entry id.
     next_id: u64,
-    /// Presented on every call to a Bulkhead worker.
-    cluster_token: Option<ClusterToken>,
+    /// The token presented on every call to a Bulkhead worker, and the TLS they go over.
+    cluster: ClusterAccess,
 }
 
 impl State {
@@ -333,7 +333,7 @@ impl State {
     }
 
     fn push(&mut self, config: WorkerConfig) -> Result<(), EndpointError> {
-        let (client, bare) = client(&config, self.cluster_token.clone())?;
+        let (client, bare) = client(&config, &self.cluster)?;
         self.entries.push(Entry {
             id: self.next_id,
             config,
@@ -502,14 +502,11 @@ fn role_name(role: WorkerRole) -> &'static str {
 }
 
 impl Workers {
-    /// Lazily connected clients for `configs`, presenting `cluster_token` on every call;
-    /// nothing is contacted until [`Workers::refresh`].
-    pub fn new(
-        configs: &[WorkerConfig],
-        cluster_token: Option<ClusterToken>,
-    ) -> Result<Workers, EndpointError> {
+    /// Lazily connected clients for `configs`, reaching them as `cluster` says (its token on
+    /// every call, over its TLS); nothing is contacted until [`Workers::refresh`].
+    pub fn new(configs: &[WorkerConfig], cluster: ClusterAccess) -> Result<Workers, EndpointError> {
         let mut state = State {
-            cluster_token,
+            cluster,
             ..State::default()
         };
         for c in configs {
@@ -820,11 +817,12 @@ async fn probe(
     }
 }
 
-/// The client for a configured worker (presenting `token`, when it is a Bulkhead worker) and,
-/// with a token, one presenting none over the same connection; nothing is contacted yet.
+/// The client for a configured worker (presenting the cluster token, when it is a Bulkhead
+/// worker, over the cluster's TLS) and, with a token, one presenting none over the same
+/// connection; nothing is contacted yet.
 fn client(
     c: &WorkerConfig,
-    token: Option<ClusterToken>,
+    cluster: &ClusterAccess,
 ) -> Result<(Upstream, Option<cluster_token::Client>), EndpointError> {
     let invalid = |reason: String| EndpointError {
         name: c.name.clone(),
@@ -832,11 +830,12 @@ fn client(
     };
     match &c.protocol {
         Protocol::Bulkhead => {
-            let endpoint = Endpoint::from_shared(c.endpoint.clone())
+            let endpoint = tls::endpoint(&c.endpoint, cluster.tls.as_ref())
                 .map_err(|e| invalid(e.to_string()))?
                 .connect_timeout(CONNECT_TIMEOUT)
                 .tcp_nodelay(true);
             let channel = endpoint.connect_lazy();
+            let token = cluster.token.clone();
             let bare = token
                 .is_some()
                 .then(|| cluster_token::client(channel.clone(), None));

@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::config::{
-    AuditSettings, Config, ConfigError, HttpLimits, Listen, TelemetrySettings, WorkerConfig,
+    AuditSettings, ClusterSettings, Config, ConfigError, HttpLimits, Listen, TelemetrySettings,
+    WorkerConfig,
 };
 use crate::discovery::WorkerGroup;
 use crate::keys::KeyHash;
@@ -93,7 +94,7 @@ struct RestartOnly {
     refresh_interval: Duration,
     policies: Option<PolicySettings>,
     telemetry: TelemetrySettings,
-    cluster_token_file: Option<PathBuf>,
+    cluster: ClusterSettings,
 }
 
 impl RestartOnly {
@@ -110,7 +111,7 @@ impl RestartOnly {
             refresh_interval,
             policies,
             telemetry,
-            cluster_token_file,
+            cluster,
         } = config;
         RestartOnly {
             listen: *listen,
@@ -122,7 +123,7 @@ impl RestartOnly {
             refresh_interval: *refresh_interval,
             policies: policies.clone(),
             telemetry: telemetry.clone(),
-            cluster_token_file: cluster_token_file.clone(),
+            cluster: cluster.clone(),
         }
     }
 
@@ -138,7 +139,7 @@ impl RestartOnly {
             refresh_interval,
             policies,
             telemetry,
-            cluster_token_file,
+            cluster,
         } = self;
         [
             (Section::Listen, *listen != file.listen),
@@ -153,10 +154,7 @@ impl RestartOnly {
             ),
             (Section::Policies, *policies != file.policies),
             (Section::Telemetry, *telemetry != file.telemetry),
-            (
-                Section::Cluster,
-                *cluster_token_file != file.cluster_token_file,
-            ),
+            (Section::Cluster, *cluster != file.cluster),
         ]
         .into_iter()
         .filter_map(|(section, differs)| differs.then_some(section))

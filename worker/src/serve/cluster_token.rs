@@ -21,6 +21,7 @@ use tonic::transport::Channel;
 use tonic::{Request, Status};
 
 use super::proto::WorkerClient;
+use super::secret_file::{self, SecretFileError};
 
 /// A client of a worker that presents the cluster token, when there is one.
 pub type Client = WorkerClient<InterceptedService<Channel, Presents>>;
@@ -39,11 +40,8 @@ const HEADER: &str = "authorization";
 /// Why a cluster token cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenError {
-    #[error("cannot read the cluster token file {path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
-    },
+    #[error("the cluster token file: {0}")]
+    File(#[from] SecretFileError),
     #[error(
         "the cluster token must be at least {MIN_SECRET_CHARS} characters (it has {0}); \
          `openssl rand -hex 32` makes one"
@@ -51,11 +49,6 @@ pub enum TokenError {
     TooShort(usize),
     #[error("the cluster token must be printable ASCII without spaces")]
     NotPrintable,
-    #[error(
-        "the cluster token file {path} is open to other users (mode {mode:o}): \
-         `chmod o-rwx` it (its owner, or a group, may read it)"
-    )]
-    Exposed { path: String, mode: u32 },
 }
 
 /// A cluster secret, as the `authorization` value calls carry, and the others accepted while
@@ -103,28 +96,10 @@ impl ClusterToken {
         })
     }
 
-    /// The token in the file at `path`, which other users may not read or write (as ssh
-    /// refuses an exposed private key: a secret anyone on the host can read is no secret).
+    /// The token in the file at `path`, which other users may not open (see [`secret_file`]).
     pub fn read(path: &Path) -> Result<ClusterToken, TokenError> {
-        use std::io::Read as _;
-        use std::os::unix::fs::PermissionsExt as _;
-        let shown = || path.display().to_string();
-        let unreadable = |source| TokenError::Read {
-            path: shown(),
-            source,
-        };
-        // One open: the mode checked is the mode of the file read.
-        let mut file = std::fs::File::open(path).map_err(unreadable)?;
-        let mode = file.metadata().map_err(unreadable)?.permissions().mode();
-        if mode & 0o007 != 0 {
-            return Err(TokenError::Exposed {
-                path: shown(),
-                mode: mode & 0o777,
-            });
-        }
-        let mut text = String::new();
-        file.read_to_string(&mut text).map_err(unreadable)?;
-        ClusterToken::parse(&text)
+        let bytes = secret_file::read(path)?;
+        ClusterToken::parse(std::str::from_utf8(&bytes).map_err(|_| TokenError::NotPrintable)?)
     }
 
     /// A fresh random token (256 bits) and its secret, to write where the others read it.
@@ -144,22 +119,9 @@ impl ClusterToken {
     }
 }
 
-/// Writes `secrets` to `path` as a token file: created anew (whatever was there is replaced),
-/// readable and writable by its owner only.
+/// Writes `secrets` to `path` as a token file, readable and writable by its owner only.
 pub fn write_file(path: &Path, secrets: &str) -> std::io::Result<()> {
-    use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    // Removed first: a file opened for writing keeps its mode.
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-        _ => {}
-    }
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)?
-        .write_all(secrets.as_bytes())
+    secret_file::write(path, secrets.as_bytes())
 }
 
 /// A client's side: adds the token (when there is one) to every call. Shared: a client is
@@ -262,7 +224,7 @@ mod tests {
     }
 
     #[test]
-    fn a_token_file_other_users_can_open_is_refused() {
+    fn a_token_file_other_users_can_open_is_refused_by_its_name() {
         use std::os::unix::fs::PermissionsExt as _;
         let dir =
             std::env::temp_dir().join(format!("bulkhead-token-mode-{}", rand::random::<u64>()));
@@ -273,19 +235,12 @@ mod tests {
             ClusterToken::read(&file).is_ok(),
             "written for its owner only"
         );
-        let mode = |m| std::fs::set_permissions(&file, std::fs::Permissions::from_mode(m));
-        for open in [0o644, 0o604, 0o602, 0o601] {
-            mode(open).expect("chmod");
-            let refused = ClusterToken::read(&file);
-            assert!(
-                matches!(refused, Err(TokenError::Exposed { mode, .. }) if mode == open),
-                "{open:o}: {refused:?}"
-            );
-        }
-        for closed in [0o600, 0o440, 0o400] {
-            mode(closed).expect("chmod");
-            assert!(ClusterToken::read(&file).is_ok(), "{closed:o}");
-        }
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        let refused = ClusterToken::read(&file).expect_err("exposed").to_string();
+        assert!(
+            refused.contains("cluster token file") && refused.contains("open to other users"),
+            "{refused}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 

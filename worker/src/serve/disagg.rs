@@ -376,7 +376,12 @@ pub async fn prefill(
 /// that nothing of the session will come (its drain acknowledgement), so it frees the pages
 /// now instead of quarantining them when its release timeout expires.
 async fn acknowledge_abort(send: &SendTo) {
-    let closed = kvplane::send_closed(&send.address, send.nonce, CloseReason::Aborted);
+    let closed = kvplane::send_closed(
+        &send.address,
+        send.nonce,
+        CloseReason::Aborted,
+        &send.options,
+    );
     if let Err(e) = closed.await {
         tracing::warn!(address = %send.address, error = %e, "could not acknowledge an abort");
     }
@@ -445,7 +450,7 @@ async fn transfer(
         &send.address,
         &frames,
         &outbound.manifest,
-        send.options,
+        &send.options,
         || tx.is_closed(),
     )
     .instrument(transfer_span.clone());

@@ -48,6 +48,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::actor::EngineHandle;
+use super::tls::ClusterTls;
 
 /// The largest frame any receive path takes (a page of a large model is a few MiB); a decode
 /// worker's own limit is its page size ([`Buffers::up_to`]).
@@ -204,6 +205,7 @@ pub async fn serve(
     to: impl Deliver + Clone + Send + Sync + 'static,
     max_frame: u32,
     peer_timeout: Duration,
+    tls: Option<ClusterTls>,
 ) -> Infallible {
     let buffers = Buffers::up_to(max_frame);
     loop {
@@ -218,9 +220,19 @@ pub async fn serve(
         if let Err(e) = bound_peer(&socket, peer_timeout) {
             tracing::warn!(%peer, error = %e, "cannot bound a KV data connection's dead peer");
         }
-        let (to, buffers) = (to.clone(), buffers.clone());
+        let (to, buffers, tls) = (to.clone(), buffers.clone(), tls.clone());
         tokio::spawn(async move {
-            if let Err(e) = receive(socket, &to, &buffers).await {
+            let received = match tls {
+                None => receive(socket, &to, &buffers).await,
+                Some(tls) => match tls.accept(socket, peer_timeout).await {
+                    Ok(socket) => receive(socket, &to, &buffers).await,
+                    Err(e) => {
+                        tracing::warn!(%peer, error = %e, "refused a KV data connection: its TLS handshake failed");
+                        return;
+                    }
+                },
+            };
+            if let Err(e) = received {
                 tracing::warn!(%peer, error = %e, "KV data connection ended with an error");
             }
         });
@@ -350,12 +362,13 @@ pub async fn send(
         batch_bytes,
         peer_timeout: DEFAULT_PEER_TIMEOUT,
         fault: None,
+        tls: None,
     };
-    send_with(address, frames, manifest, options, aborted).await
+    send_with(address, frames, manifest, &options, aborted).await
 }
 
 /// How prefill writes its transfers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct SendOptions {
     /// Frames go out in batches of about this many bytes.
     pub batch_bytes: usize,
@@ -363,6 +376,26 @@ pub struct SendOptions {
     pub peer_timeout: Duration,
     /// A fault to inject (tests only).
     pub fault: Option<SendFault>,
+    /// The deployment's mutual TLS: every data connection is encrypted and authenticated.
+    pub tls: Option<ClusterTls>,
+}
+
+/// A data connection, prefill's side: TCP, or TLS over it.
+type Outgoing = Box<dyn AsyncWrite + Unpin + Send>;
+
+/// Connects to the decode worker at `address` as `options` say: a host that does not answer at
+/// all within the peer timeout is as gone as one that stops answering.
+async fn connect(address: &str, options: &SendOptions) -> std::io::Result<Outgoing> {
+    let limit = options.peer_timeout;
+    let socket = tokio::time::timeout(limit, TcpStream::connect(address))
+        .await
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+    socket.set_nodelay(true)?;
+    bound_peer(&socket, limit)?;
+    Ok(match &options.tls {
+        None => Box::new(socket),
+        Some(tls) => Box::new(tls.connect(address, socket, limit).await?),
+    })
 }
 
 /// [`send`], with every option.
@@ -370,20 +403,11 @@ pub async fn send_with(
     address: &str,
     frames: &[Frame],
     manifest: &Manifest,
-    options: SendOptions,
+    options: &SendOptions,
     aborted: impl Fn() -> bool,
 ) -> std::io::Result<Sent> {
-    let SendOptions {
-        batch_bytes,
-        peer_timeout,
-        fault,
-    } = options;
-    // A host that does not answer at all is as gone as one that stops answering.
-    let mut socket = tokio::time::timeout(peer_timeout, TcpStream::connect(address))
-        .await
-        .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
-    socket.set_nodelay(true)?;
-    bound_peer(&socket, peer_timeout)?;
+    let mut socket = connect(address, options).await?;
+    let (batch_bytes, fault) = (options.batch_bytes, options.fault);
     if fault.is_some() {
         // The stall plays a peer whose connection stays open for as long as the process
         // lives, whatever its caller does: the socket goes to a task of its own, and this
@@ -487,8 +511,9 @@ pub async fn send_closed(
     address: &str,
     nonce: SessionNonce,
     reason: CloseReason,
+    options: &SendOptions,
 ) -> std::io::Result<()> {
-    let mut socket = TcpStream::connect(address).await?;
+    let mut socket = connect(address, options).await?;
     let mut buf = Vec::new();
     encode(&Message::Closed { nonce, reason }, &mut buf);
     socket.write_all(&buf).await?;
@@ -517,6 +542,9 @@ mod tests {
     use bulkhead_handoff::codec::encode_frame;
     use bulkhead_handoff::{CheckedFrame, digest};
     use bulkhead_kvpool::Tag;
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
+    use tokio_rustls::rustls::{ClientConfig, RootCertStore};
 
     use super::*;
 
@@ -634,13 +662,12 @@ mod tests {
         filled.await;
         let fs = frames(1, 100);
         let options = SendOptions {
-            batch_bytes: 1 << 20,
             peer_timeout: Duration::from_millis(500),
-            fault: None,
+            ..plain()
         };
         let (to, m) = (address.to_string(), manifest(&fs));
         let started = std::time::Instant::now();
-        let sending = send_with(&to, &fs, &m, options, || false);
+        let sending = send_with(&to, &fs, &m, &options, || false);
         let sent = tokio::time::timeout(Duration::from_secs(10), sending)
             .await
             .expect("the send ends on its own");
@@ -862,43 +889,254 @@ mod tests {
         assert_eq!(*got, received(&fs[..2], std::iter::empty()));
     }
 
-    #[tokio::test]
-    async fn the_listener_takes_a_transfer_and_a_drain_acknowledgement_on_their_own_connections() {
+    /// Sending options without TLS.
+    fn plain() -> SendOptions {
+        SendOptions {
+            batch_bytes: 1 << 20,
+            peer_timeout: DEFAULT_PEER_TIMEOUT,
+            fault: None,
+            tls: None,
+        }
+    }
+
+    /// Waits (bounded) until `log` holds `n` messages: connections are served on tasks of
+    /// their own.
+    async fn wait_for(log: &Log, n: usize) {
+        for _ in 0..500 {
+            if log.got.lock().expect("lock").len() >= n {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+
+    /// A listener serving into a fresh log, with `tls`.
+    async fn listening(tls: Option<ClusterTls>) -> (String, Log, tokio::task::JoinHandle<()>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let address = listener.local_addr().expect("address").to_string();
         let log = Log::default();
-        let server = tokio::spawn(serve(
+        let serving = serve(
             listener,
             log.clone(),
             MAX_FRAME_BYTES,
             DEFAULT_PEER_TIMEOUT,
-        ));
-        let fs = frames(2, 100);
-        let sent = send(&address, &fs, &manifest(&fs), 1 << 20, || false).await;
+            tls,
+        );
+        let server = tokio::spawn(async move { match serving.await {} });
+        (address, log, server)
+    }
+
+    /// A transfer of `fs` and then a drain acknowledgement, each on its own connection, from
+    /// a sender with `options` to `address`: what arrived in `log`.
+    async fn transfer_and_acknowledge(
+        address: &str,
+        log: &Log,
+        fs: &[Frame],
+        options: &SendOptions,
+    ) -> Vec<Received> {
+        let sent = send_with(address, fs, &manifest(fs), options, || false).await;
         assert!(
-            matches!(sent, Ok(Sent::Complete { frames: 2, .. })),
+            matches!(sent, Ok(Sent::Complete { frames, .. }) if frames as usize == fs.len()),
             "{sent:?}"
         );
-        send_closed(&address, NONCE, CloseReason::Aborted)
+        send_closed(address, NONCE, CloseReason::Aborted, options)
             .await
             .expect("sent");
-        // The connections are served on tasks of their own: wait (bounded) for all of it.
-        for _ in 0..500 {
-            if log.got.lock().expect("lock").len() == 5 {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        wait_for(log, fs.len() + 3).await;
+        log.got.lock().expect("lock").clone()
+    }
+
+    #[tokio::test]
+    async fn the_listener_takes_a_transfer_and_a_drain_acknowledgement_on_their_own_connections() {
+        let ca = crate::serve::tls::Authority::new("test CA").expect("a CA");
+        let tls = || Some(crate::serve::tls::issued_for(&ca, &["127.0.0.1"]));
+        for (server_tls, client_tls) in [(None, None), (tls(), tls())] {
+            let (address, log, server) = listening(server_tls).await;
+            let fs = frames(2, 100);
+            let options = SendOptions {
+                tls: client_tls,
+                ..plain()
+            };
+            let got = transfer_and_acknowledge(&address, &log, &fs, &options).await;
+            server.abort();
+            assert_eq!(got.len(), 5, "{got:?}");
+            assert_eq!(
+                got[..4],
+                received(&fs, [Received::Manifest(manifest(&fs)), complete()])
+            );
+            assert_eq!(
+                got[4],
+                Received::Closed {
+                    nonce: NONCE,
+                    reason: CloseReason::Aborted
+                }
+            );
         }
-        server.abort();
-        let got = log.got.lock().expect("lock");
-        assert_eq!(got.len(), 5, "{got:?}");
-        assert_eq!(
-            got[4],
-            Received::Closed {
-                nonce: NONCE,
-                reason: CloseReason::Aborted
+    }
+
+    fn complete() -> Received {
+        Received::Closed {
+            nonce: NONCE,
+            reason: CloseReason::Complete,
+        }
+    }
+
+    /// The failure mutual TLS prevents: a host on the path between prefill and decode (here a
+    /// relay that forwards every byte and keeps a copy) reads the KV pages in the clear —
+    /// and a prompt can be read back from its KV. Over TLS it holds not one 16-byte run of any
+    /// frame's bytes, and the transfer still arrives whole and checked.
+    #[tokio::test]
+    async fn an_on_path_host_reads_the_kv_in_the_clear_without_tls_and_nothing_with_it() {
+        let ca = crate::serve::tls::Authority::new("test CA").expect("a CA");
+        let tls = || Some(crate::serve::tls::issued_for(&ca, &["127.0.0.1"]));
+        let fs = frames(4, 4096);
+        let seen_in = |copy: &[u8]| {
+            fs.iter()
+                .flat_map(|f| f.bytes.chunks_exact(16))
+                .filter(|run| copy.windows(16).any(|w| w == *run))
+                .count()
+        };
+        for (server_tls, client_tls, expect_clear) in [(None, None, true), (tls(), tls(), false)] {
+            let (decode, log, server) = listening(server_tls).await;
+            let (relay, copy) = relay_to(&decode).await;
+            let options = SendOptions {
+                tls: client_tls,
+                ..plain()
+            };
+            let got = transfer_and_acknowledge(&relay, &log, &fs, &options).await;
+            server.abort();
+            assert_eq!(
+                got[..fs.len() + 2],
+                received(&fs, [Received::Manifest(manifest(&fs)), complete()])
+            );
+            let copy = copy.lock().expect("lock").clone();
+            assert!(copy.len() > fs.len() * 4096, "the relay saw the transfer");
+            let runs = fs.len() * 4096 / 16;
+            let seen = seen_in(&copy);
+            if expect_clear {
+                assert_eq!(seen, runs, "every byte of KV crosses in the clear");
+            } else {
+                assert_eq!(seen, 0, "no KV is readable on the path");
             }
+        }
+    }
+
+    /// A relay on a port of its own that forwards each connection to `to` and copies what the
+    /// sender writes.
+    async fn relay_to(to: &str) -> (String, Arc<Mutex<Vec<u8>>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("address").to_string();
+        let copy = Arc::new(Mutex::new(Vec::new()));
+        let (to, kept) = (to.to_owned(), copy.clone());
+        tokio::spawn(async move {
+            while let Ok((mut from, _)) = listener.accept().await {
+                let mut onward = TcpStream::connect(&to).await.expect("connects");
+                let kept = kept.clone();
+                tokio::spawn(async move {
+                    let (mut from_r, mut from_w) = from.split();
+                    let (mut on_r, mut on_w) = onward.split();
+                    let forward = async {
+                        let mut buf = vec![0u8; 64 << 10];
+                        loop {
+                            let n = from_r.read(&mut buf).await.unwrap_or(0);
+                            if n == 0 {
+                                let _ = on_w.shutdown().await;
+                                return;
+                            }
+                            kept.lock().expect("lock").extend_from_slice(&buf[..n]);
+                            if on_w.write_all(&buf[..n]).await.is_err() {
+                                return;
+                            }
+                        }
+                    };
+                    let back = tokio::io::copy(&mut on_r, &mut from_w);
+                    let _ = tokio::join!(forward, back);
+                });
+            }
+        });
+        (address, copy)
+    }
+
+    /// Only a peer the deployment's CA signed gets a frame in: one without a certificate, one
+    /// with another CA's, and one speaking plain TCP are each refused at the handshake, and
+    /// the listener goes on serving the peer that has one.
+    #[tokio::test]
+    async fn a_tls_listener_takes_frames_only_from_peers_the_ca_signed() {
+        let ca = crate::serve::tls::Authority::new("test CA").expect("a CA");
+        let (address, log, server) =
+            listening(Some(crate::serve::tls::issued_for(&ca, &["127.0.0.1"]))).await;
+        let fs = frames(2, 100);
+        let m = manifest(&fs);
+        let stranger = crate::serve::tls::Authority::new("another CA").expect("a CA");
+        let foreign = SendOptions {
+            tls: Some(crate::serve::tls::issued_for(&stranger, &["127.0.0.1"])),
+            ..plain()
+        };
+        assert!(
+            send_with(&address, &fs, &m, &foreign, || false)
+                .await
+                .is_err()
         );
+        // Plain TCP: the bytes go out (nothing answers a handshake that never starts), and
+        // none of them is taken as a message.
+        let _ = send_with(&address, &fs, &m, &plain(), || false).await;
+        // A client that trusts the CA but presents no certificate.
+        let anonymous = {
+            let mut roots = RootCertStore::empty();
+            for cert in CertificateDer::pem_slice_iter(ca.ca_pem().as_bytes()) {
+                roots.add(cert.expect("parses")).expect("a root");
+            }
+            let config = ClientConfig::builder_with_provider(Arc::new(
+                tokio_rustls::rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+            tokio_rustls::TlsConnector::from(Arc::new(config))
+        };
+        let socket = TcpStream::connect(&address).await.expect("connects");
+        let name = ServerName::try_from("127.0.0.1").expect("an IP");
+        if let Ok(mut stream) = anonymous.connect(name, socket).await {
+            // TLS 1.3 refuses a missing client certificate after the client's last flight:
+            // the write may go out, and the server reads nothing from it.
+            let mut buf = Vec::new();
+            encode_frame(&fs[0], &mut buf);
+            let _ = stream.write_all(&buf).await;
+            let _ = stream.shutdown().await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(log.got.lock().expect("lock").is_empty(), "nothing got in");
+        let signed = SendOptions {
+            tls: Some(crate::serve::tls::issued_for(&ca, &["127.0.0.1"])),
+            ..plain()
+        };
+        let got = transfer_and_acknowledge(&address, &log, &fs, &signed).await;
+        server.abort();
+        assert_eq!(got.len(), 5, "the listener still serves: {got:?}");
+    }
+
+    /// Prefill checks that the decode worker it dials is the one the certificate names: a
+    /// certificate for another host fails the send before any byte of KV is written.
+    #[tokio::test]
+    async fn prefill_refuses_a_decode_peer_whose_certificate_names_another_host() {
+        let ca = crate::serve::tls::Authority::new("test CA").expect("a CA");
+        let (address, log, server) = listening(Some(crate::serve::tls::issued_for(
+            &ca,
+            &["decode-1.example"],
+        )))
+        .await;
+        let fs = frames(2, 100);
+        let options = SendOptions {
+            tls: Some(crate::serve::tls::issued_for(&ca, &["127.0.0.1"])),
+            ..plain()
+        };
+        let e = send_with(&address, &fs, &manifest(&fs), &options, || false)
+            .await
+            .expect_err("the name does not match");
+        assert!(e.to_string().contains("certificate"), "{e}");
+        server.abort();
+        assert!(log.got.lock().expect("lock").is_empty());
     }
 
     /// An engine thread over a tiny random model and a 256-token pool.

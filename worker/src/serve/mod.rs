@@ -22,9 +22,11 @@ pub mod kvplane;
 mod metrics;
 pub mod proto;
 mod refusal;
+mod secret_file;
 mod service;
 mod spans;
 mod tamper;
+pub mod tls;
 pub mod transport;
 mod validate;
 
@@ -42,6 +44,7 @@ pub use disagg::PrefillPeer;
 pub use error::{ServeError, ValidationError, codes, status};
 pub use metrics::{Metrics, Outcome};
 pub use service::{GenerateStream, ServiceRole, WorkerService};
+pub use tls::ClusterTls;
 pub use validate::{PromptSource, Prompter, ValidGenerate};
 
 use crate::engine::{Capacity, Engine, EngineConfig, StartupError};
@@ -84,6 +87,9 @@ pub struct ServeConfig {
     /// The deployment's shared secret: required on every gRPC call to this worker and
     /// presented on its own (see [`cluster_token`]). `None` answers any caller.
     pub cluster_token: Option<ClusterToken>,
+    /// The deployment's mutual TLS, on the gRPC port, on decode's calls to prefill (whose URI
+    /// must then be `https://`) and on the KV data plane (see [`tls`]). `None`: plain TCP.
+    pub tls: Option<ClusterTls>,
 }
 
 /// Why the worker could not start or stopped serving.
@@ -124,6 +130,7 @@ pub struct BoundWorker {
     kv_peer_timeout: Duration,
     /// Required on every gRPC call.
     cluster_token: Option<ClusterToken>,
+    tls: Option<ClusterTls>,
     service: WorkerService,
     engine: EngineHandle,
     thread: EngineThread,
@@ -192,6 +199,7 @@ impl BoundWorker {
                     batch_bytes,
                     peer_timeout: config.kv_peer_timeout,
                     fault,
+                    tls: config.tls.clone(),
                 };
                 (ServiceRole::Prefill(options), None)
             }
@@ -206,13 +214,12 @@ impl BoundWorker {
                     addr: kv_listen,
                     source,
                 })?;
-                let endpoint =
-                    tonic::transport::Endpoint::from_shared(prefill.clone()).map_err(|e| {
-                        StartError::PrefillUri {
-                            uri: prefill,
-                            reason: e.to_string(),
-                        }
-                    })?;
+                let endpoint = tls::endpoint(&prefill, config.tls.as_ref()).map_err(|e| {
+                    StartError::PrefillUri {
+                        uri: prefill,
+                        reason: e.to_string(),
+                    }
+                })?;
                 let client =
                     cluster_token::client(endpoint.connect_lazy(), config.cluster_token.clone());
                 (
@@ -231,6 +238,7 @@ impl BoundWorker {
             kv,
             kv_peer_timeout: config.kv_peer_timeout,
             cluster_token: config.cluster_token,
+            tls: config.tls,
             service,
             engine,
             thread,
@@ -274,13 +282,13 @@ impl BoundWorker {
         };
         let kv = {
             let (listener, engine, stop) = (self.kv, self.engine.clone(), stopped(stop_rx.clone()));
-            let peer_timeout = self.kv_peer_timeout;
+            let (peer_timeout, tls) = (self.kv_peer_timeout, self.tls.clone());
             // No frame is longer than one of this worker's pages.
             let max_frame = u32::try_from(self.capacity.page_bytes).unwrap_or(u32::MAX);
             async move {
                 match listener {
                     Some(l) => tokio::select! {
-                        never = kvplane::serve(l, engine, max_frame, peer_timeout) => match never {},
+                        never = kvplane::serve(l, engine, max_frame, peer_timeout, tls) => match never {},
                         () = stop => (),
                     },
                     None => std::future::pending().await,
@@ -289,7 +297,11 @@ impl BoundWorker {
         };
         let admin = axum::serve(self.admin, admin::router(self.engine))
             .with_graceful_shutdown(stopped(stop_rx.clone()));
-        let grpc = tonic::transport::Server::builder()
+        let mut grpc = tonic::transport::Server::builder();
+        if let Some(tls) = &self.tls {
+            grpc = grpc.tls_config(tls.grpc_server())?;
+        }
+        let grpc = grpc
             .add_service(proto::WorkerServer::with_interceptor(
                 self.service,
                 cluster_token::Requires(self.cluster_token),

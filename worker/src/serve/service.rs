@@ -172,7 +172,8 @@ impl proto::Worker for WorkerService {
         span.record("gen_ai.usage.input_tokens", request.get_ref().prompt.len());
         match &self.role {
             ServiceRole::Prefill(options) => {
-                let prefilling = disagg::prefill(&self.engine, request.into_inner(), *options);
+                let prefilling =
+                    disagg::prefill(&self.engine, request.into_inner(), options.clone());
                 prefilling
                     .instrument(span.clone())
                     .await

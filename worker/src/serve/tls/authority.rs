@@ -1,0 +1,115 @@
+//! A deployment's own certificate authority, made on the spot: `bulkhead up --tls` makes one
+//! per start, `bulkhead tls-certs` writes one for an operator, and tests make theirs. Every
+//! certificate it issues serves and presents (server and client authentication), since each
+//! process is both.
+
+use std::path::Path;
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose,
+};
+
+use super::TlsFiles;
+use crate::serve::secret_file;
+
+/// A CA: its certificate and the key that signs what it issues.
+pub struct Authority {
+    pem: String,
+    issuer: Issuer<'static, KeyPair>,
+}
+
+impl std::fmt::Debug for Authority {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Authority(…)")
+    }
+}
+
+/// A certificate and its private key, PEM.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Issued {
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+impl std::fmt::Debug for Issued {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Issued").finish_non_exhaustive()
+    }
+}
+
+fn named(common_name: &str) -> DistinguishedName {
+    let mut name = DistinguishedName::new();
+    name.push(DnType::CommonName, common_name);
+    name
+}
+
+impl Authority {
+    /// A fresh CA (a new P-256 key) called `common_name`.
+    pub fn new(common_name: &str) -> Result<Authority, rcgen::Error> {
+        let key = KeyPair::generate()?;
+        let mut params = CertificateParams::default();
+        params.distinguished_name = named(common_name);
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let pem = params.self_signed(&key)?.pem();
+        Ok(Authority {
+            pem,
+            issuer: Issuer::new(params, key),
+        })
+    }
+
+    /// The CA certificate, PEM: what every process trusts.
+    pub fn ca_pem(&self) -> &str {
+        &self.pem
+    }
+
+    /// A certificate (with a new key) for a process reached at `names` (DNS names or IP
+    /// addresses), good for serving and for presenting as a client.
+    pub fn issue(&self, common_name: &str, names: &[String]) -> Result<Issued, rcgen::Error> {
+        let key = KeyPair::generate()?;
+        let mut params = CertificateParams::new(names.to_vec())?;
+        params.distinguished_name = named(common_name);
+        params.is_ca = IsCa::ExplicitNoCa;
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let cert = params.signed_by(&key, &self.issuer)?;
+        Ok(Issued {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
+    }
+
+    /// Issues a certificate for `names` and writes it into `dir` with the CA: `ca.pem`,
+    /// `NAME.pem` and `NAME.key` (its owner only), the files a process is started with.
+    pub fn write(
+        &self,
+        dir: &Path,
+        common_name: &str,
+        names: &[String],
+    ) -> Result<TlsFiles, WriteError> {
+        let issued = self.issue(common_name, names)?;
+        std::fs::create_dir_all(dir)?;
+        let files = TlsFiles {
+            ca: dir.join("ca.pem"),
+            cert: dir.join(format!("{common_name}.pem")),
+            key: dir.join(format!("{common_name}.key")),
+        };
+        std::fs::write(&files.ca, &self.pem)?;
+        std::fs::write(&files.cert, &issued.cert_pem)?;
+        secret_file::write(&files.key, issued.key_pem.as_bytes())?;
+        Ok(files)
+    }
+}
+
+/// Why certificates could not be written.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    #[error("making a certificate: {0}")]
+    Certificate(#[from] rcgen::Error),
+    #[error("writing a certificate: {0}")]
+    Io(#[from] std::io::Error),
+}
