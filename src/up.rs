@@ -14,6 +14,7 @@ use bulkhead_gateway::tenants::ConfigFile;
 use bulkhead_gateway::{BoundGateway, Config};
 use bulkhead_worker::serve::ClusterToken;
 use bulkhead_worker::serve::cluster_token;
+use bulkhead_worker::serve::tls::{Authority, TlsFiles};
 use tokio::process::{Child, Command};
 
 use crate::child;
@@ -24,6 +25,9 @@ use crate::telemetry::Service;
 const DEFAULT_CONFIG: &str = include_str!("../deploy/local/gateway.toml");
 /// The cluster token's file in the data directory (owner-only; rewritten at every start).
 const CLUSTER_TOKEN_FILE: &str = "cluster-token";
+/// With `--tls`: the directory in the data directory for the CA and each process's
+/// certificate and key (made anew at every start).
+const TLS_DIR: &str = "tls";
 /// How long the worker may take to load the model and bind.
 const WORKER_START_LIMIT: Duration = Duration::from_secs(120);
 /// How long the worker gets to stop after SIGTERM before it is killed.
@@ -36,6 +40,7 @@ pub mod env {
     pub const UP_CONFIG: &str = "BULKHEAD_UP_CONFIG";
     pub const PREFILL_KV_TOKENS: &str = "BULKHEAD_PREFILL_KV_TOKENS";
     pub const DECODE_KV_TOKENS: &str = "BULKHEAD_DECODE_KV_TOKENS";
+    pub const TLS: &str = "BULKHEAD_UP_TLS";
 }
 
 /// What `up` starts, from the configuration's workers.
@@ -91,6 +96,11 @@ pub struct Args {
     /// address is filled in.
     #[arg(long, env = env::UP_CONFIG)]
     config: Option<PathBuf>,
+    /// Mutual TLS between the gateway and the workers and on the KV data plane, as across
+    /// hosts: a fresh CA and a certificate per process for 127.0.0.1, in DATA_DIR/tls, at
+    /// every start.
+    #[arg(long, env = env::TLS)]
+    tls: bool,
     #[command(flatten)]
     data_dir: crate::data_dir::DataDir,
     #[command(flatten)]
@@ -129,21 +139,34 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     let token_file = data_dir.join(CLUSTER_TOKEN_FILE);
     write_cluster_token(&token_file)?;
     config.cluster.token_file = Some(token_file.clone());
+    // With --tls, a fresh CA each start, as for the token; each process gets its own
+    // certificate from it.
+    let tls = match args.tls {
+        false => None,
+        true => Some(LocalTls::new(data_dir.join(TLS_DIR))?),
+    };
+    if let Some(tls) = &tls {
+        config.cluster.tls = Some(tls.issue("gateway")?);
+    }
+    let secrets = Secrets {
+        token_file: &token_file,
+        tls: tls.as_ref(),
+    };
 
     crate::runtime::main()?.block_on(async move {
         let mut workers = Vec::new();
         match layout {
             Layout::Colocated(i) => {
-                let w = start_worker(&args, &model, &token_file, &["--role", "both"], args.kv_tokens).await?;
+                let w = start_worker(&args, &model, &secrets, &["--role", "both"], args.kv_tokens).await?;
                 config.workers[i].endpoint = format!("http://{}", w.grpc);
                 workers.push(w);
             }
             Layout::Split { prefill, decode } => {
-                let p = start_worker(&args, &model, &token_file, &["--role", "prefill"], args.prefill_kv_tokens.or(args.kv_tokens))
+                let p = start_worker(&args, &model, &secrets, &["--role", "prefill"], args.prefill_kv_tokens.or(args.kv_tokens))
                     .await?;
                 let prefill_uri = format!("http://{}", p.grpc);
                 let d_args = ["--role", "decode", "--prefill", &prefill_uri, "--kv-listen", "127.0.0.1:0"];
-                let d = start_worker(&args, &model, &token_file, &d_args, args.decode_kv_tokens.or(args.kv_tokens)).await?;
+                let d = start_worker(&args, &model, &secrets, &d_args, args.decode_kv_tokens.or(args.kv_tokens)).await?;
                 config.workers[prefill].endpoint = prefill_uri;
                 config.workers[decode].endpoint = format!("http://{}", d.grpc);
                 workers.push(p);
@@ -208,12 +231,39 @@ fn write_cluster_token(path: &std::path::Path) -> anyhow::Result<()> {
         .with_context(|| format!("writing the cluster token to {}", path.display()))
 }
 
-/// Starts `bulkhead worker` with `role_args`, a KV pool of `kv_tokens` and the cluster token in
-/// `token_file`, and waits until it reports ready.
+/// What the processes `up` starts share: the cluster token's file and, with `--tls`, the CA
+/// that issues each process's certificate.
+struct Secrets<'a> {
+    token_file: &'a std::path::Path,
+    tls: Option<&'a LocalTls>,
+}
+
+/// `up --tls`'s CA, issuing certificates for 127.0.0.1 into `dir`.
+struct LocalTls {
+    ca: Authority,
+    dir: PathBuf,
+}
+
+impl LocalTls {
+    fn new(dir: PathBuf) -> anyhow::Result<LocalTls> {
+        let ca = Authority::new("bulkhead up CA").context("making a CA for --tls")?;
+        Ok(LocalTls { ca, dir })
+    }
+
+    /// The files of a certificate for the process called `name`.
+    fn issue(&self, name: &str) -> anyhow::Result<TlsFiles> {
+        self.ca
+            .write(&self.dir, name, &["127.0.0.1".to_owned()])
+            .with_context(|| format!("writing {name}'s certificate to {}", self.dir.display()))
+    }
+}
+
+/// Starts `bulkhead worker` with `role_args`, a KV pool of `kv_tokens` and `secrets`, and
+/// waits until it reports ready.
 async fn start_worker(
     args: &Args,
     model: &std::path::Path,
-    token_file: &std::path::Path,
+    secrets: &Secrets<'_>,
     role_args: &[&str],
     kv_tokens: Option<u64>,
 ) -> anyhow::Result<Worker> {
@@ -226,7 +276,13 @@ async fn start_worker(
         .arg("--model")
         .arg(model)
         .arg("--cluster-token-file")
-        .arg(token_file);
+        .arg(secrets.token_file);
+    if let Some(tls) = secrets.tls {
+        let files = tls.issue(&role)?;
+        cmd.arg("--tls-ca").arg(files.ca);
+        cmd.arg("--tls-cert").arg(files.cert);
+        cmd.arg("--tls-key").arg(files.key);
+    }
     if let Some(t) = kv_tokens {
         cmd.arg("--kv-tokens").arg(t.to_string());
     }

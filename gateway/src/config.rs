@@ -899,6 +899,48 @@ mod tests {
     }
 
     #[test]
+    fn cluster_tls_takes_all_three_files_and_reads_them_when_needed() {
+        use bulkhead_worker::serve::tls::Authority;
+        let dir = crate::scratch::Scratch::new("cluster-tls");
+        let files = Authority::new("test CA")
+            .expect("a CA")
+            .write(&dir.0, "gateway", &["127.0.0.1".to_owned()])
+            .expect("writes");
+        let with = |cluster: &str| {
+            Config::parse(&config(
+                &tenant("tenant-a", "k"),
+                &format!("{WORKER}[cluster]\n{cluster}"),
+            ))
+        };
+        let all = format!(
+            "tls_ca = {:?}\ntls_cert = {:?}\ntls_key = {:?}\n",
+            files.ca.display().to_string(),
+            files.cert.display().to_string(),
+            files.key.display().to_string()
+        );
+        let c = with(&all).expect("valid");
+        assert_eq!(c.cluster.tls.as_ref(), Some(&files));
+        assert!(c.cluster_access().expect("loads").tls.is_some());
+        let two = all.lines().take(2).collect::<Vec<_>>().join("\n") + "\n";
+        let e = with(&two).expect_err("the key is missing").to_string();
+        assert!(
+            e.contains("tls_ca, tls_cert and tls_key go together"),
+            "{e}"
+        );
+        // Parsed without reading; read (and refused by name) when the gateway needs them.
+        let absent = all.replace("gateway.key", "absent.key");
+        let e = with(&absent)
+            .expect("valid: the files are read when needed")
+            .cluster_access()
+            .expect_err("no key")
+            .to_string();
+        assert!(
+            e.starts_with("cluster: ") && e.contains("absent.key"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn audit_settings_default_to_durable_and_refuse_and_parse_when_given() {
         let c = Config::parse(&config(&tenant("tenant-a", "k"), WORKER)).expect("valid");
         assert_eq!(c.audit, AuditSettings::default());

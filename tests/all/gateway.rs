@@ -418,6 +418,58 @@ fn the_workers_answer_only_calls_that_present_the_cluster_token() {
     });
 }
 
+/// `bulkhead up --tls`: the gateway, decode and prefill speak mutual TLS on every hop (gRPC
+/// and the KV data plane), so a disaggregated request is served only if all of them work; a
+/// caller that holds the cluster token but speaks plain TCP, or presents a certificate another
+/// CA signed, gets nothing from a worker, while one with the deployment's certificate does.
+#[test]
+fn with_tls_every_hop_is_mutual_tls_and_a_plain_or_foreign_caller_gets_nothing() {
+    use bulkhead_worker::serve::proto::HealthRequest;
+    use bulkhead_worker::serve::tls::Authority;
+    bounded(|| {
+        let up = Up::start(&["--tls"]);
+        up.wait_routable();
+        let (status, body) = up.chat(KEY_B, &[], QUESTION);
+        assert_eq!(status, 200, "{body}");
+        assert!(
+            !json(&body)["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap_or_default()
+                .is_empty()
+        );
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let health = |tls: Option<&bulkhead_worker::serve::ClusterTls>| {
+            runtime.block_on(async {
+                let mut client = up
+                    .worker_client_over(Some(up.cluster_token()), tls)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                client
+                    .health(HealthRequest {})
+                    .await
+                    .map(|_| ())
+                    .map_err(|s| s.to_string())
+            })
+        };
+        let foreign = {
+            let dir = crate::up::TempDir::new("foreign-ca");
+            let files = Authority::new("another CA")
+                .expect("a CA")
+                .write(&dir.0, "intruder", &["127.0.0.1".to_owned()])
+                .expect("writes");
+            bulkhead_worker::serve::ClusterTls::load(&files).expect("loads")
+        };
+        assert!(health(None).is_err(), "plain TCP, with the token");
+        assert!(health(Some(&foreign)).is_err(), "another CA's certificate");
+        let own = up.tls_of("gateway");
+        assert_eq!(health(Some(&own)), Ok(()));
+        up.wait_pool_drained();
+    });
+}
+
 #[test]
 fn the_incident_configuration_is_refused_by_the_gateway_and_the_rest_is_served_disaggregated() {
     bounded(|| {

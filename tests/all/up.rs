@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use bulkhead_worker::serve::cluster_token::{self, ClusterToken};
 use bulkhead_worker::serve::proto::{HealthRequest, HealthResponse, PoolPages};
+use bulkhead_worker::serve::tls::{self, ClusterTls, TlsFiles};
 
 /// Upper bound for any one test, startup included.
 pub const TEST_LIMIT: Duration = Duration::from_secs(240);
@@ -78,6 +79,8 @@ pub struct Up {
     pub data_dir: PathBuf,
     /// The gateway's configuration file (`POST /tenants/reload` reads it again).
     pub config: PathBuf,
+    /// Started with `--tls`: the workers take only mutual TLS.
+    pub tls: bool,
     _dir: TempDir,
 }
 
@@ -196,6 +199,7 @@ impl Up {
             worker_pid: 0,
             data_dir,
             config,
+            tls: options.args.contains(&"--tls"),
             _dir: dir,
         };
         let ready = rx
@@ -268,14 +272,37 @@ impl Up {
         ClusterToken::read(&self.data_dir.join("cluster-token")).expect("up wrote its token")
     }
 
-    /// A client of the serving worker that presents `token`.
+    /// A client of the serving worker that presents `token` (over the TLS `up --tls` made,
+    /// with the gateway's certificate).
     pub async fn worker_client(&self, token: Option<ClusterToken>) -> cluster_token::Client {
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", self.worker))
+        let tls = self.tls.then(|| self.tls_of("gateway"));
+        self.worker_client_over(token, tls.as_ref())
+            .await
+            .expect("connects to the worker")
+    }
+
+    /// A client of the serving worker that presents `token`, over `tls` (or plain TCP).
+    pub async fn worker_client_over(
+        &self,
+        token: Option<ClusterToken>,
+        tls: Option<&ClusterTls>,
+    ) -> Result<cluster_token::Client, tonic::transport::Error> {
+        let channel = tls::endpoint(&format!("http://{}", self.worker), tls)
             .expect("a URI")
             .connect()
-            .await
-            .expect("connects to the worker");
-        cluster_token::client(channel, token)
+            .await?;
+        Ok(cluster_token::client(channel, token))
+    }
+
+    /// With `--tls`: the TLS of the process `up` called `name` (its certificate and key).
+    pub fn tls_of(&self, name: &str) -> ClusterTls {
+        let dir = self.data_dir.join("tls");
+        ClusterTls::load(&TlsFiles {
+            ca: dir.join("ca.pem"),
+            cert: dir.join(format!("{name}.pem")),
+            key: dir.join(format!("{name}.key")),
+        })
+        .expect("up --tls wrote its certificates")
     }
 
     /// The serving worker's pool pages.

@@ -166,6 +166,10 @@ impl ClusterTls {
             .with_single_cert(chain.clone(), key.clone_key())
             .map_err(mismatch)?;
         server.alpn_protocols = vec![KV_ALPN.to_vec()];
+        // No session tickets: nothing resumes, and a data connection then carries nothing from
+        // decode to prefill after the handshake. Prefill only writes; a ticket left unread in
+        // its socket made its close a reset, and decode lost what it had not read yet.
+        server.send_tls13_tickets = 0;
         let client: ConfigBuilder<ClientConfig, WantsClientCert> =
             tls13(ClientConfig::builder_with_provider(provider())).with_root_certificates(roots);
         let mut client = client.with_client_auth_cert(chain, key).map_err(mismatch)?;
@@ -407,6 +411,42 @@ mod tests {
             endpoint("not a uri", None),
             Err(EndpointError::Invalid(_))
         ));
+    }
+
+    /// Prefill only writes on a data connection, so decode must send it nothing after the
+    /// handshake: bytes left unread in prefill's socket (TLS 1.3 session tickets did) turn its
+    /// close into a reset, and decode then loses the end of the transfer it had not read yet.
+    #[tokio::test]
+    async fn decode_sends_prefill_nothing_after_the_handshake() {
+        let ca = Authority::new("test CA").expect("a CA");
+        let (decode, prefill) = (
+            issued_for(&ca, &["127.0.0.1"]),
+            issued_for(&ca, &["127.0.0.1"]),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let address = listener.local_addr().expect("address").to_string();
+        let limit = Duration::from_secs(5);
+        let accepting = async {
+            let (socket, _) = listener.accept().await.expect("accepts");
+            decode.accept(socket, limit).await.expect("handshake")
+        };
+        let connecting = async {
+            let socket = TcpStream::connect(&address).await.expect("connects");
+            prefill
+                .connect(&address, socket, limit)
+                .await
+                .expect("handshake")
+        };
+        let (_server, client) = tokio::join!(accepting, connecting);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut unread = [0u8; 512];
+        let read = client.get_ref().0.try_read(&mut unread);
+        assert!(
+            matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+            "decode sent {read:?} bytes after the handshake"
+        );
     }
 
     #[test]
