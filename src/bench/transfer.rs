@@ -2,6 +2,8 @@
 //! raw socket copy of the same bytes (the limit), with the integrity checks (checksums,
 //! coverage, tags) on and off; and time to first token disaggregated against colocated.
 //!
+//! The same transfer over mutual TLS (`--tls-*`, as between hosts) is timed beside it.
+//!
 //! The handoff runs the worker's own data plane (`kvplane::send_on` / `kvplane::receive`) and
 //! decode's own frame path (`write_frame`: `Inbound::accept`, then one copy into the page) on
 //! a thread standing in for the engine thread. Two scopes are timed:
@@ -27,7 +29,9 @@ use bulkhead_worker::engine::{Engine, EngineConfig, Event, KvBudget, Request, wr
 use bulkhead_worker::kv::KvMemory;
 use bulkhead_worker::loader::LoadedModel;
 use bulkhead_worker::sampling::SamplingParams;
+use bulkhead_worker::serve::ClusterTls;
 use bulkhead_worker::serve::kvplane::{self, Buffers, Deliver, Lease};
+use bulkhead_worker::serve::tls::Authority;
 use serde_json::json;
 use tokio::runtime::Runtime;
 
@@ -61,6 +65,8 @@ struct Scope {
     checks: bool,
     /// Reading the pages out and building the frames is timed too.
     readout: bool,
+    /// The data connection is mutual TLS (`--tls-*`), as between hosts.
+    tls: bool,
 }
 
 pub fn run(args: TransferArgs) -> anyhow::Result<()> {
@@ -84,36 +90,32 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
 
+    let scope = |checks, readout, tls| Scope {
+        checks,
+        readout,
+        tls,
+    };
     let scopes = [
-        Scope {
-            checks: true,
-            readout: false,
-        },
-        Scope {
-            checks: false,
-            readout: false,
-        },
-        Scope {
-            checks: true,
-            readout: true,
-        },
-        Scope {
-            checks: false,
-            readout: true,
-        },
+        scope(true, false, false),
+        scope(false, false, false),
+        scope(true, true, false),
+        scope(false, true, false),
+        scope(true, false, true),
     ];
+    let tls = bench_tls()?;
     let mut raw = Vec::new();
     let mut runs: Vec<Vec<f64>> = vec![Vec::new(); scopes.len()];
     let mut hash = Vec::new();
     for _ in 0..args.runs {
         raw.push(payload.raw_copy(args.batch_bytes)?);
         for (scope, out) in scopes.iter().zip(&mut runs) {
-            out.push(payload.handoff(&rt, args.batch_bytes, *scope)?);
+            let tls = scope.tls.then_some(&tls);
+            out.push(payload.handoff(&rt, args.batch_bytes, *scope, tls)?);
         }
         hash.push(payload.checksum_rate());
     }
     let raw = median(raw);
-    let [t_on, t_off, h_on, h_off] = [0, 1, 2, 3].map(|i| median(runs[i].clone()));
+    let [t_on, t_off, h_on, h_off, t_tls] = [0, 1, 2, 3, 4].map(|i| median(runs[i].clone()));
 
     let ttft = Ttft::new(loaded, &path)?;
     let mut ttft_rows = Vec::new();
@@ -137,6 +139,8 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
         "transfer_checks_on_gb_s": t_on / 1e9,
         "transfer_checks_off_gb_s": t_off / 1e9,
         "transfer_on_vs_raw": t_on / raw,
+        "transfer_tls_gb_s": t_tls / 1e9,
+        "tls_vs_plain": t_tls / t_on,
         "handoff_checks_on_gb_s": h_on / 1e9,
         "handoff_checks_off_gb_s": h_off / 1e9,
         "on_vs_raw": h_on / raw,
@@ -300,8 +304,15 @@ impl Payload {
         Ok((frames, manifest))
     }
 
-    /// Bytes per second of the handoff in `scope` through the worker's data plane.
-    fn handoff(&self, rt: &Runtime, batch: usize, scope: Scope) -> anyhow::Result<f64> {
+    /// Bytes per second of the handoff in `scope` through the worker's data plane (over `tls`
+    /// when given).
+    fn handoff(
+        &self,
+        rt: &Runtime,
+        batch: usize,
+        scope: Scope,
+        tls: Option<&ClusterTls>,
+    ) -> anyhow::Result<f64> {
         let target = self.target();
         let mut ready = if scope.readout {
             None
@@ -328,13 +339,30 @@ impl Payload {
             let addr = listener.local_addr()?;
             let to = ToThread(tx);
             let buffers = self.buffers.clone();
+            let server_tls = tls.cloned();
             let receiver = tokio::spawn(async move {
                 let (socket, _) = listener.accept().await?;
-                kvplane::receive(socket, &to, &buffers).await
+                match server_tls {
+                    None => kvplane::receive(socket, &to, &buffers).await,
+                    Some(tls) => {
+                        let socket = tls.accept(socket, HANDSHAKE_LIMIT).await?;
+                        kvplane::receive(socket, &to, &buffers).await
+                    }
+                }
             });
-            let mut socket = tokio::net::TcpStream::connect(addr).await?;
+            let socket = tokio::net::TcpStream::connect(addr).await?;
             socket.set_nodelay(true)?;
-            kvplane::send_on(&mut socket, &frames, &manifest, batch, || false).await?;
+            match tls {
+                None => {
+                    let mut socket = socket;
+                    kvplane::send_on(&mut socket, &frames, &manifest, batch, || false).await?;
+                }
+                Some(tls) => {
+                    let address = addr.to_string();
+                    let mut socket = tls.connect(&address, socket, HANDSHAKE_LIMIT).await?;
+                    kvplane::send_on(&mut socket, &frames, &manifest, batch, || false).await?;
+                }
+            }
             receiver.await??;
             anyhow::Ok(())
         })?;
@@ -343,6 +371,19 @@ impl Payload {
             .map_err(|_| anyhow::anyhow!("decode thread panicked"))??;
         Ok(self.total_bytes() as f64 / start.elapsed().as_secs_f64())
     }
+}
+
+/// How long a TLS handshake on loopback may take.
+const HANDSHAKE_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Mutual TLS for both ends of the data connection: a fresh CA and a certificate for
+/// 127.0.0.1, as `bulkhead up --tls` makes them.
+fn bench_tls() -> anyhow::Result<ClusterTls> {
+    let dir = std::env::temp_dir().join(format!("bulkhead-bench-tls-{}", std::process::id()));
+    let files = Authority::new("bench CA")?.write(&dir, "bench", &["127.0.0.1".to_owned()])?;
+    let tls = ClusterTls::load(&files);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(tls?)
 }
 
 /// Decode's side: frames through `write_frame` (checks on) or straight into their pages.
