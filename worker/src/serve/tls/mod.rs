@@ -15,7 +15,8 @@
 //!                                        └──KV data plane (rustls)──┘
 //! ```
 //!
-//! TLS 1.3 only, with rustls on `ring`. A client checks that the server's certificate names the
+//! rustls on `ring`: the data plane speaks TLS 1.3 only; gRPC (tonic's TLS) also accepts 1.2,
+//! and two Bulkhead processes agree on 1.3. A client checks that the server's certificate names the
 //! host it dialled (a DNS name or an IP address in its subject alternative names).
 
 mod authority;
@@ -41,6 +42,11 @@ use super::secret_file::{self, SecretFileError};
 /// The protocol the KV data plane's TLS handshake names (ALPN), so that a connection meant for
 /// another service (gRPC's `h2`) is never taken for a data connection.
 const KV_ALPN: &[u8] = b"bulkhead-kv/1";
+
+/// How long a gRPC client has to complete its TLS handshake: one that stalls it (or never
+/// starts it) holds a connection no longer. The data plane bounds its handshakes by the peer
+/// timeout (`--kv-peer-timeout-ms`).
+const GRPC_HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
 
 /// Where one process's TLS material lies: the deployment's CA certificate(s), this process's
 /// certificate (chain) and its private key, all PEM.
@@ -183,11 +189,13 @@ impl ClusterTls {
         })
     }
 
-    /// The gRPC server's side: its certificate, and only clients the CA signed.
+    /// The gRPC server's side: its certificate, only clients the CA signed, and a bounded
+    /// handshake.
     pub fn grpc_server(&self) -> ServerTlsConfig {
         ServerTlsConfig::new()
             .identity(self.identity.clone())
             .client_ca_root(Certificate::from_pem(&self.ca_pem))
+            .timeout(GRPC_HANDSHAKE_LIMIT)
     }
 
     /// A gRPC client's side (an `https://` endpoint): only servers the CA signed, for the host
@@ -258,7 +266,7 @@ pub fn endpoint(uri: &str, tls: Option<&ClusterTls>) -> Result<Endpoint, Endpoin
     }
 }
 
-/// TLS 1.3 only: nothing older is ever negotiated inside a deployment.
+/// TLS 1.3 only: nothing older is negotiated on the data plane.
 fn tls13<S: rustls::ConfigSide>(
     builder: ConfigBuilder<S, rustls::WantsVersions>,
 ) -> ConfigBuilder<S, rustls::WantsVerifier> {
