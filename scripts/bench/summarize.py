@@ -1,17 +1,16 @@
 """Medians and ratios of `scripts/bench-vs-llamacpp`'s interleaved runs."""
 
 import json
-import statistics
 import sys
+
+import interleaved
 
 
 def main():
     out, runs = sys.argv[1], int(sys.argv[2])
-    load = lambda name: [json.load(open(f"{out}/{name}.{i}.json")) for i in range(1, runs + 1)]
-    ours, llama = load("ours"), load("llamacpp")
-    med = lambda rows, key: statistics.median(r[key] for r in rows)
-    # Per-run ratios too: each pair ran back to back, so their median shrugs off slow phases.
-    paired = lambda key: statistics.median(o[key] / l[key] for o, l in zip(ours, llama))
+    ours, llama = interleaved.load(out, runs)
+    med = interleaved.median
+    paired = lambda key: interleaved.paired(ours, llama, key)
     rows = []
     for key, label in [("prefill_tok_s", "prefill tok/s (512-token prompt)"),
                        ("decode_b1_tok_s", "decode tok/s, batch 1")]:

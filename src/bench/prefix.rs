@@ -1,7 +1,8 @@
 //! `bulkhead bench prefix`: what the per-tenant prefix cache saves on a chat workload — every
 //! request starts with one long shared system prompt and ends with its own short question —
 //! as time to first token with the cache off and on, side by side in one run (medians over
-//! every request, paired ratio).
+//! every request, paired ratio). `--prompts-out` hands the same prompts to the llama.cpp peer
+//! (scripts/bench-prefix-vs-llamacpp).
 
 use anyhow::Context;
 use bulkhead_worker::engine::{Engine, EngineConfig, KvBudget};
@@ -27,6 +28,11 @@ pub struct PrefixArgs {
     /// Repetitions; the medians are over every request of every run.
     #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// Also write the prompts, as token ids in the order they were measured, to this JSON
+    /// file (`{"prompts": [[…], …]}`): the llama.cpp peer measures the very same ones
+    /// (scripts/bench-prefix-vs-llamacpp).
+    #[arg(long)]
+    prompts_out: Option<std::path::PathBuf>,
 }
 
 pub fn run(args: PrefixArgs) -> anyhow::Result<()> {
@@ -69,6 +75,11 @@ pub fn run(args: PrefixArgs) -> anyhow::Result<()> {
             Ok([shared, question].concat())
         })
         .collect::<anyhow::Result<_>>()?;
+    if let Some(path) = &args.prompts_out {
+        let measured: Vec<&Vec<u32>> = (0..args.runs).flat_map(|_| &questions).collect();
+        std::fs::write(path, json!({ "prompts": measured }).to_string())
+            .with_context(|| format!("writing the prompts to {}", path.display()))?;
+    }
     // Seconds to the first token, per side (0: cache off, 1: on), every request of every run;
     // the sides alternate request by request so that a slow phase of the machine hits both.
     let mut ttft = [Vec::new(), Vec::new()];

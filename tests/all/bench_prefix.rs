@@ -1,5 +1,6 @@
 //! `bulkhead bench prefix`, briefly: requests sharing a system prompt read it from the
-//! tenant's prefix cache on the side where the cache is on, and both sides are timed.
+//! tenant's prefix cache on the side where the cache is on, and both sides are timed; the
+//! prompts it measured are written for the llama.cpp peer.
 
 use std::process::{Command, Stdio};
 
@@ -8,6 +9,8 @@ use crate::up::{bounded, json};
 #[test]
 fn the_prefix_bench_serves_the_shared_system_prompt_from_the_cache() {
     bounded(|| {
+        let dir = crate::up::TempDir::new("bench-prefix");
+        let prompts = dir.0.join("prompts.json");
         let output = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
             .args([
                 "bench",
@@ -18,6 +21,8 @@ fn the_prefix_bench_serves_the_shared_system_prompt_from_the_cache() {
                 "8",
             ])
             .args(["--requests", "3", "--runs", "1"])
+            .arg("--prompts-out")
+            .arg(&prompts)
             .stdin(Stdio::null())
             .output()
             .expect("the bulkhead binary runs");
@@ -34,5 +39,24 @@ fn the_prefix_bench_serves_the_shared_system_prompt_from_the_cache() {
                 "{side}: {report}"
             );
         }
+        // The prompts measured, for the llama.cpp peer: three of 72 tokens, sharing the first 64
+        // and no more.
+        let written = json(&std::fs::read_to_string(&prompts).expect("written"));
+        let measured: Vec<Vec<u64>> = written["prompts"]
+            .as_array()
+            .expect("a list")
+            .iter()
+            .map(|p| {
+                p.as_array()
+                    .expect("token ids")
+                    .iter()
+                    .filter_map(|t| t.as_u64())
+                    .collect()
+            })
+            .collect();
+        assert_eq!(measured.len(), 3, "{written}");
+        assert!(measured.iter().all(|p| p.len() == 72), "{written}");
+        assert!(measured.iter().all(|p| p[..64] == measured[0][..64]));
+        assert!(measured[1][64..] != measured[0][64..] && measured[2][64..] != measured[1][64..]);
     });
 }
