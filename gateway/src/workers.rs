@@ -65,6 +65,8 @@ pub enum Health {
     Serving {
         pool_pages_total: u32,
         pool_pages_free: u32,
+        /// Held by the prefix cache: not free, but evicted as soon as a reservation needs them.
+        pool_pages_cached: u32,
         queue_depth: u32,
         running: u32,
     },
@@ -788,6 +790,7 @@ async fn probe(
             let health = client.health().await.map(|()| Health::Serving {
                 pool_pages_total: 0,
                 pool_pages_free: 0,
+                pool_pages_cached: 0,
                 queue_depth: 0,
                 running: 0,
             });
@@ -867,6 +870,7 @@ fn health_of(h: &proto::HealthResponse) -> Health {
             Health::Serving {
                 pool_pages_total: pool.total,
                 pool_pages_free: pool.free,
+                pool_pages_cached: pool.cached,
                 queue_depth: h.queue_depth,
                 running: h.running,
             }
@@ -907,9 +911,37 @@ mod tests {
         Health::Serving {
             pool_pages_total: 10,
             pool_pages_free: 10,
+            pool_pages_cached: 0,
             queue_depth: 0,
             running: 0,
         }
+    }
+
+    #[test]
+    fn health_shows_the_pages_the_prefix_cache_holds_apart_from_the_free_ones() {
+        let answer = proto::HealthResponse {
+            status: ServingStatus::Serving as i32,
+            pool: Some(proto::PoolPages {
+                total: 10,
+                free: 4,
+                cached: 3,
+                owned: 3,
+                ..proto::PoolPages::default()
+            }),
+            queue_depth: 1,
+            running: 2,
+            ..proto::HealthResponse::default()
+        };
+        assert_eq!(
+            health_of(&answer),
+            Health::Serving {
+                pool_pages_total: 10,
+                pool_pages_free: 4,
+                pool_pages_cached: 3,
+                queue_depth: 1,
+                running: 2,
+            }
+        );
     }
 
     #[test]
