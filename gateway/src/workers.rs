@@ -930,7 +930,6 @@ mod tests {
             }),
             queue_depth: 1,
             running: 2,
-            ..proto::HealthResponse::default()
         };
         assert_eq!(
             health_of(&answer),
