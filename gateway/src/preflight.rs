@@ -5,6 +5,7 @@
 //! release on; and a transfer batch that fits inside the release timeout at the bandwidth
 //! floor. The checks are pure functions of what the workers reported ([`checks`]).
 
+use std::error::Error as _;
 use std::fmt::Write as _;
 use std::time::Duration;
 
@@ -38,6 +39,32 @@ pub struct Check {
     pub pass: bool,
     /// The numbers behind the verdict.
     pub detail: String,
+}
+
+/// Why a worker could not be reached: `what` failed, because of `cause` and its causes, and,
+/// when this gateway has no TLS, the likely reason a listening worker still refuses it.
+fn unreachable(
+    what: String,
+    mut cause: Option<&(dyn std::error::Error + 'static)>,
+    cluster: &ClusterAccess,
+) -> String {
+    let mut parts = vec![what];
+    while let Some(c) = cause {
+        let part = c.to_string();
+        // Layers often repeat their cause's words ("transport error: transport error").
+        if parts.last() != Some(&part) {
+            parts.push(part);
+        }
+        cause = c.source();
+    }
+    let mut text = parts.join(": ");
+    if cluster.tls.is_none() {
+        text.push_str(
+            " (a worker started with --tls-cert takes only TLS: then set [cluster] tls_ca, \
+             tls_cert, tls_key)",
+        );
+    }
+    text
 }
 
 /// Asks every worker in `config` for its Info (concurrently, each bounded, presenting
@@ -78,15 +105,22 @@ pub async fn ask(config: &Config, cluster: &ClusterAccess, resolver: &impl Resol
                 .connect_timeout(ASK_LIMIT)
                 .connect()
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| unreachable(e.to_string(), e.source(), cluster))?;
             let answer = cluster_token::client(channel.clone(), token.cloned())
                 .info(InfoRequest {
                     include_tokenizer: false,
                 })
                 .await;
-            let info = answer
-                .map(tonic::Response::into_inner)
-                .map_err(|s| s.message().to_owned())?;
+            let info = answer.map(tonic::Response::into_inner).map_err(|s| {
+                match s.code() {
+                    // Transport failures (a worker that speaks TLS to a caller without it ends
+                    // the connection) say little at the top: their causes say what happened.
+                    tonic::Code::Unavailable | tonic::Code::Unknown => {
+                        unreachable(s.message().to_owned(), s.source(), cluster)
+                    }
+                    _ => s.message().to_owned(),
+                }
+            })?;
             // A worker that requires the token refuses the same call without it.
             let open = match token {
                 Some(_) => {

@@ -467,6 +467,42 @@ fn with_tls_every_hop_is_mutual_tls_and_a_plain_or_foreign_caller_gets_nothing()
         let own = up.tls_of("gateway");
         assert_eq!(health(Some(&own)), Ok(()));
         up.wait_pool_drained();
+
+        // Preflight reaches the same workers with the gateway's TLS files, and none without.
+        let prefill = up.prefill.as_deref().expect("up started a prefill worker");
+        let dir = crate::up::TempDir::new("tls-preflight");
+        let config = |tls: bool| {
+            let base = std::fs::read_to_string(repo().join("deploy/local/gateway.toml"))
+                .expect("the default config")
+                .replace("http://127.0.0.1:50052", &format!("http://{prefill}"))
+                .replace("http://127.0.0.1:50051", &format!("http://{}", up.worker));
+            let files = up.data_dir.join("tls");
+            let mut cluster = format!(
+                "\n[cluster]\ntoken_file = {:?}\n",
+                up.data_dir.join("cluster-token").display().to_string()
+            );
+            if tls {
+                for (key, file) in [
+                    ("ca", "ca.pem"),
+                    ("cert", "gateway.pem"),
+                    ("key", "gateway.key"),
+                ] {
+                    let path = files.join(file).display().to_string();
+                    cluster.push_str(&format!("tls_{key} = {path:?}\n"));
+                }
+            }
+            let path = dir.0.join(format!("gateway-tls-{tls}.toml"));
+            std::fs::write(&path, base + &cluster).expect("writes");
+            path
+        };
+        let (passed, report) = crate::cluster::preflight(&config(true));
+        assert!(passed, "{report}");
+        let (passed, report) = crate::cluster::preflight(&config(false));
+        assert!(!passed, "reached TLS workers without TLS:\n{report}");
+        assert!(
+            report.contains("set [cluster] tls_ca"),
+            "says why:\n{report}"
+        );
     });
 }
 

@@ -75,6 +75,8 @@ pub struct Up {
     pub admin: String,
     pub worker: String,
     pub worker_pid: u32,
+    /// The prefill worker's gRPC address, when `up` started one.
+    pub prefill: Option<String>,
     /// The gateway's data directory (the audit log is in `audit/`).
     pub data_dir: PathBuf,
     /// The gateway's configuration file (`POST /tenants/reload` reads it again).
@@ -197,6 +199,7 @@ impl Up {
             admin: String::new(),
             worker: String::new(),
             worker_pid: 0,
+            prefill: None,
             data_dir,
             config,
             tls: options.args.contains(&"--tls"),
@@ -213,7 +216,8 @@ impl Up {
                 // The worker requests are routed to: a colocated one, or the decode worker.
                 "both" | "decode" => up.worker = v.to_owned(),
                 "both_pid" | "decode_pid" => up.worker_pid = v.parse().expect("a pid"),
-                "prefill" | "prefill_pid" => {}
+                "prefill" => up.prefill = Some(v.to_owned()),
+                "prefill_pid" => {}
                 other => panic!("unexpected field {other}"),
             }
         }
