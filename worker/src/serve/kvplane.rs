@@ -28,6 +28,11 @@
 //! bytes where they lie, in batches of about `batch_bytes`; `aborted` is checked between
 //! batches.
 //!
+//! With the deployment's mutual TLS ([`ClusterTls`]) every data connection is TLS 1.3: decode
+//! takes frames only from a peer whose certificate the CA signed (the handshake bounded by the
+//! peer timeout), and prefill writes only to a decode worker whose certificate names the
+//! address it dialled.
+//!
 //! Both ends bound how long a peer that vanished — a dead host, a partition without a reset —
 //! keeps a connection ([`bound_peer`]): without it, decode never learnt that such a peer was
 //! gone (its quarantined pages never came back) and prefill's write waited on it for the
