@@ -451,3 +451,64 @@ fn across_namespaces_over_an_impaired_link_the_incident_is_refused_and_nothing_l
         }));
     });
 }
+
+/// Mutual TLS across hosts: the workers each in a namespace, the gateway in the test's, every
+/// process with a certificate from one CA naming the namespaces' addresses. A request is
+/// served through all three hops — gateway → decode and decode → prefill over gRPC with TLS,
+/// the KV from prefill to decode over the TLS data plane, across the workers' link — and its
+/// frames are written on decode.
+#[test]
+fn across_namespaces_every_hop_is_mutual_tls_and_serves() {
+    use bulkhead_worker::serve::tls::Authority;
+    crate::up::bounded(|| {
+        let Some(net) = net_or_skip("across_namespaces_every_hop_is_mutual_tls_and_serves") else {
+            return;
+        };
+        let dir = crate::up::TempDir::new("netns-tls");
+        // One certificate for every process: the addresses each is reached at.
+        let names: Vec<String> = [1, 2, 6, 10]
+            .map(|last| net.ip(last).to_string())
+            .into_iter()
+            .chain(["127.0.0.1".to_owned()])
+            .collect();
+        let files = Authority::new("netns CA")
+            .expect("a CA")
+            .write(&dir.0, "cluster", &names)
+            .expect("writes");
+        let shown = |p: &std::path::Path| p.display().to_string();
+        let (ca, cert, key) = (shown(&files.ca), shown(&files.cert), shown(&files.key));
+        let env = [
+            ("BULKHEAD_TLS_CA", ca.as_str()),
+            ("BULKHEAD_TLS_CERT", cert.as_str()),
+            ("BULKHEAD_TLS_KEY", key.as_str()),
+        ];
+        let toml = format!("[cluster]\ntls_ca = {ca:?}\ntls_cert = {cert:?}\ntls_key = {key:?}\n");
+        let (prefill, decode) = (net.prefill_place(), net.decode_place());
+        let cluster = crate::cluster::Cluster::start(crate::cluster::Spec {
+            env: &env,
+            toml: &toml,
+            placement: Some(Placement {
+                prefill: &prefill,
+                decode: &decode,
+                prefill_from_decode: IpAddr::V4(net.ip(1)),
+                decode_kv: IpAddr::V4(net.ip(2)),
+            }),
+            ..crate::cluster::Spec::default()
+        });
+        let body = crate::isolation::completion("The harbour woke before the town did.", 8, false);
+        let (status, answer) = crate::up::http(
+            cluster.api(),
+            "POST",
+            "/v1/completions",
+            Some(crate::up::KEY_B),
+            &[],
+            &body,
+        );
+        assert_eq!(status, 200, "{answer}");
+        let written = metric(
+            &cluster.decode.metrics(),
+            "bulkhead_kv_frames_written_total",
+        );
+        assert!(written > 0.0, "the KV crossed the link: {written}");
+    });
+}
