@@ -11,7 +11,7 @@ use bulkhead_worker::engine::{EngineConfig, KvBudget};
 use bulkhead_worker::serve::kvplane::{DEFAULT_PEER_TIMEOUT, SendFault};
 use bulkhead_worker::serve::tls::TlsFiles;
 use bulkhead_worker::serve::transport::{KvTransport, TransportConfig};
-use bulkhead_worker::serve::{BoundWorker, ClusterTls, ClusterToken, RoleConfig, ServeConfig};
+use bulkhead_worker::serve::{BoundWorker, ClusterTls, RoleConfig, ServeConfig, SharedToken};
 
 use bulkhead_telemetry::Otlp;
 
@@ -251,7 +251,7 @@ impl Args {
             cluster_token: self
                 .cluster_token_file
                 .as_deref()
-                .map(ClusterToken::read)
+                .map(SharedToken::read)
                 .transpose()?,
             tls: self.tls()?,
         })

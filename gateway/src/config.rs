@@ -77,7 +77,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use bulkhead_telemetry::{OtlpEndpoint, TelemetryError};
-use bulkhead_worker::serve::cluster_token::{ClusterToken, TokenError};
+use bulkhead_worker::serve::cluster_token::{SharedToken, TokenError};
 use bulkhead_worker::serve::tls::{ClusterTls, TlsError, TlsFiles};
 use serde::Deserialize;
 
@@ -125,8 +125,8 @@ pub struct ClusterSettings {
 /// The gateway's credentials towards its Bulkhead workers, read and checked.
 #[derive(Debug, Clone, Default)]
 pub struct ClusterAccess {
-    /// Presented on every call.
-    pub token: Option<ClusterToken>,
+    /// Presented on every call; read again from its file while the gateway serves.
+    pub token: Option<SharedToken>,
     /// Every call goes over TLS, to workers the CA signed, presenting the gateway's certificate.
     pub tls: Option<ClusterTls>,
 }
@@ -517,7 +517,7 @@ impl Config {
     /// The cluster token and TLS, read from their files now (secrets are mounted where the
     /// process runs, so checking a configuration elsewhere does not need them).
     pub fn cluster_access(&self) -> Result<ClusterAccess, ConfigError> {
-        let token = self.cluster.token_file.as_deref().map(ClusterToken::read);
+        let token = self.cluster.token_file.as_deref().map(SharedToken::read);
         let tls = self.cluster.tls.as_ref().map(ClusterTls::load);
         Ok(ClusterAccess {
             token: token.transpose()?,
@@ -872,7 +872,7 @@ mod tests {
             ))
             .expect("valid: the file is read when the token is needed")
             .cluster_access()
-            .map(|access| access.token)
+            .map(|access| access.token.map(|t| t.current()))
         };
         let file = dir.0.join("token");
         let write = |text: &str| {
@@ -881,7 +881,10 @@ mod tests {
         write("0123456789abcdef0123456789abcdef\n");
         assert_eq!(
             with(&file).expect("a valid token"),
-            Some(ClusterToken::parse("0123456789abcdef0123456789abcdef").expect("valid"))
+            Some(
+                bulkhead_worker::serve::ClusterToken::parse("0123456789abcdef0123456789abcdef")
+                    .expect("valid")
+            )
         );
         write("short");
         let e = with(&file).expect_err("too short").to_string();

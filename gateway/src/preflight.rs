@@ -106,7 +106,7 @@ pub async fn ask(config: &Config, cluster: &ClusterAccess, resolver: &impl Resol
                 .connect()
                 .await
                 .map_err(|e| unreachable(e.to_string(), e.source(), cluster))?;
-            let answer = cluster_token::client(channel.clone(), token.cloned())
+            let answer = cluster_token::shared_client(channel.clone(), token.cloned())
                 .info(InfoRequest {
                     include_tokenizer: false,
                 })

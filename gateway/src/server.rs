@@ -96,7 +96,12 @@ impl BoundGateway {
         };
         let api = bind("API", config.listen.api).await?;
         let admin = bind("admin", config.listen.admin).await?;
-        let workers = Workers::new(&config.workers, config.cluster_access()?)?;
+        let cluster = config.cluster_access()?;
+        if let Some(token) = cluster.token.clone() {
+            // Follows its file for as long as the runtime runs: a rotation needs no restart.
+            tokio::spawn(token.follow(bulkhead_worker::serve::cluster_token::RELOAD_EVERY));
+        }
+        let workers = Workers::new(&config.workers, cluster)?;
         let policies = match config.policies {
             None => Policies::disabled(),
             // Compiling components takes a while: off the async threads.

@@ -842,7 +842,10 @@ fn client(
             let bare = token
                 .is_some()
                 .then(|| cluster_token::client(channel.clone(), None));
-            Ok((Upstream::Grpc(cluster_token::client(channel, token)), bare))
+            Ok((
+                Upstream::Grpc(cluster_token::shared_client(channel, token)),
+                bare,
+            ))
         }
         Protocol::OpenAi(o) => {
             let key = o.key_env.as_ref().and_then(|v| std::env::var(v).ok());

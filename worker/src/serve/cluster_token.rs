@@ -3,16 +3,18 @@
 //! (`authorization: Bearer …`) and presents it on its own calls (decode → prefill); the gateway
 //! presents it on every call to its workers (`[cluster] token_file`).
 //!
-//! The file holds one secret per line: the first is presented, every one is accepted. To rotate
-//! without a refused call: add the new secret as a second line everywhere (restart each
-//! process), move it to the first line everywhere, then drop the old one.
+//! The file holds one secret per line: the first is presented, every one is accepted. Every
+//! process reads its file again every [`RELOAD_EVERY`] ([`SharedToken::follow`]), so a rotation
+//! needs no restart and refuses no call: add the new secret as a second line everywhere, wait
+//! for the reload, move it to the first line everywhere, wait, then drop the old one.
 //!
 //! Without it, anyone who reaches a worker's gRPC port runs requests past the gateway: under
 //! any tenant's name, with none of its keys, limits, policies or audit records, and a prefill
 //! worker computes whatever prompt it is sent and writes the KV to whatever address it is given.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::Interceptor;
@@ -28,8 +30,17 @@ pub type Client = WorkerClient<InterceptedService<Channel, Presents>>;
 
 /// A client of the worker at the other end of `channel`, presenting `token`.
 pub fn client(channel: Channel, token: Option<ClusterToken>) -> Client {
-    WorkerClient::with_interceptor(channel, Presents(token.map(Arc::new)))
+    shared_client(channel, token.map(SharedToken::fixed))
 }
+
+/// A client of the worker at the other end of `channel`, presenting `token` as it is at each
+/// call.
+pub fn shared_client(channel: Channel, token: Option<SharedToken>) -> Client {
+    WorkerClient::with_interceptor(channel, Presents(token))
+}
+
+/// How often a process reads its token file again.
+pub const RELOAD_EVERY: Duration = Duration::from_secs(5);
 
 /// The shortest secret accepted: 128 bits as hex.
 pub const MIN_SECRET_CHARS: usize = 32;
@@ -119,6 +130,67 @@ impl ClusterToken {
     }
 }
 
+/// The cluster token a process holds, shared by its clients and its server: the one in its
+/// file, read again by [`SharedToken::follow`].
+#[derive(Debug, Clone)]
+pub struct SharedToken {
+    current: Arc<RwLock<ClusterToken>>,
+    file: Option<Arc<Path>>,
+}
+
+impl SharedToken {
+    /// `token`, never read again.
+    pub fn fixed(token: ClusterToken) -> SharedToken {
+        SharedToken {
+            current: Arc::new(RwLock::new(token)),
+            file: None,
+        }
+    }
+
+    /// The token in the file at `path` (see [`ClusterToken::read`]), which `follow` reads again.
+    pub fn read(path: &Path) -> Result<SharedToken, TokenError> {
+        Ok(SharedToken {
+            file: Some(Arc::from(path)),
+            ..SharedToken::fixed(ClusterToken::read(path)?)
+        })
+    }
+
+    /// The token as it is now.
+    pub fn current(&self) -> ClusterToken {
+        // A poisoned lock still holds a whole token: only a swap writes it.
+        self.current
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Reads the file again every `every`, for as long as it runs (never returns, unless the
+    /// token has no file): a changed token is used from the next call on; a file that cannot
+    /// be used (missing, exposed, a bad secret: a rotation half written) keeps the token in
+    /// use, and says why.
+    pub async fn follow(self, every: Duration) {
+        let Some(path) = self.file.clone() else {
+            return;
+        };
+        loop {
+            tokio::time::sleep(every).await;
+            match ClusterToken::read(&path) {
+                Ok(token) if token != self.current() => {
+                    *self
+                        .current
+                        .write()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = token;
+                    tracing::info!(file = %path.display(), "the cluster token changed: reloaded");
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot reload the cluster token; the one in use stays");
+                }
+            }
+        }
+    }
+}
+
 /// Writes `secrets` to `path` as a token file, readable and writable by its owner only.
 pub fn write_file(path: &Path, secrets: &str) -> std::io::Result<()> {
     secret_file::write(path, secrets.as_bytes())
@@ -127,12 +199,14 @@ pub fn write_file(path: &Path, secrets: &str) -> std::io::Result<()> {
 /// A client's side: adds the token (when there is one) to every call. Shared: a client is
 /// cloned for every call.
 #[derive(Debug, Clone, Default)]
-pub struct Presents(pub Option<Arc<ClusterToken>>);
+pub struct Presents(pub Option<SharedToken>);
 
 impl Interceptor for Presents {
     fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
         if let Some(token) = &self.0 {
-            request.metadata_mut().insert(HEADER, token.header.clone());
+            request
+                .metadata_mut()
+                .insert(HEADER, token.current().header);
         }
         Ok(request)
     }
@@ -140,7 +214,7 @@ impl Interceptor for Presents {
 
 /// A server's side: refuses every call without the token (when there is one).
 #[derive(Debug, Clone, Default)]
-pub struct Requires(pub Option<ClusterToken>);
+pub struct Requires(pub Option<SharedToken>);
 
 impl Interceptor for Requires {
     fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
@@ -148,7 +222,7 @@ impl Interceptor for Requires {
             return Ok(request);
         };
         let presented = request.metadata().get(HEADER).map(MetadataValue::as_bytes);
-        if presented.is_some_and(|p| token.admits(p)) {
+        if presented.is_some_and(|p| token.current().admits(p)) {
             Ok(request)
         } else {
             Err(Status::unauthenticated(
@@ -175,7 +249,9 @@ mod tests {
 
     #[test]
     fn a_worker_with_a_token_admits_only_calls_that_present_it() {
-        let mut requires = Requires(Some(ClusterToken::parse(SECRET).expect("valid")));
+        let mut requires = Requires(Some(SharedToken::fixed(
+            ClusterToken::parse(SECRET).expect("valid"),
+        )));
         let refused = |r: Result<Request<()>, Status>| {
             r.err().map(|s| s.code()) == Some(tonic::Code::Unauthenticated)
         };
@@ -187,9 +263,11 @@ mod tests {
         let right = format!("Bearer {SECRET}");
         assert!(requires.call(presented(Some(&right))).is_ok());
         // What a client with the token sends is admitted.
-        let sent = Presents(Some(Arc::new(ClusterToken::parse(SECRET).expect("valid"))))
-            .call(Request::new(()))
-            .expect("added");
+        let sent = Presents(Some(SharedToken::fixed(
+            ClusterToken::parse(SECRET).expect("valid"),
+        )))
+        .call(Request::new(()))
+        .expect("added");
         assert!(requires.call(sent).is_ok());
         // Without a token, every call is answered (the worker runs unprotected).
         assert!(Requires(None).call(presented(None)).is_ok());
@@ -201,7 +279,7 @@ mod tests {
         let new = "fedcba9876543210fedcba9876543210";
         let both = ClusterToken::parse(&format!("{old}\n\n{new}\n")).expect("two secrets");
         let bearer = |s: &str| Some(format!("Bearer {s}"));
-        let mut requires = Requires(Some(both.clone()));
+        let mut requires = Requires(Some(SharedToken::fixed(both.clone())));
         for secret in [old, new] {
             let call = presented(bearer(secret).as_deref());
             assert!(requires.call(call).is_ok(), "{secret} accepted");
@@ -209,7 +287,7 @@ mod tests {
         let other = "00000000000000000000000000000000";
         assert!(requires.call(presented(bearer(other).as_deref())).is_err());
         // The first line is the one presented.
-        let sent = Presents(Some(Arc::new(both)))
+        let sent = Presents(Some(SharedToken::fixed(both)))
             .call(Request::new(()))
             .expect("added");
         assert_eq!(
@@ -241,6 +319,71 @@ mod tests {
             refused.contains("cluster token file") && refused.contains("open to other users"),
             "{refused}"
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A rotation without a restart: the file gains the new secret (both accepted, the old
+    /// one presented), the secrets swap lines (the new one presented), the old one goes (and
+    /// is refused); a file half written meanwhile keeps the token in use.
+    #[tokio::test]
+    async fn a_token_follows_its_file_so_a_rotation_needs_no_restart() {
+        let dir = std::env::temp_dir().join(format!("bulkhead-token-{}", rand::random::<u64>()));
+        std::fs::create_dir_all(&dir).expect("a directory");
+        let file = dir.join("token");
+        let (old, new) = (SECRET, "fedcba9876543210fedcba9876543210");
+        write_file(&file, old).expect("writes");
+        let token = SharedToken::read(&file).expect("reads");
+        let follower = tokio::spawn(token.clone().follow(Duration::from_millis(20)));
+        let mut requires = Requires(Some(token.clone()));
+        let mut admits = |secret: &str| {
+            requires
+                .call(presented(Some(&format!("Bearer {secret}"))))
+                .is_ok()
+        };
+        let presents = |token: &SharedToken| {
+            let sent = Presents(Some(token.clone()))
+                .call(Request::new(()))
+                .expect("added");
+            sent.metadata()
+                .get(HEADER)
+                .and_then(|v| v.to_str().ok().map(str::to_owned))
+        };
+        // Waits (bounded) until the token in use is `want`'s.
+        let reloaded = |want: &str| {
+            let want = ClusterToken::parse(want).expect("valid");
+            let token = token.clone();
+            async move {
+                for _ in 0..250 {
+                    if token.current() == want {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                panic!("never reloaded");
+            }
+        };
+        assert!(admits(old) && !admits(new));
+
+        write_file(&file, &format!("{old}\n{new}")).expect("writes");
+        reloaded(&format!("{old}\n{new}")).await;
+        assert!(admits(old) && admits(new));
+        assert_eq!(presents(&token), Some(format!("Bearer {old}")));
+
+        write_file(&file, "short").expect("writes");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            admits(old) && admits(new),
+            "a bad file keeps the token in use"
+        );
+
+        write_file(&file, &format!("{new}\n{old}")).expect("writes");
+        reloaded(&format!("{new}\n{old}")).await;
+        assert_eq!(presents(&token), Some(format!("Bearer {new}")));
+
+        write_file(&file, new).expect("writes");
+        reloaded(new).await;
+        assert!(admits(new) && !admits(old));
+        follower.abort();
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -39,7 +39,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 pub use actor::{CancelOnDrop, EngineHandle, EngineStats, EngineThread, Submission};
-pub use cluster_token::ClusterToken;
+pub use cluster_token::{ClusterToken, SharedToken};
 pub use disagg::PrefillPeer;
 pub use error::{ServeError, ValidationError, codes, status};
 pub use metrics::{Metrics, Outcome};
@@ -85,8 +85,9 @@ pub struct ServeConfig {
     /// connection (see [`kvplane::bound_peer`]).
     pub kv_peer_timeout: Duration,
     /// The deployment's shared secret: required on every gRPC call to this worker and
-    /// presented on its own (see [`cluster_token`]). `None` answers any caller.
-    pub cluster_token: Option<ClusterToken>,
+    /// presented on its own (see [`cluster_token`]), read again from its file while serving.
+    /// `None` answers any caller.
+    pub cluster_token: Option<SharedToken>,
     /// The deployment's mutual TLS, on the gRPC port, on decode's calls to prefill (whose URI
     /// must then be `https://`) and on the KV data plane (see [`tls`]). `None`: plain TCP.
     pub tls: Option<ClusterTls>,
@@ -129,7 +130,7 @@ pub struct BoundWorker {
     kv: Option<TcpListener>,
     kv_peer_timeout: Duration,
     /// Required on every gRPC call.
-    cluster_token: Option<ClusterToken>,
+    cluster_token: Option<SharedToken>,
     tls: Option<ClusterTls>,
     service: WorkerService,
     engine: EngineHandle,
@@ -220,8 +221,10 @@ impl BoundWorker {
                         reason: e.to_string(),
                     }
                 })?;
-                let client =
-                    cluster_token::client(endpoint.connect_lazy(), config.cluster_token.clone());
+                let client = cluster_token::shared_client(
+                    endpoint.connect_lazy(),
+                    config.cluster_token.clone(),
+                );
                 (
                     ServiceRole::Decode(PrefillPeer {
                         client,
@@ -295,6 +298,9 @@ impl BoundWorker {
                 }
             }
         };
+        if let Some(token) = self.cluster_token.clone() {
+            tokio::spawn(token.follow(cluster_token::RELOAD_EVERY));
+        }
         let admin = axum::serve(self.admin, admin::router(self.engine))
             .with_graceful_shutdown(stopped(stop_rx.clone()));
         let mut grpc = tonic::transport::Server::builder();
