@@ -157,11 +157,16 @@ impl SharedToken {
 
     /// The token as it is now.
     pub fn current(&self) -> ClusterToken {
+        self.with(ClusterToken::clone)
+    }
+
+    /// `f` of the token as it is now, without a copy (each call's check and header).
+    fn with<R>(&self, f: impl FnOnce(&ClusterToken) -> R) -> R {
         // A poisoned lock still holds a whole token: only a swap writes it.
-        self.current
+        f(&self
+            .current
             .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+            .unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 
     /// Reads the file again every `every`, for as long as it runs (never returns, unless the
@@ -222,7 +227,7 @@ impl Interceptor for Requires {
             return Ok(request);
         };
         let presented = request.metadata().get(HEADER).map(MetadataValue::as_bytes);
-        if presented.is_some_and(|p| token.current().admits(p)) {
+        if presented.is_some_and(|p| token.with(|t| t.admits(p))) {
             Ok(request)
         } else {
             Err(Status::unauthenticated(
