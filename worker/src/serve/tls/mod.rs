@@ -16,8 +16,8 @@
 //! ```
 //!
 //! rustls on `ring`: the data plane speaks TLS 1.3 only; gRPC (tonic's TLS) also accepts 1.2,
-//! and two Bulkhead processes agree on 1.3. A client checks that the server's certificate names the
-//! host it dialled (a DNS name or an IP address in its subject alternative names).
+//! and two Bulkhead processes agree on 1.3. A client checks that the server's certificate
+//! names the host it dialled (a DNS name or an IP address in its subject alternative names).
 
 mod authority;
 
