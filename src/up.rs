@@ -141,9 +141,10 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     config.cluster.token_file = Some(token_file.clone());
     // With --tls, a fresh CA each start, as for the token; each process gets its own
     // certificate from it.
-    let tls = match args.tls {
-        false => None,
-        true => Some(LocalTls::new(data_dir.join(TLS_DIR))?),
+    let tls = if args.tls {
+        Some(LocalTls::new(data_dir.join(TLS_DIR))?)
+    } else {
+        None
     };
     if let Some(tls) = &tls {
         config.cluster.tls = Some(tls.issue("gateway")?);
@@ -191,6 +192,9 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
              Metrics: curl -H 'Authorization: Bearer sk-demo-admin' http://{admin}/metrics\n\
              Ctrl-C stops the gateway and the workers."
         );
+        if let Some(tls) = secrets.tls {
+            println!("Gateway and workers speak mutual TLS (CA and certificates in {}).", tls.dir.display());
+        }
 
         let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
         let serving = tokio::spawn(gateway.serve(async move {
