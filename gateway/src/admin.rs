@@ -196,5 +196,9 @@ fn json_reply(status: StatusCode, body: &serde_json::Value) -> Response {
 }
 
 async fn workers(State(state): State<AdminState>) -> Response {
-    json_reply(StatusCode::OK, &json!({"workers": state.workers.reports()}))
+    let workers = &state.workers;
+    json_reply(
+        StatusCode::OK,
+        &json!({"access": workers.access(), "workers": workers.reports()}),
+    )
 }

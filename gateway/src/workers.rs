@@ -56,6 +56,13 @@ pub struct Facts {
     pub page_tokens: u32,
 }
 
+/// How the gateway reaches its Bulkhead workers (`/workers`: `access`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Access {
+    pub cluster_token: bool,
+    pub mutual_tls: bool,
+}
+
 /// What a worker's Health said, or why there is no answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "status", rename_all = "snake_case")]
@@ -586,6 +593,15 @@ impl Workers {
     }
 
     /// What each worker reported, in configuration order.
+    /// How the gateway reaches its Bulkhead workers: whether it presents a cluster token, and
+    /// whether its calls go over mutual TLS.
+    pub fn access(&self) -> Access {
+        self.with(|s| Access {
+            cluster_token: s.cluster.token.is_some(),
+            mutual_tls: s.cluster.tls.is_some(),
+        })
+    }
+
     pub fn reports(&self) -> Vec<WorkerReport> {
         self.with(|s| {
             s.entries

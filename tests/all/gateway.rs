@@ -466,6 +466,11 @@ fn with_tls_every_hop_is_mutual_tls_and_a_plain_or_foreign_caller_gets_nothing()
         assert!(health(Some(&foreign)).is_err(), "another CA's certificate");
         let own = up.tls_of("gateway");
         assert_eq!(health(Some(&own)), Ok(()));
+        // The operator sees how the gateway reaches its workers.
+        let (_, workers) = http(&up.admin, "GET", "/workers", Some(ADMIN), &[], "");
+        let access = &json(&workers)["access"];
+        assert_eq!(access["mutual_tls"], true, "{workers}");
+        assert_eq!(access["cluster_token"], true, "{workers}");
         up.wait_pool_drained();
 
         // Preflight reaches the same workers with the gateway's TLS files, and none without.
@@ -535,6 +540,8 @@ fn the_incident_configuration_is_refused_by_the_gateway_and_the_rest_is_served_d
         assert!(text.contains('4'), "{text:?}");
         let (_, workers) = http(&up.admin, "GET", "/workers", Some(ADMIN), &[], "");
         let workers = json(&workers);
+        assert_eq!(workers["access"]["mutual_tls"], false, "{workers}");
+        assert_eq!(workers["access"]["cluster_token"], true, "{workers}");
         let roles: Vec<&str> = workers["workers"]
             .as_array()
             .expect("a list")
