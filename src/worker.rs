@@ -173,7 +173,7 @@ pub struct Args {
     /// Mutual TLS inside the deployment: the CA certificate (PEM) every peer's certificate
     /// must be signed by. With --tls-cert and --tls-key, the gRPC port and the KV data plane
     /// take only TLS connections from peers the CA signed, and this worker's own calls and
-    /// transfers go out over TLS (its --prefill must then be https://).
+    /// transfers go out over TLS (to --prefill too, whether it says http:// or https://).
     #[arg(long, env = env::TLS_CA, requires_all = ["tls_cert", "tls_key"])]
     tls_ca: Option<PathBuf>,
     /// This worker's certificate (PEM), naming the host peers reach it at.

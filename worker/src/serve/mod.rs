@@ -88,8 +88,8 @@ pub struct ServeConfig {
     /// presented on its own (see [`cluster_token`]), read again from its file while serving.
     /// `None` answers any caller.
     pub cluster_token: Option<SharedToken>,
-    /// The deployment's mutual TLS, on the gRPC port, on decode's calls to prefill (whose URI
-    /// must then be `https://`) and on the KV data plane (see [`tls`]). `None`: plain TCP.
+    /// The deployment's mutual TLS, on the gRPC port, on decode's calls to prefill (whatever
+    /// its URI's scheme says) and on the KV data plane (see [`tls`]). `None`: plain TCP.
     pub tls: Option<ClusterTls>,
 }
 
