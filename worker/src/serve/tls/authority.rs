@@ -1,7 +1,7 @@
 //! A deployment's own certificate authority, made on the spot: `bulkhead up --tls` makes one
-//! per start, `bulkhead tls-certs` writes one for an operator, and tests make theirs. Every
-//! certificate it issues serves and presents (server and client authentication), since each
-//! process is both.
+//! per start, `bench transfer` one for its TLS scope, and tests theirs (an operator's
+//! deployment brings its own CA). Every certificate it issues serves and presents (server and
+//! client authentication), since each process is both.
 
 use std::path::Path;
 
