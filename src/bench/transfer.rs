@@ -342,27 +342,18 @@ impl Payload {
             let server_tls = tls.cloned();
             let receiver = tokio::spawn(async move {
                 let (socket, _) = listener.accept().await?;
-                match server_tls {
-                    None => kvplane::receive(socket, &to, &buffers).await,
-                    Some(tls) => {
-                        let socket = tls.accept(socket, HANDSHAKE_LIMIT).await?;
-                        kvplane::receive(socket, &to, &buffers).await
-                    }
-                }
+                let limit = kvplane::DEFAULT_PEER_TIMEOUT;
+                let socket = kvplane::accepted(socket, server_tls.as_ref(), limit).await?;
+                kvplane::receive(socket, &to, &buffers).await
             });
-            let socket = tokio::net::TcpStream::connect(addr).await?;
-            socket.set_nodelay(true)?;
-            match tls {
-                None => {
-                    let mut socket = socket;
-                    kvplane::send_on(&mut socket, &frames, &manifest, batch, || false).await?;
-                }
-                Some(tls) => {
-                    let address = addr.to_string();
-                    let mut socket = tls.connect(&address, socket, HANDSHAKE_LIMIT).await?;
-                    kvplane::send_on(&mut socket, &frames, &manifest, batch, || false).await?;
-                }
-            }
+            let options = kvplane::SendOptions {
+                batch_bytes: batch,
+                peer_timeout: kvplane::DEFAULT_PEER_TIMEOUT,
+                fault: None,
+                tls: tls.cloned(),
+            };
+            let mut socket = kvplane::connect(&addr.to_string(), &options).await?;
+            kvplane::send_on(&mut socket, &frames, &manifest, batch, || false).await?;
             receiver.await??;
             anyhow::Ok(())
         })?;
@@ -372,9 +363,6 @@ impl Payload {
         Ok(self.total_bytes() as f64 / start.elapsed().as_secs_f64())
     }
 }
-
-/// How long a TLS handshake on loopback may take.
-const HANDSHAKE_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Mutual TLS for both ends of the data connection: a fresh CA and a certificate for
 /// 127.0.0.1, as `bulkhead up --tls` makes them.

@@ -227,21 +227,33 @@ pub async fn serve(
         }
         let (to, buffers, tls) = (to.clone(), buffers.clone(), tls.clone());
         tokio::spawn(async move {
-            let received = match tls {
-                None => receive(socket, &to, &buffers).await,
-                Some(tls) => match tls.accept(socket, peer_timeout).await {
-                    Ok(socket) => receive(socket, &to, &buffers).await,
-                    Err(e) => {
-                        tracing::warn!(%peer, error = %e, "refused a KV data connection: its TLS handshake failed");
-                        return;
-                    }
-                },
+            let socket = match accepted(socket, tls.as_ref(), peer_timeout).await {
+                Ok(socket) => socket,
+                Err(e) => {
+                    tracing::warn!(%peer, error = %e, "refused a KV data connection: its TLS handshake failed");
+                    return;
+                }
             };
-            if let Err(e) = received {
+            if let Err(e) = receive(socket, &to, &buffers).await {
                 tracing::warn!(%peer, error = %e, "KV data connection ended with an error");
             }
         });
     }
+}
+
+/// A data connection, decode's side: TCP, or TLS over it.
+pub type Incoming = Box<dyn AsyncRead + Unpin + Send>;
+
+/// An accepted data connection, over `tls` when there is one: its handshake within `limit`.
+pub async fn accepted(
+    socket: TcpStream,
+    tls: Option<&ClusterTls>,
+    limit: Duration,
+) -> std::io::Result<Incoming> {
+    Ok(match tls {
+        None => Box::new(socket),
+        Some(tls) => Box::new(tls.accept(socket, limit).await?),
+    })
 }
 
 /// Reads one connection's messages into `to`; on its end, reports the sessions it left open.
@@ -386,11 +398,11 @@ pub struct SendOptions {
 }
 
 /// A data connection, prefill's side: TCP, or TLS over it.
-type Outgoing = Box<dyn AsyncWrite + Unpin + Send>;
+pub type Outgoing = Box<dyn AsyncWrite + Unpin + Send>;
 
 /// Connects to the decode worker at `address` as `options` say: a host that does not answer at
 /// all within the peer timeout is as gone as one that stops answering.
-async fn connect(address: &str, options: &SendOptions) -> std::io::Result<Outgoing> {
+pub async fn connect(address: &str, options: &SendOptions) -> std::io::Result<Outgoing> {
     let limit = options.peer_timeout;
     let socket = tokio::time::timeout(limit, TcpStream::connect(address))
         .await

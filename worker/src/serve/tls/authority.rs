@@ -25,19 +25,6 @@ impl std::fmt::Debug for Authority {
     }
 }
 
-/// A certificate and its private key, PEM.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Issued {
-    pub cert_pem: String,
-    pub key_pem: String,
-}
-
-impl std::fmt::Debug for Issued {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Issued").finish_non_exhaustive()
-    }
-}
-
 fn named(common_name: &str) -> DistinguishedName {
     let mut name = DistinguishedName::new();
     name.push(DnType::CommonName, common_name);
@@ -65,8 +52,8 @@ impl Authority {
     }
 
     /// A certificate (with a new key) for a process reached at `names` (DNS names or IP
-    /// addresses), good for serving and for presenting as a client.
-    pub fn issue(&self, common_name: &str, names: &[String]) -> Result<Issued, rcgen::Error> {
+    /// addresses), good for serving and for presenting as a client: (certificate, key), PEM.
+    fn issue(&self, common_name: &str, names: &[String]) -> Result<(String, String), rcgen::Error> {
         let key = KeyPair::generate()?;
         let mut params = CertificateParams::new(names.to_vec())?;
         params.distinguished_name = named(common_name);
@@ -77,10 +64,7 @@ impl Authority {
             ExtendedKeyUsagePurpose::ClientAuth,
         ];
         let cert = params.signed_by(&key, &self.issuer)?;
-        Ok(Issued {
-            cert_pem: cert.pem(),
-            key_pem: key.serialize_pem(),
-        })
+        Ok((cert.pem(), key.serialize_pem()))
     }
 
     /// Issues a certificate for `names` and writes it into `dir` with the CA: `ca.pem`,
@@ -91,7 +75,7 @@ impl Authority {
         common_name: &str,
         names: &[String],
     ) -> Result<TlsFiles, WriteError> {
-        let issued = self.issue(common_name, names)?;
+        let (cert_pem, key_pem) = self.issue(common_name, names)?;
         std::fs::create_dir_all(dir)?;
         let files = TlsFiles {
             ca: dir.join("ca.pem"),
@@ -99,8 +83,8 @@ impl Authority {
             key: dir.join(format!("{common_name}.key")),
         };
         std::fs::write(&files.ca, &self.pem)?;
-        std::fs::write(&files.cert, &issued.cert_pem)?;
-        secret_file::write(&files.key, issued.key_pem.as_bytes())?;
+        std::fs::write(&files.cert, cert_pem)?;
+        secret_file::write(&files.key, key_pem.as_bytes())?;
         Ok(files)
     }
 }

@@ -35,7 +35,7 @@ use tokio_rustls::rustls::{self, ClientConfig, ConfigBuilder, RootCertStore, Ser
 use tokio_rustls::{TlsAcceptor, TlsConnector, client, server};
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
 
-pub use authority::{Authority, Issued, WriteError};
+pub use authority::{Authority, WriteError};
 
 use super::secret_file::{self, SecretFileError};
 
@@ -90,8 +90,12 @@ pub enum TlsError {
 
 /// One process's side of the deployment's mutual TLS, loaded and checked: what its gRPC server
 /// and clients (tonic) and its KV data plane (rustls) use. Its `Debug` shows no key.
+///
+/// Clones share it: every data connection and prefill call holds one.
 #[derive(Clone)]
-pub struct ClusterTls {
+pub struct ClusterTls(Arc<Loaded>);
+
+struct Loaded {
     ca_pem: Vec<u8>,
     identity: Identity,
     acceptor: TlsAcceptor,
@@ -157,12 +161,13 @@ impl ClusterTls {
         };
         let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|_| no_key())?;
 
+        let bad_ca = |reason: String| TlsError::BadCa {
+            path: files.ca.display().to_string(),
+            reason,
+        };
         let mut roots = RootCertStore::empty();
         for cert in ca {
-            roots.add(cert).map_err(|e| TlsError::BadCa {
-                path: files.ca.display().to_string(),
-                reason: e.to_string(),
-            })?;
+            roots.add(cert).map_err(|e| bad_ca(e.to_string()))?;
         }
         let roots = Arc::new(roots);
         let mismatch = |e: rustls::Error| TlsError::Mismatch {
@@ -172,10 +177,7 @@ impl ClusterTls {
         };
         let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
             .build()
-            .map_err(|e| TlsError::BadCa {
-                path: files.ca.display().to_string(),
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| bad_ca(e.to_string()))?;
         let mut server = tls13(ServerConfig::builder_with_provider(provider()))
             .with_client_cert_verifier(verifier)
             .with_single_cert(chain.clone(), key.clone_key())
@@ -190,20 +192,20 @@ impl ClusterTls {
         let mut client = client.with_client_auth_cert(chain, key).map_err(mismatch)?;
         client.alpn_protocols = vec![KV_ALPN.to_vec()];
 
-        Ok(ClusterTls {
+        Ok(ClusterTls(Arc::new(Loaded {
             ca_pem,
             identity: Identity::from_pem(cert_pem, key_pem),
             acceptor: TlsAcceptor::from(Arc::new(server)),
             connector: TlsConnector::from(Arc::new(client)),
-        })
+        })))
     }
 
     /// The gRPC server's side: its certificate, only clients the CA signed, and a bounded
     /// handshake.
     pub fn grpc_server(&self) -> ServerTlsConfig {
         ServerTlsConfig::new()
-            .identity(self.identity.clone())
-            .client_ca_root(Certificate::from_pem(&self.ca_pem))
+            .identity(self.0.identity.clone())
+            .client_ca_root(Certificate::from_pem(&self.0.ca_pem))
             .timeout(GRPC_HANDSHAKE_LIMIT)
     }
 
@@ -211,8 +213,8 @@ impl ClusterTls {
     /// the endpoint names, and this process's certificate.
     pub fn grpc_client(&self) -> ClientTlsConfig {
         ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(&self.ca_pem))
-            .identity(self.identity.clone())
+            .ca_certificate(Certificate::from_pem(&self.0.ca_pem))
+            .identity(self.0.identity.clone())
     }
 
     /// The KV data plane, decode's side: the handshake on an accepted connection, within
@@ -222,7 +224,7 @@ impl ClusterTls {
         socket: TcpStream,
         limit: Duration,
     ) -> std::io::Result<server::TlsStream<TcpStream>> {
-        tokio::time::timeout(limit, self.acceptor.accept(socket))
+        tokio::time::timeout(limit, self.0.acceptor.accept(socket))
             .await
             .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
     }
@@ -236,7 +238,7 @@ impl ClusterTls {
         limit: Duration,
     ) -> std::io::Result<client::TlsStream<TcpStream>> {
         let name = server_name(address)?;
-        tokio::time::timeout(limit, self.connector.connect(name, socket))
+        tokio::time::timeout(limit, self.0.connector.connect(name, socket))
             .await
             .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
     }
@@ -379,6 +381,33 @@ mod tests {
         });
         assert!(
             e.contains("holds no PEM certificate") && e.contains("garbage.pem"),
+            "{e}"
+        );
+
+        // A PEM block whose body is not base64, and a CA block whose bytes are no certificate.
+        let broken = dir.0.join("broken.pem");
+        std::fs::write(
+            &broken,
+            "-----BEGIN CERTIFICATE-----\n!!!!\n-----END CERTIFICATE-----\n",
+        )
+        .expect("writes");
+        let e = refused(&TlsFiles {
+            cert: broken,
+            ..files.clone()
+        });
+        assert!(e.contains("not a valid PEM certificate"), "{e}");
+        let junk = dir.0.join("junk-ca.pem");
+        std::fs::write(
+            &junk,
+            "-----BEGIN CERTIFICATE-----\nAAECAwQF\n-----END CERTIFICATE-----\n",
+        )
+        .expect("writes");
+        let e = refused(&TlsFiles {
+            ca: junk,
+            ..files.clone()
+        });
+        assert!(
+            e.contains("not a usable CA certificate") && e.contains("junk-ca.pem"),
             "{e}"
         );
 
