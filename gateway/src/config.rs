@@ -872,7 +872,7 @@ mod tests {
             ))
             .expect("valid: the file is read when the token is needed")
             .cluster_access()
-            .map(|access| access.token.map(|t| t.current()))
+            .map(|access| access.token.map(|t| (*t.current()).clone()))
         };
         let file = dir.0.join("token");
         let write = |text: &str| {

@@ -112,13 +112,12 @@ pub async fn ask(config: &Config, cluster: &ClusterAccess, resolver: &impl Resol
                 })
                 .await;
             let info = answer.map(tonic::Response::into_inner).map_err(|s| {
-                match s.code() {
-                    // Transport failures (a worker that speaks TLS to a caller without it ends
-                    // the connection) say little at the top: their causes say what happened.
-                    tonic::Code::Unavailable | tonic::Code::Unknown => {
-                        unreachable(s.message().to_owned(), s.source(), cluster)
-                    }
-                    _ => s.message().to_owned(),
+                // A failure of the connection, not a worker's answer, carries its cause (a
+                // worker that speaks TLS to a caller without it ends the connection): the
+                // message at the top says little, the causes say what happened.
+                match s.source() {
+                    Some(cause) => unreachable(s.message().to_owned(), Some(cause), cluster),
+                    None => s.message().to_owned(),
                 }
             })?;
             // A worker that requires the token refuses the same call without it.

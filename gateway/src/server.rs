@@ -97,9 +97,14 @@ impl BoundGateway {
         let api = bind("API", config.listen.api).await?;
         let admin = bind("admin", config.listen.admin).await?;
         let cluster = config.cluster_access()?;
+        // The token and the TLS files are followed for as long as the runtime runs: a
+        // rotation or a renewal needs no restart.
+        let every = bulkhead_worker::serve::followed::RELOAD_EVERY;
         if let Some(token) = cluster.token.clone() {
-            // Follows its file for as long as the runtime runs: a rotation needs no restart.
-            tokio::spawn(token.follow(bulkhead_worker::serve::cluster_token::RELOAD_EVERY));
+            tokio::spawn(token.follow(every));
+        }
+        if let Some(tls) = cluster.tls.clone() {
+            tokio::spawn(tls.follow(every));
         }
         let workers = Workers::new(&config.workers, cluster)?;
         let policies = match config.policies {

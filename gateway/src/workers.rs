@@ -851,8 +851,7 @@ fn client(
         Protocol::Bulkhead => {
             let endpoint = tls::endpoint(&c.endpoint, cluster.tls.as_ref())
                 .map_err(|e| invalid(e.to_string()))?
-                .connect_timeout(CONNECT_TIMEOUT)
-                .tcp_nodelay(true);
+                .connect_timeout(CONNECT_TIMEOUT);
             let channel = endpoint.connect_lazy();
             let token = cluster.token.clone();
             let bare = token

@@ -4,7 +4,7 @@
 //! presents it on every call to its workers (`[cluster] token_file`).
 //!
 //! The file holds one secret per line: the first is presented, every one is accepted. Every
-//! process reads its file again every [`RELOAD_EVERY`] ([`SharedToken::follow`]), so a rotation
+//! process reads its file again every [`RELOAD_EVERY`](super::followed::RELOAD_EVERY) ([`SharedToken::follow`]), so a rotation
 //! needs no restart and refuses no call: add the new secret as a second line everywhere, wait
 //! for the reload, move it to the first line everywhere, wait, then drop the old one.
 //!
@@ -13,7 +13,7 @@
 //! worker computes whatever prompt it is sent and writes the KV to whatever address it is given.
 
 use std::path::Path;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tonic::metadata::{Ascii, MetadataValue};
@@ -22,6 +22,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::{Request, Status};
 
+use super::followed::Followed;
 use super::proto::WorkerClient;
 use super::secret_file::{self, SecretFileError};
 
@@ -38,9 +39,6 @@ pub fn client(channel: Channel, token: Option<ClusterToken>) -> Client {
 pub fn shared_client(channel: Channel, token: Option<SharedToken>) -> Client {
     WorkerClient::with_interceptor(channel, Presents(token))
 }
-
-/// How often a process reads its token file again.
-pub const RELOAD_EVERY: Duration = Duration::from_secs(5);
 
 /// The shortest secret accepted: 128 bits as hex.
 pub const MIN_SECRET_CHARS: usize = 32;
@@ -134,7 +132,7 @@ impl ClusterToken {
 /// file, read again by [`SharedToken::follow`].
 #[derive(Debug, Clone)]
 pub struct SharedToken {
-    current: Arc<RwLock<ClusterToken>>,
+    current: Followed<ClusterToken>,
     file: Option<Arc<Path>>,
 }
 
@@ -142,7 +140,7 @@ impl SharedToken {
     /// `token`, never read again.
     pub fn fixed(token: ClusterToken) -> SharedToken {
         SharedToken {
-            current: Arc::new(RwLock::new(token)),
+            current: Followed::new(token),
             file: None,
         }
     }
@@ -156,17 +154,8 @@ impl SharedToken {
     }
 
     /// The token as it is now.
-    pub fn current(&self) -> ClusterToken {
-        self.with(ClusterToken::clone)
-    }
-
-    /// `f` of the token as it is now, without a copy (each call's check and header).
-    fn with<R>(&self, f: impl FnOnce(&ClusterToken) -> R) -> R {
-        // A poisoned lock still holds a whole token: only a swap writes it.
-        f(&self
-            .current
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner))
+    pub fn current(&self) -> Arc<ClusterToken> {
+        self.current.current()
     }
 
     /// Reads the file again every `every`, for as long as it runs (never returns, unless the
@@ -174,24 +163,9 @@ impl SharedToken {
     /// be used (missing, exposed, a bad secret: a rotation half written) keeps the token in
     /// use, and says why.
     pub async fn follow(self, every: Duration) {
-        let Some(path) = self.file.clone() else {
-            return;
-        };
-        loop {
-            tokio::time::sleep(every).await;
-            match ClusterToken::read(&path) {
-                Ok(token) if token != self.current() => {
-                    *self
-                        .current
-                        .write()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner) = token;
-                    tracing::info!(file = %path.display(), "the cluster token changed: reloaded");
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot reload the cluster token; the one in use stays");
-                }
-            }
+        if let Some(path) = self.file {
+            let read = || ClusterToken::read(&path);
+            self.current.follow(every, "the cluster token", read).await;
         }
     }
 }
@@ -211,7 +185,7 @@ impl Interceptor for Presents {
         if let Some(token) = &self.0 {
             request
                 .metadata_mut()
-                .insert(HEADER, token.current().header);
+                .insert(HEADER, token.current().header.clone());
         }
         Ok(request)
     }
@@ -227,7 +201,7 @@ impl Interceptor for Requires {
             return Ok(request);
         };
         let presented = request.metadata().get(HEADER).map(MetadataValue::as_bytes);
-        if presented.is_some_and(|p| token.with(|t| t.admits(p))) {
+        if presented.is_some_and(|p| token.current().admits(p)) {
             Ok(request)
         } else {
             Err(Status::unauthenticated(
@@ -359,7 +333,7 @@ mod tests {
             let token = token.clone();
             async move {
                 for _ in 0..250 {
-                    if token.current() == want {
+                    if *token.current() == want {
                         return;
                     }
                     tokio::time::sleep(Duration::from_millis(20)).await;

@@ -52,6 +52,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::accepting;
 use super::actor::EngineHandle;
 use super::tls::ClusterTls;
 
@@ -195,16 +196,10 @@ pub fn bound_peer(socket: &TcpStream, limit: Duration) -> std::io::Result<()> {
     socket.set_tcp_user_timeout(Some(limit))
 }
 
-/// How long accepting pauses after it failed: a failure that says the process is out of a
-/// resource (descriptors, memory) would otherwise repeat at once, in a busy loop.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
-
 /// Decode role: accepts data-plane connections for as long as the worker serves; each
 /// connection's messages go to `to` (the engine), frames of at most `max_frame` bytes (a
 /// page); a peer that vanishes loses its connection after about `peer_timeout`. A failed
-/// accept — a peer that reset before it was taken, or descriptors run out because peers hold
-/// many connections open — is logged and accepting goes on after [`ACCEPT_BACKOFF`]: no peer
-/// can stop the worker this way.
+/// accept is logged and accepting goes on ([`accepting::next`]).
 pub async fn serve(
     listener: TcpListener,
     to: impl Deliver + Clone + Send + Sync + 'static,
@@ -214,14 +209,7 @@ pub async fn serve(
 ) -> Infallible {
     let buffers = Buffers::up_to(max_frame);
     loop {
-        let (socket, peer) = match listener.accept().await {
-            Ok(accepted) => accepted,
-            Err(e) => {
-                tracing::warn!(error = %e, "accepting a KV data connection failed; still listening");
-                tokio::time::sleep(ACCEPT_BACKOFF).await;
-                continue;
-            }
-        };
+        let (socket, peer) = accepting::next(&listener, "KV data").await;
         if let Err(e) = bound_peer(&socket, peer_timeout) {
             tracing::warn!(%peer, error = %e, "cannot bound a KV data connection's dead peer");
         }

@@ -12,11 +12,13 @@
 //! [`BoundWorker::bind`] loads the engine (measuring the KV pool and refusing a context longer
 //! than it) and binds both ports; [`BoundWorker::serve`] runs until the shutdown future ends.
 
+mod accepting;
 mod actor;
 mod admin;
 pub mod cluster_token;
 mod disagg;
 mod error;
+pub mod followed;
 pub mod info;
 pub mod kvplane;
 mod metrics;
@@ -30,9 +32,11 @@ pub mod tls;
 pub mod transport;
 mod validate;
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -298,28 +302,49 @@ impl BoundWorker {
                 }
             }
         };
-        if let Some(token) = self.cluster_token.clone() {
-            tokio::spawn(token.follow(cluster_token::RELOAD_EVERY));
-        }
+        // The cluster token and the TLS files are followed for as long as the worker serves.
+        let follows = {
+            let (token, tls) = (self.cluster_token.clone(), self.tls.clone());
+            async move {
+                let token = async {
+                    if let Some(t) = token {
+                        t.follow(followed::RELOAD_EVERY).await;
+                    }
+                };
+                let tls = async {
+                    if let Some(t) = tls {
+                        t.follow(followed::RELOAD_EVERY).await;
+                    }
+                };
+                tokio::join!(token, tls);
+                std::future::pending::<Infallible>().await
+            }
+        };
         let admin = axum::serve(self.admin, admin::router(self.engine))
             .with_graceful_shutdown(stopped(stop_rx.clone()));
-        let mut grpc = tonic::transport::Server::builder();
-        if let Some(tls) = &self.tls {
-            grpc = grpc.tls_config(tls.grpc_server())?;
-        }
-        let grpc = grpc
-            .add_service(proto::WorkerServer::with_interceptor(
+        let grpc =
+            tonic::transport::Server::builder().add_service(proto::WorkerServer::with_interceptor(
                 self.service,
                 cluster_token::Requires(self.cluster_token),
-            ))
-            .serve_with_incoming_shutdown(
-                tonic::transport::server::TcpIncoming::from(self.grpc),
-                stopped(stop_rx),
-            );
+            ));
+        let grpc: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
+            match &self.tls {
+                Some(tls) => {
+                    Box::pin(grpc.serve_with_incoming_shutdown(
+                        tls.grpc_incoming(self.grpc),
+                        stopped(stop_rx),
+                    ))
+                }
+                None => Box::pin(grpc.serve_with_incoming_shutdown(
+                    tonic::transport::server::TcpIncoming::from(self.grpc),
+                    stopped(stop_rx),
+                )),
+            };
         let result = tokio::select! {
             r = grpc => r.map_err(StartError::from),
             r = admin => r.map_err(StartError::Admin),
             () = kv => Ok(()),
+            never = follows => match never {},
         };
         // Both servers (and so every handle but in-flight streams') are gone; the engine thread
         // ends once the last request is cancelled or done.

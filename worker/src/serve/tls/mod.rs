@@ -10,43 +10,48 @@
 //! cannot even open a connection.
 //!
 //! ```text
-//!  gateway ──gRPC (https://, tonic)──▶ decode ──gRPC (https://)──▶ prefill
-//!                                        ▲                          │
-//!                                        └──KV data plane (rustls)──┘
+//!  gateway ──gRPC (h2 over TLS)──▶ decode ──gRPC (h2 over TLS)──▶ prefill
+//!                                    ▲                              │
+//!                                    └──KV data plane (bulkhead-kv/1 over TLS)
 //! ```
 //!
-//! rustls on `ring`: the data plane speaks TLS 1.3 only; gRPC (tonic's TLS) also accepts 1.2,
-//! and two Bulkhead processes agree on 1.3. A client checks that the server's certificate
-//! names the host it dialled (a DNS name or an IP address in its subject alternative names).
+//! One TLS stack for every hop: rustls on `ring`, TLS 1.3 only, the protocol named in the
+//! handshake (ALPN: `h2` for gRPC, `bulkhead-kv/1` for the data plane, so a connection meant
+//! for one is never taken for the other). A client checks that the server's certificate names
+//! the host it dialled (a DNS name or an IP address in its subject alternative names).
+//!
+//! The files are followed ([`ClusterTls::follow`]): a renewed certificate, key or CA is used
+//! for every connection made after the next reload, with no restart; connections already open
+//! keep the certificates they were made with, and files that cannot be used (a renewal half
+//! written) keep the ones in use.
 
 mod authority;
+mod grpc;
 
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpStream;
-use tokio_rustls::rustls::client::WantsClientCert;
 use tokio_rustls::rustls::crypto::CryptoProvider;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tokio_rustls::rustls::server::WebPkiClientVerifier;
 use tokio_rustls::rustls::{self, ClientConfig, ConfigBuilder, RootCertStore, ServerConfig};
 use tokio_rustls::{TlsAcceptor, TlsConnector, client, server};
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
 
 pub use authority::{Authority, WriteError};
+pub use grpc::{EndpointError, WorkerEndpoint, endpoint};
 
+use super::followed::Followed;
 use super::secret_file::{self, SecretFileError};
 
-/// The protocol the KV data plane's TLS handshake names (ALPN), so that a connection meant for
-/// another service (gRPC's `h2`) is never taken for a data connection.
+/// The protocol the KV data plane's TLS handshake names (ALPN).
 const KV_ALPN: &[u8] = b"bulkhead-kv/1";
 
-/// How long a gRPC client has to complete its TLS handshake: one that stalls it (or never
-/// starts it) holds a connection no longer. The data plane bounds its handshakes by the peer
-/// timeout (`--kv-peer-timeout-ms`).
-const GRPC_HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+/// The protocol gRPC's TLS handshake names: HTTP/2.
+const GRPC_ALPN: &[u8] = b"h2";
 
 /// Where one process's TLS material lies: the deployment's CA certificate(s), this process's
 /// certificate (chain) and its private key, all PEM.
@@ -88,18 +93,14 @@ pub enum TlsError {
     },
 }
 
-/// One process's side of the deployment's mutual TLS, loaded and checked: what its gRPC server
-/// and clients (tonic) and its KV data plane (rustls) use. Its `Debug` shows no key.
+/// One process's side of the deployment's mutual TLS: the files, loaded and checked, and
+/// followed once [`ClusterTls::follow`] runs. Its `Debug` shows no key.
 ///
 /// Clones share it: every data connection and prefill call holds one.
 #[derive(Clone)]
-pub struct ClusterTls(Arc<Loaded>);
-
-struct Loaded {
-    ca_pem: Vec<u8>,
-    identity: Identity,
-    acceptor: TlsAcceptor,
-    connector: TlsConnector,
+pub struct ClusterTls {
+    current: Followed<Loaded>,
+    files: Arc<TlsFiles>,
 }
 
 impl std::fmt::Debug for ClusterTls {
@@ -108,8 +109,35 @@ impl std::fmt::Debug for ClusterTls {
     }
 }
 
-/// The cryptography provider of the data plane's ends: ring's, with AES-128-GCM preferred
-/// (128-bit security, and fewer rounds per byte of KV than AES-256-GCM, ring's first choice).
+/// The files as read, and the ends of both planes made from them.
+struct Loaded {
+    read: Read,
+    grpc: Ends,
+    kv: Ends,
+}
+
+/// The bytes of the files, to tell whether they changed.
+#[derive(PartialEq, Eq)]
+struct Read {
+    ca: Vec<u8>,
+    cert: Vec<u8>,
+    key: Vec<u8>,
+}
+
+/// A server's and a client's end for one protocol.
+struct Ends {
+    acceptor: TlsAcceptor,
+    connector: TlsConnector,
+}
+
+impl PartialEq for Loaded {
+    fn eq(&self, other: &Loaded) -> bool {
+        self.read == other.read
+    }
+}
+
+/// The cryptography provider of every end: ring's, with AES-128-GCM preferred (128-bit
+/// security, and fewer rounds per byte of KV than AES-256-GCM, ring's first choice).
 fn provider() -> Arc<CryptoProvider> {
     use rustls::crypto::ring::cipher_suite;
     Arc::new(CryptoProvider {
@@ -149,10 +177,10 @@ fn certificates(
     Ok((pem, certs))
 }
 
-impl ClusterTls {
+impl Loaded {
     /// Reads and checks `files`: the CA parses and is usable as a trust anchor, the key file
     /// is open to its owner only and holds a key, and the certificate goes with the key.
-    pub fn load(files: &TlsFiles) -> Result<ClusterTls, TlsError> {
+    fn read(files: &TlsFiles) -> Result<Loaded, TlsError> {
         let (ca_pem, ca) = certificates("TLS CA", &files.ca)?;
         let (cert_pem, chain) = certificates("TLS certificate", &files.cert)?;
         let key_pem = secret_file::read(&files.key)?;
@@ -175,58 +203,79 @@ impl ClusterTls {
             key: files.key.display().to_string(),
             reason: e.to_string(),
         };
-        let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
-            .build()
-            .map_err(|e| bad_ca(e.to_string()))?;
-        let mut server = tls13(ServerConfig::builder_with_provider(provider()))
-            .with_client_cert_verifier(verifier)
-            .with_single_cert(chain.clone(), key.clone_key())
-            .map_err(mismatch)?;
-        server.alpn_protocols = vec![KV_ALPN.to_vec()];
-        // No session tickets: nothing resumes, and a data connection then carries nothing from
-        // decode to prefill after the handshake. Prefill only writes; a ticket left unread in
-        // its socket made its close a reset, and decode lost what it had not read yet.
-        server.send_tls13_tickets = 0;
-        let client: ConfigBuilder<ClientConfig, WantsClientCert> =
-            tls13(ClientConfig::builder_with_provider(provider())).with_root_certificates(roots);
-        let mut client = client.with_client_auth_cert(chain, key).map_err(mismatch)?;
-        client.alpn_protocols = vec![KV_ALPN.to_vec()];
+        let ends = |alpn: &[u8]| -> Result<Ends, TlsError> {
+            let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
+                .build()
+                .map_err(|e| bad_ca(e.to_string()))?;
+            let mut server = tls13(ServerConfig::builder_with_provider(provider()))
+                .with_client_cert_verifier(verifier)
+                .with_single_cert(chain.clone(), key.clone_key())
+                .map_err(mismatch)?;
+            server.alpn_protocols = vec![alpn.to_vec()];
+            // No session tickets: nothing resumes, and a data connection then carries nothing
+            // from decode to prefill after the handshake. Prefill only writes; a ticket left
+            // unread in its socket made its close a reset, and decode lost what it had not
+            // read yet.
+            server.send_tls13_tickets = 0;
+            let mut client = tls13(ClientConfig::builder_with_provider(provider()))
+                .with_root_certificates(roots.clone())
+                .with_client_auth_cert(chain.clone(), key.clone_key())
+                .map_err(mismatch)?;
+            client.alpn_protocols = vec![alpn.to_vec()];
+            Ok(Ends {
+                acceptor: TlsAcceptor::from(Arc::new(server)),
+                connector: TlsConnector::from(Arc::new(client)),
+            })
+        };
+        Ok(Loaded {
+            grpc: ends(GRPC_ALPN)?,
+            kv: ends(KV_ALPN)?,
+            read: Read {
+                ca: ca_pem,
+                cert: cert_pem,
+                key: key_pem,
+            },
+        })
+    }
+}
 
-        Ok(ClusterTls(Arc::new(Loaded {
-            ca_pem,
-            identity: Identity::from_pem(cert_pem, key_pem),
-            acceptor: TlsAcceptor::from(Arc::new(server)),
-            connector: TlsConnector::from(Arc::new(client)),
-        })))
+/// `handshake`, within `limit`: a peer that stalls it (or never starts it) holds a connection
+/// no longer.
+async fn within<T>(
+    limit: Duration,
+    handshake: impl Future<Output = std::io::Result<T>>,
+) -> std::io::Result<T> {
+    tokio::time::timeout(limit, handshake)
+        .await
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
+}
+
+impl ClusterTls {
+    /// Reads and checks `files` (see [`TlsError`] for what is refused).
+    pub fn load(files: &TlsFiles) -> Result<ClusterTls, TlsError> {
+        Ok(ClusterTls {
+            current: Followed::new(Loaded::read(files)?),
+            files: Arc::new(files.clone()),
+        })
     }
 
-    /// The gRPC server's side: its certificate, only clients the CA signed, and a bounded
-    /// handshake.
-    pub fn grpc_server(&self) -> ServerTlsConfig {
-        ServerTlsConfig::new()
-            .identity(self.0.identity.clone())
-            .client_ca_root(Certificate::from_pem(&self.0.ca_pem))
-            .timeout(GRPC_HANDSHAKE_LIMIT)
-    }
-
-    /// A gRPC client's side (an `https://` endpoint): only servers the CA signed, for the host
-    /// the endpoint names, and this process's certificate.
-    pub fn grpc_client(&self) -> ClientTlsConfig {
-        ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(&self.0.ca_pem))
-            .identity(self.0.identity.clone())
+    /// Reads the files again every `every`, for as long as it runs (it never returns): files
+    /// that changed and load are used from the next connection on, by every clone.
+    pub async fn follow(self, every: Duration) {
+        let files = self.files.clone();
+        let read = || Loaded::read(&files);
+        self.current.follow(every, "the TLS files", read).await;
     }
 
     /// The KV data plane, decode's side: the handshake on an accepted connection, within
-    /// `limit` (a peer that stalls it holds nothing for longer).
+    /// `limit`.
     pub async fn accept(
         &self,
         socket: TcpStream,
         limit: Duration,
     ) -> std::io::Result<server::TlsStream<TcpStream>> {
-        tokio::time::timeout(limit, self.0.acceptor.accept(socket))
-            .await
-            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
+        let acceptor = self.current.current().kv.acceptor.clone();
+        within(limit, acceptor.accept(socket)).await
     }
 
     /// The KV data plane, prefill's side: the handshake on `socket`, connected to `address`
@@ -237,47 +286,12 @@ impl ClusterTls {
         socket: TcpStream,
         limit: Duration,
     ) -> std::io::Result<client::TlsStream<TcpStream>> {
-        let name = server_name(address)?;
-        tokio::time::timeout(limit, self.0.connector.connect(name, socket))
-            .await
-            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
+        let connector = self.current.current().kv.connector.clone();
+        within(limit, connector.connect(server_name(address)?, socket)).await
     }
 }
 
-/// Why a worker's gRPC address cannot be used.
-#[derive(Debug, thiserror::Error)]
-pub enum EndpointError {
-    #[error("{0}")]
-    Invalid(String),
-    #[error(
-        "https:// needs the deployment's TLS files (gateway: [cluster] tls_ca, tls_cert, \
-         tls_key; worker: --tls-ca, --tls-cert, --tls-key)"
-    )]
-    HttpsWithoutTls,
-}
-
-/// The gRPC endpoint of the worker at `uri` (`http://host:port`). With the deployment's TLS,
-/// the call goes over TLS whatever the scheme says — no hop is left in the clear by a URI
-/// written without the `s` —, to a server whose certificate names `host`. Without TLS, an
-/// `https://` URI is refused: it could never connect.
-pub fn endpoint(uri: &str, tls: Option<&ClusterTls>) -> Result<Endpoint, EndpointError> {
-    let invalid = |e: &dyn std::fmt::Display| EndpointError::Invalid(e.to_string());
-    let parsed: http::Uri = uri.parse().map_err(|e| invalid(&e))?;
-    match (tls, parsed.scheme_str()) {
-        (None, Some("https")) => Err(EndpointError::HttpsWithoutTls),
-        (None, _) => Endpoint::from_shared(uri.to_owned()).map_err(|e| invalid(&e)),
-        (Some(tls), _) => {
-            let mut parts = parsed.into_parts();
-            parts.scheme = Some(http::uri::Scheme::HTTPS);
-            let https = http::Uri::from_parts(parts).map_err(|e| invalid(&e))?;
-            Endpoint::from(https)
-                .tls_config(tls.grpc_client())
-                .map_err(|e| invalid(&e))
-        }
-    }
-}
-
-/// TLS 1.3 only: nothing older is negotiated on the data plane.
+/// TLS 1.3 only: nothing older is negotiated.
 fn tls13<S: rustls::ConfigSide>(
     builder: ConfigBuilder<S, rustls::WantsVersions>,
 ) -> ConfigBuilder<S, rustls::WantsVerifier> {
@@ -439,26 +453,6 @@ mod tests {
         assert!(e.contains("open to other users"), "{e}");
     }
 
-    #[test]
-    fn with_tls_every_worker_is_called_over_tls_and_https_without_it_is_refused() {
-        let ca = Authority::new("test CA").expect("a CA");
-        let tls = issued_for(&ca, &["127.0.0.1"]);
-        for uri in ["http://127.0.0.1:5", "https://127.0.0.1:5"] {
-            let e = endpoint(uri, Some(&tls)).expect("valid");
-            assert_eq!(e.uri().scheme_str(), Some("https"), "{uri}");
-        }
-        let plain = endpoint("http://127.0.0.1:5", None).expect("valid");
-        assert_eq!(plain.uri().scheme_str(), Some("http"));
-        assert!(matches!(
-            endpoint("https://127.0.0.1:5", None),
-            Err(EndpointError::HttpsWithoutTls)
-        ));
-        assert!(matches!(
-            endpoint("not a uri", None),
-            Err(EndpointError::Invalid(_))
-        ));
-    }
-
     /// A data connection on loopback, both ends with certificates from one CA: (decode's
     /// end, prefill's end), handshakes done.
     async fn data_connection() -> (server::TlsStream<TcpStream>, client::TlsStream<TcpStream>) {
@@ -527,6 +521,151 @@ mod tests {
                 )
             );
         }
+    }
+
+    /// A gRPC server's connections and a KV listener, both with one process's TLS.
+    struct Listening {
+        tls: ClusterTls,
+        incoming:
+            tokio_stream::wrappers::ReceiverStream<std::io::Result<server::TlsStream<TcpStream>>>,
+        grpc: String,
+        kv: tokio::net::TcpListener,
+    }
+
+    impl Listening {
+        async fn new(tls: &ClusterTls) -> Listening {
+            let bind = || tokio::net::TcpListener::bind("127.0.0.1:0");
+            let grpc = bind().await.expect("bind");
+            Listening {
+                tls: tls.clone(),
+                grpc: grpc.local_addr().expect("address").to_string(),
+                incoming: tls.grpc_incoming(grpc),
+                kv: bind().await.expect("bind"),
+            }
+        }
+
+        /// Whether the gRPC server and the KV listener take a connection from `client`:
+        /// (gRPC, KV data plane).
+        async fn admits(&mut self, client: &ClusterTls) -> (bool, bool) {
+            use tokio_stream::StreamExt as _;
+            let limit = Duration::from_millis(500);
+            let _ = client.connect_grpc(&self.grpc).await;
+            let by_grpc = matches!(
+                tokio::time::timeout(limit, self.incoming.next()).await,
+                Ok(Some(Ok(_)))
+            );
+            let kv = self.kv.local_addr().expect("address").to_string();
+            let connecting = async {
+                let socket = TcpStream::connect(&kv).await.expect("connects");
+                client.connect(&kv, socket, limit).await
+            };
+            let accepting = async {
+                let (socket, _) = self.kv.accept().await.expect("accepts");
+                self.tls.accept(socket, limit).await
+            };
+            let (_, by_kv) = tokio::join!(connecting, accepting);
+            (by_grpc, by_kv.is_ok())
+        }
+    }
+
+    /// A renewal — here to another CA altogether: certificate, key and CA — reaches every
+    /// connection made after the next reload, on both planes, with no restart; a renewal left
+    /// broken (a certificate file half written) keeps the certificates in use.
+    #[tokio::test]
+    async fn a_renewed_certificate_reaches_new_connections_without_a_restart() {
+        let dir = tempdir::Dir::new();
+        let names = ["127.0.0.1".to_owned()];
+        let (old_ca, new_ca) = (
+            Authority::new("old CA").expect("a CA"),
+            Authority::new("new CA").expect("a CA"),
+        );
+        let files = old_ca.write(&dir.0, "worker", &names).expect("writes");
+        let server = ClusterTls::load(&files).expect("loads");
+        let (old, new) = (
+            issued_for(&old_ca, &["127.0.0.1"]),
+            issued_for(&new_ca, &["127.0.0.1"]),
+        );
+        let mut listening = Listening::new(&server).await;
+        assert_eq!(listening.admits(&old).await, (true, true));
+        assert_eq!(listening.admits(&new).await, (false, false));
+
+        let follower = tokio::spawn(server.clone().follow(Duration::from_millis(20)));
+        new_ca.write(&dir.0, "worker", &names).expect("renews");
+        let mut renewed = false;
+        for _ in 0..50 {
+            if listening.admits(&new).await == (true, true) {
+                renewed = true;
+                break;
+            }
+        }
+        assert!(renewed, "the renewal never reached a new connection");
+        assert_eq!(
+            listening.admits(&old).await,
+            (false, false),
+            "the old CA is gone"
+        );
+
+        std::fs::write(&files.cert, "-----BEGIN CERTIFICATE-----\n").expect("writes");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(
+            listening.admits(&new).await,
+            (true, true),
+            "a broken renewal keeps the last one"
+        );
+        follower.abort();
+    }
+
+    /// Neither plane speaks anything older than TLS 1.3, even to a client the CA signed
+    /// (tonic's own TLS took 1.2 on gRPC).
+    #[tokio::test]
+    async fn a_client_offering_only_tls_1_2_gets_no_connection_on_either_plane() {
+        let (_dir, files) = written();
+        let server = ClusterTls::load(&files).expect("loads");
+        let mut listening = Listening::new(&server).await;
+        let (_, ca) = certificates("TLS CA", &files.ca).expect("a CA");
+        let (_, chain) = certificates("TLS certificate", &files.cert).expect("a certificate");
+        let key = secret_file::read(&files.key).expect("a key");
+        let mut roots = RootCertStore::empty();
+        roots.add_parsable_certificates(ca);
+        let tls12 = |alpn: &[u8]| {
+            let ring = Arc::new(rustls::crypto::ring::default_provider());
+            let mut config = ClientConfig::builder_with_provider(ring)
+                .with_protocol_versions(&[&rustls::version::TLS12])
+                .expect("ring speaks TLS 1.2")
+                .with_root_certificates(roots.clone())
+                .with_client_auth_cert(
+                    chain.clone(),
+                    PrivateKeyDer::from_pem_slice(&key).expect("a key"),
+                )
+                .expect("a client");
+            config.alpn_protocols = vec![alpn.to_vec()];
+            TlsConnector::from(Arc::new(config))
+        };
+        let name = || server_name("127.0.0.1:1").expect("a name");
+
+        let socket = TcpStream::connect(&listening.grpc).await.expect("connects");
+        let e = tls12(GRPC_ALPN)
+            .connect(name(), socket)
+            .await
+            .expect_err("refused");
+        assert!(e.to_string().contains("ProtocolVersion"), "{e}");
+        use tokio_stream::StreamExt as _;
+        let taken = tokio::time::timeout(Duration::from_millis(300), listening.incoming.next());
+        assert!(taken.await.is_err(), "the gRPC server took the connection");
+
+        let kv = listening.kv.local_addr().expect("address");
+        let connecting = async {
+            let socket = TcpStream::connect(kv).await.expect("connects");
+            tls12(KV_ALPN).connect(name(), socket).await
+        };
+        let accepting = async {
+            let (socket, _) = listening.kv.accept().await.expect("accepts");
+            server.accept(socket, Duration::from_secs(5)).await
+        };
+        let (connected, accepted) = tokio::join!(connecting, accepting);
+        assert!(connected.is_err() && accepted.is_err());
+        // The same client offering TLS 1.3 is taken: the refusal is the version's.
+        assert_eq!(listening.admits(&server).await, (true, true));
     }
 
     #[test]

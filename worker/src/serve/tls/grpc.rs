@@ -1,0 +1,236 @@
+//! gRPC over the deployment's TLS: a server's connections ([`ClusterTls::grpc_incoming`]) and
+//! its clients' ([`WorkerEndpoint`]), each handshake made with the certificates in use when it
+//! starts, so a renewal reaches every new connection.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::Uri;
+use hyper_util::rt::TokioIo;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::{client, server};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+
+use super::{ClusterTls, server_name, within};
+use crate::serve::accepting;
+
+/// How long a gRPC peer has to complete its TLS handshake. The data plane bounds its
+/// handshakes by the peer timeout (`--kv-peer-timeout-ms`).
+const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+
+/// Handshaken connections waiting for the gRPC server to take them.
+const WAITING: usize = 64;
+
+impl ClusterTls {
+    /// A gRPC server's connections on `listener`: only clients the CA signed. Each handshake
+    /// runs on its own, within [`HANDSHAKE_LIMIT`], so a client that stalls holds up no
+    /// other; a failed one is logged and dropped. Accepting stops when the stream is dropped.
+    pub fn grpc_incoming(
+        &self,
+        listener: TcpListener,
+    ) -> ReceiverStream<std::io::Result<server::TlsStream<TcpStream>>> {
+        let (ready, incoming) = tokio::sync::mpsc::channel(WAITING);
+        let tls = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let (socket, peer) = tokio::select! {
+                    () = ready.closed() => return,
+                    accepted = accepting::next(&listener, "gRPC") => accepted,
+                };
+                let (tls, ready) = (tls.clone(), ready.clone());
+                tokio::spawn(async move {
+                    match tls.accept_grpc(socket).await {
+                        Ok(stream) => {
+                            let _ = ready.send(Ok(stream)).await;
+                        }
+                        Err(e) => {
+                            tracing::warn!(%peer, error = %e, "refused a gRPC connection: its TLS handshake failed");
+                        }
+                    }
+                });
+            }
+        });
+        ReceiverStream::new(incoming)
+    }
+
+    async fn accept_grpc(
+        &self,
+        socket: TcpStream,
+    ) -> std::io::Result<server::TlsStream<TcpStream>> {
+        socket.set_nodelay(true)?;
+        let acceptor = self.current.current().grpc.acceptor.clone();
+        within(HANDSHAKE_LIMIT, acceptor.accept(socket)).await
+    }
+
+    /// A gRPC client's connection to `address` (`host:port`): TCP, then the handshake with a
+    /// server whose certificate names that host.
+    pub(super) async fn connect_grpc(
+        &self,
+        address: &str,
+    ) -> std::io::Result<client::TlsStream<TcpStream>> {
+        let name = server_name(address)?;
+        let socket = TcpStream::connect(address).await?;
+        socket.set_nodelay(true)?;
+        let connector = self.current.current().grpc.connector.clone();
+        within(HANDSHAKE_LIMIT, connector.connect(name, socket)).await
+    }
+}
+
+/// Why a worker's gRPC address cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum EndpointError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error(
+        "https:// needs the deployment's TLS files (gateway: [cluster] tls_ca, tls_cert, \
+         tls_key; worker: --tls-ca, --tls-cert, --tls-key)"
+    )]
+    HttpsWithoutTls,
+}
+
+/// A worker's gRPC address, called over the deployment's TLS when there is one.
+#[derive(Debug, Clone)]
+pub struct WorkerEndpoint {
+    endpoint: Endpoint,
+    tls: Option<ClusterTls>,
+}
+
+/// The gRPC endpoint of the worker at `uri` (`http://host:port`). With the deployment's TLS,
+/// every call goes over TLS whatever the scheme says — no hop is left in the clear by a URI
+/// written without the `s` —, to a server whose certificate names `host`. Without TLS, an
+/// `https://` URI is refused: it could never connect.
+pub fn endpoint(uri: &str, tls: Option<&ClusterTls>) -> Result<WorkerEndpoint, EndpointError> {
+    let invalid = |e: &dyn std::fmt::Display| EndpointError::Invalid(e.to_string());
+    let parsed: Uri = uri.parse().map_err(|e| invalid(&e))?;
+    let https = parsed.scheme_str() == Some("https");
+    let endpoint = match tls {
+        None if https => return Err(EndpointError::HttpsWithoutTls),
+        None => parsed,
+        // The connector makes the TLS: tonic is handed a plain URI whose authority names the
+        // port the scheme implies.
+        Some(_) => {
+            let authority = parsed
+                .authority()
+                .ok_or_else(|| invalid(&format!("{uri} names no host")))?;
+            let port = authority.port_u16().unwrap_or(if https { 443 } else { 80 });
+            let address = format!("{}:{port}", authority.host());
+            let mut parts = parsed.clone().into_parts();
+            parts.scheme = Some(http::uri::Scheme::HTTP);
+            parts.authority = Some(address.parse().map_err(|e| invalid(&e))?);
+            Uri::from_parts(parts).map_err(|e| invalid(&e))?
+        }
+    };
+    Ok(WorkerEndpoint {
+        endpoint: Endpoint::from(endpoint).tcp_nodelay(true),
+        tls: tls.cloned(),
+    })
+}
+
+impl WorkerEndpoint {
+    /// A connection (TCP and, with TLS, the handshake) that takes longer than `limit` fails.
+    pub fn connect_timeout(self, limit: Duration) -> WorkerEndpoint {
+        WorkerEndpoint {
+            endpoint: self.endpoint.connect_timeout(limit),
+            ..self
+        }
+    }
+
+    /// A channel that connects at its first call, and again after a connection is lost.
+    pub fn connect_lazy(&self) -> Channel {
+        match &self.tls {
+            None => self.endpoint.connect_lazy(),
+            Some(tls) => self
+                .endpoint
+                .connect_with_connector_lazy(Connector(tls.clone())),
+        }
+    }
+
+    /// A channel, connected now.
+    pub async fn connect(&self) -> Result<Channel, tonic::transport::Error> {
+        match &self.tls {
+            None => self.endpoint.connect().await,
+            Some(tls) => {
+                self.endpoint
+                    .connect_with_connector(Connector(tls.clone()))
+                    .await
+            }
+        }
+    }
+}
+
+/// Makes a gRPC channel's connections over the deployment's TLS.
+#[derive(Clone)]
+struct Connector(ClusterTls);
+
+impl tower::Service<Uri> for Connector {
+    type Response = TokioIo<client::TlsStream<TcpStream>>;
+    type Error = std::io::Error;
+    type Future = Pin<Box<dyn Future<Output = std::io::Result<Self::Response>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let tls = self.0.clone();
+        Box::pin(async move {
+            // `endpoint` gave every URI a host and a port.
+            let address = uri.authority().map_or_else(String::new, |a| a.to_string());
+            Ok(TokioIo::new(tls.connect_grpc(&address).await?))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::AsyncReadExt as _;
+
+    use super::*;
+    use crate::serve::tls::{Authority, issued_for};
+
+    /// The first bytes a channel made from `uri` (with `tls`, or none) sends to the listener
+    /// it dials.
+    async fn first_bytes(uri_of: impl Fn(&str) -> String, tls: Option<&ClusterTls>) -> Vec<u8> {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("address").to_string();
+        let channel = endpoint(&uri_of(&address), tls)
+            .expect("valid")
+            .connect_lazy();
+        let call = tokio::spawn(async move {
+            let _ = crate::serve::proto::WorkerClient::new(channel)
+                .health(crate::serve::proto::HealthRequest {})
+                .await;
+        });
+        let (mut socket, _) = listener.accept().await.expect("dialled");
+        let mut first = vec![0; 3];
+        socket.read_exact(&mut first).await.expect("bytes");
+        call.abort();
+        first
+    }
+
+    /// With TLS, a worker is called over TLS whether its URI says `http://` or `https://`
+    /// (the first bytes are a TLS handshake record, 0x16 0x03 …); without, in the clear (the
+    /// HTTP/2 preface, `PRI`), and `https://` is refused.
+    #[tokio::test]
+    async fn with_tls_every_worker_is_called_over_tls_and_https_without_it_is_refused() {
+        let ca = Authority::new("test CA").expect("a CA");
+        let tls = issued_for(&ca, &["127.0.0.1"]);
+        for scheme in ["http", "https"] {
+            let sent = first_bytes(|a| format!("{scheme}://{a}"), Some(&tls)).await;
+            assert_eq!(&sent[..2], &[0x16, 0x03], "{scheme}: {sent:?}");
+        }
+        let sent = first_bytes(|a| format!("http://{a}"), None).await;
+        assert_eq!(sent, b"PRI");
+        assert!(matches!(
+            endpoint("https://127.0.0.1:5", None),
+            Err(EndpointError::HttpsWithoutTls)
+        ));
+        assert!(matches!(
+            endpoint("not a uri", None),
+            Err(EndpointError::Invalid(_))
+        ));
+    }
+}
