@@ -454,10 +454,10 @@ fn with_tls_every_hop_is_mutual_tls_and_a_plain_or_foreign_caller_gets_nothing()
                     .map_err(|s| s.to_string())
             })
         };
+        let another_ca = Authority::new("another CA").expect("a CA");
         let foreign = {
             let dir = crate::up::TempDir::new("foreign-ca");
-            let files = Authority::new("another CA")
-                .expect("a CA")
+            let files = another_ca
                 .write(&dir.0, "intruder", &["127.0.0.1".to_owned()])
                 .expect("writes");
             bulkhead_worker::serve::ClusterTls::load(&files).expect("loads")
@@ -508,6 +508,28 @@ fn with_tls_every_hop_is_mutual_tls_and_a_plain_or_foreign_caller_gets_nothing()
             report.contains("set [cluster] tls_ca"),
             "says why:\n{report}"
         );
+
+        // A renewal, to the other CA, written over every process's files while they run: the
+        // workers take the other CA's certificates and no longer the old one's, and prefill
+        // hands decode the KV over TLS with the new certificates on both ends — no restart.
+        let tls_dir = up.data_dir.join("tls");
+        for name in ["gateway", "prefill", "decode"] {
+            another_ca
+                .write(&tls_dir, name, &["127.0.0.1".to_owned()])
+                .expect("renews");
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while health(Some(&foreign)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "the workers never took the renewed certificates"
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        assert!(health(Some(&own)).is_err(), "the old CA's certificate");
+        let (status, body) = up.chat(KEY_B, &[], QUESTION);
+        assert_eq!(status, 200, "served after the renewal: {body}");
+        up.wait_pool_drained();
     });
 }
 
