@@ -28,11 +28,26 @@ pub struct Args {
     threads: crate::runtime::Threads,
     #[command(flatten)]
     otlp: crate::telemetry::OtlpArgs,
+    /// The deployment's mutual TLS towards the workers; given, it replaces `[cluster]`'s
+    /// `tls_*` (the same flags and variables as `bulkhead worker`'s).
+    #[command(flatten)]
+    tls: crate::tls_args::TlsArgs,
+}
+
+impl Args {
+    /// The configuration file, with the TLS flags in place of its `tls_*` when given.
+    fn config(&self) -> anyhow::Result<(Config, ConfigFile)> {
+        let (mut config, file) = ConfigFile::load(&self.config)
+            .with_context(|| format!("invalid configuration {}", self.config.display()))?;
+        if let Some(tls) = self.tls.settings() {
+            config.cluster.tls = Some(tls);
+        }
+        Ok((config, file))
+    }
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let (config, file) = ConfigFile::load(&args.config)
-        .with_context(|| format!("invalid configuration {}", args.config.display()))?;
+    let (config, file) = args.config()?;
     let export = crate::telemetry::gateway_export(&args.otlp, &config.telemetry)?;
     // Dropped last, after the runtime: exports what is still queued.
     let telemetry = crate::telemetry::install("info", export.map(|o| (Service::Gateway, o)))?;
@@ -53,8 +68,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 /// `bulkhead preflight`: prints each worker's facts and every check; fails if any check does.
 pub fn preflight(args: Args) -> anyhow::Result<()> {
-    let config = Config::load(&args.config)
-        .with_context(|| format!("invalid configuration {}", args.config.display()))?;
+    let (config, _) = args.config()?;
     let cluster = config.cluster_access()?;
     let answers = crate::runtime::main()?.block_on(bulkhead_gateway::preflight::ask(
         &config,

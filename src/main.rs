@@ -10,6 +10,7 @@ mod model_path;
 mod runtime;
 mod switches;
 mod telemetry;
+mod tls_args;
 mod up;
 mod worker;
 

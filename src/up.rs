@@ -14,7 +14,7 @@ use bulkhead_gateway::tenants::ConfigFile;
 use bulkhead_gateway::{BoundGateway, Config};
 use bulkhead_worker::serve::ClusterToken;
 use bulkhead_worker::serve::cluster_token;
-use bulkhead_worker::serve::tls::{Authority, TlsFiles};
+use bulkhead_worker::serve::tls::{Authority, TlsFiles, TlsSettings};
 use tokio::process::{Child, Command};
 
 use crate::child;
@@ -147,7 +147,10 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
         None
     };
     if let Some(tls) = &tls {
-        config.cluster.tls = Some(tls.issue("gateway")?);
+        config.cluster.tls = Some(TlsSettings {
+            files: tls.issue("gateway")?,
+            server_name: None,
+        });
     }
     let secrets = Secrets {
         token_file: &token_file,

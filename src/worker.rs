@@ -9,7 +9,6 @@ use anyhow::Context;
 use bulkhead_kvpool::Scrub;
 use bulkhead_worker::engine::{EngineConfig, KvBudget};
 use bulkhead_worker::serve::kvplane::{DEFAULT_PEER_TIMEOUT, SendFault};
-use bulkhead_worker::serve::tls::TlsFiles;
 use bulkhead_worker::serve::transport::{KvTransport, TransportConfig};
 use bulkhead_worker::serve::{BoundWorker, ClusterTls, RoleConfig, ServeConfig, SharedToken};
 
@@ -44,9 +43,6 @@ pub mod env {
     pub const KV_TRANSPORT: &str = "BULKHEAD_KV_TRANSPORT";
     pub const RDMA_DEVICE: &str = "BULKHEAD_RDMA_DEVICE";
     pub const CLUSTER_TOKEN_FILE: &str = "BULKHEAD_CLUSTER_TOKEN_FILE";
-    pub const TLS_CA: &str = "BULKHEAD_TLS_CA";
-    pub const TLS_CERT: &str = "BULKHEAD_TLS_CERT";
-    pub const TLS_KEY: &str = "BULKHEAD_TLS_KEY";
 }
 
 /// What a worker process does.
@@ -170,18 +166,8 @@ pub struct Args {
     /// worker. Without it, anyone who reaches the gRPC port can run requests past the gateway.
     #[arg(long, env = env::CLUSTER_TOKEN_FILE)]
     cluster_token_file: Option<PathBuf>,
-    /// Mutual TLS inside the deployment: the CA certificate (PEM) every peer's certificate
-    /// must be signed by. With --tls-cert and --tls-key, the gRPC port and the KV data plane
-    /// take only TLS connections from peers the CA signed, and this worker's own calls and
-    /// transfers go out over TLS (to --prefill too, whether it says http:// or https://).
-    #[arg(long, env = env::TLS_CA, requires_all = ["tls_cert", "tls_key"])]
-    tls_ca: Option<PathBuf>,
-    /// This worker's certificate (PEM), naming the host peers reach it at.
-    #[arg(long, env = env::TLS_CERT, requires_all = ["tls_ca", "tls_key"])]
-    tls_cert: Option<PathBuf>,
-    /// This worker's private key (PEM; other users may not open the file).
-    #[arg(long, env = env::TLS_KEY, requires_all = ["tls_ca", "tls_cert"])]
-    tls_key: Option<PathBuf>,
+    #[command(flatten)]
+    tls: crate::tls_args::TlsArgs,
     #[command(flatten)]
     otlp: crate::telemetry::OtlpArgs,
 }
@@ -259,16 +245,7 @@ impl Args {
 
     /// The TLS files, read and checked now.
     fn tls(&self) -> anyhow::Result<Option<ClusterTls>> {
-        let (Some(ca), Some(cert), Some(key)) = (&self.tls_ca, &self.tls_cert, &self.tls_key)
-        else {
-            return Ok(None);
-        };
-        let files = TlsFiles {
-            ca: ca.clone(),
-            cert: cert.clone(),
-            key: key.clone(),
-        };
-        Ok(Some(ClusterTls::load(&files)?))
+        Ok(self.tls.settings().map(|s| s.load()).transpose()?)
     }
 }
 

@@ -78,7 +78,7 @@ use std::time::Duration;
 
 use bulkhead_telemetry::{OtlpEndpoint, TelemetryError};
 use bulkhead_worker::serve::cluster_token::{SharedToken, TokenError};
-use bulkhead_worker::serve::tls::{ClusterTls, TlsError, TlsFiles};
+use bulkhead_worker::serve::tls::{ClusterTls, TlsError, TlsFiles, TlsSettings};
 use serde::Deserialize;
 
 use crate::discovery::{GroupError, RawWorkerGroup, WorkerGroup};
@@ -119,7 +119,7 @@ pub struct ClusterSettings {
     /// carry none, and only workers without one answer them.
     pub token_file: Option<PathBuf>,
     /// The deployment's mutual TLS; `None`: calls go over plain TCP.
-    pub tls: Option<TlsFiles>,
+    pub tls: Option<TlsSettings>,
 }
 
 /// The gateway's credentials towards its Bulkhead workers, read and checked.
@@ -287,6 +287,8 @@ pub enum ConfigError {
     ClusterTls(#[from] TlsError),
     #[error("cluster: tls_ca, tls_cert and tls_key go together (all three or none)")]
     PartialTls,
+    #[error("cluster: tls_server_name needs tls_ca, tls_cert and tls_key")]
+    ServerNameWithoutTls,
     #[error("admin.token_sha256: {0}")]
     AdminToken(KeyHashError),
     #[error(transparent)]
@@ -372,6 +374,7 @@ struct RawCluster {
     tls_ca: Option<PathBuf>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
+    tls_server_name: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -518,7 +521,7 @@ impl Config {
     /// process runs, so checking a configuration elsewhere does not need them).
     pub fn cluster_access(&self) -> Result<ClusterAccess, ConfigError> {
         let token = self.cluster.token_file.as_deref().map(SharedToken::read);
-        let tls = self.cluster.tls.as_ref().map(ClusterTls::load);
+        let tls = self.cluster.tls.as_ref().map(TlsSettings::load);
         Ok(ClusterAccess {
             token: token.transpose()?,
             tls: tls.transpose()?,
@@ -528,7 +531,13 @@ impl Config {
 
 fn cluster_settings(raw: RawCluster) -> Result<ClusterSettings, ConfigError> {
     let tls = match (raw.tls_ca, raw.tls_cert, raw.tls_key) {
-        (Some(ca), Some(cert), Some(key)) => Some(TlsFiles { ca, cert, key }),
+        (Some(ca), Some(cert), Some(key)) => Some(TlsSettings {
+            files: TlsFiles { ca, cert, key },
+            server_name: raw.tls_server_name,
+        }),
+        (None, None, None) if raw.tls_server_name.is_some() => {
+            return Err(ConfigError::ServerNameWithoutTls);
+        }
         (None, None, None) => None,
         _ => return Err(ConfigError::PartialTls),
     };
@@ -922,8 +931,22 @@ mod tests {
             files.key.display().to_string()
         );
         let c = with(&all).expect("valid");
-        assert_eq!(c.cluster.tls.as_ref(), Some(&files));
+        let settings = c.cluster.tls.as_ref().expect("TLS");
+        assert_eq!((&settings.files, &settings.server_name), (&files, &None));
         assert!(c.cluster_access().expect("loads").tls.is_some());
+        let named = with(&format!("{all}tls_server_name = \"bulkhead-worker\"\n")).expect("valid");
+        let settings = named.cluster.tls.as_ref().expect("TLS");
+        assert_eq!(settings.server_name.as_deref(), Some("bulkhead-worker"));
+        let e = with("tls_server_name = \"bulkhead-worker\"\n")
+            .expect_err("a name without TLS")
+            .to_string();
+        assert!(e.contains("tls_server_name needs"), "{e}");
+        let e = with(&format!("{all}tls_server_name = \"not a name\"\n"))
+            .expect("parsed")
+            .cluster_access()
+            .expect_err("not a DNS name")
+            .to_string();
+        assert!(e.contains("not a DNS name"), "{e}");
         let two = all.lines().take(2).collect::<Vec<_>>().join("\n") + "\n";
         let e = with(&two).expect_err("the key is missing").to_string();
         assert!(

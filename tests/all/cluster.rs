@@ -132,10 +132,16 @@ impl Gateway {
 
 /// `bulkhead preflight --config CONFIG`: (passed, report).
 pub(crate) fn preflight(config: &Path) -> (bool, String) {
+    preflight_with_env(config, &[])
+}
+
+/// `bulkhead preflight --config CONFIG` with the environment variables `env` set.
+pub(crate) fn preflight_with_env(config: &Path, env: &[(&str, &Path)]) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
         .arg("preflight")
         .arg("--config")
         .arg(config)
+        .envs(env.iter().copied())
         .output()
         .expect("bulkhead preflight runs");
     let text = format!(

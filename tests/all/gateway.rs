@@ -508,6 +508,20 @@ fn with_tls_every_hop_is_mutual_tls_and_a_plain_or_foreign_caller_gets_nothing()
             report.contains("set [cluster] tls_ca"),
             "says why:\n{report}"
         );
+        // The variables every worker takes serve the gateway's processes too.
+        let files = up.data_dir.join("tls");
+        let (ca, cert, key) = (
+            files.join("ca.pem"),
+            files.join("gateway.pem"),
+            files.join("gateway.key"),
+        );
+        let env = [
+            ("BULKHEAD_TLS_CA", ca.as_path()),
+            ("BULKHEAD_TLS_CERT", cert.as_path()),
+            ("BULKHEAD_TLS_KEY", key.as_path()),
+        ];
+        let (passed, report) = crate::cluster::preflight_with_env(&config(false), &env);
+        assert!(passed, "with BULKHEAD_TLS_*:\n{report}");
 
         // A renewal, to the other CA, written over every process's files while they run: the
         // workers take the other CA's certificates and no longer the old one's, and prefill

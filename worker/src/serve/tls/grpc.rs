@@ -14,7 +14,7 @@ use tokio_rustls::{client, server};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
-use super::{ClusterTls, server_name, within};
+use super::{ClusterTls, within};
 use crate::serve::accepting;
 
 /// How long a gRPC peer has to complete its TLS handshake. The data plane bounds its
@@ -66,12 +66,12 @@ impl ClusterTls {
     }
 
     /// A gRPC client's connection to `address` (`host:port`): TCP, then the handshake with a
-    /// server whose certificate names that host.
+    /// server whose certificate names that host (or the name servers are verified as).
     pub(super) async fn connect_grpc(
         &self,
         address: &str,
     ) -> std::io::Result<client::TlsStream<TcpStream>> {
-        let name = server_name(address)?;
+        let name = self.server_name_for(address)?;
         let socket = TcpStream::connect(address).await?;
         socket.set_nodelay(true)?;
         let connector = self.current.current().grpc.connector.clone();

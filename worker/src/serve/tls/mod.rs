@@ -62,6 +62,25 @@ pub struct TlsFiles {
     pub key: PathBuf,
 }
 
+/// One process's TLS settings: its files, and the name every server's certificate must
+/// carry when it is not the host dialled (see [`ClusterTls::verifying_servers_as`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsSettings {
+    pub files: TlsFiles,
+    pub server_name: Option<String>,
+}
+
+impl TlsSettings {
+    /// The files read and checked, servers verified as the settings say.
+    pub fn load(&self) -> Result<ClusterTls, TlsError> {
+        let tls = ClusterTls::load(&self.files)?;
+        match &self.server_name {
+            Some(name) => tls.verifying_servers_as(name),
+            None => Ok(tls),
+        }
+    }
+}
+
 /// Why TLS cannot be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -91,6 +110,8 @@ pub enum TlsError {
         key: String,
         reason: String,
     },
+    #[error("the TLS server name {name:?} is not a DNS name: {reason}")]
+    ServerName { name: String, reason: String },
 }
 
 /// One process's side of the deployment's mutual TLS: the files, loaded and checked, and
@@ -101,6 +122,8 @@ pub enum TlsError {
 pub struct ClusterTls {
     current: Followed<Loaded>,
     files: Arc<TlsFiles>,
+    /// The name every server's certificate must carry, when not the host dialled.
+    servers: Option<ServerName<'static>>,
 }
 
 impl std::fmt::Debug for ClusterTls {
@@ -256,7 +279,31 @@ impl ClusterTls {
         Ok(ClusterTls {
             current: Followed::new(Loaded::read(files)?),
             files: Arc::new(files.clone()),
+            servers: None,
         })
+    }
+
+    /// Every server this process calls must hold a certificate for `name` (a DNS name),
+    /// whatever address it was dialled at: for deployments whose peers are dialled at
+    /// addresses no certificate can name in advance (pod IPs, which a pod's certificate is
+    /// issued before it has). Without it, a server's certificate must name the host dialled.
+    pub fn verifying_servers_as(self, name: &str) -> Result<ClusterTls, TlsError> {
+        let named = ServerName::try_from(name.to_owned()).map_err(|e| TlsError::ServerName {
+            name: name.to_owned(),
+            reason: e.to_string(),
+        })?;
+        Ok(ClusterTls {
+            servers: Some(named),
+            ..self
+        })
+    }
+
+    /// The name the certificate of the server at `address` (`host:port`) must carry.
+    fn server_name_for(&self, address: &str) -> std::io::Result<ServerName<'static>> {
+        match &self.servers {
+            Some(name) => Ok(name.clone()),
+            None => server_name(address),
+        }
     }
 
     /// Reads the files again every `every`, for as long as it runs (it never returns): files
@@ -279,7 +326,8 @@ impl ClusterTls {
     }
 
     /// The KV data plane, prefill's side: the handshake on `socket`, connected to `address`
-    /// (`host:port`), whose certificate must name that host; within `limit`.
+    /// (`host:port`), whose certificate must name that host (or the name servers are verified
+    /// as); within `limit`.
     pub async fn connect(
         &self,
         address: &str,
@@ -287,7 +335,11 @@ impl ClusterTls {
         limit: Duration,
     ) -> std::io::Result<client::TlsStream<TcpStream>> {
         let connector = self.current.current().kv.connector.clone();
-        within(limit, connector.connect(server_name(address)?, socket)).await
+        within(
+            limit,
+            connector.connect(self.server_name_for(address)?, socket),
+        )
+        .await
     }
 }
 
@@ -666,6 +718,36 @@ mod tests {
         assert!(connected.is_err() && accepted.is_err());
         // The same client offering TLS 1.3 is taken: the refusal is the version's.
         assert_eq!(listening.admits(&server).await, (true, true));
+    }
+
+    /// Peers dialled at addresses no certificate names in advance (pod IPs) are verified as
+    /// one name instead: a server whose certificate carries only that name is taken, on both
+    /// planes, by a client verifying servers as it, and refused by one checking the address
+    /// dialled or verifying another name.
+    #[tokio::test]
+    async fn servers_can_be_verified_as_one_name_whatever_address_they_are_dialled_at() {
+        let dir = tempdir::Dir::new();
+        let ca = Authority::new("test CA").expect("a CA");
+        let files = ca
+            .write(&dir.0, "worker", &["bulkhead-worker".to_owned()])
+            .expect("writes");
+        let server = ClusterTls::load(&files).expect("loads");
+        let mut listening = Listening::new(&server).await;
+        let client = issued_for(&ca, &["127.0.0.1"]);
+        assert_eq!(listening.admits(&client).await, (false, false));
+        let named = |name: &str| client.clone().verifying_servers_as(name).expect("a name");
+        assert_eq!(
+            listening.admits(&named("bulkhead-worker")).await,
+            (true, true)
+        );
+        assert_eq!(
+            listening.admits(&named("bulkhead-other")).await,
+            (false, false)
+        );
+        let e = client
+            .verifying_servers_as("not a name")
+            .expect_err("refused");
+        assert!(e.to_string().contains("not a DNS name"), "{e}");
     }
 
     #[test]

@@ -1,0 +1,55 @@
+//! The mutual-TLS flags every process of a deployment takes (`bulkhead worker`, `gateway`,
+//! `preflight`), under the same names and environment variables, so one set of settings
+//! serves every pod.
+
+use std::path::PathBuf;
+
+use bulkhead_worker::serve::tls::{TlsFiles, TlsSettings};
+
+/// Environment variables, one per flag.
+pub mod env {
+    pub const TLS_CA: &str = "BULKHEAD_TLS_CA";
+    pub const TLS_CERT: &str = "BULKHEAD_TLS_CERT";
+    pub const TLS_KEY: &str = "BULKHEAD_TLS_KEY";
+    pub const TLS_SERVER_NAME: &str = "BULKHEAD_TLS_SERVER_NAME";
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct TlsArgs {
+    /// Mutual TLS inside the deployment: the CA certificate (PEM) every peer's certificate
+    /// must be signed by. With --tls-cert and --tls-key, every gRPC port and KV listener takes
+    /// only TLS connections from peers the CA signed, and every call and transfer goes out
+    /// over TLS (whether an address says http:// or https://). The files are read again every
+    /// 5 s: a renewal needs no restart.
+    #[arg(long, env = env::TLS_CA, requires_all = ["tls_cert", "tls_key"])]
+    tls_ca: Option<PathBuf>,
+    /// This process's certificate (PEM), naming the host peers reach it at (or the
+    /// --tls-server-name).
+    #[arg(long, env = env::TLS_CERT, requires_all = ["tls_ca", "tls_key"])]
+    tls_cert: Option<PathBuf>,
+    /// This process's private key (PEM; other users may not open the file).
+    #[arg(long, env = env::TLS_KEY, requires_all = ["tls_ca", "tls_cert"])]
+    tls_key: Option<PathBuf>,
+    /// The DNS name every server's certificate must carry, instead of the host dialled: for
+    /// peers dialled by addresses no certificate names in advance (pod IPs).
+    #[arg(long, env = env::TLS_SERVER_NAME, requires = "tls_ca")]
+    tls_server_name: Option<String>,
+}
+
+impl TlsArgs {
+    /// The settings the flags give, if they give any.
+    pub fn settings(&self) -> Option<TlsSettings> {
+        let (Some(ca), Some(cert), Some(key)) = (&self.tls_ca, &self.tls_cert, &self.tls_key)
+        else {
+            return None;
+        };
+        Some(TlsSettings {
+            files: TlsFiles {
+                ca: ca.clone(),
+                cert: cert.clone(),
+                key: key.clone(),
+            },
+            server_name: self.tls_server_name.clone(),
+        })
+    }
+}
