@@ -97,15 +97,11 @@ impl BoundGateway {
         let api = bind("API", config.listen.api).await?;
         let admin = bind("admin", config.listen.admin).await?;
         let cluster = config.cluster_access()?;
-        // The token and the TLS files are followed for as long as the runtime runs: a
-        // rotation or a renewal needs no restart.
-        let every = bulkhead_worker::serve::followed::RELOAD_EVERY;
-        if let Some(token) = cluster.token.clone() {
-            tokio::spawn(token.follow(every));
-        }
-        if let Some(tls) = cluster.tls.clone() {
-            tokio::spawn(tls.follow(every));
-        }
+        // Followed for as long as the runtime runs.
+        tokio::spawn(bulkhead_worker::serve::follow_secrets(
+            cluster.token.clone(),
+            cluster.tls.clone(),
+        ));
         let workers = Workers::new(&config.workers, cluster)?;
         let policies = match config.policies {
             None => Policies::disabled(),

@@ -592,7 +592,6 @@ impl Workers {
         })
     }
 
-    /// What each worker reported, in configuration order.
     /// How the gateway reaches its Bulkhead workers: whether it presents a cluster token, and
     /// whether its calls go over mutual TLS.
     pub fn access(&self) -> Access {
@@ -602,6 +601,7 @@ impl Workers {
         })
     }
 
+    /// What each worker reported, in configuration order.
     pub fn reports(&self) -> Vec<WorkerReport> {
         self.with(|s| {
             s.entries

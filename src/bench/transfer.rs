@@ -102,7 +102,9 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
         scope(false, true, false),
         scope(true, false, true),
     ];
-    let tls = bench_tls()?;
+    // Both ends of the TLS scope: a fresh CA and a certificate for 127.0.0.1, as `bulkhead up
+    // --tls` makes them.
+    let tls = Authority::new("bench CA")?.cluster_tls(&["127.0.0.1"])?;
     let mut raw = Vec::new();
     let mut runs: Vec<Vec<f64>> = vec![Vec::new(); scopes.len()];
     let mut hash = Vec::new();
@@ -362,16 +364,6 @@ impl Payload {
             .map_err(|_| anyhow::anyhow!("decode thread panicked"))??;
         Ok(self.total_bytes() as f64 / start.elapsed().as_secs_f64())
     }
-}
-
-/// Mutual TLS for both ends of the data connection: a fresh CA and a certificate for
-/// 127.0.0.1, as `bulkhead up --tls` makes them.
-fn bench_tls() -> anyhow::Result<ClusterTls> {
-    let dir = std::env::temp_dir().join(format!("bulkhead-bench-tls-{}", std::process::id()));
-    let files = Authority::new("bench CA")?.write(&dir, "bench", &["127.0.0.1".to_owned()])?;
-    let tls = ClusterTls::load(&files);
-    let _ = std::fs::remove_dir_all(&dir);
-    Ok(tls?)
 }
 
 /// Decode's side: frames through `write_frame` (checks on) or straight into their pages.

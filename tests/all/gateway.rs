@@ -455,13 +455,7 @@ fn with_tls_every_hop_is_mutual_tls_and_a_plain_or_foreign_caller_gets_nothing()
             })
         };
         let another_ca = Authority::new("another CA").expect("a CA");
-        let foreign = {
-            let dir = crate::up::TempDir::new("foreign-ca");
-            let files = another_ca
-                .write(&dir.0, "intruder", &["127.0.0.1".to_owned()])
-                .expect("writes");
-            bulkhead_worker::serve::ClusterTls::load(&files).expect("loads")
-        };
+        let foreign = another_ca.cluster_tls(&["127.0.0.1"]).expect("issued");
         assert!(health(None).is_err(), "plain TCP, with the token");
         assert!(health(Some(&foreign)).is_err(), "another CA's certificate");
         let own = up.tls_of("gateway");

@@ -4,9 +4,10 @@
 //! presents it on every call to its workers (`[cluster] token_file`).
 //!
 //! The file holds one secret per line: the first is presented, every one is accepted. Every
-//! process reads its file again every [`RELOAD_EVERY`](super::followed::RELOAD_EVERY) ([`SharedToken::follow`]), so a rotation
-//! needs no restart and refuses no call: add the new secret as a second line everywhere, wait
-//! for the reload, move it to the first line everywhere, wait, then drop the old one.
+//! process reads its file again every [`RELOAD_EVERY`](super::followed::RELOAD_EVERY)
+//! ([`SharedToken::follow`]), so a rotation needs no restart and refuses no call: add the new
+//! secret as a second line everywhere, wait for the reload, move it to the first line
+//! everywhere, wait, then drop the old one.
 //!
 //! Without it, anyone who reaches a worker's gRPC port runs requests past the gateway: under
 //! any tenant's name, with none of its keys, limits, policies or audit records, and a prefill
@@ -164,8 +165,12 @@ impl SharedToken {
     /// use, and says why.
     pub async fn follow(self, every: Duration) {
         if let Some(path) = self.file {
-            let read = || ClusterToken::read(&path);
-            self.current.follow(every, "the cluster token", read).await;
+            let reread = |current: &ClusterToken| {
+                ClusterToken::read(&path).map(|token| (token != *current).then_some(token))
+            };
+            self.current
+                .follow(every, "the cluster token", reread)
+                .await;
         }
     }
 }

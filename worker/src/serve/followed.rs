@@ -20,7 +20,7 @@ impl<T> Clone for Followed<T> {
     }
 }
 
-impl<T: PartialEq> Followed<T> {
+impl<T> Followed<T> {
     pub fn new(value: T) -> Followed<T> {
         Followed(Arc::new(RwLock::new(Arc::new(value))))
     }
@@ -34,22 +34,23 @@ impl<T: PartialEq> Followed<T> {
             .clone()
     }
 
-    /// Calls `read` every `every`, for as long as it runs (it never returns): a value unlike
-    /// the current one replaces it; an error keeps it, and is logged once until it changes or
-    /// goes (a file half written, missing or exposed).
+    /// Calls `reread` with the current value every `every`, for as long as it runs (it never
+    /// returns): a value it returns (what changed) replaces the current one; `None` keeps it;
+    /// an error keeps it too, and is logged once until it changes or goes (a file half
+    /// written, missing or exposed).
     pub async fn follow<E: Display>(
         self,
         every: Duration,
         what: &str,
-        read: impl Fn() -> Result<T, E>,
+        reread: impl Fn(&T) -> Result<Option<T>, E>,
     ) {
         let mut failing: Option<String> = None;
         loop {
             tokio::time::sleep(every).await;
-            match read() {
-                Ok(value) => {
+            match reread(&self.current()) {
+                Ok(changed) => {
                     failing = None;
-                    if value != *self.current() {
+                    if let Some(value) = changed {
                         *self.0.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(value);
                         tracing::info!("{what} changed: reloaded");
                     }

@@ -31,7 +31,7 @@
 //! With the deployment's mutual TLS ([`ClusterTls`]) every data connection is TLS 1.3: decode
 //! takes frames only from a peer whose certificate the CA signed (the handshake bounded by the
 //! peer timeout), and prefill writes only to a decode worker whose certificate names the
-//! address it dialled.
+//! address it dialled (or the name servers are verified as, `--tls-server-name`).
 //!
 //! Both ends bound how long a peer that vanished — a dead host, a partition without a reset —
 //! keeps a connection ([`bound_peer`]): without it, decode never learnt that such a peer was
@@ -954,7 +954,7 @@ mod tests {
     #[tokio::test]
     async fn the_listener_takes_a_transfer_and_a_drain_acknowledgement_on_their_own_connections() {
         let ca = crate::serve::tls::Authority::new("test CA").expect("a CA");
-        let tls = || Some(crate::serve::tls::issued_for(&ca, &["127.0.0.1"]));
+        let tls = || Some(ca.cluster_tls(&["127.0.0.1"]).expect("issued"));
         for (server_tls, client_tls) in [(None, None), (tls(), tls())] {
             let (address, log, server) = listening(server_tls).await;
             let fs = frames(2, 100);
@@ -993,7 +993,7 @@ mod tests {
     #[tokio::test]
     async fn an_on_path_host_reads_the_kv_in_the_clear_without_tls_and_nothing_with_it() {
         let ca = crate::serve::tls::Authority::new("test CA").expect("a CA");
-        let tls = || Some(crate::serve::tls::issued_for(&ca, &["127.0.0.1"]));
+        let tls = || Some(ca.cluster_tls(&["127.0.0.1"]).expect("issued"));
         let fs = frames(4, 4096);
         let seen_in = |copy: &[u8]| {
             fs.iter()
@@ -1069,12 +1069,12 @@ mod tests {
     async fn a_tls_listener_takes_frames_only_from_peers_the_ca_signed() {
         let ca = crate::serve::tls::Authority::new("test CA").expect("a CA");
         let (address, log, server) =
-            listening(Some(crate::serve::tls::issued_for(&ca, &["127.0.0.1"]))).await;
+            listening(Some(ca.cluster_tls(&["127.0.0.1"]).expect("issued"))).await;
         let fs = frames(2, 100);
         let m = manifest(&fs);
         let stranger = crate::serve::tls::Authority::new("another CA").expect("a CA");
         let foreign = SendOptions {
-            tls: Some(crate::serve::tls::issued_for(&stranger, &["127.0.0.1"])),
+            tls: Some(stranger.cluster_tls(&["127.0.0.1"]).expect("issued")),
             ..plain()
         };
         assert!(
@@ -1113,7 +1113,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(log.got.lock().expect("lock").is_empty(), "nothing got in");
         let signed = SendOptions {
-            tls: Some(crate::serve::tls::issued_for(&ca, &["127.0.0.1"])),
+            tls: Some(ca.cluster_tls(&["127.0.0.1"]).expect("issued")),
             ..plain()
         };
         let got = transfer_and_acknowledge(&address, &log, &fs, &signed).await;
@@ -1126,14 +1126,11 @@ mod tests {
     #[tokio::test]
     async fn prefill_refuses_a_decode_peer_whose_certificate_names_another_host() {
         let ca = crate::serve::tls::Authority::new("test CA").expect("a CA");
-        let (address, log, server) = listening(Some(crate::serve::tls::issued_for(
-            &ca,
-            &["decode-1.example"],
-        )))
-        .await;
+        let (address, log, server) =
+            listening(Some(ca.cluster_tls(&["decode-1.example"]).expect("issued"))).await;
         let fs = frames(2, 100);
         let options = SendOptions {
-            tls: Some(crate::serve::tls::issued_for(&ca, &["127.0.0.1"])),
+            tls: Some(ca.cluster_tls(&["127.0.0.1"]).expect("issued")),
             ..plain()
         };
         let e = send_with(&address, &fs, &manifest(&fs), &options, || false)

@@ -18,7 +18,7 @@ mod admin;
 pub mod cluster_token;
 mod disagg;
 mod error;
-pub mod followed;
+mod followed;
 pub mod info;
 pub mod kvplane;
 mod metrics;
@@ -54,6 +54,23 @@ pub use validate::{PromptSource, Prompter, ValidGenerate};
 use crate::engine::{Capacity, Engine, EngineConfig, StartupError};
 use crate::loader::LoadedModel;
 use crate::tokenizer::{Tokenizer, TokenizerError};
+
+/// Follows the cluster token's file and the TLS files, when there are any, for as long as it
+/// runs (it never returns): a rotation or a renewal needs no restart.
+pub async fn follow_secrets(token: Option<SharedToken>, tls: Option<ClusterTls>) -> Infallible {
+    let token = async {
+        if let Some(t) = token {
+            t.follow(followed::RELOAD_EVERY).await;
+        }
+    };
+    let tls = async {
+        if let Some(t) = tls {
+            t.follow(followed::RELOAD_EVERY).await;
+        }
+    };
+    tokio::join!(token, tls);
+    std::future::pending().await
+}
 
 /// The part a worker plays in serving.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -303,23 +320,7 @@ impl BoundWorker {
             }
         };
         // The cluster token and the TLS files are followed for as long as the worker serves.
-        let follows = {
-            let (token, tls) = (self.cluster_token.clone(), self.tls.clone());
-            async move {
-                let token = async {
-                    if let Some(t) = token {
-                        t.follow(followed::RELOAD_EVERY).await;
-                    }
-                };
-                let tls = async {
-                    if let Some(t) = tls {
-                        t.follow(followed::RELOAD_EVERY).await;
-                    }
-                };
-                tokio::join!(token, tls);
-                std::future::pending::<Infallible>().await
-            }
-        };
+        let follows = follow_secrets(self.cluster_token.clone(), self.tls.clone());
         let admin = axum::serve(self.admin, admin::router(self.engine))
             .with_graceful_shutdown(stopped(stop_rx.clone()));
         let grpc =

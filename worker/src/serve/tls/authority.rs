@@ -10,7 +10,7 @@ use rcgen::{
     Issuer, KeyPair, KeyUsagePurpose,
 };
 
-use super::TlsFiles;
+use super::{ClusterTls, TlsError, TlsFiles};
 use crate::serve::secret_file;
 
 /// A CA: its certificate and the key that signs what it issues.
@@ -87,13 +87,28 @@ impl Authority {
         secret_file::write(&files.key, key_pem.as_bytes())?;
         Ok(files)
     }
+
+    /// A process's side of this CA's TLS, reached at `names`, its files never followed: a
+    /// certificate issued into a fresh temporary directory, loaded, and the directory removed
+    /// (`bench transfer`'s ends, and tests').
+    pub fn cluster_tls(&self, names: &[&str]) -> Result<ClusterTls, WriteError> {
+        let dir = std::env::temp_dir().join(format!("bulkhead-tls-{}", rand::random::<u64>()));
+        let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+        let loaded = self
+            .write(&dir, "peer", &names)
+            .and_then(|files| Ok(ClusterTls::load(&files)?));
+        let _ = std::fs::remove_dir_all(&dir);
+        loaded
+    }
 }
 
-/// Why certificates could not be written.
+/// Why certificates could not be written (or loaded back).
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
     #[error("making a certificate: {0}")]
     Certificate(#[from] rcgen::Error),
     #[error("writing a certificate: {0}")]
     Io(#[from] std::io::Error),
+    #[error("loading the certificate written: {0}")]
+    Load(#[from] TlsError),
 }

@@ -189,7 +189,7 @@ mod tests {
     use tokio::io::AsyncReadExt as _;
 
     use super::*;
-    use crate::serve::tls::{Authority, issued_for};
+    use crate::serve::tls::Authority;
 
     /// The first bytes a channel made from `uri` (with `tls`, or none) sends to the listener
     /// it dials.
@@ -217,7 +217,7 @@ mod tests {
     #[tokio::test]
     async fn with_tls_every_worker_is_called_over_tls_and_https_without_it_is_refused() {
         let ca = Authority::new("test CA").expect("a CA");
-        let tls = issued_for(&ca, &["127.0.0.1"]);
+        let tls = ca.cluster_tls(&["127.0.0.1"]).expect("issued");
         for scheme in ["http", "https"] {
             let sent = first_bytes(|a| format!("{scheme}://{a}"), Some(&tls)).await;
             assert_eq!(&sent[..2], &[0x16, 0x03], "{scheme}: {sent:?}");

@@ -153,12 +153,6 @@ struct Ends {
     connector: TlsConnector,
 }
 
-impl PartialEq for Loaded {
-    fn eq(&self, other: &Loaded) -> bool {
-        self.read == other.read
-    }
-}
-
 /// The cryptography provider of every end: ring's, with AES-128-GCM preferred (128-bit
 /// security, and fewer rounds per byte of KV than AES-256-GCM, ring's first choice).
 fn provider() -> Arc<CryptoProvider> {
@@ -173,18 +167,23 @@ fn provider() -> Arc<CryptoProvider> {
     })
 }
 
-/// The certificates in the PEM file at `path`: at least one, each parsed.
+/// The bytes of the PEM file at `path` (the `what`).
+fn pem_file(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
+        what,
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// The certificates in `pem`, read from `path` (the `what`): at least one, each parsed.
 fn certificates(
     what: &'static str,
     path: &Path,
-) -> Result<(Vec<u8>, Vec<CertificateDer<'static>>), TlsError> {
+    pem: &[u8],
+) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let shown = || path.display().to_string();
-    let pem = std::fs::read(path).map_err(|source| TlsError::Read {
-        what,
-        path: shown(),
-        source,
-    })?;
-    let certs = CertificateDer::pem_slice_iter(&pem)
+    let certs = CertificateDer::pem_slice_iter(pem)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| TlsError::BadCertificate {
             what,
@@ -197,20 +196,35 @@ fn certificates(
             path: shown(),
         });
     }
-    Ok((pem, certs))
+    Ok(certs)
+}
+
+impl Read {
+    /// The files' bytes, the key's only if other users cannot open it.
+    fn from_files(files: &TlsFiles) -> Result<Read, TlsError> {
+        Ok(Read {
+            ca: pem_file("TLS CA", &files.ca)?,
+            cert: pem_file("TLS certificate", &files.cert)?,
+            key: secret_file::read(&files.key)?,
+        })
+    }
 }
 
 impl Loaded {
     /// Reads and checks `files`: the CA parses and is usable as a trust anchor, the key file
     /// is open to its owner only and holds a key, and the certificate goes with the key.
     fn read(files: &TlsFiles) -> Result<Loaded, TlsError> {
-        let (ca_pem, ca) = certificates("TLS CA", &files.ca)?;
-        let (cert_pem, chain) = certificates("TLS certificate", &files.cert)?;
-        let key_pem = secret_file::read(&files.key)?;
+        Loaded::parse(files, Read::from_files(files)?)
+    }
+
+    /// The ends made from `read`, the bytes of `files`.
+    fn parse(files: &TlsFiles, read: Read) -> Result<Loaded, TlsError> {
+        let ca = certificates("TLS CA", &files.ca, &read.ca)?;
+        let chain = certificates("TLS certificate", &files.cert, &read.cert)?;
         let no_key = || TlsError::NoKey {
             path: files.key.display().to_string(),
         };
-        let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|_| no_key())?;
+        let key = PrivateKeyDer::from_pem_slice(&read.key).map_err(|_| no_key())?;
 
         let bad_ca = |reason: String| TlsError::BadCa {
             path: files.ca.display().to_string(),
@@ -253,11 +267,7 @@ impl Loaded {
         Ok(Loaded {
             grpc: ends(GRPC_ALPN)?,
             kv: ends(KV_ALPN)?,
-            read: Read {
-                ca: ca_pem,
-                cert: cert_pem,
-                key: key_pem,
-            },
+            read,
         })
     }
 }
@@ -310,8 +320,15 @@ impl ClusterTls {
     /// that changed and load are used from the next connection on, by every clone.
     pub async fn follow(self, every: Duration) {
         let files = self.files.clone();
-        let read = || Loaded::read(&files);
-        self.current.follow(every, "the TLS files", read).await;
+        // The bytes first: files unchanged are not parsed again.
+        let reread = |current: &Loaded| {
+            let read = Read::from_files(&files)?;
+            if read == current.read {
+                return Ok(None);
+            }
+            Loaded::parse(&files, read).map(Some)
+        };
+        self.current.follow(every, "the TLS files", reread).await;
     }
 
     /// The KV data plane, decode's side: the handshake on an accepted connection, within
@@ -364,18 +381,6 @@ fn server_name(address: &str) -> std::io::Result<ServerName<'static>> {
         .ok_or_else(|| invalid(format!("{address:?} has no port")))?;
     ServerName::try_from(host.to_owned())
         .map_err(|e| invalid(format!("{host:?} is not a host name: {e}")))
-}
-
-/// A deployment's TLS for tests: [`ClusterTls`] for processes reached at `names`, issued by
-/// `ca` and written to a fresh temporary directory.
-#[cfg(test)]
-pub(crate) fn issued_for(ca: &Authority, names: &[&str]) -> ClusterTls {
-    let dir = std::env::temp_dir().join(format!("bulkhead-tls-{}", rand::random::<u64>()));
-    let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
-    let files = ca.write(&dir, "peer", &names).expect("writes");
-    let tls = ClusterTls::load(&files).expect("loads");
-    let _ = std::fs::remove_dir_all(&dir);
-    tls
 }
 
 #[cfg(test)]
@@ -439,10 +444,14 @@ mod tests {
         let e = refused(&missing);
         assert!(e.contains("TLS CA") && e.contains("absent.pem"), "{e}");
 
-        let garbage = dir.0.join("garbage.pem");
-        std::fs::write(&garbage, "not a certificate\n").expect("writes");
+        // A file in the directory holding `text`.
+        let holding = |name: &str, text: &str| {
+            let path = dir.0.join(name);
+            std::fs::write(&path, text).expect("writes");
+            path
+        };
         let e = refused(&TlsFiles {
-            cert: garbage.clone(),
+            cert: holding("garbage.pem", "not a certificate\n"),
             ..files.clone()
         });
         assert!(
@@ -451,25 +460,19 @@ mod tests {
         );
 
         // A PEM block whose body is not base64, and a CA block whose bytes are no certificate.
-        let broken = dir.0.join("broken.pem");
-        std::fs::write(
-            &broken,
-            "-----BEGIN CERTIFICATE-----\n!!!!\n-----END CERTIFICATE-----\n",
-        )
-        .expect("writes");
         let e = refused(&TlsFiles {
-            cert: broken,
+            cert: holding(
+                "broken.pem",
+                "-----BEGIN CERTIFICATE-----\n!!!!\n-----END CERTIFICATE-----\n",
+            ),
             ..files.clone()
         });
         assert!(e.contains("not a valid PEM certificate"), "{e}");
-        let junk = dir.0.join("junk-ca.pem");
-        std::fs::write(
-            &junk,
-            "-----BEGIN CERTIFICATE-----\nAAECAwQF\n-----END CERTIFICATE-----\n",
-        )
-        .expect("writes");
         let e = refused(&TlsFiles {
-            ca: junk,
+            ca: holding(
+                "junk-ca.pem",
+                "-----BEGIN CERTIFICATE-----\nAAECAwQF\n-----END CERTIFICATE-----\n",
+            ),
             ..files.clone()
         });
         assert!(
@@ -510,8 +513,8 @@ mod tests {
     async fn data_connection() -> (server::TlsStream<TcpStream>, client::TlsStream<TcpStream>) {
         let ca = Authority::new("test CA").expect("a CA");
         let (decode, prefill) = (
-            issued_for(&ca, &["127.0.0.1"]),
-            issued_for(&ca, &["127.0.0.1"]),
+            ca.cluster_tls(&["127.0.0.1"]).expect("issued"),
+            ca.cluster_tls(&["127.0.0.1"]).expect("issued"),
         );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -634,8 +637,8 @@ mod tests {
         let files = old_ca.write(&dir.0, "worker", &names).expect("writes");
         let server = ClusterTls::load(&files).expect("loads");
         let (old, new) = (
-            issued_for(&old_ca, &["127.0.0.1"]),
-            issued_for(&new_ca, &["127.0.0.1"]),
+            old_ca.cluster_tls(&["127.0.0.1"]).expect("issued"),
+            new_ca.cluster_tls(&["127.0.0.1"]).expect("issued"),
         );
         let mut listening = Listening::new(&server).await;
         assert_eq!(listening.admits(&old).await, (true, true));
@@ -674,9 +677,10 @@ mod tests {
         let (_dir, files) = written();
         let server = ClusterTls::load(&files).expect("loads");
         let mut listening = Listening::new(&server).await;
-        let (_, ca) = certificates("TLS CA", &files.ca).expect("a CA");
-        let (_, chain) = certificates("TLS certificate", &files.cert).expect("a certificate");
-        let key = secret_file::read(&files.key).expect("a key");
+        let read = Read::from_files(&files).expect("reads");
+        let ca = certificates("TLS CA", &files.ca, &read.ca).expect("a CA");
+        let chain =
+            certificates("TLS certificate", &files.cert, &read.cert).expect("a certificate");
         let mut roots = RootCertStore::empty();
         roots.add_parsable_certificates(ca);
         let tls12 = |alpn: &[u8]| {
@@ -687,7 +691,7 @@ mod tests {
                 .with_root_certificates(roots.clone())
                 .with_client_auth_cert(
                     chain.clone(),
-                    PrivateKeyDer::from_pem_slice(&key).expect("a key"),
+                    PrivateKeyDer::from_pem_slice(&read.key).expect("a key"),
                 )
                 .expect("a client");
             config.alpn_protocols = vec![alpn.to_vec()];
@@ -733,7 +737,7 @@ mod tests {
             .expect("writes");
         let server = ClusterTls::load(&files).expect("loads");
         let mut listening = Listening::new(&server).await;
-        let client = issued_for(&ca, &["127.0.0.1"]);
+        let client = ca.cluster_tls(&["127.0.0.1"]).expect("issued");
         assert_eq!(listening.admits(&client).await, (false, false));
         let named = |name: &str| client.clone().verifying_servers_as(name).expect("a name");
         assert_eq!(
