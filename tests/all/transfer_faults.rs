@@ -143,6 +143,33 @@ async fn a_stuck_peer_keeps_its_quarantined_pages_until_it_dies_then_they_come_b
 }
 
 #[tokio::test]
+async fn a_prompt_that_outlasts_the_transfer_timeout_is_served_while_prefill_makes_progress() {
+    bounded(async {
+        // Prefill computes the prompt 32 tokens at a time, each chunk far within decode's
+        // transfer timeout; the whole prompt (about 600 tokens) takes longer than it. Decode
+        // once gave up on such a prompt at the timeout, however busily prefill worked on it.
+        let timeout = Duration::from_secs(3);
+        let (_prefill, decode) = pair(
+            &["--max-batch-tokens", "32"],
+            &["--transfer-timeout-ms", "3000"],
+        );
+        let long = "Tell me about the history of the harbour town and its ships. ".repeat(45);
+        let start = Instant::now();
+        let answer = run_to_end(&mut decode.client().await, chat(&long, 4)).await;
+        let took = start.elapsed();
+        let (_, tokens) = answer.unwrap_or_else(|e| panic!("failed after {took:?}: {e:?}"));
+        assert!(tokens >= 1, "{tokens}");
+        assert!(
+            took > timeout,
+            "the prompt took {took:?}: shorter than the timeout, this test shows nothing"
+        );
+        let m = decode.metrics();
+        assert_eq!(metric(&m, RECEIVING), 0.0, "{m}");
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn a_request_dropped_while_prefill_computes_is_acknowledged_not_quarantined() {
     bounded(async {
         // A release timeout far beyond the test's waits: only the acknowledgement can free

@@ -84,8 +84,9 @@ pub struct EngineConfig {
     pub max_running: usize,
     /// Admitted requests waiting for pages; more are refused with `QueueFull`.
     pub queue_capacity: usize,
-    /// Decode role: how long a reservation waits for the prefill worker to start sending
-    /// (its admission, queue and forward pass) …
+    /// Decode role: how long a reservation waits for the prefill worker's next sign of
+    /// progress — from the reservation to prefill's first chunk computed (its admission and
+    /// queue), from one chunk to the next, from the last to the KV's arrival — …
     pub transfer_timeout: Duration,
     /// … plus the prompt's KV bytes at this rate: a transfer slower than the floor fails.
     pub transfer_floor_bytes_per_s: u64,
@@ -740,6 +741,25 @@ impl Engine {
         }
     }
 
+    /// Decode role: the prefill worker filling transfer `nonce` computed `computed` of its
+    /// prompt tokens: the transfer's deadline starts again from now. Only progress counts — a
+    /// count above the last one and within the prompt — so a peer repeating itself (stuck, or
+    /// looping) cannot hold the reservation past one transfer timeout more.
+    pub fn prefill_progress(&mut self, nonce: SessionNonce, computed: u32) {
+        let Some(t) = self.transfers.get(&nonce) else {
+            return;
+        };
+        let prompt_tokens = t.inbound.reservation().prompt_tokens;
+        if computed <= t.computed || computed > prompt_tokens {
+            return;
+        }
+        let deadline = self.transfer_deadline(prompt_tokens);
+        if let Some(t) = self.transfers.get_mut(&nonce) {
+            t.computed = computed;
+            t.deadline = deadline;
+        }
+    }
+
     /// Decode role: the data connection carrying `nonces` is gone, so no more of their frames
     /// can arrive; their transfers fail and abandoned ones count as drained.
     pub fn transport_closed(&mut self, nonces: &[SessionNonce]) {
@@ -948,12 +968,7 @@ impl Engine {
                     if request.sink.emit(Event::Reserved(target.clone())) == Delivery::Gone {
                         continue; // the reservation drops: nothing was sent anywhere
                     }
-                    let bytes = u64::from(target.prompt_tokens) * c.token_bytes;
-                    let deadline = Instant::now()
-                        + self.config.transfer_timeout
-                        + Duration::from_secs_f64(
-                            bytes as f64 / self.config.transfer_floor_bytes_per_s as f64,
-                        );
+                    let deadline = self.transfer_deadline(target.prompt_tokens);
                     let inbound = bulkhead_handoff::Inbound::new(target);
                     self.transfers.insert(
                         nonce,
@@ -962,11 +977,22 @@ impl Engine {
                             pages: reservation,
                             inbound,
                             deadline,
+                            computed: 0,
                         },
                     );
                 }
             }
         }
+    }
+
+    /// Decode role: when a transfer of `prompt_tokens` waiting from now fails — the
+    /// transfer timeout for the prefill worker's next sign of progress, plus the prompt's KV
+    /// bytes at the floor rate.
+    fn transfer_deadline(&self, prompt_tokens: u32) -> Instant {
+        let bytes = u64::from(prompt_tokens) * self.capacity.token_bytes;
+        Instant::now()
+            + self.config.transfer_timeout
+            + Duration::from_secs_f64(bytes as f64 / self.config.transfer_floor_bytes_per_s as f64)
     }
 
     /// Scrubs the released pages waiting for it, so they can be reserved again.
@@ -1040,6 +1066,10 @@ impl Engine {
             r.prefilled += n;
         }
         let Some(logits) = logits else {
+            if r.target.is_some() {
+                let computed = u32::try_from(r.prefilled).unwrap_or(u32::MAX);
+                let _ = r.request.sink.emit(Event::Prefilling { computed });
+            }
             return Outcome::Continue;
         };
         let token = r.sampler.sample(&logits);

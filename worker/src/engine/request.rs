@@ -70,6 +70,10 @@ pub enum Event {
     Failed(Failure),
     /// Decode role: the request's pages are reserved; a prefill worker must now fill them.
     Reserved(bulkhead_handoff::Reservation),
+    /// Prefill role: a chunk of the prompt was computed, `computed` tokens of it in all (never
+    /// the last chunk: [`Event::Prefilled`] follows that one). Decode hears it as the prefill
+    /// worker's progress, which keeps its reservation waiting.
+    Prefilling { computed: u32 },
     /// Prefill role: the prompt's KV and first token, ready to send. The last event of the
     /// request on this worker; the transfer holds the source pages until it is closed.
     Prefilled(Outbound),
@@ -86,7 +90,7 @@ pub enum Failure {
     PrefillRejected(SubmitError),
     #[error("the prefill worker closed the transfer without completing it ({0})")]
     PrefillClosed(&'static str),
-    #[error("the KV transfer did not complete within {0:?}")]
+    #[error("the KV transfer made no progress within {0:?}")]
     TransferTimedOut(std::time::Duration),
 }
 

@@ -44,6 +44,8 @@ pub(super) struct Transfer {
     pub pages: Reservation,
     pub inbound: Inbound,
     pub deadline: Instant,
+    /// The most prompt tokens the prefill worker said it computed (its progress).
+    pub computed: u32,
 }
 
 /// Pages of an abandoned transfer, waiting for the prefill side's `Closed`.

@@ -71,6 +71,11 @@ enum Command {
         nonce: SessionNonce,
         reason: SubmitError,
     },
+    /// The prefill worker filling a decode-side transfer computed this much of its prompt.
+    PrefillProgress {
+        nonce: SessionNonce,
+        computed: u32,
+    },
     /// A data-plane connection ended: nothing more of these sessions can arrive.
     TransportClosed(Vec<SessionNonce>),
     /// A prefill-side transfer is over: release its source pages on the engine thread.
@@ -209,6 +214,13 @@ impl EngineHandle {
             .send(Command::PrefillRejected { nonce, reason });
     }
 
+    /// The prefill worker filling transfer `nonce` computed `computed` of its prompt tokens.
+    pub fn prefill_progress(&self, nonce: SessionNonce, computed: u32) {
+        let _ = self
+            .commands
+            .send(Command::PrefillProgress { nonce, computed });
+    }
+
     /// A data-plane connection that carried `nonces` ended.
     pub fn transport_closed(&self, nonces: Vec<SessionNonce>) {
         let _ = self.commands.send(Command::TransportClosed(nonces));
@@ -320,6 +332,7 @@ fn handle(engine: &mut Engine, command: Command, metrics: &Metrics) {
             drop(lease);
         }
         Command::PrefillRejected { nonce, reason } => engine.prefill_rejected(nonce, reason),
+        Command::PrefillProgress { nonce, computed } => engine.prefill_progress(nonce, computed),
         Command::TransportClosed(nonces) => engine.transport_closed(&nonces),
         Command::Close(outbound) => outbound.close(),
         Command::Stats { reply } => {
@@ -373,7 +386,7 @@ impl EventSink for ChannelSink {
             }),
             Event::Failed(f) => self.metrics.count(Outcome::failed(f)),
             // Transfer events are counted by the transfer paths.
-            Event::Reserved(_) | Event::Prefilled(_) => {}
+            Event::Reserved(_) | Event::Prefilling { .. } | Event::Prefilled(_) => {}
         }
         let is_token = matches!(event, Event::Token { .. });
         match self.tx.send(event) {

@@ -38,7 +38,7 @@ use super::proto::{self, PrefillItem};
 use super::refusal::{from_proto_reservation, from_refusal, to_proto_reservation, to_refusal};
 use super::spans;
 use super::validate::{self, ValidGenerate};
-use crate::engine::{Event, Failure, Request};
+use crate::engine::{Event, Failure, Outbound, Request};
 
 /// A decode worker's way to its prefill worker.
 #[derive(Debug, Clone)]
@@ -115,6 +115,9 @@ impl PrefillCall {
                         span.record("bulkhead.kv.bytes", sent.bytes);
                         return sent.cached_tokens;
                     }
+                    Ok(Some(proto::PrefillEvent {
+                        event: Some(PrefillItem::Progress(progress)),
+                    })) => engine.prefill_progress(nonce, progress.computed_tokens),
                     Ok(Some(_)) => {}
                     Ok(None) | Err(_) => {
                         // The prefill side is gone or failed: nothing more of this session
@@ -395,6 +398,51 @@ struct SendTo {
     options: SendOptions,
 }
 
+/// How the computation of a prefill request ended.
+enum Computed {
+    /// The prompt's KV, ready to send.
+    Kv(Outbound),
+    /// It failed, and decode was told why on the call.
+    Failed,
+    /// Decode dropped the call: it waits for nothing but the drain acknowledgement.
+    Dropped,
+}
+
+/// Waits for the prompt's KV, telling decode of each chunk computed before it.
+async fn computed(
+    events: &mut Events,
+    tx: &mpsc::Sender<Result<proto::PrefillEvent, Status>>,
+) -> Computed {
+    loop {
+        let answer = tokio::select! {
+            event = events.recv() => match event {
+                Some(Event::Prefilled(outbound)) => return Computed::Kv(outbound),
+                Some(Event::Prefilling { computed }) => {
+                    let progress = proto::PrefillProgress {
+                        computed_tokens: computed,
+                    };
+                    Ok(proto::PrefillEvent {
+                        event: Some(PrefillItem::Progress(progress)),
+                    })
+                }
+                Some(Event::Failed(f)) => Err(status(&ServeError::Failed(f))),
+                other => {
+                    tracing::error!(event = ?other, "a prefill request ended without its KV");
+                    Err(status(&ServeError::Internal { what: "engine" }))
+                }
+            },
+            () = tx.closed() => return Computed::Dropped,
+        };
+        let failed = answer.is_err();
+        if tx.send(answer).await.is_err() {
+            return Computed::Dropped;
+        }
+        if failed {
+            return Computed::Failed;
+        }
+    }
+}
+
 /// Waits for the prompt's KV and writes it to decode; the source pages go back once the
 /// transfer is closed, whatever happened.
 async fn transfer(
@@ -405,28 +453,16 @@ async fn transfer(
     send: SendTo,
 ) {
     let computing = tracing::info_span!("prefill");
-    let outbound = tokio::select! {
-        event = events.recv().instrument(computing.clone()) => match event {
-            Some(Event::Prefilled(outbound)) => outbound,
-            Some(Event::Failed(f)) => {
-                if tx.send(Err(status(&ServeError::Failed(f)))).await.is_err() {
-                    acknowledge_abort(&send).await;
-                }
-                return;
-            }
-            other => {
-                tracing::error!(event = ?other, "a prefill request ended without its KV");
-                let error = Err(status(&ServeError::Internal { what: "engine" }));
-                if tx.send(error).await.is_err() {
-                    acknowledge_abort(&send).await;
-                }
-                return;
-            }
-        },
+    let outbound = match computed(&mut events, &tx)
+        .instrument(computing.clone())
+        .await
+    {
+        Computed::Kv(outbound) => outbound,
+        Computed::Failed => return,
         // Decode dropped the call before the prompt was computed: the guard cancels it, and
         // decode hears at once that nothing of the session will come (its drain
         // acknowledgement) instead of quarantining the pages when its release timeout expires.
-        () = tx.closed() => {
+        Computed::Dropped => {
             drop(guard);
             acknowledge_abort(&send).await;
             return;

@@ -57,8 +57,11 @@ fn prefill(
     while prefill_engine.has_work() {
         prefill_engine.step();
     }
-    match rx.try_recv() {
-        Ok(Event::Prefilled(out)) => Ok(out),
+    match rx
+        .try_iter()
+        .find(|e| !matches!(e, Event::Prefilling { .. }))
+    {
+        Some(Event::Prefilled(out)) => Ok(out),
         other => panic!("expected the prefilled transfer, got {other:?}"),
     }
 }
@@ -334,6 +337,66 @@ fn a_transfer_that_never_completes_times_out() {
         d.pool().stats().releasing > 0,
         "the pages wait for the drain, not the free list"
     );
+}
+
+#[test]
+fn prefill_reports_every_chunk_but_the_last_as_progress() {
+    let mut p = engine(
+        tiny_model(TinySpec::default()),
+        EngineConfig {
+            kv: KvBudget::Tokens(256),
+            max_batch_tokens: 16,
+            ..EngineConfig::default()
+        },
+    );
+    let mut d = tiny_engine(256);
+    let prompt: Vec<u32> = (3..40).collect(); // 37 tokens: chunks of 16, 16 and 5
+    let (target, _rx) = reserve(&mut d, 1, &prompt, 8);
+    let (tx, rx) = mpsc::channel();
+    p.submit_prefill(request(1, &prompt, 1, tx), target)
+        .map_err(|(e, _)| e)
+        .expect("prefill admits");
+    while p.has_work() {
+        p.step();
+    }
+    let events: Vec<Event> = rx.try_iter().collect();
+    let progress: Vec<u32> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Prefilling { computed } => Some(*computed),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(progress, [16, 32]);
+    assert!(
+        matches!(events.last(), Some(Event::Prefilled(_))),
+        "{events:?}"
+    );
+}
+
+#[test]
+fn only_new_progress_within_the_prompt_restarts_a_transfers_wait() {
+    let mut d = tiny_engine(256);
+    let prompt: Vec<u32> = (3..40).collect();
+    let (target, _rx) = reserve(&mut d, 1, &prompt, 8);
+    let first = d.next_deadline().expect("the transfer's deadline");
+    let pause = Duration::from_millis(20);
+    std::thread::sleep(pause);
+    d.prefill_progress(target.nonce, 16);
+    let restarted = d.next_deadline().expect("still waiting");
+    assert!(restarted >= first + pause, "progress restarts the wait");
+    std::thread::sleep(pause);
+    // Repeated, going back, or past the prompt's 37 tokens: no progress.
+    for stale in [16, 8, 38] {
+        d.prefill_progress(target.nonce, stale);
+        assert_eq!(d.next_deadline(), Some(restarted), "{stale} moved it");
+    }
+    d.prefill_progress(target.nonce, 32);
+    assert!(d.next_deadline() >= Some(restarted + pause));
+    // Another session's progress is not this one's.
+    let later = d.next_deadline();
+    d.prefill_progress(SessionNonce([7; 16]), 36);
+    assert_eq!(d.next_deadline(), later);
 }
 
 #[test]
