@@ -93,7 +93,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     writeln!(out, "{text_tail}")?;
                 }
                 Event::Failed(e) => bail!("generation failed: {e}"),
-                Event::Reserved(_) | Event::Prefilling { .. } | Event::Prefilled(_) => {
+                Event::Reserved(_) | Event::Prefilled(_) => {
                     bail!("a colocated request got a transfer event")
                 }
             }

@@ -143,28 +143,46 @@ async fn a_stuck_peer_keeps_its_quarantined_pages_until_it_dies_then_they_come_b
 }
 
 #[tokio::test]
-async fn a_prompt_that_outlasts_the_transfer_timeout_is_served_while_prefill_makes_progress() {
+async fn prompts_that_outlast_the_transfer_timeout_are_served_while_prefill_makes_progress() {
     bounded(async {
-        // Prefill computes the prompt 32 tokens at a time, each chunk far within decode's
-        // transfer timeout; the whole prompt (about 600 tokens) takes longer than it. Decode
-        // once gave up on such a prompt at the timeout, however busily prefill worked on it.
+        // Prefill computes 32 prompt tokens per step, each step far within decode's transfer
+        // timeout; each prompt (about 600 tokens) takes longer than it, and the second waits
+        // behind the first for longer than it before its own first step. Decode once gave up
+        // on both at the timeout, however busily prefill worked.
         let timeout = Duration::from_secs(3);
-        let (_prefill, decode) = pair(
+        let (prefill, decode) = pair(
             &["--max-batch-tokens", "32"],
             &["--transfer-timeout-ms", "3000"],
         );
         let long = "Tell me about the history of the harbour town and its ships. ".repeat(45);
         let start = Instant::now();
-        let answer = run_to_end(&mut decode.client().await, chat(&long, 4)).await;
-        let took = start.elapsed();
-        let (_, tokens) = answer.unwrap_or_else(|e| panic!("failed after {took:?}: {e:?}"));
-        assert!(tokens >= 1, "{tokens}");
+        let mut requests = Vec::new();
+        for lead in ["First", "Then"] {
+            let mut client = decode.client().await;
+            let prompt = format!("{lead}: {long}");
+            requests.push(tokio::spawn(async move {
+                let answer = run_to_end(&mut client, chat(&prompt, 4)).await;
+                (answer, start.elapsed())
+            }));
+        }
+        let mut finished = Vec::new();
+        for request in requests {
+            let (answer, took) = request.await.expect("the request task");
+            let (_, tokens) = answer.unwrap_or_else(|e| panic!("failed after {took:?}: {e:?}"));
+            assert!(tokens >= 1, "{tokens}");
+            finished.push(took);
+        }
+        // Prefill computes one prompt after the other: the second waited for as long as the
+        // first took.
+        let first = finished.iter().min().expect("two requests");
         assert!(
-            took > timeout,
-            "the prompt took {took:?}: shorter than the timeout, this test shows nothing"
+            *first > timeout,
+            "the first prompt took {first:?}, within the timeout: this test shows nothing"
         );
         let m = decode.metrics();
         assert_eq!(metric(&m, RECEIVING), 0.0, "{m}");
+        let computed = metric(&prefill.metrics(), "bulkhead_prompt_tokens_computed_total");
+        assert!(computed > 1000.0, "{computed}");
     })
     .await;
 }

@@ -272,6 +272,8 @@ pub struct Engine {
     suspects: HashMap<SessionNonce, Suspect>,
     stats: TransferStats,
     prefix_stats: PrefixStats,
+    /// Prompt tokens computed since the engine started.
+    computed_prompt_tokens: u64,
 }
 
 impl Engine {
@@ -368,6 +370,7 @@ impl Engine {
             suspects: HashMap::new(),
             stats: TransferStats::default(),
             prefix_stats: PrefixStats::default(),
+            computed_prompt_tokens: 0,
         })
     }
 
@@ -741,23 +744,28 @@ impl Engine {
         }
     }
 
-    /// Decode role: the prefill worker filling transfer `nonce` computed `computed` of its
-    /// prompt tokens: the transfer's deadline starts again from now. Only progress counts — a
-    /// count above the last one and within the prompt — so a peer repeating itself (stuck, or
-    /// looping) cannot hold the reservation past one transfer timeout more.
-    pub fn prefill_progress(&mut self, nonce: SessionNonce, computed: u32) {
+    /// Decode role: the prefill worker filling transfer `nonce` has computed `computed` prompt
+    /// tokens since it started, for any request — its own progress, whether on this prompt or
+    /// on those it queued before it: the transfer's deadline starts again from now. Only a
+    /// count above the last one counts, so a peer that stopped computing (stuck, or repeating
+    /// itself) cannot hold the reservation past one transfer timeout more.
+    pub fn prefill_progress(&mut self, nonce: SessionNonce, computed: u64) {
         let Some(t) = self.transfers.get(&nonce) else {
             return;
         };
-        let prompt_tokens = t.inbound.reservation().prompt_tokens;
-        if computed <= t.computed || computed > prompt_tokens {
+        if computed <= t.prefill_computed {
             return;
         }
-        let deadline = self.transfer_deadline(prompt_tokens);
+        let deadline = self.transfer_deadline(t.inbound.reservation().prompt_tokens);
         if let Some(t) = self.transfers.get_mut(&nonce) {
-            t.computed = computed;
+            t.prefill_computed = computed;
             t.deadline = deadline;
         }
+    }
+
+    /// Prompt tokens this engine computed since it started (prefix-cache hits not included).
+    pub fn computed_prompt_tokens(&self) -> u64 {
+        self.computed_prompt_tokens
     }
 
     /// Decode role: the data connection carrying `nonces` is gone, so no more of their frames
@@ -977,7 +985,7 @@ impl Engine {
                             pages: reservation,
                             inbound,
                             deadline,
-                            computed: 0,
+                            prefill_computed: 0,
                         },
                     );
                 }
@@ -1064,12 +1072,9 @@ impl Engine {
         };
         if r.in_prefill() {
             r.prefilled += n;
+            self.computed_prompt_tokens += n as u64;
         }
         let Some(logits) = logits else {
-            if r.target.is_some() {
-                let computed = u32::try_from(r.prefilled).unwrap_or(u32::MAX);
-                let _ = r.request.sink.emit(Event::Prefilling { computed });
-            }
             return Outcome::Continue;
         };
         let token = r.sampler.sample(&logits);

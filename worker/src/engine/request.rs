@@ -70,10 +70,6 @@ pub enum Event {
     Failed(Failure),
     /// Decode role: the request's pages are reserved; a prefill worker must now fill them.
     Reserved(bulkhead_handoff::Reservation),
-    /// Prefill role: a chunk of the prompt was computed, `computed` tokens of it in all (never
-    /// the last chunk: [`Event::Prefilled`] follows that one). Decode hears it as the prefill
-    /// worker's progress, which keeps its reservation waiting.
-    Prefilling { computed: u32 },
     /// Prefill role: the prompt's KV and first token, ready to send. The last event of the
     /// request on this worker; the transfer holds the source pages until it is closed.
     Prefilled(Outbound),

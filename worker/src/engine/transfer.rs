@@ -44,8 +44,9 @@ pub(super) struct Transfer {
     pub pages: Reservation,
     pub inbound: Inbound,
     pub deadline: Instant,
-    /// The most prompt tokens the prefill worker said it computed (its progress).
-    pub computed: u32,
+    /// The most prompt tokens the prefill worker said it computed since it started (its
+    /// progress, for any request).
+    pub prefill_computed: u64,
 }
 
 /// Pages of an abandoned transfer, waiting for the prefill side's `Closed`.

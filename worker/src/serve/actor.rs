@@ -71,10 +71,10 @@ enum Command {
         nonce: SessionNonce,
         reason: SubmitError,
     },
-    /// The prefill worker filling a decode-side transfer computed this much of its prompt.
+    /// The prefill worker filling a decode-side transfer has computed this many prompt tokens.
     PrefillProgress {
         nonce: SessionNonce,
-        computed: u32,
+        computed: u64,
     },
     /// A data-plane connection ended: nothing more of these sessions can arrive.
     TransportClosed(Vec<SessionNonce>),
@@ -214,8 +214,9 @@ impl EngineHandle {
             .send(Command::PrefillRejected { nonce, reason });
     }
 
-    /// The prefill worker filling transfer `nonce` computed `computed` of its prompt tokens.
-    pub fn prefill_progress(&self, nonce: SessionNonce, computed: u32) {
+    /// The prefill worker filling transfer `nonce` has computed `computed` prompt tokens since
+    /// it started.
+    pub fn prefill_progress(&self, nonce: SessionNonce, computed: u64) {
         let _ = self
             .commands
             .send(Command::PrefillProgress { nonce, computed });
@@ -289,6 +290,7 @@ fn run(
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = stats_of(&engine);
         engine.step();
+        metrics.set_computed_prompt_tokens(engine.computed_prompt_tokens());
     }
 }
 
@@ -386,7 +388,7 @@ impl EventSink for ChannelSink {
             }),
             Event::Failed(f) => self.metrics.count(Outcome::failed(f)),
             // Transfer events are counted by the transfer paths.
-            Event::Reserved(_) | Event::Prefilling { .. } | Event::Prefilled(_) => {}
+            Event::Reserved(_) | Event::Prefilled(_) => {}
         }
         let is_token = matches!(event, Event::Token { .. });
         match self.tx.send(event) {

@@ -408,29 +408,42 @@ enum Computed {
     Dropped,
 }
 
-/// Waits for the prompt's KV, telling decode of each chunk computed before it.
+/// How often, at most, prefill tells decode it computed more (see [`computed`]). Decode's
+/// transfer timeout should be several times this.
+const PROGRESS_EVERY: Duration = Duration::from_millis(500);
+
+/// Waits for the prompt's KV. Meanwhile, every [`PROGRESS_EVERY`] that this worker computed
+/// more prompt tokens — of this prompt or of those queued before it — decode hears how many:
+/// its sign that the transfer is coming, which restarts its wait.
 async fn computed(
+    engine: &EngineHandle,
     events: &mut Events,
     tx: &mpsc::Sender<Result<proto::PrefillEvent, Status>>,
 ) -> Computed {
+    let mut ticks = tokio::time::interval(PROGRESS_EVERY);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut told = engine.metrics().computed_prompt_tokens();
     loop {
         let answer = tokio::select! {
             event = events.recv() => match event {
                 Some(Event::Prefilled(outbound)) => return Computed::Kv(outbound),
-                Some(Event::Prefilling { computed }) => {
-                    let progress = proto::PrefillProgress {
-                        computed_tokens: computed,
-                    };
-                    Ok(proto::PrefillEvent {
-                        event: Some(PrefillItem::Progress(progress)),
-                    })
-                }
                 Some(Event::Failed(f)) => Err(status(&ServeError::Failed(f))),
                 other => {
                     tracing::error!(event = ?other, "a prefill request ended without its KV");
                     Err(status(&ServeError::Internal { what: "engine" }))
                 }
             },
+            _ = ticks.tick() => {
+                let now = engine.metrics().computed_prompt_tokens();
+                if now == told {
+                    continue;
+                }
+                told = now;
+                let progress = proto::PrefillProgress { computed_tokens: now };
+                Ok(proto::PrefillEvent {
+                    event: Some(PrefillItem::Progress(progress)),
+                })
+            }
             () = tx.closed() => return Computed::Dropped,
         };
         let failed = answer.is_err();
@@ -453,7 +466,7 @@ async fn transfer(
     send: SendTo,
 ) {
     let computing = tracing::info_span!("prefill");
-    let outbound = match computed(&mut events, &tx)
+    let outbound = match computed(&engine, &mut events, &tx)
         .instrument(computing.clone())
         .await
     {

@@ -102,6 +102,8 @@ pub struct Metrics {
     /// Prefill role: transfers being written to decode workers, and their prompt tokens.
     sending: AtomicU64,
     sending_tokens: AtomicU64,
+    /// Prompt tokens the engine computed, as of its last step.
+    computed_prompt_tokens: AtomicU64,
 }
 
 /// One transfer being sent (prefill role), counted in the in-flight gauges until dropped.
@@ -142,6 +144,17 @@ impl Metrics {
 
     pub fn requests(&self, outcome: Outcome) -> u64 {
         self.requests[outcome.index()].load(Ordering::Relaxed)
+    }
+
+    /// The engine thread's count after each step.
+    pub fn set_computed_prompt_tokens(&self, tokens: u64) {
+        self.computed_prompt_tokens.store(tokens, Ordering::Relaxed);
+    }
+
+    /// Prompt tokens the engine computed since it started, as of its last step: rises while
+    /// it computes any prompt.
+    pub fn computed_prompt_tokens(&self) -> u64 {
+        self.computed_prompt_tokens.load(Ordering::Relaxed)
     }
 
     pub fn generated_tokens(&self) -> u64 {
@@ -227,6 +240,11 @@ impl Metrics {
         );
         self.render_transfers(&mut out, &stats.transfers);
         for (name, help, value) in [
+            (
+                "bulkhead_prompt_tokens_computed_total",
+                "Prompt tokens computed (the prefix cache's hits not included).",
+                self.computed_prompt_tokens(),
+            ),
             (
                 "bulkhead_prefix_cache_prompt_tokens_total",
                 "Prompt tokens of the requests that looked their prompt up in the tenant's prefix cache.",
@@ -425,6 +443,16 @@ mod tests {
             Some(0)
         );
         assert_eq!(value(&text, "bulkhead_generated_tokens_total"), Some(7));
+        assert_eq!(
+            value(&text, "bulkhead_prompt_tokens_computed_total"),
+            Some(0)
+        );
+        m.set_computed_prompt_tokens(1234);
+        let text = m.render(&stats());
+        assert_eq!(
+            value(&text, "bulkhead_prompt_tokens_computed_total"),
+            Some(1234)
+        );
     }
 
     #[test]

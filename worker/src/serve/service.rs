@@ -336,7 +336,7 @@ impl Stream for GenerateStream {
                 tracing::error!(request = %this.guard.id(), error = %failure, "request failed");
                 Err(status(&ServeError::Failed(failure)))
             }
-            Some(Event::Reserved(_) | Event::Prefilling { .. } | Event::Prefilled(_)) => {
+            Some(Event::Reserved(_) | Event::Prefilled(_)) => {
                 // A reservation is consumed before the stream starts; prefill events belong
                 // to the Prefill call.
                 this.finish();

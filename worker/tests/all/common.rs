@@ -195,7 +195,7 @@ pub fn collect(rx: mpsc::Receiver<Event>) -> Outcome {
                 out.finish = Some(Ok(reason));
             }
             Event::Failed(f) => out.finish = Some(Err(f)),
-            Event::Reserved(_) | Event::Prefilling { .. } | Event::Prefilled(_) => {
+            Event::Reserved(_) | Event::Prefilled(_) => {
                 panic!("a colocated request got a transfer event")
             }
         }
