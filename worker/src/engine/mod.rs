@@ -866,20 +866,23 @@ impl Engine {
         for (&(i, n), result) in plan.iter().zip(results) {
             outcomes.push((i, self.advance(i, n, result)));
         }
-        // Remove finished requests, highest index first so indices stay valid.
+        // Remove finished requests, highest index first so indices stay valid, and in place so
+        // the rest keep their order: prompts are computed first come, first served (moving the
+        // last request into a finished one's place put the newest prompt first, and an early
+        // one could wait behind every later arrival).
         outcomes.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
         for (i, outcome) in outcomes {
             match outcome {
                 Outcome::Continue => {}
                 Outcome::HandOver(first_token) => {
-                    let r = self.running.swap_remove(i);
+                    let r = self.running.remove(i);
                     self.hand_over(r, first_token);
                 }
                 Outcome::Failed => {
                     // Suspect contents, no peer: quarantined until an operator releases them.
-                    let _ = self.running.swap_remove(i).pages.quarantine();
+                    let _ = self.running.remove(i).pages.quarantine();
                 }
-                Outcome::Finished | Outcome::Cancelled => self.running.swap_remove(i).retire(),
+                Outcome::Finished | Outcome::Cancelled => self.running.remove(i).retire(),
             }
         }
     }

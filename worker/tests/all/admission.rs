@@ -226,3 +226,36 @@ fn at_most_max_running_requests_hold_pages_at_once_and_cancel_finds_each_once() 
     assert!(matches!(outs[1].finish, Some(Ok(_))), "{:?}", outs[1]);
     assert_all_pages_back(&e);
 }
+
+#[test]
+fn prompts_are_computed_first_come_first_served() {
+    // Sixteen prompt tokens a step: one 40-token prompt at a time, each waiting for the ones
+    // that came before it.
+    let mut e = tiny_engine(
+        1024,
+        EngineConfig {
+            max_batch_tokens: 16,
+            ..EngineConfig::default()
+        },
+    );
+    let prompt: Vec<u32> = (3..43).collect();
+    let events: Vec<_> = (1..=4)
+        .map(|id| {
+            let (tx, rx) = mpsc::channel();
+            e.submit(request(id, &prompt, 1, tx))
+                .map_err(|(e, _)| e)
+                .expect("admitted");
+            rx
+        })
+        .collect();
+    let mut order = Vec::new();
+    while e.has_work() {
+        e.step();
+        for (id, rx) in (1..).zip(&events) {
+            if rx.try_recv().is_ok() && !order.contains(&id) {
+                order.push(id);
+            }
+        }
+    }
+    assert_eq!(order, [1, 2, 3, 4]);
+}
