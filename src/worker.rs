@@ -129,7 +129,8 @@ pub struct Args {
     #[arg(long, env = env::TRANSFER_BATCH_BYTES, value_parser = parse_bytes, default_value = "4MiB")]
     transfer_batch_bytes: u64,
     /// Decode role: how long a reservation waits for its prefill worker's next sign of
-    /// progress — a chunk of the prompt computed, then the KV — (milliseconds).
+    /// progress — more prompt tokens computed, of this prompt or of those queued before it,
+    /// then the KV — (milliseconds).
     #[arg(long, env = env::TRANSFER_TIMEOUT_MS, default_value_t = 30_000)]
     transfer_timeout_ms: u64,
     /// Decode role: the slowest KV transfer rate tolerated, bytes per second (100MB: 100 MB/s);

@@ -85,8 +85,8 @@ pub struct EngineConfig {
     /// Admitted requests waiting for pages; more are refused with `QueueFull`.
     pub queue_capacity: usize,
     /// Decode role: how long a reservation waits for the prefill worker's next sign of
-    /// progress — from the reservation to prefill's first chunk computed (its admission and
-    /// queue), from one chunk to the next, from the last to the KV's arrival — …
+    /// progress — that it computed more prompt tokens, of this prompt or of those queued before
+    /// it ([`Engine::prefill_progress`]), or, after the last, the KV's arrival — …
     pub transfer_timeout: Duration,
     /// … plus the prompt's KV bytes at this rate: a transfer slower than the floor fails.
     pub transfer_floor_bytes_per_s: u64,
