@@ -159,9 +159,12 @@ pub struct HttpLimits {
     /// A client that has not sent its request headers by then is disconnected (slowloris).
     pub header_timeout: Duration,
     /// A worker (or upstream) that does not take a request within this long, or sends nothing
-    /// for this long once it has taken it — not a token, not its end — has failed it: the client gets an error (an error event
-    /// when streaming), never an endless wait behind keep-alive comments. It must cover the
-    /// longest prefill and queue wait before a first token.
+    /// for this long once it has taken it — not a progress report, not a token, not its end —
+    /// has failed it: the client gets an error (an error event when streaming), never an
+    /// endless wait behind keep-alive comments. Bulkhead workers report the prompt's progress
+    /// until its first token, so against them it must cover one step of prompt computation; an
+    /// OpenAI-compatible upstream says nothing before its first token, so against one it must
+    /// cover the longest queue wait and prefill.
     pub stream_idle_timeout: Duration,
     /// `max_tokens` when a request does not say (clamped to what is left of the limit).
     pub default_max_tokens: NonZeroU32,

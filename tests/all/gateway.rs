@@ -289,6 +289,43 @@ fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
 }
 
 #[test]
+fn a_prompt_computed_for_longer_than_the_silence_timeout_is_served_while_it_progresses() {
+    bounded(|| {
+        // Both workers compute 32 prompt tokens a step: each step far within the gateway's 2 s
+        // silence timeout, the whole prompt (about 600 tokens) well beyond it. The gateway
+        // once took that silence for a hung worker, however busily prefill worked.
+        let idle = Duration::from_secs(2);
+        let up = Up::launch(Options {
+            replace: &[(
+                "stream_idle_timeout_secs = 120",
+                "stream_idle_timeout_secs = 2",
+            )],
+            env: &[("BULKHEAD_MAX_BATCH_TOKENS", "32")],
+            ..Options::default()
+        });
+        up.wait_routable();
+        let long = "Tell me about the history of the harbour town and its ships. ".repeat(45);
+        for stream in [false, true] {
+            let body = serde_json::json!({
+                "messages": [{"role": "user", "content": format!("{stream}: {long}")}],
+                "max_tokens": 4,
+                "temperature": 0,
+                "stream": stream,
+            });
+            let started = Instant::now();
+            let (status, answer) = up.chat(KEY_A, &[], &body.to_string());
+            let took = started.elapsed();
+            assert_eq!(status, 200, "after {took:?}: {answer}");
+            assert!(!answer.contains(r#""error""#), "after {took:?}: {answer}");
+            assert!(
+                took > 2 * idle,
+                "the prompt took {took:?}: within twice the timeout, this test shows nothing"
+            );
+        }
+    });
+}
+
+#[test]
 fn a_worker_gone_silent_fails_its_requests_streamed_or_whole_taken_or_not() {
     bounded(|| {
         let up = Up::launch(Options {

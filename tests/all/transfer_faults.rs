@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use bulkhead_worker::serve::proto::{self, InfoRequest, PrefillItem, error_code};
 
 use crate::worker_grpc::{
-    Worker, available, bounded, chat, decode_for, health, metric, pool, run_to_end, text_of,
-    wait_all_pages_back,
+    Worker, available, bounded, chat, decode_for, health, metric, pool, run_reporting, run_to_end,
+    text_of, wait_all_pages_back,
 };
 
 /// A prefill worker with `prefill_args` and a decode worker wired to it with `decode_args`.
@@ -161,15 +161,19 @@ async fn prompts_that_outlast_the_transfer_timeout_are_served_while_prefill_make
             let mut client = decode.client().await;
             let prompt = format!("{lead}: {long}");
             requests.push(tokio::spawn(async move {
-                let answer = run_to_end(&mut client, chat(&prompt, 4)).await;
+                let answer = run_reporting(&mut client, chat(&prompt, 4)).await;
                 (answer, start.elapsed())
             }));
         }
         let mut finished = Vec::new();
         for request in requests {
             let (answer, took) = request.await.expect("the request task");
-            let (_, tokens) = answer.unwrap_or_else(|e| panic!("failed after {took:?}: {e:?}"));
+            let (progress, _, tokens) =
+                answer.unwrap_or_else(|e| panic!("failed after {took:?}: {e:?}"));
             assert!(tokens >= 1, "{tokens}");
+            // Decode passed prefill's reports on to its caller, each one higher.
+            assert!(progress.len() >= 2, "{progress:?}");
+            assert!(progress.is_sorted_by(|a, b| a < b), "{progress:?}");
             finished.push(took);
         }
         // Prefill computes one prompt after the other: the second waited for as long as the

@@ -307,6 +307,7 @@ async fn greedy_chat_generation_streams_the_answer_and_counts_usage() {
                     text.push_str(&d.text_tail);
                     done = Some(d);
                 }
+                Item::Progress(_) => assert_eq!(tokens, 0, "progress after the first token"),
             }
         }
         let done = done.expect("the stream ends with Done");
@@ -317,6 +318,29 @@ async fn greedy_chat_generation_streams_the_answer_and_counts_usage() {
             "the chat template adds a system prompt"
         );
         assert_eq!(done.finish_reason(), proto::FinishReason::Stop, "{text:?}");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_caller_hears_of_the_prompts_progress_until_its_first_token() {
+    bounded(async {
+        // 32 prompt tokens a step: a prompt of about 600 takes many steps, each one a report.
+        let worker = Worker::start(&["--kv-tokens", "2048", "--max-batch-tokens", "32"]);
+        let mut client = worker.client().await;
+        let long = "Tell me about the history of the harbour town and its ships. ".repeat(45);
+        let (progress, _, tokens) = run_reporting(&mut client, chat(&long, 4))
+            .await
+            .expect("served");
+        assert!(tokens >= 1, "{tokens}");
+        assert!(progress.len() >= 2, "{progress:?}");
+        assert!(progress.is_sorted_by(|a, b| a < b), "{progress:?}");
+        let computed = metric(&worker.metrics(), "bulkhead_prompt_tokens_computed_total");
+        assert!(
+            progress.last().is_some_and(|&last| last as f64 <= computed),
+            "{progress:?} against {computed}"
+        );
+        assert!(computed > 500.0, "{computed}");
     })
     .await;
 }
@@ -535,8 +559,19 @@ pub(crate) async fn run_to_end(
     client: &mut WorkerClient<Channel>,
     request: GenerateRequest,
 ) -> Result<(String, u32), tonic::Status> {
+    run_reporting(client, request)
+        .await
+        .map(|(_, text, tokens)| (text, tokens))
+}
+
+/// [`run_to_end`], with the progress reports that came before the first token (none may come
+/// after it).
+pub(crate) async fn run_reporting(
+    client: &mut WorkerClient<Channel>,
+    request: GenerateRequest,
+) -> Result<(Vec<u64>, String, u32), tonic::Status> {
     let mut stream = client.generate(request).await?.into_inner();
-    let (mut text, mut tokens) = (String::new(), 0);
+    let (mut progress, mut text, mut tokens) = (Vec::new(), String::new(), 0);
     while let Some(item) = stream.message().await? {
         match item.item.expect("every item has a body") {
             Item::Token(t) => {
@@ -544,9 +579,13 @@ pub(crate) async fn run_to_end(
                 text.push_str(&t.text);
             }
             Item::Done(d) => text.push_str(&d.text_tail),
+            Item::Progress(p) => {
+                assert_eq!(tokens, 0, "progress after the first token");
+                progress.push(p.computed_tokens);
+            }
         }
     }
-    Ok((text, tokens))
+    Ok((progress, text, tokens))
 }
 
 /// Polls `worker` until every page is available again ([`available`]), within a bound.

@@ -124,7 +124,10 @@ impl Started {
                     self.finished(&d);
                     return Ok(Step::Done(d));
                 }
-                Ok(Some(GenerateResponse { item: None })) => continue,
+                // The prompt's computation goes on: the silence timeout starts again.
+                Ok(Some(GenerateResponse {
+                    item: None | Some(Item::Progress(_)),
+                })) => continue,
                 Ok(None) => return Err(self.worker_down("a stream ended without Done")),
                 Err(status) => {
                     let failure = from_status(&status);

@@ -257,7 +257,7 @@ async fn drain(upstream: &mut UpstreamStream, directive: Directive, progress: &m
                 progress.usage = Some((d.prompt_tokens, d.completion_tokens));
                 return;
             }
-            None => {}
+            Some(Item::Progress(_)) | None => {}
         }
     }
 }

@@ -609,6 +609,9 @@ mod tests {
             match s.message().await?.and_then(|m| m.item) {
                 Some(Item::Token(t)) => text.push_str(&t.text),
                 Some(Item::Done(d)) => return Ok((text, d)),
+                Some(Item::Progress(_)) => {
+                    return Err(Status::internal("an HTTP upstream's progress"));
+                }
                 None => return Err(Status::internal("ended without Done")),
             }
         }

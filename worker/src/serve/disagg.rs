@@ -18,6 +18,8 @@
 //! plane: its drain acknowledgement, as the protocol model has it.
 
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -34,6 +36,7 @@ use super::actor::{CancelOnDrop, EngineHandle, Events, Submission};
 use super::cluster_token::Client;
 use super::error::{ServeError, ValidationError, codes, status};
 use super::kvplane::{self, SendOptions, Sent};
+use super::progress::Progress;
 use super::proto::{self, PrefillItem};
 use super::refusal::{from_proto_reservation, from_refusal, to_proto_reservation, to_refusal};
 use super::spans;
@@ -56,6 +59,8 @@ pub struct PrefillPeer {
 pub struct PrefillCall {
     /// Ends with prefill's `Sent` (its `cached_tokens`) or with the call (0).
     watch: tokio::task::JoinHandle<u32>,
+    /// The prefill worker's count of prompt tokens computed, as it last reported it.
+    computed_tokens: Arc<AtomicU64>,
     /// What the watch ended with, once it ended (or 0 once waiting for it timed out).
     cached_tokens: Option<u32>,
     /// Started when the request's `Done` first waits for the watch.
@@ -105,6 +110,8 @@ impl PrefillCall {
         mut call: tonic::Streaming<proto::PrefillEvent>,
         span: Span,
     ) -> PrefillCall {
+        let computed_tokens = Arc::new(AtomicU64::new(0));
+        let reported = computed_tokens.clone();
         let watch = tokio::spawn(async move {
             loop {
                 match call.message().await {
@@ -117,7 +124,10 @@ impl PrefillCall {
                     }
                     Ok(Some(proto::PrefillEvent {
                         event: Some(PrefillItem::Progress(progress)),
-                    })) => engine.prefill_progress(nonce, progress.computed_tokens),
+                    })) => {
+                        reported.store(progress.computed_tokens, Ordering::Relaxed);
+                        engine.prefill_progress(nonce, progress.computed_tokens);
+                    }
                     Ok(Some(_)) => {}
                     Ok(None) | Err(_) => {
                         // The prefill side is gone or failed: nothing more of this session
@@ -133,9 +143,16 @@ impl PrefillCall {
         });
         PrefillCall {
             watch,
+            computed_tokens,
             cached_tokens: None,
             wait: None,
         }
+    }
+
+    /// The prefill worker's count of prompt tokens computed, as it last reported it (0 before
+    /// its first report).
+    pub fn computed_tokens(&self) -> u64 {
+        self.computed_tokens.load(Ordering::Relaxed)
     }
 }
 
@@ -408,21 +425,15 @@ enum Computed {
     Dropped,
 }
 
-/// How often, at most, prefill tells decode it computed more (see [`computed`]). Decode's
-/// transfer timeout should be several times this.
-const PROGRESS_EVERY: Duration = Duration::from_millis(500);
-
-/// Waits for the prompt's KV. Meanwhile, every [`PROGRESS_EVERY`] that this worker computed
-/// more prompt tokens — of this prompt or of those queued before it — decode hears how many:
-/// its sign that the transfer is coming, which restarts its wait.
+/// Waits for the prompt's KV, reporting this worker's progress to decode meanwhile
+/// ([`Progress`]): its sign that the transfer is coming, which restarts its wait.
 async fn computed(
     engine: &EngineHandle,
     events: &mut Events,
     tx: &mpsc::Sender<Result<proto::PrefillEvent, Status>>,
 ) -> Computed {
-    let mut ticks = tokio::time::interval(PROGRESS_EVERY);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut told = engine.metrics().computed_prompt_tokens();
+    let count = || engine.metrics().computed_prompt_tokens();
+    let mut progress = Progress::from(count());
     loop {
         let answer = tokio::select! {
             event = events.recv() => match event {
@@ -433,13 +444,8 @@ async fn computed(
                     Err(status(&ServeError::Internal { what: "engine" }))
                 }
             },
-            _ = ticks.tick() => {
-                let now = engine.metrics().computed_prompt_tokens();
-                if now == told {
-                    continue;
-                }
-                told = now;
-                let progress = proto::PrefillProgress { computed_tokens: now };
+            computed_tokens = progress.report(count) => {
+                let progress = proto::PromptProgress { computed_tokens };
                 Ok(proto::PrefillEvent {
                     event: Some(PrefillItem::Progress(progress)),
                 })
@@ -557,6 +563,7 @@ mod tests {
     fn call(watch: tokio::task::JoinHandle<u32>) -> PrefillCall {
         PrefillCall {
             watch,
+            computed_tokens: Arc::default(),
             cached_tokens: None,
             wait: None,
         }

@@ -22,6 +22,7 @@ mod followed;
 pub mod info;
 pub mod kvplane;
 mod metrics;
+mod progress;
 pub mod proto;
 mod refusal;
 mod secret_file;

@@ -21,7 +21,7 @@ pub use generated::worker_server::{Worker, WorkerServer};
 pub use generated::{
     ChatMessage, ChatPrompt, Done, FinishReason, GenerateRequest, GenerateResponse, HealthRequest,
     HealthResponse, InfoRequest, InfoResponse, KvHandoff, KvReservation, PoolPages,
-    PrefillAccepted, PrefillEvent, PrefillProgress, PrefillRequest, PrefillSent, Refusal,
+    PrefillAccepted, PrefillEvent, PrefillRequest, PrefillSent, PromptProgress, Refusal,
     RefusalReason, ReservedPage, Role, SamplingParams, ServingStatus, Token, TokenPrompt,
     TokenizerData,
 };

@@ -14,7 +14,8 @@ use super::actor::{CancelOnDrop, EngineHandle, Events, Submission};
 use super::disagg::{self, PrefillCall, PrefillPeer, PrefillStream};
 use super::error::{ServeError, ValidationError, status};
 use super::kvplane::SendOptions;
-use super::metrics::Outcome;
+use super::metrics::{Metrics, Outcome};
+use super::progress::Progress;
 use super::proto::{self, Item};
 use super::spans;
 use super::validate::{Prompter, ValidGenerate};
@@ -137,12 +138,16 @@ impl WorkerService {
             ServiceRole::Both => tracing::info_span!(parent: &span, "prefill"),
             ServiceRole::Decode(_) | ServiceRole::Prefill(_) => Span::none(),
         };
+        let metrics = self.engine.metrics().clone();
+        let progress = Progress::from(computed_tokens(prefill.as_ref(), &metrics));
         Ok(GenerateStream {
             early,
             events,
             guard,
             finished: false,
             prefill,
+            metrics,
+            progress,
             span,
             phase,
             decoding: false,
@@ -268,6 +273,10 @@ pub struct GenerateStream {
     /// Decode role: the prefill call; dropping it (with this stream) aborts the transfer. Its
     /// answer says how much of the prompt prefill read from its prefix cache.
     prefill: Option<PrefillCall>,
+    /// This worker's counters: colocated, its count of prompt tokens computed is the progress.
+    metrics: Arc<Metrics>,
+    /// Until the first token: the caller's progress reports.
+    progress: Progress,
     /// The `Generate` call's span, open until the stream ends.
     span: Span,
     /// The step under way: `prefill` (colocated, until the first token), then `decode`.
@@ -287,7 +296,7 @@ impl Stream for GenerateStream {
         let event = match this.early.take() {
             Some(early) => Some(early),
             None => match this.events.poll_recv(cx) {
-                Poll::Pending => return Poll::Pending,
+                Poll::Pending => return this.poll_progress(cx),
                 Poll::Ready(e) => e,
             },
         };
@@ -358,7 +367,35 @@ impl Stream for GenerateStream {
     }
 }
 
+/// The progress of the computation a request waits on before its first token: the prefill
+/// worker's count as it last reported it (decode), else this worker's.
+fn computed_tokens(prefill: Option<&PrefillCall>, metrics: &Metrics) -> u64 {
+    prefill.map_or_else(
+        || metrics.computed_prompt_tokens(),
+        PrefillCall::computed_tokens,
+    )
+}
+
 impl GenerateStream {
+    /// Before the first token, a progress report when one is due ([`Progress`]).
+    fn poll_progress(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<proto::GenerateResponse, Status>>> {
+        if self.decoding {
+            return Poll::Pending;
+        }
+        let (prefill, metrics) = (self.prefill.as_ref(), &self.metrics);
+        self.progress
+            .poll_report(cx, || computed_tokens(prefill, metrics))
+            .map(|computed_tokens| {
+                let progress = proto::PromptProgress { computed_tokens };
+                Some(Ok(proto::GenerateResponse {
+                    item: Some(Item::Progress(progress)),
+                }))
+            })
+    }
+
     fn finish(&mut self) {
         self.finished = true;
         self.guard.disarm();

@@ -1,0 +1,86 @@
+//! Telling a caller that waits for a prompt's computation that it goes on.
+//!
+//! A prompt's first token can be minutes away — a long prompt on a CPU, or one queued behind
+//! others — and a caller cannot tell that wait from a worker that stopped: both are silent. So
+//! while a caller waits, the worker reports its count of prompt tokens computed, for any request
+//! (prompts are computed in arrival order, so the ones queued before this one are progress
+//! towards it too), at most every [`EVERY`] and only when the count rose. A decode worker
+//! restarts its transfer deadline with each report from its prefill worker, the gateway its
+//! silence timeout with each report on `Generate`; a worker that stopped computing stops
+//! reporting, and a report that does not rise is never sent.
+
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::time::{Interval, MissedTickBehavior};
+
+/// How often, at most, a waiting caller hears of progress. A caller's silence timeout should be
+/// several times this.
+pub const EVERY: Duration = Duration::from_millis(500);
+
+/// The reports due to one waiting caller.
+#[derive(Debug)]
+pub struct Progress {
+    ticks: Interval,
+    /// The count last reported (or seen when the wait began).
+    told: u64,
+}
+
+impl Progress {
+    /// Starts from the computing worker's count `now`: only a rise above it is reported.
+    pub fn from(now: u64) -> Progress {
+        let mut ticks = tokio::time::interval(EVERY);
+        ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        Progress { ticks, told: now }
+    }
+
+    /// The count to report now: at a tick, when `count()` rose since the last report.
+    pub fn poll_report(&mut self, cx: &mut Context<'_>, count: impl Fn() -> u64) -> Poll<u64> {
+        loop {
+            std::task::ready!(self.ticks.poll_tick(cx));
+            let now = count();
+            if now > self.told {
+                self.told = now;
+                return Poll::Ready(now);
+            }
+        }
+    }
+
+    /// [`Progress::poll_report`] as a future.
+    pub async fn report(&mut self, count: impl Fn() -> u64) -> u64 {
+        std::future::poll_fn(|cx| self.poll_report(cx, &count)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    #[tokio::test(start_paused = true)]
+    async fn only_a_rise_is_reported_and_at_most_once_per_tick() {
+        let count = Arc::new(AtomicU64::new(100));
+        let read = || count.load(Ordering::Relaxed);
+        let mut progress = Progress::from(read());
+        let started = tokio::time::Instant::now();
+
+        // No rise: nothing, however long the wait.
+        let silent = tokio::time::timeout(10 * EVERY, progress.report(read)).await;
+        assert!(silent.is_err(), "reported without a rise");
+
+        // A rise is reported at the next tick, once.
+        count.store(140, Ordering::Relaxed);
+        assert_eq!(progress.report(read).await, 140);
+        let again = tokio::time::timeout(3 * EVERY, progress.report(read)).await;
+        assert!(again.is_err(), "the same count reported twice");
+
+        // Rises between ticks come as one report, a tick after the last.
+        let before = tokio::time::Instant::now();
+        count.store(150, Ordering::Relaxed);
+        count.store(170, Ordering::Relaxed);
+        assert_eq!(progress.report(read).await, 170);
+        assert!(before.elapsed() <= EVERY, "{:?}", before.elapsed());
+        assert!(started.elapsed() >= 13 * EVERY);
+    }
+}
