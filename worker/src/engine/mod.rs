@@ -102,6 +102,18 @@ pub struct EngineConfig {
     pub prefix_cache: bool,
 }
 
+impl EngineConfig {
+    /// Decode role: when a transfer of `prompt_tokens` of `token_bytes` each, waiting from now,
+    /// fails — the transfer timeout for the prefill worker's next sign of progress, plus the
+    /// KV's bytes at the floor rate.
+    fn transfer_deadline(&self, prompt_tokens: u32, token_bytes: u64) -> Instant {
+        let bytes = u64::from(prompt_tokens) * token_bytes;
+        Instant::now()
+            + self.transfer_timeout
+            + Duration::from_secs_f64(bytes as f64 / self.transfer_floor_bytes_per_s as f64)
+    }
+}
+
 impl Default for EngineConfig {
     fn default() -> EngineConfig {
         EngineConfig {
@@ -750,17 +762,17 @@ impl Engine {
     /// count above the last one counts, so a peer that stopped computing (stuck, or repeating
     /// itself) cannot hold the reservation past one transfer timeout more.
     pub fn prefill_progress(&mut self, nonce: SessionNonce, computed: u64) {
-        let Some(t) = self.transfers.get(&nonce) else {
+        let Some(t) = self.transfers.get_mut(&nonce) else {
             return;
         };
         if computed <= t.prefill_computed {
             return;
         }
-        let deadline = self.transfer_deadline(t.inbound.reservation().prompt_tokens);
-        if let Some(t) = self.transfers.get_mut(&nonce) {
-            t.prefill_computed = computed;
-            t.deadline = deadline;
-        }
+        let prompt_tokens = t.inbound.reservation().prompt_tokens;
+        t.prefill_computed = computed;
+        t.deadline = self
+            .config
+            .transfer_deadline(prompt_tokens, self.capacity.token_bytes);
     }
 
     /// Prompt tokens this engine computed since it started (prefix-cache hits not included).
@@ -979,7 +991,9 @@ impl Engine {
                     if request.sink.emit(Event::Reserved(target.clone())) == Delivery::Gone {
                         continue; // the reservation drops: nothing was sent anywhere
                     }
-                    let deadline = self.transfer_deadline(target.prompt_tokens);
+                    let deadline = self
+                        .config
+                        .transfer_deadline(target.prompt_tokens, c.token_bytes);
                     let inbound = bulkhead_handoff::Inbound::new(target);
                     self.transfers.insert(
                         nonce,
@@ -994,16 +1008,6 @@ impl Engine {
                 }
             }
         }
-    }
-
-    /// Decode role: when a transfer of `prompt_tokens` waiting from now fails — the
-    /// transfer timeout for the prefill worker's next sign of progress, plus the prompt's KV
-    /// bytes at the floor rate.
-    fn transfer_deadline(&self, prompt_tokens: u32) -> Instant {
-        let bytes = u64::from(prompt_tokens) * self.capacity.token_bytes;
-        Instant::now()
-            + self.config.transfer_timeout
-            + Duration::from_secs_f64(bytes as f64 / self.config.transfer_floor_bytes_per_s as f64)
     }
 
     /// Scrubs the released pages waiting for it, so they can be reserved again.

@@ -27,9 +27,10 @@ pub struct Progress {
 }
 
 impl Progress {
-    /// Starts from the computing worker's count `now`: only a rise above it is reported.
+    /// Starts from the computing worker's count `now`: only a rise above it is reported, the
+    /// first at [`EVERY`] from now.
     pub fn from(now: u64) -> Progress {
-        let mut ticks = tokio::time::interval(EVERY);
+        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + EVERY, EVERY);
         ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
         Progress { ticks, told: now }
     }

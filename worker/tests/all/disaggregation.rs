@@ -98,6 +98,17 @@ fn disaggregated(
     finish(d, rx)
 }
 
+/// The tiny model over a pool of 256 tokens, otherwise configured as `config` says.
+fn tiny_engine_with(config: EngineConfig) -> Engine {
+    engine(
+        tiny_model(TinySpec::default()),
+        EngineConfig {
+            kv: KvBudget::Tokens(256),
+            ..config
+        },
+    )
+}
+
 fn tiny_engine(tokens: u64) -> Engine {
     engine(
         tiny_model(TinySpec::default()),
@@ -294,14 +305,10 @@ fn an_aborted_transfer_keeps_its_pages_until_the_drain_acknowledgement() {
 
 #[test]
 fn without_a_drain_acknowledgement_pages_are_quarantined_never_freed() {
-    let mut d = engine(
-        tiny_model(TinySpec::default()),
-        EngineConfig {
-            kv: KvBudget::Tokens(256),
-            release_timeout: Duration::ZERO,
-            ..EngineConfig::default()
-        },
-    );
+    let mut d = tiny_engine_with(EngineConfig {
+        release_timeout: Duration::ZERO,
+        ..EngineConfig::default()
+    });
     let prompt: Vec<u32> = (3..40).collect();
     let (_target, _rx) = reserve(&mut d, 1, &prompt, 8);
     d.cancel(RequestId::new(1));
@@ -313,16 +320,12 @@ fn without_a_drain_acknowledgement_pages_are_quarantined_never_freed() {
 
 #[test]
 fn a_transfer_that_never_completes_times_out() {
-    let mut d = engine(
-        tiny_model(TinySpec::default()),
-        EngineConfig {
-            kv: KvBudget::Tokens(256),
-            transfer_timeout: Duration::ZERO,
-            // No allowance for the bytes either: the deadline is now.
-            transfer_floor_bytes_per_s: u64::MAX,
-            ..EngineConfig::default()
-        },
-    );
+    let mut d = tiny_engine_with(EngineConfig {
+        transfer_timeout: Duration::ZERO,
+        // No allowance for the bytes either: the deadline is now.
+        transfer_floor_bytes_per_s: u64::MAX,
+        ..EngineConfig::default()
+    });
     let prompt: Vec<u32> = (3..40).collect();
     let (_target, rx) = reserve(&mut d, 1, &prompt, 8);
     d.step();
@@ -339,14 +342,10 @@ fn a_transfer_that_never_completes_times_out() {
 #[test]
 fn the_engine_counts_every_prompt_token_it_computes_as_it_computes_it() {
     // Prefill's progress, as decode hears it: the count rises with every chunk.
-    let mut p = engine(
-        tiny_model(TinySpec::default()),
-        EngineConfig {
-            kv: KvBudget::Tokens(256),
-            max_batch_tokens: 16,
-            ..EngineConfig::default()
-        },
-    );
+    let mut p = tiny_engine_with(EngineConfig {
+        max_batch_tokens: 16,
+        ..EngineConfig::default()
+    });
     let mut d = tiny_engine(256);
     let prompt: Vec<u32> = (3..40).collect(); // 37 tokens: chunks of 16, 16 and 5
     let (target, _rx) = reserve(&mut d, 1, &prompt, 8);
@@ -489,14 +488,10 @@ fn quarantine_a_transfer(d: &mut Engine) -> SessionNonce {
 #[test]
 fn a_quarantined_transfer_comes_back_only_after_its_peer_is_gone_and_the_grace_period() {
     for (grace, back) in [(Duration::ZERO, true), (Duration::from_secs(3600), false)] {
-        let mut d = engine(
-            tiny_model(TinySpec::default()),
-            EngineConfig {
-                kv: KvBudget::Tokens(256),
-                reclaim_after: grace,
-                ..EngineConfig::default()
-            },
-        );
+        let mut d = tiny_engine_with(EngineConfig {
+            reclaim_after: grace,
+            ..EngineConfig::default()
+        });
         let nonce = quarantine_a_transfer(&mut d);
         d.step();
         assert_pages_back(&d, 3); // the peer may still write: never reused
@@ -518,15 +513,11 @@ fn a_transfer_waits_the_timeout_plus_its_bytes_at_the_floor_rate() {
     let token_bytes = tiny_engine(256).capacity().token_bytes;
     let bytes = prompt.len() as u64 * token_bytes;
     // The floor rate moves the prompt's bytes in exactly one second.
-    let mut d = engine(
-        tiny_model(TinySpec::default()),
-        EngineConfig {
-            kv: KvBudget::Tokens(256),
-            transfer_timeout: Duration::from_secs(100),
-            transfer_floor_bytes_per_s: bytes,
-            ..EngineConfig::default()
-        },
-    );
+    let mut d = tiny_engine_with(EngineConfig {
+        transfer_timeout: Duration::from_secs(100),
+        transfer_floor_bytes_per_s: bytes,
+        ..EngineConfig::default()
+    });
     let earliest = Instant::now() + Duration::from_secs(101);
     let _transfer = reserve(&mut d, 1, &prompt, 8);
     let latest = Instant::now() + Duration::from_secs(101);
