@@ -109,10 +109,11 @@ pub struct Args {
     /// What released KV pages are filled with before reuse.
     #[arg(long, env = env::SCRUB, value_enum, default_value_t = ScrubArg::Zero)]
     scrub: ScrubArg,
-    /// Prefill and both roles: keep the whole pages of each prompt's KV in its tenant's prefix
-    /// cache, so a later prompt of the same tenant that starts with the same tokens computes
-    /// only the rest. Never shared between tenants; cached pages are evicted, least recently
-    /// used first, when a reservation needs them.
+    /// Keep the whole pages of each prompt's KV in its tenant's prefix cache, so a later
+    /// prompt of the same tenant that starts with the same tokens computes only the rest
+    /// (prefill and both roles) or is sent only the rest (decode role). Never shared between
+    /// tenants; cached pages are evicted, least recently used first, when a reservation needs
+    /// them.
     #[arg(long, env = env::PREFIX_CACHE, default_value_t = true, action = clap::ArgAction::Set)]
     prefix_cache: bool,
     /// Decode role: the prefill worker's gRPC address (http://host:port).

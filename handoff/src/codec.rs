@@ -16,7 +16,9 @@ use bulkhead_kvpool::Tag;
 use crate::message::{CloseReason, Frame, FrameHeader, Manifest, Message, SessionNonce};
 
 const MAGIC: [u8; 4] = *b"BHKV";
-pub const VERSION: u8 = 1;
+/// 2: a reservation may start after decode's cached prefix (`Reservation::cached_tokens`), so
+/// frame positions depend on a field a version-1 peer does not know.
+pub const VERSION: u8 = 2;
 /// Bytes every message starts with.
 pub const HEADER: usize = 24;
 const FRAME_FIELDS: usize = 32;
@@ -338,7 +340,8 @@ mod tests {
     fn malformed_heads_are_refused_with_their_reason() {
         let refused = |buf: &[u8]| decode(buf, 64).expect_err("malformed");
         assert_eq!(refused(&closed_with(0, b'X')), CodecError::Magic(*b"XHKV"));
-        assert_eq!(refused(&closed_with(4, 2)), CodecError::Version(2));
+        assert_eq!(refused(&closed_with(4, 1)), CodecError::Version(1));
+        assert_eq!(refused(&closed_with(4, 3)), CodecError::Version(3));
         assert_eq!(refused(&closed_with(5, 9)), CodecError::Kind(9));
         assert_eq!(refused(&closed_with(6, 1)), CodecError::Reserved);
         assert_eq!(refused(&closed_with(7, 1)), CodecError::Reserved);

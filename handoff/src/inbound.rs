@@ -6,7 +6,7 @@ use std::ops::Range;
 use bulkhead_checks::Check;
 use bulkhead_kvpool::{PageId, Tag};
 
-use crate::message::{CheckedFrame, Manifest, Reservation, digest, page_tokens_range};
+use crate::message::{CheckedFrame, Manifest, Reservation, digest};
 
 /// Where an accepted frame's bytes go.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -205,7 +205,7 @@ impl Inbound {
                 reserved: slot.tag,
             });
         }
-        let want = page_tokens_range(index, r.page_tokens, r.prompt_tokens);
+        let want = r.page_range(index);
         if want.as_ref() != Some(&h.tokens) {
             return Err(DropReason::WrongTokens {
                 index,
@@ -345,15 +345,16 @@ mod tests {
             nonce: NONCE,
             pages: pages.to_vec(),
             prompt_tokens: 40,
+            cached_tokens: 0,
             page_tokens: 16,
             token_bytes: 4,
         }
     }
 
     fn frames(r: &Reservation) -> Vec<Frame> {
-        (0..3u32)
+        (0..r.pages.len() as u32)
             .map(|i| {
-                let tokens = page_tokens_range(i, 16, 40).unwrap();
+                let tokens = r.page_range(i).unwrap();
                 let bytes = vec![i as u8; (tokens.len()) * 4];
                 Frame::new(r.nonce, i, r.pages[i as usize].tag, tokens, bytes)
             })
@@ -391,6 +392,45 @@ mod tests {
         assert_eq!(
             s.finish(&manifest(&fs), live),
             Ok(Committed { first_token: 11 })
+        );
+    }
+
+    #[test]
+    fn after_a_cached_prefix_only_the_rest_is_sent_at_its_own_positions() {
+        // Decode holds the first 32 tokens: the transfer fills one page with tokens 32..40.
+        let r = Reservation {
+            pages: reservation().pages[..1].to_vec(),
+            cached_tokens: 32,
+            ..reservation()
+        };
+        let fs = frames(&r);
+        assert_eq!(fs[0].header.tokens, 32..40);
+        let mut s = Inbound::new(r.clone());
+        assert_eq!(
+            s.accept(&c(&fs[0]), live),
+            Ok(Write {
+                page: PageId::new(7),
+                tokens: 32..40
+            })
+        );
+        assert_eq!(
+            s.finish(&manifest(&fs), live),
+            Ok(Committed { first_token: 11 })
+        );
+        // A sender that ignored the cached tokens writes the prompt's start into that page.
+        let from_zero = Frame::new(NONCE, 0, Tag::new(70), 0..16, vec![0; 16 * 4]);
+        let mut s = Inbound::new(r);
+        assert_eq!(
+            s.accept(&c(&from_zero), live),
+            Err(DropReason::WrongTokens {
+                index: 0,
+                got: 0..16,
+                want: Some(32..40)
+            })
+        );
+        assert_eq!(
+            s.finish(&manifest(&[from_zero]), live),
+            Err(IntegrityFailure::PageMissing { index: 0 })
         );
     }
 

@@ -28,20 +28,44 @@ impl fmt::Display for SessionNonce {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reservation {
     pub nonce: SessionNonce,
-    /// The pages the prompt's KV fills, in token order: `ceil(prompt_tokens / page_tokens)`.
+    /// The pages the transfer fills, in token order: one for every `page_tokens` of the
+    /// prompt after `cached_tokens`.
     pub pages: Vec<PageRef>,
-    /// Tokens of the prompt; the transfer must deliver exactly these.
+    /// Tokens of the prompt; the transfer must deliver exactly those after `cached_tokens`.
     pub prompt_tokens: u32,
+    /// Tokens at the prompt's start whose KV decode already holds (in its tenant's prefix
+    /// cache): whole pages, fewer than `prompt_tokens`. Nothing of them is sent.
+    pub cached_tokens: u32,
     pub page_tokens: u32,
     /// Bytes of KV per token (all layers, K and V); a frame of `n` tokens has `n * token_bytes`.
     pub token_bytes: u32,
 }
 
-/// The token positions page `index` of a transfer holds: `[index * page_tokens, …)` up to
-/// the prompt's end, or `None` when the page lies past it.
-pub fn page_tokens_range(index: u32, page_tokens: u32, prompt_tokens: u32) -> Option<Range<u32>> {
-    let start = index.checked_mul(page_tokens)?;
-    (start < prompt_tokens).then(|| start..start.saturating_add(page_tokens).min(prompt_tokens))
+impl Reservation {
+    /// The absolute token positions page `index` of the transfer holds:
+    /// `[cached_tokens + index * page_tokens, …)` up to the prompt's end, or `None` when the
+    /// page lies past it.
+    pub fn page_range(&self, index: u32) -> Option<Range<u32>> {
+        let start = index
+            .checked_mul(self.page_tokens)?
+            .checked_add(self.cached_tokens)?;
+        let end = start
+            .saturating_add(self.page_tokens)
+            .min(self.prompt_tokens);
+        (start < self.prompt_tokens).then_some(start..end)
+    }
+
+    /// Pages the transfer fills: the prompt's tokens after `cached_tokens`, a page per
+    /// `page_tokens` (`None` for a page size of zero or more cached tokens than the prompt).
+    pub fn pages_needed(&self) -> Option<usize> {
+        let sent = self.prompt_tokens.checked_sub(self.cached_tokens)?;
+        (self.page_tokens > 0).then(|| sent.div_ceil(self.page_tokens) as usize)
+    }
+
+    /// Tokens whose KV the transfer carries.
+    pub fn sent_tokens(&self) -> u32 {
+        self.prompt_tokens.saturating_sub(self.cached_tokens)
+    }
 }
 
 /// Everything a frame says about its bytes.
@@ -237,17 +261,45 @@ impl From<Message> for Received {
 mod tests {
     use super::*;
 
+    fn reservation(prompt_tokens: u32, cached_tokens: u32) -> Reservation {
+        Reservation {
+            nonce: SessionNonce([0; 16]),
+            pages: Vec::new(),
+            prompt_tokens,
+            cached_tokens,
+            page_tokens: 16,
+            token_bytes: 4,
+        }
+    }
+
     #[test]
     fn pages_cover_the_prompt_exactly() {
-        assert_eq!(page_tokens_range(0, 16, 40), Some(0..16));
-        assert_eq!(page_tokens_range(2, 16, 40), Some(32..40));
-        assert_eq!(page_tokens_range(3, 16, 40), None);
+        let r = reservation(40, 0);
+        assert_eq!(r.page_range(0), Some(0..16));
+        assert_eq!(r.page_range(2), Some(32..40));
+        assert_eq!(r.page_range(3), None);
+        assert_eq!(r.pages_needed(), Some(3));
         assert_eq!(
-            page_tokens_range(2, 16, 32),
+            reservation(32, 0).page_range(2),
             None,
             "a page starting at the end"
         );
-        assert_eq!(page_tokens_range(u32::MAX, 16, 40), None);
+        assert_eq!(r.page_range(u32::MAX), None);
+    }
+
+    #[test]
+    fn pages_after_a_cached_prefix_cover_only_the_rest() {
+        let r = reservation(40, 32);
+        assert_eq!(r.page_range(0), Some(32..40));
+        assert_eq!(r.page_range(1), None);
+        assert_eq!(r.pages_needed(), Some(1));
+        assert_eq!(r.sent_tokens(), 8);
+        let r = reservation(40, u32::MAX - 3);
+        assert_eq!(r.page_range(1), None, "no overflow past the cached tokens");
+        assert_eq!(r.pages_needed(), None, "more cached than the prompt");
+        let mut zero = reservation(40, 0);
+        zero.page_tokens = 0;
+        assert_eq!(zero.pages_needed(), None);
     }
 
     #[test]

@@ -264,6 +264,7 @@ impl Payload {
                 })
                 .collect(),
             prompt_tokens: self.pages as u32 * pt,
+            cached_tokens: 0,
             page_tokens: pt,
             token_bytes: self.layout.token_bytes() as u32,
         }

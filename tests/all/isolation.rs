@@ -18,6 +18,7 @@ use crate::oracles::{
     audit_findings, canary, canary_findings, pool_findings, solo_findings, tenant_c_toml,
 };
 use crate::up::bounded;
+use crate::worker_grpc::Worker;
 
 /// The prefill worker's pool in the incident's deployment, in tokens.
 pub(crate) const PREFILL_POOL: &str = "256";
@@ -165,10 +166,18 @@ pub(crate) fn oracle_findings(
     findings
 }
 
+/// The prompt tokens a request read from a prefix cache: computed from it on the prefill
+/// worker, not sent because it was there on the decode worker.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct CacheReads {
+    pub prefill: f64,
+    pub decode: f64,
+}
+
 /// Tenant A sends one long prompt twice, then tenant B sends the same prompt, on the
-/// incident's cluster with `env`: the prompt tokens the prefill worker read from a prefix
-/// cache during A's second request and during B's. Every oracle must hold.
-pub(crate) fn one_prompt_from_two_tenants(env: &[(&str, &str)]) -> [f64; 2] {
+/// incident's cluster with `env`: what A's second request and B's read from the workers'
+/// prefix caches. Every oracle must hold.
+pub(crate) fn one_prompt_from_two_tenants(env: &[(&str, &str)]) -> [CacheReads; 2] {
     let mut env = env.to_vec();
     env.push(("BULKHEAD_PREFIX_CACHE", "true"));
     let (cluster, mut reference) = start_with_reference(&env, None);
@@ -176,18 +185,27 @@ pub(crate) fn one_prompt_from_two_tenants(env: &[(&str, &str)]) -> [f64; 2] {
     let ledger = Ledger::default();
     let body = completion(&long_prompt("in the harbour", 120), 8, false);
     let hits = || {
-        let m = cluster.prefill.metrics();
-        crate::worker_grpc::metric(&m, "bulkhead_prefix_cache_hit_tokens_total")
+        let hits = |w: &Worker| {
+            crate::worker_grpc::metric(&w.metrics(), "bulkhead_prefix_cache_hit_tokens_total")
+        };
+        CacheReads {
+            prefill: hits(&cluster.prefill),
+            decode: hits(&cluster.decode),
+        }
     };
     let send = |tenant: Tenant| {
         let before = hits();
         let e = ledger.send(cluster.api(), tenant, "/v1/completions", &body, &[]);
         assert_eq!(e.status, 200, "{}: {}", tenant.id, e.response);
-        let read = hits() - before;
+        let after = hits();
+        let read = CacheReads {
+            prefill: after.prefill - before.prefill,
+            decode: after.decode - before.decode,
+        };
         // The client is told, in OpenAI's field, through decode from prefill's answer.
         let usage: Value = serde_json::from_str(&e.response).expect("a JSON body");
         let told = &usage["usage"]["prompt_tokens_details"]["cached_tokens"];
-        assert_eq!(told.as_f64(), Some(read), "{}", e.response);
+        assert_eq!(told.as_f64(), Some(read.prefill), "{}", e.response);
         read
     };
     send(TENANT_A);
@@ -207,10 +225,16 @@ fn a_prompt_reads_only_its_own_tenants_prefix_cache() {
     bounded(|| {
         let [a, b] = one_prompt_from_two_tenants(&[]);
         assert!(
-            a >= 64.0,
-            "tenant A's repeat read its own cached pages: {a}"
+            a.prefill >= 64.0,
+            "tenant A's repeat read its own cached pages: {a:?}"
         );
-        assert_eq!(b, 0.0, "tenant B read tenant A's cached pages");
+        // Decode kept the pages A's first transfer filled: the repeat was sent only the rest.
+        assert_eq!(a.decode, a.prefill, "{a:?}");
+        let none = CacheReads {
+            prefill: 0.0,
+            decode: 0.0,
+        };
+        assert_eq!(b, none, "tenant B read tenant A's cached pages");
     });
 }
 

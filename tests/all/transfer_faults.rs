@@ -348,6 +348,7 @@ async fn a_decode_peer_that_stops_reading_and_hangs_up_gets_no_hold_on_prefills_
                     .map(|page| proto::ReservedPage { page, tag: 1 })
                     .collect(),
                 prompt_tokens: 1000,
+                cached_tokens: 0,
                 page_tokens: info.page_tokens,
                 token_bytes: handoff.token_bytes as u32,
             }),

@@ -22,10 +22,11 @@
 //!  failed integrity: quarantined
 //! ```
 //!
-//! With the prefix cache on (colocated and prefill roles), a request whose prompt starts
-//! with whole pages its own tenant's requests computed reads those pages ([`Prefix`]) and
-//! reserves and computes only the rest; when pages are short, cached pages nobody reads are
-//! evicted to make room.
+//! With the prefix cache on, a request whose prompt starts with whole pages its own tenant's
+//! requests computed reads those pages ([`Prefix`]) and reserves and computes only the rest;
+//! on a decode worker the pages are those its tenant's earlier transfers filled, and the
+//! reservation it names to prefill covers only the rest, so only the rest is sent. When pages
+//! are short, cached pages nobody reads are evicted to make room.
 //!
 //! Pages for the whole request (prompt + max new tokens) are reserved before it runs, so a
 //! running request never waits for memory and nothing is ever preempted or truncated.
@@ -97,8 +98,9 @@ pub struct EngineConfig {
     /// closed, or its `Closed` came late) its pages are scrubbed and reused.
     pub reclaim_after: Duration,
     /// Keep the whole pages of every prompt computed here in its tenant's prefix cache, and
-    /// start each prompt from the longest cached run of its own tenant's pages (colocated and
-    /// prefill roles; a decode worker computes no prompt).
+    /// start each prompt from the longest cached run of its own tenant's pages. A decode
+    /// worker keeps the pages of the prompts it received instead, so that a transfer carries
+    /// only what its tenant's cache does not already hold.
     pub prefix_cache: bool,
 }
 
@@ -429,7 +431,7 @@ impl Engine {
         TransferStats {
             transfers_in_flight: self.transfers.len() as u64,
             in_flight_tokens: transfers
-                .map(|t| u64::from(t.inbound.reservation().prompt_tokens))
+                .map(|t| u64::from(t.inbound.reservation().sent_tokens()))
                 .sum(),
             reserved_tokens: self
                 .transfers
@@ -616,11 +618,18 @@ impl Engine {
                 t.page_tokens, t.token_bytes, c.page_tokens, c.token_bytes
             ));
         }
-        let want = t.prompt_tokens.div_ceil(t.page_tokens) as usize;
-        if t.pages.len() != want {
+        if !t.cached_tokens.is_multiple_of(t.page_tokens) || t.cached_tokens >= t.prompt_tokens {
             return mismatch(format!(
-                "{} pages named, the prompt needs {want}",
-                t.pages.len()
+                "{} cached tokens are not whole pages before the prompt's last token",
+                t.cached_tokens
+            ));
+        }
+        let want = t.pages_needed();
+        if Some(t.pages.len()) != want {
+            return mismatch(format!(
+                "{} pages named, the prompt after its cached tokens needs {}",
+                t.pages.len(),
+                want.unwrap_or_default()
             ));
         }
         Ok(())
@@ -768,11 +777,11 @@ impl Engine {
         if computed <= t.prefill_computed {
             return;
         }
-        let prompt_tokens = t.inbound.reservation().prompt_tokens;
+        let sent_tokens = t.inbound.reservation().sent_tokens();
         t.prefill_computed = computed;
         t.deadline = self
             .config
-            .transfer_deadline(prompt_tokens, self.capacity.token_bytes);
+            .transfer_deadline(sent_tokens, self.capacity.token_bytes);
     }
 
     /// Prompt tokens this engine computed since it started (prefix-cache hits not included).
@@ -793,7 +802,7 @@ impl Engine {
 
     /// A verified transfer: the pages become the request's and it decodes from the first token.
     fn start_decoding(&mut self, t: Transfer, first_token: TokenId) {
-        let mut r = Running::new(t.request, t.pages.commit(), None, None);
+        let mut r = Running::new(t.request, t.pages.commit(), t.prefix, None);
         r.prefilled = r.request.prompt.len();
         let outcome = accept_token(&self.tokenizer, &mut r, first_token);
         match outcome {
@@ -985,6 +994,7 @@ impl Engine {
                         nonce,
                         reservation.pages(),
                         request.prompt.len() as u32,
+                        prefix.as_ref().map_or(0, |p| p.tokens() as u32),
                         c.page_tokens,
                         c.token_bytes as u32,
                     );
@@ -993,13 +1003,14 @@ impl Engine {
                     }
                     let deadline = self
                         .config
-                        .transfer_deadline(target.prompt_tokens, c.token_bytes);
+                        .transfer_deadline(target.sent_tokens(), c.token_bytes);
                     let inbound = bulkhead_handoff::Inbound::new(target);
                     self.transfers.insert(
                         nonce,
                         Transfer {
                             request,
                             pages: reservation,
+                            prefix,
                             inbound,
                             deadline,
                             prefill_computed: 0,
@@ -1023,12 +1034,12 @@ impl Engine {
         });
     }
 
-    /// The cached pages a waiting request's prompt starts with, when it computes its prompt
-    /// here and the prefix cache is on: at most all but its last token, which must be
-    /// computed for the first token's logits. Looked up in the request's tenant's cache — or,
+    /// The cached pages a waiting request's prompt starts with, when the prefix cache is on:
+    /// at most all but its last token, which must be computed for the first token's logits
+    /// (on a decode worker: sent, with them). Looked up in the request's tenant's cache — or,
     /// in a test build with the `prefix-scope` check off, in one cache shared by every tenant.
     fn cached_prefix(&self, w: &Waiting) -> Option<Prefix> {
-        if !self.config.prefix_cache || matches!(w.role, Role::Decode) {
+        if !self.config.prefix_cache {
             return None;
         }
         let scope = if bulkhead_checks::enabled(Check::PrefixScope) {

@@ -119,7 +119,7 @@ pub struct TransferStats {
     pub abort_ack: Histogram,
     /// Gauge: decode-side transfers waiting for or receiving their KV.
     pub transfers_in_flight: u64,
-    /// Gauge: prompt tokens of those transfers.
+    /// Gauge: prompt tokens those transfers carry (those after decode's cached prefix).
     pub in_flight_tokens: u64,
     /// Gauge: tokens admitted and holding pages (reserved for a transfer, or running).
     pub reserved_tokens: u64,

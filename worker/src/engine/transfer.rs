@@ -27,8 +27,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use bulkhead_handoff::{
-    CheckedFrame, DropReason, Frame, Inbound, Manifest, Reservation as Target, SessionNonce,
-    digest, page_tokens_range,
+    CheckedFrame, DropReason, Frame, Inbound, Manifest, Reservation as Target, SessionNonce, digest,
 };
 use bulkhead_kvpool::{
     Allocation, PageId, PagePool, PageRef, Prefix, Quarantined, Releasing, Reservation, Tag,
@@ -42,6 +41,9 @@ use crate::kv::{KvMemory, SlotError};
 pub(super) struct Transfer {
     pub request: Request,
     pub pages: Reservation,
+    /// The cached pages of the tenant's prefix cache the prompt starts with, which the
+    /// transfer does not fill; read-only, they head the request's page table.
+    pub prefix: Option<Prefix>,
     pub inbound: Inbound,
     pub deadline: Instant,
     /// The most prompt tokens the prefill worker said it computed since it started (its
@@ -118,19 +120,22 @@ pub fn write_frame(
     Ok(())
 }
 
-/// The reservation decode names to prefill for `pages`, covering the first `prompt_tokens`.
+/// The reservation decode names to prefill for `pages`, covering the prompt's tokens from
+/// `cached_tokens` (whole pages decode holds already) to `prompt_tokens`.
 pub(super) fn target(
     nonce: SessionNonce,
     pages: &[PageRef],
     prompt_tokens: u32,
+    cached_tokens: u32,
     page_tokens: u32,
     token_bytes: u32,
 ) -> Target {
-    let n = prompt_tokens.div_ceil(page_tokens) as usize;
+    let n = (prompt_tokens - cached_tokens).div_ceil(page_tokens) as usize;
     Target {
         nonce,
         pages: pages[..n].to_vec(),
         prompt_tokens,
+        cached_tokens,
         page_tokens,
         token_bytes,
     }
@@ -158,7 +163,8 @@ pub struct Outbound {
 }
 
 impl Outbound {
-    /// Reads the prompt's KV out of `source` into frames for `target`.
+    /// Reads the prompt's KV out of `source` into frames for `target`: the pages after those
+    /// decode holds already.
     pub(super) fn build(
         kv: &KvMemory,
         source: Source,
@@ -166,10 +172,12 @@ impl Outbound {
         first_token: u32,
     ) -> Result<Outbound, SlotError> {
         let pt = target.page_tokens;
+        let skipped = (target.cached_tokens / pt) as usize;
+        let sources = source.table.iter().skip(skipped);
         let mut frames = Vec::with_capacity(target.pages.len());
-        for (index, (dst, src)) in target.pages.iter().zip(&source.table).enumerate() {
+        for (index, (dst, src)) in target.pages.iter().zip(sources).enumerate() {
             let index = index as u32;
-            let Some(tokens) = page_tokens_range(index, pt, target.prompt_tokens) else {
+            let Some(tokens) = target.page_range(index) else {
                 break;
             };
             let bytes = kv.read_slots(src.page, slots(&tokens, pt))?;

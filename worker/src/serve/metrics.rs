@@ -312,7 +312,7 @@ impl Metrics {
             ),
             (
                 "bulkhead_kv_in_flight_tokens",
-                "Prompt tokens of the KV transfers in flight, by side.",
+                "Prompt tokens the KV transfers in flight carry, by side.",
                 t.in_flight_tokens,
                 sending_tokens,
             ),

@@ -76,6 +76,7 @@ pub fn to_proto_reservation(r: &Reservation) -> proto::KvReservation {
             })
             .collect(),
         prompt_tokens: r.prompt_tokens,
+        cached_tokens: r.cached_tokens,
         page_tokens: r.page_tokens,
         token_bytes: r.token_bytes,
     }
@@ -102,6 +103,7 @@ pub fn from_proto_reservation(r: &proto::KvReservation) -> Result<Reservation, V
             })
             .collect(),
         prompt_tokens: r.prompt_tokens,
+        cached_tokens: r.cached_tokens,
         page_tokens: r.page_tokens,
         token_bytes: r.token_bytes,
     })
@@ -136,7 +138,8 @@ mod tests {
                 page: PageId::new(4),
                 tag: Tag::new(77),
             }],
-            prompt_tokens: 10,
+            prompt_tokens: 40,
+            cached_tokens: 32,
             page_tokens: 16,
             token_bytes: 64,
         };

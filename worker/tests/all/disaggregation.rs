@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use bulkhead_handoff::codec::{decode, encode};
 use bulkhead_handoff::{CloseReason, IntegrityFailure, Message, Reservation, SessionNonce};
-use bulkhead_kvpool::RequestId;
+use bulkhead_kvpool::{RequestId, Scope};
 use bulkhead_worker::engine::{
     Engine, EngineConfig, Event, Failure, KvBudget, Outbound, SubmitError,
 };
@@ -31,9 +31,25 @@ fn reserve(
     prompt: &[u32],
     max_new: usize,
 ) -> (Reservation, mpsc::Receiver<Event>) {
+    reserve_for(decode_engine, TENANT, id, prompt, max_new)
+}
+
+/// The test's tenant, unless a test names another.
+const TENANT: &str = "test";
+
+/// [`reserve`] for a request of `tenant`.
+fn reserve_for(
+    decode_engine: &mut Engine,
+    tenant: &str,
+    id: u64,
+    prompt: &[u32],
+    max_new: usize,
+) -> (Reservation, mpsc::Receiver<Event>) {
     let (tx, rx) = mpsc::channel();
+    let mut r = request(id, prompt, max_new, tx);
+    r.tenant = Scope::new(tenant);
     decode_engine
-        .submit_decode(request(id, prompt, max_new, tx))
+        .submit_decode(r)
         .map_err(|(e, _)| e)
         .expect("decode admits");
     decode_engine.step();
@@ -77,10 +93,24 @@ fn disaggregated(
     p: &mut Engine,
     prompt: &[u32],
     max_new: usize,
-    mut fault: impl FnMut(Message) -> Option<Message>,
+    fault: impl FnMut(Message) -> Option<Message>,
 ) -> Outcome {
-    let (target, rx) = reserve(d, 1, prompt, max_new);
-    let out = prefill(p, 1, prompt, target).expect("prefill admits");
+    disaggregated_for(d, p, TENANT, prompt, max_new, fault).0
+}
+
+/// [`disaggregated`] for a request of `tenant`; also the reservation decode named and how
+/// many frames prefill sent.
+fn disaggregated_for(
+    d: &mut Engine,
+    p: &mut Engine,
+    tenant: &str,
+    prompt: &[u32],
+    max_new: usize,
+    mut fault: impl FnMut(Message) -> Option<Message>,
+) -> (Outcome, Reservation, usize) {
+    let (target, rx) = reserve_for(d, tenant, 1, prompt, max_new);
+    let out = prefill(p, 1, prompt, target.clone()).expect("prefill admits");
+    let frames = out.frames.len();
     let nonce = out.nonce();
     let messages = out.frames.iter().cloned().map(Message::Frame).chain([
         Message::Manifest(out.manifest.clone()),
@@ -95,7 +125,7 @@ fn disaggregated(
         }
     }
     out.close();
-    finish(d, rx)
+    (finish(d, rx), target, frames)
 }
 
 /// The tiny model over a pool of 256 tokens, otherwise configured as `config` says.
@@ -143,6 +173,60 @@ fn disaggregated_output_equals_colocated_output() {
     }
     assert_pages_back(&d, 0);
     assert_pages_back(&p, 0);
+    assert_eq!(d.transfer_stats().frames_dropped.total(), 0);
+}
+
+/// A decode worker with the prefix cache keeps the pages of the prompts it received in their
+/// tenant's cache: that tenant's next prompt starting with them is sent only the rest, and
+/// generates exactly what it generates sent whole; another tenant's identical prompt, or a
+/// decode worker without the cache, is sent all of it.
+#[test]
+fn a_decode_worker_is_sent_only_what_its_tenants_cache_lacks() {
+    let with_cache = EngineConfig {
+        prefix_cache: true,
+        ..EngineConfig::default()
+    };
+    let mut d = engine(real_model_owned(), with_cache);
+    let mut plain = engine(real_model_owned(), EngineConfig::default());
+    let mut p = engine(real_model_owned(), EngineConfig::default());
+    let mut colocated = engine(real_model_owned(), EngineConfig::default());
+    let encode = |text| colocated.tokenizer().encode(text, false).expect("encode");
+    let first = encode(
+        "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the \
+         one hundred and twelve steps, polishing the great lens, and writing in his logbook the \
+         names of the ships that passed the rocks below the cliffs",
+    );
+    let pt = d.capacity().page_tokens as usize;
+    assert!(first.len() > 2 * pt + 4, "{} tokens", first.len());
+    let mut second = first[..2 * pt + 4].to_vec();
+    second.extend(encode(" until one night a storm"));
+    let alone = run_all(
+        &mut colocated,
+        vec![(first.clone(), 8), (second.clone(), 8)],
+    );
+    let mut send = |d: &mut Engine, tenant, prompt: &[u32]| {
+        let (outcome, target, frames) = disaggregated_for(d, &mut p, tenant, prompt, 8, Some);
+        assert_eq!(frames, target.pages.len(), "one frame per named page");
+        (outcome, target.cached_tokens as usize, frames)
+    };
+    let (out, cached, _) = send(&mut d, "a", &first);
+    assert_eq!((out, cached), (alone[0].clone(), 0));
+    // Two whole pages of the second prompt are in tenant a's cache on decode.
+    let (out, cached, frames) = send(&mut d, "a", &second);
+    assert_eq!(
+        out, alone[1],
+        "the second prompt, its first pages from decode's cache"
+    );
+    assert_eq!(cached, 2 * pt);
+    assert_eq!(frames, (second.len() - 2 * pt).div_ceil(pt));
+    for (engine, tenant) in [(&mut d, "b"), (&mut plain, "a")] {
+        let (out, cached, frames) = send(engine, tenant, &second);
+        assert_eq!((out, cached), (alone[1].clone(), 0), "tenant {tenant}");
+        assert_eq!(frames, second.len().div_ceil(pt));
+    }
+    let s = d.pool().stats();
+    assert!(s.cached > 0, "{s:?}");
+    assert_eq!(s.free + s.pending_scrub + s.cached, s.total, "{s:?}");
     assert_eq!(d.transfer_stats().frames_dropped.total(), 0);
 }
 
@@ -420,13 +504,17 @@ fn prefill_refuses_a_reservation_that_does_not_describe_its_prompt() {
     let prompt: Vec<u32> = (3..40).collect();
     let (target, _rx) = reserve(&mut d, 1, &prompt, 8);
     let before = p.pool().stats();
-    let changes: [fn(&mut Reservation); 4] = [
+    let changes: [fn(&mut Reservation); 7] = [
         |t| t.prompt_tokens += 1,
         |t| t.page_tokens = 13,
         |t| t.token_bytes += 1,
         |t| {
             t.pages.pop();
         },
+        |t| t.cached_tokens = 8,
+        |t| t.cached_tokens = 48,
+        // Whole pages, but the reservation still names a page for each of the prompt's.
+        |t| t.cached_tokens = 16,
     ];
     for (i, change) in changes.iter().enumerate() {
         let mut t = target.clone();
