@@ -2,7 +2,8 @@
 //! OpenAI-compatible server: `bulkhead up` with its workers) through `openai = …`. A
 //! tokenizes, admits, limits and audits; B sees token ids only.
 
-use std::io::Read;
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, Stdio};
 
 use crate::cluster::Gateway;
 use crate::up::{
@@ -234,5 +235,69 @@ fn a_request_failed_mid_stream_is_charged_only_the_tokens_it_used() {
             r#"{"messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":1000,"temperature":0}"#,
         );
         assert_eq!(status, 200, "{body}");
+    });
+}
+
+/// `bulkhead bench load-target`: an OpenAI-compatible server that answers every request with
+/// the same five pieces ("The answer is 4."), whatever its `max_tokens`. Killed when dropped.
+struct LoadTarget {
+    child: Child,
+    url: String,
+}
+
+impl LoadTarget {
+    fn start() -> LoadTarget {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+            .args(["bench", "load-target"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("the load target starts");
+        let mut line = String::new();
+        let stdout = child.stdout.take().expect("piped");
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("reads its ready line");
+        let addr = line.trim().rsplit_once("addr=").expect("a ready line").1;
+        let url = format!("http://{addr}");
+        LoadTarget { child, url }
+    }
+}
+
+impl Drop for LoadTarget {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// An upstream that sends more tokens than the request asked for (one that ignores
+/// `max_tokens`) fails the request — 503, or an error event and no `[DONE]` — instead of
+/// streaming on for as long as it likes; within the request's `max_tokens` it is served.
+#[test]
+fn an_upstream_that_sends_more_tokens_than_asked_fails_the_request() {
+    bounded(|| {
+        let target = LoadTarget::start();
+        let front = Front::start(&target.url, "bench", "unused", 2048, 1_000_000);
+        front.wait_healthy();
+        let chat = |max_tokens: u32, stream: bool| {
+            front.chat(&format!(
+                r#"{{"messages":[{{"role":"user","content":"What is 2+2?"}}],"max_tokens":{max_tokens},"stream":{stream}}}"#
+            ))
+        };
+        let (status, body) = chat(16, false);
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            json(&body)["choices"][0]["message"]["content"],
+            "The answer is 4."
+        );
+        let (status, body) = chat(3, false);
+        assert_eq!(status, 503, "five pieces for three tokens: {body}");
+        front.wait_healthy();
+        let (status, body) = chat(3, true);
+        assert_eq!(status, 200, "{body}");
+        assert!(
+            body.contains("service_unavailable") && !body.contains("[DONE]"),
+            "the stream fails:\n{body}"
+        );
     });
 }

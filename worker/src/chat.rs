@@ -1,6 +1,7 @@
 //! Chat templates: the model's own `tokenizer.chat_template` (Jinja), rendered with minijinja.
 
 use std::fmt::Write as _;
+use std::io;
 use std::sync::Arc;
 
 use minijinja::{Environment, ErrorKind, context};
@@ -41,6 +42,39 @@ pub enum ChatError {
     ContentRewritten,
     #[error("cannot tokenize the chat prompt: {0}")]
     Tokenize(String),
+}
+
+/// Instructions one rendering may run (minijinja's fuel). A template comes from a model file
+/// or a worker's Info: one that loops without end is stopped here instead of holding a
+/// request's thread. Real templates run a few dozen instructions a message.
+const FUEL: u64 = 2_000_000;
+
+/// Bytes one rendering may write: a template that writes without end is stopped here instead
+/// of filling memory. Frames hold markers, not contents, so real ones are a few hundred bytes
+/// a message.
+const RENDERED_MAX: usize = 4 << 20;
+
+/// A rendering's output, refused past [`RENDERED_MAX`].
+#[derive(Default)]
+struct Rendered {
+    bytes: Vec<u8>,
+    /// A write was refused (minijinja reports it as a bare I/O error).
+    over: bool,
+}
+
+impl io::Write for Rendered {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if self.bytes.len() + buf.len() > RENDERED_MAX {
+            self.over = true;
+            return Err(io::ErrorKind::FileTooLarge.into());
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Marks message `i`'s place in a rendering (Unicode private-use characters, which no
@@ -103,6 +137,7 @@ impl ChatTemplate {
 
     pub fn new(source: &str, bos: String, eos: String) -> Result<ChatTemplate, ChatError> {
         let mut env = Environment::new();
+        env.set_fuel(Some(FUEL));
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
@@ -127,7 +162,8 @@ impl ChatTemplate {
         &self.source
     }
 
-    /// Renders `messages`, ending with the assistant's turn opened when `add_generation_prompt`.
+    /// Renders `messages`, ending with the assistant's turn opened when `add_generation_prompt`;
+    /// within [`FUEL`] and [`RENDERED_MAX`].
     pub fn render(
         &self,
         messages: &[Message],
@@ -137,13 +173,22 @@ impl ChatTemplate {
             .env
             .get_template(NAME)
             .map_err(|e| ChatError::Compile(e.to_string()))?;
-        tmpl.render(context! {
+        let mut out = Rendered::default();
+        let ctx = context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos,
             eos_token => self.eos,
-        })
-        .map_err(|e| ChatError::Render(e.to_string()))
+        };
+        match tmpl.render_captured_to(ctx, &mut out) {
+            Ok(_) => {}
+            Err(_) if out.over => {
+                let why = format!("the rendering exceeds {RENDERED_MAX} bytes");
+                return Err(ChatError::Render(why));
+            }
+            Err(e) => return Err(ChatError::Render(e.to_string())),
+        }
+        String::from_utf8(out.bytes).map_err(|e| ChatError::Render(e.to_string()))
     }
 
     /// Renders `messages` and tokenizes the result so that only the template's own text can
@@ -291,6 +336,31 @@ mod tests {
             frame_key(&[Message::new("a1:b", "")], true),
             "roles cannot run into each other"
         );
+    }
+
+    #[test]
+    fn a_template_that_runs_or_writes_without_end_is_stopped() {
+        let message = [Message::new("user", "hi")];
+        let hostile = |source: &str| {
+            let chat = ChatTemplate::new(source, String::new(), String::new()).expect("compiles");
+            match chat.render(&message, true) {
+                Err(ChatError::Render(why)) => why,
+                other => panic!("{source}: {other:?}"),
+            }
+        };
+        // 10^10 iterations, and 100 GB of output, before the limits.
+        let why = hostile(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        );
+        assert!(why.contains("fuel"), "{why}");
+        let why = hostile("{% for i in range(100000) %}{{ 'x' * 1000000 }}{% endfor %}");
+        assert!(why.contains("exceeds"), "{why}");
+        // The limits leave a long conversation's frame alone.
+        let (chat, tok) = tiny();
+        let long: Vec<Message> = (0..2000)
+            .map(|i| Message::new(["user", "assistant"][i % 2], "x"))
+            .collect();
+        assert!(chat.encode(&tok, &long, true).is_ok());
     }
 
     #[test]

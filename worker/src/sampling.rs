@@ -75,13 +75,16 @@ impl Sampler {
             return argmax(logits);
         }
         let t = self.params.temperature;
+        // Scaled from the largest logit down: never above 0, so a temperature near zero
+        // sends the others to -inf (weight 0), never the largest to +inf (inf - inf is NaN).
+        let top = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let c = &mut self.scratch;
         c.clear();
         c.extend(
             logits
                 .iter()
                 .enumerate()
-                .map(|(i, &l)| (l / t, i as TokenId)),
+                .map(|(i, &l)| ((l - top) / t, i as TokenId)),
         );
         c.sort_unstable_by(|a, b| b.0.total_cmp(&a.0));
         if let Some(k) = self.params.top_k {
@@ -174,6 +177,24 @@ mod tests {
         for _ in 0..200 {
             assert!(k.sample(&logits) < 2);
             assert_eq!(p.sample(&logits), 0);
+        }
+    }
+
+    #[test]
+    fn a_temperature_near_zero_samples_the_most_likely_token() {
+        let logits = [0.5, 3.0, 2.9, -1.0];
+        for temperature in [1e-40, 1e-30, 1e-6] {
+            for seed in 0..20 {
+                let mut s = Sampler::new(SamplingParams {
+                    temperature,
+                    top_k: None,
+                    top_p: 1.0,
+                    seed,
+                });
+                // Before, the largest logits became +inf, every weight NaN, and the least
+                // likely token came out.
+                assert_eq!(s.sample(&logits), 1, "temperature {temperature}");
+            }
         }
     }
 

@@ -183,7 +183,10 @@ impl Tokenizer {
             .map(|(i, t)| {
                 let t = t.as_ref();
                 if matches!(type_of(i), TYPE_CONTROL | TYPE_USER_DEFINED) {
-                    specials.push((t.to_owned(), i as TokenId));
+                    // An empty one would match everywhere and consume nothing: never parsed.
+                    if !t.is_empty() {
+                        specials.push((t.to_owned(), i as TokenId));
+                    }
                     control[i] = type_of(i) == TYPE_CONTROL;
                     return t.as_bytes().to_vec();
                 }
@@ -488,6 +491,33 @@ mod tests {
     fn an_unknown_pre_tokenizer_is_refused_by_name() {
         let err = tokenizer("mystery").expect_err("unknown");
         assert!(err.to_string().contains("\"mystery\""), "{err}");
+    }
+
+    #[test]
+    fn an_empty_special_token_is_never_parsed() {
+        // A vocabulary from a file or a peer: a byte per token, then an empty control token.
+        let byte_level = byte_level_inverse();
+        let mut tokens: Vec<String> = ('a'..='z').map(String::from).collect();
+        tokens.extend(["<eos>".to_owned(), String::new()]);
+        assert!(
+            tokens
+                .iter()
+                .all(|t| t.chars().all(|c| byte_level.contains_key(&c)))
+        );
+        let mut token_types = vec![1; 26];
+        token_types.extend([3, 3]);
+        let t = Tokenizer::from_parts(TokenizerParts {
+            model: "gpt2",
+            pre: None,
+            tokens: &tokens,
+            merges: &[] as &[String],
+            token_types: &token_types,
+            bos: None,
+            eos: 26,
+        })
+        .expect("a vocabulary with an empty control token builds");
+        // Before, the empty token matched at offset 0 forever: encoding never returned.
+        assert_eq!(t.encode("ab<eos>c", true).expect("encode"), [0, 1, 26, 2]);
     }
 
     #[test]

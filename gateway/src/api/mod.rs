@@ -332,7 +332,7 @@ async fn start(
         )?,
     };
     permit.charge_tokens(admitted.total_tokens())?;
-    let prompt_tokens = admitted.prompt_tokens;
+    let (prompt_tokens, max_tokens) = (admitted.prompt_tokens, admitted.max_new_tokens);
     let route = tracing::info_span!(
         "route",
         bulkhead.workers.decode = Empty,
@@ -406,6 +406,7 @@ async fn start(
         tenant,
         permit: Some(permit),
         prompt_tokens,
+        max_tokens,
         route,
         metrics: state.metrics.clone(),
         upstream: Some(stream),
@@ -414,6 +415,7 @@ async fn start(
         trail: trail.clone(),
         upstream_span,
         idle: state.http.stream_idle_timeout,
+        computed: respond::ComputedTokens::default(),
     })
 }
 

@@ -46,6 +46,9 @@ pub struct Started {
     pub permit: Option<RequestPermit>,
     /// The prompt's tokens, as admitted.
     pub prompt_tokens: u32,
+    /// The most tokens the request may generate, as admitted (after the policies' clamp): a
+    /// worker that sends more is broken.
+    pub max_tokens: u32,
     pub route: Route,
     pub metrics: Metrics,
     /// `None` only once handed to the policies at drop.
@@ -59,6 +62,22 @@ pub struct Started {
     pub upstream_span: tracing::Span,
     /// The longest the worker may stay silent ([`crate::config::HttpLimits::stream_idle_timeout`]).
     pub idle: std::time::Duration,
+    /// What the worker reported of its prompt computation.
+    pub computed: ComputedTokens,
+}
+
+/// The highest count of prompt tokens computed a worker reported: only a rise is news, so a
+/// worker that repeats itself cannot hold a request past its silence timeout.
+#[derive(Debug, Default)]
+pub struct ComputedTokens(u64);
+
+impl ComputedTokens {
+    /// Whether `count` is above every count before it.
+    fn rose(&mut self, count: u64) -> bool {
+        let rose = count > self.0;
+        self.0 = self.0.max(count);
+        rose
+    }
 }
 
 impl Drop for Started {
@@ -101,15 +120,23 @@ impl Started {
     }
 
     async fn step(&mut self) -> Result<Step, ApiError> {
+        let mut silent_until = Instant::now() + self.idle;
         loop {
             let Some(upstream) = self.upstream.as_mut() else {
                 return Err(ApiError::Internal);
             };
-            let Ok(message) = tokio::time::timeout(self.idle, upstream.message()).await else {
+            let Ok(message) = tokio::time::timeout_at(silent_until, upstream.message()).await
+            else {
                 let secs = self.idle.as_secs();
                 return Err(self.worker_down(&format!("sent nothing for {secs} s mid-request")));
             };
             match message {
+                Ok(Some(GenerateResponse {
+                    item: Some(Item::Token(_)),
+                })) if self.progress.tokens >= self.max_tokens => {
+                    let max = self.max_tokens;
+                    return Err(self.worker_down(&format!("sent more than the {max} tokens asked")));
+                }
                 Ok(Some(GenerateResponse {
                     item: Some(Item::Token(t)),
                 })) => {
@@ -124,10 +151,16 @@ impl Started {
                     self.finished(&d);
                     return Ok(Step::Done(d));
                 }
-                // The prompt's computation goes on: the silence timeout starts again.
+                // The prompt's computation goes on: the silence timeout starts again — only
+                // when the count rose, so a worker repeating itself cannot hold the request.
+                Ok(Some(GenerateResponse {
+                    item: Some(Item::Progress(p)),
+                })) if self.computed.rose(p.computed_tokens) => {
+                    silent_until = Instant::now() + self.idle;
+                }
                 Ok(Some(GenerateResponse {
                     item: None | Some(Item::Progress(_)),
-                })) => continue,
+                })) => {}
                 Ok(None) => return Err(self.worker_down("a stream ended without Done")),
                 Err(status) => {
                     let failure = from_status(&status);
@@ -321,3 +354,15 @@ fn stream(started: Started, span: tracing::Span) -> Response {
 
 /// How often an idle SSE stream sends a comment.
 const SSE_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(1);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_rising_count_of_computed_tokens_is_news() {
+        let mut c = ComputedTokens::default();
+        let heard: Vec<bool> = [0, 16, 16, 8, 32, 31, 33].map(|n| c.rose(n)).to_vec();
+        assert_eq!(heard, [false, true, false, false, true, false, true]);
+    }
+}
