@@ -330,6 +330,8 @@ pub enum ConfigError {
     PrefillOnNonDecode { name: String },
     #[error("{field} must be at least 1")]
     ZeroSetting { field: &'static str },
+    #[error("{field} must be at most {MAX_TIMEOUT_SECS} (a week)")]
+    TimeoutTooLong { field: &'static str },
     #[error("worker {name:?}: give exactly one of grpc = \"…\" or openai = \"…\"")]
     WorkerProtocol { name: String },
     #[error(
@@ -550,6 +552,10 @@ fn cluster_settings(raw: RawCluster) -> Result<ClusterSettings, ConfigError> {
     })
 }
 
+/// The longest timeout the gateway takes: a deadline is a point in time, and one past the
+/// clock's range would fail every request.
+const MAX_TIMEOUT_SECS: u64 = 7 * 24 * 3600;
+
 fn http_limits(raw: &RawHttp) -> Result<HttpLimits, ConfigError> {
     let d = HttpLimits::default();
     let nonzero = |v: Option<u64>, field: &'static str, default: u64| match v {
@@ -557,27 +563,35 @@ fn http_limits(raw: &RawHttp) -> Result<HttpLimits, ConfigError> {
         Some(v) => Ok(v),
         None => Ok(default),
     };
+    let timeout = |v: Option<u64>, field: &'static str, default: Duration| match nonzero(
+        v,
+        field,
+        default.as_secs(),
+    )? {
+        secs if secs > MAX_TIMEOUT_SECS => Err(ConfigError::TimeoutTooLong { field }),
+        secs => Ok(Duration::from_secs(secs)),
+    };
     Ok(HttpLimits {
         max_body_bytes: nonzero(
             raw.max_body_bytes.map(|v| v as u64),
             "http.max_body_bytes",
             d.max_body_bytes as u64,
         )? as usize,
-        request_timeout: Duration::from_secs(nonzero(
+        request_timeout: timeout(
             raw.request_timeout_secs,
             "http.request_timeout_secs",
-            d.request_timeout.as_secs(),
-        )?),
-        header_timeout: Duration::from_secs(nonzero(
+            d.request_timeout,
+        )?,
+        header_timeout: timeout(
             raw.header_timeout_secs,
             "http.header_timeout_secs",
-            d.header_timeout.as_secs(),
-        )?),
-        stream_idle_timeout: Duration::from_secs(nonzero(
+            d.header_timeout,
+        )?,
+        stream_idle_timeout: timeout(
             raw.stream_idle_timeout_secs,
             "http.stream_idle_timeout_secs",
-            d.stream_idle_timeout.as_secs(),
-        )?),
+            d.stream_idle_timeout,
+        )?,
         default_max_tokens: match raw.default_max_tokens {
             None => d.default_max_tokens,
             Some(v) => NonZeroU32::new(v).ok_or(ConfigError::ZeroSetting {
@@ -842,6 +856,21 @@ mod tests {
         assert!(c.tenants.keyring().tenant(&KeyHash::of("sk-c")).is_none());
         assert_eq!(c.workers[0].endpoint, "http://127.0.0.1:50051");
         assert_eq!(c.http, HttpLimits::default());
+    }
+
+    #[test]
+    fn timeouts_past_a_week_are_refused_by_name() {
+        let with = |secs: u64| {
+            let http = format!("[http]\nrequest_timeout_secs = {secs}\n");
+            Config::parse(&(config(&tenant("tenant-a", "k"), WORKER) + &http))
+        };
+        let week = with(MAX_TIMEOUT_SECS).expect("a week is taken");
+        assert_eq!(week.http.request_timeout.as_secs(), MAX_TIMEOUT_SECS);
+        // Before, the largest TOML integer parsed and every request's deadline overflowed the clock: a panic.
+        for secs in [MAX_TIMEOUT_SECS + 1, i64::MAX as u64] {
+            let e = with(secs).expect_err("over a week");
+            assert!(e.to_string().contains("http.request_timeout_secs"), "{e}");
+        }
     }
 
     #[test]

@@ -483,3 +483,40 @@ async fn peers_that_exhaust_the_decode_workers_descriptors_do_not_stop_it() {
     })
     .await;
 }
+
+/// A `Prefill` call's labels are bounded as `Generate`'s are: they go into spans, logs and the
+/// prefix cache's scope, so a peer's megabyte-long tenant is refused, and nothing allocated.
+#[tokio::test]
+async fn a_prefill_call_with_an_overlong_label_is_refused_before_anything_is_allocated() {
+    bounded(async {
+        let prefill = Worker::start(&["--role", "prefill", "--kv-tokens", "2048"]);
+        let mut pc = prefill.client().await;
+        let before = pool(&health(&mut pc).await);
+        let call = |request_id: String, tenant: String| proto::PrefillRequest {
+            request_id,
+            tenant,
+            prompt: vec![100, 101, 102],
+            sampling: None,
+            reservation: Some(proto::KvReservation {
+                nonce: vec![7; 16],
+                pages: vec![proto::ReservedPage { page: 0, tag: 1 }],
+                prompt_tokens: 3,
+                cached_tokens: 0,
+                page_tokens: 16,
+                token_bytes: 1,
+            }),
+            kv_address: "127.0.0.1:9".into(),
+        };
+        let long = "t".repeat(129);
+        for (field, request) in [
+            ("tenant", call("r".into(), long.clone())),
+            ("request_id", call(long.clone(), "tenant-a".into())),
+        ] {
+            let e = pc.prefill(request).await.expect_err("refused");
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+            assert!(e.message().contains(field), "{e:?}");
+        }
+        assert_eq!(pool(&health(&mut pc).await), before);
+    })
+    .await;
+}

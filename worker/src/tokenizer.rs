@@ -416,16 +416,22 @@ impl Detokenizer {
     /// Adds `token` and returns the text that became complete (possibly empty).
     pub fn push(&mut self, tokenizer: &Tokenizer, token: TokenId) -> String {
         self.pending.extend_from_slice(tokenizer.token_bytes(token));
-        let valid = match std::str::from_utf8(&self.pending) {
-            Ok(_) => self.pending.len(),
-            // An incomplete character at the end waits for the next token; an invalid one is
-            // replaced now.
-            Err(e) if e.error_len().is_none() => e.valid_up_to(),
-            Err(_) => self.pending.len(),
-        };
-        let text = String::from_utf8_lossy(&self.pending[..valid]).into_owned();
-        self.pending.drain(..valid);
-        text
+        let mut text = String::new();
+        loop {
+            let (valid, invalid) = match std::str::from_utf8(&self.pending) {
+                Ok(_) => (self.pending.len(), 0),
+                // An invalid sequence is replaced now; an incomplete character at the end
+                // waits for the next token.
+                Err(e) => (e.valid_up_to(), e.error_len().unwrap_or(0)),
+            };
+            text.push_str(&String::from_utf8_lossy(&self.pending[..valid]));
+            if invalid == 0 {
+                self.pending.drain(..valid);
+                return text;
+            }
+            text.push(char::REPLACEMENT_CHARACTER);
+            self.pending.drain(..valid + invalid);
+        }
     }
 
     /// The text still held back at the end of the stream.
@@ -518,6 +524,32 @@ mod tests {
         .expect("a vocabulary with an empty control token builds");
         // Before, the empty token matched at offset 0 forever: encoding never returned.
         assert_eq!(t.encode("ab<eos>c", true).expect("encode"), [0, 1, 26, 2]);
+    }
+
+    #[test]
+    fn an_invalid_byte_spoils_no_character_after_it() {
+        // Byte-level tokens: 0xFF then the first byte of "é" in one token, its second in the next.
+        let tokens: Vec<String> = [&[0xFF, 0xC3][..], &[0xA9]]
+            .iter()
+            .map(|bytes| bytes.iter().map(|&b| byte_level_char(b)).collect())
+            .chain(["<eos>".to_owned()])
+            .collect();
+        let t = Tokenizer::from_parts(TokenizerParts {
+            model: "gpt2",
+            pre: None,
+            tokens: &tokens,
+            merges: &[] as &[String],
+            token_types: &[1, 1, 3],
+            bos: None,
+            eos: 2,
+        })
+        .expect("builds");
+        let mut d = Detokenizer::default();
+        // Before, the invalid byte flushed the incomplete "é" with it: two replacements, then a
+        // third for its lone second byte.
+        assert_eq!(d.push(&t, 0), "\u{FFFD}");
+        assert_eq!(d.push(&t, 1), "é");
+        assert_eq!(d.finish(), "");
     }
 
     #[test]

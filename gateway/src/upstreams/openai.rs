@@ -85,6 +85,9 @@ pub struct SseStream {
     body: Body,
     /// Bytes read and not yet parsed: at most a part of one event.
     buf: Vec<u8>,
+    /// Where in `buf` an event's end may yet be found: what lies before holds no separator
+    /// that more bytes could complete, so a trickling upstream costs each byte one look.
+    scanned: usize,
     events: Events,
 }
 
@@ -394,6 +397,7 @@ impl SseStream {
         SseStream {
             body,
             buf: Vec::new(),
+            scanned: 0,
             events: Events {
                 ready: VecDeque::new(),
                 finish: FinishReason::Stop,
@@ -430,9 +434,14 @@ impl SseStream {
                         self.buf.extend_from_slice(&bytes[parsed..]);
                     } else {
                         self.buf.extend_from_slice(&bytes);
-                        let parsed = self.events.parse_all(&self.buf);
-                        self.buf.drain(..parsed);
+                        if event_end(&self.buf, self.scanned).is_some() {
+                            let parsed = self.events.parse_all(&self.buf);
+                            self.buf.drain(..parsed);
+                        }
                     }
+                    // A separator is at most 4 bytes: one could end in the next read only
+                    // if it starts in the last 3.
+                    self.scanned = self.buf.len().saturating_sub(3);
                     if self.buf.len() > MAX_EVENT_BYTES {
                         return Err(Status::internal("an upstream SSE event is too long"));
                     }
@@ -456,7 +465,7 @@ impl SseStream {
 /// data (the `data:` lines' values, joined by newlines). An event ends at `\n\n` or
 /// `\r\n\r\n`, whichever comes first.
 fn next_event(buf: &[u8]) -> Option<(usize, Cow<'_, str>)> {
-    let (at, sep) = event_end(buf)?;
+    let (at, sep) = event_end(buf, 0)?;
     let data = match std::str::from_utf8(&buf[..at]) {
         Ok(text) => event_data(text),
         Err(_) => Cow::Owned(event_data(&String::from_utf8_lossy(&buf[..at])).into_owned()),
@@ -484,11 +493,11 @@ fn event_data(text: &str) -> Cow<'_, str> {
 
 /// Where the first event in `buf` ends: the offset of its blank line's separator, and the
 /// separator's length. Every separator holds a `\n`, so only those are looked at; the first
-/// one that completes `\n\n` or `\r\n\r\n` is the earliest separator.
-fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
-    let mut from = 0;
+/// one that completes `\n\n` or `\r\n\r\n` is the earliest separator. The search starts at
+/// `from`: a separator whose first `\n` lies before it is not found.
+fn event_end(buf: &[u8], mut from: usize) -> Option<(usize, usize)> {
     loop {
-        let i = from + buf[from..].iter().position(|&b| b == b'\n')?;
+        let i = from + buf.get(from..)?.iter().position(|&b| b == b'\n')?;
         let after = &buf[i + 1..];
         if after.starts_with(b"\n") {
             return Some((i, 2));
@@ -637,6 +646,18 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_stream_read_a_byte_at_a_time_parses_as_a_whole() {
+        let body = "data: {\"choices\":[{\"text\":\"Hel\"}]}\r\n\r\n\
+                    data: {\"choices\":[{\"text\":\"lo\",\"finish_reason\":\"stop\"}]}\n\n\
+                    data: [DONE]\r\n\r\n";
+        let bytes: Vec<String> = body.chars().map(String::from).collect();
+        let chunks: Vec<&str> = bytes.iter().map(String::as_str).collect();
+        let (text, done) = drain(stream(&chunks)).await.expect("a complete stream");
+        assert_eq!(text, "Hello");
+        assert_eq!(done.finish_reason, i32::from(FinishReason::Stop));
+    }
+
+    #[tokio::test]
     async fn without_usage_the_completion_is_counted_by_the_tokenizer_not_by_chunks() {
         // Two chunks of three and two "tokens" (words, for the stand-in tokenizer).
         let s = stream(&[
@@ -727,7 +748,12 @@ mod tests {
         }
         assert_eq!(strings.len(), (0..=8).map(|n| 3usize.pow(n)).sum::<usize>());
         for s in &strings {
-            assert_eq!(event_end(s), naive(s), "{s:?}");
+            assert_eq!(event_end(s, 0), naive(s), "{s:?}");
+            // Read in two parts, the first with no end: a search of the whole from three
+            // bytes before the second part's start finds what a search from the start finds.
+            for k in (0..=s.len()).filter(|&k| naive(&s[..k]).is_none()) {
+                assert_eq!(event_end(s, k.saturating_sub(3)), naive(s), "{s:?} at {k}");
+            }
         }
     }
 

@@ -123,8 +123,11 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
         "--runs and --connections must be at least 1"
     );
     anyhow::ensure!(
-        args.seconds > 0.0 && args.warmup_seconds >= 0.0,
-        "--seconds must be positive and --warmup-seconds not negative"
+        args.seconds > 0.0
+            && args.warmup_seconds >= 0.0
+            && args.seconds.is_finite()
+            && args.warmup_seconds.is_finite(),
+        "--seconds must be positive and --warmup-seconds not negative, both finite"
     );
     if cfg!(debug_assertions) {
         eprintln!(

@@ -331,6 +331,9 @@ pub async fn prefill(
         })
         .and_then(from_proto_reservation)
         .map_err(|e| status(&e.into()))?;
+    validate::label("request_id", &request.request_id)
+        .and_then(|()| validate::label("tenant", &request.tenant))
+        .map_err(|e| status(&e.into()))?;
     // Decode always sends the seed it chose, so prefill samples the first token the same way.
     let sampling = validate::sampling(request.sampling, || 0)
         .map_err(|e| status(&ValidationError::Sampling(e).into()))?;

@@ -173,7 +173,9 @@ impl Prompter {
     }
 }
 
-fn label(field: &'static str, value: &str) -> Result<(), ValidationError> {
+/// A caller's label (`request_id`, `tenant`): for logs, spans and the prefix cache's scope, so
+/// at most [`MAX_LABEL_BYTES`].
+pub fn label(field: &'static str, value: &str) -> Result<(), ValidationError> {
     if value.len() > MAX_LABEL_BYTES {
         return Err(ValidationError::FieldTooLong {
             field,
