@@ -215,7 +215,17 @@ fn placeholder_cluster(checks: &str) -> Cluster {
     let decode_pool = (PAGE * DECODE_PAGES).to_string();
     Cluster::start(Spec {
         prefill: &["--kv-tokens", "64"],
-        decode: &["--kv-tokens", &decode_pool, "--scrub", "none"],
+        // The incident's decode worker: no prefix cache, so A's released pages are the next
+        // reservation's, in A's order (with the cache, A's prompt pages stay in A's cache and
+        // come back evicted in another order: B still reads stale KV, but not A's canary).
+        decode: &[
+            "--kv-tokens",
+            &decode_pool,
+            "--scrub",
+            "none",
+            "--prefix-cache",
+            "false",
+        ],
         env: &[("BULKHEAD_LOG", VERBOSE_LOG), (SWITCHES, &switches)],
         toml: &toml,
         ..Spec::default()
