@@ -214,11 +214,6 @@ impl Args {
             (Some(b), None) => KvBudget::Bytes(b),
             (None, None) => EngineConfig::default().kv,
         };
-        // A transfer's deadline adds its bytes at this rate: at 0, every deadline is infinite.
-        anyhow::ensure!(
-            self.transfer_floor > 0,
-            "--transfer-floor must be at least 1 byte per second"
-        );
         Ok(ServeConfig {
             role,
             listen: self.listen,
@@ -451,11 +446,6 @@ mod tests {
         let cli = Cli::try_parse_from(["x", "--kv-memory", "64MiB"]).expect("parses");
         let config = cli.args.config().expect("valid");
         assert_eq!(config.engine.kv, KvBudget::Bytes(64 << 20));
-        // At 0 bytes a second, the first transfer's deadline was infinite: a panic on the
-        // engine's thread.
-        let cli = Cli::try_parse_from(["x", "--transfer-floor", "0"]).expect("parses");
-        let err = cli.args.config().expect_err("no floor").to_string();
-        assert!(err.contains("--transfer-floor"), "{err}");
     }
 
     #[test]

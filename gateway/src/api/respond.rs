@@ -134,8 +134,10 @@ impl Started {
                 Ok(Some(GenerateResponse {
                     item: Some(Item::Token(_)),
                 })) if self.progress.tokens >= self.max_tokens => {
+                    // This request's answer is broken, not the worker's health: it stays routed.
                     let max = self.max_tokens;
-                    return Err(self.worker_down(&format!("sent more than the {max} tokens asked")));
+                    tracing::warn!(worker = %self.route.worker, id = %self.id, max, "the worker sent more tokens than asked");
+                    return Err(self.failed(ApiError::WorkerUnavailable, None));
                 }
                 Ok(Some(GenerateResponse {
                     item: Some(Item::Token(t)),

@@ -130,15 +130,17 @@ pub(super) fn target(
     page_tokens: u32,
     token_bytes: u32,
 ) -> Target {
-    let n = (prompt_tokens - cached_tokens).div_ceil(page_tokens) as usize;
-    Target {
+    let mut target = Target {
         nonce,
-        pages: pages[..n].to_vec(),
+        pages: Vec::new(),
         prompt_tokens,
         cached_tokens,
         page_tokens,
         token_bytes,
-    }
+    };
+    let n = target.pages_needed().unwrap_or_default();
+    target.pages = pages.iter().take(n).copied().collect();
+    target
 }
 
 /// What a prefill worker reads a prompt's KV from: the request's page table (its cached
@@ -199,6 +201,12 @@ impl Outbound {
 
     pub fn nonce(&self) -> SessionNonce {
         self.manifest.nonce
+    }
+
+    /// Prompt tokens the frames carry: those after decode's cached prefix.
+    pub fn sent_tokens(&self) -> u32 {
+        let tokens = self.frames.iter().map(|f| &f.header.tokens);
+        tokens.map(|t| t.end.saturating_sub(t.start)).sum()
     }
 
     /// Prompt tokens whose KV was read from the prefix cache instead of computed.

@@ -492,12 +492,10 @@ async fn transfer(
     };
     drop(computing);
     guard.disarm();
-    let sending = engine
-        .metrics()
-        .sending(u64::from(outbound.manifest.tokens));
+    let sending = engine.metrics().sending(u64::from(outbound.sent_tokens()));
     let transfer_span = tracing::info_span!(
         "kv_transfer",
-        bulkhead.kv.tokens = outbound.manifest.tokens,
+        bulkhead.kv.tokens = outbound.sent_tokens(),
         bulkhead.kv.frames = Empty,
         bulkhead.kv.bytes = Empty,
         bulkhead.kv.aborted = Empty,

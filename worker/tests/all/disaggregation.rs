@@ -387,6 +387,41 @@ fn an_aborted_transfer_keeps_its_pages_until_the_drain_acknowledgement() {
     assert_pages_back(&p, 0);
 }
 
+/// A transfer reserved after a cached prefix that ends any way but a commit lets the prefix's
+/// pages go: they stay cached, and can be evicted again once nothing reads them.
+#[test]
+fn an_abandoned_transfer_after_a_cached_prefix_lets_the_prefix_go() {
+    let cached = EngineConfig {
+        prefix_cache: true,
+        ..EngineConfig::default()
+    };
+    let (mut d, mut p) = (tiny_engine_with(cached), tiny_engine(256));
+    let prompt: Vec<u32> = (3..40).collect();
+    disaggregated_for(&mut d, &mut p, TENANT, &prompt, 4, Some);
+    let after_first = d.pool().stats();
+    assert_eq!(after_first.cached, 2, "two whole pages of 16: {after_first:?}");
+    for end in ["cancelled", "rejected by prefill"] {
+        let (target, _rx) = reserve(&mut d, 2, &prompt, 4);
+        assert_eq!(target.cached_tokens, 32, "{end}");
+        match end {
+            "cancelled" => {
+                assert!(d.cancel(RequestId::new(2)));
+                d.deliver(Message::Closed {
+                    nonce: target.nonce,
+                    reason: CloseReason::Aborted,
+                });
+            }
+            _ => d.prefill_rejected(target.nonce, SubmitError::EmptyPrompt),
+        }
+        d.step();
+        let s = d.pool().stats();
+        assert_eq!(s.free + s.pending_scrub + s.cached, s.total, "{end}: {s:?}");
+        assert_eq!(s.cached, 2, "{end}: {s:?}");
+    }
+    // Nothing pins them: both can be evicted.
+    assert_eq!(d.pool().evict(u32::MAX), 2);
+}
+
 #[test]
 fn without_a_drain_acknowledgement_pages_are_quarantined_never_freed() {
     let mut d = tiny_engine_with(EngineConfig {
