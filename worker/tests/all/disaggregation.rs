@@ -399,7 +399,10 @@ fn an_abandoned_transfer_after_a_cached_prefix_lets_the_prefix_go() {
     let prompt: Vec<u32> = (3..40).collect();
     disaggregated_for(&mut d, &mut p, TENANT, &prompt, 4, Some);
     let after_first = d.pool().stats();
-    assert_eq!(after_first.cached, 2, "two whole pages of 16: {after_first:?}");
+    assert_eq!(
+        after_first.cached, 2,
+        "two whole pages of 16: {after_first:?}"
+    );
     for end in ["cancelled", "rejected by prefill"] {
         let (target, _rx) = reserve(&mut d, 2, &prompt, 4);
         assert_eq!(target.cached_tokens, 32, "{end}");
