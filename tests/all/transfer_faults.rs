@@ -507,7 +507,7 @@ async fn a_prefill_call_with_an_overlong_label_is_refused_before_anything_is_all
             }),
             kv_address: "127.0.0.1:9".into(),
         };
-        let long = "t".repeat(129);
+        let long = "t".repeat(bulkhead_worker::serve::MAX_LABEL_BYTES + 1);
         for (field, request) in [
             ("tenant", call("r".into(), long.clone())),
             ("request_id", call(long.clone(), "tenant-a".into())),

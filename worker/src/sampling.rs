@@ -90,10 +90,10 @@ impl Sampler {
         if let Some(k) = self.params.top_k {
             c.truncate(k.max(1));
         }
-        let max = c[0].0;
+        // The largest is 0 already: exp keeps every weight in (0, 1].
         let mut total = 0.0;
         for e in c.iter_mut() {
-            e.0 = (e.0 - max).exp();
+            e.0 = e.0.exp();
             total += e.0;
         }
         let mut kept = 0.0;

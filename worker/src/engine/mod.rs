@@ -105,11 +105,11 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
-    /// Decode role: when a transfer of `prompt_tokens` of `token_bytes` each, waiting from now,
-    /// fails — the transfer timeout for the prefill worker's next sign of progress, plus the
-    /// KV's bytes at the floor rate.
-    fn transfer_deadline(&self, prompt_tokens: u32, token_bytes: u64) -> Instant {
-        let bytes = u64::from(prompt_tokens) * token_bytes;
+    /// Decode role: when a transfer of `tokens` of `token_bytes` each (the prompt's tokens
+    /// after decode's cached prefix), waiting from now, fails — the transfer timeout for the
+    /// prefill worker's next sign of progress, plus the KV's bytes at the floor rate.
+    fn transfer_deadline(&self, tokens: u32, token_bytes: u64) -> Instant {
+        let bytes = u64::from(tokens) * token_bytes;
         Instant::now()
             + self.transfer_timeout
             + Duration::from_secs_f64(bytes as f64 / self.transfer_floor_bytes_per_s as f64)

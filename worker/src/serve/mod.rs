@@ -50,7 +50,7 @@ pub use error::{ServeError, ValidationError, codes, status};
 pub use metrics::{Metrics, Outcome};
 pub use service::{GenerateStream, ServiceRole, WorkerService};
 pub use tls::ClusterTls;
-pub use validate::{PromptSource, Prompter, ValidGenerate};
+pub use validate::{MAX_LABEL_BYTES, PromptSource, Prompter, ValidGenerate};
 
 use crate::engine::{Capacity, Engine, EngineConfig, StartupError};
 use crate::loader::LoadedModel;
