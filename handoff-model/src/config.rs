@@ -17,15 +17,23 @@ pub enum Variant {
     /// transfer engine keeps the session open until the prefill's drain ack; nothing gates the
     /// pages' reuse on the transfer being closed.
     EagerRelease,
+    /// Decode's prefix cache looks a prompt up without its tenant: a request may attend over a
+    /// prefix page another tenant's request computed (I6 broken at the cache).
+    UnscopedCache,
+    /// A request reading a cached prefix page does not pin it: the cache may evict the page,
+    /// and the pool hand it to another request, while the reader still attends over it.
+    UnpinnedPrefix,
 }
 
 impl Variant {
     /// Every variant, for tests that loop.
-    pub const ALL: [Self; 4] = [
+    pub const ALL: [Self; 6] = [
         Self::Correct,
         Self::Incident,
         Self::NoTagCheck,
         Self::EagerRelease,
+        Self::UnscopedCache,
+        Self::UnpinnedPrefix,
     ];
 
     /// Prefill rejects by placeholder (one page) instead of an explicit `Reject`.
@@ -52,6 +60,16 @@ impl Variant {
     pub(crate) fn releases_eagerly(self) -> bool {
         self == Self::EagerRelease
     }
+
+    /// The prefix cache finds only pages of the request's own tenant.
+    pub(crate) fn scopes_cache_lookup(self) -> bool {
+        self != Self::UnscopedCache
+    }
+
+    /// A request pins the cached prefix pages it reads until its session closes.
+    pub(crate) fn pins_cached_prefix(self) -> bool {
+        self != Self::UnpinnedPrefix
+    }
 }
 
 /// The model's parameters, which are also its bound.
@@ -66,8 +84,15 @@ pub struct Config {
     pub decode_pages: u8,
     /// Pages in the prefill worker's pool (a prompt longer than this does not fit prefill).
     pub prefill_pages: u8,
-    /// Prompt length in pages of each request; request `i` is from tenant `i`.
+    /// Prompt length in pages of each request.
     pub requests: Vec<u8>,
+    /// The tenant of each request (as long as `requests`). Every prompt starts with the same page (a shared system prompt), so only the tenant tells
+    /// whose cached copy of it a request may read.
+    pub tenants: Vec<u8>,
+    /// Whether decode keeps a per-tenant prefix cache: a finished request's first page (of a
+    /// prompt longer than one page) stays cached for its tenant; a later request of that
+    /// tenant reads it, pinned, instead of reserving and receiving it.
+    pub prefix_cache: bool,
     /// Attempts per request: `1` means no retry after an abort or failure.
     pub max_attempts: u8,
     /// How many messages the network may duplicate in a whole run.
@@ -90,6 +115,8 @@ impl Config {
             decode_pages: 3,
             prefill_pages: 2,
             requests: vec![2, 3, 4],
+            tenants: vec![0, 1, 2],
+            prefix_cache: false,
             max_attempts: 1,
             duplicates: 1,
             corruptions: 1,
@@ -108,6 +135,8 @@ impl Config {
             decode_pages: 3,
             prefill_pages: 3,
             requests: vec![2, 2],
+            tenants: vec![0, 1],
+            prefix_cache: false,
             max_attempts: 1,
             duplicates: 1,
             corruptions: 1,
@@ -126,10 +155,34 @@ impl Config {
             decode_pages: 3,
             prefill_pages: 3,
             requests: vec![2, 2],
+            tenants: vec![0, 1],
+            prefix_cache: false,
             max_attempts: 2,
             duplicates: 0,
             corruptions: 0,
             teardown: false,
+        }
+    }
+
+    /// The prefix-cache bound: decode pool 3 pages, prefill pool 3 pages, decode's prefix
+    /// cache on; R1 and R3 are tenant 0's, R2 tenant 1's, each prompt 2 pages sharing its first.
+    /// Once one request of a tenant finishes, its first page stays cached; the tenant's other
+    /// request reads it and reserves one page; the other tenant's may not. Eviction happens
+    /// whenever a cached page is unpinned, so a page that was cached is reused. One duplicate,
+    /// one corruption, one teardown, no retry.
+    #[must_use]
+    pub fn prefix_shape(variant: Variant) -> Self {
+        Self {
+            variant,
+            decode_pages: 3,
+            prefill_pages: 3,
+            requests: vec![2, 2, 2],
+            tenants: vec![0, 1, 0],
+            prefix_cache: true,
+            max_attempts: 1,
+            duplicates: 0,
+            corruptions: 1,
+            teardown: true,
         }
     }
 }

@@ -23,6 +23,8 @@ pub enum Action {
     Finish(ReqIdx),
     /// The client retries a request whose attempt failed or was aborted.
     Retry(ReqIdx),
+    /// Decode's prefix cache evicts an unpinned page: back to the free list (zeroed).
+    Evict(PageIdx),
     /// Decode gives up waiting for a drain ack: the session's pages go to quarantine.
     DrainTimeout(Nonce),
     /// A quarantined session's pages go back (zeroed): nothing of the session is in flight
@@ -49,6 +51,7 @@ impl fmt::Display for Action {
             Self::ClientAbort(r) => write!(f, "client aborts {r}"),
             Self::Finish(r) => write!(f, "{r} finishes"),
             Self::Retry(r) => write!(f, "client retries {r}"),
+            Self::Evict(p) => write!(f, "the prefix cache evicts {p}"),
             Self::DrainTimeout(n) => write!(f, "drain timeout for {n}"),
             Self::Reclaim(n) => write!(f, "reclaim the quarantine of {n}"),
             Self::PrefillSend(n) => write!(f, "prefill sends next message of {n}"),
@@ -70,13 +73,46 @@ pub struct HandoffModel {
 
 impl HandoffModel {
     /// The model of `config`.
+    ///
+    /// # Panics
+    /// If `config.tenants` does not name the tenant of every request.
     #[must_use]
     pub fn new(config: Config) -> Self {
+        assert_eq!(
+            config.tenants.len(),
+            config.requests.len(),
+            "one tenant per request"
+        );
         Self { config }
     }
 
     fn prompt_pages(&self, req: ReqIdx) -> u8 {
         self.config.requests.get(req.index()).copied().unwrap_or(0)
+    }
+
+    fn tenant(&self, req: ReqIdx) -> u8 {
+        self.config.tenants.get(req.index()).copied().unwrap_or(0)
+    }
+
+    /// The cached page `req` would read as its prompt's first page: only with the cache on,
+    /// only for a prompt longer than that page (the prompt's last page is always computed),
+    /// and — unless the variant drops the scope — only its own tenant's.
+    fn cached_prefix(&self, s: &State, req: ReqIdx) -> Option<PageIdx> {
+        if !self.config.prefix_cache || self.prompt_pages(req) < 2 {
+            return None;
+        }
+        let tenant = self.tenant(req);
+        let scoped = self.config.variant.scopes_cache_lookup();
+        let at = s.pages.iter().position(
+            |p| matches!(p.holder, Holder::Cached { tenant: t, .. } if t == tenant || !scoped),
+        )?;
+        u8::try_from(at).ok().map(PageIdx)
+    }
+
+    /// Pages `req`'s reservation needs now: its prompt less what the cache holds.
+    fn pages_to_reserve(&self, s: &State, req: ReqIdx) -> u8 {
+        let cached = u8::from(self.cached_prefix(s, req).is_some());
+        self.prompt_pages(req) - cached
     }
 
     fn request_ids(&self) -> impl Iterator<Item = ReqIdx> {
@@ -107,6 +143,9 @@ impl HandoffModel {
             corruptions_left: self.config.corruptions,
             late_write: None,
             reclaimed: false,
+            tenant_of: Vec::new(),
+            prefix_read: false,
+            evicted: false,
         }
     }
 
@@ -120,10 +159,21 @@ impl HandoffModel {
             s.requests[r.index()].status = ReqStatus::Done(Outcome::PeerLost);
             return;
         }
+        let prefix = self.cached_prefix(s, r);
+        if let Some(page) = prefix
+            && self.config.variant.pins_cached_prefix()
+            && let Holder::Cached { pins, .. } = &mut s.pages[page.index()].holder
+        {
+            *pins += 1;
+        }
         // `actions` enables admission only when enough pages are free; lowest index first.
-        let pages: Vec<PageIdx> = s.free_pages().take(usize::from(need)).collect();
+        let reserve = self.pages_to_reserve(s, r);
+        let pages: Vec<PageIdx> = s.free_pages().take(usize::from(reserve)).collect();
         let nonce = s.next_nonce;
         s.next_nonce = Nonce(nonce.0 + 1);
+        if self.config.prefix_cache {
+            s.tenant_of.push(self.tenant(r));
+        }
         let request = &mut s.requests[r.index()];
         request.status = ReqStatus::InFlight(nonce);
         request.attempts += 1;
@@ -140,6 +190,7 @@ impl HandoffModel {
         s.sessions.push(Session {
             nonce,
             req: r,
+            prefix,
             written: vec![0; table.len()],
             table: table.clone(),
             phase: Phase::Transfer,
@@ -164,6 +215,19 @@ impl HandoffModel {
         }
     }
 
+    /// Closes decode's session `nonce` (if open) and unpins the cached prefix page it read.
+    fn close_session(&self, s: &mut State, nonce: Nonce) {
+        let Some(session) = s.remove_session(nonce) else {
+            return;
+        };
+        if let Some(page) = session.prefix
+            && self.config.variant.pins_cached_prefix()
+            && let Holder::Cached { pins, .. } = &mut s.pages[page.index()].holder
+        {
+            *pins = pins.saturating_sub(1);
+        }
+    }
+
     /// Ends a request's current attempt if it is still the one using `nonce`.
     fn end_attempt(s: &mut State, nonce: Nonce, outcome: Outcome) {
         for r in &mut s.requests {
@@ -176,7 +240,7 @@ impl HandoffModel {
     /// Verification failed: quarantine, close the session, tell prefill to stop.
     fn fail_integrity(&self, s: &mut State, nonce: Nonce) {
         self.move_pages(s, nonce, Holder::Quarantined(nonce));
-        s.remove_session(nonce);
+        self.close_session(s, nonce);
         Self::end_attempt(s, nonce, Outcome::IntegrityFailure);
         s.net.send(Msg::Abort { nonce });
     }
@@ -210,10 +274,33 @@ impl HandoffModel {
 
     fn finish(&self, s: &mut State, r: ReqIdx) {
         if let ReqStatus::Running(nonce) = s.requests[r.index()].status {
+            self.cache_prefix(s, r, nonce);
             // Committed: the manifest closed the transfer, nothing can still write.
             self.move_pages(s, nonce, Holder::Free);
-            s.remove_session(nonce);
+            self.close_session(s, nonce);
             s.requests[r.index()].status = ReqStatus::Done(Outcome::Finished);
+        }
+    }
+
+    /// With the cache on, a finished request's first prompt page stays cached for its tenant
+    /// if it computed that page itself and the tenant has no cached copy yet.
+    fn cache_prefix(&self, s: &mut State, r: ReqIdx, nonce: Nonce) {
+        let tenant = self.tenant(r);
+        let Some(session) = s.session(nonce) else {
+            return;
+        };
+        let computed_first = session.prefix.is_none() && self.prompt_pages(r) >= 2;
+        let first = session.table.first().map(|e| e.page);
+        let already = s
+            .pages
+            .iter()
+            .any(|p| matches!(p.holder, Holder::Cached { tenant: t, .. } if t == tenant));
+        if let Some(page) = first
+            && self.config.prefix_cache
+            && computed_first
+            && !already
+        {
+            s.pages[page.index()].holder = Holder::Cached { tenant, pins: 0 };
         }
     }
 
@@ -259,7 +346,7 @@ impl HandoffModel {
             }
             // No transfer can write any more: the pages may go back to the free list.
             self.move_pages(s, nonce, Holder::Free);
-            s.remove_session(nonce);
+            self.close_session(s, nonce);
             Self::end_attempt(s, nonce, Outcome::PeerLost);
         }
     }
@@ -305,7 +392,7 @@ impl HandoffModel {
                 if s.session(nonce).is_some_and(|x| x.phase != Phase::Running) {
                     // Prefill sent nothing and never will: release at once.
                     self.move_pages(s, nonce, Holder::Free);
-                    s.remove_session(nonce);
+                    self.close_session(s, nonce);
                     Self::end_attempt(s, nonce, Outcome::RejectedByPrefill);
                 }
             }
@@ -332,7 +419,7 @@ impl HandoffModel {
                 {
                     // Nothing more can land: Releasing → free.
                     self.move_pages(s, nonce, Holder::Free);
-                    s.remove_session(nonce);
+                    self.close_session(s, nonce);
                 }
             }
         }
@@ -395,7 +482,7 @@ impl HandoffModel {
         let req = session.req;
         if s.requests[req.index()].status != ReqStatus::InFlight(nonce) {
             // The attempt is over (eager release): the transfer engine closes the session.
-            s.remove_session(nonce);
+            self.close_session(s, nonce);
             return;
         }
         let verified = !self.config.variant.verifies_manifest()
@@ -417,6 +504,7 @@ impl HandoffModel {
         }
         if let Some(x) = s.session_mut(nonce) {
             x.phase = Phase::Running;
+            s.prefix_read |= x.prefix.is_some();
         }
         s.requests[req.index()].status = ReqStatus::Running(nonce);
     }
@@ -439,7 +527,7 @@ impl Model for HandoffModel {
                     let need = self.prompt_pages(r);
                     if need > self.config.decode_pages
                         || !s.transport_up
-                        || usize::from(need) <= free
+                        || usize::from(self.pages_to_reserve(s, r)) <= free
                     {
                         actions.push(Action::Admit(r));
                     }
@@ -469,7 +557,7 @@ impl Model for HandoffModel {
             .iter()
             .filter_map(|p| match p.holder {
                 Holder::Quarantined(n) => Some(n),
-                Holder::Free | Holder::Held(..) => None,
+                Holder::Free | Holder::Held(..) | Holder::Cached { .. } => None,
             })
             .collect();
         quarantines.sort_unstable();
@@ -479,6 +567,13 @@ impl Model for HandoffModel {
                 && !matches!(s.prefill_session(nonce), Some(PfSession::Sending { .. }));
             if quiet {
                 actions.push(Action::Reclaim(nonce));
+            }
+        }
+        for (i, page) in s.pages.iter().enumerate() {
+            if matches!(page.holder, Holder::Cached { pins: 0, .. })
+                && let Ok(i) = u8::try_from(i)
+            {
+                actions.push(Action::Evict(PageIdx(i)));
             }
         }
         if self.config.teardown && s.transport_up {
@@ -511,9 +606,18 @@ impl Model for HandoffModel {
             Action::ClientAbort(r) => self.client_abort(&mut s, r),
             Action::Finish(r) => self.finish(&mut s, r),
             Action::Retry(r) => s.requests[r.index()].status = ReqStatus::Waiting,
+            Action::Evict(page) => {
+                let zero = self.config.variant.zeroes_on_release();
+                let p = &mut s.pages[page.index()];
+                p.holder = Holder::Free;
+                if zero {
+                    p.contents = Contents::Zero;
+                }
+                s.evicted = true;
+            }
             Action::DrainTimeout(nonce) => {
                 self.move_pages(&mut s, nonce, Holder::Quarantined(nonce));
-                s.remove_session(nonce);
+                self.close_session(&mut s, nonce);
             }
             Action::Reclaim(nonce) => {
                 let zero = self.config.variant.zeroes_on_release();

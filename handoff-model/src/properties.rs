@@ -4,8 +4,7 @@ use stateright::Property;
 
 use crate::ids::Nonce;
 use crate::model::HandoffModel;
-use crate::net::Slot;
-use crate::state::{Contents, Holder, Outcome, ReqStatus, State};
+use crate::state::{Contents, Holder, Outcome, ReqStatus, Session, State};
 
 /// Name of the mission property.
 pub const NO_FOREIGN_BYTES_READ: &str = "no_foreign_bytes_read";
@@ -23,6 +22,10 @@ pub const SOME_REQUEST_REJECTED: &str = "some_request_rejected";
 pub const SOME_PAGE_REUSED: &str = "some_page_reused";
 /// Name of the "some quarantine is reclaimed" example.
 pub const SOME_QUARANTINE_RECLAIMED: &str = "some_quarantine_reclaimed";
+/// Name of the "some request commits over a cached prefix" example.
+pub const SOME_PREFIX_READ: &str = "some_prefix_read";
+/// Name of the "some cached page is evicted" example.
+pub const SOME_CACHED_PAGE_EVICTED: &str = "some_cached_page_evicted";
 
 /// The always-properties a correct protocol must keep.
 pub const SAFETY: [&str; 4] = [
@@ -33,11 +36,13 @@ pub const SAFETY: [&str; 4] = [
 ];
 
 /// The sometimes-properties that show the model is not vacuous.
-pub const EXAMPLES: [&str; 4] = [
+pub const EXAMPLES: [&str; 6] = [
     SOME_REQUEST_COMMITS,
     SOME_REQUEST_REJECTED,
     SOME_PAGE_REUSED,
     SOME_QUARANTINE_RECLAIMED,
+    SOME_PREFIX_READ,
+    SOME_CACHED_PAGE_EVICTED,
 ];
 
 pub(crate) fn all() -> Vec<Property<HandoffModel>> {
@@ -52,6 +57,8 @@ pub(crate) fn all() -> Vec<Property<HandoffModel>> {
         Property::sometimes(SOME_REQUEST_REJECTED, |_, s| some_request_rejected(s)),
         Property::sometimes(SOME_PAGE_REUSED, |_, s| some_page_reused(s)),
         Property::sometimes(SOME_QUARANTINE_RECLAIMED, |_, s: &State| s.reclaimed),
+        Property::sometimes(SOME_PREFIX_READ, |_, s: &State| s.prefix_read),
+        Property::sometimes(SOME_CACHED_PAGE_EVICTED, |_, s: &State| s.evicted),
     ]
 }
 
@@ -90,37 +97,57 @@ pub fn some_page_reused(s: &State) -> bool {
 }
 
 /// The mission: a request that attends over its pages (committed, running) finds in every one
-/// of them exactly its own session's bytes — never zero, never anyone else's.
+/// of its reservation exactly its own session's bytes, and in the cached prefix page it reads
+/// the bytes of a session of its own tenant — never zero, never anyone else's.
 #[must_use]
 pub fn no_foreign_bytes_read(s: &State) -> bool {
-    running_tables(s).all(|(nonce, table)| {
-        table.is_some_and(|t| {
-            t.iter()
-                .all(|e| s.pages[e.page.index()].contents == Contents::Bytes(nonce))
+    running_sessions(s).all(|(nonce, session)| {
+        session.is_some_and(|x| {
+            let own = x
+                .table
+                .iter()
+                .all(|e| s.pages[e.page.index()].contents == Contents::Bytes(nonce));
+            let prefix = x.prefix.is_none_or(|p| match s.pages[p.index()].contents {
+                Contents::Bytes(writer) => same_tenant(s, writer, nonce),
+                Contents::Zero => false,
+            });
+            own && prefix
         })
     })
 }
 
-/// The leak itself: a running request never finds another session's bytes in its pages
-/// (zero pages are wrong too, but only [`no_foreign_bytes_read`] says so).
+/// The leak itself: a running request never finds another session's bytes in its
+/// reservation, nor another tenant's in the cached prefix page it reads (zero pages are wrong
+/// too, but only [`no_foreign_bytes_read`] says so).
 #[must_use]
 pub fn no_other_session_bytes_read(s: &State) -> bool {
-    running_tables(s).all(|(nonce, table)| {
-        table.is_some_and(|t| {
-            t.iter().all(|e| {
+    running_sessions(s).all(|(nonce, session)| {
+        session.is_some_and(|x| {
+            let own = x.table.iter().all(|e| {
                 !matches!(s.pages[e.page.index()].contents, Contents::Bytes(other) if other != nonce)
-            })
+            });
+            let prefix = x.prefix.is_none_or(|p| {
+                !matches!(s.pages[p.index()].contents,
+                    Contents::Bytes(writer) if !same_tenant(s, writer, nonce))
+            });
+            own && prefix
         })
     })
 }
 
-/// I1: each page is free, quarantined, or held by exactly one session — and the allocator and
-/// the transfer table agree on it: a page the allocator holds for session `n` is in `n`'s
-/// table and no other open session's; a free or quarantined page is in no open session's
-/// table.
+/// Whether sessions `a` and `b` are of one tenant.
+fn same_tenant(s: &State, a: Nonce, b: Nonce) -> bool {
+    matches!((s.tenant_of(a), s.tenant_of(b)), (Some(x), Some(y)) if x == y)
+}
+
+/// I1: each page is free, quarantined, cached, or held by exactly one session — and the
+/// allocator, the prefix cache and the transfer table agree on it: a page the allocator holds
+/// for session `n` is in `n`'s table and no other open session's; a free, quarantined or
+/// cached page is in no open session's table; a cached page's pins are the open sessions
+/// reading it; the prefix page an open session reads is cached.
 #[must_use]
 pub fn ownership(s: &State) -> bool {
-    s.pages.iter().enumerate().all(|(i, page)| {
+    let pages = s.pages.iter().enumerate().all(|(i, page)| {
         let mut claims = s
             .sessions
             .iter()
@@ -128,15 +155,28 @@ pub fn ownership(s: &State) -> bool {
             .map(|x| x.nonce);
         match page.holder {
             Holder::Free | Holder::Quarantined(_) => claims.next().is_none(),
+            Holder::Cached { pins, .. } => {
+                let readers = s
+                    .sessions
+                    .iter()
+                    .filter(|x| x.prefix.is_some_and(|p| p.index() == i))
+                    .count();
+                claims.next().is_none() && usize::from(pins) == readers
+            }
             Holder::Held(owner, _) => claims.next() == Some(owner) && claims.next().is_none(),
         }
-    })
+    });
+    let prefixes = s.sessions.iter().all(|x| {
+        x.prefix
+            .is_none_or(|p| matches!(s.pages[p.index()].holder, Holder::Cached { .. }))
+    });
+    pages && prefixes
 }
 
-/// Every running request's nonce and page table (`None`, a violation, if its session is gone).
-fn running_tables(s: &State) -> impl Iterator<Item = (Nonce, Option<&[Slot]>)> + '_ {
+/// Every running request's nonce and session (`None`, a violation, if its session is gone).
+fn running_sessions(s: &State) -> impl Iterator<Item = (Nonce, Option<&Session>)> + '_ {
     s.requests.iter().filter_map(|r| match r.status {
-        ReqStatus::Running(nonce) => Some((nonce, s.session(nonce).map(|x| x.table.as_slice()))),
+        ReqStatus::Running(nonce) => Some((nonce, s.session(nonce))),
         _ => None,
     })
 }
@@ -149,7 +189,8 @@ mod tests {
     use crate::config::{Config, Variant};
     use crate::ids::{PageIdx, ReqIdx, Tag};
     use crate::model::Action;
-    use crate::state::{Hold, Phase, Session};
+    use crate::net::Slot;
+    use crate::state::{Hold, Phase};
 
     fn start() -> (HandoffModel, State) {
         let model = HandoffModel::new(Config::reuse_shape(Variant::Correct));
@@ -200,6 +241,7 @@ mod tests {
         s.sessions.push(Session {
             nonce: Nonce(6),
             req: ReqIdx(1),
+            prefix: None,
             table: vec![Slot {
                 page: PageIdx(2),
                 tag: Tag(3),
@@ -209,5 +251,51 @@ mod tests {
         });
         s.pages[2].holder = Holder::Held(Nonce(6), Hold::Reserved);
         assert!(!no_foreign_bytes_read(&s));
+    }
+
+    /// R1 (nonce 0, tenant 0) admitted over p0–p1 and reading p2 from the cache, pinned once;
+    /// session 1 is another of tenant 0's.
+    fn reading_a_cached_prefix() -> State {
+        let (_, mut s) = start();
+        s.sessions[0].prefix = Some(PageIdx(2));
+        s.pages[2].holder = Holder::Cached { tenant: 0, pins: 1 };
+        s.tenant_of = vec![0, 0];
+        s
+    }
+
+    #[test]
+    fn a_cached_page_pinned_by_other_than_its_readers_breaks_i1() {
+        let mut s = reading_a_cached_prefix();
+        assert!(ownership(&s));
+        s.pages[2].holder = Holder::Cached { tenant: 0, pins: 0 };
+        assert!(!ownership(&s));
+        s.pages[2].holder = Holder::Cached { tenant: 0, pins: 2 };
+        assert!(!ownership(&s));
+    }
+
+    #[test]
+    fn a_prefix_page_that_left_the_cache_under_its_reader_breaks_i1() {
+        let mut s = reading_a_cached_prefix();
+        s.pages[2].holder = Holder::Free;
+        assert!(!ownership(&s));
+    }
+
+    #[test]
+    fn a_cached_prefix_is_read_only_from_the_readers_own_tenant() {
+        let mut s = reading_a_cached_prefix();
+        let nonce = s.sessions[0].nonce;
+        s.requests[0].status = ReqStatus::Running(nonce);
+        s.sessions[0].phase = Phase::Running;
+        s.pages[0].contents = Contents::Bytes(nonce);
+        s.pages[1].contents = Contents::Bytes(nonce);
+        s.pages[2].contents = Contents::Bytes(Nonce(1));
+        assert!(no_foreign_bytes_read(&s));
+        assert!(no_other_session_bytes_read(&s));
+        s.tenant_of[1] = 1;
+        assert!(!no_foreign_bytes_read(&s));
+        assert!(!no_other_session_bytes_read(&s));
+        s.pages[2].contents = Contents::Zero;
+        assert!(!no_foreign_bytes_read(&s));
+        assert!(no_other_session_bytes_read(&s));
     }
 }

@@ -22,6 +22,14 @@ pub enum Holder {
     Quarantined(Nonce),
     /// Held by one session's lifecycle object.
     Held(Nonce, Hold),
+    /// In decode's prefix cache, as this tenant's copy of the shared first prompt page, read
+    /// by `pins` open sessions; evictable (back to the free list, zeroed) only at 0 pins.
+    Cached {
+        /// Whose prompt it holds.
+        tenant: u8,
+        /// Open sessions reading it.
+        pins: u8,
+    },
 }
 
 /// The lifecycle object holding a page (as in `bulkhead-kvpool`).
@@ -117,6 +125,9 @@ pub struct Session {
     pub nonce: Nonce,
     /// The request it serves.
     pub req: ReqIdx,
+    /// The cached page the request reads as its prompt's first page, if the prefix cache had
+    /// it; the reservation (`table`) then holds only the rest of the prompt.
+    pub prefix: Option<PageIdx>,
     /// The reservation's pages and tags, in prompt order.
     pub table: Vec<Slot>,
     /// Frames accepted per table entry (saturates at 2: "more than once").
@@ -171,6 +182,13 @@ pub struct State {
     pub late_write: Option<(Nonce, PageIdx)>,
     /// Ghost: some quarantine was reclaimed (saturates at 1).
     pub reclaimed: bool,
+    /// Ghost, kept only with the prefix cache on: the tenant of each session, by nonce, so the
+    /// properties can tell whose bytes a cached page holds.
+    pub tenant_of: Vec<u8>,
+    /// Ghost: a request committed over a cached prefix page (saturates at 1).
+    pub prefix_read: bool,
+    /// Ghost: a cached page was evicted (saturates at 1).
+    pub evicted: bool,
 }
 
 impl State {
@@ -182,6 +200,12 @@ impl State {
 
     pub(crate) fn session_mut(&mut self, nonce: Nonce) -> Option<&mut Session> {
         self.sessions.iter_mut().find(|s| s.nonce == nonce)
+    }
+
+    /// The tenant whose session wrote `nonce`'s bytes (recorded only with the prefix cache on).
+    #[must_use]
+    pub fn tenant_of(&self, nonce: Nonce) -> Option<u8> {
+        self.tenant_of.get(usize::from(nonce.0)).copied()
     }
 
     pub(crate) fn remove_session(&mut self, nonce: Nonce) -> Option<Session> {

@@ -2,8 +2,8 @@
 //! are not vacuous).
 
 use bulkhead_handoff_model::properties::{
-    SAFETY, SOME_PAGE_REUSED, SOME_QUARANTINE_RECLAIMED, SOME_REQUEST_COMMITS,
-    SOME_REQUEST_REJECTED,
+    SAFETY, SOME_CACHED_PAGE_EVICTED, SOME_PAGE_REUSED, SOME_PREFIX_READ,
+    SOME_QUARANTINE_RECLAIMED, SOME_REQUEST_COMMITS, SOME_REQUEST_REJECTED,
 };
 use bulkhead_handoff_model::{Config, Variant};
 
@@ -54,5 +54,19 @@ fn correct_protocol_never_reads_foreign_bytes_with_retries() {
         "Correct, retry shape",
         &Config::retry_shape(Variant::Correct),
         &[SOME_REQUEST_COMMITS, SOME_PAGE_REUSED],
+    );
+}
+
+#[test]
+fn correct_protocol_reads_only_its_own_tenants_cached_prefix() {
+    assert_correct(
+        "Correct, prefix shape",
+        &Config::prefix_shape(Variant::Correct),
+        &[
+            SOME_REQUEST_COMMITS,
+            SOME_PAGE_REUSED,
+            SOME_PREFIX_READ,
+            SOME_CACHED_PAGE_EVICTED,
+        ],
     );
 }

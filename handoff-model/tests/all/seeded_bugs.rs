@@ -19,6 +19,22 @@ fn reads_other_sessions_bytes(s: &State) -> bool {
     })
 }
 
+/// Whether some running request reads a cached prefix page holding the bytes of a session of
+/// another tenant.
+fn reads_other_tenants_prefix(s: &State) -> bool {
+    s.requests.iter().any(|r| match r.status {
+        ReqStatus::Running(nonce) => {
+            s.session(nonce).and_then(|x| x.prefix).is_some_and(|p| {
+                match s.pages[p.index()].contents {
+                    Contents::Bytes(writer) => s.tenant_of(writer) != s.tenant_of(nonce),
+                    Contents::Zero => false,
+                }
+            })
+        }
+        _ => false,
+    })
+}
+
 #[test]
 fn incident_variant_reads_another_sessions_bytes() {
     let config = Config::incident_shape(Variant::Incident);
@@ -47,4 +63,24 @@ fn eager_release_variant_writes_into_a_page_after_it_left_the_session() {
     assert!(report.discoveries.contains_key(I1_OWNERSHIP));
     let trace = shortest("EagerRelease", &config, I4_NO_LATE_WRITES);
     assert!(trace.last.late_write.is_some());
+}
+
+#[test]
+fn unscoped_cache_variant_reads_another_tenants_cached_prefix() {
+    let config = Config::prefix_shape(Variant::UnscopedCache);
+    let report = run("UnscopedCache", &config);
+    assert!(report.discoveries.contains_key(NO_FOREIGN_BYTES_READ));
+    assert!(report.discoveries.contains_key(NO_OTHER_SESSION_BYTES_READ));
+    let trace = shortest("UnscopedCache", &config, NO_OTHER_SESSION_BYTES_READ);
+    assert!(reads_other_tenants_prefix(&trace.last));
+}
+
+#[test]
+fn unpinned_prefix_variant_lets_another_tenant_overwrite_a_page_being_read() {
+    let config = Config::prefix_shape(Variant::UnpinnedPrefix);
+    let report = run("UnpinnedPrefix", &config);
+    assert!(report.discoveries.contains_key(NO_FOREIGN_BYTES_READ));
+    assert!(report.discoveries.contains_key(I1_OWNERSHIP));
+    let trace = shortest("UnpinnedPrefix", &config, NO_OTHER_SESSION_BYTES_READ);
+    assert!(reads_other_tenants_prefix(&trace.last));
 }
