@@ -29,6 +29,7 @@ pub mod env {
     pub const MAX_BATCH_TOKENS: &str = "BULKHEAD_MAX_BATCH_TOKENS";
     pub const MAX_RUNNING: &str = "BULKHEAD_MAX_RUNNING";
     pub const QUEUE_CAPACITY: &str = "BULKHEAD_QUEUE_CAPACITY";
+    pub const QUEUE_TIMEOUT_MS: &str = "BULKHEAD_QUEUE_TIMEOUT_MS";
     pub const SCRUB: &str = "BULKHEAD_SCRUB";
     pub const PREFIX_CACHE: &str = "BULKHEAD_PREFIX_CACHE";
     pub const PREFILL: &str = "BULKHEAD_PREFILL";
@@ -106,6 +107,11 @@ pub struct Args {
     /// Admitted requests that may wait for pages; more get RESOURCE_EXHAUSTED.
     #[arg(long, env = env::QUEUE_CAPACITY, default_value_t = EngineConfig::default().queue_capacity)]
     queue_capacity: usize,
+    /// Colocated and decode roles: how long an admitted request may wait for KV pages before
+    /// it is refused as busy (RESOURCE_EXHAUSTED, a 429 at the gateway) (milliseconds). Keep it
+    /// below the gateway's stream_idle_timeout_secs, which a wait without a word runs out.
+    #[arg(long, env = env::QUEUE_TIMEOUT_MS, default_value_t = EngineConfig::default().queue_timeout.as_millis() as u64)]
+    queue_timeout_ms: u64,
     /// What released KV pages are filled with before reuse.
     #[arg(long, env = env::SCRUB, value_enum, default_value_t = ScrubArg::Zero)]
     scrub: ScrubArg,
@@ -230,6 +236,7 @@ impl Args {
                 max_batch_tokens: self.max_batch_tokens,
                 max_running: self.max_running,
                 queue_capacity: self.queue_capacity,
+                queue_timeout: Duration::from_millis(self.queue_timeout_ms),
                 transfer_timeout: Duration::from_millis(self.transfer_timeout_ms),
                 transfer_floor_bytes_per_s: self.transfer_floor,
                 release_timeout: Duration::from_millis(self.release_timeout_ms),

@@ -85,6 +85,12 @@ pub struct EngineConfig {
     pub max_running: usize,
     /// Admitted requests waiting for pages; more are refused with `QueueFull`.
     pub queue_capacity: usize,
+    /// How long a request to decode here (colocated or decode role) may wait for its pages;
+    /// then it fails as refused for load ([`Failure::QueueTimedOut`]), so a caller's silence
+    /// timeout — which such a wait would otherwise run out, as a hung worker's does — never
+    /// takes a busy worker for a dead one. A prefill worker's queue is bounded by its decode
+    /// worker's transfer deadline instead.
+    pub queue_timeout: Duration,
     /// Decode role: how long a reservation waits for the prefill worker's next sign of
     /// progress — that it computed more prompt tokens, of this prompt or of those queued before
     /// it ([`Engine::prefill_progress`]), or, after the last, the KV's arrival — …
@@ -126,6 +132,7 @@ impl Default for EngineConfig {
             max_batch_tokens: 512,
             max_running: 64,
             queue_capacity: 256,
+            queue_timeout: Duration::from_secs(60),
             transfer_timeout: Duration::from_secs(30),
             transfer_floor_bytes_per_s: 100_000_000,
             release_timeout: Duration::from_secs(10),
@@ -194,6 +201,8 @@ struct Waiting {
     request: Request,
     admissible: Admissible,
     role: Role,
+    /// When it fails if it still waits (`None` on a prefill worker).
+    deadline: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -300,6 +309,10 @@ impl Engine {
             ("max_batch_tokens", config.max_batch_tokens),
             ("max_running", config.max_running),
             ("queue_capacity", config.queue_capacity),
+            (
+                "queue_timeout_ms",
+                usize::try_from(config.queue_timeout.as_millis()).unwrap_or(usize::MAX),
+            ),
             (
                 "transfer_floor_bytes_per_s",
                 usize::try_from(config.transfer_floor_bytes_per_s).unwrap_or(usize::MAX),
@@ -535,10 +548,15 @@ impl Engine {
             }
             Err(e) => return Err((e, request)),
         };
+        let deadline = match role {
+            Role::Colocated | Role::Decode => Some(Instant::now() + self.config.queue_timeout),
+            Role::PrefillFor(_) => None,
+        };
         self.waiting.push_back(Waiting {
             request,
             admissible,
             role,
+            deadline,
         });
         Ok(())
     }
@@ -812,11 +830,14 @@ impl Engine {
     }
 
     /// Runs one scheduling step: expire deadlines, scrub released pages, start waiting
-    /// requests that fit, run one forward pass over every running request, emit events.
+    /// requests that fit, fail those that waited too long, run one forward pass over every
+    /// running request, emit events.
     pub fn step(&mut self) {
-        self.expire(Instant::now());
+        let now = Instant::now();
+        self.expire(now);
         self.scrub();
         self.start_waiting();
+        self.expire_waiting(now);
         if self.running.is_empty() {
             return;
         }
@@ -908,6 +929,22 @@ impl Engine {
         }
     }
 
+    /// Fails the requests still waiting for pages at their deadline (after the step tried to
+    /// start them): nothing was allocated for them.
+    fn expire_waiting(&mut self, now: Instant) {
+        let timeout = self.config.queue_timeout;
+        self.waiting.retain_mut(|w| {
+            let late = w.deadline.is_some_and(|at| at <= now);
+            if late {
+                let _ = w
+                    .request
+                    .sink
+                    .emit(Event::Failed(Failure::QueueTimedOut(timeout)));
+            }
+            !late
+        });
+    }
+
     /// Fails transfers past their deadline and quarantines abandoned pages whose drain
     /// acknowledgement never came.
     fn expire(&mut self, now: Instant) {
@@ -973,6 +1010,7 @@ impl Engine {
                         request: w.request,
                         admissible: not_now.into_inner(),
                         role: w.role,
+                        deadline: w.deadline,
                     });
                     break;
                 }

@@ -88,6 +88,10 @@ pub enum Failure {
     PrefillClosed(&'static str),
     #[error("the KV transfer made no progress within {0:?}")]
     TransferTimedOut(std::time::Duration),
+    /// Waited for KV pages longer than the engine's queue timeout: refused for load, nothing
+    /// was allocated.
+    #[error("the worker is busy: no KV pages came free within {0:?}")]
+    QueueTimedOut(std::time::Duration),
 }
 
 /// Why the engine refused a request at submission. Nothing was allocated.

@@ -135,6 +135,10 @@ pub fn status(err: &ServeError) -> Status {
                 SERVICE_UNAVAILABLE,
                 "the prefill worker did not complete the request".into(),
             ),
+            // Busy, not broken: retryable, and no reason to stop routing here.
+            Failure::QueueTimedOut(_) => {
+                (Code::ResourceExhausted, RATE_LIMIT_EXCEEDED, f.to_string())
+            }
         },
         ServeError::Internal { .. } => (Code::Internal, INTERNAL, "internal error".into()),
         ServeError::PrefillUnavailable { .. } => (
@@ -151,7 +155,8 @@ pub fn status(err: &ServeError) -> Status {
     let mut status = error_code_status(code, message, tag);
     if let ServeError::Submit(
         SubmitError::ContextLengthExceeded { .. } | SubmitError::QueueFull { .. },
-    ) = err
+    )
+    | ServeError::Failed(Failure::QueueTimedOut(_)) = err
     {
         // This worker's own admission: the decode layer (a colocated worker decodes too).
         status
@@ -193,6 +198,23 @@ mod tests {
             SubmitError::QueueFull { capacity: 3 }.into(),
             Code::ResourceExhausted,
             codes::RATE_LIMIT_EXCEEDED,
+        );
+    }
+
+    #[test]
+    fn a_wait_for_pages_past_the_queue_timeout_is_resource_exhausted_from_decode() {
+        let err: ServeError = Failure::QueueTimedOut(std::time::Duration::from_secs(60)).into();
+        check(
+            err.clone(),
+            Code::ResourceExhausted,
+            codes::RATE_LIMIT_EXCEEDED,
+        );
+        let s = status(&err);
+        assert_eq!(
+            s.metadata()
+                .get(REFUSED_BY_KEY)
+                .and_then(|v| v.to_str().ok()),
+            Some("decode")
         );
     }
 

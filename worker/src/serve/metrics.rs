@@ -21,6 +21,8 @@ pub enum Outcome {
     Cancelled,
     RejectedContextLength,
     RejectedQueueFull,
+    /// Waited for KV pages past the queue timeout.
+    RejectedQueueTimeout,
     RejectedInvalid,
     FailedKvIntegrity,
     /// The prefill side of a transfer failed, closed early or timed out.
@@ -29,12 +31,13 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 9] = [
+    pub const ALL: [Outcome; 10] = [
         Outcome::Stop,
         Outcome::Length,
         Outcome::Cancelled,
         Outcome::RejectedContextLength,
         Outcome::RejectedQueueFull,
+        Outcome::RejectedQueueTimeout,
         Outcome::RejectedInvalid,
         Outcome::FailedKvIntegrity,
         Outcome::FailedPrefill,
@@ -48,6 +51,7 @@ impl Outcome {
             Outcome::Cancelled => "cancelled",
             Outcome::RejectedContextLength => "rejected_context_length",
             Outcome::RejectedQueueFull => "rejected_queue_full",
+            Outcome::RejectedQueueTimeout => "rejected_queue_timeout",
             Outcome::RejectedInvalid => "rejected_invalid",
             Outcome::FailedKvIntegrity => "failed_kv_integrity",
             Outcome::FailedPrefill => "failed_prefill",
@@ -69,6 +73,7 @@ impl Outcome {
                 Outcome::FailedInternal
             }
             Failure::PrefillClosed(_) | Failure::TransferTimedOut(_) => Outcome::FailedPrefill,
+            Failure::QueueTimedOut(_) => Outcome::RejectedQueueTimeout,
             Failure::PrefillRejected(e) => Outcome::refused(&ServeError::Submit(e.clone())),
         }
     }

@@ -2,10 +2,11 @@
 //! any allocation, what fits waits its turn, and every page comes back.
 
 use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use bulkhead_kvpool::RequestId;
 use bulkhead_worker::engine::{
-    Engine, EngineConfig, FinishReason, KvBudget, StartupError, SubmitError,
+    Engine, EngineConfig, Failure, FinishReason, KvBudget, StartupError, SubmitError,
 };
 use bulkhead_worker::tiny_model::TinySpec;
 
@@ -152,6 +153,70 @@ fn a_request_that_fits_but_not_now_waits_and_the_queue_is_bounded() {
         assert!(!out.tokens.is_empty());
     }
     assert_all_pages_back(&e);
+}
+
+#[test]
+fn a_request_that_waits_for_pages_past_the_queue_timeout_is_refused_as_busy() {
+    let timeout = Duration::from_millis(200);
+    let mut e = tiny_engine(
+        64,
+        EngineConfig {
+            queue_timeout: timeout,
+            ..EngineConfig::default()
+        },
+    );
+    let (tx, running) = mpsc::channel();
+    let mut first = request(1, &[5; 40], 24, tx);
+    first.ignore_eos = true;
+    e.submit(first)
+        .map_err(|(err, _)| err)
+        .expect("fits the pool");
+    e.step();
+    let (tx, waiting) = mpsc::channel();
+    e.submit(request(2, &[5; 40], 20, tx))
+        .map_err(|(err, _)| err)
+        .expect("fits the pool, not now");
+    e.step();
+    assert_eq!(e.load(), (1, 1), "the second request waits for pages");
+    // The first holds its pages past the timeout (a step per 20 ms: 24 tokens take 480 ms).
+    let started = Instant::now();
+    while e.load().0 == 1 && started.elapsed() < 10 * timeout {
+        std::thread::sleep(Duration::from_millis(20));
+        e.step();
+    }
+    assert_eq!(
+        e.load(),
+        (0, 1),
+        "the waiting request was refused, the running one runs on"
+    );
+    let refused = collect(waiting);
+    assert!(
+        matches!(refused.finish, Some(Err(Failure::QueueTimedOut(t))) if t == timeout),
+        "{refused:?}"
+    );
+    assert!(refused.tokens.is_empty());
+    while e.has_work() {
+        e.step();
+    }
+    let served = collect(running);
+    assert!(matches!(served.finish, Some(Ok(_))), "{served:?}");
+    assert_all_pages_back(&e);
+}
+
+#[test]
+fn a_zero_queue_timeout_refuses_to_start() {
+    let loaded = tiny_model(TinySpec::default());
+    let config = EngineConfig {
+        queue_timeout: Duration::ZERO,
+        ..EngineConfig::default()
+    };
+    let err = Engine::new(loaded.model, loaded.tokenizer, config).expect_err("must refuse");
+    assert_eq!(
+        err,
+        StartupError::Zero {
+            what: "queue_timeout_ms"
+        }
+    );
 }
 
 #[test]
