@@ -51,6 +51,27 @@ pub enum AuditError {
         /// The record the head names.
         head: Seq,
     },
+    /// The record the head names is not in the log as the head recorded it: the log was
+    /// modified after it was written.
+    #[error(
+        "{tenant}: the log's record {head} is not the one its head names: the log was modified; `bulkhead audit verify` locates it"
+    )]
+    HeadMismatch {
+        /// The tenant.
+        tenant: TenantId,
+        /// The record the head names.
+        head: Seq,
+    },
+    /// The tenant has records but no head: the head was deleted, or a crash came between the
+    /// tenant's first records and its first head. Either way the gateway does not resume a
+    /// chain it cannot check.
+    #[error(
+        "{tenant}: the log has records but no head file: deleted, or lost in a crash before the tenant's first flush; `bulkhead audit verify` checks the chain, and moving the tenant's directory aside starts a new one"
+    )]
+    HeadMissing {
+        /// The tenant.
+        tenant: TenantId,
+    },
     /// The head file cannot be read.
     #[error("{tenant}: {reason}")]
     BadHead {

@@ -8,7 +8,13 @@
 //!
 //! - [`AuditLog`] writes: group commit, [`Durability`] per log, segment rotation, crash
 //!   recovery on [`AuditLog::open`] (a torn last line is cut off and reported as a
-//!   [`Recovery`]; a complete line is never dropped).
+//!   [`Recovery`]; a complete line is never dropped). A log whose head is missing, or names a
+//!   record the log no longer holds as recorded, is not resumed: appending to it would make
+//!   the chain `verify` refuses pass again.
+//!
+//! Tamper-evident, not tamper-proof: the chain is unkeyed and its head sits beside it, so
+//! someone who can write the directory and recompute every hash after an edit is not caught
+//! here; that takes a copy outside it (the OpenTelemetry export of each record).
 //! - [`read()`] pages through one tenant's records; only a [`TenantId`] names a directory, and
 //!   its grammar admits no path tricks (I6).
 //! - [`verify()`] checks every chain and reports each tenant's first problem by file and line.

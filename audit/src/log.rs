@@ -88,14 +88,6 @@ pub enum Recovery {
         /// Bytes removed.
         bytes: u64,
     },
-    /// The tenant had records but no head (a crash before the first head was written); the
-    /// head was rewritten at the last record.
-    HeadRecreated {
-        /// The tenant.
-        tenant: TenantId,
-        /// The record it names now.
-        seq: Seq,
-    },
 }
 
 /// Unwritten lines grouped by segment, each group newline-terminated lines.
@@ -427,10 +419,14 @@ fn write_head(tdir: &Path, head: Head) -> Result<(), AuditError> {
         .map_err(io_err("write", &tmp))?;
     f.sync_all().map_err(io_err("fsync", &tmp))?;
     let path = tdir.join(HEAD);
-    fs::rename(&tmp, &path).map_err(io_err("rename", &path))
+    fs::rename(&tmp, &path).map_err(io_err("rename", &path))?;
+    // The rename itself must survive a power loss, or the tenant comes back without its head.
+    sync_dir(tdir)
 }
 
-/// Resumes one tenant's chain: its last complete line gives the next `seq` and `prev`.
+/// Resumes one tenant's chain: its last complete line gives the next `seq` and `prev`. The
+/// head must name a record the log still holds, unchanged, so that a restart never resumes
+/// a chain that `verify` would refuse (appending after an edited or cut tail would hide it).
 fn recover_tenant(
     dir: &Path,
     tenant: &TenantId,
@@ -469,23 +465,33 @@ fn recover_tenant(
         });
         segment_len = keep;
     }
-    // The last complete line, searching back over empty segments.
+    // The last complete line, and back from it to the record the head names (the lines after
+    // it are one unacknowledged batch at most), searching back over empty segments.
     let mut last = None;
-    for (_, path) in listing.segments.iter().rev() {
+    let mut named = None;
+    'segments: for (_, path) in listing.segments.iter().rev() {
         let bytes = if *path == last_path {
             bytes[..segment_len as usize].to_vec()
         } else {
             fs::read(path).map_err(io_err("read", path))?
         };
         let (lines, _) = line::split(&bytes);
-        if let Some(l) = lines.last() {
+        for (i, l) in lines.iter().enumerate().rev() {
             let parsed = line::decode(l).map_err(|reason| AuditError::Corrupt {
                 path: path.clone(),
-                line: lines.len() as u64,
+                line: i as u64 + 1,
                 reason,
             })?;
-            last = Some((parsed.seq, Sha256Digest::of(l)));
-            break;
+            let digest = Sha256Digest::of(l);
+            last.get_or_insert((parsed.seq, digest));
+            match head {
+                Some(h) if parsed.seq > h.seq => {}
+                Some(_) => {
+                    named = Some((parsed.seq, digest));
+                    break 'segments;
+                }
+                None => break 'segments,
+            }
         }
     }
     let Some((seq, digest)) = last else {
@@ -498,20 +504,24 @@ fn recover_tenant(
         };
     };
     match head {
+        None => {
+            return Err(AuditError::HeadMissing {
+                tenant: tenant.clone(),
+            });
+        }
         Some(h) if h.seq > seq => {
             return Err(AuditError::HeadAhead {
                 tenant: tenant.clone(),
                 head: h.seq,
             });
         }
-        Some(_) => {}
-        None => {
-            write_head(&tdir, Head { seq, digest })?;
-            recoveries.push(Recovery::HeadRecreated {
+        Some(h) if named != Some((h.seq, h.digest)) => {
+            return Err(AuditError::HeadMismatch {
                 tenant: tenant.clone(),
-                seq,
+                head: h.seq,
             });
         }
+        Some(_) => {}
     }
     let Some(next_seq) = seq.0.checked_add(1) else {
         return Err(AuditError::Corrupt {

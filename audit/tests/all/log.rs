@@ -170,6 +170,73 @@ fn a_lost_acknowledged_tail_refuses_to_open() {
     );
 }
 
+/// Three records of tenant `a`, written and closed.
+fn three_records(dir: &Scratch) -> TenantId {
+    let a = tenant("a");
+    let log = open(dir.path(), 1 << 20);
+    for i in 0..3 {
+        log.append(&a, &record(&a, i)).expect("appended");
+    }
+    a
+}
+
+#[test]
+fn an_edited_record_named_by_the_head_refuses_to_open() {
+    // Resuming would chain the next record to the edited one and move the head past it, and
+    // `verify` would then pass on a log it refuses now.
+    let dir = Scratch::new();
+    let a = three_records(&dir);
+    let seg = &segments(dir.path(), &a)[0];
+    let mut l = lines(seg);
+    l[2] = l[2].replace(r#""req-2""#, r#""req-9""#);
+    assert_ne!(l[2], lines(seg)[2], "the edit changed nothing");
+    write_lines(seg, &l);
+    assert!(!verify(dir.path(), None).passed());
+    let err = AuditLog::open(config(dir.path(), 1 << 20)).unwrap_err();
+    assert!(
+        matches!(err, AuditError::HeadMismatch { head: Seq(2), .. }),
+        "{err}"
+    );
+    assert!(
+        !verify(dir.path(), None).passed(),
+        "the evidence is still there"
+    );
+}
+
+#[test]
+fn a_removed_head_refuses_to_open_even_after_a_cut_tail() {
+    // Cutting the last record and deleting the head left a chain `verify` refuses
+    // (`HeadMissing`); a head rebuilt at the cut tip would hide the cut.
+    let dir = Scratch::new();
+    let a = three_records(&dir);
+    let seg = &segments(dir.path(), &a)[0];
+    let mut l = lines(seg);
+    l.pop();
+    write_lines(seg, &l);
+    std::fs::remove_file(dir.path().join(a.as_str()).join("head")).unwrap();
+    let err = AuditLog::open(config(dir.path(), 1 << 20)).unwrap_err();
+    assert!(matches!(err, AuditError::HeadMissing { .. }), "{err}");
+    assert!(
+        !verify(dir.path(), None).passed(),
+        "the evidence is still there"
+    );
+}
+
+#[test]
+fn records_after_the_head_are_resumed() {
+    // A crash after a batch's lines were written and before its head: the head names an
+    // earlier record, unchanged, and the chain goes on from the last line.
+    let dir = Scratch::new();
+    let a = three_records(&dir);
+    let second = &lines(&segments(dir.path(), &a)[0])[1];
+    let head = format!("1 {}\n", Sha256Digest::of(second.as_bytes()).to_hex());
+    std::fs::write(dir.path().join(a.as_str()).join("head"), head).unwrap();
+    let log = open(dir.path(), 1 << 20);
+    assert_eq!(log.append(&a, &record(&a, 3)).unwrap().seq, Seq(3));
+    drop(log);
+    assert!(verify(dir.path(), None).passed());
+}
+
 #[test]
 fn batched_appends_become_durable_on_flush() {
     let dir = Scratch::new();
