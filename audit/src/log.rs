@@ -236,14 +236,19 @@ impl AuditLog {
         self.inner.flush()
     }
 
-    /// Up to `limit` durable records of `tenant` with `seq >= since`, in order.
+    /// Up to `limit` durable records of `tenant` with `seq >= since`, in order: never one
+    /// that a crash could still lose (written but not yet fsynced).
     pub fn read(
         &self,
         tenant: &TenantId,
         since: Seq,
         limit: usize,
     ) -> Result<Vec<(Seq, AuditRecord)>, AuditError> {
-        read::read(self.dir(), tenant, since, limit)
+        let durable = lock(&self.inner.state)
+            .tenants
+            .get(tenant)
+            .map_or(0, |t| t.durable);
+        read::read_below(self.dir(), tenant, since, limit, Some(Seq(durable)))
     }
 }
 

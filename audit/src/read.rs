@@ -19,6 +19,18 @@ pub fn read(
     since: Seq,
     limit: usize,
 ) -> Result<Vec<(Seq, AuditRecord)>, AuditError> {
+    read_below(dir, tenant, since, limit, None)
+}
+
+/// [`read`], stopping before the first record at or after `below` (the writer's durable mark).
+/// Segments are read a line at a time: a read holds one line and the page, never a segment.
+pub(crate) fn read_below(
+    dir: &Path,
+    tenant: &TenantId,
+    since: Seq,
+    limit: usize,
+    below: Option<Seq>,
+) -> Result<Vec<(Seq, AuditRecord)>, AuditError> {
     let tdir = layout::tenant_dir(dir, tenant);
     let listing = match layout::list_tenant(&tdir) {
         Ok(l) => l,
@@ -34,21 +46,28 @@ pub fn read(
         }
     }
     let mut out = Vec::new();
+    let mut l = Vec::new();
     for (_, path) in &listing.segments[start..] {
-        if out.len() >= limit {
-            break;
-        }
-        let bytes = fs::read(path).map_err(io_err("read", path))?;
-        let (lines, _) = line::split(&bytes);
-        for (i, l) in lines.iter().enumerate() {
+        let mut reader = BufReader::new(fs::File::open(path).map_err(io_err("open", path))?);
+        for n in 1u64.. {
             if out.len() >= limit {
-                break;
+                return Ok(out);
             }
-            let parsed = line::decode(l).map_err(|reason| AuditError::Corrupt {
+            l.clear();
+            reader
+                .read_until(b'\n', &mut l)
+                .map_err(io_err("read", path))?;
+            if l.pop() != Some(b'\n') {
+                break; // the segment's end, or a line still being written
+            }
+            let parsed = line::decode(&l).map_err(|reason| AuditError::Corrupt {
                 path: path.clone(),
-                line: i as u64 + 1,
+                line: n,
                 reason,
             })?;
+            if below.is_some_and(|b| parsed.seq >= b) {
+                return Ok(out);
+            }
             if parsed.seq >= since {
                 out.push((parsed.seq, parsed.record));
             }

@@ -374,3 +374,24 @@ fn kill_9_under_load_loses_no_answered_request_and_the_chain_continues() {
         assert!(passed, "{report}");
     });
 }
+
+#[test]
+fn reading_the_audit_log_counts_against_the_tenants_request_limits() {
+    bounded(|| {
+        // Each demo tenant: two requests a minute. A read loads a page of records from disk, so
+        // it is limited as a request is: a tenant cannot read the log faster than it may ask.
+        let up = Up::launch(Options {
+            replace: &[("requests_per_minute = 600", "requests_per_minute = 2")],
+            ..Options::default()
+        });
+        up.wait_routable();
+        for _ in 0..2 {
+            audit_page(&up, KEY_A, "?since=0&limit=10");
+        }
+        let (status, body) = http(&up.api, "GET", "/v1/audit", Some(KEY_A), &[], "");
+        assert_eq!(status, 429, "{body}");
+        assert!(body.contains("rate_limit_exceeded"), "{body}");
+        // Another tenant's budget is its own.
+        audit_page(&up, KEY_B, "");
+    });
+}

@@ -90,7 +90,7 @@ pub fn router(state: ApiState) -> Router {
         .route(CHAT_ROUTE, post(chat_completions))
         .route(COMPLETIONS_ROUTE, post(completions))
         .route(MODELS_ROUTE, get(models))
-        .route(AUDIT_ROUTE, get(trail::tenant_read))
+        .route(AUDIT_ROUTE, get(audit))
         .fallback(not_found)
         .with_state(Shared::new(state))
         .layer(middleware::from_fn_with_state(
@@ -100,6 +100,20 @@ pub fn router(state: ApiState) -> Router {
         .layer(AuthLayer::new(tenants, metrics))
         .layer(middleware::from_fn_with_state(recorder, trail::audited))
         .layer(middleware::from_fn(crate::traced::traced))
+}
+
+/// `GET /v1/audit`: a request like any other against the tenant's limits (concurrency,
+/// requests per minute), so reading a log cannot cost the gateway more than serving does.
+async fn audit(
+    State(state): State<Shared>,
+    who: Extension<Authenticated>,
+    query: axum::extract::RawQuery,
+) -> Response {
+    let _permit = match state.tenants.limiter().start(&who.tenant) {
+        Ok(permit) => permit,
+        Err(e) => return ApiError::from(e).into_response(),
+    };
+    trail::tenant_read(State(state.recorder.clone()), who, query).await
 }
 
 async fn not_found() -> Response {
