@@ -294,6 +294,10 @@ pub enum ConfigError {
     ServerNameWithoutTls,
     #[error("admin.token_sha256: {0}")]
     AdminToken(KeyHashError),
+    #[error(
+        "admin.token_sha256 is also a key of tenant {tenant}: the admin token must be a secret of its own"
+    )]
+    AdminTokenIsTenantKey { tenant: String },
     #[error(transparent)]
     TenantId(#[from] TenantIdError),
     #[error("tenant {tenant:?}: ids starting with '_' are reserved for the gateway's own logs")]
@@ -490,6 +494,12 @@ impl Config {
         let http = http_limits(&raw.http)?;
         let audit = audit_settings(&raw.audit)?;
         let tenants = tenants(raw.tenants)?;
+        if let Some(t) = tenants.keyring().tenant(&admin_token) {
+            // Otherwise that tenant's key opens the admin listener: every tenant's audit log.
+            return Err(ConfigError::AdminTokenIsTenantKey {
+                tenant: t.id.to_string(),
+            });
+        }
         let (workers, worker_groups) = workers(raw.workers, raw.worker_groups)?;
         if raw.worker_refresh_secs == 0 {
             return Err(ConfigError::ZeroSetting {
@@ -856,6 +866,16 @@ mod tests {
         assert!(c.tenants.keyring().tenant(&KeyHash::of("sk-c")).is_none());
         assert_eq!(c.workers[0].endpoint, "http://127.0.0.1:50051");
         assert_eq!(c.http, HttpLimits::default());
+    }
+
+    #[test]
+    fn an_admin_token_that_is_also_a_tenants_key_is_refused() {
+        let e = Config::parse(&config(&tenant("tenant-a", "admin"), WORKER))
+            .expect_err("the admin token opens every tenant's audit log");
+        assert!(
+            matches!(&e, ConfigError::AdminTokenIsTenantKey { tenant } if tenant == "tenant-a"),
+            "{e}"
+        );
     }
 
     #[test]

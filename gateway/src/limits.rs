@@ -201,16 +201,18 @@ impl Limiter {
         budgets.get_mut(tenant).map(f)
     }
 
-    /// Gives every tenant of `tenants` that already has a budget its limits from `tenants`
-    /// (a reload); see [`TenantBudget::retune`]. Tenants without one get it at their first
-    /// request.
+    /// Gives every tenant of `tenants` its limits from `tenants` (a reload): a budget it has
+    /// is retuned ([`TenantBudget::retune`]), and one it lacks is made now — not at its first
+    /// request, which may have authenticated against the set before and would bring that
+    /// set's limits.
     pub fn retune(&self, tenants: &TenantSet) {
         let now = Instant::now();
         let mut budgets = self.budgets.lock().unwrap_or_else(PoisonError::into_inner);
         for tenant in tenants.tenants() {
-            if let Some(budget) = budgets.get_mut(&tenant.id) {
-                budget.retune(tenant.limits, now);
-            }
+            budgets
+                .entry(tenant.id.clone())
+                .and_modify(|budget| budget.retune(tenant.limits, now))
+                .or_insert_with(|| TenantBudget::new(tenant.limits, now));
         }
     }
 

@@ -360,8 +360,13 @@ async fn start(
             span.record("bulkhead.workers.prefill", r.prefill.as_deref());
         }
         route
-    })
-    .ok_or(ApiError::NoHealthyWorker)?;
+    });
+    let Some(route) = route else {
+        // Unroutable since the limit was taken (the policies ran in between): nothing was
+        // used, so the tokens charged come back.
+        permit.set_used(0);
+        return Err(ApiError::NoHealthyWorker);
+    };
     trail.routed(&route);
 
     let request = upstream::Generate {

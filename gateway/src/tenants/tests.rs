@@ -275,6 +275,32 @@ fn the_limiter_keeps_in_flight_counts_and_the_minutes_usage_across_a_reload() {
 }
 
 #[test]
+fn a_request_authenticated_before_a_reload_gets_the_new_limits_at_its_first_start() {
+    // A tenant that had sent nothing yet had no budget; its request authenticated against the
+    // old set, a reload lowered the tenant's limits, then the request started: the budget it
+    // made came from the old set's limits, and the lowered ones were ignored.
+    let text = |concurrent| config("", &tenant("tenant-a", &["sk-a"], concurrent, 60));
+    let (scratch, tenants) = start(&text(3));
+    let before = tenants
+        .current()
+        .get(&id("tenant-a"))
+        .expect("tenant-a")
+        .clone();
+    write(&scratch, &text(1));
+    tenants.reload().expect("valid");
+    let limiter = tenants.limiter();
+    let first = limiter.start(&before).expect("1 of 1");
+    assert!(
+        matches!(
+            limiter.start(&before),
+            Err(LimitError::Concurrency { limit: 1, .. })
+        ),
+        "the reloaded limit applies"
+    );
+    drop(first);
+}
+
+#[test]
 fn sections_that_need_a_restart_are_reported_and_not_applied() {
     let tenants_a = tenant("tenant-a", &["sk-a"], 2, 60);
     let (scratch, tenants) = start(&config("", &tenants_a));
