@@ -88,6 +88,29 @@ pub enum Recovery {
         /// Bytes removed.
         bytes: u64,
     },
+    /// Complete lines after the head that do not chain on from it (unreadable, or not the next
+    /// record: what a power loss can leave in blocks written after the last fsync) were cut
+    /// off, from the first of them. None was acknowledged as durable.
+    CutUnchained {
+        /// The segment.
+        path: PathBuf,
+        /// The 1-based line number of the first line cut.
+        line: u64,
+        /// Bytes removed.
+        bytes: u64,
+    },
+}
+
+/// A complete line after the head's record, as recovery found it.
+struct Unacknowledged {
+    path: PathBuf,
+    /// 1-based.
+    line: u64,
+    /// Where it starts in its segment.
+    offset: u64,
+    /// Its `seq` and `prev`, or why it does not decode.
+    parsed: Result<(Seq, Sha256Digest), String>,
+    digest: Sha256Digest,
 }
 
 /// Unwritten lines grouped by segment, each group newline-terminated lines.
@@ -470,10 +493,21 @@ fn recover_tenant(
         });
         segment_len = keep;
     }
-    // The last complete line, and back from it to the record the head names (the lines after
-    // it are one unacknowledged batch at most), searching back over empty segments.
-    let mut last = None;
-    let mut named = None;
+    let Some(head) = head else {
+        // Earlier segments are never empty (rotation follows a write), so any records show
+        // here.
+        return if segment_len > 0 || listing.segments.len() > 1 {
+            Err(AuditError::HeadMissing {
+                tenant: tenant.clone(),
+            })
+        } else {
+            Ok(None)
+        };
+    };
+    // Back from the last complete line to the record the head names; the lines after it are
+    // at most one batch, never acknowledged as durable.
+    let mut after = Vec::new();
+    let mut found = None;
     'segments: for (_, path) in listing.segments.iter().rev() {
         let bytes = if *path == last_path {
             bytes[..segment_len as usize].to_vec()
@@ -482,51 +516,79 @@ fn recover_tenant(
         };
         let (lines, _) = line::split(&bytes);
         for (i, l) in lines.iter().enumerate().rev() {
-            let parsed = line::decode(l).map_err(|reason| AuditError::Corrupt {
+            let digest = Sha256Digest::of(l);
+            let parsed = line::decode(l).map(|p| (p.seq, p.prev));
+            if let Ok((seq, _)) = parsed
+                && seq <= head.seq
+            {
+                found = Some((seq, digest));
+                break 'segments;
+            }
+            after.push(Unacknowledged {
                 path: path.clone(),
                 line: i as u64 + 1,
-                reason,
-            })?;
-            let digest = Sha256Digest::of(l);
-            last.get_or_insert((parsed.seq, digest));
-            match head {
-                Some(h) if parsed.seq > h.seq => {}
-                Some(_) => {
-                    named = Some((parsed.seq, digest));
-                    break 'segments;
-                }
-                None => break 'segments,
-            }
+                offset: (l.as_ptr() as usize - bytes.as_ptr() as usize) as u64,
+                parsed,
+                digest,
+            });
         }
     }
-    let Some((seq, digest)) = last else {
-        return match head {
-            Some(h) => Err(AuditError::HeadAhead {
-                tenant: tenant.clone(),
-                head: h.seq,
-            }),
-            None => Ok(None),
-        };
-    };
-    match head {
+    match found {
+        // The log ends before the head's record: acknowledged records are gone.
         None => {
-            return Err(AuditError::HeadMissing {
-                tenant: tenant.clone(),
-            });
-        }
-        Some(h) if h.seq > seq => {
             return Err(AuditError::HeadAhead {
                 tenant: tenant.clone(),
-                head: h.seq,
+                head: head.seq,
             });
         }
-        Some(h) if named != Some((h.seq, h.digest)) => {
+        Some((seq, _)) if seq < head.seq => {
+            return Err(AuditError::HeadAhead {
+                tenant: tenant.clone(),
+                head: head.seq,
+            });
+        }
+        Some(named) if named != (head.seq, head.digest) => {
             return Err(AuditError::HeadMismatch {
                 tenant: tenant.clone(),
-                head: h.seq,
+                head: head.seq,
             });
         }
         Some(_) => {}
+    }
+    // Forward from the head: the lines that chain on are resumed; from the first that does not
+    // (unreadable, or not the next record — what a crash can leave past the head) the segment
+    // is cut, where it is the last one.
+    let (mut seq, mut digest) = (head.seq, head.digest);
+    for line in after.into_iter().rev() {
+        let chains = matches!(line.parsed, Ok((s, prev)) if Some(s.0) == seq.0.checked_add(1) && prev == digest);
+        if chains {
+            (seq, digest) = (Seq(seq.0 + 1), line.digest);
+            continue;
+        }
+        if line.path != last_path {
+            return Err(AuditError::Corrupt {
+                path: line.path,
+                line: line.line,
+                reason: match line.parsed {
+                    Err(reason) => reason,
+                    Ok(_) => "the record does not follow the one before it".to_owned(),
+                },
+            });
+        }
+        let f = OpenOptions::new()
+            .write(true)
+            .open(&last_path)
+            .map_err(io_err("open", &last_path))?;
+        f.set_len(line.offset)
+            .map_err(io_err("truncate", &last_path))?;
+        f.sync_all().map_err(io_err("fsync", &last_path))?;
+        recoveries.push(Recovery::CutUnchained {
+            path: last_path.clone(),
+            line: line.line,
+            bytes: segment_len - line.offset,
+        });
+        segment_len = line.offset;
+        break;
     }
     let Some(next_seq) = seq.0.checked_add(1) else {
         return Err(AuditError::Corrupt {

@@ -238,6 +238,41 @@ fn records_after_the_head_are_resumed() {
 }
 
 #[test]
+fn lines_after_the_head_that_do_not_chain_are_cut_from_the_first() {
+    // What a power loss can leave past the last fsync: blocks of zeros, then whatever was
+    // written after them. Before, the first unreadable line refused the whole log.
+    let dir = Scratch::new();
+    let a = three_records(&dir);
+    let seg = segments(dir.path(), &a)[0].clone();
+    let kept = std::fs::read(&seg).unwrap();
+    let mut damaged = kept.clone();
+    damaged.extend_from_slice(b"\0\0\0\0\n");
+    // A readable record after them, numbered as the next but chained to another.
+    let stray = lines(&seg)[1].replacen(r#""seq":1"#, r#""seq":3"#, 1);
+    assert!(stray.contains(r#""seq":3"#), "{stray}");
+    damaged.extend_from_slice(stray.as_bytes());
+    damaged.push(b'\n');
+    std::fs::write(&seg, &damaged).unwrap();
+    let (log, recoveries) = AuditLog::open(config(dir.path(), 1 << 20)).unwrap();
+    assert_eq!(
+        recoveries,
+        vec![Recovery::CutUnchained {
+            path: seg.clone(),
+            line: 4,
+            bytes: (damaged.len() - kept.len()) as u64,
+        }]
+    );
+    assert_eq!(
+        std::fs::read(&seg).unwrap(),
+        kept,
+        "the chain itself is kept whole"
+    );
+    assert_eq!(log.append(&a, &record(&a, 3)).unwrap().seq, Seq(3));
+    drop(log);
+    assert!(verify(dir.path(), None).passed());
+}
+
+#[test]
 fn batched_appends_become_durable_on_flush() {
     let dir = Scratch::new();
     let a = tenant("a");
