@@ -38,7 +38,7 @@ pub use error::AuditError;
 pub use hash::Sha256Digest;
 pub use line::Seq;
 pub use log::{AuditLog, Config, Durability, Receipt, Recovery};
-pub use read::read;
+pub use read::{Stored, read};
 pub use record::{
     Admission, AdmissionOutcome, AuditRecord, Directive, DisconnectPhase, Dropped, Hold, Integrity,
     Layer, PolicyDecision, Verdict, WorkerPair,

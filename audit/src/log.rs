@@ -24,7 +24,7 @@ use crate::error::{AuditError, io_err};
 use crate::hash::Sha256Digest;
 use crate::layout::{self, HEAD, HEAD_TMP, Head, LOCK, SegmentNo};
 use crate::line::{self, Seq};
-use crate::read;
+use crate::read::{self, Stored};
 use crate::record::AuditRecord;
 use crate::tenant::TenantId;
 
@@ -266,7 +266,7 @@ impl AuditLog {
         tenant: &TenantId,
         since: Seq,
         limit: usize,
-    ) -> Result<Vec<(Seq, AuditRecord)>, AuditError> {
+    ) -> Result<Vec<Stored>, AuditError> {
         let durable = lock(&self.inner.state)
             .tenants
             .get(tenant)

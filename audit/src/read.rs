@@ -6,10 +6,24 @@ use std::io::{BufRead as _, BufReader};
 use std::path::Path;
 
 use crate::error::{AuditError, io_err};
+use crate::hash::Sha256Digest;
 use crate::layout;
 use crate::line::{self, Seq};
 use crate::record::AuditRecord;
 use crate::tenant::TenantId;
+
+/// A record as the log holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stored {
+    /// Its place in the tenant's chain.
+    pub seq: Seq,
+    /// SHA-256 of its line (the next record's `prev`, the head's digest when it is the last):
+    /// a reader that keeps it can tell later whether the chain up to it was rewritten, even
+    /// with every hash recomputed.
+    pub digest: Sha256Digest,
+    /// The record.
+    pub record: AuditRecord,
+}
 
 /// Up to `limit` records of `tenant` with `seq >= since`, in order. Lines not yet complete
 /// (a write in progress) are not returned. An unknown tenant has no records.
@@ -18,7 +32,7 @@ pub fn read(
     tenant: &TenantId,
     since: Seq,
     limit: usize,
-) -> Result<Vec<(Seq, AuditRecord)>, AuditError> {
+) -> Result<Vec<Stored>, AuditError> {
     read_below(dir, tenant, since, limit, None)
 }
 
@@ -30,7 +44,7 @@ pub(crate) fn read_below(
     since: Seq,
     limit: usize,
     below: Option<Seq>,
-) -> Result<Vec<(Seq, AuditRecord)>, AuditError> {
+) -> Result<Vec<Stored>, AuditError> {
     let tdir = layout::tenant_dir(dir, tenant);
     let listing = match layout::list_tenant(&tdir) {
         Ok(l) => l,
@@ -69,7 +83,11 @@ pub(crate) fn read_below(
                 return Ok(out);
             }
             if parsed.seq >= since {
-                out.push((parsed.seq, parsed.record));
+                out.push(Stored {
+                    seq: parsed.seq,
+                    digest: Sha256Digest::of(&l),
+                    record: parsed.record,
+                });
             }
         }
     }

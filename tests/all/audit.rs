@@ -226,6 +226,24 @@ fn every_request_leaves_one_record_in_its_tenants_log_that_only_it_can_read() {
         let a_page = audit_page(&up, KEY_A, "?limit=3");
         assert_eq!(records(&a_page).len(), 3);
         assert_eq!(a_page["has_more"], true);
+        // Each entry carries its line's digest, the anchor a tenant keeps: the same on a reread.
+        let digests = |page: &Value| -> Vec<String> {
+            page["data"]
+                .as_array()
+                .expect("data")
+                .iter()
+                .map(|e| e["digest"].as_str().expect("a digest").to_owned())
+                .collect()
+        };
+        let first = digests(&a_page);
+        assert!(
+            first
+                .iter()
+                .all(|d| d.len() == 64 && d.bytes().all(|b| b.is_ascii_hexdigit())),
+            "{first:?}"
+        );
+        assert_eq!(first.iter().collect::<HashSet<_>>().len(), 3, "{first:?}");
+        assert_eq!(digests(&audit_page(&up, KEY_A, "?limit=3")), first);
         // The admin listener: any tenant with its token; never with a tenant's key.
         assert_eq!(
             http(&up.admin, "GET", "/audit/tenant-b", Some(KEY_A), &[], "").0,

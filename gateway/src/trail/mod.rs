@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use bulkhead_audit::{AuditError, AuditLog, AuditRecord, Recovery, Seq, TenantId};
+use bulkhead_audit::{AuditError, AuditLog, AuditRecord, Recovery, Seq, Stored, TenantId};
 use bulkhead_telemetry::AuditExport;
 use tracing::Span;
 
@@ -197,7 +197,7 @@ impl Recorder {
         tenant: &TenantId,
         since: Seq,
         limit: usize,
-    ) -> Result<Vec<(Seq, AuditRecord)>, AuditError> {
+    ) -> Result<Vec<Stored>, AuditError> {
         self.inner.log.read(tenant, since, limit)
     }
 

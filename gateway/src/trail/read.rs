@@ -9,7 +9,7 @@
 
 use axum::extract::{Extension, Path, RawQuery, State};
 use axum::response::{IntoResponse, Response};
-use bulkhead_audit::{AuditRecord, Seq, TenantId};
+use bulkhead_audit::{AuditRecord, Seq, Sha256Digest, TenantId};
 use http::header::CONTENT_TYPE;
 use serde::Serialize;
 
@@ -36,10 +36,13 @@ pub struct AuditPage {
     pub next_since: u64,
 }
 
-/// A record and its place in the chain.
+/// A record, its place in the chain and its line's SHA-256 (the next record's `prev`): a
+/// tenant that keeps the digest of the last record it read can check later that the log up
+/// to it was not rewritten, even with every hash recomputed.
 #[derive(Debug, Serialize)]
 pub struct Entry {
     pub seq: u64,
+    pub digest: Sha256Digest,
     pub record: AuditRecord,
 }
 
@@ -106,13 +109,19 @@ async fn page(recorder: &Recorder, tenant: TenantId, paging: Paging) -> Response
     };
     let has_more = records.len() > paging.limit;
     records.truncate(paging.limit);
-    let next_since = records.last().map_or(paging.since, |(seq, _)| seq.0 + 1);
+    let next_since = records
+        .last()
+        .map_or(paging.since, |r| r.seq.0.saturating_add(1));
     let page = AuditPage {
         object: "list",
         tenant: tenant.to_string(),
         data: records
             .into_iter()
-            .map(|(seq, record)| Entry { seq: seq.0, record })
+            .map(|r| Entry {
+                seq: r.seq.0,
+                digest: r.digest,
+                record: r.record,
+            })
             .collect(),
         has_more,
         next_since,

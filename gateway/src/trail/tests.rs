@@ -97,7 +97,7 @@ fn records(recorder: &Recorder) -> Vec<AuditRecord> {
         .read(&gateway, Seq(0), 1000)
         .expect("read")
         .into_iter()
-        .map(|(_, r)| r)
+        .map(|s| s.record)
         .collect()
 }
 
@@ -297,7 +297,7 @@ async fn a_request_dropped_before_the_api_ran_it_is_recorded_once_in_its_tenants
         .read(&tenant, Seq(0), 100)
         .expect("reads")
         .into_iter()
-        .map(|(_, r)| r)
+        .map(|s| s.record)
         .collect();
     assert_eq!(mine.len(), 1, "{mine:#?}");
     assert_eq!(mine[0].route, "/v1/chat/completions");
