@@ -133,6 +133,8 @@ struct TenantState {
 struct State {
     tenants: HashMap<TenantId, TenantState>,
     poisoned: Option<String>,
+    /// Records `append` accepted that a failed flush then dropped.
+    dropped: u64,
 }
 
 /// The open segment file of each tenant; owned by whoever flushes.
@@ -246,6 +248,12 @@ impl AuditLog {
             digest,
             durable,
         })
+    }
+
+    /// Records `append` accepted and a failed write or fsync then dropped: never durable, and,
+    /// unless their appender waited for durability, lost without an error to anyone.
+    pub fn dropped(&self) -> u64 {
+        lock(&self.inner.state).dropped
     }
 
     /// Why the log accepts no more records (a failed write or fsync), or `None` while it is
@@ -366,20 +374,33 @@ impl Inner {
                 })
                 .collect()
         };
-        for (tenant, chunks, head) in &batch {
-            if let Err(e) = self.write_tenant(files, tenant, chunks, *head) {
-                lock(&self.state)
-                    .poisoned
-                    .get_or_insert_with(|| e.to_string());
-                files.open.clear();
-                return Err(e);
-            }
-        }
+        let mut written = 0;
+        let failed = batch.iter().find_map(|(tenant, chunks, head)| {
+            let result = self.write_tenant(files, tenant, chunks, *head);
+            written += usize::from(result.is_ok());
+            result.err()
+        });
         let mut state = lock(&self.state);
-        for (tenant, _, head) in batch {
-            if let Some(t) = state.tenants.get_mut(&tenant) {
+        for (tenant, _, head) in &batch[..written] {
+            if let Some(t) = state.tenants.get_mut(tenant) {
                 t.durable = t.durable.max(head.seq.0 + 1);
             }
+        }
+        if let Some(e) = failed {
+            state.poisoned.get_or_insert_with(|| e.to_string());
+            // This tenant's records and those of the tenants after it are dropped: their heads
+            // never moved.
+            let dropped: u64 = batch[written..]
+                .iter()
+                .map(|(t, _, h)| {
+                    let durable = state.tenants.get(t).map_or(0, |t| t.durable);
+                    (h.seq.0 + 1).saturating_sub(durable)
+                })
+                .sum();
+            state.dropped += dropped;
+            drop(state);
+            files.open.clear();
+            return Err(e);
         }
         Ok(())
     }

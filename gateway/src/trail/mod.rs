@@ -144,9 +144,10 @@ impl Recorder {
         self.inner.settings.on_failure == OnAuditFailure::Refuse
     }
 
-    /// Records that could not be written since start.
+    /// Records that could not be written since start: refused by the log, or accepted and
+    /// then dropped by a failed write or fsync (in group commit, after their answers went out).
     pub fn lost(&self) -> u64 {
-        self.inner.lost.load(Ordering::Relaxed)
+        self.inner.lost.load(Ordering::Relaxed) + self.inner.log.dropped()
     }
 
     /// A request ended: its latency goes to the histograms, its outcome onto its span, and
@@ -165,21 +166,19 @@ impl Recorder {
         }
     }
 
-    /// Appends `record`; in durable mode, returns once it is fsynced.
+    /// Appends `record`; in durable mode, returns once it is fsynced. A record the log
+    /// refuses is counted lost here; one it accepts and then drops, by the log.
     async fn commit(&self, record: AuditRecord) -> Result<(), AuditError> {
-        let result = self.commit_inner(record).await;
-        if let Err(e) = &result {
+        if let Err(e) = self.inner.log.append(&record.tenant, &record) {
             self.inner.lost.fetch_add(1, Ordering::Relaxed);
             tracing::error!(error = %e, "an audit record could not be written");
+            return Err(e);
         }
-        result
-    }
-
-    async fn commit_inner(&self, record: AuditRecord) -> Result<(), AuditError> {
-        self.inner.log.append(&record.tenant, &record)?;
         match &self.inner.syncer {
             None => Ok(()),
-            Some(syncer) => syncer.durable().await,
+            Some(syncer) => syncer.durable().await.inspect_err(|e| {
+                tracing::error!(error = %e, "an audit record could not be made durable");
+            }),
         }
     }
 

@@ -232,6 +232,28 @@ async fn a_broken_log_configured_to_serve_keeps_serving_and_counts_what_it_lost(
 }
 
 #[tokio::test]
+async fn a_broken_log_in_group_commit_counts_the_records_its_flush_dropped() {
+    // Group commit answers before the write: a record its flush then fails to write was
+    // counted nowhere, and `/healthz` said nothing was lost.
+    let dir = Scratch::new("trail");
+    let recorder = open(&dir, Durability::Group, OnAuditFailure::Serve);
+    break_gateway_log(&dir.0);
+    let app = app(&recorder);
+    assert_eq!(call(&app, "/ok").await.status(), StatusCode::OK);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while recorder.failure().is_none() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the flush never failed"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(recorder.lost(), 1);
+    assert_eq!(call(&app, "/ok").await.status(), StatusCode::OK);
+    assert_eq!(recorder.lost(), 2, "refused once the log stopped");
+}
+
+#[tokio::test]
 async fn group_commit_answers_before_the_fsync_and_the_record_follows() {
     let dir = Scratch::new("trail");
     let recorder = open(&dir, Durability::Group, OnAuditFailure::Refuse);
