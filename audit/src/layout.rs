@@ -3,13 +3,16 @@
 //! ```text
 //! DIR/LOCK                          held (flock) by the one writer
 //! DIR/<tenant>/<segment>.jsonl      segment numbers from 0, 20 digits, contiguous
-//! DIR/<tenant>/head                 "<seq> <sha256 of that line>\n": a durable record
+//! DIR/<tenant>/head                 "<seq> <sha256 of that line>\n": a durable record; or
+//!                                   "genesis\n": none yet
 //! DIR/<tenant>/head.tmp             the next head, before its rename
 //! ```
 //!
 //! The head is rewritten after every group commit, once the segments are fsynced. It is a lower
 //! bound: the record it names must exist with that digest, so deleting a tenant's last lines
-//! or last segment is detected even though the chain itself looks complete.
+//! or last segment is detected even though the chain itself looks complete. A tenant's
+//! directory gets the genesis head before its first segment, so a tenant with records and no
+//! head file lost it to a deletion, never to a crash.
 
 use std::fs;
 use std::io;
@@ -125,12 +128,39 @@ impl Head {
     }
 }
 
+/// What a head file says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HeadFile {
+    /// No record is durable yet.
+    Genesis,
+    /// This record is durable.
+    At(Head),
+}
+
+impl HeadFile {
+    const GENESIS: &str = "genesis\n";
+
+    pub fn encode(&self) -> String {
+        match self {
+            Self::Genesis => Self::GENESIS.to_owned(),
+            Self::At(head) => head.encode(),
+        }
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        if bytes == Self::GENESIS.as_bytes() {
+            return Some(Self::Genesis);
+        }
+        Head::decode(bytes).map(Self::At)
+    }
+}
+
 /// Reads the head: `Ok(None)` when there is none, `Err` with a reason when it is unreadable.
-pub(crate) fn read_head(tenant_dir: &Path) -> Result<Option<Head>, String> {
+pub(crate) fn read_head(tenant_dir: &Path) -> Result<Option<HeadFile>, String> {
     match fs::read(tenant_dir.join(HEAD)) {
-        Ok(bytes) => Head::decode(&bytes)
-            .map(Some)
-            .ok_or_else(|| "head file is malformed (expected \"<seq> <sha256>\\n\")".to_owned()),
+        Ok(bytes) => HeadFile::decode(&bytes).map(Some).ok_or_else(|| {
+            "head file is malformed (expected \"<seq> <sha256>\\n\" or \"genesis\\n\")".to_owned()
+        }),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(format!("cannot read head file: {e}")),
     }
@@ -168,6 +198,27 @@ mod tests {
             format!("12 {}\n\n", h.digest),
         ] {
             assert_eq!(Head::decode(bad.as_bytes()), None, "{bad:?}");
+            assert_eq!(HeadFile::decode(bad.as_bytes()), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn the_genesis_head_is_one_exact_line() {
+        let genesis = HeadFile::Genesis.encode();
+        assert_eq!(
+            HeadFile::decode(genesis.as_bytes()),
+            Some(HeadFile::Genesis)
+        );
+        for bad in ["genesis", "genesis\n\n", "Genesis\n", " genesis\n"] {
+            assert_eq!(HeadFile::decode(bad.as_bytes()), None, "{bad:?}");
+        }
+        let h = Head {
+            seq: Seq(3),
+            digest: Sha256Digest::of(b"x"),
+        };
+        assert_eq!(
+            HeadFile::decode(h.encode().as_bytes()),
+            Some(HeadFile::At(h))
+        );
     }
 }

@@ -4,20 +4,24 @@
 //! tenant's log. Each tenant's log is an append-only chain of JSON Lines segments under a data
 //! directory (layout in [`layout`]): every line carries its `seq` and `prev`, the SHA-256 of the
 //! previous line's exact bytes, so editing, deleting or reordering a record breaks the chain;
-//! a per-tenant head file names the last durable record, so deleting the tail is caught too.
+//! a per-tenant head file names the last durable record, so cutting the tail without rewriting
+//! the head is caught too.
 //!
 //! - [`AuditLog`] writes: group commit, [`Durability`] per log, segment rotation, crash
-//!   recovery on [`AuditLog::open`] (a torn last line is cut off and reported as a
-//!   [`Recovery`]; a complete line is never dropped). A log whose head is missing, or names a
-//!   record the log no longer holds as recorded, is not resumed: appending to it would make
-//!   the chain `verify` refuses pass again.
-//!
-//! Tamper-evident, not tamper-proof: the chain is unkeyed and its head sits beside it, so
-//! someone who can write the directory and recompute every hash after an edit is not caught
-//! here; that takes a copy outside it (the OpenTelemetry export of each record).
+//!   recovery on [`AuditLog::open`] (a torn last line, and complete lines after the head that
+//!   do not chain on from it, are cut off and reported as a [`Recovery`]; a line that chains is
+//!   never dropped). A log whose head is missing, or names a record the log no longer holds
+//!   as recorded, is not resumed: appending to it would make the chain `verify` refuses pass
+//!   again.
 //! - [`read()`] pages through one tenant's records; only a [`TenantId`] names a directory, and
 //!   its grammar admits no path tricks (I6).
 //! - [`verify()`] checks every chain and reports each tenant's first problem by file and line.
+//!
+//! Tamper-evident, not tamper-proof: the chain is unkeyed and its head sits beside it, so
+//! someone who can write the directory can rewrite it (a cut tail needs only a head naming the
+//! new last line, whose digest is in nothing but the file; an edit needs every later hash
+//! recomputed) and is not caught here; that takes a copy outside it (the OpenTelemetry export
+//! of each record, or the digests a reader keeps: [`Stored::digest`]).
 //!
 //! Elsewhere: the gateway's use of it and the HTTP read API (`bulkhead-gateway`'s `trail`), the
 //! export of each record as an OpenTelemetry log record (`bulkhead-telemetry`'s `audit`).

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use crate::error::{AuditError, io_err};
 use crate::hash::Sha256Digest;
-use crate::layout::{self, HEAD, HEAD_TMP, Head, LOCK, SegmentNo};
+use crate::layout::{self, HEAD, HEAD_TMP, Head, HeadFile, LOCK, SegmentNo};
 use crate::line::{self, Seq};
 use crate::read::{self, Stored};
 use crate::record::AuditRecord;
@@ -172,8 +172,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl AuditLog {
-    /// Opens (creating it if needed) a data directory, resumes every tenant's chain from its
-    /// last complete line, and cuts off torn last lines.
+    /// Opens (creating it if needed) a data directory and resumes every tenant's chain from
+    /// its last line that chains on from the head, cutting off what a crash left after it (see
+    /// [`Recovery`]); refuses a tenant whose head is missing or names a record the log does not
+    /// hold as recorded.
     pub fn open(config: Config) -> Result<(Self, Vec<Recovery>), AuditError> {
         let dir = config.dir.clone();
         fs::create_dir_all(&dir).map_err(io_err("create", &dir))?;
@@ -388,15 +390,14 @@ impl Inner {
         }
         if let Some(e) = failed {
             state.poisoned.get_or_insert_with(|| e.to_string());
-            // This tenant's records and those of the tenants after it are dropped: their heads
-            // never moved.
-            let dropped: u64 = batch[written..]
-                .iter()
-                .map(|(t, _, h)| {
-                    let durable = state.tenants.get(t).map_or(0, |t| t.durable);
-                    (h.seq.0 + 1).saturating_sub(durable)
-                })
-                .sum();
+            // Nothing is written any more (`enqueue` checks the poison under this lock): every
+            // record not durable now is dropped — this batch's from the failed tenant on, and
+            // those appended while it was being written.
+            let mut dropped = 0;
+            for t in state.tenants.values_mut() {
+                dropped += t.next_seq.saturating_sub(t.durable);
+                t.pending.clear();
+            }
             state.dropped += dropped;
             drop(state);
             files.open.clear();
@@ -432,7 +433,7 @@ impl Inner {
             file.sync_all()
                 .map_err(io_err("fsync", layout::segment_path(&tdir, *segment)))?;
         }
-        write_head(&tdir, head)
+        write_head(&tdir, HeadFile::At(head))
     }
 }
 
@@ -441,6 +442,13 @@ fn open_segment(dir: &Path, tdir: &Path, segment: SegmentNo) -> Result<File, Aud
     if !tdir.is_dir() {
         fs::create_dir(tdir).map_err(io_err("create", tdir))?;
         sync_dir(dir)?;
+    }
+    // Before the tenant's first line: a crash between its first records and its first head
+    // then leaves the genesis head, which recovery resumes from, never no head at all (which
+    // only a deletion leaves, and which is refused). Recovery refused a headless tenant that
+    // has records, so one reaching here has none.
+    if !tdir.join(HEAD).exists() {
+        write_head(tdir, HeadFile::Genesis)?;
     }
     let path = layout::segment_path(tdir, segment);
     let existed = path.exists();
@@ -461,7 +469,7 @@ fn sync_dir(dir: &Path) -> Result<(), AuditError> {
         .map_err(io_err("fsync", dir))
 }
 
-fn write_head(tdir: &Path, head: Head) -> Result<(), AuditError> {
+fn write_head(tdir: &Path, head: HeadFile) -> Result<(), AuditError> {
     let tmp = tdir.join(HEAD_TMP);
     let mut f = File::create(&tmp).map_err(io_err("create", &tmp))?;
     f.write_all(head.encode().as_bytes())
@@ -473,9 +481,10 @@ fn write_head(tdir: &Path, head: Head) -> Result<(), AuditError> {
     sync_dir(tdir)
 }
 
-/// Resumes one tenant's chain: its last complete line gives the next `seq` and `prev`. The
-/// head must name a record the log still holds, unchanged, so that a restart never resumes
-/// a chain that `verify` would refuse (appending after an edited or cut tail would hide it).
+/// Resumes one tenant's chain: its last line that chains on from the head gives the next
+/// `seq` and `prev`. The head must name a record the log still holds, unchanged, so that a
+/// restart never resumes a chain that `verify` would refuse (appending after an edited or cut
+/// tail would hide it).
 fn recover_tenant(
     dir: &Path,
     tenant: &TenantId,
@@ -489,11 +498,11 @@ fn recover_tenant(
     })?;
     let Some((last_segment, last_path)) = listing.segments.last().cloned() else {
         return match head {
-            Some(h) => Err(AuditError::HeadAhead {
+            Some(HeadFile::At(h)) => Err(AuditError::HeadAhead {
                 tenant: tenant.clone(),
                 head: h.seq,
             }),
-            None => Ok(None),
+            Some(HeadFile::Genesis) | None => Ok(None),
         };
     };
     // Cut off a torn tail of the last segment.
@@ -516,7 +525,7 @@ fn recover_tenant(
     }
     let Some(head) = head else {
         // Earlier segments are never empty (rotation follows a write), so any records show
-        // here.
+        // here; a tenant's directory gets its genesis head before its first line.
         return if segment_len > 0 || listing.segments.len() > 1 {
             Err(AuditError::HeadMissing {
                 tenant: tenant.clone(),
@@ -524,6 +533,12 @@ fn recover_tenant(
         } else {
             Ok(None)
         };
+    };
+    // The record the head names, if any, and where the chain goes on from it: the next `seq`
+    // and `prev`.
+    let (named, mut next, mut digest) = match head {
+        HeadFile::Genesis => (None, Some(0), Sha256Digest::ZERO),
+        HeadFile::At(h) => (Some(h), h.seq.0.checked_add(1), h.digest),
     };
     // Back from the last complete line to the record the head names; the lines after it are
     // at most one batch, never acknowledged as durable.
@@ -539,10 +554,10 @@ fn recover_tenant(
         for (i, l) in lines.iter().enumerate().rev() {
             let digest = Sha256Digest::of(l);
             let parsed = line::decode(l).map(|p| (p.seq, p.prev));
-            if let Ok((seq, _)) = parsed
-                && seq <= head.seq
+            if let (Some(h), Ok((seq, _))) = (named, &parsed)
+                && *seq <= h.seq
             {
-                found = Some((seq, digest));
+                found = Some((*seq, digest));
                 break 'segments;
             }
             after.push(Unacknowledged {
@@ -554,36 +569,38 @@ fn recover_tenant(
             });
         }
     }
-    match found {
-        // The log ends before the head's record: acknowledged records are gone.
-        None => {
-            return Err(AuditError::HeadAhead {
-                tenant: tenant.clone(),
-                head: head.seq,
-            });
+    if let Some(h) = named {
+        match found {
+            // The log ends before the head's record: acknowledged records are gone.
+            Some((seq, _)) if seq < h.seq => {
+                return Err(AuditError::HeadAhead {
+                    tenant: tenant.clone(),
+                    head: h.seq,
+                });
+            }
+            None => {
+                return Err(AuditError::HeadAhead {
+                    tenant: tenant.clone(),
+                    head: h.seq,
+                });
+            }
+            Some(at) if at != (h.seq, h.digest) => {
+                return Err(AuditError::HeadMismatch {
+                    tenant: tenant.clone(),
+                    head: h.seq,
+                });
+            }
+            Some(_) => {}
         }
-        Some((seq, _)) if seq < head.seq => {
-            return Err(AuditError::HeadAhead {
-                tenant: tenant.clone(),
-                head: head.seq,
-            });
-        }
-        Some(named) if named != (head.seq, head.digest) => {
-            return Err(AuditError::HeadMismatch {
-                tenant: tenant.clone(),
-                head: head.seq,
-            });
-        }
-        Some(_) => {}
     }
     // Forward from the head: the lines that chain on are resumed; from the first that does not
     // (unreadable, or not the next record — what a crash can leave past the head) the segment
     // is cut, where it is the last one.
-    let (mut seq, mut digest) = (head.seq, head.digest);
     for line in after.into_iter().rev() {
-        let chains = matches!(line.parsed, Ok((s, prev)) if Some(s.0) == seq.0.checked_add(1) && prev == digest);
+        let chains = matches!(line.parsed, Ok((s, prev)) if Some(s.0) == next && prev == digest);
         if chains {
-            (seq, digest) = (Seq(seq.0 + 1), line.digest);
+            next = next.and_then(|n| n.checked_add(1));
+            digest = line.digest;
             continue;
         }
         if line.path != last_path {
@@ -611,7 +628,7 @@ fn recover_tenant(
         segment_len = line.offset;
         break;
     }
-    let Some(next_seq) = seq.0.checked_add(1) else {
+    let Some(next_seq) = next else {
         return Err(AuditError::Corrupt {
             path: last_path,
             line: 0,

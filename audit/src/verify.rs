@@ -14,7 +14,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use crate::hash::Sha256Digest;
-use crate::layout::{self, HEAD, SegmentNo};
+use crate::layout::{self, HEAD, HeadFile, SegmentNo};
 use crate::line::{self, Seq};
 use crate::tenant::TenantId;
 
@@ -255,6 +255,12 @@ fn check_tenant(tdir: &Path, tenant: &TenantId, report: &mut TenantReport) -> Re
     }
     let head_path = tdir.join(HEAD);
     let head = layout::read_head(tdir).map_err(|e| at(&head_path, None, Reason::BadHead(e)))?;
+    // The genesis head names no record: every record is past it, none acknowledged yet.
+    let genesis = head == Some(HeadFile::Genesis);
+    let head = match head {
+        Some(HeadFile::At(h)) => Some(h),
+        Some(HeadFile::Genesis) | None => None,
+    };
     report.segments = listing.segments.len() as u64;
 
     let mut next_seq = Seq(0);
@@ -332,7 +338,9 @@ fn check_tenant(tdir: &Path, tenant: &TenantId, report: &mut TenantReport) -> Re
         }
     }
     match (head, head_seen) {
-        (None, _) if report.records > 0 => Err(at(&head_path, None, Reason::HeadMissing)),
+        (None, _) if report.records > 0 && !genesis => {
+            Err(at(&head_path, None, Reason::HeadMissing))
+        }
         (None, _) => Ok(()),
         (Some(h), None) => Err(match prev_at {
             Some((path, line)) => at(

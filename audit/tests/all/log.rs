@@ -252,6 +252,53 @@ fn records_after_the_head_are_resumed() {
 }
 
 #[test]
+fn a_crash_before_a_new_tenants_first_head_resumes_from_the_genesis_head() {
+    // A tenant's directory gets the genesis head before its first line; a crash before its
+    // first real head leaves that, its lines after it, and a log that starts again.
+    let dir = Scratch::new();
+    let a = three_records(&dir);
+    let head = dir.path().join(a.as_str()).join("head");
+    std::fs::write(&head, "genesis\n").unwrap();
+    assert!(
+        verify(dir.path(), None).passed(),
+        "nothing acknowledged is missing"
+    );
+    let (log, recoveries) = AuditLog::open(config(dir.path(), 1 << 20)).unwrap();
+    assert_eq!(recoveries, vec![]);
+    assert_eq!(log.append(&a, &record(&a, 3)).unwrap().seq, Seq(3));
+    drop(log);
+    assert!(verify(dir.path(), None).passed());
+    assert_ne!(
+        std::fs::read(&head).unwrap(),
+        b"genesis\n",
+        "the head moved on"
+    );
+}
+
+#[test]
+fn a_new_tenants_directory_holds_its_genesis_head_before_any_line() {
+    // The first flush fails at the segment (a directory stands where it goes): the head
+    // written before it is the genesis head, so no crash can leave lines without a head.
+    let dir = Scratch::new();
+    let a = tenant("a");
+    let tdir = dir.path().join(a.as_str());
+    let segment = tdir.join(format!("{:020}.jsonl", 0));
+    std::fs::create_dir_all(&segment).unwrap();
+    let log = open(dir.path(), 1 << 20);
+    assert!(
+        log.append(&a, &record(&a, 0)).is_err(),
+        "the segment cannot be opened"
+    );
+    drop(log);
+    assert_eq!(std::fs::read(tdir.join("head")).unwrap(), b"genesis\n");
+    std::fs::remove_dir(&segment).unwrap();
+    let log = open(dir.path(), 1 << 20);
+    assert_eq!(log.append(&a, &record(&a, 0)).unwrap().seq, Seq(0));
+    drop(log);
+    assert!(verify(dir.path(), None).passed());
+}
+
+#[test]
 fn lines_after_the_head_that_do_not_chain_are_cut_from_the_first() {
     // What a power loss can leave past the last fsync: blocks of zeros, then whatever was
     // written after them. Before, the first unreadable line refused the whole log.
