@@ -168,8 +168,9 @@ impl Config {
     /// cache on; R1 and R3 are tenant 0's, R2 tenant 1's, each prompt 2 pages sharing its first.
     /// Once one request of a tenant finishes, its first page stays cached; the tenant's other
     /// request reads it and reserves one page; the other tenant's may not. Eviction happens
-    /// whenever a cached page is unpinned, so a page that was cached is reused. One duplicate,
-    /// one corruption, one teardown, no retry.
+    /// whenever a cached page is unpinned, so a page that was cached is reused. No duplicate
+    /// (it adds nothing the other shapes do not check, and doubles the space), one corruption,
+    /// one teardown, no retry.
     #[must_use]
     pub fn prefix_shape(variant: Variant) -> Self {
         Self {

@@ -38,10 +38,12 @@
 //!
 //! With decode's prefix cache on ([`Config::prefix_cache`]), admission first looks the prompt
 //! up in the cache of the request's tenant: on a hit it pins the cached first page, reserves
-//! only the rest, and the `Prefill` names only those pages; the session unpins it however it
-//! closes (commit then finish, abort and drain, drain timeout, integrity failure, rejection,
-//! teardown). A finished request's first page, if it computed it, stays cached for its tenant;
-//! the cache evicts (zeroes and frees) a page only at zero pins.
+//! only the rest, and the `Prefill` names only those pages; the pin goes when nothing reads
+//! the page any more: at the client's abort (its session drains on without it, as decode drops
+//! a transfer's prefix when it starts draining), or when the session closes otherwise (finish,
+//! drain timeout, integrity failure, rejection, teardown). A finished request's first page, if
+//! it computed it, stays cached for its tenant; the cache evicts (zeroes and frees) a page
+//! only at zero pins.
 //!
 //! Freed pages are reallocated (with new tags) to later requests: page reuse is part of every
 //! bound below.
@@ -56,7 +58,7 @@
 //! | [`Config::incident_shape`] | 3 / 2 | R1 2 a, R2 3 b, R3 4 c | 1 | 1 / 1 / 1 | 213,921 in ~2 s |
 //! | [`Config::reuse_shape`] | 3 / 3 | R1 2 a, R2 2 b | 1 | 1 / 1 / 1 | 234,948 in ~3.5 s |
 //! | [`Config::retry_shape`] | 3 / 3 | R1 2 a, R2 2 b | 2 | 0 / 0 / 0 | 1,677,912 in ~31 s |
-//! | [`Config::prefix_shape`] (prefix cache on) | 3 / 3 | R1 2 a, R2 2 b, R3 2 a | 1 | 0 / 1 / 1 | 1,625,641 in ~22 s |
+//! | [`Config::prefix_shape`] (prefix cache on) | 3 / 3 | R1 2 a, R2 2 b, R3 2 a | 1 | 0 / 1 / 1 | 1,698,259 in ~29 s |
 //!
 //! Messages may be lost any number of times; "dup" and "corrupt" are budgets for the whole
 //! run; teardown happens at most once and is permanent. Retries (attempts > 1) get a fresh
@@ -109,12 +111,12 @@
 //!   its tag until it is reallocated) and lands in free p0. Violates `i4_no_late_writes` and
 //!   `i1_ownership` (a free page in an open session's table); reads stay clean here because
 //!   pages are zeroed on reuse and re-tagged.
-//! - [`Variant::UnscopedCache`] (prefix shape; 1,789,799 states): decode's prefix cache looks a
+//! - [`Variant::UnscopedCache`] (prefix shape; the test stops at the first counterexample): decode's prefix cache looks a
 //!   prompt up without its tenant. Trace (15 steps): R1 (tenant a) commits and finishes, its
 //!   first page p0 stays cached; R2 (tenant b) finds it, reserves only p1, prefill fills p1,
 //!   R2 commits and attends over p0 holding R1's bytes. Violates `no_foreign_bytes_read` and
 //!   `no_other_session_bytes_read`: the tenant scope of the lookup is what stops it.
-//! - [`Variant::UnpinnedPrefix`] (prefix shape; 1,720,702 states): a cache hit does not pin
+//! - [`Variant::UnpinnedPrefix`] (prefix shape; likewise): a cache hit does not pin
 //!   the page. Trace (20 steps): R1 (a) finishes, p0 cached; R3 (a) is admitted over p0 and
 //!   reserves p1; the cache evicts p0 (no pins); R2 (b) reserves p0 and p2, and its frame lands
 //!   in p0; R3 commits and reads R2's bytes in p0. Violates `no_foreign_bytes_read`,
@@ -138,7 +140,8 @@
 //! cache, its writer's tenant); a checksum is
 //! ok/corrupt; the manifest digest is the list of (page, tag) the frames carried. Prefill's
 //! pool is only a capacity check (no concurrent allocation, no source pages). Decode takes
-//! the lowest-index free pages. Quarantine is terminal (no reclaim). Admission that does not
+//! the lowest-index free pages. A quarantine is reclaimed (zeroed, freed) once nothing of its
+//! session is in flight and prefill sends no more. Admission that does not
 //! fit *now* simply waits. A committed request's client abort is the same as finishing. There
 //! is no reconnect after teardown and no transfer deadline: liveness is not checked, only
 //! safety plus the examples above. The prefix cache holds at most one page per tenant (the

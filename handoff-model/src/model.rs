@@ -217,11 +217,16 @@ impl HandoffModel {
 
     /// Closes decode's session `nonce` (if open) and unpins the cached prefix page it read.
     fn close_session(&self, s: &mut State, nonce: Nonce) {
-        let Some(session) = s.remove_session(nonce) else {
+        self.unpin(s, nonce);
+        s.remove_session(nonce);
+    }
+
+    /// Session `nonce` stops reading its cached prefix page (if it has one still).
+    fn unpin(&self, s: &mut State, nonce: Nonce) {
+        let Some(page) = s.session_mut(nonce).and_then(|x| x.prefix.take()) else {
             return;
         };
-        if let Some(page) = session.prefix
-            && self.config.variant.pins_cached_prefix()
+        if self.config.variant.pins_cached_prefix()
             && let Holder::Cached { pins, .. } = &mut s.pages[page.index()].holder
         {
             *pins = pins.saturating_sub(1);
@@ -253,6 +258,9 @@ impl HandoffModel {
             ReqStatus::InFlight(nonce) => {
                 s.requests[r.index()].status = ReqStatus::Done(Outcome::Aborted);
                 s.net.send(Msg::Abort { nonce });
+                // Nothing reads the cached prefix any more: its pin goes now (as decode drops
+                // the transfer's `Prefix` when it starts draining), not at the drain's end.
+                self.unpin(s, nonce);
                 if self.config.variant.releases_eagerly() {
                     // Seeded bug: the allocator gets the pages back now, while the transfer
                     // engine's session stays open until the drain ack.
