@@ -531,15 +531,8 @@ async fn a_full_queue_is_resource_exhausted_with_rate_limit_exceeded() {
             "1",
         ]);
         let mut client = worker.client().await;
-        let mut long = chat("Count from one to one thousand.", 500);
-        long.ignore_eos = true;
-        let mut running = client
-            .generate(long.clone())
-            .await
-            .expect("the first request is admitted")
-            .into_inner();
-        let first = running.message().await.expect("no stream error");
-        assert!(first.is_some(), "the first request runs");
+        let long = counting(500);
+        let _running = under_way(&mut client, long.clone()).await;
         let _waiting = client
             .generate(long.clone())
             .await
@@ -834,6 +827,29 @@ async fn preflight_passes_a_sound_pair_and_fails_a_mismatched_one() {
 }
 
 /// A decode worker whose prompts `prefill` fills, started with `args` besides.
+/// A request that generates `max_new_tokens` whatever the model would say (no end of sequence).
+fn counting(max_new_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        ignore_eos: true,
+        ..chat("Count from one to one thousand.", max_new_tokens)
+    }
+}
+
+/// Starts `request` and waits for its first answer: it holds its pages from here on.
+async fn under_way(
+    client: &mut WorkerClient<Channel>,
+    request: GenerateRequest,
+) -> tonic::Streaming<proto::GenerateResponse> {
+    let mut running = client
+        .generate(request)
+        .await
+        .expect("the first request is admitted")
+        .into_inner();
+    let first = running.message().await.expect("no stream error");
+    assert!(first.is_some(), "the first request runs");
+    running
+}
+
 pub(crate) fn decode_for(prefill: &Worker, args: &[&str]) -> Worker {
     let address = format!("http://{}", prefill.grpc);
     let mut all = vec!["--role", "decode", "--prefill", &address];
@@ -900,6 +916,40 @@ async fn preflight_fails_a_worker_that_answers_without_the_cluster_token() {
                 && text.contains("cluster token"),
             "{text}"
         );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_request_waiting_for_decode_pages_past_the_queue_timeout_is_refused_as_busy() {
+    bounded(async {
+        // Decode holds one such request at a time; the second waits for its pages, past the
+        // queue timeout, while the first generates.
+        let prefill = Worker::start(&["--role", "prefill", "--kv-tokens", "4096"]);
+        let decode = decode_for(
+            &prefill,
+            &["--kv-tokens", "256", "--queue-timeout-ms", "500"],
+        );
+        let long = counting(200);
+        let mut running = under_way(&mut decode.client().await, long.clone()).await;
+        let started = Instant::now();
+        let err = run_to_end(&mut decode.client().await, long)
+            .await
+            .expect_err("no pages came free in time");
+        assert!(
+            started.elapsed() >= Duration::from_millis(500),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+        assert_eq!(error_code(&err), Some("rate_limit_exceeded"), "{err:?}");
+        let (_, metrics) = decode.admin_get("/metrics");
+        assert!(
+            metrics.contains("bulkhead_requests_total{outcome=\"rejected_queue_timeout\"} 1"),
+            "counted once: {metrics}"
+        );
+        let next = running.message().await.expect("the first request runs on");
+        assert!(next.is_some());
     })
     .await;
 }

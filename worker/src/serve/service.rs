@@ -70,7 +70,11 @@ impl WorkerService {
     }
 
     fn refuse(&self, caller_id: &str, tenant: &str, e: ServeError) -> Status {
-        self.engine.metrics().count(Outcome::refused(&e));
+        // An engine failure was counted when the engine emitted it (a decode worker's queue
+        // timeout, prefill's refusal, a transfer's failure before the stream).
+        if !matches!(e, ServeError::Failed(_)) {
+            self.engine.metrics().count(Outcome::refused(&e));
+        }
         tracing::info!(caller_id, tenant, error = %e, "request refused");
         status(&e)
     }
