@@ -43,6 +43,13 @@ impl ConfigFile {
     /// tenants, and the restart-only sections that differ from the running ones.
     pub(super) fn read(&self) -> Result<(TenantSet, Vec<Section>), ConfigError> {
         let config = Config::load(&self.path)?;
+        // The file's admin token is checked against its tenants by the parser; the running one
+        // (a new one takes a restart) must not become a tenant's key either.
+        if let Some(t) = config.tenants.keyring().tenant(&self.running.admin_token) {
+            return Err(ConfigError::AdminTokenIsTenantKey {
+                tenant: t.id.to_string(),
+            });
+        }
         let restart_required = self.running.differing(&RestartOnly::of(&config));
         Ok((config.tenants, restart_required))
     }

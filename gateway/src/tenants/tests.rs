@@ -301,6 +301,27 @@ fn a_request_authenticated_before_a_reload_gets_the_new_limits_at_its_first_star
 }
 
 #[test]
+fn a_reload_that_gives_a_tenant_the_running_admin_token_is_refused() {
+    // The file's own admin token changed (applied only at a restart) and a tenant got the
+    // running one as its key: reloaded, that key would open the admin listener.
+    let (scratch, tenants) = start(&config("", &tenant("tenant-a", &["sk-a"], 2, 60)));
+    // The [admin] line comes first: only it changes; the tenant's new key is "admin".
+    let moved = config("", &tenant("tenant-a", &["sk-a", "admin"], 2, 60)).replacen(
+        &KeyHash::of("admin").to_hex(),
+        &KeyHash::of("admin-2").to_hex(),
+        1,
+    );
+    assert!(
+        moved.contains(&KeyHash::of("admin").to_hex()),
+        "the tenant's key stays"
+    );
+    write(&scratch, &moved);
+    let err = tenants.reload().expect_err("refused");
+    assert!(err.to_string().contains("admin"), "{err}");
+    assert_eq!(call(&auth(&tenants), "admin").0, StatusCode::UNAUTHORIZED);
+}
+
+#[test]
 fn sections_that_need_a_restart_are_reported_and_not_applied() {
     let tenants_a = tenant("tenant-a", &["sk-a"], 2, 60);
     let (scratch, tenants) = start(&config("", &tenants_a));
