@@ -196,7 +196,12 @@ impl Ending {
                 Some(Ok(_slot)) => self.directive(progress, held_before).await,
                 Some(Err(fault)) => {
                     tracing::warn!(request = %self.id, %fault, "on-disconnect could not run");
-                    ON_FAULT
+                    // As each plugin's own fault would: only a fail-closed one holds.
+                    if self.wanting(Hooks::ON_DISCONNECT).all(|b| b.fail_open) {
+                        Directive::AbortNow
+                    } else {
+                        ON_FAULT
+                    }
                 }
                 None => Directive::AbortNow,
             }

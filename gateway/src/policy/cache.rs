@@ -3,6 +3,12 @@
 //! start or reload. An entry is named `<component sha256>-<engine hash>.cwasm`; a missing,
 //! stale or unreadable entry is rebuilt, never trusted.
 //!
+//! A compiled entry is native code the gateway runs, and its name is all that ties it to the
+//! component whose sha256 the policy set pins: the cache is used only where no one but the
+//! gateway's own user can write it (the directory and the entry owned by that user, writable
+//! by no group or other, neither a symbolic link); anywhere else every component is compiled
+//! afresh and nothing is stored.
+//!
 //! Every binding's snapshot is an entry of its own (see `snapshot.rs`), so each configuration
 //! an operator ever loads adds one: after a set loads, [`prune`] keeps the cache within its
 //! size, evicting the entries used least recently (an entry's modification time is refreshed
@@ -49,13 +55,26 @@ pub(super) fn compile(
     let Some(dir) = dir else {
         return Ok((Component::new(engine, bytes)?, Compiled::Fresh));
     };
+    if let Err(e) = create_private_dir(dir) {
+        tracing::warn!(dir = %dir.display(), error = %e, "cannot create the policy compile cache");
+    }
+    if !private(dir) {
+        tracing::warn!(dir = %dir.display(),
+            "the policy compile cache is writable by others (or not the gateway's): not used");
+        return Ok((Component::new(engine, bytes)?, Compiled::Fresh));
+    }
     let path = entry(dir, engine, digest);
-    if let Ok(artifact) = std::fs::read(&path) {
+    let trusted = private(&path);
+    if !trusted && path.exists() {
+        tracing::warn!(path = %path.display(),
+            "a cached compiled component is writable by others (or not the gateway's): compiling again");
+    }
+    if trusted && let Ok(artifact) = std::fs::read(&path) {
         // SAFETY: `Component::deserialize` requires bytes produced by `precompile_component`
-        // of a compatible engine and not modified since. The cache directory is the gateway's
-        // own (created by it, written only below, each entry renamed into place whole), the
-        // entry's name carries the engine's compatibility hash, and wasmtime checks its own
-        // header and version again before use.
+        // of a compatible engine and not modified since. The cache directory and the entry
+        // are the gateway's user's and no one else can write them (`private`), each entry is
+        // renamed into place whole, the entry's name carries the engine's compatibility hash,
+        // and wasmtime checks its own header and version again before use.
         match unsafe { Component::deserialize(engine, &artifact) } {
             Ok(component) => {
                 touch(&path);
@@ -66,7 +85,7 @@ pub(super) fn compile(
         }
     }
     let artifact = engine.precompile_component(bytes)?;
-    if let Err(e) = store(dir, &path, &artifact) {
+    if let Err(e) = store(&path, &artifact) {
         tracing::warn!(dir = %dir.display(), error = %e, "cannot write the policy compile cache");
     }
     // SAFETY: `artifact` was produced just above by `precompile_component` of this engine.
@@ -165,14 +184,35 @@ fn remove(path: &Path) -> bool {
     }
 }
 
-/// Writes `artifact` at `path` whole: to a temporary name first, then renamed.
-fn store(dir: &Path, path: &Path, artifact: &[u8]) -> std::io::Result<()> {
-    create_private_dir(dir)?;
+/// Writes `artifact` at `path` whole: to a temporary name first (readable and writable by the
+/// gateway's user alone), then renamed.
+fn store(path: &Path, artifact: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
     let tmp = path.with_extension(format!("tmp{:08x}", rand::random::<u32>()));
-    std::fs::write(&tmp, artifact)?;
+    let mut options = std::fs::File::options();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    options.open(&tmp)?.write_all(artifact)?;
     std::fs::rename(&tmp, path).inspect_err(|_| {
         let _ = std::fs::remove_file(&tmp);
     })
+}
+
+/// Whether `path` itself (a link is not followed) belongs to the gateway's user and no group
+/// or other may write it.
+#[cfg(unix)]
+fn private(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    // SAFETY: `geteuid` has no preconditions and cannot fail.
+    let user = unsafe { libc::geteuid() };
+    std::fs::symlink_metadata(path)
+        .is_ok_and(|m| !m.file_type().is_symlink() && m.uid() == user && m.mode() & 0o022 == 0)
+}
+
+#[cfg(not(unix))]
+fn private(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok_and(|m| !m.file_type().is_symlink())
 }
 
 #[cfg(unix)]

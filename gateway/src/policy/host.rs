@@ -1,11 +1,15 @@
 //! What one store holds: the plugin's name (for its log lines), its limiter, and an empty WASI
-//! context (no files, no network, no environment, no arguments, no stdio) for guests whose
-//! standard library imports WASI 0.2. Also the `host` interface the world imports.
+//! context (no files, no network, no environment, no arguments, no stdio; clocks stopped at 0
+//! and randomness a constant) for guests whose standard library imports WASI 0.2. Also the
+//! `host` interface the world imports.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use wasmtime::component::ResourceTable;
-use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+use wasmtime_wasi::{
+    Deterministic, HostMonotonicClock, HostWallClock, WasiCtx, WasiCtxView, WasiView,
+};
 
 use super::bindings::{HostImports, Level, TypesHost};
 use super::limiter::Limiter;
@@ -14,6 +18,12 @@ use super::limiter::Limiter;
 const MAX_LOG_LINES: u32 = 16;
 /// Longest log line kept, in bytes.
 const MAX_LOG_BYTES: usize = 1024;
+/// The most bytes one `get-random-bytes` call returns (its default, 64 MiB, is allocated on the
+/// host, outside the plugin's memory limit).
+const MAX_RANDOM_BYTES: u64 = 4096;
+/// The most WASI resources (pollables, streams) one call may hold at once; each lives on the
+/// host, outside the plugin's memory limit.
+const MAX_WASI_RESOURCES: usize = 256;
 
 /// The data of one store (one call of one plugin).
 pub(super) struct Host {
@@ -37,12 +47,14 @@ impl std::fmt::Debug for Host {
 
 impl Host {
     pub(super) fn new(plugin: Arc<str>, memory_bytes: usize) -> Host {
+        let mut table = ResourceTable::new();
+        table.set_max_capacity(MAX_WASI_RESOURCES);
         Host {
             plugin,
             limiter: Limiter::new(memory_bytes),
             logged: 0,
             wasi: None,
-            table: ResourceTable::new(),
+            table,
         }
     }
 }
@@ -51,9 +63,49 @@ impl WasiView for Host {
     fn ctx(&mut self) -> WasiCtxView<'_> {
         WasiCtxView {
             // Deny-all: no preopened directory, no environment, no sockets allowed.
-            ctx: self.wasi.get_or_insert_with(|| WasiCtx::builder().build()),
+            ctx: self.wasi.get_or_insert_with(sealed_wasi),
             table: &mut self.table,
         }
+    }
+}
+
+/// The WASI context of a call: nothing to reach (no preopened directory, no environment, no
+/// sockets allowed, empty stdio), and no way to tell time or one call from another — a
+/// plugin's verdict depends on its configuration and the request alone, and a guest sharing
+/// the gateway's process gets no timer to measure it with (waits still take real time, under
+/// the call's deadline).
+fn sealed_wasi() -> WasiCtx {
+    let mut builder = WasiCtx::builder();
+    builder
+        .wall_clock(Stopped)
+        .monotonic_clock(Stopped)
+        .secure_random(Deterministic::new(vec![0]))
+        .insecure_random(Deterministic::new(vec![0]))
+        .insecure_random_seed(0)
+        .max_random_size(MAX_RANDOM_BYTES);
+    builder.build()
+}
+
+/// A clock that always reads 0.
+struct Stopped;
+
+impl HostWallClock for Stopped {
+    fn resolution(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+
+    fn now(&self) -> Duration {
+        Duration::ZERO
+    }
+}
+
+impl HostMonotonicClock for Stopped {
+    fn resolution(&self) -> u64 {
+        1_000_000_000
+    }
+
+    fn now(&self) -> u64 {
+        0
     }
 }
 

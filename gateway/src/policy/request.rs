@@ -221,13 +221,33 @@ impl Policies {
             match self.slot().await {
                 Some(Ok(_slot)) => chain(self, &set, &matched, &facts).await?,
                 Some(Err(fault)) => {
-                    return Err(Refused {
-                        decisions: Vec::new(),
-                        refusal: Refusal::Failed {
-                            plugin: "(sandbox)".into(),
-                            fault,
-                        },
-                    });
+                    // No slot is every plugin's fault at once: refused if any binding fails
+                    // closed, otherwise let through unchanged, each decision saying why.
+                    let bindings = || {
+                        matched
+                            .iter()
+                            .map(|&i| &set.bindings[i])
+                            .filter(|b| b.hooks.contains(Hooks::ON_REQUEST))
+                    };
+                    if bindings().any(|b| !b.fail_open) {
+                        return Err(Refused {
+                            decisions: Vec::new(),
+                            refusal: Refusal::Failed {
+                                plugin: "(sandbox)".into(),
+                                fault,
+                            },
+                        });
+                    }
+                    let verdict = DecisionVerdict::Fault {
+                        fault: fault.kind(),
+                        fail_open: true,
+                    };
+                    Chained {
+                        decisions: bindings()
+                            .map(|b| decision(&b.plugin, verdict.clone()))
+                            .collect(),
+                        ..unchanged()
+                    }
                 }
                 None => unchanged(),
             }

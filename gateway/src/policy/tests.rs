@@ -297,6 +297,44 @@ async fn bindings_apply_only_to_their_routes_and_tenants() {
     }
 }
 
+/// With every instance slot taken, a request whose bindings all fail open goes through
+/// unchanged (each decision saying `busy`); one with a fail-closed binding is refused.
+#[tokio::test]
+async fn no_free_instance_slot_fails_closed_only_where_a_binding_does() {
+    for fail_open in [true, false] {
+        let dir = Scratch::new("policy");
+        let text = format!(
+            "{}{}",
+            plugin("hostile", "timeout_ms = 3000"),
+            binding(
+                "hostile",
+                &format!("fail_open = {fail_open}\nconfig = {{ attack = \"sleep\" }}")
+            ),
+        );
+        let path = write(&dir, &text);
+        let mut one_slot = settings(&path, None);
+        one_slot.sandbox.instances = 1;
+        let p = Policies::load(one_slot).expect("the set loads");
+        let holder = p.clone();
+        let held = tokio::spawn(async move { ask(&holder, Ask::default()).await.is_ok() });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let answer = ask(&p, Ask::default()).await;
+        if fail_open {
+            let allowed = answer.expect("let through");
+            assert_eq!(
+                allowed.decisions()[0].verdict,
+                DecisionVerdict::Fault {
+                    fault: "busy",
+                    fail_open: true
+                }
+            );
+        } else {
+            assert_eq!(fault_of(answer), Fault::Busy);
+        }
+        held.abort();
+    }
+}
+
 #[tokio::test]
 async fn an_infinite_loop_is_stopped_at_its_deadline_and_fails_closed() {
     let (p, _dir) = hostile("timeout_ms = 50", "config = { attack = \"loop\" }");
@@ -333,6 +371,23 @@ async fn a_spinning_plugin_yields_its_thread_to_other_requests_until_its_deadlin
     assert!(
         waited < Duration::from_millis(300),
         "the other task waited {waited:?} for a thread the plugin held for {spun:?}"
+    );
+}
+
+/// WASI 0.2's clocks and random source are linked for guests whose standard library needs
+/// them; they read as a stopped clock and a constant, so no call can tell itself from another
+/// or time anything in the gateway's process.
+#[tokio::test]
+async fn a_plugin_reads_no_clock_and_no_randomness() {
+    let (p, _dir) = hostile("", "config = { attack = \"observe\" }");
+    let first = ask(&p, Ask::default()).await.expect("allows");
+    let second = ask(&p, Ask::default()).await.expect("allows");
+    let wall = ("wall-clock-ns".to_owned(), "0".to_owned());
+    assert!(first.tags().contains(&wall), "{:?}", first.tags());
+    assert_eq!(
+        first.tags(),
+        second.tags(),
+        "the same randomness in both calls"
     );
 }
 
@@ -937,6 +992,49 @@ fn the_compile_cache_is_written_and_a_corrupt_entry_is_never_trusted() {
             b"not a compiled component"
         );
     }
+}
+
+/// An entry is native code tied to its component only by its name: one someone else could
+/// have written (another valid entry copied over it, then left writable by others) is
+/// compiled again, not run; a cache directory others can write is not used at all.
+#[cfg(unix)]
+#[test]
+fn a_compile_cache_entry_others_can_write_is_never_trusted() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = Scratch::new("policy");
+    let (path, cache) = cached_length_limit(&dir);
+    let entries = cache_entries(&cache);
+    let own = component("length-limit").1.to_string();
+    let (mine, others): (Vec<_>, Vec<_>) = entries.iter().partition(|p| {
+        p.file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with(&own))
+    });
+    let (plugin_entry, impostor) = (mine[0], others[0]);
+    let mode = |p: &Path| std::fs::metadata(p).expect("entry").permissions().mode() & 0o777;
+    assert_eq!(
+        mode(plugin_entry),
+        0o600,
+        "written for the gateway's user alone"
+    );
+    // Another valid compiled component under the plugin's name, writable by anyone.
+    std::fs::copy(impostor, plugin_entry).expect("swaps the entry");
+    std::fs::set_permissions(plugin_entry, std::fs::Permissions::from_mode(0o666))
+        .expect("opens it up");
+    let p = Policies::load(settings(&path, Some(cache.clone()))).expect("recompiles");
+    assert_ne!(
+        std::fs::read(plugin_entry).expect("rewritten"),
+        std::fs::read(impostor).expect("the other entry"),
+        "the swapped entry was run as the pinned plugin"
+    );
+    assert_eq!(mode(plugin_entry), 0o600);
+    drop(p);
+    // A cache directory others can write: nothing read from it or stored in it.
+    std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o777)).expect("opens it");
+    for entry in cache_entries(&cache) {
+        std::fs::remove_file(entry).expect("empties it");
+    }
+    Policies::load(settings(&path, Some(cache.clone()))).expect("compiles without it");
+    assert_eq!(cache_entries(&cache), Vec::<PathBuf>::new());
 }
 
 #[test]

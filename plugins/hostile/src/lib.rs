@@ -3,11 +3,15 @@
 //! `loop` (never returns: the epoch deadline), `memory` (grows memory without end: the store's
 //! memory limit), `trap` (panics: a trap), `bad-status` (denies with a status that is not a
 //! 4xx) and `bad-header` (adds a header that is not valid HTTP): garbage verdicts; `sleep`
-//! (waits 5 s in a WASI clock, where no epoch deadline can stop it: the call's timeout).
+//! (waits 5 s in a WASI clock, where no epoch deadline can stop it: the call's timeout);
+//! `observe` (allows, tagging what it reads of WASI's clocks and randomness: the host should
+//! give it nothing to tell one call from another).
+
+use std::hash::BuildHasher as _;
 
 use bulkhead_policy_guest::{
     ConfigSlot, Denial, Directive, Disconnect, Guest, Header, Hooks, Mutations, RequestView,
-    ResponseEnd, Verdict, configured, parse_config, store,
+    ResponseEnd, Tag, Verdict, configured, parse_config, store,
 };
 use serde::Deserialize;
 
@@ -20,6 +24,7 @@ enum Attack {
     BadStatus,
     BadHeader,
     Sleep,
+    Observe,
 }
 
 #[derive(Debug, Deserialize)]
@@ -69,6 +74,25 @@ fn attack(attack: Attack) -> Verdict {
             std::thread::sleep(std::time::Duration::from_secs(5));
             Verdict::Allow(Mutations {
                 tags: Vec::new(),
+                clamp_max_tokens: None,
+                add_headers: Vec::new(),
+            })
+        }
+        Attack::Observe => {
+            let wall = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(u128::MAX, |d| d.as_nanos());
+            let tag = |key: &str, value: String| Tag {
+                key: key.into(),
+                value,
+            };
+            // A fresh `RandomState` is keyed from WASI's random source.
+            let random = std::collections::hash_map::RandomState::new().hash_one(0u8);
+            Verdict::Allow(Mutations {
+                tags: vec![
+                    tag("wall-clock-ns", wall.to_string()),
+                    tag("random", format!("{random:016x}")),
+                ],
                 clamp_max_tokens: None,
                 add_headers: Vec::new(),
             })
