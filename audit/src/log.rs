@@ -447,7 +447,8 @@ fn open_segment(dir: &Path, tdir: &Path, segment: SegmentNo) -> Result<File, Aud
     // then leaves the genesis head, which recovery resumes from, never no head at all (which
     // only a deletion leaves, and which is refused). Recovery refused a headless tenant that
     // has records, so one reaching here has none.
-    if !tdir.join(HEAD).exists() {
+    let head = tdir.join(HEAD);
+    if !head.try_exists().map_err(io_err("stat", &head))? {
         write_head(tdir, HeadFile::Genesis)?;
     }
     let path = layout::segment_path(tdir, segment);

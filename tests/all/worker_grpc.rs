@@ -826,7 +826,6 @@ async fn preflight_passes_a_sound_pair_and_fails_a_mismatched_one() {
     .await;
 }
 
-/// A decode worker whose prompts `prefill` fills, started with `args` besides.
 /// A request that generates `max_new_tokens` whatever the model would say (no end of sequence).
 fn counting(max_new_tokens: u32) -> GenerateRequest {
     GenerateRequest {
@@ -850,6 +849,7 @@ async fn under_way(
     running
 }
 
+/// A decode worker whose prompts `prefill` fills, started with `args` besides.
 pub(crate) fn decode_for(prefill: &Worker, args: &[&str]) -> Worker {
     let address = format!("http://{}", prefill.grpc);
     let mut all = vec!["--role", "decode", "--prefill", &address];

@@ -52,18 +52,10 @@ pub(super) fn compile(
     digest: &Digest,
     dir: Option<&Path>,
 ) -> wasmtime::Result<(Component, Compiled)> {
-    let Some(dir) = dir else {
+    let Some(dir) = dir.and_then(trusted) else {
         return Ok((Component::new(engine, bytes)?, Compiled::Fresh));
     };
-    if let Err(e) = create_private_dir(dir) {
-        tracing::warn!(dir = %dir.display(), error = %e, "cannot create the policy compile cache");
-    }
-    if !private(dir) {
-        tracing::warn!(dir = %dir.display(),
-            "the policy compile cache is writable by others (or not the gateway's): not used");
-        return Ok((Component::new(engine, bytes)?, Compiled::Fresh));
-    }
-    let path = entry(dir, engine, digest);
+    let path = entry(&dir, engine, digest);
     let trusted = private(&path);
     if !trusted && path.exists() {
         tracing::warn!(path = %path.display(),
@@ -197,6 +189,26 @@ fn store(path: &Path, artifact: &[u8]) -> std::io::Result<()> {
     std::fs::rename(&tmp, path).inspect_err(|_| {
         let _ = std::fs::remove_file(&tmp);
     })
+}
+
+/// The cache directory `dir` resolves to (created if missing; a link to it is followed once,
+/// here), when it is the gateway's user's and no one else's to write; `None`, said in the log,
+/// otherwise: then nothing is read from it, stored in it or pruned.
+pub(super) fn trusted(dir: &Path) -> Option<PathBuf> {
+    if let Err(e) = create_private_dir(dir) {
+        tracing::warn!(dir = %dir.display(), error = %e, "cannot create the policy compile cache");
+    }
+    let real = std::fs::canonicalize(dir)
+        .inspect_err(|e| {
+            tracing::warn!(dir = %dir.display(), error = %e, "the policy compile cache is unusable");
+        })
+        .ok()?;
+    if !private(&real) {
+        tracing::warn!(dir = %real.display(),
+            "the policy compile cache is writable by others (or not the gateway's): not used");
+        return None;
+    }
+    Some(real)
 }
 
 /// Whether `path` itself (a link is not followed) belongs to the gateway's user and no group

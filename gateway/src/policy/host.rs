@@ -18,9 +18,10 @@ use super::limiter::Limiter;
 const MAX_LOG_LINES: u32 = 16;
 /// Longest log line kept, in bytes.
 const MAX_LOG_BYTES: usize = 1024;
-/// The most bytes one `get-random-bytes` call returns (its default, 64 MiB, is allocated on the
-/// host, outside the plugin's memory limit).
-const MAX_RANDOM_BYTES: u64 = 4096;
+/// The most bytes one `get-random-bytes` call may ask for (more traps); its default, 64 MiB,
+/// is allocated on the host, outside the plugin's memory limit. 64 KiB: what a browser's
+/// `crypto.getRandomValues` takes.
+const MAX_RANDOM_BYTES: u64 = 64 << 10;
 /// The most WASI resources (pollables, streams) one call may hold at once; each lives on the
 /// host, outside the plugin's memory limit.
 const MAX_WASI_RESOURCES: usize = 256;

@@ -5,7 +5,7 @@
 
 use std::num::NonZeroU32;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 
@@ -238,14 +238,22 @@ impl Policies {
                             },
                         });
                     }
+                    tracing::warn!(request = %facts.id, %fault,
+                        "no policy instance slot: the request's fail-open plugins are skipped");
                     let verdict = DecisionVerdict::Fault {
                         fault: fault.kind(),
                         fail_open: true,
                     };
+                    let stats = self.stats();
+                    let decisions = bindings()
+                        .map(|b| {
+                            stats.fault(&b.plugin.name, fault.kind());
+                            stats.decision(&b.plugin.name, verdict.label(), Duration::ZERO);
+                            decision(&b.plugin, verdict.clone())
+                        })
+                        .collect();
                     Chained {
-                        decisions: bindings()
-                            .map(|b| decision(&b.plugin, verdict.clone()))
-                            .collect(),
+                        decisions,
                         ..unchanged()
                     }
                 }

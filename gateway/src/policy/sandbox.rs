@@ -151,10 +151,10 @@ impl Sandbox {
     /// Keeps the compile cache within its bound once a set has loaded; the entries used since
     /// `used_since` (the load's start) stay.
     pub(super) fn prune_cache(&self, used_since: SystemTime) {
-        let Some(dir) = &self.settings.cache_dir else {
+        let Some(dir) = self.settings.cache_dir.as_deref().and_then(cache::trusted) else {
             return;
         };
-        match cache::prune(dir, self.settings.cache_max_bytes, used_since) {
+        match cache::prune(&dir, self.settings.cache_max_bytes, used_since) {
             Ok(p) if p.entries > 0 => tracing::info!(dir = %dir.display(), evicted = p.entries,
                 bytes = p.bytes, "policy compile cache pruned"),
             Ok(_) => {}

@@ -1035,6 +1035,16 @@ fn a_compile_cache_entry_others_can_write_is_never_trusted() {
     }
     Policies::load(settings(&path, Some(cache.clone()))).expect("compiles without it");
     assert_eq!(cache_entries(&cache), Vec::<PathBuf>::new());
+    // A link to a private directory (a volume mounted elsewhere) is that directory's cache.
+    std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o700)).expect("closes it");
+    let link = dir.0.join("cache-link");
+    std::os::unix::fs::symlink(&cache, &link).expect("links it");
+    Policies::load(settings(&path, Some(link))).expect("loads through the link");
+    assert_eq!(
+        cache_entries(&cache).len(),
+        3,
+        "written to the linked directory"
+    );
 }
 
 #[test]
