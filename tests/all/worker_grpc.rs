@@ -447,10 +447,8 @@ async fn dropping_the_stream_returns_every_page_to_the_pool() {
     bounded(async {
         let worker = Worker::start(&["--kv-tokens", "2048"]);
         let mut client = worker.client().await;
-        let mut request = chat("Count from one to one thousand.", 1000);
-        request.ignore_eos = true;
         let mut stream = client
-            .generate(request)
+            .generate(counting(1000))
             .await
             .expect("the request is admitted")
             .into_inner();
