@@ -35,6 +35,8 @@ mod request;
 mod stats;
 mod stops;
 mod switched;
+#[cfg(test)]
+mod tests;
 mod transfer;
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -288,6 +290,9 @@ pub struct Engine {
     capacity: Capacity,
     tag_check: TagCheck,
     waiting: VecDeque<Waiting>,
+    /// The last step left the head of `waiting` without the pages it needs: until something
+    /// changes (a command, a deadline, a page scrubbed or given back) no step can start it.
+    waiting_for_pages: bool,
     running: Vec<Running>,
     transfers: HashMap<SessionNonce, Transfer>,
     draining: HashMap<SessionNonce, Draining>,
@@ -391,6 +396,7 @@ impl Engine {
                 TagCheck::Off
             },
             waiting: VecDeque::new(),
+            waiting_for_pages: false,
             running: Vec::new(),
             transfers: HashMap::new(),
             draining: HashMap::new(),
@@ -484,11 +490,21 @@ impl Engine {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
 
-    /// The earliest transfer or drain deadline, if any: step the engine then to expire it.
+    /// Whether another [`Engine::step`] now could move anything on: something runs, or a
+    /// waiting request was not yet tried against the pool as it is. A caller that waits for
+    /// commands (and [`Engine::next_deadline`]) when this is false does not spin while
+    /// requests wait for pages only other events can free.
+    pub fn can_progress(&self) -> bool {
+        !self.running.is_empty() || (!self.waiting.is_empty() && !self.waiting_for_pages)
+    }
+
+    /// The earliest transfer, drain, reclaim or queue deadline, if any: step the engine then
+    /// to expire it.
     pub fn next_deadline(&self) -> Option<Instant> {
         self.transfers
             .values()
             .map(|t| t.deadline)
+            .chain(self.waiting.iter().filter_map(|w| w.deadline))
             .chain(self.draining.values().map(|d| d.deadline))
             .chain(self.suspects.values().filter_map(|s| s.reclaim_at))
             .min()
@@ -681,6 +697,7 @@ impl Engine {
                 pages: t.pages.begin_release(),
                 since: Instant::now(),
                 deadline,
+                heard: t.heard,
             },
         );
     }
@@ -699,6 +716,7 @@ impl Engine {
                     self.stats.frames_dropped.add("no_session");
                     return Some(frame.into_bytes());
                 };
+                t.heard = true;
                 let pool = &self.pool;
                 match write_frame(&mut t.inbound, &mut self.kv, &frame, |page| {
                     live_tag(pool, page)
@@ -709,8 +727,16 @@ impl Engine {
                         self.stats.frames_dropped.add(reason.label());
                     }
                     Err(e @ NotWritten::Slots(_)) => {
-                        tracing::error!(error = %e, "KV frame not written");
+                        // Admitted as written, but its page holds something else: the
+                        // transfer must never commit on it.
+                        tracing::error!(session = %nonce, error = %e, "KV frame not written: transfer failed");
                         self.stats.frames_dropped.add("not_written");
+                        if let Some(mut t) = self.transfers.remove(&nonce) {
+                            let failure = crate::model::SeqFailure::Internal(e.to_string());
+                            let _ = t.request.sink.emit(Event::Failed(failure.into()));
+                            self.suspects
+                                .insert(nonce, Suspect::new(t.pages.quarantine()));
+                        }
                     }
                 }
                 return Some(frame.into_bytes());
@@ -970,10 +996,14 @@ impl Engine {
             .collect();
         for nonce in stuck {
             if let Some(d) = self.draining.remove(&nonce) {
-                tracing::warn!(session = %nonce, "no drain acknowledgement: pages quarantined");
+                tracing::warn!(session = %nonce, heard = d.heard, "no drain acknowledgement: pages quarantined");
                 self.stats.drain_timeouts += 1;
-                self.suspects
-                    .insert(nonce, Suspect::new(d.pages.timed_out()));
+                let mut suspect = Suspect::new(d.pages.timed_out());
+                if !d.heard {
+                    // No data connection carries the session (see the module's docs).
+                    suspect.peer_gone(now + self.config.reclaim_after);
+                }
+                self.suspects.insert(nonce, suspect);
             }
         }
         let gone: Vec<SessionNonce> = self
@@ -992,6 +1022,7 @@ impl Engine {
     }
 
     fn start_waiting(&mut self) {
+        self.waiting_for_pages = false;
         while self.running.len() < self.config.max_running {
             let Some(w) = self.waiting.pop_front() else {
                 break;
@@ -1012,6 +1043,7 @@ impl Engine {
                         role: w.role,
                         deadline: w.deadline,
                     });
+                    self.waiting_for_pages = true;
                     break;
                 }
             };
@@ -1052,6 +1084,7 @@ impl Engine {
                             inbound,
                             deadline,
                             prefill_computed: 0,
+                            heard: false,
                         },
                     );
                 }

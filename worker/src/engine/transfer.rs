@@ -17,7 +17,12 @@
 //!
 //! A quarantined transfer's pages come back only once nothing of its session can arrive any
 //! more: a live peer that is merely slow keeps them out of circulation for as long as its
-//! connection stays open.
+//! connection stays open. A session no frame of which ever arrived has no connection whose end
+//! would say so (its prefill worker stopped or died while computing, or the client left before
+//! the reservation was named to it): its quarantine is reclaimed after the grace period
+//! straight away. That is safe because this worker writes every frame itself, and only those
+//! of sessions still in transfer; a transport whose peer writes remotely would need the
+//! peer's own word instead.
 //!
 //! Prefill: the request's own pages are computed as usual; after the prompt, the engine reads
 //! the KV out page by page into frames addressed to decode's reservation and hands them over
@@ -49,6 +54,9 @@ pub(super) struct Transfer {
     /// The most prompt tokens the prefill worker said it computed since it started (its
     /// progress, for any request).
     pub prefill_computed: u64,
+    /// Whether a frame of the session reached this worker's data plane: until one does, no
+    /// data connection carries the session, so none closes to say its peer is gone.
+    pub heard: bool,
 }
 
 /// Pages of an abandoned transfer, waiting for the prefill side's `Closed`.
@@ -58,6 +66,8 @@ pub(super) struct Draining {
     /// When the transfer was abandoned (for the abort-acknowledgement latency).
     pub since: Instant,
     pub deadline: Instant,
+    /// [`Transfer::heard`] when it was abandoned.
+    pub heard: bool,
 }
 
 /// Pages of a quarantined transfer (no drain acknowledgement in time, or a failed

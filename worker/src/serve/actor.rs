@@ -105,6 +105,9 @@ type Published = std::sync::Mutex<EngineStats>;
 /// one: a step can be a long prefill, and health must not depend on the engine being idle.
 const STATS_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 
+/// How long the engine thread sleeps at most while requests wait for pages (see [`run`]).
+const WAITING_POLL: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// The engine thread, for joining at shutdown.
 #[derive(Debug)]
 pub struct EngineThread(std::thread::JoinHandle<()>);
@@ -257,12 +260,16 @@ fn run(
     published: &Published,
 ) {
     loop {
-        // Block only when there is nothing to do; released pages waiting for a scrub count as
-        // work, since `step` is what scrubs them back onto the free list. Transfer deadlines
-        // bound the wait.
-        let busy = engine.has_work() || engine.pool().stats().pending_scrub > 0;
+        // Block only when a step could do nothing: released pages waiting for a scrub count as
+        // work, since `step` is what scrubs them back onto the free list; requests that wait
+        // for pages do not — a command (a transfer's end, a cancel) or a deadline frees them,
+        // and every command is followed by a step — though the wait is then cut to
+        // [`WAITING_POLL`], for pages handed back off this thread (a holder dropped with its
+        // channel). Deadlines bound the wait.
+        let busy = engine.can_progress() || engine.pool().stats().pending_scrub > 0;
         if !busy {
-            let next = match engine.next_deadline() {
+            let poll = engine.has_work().then(|| Instant::now() + WAITING_POLL);
+            let next = match engine.next_deadline().into_iter().chain(poll).min() {
                 None => commands
                     .recv()
                     .map_err(|_| std_mpsc::RecvTimeoutError::Disconnected),

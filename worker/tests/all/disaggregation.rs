@@ -425,19 +425,42 @@ fn an_abandoned_transfer_after_a_cached_prefix_lets_the_prefix_go() {
     assert_eq!(d.pool().evict(u32::MAX), 2);
 }
 
+/// No drain acknowledgement in time: the pages are quarantined. If a frame of the session
+/// arrived, a data connection carries it, and they stay until its end says the peer is gone;
+/// if none did (prefill stopped or died while computing, the client left before the
+/// reservation was named), no connection will ever say so, and they come back after the grace
+/// period (decode writes every frame itself, only while the session is in transfer).
 #[test]
-fn without_a_drain_acknowledgement_pages_are_quarantined_never_freed() {
-    let mut d = tiny_engine_with(EngineConfig {
-        release_timeout: Duration::ZERO,
-        ..EngineConfig::default()
-    });
-    let prompt: Vec<u32> = (3..40).collect();
-    let (_target, _rx) = reserve(&mut d, 1, &prompt, 8);
-    d.cancel(RequestId::new(1));
-    d.step();
-    let s = d.pool().stats();
-    assert_eq!(s.quarantined, 3, "{s:?}"); // 45 tokens → 3 pages
-    assert_eq!(d.transfer_stats().drain_timeouts, 1);
+fn without_a_drain_acknowledgement_pages_are_quarantined_until_no_frame_can_land() {
+    for heard in [true, false] {
+        let mut d = tiny_engine_with(EngineConfig {
+            release_timeout: Duration::ZERO,
+            reclaim_after: Duration::ZERO,
+            ..EngineConfig::default()
+        });
+        let mut p = tiny_engine(256);
+        let prompt: Vec<u32> = (3..40).collect();
+        let (target, _rx) = reserve(&mut d, 1, &prompt, 8);
+        let out = prefill(&mut p, 1, &prompt, target).expect("prefill");
+        if heard {
+            d.deliver(wire(&Message::Frame(out.frames[0].clone())));
+        }
+        d.cancel(RequestId::new(1));
+        d.step();
+        d.step();
+        let quarantined = if heard { 3 } else { 0 }; // 45 tokens → 3 pages
+        assert_pages_back(&d, quarantined);
+        assert_eq!(d.transfer_stats().drain_timeouts, 1, "heard: {heard}");
+        assert_eq!(
+            d.transfer_stats().reclaimed_pages,
+            3 - u64::from(quarantined)
+        );
+        // A late frame of the session is dropped, never written, either way.
+        let dropped = d.transfer_stats().frames_dropped.total();
+        d.deliver(wire(&Message::Frame(out.frames[1].clone())));
+        assert_eq!(d.transfer_stats().frames_dropped.total(), dropped + 1);
+        out.close();
+    }
 }
 
 #[test]
@@ -653,4 +676,41 @@ fn a_transfer_waits_the_timeout_plus_its_bytes_at_the_floor_rate() {
         "{:?} after the earliest",
         deadline.checked_duration_since(earliest)
     );
+}
+
+/// A request waiting for pages that only another transfer's end can free gives the engine
+/// nothing to step: its thread sleeps until a command or a deadline (the request's queue
+/// deadline among them) instead of spinning; the transfer's end starts it.
+#[test]
+fn a_request_waiting_for_pages_a_transfer_holds_leaves_the_engine_nothing_to_step() {
+    let mut d = tiny_engine(256);
+    let (first, _rx) = reserve(&mut d, 1, &(3..40).collect::<Vec<u32>>(), 8);
+    assert!(
+        !d.can_progress(),
+        "a transfer in flight alone: nothing to step"
+    );
+    let (tx, rx) = mpsc::channel();
+    d.submit_decode(request(2, &[5; 227], 8, tx))
+        .map_err(|(e, _)| e)
+        .expect("fits the pool, not now");
+    assert!(d.can_progress(), "not yet tried against the pool");
+    let queued = Instant::now();
+    d.step();
+    assert_eq!(d.load(), (1, 1), "15 pages wanted, 13 free");
+    assert!(d.has_work());
+    assert!(!d.can_progress(), "another step could not start it");
+    let deadline = d.next_deadline().expect("deadlines");
+    assert!(
+        deadline <= queued + EngineConfig::default().queue_timeout,
+        "its queue deadline bounds the sleep"
+    );
+    // The transfer's end (a command) frees the pages; the step after it starts the request.
+    d.prefill_rejected(first.nonce, SubmitError::EmptyPrompt);
+    d.step();
+    d.step();
+    assert!(
+        matches!(rx.try_recv(), Ok(Event::Reserved(_))),
+        "started once the pages came back"
+    );
+    assert_eq!(d.load(), (0, 1));
 }

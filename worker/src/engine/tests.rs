@@ -1,0 +1,84 @@
+//! The engine's decode side where it needs its insides: a frame its KV memory cannot take.
+
+use std::sync::mpsc;
+
+use bulkhead_handoff::Message;
+use bulkhead_kvpool::{RequestId, Scope};
+
+use super::*;
+use crate::loader::LoadedModel;
+use crate::sampling::SamplingParams;
+use crate::tiny_model::TinySpec;
+
+fn tiny_engine() -> Engine {
+    let path = std::env::temp_dir().join(format!(
+        "bulkhead-engine-test-{}-{}.gguf",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    TinySpec::default()
+        .write(&path)
+        .expect("writes the tiny model");
+    let loaded = LoadedModel::open(&path).expect("loads it");
+    let _ = std::fs::remove_file(&path);
+    let config = EngineConfig {
+        kv: KvBudget::Tokens(256),
+        ..EngineConfig::default()
+    };
+    Engine::new(loaded.model, loaded.tokenizer, config).expect("engine starts")
+}
+
+fn request(prompt: &[TokenId], tx: mpsc::Sender<Event>) -> Request {
+    Request {
+        id: RequestId::new(1),
+        tenant: Scope::new("test"),
+        prompt: prompt.to_vec(),
+        max_new_tokens: 4,
+        sampling: SamplingParams::GREEDY,
+        stop: Vec::new(),
+        ignore_eos: false,
+        sink: Box::new(tx),
+    }
+}
+
+#[test]
+fn a_frame_admitted_but_not_written_fails_the_transfer_instead_of_committing_it() {
+    let (mut d, mut p) = (tiny_engine(), tiny_engine());
+    let prompt: Vec<TokenId> = (3..40).collect();
+    let (tx, rx) = mpsc::channel();
+    d.submit_decode(request(&prompt, tx))
+        .map_err(|(e, _)| e)
+        .expect("admits");
+    d.step();
+    let Ok(Event::Reserved(target)) = rx.try_recv() else {
+        panic!("no reservation");
+    };
+    let (ptx, prx) = mpsc::channel();
+    p.submit_prefill(request(&prompt, ptx), target)
+        .map_err(|(e, _)| e)
+        .expect("prefill admits");
+    while p.has_work() {
+        p.step();
+    }
+    let Ok(Event::Prefilled(out)) = prx.try_recv() else {
+        panic!("not prefilled");
+    };
+    // Memory that has none of the pool's pages: every write fails (a device fault does so).
+    d.kv = KvMemory::new(*d.kv.layout(), 0);
+    for frame in &out.frames {
+        d.deliver(Message::Frame(frame.clone()));
+    }
+    d.deliver(Message::Manifest(out.manifest.clone()));
+    out.close();
+    while d.has_work() {
+        d.step();
+    }
+    let events: Vec<Event> = rx.try_iter().collect();
+    assert!(
+        matches!(events.as_slice(), [Event::Failed(Failure::Forward(_))]),
+        "failed, never decoded from unwritten pages: {events:?}"
+    );
+    let s = d.pool().stats();
+    assert_eq!(s.quarantined, 3, "held until its peer is gone: {s:?}");
+    assert_eq!(d.transfer_stats().frames_written, 0);
+}
