@@ -15,6 +15,7 @@
 //! max_body_bytes = 1048576
 //! request_timeout_secs = 300
 //! header_timeout_secs = 10
+//! write_stall_timeout_secs = 30     # a client that takes no byte of its answer this long is gone
 //! stream_idle_timeout_secs = 120    # a worker silent this long mid-answer has failed it
 //! default_max_tokens = 512
 //!
@@ -57,6 +58,9 @@
 //! context_length = 8192             # what it serves (the gateway admits against it)
 //! tokenizer = "/models/m.gguf"      # the same model's GGUF: tokenizer and chat template
 //! key_env = "VLLM_API_KEY"          # optional: the variable holding the server's key
+//! cache_salt = true                 # each tenant's requests carry a salt of their own, so the
+//!                                   # server's prefix cache is shared only within a tenant
+//!                                   # (false for a server that refuses the field)
 //! [policies]                        # optional: no policy plugins without it
 //! file = "policies/local.toml"      # paths relative to the working directory
 //! cache_dir = "plugins/dist/cache"  # compiled components (optional: compile at each load)
@@ -158,6 +162,11 @@ pub struct HttpLimits {
     pub request_timeout: Duration,
     /// A client that has not sent its request headers by then is disconnected (slowloris).
     pub header_timeout: Duration,
+    /// A client that takes no byte of its response for this long (a stream it stopped reading,
+    /// its socket still open) is disconnected, and its request ends as a client disconnect —
+    /// rather than holding its tenant's concurrency slot and its route's outstanding tokens
+    /// for as long as the socket stays open ([`crate::write_deadline`]).
+    pub write_stall_timeout: Duration,
     /// A worker (or upstream) that does not take a request within this long, or sends nothing
     /// for this long once it has taken it — not a progress report, not a token, not its end —
     /// has failed it: the client gets an error (an error event when streaming), never an
@@ -176,6 +185,7 @@ impl Default for HttpLimits {
             max_body_bytes: 1 << 20,
             request_timeout: Duration::from_secs(300),
             header_timeout: Duration::from_secs(10),
+            write_stall_timeout: Duration::from_secs(30),
             stream_idle_timeout: Duration::from_secs(120),
             default_max_tokens: NonZeroU32::MIN.saturating_add(511),
         }
@@ -272,6 +282,11 @@ pub struct OpenAiUpstream {
     pub tokenizer: std::path::PathBuf,
     /// The environment variable that holds the server's API key, if it needs one.
     pub key_env: Option<String>,
+    /// Each request carries its tenant's `cache_salt`, so that the server's prefix cache is
+    /// shared only within a tenant (vLLM takes it). Off (`cache_salt = false`) for a server
+    /// that refuses the field: its cache is then shared across tenants, and the gateway
+    /// reports no cached prompt tokens.
+    pub cache_salt: bool,
 }
 
 /// Why the configuration is refused; every message names the place to fix.
@@ -429,6 +444,7 @@ struct RawHttp {
     max_body_bytes: Option<usize>,
     request_timeout_secs: Option<u64>,
     header_timeout_secs: Option<u64>,
+    write_stall_timeout_secs: Option<u64>,
     stream_idle_timeout_secs: Option<u64>,
     default_max_tokens: Option<u32>,
 }
@@ -474,6 +490,8 @@ struct RawWorker {
     tokenizer: Option<std::path::PathBuf>,
     #[serde(default)]
     key_env: Option<String>,
+    #[serde(default)]
+    cache_salt: Option<bool>,
 }
 
 impl Config {
@@ -596,6 +614,11 @@ fn http_limits(raw: &RawHttp) -> Result<HttpLimits, ConfigError> {
             raw.header_timeout_secs,
             "http.header_timeout_secs",
             d.header_timeout,
+        )?,
+        write_stall_timeout: timeout(
+            raw.write_stall_timeout_secs,
+            "http.write_stall_timeout_secs",
+            d.write_stall_timeout,
         )?,
         stream_idle_timeout: timeout(
             raw.stream_idle_timeout_secs,
@@ -774,6 +797,7 @@ fn protocol(w: &RawWorker) -> Result<(&str, Protocol), ConfigError> {
                 ("context_length", w.context_length.is_some()),
                 ("tokenizer", w.tokenizer.is_some()),
                 ("key_env", w.key_env.is_some()),
+                ("cache_salt", w.cache_salt.is_some()),
             ];
             if let Some((field, _)) = extra.iter().find(|(_, set)| *set) {
                 return Err(ConfigError::OpenAiOnly {
@@ -802,6 +826,7 @@ fn protocol(w: &RawWorker) -> Result<(&str, Protocol), ConfigError> {
                     .clone()
                     .ok_or_else(|| problem("tokenizer is missing"))?,
                 key_env: w.key_env.clone(),
+                cache_salt: w.cache_salt.unwrap_or(true),
             };
             Ok((url, Protocol::OpenAi(upstream)))
         }

@@ -40,6 +40,7 @@ pub mod traced;
 pub mod trail;
 pub mod upstreams;
 pub mod workers;
+mod write_deadline;
 
 pub use config::Config;
 pub use server::{BoundGateway, GatewayError};

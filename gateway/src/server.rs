@@ -14,7 +14,7 @@ use tokio::net::TcpListener;
 
 use crate::admin::{self, AdminState};
 use crate::api::{self, ApiState};
-use crate::config::Config;
+use crate::config::{Config, HttpLimits};
 use crate::discovery::{self, SystemResolver, WorkerGroup};
 use crate::limits::Limiter;
 use crate::metrics::Metrics;
@@ -59,7 +59,7 @@ pub struct BoundGateway {
     policies: Policies,
     tenants: Tenants,
     refresh_interval: Duration,
-    header_timeout: Duration,
+    http: HttpLimits,
     /// Workers found through DNS, re-resolved every refresh interval.
     groups: Vec<WorkerGroup>,
     /// Threads serving API connections (see [`crate::serving`]).
@@ -140,7 +140,7 @@ impl BoundGateway {
             policies,
             tenants,
             refresh_interval: config.refresh_interval,
-            header_timeout: config.http.header_timeout,
+            http: config.http,
             groups: config.worker_groups,
             threads: NonZeroUsize::MIN,
         })
@@ -209,14 +209,14 @@ impl BoundGateway {
         let api = serving::serve(
             self.api,
             api_service,
-            self.header_timeout,
+            self.http,
             self.threads,
             stop_rx.clone(),
         );
         let admin = serving::serve(
             self.admin,
             TowerToHyperService::new(self.admin_router),
-            self.header_timeout,
+            self.http,
             NonZeroUsize::MIN,
             stop_rx,
         );

@@ -23,6 +23,9 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, watch};
 
+use crate::config::HttpLimits;
+use crate::write_deadline::WriteDeadline;
+
 /// How long shutdown waits for in-flight connections.
 const DRAIN_LIMIT: Duration = Duration::from_secs(10);
 
@@ -55,12 +58,13 @@ impl<S> Service for S where
 /// of them (with one thread, the only one); the others are started here, each with a
 /// single-threaded runtime, and have drained and ended when this returns. A thread that
 /// cannot be started is left out (and logged); its connections go to the others. A client
-/// that has not sent its headers within `header_timeout` is disconnected (slowloris);
+/// that has not sent its headers within `limits.header_timeout` is disconnected (slowloris),
+/// and so is one that takes no byte of its response for `limits.write_stall_timeout`;
 /// in-flight connections get [`DRAIN_LIMIT`] at shutdown.
 pub async fn serve<S: Service>(
     listener: TcpListener,
     service: S,
-    header_timeout: Duration,
+    limits: HttpLimits,
     threads: NonZeroUsize,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -70,7 +74,7 @@ pub async fn serve<S: Service>(
     }];
     let mut ended = Vec::new();
     for index in 1..threads.get() {
-        match spawn_thread(index, service.clone(), header_timeout) {
+        match spawn_thread(index, service.clone(), limits) {
             Ok((to, done)) => {
                 seats.push(Seat {
                     open: Arc::default(),
@@ -81,7 +85,7 @@ pub async fn serve<S: Service>(
             Err(e) => tracing::error!(error = %e, "an API serving thread did not start"),
         }
     }
-    let local = Connections::new(service, header_timeout);
+    let local = Connections::new(service, limits);
     accept(&listener, &mut stop, |stream| {
         if let Some((stream, open)) = deal(&mut seats, stream) {
             local.serve(stream, open);
@@ -159,7 +163,7 @@ impl Drop for Open {
 fn spawn_thread<S: Service>(
     index: usize,
     service: S,
-    header_timeout: Duration,
+    limits: HttpLimits,
 ) -> std::io::Result<(mpsc::UnboundedSender<Dealt>, oneshot::Receiver<()>)> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -170,7 +174,7 @@ fn spawn_thread<S: Service>(
         .name(format!("bulkhead-api-{index}"))
         .spawn(move || {
             runtime.block_on(async {
-                let connections = Connections::new(service, header_timeout);
+                let connections = Connections::new(service, limits);
                 while let Some((std, open)) = from.recv().await {
                     match TcpStream::from_std(std) {
                         Ok(stream) => connections.serve(stream, open),
@@ -186,23 +190,25 @@ fn spawn_thread<S: Service>(
     Ok((to, done))
 }
 
-/// The connections one thread serves: HTTP/1.1 with a header timeout, each watched so that
-/// shutdown can drain them.
+/// The connections one thread serves: HTTP/1.1 with a header timeout and a write deadline,
+/// each watched so that shutdown can drain them.
 struct Connections<S> {
     service: S,
     builder: hyper::server::conn::http1::Builder,
+    write_stall_timeout: Duration,
     graceful: GracefulShutdown,
 }
 
 impl<S: Service> Connections<S> {
-    fn new(service: S, header_timeout: Duration) -> Connections<S> {
+    fn new(service: S, limits: HttpLimits) -> Connections<S> {
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder
             .timer(TokioTimer::new())
-            .header_read_timeout(header_timeout);
+            .header_read_timeout(limits.header_timeout);
         Connections {
             service,
             builder,
+            write_stall_timeout: limits.write_stall_timeout,
             graceful: GracefulShutdown::new(),
         }
     }
@@ -210,9 +216,8 @@ impl<S: Service> Connections<S> {
     /// Serves `stream` on a task of the current runtime; `open` counts it until it closes.
     fn serve(&self, stream: TcpStream, open: Open) {
         let _ = stream.set_nodelay(true);
-        let connection = self
-            .builder
-            .serve_connection(TokioIo::new(stream), self.service.clone());
+        let io = TokioIo::new(WriteDeadline::new(stream, self.write_stall_timeout));
+        let connection = self.builder.serve_connection(io, self.service.clone());
         let connection = self.graceful.watch(connection);
         tokio::spawn(async move {
             let _open = open;
@@ -309,7 +314,7 @@ mod tests {
         let serving = tokio::spawn(serve(
             listener,
             thread_name(),
-            Duration::from_secs(5),
+            HttpLimits::default(),
             three,
             stop,
         ));
@@ -350,6 +355,90 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(5), serving)
             .await
             .expect("every thread drained and ended")
+            .expect("no panic");
+    }
+
+    /// A response body that never ends, and says when it is dropped.
+    struct Endless(Arc<AtomicUsize>);
+
+    impl hyper::body::Body for Endless {
+        type Data = bytes::Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, Infallible>>> {
+            let chunk = bytes::Bytes::from_static(&[b'x'; 16 << 10]);
+            std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(chunk))))
+        }
+    }
+
+    impl Drop for Endless {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A client that reads the head of an endless answer and then nothing, its socket left
+    /// open, over real sockets: once the kernel's buffers are full the connection is closed
+    /// after the write-stall timeout and the response body dropped — what ends the request
+    /// behind it as a client disconnect.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_client_that_stops_reading_is_disconnected_and_its_response_dropped() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let bodies = dropped.clone();
+        let service = hyper::service::service_fn(move |_: Request<Incoming>| {
+            let body = Body::new(Endless(bodies.clone()));
+            async move { Ok::<_, Infallible>(Response::new(body)) }
+        });
+        let limits = HttpLimits {
+            write_stall_timeout: Duration::from_secs(1),
+            ..HttpLimits::default()
+        };
+        let (stop_tx, stop) = watch::channel(false);
+        let serving = tokio::spawn(serve(listener, service, limits, NonZeroUsize::MIN, stop));
+        let mut client = TcpStream::connect(addr).await.expect("connect");
+        tokio::io::AsyncWriteExt::write_all(&mut client, b"GET / HTTP/1.1\r\nhost: t\r\n\r\n")
+            .await
+            .expect("asks");
+        let mut head = [0; 1024];
+        let n = tokio::io::AsyncReadExt::read(&mut client, &mut head)
+            .await
+            .expect("the answer starts");
+        assert!(head[..n].starts_with(b"HTTP/1.1 200"));
+        let stopped = std::time::Instant::now();
+        // Read nothing more: within the buffers' fill time plus the timeout, the body is gone.
+        while dropped.load(Ordering::Relaxed) == 0 {
+            assert!(
+                stopped.elapsed() < Duration::from_secs(20),
+                "the stalled connection was never given up"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            stopped.elapsed() >= Duration::from_secs(1),
+            "not before the timeout: {:?}",
+            stopped.elapsed()
+        );
+        // And the server hung up: reading drains what the buffers held, then ends.
+        let mut rest = Vec::new();
+        let drained = tokio::time::timeout(
+            Duration::from_secs(10),
+            tokio::io::AsyncReadExt::read_to_end(&mut client, &mut rest),
+        )
+        .await
+        .expect("the connection ends, not waits");
+        assert!(
+            drained.is_ok()
+                || drained.is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset)
+        );
+        stop_tx.send(true).expect("stop");
+        tokio::time::timeout(Duration::from_secs(15), serving)
+            .await
+            .expect("drained")
             .expect("no panic");
     }
 

@@ -864,7 +864,8 @@ fn client(
         }
         Protocol::OpenAi(o) => {
             let key = o.key_env.as_ref().and_then(|v| std::env::var(v).ok());
-            let client = OpenAiClient::new(&c.endpoint, &o.model, key).map_err(invalid)?;
+            let client =
+                OpenAiClient::new(&c.endpoint, &o.model, key, o.cache_salt).map_err(invalid)?;
             Ok((Upstream::OpenAi(Arc::new(client)), None))
         }
     }

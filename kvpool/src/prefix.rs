@@ -22,28 +22,49 @@ use std::sync::Arc;
 use crate::error::InvariantViolation;
 use crate::ids::{PageId, PageRef};
 
-/// Whose cached prefixes a request may read, and whose it adds to: one tenant. Requests of
-/// different scopes never share a cached page.
+/// Whose cached prefixes a request may read, and whose it adds to: one tenant, or the part of
+/// a tenant's cache its requests with one `cache_salt` share. Requests of different scopes
+/// never share a cached page.
 #[derive(Clone, PartialEq, Eq, Hash)]
-pub struct Scope(Arc<str>);
+pub struct Scope {
+    tenant: Arc<str>,
+    /// `None`: the tenant's unsalted scope, which no salted request reads either.
+    salt: Option<Arc<str>>,
+}
 
 impl Scope {
     /// The scope named `name` (a tenant id).
     #[must_use]
     pub fn new(name: &str) -> Self {
-        Self(Arc::from(name))
+        Self {
+            tenant: Arc::from(name),
+            salt: None,
+        }
     }
 
-    /// The scope's name.
+    /// Tenant `name`'s requests that carry `salt`; an empty salt is [`Scope::new`]'s scope.
+    #[must_use]
+    pub fn salted(name: &str, salt: &str) -> Self {
+        Self {
+            tenant: Arc::from(name),
+            salt: (!salt.is_empty()).then(|| Arc::from(salt)),
+        }
+    }
+
+    /// The scope's tenant.
     #[must_use]
     pub fn name(&self) -> &str {
-        &self.0
+        &self.tenant
     }
 }
 
 impl fmt::Debug for Scope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Scope({:?})", &*self.0)
+        match &self.salt {
+            None => write!(f, "Scope({:?})", &*self.tenant),
+            // The salt is the client's secret: never in a log line.
+            Some(_) => write!(f, "Scope({:?}, salted)", &*self.tenant),
+        }
     }
 }
 
@@ -316,6 +337,28 @@ mod tests {
             "at most max_pages"
         );
         pool.check_invariants().expect("invariants hold");
+    }
+
+    /// A `cache_salt` splits a tenant's cache: only requests with the same salt share pages,
+    /// an unsalted request reads no salted page (nor a salted one an unsalted page), and an
+    /// empty salt is no salt.
+    #[test]
+    fn only_requests_of_one_tenant_with_the_same_salt_share_cached_pages() {
+        let pool = pool(8, Scrub::None);
+        let p = prompt(100, 40);
+        let salted = Scope::salted("tenant-a", "s1");
+        let (prefix, allocation) = run(&pool, 1, &salted, &p, 8);
+        allocation.keep_prompt(prefix, &p);
+        let found = |scope: &Scope| pool.cached_prefix(scope, &p, 10).tokens();
+        assert_eq!(found(&Scope::salted("tenant-a", "s1")), 32, "the same salt");
+        assert_eq!(found(&Scope::salted("tenant-a", "s2")), 0, "another salt");
+        assert_eq!(found(&Scope::new("tenant-a")), 0, "no salt");
+        assert_eq!(found(&Scope::salted("tenant-b", "s1")), 0, "another tenant");
+        assert_eq!(Scope::salted("tenant-a", ""), Scope::new("tenant-a"));
+        assert!(
+            !format!("{salted:?}").contains("s1"),
+            "the salt is not logged"
+        );
     }
 
     #[test]

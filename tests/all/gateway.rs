@@ -765,3 +765,48 @@ fn bad_input_gets_a_clear_error_and_the_gateway_keeps_serving() {
         );
     });
 }
+
+/// A client's `cache_salt` splits its tenant's prefix cache, on prefill and on decode: a
+/// repeat with the same salt reads the cached prompt, one with another salt or none reads
+/// nothing of it.
+#[test]
+fn only_requests_with_the_same_cache_salt_share_cached_prompt_pages() {
+    bounded(|| {
+        let up = Up::launch(Options {
+            env: &[("BULKHEAD_PREFIX_CACHE", "true")],
+            ..Options::default()
+        });
+        up.wait_routable();
+        let prompt = crate::isolation::long_prompt("salted", 120);
+        let cached = |salt: Option<&str>| {
+            let salt = salt.map_or(String::new(), |s| format!(r#","cache_salt":"{s}""#));
+            let body = format!(
+                r#"{{"prompt":{},"max_tokens":2,"temperature":0{salt}}}"#,
+                serde_json::Value::from(prompt.as_str())
+            );
+            let (status, reply) = http(&up.api, "POST", "/v1/completions", Some(KEY_A), &[], &body);
+            assert_eq!(status, 200, "{reply}");
+            json(&reply)["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .expect("a count")
+        };
+        assert_eq!(cached(Some("s1")), 0, "cold");
+        assert!(
+            cached(Some("s1")) >= 64,
+            "the same salt reads the cached prompt"
+        );
+        assert_eq!(cached(Some("s2")), 0, "another salt");
+        assert_eq!(cached(None), 0, "no salt");
+        assert!(
+            cached(None) >= 64,
+            "unsalted requests share among themselves"
+        );
+        let (status, reply) = up.chat(
+            KEY_A,
+            &[],
+            r#"{"messages":[{"role":"user","content":"hi"}],"cache_salt":7}"#,
+        );
+        assert_eq!(status, 400, "{reply}");
+        assert_eq!(json(&reply)["error"]["param"], "cache_salt", "{reply}");
+    });
+}

@@ -353,6 +353,7 @@ async fn a_decode_peer_that_stops_reading_and_hangs_up_gets_no_hold_on_prefills_
                 token_bytes: handoff.token_bytes as u32,
             }),
             kv_address,
+            cache_salt: String::new(),
         };
         let mut call = pc.prefill(request).await.expect("called").into_inner();
         let first = call.message().await.expect("an answer");
@@ -506,6 +507,7 @@ async fn a_prefill_call_with_an_overlong_label_is_refused_before_anything_is_all
                 token_bytes: 1,
             }),
             kv_address: "127.0.0.1:9".into(),
+            cache_salt: String::new(),
         };
         let long = "t".repeat(bulkhead_worker::serve::MAX_LABEL_BYTES + 1);
         for (field, request) in [

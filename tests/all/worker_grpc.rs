@@ -276,6 +276,7 @@ pub(crate) fn chat(content: &str, max_new_tokens: u32) -> GenerateRequest {
         sampling: None,
         stop: Vec::new(),
         ignore_eos: false,
+        cache_salt: String::new(),
     }
 }
 

@@ -376,6 +376,7 @@ async fn start(
         admitted,
         sampling: common.sampling,
         stop: &common.stop,
+        cache_salt: common.cache_salt.as_deref(),
     }
     .into_request();
     let upstream_span = route.client.span(&route.worker);

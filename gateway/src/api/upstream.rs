@@ -20,6 +20,8 @@ pub struct Generate<'a> {
     pub admitted: Admitted,
     pub sampling: Sampling,
     pub stop: &'a [String],
+    /// The client's `cache_salt`, if it sent one.
+    pub cache_salt: Option<&'a str>,
 }
 
 impl Generate<'_> {
@@ -37,6 +39,7 @@ impl Generate<'_> {
             }),
             stop: self.stop.to_vec(),
             ignore_eos: false,
+            cache_salt: self.cache_salt.unwrap_or_default().to_owned(),
         }
     }
 }

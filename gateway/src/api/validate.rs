@@ -15,6 +15,8 @@ use serde_json::{Map, Value};
 pub const MAX_STOPS: usize = 4;
 /// Each stop sequence is at most this many bytes (the worker's limit).
 pub const MAX_STOP_BYTES: usize = 256;
+/// A `cache_salt` is at most this many bytes (the worker's limit).
+pub const MAX_SALT_BYTES: usize = 256;
 /// A model name is at most this many bytes: the name a client asks for goes into its audit
 /// record and its trace before it is compared with the served one, so it must be bounded.
 pub const MAX_MODEL_BYTES: usize = 256;
@@ -130,6 +132,9 @@ pub struct ValidCommon {
     pub stop: Vec<String>,
     /// `None`: one JSON response.
     pub stream: Option<Stream>,
+    /// The client's `cache_salt` (1 to [`MAX_SALT_BYTES`] bytes): its tenant's cached prompt
+    /// pages are shared only among its requests with the same one.
+    pub cache_salt: Option<String>,
 }
 
 /// A validated `POST /v1/chat/completions`.
@@ -166,6 +171,7 @@ const COMMON_FIELDS: &[&str] = &[
     "n",
     "stream",
     "stream_options",
+    "cache_salt",
     // Informational only: they do not change the output.
     "user",
     "metadata",
@@ -390,6 +396,14 @@ fn common(
         Some(_) => return Err(wrong("stream_options", "an object")),
     };
 
+    let cache_salt = match get(map, "cache_salt") {
+        None => None,
+        Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_SALT_BYTES => Some(s.clone()),
+        Some(_) => {
+            return Err(wrong("cache_salt", "a string of 1 to 256 bytes"));
+        }
+    };
+
     Ok(ValidCommon {
         model,
         max_tokens,
@@ -400,6 +414,7 @@ fn common(
         },
         stop,
         stream: stream.then_some(Stream { include_usage }),
+        cache_salt,
     })
 }
 
@@ -690,6 +705,19 @@ mod tests {
             chat(with("stop", json!([1]))),
             Err(RequestError::WrongType { .. })
         ));
+    }
+
+    #[test]
+    fn a_cache_salt_is_a_bounded_string() {
+        let salt = |v: Value| chat(with("cache_salt", v)).map(|c| c.common.cache_salt);
+        assert_eq!(salt(json!("s1")), Ok(Some("s1".to_owned())));
+        assert_eq!(salt(Value::Null), Ok(None));
+        for bad in [json!(""), json!(7), json!("s".repeat(MAX_SALT_BYTES + 1))] {
+            assert!(
+                matches!(salt(bad.clone()), Err(RequestError::WrongType { ref field, .. }) if field == "cache_salt"),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

@@ -49,7 +49,25 @@ pub struct OpenAiClient {
     model: String,
     /// `Bearer` and the upstream's own key, when it needs one (marked sensitive).
     authorization: Option<HeaderValue>,
+    /// Whether each request carries its tenant's `cache_salt` (see [`cache_salt`]).
+    salted: bool,
     http: ThreadLocal<Client<HttpConnector, Full<Bytes>>>,
+}
+
+/// The `cache_salt` of `tenant`'s requests that carried `client` (theirs, or empty): the
+/// server's prefix cache (vLLM's, keyed by it) then shares cached blocks only among requests
+/// of one tenant with one client salt, as Bulkhead's own workers do. A digest, so that the
+/// upstream is told neither the tenant's name nor the client's salt.
+fn cache_salt(tenant: &str, client: &str) -> String {
+    use sha2::Digest as _;
+    // Lengths first: no tenant and salt run together into another pair's bytes.
+    let digest = sha2::Sha256::new()
+        .chain_update(b"bulkhead cache salt\0")
+        .chain_update((tenant.len() as u64).to_le_bytes())
+        .chain_update(tenant.as_bytes())
+        .chain_update(client.as_bytes())
+        .finalize();
+    digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A failure reading a body, whatever its source.
@@ -71,6 +89,8 @@ struct CompletionRequest<'a> {
     seed: Option<i64>,
     #[serde(skip_serializing_if = "<[String]>::is_empty")]
     stop: &'a [String],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_salt: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -118,8 +138,11 @@ struct Events {
     ready: VecDeque<GenerateResponse>,
     finish: FinishReason,
     usage: Option<(u32, u32)>,
-    /// The upstream's `usage.prompt_tokens_details.cached_tokens` (0 when it sends none).
+    /// The upstream's `usage.prompt_tokens_details.cached_tokens` (0 when it sends none, or
+    /// when the request was not salted).
     cached_tokens: u32,
+    /// Whether the request carried its tenant's cache salt.
+    salted: bool,
     prompt_tokens: u32,
     /// The completion so far, counted at the end when no usage came.
     text: String,
@@ -161,8 +184,15 @@ struct Choice<'a> {
 
 impl OpenAiClient {
     /// A client for the server at `base` (`http://host:port`), asking for `model`, with the
-    /// upstream's own API key when it needs one.
-    pub fn new(base: &str, model: &str, key: Option<String>) -> Result<OpenAiClient, String> {
+    /// upstream's own API key when it needs one; `salted`: each request carries its tenant's
+    /// `cache_salt`, and only then is the server's count of cached prompt tokens passed on
+    /// (without it, that count tells a tenant what other tenants' prompts began with).
+    pub fn new(
+        base: &str,
+        model: &str,
+        key: Option<String>,
+        salted: bool,
+    ) -> Result<OpenAiClient, String> {
         let base = base.trim_end_matches('/');
         let uri = |path: &str| -> Result<Uri, String> {
             let uri: Uri = format!("{base}{path}")
@@ -188,6 +218,7 @@ impl OpenAiClient {
             completions: uri("/v1/completions")?,
             model: model.to_owned(),
             authorization,
+            salted,
             http: ThreadLocal::new(),
         })
     }
@@ -281,6 +312,9 @@ impl OpenAiClient {
             top_p: sampling.top_p,
             seed: sampling.seed.map(signed_seed),
             stop: &request.stop,
+            cache_salt: self
+                .salted
+                .then(|| cache_salt(&request.tenant, &request.cache_salt)),
         };
         let json = serde_json::to_vec(&body)
             .map_err(|e| Status::internal(format!("encoding the upstream request: {e}")))?;
@@ -317,6 +351,7 @@ impl OpenAiClient {
             ),
             prompt_tokens,
             counter,
+            self.salted,
         ))
     }
 }
@@ -393,7 +428,9 @@ fn coded(http: Option<u16>, error: &Value) -> Status {
 }
 
 impl SseStream {
-    fn new(body: Body, prompt_tokens: u32, counter: TokenCounter) -> SseStream {
+    /// `salted`: the request carried its tenant's cache salt, so the server's count of cached
+    /// prompt tokens is the tenant's own and is passed on; otherwise it is reported as 0.
+    fn new(body: Body, prompt_tokens: u32, counter: TokenCounter, salted: bool) -> SseStream {
         SseStream {
             body,
             buf: Vec::new(),
@@ -403,6 +440,7 @@ impl SseStream {
                 finish: FinishReason::Stop,
                 usage: None,
                 cached_tokens: 0,
+                salted,
                 prompt_tokens,
                 text: String::new(),
                 counter,
@@ -560,8 +598,10 @@ impl Events {
             if let (Some(p), Some(c)) = (n("prompt_tokens"), n("completion_tokens")) {
                 self.usage = Some((p, c));
             }
-            let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64();
-            self.cached_tokens = cached.and_then(|v| u32::try_from(v).ok()).unwrap_or(0);
+            if self.salted {
+                let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64();
+                self.cached_tokens = cached.and_then(|v| u32::try_from(v).ok()).unwrap_or(0);
+            }
         }
         if let Some(choice) = chunk.choices.into_iter().next() {
             if let Some(text) = choice.text.filter(|t| !t.is_empty()) {
@@ -576,6 +616,14 @@ impl Events {
             }
             match choice.finish_reason.as_deref() {
                 Some("length") => self.finish = FinishReason::Length,
+                // vLLM's ends of a generation cut short (an aborted request, a failed KV load
+                // between its prefill and decode): followed by `[DONE]` like any end, they are
+                // failures, never a 200 that says the answer stopped where it wanted to.
+                Some(reason @ ("abort" | "error")) => {
+                    return Err(Status::unavailable(format!(
+                        "the upstream ended the generation with finish_reason {reason:?}"
+                    )));
+                }
                 Some(_) => self.finish = FinishReason::Stop,
                 None => {}
             }
@@ -603,13 +651,23 @@ mod tests {
     }
 
     fn stream(chunks: &[&str]) -> SseStream {
+        stream_salted(chunks, true)
+    }
+
+    /// [`stream`] of a request that carried its tenant's cache salt or not.
+    fn stream_salted(chunks: &[&str], salted: bool) -> SseStream {
         let owned: Vec<Result<Bytes, BodyError>> = chunks
             .iter()
             .map(|c| Ok(Bytes::from(c.to_string())))
             .collect();
         // Counts words: a stand-in tokenizer.
         let words = TokenCounter::new(|t| u32::try_from(t.split_whitespace().count()).ok());
-        SseStream::new(Box::pin(futures_util::stream::iter(owned)), 3, words)
+        SseStream::new(
+            Box::pin(futures_util::stream::iter(owned)),
+            3,
+            words,
+            salted,
+        )
     }
 
     async fn drain(mut s: SseStream) -> Result<(String, Done), Status> {
@@ -643,6 +701,19 @@ mod tests {
             done.cached_tokens, 4,
             "the upstream's prompt cache, passed through"
         );
+    }
+
+    #[tokio::test]
+    async fn a_generation_the_upstream_aborted_or_failed_is_an_error_not_a_stop() {
+        for reason in ["abort", "error"] {
+            let event = format!(
+                "data: {{\"choices\":[{{\"text\":\"a\",\"finish_reason\":\"{reason}\"}}]}}\n\n"
+            );
+            let failed = drain(stream(&[&event, "data: [DONE]\n\n"])).await;
+            let status = failed.expect_err("a cut generation fails the request");
+            assert_eq!(status.code(), tonic::Code::Unavailable, "{reason}");
+            assert!(status.message().contains(reason), "{status:?}");
+        }
     }
 
     #[tokio::test]
@@ -789,7 +860,7 @@ mod tests {
 
     #[test]
     fn only_plain_http_bases_and_header_safe_keys_make_a_client() {
-        let ok = OpenAiClient::new("http://127.0.0.1:8000/", "m", Some("sk-x".into()))
+        let ok = OpenAiClient::new("http://127.0.0.1:8000/", "m", Some("sk-x".into()), true)
             .expect("a plain HTTP base");
         assert_eq!(ok.completions, "http://127.0.0.1:8000/v1/completions");
         assert!(
@@ -799,11 +870,11 @@ mod tests {
         );
         for base in ["https://host", "host:8000", "http://", "ftp://host"] {
             assert!(
-                OpenAiClient::new(base, "m", None).is_err(),
+                OpenAiClient::new(base, "m", None, true).is_err(),
                 "{base} is refused"
             );
         }
-        assert!(OpenAiClient::new("http://h", "m", Some("sk\nx".into())).is_err());
+        assert!(OpenAiClient::new("http://h", "m", Some("sk\nx".into()), true).is_err());
     }
 
     #[test]
@@ -827,9 +898,61 @@ mod tests {
         );
     }
 
+    /// The upstream's prefix cache is shared only within a tenant: each tenant's requests
+    /// carry a salt of their own (and no tenant name); unsalted, the server's cached-token
+    /// count — which would say what other tenants' prompts began with — is not passed on.
+    #[tokio::test]
+    async fn each_tenants_requests_carry_a_cache_salt_of_their_own() {
+        let salted_body = |salted: bool, tenant: &str, client_salt: &str| -> Value {
+            let client =
+                OpenAiClient::new("http://127.0.0.1:8000", "m", None, salted).expect("a client");
+            let request = GenerateRequest {
+                tenant: tenant.to_owned(),
+                cache_salt: client_salt.to_owned(),
+                prompt: Some(Prompt::Tokens(TokenPrompt { ids: vec![1, 2] })),
+                ..GenerateRequest::default()
+            };
+            serde_json::from_slice(&client.completion_body(&request).expect("a body").0)
+                .expect("JSON")
+        };
+        let body = |salted: bool, tenant: &str| salted_body(salted, tenant, "");
+        let (a, b) = (body(true, "tenant-a"), body(true, "tenant-b"));
+        let salt = |v: &Value| v["cache_salt"].as_str().expect("a salt").to_owned();
+        assert_ne!(salt(&a), salt(&b), "tenants never share a salt");
+        assert_eq!(
+            salt(&a),
+            salt(&body(true, "tenant-a")),
+            "a tenant keeps its own"
+        );
+        assert!(!salt(&a).contains("tenant-a"), "the name is not sent");
+        assert!(body(false, "tenant-a").get("cache_salt").is_none());
+        let with_client_salt = salted_body(true, "tenant-a", "s1");
+        assert_ne!(
+            salt(&with_client_salt),
+            salt(&a),
+            "the client's salt splits it"
+        );
+        assert!(!salt(&with_client_salt).contains("s1"));
+        assert_ne!(
+            salt(&salted_body(true, "ab", "c")),
+            salt(&salted_body(true, "a", "bc")),
+            "tenant and salt do not run together"
+        );
+
+        let usage = [
+            "data: {\"choices\":[{\"text\":\"x\",\"finish_reason\":\"stop\"}],\"usage\":\
+             {\"prompt_tokens\":5,\"completion_tokens\":1,\"prompt_tokens_details\":{\"cached_tokens\":4}}}\n\n",
+            "data: [DONE]\n\n",
+        ];
+        for (salted, cached) in [(true, 4), (false, 0)] {
+            let (_, done) = drain(stream_salted(&usage, salted)).await.expect("done");
+            assert_eq!(done.cached_tokens, cached, "salted: {salted}");
+        }
+    }
+
     #[test]
     fn seeds_go_out_signed_as_the_client_sent_them() {
-        let client = OpenAiClient::new("http://127.0.0.1:8000", "m", None).expect("a client");
+        let client = OpenAiClient::new("http://127.0.0.1:8000", "m", None, true).expect("a client");
         for (sent, out) in [
             ("-1", -1),
             ("42", 42),

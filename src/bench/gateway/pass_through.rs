@@ -68,8 +68,7 @@ async fn proxy(
         .context("the upstream address as a URI authority")?;
     let service = hyper::service::service_fn(move |req| pass(req, authority.clone()));
     // A client gets as long to send its request headers as the gateway gives it by default.
-    let header_timeout = HttpLimits::default().header_timeout;
-    bulkhead_gateway::serving::serve(listener, service, header_timeout, threads, stop).await;
+    bulkhead_gateway::serving::serve(listener, service, HttpLimits::default(), threads, stop).await;
     Ok(())
 }
 

@@ -210,6 +210,7 @@ pub async fn start_remote_prefill(
     let prompt = valid.prompt.clone();
     let sampling = valid.sampling;
     let (caller_id, tenant) = (valid.caller_id.clone(), valid.tenant.clone());
+    let cache_salt = valid.cache_salt.clone();
     let admission = async {
         let (mut events, guard) = engine
             .submit(Submission::Decode, |id, sink| valid.into_request(id, sink))
@@ -240,6 +241,7 @@ pub async fn start_remote_prefill(
         }),
         reservation: Some(to_proto_reservation(&target)),
         kv_address: peer.kv_address.clone(),
+        cache_salt,
     };
     // Failing here drops `guard`: the request is cancelled.
     let unavailable = |reason: String| ServeError::PrefillUnavailable { reason };
@@ -333,6 +335,7 @@ pub async fn prefill(
         .map_err(|e| status(&e.into()))?;
     validate::label("request_id", &request.request_id)
         .and_then(|()| validate::label("tenant", &request.tenant))
+        .and_then(|()| validate::salt(&request.cache_salt))
         .map_err(|e| status(&e.into()))?;
     // Decode always sends the seed it chose, so prefill samples the first token the same way.
     let sampling = validate::sampling(request.sampling, || 0)
@@ -345,7 +348,7 @@ pub async fn prefill(
     };
     let engine = engine.clone();
     let caller_id = request.request_id;
-    let tenant = Scope::new(&request.tenant);
+    let tenant = Scope::salted(&request.tenant, &request.cache_salt);
     let prompt = request.prompt;
     // In the `Prefill` call's span (the caller's): the steps below are its children.
     let span = Span::current();

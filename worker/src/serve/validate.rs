@@ -20,6 +20,8 @@ pub const MAX_LABEL_BYTES: usize = 128;
 pub const MAX_STOPS: usize = 16;
 /// Longest stop sequence (bytes).
 pub const MAX_STOP_BYTES: usize = 256;
+/// Longest `cache_salt` (bytes).
+pub const MAX_SALT_BYTES: usize = 256;
 
 /// What turns text into prompt tokens: the served model's tokenizer and chat template.
 #[derive(Debug)]
@@ -43,6 +45,8 @@ pub struct ValidGenerate {
     /// At most [`MAX_STOPS`], each 1..=[`MAX_STOP_BYTES`] bytes.
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    /// At most [`MAX_SALT_BYTES`]; empty: none. Splits the tenant's prefix cache.
+    pub cache_salt: String,
 }
 
 impl ValidGenerate {
@@ -54,6 +58,7 @@ impl ValidGenerate {
     ) -> Result<ValidGenerate, ValidationError> {
         label("request_id", &req.request_id)?;
         label("tenant", &req.tenant)?;
+        salt(&req.cache_salt)?;
         if req.stop.len() > MAX_STOPS {
             return Err(ValidationError::TooManyStops {
                 count: req.stop.len(),
@@ -99,6 +104,7 @@ impl ValidGenerate {
             sampling,
             stop: req.stop,
             ignore_eos: req.ignore_eos,
+            cache_salt: req.cache_salt,
         })
     }
 
@@ -106,7 +112,7 @@ impl ValidGenerate {
     pub fn into_request(self, id: RequestId, sink: Box<dyn EventSink>) -> Request {
         Request {
             id,
-            tenant: Scope::new(&self.tenant),
+            tenant: Scope::salted(&self.tenant, &self.cache_salt),
             prompt: self.prompt,
             max_new_tokens: self.max_new_tokens,
             sampling: self.sampling,
@@ -186,6 +192,18 @@ pub fn label(field: &'static str, value: &str) -> Result<(), ValidationError> {
     Ok(())
 }
 
+/// Checks a request's `cache_salt`: at most [`MAX_SALT_BYTES`].
+pub fn salt(value: &str) -> Result<(), ValidationError> {
+    if value.len() > MAX_SALT_BYTES {
+        return Err(ValidationError::FieldTooLong {
+            field: "cache_salt",
+            len: value.len(),
+            limit: MAX_SALT_BYTES,
+        });
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -216,6 +234,7 @@ mod tests {
             sampling: None,
             stop: Vec::new(),
             ignore_eos: false,
+            cache_salt: String::new(),
         }
     }
 
@@ -293,6 +312,15 @@ mod tests {
 
     #[test]
     fn labels_and_stops_are_bounded() {
+        let mut r = request(Prompt::Text("x".into()));
+        r.cache_salt = "s".repeat(MAX_SALT_BYTES + 1);
+        assert!(matches!(
+            parse(r),
+            Err(ValidationError::FieldTooLong {
+                field: "cache_salt",
+                ..
+            })
+        ));
         let mut r = request(Prompt::Text("x".into()));
         r.tenant = "t".repeat(MAX_LABEL_BYTES + 1);
         assert!(matches!(
