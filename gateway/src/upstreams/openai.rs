@@ -417,7 +417,9 @@ fn coded(http: Option<u16>, error: &Value) -> Status {
         (Some(429), _) | (_, "rate_limit_exceeded") => {
             error_code_status(Code::ResourceExhausted, message, "rate_limit_exceeded")
         }
-        (Some(400 | 404 | 413 | 422), _) => {
+        // A 404 is not the client's: the gateway sends only its own path and configured model,
+        // so the server no longer serves it (renamed, reloaded) and is in trouble as a 5xx is.
+        (Some(400 | 413 | 422), _) => {
             error_code_status(Code::InvalidArgument, message, "invalid_request_error")
         }
         (Some(status), _) => {
@@ -618,11 +620,14 @@ impl Events {
                 Some("length") => self.finish = FinishReason::Length,
                 // vLLM's ends of a generation cut short (an aborted request, a failed KV load
                 // between its prefill and decode): followed by `[DONE]` like any end, they are
-                // failures, never a 200 that says the answer stopped where it wanted to.
+                // failures, never a 200 that says the answer stopped where it wanted to. This
+                // request's, not the server's: it stays routed to.
                 Some(reason @ ("abort" | "error")) => {
-                    return Err(Status::unavailable(format!(
-                        "the upstream ended the generation with finish_reason {reason:?}"
-                    )));
+                    return Err(error_code_status(
+                        Code::Internal,
+                        format!("the upstream ended the generation with finish_reason {reason:?}"),
+                        "internal_error",
+                    ));
                 }
                 Some(_) => self.finish = FinishReason::Stop,
                 None => {}
@@ -711,7 +716,12 @@ mod tests {
             );
             let failed = drain(stream(&[&event, "data: [DONE]\n\n"])).await;
             let status = failed.expect_err("a cut generation fails the request");
-            assert_eq!(status.code(), tonic::Code::Unavailable, "{reason}");
+            assert_eq!(status.code(), Code::Internal, "{reason}");
+            assert_eq!(
+                error_code(&status),
+                Some("internal_error"),
+                "the server stays up"
+            );
             assert!(status.message().contains(reason), "{status:?}");
         }
     }
@@ -891,6 +901,12 @@ mod tests {
         );
         let down = refusal(502, b"");
         assert_eq!(down.code(), Code::Unavailable);
+        let gone = refusal(
+            404,
+            br#"{"error":{"message":"The model `m` does not exist"}}"#,
+        );
+        assert_eq!(gone.code(), Code::Unavailable, "not the client's fault");
+        assert_eq!(error_code(&gone), None);
         assert_eq!(
             error_code(&down),
             None,
