@@ -810,3 +810,50 @@ fn only_requests_with_the_same_cache_salt_share_cached_prompt_pages() {
         assert_eq!(json(&reply)["error"]["param"], "cache_salt", "{reply}");
     });
 }
+
+/// A request whose client leaves while it waits for the worker's first answer (here, in
+/// decode's queue for pages) is charged its prompt, as an abandoned request is, not its whole
+/// max_tokens: the tenant's next request that fits only with the refund is served.
+#[test]
+fn a_request_abandoned_before_the_workers_answer_is_charged_its_prompt_not_its_max_tokens() {
+    bounded(|| {
+        let up = Up::launch(Options {
+            args: &["--decode-kv-tokens", "1024"],
+            // tenant-a's table comes first: 1000 tokens a minute.
+            replace: &[("tokens_per_minute = 1000000", "tokens_per_minute = 1000")],
+            ..Options::default()
+        });
+        up.wait_routable();
+        // tenant-b's long answer (counting on) holds most of decode's pages.
+        let holder = r#"{"prompt":"1, 2, 3, 4, 5, 6, 7, 8, 9, 10,","max_tokens":900,"temperature":0,"stream":true}"#;
+        let mut holding = crate::up::open(&up.api, KEY_B, "/v1/completions", holder);
+        let mut head = [0u8; 12];
+        holding
+            .read_exact(&mut head)
+            .expect("the holder's answer starts");
+        assert!(
+            head.starts_with(b"HTTP/1.1 200"),
+            "{}",
+            String::from_utf8_lossy(&head)
+        );
+        // tenant-a's request waits in decode's queue (about 430 tokens charged), and its client
+        // leaves.
+        let waiting = r#"{"messages":[{"role":"user","content":"Say hello."}],"max_tokens":400,"temperature":0}"#;
+        let queued = crate::up::open(&up.api, KEY_A, "/v1/chat/completions", waiting);
+        std::thread::sleep(Duration::from_millis(1500));
+        drop(queued);
+        let record = up.wait_records("tenant-a", 1);
+        assert_eq!(record.len(), 1, "the abandoned request is recorded");
+        assert_eq!(
+            record[0]["error.type"], "client_disconnected",
+            "{:#?}",
+            record[0]
+        );
+        drop(holding);
+        // About 630 tokens: within the minute's 1000 only if the abandoned request's 400
+        // unused tokens came back.
+        let next = r#"{"messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":600,"temperature":0}"#;
+        let (status, body) = up.chat(KEY_A, &[], next);
+        assert_eq!(status, 200, "{body}");
+    });
+}

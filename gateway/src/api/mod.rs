@@ -346,6 +346,9 @@ async fn start(
         )?,
     };
     permit.charge_tokens(admitted.total_tokens())?;
+    // Until the worker answers, a request dropped here (its client gone, the request
+    // timeout) is settled as an abandoned one is: its prompt, not its max tokens.
+    permit.set_used(u64::from(admitted.prompt_tokens));
     let (prompt_tokens, max_tokens) = (admitted.prompt_tokens, admitted.max_new_tokens);
     let route = tracing::info_span!(
         "route",
