@@ -462,7 +462,8 @@ pub struct EndpointError {
     reason: String,
 }
 
-/// The route a request took; its tokens count as outstanding on that worker until it drops.
+/// The route a request took; its tokens count as outstanding on that worker until it drops
+/// (or, once its claim is taken, until the claim drops).
 #[derive(Debug)]
 #[must_use = "dropping the route ends its claim on the worker"]
 pub struct Route {
@@ -473,10 +474,38 @@ pub struct Route {
     workers: Workers,
     /// The worker's entry id.
     id: u64,
+    /// `None` once taken ([`Route::take_claim`]).
+    claim: Option<Claim>,
+}
+
+/// A request's tokens, counted as outstanding on the worker it was routed to until dropped.
+#[derive(Debug)]
+#[must_use = "dropping the claim ends it"]
+pub struct Claim {
+    workers: Workers,
+    /// The worker's entry id.
+    id: u64,
     tokens: u64,
 }
 
+impl Drop for Claim {
+    fn drop(&mut self) {
+        let (id, tokens) = (self.id, self.tokens);
+        self.workers.with(|s| {
+            if let Some(e) = s.entry_mut(id) {
+                e.outstanding = e.outstanding.saturating_sub(tokens);
+            }
+        });
+    }
+}
+
 impl Route {
+    /// The route's claim on its worker, to outlive the route: a request held after its client
+    /// left still loads the worker until the hold ends.
+    pub fn take_claim(&mut self) -> Option<Claim> {
+        self.claim.take()
+    }
+
     /// Marks the worker unreachable (a transport failure): no routing to it until the next
     /// successful Health.
     pub fn failed(&self, error: &str) {
@@ -486,17 +515,6 @@ impl Route {
                     error: error.to_owned(),
                 };
                 e.last_error = Some(error.to_owned());
-            }
-        });
-    }
-}
-
-impl Drop for Route {
-    fn drop(&mut self) {
-        let (id, tokens) = (self.id, self.tokens);
-        self.workers.with(|s| {
-            if let Some(e) = s.entry_mut(id) {
-                e.outstanding = e.outstanding.saturating_sub(tokens);
             }
         });
     }
@@ -579,16 +597,25 @@ impl Workers {
                 index,
                 outstanding_tokens: e.outstanding,
             }))?;
-            let e = s.entries.get_mut(index)?;
-            e.outstanding += tokens;
-            Some(Route {
-                worker: e.config.name.clone(),
-                prefill: e.config.prefill.clone(),
-                client: e.client.clone(),
+            self.route_to(s, index, tokens)
+        })
+    }
+
+    /// A route to entry `index` of `s`, whose outstanding tokens grow by `tokens`.
+    fn route_to(&self, s: &mut State, index: usize, tokens: u64) -> Option<Route> {
+        let e = s.entries.get_mut(index)?;
+        e.outstanding += tokens;
+        Some(Route {
+            worker: e.config.name.clone(),
+            prefill: e.config.prefill.clone(),
+            client: e.client.clone(),
+            workers: self.clone(),
+            id: e.id,
+            claim: Some(Claim {
                 workers: self.clone(),
                 id: e.id,
                 tokens,
-            })
+            }),
         })
     }
 
@@ -960,6 +987,34 @@ mod tests {
                 running: 2,
             }
         );
+    }
+
+    /// A held request keeps its tokens on its worker after its route is gone, until the
+    /// claim it took drops; a route whose claim was not taken ends it with itself.
+    #[tokio::test]
+    async fn a_taken_claim_keeps_the_tokens_outstanding_after_the_route_drops() {
+        let config = WorkerConfig {
+            name: "w".into(),
+            endpoint: "http://127.0.0.1:9".into(),
+            role: WorkerRole::Both,
+            prefill: None,
+            protocol: Protocol::Bulkhead,
+            group: None,
+        };
+        let workers = Workers::new(&[config], ClusterAccess::default()).expect("workers");
+        let outstanding = || workers.with(|s| s.entries[0].outstanding);
+        let mut route = workers
+            .with(|s| workers.route_to(s, 0, 100))
+            .expect("a route");
+        assert_eq!(outstanding(), 100);
+        let claim = route.take_claim();
+        drop(route);
+        assert_eq!(outstanding(), 100, "the claim holds them");
+        drop(claim);
+        assert_eq!(outstanding(), 0);
+        let route = workers.with(|s| workers.route_to(s, 0, 50));
+        drop(route);
+        assert_eq!(outstanding(), 0, "an untaken claim ends with its route");
     }
 
     #[test]

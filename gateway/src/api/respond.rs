@@ -86,6 +86,7 @@ impl Drop for Started {
             let charge = Charge {
                 permit,
                 prompt_tokens: self.prompt_tokens,
+                claim: self.route.take_claim(),
             };
             policy.finish(
                 self.upstream.take(),

@@ -22,6 +22,7 @@ use bulkhead_worker::serve::proto::Item;
 use crate::limits::RequestPermit;
 use crate::trail::Trail;
 use crate::upstreams::UpstreamStream;
+use crate::workers::Claim;
 
 use super::bindings::{Directive, Disconnect, Hooks, Outcome, Phase, ResponseEnd, Usage};
 use super::chain::{Binding, Hook, PolicySet};
@@ -58,6 +59,8 @@ pub struct Charge {
     pub permit: RequestPermit,
     /// The prompt's tokens, as admitted.
     pub prompt_tokens: u32,
+    /// The request's tokens on its worker, which it loads until the hold ends.
+    pub claim: Option<Claim>,
 }
 
 impl Charge {

@@ -109,6 +109,7 @@ fn charge() -> Charge {
     Charge {
         permit: Limiter::default().start(&tenant(1000)).expect("room"),
         prompt_tokens: 10,
+        claim: None,
     }
 }
 
@@ -1182,6 +1183,7 @@ async fn an_abandoned_request_keeps_its_slot_until_its_end_and_is_charged_what_i
     let charge = Charge {
         permit,
         prompt_tokens: 10,
+        claim: None,
     };
     r.finish(None, progress, trail(&dir), charge);
     abandoned_directives(&p).await;
