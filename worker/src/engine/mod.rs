@@ -959,6 +959,7 @@ impl Engine {
     /// start them): nothing was allocated for them.
     fn expire_waiting(&mut self, now: Instant) {
         let timeout = self.config.queue_timeout;
+        let before = self.waiting.len();
         self.waiting.retain_mut(|w| {
             let late = w.deadline.is_some_and(|at| at <= now);
             if late {
@@ -969,6 +970,10 @@ impl Engine {
             }
             !late
         });
+        if self.waiting.len() < before {
+            // The head that could not start may be gone: the next one is yet to be tried.
+            self.waiting_for_pages = false;
+        }
     }
 
     /// Fails transfers past their deadline and quarantines abandoned pages whose drain
