@@ -373,8 +373,11 @@ fn a_worker_gone_silent_fails_its_requests_streamed_or_whole_taken_or_not() {
         up.wait_routable();
         let api = up.api.clone();
         let whole = std::thread::spawn(move || {
-            let body = r#"{"messages":[{"role":"user","content":"Tell me a long story."}],"max_tokens":2000,"temperature":0}"#;
-            http(&api, "POST", "/v1/chat/completions", Some(KEY_A), &[], body)
+            // Counting on: hundreds of tokens without an end of sequence, so the answer is still
+            // under way when the worker stops (a story could end within the half second).
+            let body =
+                r#"{"prompt":"1, 2, 3, 4, 5, 6, 7, 8, 9, 10,","max_tokens":2000,"temperature":0}"#;
+            http(&api, "POST", "/v1/completions", Some(KEY_A), &[], body)
         });
         std::thread::sleep(Duration::from_millis(500));
         up.signal_worker("-STOP");
