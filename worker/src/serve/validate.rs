@@ -182,23 +182,21 @@ impl Prompter {
 /// A caller's label (`request_id`, `tenant`): for logs, spans and the prefix cache's scope, so
 /// at most [`MAX_LABEL_BYTES`].
 pub fn label(field: &'static str, value: &str) -> Result<(), ValidationError> {
-    if value.len() > MAX_LABEL_BYTES {
-        return Err(ValidationError::FieldTooLong {
-            field,
-            len: value.len(),
-            limit: MAX_LABEL_BYTES,
-        });
-    }
-    Ok(())
+    at_most(field, value, MAX_LABEL_BYTES)
 }
 
 /// Checks a request's `cache_salt`: at most [`MAX_SALT_BYTES`].
 pub fn salt(value: &str) -> Result<(), ValidationError> {
-    if value.len() > MAX_SALT_BYTES {
+    at_most("cache_salt", value, MAX_SALT_BYTES)
+}
+
+/// `value` of `field` is at most `limit` bytes.
+fn at_most(field: &'static str, value: &str, limit: usize) -> Result<(), ValidationError> {
+    if value.len() > limit {
         return Err(ValidationError::FieldTooLong {
-            field: "cache_salt",
+            field,
             len: value.len(),
-            limit: MAX_SALT_BYTES,
+            limit,
         });
     }
     Ok(())
