@@ -461,3 +461,96 @@ fn in_flight(up: &Up, tenant: &str) -> u64 {
         .and_then(|t| t["in_flight"].as_u64())
         .unwrap_or_else(|| panic!("no {tenant} in {body}"))
 }
+
+/// A request whose client leaves while it waits in the worker's queue (the worker has not
+/// answered its call) is still under its policies: `on-disconnect` hears the phase `queued`
+/// and its directive is kept — here a hold until complete, so the worker runs it to the end —
+/// and every request the chain let through ends in `on-response-end`, a refusal after the
+/// chain (tokens per minute) as `failed`.
+#[test]
+fn a_request_abandoned_in_the_workers_queue_is_held_as_its_policies_say_and_every_end_is_heard() {
+    bounded(|| {
+        let dir = TempDir::new("ledger");
+        let mut set = String::new();
+        for name in ["abort-guard", "ledger"] {
+            let (path, digest) = component(name);
+            set.push_str(&format!(
+                "[plugins.{name}]\ncomponent = {:?}\nsha256 = \"{digest}\"\n",
+                path.display().to_string()
+            ));
+        }
+        set.push_str(
+            r#"
+[[chain]]
+plugin = "abort-guard"
+config = { max_held_per_tenant = 4 }
+
+[[chain]]
+plugin = "ledger"
+tenants = ["tenant-a"]
+config = { on_disconnect = "hold-until-complete" }
+"#,
+        );
+        let file = dir.0.join("policies.toml");
+        std::fs::write(&file, set).expect("writes the policy set");
+        let set = format!("file = {:?}", file.display().to_string());
+        let up = Up::launch(Options {
+            args: &["--decode-kv-tokens", "1024"],
+            replace: &[
+                ("file = \"policies/local.toml\"", &set),
+                // tenant-a's table comes first: 1000 tokens a minute.
+                ("tokens_per_minute = 1000000", "tokens_per_minute = 1000"),
+            ],
+            ..Options::default()
+        });
+        up.wait_routable();
+        // tenant-b's long answer (counting on) holds most of decode's pages.
+        let holder = r#"{"prompt":"1, 2, 3, 4, 5, 6, 7, 8, 9, 10,","max_tokens":900,"temperature":0,"stream":true}"#;
+        let mut holding = open(&up.api, KEY_B, "/v1/completions", holder);
+        let mut head = [0u8; 12];
+        holding
+            .read_exact(&mut head)
+            .expect("the holder's answer starts");
+        assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+        // tenant-a's request waits in decode's queue, and its client leaves.
+        let waiting = r#"{"messages":[{"role":"user","content":"Say hello."}],"max_tokens":400,"temperature":0}"#;
+        let queued = open(&up.api, KEY_A, "/v1/chat/completions", waiting);
+        std::thread::sleep(Duration::from_millis(1500));
+        drop(queued);
+        // abort-guard says abort-now for a queued request, ledger hold-until-complete: the
+        // longer hold is kept.
+        let m = wait_for(
+            &up,
+            "bulkhead_policy_abandoned_total{directive=\"hold_until_complete\"}",
+            1,
+        );
+        let disconnects = |plugin: &str| {
+            format!(
+                "bulkhead_policy_call_duration_seconds_count{{plugin=\"{plugin}\",hook=\"on-disconnect\"}}"
+            )
+        };
+        assert_eq!(metric(&m, &disconnects("ledger")), 1, "{m}");
+        assert_eq!(metric(&m, &disconnects("abort-guard")), 1, "{m}");
+        // The holder goes (abort-guard alone: abort-now while decoding), its pages come back,
+        // and the held request leaves the queue and runs to its end.
+        drop(holding);
+        let record = up.wait_records("tenant-a", 1).pop().expect("its record");
+        assert_eq!(record["error.type"], "client_disconnected", "{record:#}");
+        let hold = &record["bulkhead.disconnect.hold"];
+        assert_eq!(hold["directive"], "hold_until_complete", "{record:#}");
+        assert_eq!(hold["dropped"], "after_done", "{record:#}");
+        // Over the minute's tokens (what the held request used is charged): refused after the
+        // chain let it through, it ends in on-response-end too.
+        let over = r#"{"messages":[{"role":"user","content":"Say hello."}],"max_tokens":960,"temperature":0}"#;
+        let (status, body) = up.chat(KEY_A, &[], over);
+        assert_eq!(status, 429, "{body}");
+        let ends = "bulkhead_policy_call_duration_seconds_count{plugin=\"ledger\",hook=\"on-response-end\"}";
+        let m = wait_for(&up, ends, 2);
+        assert_eq!(
+            metric(&m, ends),
+            2,
+            "the held request and the refused one:\n{m}"
+        );
+        up.wait_pool_drained();
+    });
+}

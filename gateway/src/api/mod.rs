@@ -45,11 +45,13 @@ use validate::{CompletionPrompt, ValidCommon, parse_chat, parse_completion};
 use crate::admission::{Admitted, EffectiveLimit, admit};
 use crate::auth::{AuthLayer, Authenticated};
 use crate::config::HttpLimits;
+use crate::limits::RequestPermit;
 use crate::metrics::Metrics;
-use crate::policy::{Policies, Progress, RequestFacts};
+use crate::policy::{Policies, Progress, RequestFacts, RequestPolicy};
 use crate::tenants::Tenants;
 use crate::trail::{self, Recorder, Trail};
-use crate::workers::{ServedModel, Workers};
+use crate::upstreams::Leg;
+use crate::workers::{Route, ServedModel, Workers};
 
 /// What every API handler shares; a cheap `Clone`.
 #[derive(Debug, Clone)]
@@ -238,17 +240,27 @@ async fn serve(
         start(&state, &who, &trail, endpoint, &headers, body),
     )
     .await;
-    match result {
-        Err(_) => ApiError::Timeout { secs }.into_response(),
-        Ok(Err(e)) => {
+    let answered = match result {
+        Err(_) => Err(ApiError::Timeout { secs }),
+        Ok(Err(e)) => Err(e),
+        // A wait for the worker's answer past the deadline is a failure of the call (the
+        // call is dropped), not an abandoned request: the client is still there.
+        Ok(Ok(mut started)) => match started.answer(deadline, secs).await {
+            Ok(()) => Ok(started),
+            Err(e) => Err(e),
+        },
+    };
+    match answered {
+        Ok(started) => respond::respond(started, deadline, secs).await,
+        Err(e) => {
             trail.failed(&e, None);
             e.into_response()
         }
-        Ok(Ok(started)) => respond::respond(started, deadline, secs).await,
     }
 }
 
-/// Everything up to the worker's first answer.
+/// Everything up to the call to the worker: the request parsed, tokenized, admitted, allowed
+/// by the policies, charged and routed, its call made (not answered yet).
 async fn start(
     state: &ApiState,
     who: &Authenticated,
@@ -336,39 +348,13 @@ async fn start(
     );
     drop(policy_span);
     trail.policy(policy.decisions().iter().map(Into::into).collect());
-    let admitted = match policy.clamp() {
-        None => admitted,
-        Some(max) => admission(
-            prompt.len(),
-            Some(max),
-            state.http.default_max_tokens,
-            limit,
-        )?,
-    };
-    permit.charge_tokens(admitted.total_tokens())?;
-    // Until the worker answers, a request dropped here (its client gone, the request
-    // timeout) is settled as an abandoned one is: its prompt, not its max tokens.
-    permit.set_used(u64::from(admitted.prompt_tokens));
-    let (prompt_tokens, max_tokens) = (admitted.prompt_tokens, admitted.max_new_tokens);
-    let route = tracing::info_span!(
-        "route",
-        bulkhead.workers.decode = Empty,
-        bulkhead.workers.prefill = Empty,
-    )
-    .in_scope(|| {
-        let route = state.workers.route(&admitted);
-        if let Some(r) = &route {
-            let span = tracing::Span::current();
-            span.record("bulkhead.workers.decode", r.worker.as_str());
-            span.record("bulkhead.workers.prefill", r.prefill.as_deref());
+    let routed = charge_and_route(state, &mut permit, admitted, &policy, prompt.len(), limit);
+    let (admitted, route) = match routed {
+        Ok(routed) => routed,
+        Err(e) => {
+            policy.failed();
+            return Err(e);
         }
-        route
-    });
-    let Some(route) = route else {
-        // Unroutable since the limit was taken (the policies ran in between): nothing was
-        // used, so the tokens charged come back.
-        permit.set_used(0);
-        return Err(ApiError::NoHealthyWorker);
     };
     trail.routed(&route);
 
@@ -383,36 +369,8 @@ async fn start(
     }
     .into_request();
     let upstream_span = route.client.span(&route.worker);
-    // A worker that does not take the call within the idle timeout (stopped, or cut off
-    // without a reset) has failed it, as one that goes silent mid-answer has: without this,
-    // the request waited for its whole request timeout and the worker stayed routed to.
     let idle = state.http.stream_idle_timeout;
-    let generating = async {
-        let call = route.client.generate(request, &upstream_span, &model);
-        match tokio::time::timeout(idle, call).await {
-            Ok(answer) => answer,
-            Err(_) => Err(tonic::Status::unavailable(format!(
-                "the worker did not take the request in {} s",
-                idle.as_secs()
-            ))),
-        }
-    };
-    let stream = match generating.instrument(upstream_span.clone()).await {
-        Ok(stream) => stream,
-        Err(status) => {
-            // Refused (or unreachable) before any token: none of the tokens charged were used,
-            // so a client retrying a busy worker is not charged for every try.
-            permit.set_used(0);
-            let failure = from_status(&status);
-            upstream::span_failed(&upstream_span, &failure.error);
-            if failure.worker_down {
-                tracing::warn!(worker = %route.worker, %status, "the worker failed a Generate call");
-                route.failed(status.message());
-            }
-            trail.failed(&failure.error, failure.refused_by);
-            return Err(failure.error);
-        }
-    };
+    let call = route.client.call(request, &upstream_span, &model, idle);
     let prefix = match endpoint {
         Endpoint::Chat => "chatcmpl",
         Endpoint::Completion => "cmpl",
@@ -428,18 +386,66 @@ async fn start(
         stream_mode: common.stream,
         tenant,
         permit: Some(permit),
-        prompt_tokens,
-        max_tokens,
+        prompt_tokens: admitted.prompt_tokens,
+        max_tokens: admitted.max_new_tokens,
         route,
         metrics: state.metrics.clone(),
-        upstream: Some(stream),
+        upstream: Some(Leg::Calling(call)),
         progress: Progress::default(),
         policy: Some(policy),
         trail: trail.clone(),
         upstream_span,
-        idle: state.http.stream_idle_timeout,
+        idle,
         computed: respond::ComputedTokens::default(),
     })
+}
+
+/// After the policies allowed a request: admission again when they clamped its max tokens,
+/// its tokens-per-minute charge, and its route.
+fn charge_and_route(
+    state: &ApiState,
+    permit: &mut RequestPermit,
+    admitted: Admitted,
+    policy: &RequestPolicy,
+    prompt_tokens: usize,
+    limit: EffectiveLimit,
+) -> Result<(Admitted, Route), ApiError> {
+    let admitted = match policy.clamp() {
+        None => admitted,
+        Some(max) => admission(
+            prompt_tokens,
+            Some(max),
+            state.http.default_max_tokens,
+            limit,
+        )?,
+    };
+    permit.charge_tokens(admitted.total_tokens())?;
+    // Until the worker answers, a request dropped here (its client gone, the request
+    // timeout) is settled as an abandoned one is: its prompt, not its max tokens.
+    permit.set_used(u64::from(admitted.prompt_tokens));
+    let route = tracing::info_span!(
+        "route",
+        bulkhead.workers.decode = Empty,
+        bulkhead.workers.prefill = Empty,
+    )
+    .in_scope(|| {
+        let route = state.workers.route(&admitted);
+        if let Some(r) = &route {
+            let span = tracing::Span::current();
+            span.record("bulkhead.workers.decode", r.worker.as_str());
+            span.record("bulkhead.workers.prefill", r.prefill.as_deref());
+        }
+        route
+    });
+    match route {
+        Some(route) => Ok((admitted, route)),
+        None => {
+            // Unroutable since the limit was taken (the policies ran in between): nothing was
+            // used, so the tokens charged come back.
+            permit.set_used(0);
+            Err(ApiError::NoHealthyWorker)
+        }
+    }
 }
 
 /// Gateway admission (design step 4) in its span: prompt + max tokens against `limit`.

@@ -19,7 +19,7 @@ use crate::metrics::Metrics;
 use crate::policy::{Charge, Progress, RequestPolicy};
 use crate::tenant::Tenant;
 use crate::trail::Trail;
-use crate::upstreams::UpstreamStream;
+use crate::upstreams::Leg;
 use crate::workers::Route;
 
 use super::Endpoint;
@@ -28,10 +28,10 @@ use super::upstream::{finish_reason, from_status, span_failed};
 use super::validate::Stream;
 use super::wire::Head;
 
-/// A request the worker accepted; holds the tenant's permit and the route until it ends.
+/// A request routed and called; holds the tenant's permit and the route until it ends.
 /// Dropping it ends the request's policies: `on-response-end`, or — when it did not reach
 /// the end, i.e. the client went away — the chain's disconnect directive, which may keep
-/// reading `upstream` for a while before dropping it (see [`crate::policy`]).
+/// waiting on `upstream` for a while before dropping it (see [`crate::policy`]).
 #[derive(Debug)]
 pub struct Started {
     pub endpoint: Endpoint,
@@ -51,8 +51,9 @@ pub struct Started {
     pub max_tokens: u32,
     pub route: Route,
     pub metrics: Metrics,
-    /// `None` only once handed to the policies at drop.
-    pub upstream: Option<UpstreamStream>,
+    /// The call until the worker answers ([`Started::answer`]), then its stream. `None` once
+    /// the call failed, or once handed to the policies at drop.
+    pub upstream: Option<Leg>,
     /// How far the stream got.
     pub progress: Progress,
     /// `None` only once finished at drop.
@@ -109,6 +110,33 @@ enum Step {
 }
 
 impl Started {
+    /// Waits for the worker's answer to the call, until `deadline`: its stream, or the error
+    /// that fails the request (the call refused or failed, or not answered in time; the
+    /// request's trail, span and charge say so).
+    pub async fn answer(&mut self, deadline: Instant, secs: u64) -> Result<(), ApiError> {
+        let Some(Leg::Calling(call)) = self.upstream.as_mut() else {
+            return Ok(());
+        };
+        let answered = tokio::time::timeout_at(deadline, call).await;
+        self.upstream = None;
+        match answered {
+            Ok(Ok(stream)) => {
+                self.upstream = Some(Leg::Streaming(stream));
+                Ok(())
+            }
+            Ok(Err(status)) => {
+                let failure = from_status(&status);
+                if failure.worker_down {
+                    tracing::warn!(worker = %self.route.worker, %status, "the worker failed a Generate call");
+                    self.route.failed(status.message());
+                }
+                self.progress.failed = true;
+                Err(self.failed(failure.error, failure.refused_by))
+            }
+            Err(_) => Err(self.timed_out(secs)),
+        }
+    }
+
     /// The next step, or the error that ends the request.
     async fn next(&mut self) -> Result<Step, ApiError> {
         let step = self.step().await;
@@ -123,7 +151,7 @@ impl Started {
     async fn step(&mut self) -> Result<Step, ApiError> {
         let mut silent_until = Instant::now() + self.idle;
         loop {
-            let Some(upstream) = self.upstream.as_mut() else {
+            let Some(Leg::Streaming(upstream)) = self.upstream.as_mut() else {
                 return Err(ApiError::Internal);
             };
             let Ok(message) = tokio::time::timeout_at(silent_until, upstream.message()).await

@@ -1,17 +1,19 @@
 //! The end of a request: `on-response-end` for accounting, and — when the client went away
-//! before the end — `on-disconnect`, whose directive says how long the gateway keeps reading
-//! the worker's stream before dropping it (dropping it cancels the request at the worker).
+//! before the end — `on-disconnect`, whose directive says how long the gateway keeps waiting
+//! on the worker before dropping the request (dropping it cancels it at the worker).
 //!
 //! ```text
-//!  client gone ─▶ directive ─┬─ abort-now ──────────────────────────────────▶ drop stream
-//!                            ├─ hold-until-prefill-done ─┐ (the first token is when the
-//!                            ├─ hold-until-first-token ──┴─ gateway sees prefill done) ─▶ drop
-//!                            └─ hold-until-complete ──── until Done ────────────────────▶ drop
+//!  client gone ─▶ directive ─┬─ abort-now ──────────────────────────────────▶ drop the call
+//!                            ├─ hold-until-prefill-done ─┐ (the first token is when the   or
+//!                            ├─ hold-until-first-token ──┴─ gateway sees prefill done) ─▶ stream
+//!                            └─ hold-until-complete ──── until Done ────────────────────▶
 //!  each hold is bounded by the hold limit; then on-response-end(client-disconnected)
 //! ```
 //!
-//! The gateway sees one stream (to the decode or colocated worker), so it reports the phase
-//! as `prefilling` until the first token and `decoding` after.
+//! The gateway sees one call (to the decode or colocated worker), so it reports the phase as
+//! `queued` until the worker answers the call (a busy worker answers once the request left its
+//! queue), `prefilling` until the first token, and `decoding` after. A held request that was
+//! queued waits for the worker's answer, then for its stream as the directive says.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -21,7 +23,7 @@ use bulkhead_worker::serve::proto::Item;
 
 use crate::limits::RequestPermit;
 use crate::trail::Trail;
-use crate::upstreams::UpstreamStream;
+use crate::upstreams::{Leg, UpstreamStream};
 use crate::workers::Claim;
 
 use super::bindings::{Directive, Disconnect, Hooks, Outcome, Phase, ResponseEnd, Usage};
@@ -41,13 +43,17 @@ pub struct Progress {
 }
 
 impl Progress {
-    /// The tokens the request used as far as it got: the worker's usage once it said Done,
-    /// else the prompt (`prompt_tokens`, as admitted) and the tokens that came.
+    /// The (prompt, completion) tokens the request used as far as it got: the worker's usage
+    /// once it said Done, else the prompt (`prompt_tokens`, as admitted) and the tokens that
+    /// came.
+    pub fn counted(&self, prompt_tokens: u32) -> (u32, u32) {
+        self.usage.unwrap_or((prompt_tokens, self.tokens))
+    }
+
+    /// [`Progress::counted`], summed.
     pub fn used(&self, prompt_tokens: u32) -> u64 {
-        match self.usage {
-            Some((prompt, completion)) => u64::from(prompt) + u64::from(completion),
-            None => u64::from(prompt_tokens) + u64::from(self.tokens),
-        }
+        let (prompt, completion) = self.counted(prompt_tokens);
+        u64::from(prompt) + u64::from(completion)
     }
 }
 
@@ -71,8 +77,14 @@ impl Charge {
 }
 
 /// The directive a failing `on-disconnect` plugin gets when its binding fails closed: the
-/// design's default (never abort before the first token).
-const ON_FAULT: Directive = Directive::HoldUntilFirstToken;
+/// design's default, never abort before the first token once the worker took the request (a
+/// request still in its queue, or already decoding, has nothing to protect).
+fn on_fault(phase: Phase) -> Directive {
+    match phase {
+        Phase::Queued | Phase::Decoding => Directive::AbortNow,
+        Phase::Prefilling | Phase::Transferring => Directive::HoldUntilFirstToken,
+    }
+}
 
 fn rank(d: Directive) -> u8 {
     match d {
@@ -111,15 +123,11 @@ impl Ending {
     }
 
     /// The longest hold any `on-disconnect` plugin asks for (abort-now when none asks).
-    async fn directive(&self, progress: Progress, held_for_tenant: u32) -> Directive {
+    async fn directive(&self, phase: Phase, progress: Progress, held_for_tenant: u32) -> Directive {
         let event = Disconnect {
             request_id: self.id.clone(),
             tenant: self.tenant.clone(),
-            phase: if progress.tokens == 0 {
-                Phase::Prefilling
-            } else {
-                Phase::Decoding
-            },
+            phase,
             tokens_so_far: progress.tokens,
             held_for_tenant,
         };
@@ -138,7 +146,7 @@ impl Ending {
                     if b.fail_open {
                         continue;
                     }
-                    ON_FAULT
+                    on_fault(phase)
                 }
             };
             if rank(d) > rank(directive) {
@@ -172,6 +180,18 @@ impl Ending {
         }
     }
 
+    /// [`Ending::end`] in a task, when some plugin asked for it.
+    fn spawn_end(
+        self: Arc<Self>,
+        runtime: &tokio::runtime::Handle,
+        outcome: Outcome,
+        usage: (u32, u32),
+    ) {
+        if self.wanting(Hooks::ON_RESPONSE_END).next().is_some() {
+            runtime.spawn(self.end(outcome, usage));
+        }
+    }
+
     /// [`Ending::response_end`] in an instance slot, when some plugin asked for it.
     async fn end(self: Arc<Self>, outcome: Outcome, usage: (u32, u32)) {
         if self.wanting(Hooks::ON_RESPONSE_END).next().is_none() {
@@ -186,36 +206,40 @@ impl Ending {
 
     async fn abandoned(
         self: Arc<Self>,
-        upstream: Option<UpstreamStream>,
+        leg: Option<Leg>,
         mut progress: Progress,
         trail: Trail,
         charge: Charge,
     ) {
         let (held_before, held) = self.policies.hold(&self.tenant);
+        let phase = match (&leg, progress.tokens) {
+            (Some(Leg::Calling(_)), _) => Phase::Queued,
+            (_, 0) => Phase::Prefilling,
+            (_, _) => Phase::Decoding,
+        };
         let directive = if self.wanting(Hooks::ON_DISCONNECT).next().is_none() {
             Directive::AbortNow
         } else {
             match self.policies.slot().await {
-                Some(Ok(_slot)) => self.directive(progress, held_before).await,
+                Some(Ok(_slot)) => self.directive(phase, progress, held_before).await,
                 Some(Err(fault)) => {
                     tracing::warn!(request = %self.id, %fault, "on-disconnect could not run");
                     // As each plugin's own fault would: only a fail-closed one holds.
                     if self.wanting(Hooks::ON_DISCONNECT).all(|b| b.fail_open) {
                         Directive::AbortNow
                     } else {
-                        ON_FAULT
+                        on_fault(phase)
                     }
                 }
                 None => Directive::AbortNow,
             }
         };
         self.policies.stats().abandoned(recorded(directive).name());
-        if let Some(mut upstream) = upstream {
+        if let Some(leg) = leg {
             let since = Instant::now();
             let limit = self.policies.hold_limit();
-            let _ =
-                tokio::time::timeout(limit, drain(&mut upstream, directive, &mut progress)).await;
-            drop(upstream);
+            // The call or the stream is dropped with the hold: at its end, or at its limit.
+            let _ = tokio::time::timeout(limit, hold(leg, directive, &mut progress)).await;
             let dropped = match (progress.usage, progress.tokens) {
                 (Some(_), _) => Dropped::AfterDone,
                 (None, 0) => Dropped::BeforeFirstToken,
@@ -235,10 +259,24 @@ impl Ending {
         // the hold in it.
         drop(trail);
         drop(held);
+        let usage = progress.counted(charge.prompt_tokens);
         charge.settle(progress);
-        let usage = progress.usage.unwrap_or((0, progress.tokens));
         self.end(Outcome::ClientDisconnected, usage).await;
     }
+}
+
+/// Waits on the worker as `directive` says: for its answer to the call (unless abort-now),
+/// then on its stream.
+async fn hold(leg: Leg, directive: Directive, progress: &mut Progress) {
+    let mut upstream = match leg {
+        Leg::Streaming(upstream) => upstream,
+        Leg::Calling(_) if matches!(directive, Directive::AbortNow) => return,
+        Leg::Calling(call) => match call.await {
+            Ok(upstream) => upstream,
+            Err(_) => return,
+        },
+    };
+    drain(&mut upstream, directive, progress).await;
 }
 
 /// Reads `upstream` until `directive` is satisfied (or the stream ends).
@@ -273,39 +311,44 @@ async fn drain(upstream: &mut UpstreamStream, directive: Directive, progress: &m
 impl RequestPolicy {
     /// The request ended: completed (`progress.usage`), failed, or abandoned by its client
     /// (neither). Called once, when the response's state is dropped; the work runs in a task.
-    /// An abandoned request's `trail` is kept until its stream is dropped, so that its record
-    /// says how the stream was held, and its `charge` until then too, settled to what it used.
-    pub fn finish(
-        self,
-        upstream: Option<UpstreamStream>,
-        progress: Progress,
-        trail: Trail,
-        charge: Charge,
-    ) {
+    /// An abandoned request's `trail` is kept until its call or stream is dropped, so that its
+    /// record says how it was held, and its `charge` until then too, settled to what it used.
+    pub fn finish(self, leg: Option<Leg>, progress: Progress, trail: Trail, charge: Charge) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let ending = Arc::new(Ending {
-            policies: self.policies.clone(),
-            set: self.set.clone(),
-            matched: self.matched.clone(),
-            id: self.id.clone(),
-            tenant: self.tenant.clone(),
-        });
-        let outcome = match (progress.usage, progress.failed) {
-            (Some(usage), _) => Some((Outcome::Completed, usage)),
-            (None, true) => Some((Outcome::Failed, (0, progress.tokens))),
-            (None, false) => None,
-        };
-        match outcome {
-            Some((outcome, usage)) => {
-                if ending.wanting(Hooks::ON_RESPONSE_END).next().is_some() {
-                    runtime.spawn(ending.end(outcome, usage));
-                }
+        let ending = self.ending();
+        match (progress.usage, progress.failed) {
+            (Some(usage), _) => ending.spawn_end(&runtime, Outcome::Completed, usage),
+            (None, true) => {
+                // A refusal before the first token used nothing (as its charge says).
+                let usage = match progress.tokens {
+                    0 => (0, 0),
+                    _ => progress.counted(charge.prompt_tokens),
+                };
+                ending.spawn_end(&runtime, Outcome::Failed, usage);
             }
-            None => {
-                runtime.spawn(ending.abandoned(upstream, progress, trail, charge));
+            (None, false) => {
+                runtime.spawn(ending.abandoned(leg, progress, trail, charge));
             }
         }
+    }
+
+    /// The request failed after the chain allowed it and before a worker was called (a limit
+    /// of the gateway's, or no worker to route to): `on-response-end`, nothing used.
+    pub fn failed(self) {
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            self.ending().spawn_end(&runtime, Outcome::Failed, (0, 0));
+        }
+    }
+
+    fn ending(self) -> Arc<Ending> {
+        Arc::new(Ending {
+            policies: self.policies,
+            set: self.set,
+            matched: self.matched,
+            id: self.id,
+            tenant: self.tenant,
+        })
     }
 }

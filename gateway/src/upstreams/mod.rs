@@ -5,14 +5,17 @@
 
 pub mod openai;
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bulkhead_telemetry::{WORKER_RPC_SERVICE, propagation};
 use bulkhead_worker::serve::cluster_token;
 use bulkhead_worker::serve::proto::{GenerateRequest, GenerateResponse};
 use tonic::{Status, Streaming};
-use tracing::Span;
 use tracing::field::Empty;
+use tracing::{Instrument as _, Span};
 
 use crate::workers::ServedModel;
 
@@ -25,6 +28,29 @@ pub enum Upstream {
     Grpc(cluster_token::Client),
     /// An OpenAI-compatible HTTP server.
     OpenAi(Arc<OpenAiClient>),
+}
+
+/// A generation call not answered yet (on a busy worker, the request waits in its queue):
+/// owned, so a request whose client left can still be held by it (see [`crate::policy`]).
+pub type Call = Pin<Box<dyn Future<Output = Result<UpstreamStream, Status>> + Send>>;
+
+/// The upstream side of a request: its call until the worker answers, then its stream.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one per request, in place of the stream it becomes; boxing would allocate per request"
+)]
+pub enum Leg {
+    Calling(Call),
+    Streaming(UpstreamStream),
+}
+
+impl std::fmt::Debug for Leg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Leg::Calling(_) => f.write_str("Calling"),
+            Leg::Streaming(s) => f.debug_tuple("Streaming").field(s).finish(),
+        }
+    }
 }
 
 /// A generation in progress on either kind of upstream.
@@ -62,10 +88,37 @@ impl Upstream {
         }
     }
 
+    /// [`Upstream::generate`] as an owned call. A worker that does not take it within `idle`
+    /// (stopped, or cut off without a reset) fails it as unavailable, as one that goes silent
+    /// mid-answer does: without this, a request would wait for its whole request timeout and
+    /// the worker would stay routed to.
+    pub fn call(
+        &self,
+        request: GenerateRequest,
+        span: &Span,
+        model: &Arc<ServedModel>,
+        idle: Duration,
+    ) -> Call {
+        let (upstream, span, model) = (self.clone(), span.clone(), model.clone());
+        Box::pin(async move {
+            let generating = upstream.generate(request, &span, &model);
+            match tokio::time::timeout(idle, generating)
+                .instrument(span.clone())
+                .await
+            {
+                Ok(answer) => answer,
+                Err(_) => Err(Status::unavailable(format!(
+                    "the worker did not take the request in {} s",
+                    idle.as_secs()
+                ))),
+            }
+        })
+    }
+
     /// Starts a generation, passing `span`'s trace context on (gRPC metadata or HTTP headers).
     /// An OpenAI-compatible upstream that sends no usage has its completion counted with
     /// `model`'s tokenizer.
-    pub async fn generate(
+    async fn generate(
         &self,
         request: GenerateRequest,
         span: &Span,
