@@ -53,7 +53,7 @@ fn every_request_leaves_one_record_in_its_tenants_log_that_only_it_can_read() {
         let canary = format!("canary-{:016x}", rand::random::<u64>());
 
         // Tenant A: a completion, a stream, a malformed body, an over-long request, an unknown
-        // model and an unknown path.
+        // model, an unknown path and a path asked with the wrong method.
         let (status, head, body) = exchange(
             &up.api,
             "POST",
@@ -88,6 +88,9 @@ fn every_request_leaves_one_record_in_its_tenants_log_that_only_it_can_read() {
             http(&up.api, "GET", "/v1/nothing", Some(KEY_A), &[], "").0,
             404
         );
+        let (status, body) = http(&up.api, "GET", "/v1/chat/completions", Some(KEY_A), &[], "");
+        assert_eq!(status, 405, "{body}");
+        assert_eq!(json(&body)["error"]["code"], "method_not_allowed", "{body}");
         // No tenant to charge: the gateway's own log.
         assert_eq!(up.chat("sk-wrong", &[], QUESTION).0, 401);
         assert_eq!(http(&up.api, "GET", "/v1/models", None, &[], "").0, 401);
@@ -114,8 +117,8 @@ fn every_request_leaves_one_record_in_its_tenants_log_that_only_it_can_read() {
         }
         drop(s);
 
-        // A's log: exactly its six requests, in order, with their outcomes.
-        let a = up.wait_records("tenant-a", 6);
+        // A's log: exactly its seven requests, in order, with their outcomes.
+        let a = up.wait_records("tenant-a", 7);
         let outcome: Vec<(u64, Option<&str>)> = a
             .iter()
             .map(|r| {
@@ -134,6 +137,7 @@ fn every_request_leaves_one_record_in_its_tenants_log_that_only_it_can_read() {
                 (400, Some("context_length_exceeded")),
                 (404, Some("model_not_found")),
                 (404, Some("not_found")),
+                (405, Some("method_not_allowed")),
             ],
             "{a:#?}"
         );

@@ -291,8 +291,9 @@ fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
 #[test]
 fn a_prompt_computed_for_longer_than_the_silence_timeout_is_served_while_it_progresses() {
     bounded(|| {
-        // Both workers compute 32 prompt tokens a step: each step far within the gateway's 2 s
-        // silence timeout, the whole prompt (about 600 tokens) well beyond it. The gateway
+        // Both workers compute 16 prompt tokens a step: each step far within the gateway's 2 s
+        // silence timeout, the whole prompt (about 600 tokens) well beyond it (at 32 a step, a
+        // quiet machine computed it in 3.4 s, within twice the timeout). The gateway
         // once took that silence for a hung worker, however busily prefill worked.
         let idle = Duration::from_secs(2);
         let up = Up::launch(Options {
@@ -300,7 +301,7 @@ fn a_prompt_computed_for_longer_than_the_silence_timeout_is_served_while_it_prog
                 "stream_idle_timeout_secs = 120",
                 "stream_idle_timeout_secs = 2",
             )],
-            env: &[("BULKHEAD_MAX_BATCH_TOKENS", "32")],
+            env: &[("BULKHEAD_MAX_BATCH_TOKENS", "16")],
             ..Options::default()
         });
         up.wait_routable();

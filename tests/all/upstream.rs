@@ -127,6 +127,39 @@ fn the_gateway_fronts_an_openai_compatible_server_with_its_own_tenants_admission
         let (status, body) = front.chat(&stream);
         assert_eq!(status, 200);
         assert!(body.contains("[DONE]"), "{body}");
+        // A stop string the answer's last token begins but never completes: the back holds
+        // that token's text back (all but its first character) and sends it with its finish,
+        // which the front takes as the answer's end, not as one token more than asked for.
+        let streamed = stream.replace("\"max_tokens\":12", "\"max_tokens\":6");
+        let (status, body) = back.chat(KEY_B, &[], &streamed);
+        assert_eq!(status, 200, "{body}");
+        let pieces: Vec<String> = body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .filter_map(|d| {
+                json(d)["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(str::to_owned)
+            })
+            .filter(|t| !t.is_empty())
+            .collect();
+        let last = pieces
+            .iter()
+            .position(|p| p.chars().count() >= 2)
+            .unwrap_or_else(|| panic!("a token of two characters or more: {pieces:?}"));
+        let asked = CHAT.replace("\"max_tokens\":12", &format!("\"max_tokens\":{}", last + 1));
+        let held: String = pieces[last].chars().skip(1).collect();
+        let stop = serde_json::to_string(&format!("{held}~~~~")).expect("a JSON string");
+        let stopped = format!("{},\"stop\":[{stop}]}}", &asked[..asked.len() - 1]);
+        let (status, body) = front.chat(&stopped);
+        assert_eq!(status, 200, "{stopped}: {body}");
+        assert_eq!(text(&body), pieces[..=last].concat(), "{body}");
+        assert_eq!(
+            json(&body)["choices"][0]["finish_reason"],
+            "length",
+            "{body}"
+        );
 
         // The front's own admission (tenant max_context 1024) refuses before the back is asked.
         let (_, before) = http(
@@ -156,7 +189,7 @@ fn the_gateway_fronts_an_openai_compatible_server_with_its_own_tenants_admission
         // The front's audit log names the upstream.
         let (_, audit) = http(&front.api, "GET", "/v1/audit", Some(KEY_A), &[], "");
         let records = json(&audit)["data"].as_array().cloned().unwrap_or_default();
-        assert_eq!(records.len(), 3, "{audit}");
+        assert_eq!(records.len(), 4, "{audit}");
         assert_eq!(
             records[0]["record"]["bulkhead.workers"]["decode"],
             "upstream-b"

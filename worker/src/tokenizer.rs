@@ -433,13 +433,6 @@ impl Detokenizer {
             self.pending.drain(..valid + invalid);
         }
     }
-
-    /// The text still held back at the end of the stream.
-    pub fn finish(&mut self) -> String {
-        let text = String::from_utf8_lossy(&self.pending).into_owned();
-        self.pending.clear();
-        text
-    }
 }
 
 #[cfg(test)]
@@ -549,7 +542,6 @@ mod tests {
         // third for its lone second byte.
         assert_eq!(d.push(&t, 0), "\u{FFFD}");
         assert_eq!(d.push(&t, 1), "é");
-        assert_eq!(d.finish(), "");
     }
 
     #[test]

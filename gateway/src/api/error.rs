@@ -65,6 +65,11 @@ pub enum ApiError {
         "unknown path; this server serves /v1/chat/completions, /v1/completions, /v1/models and /v1/audit"
     )]
     NotFound,
+    /// A served path asked with a method it does not answer.
+    #[error(
+        "method not allowed: POST /v1/chat/completions and /v1/completions, GET /v1/models and /v1/audit"
+    )]
+    MethodNotAllowed,
     /// The audit log cannot write, and the gateway refuses to serve unaudited traffic.
     #[error("the audit log is unavailable; no request is served unaudited. Retry later")]
     AuditUnavailable,
@@ -175,6 +180,11 @@ pub fn mapping(err: &ApiError) -> Mapping {
             Some("timeout"),
         ),
         ApiError::NotFound => m(StatusCode::NOT_FOUND, INVALID_REQUEST, Some("not_found")),
+        ApiError::MethodNotAllowed => m(
+            StatusCode::METHOD_NOT_ALLOWED,
+            INVALID_REQUEST,
+            Some("method_not_allowed"),
+        ),
         ApiError::AuditUnavailable => m(
             StatusCode::SERVICE_UNAVAILABLE,
             "service_unavailable",
@@ -221,6 +231,7 @@ impl ApiError {
             | ApiError::KvIntegrity
             | ApiError::Timeout { .. }
             | ApiError::NotFound
+            | ApiError::MethodNotAllowed
             | ApiError::AuditUnavailable
             | ApiError::PolicyDenied { .. }
             | ApiError::PolicyFailed
@@ -352,6 +363,12 @@ mod tests {
             Some("audit_unavailable"),
         );
         check(ApiError::NotFound, 404, INVALID_REQUEST, Some("not_found"));
+        check(
+            ApiError::MethodNotAllowed,
+            405,
+            INVALID_REQUEST,
+            Some("method_not_allowed"),
+        );
         check(
             ApiError::PolicyDenied {
                 plugin: "p".into(),

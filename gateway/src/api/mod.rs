@@ -94,6 +94,7 @@ pub fn router(state: ApiState) -> Router {
         .route(MODELS_ROUTE, get(models))
         .route(AUDIT_ROUTE, get(audit))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(Shared::new(state))
         .layer(middleware::from_fn_with_state(
             metrics.clone(),
@@ -120,6 +121,10 @@ async fn audit(
 
 async fn not_found() -> Response {
     ApiError::NotFound.into_response()
+}
+
+async fn method_not_allowed() -> Response {
+    ApiError::MethodNotAllowed.into_response()
 }
 
 async fn models(State(state): State<Shared>) -> Response {

@@ -345,15 +345,14 @@ fn stream(started: Started, span: tracing::Span) -> Response {
                     }
                 }
                 Ok(Step::Done(d)) => {
-                    let tail = (!d.text_tail.is_empty()).then_some(d.text_tail.as_str());
-                    if tail.is_some() || s.first {
-                        let chunk = s.started.chunk(tail.or(Some("")), None, s.first);
-                        s.queue.push_back(chunk);
-                        s.first = false;
-                    }
+                    // The text held back to the end goes in the closing chunk, not one of its
+                    // own: a client counting content chunks (a gateway in front of this one)
+                    // never counts more than the tokens asked for.
+                    let tail = (!d.text_tail.is_empty() || s.first).then_some(d.text_tail.as_str());
                     let finish = finish_reason(d.finish_reason);
                     s.queue
-                        .push_back(s.started.chunk(None, Some(finish), false));
+                        .push_back(s.started.chunk(tail, Some(finish), s.first));
+                    s.first = false;
                     if s.started.stream_mode.is_some_and(|m| m.include_usage) {
                         let usage = s.started.head().usage_chunk(&d);
                         s.queue.push_back(Event::default().data(usage));

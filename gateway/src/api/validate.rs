@@ -450,8 +450,10 @@ fn message(index: usize, m: &Value) -> Result<Message, RequestError> {
     })?;
     // No `name`: a participant's name would be rendered by the chat template as its own text,
     // where control tokens are parsed, and dropping it would change what the model is told.
-    for key in m.keys() {
-        if !matches!(key.as_str(), "role" | "content") {
+    // A key set to null is absent (a client sending back an answer's message as it got it
+    // sends `"tool_calls": null`, `"refusal": null`).
+    for (key, value) in m {
+        if !matches!(key.as_str(), "role" | "content") && !value.is_null() {
             return Err(RequestError::UnsupportedField { field: field(key) });
         }
     }
@@ -752,6 +754,19 @@ mod tests {
             Err(RequestError::UnsupportedField {
                 field: "messages[0].name".into()
             })
+        );
+        // An answer's message sent back as the client got it: its null fields are absent.
+        assert!(
+            chat(with(
+                "messages",
+                json!([
+                    {"role": "user", "content": "x"},
+                    {"role": "assistant", "content": "y", "tool_calls": null, "refusal": null,
+                     "function_call": null, "audio": null, "annotations": null},
+                    {"role": "user", "content": "z"},
+                ])
+            ))
+            .is_ok()
         );
         assert_eq!(
             chat(json!({"model": "m"})),

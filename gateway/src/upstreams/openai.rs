@@ -146,6 +146,9 @@ struct Events {
     prompt_tokens: u32,
     /// The completion so far, counted at the end when no usage came.
     text: String,
+    /// Text that came with the finish reason: the answer's end, not a token of its own (a
+    /// server that held text back for its stop strings sends it there).
+    tail: String,
     counter: TokenCounter,
     /// Chunks with text: the count when the counter cannot count.
     chunks: u32,
@@ -445,6 +448,7 @@ impl SseStream {
                 salted,
                 prompt_tokens,
                 text: String::new(),
+                tail: String::new(),
                 counter,
                 chunks: 0,
                 ended: false,
@@ -580,7 +584,7 @@ impl Events {
                     finish_reason: self.finish.into(),
                     prompt_tokens,
                     completion_tokens,
-                    text_tail: String::new(),
+                    text_tail: std::mem::take(&mut self.tail),
                     cached_tokens: self.cached_tokens,
                 })),
             });
@@ -609,12 +613,16 @@ impl Events {
             if let Some(text) = choice.text.filter(|t| !t.is_empty()) {
                 self.chunks += 1;
                 self.text.push_str(&text);
-                self.ready.push_back(GenerateResponse {
-                    item: Some(Item::Token(Token {
-                        text: text.into_owned(),
-                        ..Token::default()
-                    })),
-                });
+                if choice.finish_reason.is_some() {
+                    self.tail.push_str(&text);
+                } else {
+                    self.ready.push_back(GenerateResponse {
+                        item: Some(Item::Token(Token {
+                            text: text.into_owned(),
+                            ..Token::default()
+                        })),
+                    });
+                }
             }
             match choice.finish_reason.as_deref() {
                 Some("length") => self.finish = FinishReason::Length,
@@ -680,7 +688,10 @@ mod tests {
         loop {
             match s.message().await?.and_then(|m| m.item) {
                 Some(Item::Token(t)) => text.push_str(&t.text),
-                Some(Item::Done(d)) => return Ok((text, d)),
+                Some(Item::Done(d)) => {
+                    text.push_str(&d.text_tail);
+                    return Ok((text, d));
+                }
                 Some(Item::Progress(_)) => {
                     return Err(Status::internal("an HTTP upstream's progress"));
                 }
@@ -706,6 +717,28 @@ mod tests {
             done.cached_tokens, 4,
             "the upstream's prompt cache, passed through"
         );
+    }
+
+    #[tokio::test]
+    async fn text_that_comes_with_the_finish_reason_is_the_answers_end_not_a_token() {
+        // Another Bulkhead gateway sends the text it held back for a stop string with its
+        // finish: counted as a token, an answer of the one token asked for read as two.
+        let mut s = stream(&[
+            "data: {\"choices\":[{\"text\":\"T\",\"finish_reason\":null}]}\n\n",
+            "data: {\"choices\":[{\"text\":\"he\",\"finish_reason\":\"length\"}]}\n\n",
+            "data: [DONE]\n\n",
+        ]);
+        let mut tokens = Vec::new();
+        let done = loop {
+            match s.message().await.expect("parses").and_then(|m| m.item) {
+                Some(Item::Token(t)) => tokens.push(t.text),
+                Some(Item::Done(d)) => break d,
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(tokens, ["T"]);
+        assert_eq!(done.text_tail, "he");
+        assert_eq!(done.finish_reason, i32::from(FinishReason::Length));
     }
 
     #[tokio::test]

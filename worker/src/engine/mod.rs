@@ -1225,7 +1225,8 @@ fn accept_token(tokenizer: &Tokenizer, r: &mut Running, token: TokenId) -> Outco
         completion_tokens: r.generated.len(),
         cached_tokens: r.cached_prompt(),
     };
-    let (text, finish) = if tokenizer.is_stop(token) && !r.request.ignore_eos {
+    let eos = tokenizer.is_stop(token) && !r.request.ignore_eos;
+    let (text, finish) = if eos {
         (String::new(), Some(FinishReason::Stop))
     } else {
         match r.stops.push(&r.detok.push(tokenizer, token)) {
@@ -1242,12 +1243,11 @@ fn accept_token(tokenizer: &Tokenizer, r: &mut Running, token: TokenId) -> Outco
     let Some(reason) = finish else {
         return Outcome::Continue;
     };
-    let text_tail = if reason == FinishReason::Length {
-        let tail = r.detok.finish();
-        match r.stops.push(&tail) {
-            StopScan::Stopped(t) => t,
-            StopScan::Continue(t) => t + &r.stops.finish(),
-        }
+    // Text the stop watch held back (it could have begun a stop string) is the answer's,
+    // unless a stop string ended it. Half a character the detokenizer holds (a length limit
+    // cut the character) is no text: it goes with the request, never as U+FFFD.
+    let text_tail = if eos || reason == FinishReason::Length {
+        r.stops.finish()
     } else {
         String::new()
     };

@@ -8,3 +8,4 @@ mod disaggregation;
 mod golden;
 mod isolation;
 mod prefix_cache;
+mod stops;
