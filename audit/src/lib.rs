@@ -45,7 +45,7 @@ pub use log::{AuditLog, Config, Durability, Receipt, Recovery};
 pub use read::{Stored, read};
 pub use record::{
     Admission, AdmissionOutcome, AuditRecord, Directive, DisconnectPhase, Dropped, Hold, Integrity,
-    Layer, PolicyDecision, Verdict, WorkerPair,
+    Label, Layer, PolicyDecision, Verdict, WorkerPair,
 };
 pub use tenant::{MAX_TENANT_LEN, TenantId, TenantIdError};
 pub use verify::{Problem, Reason, Report, TenantReport, verify};

@@ -103,6 +103,18 @@ pub struct PolicyDecision {
     pub digest: Sha256Digest,
     /// What it decided.
     pub verdict: Verdict,
+    /// The labels it attached to the request (tenant, tier, cost center…), in its order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tags: Vec<Label>,
+}
+
+/// A label a policy attached to a request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Label {
+    /// What the label names, e.g. `tier`.
+    pub key: String,
+    /// Its value, e.g. `gold`.
+    pub value: String,
 }
 
 /// A policy plugin's verdict.

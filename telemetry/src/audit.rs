@@ -151,6 +151,7 @@ mod tests {
                 plugin: "length-limit".into(),
                 digest: Sha256Digest::of(b"component"),
                 verdict: Verdict::Deny { status: 403 },
+                tags: Vec::new(),
             }],
             admission: Some(Admission {
                 outcome: AdmissionOutcome::Admitted,

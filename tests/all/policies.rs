@@ -134,6 +134,22 @@ fn policies_deny_clamp_label_and_hold_an_abandoned_request_until_its_first_token
         );
         assert_eq!(status, 400, "{body}");
         assert_eq!(json(&body)["error"]["code"], "policy_denied", "{body}");
+        // Its record names the plugin that refused, which code it was, and what came before.
+        let record = up.wait_records("tenant-b", 1).pop().expect("its record");
+        let decisions = &record["bulkhead.policy.decisions"];
+        assert_eq!(decisions[0]["plugin"], "tenant-tag", "{record:#}");
+        assert_eq!(decisions[0]["verdict"]["kind"], "mutate", "{record:#}");
+        assert_eq!(decisions[1]["plugin"], "length-limit", "{record:#}");
+        assert_eq!(
+            decisions[1]["digest"],
+            component("length-limit").1,
+            "{record:#}"
+        );
+        assert_eq!(
+            decisions[1]["verdict"],
+            json!({"kind": "deny", "status": 400}),
+            "{record:#}"
+        );
 
         // tenant-a passes, labelled (the tier echoed as a header).
         let (status, head, body) = exchange(
@@ -146,6 +162,15 @@ fn policies_deny_clamp_label_and_hold_an_abandoned_request_until_its_first_token
         );
         assert_eq!(status, 200, "{body}");
         assert_eq!(header(&head, "x-bulkhead-tier"), Some("gold"), "{head}");
+        // The labels are in its audit record, with the plugin that attached them.
+        let record = up.wait_records("tenant-a", 1).pop().expect("its record");
+        let tagged = &record["bulkhead.policy.decisions"][0];
+        assert_eq!(tagged["plugin"], "tenant-tag", "{record:#}");
+        assert_eq!(
+            tagged["tags"],
+            json!([{"key": "tenant", "value": "tenant-a"}, {"key": "tier", "value": "gold"}]),
+            "{record:#}"
+        );
 
         // /v1/completions: prompt + max tokens clamped to 24 in all.
         let counting = r#"{"prompt":"1, 2, 3, 4, 5,","max_tokens":200,"temperature":0}"#;

@@ -53,6 +53,7 @@ pub fn record(tenant: &TenantId, i: u64) -> AuditRecord {
             plugin: "abort-guard".to_owned(),
             digest: Sha256Digest::of(b"plugin"),
             verdict: Verdict::Allow,
+            tags: Vec::new(),
         }],
         admission: Some(Admission {
             outcome: AdmissionOutcome::Admitted,

@@ -326,6 +326,7 @@ async fn start(
     let policy_span = tracing::info_span!(
         "policy",
         bulkhead.policy.decisions = Empty,
+        bulkhead.policy.tags = Empty,
         bulkhead.policy.max_tokens = Empty,
         error.type = Empty,
     );
@@ -342,11 +343,19 @@ async fn start(
         })
         .instrument(policy_span.clone())
         .await
-        .map_err(ApiError::from)
-        .inspect_err(|e| {
+        .map_err(|refused| {
+            // A refusal's record names the plugin that refused, and every decision before it.
+            trail.policy(refused.decisions.iter().map(Into::into).collect());
+            let e = ApiError::from(refused);
             policy_span.record("error.type", e.error_type());
+            e
         })?;
     policy_span.record("bulkhead.policy.decisions", policy.decisions().len());
+    let tags = policy.tags();
+    if !tags.is_empty() {
+        let tags: Vec<String> = tags.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        policy_span.record("bulkhead.policy.tags", tags.join(","));
+    }
     policy_span.record(
         "bulkhead.policy.max_tokens",
         policy.clamp().map(NonZeroU32::get),

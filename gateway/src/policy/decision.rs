@@ -16,8 +16,15 @@ pub struct Decision {
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case", tag = "verdict")]
 pub enum DecisionVerdict {
-    /// Allowed; `clamped_to` when it lowered max tokens.
-    Allow { clamped_to: Option<u32> },
+    /// Allowed; `clamped_to` when it lowered max tokens, with the tags it attached and the
+    /// names of the response headers it added.
+    Allow {
+        clamped_to: Option<u32>,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        tags: Vec<(String, String)>,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        headers: Vec<String>,
+    },
     /// Refused with this status.
     Deny { status: u16 },
     /// The plugin failed (`fault` is its kind); `fail_open` when the request went on anyway.
@@ -27,13 +34,27 @@ pub enum DecisionVerdict {
     },
 }
 
+impl Decision {
+    /// The tags the plugin attached (none unless it allowed).
+    pub fn tags(&self) -> impl Iterator<Item = &(String, String)> {
+        let tags = match &self.verdict {
+            DecisionVerdict::Allow { tags, .. } => tags.as_slice(),
+            DecisionVerdict::Deny { .. } | DecisionVerdict::Fault { .. } => &[],
+        };
+        tags.iter()
+    }
+}
+
 impl DecisionVerdict {
     /// A short label for metrics.
     pub fn label(&self) -> &'static str {
         match self {
-            DecisionVerdict::Allow { clamped_to: None } => "allow",
+            DecisionVerdict::Allow {
+                clamped_to: None, ..
+            } => "allow",
             DecisionVerdict::Allow {
                 clamped_to: Some(_),
+                ..
             } => "clamp",
             DecisionVerdict::Deny { .. } => "deny",
             DecisionVerdict::Fault {
@@ -52,14 +73,23 @@ impl From<&Decision> for bulkhead_audit::PolicyDecision {
         bulkhead_audit::PolicyDecision {
             plugin: d.plugin.clone(),
             digest: bulkhead_audit::Sha256Digest(d.sha256.to_bytes()),
-            verdict: match d.verdict {
-                DecisionVerdict::Allow { clamped_to: None } => Verdict::Allow,
+            verdict: match &d.verdict {
                 DecisionVerdict::Allow {
-                    clamped_to: Some(_),
-                } => Verdict::Mutate,
-                DecisionVerdict::Deny { status } => Verdict::Deny { status },
+                    clamped_to: None,
+                    tags,
+                    headers,
+                } if tags.is_empty() && headers.is_empty() => Verdict::Allow,
+                DecisionVerdict::Allow { .. } => Verdict::Mutate,
+                DecisionVerdict::Deny { status } => Verdict::Deny { status: *status },
                 DecisionVerdict::Fault { .. } => Verdict::Error,
             },
+            tags: d
+                .tags()
+                .map(|(key, value)| bulkhead_audit::Label {
+                    key: key.clone(),
+                    value: value.clone(),
+                })
+                .collect(),
         }
     }
 }

@@ -65,7 +65,6 @@ pub struct RequestPolicy {
     pub(super) id: String,
     pub(super) tenant: String,
     decisions: Vec<Decision>,
-    tags: Vec<(String, String)>,
     headers: Vec<(HeaderName, HeaderValue)>,
     /// Lower than the admitted max tokens, when a plugin clamped.
     clamp: Option<NonZeroU32>,
@@ -77,9 +76,13 @@ impl RequestPolicy {
         &self.decisions
     }
 
-    /// The tags the plugins attached.
-    pub fn tags(&self) -> &[(String, String)] {
-        &self.tags
+    /// The tags the plugins attached, in chain order.
+    pub fn tags(&self) -> Vec<(String, String)> {
+        self.decisions
+            .iter()
+            .flat_map(Decision::tags)
+            .cloned()
+            .collect()
     }
 
     /// The max tokens the plugins clamped the request to, when lower than admitted; the
@@ -113,7 +116,6 @@ fn selected(headers: &HeaderMap, names: &[HeaderName]) -> Vec<Header> {
 /// What the chain allowed.
 struct Chained {
     decisions: Vec<Decision>,
-    tags: Vec<(String, String)>,
     headers: Vec<(HeaderName, HeaderValue)>,
     max_tokens: u32,
 }
@@ -127,7 +129,6 @@ async fn chain(
 ) -> Result<Chained, Refused> {
     let mut out = Chained {
         decisions: Vec::new(),
-        tags: Vec::new(),
         headers: Vec::new(),
         max_tokens: facts.max_tokens,
     };
@@ -162,9 +163,14 @@ async fn chain(
                 if let Some(c) = clamped_to {
                     out.max_tokens = c;
                 }
-                out.tags.extend(tags);
+                let names = headers.iter().map(|(n, _)| n.as_str().to_owned()).collect();
                 out.headers.extend(headers);
-                (DecisionVerdict::Allow { clamped_to }, None)
+                let verdict = DecisionVerdict::Allow {
+                    clamped_to,
+                    tags,
+                    headers: names,
+                };
+                (verdict, None)
             }
             Ok(Checked::Deny { status, message }) => (
                 DecisionVerdict::Deny { status },
@@ -210,7 +216,6 @@ impl Policies {
         let matched = set.matching(facts.route, facts.tenant);
         let unchanged = || Chained {
             decisions: Vec::new(),
-            tags: Vec::new(),
             headers: Vec::new(),
             max_tokens: facts.max_tokens,
         };
@@ -272,7 +277,6 @@ impl Policies {
                 .then(|| NonZeroU32::new(chained.max_tokens))
                 .flatten(),
             decisions: chained.decisions,
-            tags: chained.tags,
             headers: chained.headers,
         })
     }

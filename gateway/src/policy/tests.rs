@@ -221,7 +221,9 @@ async fn length_limit_clamps_and_denies_per_tenant_and_tenant_tag_labels() {
     assert_eq!(
         clamped.decisions()[1].verdict,
         DecisionVerdict::Allow {
-            clamped_to: Some(100)
+            clamped_to: Some(100),
+            tags: Vec::new(),
+            headers: Vec::new(),
         }
     );
     // A prompt over the limit: denied with 400; tenant-b's own limit is tighter.
@@ -487,13 +489,12 @@ fn the_built_ins_import_no_wasi() {
 }
 
 /// The value of tag `key` of an allowed request.
-fn tag<'a>(allowed: &'a RequestPolicy, key: &str) -> &'a str {
-    allowed
-        .tags()
-        .iter()
+fn tag(allowed: &RequestPolicy, key: &str) -> String {
+    let tags = allowed.tags();
+    tags.iter()
         .find(|(k, _)| k == key)
-        .map(|(_, v)| v.as_str())
-        .unwrap_or_else(|| panic!("no tag {key}: {:?}", allowed.tags()))
+        .map(|(_, v)| v.clone())
+        .unwrap_or_else(|| panic!("no tag {key}: {tags:?}"))
 }
 
 /// What a plugin is shown of a one-token request of `tenant`, straight to its hook.
@@ -829,7 +830,9 @@ async fn a_c_policy_loads_and_acts() {
         assert_eq!(
             clamped.decisions()[0].verdict,
             DecisionVerdict::Allow {
-                clamped_to: Some(cap)
+                clamped_to: Some(cap),
+                tags: Vec::new(),
+                headers: vec!["x-bulkhead-token-cap".to_owned()],
             }
         );
         let mut headers = HeaderMap::new();

@@ -1,6 +1,6 @@
 //! `tenant-tag`: tags every request with `tenant=<id>` and the tenant's configured labels
-//! (cost center, tier, …), which the gateway carries into the audit record, the trace and the
-//! metrics; optionally echoes chosen labels to the client as `x-bulkhead-<label>` headers.
+//! (cost center, tier, …), which the gateway carries into the audit record (with the decision
+//! of the plugin that attached them) and the trace (the policy span); optionally echoes chosen labels to the client as `x-bulkhead-<label>` headers.
 
 use std::collections::BTreeMap;
 
