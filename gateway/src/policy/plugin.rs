@@ -104,6 +104,10 @@ impl Configured {
 /// The longest trap message kept (the rest of a guest's backtrace is noise in a log).
 const MAX_TRAP_TEXT: usize = 512;
 
+/// The most bytes one call of a plugin may have the gateway copy out of it (its answer, or one
+/// host call's arguments): far above what a verdict within its own limits holds.
+const MAX_COPIED_BYTES: usize = 1 << 20;
+
 impl Loaded {
     pub(super) fn new(
         name: Arc<str>,
@@ -130,6 +134,11 @@ impl Loaded {
             Host::new(self.name.clone(), self.limits.memory_bytes),
         );
         store.limiter(|h| &mut h.limiter);
+        // What the gateway copies out of one call (a verdict, a log line) is bounded by this,
+        // not by wasmtime's default of 128 MiB: strings in a list can all point at the same
+        // guest bytes, so a small plugin could make the gateway allocate far beyond its own
+        // memory limit.
+        store.set_hostcall_fuel(MAX_COPIED_BYTES);
         let deadline = Instant::now() + self.limits.timeout;
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(move |_| {
@@ -228,6 +237,7 @@ impl Loaded {
         snapshotter: Option<&Snapshotter>,
     ) -> Result<(Hooks, Configured), Fault> {
         let per_call = || Configured::PerCall(config.into());
+        let _slot = self.sandbox.slot_for_load().await?;
         let mut store = self.store();
         let Some(snapshotter) = snapshotter else {
             let (_, hooks) = self

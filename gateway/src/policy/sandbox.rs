@@ -127,6 +127,17 @@ impl Sandbox {
             .map_err(|_| Fault::Busy)
     }
 
+    /// An instance slot for loading a set, waiting as long as calls hold every slot (each
+    /// ends by its deadline): a reload under load neither fails for want of one nor takes
+    /// the one a call was promised.
+    pub(super) async fn slot_for_load(&self) -> Result<OwnedSemaphorePermit, Fault> {
+        self.slots
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| Fault::Busy)
+    }
+
     pub(super) fn engine(&self) -> &Engine {
         &self.engine
     }

@@ -338,6 +338,42 @@ async fn no_free_instance_slot_fails_closed_only_where_a_binding_does() {
     }
 }
 
+/// A reload while calls hold every instance slot waits for one: it is not refused (as a
+/// plugin refusing its configuration), and the call that holds the slot is not failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_while_every_instance_slot_is_busy_waits_for_one() {
+    let dir = Scratch::new("policy");
+    let text = format!(
+        "{}{}",
+        plugin("hostile", "timeout_ms = 1500"),
+        binding(
+            "hostile",
+            "fail_open = true\nconfig = { attack = \"sleep\" }"
+        ),
+    );
+    let path = write(&dir, &text);
+    let mut one_slot = settings(&path, None);
+    one_slot.sandbox.instances = 1;
+    let p = Policies::load(one_slot).expect("the set loads");
+    let holder = p.clone();
+    let held = tokio::spawn(async move { ask(&holder, Ask::default()).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let reloading = p.clone();
+    let reloaded = tokio::task::spawn_blocking(move || reloading.reload())
+        .await
+        .expect("the reload ran");
+    reloaded.expect("the reload waited for the slot");
+    let allowed = held.await.expect("the call ran").expect("fail-open");
+    assert_eq!(
+        allowed.decisions()[0].verdict,
+        DecisionVerdict::Fault {
+            fault: "timeout",
+            fail_open: true
+        },
+        "the held call ran to its own deadline, not out of slots"
+    );
+}
+
 #[tokio::test]
 async fn an_infinite_loop_is_stopped_at_its_deadline_and_fails_closed() {
     let (p, _dir) = hostile("timeout_ms = 50", "config = { attack = \"loop\" }");
@@ -432,6 +468,15 @@ async fn garbage_answers_fail_closed() {
             "{attack}"
         );
     }
+}
+
+/// An answer bigger than the gateway copies out of a call (an 8 MiB header, within the
+/// plugin's own memory limit) fails closed before it is copied.
+#[tokio::test]
+async fn an_answer_over_the_copy_limit_fails_closed() {
+    let (p, _dir) = hostile("memory_mib = 64", "config = { attack = \"big-header\" }");
+    let fault = fault_of(ask(&p, Ask::default()).await);
+    assert!(matches!(fault, Fault::Trap(_)), "{fault:?}");
 }
 
 /// The host offers `bulkhead:policy@0.1.1`; this plugin was built against 0.1.0 (before

@@ -12,6 +12,16 @@ const MAX_HEADERS: usize = 16;
 const MAX_TAG_KEY: usize = 64;
 const MAX_TAG_VALUE: usize = 256;
 const MAX_MESSAGE: usize = 1024;
+const MAX_HEADER_VALUE: usize = 1024;
+
+/// Response headers no plugin may add: those that claim a tenant (a client could take them
+/// for the gateway's word) and the request id the gateway sets itself.
+fn gateway_owned(name: &HeaderName) -> bool {
+    let name = name.as_str();
+    name == "x-request-id"
+        || crate::auth::TENANT_HEADERS.contains(&name)
+        || name.starts_with("x-tenant-")
+}
 
 /// A verdict that passed every check.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,13 +91,16 @@ pub(super) fn check(verdict: Verdict) -> Result<Checked, Fault> {
             for h in m.add_headers {
                 let name = HeaderName::from_bytes(h.name.as_bytes())
                     .ok()
-                    .filter(|n| n.as_str().starts_with("x-"));
-                let value = HeaderValue::from_str(&h.value).ok();
+                    .filter(|n| n.as_str().starts_with("x-") && !gateway_owned(n));
+                let value = Some(&h.value)
+                    .filter(|v| v.len() <= MAX_HEADER_VALUE)
+                    .and_then(|v| HeaderValue::from_str(v).ok());
                 match (name, value) {
                     (Some(n), Some(v)) => headers.push((n, v)),
                     _ => {
                         return Err(garbage(format!(
-                            "a header {:?} that is not a valid x- header",
+                            "a header {:?} that is not a valid x- header of at most \
+                             {MAX_HEADER_VALUE} bytes the gateway does not set itself",
                             h.name
                         )));
                     }
@@ -156,11 +169,19 @@ mod tests {
             }))
         };
         assert!(header("x-tier", "gold").is_ok());
+        assert!(header("x-bulkhead-tier", &"a".repeat(MAX_HEADER_VALUE)).is_ok());
+        let long = "a".repeat(MAX_HEADER_VALUE + 1);
         for (n, v) in [
             ("set-cookie", "a=b"),
             ("x-a\r\nset-cookie", "a"),
             ("x-ok", "a\r\nb"),
             ("", "a"),
+            ("x-long", long.as_str()),
+            // A tenant claimed to the client, or the gateway's own request id.
+            ("x-tenant-id", "tenant-b"),
+            ("x-tenant-name", "tenant-b"),
+            ("x-org-id", "b"),
+            ("x-request-id", "req-1"),
         ] {
             assert!(matches!(header(n, v), Err(Fault::Garbage(_))), "{n:?}");
         }

@@ -4,6 +4,7 @@
 //! memory limit), `trap` (panics: a trap), `bad-status` (denies with a status that is not a
 //! 4xx) and `bad-header` (adds a header that is not valid HTTP): garbage verdicts; `sleep`
 //! (waits 5 s in a WASI clock, where no epoch deadline can stop it: the call's timeout);
+//! `big-header` (allows, adding one 8 MiB header: more than the gateway copies out of a call);
 //! `observe` (allows, tagging what it reads of WASI's clocks and randomness: the host should
 //! give it nothing to tell one call from another).
 
@@ -25,6 +26,7 @@ enum Attack {
     BadHeader,
     Sleep,
     Observe,
+    BigHeader,
 }
 
 #[derive(Debug, Deserialize)]
@@ -97,6 +99,14 @@ fn attack(attack: Attack) -> Verdict {
                 add_headers: Vec::new(),
             })
         }
+        Attack::BigHeader => Verdict::Allow(Mutations {
+            tags: Vec::new(),
+            clamp_max_tokens: None,
+            add_headers: vec![Header {
+                name: "x-big".into(),
+                value: "a".repeat(8 << 20),
+            }],
+        }),
         Attack::BadHeader => Verdict::Allow(Mutations {
             tags: Vec::new(),
             clamp_max_tokens: None,
