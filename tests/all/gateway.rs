@@ -630,10 +630,19 @@ fn the_incident_configuration_is_refused_by_the_gateway_and_the_rest_is_served_d
 /// Sends raw bytes as one request and returns the response's status (0: the server closed the
 /// connection without one).
 fn raw_exchange(addr: &str, bytes: &[u8]) -> (u16, String) {
+    raw_send(addr, bytes, false)
+}
+
+/// [`raw_exchange`]; with `close`, the client closes its side once the bytes are sent.
+fn raw_send(addr: &str, bytes: &[u8], close: bool) -> (u16, String) {
     use std::io::Write as _;
     let mut s = std::net::TcpStream::connect(addr).expect("connects");
     s.set_read_timeout(Some(HTTP_LIMIT)).expect("timeout");
     s.write_all(bytes).expect("sends");
+    if close {
+        s.shutdown(std::net::Shutdown::Write)
+            .expect("closes its side");
+    }
     let mut raw = Vec::new();
     let _ = s.read_to_end(&mut raw);
     let raw = String::from_utf8_lossy(&raw).into_owned();
@@ -701,8 +710,18 @@ fn bad_input_gets_a_clear_error_and_the_gateway_keeps_serving() {
         // never a hang.
         let mut lying = post_bytes(b"{}");
         lying.truncate(lying.len() - 1);
-        let (status, raw) = raw_exchange(&up.api, &lying);
+        let (status, raw) = raw_send(&up.api, &lying, true);
         assert_ne!(status, 200, "{raw}");
+        // A malformed chunked body: 400 saying the body could not be read (it was once
+        // answered and audited as 413, too large).
+        let chunked = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+             Authorization: Bearer {KEY_A}\r\nContent-Type: application/json\r\n\
+             Transfer-Encoding: chunked\r\n\r\n2\r\n{{}}\r\nzz\r\n"
+        );
+        let (status, raw) = raw_exchange(&up.api, chunked.as_bytes());
+        assert_eq!(status, 400, "{raw}");
+        assert!(raw.contains("could not be read"), "{raw}");
         // Wrong types, a prompt of the wrong shape, an unknown field that changes semantics.
         for (body, param) in [
             (r#"{"messages":"hi"}"#, "messages"),
@@ -749,7 +768,9 @@ fn bad_input_gets_a_clear_error_and_the_gateway_keeps_serving() {
                 &m,
                 r#"bulkhead_gateway_requests_total{tenant="tenant-a",status="400"}"#
             ),
-            5,
+            // Invalid UTF-8, the lying length and the malformed chunks (the body could not be
+            // read), three wrong types, the empty prompt.
+            7,
             "{m}"
         );
         assert!(

@@ -26,6 +26,10 @@ pub enum ApiError {
     /// The body is larger than the configured limit.
     #[error("the request body is larger than {limit} bytes")]
     BodyTooLarge { limit: usize },
+    /// The request body broke off or was malformed (its chunked encoding, a connection
+    /// error) before it was whole.
+    #[error("the request body could not be read: {reason}")]
+    BodyUnreadable { reason: String },
     /// The request asked for a model that is not served.
     #[error("the model {asked:?} is not served here; GET /v1/models lists {served:?}")]
     ModelNotFound { asked: String, served: String },
@@ -149,6 +153,7 @@ pub fn mapping(err: &ApiError) -> Mapping {
             m(StatusCode::BAD_REQUEST, INVALID_REQUEST, None)
         }
         ApiError::BodyTooLarge { .. } => m(StatusCode::PAYLOAD_TOO_LARGE, INVALID_REQUEST, None),
+        ApiError::BodyUnreadable { .. } => m(StatusCode::BAD_REQUEST, INVALID_REQUEST, None),
         ApiError::ModelNotFound { .. } => m(
             StatusCode::NOT_FOUND,
             INVALID_REQUEST,
@@ -222,6 +227,7 @@ impl ApiError {
             }
             ApiError::InvalidApiKey
             | ApiError::BodyTooLarge { .. }
+            | ApiError::BodyUnreadable { .. }
             | ApiError::Prompt { .. }
             | ApiError::WorkerInvalidRequest { .. }
             | ApiError::TenantLimit(_)

@@ -277,9 +277,16 @@ async fn start(
     let tenant = who.tenant.clone();
     let mut permit = state.tenants.limiter().start(&tenant)?;
     let limit = state.http.max_body_bytes;
-    let bytes = axum::body::to_bytes(body, limit)
-        .await
-        .map_err(|_| ApiError::BodyTooLarge { limit })?;
+    let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
+        let e = e.into_inner();
+        if e.is::<http_body_util::LengthLimitError>() {
+            ApiError::BodyTooLarge { limit }
+        } else {
+            ApiError::BodyUnreadable {
+                reason: e.to_string(),
+            }
+        }
+    })?;
     let parsed = match endpoint {
         Endpoint::Chat => Parsed::Chat(parse_chat(&bytes)?),
         Endpoint::Completion => Parsed::Completion(parse_completion(&bytes)?),
