@@ -70,6 +70,20 @@ impl Sampler {
         }
     }
 
+    /// The sampler of a request whose first `sampled` tokens were chosen elsewhere (a prefill
+    /// worker chose the first): its stream goes on where that one's left off, so a seed gives
+    /// the same tokens across workers as on one. [`Sampler::sample`] draws once per token
+    /// unless greedy.
+    pub fn resumed(params: SamplingParams, sampled: usize) -> Sampler {
+        let mut s = Sampler::new(params);
+        if params.temperature != 0.0 {
+            for _ in 0..sampled {
+                s.rng.random::<f32>();
+            }
+        }
+        s
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> TokenId {
         if self.params.temperature == 0.0 {
             return argmax(logits);
@@ -157,6 +171,9 @@ mod tests {
         };
         assert_eq!(run(p), run(p));
         assert_ne!(run(p), run(SamplingParams { seed: 43, ..p }));
+        let mut resumed = Sampler::resumed(p, 5);
+        let rest: Vec<_> = (0..15).map(|_| resumed.sample(&logits)).collect();
+        assert_eq!(rest, run(p)[5..]);
     }
 
     #[test]

@@ -848,6 +848,7 @@ impl Engine {
     fn start_decoding(&mut self, t: Transfer, first_token: TokenId) {
         let mut r = Running::new(t.request, t.pages.commit(), t.prefix, None);
         r.prefilled = r.request.prompt.len();
+        r.sampler = Sampler::resumed(r.request.sampling, 1);
         let outcome = accept_token(&self.tokenizer, &mut r, first_token);
         match outcome {
             Outcome::Continue => self.running.push(r),

@@ -11,6 +11,7 @@ use bulkhead_kvpool::{RequestId, Scope};
 use bulkhead_worker::engine::{
     Engine, EngineConfig, Event, Failure, KvBudget, Outbound, SubmitError,
 };
+use bulkhead_worker::sampling::SamplingParams;
 use bulkhead_worker::tiny_model::TinySpec;
 
 use crate::common::{Outcome, collect, engine, real_model_owned, request, run_all, tiny_model};
@@ -31,23 +32,32 @@ fn reserve(
     prompt: &[u32],
     max_new: usize,
 ) -> (Reservation, mpsc::Receiver<Event>) {
-    reserve_for(decode_engine, TENANT, id, prompt, max_new)
+    reserve_for(
+        decode_engine,
+        TENANT,
+        id,
+        prompt,
+        max_new,
+        SamplingParams::GREEDY,
+    )
 }
 
 /// The test's tenant, unless a test names another.
 const TENANT: &str = "test";
 
-/// [`reserve`] for a request of `tenant`.
+/// [`reserve`] for a request of `tenant`, sampled as `sampling` says.
 fn reserve_for(
     decode_engine: &mut Engine,
     tenant: &str,
     id: u64,
     prompt: &[u32],
     max_new: usize,
+    sampling: SamplingParams,
 ) -> (Reservation, mpsc::Receiver<Event>) {
     let (tx, rx) = mpsc::channel();
     let mut r = request(id, prompt, max_new, tx);
     r.tenant = Scope::new(tenant);
+    r.sampling = sampling;
     decode_engine
         .submit_decode(r)
         .map_err(|(e, _)| e)
@@ -66,9 +76,22 @@ fn prefill(
     prompt: &[u32],
     target: Reservation,
 ) -> Result<Outbound, SubmitError> {
+    prefill_sampled(prefill_engine, id, prompt, target, SamplingParams::GREEDY)
+}
+
+/// [`prefill`], its first token sampled as `sampling` says.
+fn prefill_sampled(
+    prefill_engine: &mut Engine,
+    id: u64,
+    prompt: &[u32],
+    target: Reservation,
+    sampling: SamplingParams,
+) -> Result<Outbound, SubmitError> {
     let (tx, rx) = mpsc::channel();
+    let mut r = request(id, prompt, 1, tx);
+    r.sampling = sampling;
     prefill_engine
-        .submit_prefill(request(id, prompt, 1, tx), target)
+        .submit_prefill(r, target)
         .map_err(|(e, _)| e)?;
     while prefill_engine.has_work() {
         prefill_engine.step();
@@ -95,21 +118,22 @@ fn disaggregated(
     max_new: usize,
     fault: impl FnMut(Message) -> Option<Message>,
 ) -> Outcome {
-    disaggregated_for(d, p, TENANT, prompt, max_new, fault).0
+    disaggregated_for(d, p, TENANT, prompt, max_new, SamplingParams::GREEDY, fault).0
 }
 
-/// [`disaggregated`] for a request of `tenant`; also the reservation decode named and how
-/// many frames prefill sent.
+/// [`disaggregated`] for a request of `tenant`, sampled as `sampling` says; also the
+/// reservation decode named and how many frames prefill sent.
 fn disaggregated_for(
     d: &mut Engine,
     p: &mut Engine,
     tenant: &str,
     prompt: &[u32],
     max_new: usize,
+    sampling: SamplingParams,
     mut fault: impl FnMut(Message) -> Option<Message>,
 ) -> (Outcome, Reservation, usize) {
-    let (target, rx) = reserve_for(d, tenant, 1, prompt, max_new);
-    let out = prefill(p, 1, prompt, target.clone()).expect("prefill admits");
+    let (target, rx) = reserve_for(d, tenant, 1, prompt, max_new, sampling);
+    let out = prefill_sampled(p, 1, prompt, target.clone(), sampling).expect("prefill admits");
     let frames = out.frames.len();
     let nonce = out.nonce();
     let messages = out.frames.iter().cloned().map(Message::Frame).chain([
@@ -176,6 +200,34 @@ fn disaggregated_output_equals_colocated_output() {
     assert_eq!(d.transfer_stats().frames_dropped.total(), 0);
 }
 
+/// A seed gives the same tokens whether one worker samples them all or prefill samples the
+/// first and decode the rest: decode's random stream goes on where prefill's left off (it
+/// once started over, so the second token reused the first one's draw).
+#[test]
+fn a_seeded_sample_split_across_workers_equals_it_on_one() {
+    let sampling = SamplingParams {
+        temperature: 1.0,
+        top_k: None,
+        top_p: 1.0,
+        seed: 7,
+    };
+    let mut colocated = engine(real_model_owned(), EngineConfig::default());
+    let mut d = engine(real_model_owned(), EngineConfig::default());
+    let mut p = engine(real_model_owned(), EngineConfig::default());
+    let prompt = colocated
+        .tokenizer()
+        .encode("Once upon a time, there was a", false)
+        .expect("encode");
+    let (tx, rx) = mpsc::channel();
+    let mut r = request(1, &prompt, 12, tx);
+    r.sampling = sampling;
+    colocated.submit(r).map_err(|(e, _)| e).expect("admitted");
+    let alone = finish(&mut colocated, rx);
+    let (split, _, _) = disaggregated_for(&mut d, &mut p, TENANT, &prompt, 12, sampling, Some);
+    assert_eq!(split, alone);
+    assert_eq!(split.tokens.len(), 12, "{split:?}");
+}
+
 /// A decode worker with the prefix cache keeps the pages of the prompts it received in their
 /// tenant's cache: that tenant's next prompt starting with them is sent only the rest, and
 /// generates exactly what it generates sent whole; another tenant's identical prompt, or a
@@ -205,7 +257,8 @@ fn a_decode_worker_is_sent_only_what_its_tenants_cache_lacks() {
         vec![(first.clone(), 8), (second.clone(), 8)],
     );
     let mut send = |d: &mut Engine, tenant, prompt: &[u32]| {
-        let (outcome, target, frames) = disaggregated_for(d, &mut p, tenant, prompt, 8, Some);
+        let (outcome, target, frames) =
+            disaggregated_for(d, &mut p, tenant, prompt, 8, SamplingParams::GREEDY, Some);
         assert_eq!(frames, target.pages.len(), "one frame per named page");
         (outcome, target.cached_tokens as usize, frames)
     };
@@ -397,7 +450,15 @@ fn an_abandoned_transfer_after_a_cached_prefix_lets_the_prefix_go() {
     };
     let (mut d, mut p) = (tiny_engine_with(cached), tiny_engine(256));
     let prompt: Vec<u32> = (3..40).collect();
-    disaggregated_for(&mut d, &mut p, TENANT, &prompt, 4, Some);
+    disaggregated_for(
+        &mut d,
+        &mut p,
+        TENANT,
+        &prompt,
+        4,
+        SamplingParams::GREEDY,
+        Some,
+    );
     let after_first = d.pool().stats();
     assert_eq!(
         after_first.cached, 2,
