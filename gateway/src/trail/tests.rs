@@ -272,19 +272,66 @@ async fn group_commit_answers_before_the_fsync_and_the_record_follows() {
     assert!(report.passed(), "{report}");
 }
 
-/// The tenants of the `Watch` test: `tenant-a`, whose key is `sk-a`.
-fn tenants() -> crate::tenants::Tenants {
+/// A configuration whose one tenant, `owner`, has the key `sk-a`.
+fn config_text(owner: &str) -> String {
     let key = crate::keys::KeyHash::of("sk-a").to_hex();
-    let text = format!(
+    format!(
         "[listen]\napi = \"127.0.0.1:8080\"\nadmin = \"127.0.0.1:9090\"\n\
          [admin]\ntoken_sha256 = \"{}\"\n\
-         [[tenants]]\nid = \"tenant-a\"\nkey_sha256 = [\"{key}\"]\nmax_context = 2048\n\
+         [[tenants]]\nid = \"{owner}\"\nkey_sha256 = [\"{key}\"]\nmax_context = 2048\n\
          max_concurrent = 2\nrequests_per_minute = 60\ntokens_per_minute = 100000\n\
          [[workers]]\nname = \"w\"\ngrpc = \"127.0.0.1:50051\"\nrole = \"both\"\n",
         crate::keys::KeyHash::of("admin").to_hex()
-    );
-    let config = crate::Config::parse(&text).expect("a valid configuration");
+    )
+}
+
+/// The tenants of the `Watch` test: `tenant-a`, whose key is `sk-a`.
+fn tenants() -> crate::tenants::Tenants {
+    let config = crate::Config::parse(&config_text("tenant-a")).expect("a valid configuration");
     crate::tenants::Tenants::new(config.tenants, crate::limits::Limiter::default(), None)
+}
+
+/// A request dropped unpolled is recorded for the tenant its key named when it arrived: a
+/// reload in between that gives the key to another tenant does not put the record (its
+/// route, its time) in that tenant's log.
+#[tokio::test]
+async fn a_request_dropped_unpolled_is_recorded_for_the_tenant_it_arrived_as() {
+    use hyper::service::Service as _;
+    use hyper_util::service::TowerToHyperService;
+
+    let dir = Scratch::new("trail");
+    let file = dir.0.join("gateway.toml");
+    std::fs::write(&file, config_text("tenant-a")).expect("writes the configuration");
+    let (config, loaded) = crate::tenants::ConfigFile::load(&file).expect("loads");
+    let tenants = crate::tenants::Tenants::new(
+        config.tenants,
+        crate::limits::Limiter::default(),
+        Some(loaded),
+    );
+    let recorder = open(&dir, Durability::Group, OnAuditFailure::Refuse);
+    let watch = super::Watch::new(
+        TowerToHyperService::new(app(&recorder)),
+        recorder.clone(),
+        tenants.clone(),
+    );
+    let request = Request::builder()
+        .uri("/v1/chat/completions")
+        .header(http::header::AUTHORIZATION, "Bearer sk-a")
+        .body(Body::empty())
+        .expect("a request");
+    let arrived = watch.call(request);
+    std::fs::write(&file, config_text("tenant-b")).expect("gives the key to tenant-b");
+    tenants.reload().expect("reloads");
+    drop(arrived);
+    recorder.flush().expect("flush");
+    let read = |id: &str| {
+        recorder
+            .read(&TenantId::new(id).expect("valid"), Seq(0), 100)
+            .expect("reads")
+            .len()
+    };
+    assert_eq!(read("tenant-a"), 1, "recorded as the tenant it arrived as");
+    assert_eq!(read("tenant-b"), 0, "nothing in the key's new owner's log");
 }
 
 #[tokio::test]

@@ -10,6 +10,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::header::AUTHORIZATION;
@@ -18,7 +19,7 @@ use pin_project_lite::pin_project;
 
 use super::{Recorder, UNMATCHED_ROUTE};
 use crate::auth::authenticate;
-use crate::tenants::Tenants;
+use crate::tenants::{TenantSet, Tenants};
 
 /// A hyper service that makes sure every request it is given is recorded, even one dropped
 /// before `inner` ran it.
@@ -50,7 +51,7 @@ where
     fn call(&self, request: Request<B>) -> Self::Future {
         let arrival = Arrival {
             recorder: self.recorder.clone(),
-            tenants: self.tenants.clone(),
+            tenants: self.tenants.current(),
             key: request.headers().get(AUTHORIZATION).cloned(),
             path: request.uri().path().to_owned(),
         };
@@ -89,10 +90,11 @@ impl<F: Future> Future for Watched<F> {
     }
 }
 
-/// What is known of a request the moment it arrives.
+/// What is known of a request the moment it arrives: its key is checked against the tenants
+/// of that moment, not of its drop (a reload in between could give the key to another).
 struct Arrival {
     recorder: Recorder,
-    tenants: Tenants,
+    tenants: Arc<TenantSet>,
     key: Option<HeaderValue>,
     path: String,
 }
@@ -111,7 +113,7 @@ impl Arrival {
         if let Some(key) = self.key {
             let mut headers = HeaderMap::new();
             headers.insert(AUTHORIZATION, key);
-            if let Some(who) = authenticate(&mut headers, self.tenants.current().keyring()) {
+            if let Some(who) = authenticate(&mut headers, self.tenants.keyring()) {
                 trail.authenticated(&who);
             }
         }
