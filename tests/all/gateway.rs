@@ -292,9 +292,9 @@ fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
 fn a_prompt_computed_for_longer_than_the_silence_timeout_is_served_while_it_progresses() {
     bounded(|| {
         // Both workers compute 16 prompt tokens a step: each step far within the gateway's 2 s
-        // silence timeout, the whole prompt (about 600 tokens) well beyond it (at 32 a step, a
-        // quiet machine computed it in 3.4 s, within twice the timeout). The gateway
-        // once took that silence for a hung worker, however busily prefill worked.
+        // silence timeout, the whole prompt well beyond it — a longer prompt each time it was
+        // not (a machine's speed decides how long one must be). The gateway once took that
+        // silence for a hung worker, however busily prefill worked.
         let idle = Duration::from_secs(2);
         let up = Up::launch(Options {
             replace: &[(
@@ -305,23 +305,31 @@ fn a_prompt_computed_for_longer_than_the_silence_timeout_is_served_while_it_prog
             ..Options::default()
         });
         up.wait_routable();
-        let long = "Tell me about the history of the harbour town and its ships. ".repeat(45);
+        let sentence = "Tell me about the history of the harbour town and its ships. ";
         for stream in [false, true] {
-            let body = serde_json::json!({
-                "messages": [{"role": "user", "content": format!("{stream}: {long}")}],
-                "max_tokens": 4,
-                "temperature": 0,
-                "stream": stream,
-            });
-            let started = Instant::now();
-            let (status, answer) = up.chat(KEY_A, &[], &body.to_string());
-            let took = started.elapsed();
-            assert_eq!(status, 200, "after {took:?}: {answer}");
-            assert!(!answer.contains(r#""error""#), "after {took:?}: {answer}");
-            assert!(
-                took > 2 * idle,
-                "the prompt took {took:?}: within twice the timeout, this test shows nothing"
-            );
+            // About 600 prompt tokens, then 1 200, then 2 400.
+            let mut repeats = 45;
+            loop {
+                let body = serde_json::json!({
+                    "messages": [{"role": "user", "content": format!("{stream}: {}", sentence.repeat(repeats))}],
+                    "max_tokens": 4,
+                    "temperature": 0,
+                    "stream": stream,
+                });
+                let started = Instant::now();
+                let (status, answer) = up.chat(KEY_A, &[], &body.to_string());
+                let took = started.elapsed();
+                assert_eq!(status, 200, "after {took:?}: {answer}");
+                assert!(!answer.contains(r#""error""#), "after {took:?}: {answer}");
+                if took > 2 * idle {
+                    break;
+                }
+                assert!(
+                    repeats < 180,
+                    "the longest prompt took {took:?}: within twice the timeout, this test shows nothing"
+                );
+                repeats *= 2;
+            }
         }
     });
 }

@@ -513,7 +513,7 @@ config = { max_held_per_tenant = 4 }
 [[chain]]
 plugin = "ledger"
 tenants = ["tenant-a"]
-config = { on_disconnect = "hold-until-complete" }
+config = { on_disconnect = "hold-until-complete", phases = ["queued"] }
 "#,
         );
         let file = dir.0.join("policies.toml");
@@ -542,8 +542,9 @@ config = { on_disconnect = "hold-until-complete" }
         let queued = open(&up.api, KEY_A, "/v1/chat/completions", waiting);
         std::thread::sleep(Duration::from_millis(1500));
         drop(queued);
-        // abort-guard says abort-now for a queued request, ledger hold-until-complete: the
-        // longer hold is kept.
+        // abort-guard says abort-now for a queued request, ledger hold-until-complete (for a
+        // queued one only: the hold shows the phase the plugins were told): the longer hold
+        // is kept.
         let m = wait_for(
             &up,
             "bulkhead_policy_abandoned_total{directive=\"hold_until_complete\"}",

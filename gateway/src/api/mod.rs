@@ -441,8 +441,8 @@ fn charge_and_route(
         )?,
     };
     permit.charge_tokens(admitted.total_tokens())?;
-    // Until the worker answers, a request dropped here (its client gone, the request
-    // timeout) is settled as an abandoned one is: its prompt, not its max tokens.
+    // Never its max tokens unless it used them: its end settles the charge to what it used
+    // (`Started`, the policies' end); until then, at most its prompt.
     permit.set_used(u64::from(admitted.prompt_tokens));
     let route = tracing::info_span!(
         "route",

@@ -59,7 +59,8 @@ impl Progress {
 
 /// A request's claim on its tenant's budget, handed over with its end: an abandoned request
 /// keeps its concurrency slot while its stream is held, and is charged its prompt and the
-/// tokens that came (until the hold ended), not its whole `max_tokens`.
+/// tokens that came (until the hold ended), not its whole `max_tokens` — nothing when the
+/// worker never answered its call.
 #[derive(Debug)]
 pub struct Charge {
     pub permit: RequestPermit,
@@ -70,9 +71,10 @@ pub struct Charge {
 }
 
 impl Charge {
-    /// Settles the charge to what the request used, as far as `progress` got.
-    fn settle(mut self, progress: Progress) {
-        self.permit.set_used(progress.used(self.prompt_tokens));
+    /// Settles the charge to `usage` (prompt, completion tokens).
+    fn settle(mut self, (prompt, completion): (u32, u32)) {
+        self.permit
+            .set_used(u64::from(prompt) + u64::from(completion));
     }
 }
 
@@ -235,11 +237,14 @@ impl Ending {
             }
         };
         self.policies.stats().abandoned(recorded(directive).name());
+        // A call the worker never answered ran nothing there: it used no tokens.
+        let mut answered = !matches!(leg, Some(Leg::Calling(_)));
         if let Some(leg) = leg {
             let since = Instant::now();
             let limit = self.policies.hold_limit();
             // The call or the stream is dropped with the hold: at its end, or at its limit.
-            let _ = tokio::time::timeout(limit, hold(leg, directive, &mut progress)).await;
+            let holding = hold(leg, directive, &mut progress, &mut answered);
+            let _ = tokio::time::timeout(limit, holding).await;
             let dropped = match (progress.usage, progress.tokens) {
                 (Some(_), _) => Dropped::AfterDone,
                 (None, 0) => Dropped::BeforeFirstToken,
@@ -259,20 +264,26 @@ impl Ending {
         // the hold in it.
         drop(trail);
         drop(held);
-        let usage = progress.counted(charge.prompt_tokens);
-        charge.settle(progress);
+        let usage = match answered {
+            true => progress.counted(charge.prompt_tokens),
+            false => (0, 0),
+        };
+        charge.settle(usage);
         self.end(Outcome::ClientDisconnected, usage).await;
     }
 }
 
 /// Waits on the worker as `directive` says: for its answer to the call (unless abort-now),
 /// then on its stream.
-async fn hold(leg: Leg, directive: Directive, progress: &mut Progress) {
+async fn hold(leg: Leg, directive: Directive, progress: &mut Progress, answered: &mut bool) {
     let mut upstream = match leg {
         Leg::Streaming(upstream) => upstream,
         Leg::Calling(_) if matches!(directive, Directive::AbortNow) => return,
         Leg::Calling(call) => match call.await {
-            Ok(upstream) => upstream,
+            Ok(upstream) => {
+                *answered = true;
+                upstream
+            }
             Err(_) => return,
         },
     };

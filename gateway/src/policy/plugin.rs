@@ -237,7 +237,9 @@ impl Loaded {
         snapshotter: Option<&Snapshotter>,
     ) -> Result<(Hooks, Configured), Fault> {
         let per_call = || Configured::PerCall(config.into());
-        let _slot = self.sandbox.slot_for_load().await?;
+        // The store's instance takes a slot, until the snapshot is read out of it (not while
+        // the snapshot compiles, which may take seconds).
+        let slot = self.sandbox.slot_for_load().await?;
         let mut store = self.store();
         let Some(snapshotter) = snapshotter else {
             let (_, hooks) = self
@@ -255,7 +257,12 @@ impl Loaded {
                     .map_err(|reason| refused(&reason)))
             })
             .await?;
+        // The snapshot copies the plugin's whole memory out (a Python guest's is over 10 MiB):
+        // bounded by its memory limit here, not by what one call's answer may copy.
+        store.set_hostcall_fuel(self.limits.memory_bytes.saturating_add(MAX_COPIED_BYTES));
         let snapshot = snapshotter.snapshot(&mut store, instance).await;
+        drop(store);
+        drop(slot);
         let prepared = snapshot.and_then(|bytes| {
             self.sandbox
                 .prepare(&bytes, &Digest::of(&bytes))

@@ -18,7 +18,7 @@ const MAX_HEADER_VALUE: usize = 1024;
 /// for the gateway's word) and the request id the gateway sets itself.
 fn gateway_owned(name: &HeaderName) -> bool {
     let name = name.as_str();
-    name == "x-request-id"
+    matches!(name, "x-request-id" | "x-bulkhead-tenant")
         || crate::auth::TENANT_HEADERS.contains(&name)
         || name.starts_with("x-tenant-")
 }
@@ -181,6 +181,7 @@ mod tests {
             ("x-tenant-id", "tenant-b"),
             ("x-tenant-name", "tenant-b"),
             ("x-org-id", "b"),
+            ("x-bulkhead-tenant", "tenant-b"),
             ("x-request-id", "req-1"),
         ] {
             assert!(matches!(header(n, v), Err(Fault::Garbage(_))), "{n:?}");

@@ -1,8 +1,9 @@
 //! `ledger`: a test plugin for the end of a request. It writes every `on-response-end` it gets
 //! to the gateway's log (`end <request> <outcome> <prompt>+<completion>`), as an accounting
-//! policy would, and answers every `on-disconnect` with its configured directive, whatever the
-//! phase, logging the phase it was told (`disconnect <request> <phase>`). A test reads the
-//! gateway's metrics and log to see both hooks run for every request that passed `on-request`.
+//! policy would, and answers an `on-disconnect` in one of its configured phases with its
+//! configured directive (abort-now in the others), logging the phase it was told
+//! (`disconnect <request> <phase>`). A test reads the gateway's metrics to see both hooks run
+//! for every request that passed `on-request`, and the directive to see the phase.
 
 use bulkhead_policy_guest::{
     ConfigSlot, Directive, Disconnect, Guest, Hooks, Level, Outcome, Phase, RequestView,
@@ -19,10 +20,20 @@ enum Answer {
     HoldUntilComplete,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum When {
+    Queued,
+    Prefilling,
+    Transferring,
+    Decoding,
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Config {
     on_disconnect: Answer,
+    phases: Vec<When>,
 }
 
 thread_local! {
@@ -42,21 +53,26 @@ impl Guest for Ledger {
     }
 
     fn on_disconnect(event: Disconnect) -> Directive {
-        let phase = match event.phase {
-            Phase::Queued => "queued",
-            Phase::Prefilling => "prefilling",
-            Phase::Transferring => "transferring",
-            Phase::Decoding => "decoding",
+        let (when, phase) = match event.phase {
+            Phase::Queued => (When::Queued, "queued"),
+            Phase::Prefilling => (When::Prefilling, "prefilling"),
+            Phase::Transferring => (When::Transferring, "transferring"),
+            Phase::Decoding => (When::Decoding, "decoding"),
         };
         log(
             Level::Info,
             &format!("disconnect {} {phase}", event.request_id),
         );
-        configured(&CONFIG, |c| match c.on_disconnect {
-            Answer::AbortNow => Directive::AbortNow,
-            Answer::HoldUntilPrefillDone => Directive::HoldUntilPrefillDone,
-            Answer::HoldUntilFirstToken => Directive::HoldUntilFirstToken,
-            Answer::HoldUntilComplete => Directive::HoldUntilComplete,
+        configured(&CONFIG, |c| {
+            if !c.phases.contains(&when) {
+                return Directive::AbortNow;
+            }
+            match c.on_disconnect {
+                Answer::AbortNow => Directive::AbortNow,
+                Answer::HoldUntilPrefillDone => Directive::HoldUntilPrefillDone,
+                Answer::HoldUntilFirstToken => Directive::HoldUntilFirstToken,
+                Answer::HoldUntilComplete => Directive::HoldUntilComplete,
+            }
         })
     }
 
