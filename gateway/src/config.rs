@@ -245,6 +245,17 @@ pub enum WorkerRole {
     Decode,
 }
 
+impl WorkerRole {
+    /// The role as configured and reported: `both`, `prefill` or `decode`.
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkerRole::Both => "both",
+            WorkerRole::Prefill => "prefill",
+            WorkerRole::Decode => "decode",
+        }
+    }
+}
+
 /// A configured worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerConfig {

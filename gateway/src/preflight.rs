@@ -10,7 +10,7 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use bulkhead_worker::serve::cluster_token;
-use bulkhead_worker::serve::proto::{InfoRequest, InfoResponse, KvHandoff};
+use bulkhead_worker::serve::proto::{InfoRequest, InfoResponse, KvHandoff, Role};
 use bulkhead_worker::serve::tls;
 
 use crate::config::{ClusterAccess, Config, Protocol, WorkerConfig, WorkerRole};
@@ -188,31 +188,7 @@ pub fn checks(answers: &[Answer]) -> Vec<Check> {
                 },
             ));
         }
-        out.push(check(
-            "pool covers the served context",
-            info.pool_tokens >= info.context_length,
-            format!(
-                "pool {} tokens, served context {}",
-                info.pool_tokens, info.context_length
-            ),
-        ));
-        let h = info.handoff.unwrap_or_default();
-        out.push(check(
-            "integrity checks on",
-            h.tag_check && h.checksums,
-            format!(
-                "page tags {}, checksums {}",
-                on(h.tag_check),
-                on(h.checksums)
-            ),
-        ));
-        if a.worker.role != WorkerRole::Both {
-            out.push(check(
-                "two-phase release on",
-                h.deferred_release,
-                format!("deferred release {}", on(h.deferred_release)),
-            ));
-        }
+        out.extend(own(&subject, a.worker.role, info));
     }
     // A decode worker may be filled by any member of the prefill group it names.
     for d in answers
@@ -231,6 +207,60 @@ pub fn checks(answers: &[Answer]) -> Vec<Check> {
             };
             out.extend(pair(&d.worker.name, di, &p.worker.name, pi));
         }
+    }
+    out
+}
+
+/// The checks of one worker, configured as `role`, on what its Info says: the same at run
+/// time, where a failing one keeps the gateway from routing to it.
+pub fn own(subject: &str, role: WorkerRole, info: &InfoResponse) -> Vec<Check> {
+    let check = |name, pass, detail: String| Check {
+        subject: subject.to_owned(),
+        name,
+        pass,
+        detail,
+    };
+    let reported = match info.role() {
+        Role::Unspecified => None,
+        Role::Both => Some(WorkerRole::Both),
+        Role::Prefill => Some(WorkerRole::Prefill),
+        Role::Decode => Some(WorkerRole::Decode),
+    };
+    let h = info.handoff.unwrap_or_default();
+    let mut out = vec![
+        check(
+            "runs the configured role",
+            reported.is_none_or(|r| r == role),
+            format!(
+                "configured {}, runs {}",
+                role.name(),
+                reported.map_or("(not reported)", WorkerRole::name)
+            ),
+        ),
+        check(
+            "pool covers the served context",
+            info.context_length > 0 && info.pool_tokens >= info.context_length,
+            format!(
+                "pool {} tokens, served context {}",
+                info.pool_tokens, info.context_length
+            ),
+        ),
+        check(
+            "integrity checks on",
+            h.tag_check && h.checksums,
+            format!(
+                "page tags {}, checksums {}",
+                on(h.tag_check),
+                on(h.checksums)
+            ),
+        ),
+    ];
+    if role != WorkerRole::Both {
+        out.push(check(
+            "two-phase release on",
+            h.deferred_release,
+            format!("deferred release {}", on(h.deferred_release)),
+        ));
     }
     out
 }
@@ -297,11 +327,7 @@ pub fn render(answers: &[Answer], checks: &[Check]) -> (String, bool) {
         "worker", "role", "model", "context", "pool", "page"
     );
     for a in answers {
-        let role = match a.worker.role {
-            WorkerRole::Both => "both",
-            WorkerRole::Prefill => "prefill",
-            WorkerRole::Decode => "decode",
-        };
+        let role = a.worker.role.name();
         match &a.info {
             Ok(i) => {
                 let _ = writeln!(
@@ -401,6 +427,20 @@ mod tests {
         assert!(checks.len() >= 12, "{checks:?}");
         assert_eq!(failed(&checks), []);
         assert!(render(&answers, &checks).1);
+    }
+
+    #[test]
+    fn a_worker_running_another_role_or_serving_no_context_fails() {
+        let mut decode = info("m", 8192, 8192, 16, 0);
+        decode.role = Role::Decode.into();
+        let as_both = own("w", WorkerRole::Both, &decode);
+        assert_eq!(failed(&as_both), [("w", "runs the configured role")]);
+        assert_eq!(failed(&own("w", WorkerRole::Decode, &decode)), []);
+        let nothing = info("m", 0, 0, 16, 0);
+        assert_eq!(
+            failed(&own("w", WorkerRole::Both, &nothing)),
+            [("w", "pool covers the served context")]
+        );
     }
 
     #[test]

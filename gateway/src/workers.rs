@@ -74,6 +74,8 @@ pub enum Health {
         pool_pages_free: u32,
         /// Held by the prefix cache: not free, but evicted as soon as a reservation needs them.
         pool_pages_cached: u32,
+        /// Out of service until no transfer can write them (counted in the total).
+        pool_pages_quarantined: u32,
         queue_depth: u32,
         running: u32,
     },
@@ -105,6 +107,16 @@ pub enum Unroutable {
     },
     #[error("it serves model {model_id}, not the gateway's model {served}")]
     OtherModel { model_id: String, served: String },
+    #[error(
+        "quarantined pages leave {in_service} tokens of its pool in service, less than the \
+         context it serves ({served_context}); they come back once no transfer can write them"
+    )]
+    Quarantined {
+        in_service: u64,
+        served_context: u64,
+    },
+    #[error("it fails the preflight check {check:?} ({detail})")]
+    FailsCheck { check: &'static str, detail: String },
     #[error("prefill workers are reached through the decode workers that name them")]
     PrefillOnly,
     #[error("its prefill worker {prefill:?} is not usable: {why}")]
@@ -129,7 +141,22 @@ pub fn unroutable(
         None => return Some(Unroutable::NoInfo),
     };
     match health {
-        Health::Serving { .. } => {}
+        Health::Serving {
+            pool_pages_total,
+            pool_pages_quarantined,
+            ..
+        } => {
+            // Quarantined pages come back only once no transfer can write them: until then a
+            // request of the whole served context could wait for pages that are not there.
+            let pages = pool_pages_total.saturating_sub(*pool_pages_quarantined);
+            let in_service = u64::from(pages) * u64::from(facts.page_tokens);
+            if *pool_pages_quarantined > 0 && in_service < facts.served_context {
+                return Some(Unroutable::Quarantined {
+                    in_service,
+                    served_context: facts.served_context,
+                });
+            }
+        }
         Health::Unknown => return Some(Unroutable::HealthUnknown),
         Health::NotServing => return Some(Unroutable::NotServing),
         Health::Unreachable { error } => {
@@ -366,6 +393,21 @@ impl State {
     fn own(&self, e: &Entry) -> Option<Unroutable> {
         unroutable(e.facts.as_ref(), &e.health, self.served_id())
             .or_else(|| e.open.then_some(Unroutable::AnswersWithoutToken))
+            .or_else(|| {
+                // `bulkhead preflight`'s checks of one worker, at run time. An OpenAI-compatible
+                // server has no KV handoff and no role of Bulkhead's to check.
+                let info = e
+                    .info
+                    .as_ref()
+                    .filter(|_| matches!(e.client, Upstream::Grpc(_)))?;
+                crate::preflight::own(&e.config.name, e.config.role, info)
+                    .into_iter()
+                    .find(|c| !c.pass)
+                    .map(|c| Unroutable::FailsCheck {
+                        check: c.name,
+                        detail: c.detail,
+                    })
+            })
     }
 
     fn unroutable(&self, e: &Entry) -> Option<Unroutable> {
@@ -394,6 +436,17 @@ impl State {
                     );
                     let prefill = name.to_owned();
                     return Some(Unroutable::PrefillUnusable { prefill, why });
+                }
+                // One that serves may fill its pages: its pool and the pair checks must be
+                // known, not skipped.
+                let unknown = prefills
+                    .clone()
+                    .find(|p| matches!(p.health, Health::Serving { .. }) && p.info.is_none());
+                if let Some(p) = unknown {
+                    return Some(Unroutable::PrefillUnusable {
+                        prefill: name.to_owned(),
+                        why: format!("{} serves but its Info has not been read", p.config.name),
+                    });
                 }
                 // The same checks as `bulkhead preflight`, at run time; without this worker's
                 // Info there is nothing to check them against, so no routing either.
@@ -520,14 +573,6 @@ impl Route {
     }
 }
 
-fn role_name(role: WorkerRole) -> &'static str {
-    match role {
-        WorkerRole::Both => "both",
-        WorkerRole::Prefill => "prefill",
-        WorkerRole::Decode => "decode",
-    }
-}
-
 impl Workers {
     /// Lazily connected clients for `configs`, reaching them as `cluster` says (its token on
     /// every call, over its TLS); nothing is contacted until [`Workers::refresh`].
@@ -593,7 +638,14 @@ impl Workers {
     pub fn route(&self, admitted: &Admitted) -> Option<Route> {
         let tokens = admitted.total_tokens();
         self.with(|s| {
-            let index = least_outstanding(s.routable().map(|(index, e)| Candidate {
+            // Only a worker whose every pool holds the request: one that became routable since
+            // the request was admitted may be smaller than the limit it was admitted against.
+            let fits = |e: &Entry| {
+                s.capacity(e)
+                    .is_some_and(|c| c.served_context.min(c.pool_tokens) >= tokens)
+            };
+            let candidates = s.routable().filter(|(_, e)| fits(e));
+            let index = least_outstanding(candidates.map(|(index, e)| Candidate {
                 index,
                 outstanding_tokens: e.outstanding,
             }))?;
@@ -639,7 +691,7 @@ impl Workers {
                         name: e.config.name.clone(),
                         group: e.config.group.clone(),
                         endpoint: e.config.endpoint.clone(),
-                        role: role_name(e.config.role),
+                        role: e.config.role.name(),
                         info: e.facts.clone(),
                         health: e.health.clone(),
                         routable: s.model.is_some() && unroutable.is_none(),
@@ -691,7 +743,13 @@ impl Workers {
                             e.tokenizer = tokenizer;
                         }
                     }
-                    Some(Err(error)) => e.last_error = Some(error),
+                    // What it said before may no longer hold (restarted with a smaller pool,
+                    // say): not routed to until it says again.
+                    Some(Err(error)) => {
+                        e.facts = None;
+                        e.info = None;
+                        e.last_error = Some(error);
+                    }
                     None => {}
                 }
             }
@@ -834,6 +892,7 @@ async fn probe(
                 pool_pages_total: 0,
                 pool_pages_free: 0,
                 pool_pages_cached: 0,
+                pool_pages_quarantined: 0,
                 queue_depth: 0,
                 running: 0,
             });
@@ -917,6 +976,7 @@ fn health_of(h: &proto::HealthResponse) -> Health {
                 pool_pages_total: pool.total,
                 pool_pages_free: pool.free,
                 pool_pages_cached: pool.cached,
+                pool_pages_quarantined: pool.quarantined,
                 queue_depth: h.queue_depth,
                 running: h.running,
             }
@@ -958,9 +1018,178 @@ mod tests {
             pool_pages_total: 10,
             pool_pages_free: 10,
             pool_pages_cached: 0,
+            pool_pages_quarantined: 0,
             queue_depth: 0,
             running: 0,
         }
+    }
+
+    /// Workers `(name, role, prefill)` with a served model (the tiny model's tokenizer), none
+    /// of them asked anything yet.
+    fn workers(list: &[(&str, WorkerRole, Option<&str>)]) -> Workers {
+        let configs: Vec<WorkerConfig> = list
+            .iter()
+            .map(|&(name, role, prefill)| WorkerConfig {
+                name: name.into(),
+                endpoint: "http://127.0.0.1:9".into(),
+                role,
+                prefill: prefill.map(Into::into),
+                protocol: Protocol::Bulkhead,
+                group: None,
+            })
+            .collect();
+        let workers = Workers::new(&configs, ClusterAccess::default()).expect("workers");
+        let dir = crate::scratch::Scratch::new("workers");
+        let path = dir.0.join("tiny.gguf");
+        bulkhead_worker::tiny_model::TinySpec::default()
+            .write(&path)
+            .expect("writes the tiny model");
+        let (info, data) =
+            bulkhead_worker::serve::info::describe_file(&path).expect("describes it");
+        let model = ServedModel::from_info(&info, &data).expect("a served model");
+        workers.with(|s| s.model = Some(Arc::new(model)));
+        workers
+    }
+
+    /// What worker `name` says: its role, pool and served context, the model the gateway
+    /// serves, every check on.
+    fn reports(workers: &Workers, name: &str, role: WorkerRole, pool: u64, context: u64) {
+        workers.with(|s| {
+            let model_id = s.served_id().expect("a served model").to_owned();
+            let info = proto::InfoResponse {
+                model_id,
+                role: match role {
+                    WorkerRole::Both => proto::Role::Both,
+                    WorkerRole::Prefill => proto::Role::Prefill,
+                    WorkerRole::Decode => proto::Role::Decode,
+                }
+                .into(),
+                pool_tokens: pool,
+                pool_pages: u32::try_from(pool / 16).expect("a small pool"),
+                page_tokens: 16,
+                context_length: context,
+                model_context_length: context,
+                handoff: Some(proto::KvHandoff {
+                    tag_check: true,
+                    checksums: true,
+                    deferred_release: true,
+                    ..proto::KvHandoff::default()
+                }),
+                ..proto::InfoResponse::default()
+            };
+            let e = s
+                .entries
+                .iter_mut()
+                .find(|e| e.config.name == name)
+                .expect("a worker of that name");
+            e.facts = Some(facts_of(&info));
+            e.info = Some(Arc::new(info));
+            e.health = serving();
+        });
+    }
+
+    fn admitted(total: u32) -> Admitted {
+        Admitted {
+            prompt_tokens: 10,
+            max_new_tokens: total - 10,
+        }
+    }
+
+    /// A request admitted against the larger worker's limit is never routed to a smaller one
+    /// that became routable since (or that has fewer tokens outstanding).
+    #[tokio::test]
+    async fn a_request_goes_only_to_a_worker_whose_pools_hold_it() {
+        let w = workers(&[
+            ("big", WorkerRole::Both, None),
+            ("small", WorkerRole::Both, None),
+        ]);
+        reports(&w, "big", WorkerRole::Both, 8192, 8192);
+        reports(&w, "small", WorkerRole::Both, 4096, 4096);
+        let held = w.route(&admitted(1000)).expect("a route");
+        assert_eq!(held.worker, "big", "a tie goes to the first");
+        // "small" has the fewest tokens outstanding, but cannot hold it.
+        let route = w.route(&admitted(6000)).expect("a route");
+        assert_eq!(route.worker, "big", "the only one it fits");
+        let route = w.route(&admitted(3000)).expect("a route");
+        assert_eq!(route.worker, "small", "the least loaded that fits");
+        // Nothing routable holds more than 8192.
+        assert!(w.route(&admitted(9000)).is_none());
+    }
+
+    /// A decode worker is not routed to while a prefill worker that may fill its pages serves
+    /// without having said what its pool holds: its pool and the pair checks are unknown.
+    #[tokio::test]
+    async fn a_serving_prefill_worker_whose_info_is_unread_keeps_its_decode_worker_unroutable() {
+        let w = workers(&[
+            ("d", WorkerRole::Decode, Some("p")),
+            ("p", WorkerRole::Prefill, None),
+            ("p2", WorkerRole::Prefill, None),
+        ]);
+        w.with(|s| {
+            for e in &mut s.entries {
+                e.config.group = Some("p".into());
+            }
+            s.entries[0].config.group = None;
+        });
+        reports(&w, "d", WorkerRole::Decode, 8192, 8192);
+        reports(&w, "p", WorkerRole::Prefill, 8192, 8192);
+        assert!(w.route(&admitted(100)).is_some(), "p2 does not serve yet");
+        w.with(|s| s.entries[2].health = serving());
+        let why = w.with(|s| s.unroutable(&s.entries[0]));
+        assert!(
+            matches!(&why, Some(Unroutable::PrefillUnusable { why, .. }) if why.contains("p2")),
+            "{why:?}"
+        );
+        reports(&w, "p2", WorkerRole::Prefill, 2048, 2048);
+        assert!(
+            w.route(&admitted(4000)).is_none(),
+            "p2's pool bounds it now"
+        );
+        assert!(w.route(&admitted(2000)).is_some());
+    }
+
+    /// A worker that runs another role than configured (a decode worker configured as
+    /// `both`: its prefill worker's pool would be left out of the limit) is not routed to.
+    #[tokio::test]
+    async fn a_worker_running_another_role_than_configured_is_not_routed_to() {
+        let w = workers(&[("w", WorkerRole::Both, None)]);
+        reports(&w, "w", WorkerRole::Decode, 8192, 8192);
+        let why = w.with(|s| s.unroutable(&s.entries[0]));
+        assert!(
+            matches!(
+                why,
+                Some(Unroutable::FailsCheck {
+                    check: "runs the configured role",
+                    ..
+                })
+            ),
+            "{why:?}"
+        );
+        reports(&w, "w", WorkerRole::Both, 8192, 8192);
+        assert!(w.route(&admitted(100)).is_some());
+    }
+
+    /// Quarantined pages that leave less than the served context in service keep a worker
+    /// out of routing until they come back.
+    #[test]
+    fn a_worker_whose_quarantine_leaves_less_than_its_context_is_not_routed_to() {
+        let quarantined = |pages| Health::Serving {
+            pool_pages_total: 256,
+            pool_pages_free: 0,
+            pool_pages_cached: 0,
+            pool_pages_quarantined: pages,
+            queue_depth: 0,
+            running: 0,
+        };
+        let f = facts(4000, 4096);
+        assert_eq!(unroutable(Some(&f), &quarantined(6), Some("m-1")), None);
+        assert_eq!(
+            unroutable(Some(&f), &quarantined(7), Some("m-1")),
+            Some(Unroutable::Quarantined {
+                in_service: 249 * 16,
+                served_context: 4000
+            })
+        );
     }
 
     #[test]
@@ -983,6 +1212,7 @@ mod tests {
                 pool_pages_total: 10,
                 pool_pages_free: 4,
                 pool_pages_cached: 3,
+                pool_pages_quarantined: 0,
                 queue_depth: 1,
                 running: 2,
             }
