@@ -2,8 +2,9 @@
 //! that turn them off one at a time.
 //!
 //! Each layer of the request path enforces the limits on its own (design.md): the gateway's
-//! limit, decode admission, prefill admission, decode's verification of a KV handoff, and the
-//! attention kernel's page-tag check. The isolation suite proves that with any one of them off
+//! limit, its routing only to workers that pass the deployment checks, decode admission,
+//! prefill admission, decode's verification of a KV handoff, and the attention kernel's page-tag
+//! check. The isolation suite proves that with any one of them off
 //! the others still stop the incident, and that its oracles see a leak once nothing stops it.
 //! The prefix cache's scoping is the one check no other layer stands in for: with it off, its
 //! tests show one tenant's prompt served from another tenant's cached pages.
@@ -43,12 +44,19 @@ pub enum Check {
     /// The prefix cache's scoping: a prompt reads only cached pages its own tenant's requests
     /// computed (off: one cache shared by every tenant).
     PrefixScope,
+    /// The gateway's deployment checks at run time (invariant I7): it routes only to a worker
+    /// that passes `bulkhead preflight`'s checks of it (the role it is configured as, a pool
+    /// that covers its served context, integrity checks and two-phase release on) and of its
+    /// pairing with its prefill workers. With it off, a worker whose own checks are off still
+    /// gets traffic, so the layers after it can be shown at work.
+    RoutingChecks,
 }
 
 impl Check {
     /// Every check, in request-path order.
-    pub const ALL: [Check; 6] = [
+    pub const ALL: [Check; 7] = [
         Check::GatewayLimit,
+        Check::RoutingChecks,
         Check::DecodeAdmission,
         Check::PrefillAdmission,
         Check::HandoffVerification,
@@ -66,6 +74,7 @@ impl Check {
             Check::HandoffVerification => "handoff-verification",
             Check::TagCheck => "tag-check",
             Check::PrefixScope => "prefix-scope",
+            Check::RoutingChecks => "routing-checks",
         }
     }
 

@@ -19,6 +19,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use bulkhead_checks::Check;
 use bulkhead_worker::chat::ChatTemplate;
 use bulkhead_worker::serve::cluster_token;
 use bulkhead_worker::serve::info::describe_file;
@@ -396,10 +397,10 @@ impl State {
             .or_else(|| {
                 // `bulkhead preflight`'s checks of one worker, at run time. An OpenAI-compatible
                 // server has no KV handoff and no role of Bulkhead's to check.
-                let info = e
-                    .info
-                    .as_ref()
-                    .filter(|_| matches!(e.client, Upstream::Grpc(_)))?;
+                let info = e.info.as_ref().filter(|_| {
+                    matches!(e.client, Upstream::Grpc(_))
+                        && bulkhead_checks::enabled(Check::RoutingChecks)
+                })?;
                 crate::preflight::own(&e.config.name, e.config.role, info)
                     .into_iter()
                     .find(|c| !c.pass)
@@ -453,6 +454,9 @@ impl State {
                 let Some(d) = e.info.as_ref() else {
                     return Some(Unroutable::NoInfo);
                 };
+                if !bulkhead_checks::enabled(Check::RoutingChecks) {
+                    return None;
+                }
                 prefills
                     .filter_map(|p| Some((p, p.info.as_ref()?)))
                     .flat_map(|(p, pi)| {
@@ -643,6 +647,7 @@ impl Workers {
             let fits = |e: &Entry| {
                 s.capacity(e)
                     .is_some_and(|c| c.served_context.min(c.pool_tokens) >= tokens)
+                    || !bulkhead_checks::enabled(Check::GatewayLimit)
             };
             let candidates = s.routable().filter(|(_, e)| fits(e));
             let index = least_outstanding(candidates.map(|(index, e)| Candidate {

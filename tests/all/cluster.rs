@@ -14,6 +14,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
+use serde_json::Value;
+
 use crate::up::{ADMIN, STARTUP_LIMIT, TempDir, http, json, test_config};
 use crate::worker_grpc::{Place, Worker, collect, text_of};
 
@@ -85,11 +87,7 @@ impl Gateway {
 
     /// `/workers` as name → routable.
     pub(crate) fn routable(&self) -> HashMap<String, bool> {
-        let (status, body) = http(&self.admin, "GET", "/workers", Some(ADMIN), &[], "");
-        assert_eq!(status, 200, "{body}");
-        json(&body)["workers"]
-            .as_array()
-            .expect("a list")
+        self.workers()
             .iter()
             .map(|w| {
                 (
@@ -113,6 +111,40 @@ impl Gateway {
                 "want {want:?}, /workers: {now:?}"
             );
             std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Waits (bounded) until the gateway has read `worker`'s Info and still does not route to
+    /// it; its `/workers` entry.
+    pub(crate) fn wait_judged(&self, worker: &str) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let report = self.report(worker);
+            if !report["info"].is_null() {
+                assert_eq!(report["routable"], false, "{report:#}");
+                return report;
+            }
+            assert!(Instant::now() < deadline, "never judged: {report:#}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// `worker`'s entry in `/workers`.
+    pub(crate) fn report(&self, worker: &str) -> Value {
+        let workers = self.workers();
+        match workers.iter().find(|w| w["name"] == worker) {
+            Some(w) => w.clone(),
+            None => panic!("{worker} missing from /workers: {workers:?}"),
+        }
+    }
+
+    /// `/workers`' entries.
+    fn workers(&self) -> Vec<Value> {
+        let (status, body) = http(&self.admin, "GET", "/workers", Some(ADMIN), &[], "");
+        assert_eq!(status, 200, "{body}");
+        match json(&body).get_mut("workers").map(Value::take) {
+            Some(Value::Array(workers)) => workers,
+            _ => panic!("/workers holds no list: {body}"),
         }
     }
 
@@ -167,6 +199,9 @@ pub(crate) struct Spec<'a> {
     pub toml: &'a str,
     /// Where the workers run: `None`, both on loopback.
     pub placement: Option<Placement<'a>>,
+    /// The gateway is expected to keep the decode worker unroutable: the start waits until
+    /// `/workers` has judged it so, instead of until it is routable and the gateway healthy.
+    pub decode_unroutable: bool,
 }
 
 /// Workers each in a network namespace of its own (see crate::netns), the gateway in the test's.
@@ -245,8 +280,12 @@ impl Cluster {
         replace.extend_from_slice(spec.replace);
         let config = test_config(&dir.0, &replace, spec.toml);
         let gateway = Gateway::start(&config, &dir.0.join("data"), spec.env);
-        gateway.wait_until(&[("local-decode", true)]);
-        gateway.wait_healthy();
+        if spec.decode_unroutable {
+            gateway.wait_judged("local-decode");
+        } else {
+            gateway.wait_until(&[("local-decode", true)]);
+            gateway.wait_healthy();
+        }
         Cluster {
             gateway,
             prefill,

@@ -48,7 +48,7 @@ fn start(prefill_pool: &str, decode_pool: &str, replace: &[(&str, &str)]) -> (Cl
             env: &[("BULKHEAD_LOG", VERBOSE_LOG)],
             replace,
             toml: &toml,
-            placement: None,
+            ..Spec::default()
         });
         (cluster, reference.join().expect("the reference starts"))
     })

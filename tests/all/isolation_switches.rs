@@ -22,7 +22,7 @@ use crate::oracles::{
     Ledger, Pool, Reference, TENANT_A, TENANT_B, TENANT_C, assert_clean, canary, tenant_c_toml,
 };
 use crate::up::bounded;
-use crate::worker_grpc::metric;
+use crate::worker_grpc::{metric, metric_sum};
 
 const SWITCHES: &str = "BULKHEAD_TEST_SWITCHES";
 
@@ -39,9 +39,19 @@ fn the_test_build_holds_the_switches() {
 /// The incident with `check` off alone: A's prompt over the prefill pool and A's prompt over
 /// both pools are refused with 400 `context_length_exceeded` by `layers` (in that order), the
 /// other tenants are served, and every oracle holds.
+///
+/// A worker whose integrity check is off gets no traffic at all while the gateway's routing
+/// checks are on (a_worker_with_its_tag_check_off_gets_no_traffic); to see the layers after the
+/// routing at work without it, those are off too.
 fn with_one_check_off(check: &'static str, layers: [&'static str; 2]) {
     bounded(move || {
-        let (cluster, mut reference) = start_with_reference(&[(SWITCHES, check)], None);
+        let integrity_off = matches!(check, "handoff-verification" | "tag-check");
+        let switches = if integrity_off {
+            format!("{check},routing-checks")
+        } else {
+            check.to_owned()
+        };
+        let (cluster, mut reference) = start_with_reference(&[(SWITCHES, &switches)], None);
         let baseline = baseline(&cluster);
         let ledger = Ledger::default();
         let a_canary = canary(&TENANT_A);
@@ -67,10 +77,9 @@ fn with_one_check_off(check: &'static str, layers: [&'static str; 2]) {
             log.contains("ISOLATION CHECK TURNED OFF") && log.contains(check),
             "the {name} log does not say that {check} is off"
         );
-        // The deployment check sees a worker whose integrity checks are off; the gateway,
-        // which routes on its own checks (pool, context, pair), does not refuse it.
+        // The deployment check sees a worker whose integrity checks are off (the gateway, its
+        // routing checks off, served the other tenants through it).
         let (passed, report) = preflight(&cluster.config);
-        let integrity_off = matches!(check, "handoff-verification" | "tag-check");
         assert_eq!(passed, !integrity_off, "{report}");
         if integrity_off {
             assert!(
@@ -106,6 +115,48 @@ fn without_the_handoff_verification_the_gateway_refuses_the_incident() {
 #[test]
 fn without_the_tag_check_the_gateway_refuses_the_incident() {
     with_one_check_off("tag-check", ["gateway", "gateway"]);
+}
+
+#[test]
+fn a_worker_with_its_tag_check_off_gets_no_traffic() {
+    bounded(|| {
+        // The gateway's routing checks on: it reads decode's Info, sees its page tags off, and
+        // routes nothing to it. (With the routing checks off too, the same worker serves every
+        // tenant: without_the_tag_check_the_gateway_refuses_the_incident.)
+        let cluster = Cluster::start(Spec {
+            env: &[(SWITCHES, "tag-check")],
+            decode_unroutable: true,
+            ..Spec::default()
+        });
+        let report = cluster.gateway.wait_judged("local-decode");
+        let reason = report["unroutable_reason"].as_str().unwrap_or_default();
+        assert!(
+            reason.contains("integrity checks on") && reason.contains("page tags OFF"),
+            "{report:#}"
+        );
+        let ledger = Ledger::default();
+        for tenant in [TENANT_A, TENANT_B] {
+            let (path, body, c) = crate::isolation::fitting(tenant).swap_remove(0);
+            let e = ledger.send(cluster.api(), tenant, path, &body, &[&c]);
+            assert_eq!(e.status, 503, "{}", e.response);
+            assert_eq!(
+                e.error_code().as_deref(),
+                Some("service_unavailable"),
+                "{}",
+                e.response
+            );
+        }
+        // Neither worker heard of a request.
+        for worker in [&cluster.prefill, &cluster.decode] {
+            let m = worker.metrics();
+            assert_eq!(metric_sum(&m, "bulkhead_requests_total"), 0.0, "{m}");
+            assert_eq!(
+                metric(&m, "bulkhead_prompt_tokens_computed_total"),
+                0.0,
+                "{m}"
+            );
+        }
+    });
 }
 
 #[test]
@@ -306,7 +357,8 @@ fn with_the_placeholder_put_back_and_the_checks_off_the_oracles_detect_the_leak(
         // Prefill admission stays on: the incident's bug lives in what it does with a refusal.
         let (cluster, mut reference) = std::thread::scope(|s| {
             let r = s.spawn(Reference::start);
-            let off = "gateway-limit,decode-admission,handoff-verification,tag-check";
+            let off =
+                "gateway-limit,routing-checks,decode-admission,handoff-verification,tag-check";
             (placeholder_cluster(off), r.join().expect("reference"))
         });
         let baseline = baseline(&cluster);
