@@ -249,13 +249,7 @@ pub(crate) fn record_of(cluster: &Cluster, e: &Exchange) -> Value {
 
 /// Asserts that `e` was refused with 400 `context_length_exceeded` by `layer`'s admission.
 pub(crate) fn assert_refused_by(cluster: &Cluster, e: &Exchange, layer: &str) {
-    assert_eq!(e.status, 400, "{}", e.response);
-    assert_eq!(
-        e.error_code().as_deref(),
-        Some("context_length_exceeded"),
-        "{}",
-        e.response
-    );
+    e.assert_failed(400, "context_length_exceeded");
     let record = record_of(cluster, e);
     assert_eq!(
         record["bulkhead.admission"]["outcome"], "rejected",

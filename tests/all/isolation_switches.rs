@@ -138,13 +138,7 @@ fn a_worker_with_its_tag_check_off_gets_no_traffic() {
         for tenant in [TENANT_A, TENANT_B] {
             let (path, body, c) = crate::isolation::fitting(tenant).swap_remove(0);
             let e = ledger.send(cluster.api(), tenant, path, &body, &[&c]);
-            assert_eq!(e.status, 503, "{}", e.response);
-            assert_eq!(
-                e.error_code().as_deref(),
-                Some("service_unavailable"),
-                "{}",
-                e.response
-            );
+            e.assert_failed(503, "service_unavailable");
         }
         // Neither worker heard of a request.
         for worker in [&cluster.prefill, &cluster.decode] {
@@ -209,13 +203,7 @@ fn with_every_check_off_the_incident_prompt_is_never_placed_so_it_fails_instead_
         let took = started.elapsed();
         // No layer refused it, nothing computed it: it fails at decode's transfer deadline
         // (3 s, plus the prompt's bytes at the rate floor) with a 503, never a 200.
-        assert_eq!(exchange.status, 503, "{}", exchange.response);
-        assert_eq!(
-            exchange.error_code().as_deref(),
-            Some("service_unavailable"),
-            "{}",
-            exchange.response
-        );
+        exchange.assert_failed(503, "service_unavailable");
         assert!(
             took >= Duration::from_secs(3) && took < Duration::from_secs(15),
             "failed after {took:?}"
@@ -322,13 +310,7 @@ fn the_incidents_placeholder_is_stopped_by_the_handoff_verification_and_its_page
         let ledger = Ledger::default();
         placeholder_traffic(&cluster, &ledger, &reference, &canary(&TENANT_A));
         let b = ledger.all().pop().expect("B's exchange");
-        assert_eq!(b.status, 500, "{}", b.response);
-        assert_eq!(
-            b.error_code().as_deref(),
-            Some("kv_integrity_error"),
-            "{}",
-            b.response
-        );
+        b.assert_failed(500, "kv_integrity_error");
         let record = record_of(&cluster, &b);
         assert_eq!(
             record["bulkhead.kv.integrity"]["result"], "failed",
@@ -416,8 +398,7 @@ fn with_a_frame_fault(fault: &'static str, dropped: Option<&'static str>) {
         assert!(tokens > PAGE, "the prompt spans pages: {tokens}");
         let pages = (tokens + 8).div_ceil(PAGE) as u32;
         let e = ledger.send(cluster.api(), TENANT_B, "/v1/completions", &body, &[&c]);
-        assert_eq!(e.status, 500, "{}", e.response);
-        assert_eq!(e.error_code().as_deref(), Some("kv_integrity_error"));
+        e.assert_failed(500, "kv_integrity_error");
         let record = record_of(&cluster, &e);
         assert_eq!(
             record["bulkhead.kv.integrity"]["result"], "failed",

@@ -85,6 +85,17 @@ pub(crate) struct Exchange {
 }
 
 impl Exchange {
+    /// Asserts that the exchange failed with HTTP `status` and the error code `code`.
+    pub fn assert_failed(&self, status: u16, code: &str) {
+        assert_eq!(self.status, status, "{}", self.response);
+        assert_eq!(
+            self.error_code().as_deref(),
+            Some(code),
+            "{}",
+            self.response
+        );
+    }
+
     /// The error's code (or type, when it has no code), when the response is an OpenAI error
     /// or a stream that ended in one.
     pub fn error_code(&self) -> Option<String> {

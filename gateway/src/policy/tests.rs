@@ -1210,11 +1210,9 @@ async fn abort_guard_holds_an_abandoned_prefill_and_caps_what_a_tenant_holds() {
     );
 }
 
-/// A request whose client left before the worker answered its call (it waited in the
-/// worker's queue) ran nothing: dropped at once (abort-guard: abort-now while queued), it is
-/// charged nothing, and its policies hear it as queued and as having used nothing.
-#[tokio::test]
-async fn a_request_abandoned_before_its_call_was_answered_is_charged_nothing() {
+/// abort-guard holding one abandoned request per tenant, and a tenant allowed 1000 tokens a
+/// minute whose one request slot is taken by a request of prompt 10 + max tokens 990.
+fn one_slot_charged_in_full() -> (Policies, Scratch, Arc<Tenant>, Limiter, Charge) {
     let (p, dir) = loaded(&format!(
         "{}{}",
         plugin("abort-guard", ""),
@@ -1226,13 +1224,33 @@ async fn a_request_abandoned_before_its_call_was_answered_is_charged_nothing() {
     permit
         .charge_tokens(1000)
         .expect("prompt 10 + max tokens 990");
-    let r = ask(&p, Ask::default()).await.expect("allowed");
-    let never: crate::upstreams::Call = Box::pin(std::future::pending());
     let charge = Charge {
         permit,
         prompt_tokens: 10,
         claim: None,
     };
+    (p, dir, a, limiter, charge)
+}
+
+/// The tenant's slot once the abandoned request ended (bounded wait).
+async fn slot_back(limiter: &Limiter, a: &Arc<Tenant>) -> crate::limits::RequestPermit {
+    for _ in 0..100 {
+        if limiter.in_flight(&a.id) == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    limiter.start(a).expect("the slot came back at the end")
+}
+
+/// A request whose client left before the worker answered its call (it waited in the
+/// worker's queue) ran nothing: dropped at once (abort-guard: abort-now while queued), it is
+/// charged nothing, and its policies hear it as queued and as having used nothing.
+#[tokio::test]
+async fn a_request_abandoned_before_its_call_was_answered_is_charged_nothing() {
+    let (p, dir, a, limiter, charge) = one_slot_charged_in_full();
+    let r = ask(&p, Ask::default()).await.expect("allowed");
+    let never: crate::upstreams::Call = Box::pin(std::future::pending());
     r.finish(
         Some(crate::upstreams::Leg::Calling(never)),
         Progress::default(),
@@ -1241,49 +1259,22 @@ async fn a_request_abandoned_before_its_call_was_answered_is_charged_nothing() {
     );
     let m = abandoned_directives(&p).await;
     assert!(m.contains("directive=\"abort_now\"} 1"), "queued: {m}");
-    for _ in 0..100 {
-        if limiter.in_flight(&a.id) == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let mut next = limiter.start(&a).expect("the slot came back");
+    let mut next = slot_back(&limiter, &a).await;
     next.charge_tokens(1000)
         .expect("all of the minute's 1000 are back: the prompt was never computed");
 }
 
 #[tokio::test]
 async fn an_abandoned_request_keeps_its_slot_until_its_end_and_is_charged_what_it_used() {
-    let (p, dir) = loaded(&format!(
-        "{}{}",
-        plugin("abort-guard", ""),
-        binding("abort-guard", "config = { max_held_per_tenant = 1 }")
-    ));
-    let a = tenant(1000);
-    let limiter = Limiter::default();
-    let mut permit = limiter.start(&a).expect("the one slot");
-    permit
-        .charge_tokens(1000)
-        .expect("prompt 10 + max tokens 990");
+    let (p, dir, a, limiter, charge) = one_slot_charged_in_full();
     let r = ask(&p, Ask::default()).await.expect("allowed");
     let progress = Progress {
         tokens: 3,
         ..Progress::default()
     };
-    let charge = Charge {
-        permit,
-        prompt_tokens: 10,
-        claim: None,
-    };
     r.finish(None, progress, trail(&dir), charge);
     abandoned_directives(&p).await;
-    for _ in 0..100 {
-        if limiter.in_flight(&a.id) == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let mut next = limiter.start(&a).expect("the slot came back at the end");
+    let mut next = slot_back(&limiter, &a).await;
     // 13 used (prompt and the 3 tokens that came): 987 of the minute's 1000 are back.
     next.charge_tokens(987).expect("the unused 987 refunded");
     // The 13 used stay charged (the bucket refills 1000 a minute: 60 would take 3.6 s).
