@@ -563,6 +563,18 @@ impl Route {
         self.claim.take()
     }
 
+    /// Whether the worker's last health check answered that it serves: a check for a call
+    /// that waits for it to take a request (see [`Upstream::call`]).
+    pub fn serving(&self) -> impl Fn() -> bool + Send + 'static {
+        let (workers, id) = (self.workers.clone(), self.id);
+        move || {
+            workers.with(|s| {
+                s.entry_mut(id)
+                    .is_some_and(|e| matches!(e.health, Health::Serving { .. }))
+            })
+        }
+    }
+
     /// Marks the worker unreachable (a transport failure): no routing to it until the next
     /// successful Health.
     pub fn failed(&self, error: &str) {

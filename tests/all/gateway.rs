@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::up::{
     ADMIN, HTTP_LIMIT, KEY_A, KEY_B, KEY_LIMITED, KEY_SERIAL, Options, Up, bounded, http, json,
-    metric, python, repo, send, sha256_hex, stream_under_way,
+    metric, open, python, repo, send, sha256_hex, stream_under_way,
 };
 
 pub const QUESTION: &str =
@@ -331,6 +331,62 @@ fn a_prompt_computed_for_longer_than_the_silence_timeout_is_served_while_it_prog
                 repeats *= 2;
             }
         }
+    });
+}
+
+#[test]
+fn a_request_queued_longer_than_the_silence_timeout_waits_its_turn_and_its_worker_stays_routed() {
+    bounded(|| {
+        // Decode's pool holds one long answer; a second request waits in decode's queue, its
+        // call not taken, for longer than the gateway's 2 s silence timeout. The gateway once
+        // took that wait for a hung worker: it failed the request with a 503 and stopped
+        // routing to the worker, whose health checks answered all along.
+        let idle = Duration::from_secs(2);
+        let up = Up::launch(Options {
+            args: &["--decode-kv-tokens", "1024"],
+            replace: &[(
+                "stream_idle_timeout_secs = 120",
+                "stream_idle_timeout_secs = 2",
+            )],
+            ..Options::default()
+        });
+        up.wait_routable();
+        // tenant-b's answer (counting on) holds most of decode's pages.
+        let holder = r#"{"prompt":"1, 2, 3, 4, 5, 6, 7, 8, 9, 10,","max_tokens":900,"temperature":0,"stream":true}"#;
+        let mut holding = open(&up.api, KEY_B, "/v1/completions", holder);
+        let mut head = [0u8; 12];
+        holding
+            .read_exact(&mut head)
+            .expect("the holder's answer starts");
+        assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+        let waiting = r#"{"messages":[{"role":"user","content":"Say hello."}],"max_tokens":400,"temperature":0}"#;
+        let (status, answer, waited) = std::thread::scope(|s| {
+            let queued = s.spawn(|| {
+                let sent = Instant::now();
+                let (status, answer) = up.chat(KEY_A, &[], waiting);
+                (status, answer, sent.elapsed())
+            });
+            // Well past the timeout, the holder's client leaves: its pages come back.
+            std::thread::sleep(3 * idle);
+            let early = queued.is_finished();
+            drop(holding);
+            let ended = queued.join().expect("the queued client");
+            assert!(
+                !early,
+                "the request ended before the holder's pages came back: {ended:?}"
+            );
+            ended
+        });
+        assert_eq!(status, 200, "after {waited:?}: {answer}");
+        assert!(waited > 3 * idle, "{waited:?}");
+        let (status, workers) = http(&up.admin, "GET", "/workers", Some(ADMIN), &[], "");
+        assert_eq!(status, 200, "{workers}");
+        let decode = json(&workers)["workers"]
+            .as_array()
+            .and_then(|w| w.iter().find(|w| w["name"] == "local-decode").cloned())
+            .unwrap_or_default();
+        assert_eq!(decode["routable"], true, "{decode:#}");
+        assert!(decode["last_error"].is_null(), "{decode:#}");
     });
 }
 

@@ -391,7 +391,9 @@ async fn start(
     .into_request();
     let upstream_span = route.client.span(&route.worker);
     let idle = state.http.stream_idle_timeout;
-    let call = route.client.call(request, &upstream_span, &model, idle);
+    let call = route
+        .client
+        .call(request, &upstream_span, &model, idle, route.serving());
     let prefix = match endpoint {
         Endpoint::Chat => "chatcmpl",
         Endpoint::Completion => "cmpl",

@@ -88,29 +88,39 @@ impl Upstream {
         }
     }
 
-    /// [`Upstream::generate`] as an owned call. A worker that does not take it within `idle`
-    /// (stopped, or cut off without a reset) fails it as unavailable, as one that goes silent
-    /// mid-answer does: without this, a request would wait for its whole request timeout and
-    /// the worker would stay routed to.
+    /// [`Upstream::generate`] as an owned call. A worker that takes it late may be queueing
+    /// it: while `serving()` says its health checks answer, the call waits on (a queue's wait
+    /// is bounded by the request's deadline, not by `idle`); one that has not taken it `idle`
+    /// after its health checks stopped answering (stopped, or cut off without a reset) fails
+    /// it as unavailable, as one that goes silent mid-answer does: without this, a request
+    /// would wait for its whole request timeout and the worker would stay routed to.
     pub fn call(
         &self,
         request: GenerateRequest,
         span: &Span,
         model: &Arc<ServedModel>,
         idle: Duration,
+        serving: impl Fn() -> bool + Send + 'static,
     ) -> Call {
         let (upstream, span, model) = (self.clone(), span.clone(), model.clone());
         Box::pin(async move {
             let generating = upstream.generate(request, &span, &model);
-            match tokio::time::timeout(idle, generating)
-                .instrument(span.clone())
-                .await
-            {
-                Ok(answer) => answer,
-                Err(_) => Err(Status::unavailable(format!(
-                    "the worker did not take the request in {} s",
-                    idle.as_secs()
-                ))),
+            tokio::pin!(generating);
+            loop {
+                match tokio::time::timeout(idle, &mut generating)
+                    .instrument(span.clone())
+                    .await
+                {
+                    Ok(answer) => return answer,
+                    Err(_) if serving() => {}
+                    Err(_) => {
+                        return Err(Status::unavailable(format!(
+                            "the worker did not take the request and stopped answering its \
+                             health checks (waited {} s more)",
+                            idle.as_secs()
+                        )));
+                    }
+                }
             }
         })
     }

@@ -162,6 +162,14 @@ impl Metrics {
         self.computed_prompt_tokens.load(Ordering::Relaxed)
     }
 
+    /// Tokens the engine computed since it started, prompt and generated: rises while it does
+    /// any work a queued request waits on (a prompt ahead of it, or answers whose end frees
+    /// the pages it needs).
+    pub fn computed_tokens(&self) -> u64 {
+        self.computed_prompt_tokens()
+            .saturating_add(self.generated_tokens())
+    }
+
     pub fn generated_tokens(&self) -> u64 {
         self.generated_tokens.load(Ordering::Relaxed)
     }
@@ -458,6 +466,19 @@ mod tests {
             value(&text, "bulkhead_prompt_tokens_computed_total"),
             Some(1234)
         );
+    }
+
+    #[test]
+    fn a_queued_request_sees_progress_in_answers_as_in_prompts() {
+        // A request queued for pages that answers hold gets them as the answers end: tokens
+        // they generate are progress towards its turn, as a prompt computed ahead of it is.
+        let m = Metrics::default();
+        m.set_computed_prompt_tokens(30);
+        let before = m.computed_tokens();
+        m.add_generated(1);
+        assert_eq!(m.computed_tokens(), before + 1);
+        m.set_computed_prompt_tokens(46);
+        assert_eq!(m.computed_tokens(), 47);
     }
 
     #[test]

@@ -372,12 +372,9 @@ impl Stream for GenerateStream {
 }
 
 /// The progress of the computation a request waits on before its first token: the prefill
-/// worker's count as it last reported it (decode), else this worker's.
+/// worker's count as it last reported it (decode), else this worker's prompts and answers.
 fn computed_tokens(prefill: Option<&PrefillCall>, metrics: &Metrics) -> u64 {
-    prefill.map_or_else(
-        || metrics.computed_prompt_tokens(),
-        PrefillCall::computed_tokens,
-    )
+    prefill.map_or_else(|| metrics.computed_tokens(), PrefillCall::computed_tokens)
 }
 
 impl GenerateStream {
