@@ -347,6 +347,34 @@ async fn a_caller_hears_of_the_prompts_progress_until_its_first_token() {
 }
 
 #[tokio::test]
+async fn a_request_queued_behind_an_answer_hears_that_the_worker_works() {
+    bounded(async {
+        // One request runs at a time: the second waits in the queue while the first generates.
+        // The tokens the answer ahead of it generates are its progress (their end is its turn),
+        // reported as a prompt's are: without them its caller heard nothing until its first
+        // token, and a silence timeout shorter than the wait took the worker for a hung one.
+        let worker = Worker::start(&["--kv-tokens", "2048", "--max-running", "1"]);
+        let mut client = worker.client().await;
+        let mut running = under_way(&mut client, counting(300)).await;
+        let ahead = tokio::spawn(async move { while let Ok(Some(_)) = running.message().await {} });
+        let (progress, _, tokens) = run_reporting(&mut client, chat("Say hello.", 4))
+            .await
+            .expect("served after the answer ahead of it");
+        assert!(tokens >= 1, "{tokens}");
+        ahead.await.expect("the answer ahead ran to its end");
+        // The answer ahead takes seconds; a report at most every 500 ms while it rises.
+        assert!(progress.len() >= 3, "{progress:?}");
+        assert!(progress.is_sorted_by(|a, b| a < b), "{progress:?}");
+        let prompts = metric(&worker.metrics(), "bulkhead_prompt_tokens_computed_total");
+        assert!(
+            progress.last().is_some_and(|&last| last as f64 > prompts),
+            "the reports count generated tokens, not prompts alone: {progress:?}, {prompts}"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn info_reports_the_measured_pool_and_served_context() {
     bounded(async {
         let worker = Worker::start(&["--kv-tokens", "2000"]);
