@@ -44,8 +44,8 @@ pub use line::Seq;
 pub use log::{AuditLog, Config, Durability, Receipt, Recovery};
 pub use read::{Stored, read};
 pub use record::{
-    Admission, AdmissionOutcome, AuditRecord, Directive, DisconnectPhase, Dropped, Hold, Integrity,
-    Label, Layer, PolicyDecision, Verdict, WorkerPair,
+    Admission, AdmissionOutcome, AuditRecord, Directive, DisconnectPhase, Dropped, Folded, Hold,
+    Integrity, Label, Layer, PolicyDecision, StatusCount, Verdict, WorkerPair,
 };
 pub use tenant::{MAX_TENANT_LEN, TenantId, TenantIdError};
 pub use verify::{Problem, Reason, Report, TenantReport, verify};

@@ -92,6 +92,73 @@ pub struct AuditRecord {
         skip_serializing_if = "Option::is_none"
     )]
     pub completion: Option<String>,
+    /// Set on a record that stands for many requests rather than one: those with no tenant to
+    /// charge past the gateway log's budget (the record's own request id names the first and
+    /// last of them, its status is 0).
+    #[serde(
+        rename = "bulkhead.folded",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub folded: Option<Folded>,
+}
+
+impl AuditRecord {
+    /// The record of request `request_id` to `route`, charged to `tenant`, before anything
+    /// else is known of it (no time, status 0, no tokens, nothing checked).
+    #[must_use]
+    pub fn new(request_id: String, tenant: TenantId, route: String) -> AuditRecord {
+        AuditRecord {
+            time_unix_ms: 0,
+            request_id,
+            tenant,
+            key_id: String::new(),
+            model: String::new(),
+            route,
+            input_tokens: None,
+            output_tokens: None,
+            policy: Vec::new(),
+            admission: None,
+            workers: None,
+            integrity: Integrity::NotChecked,
+            status: 0,
+            error_type: None,
+            ttft_ms: None,
+            total_ms: 0,
+            disconnect: None,
+            hold: None,
+            prompt_sha256: None,
+            completion_sha256: None,
+            prompt: None,
+            completion: None,
+            folded: None,
+        }
+    }
+}
+
+/// The requests one folded record stands for: each counted here instead of recorded alone.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Folded {
+    /// How many requests.
+    pub requests: u64,
+    /// The first one's request id.
+    pub first_request_id: String,
+    /// The last one's request id.
+    pub last_request_id: String,
+    /// When the first one ended, in milliseconds since the Unix epoch (the record's
+    /// `time_unix_ms` is when the last one did).
+    pub since_unix_ms: u64,
+    /// How many were answered with each HTTP status, by status.
+    pub statuses: Vec<StatusCount>,
+}
+
+/// Requests answered with one HTTP status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatusCount {
+    /// The status.
+    pub status: u16,
+    /// How many requests got it.
+    pub requests: u64,
 }
 
 /// One policy plugin's decision.

@@ -23,6 +23,8 @@
 //! durability = "durable"            # or "group": answer before the record's fsync
 //! on_failure = "refuse"             # or "serve": keep serving while the log is broken
 //! segment_bytes = 67108864
+//! gateway_records_per_minute = 3000 # records of requests with no valid key, each; past that
+//!                                   # they are counted in one folded record a second
 //!
 //! [telemetry]                       # optional; OpenTelemetry export is off without it
 //! otlp_endpoint = "http://127.0.0.1:4318"  # a collector (OTLP over HTTP/protobuf); spans go
@@ -201,6 +203,9 @@ pub struct AuditSettings {
     pub on_failure: OnAuditFailure,
     /// Segment size before rotation.
     pub segment_bytes: u64,
+    /// Requests with no tenant to charge that get a record of their own, per minute; past
+    /// that, each is counted in a folded record (`trail::fold`).
+    pub gateway_records_per_minute: u64,
 }
 
 impl Default for AuditSettings {
@@ -209,6 +214,7 @@ impl Default for AuditSettings {
             durability: Durability::Durable,
             on_failure: OnAuditFailure::Refuse,
             segment_bytes: 64 << 20,
+            gateway_records_per_minute: 3000,
         }
     }
 }
@@ -466,6 +472,7 @@ struct RawAudit {
     durability: Option<Durability>,
     on_failure: Option<OnAuditFailure>,
     segment_bytes: Option<u64>,
+    gateway_records_per_minute: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -595,13 +602,17 @@ fn cluster_settings(raw: RawCluster) -> Result<ClusterSettings, ConfigError> {
 /// clock's range would fail every request.
 const MAX_TIMEOUT_SECS: u64 = 7 * 24 * 3600;
 
-fn http_limits(raw: &RawHttp) -> Result<HttpLimits, ConfigError> {
-    let d = HttpLimits::default();
-    let nonzero = |v: Option<u64>, field: &'static str, default: u64| match v {
+/// `v`, or `default` when absent; 0 is refused by name.
+fn nonzero(v: Option<u64>, field: &'static str, default: u64) -> Result<u64, ConfigError> {
+    match v {
         Some(0) => Err(ConfigError::ZeroSetting { field }),
         Some(v) => Ok(v),
         None => Ok(default),
-    };
+    }
+}
+
+fn http_limits(raw: &RawHttp) -> Result<HttpLimits, ConfigError> {
+    let d = HttpLimits::default();
     let timeout = |v: Option<u64>, field: &'static str, default: Duration| match nonzero(
         v,
         field,
@@ -647,15 +658,15 @@ fn http_limits(raw: &RawHttp) -> Result<HttpLimits, ConfigError> {
 
 fn audit_settings(raw: &RawAudit) -> Result<AuditSettings, ConfigError> {
     let d = AuditSettings::default();
-    if raw.segment_bytes == Some(0) {
-        return Err(ConfigError::ZeroSetting {
-            field: "audit.segment_bytes",
-        });
-    }
     Ok(AuditSettings {
         durability: raw.durability.unwrap_or(d.durability),
         on_failure: raw.on_failure.unwrap_or(d.on_failure),
-        segment_bytes: raw.segment_bytes.unwrap_or(d.segment_bytes),
+        segment_bytes: nonzero(raw.segment_bytes, "audit.segment_bytes", d.segment_bytes)?,
+        gateway_records_per_minute: nonzero(
+            raw.gateway_records_per_minute,
+            "audit.gateway_records_per_minute",
+            d.gateway_records_per_minute,
+        )?,
     })
 }
 
@@ -1069,6 +1080,16 @@ mod tests {
         assert_eq!(c.audit.durability, Durability::Group);
         assert_eq!(c.audit.on_failure, OnAuditFailure::Serve);
         assert!(c.tenants.members()[0].tenant.capture_content);
+        let budget = |n: u64| {
+            let section = format!("{WORKER}[audit]\ngateway_records_per_minute = {n}\n");
+            Config::parse(&config(&tenant("tenant-a", "k"), &section))
+        };
+        assert_eq!(
+            budget(60).expect("valid").audit.gateway_records_per_minute,
+            60
+        );
+        let e = budget(0).expect_err("no budget at all").to_string();
+        assert!(e.contains("audit.gateway_records_per_minute"), "{e}");
         let bad = config(
             &tenant("tenant-a", "k"),
             &format!("{WORKER}[audit]\ndurability = \"sometimes\"\n"),

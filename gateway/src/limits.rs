@@ -46,7 +46,7 @@ pub enum LimitError {
 
 /// A token bucket refilled continuously at `capacity` per minute.
 #[derive(Debug, Clone)]
-struct Bucket {
+pub(crate) struct Bucket {
     capacity: f64,
     /// What may be taken now: at most `capacity`; below 0 after a [`Bucket::resize`] to less
     /// than what the last minute used (a debt that refills like the rest).
@@ -55,7 +55,7 @@ struct Bucket {
 }
 
 impl Bucket {
-    fn full(capacity: u64, now: Instant) -> Bucket {
+    pub(crate) fn full(capacity: u64, now: Instant) -> Bucket {
         Bucket {
             capacity: capacity as f64,
             level: capacity as f64,
@@ -70,7 +70,7 @@ impl Bucket {
     }
 
     /// Takes `n`, or says in how many whole seconds it could.
-    fn take(&mut self, n: u64, now: Instant) -> Result<(), u64> {
+    pub(crate) fn take(&mut self, n: u64, now: Instant) -> Result<(), u64> {
         self.refill(now);
         let n = n as f64;
         if n <= self.level {

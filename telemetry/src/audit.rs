@@ -172,6 +172,7 @@ mod tests {
             completion_sha256: Some(Sha256Digest::of(b"the completion")),
             prompt: Some("the prompt".into()),
             completion: Some("the completion".into()),
+            folded: None,
         }
     }
 

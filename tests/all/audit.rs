@@ -417,3 +417,39 @@ fn reading_the_audit_log_counts_against_the_tenants_request_limits() {
         audit_page(&up, KEY_B, "");
     });
 }
+
+#[test]
+fn a_flood_of_requests_without_a_key_is_folded_past_the_gateway_logs_budget() {
+    bounded(|| {
+        // Ten records a minute of its own for the gateway log; thirty requests with a wrong
+        // key: ten recorded alone, twenty counted in one folded record, written once its second
+        // has passed, with the next record of any log.
+        let up = Up::launch(Options {
+            replace: &[(
+                "gateway_records_per_minute = 3000",
+                "gateway_records_per_minute = 10",
+            )],
+            ..Options::default()
+        });
+        up.wait_routable();
+        for _ in 0..30 {
+            let (status, body) = http(&up.api, "GET", "/v1/models", Some("sk-wrong"), &[], "");
+            assert_eq!(status, 401, "{body}");
+        }
+        std::thread::sleep(Duration::from_millis(1100));
+        let (status, body) = http(&up.api, "GET", "/v1/models", Some(KEY_A), &[], "");
+        assert_eq!(status, 200, "{body}");
+        let got = up.wait_records("_gateway", 11);
+        assert_eq!(got.len(), 11, "{got:#?}");
+        let folded = &got[10]["bulkhead.folded"];
+        assert_eq!(folded["requests"], 20, "{folded:#}");
+        assert_eq!(
+            folded["statuses"],
+            serde_json::json!([{"status": 401, "requests": 20}])
+        );
+        assert!(got[..10].iter().all(|r| r["bulkhead.folded"].is_null()));
+        // The chain holds the folded record like any other.
+        let (ok, report) = verify(&up.data_dir);
+        assert!(ok, "{report}");
+    });
+}

@@ -74,6 +74,7 @@ pub fn record(tenant: &TenantId, i: u64) -> AuditRecord {
         completion_sha256: Some(Sha256Digest::of(b"completion")),
         prompt: None,
         completion: None,
+        folded: None,
     }
 }
 

@@ -67,30 +67,11 @@ impl Trail {
     /// A draft charged to the gateway's own log until [`Trail::authenticated`] names a tenant.
     pub(super) fn new(recorder: Recorder, request_id: String, span: Span) -> Trail {
         span.record("bulkhead.request.id", request_id.as_str());
-        let record = AuditRecord {
-            time_unix_ms: 0,
+        let record = AuditRecord::new(
             request_id,
-            tenant: recorder.gateway_tenant().clone(),
-            key_id: String::new(),
-            model: String::new(),
-            route: super::UNMATCHED_ROUTE.to_owned(),
-            input_tokens: None,
-            output_tokens: None,
-            policy: Vec::new(),
-            admission: None,
-            workers: None,
-            integrity: Integrity::NotChecked,
-            status: 0,
-            error_type: None,
-            ttft_ms: None,
-            total_ms: 0,
-            disconnect: None,
-            hold: None,
-            prompt_sha256: None,
-            completion_sha256: None,
-            prompt: None,
-            completion: None,
-        };
+            recorder.gateway_tenant().clone(),
+            super::UNMATCHED_ROUTE.to_owned(),
+        );
         Trail(Arc::new(Mutex::new(Draft {
             recorder,
             record,

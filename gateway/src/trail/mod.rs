@@ -15,9 +15,12 @@
 //! log export is on, goes out as an OpenTelemetry log record in the same trace.
 //!
 //! While the log cannot write, [`OnAuditFailure::Refuse`] turns every new request away with
-//! 503 `audit_unavailable` rather than serve it unaudited; health says why.
+//! 503 `audit_unavailable` rather than serve it unaudited; health says why. So that requests
+//! with no tenant to charge cannot fill the disk every log shares, the gateway log has a budget
+//! past which they are counted in folded records ([`fold`]).
 
 mod draft;
+mod fold;
 mod layer;
 mod read;
 mod syncer;
@@ -26,9 +29,9 @@ mod tests;
 mod unserved;
 
 use std::path::Path;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use bulkhead_audit::{AuditError, AuditLog, AuditRecord, Recovery, Seq, Stored, TenantId};
 use bulkhead_telemetry::AuditExport;
@@ -73,6 +76,10 @@ struct Inner {
     export: Option<AuditExport>,
     /// Durable mode: the thread whose fsyncs responses wait for.
     syncer: Option<syncer::Syncer>,
+    /// The gateway log's budget, and the folded record past it.
+    folding: Mutex<fold::Folding>,
+    /// Whether `folding` collects a folded record (checked without the lock on every append).
+    folding_pending: AtomicBool,
 }
 
 impl Recorder {
@@ -107,9 +114,12 @@ impl Recorder {
                 Some(syncer)
             }
         };
+        let folding = fold::Folding::new(settings.gateway_records_per_minute, Instant::now());
         let inner = Arc::new(Inner {
             log,
             settings,
+            folding: Mutex::new(folding),
+            folding_pending: AtomicBool::new(false),
             gateway,
             lost: AtomicU64::new(0),
             metrics,
@@ -167,13 +177,14 @@ impl Recorder {
     }
 
     /// Appends `record`; in durable mode, returns once it is fsynced. A record the log
-    /// refuses is counted lost here; one it accepts and then drops, by the log.
+    /// refuses is counted lost here; one it accepts and then drops, by the log. A gateway-log
+    /// record past the budget is folded: nothing to wait for, its folded record comes later.
     async fn commit(&self, record: AuditRecord) -> Result<(), AuditError> {
-        if let Err(e) = self.inner.log.append(&record.tenant, &record) {
-            self.inner.lost.fetch_add(1, Ordering::Relaxed);
-            tracing::error!(error = %e, "an audit record could not be written");
-            return Err(e);
+        let records = self.to_append(record);
+        if records.is_empty() {
+            return Ok(());
         }
+        self.append(records)?;
         match &self.inner.syncer {
             None => Ok(()),
             Some(syncer) => syncer.durable().await.inspect_err(|e| {
@@ -184,10 +195,48 @@ impl Recorder {
 
     /// Appends the record of an abandoned request without waiting (nobody is left to answer).
     fn append_abandoned(&self, record: AuditRecord) {
-        if let Err(e) = self.inner.log.append(&record.tenant, &record) {
-            self.inner.lost.fetch_add(1, Ordering::Relaxed);
-            tracing::error!(error = %e, "an audit record could not be written");
+        let _ = self.append(self.to_append(record));
+    }
+
+    /// What the log is to take for `record`, in order: a gateway-log record goes through its
+    /// budget ([`fold::Folding::admit`]); any other, after the folded record, once that is due.
+    fn to_append(&self, record: AuditRecord) -> Vec<AuditRecord> {
+        let gateway = record.tenant == self.inner.gateway;
+        if !gateway && !self.inner.folding_pending.load(Ordering::Relaxed) {
+            return vec![record];
         }
+        let now = Instant::now();
+        let mut folding = self.folding();
+        let out = if gateway {
+            folding.admit(record, now)
+        } else {
+            folding.due(now).into_iter().chain([record]).collect()
+        };
+        self.inner
+            .folding_pending
+            .store(folding.pending(), Ordering::Relaxed);
+        out
+    }
+
+    fn folding(&self) -> std::sync::MutexGuard<'_, fold::Folding> {
+        self.inner
+            .folding
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Appends `records`; one the log refuses is counted lost. The result is the last one's:
+    /// the record that holds the request being committed (its own, or the folded one).
+    fn append(&self, records: Vec<AuditRecord>) -> Result<(), AuditError> {
+        let mut result = Ok(());
+        for record in &records {
+            result = self.inner.log.append(&record.tenant, record).map(drop);
+            if let Err(e) = &result {
+                self.inner.lost.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(error = %e, "an audit record could not be written");
+            }
+        }
+        result
     }
 
     /// Up to `limit` durable records of `tenant` from `since` on.
@@ -200,8 +249,17 @@ impl Recorder {
         self.inner.log.read(tenant, since, limit)
     }
 
-    /// Makes every record so far durable (shutdown).
+    /// Writes the folded record being collected and makes every record so far durable
+    /// (shutdown).
     pub fn flush(&self) -> Result<(), AuditError> {
+        let folded = {
+            let mut folding = self.folding();
+            self.inner.folding_pending.store(false, Ordering::Relaxed);
+            folding.drain()
+        };
+        if let Some(record) = folded {
+            let _ = self.append(vec![record]);
+        }
         self.inner.log.flush()
     }
 }

@@ -103,14 +103,129 @@ fn records(recorder: &Recorder) -> Vec<AuditRecord> {
 
 /// A recorder over `dir` with these settings.
 fn open(dir: &Scratch, durability: Durability, on_failure: OnAuditFailure) -> Recorder {
-    let settings = AuditSettings {
-        durability,
-        on_failure,
-        ..AuditSettings::default()
-    };
+    open_with(
+        dir,
+        AuditSettings {
+            durability,
+            on_failure,
+            ..AuditSettings::default()
+        },
+    )
+}
+
+fn open_with(dir: &Scratch, settings: AuditSettings) -> Recorder {
     Recorder::open(&dir.0, settings, Metrics::default(), None)
         .expect("opens")
         .0
+}
+
+/// A recorder whose gateway log takes `per_minute` records of its own a minute.
+fn with_budget(dir: &Scratch, per_minute: u64) -> Recorder {
+    open_with(
+        dir,
+        AuditSettings {
+            gateway_records_per_minute: per_minute,
+            ..AuditSettings::default()
+        },
+    )
+}
+
+/// `n` requests without a key (401), and their request ids.
+async fn unauthenticated(app: &Router, n: usize) -> Vec<String> {
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        let r = call(app, "/fail/0").await;
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+        ids.push(
+            r.headers()["x-request-id"]
+                .to_str()
+                .expect("ascii")
+                .to_owned(),
+        );
+    }
+    ids
+}
+
+/// A flood of requests with no tenant to charge costs the disk one record per window past the
+/// gateway log's budget, and every request is still counted: its own record, or its place in
+/// a folded one. (Without the budget — one past the flood — each has its own record.)
+#[tokio::test]
+async fn requests_with_no_tenant_past_the_budget_are_folded_and_each_is_counted_once() {
+    let dir = Scratch::new("trail");
+    let recorder = with_budget(&dir, 5);
+    let ids = unauthenticated(&app(&recorder), 40).await;
+    let got = records(&recorder);
+    let own: Vec<&str> = got
+        .iter()
+        .filter(|r| r.folded.is_none())
+        .map(|r| r.request_id.as_str())
+        .collect();
+    assert_eq!(own, ids[..5], "the budget's five, each alone");
+    let folded: Vec<&bulkhead_audit::Folded> =
+        got.iter().filter_map(|r| r.folded.as_ref()).collect();
+    assert!(!folded.is_empty() && folded.len() < 35, "{folded:#?}");
+    assert_eq!(folded.iter().map(|f| f.requests).sum::<u64>(), 35);
+    assert_eq!(folded[0].first_request_id, ids[5]);
+    assert_eq!(folded[folded.len() - 1].last_request_id, ids[39]);
+    for (f, record) in folded.iter().zip(got.iter().filter(|r| r.folded.is_some())) {
+        assert_eq!(f.statuses.len(), 1, "{f:#?}");
+        assert_eq!(
+            (f.statuses[0].status, f.statuses[0].requests),
+            (401, f.requests)
+        );
+        assert_eq!(record.status, 0);
+        assert!(record.prompt_sha256.is_none() && record.key_id.is_empty());
+    }
+
+    let dir = Scratch::new("trail");
+    let unbounded = with_budget(&dir, 1000);
+    unauthenticated(&app(&unbounded), 40).await;
+    let got = records(&unbounded);
+    assert_eq!(got.len(), 40);
+    assert!(got.iter().all(|r| r.folded.is_none()));
+}
+
+/// A tenant's records are never folded, whatever the gateway log's budget; and the folded
+/// record a flood left collecting is written once its window has passed, at the next record
+/// of any log — not only at shutdown.
+#[tokio::test]
+async fn a_tenants_records_are_never_folded_and_carry_the_due_folded_record_out() {
+    use hyper::service::Service as _;
+    use hyper_util::service::TowerToHyperService;
+
+    let dir = Scratch::new("trail");
+    let recorder = with_budget(&dir, 1);
+    let app = app(&recorder);
+    unauthenticated(&app, 3).await;
+    tokio::time::sleep(super::fold::WINDOW).await;
+    let watch = super::Watch::new(TowerToHyperService::new(app), recorder.clone(), tenants());
+    for _ in 0..3 {
+        let request = Request::builder()
+            .uri("/v1/chat/completions")
+            .header(http::header::AUTHORIZATION, "Bearer sk-a")
+            .body(Body::empty())
+            .expect("a request");
+        drop(watch.call(request));
+    }
+    let gateway = TenantId::new(GATEWAY_LOG).expect("valid");
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let folded = loop {
+        let read = recorder.read(&gateway, Seq(0), 10).expect("reads");
+        if let Some(f) = read.iter().find_map(|s| s.record.folded.clone()) {
+            break f;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no folded record: {read:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(folded.requests, 2);
+    let tenant = TenantId::new("tenant-a").expect("valid");
+    recorder.flush().expect("flush");
+    let mine = recorder.read(&tenant, Seq(0), 10).expect("reads");
+    assert_eq!(mine.len(), 3, "{mine:#?}");
+    assert!(mine.iter().all(|s| s.record.folded.is_none()));
 }
 
 #[tokio::test]

@@ -1,0 +1,137 @@
+//! The gateway log's budget. A request with no tenant to charge (no key, an unknown one) costs
+//! its sender nothing, so a flood of them could fill the disk the tenants' logs share — and a
+//! log that cannot write turns every tenant away (`on_failure = "refuse"`). Up to
+//! `gateway_records_per_minute` of them get a record each; past that, each is counted into a
+//! folded record that stands for every such request of its window (at most one record per
+//! [`WINDOW`]). Every request is still accounted for (I5), and a flood costs the disk one
+//! record per window.
+//!
+//! ```text
+//!  budget left ─▶ the pending folded record (if any), then the request's own record
+//!  budget spent ─▶ counted in the pending folded record; written once WINDOW has passed
+//!                  (at the next record of any log) or at flush
+//! ```
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use bulkhead_audit::{AuditRecord, Folded, StatusCount, TenantId};
+
+use crate::limits::Bucket;
+
+/// The longest a folded record collects requests before it is written.
+pub const WINDOW: Duration = Duration::from_secs(1);
+
+/// The route a folded record names: its requests may have asked for any.
+const ANY_ROUTE: &str = "*";
+
+/// The gateway log's budget and the folded record it is collecting.
+#[derive(Debug)]
+pub struct Folding {
+    budget: Bucket,
+    pending: Option<Pending>,
+}
+
+/// A folded record in the making.
+#[derive(Debug)]
+struct Pending {
+    tenant: TenantId,
+    first_request_id: String,
+    first_unix_ms: u64,
+    last_request_id: String,
+    last_unix_ms: u64,
+    requests: u64,
+    statuses: BTreeMap<u16, u64>,
+    opened: Instant,
+}
+
+impl Folding {
+    /// A full budget of `per_minute` records, refilled continuously.
+    pub fn new(per_minute: u64, now: Instant) -> Folding {
+        Folding {
+            budget: Bucket::full(per_minute, now),
+            pending: None,
+        }
+    }
+
+    /// What the log is to take, in order, for `record`, a gateway-log record ending now:
+    /// within budget, the pending folded record and then `record`; past it, nothing (`record`
+    /// is counted in the pending folded record) or, once that has collected for [`WINDOW`],
+    /// the folded record.
+    pub fn admit(&mut self, record: AuditRecord, now: Instant) -> Vec<AuditRecord> {
+        if self.budget.take(1, now).is_ok() {
+            let mut out: Vec<AuditRecord> =
+                self.pending.take().map(Pending::seal).into_iter().collect();
+            out.push(record);
+            return out;
+        }
+        match &mut self.pending {
+            Some(p) => p.add(&record),
+            None => self.pending = Some(Pending::open(&record, now)),
+        }
+        self.due(now).into_iter().collect()
+    }
+
+    /// The pending folded record, once it has collected for [`WINDOW`].
+    pub fn due(&mut self, now: Instant) -> Option<AuditRecord> {
+        let ripe = self
+            .pending
+            .as_ref()
+            .is_some_and(|p| now.saturating_duration_since(p.opened) >= WINDOW);
+        ripe.then(|| self.drain()).flatten()
+    }
+
+    /// The pending folded record, whatever its age (shutdown).
+    pub fn drain(&mut self) -> Option<AuditRecord> {
+        self.pending.take().map(Pending::seal)
+    }
+
+    /// Whether a folded record is being collected.
+    pub fn pending(&self) -> bool {
+        self.pending.is_some()
+    }
+}
+
+impl Pending {
+    fn open(first: &AuditRecord, now: Instant) -> Pending {
+        let mut p = Pending {
+            tenant: first.tenant.clone(),
+            first_request_id: first.request_id.clone(),
+            first_unix_ms: first.time_unix_ms,
+            last_request_id: String::new(),
+            last_unix_ms: 0,
+            requests: 0,
+            statuses: BTreeMap::new(),
+            opened: now,
+        };
+        p.add(first);
+        p
+    }
+
+    fn add(&mut self, record: &AuditRecord) {
+        self.requests += 1;
+        *self.statuses.entry(record.status).or_default() += 1;
+        self.last_request_id.clone_from(&record.request_id);
+        self.last_unix_ms = record.time_unix_ms;
+    }
+
+    /// The folded record, in the gateway log: no one request's model, tokens or content.
+    fn seal(self) -> AuditRecord {
+        let request_id = format!("{}..{}", self.first_request_id, self.last_request_id);
+        AuditRecord {
+            time_unix_ms: self.last_unix_ms,
+            folded: Some(Folded {
+                requests: self.requests,
+                first_request_id: self.first_request_id,
+                last_request_id: self.last_request_id,
+                since_unix_ms: self.first_unix_ms,
+                statuses: self
+                    .statuses
+                    .into_iter()
+                    .map(|(status, requests)| StatusCount { status, requests })
+                    .collect(),
+            }),
+            ..AuditRecord::new(request_id, self.tenant, ANY_ROUTE.to_owned())
+        }
+    }
+}
