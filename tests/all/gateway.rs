@@ -6,8 +6,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::up::{
-    ADMIN, HTTP_LIMIT, KEY_A, KEY_B, KEY_LIMITED, KEY_SERIAL, Options, Up, bounded, http, json,
-    metric, open, python, repo, send, sha256_hex, stream_under_way,
+    ADMIN, HTTP_LIMIT, KEY_A, KEY_B, KEY_LIMITED, KEY_SERIAL, Options, QUEUED_BEHIND, Up,
+    a_long_answer_holding_decode, bounded, http, json, metric, python, repo, send, sha256_hex,
+    stream_under_way,
 };
 
 pub const QUESTION: &str =
@@ -351,19 +352,11 @@ fn a_request_queued_longer_than_the_silence_timeout_waits_its_turn_and_its_worke
             ..Options::default()
         });
         up.wait_routable();
-        // tenant-b's answer (counting on) holds most of decode's pages.
-        let holder = r#"{"prompt":"1, 2, 3, 4, 5, 6, 7, 8, 9, 10,","max_tokens":900,"temperature":0,"stream":true}"#;
-        let mut holding = open(&up.api, KEY_B, "/v1/completions", holder);
-        let mut head = [0u8; 12];
-        holding
-            .read_exact(&mut head)
-            .expect("the holder's answer starts");
-        assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
-        let waiting = r#"{"messages":[{"role":"user","content":"Say hello."}],"max_tokens":400,"temperature":0}"#;
+        let holding = a_long_answer_holding_decode(&up);
         let (status, answer, waited) = std::thread::scope(|s| {
             let queued = s.spawn(|| {
                 let sent = Instant::now();
-                let (status, answer) = up.chat(KEY_A, &[], waiting);
+                let (status, answer) = up.chat(KEY_A, &[], QUEUED_BEHIND);
                 (status, answer, sent.elapsed())
             });
             // Well past the timeout, the holder's client leaves: its pages come back.

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use crate::up::{
-    ADMIN, KEY_A, KEY_B, KEY_LIMITED, Options, TempDir, Up, bounded, exchange, header, http, json,
-    metric, open, repo,
+    ADMIN, KEY_A, KEY_B, KEY_LIMITED, Options, QUEUED_BEHIND, TempDir, Up,
+    a_long_answer_holding_decode, bounded, exchange, header, http, json, metric, open, repo,
 };
 
 /// The control tenant of `Up` (its `abort-guard` may hold nothing).
@@ -529,17 +529,9 @@ config = { on_disconnect = "hold-until-complete", phases = ["queued"] }
             ..Options::default()
         });
         up.wait_routable();
-        // tenant-b's long answer (counting on) holds most of decode's pages.
-        let holder = r#"{"prompt":"1, 2, 3, 4, 5, 6, 7, 8, 9, 10,","max_tokens":900,"temperature":0,"stream":true}"#;
-        let mut holding = open(&up.api, KEY_B, "/v1/completions", holder);
-        let mut head = [0u8; 12];
-        holding
-            .read_exact(&mut head)
-            .expect("the holder's answer starts");
-        assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+        let holding = a_long_answer_holding_decode(&up);
         // tenant-a's request waits in decode's queue, and its client leaves.
-        let waiting = r#"{"messages":[{"role":"user","content":"Say hello."}],"max_tokens":400,"temperature":0}"#;
-        let queued = open(&up.api, KEY_A, "/v1/chat/completions", waiting);
+        let queued = open(&up.api, KEY_A, "/v1/chat/completions", QUEUED_BEHIND);
         std::thread::sleep(Duration::from_millis(1500));
         drop(queued);
         // abort-guard says abort-now for a queued request, ledger hold-until-complete (for a

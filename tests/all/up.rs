@@ -433,6 +433,24 @@ pub fn send(
     s
 }
 
+/// With `--decode-kv-tokens 1024`: tenant-b's answer (counting on, 900 tokens), under way and
+/// holding most of decode's pages until its connection is dropped; after it, a request of
+/// [`QUEUED_BEHIND`] waits in decode's queue.
+pub fn a_long_answer_holding_decode(up: &Up) -> TcpStream {
+    let holder = r#"{"prompt":"1, 2, 3, 4, 5, 6, 7, 8, 9, 10,","max_tokens":900,"temperature":0,"stream":true}"#;
+    let mut holding = open(&up.api, KEY_B, "/v1/completions", holder);
+    let mut head = [0u8; 12];
+    holding
+        .read_exact(&mut head)
+        .expect("the holder's answer starts");
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+    holding
+}
+
+/// A chat request too large for what [`a_long_answer_holding_decode`] leaves of decode's pool.
+pub const QUEUED_BEHIND: &str =
+    r#"{"messages":[{"role":"user","content":"Say hello."}],"max_tokens":400,"temperature":0}"#;
+
 /// Sends a POST with `key` on a keep-alive connection (so that the gateway sees the socket
 /// close when the client leaves) and returns the connection, to read as far as the test likes.
 pub fn open(addr: &str, key: &str, path: &str, body: &str) -> TcpStream {
