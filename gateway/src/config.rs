@@ -17,6 +17,7 @@
 //! header_timeout_secs = 10
 //! write_stall_timeout_secs = 30     # a client that takes no byte of its answer this long is gone
 //! stream_idle_timeout_secs = 120    # a worker silent this long mid-answer has failed it
+//! drain_timeout_secs = 10           # at shutdown, requests still running this long are cut
 //! default_max_tokens = 512
 //!
 //! [audit]                           # optional; these are the defaults
@@ -169,14 +170,17 @@ pub struct HttpLimits {
     /// rather than holding its tenant's concurrency slot and its route's outstanding tokens
     /// for as long as the socket stays open ([`crate::write_deadline`]).
     pub write_stall_timeout: Duration,
-    /// A worker (or upstream) that does not take a request within this long, or sends nothing
-    /// for this long once it has taken it — not a progress report, not a token, not its end —
-    /// has failed it: the client gets an error (an error event when streaming), never an
-    /// endless wait behind keep-alive comments. Bulkhead workers report the prompt's progress
-    /// until its first token, so against them it must cover one step of prompt computation; an
-    /// OpenAI-compatible upstream says nothing before its first token, so against one it must
-    /// cover the longest queue wait and prefill.
+    /// A worker (or upstream) that sends nothing for this long once it has taken a request —
+    /// not a progress report, not a token, not its end —, or has not taken it this long after
+    /// its health checks stopped answering, has failed it: the client gets an error (an error
+    /// event when streaming), never an endless wait behind keep-alive comments. Bulkhead
+    /// workers report the prompt's progress until its first token, so against them it must
+    /// cover one step of prompt computation; an OpenAI-compatible upstream says nothing before
+    /// its first token, so against one it must cover the longest prefill.
     pub stream_idle_timeout: Duration,
+    /// At shutdown, how long requests in flight get to finish; those still running then are
+    /// cut, and recorded as `gateway_shutdown`.
+    pub drain_timeout: Duration,
     /// `max_tokens` when a request does not say (clamped to what is left of the limit).
     pub default_max_tokens: NonZeroU32,
 }
@@ -189,6 +193,7 @@ impl Default for HttpLimits {
             header_timeout: Duration::from_secs(10),
             write_stall_timeout: Duration::from_secs(30),
             stream_idle_timeout: Duration::from_secs(120),
+            drain_timeout: Duration::from_secs(10),
             default_max_tokens: NonZeroU32::MIN.saturating_add(511),
         }
     }
@@ -463,6 +468,7 @@ struct RawHttp {
     header_timeout_secs: Option<u64>,
     write_stall_timeout_secs: Option<u64>,
     stream_idle_timeout_secs: Option<u64>,
+    drain_timeout_secs: Option<u64>,
     default_max_tokens: Option<u32>,
 }
 
@@ -646,6 +652,11 @@ fn http_limits(raw: &RawHttp) -> Result<HttpLimits, ConfigError> {
             raw.stream_idle_timeout_secs,
             "http.stream_idle_timeout_secs",
             d.stream_idle_timeout,
+        )?,
+        drain_timeout: timeout(
+            raw.drain_timeout_secs,
+            "http.drain_timeout_secs",
+            d.drain_timeout,
         )?,
         default_max_tokens: match raw.default_max_tokens {
             None => d.default_max_tokens,

@@ -5,6 +5,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -206,12 +207,16 @@ impl BoundGateway {
             self.recorder.clone(),
             self.tenants.clone(),
         );
+        // Requests still running when the drain timeout ends are recorded as cut by shutdown,
+        // not as left by their clients.
+        let recorder = self.recorder.clone();
         let api = serving::serve(
             self.api,
             api_service,
             self.http,
             self.threads,
             stop_rx.clone(),
+            Arc::new(move || recorder.cut_in_flight()),
         );
         let admin = serving::serve(
             self.admin,
@@ -219,6 +224,7 @@ impl BoundGateway {
             self.http,
             NonZeroUsize::MIN,
             stop_rx,
+            Arc::new(|| {}),
         );
         tokio::join!(api, admin);
         refresh.abort();

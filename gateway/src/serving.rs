@@ -22,12 +22,14 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinSet;
 
 use crate::config::HttpLimits;
 use crate::write_deadline::WriteDeadline;
 
-/// How long shutdown waits for in-flight connections.
-const DRAIN_LIMIT: Duration = Duration::from_secs(10);
+/// Told when shutdown cuts requests that did not finish within the drain timeout, before
+/// they are dropped.
+pub type OnCut = Arc<dyn Fn() + Send + Sync>;
 
 /// What serves a connection's requests.
 pub trait Service:
@@ -60,13 +62,15 @@ impl<S> Service for S where
 /// cannot be started is left out (and logged); its connections go to the others. A client
 /// that has not sent its headers within `limits.header_timeout` is disconnected (slowloris),
 /// and so is one that takes no byte of its response for `limits.write_stall_timeout`;
-/// in-flight connections get [`DRAIN_LIMIT`] at shutdown.
+/// in-flight connections get `limits.drain_timeout` at shutdown, and `on_cut` hears of it
+/// before those still open then are dropped.
 pub async fn serve<S: Service>(
     listener: TcpListener,
     service: S,
     limits: HttpLimits,
     threads: NonZeroUsize,
     mut stop: watch::Receiver<bool>,
+    on_cut: OnCut,
 ) {
     let mut seats = vec![Seat {
         open: Arc::default(),
@@ -74,7 +78,7 @@ pub async fn serve<S: Service>(
     }];
     let mut ended = Vec::new();
     for index in 1..threads.get() {
-        match spawn_thread(index, service.clone(), limits) {
+        match spawn_thread(index, service.clone(), limits, on_cut.clone()) {
             Ok((to, done)) => {
                 seats.push(Seat {
                     open: Arc::default(),
@@ -85,7 +89,7 @@ pub async fn serve<S: Service>(
             Err(e) => tracing::error!(error = %e, "an API serving thread did not start"),
         }
     }
-    let local = Connections::new(service, limits);
+    let mut local = Connections::new(service, limits, on_cut);
     accept(&listener, &mut stop, |stream| {
         if let Some((stream, open)) = deal(&mut seats, stream) {
             local.serve(stream, open);
@@ -164,6 +168,7 @@ fn spawn_thread<S: Service>(
     index: usize,
     service: S,
     limits: HttpLimits,
+    on_cut: OnCut,
 ) -> std::io::Result<(mpsc::UnboundedSender<Dealt>, oneshot::Receiver<()>)> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -174,7 +179,7 @@ fn spawn_thread<S: Service>(
         .name(format!("bulkhead-api-{index}"))
         .spawn(move || {
             runtime.block_on(async {
-                let connections = Connections::new(service, limits);
+                let mut connections = Connections::new(service, limits, on_cut);
                 while let Some((std, open)) = from.recv().await {
                     match TcpStream::from_std(std) {
                         Ok(stream) => connections.serve(stream, open),
@@ -191,16 +196,19 @@ fn spawn_thread<S: Service>(
 }
 
 /// The connections one thread serves: HTTP/1.1 with a header timeout and a write deadline,
-/// each watched so that shutdown can drain them.
+/// each watched so that shutdown can drain them, and held so that it can cut them.
 struct Connections<S> {
     service: S,
     builder: hyper::server::conn::http1::Builder,
     write_stall_timeout: Duration,
+    drain_timeout: Duration,
+    on_cut: OnCut,
     graceful: GracefulShutdown,
+    tasks: JoinSet<()>,
 }
 
 impl<S: Service> Connections<S> {
-    fn new(service: S, limits: HttpLimits) -> Connections<S> {
+    fn new(service: S, limits: HttpLimits, on_cut: OnCut) -> Connections<S> {
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder
             .timer(TokioTimer::new())
@@ -209,17 +217,22 @@ impl<S: Service> Connections<S> {
             service,
             builder,
             write_stall_timeout: limits.write_stall_timeout,
+            drain_timeout: limits.drain_timeout,
+            on_cut,
             graceful: GracefulShutdown::new(),
+            tasks: JoinSet::new(),
         }
     }
 
     /// Serves `stream` on a task of the current runtime; `open` counts it until it closes.
-    fn serve(&self, stream: TcpStream, open: Open) {
+    fn serve(&mut self, stream: TcpStream, open: Open) {
+        // The tasks of connections that have closed are let go of here.
+        while self.tasks.try_join_next().is_some() {}
         let _ = stream.set_nodelay(true);
         let io = TokioIo::new(WriteDeadline::new(stream, self.write_stall_timeout));
         let connection = self.builder.serve_connection(io, self.service.clone());
         let connection = self.graceful.watch(connection);
-        tokio::spawn(async move {
+        self.tasks.spawn(async move {
             let _open = open;
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "connection ended with an error");
@@ -227,14 +240,24 @@ impl<S: Service> Connections<S> {
         });
     }
 
-    /// Asks every connection to finish its request in flight and close; waits at most
-    /// [`DRAIN_LIMIT`].
+    /// Asks every connection to finish its request in flight and close; waits at most the
+    /// drain timeout, then tells `on_cut` of those still open and drops them (their requests
+    /// with them) before returning.
     async fn drain(self) {
-        if tokio::time::timeout(DRAIN_LIMIT, self.graceful.shutdown())
+        let Connections {
+            graceful,
+            mut tasks,
+            drain_timeout,
+            on_cut,
+            ..
+        } = self;
+        if tokio::time::timeout(drain_timeout, graceful.shutdown())
             .await
             .is_err()
         {
             tracing::warn!("connections still open at shutdown; closing them");
+            on_cut();
+            tasks.shutdown().await;
         }
     }
 }
@@ -317,6 +340,7 @@ mod tests {
             HttpLimits::default(),
             three,
             stop,
+            no_cut(),
         ));
         let here = std::thread::current().name().unwrap_or("").to_owned();
         let mut connections = Vec::new();
@@ -399,7 +423,14 @@ mod tests {
             ..HttpLimits::default()
         };
         let (stop_tx, stop) = watch::channel(false);
-        let serving = tokio::spawn(serve(listener, service, limits, NonZeroUsize::MIN, stop));
+        let serving = tokio::spawn(serve(
+            listener,
+            service,
+            limits,
+            NonZeroUsize::MIN,
+            stop,
+            no_cut(),
+        ));
         let mut client = TcpStream::connect(addr).await.expect("connect");
         tokio::io::AsyncWriteExt::write_all(&mut client, b"GET / HTTP/1.1\r\nhost: t\r\n\r\n")
             .await
@@ -440,6 +471,75 @@ mod tests {
             .await
             .expect("drained")
             .expect("no panic");
+    }
+
+    fn no_cut() -> OnCut {
+        Arc::new(|| {})
+    }
+
+    /// Shutdown gives requests in flight the drain timeout, then cuts those still running
+    /// and says so first; with none running, it cuts nothing.
+    #[tokio::test(flavor = "current_thread")]
+    async fn requests_still_running_at_the_drain_timeout_are_cut_and_said_so() {
+        for running in [true, false] {
+            let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            let dropped = Arc::new(AtomicUsize::new(0));
+            let bodies = dropped.clone();
+            let service = hyper::service::service_fn(move |_: Request<Incoming>| {
+                let body = Body::new(Endless(bodies.clone()));
+                async move { Ok::<_, Infallible>(Response::new(body)) }
+            });
+            let limits = HttpLimits {
+                drain_timeout: Duration::from_secs(1),
+                ..HttpLimits::default()
+            };
+            let cuts = Arc::new(AtomicUsize::new(0));
+            let told = cuts.clone();
+            let on_cut: OnCut = Arc::new(move || {
+                told.fetch_add(1, Ordering::Relaxed);
+            });
+            let (stop_tx, stop) = watch::channel(false);
+            let serving = tokio::spawn(serve(
+                listener,
+                service,
+                limits,
+                NonZeroUsize::MIN,
+                stop,
+                on_cut,
+            ));
+            let mut client = TcpStream::connect(addr).await.expect("connect");
+            if running {
+                tokio::io::AsyncWriteExt::write_all(
+                    &mut client,
+                    b"GET / HTTP/1.1\r\nhost: t\r\n\r\n",
+                )
+                .await
+                .expect("asks");
+                let mut head = [0; 1024];
+                let n = tokio::io::AsyncReadExt::read(&mut client, &mut head)
+                    .await
+                    .expect("the answer starts");
+                assert!(head[..n].starts_with(b"HTTP/1.1 200"));
+            }
+            let stopped = std::time::Instant::now();
+            stop_tx.send(true).expect("stop");
+            tokio::time::timeout(Duration::from_secs(10), serving)
+                .await
+                .expect("drained")
+                .expect("no panic");
+            assert_eq!(cuts.load(Ordering::Relaxed), usize::from(running));
+            // Its response (with the request behind it) was dropped before serving returned:
+            // a request's record is written on drop, before shutdown's last flush.
+            assert_eq!(dropped.load(Ordering::Relaxed), usize::from(running));
+            if running {
+                assert!(
+                    stopped.elapsed() >= Duration::from_secs(1),
+                    "{:?}",
+                    stopped.elapsed()
+                );
+            }
+        }
     }
 
     #[tokio::test(flavor = "current_thread")]

@@ -13,7 +13,8 @@ use serde_json::Value;
 
 use crate::gateway::QUESTION;
 use crate::up::{
-    ADMIN, KEY_A, KEY_B, Options, TempDir, Up, bounded, exchange, header, http, json, records, send,
+    ADMIN, KEY_A, KEY_B, Options, TempDir, Up, a_long_answer_holding_decode, bounded, exchange,
+    header, http, json, records, send,
 };
 
 /// `GET /v1/audit` with `key`: the records (`data`) of the page.
@@ -450,6 +451,49 @@ fn a_flood_of_requests_without_a_key_is_folded_past_the_gateway_logs_budget() {
         assert!(got[..10].iter().all(|r| r["bulkhead.folded"].is_null()));
         // The chain holds the folded record like any other.
         let (ok, report) = verify(&up.data_dir);
+        assert!(ok, "{report}");
+    });
+}
+
+/// `tenant`'s records as the files under `data` (a gateway's `--data-dir`) hold them.
+fn on_disk(data: &Path, tenant: &str) -> Vec<Value> {
+    let dir = data.join("audit").join(tenant);
+    let mut segments: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|entry| entry.expect("an entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "jsonl"))
+        .collect();
+    segments.sort();
+    segments
+        .iter()
+        .flat_map(|p| {
+            let text = std::fs::read_to_string(p).expect("reads a segment");
+            text.lines().map(json).collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[test]
+fn a_request_still_running_when_shutdown_has_drained_is_recorded_as_cut_by_it() {
+    bounded(|| {
+        // One second to drain; a long answer under way. The gateway stops, waits its second,
+        // then cuts the stream: its record says so — not that the client left, which it
+        // did not — and is on disk once the gateway has exited.
+        let data = TempDir::new("audit-shutdown");
+        let up = Up::launch(Options {
+            replace: &[("drain_timeout_secs = 10", "drain_timeout_secs = 1")],
+            data_dir: Some(data.0.clone()),
+            ..Options::default()
+        });
+        up.wait_routable();
+        let _answer = a_long_answer_holding_decode(&up);
+        drop(up);
+        let records = on_disk(&data.0, "tenant-b");
+        assert_eq!(records.len(), 1, "{records:#?}");
+        let r = &records[0];
+        assert_eq!(r["error.type"], "gateway_shutdown", "{r:#}");
+        assert!(r["bulkhead.disconnect.phase"].is_null(), "{r:#}");
+        let (ok, report) = verify(&data.0);
         assert!(ok, "{report}");
     });
 }

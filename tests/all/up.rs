@@ -433,8 +433,8 @@ pub fn send(
     s
 }
 
-/// With `--decode-kv-tokens 1024`: tenant-b's answer (counting on, 900 tokens), under way and
-/// holding most of decode's pages until its connection is dropped; after it, a request of
+/// Tenant-b's answer (counting on, 900 tokens: seconds), under way until its connection is
+/// dropped. With `--decode-kv-tokens 1024` it holds most of decode's pages, and a request of
 /// [`QUEUED_BEHIND`] waits in decode's queue.
 pub fn a_long_answer_holding_decode(up: &Up) -> TcpStream {
     let holder = r#"{"prompt":"1, 2, 3, 4, 5, 6, 7, 8, 9, 10,","max_tokens":900,"temperature":0,"stream":true}"#;

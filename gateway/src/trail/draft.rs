@@ -24,6 +24,10 @@ pub const CLIENT_CLOSED: u16 = 499;
 /// The error class recorded for a request whose client left.
 pub const CLIENT_CLOSED_TYPE: &str = "client_disconnected";
 
+/// The error class recorded for a request still running when shutdown's drain timeout ended
+/// (its status: 503).
+pub const GATEWAY_SHUTDOWN_TYPE: &str = "gateway_shutdown";
+
 /// A request's audit record in the making; a cheap `Clone` shared by the layers, the handler
 /// and the response stream. The record is committed once, when the request ends.
 #[derive(Debug, Clone)]
@@ -281,12 +285,21 @@ impl Drop for Draft {
             return;
         }
         // Nobody finished the request: its client left (the server dropped the handler or the
-        // response stream). Recorded without waiting: there is no one left to answer.
-        self.record.disconnect = Some(self.phase);
-        if self.record.status == 0 {
-            self.record.status = CLIENT_CLOSED;
-        }
-        self.record.error_type = Some(CLIENT_CLOSED_TYPE.to_owned());
+        // response stream), or shutdown cut it. Recorded without waiting: there is no one left
+        // to answer.
+        let kind = if self.recorder.cutting() {
+            if self.record.status == 0 {
+                self.record.status = 503;
+            }
+            GATEWAY_SHUTDOWN_TYPE
+        } else {
+            self.record.disconnect = Some(self.phase);
+            if self.record.status == 0 {
+                self.record.status = CLIENT_CLOSED;
+            }
+            CLIENT_CLOSED_TYPE
+        };
+        self.record.error_type = Some(kind.to_owned());
         let record = self.seal();
         self.recorder.append_abandoned(record);
     }

@@ -37,7 +37,7 @@ use bulkhead_audit::{AuditError, AuditLog, AuditRecord, Recovery, Seq, Stored, T
 use bulkhead_telemetry::AuditExport;
 use tracing::Span;
 
-pub use draft::{CLIENT_CLOSED, CLIENT_CLOSED_TYPE, Trail};
+pub use draft::{CLIENT_CLOSED, CLIENT_CLOSED_TYPE, GATEWAY_SHUTDOWN_TYPE, Trail};
 pub use layer::{account, audited};
 pub use read::{AuditPage, admin_read, tenant_read};
 pub use unserved::Watch;
@@ -80,6 +80,9 @@ struct Inner {
     folding: Mutex<fold::Folding>,
     /// Whether `folding` collects a folded record (checked without the lock on every append).
     folding_pending: AtomicBool,
+    /// Shutdown is cutting the requests still in flight: a request dropped unfinished from
+    /// here on was cut, not left by its client.
+    cutting: AtomicBool,
 }
 
 impl Recorder {
@@ -120,6 +123,7 @@ impl Recorder {
             settings,
             folding: Mutex::new(folding),
             folding_pending: AtomicBool::new(false),
+            cutting: AtomicBool::new(false),
             gateway,
             lost: AtomicU64::new(0),
             metrics,
@@ -136,6 +140,17 @@ impl Recorder {
 
     fn gateway_tenant(&self) -> &TenantId {
         &self.inner.gateway
+    }
+
+    /// Shutdown's drain timeout has passed: the requests still in flight are about to be
+    /// dropped, each recorded as cut by shutdown ([`GATEWAY_SHUTDOWN_TYPE`]).
+    pub fn cut_in_flight(&self) {
+        self.inner.cutting.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a request dropped now was cut by shutdown.
+    fn cutting(&self) -> bool {
+        self.inner.cutting.load(Ordering::Relaxed)
     }
 
     /// Why the log cannot write, while it cannot.

@@ -11,6 +11,7 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
+use std::sync::Arc;
 
 use anyhow::Context;
 use axum::body::Body;
@@ -68,7 +69,9 @@ async fn proxy(
         .context("the upstream address as a URI authority")?;
     let service = hyper::service::service_fn(move |req| pass(req, authority.clone()));
     // A client gets as long to send its request headers as the gateway gives it by default.
-    bulkhead_gateway::serving::serve(listener, service, HttpLimits::default(), threads, stop).await;
+    let limits = HttpLimits::default();
+    bulkhead_gateway::serving::serve(listener, service, limits, threads, stop, Arc::new(|| {}))
+        .await;
     Ok(())
 }
 
