@@ -54,16 +54,14 @@ impl Folding {
         }
     }
 
-    /// What the log is to take, in order, for `record`, a gateway-log record ending now:
-    /// within budget, the pending folded record and then `record`; past it, nothing (`record`
-    /// is counted in the pending folded record) or, once that has collected for [`WINDOW`],
-    /// the folded record.
+    /// What the log is to take, in order, for `record`, a gateway-log record ending now: the
+    /// pending folded record once it has collected for [`WINDOW`], then — within budget —
+    /// `record`; past the budget `record` is counted in the pending folded record instead. (A
+    /// budget that refills during a flood lets a record through now and then; the folded
+    /// record still waits for its window, so a flood adds at most one record per window.)
     pub fn admit(&mut self, record: AuditRecord, now: Instant) -> Vec<AuditRecord> {
         if self.budget.take(1, now).is_ok() {
-            let mut out: Vec<AuditRecord> =
-                self.pending.take().map(Pending::seal).into_iter().collect();
-            out.push(record);
-            return out;
+            return self.due(now).into_iter().chain([record]).collect();
         }
         match &mut self.pending {
             Some(p) => p.add(&record),
@@ -132,6 +130,51 @@ impl Pending {
                     .collect(),
             }),
             ..AuditRecord::new(request_id, self.tenant, ANY_ROUTE.to_owned())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(i: u64) -> AuditRecord {
+        let gateway = TenantId::new(crate::trail::GATEWAY_LOG).expect("valid");
+        AuditRecord {
+            time_unix_ms: i,
+            status: 401,
+            ..AuditRecord::new(format!("req-{i}"), gateway, "/v1/models".to_owned())
+        }
+    }
+
+    /// Three seconds of a flood, a request every 10 ms, against a budget of one a second:
+    /// the burst and each refill get records of their own, and however often the budget lets
+    /// one through, the folded records come at most once a window. Every request is counted
+    /// once.
+    #[test]
+    fn a_flood_adds_at_most_one_folded_record_per_window_and_counts_every_request() {
+        let start = Instant::now();
+        let mut folding = Folding::new(60, start);
+        let mut written = Vec::new();
+        for i in 0..300 {
+            let now = start + Duration::from_millis(10 * i);
+            written.extend(folding.admit(record(i), now));
+        }
+        written.extend(folding.drain());
+        let own = written.iter().filter(|r| r.folded.is_none()).count();
+        let folded: Vec<&Folded> = written.iter().filter_map(|r| r.folded.as_ref()).collect();
+        assert!((60..=63).contains(&own), "the burst and the refills: {own}");
+        assert!((2..=4).contains(&folded.len()), "{folded:#?}");
+        let counted: u64 = folded.iter().map(|f| f.requests).sum();
+        assert_eq!(own as u64 + counted, 300);
+        for f in &folded {
+            assert_eq!(
+                f.statuses,
+                [StatusCount {
+                    status: 401,
+                    requests: f.requests
+                }]
+            );
         }
     }
 }

@@ -114,11 +114,10 @@ impl Upstream {
                     Ok(answer) => return answer,
                     Err(_) if serving() => {}
                     Err(_) => {
-                        return Err(Status::unavailable(format!(
-                            "the worker did not take the request and stopped answering its \
-                             health checks (waited {} s more)",
-                            idle.as_secs()
-                        )));
+                        return Err(Status::unavailable(
+                            "the worker did not take the request, and its health checks stopped \
+                             answering",
+                        ));
                     }
                 }
             }
