@@ -208,15 +208,14 @@ impl BoundGateway {
             self.tenants.clone(),
         );
         // Requests still running when the drain timeout ends are recorded as cut by shutdown,
-        // not as left by their clients.
-        let recorder = self.recorder.clone();
+        // not as left by their clients; those hyper cannot parse, as such.
         let api = serving::serve(
             self.api,
             api_service,
             self.http,
             self.threads,
             stop_rx.clone(),
-            Arc::new(move || recorder.cut_in_flight()),
+            Arc::new(self.recorder.clone()),
         );
         let admin = serving::serve(
             self.admin,
@@ -224,7 +223,7 @@ impl BoundGateway {
             self.http,
             NonZeroUsize::MIN,
             stop_rx,
-            Arc::new(|| {}),
+            Arc::new(()),
         );
         tokio::join!(api, admin);
         refresh.abort();

@@ -27,9 +27,38 @@ use tokio::task::JoinSet;
 use crate::config::HttpLimits;
 use crate::write_deadline::WriteDeadline;
 
-/// Told when shutdown cuts requests that did not finish within the drain timeout, before
-/// they are dropped.
-pub type OnCut = Arc<dyn Fn() + Send + Sync>;
+/// Told what happens to requests that the service never finishes: the API's audit trail.
+pub trait Witness: Send + Sync + 'static {
+    /// Shutdown cuts the requests still running after the drain timeout (told before they
+    /// are dropped).
+    fn cut(&self);
+    /// hyper could not parse a request and answered it `status` itself (400, 414 or 431);
+    /// no service ran.
+    fn unparsed(&self, status: u16);
+}
+
+/// A witness that records nothing (the admin listener, benchmarks).
+impl Witness for () {
+    fn cut(&self) {}
+    fn unparsed(&self, _: u16) {}
+}
+
+/// What hyper answered a request it could not parse, from the error its connection ended with;
+/// `None` for every other error.
+fn unparsed(e: &hyper::Error) -> Option<u16> {
+    if e.is_parse_too_large() {
+        // A URI over hyper's limit is answered 414, a head over its buffer 431.
+        Some(if e.to_string().contains("URI too long") {
+            414
+        } else {
+            431
+        })
+    } else if e.is_parse() {
+        Some(400)
+    } else {
+        None
+    }
+}
 
 /// What serves a connection's requests.
 pub trait Service:
@@ -62,15 +91,15 @@ impl<S> Service for S where
 /// cannot be started is left out (and logged); its connections go to the others. A client
 /// that has not sent its headers within `limits.header_timeout` is disconnected (slowloris),
 /// and so is one that takes no byte of its response for `limits.write_stall_timeout`;
-/// in-flight connections get `limits.drain_timeout` at shutdown, and `on_cut` hears of it
-/// before those still open then are dropped.
+/// in-flight connections get `limits.drain_timeout` at shutdown. `witness` hears of the
+/// requests still running then (before they are dropped) and of those hyper could not parse.
 pub async fn serve<S: Service>(
     listener: TcpListener,
     service: S,
     limits: HttpLimits,
     threads: NonZeroUsize,
     mut stop: watch::Receiver<bool>,
-    on_cut: OnCut,
+    witness: Arc<dyn Witness>,
 ) {
     let mut seats = vec![Seat {
         open: Arc::default(),
@@ -78,7 +107,7 @@ pub async fn serve<S: Service>(
     }];
     let mut ended = Vec::new();
     for index in 1..threads.get() {
-        match spawn_thread(index, service.clone(), limits, on_cut.clone()) {
+        match spawn_thread(index, service.clone(), limits, witness.clone()) {
             Ok((to, done)) => {
                 seats.push(Seat {
                     open: Arc::default(),
@@ -89,7 +118,7 @@ pub async fn serve<S: Service>(
             Err(e) => tracing::error!(error = %e, "an API serving thread did not start"),
         }
     }
-    let mut local = Connections::new(service, limits, on_cut);
+    let mut local = Connections::new(service, limits, witness);
     accept(&listener, &mut stop, |stream| {
         if let Some((stream, open)) = deal(&mut seats, stream) {
             local.serve(stream, open);
@@ -168,7 +197,7 @@ fn spawn_thread<S: Service>(
     index: usize,
     service: S,
     limits: HttpLimits,
-    on_cut: OnCut,
+    witness: Arc<dyn Witness>,
 ) -> std::io::Result<(mpsc::UnboundedSender<Dealt>, oneshot::Receiver<()>)> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -179,7 +208,7 @@ fn spawn_thread<S: Service>(
         .name(format!("bulkhead-api-{index}"))
         .spawn(move || {
             runtime.block_on(async {
-                let mut connections = Connections::new(service, limits, on_cut);
+                let mut connections = Connections::new(service, limits, witness);
                 while let Some((std, open)) = from.recv().await {
                     match TcpStream::from_std(std) {
                         Ok(stream) => connections.serve(stream, open),
@@ -202,13 +231,13 @@ struct Connections<S> {
     builder: hyper::server::conn::http1::Builder,
     write_stall_timeout: Duration,
     drain_timeout: Duration,
-    on_cut: OnCut,
+    witness: Arc<dyn Witness>,
     graceful: GracefulShutdown,
     tasks: JoinSet<()>,
 }
 
 impl<S: Service> Connections<S> {
-    fn new(service: S, limits: HttpLimits, on_cut: OnCut) -> Connections<S> {
+    fn new(service: S, limits: HttpLimits, witness: Arc<dyn Witness>) -> Connections<S> {
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder
             .timer(TokioTimer::new())
@@ -218,7 +247,7 @@ impl<S: Service> Connections<S> {
             builder,
             write_stall_timeout: limits.write_stall_timeout,
             drain_timeout: limits.drain_timeout,
-            on_cut,
+            witness,
             graceful: GracefulShutdown::new(),
             tasks: JoinSet::new(),
         }
@@ -232,23 +261,27 @@ impl<S: Service> Connections<S> {
         let io = TokioIo::new(WriteDeadline::new(stream, self.write_stall_timeout));
         let connection = self.builder.serve_connection(io, self.service.clone());
         let connection = self.graceful.watch(connection);
+        let witness = self.witness.clone();
         self.tasks.spawn(async move {
             let _open = open;
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "connection ended with an error");
+                if let Some(status) = unparsed(&e) {
+                    witness.unparsed(status);
+                }
             }
         });
     }
 
     /// Asks every connection to finish its request in flight and close; waits at most the
-    /// drain timeout, then tells `on_cut` of those still open and drops them (their requests
-    /// with them) before returning.
+    /// drain timeout, then tells the witness of those still open and drops them (their
+    /// requests with them) before returning.
     async fn drain(self) {
         let Connections {
             graceful,
             mut tasks,
             drain_timeout,
-            on_cut,
+            witness,
             ..
         } = self;
         if tokio::time::timeout(drain_timeout, graceful.shutdown())
@@ -256,7 +289,7 @@ impl<S: Service> Connections<S> {
             .is_err()
         {
             tracing::warn!("connections still open at shutdown; closing them");
-            on_cut();
+            witness.cut();
             tasks.shutdown().await;
         }
     }
@@ -473,8 +506,83 @@ mod tests {
             .expect("no panic");
     }
 
-    fn no_cut() -> OnCut {
-        Arc::new(|| {})
+    fn no_cut() -> Arc<dyn Witness> {
+        Arc::new(())
+    }
+
+    /// What a test's witness was told.
+    #[derive(Default)]
+    struct Told {
+        cuts: AtomicUsize,
+        unparsed: std::sync::Mutex<Vec<u16>>,
+    }
+
+    impl Witness for Told {
+        fn cut(&self) {
+            self.cuts.fetch_add(1, Ordering::Relaxed);
+        }
+        fn unparsed(&self, status: u16) {
+            self.unparsed.lock().expect("not poisoned").push(status);
+        }
+    }
+
+    /// A request hyper cannot parse never reaches the service; hyper answers it, and the
+    /// witness hears of it with the status hyper sent: a malformed request line 400, more
+    /// headers than hyper takes 431, a URI over its limit 414.
+    #[tokio::test(flavor = "current_thread")]
+    async fn requests_hyper_cannot_parse_are_told_with_the_status_it_answered() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let told = Arc::new(Told::default());
+        let (stop_tx, stop) = watch::channel(false);
+        let serving = tokio::spawn(serve(
+            listener,
+            thread_name(),
+            HttpLimits::default(),
+            NonZeroUsize::MIN,
+            stop,
+            told.clone(),
+        ));
+        let many_headers: String = (0..200).map(|i| format!("x-h{i}: v\r\n")).collect();
+        let long_uri = format!("GET /{} HTTP/1.1\r\nhost: t\r\n\r\n", "a".repeat(70_000));
+        let requests = [
+            ("GARBAGE\r\n\r\n".to_owned(), "400"),
+            (
+                format!("GET / HTTP/1.1\r\nhost: t\r\n{many_headers}\r\n"),
+                "431",
+            ),
+            (long_uri, "414"),
+        ];
+        for (request, status) in &requests {
+            let mut client = TcpStream::connect(addr).await.expect("connect");
+            tokio::io::AsyncWriteExt::write_all(&mut client, request.as_bytes())
+                .await
+                .expect("sends");
+            let mut answer = Vec::new();
+            let _ = tokio::io::AsyncReadExt::read_to_end(&mut client, &mut answer).await;
+            let answer = String::from_utf8_lossy(&answer);
+            assert!(
+                answer.starts_with(&format!("HTTP/1.1 {status}")),
+                "{answer}"
+            );
+        }
+        // Each connection's task tells the witness as it ends.
+        for _ in 0..100 {
+            if told.unparsed.lock().expect("not poisoned").len() == requests.len() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            *told.unparsed.lock().expect("not poisoned"),
+            [400, 431, 414]
+        );
+        assert_eq!(told.cuts.load(Ordering::Relaxed), 0);
+        stop_tx.send(true).expect("stop");
+        tokio::time::timeout(Duration::from_secs(15), serving)
+            .await
+            .expect("drained")
+            .expect("no panic");
     }
 
     /// Shutdown gives requests in flight the drain timeout, then cuts those still running
@@ -494,11 +602,7 @@ mod tests {
                 drain_timeout: Duration::from_secs(1),
                 ..HttpLimits::default()
             };
-            let cuts = Arc::new(AtomicUsize::new(0));
-            let told = cuts.clone();
-            let on_cut: OnCut = Arc::new(move || {
-                told.fetch_add(1, Ordering::Relaxed);
-            });
+            let told = Arc::new(Told::default());
             let (stop_tx, stop) = watch::channel(false);
             let serving = tokio::spawn(serve(
                 listener,
@@ -506,7 +610,7 @@ mod tests {
                 limits,
                 NonZeroUsize::MIN,
                 stop,
-                on_cut,
+                told.clone(),
             ));
             let mut client = TcpStream::connect(addr).await.expect("connect");
             if running {
@@ -528,7 +632,7 @@ mod tests {
                 .await
                 .expect("drained")
                 .expect("no panic");
-            assert_eq!(cuts.load(Ordering::Relaxed), usize::from(running));
+            assert_eq!(told.cuts.load(Ordering::Relaxed), usize::from(running));
             // Its response (with the request behind it) was dropped before serving returned:
             // a request's record is written on drop, before shutdown's last flush.
             assert_eq!(dropped.load(Ordering::Relaxed), usize::from(running));

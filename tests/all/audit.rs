@@ -497,3 +497,38 @@ fn a_request_still_running_when_shutdown_has_drained_is_recorded_as_cut_by_it() 
         assert!(ok, "{report}");
     });
 }
+
+#[test]
+fn a_request_the_http_server_cannot_parse_still_leaves_one_record() {
+    bounded(|| {
+        // hyper answers these itself, before any of the gateway's code runs: they reached the
+        // gateway all the same, so each gets its record in the gateway's log (I5).
+        let up = Up::start(&[]);
+        up.wait_routable();
+        let many_headers: String = (0..200).map(|i| format!("x-h{i}: v\r\n")).collect();
+        let sent = [
+            ("GARBAGE\r\n\r\n".to_owned(), 400),
+            (
+                format!("GET /v1/models HTTP/1.1\r\nHost: t\r\n{many_headers}\r\n"),
+                431,
+            ),
+        ];
+        for (request, status) in &sent {
+            let mut s = std::net::TcpStream::connect(&up.api).expect("connects");
+            std::io::Write::write_all(&mut s, request.as_bytes()).expect("sends");
+            let mut answer = String::new();
+            let _ = s.read_to_string(&mut answer);
+            assert!(
+                answer.starts_with(&format!("HTTP/1.1 {status}")),
+                "{answer}"
+            );
+        }
+        let got = up.wait_records("_gateway", sent.len());
+        assert_eq!(got.len(), sent.len(), "{got:#?}");
+        for (record, (_, status)) in got.iter().zip(&sent) {
+            assert_eq!(record["http.response.status_code"], *status, "{record:#}");
+            assert_eq!(record["error.type"], "malformed_http", "{record:#}");
+            assert_eq!(record["http.route"], "unmatched", "{record:#}");
+        }
+    });
+}

@@ -57,7 +57,7 @@ fn lock(m: &Mutex<Draft>) -> MutexGuard<'_, Draft> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-fn now_unix_ms() -> u64 {
+pub(super) fn now_unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))

@@ -44,6 +44,7 @@ pub use unserved::Watch;
 
 use crate::config::{AuditSettings, Durability, OnAuditFailure};
 use crate::metrics::Metrics;
+use crate::serving::Witness;
 
 /// The log of requests with no tenant to charge (no or an unknown key). Configured tenant ids
 /// cannot start with `_`, so no tenant can own it or read it.
@@ -51,6 +52,9 @@ pub const GATEWAY_LOG: &str = "_gateway";
 
 /// The route recorded for a request that matched none.
 pub const UNMATCHED_ROUTE: &str = "unmatched";
+
+/// The error class recorded for a request hyper could not parse (and answered itself).
+pub const UNPARSED_TYPE: &str = "malformed_http";
 
 /// How often unflushed records are written and fsynced together (group commit).
 const GROUP_COMMIT_INTERVAL: Duration = Duration::from_millis(5);
@@ -142,13 +146,7 @@ impl Recorder {
         &self.inner.gateway
     }
 
-    /// Shutdown's drain timeout has passed: the requests still in flight are about to be
-    /// dropped, each recorded as cut by shutdown ([`GATEWAY_SHUTDOWN_TYPE`]).
-    pub fn cut_in_flight(&self) {
-        self.inner.cutting.store(true, Ordering::Relaxed);
-    }
-
-    /// Whether a request dropped now was cut by shutdown.
+    /// Whether a request dropped now was cut by shutdown ([`Witness::cut`]).
     fn cutting(&self) -> bool {
         self.inner.cutting.load(Ordering::Relaxed)
     }
@@ -276,5 +274,29 @@ impl Recorder {
             let _ = self.append(vec![record]);
         }
         self.inner.log.flush()
+    }
+}
+
+impl Witness for Recorder {
+    /// Shutdown's drain timeout has passed: the requests still in flight are about to be
+    /// dropped, each recorded as cut by shutdown ([`GATEWAY_SHUTDOWN_TYPE`]).
+    fn cut(&self) {
+        self.inner.cutting.store(true, Ordering::Relaxed);
+    }
+
+    /// A request hyper could not parse reached the gateway all the same: one record in the
+    /// gateway's log (nothing of it was read, not even a key), through its budget.
+    fn unparsed(&self, status: u16) {
+        let record = AuditRecord {
+            time_unix_ms: draft::now_unix_ms(),
+            status,
+            error_type: Some(UNPARSED_TYPE.to_owned()),
+            ..AuditRecord::new(
+                layer::request_id(),
+                self.gateway_tenant().clone(),
+                UNMATCHED_ROUTE.to_owned(),
+            )
+        };
+        let _ = self.append(self.to_append(record));
     }
 }
