@@ -301,6 +301,6 @@ impl Drop for Draft {
         };
         self.record.error_type = Some(kind.to_owned());
         let record = self.seal();
-        self.recorder.append_abandoned(record);
+        self.recorder.append_unawaited(record);
     }
 }

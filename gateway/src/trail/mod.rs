@@ -194,7 +194,7 @@ impl Recorder {
     /// record past the budget is folded: nothing to wait for, its folded record comes later.
     async fn commit(&self, record: AuditRecord) -> Result<(), AuditError> {
         let records = self.to_append(record);
-        if records.is_empty() {
+        if records.iter().all(Option::is_none) {
             return Ok(());
         }
         self.append(records)?;
@@ -206,24 +206,25 @@ impl Recorder {
         }
     }
 
-    /// Appends the record of an abandoned request without waiting (nobody is left to answer).
-    fn append_abandoned(&self, record: AuditRecord) {
+    /// Appends the record of a request nobody waits on (its client left, or hyper answered
+    /// it) without waiting for it to be durable.
+    fn append_unawaited(&self, record: AuditRecord) {
         let _ = self.append(self.to_append(record));
     }
 
     /// What the log is to take for `record`, in order: a gateway-log record goes through its
     /// budget ([`fold::Folding::admit`]); any other, after the folded record, once that is due.
-    fn to_append(&self, record: AuditRecord) -> Vec<AuditRecord> {
+    fn to_append(&self, record: AuditRecord) -> fold::Appends {
         let gateway = record.tenant == self.inner.gateway;
         if !gateway && !self.inner.folding_pending.load(Ordering::Relaxed) {
-            return vec![record];
+            return [None, Some(record)];
         }
         let now = Instant::now();
         let mut folding = self.folding();
         let out = if gateway {
             folding.admit(record, now)
         } else {
-            folding.due(now).into_iter().chain([record]).collect()
+            [folding.due(now), Some(record)]
         };
         self.inner
             .folding_pending
@@ -240,9 +241,9 @@ impl Recorder {
 
     /// Appends `records`; one the log refuses is counted lost. The result is the last one's:
     /// the record that holds the request being committed (its own, or the folded one).
-    fn append(&self, records: Vec<AuditRecord>) -> Result<(), AuditError> {
+    fn append(&self, records: fold::Appends) -> Result<(), AuditError> {
         let mut result = Ok(());
-        for record in &records {
+        for record in records.iter().flatten() {
             result = self.inner.log.append(&record.tenant, record).map(drop);
             if let Err(e) = &result {
                 self.inner.lost.fetch_add(1, Ordering::Relaxed);
@@ -270,9 +271,7 @@ impl Recorder {
             self.inner.folding_pending.store(false, Ordering::Relaxed);
             folding.drain()
         };
-        if let Some(record) = folded {
-            let _ = self.append(vec![record]);
-        }
+        let _ = self.append([folded, None]);
         self.inner.log.flush()
     }
 }
@@ -297,6 +296,6 @@ impl Witness for Recorder {
                 UNMATCHED_ROUTE.to_owned(),
             )
         };
-        let _ = self.append(self.to_append(record));
+        self.append_unawaited(record);
     }
 }
