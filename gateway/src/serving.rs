@@ -361,20 +361,42 @@ mod tests {
         String::from_utf8(body.to_bytes().to_vec()).expect("utf-8")
     }
 
-    #[tokio::test(flavor = "current_thread")]
-    async fn each_connection_goes_to_the_thread_with_the_fewest_open_and_stays_there() {
+    /// [`serve`] on a fresh loopback listener, as a task.
+    struct Running {
+        addr: std::net::SocketAddr,
+        stop: watch::Sender<bool>,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    async fn start(
+        service: impl Service,
+        limits: HttpLimits,
+        threads: NonZeroUsize,
+        witness: Arc<dyn Witness>,
+    ) -> Running {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
-        let (stop_tx, stop) = watch::channel(false);
+        let (stop, stopped) = watch::channel(false);
+        let task = tokio::spawn(serve(listener, service, limits, threads, stopped, witness));
+        Running { addr, stop, task }
+    }
+
+    impl Running {
+        /// Stops serving and waits, at most `within`, until every thread drained and ended.
+        async fn stop(self, within: Duration) {
+            self.stop.send(true).expect("stop");
+            tokio::time::timeout(within, self.task)
+                .await
+                .expect("every thread drained and ended")
+                .expect("no panic");
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn each_connection_goes_to_the_thread_with_the_fewest_open_and_stays_there() {
         let three = NonZeroUsize::new(3).expect("3");
-        let serving = tokio::spawn(serve(
-            listener,
-            thread_name(),
-            HttpLimits::default(),
-            three,
-            stop,
-            no_cut(),
-        ));
+        let serving = start(thread_name(), HttpLimits::default(), three, Arc::new(())).await;
+        let addr = serving.addr;
         let here = std::thread::current().name().unwrap_or("").to_owned();
         let mut connections = Vec::new();
         let mut names = Vec::new();
@@ -408,11 +430,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert!(next.is_some(), "the emptied thread got no new connection");
-        stop_tx.send(true).expect("stop");
-        tokio::time::timeout(Duration::from_secs(5), serving)
-            .await
-            .expect("every thread drained and ended")
-            .expect("no panic");
+        serving.stop(Duration::from_secs(5)).await;
     }
 
     /// A response body that never ends, and says when it is dropped.
@@ -437,33 +455,18 @@ mod tests {
         }
     }
 
-    /// A client that reads the head of an endless answer and then nothing, its socket left
-    /// open, over real sockets: once the kernel's buffers are full the connection is closed
-    /// after the write-stall timeout and the response body dropped — what ends the request
-    /// behind it as a client disconnect.
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_client_that_stops_reading_is_disconnected_and_its_response_dropped() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let dropped = Arc::new(AtomicUsize::new(0));
+    /// A service answering every request with an [`Endless`] body; `dropped` counts the
+    /// bodies dropped.
+    fn endless(dropped: &Arc<AtomicUsize>) -> impl Service {
         let bodies = dropped.clone();
-        let service = hyper::service::service_fn(move |_: Request<Incoming>| {
+        hyper::service::service_fn(move |_: Request<Incoming>| {
             let body = Body::new(Endless(bodies.clone()));
             async move { Ok::<_, Infallible>(Response::new(body)) }
-        });
-        let limits = HttpLimits {
-            write_stall_timeout: Duration::from_secs(1),
-            ..HttpLimits::default()
-        };
-        let (stop_tx, stop) = watch::channel(false);
-        let serving = tokio::spawn(serve(
-            listener,
-            service,
-            limits,
-            NonZeroUsize::MIN,
-            stop,
-            no_cut(),
-        ));
+        })
+    }
+
+    /// Asks `addr` for `/` and reads the head of its 200 answer, and no more.
+    async fn answer_under_way(addr: std::net::SocketAddr) -> TcpStream {
         let mut client = TcpStream::connect(addr).await.expect("connect");
         tokio::io::AsyncWriteExt::write_all(&mut client, b"GET / HTTP/1.1\r\nhost: t\r\n\r\n")
             .await
@@ -473,6 +476,22 @@ mod tests {
             .await
             .expect("the answer starts");
         assert!(head[..n].starts_with(b"HTTP/1.1 200"));
+        client
+    }
+
+    /// A client that reads the head of an endless answer and then nothing, its socket left
+    /// open, over real sockets: once the kernel's buffers are full the connection is closed
+    /// after the write-stall timeout and the response body dropped — what ends the request
+    /// behind it as a client disconnect.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_client_that_stops_reading_is_disconnected_and_its_response_dropped() {
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let limits = HttpLimits {
+            write_stall_timeout: Duration::from_secs(1),
+            ..HttpLimits::default()
+        };
+        let serving = start(endless(&dropped), limits, NonZeroUsize::MIN, Arc::new(())).await;
+        let mut client = answer_under_way(serving.addr).await;
         let stopped = std::time::Instant::now();
         // Read nothing more: within the buffers' fill time plus the timeout, the body is gone.
         while dropped.load(Ordering::Relaxed) == 0 {
@@ -499,15 +518,7 @@ mod tests {
             drained.is_ok()
                 || drained.is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset)
         );
-        stop_tx.send(true).expect("stop");
-        tokio::time::timeout(Duration::from_secs(15), serving)
-            .await
-            .expect("drained")
-            .expect("no panic");
-    }
-
-    fn no_cut() -> Arc<dyn Witness> {
-        Arc::new(())
+        serving.stop(Duration::from_secs(15)).await;
     }
 
     /// What a test's witness was told.
@@ -531,18 +542,9 @@ mod tests {
     /// headers than hyper takes 431, a URI over its limit 414.
     #[tokio::test(flavor = "current_thread")]
     async fn requests_hyper_cannot_parse_are_told_with_the_status_it_answered() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
         let told = Arc::new(Told::default());
-        let (stop_tx, stop) = watch::channel(false);
-        let serving = tokio::spawn(serve(
-            listener,
-            thread_name(),
-            HttpLimits::default(),
-            NonZeroUsize::MIN,
-            stop,
-            told.clone(),
-        ));
+        let limits = HttpLimits::default();
+        let serving = start(thread_name(), limits, NonZeroUsize::MIN, told.clone()).await;
         let many_headers: String = (0..200).map(|i| format!("x-h{i}: v\r\n")).collect();
         let long_uri = format!("GET /{} HTTP/1.1\r\nhost: t\r\n\r\n", "a".repeat(70_000));
         let requests = [
@@ -554,7 +556,7 @@ mod tests {
             (long_uri, "414"),
         ];
         for (request, status) in &requests {
-            let mut client = TcpStream::connect(addr).await.expect("connect");
+            let mut client = TcpStream::connect(serving.addr).await.expect("connect");
             tokio::io::AsyncWriteExt::write_all(&mut client, request.as_bytes())
                 .await
                 .expect("sends");
@@ -578,11 +580,7 @@ mod tests {
             [400, 431, 414]
         );
         assert_eq!(told.cuts.load(Ordering::Relaxed), 0);
-        stop_tx.send(true).expect("stop");
-        tokio::time::timeout(Duration::from_secs(15), serving)
-            .await
-            .expect("drained")
-            .expect("no panic");
+        serving.stop(Duration::from_secs(15)).await;
     }
 
     /// Shutdown gives requests in flight the drain timeout, then cuts those still running
@@ -590,48 +588,19 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn requests_still_running_at_the_drain_timeout_are_cut_and_said_so() {
         for running in [true, false] {
-            let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-            let addr = listener.local_addr().expect("addr");
             let dropped = Arc::new(AtomicUsize::new(0));
-            let bodies = dropped.clone();
-            let service = hyper::service::service_fn(move |_: Request<Incoming>| {
-                let body = Body::new(Endless(bodies.clone()));
-                async move { Ok::<_, Infallible>(Response::new(body)) }
-            });
             let limits = HttpLimits {
                 drain_timeout: Duration::from_secs(1),
                 ..HttpLimits::default()
             };
             let told = Arc::new(Told::default());
-            let (stop_tx, stop) = watch::channel(false);
-            let serving = tokio::spawn(serve(
-                listener,
-                service,
-                limits,
-                NonZeroUsize::MIN,
-                stop,
-                told.clone(),
-            ));
-            let mut client = TcpStream::connect(addr).await.expect("connect");
-            if running {
-                tokio::io::AsyncWriteExt::write_all(
-                    &mut client,
-                    b"GET / HTTP/1.1\r\nhost: t\r\n\r\n",
-                )
-                .await
-                .expect("asks");
-                let mut head = [0; 1024];
-                let n = tokio::io::AsyncReadExt::read(&mut client, &mut head)
-                    .await
-                    .expect("the answer starts");
-                assert!(head[..n].starts_with(b"HTTP/1.1 200"));
-            }
+            let serving = start(endless(&dropped), limits, NonZeroUsize::MIN, told.clone()).await;
+            let _client = match running {
+                true => answer_under_way(serving.addr).await,
+                false => TcpStream::connect(serving.addr).await.expect("connect"),
+            };
             let stopped = std::time::Instant::now();
-            stop_tx.send(true).expect("stop");
-            tokio::time::timeout(Duration::from_secs(10), serving)
-                .await
-                .expect("drained")
-                .expect("no panic");
+            serving.stop(Duration::from_secs(10)).await;
             assert_eq!(told.cuts.load(Ordering::Relaxed), usize::from(running));
             // Its response (with the request behind it) was dropped before serving returned:
             // a request's record is written on drop, before shutdown's last flush.

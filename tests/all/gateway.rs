@@ -6,8 +6,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::up::{
-    ADMIN, HTTP_LIMIT, KEY_A, KEY_B, KEY_LIMITED, KEY_SERIAL, Options, QUEUED_BEHIND, Up,
-    a_long_answer_holding_decode, bounded, http, json, metric, python, repo, send, sha256_hex,
+    ADMIN, HTTP_LIMIT, KEY_A, KEY_B, KEY_LIMITED, KEY_SERIAL, Options, QUEUED_BEHIND, SILENCE_2S,
+    Up, a_long_answer_holding_decode, bounded, http, json, metric, python, repo, send, sha256_hex,
     stream_under_way,
 };
 
@@ -298,10 +298,7 @@ fn a_prompt_computed_for_longer_than_the_silence_timeout_is_served_while_it_prog
         // silence for a hung worker, however busily prefill worked.
         let idle = Duration::from_secs(2);
         let up = Up::launch(Options {
-            replace: &[(
-                "stream_idle_timeout_secs = 120",
-                "stream_idle_timeout_secs = 2",
-            )],
+            replace: &[SILENCE_2S],
             env: &[("BULKHEAD_MAX_BATCH_TOKENS", "16")],
             ..Options::default()
         });
@@ -345,10 +342,7 @@ fn a_request_queued_longer_than_the_silence_timeout_waits_its_turn_and_its_worke
         let idle = Duration::from_secs(2);
         let up = Up::launch(Options {
             args: &["--decode-kv-tokens", "1024"],
-            replace: &[(
-                "stream_idle_timeout_secs = 120",
-                "stream_idle_timeout_secs = 2",
-            )],
+            replace: &[SILENCE_2S],
             ..Options::default()
         });
         up.wait_routable();
@@ -388,10 +382,7 @@ fn a_worker_gone_silent_fails_its_requests_streamed_or_whole_taken_or_not() {
     bounded(|| {
         let up = Up::launch(Options {
             args: &["--kv-tokens", "4096"],
-            replace: &[(
-                "stream_idle_timeout_secs = 120",
-                "stream_idle_timeout_secs = 2",
-            )],
+            replace: &[SILENCE_2S],
             ..Options::default()
         });
         up.wait_routable();

@@ -433,6 +433,12 @@ pub fn send(
     s
 }
 
+/// The configuration's replacement that makes the gateway's silence timeout 2 s (from 120).
+pub const SILENCE_2S: (&str, &str) = (
+    "stream_idle_timeout_secs = 120",
+    "stream_idle_timeout_secs = 2",
+);
+
 /// Tenant-b's answer (counting on, 900 tokens: seconds), under way until its connection is
 /// dropped. With `--decode-kv-tokens 1024` it holds most of decode's pages, and a request of
 /// [`QUEUED_BEHIND`] waits in decode's queue.

@@ -7,7 +7,8 @@ use std::process::{Child, Command, Stdio};
 
 use crate::cluster::Gateway;
 use crate::up::{
-    ADMIN, KEY_A, KEY_B, Options, TempDir, Up, bounded, http, json, sha256_hex, stream_under_way,
+    ADMIN, KEY_A, KEY_B, Options, SILENCE_2S, TempDir, Up, bounded, http, json, sha256_hex,
+    stream_under_way,
 };
 
 /// A `bulkhead gateway` fronting an upstream, and its configuration's directory.
@@ -241,10 +242,7 @@ fn a_request_failed_mid_stream_is_charged_only_the_tokens_it_used() {
         // The back fails a request whose worker goes silent for 2 s.
         let back = Up::launch(Options {
             args: &["--kv-tokens", "4096"],
-            replace: &[(
-                "stream_idle_timeout_secs = 120",
-                "stream_idle_timeout_secs = 2",
-            )],
+            replace: &[SILENCE_2S],
             ..Options::default()
         });
         back.wait_routable();
