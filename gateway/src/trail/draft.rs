@@ -287,18 +287,15 @@ impl Drop for Draft {
         // Nobody finished the request: its client left (the server dropped the handler or the
         // response stream), or shutdown cut it. Recorded without waiting: there is no one left
         // to answer.
-        let kind = if self.recorder.cutting() {
-            if self.record.status == 0 {
-                self.record.status = 503;
-            }
-            GATEWAY_SHUTDOWN_TYPE
+        let (kind, unanswered) = if self.recorder.cutting() {
+            (GATEWAY_SHUTDOWN_TYPE, 503)
         } else {
             self.record.disconnect = Some(self.phase);
-            if self.record.status == 0 {
-                self.record.status = CLIENT_CLOSED;
-            }
-            CLIENT_CLOSED_TYPE
+            (CLIENT_CLOSED_TYPE, CLIENT_CLOSED)
         };
+        if self.record.status == 0 {
+            self.record.status = unanswered;
+        }
         self.record.error_type = Some(kind.to_owned());
         let record = self.seal();
         self.recorder.append_unawaited(record);
