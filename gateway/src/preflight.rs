@@ -1,9 +1,11 @@
 //! `bulkhead preflight`: the deployment check the incident lacked. It reads every configured
 //! worker's Info and checks, before any traffic, that no worker serves a context longer than
-//! its pool and that every decode worker and the prefill worker it names can hand KV over
-//! safely: same model, page size, KV layout and protocol; integrity checks and two-phase
-//! release on; and a transfer batch that fits inside the release timeout at the bandwidth
-//! floor. The checks are pure functions of what the workers reported ([`checks`]).
+//! its pool, that every decode worker is filled by a prefill worker of the group it is
+//! configured with (the process it reaches, by instance id: not the address it was given),
+//! and that they can hand KV over safely: same model, page size, KV layout and protocol;
+//! integrity checks and two-phase release on; and a transfer batch that fits inside the
+//! release timeout at the bandwidth floor. The checks are pure functions of what the workers
+//! reported ([`checks`]).
 
 use std::error::Error as _;
 use std::fmt::Write as _;
@@ -18,6 +20,10 @@ use crate::discovery::{Resolve, resolve_group};
 
 /// Bound on connecting to and asking each worker.
 const ASK_LIMIT: Duration = Duration::from_secs(5);
+
+/// How long a decode worker that has not yet reached its prefill peer is given to (it asks
+/// every second).
+const PEER_SETTLES: Duration = Duration::from_secs(2);
 
 /// A configured worker and what it answered.
 #[derive(Debug, Clone)]
@@ -96,60 +102,82 @@ pub async fn ask(config: &Config, cluster: &ClusterAccess, resolver: &impl Resol
             }),
         }
     }
-    let mut answers = futures_util::future::join_all(workers.iter().map(|w| async move {
-        let info = async {
-            let endpoint =
-                tls::endpoint(&w.endpoint, cluster.tls.as_ref()).map_err(|e| e.to_string())?;
-            let token = cluster.token.as_ref();
-            let channel = endpoint
-                .connect_timeout(ASK_LIMIT)
-                .connect()
-                .await
-                .map_err(|e| unreachable(e.to_string(), e.source(), cluster))?;
-            let answer = cluster_token::shared_client(channel.clone(), token.cloned())
-                .info(InfoRequest {
-                    include_tokenizer: false,
-                })
-                .await;
-            let info = answer.map(tonic::Response::into_inner).map_err(|s| {
-                // A failure of the connection, not a worker's answer, carries its cause (a
-                // worker that speaks TLS to a caller without it ends the connection): the
-                // message at the top says little, the causes say what happened.
-                match s.source() {
-                    Some(cause) => unreachable(s.message().to_owned(), Some(cause), cluster),
-                    None => s.message().to_owned(),
-                }
-            })?;
-            // A worker that requires the token refuses the same call without it.
-            let open = match token {
-                Some(_) => {
-                    let bare = cluster_token::client(channel, None)
-                        .info(InfoRequest {
-                            include_tokenizer: false,
-                        })
-                        .await;
-                    Some(bare.is_ok())
-                }
-                None => None,
-            };
-            Ok((info, open))
-        };
-        let answer = tokio::time::timeout(ASK_LIMIT * 2, info)
-            .await
-            .unwrap_or_else(|_| Err("timed out".into()));
-        let (info, open) = match answer {
-            Ok((info, open)) => (Ok(info), open),
-            Err(e) => (Err(e), None),
-        };
-        Answer {
-            worker: w.clone(),
-            info,
-            open,
+    let ask_all = workers.iter().map(|w| ask_one(w, cluster));
+    let mut answers = futures_util::future::join_all(ask_all).await;
+    // A decode worker asks its prefill peer which process answers there once a second from
+    // its start: one asked before it has heard is asked again once that second has passed.
+    let unsure: Vec<usize> = (0..answers.len())
+        .filter(|&i| {
+            let peer = answers[i]
+                .info
+                .as_ref()
+                .ok()
+                .and_then(|i| i.prefill_peer.as_ref());
+            peer.is_some_and(|p| p.instance_id.is_empty())
+        })
+        .collect();
+    if !unsure.is_empty() {
+        tokio::time::sleep(PEER_SETTLES).await;
+        for i in unsure {
+            answers[i] = ask_one(&answers[i].worker, cluster).await;
         }
-    }))
-    .await;
+    }
     answers.extend(lost);
     answers
+}
+
+/// Asks worker `w` for its Info (bounded, presenting the cluster's token) and, with a token
+/// configured, whether it also answers a call that presents none.
+async fn ask_one(w: &WorkerConfig, cluster: &ClusterAccess) -> Answer {
+    let info = async {
+        let endpoint =
+            tls::endpoint(&w.endpoint, cluster.tls.as_ref()).map_err(|e| e.to_string())?;
+        let token = cluster.token.as_ref();
+        let channel = endpoint
+            .connect_timeout(ASK_LIMIT)
+            .connect()
+            .await
+            .map_err(|e| unreachable(e.to_string(), e.source(), cluster))?;
+        let answer = cluster_token::shared_client(channel.clone(), token.cloned())
+            .info(InfoRequest {
+                include_tokenizer: false,
+            })
+            .await;
+        let info = answer.map(tonic::Response::into_inner).map_err(|s| {
+            // A failure of the connection, not a worker's answer, carries its cause (a
+            // worker that speaks TLS to a caller without it ends the connection): the
+            // message at the top says little, the causes say what happened.
+            match s.source() {
+                Some(cause) => unreachable(s.message().to_owned(), Some(cause), cluster),
+                None => s.message().to_owned(),
+            }
+        })?;
+        // A worker that requires the token refuses the same call without it.
+        let open = match token {
+            Some(_) => {
+                let bare = cluster_token::client(channel, None)
+                    .info(InfoRequest {
+                        include_tokenizer: false,
+                    })
+                    .await;
+                Some(bare.is_ok())
+            }
+            None => None,
+        };
+        Ok((info, open))
+    };
+    let answer = tokio::time::timeout(ASK_LIMIT * 2, info)
+        .await
+        .unwrap_or_else(|_| Err("timed out".into()));
+    let (info, open) = match answer {
+        Ok((info, open)) => (Ok(info), open),
+        Err(e) => (Err(e), None),
+    };
+    Answer {
+        worker: w.clone(),
+        info,
+        open,
+    }
 }
 
 /// Every check over `answers`.
@@ -201,6 +229,12 @@ pub fn checks(answers: &[Answer]) -> Vec<Check> {
         let prefills = answers
             .iter()
             .filter(|a| a.worker.role == WorkerRole::Prefill && a.worker.answers_to(name));
+        if let Ok(di) = &d.info {
+            let members = prefills
+                .clone()
+                .filter_map(|p| Some((p.worker.name.as_str(), p.info.as_ref().ok()?)));
+            out.push(peer(&d.worker.name, di, name, members));
+        }
         for p in prefills {
             let (Ok(di), Ok(pi)) = (&d.info, &p.info) else {
                 continue;
@@ -263,6 +297,48 @@ pub fn own(subject: &str, role: WorkerRole, info: &InfoResponse) -> Vec<Check> {
         ));
     }
     out
+}
+
+/// Whether the prefill process a decode worker dials is one of `group`'s `members` (named, with
+/// their Info): the pools the gateway admits a request against, and the pairs checked, must be
+/// those the request will occupy (I7), whatever address the decode worker was started with.
+pub fn peer<'a>(
+    decode: &str,
+    d: &InfoResponse,
+    group: &str,
+    mut members: impl Iterator<Item = (&'a str, &'a InfoResponse)>,
+) -> Check {
+    let (pass, detail) = match &d.prefill_peer {
+        None => (
+            false,
+            "it does not say which prefill worker it dials (a worker older than the gateway?)"
+                .to_owned(),
+        ),
+        Some(seen) if seen.instance_id.is_empty() => (
+            false,
+            format!(
+                "it has not reached its prefill worker at {} yet",
+                seen.address
+            ),
+        ),
+        Some(seen) => match members.find(|(_, p)| p.instance_id == seen.instance_id) {
+            Some((name, _)) => (true, format!("{} answers as {name}", seen.address)),
+            None => (
+                false,
+                format!(
+                    "{} answers as instance {}, which is none of {group}'s prefill workers: \
+                     the gateway admits its requests against pools they do not occupy",
+                    seen.address, seen.instance_id
+                ),
+            ),
+        },
+    };
+    Check {
+        subject: decode.to_owned(),
+        name: "dials a configured prefill worker",
+        pass,
+        detail,
+    }
 }
 
 /// The checks between a decode worker and its prefill worker.
@@ -358,6 +434,8 @@ pub fn render(answers: &[Answer], checks: &[Check]) -> (String, bool) {
 
 #[cfg(test)]
 mod tests {
+    use bulkhead_worker::serve::proto::PrefillPeer;
+
     use super::*;
 
     fn info(model: &str, pool: u64, context: u64, page: u32, batch: u64) -> InfoResponse {
@@ -394,7 +472,24 @@ mod tests {
         }
     }
 
+    /// `decode`, having reached the process `prefill` at its address.
+    fn dialing(prefill: &InfoResponse, decode: InfoResponse) -> InfoResponse {
+        InfoResponse {
+            prefill_peer: Some(PrefillPeer {
+                address: "http://p:50051".into(),
+                instance_id: prefill.instance_id.clone(),
+            }),
+            ..decode
+        }
+    }
+
+    /// Prefill worker `p` and decode worker `d`, configured and dialing as a pair.
     fn pair_answers(prefill: InfoResponse, decode: InfoResponse) -> Vec<Answer> {
+        let prefill = InfoResponse {
+            instance_id: "p-1".into(),
+            ..prefill
+        };
+        let decode = dialing(&prefill, decode);
         vec![
             Answer {
                 worker: worker("p", WorkerRole::Prefill, None),
@@ -480,16 +575,63 @@ mod tests {
         );
     }
 
+    /// The pair checks compare decode with the prefill workers the gateway is configured with;
+    /// a decode worker started with another `--prefill` passes them all while its requests
+    /// occupy a pool nobody checked. What it reports reaching is compared with them too.
+    #[test]
+    fn a_decode_worker_dialing_another_prefill_worker_than_configured_fails() {
+        let mut answers = pair_answers(
+            info("m", 8192, 8192, 16, 4 << 20),
+            info("m", 8192, 8192, 16, 0),
+        );
+        fn peer(answers: &mut [Answer]) -> &mut PrefillPeer {
+            let decode = answers[1].info.as_mut().expect("decode's Info");
+            decode.prefill_peer.as_mut().expect("its peer")
+        }
+        "a-stranger".clone_into(&mut peer(&mut answers).instance_id);
+        let checks = checks(&answers);
+        assert_eq!(
+            failed(&checks),
+            [("d", "dials a configured prefill worker")]
+        );
+        let detail = &checks.iter().find(|c| !c.pass).expect("a failure").detail;
+        assert!(
+            detail.contains("http://p:50051 answers as instance a-stranger"),
+            "{detail}"
+        );
+
+        peer(&mut answers).instance_id.clear();
+        let checks = super::checks(&answers);
+        assert_eq!(
+            failed(&checks),
+            [("d", "dials a configured prefill worker")]
+        );
+        answers[1]
+            .info
+            .as_mut()
+            .expect("decode's Info")
+            .prefill_peer = None;
+        assert_eq!(
+            failed(&super::checks(&answers)),
+            [("d", "dials a configured prefill worker")]
+        );
+    }
+
     #[test]
     fn a_decode_worker_is_checked_against_every_member_of_its_prefill_group() {
         let member = |name: &str, role, prefill: Option<&str>, group: &str| WorkerConfig {
             group: Some(group.into()),
             ..worker(name, role, prefill)
         };
+        let p_a = InfoResponse {
+            instance_id: "p@a-1".into(),
+            ..info("m", 8192, 8192, 16, 4 << 20)
+        };
+        let d_a = dialing(&p_a, info("m", 8192, 8192, 16, 0));
         let answers = vec![
             Answer {
                 worker: member("p@a", WorkerRole::Prefill, None, "p"),
-                info: Ok(info("m", 8192, 8192, 16, 4 << 20)),
+                info: Ok(p_a),
                 open: None,
             },
             Answer {
@@ -499,7 +641,7 @@ mod tests {
             },
             Answer {
                 worker: member("d@a", WorkerRole::Decode, Some("p"), "d"),
-                info: Ok(info("m", 8192, 8192, 16, 0)),
+                info: Ok(d_a),
                 open: None,
             },
         ];

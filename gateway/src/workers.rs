@@ -350,6 +350,9 @@ struct State {
     next_id: u64,
     /// The token presented on every call to a Bulkhead worker, and the TLS they go over.
     cluster: ClusterAccess,
+    /// Which entries may be routed to, by index: judged once after any change (the checks
+    /// behind it format their findings), not at every request. `None`: to judge again.
+    judged: Option<Vec<bool>>,
 }
 
 impl State {
@@ -457,11 +460,17 @@ impl State {
                 if !bulkhead_checks::enabled(Check::RoutingChecks) {
                     return None;
                 }
-                prefills
+                let members = prefills
+                    .clone()
+                    .filter_map(|p| Some((p.config.name.as_str(), p.info.as_deref()?)));
+                let dials = crate::preflight::peer(&e.config.name, d, name, members);
+                let pairs = prefills
                     .filter_map(|p| Some((p, p.info.as_ref()?)))
                     .flat_map(|(p, pi)| {
                         crate::preflight::pair(&e.config.name, d, &p.config.name, pi)
-                    })
+                    });
+                std::iter::once(dials)
+                    .chain(pairs)
                     .find(|c| !c.pass)
                     .map(|c| Unroutable::PreflightFails {
                         check: c.name,
@@ -491,11 +500,20 @@ impl State {
         Some(c)
     }
 
+    /// Judges which entries may be routed to, unless nothing changed since they last were.
+    fn judge(&mut self) {
+        if self.judged.is_none() {
+            let judged = (self.entries.iter())
+                .map(|e| self.model.is_some() && self.unroutable(e).is_none())
+                .collect();
+            self.judged = Some(judged);
+        }
+    }
+
+    /// The entries routed to, as last judged ([`State::judge`]; none before).
     fn routable(&self) -> impl Iterator<Item = (usize, &Entry)> {
-        self.entries
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| self.model.is_some() && self.unroutable(e).is_none())
+        let judged = self.judged.as_deref().unwrap_or_default();
+        (self.entries.iter().enumerate()).filter(|&(i, _)| judged.get(i) == Some(&true))
     }
 }
 
@@ -548,7 +566,7 @@ pub struct Claim {
 impl Drop for Claim {
     fn drop(&mut self) {
         let (id, tokens) = (self.id, self.tokens);
-        self.workers.with(|s| {
+        self.workers.routing(|s| {
             if let Some(e) = s.entry_mut(id) {
                 e.outstanding = e.outstanding.saturating_sub(tokens);
             }
@@ -568,7 +586,7 @@ impl Route {
     pub fn serving(&self) -> impl Fn() -> bool + Send + 'static {
         let (workers, id) = (self.workers.clone(), self.id);
         move || {
-            workers.with(|s| {
+            workers.routing(|s| {
                 s.entry_mut(id)
                     .is_some_and(|e| matches!(e.health, Health::Serving { .. }))
             })
@@ -631,7 +649,17 @@ impl Workers {
         self.with(|s| s.entries.iter().map(|e| e.config.name.clone()).collect())
     }
 
+    /// `f` on the state, which it may change in any way: what is routable is judged again.
     fn with<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+        self.routing(|s| {
+            s.judged = None;
+            f(s)
+        })
+    }
+
+    /// `f` on the state, which it may change only in what the judgement of what is routable
+    /// does not read (tokens outstanding): a request's path.
+    fn routing<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
         f(&mut self.state.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
@@ -642,7 +670,8 @@ impl Workers {
 
     /// The effective limit for a tenant allowed `tenant_max`, over every routable worker.
     pub fn effective_limit(&self, tenant_max: NonZeroU32) -> Option<EffectiveLimit> {
-        self.with(|s| {
+        self.routing(|s| {
+            s.judge();
             let capacities: Vec<WorkerCapacity> =
                 s.routable().filter_map(|(_, e)| s.capacity(e)).collect();
             effective_limit(capacities, tenant_max)
@@ -653,7 +682,8 @@ impl Workers {
     /// request's prompt + max tokens until the route drops.
     pub fn route(&self, admitted: &Admitted) -> Option<Route> {
         let tokens = admitted.total_tokens();
-        self.with(|s| {
+        self.routing(|s| {
+            s.judge();
             // Only a worker whose every pool holds the request: one that became routable since
             // the request was admitted may be smaller than the limit it was admitted against.
             let fits = |e: &Entry| {
@@ -1068,12 +1098,29 @@ mod tests {
         workers
     }
 
+    /// The instance id of worker `name`'s process in these tests.
+    fn instance(name: &str) -> String {
+        format!("{name}-instance")
+    }
+
     /// What worker `name` says: its role, pool and served context, the model the gateway
-    /// serves, every check on.
+    /// serves, every check on; a decode worker, that the prefill worker named as its group
+    /// answers where it dials.
     fn reports(workers: &Workers, name: &str, role: WorkerRole, pool: u64, context: u64) {
         workers.with(|s| {
             let model_id = s.served_id().expect("a served model").to_owned();
+            let e = s
+                .entries
+                .iter_mut()
+                .find(|e| e.config.name == name)
+                .expect("a worker of that name");
+            let prefill_peer = e.config.prefill.as_deref().map(|p| proto::PrefillPeer {
+                address: format!("http://{p}:50051"),
+                instance_id: instance(p),
+            });
             let info = proto::InfoResponse {
+                instance_id: instance(name),
+                prefill_peer,
                 model_id,
                 role: match role {
                     WorkerRole::Both => proto::Role::Both,
@@ -1094,11 +1141,6 @@ mod tests {
                 }),
                 ..proto::InfoResponse::default()
             };
-            let e = s
-                .entries
-                .iter_mut()
-                .find(|e| e.config.name == name)
-                .expect("a worker of that name");
             e.facts = Some(facts_of(&info));
             e.info = Some(Arc::new(info));
             e.health = serving();
@@ -1163,6 +1205,53 @@ mod tests {
             "p2's pool bounds it now"
         );
         assert!(w.route(&admitted(2000)).is_some());
+    }
+
+    /// Which process answers where decode `d` dials its prefill worker (`p`'s, at first).
+    fn dials(w: &Workers, instance_id: &str) {
+        w.with(|s| {
+            let d = s.entries[0].info.as_mut().expect("d's Info");
+            let peer = Arc::make_mut(d).prefill_peer.as_mut().expect("d's peer");
+            instance_id.clone_into(&mut peer.instance_id);
+        });
+    }
+
+    /// A decode worker filled by a prefill process the gateway does not know of (started with
+    /// another `--prefill` than the gateway's configuration says, or not having reached it
+    /// yet) is not routed to: the gateway would admit its requests against a pool and check
+    /// a pair they do not occupy. It is again once the process it reaches is a known one.
+    #[tokio::test]
+    async fn a_decode_worker_filled_by_a_prefill_worker_the_gateway_does_not_know_gets_nothing() {
+        let w = workers(&[
+            ("d", WorkerRole::Decode, Some("p")),
+            ("p", WorkerRole::Prefill, None),
+        ]);
+        reports(&w, "d", WorkerRole::Decode, 8192, 8192);
+        reports(&w, "p", WorkerRole::Prefill, 8192, 8192);
+        assert!(w.route(&admitted(100)).is_some(), "d dials p");
+        let fails = |w: &Workers| {
+            let why = w.with(|s| s.unroutable(&s.entries[0]));
+            assert!(w.route(&admitted(100)).is_none(), "{why:?}");
+            match why {
+                Some(Unroutable::PreflightFails {
+                    check: "dials a configured prefill worker",
+                    detail,
+                }) => detail,
+                other => panic!("{other:?}"),
+            }
+        };
+        dials(&w, "stranger");
+        let detail = fails(&w);
+        assert!(detail.contains("instance stranger"), "{detail}");
+        dials(&w, "");
+        assert!(fails(&w).contains("has not reached"));
+        // p restarted: a new process, which d reaches too.
+        w.with(|s| {
+            Arc::make_mut(s.entries[1].info.as_mut().expect("p's Info")).instance_id =
+                "p-again".into()
+        });
+        dials(&w, "p-again");
+        assert!(w.route(&admitted(100)).is_some());
     }
 
     /// A worker that runs another role than configured (a decode worker configured as
@@ -1262,6 +1351,24 @@ mod tests {
         let route = workers.with(|s| workers.route_to(s, 0, 50));
         drop(route);
         assert_eq!(outstanding(), 0, "an untaken claim ends with its route");
+    }
+
+    /// What is routable is judged once per change, not at every request: a worker whose call
+    /// failed gets none of the next requests, and gets them again once it answers.
+    #[tokio::test]
+    async fn a_worker_whose_call_failed_gets_no_next_request_until_it_answers_again() {
+        let w = workers(&[("a", WorkerRole::Both, None), ("b", WorkerRole::Both, None)]);
+        reports(&w, "a", WorkerRole::Both, 8192, 8192);
+        reports(&w, "b", WorkerRole::Both, 8192, 8192);
+        let first = w.route(&admitted(100)).expect("a route");
+        assert_eq!(first.worker, "a", "a tie goes to the first");
+        first.failed("connection reset");
+        drop(first);
+        for _ in 0..3 {
+            assert_eq!(w.route(&admitted(100)).expect("a route").worker, "b");
+        }
+        reports(&w, "a", WorkerRole::Both, 8192, 8192);
+        assert_eq!(w.route(&admitted(100)).expect("a route").worker, "a");
     }
 
     #[test]

@@ -853,6 +853,39 @@ async fn preflight_passes_a_sound_pair_and_fails_a_mismatched_one() {
     .await;
 }
 
+/// Preflight compared a decode worker with the prefill worker its configuration names: one
+/// started with another `--prefill` (here a prefill worker whose pool is a quarter of the
+/// configured one's) passed every check while its requests occupied a pool nobody checked, and
+/// the gateway admitted them against the configured one. The process it reaches is checked
+/// now: preflight fails it, and the gateway routes nothing to it.
+#[tokio::test]
+async fn a_decode_worker_filled_by_another_prefill_worker_than_configured_fails_preflight() {
+    bounded(async {
+        let configured = Worker::start(&["--role", "prefill", "--kv-tokens", "2048"]);
+        let (elsewhere, decode) = disaggregated("512", "2048");
+        let (ok, text) = preflight(&configured, &decode);
+        assert!(!ok, "{text}");
+        let failed: Vec<&str> = text.lines().filter(|l| l.contains("FAIL")).collect();
+        assert_eq!(failed.len(), 1, "{text}");
+        assert!(
+            failed[0].contains("local-decode")
+                && failed[0].contains("dials a configured prefill worker")
+                && failed[0].contains(&format!("http://{} answers as instance", elsewhere.grpc)),
+            "{text}"
+        );
+        // The one it does reach, configured: every check passes.
+        let (ok, text) = preflight(&elsewhere, &decode);
+        assert!(ok, "{text}");
+
+        let workers = not_routed(&configured, &decode, "", "preflight_fails").await;
+        assert!(
+            workers.contains("dials a configured prefill worker"),
+            "{workers}"
+        );
+    })
+    .await;
+}
+
 /// A request that generates `max_new_tokens` whatever the model would say (no end of sequence).
 fn counting(max_new_tokens: u32) -> GenerateRequest {
     GenerateRequest {

@@ -17,9 +17,10 @@
 //! drops the call before any KV was sent, prefill still sends it `Closed(aborted)` on the data
 //! plane: its drain acknowledgement, as the protocol model has it.
 
+use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -49,6 +50,75 @@ pub struct PrefillPeer {
     pub client: Client,
     /// Where the prefill worker sends KV: this worker's data-plane address.
     pub kv_address: String,
+    /// Which prefill process answers there, as this worker's Info tells it.
+    pub seen: SeenPeer,
+}
+
+/// The address a decode worker dials for prefill and the process that last answered there:
+/// what lets preflight compare this worker with the prefill workers the gateway admits
+/// against, rather than with those its configuration says this one dials.
+#[derive(Debug, Clone)]
+pub struct SeenPeer {
+    address: Arc<str>,
+    instance_id: Arc<Mutex<String>>,
+}
+
+impl SeenPeer {
+    pub fn new(address: &str) -> SeenPeer {
+        SeenPeer {
+            address: address.into(),
+            instance_id: Arc::default(),
+        }
+    }
+
+    /// The process `instance_id` answered at the peer's address (an older worker that sends
+    /// none tells nothing).
+    fn answered_by(&self, instance_id: &str) {
+        let mut seen = self
+            .instance_id
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if !instance_id.is_empty() && *seen != instance_id {
+            instance_id.clone_into(&mut seen);
+        }
+    }
+
+    /// As the Info response says it.
+    pub fn report(&self) -> proto::PrefillPeer {
+        proto::PrefillPeer {
+            address: self.address.to_string(),
+            instance_id: self
+                .instance_id
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
+        }
+    }
+}
+
+/// How often a decode worker asks its prefill peer which process answers there.
+const PEER_PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// Decode role: asks the prefill peer's Info every second for as long as the worker serves, so
+/// that a prefill worker restarted or replaced behind the address shows in this worker's Info
+/// within a second, whether or not requests flow.
+pub async fn follow_peer(peer: PrefillPeer) -> Infallible {
+    let mut tick = tokio::time::interval(PEER_PROBE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let mut client = peer.client.clone();
+        let asked = client.info(proto::InfoRequest {
+            include_tokenizer: false,
+        });
+        match tokio::time::timeout(PEER_PROBE_EVERY, asked).await {
+            Ok(Ok(info)) => peer.seen.answered_by(&info.get_ref().instance_id),
+            Ok(Err(status)) => {
+                tracing::debug!(error = status.message(), "the prefill peer's Info failed");
+            }
+            Err(_) => tracing::debug!("the prefill peer's Info timed out"),
+        }
+    }
 }
 
 /// The live `Prefill` call of a request, watched: if the prefill worker fails or vanishes
@@ -287,8 +357,9 @@ pub async fn start_remote_prefill(
     })?;
     let refused = match first {
         Some(proto::PrefillEvent {
-            event: Some(PrefillItem::Accepted(_)),
+            event: Some(PrefillItem::Accepted(accepted)),
         }) => {
+            peer.seen.answered_by(&accepted.instance_id);
             unanswered.answered();
             return Ok(RemoteStart {
                 early,
@@ -324,6 +395,7 @@ pub async fn prefill(
     engine: &EngineHandle,
     request: proto::PrefillRequest,
     options: SendOptions,
+    instance_id: &str,
 ) -> Result<PrefillStream, Status> {
     let target = request
         .reservation
@@ -350,6 +422,9 @@ pub async fn prefill(
     let caller_id = request.request_id;
     let tenant = Scope::salted(&request.tenant, &request.cache_salt);
     let prompt = request.prompt;
+    let accepted = proto::PrefillAccepted {
+        instance_id: instance_id.to_owned(),
+    };
     // In the `Prefill` call's span (the caller's): the steps below are its children.
     let span = Span::current();
     let task = async move {
@@ -374,8 +449,7 @@ pub async fn prefill(
             }
             Err(e) => Err(status(&e)),
             Ok((events, guard)) => {
-                let accepted = item(PrefillItem::Accepted(proto::PrefillAccepted {}));
-                if tx.send(accepted).await.is_ok() {
+                if tx.send(item(PrefillItem::Accepted(accepted))).await.is_ok() {
                     transfer(engine, events, guard, tx, send).await;
                 } else {
                     drop(guard);

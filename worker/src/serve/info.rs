@@ -35,6 +35,7 @@ pub fn describe(
         chat_template: chat_template.to_owned(),
         model_context_length: config.context_length as u64,
         role: role.into(),
+        instance_id: format!("{:032x}", rand::random::<u128>()),
         ..proto::InfoResponse::default()
     }
 }

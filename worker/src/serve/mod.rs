@@ -237,6 +237,7 @@ impl BoundWorker {
                     addr: kv_listen,
                     source,
                 })?;
+                let seen = disagg::SeenPeer::new(&prefill);
                 let endpoint = tls::endpoint(&prefill, config.tls.as_ref()).map_err(|e| {
                     StartError::PrefillUri {
                         uri: prefill,
@@ -251,6 +252,7 @@ impl BoundWorker {
                     ServiceRole::Decode(PrefillPeer {
                         client,
                         kv_address: kv_advertise.unwrap_or(kv_address).to_string(),
+                        seen,
                     }),
                     Some(kv),
                 )
@@ -322,6 +324,7 @@ impl BoundWorker {
         };
         // The cluster token and the TLS files are followed for as long as the worker serves.
         let follows = follow_secrets(self.cluster_token.clone(), self.tls.clone());
+        let peer = self.service.follow_peer();
         let admin = axum::serve(self.admin, admin::router(self.engine))
             .with_graceful_shutdown(stopped(stop_rx.clone()));
         let grpc =
@@ -347,6 +350,7 @@ impl BoundWorker {
             r = admin => r.map_err(StartError::Admin),
             () = kv => Ok(()),
             never = follows => match never {},
+            never = peer => match never {},
         };
         // Both servers (and so every handle but in-flight streams') are gone; the engine thread
         // ends once the last request is cancelled or done.

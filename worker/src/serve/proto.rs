@@ -21,8 +21,8 @@ pub use generated::worker_server::{Worker, WorkerServer};
 pub use generated::{
     ChatMessage, ChatPrompt, Done, FinishReason, GenerateRequest, GenerateResponse, HealthRequest,
     HealthResponse, InfoRequest, InfoResponse, KvHandoff, KvReservation, PoolPages,
-    PrefillAccepted, PrefillEvent, PrefillRequest, PrefillSent, PromptProgress, Refusal,
-    RefusalReason, ReservedPage, Role, SamplingParams, ServingStatus, Token, TokenPrompt,
+    PrefillAccepted, PrefillEvent, PrefillPeer, PrefillRequest, PrefillSent, PromptProgress,
+    Refusal, RefusalReason, ReservedPage, Role, SamplingParams, ServingStatus, Token, TokenPrompt,
     TokenizerData,
 };
 

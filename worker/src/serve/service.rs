@@ -1,5 +1,6 @@
 //! The `bulkhead.worker.v1.Worker` gRPC service over an [`EngineHandle`].
 
+use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -66,6 +67,21 @@ impl WorkerService {
             prompter: Arc::new(prompter),
             info: Arc::new(info),
             tokenizer: Arc::new(tokenizer),
+        }
+    }
+
+    /// Decode role: follows which prefill process answers at the peer's address, for as long
+    /// as the worker serves; the other roles have no peer to follow.
+    pub fn follow_peer(&self) -> impl Future<Output = Infallible> + Send + 'static {
+        let peer = match &self.role {
+            ServiceRole::Decode(peer) => Some(peer.clone()),
+            ServiceRole::Both | ServiceRole::Prefill(_) => None,
+        };
+        async move {
+            match peer {
+                Some(peer) => disagg::follow_peer(peer).await,
+                None => std::future::pending().await,
+            }
         }
     }
 
@@ -181,8 +197,12 @@ impl proto::Worker for WorkerService {
         span.record("gen_ai.usage.input_tokens", request.get_ref().prompt.len());
         match &self.role {
             ServiceRole::Prefill(options) => {
-                let prefilling =
-                    disagg::prefill(&self.engine, request.into_inner(), options.clone());
+                let prefilling = disagg::prefill(
+                    &self.engine,
+                    request.into_inner(),
+                    options.clone(),
+                    &self.info.instance_id,
+                );
                 prefilling
                     .instrument(span.clone())
                     .await
@@ -225,6 +245,9 @@ impl proto::Worker for WorkerService {
         request: Request<proto::InfoRequest>,
     ) -> Result<Response<proto::InfoResponse>, Status> {
         let mut info = proto::InfoResponse::clone(&self.info);
+        if let ServiceRole::Decode(peer) = &self.role {
+            info.prefill_peer = Some(peer.seen.report());
+        }
         if request.into_inner().include_tokenizer {
             info.tokenizer = Some(proto::TokenizerData::clone(&self.tokenizer));
         }
