@@ -60,6 +60,16 @@ fn the_gateway_enforces_keys_admission_tenancy_and_limits() {
         let (status, body) = up.chat(KEY_A, &[], &long);
         assert_eq!(status, 400, "{body}");
         assert_eq!(json(&body)["error"]["code"], "context_length_exceeded");
+        assert_eq!(json(&body)["error"]["param"], "messages", "{body}");
+        // The legacy endpoint names its own prompt field.
+        let long = format!(
+            r#"{{"prompt":"{}","max_tokens":16}}"#,
+            "hello ".repeat(9000)
+        );
+        let (status, body) = http(&up.api, "POST", "/v1/completions", Some(KEY_A), &[], &long);
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(json(&body)["error"]["code"], "context_length_exceeded");
+        assert_eq!(json(&body)["error"]["param"], "prompt", "{body}");
         let (status, body) = up.chat(
             KEY_A,
             &[],

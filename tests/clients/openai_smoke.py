@@ -77,6 +77,13 @@ def main():
         check("over the limit: refused", False)
     except openai.BadRequestError as e:
         check("over the limit: 400 context_length_exceeded", e.code == "context_length_exceeded", str(e))
+        check("over the limit: the error names messages", e.param == "messages", str(e))
+    try:
+        client.completions.create(model=model, prompt="hello " * 9000, max_tokens=16)
+        check("completions over the limit: refused", False)
+    except openai.BadRequestError as e:
+        check("completions over the limit: the error names prompt",
+              e.code == "context_length_exceeded" and e.param == "prompt", str(e))
 
     bad = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-wrong", timeout=TIMEOUT, max_retries=0)
     try:

@@ -12,6 +12,7 @@ use crate::admission::ContextLengthExceeded;
 use crate::limits::{LimitError, retry_after};
 use crate::policy::{Refusal, Refused};
 
+use super::Endpoint;
 use super::validate::RequestError;
 
 /// Why an API request failed.
@@ -37,12 +38,15 @@ pub enum ApiError {
     /// messages, or the text does not tokenize.
     #[error("{reason}")]
     Prompt { reason: String },
-    /// Gateway admission (or the worker's own) refused the request as too long.
-    #[error(transparent)]
-    ContextLengthExceeded(#[from] ContextLengthExceeded),
+    /// Gateway admission refused the request, on `endpoint`, as too long.
+    #[error("{exceeded}")]
+    ContextLengthExceeded {
+        exceeded: ContextLengthExceeded,
+        endpoint: Endpoint,
+    },
     /// The worker's own admission refused it as too long (the gateway's check passed).
     #[error("{message}")]
-    WorkerContextLengthExceeded { message: String },
+    WorkerContextLengthExceeded { message: String, endpoint: Endpoint },
     /// The worker refused a field the gateway passed on.
     #[error("{message}")]
     WorkerInvalidRequest { message: String },
@@ -159,7 +163,7 @@ pub fn mapping(err: &ApiError) -> Mapping {
             INVALID_REQUEST,
             Some("model_not_found"),
         ),
-        ApiError::ContextLengthExceeded(_) | ApiError::WorkerContextLengthExceeded { .. } => m(
+        ApiError::ContextLengthExceeded { .. } | ApiError::WorkerContextLengthExceeded { .. } => m(
             StatusCode::BAD_REQUEST,
             INVALID_REQUEST,
             Some("context_length_exceeded"),
@@ -222,8 +226,9 @@ impl ApiError {
         match self {
             ApiError::InvalidRequest(e) => e.param(),
             ApiError::ModelNotFound { .. } => Some("model".into()),
-            ApiError::ContextLengthExceeded(_) | ApiError::WorkerContextLengthExceeded { .. } => {
-                Some("messages".into())
+            ApiError::ContextLengthExceeded { endpoint, .. }
+            | ApiError::WorkerContextLengthExceeded { endpoint, .. } => {
+                Some(endpoint.prompt_field().into())
             }
             ApiError::InvalidApiKey
             | ApiError::BodyTooLarge { .. }
@@ -309,13 +314,15 @@ mod tests {
             Some("invalid_api_key"),
         );
         check(
-            ContextLengthExceeded {
-                requested: 10,
-                prompt_tokens: 6,
-                max_new_tokens: 4,
-                limit: 8,
-            }
-            .into(),
+            ApiError::ContextLengthExceeded {
+                exceeded: ContextLengthExceeded {
+                    requested: 10,
+                    prompt_tokens: 6,
+                    max_new_tokens: 4,
+                    limit: 8,
+                },
+                endpoint: Endpoint::Chat,
+            },
             400,
             INVALID_REQUEST,
             Some("context_length_exceeded"),
@@ -323,6 +330,7 @@ mod tests {
         check(
             ApiError::WorkerContextLengthExceeded {
                 message: "x".into(),
+                endpoint: Endpoint::Completion,
             },
             400,
             INVALID_REQUEST,

@@ -157,6 +157,15 @@ impl Endpoint {
             Endpoint::Completion => "/v1/completions",
         }
     }
+
+    /// The body field that holds its prompt: what an error about the prompt's length names
+    /// as its `param`.
+    pub fn prompt_field(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "messages",
+            Endpoint::Completion => "prompt",
+        }
+    }
 }
 
 async fn chat_completions(
@@ -323,6 +332,7 @@ async fn start(
         .effective_limit(tenant.limits.max_context)
         .ok_or(ApiError::NoHealthyWorker)?;
     let admitted = admission(
+        endpoint,
         prompt.len(),
         common.max_tokens,
         state.http.default_max_tokens,
@@ -369,7 +379,15 @@ async fn start(
     );
     drop(policy_span);
     trail.policy(policy.decisions().iter().map(Into::into).collect());
-    let routed = charge_and_route(state, &mut permit, admitted, &policy, prompt.len(), limit);
+    let routed = charge_and_route(
+        state,
+        endpoint,
+        &mut permit,
+        admitted,
+        &policy,
+        prompt.len(),
+        limit,
+    );
     let (admitted, route) = match routed {
         Ok(routed) => routed,
         Err(e) => {
@@ -427,6 +445,7 @@ async fn start(
 /// its tokens-per-minute charge, and its route.
 fn charge_and_route(
     state: &ApiState,
+    endpoint: Endpoint,
     permit: &mut RequestPermit,
     admitted: Admitted,
     policy: &RequestPolicy,
@@ -436,6 +455,7 @@ fn charge_and_route(
     let admitted = match policy.clamp() {
         None => admitted,
         Some(max) => admission(
+            endpoint,
             prompt_tokens,
             Some(max),
             state.http.default_max_tokens,
@@ -473,6 +493,7 @@ fn charge_and_route(
 
 /// Gateway admission (design step 4) in its span: prompt + max tokens against `limit`.
 fn admission(
+    endpoint: Endpoint,
     prompt_tokens: usize,
     max_tokens: Option<NonZeroU32>,
     default_max_tokens: NonZeroU32,
@@ -487,7 +508,7 @@ fn admission(
     );
     span.in_scope(|| {
         admit(prompt_tokens, max_tokens, default_max_tokens, limit)
-            .map_err(ApiError::from)
+            .map_err(|exceeded| ApiError::ContextLengthExceeded { exceeded, endpoint })
             .inspect_err(|e| {
                 span.record("error.type", e.error_type());
             })

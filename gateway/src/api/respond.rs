@@ -125,7 +125,7 @@ impl Started {
                 Ok(())
             }
             Ok(Err(status)) => {
-                let failure = from_status(&status);
+                let failure = from_status(&status, self.endpoint);
                 if failure.worker_down {
                     tracing::warn!(worker = %self.route.worker, %status, "the worker failed a Generate call");
                     self.route.failed(status.message());
@@ -194,7 +194,7 @@ impl Started {
                 })) => {}
                 Ok(None) => return Err(self.worker_down("a stream ended without Done")),
                 Err(status) => {
-                    let failure = from_status(&status);
+                    let failure = from_status(&status, self.endpoint);
                     if failure.worker_down {
                         tracing::warn!(worker = %self.route.worker, id = %self.id, %status, "the worker failed mid-request");
                         self.route.failed(status.message());

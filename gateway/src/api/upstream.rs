@@ -8,6 +8,7 @@ use bulkhead_worker::serve::proto::{
 
 use crate::admission::Admitted;
 
+use super::Endpoint;
 use super::error::ApiError;
 use super::validate::Sampling;
 
@@ -54,13 +55,15 @@ pub struct WorkerFailure {
     pub refused_by: Option<Layer>,
 }
 
-/// Maps a worker's status by its machine-readable code (the worker proto's table).
-pub fn from_status(status: &tonic::Status) -> WorkerFailure {
+/// Maps a worker's status by its machine-readable code (the worker proto's table), for a
+/// request on `endpoint`.
+pub fn from_status(status: &tonic::Status, endpoint: Endpoint) -> WorkerFailure {
     let message = status.message().to_owned();
     let (error, worker_down) = match error_code(status) {
-        Some("context_length_exceeded") => {
-            (ApiError::WorkerContextLengthExceeded { message }, false)
-        }
+        Some("context_length_exceeded") => (
+            ApiError::WorkerContextLengthExceeded { message, endpoint },
+            false,
+        ),
         Some("invalid_request_error") => (ApiError::WorkerInvalidRequest { message }, false),
         Some("rate_limit_exceeded") => (ApiError::WorkerBusy, false),
         Some("kv_integrity_error") => (ApiError::KvIntegrity, false),
@@ -112,31 +115,44 @@ mod tests {
 
     #[test]
     fn worker_codes_map_onto_the_api_table() {
-        let f = from_status(&status(Code::InvalidArgument, "context_length_exceeded"));
+        let too_long = status(Code::InvalidArgument, "context_length_exceeded");
+        let f = from_status(&too_long, Endpoint::Chat);
         assert!(matches!(
             f.error,
             ApiError::WorkerContextLengthExceeded { .. }
         ));
+        assert_eq!(f.error.param().as_deref(), Some("messages"));
+        let f = from_status(&too_long, Endpoint::Completion);
+        assert_eq!(f.error.param().as_deref(), Some("prompt"), "{:?}", f.error);
         assert!(!f.worker_down);
         assert_eq!(f.refused_by, None, "no layer named");
         let mut s = status(Code::InvalidArgument, "context_length_exceeded");
         s.metadata_mut()
             .insert(proto::REFUSED_BY_KEY, MetadataValue::from_static("prefill"));
-        assert_eq!(from_status(&s).refused_by, Some(Layer::Prefill));
-        let f = from_status(&status(Code::ResourceExhausted, "rate_limit_exceeded"));
+        assert_eq!(
+            from_status(&s, Endpoint::Chat).refused_by,
+            Some(Layer::Prefill)
+        );
+        let f = from_status(
+            &status(Code::ResourceExhausted, "rate_limit_exceeded"),
+            Endpoint::Chat,
+        );
         assert_eq!(f.error, ApiError::WorkerBusy);
-        let f = from_status(&status(Code::Internal, "kv_integrity_error"));
+        let f = from_status(
+            &status(Code::Internal, "kv_integrity_error"),
+            Endpoint::Chat,
+        );
         assert_eq!(f.error, ApiError::KvIntegrity);
-        let f = from_status(&status(Code::Internal, "internal_error"));
+        let f = from_status(&status(Code::Internal, "internal_error"), Endpoint::Chat);
         assert_eq!(f.error, ApiError::Internal);
     }
 
     #[test]
     fn a_dead_transport_is_unavailable_and_marks_the_worker() {
-        let f = from_status(&Status::unavailable("connection reset"));
+        let f = from_status(&Status::unavailable("connection reset"), Endpoint::Chat);
         assert_eq!(f.error, ApiError::WorkerUnavailable);
         assert!(f.worker_down);
-        let f = from_status(&Status::unknown("h2 protocol error"));
+        let f = from_status(&Status::unknown("h2 protocol error"), Endpoint::Chat);
         assert!(f.worker_down);
     }
 }

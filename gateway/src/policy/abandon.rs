@@ -199,7 +199,7 @@ impl Ending {
         if self.wanting(Hooks::ON_RESPONSE_END).next().is_none() {
             return;
         }
-        match self.policies.slot().await {
+        match self.policies.slot(&self.tenant).await {
             Some(Ok(_slot)) => self.response_end(outcome, usage).await,
             Some(Err(fault)) => tracing::warn!(%fault, "on-response-end could not run"),
             None => {}
@@ -222,7 +222,7 @@ impl Ending {
         let directive = if self.wanting(Hooks::ON_DISCONNECT).next().is_none() {
             Directive::AbortNow
         } else {
-            match self.policies.slot().await {
+            match self.policies.slot(&self.tenant).await {
                 Some(Ok(_slot)) => self.directive(phase, progress, held_before).await,
                 Some(Err(fault)) => {
                     tracing::warn!(request = %self.id, %fault, "on-disconnect could not run");

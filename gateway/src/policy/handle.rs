@@ -8,13 +8,12 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
-use tokio::sync::OwnedSemaphorePermit;
-
 use super::chain::PolicySet;
 use super::digest::Digest;
 use super::load::{self, LoadError};
 use super::plugin::Fault;
 use super::sandbox::{Sandbox, SandboxError, SandboxSettings};
+use super::slots::Slot;
 use super::stats::Stats;
 
 /// How the gateway runs its policies (from the `[policies]` section of its configuration).
@@ -104,11 +103,11 @@ impl Policies {
         &self.inner.stats
     }
 
-    /// An instance slot of the sandbox (see [`Sandbox::slot`]); policies that are disabled
-    /// have no plugin to call, so this is `None`.
-    pub(super) async fn slot(&self) -> Option<Result<OwnedSemaphorePermit, Fault>> {
+    /// An instance slot of the sandbox for a call of `tenant`'s (see [`Sandbox::slot`]);
+    /// policies that are disabled have no plugin to call, so this is `None`.
+    pub(super) async fn slot(&self, tenant: &str) -> Option<Result<Slot, Fault>> {
         match &self.inner.runtime {
-            Some((sandbox, _)) => Some(sandbox.slot().await),
+            Some((sandbox, _)) => Some(sandbox.slot(tenant).await),
             None => None,
         }
     }

@@ -11,8 +11,9 @@
 //! ```
 //!
 //! Every call runs in a fresh store and instance (pooling allocator, `InstancePre`), with a
-//! memory limit, an epoch deadline and a slot from a semaphore. The instance starts configured:
-//! from a snapshot of the plugin taken after its binding's `configure` at load, or, for a
+//! memory limit, an epoch deadline and one of the sandbox's instance slots (which a tenant
+//! flooding the gateway cannot keep from the others). The instance starts configured: from a
+//! snapshot of the plugin taken after its binding's `configure` at load, or, for a
 //! plugin that imports WASI, by running `configure` first. A plugin that traps, runs
 //! past its deadline, exceeds its memory or returns garbage fails the request closed
 //! (500 `policy_error`) unless its binding is fail-open. Plugins get no files, no network, no
@@ -31,6 +32,7 @@ mod load;
 mod plugin;
 mod request;
 mod sandbox;
+mod slots;
 mod snapshot;
 mod stats;
 mod verdict;

@@ -223,7 +223,7 @@ impl Policies {
             .iter()
             .any(|&i| set.bindings[i].hooks.contains(Hooks::ON_REQUEST));
         let chained = if wanted {
-            match self.slot().await {
+            match self.slot(facts.tenant).await {
                 Some(Ok(_slot)) => chain(self, &set, &matched, &facts).await?,
                 Some(Err(fault)) => {
                     // No slot is every plugin's fault at once: refused if any binding fails

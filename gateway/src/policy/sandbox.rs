@@ -1,12 +1,12 @@
 //! The engine every plugin runs in: the component model, the pooling allocator, epoch
 //! interruption (a background thread advances the epoch every [`TICK`]), one linker offering
-//! the world's `host` imports and an empty WASI, and a semaphore in front of instantiation.
+//! the world's `host` imports and an empty WASI, and the instance slots in front of
+//! instantiation, shared fairly between tenants ([`Slots`]).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use tokio::sync::OwnedSemaphorePermit;
 use wasmtime::component::{Component, Linker};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
@@ -15,6 +15,7 @@ use super::cache::{self, Compiled};
 use super::digest::Digest;
 use super::host::Host;
 use super::plugin::Fault;
+use super::slots::{Holder, Slot, Slots};
 
 /// How much of a freed instance's linear memory, and of its tables, stays resident (zeroed
 /// in place) for the next instance in its slot, instead of handed back to the kernel and
@@ -34,7 +35,7 @@ const SLOT_WAIT: Duration = Duration::from_secs(1);
 /// Limits of the whole sandbox, fixed for the gateway's lifetime (a reload keeps them).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SandboxSettings {
-    /// Plugin instances alive at once (the pool's size, and the semaphore's).
+    /// Plugin instances alive at once (the pool's size, and the number of slots).
     pub instances: u32,
     /// The most linear memory any plugin may be given, in bytes.
     pub max_memory_bytes: usize,
@@ -66,7 +67,7 @@ pub struct SandboxError(wasmtime::Error);
 pub(super) struct Sandbox {
     engine: Engine,
     linker: Arc<Linker<Host>>,
-    slots: Arc<tokio::sync::Semaphore>,
+    slots: Slots,
     pub(super) settings: SandboxSettings,
 }
 
@@ -112,30 +113,30 @@ impl Sandbox {
         Ok(Sandbox {
             engine,
             linker: Arc::new(linker),
-            slots: Arc::new(tokio::sync::Semaphore::new(n as usize)),
+            slots: Slots::new(n as usize),
             settings,
         })
     }
 
-    /// An instance slot, waiting at most [`SLOT_WAIT`] for one to be free. Plugin calls run on
-    /// the async worker that holds it: they are asynchronous and yield at every epoch tick, so
-    /// a slow plugin never blocks the runtime's threads.
-    pub(super) async fn slot(&self) -> Result<OwnedSemaphorePermit, Fault> {
-        tokio::time::timeout(SLOT_WAIT, self.slots.clone().acquire_owned())
+    /// An instance slot for a call of `tenant`'s, waiting at most [`SLOT_WAIT`] for one to be
+    /// free (when slots are short, the tenant holding the fewest is served first). Plugin calls
+    /// run on the async worker that holds it: they are asynchronous and yield at every epoch
+    /// tick, so a slow plugin never blocks the runtime's threads.
+    pub(super) async fn slot(&self, tenant: &str) -> Result<Slot, Fault> {
+        self.slots
+            .acquire(Holder::Tenant(tenant.into()), Some(SLOT_WAIT))
             .await
-            .map_err(|_| Fault::Busy)?
-            .map_err(|_| Fault::Busy)
+            .ok_or(Fault::Busy)
     }
 
     /// An instance slot for loading a set, waiting as long as calls hold every slot (each
     /// ends by its deadline): a reload under load neither fails for want of one nor takes
     /// the one a call was promised.
-    pub(super) async fn slot_for_load(&self) -> Result<OwnedSemaphorePermit, Fault> {
+    pub(super) async fn slot_for_load(&self) -> Result<Slot, Fault> {
         self.slots
-            .clone()
-            .acquire_owned()
+            .acquire(Holder::Load, None)
             .await
-            .map_err(|_| Fault::Busy)
+            .ok_or(Fault::Busy)
     }
 
     pub(super) fn engine(&self) -> &Engine {

@@ -338,6 +338,65 @@ async fn no_free_instance_slot_fails_closed_only_where_a_binding_does() {
     }
 }
 
+/// Tenant A floods the gateway with requests whose plugin runs to its deadline, more than the
+/// sandbox has slots for; tenant B's request, asking after A's queue formed, gets the first
+/// slot freed instead of waiting behind all of A's (first come, first served, B would wait
+/// three of A's deadlines, past the slot wait, and fail: `slots::tests` shows that order).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_flooding_the_sandbox_does_not_keep_its_slots_from_another_tenant() {
+    let dir = Scratch::new("policy");
+    let text = format!(
+        "{}{}{}{}",
+        plugin("hostile", "timeout_ms = 500"),
+        plugin("length-limit", ""),
+        binding(
+            "hostile",
+            "tenants = [\"tenant-a\"]\nfail_open = true\nconfig = { attack = \"sleep\" }"
+        ),
+        binding("length-limit", LIMITS),
+    );
+    let path = write(&dir, &text);
+    let mut two_slots = settings(&path, None);
+    two_slots.sandbox.instances = 2;
+    let p = Policies::load(two_slots).expect("the set loads");
+    let t0 = Instant::now();
+    let flood: Vec<_> = (0..8)
+        .map(|_| {
+            let p = p.clone();
+            // Allowed (fail-open at its deadline) or, late in the queue, refused for want of
+            // a slot (length-limit fails closed): either way, done at that time.
+            tokio::spawn(async move {
+                let _ = ask(&p, Ask::default()).await;
+                t0.elapsed()
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let b = ask(
+        &p,
+        Ask {
+            tenant: "tenant-b",
+            ..Ask::default()
+        },
+    )
+    .await;
+    let b_done = t0.elapsed();
+    let b = b.unwrap_or_else(|r| panic!("tenant B was refused after {b_done:?}: {r:?}"));
+    assert_eq!(b.decisions().len(), 1, "only length-limit applies to B");
+    assert!(
+        b_done < Duration::from_millis(900),
+        "B waited {b_done:?}: behind A's queue, not for the first slot freed"
+    );
+    let mut a_done = Vec::new();
+    for a in flood {
+        a_done.push(a.await.expect("ran"));
+    }
+    assert!(
+        a_done.iter().filter(|&&t| t > b_done).count() >= 4,
+        "most of A's queue was still waiting when B was served: {a_done:?}, B {b_done:?}"
+    );
+}
+
 /// A reload while calls hold every instance slot waits for one: it is not refused (as a
 /// plugin refusing its configuration), and the call that holds the slot is not failed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -198,9 +198,8 @@ impl Trail {
     /// refused it, when one did.
     pub fn failed(&self, error: &ApiError, refused_by: Option<Layer>) {
         let outcome = match error {
-            ApiError::ContextLengthExceeded(_) | ApiError::WorkerContextLengthExceeded { .. } => {
-                Some(AdmissionOutcome::Rejected)
-            }
+            ApiError::ContextLengthExceeded { .. }
+            | ApiError::WorkerContextLengthExceeded { .. } => Some(AdmissionOutcome::Rejected),
             ApiError::TenantLimit(_) | ApiError::WorkerBusy | ApiError::NoHealthyWorker => {
                 Some(AdmissionOutcome::Unavailable)
             }

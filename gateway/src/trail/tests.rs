@@ -16,7 +16,7 @@ use tower::ServiceExt as _;
 use super::{GATEWAY_LOG, Recorder, Trail, audited};
 use crate::admission::ContextLengthExceeded;
 use crate::api::validate::RequestError;
-use crate::api::{ApiError, mapping};
+use crate::api::{ApiError, Endpoint, mapping};
 use crate::config::{AuditSettings, Durability, OnAuditFailure};
 use crate::limits::LimitError;
 use crate::metrics::Metrics;
@@ -33,15 +33,18 @@ fn table() -> Vec<ApiError> {
             served: "b".into(),
         },
         ApiError::Prompt { reason: "r".into() },
-        ContextLengthExceeded {
-            requested: 10,
-            prompt_tokens: 6,
-            max_new_tokens: 4,
-            limit: 8,
-        }
-        .into(),
+        ApiError::ContextLengthExceeded {
+            exceeded: ContextLengthExceeded {
+                requested: 10,
+                prompt_tokens: 6,
+                max_new_tokens: 4,
+                limit: 8,
+            },
+            endpoint: Endpoint::Chat,
+        },
         ApiError::WorkerContextLengthExceeded {
             message: "m".into(),
+            endpoint: Endpoint::Chat,
         },
         ApiError::WorkerInvalidRequest {
             message: "m".into(),

@@ -1038,7 +1038,7 @@ mod tests {
                 Some("kv_integrity_error"),
                 "{status:?}"
             );
-            let failure = crate::api::from_status(&status);
+            let failure = crate::api::from_status(&status, crate::api::Endpoint::Chat);
             assert!(
                 matches!(failure.error, crate::api::ApiError::KvIntegrity),
                 "{:?}",
@@ -1053,6 +1053,6 @@ mod tests {
         assert_eq!(refusal(500, b"{}").code(), Code::Unavailable);
         let event = "data: {\"error\":{\"message\":\"boom\",\"code\":\"oops\"}}\n\n";
         let status = drain(stream(&[event])).await.expect_err("an error event");
-        assert!(crate::api::from_status(&status).worker_down);
+        assert!(crate::api::from_status(&status, crate::api::Endpoint::Chat).worker_down);
     }
 }

@@ -1,0 +1,309 @@
+//! The sandbox's instance slots, shared by every tenant. A free slot goes to whoever asks;
+//! when none is free, each freed slot goes to the waiting tenant that holds the fewest (the
+//! earliest of them on a tie), so a tenant flooding the gateway with requests whose plugins
+//! run long cannot make another tenant's requests wait behind its queue: a tenant that holds
+//! none gets the next slot freed. On its own, a tenant may take every slot.
+//!
+//! ```text
+//!  held:    A A A A   (4 slots, A holds all; A has 6 more waiting, then B asks)
+//!  waiting: A1 A2 A3 A4 A5 A6 B1
+//!  freed ──▶ B1 (holds 0)   then A1, A2, … (first in first out among equals)
+//! ```
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+/// Who holds a slot: a tenant's call, or the load of a policy set.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(super) enum Holder {
+    Tenant(Arc<str>),
+    Load,
+}
+
+/// A cheap `Clone` handle on the slots.
+#[derive(Debug, Clone)]
+pub(super) struct Slots(Arc<Mutex<State>>);
+
+#[derive(Debug)]
+struct State {
+    free: usize,
+    /// Slots held now, by holder (holders holding none are not kept).
+    held: HashMap<Holder, usize>,
+    /// In arrival order.
+    waiting: VecDeque<Waiter>,
+    next_id: u64,
+    /// Tests only: hand freed slots out first come, first served, whoever holds what (the
+    /// plain semaphore this replaced), to show what the fair order prevents.
+    #[cfg(test)]
+    fifo: bool,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    id: u64,
+    holder: Holder,
+    granted: oneshot::Sender<()>,
+}
+
+impl State {
+    fn take(&mut self, holder: &Holder) {
+        *self.held.entry(holder.clone()).or_default() += 1;
+    }
+
+    fn holding(&self, holder: &Holder) -> usize {
+        self.held.get(holder).copied().unwrap_or(0)
+    }
+
+    /// The waiter the next freed slot goes to: of the holders that hold the fewest, the one
+    /// that has waited longest.
+    fn next(&self) -> Option<usize> {
+        #[cfg(test)]
+        if self.fifo {
+            return (!self.waiting.is_empty()).then_some(0);
+        }
+        (0..self.waiting.len()).min_by_key(|&i| (self.holding(&self.waiting[i].holder), i))
+    }
+
+    /// `holder` gives a slot back: it goes to the next waiter still waiting, or is free.
+    fn release(&mut self, holder: &Holder) {
+        if let Some(n) = self.held.get_mut(holder) {
+            *n -= 1;
+            if *n == 0 {
+                self.held.remove(holder);
+            }
+        }
+        while let Some(i) = self.next() {
+            let Some(waiter) = self.waiting.remove(i) else {
+                break;
+            };
+            // A waiter gone without taking its slot out of the queue cannot exist (its drop
+            // does), but a send to one that is being dropped now fails: the next one gets it.
+            if waiter.granted.send(()).is_ok() {
+                self.take(&waiter.holder);
+                return;
+            }
+        }
+        self.free += 1;
+    }
+}
+
+fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    state.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One slot held; given back on drop.
+#[derive(Debug)]
+pub(super) struct Slot {
+    slots: Slots,
+    holder: Holder,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        lock(&self.slots.0).release(&self.holder);
+    }
+}
+
+/// A place in the queue; leaving it (a timeout, a cancelled request) takes the place out, or
+/// gives back the slot granted in the meantime.
+struct Waiting {
+    slots: Slots,
+    id: u64,
+    holder: Holder,
+    granted: Option<oneshot::Receiver<()>>,
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        let Some(mut granted) = self.granted.take() else {
+            return;
+        };
+        let mut state = lock(&self.slots.0);
+        if let Some(i) = state.waiting.iter().position(|w| w.id == self.id) {
+            state.waiting.remove(i);
+        } else if granted.try_recv().is_ok() {
+            state.release(&self.holder);
+        }
+    }
+}
+
+impl Slots {
+    pub(super) fn new(slots: usize) -> Slots {
+        Slots(Arc::new(Mutex::new(State {
+            free: slots,
+            held: HashMap::new(),
+            waiting: VecDeque::new(),
+            next_id: 0,
+            #[cfg(test)]
+            fifo: false,
+        })))
+    }
+
+    /// A slot for `holder`, waiting at most `wait` (`None`: as long as it takes).
+    pub(super) async fn acquire(&self, holder: Holder, wait: Option<Duration>) -> Option<Slot> {
+        let mut waiting = {
+            let mut state = lock(&self.0);
+            if state.free > 0 {
+                state.free -= 1;
+                state.take(&holder);
+                return Some(Slot {
+                    slots: self.clone(),
+                    holder,
+                });
+            }
+            let (tx, rx) = oneshot::channel();
+            let id = state.next_id;
+            state.next_id += 1;
+            state.waiting.push_back(Waiter {
+                id,
+                holder: holder.clone(),
+                granted: tx,
+            });
+            Waiting {
+                slots: self.clone(),
+                id,
+                holder,
+                granted: Some(rx),
+            }
+        };
+        let rx = waiting.granted.as_mut()?;
+        let granted = match wait {
+            Some(wait) => tokio::time::timeout(wait, rx).await.ok()?,
+            None => rx.await,
+        };
+        granted.ok()?;
+        waiting.granted = None;
+        Some(Slot {
+            slots: self.clone(),
+            holder: waiting.holder.clone(),
+        })
+    }
+}
+
+#[cfg(test)]
+impl Slots {
+    /// The plain first-come, first-served queue.
+    pub(super) fn fifo(slots: usize) -> Slots {
+        let s = Slots::new(slots);
+        lock(&s.0).fifo = true;
+        s
+    }
+
+    /// (free slots, waiters, holders holding any).
+    fn counts(&self) -> (usize, usize, usize) {
+        let s = lock(&self.0);
+        (s.free, s.waiting.len(), s.held.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tenant(name: &str) -> Holder {
+        Holder::Tenant(name.into())
+    }
+
+    const WAIT: Option<Duration> = Some(Duration::from_secs(5));
+
+    /// Queues `n` waiters of `holder` on `slots`, each reporting its grant on `order`.
+    fn queue(
+        slots: &Slots,
+        holder: &Holder,
+        n: usize,
+        order: &tokio::sync::mpsc::UnboundedSender<Holder>,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        (0..n)
+            .map(|_| {
+                let (slots, holder, order) = (slots.clone(), holder.clone(), order.clone());
+                tokio::spawn(async move {
+                    let slot = slots.acquire(holder.clone(), WAIT).await.expect("granted");
+                    order.send(holder).expect("the test listens");
+                    drop(slot);
+                })
+            })
+            .collect()
+    }
+
+    /// Tenant A holds both slots and queues four more calls; then B asks. Fair: the first
+    /// slot freed goes to B. First come, first served (the check off): B waits behind all of
+    /// A's queue.
+    async fn grant_order(slots: Slots) -> Vec<Holder> {
+        let (a, b) = (tenant("a"), tenant("b"));
+        let held = [
+            slots.acquire(a.clone(), WAIT).await.expect("free"),
+            slots.acquire(a.clone(), WAIT).await.expect("free"),
+        ];
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut tasks = queue(&slots, &a, 4, &tx);
+        tokio::task::yield_now().await;
+        tasks.extend(queue(&slots, &b, 1, &tx));
+        tokio::task::yield_now().await;
+        assert_eq!(slots.counts(), (0, 5, 1), "A holds both, five wait");
+        let mut order = Vec::new();
+        // One slot freed at a time: each grant is decided before the next slot frees.
+        let [first, second] = held;
+        drop(first);
+        order.push(rx.recv().await.expect("a grant"));
+        drop(second);
+        for task in tasks {
+            task.await.expect("the waiter ran");
+        }
+        while let Ok(h) = rx.try_recv() {
+            order.push(h);
+        }
+        assert_eq!(slots.counts(), (2, 0, 0), "every slot back, nobody waiting");
+        order
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_freed_slot_goes_to_the_waiting_tenant_that_holds_the_fewest() {
+        let fair = grant_order(Slots::new(2)).await;
+        assert_eq!(fair[0], tenant("b"), "{fair:?}");
+        let fifo = grant_order(Slots::fifo(2)).await;
+        assert_eq!(fifo.last(), Some(&tenant("b")), "{fifo:?}");
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_waiter_that_times_out_or_is_dropped_leaves_no_slot_behind() {
+        let slots = Slots::new(1);
+        let held = slots.acquire(tenant("a"), WAIT).await.expect("free");
+        let timed_out = slots
+            .acquire(tenant("b"), Some(Duration::from_millis(10)))
+            .await;
+        assert!(timed_out.is_none());
+        assert_eq!(slots.counts(), (0, 0, 1), "its place is gone");
+        // A waiter cancelled while waiting (its request dropped).
+        let cancelled = tokio::spawn({
+            let slots = slots.clone();
+            async move { slots.acquire(tenant("c"), None).await }
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(slots.counts(), (0, 1, 1));
+        cancelled.abort();
+        let _ = cancelled.await;
+        assert_eq!(slots.counts(), (0, 0, 1));
+        drop(held);
+        assert_eq!(slots.counts(), (1, 0, 0), "the slot is free again");
+        let again = slots.acquire(tenant("b"), WAIT).await;
+        assert!(again.is_some());
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_slot_granted_to_a_waiter_that_leaves_before_taking_it_is_given_back() {
+        let slots = Slots::new(1);
+        let held = slots.acquire(tenant("a"), WAIT).await.expect("free");
+        let mut waiting = Box::pin(slots.acquire(tenant("b"), WAIT));
+        // Polled once: queued.
+        assert!(futures_util::poll!(waiting.as_mut()).is_pending());
+        assert_eq!(slots.counts(), (0, 1, 1));
+        // Granted (the slot is B's now), but B leaves before it looks.
+        drop(held);
+        assert_eq!(slots.counts(), (0, 0, 1), "granted to B");
+        drop(waiting);
+        assert_eq!(slots.counts(), (1, 0, 0), "given back");
+    }
+}
