@@ -22,5 +22,82 @@ pub(super) use generated::bulkhead::policy::types::{
 };
 pub(super) use generated::{Plugin, PluginPre};
 
+use wasmtime::Store;
+use wasmtime::component::{ComponentExportIndex, ComponentNamedList, Instance, Lift, Lower};
+
+/// The interface every plugin exports, as the host's WIT names it (one built against an
+/// earlier minor version exports it under that version: the lookup matches by semver).
+const POLICY: &str = "bulkhead:policy/policy@0.1.1";
+
+/// Where a component's `policy` functions are, found once when it is prepared: a call then
+/// looks up and type-checks only the function it calls, where the generated `Plugin` checks
+/// all four at every instantiation.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Exports {
+    pub(super) configure: ComponentExportIndex,
+    pub(super) on_request: ComponentExportIndex,
+    pub(super) on_disconnect: ComponentExportIndex,
+    pub(super) on_response_end: ComponentExportIndex,
+}
+
+impl Exports {
+    fn of<T: 'static>(pre: &PluginPre<T>) -> wasmtime::Result<Exports> {
+        let component = pre.instance_pre().component();
+        let policy = component
+            .get_export_index(None, POLICY)
+            .ok_or_else(|| wasmtime::format_err!("no exported instance named `{POLICY}`"))?;
+        let lookup = |name: &str| {
+            component
+                .get_export_index(Some(&policy), name)
+                .ok_or_else(|| wasmtime::format_err!("`{POLICY}` does not export `{name}`"))
+        };
+        Ok(Exports {
+            configure: lookup("configure")?,
+            on_request: lookup("on-request")?,
+            on_disconnect: lookup("on-disconnect")?,
+            on_response_end: lookup("on-response-end")?,
+        })
+    }
+}
+
+/// A compiled component, pre-instantiated (every import resolved), and where its `policy`
+/// functions are.
+#[derive(Clone)]
+pub(super) struct Ready {
+    pub(super) pre: PluginPre<super::host::Host>,
+    pub(super) exports: Exports,
+}
+
+impl Ready {
+    pub(super) fn new(pre: PluginPre<super::host::Host>) -> wasmtime::Result<Ready> {
+        let exports = Exports::of(&pre)?;
+        Ok(Ready { pre, exports })
+    }
+
+    /// A fresh instance in `store`.
+    pub(super) async fn instantiate(
+        &self,
+        store: &mut Store<super::host::Host>,
+    ) -> wasmtime::Result<Instance> {
+        self.pre.instance_pre().instantiate_async(store).await
+    }
+}
+
+/// Calls the function `export` of `instance` with `params`, checking its type first.
+pub(super) async fn call<T, P, R>(
+    store: &mut Store<T>,
+    instance: &Instance,
+    export: &ComponentExportIndex,
+    params: P,
+) -> wasmtime::Result<R>
+where
+    T: Send + 'static,
+    P: ComponentNamedList + Lower + Send + Sync,
+    R: ComponentNamedList + Lift + Send + Sync + 'static,
+{
+    let func = instance.get_typed_func::<P, R>(&mut *store, export)?;
+    func.call_async(&mut *store, params).await
+}
+
 #[cfg(test)]
 pub(super) use generated::bulkhead::policy::types::{Denial, Mutations, Tag};

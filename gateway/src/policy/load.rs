@@ -232,7 +232,7 @@ fn prepare(
             path: path.display().to_string(),
             reason: e.to_string(),
         })?;
-    let snapshotter = Snapshotter::new(sandbox, &pre, &bytes)
+    let snapshotter = Snapshotter::new(sandbox, &pre.pre, &bytes)
         .inspect_err(|reason| {
             tracing::info!(plugin = name, %reason,
                 "policy plugin not snapshotted: each call runs its configure");

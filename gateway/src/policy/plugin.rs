@@ -6,10 +6,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use wasmtime::component::Instance;
 use wasmtime::{Store, Trap, UpdateDeadline};
 
 use super::bindings::{
-    Directive, Disconnect, Hooks, Plugin, PluginPre, RequestView, ResponseEnd, Verdict,
+    Directive, Disconnect, Exports, Hooks, Plugin, Ready, RequestView, ResponseEnd, Verdict, call,
 };
 use super::digest::Digest;
 use super::host::Host;
@@ -61,7 +62,7 @@ impl Fault {
 pub(super) struct Loaded {
     pub(super) name: Arc<str>,
     pub(super) digest: Digest,
-    pre: PluginPre<Host>,
+    ready: Ready,
     limits: CallLimits,
     sandbox: Sandbox,
 }
@@ -80,7 +81,7 @@ impl std::fmt::Debug for Loaded {
 pub(super) enum Configured {
     /// From the plugin's state after `configure`, snapshotted at load: a call instantiates it
     /// and goes straight to its hook.
-    Snapshot(PluginPre<Host>),
+    Snapshot(Ready),
     /// The plugin cannot be snapshotted: every call instantiates it and runs `configure` with
     /// this JSON before its hook.
     PerCall(Arc<str>),
@@ -112,14 +113,14 @@ impl Loaded {
     pub(super) fn new(
         name: Arc<str>,
         digest: Digest,
-        pre: PluginPre<Host>,
+        ready: Ready,
         limits: CallLimits,
         sandbox: Sandbox,
     ) -> Loaded {
         Loaded {
             name,
             digest,
-            pre,
+            ready,
             limits,
             sandbox,
         }
@@ -168,41 +169,47 @@ impl Loaded {
         }
     }
 
-    /// Instantiates the binding's plugin as `configured` says and runs `hook`, within the
-    /// call's limits ([`Loaded::limited`]).
+    /// Instantiates the binding's plugin as `configured` says and runs `hook` on the instance
+    /// (with where its functions are), within the call's limits ([`Loaded::limited`]).
     async fn run<R>(
         &self,
         configured: &Configured,
-        hook: impl AsyncFnOnce(&mut Store<Host>, &Plugin) -> wasmtime::Result<R>,
+        hook: impl AsyncFnOnce(&mut Store<Host>, &Instance, &Exports) -> wasmtime::Result<R>,
     ) -> Result<R, Fault> {
         self.limited(&mut self.store(), async |store| {
-            let plugin = match configured {
-                Configured::Snapshot(pre) => pre.instantiate_async(&mut *store).await?,
-                Configured::PerCall(config) => match self.configure_in(store, config).await? {
-                    Ok((plugin, _)) => plugin,
-                    Err(fault) => return Ok(Err(fault)),
-                },
+            let (instance, exports) = match configured {
+                Configured::Snapshot(ready) => {
+                    (ready.instantiate(&mut *store).await?, &ready.exports)
+                }
+                Configured::PerCall(config) => {
+                    let instance = self.ready.instantiate(&mut *store).await?;
+                    let exports = &self.ready.exports;
+                    let answer: (Result<Hooks, String>,) =
+                        call(store, &instance, &exports.configure, (&**config,)).await?;
+                    if let (Err(reason),) = answer {
+                        return Ok(Err(refused(&reason)));
+                    }
+                    (instance, exports)
+                }
             };
-            Ok(Ok(hook(store, &plugin).await?))
+            Ok(Ok(hook(store, &instance, exports).await?))
         })
         .await
     }
 
-    /// A fresh instance of the plugin in `store`, configured with `config`, and the hooks it
-    /// asked for; or its refusal.
+    /// Load time: a fresh instance of the plugin in `store`, its every function's type checked,
+    /// configured with `config`: the hooks it asked for, or its refusal.
     async fn configure_in(
         &self,
         store: &mut Store<Host>,
         config: &str,
-    ) -> wasmtime::Result<Result<(Plugin, Hooks), Fault>> {
-        let plugin = self.pre.instantiate_async(&mut *store).await?;
+    ) -> wasmtime::Result<Result<Hooks, Fault>> {
+        let plugin: Plugin = self.ready.pre.instantiate_async(&mut *store).await?;
         let answer = plugin
             .bulkhead_policy_policy()
             .call_configure(&mut *store, config)
             .await?;
-        Ok(answer
-            .map(|hooks| (plugin, hooks))
-            .map_err(|reason| refused(&reason)))
+        Ok(answer.map_err(|reason| refused(&reason)))
     }
 
     /// Load time: the hooks the plugin wants with `config` and how the binding's calls start,
@@ -242,7 +249,7 @@ impl Loaded {
         let slot = self.sandbox.slot_for_load().await?;
         let mut store = self.store();
         let Some(snapshotter) = snapshotter else {
-            let (_, hooks) = self
+            let hooks = self
                 .limited(&mut store, async |store| {
                     self.configure_in(store, config).await
                 })
@@ -285,10 +292,9 @@ impl Loaded {
         configured: &Configured,
         request: &RequestView,
     ) -> Result<Verdict, Fault> {
-        self.run(configured, async |store, p| {
-            p.bulkhead_policy_policy()
-                .call_on_request(store, request)
-                .await
+        self.run(configured, async |store, instance, exports| {
+            let (verdict,) = call(store, instance, &exports.on_request, (request,)).await?;
+            Ok(verdict)
         })
         .await
     }
@@ -298,10 +304,9 @@ impl Loaded {
         configured: &Configured,
         event: &Disconnect,
     ) -> Result<Directive, Fault> {
-        self.run(configured, async |store, p| {
-            p.bulkhead_policy_policy()
-                .call_on_disconnect(store, event)
-                .await
+        self.run(configured, async |store, instance, exports| {
+            let (directive,) = call(store, instance, &exports.on_disconnect, (event,)).await?;
+            Ok(directive)
         })
         .await
     }
@@ -311,10 +316,8 @@ impl Loaded {
         configured: &Configured,
         event: &ResponseEnd,
     ) -> Result<(), Fault> {
-        self.run(configured, async |store, p| {
-            p.bulkhead_policy_policy()
-                .call_on_response_end(store, event)
-                .await
+        self.run(configured, async |store, instance, exports| {
+            call(store, instance, &exports.on_response_end, (event,)).await
         })
         .await
     }
@@ -329,11 +332,11 @@ impl Loaded {
         configured: &Configured,
         requests: &[RequestView],
     ) -> Result<Vec<Verdict>, Fault> {
-        self.run(configured, async |store, p| {
+        self.run(configured, async |store, instance, exports| {
             let mut verdicts = Vec::new();
             for request in requests {
-                let policy = p.bulkhead_policy_policy();
-                verdicts.push(policy.call_on_request(&mut *store, request).await?);
+                let (verdict,) = call(store, instance, &exports.on_request, (request,)).await?;
+                verdicts.push(verdict);
             }
             Ok(verdicts)
         })

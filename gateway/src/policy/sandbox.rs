@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 use wasmtime::component::{Component, Linker};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
-use super::bindings::{Plugin, PluginPre};
+use super::bindings::{Plugin, PluginPre, Ready};
 use super::cache::{self, Compiled};
 use super::digest::Digest;
 use super::host::Host;
@@ -149,7 +149,7 @@ impl Sandbox {
         &self,
         bytes: &[u8],
         digest: &Digest,
-    ) -> Result<(PluginPre<Host>, Compiled), SandboxError> {
+    ) -> Result<(Ready, Compiled), SandboxError> {
         let (component, compiled) = cache::compile(
             &self.engine,
             bytes,
@@ -175,8 +175,8 @@ impl Sandbox {
         }
     }
 
-    fn pre(&self, component: &Component) -> wasmtime::Result<PluginPre<Host>> {
-        PluginPre::new(self.linker.instantiate_pre(component)?)
+    fn pre(&self, component: &Component) -> wasmtime::Result<Ready> {
+        Ready::new(PluginPre::new(self.linker.instantiate_pre(component)?)?)
     }
 }
 

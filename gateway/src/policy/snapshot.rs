@@ -18,7 +18,7 @@ use wasmtime::component::{ComponentType, Instance, Lift, WasmList};
 use wasmtime::{Store, UpdateDeadline};
 use wasmtime_wizer::{ComponentInstanceState, Wizer};
 
-use super::bindings::{Hooks, Plugin, PluginPre};
+use super::bindings::{Hooks, Plugin, PluginPre, Ready};
 use super::digest::Digest;
 use super::host::Host;
 use super::sandbox::Sandbox;
@@ -32,7 +32,7 @@ pub(super) struct Snapshotter {
     /// The component as built: each snapshot is a rewrite of it.
     bytes: Arc<[u8]>,
     /// The component instrumented to export its memories and globals, pre-instantiated.
-    instrumented: PluginPre<Host>,
+    instrumented: Ready,
 }
 
 impl Snapshotter {
@@ -82,6 +82,7 @@ impl Snapshotter {
         // state through the untyped `Instance`, which that does not return.
         let instance = self
             .instrumented
+            .pre
             .instance_pre()
             .instantiate_async(&mut *store)
             .await?;
@@ -145,7 +146,7 @@ impl Snapshotter {
     /// What no load builds: a snapshotter whose instrumented plugin is the plugin as built
     /// (`pre`), so `configure` runs but every read of the state fails (nothing exports it):
     /// for tests of a plugin whose snapshot cannot be taken.
-    pub(super) fn with_unreadable_state(pre: &PluginPre<Host>, bytes: &[u8]) -> Snapshotter {
+    pub(super) fn with_unreadable_state(pre: &Ready, bytes: &[u8]) -> Snapshotter {
         let mut wizer = Wizer::new();
         wizer.keep_init_func(true);
         Snapshotter {
