@@ -290,6 +290,23 @@ impl IntoResponse for ApiError {
 }
 
 #[cfg(test)]
+impl ApiError {
+    /// Gateway admission's refusal of 6 prompt tokens and 4 to generate over a limit of 8, on
+    /// the chat endpoint.
+    pub(crate) fn too_long() -> ApiError {
+        ApiError::ContextLengthExceeded {
+            exceeded: ContextLengthExceeded {
+                requested: 10,
+                prompt_tokens: 6,
+                max_new_tokens: 4,
+                limit: 8,
+            },
+            endpoint: Endpoint::Chat,
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use crate::tenant::TenantId;
 
@@ -314,15 +331,7 @@ mod tests {
             Some("invalid_api_key"),
         );
         check(
-            ApiError::ContextLengthExceeded {
-                exceeded: ContextLengthExceeded {
-                    requested: 10,
-                    prompt_tokens: 6,
-                    max_new_tokens: 4,
-                    limit: 8,
-                },
-                endpoint: Endpoint::Chat,
-            },
+            ApiError::too_long(),
             400,
             INVALID_REQUEST,
             Some("context_length_exceeded"),

@@ -66,6 +66,13 @@ fn write(dir: &Scratch, text: &str) -> PathBuf {
     path
 }
 
+/// The set `text`, written in `dir`, loaded in a sandbox of `instances` slots.
+fn with_slots(dir: &Scratch, text: &str, instances: u32) -> Policies {
+    let mut s = settings(&write(dir, text), None);
+    s.sandbox.instances = instances;
+    Policies::load(s).expect("the set loads")
+}
+
 fn load(text: &str) -> Result<(Policies, Scratch), PolicyError> {
     let dir = Scratch::new("policy");
     let path = write(&dir, text);
@@ -314,10 +321,7 @@ async fn no_free_instance_slot_fails_closed_only_where_a_binding_does() {
                 &format!("fail_open = {fail_open}\nconfig = {{ attack = \"sleep\" }}")
             ),
         );
-        let path = write(&dir, &text);
-        let mut one_slot = settings(&path, None);
-        one_slot.sandbox.instances = 1;
-        let p = Policies::load(one_slot).expect("the set loads");
+        let p = with_slots(&dir, &text, 1);
         let holder = p.clone();
         let held = tokio::spawn(async move { ask(&holder, Ask::default()).await.is_ok() });
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -355,10 +359,7 @@ async fn a_tenant_flooding_the_sandbox_does_not_keep_its_slots_from_another_tena
         ),
         binding("length-limit", LIMITS),
     );
-    let path = write(&dir, &text);
-    let mut two_slots = settings(&path, None);
-    two_slots.sandbox.instances = 2;
-    let p = Policies::load(two_slots).expect("the set loads");
+    let p = with_slots(&dir, &text, 2);
     let t0 = Instant::now();
     let flood: Vec<_> = (0..8)
         .map(|_| {
@@ -410,10 +411,7 @@ async fn a_reload_while_every_instance_slot_is_busy_waits_for_one() {
             "fail_open = true\nconfig = { attack = \"sleep\" }"
         ),
     );
-    let path = write(&dir, &text);
-    let mut one_slot = settings(&path, None);
-    one_slot.sandbox.instances = 1;
-    let p = Policies::load(one_slot).expect("the set loads");
+    let p = with_slots(&dir, &text, 1);
     let holder = p.clone();
     let held = tokio::spawn(async move { ask(&holder, Ask::default()).await });
     tokio::time::sleep(Duration::from_millis(200)).await;

@@ -14,7 +14,6 @@ use http::{Request, StatusCode};
 use tower::ServiceExt as _;
 
 use super::{GATEWAY_LOG, Recorder, Trail, audited};
-use crate::admission::ContextLengthExceeded;
 use crate::api::validate::RequestError;
 use crate::api::{ApiError, Endpoint, mapping};
 use crate::config::{AuditSettings, Durability, OnAuditFailure};
@@ -33,15 +32,7 @@ fn table() -> Vec<ApiError> {
             served: "b".into(),
         },
         ApiError::Prompt { reason: "r".into() },
-        ApiError::ContextLengthExceeded {
-            exceeded: ContextLengthExceeded {
-                requested: 10,
-                prompt_tokens: 6,
-                max_new_tokens: 4,
-                limit: 8,
-            },
-            endpoint: Endpoint::Chat,
-        },
+        ApiError::too_long(),
         ApiError::WorkerContextLengthExceeded {
             message: "m".into(),
             endpoint: Endpoint::Chat,
