@@ -1097,12 +1097,13 @@ fn http_request(addr: &str, method: &str, path: &str, token: &str, body: &str) -
 }
 
 /// A `bulkhead gateway` process on the default configuration in front of `prefill` and
-/// `decode`, with `extra` TOML appended; killed when dropped.
+/// `decode`, with `extra` TOML appended, its configuration and data directory (its audit log,
+/// whose lock a gateway of another test must not meet) its own; killed when dropped.
 struct GatewayBefore {
     child: std::process::Child,
     api: String,
     admin: String,
-    config: std::path::PathBuf,
+    _dir: TempDir,
 }
 
 impl GatewayBefore {
@@ -1121,15 +1122,14 @@ impl GatewayBefore {
             )
             .replace("http://127.0.0.1:50051", &format!("http://{}", decode.grpc))
             + extra;
-        let path = std::env::temp_dir().join(format!(
-            "bulkhead-gw-{}-{}.toml",
-            std::process::id(),
-            rand::random::<u32>()
-        ));
+        let dir = TempDir::new("gateway-before");
+        let path = dir.0.join("gateway.toml");
         std::fs::write(&path, config).expect("write the config");
         let mut child = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
             .args(["gateway", "--config"])
             .arg(&path)
+            .arg("--data-dir")
+            .arg(dir.0.join("data"))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -1149,7 +1149,7 @@ impl GatewayBefore {
             child,
             api: field("api="),
             admin: field("admin="),
-            config: path,
+            _dir: dir,
         }
     }
 
@@ -1182,7 +1182,6 @@ impl Drop for GatewayBefore {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.config);
     }
 }
 
