@@ -500,20 +500,25 @@ impl State {
         Some(c)
     }
 
+    /// Whether `e` may be routed to now.
+    fn may_route(&self, e: &Entry) -> bool {
+        self.model.is_some() && self.unroutable(e).is_none()
+    }
+
     /// Judges which entries may be routed to, unless nothing changed since they last were.
     fn judge(&mut self) {
         if self.judged.is_none() {
-            let judged = (self.entries.iter())
-                .map(|e| self.model.is_some() && self.unroutable(e).is_none())
-                .collect();
-            self.judged = Some(judged);
+            self.judged = Some(self.entries.iter().map(|e| self.may_route(e)).collect());
         }
     }
 
-    /// The entries routed to, as last judged ([`State::judge`]; none before).
+    /// The entries routed to: as last judged ([`State::judge`]), or judged now when nothing
+    /// was since the last change.
     fn routable(&self) -> impl Iterator<Item = (usize, &Entry)> {
-        let judged = self.judged.as_deref().unwrap_or_default();
-        (self.entries.iter().enumerate()).filter(|&(i, _)| judged.get(i) == Some(&true))
+        (self.entries.iter().enumerate()).filter(|&(i, e)| match &self.judged {
+            Some(judged) => judged.get(i) == Some(&true),
+            None => self.may_route(e),
+        })
     }
 }
 

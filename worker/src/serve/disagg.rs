@@ -78,7 +78,7 @@ impl SeenPeer {
             .instance_id
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if !instance_id.is_empty() && *seen != instance_id {
+        if !instance_id.is_empty() {
             instance_id.clone_into(&mut seen);
         }
     }
