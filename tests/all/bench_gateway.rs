@@ -90,3 +90,23 @@ fn a_peer_that_is_not_installed_is_skipped_with_the_reason() {
         assert!(report["targets"].get("nginx").is_none(), "{report}");
     });
 }
+
+#[test]
+fn paced_load_offers_every_target_the_same_rate_and_judges_no_throughput_goal() {
+    bounded(|| {
+        // Closed loop, the load target answers thousands of requests a second; paced at 100,
+        // it answers about 100.
+        let report = bench("direct,bulkhead,bulkhead-policies", &["--rate", "100"]);
+        assert_eq!(report["rate"], 100.0);
+        for key in ["direct", "bulkhead_policies_off", "bulkhead_policies_on"] {
+            assert_answered(&report, key);
+            let rps = report["targets"][key]["rps"].as_f64().unwrap_or_default();
+            assert!(
+                (80.0..=120.0).contains(&rps),
+                "{key} at {rps} req/s: {report}"
+            );
+        }
+        assert!(report["policy_chain"]["added_p50_us"].is_f64(), "{report}");
+        assert_eq!(report["goals"], serde_json::json!({}), "{report}");
+    });
+}

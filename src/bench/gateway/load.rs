@@ -1,7 +1,9 @@
-//! The load generator: closed loop over N HTTP/1.1 keep-alive connections. Each connection
-//! sends its next request as soon as it has read the previous answer whole; every answer that
-//! completes inside the measured window (after the warm-up) is counted and its latency, from
-//! sending the request to the answer's last byte, recorded.
+//! The load generator: N HTTP/1.1 keep-alive connections, each with at most one request in
+//! flight. Closed loop: each connection sends its next request as soon as it has read the
+//! previous answer whole. Paced: each sends on a schedule of its own (the connections' together
+//! spread evenly over time, at a total rate), or at once when its answer came after its next
+//! send was due. Every answer that completes inside the measured window (after the warm-up) is
+//! counted and its latency, from sending the request to the answer's last byte, recorded.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -88,6 +90,8 @@ pub struct Load {
     pub connections: usize,
     pub warmup: Duration,
     pub window: Duration,
+    /// Paced: the time between two sends of one connection (`None`: closed loop).
+    pub pace: Option<Duration>,
     /// The processes serving `addr`, whose CPU time over the window is metered.
     pub meter: Option<ProcessTree>,
 }
@@ -132,7 +136,20 @@ pub async fn drive(load: &Load) -> Sample {
     let start = Instant::now() + load.warmup;
     let end = start + load.window;
     let tasks: Vec<_> = (0..load.connections)
-        .map(|_| tokio::spawn(connection(load.addr, load.ask.clone(), start, end)))
+        .map(|i| {
+            // Paced connections start a share of the pace apart, so their sends interleave.
+            let schedule = load.pace.map(|pace| Schedule {
+                next: Instant::now() + pace.mul_f64(i as f64 / load.connections as f64),
+                pace,
+            });
+            tokio::spawn(connection(
+                load.addr,
+                load.ask.clone(),
+                schedule,
+                start,
+                end,
+            ))
+        })
         .collect();
     let cpu = match load.meter {
         Some(tree) => {
@@ -169,8 +186,31 @@ pub async fn drive(load: &Load) -> Sample {
     sample
 }
 
-/// One connection's closed loop until `end`; what completes from `start` on counts.
-async fn connection(addr: SocketAddr, ask: Arc<Ask>, start: Instant, end: Instant) -> Sample {
+/// When a paced connection sends next, and the time between its sends.
+#[derive(Debug, Clone, Copy)]
+struct Schedule {
+    next: Instant,
+    pace: Duration,
+}
+
+impl Schedule {
+    /// Waits until the next send is due (not at all when it is overdue) and sets the one after
+    /// a pace later: from now when the connection has fallen behind (no burst to catch up).
+    async fn wait(&mut self) {
+        tokio::time::sleep_until(self.next).await;
+        self.next = self.next.max(Instant::now()) + self.pace;
+    }
+}
+
+/// One connection's loop until `end`, closed or paced by `schedule`; what completes from
+/// `start` on counts.
+async fn connection(
+    addr: SocketAddr,
+    ask: Arc<Ask>,
+    mut schedule: Option<Schedule>,
+    start: Instant,
+    end: Instant,
+) -> Sample {
     let mut out = Sample::default();
     let fail = |out: &mut Sample, at: Instant, what: String| {
         if at >= start {
@@ -197,6 +237,9 @@ async fn connection(addr: SocketAddr, ask: Arc<Ask>, start: Instant, end: Instan
             },
         };
         let mut s = s;
+        if let Some(schedule) = &mut schedule {
+            schedule.wait().await;
+        }
         let t0 = Instant::now();
         let exchanged = tokio::time::timeout_at(end, exchange(&mut s, &ask, addr)).await;
         let done = Instant::now();
@@ -297,6 +340,25 @@ mod tests {
         assert_eq!(sample.quantile_us(0.99), Some(99.0));
         assert_eq!(sample.rps(), 50.0);
         assert_eq!(Sample::default().quantile_us(0.5), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_paced_connection_keeps_its_pace_and_sends_no_burst_after_falling_behind() {
+        let pace = Duration::from_millis(10);
+        let t0 = Instant::now();
+        let mut schedule = Schedule { next: t0, pace };
+        schedule.wait().await;
+        assert_eq!(Instant::now(), t0, "the first send is due at once");
+        schedule.wait().await;
+        assert_eq!(Instant::now(), t0 + pace);
+        // An answer that took three paces: the next send goes at once, the one after it a
+        // whole pace later (not the two missed sends at once).
+        tokio::time::advance(pace * 3).await;
+        let late = Instant::now();
+        schedule.wait().await;
+        assert_eq!(Instant::now(), late);
+        schedule.wait().await;
+        assert_eq!(Instant::now(), late + pace);
     }
 
     #[test]

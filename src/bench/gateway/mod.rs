@@ -1,6 +1,6 @@
 //! `bulkhead bench gateway`: the gateway's own overhead, not the model's. One run measures, with
-//! the same closed-loop client load (N keep-alive connections, a fixed window, every request's
-//! latency recorded), each target in front of the same instant OpenAI-compatible upstream (the
+//! the same client load (N keep-alive connections in a closed loop, or paced to a rate; a fixed
+//! window, every request's latency recorded), each target in front of the same instant OpenAI-compatible upstream (the
 //! load target, its own process):
 //!
 //! ```text
@@ -67,6 +67,13 @@ pub struct GatewayArgs {
     /// Repetitions; each measures every target once; medians are reported.
     #[arg(long, default_value_t = 5)]
     runs: usize,
+    /// Paced load: requests per second in all, spread evenly over the connections (each
+    /// still has at most one request in flight), instead of a closed loop. Every target then
+    /// answers the same load, so their CPU per request compares the work each does for a
+    /// request at equal load; requests/s ratios say nothing and the throughput goals are not
+    /// judged.
+    #[arg(long)]
+    rate: Option<f64>,
     /// Streamed chat completions (SSE) instead of whole ones.
     #[arg(long)]
     stream: bool,
@@ -129,6 +136,10 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
             && args.warmup_seconds.is_finite(),
         "--seconds must be positive and --warmup-seconds not negative, both finite"
     );
+    anyhow::ensure!(
+        args.rate.is_none_or(|r| r > 0.0 && r.is_finite()),
+        "--rate must be a positive number of requests per second"
+    );
     if cfg!(debug_assertions) {
         eprintln!(
             "note: a debug build measures a slower gateway; quote figures of a release build"
@@ -157,7 +168,10 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
         let (mut upstream, addr) = targets::load_target(args.target_threads).await?;
         let setup = setup(addr, upstream.id().map(cpu::ProcessTree))?;
         let mut running = Vec::new();
-        let mut results = Results::default();
+        let mut results = Results {
+            paced: args.rate.is_some(),
+            ..Results::default()
+        };
         let mut outcome = Ok(());
         for &kind in &kinds {
             eprintln!("starting {}", kind.label());
@@ -208,6 +222,7 @@ fn settings(args: &GatewayArgs) -> Map<String, Value> {
     s.insert("seconds".into(), json!(args.seconds));
     s.insert("warmup_seconds".into(), json!(args.warmup_seconds));
     s.insert("runs".into(), json!(args.runs));
+    s.insert("rate".into(), json!(args.rate));
     s.insert("stream".into(), json!(args.stream));
     s.insert(
         "policies".into(),
@@ -238,6 +253,9 @@ async fn measure(
                 connections: args.connections,
                 warmup: Duration::from_secs_f64(args.warmup_seconds),
                 window: Duration::from_secs_f64(args.seconds),
+                pace: args
+                    .rate
+                    .map(|rate| Duration::from_secs_f64(args.connections as f64 / rate)),
                 meter: target.meter,
             })
             .await;
