@@ -220,6 +220,9 @@ async fn connection(
     };
     let mut sender: Option<SendRequest<Full<Bytes>>> = None;
     while Instant::now() < end {
+        if let Some(schedule) = &mut schedule {
+            schedule.wait().await;
+        }
         let s = match sender.take().filter(|s| !s.is_closed()) {
             Some(s) => s,
             None => match tokio::time::timeout_at(end, connect(addr)).await {
@@ -237,9 +240,6 @@ async fn connection(
             },
         };
         let mut s = s;
-        if let Some(schedule) = &mut schedule {
-            schedule.wait().await;
-        }
         let t0 = Instant::now();
         let exchanged = tokio::time::timeout_at(end, exchange(&mut s, &ask, addr)).await;
         let done = Instant::now();
