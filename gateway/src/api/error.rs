@@ -4,13 +4,15 @@
 //! Conversions have no side effects. Internal details (a worker's internal error, transport
 //! failures) are logged where they happen and never sent to the client.
 
+use std::time::Duration;
+
 use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode, header};
 use serde_json::json;
 
 use crate::admission::ContextLengthExceeded;
 use crate::limits::{LimitError, retry_after};
-use crate::policy::{Refusal, Refused};
+use crate::policy::{Fault, Refusal, Refused};
 
 use super::Endpoint;
 use super::validate::RequestError;
@@ -92,10 +94,18 @@ pub enum ApiError {
     /// and its binding fails closed; details are in the gateway's log.
     #[error("a policy check failed, so the request was refused")]
     PolicyFailed,
+    /// A fail-closed policy found no free instance slot in time: the sandbox is full (a
+    /// capacity limit like a full queue, not a plugin's failure).
+    #[error("the policy sandbox is busy; retry later")]
+    PolicyBusy,
     /// A bug; details are in the gateway's or the worker's log.
     #[error("internal error")]
     Internal,
 }
+
+/// How long a client refused for a busy policy sandbox should wait: about as long as a slot
+/// was waited for.
+const POLICY_BUSY_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// The error class of an error response (its OpenAI `code`, else its `type`), left in the
 /// response's extensions for the audit record.
@@ -113,6 +123,9 @@ impl From<Refused> for ApiError {
                 status,
                 message,
             },
+            Refusal::Failed {
+                fault: Fault::Busy, ..
+            } => ApiError::PolicyBusy,
             Refusal::Failed { .. } => ApiError::PolicyFailed,
         }
     }
@@ -212,6 +225,11 @@ pub fn mapping(err: &ApiError) -> Mapping {
             "policy_error",
             Some("policy_error"),
         ),
+        ApiError::PolicyBusy => m(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_exceeded",
+            Some("policy_busy"),
+        ),
         ApiError::Internal => m(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal_error",
@@ -246,6 +264,7 @@ impl ApiError {
             | ApiError::AuditUnavailable
             | ApiError::PolicyDenied { .. }
             | ApiError::PolicyFailed
+            | ApiError::PolicyBusy
             | ApiError::Internal => None,
         }
     }
@@ -272,8 +291,13 @@ impl IntoResponse for ApiError {
             self.body().to_string(),
         )
             .into_response();
-        if let ApiError::TenantLimit(e) = &self
-            && let Ok(v) = HeaderValue::from_str(&retry_after(e).as_secs().to_string())
+        let wait = match &self {
+            ApiError::TenantLimit(e) => Some(retry_after(e)),
+            ApiError::PolicyBusy => Some(POLICY_BUSY_RETRY_AFTER),
+            _ => None,
+        };
+        if let Some(wait) = wait
+            && let Ok(v) = HeaderValue::from_str(&wait.as_secs().to_string())
         {
             response.headers_mut().insert(header::RETRY_AFTER, v);
         }
@@ -418,6 +442,37 @@ mod tests {
             "policy_error",
             Some("policy_error"),
         );
+        check(
+            ApiError::PolicyBusy,
+            429,
+            "rate_limit_exceeded",
+            Some("policy_busy"),
+        );
+    }
+
+    #[test]
+    fn a_full_policy_sandbox_is_a_retryable_429_and_a_failing_plugin_a_500() {
+        let failed = |fault| Refused {
+            decisions: Vec::new(),
+            refusal: Refusal::Failed {
+                plugin: "p".into(),
+                fault,
+            },
+        };
+        let busy = ApiError::from(failed(Fault::Busy));
+        assert_eq!(busy, ApiError::PolicyBusy);
+        let r = busy.into_response();
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(r.headers()[header::RETRY_AFTER], "1");
+        for fault in [Fault::Timeout, Fault::Memory, Fault::Trap("t".into())] {
+            let e = ApiError::from(failed(fault));
+            assert_eq!(e, ApiError::PolicyFailed);
+            assert!(
+                !e.into_response()
+                    .headers()
+                    .contains_key(header::RETRY_AFTER)
+            );
+        }
     }
 
     #[test]

@@ -16,7 +16,8 @@
 //! snapshot of the plugin taken after its binding's `configure` at load, or, for a
 //! plugin that imports WASI, by running `configure` first. A plugin that traps, runs
 //! past its deadline, exceeds its memory or returns garbage fails the request closed
-//! (500 `policy_error`) unless its binding is fail-open. Plugins get no files, no network, no
+//! (500 `policy_error`) unless its binding is fail-open; one that finds no free slot in time
+//! refuses it as busy (429, retryable), again unless fail-open. Plugins get no files, no network, no
 //! environment: only the world's `host` interface (a bounded log) and an empty WASI.
 
 mod abandon;

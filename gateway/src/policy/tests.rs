@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use axum::response::IntoResponse;
 use http::HeaderMap;
 
 use super::*;
@@ -308,7 +309,8 @@ async fn bindings_apply_only_to_their_routes_and_tenants() {
 }
 
 /// With every instance slot taken, a request whose bindings all fail open goes through
-/// unchanged (each decision saying `busy`); one with a fail-closed binding is refused.
+/// unchanged (each decision saying `busy`); one with a fail-closed binding is refused, as a
+/// full sandbox (a retryable 429), not as a failing plugin (a 500).
 #[tokio::test]
 async fn no_free_instance_slot_fails_closed_only_where_a_binding_does() {
     for fail_open in [true, false] {
@@ -336,7 +338,11 @@ async fn no_free_instance_slot_fails_closed_only_where_a_binding_does() {
                 }
             );
         } else {
-            assert_eq!(fault_of(answer), Fault::Busy);
+            let refused = answer.expect_err("refused for want of a slot");
+            assert_eq!(fault_of(Err(refused.clone())), Fault::Busy);
+            let response = crate::api::ApiError::from(refused).into_response();
+            assert_eq!(response.status(), http::StatusCode::TOO_MANY_REQUESTS);
+            assert_eq!(response.headers()[http::header::RETRY_AFTER], "1");
         }
         held.abort();
     }

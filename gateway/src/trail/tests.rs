@@ -58,6 +58,7 @@ fn table() -> Vec<ApiError> {
             message: "m".into(),
         },
         ApiError::PolicyFailed,
+        ApiError::PolicyBusy,
         ApiError::Internal,
     ]
 }
