@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::chain::PolicySet;
 use super::digest::Digest;
@@ -107,7 +107,14 @@ impl Policies {
     /// policies that are disabled have no plugin to call, so this is `None`.
     pub(super) async fn slot(&self, tenant: &str) -> Option<Result<Slot, Fault>> {
         match &self.inner.runtime {
-            Some((sandbox, _)) => Some(sandbox.slot(tenant).await),
+            Some((sandbox, _)) => {
+                let asked = Instant::now();
+                let slot = sandbox.slot(tenant).await;
+                self.inner
+                    .stats
+                    .slot_wait(tenant, asked.elapsed(), slot.is_ok());
+                Some(slot)
+            }
             None => None,
         }
     }

@@ -34,6 +34,10 @@ struct Counters {
     dropped: BTreeMap<&'static str, u64>,
     /// "ok" / "refused" → reloads.
     reloads: BTreeMap<&'static str, u64>,
+    /// tenant → how long its requests waited for an instance slot, granted or not.
+    slot_waits: BTreeMap<String, Histogram<Micros>>,
+    /// tenant → waits that ended without a slot (the sandbox was busy).
+    busy: BTreeMap<String, u64>,
 }
 
 /// A cheap `Clone` handle on the counters.
@@ -60,6 +64,17 @@ impl Stats {
 
     pub(super) fn fault(&self, plugin: &Arc<str>, kind: &'static str) {
         self.with(|c| *c.faults.entry((plugin.clone(), kind)).or_default() += 1);
+    }
+
+    /// A wait of `tenant`'s for an instance slot that took `took` and got one or not.
+    pub(super) fn slot_wait(&self, tenant: &str, took: Duration, granted: bool) {
+        let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        self.with(|c| {
+            per_tenant(&mut c.slot_waits, tenant, |h| h.observe(micros));
+            if !granted {
+                per_tenant(&mut c.busy, tenant, |n| *n += 1);
+            }
+        });
     }
 
     pub(super) fn abandoned(&self, directive: &'static str) {
@@ -126,6 +141,23 @@ impl Stats {
                     .map(|(r, n)| (format!("result=\"{r}\""), *n))
                     .collect(),
             );
+            family(
+                "bulkhead_policy_busy_total",
+                "Requests by tenant that found no free policy instance slot in time.",
+                c.busy
+                    .iter()
+                    .map(|(t, n)| (format!("tenant=\"{t}\""), *n))
+                    .collect(),
+            );
+            let name = "bulkhead_policy_slot_wait_seconds";
+            let _ = writeln!(
+                out,
+                "# HELP {name} How long requests waited for a policy instance slot, by tenant \
+                 (the slots are shared fairly between tenants).\n# TYPE {name} histogram"
+            );
+            for (tenant, h) in &c.slot_waits {
+                h.render(out, name, &format!("tenant=\"{tenant}\""));
+            }
             let name = "bulkhead_policy_call_duration_seconds";
             let _ = writeln!(
                 out,
@@ -141,6 +173,15 @@ impl Stats {
             }
         });
     }
+}
+
+/// Applies `f` to `tenant`'s entry of `map`, made on its first use (tenants are configured: a
+/// few keys; a request's lookup allocates nothing).
+fn per_tenant<V: Default>(map: &mut BTreeMap<String, V>, tenant: &str, f: impl FnOnce(&mut V)) {
+    if !map.contains_key(tenant) {
+        map.insert(tenant.to_owned(), V::default());
+    }
+    map.get_mut(tenant).map(f);
 }
 
 fn observe(c: &mut Counters, plugin: &Arc<str>, hook: Hook, took: Duration) {

@@ -344,6 +344,19 @@ async fn no_free_instance_slot_fails_closed_only_where_a_binding_does() {
             assert_eq!(response.status(), http::StatusCode::TOO_MANY_REQUESTS);
             assert_eq!(response.headers()[http::header::RETRY_AFTER], "1");
         }
+        // Both waits are counted for the tenant: the first granted at once, the second given
+        // up after the slot wait (over 1 s), and counted as busy.
+        let mut metrics = String::new();
+        p.render_metrics(&mut metrics);
+        let waits = "bulkhead_policy_slot_wait_seconds";
+        for line in [
+            "bulkhead_policy_busy_total{tenant=\"tenant-a\"} 1".to_owned(),
+            format!("{waits}_count{{tenant=\"tenant-a\"}} 2"),
+            format!("{waits}_bucket{{tenant=\"tenant-a\",le=\"0.25\"}} 1"),
+            format!("{waits}_bucket{{tenant=\"tenant-a\",le=\"10\"}} 2"),
+        ] {
+            assert!(metrics.contains(&line), "no {line:?} in {metrics}");
+        }
         held.abort();
     }
 }
