@@ -34,7 +34,8 @@ struct Counters {
     dropped: BTreeMap<&'static str, u64>,
     /// "ok" / "refused" → reloads.
     reloads: BTreeMap<&'static str, u64>,
-    /// tenant → how long its requests waited for an instance slot, granted or not.
+    /// tenant → how long its calls (a request's chain, a disconnect or response-end hook)
+    /// waited for an instance slot, granted or not.
     slot_waits: BTreeMap<String, Histogram<Micros>>,
     /// tenant → waits that ended without a slot (the sandbox was busy).
     busy: BTreeMap<String, u64>,
@@ -143,7 +144,9 @@ impl Stats {
             );
             family(
                 "bulkhead_policy_busy_total",
-                "Requests by tenant that found no free policy instance slot in time.",
+                "Policy calls by tenant that found no free instance slot in time: a request's \
+                 chain refused as policy_busy unless fail-open, or a disconnect or \
+                 response-end hook not run.",
                 c.busy
                     .iter()
                     .map(|(t, n)| (format!("tenant=\"{t}\""), *n))
@@ -152,7 +155,7 @@ impl Stats {
             let name = "bulkhead_policy_slot_wait_seconds";
             let _ = writeln!(
                 out,
-                "# HELP {name} How long requests waited for a policy instance slot, by tenant \
+                "# HELP {name} How long policy calls waited for an instance slot, by tenant \
                  (the slots are shared fairly between tenants).\n# TYPE {name} histogram"
             );
             for (tenant, h) in &c.slot_waits {
