@@ -110,3 +110,23 @@ fn paced_load_offers_every_target_the_same_rate_and_judges_no_throughput_goal() 
         assert_eq!(report["goals"], serde_json::json!({}), "{report}");
     });
 }
+
+#[test]
+fn a_rate_that_is_not_a_positive_number_is_refused_before_anything_starts() {
+    for rate in ["0", "-5", "inf"] {
+        let output = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+            .args(["bench", "gateway", "--targets", "direct"])
+            .arg(format!("--rate={rate}"))
+            .current_dir(repo())
+            .stdin(Stdio::null())
+            .output()
+            .expect("the bulkhead binary runs");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "--rate {rate} was taken");
+        assert!(
+            stderr.contains("--rate must be a positive number"),
+            "--rate {rate}: {stderr}"
+        );
+        assert!(!stderr.contains("starting"), "--rate {rate}: {stderr}");
+    }
+}

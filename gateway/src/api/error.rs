@@ -4,15 +4,13 @@
 //! Conversions have no side effects. Internal details (a worker's internal error, transport
 //! failures) are logged where they happen and never sent to the client.
 
-use std::time::Duration;
-
 use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode, header};
 use serde_json::json;
 
 use crate::admission::ContextLengthExceeded;
 use crate::limits::{LimitError, retry_after};
-use crate::policy::{Fault, Refusal, Refused};
+use crate::policy::{Fault, Refusal, Refused, SLOT_WAIT};
 
 use super::Endpoint;
 use super::validate::RequestError;
@@ -102,10 +100,6 @@ pub enum ApiError {
     #[error("internal error")]
     Internal,
 }
-
-/// How long a client refused for a busy policy sandbox should wait: about as long as a slot
-/// was waited for.
-const POLICY_BUSY_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// The error class of an error response (its OpenAI `code`, else its `type`), left in the
 /// response's extensions for the audit record.
@@ -293,7 +287,8 @@ impl IntoResponse for ApiError {
             .into_response();
         let wait = match &self {
             ApiError::TenantLimit(e) => Some(retry_after(e)),
-            ApiError::PolicyBusy => Some(POLICY_BUSY_RETRY_AFTER),
+            // About as long as the request waited for a slot.
+            ApiError::PolicyBusy => Some(SLOT_WAIT),
             _ => None,
         };
         if let Some(wait) = wait

@@ -47,7 +47,7 @@ pub use handle::{Policies, PolicyError, PolicySettings};
 pub use load::{LoadError, ROUTES};
 pub use plugin::{CallLimits, Fault};
 pub use request::{Refusal, Refused, RequestFacts, RequestPolicy};
-pub use sandbox::{SandboxError, SandboxSettings, TICK};
+pub use sandbox::{SLOT_WAIT, SandboxError, SandboxSettings, TICK};
 
 #[cfg(test)]
 mod tests;

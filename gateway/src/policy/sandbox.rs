@@ -30,7 +30,7 @@ const KEEP_RESIDENT_BYTES: usize = 256 << 10;
 pub const TICK: Duration = Duration::from_millis(2);
 
 /// The longest a call waits for an instance slot before failing as [`Fault::Busy`].
-const SLOT_WAIT: Duration = Duration::from_secs(1);
+pub const SLOT_WAIT: Duration = Duration::from_secs(1);
 
 /// Limits of the whole sandbox, fixed for the gateway's lifetime (a reload keeps them).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,7 +1,7 @@
 //! `bulkhead bench gateway`: the gateway's own overhead, not the model's. One run measures, with
 //! the same client load (N keep-alive connections in a closed loop, or paced to a rate; a fixed
-//! window, every request's latency recorded), each target in front of the same instant OpenAI-compatible upstream (the
-//! load target, its own process):
+//! window, every request's latency recorded), each target in front of the same instant
+//! OpenAI-compatible upstream (the load target, its own process):
 //!
 //! ```text
 //!                        ┌──────────────────────────────┐
@@ -242,6 +242,9 @@ async fn measure(
     running: &mut Vec<Target>,
     results: &mut Results,
 ) -> anyhow::Result<()> {
+    let pace = args
+        .rate
+        .map(|rate| Duration::from_secs_f64(args.connections as f64 / rate));
     for run in 0..args.runs {
         let mut i = 0;
         while i < running.len() {
@@ -253,9 +256,7 @@ async fn measure(
                 connections: args.connections,
                 warmup: Duration::from_secs_f64(args.warmup_seconds),
                 window: Duration::from_secs_f64(args.seconds),
-                pace: args
-                    .rate
-                    .map(|rate| Duration::from_secs_f64(args.connections as f64 / rate)),
+                pace,
                 meter: target.meter,
             })
             .await;
