@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use crate::up::{
     ADMIN, HTTP_LIMIT, KEY_A, KEY_B, KEY_LIMITED, KEY_SERIAL, Options, QUEUED_BEHIND, SILENCE_2S,
-    Up, a_long_answer_holding_decode, bounded, http, json, metric, python, repo, send, sha256_hex,
-    stream_under_way,
+    TempDir, Up, a_long_answer_holding_decode, bounded, http, json, metric, on_disk, python, repo,
+    send, sha256_hex, stream_under_way,
 };
 
 pub const QUESTION: &str =
@@ -277,7 +277,13 @@ fn a_long_stream_under_way(up: &Up) -> (std::net::TcpStream, Vec<u8>) {
 #[test]
 fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
     bounded(|| {
-        let up = Up::start(&["--kv-tokens", "4096"]);
+        // `up` stops the whole stack once a worker died: the record is read from disk then.
+        let data = TempDir::new("worker-dies");
+        let up = Up::launch(Options {
+            args: &["--kv-tokens", "4096"],
+            data_dir: Some(data.0.clone()),
+            ..Options::default()
+        });
         up.wait_routable();
         let (mut s, seen) = a_long_stream_under_way(&up);
         up.signal_worker("-KILL");
@@ -295,6 +301,19 @@ fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
         assert!(
             !all.contains("[DONE]"),
             "a failed stream must not look complete:\n{all}"
+        );
+        // Its record counts the tokens that came before the worker died (what the tenant is
+        // charged), and that the handoff passed: decode sent them only after verifying it.
+        drop(up);
+        let record = on_disk(&data.0, "tenant-a").pop().expect("its record");
+        assert_eq!(record["error.type"], "service_unavailable", "{record:#}");
+        assert!(
+            record["gen_ai.usage.output_tokens"].as_u64() >= Some(1),
+            "{record:#}"
+        );
+        assert_eq!(
+            record["bulkhead.kv.integrity"]["result"], "passed",
+            "{record:#}"
         );
     });
 }

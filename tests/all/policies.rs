@@ -226,6 +226,13 @@ fn policies_deny_clamp_label_and_hold_an_abandoned_request_until_its_first_token
         let hold = &record["bulkhead.disconnect.hold"];
         assert_eq!(hold["directive"], "hold_until_prefill_done", "{record:#}");
         assert_eq!(hold["dropped"], "after_first_token", "{record:#}");
+        // The one token the hold waited for came, after decode verified the KV handoff: the
+        // record counts it (what the tenant is charged) and says the handoff passed.
+        assert_eq!(record["gen_ai.usage.output_tokens"], 1, "{record:#}");
+        assert_eq!(
+            record["bulkhead.kv.integrity"]["result"], "passed",
+            "{record:#}"
+        );
         let before = up.admin_records("tenant-limited").len();
         abandon(&up.api, KEY_CONTROL, &long);
         let m = wait_for(
@@ -249,6 +256,11 @@ fn policies_deny_clamp_label_and_hold_an_abandoned_request_until_its_first_token
         let hold = &record["bulkhead.disconnect.hold"];
         assert_eq!(hold["directive"], "abort_now", "{record:#}");
         assert_eq!(hold["dropped"], "before_first_token", "{record:#}");
+        assert!(record["gen_ai.usage.output_tokens"].is_null(), "{record:#}");
+        assert_eq!(
+            record["bulkhead.kv.integrity"]["result"], "not_checked",
+            "{record:#}"
+        );
 
         // The set in force, as the admin listener reports it.
         let (status, body) = http(&up.admin, "GET", "/policies", Some(ADMIN), &[], "");

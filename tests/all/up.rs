@@ -6,7 +6,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -581,4 +581,22 @@ pub fn python() -> PathBuf {
         venv.display()
     );
     venv
+}
+
+/// `tenant`'s records as the files under `data` (a gateway's `--data-dir`) hold them.
+pub fn on_disk(data: &Path, tenant: &str) -> Vec<serde_json::Value> {
+    let dir = data.join("audit").join(tenant);
+    let mut segments: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|entry| entry.expect("an entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "jsonl"))
+        .collect();
+    segments.sort();
+    segments
+        .iter()
+        .flat_map(|p| {
+            let text = std::fs::read_to_string(p).expect("reads a segment");
+            text.lines().map(json).collect::<Vec<_>>()
+        })
+        .collect()
 }

@@ -216,11 +216,15 @@ impl Started {
 
     /// Records `error` as how the request ended, on its audit trail and its upstream span, and
     /// settles its tokens-per-minute charge to what it used: the prompt and the tokens that
-    /// came, or nothing when none came (refused before its first token, as at the call).
+    /// came (which its record counts too), or nothing when none came (refused before its
+    /// first token, as at the call).
     fn failed(&mut self, error: ApiError, refused_by: Option<Layer>) -> ApiError {
         let used = match self.progress.tokens {
             0 => 0,
-            _ => self.progress.used(self.prompt_tokens),
+            came => {
+                self.trail.generated(came);
+                self.progress.used(self.prompt_tokens)
+            }
         };
         self.set_used(used);
         self.trail.failed(&error, refused_by);

@@ -260,14 +260,17 @@ impl Ending {
                 held_ms: u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX),
             });
         }
-        // The request's record is written once the trail's last holder lets go: here, with
-        // the hold in it.
-        drop(trail);
-        drop(held);
         let usage = match answered {
             true => progress.counted(charge.prompt_tokens),
             false => (0, 0),
         };
+        if usage.1 > 0 {
+            trail.generated(usage.1);
+        }
+        // The request's record is written once the trail's last holder lets go: here, with
+        // the hold and the tokens that came in it.
+        drop(trail);
+        drop(held);
         charge.settle(usage);
         self.end(Outcome::ClientDisconnected, usage).await;
     }
@@ -324,19 +327,25 @@ impl RequestPolicy {
     /// (neither). Called once, when the response's state is dropped; the work runs in a task.
     /// An abandoned request's `trail` is kept until its call or stream is dropped, so that its
     /// record says how it was held, and its `charge` until then too, settled to what it used.
+    /// A request shutdown cut (its client did not leave) failed: no disconnect directive holds
+    /// it, and dropping `leg` here cancels it at the worker.
     pub fn finish(self, leg: Option<Leg>, progress: Progress, trail: Trail, charge: Charge) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         let ending = self.ending();
-        match (progress.usage, progress.failed) {
+        match (progress.usage, progress.failed || trail.cut_by_shutdown()) {
             (Some(usage), _) => ending.spawn_end(&runtime, Outcome::Completed, usage),
             (None, true) => {
                 // A refusal before the first token used nothing (as its charge says).
                 let usage = match progress.tokens {
                     0 => (0, 0),
-                    _ => progress.counted(charge.prompt_tokens),
+                    came => {
+                        trail.generated(came);
+                        progress.counted(charge.prompt_tokens)
+                    }
                 };
+                charge.settle(usage);
                 ending.spawn_end(&runtime, Outcome::Failed, usage);
             }
             (None, false) => {

@@ -156,7 +156,8 @@ impl Trail {
         });
     }
 
-    /// Text sent to the client. The first one means every admission layer passed.
+    /// Text sent to the client. The first one means every admission layer passed, and the KV
+    /// handoff's checks.
     pub fn text(&self, text: &str) {
         self.with(|d| {
             if d.record.ttft_ms.is_none() {
@@ -170,6 +171,7 @@ impl Trail {
                         Layer::Decode
                     },
                 });
+                d.handoff_passed();
                 d.completion = Some(Sha256::new());
             }
             if let Some(h) = &mut d.completion {
@@ -181,15 +183,21 @@ impl Trail {
         });
     }
 
-    /// The worker completed the request: its usage, and for a disaggregated request the KV
-    /// handoff's checks passed (decode commits nothing else).
+    /// The worker completed the request: its usage.
     pub fn completed(&self, prompt_tokens: u32, completion_tokens: u32) {
         self.text("");
+        self.with(|d| d.record.input_tokens = Some(u64::from(prompt_tokens)));
+        self.generated(completion_tokens);
+    }
+
+    /// The tokens the worker generated for the request: all of them once it completed, or
+    /// those that came before it failed or was dropped — what the tenant is charged (some
+    /// read only while the request was held, after its client left).
+    pub fn generated(&self, completion_tokens: u32) {
         self.with(|d| {
-            d.record.input_tokens = Some(u64::from(prompt_tokens));
             d.record.output_tokens = Some(u64::from(completion_tokens));
-            if d.disaggregated {
-                d.record.integrity = Integrity::Passed;
+            if completion_tokens > 0 {
+                d.handoff_passed();
             }
         });
     }
@@ -252,6 +260,12 @@ impl Trail {
         self.with(|d| d.record.hold = Some(hold));
     }
 
+    /// Whether shutdown is cutting the requests still in flight: a request that ends
+    /// unfinished now was cut, not left by its client.
+    pub fn cut_by_shutdown(&self) -> bool {
+        self.with(|d| d.recorder.cutting())
+    }
+
     /// The status the response carries, for a request whose end is recorded elsewhere (a
     /// stream, or on drop).
     pub fn responded(&self, status: u16) {
@@ -260,6 +274,15 @@ impl Trail {
 }
 
 impl Draft {
+    /// The worker sent something of the request: a disaggregated one passed the KV handoff's
+    /// checks, as decode sends nothing of a request before it verified the transfer (design
+    /// step 10).
+    fn handoff_passed(&mut self) {
+        if self.disaggregated {
+            self.record.integrity = Integrity::Passed;
+        }
+    }
+
     /// The final record; the draft is committed from here on.
     fn seal(&mut self) -> AuditRecord {
         self.committed = true;

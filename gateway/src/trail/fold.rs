@@ -9,7 +9,8 @@
 //! ```text
 //!  budget left ─▶ the pending folded record (if any), then the request's own record
 //!  budget spent ─▶ counted in the pending folded record; written once WINDOW has passed
-//!                  (at the next record of any log) or at flush
+//!                  (by the next record of any log, or by a timer set when it opened) or at
+//!                  flush
 //! ```
 
 use std::collections::BTreeMap;

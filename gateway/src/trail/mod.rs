@@ -220,23 +220,54 @@ impl Recorder {
             return [None, Some(record)];
         }
         let now = Instant::now();
-        let mut folding = self.folding();
-        let out = if gateway {
-            folding.admit(record, now)
-        } else {
-            [folding.due(now), Some(record)]
+        let (out, opened) = self.with_folding(|folding| {
+            let collecting = folding.pending();
+            let out = if gateway {
+                folding.admit(record, now)
+            } else {
+                [folding.due(now), Some(record)]
+            };
+            (out, folding.pending() && !collecting)
+        });
+        if opened {
+            self.write_folded_when_due();
+        }
+        out
+    }
+
+    /// Writes the folded record that has just started collecting once its window has passed,
+    /// should no record of any log come by then to carry it out: a flood that stops is on
+    /// disk a window later, not whenever the next request comes. (Outside a runtime, as in
+    /// some tests, only the next record or shutdown writes it.)
+    fn write_folded_when_due(&self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
         };
+        let inner = Arc::downgrade(&self.inner);
+        runtime.spawn(async move {
+            tokio::time::sleep(fold::WINDOW).await;
+            let Some(inner) = inner.upgrade() else {
+                return;
+            };
+            let recorder = Recorder { inner };
+            let due = recorder.with_folding(|folding| folding.due(Instant::now()));
+            let _ = recorder.append([due, None]);
+        });
+    }
+
+    /// Runs `f` on the gateway log's budget and folded record, keeping the flag that spares
+    /// every other record the lock in step.
+    fn with_folding<T>(&self, f: impl FnOnce(&mut fold::Folding) -> T) -> T {
+        let mut folding = self
+            .inner
+            .folding
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let out = f(&mut folding);
         self.inner
             .folding_pending
             .store(folding.pending(), Ordering::Relaxed);
         out
-    }
-
-    fn folding(&self) -> std::sync::MutexGuard<'_, fold::Folding> {
-        self.inner
-            .folding
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Appends `records`; one the log refuses is counted lost. The result is the last one's:
@@ -266,11 +297,7 @@ impl Recorder {
     /// Writes the folded record being collected and makes every record so far durable
     /// (shutdown).
     pub fn flush(&self) -> Result<(), AuditError> {
-        let folded = {
-            let mut folding = self.folding();
-            self.inner.folding_pending.store(false, Ordering::Relaxed);
-            folding.drain()
-        };
+        let folded = self.with_folding(fold::Folding::drain);
         let _ = self.append([folded, None]);
         self.inner.log.flush()
     }
