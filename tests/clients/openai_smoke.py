@@ -26,6 +26,13 @@ def main():
     models = client.models.list()
     model = models.data[0].id if models.data else None
     check("models.list names the served model", model is not None, repr(model))
+    retrieved = client.models.retrieve(model)
+    check("models.retrieve finds it", retrieved.id == model, repr(retrieved))
+    try:
+        client.models.retrieve("no-such-model")
+        check("models.retrieve of an unknown model fails", False)
+    except openai.NotFoundError as e:
+        check("models.retrieve of an unknown model: 404 model_not_found", e.code == "model_not_found", repr(e.body))
 
     question = [{"role": "user", "content": "What is 2+2?"}]
     r = client.chat.completions.create(model=model, messages=question, temperature=0, max_tokens=32)

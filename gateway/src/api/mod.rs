@@ -27,7 +27,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Extension, FromRef, State};
+use axum::extract::{Extension, FromRef, Path, State};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -79,9 +79,28 @@ impl FromRef<Shared> for Recorder {
 pub const CHAT_ROUTE: &str = "/v1/chat/completions";
 pub const COMPLETIONS_ROUTE: &str = "/v1/completions";
 pub const MODELS_ROUTE: &str = "/v1/models";
+/// One model (the rest of the path is its name or id, which may hold slashes).
+pub const MODEL_ROUTE: &str = "/v1/models/{*model}";
 pub const AUDIT_ROUTE: &str = "/v1/audit";
 /// Every route of the API.
-pub const ROUTES: [&str; 4] = [CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE, AUDIT_ROUTE];
+pub const ROUTES: [&str; 5] = [
+    CHAT_ROUTE,
+    COMPLETIONS_ROUTE,
+    MODELS_ROUTE,
+    MODEL_ROUTE,
+    AUDIT_ROUTE,
+];
+
+/// The route `path` matches, as its template (what a record names); `None`: none.
+pub fn route_of(path: &str) -> Option<&'static str> {
+    match path
+        .strip_prefix(MODELS_ROUTE)
+        .and_then(|p| p.strip_prefix('/'))
+    {
+        Some(model) if !model.is_empty() => Some(MODEL_ROUTE),
+        _ => ROUTES.into_iter().find(|r| *r == path),
+    }
+}
 
 /// The API router: audited, authenticated and counted.
 pub fn router(state: ApiState) -> Router {
@@ -92,6 +111,7 @@ pub fn router(state: ApiState) -> Router {
         .route(CHAT_ROUTE, post(chat_completions))
         .route(COMPLETIONS_ROUTE, post(completions))
         .route(MODELS_ROUTE, get(models))
+        .route(MODEL_ROUTE, get(model))
         .route(AUDIT_ROUTE, get(audit))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -127,18 +147,38 @@ async fn method_not_allowed() -> Response {
     ApiError::MethodNotAllowed.into_response()
 }
 
+/// `GET /v1/models`: the served model, or none while no worker has reported one.
 async fn models(State(state): State<Shared>) -> Response {
     let data: Vec<_> = state
         .workers
         .model()
-        .map(|m| {
-            serde_json::json!({
-                "id": m.name, "object": "model", "created": m.created, "owned_by": "bulkhead",
-            })
-        })
+        .map(|m| described(&m))
         .into_iter()
         .collect();
-    let body = serde_json::json!({"object": "list", "data": data});
+    json_response(&serde_json::json!({"object": "list", "data": data}))
+}
+
+/// `GET /v1/models/{model}`: the served model, by its name or id (OpenAI's retrieve).
+async fn model(State(state): State<Shared>, Path(asked): Path<String>) -> Response {
+    match state.workers.model() {
+        None => ApiError::NoHealthyWorker.into_response(),
+        Some(m) if m.answers_to(&asked) => json_response(&described(&m)),
+        Some(m) => ApiError::ModelNotFound {
+            asked,
+            served: m.name.clone(),
+        }
+        .into_response(),
+    }
+}
+
+/// A model as OpenAI's API describes one.
+fn described(m: &ServedModel) -> serde_json::Value {
+    serde_json::json!({
+        "id": m.name, "object": "model", "created": m.created, "owned_by": "bulkhead",
+    })
+}
+
+fn json_response(body: &serde_json::Value) -> Response {
     ([(CONTENT_TYPE, "application/json")], body.to_string()).into_response()
 }
 
@@ -580,5 +620,20 @@ mod tests {
         );
         let ids = validate::parse_completion(br#"{"prompt":[1,2,3]}"#).expect("valid");
         assert_eq!(Parsed::Completion(ids).audited_text(), "[1,2,3]");
+    }
+
+    #[test]
+    fn a_path_is_recorded_as_the_template_of_its_route() {
+        for (path, route) in [
+            ("/v1/chat/completions", Some(CHAT_ROUTE)),
+            ("/v1/models", Some(MODELS_ROUTE)),
+            ("/v1/models/smollm2-135m-instruct", Some(MODEL_ROUTE)),
+            ("/v1/models/org/model", Some(MODEL_ROUTE)),
+            ("/v1/models/", None),
+            ("/v1/modelsx", None),
+            ("/v1/chat", None),
+        ] {
+            assert_eq!(route_of(path), route, "{path}");
+        }
     }
 }

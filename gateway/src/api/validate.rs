@@ -198,7 +198,10 @@ fn is_no_op(field: &str, value: &Value) -> Option<bool> {
         }
         "parallel_tool_calls" => value.is_null() || value.is_boolean(),
         "response_format" => {
-            value.is_null() || value.get("type").and_then(Value::as_str) == Some("text")
+            value.is_null()
+                || value.as_object().is_some_and(|o| {
+                    o.len() == 1 && o.get("type").and_then(Value::as_str) == Some("text")
+                })
         }
         // Completions only.
         "echo" => value.is_null() || value == &Value::Bool(false),
@@ -380,21 +383,10 @@ fn common(
     let include_usage = match get(map, "stream_options") {
         None => false,
         Some(_) if !stream => return Err(RequestError::StreamOptionsWithoutStream),
-        Some(Value::Object(o)) => {
-            if let Some(field) = o.keys().find(|k| k.as_str() != "include_usage") {
-                return Err(RequestError::UnsupportedField {
-                    field: format!("stream_options.{field}"),
-                });
-            }
-            match o.get("include_usage") {
-                None | Some(Value::Null) => false,
-                Some(v) => v
-                    .as_bool()
-                    .ok_or_else(|| wrong("stream_options.include_usage", "true or false"))?,
-            }
-        }
+        Some(Value::Object(o)) => stream_options(o)?,
         Some(_) => return Err(wrong("stream_options", "an object")),
     };
+    informational(map)?;
 
     let cache_salt = match get(map, "cache_salt") {
         None => None,
@@ -416,6 +408,55 @@ fn common(
         stream: stream.then_some(Stream { include_usage }),
         cache_salt,
     })
+}
+
+/// `stream_options`: whether to include usage. OpenAI's `include_obfuscation` (padding on
+/// each chunk against length side channels) is taken only as `false`: this server adds no
+/// padding, and a client asking for it must not believe it got it.
+fn stream_options(o: &Map<String, Value>) -> Result<bool, RequestError> {
+    let flag = |name: &str| match o.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_bool()
+            .map(Some)
+            .ok_or_else(|| wrong(&format!("stream_options.{name}"), "true or false")),
+    };
+    if let Some(field) = o
+        .keys()
+        .find(|k| !matches!(k.as_str(), "include_usage" | "include_obfuscation"))
+    {
+        return Err(RequestError::UnsupportedField {
+            field: format!("stream_options.{field}"),
+        });
+    }
+    if flag("include_obfuscation")? == Some(true) {
+        return Err(RequestError::UnsupportedValue {
+            field: "stream_options.include_obfuscation",
+            value: "true".into(),
+            supported: "this server adds no obfuscation padding; send false or leave it out",
+        });
+    }
+    Ok(flag("include_usage")?.unwrap_or(false))
+}
+
+/// The fields that change nothing of the answer (`user`, `metadata`, `store`,
+/// `service_tier`) still have OpenAI's types: a client that sends something else has a bug
+/// worth hearing about.
+fn informational(map: &Map<String, Value>) -> Result<(), RequestError> {
+    let string = |field: &str| match get(map, field) {
+        None | Some(Value::String(_)) => Ok(()),
+        Some(_) => Err(wrong(field, "a string")),
+    };
+    string("user")?;
+    string("service_tier")?;
+    if get(map, "store").is_some_and(|v| !v.is_boolean()) {
+        return Err(wrong("store", "true or false"));
+    }
+    match get(map, "metadata") {
+        None => Ok(()),
+        Some(Value::Object(pairs)) if pairs.values().all(Value::is_string) => Ok(()),
+        Some(_) => Err(wrong("metadata", "an object of string values")),
+    }
 }
 
 /// Parses a chat completion request.
@@ -476,10 +517,13 @@ fn message(index: usize, m: &Value) -> Result<Message, RequestError> {
         Some(Value::String(s)) => s.clone(),
         Some(Value::Array(parts)) => {
             let mut text = String::new();
-            for part in parts {
+            for (at, part) in parts.iter().enumerate() {
                 let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
                 match (kind, part.get("text").and_then(Value::as_str)) {
                     ("text", Some(t)) => text.push_str(t),
+                    ("text", None) => {
+                        return Err(wrong(&field(&format!("content[{at}].text")), "a string"));
+                    }
                     _ => {
                         return Err(RequestError::UnsupportedContentPart {
                             index,
@@ -499,33 +543,46 @@ fn message(index: usize, m: &Value) -> Result<Message, RequestError> {
 pub fn parse_completion(body: &[u8]) -> Result<ValidCompletion, RequestError> {
     let map = object(body)?;
     check_fields(&map, COMPLETION_FIELDS)?;
+    // OpenAI's four forms: a string, token ids, and a batch of either; a batch of one is
+    // its one prompt.
     let prompt = match get(&map, "prompt") {
         None => return Err(RequestError::MissingField { field: "prompt" }),
         Some(Value::String(s)) => CompletionPrompt::Text(s.clone()),
-        Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
-            CompletionPrompt::Text(items[0].as_str().unwrap_or_default().to_owned())
-        }
-        Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_u64) => {
-            let ids = items
-                .iter()
-                .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()))
-                .collect::<Option<Vec<u32>>>()
-                .ok_or_else(|| wrong("prompt", "a string or a list of token ids"))?;
-            CompletionPrompt::Tokens(ids)
-        }
-        Some(Value::Array(_)) => {
-            return Err(RequestError::UnsupportedValue {
-                field: "prompt",
-                value: "a list".into(),
-                supported: "send one prompt: a string or a list of token ids",
-            });
-        }
-        Some(_) => return Err(wrong("prompt", "a string")),
+        Some(Value::Array(items)) => match items.as_slice() {
+            [Value::String(s)] => CompletionPrompt::Text(s.clone()),
+            [Value::Array(ids)] => token_ids(ids)?,
+            batch if batch.len() > 1 && batch.iter().all(|p| p.is_string() || p.is_array()) => {
+                return Err(RequestError::UnsupportedValue {
+                    field: "prompt",
+                    value: format!("a batch of {} prompts", batch.len()),
+                    supported: "send one prompt: a string or a list of token ids",
+                });
+            }
+            ids => token_ids(ids)?,
+        },
+        Some(_) => return Err(wrong("prompt", "a string or a list of token ids")),
     };
     Ok(ValidCompletion {
         prompt,
         common: common(&map, &["max_tokens"])?,
     })
+}
+
+/// A prompt of token ids: at least one, each an integer from 0 to 2^32 - 1 (checked against
+/// the vocabulary when the prompt is tokenized).
+fn token_ids(items: &[Value]) -> Result<CompletionPrompt, RequestError> {
+    let ids = items
+        .iter()
+        .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()))
+        .collect::<Option<Vec<u32>>>()
+        .filter(|ids| !ids.is_empty())
+        .ok_or_else(|| {
+            wrong(
+                "prompt",
+                "a string or a non-empty list of token ids (integers from 0 to 4294967295)",
+            )
+        })?;
+    Ok(CompletionPrompt::Tokens(ids))
 }
 
 #[cfg(test)]
@@ -739,6 +796,16 @@ mod tests {
             )),
             Err(RequestError::UnsupportedContentPart { index: 0, .. })
         ));
+        assert_eq!(
+            chat(with(
+                "messages",
+                json!([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}])
+            )),
+            Err(RequestError::WrongType {
+                field: "messages[0].content[1].text".into(),
+                expected: "a string"
+            })
+        );
         assert!(matches!(
             chat(with(
                 "messages",
@@ -789,6 +856,69 @@ mod tests {
     }
 
     #[test]
+    fn informational_fields_keep_their_types() {
+        let fine = chat(json!({
+            "messages": [{"role": "user", "content": "x"}],
+            "user": "u", "metadata": {"k": "v"}, "store": true, "service_tier": "auto",
+            "response_format": {"type": "text"},
+        }));
+        assert!(fine.is_ok(), "{fine:?}");
+        for (field, value) in [
+            ("user", json!(5)),
+            ("metadata", json!("x")),
+            ("metadata", json!({"k": 1})),
+            ("store", json!("yes")),
+            ("service_tier", json!(5)),
+        ] {
+            let err = chat(with(field, value.clone())).expect_err(field);
+            assert!(
+                matches!(&err, RequestError::WrongType { field: f, .. } if f == field),
+                "{field} = {value}: {err:?}"
+            );
+        }
+        let err = chat(with(
+            "response_format",
+            json!({"type": "text", "schema": {}}),
+        ))
+        .expect_err("more than a plain text format");
+        assert_eq!(err.param().as_deref(), Some("response_format"));
+    }
+
+    #[test]
+    fn obfuscation_is_declined_only_when_asked_for() {
+        let streamed = |options: Value| {
+            chat(json!({
+                "messages": [{"role": "user", "content": "x"}],
+                "stream": true, "stream_options": options,
+            }))
+        };
+        let c = streamed(json!({"include_usage": true, "include_obfuscation": false}));
+        assert_eq!(
+            c.map(|c| c.common.stream),
+            Ok(Some(Stream {
+                include_usage: true
+            }))
+        );
+        let err = streamed(json!({"include_obfuscation": true})).expect_err("padding asked for");
+        assert_eq!(
+            err.param().as_deref(),
+            Some("stream_options.include_obfuscation")
+        );
+        assert!(
+            matches!(err, RequestError::UnsupportedValue { .. }),
+            "{err:?}"
+        );
+        assert!(matches!(
+            streamed(json!({"include_obfuscation": "no"})),
+            Err(RequestError::WrongType { .. })
+        ));
+        assert!(matches!(
+            streamed(json!({"include_reasoning": true})),
+            Err(RequestError::UnsupportedField { .. })
+        ));
+    }
+
+    #[test]
     fn stream_options_need_stream() {
         assert_eq!(
             chat(with("stream_options", json!({"include_usage": true}))),
@@ -805,10 +935,34 @@ mod tests {
         assert!(parse_completion(br#"{"prompt":["a","b"]}"#).is_err());
         let ids = parse_completion(br#"{"prompt":[1,2,3]}"#).expect("token ids");
         assert_eq!(ids.prompt, CompletionPrompt::Tokens(vec![1, 2, 3]));
-        assert!(parse_completion(br#"{"prompt":[1,-2]}"#).is_err());
-        assert!(parse_completion(br#"{"prompt":[1,4294967296]}"#).is_err());
-        assert!(parse_completion(br#"{"prompt":[1,"a"]}"#).is_err());
-        assert!(parse_completion(br#"{"prompt":[]}"#).is_err());
+        let one = parse_completion(br#"{"prompt":[[1,2,3]]}"#).expect("a batch of one");
+        assert_eq!(one.prompt, CompletionPrompt::Tokens(vec![1, 2, 3]));
+        for batch in [r#"["a","b"]"#, r#"[[1],[2]]"#, r#"["a",[2]]"#] {
+            let body = format!(r#"{{"prompt":{batch}}}"#);
+            let err = parse_completion(body.as_bytes()).expect_err(batch);
+            assert!(
+                err.to_string().contains("a batch of 2 prompts"),
+                "{batch}: {err}"
+            );
+        }
+        // Not token ids: each refusal says what token ids are, none calls them a batch.
+        for ids in [
+            "[1,-2]",
+            "[1,4294967296]",
+            "[1,\"a\"]",
+            "[]",
+            "[1.5]",
+            "[[]]",
+            "[[-1]]",
+        ] {
+            let body = format!(r#"{{"prompt":{ids}}}"#);
+            let err = parse_completion(body.as_bytes()).expect_err(ids);
+            assert_eq!(err.param().as_deref(), Some("prompt"), "{ids}: {err}");
+            assert!(
+                err.to_string().contains("non-empty list of token ids"),
+                "{ids}: {err}"
+            );
+        }
         assert!(parse_completion(br#"{"prompt":"x","echo":true}"#).is_err());
         assert!(
             parse_completion(br#"{"prompt":"x","max_completion_tokens":3}"#).is_err(),

@@ -105,11 +105,7 @@ impl Arrival {
         let trail = self
             .recorder
             .trail(super::layer::request_id(), tracing::Span::none());
-        trail.route(if crate::api::ROUTES.contains(&self.path.as_str()) {
-            &self.path
-        } else {
-            UNMATCHED_ROUTE
-        });
+        trail.route(crate::api::route_of(&self.path).unwrap_or(UNMATCHED_ROUTE));
         if let Some(key) = self.key {
             let mut headers = HeaderMap::new();
             headers.insert(AUTHORIZATION, key);
