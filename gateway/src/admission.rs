@@ -18,12 +18,10 @@ pub struct WorkerCapacity {
     pub pool_tokens: u64,
 }
 
-/// The most tokens (prompt + max new) one request may take, and what set it.
+/// The most tokens (prompt + max new) one request may take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EffectiveLimit {
     pub tokens: u64,
-    /// Whether the tenant's own limit (rather than the workers') is the binding one.
-    pub set_by_tenant: bool,
 }
 
 /// The effective limit over `workers` (the routable ones) for a tenant allowed `tenant_max`;
@@ -36,10 +34,8 @@ pub fn effective_limit(
         .into_iter()
         .map(|w| w.served_context.min(w.pool_tokens))
         .min()?;
-    let tenant = u64::from(tenant_max.get());
     Some(EffectiveLimit {
-        tokens: workers.min(tenant),
-        set_by_tenant: tenant < workers,
+        tokens: workers.min(u64::from(tenant_max.get())),
     })
 }
 
@@ -121,22 +117,17 @@ mod tests {
     }
 
     fn limit(tokens: u64) -> EffectiveLimit {
-        EffectiveLimit {
-            tokens,
-            set_by_tenant: false,
-        }
+        EffectiveLimit { tokens }
     }
 
     #[test]
     fn the_limit_is_the_minimum_over_contexts_pools_and_the_tenant() {
         let l = effective_limit([w(8192, 8192), w(8192, 4096)], nz(100_000)).expect("some");
         assert_eq!(l.tokens, 4096, "the smaller pool binds");
-        assert!(!l.set_by_tenant);
         let l = effective_limit([w(2048, 8192)], nz(100_000)).expect("some");
         assert_eq!(l.tokens, 2048, "the served context binds");
         let l = effective_limit([w(8192, 8192)], nz(1000)).expect("some");
         assert_eq!(l.tokens, 1000, "the tenant binds");
-        assert!(l.set_by_tenant);
         assert_eq!(effective_limit([], nz(1000)), None, "no routable worker");
     }
 

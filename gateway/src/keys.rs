@@ -106,6 +106,15 @@ mod tests {
     }
 
     #[test]
+    fn a_key_id_shows_as_its_twelve_hex_digits() {
+        let id = KeyHash::of("sk-demo-tenant-a").id();
+        assert_eq!(id.to_string(), id.as_str());
+        assert_eq!(id.as_str().len(), 12);
+        assert!(id.as_str().chars().all(|c| c.is_ascii_hexdigit()));
+        assert_ne!(id, KeyHash::of("sk-demo-tenant-b").id());
+    }
+
+    #[test]
     fn hex_round_trips_in_either_case() {
         let h = KeyHash::of("sk-demo-tenant-a");
         assert_eq!(KeyHash::from_hex(&h.to_hex()), Ok(h));

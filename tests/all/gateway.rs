@@ -783,6 +783,17 @@ fn bad_input_gets_a_clear_error_and_the_gateway_keeps_serving() {
         let huge = vec![b' '; (1 << 20) + 1];
         let (status, raw) = raw_exchange(&up.api, &post_bytes(&huge));
         assert_eq!(status, 413, "{}", &raw[..raw.len().min(300)]);
+        // Over the limit by its declared length, waiting for `100 Continue`: 413 at once,
+        // no invitation to send the body first.
+        let expecting = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+             Authorization: Bearer {KEY_A}\r\nContent-Type: application/json\r\n\
+             Expect: 100-continue\r\nContent-Length: {}\r\n\r\n",
+            (1 << 20) + 1
+        );
+        let (status, raw) = raw_exchange(&up.api, expecting.as_bytes());
+        assert_eq!(status, 413, "{raw}");
+        assert!(!raw.contains("100 Continue"), "{raw}");
         // A Content-Length that lies (shorter body, then the connection closes): an error,
         // never a hang.
         let mut lying = post_bytes(b"{}");

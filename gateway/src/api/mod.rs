@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
-use axum::body::Body;
+use axum::body::{Body, HttpBody};
 use axum::extract::{Extension, FromRef, Path, State};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
@@ -326,6 +326,11 @@ async fn start(
     let tenant = who.tenant.clone();
     let mut permit = state.tenants.limiter().start(&tenant)?;
     let limit = state.http.max_body_bytes;
+    // A declared length over the limit is refused before the body is read, so a client
+    // waiting for `100 Continue` hears 413 at once instead of sending the body for nothing.
+    if HttpBody::size_hint(&body).lower() > limit as u64 {
+        return Err(ApiError::BodyTooLarge { limit });
+    }
     let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
         let e = e.into_inner();
         if e.is::<http_body_util::LengthLimitError>() {
