@@ -106,6 +106,14 @@ mod tests {
     }
 
     #[test]
+    fn a_digest_shows_in_logs_as_a_short_prefix_only() {
+        let h = KeyHash::of("abc");
+        let shown = format!("{h:?}");
+        assert_eq!(shown, "KeyHash(ba7816bf…)");
+        assert!(!shown.contains(&h.to_hex()[8..16]), "{shown}");
+    }
+
+    #[test]
     fn a_key_id_shows_as_its_twelve_hex_digits() {
         let id = KeyHash::of("sk-demo-tenant-a").id();
         assert_eq!(id.to_string(), id.as_str());

@@ -87,3 +87,47 @@ where
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::future::{Ready, ready};
+
+    use super::*;
+    use crate::keys::KeyHash;
+
+    /// A service that is never ready, as one whose queue is full.
+    struct Full;
+
+    impl Service<Request<()>> for Full {
+        type Response = Response;
+        type Error = Infallible;
+        type Future = Ready<Result<Response, Infallible>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            Poll::Pending
+        }
+
+        fn call(&mut self, _: Request<()>) -> Self::Future {
+            ready(Ok(Response::default()))
+        }
+    }
+
+    #[test]
+    fn the_inner_services_backpressure_passes_through() {
+        let text = format!(
+            "[listen]\napi = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n\
+             [admin]\ntoken_sha256 = \"{}\"\n\
+             [[tenants]]\nid = \"t\"\nkey_sha256 = [\"{}\"]\nmax_context = 10\n\
+             max_concurrent = 1\nrequests_per_minute = 1\ntokens_per_minute = 1\n\
+             [[workers]]\nname = \"w\"\ngrpc = \"127.0.0.1:1\"\nrole = \"both\"\n",
+            KeyHash::of("admin").to_hex(),
+            KeyHash::of("sk-t").to_hex(),
+        );
+        let config = crate::Config::parse(&text).expect("valid");
+        let tenants = Tenants::new(config.tenants, crate::limits::Limiter::default(), None);
+        let mut auth = AuthLayer::new(tenants, Metrics::default()).layer(Full);
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert!(auth.poll_ready(&mut cx).is_pending());
+    }
+}

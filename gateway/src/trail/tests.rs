@@ -426,6 +426,86 @@ fn tenants() -> crate::tenants::Tenants {
     crate::tenants::Tenants::new(config.tenants, crate::limits::Limiter::default(), None)
 }
 
+/// `GET /v1/audit` pages through the caller's records: `limit` at a time, `has_more` while
+/// some are left, `next_since` where the next page starts.
+#[tokio::test]
+async fn a_tenant_reads_its_records_a_page_at_a_time() {
+    let dir = Scratch::new("trail");
+    let recorder = with_budget(&dir, 1000);
+    let tenants = tenants();
+    let mut headers = http::HeaderMap::new();
+    headers.insert(
+        http::header::AUTHORIZATION,
+        http::HeaderValue::from_static("Bearer sk-a"),
+    );
+    let who = crate::auth::authenticate(&mut headers, tenants.current().keyring()).expect("sk-a");
+    for i in 0..3 {
+        let trail = recorder.trail(format!("req-{i}"), tracing::Span::none());
+        trail.authenticated(&who);
+        trail.finish(200, None).await.expect("recorded");
+    }
+    recorder.flush().expect("flush");
+    let read = async |query: &str| {
+        let response = super::tenant_read(
+            axum::extract::State(recorder.clone()),
+            Extension(who.clone()),
+            axum::extract::RawQuery(Some(query.to_owned())),
+        )
+        .await;
+        assert_eq!(response.status(), StatusCode::OK);
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .expect("a body");
+        let page: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        let ids: Vec<String> = page["data"]
+            .as_array()
+            .expect("data")
+            .iter()
+            .map(|r| {
+                r["record"]["bulkhead.request.id"]
+                    .as_str()
+                    .expect("an id")
+                    .to_owned()
+            })
+            .collect();
+        (ids, page["has_more"].clone(), page["next_since"].clone())
+    };
+    let (ids, more, next) = read("limit=2").await;
+    assert_eq!(ids, ["req-0", "req-1"]);
+    assert_eq!(more, true);
+    let (ids, more, _) = read(&format!("since={next}&limit=2")).await;
+    assert_eq!(ids, ["req-2"]);
+    assert_eq!(more, false);
+    let (ids, more, _) = read("limit=3").await;
+    assert_eq!(ids.len(), 3);
+    assert_eq!(more, false, "exactly the limit left: no more");
+
+    // The admin listener reads any tenant's log by its id, and refuses what is no id.
+    let admin = async |tenant: &str| {
+        let response = super::admin_read(
+            axum::extract::State(recorder.clone()),
+            Path(tenant.to_owned()),
+            axum::extract::RawQuery(None),
+        )
+        .await;
+        let status = response.status();
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .expect("a body");
+        (
+            status,
+            serde_json::from_slice::<serde_json::Value>(&body).expect("json"),
+        )
+    };
+    let (status, page) = admin("tenant-a").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(page["tenant"], "tenant-a");
+    assert_eq!(page["data"].as_array().map(Vec::len), Some(3), "{page}");
+    let (status, error) = admin("../tenant-a").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(error["error"]["param"], "tenant", "{error}");
+}
+
 /// A request dropped unpolled is recorded for the tenant its key named when it arrived: a
 /// reload in between that gives the key to another tenant does not put the record (its
 /// route, its time) in that tenant's log.
