@@ -50,9 +50,12 @@ pub fn strip_tenant_headers(headers: &mut HeaderMap) {
     }
 }
 
-/// The tenant whose key the request carries; removes the key from the headers either way.
+/// The tenant whose key the request carries; removes the key from the headers either way. A
+/// request with more than one `Authorization` header names no tenant: which one counts would
+/// differ between this gateway and whatever sits in front of it.
 pub fn authenticate(headers: &mut HeaderMap, keyring: &Keyring) -> Option<Authenticated> {
-    let value = headers.remove(AUTHORIZATION)?;
+    let once = headers.get_all(AUTHORIZATION).iter().count() == 1;
+    let value = headers.remove(AUTHORIZATION).filter(|_| once)?;
     let value = value.to_str().ok()?;
     let (scheme, key) = value.trim().split_once(' ')?;
     if !scheme.eq_ignore_ascii_case("bearer") {
@@ -126,6 +129,16 @@ mod tests {
         ] {
             let mut h = h;
             assert!(authenticate(&mut h, &k).is_none(), "{h:?}");
+        }
+        // Two keys: neither counts, whichever comes first, and both leave the request.
+        for (first, second) in [
+            ("Bearer sk-a", "Bearer sk-b"),
+            ("Bearer sk-a", "Bearer sk-a"),
+        ] {
+            let mut h = headers(&[("authorization", first)]);
+            h.append(AUTHORIZATION, HeaderValue::from_static(second));
+            assert!(authenticate(&mut h, &k).is_none(), "{first}, {second}");
+            assert!(!h.contains_key(AUTHORIZATION));
         }
     }
 

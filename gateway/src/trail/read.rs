@@ -54,10 +54,7 @@ struct Paging {
 }
 
 fn parse_paging(query: Option<&str>) -> Result<Paging, RequestError> {
-    let mut paging = Paging {
-        since: 0,
-        limit: DEFAULT_LIMIT,
-    };
+    let (mut since, mut limit) = (None, None);
     for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
         let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
         let number = |field: &str| {
@@ -67,10 +64,10 @@ fn parse_paging(query: Option<&str>) -> Result<Paging, RequestError> {
             })
         };
         match key {
-            "since" => paging.since = number("since")?,
+            "since" => once(&mut since, number("since")?, "since")?,
             "limit" => {
                 let n = number("limit")?;
-                paging.limit = usize::try_from(n)
+                let n = usize::try_from(n)
                     .ok()
                     .filter(|n| (1..=MAX_LIMIT).contains(n))
                     .ok_or_else(|| RequestError::OutOfRange {
@@ -78,6 +75,7 @@ fn parse_paging(query: Option<&str>) -> Result<Paging, RequestError> {
                         value: n.to_string(),
                         range: "1 to 1000",
                     })?;
+                once(&mut limit, n, "limit")?;
             }
             other => {
                 return Err(RequestError::UnsupportedField {
@@ -86,7 +84,23 @@ fn parse_paging(query: Option<&str>) -> Result<Paging, RequestError> {
             }
         }
     }
-    Ok(paging)
+    Ok(Paging {
+        since: since.unwrap_or(0),
+        limit: limit.unwrap_or(DEFAULT_LIMIT),
+    })
+}
+
+/// Sets a parameter given once; one given twice is refused (which one a server takes differs
+/// from server to server).
+fn once<T>(slot: &mut Option<T>, value: T, field: &'static str) -> Result<(), RequestError> {
+    match slot.replace(value) {
+        None => Ok(()),
+        Some(_) => Err(RequestError::UnsupportedValue {
+            field,
+            value: "given more than once".into(),
+            supported: "give it once",
+        }),
+    }
 }
 
 /// A page of `tenant`'s records.
@@ -184,6 +198,17 @@ mod tests {
         assert!(parse_paging(Some("limit=1001")).is_err());
         assert!(parse_paging(Some("since=-1")).is_err());
         assert!(parse_paging(Some("since=abc")).is_err());
+        for twice in [
+            "since=0&since=5",
+            "limit=1&limit=2",
+            "limit=3&since=1&limit=3",
+        ] {
+            let e = parse_paging(Some(twice)).expect_err(twice);
+            assert!(
+                matches!(e, RequestError::UnsupportedValue { .. }),
+                "{twice}: {e:?}"
+            );
+        }
     }
 
     #[test]
