@@ -15,6 +15,7 @@
 //! max_body_bytes = 1048576
 //! request_timeout_secs = 300
 //! header_timeout_secs = 10
+//! body_timeout_secs = 30            # a request body not whole this long after its head: 408
 //! write_stall_timeout_secs = 30     # a client that takes no byte of its answer this long is gone
 //! stream_idle_timeout_secs = 120    # a worker silent this long mid-answer has failed it
 //! drain_timeout_secs = 10           # at shutdown, requests still running this long are cut
@@ -165,6 +166,10 @@ pub struct HttpLimits {
     pub request_timeout: Duration,
     /// A client that has not sent its request headers by then is disconnected (slowloris).
     pub header_timeout: Duration,
+    /// A request body not whole this long after its handler started reading it gets 408:
+    /// a client that trickles its body does not hold its tenant's concurrency slot for the
+    /// whole request timeout.
+    pub body_timeout: Duration,
     /// A client that takes no byte of its response for this long (a stream it stopped reading,
     /// its socket still open) is disconnected, and its request ends as a client disconnect —
     /// rather than holding its tenant's concurrency slot and its route's outstanding tokens
@@ -191,6 +196,7 @@ impl Default for HttpLimits {
             max_body_bytes: 1 << 20,
             request_timeout: Duration::from_secs(300),
             header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
             write_stall_timeout: Duration::from_secs(30),
             stream_idle_timeout: Duration::from_secs(120),
             drain_timeout: Duration::from_secs(10),
@@ -466,6 +472,7 @@ struct RawHttp {
     max_body_bytes: Option<usize>,
     request_timeout_secs: Option<u64>,
     header_timeout_secs: Option<u64>,
+    body_timeout_secs: Option<u64>,
     write_stall_timeout_secs: Option<u64>,
     stream_idle_timeout_secs: Option<u64>,
     drain_timeout_secs: Option<u64>,
@@ -642,6 +649,11 @@ fn http_limits(raw: &RawHttp) -> Result<HttpLimits, ConfigError> {
             raw.header_timeout_secs,
             "http.header_timeout_secs",
             d.header_timeout,
+        )?,
+        body_timeout: timeout(
+            raw.body_timeout_secs,
+            "http.body_timeout_secs",
+            d.body_timeout,
         )?,
         write_stall_timeout: timeout(
             raw.write_stall_timeout_secs,

@@ -747,7 +747,10 @@ fn post_bytes(body: &[u8]) -> Vec<u8> {
 fn bad_input_gets_a_clear_error_and_the_gateway_keeps_serving() {
     bounded(|| {
         let up = Up::launch(Options {
-            replace: &[("header_timeout_secs = 10", "header_timeout_secs = 1")],
+            replace: &[
+                ("header_timeout_secs = 10", "header_timeout_secs = 1"),
+                ("body_timeout_secs = 30", "body_timeout_secs = 1"),
+            ],
             ..Options::default()
         });
         up.wait_routable();
@@ -783,6 +786,22 @@ fn bad_input_gets_a_clear_error_and_the_gateway_keeps_serving() {
         let huge = vec![b' '; (1 << 20) + 1];
         let (status, raw) = raw_exchange(&up.api, &post_bytes(&huge));
         assert_eq!(status, 413, "{}", &raw[..raw.len().min(300)]);
+        // A body trickled past the body timeout (1 s here): 408 when the timeout ends, not
+        // at the request timeout.
+        let mut slow = std::net::TcpStream::connect(&up.api).expect("connects");
+        slow.set_read_timeout(Some(HTTP_LIMIT)).expect("timeout");
+        let head = post_bytes(br#"{"messages":[]}"#);
+        std::io::Write::write_all(&mut slow, &head[..head.len() - 4]).expect("sends");
+        let started = Instant::now();
+        let mut raw = String::new();
+        let _ = slow.read_to_string(&mut raw);
+        assert!(raw.starts_with("HTTP/1.1 408"), "{raw}");
+        assert!(raw.contains("did not arrive within 1 s"), "{raw}");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
         // Over the limit by its declared length, waiting for `100 Continue`: 413 at once,
         // no invitation to send the body first.
         let expecting = format!(

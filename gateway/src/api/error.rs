@@ -31,6 +31,9 @@ pub enum ApiError {
     /// error) before it was whole.
     #[error("the request body could not be read: {reason}")]
     BodyUnreadable { reason: String },
+    /// The request body did not arrive in time (a client that trickles it, or stops).
+    #[error("the request body did not arrive within {secs} s")]
+    BodyTimeout { secs: u64 },
     /// The request asked for a model that is not served.
     #[error("the model {asked:?} is not served here; GET /v1/models lists {served:?}")]
     ModelNotFound { asked: String, served: String },
@@ -190,7 +193,7 @@ pub fn mapping(err: &ApiError) -> Mapping {
             "kv_integrity_error",
             Some("kv_integrity_error"),
         ),
-        ApiError::Timeout { .. } => m(
+        ApiError::Timeout { .. } | ApiError::BodyTimeout { .. } => m(
             StatusCode::REQUEST_TIMEOUT,
             INVALID_REQUEST,
             Some("timeout"),
@@ -245,6 +248,7 @@ impl ApiError {
             ApiError::InvalidApiKey
             | ApiError::BodyTooLarge { .. }
             | ApiError::BodyUnreadable { .. }
+            | ApiError::BodyTimeout { .. }
             | ApiError::Prompt { .. }
             | ApiError::WorkerInvalidRequest { .. }
             | ApiError::TenantLimit(_)
@@ -405,6 +409,12 @@ mod tests {
             Some("audit_unavailable"),
         );
         check(ApiError::NotFound, 404, INVALID_REQUEST, Some("not_found"));
+        check(
+            ApiError::BodyTimeout { secs: 30 },
+            408,
+            INVALID_REQUEST,
+            Some("timeout"),
+        );
         check(
             ApiError::MethodNotAllowed,
             405,

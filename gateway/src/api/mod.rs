@@ -331,16 +331,22 @@ async fn start(
     if HttpBody::size_hint(&body).lower() > limit as u64 {
         return Err(ApiError::BodyTooLarge { limit });
     }
-    let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
-        let e = e.into_inner();
-        if e.is::<http_body_util::LengthLimitError>() {
-            ApiError::BodyTooLarge { limit }
-        } else {
-            ApiError::BodyUnreadable {
-                reason: e.to_string(),
+    let waited = state.http.body_timeout;
+    let read = tokio::time::timeout(waited, axum::body::to_bytes(body, limit)).await;
+    let bytes = read
+        .map_err(|_| ApiError::BodyTimeout {
+            secs: waited.as_secs(),
+        })?
+        .map_err(|e| {
+            let e = e.into_inner();
+            if e.is::<http_body_util::LengthLimitError>() {
+                ApiError::BodyTooLarge { limit }
+            } else {
+                ApiError::BodyUnreadable {
+                    reason: e.to_string(),
+                }
             }
-        }
-    })?;
+        })?;
     let parsed = match endpoint {
         Endpoint::Chat => Parsed::Chat(parse_chat(&bytes)?),
         Endpoint::Completion => Parsed::Completion(parse_completion(&bytes)?),

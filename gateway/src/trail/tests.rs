@@ -60,6 +60,7 @@ fn table() -> Vec<ApiError> {
         ApiError::PolicyFailed,
         ApiError::PolicyBusy,
         ApiError::Internal,
+        ApiError::BodyTimeout { secs: 1 },
     ]
 }
 
