@@ -294,6 +294,20 @@ mod tests {
     }
 
     #[test]
+    fn a_refusal_says_how_long_until_what_is_missing_has_refilled() {
+        // 60 a minute: one a second. With 1 left, 3 more need 2 s, not 3 or 4.
+        let t0 = Instant::now();
+        let mut b = Bucket::full(60, t0);
+        b.take(59, t0).expect("within the budget");
+        assert_eq!(b.take(3, t0), Err(2));
+        // Asking for more than the whole budget waits for a full bucket, no longer.
+        assert_eq!(b.take(600, t0), Err(59));
+        // Half a token short still waits a whole second.
+        assert_eq!(b.take(1, t0), Ok(()));
+        assert_eq!(b.take(1, t0 + Duration::from_millis(500)), Err(1));
+    }
+
+    #[test]
     fn concurrency_is_capped_and_slots_come_back() {
         let now = Instant::now();
         let mut b = TenantBudget::new(limits(2, 100, 1000), now);

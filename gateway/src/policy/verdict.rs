@@ -198,4 +198,58 @@ mod tests {
         assert!(matches!(tag("Bad Key"), Err(Fault::Garbage(_))));
         assert!(matches!(tag(""), Err(Fault::Garbage(_))));
     }
+
+    /// Each bound takes exactly its limit and refuses one more, on its own.
+    #[test]
+    fn every_bound_takes_its_limit_and_refuses_one_more() {
+        let deny = |len| {
+            check(Verdict::Deny(Denial {
+                status: 403,
+                message: "x".repeat(len),
+            }))
+        };
+        assert!(deny(MAX_MESSAGE).is_ok());
+        assert!(matches!(deny(MAX_MESSAGE + 1), Err(Fault::Garbage(_))));
+
+        let mutations = |tags: usize, headers: usize| {
+            check(allow(|m| {
+                m.tags = (0..tags)
+                    .map(|i| Tag {
+                        key: format!("k{i}"),
+                        value: "v".into(),
+                    })
+                    .collect();
+                m.add_headers = (0..headers)
+                    .map(|i| Header {
+                        name: format!("x-h{i}"),
+                        value: "v".into(),
+                    })
+                    .collect();
+            }))
+        };
+        assert!(mutations(MAX_TAGS, MAX_HEADERS).is_ok());
+        for (tags, headers) in [(MAX_TAGS + 1, 0), (0, MAX_HEADERS + 1)] {
+            assert!(
+                matches!(mutations(tags, headers), Err(Fault::Garbage(_))),
+                "{tags} tags, {headers} headers"
+            );
+        }
+
+        let valued = |value: &str| {
+            check(allow(|m| {
+                m.tags.push(Tag {
+                    key: "k".into(),
+                    value: value.into(),
+                })
+            }))
+        };
+        assert!(valued(&"v".repeat(MAX_TAG_VALUE)).is_ok());
+        for bad in [
+            "v".repeat(MAX_TAG_VALUE + 1),
+            "a\nb".into(),
+            "\u{1b}[31m".into(),
+        ] {
+            assert!(matches!(valued(&bad), Err(Fault::Garbage(_))), "{bad:?}");
+        }
+    }
 }
