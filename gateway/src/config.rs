@@ -7,6 +7,11 @@
 //! [listen]
 //! api = "127.0.0.1:8080"
 //! admin = "127.0.0.1:9090"
+//! tls_cert = "/run/tls/api.pem"     # optional, with tls_key: both listeners take only TLS
+//! tls_key = "/run/tls/api.key"      # (1.2 or 1.3), with this certificate (chain) and key;
+//!                                   # read again every 5 s, so a renewal needs no restart
+//! tls_client_ca = "/run/tls/cl.pem" # optional: clients must also present a certificate
+//!                                   # this CA signed (the API key still names the tenant)
 //!
 //! [admin]
 //! token_sha256 = "…64 hex…"        # sha256 of the admin bearer token
@@ -86,7 +91,9 @@ use std::time::Duration;
 
 use bulkhead_telemetry::{OtlpEndpoint, TelemetryError};
 use bulkhead_worker::serve::cluster_token::{SharedToken, TokenError};
-use bulkhead_worker::serve::tls::{ClusterTls, TlsError, TlsFiles, TlsSettings};
+use bulkhead_worker::serve::tls::{
+    ClusterTls, ListenerFiles, ListenerTls, TlsError, TlsFiles, TlsSettings,
+};
 use serde::Deserialize;
 
 use crate::discovery::{GroupError, RawWorkerGroup, WorkerGroup};
@@ -150,10 +157,12 @@ pub struct TelemetrySettings {
     pub audit_logs: bool,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Listen {
     pub api: SocketAddr,
     pub admin: SocketAddr,
+    /// Both listeners take only TLS connections, with this certificate; `None`: plain HTTP.
+    pub tls: Option<ListenerFiles>,
 }
 
 /// Limits of the HTTP edge, the same for every tenant.
@@ -331,6 +340,12 @@ pub enum ConfigError {
     ClusterToken(#[from] TokenError),
     #[error("cluster: {0}")]
     ClusterTls(#[from] TlsError),
+    #[error("listen: {0}")]
+    ListenTls(TlsError),
+    #[error("listen: tls_cert and tls_key go together (both or neither)")]
+    PartialListenTls,
+    #[error("listen: tls_client_ca needs tls_cert and tls_key")]
+    ClientCaWithoutTls,
     #[error("cluster: tls_ca, tls_cert and tls_key go together (all three or none)")]
     PartialTls,
     #[error("cluster: tls_server_name needs tls_ca, tls_cert and tls_key")]
@@ -458,6 +473,9 @@ fn default_refresh_secs() -> u64 {
 struct RawListen {
     api: SocketAddr,
     admin: SocketAddr,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    tls_client_ca: Option<PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -556,10 +574,7 @@ impl Config {
             });
         }
         Ok(Config {
-            listen: Listen {
-                api: raw.listen.api,
-                admin: raw.listen.admin,
-            },
+            listen: listen(raw.listen)?,
             admin_token,
             http,
             audit,
@@ -581,6 +596,12 @@ impl Config {
         })
     }
 
+    /// The listeners' TLS, read from its files now (like the cluster's, below).
+    pub fn listener_tls(&self) -> Result<Option<ListenerTls>, ConfigError> {
+        let tls = self.listen.tls.as_ref().map(ListenerTls::load);
+        tls.transpose().map_err(ConfigError::ListenTls)
+    }
+
     /// The cluster token and TLS, read from their files now (secrets are mounted where the
     /// process runs, so checking a configuration elsewhere does not need them).
     pub fn cluster_access(&self) -> Result<ClusterAccess, ConfigError> {
@@ -591,6 +612,26 @@ impl Config {
             tls: tls.transpose()?,
         })
     }
+}
+
+fn listen(raw: RawListen) -> Result<Listen, ConfigError> {
+    let tls = match (raw.tls_cert, raw.tls_key) {
+        (Some(cert), Some(key)) => Some(ListenerFiles {
+            cert,
+            key,
+            client_ca: raw.tls_client_ca,
+        }),
+        (None, None) if raw.tls_client_ca.is_some() => {
+            return Err(ConfigError::ClientCaWithoutTls);
+        }
+        (None, None) => None,
+        _ => return Err(ConfigError::PartialListenTls),
+    };
+    Ok(Listen {
+        api: raw.api,
+        admin: raw.admin,
+        tls,
+    })
 }
 
 fn cluster_settings(raw: RawCluster) -> Result<ClusterSettings, ConfigError> {
@@ -1086,6 +1127,61 @@ mod tests {
             e.starts_with("cluster: ") && e.contains("absent.key"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn listener_tls_takes_a_certificate_and_key_and_reads_them_when_needed() {
+        use bulkhead_worker::serve::tls::Authority;
+        let dir = crate::scratch::Scratch::new("listen-tls");
+        let files = Authority::new("test CA")
+            .expect("a CA")
+            .write(&dir.0, "api", &["127.0.0.1".to_owned()])
+            .expect("writes");
+        let with = |listen: &str| {
+            let text = config(&tenant("tenant-a", "k"), WORKER).replacen(
+                "[admin]",
+                &format!("{listen}[admin]"),
+                1,
+            );
+            Config::parse(&text)
+        };
+        let (cert, key, ca) = (
+            format!("tls_cert = {:?}\n", files.cert.display().to_string()),
+            format!("tls_key = {:?}\n", files.key.display().to_string()),
+            format!("tls_client_ca = {:?}\n", files.ca.display().to_string()),
+        );
+        let plain = with("").expect("valid");
+        assert_eq!(plain.listen.tls, None);
+        assert!(plain.listener_tls().expect("nothing to read").is_none());
+        let c = with(&format!("{cert}{key}")).expect("valid");
+        let expected = ListenerFiles {
+            cert: files.cert.clone(),
+            key: files.key.clone(),
+            client_ca: None,
+        };
+        assert_eq!(c.listen.tls.as_ref(), Some(&expected));
+        assert!(c.listener_tls().expect("loads").is_some());
+        let c = with(&format!("{cert}{key}{ca}")).expect("valid");
+        assert_eq!(
+            c.listen.tls.and_then(|t| t.client_ca),
+            Some(files.ca.clone())
+        );
+        for (listen, says) in [
+            (cert.clone(), "tls_cert and tls_key go together"),
+            (key.clone(), "tls_cert and tls_key go together"),
+            (ca.clone(), "tls_client_ca needs tls_cert and tls_key"),
+        ] {
+            let e = with(&listen).expect_err("refused").to_string();
+            assert!(e.contains(says), "{listen}: {e}");
+        }
+        // Parsed without reading; read (and refused by name) when the gateway binds.
+        let absent = format!("{cert}{}", key.replace("api.key", "absent.key"));
+        let e = with(&absent)
+            .expect("valid: the files are read when needed")
+            .listener_tls()
+            .expect_err("no key")
+            .to_string();
+        assert!(e.starts_with("listen: ") && e.contains("absent.key"), "{e}");
     }
 
     #[test]

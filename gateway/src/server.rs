@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use axum::Router;
 use bulkhead_telemetry::AuditExport;
+use bulkhead_worker::serve::tls::ListenerTls;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 
@@ -65,6 +66,8 @@ pub struct BoundGateway {
     groups: Vec<WorkerGroup>,
     /// Threads serving API connections (see [`crate::serving`]).
     threads: NonZeroUsize,
+    /// Both listeners' TLS, when they take only TLS connections.
+    tls: Option<ListenerTls>,
 }
 
 impl BoundGateway {
@@ -97,6 +100,11 @@ impl BoundGateway {
         };
         let api = bind("API", config.listen.api).await?;
         let admin = bind("admin", config.listen.admin).await?;
+        let tls = config.listener_tls()?;
+        if let Some(tls) = &tls {
+            // Followed for as long as the runtime runs.
+            tokio::spawn(tls.clone().follow(bulkhead_worker::serve::RELOAD_EVERY));
+        }
         let cluster = config.cluster_access()?;
         // Followed for as long as the runtime runs.
         tokio::spawn(bulkhead_worker::serve::follow_secrets(
@@ -144,6 +152,7 @@ impl BoundGateway {
             http: config.http,
             groups: config.worker_groups,
             threads: NonZeroUsize::MIN,
+            tls,
         })
     }
 
@@ -213,6 +222,7 @@ impl BoundGateway {
             self.api,
             api_service,
             self.http,
+            self.tls.clone(),
             self.threads,
             stop_rx.clone(),
             Arc::new(self.recorder.clone()),
@@ -221,6 +231,7 @@ impl BoundGateway {
             self.admin,
             TowerToHyperService::new(self.admin_router),
             self.http,
+            self.tls,
             NonZeroUsize::MIN,
             stop_rx,
             Arc::new(()),

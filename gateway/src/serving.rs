@@ -16,10 +16,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::response::Response;
+use bulkhead_worker::serve::tls::ListenerTls;
 use http::Request;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::server::graceful::{GracefulShutdown, Watcher};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
@@ -88,15 +90,17 @@ impl<S> Service for S where
 /// Serves `listener` on `threads` threads until `stop`: the calling runtime accepts and is one
 /// of them (with one thread, the only one); the others are started here, each with a
 /// single-threaded runtime, and have drained and ended when this returns. A thread that
-/// cannot be started is left out (and logged); its connections go to the others. A client
-/// that has not sent its headers within `limits.header_timeout` is disconnected (slowloris),
-/// and so is one that takes no byte of its response for `limits.write_stall_timeout`;
-/// in-flight connections get `limits.drain_timeout` at shutdown. `witness` hears of the
-/// requests still running then (before they are dropped) and of those hyper could not parse.
+/// cannot be started is left out (and logged); its connections go to the others. With `tls`,
+/// every connection starts with its TLS handshake (see [`Connections::serve`]). A client that
+/// has not sent its headers within `limits.header_timeout` is disconnected (slowloris), and so
+/// is one that takes no byte of its response for `limits.write_stall_timeout`; in-flight
+/// connections get `limits.drain_timeout` at shutdown. `witness` hears of the requests still
+/// running then (before they are dropped) and of those hyper could not parse.
 pub async fn serve<S: Service>(
     listener: TcpListener,
     service: S,
     limits: HttpLimits,
+    tls: Option<ListenerTls>,
     threads: NonZeroUsize,
     mut stop: watch::Receiver<bool>,
     witness: Arc<dyn Witness>,
@@ -107,7 +111,11 @@ pub async fn serve<S: Service>(
     }];
     let mut ended = Vec::new();
     for index in 1..threads.get() {
-        match spawn_thread(index, service.clone(), limits, witness.clone()) {
+        let edge = Edge {
+            limits,
+            tls: tls.clone(),
+        };
+        match spawn_thread(index, service.clone(), edge, witness.clone()) {
             Ok((to, done)) => {
                 seats.push(Seat {
                     open: Arc::default(),
@@ -118,7 +126,7 @@ pub async fn serve<S: Service>(
             Err(e) => tracing::error!(error = %e, "an API serving thread did not start"),
         }
     }
-    let mut local = Connections::new(service, limits, witness);
+    let mut local = Connections::new(service, Edge { limits, tls }, witness);
     accept(&listener, &mut stop, |stream| {
         if let Some((stream, open)) = deal(&mut seats, stream) {
             local.serve(stream, open);
@@ -196,7 +204,7 @@ impl Drop for Open {
 fn spawn_thread<S: Service>(
     index: usize,
     service: S,
-    limits: HttpLimits,
+    edge: Edge,
     witness: Arc<dyn Witness>,
 ) -> std::io::Result<(mpsc::UnboundedSender<Dealt>, oneshot::Receiver<()>)> {
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -208,7 +216,7 @@ fn spawn_thread<S: Service>(
         .name(format!("bulkhead-api-{index}"))
         .spawn(move || {
             runtime.block_on(async {
-                let mut connections = Connections::new(service, limits, witness);
+                let mut connections = Connections::new(service, edge, witness);
                 while let Some((std, open)) = from.recv().await {
                     match TcpStream::from_std(std) {
                         Ok(stream) => connections.serve(stream, open),
@@ -224,20 +232,31 @@ fn spawn_thread<S: Service>(
     Ok((to, done))
 }
 
-/// The connections one thread serves: HTTP/1.1 with a header timeout and a write deadline,
-/// each watched so that shutdown can drain them, and held so that it can cut them.
+/// What every connection of a listener gets: the limits, and TLS when it is on.
+#[derive(Clone)]
+struct Edge {
+    limits: HttpLimits,
+    tls: Option<ListenerTls>,
+}
+
+/// The connections one thread serves: HTTP/1.1 with a header timeout and a write deadline
+/// (over TLS when it is on), each watched so that shutdown can drain them, and held so that it
+/// can cut them.
 struct Connections<S> {
     service: S,
     builder: hyper::server::conn::http1::Builder,
     write_stall_timeout: Duration,
     drain_timeout: Duration,
+    /// With the header timeout as the handshake's limit.
+    tls: Option<(ListenerTls, Duration)>,
     witness: Arc<dyn Witness>,
     graceful: GracefulShutdown,
     tasks: JoinSet<()>,
 }
 
 impl<S: Service> Connections<S> {
-    fn new(service: S, limits: HttpLimits, witness: Arc<dyn Witness>) -> Connections<S> {
+    fn new(service: S, edge: Edge, witness: Arc<dyn Witness>) -> Connections<S> {
+        let Edge { limits, tls } = edge;
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder
             .timer(TokioTimer::new())
@@ -247,6 +266,7 @@ impl<S: Service> Connections<S> {
             builder,
             write_stall_timeout: limits.write_stall_timeout,
             drain_timeout: limits.drain_timeout,
+            tls: tls.map(|tls| (tls, limits.header_timeout)),
             witness,
             graceful: GracefulShutdown::new(),
             tasks: JoinSet::new(),
@@ -254,23 +274,33 @@ impl<S: Service> Connections<S> {
     }
 
     /// Serves `stream` on a task of the current runtime; `open` counts it until it closes.
+    /// With TLS, the task first completes the handshake, within the header timeout (a client
+    /// that stalls it is disconnected like one that stalls its headers); a connection whose
+    /// handshake fails is closed, having carried no request.
     fn serve(&mut self, stream: TcpStream, open: Open) {
         // The tasks of connections that have closed are let go of here.
         while self.tasks.try_join_next().is_some() {}
         let _ = stream.set_nodelay(true);
-        let io = TokioIo::new(WriteDeadline::new(stream, self.write_stall_timeout));
-        let connection = self.builder.serve_connection(io, self.service.clone());
-        let connection = self.graceful.watch(connection);
-        let witness = self.witness.clone();
-        self.tasks.spawn(async move {
-            let _open = open;
-            if let Err(e) = connection.await {
-                tracing::debug!(error = %e, "connection ended with an error");
-                if let Some(status) = unparsed(&e) {
-                    witness.unparsed(status);
+        let io = WriteDeadline::new(stream, self.write_stall_timeout);
+        let http = Http {
+            builder: self.builder.clone(),
+            service: self.service.clone(),
+            watcher: self.graceful.watcher(),
+            witness: self.witness.clone(),
+        };
+        match self.tls.clone() {
+            None => self.tasks.spawn(async move {
+                let _open = open;
+                http.serve(io).await;
+            }),
+            Some((tls, limit)) => self.tasks.spawn(async move {
+                let _open = open;
+                match tls.accept(io, limit).await {
+                    Ok(io) => Box::pin(http.serve(io)).await,
+                    Err(e) => tracing::debug!(error = %e, "TLS handshake failed"),
                 }
-            }
-        });
+            }),
+        };
     }
 
     /// Asks every connection to finish its request in flight and close; waits at most the
@@ -291,6 +321,29 @@ impl<S: Service> Connections<S> {
             tracing::warn!("connections still open at shutdown; closing them");
             witness.cut();
             tasks.shutdown().await;
+        }
+    }
+}
+
+/// What serves one connection's HTTP once its bytes are plain.
+struct Http<S> {
+    builder: hyper::server::conn::http1::Builder,
+    service: S,
+    watcher: Watcher,
+    witness: Arc<dyn Witness>,
+}
+
+impl<S: Service> Http<S> {
+    /// Serves the connection's requests until it closes, watched for shutdown.
+    async fn serve<IO: AsyncRead + AsyncWrite + Unpin + Send + 'static>(self, io: IO) {
+        let connection = self
+            .builder
+            .serve_connection(TokioIo::new(io), self.service);
+        if let Err(e) = self.watcher.watch(connection).await {
+            tracing::debug!(error = %e, "connection ended with an error");
+            if let Some(status) = unparsed(&e) {
+                self.witness.unparsed(status);
+            }
         }
     }
 }
@@ -374,10 +427,22 @@ mod tests {
         threads: NonZeroUsize,
         witness: Arc<dyn Witness>,
     ) -> Running {
+        start_with(service, limits, None, threads, witness).await
+    }
+
+    async fn start_with(
+        service: impl Service,
+        limits: HttpLimits,
+        tls: Option<ListenerTls>,
+        threads: NonZeroUsize,
+        witness: Arc<dyn Witness>,
+    ) -> Running {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let (stop, stopped) = watch::channel(false);
-        let task = tokio::spawn(serve(listener, service, limits, threads, stopped, witness));
+        let task = tokio::spawn(serve(
+            listener, service, limits, tls, threads, stopped, witness,
+        ));
         Running { addr, stop, task }
     }
 
@@ -640,5 +705,80 @@ mod tests {
         assert_eq!(here.load(Ordering::Relaxed), 6, "counted here");
         drop(open);
         assert_eq!(here.load(Ordering::Relaxed), 5, "and uncounted when closed");
+    }
+
+    /// A certificate for 127.0.0.1 from a fresh CA, loaded as a listener's TLS; and a client
+    /// trusting that CA. The files are removed once loaded.
+    fn tls_pair() -> (ListenerTls, tokio_rustls::TlsConnector) {
+        use bulkhead_worker::serve::tls::{Authority, ListenerFiles};
+        use tokio_rustls::rustls;
+        use tokio_rustls::rustls::pki_types::CertificateDer;
+        use tokio_rustls::rustls::pki_types::pem::PemObject as _;
+        let dir = std::env::temp_dir().join(format!("bulkhead-serving-{}", rand::random::<u64>()));
+        let ca = Authority::new("test CA").expect("a CA");
+        let files = ca
+            .write(&dir, "api", &["127.0.0.1".to_owned()])
+            .expect("writes");
+        let tls = ListenerTls::load(&ListenerFiles {
+            cert: files.cert,
+            key: files.key,
+            client_ca: None,
+        })
+        .expect("loads");
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut roots = rustls::RootCertStore::empty();
+        let root = CertificateDer::from_pem_slice(ca.ca_pem().as_bytes()).expect("the CA");
+        roots.add(root).expect("a root");
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        (tls, tokio_rustls::TlsConnector::from(Arc::new(client)))
+    }
+
+    /// With TLS, every serving thread serves (each completes the handshakes of the
+    /// connections dealt to it); a client speaking plain HTTP to the port gets no HTTP answer,
+    /// and no request is told of.
+    #[tokio::test(flavor = "current_thread")]
+    async fn over_tls_every_thread_serves_and_plain_http_gets_no_answer() {
+        let (tls, connector) = tls_pair();
+        let told = Arc::new(Told::default());
+        let two = NonZeroUsize::new(2).expect("2");
+        let limits = HttpLimits::default();
+        let serving = start_with(thread_name(), limits, Some(tls), two, told.clone()).await;
+        let mut names = Vec::new();
+        let mut connections = Vec::new();
+        for _ in 0..2 {
+            let socket = TcpStream::connect(serving.addr).await.expect("connect");
+            let name =
+                tokio_rustls::rustls::pki_types::ServerName::try_from("127.0.0.1").expect("a name");
+            let stream = connector.connect(name, socket).await.expect("handshake");
+            let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+                .await
+                .expect("HTTP handshake");
+            tokio::spawn(conn);
+            names.push(served_by(&mut send).await);
+            connections.push(send);
+        }
+        let here = std::thread::current().name().unwrap_or("").to_owned();
+        assert_eq!(names, [here.as_str(), "bulkhead-api-1"]);
+
+        let mut plain = TcpStream::connect(serving.addr).await.expect("connect");
+        tokio::io::AsyncWriteExt::write_all(&mut plain, b"GET / HTTP/1.1\r\nhost: t\r\n\r\n")
+            .await
+            .expect("sends");
+        let mut answer = Vec::new();
+        let _ = tokio::time::timeout(
+            Duration::from_secs(5),
+            tokio::io::AsyncReadExt::read_to_end(&mut plain, &mut answer),
+        )
+        .await
+        .expect("the connection is closed, not kept");
+        assert!(!answer.starts_with(b"HTTP/"), "{answer:?}");
+        assert!(told.unparsed.lock().expect("not poisoned").is_empty());
+        drop(connections);
+        serving.stop(Duration::from_secs(5)).await;
     }
 }

@@ -121,7 +121,7 @@ impl RestartOnly {
             cluster,
         } = config;
         RestartOnly {
-            listen: *listen,
+            listen: listen.clone(),
             admin_token: *admin_token,
             http: *http,
             audit: *audit,

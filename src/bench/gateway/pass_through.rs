@@ -70,7 +70,8 @@ async fn proxy(
     let service = hyper::service::service_fn(move |req| pass(req, authority.clone()));
     // A client gets as long to send its request headers as the gateway gives it by default.
     let limits = HttpLimits::default();
-    bulkhead_gateway::serving::serve(listener, service, limits, threads, stop, Arc::new(())).await;
+    bulkhead_gateway::serving::serve(listener, service, limits, None, threads, stop, Arc::new(()))
+        .await;
     Ok(())
 }
 

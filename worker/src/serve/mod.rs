@@ -47,6 +47,7 @@ pub use actor::{CancelOnDrop, EngineHandle, EngineStats, EngineThread, Submissio
 pub use cluster_token::{ClusterToken, SharedToken};
 pub use disagg::PrefillPeer;
 pub use error::{ServeError, ValidationError, codes, status};
+pub use followed::RELOAD_EVERY;
 pub use metrics::{Metrics, Outcome};
 pub use service::{GenerateStream, ServiceRole, WorkerService};
 pub use tls::ClusterTls;

@@ -27,6 +27,7 @@
 
 mod authority;
 mod grpc;
+mod listener;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -43,6 +44,7 @@ use tokio_rustls::{TlsAcceptor, TlsConnector, client, server};
 
 pub use authority::{Authority, WriteError};
 pub use grpc::{EndpointError, WorkerEndpoint, endpoint};
+pub use listener::{ListenerFiles, ListenerTls};
 
 use super::followed::Followed;
 use super::secret_file::{self, SecretFileError};
@@ -199,6 +201,50 @@ fn certificates(
     Ok(certs)
 }
 
+/// The private key in `pem`, read from `path`.
+fn private_key(path: &Path, pem: &[u8]) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_slice(pem).map_err(|_| TlsError::NoKey {
+        path: path.display().to_string(),
+    })
+}
+
+/// The CA certificates in `pem`, read from `path`, as the only roots a peer's certificate may
+/// chain to.
+fn trust_anchors(path: &Path, pem: &[u8]) -> Result<Arc<RootCertStore>, TlsError> {
+    let mut roots = RootCertStore::empty();
+    for cert in certificates("TLS CA", path, pem)? {
+        roots.add(cert).map_err(|e| bad_ca(path, e))?;
+    }
+    Ok(Arc::new(roots))
+}
+
+/// A server's check of its clients: a certificate that chains to `roots` (read from `ca`).
+fn client_verifier(
+    ca: &Path,
+    roots: &Arc<RootCertStore>,
+    provider: Arc<CryptoProvider>,
+) -> Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, TlsError> {
+    WebPkiClientVerifier::builder_with_provider(roots.clone(), provider)
+        .build()
+        .map_err(|e| bad_ca(ca, e))
+}
+
+fn bad_ca(path: &Path, reason: impl std::fmt::Display) -> TlsError {
+    TlsError::BadCa {
+        path: path.display().to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+/// The certificate at `cert` does not go with the key at `key`.
+fn mismatch(cert: &Path, key: &Path, e: rustls::Error) -> TlsError {
+    TlsError::Mismatch {
+        cert: cert.display().to_string(),
+        key: key.display().to_string(),
+        reason: e.to_string(),
+    }
+}
+
 impl Read {
     /// The files' bytes, the key's only if other users cannot open it.
     fn from_files(files: &TlsFiles) -> Result<Read, TlsError> {
@@ -219,31 +265,12 @@ impl Loaded {
 
     /// The ends made from `read`, the bytes of `files`.
     fn parse(files: &TlsFiles, read: Read) -> Result<Loaded, TlsError> {
-        let ca = certificates("TLS CA", &files.ca, &read.ca)?;
+        let roots = trust_anchors(&files.ca, &read.ca)?;
         let chain = certificates("TLS certificate", &files.cert, &read.cert)?;
-        let no_key = || TlsError::NoKey {
-            path: files.key.display().to_string(),
-        };
-        let key = PrivateKeyDer::from_pem_slice(&read.key).map_err(|_| no_key())?;
-
-        let bad_ca = |reason: String| TlsError::BadCa {
-            path: files.ca.display().to_string(),
-            reason,
-        };
-        let mut roots = RootCertStore::empty();
-        for cert in ca {
-            roots.add(cert).map_err(|e| bad_ca(e.to_string()))?;
-        }
-        let roots = Arc::new(roots);
-        let mismatch = |e: rustls::Error| TlsError::Mismatch {
-            cert: files.cert.display().to_string(),
-            key: files.key.display().to_string(),
-            reason: e.to_string(),
-        };
+        let key = private_key(&files.key, &read.key)?;
+        let mismatch = |e| mismatch(&files.cert, &files.key, e);
         let ends = |alpn: &[u8]| -> Result<Ends, TlsError> {
-            let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
-                .build()
-                .map_err(|e| bad_ca(e.to_string()))?;
+            let verifier = client_verifier(&files.ca, &roots, provider())?;
             let mut server = tls13(ServerConfig::builder_with_provider(provider()))
                 .with_client_cert_verifier(verifier)
                 .with_single_cert(chain.clone(), key.clone_key())
@@ -399,7 +426,7 @@ mod tests {
         (dir, files)
     }
 
-    mod tempdir {
+    pub(super) mod tempdir {
         /// A directory removed when dropped.
         pub struct Dir(pub std::path::PathBuf);
         impl Dir {
