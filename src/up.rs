@@ -14,7 +14,7 @@ use bulkhead_gateway::tenants::ConfigFile;
 use bulkhead_gateway::{BoundGateway, Config};
 use bulkhead_worker::serve::ClusterToken;
 use bulkhead_worker::serve::cluster_token;
-use bulkhead_worker::serve::tls::{Authority, TlsFiles, TlsSettings};
+use bulkhead_worker::serve::tls::{Authority, ListenerFiles, TlsFiles, TlsSettings};
 use tokio::process::{Child, Command};
 
 use crate::child;
@@ -25,8 +25,8 @@ use crate::telemetry::Service;
 const DEFAULT_CONFIG: &str = include_str!("../deploy/local/gateway.toml");
 /// The cluster token's file in the data directory (owner-only; rewritten at every start).
 const CLUSTER_TOKEN_FILE: &str = "cluster-token";
-/// With `--tls`: the directory in the data directory for the CA and each process's
-/// certificate and key (made anew at every start).
+/// With `--tls` or `--https`: the directory in the data directory for the CA and each
+/// process's certificate and key (made anew at every start).
 const TLS_DIR: &str = "tls";
 /// How long the worker may take to load the model and bind.
 const WORKER_START_LIMIT: Duration = Duration::from_secs(120);
@@ -41,6 +41,7 @@ pub mod env {
     pub const PREFILL_KV_TOKENS: &str = "BULKHEAD_PREFILL_KV_TOKENS";
     pub const DECODE_KV_TOKENS: &str = "BULKHEAD_DECODE_KV_TOKENS";
     pub const TLS: &str = "BULKHEAD_UP_TLS";
+    pub const HTTPS: &str = "BULKHEAD_UP_HTTPS";
 }
 
 /// What `up` starts, from the configuration's workers.
@@ -101,6 +102,11 @@ pub struct Args {
     /// every start.
     #[arg(long, env = env::TLS)]
     tls: bool,
+    /// The API and admin ports take only TLS (HTTPS), with a certificate for 127.0.0.1 and
+    /// localhost from a fresh CA in DATA_DIR/tls (clients trust DATA_DIR/tls/ca.pem), at every
+    /// start. With --tls, the same CA.
+    #[arg(long, env = env::HTTPS)]
+    https: bool,
     #[command(flatten)]
     data_dir: crate::data_dir::DataDir,
     #[command(flatten)]
@@ -139,22 +145,41 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     let token_file = data_dir.join(CLUSTER_TOKEN_FILE);
     write_cluster_token(&token_file)?;
     config.cluster.token_file = Some(token_file.clone());
-    // With --tls, a fresh CA each start, as for the token; each process gets its own
-    // certificate from it.
-    let tls = if args.tls {
+    // With --tls or --https, a fresh CA each start, as for the token; each process (and the
+    // gateway's listeners) gets its own certificate from it.
+    let local_ca = if args.tls || args.https {
         Some(LocalTls::new(data_dir.join(TLS_DIR))?)
     } else {
         None
     };
-    if let Some(tls) = &tls {
+    let tls = local_ca.as_ref().filter(|_| args.tls);
+    if let Some(tls) = tls {
         config.cluster.tls = Some(TlsSettings {
             files: tls.issue("gateway")?,
             server_name: None,
         });
     }
+    if let Some(ca) = local_ca.as_ref().filter(|_| args.https) {
+        let files = ca.issue("api")?;
+        config.listen.tls = Some(ListenerFiles {
+            cert: files.cert,
+            key: files.key,
+            client_ca: None,
+        });
+    }
+    let scheme = if config.listen.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    // How curl trusts the listeners' CA, when up made it.
+    let cacert = match local_ca.as_ref().filter(|_| args.https) {
+        Some(ca) => format!("--cacert {} ", ca.dir.join("ca.pem").display()),
+        None => String::new(),
+    };
     let secrets = Secrets {
         token_file: &token_file,
-        tls: tls.as_ref(),
+        tls,
     };
 
     crate::runtime::main()?.block_on(async move {
@@ -185,14 +210,14 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
             .iter()
             .map(|w| format!("{role}={} {role}_pid={}", w.grpc, w.child.id().unwrap_or(0), role = w.role))
             .collect();
-        println!("bulkhead up ready api=http://{api} admin=http://{admin} {}", listing.join(" "));
+        println!("bulkhead up ready api={scheme}://{api} admin={scheme}://{admin} {}", listing.join(" "));
         println!(
-            "\nBulkhead is serving an OpenAI-compatible API at http://{api}/v1\n\
+            "\nBulkhead is serving an OpenAI-compatible API at {scheme}://{api}/v1\n\
              Try (the keys are demo-only):\n\n  \
-             curl http://{api}/v1/chat/completions \\\n    \
+             curl {cacert}{scheme}://{api}/v1/chat/completions \\\n    \
              -H 'Authorization: Bearer sk-demo-tenant-a' -H 'Content-Type: application/json' \\\n    \
              -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is 2+2?\"}}], \"max_tokens\": 32}}'\n\n\
-             Metrics: curl -H 'Authorization: Bearer sk-demo-admin' http://{admin}/metrics\n\
+             Metrics: curl {cacert}-H 'Authorization: Bearer sk-demo-admin' {scheme}://{admin}/metrics\n\
              Ctrl-C stops the gateway and the workers."
         );
         if let Some(tls) = secrets.tls {
@@ -245,7 +270,8 @@ struct Secrets<'a> {
     tls: Option<&'a LocalTls>,
 }
 
-/// `up --tls`'s CA, issuing certificates for 127.0.0.1 into `dir`.
+/// `up --tls`'s and `--https`'s CA, issuing certificates for 127.0.0.1 and localhost into
+/// `dir`.
 struct LocalTls {
     ca: Authority,
     dir: PathBuf,
@@ -260,7 +286,11 @@ impl LocalTls {
     /// The files of a certificate for the process called `name`.
     fn issue(&self, name: &str) -> anyhow::Result<TlsFiles> {
         self.ca
-            .write(&self.dir, name, &["127.0.0.1".to_owned()])
+            .write(
+                &self.dir,
+                name,
+                &["127.0.0.1".to_owned(), "localhost".to_owned()],
+            )
             .with_context(|| format!("writing {name}'s certificate to {}", self.dir.display()))
     }
 }

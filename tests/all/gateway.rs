@@ -536,6 +536,35 @@ fn the_workers_answer_only_calls_that_present_the_cluster_token() {
     });
 }
 
+/// `bulkhead up --https`: the API and admin ports take only TLS. The official `openai` client,
+/// trusting up's CA, is served over it (models, chat, a stream), and so is the admin port; a
+/// client that does not trust the CA gets no connection, and plain HTTP to either port gets no
+/// HTTP answer.
+#[test]
+fn with_https_the_openai_client_is_served_over_tls_and_plain_http_is_not() {
+    bounded(|| {
+        let up = Up::start(&["--https"]);
+        let ca = up.data_dir.join("tls/ca.pem");
+        let out = Command::new(python())
+            .arg(repo().join("tests/clients/openai_tls.py"))
+            .args([&up.api, &up.admin])
+            .arg(&ca)
+            .args([KEY_A, ADMIN])
+            .output()
+            .expect("python runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "openai_tls.py failed:\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.contains("PASS plain HTTP to the admin port gets no HTTP answer"),
+            "{stdout}"
+        );
+    });
+}
+
 /// `bulkhead up --tls`: the gateway, decode and prefill speak mutual TLS on every hop (gRPC
 /// and the KV data plane), so a disaggregated request is served only if all of them work; a
 /// caller that holds the cluster token but speaks plain TCP, or presents a certificate another

@@ -211,8 +211,15 @@ impl Up {
         for field in ready.split_whitespace() {
             let (k, v) = field.split_once('=').expect("key=value");
             match k {
-                "api" => up.api = v.trim_start_matches("http://").to_owned(),
-                "admin" => up.admin = v.trim_start_matches("http://").to_owned(),
+                "api" | "admin" => {
+                    let (_, addr) = v.split_once("://").expect("a URL");
+                    let field = if k == "api" {
+                        &mut up.api
+                    } else {
+                        &mut up.admin
+                    };
+                    *field = addr.to_owned();
+                }
                 // The worker requests are routed to: a colocated one, or the decode worker.
                 "both" | "decode" => up.worker = v.to_owned(),
                 "both_pid" | "decode_pid" => up.worker_pid = v.parse().expect("a pid"),
