@@ -32,6 +32,8 @@ pub struct Args {
     /// `tls_*` (the same flags and variables as `bulkhead worker`'s).
     #[command(flatten)]
     tls: crate::tls_args::TlsArgs,
+    #[command(flatten)]
+    listen_tls: crate::tls_args::ListenTlsArgs,
 }
 
 impl Args {
@@ -41,6 +43,9 @@ impl Args {
             .with_context(|| format!("invalid configuration {}", self.config.display()))?;
         if let Some(tls) = self.tls.settings() {
             config.cluster.tls = Some(tls);
+        }
+        if let Some(files) = self.listen_tls.files() {
+            config.listen.tls = Some(files);
         }
         Ok((config, file))
     }

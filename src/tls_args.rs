@@ -1,10 +1,10 @@
 //! The mutual-TLS flags every process of a deployment takes (`bulkhead worker`, `gateway`,
 //! `preflight`), under the same names and environment variables, so one set of settings
-//! serves every pod.
+//! serves every pod; and the gateway's flags for TLS on its own listeners.
 
 use std::path::PathBuf;
 
-use bulkhead_worker::serve::tls::{TlsFiles, TlsSettings};
+use bulkhead_worker::serve::tls::{ListenerFiles, TlsFiles, TlsSettings};
 
 /// Environment variables, one per flag.
 pub mod env {
@@ -12,6 +12,9 @@ pub mod env {
     pub const TLS_CERT: &str = "BULKHEAD_TLS_CERT";
     pub const TLS_KEY: &str = "BULKHEAD_TLS_KEY";
     pub const TLS_SERVER_NAME: &str = "BULKHEAD_TLS_SERVER_NAME";
+    pub const LISTEN_TLS_CERT: &str = "BULKHEAD_LISTEN_TLS_CERT";
+    pub const LISTEN_TLS_KEY: &str = "BULKHEAD_LISTEN_TLS_KEY";
+    pub const LISTEN_TLS_CLIENT_CA: &str = "BULKHEAD_LISTEN_TLS_CLIENT_CA";
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -50,6 +53,35 @@ impl TlsArgs {
                 key: key.clone(),
             },
             server_name: self.tls_server_name.clone(),
+        })
+    }
+}
+
+/// TLS on the gateway's API and admin ports; given, it replaces `[listen]`'s `tls_*`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ListenTlsArgs {
+    /// The certificate (chain, PEM) both listeners serve; with --listen-tls-key they take only
+    /// TLS. Read again every 5 s: a renewal needs no restart.
+    #[arg(long, env = env::LISTEN_TLS_CERT, requires = "listen_tls_key")]
+    listen_tls_cert: Option<PathBuf>,
+    /// Its private key (PEM; other users may not open the file).
+    #[arg(long, env = env::LISTEN_TLS_KEY, requires = "listen_tls_cert")]
+    listen_tls_key: Option<PathBuf>,
+    /// Clients must also present a certificate this CA (PEM) signed.
+    #[arg(long, env = env::LISTEN_TLS_CLIENT_CA, requires = "listen_tls_cert")]
+    listen_tls_client_ca: Option<PathBuf>,
+}
+
+impl ListenTlsArgs {
+    /// The files the flags name, if they name any.
+    pub fn files(&self) -> Option<ListenerFiles> {
+        let (Some(cert), Some(key)) = (&self.listen_tls_cert, &self.listen_tls_key) else {
+            return None;
+        };
+        Some(ListenerFiles {
+            cert: cert.clone(),
+            key: key.clone(),
+            client_ca: self.listen_tls_client_ca.clone(),
         })
     }
 }

@@ -565,6 +565,70 @@ fn with_https_the_openai_client_is_served_over_tls_and_plain_http_is_not() {
     });
 }
 
+/// Python: the answers to `GET /healthz` at ADDR (argv 1) over TLS trusting CA (argv 2), then
+/// over plain HTTP, with the bearer token argv 3: a status, or the error's name, a line each.
+const HEALTHZ_TLS_AND_PLAIN: &str = r"
+import http.client, ssl, sys
+host, port = sys.argv[1].rsplit(':', 1)
+trusting = ssl.create_default_context(cafile=sys.argv[2])
+for conn in (http.client.HTTPSConnection(host, int(port), timeout=10, context=trusting),
+             http.client.HTTPConnection(host, int(port), timeout=10)):
+    try:
+        conn.request('GET', '/healthz', headers={'Authorization': 'Bearer ' + sys.argv[3]})
+        print(conn.getresponse().status)
+    except (http.client.HTTPException, OSError) as e:
+        print(type(e).__name__)
+";
+
+/// `bulkhead gateway`'s listener TLS flags, here through their environment variables (as
+/// `deploy/k8s/overlays/tls` sets them), put a gateway whose configuration has no TLS on TLS:
+/// its admin port answers over TLS to a client trusting the CA, and plain HTTP not at all.
+#[test]
+fn the_gateways_listen_tls_flags_put_its_ports_on_tls() {
+    use bulkhead_worker::serve::tls::Authority;
+    bounded(|| {
+        let dir = TempDir::new("listen-tls");
+        let files = Authority::new("test CA")
+            .expect("a CA")
+            .write(&dir.0.join("tls"), "api", &["127.0.0.1".to_owned()])
+            .expect("writes");
+        let replace = [
+            ("127.0.0.1:8080", "127.0.0.1:0"),
+            ("127.0.0.1:9090", "127.0.0.1:0"),
+        ];
+        let config = crate::up::test_config(&dir.0, &replace, "");
+        let (cert, key) = (
+            files.cert.display().to_string(),
+            files.key.display().to_string(),
+        );
+        let gateway = crate::cluster::Gateway::start(
+            &config,
+            &dir.0.join("data"),
+            &[
+                ("BULKHEAD_LISTEN_TLS_CERT", &cert),
+                ("BULKHEAD_LISTEN_TLS_KEY", &key),
+            ],
+        );
+        let out = Command::new(python())
+            .args(["-c", HEALTHZ_TLS_AND_PLAIN, &gateway.admin])
+            .arg(&files.ca)
+            .arg(ADMIN)
+            .output()
+            .expect("python runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let answers: Vec<&str> = stdout.lines().collect();
+        assert_eq!(
+            answers.len(),
+            2,
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // No worker runs: not healthy, but answered over TLS.
+        assert_eq!(answers[0], "503", "over TLS: {stdout}");
+        assert!(answers[1].parse::<u16>().is_err(), "plain HTTP: {stdout}");
+    });
+}
+
 /// `bulkhead up --tls`: the gateway, decode and prefill speak mutual TLS on every hop (gRPC
 /// and the KV data plane), so a disaggregated request is served only if all of them work; a
 /// caller that holds the cluster token but speaks plain TCP, or presents a certificate another
