@@ -565,16 +565,17 @@ fn with_https_the_openai_client_is_served_over_tls_and_plain_http_is_not() {
     });
 }
 
-/// Python: the answers to `GET /healthz` at ADDR (argv 1) over TLS trusting CA (argv 2), then
-/// over plain HTTP, with the bearer token argv 3: a status, or the error's name, a line each.
-const HEALTHZ_TLS_AND_PLAIN: &str = r"
+/// Python: the answers to `GET PATH` (argv 4) at ADDR (argv 1) over TLS trusting CA (argv 2),
+/// then over plain HTTP, with the bearer token argv 3: a status, or the error's name, a line
+/// each.
+const GET_OVER_TLS_AND_PLAIN: &str = r"
 import http.client, ssl, sys
 host, port = sys.argv[1].rsplit(':', 1)
 trusting = ssl.create_default_context(cafile=sys.argv[2])
 for conn in (http.client.HTTPSConnection(host, int(port), timeout=10, context=trusting),
              http.client.HTTPConnection(host, int(port), timeout=10)):
     try:
-        conn.request('GET', '/healthz', headers={'Authorization': 'Bearer ' + sys.argv[3]})
+        conn.request('GET', sys.argv[4], headers={'Authorization': 'Bearer ' + sys.argv[3]})
         print(conn.getresponse().status)
     except (http.client.HTTPException, OSError) as e:
         print(type(e).__name__)
@@ -582,7 +583,7 @@ for conn in (http.client.HTTPSConnection(host, int(port), timeout=10, context=tr
 
 /// `bulkhead gateway`'s listener TLS flags, here through their environment variables (as
 /// `deploy/k8s/overlays/tls` sets them), put a gateway whose configuration has no TLS on TLS:
-/// its admin port answers over TLS to a client trusting the CA, and plain HTTP not at all.
+/// both ports answer over TLS to a client trusting the CA, and plain HTTP not at all.
 #[test]
 fn the_gateways_listen_tls_flags_put_its_ports_on_tls() {
     use bulkhead_worker::serve::tls::Authority;
@@ -609,23 +610,29 @@ fn the_gateways_listen_tls_flags_put_its_ports_on_tls() {
                 ("BULKHEAD_LISTEN_TLS_KEY", &key),
             ],
         );
-        let out = Command::new(python())
-            .args(["-c", HEALTHZ_TLS_AND_PLAIN, &gateway.admin])
-            .arg(&files.ca)
-            .arg(ADMIN)
-            .output()
-            .expect("python runs");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let answers: Vec<&str> = stdout.lines().collect();
-        assert_eq!(
-            answers.len(),
-            2,
-            "{stdout}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        // No worker runs: not healthy, but answered over TLS.
-        assert_eq!(answers[0], "503", "over TLS: {stdout}");
-        assert!(answers[1].parse::<u16>().is_err(), "plain HTTP: {stdout}");
+        let get = |addr: &str, token: &str, path: &str| {
+            let out = Command::new(python())
+                .args(["-c", GET_OVER_TLS_AND_PLAIN, addr])
+                .arg(&files.ca)
+                .args([token, path])
+                .output()
+                .expect("python runs");
+            let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+            let answers: Vec<String> = stdout.lines().map(str::to_owned).collect();
+            assert_eq!(
+                answers.len(),
+                2,
+                "{stdout}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(answers[1].parse::<u16>().is_err(), "plain HTTP: {stdout}");
+            answers[0].clone()
+        };
+        // No worker runs: not healthy, and no model to describe (503, like the chat routes),
+        // but answered over TLS; the list of models is empty.
+        assert_eq!(get(&gateway.admin, ADMIN, "/healthz"), "503");
+        assert_eq!(get(&gateway.api, KEY_A, "/v1/models/smollm2"), "503");
+        assert_eq!(get(&gateway.api, KEY_A, "/v1/models"), "200");
     });
 }
 

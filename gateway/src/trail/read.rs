@@ -53,17 +53,18 @@ struct Paging {
     limit: usize,
 }
 
+/// The paging parameters of a query string, its names and values percent-decoded (as any
+/// client may encode them).
 fn parse_paging(query: Option<&str>) -> Result<Paging, RequestError> {
     let (mut since, mut limit) = (None, None);
-    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+    for (key, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
         let number = |field: &str| {
             value.parse::<u64>().map_err(|_| RequestError::WrongType {
                 field: field.to_owned(),
                 expected: "a non-negative integer",
             })
         };
-        match key {
+        match &*key {
             "since" => once(&mut since, number("since")?, "since")?,
             "limit" => {
                 let n = number("limit")?;
@@ -192,6 +193,11 @@ mod tests {
         );
         assert_eq!(
             parse_paging(Some("since=7&limit=3")),
+            Ok(Paging { since: 7, limit: 3 })
+        );
+        // Names and values percent-decoded, as any client may send them.
+        assert_eq!(
+            parse_paging(Some("%6cimit=%33&since=%37")),
             Ok(Paging { since: 7, limit: 3 })
         );
         assert!(parse_paging(Some("limit=0")).is_err());
