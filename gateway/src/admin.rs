@@ -11,6 +11,7 @@ use axum::extract::{FromRef, Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use bulkhead_worker::serve::tls::ListenerTls;
 use http::StatusCode;
 use http::header::{AUTHORIZATION, CONTENT_TYPE};
 use serde_json::json;
@@ -30,6 +31,8 @@ pub struct AdminState {
     pub tenants: Tenants,
     pub recorder: Recorder,
     pub policies: Policies,
+    /// The listeners' TLS, when on (its handshake counts are metrics).
+    pub tls: Option<ListenerTls>,
 }
 
 impl FromRef<AdminState> for Recorder {
@@ -103,6 +106,9 @@ async fn metrics(State(state): State<AdminState>) -> Response {
         .metrics
         .render(&state.tenants.current(), &state.workers);
     state.policies.render_metrics(&mut text);
+    if let Some(tls) = &state.tls {
+        crate::metrics::render_handshakes(&mut text, tls.handshakes());
+    }
     state.tenants.render_metrics(&mut text);
     ([(CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }

@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use bulkhead_worker::serve::tls::Handshakes;
 use thread_local::ThreadLocal;
 
 use crate::histogram::Scale;
@@ -214,6 +215,29 @@ impl Metrics {
             );
         }
         out
+    }
+}
+
+/// The listeners' TLS handshakes by how they ended (see [`Handshakes`]).
+pub fn render_handshakes(out: &mut String, h: Handshakes) {
+    family(
+        out,
+        "bulkhead_gateway_tls_handshakes_total",
+        "counter",
+        "TLS handshakes on the API and admin ports by how they ended: completed, refused (by \
+         TLS: no common version or protocol, the client's alert, its certificate), closed (by \
+         the client first), timed_out.",
+    );
+    for (result, n) in [
+        ("completed", h.completed),
+        ("refused", h.refused),
+        ("closed", h.closed),
+        ("timed_out", h.timed_out),
+    ] {
+        let _ = writeln!(
+            out,
+            "bulkhead_gateway_tls_handshakes_total{{result=\"{result}\"}} {n}"
+        );
     }
 }
 

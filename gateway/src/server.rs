@@ -135,6 +135,7 @@ impl BoundGateway {
                 tenants: tenants.clone(),
                 recorder: recorder.clone(),
                 policies: policies.clone(),
+                tls: tls.clone(),
             },
             config.admin_token,
         );

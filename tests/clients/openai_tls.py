@@ -23,11 +23,27 @@ def check(name, ok, detail=""):
         sys.exit(1)
 
 
-def status_over_tls(addr, path, token, context):
+def get_over_tls(addr, path, token, context):
+    """(status, body) of GET `path` at `addr` over TLS."""
     host, port = addr.rsplit(":", 1)
     conn = http.client.HTTPSConnection(host, int(port), context=context, timeout=10)
     conn.request("GET", path, headers={"Authorization": f"Bearer {token}"})
-    return conn.getresponse().status
+    response = conn.getresponse()
+    return response.status, response.read().decode()
+
+
+def status_over_tls(addr, path, token, context):
+    return get_over_tls(addr, path, token, context)[0]
+
+
+def handshakes(metrics):
+    """The TLS handshake counts in a /metrics text, by result."""
+    counts = {}
+    for line in metrics.splitlines():
+        if line.startswith("bulkhead_gateway_tls_handshakes_total{"):
+            labels, value = line.rsplit(" ", 1)
+            counts[labels.split('"')[1]] = int(value)
+    return counts
 
 
 def plain_http_answer(addr):
@@ -83,6 +99,15 @@ def main():
     for name, addr in (("API", api), ("admin", admin)):
         answer = plain_http_answer(addr)
         check(f"plain HTTP to the {name} port gets no HTTP answer", not isinstance(answer, int), repr(answer))
+
+    # The refusals are counted: the untrusting client's alert and the two plain requests.
+    _, metrics = get_over_tls(admin, "/metrics", admin_token, trusting)
+    counts = handshakes(metrics)
+    check(
+        "the handshakes are counted by how they ended",
+        counts.get("completed", 0) >= 3 and counts.get("refused", 0) >= 3,
+        repr(counts),
+    )
 
 
 main()

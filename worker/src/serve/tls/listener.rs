@@ -12,10 +12,13 @@
 //! failing later on a protocol it did not expect.
 //!
 //! The files are followed like the deployment's ([`ListenerTls::follow`]): a renewed
-//! certificate is served from the next connection on, with no restart.
+//! certificate is served from the next connection on, with no restart. Handshakes are counted
+//! by how they ended ([`Handshakes`]), for the gateway's metrics: a certificate clients stopped
+//! trusting shows as refusals before anyone reports it.
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -47,6 +50,30 @@ pub struct ListenerFiles {
 pub struct ListenerTls {
     current: Followed<Served>,
     files: Arc<ListenerFiles>,
+    counted: Arc<Counted>,
+}
+
+/// How many handshakes ended each way, since the listener's TLS was loaded.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Handshakes {
+    /// Completed: the connection carries HTTP.
+    pub completed: u64,
+    /// Refused by TLS: no common version, suite or protocol (ALPN), a client's alert (it does
+    /// not trust the certificate), a missing or unknown client certificate, not TLS at all.
+    pub refused: u64,
+    /// The client closed or reset the connection before the handshake ended (a TCP probe).
+    pub closed: u64,
+    /// Not finished within its limit.
+    pub timed_out: u64,
+}
+
+/// The counts as they are updated.
+#[derive(Debug, Default)]
+struct Counted {
+    completed: AtomicU64,
+    refused: AtomicU64,
+    closed: AtomicU64,
+    timed_out: AtomicU64,
 }
 
 impl std::fmt::Debug for ListenerTls {
@@ -128,6 +155,7 @@ impl ListenerTls {
         Ok(ListenerTls {
             current: Followed::new(Served::read(files)?),
             files: Arc::new(files.clone()),
+            counted: Arc::default(),
         })
     }
 
@@ -149,14 +177,36 @@ impl ListenerTls {
     }
 
     /// The handshake on an accepted connection, within `limit`: a client that stalls it (or
-    /// never starts it) holds the connection no longer.
+    /// never starts it) holds the connection no longer. Counted by how it ended.
     pub async fn accept<IO: AsyncRead + AsyncWrite + Unpin>(
         &self,
         io: IO,
         limit: Duration,
     ) -> std::io::Result<server::TlsStream<IO>> {
         let acceptor = self.current.current().acceptor.clone();
-        within(limit, acceptor.accept(io)).await
+        let ended = within(limit, acceptor.accept(io)).await;
+        let c = &self.counted;
+        let count = match &ended {
+            Ok(_) => &c.completed,
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => &c.timed_out,
+            // rustls's own errors (and the peer's alerts) come as invalid data.
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => &c.refused,
+            Err(_) => &c.closed,
+        };
+        count.fetch_add(1, Ordering::Relaxed);
+        ended
+    }
+
+    /// How the handshakes have ended so far (every clone's).
+    pub fn handshakes(&self) -> Handshakes {
+        let c = &self.counted;
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        Handshakes {
+            completed: n(&c.completed),
+            refused: n(&c.refused),
+            closed: n(&c.closed),
+            timed_out: n(&c.timed_out),
+        }
     }
 }
 
@@ -290,7 +340,7 @@ mod tests {
         let ca = Authority::new("public CA").expect("a CA");
         let (_, files) = issued(&ca, &dir.0);
         let tls = ListenerTls::load(&files).expect("loads");
-        let addr = listening(tls, Duration::from_secs(5)).await;
+        let addr = listening(tls.clone(), Duration::from_secs(5)).await;
 
         let http1 = b"http/1.1".to_vec();
         let client = Client::trusting(&ca);
@@ -321,6 +371,24 @@ mod tests {
         assert_eq!(h2_only.admitted(addr).await, None);
         let stranger = Authority::new("another CA").expect("a CA");
         assert_eq!(Client::trusting(&stranger).admitted(addr).await, None);
+        drop(TcpStream::connect(addr).await.expect("connects"));
+        let expected = Handshakes {
+            completed: 3,
+            refused: 2,
+            closed: 1,
+            timed_out: 0,
+        };
+        for _ in 0..100 {
+            if tls.handshakes() == expected {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            tls.handshakes(),
+            expected,
+            "h2 only and another CA refused, a probe closed"
+        );
     }
 
     /// With a client CA, a client must present a certificate that CA signed: none, or one of
@@ -365,7 +433,7 @@ mod tests {
         let ca = Authority::new("public CA").expect("a CA");
         let (_, files) = issued(&ca, &dir.0);
         let tls = ListenerTls::load(&files).expect("loads");
-        let addr = listening(tls, Duration::from_millis(300)).await;
+        let addr = listening(tls.clone(), Duration::from_millis(300)).await;
         for sent in [&b""[..], &[0x16, 0x03, 0x01, 0x01, 0x00, 0x01][..]] {
             let mut socket = TcpStream::connect(addr).await.expect("connects");
             socket.write_all(sent).await.expect("sends");
@@ -376,6 +444,7 @@ mod tests {
             assert!(ended.is_ok(), "still connected after 5 s ({sent:?})");
             assert!(started.elapsed() >= Duration::from_millis(250), "{sent:?}");
         }
+        assert_eq!(tls.handshakes().timed_out, 2);
     }
 
     /// A renewal (here from another CA) is served to every connection made after the next
