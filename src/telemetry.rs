@@ -32,11 +32,24 @@ pub struct OtlpArgs {
     pub otlp_endpoint: Option<OtlpEndpoint>,
 }
 
+/// The stderr log's filter: `spec` (`BULKHEAD_LOG`, or the default level) with rustls held
+/// to errors unless `spec` names it. rustls logs what a peer sends it — alerts, a refused
+/// renegotiation — as warnings, so anyone who can open a connection to a TLS port could fill
+/// the log; the gateway counts its handshakes on `/metrics` and logs a failed one at debug.
+fn log_directives(spec: &str) -> String {
+    if spec.contains("rustls") {
+        spec.to_owned()
+    } else {
+        format!("{spec},rustls=error")
+    }
+}
+
 /// Installs the stderr log (`BULKHEAD_LOG`, else `default_level`) and, with `export`, the
 /// export of that service's telemetry.
 pub fn install(default_level: &str, export: Option<(Service, Otlp)>) -> anyhow::Result<Telemetry> {
-    let log_filter = tracing_subscriber::EnvFilter::try_from_env(env::LOG)
-        .unwrap_or_else(|_| default_level.into());
+    let spec = std::env::var(env::LOG).unwrap_or_else(|_| default_level.to_owned());
+    let log_filter = tracing_subscriber::EnvFilter::try_new(log_directives(&spec))
+        .unwrap_or_else(|_| log_directives(default_level).into());
     let (service_name, resource, otlp) = match export {
         None => ("bulkhead", Vec::new(), None),
         Some((Service::Gateway, otlp)) => ("bulkhead-gateway", Vec::new(), Some(otlp)),
@@ -83,5 +96,20 @@ pub fn gateway_export(
             env::OTLP_ENDPOINT
         ),
         None => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::log_directives;
+
+    #[test]
+    fn rustls_is_held_to_errors_unless_the_filter_names_it() {
+        assert_eq!(log_directives("warn"), "warn,rustls=error");
+        assert_eq!(
+            log_directives("info,bulkhead_gateway=debug"),
+            "info,bulkhead_gateway=debug,rustls=error"
+        );
+        assert_eq!(log_directives("debug,rustls=debug"), "debug,rustls=debug");
     }
 }

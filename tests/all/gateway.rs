@@ -633,6 +633,19 @@ fn the_gateways_listen_tls_flags_put_its_ports_on_tls() {
         assert_eq!(get(&gateway.admin, ADMIN, "/healthz"), "503");
         assert_eq!(get(&gateway.api, KEY_A, "/v1/models/smollm2"), "503");
         assert_eq!(get(&gateway.api, KEY_A, "/v1/models"), "200");
+
+        // What a peer sends in its handshake does not reach the log: ten TLS warning alerts
+        // (no_renegotiation) instead of a hello, on twenty connections.
+        for _ in 0..20 {
+            let mut s = std::net::TcpStream::connect(&gateway.api).expect("connects");
+            let alert = [0x15, 0x03, 0x03, 0x00, 0x02, 0x01, 0x64];
+            let _ = std::io::Write::write_all(&mut s, &alert.repeat(10));
+            s.set_read_timeout(Some(HTTP_LIMIT)).expect("a timeout");
+            let _ = s.read_to_end(&mut Vec::new());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let log = crate::worker_grpc::text_of(&gateway.log);
+        assert!(!log.contains("alert"), "{log}");
     });
 }
 
