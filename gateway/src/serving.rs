@@ -15,8 +15,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use axum::response::IntoResponse as _;
 use axum::response::Response;
-use bulkhead_worker::serve::tls::ListenerTls;
+use bulkhead_worker::serve::tls::{ListenerTls, Opened};
 use http::Request;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -26,6 +27,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 
+use crate::api::ApiError;
 use crate::config::HttpLimits;
 use crate::write_deadline::WriteDeadline;
 
@@ -37,12 +39,16 @@ pub trait Witness: Send + Sync + 'static {
     /// hyper could not parse a request and answered it `status` itself (400, 414 or 431);
     /// no service ran.
     fn unparsed(&self, status: u16);
+    /// A client sent plain HTTP to a TLS port and was answered 400 `https_required`; no
+    /// service ran.
+    fn plain_http(&self);
 }
 
 /// A witness that records nothing (the admin listener, benchmarks).
 impl Witness for () {
     fn cut(&self) {}
     fn unparsed(&self, _: u16) {}
+    fn plain_http(&self) {}
 }
 
 /// What hyper answered a request it could not parse, from the error its connection ended with;
@@ -275,13 +281,14 @@ impl<S: Service> Connections<S> {
 
     /// Serves `stream` on a task of the current runtime; `open` counts it until it closes.
     /// With TLS, the task first completes the handshake, within the header timeout (a client
-    /// that stalls it is disconnected like one that stalls its headers); a connection whose
-    /// handshake fails is closed, having carried no request.
+    /// that stalls it is disconnected like one that stalls its headers; the head then has its
+    /// own header timeout); a connection whose handshake fails is closed, having carried no
+    /// request, and one that sent plain HTTP is answered 400 `https_required` and closed.
     fn serve(&mut self, stream: TcpStream, open: Open) {
         // The tasks of connections that have closed are let go of here.
         while self.tasks.try_join_next().is_some() {}
         let _ = stream.set_nodelay(true);
-        let io = WriteDeadline::new(stream, self.write_stall_timeout);
+        let stall = self.write_stall_timeout;
         let http = Http {
             builder: self.builder.clone(),
             service: self.service.clone(),
@@ -291,12 +298,14 @@ impl<S: Service> Connections<S> {
         match self.tls.clone() {
             None => self.tasks.spawn(async move {
                 let _open = open;
-                http.serve(io).await;
+                http.serve(WriteDeadline::new(stream, stall)).await;
             }),
             Some((tls, limit)) => self.tasks.spawn(async move {
                 let _open = open;
-                match tls.accept(io, limit).await {
-                    Ok(io) => Box::pin(http.serve(io)).await,
+                let wrap = |s| WriteDeadline::new(s, stall);
+                match tls.accept(stream, wrap, limit).await {
+                    Ok(Opened::Tls(io)) => Box::pin(http.serve(io)).await,
+                    Ok(Opened::PlainHttp(io)) => http.refuse_plain(io).await,
                     Err(e) => tracing::debug!(error = %e, "TLS handshake failed"),
                 }
             }),
@@ -331,6 +340,23 @@ struct Http<S> {
     service: S,
     watcher: Watcher,
     witness: Arc<dyn Witness>,
+}
+
+impl<S> Http<S> {
+    /// Answers the plain-HTTP request on a TLS port 400 `https_required` (hyper reads its
+    /// head; nothing else of it is used) and closes the connection.
+    async fn refuse_plain<IO: AsyncRead + AsyncWrite + Unpin + Send + 'static>(self, io: IO) {
+        self.witness.plain_http();
+        let refuse = hyper::service::service_fn(|_: Request<Incoming>| async {
+            Ok::<_, Infallible>(ApiError::HttpsRequired.into_response())
+        });
+        let mut builder = self.builder;
+        builder.keep_alive(false);
+        let connection = builder.serve_connection(TokioIo::new(io), refuse);
+        if let Err(e) = self.watcher.watch(connection).await {
+            tracing::debug!(error = %e, "a plain-HTTP connection to a TLS port ended with an error");
+        }
+    }
 }
 
 impl<S: Service> Http<S> {
@@ -591,6 +617,7 @@ mod tests {
     struct Told {
         cuts: AtomicUsize,
         unparsed: std::sync::Mutex<Vec<u16>>,
+        plain_http: AtomicUsize,
     }
 
     impl Witness for Told {
@@ -599,6 +626,9 @@ mod tests {
         }
         fn unparsed(&self, status: u16) {
             self.unparsed.lock().expect("not poisoned").push(status);
+        }
+        fn plain_http(&self) {
+            self.plain_http.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -739,10 +769,10 @@ mod tests {
     }
 
     /// With TLS, every serving thread serves (each completes the handshakes of the
-    /// connections dealt to it); a client speaking plain HTTP to the port gets no HTTP answer,
-    /// and no request is told of.
+    /// connections dealt to it); a client speaking plain HTTP to the port is answered 400
+    /// `https_required` (and the witness told), never served.
     #[tokio::test(flavor = "current_thread")]
-    async fn over_tls_every_thread_serves_and_plain_http_gets_no_answer() {
+    async fn over_tls_every_thread_serves_and_plain_http_is_told_to_use_https() {
         let (tls, connector) = tls_pair();
         let told = Arc::new(Told::default());
         let two = NonZeroUsize::new(2).expect("2");
@@ -776,7 +806,14 @@ mod tests {
         )
         .await
         .expect("the connection is closed, not kept");
-        assert!(!answer.starts_with(b"HTTP/"), "{answer:?}");
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+        assert!(answer.contains(r#""code":"https_required""#), "{answer}");
+        assert!(
+            !answer.contains("bulkhead-api"),
+            "the service never ran: {answer}"
+        );
+        assert_eq!(told.plain_http.load(Ordering::Relaxed), 1);
         assert!(told.unparsed.lock().expect("not poisoned").is_empty());
         drop(connections);
         serving.stop(Duration::from_secs(5)).await;

@@ -538,12 +538,18 @@ fn the_workers_answer_only_calls_that_present_the_cluster_token() {
 
 /// `bulkhead up --https`: the API and admin ports take only TLS. The official `openai` client,
 /// trusting up's CA, is served over it (models, chat, a stream), and so is the admin port; a
-/// client that does not trust the CA gets no connection, and plain HTTP to either port gets no
-/// HTTP answer.
+/// client that does not trust the CA gets no connection, and plain HTTP to either port is
+/// answered 400 `https_required`, never served; on the API port it leaves its record in the
+/// gateway's log.
 #[test]
-fn with_https_the_openai_client_is_served_over_tls_and_plain_http_is_not() {
+fn with_https_the_openai_client_is_served_over_tls_and_plain_http_is_told_to_use_it() {
     bounded(|| {
-        let up = Up::start(&["--https"]);
+        let data = TempDir::new("https");
+        let up = Up::launch(Options {
+            args: &["--https"],
+            data_dir: Some(data.0.clone()),
+            ..Options::default()
+        });
         let ca = up.data_dir.join("tls/ca.pem");
         let out = Command::new(python())
             .arg(repo().join("tests/clients/openai_tls.py"))
@@ -559,8 +565,19 @@ fn with_https_the_openai_client_is_served_over_tls_and_plain_http_is_not() {
             String::from_utf8_lossy(&out.stderr)
         );
         assert!(
-            stdout.contains("PASS plain HTTP to the admin port gets no HTTP answer"),
+            stdout.contains("PASS plain HTTP to the admin port is told to use HTTPS"),
             "{stdout}"
+        );
+        drop(up);
+        let refused: Vec<_> = on_disk(&data.0, "_gateway")
+            .into_iter()
+            .filter(|r| r["error.type"] == "https_required")
+            .collect();
+        assert_eq!(refused.len(), 1, "{refused:#?}");
+        assert_eq!(
+            refused[0]["http.response.status_code"], 400,
+            "{:#}",
+            refused[0]
         );
     });
 }
@@ -583,7 +600,7 @@ for conn in (http.client.HTTPSConnection(host, int(port), timeout=10, context=tr
 
 /// `bulkhead gateway`'s listener TLS flags, here through their environment variables (as
 /// `deploy/k8s/overlays/tls` sets them), put a gateway whose configuration has no TLS on TLS:
-/// both ports answer over TLS to a client trusting the CA, and plain HTTP not at all.
+/// both ports answer over TLS to a client trusting the CA, and plain HTTP only with a 400.
 #[test]
 fn the_gateways_listen_tls_flags_put_its_ports_on_tls() {
     use bulkhead_worker::serve::tls::Authority;
@@ -625,7 +642,7 @@ fn the_gateways_listen_tls_flags_put_its_ports_on_tls() {
                 "{stdout}{}",
                 String::from_utf8_lossy(&out.stderr)
             );
-            assert!(answers[1].parse::<u16>().is_err(), "plain HTTP: {stdout}");
+            assert_eq!(answers[1], "400", "plain HTTP: {stdout}");
             answers[0].clone()
         };
         // No worker runs: not healthy, and no model to describe (503, like the chat routes),

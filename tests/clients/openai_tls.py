@@ -47,12 +47,13 @@ def handshakes(metrics):
 
 
 def plain_http_answer(addr):
-    """What a plain-HTTP request to `addr` gets: an HTTP status, or the error raised."""
+    """What a plain-HTTP request to `addr` gets: (status, body), or the error raised."""
     host, port = addr.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=10)
     try:
         conn.request("GET", "/v1/models")
-        return conn.getresponse().status
+        response = conn.getresponse()
+        return response.status, response.read().decode()
     except (http.client.HTTPException, OSError) as e:
         return type(e).__name__
 
@@ -98,7 +99,11 @@ def main():
 
     for name, addr in (("API", api), ("admin", admin)):
         answer = plain_http_answer(addr)
-        check(f"plain HTTP to the {name} port gets no HTTP answer", not isinstance(answer, int), repr(answer))
+        check(
+            f"plain HTTP to the {name} port is told to use HTTPS",
+            isinstance(answer, tuple) and answer[0] == 400 and '"code":"https_required"' in answer[1],
+            repr(answer),
+        )
 
     # The refusals are counted: the untrusting client's alert and the two plain requests.
     _, metrics = get_over_tls(admin, "/metrics", admin_token, trusting)

@@ -71,6 +71,9 @@ pub enum ApiError {
     /// The request did not finish within the configured time.
     #[error("the request did not complete within {secs} s")]
     Timeout { secs: u64 },
+    /// Plain HTTP sent to a port that takes only TLS.
+    #[error("this port takes only HTTPS: send the request over TLS (an https:// URL)")]
+    HttpsRequired,
     /// No such API path.
     #[error(
         "unknown path; this server serves /v1/chat/completions, /v1/completions, /v1/models and /v1/audit"
@@ -199,6 +202,11 @@ pub fn mapping(err: &ApiError) -> Mapping {
             Some("timeout"),
         ),
         ApiError::NotFound => m(StatusCode::NOT_FOUND, INVALID_REQUEST, Some("not_found")),
+        ApiError::HttpsRequired => m(
+            StatusCode::BAD_REQUEST,
+            INVALID_REQUEST,
+            Some("https_required"),
+        ),
         ApiError::MethodNotAllowed => m(
             StatusCode::METHOD_NOT_ALLOWED,
             INVALID_REQUEST,
@@ -258,6 +266,7 @@ impl ApiError {
             | ApiError::KvIntegrity
             | ApiError::Timeout { .. }
             | ApiError::NotFound
+            | ApiError::HttpsRequired
             | ApiError::MethodNotAllowed
             | ApiError::AuditUnavailable
             | ApiError::PolicyDenied { .. }
@@ -409,6 +418,12 @@ mod tests {
             Some("audit_unavailable"),
         );
         check(ApiError::NotFound, 404, INVALID_REQUEST, Some("not_found"));
+        check(
+            ApiError::HttpsRequired,
+            400,
+            INVALID_REQUEST,
+            Some("https_required"),
+        );
         check(
             ApiError::BodyTimeout { secs: 30 },
             408,

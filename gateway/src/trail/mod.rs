@@ -56,6 +56,9 @@ pub const UNMATCHED_ROUTE: &str = "unmatched";
 /// The error class recorded for a request hyper could not parse (and answered itself).
 pub const UNPARSED_TYPE: &str = "malformed_http";
 
+/// The error class recorded for plain HTTP sent to a port that takes only TLS.
+pub const HTTPS_REQUIRED_TYPE: &str = "https_required";
+
 /// How often unflushed records are written and fsynced together (group commit).
 const GROUP_COMMIT_INTERVAL: Duration = Duration::from_millis(5);
 
@@ -313,10 +316,24 @@ impl Witness for Recorder {
     /// A request hyper could not parse reached the gateway all the same: one record in the
     /// gateway's log (nothing of it was read, not even a key), through its budget.
     fn unparsed(&self, status: u16) {
+        self.unserved(status, UNPARSED_TYPE);
+    }
+
+    /// Plain HTTP came to a TLS port: recorded like an unparsed request (nothing of it was
+    /// read), answered 400.
+    fn plain_http(&self) {
+        self.unserved(400, HTTPS_REQUIRED_TYPE);
+    }
+}
+
+impl Recorder {
+    /// One record in the gateway's log, through its budget, of a request no service ran:
+    /// answered `status`, for `error_type`.
+    fn unserved(&self, status: u16, error_type: &str) {
         let record = AuditRecord {
             time_unix_ms: draft::now_unix_ms(),
             status,
-            error_type: Some(UNPARSED_TYPE.to_owned()),
+            error_type: Some(error_type.to_owned()),
             ..AuditRecord::new(
                 layer::request_id(),
                 self.gateway_tenant().clone(),

@@ -9,7 +9,9 @@
 //! client certificate is asked for only when the operator names the CA that must have signed
 //! it (`client_ca`). The handshake offers `http/1.1` (ALPN), the one protocol the listeners
 //! speak: a client that will take only another (`h2`) is refused in the handshake instead of
-//! failing later on a protocol it did not expect.
+//! failing later on a protocol it did not expect. A client that sends plain HTTP to the port
+//! is told apart from TLS by its first byte ([`Opened::PlainHttp`]), so that the server can
+//! answer it with an error that says to use HTTPS rather than a TLS alert it cannot read.
 //!
 //! The files are followed like the deployment's ([`ListenerTls::follow`]): a renewed
 //! certificate is served from the next connection on, with no restart. Handshakes are counted
@@ -22,6 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
 use tokio_rustls::rustls::crypto::CryptoProvider;
 use tokio_rustls::rustls::{self, ServerConfig};
 use tokio_rustls::{TlsAcceptor, server};
@@ -53,13 +56,23 @@ pub struct ListenerTls {
     counted: Arc<Counted>,
 }
 
+/// What a client opened a connection to a TLS port with.
+#[derive(Debug)]
+pub enum Opened<IO> {
+    /// TLS, its handshake done.
+    Tls(Box<server::TlsStream<IO>>),
+    /// Plain HTTP (nothing read from it yet).
+    PlainHttp(IO),
+}
+
 /// How many handshakes ended each way, since the listener's TLS was loaded.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Handshakes {
     /// Completed: the connection carries HTTP.
     pub completed: u64,
     /// Refused by TLS: no common version, suite or protocol (ALPN), a client's alert (it does
-    /// not trust the certificate), a missing or unknown client certificate, not TLS at all.
+    /// not trust the certificate), a missing or unknown client certificate, not TLS at all
+    /// (plain HTTP among it).
     pub refused: u64,
     /// The client closed or reset the connection before the handshake ended (a TCP probe).
     pub closed: u64,
@@ -176,18 +189,31 @@ impl ListenerTls {
             .await;
     }
 
-    /// The handshake on an accepted connection, within `limit`: a client that stalls it (or
-    /// never starts it) holds the connection no longer. Counted by how it ended.
+    /// The handshake on an accepted connection, over `wrap(socket)`, all within `limit`: a
+    /// client that stalls it (or never starts it) holds the connection no longer. A client
+    /// whose first byte starts an HTTP request line instead (an upper-case letter: no TLS
+    /// record starts so) gets its connection back as [`Opened::PlainHttp`], counted as
+    /// refused. Counted by how it ended.
     pub async fn accept<IO: AsyncRead + AsyncWrite + Unpin>(
         &self,
-        io: IO,
+        socket: TcpStream,
+        wrap: impl FnOnce(TcpStream) -> IO,
         limit: Duration,
-    ) -> std::io::Result<server::TlsStream<IO>> {
+    ) -> std::io::Result<Opened<IO>> {
         let acceptor = self.current.current().acceptor.clone();
-        let ended = within(limit, acceptor.accept(io)).await;
+        let ended = within(limit, async {
+            let mut first = [0; 1];
+            if socket.peek(&mut first).await? == 1 && first[0].is_ascii_uppercase() {
+                return Ok(Opened::PlainHttp(wrap(socket)));
+            }
+            let tls = acceptor.accept(wrap(socket)).await?;
+            Ok(Opened::Tls(Box::new(tls)))
+        })
+        .await;
         let c = &self.counted;
         let count = match &ended {
-            Ok(_) => &c.completed,
+            Ok(Opened::Tls(_)) => &c.completed,
+            Ok(Opened::PlainHttp(_)) => &c.refused,
             Err(e) if e.kind() == std::io::ErrorKind::TimedOut => &c.timed_out,
             // rustls's own errors (and the peer's alerts) come as invalid data.
             Err(e) if e.kind() == std::io::ErrorKind::InvalidData => &c.refused,
@@ -320,10 +346,16 @@ mod tests {
                 let (socket, _) = listener.accept().await.expect("accepts");
                 let tls = tls.clone();
                 tokio::spawn(async move {
-                    if let Ok(mut stream) = tls.accept(socket, limit).await {
-                        let _ = stream.write_all(b"ok").await;
-                        let _ = stream.flush().await;
-                        let _ = stream.read(&mut [0; 1]).await;
+                    match tls.accept(socket, |s| s, limit).await {
+                        Ok(Opened::Tls(mut stream)) => {
+                            let _ = stream.write_all(b"ok").await;
+                            let _ = stream.flush().await;
+                            let _ = stream.read(&mut [0; 1]).await;
+                        }
+                        Ok(Opened::PlainHttp(mut plain)) => {
+                            let _ = plain.write_all(b"plain").await;
+                        }
+                        Err(_) => {}
                     }
                 });
             }
@@ -372,9 +404,21 @@ mod tests {
         let stranger = Authority::new("another CA").expect("a CA");
         assert_eq!(Client::trusting(&stranger).admitted(addr).await, None);
         drop(TcpStream::connect(addr).await.expect("connects"));
+        // Plain HTTP is told apart (and counted as refused); bytes that are neither are left
+        // to TLS, which refuses them.
+        for (sent, answer) in [
+            (&b"GET / HTTP/1.1\r\n\r\n"[..], &b"plain"[..]),
+            (&b"get / HTTP/1.1\r\n\r\n"[..], &b""[..]),
+        ] {
+            let mut socket = TcpStream::connect(addr).await.expect("connects");
+            socket.write_all(sent).await.expect("sends");
+            let mut got = Vec::new();
+            let _ = socket.read_to_end(&mut got).await;
+            assert_eq!(got.starts_with(b"plain"), answer == b"plain", "{got:?}");
+        }
         let expected = Handshakes {
             completed: 3,
-            refused: 2,
+            refused: 4,
             closed: 1,
             timed_out: 0,
         };

@@ -44,7 +44,7 @@ use tokio_rustls::{TlsAcceptor, TlsConnector, client, server};
 
 pub use authority::{Authority, WriteError};
 pub use grpc::{EndpointError, WorkerEndpoint, endpoint};
-pub use listener::{Handshakes, ListenerFiles, ListenerTls};
+pub use listener::{Handshakes, ListenerFiles, ListenerTls, Opened};
 
 use super::followed::Followed;
 use super::secret_file::{self, SecretFileError};
