@@ -487,6 +487,43 @@ fn a_request_still_running_when_shutdown_has_drained_is_recorded_as_cut_by_it() 
     });
 }
 
+/// A client that closes its connection before its request body is whole has left: its record
+/// says so (499 `client_disconnected`, before admission), not that it sent a bad request —
+/// whether it closed mid-body or sent a chunked body and no last chunk.
+#[test]
+fn a_client_that_closes_before_its_body_is_whole_is_recorded_as_gone() {
+    bounded(|| {
+        let up = Up::start(&[]);
+        up.wait_routable();
+        let head = |framing: &str| {
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {KEY_A}\r\n\
+                 Content-Type: application/json\r\n{framing}\r\n\r\n"
+            )
+        };
+        let cut = [
+            head("Content-Length: 100") + r#"{"messages":"#,
+            head("Transfer-Encoding: chunked") + "5\r\n{\"mes\r\n",
+        ];
+        for request in &cut {
+            let mut s = std::net::TcpStream::connect(&up.api).expect("connects");
+            std::io::Write::write_all(&mut s, request.as_bytes()).expect("sends");
+            s.shutdown(std::net::Shutdown::Write)
+                .expect("closes its side");
+            let _ = s.read_to_end(&mut Vec::new());
+        }
+        let got = up.wait_records("tenant-a", cut.len());
+        for record in &got {
+            assert_eq!(record["http.response.status_code"], 499, "{record:#}");
+            assert_eq!(record["error.type"], "client_disconnected", "{record:#}");
+            assert_eq!(
+                record["bulkhead.disconnect.phase"], "before_admission",
+                "{record:#}"
+            );
+        }
+    });
+}
+
 #[test]
 fn a_request_the_http_server_cannot_parse_still_leaves_one_record() {
     bounded(|| {

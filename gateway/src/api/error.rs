@@ -11,6 +11,7 @@ use serde_json::json;
 use crate::admission::ContextLengthExceeded;
 use crate::limits::{LimitError, retry_after};
 use crate::policy::{Fault, Refusal, Refused, SLOT_WAIT};
+use crate::trail::{CLIENT_CLOSED, CLIENT_CLOSED_TYPE};
 
 use super::Endpoint;
 use super::validate::RequestError;
@@ -31,6 +32,10 @@ pub enum ApiError {
     /// error) before it was whole.
     #[error("the request body could not be read: {reason}")]
     BodyUnreadable { reason: String },
+    /// The client closed its connection before its request body was whole: it left (nobody
+    /// reads the answer; the status is recorded).
+    #[error("the client closed the connection before its request body was whole")]
+    ClientClosedBody,
     /// The request body did not arrive in time (a client that trickles it, or stops).
     #[error("the request body did not arrive within {secs} s")]
     BodyTimeout { secs: u64 },
@@ -171,6 +176,11 @@ pub fn mapping(err: &ApiError) -> Mapping {
         }
         ApiError::BodyTooLarge { .. } => m(StatusCode::PAYLOAD_TOO_LARGE, INVALID_REQUEST, None),
         ApiError::BodyUnreadable { .. } => m(StatusCode::BAD_REQUEST, INVALID_REQUEST, None),
+        ApiError::ClientClosedBody => m(
+            StatusCode::from_u16(CLIENT_CLOSED).expect("499 is a status code"),
+            INVALID_REQUEST,
+            Some(CLIENT_CLOSED_TYPE),
+        ),
         ApiError::ModelNotFound { .. } => m(
             StatusCode::NOT_FOUND,
             INVALID_REQUEST,
@@ -256,6 +266,7 @@ impl ApiError {
             ApiError::InvalidApiKey
             | ApiError::BodyTooLarge { .. }
             | ApiError::BodyUnreadable { .. }
+            | ApiError::ClientClosedBody
             | ApiError::BodyTimeout { .. }
             | ApiError::Prompt { .. }
             | ApiError::WorkerInvalidRequest { .. }
@@ -418,6 +429,12 @@ mod tests {
             Some("audit_unavailable"),
         );
         check(ApiError::NotFound, 404, INVALID_REQUEST, Some("not_found"));
+        check(
+            ApiError::ClientClosedBody,
+            499,
+            INVALID_REQUEST,
+            Some("client_disconnected"),
+        );
         check(
             ApiError::HttpsRequired,
             400,

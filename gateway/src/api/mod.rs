@@ -313,6 +313,23 @@ async fn serve(
     }
 }
 
+/// Whether a body read failed because the client's connection ended (closed, reset) before the
+/// body was whole, rather than for what the client sent: somewhere in the error's chain, an
+/// I/O error of that kind or hyper's incomplete message.
+fn closed_by_client(e: &(dyn std::error::Error + 'static)) -> bool {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+    std::iter::successors(Some(e), |e| e.source()).any(|e| {
+        e.downcast_ref::<std::io::Error>().is_some_and(|io| {
+            matches!(
+                io.kind(),
+                UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe
+            )
+        }) || e
+            .downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_incomplete_message)
+    })
+}
+
 /// Everything up to the call to the worker: the request parsed, tokenized, admitted, allowed
 /// by the policies, charged and routed, its call made (not answered yet).
 async fn start(
@@ -341,6 +358,8 @@ async fn start(
             let e = e.into_inner();
             if e.is::<http_body_util::LengthLimitError>() {
                 ApiError::BodyTooLarge { limit }
+            } else if closed_by_client(&*e) {
+                ApiError::ClientClosedBody
             } else {
                 ApiError::BodyUnreadable {
                     reason: e.to_string(),

@@ -226,6 +226,9 @@ impl Trail {
                     layer: refused_by.unwrap_or(Layer::Gateway),
                 });
             }
+            if *error == ApiError::ClientClosedBody {
+                d.record.disconnect = Some(d.phase);
+            }
             if *error == ApiError::KvIntegrity {
                 d.record.integrity = Integrity::Failed {
                     reason: "the decode worker's KV handoff verification failed".into(),
