@@ -555,6 +555,34 @@ mod tests {
         });
         assert!(e.contains("cannot be used together"), "{e}");
 
+        // A certificate cut short says which line is missing, as text.
+        let cut = dir.0.join("cut.pem");
+        let whole = std::fs::read_to_string(&files.cert).expect("reads");
+        std::fs::write(&cut, &whole[..whole.len() / 2]).expect("writes");
+        let e = refused(&ListenerFiles {
+            cert: cut,
+            ..files.clone()
+        });
+        assert!(
+            e.contains("cut.pem") && e.contains("-----END CERTIFICATE-----"),
+            "{e}"
+        );
+        // A key block whose bytes are no key is refused as such, not as a mismatch.
+        let garbled = dir.0.join("garbled.key");
+        secret_file::write(
+            &garbled,
+            b"-----BEGIN PRIVATE KEY-----\nAAECAwQF\n-----END PRIVATE KEY-----\n",
+        )
+        .expect("writes");
+        let e = refused(&ListenerFiles {
+            key: garbled,
+            ..files.clone()
+        });
+        assert!(
+            e.contains("garbled.key") && e.contains("not a usable key"),
+            "{e}"
+        );
+
         let junk = dir.0.join("junk-ca.pem");
         std::fs::write(&junk, "not a certificate\n").expect("writes");
         let e = refused(&ListenerFiles {

@@ -36,7 +36,7 @@ use std::time::Duration;
 
 use tokio::net::TcpStream;
 use tokio_rustls::rustls::crypto::CryptoProvider;
-use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::pem::{self, PemObject};
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tokio_rustls::rustls::server::WebPkiClientVerifier;
 use tokio_rustls::rustls::{self, ClientConfig, ConfigBuilder, RootCertStore, ServerConfig};
@@ -104,6 +104,8 @@ pub enum TlsError {
     },
     #[error("the TLS private key {path} holds no PEM private key")]
     NoKey { path: String },
+    #[error("the TLS private key {path} is not a usable key: {reason}")]
+    BadKey { path: String, reason: String },
     #[error("the TLS CA {path} is not a usable CA certificate: {reason}")]
     BadCa { path: String, reason: String },
     #[error("the TLS certificate {cert} and key {key} cannot be used together: {reason}")]
@@ -190,7 +192,7 @@ fn certificates(
         .map_err(|e| TlsError::BadCertificate {
             what,
             path: shown(),
-            reason: e.to_string(),
+            reason: pem_reason(&e),
         })?;
     if certs.is_empty() {
         return Err(TlsError::NoCertificate {
@@ -201,11 +203,38 @@ fn certificates(
     Ok(certs)
 }
 
-/// The private key in `pem`, read from `path`.
+/// Why PEM text does not parse, its lines as text (the parser's own message shows them as
+/// byte values).
+fn pem_reason(e: &pem::Error) -> String {
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    match e {
+        pem::Error::MissingSectionEnd { end_marker } => {
+            format!("no -----END {}----- line (cut short?)", text(end_marker))
+        }
+        pem::Error::IllegalSectionStart { line } => {
+            format!("a malformed BEGIN line {:?}", text(line))
+        }
+        other => other.to_string(),
+    }
+}
+
+/// The private key in `pem`, read from `path`: a PEM key block whose key the signing code
+/// can use (a block whose bytes are no key is refused here, not later as a mismatch with the
+/// certificate).
 fn private_key(path: &Path, pem: &[u8]) -> Result<PrivateKeyDer<'static>, TlsError> {
-    PrivateKeyDer::from_pem_slice(pem).map_err(|_| TlsError::NoKey {
-        path: path.display().to_string(),
-    })
+    let shown = || path.display().to_string();
+    let key = PrivateKeyDer::from_pem_slice(pem).map_err(|e| match e {
+        pem::Error::NoItemsFound => TlsError::NoKey { path: shown() },
+        e => TlsError::BadKey {
+            path: shown(),
+            reason: pem_reason(&e),
+        },
+    })?;
+    rustls::crypto::ring::sign::any_supported_type(&key).map_err(|e| TlsError::BadKey {
+        path: shown(),
+        reason: e.to_string(),
+    })?;
+    Ok(key)
 }
 
 /// The CA certificates in `pem`, read from `path`, as the only roots a peer's certificate may
