@@ -34,6 +34,27 @@ impl<T> Followed<T> {
             .clone()
     }
 
+    /// [`Followed::follow`] for a value made from files: every `every`, `read` gets their
+    /// bytes, which `parse` makes a value of only when they differ from the bytes the current
+    /// value was made from (`made_from`): files unchanged are not parsed again.
+    pub async fn follow_files<R: PartialEq, E: Display>(
+        self,
+        every: Duration,
+        what: &str,
+        read: impl Fn() -> Result<R, E>,
+        made_from: impl Fn(&T) -> &R,
+        parse: impl Fn(R) -> Result<T, E>,
+    ) {
+        let reread = |current: &T| {
+            let bytes = read()?;
+            if bytes == *made_from(current) {
+                return Ok(None);
+            }
+            parse(bytes).map(Some)
+        };
+        self.follow(every, what, reread).await;
+    }
+
     /// Calls `reread` with the current value every `every`, for as long as it runs (it never
     /// returns): a value it returns (what changed) replaces the current one; `None` keeps it;
     /// an error keeps it too, and is logged once until it changes or goes (a file half

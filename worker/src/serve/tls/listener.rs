@@ -177,15 +177,14 @@ impl ListenerTls {
     /// that do not load keep the ones in use.
     pub async fn follow(self, every: Duration) {
         let files = self.files.clone();
-        let reread = |current: &Served| {
-            let read = Read::from_files(&files)?;
-            if read == current.read {
-                return Ok(None);
-            }
-            Served::parse(&files, read).map(Some)
-        };
         self.current
-            .follow(every, "the listener's TLS files", reread)
+            .follow_files(
+                every,
+                "the listener's TLS files",
+                || Read::from_files(&files),
+                |served| &served.read,
+                |read| Served::parse(&files, read),
+            )
             .await;
     }
 

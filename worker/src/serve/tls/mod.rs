@@ -376,15 +376,15 @@ impl ClusterTls {
     /// that changed and load are used from the next connection on, by every clone.
     pub async fn follow(self, every: Duration) {
         let files = self.files.clone();
-        // The bytes first: files unchanged are not parsed again.
-        let reread = |current: &Loaded| {
-            let read = Read::from_files(&files)?;
-            if read == current.read {
-                return Ok(None);
-            }
-            Loaded::parse(&files, read).map(Some)
-        };
-        self.current.follow(every, "the TLS files", reread).await;
+        self.current
+            .follow_files(
+                every,
+                "the TLS files",
+                || Read::from_files(&files),
+                |loaded| &loaded.read,
+                |read| Loaded::parse(&files, read),
+            )
+            .await;
     }
 
     /// The KV data plane, decode's side: the handshake on an accepted connection, within
