@@ -257,6 +257,9 @@ struct Connections<S> {
     tls: Option<(ListenerTls, Duration)>,
     witness: Arc<dyn Witness>,
     graceful: GracefulShutdown,
+    /// Set when the drain begins: a connection still in its TLS handshake is closed then (it
+    /// carries no request yet, and the drain would otherwise wait for its handshake).
+    draining: watch::Sender<bool>,
     tasks: JoinSet<()>,
 }
 
@@ -275,6 +278,7 @@ impl<S: Service> Connections<S> {
             tls: tls.map(|tls| (tls, limits.header_timeout)),
             witness,
             graceful: GracefulShutdown::new(),
+            draining: watch::Sender::new(false),
             tasks: JoinSet::new(),
         }
     }
@@ -300,15 +304,22 @@ impl<S: Service> Connections<S> {
                 let _open = open;
                 http.serve(WriteDeadline::new(stream, stall)).await;
             }),
-            Some((tls, limit)) => self.tasks.spawn(async move {
-                let _open = open;
-                let wrap = |s| WriteDeadline::new(s, stall);
-                match tls.accept(stream, wrap, limit).await {
-                    Ok(Opened::Tls(io)) => Box::pin(http.serve(io)).await,
-                    Ok(Opened::PlainHttp(io)) => http.refuse_plain(io).await,
-                    Err(e) => tracing::debug!(error = %e, "TLS handshake failed"),
-                }
-            }),
+            Some((tls, limit)) => {
+                let mut draining = self.draining.subscribe();
+                self.tasks.spawn(async move {
+                    let _open = open;
+                    let wrap = |s| WriteDeadline::new(s, stall);
+                    let opened = tokio::select! {
+                        opened = tls.accept(stream, wrap, limit) => opened,
+                        () = stopped(&mut draining) => return,
+                    };
+                    match opened {
+                        Ok(Opened::Tls(io)) => Box::pin(http.serve(io)).await,
+                        Ok(Opened::PlainHttp(io)) => http.refuse_plain(io).await,
+                        Err(e) => tracing::debug!(error = %e, "TLS handshake failed"),
+                    }
+                })
+            }
         };
     }
 
@@ -321,8 +332,10 @@ impl<S: Service> Connections<S> {
             mut tasks,
             drain_timeout,
             witness,
+            draining,
             ..
         } = self;
+        draining.send_replace(true);
         if tokio::time::timeout(drain_timeout, graceful.shutdown())
             .await
             .is_err()
@@ -817,5 +830,40 @@ mod tests {
         assert!(told.unparsed.lock().expect("not poisoned").is_empty());
         drop(connections);
         serving.stop(Duration::from_secs(5)).await;
+    }
+
+    /// Shutdown does not wait for a connection still in its TLS handshake (it carries no
+    /// request): the drain ends at once, nothing is cut, and the connection is closed.
+    #[tokio::test(flavor = "current_thread")]
+    async fn shutdown_closes_a_connection_still_in_its_handshake_at_once() {
+        let (tls, _) = tls_pair();
+        let told = Arc::new(Told::default());
+        let limits = HttpLimits {
+            drain_timeout: Duration::from_secs(5),
+            header_timeout: Duration::from_secs(10),
+            ..HttpLimits::default()
+        };
+        let one = NonZeroUsize::MIN;
+        let serving = start_with(thread_name(), limits, Some(tls), one, told.clone()).await;
+        let mut stalled = TcpStream::connect(serving.addr).await.expect("connect");
+        // Half a hello, then nothing.
+        tokio::io::AsyncWriteExt::write_all(&mut stalled, &[0x16, 0x03, 0x01])
+            .await
+            .expect("sends");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let stopping = std::time::Instant::now();
+        serving.stop(Duration::from_secs(10)).await;
+        assert!(
+            stopping.elapsed() < Duration::from_secs(2),
+            "the drain waited for the handshake: {:?}",
+            stopping.elapsed()
+        );
+        assert_eq!(told.cuts.load(Ordering::Relaxed), 0);
+        let closed = tokio::time::timeout(
+            Duration::from_secs(2),
+            tokio::io::AsyncReadExt::read_to_end(&mut stalled, &mut Vec::new()),
+        )
+        .await;
+        assert!(closed.is_ok(), "the connection was left open");
     }
 }
