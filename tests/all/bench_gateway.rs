@@ -80,6 +80,24 @@ fn the_gateway_bench_reports_each_bulkhead_target_the_policy_chains_and_durable_
     });
 }
 
+/// `--tls`: the gateway and the floor listen on TLS and the load reaches them over it; the load
+/// target, which speaks no TLS, is skipped with the reason.
+#[test]
+fn over_tls_the_gateway_and_the_floor_are_measured_and_the_plain_load_target_skipped() {
+    bounded(|| {
+        let report = bench("direct,bulkhead,pass-through", &["--tls"]);
+        assert_eq!(report["tls"], true, "{report}");
+        for key in ["bulkhead_policies_off", "pass_through"] {
+            let t = &report["targets"][key];
+            assert!(t["requests"].as_u64() > Some(0), "{key}: {t}");
+            assert_eq!(t["errors"], 0, "{key}: {t}");
+        }
+        let why = report["skipped"]["direct"].as_str().unwrap_or_default();
+        assert!(why.contains("TLS"), "{report}");
+        assert!(report["floor"]["gateway_rps_vs_floor"].is_f64(), "{report}");
+    });
+}
+
 #[test]
 fn a_peer_that_is_not_installed_is_skipped_with_the_reason() {
     bounded(|| {

@@ -16,8 +16,11 @@ use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Empty, Full};
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::rustls::pki_types::ServerName;
 
 use super::cpu::ProcessTree;
 use super::load_target::ANSWER;
@@ -82,10 +85,29 @@ impl Ask {
     }
 }
 
-/// One load: `connections` connections to `addr`, a warm-up, then the measured window.
+/// Where the load connects: an address, over TLS when there is a connector (the server's
+/// certificate must name the address's IP).
+#[derive(Clone)]
+pub struct Dial {
+    pub addr: SocketAddr,
+    pub tls: Option<TlsConnector>,
+}
+
+impl std::fmt::Debug for Dial {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}{}",
+            self.addr,
+            if self.tls.is_some() { " (TLS)" } else { "" }
+        )
+    }
+}
+
+/// One load: `connections` connections to `dial`, a warm-up, then the measured window.
 #[derive(Debug, Clone)]
 pub struct Load {
-    pub addr: SocketAddr,
+    pub dial: Dial,
     pub ask: Arc<Ask>,
     pub connections: usize,
     pub warmup: Duration,
@@ -143,7 +165,7 @@ pub async fn drive(load: &Load) -> Sample {
                 pace,
             });
             tokio::spawn(connection(
-                load.addr,
+                load.dial.clone(),
                 load.ask.clone(),
                 schedule,
                 start,
@@ -205,7 +227,7 @@ impl Schedule {
 /// One connection's loop until `end`, closed or paced by `schedule`; what completes from
 /// `start` on counts.
 async fn connection(
-    addr: SocketAddr,
+    dial: Dial,
     ask: Arc<Ask>,
     mut schedule: Option<Schedule>,
     start: Instant,
@@ -218,6 +240,7 @@ async fn connection(
             out.first_error.get_or_insert(what);
         }
     };
+    let addr = dial.addr;
     let mut sender: Option<SendRequest<Full<Bytes>>> = None;
     while Instant::now() < end {
         if let Some(schedule) = &mut schedule {
@@ -225,7 +248,7 @@ async fn connection(
         }
         let s = match sender.take().filter(|s| !s.is_closed()) {
             Some(s) => s,
-            None => match tokio::time::timeout_at(end, connect(addr)).await {
+            None => match tokio::time::timeout_at(end, connect(&dial)).await {
                 Err(_) => break,
                 Ok(Ok(s)) => s,
                 Ok(Err(e)) => {
@@ -266,15 +289,32 @@ async fn connection(
     out
 }
 
-async fn connect<B>(addr: SocketAddr) -> anyhow::Result<SendRequest<B>>
+async fn connect<B>(dial: &Dial) -> anyhow::Result<SendRequest<B>>
 where
     B: hyper::body::Body + Send + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let stream = TcpStream::connect(addr).await?;
+    let stream = TcpStream::connect(dial.addr).await?;
     stream.set_nodelay(true)?;
-    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    match &dial.tls {
+        None => http1(stream).await,
+        Some(connector) => {
+            let name = ServerName::IpAddress(dial.addr.ip().into());
+            http1(connector.connect(name, stream).await?).await
+        }
+    }
+}
+
+/// HTTP/1.1 over `io`, its connection driven by a task of its own.
+async fn http1<B, IO>(io: IO) -> anyhow::Result<SendRequest<B>>
+where
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io)).await?;
     tokio::spawn(async move {
         // Ends when the connection closes, whichever side closes it.
         let _ = conn.await;
@@ -296,9 +336,9 @@ async fn exchange(
 
 /// Sends `ask` once on a fresh connection and checks the answer: a target is probed this way
 /// before it is measured.
-pub async fn probe(addr: SocketAddr, ask: &Ask) -> anyhow::Result<()> {
-    let mut sender = connect(addr).await?;
-    let (status, body) = exchange(&mut sender, ask, addr).await?;
+pub async fn probe(dial: &Dial, ask: &Ask) -> anyhow::Result<()> {
+    let mut sender = connect(dial).await?;
+    let (status, body) = exchange(&mut sender, ask, dial.addr).await?;
     if !ask.accepts(status, &body) {
         let text = String::from_utf8_lossy(&body[..body.len().min(500)]).into_owned();
         bail!("answered {status}, not the load target's answer: {text}");
@@ -308,15 +348,15 @@ pub async fn probe(addr: SocketAddr, ask: &Ask) -> anyhow::Result<()> {
 
 /// `GET path` on a fresh connection, with a bearer token if given: the status and the body.
 pub async fn get(
-    addr: SocketAddr,
+    dial: &Dial,
     path: &str,
     bearer: Option<&str>,
 ) -> anyhow::Result<(StatusCode, Bytes)> {
-    let mut sender = connect::<Empty<Bytes>>(addr).await?;
+    let mut sender = connect::<Empty<Bytes>>(dial).await?;
     let mut r = Request::builder()
         .method(Method::GET)
         .uri(path)
-        .header(HOST, addr.to_string());
+        .header(HOST, dial.addr.to_string());
     if let Some(key) = bearer {
         r = r.header(AUTHORIZATION, format!("Bearer {key}"));
     }

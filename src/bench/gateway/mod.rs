@@ -77,6 +77,11 @@ pub struct GatewayArgs {
     /// Streamed chat completions (SSE) instead of whole ones.
     #[arg(long)]
     stream: bool,
+    /// Over TLS: every target that can (Bulkhead's, the pass-through floor, nginx) listens on
+    /// TLS with a certificate from a fresh CA, and the load connects over TLS 1.3 (once per
+    /// connection: the connections are kept alive). The load target and LiteLLM are skipped.
+    #[arg(long)]
+    tls: bool,
     /// The targets to measure (comma-separated).
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = Kind::ALL)]
     targets: Vec<Kind>,
@@ -162,6 +167,10 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
             nginx: targets::find_nginx(args.nginx.clone()),
             litellm: targets::find_litellm(args.litellm.clone()),
             scratch: scratch.0.clone(),
+            tls: args
+                .tls
+                .then(|| targets::bench_tls(&scratch.0.join("tls")))
+                .transpose()?,
         })
     };
     let results = crate::runtime::build(args.client_threads, "bench-load")?.block_on(async {
@@ -224,6 +233,7 @@ fn settings(args: &GatewayArgs) -> Map<String, Value> {
     s.insert("runs".into(), json!(args.runs));
     s.insert("rate".into(), json!(args.rate));
     s.insert("stream".into(), json!(args.stream));
+    s.insert("tls".into(), json!(args.tls));
     s.insert(
         "policies".into(),
         json!(args.policy_set.policies.display().to_string()),
@@ -251,7 +261,7 @@ async fn measure(
             let at = (run + i) % running.len();
             let target = &running[at];
             let sample = load::drive(&Load {
-                addr: target.addr,
+                dial: target.dial.clone(),
                 ask: target.ask.clone(),
                 connections: args.connections,
                 warmup: Duration::from_secs_f64(args.warmup_seconds),

@@ -11,12 +11,14 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use bulkhead_gateway::config::HttpLimits;
+use bulkhead_worker::serve::tls::{ListenerFiles, ListenerTls};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, StatusCode, Uri};
 use hyper::body::Incoming;
@@ -40,6 +42,12 @@ pub struct PassThroughArgs {
     /// Serving threads (as the gateway's `--serving-threads`).
     #[arg(long, default_value_t = NonZeroUsize::MIN)]
     threads: NonZeroUsize,
+    /// Listen on TLS with this certificate (as the gateway's `[listen] tls_cert`).
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// Its private key.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
 }
 
 pub fn run(args: PassThroughArgs) -> anyhow::Result<()> {
@@ -53,7 +61,15 @@ pub fn run(args: PassThroughArgs) -> anyhow::Result<()> {
             crate::worker::shutdown_signal().await;
             let _ = stop_tx.send(true);
         });
-        proxy(listener, args.upstream, args.threads, stop).await
+        let tls = match (args.tls_cert, args.tls_key) {
+            (Some(cert), Some(key)) => Some(ListenerTls::load(&ListenerFiles {
+                cert,
+                key,
+                client_ca: None,
+            })?),
+            _ => None,
+        };
+        proxy(listener, args.upstream, args.threads, tls, stop).await
     })
 }
 
@@ -63,6 +79,7 @@ async fn proxy(
     listener: TcpListener,
     upstream: SocketAddr,
     threads: NonZeroUsize,
+    tls: Option<ListenerTls>,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     let authority = Authority::try_from(upstream.to_string())
@@ -70,7 +87,7 @@ async fn proxy(
     let service = hyper::service::service_fn(move |req| pass(req, authority.clone()));
     // A client gets as long to send its request headers as the gateway gives it by default.
     let limits = HttpLimits::default();
-    bulkhead_gateway::serving::serve(listener, service, limits, None, threads, stop, Arc::new(()))
+    bulkhead_gateway::serving::serve(listener, service, limits, tls, threads, stop, Arc::new(()))
         .await;
     Ok(())
 }
@@ -118,7 +135,7 @@ mod tests {
         let addr = listener.local_addr().expect("address");
         let (stop_tx, stop) = watch::channel(false);
         let threads = NonZeroUsize::new(2).expect("two");
-        tokio::spawn(proxy(listener, upstream, threads, stop));
+        tokio::spawn(proxy(listener, upstream, threads, None, stop));
         (addr, stop_tx)
     }
 
@@ -144,7 +161,8 @@ mod tests {
         });
         let (addr, _stop) = started(upstream_addr).await;
         for _ in 0..3 {
-            let (status, body) = load::get(addr, "/v1/models?x=1", Some("sk-k"))
+            let plain = load::Dial { addr, tls: None };
+            let (status, body) = load::get(&plain, "/v1/models?x=1", Some("sk-k"))
                 .await
                 .expect("an answer");
             assert_eq!(status, StatusCode::OK);
@@ -155,7 +173,7 @@ mod tests {
         let dead = gone.local_addr().expect("address");
         drop(gone);
         let (addr, _stop) = started(dead).await;
-        let (status, body) = load::get(addr, "/v1/models", None)
+        let (status, body) = load::get(&load::Dial { addr, tls: None }, "/v1/models", None)
             .await
             .expect("an answer");
         assert_eq!(status, StatusCode::BAD_GATEWAY);

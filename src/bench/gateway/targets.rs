@@ -3,7 +3,9 @@
 //! group-commit audit; and policies off with durable audit), the pass-through floor (the
 //! gateway's serving stack doing nothing but proxying), nginx and LiteLLM proxy. Each is
 //! started once, probed with one request, and kept running until the bench ends. A peer (nginx, LiteLLM) that is not installed or does not start is skipped,
-//! with the reason; Bulkhead failing to start fails the bench.
+//! with the reason; Bulkhead failing to start fails the bench. With TLS (`--tls`), every target
+//! that can listens on TLS with the bench's certificate; the load target and LiteLLM cannot
+//! and are skipped.
 
 use std::net::{SocketAddr, TcpListener};
 use std::num::NonZeroUsize;
@@ -14,11 +16,13 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use bulkhead_gateway::keys::KeyHash;
+use bulkhead_worker::serve::tls::{Authority, ListenerFiles};
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
+use tokio_rustls::TlsConnector;
 
 use super::cpu::ProcessTree;
-use super::load::{self, Ask};
+use super::load::{self, Ask, Dial};
 use super::load_target;
 use super::pass_through;
 use crate::child;
@@ -143,13 +147,69 @@ pub struct Setup {
     pub nginx: Option<PathBuf>,
     pub litellm: Option<PathBuf>,
     pub scratch: PathBuf,
+    /// Every target's listener takes TLS, and the load connects over it.
+    pub tls: Option<BenchTls>,
+}
+
+/// The bench's TLS: the targets' certificate and key (for 127.0.0.1), and the load's client,
+/// which trusts the CA that issued them.
+#[derive(Clone)]
+pub struct BenchTls {
+    pub files: ListenerFiles,
+    pub connector: TlsConnector,
+}
+
+impl std::fmt::Debug for BenchTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BenchTls")
+            .field("files", &self.files)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A fresh CA's certificate for 127.0.0.1 in `dir`, and a client trusting that CA that
+/// offers HTTP/1.1.
+pub fn bench_tls(dir: &Path) -> anyhow::Result<BenchTls> {
+    use tokio_rustls::rustls;
+    use tokio_rustls::rustls::pki_types::CertificateDer;
+    use tokio_rustls::rustls::pki_types::pem::PemObject as _;
+    let ca = Authority::new("bulkhead bench CA").context("making the bench's CA")?;
+    let files = ca
+        .write(dir, "bench", &["127.0.0.1".to_owned()])
+        .context("writing the bench's certificate")?;
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(CertificateDer::from_pem_slice(ca.ca_pem().as_bytes())?)?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut client = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    client.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(BenchTls {
+        files: ListenerFiles {
+            cert: files.cert,
+            key: files.key,
+            client_ca: None,
+        },
+        connector: TlsConnector::from(Arc::new(client)),
+    })
+}
+
+impl Setup {
+    /// How the load reaches a target at `addr`.
+    fn dial(&self, addr: SocketAddr) -> Dial {
+        Dial {
+            addr,
+            tls: self.tls.as_ref().map(|t| t.connector.clone()),
+        }
+    }
 }
 
 /// A started target.
 #[derive(Debug)]
 pub struct Target {
     pub kind: Kind,
-    pub addr: SocketAddr,
+    pub dial: Dial,
     /// The request the load sends it (asking for the model it lists).
     pub ask: Arc<Ask>,
     /// The processes serving `addr`, metered while the load runs.
@@ -176,6 +236,9 @@ pub enum Started {
 /// Starts `kind` and probes it with the bench's request (`stream`: streamed), asking for the
 /// first model it lists.
 pub async fn start(kind: Kind, setup: &Setup, stream: bool) -> anyhow::Result<Started> {
+    if setup.tls.is_some() && matches!(kind, Kind::Direct | Kind::Litellm) {
+        return Ok(Started::Skipped("it does not listen on TLS here".into()));
+    }
     let (addr, process) = match kind {
         Kind::Direct => (setup.upstream, None),
         Kind::Bulkhead => gateway(kind, setup, false, Audit::Group).await?,
@@ -194,16 +257,17 @@ pub async fn start(kind: Kind, setup: &Setup, stream: bool) -> anyhow::Result<St
             Err(e) => return Ok(Started::Skipped(format!("{e:#}"))),
         },
     };
+    let dial = setup.dial(addr);
     let probed = async {
-        let model = listed_model(addr).await?;
+        let model = listed_model(&dial).await?;
         let ask = Ask::chat(&model, Some(KEY.to_owned()), stream);
-        load::probe(addr, &ask).await?;
+        load::probe(&dial, &ask).await?;
         anyhow::Ok(ask)
     };
     match probed.await {
         Ok(ask) => Ok(Started::Ready(Box::new(Target {
             kind,
-            addr,
+            dial,
             ask: Arc::new(ask),
             meter: match &process {
                 Some(c) => c.id().map(ProcessTree),
@@ -228,9 +292,9 @@ pub async fn start(kind: Kind, setup: &Setup, stream: bool) -> anyhow::Result<St
     }
 }
 
-/// The first model `GET /v1/models` lists at `addr`.
-async fn listed_model(addr: SocketAddr) -> anyhow::Result<String> {
-    let (status, body) = load::get(addr, "/v1/models", Some(KEY)).await?;
+/// The first model `GET /v1/models` lists at `dial`.
+async fn listed_model(dial: &Dial) -> anyhow::Result<String> {
+    let (status, body) = load::get(dial, "/v1/models", Some(KEY)).await?;
     let listed: serde_json::Value = serde_json::from_slice(&body)
         .with_context(|| format!("GET /v1/models answered {status} and no JSON"))?;
     listed["data"][0]["id"]
@@ -254,18 +318,23 @@ pub async fn load_target(threads: NonZeroUsize) -> anyhow::Result<(Child, Socket
 /// with the gateway's serving threads.
 async fn pass_through(setup: &Setup) -> anyhow::Result<(Child, SocketAddr)> {
     let (upstream, threads) = (setup.upstream.to_string(), setup.threads.to_string());
-    bench_process(
-        &[
-            "pass-through",
-            "--upstream",
-            &upstream,
-            "--threads",
-            &threads,
-        ],
-        pass_through::READY,
-        Kind::PassThrough.label(),
-    )
-    .await
+    let mut args = vec![
+        "pass-through".to_owned(),
+        "--upstream".to_owned(),
+        upstream,
+        "--threads".to_owned(),
+        threads,
+    ];
+    if let Some(tls) = &setup.tls {
+        for (flag, path) in [
+            ("--tls-cert", &tls.files.cert),
+            ("--tls-key", &tls.files.key),
+        ] {
+            args.extend([flag.to_owned(), path.display().to_string()]);
+        }
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    bench_process(&args, pass_through::READY, Kind::PassThrough.label()).await
 }
 
 /// Runs `bulkhead bench ARGS` and waits for its `ready` line, which names its `addr=`.
@@ -317,6 +386,14 @@ fn gateway_config(setup: &Setup, policies: bool, audit: Audit) -> String {
         model = load_target::MODEL,
         tokenizer = setup.model.display().to_string(),
     );
+    if let Some(tls) = &setup.tls {
+        let listen = format!(
+            "admin = \"127.0.0.1:0\"\ntls_cert = {:?}\ntls_key = {:?}\n",
+            tls.files.cert.display().to_string(),
+            tls.files.key.display().to_string(),
+        );
+        text = text.replacen("admin = \"127.0.0.1:0\"\n", &listen, 1);
+    }
     if policies {
         text.push_str(&format!(
             "\n[policies]\nfile = {:?}\ncache_dir = {:?}\nwatch_secs = 0\n",
@@ -359,8 +436,9 @@ async fn gateway(
     let (api, admin) = (addr("api")?, addr("admin")?);
     // Routable once its health check has seen the upstream.
     let deadline = Instant::now() + START_LIMIT;
+    let admin = setup.dial(admin);
     loop {
-        let health = load::get(admin, "/healthz", Some(ADMIN)).await;
+        let health = load::get(&admin, "/healthz", Some(ADMIN)).await;
         if matches!(&health, Ok((s, _)) if s.is_success()) {
             break;
         }
@@ -393,7 +471,7 @@ fn log_tail(path: &Path) -> String {
 async fn peer(
     mut cmd: Command,
     what: &str,
-    addr: SocketAddr,
+    dial: &Dial,
     log: &Path,
     bearer: Option<&str>,
 ) -> anyhow::Result<Child> {
@@ -412,7 +490,7 @@ async fn peer(
                 log_tail(log)
             );
         }
-        if matches!(load::get(addr, "/v1/models", bearer).await, Ok((s, _)) if s.is_success()) {
+        if matches!(load::get(dial, "/v1/models", bearer).await, Ok((s, _)) if s.is_success()) {
             return Ok(c);
         }
         if Instant::now() > deadline {
@@ -464,8 +542,18 @@ fn nginx_config(
     listen: SocketAddr,
     upstream: SocketAddr,
     workers: NonZeroUsize,
+    tls: Option<&ListenerFiles>,
 ) -> String {
     let d = dir.display();
+    // With TLS: the same versions as the gateway's listeners, HTTP/1.1 (no `http2`).
+    let ssl = tls.map_or(String::new(), |t| {
+        format!(
+            " ssl;\n    ssl_certificate {};\n    ssl_certificate_key {};\n\
+             ssl_protocols TLSv1.2 TLSv1.3",
+            t.cert.display(),
+            t.key.display()
+        )
+    });
     format!(
         "worker_processes {workers};\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\n\
          events {{ worker_connections 4096; }}\n\
@@ -474,7 +562,7 @@ fn nginx_config(
          fastcgi_temp_path {d}/fastcgi;\n  uwsgi_temp_path {d}/uwsgi;\n  scgi_temp_path {d}/scgi;\n\
          keepalive_requests 1000000;\n\
          upstream load_target {{ server {upstream}; keepalive 256; keepalive_requests 1000000; }}\n\
-         server {{\n    listen {listen};\n    location / {{\n\
+         server {{\n    listen {listen}{ssl};\n    location / {{\n\
          proxy_pass http://load_target;\n      proxy_http_version 1.1;\n\
          proxy_set_header Connection \"\";\n      proxy_buffering off;\n    }}\n  }}\n}}\n",
     )
@@ -488,9 +576,10 @@ async fn nginx(setup: &Setup) -> anyhow::Result<(SocketAddr, Child)> {
     std::fs::create_dir_all(&dir)?;
     let addr = free_port()?;
     let conf = dir.join("nginx.conf");
+    let tls = setup.tls.as_ref().map(|t| &t.files);
     std::fs::write(
         &conf,
-        nginx_config(&dir, addr, setup.upstream, setup.threads),
+        nginx_config(&dir, addr, setup.upstream, setup.threads, tls),
     )?;
     let mut cmd = Command::new(&bin);
     cmd.arg("-e")
@@ -499,7 +588,14 @@ async fn nginx(setup: &Setup) -> anyhow::Result<(SocketAddr, Child)> {
         .arg(&dir)
         .arg("-c")
         .arg(&conf);
-    let c = peer(cmd, "nginx", addr, &dir.join("nginx.out"), None).await?;
+    let c = peer(
+        cmd,
+        "nginx",
+        &setup.dial(addr),
+        &dir.join("nginx.out"),
+        None,
+    )
+    .await?;
     Ok((addr, c))
 }
 
@@ -533,7 +629,14 @@ async fn litellm(setup: &Setup) -> anyhow::Result<(SocketAddr, Child)> {
         .current_dir(&dir)
         // No fetch of the model price list at start (there is no network to fetch it from).
         .env("LITELLM_LOCAL_MODEL_COST_MAP", "True");
-    let c = peer(cmd, "LiteLLM", addr, &dir.join("litellm.log"), Some(KEY)).await?;
+    let c = peer(
+        cmd,
+        "LiteLLM",
+        &setup.dial(addr),
+        &dir.join("litellm.log"),
+        Some(KEY),
+    )
+    .await?;
     Ok((addr, c))
 }
 
@@ -553,6 +656,7 @@ mod tests {
             nginx: None,
             litellm: None,
             scratch: PathBuf::from("/tmp/x"),
+            tls: None,
         }
     }
 
