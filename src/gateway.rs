@@ -44,9 +44,7 @@ impl Args {
         if let Some(tls) = self.tls.settings() {
             config.cluster.tls = Some(tls);
         }
-        if let Some(files) = self.listen_tls.files() {
-            config.listen.tls = Some(files);
-        }
+        config.listen.tls = self.listen_tls.over(config.listen.tls.take());
         Ok((config, file))
     }
 }

@@ -37,7 +37,16 @@ pub struct OtlpArgs {
 /// renegotiation — as warnings, so anyone who can open a connection to a TLS port could fill
 /// the log; the gateway counts its handshakes on `/metrics` and logs a failed one at debug.
 fn log_directives(spec: &str) -> String {
-    if spec.contains("rustls") {
+    // A directive's target is what comes before its span filter and its level.
+    let names_rustls = spec.split(',').any(|directive| {
+        let target = directive
+            .split(['[', '='])
+            .next()
+            .unwrap_or_default()
+            .trim();
+        target == "rustls" || target.starts_with("rustls::")
+    });
+    if names_rustls {
         spec.to_owned()
     } else {
         format!("{spec},rustls=error")
@@ -111,5 +120,14 @@ mod tests {
             "info,bulkhead_gateway=debug,rustls=error"
         );
         assert_eq!(log_directives("debug,rustls=debug"), "debug,rustls=debug");
+        assert_eq!(
+            log_directives("rustls::common_state=warn"),
+            "rustls::common_state=warn"
+        );
+        // Another crate whose name holds it is not rustls.
+        assert_eq!(
+            log_directives("tokio_rustls=debug"),
+            "tokio_rustls=debug,rustls=error"
+        );
     }
 }

@@ -57,7 +57,9 @@ impl TlsArgs {
     }
 }
 
-/// TLS on the gateway's API and admin ports; given, it replaces `[listen]`'s `tls_*`.
+/// TLS on the gateway's API and admin ports; given, the certificate and key replace
+/// `[listen]`'s, and a client CA the file's (which stays when no flag names one: flags that
+/// renew a certificate must not drop the client check the file asks for).
 #[derive(Debug, Clone, clap::Args)]
 pub struct ListenTlsArgs {
     /// The certificate (chain, PEM) both listeners serve; with --listen-tls-key they take only
@@ -73,15 +75,60 @@ pub struct ListenTlsArgs {
 }
 
 impl ListenTlsArgs {
-    /// The files the flags name, if they name any.
-    pub fn files(&self) -> Option<ListenerFiles> {
+    /// The listeners' files: the flags' over `file`'s (the configuration's), if either names
+    /// any.
+    pub fn over(&self, file: Option<ListenerFiles>) -> Option<ListenerFiles> {
         let (Some(cert), Some(key)) = (&self.listen_tls_cert, &self.listen_tls_key) else {
-            return None;
+            return file;
         };
         Some(ListenerFiles {
             cert: cert.clone(),
             key: key.clone(),
-            client_ca: self.listen_tls_client_ca.clone(),
+            client_ca: self
+                .listen_tls_client_ca
+                .clone()
+                .or(file.and_then(|f| f.client_ca)),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(cert: Option<&str>, client_ca: Option<&str>) -> ListenTlsArgs {
+        ListenTlsArgs {
+            listen_tls_cert: cert.map(PathBuf::from),
+            listen_tls_key: cert.map(|_| PathBuf::from("/flag/key.pem")),
+            listen_tls_client_ca: client_ca.map(PathBuf::from),
+        }
+    }
+
+    #[test]
+    fn the_flags_replace_the_files_but_keep_the_files_client_ca() {
+        let file = ListenerFiles {
+            cert: "/file/cert.pem".into(),
+            key: "/file/key.pem".into(),
+            client_ca: Some("/file/ca.pem".into()),
+        };
+        assert_eq!(
+            args(None, None).over(Some(file.clone())),
+            Some(file.clone())
+        );
+        assert_eq!(args(None, None).over(None), None);
+        let flagged = args(Some("/flag/cert.pem"), None).over(Some(file.clone()));
+        assert_eq!(
+            flagged,
+            Some(ListenerFiles {
+                cert: "/flag/cert.pem".into(),
+                key: "/flag/key.pem".into(),
+                client_ca: Some("/file/ca.pem".into()),
+            })
+        );
+        let own_ca = args(Some("/flag/cert.pem"), Some("/flag/ca.pem")).over(Some(file));
+        assert_eq!(
+            own_ca.and_then(|f| f.client_ca),
+            Some(PathBuf::from("/flag/ca.pem"))
+        );
     }
 }

@@ -359,9 +359,11 @@ impl<S> Http<S> {
     /// Answers the plain-HTTP request on a TLS port 400 `https_required` (hyper reads its
     /// head; nothing else of it is used) and closes the connection.
     async fn refuse_plain<IO: AsyncRead + AsyncWrite + Unpin + Send + 'static>(self, io: IO) {
-        self.witness.plain_http();
-        let refuse = hyper::service::service_fn(|_: Request<Incoming>| async {
-            Ok::<_, Infallible>(ApiError::HttpsRequired.into_response())
+        let witness = self.witness;
+        // Told once a request's head has parsed: a byte and a close is no request.
+        let refuse = hyper::service::service_fn(move |_: Request<Incoming>| {
+            witness.plain_http();
+            async { Ok::<_, Infallible>(ApiError::HttpsRequired.into_response()) }
         });
         let mut builder = self.builder;
         builder.keep_alive(false);
@@ -826,6 +828,13 @@ mod tests {
             !answer.contains("bulkhead-api"),
             "the service never ran: {answer}"
         );
+        // A byte that looks like plain HTTP and a close is no request: nothing told of it.
+        let mut one = TcpStream::connect(serving.addr).await.expect("connect");
+        tokio::io::AsyncWriteExt::write_all(&mut one, b"G")
+            .await
+            .expect("sends");
+        drop(one);
+        tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(told.plain_http.load(Ordering::Relaxed), 1);
         assert!(told.unparsed.lock().expect("not poisoned").is_empty());
         drop(connections);

@@ -32,8 +32,9 @@ pub enum ApiError {
     /// error) before it was whole.
     #[error("the request body could not be read: {reason}")]
     BodyUnreadable { reason: String },
-    /// The client closed its connection before its request body was whole: it left (nobody
-    /// reads the answer; the status is recorded).
+    /// The client ended its side of the connection (closed it, or half-closed it) before its
+    /// request body was whole: it left. Recorded as such; a half-closed client that still
+    /// reads gets this status.
     #[error("the client closed the connection before its request body was whole")]
     ClientClosedBody,
     /// The request body did not arrive in time (a client that trickles it, or stops).

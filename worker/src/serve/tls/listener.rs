@@ -65,7 +65,8 @@ pub enum Opened<IO> {
     PlainHttp(IO),
 }
 
-/// How many handshakes ended each way, since the listener's TLS was loaded.
+/// How many handshakes ended each way, since the listener's TLS was loaded (those still under
+/// way when the server shuts down end uncounted).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Handshakes {
     /// Completed: the connection carries HTTP.
@@ -142,7 +143,7 @@ impl Served {
         let key = private_key(&files.key, &read.key)?;
         let builder = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
-            .map_err(|e| mismatch(&files.cert, &files.key, e))?;
+            .expect("ring supports TLS 1.3 and 1.2");
         let builder = match files.client_ca.as_deref().zip(read.client_ca.as_deref()) {
             Some((path, pem)) => {
                 let roots = trust_anchors(path, pem)?;
@@ -541,6 +542,14 @@ mod tests {
         let (_, files) = issued(&ca, &dir.0);
         let refused =
             |files: &ListenerFiles| ListenerTls::load(files).expect_err("refused").to_string();
+        // Loaded, its Debug names the files and shows nothing of the key.
+        let key_pem = std::fs::read_to_string(&files.key).expect("reads");
+        let shown = format!("{:?}", ListenerTls::load(&files).expect("loads"));
+        let secret = key_pem.lines().nth(1).expect("a line of the key");
+        assert!(
+            shown.contains("api.key") && !shown.contains(secret),
+            "{shown}"
+        );
         let e = refused(&ListenerFiles {
             cert: dir.0.join("absent.pem"),
             ..files.clone()
@@ -581,6 +590,14 @@ mod tests {
             e.contains("garbled.key") && e.contains("not a usable key"),
             "{e}"
         );
+        // A key whose line breaks were lost (one line): refused without quoting it.
+        let flattened = dir.0.join("flattened.key");
+        secret_file::write(&flattened, key_pem.replace('\n', " ").as_bytes()).expect("writes");
+        let e = refused(&ListenerFiles {
+            key: flattened,
+            ..files.clone()
+        });
+        assert!(e.contains("not a usable key") && !e.contains(secret), "{e}");
 
         let junk = dir.0.join("junk-ca.pem");
         std::fs::write(&junk, "not a certificate\n").expect("writes");
@@ -594,9 +611,5 @@ mod tests {
             .expect("chmod");
         let e = refused(&files);
         assert!(e.contains("open to other users"), "{e}");
-        assert!(
-            format!("{:?}", ListenerFiles { ..files }).contains("api.key"),
-            "the files' Debug names paths"
-        );
     }
 }

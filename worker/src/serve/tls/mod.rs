@@ -203,8 +203,9 @@ fn certificates(
     Ok(certs)
 }
 
-/// Why PEM text does not parse, its lines as text (the parser's own message shows them as
-/// byte values).
+/// Why PEM text of certificates does not parse, its lines as text (the parser's own message
+/// shows them as byte values). Never for a key: the lines quoted could be the key itself (a key
+/// whose line breaks were lost is one line, taken for a BEGIN line).
 fn pem_reason(e: &pem::Error) -> String {
     let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
     match e {
@@ -220,20 +221,23 @@ fn pem_reason(e: &pem::Error) -> String {
 
 /// The private key in `pem`, read from `path`: a PEM key block whose key the signing code
 /// can use (a block whose bytes are no key is refused here, not later as a mismatch with the
-/// certificate).
+/// certificate). The reasons quote nothing of the file.
 fn private_key(path: &Path, pem: &[u8]) -> Result<PrivateKeyDer<'static>, TlsError> {
-    let shown = || path.display().to_string();
+    let bad = |reason: &str| TlsError::BadKey {
+        path: path.display().to_string(),
+        reason: reason.to_owned(),
+    };
     let key = PrivateKeyDer::from_pem_slice(pem).map_err(|e| match e {
-        pem::Error::NoItemsFound => TlsError::NoKey { path: shown() },
-        e => TlsError::BadKey {
-            path: shown(),
-            reason: pem_reason(&e),
+        pem::Error::NoItemsFound => TlsError::NoKey {
+            path: path.display().to_string(),
         },
+        pem::Error::MissingSectionEnd { .. } | pem::Error::IllegalSectionStart { .. } => {
+            bad("its PEM block is malformed or not closed (line breaks lost?)")
+        }
+        _ => bad("its PEM block does not decode"),
     })?;
-    rustls::crypto::ring::sign::any_supported_type(&key).map_err(|e| TlsError::BadKey {
-        path: shown(),
-        reason: e.to_string(),
-    })?;
+    rustls::crypto::ring::sign::any_supported_type(&key)
+        .map_err(|_| bad("its bytes are no key of a supported type"))?;
     Ok(key)
 }
 
