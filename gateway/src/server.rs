@@ -21,7 +21,7 @@ use crate::discovery::{self, SystemResolver, WorkerGroup};
 use crate::limits::Limiter;
 use crate::metrics::Metrics;
 use crate::policy::{Policies, PolicyError};
-use crate::serving;
+use crate::serving::{self, Edge};
 use crate::tenants::{ConfigFile, Tenants};
 use crate::trail::{Recorder, Watch};
 use crate::workers::{EndpointError, Workers};
@@ -222,8 +222,10 @@ impl BoundGateway {
         let api = serving::serve(
             self.api,
             api_service,
-            self.http,
-            self.tls.clone(),
+            Edge {
+                limits: self.http,
+                tls: self.tls.clone(),
+            },
             self.threads,
             stop_rx.clone(),
             Arc::new(self.recorder.clone()),
@@ -231,8 +233,10 @@ impl BoundGateway {
         let admin = serving::serve(
             self.admin,
             TowerToHyperService::new(self.admin_router),
-            self.http,
-            self.tls,
+            Edge {
+                limits: self.http,
+                tls: self.tls,
+            },
             NonZeroUsize::MIN,
             stop_rx,
             Arc::new(()),

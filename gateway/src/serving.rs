@@ -96,17 +96,16 @@ impl<S> Service for S where
 /// Serves `listener` on `threads` threads until `stop`: the calling runtime accepts and is one
 /// of them (with one thread, the only one); the others are started here, each with a
 /// single-threaded runtime, and have drained and ended when this returns. A thread that
-/// cannot be started is left out (and logged); its connections go to the others. With `tls`,
-/// every connection starts with its TLS handshake (see [`Connections::serve`]). A client that
-/// has not sent its headers within `limits.header_timeout` is disconnected (slowloris), and so
-/// is one that takes no byte of its response for `limits.write_stall_timeout`; in-flight
-/// connections get `limits.drain_timeout` at shutdown. `witness` hears of the requests still
+/// cannot be started is left out (and logged); its connections go to the others. With
+/// `edge.tls`, every connection starts with its TLS handshake (see [`Connections::serve`]). A
+/// client that has not sent its headers within `edge.limits.header_timeout` is disconnected
+/// (slowloris), and so is one that takes no byte of its response for `write_stall_timeout`;
+/// in-flight connections get `drain_timeout` at shutdown. `witness` hears of the requests still
 /// running then (before they are dropped) and of those hyper could not parse.
 pub async fn serve<S: Service>(
     listener: TcpListener,
     service: S,
-    limits: HttpLimits,
-    tls: Option<ListenerTls>,
+    edge: Edge,
     threads: NonZeroUsize,
     mut stop: watch::Receiver<bool>,
     witness: Arc<dyn Witness>,
@@ -117,11 +116,7 @@ pub async fn serve<S: Service>(
     }];
     let mut ended = Vec::new();
     for index in 1..threads.get() {
-        let edge = Edge {
-            limits,
-            tls: tls.clone(),
-        };
-        match spawn_thread(index, service.clone(), edge, witness.clone()) {
+        match spawn_thread(index, service.clone(), edge.clone(), witness.clone()) {
             Ok((to, done)) => {
                 seats.push(Seat {
                     open: Arc::default(),
@@ -132,7 +127,7 @@ pub async fn serve<S: Service>(
             Err(e) => tracing::error!(error = %e, "an API serving thread did not start"),
         }
     }
-    let mut local = Connections::new(service, Edge { limits, tls }, witness);
+    let mut local = Connections::new(service, edge, witness);
     accept(&listener, &mut stop, |stream| {
         if let Some((stream, open)) = deal(&mut seats, stream) {
             local.serve(stream, open);
@@ -239,10 +234,10 @@ fn spawn_thread<S: Service>(
 }
 
 /// What every connection of a listener gets: the limits, and TLS when it is on.
-#[derive(Clone)]
-struct Edge {
-    limits: HttpLimits,
-    tls: Option<ListenerTls>,
+#[derive(Debug, Clone)]
+pub struct Edge {
+    pub limits: HttpLimits,
+    pub tls: Option<ListenerTls>,
 }
 
 /// The connections one thread serves: HTTP/1.1 with a header timeout and a write deadline
@@ -481,9 +476,8 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let (stop, stopped) = watch::channel(false);
-        let task = tokio::spawn(serve(
-            listener, service, limits, tls, threads, stopped, witness,
-        ));
+        let edge = Edge { limits, tls };
+        let task = tokio::spawn(serve(listener, service, edge, threads, stopped, witness));
         Running { addr, stop, task }
     }
 

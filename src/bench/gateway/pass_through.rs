@@ -18,6 +18,7 @@ use anyhow::Context;
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use bulkhead_gateway::config::HttpLimits;
+use bulkhead_gateway::serving::Edge;
 use bulkhead_worker::serve::tls::{ListenerFiles, ListenerTls};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, StatusCode, Uri};
@@ -86,9 +87,11 @@ async fn proxy(
         .context("the upstream address as a URI authority")?;
     let service = hyper::service::service_fn(move |req| pass(req, authority.clone()));
     // A client gets as long to send its request headers as the gateway gives it by default.
-    let limits = HttpLimits::default();
-    bulkhead_gateway::serving::serve(listener, service, limits, tls, threads, stop, Arc::new(()))
-        .await;
+    let edge = Edge {
+        limits: HttpLimits::default(),
+        tls,
+    };
+    bulkhead_gateway::serving::serve(listener, service, edge, threads, stop, Arc::new(())).await;
     Ok(())
 }
 
