@@ -529,6 +529,22 @@ mod tests {
             new.admitted(addr).await.is_some(),
             "a broken renewal keeps the last one"
         );
+        // And the files are still followed: the renewal finished is served.
+        let last_ca = Authority::new("last CA").expect("a CA");
+        issued(&last_ca, &dir.0);
+        let last = Client::trusting(&last_ca);
+        let mut finished = false;
+        for _ in 0..100 {
+            if last.admitted(addr).await.is_some() {
+                finished = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            finished,
+            "the files were no longer followed after a broken renewal"
+        );
         follower.abort();
     }
 
