@@ -14,7 +14,7 @@ use bulkhead_gateway::tenants::ConfigFile;
 use bulkhead_gateway::{BoundGateway, Config};
 use bulkhead_worker::serve::ClusterToken;
 use bulkhead_worker::serve::cluster_token;
-use bulkhead_worker::serve::tls::{Authority, ListenerFiles, TlsFiles, TlsSettings};
+use bulkhead_worker::serve::tls::{Authority, TlsFiles, TlsSettings};
 use tokio::process::{Child, Command};
 
 use crate::child;
@@ -159,23 +159,16 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
             server_name: None,
         });
     }
+    // How curl trusts the listeners' CA, when up made it.
+    let mut cacert = String::new();
     if let Some(ca) = local_ca.as_ref().filter(|_| args.https) {
-        let files = ca.issue("api")?;
-        config.listen.tls = Some(ListenerFiles {
-            cert: files.cert,
-            key: files.key,
-            client_ca: None,
-        });
+        config.listen.tls = Some(ca.issue("api")?.into());
+        cacert = format!("--cacert {} ", ca.dir.join("ca.pem").display());
     }
     let scheme = if config.listen.tls.is_some() {
         "https"
     } else {
         "http"
-    };
-    // How curl trusts the listeners' CA, when up made it.
-    let cacert = match local_ca.as_ref().filter(|_| args.https) {
-        Some(ca) => format!("--cacert {} ", ca.dir.join("ca.pem").display()),
-        None => String::new(),
     };
     let secrets = Secrets {
         token_file: &token_file,

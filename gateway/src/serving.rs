@@ -749,32 +749,15 @@ mod tests {
     /// A certificate for 127.0.0.1 from a fresh CA, loaded as a listener's TLS; and a client
     /// trusting that CA. The files are removed once loaded.
     fn tls_pair() -> (ListenerTls, tokio_rustls::TlsConnector) {
-        use bulkhead_worker::serve::tls::{Authority, ListenerFiles};
-        use tokio_rustls::rustls;
-        use tokio_rustls::rustls::pki_types::CertificateDer;
-        use tokio_rustls::rustls::pki_types::pem::PemObject as _;
+        use bulkhead_worker::serve::tls::Authority;
         let dir = std::env::temp_dir().join(format!("bulkhead-serving-{}", rand::random::<u64>()));
         let ca = Authority::new("test CA").expect("a CA");
         let files = ca
             .write(&dir, "api", &["127.0.0.1".to_owned()])
             .expect("writes");
-        let tls = ListenerTls::load(&ListenerFiles {
-            cert: files.cert,
-            key: files.key,
-            client_ca: None,
-        })
-        .expect("loads");
+        let tls = ListenerTls::load(&files.into()).expect("loads");
         let _ = std::fs::remove_dir_all(&dir);
-        let mut roots = rustls::RootCertStore::empty();
-        let root = CertificateDer::from_pem_slice(ca.ca_pem().as_bytes()).expect("the CA");
-        roots.add(root).expect("a root");
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let client = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .expect("versions")
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        (tls, tokio_rustls::TlsConnector::from(Arc::new(client)))
+        (tls, ca.https_client().expect("a client"))
     }
 
     /// With TLS, every serving thread serves (each completes the handshakes of the

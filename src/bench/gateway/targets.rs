@@ -170,28 +170,13 @@ impl std::fmt::Debug for BenchTls {
 /// A fresh CA's certificate for 127.0.0.1 in `dir`, and a client trusting that CA that
 /// offers HTTP/1.1.
 pub fn bench_tls(dir: &Path) -> anyhow::Result<BenchTls> {
-    use tokio_rustls::rustls;
-    use tokio_rustls::rustls::pki_types::CertificateDer;
-    use tokio_rustls::rustls::pki_types::pem::PemObject as _;
     let ca = Authority::new("bulkhead bench CA").context("making the bench's CA")?;
     let files = ca
         .write(dir, "bench", &["127.0.0.1".to_owned()])
         .context("writing the bench's certificate")?;
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(CertificateDer::from_pem_slice(ca.ca_pem().as_bytes())?)?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut client = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    client.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(BenchTls {
-        files: ListenerFiles {
-            cert: files.cert,
-            key: files.key,
-            client_ca: None,
-        },
-        connector: TlsConnector::from(Arc::new(client)),
+        files: files.into(),
+        connector: ca.https_client()?,
     })
 }
 
@@ -691,5 +676,31 @@ mod tests {
             find_litellm(Some(PathBuf::from("/nonexistent/litellm"))),
             None
         );
+    }
+
+    /// With TLS, nginx listens with `ssl` on the bench's certificate and key, TLS 1.2 and 1.3
+    /// (the gateway's versions); without, plain.
+    #[test]
+    fn nginx_listens_with_ssl_on_the_bench_certificate_only_over_tls() {
+        let (dir, listen) = (Path::new("/tmp/n"), "127.0.0.1:9".parse().expect("addr"));
+        let upstream = "127.0.0.1:7".parse().expect("addr");
+        let two = NonZeroUsize::new(2).expect("2");
+        let plain = nginx_config(dir, listen, upstream, two, None);
+        assert!(plain.contains("listen 127.0.0.1:9;"), "{plain}");
+        assert!(!plain.contains("ssl"), "{plain}");
+        let files = ListenerFiles {
+            cert: "/b/bench.pem".into(),
+            key: "/b/bench.key".into(),
+            client_ca: None,
+        };
+        let tls = nginx_config(dir, listen, upstream, two, Some(&files));
+        for line in [
+            "listen 127.0.0.1:9 ssl;",
+            "ssl_certificate /b/bench.pem;",
+            "ssl_certificate_key /b/bench.key;",
+            "ssl_protocols TLSv1.2 TLSv1.3;",
+        ] {
+            assert!(tls.contains(line), "{line}: {tls}");
+        }
     }
 }

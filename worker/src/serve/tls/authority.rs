@@ -10,7 +10,12 @@ use rcgen::{
     Issuer, KeyPair, KeyUsagePurpose,
 };
 
-use super::{ClusterTls, TlsError, TlsFiles};
+use std::sync::Arc;
+
+use tokio_rustls::TlsConnector;
+use tokio_rustls::rustls::{self, ClientConfig};
+
+use super::{ClusterTls, TlsError, TlsFiles, trust_anchors};
 use crate::serve::secret_file;
 
 /// A CA: its certificate and the key that signs what it issues.
@@ -44,6 +49,20 @@ impl Authority {
             pem,
             issuer: Issuer::new(params, key),
         })
+    }
+
+    /// A client of HTTPS servers whose certificates this CA issued (and no others), offering
+    /// HTTP/1.1: `bench gateway --tls`'s load, and tests'.
+    pub fn https_client(&self) -> Result<TlsConnector, TlsError> {
+        let roots = trust_anchors(Path::new("(this CA)"), self.pem.as_bytes())?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut client = ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("ring supports TLS 1.3 and 1.2")
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        client.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(TlsConnector::from(Arc::new(client)))
     }
 
     /// The CA certificate, PEM: what every process trusts.

@@ -30,8 +30,8 @@ use tokio_rustls::rustls::{self, ServerConfig};
 use tokio_rustls::{TlsAcceptor, server};
 
 use super::{
-    TlsError, certificates, client_verifier, mismatch, pem_file, private_key, secret_file,
-    trust_anchors, within,
+    TlsError, TlsFiles, certificates, client_verifier, mismatch, pem_file, private_key,
+    secret_file, trust_anchors, within,
 };
 use crate::serve::followed::Followed;
 
@@ -45,6 +45,18 @@ pub struct ListenerFiles {
     pub cert: PathBuf,
     pub key: PathBuf,
     pub client_ca: Option<PathBuf>,
+}
+
+/// A process's certificate and key serving a listener, no client certificate asked for (its
+/// CA is the one clients trust, not one clients' certificates come from).
+impl From<TlsFiles> for ListenerFiles {
+    fn from(files: TlsFiles) -> ListenerFiles {
+        ListenerFiles {
+            cert: files.cert,
+            key: files.key,
+            client_ca: None,
+        }
+    }
 }
 
 /// A listener's TLS: the files, loaded and checked, and followed once
@@ -245,10 +257,10 @@ mod tests {
     use tokio_rustls::TlsConnector;
     use tokio_rustls::rustls::pki_types::pem::PemObject as _;
     use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-    use tokio_rustls::rustls::{ClientConfig, ProtocolVersion, RootCertStore};
+    use tokio_rustls::rustls::{ClientConfig, ProtocolVersion};
 
+    use super::super::Authority;
     use super::super::tests::tempdir;
-    use super::super::{Authority, TlsFiles};
     use super::*;
 
     const LOOPBACK: &str = "127.0.0.1";
@@ -258,12 +270,7 @@ mod tests {
         let files = ca
             .write(dir, "api", &[LOOPBACK.to_owned()])
             .expect("writes");
-        let listener = ListenerFiles {
-            cert: files.cert.clone(),
-            key: files.key.clone(),
-            client_ca: None,
-        };
-        (files, listener)
+        (files.clone(), files.into())
     }
 
     /// How a test client connects.
@@ -288,9 +295,8 @@ mod tests {
         }
 
         fn connector(&self) -> TlsConnector {
-            let mut roots = RootCertStore::empty();
-            let ca = CertificateDer::from_pem_slice(self.trusts.ca_pem().as_bytes()).expect("CA");
-            roots.add(ca).expect("a root");
+            let ca = self.trusts.ca_pem().as_bytes();
+            let roots = trust_anchors(std::path::Path::new("ca.pem"), ca).expect("the CA");
             let builder = ClientConfig::builder_with_provider(provider());
             let builder = if self.tls12_only {
                 builder.with_protocol_versions(&[&rustls::version::TLS12])
