@@ -6,8 +6,8 @@
 //! Why threads of their own rather than one work-stealing runtime: with the latter, a request
 //! hops between threads (the connection's task, the upstream connection's task, wake-ups
 //! through the other thread's queue), and the gateway spent about a quarter more CPU per
-//! request for it (README, "Gateway overhead against nginx and LiteLLM"). A connection is
-//! handed over once, when dealt.
+//! request for it (docs/benchmarks.md, "Gateway overhead against nginx and LiteLLM"). A
+//! connection is handed over once, when dealt.
 
 use std::convert::Infallible;
 use std::num::NonZeroUsize;
