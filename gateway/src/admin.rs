@@ -11,7 +11,7 @@ use axum::extract::{FromRef, Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use bulkhead_worker::serve::tls::ListenerTls;
+use bulkhead_worker::serve::tls::{ClusterTls, ListenerTls, render_expiry};
 use http::StatusCode;
 use http::header::{AUTHORIZATION, CONTENT_TYPE};
 use serde_json::json;
@@ -31,8 +31,11 @@ pub struct AdminState {
     pub tenants: Tenants,
     pub recorder: Recorder,
     pub policies: Policies,
-    /// The listeners' TLS, when on (its handshake counts are metrics).
+    /// The listeners' TLS, when on (its handshake counts and its certificate's expiry are
+    /// metrics).
     pub tls: Option<ListenerTls>,
+    /// The deployment's mutual TLS, when on (its certificate's expiry is a metric).
+    pub cluster_tls: Option<ClusterTls>,
 }
 
 impl FromRef<AdminState> for Recorder {
@@ -109,6 +112,17 @@ async fn metrics(State(state): State<AdminState>) -> Response {
     if let Some(tls) = &state.tls {
         crate::metrics::render_handshakes(&mut text, tls.handshakes());
     }
+    let certificates: Vec<_> = [
+        state.tls.as_ref().map(|t| ("listen", t.validity())),
+        state
+            .cluster_tls
+            .as_ref()
+            .map(|t| ("cluster", t.validity())),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    render_expiry(&mut text, &certificates);
     state.tenants.render_metrics(&mut text);
     ([(CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }

@@ -111,6 +111,7 @@ impl BoundGateway {
             cluster.token.clone(),
             cluster.tls.clone(),
         ));
+        let cluster_tls = cluster.tls.clone();
         let workers = Workers::new(&config.workers, cluster)?;
         let policies = match config.policies {
             None => Policies::disabled(),
@@ -136,6 +137,7 @@ impl BoundGateway {
                 recorder: recorder.clone(),
                 policies: policies.clone(),
                 tls: tls.clone(),
+                cluster_tls,
             },
             config.admin_token,
         );

@@ -666,6 +666,73 @@ fn the_gateways_listen_tls_flags_put_its_ports_on_tls() {
     });
 }
 
+/// A certificate that has lapsed still loads (a client decides whether to take it), but the
+/// gateway warns of it in its log, naming the file, and its `notAfter` is a gauge on
+/// `/metrics` an operator can alert on before the day comes.
+#[test]
+fn a_lapsed_listen_certificate_is_warned_of_and_its_expiry_is_a_metric() {
+    use std::os::unix::fs::PermissionsExt as _;
+    bounded(|| {
+        let dir = TempDir::new("lapsed-tls");
+        let key = rcgen::KeyPair::generate().expect("a key");
+        let mut params =
+            rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()]).expect("params");
+        params.not_before = rcgen::date_time_ymd(2019, 1, 1);
+        params.not_after = rcgen::date_time_ymd(2020, 1, 1);
+        let cert = params.self_signed(&key).expect("signs");
+        let (cert_file, key_file) = (dir.0.join("api.pem"), dir.0.join("api.key"));
+        std::fs::write(&cert_file, cert.pem()).expect("writes");
+        std::fs::write(&key_file, key.serialize_pem()).expect("writes");
+        std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        let replace = [
+            ("127.0.0.1:8080", "127.0.0.1:0"),
+            ("127.0.0.1:9090", "127.0.0.1:0"),
+        ];
+        let config = crate::up::test_config(&dir.0, &replace, "");
+        let (cert_path, key_path) = (
+            cert_file.display().to_string(),
+            key_file.display().to_string(),
+        );
+        let gateway = crate::cluster::Gateway::start(
+            &config,
+            &dir.0.join("data"),
+            &[
+                ("BULKHEAD_LISTEN_TLS_CERT", &cert_path),
+                ("BULKHEAD_LISTEN_TLS_KEY", &key_path),
+            ],
+        );
+        let log = crate::worker_grpc::text_of(&gateway.log);
+        assert!(log.contains("lapsed at"), "{log}");
+        assert!(log.contains(&cert_path), "{log}");
+
+        // Over TLS, not checking the certificate (it has lapsed).
+        const METRICS: &str = r"
+import http.client, ssl, sys
+host, port = sys.argv[1].rsplit(':', 1)
+conn = http.client.HTTPSConnection(host, int(port), timeout=10,
+                                   context=ssl._create_unverified_context())
+conn.request('GET', '/metrics', headers={'Authorization': 'Bearer ' + sys.argv[2]})
+print(conn.getresponse().read().decode())
+";
+        let out = Command::new(python())
+            .args(["-c", METRICS, &gateway.admin, ADMIN])
+            .output()
+            .expect("python runs");
+        let text = String::from_utf8_lossy(&out.stdout);
+        // 2020-01-01 00:00 UTC.
+        assert_eq!(
+            metric(
+                &text,
+                "bulkhead_tls_certificate_expiry_timestamp_seconds{certificate=\"listen\"}"
+            ),
+            1_577_836_800,
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!text.contains("certificate=\"cluster\""), "{text}");
+    });
+}
+
 /// `bulkhead up --tls`: the gateway, decode and prefill speak mutual TLS on every hop (gRPC
 /// and the KV data plane), so a disaggregated request is served only if all of them work; a
 /// caller that holds the cluster token but speaks plain TCP, or presents a certificate another
@@ -713,6 +780,14 @@ fn with_tls_every_hop_is_mutual_tls_and_a_plain_or_foreign_caller_gets_nothing()
         let access = &json(&workers)["access"];
         assert_eq!(access["mutual_tls"], true, "{workers}");
         assert_eq!(access["cluster_token"], true, "{workers}");
+        // The certificate the gateway presents to its workers lapses when the gauge says.
+        assert_eq!(
+            metric(
+                &up.metrics(),
+                "bulkhead_tls_certificate_expiry_timestamp_seconds{certificate=\"cluster\"}"
+            ),
+            u64::try_from(own.validity().not_after).expect("after 1970"),
+        );
         up.wait_pool_drained();
 
         // Preflight reaches the same workers with the gateway's TLS files, and none without.

@@ -510,5 +510,17 @@ fn across_namespaces_every_hop_is_mutual_tls_and_serves() {
             "bulkhead_kv_frames_written_total",
         );
         assert!(written > 0.0, "the KV crossed the link: {written}");
+        // Each worker shows when the certificate it presents lapses.
+        let expiry = bulkhead_worker::serve::ClusterTls::load(&files)
+            .expect("loads")
+            .validity()
+            .not_after;
+        assert_eq!(
+            metric(
+                &cluster.decode.metrics(),
+                "bulkhead_tls_certificate_expiry_timestamp_seconds{certificate=\"cluster\"}"
+            ),
+            expiry as f64
+        );
     });
 }

@@ -10,24 +10,39 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
 use super::actor::{EngineHandle, EngineStats};
+use super::tls::{ClusterTls, render_expiry};
 
-/// The admin routes over `engine`.
-pub fn router(engine: EngineHandle) -> Router {
+/// What the admin routes read.
+#[derive(Clone)]
+struct Admin {
+    engine: EngineHandle,
+    /// The deployment's mutual TLS, when on: its certificate's expiry is a metric.
+    tls: Option<ClusterTls>,
+}
+
+/// The admin routes over `engine` (and the worker's TLS, `tls`).
+pub fn router(engine: EngineHandle, tls: Option<ClusterTls>) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .with_state(engine)
+        .with_state(Admin { engine, tls })
 }
 
-async fn metrics(State(engine): State<EngineHandle>) -> Response {
+async fn metrics(State(Admin { engine, tls }): State<Admin>) -> Response {
     match engine.stats().await {
         Ok(stats) => (
             [(
                 header::CONTENT_TYPE,
                 "text/plain; version=0.0.4; charset=utf-8",
             )],
-            engine.metrics().render(&stats),
+            {
+                let mut text = engine.metrics().render(&stats);
+                if let Some(tls) = tls {
+                    render_expiry(&mut text, &[("cluster", tls.validity())]);
+                }
+                text
+            },
         )
             .into_response(),
         Err(_) => (
@@ -38,7 +53,7 @@ async fn metrics(State(engine): State<EngineHandle>) -> Response {
     }
 }
 
-async fn healthz(State(engine): State<EngineHandle>) -> Response {
+async fn healthz(State(Admin { engine, .. }): State<Admin>) -> Response {
     match engine.stats().await {
         Ok(_) => (StatusCode::OK, "ok\n").into_response(),
         Err(_) => (
@@ -49,7 +64,7 @@ async fn healthz(State(engine): State<EngineHandle>) -> Response {
     }
 }
 
-async fn readyz(State(engine): State<EngineHandle>) -> Response {
+async fn readyz(State(Admin { engine, .. }): State<Admin>) -> Response {
     match engine.stats().await {
         Ok(stats) => match readiness(&stats) {
             Ok(ready) => (StatusCode::OK, format!("ready: {ready}\n")).into_response(),

@@ -326,7 +326,7 @@ impl BoundWorker {
         // The cluster token and the TLS files are followed for as long as the worker serves.
         let follows = follow_secrets(self.cluster_token.clone(), self.tls.clone());
         let peer = self.service.follow_peer();
-        let admin = axum::serve(self.admin, admin::router(self.engine))
+        let admin = axum::serve(self.admin, admin::router(self.engine, self.tls.clone()))
             .with_graceful_shutdown(stopped(stop_rx.clone()));
         let grpc =
             tonic::transport::Server::builder().add_service(proto::WorkerServer::with_interceptor(

@@ -30,8 +30,8 @@ use tokio_rustls::rustls::{self, ServerConfig};
 use tokio_rustls::{TlsAcceptor, server};
 
 use super::{
-    TlsError, TlsFiles, certificates, client_verifier, mismatch, pem_file, private_key,
-    secret_file, trust_anchors, within,
+    TlsError, TlsFiles, Validity, client_verifier, mismatch, pem_file, private_key, secret_file,
+    serving_chain, trust_anchors, within,
 };
 use crate::serve::followed::Followed;
 
@@ -113,6 +113,7 @@ impl std::fmt::Debug for ListenerTls {
 /// The files as read, and the acceptor made from them.
 struct Served {
     read: Read,
+    validity: Validity,
     acceptor: TlsAcceptor,
 }
 
@@ -151,7 +152,7 @@ impl Served {
 
     /// The acceptor made from `read`, the bytes of `files`.
     fn parse(files: &ListenerFiles, read: Read) -> Result<Served, TlsError> {
-        let chain = certificates("TLS certificate", &files.cert, &read.cert)?;
+        let (chain, validity) = serving_chain(&files.cert, &read.cert)?;
         let key = private_key(&files.key, &read.key)?;
         let builder = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
@@ -170,6 +171,7 @@ impl Served {
         Ok(Served {
             acceptor: TlsAcceptor::from(Arc::new(config)),
             read,
+            validity,
         })
     }
 }
@@ -233,6 +235,11 @@ impl ListenerTls {
         };
         count.fetch_add(1, Ordering::Relaxed);
         ended
+    }
+
+    /// The validity of the certificate served now.
+    pub fn validity(&self) -> Validity {
+        self.current.current().validity
     }
 
     /// How the handshakes have ended so far (every clone's).

@@ -28,11 +28,12 @@
 mod authority;
 mod grpc;
 mod listener;
+mod validity;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::net::TcpStream;
 use tokio_rustls::rustls::crypto::CryptoProvider;
@@ -45,6 +46,7 @@ use tokio_rustls::{TlsAcceptor, TlsConnector, client, server};
 pub use authority::{Authority, WriteError};
 pub use grpc::{EndpointError, WorkerEndpoint, endpoint};
 pub use listener::{Handshakes, ListenerFiles, ListenerTls, Opened};
+pub use validity::{Concern, RENEW_WITHIN, Validity, render_expiry};
 
 use super::followed::Followed;
 use super::secret_file::{self, SecretFileError};
@@ -139,6 +141,7 @@ impl std::fmt::Debug for ClusterTls {
 /// The files as read, and the ends of both planes made from them.
 struct Loaded {
     read: Read,
+    validity: Validity,
     grpc: Ends,
     kv: Ends,
 }
@@ -201,6 +204,26 @@ fn certificates(
         });
     }
     Ok(certs)
+}
+
+/// The certificate chain this process presents, read from `path`, and its first
+/// certificate's validity. One that is not valid now or lapses within [`RENEW_WITHIN`] is
+/// warned of, at every load of the files.
+fn serving_chain(
+    path: &Path,
+    pem: &[u8],
+) -> Result<(Vec<CertificateDer<'static>>, Validity), TlsError> {
+    let what = "TLS certificate";
+    let chain = certificates(what, path, pem)?;
+    let validity = Validity::of(&chain[0]).map_err(|e| TlsError::BadCertificate {
+        what,
+        path: path.display().to_string(),
+        reason: format!("its validity period does not parse: {e}"),
+    })?;
+    if let Some(concern) = validity.concern(SystemTime::now()) {
+        tracing::warn!(certificate = %path.display(), "the TLS certificate {concern}");
+    }
+    Ok((chain, validity))
 }
 
 /// Why PEM text of certificates does not parse, its lines as text (the parser's own message
@@ -299,7 +322,7 @@ impl Loaded {
     /// The ends made from `read`, the bytes of `files`.
     fn parse(files: &TlsFiles, read: Read) -> Result<Loaded, TlsError> {
         let roots = trust_anchors(&files.ca, &read.ca)?;
-        let chain = certificates("TLS certificate", &files.cert, &read.cert)?;
+        let (chain, validity) = serving_chain(&files.cert, &read.cert)?;
         let key = private_key(&files.key, &read.key)?;
         let mismatch = |e| mismatch(&files.cert, &files.key, e);
         let ends = |alpn: &[u8]| -> Result<Ends, TlsError> {
@@ -328,6 +351,7 @@ impl Loaded {
             grpc: ends(GRPC_ALPN)?,
             kv: ends(KV_ALPN)?,
             read,
+            validity,
         })
     }
 }
@@ -389,6 +413,11 @@ impl ClusterTls {
                 |read| Loaded::parse(&files, read),
             )
             .await;
+    }
+
+    /// The validity of the certificate this process presents now.
+    pub fn validity(&self) -> Validity {
+        self.current.current().validity
     }
 
     /// The KV data plane, decode's side: the handshake on an accepted connection, within
