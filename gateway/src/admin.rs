@@ -128,7 +128,43 @@ async fn metrics(State(state): State<AdminState>) -> Response {
 }
 
 async fn policies(State(state): State<AdminState>) -> Response {
-    json_reply(StatusCode::OK, &state.policies.status())
+    json_reply(StatusCode::OK, &policy_status(&state))
+}
+
+/// What `/policies` shows: the active set, the last refused reload, and a warning for every
+/// tenant a binding names that the tenants file does not (the binding never applies to it:
+/// a typo, or a tenant since removed).
+fn policy_status(state: &AdminState) -> serde_json::Value {
+    let mut status = state.policies.status();
+    status["warnings"] = json!(stray_tenants(&state.policies, &state.tenants));
+    status
+}
+
+/// A line for every tenant a binding of the active policy set names that `tenants` does not
+/// list.
+pub fn stray_tenants(policies: &Policies, tenants: &Tenants) -> Vec<String> {
+    let set = tenants.current();
+    let known: std::collections::HashSet<&str> = set.tenants().map(|t| t.id.as_str()).collect();
+    policies
+        .current()
+        .summary()
+        .into_iter()
+        .enumerate()
+        .flat_map(|(index, binding)| {
+            let plugin = binding.plugin;
+            binding
+                .tenants
+                .into_iter()
+                .flatten()
+                .filter(|t| !known.contains(t.as_str()))
+                .map(move |t| {
+                    format!(
+                        "chain[{index}] ({plugin}): tenant {t:?} is not in the tenants file; \
+                         the binding never applies to it"
+                    )
+                })
+        })
+        .collect()
 }
 
 /// 200 with the new set, or 422 with why it was refused (the previous set stays active).
@@ -141,11 +177,11 @@ async fn reload_policies(State(state): State<AdminState>) -> Response {
     let (status, body) = match result {
         Ok(()) => (
             StatusCode::OK,
-            json!({"reloaded": true, "policies": state.policies.status()}),
+            json!({"reloaded": true, "policies": policy_status(&state)}),
         ),
         Err(e) => (
             StatusCode::UNPROCESSABLE_ENTITY,
-            json!({"reloaded": false, "error": e.to_string(), "policies": state.policies.status()}),
+            json!({"reloaded": false, "error": e.to_string(), "policies": policy_status(&state)}),
         ),
     };
     json_reply(status, &body)

@@ -121,6 +121,9 @@ impl BoundGateway {
                 .map_err(|_| GatewayError::Policy(PolicyError::Disabled))??,
         };
         let tenants = Tenants::new(config.tenants, Limiter::default(), file);
+        for warning in admin::stray_tenants(&policies, &tenants) {
+            tracing::warn!("policies: {warning}");
+        }
         let api_router = api::router(ApiState {
             workers: workers.clone(),
             tenants: tenants.clone(),

@@ -270,6 +270,7 @@ fn policies_deny_clamp_label_and_hold_an_abandoned_request_until_its_first_token
             Some(4),
             "{body}"
         );
+        assert_eq!(json(&body)["warnings"], json!([]), "{body}");
     });
 }
 
@@ -370,6 +371,19 @@ fn a_reload_under_load_swaps_the_set_without_failing_a_request() {
             r#"{"prompt":"Hi","max_tokens":1,"temperature":0}"#,
         );
         assert_eq!(header(&head, "x-bulkhead-tier"), Some("t3"), "{head}");
+
+        // A set naming a tenant the tenants file does not list loads (the tenant may come),
+        // and says that binding applies to no one.
+        let typo = text.replace("\"tenant-limited\"", "\"tenant-limted\"");
+        assert_ne!(typo, text);
+        std::fs::write(&file, typo).expect("writes the set");
+        let (status, answer) = reload();
+        assert_eq!(status, 200, "{answer}");
+        let warnings = answer["policies"]["warnings"].to_string();
+        assert!(
+            warnings.contains(r#"tenant \"tenant-limted\" is not in the tenants file"#),
+            "{answer}"
+        );
     });
 }
 

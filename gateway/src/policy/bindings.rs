@@ -27,7 +27,7 @@ use wasmtime::component::{ComponentExportIndex, ComponentNamedList, Instance, Li
 
 /// The interface every plugin exports, as the host's WIT names it (one built against an
 /// earlier minor version exports it under that version: the lookup matches by semver).
-const POLICY: &str = "bulkhead:policy/policy@0.1.1";
+pub(super) const POLICY: &str = "bulkhead:policy/policy@0.1.1";
 
 /// Where a component's `policy` functions are, found once when it is prepared: a call then
 /// looks up and type-checks only the function it calls, where the generated `Plugin` checks

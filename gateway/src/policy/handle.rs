@@ -159,28 +159,31 @@ impl Policies {
     }
 
     /// Checks the policy file every `watch_interval` and reloads when its content changed
-    /// (a refused content is not retried until it changes again). `None` when not watching.
+    /// (a refused content is not retried until it changes again). A file that can no longer
+    /// be read (deleted, its permissions changed) is a refused reload too, said once until it
+    /// can be read again: the active set stays. `None` when not watching.
     pub fn spawn_watch(&self) -> Option<tokio::task::JoinHandle<()>> {
         let (_, settings) = self.inner.runtime.as_ref()?;
         let interval = settings.watch_interval?;
         let file = settings.file.clone();
         let policies = self.clone();
         Some(tokio::spawn(async move {
+            // What the file held when last looked at: `None` when it could not be read.
             let mut seen: Option<Digest> = policies.current().source();
             let mut tick = tokio::time::interval(interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
                 let path = file.clone();
-                let Ok(Ok(bytes)) = tokio::task::spawn_blocking(move || std::fs::read(path)).await
+                let Ok(read) = tokio::task::spawn_blocking(move || std::fs::read(path)).await
                 else {
                     continue;
                 };
-                let digest = Digest::of(&bytes);
-                if Some(digest) == seen {
+                let now = read.ok().map(|bytes| Digest::of(&bytes));
+                if now == seen {
                     continue;
                 }
-                seen = Some(digest);
+                seen = now;
                 let p = policies.clone();
                 let _ = tokio::task::spawn_blocking(move || p.reload()).await;
             }

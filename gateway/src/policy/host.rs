@@ -12,6 +12,7 @@ use wasmtime_wasi::{
 };
 
 use super::bindings::{HostImports, Level, TypesHost};
+use super::guest_text::printable;
 use super::limiter::Limiter;
 
 /// Log lines one call may write; the rest are dropped (a plugin cannot flood the log).
@@ -118,11 +119,7 @@ impl HostImports for Host {
         if self.logged > MAX_LOG_LINES {
             return;
         }
-        let mut end = message.len().min(MAX_LOG_BYTES);
-        while !message.is_char_boundary(end) {
-            end -= 1;
-        }
-        let message = &message[..end];
+        let message = printable(&message, MAX_LOG_BYTES);
         let plugin = &*self.plugin;
         match level {
             Level::Debug => tracing::debug!(plugin, "{message}"),

@@ -56,6 +56,18 @@ pub enum LoadError {
         path: String,
         source: std::io::Error,
     },
+    #[error(
+        "{path} has no chain: a policy set lists its bindings as [[chain]] tables (write \
+         `chain = []` to run no policy); an empty or truncated file is never taken for one"
+    )]
+    NoChain { path: String },
+    #[error("plugin {plugin:?}: cannot read its {what} {path}: {source}")]
+    PluginFile {
+        plugin: String,
+        what: &'static str,
+        path: String,
+        source: std::io::Error,
+    },
     #[error("{path}: {source}")]
     Toml {
         path: String,
@@ -64,8 +76,8 @@ pub enum LoadError {
     #[error("plugin {plugin:?}: sha256 = {value:?} is not 64 hex digits")]
     BadPin { plugin: String, value: String },
     #[error(
-        "plugin {plugin:?}: {path} has sha256 {actual}, but the set pins {pinned}; rebuild it \
-         (scripts/build-plugins) or update the pin"
+        "plugin {plugin:?}: {path} has sha256 {actual}, but the set pins {pinned}: pin the \
+         component you mean to run (its sha256sum), or put back the one pinned"
     )]
     PinMismatch {
         plugin: String,
@@ -91,6 +103,8 @@ pub enum LoadError {
         path: String,
         reason: String,
     },
+    #[error("chain[{index}] ({plugin}): an empty tenant name in `tenants` matches no tenant")]
+    EmptyTenant { index: usize, plugin: String },
     #[error("chain[{index}]: plugin {plugin:?} is not defined under [plugins]")]
     UnknownPlugin { index: usize, plugin: String },
     #[error("chain[{index}] ({plugin}): route {route:?} is not one of {ROUTES:?}")]
@@ -125,8 +139,8 @@ pub enum LoadError {
 struct RawSet {
     #[serde(default)]
     plugins: BTreeMap<String, RawPlugin>,
-    #[serde(default)]
-    chain: Vec<RawBinding>,
+    /// `None`: the file does not say (an empty or truncated file), never taken as no policy.
+    chain: Option<Vec<RawBinding>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -169,10 +183,13 @@ pub(super) fn load(sandbox: &Sandbox, path: &Path) -> Result<PolicySet, LoadErro
             path: path.display().to_string(),
             source: Box::new(e),
         })?;
+    let chain = raw.chain.ok_or_else(|| LoadError::NoChain {
+        path: path.display().to_string(),
+    })?;
     let base = path.parent().unwrap_or(Path::new("."));
     let mut plugins = HashMap::new();
     // Only the plugins some binding uses are loaded.
-    let used: HashSet<&str> = raw.chain.iter().map(|b| b.plugin.as_str()).collect();
+    let used: HashSet<&str> = chain.iter().map(|b| b.plugin.as_str()).collect();
     for (name, p) in raw
         .plugins
         .iter()
@@ -180,8 +197,8 @@ pub(super) fn load(sandbox: &Sandbox, path: &Path) -> Result<PolicySet, LoadErro
     {
         plugins.insert(name.as_str(), prepare(sandbox, base, name, p)?);
     }
-    let mut bindings = Vec::with_capacity(raw.chain.len());
-    for (index, b) in raw.chain.into_iter().enumerate() {
+    let mut bindings = Vec::with_capacity(chain.len());
+    for (index, b) in chain.into_iter().enumerate() {
         let prepared = plugins
             .get(b.plugin.as_str())
             .ok_or_else(|| LoadError::UnknownPlugin {
@@ -202,6 +219,16 @@ fn read(path: &Path) -> Result<Vec<u8>, LoadError> {
     })
 }
 
+/// A file of plugin `name`'s, read.
+fn plugin_file(name: &str, what: &'static str, path: &Path) -> Result<Vec<u8>, LoadError> {
+    std::fs::read(path).map_err(|source| LoadError::PluginFile {
+        plugin: name.to_owned(),
+        what,
+        path: path.display().to_string(),
+        source,
+    })
+}
+
 fn prepare(
     sandbox: &Sandbox,
     base: &Path,
@@ -213,7 +240,7 @@ fn prepare(
         value: raw.sha256.clone(),
     })?;
     let path = base.join(&raw.component);
-    let bytes = read(&path)?;
+    let bytes = plugin_file(name, "component", &path)?;
     let actual = Digest::of(&bytes);
     if actual != pinned {
         return Err(LoadError::PinMismatch {
@@ -278,7 +305,7 @@ fn schema(name: &str, path: &Path) -> Result<jsonschema::Validator, LoadError> {
         path: path.display().to_string(),
         reason,
     };
-    let text = read(path)?;
+    let text = plugin_file(name, "schema", path)?;
     let value: serde_json::Value = serde_json::from_slice(&text).map_err(|e| err(e.to_string()))?;
     jsonschema::validator_for(&value).map_err(|e| err(e.to_string()))
 }
@@ -296,6 +323,9 @@ fn bind(index: usize, raw: RawBinding, prepared: &Prepared) -> Result<Binding, L
             plugin,
             route: route.clone(),
         });
+    }
+    if raw.tenants.iter().flatten().any(String::is_empty) {
+        return Err(LoadError::EmptyTenant { index, plugin });
     }
     let mut headers = Vec::with_capacity(raw.headers.len());
     for h in &raw.headers {

@@ -13,6 +13,7 @@ use super::bindings::{
     Directive, Disconnect, Exports, Hooks, Plugin, Ready, RequestView, ResponseEnd, Verdict, call,
 };
 use super::digest::Digest;
+use super::guest_text::printable;
 use super::host::Host;
 use super::sandbox::{Sandbox, TICK};
 use super::snapshot::Snapshotter;
@@ -348,16 +349,8 @@ impl Loaded {
 fn refused(reason: &str) -> Fault {
     Fault::Garbage(format!(
         "configure refused its configuration: {}",
-        truncate(reason)
+        printable(reason, MAX_TRAP_TEXT)
     ))
-}
-
-fn truncate(s: &str) -> String {
-    let mut end = s.len().min(MAX_TRAP_TEXT);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_owned()
 }
 
 /// What a failed call means: a refused memory growth, the epoch deadline, or another trap.
@@ -367,6 +360,6 @@ fn classify(store: &Store<Host>, e: &wasmtime::Error) -> Fault {
     } else if e.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
         Fault::Timeout
     } else {
-        Fault::Trap(truncate(&format!("{e:#}")))
+        Fault::Trap(printable(&format!("{e:#}"), MAX_TRAP_TEXT))
     }
 }

@@ -12,6 +12,7 @@ use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConf
 
 use super::bindings::{Plugin, PluginPre, Ready};
 use super::cache::{self, Compiled};
+use super::contract;
 use super::digest::Digest;
 use super::host::Host;
 use super::plugin::Fault;
@@ -150,6 +151,9 @@ impl Sandbox {
         bytes: &[u8],
         digest: &Digest,
     ) -> Result<(Ready, Compiled), SandboxError> {
+        if let Some(why) = contract::core_module(bytes) {
+            return Err(SandboxError(wasmtime::format_err!("{why}")));
+        }
         let (component, compiled) = cache::compile(
             &self.engine,
             bytes,
@@ -157,7 +161,13 @@ impl Sandbox {
             self.settings.cache_dir.as_deref(),
         )
         .map_err(SandboxError)?;
-        Ok((self.pre(&component).map_err(SandboxError)?, compiled))
+        let ready = self.pre(&component).map_err(|e| {
+            SandboxError(match contract::mismatch(&self.engine, &component) {
+                Some(why) => e.context(why),
+                None => e,
+            })
+        })?;
+        Ok((ready, compiled))
     }
 
     /// Keeps the compile cache within its bound once a set has loaded; the entries used since

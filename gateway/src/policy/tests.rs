@@ -1003,6 +1003,169 @@ fn a_set_is_refused_for_a_wrong_pin_a_bad_config_or_a_credential_header() {
     );
 }
 
+/// A component that imports one empty instance named `import` (none when `None`) and
+/// exports nothing: enough for the loader to judge what it was built against.
+fn component_importing(import: Option<&str>) -> Vec<u8> {
+    let mut component = wasm_encoder::Component::new();
+    if let Some(name) = import {
+        let mut types = wasm_encoder::ComponentTypeSection::new();
+        types.instance(&wasm_encoder::InstanceType::new());
+        let mut imports = wasm_encoder::ComponentImportSection::new();
+        imports.import(name, wasm_encoder::ComponentTypeRef::Instance(0));
+        component.section(&types).section(&imports);
+    }
+    component.finish()
+}
+
+/// Why the set of one binding of a plugin made of `bytes` (with an empty schema) is refused.
+fn refusal_of(bytes: &[u8]) -> String {
+    let dir = Scratch::new("policy");
+    std::fs::write(dir.0.join("other.wasm"), bytes).expect("writes");
+    std::fs::write(dir.0.join("other.schema.json"), "{}").expect("writes");
+    let path = write(
+        &dir,
+        &format!(
+            "[plugins.other]\ncomponent = \"other.wasm\"\nsha256 = \"{}\"\n{}",
+            Digest::of(bytes),
+            binding("other", "")
+        ),
+    );
+    match Policies::load(settings(&path, None)) {
+        Ok(_) => panic!("a set of a plugin that cannot be one loaded"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// What keeps a component from being a plugin is said in its author's terms: built against
+/// another version of the contract, importing what no plugin is offered, exporting no
+/// policy, or a core module rather than a component; a missing file names its plugin.
+#[test]
+fn a_component_that_cannot_be_a_plugin_is_refused_saying_why() {
+    for (import, says) in [
+        (
+            Some("bulkhead:policy/host@0.2.0"),
+            "built against bulkhead:policy@0.2.0; this gateway offers bulkhead:policy@0.1.1",
+        ),
+        (
+            Some("bulkhead:policy/host@1.0.0"),
+            "built against bulkhead:policy@1.0.0",
+        ),
+        (
+            Some("wasi:http/outgoing-handler@0.2.0"),
+            "imports wasi:http/outgoing-handler@0.2.0, which the gateway does not offer",
+        ),
+        (None, "exports no bulkhead:policy/policy interface"),
+    ] {
+        let e = refusal_of(&component_importing(import));
+        assert!(e.contains(says), "{import:?}: {e}");
+        assert!(e.contains("plugin \"other\""), "{e}");
+    }
+    let e = refusal_of(b"\0asm\x01\0\0\0");
+    assert!(
+        e.contains("a core WebAssembly module, not a component"),
+        "{e}"
+    );
+
+    let (path, digest) = component("length-limit");
+    let dir = Scratch::new("policy");
+    let moved = dir.0.join("length-limit.wasm");
+    std::fs::copy(&path, &moved).expect("copies");
+    let set = write(
+        &dir,
+        &format!(
+            "[plugins.limit]\ncomponent = \"length-limit.wasm\"\nsha256 = \"{digest}\"\n{}",
+            binding("limit", "")
+        ),
+    );
+    let e = Policies::load(settings(&set, None)).expect_err("no schema beside it");
+    assert!(
+        matches!(&e, PolicyError::Load(LoadError::PluginFile { plugin, what: "schema", .. }) if plugin == "limit"),
+        "{e}"
+    );
+}
+
+/// An empty or truncated policy file is refused, not taken for a set of no policy (which
+/// would turn every policy off); `chain = []` says so on purpose. A binding for the tenant
+/// "" is refused: it matches no tenant.
+#[test]
+fn an_empty_file_or_an_empty_tenant_name_is_refused() {
+    for text in ["", "\n  \n", "[plugins]\n"] {
+        let e = load(text).expect_err("an empty set file");
+        assert!(
+            matches!(e, PolicyError::Load(LoadError::NoChain { .. })),
+            "{text:?}: {e}"
+        );
+    }
+    let (none, _dir) = loaded("chain = []\n");
+    assert!(none.current().bindings.is_empty());
+    let e = load(&format!(
+        "{}{}",
+        plugin("length-limit", ""),
+        binding("length-limit", "tenants = [\"tenant-a\", \"\"]")
+    ))
+    .expect_err("an empty tenant");
+    assert!(
+        matches!(
+            e,
+            PolicyError::Load(LoadError::EmptyTenant { index: 0, .. })
+        ),
+        "{e}"
+    );
+}
+
+/// Waits (bounded) until the last refused reload of `p` says `what`.
+async fn said(p: &Policies, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !p.last_error().is_some_and(|e| e.contains(what)) {
+        assert!(
+            Instant::now() < deadline,
+            "never said {what:?}: {:?}",
+            p.last_error()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The watcher reloads a changed file; one emptied, or deleted, is a refused reload that
+/// keeps the active set and says why; the file put back is loaded again.
+#[tokio::test]
+async fn the_watched_file_emptied_or_deleted_keeps_the_set_and_says_why() {
+    let dir = Scratch::new("policy");
+    let set = |max: u32| {
+        format!(
+            "{}{}",
+            plugin("length-limit", ""),
+            binding(
+                "length-limit",
+                &format!("config = {{ max_prompt_tokens = {max} }}")
+            )
+        )
+    };
+    let path = write(&dir, &set(5));
+    let mut s = settings(&path, None);
+    s.watch_interval = Some(Duration::from_millis(20));
+    let p = Policies::load(s).expect("loads");
+    let watch = p.spawn_watch().expect("watching");
+    let first = p.current();
+    std::fs::write(&path, "").expect("truncates");
+    said(&p, "has no chain").await;
+    assert!(Arc::ptr_eq(&first, &p.current()), "the active set stays");
+    std::fs::remove_file(&path).expect("deletes");
+    said(&p, "cannot read").await;
+    assert!(Arc::ptr_eq(&first, &p.current()), "the active set stays");
+    write(&dir, &set(500));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while p.last_error().is_some() {
+        assert!(
+            Instant::now() < deadline,
+            "the file put back was never loaded"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!Arc::ptr_eq(&first, &p.current()));
+    watch.abort();
+}
+
 #[tokio::test]
 async fn a_bad_reload_keeps_the_old_set_and_says_why_and_in_flight_requests_keep_theirs() {
     let dir = Scratch::new("policy");

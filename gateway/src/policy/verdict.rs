@@ -4,6 +4,7 @@
 use http::{HeaderName, HeaderValue};
 
 use super::bindings::Verdict;
+use super::guest_text::acts;
 use super::plugin::Fault;
 
 /// The most tags, and headers, one plugin may add to a request.
@@ -40,6 +41,11 @@ pub(super) enum Checked {
     },
 }
 
+/// The statuses a denial may name but is not sent with: they ask the client for credentials,
+/// which only the gateway's own authentication does (an OpenAI client takes a 401 for a bad
+/// API key); such a denial is sent as 403.
+const CHALLENGES: [u16; 2] = [401, 407];
+
 fn garbage(what: String) -> Fault {
     Fault::Garbage(what)
 }
@@ -58,7 +64,11 @@ pub(super) fn check(verdict: Verdict) -> Result<Checked, Fault> {
                 )));
             }
             Ok(Checked::Deny {
-                status: d.status,
+                status: if CHALLENGES.contains(&d.status) {
+                    403
+                } else {
+                    d.status
+                },
                 message: d.message,
             })
         }
@@ -80,8 +90,7 @@ pub(super) fn check(verdict: Verdict) -> Result<Checked, Fault> {
                     && t.key.bytes().all(|b| {
                         b.is_ascii_lowercase() || b.is_ascii_digit() || b"_.-".contains(&b)
                     });
-                let value_ok =
-                    t.value.len() <= MAX_TAG_VALUE && t.value.chars().all(|c| !c.is_control());
+                let value_ok = t.value.len() <= MAX_TAG_VALUE && !t.value.chars().any(acts);
                 if !key_ok || !value_ok {
                     return Err(garbage(format!("an invalid tag {:?}", t.key)));
                 }
@@ -89,11 +98,13 @@ pub(super) fn check(verdict: Verdict) -> Result<Checked, Fault> {
             }
             let mut headers = Vec::with_capacity(m.add_headers.len());
             for h in m.add_headers {
-                let name = HeaderName::from_bytes(h.name.as_bytes())
-                    .ok()
-                    .filter(|n| n.as_str().starts_with("x-") && !gateway_owned(n));
+                let name = HeaderName::from_bytes(h.name.as_bytes()).ok().filter(|n| {
+                    n.as_str().len() > 2 && n.as_str().starts_with("x-") && !gateway_owned(n)
+                });
+                // Visible ASCII (and spaces, tabs): how clients decode other bytes varies.
                 let value = Some(&h.value)
                     .filter(|v| v.len() <= MAX_HEADER_VALUE)
+                    .filter(|v| v.bytes().all(|b| b == b'\t' || (0x20..0x7f).contains(&b)))
                     .and_then(|v| HeaderValue::from_str(v).ok());
                 match (name, value) {
                     (Some(n), Some(v)) => headers.push((n, v)),
@@ -142,6 +153,17 @@ mod tests {
             deny(403, "no"),
             Ok(Checked::Deny { status: 403, .. })
         ));
+        // A challenge for credentials is the gateway's to make: sent as 403.
+        for status in [401, 407] {
+            assert!(
+                matches!(deny(status, "no"), Ok(Checked::Deny { status: 403, .. })),
+                "{status}"
+            );
+        }
+        assert!(matches!(
+            deny(451, "no"),
+            Ok(Checked::Deny { status: 451, .. })
+        ));
         for status in [0, 200, 302, 500, 999] {
             assert!(
                 matches!(deny(status, "no"), Err(Fault::Garbage(_))),
@@ -177,6 +199,8 @@ mod tests {
             ("x-ok", "a\r\nb"),
             ("", "a"),
             ("x-long", long.as_str()),
+            ("x-", "a"),
+            ("x-accented", "café"),
             // A tenant claimed to the client, or the gateway's own request id.
             ("x-tenant-id", "tenant-b"),
             ("x-tenant-name", "tenant-b"),
@@ -248,6 +272,7 @@ mod tests {
             "v".repeat(MAX_TAG_VALUE + 1),
             "a\nb".into(),
             "\u{1b}[31m".into(),
+            "txt.\u{202e}exe".into(),
         ] {
             assert!(matches!(valued(&bad), Err(Fault::Garbage(_))), "{bad:?}");
         }
