@@ -93,8 +93,9 @@ pub struct Args {
     /// The decode worker's KV pool in tokens.
     #[arg(long, env = env::DECODE_KV_TOKENS)]
     decode_kv_tokens: Option<u64>,
-    /// A gateway configuration to use instead of deploy/local/gateway.toml; its one worker's
-    /// address is filled in.
+    /// A gateway configuration to use instead of deploy/local/gateway.toml: it lists one
+    /// `both` worker, or one prefill and one decode worker, whose addresses are filled in
+    /// with those of the workers `up` starts.
     #[arg(long, env = env::UP_CONFIG)]
     config: Option<PathBuf>,
     /// Mutual TLS between the gateway and the workers and on the KV data plane, as across
