@@ -81,12 +81,15 @@ pub fn preflight(args: Args) -> anyhow::Result<()> {
     let checks = bulkhead_gateway::preflight::checks(&answers);
     let (report, passed) = bulkhead_gateway::preflight::render(&answers, &checks);
     print!("{report}");
-    let failed = checks.iter().filter(|c| !c.pass).count();
+    let failed = checks.iter().filter(|c| !c.pass && !c.advisory).count();
     anyhow::ensure!(
         passed,
         "preflight: {failed} check(s) failed; do not route traffic to these workers"
     );
-    println!("\npreflight: every check passed");
+    match checks.iter().filter(|c| !c.pass).count() {
+        0 => println!("\npreflight: every check passed"),
+        warned => println!("\npreflight: every check passed; {warned} warning(s) above"),
+    }
     Ok(())
 }
 

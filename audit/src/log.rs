@@ -482,6 +482,16 @@ fn write_head(tdir: &Path, head: HeadFile) -> Result<(), AuditError> {
     sync_dir(tdir)
 }
 
+/// Cuts the file at `path` to its first `len` bytes, durably.
+fn cut(path: &Path, len: u64) -> Result<(), AuditError> {
+    let f = OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(io_err("open", path))?;
+    f.set_len(len).map_err(io_err("truncate", path))?;
+    f.sync_all().map_err(io_err("fsync", path))
+}
+
 /// Resumes one tenant's chain: its last line that chains on from the head gives the next
 /// `seq` and `prev`. The head must name a record the log still holds, unchanged, so that a
 /// restart never resumes a chain that `verify` would refuse (appending after an edited or cut
@@ -506,24 +516,22 @@ fn recover_tenant(
             Some(HeadFile::Genesis) | None => Ok(None),
         };
     };
-    // Cut off a torn tail of the last segment.
+    // A torn tail of the last segment is cut off, but only once the head is known to be
+    // held: a log that is refused is left as it was found, for `verify` and for whoever looks.
     let bytes = fs::read(&last_path).map_err(io_err("read", &last_path))?;
     let (_, tail) = line::split(&bytes);
-    let mut segment_len = bytes.len() as u64;
-    if !tail.is_empty() {
-        let keep = (bytes.len() - tail.len()) as u64;
-        let f = OpenOptions::new()
-            .write(true)
-            .open(&last_path)
-            .map_err(io_err("open", &last_path))?;
-        f.set_len(keep).map_err(io_err("truncate", &last_path))?;
-        f.sync_all().map_err(io_err("fsync", &last_path))?;
-        recoveries.push(Recovery::TruncatedTornLine {
-            path: last_path.clone(),
-            bytes: tail.len() as u64,
-        });
-        segment_len = keep;
-    }
+    let torn = tail.len() as u64;
+    let mut segment_len = bytes.len() as u64 - torn;
+    let cut_torn = |recoveries: &mut Vec<Recovery>| {
+        if torn > 0 {
+            cut(&last_path, segment_len)?;
+            recoveries.push(Recovery::TruncatedTornLine {
+                path: last_path.clone(),
+                bytes: torn,
+            });
+        }
+        Ok::<_, AuditError>(())
+    };
     let Some(head) = head else {
         // Earlier segments are never empty (rotation follows a write), so any records show
         // here; a tenant's directory gets its genesis head before its first line.
@@ -532,6 +540,7 @@ fn recover_tenant(
                 tenant: tenant.clone(),
             })
         } else {
+            cut_torn(recoveries)?;
             Ok(None)
         };
     };
@@ -594,6 +603,7 @@ fn recover_tenant(
             Some(_) => {}
         }
     }
+    cut_torn(recoveries)?;
     // Forward from the head: the lines that chain on are resumed; from the first that does not
     // (unreadable, or not the next record — what a crash can leave past the head) the segment
     // is cut, where it is the last one.
@@ -614,13 +624,7 @@ fn recover_tenant(
                 },
             });
         }
-        let f = OpenOptions::new()
-            .write(true)
-            .open(&last_path)
-            .map_err(io_err("open", &last_path))?;
-        f.set_len(line.offset)
-            .map_err(io_err("truncate", &last_path))?;
-        f.sync_all().map_err(io_err("fsync", &last_path))?;
+        cut(&last_path, line.offset)?;
         recoveries.push(Recovery::CutUnchained {
             path: last_path.clone(),
             line: line.line,

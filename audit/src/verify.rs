@@ -59,8 +59,15 @@ pub enum Reason {
     MissingRecords {
         /// The first missing `seq`.
         from: Seq,
-        /// The `seq` found next (the head's, for a missing tail).
+        /// The `seq` found next.
         next: Seq,
+    },
+    /// The log ends before the record the head names (reported where the next one should be).
+    MissingTail {
+        /// The first missing `seq`.
+        from: Seq,
+        /// The `seq` the head names.
+        head: Seq,
     },
     /// The first record's `prev` is not 64 zeros.
     BadGenesis,
@@ -97,6 +104,11 @@ impl fmt::Display for Reason {
                     "records from seq {from} are missing (next found: seq {next})"
                 )
             }
+            Self::MissingTail { from, head } => write!(
+                f,
+                "records from seq {from} on are missing: the head names seq {head} as written, \
+                 and the log ends before it"
+            ),
             Self::BadGenesis => f.write_str("first record's prev is not 64 zeros"),
             Self::Modified {
                 recorded_in,
@@ -346,9 +358,9 @@ fn check_tenant(tdir: &Path, tenant: &TenantId, report: &mut TenantReport) -> Re
             Some((path, line)) => at(
                 &path,
                 Some(line + 1),
-                Reason::MissingRecords {
+                Reason::MissingTail {
                     from: next_seq,
-                    next: h.seq,
+                    head: h.seq,
                 },
             ),
             None => at(
@@ -357,9 +369,9 @@ fn check_tenant(tdir: &Path, tenant: &TenantId, report: &mut TenantReport) -> Re
                     |(_, p)| p.clone(),
                 ),
                 None,
-                Reason::MissingRecords {
+                Reason::MissingTail {
                     from: next_seq,
-                    next: h.seq,
+                    head: h.seq,
                 },
             ),
         }),

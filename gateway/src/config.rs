@@ -63,7 +63,9 @@
 //! name = "vllm"
 //! openai = "http://10.0.0.7:8000"
 //! role = "both"
-//! model = "smollm2"                 # the model name the server answers to
+//! model = "smollm2"                 # the model name the server answers to (sent upstream;
+//!                                   # clients name the model as /v1/models lists it, the
+//!                                   # tokenizer GGUF's name)
 //! context_length = 8192             # what it serves (the gateway admits against it)
 //! tokenizer = "/models/m.gguf"      # the same model's GGUF: tokenizer and chat template
 //! key_env = "VLLM_API_KEY"          # optional: the variable holding the server's key
@@ -171,7 +173,7 @@ pub struct HttpLimits {
     /// Larger request bodies get 413 before they are parsed.
     pub max_body_bytes: usize,
     /// A request that has not produced its response (its headers, when streaming) by then gets
-    /// 408.
+    /// 504 `timeout`.
     pub request_timeout: Duration,
     /// A client that has not sent its request headers by then is disconnected (slowloris).
     pub header_timeout: Duration,
@@ -311,7 +313,8 @@ pub enum Protocol {
 /// An OpenAI-compatible upstream's settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OpenAiUpstream {
-    /// The model name the server answers to.
+    /// The model name the server answers to (sent upstream; clients use the name the
+    /// gateway serves, the tokenizer GGUF's).
     pub model: String,
     /// The longest prompt + max tokens it serves.
     pub context_length: NonZeroU32,

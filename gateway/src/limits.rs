@@ -42,6 +42,17 @@ pub enum LimitError {
         needed: u64,
         retry_after_secs: u64,
     },
+    /// Not a wait: no minute ever has room for it.
+    #[error(
+        "this request needs {needed} tokens (its prompt and max tokens), more than tenant \
+         {tenant}'s whole budget of {limit} tokens per minute: it can never be admitted; lower \
+         its max tokens or shorten its prompt"
+    )]
+    OverWholeBudget {
+        tenant: TenantId,
+        limit: u64,
+        needed: u64,
+    },
 }
 
 /// A token bucket refilled continuously at `capacity` per minute.
@@ -138,16 +149,21 @@ impl TenantBudget {
     /// never pass and is refused at once.
     pub fn charge(&mut self, tenant: &TenantId, n: u64, now: Instant) -> Result<(), LimitError> {
         let limit = self.limits.tokens_per_minute.get();
-        let refuse = |retry_after_secs| LimitError::TokensPerMinute {
-            tenant: tenant.clone(),
-            limit,
-            needed: n,
-            retry_after_secs,
-        };
         if n > limit {
-            return Err(refuse(60));
+            return Err(LimitError::OverWholeBudget {
+                tenant: tenant.clone(),
+                limit,
+                needed: n,
+            });
         }
-        self.tokens.take(n, now).map_err(refuse)
+        self.tokens
+            .take(n, now)
+            .map_err(|retry_after_secs| LimitError::TokensPerMinute {
+                tenant: tenant.clone(),
+                limit,
+                needed: n,
+                retry_after_secs,
+            })
     }
 
     /// New limits for the requests that start from now on; requests in flight and the
@@ -261,16 +277,18 @@ impl Drop for RequestPermit {
     }
 }
 
-/// How long a client should wait before retrying, for the `retry-after` header.
-pub fn retry_after(err: &LimitError) -> Duration {
+/// How long a client should wait before retrying, for the `retry-after` header; `None` when
+/// waiting would not help.
+pub fn retry_after(err: &LimitError) -> Option<Duration> {
     match err {
-        LimitError::Concurrency { .. } => Duration::from_secs(1),
+        LimitError::Concurrency { .. } => Some(Duration::from_secs(1)),
         LimitError::RequestsPerMinute {
             retry_after_secs, ..
         }
         | LimitError::TokensPerMinute {
             retry_after_secs, ..
-        } => Duration::from_secs(*retry_after_secs),
+        } => Some(Duration::from_secs(*retry_after_secs)),
+        LimitError::OverWholeBudget { .. } => None,
     }
 }
 
@@ -357,7 +375,7 @@ mod tests {
         assert!(
             matches!(
                 b.charge(&id(), 1001, t0 + Duration::from_secs(3600)),
-                Err(LimitError::TokensPerMinute { needed: 1001, .. })
+                Err(LimitError::OverWholeBudget { needed: 1001, .. })
             ),
             "larger than the whole budget: never"
         );

@@ -270,12 +270,13 @@ fn render_counters(out: &mut String, c: &Counters) {
     let per_tenant = [
         (
             "bulkhead_gateway_tokens_in_total",
-            "Prompt tokens by tenant.",
+            "Prompt tokens of completed requests, by tenant (their usage; a failed or \
+             abandoned request's tokens are in its audit record and its tenant's charge).",
             c.tokens.iter().map(|(t, v)| (t, v.0)).collect::<Vec<_>>(),
         ),
         (
             "bulkhead_gateway_tokens_out_total",
-            "Generated tokens by tenant.",
+            "Generated tokens of completed requests, by tenant.",
             c.tokens.iter().map(|(t, v)| (t, v.1)).collect(),
         ),
         (

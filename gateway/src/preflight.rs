@@ -45,6 +45,8 @@ pub struct Check {
     pub pass: bool,
     /// The numbers behind the verdict.
     pub detail: String,
+    /// A check that warns but fails nothing (preflight still exits 0; routing ignores it).
+    pub advisory: bool,
 }
 
 /// Why a worker could not be reached: `what` failed, because of `cause` and its causes, and,
@@ -55,16 +57,22 @@ fn unreachable(
     cluster: &ClusterAccess,
 ) -> String {
     let mut parts = vec![what];
+    let mut refused = false;
     while let Some(c) = cause {
         let part = c.to_string();
         // Layers often repeat their cause's words ("transport error: transport error").
         if parts.last() != Some(&part) {
             parts.push(part);
         }
+        refused |= c
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused);
         cause = c.source();
     }
     let mut text = parts.join(": ");
-    if cluster.tls.is_none() {
+    if refused {
+        text.push_str(" (nothing listens there: is the worker running, at this address?)");
+    } else if cluster.tls.is_none() {
         text.push_str(
             " (a worker started with --tls-cert takes only TLS: then set [cluster] tls_ca, \
              tls_cert, tls_key)",
@@ -190,6 +198,7 @@ pub fn checks(answers: &[Answer]) -> Vec<Check> {
             name,
             pass,
             detail,
+            advisory: false,
         };
         let info = match &a.info {
             Ok(info) => info,
@@ -240,6 +249,7 @@ pub fn checks(answers: &[Answer]) -> Vec<Check> {
                 continue;
             };
             out.extend(pair(&d.worker.name, di, &p.worker.name, pi));
+            out.push(whole_context(&d.worker.name, di, &p.worker.name, pi));
         }
     }
     out
@@ -253,6 +263,7 @@ pub fn own(subject: &str, role: WorkerRole, info: &InfoResponse) -> Vec<Check> {
         name,
         pass,
         detail,
+        advisory: false,
     };
     let reported = match info.role() {
         Role::Unspecified => None,
@@ -338,17 +349,44 @@ pub fn peer<'a>(
         name: "dials a configured prefill worker",
         pass,
         detail,
+        advisory: false,
+    }
+}
+
+fn pair_subject(decode: &str, prefill: &str) -> String {
+    format!("{decode} ↔ {prefill}")
+}
+
+/// Preflight's own warning about a pair, not a failure and not a gate on routing (the gateway
+/// routes such a pair safely, admitting only what both hold): the prefill worker serves a
+/// shorter context than its decode worker. A worker started with a pool smaller than the
+/// model's context serves only what its pool holds, so the incident's configuration — a
+/// prefill pool smaller than decode's — shows here, before clients meet it as
+/// `context_length_exceeded`.
+fn whole_context(decode: &str, d: &InfoResponse, prefill: &str, p: &InfoResponse) -> Check {
+    Check {
+        subject: pair_subject(decode, prefill),
+        name: "prefill serves decode's context",
+        pass: p.context_length >= d.context_length,
+        detail: format!(
+            "decode serves {} tokens, prefill {}: the pair admits at most {}",
+            d.context_length,
+            p.context_length,
+            d.context_length.min(p.context_length)
+        ),
+        advisory: true,
     }
 }
 
 /// The checks between a decode worker and its prefill worker.
 pub fn pair(decode: &str, d: &InfoResponse, prefill: &str, p: &InfoResponse) -> Vec<Check> {
-    let subject = format!("{decode} ↔ {prefill}");
+    let subject = pair_subject(decode, prefill);
     let check = |name, pass, detail: String| Check {
         subject: subject.clone(),
         name,
         pass,
         detail,
+        advisory: false,
     };
     let (dh, ph) = (d.handoff.unwrap_or_default(), p.handoff.unwrap_or_default());
     let layout = |h: &KvHandoff| (h.token_bytes, h.layers, h.kv_heads, h.head_dim);
@@ -422,13 +460,17 @@ pub fn render(answers: &[Answer], checks: &[Check]) -> (String, bool) {
         let _ = writeln!(
             out,
             "{} {:<28} {}: {}",
-            if c.pass { "PASS" } else { "FAIL" },
+            match (c.pass, c.advisory) {
+                (true, _) => "PASS",
+                (false, true) => "WARN",
+                (false, false) => "FAIL",
+            },
             c.subject,
             c.name,
             c.detail
         );
     }
-    let passed = checks.iter().all(|c| c.pass);
+    let passed = checks.iter().all(|c| c.pass || c.advisory);
     (out, passed)
 }
 
@@ -507,7 +549,7 @@ mod tests {
     fn failed(checks: &[Check]) -> Vec<(&str, &'static str)> {
         checks
             .iter()
-            .filter(|c| !c.pass)
+            .filter(|c| !c.pass && !c.advisory)
             .map(|c| (c.subject.as_str(), c.name))
             .collect()
     }
@@ -522,6 +564,20 @@ mod tests {
         assert!(checks.len() >= 12, "{checks:?}");
         assert_eq!(failed(&checks), []);
         assert!(render(&answers, &checks).1);
+    }
+
+    /// A dead address is told apart from a worker that takes only TLS: the TLS hint is for a
+    /// connection that was made and then ended, not for one nobody took.
+    #[test]
+    fn a_refused_connection_is_not_blamed_on_tls() {
+        let plain = ClusterAccess::default();
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        let said = unreachable("transport error".into(), Some(&refused), &plain);
+        assert!(said.contains("nothing listens there"), "{said}");
+        assert!(!said.contains("tls_ca"), "{said}");
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        let said = unreachable("transport error".into(), Some(&reset), &plain);
+        assert!(said.contains("takes only TLS"), "{said}");
     }
 
     #[test]
@@ -549,6 +605,29 @@ mod tests {
             failed(&checks(&answers)),
             [("p", "pool covers the served context")]
         );
+    }
+
+    /// A prefill worker started with a smaller pool serves a shorter context (its pool's):
+    /// every check passes (the gateway admits only what both hold), and the report warns.
+    #[test]
+    fn a_prefill_worker_serving_a_shorter_context_than_decode_is_warned_of() {
+        let warned = |answers: &[Answer]| {
+            let checks = checks(answers);
+            let (report, passed) = render(answers, &checks);
+            assert!(passed, "{report}");
+            assert_eq!(failed(&checks), [], "{report}");
+            report.contains("WARN d ↔ p")
+                && report.contains(
+                    "prefill serves decode's context: decode serves 8192 tokens, prefill 64",
+                )
+        };
+        let short = pair_answers(info("m", 64, 64, 16, 4 << 20), info("m", 8192, 8192, 16, 0));
+        assert!(warned(&short));
+        let longer = pair_answers(
+            info("m", 16384, 16384, 16, 4 << 20),
+            info("m", 8192, 8192, 16, 0),
+        );
+        assert!(!warned(&longer));
     }
 
     #[test]

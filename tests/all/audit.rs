@@ -521,6 +521,29 @@ fn a_client_that_closes_before_its_body_is_whole_is_recorded_as_gone() {
                 "{record:#}"
             );
         }
+        // A whole (not streamed) answer whose client leaves while it is generated: no
+        // response is ever made for it, and it is counted as its record says, 499.
+        let waiting = crate::up::open(
+            &up.api,
+            KEY_A,
+            "/v1/chat/completions",
+            // Greedy, this runs to max_tokens: seconds of generation.
+            r#"{"messages":[{"role":"user","content":"Repeat the word hello 3000 times."}],"max_tokens":1000,"temperature":0}"#,
+        );
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        drop(waiting);
+        let got = up.wait_records("tenant-a", cut.len() + 1);
+        let left = got.last().expect("its record");
+        assert_eq!(left["http.response.status_code"], 499, "{left:#}");
+        let m = up.metrics();
+        assert_eq!(
+            crate::up::metric(
+                &m,
+                r#"bulkhead_gateway_requests_total{tenant="tenant-a",status="499"}"#
+            ),
+            3,
+            "{m}"
+        );
     });
 }
 

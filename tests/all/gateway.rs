@@ -1200,5 +1200,19 @@ fn a_request_abandoned_before_the_workers_answer_is_charged_its_prompt_not_its_m
         let next = r#"{"messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":850,"temperature":0}"#;
         let (status, body) = up.chat(KEY_A, &[], next);
         assert_eq!(status, 200, "{body}");
+        // About 1015 tokens: within the served context (1024), over the whole minute's 1000.
+        // No wait would admit it: a 400 saying so, not a 429 a client would retry.
+        let never = r#"{"messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":985}"#;
+        let (status, head, body) = crate::up::exchange(
+            &up.api,
+            "POST",
+            "/v1/chat/completions",
+            Some(KEY_A),
+            &[],
+            never,
+        );
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(json(&body)["error"]["code"], "request_too_large", "{body}");
+        assert_eq!(crate::up::header(&head, "retry-after"), None, "{head}");
     });
 }

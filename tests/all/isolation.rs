@@ -287,6 +287,11 @@ pub(crate) fn the_incident_at(placement: Option<Placement<'_>>) {
         report.contains("pool 256 tokens, served context 256"),
         "{report}"
     );
+    // And it says the pair admits only prefill's 256 of decode's 512.
+    assert!(
+        report.contains("WARN") && report.contains("decode serves 512 tokens, prefill 256"),
+        "{report}"
+    );
     let baseline = baseline(&cluster);
     let ledger = Ledger::default();
     let a_canary = canary(&TENANT_A);

@@ -388,8 +388,8 @@ fn a_reload_under_load_swaps_the_set_without_failing_a_request() {
 }
 
 /// A whole (not streamed) answer that outlasts the gateway's request timeout: the client gets
-/// 408, and the request counts as failed, not as abandoned by its client. The abort guard is
-/// never asked for a directive (it could hold the worker's stream on after the 408), and the
+/// 504, and the request counts as failed, not as abandoned by its client. The abort guard is
+/// never asked for a directive (it could hold the worker's stream on after the 504), and the
 /// worker's stream is cancelled.
 #[test]
 fn a_whole_answer_past_the_request_timeout_fails_and_is_not_held_as_abandoned() {
@@ -403,7 +403,7 @@ fn a_whole_answer_past_the_request_timeout_fails_and_is_not_held_as_abandoned() 
         let body = r#"{"messages":[{"role":"user","content":"Repeat the word hello 3000 times."}],"max_tokens":1000,"temperature":0}"#;
         let started = Instant::now();
         let (status, reply) = up.chat(KEY_A, &[], body);
-        assert_eq!(status, 408, "{reply}");
+        assert_eq!(status, 504, "{reply}");
         assert_eq!(json(&reply)["error"]["code"], "timeout", "{reply}");
         assert!(started.elapsed() < Duration::from_secs(30));
         // The worker started answering before the deadline (so the request had started).
@@ -432,7 +432,7 @@ fn a_whole_answer_past_the_request_timeout_fails_and_is_not_held_as_abandoned() 
         );
         let records = up.wait_records("tenant-a", 1);
         let last = records.last().expect("a record");
-        assert_eq!(last["http.response.status_code"], 408, "{last}");
+        assert_eq!(last["http.response.status_code"], 504, "{last}");
         assert_eq!(last["error.type"], "timeout", "{last}");
         assert!(last["bulkhead.disconnect.phase"].is_null(), "{last}");
         assert!(last["bulkhead.disconnect.hold"].is_null(), "{last}");

@@ -184,6 +184,28 @@ fn a_lost_acknowledged_tail_refuses_to_open() {
     );
 }
 
+/// A log refused at open is left as it was found: the torn half of the record the head names
+/// is not cut off first (which would destroy what `verify` and an investigator need).
+#[test]
+fn a_refused_log_is_left_as_it_was_found() {
+    let dir = Scratch::new();
+    let a = three_records(&dir);
+    let seg = &segments(dir.path(), &a)[0];
+    let whole = std::fs::read(seg).unwrap();
+    let torn = &whole[..whole.len() - 40];
+    std::fs::write(seg, torn).unwrap();
+    let err = AuditLog::open(config(dir.path(), 1 << 20)).unwrap_err();
+    assert!(
+        matches!(err, AuditError::HeadAhead { head: Seq(2), .. }),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(seg).unwrap(),
+        torn,
+        "the refused log is untouched"
+    );
+}
+
 /// Three records of tenant `a`, written and closed.
 fn three_records(dir: &Scratch) -> TenantId {
     let a = tenant("a");

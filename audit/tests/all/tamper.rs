@@ -161,9 +161,9 @@ fn a_cut_tail_is_caught_by_the_head() {
     assert_at(&p, last, Some(l.len() as u64 + 1));
     assert_eq!(
         p.reason,
-        Reason::MissingRecords {
+        Reason::MissingTail {
             from: Seq(11),
-            next: Seq(11)
+            head: Seq(11)
         }
     );
 }
@@ -197,7 +197,7 @@ fn a_removed_last_segment_is_caught_by_the_head() {
     let before_last = &segs[segs.len() - 2];
     assert_at(&p, before_last, Some(lines(before_last).len() as u64 + 1));
     assert!(
-        matches!(p.reason, Reason::MissingRecords { next: Seq(11), .. }),
+        matches!(p.reason, Reason::MissingTail { head: Seq(11), .. }),
         "{p}"
     );
 }

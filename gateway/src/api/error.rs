@@ -192,6 +192,12 @@ pub fn mapping(err: &ApiError) -> Mapping {
             INVALID_REQUEST,
             Some("context_length_exceeded"),
         ),
+        // Not a rate: the request is too large for the tenant's limit, whenever it is sent.
+        ApiError::TenantLimit(LimitError::OverWholeBudget { .. }) => m(
+            StatusCode::BAD_REQUEST,
+            INVALID_REQUEST,
+            Some("request_too_large"),
+        ),
         ApiError::TenantLimit(_) | ApiError::WorkerBusy => m(
             StatusCode::TOO_MANY_REQUESTS,
             "rate_limit_exceeded",
@@ -207,11 +213,15 @@ pub fn mapping(err: &ApiError) -> Mapping {
             "kv_integrity_error",
             Some("kv_integrity_error"),
         ),
-        ApiError::Timeout { .. } | ApiError::BodyTimeout { .. } => m(
+        // The client was slow: its body did not arrive.
+        ApiError::BodyTimeout { .. } => m(
             StatusCode::REQUEST_TIMEOUT,
             INVALID_REQUEST,
             Some("timeout"),
         ),
+        // The gateway's side was slow (a queue, a worker or an upstream that did not answer
+        // in time): not the client's fault.
+        ApiError::Timeout { .. } => m(StatusCode::GATEWAY_TIMEOUT, "server_error", Some("timeout")),
         ApiError::NotFound => m(StatusCode::NOT_FOUND, INVALID_REQUEST, Some("not_found")),
         ApiError::HttpsRequired => m(
             StatusCode::BAD_REQUEST,
@@ -311,7 +321,7 @@ impl IntoResponse for ApiError {
         )
             .into_response();
         let wait = match &self {
-            ApiError::TenantLimit(e) => Some(retry_after(e)),
+            ApiError::TenantLimit(e) => retry_after(e),
             // About as long as the request waited for a slot.
             ApiError::PolicyBusy => Some(SLOT_WAIT),
             _ => None,
@@ -449,6 +459,12 @@ mod tests {
             Some("timeout"),
         );
         check(
+            ApiError::Timeout { secs: 300 },
+            504,
+            "server_error",
+            Some("timeout"),
+        );
+        check(
             ApiError::MethodNotAllowed,
             405,
             INVALID_REQUEST,
@@ -539,6 +555,19 @@ mod tests {
         })
         .into_response();
         assert_eq!(r.headers()[header::RETRY_AFTER], "17");
+        // Larger than the whole budget: no wait admits it, so no Retry-After and no 429.
+        let r = ApiError::from(LimitError::OverWholeBudget {
+            tenant: TenantId::new("t").expect("valid"),
+            limit: 400,
+            needed: 531,
+        })
+        .into_response();
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+        assert!(!r.headers().contains_key(header::RETRY_AFTER));
+        assert_eq!(
+            r.extensions().get::<ErrorType>(),
+            Some(&ErrorType("request_too_large"))
+        );
     }
 
     #[test]

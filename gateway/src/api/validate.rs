@@ -43,6 +43,8 @@ pub enum RequestError {
         value: String,
         supported: &'static str,
     },
+    #[error("`{field}` is given more than once; give it once (servers differ on which they take)")]
+    Repeated { field: &'static str },
     #[error("`{field}` = {value} is out of range; it must be {range}")]
     OutOfRange {
         field: &'static str,
@@ -85,6 +87,7 @@ impl RequestError {
         match self {
             RequestError::Json { .. } | RequestError::NotAnObject => None,
             RequestError::MissingField { field }
+            | RequestError::Repeated { field }
             | RequestError::UnsupportedValue { field, .. }
             | RequestError::OutOfRange { field, .. } => Some((*field).to_owned()),
             RequestError::WrongType { field, .. } | RequestError::UnsupportedField { field } => {

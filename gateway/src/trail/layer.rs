@@ -11,7 +11,7 @@ use crate::api::{ApiError, ErrorType, Streamed};
 use crate::auth::Authenticated;
 use crate::metrics::Metrics;
 
-use super::{Recorder, Trail};
+use super::{CLIENT_CLOSED, Recorder, Trail};
 
 /// The response header that carries the request's id (the id in its audit record).
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
@@ -66,9 +66,38 @@ pub async fn account(State(metrics): State<Metrics>, request: Request, next: Nex
     if let (Some(trail), Some(who)) = (request.extensions().get::<Trail>(), &who) {
         trail.authenticated(who);
     }
+    let count = who.map(|who| Count {
+        metrics,
+        who: Some(who),
+    });
     let response = next.run(request).await;
-    if let Some(who) = who {
-        metrics.request(&who.tenant.id, response.status().as_u16());
+    if let Some(count) = count {
+        count.status(response.status().as_u16());
     }
     response
+}
+
+/// A request's count in its tenant's metrics, made once: by the status of its response, or,
+/// when the client left before there was one (the request's future is dropped and no status
+/// ever comes), as 499 — as its audit record says.
+struct Count {
+    metrics: Metrics,
+    /// `None` once counted.
+    who: Option<Authenticated>,
+}
+
+impl Count {
+    fn status(mut self, status: u16) {
+        if let Some(who) = self.who.take() {
+            self.metrics.request(&who.tenant.id, status);
+        }
+    }
+}
+
+impl Drop for Count {
+    fn drop(&mut self) {
+        if let Some(who) = self.who.take() {
+            self.metrics.request(&who.tenant.id, CLIENT_CLOSED);
+        }
+    }
 }

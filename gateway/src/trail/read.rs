@@ -96,11 +96,7 @@ fn parse_paging(query: Option<&str>) -> Result<Paging, RequestError> {
 fn once<T>(slot: &mut Option<T>, value: T, field: &'static str) -> Result<(), RequestError> {
     match slot.replace(value) {
         None => Ok(()),
-        Some(_) => Err(RequestError::UnsupportedValue {
-            field,
-            value: "given more than once".into(),
-            supported: "give it once",
-        }),
+        Some(_) => Err(RequestError::Repeated { field }),
     }
 }
 
@@ -210,10 +206,7 @@ mod tests {
             "limit=3&since=1&limit=3",
         ] {
             let e = parse_paging(Some(twice)).expect_err(twice);
-            assert!(
-                matches!(e, RequestError::UnsupportedValue { .. }),
-                "{twice}: {e:?}"
-            );
+            assert!(matches!(e, RequestError::Repeated { .. }), "{twice}: {e:?}");
         }
     }
 

@@ -205,13 +205,15 @@ impl Interceptor for Requires {
         let Some(token) = &self.0 else {
             return Ok(request);
         };
-        let presented = request.metadata().get(HEADER).map(MetadataValue::as_bytes);
-        if presented.is_some_and(|p| token.current().admits(p)) {
-            Ok(request)
-        } else {
-            Err(Status::unauthenticated(
+        match request.metadata().get(HEADER).map(MetadataValue::as_bytes) {
+            Some(p) if token.current().admits(p) => Ok(request),
+            Some(_) => Err(Status::unauthenticated(
+                "the cluster token presented is not this worker's (another deployment's, or \
+                 one renewed on one side only)",
+            )),
+            None => Err(Status::unauthenticated(
                 "this worker answers only calls that present its cluster token",
-            ))
+            )),
         }
     }
 }
@@ -239,6 +241,16 @@ mod tests {
         let refused = |r: Result<Request<()>, Status>| {
             r.err().map(|s| s.code()) == Some(tonic::Code::Unauthenticated)
         };
+        let said = |r: Result<Request<()>, Status>| r.err().map(|s| s.message().to_owned());
+        assert!(
+            said(requires.call(presented(None))).is_some_and(|m| m.contains("present its")),
+            "no token: told to present one"
+        );
+        assert!(
+            said(requires.call(presented(Some("Bearer nope"))))
+                .is_some_and(|m| m.contains("is not this worker's")),
+            "a wrong token: told it is wrong"
+        );
         assert!(refused(requires.call(presented(None))));
         assert!(refused(requires.call(presented(Some("Bearer nope")))));
         let one_off = format!("Bearer {}0", &SECRET[..SECRET.len() - 1]);
