@@ -231,6 +231,21 @@ fn requests_the_upstream_refuses_are_not_charged_to_the_tenants_tokens_per_minut
                 "request {i} was refused by the front's own limit: {body}"
             );
         }
+        // The back's Retry-After (the rest of its minute) reaches the front's client, not a
+        // guess of the front's.
+        let (status, head, body) = crate::up::exchange(
+            &front.api,
+            "POST",
+            "/v1/chat/completions",
+            Some(KEY_A),
+            &[],
+            CHAT,
+        );
+        assert_eq!(status, 429, "{body}");
+        let wait: u64 = crate::up::header(&head, "retry-after")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no Retry-After: {head}"));
+        assert!((2..=60).contains(&wait), "{head}");
     });
 }
 

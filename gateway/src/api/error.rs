@@ -4,6 +4,8 @@
 //! Conversions have no side effects. Internal details (a worker's internal error, transport
 //! failures) are logged where they happen and never sent to the client.
 
+use std::time::Duration;
+
 use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode, header};
 use serde_json::json;
@@ -62,9 +64,9 @@ pub enum ApiError {
     /// The tenant is over one of its limits.
     #[error(transparent)]
     TenantLimit(#[from] LimitError),
-    /// The worker's admission queue is full.
-    #[error("the worker is busy; retry later")]
-    WorkerBusy,
+    /// The worker's admission queue is full (or an upstream said it is over its rate).
+    #[error("the worker is busy; retry in {retry_after_secs} s")]
+    WorkerBusy { retry_after_secs: u64 },
     /// No worker can take the request (none healthy, none registered yet).
     #[error("no healthy worker can serve this request now; retry later")]
     NoHealthyWorker,
@@ -198,7 +200,7 @@ pub fn mapping(err: &ApiError) -> Mapping {
             INVALID_REQUEST,
             Some("request_too_large"),
         ),
-        ApiError::TenantLimit(_) | ApiError::WorkerBusy => m(
+        ApiError::TenantLimit(_) | ApiError::WorkerBusy { .. } => m(
             StatusCode::TOO_MANY_REQUESTS,
             "rate_limit_exceeded",
             Some("rate_limit_exceeded"),
@@ -282,7 +284,7 @@ impl ApiError {
             | ApiError::Prompt { .. }
             | ApiError::WorkerInvalidRequest { .. }
             | ApiError::TenantLimit(_)
-            | ApiError::WorkerBusy
+            | ApiError::WorkerBusy { .. }
             | ApiError::NoHealthyWorker
             | ApiError::WorkerUnavailable
             | ApiError::KvIntegrity
@@ -324,6 +326,9 @@ impl IntoResponse for ApiError {
             ApiError::TenantLimit(e) => retry_after(e),
             // About as long as the request waited for a slot.
             ApiError::PolicyBusy => Some(SLOT_WAIT),
+            ApiError::WorkerBusy { retry_after_secs } => {
+                Some(Duration::from_secs(*retry_after_secs))
+            }
             _ => None,
         };
         if let Some(wait) = wait
@@ -416,7 +421,9 @@ mod tests {
             Some("rate_limit_exceeded"),
         );
         check(
-            ApiError::WorkerBusy,
+            ApiError::WorkerBusy {
+                retry_after_secs: 1,
+            },
             429,
             "rate_limit_exceeded",
             Some("rate_limit_exceeded"),

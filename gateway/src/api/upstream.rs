@@ -12,6 +12,10 @@ use super::Endpoint;
 use super::error::ApiError;
 use super::validate::Sampling;
 
+/// The longest wait a busy worker or upstream may ask a client for (an upstream's
+/// `Retry-After` is passed on up to this).
+const MAX_RETRY_AFTER_SECS: u64 = 3600;
+
 /// What to generate, all decided by the gateway.
 #[derive(Debug)]
 pub struct Generate<'a> {
@@ -65,7 +69,15 @@ pub fn from_status(status: &tonic::Status, endpoint: Endpoint) -> WorkerFailure 
             false,
         ),
         Some("invalid_request_error") => (ApiError::WorkerInvalidRequest { message }, false),
-        Some("rate_limit_exceeded") => (ApiError::WorkerBusy, false),
+        // A worker's full queue frees within about a second; an upstream may say how long.
+        Some("rate_limit_exceeded") => (
+            ApiError::WorkerBusy {
+                retry_after_secs: proto::retry_after_secs(status)
+                    .unwrap_or(1)
+                    .clamp(1, MAX_RETRY_AFTER_SECS),
+            },
+            false,
+        ),
         Some("kv_integrity_error") => (ApiError::KvIntegrity, false),
         Some("internal_error") => (ApiError::Internal, false),
         Some("service_unavailable") => (ApiError::WorkerUnavailable, true),
@@ -137,7 +149,21 @@ mod tests {
             &status(Code::ResourceExhausted, "rate_limit_exceeded"),
             Endpoint::Chat,
         );
-        assert_eq!(f.error, ApiError::WorkerBusy);
+        assert_eq!(
+            f.error,
+            ApiError::WorkerBusy {
+                retry_after_secs: 1
+            }
+        );
+        let mut said = status(Code::ResourceExhausted, "rate_limit_exceeded");
+        said.metadata_mut()
+            .insert(proto::RETRY_AFTER_KEY, MetadataValue::from_static("7"));
+        assert_eq!(
+            from_status(&said, Endpoint::Chat).error,
+            ApiError::WorkerBusy {
+                retry_after_secs: 7
+            }
+        );
         let f = from_status(
             &status(Code::Internal, "kv_integrity_error"),
             Endpoint::Chat,

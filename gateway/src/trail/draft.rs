@@ -208,7 +208,7 @@ impl Trail {
         let outcome = match error {
             ApiError::ContextLengthExceeded { .. }
             | ApiError::WorkerContextLengthExceeded { .. } => Some(AdmissionOutcome::Rejected),
-            ApiError::TenantLimit(_) | ApiError::WorkerBusy | ApiError::NoHealthyWorker => {
+            ApiError::TenantLimit(_) | ApiError::WorkerBusy { .. } | ApiError::NoHealthyWorker => {
                 Some(AdmissionOutcome::Unavailable)
             }
             _ => None,

@@ -45,7 +45,9 @@ fn table() -> Vec<ApiError> {
             limit: 1,
         }
         .into(),
-        ApiError::WorkerBusy,
+        ApiError::WorkerBusy {
+            retry_after_secs: 1,
+        },
         ApiError::NoHealthyWorker,
         ApiError::WorkerUnavailable,
         ApiError::KvIntegrity,

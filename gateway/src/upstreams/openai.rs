@@ -10,7 +10,8 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use bulkhead_worker::serve::proto::{
-    Done, FinishReason, GenerateRequest, GenerateResponse, Item, Prompt, Token, error_code_status,
+    Done, FinishReason, GenerateRequest, GenerateResponse, Item, Prompt, RETRY_AFTER_KEY, Token,
+    error_code, error_code_status,
 };
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt as _, TryStreamExt as _};
@@ -342,8 +343,19 @@ impl OpenAiClient {
             .map_err(|e| Status::unavailable(format!("the upstream is unreachable: {e}")))?;
         let status = response.status();
         if !status.is_success() {
+            // In seconds (the HTTP-date form is not passed on).
+            let wait = response
+                .headers()
+                .get(http::header::RETRY_AFTER)
+                .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok());
             let text = read_bounded(response).await.unwrap_or_default();
-            return Err(refusal(status.as_u16(), &text));
+            let mut refused = refusal(status.as_u16(), &text);
+            if let Some(wait) = wait
+                && error_code(&refused) == Some("rate_limit_exceeded")
+            {
+                refused.metadata_mut().insert(RETRY_AFTER_KEY, wait.into());
+            }
+            return Err(refused);
         }
         Ok(SseStream::new(
             Box::pin(
@@ -648,7 +660,7 @@ impl Events {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bulkhead_worker::serve::proto::{SamplingParams, TokenPrompt, error_code};
+    use bulkhead_worker::serve::proto::{SamplingParams, TokenPrompt};
 
     #[tokio::test]
     async fn an_answer_over_the_bound_is_an_error_and_one_at_it_is_read() {

@@ -44,6 +44,21 @@ pub fn error_code(status: &tonic::Status) -> Option<&str> {
     status.metadata().get(ERROR_CODE_KEY)?.to_str().ok()
 }
 
+/// The metadata key saying how long to wait before retrying, in whole seconds, on a
+/// `rate_limit_exceeded` status that knows (an OpenAI-compatible upstream's `Retry-After`).
+pub const RETRY_AFTER_KEY: &str = "retry-after";
+
+/// How long a status says to wait before retrying, when it says.
+pub fn retry_after_secs(status: &tonic::Status) -> Option<u64> {
+    status
+        .metadata()
+        .get(RETRY_AFTER_KEY)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
 /// The metadata key naming the admission layer that refused a request (`decode` or `prefill`),
 /// on `context_length_exceeded` and `rate_limit_exceeded` statuses.
 pub const REFUSED_BY_KEY: &str = "bulkhead-refused-by";
