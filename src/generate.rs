@@ -62,9 +62,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         seed: args.seed.unwrap_or_else(rand::random),
     }
     .validate()?;
+    // The pool holds this one request, never more than the model's context: a model file
+    // that declares a context of millions does not size a pool of millions.
     let context = loaded.model.config().context_length as u64;
+    let needed = (prompt.len() as u64).saturating_add(args.max_tokens as u64);
     let config = EngineConfig {
-        kv: KvBudget::Tokens(context),
+        kv: KvBudget::Tokens(needed.clamp(1, context.max(1))),
         ..EngineConfig::default()
     };
     let mut engine = Engine::new(loaded.model, loaded.tokenizer, config)?;

@@ -38,6 +38,10 @@ pub struct ModelArgs {
     pub cuda_ptx: Option<PathBuf>,
 }
 
+/// The most compute threads a process starts: each has its own stack, and past the CPUs
+/// they only take turns.
+const MAX_THREADS: usize = 1024;
+
 /// `model`, or the default model's cached file, after checking that the file exists.
 pub fn resolve(model: Option<&Path>) -> anyhow::Result<PathBuf> {
     let path = match model {
@@ -52,8 +56,13 @@ pub fn resolve(model: Option<&Path>) -> anyhow::Result<PathBuf> {
         }
     };
     anyhow::ensure!(
-        path.is_file(),
+        path.exists(),
         "model file {} not found; run scripts/fetch-model or pass --model",
+        path.display()
+    );
+    anyhow::ensure!(
+        path.is_file(),
+        "{} is not a file: --model takes a GGUF file",
         path.display()
     );
     Ok(path)
@@ -102,7 +111,11 @@ impl ModelArgs {
         let n = self
             .threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-        anyhow::ensure!(n > 0, "--threads must be at least 1");
+        anyhow::ensure!(
+            (1..=MAX_THREADS).contains(&n),
+            "--threads must be between 1 and {MAX_THREADS} (this machine has {} CPUs)",
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        );
         bulkhead_kernels::pool::init(n);
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)

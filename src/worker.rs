@@ -57,6 +57,29 @@ pub enum Role {
     Decode,
 }
 
+impl Role {
+    fn name(self) -> &'static str {
+        match self {
+            Role::Both => "both",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// `--prefill`, checked: an http:// or https:// address with a host, or why not (a worker
+/// given a typo would otherwise start and fail every request).
+fn prefill_address(given: &str) -> anyhow::Result<String> {
+    let uri: http::Uri = given
+        .parse()
+        .with_context(|| format!("--prefill {given:?} is not an address (http://host:port)"))?;
+    anyhow::ensure!(
+        matches!(uri.scheme_str(), Some("http" | "https")) && uri.host().is_some(),
+        "--prefill {given:?} is not an http:// or https:// address of a prefill worker"
+    );
+    Ok(given.to_owned())
+}
+
 /// The KV data plane between prefill and decode workers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum KvTransportArg {
@@ -197,6 +220,11 @@ impl Args {
 
     /// The validated serving configuration.
     fn config(&self) -> anyhow::Result<ServeConfig> {
+        anyhow::ensure!(
+            self.prefill.is_none() || matches!(self.role, Role::Decode),
+            "--prefill is for --role decode (a {} worker dials no prefill worker)",
+            self.role.name()
+        );
         let role = match self.role {
             Role::Both => RoleConfig::Both,
             Role::Prefill => RoleConfig::Prefill {
@@ -207,10 +235,11 @@ impl Args {
                     .map(SendFault::StallAfterFrames),
             },
             Role::Decode => RoleConfig::Decode {
-                prefill: self
-                    .prefill
-                    .clone()
-                    .context("--role decode needs --prefill")?,
+                prefill: prefill_address(
+                    self.prefill
+                        .as_deref()
+                        .context("--role decode needs --prefill")?,
+                )?,
                 kv_listen: self.kv_listen,
                 kv_advertise: self.kv_advertise,
             },
@@ -260,11 +289,7 @@ impl Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let role = match args.role {
-        Role::Both => "both",
-        Role::Prefill => "prefill",
-        Role::Decode => "decode",
-    };
+    let role = args.role.name();
     let export = args.otlp.otlp_endpoint.clone().map(|endpoint| {
         let otlp = Otlp {
             endpoint,
@@ -414,6 +439,15 @@ mod tests {
             .expect_err("decode needs its prefill worker")
             .to_string();
         assert!(err.contains("--prefill"), "{err}");
+        for bad in ["notaurl", "p:1", "ftp://p:1", "http://"] {
+            let cli =
+                Cli::try_parse_from(["x", "--role", "decode", "--prefill", bad]).expect("parses");
+            let err = cli.args.config().expect_err(bad).to_string();
+            assert!(err.contains("--prefill"), "{bad}: {err}");
+        }
+        let cli = Cli::try_parse_from(["x", "--role", "prefill", "--prefill", "http://p:1"])
+            .expect("parses");
+        assert!(cli.args.config().is_err(), "--prefill on a prefill worker");
         let cli = Cli::try_parse_from(["x", "--role", "decode", "--prefill", "http://p:1"])
             .expect("parses");
         let role = cli.args.config().expect("valid").role;

@@ -7,6 +7,7 @@ mod bench_prefix;
 mod cluster;
 mod device;
 mod gateway;
+mod generate;
 mod isolation;
 mod isolation_load;
 // Scenarios that turn checks off: test builds only (`--features check-switches`).

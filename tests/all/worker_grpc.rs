@@ -23,7 +23,7 @@ const TEST_LIMIT: Duration = Duration::from_secs(180);
 /// Upper bound for a worker to load the model and bind its ports.
 const STARTUP_LIMIT: Duration = Duration::from_secs(60);
 
-fn model_path() -> PathBuf {
+pub(crate) fn model_path() -> PathBuf {
     let path = match std::env::var_os("BULKHEAD_MODEL") {
         Some(p) => PathBuf::from(p),
         None => PathBuf::from(std::env::var_os("HOME").expect("HOME is set"))

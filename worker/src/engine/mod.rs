@@ -31,6 +31,7 @@
 //! Pages for the whole request (prompt + max new tokens) are reserved before it runs, so a
 //! running request never waits for memory and nothing is ever preempted or truncated.
 
+mod host_memory;
 mod request;
 mod stats;
 mod stops;
@@ -163,6 +164,18 @@ pub enum StartupError {
     },
     #[error("{what} must be at least 1")]
     Zero { what: &'static str },
+    #[error(
+        "the KV pool needs {bytes} bytes of host memory, but only {available} are available: \
+         lower --kv-memory (or --kv-tokens)"
+    )]
+    PoolExceedsMemory { bytes: u64, available: u64 },
+    #[error(
+        "--context-length {requested} exceeds the model's own context of {model_context} tokens"
+    )]
+    ContextExceedsModel {
+        requested: usize,
+        model_context: usize,
+    },
     #[error("cannot allocate the KV pool ({bytes} bytes) on {device}: {error}")]
     Device {
         device: String,
@@ -347,6 +360,17 @@ impl Engine {
         let pool_tokens = pool_config.capacity_tokens();
         let model_context = model.config().context_length;
         let served_context = match config.context_length {
+            Some(0) => {
+                return Err(StartupError::Zero {
+                    what: "context_length",
+                });
+            }
+            Some(c) if c > model_context => {
+                return Err(StartupError::ContextExceedsModel {
+                    requested: c,
+                    model_context,
+                });
+            }
             Some(c) if c as u64 > pool_tokens => {
                 return Err(StartupError::ContextExceedsPool {
                     requested: c,
@@ -354,7 +378,7 @@ impl Engine {
                     needed_bytes: (c as u64).div_ceil(u64::from(page_tokens)) * page_bytes,
                 });
             }
-            Some(c) => c.min(model_context),
+            Some(c) => c,
             None => model_context.min(pool_tokens as usize),
         };
         let capacity = Capacity {
@@ -375,6 +399,16 @@ impl Engine {
             "KV pool measured"
         );
         let device = model.device();
+        let pool_bytes = u64::from(pages.get()) * page_bytes;
+        if matches!(device, bulkhead_kernels::Device::Cpu(_))
+            && let Some(available) = host_memory::available_bytes()
+            && pool_bytes > available
+        {
+            return Err(StartupError::PoolExceedsMemory {
+                bytes: pool_bytes,
+                available,
+            });
+        }
         let kv = KvMemory::on(&device, layout, pages.get() as usize).map_err(|error| {
             StartupError::Device {
                 device: device.describe(),

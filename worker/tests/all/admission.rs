@@ -67,6 +67,42 @@ fn a_context_longer_than_the_pool_refuses_to_start_and_says_how_to_fix_it() {
     assert!(err.to_string().contains("--kv-memory"), "{err}");
 }
 
+/// A context of 0 serves nothing, and one longer than the model's was cut to it in silence:
+/// both refuse to start; so does a pool larger than the host's memory, before it is zeroed
+/// page by page until the out-of-memory killer ends the process.
+#[test]
+fn a_context_the_model_cannot_serve_or_a_pool_the_host_cannot_hold_refuses_to_start() {
+    let refusal = |kv, context_length| {
+        let loaded = tiny_model(TinySpec::default());
+        let config = EngineConfig {
+            kv,
+            context_length,
+            ..EngineConfig::default()
+        };
+        Engine::new(loaded.model, loaded.tokenizer, config).expect_err("must refuse")
+    };
+    let err = refusal(KvBudget::Tokens(1024), Some(0));
+    assert!(matches!(err, StartupError::Zero { .. }), "{err:?}");
+    let err = refusal(KvBudget::Tokens(1024), Some(257));
+    assert!(
+        matches!(
+            err,
+            StartupError::ContextExceedsModel {
+                requested: 257,
+                model_context: 256
+            }
+        ),
+        "{err:?}"
+    );
+    // About 2^31 pages, terabytes: more than any machine this runs on has free.
+    let err = refusal(KvBudget::Tokens(u64::from(u32::MAX) * 8), None);
+    assert!(
+        matches!(err, StartupError::PoolExceedsMemory { bytes, .. } if bytes > 1 << 42),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("--kv-memory"), "{err}");
+}
+
 #[test]
 fn a_prompt_over_the_pool_is_rejected_before_any_allocation() {
     let mut e = tiny_engine(64, EngineConfig::default());

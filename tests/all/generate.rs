@@ -1,0 +1,48 @@
+//! `bulkhead generate` sizes its KV pool for the one request it runs: a model file that
+//! declares a context of millions of tokens (a mistake, or a long-context model) does not make
+//! it allocate millions of tokens of KV.
+
+use std::process::Command;
+
+use crate::up::TempDir;
+
+/// The test model with its `llama.context_length` rewritten to `tokens`.
+fn declaring_context(dir: &std::path::Path, tokens: u32) -> std::path::PathBuf {
+    let mut bytes = std::fs::read(crate::worker_grpc::model_path()).expect("reads the model");
+    let key = b"llama.context_length";
+    let at = bytes
+        .windows(key.len())
+        .position(|w| w == key)
+        .expect("the model has a context length")
+        + key.len();
+    // The value's type (u32: 4), then the value.
+    assert_eq!(bytes[at..at + 4], 4u32.to_le_bytes());
+    bytes[at + 4..at + 8].copy_from_slice(&tokens.to_le_bytes());
+    let path = dir.join("long-context.gguf");
+    std::fs::write(&path, bytes).expect("writes");
+    path
+}
+
+#[test]
+fn a_model_declaring_a_huge_context_runs_in_the_memory_its_request_needs() {
+    let dir = TempDir::new("generate");
+    // Ten million tokens of KV would be 230 GB; the address space allowed here is 8 GB.
+    let model = declaring_context(&dir.0, 10_000_000);
+    let out = Command::new("bash")
+        .arg("-c")
+        .arg("ulimit -v 8000000 && exec \"$@\"")
+        .arg("bash")
+        .arg(env!("CARGO_BIN_EXE_bulkhead"))
+        .args(["generate", "--prompt", "What is 2+2?", "--chat"])
+        .args(["--max-tokens", "8", "--temperature", "0", "--threads", "1"])
+        .arg("--model")
+        .arg(&model)
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).trim().is_empty(),
+        "{stderr}"
+    );
+}
