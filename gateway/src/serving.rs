@@ -31,6 +31,10 @@ use crate::api::ApiError;
 use crate::config::HttpLimits;
 use crate::write_deadline::WriteDeadline;
 
+/// How long the requests cut at shutdown have to send their clients the error that ends
+/// them before their connections are dropped.
+const CUT_GRACE: Duration = Duration::from_millis(500);
+
 /// Told what happens to requests that the service never finishes: the API's audit trail.
 pub trait Witness: Send + Sync + 'static {
     /// Shutdown cuts the requests still running after the drain timeout (told before they
@@ -331,12 +335,17 @@ impl<S: Service> Connections<S> {
             ..
         } = self;
         draining.send_replace(true);
-        if tokio::time::timeout(drain_timeout, graceful.shutdown())
+        let shutdown = graceful.shutdown();
+        tokio::pin!(shutdown);
+        if tokio::time::timeout(drain_timeout, &mut shutdown)
             .await
             .is_err()
         {
             tracing::warn!("connections still open at shutdown; closing them");
             witness.cut();
+            // The requests cut answer their clients (an error event ends a stream) and their
+            // connections close; what still hangs after that is dropped.
+            let _ = tokio::time::timeout(CUT_GRACE, &mut shutdown).await;
             tasks.shutdown().await;
         }
     }

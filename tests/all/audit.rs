@@ -462,7 +462,8 @@ fn a_flood_of_requests_without_a_key_is_folded_past_the_gateway_logs_budget() {
 fn a_request_still_running_when_shutdown_has_drained_is_recorded_as_cut_by_it() {
     bounded(|| {
         // One second to drain; a long answer under way. The gateway stops, waits its second,
-        // then cuts the stream: its record says so — not that the client left, which it
+        // then cuts the stream: its client is told so in an error event (not a connection
+        // dropped mid-body), and its record says so — not that the client left, which it
         // did not — and is on disk once the gateway has exited.
         let data = TempDir::new("audit-shutdown");
         let up = Up::launch(Options {
@@ -471,8 +472,17 @@ fn a_request_still_running_when_shutdown_has_drained_is_recorded_as_cut_by_it() 
             ..Options::default()
         });
         up.wait_routable();
-        let _answer = a_long_answer_holding_decode(&up);
+        let mut answer = a_long_answer_holding_decode(&up);
         drop(up);
+        let mut rest = Vec::new();
+        let _ = answer.read_to_end(&mut rest);
+        let rest = String::from_utf8_lossy(&rest);
+        let last = rest.lines().rev().find(|l| l.starts_with("data: "));
+        assert!(
+            last.is_some_and(|l| l.contains(r#""code":"gateway_shutdown""#)),
+            "the stream's last event: {last:?}"
+        );
+        assert!(!rest.contains("[DONE]"), "{rest}");
         let records = on_disk(&data.0, "tenant-b");
         assert_eq!(records.len(), 1, "{records:#?}");
         let r = &records[0];

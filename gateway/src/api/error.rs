@@ -13,7 +13,7 @@ use serde_json::json;
 use crate::admission::ContextLengthExceeded;
 use crate::limits::{LimitError, retry_after};
 use crate::policy::{Fault, Refusal, Refused, SLOT_WAIT};
-use crate::trail::{CLIENT_CLOSED, CLIENT_CLOSED_TYPE};
+use crate::trail::{CLIENT_CLOSED, CLIENT_CLOSED_TYPE, GATEWAY_SHUTDOWN_TYPE};
 
 use super::Endpoint;
 use super::validate::RequestError;
@@ -67,6 +67,9 @@ pub enum ApiError {
     /// The worker's admission queue is full (or an upstream said it is over its rate).
     #[error("the worker is busy; retry in {retry_after_secs} s")]
     WorkerBusy { retry_after_secs: u64 },
+    /// The gateway is shutting down and its drain timeout passed with the request unfinished.
+    #[error("the gateway is shutting down; the request was cut before it finished")]
+    GatewayShutdown,
     /// No worker can take the request (none healthy, none registered yet).
     #[error("no healthy worker can serve this request now; retry later")]
     NoHealthyWorker,
@@ -205,6 +208,11 @@ pub fn mapping(err: &ApiError) -> Mapping {
             "rate_limit_exceeded",
             Some("rate_limit_exceeded"),
         ),
+        ApiError::GatewayShutdown => m(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            Some(GATEWAY_SHUTDOWN_TYPE),
+        ),
         ApiError::NoHealthyWorker | ApiError::WorkerUnavailable => m(
             StatusCode::SERVICE_UNAVAILABLE,
             "service_unavailable",
@@ -286,6 +294,7 @@ impl ApiError {
             | ApiError::TenantLimit(_)
             | ApiError::WorkerBusy { .. }
             | ApiError::NoHealthyWorker
+            | ApiError::GatewayShutdown
             | ApiError::WorkerUnavailable
             | ApiError::KvIntegrity
             | ApiError::Timeout { .. }
@@ -427,6 +436,12 @@ mod tests {
             429,
             "rate_limit_exceeded",
             Some("rate_limit_exceeded"),
+        );
+        check(
+            ApiError::GatewayShutdown,
+            503,
+            "service_unavailable",
+            Some("gateway_shutdown"),
         );
         check(
             ApiError::NoHealthyWorker,

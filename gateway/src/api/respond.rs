@@ -154,8 +154,14 @@ impl Started {
             let Some(Leg::Streaming(upstream)) = self.upstream.as_mut() else {
                 return Err(ApiError::Internal);
             };
-            let Ok(message) = tokio::time::timeout_at(silent_until, upstream.message()).await
-            else {
+            let message = tokio::select! {
+                message = tokio::time::timeout_at(silent_until, upstream.message()) => message,
+                // Shutdown's drain timeout passed: the client is told, rather than cut off.
+                () = self.trail.shutdown_cuts() => {
+                    return Err(self.failed(ApiError::GatewayShutdown, None));
+                }
+            };
+            let Ok(message) = message else {
                 let secs = self.idle.as_secs();
                 return Err(self.worker_down(&format!("sent nothing for {secs} s mid-request")));
             };

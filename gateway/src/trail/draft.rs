@@ -269,6 +269,12 @@ impl Trail {
         self.with(|d| d.recorder.cutting())
     }
 
+    /// Returns once shutdown starts cutting the requests still in flight (never, before).
+    pub async fn shutdown_cuts(&self) {
+        let recorder = self.with(|d| d.recorder.clone());
+        recorder.cut_begins().await;
+    }
+
     /// The status the response carries, for a request whose end is recorded elsewhere (a
     /// stream, or on drop).
     pub fn responded(&self, status: u16) {

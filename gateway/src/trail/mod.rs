@@ -88,8 +88,8 @@ struct Inner {
     /// Whether `folding` collects a folded record (checked without the lock on every append).
     folding_pending: AtomicBool,
     /// Shutdown is cutting the requests still in flight: a request dropped unfinished from
-    /// here on was cut, not left by its client.
-    cutting: AtomicBool,
+    /// here on was cut, not left by its client; one still answering ends with an error.
+    cutting: tokio::sync::watch::Sender<bool>,
 }
 
 impl Recorder {
@@ -130,7 +130,7 @@ impl Recorder {
             settings,
             folding: Mutex::new(folding),
             folding_pending: AtomicBool::new(false),
-            cutting: AtomicBool::new(false),
+            cutting: tokio::sync::watch::Sender::new(false),
             gateway,
             lost: AtomicU64::new(0),
             metrics,
@@ -151,7 +151,14 @@ impl Recorder {
 
     /// Whether a request dropped now was cut by shutdown ([`Witness::cut`]).
     fn cutting(&self) -> bool {
-        self.inner.cutting.load(Ordering::Relaxed)
+        *self.inner.cutting.borrow()
+    }
+
+    /// Returns once shutdown starts cutting the requests still in flight.
+    async fn cut_begins(&self) {
+        let mut cutting = self.inner.cutting.subscribe();
+        // The sender lives as long as `self`: the wait ends only with the cut.
+        let _ = cutting.wait_for(|cut| *cut).await;
     }
 
     /// Why the log cannot write, while it cannot.
@@ -310,7 +317,7 @@ impl Witness for Recorder {
     /// Shutdown's drain timeout has passed: the requests still in flight are about to be
     /// dropped, each recorded as cut by shutdown ([`GATEWAY_SHUTDOWN_TYPE`]).
     fn cut(&self) {
-        self.inner.cutting.store(true, Ordering::Relaxed);
+        self.inner.cutting.send_replace(true);
     }
 
     /// A request hyper could not parse reached the gateway all the same: one record in the
