@@ -46,3 +46,34 @@ fn a_model_declaring_a_huge_context_runs_in_the_memory_its_request_needs() {
         "{stderr}"
     );
 }
+
+/// A model file that is not one stops the command with one line naming the file and what is
+/// wrong, said once (not again as its own cause), and never a panic.
+#[test]
+fn a_broken_model_file_is_refused_in_one_line() {
+    let dir = TempDir::new("generate-broken");
+    let cases: [(&str, &[u8], &str); 3] = [
+        ("empty.gguf", b"", "truncated"),
+        (
+            "text.gguf",
+            b"this is not a model file at all",
+            "not a GGUF file",
+        ),
+        ("cut.gguf", b"GGUF\x03\0\0\0\x05", "truncated"),
+    ];
+    for (name, bytes, says) in cases {
+        let path = dir.0.join(name);
+        std::fs::write(&path, bytes).expect("writes");
+        let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+            .args(["generate", "--prompt", "hi", "--threads", "1", "--model"])
+            .arg(&path)
+            .env_remove("RUST_BACKTRACE")
+            .output()
+            .expect("runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{name}: {stderr}");
+        assert!(stderr.contains(says), "{name}: {stderr}");
+        assert_eq!(stderr.matches(says).count(), 1, "said once: {stderr}");
+        assert!(!stderr.contains("panicked"), "{name}: {stderr}");
+    }
+}

@@ -10,13 +10,11 @@ use crate::tokenizer::{Tokenizer, TokenizerError};
 /// Why a model could not be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("model {path}: {source}")]
-    Gguf { path: String, source: GgufError },
-    #[error("model {path}: tokenizer: {source}")]
-    Tokenizer {
-        path: String,
-        source: TokenizerError,
-    },
+    // The cause is in the message, not a `source`: a report would print it twice.
+    #[error("model {path}: {error}")]
+    Gguf { path: String, error: GgufError },
+    #[error("model {path}: tokenizer: {error}")]
+    Tokenizer { path: String, error: TokenizerError },
     #[error("model {path}: vocabulary has {tokenizer} tokens but the weights have {model} rows")]
     VocabMismatch {
         path: String,
@@ -37,9 +35,9 @@ pub struct LoadedModel {
 impl LoadedModel {
     pub fn open(path: &Path) -> Result<LoadedModel, LoadError> {
         let p = || path.display().to_string();
-        let model = Model::open(path).map_err(|source| LoadError::Gguf { path: p(), source })?;
+        let model = Model::open(path).map_err(|error| LoadError::Gguf { path: p(), error })?;
         let tokenizer = Tokenizer::from_gguf(model.gguf())
-            .map_err(|source| LoadError::Tokenizer { path: p(), source })?;
+            .map_err(|error| LoadError::Tokenizer { path: p(), error })?;
         if tokenizer.vocab_size() != model.config().vocab {
             return Err(LoadError::VocabMismatch {
                 path: p(),

@@ -117,8 +117,13 @@ impl Tokenizer {
                 .map(|v| v as TokenId)
                 .filter(|&v| (v as usize) < tokens.len())
         };
-        let eos = id("tokenizer.ggml.eos_token_id").ok_or_else(|| GgufError::MissingKey {
-            key: "tokenizer.ggml.eos_token_id".into(),
+        let eos_key = "tokenizer.ggml.eos_token_id";
+        let eos = id(eos_key).ok_or_else(|| match g.get_u64(eos_key) {
+            Ok(v) => GgufError::BadValue {
+                key: eos_key.into(),
+                reason: format!("token {v} is not in the vocabulary of {}", tokens.len()),
+            },
+            Err(e) => e,
         })?;
         Tokenizer::from_parts(TokenizerParts {
             model,
@@ -437,7 +442,7 @@ impl Detokenizer {
 
 #[cfg(test)]
 mod tests {
-    use crate::gguf::Gguf;
+    use crate::gguf::{Gguf, Value};
     use crate::tiny_model::TinySpec;
 
     use super::*;
@@ -484,6 +489,20 @@ mod tests {
                 })
                 .expect(pre);
         }
+    }
+
+    /// An end-of-sequence id outside the vocabulary is said to be that, not missing.
+    #[test]
+    fn an_eos_id_outside_the_vocabulary_is_refused_as_such() {
+        let path =
+            std::env::temp_dir().join(format!("bulkhead-tok-eos-{}.gguf", std::process::id()));
+        let mut w = TinySpec::default().to_gguf();
+        w.meta("tokenizer.ggml.eos_token_id", Value::U32(1_000_000_000));
+        w.write(&path).expect("write");
+        let g = Gguf::open(&path).expect("open");
+        let _ = std::fs::remove_file(&path);
+        let err = Tokenizer::from_gguf(&g).expect_err("refused").to_string();
+        assert!(err.contains("is not in the vocabulary"), "{err}");
     }
 
     #[test]

@@ -16,8 +16,12 @@ impl GgufWriter {
         GgufWriter::default()
     }
 
+    /// Sets metadata `key` (a key set again takes the new value: a file holds each key once).
     pub fn meta(&mut self, key: &str, value: Value) -> &mut Self {
-        self.metadata.push((key.into(), value));
+        match self.metadata.iter_mut().find(|(k, _)| k == key) {
+            Some((_, v)) => *v = value,
+            None => self.metadata.push((key.into(), value)),
+        }
         self
     }
 

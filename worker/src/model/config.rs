@@ -103,12 +103,20 @@ impl ModelConfig {
             Err(e) => return Err(e),
         }
         let vocab = g.get_strings("tokenizer.ggml.tokens")?.len();
+        let rms_eps = g.get_f32(&key("attention.layer_norm_rms_epsilon"))?;
+        // A NaN or negative epsilon divides every norm into NaN: text of nothing, no error.
+        if !(rms_eps.is_finite() && rms_eps > 0.0) {
+            return Err(bad(
+                "attention.layer_norm_rms_epsilon",
+                format!("{rms_eps} is not a small positive number"),
+            ));
+        }
         Ok(ModelConfig {
             name: g.get_str("general.name").unwrap_or(&arch).to_owned(),
             layers: g.get_count(&key("block_count"))?,
             ffn_dim: g.get_count(&key("feed_forward_length"))?,
             context_length: g.get_count(&key("context_length"))?,
-            rms_eps: g.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
+            rms_eps,
             rope_style: RopeStyle::Interleaved,
             arch,
             dim,
@@ -151,6 +159,21 @@ mod tests {
             (c.layers, c.dim, c.heads, c.kv_heads, c.head_dim, c.vocab),
             (2, 64, 4, 2, 16, 259)
         );
+    }
+
+    #[test]
+    fn an_epsilon_that_is_not_a_small_positive_number_is_refused() {
+        for eps in [f32::NAN, f32::INFINITY, 0.0, -1e-5] {
+            let err = config_with(Some((
+                "llama.attention.layer_norm_rms_epsilon",
+                Value::F32(eps),
+            )))
+            .expect_err("refused");
+            assert!(
+                matches!(&err, GgufError::BadValue { key, .. } if key.ends_with("layer_norm_rms_epsilon")),
+                "{eps}: {err}"
+            );
+        }
     }
 
     #[test]
