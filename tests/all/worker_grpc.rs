@@ -910,6 +910,35 @@ async fn under_way(
 }
 
 /// A decode worker whose prompts `prefill` fills, started with `args` besides.
+/// A decode worker whose prefill worker cannot be reached starts (its prefill worker may come
+/// later) and says so in its log once, not every second.
+#[tokio::test]
+async fn a_decode_worker_that_cannot_reach_its_prefill_worker_warns_once() {
+    bounded(async {
+        // A port nothing listens on.
+        let dead = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port");
+        let address = format!("http://{dead}");
+        let decode = Worker::start(&[
+            "--role",
+            "decode",
+            "--prefill",
+            &address,
+            "--kv-listen",
+            "127.0.0.1:0",
+        ]);
+        let warning = "cannot reach the prefill worker";
+        let text = wait_for_text(&decode.stderr, warning).await;
+        assert!(text.contains(warning), "{text}");
+        assert!(text.contains(&address[7..]), "names the address: {text}");
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        let text = text_of(&decode.stderr);
+        assert_eq!(text.matches(warning).count(), 1, "{text}");
+    })
+    .await;
+}
+
 pub(crate) fn decode_for(prefill: &Worker, args: &[&str]) -> Worker {
     let address = format!("http://{}", prefill.grpc);
     let mut all = vec!["--role", "decode", "--prefill", &address];

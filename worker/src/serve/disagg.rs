@@ -101,23 +101,36 @@ const PEER_PROBE_EVERY: Duration = Duration::from_secs(1);
 
 /// Decode role: asks the prefill peer's Info every second for as long as the worker serves, so
 /// that a prefill worker restarted or replaced behind the address shows in this worker's Info
-/// within a second, whether or not requests flow.
+/// within a second, whether or not requests flow. Losing the peer (or never reaching it: a
+/// wrong `--prefill`) is a warning, and reaching it again a line of its own.
 pub async fn follow_peer(peer: PrefillPeer) -> Infallible {
     let mut tick = tokio::time::interval(PEER_PROBE_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Whether the last probe was answered (`None`: none made yet).
+    let mut reached: Option<bool> = None;
     loop {
         tick.tick().await;
         let mut client = peer.client.clone();
         let asked = client.info(proto::InfoRequest {
             include_tokenizer: false,
         });
-        match tokio::time::timeout(PEER_PROBE_EVERY, asked).await {
-            Ok(Ok(info)) => peer.seen.answered_by(&info.get_ref().instance_id),
-            Ok(Err(status)) => {
-                tracing::debug!(error = status.message(), "the prefill peer's Info failed");
+        let failed = match tokio::time::timeout(PEER_PROBE_EVERY, asked).await {
+            Ok(Ok(info)) => {
+                peer.seen.answered_by(&info.get_ref().instance_id);
+                if reached == Some(false) {
+                    tracing::info!(prefill = %peer.seen.address, "the prefill worker answers again");
+                }
+                reached = Some(true);
+                continue;
             }
-            Err(_) => tracing::debug!("the prefill peer's Info timed out"),
+            Ok(Err(status)) => status.message().to_owned(),
+            Err(_) => format!("no answer within {PEER_PROBE_EVERY:?}"),
+        };
+        if reached != Some(false) {
+            tracing::warn!(prefill = %peer.seen.address, error = %failed,
+                "cannot reach the prefill worker; requests needing it fail until it answers (asking every second)");
         }
+        reached = Some(false);
     }
 }
 
