@@ -507,6 +507,7 @@ async fn start(
         trail: trail.clone(),
         upstream_span,
         idle,
+        shutdown: trail.shutdown_signal(),
         computed: respond::ComputedTokens::default(),
     })
 }

@@ -18,7 +18,7 @@ use crate::limits::RequestPermit;
 use crate::metrics::Metrics;
 use crate::policy::{Charge, Progress, RequestPolicy};
 use crate::tenant::Tenant;
-use crate::trail::Trail;
+use crate::trail::{ShutdownSignal, Trail};
 use crate::upstreams::Leg;
 use crate::workers::Route;
 
@@ -63,6 +63,8 @@ pub struct Started {
     pub upstream_span: tracing::Span,
     /// The longest the worker may stay silent ([`crate::config::HttpLimits::stream_idle_timeout`]).
     pub idle: std::time::Duration,
+    /// Shutdown's cut: the request ends with an error its client sees.
+    pub shutdown: ShutdownSignal,
     /// What the worker reported of its prompt computation.
     pub computed: ComputedTokens,
 }
@@ -157,7 +159,7 @@ impl Started {
             let message = tokio::select! {
                 message = tokio::time::timeout_at(silent_until, upstream.message()) => message,
                 // Shutdown's drain timeout passed: the client is told, rather than cut off.
-                () = self.trail.shutdown_cuts() => {
+                () = self.shutdown.cut() => {
                     return Err(self.failed(ApiError::GatewayShutdown, None));
                 }
             };

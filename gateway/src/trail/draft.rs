@@ -269,10 +269,9 @@ impl Trail {
         self.with(|d| d.recorder.cutting())
     }
 
-    /// Returns once shutdown starts cutting the requests still in flight (never, before).
-    pub async fn shutdown_cuts(&self) {
-        let recorder = self.with(|d| d.recorder.clone());
-        recorder.cut_begins().await;
+    /// What tells this request that shutdown cuts it (take it once, wait on it at each step).
+    pub fn shutdown_signal(&self) -> super::ShutdownSignal {
+        self.with(|d| d.recorder.shutdown_signal())
     }
 
     /// The status the response carries, for a request whose end is recorded elsewhere (a

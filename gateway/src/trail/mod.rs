@@ -154,11 +154,9 @@ impl Recorder {
         *self.inner.cutting.borrow()
     }
 
-    /// Returns once shutdown starts cutting the requests still in flight.
-    async fn cut_begins(&self) {
-        let mut cutting = self.inner.cutting.subscribe();
-        // The sender lives as long as `self`: the wait ends only with the cut.
-        let _ = cutting.wait_for(|cut| *cut).await;
+    /// What tells a request that shutdown cuts it.
+    fn shutdown_signal(&self) -> ShutdownSignal {
+        ShutdownSignal(self.inner.cutting.subscribe())
     }
 
     /// Why the log cannot write, while it cannot.
@@ -310,6 +308,21 @@ impl Recorder {
         let folded = self.with_folding(fold::Folding::drain);
         let _ = self.append([folded, None]);
         self.inner.log.flush()
+    }
+}
+
+/// A request's view of shutdown's cut, taken once per request: waiting on it costs a poll,
+/// not a subscription, at each step of a stream.
+#[derive(Debug)]
+pub struct ShutdownSignal(tokio::sync::watch::Receiver<bool>);
+
+impl ShutdownSignal {
+    /// Returns once shutdown starts cutting the requests still in flight (never before).
+    pub async fn cut(&mut self) {
+        if self.0.wait_for(|cut| *cut).await.is_err() {
+            // The recorder is gone without a cut: nothing will cut this request.
+            std::future::pending::<()>().await;
+        }
     }
 }
 
