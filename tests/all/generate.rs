@@ -77,3 +77,32 @@ fn a_broken_model_file_is_refused_in_one_line() {
         assert!(!stderr.contains("panicked"), "{name}: {stderr}");
     }
 }
+
+/// Flags no machine can honour are refused with what would work: a directory as the model,
+/// more compute threads than any process should start.
+#[test]
+fn a_directory_as_model_or_a_thread_count_past_the_cap_is_refused() {
+    let dir = TempDir::new("generate-flags");
+    let cases: [(Vec<String>, &str); 2] = [
+        (
+            vec!["--model".into(), dir.0.display().to_string()],
+            "is not a file",
+        ),
+        (
+            vec!["--threads".into(), "100000".into()],
+            "--threads must be between 1 and 1024",
+        ),
+    ];
+    for (args, says) in cases {
+        let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+            .args(["generate", "--prompt", "hi"])
+            .args(&args)
+            .env_remove("RUST_BACKTRACE")
+            .output()
+            .expect("runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}
