@@ -269,6 +269,11 @@ impl AuditLog {
         self.inner.flush()
     }
 
+    /// Whether the log holds a chain for `tenant` (found at open or appended to since).
+    pub fn holds(&self, tenant: &TenantId) -> bool {
+        lock(&self.inner.state).tenants.contains_key(tenant)
+    }
+
     /// Up to `limit` durable records of `tenant` with `seq >= since`, in order: never one
     /// that a crash could still lose (written but not yet fsynced).
     pub fn read(

@@ -38,6 +38,12 @@ pub struct AdminState {
     pub cluster_tls: Option<ClusterTls>,
 }
 
+impl FromRef<AdminState> for Tenants {
+    fn from_ref(state: &AdminState) -> Tenants {
+        state.tenants.clone()
+    }
+}
+
 impl FromRef<AdminState> for Recorder {
     fn from_ref(state: &AdminState) -> Recorder {
         state.recorder.clone()

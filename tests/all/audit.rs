@@ -260,6 +260,24 @@ fn every_request_leaves_one_record_in_its_tenants_log_that_only_it_can_read() {
             http(&up.admin, "GET", "/audit/tenant-b", Some(KEY_A), &[], "").0,
             401
         );
+        // A configured tenant with no records yet is an empty page; a name that is neither
+        // configured nor logged is 404, not an empty page a typo would pass for.
+        let (status, body) = http(
+            &up.admin,
+            "GET",
+            "/audit/tenant-limited",
+            Some(ADMIN),
+            &[],
+            "",
+        );
+        assert_eq!(
+            (status, json(&body)["data"].as_array().map(Vec::len)),
+            (200, Some(0)),
+            "{body}"
+        );
+        let (status, body) = http(&up.admin, "GET", "/audit/tenant-z", Some(ADMIN), &[], "");
+        assert_eq!(status, 404, "{body}");
+        assert_eq!(json(&body)["error"]["code"], "tenant_not_found");
         assert_eq!(
             http(
                 &up.admin,

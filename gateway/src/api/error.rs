@@ -90,6 +90,12 @@ pub enum ApiError {
         "unknown path; this server serves /v1/chat/completions, /v1/completions, /v1/models and /v1/audit"
     )]
     NotFound,
+    /// The admin listener was asked for the audit log of a tenant that neither is configured
+    /// nor has a log.
+    #[error(
+        "no audit log for tenant {tenant:?}: it is not configured and has no records (GET /tenants lists the configured ones)"
+    )]
+    NoAuditLog { tenant: String },
     /// A served path asked with a method it does not answer.
     #[error(
         "method not allowed: POST /v1/chat/completions and /v1/completions, GET /v1/models and /v1/audit"
@@ -233,6 +239,11 @@ pub fn mapping(err: &ApiError) -> Mapping {
         // in time): not the client's fault.
         ApiError::Timeout { .. } => m(StatusCode::GATEWAY_TIMEOUT, "server_error", Some("timeout")),
         ApiError::NotFound => m(StatusCode::NOT_FOUND, INVALID_REQUEST, Some("not_found")),
+        ApiError::NoAuditLog { .. } => m(
+            StatusCode::NOT_FOUND,
+            INVALID_REQUEST,
+            Some("tenant_not_found"),
+        ),
         ApiError::HttpsRequired => m(
             StatusCode::BAD_REQUEST,
             INVALID_REQUEST,
@@ -299,6 +310,7 @@ impl ApiError {
             | ApiError::KvIntegrity
             | ApiError::Timeout { .. }
             | ApiError::NotFound
+            | ApiError::NoAuditLog { .. }
             | ApiError::HttpsRequired
             | ApiError::MethodNotAllowed
             | ApiError::AuditUnavailable
@@ -462,6 +474,14 @@ mod tests {
             Some("audit_unavailable"),
         );
         check(ApiError::NotFound, 404, INVALID_REQUEST, Some("not_found"));
+        check(
+            ApiError::NoAuditLog {
+                tenant: "nobody".into(),
+            },
+            404,
+            INVALID_REQUEST,
+            Some("tenant_not_found"),
+        );
         check(
             ApiError::ClientClosedBody,
             499,

@@ -292,6 +292,11 @@ impl Recorder {
         result
     }
 
+    /// Whether the audit log holds a chain for `tenant` (the gateway's own log always counts).
+    pub fn holds(&self, tenant: &TenantId) -> bool {
+        tenant.as_str() == GATEWAY_LOG || self.inner.log.holds(tenant)
+    }
+
     /// Up to `limit` durable records of `tenant` from `since` on.
     pub fn read(
         &self,

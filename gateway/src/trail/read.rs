@@ -16,6 +16,7 @@ use serde::Serialize;
 use crate::api::ApiError;
 use crate::api::validate::RequestError;
 use crate::auth::Authenticated;
+use crate::tenants::Tenants;
 
 use super::Recorder;
 
@@ -155,9 +156,12 @@ pub async fn tenant_read(
     }
 }
 
-/// `GET /audit/{tenant}` on the admin listener: any tenant's records.
+/// `GET /audit/{tenant}` on the admin listener: any tenant's records — a configured tenant's
+/// (none yet is an empty page), a removed tenant's whose log remains, the gateway's own; any
+/// other name is 404, so a typo is not read as a tenant with nothing to show.
 pub async fn admin_read(
     State(recorder): State<Recorder>,
+    State(tenants): State<Tenants>,
     Path(tenant): Path<String>,
     RawQuery(query): RawQuery,
 ) -> Response {
@@ -168,6 +172,12 @@ pub async fn admin_read(
         })
         .into_response();
     };
+    if !recorder.holds(&tenant) && tenants.current().get(&tenant).is_none() {
+        return ApiError::NoAuditLog {
+            tenant: tenant.to_string(),
+        }
+        .into_response();
+    }
     match parse_paging(query.as_deref()) {
         Ok(paging) => page(&recorder, tenant, paging).await,
         Err(e) => ApiError::from(e).into_response(),

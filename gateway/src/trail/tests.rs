@@ -487,6 +487,7 @@ async fn a_tenant_reads_its_records_a_page_at_a_time() {
     let admin = async |tenant: &str| {
         let response = super::admin_read(
             axum::extract::State(recorder.clone()),
+            axum::extract::State(tenants.clone()),
             Path(tenant.to_owned()),
             axum::extract::RawQuery(None),
         )
@@ -507,6 +508,13 @@ async fn a_tenant_reads_its_records_a_page_at_a_time() {
     let (status, error) = admin("../tenant-a").await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert_eq!(error["error"]["param"], "tenant", "{error}");
+    // A name neither configured nor logged is no tenant: 404, not an empty page.
+    let (status, error) = admin("tenant-z").await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{error}");
+    assert_eq!(error["error"]["code"], "tenant_not_found", "{error}");
+    // The gateway's own log is always there to read.
+    let (status, page) = admin(GATEWAY_LOG).await;
+    assert_eq!(status, StatusCode::OK, "{page}");
 }
 
 /// A request dropped unpolled is recorded for the tenant its key named when it arrived: a

@@ -7,7 +7,7 @@
 use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::pin::Pin;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use bulkhead_worker::serve::proto::{
     Done, FinishReason, GenerateRequest, GenerateResponse, Item, Prompt, RETRY_AFTER_KEY, Token,
@@ -343,11 +343,10 @@ impl OpenAiClient {
             .map_err(|e| Status::unavailable(format!("the upstream is unreachable: {e}")))?;
         let status = response.status();
         if !status.is_success() {
-            // In seconds (the HTTP-date form is not passed on).
             let wait = response
                 .headers()
                 .get(http::header::RETRY_AFTER)
-                .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok());
+                .and_then(|v| retry_after_secs(v.to_str().ok()?, SystemTime::now()));
             let text = read_bounded(response).await.unwrap_or_default();
             let mut refused = refusal(status.as_u16(), &text);
             if let Some(wait) = wait
@@ -369,6 +368,16 @@ impl OpenAiClient {
             self.salted,
         ))
     }
+}
+
+/// A `Retry-After` value in seconds from `now`: delay-seconds, or an HTTP-date (a date
+/// already past is 0: retry at once). Anything else is no value.
+fn retry_after_secs(value: &str, now: SystemTime) -> Option<u64> {
+    let value = value.trim();
+    value.parse::<u64>().ok().or_else(|| {
+        let at = httpdate::parse_http_date(value).ok()?;
+        Some(at.duration_since(now).map_or(0, |d| d.as_secs_f64().ceil() as u64))
+    })
 }
 
 async fn read_bounded<B>(response: http::Response<B>) -> Result<Bytes, String>
@@ -673,6 +682,23 @@ mod tests {
             .await
             .expect_err("over the bound");
         assert!(over.contains("exceeds"), "{over}");
+    }
+
+    #[test]
+    fn retry_after_in_seconds_or_as_an_http_date() {
+        let now = httpdate::parse_http_date("Sun, 06 Nov 1994 08:49:37 GMT").expect("a date");
+        assert_eq!(retry_after_secs(" 17 ", now), Some(17));
+        assert_eq!(
+            retry_after_secs("Sun, 06 Nov 1994 08:50:07 GMT", now),
+            Some(30)
+        );
+        assert_eq!(
+            retry_after_secs("Sun, 06 Nov 1994 08:49:36 GMT", now),
+            Some(0),
+            "a date already past: at once"
+        );
+        assert_eq!(retry_after_secs("soon", now), None);
+        assert_eq!(retry_after_secs("-5", now), None);
     }
 
     fn stream(chunks: &[&str]) -> SseStream {
