@@ -34,6 +34,7 @@ pub mod routing;
 mod scratch;
 pub mod server;
 pub mod serving;
+pub mod stalls;
 pub mod tenant;
 pub mod tenants;
 pub mod traced;

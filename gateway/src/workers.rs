@@ -17,7 +17,7 @@
 
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bulkhead_checks::Check;
 use bulkhead_worker::chat::ChatTemplate;
@@ -33,6 +33,7 @@ use serde::Serialize;
 use crate::admission::{Admitted, EffectiveLimit, WorkerCapacity, effective_limit};
 use crate::config::{ClusterAccess, OpenAiUpstream, Protocol, WorkerConfig, WorkerRole};
 use crate::routing::{Candidate, least_outstanding};
+use crate::stalls::Stalls;
 use crate::upstreams::{OpenAiClient, Upstream};
 use std::num::NonZeroU32;
 
@@ -124,6 +125,15 @@ pub enum Unroutable {
     PrefillUnusable { prefill: String, why: String },
     #[error("preflight fails between it and its prefill worker: {check} ({detail})")]
     PreflightFails { check: &'static str, detail: String },
+    #[error(
+        "the last {in_a_row} requests routed to it reached their deadline with no answer (a hung \
+         or overloaded server, though its health checks may pass): not routed to for another \
+         {routed_again_in_secs} s"
+    )]
+    Stalled {
+        in_a_row: u32,
+        routed_again_in_secs: u64,
+    },
     #[error(
         "it answers calls that present no cluster token (started without \
          --cluster-token-file?): anyone who reaches it runs requests past the gateway"
@@ -311,6 +321,8 @@ struct Entry {
     health: Health,
     outstanding: u64,
     last_error: Option<String>,
+    /// Requests it took and left unanswered until their deadline.
+    stalls: Stalls,
 }
 
 impl Entry {
@@ -386,6 +398,7 @@ impl State {
             health: Health::Unknown,
             outstanding: 0,
             last_error: None,
+            stalls: Stalls::default(),
         });
         self.next_id += 1;
         Ok(())
@@ -396,6 +409,13 @@ impl State {
     /// Whether `e` itself may be routed to (or fill a decode worker's pages).
     fn own(&self, e: &Entry) -> Option<Unroutable> {
         unroutable(e.facts.as_ref(), &e.health, self.served_id())
+            .or_else(|| {
+                let ejection = e.stalls.ejected(Instant::now())?;
+                Some(Unroutable::Stalled {
+                    in_a_row: ejection.in_a_row,
+                    routed_again_in_secs: ejection.lasts.as_secs_f64().ceil() as u64,
+                })
+            })
             .or_else(|| e.open.then_some(Unroutable::AnswersWithoutToken))
             .or_else(|| {
                 // `bulkhead preflight`'s checks of one worker, at run time. An OpenAI-compatible
@@ -556,6 +576,9 @@ pub struct Route {
     id: u64,
     /// `None` once taken ([`Route::take_claim`]).
     claim: Option<Claim>,
+    /// The worker had unanswered requests counted when this one was routed: its answer
+    /// clears them (a worker with none counted costs an answer no lock).
+    stalls_counted: bool,
 }
 
 /// A request's tokens, counted as outstanding on the worker it was routed to until dropped.
@@ -596,6 +619,40 @@ impl Route {
                     .is_some_and(|e| matches!(e.health, Health::Serving { .. }))
             })
         }
+    }
+
+    /// The worker answered the request (its stream began): its count of unanswered requests
+    /// starts again.
+    pub fn answered(&self) {
+        if self.stalls_counted {
+            self.workers.with(|s| {
+                if let Some(e) = s.entry_mut(self.id) {
+                    e.stalls.answered();
+                }
+            });
+        }
+    }
+
+    /// The request reached its deadline, `secs` after it arrived, before the worker answered
+    /// it: counted against the worker, which is ejected after a few in a row (see
+    /// [`crate::stalls`]).
+    pub fn stalled(&self, secs: u64) {
+        self.workers.with(|s| {
+            let e = s.entry_mut(self.id)?;
+            let ejection = e.stalls.stalled(Instant::now())?;
+            let error = format!(
+                "{} requests in a row got no answer within the request deadline ({secs} s)",
+                ejection.in_a_row
+            );
+            tracing::warn!(
+                worker = %e.config.name,
+                in_a_row = ejection.in_a_row,
+                ejected_for_secs = ejection.lasts.as_secs(),
+                "a worker left requests unanswered until their deadline; not routed to for a while"
+            );
+            e.last_error = Some(error);
+            Some(())
+        });
     }
 
     /// Marks the worker unreachable (a transport failure): no routing to it until the next
@@ -720,6 +777,7 @@ impl Workers {
                 id: e.id,
                 tokens,
             }),
+            stalls_counted: e.stalls.any(),
         })
     }
 
@@ -1374,6 +1432,49 @@ mod tests {
         }
         reports(&w, "a", WorkerRole::Both, 8192, 8192);
         assert_eq!(w.route(&admitted(100)).expect("a route").worker, "a");
+    }
+
+    /// A worker that leaves requests unanswered until their deadline while its health checks
+    /// pass is ejected after three in a row, whatever its health says; an answer between them
+    /// starts the count again.
+    #[tokio::test]
+    async fn a_worker_that_leaves_three_requests_in_a_row_unanswered_is_ejected() {
+        let w = workers(&[("a", WorkerRole::Both, None), ("b", WorkerRole::Both, None)]);
+        reports(&w, "a", WorkerRole::Both, 8192, 8192);
+        reports(&w, "b", WorkerRole::Both, 8192, 8192);
+        let to_a = || {
+            let route = w.route(&admitted(100)).expect("a route");
+            assert_eq!(route.worker, "a", "a tie goes to the first");
+            route
+        };
+        to_a().stalled(300);
+        to_a().stalled(300);
+        // An answer clears the two: two more are not enough.
+        to_a().answered();
+        to_a().stalled(300);
+        to_a().stalled(300);
+        to_a().stalled(300);
+        // Ejected: its health check still passes, and it is still not routed to.
+        reports(&w, "a", WorkerRole::Both, 8192, 8192);
+        for _ in 0..3 {
+            assert_eq!(w.route(&admitted(100)).expect("a route").worker, "b");
+        }
+        let report = w.reports().into_iter().find(|r| r.name == "a").expect("a");
+        assert!(
+            matches!(
+                report.unroutable,
+                Some(Unroutable::Stalled {
+                    in_a_row: 3,
+                    routed_again_in_secs: 1..=30
+                })
+            ),
+            "{report:?}"
+        );
+        assert!(
+            report
+                .last_error
+                .is_some_and(|e| e.contains("3 requests in a row")),
+        );
     }
 
     #[test]

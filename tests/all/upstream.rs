@@ -2,8 +2,9 @@
 //! OpenAI-compatible server: `bulkhead up` with its workers) through `openai = …`. A
 //! tokenizes, admits, limits and audits; B sees token ids only.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use crate::cluster::Gateway;
 use crate::up::{
@@ -27,13 +28,15 @@ impl std::ops::Deref for Front {
 
 impl Front {
     /// Fronts `upstream` (an OpenAI-compatible base URL serving `model`), authenticating to
-    /// it with `upstream_key`; its own tenant is tenant-a (`KEY_A`), with `max_context`.
+    /// it with `upstream_key`; its own tenant is tenant-a (`KEY_A`), with `max_context`;
+    /// `extra` is added to its configuration.
     fn start(
         upstream: &str,
         model: &str,
         upstream_key: &str,
         max_context: u32,
         tokens_per_minute: u64,
+        extra: &str,
     ) -> Front {
         let dir = TempDir::new("gw-front");
         let model_file =
@@ -45,7 +48,7 @@ impl Front {
              max_concurrent = 4\nrequests_per_minute = 600\ntokens_per_minute = {tokens_per_minute}\n\
              [[workers]]\nname = \"upstream-b\"\nopenai = \"{upstream}\"\nrole = \"both\"\n\
              model = \"{model}\"\ncontext_length = 2048\ntokenizer = \"{model_file}\"\n\
-             key_env = \"UPSTREAM_KEY\"\n",
+             key_env = \"UPSTREAM_KEY\"\n{extra}",
             admin = sha256_hex(ADMIN),
             a = sha256_hex(KEY_A),
         );
@@ -75,6 +78,7 @@ impl Front {
             KEY_B,
             max_context,
             tokens_per_minute,
+            "",
         );
         front.wait_healthy();
         front
@@ -323,7 +327,7 @@ impl Drop for LoadTarget {
 fn an_upstream_that_sends_more_tokens_than_asked_fails_the_request() {
     bounded(|| {
         let target = LoadTarget::start();
-        let front = Front::start(&target.url, "bench", "unused", 2048, 1_000_000);
+        let front = Front::start(&target.url, "bench", "unused", 2048, 1_000_000, "");
         front.wait_healthy();
         let chat = |max_tokens: u32, stream: bool| {
             front.chat(&format!(
@@ -346,6 +350,100 @@ fn an_upstream_that_sends_more_tokens_than_asked_fails_the_request() {
         assert!(
             body.contains("service_unavailable") && !body.contains("[DONE]"),
             "the stream fails:\n{body}"
+        );
+    });
+}
+
+/// An OpenAI-compatible server that lists `model` and passes every health check, but takes
+/// each completion request and never answers it (a hung server, or one queueing without end).
+fn hung_upstream(model: &str) -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
+    let url = format!("http://{}", listener.local_addr().expect("an address"));
+    let models = format!(r#"{{"object":"list","data":[{{"id":"{model}","object":"model"}}]}}"#);
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let models = models.clone();
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(&conn);
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let mut length = 0;
+                    loop {
+                        let mut header = String::new();
+                        if reader.read_line(&mut header).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if header.trim().is_empty() {
+                            break;
+                        }
+                        if let Some((name, value)) = header.split_once(':')
+                            && name.eq_ignore_ascii_case("content-length")
+                        {
+                            length = value.trim().parse().unwrap_or(0);
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    if reader.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    if !line.starts_with("GET /v1/models") {
+                        // Taken, never answered: held until the gateway gives up on it.
+                        let _ = reader.read_to_end(&mut Vec::new());
+                        return;
+                    }
+                    let answer = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{models}",
+                        models.len()
+                    );
+                    if (&conn).write_all(answer.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    url
+}
+
+/// An upstream that passes its health checks but leaves every request unanswered: each of the
+/// first three waits out the request deadline (504); then the upstream is ejected, so the
+/// next request is refused at once (503) instead of waiting too, and `/workers` says why.
+#[test]
+fn an_upstream_that_leaves_requests_unanswered_is_ejected_after_three_in_a_row() {
+    bounded(|| {
+        let url = hung_upstream("hung");
+        let front = Front::start(
+            &url,
+            "hung",
+            "unused",
+            2048,
+            1_000_000,
+            "[http]\nrequest_timeout_secs = 2\n",
+        );
+        front.wait_healthy();
+        let ask = || front.chat(r#"{"messages":[{"role":"user","content":"Hi"}],"max_tokens":4}"#);
+        for _ in 0..3 {
+            let (status, body) = ask();
+            assert_eq!(status, 504, "{body}");
+        }
+        let started = Instant::now();
+        let (status, body) = ask();
+        assert_eq!(status, 503, "ejected: {body}");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "refused at once"
+        );
+        let (_, workers) = http(&front.admin, "GET", "/workers", Some(ADMIN), &[], "");
+        let workers = json(&workers);
+        let reason = &workers["workers"][0]["unroutable"];
+        assert_eq!(reason["reason"], "stalled", "{workers}");
+        assert_eq!(reason["in_a_row"], 3, "{workers}");
+        assert_eq!(
+            workers["workers"][0]["health"]["status"], "serving",
+            "{workers}"
         );
     });
 }

@@ -123,6 +123,7 @@ impl Started {
         self.upstream = None;
         match answered {
             Ok(Ok(stream)) => {
+                self.route.answered();
                 self.upstream = Some(Leg::Streaming(stream));
                 Ok(())
             }
@@ -135,7 +136,10 @@ impl Started {
                 self.progress.failed = true;
                 Err(self.failed(failure.error, failure.refused_by))
             }
-            Err(_) => Err(self.timed_out(secs)),
+            Err(_) => {
+                self.route.stalled(secs);
+                Err(self.timed_out(secs))
+            }
         }
     }
 

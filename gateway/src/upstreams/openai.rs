@@ -376,7 +376,10 @@ fn retry_after_secs(value: &str, now: SystemTime) -> Option<u64> {
     let value = value.trim();
     value.parse::<u64>().ok().or_else(|| {
         let at = httpdate::parse_http_date(value).ok()?;
-        Some(at.duration_since(now).map_or(0, |d| d.as_secs_f64().ceil() as u64))
+        Some(
+            at.duration_since(now)
+                .map_or(0, |d| d.as_secs_f64().ceil() as u64),
+        )
     })
 }
 
