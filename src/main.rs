@@ -64,8 +64,26 @@ enum Command {
     },
 }
 
-fn main() -> anyhow::Result<()> {
-    let command = Cli::parse().command;
+fn main() -> std::process::ExitCode {
+    match run(Cli::parse().command) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // The error and its causes, never a backtrace (even with RUST_BACKTRACE set): a
+            // refused input or a failed check is an answer, not a crash. Panics keep theirs.
+            eprintln!("Error: {e}");
+            let mut causes = e.chain().skip(1).peekable();
+            if causes.peek().is_some() {
+                eprintln!("\nCaused by:");
+                for cause in causes {
+                    eprintln!("    {cause}");
+                }
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(command: Command) -> anyhow::Result<()> {
     // The servers install their own telemetry (they export spans when configured to) and log
     // their startup facts (measured pool, served context) by default; the rest only warn.
     let _log = match command {

@@ -44,7 +44,9 @@ pub enum AuditError {
         reason: String,
     },
     /// The head names a record the log no longer has: acknowledged records are missing.
-    #[error("{tenant}: the head says record {head} is durable but the log ends before it")]
+    #[error(
+        "{tenant}: the head says record {head} is durable but the log does not end with it (records cut, or moved); `bulkhead audit verify` locates it"
+    )]
     HeadAhead {
         /// The tenant.
         tenant: TenantId,
@@ -71,6 +73,17 @@ pub enum AuditError {
     HeadMissing {
         /// The tenant.
         tenant: TenantId,
+    },
+    /// The head says no record is durable yet, but more than a crash can leave stands behind
+    /// it (a tenant's first record goes down alone with a head naming it).
+    #[error(
+        "{tenant}: the head says no record is written yet, but the log holds {records}: the head was rewritten (records may have been cut); `bulkhead audit verify` checks the chain, and moving the tenant's directory aside starts a new one"
+    )]
+    GenesisBehind {
+        /// The tenant.
+        tenant: TenantId,
+        /// The records that chain on past the head.
+        records: u64,
     },
     /// The head file cannot be read.
     #[error("{tenant}: {reason}")]

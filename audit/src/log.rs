@@ -361,7 +361,7 @@ impl Inner {
     }
 
     fn flush_locked(&self, files: &mut Files) -> Result<(), AuditError> {
-        let batch: Vec<(TenantId, Chunks, Head)> = {
+        let batch: Vec<(TenantId, Chunks, Head, bool)> = {
             let mut state = lock(&self.state);
             if let Some(reason) = &state.poisoned {
                 return Err(AuditError::Poisoned {
@@ -377,18 +377,23 @@ impl Inner {
                         seq: Seq(t.next_seq - 1),
                         digest: t.last_digest,
                     };
-                    (id.clone(), std::mem::take(&mut t.pending), head)
+                    let first = t.durable == 0;
+                    (id.clone(), std::mem::take(&mut t.pending), head, first)
                 })
                 .collect()
         };
         let mut written = 0;
-        let failed = batch.iter().find_map(|(tenant, chunks, head)| {
-            let result = self.write_tenant(files, tenant, chunks, *head);
+        let failed = batch.iter().find_map(|(tenant, chunks, head, first)| {
+            let result = if *first {
+                self.write_first(files, tenant, chunks, *head)
+            } else {
+                self.write_tenant(files, tenant, chunks, *head)
+            };
             written += usize::from(result.is_ok());
             result.err()
         });
         let mut state = lock(&self.state);
-        for (tenant, _, head) in &batch[..written] {
+        for (tenant, _, head, _) in &batch[..written] {
             if let Some(t) = state.tenants.get_mut(tenant) {
                 t.durable = t.durable.max(head.seq.0 + 1);
             }
@@ -409,6 +414,40 @@ impl Inner {
             return Err(e);
         }
         Ok(())
+    }
+
+    /// Writes a tenant's first lines: the first record alone, with a head naming it, before
+    /// any other. A genesis head then stands beside one record at most (a crash came before
+    /// that head), so one with more behind it was rewritten to hide a cut, and is refused.
+    fn write_first(
+        &self,
+        files: &mut Files,
+        tenant: &TenantId,
+        chunks: &[(SegmentNo, Vec<u8>)],
+        head: Head,
+    ) -> Result<(), AuditError> {
+        let Some(((segment, bytes), later)) = chunks.split_first() else {
+            return Ok(());
+        };
+        let end = bytes
+            .iter()
+            .position(|&b| b == b'\n')
+            .map_or(bytes.len(), |i| i + 1);
+        let (line, rest) = bytes.split_at(end);
+        let first = Head {
+            seq: Seq(0),
+            digest: Sha256Digest::of(line.strip_suffix(b"\n").unwrap_or(line)),
+        };
+        self.write_tenant(files, tenant, &[(*segment, line.to_vec())], first)?;
+        let rest: Chunks = (!rest.is_empty())
+            .then(|| (*segment, rest.to_vec()))
+            .into_iter()
+            .chain(later.iter().cloned())
+            .collect();
+        if rest.is_empty() {
+            return Ok(());
+        }
+        self.write_tenant(files, tenant, &rest, head)
     }
 
     fn write_tenant(
@@ -637,6 +676,12 @@ fn recover_tenant(
         });
         segment_len = line.offset;
         break;
+    }
+    if named.is_none() && next > Some(1) {
+        return Err(AuditError::GenesisBehind {
+            tenant: tenant.clone(),
+            records: next.unwrap_or(u64::MAX),
+        });
     }
     let Some(next_seq) = next else {
         return Err(AuditError::Corrupt {

@@ -82,6 +82,13 @@ pub enum Reason {
     BadHead(String),
     /// The tenant has records but no head.
     HeadMissing,
+    /// The head says no record is durable yet, and more than one record stands behind it: a
+    /// tenant's first record is written alone with a head naming it, so only a crash's one
+    /// record can be there; the head was rewritten (hiding a cut tail?).
+    GenesisBehind {
+        /// The records in the log.
+        records: u64,
+    },
 }
 
 impl fmt::Display for Reason {
@@ -125,6 +132,12 @@ impl fmt::Display for Reason {
             }
             Self::BadHead(e) => f.write_str(e),
             Self::HeadMissing => f.write_str("tenant has records but no head file"),
+            Self::GenesisBehind { records } => write!(
+                f,
+                "the head says no record is written yet, but the log holds {records}: a \
+                 tenant's first record goes down alone with a head naming it, so the head was \
+                 rewritten (records after the last one may have been cut)"
+            ),
         }
     }
 }
@@ -353,6 +366,13 @@ fn check_tenant(tdir: &Path, tenant: &TenantId, report: &mut TenantReport) -> Re
         (None, _) if report.records > 0 && !genesis => {
             Err(at(&head_path, None, Reason::HeadMissing))
         }
+        (None, _) if report.records > 1 => Err(at(
+            &head_path,
+            None,
+            Reason::GenesisBehind {
+                records: report.records,
+            },
+        )),
         (None, _) => Ok(()),
         (Some(h), None) => Err(match prev_at {
             Some((path, line)) => at(

@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bulkhead_worker::serve::tls::{ClusterTls, ListenerTls, render_expiry};
 use http::StatusCode;
-use http::header::{AUTHORIZATION, CONTENT_TYPE};
+use http::header::CONTENT_TYPE;
 use serde_json::json;
 
 use crate::keys::KeyHash;
@@ -66,14 +66,7 @@ pub fn router(state: AdminState, token: KeyHash) -> Router {
 }
 
 async fn require_token(State(token): State<KeyHash>, request: Request, next: Next) -> Response {
-    let given = request
-        .headers()
-        .get(AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().split_once(' '))
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, key)| KeyHash::of(key.trim()));
-    if given == Some(token) {
+    if crate::auth::bearer_key(request.headers()) == Some(token) {
         next.run(request).await
     } else {
         json_reply(

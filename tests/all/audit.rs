@@ -255,9 +255,16 @@ fn every_request_leaves_one_record_in_its_tenants_log_that_only_it_can_read() {
         );
         assert_eq!(first.iter().collect::<HashSet<_>>().len(), 3, "{first:?}");
         assert_eq!(digests(&audit_page(&up, KEY_A, "?limit=3")), first);
-        // The admin listener: any tenant with its token; never with a tenant's key.
+        // The admin listener: any tenant with its token; never with a tenant's key, nor with
+        // a second Authorization header after the token (which one counts would be up to
+        // whatever sits in front).
         assert_eq!(
             http(&up.admin, "GET", "/audit/tenant-b", Some(KEY_A), &[], "").0,
+            401
+        );
+        let junk = [("Authorization", "Bearer x")];
+        assert_eq!(
+            http(&up.admin, "GET", "/audit/tenant-b", Some(ADMIN), &junk, "").0,
             401
         );
         // A configured tenant with no records yet is an empty page; a name that is neither

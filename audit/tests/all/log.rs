@@ -275,10 +275,13 @@ fn records_after_the_head_are_resumed() {
 
 #[test]
 fn a_crash_before_a_new_tenants_first_head_resumes_from_the_genesis_head() {
-    // A tenant's directory gets the genesis head before its first line; a crash before its
-    // first real head leaves that, its lines after it, and a log that starts again.
+    // A tenant's directory gets the genesis head before its first line, and its first record
+    // goes down alone with a head naming it: a crash before that head leaves the genesis
+    // head, the one record after it, and a log that starts again.
     let dir = Scratch::new();
     let a = three_records(&dir);
+    let seg = &segments(dir.path(), &a)[0];
+    write_lines(seg, &lines(seg)[..1]);
     let head = dir.path().join(a.as_str()).join("head");
     std::fs::write(&head, "genesis\n").unwrap();
     assert!(
@@ -287,7 +290,7 @@ fn a_crash_before_a_new_tenants_first_head_resumes_from_the_genesis_head() {
     );
     let (log, recoveries) = AuditLog::open(config(dir.path(), 1 << 20)).unwrap();
     assert_eq!(recoveries, vec![]);
-    assert_eq!(log.append(&a, &record(&a, 3)).unwrap().seq, Seq(3));
+    assert_eq!(log.append(&a, &record(&a, 1)).unwrap().seq, Seq(1));
     drop(log);
     assert!(verify(dir.path(), None).passed());
     assert_ne!(
@@ -295,6 +298,57 @@ fn a_crash_before_a_new_tenants_first_head_resumes_from_the_genesis_head() {
         b"genesis\n",
         "the head moved on"
     );
+}
+
+#[test]
+fn a_genesis_head_before_more_than_one_record_refuses_to_open() {
+    // More than a crash can leave behind a genesis head: the head was rewritten, here to
+    // hide a cut tail. Refused, the log left as found; `verify` names it.
+    let dir = Scratch::new();
+    let a = three_records(&dir);
+    let seg = &segments(dir.path(), &a)[0];
+    write_lines(seg, &lines(seg)[..2]);
+    let head = dir.path().join(a.as_str()).join("head");
+    std::fs::write(&head, "genesis\n").unwrap();
+    let before = std::fs::read(seg).unwrap();
+    let err = AuditLog::open(config(dir.path(), 1 << 20)).unwrap_err();
+    assert!(
+        matches!(err, AuditError::GenesisBehind { records: 2, .. }),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(seg).unwrap(), before, "left as found");
+    let report = verify(dir.path(), None);
+    assert!(!report.passed(), "{report}");
+    assert!(
+        report.to_string().contains("the head was rewritten"),
+        "{report}"
+    );
+}
+
+#[test]
+fn a_new_tenants_first_record_is_durable_with_its_head_before_the_rest_of_its_batch() {
+    // One batch of three, a segment each; the second cannot be opened (a directory stands
+    // there), so the flush fails after the first record: its head names it already.
+    let dir = Scratch::new();
+    let a = tenant("a");
+    let tdir = dir.path().join(a.as_str());
+    let blocked = tdir.join(format!("{:020}.jsonl", 1));
+    std::fs::create_dir_all(&blocked).unwrap();
+    let mut cfg = config(dir.path(), 1);
+    cfg.durability = Durability::Batched;
+    let (log, _) = AuditLog::open(cfg).unwrap();
+    for i in 0..3 {
+        log.append(&a, &record(&a, i)).unwrap();
+    }
+    assert!(log.flush().is_err(), "the second segment cannot be opened");
+    drop(log);
+    let head = std::fs::read_to_string(tdir.join("head")).unwrap();
+    assert!(head.starts_with("0 "), "{head:?}");
+    std::fs::remove_dir(&blocked).unwrap();
+    let log = open(dir.path(), 1);
+    assert_eq!(log.append(&a, &record(&a, 1)).unwrap().seq, Seq(1));
+    drop(log);
+    assert!(verify(dir.path(), None).passed());
 }
 
 #[test]

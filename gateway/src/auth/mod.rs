@@ -50,22 +50,23 @@ pub fn strip_tenant_headers(headers: &mut HeaderMap) {
     }
 }
 
-/// The tenant whose key the request carries; removes the key from the headers either way. A
-/// request with more than one `Authorization` header names no tenant: which one counts would
-/// differ between this gateway and whatever sits in front of it.
-pub fn authenticate(headers: &mut HeaderMap, keyring: &Keyring) -> Option<Authenticated> {
-    let once = headers.get_all(AUTHORIZATION).iter().count() == 1;
-    let value = headers.remove(AUTHORIZATION).filter(|_| once)?;
-    let value = value.to_str().ok()?;
-    let (scheme, key) = value.trim().split_once(' ')?;
-    if !scheme.eq_ignore_ascii_case("bearer") {
-        return None;
-    }
+/// The hash of the `Authorization: Bearer` key the request carries. A request with more
+/// than one `Authorization` header carries none: which one counts would differ between this
+/// gateway and whatever sits in front of it.
+pub fn bearer_key(headers: &HeaderMap) -> Option<KeyHash> {
+    let mut values = headers.get_all(AUTHORIZATION).iter();
+    let value = values.next().filter(|_| values.next().is_none())?;
+    let (scheme, key) = value.to_str().ok()?.trim().split_once(' ')?;
     let key = key.trim();
-    if key.is_empty() {
-        return None;
-    }
-    let hash = KeyHash::of(key);
+    (scheme.eq_ignore_ascii_case("bearer") && !key.is_empty()).then(|| KeyHash::of(key))
+}
+
+/// The tenant whose key the request carries ([`bearer_key`]); removes the key from the
+/// headers either way.
+pub fn authenticate(headers: &mut HeaderMap, keyring: &Keyring) -> Option<Authenticated> {
+    let hash = bearer_key(headers);
+    headers.remove(AUTHORIZATION);
+    let hash = hash?;
     let tenant = keyring.tenant(&hash)?.clone();
     Some(Authenticated {
         tenant,
