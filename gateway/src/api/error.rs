@@ -48,7 +48,11 @@ pub enum ApiError {
     /// The prompt cannot be turned into tokens: no chat template, the template refused the
     /// messages, or the text does not tokenize.
     #[error("{reason}")]
-    Prompt { reason: String },
+    Prompt {
+        reason: String,
+        /// The field that holds it: `messages` or `prompt`.
+        param: &'static str,
+    },
     /// Gateway admission refused the request, on `endpoint`, as too long.
     #[error("{exceeded}")]
     ContextLengthExceeded {
@@ -291,6 +295,7 @@ impl ApiError {
         match self {
             ApiError::InvalidRequest(e) => e.param(),
             ApiError::ModelNotFound { .. } => Some("model".into()),
+            ApiError::Prompt { param, .. } => Some((*param).into()),
             ApiError::ContextLengthExceeded { endpoint, .. }
             | ApiError::WorkerContextLengthExceeded { endpoint, .. } => {
                 Some(endpoint.prompt_field().into())
@@ -300,7 +305,6 @@ impl ApiError {
             | ApiError::BodyUnreadable { .. }
             | ApiError::ClientClosedBody
             | ApiError::BodyTimeout { .. }
-            | ApiError::Prompt { .. }
             | ApiError::WorkerInvalidRequest { .. }
             | ApiError::TenantLimit(_)
             | ApiError::WorkerBusy { .. }

@@ -248,6 +248,14 @@ impl Parsed {
         }
     }
 
+    fn prompt_field(&self) -> &'static str {
+        match self {
+            Parsed::Chat(_) => Endpoint::Chat,
+            Parsed::Completion(_) => Endpoint::Completion,
+        }
+        .prompt_field()
+    }
+
     /// The prompt as the audit record hashes it: the messages as JSON (each `{"content",
     /// "role"}`, keys in that order), or the prompt text, or the token ids as JSON.
     fn audited_text(&self) -> Cow<'_, str> {
@@ -594,6 +602,7 @@ fn tokenize(model: &ServedModel, parsed: &Parsed) -> Result<Vec<u32>, ApiError> 
     if ids.is_empty() {
         return Err(ApiError::Prompt {
             reason: "the prompt is empty: there is no token to generate from".into(),
+            param: parsed.prompt_field(),
         });
     }
     Ok(ids)
@@ -601,18 +610,22 @@ fn tokenize(model: &ServedModel, parsed: &Parsed) -> Result<Vec<u32>, ApiError> 
 
 /// The prompt's token ids, however many (none for an empty completion prompt).
 fn prompt_ids(model: &ServedModel, parsed: &Parsed) -> Result<Vec<u32>, ApiError> {
+    let param = parsed.prompt_field();
     let prompt = |e: &dyn std::fmt::Display| ApiError::Prompt {
         reason: format!("the prompt cannot be tokenized: {e}"),
+        param,
     };
     match parsed {
         Parsed::Chat(chat) => {
             let template = model.chat.as_ref().map_err(|reason| ApiError::Prompt {
                 reason: reason.clone(),
+                param,
             })?;
             template
                 .encode(&model.tokenizer, &chat.messages, true)
                 .map_err(|e| ApiError::Prompt {
                     reason: e.to_string(),
+                    param,
                 })
         }
         Parsed::Completion(c) => match &c.prompt {
@@ -626,6 +639,7 @@ fn prompt_ids(model: &ServedModel, parsed: &Parsed) -> Result<Vec<u32>, ApiError
                         reason: format!(
                             "prompt token id {id} is out of range: the vocabulary has {vocab} tokens"
                         ),
+                        param,
                     }),
                     None => Ok(ids.clone()),
                 }

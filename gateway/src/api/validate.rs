@@ -194,6 +194,12 @@ fn is_no_op(field: &str, value: &Value) -> Option<bool> {
     };
     Some(match field {
         "logprobs" => value.is_null() || value == &Value::Bool(false),
+        // OpenAI's fields for other models' abilities: null is "not given" (some SDKs send
+        // every field), and text is the one output there is.
+        "modalities" => value.is_null() || value == &serde_json::json!(["text"]),
+        "audio" | "prediction" | "reasoning_effort" | "web_search_options" | "verbosity" => {
+            value.is_null()
+        }
         "top_logprobs" | "presence_penalty" | "frequency_penalty" => zero(),
         "logit_bias" | "tools" | "functions" => empty(),
         "tool_choice" | "function_call" => {
@@ -324,24 +330,36 @@ fn common(
             range: "between 0 and 2",
         });
     }
-    let top_p = f32_field(map, "top_p")?;
-    if let Some(p) = top_p
-        && !(p > 0.0 && p <= 1.0)
-    {
-        return Err(RequestError::OutOfRange {
-            field: "top_p",
-            value: p.to_string(),
-            range: "greater than 0 and at most 1",
-        });
-    }
+    // Checked before it narrows to f32, where a tiny p (still above 0) would round to 0; it
+    // keeps the one most likely token either way.
+    let top_p = match get(map, "top_p") {
+        None => None,
+        Some(v) => {
+            let p = v.as_f64().ok_or_else(|| wrong("top_p", "a number"))?;
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(RequestError::OutOfRange {
+                    field: "top_p",
+                    value: p.to_string(),
+                    range: "greater than 0 and at most 1",
+                });
+            }
+            Some((p as f32).max(f32::MIN_POSITIVE))
+        }
+    };
+    // OpenAI's seed is a 64-bit signed integer; its bits are the sampler's seed.
     let seed = match get(map, "seed") {
         None => None,
-        Some(v) => Some(match (v.as_u64(), v.as_i64()) {
-            (Some(s), _) => s,
-            // OpenAI takes negative seeds too; keep their bits.
-            (None, Some(s)) => s as u64,
-            (None, None) => return Err(wrong("seed", "an integer")),
-        }),
+        Some(v) => match (v.as_i64(), v.as_f64()) {
+            (Some(s), _) => Some(s as u64),
+            (None, Some(x)) if x.fract() == 0.0 => {
+                return Err(RequestError::OutOfRange {
+                    field: "seed",
+                    value: v.to_string(),
+                    range: "from -9223372036854775808 to 9223372036854775807",
+                });
+            }
+            _ => return Err(wrong("seed", "an integer")),
+        },
     };
 
     let stop = match get(map, "stop") {
@@ -455,10 +473,21 @@ fn informational(map: &Map<String, Value>) -> Result<(), RequestError> {
     if get(map, "store").is_some_and(|v| !v.is_boolean()) {
         return Err(wrong("store", "true or false"));
     }
+    // OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512.
     match get(map, "metadata") {
         None => Ok(()),
-        Some(Value::Object(pairs)) if pairs.values().all(Value::is_string) => Ok(()),
-        Some(_) => Err(wrong("metadata", "an object of string values")),
+        Some(Value::Object(pairs))
+            if pairs.len() <= 16
+                && pairs.iter().all(|(k, v)| {
+                    k.chars().count() <= 64 && v.as_str().is_some_and(|v| v.chars().count() <= 512)
+                }) =>
+        {
+            Ok(())
+        }
+        Some(_) => Err(wrong(
+            "metadata",
+            "an object of at most 16 string values (keys up to 64 characters, values up to 512)",
+        )),
     }
 }
 
@@ -518,7 +547,7 @@ fn message(index: usize, m: &Value) -> Result<Message, RequestError> {
     };
     let content = match m.get("content") {
         Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(parts)) => {
+        Some(Value::Array(parts)) if !parts.is_empty() => {
             let mut text = String::new();
             for (at, part) in parts.iter().enumerate() {
                 let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
@@ -537,7 +566,12 @@ fn message(index: usize, m: &Value) -> Result<Message, RequestError> {
             }
             text
         }
-        _ => return Err(wrong(&field("content"), "a string or a list of text parts")),
+        _ => {
+            return Err(wrong(
+                &field("content"),
+                "a string or a non-empty list of text parts",
+            ));
+        }
     };
     Ok(Message::new(role, &content))
 }
@@ -691,11 +725,29 @@ mod tests {
             ("presence_penalty", json!(0.5)),
             ("logit_bias", json!({"1": 5})),
             ("frobnicate", json!(1)),
+            ("frobnicate", Value::Null),
+            ("modalities", json!(["text", "audio"])),
+            ("reasoning_effort", json!("high")),
         ] {
             let err = chat(with(field, value)).expect_err(field);
             assert_eq!(err.param().as_deref(), Some(field), "{err}");
             assert!(err.to_string().contains(field), "{err}");
         }
+        // OpenAI's own fields at null (not given) or at what this server does anyway.
+        for (field, value) in [
+            ("modalities", Value::Null),
+            ("modalities", json!(["text"])),
+            ("audio", Value::Null),
+            ("prediction", Value::Null),
+            ("reasoning_effort", Value::Null),
+            ("web_search_options", Value::Null),
+        ] {
+            chat(with(field, value.clone())).unwrap_or_else(|e| panic!("{field}={value}: {e}"));
+        }
+        // An empty list of parts is no content, as OpenAI holds.
+        let err =
+            chat(with("messages", json!([{"role": "user", "content": []}]))).expect_err("no parts");
+        assert_eq!(err.param().as_deref(), Some("messages[0].content"), "{err}");
     }
 
     #[test]
@@ -716,6 +768,10 @@ mod tests {
             ("top_p", json!(0)),
             ("top_p", json!(1.5)),
             ("max_tokens", json!(0)),
+            // Past a 64-bit signed seed: refused, not wrapped onto another seed.
+            ("seed", json!(u64::MAX)),
+            ("seed", json!(1u64 << 63)),
+            ("seed", json!(1.2e21)),
         ] {
             let err = chat(with(field, value.clone())).expect_err(field);
             assert!(
@@ -731,6 +787,16 @@ mod tests {
             chat(with("max_tokens", json!(1u64 << 33))),
             Err(RequestError::OutOfRange { .. })
         ));
+        assert!(matches!(
+            chat(with("seed", json!(1.5))),
+            Err(RequestError::WrongType { .. })
+        ));
+        let seed = |v: Value| chat(with("seed", v)).expect("a seed").common.sampling.seed;
+        assert_eq!(seed(json!(-1)), Some(u64::MAX));
+        assert_eq!(seed(json!(i64::MAX)), Some(i64::MAX as u64));
+        // Above 0 however small: kept above 0 where f32 would round it to 0.
+        let top_p = chat(with("top_p", json!(1e-300))).expect("top_p > 0");
+        assert_eq!(top_p.common.sampling.top_p, Some(f32::MIN_POSITIVE));
     }
 
     #[test]
@@ -866,10 +932,14 @@ mod tests {
             "response_format": {"type": "text"},
         }));
         assert!(fine.is_ok(), "{fine:?}");
+        let many: Map<String, Value> = (0..17).map(|i| (format!("k{i}"), json!("v"))).collect();
         for (field, value) in [
             ("user", json!(5)),
             ("metadata", json!("x")),
             ("metadata", json!({"k": 1})),
+            ("metadata", Value::Object(many)),
+            ("metadata", json!({"k": "v".repeat(513)})),
+            ("metadata", json!({"k".repeat(65): "v"})),
             ("store", json!("yes")),
             ("service_tier", json!(5)),
         ] {

@@ -31,7 +31,10 @@ fn table() -> Vec<ApiError> {
             asked: "a".into(),
             served: "b".into(),
         },
-        ApiError::Prompt { reason: "r".into() },
+        ApiError::Prompt {
+            reason: "r".into(),
+            param: "prompt",
+        },
         ApiError::too_long(),
         ApiError::WorkerContextLengthExceeded {
             message: "m".into(),
