@@ -85,6 +85,40 @@ pub enum AuditError {
         /// The records that chain on past the head.
         records: u64,
     },
+    /// The data directory holds tenant logs but no roster: deleted, or a directory written
+    /// before the roster existed.
+    #[error(
+        "{path} is missing, yet the directory holds tenant logs: the roster was deleted (with a tenant's log?), or the logs predate it; check them with `bulkhead audit verify`, then list their ids in it, one per line, to adopt them"
+    )]
+    RosterMissing {
+        /// The roster's path.
+        path: PathBuf,
+    },
+    /// The roster has a line that is not a tenant id, or lists one twice.
+    #[error("{path}: {reason}")]
+    BadRoster {
+        /// The roster's path.
+        path: PathBuf,
+        /// Why, in words.
+        reason: String,
+    },
+    /// The roster lists a tenant whose directory is gone: its log was deleted.
+    #[error(
+        "{tenant}: the roster lists this tenant but its log directory is gone (deleted); `bulkhead audit verify` reports it, and only removing its line from TENANTS lets the gateway start without it"
+    )]
+    TenantLogMissing {
+        /// The tenant.
+        tenant: TenantId,
+    },
+    /// A tenant directory with contents that the roster does not list: placed there, or the
+    /// roster was edited.
+    #[error(
+        "{tenant}: a log directory the roster (TENANTS) does not list: placed there, or the roster was edited; `bulkhead audit verify` checks it"
+    )]
+    TenantUnlisted {
+        /// The tenant.
+        tenant: TenantId,
+    },
     /// The head file cannot be read.
     #[error("{tenant}: {reason}")]
     BadHead {

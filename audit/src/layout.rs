@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! DIR/LOCK                          held (flock) by the one writer
+//! DIR/TENANTS                       the roster: every tenant whose log began, one per line
 //! DIR/<tenant>/<segment>.jsonl      segment numbers from 0, 20 digits, contiguous
 //! DIR/<tenant>/head                 "<seq> <sha256 of that line>\n": a durable record; or
 //!                                   "genesis\n": none yet
@@ -90,7 +91,7 @@ pub(crate) fn list_tenants(dir: &Path) -> io::Result<(Vec<TenantId>, Vec<PathBuf
         let is_dir = entry.file_type()?.is_dir();
         match name.to_str().map(TenantId::new) {
             Some(Ok(t)) if is_dir => tenants.push(t),
-            _ if !is_dir && name.to_str() == Some(LOCK) => {}
+            _ if !is_dir && matches!(name.to_str(), Some(LOCK | crate::roster::ROSTER)) => {}
             _ => unexpected.push(entry.path()),
         }
     }

@@ -5,7 +5,8 @@
 //! directory (layout in [`layout`]): every line carries its `seq` and `prev`, the SHA-256 of the
 //! previous line's exact bytes, so editing, deleting or reordering a record breaks the chain;
 //! a per-tenant head file names the last durable record, so cutting the tail without rewriting
-//! the head is caught too.
+//! the head is caught too; the roster (`DIR/TENANTS`) lists every tenant whose log began, so a
+//! tenant's log deleted whole is caught as well.
 //!
 //! - [`AuditLog`] writes: group commit, [`Durability`] per log, segment rotation, crash
 //!   recovery on [`AuditLog::open`] (a torn last line, and complete lines after the head that
@@ -35,6 +36,7 @@ mod line;
 mod log;
 mod read;
 mod record;
+mod roster;
 mod tenant;
 mod verify;
 

@@ -26,6 +26,7 @@ use crate::layout::{self, HEAD, HEAD_TMP, Head, HeadFile, LOCK, SegmentNo};
 use crate::line::{self, Seq};
 use crate::read::{self, Stored};
 use crate::record::AuditRecord;
+use crate::roster;
 use crate::tenant::TenantId;
 
 /// Whether `append` returns before or after its record is on disk.
@@ -87,6 +88,12 @@ pub enum Recovery {
         path: PathBuf,
         /// Bytes removed.
         bytes: u64,
+    },
+    /// A tenant directory that a crash left empty between making it and listing it in the
+    /// roster was listed.
+    ListedEmptyTenant {
+        /// The tenant.
+        tenant: TenantId,
     },
     /// Complete lines after the head that do not chain on from it (unreadable, or not the next
     /// record: what a power loss can leave in blocks written after the last fsync) were cut
@@ -196,6 +203,7 @@ impl AuditLog {
         let mut recoveries = Vec::new();
         let mut state = State::default();
         let (tenants, _) = layout::list_tenants(&dir).map_err(io_err("list", &dir))?;
+        hold_to_roster(&dir, &tenants, &mut recoveries)?;
         for tenant in tenants {
             if let Some(t) = recover_tenant(&dir, &tenant, &mut recoveries)? {
                 state.tenants.insert(tenant, t);
@@ -464,7 +472,7 @@ impl Inner {
                 if let Some((_, old)) = files.open.remove(tenant) {
                     old.sync_all().map_err(io_err("fsync", &tdir))?;
                 }
-                let file = open_segment(&self.config.dir, &tdir, *segment)?;
+                let file = open_segment(&self.config.dir, tenant, &tdir, *segment)?;
                 files.open.insert(tenant.clone(), (*segment, file));
             }
             let path = layout::segment_path(&tdir, *segment);
@@ -481,11 +489,65 @@ impl Inner {
     }
 }
 
-/// Opens a segment for appending, creating it (and the tenant directory) durably if needed.
-fn open_segment(dir: &Path, tdir: &Path, segment: SegmentNo) -> Result<File, AuditError> {
+/// Holds the tenant directories to the roster: a listed tenant's log must be there, and a
+/// directory no line lists must be empty (a crash between making and listing it: listed now).
+/// A new data directory gets an empty roster.
+fn hold_to_roster(
+    dir: &Path,
+    tenants: &[TenantId],
+    recoveries: &mut Vec<Recovery>,
+) -> Result<(), AuditError> {
+    let path = roster::path(dir);
+    let roster = match roster::read(dir).map_err(io_err("read", &path))? {
+        None if tenants.is_empty() => return roster::create(dir).map_err(io_err("create", &path)),
+        None => return Err(AuditError::RosterMissing { path }),
+        Some(Err(reason)) => return Err(AuditError::BadRoster { path, reason }),
+        Some(Ok(roster)) => roster,
+    };
+    if let Some(gone) = roster.listed.iter().find(|t| !tenants.contains(t)) {
+        return Err(AuditError::TenantLogMissing {
+            tenant: gone.clone(),
+        });
+    }
+    for tenant in tenants.iter().filter(|t| !roster.lists(t)) {
+        let tdir = layout::tenant_dir(dir, tenant);
+        if !roster::is_empty_dir(&tdir).map_err(io_err("list", &tdir))? {
+            return Err(AuditError::TenantUnlisted {
+                tenant: tenant.clone(),
+            });
+        }
+    }
+    if roster.torn > 0 {
+        roster::cut_torn(dir, &roster).map_err(io_err("truncate", &path))?;
+        recoveries.push(Recovery::TruncatedTornLine {
+            path: path.clone(),
+            bytes: roster.torn,
+        });
+    }
+    for tenant in tenants.iter().filter(|t| !roster.lists(t)) {
+        roster::append(dir, tenant).map_err(io_err("append to", &path))?;
+        recoveries.push(Recovery::ListedEmptyTenant {
+            tenant: tenant.clone(),
+        });
+    }
+    Ok(())
+}
+
+/// Opens a segment for appending, creating it (and the tenant directory, listed in the
+/// roster) durably if needed.
+fn open_segment(
+    dir: &Path,
+    tenant: &TenantId,
+    tdir: &Path,
+    segment: SegmentNo,
+) -> Result<File, AuditError> {
     if !tdir.is_dir() {
         fs::create_dir(tdir).map_err(io_err("create", tdir))?;
         sync_dir(dir)?;
+        // Listed before it holds anything: a crash can leave it empty and unlisted, never a
+        // log the roster does not name.
+        let path = roster::path(dir);
+        roster::append(dir, tenant).map_err(io_err("append to", &path))?;
     }
     // Before the tenant's first line: a crash between its first records and its first head
     // then leaves the genesis head, which recovery resumes from, never no head at all (which

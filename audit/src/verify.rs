@@ -1,5 +1,8 @@
 //! The verifier: checks every chain and names the first problem of each exactly.
 //!
+//! The data directory: its roster (`TENANTS`) lists every tenant directory that holds
+//! anything, and every tenant it lists has its directory (a log deleted whole).
+//!
 //! Per tenant, in order: no stray entries; a readable head; segments numbered 0, 1, 2, … with
 //! no gap; in every segment every line complete, a valid record of this tenant, `seq` one more
 //! than the line before, and `prev` the SHA-256 of the line before; finally the record the
@@ -9,6 +12,7 @@
 //! Where a check involves two lines, the problem names the line whose bytes no longer match:
 //! a modified record is reported at its own line, found through the next line's `prev`.
 
+use std::collections::BTreeSet;
 use std::fmt;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -16,6 +20,7 @@ use std::path::{Path, PathBuf};
 use crate::hash::Sha256Digest;
 use crate::layout::{self, HEAD, HeadFile, SegmentNo};
 use crate::line::{self, Seq};
+use crate::roster;
 use crate::tenant::TenantId;
 
 /// Where a problem is.
@@ -82,6 +87,15 @@ pub enum Reason {
     BadHead(String),
     /// The tenant has records but no head.
     HeadMissing,
+    /// The data directory holds tenant logs but no roster.
+    RosterMissing,
+    /// The roster has a line that is not a tenant id, or lists one twice.
+    BadRoster(String),
+    /// The roster lists the tenant, and its directory is gone: its log was deleted whole.
+    LogDeleted,
+    /// The tenant's directory holds a log that the roster does not list: placed there, or
+    /// the roster was edited.
+    Unlisted,
     /// The head says no record is durable yet, and more than one record stands behind it: a
     /// tenant's first record is written alone with a head naming it, so only a crash's one
     /// record can be there; the head was rewritten (hiding a cut tail?).
@@ -132,6 +146,17 @@ impl fmt::Display for Reason {
             }
             Self::BadHead(e) => f.write_str(e),
             Self::HeadMissing => f.write_str("tenant has records but no head file"),
+            Self::RosterMissing => f.write_str(
+                "the roster is missing, yet the directory holds tenant logs (deleted, or logs \
+                 from before the roster)",
+            ),
+            Self::BadRoster(e) => f.write_str(e),
+            Self::LogDeleted => {
+                f.write_str("the roster lists this tenant, and its log directory is gone (deleted)")
+            }
+            Self::Unlisted => f.write_str(
+                "a log the roster does not list (placed here, or the roster was edited)",
+            ),
             Self::GenesisBehind { records } => write!(
                 f,
                 "the head says no record is written yet, but the log holds {records}: a \
@@ -210,38 +235,85 @@ impl fmt::Display for Report {
     }
 }
 
-/// Verifies every tenant under `dir`, or only `tenant`.
+/// Verifies every tenant under `dir` and every tenant its roster lists, or only `tenant`.
 pub fn verify(dir: &Path, tenant: Option<&TenantId>) -> Report {
-    let tenants = match tenant {
-        Some(t) => vec![t.clone()],
-        None => match layout::list_tenants(dir) {
-            Ok((tenants, unexpected)) => {
-                let dir_problem = unexpected.into_iter().next().map(|path| Problem {
-                    path,
-                    line: None,
-                    reason: Reason::UnexpectedEntry,
-                });
-                let tenants = tenants.iter().map(|t| verify_tenant(dir, t)).collect();
-                return Report {
-                    dir_problem,
-                    tenants,
-                };
-            }
-            Err(e) => {
-                return Report {
-                    dir_problem: Some(Problem {
-                        path: dir.to_owned(),
-                        line: None,
-                        reason: Reason::Io(e.to_string()),
-                    }),
-                    tenants: Vec::new(),
-                };
-            }
-        },
+    let (present, unexpected) = match layout::list_tenants(dir) {
+        Ok(listing) => listing,
+        Err(e) => {
+            return Report {
+                dir_problem: Some(at(dir, None, Reason::Io(e.to_string()))),
+                tenants: Vec::new(),
+            };
+        }
     };
+    let roster_path = roster::path(dir);
+    // The roster's tenants, when it can be read; a problem with it is the directory's.
+    let (listed, roster_problem) = match roster::read(dir) {
+        Err(e) => (
+            None,
+            Some(at(&roster_path, None, Reason::Io(e.to_string()))),
+        ),
+        Ok(None) if present.is_empty() => (Some(Vec::new()), None),
+        Ok(None) => (None, Some(at(&roster_path, None, Reason::RosterMissing))),
+        Ok(Some(Err(e))) => (None, Some(at(&roster_path, None, Reason::BadRoster(e)))),
+        Ok(Some(Ok(r))) => {
+            let torn = (r.torn > 0).then(|| {
+                at(
+                    &roster_path,
+                    Some(r.listed.len() as u64 + 1),
+                    Reason::TornLine,
+                )
+            });
+            (Some(r.listed), torn)
+        }
+    };
+    let ids: BTreeSet<TenantId> = match tenant {
+        Some(t) => BTreeSet::from([t.clone()]),
+        None => present
+            .iter()
+            .chain(listed.iter().flatten())
+            .cloned()
+            .collect(),
+    };
+    let stray = unexpected
+        .into_iter()
+        .next()
+        .filter(|_| tenant.is_none())
+        .map(|path| at(&path, None, Reason::UnexpectedEntry));
     Report {
-        dir_problem: None,
-        tenants: tenants.iter().map(|t| verify_tenant(dir, t)).collect(),
+        dir_problem: roster_problem.or(stray),
+        tenants: ids
+            .iter()
+            .map(|t| match &listed {
+                Some(listed) => against_roster(dir, t, present.contains(t), listed.contains(t)),
+                None => verify_tenant(dir, t),
+            })
+            .collect(),
+    }
+}
+
+/// [`verify_tenant`], once the tenant's directory agrees with the roster: a listed tenant has
+/// its directory, and a directory no line lists is empty (a crash between making and listing
+/// it).
+fn against_roster(dir: &Path, tenant: &TenantId, present: bool, listed: bool) -> TenantReport {
+    let tdir = layout::tenant_dir(dir, tenant);
+    let problem = match (present, listed) {
+        (false, true) => Some(Reason::LogDeleted),
+        (true, false) => match roster::is_empty_dir(&tdir) {
+            Ok(true) => None,
+            Ok(false) => Some(Reason::Unlisted),
+            Err(e) => Some(Reason::Io(e.to_string())),
+        },
+        _ => None,
+    };
+    match problem {
+        Some(reason) => TenantReport {
+            tenant: tenant.clone(),
+            records: 0,
+            segments: 0,
+            problem: Some(at(&tdir, None, reason)),
+        },
+        None => verify_tenant(dir, tenant),
     }
 }
 

@@ -334,6 +334,7 @@ fn a_new_tenants_first_record_is_durable_with_its_head_before_the_rest_of_its_ba
     let tdir = dir.path().join(a.as_str());
     let blocked = tdir.join(format!("{:020}.jsonl", 1));
     std::fs::create_dir_all(&blocked).unwrap();
+    std::fs::write(dir.path().join("TENANTS"), "a\n").unwrap();
     let mut cfg = config(dir.path(), 1);
     cfg.durability = Durability::Batched;
     let (log, _) = AuditLog::open(cfg).unwrap();
@@ -360,6 +361,7 @@ fn a_new_tenants_directory_holds_its_genesis_head_before_any_line() {
     let tdir = dir.path().join(a.as_str());
     let segment = tdir.join(format!("{:020}.jsonl", 0));
     std::fs::create_dir_all(&segment).unwrap();
+    std::fs::write(dir.path().join("TENANTS"), "a\n").unwrap();
     let log = open(dir.path(), 1 << 20);
     assert!(
         log.append(&a, &record(&a, 0)).is_err(),

@@ -252,3 +252,99 @@ fn an_unknown_tenant_fails() {
     let report = verify(dir.path(), Some(&tenant("nobody")));
     assert_eq!(report.first_problem().unwrap().reason, Reason::NoSuchTenant);
 }
+
+/// The roster's tenants' reports, by id: each tenant's first problem's reason.
+fn reasons(dir: &Path) -> Vec<(String, Option<Reason>)> {
+    verify(dir, None)
+        .tenants
+        .into_iter()
+        .map(|t| (t.tenant.to_string(), t.problem.map(|p| p.reason)))
+        .collect()
+}
+
+#[test]
+fn a_tenants_log_deleted_whole_is_reported_and_refused() {
+    let dir = Scratch::new();
+    setup(dir.path());
+    std::fs::remove_dir_all(dir.path().join("b")).unwrap();
+    assert_eq!(
+        reasons(dir.path()),
+        [
+            ("a".to_owned(), None),
+            ("b".to_owned(), Some(Reason::LogDeleted))
+        ]
+    );
+    let err = bulkhead_audit::AuditLog::open(config(dir.path(), 3000)).unwrap_err();
+    assert!(
+        matches!(err, bulkhead_audit::AuditError::TenantLogMissing { ref tenant } if tenant.as_str() == "b"),
+        "{err}"
+    );
+    // Without the roster as well: the directory no longer says which tenants it held.
+    std::fs::remove_file(dir.path().join("TENANTS")).unwrap();
+    let report = verify(dir.path(), None);
+    assert_eq!(
+        report.dir_problem.map(|p| p.reason),
+        Some(Reason::RosterMissing),
+    );
+    let err = bulkhead_audit::AuditLog::open(config(dir.path(), 3000)).unwrap_err();
+    assert!(
+        matches!(err, bulkhead_audit::AuditError::RosterMissing { .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_log_the_roster_does_not_list_is_reported_and_refused() {
+    let dir = Scratch::new();
+    setup(dir.path());
+    // A valid chain of its own, placed beside the others.
+    let c = tenant("c");
+    let planted = Scratch::new();
+    let log = open(planted.path(), 3000);
+    log.append(&c, &record(&c, 0)).unwrap();
+    drop(log);
+    std::fs::rename(planted.path().join("c"), dir.path().join("c")).unwrap();
+    assert_eq!(
+        reasons(dir.path())[2],
+        ("c".to_owned(), Some(Reason::Unlisted))
+    );
+    let err = bulkhead_audit::AuditLog::open(config(dir.path(), 3000)).unwrap_err();
+    assert!(
+        matches!(err, bulkhead_audit::AuditError::TenantUnlisted { .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_crash_between_making_and_listing_a_tenants_directory_is_listed_at_open() {
+    let dir = Scratch::new();
+    setup(dir.path());
+    // The directory made, its line cut short: nothing in it yet.
+    std::fs::create_dir(dir.path().join("c")).unwrap();
+    let roster = dir.path().join("TENANTS");
+    let mut text = std::fs::read_to_string(&roster).unwrap();
+    text.push('c');
+    std::fs::write(&roster, &text).unwrap();
+    let report = verify(dir.path(), None);
+    let torn = report.dir_problem.clone().expect("the torn line is shown");
+    assert_eq!((torn.path, torn.reason), (roster.clone(), Reason::TornLine));
+    let (log, recoveries) = bulkhead_audit::AuditLog::open(config(dir.path(), 3000)).unwrap();
+    assert_eq!(
+        recoveries,
+        [
+            bulkhead_audit::Recovery::TruncatedTornLine {
+                path: roster.clone(),
+                bytes: 1
+            },
+            bulkhead_audit::Recovery::ListedEmptyTenant {
+                tenant: tenant("c")
+            }
+        ]
+    );
+    let c = tenant("c");
+    log.append(&c, &record(&c, 0)).unwrap();
+    drop(log);
+    let report = verify(dir.path(), None);
+    assert!(report.passed(), "{report}");
+    assert_eq!(std::fs::read_to_string(&roster).unwrap(), "a\nb\nc\n");
+}
