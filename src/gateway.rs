@@ -17,21 +17,40 @@ pub mod env {
     pub const CONFIG: &str = "BULKHEAD_GATEWAY_CONFIG";
 }
 
+/// What reaches the workers: `bulkhead preflight`'s flags, and the gateway's.
 #[derive(Debug, clap::Args)]
-pub struct Args {
+pub struct WorkersArgs {
     /// The gateway's TOML configuration (see deploy/local/gateway.toml).
     #[arg(long, env = env::CONFIG)]
     config: PathBuf,
+    /// The deployment's mutual TLS towards the workers; given, it replaces `[cluster]`'s
+    /// `tls_*` (the same flags and variables as `bulkhead worker`'s).
+    #[command(flatten)]
+    tls: crate::tls_args::TlsArgs,
+}
+
+impl WorkersArgs {
+    /// The configuration file, with the cluster TLS flags in place of its `tls_*` when given.
+    fn config(&self) -> anyhow::Result<(Config, ConfigFile)> {
+        let (mut config, file) = ConfigFile::load(&self.config)
+            .with_context(|| format!("invalid configuration {}", self.config.display()))?;
+        if let Some(tls) = self.tls.settings() {
+            config.cluster.tls = Some(tls);
+        }
+        Ok((config, file))
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    workers: WorkersArgs,
     #[command(flatten)]
     data_dir: crate::data_dir::DataDir,
     #[command(flatten)]
     threads: crate::runtime::Threads,
     #[command(flatten)]
     otlp: crate::telemetry::OtlpArgs,
-    /// The deployment's mutual TLS towards the workers; given, it replaces `[cluster]`'s
-    /// `tls_*` (the same flags and variables as `bulkhead worker`'s).
-    #[command(flatten)]
-    tls: crate::tls_args::TlsArgs,
     #[command(flatten)]
     listen_tls: crate::tls_args::ListenTlsArgs,
 }
@@ -39,11 +58,7 @@ pub struct Args {
 impl Args {
     /// The configuration file, with the TLS flags in place of its `tls_*` when given.
     fn config(&self) -> anyhow::Result<(Config, ConfigFile)> {
-        let (mut config, file) = ConfigFile::load(&self.config)
-            .with_context(|| format!("invalid configuration {}", self.config.display()))?;
-        if let Some(tls) = self.tls.settings() {
-            config.cluster.tls = Some(tls);
-        }
+        let (mut config, file) = self.workers.config()?;
         config.listen.tls = self.listen_tls.over(config.listen.tls.take());
         Ok((config, file))
     }
@@ -70,7 +85,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 /// `bulkhead preflight`: prints each worker's facts and every check; fails if any check does.
-pub fn preflight(args: Args) -> anyhow::Result<()> {
+pub fn preflight(args: WorkersArgs) -> anyhow::Result<()> {
     let (config, _) = args.config()?;
     let cluster = config.cluster_access()?;
     let answers = crate::runtime::main()?.block_on(bulkhead_gateway::preflight::ask(

@@ -26,7 +26,7 @@ pub struct ModelArgs {
     #[arg(long, env = MODEL_ENV)]
     pub model: Option<PathBuf>,
     /// Compute threads [default: the machine's cores]
-    #[arg(long)]
+    #[arg(long, env = "BULKHEAD_THREADS")]
     pub threads: Option<usize>,
     /// Where the forward pass and the KV pool run: cpu, cuda or cuda:N (CUDA needs a build
     /// with --features cuda and an NVIDIA driver; checked at startup)

@@ -212,8 +212,8 @@ pub fn checks(answers: &[Answer]) -> Vec<Check> {
             true,
             format!("serves {}", info.model_id),
         ));
-        if let Some(open) = a.open {
-            out.push(check(
+        match a.open {
+            Some(open) => out.push(check(
                 "requires the cluster token",
                 !open,
                 if open {
@@ -223,7 +223,20 @@ pub fn checks(answers: &[Answer]) -> Vec<Check> {
                 } else {
                     "a call without the token was refused".into()
                 },
-            ));
+            )),
+            // Nothing to ask it with: a warning, since a demo or a closed network may mean it.
+            None if matches!(a.worker.protocol, Protocol::Bulkhead) => out.push(Check {
+                advisory: true,
+                ..check(
+                    "requires the cluster token",
+                    false,
+                    "the gateway presents no cluster token ([cluster] token_file), so the \
+                     worker cannot require one: whoever reaches it runs requests past the \
+                     gateway's tenants, limits and audit"
+                        .into(),
+                )
+            }),
+            None => {}
         }
         out.extend(own(&subject, a.worker.role, info));
     }
@@ -673,7 +686,11 @@ mod tests {
             failed(&checks),
             [("d", "dials a configured prefill worker")]
         );
-        let detail = &checks.iter().find(|c| !c.pass).expect("a failure").detail;
+        let detail = &checks
+            .iter()
+            .find(|c| !c.pass && !c.advisory)
+            .expect("a failure")
+            .detail;
         assert!(
             detail.contains("http://p:50051 answers as instance a-stranger"),
             "{detail}"
@@ -763,12 +780,15 @@ mod tests {
         ];
         let checks = checks(&answers);
         assert_eq!(failed(&checks), [("open", "requires the cluster token")]);
-        let asked = |name: &str| {
+        let verdict = |name: &str| {
             checks
                 .iter()
-                .any(|c| c.subject == name && c.name == "requires the cluster token")
+                .find(|c| c.subject == name && c.name == "requires the cluster token")
+                .map(|c| (c.pass, c.advisory))
         };
-        assert!(asked("closed") && !asked("not-asked"));
+        assert_eq!(verdict("closed"), Some((true, false)));
+        // With no token to ask with, a warning that fails nothing.
+        assert_eq!(verdict("not-asked"), Some((false, true)));
     }
 
     #[test]

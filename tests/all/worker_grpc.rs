@@ -836,6 +836,12 @@ async fn preflight_passes_a_sound_pair_and_fails_a_mismatched_one() {
                 && text.contains("every check passed"),
             "{text}"
         );
+        // No cluster token configured: said, without failing the check.
+        assert!(
+            text.contains("WARN local-decode")
+                && text.contains("the gateway presents no cluster token"),
+            "{text}"
+        );
 
         // A prefill worker with another page size cannot fill decode's pages.
         let odd = odd_page_prefill();

@@ -196,10 +196,10 @@ impl Tenants {
         );
     }
 
-    /// Reloads on every SIGHUP, when there is a file to read; `None` otherwise (or where the
-    /// platform has no SIGHUP).
+    /// Reloads on every SIGHUP; without a file to read, each is a refused reload that says so
+    /// (the signal's default action would end the process: an operator sending the documented
+    /// reload signal would stop the gateway). `None` where the platform has no SIGHUP.
     pub fn spawn_reload_on_hangup(&self) -> Option<tokio::task::JoinHandle<()>> {
-        self.inner.file.as_ref()?;
         hangups().map(|mut hangups| {
             let tenants = self.clone();
             tokio::spawn(async move {

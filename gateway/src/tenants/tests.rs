@@ -371,7 +371,28 @@ fn without_a_file_a_reload_is_refused_and_nothing_changes() {
     let before = tenants.current();
     assert!(matches!(tenants.reload(), Err(ReloadError::NoFile)));
     assert!(Arc::ptr_eq(&before, &tenants.current()));
-    assert!(tenants.spawn_reload_on_hangup().is_none());
+}
+
+/// SIGHUP without a file to read is a refused reload, not the signal's default action (which
+/// ends the process: `bulkhead up` without `--config` died of it). nextest runs each test in a
+/// process of its own, so the signal reaches this one only.
+#[tokio::test]
+async fn sighup_without_a_file_is_a_refused_reload_not_the_end_of_the_process() {
+    let config =
+        crate::Config::parse(&config("", &tenant("tenant-a", &["sk-a"], 2, 60))).expect("valid");
+    let tenants = Tenants::new(config.tenants, Limiter::default(), None);
+    let _listening = tenants.spawn_reload_on_hangup().expect("SIGHUP is heard");
+    // SAFETY: raise only sends this process a signal, which tokio's handler now takes.
+    assert_eq!(unsafe { libc::raise(libc::SIGHUP) }, 0);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while tenants.last_error().is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the SIGHUP was not heard"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(tenants.status()["last_reload_error"].is_string());
 }
 
 #[test]
