@@ -33,6 +33,7 @@
 
 mod host_memory;
 mod request;
+mod shares;
 mod stats;
 mod stops;
 mod switched;
@@ -903,7 +904,8 @@ impl Engine {
             return;
         }
 
-        // Decode first (one token each), then prefill chunks within the token budget.
+        // Decode first (one token each), then prefill chunks within the token budget, shared
+        // between tenants (see `shares`).
         let mut budget = self.config.max_batch_tokens;
         let mut plan: Vec<(usize, usize)> = Vec::new(); // (running index, tokens this step)
         for (i, r) in self.running.iter().enumerate() {
@@ -912,11 +914,20 @@ impl Engine {
                 budget = budget.saturating_sub(1);
             }
         }
-        for (i, r) in self.running.iter().enumerate() {
-            if r.in_prefill() && budget > 0 {
-                let n = (r.request.prompt.len() - r.prefilled).min(budget);
+        let prefilling: Vec<(usize, (&str, usize))> = (self.running.iter().enumerate())
+            .filter(|(_, r)| r.in_prefill())
+            .map(|(i, r)| {
+                let remaining = r.request.prompt.len() - r.prefilled;
+                (i, (r.request.tenant.name(), remaining))
+            })
+            .collect();
+        let wants: Vec<(&str, usize)> = prefilling.iter().map(|&(_, want)| want).collect();
+        for (&(i, _), n) in prefilling
+            .iter()
+            .zip(shares::prefill_shares(&wants, budget))
+        {
+            if n > 0 {
                 plan.push((i, n));
-                budget -= n;
             }
         }
         let steps: Vec<SeqStep<'_>> = plan

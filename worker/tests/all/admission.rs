@@ -4,9 +4,9 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use bulkhead_kvpool::RequestId;
+use bulkhead_kvpool::{RequestId, Scope};
 use bulkhead_worker::engine::{
-    Engine, EngineConfig, Failure, FinishReason, KvBudget, StartupError, SubmitError,
+    Engine, EngineConfig, Event, Failure, FinishReason, KvBudget, StartupError, SubmitError,
 };
 use bulkhead_worker::tiny_model::TinySpec;
 
@@ -359,4 +359,54 @@ fn prompts_are_computed_first_come_first_served() {
         }
     }
     assert_eq!(order, [1, 2, 3, 4]);
+}
+
+/// One tenant's long prompt does not hold another tenant's short one for its whole length:
+/// each tenant with a prompt to compute gets an equal share of a step's prompt tokens. With
+/// first come, first served alone, the short prompt's first token came after the long one's.
+#[test]
+fn a_tenants_long_prompt_does_not_hold_another_tenants_short_one() {
+    let mut e = tiny_engine(
+        1024,
+        EngineConfig {
+            max_batch_tokens: 16,
+            ..EngineConfig::default()
+        },
+    );
+    let long: Vec<u32> = (3..203).collect();
+    let short: Vec<u32> = (3..11).collect();
+    let mut first_token_at = Vec::new();
+    let events: Vec<_> = [("tenant-a", long), ("tenant-b", short)]
+        .into_iter()
+        .enumerate()
+        .map(|(i, (tenant, prompt))| {
+            let (tx, rx) = mpsc::channel();
+            let mut r = request(i as u64 + 1, &prompt, 1, tx);
+            r.tenant = Scope::new(tenant);
+            e.submit(r).map_err(|(e, _)| e).expect("admitted");
+            rx
+        })
+        .collect();
+    let mut step = 0;
+    while e.has_work() {
+        e.step();
+        step += 1;
+        for (name, rx) in ["tenant-a", "tenant-b"].iter().zip(&events) {
+            if rx
+                .try_iter()
+                .any(|ev| matches!(ev, Event::Token { .. } | Event::Done { .. }))
+                && !first_token_at.iter().any(|(n, _)| n == name)
+            {
+                first_token_at.push((*name, step));
+            }
+        }
+    }
+    // b's 8 tokens fit its half of the first step's 16; a's 200 take about 13 steps.
+    assert_eq!(
+        first_token_at.first(),
+        Some(&("tenant-b", 1)),
+        "{first_token_at:?}"
+    );
+    assert_eq!(first_token_at.len(), 2, "{first_token_at:?}");
+    assert_all_pages_back(&e);
 }
