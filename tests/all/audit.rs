@@ -545,7 +545,13 @@ fn a_client_that_closes_before_its_body_is_whole_is_recorded_as_gone() {
             std::io::Write::write_all(&mut s, request.as_bytes()).expect("sends");
             s.shutdown(std::net::Shutdown::Write)
                 .expect("closes its side");
-            let _ = s.read_to_end(&mut Vec::new());
+            let mut answer = String::new();
+            let _ = s.read_to_string(&mut answer);
+            // A half-closed client that still reads is told, in a well-formed status line.
+            assert!(
+                answer.starts_with("HTTP/1.1 499 Client Closed Request\r\n"),
+                "{answer}"
+            );
         }
         let got = up.wait_records("tenant-a", cut.len());
         for record in &got {

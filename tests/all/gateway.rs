@@ -991,6 +991,27 @@ fn bad_input_gets_a_clear_error_and_the_gateway_keeps_serving() {
         let huge = vec![b' '; (1 << 20) + 1];
         let (status, raw) = raw_exchange(&up.api, &post_bytes(&huge));
         assert_eq!(status, 413, "{}", &raw[..raw.len().min(300)]);
+        // A compressed body is not decoded: 415 naming the coding, not "not JSON".
+        let gzipped = String::from_utf8(post_bytes(QUESTION.as_bytes()))
+            .expect("text")
+            .replacen("\r\n\r\n", "\r\nContent-Encoding: gzip\r\n\r\n", 1);
+        let (status, raw) = raw_exchange(&up.api, gzipped.as_bytes());
+        assert_eq!(status, 415, "{raw}");
+        assert!(raw.contains("unsupported_content_encoding"), "{raw}");
+        // HTTP/1.1 needs exactly one Host; HTTP/1.0 may send none.
+        let models = |version: &str, hosts: &str| {
+            format!(
+                "GET /v1/models {version}\r\n{hosts}Authorization: Bearer {KEY_A}\r\n\
+                 Connection: close\r\n\r\n"
+            )
+        };
+        for hosts in ["", "Host: a\r\nHost: b\r\n"] {
+            let (status, raw) = raw_exchange(&up.api, models("HTTP/1.1", hosts).as_bytes());
+            assert_eq!(status, 400, "{raw}");
+            assert!(raw.contains("bad_host"), "{raw}");
+        }
+        let (status, raw) = raw_exchange(&up.api, models("HTTP/1.0", "").as_bytes());
+        assert_eq!(status, 200, "{raw}");
         // A body trickled past the body timeout (1 s here): 408 when the timeout ends, not
         // at the request timeout.
         let mut slow = std::net::TcpStream::connect(&up.api).expect("connects");

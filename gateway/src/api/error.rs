@@ -86,6 +86,12 @@ pub enum ApiError {
     /// The request did not finish within the configured time.
     #[error("the request did not complete within {secs} s")]
     Timeout { secs: u64 },
+    /// The body came with a `Content-Encoding` this server does not decode.
+    #[error("the request body has Content-Encoding {coding:?}; send it uncompressed (identity)")]
+    UnsupportedEncoding { coding: String },
+    /// An HTTP/1.1 request without a `Host` header, or any with more than one.
+    #[error("the request must carry exactly one Host header (it has {count})")]
+    BadHost { count: usize },
     /// Plain HTTP sent to a port that takes only TLS.
     #[error("this port takes only HTTPS: send the request over TLS (an https:// URL)")]
     HttpsRequired,
@@ -243,6 +249,12 @@ pub fn mapping(err: &ApiError) -> Mapping {
         // in time): not the client's fault.
         ApiError::Timeout { .. } => m(StatusCode::GATEWAY_TIMEOUT, "server_error", Some("timeout")),
         ApiError::NotFound => m(StatusCode::NOT_FOUND, INVALID_REQUEST, Some("not_found")),
+        ApiError::UnsupportedEncoding { .. } => m(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            INVALID_REQUEST,
+            Some("unsupported_content_encoding"),
+        ),
+        ApiError::BadHost { .. } => m(StatusCode::BAD_REQUEST, INVALID_REQUEST, Some("bad_host")),
         ApiError::NoAuditLog { .. } => m(
             StatusCode::NOT_FOUND,
             INVALID_REQUEST,
@@ -296,6 +308,7 @@ impl ApiError {
             ApiError::InvalidRequest(e) => e.param(),
             ApiError::ModelNotFound { .. } => Some("model".into()),
             ApiError::Prompt { param, .. } => Some((*param).into()),
+            ApiError::UnsupportedEncoding { .. } => Some("Content-Encoding".into()),
             ApiError::ContextLengthExceeded { endpoint, .. }
             | ApiError::WorkerContextLengthExceeded { endpoint, .. } => {
                 Some(endpoint.prompt_field().into())
@@ -315,6 +328,7 @@ impl ApiError {
             | ApiError::Timeout { .. }
             | ApiError::NotFound
             | ApiError::NoAuditLog { .. }
+            | ApiError::BadHost { .. }
             | ApiError::HttpsRequired
             | ApiError::MethodNotAllowed
             | ApiError::AuditUnavailable
@@ -365,6 +379,18 @@ impl IntoResponse for ApiError {
             response
                 .headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if status.as_u16() == CLIENT_CLOSED {
+            // No canonical phrase for 499 (nginx's code): hyper would write `<none>`. The
+            // client's side is closed, so the connection ends here.
+            response
+                .extensions_mut()
+                .insert(hyper::ext::ReasonPhrase::from_static(
+                    b"Client Closed Request",
+                ));
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         response
             .extensions_mut()
@@ -478,6 +504,20 @@ mod tests {
             Some("audit_unavailable"),
         );
         check(ApiError::NotFound, 404, INVALID_REQUEST, Some("not_found"));
+        check(
+            ApiError::UnsupportedEncoding {
+                coding: "gzip".into(),
+            },
+            415,
+            INVALID_REQUEST,
+            Some("unsupported_content_encoding"),
+        );
+        check(
+            ApiError::BadHost { count: 2 },
+            400,
+            INVALID_REQUEST,
+            Some("bad_host"),
+        );
         check(
             ApiError::NoAuditLog {
                 tenant: "nobody".into(),

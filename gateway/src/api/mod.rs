@@ -32,7 +32,7 @@ use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use http::HeaderMap;
-use http::header::CONTENT_TYPE;
+use http::header::{CONTENT_ENCODING, CONTENT_TYPE};
 use tokio::time::Instant;
 use tracing::Instrument as _;
 use tracing::field::Empty;
@@ -355,6 +355,19 @@ async fn start(
     // waiting for `100 Continue` hears 413 at once instead of sending the body for nothing.
     if HttpBody::size_hint(&body).lower() > limit as u64 {
         return Err(ApiError::BodyTooLarge { limit });
+    }
+    // Read as sent: a compressed body would be parsed as JSON and refused as not JSON, and
+    // one whose header lies would be taken as it is.
+    if let Some(coding) = headers
+        .get(CONTENT_ENCODING)
+        .filter(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"))
+    {
+        return Err(ApiError::UnsupportedEncoding {
+            coding: String::from_utf8_lossy(coding.as_bytes())
+                .chars()
+                .take(64)
+                .collect(),
+        });
     }
     let waited = state.http.body_timeout;
     let read = tokio::time::timeout(waited, axum::body::to_bytes(body, limit)).await;

@@ -5,7 +5,8 @@
 use axum::extract::{MatchedPath, Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use http::HeaderValue;
+use http::header::HOST;
+use http::{HeaderValue, Version};
 
 use crate::api::{ApiError, ErrorType, Streamed};
 use crate::auth::Authenticated;
@@ -43,7 +44,14 @@ pub async fn audited(
         trail.route(path.as_str());
     }
     request.extensions_mut().insert(trail.clone());
-    let mut response = next.run(request).await;
+    // Exactly one Host (RFC 9112 §3.2; HTTP/1.0 may send none): with none or two, the host a
+    // proxy in front routed by and the one seen here may differ.
+    let hosts = request.headers().get_all(HOST).iter().count();
+    let mut response = if hosts > 1 || (hosts == 0 && request.version() == Version::HTTP_11) {
+        ApiError::BadHost { count: hosts }.into_response()
+    } else {
+        next.run(request).await
+    };
     if let Ok(v) = HeaderValue::from_str(&id) {
         response.headers_mut().insert(REQUEST_ID_HEADER, v);
     }

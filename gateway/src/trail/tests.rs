@@ -87,7 +87,10 @@ fn app(recorder: &Recorder) -> Router {
 }
 
 async fn call(app: &Router, path: &str) -> Response {
-    let request = Request::get(path).body(Body::empty()).expect("request");
+    let request = Request::get(path)
+        .header(http::header::HOST, "t")
+        .body(Body::empty())
+        .expect("request");
     app.clone().oneshot(request).await.expect("infallible")
 }
 
@@ -202,6 +205,7 @@ async fn a_tenants_records_are_never_folded_and_carry_the_due_folded_record_out(
     let watch = super::Watch::new(TowerToHyperService::new(app), recorder.clone(), tenants());
     for _ in 0..3 {
         let request = Request::builder()
+            .header(http::header::HOST, "t")
             .uri("/v1/chat/completions")
             .header(http::header::AUTHORIZATION, "Bearer sk-a")
             .body(Body::empty())
@@ -544,6 +548,7 @@ async fn a_request_dropped_unpolled_is_recorded_for_the_tenant_it_arrived_as() {
         tenants.clone(),
     );
     let request = Request::builder()
+        .header(http::header::HOST, "t")
         .uri("/v1/chat/completions")
         .header(http::header::AUTHORIZATION, "Bearer sk-a")
         .body(Body::empty())
@@ -577,6 +582,7 @@ async fn a_request_dropped_before_the_api_ran_it_is_recorded_once_in_its_tenants
     );
     let request = |key: &str, path: &str| {
         Request::builder()
+            .header(http::header::HOST, "t")
             .uri(path)
             .header(http::header::AUTHORIZATION, format!("Bearer {key}"))
             .body(Body::empty())
