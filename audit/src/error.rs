@@ -88,7 +88,7 @@ pub enum AuditError {
     /// The data directory holds tenant logs but no roster: deleted, or a directory written
     /// before the roster existed.
     #[error(
-        "{path} is missing, yet the directory holds tenant logs: the roster was deleted (with a tenant's log?), or the logs predate it; check them with `bulkhead audit verify`, then list their ids in it, one per line, to adopt them"
+        "{path} is missing, yet the directory holds tenant logs: the roster was deleted (with a tenant's log?), or the logs predate it; check them with `bulkhead audit verify`, then list their ids in it, one per line, to adopt them (`ls` the directory, without LOCK)"
     )]
     RosterMissing {
         /// The roster's path.

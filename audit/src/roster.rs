@@ -66,7 +66,11 @@ fn parse(bytes: &[u8]) -> Result<Roster, String> {
             .and_then(|s| TenantId::new(s).ok())
             .ok_or_else(|| format!("line {}: not a tenant id", n + 1))?;
         if !seen.insert(id.clone()) {
-            return Err(format!("line {}: {id} is listed twice", n + 1));
+            return Err(format!(
+                "line {}: {id} is listed twice (its log was deleted while the gateway ran, and \
+                 begun again)",
+                n + 1
+            ));
         }
         listed.push(id);
     }
