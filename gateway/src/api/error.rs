@@ -219,7 +219,18 @@ pub fn mapping(err: &ApiError) -> Mapping {
             INVALID_REQUEST,
             Some("request_too_large"),
         ),
-        ApiError::TenantLimit(_) | ApiError::WorkerBusy { .. } => m(
+        // The type names the tenant's limit, as OpenAI's `requests` and `tokens` do: a client
+        // can tell a wait for a slot from a wait for the minute's budget.
+        ApiError::TenantLimit(limit) => m(
+            StatusCode::TOO_MANY_REQUESTS,
+            match limit {
+                LimitError::Concurrency { .. } => "concurrent_requests",
+                LimitError::RequestsPerMinute { .. } => "requests",
+                LimitError::TokensPerMinute { .. } | LimitError::OverWholeBudget { .. } => "tokens",
+            },
+            Some("rate_limit_exceeded"),
+        ),
+        ApiError::WorkerBusy { .. } => m(
             StatusCode::TOO_MANY_REQUESTS,
             "rate_limit_exceeded",
             Some("rate_limit_exceeded"),
@@ -368,6 +379,8 @@ impl IntoResponse for ApiError {
             ApiError::WorkerBusy { retry_after_secs } => {
                 Some(Duration::from_secs(*retry_after_secs))
             }
+            // Routing is judged again every second or so (health, ejections' ends).
+            ApiError::NoHealthyWorker | ApiError::WorkerUnavailable => Some(Duration::from_secs(1)),
             _ => None,
         };
         if let Some(wait) = wait
@@ -468,7 +481,18 @@ mod tests {
             }
             .into(),
             429,
-            "rate_limit_exceeded",
+            "concurrent_requests",
+            Some("rate_limit_exceeded"),
+        );
+        check(
+            LimitError::RequestsPerMinute {
+                tenant: TenantId::new("t").expect("valid"),
+                limit: 1,
+                retry_after_secs: 3,
+            }
+            .into(),
+            429,
+            "requests",
             Some("rate_limit_exceeded"),
         );
         check(
