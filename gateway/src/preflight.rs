@@ -254,7 +254,7 @@ pub fn checks(answers: &[Answer]) -> Vec<Check> {
         if let Ok(di) = &d.info {
             let members = prefills
                 .clone()
-                .filter_map(|p| Some((p.worker.name.as_str(), p.info.as_ref().ok()?)));
+                .map(|p| (p.worker.name.as_str(), p.info.as_ref().ok()));
             out.push(peer(&d.worker.name, di, name, members));
         }
         for p in prefills {
@@ -324,14 +324,17 @@ pub fn own(subject: &str, role: WorkerRole, info: &InfoResponse) -> Vec<Check> {
 }
 
 /// Whether the prefill process a decode worker dials is one of `group`'s `members` (named, with
-/// their Info): the pools the gateway admits a request against, and the pairs checked, must be
-/// those the request will occupy (I7), whatever address the decode worker was started with.
+/// their Info when they gave it): the pools the gateway admits a request against, and the
+/// pairs checked, must be those the request will occupy (I7), whatever address the decode
+/// worker was started with. While a member gives no Info (down, hung), the process dialled may
+/// be that one: the check cannot be made, and says so rather than blame the address.
 pub fn peer<'a>(
     decode: &str,
     d: &InfoResponse,
     group: &str,
-    mut members: impl Iterator<Item = (&'a str, &'a InfoResponse)>,
+    members: impl Iterator<Item = (&'a str, Option<&'a InfoResponse>)>,
 ) -> Check {
+    let (known, silent): (Vec<_>, Vec<_>) = members.partition(|(_, info)| info.is_some());
     let (pass, detail) = match &d.prefill_peer {
         None => (
             false,
@@ -345,8 +348,24 @@ pub fn peer<'a>(
                 seen.address
             ),
         ),
-        Some(seen) => match members.find(|(_, p)| p.instance_id == seen.instance_id) {
+        Some(seen) => match known
+            .iter()
+            .find(|(_, p)| p.is_some_and(|p| p.instance_id == seen.instance_id))
+        {
             Some((name, _)) => (true, format!("{} answers as {name}", seen.address)),
+            None if !silent.is_empty() => (
+                false,
+                format!(
+                    "cannot be checked while {} gives no Info: the prefill worker it dials ({}) \
+                     may be that one",
+                    silent
+                        .iter()
+                        .map(|(name, _)| *name)
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    seen.address
+                ),
+            ),
             None => (
                 false,
                 format!(
@@ -695,6 +714,23 @@ mod tests {
             detail.contains("http://p:50051 answers as instance a-stranger"),
             "{detail}"
         );
+        // The prefill worker gives no Info (down): the process dialled may be it, so the
+        // address is not blamed; the check cannot be made.
+        let prefill_info = std::mem::replace(&mut answers[0].info, Err("refused".into()));
+        let checks = super::checks(&answers);
+        let dials = checks
+            .iter()
+            .find(|c| c.name == "dials a configured prefill worker")
+            .expect("the check");
+        assert!(!dials.pass);
+        assert!(
+            dials
+                .detail
+                .starts_with("cannot be checked while p gives no Info"),
+            "{}",
+            dials.detail
+        );
+        answers[0].info = prefill_info;
 
         peer(&mut answers).instance_id.clear();
         let checks = super::checks(&answers);

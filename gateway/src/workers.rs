@@ -299,7 +299,9 @@ pub struct WorkerReport {
     /// Why, in words.
     pub unroutable_reason: Option<String>,
     pub outstanding_tokens: u64,
+    /// The last error seen from it (it may have recovered since: see `health`), and when.
     pub last_error: Option<String>,
+    pub last_error_unix_secs: Option<u64>,
 }
 
 struct Entry {
@@ -320,12 +322,18 @@ struct Entry {
     tokenizer: Option<Arc<TokenizerData>>,
     health: Health,
     outstanding: u64,
-    last_error: Option<String>,
+    /// The last error seen from it, and when.
+    last_error: Option<(String, SystemTime)>,
     /// Requests it took and left unanswered until their deadline.
     stalls: Stalls,
 }
 
 impl Entry {
+    /// Notes `error` as the last one seen from it.
+    fn note_error(&mut self, error: String) {
+        self.last_error = Some((error, SystemTime::now()));
+    }
+
     /// The GGUF to read for an OpenAI upstream whose Info is not known yet.
     fn describe(&self) -> Option<Describe> {
         match &self.config.protocol {
@@ -482,7 +490,7 @@ impl State {
                 }
                 let members = prefills
                     .clone()
-                    .filter_map(|p| Some((p.config.name.as_str(), p.info.as_deref()?)));
+                    .map(|p| (p.config.name.as_str(), p.info.as_deref()));
                 let dials = crate::preflight::peer(&e.config.name, d, name, members);
                 let pairs = prefills
                     .filter_map(|p| Some((p, p.info.as_ref()?)))
@@ -650,7 +658,7 @@ impl Route {
                 ejected_for_secs = ejection.lasts.as_secs(),
                 "a worker left requests unanswered until their deadline; not routed to for a while"
             );
-            e.last_error = Some(error);
+            e.note_error(error);
             Some(())
         });
     }
@@ -663,7 +671,7 @@ impl Route {
                 e.health = Health::Unreachable {
                     error: error.to_owned(),
                 };
-                e.last_error = Some(error.to_owned());
+                e.note_error(error.to_owned());
             }
         });
     }
@@ -808,7 +816,10 @@ impl Workers {
                         unroutable_reason: unroutable.as_ref().map(ToString::to_string),
                         unroutable,
                         outstanding_tokens: e.outstanding,
-                        last_error: e.last_error.clone(),
+                        last_error: e.last_error.as_ref().map(|(error, _)| error.clone()),
+                        last_error_unix_secs: e.last_error.as_ref().and_then(|(_, at)| {
+                            at.duration_since(UNIX_EPOCH).ok().map(|d| d.as_secs())
+                        }),
                     }
                 })
                 .collect()
@@ -842,7 +853,7 @@ impl Workers {
                         e.health = Health::Unreachable {
                             error: error.clone(),
                         };
-                        e.last_error = Some(error);
+                        e.note_error(error);
                     }
                 }
                 match answer.info {
@@ -858,7 +869,7 @@ impl Workers {
                     Some(Err(error)) => {
                         e.facts = None;
                         e.info = None;
-                        e.last_error = Some(error);
+                        e.note_error(error);
                     }
                     None => {}
                 }
@@ -923,7 +934,7 @@ impl Workers {
             Err(error) => {
                 tracing::warn!(%error, "cannot register the worker's model");
                 if let Some(e) = s.entry_mut(id) {
-                    e.last_error = Some(error);
+                    e.note_error(error);
                 }
             }
         });
@@ -1473,7 +1484,18 @@ mod tests {
         assert!(
             report
                 .last_error
+                .as_ref()
                 .is_some_and(|e| e.contains("3 requests in a row")),
+        );
+        // When: a recovered worker's last error is history, not its state.
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        assert!(
+            report
+                .last_error_unix_secs
+                .is_some_and(|at| at.abs_diff(now) < 60),
+            "{report:?}"
         );
     }
 
