@@ -104,7 +104,7 @@ pub enum AuditError {
     },
     /// The roster lists a tenant whose directory is gone: its log was deleted.
     #[error(
-        "{tenant}: the roster lists this tenant but its log directory is gone (deleted); `bulkhead audit verify` reports it, and only removing its line from TENANTS lets the gateway start without it"
+        "{tenant}: the roster lists this tenant but its log directory is gone or emptied (deleted); `bulkhead audit verify` reports it, and only removing its line from TENANTS lets the gateway start without it"
     )]
     TenantLogMissing {
         /// The tenant.

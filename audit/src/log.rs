@@ -504,14 +504,18 @@ fn hold_to_roster(
         Some(Err(reason)) => return Err(AuditError::BadRoster { path, reason }),
         Some(Ok(roster)) => roster,
     };
-    if let Some(gone) = roster.listed.iter().find(|t| !tenants.contains(t)) {
-        return Err(AuditError::TenantLogMissing {
-            tenant: gone.clone(),
-        });
+    for tenant in &roster.listed {
+        let tdir = layout::tenant_dir(dir, tenant);
+        let emptied = || roster::is_emptied(&tdir).map_err(io_err("list", &tdir));
+        if !tenants.contains(tenant) || emptied()? {
+            return Err(AuditError::TenantLogMissing {
+                tenant: tenant.clone(),
+            });
+        }
     }
     for tenant in tenants.iter().filter(|t| !roster.lists(t)) {
         let tdir = layout::tenant_dir(dir, tenant);
-        if !roster::is_empty_dir(&tdir).map_err(io_err("list", &tdir))? {
+        if !roster::is_unbegun(&tdir).map_err(io_err("list", &tdir))? {
             return Err(AuditError::TenantUnlisted {
                 tenant: tenant.clone(),
             });
@@ -541,13 +545,10 @@ fn open_segment(
     tdir: &Path,
     segment: SegmentNo,
 ) -> Result<File, AuditError> {
-    if !tdir.is_dir() {
+    let new = !tdir.is_dir();
+    if new {
         fs::create_dir(tdir).map_err(io_err("create", tdir))?;
         sync_dir(dir)?;
-        // Listed before it holds anything: a crash can leave it empty and unlisted, never a
-        // log the roster does not name.
-        let path = roster::path(dir);
-        roster::append(dir, tenant).map_err(io_err("append to", &path))?;
     }
     // Before the tenant's first line: a crash between its first records and its first head
     // then leaves the genesis head, which recovery resumes from, never no head at all (which
@@ -556,6 +557,13 @@ fn open_segment(
     let head = tdir.join(HEAD);
     if !head.try_exists().map_err(io_err("stat", &head))? {
         write_head(tdir, HeadFile::Genesis)?;
+    }
+    // Listed with its head and before any record: a crash can leave it unlisted holding that
+    // head alone, never records the roster does not name, and a listed tenant always has a
+    // head (one without is emptied).
+    if new {
+        let path = roster::path(dir);
+        roster::append(dir, tenant).map_err(io_err("append to", &path))?;
     }
     let path = layout::segment_path(tdir, segment);
     let existed = path.exists();
@@ -586,6 +594,23 @@ fn write_head(tdir: &Path, head: HeadFile) -> Result<(), AuditError> {
     fs::rename(&tmp, &path).map_err(io_err("rename", &path))?;
     // The rename itself must survive a power loss, or the tenant comes back without its head.
     sync_dir(tdir)
+}
+
+/// How many of the lines after the head (`after`, last first) chain on from it: `next` and
+/// `digest` are the `seq` and `prev` the first must have.
+fn chained_count(after: &[Unacknowledged], mut next: Option<u64>, mut digest: Sha256Digest) -> u64 {
+    let mut chained = 0;
+    for line in after.iter().rev() {
+        match line.parsed {
+            Ok((s, prev)) if Some(s.0) == next && prev == digest => {
+                chained += 1;
+                next = next.and_then(|n| n.checked_add(1));
+                digest = line.digest;
+            }
+            _ => break,
+        }
+    }
+    chained
 }
 
 /// Cuts the file at `path` to its first `len` bytes, durably.
@@ -709,6 +734,17 @@ fn recover_tenant(
             Some(_) => {}
         }
     }
+    // A genesis head stands beside one record at most (a tenant's first goes down alone with a
+    // head naming it): more that chain on is a rewritten head, refused before anything is cut.
+    if named.is_none() {
+        let chained = chained_count(&after, next, digest);
+        if chained > 1 {
+            return Err(AuditError::GenesisBehind {
+                tenant: tenant.clone(),
+                records: chained,
+            });
+        }
+    }
     cut_torn(recoveries)?;
     // Forward from the head: the lines that chain on are resumed; from the first that does not
     // (unreadable, or not the next record — what a crash can leave past the head) the segment
@@ -739,11 +775,16 @@ fn recover_tenant(
         segment_len = line.offset;
         break;
     }
-    if named.is_none() && next > Some(1) {
-        return Err(AuditError::GenesisBehind {
-            tenant: tenant.clone(),
-            records: next.unwrap_or(u64::MAX),
-        });
+    // A crash before the first record's head: the head names it now, so a second crash after
+    // more records cannot leave a genesis head behind more than one.
+    if named.is_none() && next == Some(1) {
+        write_head(
+            &tdir,
+            HeadFile::At(Head {
+                seq: Seq(0),
+                digest,
+            }),
+        )?;
     }
     let Some(next_seq) = next else {
         return Err(AuditError::Corrupt {

@@ -1,11 +1,11 @@
 //! The roster, `DIR/TENANTS`: every tenant whose log the data directory has held, one id per
 //! line, in the order their logs began. A chain lies in its tenant's directory and cannot
 //! witness its own absence: without the roster, a tenant's log deleted whole (`rm -r
-//! DIR/tenant-a`) left nothing for `verify` to miss. A new tenant's directory is made, then
-//! listed (fsynced), then given its head and records, so a crash can leave at most an empty
-//! directory not yet listed — which the writer lists at its next open — and a listed tenant
-//! without a directory, or a directory with contents that no line lists, is a deletion or a
-//! plant. Unkeyed like the chains: it shows a deleted log, not someone who also edits this
+//! DIR/tenant-a`) left nothing for `verify` to miss. A new tenant's directory is made, given
+//! its genesis head, then listed (fsynced), then given records, so a crash can leave at most
+//! a directory not yet listed that holds nothing or that head alone — which the writer lists
+//! at its next open — and a listed tenant without a directory or a head (emptied), or a
+//! directory with records that no line lists, is a deletion or a plant. Unkeyed like the chains: it shows a deleted log, not someone who also edits this
 //! file.
 
 use std::collections::HashSet;
@@ -13,6 +13,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
+use crate::layout::{HEAD, HeadFile};
 use crate::tenant::TenantId;
 
 /// The roster's file name in the data directory.
@@ -108,9 +109,25 @@ pub(crate) fn cut_torn(dir: &Path, roster: &Roster) -> io::Result<()> {
     file.sync_all()
 }
 
-/// Whether a tenant directory holds nothing (a crash came between making and listing it).
-pub(crate) fn is_empty_dir(tenant_dir: &Path) -> io::Result<bool> {
-    Ok(fs::read_dir(tenant_dir)?.next().is_none())
+/// Whether a tenant directory holds nothing but, at most, its genesis head: what a crash
+/// between making it and listing it leaves.
+pub(crate) fn is_unbegun(tenant_dir: &Path) -> io::Result<bool> {
+    for entry in fs::read_dir(tenant_dir)? {
+        let entry = entry?;
+        let genesis = entry.file_name() == HEAD
+            && fs::read(entry.path())? == HeadFile::Genesis.encode().as_bytes();
+        if !genesis {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Whether a listed tenant's directory lost its head and holds no segment: emptied (a listed
+/// tenant got its head before it was listed).
+pub(crate) fn is_emptied(tenant_dir: &Path) -> io::Result<bool> {
+    Ok(!tenant_dir.join(HEAD).try_exists()?
+        && crate::layout::list_tenant(tenant_dir)?.segments.is_empty())
 }
 
 #[cfg(test)]

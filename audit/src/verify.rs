@@ -151,9 +151,9 @@ impl fmt::Display for Reason {
                  from before the roster)",
             ),
             Self::BadRoster(e) => f.write_str(e),
-            Self::LogDeleted => {
-                f.write_str("the roster lists this tenant, and its log directory is gone (deleted)")
-            }
+            Self::LogDeleted => f.write_str(
+                "the roster lists this tenant, and its log directory is gone or emptied (deleted)",
+            ),
             Self::Unlisted => f.write_str(
                 "a log the roster does not list (placed here, or the roster was edited)",
             ),
@@ -293,18 +293,26 @@ pub fn verify(dir: &Path, tenant: Option<&TenantId>) -> Report {
 }
 
 /// [`verify_tenant`], once the tenant's directory agrees with the roster: a listed tenant has
-/// its directory, and a directory no line lists is empty (a crash between making and listing
-/// it).
+/// its directory and its head, and a directory no line lists holds at most a genesis head (a
+/// crash between making and listing it).
 fn against_roster(dir: &Path, tenant: &TenantId, present: bool, listed: bool) -> TenantReport {
     let tdir = layout::tenant_dir(dir, tenant);
+    let io = |e: std::io::Error| Some(Reason::Io(e.to_string()));
     let problem = match (present, listed) {
+        // Made since the directory was listed (a live writer): not gone.
+        (false, true) if tdir.is_dir() => None,
         (false, true) => Some(Reason::LogDeleted),
-        (true, false) => match roster::is_empty_dir(&tdir) {
+        (true, true) => match roster::is_emptied(&tdir) {
+            Ok(true) => Some(Reason::LogDeleted),
+            Ok(false) => None,
+            Err(e) => io(e),
+        },
+        (true, false) => match roster::is_unbegun(&tdir) {
             Ok(true) => None,
             Ok(false) => Some(Reason::Unlisted),
-            Err(e) => Some(Reason::Io(e.to_string())),
+            Err(e) => io(e),
         },
-        _ => None,
+        (false, false) => None,
     };
     match problem {
         Some(reason) => TenantReport {

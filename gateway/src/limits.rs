@@ -149,31 +149,26 @@ impl TenantBudget {
     }
 
     /// Charges `n` tokens to the minute's budget. A request larger than the whole budget can
-    /// never pass and is refused at once. A request refused here gives back its request of the
-    /// minute: a client that waits as the refusal says is not then refused for the requests it
-    /// was told to retry.
+    /// never pass and is refused at once. A refused request keeps its request of the minute:
+    /// each one was read, tokenized and recorded, and a tenant past its tokens must not send
+    /// them unthrottled.
     pub fn charge(&mut self, tenant: &TenantId, n: u64, now: Instant) -> Result<(), LimitError> {
         let limit = self.limits.tokens_per_minute.get();
-        let charged = if n > limit {
-            Err(LimitError::OverWholeBudget {
+        if n > limit {
+            return Err(LimitError::OverWholeBudget {
                 tenant: tenant.clone(),
                 limit,
                 needed: n,
-            })
-        } else {
-            self.tokens
-                .take(n, now)
-                .map_err(|retry_after_secs| LimitError::TokensPerMinute {
-                    tenant: tenant.clone(),
-                    limit,
-                    needed: n,
-                    retry_after_secs,
-                })
-        };
-        if charged.is_err() {
-            self.requests.give_back(1);
+            });
         }
-        charged
+        self.tokens
+            .take(n, now)
+            .map_err(|retry_after_secs| LimitError::TokensPerMinute {
+                tenant: tenant.clone(),
+                limit,
+                needed: n,
+                retry_after_secs,
+            })
     }
 
     /// New limits for the requests that start from now on; requests in flight and the
@@ -391,28 +386,6 @@ mod tests {
         );
     }
 
-    /// A request refused for tokens gives its request of the minute back: a client that
-    /// retries when told is not then refused for requests (two such refusals used up a
-    /// 3-a-minute budget).
-    #[test]
-    fn a_request_refused_for_tokens_gives_back_its_request_of_the_minute() {
-        let t0 = Instant::now();
-        let mut b = TenantBudget::new(limits(10, 2, 1000), t0);
-        b.charge(&id(), 900, t0).expect("fits");
-        for needed in [200, 2000] {
-            b.start(&id(), t0).expect("a request of the minute");
-            assert!(b.charge(&id(), needed, t0).is_err(), "{needed} tokens");
-            b.finish(0);
-        }
-        b.start(&id(), t0)
-            .expect("both refused requests gave theirs back");
-        b.start(&id(), t0).expect("the second of the minute");
-        assert!(matches!(
-            b.start(&id(), t0),
-            Err(LimitError::RequestsPerMinute { .. })
-        ));
-    }
-
     #[test]
     fn retuning_keeps_in_flight_requests_and_the_minutes_usage() {
         let t0 = Instant::now();
@@ -441,12 +414,11 @@ mod tests {
             b.charge(&id(), 1, t0).is_err(),
             "600 tokens used of the new 500 per minute"
         );
-        // Raised again: the same usage counts against the larger limit (2 requests: the
-        // refused charge gave one back).
+        // Raised again: the same usage counts against the larger limit.
         b.retune(limits(20, 10, 1000), t0);
         assert_eq!(b.in_flight(), 1);
-        for _ in 0..8 {
-            b.start(&id(), t0).expect("2 of 10 used");
+        for _ in 0..7 {
+            b.start(&id(), t0).expect("3 of 10 used");
         }
         assert!(b.start(&id(), t0).is_err(), "10 of 10 used");
         b.charge(&id(), 400, t0).expect("600 of 1000 used");

@@ -51,10 +51,12 @@ impl Stalls {
     }
 
     /// A request reached its deadline at `now` with no answer; returns the ejection it starts,
-    /// when it starts one.
+    /// when it starts one. Requests routed before an ejection and ending during it add to the
+    /// count but neither lengthen it nor start another (a hung worker's requests in flight all
+    /// end at about the same time).
     pub fn stalled(&mut self, now: Instant) -> Option<Ejection> {
         self.in_a_row = self.in_a_row.saturating_add(1);
-        if self.in_a_row < STALLS_TO_EJECT {
+        if self.in_a_row < STALLS_TO_EJECT || self.ejected(now).is_some() {
             return None;
         }
         let lasts = FIRST_EJECTION
@@ -103,11 +105,18 @@ mod tests {
         // Back, it leaves the next one unanswered too: ejected at once, twice as long.
         let t1 = t0 + FIRST_EJECTION;
         assert_eq!(s.stalled(t1).map(|e| e.lasts), Some(2 * FIRST_EJECTION));
-        // The doubling stops at the longest ejection.
+        // Requests ending during an ejection neither lengthen it nor double the next.
         for _ in 0..20 {
-            s.stalled(t1);
+            assert_eq!(s.stalled(t1), None);
         }
-        assert_eq!(s.ejected(t1).map(|e| e.lasts), Some(MAX_EJECTION));
+        assert_eq!(s.ejected(t1).map(|e| e.lasts), Some(2 * FIRST_EJECTION));
+        // The doubling stops at the longest ejection.
+        let mut t = t1;
+        for _ in 0..10 {
+            t += MAX_EJECTION;
+            s.stalled(t);
+        }
+        assert_eq!(s.ejected(t).map(|e| e.lasts), Some(MAX_EJECTION));
         // An answer clears the count and the doubling.
         s.answered();
         assert!(!s.any());

@@ -16,6 +16,7 @@
 //! is never reused, so a route to a worker that has left ends its claim on nothing.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -553,7 +554,15 @@ impl State {
 /// Every configured worker; a cheap `Clone` handle.
 #[derive(Clone)]
 pub struct Workers {
-    state: Arc<Mutex<State>>,
+    shared: Arc<Shared>,
+}
+
+/// What the handles share: one allocation, one reference count per clone.
+struct Shared {
+    state: Mutex<State>,
+    /// Some worker has unanswered requests counted (set and cleared under `state`'s lock): an
+    /// answer then clears its worker's count; while none has, an answer costs no lock.
+    stalls_counted: AtomicBool,
 }
 
 impl fmt::Debug for Workers {
@@ -584,9 +593,6 @@ pub struct Route {
     id: u64,
     /// `None` once taken ([`Route::take_claim`]).
     claim: Option<Claim>,
-    /// The worker had unanswered requests counted when this one was routed: its answer
-    /// clears them (a worker with none counted costs an answer no lock).
-    stalls_counted: bool,
 }
 
 /// A request's tokens, counted as outstanding on the worker it was routed to until dropped.
@@ -629,14 +635,17 @@ impl Route {
         }
     }
 
-    /// The worker answered the request (its stream began): its count of unanswered requests
-    /// starts again.
+    /// The worker answered the request (its stream began, or it refused): its count of
+    /// unanswered requests starts again.
     pub fn answered(&self) {
-        if self.stalls_counted {
+        let shared = &self.workers.shared;
+        if shared.stalls_counted.load(Ordering::Relaxed) {
             self.workers.with(|s| {
                 if let Some(e) = s.entry_mut(self.id) {
                     e.stalls.answered();
                 }
+                let any = s.entries.iter().any(|e| e.stalls.any());
+                shared.stalls_counted.store(any, Ordering::Relaxed);
             });
         }
     }
@@ -645,8 +654,10 @@ impl Route {
     /// it: counted against the worker, which is ejected after a few in a row (see
     /// [`crate::stalls`]).
     pub fn stalled(&self, secs: u64) {
+        let shared = &self.workers.shared;
         self.workers.with(|s| {
             let e = s.entry_mut(self.id)?;
+            shared.stalls_counted.store(true, Ordering::Relaxed);
             let ejection = e.stalls.stalled(Instant::now())?;
             let error = format!(
                 "{} requests in a row got no answer within the request deadline ({secs} s)",
@@ -689,7 +700,10 @@ impl Workers {
             state.push(c.clone())?;
         }
         Ok(Workers {
-            state: Arc::new(Mutex::new(state)),
+            shared: Arc::new(Shared {
+                state: Mutex::new(state),
+                stalls_counted: AtomicBool::new(false),
+            }),
         })
     }
 
@@ -730,7 +744,11 @@ impl Workers {
     /// `f` on the state, which it may change only in what the judgement of what is routable
     /// does not read (tokens outstanding): a request's path.
     fn routing<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
-        f(&mut self.state.lock().unwrap_or_else(PoisonError::into_inner))
+        f(&mut self
+            .shared
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner))
     }
 
     /// The served model, once a worker has registered.
@@ -785,7 +803,6 @@ impl Workers {
                 id: e.id,
                 tokens,
             }),
-            stalls_counted: e.stalls.any(),
         })
     }
 

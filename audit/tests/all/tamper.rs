@@ -294,6 +294,24 @@ fn a_tenants_log_deleted_whole_is_reported_and_refused() {
 }
 
 #[test]
+fn a_listed_tenants_log_emptied_is_reported_and_refused() {
+    let dir = Scratch::new();
+    setup(dir.path());
+    for entry in std::fs::read_dir(dir.path().join("b")).unwrap() {
+        std::fs::remove_file(entry.unwrap().path()).unwrap();
+    }
+    assert_eq!(
+        reasons(dir.path())[1],
+        ("b".to_owned(), Some(Reason::LogDeleted))
+    );
+    let err = bulkhead_audit::AuditLog::open(config(dir.path(), 3000)).unwrap_err();
+    assert!(
+        matches!(err, bulkhead_audit::AuditError::TenantLogMissing { ref tenant } if tenant.as_str() == "b"),
+        "{err}"
+    );
+}
+
+#[test]
 fn a_log_the_roster_does_not_list_is_reported_and_refused() {
     let dir = Scratch::new();
     setup(dir.path());
@@ -319,8 +337,9 @@ fn a_log_the_roster_does_not_list_is_reported_and_refused() {
 fn a_crash_between_making_and_listing_a_tenants_directory_is_listed_at_open() {
     let dir = Scratch::new();
     setup(dir.path());
-    // The directory made, its line cut short: nothing in it yet.
+    // The directory made with its genesis head, its line cut short: no record in it yet.
     std::fs::create_dir(dir.path().join("c")).unwrap();
+    std::fs::write(dir.path().join("c").join("head"), "genesis\n").unwrap();
     let roster = dir.path().join("TENANTS");
     let mut text = std::fs::read_to_string(&roster).unwrap();
     text.push('c');

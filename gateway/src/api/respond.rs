@@ -119,6 +119,7 @@ impl Started {
         let Some(Leg::Calling(call)) = self.upstream.as_mut() else {
             return Ok(());
         };
+        let called = Instant::now();
         let answered = tokio::time::timeout_at(deadline, call).await;
         self.upstream = None;
         match answered {
@@ -132,12 +133,20 @@ impl Started {
                 if failure.worker_down {
                     tracing::warn!(worker = %self.route.worker, %status, "the worker failed a Generate call");
                     self.route.failed(status.message());
+                } else {
+                    // A refusal is an answer: the worker is there.
+                    self.route.answered();
                 }
                 self.progress.failed = true;
                 Err(self.failed(failure.error, failure.refused_by))
             }
             Err(_) => {
-                self.route.stalled(secs);
+                // Counted against the worker only when it had the request for at least half
+                // the deadline: time the request spent before the call (its body, the
+                // policies) is not the worker's.
+                if (deadline - called).as_secs_f64() * 2.0 >= secs as f64 {
+                    self.route.stalled(secs);
+                }
                 Err(self.timed_out(secs))
             }
         }

@@ -3,7 +3,7 @@
 
 use bulkhead_audit::Layer;
 use bulkhead_worker::serve::proto::{
-    self, GenerateRequest, Prompt, SamplingParams, TokenPrompt, error_code, failed_leg, refused_by,
+    self, GenerateRequest, Prompt, SamplingParams, TokenPrompt, error_code, refused_by,
 };
 
 use crate::admission::Admitted;
@@ -85,9 +85,6 @@ pub fn from_status(status: &tonic::Status, endpoint: Endpoint) -> WorkerFailure 
         // speaks another protocol; either way the request did not complete.
         Some(_) | None => (ApiError::WorkerUnavailable, true),
     };
-    // The prefill leg failed it: the decode worker that says so answers, and its prefill
-    // worker's own health decides whether it is routed to.
-    let worker_down = worker_down && failed_leg(status) != Some("prefill");
     let refused_by = match refused_by(status) {
         Some("decode") => Some(Layer::Decode),
         Some("prefill") => Some(Layer::Prefill),
@@ -183,23 +180,5 @@ mod tests {
         assert!(f.worker_down);
         let f = from_status(&Status::unknown("h2 protocol error"), Endpoint::Chat);
         assert!(f.worker_down);
-    }
-
-    /// A decode worker whose prefill worker did not complete a request answers that it did
-    /// not: the request fails, and the decode worker stays routed (its prefill worker's own
-    /// health decides). It was marked down, its health shown as "does not answer".
-    #[test]
-    fn a_failure_of_the_prefill_leg_leaves_the_decode_worker_routed() {
-        let mut s = status(Code::Unavailable, "service_unavailable");
-        s.metadata_mut()
-            .insert(proto::FAILED_LEG_KEY, MetadataValue::from_static("prefill"));
-        let f = from_status(&s, Endpoint::Chat);
-        assert_eq!(f.error, ApiError::WorkerUnavailable);
-        assert!(!f.worker_down);
-        let f = from_status(
-            &status(Code::Unavailable, "service_unavailable"),
-            Endpoint::Chat,
-        );
-        assert!(f.worker_down, "its own unavailability still marks it");
     }
 }

@@ -351,6 +351,12 @@ fn common(
         None => None,
         Some(v) => match (v.as_i64(), v.as_f64()) {
             (Some(s), _) => Some(s as u64),
+            // `5.0` is the integer 5, as a JSON number written by some clients.
+            (None, Some(x))
+                if x.fract() == 0.0 && (-(2f64.powi(63))..2f64.powi(63)).contains(&x) =>
+            {
+                Some(x as i64 as u64)
+            }
             (None, Some(x)) if x.fract() == 0.0 => {
                 return Err(RequestError::OutOfRange {
                     field: "seed",
@@ -793,6 +799,7 @@ mod tests {
         ));
         let seed = |v: Value| chat(with("seed", v)).expect("a seed").common.sampling.seed;
         assert_eq!(seed(json!(-1)), Some(u64::MAX));
+        assert_eq!(seed(json!(5.0)), Some(5));
         assert_eq!(seed(json!(i64::MAX)), Some(i64::MAX as u64));
         // Above 0 however small: kept above 0 where f32 would round it to 0.
         let top_p = chat(with("top_p", json!(1e-300))).expect("top_p > 0");

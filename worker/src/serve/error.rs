@@ -11,7 +11,7 @@ use crate::engine::{Failure, SubmitError};
 use crate::model::SeqFailure;
 use crate::sampling::SamplingError;
 
-use super::proto::{FAILED_LEG_KEY, REFUSED_BY_KEY, error_code_status};
+use super::proto::{REFUSED_BY_KEY, error_code_status};
 
 /// Why a `GenerateRequest` is malformed. One variant per rule; messages a caller can act on.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -153,13 +153,6 @@ pub fn status(err: &ServeError) -> Status {
         ),
     };
     let mut status = error_code_status(code, message, tag);
-    if let ServeError::Failed(Failure::PrefillClosed(_) | Failure::TransferTimedOut(_))
-    | ServeError::PrefillUnavailable { .. } = err
-    {
-        status
-            .metadata_mut()
-            .insert(FAILED_LEG_KEY, MetadataValue::from_static("prefill"));
-    }
     if let ServeError::Submit(
         SubmitError::ContextLengthExceeded { .. } | SubmitError::QueueFull { .. },
     )
@@ -223,26 +216,6 @@ mod tests {
                 .and_then(|v| v.to_str().ok()),
             Some("decode")
         );
-    }
-
-    /// A request its prefill worker did not complete names that leg: the decode worker that
-    /// answers is not the one in trouble. Its own failures name none.
-    #[test]
-    fn a_failure_of_the_prefill_leg_names_it() {
-        let leg = |err: ServeError| status(&err).metadata().get(FAILED_LEG_KEY).cloned();
-        let prefill = Some(MetadataValue::from_static("prefill"));
-        assert_eq!(leg(Failure::PrefillClosed("aborted").into()), prefill);
-        assert_eq!(
-            leg(Failure::TransferTimedOut(std::time::Duration::from_secs(30)).into()),
-            prefill
-        );
-        assert_eq!(
-            leg(ServeError::PrefillUnavailable {
-                reason: "refused".into()
-            }),
-            prefill
-        );
-        assert_eq!(leg(ServeError::EngineGone), None);
     }
 
     #[test]

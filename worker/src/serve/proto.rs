@@ -67,13 +67,3 @@ pub const REFUSED_BY_KEY: &str = "bulkhead-refused-by";
 pub fn refused_by(status: &tonic::Status) -> Option<&str> {
     status.metadata().get(REFUSED_BY_KEY)?.to_str().ok()
 }
-
-/// The metadata key naming the leg that failed a request when it is not the answering
-/// worker's own (`prefill`: its prefill worker did not complete it): the worker that answers
-/// is not the one in trouble.
-pub const FAILED_LEG_KEY: &str = "bulkhead-failed-leg";
-
-/// Which leg failed the request, when a status says.
-pub fn failed_leg(status: &tonic::Status) -> Option<&str> {
-    status.metadata().get(FAILED_LEG_KEY)?.to_str().ok()
-}
