@@ -203,9 +203,10 @@ impl AuditLog {
         let mut recoveries = Vec::new();
         let mut state = State::default();
         let (tenants, _) = layout::list_tenants(&dir).map_err(io_err("list", &dir))?;
-        hold_to_roster(&dir, &tenants, &mut recoveries)?;
+        let roster = hold_to_roster(&dir, &tenants, &mut recoveries)?;
         for tenant in tenants {
-            if let Some(t) = recover_tenant(&dir, &tenant, &mut recoveries)? {
+            let listed = roster.lists(&tenant);
+            if let Some(t) = recover_tenant(&dir, &tenant, listed, &mut recoveries)? {
                 state.tenants.insert(tenant, t);
             }
         }
@@ -489,29 +490,29 @@ impl Inner {
     }
 }
 
-/// Holds the tenant directories to the roster: a listed tenant's log must be there, and a
-/// directory no line lists must be empty (a crash between making and listing it: listed now).
-/// A new data directory gets an empty roster.
+/// Holds the tenant directories to the roster: a listed tenant's directory must be there
+/// (that it still has its head, [`recover_tenant`] checks as it reads it), and a directory no
+/// line lists must hold at most a genesis head (a crash between making and listing it: listed
+/// now). A new data directory gets an empty roster. Returns the roster as found.
 fn hold_to_roster(
     dir: &Path,
     tenants: &[TenantId],
     recoveries: &mut Vec<Recovery>,
-) -> Result<(), AuditError> {
+) -> Result<roster::Roster, AuditError> {
     let path = roster::path(dir);
     let roster = match roster::read(dir).map_err(io_err("read", &path))? {
-        None if tenants.is_empty() => return roster::create(dir).map_err(io_err("create", &path)),
+        None if tenants.is_empty() => {
+            roster::create(dir).map_err(io_err("create", &path))?;
+            return Ok(roster::Roster::default());
+        }
         None => return Err(AuditError::RosterMissing { path }),
         Some(Err(reason)) => return Err(AuditError::BadRoster { path, reason }),
         Some(Ok(roster)) => roster,
     };
-    for tenant in &roster.listed {
-        let tdir = layout::tenant_dir(dir, tenant);
-        let emptied = || roster::is_emptied(&tdir).map_err(io_err("list", &tdir));
-        if !tenants.contains(tenant) || emptied()? {
-            return Err(AuditError::TenantLogMissing {
-                tenant: tenant.clone(),
-            });
-        }
+    if let Some(gone) = roster.listed.iter().find(|t| !tenants.contains(t)) {
+        return Err(AuditError::TenantLogMissing {
+            tenant: gone.clone(),
+        });
     }
     for tenant in tenants.iter().filter(|t| !roster.lists(t)) {
         let tdir = layout::tenant_dir(dir, tenant);
@@ -534,7 +535,7 @@ fn hold_to_roster(
             tenant: tenant.clone(),
         });
     }
-    Ok(())
+    Ok(roster)
 }
 
 /// Opens a segment for appending, creating it (and the tenant directory, listed in the
@@ -626,10 +627,12 @@ fn cut(path: &Path, len: u64) -> Result<(), AuditError> {
 /// Resumes one tenant's chain: its last line that chains on from the head gives the next
 /// `seq` and `prev`. The head must name a record the log still holds, unchanged, so that a
 /// restart never resumes a chain that `verify` would refuse (appending after an edited or cut
-/// tail would hide it).
+/// tail would hide it). A tenant the roster `listed` got its head before it was listed: one
+/// without a head was emptied.
 fn recover_tenant(
     dir: &Path,
     tenant: &TenantId,
+    listed: bool,
     recoveries: &mut Vec<Recovery>,
 ) -> Result<Option<TenantState>, AuditError> {
     let tdir = layout::tenant_dir(dir, tenant);
@@ -638,6 +641,11 @@ fn recover_tenant(
         tenant: tenant.clone(),
         reason,
     })?;
+    if listed && head.is_none() && listing.segments.is_empty() {
+        return Err(AuditError::TenantLogMissing {
+            tenant: tenant.clone(),
+        });
+    }
     let Some((last_segment, last_path)) = listing.segments.last().cloned() else {
         return match head {
             Some(HeadFile::At(h)) => Err(AuditError::HeadAhead {
@@ -734,38 +742,36 @@ fn recover_tenant(
             Some(_) => {}
         }
     }
-    // A genesis head stands beside one record at most (a tenant's first goes down alone with a
-    // head naming it): more that chain on is a rewritten head, refused before anything is cut.
-    if named.is_none() {
-        let chained = chained_count(&after, next, digest);
-        if chained > 1 {
-            return Err(AuditError::GenesisBehind {
-                tenant: tenant.clone(),
-                records: chained,
-            });
-        }
-    }
-    cut_torn(recoveries)?;
     // Forward from the head: the lines that chain on are resumed; from the first that does not
     // (unreadable, or not the next record — what a crash can leave past the head) the segment
-    // is cut, where it is the last one.
-    for line in after.into_iter().rev() {
-        let chains = matches!(line.parsed, Ok((s, prev)) if Some(s.0) == next && prev == digest);
-        if chains {
-            next = next.and_then(|n| n.checked_add(1));
-            digest = line.digest;
-            continue;
-        }
-        if line.path != last_path {
-            return Err(AuditError::Corrupt {
-                path: line.path,
-                line: line.line,
-                reason: match line.parsed {
-                    Err(reason) => reason,
-                    Ok(_) => "the record does not follow the one before it".to_owned(),
-                },
-            });
-        }
+    // is cut, where it is the last one. Every refusal comes before anything is cut.
+    let chained = chained_count(&after, next, digest);
+    // A genesis head stands beside one record at most (a tenant's first goes down alone with a
+    // head naming it): more that chain on is a rewritten head.
+    if named.is_none() && chained > 1 {
+        return Err(AuditError::GenesisBehind {
+            tenant: tenant.clone(),
+            records: chained,
+        });
+    }
+    let mut lines = after.into_iter().rev();
+    for line in lines.by_ref().take(chained as usize) {
+        next = next.and_then(|n| n.checked_add(1));
+        digest = line.digest;
+    }
+    let unchained = lines.next();
+    if let Some(line) = unchained.as_ref().filter(|l| l.path != last_path) {
+        return Err(AuditError::Corrupt {
+            path: line.path.clone(),
+            line: line.line,
+            reason: match &line.parsed {
+                Err(reason) => reason.clone(),
+                Ok(_) => "the record does not follow the one before it".to_owned(),
+            },
+        });
+    }
+    cut_torn(recoveries)?;
+    if let Some(line) = unchained {
         cut(&last_path, line.offset)?;
         recoveries.push(Recovery::CutUnchained {
             path: last_path.clone(),
@@ -773,7 +779,6 @@ fn recover_tenant(
             bytes: segment_len - line.offset,
         });
         segment_len = line.offset;
-        break;
     }
     // A crash before the first record's head: the head names it now, so a second crash after
     // more records cannot leave a genesis head behind more than one.

@@ -88,6 +88,18 @@ pub fn config(dir: &Path, segment_bytes: u64) -> Config {
     }
 }
 
+/// A listed tenant's directory as a crash after its listing leaves it (its genesis head, no
+/// record), with a directory standing where its segment `n` goes, so that segment cannot be
+/// opened; returns that directory.
+pub fn listed_with_blocked_segment(dir: &Path, tenant: &TenantId, n: u64) -> PathBuf {
+    let tdir = dir.join(tenant.as_str());
+    let blocked = tdir.join(format!("{n:020}.jsonl"));
+    std::fs::create_dir_all(&blocked).expect("blocks the segment");
+    std::fs::write(tdir.join("head"), "genesis\n").expect("writes the head");
+    std::fs::write(dir.join("TENANTS"), format!("{tenant}\n")).expect("writes the roster");
+    blocked
+}
+
 pub fn open(dir: &Path, segment_bytes: u64) -> AuditLog {
     let (log, recoveries) = AuditLog::open(config(dir, segment_bytes)).expect("open the audit log");
     assert_eq!(recoveries, vec![]);

@@ -344,10 +344,7 @@ fn a_new_tenants_first_record_is_durable_with_its_head_before_the_rest_of_its_ba
     let dir = Scratch::new();
     let a = tenant("a");
     let tdir = dir.path().join(a.as_str());
-    let blocked = tdir.join(format!("{:020}.jsonl", 1));
-    std::fs::create_dir_all(&blocked).unwrap();
-    std::fs::write(tdir.join("head"), "genesis\n").unwrap();
-    std::fs::write(dir.path().join("TENANTS"), "a\n").unwrap();
+    let blocked = listed_with_blocked_segment(dir.path(), &a, 1);
     let mut cfg = config(dir.path(), 1);
     cfg.durability = Durability::Batched;
     let (log, _) = AuditLog::open(cfg).unwrap();
@@ -366,16 +363,14 @@ fn a_new_tenants_first_record_is_durable_with_its_head_before_the_rest_of_its_ba
 }
 
 #[test]
-fn a_new_tenants_directory_holds_its_genesis_head_before_any_line() {
-    // The first flush fails at the segment (a directory stands where it goes): the head
-    // written before it is the genesis head, so no crash can leave lines without a head.
+fn a_first_flush_that_fails_at_its_segment_leaves_a_log_that_resumes() {
+    // The first flush fails at the segment (a directory stands where it goes): the head stays
+    // the genesis head (none names a record that was not written), the tenant stays listed
+    // once, and the log resumes.
     let dir = Scratch::new();
     let a = tenant("a");
     let tdir = dir.path().join(a.as_str());
-    let segment = tdir.join(format!("{:020}.jsonl", 0));
-    std::fs::create_dir_all(&segment).unwrap();
-    std::fs::write(tdir.join("head"), "genesis\n").unwrap();
-    std::fs::write(dir.path().join("TENANTS"), "a\n").unwrap();
+    let segment = listed_with_blocked_segment(dir.path(), &a, 0);
     let log = open(dir.path(), 1 << 20);
     assert!(
         log.append(&a, &record(&a, 0)).is_err(),
@@ -383,6 +378,10 @@ fn a_new_tenants_directory_holds_its_genesis_head_before_any_line() {
     );
     drop(log);
     assert_eq!(std::fs::read(tdir.join("head")).unwrap(), b"genesis\n");
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("TENANTS")).unwrap(),
+        "a\n"
+    );
     std::fs::remove_dir(&segment).unwrap();
     let log = open(dir.path(), 1 << 20);
     assert_eq!(log.append(&a, &record(&a, 0)).unwrap().seq, Seq(0));

@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use bulkhead_audit::{Problem, Reason, Seq, TenantId, verify};
+use bulkhead_audit::{AuditError, AuditLog, Problem, Reason, Seq, TenantId, verify};
 
 use crate::common::*;
 
@@ -253,6 +253,11 @@ fn an_unknown_tenant_fails() {
     assert_eq!(report.first_problem().unwrap().reason, Reason::NoSuchTenant);
 }
 
+/// Why the writer refuses to open `dir`.
+fn refusal(dir: &Path) -> AuditError {
+    AuditLog::open(config(dir, 3000)).expect_err("refused")
+}
+
 /// The roster's tenants' reports, by id: each tenant's first problem's reason.
 fn reasons(dir: &Path) -> Vec<(String, Option<Reason>)> {
     verify(dir, None)
@@ -274,9 +279,9 @@ fn a_tenants_log_deleted_whole_is_reported_and_refused() {
             ("b".to_owned(), Some(Reason::LogDeleted))
         ]
     );
-    let err = bulkhead_audit::AuditLog::open(config(dir.path(), 3000)).unwrap_err();
+    let err = refusal(dir.path());
     assert!(
-        matches!(err, bulkhead_audit::AuditError::TenantLogMissing { ref tenant } if tenant.as_str() == "b"),
+        matches!(err, AuditError::TenantLogMissing { ref tenant } if tenant.as_str() == "b"),
         "{err}"
     );
     // Without the roster as well: the directory no longer says which tenants it held.
@@ -286,11 +291,8 @@ fn a_tenants_log_deleted_whole_is_reported_and_refused() {
         report.dir_problem.map(|p| p.reason),
         Some(Reason::RosterMissing),
     );
-    let err = bulkhead_audit::AuditLog::open(config(dir.path(), 3000)).unwrap_err();
-    assert!(
-        matches!(err, bulkhead_audit::AuditError::RosterMissing { .. }),
-        "{err}"
-    );
+    let err = refusal(dir.path());
+    assert!(matches!(err, AuditError::RosterMissing { .. }), "{err}");
 }
 
 #[test]
@@ -304,9 +306,9 @@ fn a_listed_tenants_log_emptied_is_reported_and_refused() {
         reasons(dir.path())[1],
         ("b".to_owned(), Some(Reason::LogDeleted))
     );
-    let err = bulkhead_audit::AuditLog::open(config(dir.path(), 3000)).unwrap_err();
+    let err = refusal(dir.path());
     assert!(
-        matches!(err, bulkhead_audit::AuditError::TenantLogMissing { ref tenant } if tenant.as_str() == "b"),
+        matches!(err, AuditError::TenantLogMissing { ref tenant } if tenant.as_str() == "b"),
         "{err}"
     );
 }
@@ -326,11 +328,8 @@ fn a_log_the_roster_does_not_list_is_reported_and_refused() {
         reasons(dir.path())[2],
         ("c".to_owned(), Some(Reason::Unlisted))
     );
-    let err = bulkhead_audit::AuditLog::open(config(dir.path(), 3000)).unwrap_err();
-    assert!(
-        matches!(err, bulkhead_audit::AuditError::TenantUnlisted { .. }),
-        "{err}"
-    );
+    let err = refusal(dir.path());
+    assert!(matches!(err, AuditError::TenantUnlisted { .. }), "{err}");
 }
 
 #[test]
@@ -347,7 +346,7 @@ fn a_crash_between_making_and_listing_a_tenants_directory_is_listed_at_open() {
     let report = verify(dir.path(), None);
     let torn = report.dir_problem.clone().expect("the torn line is shown");
     assert_eq!((torn.path, torn.reason), (roster.clone(), Reason::TornLine));
-    let (log, recoveries) = bulkhead_audit::AuditLog::open(config(dir.path(), 3000)).unwrap();
+    let (log, recoveries) = AuditLog::open(config(dir.path(), 3000)).unwrap();
     assert_eq!(
         recoveries,
         [

@@ -639,6 +639,19 @@ mod tests {
         }
     }
 
+    /// A 503 for want of a worker says when to try again (routing is judged again about every
+    /// second); a 500 says nothing of the kind.
+    #[test]
+    fn no_worker_to_route_to_is_a_503_with_a_retry_after() {
+        for e in [ApiError::NoHealthyWorker, ApiError::WorkerUnavailable] {
+            let r = e.into_response();
+            assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+            assert_eq!(r.headers()[header::RETRY_AFTER], "1");
+        }
+        let r = ApiError::Internal.into_response();
+        assert!(!r.headers().contains_key(header::RETRY_AFTER));
+    }
+
     #[test]
     fn error_responses_name_their_class_for_the_audit_record() {
         let r = ApiError::KvIntegrity.into_response();

@@ -9,11 +9,10 @@ use std::path::Path;
 pub fn available_bytes() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
     let host = meminfo.as_deref().and_then(mem_available);
-    let cgroup = cgroup_room(Path::new("/sys/fs/cgroup"));
-    match (host, cgroup) {
-        (Some(h), Some(c)) => Some(h.min(c)),
-        (h, c) => h.or(c),
-    }
+    // The smaller of the two that are known.
+    host.into_iter()
+        .chain(cgroup_room(Path::new("/sys/fs/cgroup")))
+        .min()
 }
 
 /// `MemAvailable` of `/proc/meminfo` text, in bytes.
