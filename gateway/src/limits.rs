@@ -11,10 +11,16 @@
 //! reload never lets a tenant burst past its limit. Budgets of removed tenants are kept (a few
 //! bytes each) until their last permit drops and beyond: a tenant removed and added back keeps
 //! its usage.
+//!
+//! Every answer to a tenant carries the state of its per-minute limits in OpenAI's
+//! `x-ratelimit-*` headers ([`RateLimits`]), so a client can pace itself before a 429.
 
 use std::collections::HashMap;
+use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
+
+use http::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::tenant::{Tenant, TenantId, TenantLimits};
 use crate::tenants::TenantSet;
@@ -93,6 +99,16 @@ impl Bucket {
         }
         let missing = n.min(self.capacity) - self.level;
         Err((missing * 60.0 / self.capacity).ceil().max(1.0) as u64)
+    }
+
+    /// What is left now, and how long until the bucket is full again.
+    fn window(&mut self, now: Instant) -> Window {
+        self.refill(now);
+        Window {
+            limit: self.capacity as u64,
+            remaining: self.level.max(0.0) as u64,
+            reset: Duration::from_secs_f64((self.capacity - self.level) * 60.0 / self.capacity),
+        }
     }
 
     fn give_back(&mut self, n: u64) {
@@ -192,6 +208,78 @@ impl TenantBudget {
     pub fn in_flight(&self) -> u32 {
         self.in_flight
     }
+
+    /// The per-minute limits' state now.
+    pub fn rate_limits(&mut self, now: Instant) -> RateLimits {
+        RateLimits {
+            requests: self.requests.window(now),
+            tokens: self.tokens.window(now),
+        }
+    }
+}
+
+/// One per-minute limit as a client sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Window {
+    pub limit: u64,
+    /// What may be taken now (tokens charged to requests in flight are not: each is charged its
+    /// prompt and max tokens until it ends).
+    pub remaining: u64,
+    /// Until the limit is whole again.
+    pub reset: Duration,
+}
+
+/// A tenant's per-minute limits, for OpenAI's `x-ratelimit-*` response headers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RateLimits {
+    pub requests: Window,
+    pub tokens: Window,
+}
+
+impl RateLimits {
+    /// Sets `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` as OpenAI's API does (the
+    /// reset as a duration such as `1s`, `6m0s` or `250ms`).
+    pub fn write(&self, headers: &mut HeaderMap) {
+        for (window, unit) in [(self.requests, "requests"), (self.tokens, "tokens")] {
+            let fields = [
+                ("limit", window.limit.to_string()),
+                ("remaining", window.remaining.to_string()),
+                ("reset", duration_text(window.reset)),
+            ];
+            for (field, value) in fields {
+                if let (Ok(name), Ok(value)) = (
+                    HeaderName::try_from(format!("x-ratelimit-{field}-{unit}")),
+                    HeaderValue::try_from(value),
+                ) {
+                    headers.insert(name, value);
+                }
+            }
+        }
+    }
+}
+
+/// A duration as Go prints one, to the millisecond, as OpenAI's reset headers are: `0s`,
+/// `250ms`, `1.5s`, `6m0s`, `1m0.25s`.
+fn duration_text(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms == 0 {
+        return "0s".into();
+    }
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let mut text = String::new();
+    let (minutes, ms) = (ms / 60_000, ms % 60_000);
+    if minutes > 0 {
+        let _ = write!(text, "{minutes}m");
+    }
+    let _ = write!(text, "{}", ms / 1000);
+    if ms % 1000 > 0 {
+        let _ = write!(text, ".{:03}", ms % 1000);
+        text.truncate(text.trim_end_matches('0').len());
+    }
+    text.push('s');
+    text
 }
 
 /// Every tenant's budget; a cheap `Clone` handle.
@@ -203,12 +291,7 @@ pub struct Limiter {
 impl Limiter {
     /// Starts a request for `tenant` (concurrency and requests per minute).
     pub fn start(&self, tenant: &Arc<Tenant>) -> Result<RequestPermit, LimitError> {
-        let now = Instant::now();
-        let mut budgets = self.budgets.lock().unwrap_or_else(PoisonError::into_inner);
-        budgets
-            .entry(tenant.id.clone())
-            .or_insert_with(|| TenantBudget::new(tenant.limits, now))
-            .start(&tenant.id, now)?;
+        self.budget(tenant, |budget, now| budget.start(&tenant.id, now))?;
         Ok(RequestPermit {
             limiter: self.clone(),
             tenant: tenant.id.clone(),
@@ -235,6 +318,25 @@ impl Limiter {
                 .and_modify(|budget| budget.retune(tenant.limits, now))
                 .or_insert_with(|| TenantBudget::new(tenant.limits, now));
         }
+    }
+
+    /// `tenant`'s per-minute limits now.
+    pub fn rate_limits(&self, tenant: &Arc<Tenant>) -> RateLimits {
+        self.budget(tenant, |budget, now| budget.rate_limits(now))
+    }
+
+    /// Runs `f` on `tenant`'s budget, made from its limits if it has none yet.
+    fn budget<R>(
+        &self,
+        tenant: &Arc<Tenant>,
+        f: impl FnOnce(&mut TenantBudget, Instant) -> R,
+    ) -> R {
+        let now = Instant::now();
+        let mut budgets = self.budgets.lock().unwrap_or_else(PoisonError::into_inner);
+        let budget = budgets
+            .entry(tenant.id.clone())
+            .or_insert_with(|| TenantBudget::new(tenant.limits, now));
+        f(budget, now)
     }
 
     /// Requests in flight for `tenant` now.
@@ -432,6 +534,59 @@ mod tests {
         assert!(d.start(&id(), t0 + Duration::from_secs(59)).is_err());
         d.start(&id(), t0 + Duration::from_secs(62))
             .expect("62 s at 30/min: the 30-request debt paid and one request refilled");
+    }
+
+    #[test]
+    fn the_rate_limit_headers_say_what_is_left_and_when_it_is_whole() {
+        let t0 = Instant::now();
+        let mut b = TenantBudget::new(limits(10, 120, 6000), t0);
+        b.start(&id(), t0).expect("1 of 120");
+        b.charge(&id(), 1500, t0).expect("1500 of 6000");
+        let later = t0 + Duration::from_millis(250);
+        let now = b.rate_limits(later);
+        // 120 a minute refill 0.5 in 250 ms: 119.5 left, whole in 250 ms.
+        assert_eq!(
+            now.requests,
+            Window {
+                limit: 120,
+                remaining: 119,
+                reset: Duration::from_millis(250)
+            }
+        );
+        // 6000 a minute refill 25 in 250 ms: 4525 left, 1475 short: 14.75 s.
+        assert_eq!(now.tokens.remaining, 4525);
+        assert_eq!(now.tokens.reset.as_millis(), 14_750);
+        let mut headers = HeaderMap::new();
+        now.write(&mut headers);
+        let header = |name: &str| headers[name].to_str().expect("ascii").to_owned();
+        assert_eq!(header("x-ratelimit-limit-requests"), "120");
+        assert_eq!(header("x-ratelimit-remaining-requests"), "119");
+        assert_eq!(header("x-ratelimit-reset-requests"), "250ms");
+        assert_eq!(header("x-ratelimit-limit-tokens"), "6000");
+        assert_eq!(header("x-ratelimit-remaining-tokens"), "4525");
+        assert_eq!(header("x-ratelimit-reset-tokens"), "14.75s");
+        // A debt left by lowering a limit shows as nothing left, for longer than a minute.
+        b.retune(limits(10, 120, 1000), later);
+        let debt = b.rate_limits(later).tokens;
+        assert_eq!((debt.limit, debt.remaining), (1000, 0));
+        assert_eq!(duration_text(debt.reset), "1m28.5s");
+    }
+
+    #[test]
+    fn durations_are_written_as_openai_writes_them() {
+        let ms = Duration::from_millis;
+        for (d, text) in [
+            (ms(0), "0s"),
+            (Duration::from_micros(400), "0s"),
+            (ms(17), "17ms"),
+            (ms(1000), "1s"),
+            (ms(1500), "1.5s"),
+            (ms(59_999), "59.999s"),
+            (ms(360_000), "6m0s"),
+            (ms(61_250), "1m1.25s"),
+        ] {
+            assert_eq!(duration_text(d), text, "{d:?}");
+        }
     }
 
     #[test]

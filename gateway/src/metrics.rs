@@ -18,7 +18,7 @@ use thread_local::ThreadLocal;
 use crate::histogram::Scale;
 use crate::tenant::TenantId;
 use crate::tenants::TenantSet;
-use crate::workers::{Health, Workers};
+use crate::workers::{Health, WorkerReport, Workers};
 
 /// Request latencies: milliseconds, from 5 ms to 5 minutes.
 struct Millis;
@@ -183,36 +183,32 @@ impl Metrics {
                 t.id
             );
         }
-        family(
-            &mut out,
-            "bulkhead_gateway_worker_routable",
-            "gauge",
-            "Whether the gateway routes to the worker.",
-        );
-        family(
-            &mut out,
-            "bulkhead_gateway_worker_healthy",
-            "gauge",
-            "Whether the worker's last Health said serving.",
-        );
-        family(
-            &mut out,
-            "bulkhead_gateway_worker_outstanding_tokens",
-            "gauge",
-            "Prompt + max tokens of the requests in flight on the worker.",
-        );
-        for w in workers.reports() {
-            let name = w.name.replace(['"', '\\', '\n'], "_");
-            let healthy = matches!(w.health, Health::Serving { .. });
-            let _ = writeln!(
-                out,
-                "bulkhead_gateway_worker_routable{{worker=\"{name}\"}} {}\n\
-                 bulkhead_gateway_worker_healthy{{worker=\"{name}\"}} {}\n\
-                 bulkhead_gateway_worker_outstanding_tokens{{worker=\"{name}\"}} {}",
-                u8::from(w.routable),
-                u8::from(healthy),
-                w.outstanding_tokens
-            );
+        let reports = workers.reports();
+        let gauges: [(&str, &str, fn(&WorkerReport) -> u64); 3] = [
+            (
+                "bulkhead_gateway_worker_routable",
+                "Whether the gateway routes to the worker.",
+                |w| u64::from(w.routable),
+            ),
+            (
+                "bulkhead_gateway_worker_healthy",
+                "Whether the worker's last Health said serving.",
+                |w| u64::from(matches!(w.health, Health::Serving { .. })),
+            ),
+            (
+                "bulkhead_gateway_worker_outstanding_tokens",
+                "Prompt + max tokens of the requests in flight on the worker.",
+                |w| w.outstanding_tokens,
+            ),
+        ];
+        // Each family's samples together, after its own HELP and TYPE (the text format
+        // requires it: a scrape whose families interleave is refused or read as duplicates).
+        for (name, help, value) in gauges {
+            family(&mut out, name, "gauge", help);
+            for w in &reports {
+                let worker = w.name.replace(['"', '\\', '\n'], "_");
+                let _ = writeln!(out, "{name}{{worker=\"{worker}\"}} {}", value(w));
+            }
         }
         out
     }

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use crate::up::{
     ADMIN, HTTP_LIMIT, KEY_A, KEY_B, KEY_LIMITED, KEY_SERIAL, Options, QUEUED_BEHIND, SILENCE_2S,
-    TempDir, Up, a_long_answer_holding_decode, bounded, http, json, metric, on_disk, python, repo,
-    send, sha256_hex, stream_under_way,
+    TempDir, Up, a_long_answer_holding_decode, bounded, exchange, header, http, json, metric,
+    on_disk, python, repo, send, sha256_hex, stream_under_way,
 };
 
 pub const QUESTION: &str =
@@ -111,15 +111,62 @@ fn the_gateway_enforces_keys_admission_tenancy_and_limits() {
         assert_eq!(status, 200);
         assert_eq!(metric(&up.metrics(), b_ok), metric(&m0, b_ok) + 1);
 
-        // Over requests per minute (2): the third request in a row gets 429.
+        // Over requests per minute (2): the third request in a row gets 429. Every answer
+        // says what is left of the minute, as OpenAI's `x-ratelimit-*` headers do.
         let tiny = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":1}"#;
-        for _ in 0..2 {
-            let (status, body) = up.chat(KEY_LIMITED, &[], tiny);
+        let limited = || {
+            exchange(
+                &up.api,
+                "POST",
+                "/v1/chat/completions",
+                Some(KEY_LIMITED),
+                &[],
+                tiny,
+            )
+        };
+        for left in ["1", "0"] {
+            let (status, head, body) = limited();
             assert_eq!(status, 200, "{body}");
+            assert_eq!(
+                header(&head, "x-ratelimit-limit-requests"),
+                Some("2"),
+                "{head}"
+            );
+            assert_eq!(
+                header(&head, "x-ratelimit-remaining-requests"),
+                Some(left),
+                "{head}"
+            );
+            assert_eq!(
+                header(&head, "x-ratelimit-limit-tokens"),
+                Some("1000000"),
+                "{head}"
+            );
+            // The few tokens used refill within milliseconds at a million a minute.
+            let remaining: u64 = header(&head, "x-ratelimit-remaining-tokens")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("no tokens left said: {head}"));
+            assert!(remaining > 999_000 && remaining <= 1_000_000, "{head}");
+            assert!(
+                header(&head, "x-ratelimit-reset-tokens").is_some(),
+                "{head}"
+            );
         }
-        let (status, body) = up.chat(KEY_LIMITED, &[], tiny);
+        let (status, head, body) = limited();
         assert_eq!(status, 429, "{body}");
         assert_eq!(json(&body)["error"]["code"], "rate_limit_exceeded");
+        assert_eq!(
+            header(&head, "x-ratelimit-remaining-requests"),
+            Some("0"),
+            "{head}"
+        );
+        // One request refills in 30 s at 2 a minute; the whole minute's two in under 60.
+        let reset = header(&head, "x-ratelimit-reset-requests").unwrap_or_else(|| panic!("{head}"));
+        let secs: f64 = reset
+            .strip_suffix('s')
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("not a duration in seconds: {reset}"));
+        assert!((50.0..60.0).contains(&secs), "{head}");
 
         // Over max concurrent (1): a second request while one streams gets 429.
         let streaming = r#"{"messages":[{"role":"user","content":"Tell me a long story."}],"max_tokens":400,"stream":true}"#;

@@ -256,9 +256,11 @@ impl Up {
         assert!(sent.success(), "kill {signal}");
     }
 
+    /// The gateway's `/metrics`, checked to be well formed text exposition.
     pub fn metrics(&self) -> String {
         let (status, body) = http(&self.admin, "GET", "/metrics", Some(ADMIN), &[], "");
         assert_eq!(status, 200, "{body}");
+        assert_families_grouped(&body);
         body
     }
 
@@ -551,6 +553,34 @@ pub fn records(page: &serde_json::Value) -> Vec<serde_json::Value> {
 
 pub fn json(body: &str) -> serde_json::Value {
     serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))
+}
+
+/// Every sample of a metric family follows its own `# TYPE` line, before the next family's,
+/// as Prometheus's text format requires (a scrape whose families interleave is refused by
+/// strict parsers, or read as the same family twice).
+pub fn assert_families_grouped(text: &str) {
+    let mut families: Vec<&str> = Vec::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let name = rest.split(' ').next().unwrap_or_default();
+            assert!(!families.contains(&name), "{name} typed twice:\n{text}");
+            families.push(name);
+            continue;
+        }
+        if line.starts_with('#') || line.is_empty() {
+            continue;
+        }
+        let sample = line.split(['{', ' ']).next().unwrap_or_default();
+        let current = families.last().copied().unwrap_or_default();
+        let of_current = sample == current
+            || ["_bucket", "_sum", "_count"]
+                .iter()
+                .any(|suffix| sample.strip_suffix(suffix) == Some(current));
+        assert!(
+            of_current,
+            "{sample} outside its family (after {current}):\n{text}"
+        );
+    }
 }
 
 pub fn metric(text: &str, name: &str) -> u64 {

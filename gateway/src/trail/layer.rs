@@ -10,6 +10,7 @@ use http::{HeaderValue, Version};
 
 use crate::api::{ApiError, ErrorType, Streamed};
 use crate::auth::Authenticated;
+use crate::limits::Limiter;
 use crate::metrics::Metrics;
 
 use super::{CLIENT_CLOSED, Recorder, Trail};
@@ -67,20 +68,33 @@ pub async fn audited(
     }
 }
 
-/// Puts the authenticated tenant on the request's trail, and counts the request in the
-/// tenant's metrics by final status.
-pub async fn account(State(metrics): State<Metrics>, request: Request, next: Next) -> Response {
+/// What [`account`] counts with: the metrics, and the limiter whose state it tells the client.
+#[derive(Debug, Clone)]
+pub struct Accounts {
+    pub metrics: Metrics,
+    pub limiter: Limiter,
+}
+
+/// Puts the authenticated tenant on the request's trail, counts the request in the tenant's
+/// metrics by final status, and tells the client its per-minute limits' state
+/// (`x-ratelimit-*`).
+pub async fn account(State(accounts): State<Accounts>, request: Request, next: Next) -> Response {
     let who = request.extensions().get::<Authenticated>().cloned();
     if let (Some(trail), Some(who)) = (request.extensions().get::<Trail>(), &who) {
         trail.authenticated(who);
     }
+    let Accounts { metrics, limiter } = accounts;
+    let tenant = who.as_ref().map(|who| who.tenant.clone());
     let count = who.map(|who| Count {
         metrics,
         who: Some(who),
     });
-    let response = next.run(request).await;
+    let mut response = next.run(request).await;
     if let Some(count) = count {
         count.status(response.status().as_u16());
+    }
+    if let Some(tenant) = tenant {
+        limiter.rate_limits(&tenant).write(response.headers_mut());
     }
     response
 }

@@ -38,7 +38,7 @@ use bulkhead_telemetry::AuditExport;
 use tracing::Span;
 
 pub use draft::{CLIENT_CLOSED, CLIENT_CLOSED_TYPE, GATEWAY_SHUTDOWN_TYPE, Trail};
-pub use layer::{account, audited};
+pub use layer::{Accounts, account, audited};
 pub use read::{AuditPage, admin_read, tenant_read};
 pub use unserved::Watch;
 
