@@ -184,7 +184,7 @@ impl Metrics {
             );
         }
         let reports = workers.reports();
-        let gauges: [(&str, &str, fn(&WorkerReport) -> u64); 3] = [
+        let gauges: [(&str, &str, WorkerGauge); 3] = [
             (
                 "bulkhead_gateway_worker_routable",
                 "Whether the gateway routes to the worker.",
@@ -213,6 +213,9 @@ impl Metrics {
         out
     }
 }
+
+/// A per-worker gauge's value, read from the worker's report.
+type WorkerGauge = fn(&WorkerReport) -> u64;
 
 /// The listeners' TLS handshakes by how they ended (see [`Handshakes`]).
 pub fn render_handshakes(out: &mut String, h: Handshakes) {
