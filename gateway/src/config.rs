@@ -103,6 +103,7 @@ use crate::keys::{KeyHash, KeyHashError};
 use crate::policy::{PolicySettings, SandboxSettings};
 use crate::tenant::{Tenant, TenantId, TenantIdError, TenantLimits};
 use crate::tenants::{TenantSet, TenantSetBuilder};
+use crate::toml_errors::{self, TomlError};
 
 /// The validated configuration.
 #[derive(Debug, Clone)]
@@ -338,7 +339,7 @@ pub enum ConfigError {
         source: std::io::Error,
     },
     #[error("{0}")]
-    Toml(#[from] toml::de::Error),
+    Toml(#[from] TomlError),
     #[error("cluster.token_file: {0}")]
     ClusterToken(#[from] TokenError),
     #[error("cluster: {0}")]
@@ -558,7 +559,7 @@ impl Config {
 
     /// Validates a configuration given as TOML text.
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
-        let raw: RawConfig = toml::from_str(text)?;
+        let raw: RawConfig = toml_errors::parse(text)?;
         let admin_token =
             KeyHash::from_hex(&raw.admin.token_sha256).map_err(ConfigError::AdminToken)?;
         let http = http_limits(&raw.http)?;

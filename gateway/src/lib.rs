@@ -37,6 +37,7 @@ pub mod serving;
 pub mod stalls;
 pub mod tenant;
 pub mod tenants;
+mod toml_errors;
 pub mod traced;
 pub mod trail;
 pub mod upstreams;

@@ -294,6 +294,24 @@ fn tenants_reload_from_the_rewritten_config_file_while_the_stack_serves() {
         assert_eq!(up.chat(KEY_B, &[], tiny).0, 401);
         let (_, listing) = http(&up.admin, "GET", "/tenants", Some(ADMIN), &[], "");
         assert_eq!(json(&listing)["last_reload_error"], error, "{listing}");
+        // A file that does not parse: the place and the fault, never the line (it holds a
+        // key's hash, and the answer, the listing and the log all carry the reason).
+        let hash = sha256_hex(KEY_NEW);
+        std::fs::write(
+            &up.config,
+            rewritten.replace(&format!("[\"{hash}\"]"), &format!("[\"{hash}\" \"x\"]")),
+        )
+        .expect("rewrites");
+        let (status, body) = reload();
+        assert_eq!(status, 422, "{body}");
+        let error = json(&body)["error"].as_str().expect("a reason").to_owned();
+        assert!(error.contains("line "), "{body}");
+        let (_, listing) = http(&up.admin, "GET", "/tenants", Some(ADMIN), &[], "");
+        assert_eq!(json(&listing)["last_reload_error"], error, "{listing}");
+        assert!(
+            !body.contains(&hash) && !listing.contains(&hash),
+            "{body}\n{listing}"
+        );
 
         // SIGHUP reloads too: the file as it was, and tenant-b's key works again.
         std::fs::write(&up.config, &text).expect("restores the config");

@@ -46,43 +46,40 @@ impl Decision {
 }
 
 impl DecisionVerdict {
-    /// A short label for metrics.
-    pub fn label(&self) -> &'static str {
+    /// The verdict as the audit record names it: allowed unchanged, allowed with a change
+    /// (tags, headers, a clamp), denied, or failed (open or closed).
+    fn audited(&self) -> bulkhead_audit::Verdict {
+        use bulkhead_audit::Verdict;
         match self {
             DecisionVerdict::Allow {
-                clamped_to: None, ..
-            } => "allow",
-            DecisionVerdict::Allow {
-                clamped_to: Some(_),
-                ..
-            } => "clamp",
-            DecisionVerdict::Deny { .. } => "deny",
-            DecisionVerdict::Fault {
-                fail_open: true, ..
-            } => "fault_fail_open",
-            DecisionVerdict::Fault {
-                fail_open: false, ..
-            } => "fault",
+                clamped_to: None,
+                tags,
+                headers,
+            } if tags.is_empty() && headers.is_empty() => Verdict::Allow,
+            DecisionVerdict::Allow { .. } => Verdict::Mutate,
+            DecisionVerdict::Deny { status } => Verdict::Deny { status: *status },
+            DecisionVerdict::Fault { .. } => Verdict::Error,
+        }
+    }
+
+    /// The metrics' label: the audit record's word for the verdict, so the two join.
+    pub fn label(&self) -> &'static str {
+        use bulkhead_audit::Verdict;
+        match self.audited() {
+            Verdict::Allow => "allow",
+            Verdict::Mutate => "mutate",
+            Verdict::Deny { .. } => "deny",
+            Verdict::Error => "error",
         }
     }
 }
 
 impl From<&Decision> for bulkhead_audit::PolicyDecision {
     fn from(d: &Decision) -> bulkhead_audit::PolicyDecision {
-        use bulkhead_audit::Verdict;
         bulkhead_audit::PolicyDecision {
             plugin: d.plugin.clone(),
             digest: bulkhead_audit::Sha256Digest(d.sha256.to_bytes()),
-            verdict: match &d.verdict {
-                DecisionVerdict::Allow {
-                    clamped_to: None,
-                    tags,
-                    headers,
-                } if tags.is_empty() && headers.is_empty() => Verdict::Allow,
-                DecisionVerdict::Allow { .. } => Verdict::Mutate,
-                DecisionVerdict::Deny { status } => Verdict::Deny { status: *status },
-                DecisionVerdict::Fault { .. } => Verdict::Error,
-            },
+            verdict: d.verdict.audited(),
             tags: d
                 .tags()
                 .map(|(key, value)| bulkhead_audit::Label {

@@ -34,6 +34,8 @@ use super::plugin::{CallLimits, Fault, Loaded};
 use super::sandbox::Sandbox;
 use super::snapshot::Snapshotter;
 
+use crate::toml_errors::{self, TomlError};
+
 /// The API routes a binding may name.
 pub const ROUTES: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
 
@@ -69,10 +71,7 @@ pub enum LoadError {
         source: std::io::Error,
     },
     #[error("{path}: {source}")]
-    Toml {
-        path: String,
-        source: Box<toml::de::Error>,
-    },
+    Toml { path: String, source: TomlError },
     #[error("plugin {plugin:?}: sha256 = {value:?} is not 64 hex digits")]
     BadPin { plugin: String, value: String },
     #[error(
@@ -179,9 +178,9 @@ pub(super) fn load(sandbox: &Sandbox, path: &Path) -> Result<PolicySet, LoadErro
     let started = SystemTime::now();
     let text = read(path)?;
     let raw: RawSet =
-        toml::from_str(&String::from_utf8_lossy(&text)).map_err(|e| LoadError::Toml {
+        toml_errors::parse(&String::from_utf8_lossy(&text)).map_err(|source| LoadError::Toml {
             path: path.display().to_string(),
-            source: Box::new(e),
+            source,
         })?;
     let chain = raw.chain.ok_or_else(|| LoadError::NoChain {
         path: path.display().to_string(),

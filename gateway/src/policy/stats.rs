@@ -104,7 +104,8 @@ impl Stats {
             };
             family(
                 "bulkhead_policy_decisions_total",
-                "Policy decisions on requests by plugin and verdict.",
+                "Policy decisions on requests by plugin and verdict (allow, mutate, deny, error: the audit \
+                 record's words).",
                 c.decisions
                     .iter()
                     .map(|((p, v), n)| (format!("plugin=\"{p}\",verdict=\"{v}\""), *n))

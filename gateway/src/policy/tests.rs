@@ -263,7 +263,7 @@ async fn length_limit_clamps_and_denies_per_tenant_and_tenant_tag_labels() {
     p.render_metrics(&mut metrics);
     assert!(
         metrics.contains(
-            "bulkhead_policy_decisions_total{plugin=\"length-limit\",verdict=\"clamp\"} 1"
+            "bulkhead_policy_decisions_total{plugin=\"length-limit\",verdict=\"mutate\"} 1"
         ),
         "{metrics}"
     );
