@@ -53,6 +53,9 @@ struct Inner {
     current: RwLock<Arc<PolicySet>>,
     /// Why the last reload was refused (cleared by a good one).
     last_error: Mutex<Option<String>>,
+    /// The digest of the file as the last load or reload read it (`None`: it could not be
+    /// read): what the watcher compares the file with, whoever asked for that reload.
+    tried: Mutex<Option<Digest>>,
     /// One reload at a time.
     reloading: Mutex<()>,
     /// tenant → abandoned requests held now.
@@ -81,6 +84,7 @@ impl Policies {
         Policies {
             inner: Arc::new(Inner {
                 runtime,
+                tried: Mutex::new(set.source()),
                 current: RwLock::new(Arc::new(set)),
                 last_error: Mutex::new(None),
                 reloading: Mutex::new(()),
@@ -131,7 +135,9 @@ impl Policies {
     pub fn reload(&self) -> Result<Arc<PolicySet>, PolicyError> {
         let (sandbox, settings) = self.inner.runtime.as_ref().ok_or(PolicyError::Disabled)?;
         let _one = lock(&self.inner.reloading);
-        match load::load(sandbox, &settings.file) {
+        let text = load::read(&settings.file);
+        *lock(&self.inner.tried) = text.as_deref().ok().map(Digest::of);
+        match text.and_then(|text| load::load_text(sandbox, &settings.file, &text)) {
             Ok(set) => {
                 let set = Arc::new(set);
                 *self
@@ -158,18 +164,17 @@ impl Policies {
         lock(&self.inner.last_error).clone()
     }
 
-    /// Checks the policy file every `watch_interval` and reloads when its content changed
-    /// (a refused content is not retried until it changes again). A file that can no longer
-    /// be read (deleted, its permissions changed) is a refused reload too, said once until it
-    /// can be read again: the active set stays. `None` when not watching.
+    /// Checks the policy file every `watch_interval` and reloads when its content differs
+    /// from what the last reload read — the watcher's or an admin call's (a refused content
+    /// is not retried until it changes again). A file that can no longer be read (deleted, its
+    /// permissions changed) is a refused reload too, said once until it can be read again: the
+    /// active set stays. `None` when not watching.
     pub fn spawn_watch(&self) -> Option<tokio::task::JoinHandle<()>> {
         let (_, settings) = self.inner.runtime.as_ref()?;
         let interval = settings.watch_interval?;
         let file = settings.file.clone();
         let policies = self.clone();
         Some(tokio::spawn(async move {
-            // What the file held when last looked at: `None` when it could not be read.
-            let mut seen: Option<Digest> = policies.current().source();
             let mut tick = tokio::time::interval(interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
@@ -180,10 +185,9 @@ impl Policies {
                     continue;
                 };
                 let now = read.ok().map(|bytes| Digest::of(&bytes));
-                if now == seen {
+                if now == *lock(&policies.inner.tried) {
                     continue;
                 }
-                seen = now;
                 let p = policies.clone();
                 let _ = tokio::task::spawn_blocking(move || p.reload()).await;
             }

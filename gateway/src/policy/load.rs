@@ -175,10 +175,18 @@ struct Prepared {
 
 /// Reads, checks and loads the policy set at `path` (component paths are relative to it).
 pub(super) fn load(sandbox: &Sandbox, path: &Path) -> Result<PolicySet, LoadError> {
+    load_text(sandbox, path, &read(path)?)
+}
+
+/// Checks and loads `text`, the policy set read from `path`.
+pub(super) fn load_text(
+    sandbox: &Sandbox,
+    path: &Path,
+    text: &[u8],
+) -> Result<PolicySet, LoadError> {
     let started = SystemTime::now();
-    let text = read(path)?;
     let raw: RawSet =
-        toml_errors::parse(&String::from_utf8_lossy(&text)).map_err(|source| LoadError::Toml {
+        toml_errors::parse(&String::from_utf8_lossy(text)).map_err(|source| LoadError::Toml {
             path: path.display().to_string(),
             source,
         })?;
@@ -208,10 +216,11 @@ pub(super) fn load(sandbox: &Sandbox, path: &Path) -> Result<PolicySet, LoadErro
     }
     // Only a set that loads prunes: a refused one leaves the active set's entries as they were.
     sandbox.prune_cache(started);
-    Ok(PolicySet::new(bindings, Digest::of(&text)))
+    Ok(PolicySet::new(bindings, Digest::of(text)))
 }
 
-fn read(path: &Path) -> Result<Vec<u8>, LoadError> {
+/// The policy set file's bytes.
+pub(super) fn read(path: &Path) -> Result<Vec<u8>, LoadError> {
     std::fs::read(path).map_err(|source| LoadError::Read {
         path: path.display().to_string(),
         source,

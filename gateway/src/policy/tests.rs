@@ -1166,6 +1166,55 @@ async fn the_watched_file_emptied_or_deleted_keeps_the_set_and_says_why() {
     watch.abort();
 }
 
+/// A file changed, reloaded by an admin call, then put back before the watcher looked: the
+/// watcher loads it again (it compared the file with what it had last seen itself, the same
+/// content, and left the admin call's set running, different from the file, with nothing said).
+#[tokio::test]
+async fn the_watcher_compares_the_file_with_the_set_reloaded_last_whoever_reloaded_it() {
+    let dir = Scratch::new("policy");
+    let set = |max: u32| {
+        format!(
+            "{}{}",
+            plugin("length-limit", ""),
+            binding(
+                "length-limit",
+                &format!("config = {{ max_prompt_tokens = {max} }}")
+            )
+        )
+    };
+    let path = write(&dir, &set(5));
+    let mut s = settings(&path, None);
+    s.watch_interval = Some(Duration::from_secs(2));
+    let p = Policies::load(s).expect("loads");
+    let first = p.current().source();
+    let watch = p.spawn_watch().expect("watching");
+    // The watcher's first look, at once: the file as loaded.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    write(&dir, &set(500));
+    let admin = p.clone();
+    tokio::task::spawn_blocking(move || admin.reload())
+        .await
+        .expect("joins")
+        .expect("the admin call's reload");
+    assert_ne!(p.current().source(), first);
+    write(&dir, &set(5));
+    assert!(
+        started.elapsed() < Duration::from_millis(1500),
+        "the watcher may have looked in between: {:?}",
+        started.elapsed()
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while p.current().source() != first {
+        assert!(
+            Instant::now() < deadline,
+            "the file put back was never loaded: the running set is not the file's"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    watch.abort();
+}
+
 #[tokio::test]
 async fn a_bad_reload_keeps_the_old_set_and_says_why_and_in_flight_requests_keep_theirs() {
     let dir = Scratch::new("policy");
