@@ -23,9 +23,15 @@ fn offered() -> &'static str {
 /// Imports a plugin may declare but is never given, and why.
 const NOT_OFFERED: [(&str, &str); 1] = [("wasi:http/", "plugins get no network")];
 
-/// Why `bytes` cannot be compiled as a component, when they are a core WebAssembly module
-/// (a component's header has another version and layer).
-pub(super) fn core_module(bytes: &[u8]) -> Option<&'static str> {
+/// Why `bytes` cannot be compiled as a component, when they are not WebAssembly at all or
+/// a core WebAssembly module (a component's header has another version and layer).
+pub(super) fn not_a_component(bytes: &[u8]) -> Option<&'static str> {
+    if !bytes.starts_with(b"\0asm") {
+        return Some(
+            "it is not WebAssembly (the file does not begin with \\0asm): name the component \
+             that its build wrote (a .wasm file)",
+        );
+    }
     (bytes.get(..8) == Some(b"\0asm\x01\0\0\0")).then_some(
         "it is a core WebAssembly module, not a component: build it for wasm32-wasip2, or \
          make it one with `wasm-tools component new` (plugins/README.md)",
@@ -96,9 +102,14 @@ mod tests {
     }
 
     #[test]
-    fn a_core_module_is_told_from_a_component() {
-        assert!(core_module(b"\0asm\x01\0\0\0rest").is_some());
-        assert!(core_module(b"\0asm\x0d\0\x01\0rest").is_none());
-        assert!(core_module(b"\0asm").is_none());
+    fn a_core_module_or_a_file_that_is_not_wasm_is_told_from_a_component() {
+        let core = not_a_component(b"\0asm\x01\0\0\0rest").expect("a core module");
+        assert!(core.contains("core WebAssembly module"), "{core}");
+        assert!(not_a_component(b"\0asm\x0d\0\x01\0rest").is_none());
+        assert!(not_a_component(b"\0asm").is_none());
+        for text in [&b"#!/bin/sh\n"[..], b"", b"\0as"] {
+            let no = not_a_component(text).expect("not WebAssembly");
+            assert!(no.contains("not WebAssembly"), "{no}");
+        }
     }
 }

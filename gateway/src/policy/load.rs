@@ -104,6 +104,15 @@ pub enum LoadError {
     },
     #[error("chain[{index}] ({plugin}): an empty tenant name in `tenants` matches no tenant")]
     EmptyTenant { index: usize, plugin: String },
+    #[error(
+        "chain[{index}] ({plugin}): `{field} = []` matches nothing, so the binding would never \
+         apply: leave `{field}` out to apply it to every one, or remove the binding"
+    )]
+    MatchesNothing {
+        index: usize,
+        plugin: String,
+        field: &'static str,
+    },
     #[error("chain[{index}]: plugin {plugin:?} is not defined under [plugins]")]
     UnknownPlugin { index: usize, plugin: String },
     #[error("chain[{index}] ({plugin}): route {route:?} is not one of {ROUTES:?}")]
@@ -125,7 +134,7 @@ pub enum LoadError {
         plugin: String,
         errors: String,
     },
-    #[error("chain[{index}] ({plugin}): the plugin refused its configuration: {fault}")]
+    #[error("chain[{index}] ({plugin}): configuring the plugin failed: it {fault}")]
     Configure {
         index: usize,
         plugin: String,
@@ -334,6 +343,18 @@ fn bind(index: usize, raw: RawBinding, prepared: &Prepared) -> Result<Binding, L
     }
     if raw.tenants.iter().flatten().any(String::is_empty) {
         return Err(LoadError::EmptyTenant { index, plugin });
+    }
+    for (field, empty) in [
+        ("tenants", raw.tenants.as_ref().is_some_and(Vec::is_empty)),
+        ("routes", raw.routes.as_ref().is_some_and(Vec::is_empty)),
+    ] {
+        if empty {
+            return Err(LoadError::MatchesNothing {
+                index,
+                plugin,
+                field,
+            });
+        }
     }
     let mut headers = Vec::with_capacity(raw.headers.len());
     for h in &raw.headers {

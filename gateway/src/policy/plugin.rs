@@ -42,7 +42,10 @@ pub enum Fault {
     Memory,
     #[error("returned an invalid answer: {0}")]
     Garbage(String),
-    #[error("no instance slot was free in time")]
+    /// `configure` answered with an error: the plugin's own reason.
+    #[error("refused its configuration: {0}")]
+    Refused(String),
+    #[error("found no free instance slot in time")]
     Busy,
 }
 
@@ -54,6 +57,7 @@ impl Fault {
             Fault::Timeout => "timeout",
             Fault::Memory => "memory",
             Fault::Garbage(_) => "garbage",
+            Fault::Refused(_) => "refused",
             Fault::Busy => "busy",
         }
     }
@@ -347,10 +351,7 @@ impl Loaded {
 
 /// A plugin's refusal of its configuration, as a fault.
 fn refused(reason: &str) -> Fault {
-    Fault::Garbage(format!(
-        "configure refused its configuration: {}",
-        printable(reason, MAX_TRAP_TEXT)
-    ))
+    Fault::Refused(printable(reason, MAX_TRAP_TEXT))
 }
 
 /// What a failed call means: a refused memory growth, the epoch deadline, or another trap.
@@ -360,6 +361,11 @@ fn classify(store: &Store<Host>, e: &wasmtime::Error) -> Fault {
     } else if e.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
         Fault::Timeout
     } else {
-        Fault::Trap(printable(&format!("{e:#}"), MAX_TRAP_TEXT))
+        // The trap itself, not the chain around it: that opens with wasmtime's backtrace of
+        // the guest's frames, lines of addresses that pushed the cause past any bound.
+        let cause = e
+            .downcast_ref::<Trap>()
+            .map_or_else(|| e.root_cause().to_string(), Trap::to_string);
+        Fault::Trap(printable(&cause, MAX_TRAP_TEXT))
     }
 }

@@ -58,10 +58,24 @@ impl Default for SandboxSettings {
     }
 }
 
-/// Why the sandbox cannot be built or a component not compiled.
-#[derive(Debug, thiserror::Error)]
-#[error("{0:#}")]
+/// Why the sandbox cannot be built or a component not compiled: wasmtime's error chain on
+/// one line (its causes may print over several, which would break the log line and the
+/// reload answer).
+#[derive(Debug)]
 pub struct SandboxError(wasmtime::Error);
+
+impl std::fmt::Display for SandboxError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let text = format!("{:#}", self.0);
+        let mut words = text.split_whitespace();
+        if let Some(first) = words.next() {
+            f.write_str(first)?;
+        }
+        words.try_for_each(|w| write!(f, " {w}"))
+    }
+}
+
+impl std::error::Error for SandboxError {}
 
 /// The engine, the linker and the instance slots, shared by every policy set.
 #[derive(Clone)]
@@ -151,7 +165,7 @@ impl Sandbox {
         bytes: &[u8],
         digest: &Digest,
     ) -> Result<(Ready, Compiled), SandboxError> {
-        if let Some(why) = contract::core_module(bytes) {
+        if let Some(why) = contract::not_a_component(bytes) {
             return Err(SandboxError(wasmtime::format_err!("{why}")));
         }
         let (component, compiled) = cache::compile(
@@ -204,4 +218,19 @@ fn spawn_ticker(engine: &Engine) -> std::io::Result<()> {
             }
         })
         .map(drop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_compile_error_is_told_on_one_line() {
+        let inner = wasmtime::format_err!("bad magic number - expected=[\n    0x0,\n    0x61,\n]");
+        let e = SandboxError(inner.context("failed to parse WebAssembly module"));
+        assert_eq!(
+            e.to_string(),
+            "failed to parse WebAssembly module: bad magic number - expected=[ 0x0, 0x61, ]"
+        );
+    }
 }

@@ -113,7 +113,8 @@ impl Stats {
             );
             family(
                 "bulkhead_policy_faults_total",
-                "Policy plugin calls that trapped, timed out, exceeded memory or returned garbage.",
+                "Policy plugin calls that trapped, timed out, exceeded memory, returned garbage or refused \
+                 their configuration.",
                 c.faults
                     .iter()
                     .map(|((p, k), n)| (format!("plugin=\"{p}\",kind=\"{k}\""), *n))

@@ -518,10 +518,12 @@ async fn a_memory_bomb_hits_its_memory_limit_and_fails_closed() {
 #[tokio::test]
 async fn a_trap_fails_closed_unless_the_binding_is_fail_open() {
     let (p, _dir) = hostile("", "config = { attack = \"trap\" }");
-    assert!(matches!(
-        fault_of(ask(&p, Ask::default()).await),
-        Fault::Trap(_)
-    ));
+    let fault = fault_of(ask(&p, Ask::default()).await);
+    // The trap itself, on one line: not wasmtime's backtrace of the guest's frames before it.
+    assert!(
+        matches!(&fault, Fault::Trap(t) if t.starts_with("wasm trap: ") && !t.contains("backtrace")),
+        "{fault:?}"
+    );
     let (p, _dir) = hostile("", "fail_open = true\nconfig = { attack = \"trap\" }");
     let allowed = ask(&p, Ask::default())
         .await
@@ -532,6 +534,45 @@ async fn a_trap_fails_closed_unless_the_binding_is_fail_open() {
             fault: "trap",
             fail_open: true
         }
+    );
+}
+
+/// A plugin that refuses its configuration (here one its schema allows) is refused by its
+/// own reason, said once, not as an invalid answer.
+#[test]
+fn a_configuration_the_plugin_refuses_is_refused_with_its_reason() {
+    let dir = Scratch::new("policy");
+    let (hostile, digest) = component("hostile");
+    std::fs::copy(&hostile, dir.0.join("hostile.wasm")).expect("copies the component");
+    std::fs::write(dir.0.join("hostile.schema.json"), "{}").expect("a schema allowing all");
+    let path = write(
+        &dir,
+        &format!(
+            "[plugins.hostile]\ncomponent = \"hostile.wasm\"\nsha256 = \"{digest}\"\n{}",
+            binding("hostile", "config = { attack = \"nope\" }")
+        ),
+    );
+    let e = Policies::load(settings(&path, None)).expect_err("refused by the plugin");
+    let text = e.to_string();
+    assert!(
+        matches!(
+            &e,
+            PolicyError::Load(LoadError::Configure {
+                fault: Fault::Refused(_),
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+    assert!(
+        text.starts_with(
+            "chain[0] (hostile): configuring the plugin failed: it refused its configuration: "
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("nope") && !text.contains("invalid answer"),
+        "{text}"
     );
 }
 
@@ -1086,7 +1127,7 @@ fn a_component_that_cannot_be_a_plugin_is_refused_saying_why() {
 
 /// An empty or truncated policy file is refused, not taken for a set of no policy (which
 /// would turn every policy off); `chain = []` says so on purpose. A binding for the tenant
-/// "" is refused: it matches no tenant.
+/// "", or for an empty list of tenants or routes, is refused: it matches nothing.
 #[test]
 fn an_empty_file_or_an_empty_tenant_name_is_refused() {
     for text in ["", "\n  \n", "[plugins]\n"] {
@@ -1111,6 +1152,19 @@ fn an_empty_file_or_an_empty_tenant_name_is_refused() {
         ),
         "{e}"
     );
+    // An empty list of tenants or routes: a binding that never applies, turned off silently.
+    for field in ["tenants", "routes"] {
+        let e = load(&format!(
+            "{}{}",
+            plugin("length-limit", ""),
+            binding("length-limit", &format!("{field} = []"))
+        ))
+        .expect_err("an empty list");
+        assert!(
+            matches!(&e, PolicyError::Load(LoadError::MatchesNothing { index: 0, field: f, .. }) if *f == field),
+            "{field}: {e}"
+        );
+    }
 }
 
 /// Waits (bounded) until the last refused reload of `p` says `what`.
