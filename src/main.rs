@@ -71,8 +71,8 @@ fn main() -> std::process::ExitCode {
             // The error and its causes, never a backtrace (even with RUST_BACKTRACE set): a
             // refused input or a failed check is an answer, not a crash. Panics keep theirs.
             eprintln!("Error: {e}");
-            let mut causes = e.chain().skip(1).peekable();
-            if causes.peek().is_some() {
+            let causes = causes_not_said(&e);
+            if !causes.is_empty() {
                 eprintln!("\nCaused by:");
                 for cause in causes {
                     eprintln!("    {cause}");
@@ -81,6 +81,18 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// The causes of `e` that the link before each does not already say: many errors name
+/// their cause in their own message and also give it as their source, and the chain would
+/// print it twice.
+fn causes_not_said(e: &anyhow::Error) -> Vec<String> {
+    let links: Vec<String> = e.chain().map(ToString::to_string).collect();
+    links
+        .windows(2)
+        .filter(|pair| !pair[0].contains(pair[1].as_str()))
+        .map(|pair| pair[1].clone())
+        .collect()
 }
 
 fn run(command: Command) -> anyhow::Result<()> {
@@ -125,5 +137,33 @@ mod tests {
     #[test]
     fn the_command_line_is_well_formed() {
         super::Cli::command().debug_assert();
+    }
+
+    /// An error that names its source in its own message (`cannot read f.toml: {source}`).
+    #[derive(Debug)]
+    struct Read(std::io::Error);
+
+    impl std::fmt::Display for Read {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "cannot read f.toml: {}", self.0)
+        }
+    }
+
+    impl std::error::Error for Read {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn a_cause_its_error_already_names_is_printed_once() {
+        let missing = || std::io::Error::new(std::io::ErrorKind::NotFound, "No such file");
+        let e = anyhow::Error::new(Read(missing())).context("invalid configuration");
+        assert_eq!(
+            super::causes_not_said(&e),
+            ["cannot read f.toml: No such file"]
+        );
+        let e = anyhow::Error::new(missing()).context("invalid configuration");
+        assert_eq!(super::causes_not_said(&e), ["No such file"]);
     }
 }
