@@ -28,6 +28,7 @@
 mod authority;
 mod grpc;
 mod listener;
+mod usage;
 mod validity;
 
 use std::future::Future;
@@ -46,6 +47,7 @@ use tokio_rustls::{TlsAcceptor, TlsConnector, client, server};
 pub use authority::{Authority, WriteError};
 pub use grpc::{EndpointError, WorkerEndpoint, endpoint};
 pub use listener::{Handshakes, ListenerFiles, ListenerTls, Opened};
+pub use usage::Usage;
 pub use validity::{Concern, RENEW_WITHIN, Validity, render_expiry};
 
 use super::followed::Followed;
@@ -104,6 +106,13 @@ pub enum TlsError {
         path: String,
         reason: String,
     },
+    #[error(
+        "the TLS certificate {path} does not allow {} (peers refuse it for that): reissue it \
+         with {} in its extendedKeyUsage, or with no extendedKeyUsage",
+        list(missing, Usage::to_string),
+        list(missing, |u| u.keyword().to_owned())
+    )]
+    Usage { path: String, missing: Vec<Usage> },
     #[error("the TLS private key {path} holds no PEM private key")]
     NoKey { path: String },
     #[error("the TLS private key {path} is not a usable key: {reason}")]
@@ -207,23 +216,41 @@ fn certificates(
 }
 
 /// The certificate chain this process presents, read from `path`, and its first
-/// certificate's validity. One that is not valid now or lapses within [`RENEW_WITHIN`] is
-/// warned of, at every load of the files.
+/// certificate's validity. One whose extendedKeyUsage leaves out a usage in `needed` is
+/// refused ([`usage`]); one that is not valid now or lapses within [`RENEW_WITHIN`] is warned
+/// of, at every load of the files.
 fn serving_chain(
     path: &Path,
     pem: &[u8],
+    needed: &[Usage],
 ) -> Result<(Vec<CertificateDer<'static>>, Validity), TlsError> {
     let what = "TLS certificate";
     let chain = certificates(what, path, pem)?;
-    let validity = Validity::of(&chain[0]).map_err(|e| TlsError::BadCertificate {
+    let bad = |reason: String| TlsError::BadCertificate {
         what,
         path: path.display().to_string(),
-        reason: format!("its validity period does not parse: {e}"),
-    })?;
+        reason,
+    };
+    let (_, leaf) = x509_parser::parse_x509_certificate(&chain[0])
+        .map_err(|e| bad(format!("it does not parse: {e}")))?;
+    let missing = usage::missing(&leaf, needed)
+        .map_err(|e| bad(format!("its extendedKeyUsage does not parse: {e}")))?;
+    if !missing.is_empty() {
+        return Err(TlsError::Usage {
+            path: path.display().to_string(),
+            missing,
+        });
+    }
+    let validity = Validity::of(&leaf);
     if let Some(concern) = validity.concern(SystemTime::now()) {
         tracing::warn!(certificate = %path.display(), "the TLS certificate {concern}");
     }
     Ok((chain, validity))
+}
+
+/// Each of `usages` as `word` says, joined: "a", "a and b".
+fn list(usages: &[Usage], word: impl Fn(&Usage) -> String) -> String {
+    usages.iter().map(word).collect::<Vec<_>>().join(" and ")
 }
 
 /// Why PEM text of certificates does not parse, its lines as text (the parser's own message
@@ -322,7 +349,7 @@ impl Loaded {
     /// The ends made from `read`, the bytes of `files`.
     fn parse(files: &TlsFiles, read: Read) -> Result<Loaded, TlsError> {
         let roots = trust_anchors(&files.ca, &read.ca)?;
-        let (chain, validity) = serving_chain(&files.cert, &read.cert)?;
+        let (chain, validity) = serving_chain(&files.cert, &read.cert, usage::CLUSTER)?;
         let key = private_key(&files.key, &read.key)?;
         let mismatch = |e| mismatch(&files.cert, &files.key, e);
         let ends = |alpn: &[u8]| -> Result<Ends, TlsError> {
@@ -595,6 +622,77 @@ mod tests {
             .expect("chmod");
         let e = refused(&files);
         assert!(e.contains("open to other users"), "{e}");
+    }
+
+    /// Writes over `files`' certificate and key a self-signed certificate for 127.0.0.1,
+    /// valid until 2090, whose extendedKeyUsage lists `purposes` (`None`: no such extension),
+    /// and its key. Returns its notAfter.
+    fn self_signed_over(
+        files: &TlsFiles,
+        purposes: Option<Vec<rcgen::ExtendedKeyUsagePurpose>>,
+    ) -> i64 {
+        let mut params =
+            rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()]).expect("valid names");
+        params.extended_key_usages = purposes.unwrap_or_default();
+        params.not_after = rcgen::date_time_ymd(2090, 1, 1);
+        let key = rcgen::KeyPair::generate().expect("a key");
+        let cert = params.self_signed(&key).expect("signed");
+        std::fs::write(&files.cert, cert.pem()).expect("writes");
+        secret_file::write(&files.key, key.serialize_pem().as_bytes()).expect("writes");
+        // 2090-01-01 00:00 UTC.
+        3_786_912_000
+    }
+
+    /// Every process serves and calls: a certificate whose extendedKeyUsage leaves out client
+    /// (or server) authentication is refused by name when the files are loaded — peers would
+    /// refuse it in every handshake —, and a renewal without it keeps the files in use; one
+    /// with no extendedKeyUsage at all may be used for anything.
+    #[tokio::test]
+    async fn a_certificate_that_cannot_both_serve_and_call_is_refused_at_load_and_reload() {
+        use rcgen::ExtendedKeyUsagePurpose::{ClientAuth, ServerAuth};
+        let (_dir, files) = written();
+        let tls = ClusterTls::load(&files).expect("loads");
+        let in_use = tls.validity();
+        let follower = tokio::spawn(tls.clone().follow(Duration::from_millis(20)));
+
+        self_signed_over(&files, Some(vec![ServerAuth]));
+        let e = ClusterTls::load(&files).expect_err("refused").to_string();
+        assert!(
+            e.contains("does not allow client authentication (calling other processes)")
+                && e.contains("with clientAuth in its extendedKeyUsage")
+                && e.contains(&files.cert.display().to_string())
+                && !e.contains("serverAuth"),
+            "{e}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(
+            tls.validity(),
+            in_use,
+            "a renewal that cannot call was taken"
+        );
+
+        self_signed_over(&files, Some(vec![ClientAuth]));
+        let e = ClusterTls::load(&files).expect_err("refused").to_string();
+        assert!(
+            e.contains("does not allow server authentication (serving)"),
+            "{e}"
+        );
+
+        let not_after = self_signed_over(&files, None);
+        assert!(ClusterTls::load(&files).is_ok());
+        let mut renewed = false;
+        for _ in 0..50 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            if tls.validity().not_after == not_after {
+                renewed = true;
+                break;
+            }
+        }
+        assert!(
+            renewed,
+            "a certificate without extendedKeyUsage was not taken"
+        );
+        follower.abort();
     }
 
     /// A data connection on loopback, both ends with certificates from one CA: (decode's
