@@ -45,7 +45,7 @@ use tokio_rustls::rustls::{self, ClientConfig, ConfigBuilder, RootCertStore, Ser
 use tokio_rustls::{TlsAcceptor, TlsConnector, client, server};
 
 pub use authority::{Authority, WriteError};
-pub use grpc::{EndpointError, WorkerEndpoint, endpoint};
+pub use grpc::{EndpointError, WorkerEndpoint, answered_in_plain_text, endpoint};
 pub use listener::{Handshakes, ListenerFiles, ListenerTls, Opened};
 pub use usage::Usage;
 pub use validity::{Concern, RENEW_WITHIN, Validity, render_expiry};
