@@ -284,7 +284,7 @@ impl Args {
 
     /// The TLS files, read and checked now.
     fn tls(&self) -> anyhow::Result<Option<ClusterTls>> {
-        Ok(self.tls.settings().map(|s| s.load()).transpose()?)
+        Ok(self.tls.over(None)?.map(|s| s.load()).transpose()?)
     }
 }
 
