@@ -56,8 +56,8 @@
 //!
 //! [[workers]]
 //! name = "local"
-//! grpc = "http://127.0.0.1:50051"
-//! role = "both"
+//! grpc = "http://127.0.0.1:50051"  # with [cluster] tls_*, dialled over TLS whatever the
+//! role = "both"                     # scheme (https:// only then)
 //!
 //! [[workers]]                       # an OpenAI-compatible HTTP server (vLLM, llama.cpp, …)
 //! name = "vllm"
