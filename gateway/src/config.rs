@@ -94,7 +94,8 @@ use std::time::Duration;
 use bulkhead_telemetry::{OtlpEndpoint, TelemetryError};
 use bulkhead_worker::serve::cluster_token::{SharedToken, TokenError};
 use bulkhead_worker::serve::tls::{
-    self, ClusterTls, EndpointError, ListenerFiles, ListenerTls, TlsError, TlsFiles, TlsSettings,
+    self, ClusterTls, EndpointError, ListenerFiles, ListenerTls, Part, TlsError, TlsFiles,
+    TlsSettings,
 };
 use serde::Deserialize;
 
@@ -623,7 +624,7 @@ impl Config {
     /// worker is refused without TLS, as it would be where it is dialled.
     pub fn cluster_access(&self) -> Result<ClusterAccess, ConfigError> {
         let token = self.cluster.token_file.as_deref().map(SharedToken::read);
-        let tls = self.cluster.tls.as_ref().map(TlsSettings::load);
+        let tls = self.cluster.tls.as_ref().map(|s| s.load(Part::Calls));
         let access = ClusterAccess {
             token: token.transpose()?,
             tls: tls.transpose()?,

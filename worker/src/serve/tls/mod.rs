@@ -47,7 +47,7 @@ use tokio_rustls::{TlsAcceptor, TlsConnector, client, server};
 pub use authority::{Authority, WriteError};
 pub use grpc::{EndpointError, WorkerEndpoint, answered_in_plain_text, endpoint};
 pub use listener::{Handshakes, ListenerFiles, ListenerTls, Opened};
-pub use usage::Usage;
+pub use usage::{Part, Usage};
 pub use validity::{Concern, RENEW_WITHIN, Validity, render_expiry};
 
 use super::followed::Followed;
@@ -77,9 +77,10 @@ pub struct TlsSettings {
 }
 
 impl TlsSettings {
-    /// The files read and checked, servers verified as the settings say.
-    pub fn load(&self) -> Result<ClusterTls, TlsError> {
-        let tls = ClusterTls::load(&self.files)?;
+    /// The files read and checked for a process playing `part`, servers verified as the
+    /// settings say.
+    pub fn load(&self, part: Part) -> Result<ClusterTls, TlsError> {
+        let tls = ClusterTls::load_as(&self.files, part)?;
         match &self.server_name {
             Some(name) => tls.verifying_servers_as(name),
             None => Ok(tls),
@@ -137,6 +138,8 @@ pub enum TlsError {
 pub struct ClusterTls {
     current: Followed<Loaded>,
     files: Arc<TlsFiles>,
+    /// What this process does, which the certificate must allow at every reload.
+    part: Part,
     /// The name every server's certificate must carry, when not the host dialled.
     servers: Option<ServerName<'static>>,
 }
@@ -340,16 +343,17 @@ impl Read {
 }
 
 impl Loaded {
-    /// Reads and checks `files`: the CA parses and is usable as a trust anchor, the key file
-    /// is open to its owner only and holds a key, and the certificate goes with the key.
-    fn read(files: &TlsFiles) -> Result<Loaded, TlsError> {
-        Loaded::parse(files, Read::from_files(files)?)
+    /// Reads and checks `files` for a process playing `part`: the CA parses and is usable as
+    /// a trust anchor, the key file is open to its owner only and holds a key, and the
+    /// certificate goes with the key and allows what `part` needs.
+    fn read(files: &TlsFiles, part: Part) -> Result<Loaded, TlsError> {
+        Loaded::parse(files, part, Read::from_files(files)?)
     }
 
     /// The ends made from `read`, the bytes of `files`.
-    fn parse(files: &TlsFiles, read: Read) -> Result<Loaded, TlsError> {
+    fn parse(files: &TlsFiles, part: Part, read: Read) -> Result<Loaded, TlsError> {
         let roots = trust_anchors(&files.ca, &read.ca)?;
-        let (chain, validity) = serving_chain(&files.cert, &read.cert, usage::CLUSTER)?;
+        let (chain, validity) = serving_chain(&files.cert, &read.cert, part.needs())?;
         let key = private_key(&files.key, &read.key)?;
         let mismatch = |e| mismatch(&files.cert, &files.key, e);
         let ends = |alpn: &[u8]| -> Result<Ends, TlsError> {
@@ -395,11 +399,17 @@ async fn within<T>(
 }
 
 impl ClusterTls {
-    /// Reads and checks `files` (see [`TlsError`] for what is refused).
+    /// Reads and checks a worker's `files` (see [`TlsError`] for what is refused).
     pub fn load(files: &TlsFiles) -> Result<ClusterTls, TlsError> {
+        ClusterTls::load_as(files, Part::ServesAndCalls)
+    }
+
+    /// Reads and checks `files` for a process playing `part`.
+    pub fn load_as(files: &TlsFiles, part: Part) -> Result<ClusterTls, TlsError> {
         Ok(ClusterTls {
-            current: Followed::new(Loaded::read(files)?),
+            current: Followed::new(Loaded::read(files, part)?),
             files: Arc::new(files.clone()),
+            part,
             servers: None,
         })
     }
@@ -430,14 +440,14 @@ impl ClusterTls {
     /// Reads the files again every `every`, for as long as it runs (it never returns): files
     /// that changed and load are used from the next connection on, by every clone.
     pub async fn follow(self, every: Duration) {
-        let files = self.files.clone();
+        let (files, part) = (self.files.clone(), self.part);
         self.current
             .follow_files(
                 every,
                 "the TLS files",
                 || Read::from_files(&files),
                 |loaded| &loaded.read,
-                |read| Loaded::parse(&files, read),
+                |read| Loaded::parse(&files, part, read),
             )
             .await;
     }
@@ -676,6 +686,11 @@ mod tests {
         assert!(
             e.contains("does not allow server authentication (serving)"),
             "{e}"
+        );
+
+        assert!(
+            ClusterTls::load_as(&files, Part::Calls).is_ok(),
+            "a gateway only calls"
         );
 
         let not_after = self_signed_over(&files, None);

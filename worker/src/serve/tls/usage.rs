@@ -1,7 +1,7 @@
-//! What a process's own certificate may be used for. Every process of a deployment both
-//! serves (its gRPC port, a decode worker's KV listener) and calls (the gateway its workers,
-//! decode its prefill, prefill decode's KV listener), so its cluster certificate must allow TLS
-//! server and client authentication ([`CLUSTER`]); the gateway's own listeners only serve
+//! What a process's own certificate may be used for. A worker both serves (its gRPC port, a
+//! decode worker's KV listener) and calls (decode its prefill, prefill decode's KV listener),
+//! so its cluster certificate must allow TLS server and client authentication; the gateway
+//! and preflight only call workers ([`Part`]); the gateway's own listeners only serve
 //! ([`LISTENER`]). Peers check this only in the handshake: a certificate without client
 //! authentication serves, then has every call it makes refused — so it is refused where the
 //! files are loaded instead, naming the usage it lacks.
@@ -21,8 +21,26 @@ pub enum Usage {
     ClientAuth,
 }
 
-/// What a certificate of the deployment's mutual TLS is used for: serving and calling.
-pub(super) const CLUSTER: &[Usage] = &[Usage::ServerAuth, Usage::ClientAuth];
+/// What a process does on the deployment's mutual TLS, which decides the usages its
+/// certificate needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// A worker: serves gRPC and the KV data plane, and calls its peers (serverAuth and
+    /// clientAuth).
+    ServesAndCalls,
+    /// The gateway and preflight: only call workers (clientAuth).
+    Calls,
+}
+
+impl Part {
+    /// The usages a certificate must allow to play this part.
+    pub(super) fn needs(self) -> &'static [Usage] {
+        match self {
+            Part::ServesAndCalls => &[Usage::ServerAuth, Usage::ClientAuth],
+            Part::Calls => &[Usage::ClientAuth],
+        }
+    }
+}
 
 /// What the certificate of the gateway's own listeners is used for: serving.
 pub(super) const LISTENER: &[Usage] = &[Usage::ServerAuth];
@@ -65,16 +83,21 @@ mod tests {
 
     use super::*;
 
-    /// What a certificate listing `purposes` (no extension at all when `None`) lacks for the
-    /// deployment's mutual TLS.
-    fn lacks(purposes: Option<Vec<Purpose>>) -> Vec<Usage> {
+    /// What a certificate listing `purposes` (no extension at all when `None`) lacks to play
+    /// `part`.
+    fn lacks_for(part: Part, purposes: Option<Vec<Purpose>>) -> Vec<Usage> {
         let mut params =
             rcgen::CertificateParams::new(vec!["localhost".to_owned()]).expect("valid names");
         params.extended_key_usages = purposes.unwrap_or_default();
         let key = rcgen::KeyPair::generate().expect("a key");
         let cert = params.self_signed(&key).expect("signed");
         let (_, parsed) = x509_parser::parse_x509_certificate(cert.der()).expect("parses");
-        missing(&parsed, CLUSTER).expect("readable")
+        missing(&parsed, part.needs()).expect("readable")
+    }
+
+    /// What a worker's certificate listing `purposes` lacks.
+    fn lacks(purposes: Option<Vec<Purpose>>) -> Vec<Usage> {
+        lacks_for(Part::ServesAndCalls, purposes)
     }
 
     #[test]
@@ -95,5 +118,17 @@ mod tests {
             lacks(Some(vec![Purpose::CodeSigning])),
             [Usage::ServerAuth, Usage::ClientAuth]
         );
+    }
+
+    /// The gateway and preflight only call: client authentication is all they need (the
+    /// Kubernetes TLS overlay issues the gateway's with no other).
+    #[test]
+    fn a_caller_needs_client_authentication_only() {
+        assert_eq!(lacks_for(Part::Calls, Some(vec![Purpose::ClientAuth])), []);
+        assert_eq!(
+            lacks_for(Part::Calls, Some(vec![Purpose::ServerAuth])),
+            [Usage::ClientAuth]
+        );
+        assert_eq!(lacks_for(Part::Calls, None), []);
     }
 }
