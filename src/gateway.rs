@@ -34,9 +34,7 @@ impl WorkersArgs {
     fn config(&self) -> anyhow::Result<(Config, ConfigFile)> {
         let (mut config, file) = ConfigFile::load(&self.config)
             .with_context(|| format!("invalid configuration {}", self.config.display()))?;
-        if let Some(tls) = self.tls.settings() {
-            config.cluster.tls = Some(tls);
-        }
+        config.cluster.tls = self.tls.over(config.cluster.tls.take())?;
         Ok((config, file))
     }
 }
@@ -59,7 +57,7 @@ impl Args {
     /// The configuration file, with the TLS flags in place of its `tls_*` when given.
     fn config(&self) -> anyhow::Result<(Config, ConfigFile)> {
         let (mut config, file) = self.workers.config()?;
-        config.listen.tls = self.listen_tls.over(config.listen.tls.take());
+        config.listen.tls = self.listen_tls.over(config.listen.tls.take())?;
         Ok((config, file))
     }
 }

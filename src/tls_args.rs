@@ -34,26 +34,39 @@ pub struct TlsArgs {
     #[arg(long, env = env::TLS_KEY, requires_all = ["tls_ca", "tls_cert"])]
     tls_key: Option<PathBuf>,
     /// The DNS name every server's certificate must carry, instead of the host dialled: for
-    /// peers dialled by addresses no certificate names in advance (pod IPs).
-    #[arg(long, env = env::TLS_SERVER_NAME, requires = "tls_ca")]
+    /// peers dialled by addresses no certificate names in advance (pod IPs). Needs the TLS
+    /// files: these flags' or, for the gateway and preflight, `[cluster]`'s.
+    #[arg(long, env = env::TLS_SERVER_NAME)]
     tls_server_name: Option<String>,
 }
 
 impl TlsArgs {
-    /// The settings the flags give, if they give any.
-    pub fn settings(&self) -> Option<TlsSettings> {
-        let (Some(ca), Some(cert), Some(key)) = (&self.tls_ca, &self.tls_cert, &self.tls_key)
-        else {
-            return None;
-        };
-        Some(TlsSettings {
-            files: TlsFiles {
-                ca: ca.clone(),
-                cert: cert.clone(),
-                key: key.clone(),
-            },
-            server_name: self.tls_server_name.clone(),
-        })
+    /// The settings in force: the flags' files (with the flags' server name) in place of
+    /// `file`'s (the gateway's `[cluster]`; `None` for a worker) when they name any; else
+    /// `file`'s, verifying servers as --tls-server-name says when it is given. A server name
+    /// with no files from either is refused.
+    pub fn over(&self, file: Option<TlsSettings>) -> anyhow::Result<Option<TlsSettings>> {
+        if let (Some(ca), Some(cert), Some(key)) = (&self.tls_ca, &self.tls_cert, &self.tls_key) {
+            return Ok(Some(TlsSettings {
+                files: TlsFiles {
+                    ca: ca.clone(),
+                    cert: cert.clone(),
+                    key: key.clone(),
+                },
+                server_name: self.tls_server_name.clone(),
+            }));
+        }
+        match (file, &self.tls_server_name) {
+            (file, None) => Ok(file),
+            (Some(file), Some(name)) => Ok(Some(TlsSettings {
+                server_name: Some(name.clone()),
+                ..file
+            })),
+            (None, Some(_)) => anyhow::bail!(
+                "--tls-server-name needs the TLS files: --tls-ca, --tls-cert and --tls-key \
+                 (gateway and preflight: or [cluster] tls_ca, tls_cert and tls_key)"
+            ),
+        }
     }
 }
 
@@ -69,26 +82,37 @@ pub struct ListenTlsArgs {
     /// Its private key (PEM; other users may not open the file).
     #[arg(long, env = env::LISTEN_TLS_KEY, requires = "listen_tls_cert")]
     listen_tls_key: Option<PathBuf>,
-    /// Clients must also present a certificate this CA (PEM) signed.
-    #[arg(long, env = env::LISTEN_TLS_CLIENT_CA, requires = "listen_tls_cert")]
+    /// Clients must also present a certificate this CA (PEM) signed. Needs the listeners'
+    /// certificate: --listen-tls-cert and --listen-tls-key, or `[listen]`'s.
+    #[arg(long, env = env::LISTEN_TLS_CLIENT_CA)]
     listen_tls_client_ca: Option<PathBuf>,
 }
 
 impl ListenTlsArgs {
     /// The listeners' files: the flags' over `file`'s (the configuration's), if either names
-    /// any.
-    pub fn over(&self, file: Option<ListenerFiles>) -> Option<ListenerFiles> {
-        let (Some(cert), Some(key)) = (&self.listen_tls_cert, &self.listen_tls_key) else {
-            return file;
-        };
-        Some(ListenerFiles {
-            cert: cert.clone(),
-            key: key.clone(),
-            client_ca: self
-                .listen_tls_client_ca
+    /// any. A client CA without a certificate from either is refused.
+    pub fn over(&self, file: Option<ListenerFiles>) -> anyhow::Result<Option<ListenerFiles>> {
+        let client_ca = |file: Option<ListenerFiles>| {
+            self.listen_tls_client_ca
                 .clone()
-                .or(file.and_then(|f| f.client_ca)),
-        })
+                .or(file.and_then(|f| f.client_ca))
+        };
+        match (&self.listen_tls_cert, &self.listen_tls_key, file) {
+            (Some(cert), Some(key), file) => Ok(Some(ListenerFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: client_ca(file),
+            })),
+            (_, _, Some(file)) => Ok(Some(ListenerFiles {
+                client_ca: client_ca(Some(file.clone())),
+                ..file
+            })),
+            (_, _, None) if self.listen_tls_client_ca.is_some() => anyhow::bail!(
+                "--listen-tls-client-ca needs the listeners' certificate: --listen-tls-cert and \
+                 --listen-tls-key, or [listen] tls_cert and tls_key"
+            ),
+            (_, _, None) => Ok(None),
+        }
     }
 }
 
@@ -111,12 +135,13 @@ mod tests {
             key: "/file/key.pem".into(),
             client_ca: Some("/file/ca.pem".into()),
         };
+        let over = |args: ListenTlsArgs, file| args.over(file).expect("valid");
         assert_eq!(
-            args(None, None).over(Some(file.clone())),
+            over(args(None, None), Some(file.clone())),
             Some(file.clone())
         );
-        assert_eq!(args(None, None).over(None), None);
-        let flagged = args(Some("/flag/cert.pem"), None).over(Some(file.clone()));
+        assert_eq!(over(args(None, None), None), None);
+        let flagged = over(args(Some("/flag/cert.pem"), None), Some(file.clone()));
         assert_eq!(
             flagged,
             Some(ListenerFiles {
@@ -125,10 +150,86 @@ mod tests {
                 client_ca: Some("/file/ca.pem".into()),
             })
         );
-        let own_ca = args(Some("/flag/cert.pem"), Some("/flag/ca.pem")).over(Some(file));
+        let own_ca = over(
+            args(Some("/flag/cert.pem"), Some("/flag/ca.pem")),
+            Some(file),
+        );
         assert_eq!(
             own_ca.and_then(|f| f.client_ca),
             Some(PathBuf::from("/flag/ca.pem"))
         );
+    }
+
+    /// `--listen-tls-client-ca` adds the client check to the certificate `[listen]` names;
+    /// with no certificate anywhere it is refused, naming both places to give one.
+    #[test]
+    fn a_client_ca_flag_takes_the_files_certificate_and_needs_one() {
+        let file = ListenerFiles {
+            cert: "/file/cert.pem".into(),
+            key: "/file/key.pem".into(),
+            client_ca: None,
+        };
+        assert_eq!(
+            args(None, Some("/flag/ca.pem"))
+                .over(Some(file.clone()))
+                .expect("valid"),
+            Some(ListenerFiles {
+                client_ca: Some("/flag/ca.pem".into()),
+                ..file
+            })
+        );
+        let e = args(None, Some("/flag/ca.pem"))
+            .over(None)
+            .expect_err("nothing to serve")
+            .to_string();
+        assert!(
+            e.contains("--listen-tls-cert") && e.contains("[listen] tls_cert"),
+            "{e}"
+        );
+    }
+
+    fn cluster(server_name: Option<&str>) -> TlsArgs {
+        TlsArgs {
+            tls_ca: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_server_name: server_name.map(str::to_owned),
+        }
+    }
+
+    /// `--tls-server-name` verifies servers as that name with the TLS files `[cluster]`
+    /// names; with no files anywhere it is refused, naming both places to give them.
+    #[test]
+    fn a_server_name_flag_takes_the_files_tls_and_needs_it() {
+        let file = TlsSettings {
+            files: TlsFiles {
+                ca: "/file/ca.pem".into(),
+                cert: "/file/cert.pem".into(),
+                key: "/file/key.pem".into(),
+            },
+            server_name: None,
+        };
+        assert_eq!(
+            cluster(None).over(Some(file.clone())).expect("valid"),
+            Some(file.clone())
+        );
+        assert_eq!(
+            cluster(Some("bulkhead-worker"))
+                .over(Some(file.clone()))
+                .expect("valid"),
+            Some(TlsSettings {
+                server_name: Some("bulkhead-worker".into()),
+                ..file
+            })
+        );
+        let e = cluster(Some("bulkhead-worker"))
+            .over(None)
+            .expect_err("no files")
+            .to_string();
+        assert!(
+            e.contains("--tls-ca") && e.contains("[cluster] tls_ca"),
+            "{e}"
+        );
+        assert_eq!(cluster(None).over(None).expect("valid"), None);
     }
 }

@@ -9,6 +9,7 @@ use anyhow::Context;
 use bulkhead_kvpool::Scrub;
 use bulkhead_worker::engine::{EngineConfig, KvBudget};
 use bulkhead_worker::serve::kvplane::{DEFAULT_PEER_TIMEOUT, SendFault};
+use bulkhead_worker::serve::tls::Part;
 use bulkhead_worker::serve::transport::{KvTransport, TransportConfig};
 use bulkhead_worker::serve::{BoundWorker, ClusterTls, RoleConfig, ServeConfig, SharedToken};
 
@@ -284,7 +285,8 @@ impl Args {
 
     /// The TLS files, read and checked now.
     fn tls(&self) -> anyhow::Result<Option<ClusterTls>> {
-        Ok(self.tls.settings().map(|s| s.load()).transpose()?)
+        let settings = self.tls.over(None)?;
+        Ok(settings.map(|s| s.load(Part::ServesAndCalls)).transpose()?)
     }
 }
 

@@ -56,8 +56,8 @@
 //!
 //! [[workers]]
 //! name = "local"
-//! grpc = "http://127.0.0.1:50051"
-//! role = "both"
+//! grpc = "http://127.0.0.1:50051"  # with [cluster] tls_*, dialled over TLS whatever the
+//! role = "both"                     # scheme (https:// only then)
 //!
 //! [[workers]]                       # an OpenAI-compatible HTTP server (vLLM, llama.cpp, …)
 //! name = "vllm"
@@ -94,7 +94,8 @@ use std::time::Duration;
 use bulkhead_telemetry::{OtlpEndpoint, TelemetryError};
 use bulkhead_worker::serve::cluster_token::{SharedToken, TokenError};
 use bulkhead_worker::serve::tls::{
-    ClusterTls, ListenerFiles, ListenerTls, TlsError, TlsFiles, TlsSettings,
+    self, ClusterTls, EndpointError, ListenerFiles, ListenerTls, Part, TlsError, TlsFiles,
+    TlsSettings,
 };
 use serde::Deserialize;
 
@@ -384,8 +385,19 @@ pub enum ConfigError {
     NoWorkers,
     #[error("worker {name:?} is defined twice")]
     DuplicateWorker { name: String },
-    #[error("worker {name:?}: grpc = {endpoint:?} is not an address like http://127.0.0.1:50051")]
-    WorkerEndpoint { name: String, endpoint: String },
+    #[error("worker {name:?}: {field} = {endpoint:?} is not an address like {like}")]
+    WorkerEndpoint {
+        name: String,
+        field: &'static str,
+        endpoint: String,
+        like: &'static str,
+    },
+    #[error("worker {name:?}: grpc = {endpoint:?}: {source}")]
+    WorkerScheme {
+        name: String,
+        endpoint: String,
+        source: EndpointError,
+    },
     #[error("worker {name:?}: a decode worker must name its prefill worker (prefill = \"…\")")]
     DecodeWithoutPrefill { name: String },
     #[error(
@@ -607,14 +619,30 @@ impl Config {
     }
 
     /// The cluster token and TLS, read from their files now (secrets are mounted where the
-    /// process runs, so checking a configuration elsewhere does not need them).
+    /// process runs, so checking a configuration elsewhere does not need them), once the
+    /// `[cluster]` settings are final (flags may replace its TLS files): every `https://`
+    /// worker is refused without TLS, as it would be where it is dialled.
     pub fn cluster_access(&self) -> Result<ClusterAccess, ConfigError> {
         let token = self.cluster.token_file.as_deref().map(SharedToken::read);
-        let tls = self.cluster.tls.as_ref().map(TlsSettings::load);
-        Ok(ClusterAccess {
+        let tls = self.cluster.tls.as_ref().map(|s| s.load(Part::Calls));
+        let access = ClusterAccess {
             token: token.transpose()?,
             tls: tls.transpose()?,
-        })
+        };
+        let bulkhead = self
+            .workers
+            .iter()
+            .filter(|w| w.protocol == Protocol::Bulkhead);
+        for w in bulkhead {
+            tls::endpoint(&w.endpoint, access.tls.as_ref()).map_err(|source| {
+                ConfigError::WorkerScheme {
+                    name: w.name.clone(),
+                    endpoint: w.endpoint.clone(),
+                    source,
+                }
+            })?;
+        }
+        Ok(access)
     }
 }
 
@@ -856,10 +884,13 @@ fn workers(
     let mut out = Vec::with_capacity(raw.len());
     for w in &raw {
         let (address, protocol) = protocol(w)?;
-        let endpoint = worker_endpoint(address).ok_or_else(|| ConfigError::WorkerEndpoint {
-            name: w.name.clone(),
-            endpoint: address.to_owned(),
-        })?;
+        let endpoint =
+            worker_endpoint(address, &protocol).ok_or_else(|| ConfigError::WorkerEndpoint {
+                name: w.name.clone(),
+                field: protocol.field(),
+                endpoint: address.to_owned(),
+                like: protocol.address_example(),
+            })?;
         out.push(WorkerConfig {
             name: w.name.clone(),
             endpoint,
@@ -924,22 +955,47 @@ fn protocol(w: &RawWorker) -> Result<(&str, Protocol), ConfigError> {
     }
 }
 
-/// `http://host:port` for `host:port` or `http://host:port`; `None` when it is neither.
-pub fn worker_endpoint(addr: &str) -> Option<String> {
+impl Protocol {
+    /// The field of `[[workers]]` that gives a worker of this protocol its address.
+    fn field(&self) -> &'static str {
+        match self {
+            Protocol::Bulkhead => "grpc",
+            Protocol::OpenAi(_) => "openai",
+        }
+    }
+
+    /// What an address of a worker of this protocol looks like, for a refusal.
+    fn address_example(&self) -> &'static str {
+        match self {
+            Protocol::Bulkhead => {
+                "http://127.0.0.1:50051 (or https://, with [cluster] tls_ca, tls_cert, tls_key)"
+            }
+            Protocol::OpenAi(_) => "http://10.0.0.7:8000 (plain HTTP only)",
+        }
+    }
+}
+
+/// `SCHEME://host:port` for `host:port` (`http`) or `SCHEME://host:port`, whose scheme is
+/// `http` or, for a Bulkhead worker, `https` (which needs the cluster's TLS:
+/// [`Config::cluster_access`]); `None` when it is none of these.
+pub fn worker_endpoint(addr: &str, protocol: &Protocol) -> Option<String> {
     let with_scheme = if addr.contains("://") {
         addr.to_owned()
     } else {
         format!("http://{addr}")
     };
     let uri: http::Uri = with_scheme.parse().ok()?;
-    let ok = uri.scheme_str() == Some("http")
-        && uri.host().is_some_and(|h| !h.is_empty())
-        && uri.port_u16().is_some()
-        && uri.path() == "/";
+    let scheme = match (uri.scheme_str()?, protocol) {
+        ("http", _) => "http",
+        ("https", Protocol::Bulkhead) => "https",
+        _ => return None,
+    };
+    let ok =
+        uri.host().is_some_and(|h| !h.is_empty()) && uri.port_u16().is_some() && uri.path() == "/";
     if !ok {
         return None;
     }
-    Some(format!("http://{}", uri.authority()?.as_str()))
+    Some(format!("{scheme}://{}", uri.authority()?.as_str()))
 }
 
 #[cfg(test)]
@@ -1359,18 +1415,78 @@ mod tests {
     }
 
     #[test]
-    fn worker_endpoints_are_http_host_port() {
+    fn worker_endpoints_are_http_host_port_or_https_for_bulkhead_workers() {
+        let bulkhead = |addr| worker_endpoint(addr, &Protocol::Bulkhead);
         assert_eq!(
-            worker_endpoint("127.0.0.1:5").as_deref(),
+            bulkhead("127.0.0.1:5").as_deref(),
             Some("http://127.0.0.1:5")
         );
         assert_eq!(
-            worker_endpoint("http://[::1]:5").as_deref(),
+            bulkhead("http://[::1]:5").as_deref(),
             Some("http://[::1]:5")
         );
-        for bad in ["127.0.0.1", "https://h:5", "h:5/path", "", "http://:5"] {
-            assert_eq!(worker_endpoint(bad), None, "{bad:?}");
+        assert_eq!(bulkhead("https://h:5").as_deref(), Some("https://h:5"));
+        for bad in [
+            "127.0.0.1",
+            "ftp://h:5",
+            "h:5/path",
+            "",
+            "http://:5",
+            "https://h",
+        ] {
+            assert_eq!(bulkhead(bad), None, "{bad:?}");
         }
+        let openai = Protocol::OpenAi(OpenAiUpstream {
+            model: "m".into(),
+            context_length: NonZeroU32::MIN,
+            tokenizer: "m.gguf".into(),
+            key_env: None,
+            cache_salt: true,
+        });
+        assert_eq!(
+            worker_endpoint("http://h:5", &openai).as_deref(),
+            Some("http://h:5")
+        );
+        assert_eq!(worker_endpoint("https://h:5", &openai), None);
+    }
+
+    /// With the cluster's TLS every worker is called over TLS, so an `https://` one is taken
+    /// as well as an `http://` one; without, it could never connect and is refused before
+    /// anything is dialled, by the settings that would allow it.
+    #[test]
+    fn an_https_worker_needs_the_clusters_tls_files() {
+        use bulkhead_worker::serve::tls::Authority;
+        let https = "[[workers]]\nname = \"good\"\ngrpc = \"https://127.0.0.1:18110\"\n\
+                     role = \"both\"\n";
+        let plain = Config::parse(&config(&tenant("tenant-a", "k"), https)).expect("parses");
+        assert_eq!(plain.workers[0].endpoint, "https://127.0.0.1:18110");
+        let e = plain.cluster_access().expect_err("no TLS").to_string();
+        assert!(
+            e.starts_with(r#"worker "good": grpc = "https://127.0.0.1:18110": "#)
+                && e.contains("[cluster] tls_ca, tls_cert, tls_key"),
+            "{e}"
+        );
+        let dir = crate::scratch::Scratch::new("https-worker");
+        let files = Authority::new("test CA")
+            .expect("a CA")
+            .write(&dir.0, "gateway", &["127.0.0.1".to_owned()])
+            .expect("writes");
+        let mut with_tls = plain;
+        with_tls.cluster.tls = Some(TlsSettings {
+            files,
+            server_name: None,
+        });
+        assert!(with_tls.cluster_access().expect("loads").tls.is_some());
+
+        let openai = "[[workers]]\nname = \"o\"\nopenai = \"https://10.0.0.7:8000\"\n\
+                      role = \"both\"\nmodel = \"m\"\ncontext_length = 8\ntokenizer = \"m.gguf\"\n";
+        let e = Config::parse(&config(&tenant("tenant-a", "k"), openai))
+            .expect_err("no TLS to OpenAI upstreams")
+            .to_string();
+        assert!(
+            e.contains("openai = ") && e.contains("plain HTTP only"),
+            "{e}"
+        );
     }
 
     #[test]

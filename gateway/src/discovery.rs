@@ -297,10 +297,10 @@ mod tests {
             && w.answers_to("decode")
             && !w.answers_to("prefill")));
         // Every member is a valid gRPC endpoint for the gateway.
-        assert!(
-            m.iter()
-                .all(|w| crate::config::worker_endpoint(&w.endpoint).as_ref() == Some(&w.endpoint))
-        );
+        assert!(m.iter().all(
+            |w| crate::config::worker_endpoint(&w.endpoint, &w.protocol).as_ref()
+                == Some(&w.endpoint)
+        ));
     }
 
     #[test]

@@ -49,15 +49,15 @@ pub struct Check {
     pub advisory: bool,
 }
 
-/// Why a worker could not be reached: `what` failed, because of `cause` and its causes, and,
-/// when this gateway has no TLS, the likely reason a listening worker still refuses it.
+/// Why a worker could not be reached: `what` failed, because of `cause` and its causes, and
+/// the likely reason when it was reached but refused: TLS on one side only.
 fn unreachable(
     what: String,
     mut cause: Option<&(dyn std::error::Error + 'static)>,
     cluster: &ClusterAccess,
 ) -> String {
     let mut parts = vec![what];
-    let mut refused = false;
+    let (mut refused, mut plain) = (false, false);
     while let Some(c) = cause {
         let part = c.to_string();
         // Layers often repeat their cause's words ("transport error: transport error").
@@ -67,11 +67,18 @@ fn unreachable(
         refused |= c
             .downcast_ref::<std::io::Error>()
             .is_some_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused);
+        plain |= tls::answered_in_plain_text(c);
         cause = c.source();
     }
     let mut text = parts.join(": ");
     if refused {
         text.push_str(" (nothing listens there: is the worker running, at this address?)");
+    } else if plain {
+        text.push_str(
+            " (the worker answered in plain text: it was started without --tls-cert; start \
+             every worker with the deployment's TLS files, or call them without TLS: no \
+             [cluster] tls_* and no --tls-*)",
+        );
     } else if cluster.tls.is_none() {
         text.push_str(
             " (a worker started with --tls-cert takes only TLS: then set [cluster] tls_ca, \
@@ -610,6 +617,41 @@ mod tests {
         let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
         let said = unreachable("transport error".into(), Some(&reset), &plain);
         assert!(said.contains("takes only TLS"), "{said}");
+    }
+
+    /// TLS on the gateway's side only is told as the mirror of TLS on the worker's only: the
+    /// worker's plain-text answer to the TLS hello names the worker's missing --tls-cert.
+    #[test]
+    fn a_worker_answering_tls_in_plain_text_is_said_to_lack_tls() {
+        use bulkhead_worker::serve::tls::Authority;
+        let with_tls = ClusterAccess {
+            token: None,
+            tls: Some(
+                Authority::new("test CA")
+                    .expect("a CA")
+                    .cluster_tls(&["127.0.0.1"])
+                    .expect("issued"),
+            ),
+        };
+        let corrupt = std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            tokio_rustls::rustls::Error::InvalidMessage(
+                tokio_rustls::rustls::InvalidMessage::InvalidContentType,
+            ),
+        );
+        let said = unreachable("transport error".into(), Some(&corrupt), &with_tls);
+        assert!(
+            said.contains("InvalidContentType")
+                && said.contains("answered in plain text")
+                && said.contains("started without --tls-cert"),
+            "{said}"
+        );
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        let said = unreachable("transport error".into(), Some(&reset), &with_tls);
+        assert!(
+            !said.contains("plain text") && !said.contains("takes only TLS"),
+            "{said}"
+        );
     }
 
     #[test]

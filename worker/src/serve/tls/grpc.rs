@@ -10,6 +10,7 @@ use std::time::Duration;
 use http::Uri;
 use hyper_util::rt::TokioIo;
 use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::rustls;
 use tokio_rustls::{client, server};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
@@ -161,6 +162,23 @@ impl WorkerEndpoint {
     }
 }
 
+/// Whether `error` is this side's TLS finding that the server it dialled answered in plain
+/// text (its first bytes are no TLS record): a worker started without the deployment's TLS
+/// files. One link of an error's chain; rustls' own words for it ("received corrupt message
+/// of type InvalidContentType") do not say so.
+pub fn answered_in_plain_text(error: &(dyn std::error::Error + 'static)) -> bool {
+    let tls = error.downcast_ref::<rustls::Error>().or_else(|| {
+        let io = error.downcast_ref::<std::io::Error>()?;
+        io.get_ref()?.downcast_ref::<rustls::Error>()
+    });
+    matches!(
+        tls,
+        Some(rustls::Error::InvalidMessage(
+            rustls::InvalidMessage::InvalidContentType
+        ))
+    )
+}
+
 /// Makes a gRPC channel's connections over the deployment's TLS.
 #[derive(Clone)]
 struct Connector(ClusterTls);
@@ -209,6 +227,44 @@ mod tests {
         socket.read_exact(&mut first).await.expect("bytes");
         call.abort();
         first
+    }
+
+    /// A worker started without TLS answers a TLS client's hello in plain HTTP/2 (its
+    /// SETTINGS frame): the failed connection says so, and a server that ends the connection
+    /// (one that takes only TLS, refusing a caller without it) is not mistaken for one.
+    #[tokio::test]
+    async fn a_plain_text_answer_to_tls_is_recognised_as_such() {
+        use tokio::io::AsyncWriteExt as _;
+        let ca = Authority::new("test CA").expect("a CA");
+        let tls = ca.cluster_tls(&["127.0.0.1"]).expect("issued");
+        let causes = |answer: &'static [u8]| {
+            let tls = tls.clone();
+            async move {
+                let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+                let address = listener.local_addr().expect("address");
+                let plain = tokio::spawn(async move {
+                    let (mut socket, _) = listener.accept().await.expect("dialled");
+                    let _ = socket.write_all(answer).await;
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                });
+                let e = endpoint(&format!("http://{address}"), Some(&tls))
+                    .expect("valid")
+                    .connect()
+                    .await
+                    .expect_err("no TLS there");
+                plain.abort();
+                let mut said = false;
+                let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+                while let Some(c) = cause {
+                    said |= answered_in_plain_text(c);
+                    cause = c.source();
+                }
+                said
+            }
+        };
+        // An empty SETTINGS frame: what an HTTP/2 server sends first.
+        assert!(causes(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await);
+        assert!(!causes(b"").await);
     }
 
     /// With TLS, a worker is called over TLS whether its URI says `http://` or `https://`

@@ -31,7 +31,7 @@ use tokio_rustls::{TlsAcceptor, server};
 
 use super::{
     TlsError, TlsFiles, Validity, client_verifier, mismatch, pem_file, private_key, secret_file,
-    serving_chain, trust_anchors, within,
+    serving_chain, trust_anchors, usage, within,
 };
 use crate::serve::followed::Followed;
 
@@ -152,7 +152,7 @@ impl Served {
 
     /// The acceptor made from `read`, the bytes of `files`.
     fn parse(files: &ListenerFiles, read: Read) -> Result<Served, TlsError> {
-        let (chain, validity) = serving_chain(&files.cert, &read.cert)?;
+        let (chain, validity) = serving_chain(&files.cert, &read.cert, usage::LISTENER)?;
         let key = private_key(&files.key, &read.key)?;
         let builder = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
@@ -564,6 +564,35 @@ mod tests {
     /// Files that cannot serve are refused at load with a reason naming them: a missing
     /// certificate, a key other users may read, a key of another certificate, a client CA
     /// that is not one.
+    /// The listeners only serve: their certificate needs server authentication (clients
+    /// refuse one without), not client authentication (public CAs no longer issue it).
+    #[test]
+    fn a_listeners_certificate_needs_server_authentication_only() {
+        use rcgen::ExtendedKeyUsagePurpose::{ClientAuth, ServerAuth};
+        let dir = tempdir::Dir::new();
+        let files = ListenerFiles {
+            cert: dir.0.join("api.pem"),
+            key: dir.0.join("api.key"),
+            client_ca: None,
+        };
+        let load = |purpose| {
+            let mut params =
+                rcgen::CertificateParams::new(vec![LOOPBACK.to_owned()]).expect("valid names");
+            params.extended_key_usages = vec![purpose];
+            let key = rcgen::KeyPair::generate().expect("a key");
+            let cert = params.self_signed(&key).expect("signed");
+            std::fs::write(&files.cert, cert.pem()).expect("writes");
+            secret_file::write(&files.key, key.serialize_pem().as_bytes()).expect("writes");
+            ListenerTls::load(&files)
+        };
+        assert!(load(ServerAuth).is_ok());
+        let e = load(ClientAuth).expect_err("cannot serve").to_string();
+        assert!(
+            e.contains("api.pem") && e.contains("does not allow server authentication"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn bad_listener_files_are_refused_with_a_reason_that_names_them() {
         let dir = tempdir::Dir::new();

@@ -28,6 +28,7 @@
 mod authority;
 mod grpc;
 mod listener;
+mod usage;
 mod validity;
 
 use std::future::Future;
@@ -44,8 +45,9 @@ use tokio_rustls::rustls::{self, ClientConfig, ConfigBuilder, RootCertStore, Ser
 use tokio_rustls::{TlsAcceptor, TlsConnector, client, server};
 
 pub use authority::{Authority, WriteError};
-pub use grpc::{EndpointError, WorkerEndpoint, endpoint};
+pub use grpc::{EndpointError, WorkerEndpoint, answered_in_plain_text, endpoint};
 pub use listener::{Handshakes, ListenerFiles, ListenerTls, Opened};
+pub use usage::{Part, Usage};
 pub use validity::{Concern, RENEW_WITHIN, Validity, render_expiry};
 
 use super::followed::Followed;
@@ -75,9 +77,10 @@ pub struct TlsSettings {
 }
 
 impl TlsSettings {
-    /// The files read and checked, servers verified as the settings say.
-    pub fn load(&self) -> Result<ClusterTls, TlsError> {
-        let tls = ClusterTls::load(&self.files)?;
+    /// The files read and checked for a process playing `part`, servers verified as the
+    /// settings say.
+    pub fn load(&self, part: Part) -> Result<ClusterTls, TlsError> {
+        let tls = ClusterTls::load_as(&self.files, part)?;
         match &self.server_name {
             Some(name) => tls.verifying_servers_as(name),
             None => Ok(tls),
@@ -104,6 +107,13 @@ pub enum TlsError {
         path: String,
         reason: String,
     },
+    #[error(
+        "the TLS certificate {path} does not allow {} (peers refuse it for that): reissue it \
+         with {} in its extendedKeyUsage, or with no extendedKeyUsage",
+        list(missing, Usage::to_string),
+        list(missing, |u| u.keyword().to_owned())
+    )]
+    Usage { path: String, missing: Vec<Usage> },
     #[error("the TLS private key {path} holds no PEM private key")]
     NoKey { path: String },
     #[error("the TLS private key {path} is not a usable key: {reason}")]
@@ -128,6 +138,8 @@ pub enum TlsError {
 pub struct ClusterTls {
     current: Followed<Loaded>,
     files: Arc<TlsFiles>,
+    /// What this process does, which the certificate must allow at every reload.
+    part: Part,
     /// The name every server's certificate must carry, when not the host dialled.
     servers: Option<ServerName<'static>>,
 }
@@ -207,23 +219,41 @@ fn certificates(
 }
 
 /// The certificate chain this process presents, read from `path`, and its first
-/// certificate's validity. One that is not valid now or lapses within [`RENEW_WITHIN`] is
-/// warned of, at every load of the files.
+/// certificate's validity. One whose extendedKeyUsage leaves out a usage in `needed` is
+/// refused ([`usage`]); one that is not valid now or lapses within [`RENEW_WITHIN`] is warned
+/// of, at every load of the files.
 fn serving_chain(
     path: &Path,
     pem: &[u8],
+    needed: &[Usage],
 ) -> Result<(Vec<CertificateDer<'static>>, Validity), TlsError> {
     let what = "TLS certificate";
     let chain = certificates(what, path, pem)?;
-    let validity = Validity::of(&chain[0]).map_err(|e| TlsError::BadCertificate {
+    let bad = |reason: String| TlsError::BadCertificate {
         what,
         path: path.display().to_string(),
-        reason: format!("its validity period does not parse: {e}"),
-    })?;
+        reason,
+    };
+    let (_, leaf) = x509_parser::parse_x509_certificate(&chain[0])
+        .map_err(|e| bad(format!("it does not parse: {e}")))?;
+    let missing = usage::missing(&leaf, needed)
+        .map_err(|e| bad(format!("its extendedKeyUsage does not parse: {e}")))?;
+    if !missing.is_empty() {
+        return Err(TlsError::Usage {
+            path: path.display().to_string(),
+            missing,
+        });
+    }
+    let validity = Validity::of(&leaf);
     if let Some(concern) = validity.concern(SystemTime::now()) {
         tracing::warn!(certificate = %path.display(), "the TLS certificate {concern}");
     }
     Ok((chain, validity))
+}
+
+/// Each of `usages` as `word` says, joined: "a", "a and b".
+fn list(usages: &[Usage], word: impl Fn(&Usage) -> String) -> String {
+    usages.iter().map(word).collect::<Vec<_>>().join(" and ")
 }
 
 /// Why PEM text of certificates does not parse, its lines as text (the parser's own message
@@ -313,16 +343,17 @@ impl Read {
 }
 
 impl Loaded {
-    /// Reads and checks `files`: the CA parses and is usable as a trust anchor, the key file
-    /// is open to its owner only and holds a key, and the certificate goes with the key.
-    fn read(files: &TlsFiles) -> Result<Loaded, TlsError> {
-        Loaded::parse(files, Read::from_files(files)?)
+    /// Reads and checks `files` for a process playing `part`: the CA parses and is usable as
+    /// a trust anchor, the key file is open to its owner only and holds a key, and the
+    /// certificate goes with the key and allows what `part` needs.
+    fn read(files: &TlsFiles, part: Part) -> Result<Loaded, TlsError> {
+        Loaded::parse(files, part, Read::from_files(files)?)
     }
 
     /// The ends made from `read`, the bytes of `files`.
-    fn parse(files: &TlsFiles, read: Read) -> Result<Loaded, TlsError> {
+    fn parse(files: &TlsFiles, part: Part, read: Read) -> Result<Loaded, TlsError> {
         let roots = trust_anchors(&files.ca, &read.ca)?;
-        let (chain, validity) = serving_chain(&files.cert, &read.cert)?;
+        let (chain, validity) = serving_chain(&files.cert, &read.cert, part.needs())?;
         let key = private_key(&files.key, &read.key)?;
         let mismatch = |e| mismatch(&files.cert, &files.key, e);
         let ends = |alpn: &[u8]| -> Result<Ends, TlsError> {
@@ -368,11 +399,17 @@ async fn within<T>(
 }
 
 impl ClusterTls {
-    /// Reads and checks `files` (see [`TlsError`] for what is refused).
+    /// Reads and checks a worker's `files` (see [`TlsError`] for what is refused).
     pub fn load(files: &TlsFiles) -> Result<ClusterTls, TlsError> {
+        ClusterTls::load_as(files, Part::ServesAndCalls)
+    }
+
+    /// Reads and checks `files` for a process playing `part`.
+    pub fn load_as(files: &TlsFiles, part: Part) -> Result<ClusterTls, TlsError> {
         Ok(ClusterTls {
-            current: Followed::new(Loaded::read(files)?),
+            current: Followed::new(Loaded::read(files, part)?),
             files: Arc::new(files.clone()),
+            part,
             servers: None,
         })
     }
@@ -403,14 +440,14 @@ impl ClusterTls {
     /// Reads the files again every `every`, for as long as it runs (it never returns): files
     /// that changed and load are used from the next connection on, by every clone.
     pub async fn follow(self, every: Duration) {
-        let files = self.files.clone();
+        let (files, part) = (self.files.clone(), self.part);
         self.current
             .follow_files(
                 every,
                 "the TLS files",
                 || Read::from_files(&files),
                 |loaded| &loaded.read,
-                |read| Loaded::parse(&files, read),
+                |read| Loaded::parse(&files, part, read),
             )
             .await;
     }
@@ -595,6 +632,82 @@ mod tests {
             .expect("chmod");
         let e = refused(&files);
         assert!(e.contains("open to other users"), "{e}");
+    }
+
+    /// Writes over `files`' certificate and key a self-signed certificate for 127.0.0.1,
+    /// valid until 2090, whose extendedKeyUsage lists `purposes` (`None`: no such extension),
+    /// and its key. Returns its notAfter.
+    fn self_signed_over(
+        files: &TlsFiles,
+        purposes: Option<Vec<rcgen::ExtendedKeyUsagePurpose>>,
+    ) -> i64 {
+        let mut params =
+            rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()]).expect("valid names");
+        params.extended_key_usages = purposes.unwrap_or_default();
+        params.not_after = rcgen::date_time_ymd(2090, 1, 1);
+        let key = rcgen::KeyPair::generate().expect("a key");
+        let cert = params.self_signed(&key).expect("signed");
+        std::fs::write(&files.cert, cert.pem()).expect("writes");
+        secret_file::write(&files.key, key.serialize_pem().as_bytes()).expect("writes");
+        // 2090-01-01 00:00 UTC.
+        3_786_912_000
+    }
+
+    /// Every process serves and calls: a certificate whose extendedKeyUsage leaves out client
+    /// (or server) authentication is refused by name when the files are loaded — peers would
+    /// refuse it in every handshake —, and a renewal without it keeps the files in use; one
+    /// with no extendedKeyUsage at all may be used for anything.
+    #[tokio::test]
+    async fn a_certificate_that_cannot_both_serve_and_call_is_refused_at_load_and_reload() {
+        use rcgen::ExtendedKeyUsagePurpose::{ClientAuth, ServerAuth};
+        let (_dir, files) = written();
+        let tls = ClusterTls::load(&files).expect("loads");
+        let in_use = tls.validity();
+        let follower = tokio::spawn(tls.clone().follow(Duration::from_millis(20)));
+
+        self_signed_over(&files, Some(vec![ServerAuth]));
+        let e = ClusterTls::load(&files).expect_err("refused").to_string();
+        assert!(
+            e.contains("does not allow client authentication (calling other processes)")
+                && e.contains("with clientAuth in its extendedKeyUsage")
+                && e.contains(&files.cert.display().to_string())
+                && !e.contains("serverAuth"),
+            "{e}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(
+            tls.validity(),
+            in_use,
+            "a renewal that cannot call was taken"
+        );
+
+        self_signed_over(&files, Some(vec![ClientAuth]));
+        let e = ClusterTls::load(&files).expect_err("refused").to_string();
+        assert!(
+            e.contains("does not allow server authentication (serving)"),
+            "{e}"
+        );
+
+        assert!(
+            ClusterTls::load_as(&files, Part::Calls).is_ok(),
+            "a gateway only calls"
+        );
+
+        let not_after = self_signed_over(&files, None);
+        assert!(ClusterTls::load(&files).is_ok());
+        let mut renewed = false;
+        for _ in 0..50 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            if tls.validity().not_after == not_after {
+                renewed = true;
+                break;
+            }
+        }
+        assert!(
+            renewed,
+            "a certificate without extendedKeyUsage was not taken"
+        );
+        follower.abort();
     }
 
     /// A data connection on loopback, both ends with certificates from one CA: (decode's
