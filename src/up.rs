@@ -28,6 +28,10 @@ const CLUSTER_TOKEN_FILE: &str = "cluster-token";
 /// With `--tls` or `--https`: the directory in the data directory for the CA and each
 /// process's certificate and key (made anew at every start).
 const TLS_DIR: &str = "tls";
+/// The configuration `up` serves with — its workers' addresses and the cluster's token and
+/// TLS files filled in — in the data directory, for `bulkhead preflight --config` (rewritten
+/// at every start).
+const SERVING_CONFIG_FILE: &str = "up-gateway.toml";
 /// How long the worker may take to load the model and bind.
 const WORKER_START_LIMIT: Duration = Duration::from_secs(120);
 /// How long the worker gets to stop after SIGTERM before it is killed.
@@ -84,14 +88,14 @@ pub struct Args {
     #[arg(long, env = env::ADMIN_PORT)]
     admin_port: Option<u16>,
     /// Every worker's KV pool in tokens [default: the worker's default pool]
-    #[arg(long, env = crate::worker::env::KV_TOKENS)]
+    #[arg(long, env = crate::worker::env::KV_TOKENS, value_parser = clap::value_parser!(u64).range(1..))]
     kv_tokens: Option<u64>,
     /// The prefill worker's KV pool in tokens, apart from the decode worker's (reproduce the
     /// incident: a prefill pool smaller than the context, and watch it being refused).
-    #[arg(long, env = env::PREFILL_KV_TOKENS)]
+    #[arg(long, env = env::PREFILL_KV_TOKENS, value_parser = clap::value_parser!(u64).range(1..))]
     prefill_kv_tokens: Option<u64>,
     /// The decode worker's KV pool in tokens.
-    #[arg(long, env = env::DECODE_KV_TOKENS)]
+    #[arg(long, env = env::DECODE_KV_TOKENS, value_parser = clap::value_parser!(u64).range(1..))]
     decode_kv_tokens: Option<u64>,
     /// A gateway configuration to use instead of deploy/local/gateway.toml: it lists one
     /// `both` worker, or one prefill and one decode worker, whose addresses are filled in
@@ -129,6 +133,25 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
         ),
     };
     let layout = Layout::of(&config.workers)?;
+    if let Layout::Colocated(_) = layout {
+        for (flag, given) in [
+            ("--prefill-kv-tokens", args.prefill_kv_tokens),
+            ("--decode-kv-tokens", args.decode_kv_tokens),
+        ] {
+            if given.is_some() {
+                bail!(
+                    "{flag} sizes a pool of a prefill + decode pair, but the configuration \
+                     lists one colocated (both) worker: size its pool with --kv-tokens"
+                );
+            }
+        }
+    }
+    let source = match &args.config {
+        Some(path) => {
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?
+        }
+        None => DEFAULT_CONFIG.to_owned(),
+    };
     config.listen.api.set_port(args.port);
     if let Some(port) = args.admin_port {
         config.listen.admin.set_port(port);
@@ -196,6 +219,9 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
                 workers.push(d);
             }
         }
+        let serving_config = data_dir.join(SERVING_CONFIG_FILE);
+        std::fs::write(&serving_config, serving(&source, &config)?)
+            .with_context(|| format!("writing {}", serving_config.display()))?;
         let gateway = BoundGateway::bind(config, file, &data_dir, audit_export)
             .await?
             .serving_threads(args.threads.count());
@@ -212,7 +238,9 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
              -H 'Authorization: Bearer sk-demo-tenant-a' -H 'Content-Type: application/json' \\\n    \
              -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is 2+2?\"}}], \"max_tokens\": 32}}'\n\n\
              Metrics: curl {cacert}-H 'Authorization: Bearer sk-demo-admin' {scheme}://{admin}/metrics\n\
-             Ctrl-C stops the gateway and the workers."
+             Preflight: bulkhead preflight --config {}\n\
+             Ctrl-C stops the gateway and the workers.",
+            serving_config.display()
         );
         if let Some(tls) = secrets.tls {
             println!("Gateway and workers speak mutual TLS (CA and certificates in {}).", tls.dir.display());
@@ -245,6 +273,38 @@ struct Worker {
     grpc: String,
     /// `both`, `prefill` or `decode`.
     role: String,
+}
+
+/// `source`, the configuration file `up` started from, with what `up` filled in from `config`:
+/// the workers' addresses and the cluster's token and TLS files (its ports stay the file's:
+/// preflight dials only the workers).
+fn serving(source: &str, config: &Config) -> anyhow::Result<String> {
+    let mut doc: toml::Table = toml::from_str(source).context("the configuration's TOML")?;
+    let workers = doc
+        .get_mut("workers")
+        .and_then(toml::Value::as_array_mut)
+        .context("the configuration lists no [[workers]]")?;
+    for (table, worker) in workers.iter_mut().zip(&config.workers) {
+        if let Some(table) = table.as_table_mut() {
+            table.insert("grpc".into(), worker.endpoint.clone().into());
+        }
+    }
+    let cluster = doc
+        .entry("cluster")
+        .or_insert_with(|| toml::Table::new().into());
+    let cluster = cluster
+        .as_table_mut()
+        .context("the configuration's cluster is not a table")?;
+    let path = |p: &std::path::Path| toml::Value::from(p.display().to_string());
+    if let Some(token) = &config.cluster.token_file {
+        cluster.insert("token_file".into(), path(token));
+    }
+    if let Some(tls) = &config.cluster.tls {
+        cluster.insert("tls_ca".into(), path(&tls.files.ca));
+        cluster.insert("tls_cert".into(), path(&tls.files.cert));
+        cluster.insert("tls_key".into(), path(&tls.files.key));
+    }
+    toml::to_string(&doc).context("writing the serving configuration")
 }
 
 /// A fresh random cluster token, written to `path` readable by this user only.
@@ -349,6 +409,23 @@ async fn start_worker(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_serving_configuration_names_the_workers_up_started_and_the_cluster_token() {
+        let mut config = Config::parse(DEFAULT_CONFIG).expect("valid");
+        config.workers[0].endpoint = "http://127.0.0.1:41001".into();
+        config.workers[1].endpoint = "http://127.0.0.1:41002".into();
+        config.cluster.token_file = Some("/data/cluster-token".into());
+        let text = serving(DEFAULT_CONFIG, &config).expect("written");
+        let served = Config::parse(&text).unwrap_or_else(|e| panic!("{e}:\n{text}"));
+        let endpoints: Vec<&str> = served.workers.iter().map(|w| w.endpoint.as_str()).collect();
+        assert_eq!(
+            endpoints,
+            ["http://127.0.0.1:41001", "http://127.0.0.1:41002"]
+        );
+        assert_eq!(served.cluster.token_file, config.cluster.token_file);
+        assert_eq!(served.tenants.len(), config.tenants.len());
+    }
 
     #[test]
     fn the_built_in_configuration_is_valid_and_holds_no_clear_keys() {

@@ -114,7 +114,7 @@ pub struct Args {
     #[arg(long, env = env::KV_MEMORY, value_parser = parse_bytes, conflicts_with = "kv_tokens")]
     kv_memory: Option<u64>,
     /// KV pool capacity in tokens (rounded up to whole pages), instead of --kv-memory.
-    #[arg(long, env = env::KV_TOKENS)]
+    #[arg(long, env = env::KV_TOKENS, value_parser = clap::value_parser!(u64).range(1..))]
     kv_tokens: Option<u64>,
     /// Context length to serve; must fit the pool [default: min(model, pool)]
     #[arg(long, env = env::CONTEXT_LENGTH)]

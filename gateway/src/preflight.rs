@@ -474,9 +474,18 @@ fn on(b: bool) -> &'static str {
 /// The report: one line per worker, then one per check; and whether every check passed.
 pub fn render(answers: &[Answer], checks: &[Check]) -> (String, bool) {
     let mut out = String::new();
+    // Columns as wide as their longest entry (a GGUF's model id runs past 50 characters).
+    let width = |of: fn(&Answer) -> Option<usize>, title: &str| {
+        answers.iter().filter_map(of).fold(title.len(), usize::max)
+    };
+    let name = width(|a| Some(a.worker.name.chars().count()), "worker");
+    let model = width(
+        |a| a.info.as_ref().ok().map(|i| i.model_id.chars().count()),
+        "model",
+    );
     let _ = writeln!(
         out,
-        "{:<16} {:<8} {:<40} {:>10} {:>10} {:>6}",
+        "{:<name$} {:<8} {:<model$} {:>10} {:>10} {:>6}",
         "worker", "role", "model", "context", "pool", "page"
     );
     for a in answers {
@@ -485,12 +494,12 @@ pub fn render(answers: &[Answer], checks: &[Check]) -> (String, bool) {
             Ok(i) => {
                 let _ = writeln!(
                     out,
-                    "{:<16} {role:<8} {:<40} {:>10} {:>10} {:>6}",
+                    "{:<name$} {role:<8} {:<model$} {:>10} {:>10} {:>6}",
                     a.worker.name, i.model_id, i.context_length, i.pool_tokens, i.page_tokens
                 );
             }
             Err(e) => {
-                let _ = writeln!(out, "{:<16} {role:<8} unreachable: {e}", a.worker.name);
+                let _ = writeln!(out, "{:<name$} {role:<8} unreachable: {e}", a.worker.name);
             }
         }
     }
@@ -678,6 +687,28 @@ mod tests {
         assert_eq!(
             failed(&checks(&answers)),
             [("p", "pool covers the served context")]
+        );
+    }
+
+    /// The table's columns stay aligned under their titles however long a model's id is.
+    #[test]
+    fn the_table_is_as_wide_as_its_longest_model_id() {
+        let id = "Smollm2 135M 8k Lc100K Mix1 Ep2-98362432-175cf92253bf70f3";
+        let answers = pair_answers(info(id, 64, 64, 16, 4 << 20), info(id, 4096, 4096, 16, 0));
+        let (report, _) = render(&answers, &checks(&answers));
+        let lines: Vec<&str> = report.lines().take(3).collect();
+        let column = |line: &str, text: &str| line.find(text).unwrap_or_else(|| panic!("{report}"));
+        // Right-aligned: every row's pool ends where the title "pool" ends.
+        let pool_end = column(lines[0], "pool") + "pool".len();
+        assert_eq!(
+            column(lines[1], " 64     16") + " 64".len(),
+            pool_end,
+            "{report}"
+        );
+        assert_eq!(
+            column(lines[2], "4096     16") + "4096".len(),
+            pool_end,
+            "{report}"
         );
     }
 

@@ -971,7 +971,54 @@ fn the_incident_configuration_is_refused_by_the_gateway_and_the_rest_is_served_d
             ["prefill", "decode"],
             "bulkhead up runs prefill and decode apart"
         );
+        // Preflight on the configuration up serves with (its workers' addresses, the cluster
+        // token): every check passes — the pair admits only what both pools hold — and the
+        // short prefill pool is warned of.
+        let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+            .args(["preflight", "--config"])
+            .arg(up.data_dir.join("up-gateway.toml"))
+            .output()
+            .expect("preflight runs");
+        let report = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{report}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            report.contains("WARN") && report.contains("decode serves 4096 tokens, prefill 64"),
+            "{report}"
+        );
     });
+}
+
+/// The flags that size a prefill + decode pair's pools apart are refused with a colocated
+/// worker (they were ignored: its pool took the default, and the incident was not reproduced).
+#[test]
+fn up_refuses_pool_flags_of_a_pair_for_a_colocated_worker() {
+    let dir = TempDir::new("up-colocated");
+    let text = std::fs::read_to_string(repo().join("deploy/local/gateway.toml")).expect("reads");
+    let (head, _) = text.split_once("\n[[workers]]").expect("a worker table");
+    let config = dir.0.join("both.toml");
+    std::fs::write(
+        &config,
+        format!("{head}\n[[workers]]\nname = \"one\"\ngrpc = \"http://127.0.0.1:50051\"\nrole = \"both\"\n"),
+    )
+    .expect("writes");
+    let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+        .args(["up", "--port", "0", "--config"])
+        .arg(&config)
+        .args(["--prefill-kv-tokens", "64", "--data-dir"])
+        .arg(dir.0.join("data"))
+        .output()
+        .expect("up runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--prefill-kv-tokens sizes a pool of a prefill + decode pair")
+            && stderr.contains("--kv-tokens"),
+        "{stderr}"
+    );
 }
 
 /// Sends raw bytes as one request and returns the response's status (0: the server closed the
