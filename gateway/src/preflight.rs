@@ -49,28 +49,37 @@ pub struct Check {
     pub advisory: bool,
 }
 
+/// `what`, then each cause in `cause`'s chain, joined by `: ` (a layer that repeats its
+/// cause's words is said once: "transport error: transport error").
+pub(crate) fn with_causes(
+    what: String,
+    cause: Option<&(dyn std::error::Error + 'static)>,
+) -> String {
+    let mut parts = vec![what];
+    for c in std::iter::successors(cause, |&c| c.source()) {
+        let part = c.to_string();
+        if parts.last() != Some(&part) {
+            parts.push(part);
+        }
+    }
+    parts.join(": ")
+}
+
 /// Why a worker could not be reached: `what` failed, because of `cause` and its causes, and
 /// the likely reason when it was reached but refused: TLS on one side only.
 fn unreachable(
     what: String,
-    mut cause: Option<&(dyn std::error::Error + 'static)>,
+    cause: Option<&(dyn std::error::Error + 'static)>,
     cluster: &ClusterAccess,
 ) -> String {
-    let mut parts = vec![what];
     let (mut refused, mut plain) = (false, false);
-    while let Some(c) = cause {
-        let part = c.to_string();
-        // Layers often repeat their cause's words ("transport error: transport error").
-        if parts.last() != Some(&part) {
-            parts.push(part);
-        }
+    for c in std::iter::successors(cause, |&c| c.source()) {
         refused |= c
             .downcast_ref::<std::io::Error>()
             .is_some_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused);
         plain |= tls::answered_in_plain_text(c);
-        cause = c.source();
     }
-    let mut text = parts.join(": ");
+    let mut text = with_causes(what, cause);
     if refused {
         text.push_str(" (nothing listens there: is the worker running, at this address?)");
     } else if plain {
@@ -81,8 +90,9 @@ fn unreachable(
         );
     } else if cluster.tls.is_none() {
         text.push_str(
-            " (a worker started with --tls-cert takes only TLS: then set [cluster] tls_ca, \
-             tls_cert, tls_key)",
+            " (what answered is not a Bulkhead worker speaking plain gRPC: a worker started \
+             with --tls-cert takes only TLS — then set [cluster] tls_ca, tls_cert, tls_key — \
+             or another server listens at this address)",
         );
     }
     text

@@ -327,6 +327,9 @@ struct Entry {
     last_error: Option<(String, SystemTime)>,
     /// Requests it took and left unanswered until their deadline.
     stalls: Stalls,
+    /// Why it is not served through, as last logged (`None`: it is, or it is a prefill
+    /// worker that is sound): the log says each change once, not at every refresh.
+    logged_unroutable: Option<String>,
 }
 
 impl Entry {
@@ -408,6 +411,7 @@ impl State {
             outstanding: 0,
             last_error: None,
             stalls: Stalls::default(),
+            logged_unroutable: None,
         });
         self.next_id += 1;
         Ok(())
@@ -441,6 +445,33 @@ impl State {
                         detail: c.detail,
                     })
             })
+    }
+
+    /// Logs each worker whose reason not to serve through it changed since it was last
+    /// logged: a warning naming the reason and the last error (an operator reading the log
+    /// sees why a worker takes no traffic — a refused certificate, a wrong token — without
+    /// asking `/workers`), and a line when it serves again.
+    fn log_routability(&mut self) {
+        for i in 0..self.entries.len() {
+            let reason = match self.unroutable(&self.entries[i]) {
+                None | Some(Unroutable::PrefillOnly) => None,
+                Some(why) => Some(why.to_string()),
+            };
+            let e = &mut self.entries[i];
+            if reason == e.logged_unroutable {
+                continue;
+            }
+            match &reason {
+                Some(why) => tracing::warn!(
+                    worker = %e.config.name,
+                    reason = %why,
+                    last_error = e.last_error.as_ref().map_or("", |(error, _)| error.as_str()),
+                    "not routing to a worker"
+                ),
+                None => tracing::info!(worker = %e.config.name, "routing to a worker again"),
+            }
+            e.logged_unroutable = reason;
+        }
     }
 
     fn unroutable(&self, e: &Entry) -> Option<Unroutable> {
@@ -891,6 +922,7 @@ impl Workers {
                     None => {}
                 }
             }
+            s.log_routability();
             // Keep the served model while a healthy worker still serves it; otherwise take the
             // first healthy worker's.
             let healthy =
@@ -1101,7 +1133,12 @@ async fn rpc<T>(
 ) -> Result<T, String> {
     match tokio::time::timeout(RPC_TIMEOUT, call).await {
         Err(_) => Err(format!("no answer within {} s", RPC_TIMEOUT.as_secs())),
-        Ok(Err(status)) => Err(format!("{:?}: {}", status.code(), status.message())),
+        // With its causes: a transport error's is the reason ("received fatal alert:
+        // UnknownCA", a refused connection), its message alone only "transport error".
+        Ok(Err(status)) => Err(crate::preflight::with_causes(
+            format!("{:?}: {}", status.code(), status.message()),
+            std::error::Error::source(&status),
+        )),
         Ok(Ok(r)) => Ok(r.into_inner()),
     }
 }
@@ -1460,6 +1497,35 @@ mod tests {
         }
         reports(&w, "a", WorkerRole::Both, 8192, 8192);
         assert_eq!(w.route(&admitted(100)).expect("a route").worker, "a");
+    }
+
+    /// A worker that cannot be reached is logged as not routed to (each change once) with the cause of
+    /// its failed call (the transport's reason, not only "transport error").
+    #[tokio::test]
+    async fn a_worker_left_unroutable_is_logged_with_its_failures_cause() {
+        let w = workers(&[
+            ("p", WorkerRole::Prefill, None),
+            ("d", WorkerRole::Decode, Some("p")),
+        ]);
+        w.refresh().await;
+        let (logged, error) = w.with(|s| {
+            let logged: Vec<Option<String>> = s
+                .entries
+                .iter()
+                .map(|e| e.logged_unroutable.clone())
+                .collect();
+            let error = s.entries[1]
+                .last_error
+                .clone()
+                .map(|(e, _)| e)
+                .unwrap_or_default();
+            (logged, error)
+        });
+        assert!(logged.iter().all(Option::is_some), "{logged:?}");
+        assert!(
+            error.contains("transport error") && error.to_lowercase().contains("refused"),
+            "{error}"
+        );
     }
 
     /// A worker that leaves requests unanswered until their deadline while its health checks
