@@ -240,23 +240,32 @@ impl RateLimits {
     /// Sets `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` as OpenAI's API does (the
     /// reset as a duration such as `1s`, `6m0s` or `250ms`).
     pub fn write(&self, headers: &mut HeaderMap) {
-        for (window, unit) in [(self.requests, "requests"), (self.tokens, "tokens")] {
-            let fields = [
-                ("limit", window.limit.to_string()),
-                ("remaining", window.remaining.to_string()),
-                ("reset", duration_text(window.reset)),
-            ];
-            for (field, value) in fields {
-                if let (Ok(name), Ok(value)) = (
-                    HeaderName::try_from(format!("x-ratelimit-{field}-{unit}")),
-                    HeaderValue::try_from(value),
-                ) {
-                    headers.insert(name, value);
-                }
+        for (window, [limit, remaining, reset]) in [
+            (self.requests, REQUEST_HEADERS),
+            (self.tokens, TOKEN_HEADERS),
+        ] {
+            headers.insert(limit, HeaderValue::from(window.limit));
+            headers.insert(remaining, HeaderValue::from(window.remaining));
+            if let Ok(text) = HeaderValue::try_from(duration_text(window.reset)) {
+                headers.insert(reset, text);
             }
         }
     }
 }
+
+/// `x-ratelimit-{limit,remaining,reset}-requests`.
+const REQUEST_HEADERS: [HeaderName; 3] = [
+    HeaderName::from_static("x-ratelimit-limit-requests"),
+    HeaderName::from_static("x-ratelimit-remaining-requests"),
+    HeaderName::from_static("x-ratelimit-reset-requests"),
+];
+
+/// `x-ratelimit-{limit,remaining,reset}-tokens`.
+const TOKEN_HEADERS: [HeaderName; 3] = [
+    HeaderName::from_static("x-ratelimit-limit-tokens"),
+    HeaderName::from_static("x-ratelimit-remaining-tokens"),
+    HeaderName::from_static("x-ratelimit-reset-tokens"),
+];
 
 /// A duration as Go prints one, to the millisecond, as OpenAI's reset headers are: `0s`,
 /// `250ms`, `1.5s`, `6m0s`, `1m0.25s`.
