@@ -257,9 +257,11 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
         };
         let _ = stop_tx.send(true);
         let _ = serving.await;
-        for w in &mut workers {
+        // All at once: each may take its whole stop limit (a collector that never answers).
+        futures_util::future::join_all(workers.iter_mut().map(|w| async move {
             child::stop(&mut w.child, WORKER_STOP_LIMIT, &format!("{} worker", w.role)).await;
-        }
+        }))
+        .await;
         if let Some((index, status)) = worker_died {
             bail!("the {} worker exited ({status:?}); stopped everything", workers[index].role);
         }

@@ -190,16 +190,22 @@ impl Telemetry {
 
 impl Drop for Telemetry {
     fn drop(&mut self) {
-        if let Some(tracer) = self.tracer.take()
-            && let Err(e) = tracer.shutdown_with_timeout(SHUTDOWN_LIMIT)
-        {
-            tracing::warn!(error = %e, "the last spans could not be exported");
-        }
-        if let Some(logger) = self.logger.take()
-            && let Err(e) = logger.shutdown_with_timeout(SHUTDOWN_LIMIT)
-        {
-            tracing::warn!(error = %e, "the last audit log records could not be exported");
-        }
+        let (tracer, logger) = (self.tracer.take(), self.logger.take());
+        // Both at once: a collector that never answers costs the shutdown one limit, not two.
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                if let Some(tracer) = tracer
+                    && let Err(e) = tracer.shutdown_with_timeout(SHUTDOWN_LIMIT)
+                {
+                    tracing::warn!(error = %e, "the last spans could not be exported");
+                }
+            });
+            if let Some(logger) = logger
+                && let Err(e) = logger.shutdown_with_timeout(SHUTDOWN_LIMIT)
+            {
+                tracing::warn!(error = %e, "the last audit log records could not be exported");
+            }
+        });
     }
 }
 
