@@ -83,16 +83,10 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-/// The causes of `e` that the link before each does not already say: many errors name
-/// their cause in their own message and also give it as their source, and the chain would
-/// print it twice.
+/// The causes of `e` that the link before each does not already say.
 fn causes_not_said(e: &anyhow::Error) -> Vec<String> {
-    let links: Vec<String> = e.chain().map(ToString::to_string).collect();
-    links
-        .windows(2)
-        .filter(|pair| !pair[0].contains(pair[1].as_str()))
-        .map(|pair| pair[1].clone())
-        .collect()
+    let links = bulkhead_gateway::error_chain::unsaid(e.chain().map(ToString::to_string));
+    links.into_iter().skip(1).collect()
 }
 
 fn run(command: Command) -> anyhow::Result<()> {

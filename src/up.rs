@@ -13,8 +13,8 @@ use anyhow::{Context, bail};
 use bulkhead_gateway::tenants::ConfigFile;
 use bulkhead_gateway::{BoundGateway, Config};
 use bulkhead_worker::serve::ClusterToken;
-use bulkhead_worker::serve::cluster_token;
 use bulkhead_worker::serve::tls::{Authority, TlsFiles, TlsSettings};
+use bulkhead_worker::serve::{cluster_token, secret_file};
 use tokio::process::{Child, Command};
 
 use crate::child;
@@ -123,13 +123,14 @@ pub struct Args {
 pub fn run(mut args: Args) -> anyhow::Result<()> {
     // Tenants reloads read the file again (compared with it as read here, before the ports and
     // worker addresses below are filled in); the built-in configuration has no file.
-    let (mut config, file) = match &args.config {
-        Some(path) => ConfigFile::load(path)
-            .map(|(config, file)| (config, Some(file)))
+    let (mut config, file, source) = match &args.config {
+        Some(path) => ConfigFile::load_with_text(path)
+            .map(|(config, file, text)| (config, Some(file), text))
             .with_context(|| format!("invalid configuration {}", path.display()))?,
         None => (
             Config::parse(DEFAULT_CONFIG).context("the built-in deploy/local/gateway.toml")?,
             None,
+            DEFAULT_CONFIG.to_owned(),
         ),
     };
     let layout = Layout::of(&config.workers)?;
@@ -146,12 +147,6 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
             }
         }
     }
-    let source = match &args.config {
-        Some(path) => {
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?
-        }
-        None => DEFAULT_CONFIG.to_owned(),
-    };
     config.listen.api.set_port(args.port);
     if let Some(port) = args.admin_port {
         config.listen.admin.set_port(port);
@@ -163,7 +158,8 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     let telemetry = crate::telemetry::install("info", export.map(|o| (Service::Gateway, o)))?;
     let audit_export = telemetry.audit_export();
     let model = args.model.path()?;
-    let data_dir = args.data_dir.path()?;
+    // Absolute: the paths written into the serving configuration are read from anywhere.
+    let data_dir = std::path::absolute(args.data_dir.path()?).context("the data directory")?;
     // A fresh cluster token each start: the workers answer only the gateway (and decode only
     // its prefill worker), never another process that finds their loopback ports.
     let token_file = data_dir.join(CLUSTER_TOKEN_FILE);
@@ -219,8 +215,9 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
                 workers.push(d);
             }
         }
+        // Owner only: it holds the tenants' key hashes, as the file it copies.
         let serving_config = data_dir.join(SERVING_CONFIG_FILE);
-        std::fs::write(&serving_config, serving(&source, &config)?)
+        secret_file::write(&serving_config, serving(&source, &config)?.as_bytes())
             .with_context(|| format!("writing {}", serving_config.display()))?;
         let gateway = BoundGateway::bind(config, file, &data_dir, audit_export)
             .await?

@@ -283,10 +283,15 @@ impl Args {
         })
     }
 
-    /// The TLS files, read and checked now.
+    /// The TLS files, read and checked now for the part the role plays: a colocated worker
+    /// calls no peer, so its certificate need not allow client authentication.
     fn tls(&self) -> anyhow::Result<Option<ClusterTls>> {
+        let part = match self.role {
+            Role::Both => Part::Serves,
+            Role::Prefill | Role::Decode => Part::ServesAndCalls,
+        };
         let settings = self.tls.over(None)?;
-        Ok(settings.map(|s| s.load(Part::ServesAndCalls)).transpose()?)
+        Ok(settings.map(|s| s.load(part)).transpose()?)
     }
 }
 

@@ -562,11 +562,15 @@ struct RawWorker {
 impl Config {
     /// Reads and validates the file at `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        Config::parse(&Config::read(path)?)
+    }
+
+    /// The text of the file at `path`.
+    pub fn read(path: &Path) -> Result<String, ConfigError> {
+        std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.display().to_string(),
             source,
-        })?;
-        Config::parse(&text)
+        })
     }
 
     /// Validates a configuration given as TOML text.

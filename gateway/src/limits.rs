@@ -107,7 +107,11 @@ impl Bucket {
         Window {
             limit: self.capacity as u64,
             remaining: self.level.max(0.0) as u64,
-            reset: Duration::from_secs_f64((self.capacity - self.level) * 60.0 / self.capacity),
+            // Rounded up to the millisecond: a reset of `0s` says the limit is whole.
+            reset: Duration::try_from_secs_f64(
+                ((self.capacity - self.level) * 60_000.0 / self.capacity).ceil() / 1000.0,
+            )
+            .unwrap_or(Duration::MAX),
         }
     }
 
@@ -268,7 +272,7 @@ const TOKEN_HEADERS: [HeaderName; 3] = [
 ];
 
 /// A duration as Go prints one, to the millisecond, as OpenAI's reset headers are: `0s`,
-/// `250ms`, `1.5s`, `6m0s`, `1m0.25s`.
+/// `250ms`, `1.5s`, `6m0s`, `1m0.25s`, `1h30m0s`.
 fn duration_text(d: Duration) -> String {
     let ms = d.as_millis();
     if ms == 0 {
@@ -278,8 +282,11 @@ fn duration_text(d: Duration) -> String {
         return format!("{ms}ms");
     }
     let mut text = String::new();
+    let (hours, ms) = (ms / 3_600_000, ms % 3_600_000);
     let (minutes, ms) = (ms / 60_000, ms % 60_000);
-    if minutes > 0 {
+    if hours > 0 {
+        let _ = write!(text, "{hours}h{minutes}m");
+    } else if minutes > 0 {
         let _ = write!(text, "{minutes}m");
     }
     let _ = write!(text, "{}", ms / 1000);
@@ -342,6 +349,10 @@ impl Limiter {
     ) -> R {
         let now = Instant::now();
         let mut budgets = self.budgets.lock().unwrap_or_else(PoisonError::into_inner);
+        // Looked up before it is made: no id is copied for a tenant that has one.
+        if let Some(budget) = budgets.get_mut(&tenant.id) {
+            return f(budget, now);
+        }
         let budget = budgets
             .entry(tenant.id.clone())
             .or_insert_with(|| TenantBudget::new(tenant.limits, now));
@@ -579,6 +590,11 @@ mod tests {
         let debt = b.rate_limits(later).tokens;
         assert_eq!((debt.limit, debt.remaining), (1000, 0));
         assert_eq!(duration_text(debt.reset), "1m28.5s");
+        // Half a millisecond short of whole is not whole: the reset rounds up.
+        let mut c = TenantBudget::new(limits(10, 120, 6000), t0);
+        c.start(&id(), t0).expect("1 of 120");
+        let almost = c.rate_limits(t0 + Duration::from_micros(499_750)).requests;
+        assert_eq!(almost.reset, Duration::from_millis(1), "{almost:?}");
     }
 
     #[test]
@@ -593,6 +609,8 @@ mod tests {
             (ms(59_999), "59.999s"),
             (ms(360_000), "6m0s"),
             (ms(61_250), "1m1.25s"),
+            (ms(5_400_000), "1h30m0s"),
+            (ms(3_600_500), "1h0m0.5s"),
         ] {
             assert_eq!(duration_text(d), text, "{d:?}");
         }

@@ -49,22 +49,6 @@ pub struct Check {
     pub advisory: bool,
 }
 
-/// `what`, then each cause in `cause`'s chain, joined by `: ` (a layer that repeats its
-/// cause's words is said once: "transport error: transport error").
-pub(crate) fn with_causes(
-    what: String,
-    cause: Option<&(dyn std::error::Error + 'static)>,
-) -> String {
-    let mut parts = vec![what];
-    for c in std::iter::successors(cause, |&c| c.source()) {
-        let part = c.to_string();
-        if parts.last() != Some(&part) {
-            parts.push(part);
-        }
-    }
-    parts.join(": ")
-}
-
 /// Why a worker could not be reached: `what` failed, because of `cause` and its causes, and
 /// the likely reason when it was reached but refused: TLS on one side only.
 fn unreachable(
@@ -72,21 +56,26 @@ fn unreachable(
     cause: Option<&(dyn std::error::Error + 'static)>,
     cluster: &ClusterAccess,
 ) -> String {
-    let (mut refused, mut plain) = (false, false);
+    use std::io::ErrorKind::{ConnectionRefused, HostUnreachable, NetworkUnreachable, TimedOut};
+    let (mut refused, mut silent, mut plain) = (false, false, false);
     for c in std::iter::successors(cause, |&c| c.source()) {
-        refused |= c
-            .downcast_ref::<std::io::Error>()
-            .is_some_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused);
+        let kind = c.downcast_ref::<std::io::Error>().map(std::io::Error::kind);
+        refused |= kind == Some(ConnectionRefused);
+        // Nothing answered at all: no reply can say what listens there.
+        silent |= matches!(kind, Some(TimedOut | HostUnreachable | NetworkUnreachable))
+            || c.to_string().starts_with("dns error");
         plain |= tls::answered_in_plain_text(c);
     }
-    let mut text = with_causes(what, cause);
+    let mut text = crate::error_chain::with_causes(what, cause);
     if refused {
         text.push_str(" (nothing listens there: is the worker running, at this address?)");
+    } else if silent {
+        text.push_str(" (nothing answered: is the address right, the host up and reachable?)");
     } else if plain {
         text.push_str(
-            " (the worker answered in plain text: it was started without --tls-cert; start \
-             every worker with the deployment's TLS files, or call them without TLS: no \
-             [cluster] tls_* and no --tls-*)",
+            " (what answered speaks no TLS: a worker started without --tls-cert — start every \
+             worker with the deployment's TLS files, or call them without TLS: no [cluster] \
+             tls_* and no --tls-* — or another server listens at this address)",
         );
     } else if cluster.tls.is_none() {
         text.push_str(
@@ -484,14 +473,15 @@ fn on(b: bool) -> &'static str {
 /// The report: one line per worker, then one per check; and whether every check passed.
 pub fn render(answers: &[Answer], checks: &[Check]) -> (String, bool) {
     let mut out = String::new();
-    // Columns as wide as their longest entry (a GGUF's model id runs past 50 characters).
-    let width = |of: fn(&Answer) -> Option<usize>, title: &str| {
-        answers.iter().filter_map(of).fold(title.len(), usize::max)
+    // Columns at least as wide as their longest entry (a GGUF's model id runs past 50
+    // characters).
+    let width = |of: fn(&Answer) -> Option<usize>, least: usize| {
+        answers.iter().filter_map(of).fold(least, usize::max)
     };
-    let name = width(|a| Some(a.worker.name.chars().count()), "worker");
+    let name = width(|a| Some(a.worker.name.chars().count()), 16);
     let model = width(
         |a| a.info.as_ref().ok().map(|i| i.model_id.chars().count()),
-        "model",
+        40,
     );
     let _ = writeln!(
         out,
@@ -636,6 +626,16 @@ mod tests {
         let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
         let said = unreachable("transport error".into(), Some(&reset), &plain);
         assert!(said.contains("takes only TLS"), "{said}");
+        // Nothing answered (a timeout, no route): neither TLS nor another server is to blame.
+        for kind in [
+            std::io::ErrorKind::TimedOut,
+            std::io::ErrorKind::HostUnreachable,
+        ] {
+            let silent = std::io::Error::from(kind);
+            let said = unreachable("transport error".into(), Some(&silent), &plain);
+            assert!(said.contains("nothing answered"), "{said}");
+            assert!(!said.contains("TLS"), "{said}");
+        }
     }
 
     /// TLS on the gateway's side only is told as the mirror of TLS on the worker's only: the
@@ -661,14 +661,15 @@ mod tests {
         let said = unreachable("transport error".into(), Some(&corrupt), &with_tls);
         assert!(
             said.contains("InvalidContentType")
-                && said.contains("answered in plain text")
-                && said.contains("started without --tls-cert"),
+                && said.contains("speaks no TLS")
+                && said.contains("started without --tls-cert")
+                && said.contains("another server"),
             "{said}"
         );
         let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
         let said = unreachable("transport error".into(), Some(&reset), &with_tls);
         assert!(
-            !said.contains("plain text") && !said.contains("takes only TLS"),
+            !said.contains("speaks no TLS") && !said.contains("takes only TLS"),
             "{said}"
         );
     }

@@ -327,9 +327,10 @@ struct Entry {
     last_error: Option<(String, SystemTime)>,
     /// Requests it took and left unanswered until their deadline.
     stalls: Stalls,
-    /// Why it is not served through, as last logged (`None`: it is, or it is a prefill
-    /// worker that is sound): the log says each change once, not at every refresh.
-    logged_unroutable: Option<String>,
+    /// Which reason not to serve through it was last logged (`None`: none, or a sound
+    /// prefill worker's): the log says each change of kind once, not at every refresh (a
+    /// reason's figures, an ejection's countdown say, change at every one).
+    logged_unroutable: Option<std::mem::Discriminant<Unroutable>>,
 }
 
 impl Entry {
@@ -455,22 +456,24 @@ impl State {
         for i in 0..self.entries.len() {
             let reason = match self.unroutable(&self.entries[i]) {
                 None | Some(Unroutable::PrefillOnly) => None,
-                Some(why) => Some(why.to_string()),
+                Some(why) => Some(why),
             };
             let e = &mut self.entries[i];
-            if reason == e.logged_unroutable {
+            let kind = reason.as_ref().map(std::mem::discriminant);
+            if kind == e.logged_unroutable {
                 continue;
             }
-            match &reason {
-                Some(why) => tracing::warn!(
-                    worker = %e.config.name,
-                    reason = %why,
-                    last_error = e.last_error.as_ref().map_or("", |(error, _)| error.as_str()),
-                    "not routing to a worker"
-                ),
+            match reason.map(|why| why.to_string()) {
+                Some(why) => {
+                    // An unreachable worker's reason is its last error already.
+                    let error = e.last_error.as_ref().map(|(error, _)| error.as_str());
+                    let last_error = error.filter(|error| !why.contains(error)).unwrap_or("");
+                    tracing::warn!(worker = %e.config.name, reason = %why, last_error,
+                        "not routing to a worker");
+                }
                 None => tracing::info!(worker = %e.config.name, "routing to a worker again"),
             }
-            e.logged_unroutable = reason;
+            e.logged_unroutable = kind;
         }
     }
 
@@ -922,7 +925,6 @@ impl Workers {
                     None => {}
                 }
             }
-            s.log_routability();
             // Keep the served model while a healthy worker still serves it; otherwise take the
             // first healthy worker's.
             let healthy =
@@ -945,6 +947,8 @@ impl Workers {
         if let Some((id, source)) = wanted {
             self.register_model(id, source).await;
         }
+        // Once the served model is settled: a change of model is not a reason to log.
+        self.with(State::log_routability);
     }
 
     async fn register_model(&self, id: u64, source: ModelSource) {
@@ -1135,7 +1139,7 @@ async fn rpc<T>(
         Err(_) => Err(format!("no answer within {} s", RPC_TIMEOUT.as_secs())),
         // With its causes: a transport error's is the reason ("received fatal alert:
         // UnknownCA", a refused connection), its message alone only "transport error".
-        Ok(Err(status)) => Err(crate::preflight::with_causes(
+        Ok(Err(status)) => Err(crate::error_chain::with_causes(
             format!("{:?}: {}", status.code(), status.message()),
             std::error::Error::source(&status),
         )),
@@ -1509,11 +1513,7 @@ mod tests {
         ]);
         w.refresh().await;
         let (logged, error) = w.with(|s| {
-            let logged: Vec<Option<String>> = s
-                .entries
-                .iter()
-                .map(|e| e.logged_unroutable.clone())
-                .collect();
+            let logged: Vec<_> = s.entries.iter().map(|e| e.logged_unroutable).collect();
             let error = s.entries[1]
                 .last_error
                 .clone()

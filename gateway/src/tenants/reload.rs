@@ -27,12 +27,18 @@ pub struct ConfigFile {
 impl ConfigFile {
     /// Reads and validates the file at `path` ([`Config::load`]) and remembers it for reloads.
     pub fn load(path: &Path) -> Result<(Config, ConfigFile), ConfigError> {
-        let config = Config::load(path)?;
+        Self::load_with_text(path).map(|(config, file, _)| (config, file))
+    }
+
+    /// [`ConfigFile::load`], and the text it validated.
+    pub fn load_with_text(path: &Path) -> Result<(Config, ConfigFile, String), ConfigError> {
+        let text = Config::read(path)?;
+        let config = Config::parse(&text)?;
         let file = ConfigFile {
             path: path.to_owned(),
             running: RestartOnly::of(&config),
         };
-        Ok((config, file))
+        Ok((config, file, text))
     }
 
     pub fn path(&self) -> &Path {

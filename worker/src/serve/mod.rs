@@ -25,7 +25,7 @@ mod metrics;
 mod progress;
 pub mod proto;
 mod refusal;
-mod secret_file;
+pub mod secret_file;
 mod service;
 mod spans;
 mod tamper;

@@ -561,9 +561,6 @@ mod tests {
         follower.abort();
     }
 
-    /// Files that cannot serve are refused at load with a reason naming them: a missing
-    /// certificate, a key other users may read, a key of another certificate, a client CA
-    /// that is not one.
     /// The listeners only serve: their certificate needs server authentication (clients
     /// refuse one without), not client authentication (public CAs no longer issue it).
     #[test]
@@ -593,6 +590,9 @@ mod tests {
         );
     }
 
+    /// Files that cannot serve are refused at load with a reason naming them: a missing
+    /// certificate, a key other users may read, a key of another certificate, a client CA
+    /// that is not one.
     #[test]
     fn bad_listener_files_are_refused_with_a_reason_that_names_them() {
         let dir = tempdir::Dir::new();

@@ -653,8 +653,8 @@ mod tests {
         3_786_912_000
     }
 
-    /// Every process serves and calls: a certificate whose extendedKeyUsage leaves out client
-    /// (or server) authentication is refused by name when the files are loaded — peers would
+    /// A prefill or decode worker serves and calls: a certificate whose extendedKeyUsage
+    /// leaves out client (or server) authentication is refused by name when the files are loaded — peers would
     /// refuse it in every handshake —, and a renewal without it keeps the files in use; one
     /// with no extendedKeyUsage at all may be used for anything.
     #[tokio::test]

@@ -1,8 +1,8 @@
-//! What a process's own certificate may be used for. A worker both serves (its gRPC port, a
-//! decode worker's KV listener) and calls (decode its prefill, prefill decode's KV listener),
-//! so its cluster certificate must allow TLS server and client authentication; the gateway
-//! and preflight only call workers ([`Part`]); the gateway's own listeners only serve
-//! ([`LISTENER`]). Peers check this only in the handshake: a certificate without client
+//! What a process's own certificate may be used for. A prefill or decode worker both serves
+//! (its gRPC port, a decode worker's KV listener) and calls (decode its prefill, prefill
+//! decode's KV listener), so its cluster certificate must allow TLS server and client
+//! authentication; a colocated worker only serves, the gateway and preflight only call
+//! workers ([`Part`]); the gateway's own listeners only serve ([`LISTENER`]). Peers check this only in the handshake: a certificate without client
 //! authentication serves, then has every call it makes refused — so it is refused where the
 //! files are loaded instead, naming the usage it lacks.
 //!
@@ -25,9 +25,11 @@ pub enum Usage {
 /// certificate needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Part {
-    /// A worker: serves gRPC and the KV data plane, and calls its peers (serverAuth and
-    /// clientAuth).
+    /// A prefill or decode worker: serves gRPC and the KV data plane, and calls its peers
+    /// (serverAuth and clientAuth).
     ServesAndCalls,
+    /// A colocated worker: only serves (serverAuth).
+    Serves,
     /// The gateway and preflight: only call workers (clientAuth).
     Calls,
 }
@@ -37,6 +39,7 @@ impl Part {
     pub(super) fn needs(self) -> &'static [Usage] {
         match self {
             Part::ServesAndCalls => &[Usage::ServerAuth, Usage::ClientAuth],
+            Part::Serves => &[Usage::ServerAuth],
             Part::Calls => &[Usage::ClientAuth],
         }
     }
@@ -130,5 +133,15 @@ mod tests {
             [Usage::ClientAuth]
         );
         assert_eq!(lacks_for(Part::Calls, None), []);
+    }
+
+    /// A colocated worker only serves: server authentication is all it needs.
+    #[test]
+    fn a_colocated_worker_needs_server_authentication_only() {
+        assert_eq!(lacks_for(Part::Serves, Some(vec![Purpose::ServerAuth])), []);
+        assert_eq!(
+            lacks_for(Part::Serves, Some(vec![Purpose::ClientAuth])),
+            [Usage::ServerAuth]
+        );
     }
 }
