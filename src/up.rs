@@ -303,7 +303,22 @@ fn serving(source: &str, config: &Config) -> anyhow::Result<String> {
         cluster.insert("tls_cert".into(), path(&tls.files.cert));
         cluster.insert("tls_key".into(), path(&tls.files.key));
     }
-    toml::to_string(&doc).context("writing the serving configuration")
+    // The policy paths resolve against the directory up runs in, as the gateway's do.
+    if let Some(policies) = doc.get_mut("policies").and_then(toml::Value::as_table_mut) {
+        for key in ["file", "cache_dir"] {
+            if let Some(relative) = policies.get(key).and_then(toml::Value::as_str) {
+                let absolute = std::path::absolute(relative)
+                    .with_context(|| format!("the policies' {key} {relative}"))?;
+                policies.insert(key.into(), path(&absolute));
+            }
+        }
+    }
+    let text = toml::to_string(&doc).context("writing the serving configuration")?;
+    Ok(format!(
+        "# The configuration `bulkhead up` serves with, for `bulkhead preflight --config`: its\n\
+         # workers' addresses and the cluster's token and TLS files filled in. The listeners\n\
+         # are the file's it started from (not the ports bound, nor --https).\n{text}"
+    ))
 }
 
 /// A fresh random cluster token, written to `path` readable by this user only.
@@ -424,6 +439,12 @@ mod tests {
         );
         assert_eq!(served.cluster.token_file, config.cluster.token_file);
         assert_eq!(served.tenants.len(), config.tenants.len());
+        // Read from anywhere: the policy set's path is absolute.
+        let policies = served
+            .policies
+            .expect("the built-in configuration's policies");
+        assert!(policies.file.is_absolute(), "{:?}", policies.file);
+        assert!(policies.file.ends_with("policies/local.toml"));
     }
 
     #[test]

@@ -467,9 +467,12 @@ impl State {
                 Some(why) => {
                     // An unreachable worker's reason is its last error already.
                     let error = e.last_error.as_ref().map(|(error, _)| error.as_str());
-                    let last_error = error.filter(|error| !why.contains(error)).unwrap_or("");
-                    tracing::warn!(worker = %e.config.name, reason = %why, last_error,
-                        "not routing to a worker");
+                    match error.filter(|error| !why.contains(error)) {
+                        Some(last_error) => tracing::warn!(worker = %e.config.name,
+                            reason = %why, last_error, "not routing to a worker"),
+                        None => tracing::warn!(worker = %e.config.name, reason = %why,
+                            "not routing to a worker"),
+                    }
                 }
                 None => tracing::info!(worker = %e.config.name, "routing to a worker again"),
             }

@@ -382,7 +382,7 @@ fn bind(index: usize, raw: RawBinding, prepared: &Prepared) -> Result<Binding, L
         .map(|e| {
             let at = e.instance_path().to_string();
             let at = if at.is_empty() { "/".to_owned() } else { at };
-            format!("at {at}: {e}")
+            format!("at {at}: {}", e.masked())
         })
         .collect();
     if !errors.is_empty() {

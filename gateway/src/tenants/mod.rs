@@ -132,7 +132,7 @@ impl Tenants {
             Err(e) => {
                 *lock(&self.inner.last_error) = Some(e.to_string());
                 self.inner.reloads_refused.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(error = %e, "tenants reload refused; the running set stays");
+                tracing::warn!(error = %e, "tenants reload");
                 Err(e)
             }
         }
