@@ -641,7 +641,7 @@ impl Config {
             tls::endpoint(&w.endpoint, access.tls.as_ref()).map_err(|source| {
                 ConfigError::WorkerScheme {
                     name: w.name.clone(),
-                    endpoint: w.endpoint.clone(),
+                    endpoint: shown(&w.endpoint),
                     source,
                 }
             })?;
@@ -892,7 +892,7 @@ fn workers(
             worker_endpoint(address, &protocol).ok_or_else(|| ConfigError::WorkerEndpoint {
                 name: w.name.clone(),
                 field: protocol.field(),
-                endpoint: address.to_owned(),
+                endpoint: shown(address),
                 like: protocol.address_example(),
             })?;
         out.push(WorkerConfig {
@@ -994,12 +994,35 @@ pub fn worker_endpoint(addr: &str, protocol: &Protocol) -> Option<String> {
         ("https", Protocol::Bulkhead) => "https",
         _ => return None,
     };
-    let ok =
-        uri.host().is_some_and(|h| !h.is_empty()) && uri.port_u16().is_some() && uri.path() == "/";
+    // A host and port, nothing else: no path, no query, no credentials (a worker is
+    // authenticated by the cluster token; a password in the address would be shown in
+    // `/workers` and the log).
+    let ok = uri.host().is_some_and(|h| !h.is_empty())
+        && uri.port_u16().is_some()
+        && uri.path() == "/"
+        && uri.query().is_none()
+        && !uri.authority()?.as_str().contains('@');
     if !ok {
         return None;
     }
     Some(format!("{scheme}://{}", uri.authority()?.as_str()))
+}
+
+/// A worker's address as a refusal may quote it: without the credentials a URL may carry
+/// (`user:password@`, a query), which would reach the log and the admin API.
+fn shown(address: &str) -> String {
+    let (address, query) = match address.split_once('?') {
+        Some((before, _)) => (before, "?…"),
+        None => (address, ""),
+    };
+    let Some((scheme, rest)) = address.split_once("://") else {
+        return format!("{address}{query}");
+    };
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    match authority.rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://…@{host}{path}{query}"),
+        None => format!("{address}{query}"),
+    }
 }
 
 #[cfg(test)]
@@ -1051,6 +1074,25 @@ mod tests {
             matches!(&e, ConfigError::AdminTokenIsTenantKey { tenant } if tenant == "tenant-a"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_refused_worker_address_is_quoted_without_its_credentials() {
+        assert_eq!(
+            shown("http://user:secret@127.0.0.1:50052/x?tok=abc"),
+            "http://…@127.0.0.1:50052/x?…"
+        );
+        assert_eq!(shown("http://127.0.0.1:50051"), "http://127.0.0.1:50051");
+        assert_eq!(shown("127.0.0.1:50051"), "127.0.0.1:50051");
+        let text = config(
+            &tenant("a", "sk-a"),
+            "[[workers]]\nname = \"w\"\ngrpc = \"http://u:secret@127.0.0.1:1/?k=v\"\nrole = \"both\"\n",
+        );
+        let e = Config::parse(&text)
+            .expect_err("not an address")
+            .to_string();
+        assert!(e.starts_with("worker \"w\": grpc = "), "{e}");
+        assert!(!e.contains("secret") && !e.contains("k=v"), "{e}");
     }
 
     #[test]
@@ -1437,6 +1479,8 @@ mod tests {
             "",
             "http://:5",
             "https://h",
+            "http://u:p@h:5",
+            "http://h:5/?k=v",
         ] {
             assert_eq!(bulkhead(bad), None, "{bad:?}");
         }
