@@ -1185,25 +1185,33 @@ async fn said(p: &Policies, what: &str) {
     }
 }
 
+/// A set of length-limit alone, prompts limited to `max` tokens.
+fn prompt_limit(max: u32) -> String {
+    format!(
+        "{}{}",
+        plugin("length-limit", ""),
+        binding(
+            "length-limit",
+            &format!("config = {{ max_prompt_tokens = {max} }}")
+        )
+    )
+}
+
+/// [`prompt_limit`] of 5 written in `dir` and loaded, its file watched every `interval`
+/// (the watcher not started yet).
+fn watched(dir: &Scratch, interval: Duration) -> (PathBuf, Policies) {
+    let path = write(dir, &prompt_limit(5));
+    let mut s = settings(&path, None);
+    s.watch_interval = Some(interval);
+    (path.clone(), Policies::load(s).expect("loads"))
+}
+
 /// The watcher reloads a changed file; one emptied, or deleted, is a refused reload that
 /// keeps the active set and says why; the file put back is loaded again.
 #[tokio::test]
 async fn the_watched_file_emptied_or_deleted_keeps_the_set_and_says_why() {
     let dir = Scratch::new("policy");
-    let set = |max: u32| {
-        format!(
-            "{}{}",
-            plugin("length-limit", ""),
-            binding(
-                "length-limit",
-                &format!("config = {{ max_prompt_tokens = {max} }}")
-            )
-        )
-    };
-    let path = write(&dir, &set(5));
-    let mut s = settings(&path, None);
-    s.watch_interval = Some(Duration::from_millis(20));
-    let p = Policies::load(s).expect("loads");
+    let (path, p) = watched(&dir, Duration::from_millis(20));
     let watch = p.spawn_watch().expect("watching");
     let first = p.current();
     std::fs::write(&path, "").expect("truncates");
@@ -1212,7 +1220,7 @@ async fn the_watched_file_emptied_or_deleted_keeps_the_set_and_says_why() {
     std::fs::remove_file(&path).expect("deletes");
     said(&p, "cannot read").await;
     assert!(Arc::ptr_eq(&first, &p.current()), "the active set stays");
-    write(&dir, &set(500));
+    write(&dir, &prompt_limit(500));
     let deadline = Instant::now() + Duration::from_secs(20);
     while p.last_error().is_some() {
         assert!(
@@ -1231,33 +1239,20 @@ async fn the_watched_file_emptied_or_deleted_keeps_the_set_and_says_why() {
 #[tokio::test]
 async fn the_watcher_compares_the_file_with_the_set_reloaded_last_whoever_reloaded_it() {
     let dir = Scratch::new("policy");
-    let set = |max: u32| {
-        format!(
-            "{}{}",
-            plugin("length-limit", ""),
-            binding(
-                "length-limit",
-                &format!("config = {{ max_prompt_tokens = {max} }}")
-            )
-        )
-    };
-    let path = write(&dir, &set(5));
-    let mut s = settings(&path, None);
-    s.watch_interval = Some(Duration::from_secs(4));
-    let p = Policies::load(s).expect("loads");
+    let (_, p) = watched(&dir, Duration::from_secs(4));
     let first = p.current().source();
     let watch = p.spawn_watch().expect("watching");
     // The watcher's first look, at once: the file as loaded.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let started = Instant::now();
-    write(&dir, &set(500));
+    write(&dir, &prompt_limit(500));
     let admin = p.clone();
     tokio::task::spawn_blocking(move || admin.reload())
         .await
         .expect("joins")
         .expect("the admin call's reload");
     assert_ne!(p.current().source(), first);
-    write(&dir, &set(5));
+    write(&dir, &prompt_limit(5));
     if started.elapsed() > Duration::from_millis(3500) {
         // The watcher may have looked in between (a slow host): nothing to tell here.
         eprintln!("skipped: the admin reload took {:?}", started.elapsed());
