@@ -85,7 +85,7 @@ fn main() -> std::process::ExitCode {
 
 /// The causes of `e` that the link before each does not already say.
 fn causes_not_said(e: &anyhow::Error) -> Vec<String> {
-    let links = bulkhead_gateway::error_chain::unsaid(e.chain().map(ToString::to_string));
+    let links = bulkhead_worker::error_chain::unsaid(e.chain().map(ToString::to_string));
     links.into_iter().skip(1).collect()
 }
 

@@ -23,7 +23,6 @@ pub mod api;
 pub mod auth;
 pub mod config;
 pub mod discovery;
-pub mod error_chain;
 mod histogram;
 pub mod keys;
 pub mod limits;

@@ -66,7 +66,7 @@ fn unreachable(
             || c.to_string().starts_with("dns error");
         plain |= tls::answered_in_plain_text(c);
     }
-    let mut text = crate::error_chain::with_causes(what, cause);
+    let mut text = bulkhead_worker::error_chain::with_causes(what, cause);
     if refused {
         text.push_str(" (nothing listens there: is the worker running, at this address?)");
     } else if silent {
@@ -349,10 +349,16 @@ pub fn peer<'a>(
         ),
         Some(seen) if seen.instance_id.is_empty() => (
             false,
-            format!(
-                "it has not reached its prefill worker at {} yet",
-                seen.address
-            ),
+            match seen.last_error.as_str() {
+                "" => format!(
+                    "it has not reached its prefill worker at {} yet",
+                    seen.address
+                ),
+                error => format!(
+                    "it has not reached its prefill worker at {}: {error}",
+                    seen.address
+                ),
+            },
         ),
         Some(seen) => match known
             .iter()
@@ -568,6 +574,7 @@ mod tests {
             prefill_peer: Some(PrefillPeer {
                 address: "http://p:50051".into(),
                 instance_id: prefill.instance_id.clone(),
+                last_error: String::new(),
             }),
             ..decode
         }
@@ -821,6 +828,19 @@ mod tests {
         assert_eq!(
             failed(&checks),
             [("d", "dials a configured prefill worker")]
+        );
+        // Why it has not reached one, when it knows.
+        "refused: the cluster token presented is not this worker's"
+            .clone_into(&mut peer(&mut answers).last_error);
+        let detail = super::checks(&answers)
+            .into_iter()
+            .find(|c| !c.pass && !c.advisory)
+            .expect("a failure")
+            .detail;
+        assert_eq!(
+            detail,
+            "it has not reached its prefill worker at http://p:50051: refused: the cluster \
+             token presented is not this worker's"
         );
         answers[1]
             .info

@@ -862,7 +862,7 @@ impl Workers {
                     WorkerReport {
                         name: e.config.name.clone(),
                         group: e.config.group.clone(),
-                        endpoint: e.config.endpoint.clone(),
+                        endpoint: dialled(&e.config, &s.cluster),
                         role: e.config.role.name(),
                         info: e.facts.clone(),
                         health: e.health.clone(),
@@ -1099,6 +1099,18 @@ async fn probe(
     }
 }
 
+/// The address of worker `c` as the gateway dials it: a Bulkhead worker's over the cluster's
+/// TLS, when it has one, whatever scheme its configuration wrote.
+fn dialled(c: &WorkerConfig, cluster: &ClusterAccess) -> String {
+    match (&c.protocol, &cluster.tls) {
+        (Protocol::Bulkhead, Some(_)) => match c.endpoint.strip_prefix("http://") {
+            Some(authority) => format!("https://{authority}"),
+            None => c.endpoint.clone(),
+        },
+        _ => c.endpoint.clone(),
+    }
+}
+
 /// The client for a configured worker (presenting the cluster token, when it is a Bulkhead
 /// worker, over the cluster's TLS) and, with a token, one presenting none over the same
 /// connection; nothing is contacted yet.
@@ -1142,7 +1154,7 @@ async fn rpc<T>(
         Err(_) => Err(format!("no answer within {} s", RPC_TIMEOUT.as_secs())),
         // With its causes: a transport error's is the reason ("received fatal alert:
         // UnknownCA", a refused connection), its message alone only "transport error".
-        Ok(Err(status)) => Err(crate::error_chain::with_causes(
+        Ok(Err(status)) => Err(bulkhead_worker::error_chain::with_causes(
             format!("{:?}: {}", status.code(), status.message()),
             std::error::Error::source(&status),
         )),
@@ -1252,6 +1264,7 @@ mod tests {
             let prefill_peer = e.config.prefill.as_deref().map(|p| proto::PrefillPeer {
                 address: format!("http://{p}:50051"),
                 instance_id: instance(p),
+                last_error: String::new(),
             });
             let info = proto::InfoResponse {
                 instance_id: instance(name),

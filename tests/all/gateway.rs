@@ -845,6 +845,11 @@ fn with_tls_every_hop_is_mutual_tls_and_a_plain_or_foreign_caller_gets_nothing()
         let access = &json(&workers)["access"];
         assert_eq!(access["mutual_tls"], true, "{workers}");
         assert_eq!(access["cluster_token"], true, "{workers}");
+        // Each worker's address as dialled: over TLS, though `up` wrote `http://`.
+        for worker in json(&workers)["workers"].as_array().expect("workers") {
+            let endpoint = worker["endpoint"].as_str().unwrap_or_default();
+            assert!(endpoint.starts_with("https://127.0.0.1:"), "{workers}");
+        }
         // The certificate the gateway presents to its workers lapses when the gauge says.
         assert_eq!(
             metric(

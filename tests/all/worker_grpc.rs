@@ -993,6 +993,8 @@ fn half_protected_pair() -> (TempDir, String, Worker, Worker) {
 async fn preflight_fails_a_worker_that_answers_without_the_cluster_token() {
     bounded(async {
         let (_dir, with_token, prefill, decode) = half_protected_pair();
+        // Its first probe of its prefill worker refused (logged once it is recorded).
+        wait_for_text(&decode.stderr, "cannot reach the prefill worker").await;
         let (ok, text) = preflight_with(&prefill, &decode, &with_token);
         assert!(!ok, "{text}");
         assert!(
@@ -1001,6 +1003,16 @@ async fn preflight_fails_a_worker_that_answers_without_the_cluster_token() {
         );
         assert!(
             text.contains("PASS local-prefill                requires the cluster token"),
+            "{text}"
+        );
+        // The decode worker, presenting none, is refused by its prefill worker: said with
+        // the refusal, not only that it has not reached it.
+        assert!(
+            text.contains(&format!(
+                "has not reached its prefill worker at http://{}: this worker answers only \
+                 calls that present its cluster token",
+                prefill.grpc
+            )),
             "{text}"
         );
         // Without the token, the gateway's side cannot even ask the prefill worker.

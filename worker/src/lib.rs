@@ -2,10 +2,12 @@
 
 pub mod chat;
 pub mod engine;
+pub mod error_chain;
 pub mod gguf;
 pub mod kv;
 pub mod loader;
 pub mod model;
+pub mod printable;
 pub mod sampling;
 pub mod serve;
 mod text_cache;

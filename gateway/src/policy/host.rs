@@ -6,13 +6,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use bulkhead_worker::printable::printable;
 use wasmtime::component::ResourceTable;
 use wasmtime_wasi::{
     Deterministic, HostMonotonicClock, HostWallClock, WasiCtx, WasiCtxView, WasiView,
 };
 
 use super::bindings::{HostImports, Level, TypesHost};
-use super::guest_text::printable;
 use super::limiter::Limiter;
 
 /// Log lines one call may write; the rest are dropped (a plugin cannot flood the log).

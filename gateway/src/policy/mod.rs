@@ -27,7 +27,6 @@ mod chain;
 mod contract;
 mod decision;
 mod digest;
-mod guest_text;
 mod handle;
 mod host;
 mod limiter;

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bulkhead_worker::printable::printable;
 use wasmtime::component::Instance;
 use wasmtime::{Store, Trap, UpdateDeadline};
 
@@ -13,7 +14,6 @@ use super::bindings::{
     Directive, Disconnect, Exports, Hooks, Plugin, Ready, RequestView, ResponseEnd, Verdict, call,
 };
 use super::digest::Digest;
-use super::guest_text::printable;
 use super::host::Host;
 use super::sandbox::{Sandbox, TICK};
 use super::snapshot::Snapshotter;

@@ -1,10 +1,10 @@
 //! A plugin's `on-request` answer, checked: what a plugin returns is untrusted input. A verdict
 //! that breaks a rule is garbage, which fails the request like a trap.
 
+use bulkhead_worker::printable::acts;
 use http::{HeaderName, HeaderValue};
 
 use super::bindings::Verdict;
-use super::guest_text::acts;
 use super::plugin::Fault;
 
 /// The most tags, and headers, one plugin may add to a request.

@@ -52,12 +52,27 @@ const HEADER: &str = "authorization";
 pub enum TokenError {
     #[error("the cluster token file: {0}")]
     File(#[from] SecretFileError),
+    #[error("the cluster token holds no secret; `openssl rand -hex 32` makes one")]
+    Empty,
+    #[error("the cluster token is not UTF-8 text")]
+    NotText,
+    /// A line of the token (1 for the first) is no secret; its text is never quoted.
+    #[error("line {line} of the cluster token: {fault}")]
+    Line { line: usize, fault: SecretFault },
+}
+
+/// What is wrong with one secret.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SecretFault {
     #[error(
-        "the cluster token must be at least {MIN_SECRET_CHARS} characters (it has {0}); \
+        "a secret must be at least {MIN_SECRET_CHARS} characters (it has {0}); \
          `openssl rand -hex 32` makes one"
     )]
     TooShort(usize),
-    #[error("the cluster token must be printable ASCII without spaces")]
+    #[error(
+        "a secret must be printable ASCII without spaces (one per line, nothing else: \
+         no comments)"
+    )]
     NotPrintable,
 }
 
@@ -78,14 +93,14 @@ impl std::fmt::Debug for ClusterToken {
 }
 
 /// `secret` as an `authorization` value.
-fn bearer(secret: &str) -> Result<MetadataValue<Ascii>, TokenError> {
-    if !secret.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(TokenError::NotPrintable);
+fn bearer(secret: &str) -> Result<MetadataValue<Ascii>, SecretFault> {
+    if !secret.bytes().all(|b| b.is_ascii_graphic()) || secret.starts_with('#') {
+        return Err(SecretFault::NotPrintable);
     }
     if secret.len() < MIN_SECRET_CHARS {
-        return Err(TokenError::TooShort(secret.len()));
+        return Err(SecretFault::TooShort(secret.len()));
     }
-    MetadataValue::try_from(format!("Bearer {secret}")).map_err(|_| TokenError::NotPrintable)
+    MetadataValue::try_from(format!("Bearer {secret}")).map_err(|_| SecretFault::NotPrintable)
 }
 
 /// Whether `a` and `b` are equal, in time that does not depend on where they differ.
@@ -97,9 +112,19 @@ impl ClusterToken {
     /// The secrets in `text`, one per line (blank lines and surrounding whitespace ignored):
     /// the first is presented, all are accepted.
     pub fn parse(text: &str) -> Result<ClusterToken, TokenError> {
-        let mut secrets = text.lines().map(str::trim).filter(|l| !l.is_empty());
-        let header = bearer(secrets.next().unwrap_or_default())?;
-        let also_accepted = secrets.map(bearer).collect::<Result<_, _>>()?;
+        let mut secrets = text
+            .lines()
+            .map(str::trim)
+            .enumerate()
+            .filter(|(_, l)| !l.is_empty())
+            .map(|(at, secret)| {
+                bearer(secret).map_err(|fault| TokenError::Line {
+                    line: at + 1,
+                    fault,
+                })
+            });
+        let header = secrets.next().ok_or(TokenError::Empty)??;
+        let also_accepted = secrets.collect::<Result<_, _>>()?;
         Ok(ClusterToken {
             header,
             also_accepted,
@@ -109,7 +134,7 @@ impl ClusterToken {
     /// The token in the file at `path`, which other users may not open (see [`secret_file`]).
     pub fn read(path: &Path) -> Result<ClusterToken, TokenError> {
         let bytes = secret_file::read(path)?;
-        ClusterToken::parse(std::str::from_utf8(&bytes).map_err(|_| TokenError::NotPrintable)?)
+        ClusterToken::parse(std::str::from_utf8(&bytes).map_err(|_| TokenError::NotText)?)
     }
 
     /// A fresh random token (256 bits) and its secret, to write where the others read it.
@@ -290,10 +315,13 @@ mod tests {
             sent.metadata().get(HEADER).and_then(|v| v.to_str().ok()),
             bearer(old).as_deref()
         );
-        // A bad second line is refused like a bad first one.
+        // A bad second line is refused like a bad first one, by its line.
         assert!(matches!(
-            ClusterToken::parse(&format!("{old}\nshort")),
-            Err(TokenError::TooShort(5))
+            ClusterToken::parse(&format!("{old}\n\nshort")),
+            Err(TokenError::Line {
+                line: 3,
+                fault: SecretFault::TooShort(5)
+            })
         ));
     }
 
@@ -385,13 +413,22 @@ mod tests {
 
     #[test]
     fn a_token_is_long_printable_and_never_shown() {
+        let refused = |text: &str| ClusterToken::parse(text).expect_err(text).to_string();
+        assert_eq!(
+            refused("short"),
+            "line 1 of the cluster token: a secret must be at least 32 characters (it has 5); \
+             `openssl rand -hex 32` makes one"
+        );
+        let spaced = refused(&format!("{SECRET} {SECRET}"));
+        assert!(spaced.starts_with("line 1 of the cluster token: a secret must be printable"));
+        assert!(!spaced.contains(SECRET), "{spaced}");
+        // A comment is refused by its line, never taken for a secret.
+        let commented = refused(&format!("# rotated on Monday, the new one first\n{SECRET}"));
+        assert!(commented.contains("line 1") && commented.contains("no comments"));
+        assert!(refused(&format!("{SECRET}\n#{SECRET}")).contains("line 2"));
         assert!(matches!(
-            ClusterToken::parse("short"),
-            Err(TokenError::TooShort(5))
-        ));
-        assert!(matches!(
-            ClusterToken::parse(&format!("{SECRET} {SECRET}")),
-            Err(TokenError::NotPrintable)
+            ClusterToken::parse(" \n\n"),
+            Err(TokenError::Empty)
         ));
         assert!(
             ClusterToken::parse(&format!("  {SECRET}\n")).is_ok(),

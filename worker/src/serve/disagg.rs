@@ -43,6 +43,8 @@ use super::refusal::{from_proto_reservation, from_refusal, to_proto_reservation,
 use super::spans;
 use super::validate::{self, ValidGenerate};
 use crate::engine::{Event, Failure, Outbound, Request};
+use crate::error_chain::with_causes;
+use crate::printable::printable;
 
 /// A decode worker's way to its prefill worker.
 #[derive(Debug, Clone)]
@@ -54,44 +56,59 @@ pub struct PrefillPeer {
     pub seen: SeenPeer,
 }
 
-/// The address a decode worker dials for prefill and the process that last answered there:
-/// what lets preflight compare this worker with the prefill workers the gateway admits
-/// against, rather than with those its configuration says this one dials.
+/// The address a decode worker dials for prefill, the process that last answered there and
+/// why the last probe failed: what lets preflight compare this worker with the prefill workers
+/// the gateway admits against, rather than with those its configuration says this one dials,
+/// and say why it has not reached one.
 #[derive(Debug, Clone)]
 pub struct SeenPeer {
     address: Arc<str>,
-    instance_id: Arc<Mutex<String>>,
+    seen: Arc<Mutex<Seen>>,
 }
+
+#[derive(Debug, Default)]
+struct Seen {
+    instance_id: String,
+    last_error: String,
+}
+
+/// The most of a failed probe's reason kept (the peer wrote it).
+const MAX_PROBE_ERROR_BYTES: usize = 300;
 
 impl SeenPeer {
     pub fn new(address: &str) -> SeenPeer {
         SeenPeer {
             address: address.into(),
-            instance_id: Arc::default(),
+            seen: Arc::default(),
         }
+    }
+
+    fn seen(&self) -> std::sync::MutexGuard<'_, Seen> {
+        self.seen.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The process `instance_id` answered at the peer's address (an older worker that sends
     /// none tells nothing).
     fn answered_by(&self, instance_id: &str) {
-        let mut seen = self
-            .instance_id
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut seen = self.seen();
         if !instance_id.is_empty() {
-            instance_id.clone_into(&mut seen);
+            instance_id.clone_into(&mut seen.instance_id);
         }
+        seen.last_error.clear();
+    }
+
+    /// A probe failed because of `error`.
+    fn failed(&self, error: &str) {
+        self.seen().last_error = printable(error, MAX_PROBE_ERROR_BYTES);
     }
 
     /// As the Info response says it.
     pub fn report(&self) -> proto::PrefillPeer {
+        let seen = self.seen();
         proto::PrefillPeer {
             address: self.address.to_string(),
-            instance_id: self
-                .instance_id
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .clone(),
+            instance_id: seen.instance_id.clone(),
+            last_error: seen.last_error.clone(),
         }
     }
 }
@@ -123,9 +140,13 @@ pub async fn follow_peer(peer: PrefillPeer) -> Infallible {
                 reached = Some(true);
                 continue;
             }
-            Ok(Err(status)) => status.message().to_owned(),
+            Ok(Err(status)) => with_causes(
+                status.message().to_owned(),
+                std::error::Error::source(&status),
+            ),
             Err(_) => format!("no answer within {PEER_PROBE_EVERY:?}"),
         };
+        peer.seen.failed(&failed);
         if reached != Some(false) {
             tracing::warn!(prefill = %peer.seen.address, error = %failed,
                 "cannot reach the prefill worker; requests needing it fail until it answers (asking every second)");

@@ -1,7 +1,8 @@
 //! A deployment's own certificate authority, made on the spot: `bulkhead up --tls` makes one
 //! per start, `bench transfer` one for its TLS scope, and tests theirs (an operator's
 //! deployment brings its own CA). Every certificate it issues serves and presents (server and
-//! client authentication), since each process is both.
+//! client authentication), since each process is both. Its certificates are valid from an hour
+//! before they are made for [`VALID_FOR`]: a start's CA is not meant to outlive a deployment.
 
 use std::path::Path;
 
@@ -17,6 +18,17 @@ use tokio_rustls::rustls::{self, ClientConfig};
 
 use super::{ClusterTls, TlsError, TlsFiles, trust_anchors};
 use crate::serve::secret_file;
+
+/// How long a certificate this CA issues (and the CA's own) stays valid.
+pub const VALID_FOR: std::time::Duration = std::time::Duration::from_secs(365 * 24 * 3600);
+
+/// `params` valid from an hour ago (clocks a little behind still accept it) for [`VALID_FOR`]
+/// (rcgen's default runs from 1975 to 4096: an expiry no alert would ever see coming).
+fn valid_from_now(params: &mut CertificateParams) {
+    let now = time::OffsetDateTime::now_utc();
+    params.not_before = now - time::Duration::hours(1);
+    params.not_after = now + VALID_FOR;
+}
 
 /// A CA: its certificate and the key that signs what it issues.
 pub struct Authority {
@@ -43,6 +55,7 @@ impl Authority {
         let mut params = CertificateParams::default();
         params.distinguished_name = named(common_name);
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        valid_from_now(&mut params);
         params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
         let pem = params.self_signed(&key)?.pem();
         Ok(Authority {
@@ -77,6 +90,7 @@ impl Authority {
         let mut params = CertificateParams::new(names.to_vec())?;
         params.distinguished_name = named(common_name);
         params.is_ca = IsCa::ExplicitNoCa;
+        valid_from_now(&mut params);
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         params.extended_key_usages = vec![
             ExtendedKeyUsagePurpose::ServerAuth,
@@ -130,4 +144,30 @@ pub enum WriteError {
     Io(#[from] std::io::Error),
     #[error("loading the certificate written: {0}")]
     Load(#[from] TlsError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the CA issues is valid now, and lapses within [`VALID_FOR`] of now: not in 4096.
+    #[test]
+    fn certificates_are_valid_from_now_for_a_year() {
+        let ca = Authority::new("test CA").expect("a CA");
+        let tls = ca.cluster_tls(&["127.0.0.1"]).expect("issued");
+        let clock = std::time::SystemTime::now();
+        let since_epoch = clock
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after 1970");
+        let now = i64::try_from(since_epoch.as_secs()).expect("fits");
+        let validity = tls.validity();
+        let year = i64::try_from(VALID_FOR.as_secs()).expect("fits");
+        assert!(validity.not_before <= now - 3000, "{validity:?}");
+        assert!(validity.not_before >= now - 3700, "{validity:?}");
+        assert!(
+            (validity.not_after - (now + year)).abs() < 60,
+            "{validity:?}"
+        );
+        assert_eq!(validity.concern(clock), None);
+    }
 }

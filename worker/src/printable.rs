@@ -1,11 +1,12 @@
-//! Text a plugin wrote (a log line, the reason it refused its configuration, a trap's
-//! message) made fit for the gateway's log: bounded, and with every control and
-//! bidirectional-formatting character escaped, so a plugin cannot end the line and forge
-//! the next one, send a terminal escape, or make a line read backwards.
+//! Text another party wrote — a policy plugin (a log line, the reason it refused its
+//! configuration, a trap's message), a peer worker (the reason it refused a call) — made fit
+//! for a log or a terminal: bounded, and with every control and bidirectional-formatting
+//! character escaped, so the writer cannot end the line and forge the next one, send a
+//! terminal escape, or make a line read backwards.
 
 /// `text`, cut to at most `max_bytes` (at a character boundary) and then escaped: `\n`,
 /// `\u{1b}`, `\u{202e}` for what would otherwise act rather than show.
-pub(super) fn printable(text: &str, max_bytes: usize) -> String {
+pub fn printable(text: &str, max_bytes: usize) -> String {
     let mut end = text.len().min(max_bytes);
     while !text.is_char_boundary(end) {
         end -= 1;
@@ -26,7 +27,7 @@ pub(super) fn printable(text: &str, max_bytes: usize) -> String {
 }
 
 /// Whether `c` acts on a terminal or on how a line reads instead of showing as itself.
-pub(super) fn acts(c: char) -> bool {
+pub fn acts(c: char) -> bool {
     c.is_control()
         || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
 }
