@@ -372,8 +372,9 @@ fn check_tenant(tdir: &Path, tenant: &TenantId, report: &mut TenantReport) -> Re
     let mut prev = Sha256Digest::ZERO;
     // Where the previous line is: (file, line number).
     let mut prev_at: Option<(PathBuf, u64)> = None;
-    // The location and digest of the record the head names, once seen.
-    let mut head_seen: Option<(PathBuf, u64, Sha256Digest)> = None;
+    // The location and digest of the record the head names, once seen, and how many records
+    // come before it.
+    let mut head_seen: Option<(PathBuf, u64, Sha256Digest, u64)> = None;
     let last_index = listing.segments.len().saturating_sub(1);
     for (index, (number, path)) in listing.segments.iter().enumerate() {
         let expected = SegmentNo(index as u64);
@@ -415,14 +416,18 @@ fn check_tenant(tdir: &Path, tenant: &TenantId, report: &mut TenantReport) -> Re
             }
             if parsed.prev != prev {
                 return Err(match &prev_at {
-                    Some((prev_path, prev_line)) => at(
+                    Some((prev_path, prev_line)) => {
+                        // The previous record, counted, is the one modified.
+                        report.records -= 1;
+                        at(
                         prev_path,
                         Some(*prev_line),
-                        Reason::Modified {
-                            recorded_in: path.clone(),
-                            recorded_line: Some(n),
-                        },
-                    ),
+                            Reason::Modified {
+                                recorded_in: path.clone(),
+                                recorded_line: Some(n),
+                            },
+                        )
+                    }
                     None => at(path, Some(n), Reason::BadGenesis),
                 });
             }
@@ -431,7 +436,7 @@ fn check_tenant(tdir: &Path, tenant: &TenantId, report: &mut TenantReport) -> Re
             }
             prev = Sha256Digest::of(l);
             if head.is_some_and(|h| h.seq == parsed.seq) {
-                head_seen = Some((path.clone(), n, prev));
+                head_seen = Some((path.clone(), n, prev, report.records));
             }
             prev_at = Some((path.clone(), n));
             report.records += 1;
@@ -475,14 +480,17 @@ fn check_tenant(tdir: &Path, tenant: &TenantId, report: &mut TenantReport) -> Re
                 },
             ),
         }),
-        (Some(h), Some((path, line, digest))) if digest != h.digest => Err(at(
-            &path,
-            Some(line),
-            Reason::Modified {
-                recorded_in: head_path,
-                recorded_line: None,
-            },
-        )),
+        (Some(h), Some((path, line, digest, before))) if digest != h.digest => {
+            report.records = before;
+            Err(at(
+                &path,
+                Some(line),
+                Reason::Modified {
+                    recorded_in: head_path,
+                    recorded_line: None,
+                },
+            ))
+        }
         (Some(_), Some(_)) => Ok(()),
     }
 }

@@ -23,14 +23,17 @@ fn setup(dir: &Path) -> (TenantId, Vec<PathBuf>) {
 
 /// The only problem: tenant `a`'s, with `b` still clean.
 fn problem(dir: &Path) -> Problem {
+    problem_after(dir).0
+}
+
+/// The only problem, tenant `a`'s, and the records that passed before it.
+fn problem_after(dir: &Path) -> (Problem, u64) {
     let report = verify(dir, None);
     assert!(!report.passed());
     assert!(report.dir_problem.is_none(), "{report}");
     assert_eq!(report.tenants[1].problem, None, "tenant b is untouched");
-    report.tenants[0]
-        .problem
-        .clone()
-        .expect("tenant a has a problem")
+    let a = &report.tenants[0];
+    (a.problem.clone().expect("tenant a has a problem"), a.records)
 }
 
 fn assert_at(p: &Problem, path: &Path, line: Option<u64>) {
@@ -48,7 +51,7 @@ fn an_edited_field_is_reported_at_its_line() {
         r#""http.response.status_code":500"#,
     );
     write_lines(&segs[0], &l);
-    let p = problem(dir.path());
+    let (p, good) = problem_after(dir.path());
     assert_at(&p, &segs[0], Some(2));
     assert_eq!(
         p.reason,
@@ -57,6 +60,7 @@ fn an_edited_field_is_reported_at_its_line() {
             recorded_line: Some(3)
         }
     );
+    assert_eq!(good, 1, "only the first record is good");
 }
 
 #[test]
@@ -68,8 +72,9 @@ fn an_edited_last_record_is_caught_by_the_head() {
     let n = l.len();
     l[n - 1] = l[n - 1].replace(r#""req-11""#, r#""req-99""#);
     write_lines(last, &l);
-    let p = problem(dir.path());
+    let (p, good) = problem_after(dir.path());
     assert_at(&p, last, Some(n as u64));
+    assert_eq!(good, 11, "every record but the last is good");
     assert_eq!(
         p.reason,
         Reason::Modified {
