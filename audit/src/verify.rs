@@ -420,8 +420,8 @@ fn check_tenant(tdir: &Path, tenant: &TenantId, report: &mut TenantReport) -> Re
                         // The previous record, counted, is the one modified.
                         report.records -= 1;
                         at(
-                        prev_path,
-                        Some(*prev_line),
+                            prev_path,
+                            Some(*prev_line),
                             Reason::Modified {
                                 recorded_in: path.clone(),
                                 recorded_line: Some(n),

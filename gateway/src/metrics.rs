@@ -245,7 +245,8 @@ fn render_counters(out: &mut String, c: &Counters) {
         out,
         "bulkhead_gateway_requests_total",
         "counter",
-        "API requests by tenant and HTTP status.",
+        "API requests by tenant and HTTP status, as their audit records give them (499: the \
+         client left first).",
     );
     for (tenant, statuses) in &c.requests {
         for (status, n) in statuses {

@@ -33,7 +33,10 @@ fn problem_after(dir: &Path) -> (Problem, u64) {
     assert!(report.dir_problem.is_none(), "{report}");
     assert_eq!(report.tenants[1].problem, None, "tenant b is untouched");
     let a = &report.tenants[0];
-    (a.problem.clone().expect("tenant a has a problem"), a.records)
+    (
+        a.problem.clone().expect("tenant a has a problem"),
+        a.records,
+    )
 }
 
 fn assert_at(p: &Problem, path: &Path, line: Option<u64>) {

@@ -117,10 +117,7 @@ pub fn router(state: ApiState) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(Shared::new(state))
         .layer(middleware::from_fn_with_state(
-            trail::Accounts {
-                metrics: metrics.clone(),
-                limiter: tenants.limiter().clone(),
-            },
+            tenants.limiter().clone(),
             trail::account,
         ))
         .layer(AuthLayer::new(tenants, metrics))

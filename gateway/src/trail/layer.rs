@@ -1,6 +1,6 @@
 //! The two middleware of the trail: `audited` (outermost: one trail per request, committed
 //! when the response is ready unless a stream takes that over) and `account` (inside auth:
-//! the tenant and key id on the trail, the request in the tenant's metrics).
+//! the tenant and key id on the trail, the tenant's limits on the response).
 
 use axum::extract::{MatchedPath, Request, State};
 use axum::middleware::Next;
@@ -11,9 +11,8 @@ use http::{HeaderValue, Version};
 use crate::api::{ApiError, ErrorType, Streamed};
 use crate::auth::Authenticated;
 use crate::limits::Limiter;
-use crate::metrics::Metrics;
 
-use super::{CLIENT_CLOSED, Recorder, Trail};
+use super::{Recorder, Trail};
 
 /// The response header that carries the request's id (the id in its audit record).
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
@@ -68,58 +67,19 @@ pub async fn audited(
     }
 }
 
-/// What [`account`] counts with: the metrics, and the limiter whose state it tells the client.
-#[derive(Debug, Clone)]
-pub struct Accounts {
-    pub metrics: Metrics,
-    pub limiter: Limiter,
-}
-
-/// Puts the authenticated tenant on the request's trail, counts the request in the tenant's
-/// metrics by final status, and tells the client its per-minute limits' state
-/// (`x-ratelimit-*`).
-pub async fn account(State(accounts): State<Accounts>, request: Request, next: Next) -> Response {
-    let who = request.extensions().get::<Authenticated>().cloned();
-    if let (Some(trail), Some(who)) = (request.extensions().get::<Trail>(), &who) {
-        trail.authenticated(who);
-    }
-    let Accounts { metrics, limiter } = accounts;
-    let tenant = who.as_ref().map(|who| who.tenant.clone());
-    let count = who.map(|who| Count {
-        metrics,
-        who: Some(who),
+/// Puts the authenticated tenant on the request's trail (whose record counts the request in
+/// the tenant's metrics, whichever way it ends) and tells the client its per-minute limits'
+/// state (`x-ratelimit-*`).
+pub async fn account(State(limiter): State<Limiter>, request: Request, next: Next) -> Response {
+    let tenant = request.extensions().get::<Authenticated>().map(|who| {
+        if let Some(trail) = request.extensions().get::<Trail>() {
+            trail.authenticated(who);
+        }
+        who.tenant.clone()
     });
     let mut response = next.run(request).await;
-    if let Some(count) = count {
-        count.status(response.status().as_u16());
-    }
     if let Some(tenant) = tenant {
         limiter.rate_limits(&tenant).write(response.headers_mut());
     }
     response
-}
-
-/// A request's count in its tenant's metrics, made once: by the status of its response, or,
-/// when the client left before there was one (the request's future is dropped and no status
-/// ever comes), as 499 — as its audit record says.
-struct Count {
-    metrics: Metrics,
-    /// `None` once counted.
-    who: Option<Authenticated>,
-}
-
-impl Count {
-    fn status(mut self, status: u16) {
-        if let Some(who) = self.who.take() {
-            self.metrics.request(&who.tenant.id, status);
-        }
-    }
-}
-
-impl Drop for Count {
-    fn drop(&mut self) {
-        if let Some(who) = self.who.take() {
-            self.metrics.request(&who.tenant.id, CLIENT_CLOSED);
-        }
-    }
 }

@@ -38,7 +38,7 @@ use bulkhead_telemetry::AuditExport;
 use tracing::Span;
 
 pub use draft::{CLIENT_CLOSED, CLIENT_CLOSED_TYPE, GATEWAY_SHUTDOWN_TYPE, Trail};
-pub use layer::{Accounts, account, audited};
+pub use layer::{account, audited};
 pub use read::{AuditPage, admin_read, tenant_read};
 pub use unserved::Watch;
 
@@ -181,12 +181,17 @@ impl Recorder {
         self.inner.lost.load(Ordering::Relaxed) + self.inner.log.dropped()
     }
 
-    /// A request ended: its latency goes to the histograms, its outcome onto its span, and
-    /// the record to the collector when export is on.
+    /// A request ended: it is counted by its tenant and status (a tenant's; the gateway log's
+    /// are counted as unauthenticated when refused), its latency goes to the histograms, its
+    /// outcome onto its span, and the record to the collector when export is on. The metrics
+    /// count what the records say, whichever way the request ended: also one its client
+    /// abandoned before the API ran it.
     fn ended(&self, record: &AuditRecord, span: &Span) {
-        self.inner
-            .metrics
-            .latency(&record.tenant, record.total_ms, record.ttft_ms);
+        let metrics = &self.inner.metrics;
+        if record.tenant != self.inner.gateway {
+            metrics.request(&record.tenant, record.status);
+        }
+        metrics.latency(&record.tenant, record.total_ms, record.ttft_ms);
         span.record("gen_ai.usage.input_tokens", record.input_tokens);
         span.record("gen_ai.usage.output_tokens", record.output_tokens);
         if let Some(error) = &record.error_type {

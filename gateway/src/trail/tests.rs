@@ -574,7 +574,10 @@ async fn a_request_dropped_before_the_api_ran_it_is_recorded_once_in_its_tenants
     use hyper_util::service::TowerToHyperService;
 
     let dir = Scratch::new("trail");
-    let recorder = open(&dir, Durability::Group, OnAuditFailure::Refuse);
+    let metrics = Metrics::default();
+    let recorder = Recorder::open(&dir.0, AuditSettings::default(), metrics.clone(), None)
+        .expect("opens")
+        .0;
     let watch = super::Watch::new(
         TowerToHyperService::new(app(&recorder)),
         recorder.clone(),
@@ -607,6 +610,8 @@ async fn a_request_dropped_before_the_api_ran_it_is_recorded_once_in_its_tenants
     assert_eq!(mine[0].route, "/v1/chat/completions");
     assert_eq!(mine[0].status, super::CLIENT_CLOSED);
     assert_eq!(mine[0].disconnect, Some(DisconnectPhase::BeforeAdmission));
+    // Counted as its record says (the metrics once counted only what reached the API).
+    assert_eq!(metrics.requests_of(&tenant, super::CLIENT_CLOSED), 1);
     let gateway = records(&recorder);
     assert_eq!(
         gateway.len(),
