@@ -522,6 +522,43 @@ fn a_request_still_running_when_shutdown_has_drained_is_recorded_as_cut_by_it() 
     });
 }
 
+/// A request whose worker has not answered its call yet when shutdown cuts (its decode worker
+/// waits for a prefill worker that is stopped) is told 503 `gateway_shutdown` like any other
+/// cut request: it was once left waiting until shutdown dropped its connection unanswered,
+/// while its record said 503.
+#[test]
+fn a_request_whose_call_is_unanswered_when_shutdown_cuts_is_told_so() {
+    bounded(|| {
+        let data = TempDir::new("audit-shutdown-call");
+        let up = Up::launch(Options {
+            replace: &[("drain_timeout_secs = 10", "drain_timeout_secs = 1")],
+            data_dir: Some(data.0.clone()),
+            ..Options::default()
+        });
+        up.wait_routable();
+        up.signal_prefill("-STOP");
+        let mut waiting = crate::up::open(
+            &up.api,
+            KEY_A,
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"user","content":"Say hello."}],"max_tokens":4}"#,
+        );
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        up.signal_up("-TERM");
+        let mut told = String::new();
+        let _ = waiting.read_to_string(&mut told);
+        up.signal_prefill("-CONT");
+        let (status, body) = crate::up::parse_response(&told);
+        assert_eq!(status, 503, "{told}");
+        assert!(body.contains(r#""code":"gateway_shutdown""#), "{told}");
+        drop(up);
+        let records = on_disk(&data.0, "tenant-a");
+        assert_eq!(records.len(), 1, "{records:#?}");
+        assert_eq!(records[0]["http.response.status_code"], 503, "{records:#?}");
+        assert_eq!(records[0]["error.type"], "gateway_shutdown", "{records:#?}");
+    });
+}
+
 /// A client that closes its connection before its request body is whole has left: its record
 /// says so (499 `client_disconnected`, before admission), not that it sent a bad request —
 /// whether it closed mid-body or sent a chunked body and no last chunk.

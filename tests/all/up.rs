@@ -75,8 +75,9 @@ pub struct Up {
     pub admin: String,
     pub worker: String,
     pub worker_pid: u32,
-    /// The prefill worker's gRPC address, when `up` started one.
+    /// The prefill worker's gRPC address and process, when `up` started one.
     pub prefill: Option<String>,
+    pub prefill_pid: Option<u32>,
     /// The gateway's data directory (the audit log is in `audit/`).
     pub data_dir: PathBuf,
     /// The gateway's configuration file (`POST /tenants/reload` reads it again).
@@ -200,6 +201,7 @@ impl Up {
             worker: String::new(),
             worker_pid: 0,
             prefill: None,
+            prefill_pid: None,
             data_dir,
             config,
             tls: options.args.contains(&"--tls"),
@@ -224,7 +226,7 @@ impl Up {
                 "both" | "decode" => up.worker = v.to_owned(),
                 "both_pid" | "decode_pid" => up.worker_pid = v.parse().expect("a pid"),
                 "prefill" => up.prefill = Some(v.to_owned()),
-                "prefill_pid" => {}
+                "prefill_pid" => up.prefill_pid = Some(v.parse().expect("a pid")),
                 other => panic!("unexpected field {other}"),
             }
         }
@@ -249,11 +251,18 @@ impl Up {
 
     /// Sends `signal` (`-KILL`, `-STOP`, `-CONT`, …) to the serving (decode) worker.
     pub fn signal_worker(&self, signal: &str) {
-        let sent = Command::new("kill")
-            .args([signal, &self.worker_pid.to_string()])
-            .status()
-            .expect("kill runs");
-        assert!(sent.success(), "kill {signal}");
+        self::signal(signal, self.worker_pid);
+    }
+
+    /// Sends `signal` to the prefill worker `up` started.
+    pub fn signal_prefill(&self, signal: &str) {
+        let pid = self.prefill_pid.expect("up started a prefill worker");
+        self::signal(signal, pid);
+    }
+
+    /// Sends `signal` to `bulkhead up` itself (`-TERM`: it stops the stack, as Ctrl-C does).
+    pub fn signal_up(&self, signal: &str) {
+        self::signal(signal, self.child.id());
     }
 
     /// The gateway's `/metrics`, checked to be well formed text exposition.
@@ -465,6 +474,15 @@ pub fn a_long_answer_holding_decode(up: &Up) -> TcpStream {
 /// A chat request too large for what [`a_long_answer_holding_decode`] leaves of decode's pool.
 pub const QUEUED_BEHIND: &str =
     r#"{"messages":[{"role":"user","content":"Say hello."}],"max_tokens":400,"temperature":0}"#;
+
+/// Sends `signal` to process `pid`.
+fn signal(signal: &str, pid: u32) {
+    let sent = Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(sent.success(), "kill {signal} {pid}");
+}
 
 /// Sends a POST with `key` on a keep-alive connection (so that the gateway sees the socket
 /// close when the client leaves) and returns the connection, to read as far as the test likes.

@@ -120,8 +120,16 @@ impl Started {
             return Ok(());
         };
         let called = Instant::now();
-        let answered = tokio::time::timeout_at(deadline, call).await;
+        // A call still unanswered when shutdown cuts (waiting for pages in the worker's
+        // queue, or for its prefill worker) ends told, like a stream, not dropped unanswered.
+        let answered = tokio::select! {
+            answered = tokio::time::timeout_at(deadline, call) => Some(answered),
+            () = self.shutdown.cut() => None,
+        };
         self.upstream = None;
+        let Some(answered) = answered else {
+            return Err(self.failed(ApiError::GatewayShutdown, None));
+        };
         match answered {
             Ok(Ok(stream)) => {
                 self.route.answered();

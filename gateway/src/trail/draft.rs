@@ -25,8 +25,13 @@ pub const CLIENT_CLOSED: u16 = 499;
 pub const CLIENT_CLOSED_TYPE: &str = "client_disconnected";
 
 /// The error class recorded for a request still running when shutdown's drain timeout ended
-/// (its status: 503).
+/// (its status: the 503 its client was told, or [`CLOSED_UNANSWERED`]).
 pub const GATEWAY_SHUTDOWN_TYPE: &str = "gateway_shutdown";
+
+/// The status recorded for a request whose connection the gateway closed before any response
+/// was sent: shutdown dropped it, its cut's grace spent before it could answer (nginx's
+/// convention for a connection closed without a response; none carried it).
+pub const CLOSED_UNANSWERED: u16 = 444;
 
 /// A request's audit record in the making; a cheap `Clone` shared by the layers, the handler
 /// and the response stream. The record is committed once, when the request ends.
@@ -318,7 +323,8 @@ impl Drop for Draft {
         // response stream), or shutdown cut it. Recorded without waiting: there is no one left
         // to answer.
         let (kind, unanswered) = if self.recorder.cutting() {
-            (GATEWAY_SHUTDOWN_TYPE, 503)
+            // Told 503 it would have been, had it answered: it was dropped first.
+            (GATEWAY_SHUTDOWN_TYPE, CLOSED_UNANSWERED)
         } else {
             self.record.disconnect = Some(self.phase);
             (CLIENT_CLOSED_TYPE, CLIENT_CLOSED)

@@ -334,6 +334,37 @@ async fn a_request_abandoned_by_its_client_is_recorded_once_with_its_phase() {
     assert_eq!(got[0].model, "m");
 }
 
+/// A request shutdown cut and then dropped before it answered (its grace spent) never sent
+/// its client the 503 it was to have: its record says the connection closed unanswered.
+#[tokio::test]
+async fn a_request_dropped_unanswered_by_shutdown_is_recorded_as_closed_unanswered() {
+    use crate::serving::Witness as _;
+
+    let dir = Scratch::new("trail");
+    let recorder = open(&dir, Durability::Group, OnAuditFailure::Refuse);
+    let app = Router::new()
+        .route("/hang", get(hang))
+        .layer(middleware::from_fn_with_state(recorder.clone(), audited));
+    let pending = call(&app, "/hang");
+    let cut = async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        recorder.cut();
+    };
+    let (answered, ()) = tokio::join!(
+        tokio::time::timeout(Duration::from_millis(100), pending),
+        cut
+    );
+    assert!(answered.is_err(), "the handler never answers");
+    let got = records(&recorder);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].status, super::draft::CLOSED_UNANSWERED);
+    assert_eq!(
+        got[0].error_type.as_deref(),
+        Some(super::GATEWAY_SHUTDOWN_TYPE)
+    );
+    assert_eq!(got[0].disconnect, None, "its client did not leave");
+}
+
 /// Makes the gateway log's first segment unwritable: a directory stands where the file goes.
 fn break_gateway_log(dir: &std::path::Path) {
     let segment = dir.join(GATEWAY_LOG).join(format!("{:020}.jsonl", 0));
