@@ -310,7 +310,8 @@ async fn requests_given_up_before_a_silent_prefill_answers_give_decode_its_pages
 }
 
 #[tokio::test]
-async fn a_decode_peer_that_stops_reading_and_hangs_up_gets_no_hold_on_prefills_pages() {
+async fn a_decode_peer_that_stops_reading_and_hangs_up_gets_no_hold_on_prefills_pages_and_an_acknowledgement()
+ {
     bounded(async {
         let prefill = Worker::start(&["--role", "prefill", "--kv-tokens", "4096"]);
         // A data-plane peer that accepts and never reads: prefill's writes block once the
@@ -319,10 +320,21 @@ async fn a_decode_peer_that_stops_reading_and_hangs_up_gets_no_hold_on_prefills_
             .await
             .expect("binds");
         let kv_address = listener.local_addr().expect("its address").to_string();
+        // The first connection is held unread; what any later one carries is read whole.
+        let (later, mut acknowledged) = tokio::sync::mpsc::unbounded_channel::<Vec<u8>>();
         let _unread = tokio::spawn(async move {
             let mut held = Vec::new();
-            while let Ok((socket, _)) = listener.accept().await {
-                held.push(socket);
+            while let Ok((mut socket, _)) = listener.accept().await {
+                if held.is_empty() {
+                    held.push(socket);
+                    continue;
+                }
+                let later = later.clone();
+                tokio::spawn(async move {
+                    let mut bytes = Vec::new();
+                    let _ = tokio::io::AsyncReadExt::read_to_end(&mut socket, &mut bytes).await;
+                    let _ = later.send(bytes);
+                });
             }
         });
         let mut pc = prefill.client().await;
@@ -377,6 +389,15 @@ async fn a_decode_peer_that_stops_reading_and_hangs_up_gets_no_hold_on_prefills_
         .await;
         let p = wait_all_pages_back(&prefill).await;
         assert_eq!(available(&p), p.total, "{p:?}");
+        // No whole frame of the session reached decode, so the connection's end is no
+        // teardown of it: prefill acknowledges the abort on a connection of its own, naming
+        // the session. Without it, decode waited out its release timeout and quarantined the
+        // pages of a healthy pair (a client leaving at the wrong moment).
+        let ack = tokio::time::timeout(Duration::from_secs(10), acknowledged.recv())
+            .await
+            .expect("an acknowledgement within 10 s")
+            .expect("the listener runs");
+        assert!(ack.windows(16).any(|w| w == [7; 16]), "{ack:?}");
     })
     .await;
 }

@@ -97,9 +97,9 @@ impl SeenPeer {
         seen.last_error.clear();
     }
 
-    /// A probe failed because of `error`.
+    /// A probe failed because of `error` (bounded and escaped by the caller).
     fn failed(&self, error: &str) {
-        self.seen().last_error = printable(error, MAX_PROBE_ERROR_BYTES);
+        error.clone_into(&mut self.seen().last_error);
     }
 
     /// As the Info response says it.
@@ -146,6 +146,8 @@ pub async fn follow_peer(peer: PrefillPeer) -> Infallible {
             ),
             Err(_) => format!("no answer within {PEER_PROBE_EVERY:?}"),
         };
+        // The peer wrote part of it: logged, like reported, bounded and escaped.
+        let failed = printable(&failed, MAX_PROBE_ERROR_BYTES);
         peer.seen.failed(&failed);
         if reached != Some(false) {
             tracing::warn!(prefill = %peer.seen.address, error = %failed,
@@ -329,6 +331,15 @@ pub async fn start_remote_prefill(
             }
         }
     };
+    // Declared before the request's events and guard, so dropped after them: a caller that
+    // leaves before prefill answers cancels the request (counted as cancelled) before the
+    // session's teardown, which then ends its drain; the other way round, the engine failed
+    // the request for the closed session first and counted the caller's leaving as a prefill
+    // failure.
+    let mut unanswered = Unanswered {
+        engine,
+        nonce: None,
+    };
     // Admission here ends with the pages reserved.
     let (mut events, guard, target) = admission
         .instrument(tracing::info_span!("admission"))
@@ -360,10 +371,7 @@ pub async fn start_remote_prefill(
     .instrument(call_span.clone());
     // Until prefill answers, however this ends — the call failed or closed, the engine's
     // transfer deadline, the client gone — the call's end is the session's teardown.
-    let unanswered = Unanswered {
-        engine,
-        nonce: Some(target.nonce),
-    };
+    unanswered.nonce = Some(target.nonce);
     // An unreachable or silent prefill worker must not hold the request past its transfer
     // deadline: the engine's verdict (a timeout) ends the wait.
     tokio::pin!(answer);
@@ -621,14 +629,14 @@ async fn transfer(
         || tx.is_closed(),
     )
     .instrument(transfer_span.clone());
-    // Between batches the send itself sees decode hang up; a connect or a write that waits on
-    // a peer that stopped reading does not. Decode hangs up at its transfer deadline: dropping
-    // the send then closes the data connection (decode's teardown of the session), and the
-    // source pages come back instead of waiting on that peer for ever.
-    let sent = tokio::select! {
+    // Between batches the send itself sees decode hang up (and says so on the data plane); a
+    // connect or a write that waits on a peer that stopped reading does not. Decode hangs up
+    // when its client leaves, or at its transfer deadline: the send is dropped, and the source
+    // pages come back instead of waiting on that peer for ever.
+    let (sent, hung_up) = tokio::select! {
         biased;
-        sent = writes => sent,
-        () = tx.closed() => Ok(Sent::Aborted),
+        sent = writes => (sent, false),
+        () = tx.closed() => (Ok(Sent::Aborted), true),
     };
     drop(frames);
     drop(sending);
@@ -655,7 +663,19 @@ async fn transfer(
                 cached_tokens,
             })),
         }),
-        Ok(Sent::Aborted) => return,
+        Ok(Sent::Aborted) => {
+            // A send dropped at decode's hang-up wrote no `Closed`, and its connection's end
+            // is no teardown of the session unless a whole message of it arrived first: the
+            // connection may not have opened yet, or the first frame was cut short. Decode
+            // may then be waiting for the drain with nothing to end its wait: acknowledge on a
+            // connection of its own (harmless if the connection's end already did — decode
+            // ignores a `Closed` of a session it no longer holds). Not while the stall fault
+            // keeps the socket open: that plays a peer that is stuck, not one that stopped.
+            if hung_up && send.options.fault.is_none() {
+                acknowledge_abort(&send).await;
+            }
+            return;
+        }
         Err(e) => {
             tracing::warn!(address = %send.address, error = %e, "KV transfer to decode failed");
             Err(status(&ServeError::PrefillUnavailable {
