@@ -82,7 +82,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     })
 }
 
-/// `bulkhead preflight`: prints each worker's facts and every check; fails if any check does.
+/// `bulkhead preflight`: prints each worker's facts and every check (the policy set's too,
+/// when the configuration has one); fails if any check does.
 pub fn preflight(args: WorkersArgs) -> anyhow::Result<()> {
     let (config, _) = args.config()?;
     let cluster = config.cluster_access()?;
@@ -91,7 +92,10 @@ pub fn preflight(args: WorkersArgs) -> anyhow::Result<()> {
         &cluster,
         &bulkhead_gateway::discovery::SystemResolver,
     ));
-    let checks = bulkhead_gateway::preflight::checks(&answers);
+    let mut checks = bulkhead_gateway::preflight::checks(&answers);
+    if let Some(settings) = config.policies.clone() {
+        checks.push(bulkhead_gateway::preflight::policy_set(settings));
+    }
     let (report, passed) = bulkhead_gateway::preflight::render(&answers, &checks);
     print!("{report}");
     let failed = checks.iter().filter(|c| !c.pass && !c.advisory).count();

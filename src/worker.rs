@@ -194,7 +194,8 @@ pub struct Args {
     /// first device]
     #[arg(long, env = env::RDMA_DEVICE)]
     rdma_device: Option<String>,
-    /// A file holding the deployment's shared secret (at least 32 printable characters): the
+    /// A file holding the deployment's shared secret (at least 32 printable characters, not
+    /// starting with #; more than one, one per line, during a rotation): the
     /// worker then answers only gRPC calls that present it, and presents it to its prefill
     /// worker. Without it, anyone who reaches the gRPC port can run requests past the gateway.
     #[arg(long, env = env::CLUSTER_TOKEN_FILE)]

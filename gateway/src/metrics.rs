@@ -245,8 +245,8 @@ fn render_counters(out: &mut String, c: &Counters) {
         out,
         "bulkhead_gateway_requests_total",
         "counter",
-        "API requests by tenant and HTTP status, as their audit records give them (499: the \
-         client left first).",
+        "API requests by tenant and HTTP status, as their audit records give them, counted \
+         when they end (499: the client left first; 444: closed unanswered at shutdown).",
     );
     for (tenant, statuses) in &c.requests {
         for (status, n) in statuses {

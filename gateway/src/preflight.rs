@@ -5,7 +5,8 @@
 //! and that they can hand KV over safely: same model, page size, KV layout and protocol;
 //! integrity checks and two-phase release on; and a transfer batch that fits inside the
 //! release timeout at the bandwidth floor. The checks are pure functions of what the workers
-//! reported ([`checks`]).
+//! reported ([`checks`]). With `[policies]` configured, the policy set is loaded as the
+//! gateway would load it ([`policy_set`]): a set the gateway would refuse fails here first.
 
 use std::error::Error as _;
 use std::fmt::Write as _;
@@ -17,6 +18,7 @@ use bulkhead_worker::serve::tls;
 
 use crate::config::{ClusterAccess, Config, Protocol, WorkerConfig, WorkerRole};
 use crate::discovery::{Resolve, resolve_group};
+use crate::policy::{Policies, PolicySettings};
 
 /// Bound on connecting to and asking each worker.
 const ASK_LIMIT: Duration = Duration::from_secs(5);
@@ -391,6 +393,36 @@ pub fn peer<'a>(
     Check {
         subject: decode.to_owned(),
         name: "dials a configured prefill worker",
+        pass,
+        detail,
+        advisory: false,
+    }
+}
+
+/// Loads the policy set `settings` names as the gateway does at start — every plugin compiled
+/// (through the configured cache), pinned by its digest, its configuration checked against its
+/// schema and by the plugin itself — and says whether it would start with it, and why not
+/// (blocking: compiles).
+pub fn policy_set(settings: PolicySettings) -> Check {
+    let file = settings.file.display().to_string();
+    let (pass, detail) = match Policies::load(settings) {
+        Ok(policies) => {
+            let chain = policies.current().summary();
+            let plugins: Vec<&str> = chain.iter().map(|b| b.plugin.as_str()).collect();
+            (
+                true,
+                format!(
+                    "{file}: {} binding(s) ({})",
+                    chain.len(),
+                    plugins.join(", ")
+                ),
+            )
+        }
+        Err(e) => (false, format!("{file}: {e}")),
+    };
+    Check {
+        subject: "policies".to_owned(),
+        name: "policy set loads",
         pass,
         detail,
         advisory: false,

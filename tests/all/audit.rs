@@ -543,7 +543,10 @@ fn a_request_whose_call_is_unanswered_when_shutdown_cuts_is_told_so() {
             "/v1/chat/completions",
             r#"{"messages":[{"role":"user","content":"Say hello."}],"max_tokens":4}"#,
         );
-        std::thread::sleep(std::time::Duration::from_millis(300));
+        // The gateway has it (its tenant's slot taken) before it is told to stop.
+        while up.in_flight("tenant-a") == 0 {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         up.signal_up("-TERM");
         let mut told = String::new();
         let _ = waiting.read_to_string(&mut told);

@@ -994,6 +994,47 @@ fn the_incident_configuration_is_refused_by_the_gateway_and_the_rest_is_served_d
             report.contains("WARN") && report.contains("decode serves 4096 tokens, prefill 64"),
             "{report}"
         );
+        // The policy set up runs is loaded as the gateway loads it.
+        assert!(
+            report.contains("PASS policies") && report.contains("3 binding(s)"),
+            "{report}"
+        );
+        // One the gateway would refuse (a plugin other than the one pinned) fails preflight,
+        // named: it was found only when the gateway refused to start or to reload.
+        let dir = TempDir::new("preflight-policies");
+        let dist = format!("{}/", repo().join("plugins/dist").display());
+        let mut pinned = false;
+        let set: Vec<String> = std::fs::read_to_string(repo().join("policies/local.toml"))
+            .expect("the policy set")
+            .lines()
+            .map(|line| match line.starts_with("sha256 = ") && !pinned {
+                true => {
+                    pinned = true;
+                    format!("sha256 = \"{}\"", "0".repeat(64))
+                }
+                false => line.replace("../plugins/dist/", &dist),
+            })
+            .collect();
+        let tampered = dir.0.join("policies.toml");
+        std::fs::write(&tampered, set.join("\n")).expect("writes the set");
+        let served = std::fs::read_to_string(up.data_dir.join("up-gateway.toml")).expect("reads");
+        let mut config: toml::Table = served.parse().expect("up's configuration");
+        config["policies"]["file"] = toml::Value::from(tampered.display().to_string());
+        let config_file = dir.0.join("gateway.toml");
+        std::fs::write(&config_file, config.to_string()).expect("writes the configuration");
+        let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+            .args(["preflight", "--config"])
+            .arg(&config_file)
+            .output()
+            .expect("preflight runs");
+        let report = String::from_utf8_lossy(&out.stdout);
+        assert!(!out.status.success(), "{report}");
+        let failed: Vec<&str> = report.lines().filter(|l| l.starts_with("FAIL")).collect();
+        assert_eq!(failed.len(), 1, "{report}");
+        assert!(
+            failed[0].starts_with("FAIL policies") && failed[0].contains("sha256"),
+            "{report}"
+        );
     });
 }
 

@@ -491,7 +491,7 @@ fn an_abandoned_request_keeps_its_slot_while_held_and_is_charged_what_it_used() 
         assert!(body.contains("in flight"), "{body}");
         // The hold ends (at the first token, or at the hold limit) and the slot comes back.
         let deadline = Instant::now() + Duration::from_secs(90);
-        while in_flight(&up, "tenant-a") > 0 {
+        while up.in_flight("tenant-a") > 0 {
             assert!(Instant::now() < deadline, "the held request never let go");
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -500,17 +500,6 @@ fn an_abandoned_request_keeps_its_slot_while_held_and_is_charged_what_it_used() 
         let (status, body) = up.chat(KEY_A, &[], question);
         assert_eq!(status, 200, "{body}");
     });
-}
-
-/// `tenant`'s requests in flight, from the admin listener.
-fn in_flight(up: &Up, tenant: &str) -> u64 {
-    let (status, body) = http(&up.admin, "GET", "/tenants", Some(ADMIN), &[], "");
-    assert_eq!(status, 200, "{body}");
-    json(&body)["tenants"]
-        .as_array()
-        .and_then(|ts| ts.iter().find(|t| t["id"] == tenant))
-        .and_then(|t| t["in_flight"].as_u64())
-        .unwrap_or_else(|| panic!("no {tenant} in {body}"))
 }
 
 /// A request whose client leaves while it waits in the worker's queue (the worker has not

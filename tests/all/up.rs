@@ -254,6 +254,18 @@ impl Up {
         self::signal(signal, self.worker_pid);
     }
 
+    /// `tenant`'s requests in flight, from the admin listener.
+    pub fn in_flight(&self, tenant: &str) -> u64 {
+        let (status, body) = http(&self.admin, "GET", "/tenants", Some(ADMIN), &[], "");
+        assert_eq!(status, 200, "{body}");
+        let tenants: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+        tenants["tenants"]
+            .as_array()
+            .and_then(|ts| ts.iter().find(|t| t["id"] == tenant))
+            .and_then(|t| t["in_flight"].as_u64())
+            .unwrap_or_else(|| panic!("no {tenant} in {body}"))
+    }
+
     /// Sends `signal` to the prefill worker `up` started.
     pub fn signal_prefill(&self, signal: &str) {
         let pid = self.prefill_pid.expect("up started a prefill worker");

@@ -342,19 +342,25 @@ async fn a_request_dropped_unanswered_by_shutdown_is_recorded_as_closed_unanswer
 
     let dir = Scratch::new("trail");
     let recorder = open(&dir, Durability::Group, OnAuditFailure::Refuse);
-    let app = Router::new()
-        .route("/hang", get(hang))
-        .layer(middleware::from_fn_with_state(recorder.clone(), audited));
-    let pending = call(&app, "/hang");
-    let cut = async {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        recorder.cut();
+    let reached = std::sync::Arc::new(tokio::sync::Notify::new());
+    let handler = {
+        let reached = reached.clone();
+        move |trail: Extension<Trail>| async move {
+            reached.notify_one();
+            hang(trail).await
+        }
     };
-    let (answered, ()) = tokio::join!(
-        tokio::time::timeout(Duration::from_millis(100), pending),
-        cut
-    );
-    assert!(answered.is_err(), "the handler never answers");
+    let app = Router::new()
+        .route("/hang", get(handler))
+        .layer(middleware::from_fn_with_state(recorder.clone(), audited));
+    let mut pending = Box::pin(call(&app, "/hang"));
+    // Run until the handler waits, then cut, then drop it unanswered.
+    tokio::select! {
+        _ = &mut pending => panic!("the handler never answers"),
+        () = reached.notified() => {}
+    }
+    recorder.cut();
+    drop(pending);
     let got = records(&recorder);
     assert_eq!(got.len(), 1, "{got:?}");
     assert_eq!(got[0].status, super::draft::CLOSED_UNANSWERED);
