@@ -108,12 +108,18 @@ pub enum TlsError {
         reason: String,
     },
     #[error(
-        "the TLS certificate {path} does not allow {} (peers refuse it for that): reissue it \
-         with {} in its extendedKeyUsage, or with no extendedKeyUsage",
+        "the TLS certificate {path}{which} does not allow {} (peers refuse it for that): \
+         reissue it with {} in its extendedKeyUsage, or with no extendedKeyUsage",
         list(missing, Usage::to_string),
         list(missing, |u| u.keyword().to_owned())
     )]
-    Usage { path: String, missing: Vec<Usage> },
+    Usage {
+        path: String,
+        /// Empty for the process's own certificate; which intermediate CA of the file's chain
+        /// otherwise (peers check every certificate of the chain presented).
+        which: String,
+        missing: Vec<Usage>,
+    },
     #[error("the TLS private key {path} holds no PEM private key")]
     NoKey { path: String },
     #[error("the TLS private key {path} is not a usable key: {reason}")]
@@ -219,8 +225,9 @@ fn certificates(
 }
 
 /// The certificate chain this process presents, read from `path`, and its first
-/// certificate's validity. One whose extendedKeyUsage leaves out a usage in `needed` is
-/// refused ([`usage`]); one that is not valid now or lapses within [`RENEW_WITHIN`] is warned
+/// certificate's validity. A chain any of whose certificates has an extendedKeyUsage that
+/// leaves out a usage in `needed` is refused ([`usage`]: peers check the intermediates the
+/// file presents too); one that is not valid now or lapses within [`RENEW_WITHIN`] is warned
 /// of, at every load of the files.
 fn serving_chain(
     path: &Path,
@@ -234,17 +241,30 @@ fn serving_chain(
         path: path.display().to_string(),
         reason,
     };
-    let (_, leaf) = x509_parser::parse_x509_certificate(&chain[0])
-        .map_err(|e| bad(format!("it does not parse: {e}")))?;
-    let missing = usage::missing(&leaf, needed)
-        .map_err(|e| bad(format!("its extendedKeyUsage does not parse: {e}")))?;
-    if !missing.is_empty() {
-        return Err(TlsError::Usage {
-            path: path.display().to_string(),
-            missing,
-        });
+    let mut parsed = Vec::with_capacity(chain.len());
+    for (at, der) in chain.iter().enumerate() {
+        // The first is the process's own; each one after it, an intermediate CA.
+        let which = match at {
+            0 => String::new(),
+            n => format!(" (its certificate {}, an intermediate CA)", n + 1),
+        };
+        let (_, cert) = x509_parser::parse_x509_certificate(der)
+            .map_err(|e| bad(format!("its certificate{which} does not parse: {e}")))?;
+        let missing = usage::missing(&cert, needed).map_err(|e| {
+            bad(format!(
+                "the extendedKeyUsage of its certificate{which} does not parse: {e}"
+            ))
+        })?;
+        if !missing.is_empty() {
+            return Err(TlsError::Usage {
+                path: path.display().to_string(),
+                which,
+                missing,
+            });
+        }
+        parsed.push(cert);
     }
-    let validity = Validity::of(&leaf);
+    let validity = Validity::of(&parsed[0]);
     if let Some(concern) = validity.concern(SystemTime::now()) {
         tracing::warn!(certificate = %path.display(), "the TLS certificate {concern}");
     }
@@ -651,6 +671,51 @@ mod tests {
         secret_file::write(&files.key, key.serialize_pem().as_bytes()).expect("writes");
         // 2090-01-01 00:00 UTC.
         3_786_912_000
+    }
+
+    /// Peers check the extendedKeyUsage of every certificate of the chain presented: an
+    /// intermediate CA restricted to server authentication in a worker's file made every call
+    /// it placed fail in the handshake, though the file loaded. It is refused at load, named.
+    #[test]
+    fn an_intermediate_ca_that_cannot_call_is_refused_at_load() {
+        use rcgen::{
+            BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+        };
+        let (dir, files) = written();
+        let root_key = KeyPair::generate().expect("a key");
+        let mut root = CertificateParams::default();
+        root.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let root_pem = root.self_signed(&root_key).expect("signed").pem();
+        let root = Issuer::new(root, root_key);
+        let chain = |purposes: Vec<ExtendedKeyUsagePurpose>| {
+            let key = KeyPair::generate().expect("a key");
+            let mut middle = CertificateParams::default();
+            middle.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            middle.extended_key_usages = purposes;
+            let middle_pem = middle.signed_by(&key, &root).expect("signed").pem();
+            let middle = Issuer::new(middle, key);
+            let leaf_key = KeyPair::generate().expect("a key");
+            let leaf = CertificateParams::new(vec!["127.0.0.1".to_owned()]).expect("names");
+            let leaf_pem = leaf.signed_by(&leaf_key, &middle).expect("signed").pem();
+            std::fs::write(&files.cert, format!("{leaf_pem}{middle_pem}")).expect("writes");
+            secret_file::write(&files.key, leaf_key.serialize_pem().as_bytes()).expect("writes");
+            std::fs::write(&files.ca, &root_pem).expect("writes");
+        };
+        chain(vec![ExtendedKeyUsagePurpose::ServerAuth]);
+        let e = ClusterTls::load(&files).expect_err("refused").to_string();
+        assert!(
+            e.contains(
+                "(its certificate 2, an intermediate CA) does not allow client \
+                 authentication"
+            ),
+            "{e}"
+        );
+        chain(vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ]);
+        assert!(ClusterTls::load(&files).is_ok());
+        drop(dir);
     }
 
     /// A prefill or decode worker serves and calls: a certificate whose extendedKeyUsage

@@ -8,7 +8,9 @@
 //!
 //! The rule is the peers' own (rustls' verifiers, RFC 5280 §4.2.1.12): a certificate without
 //! an extendedKeyUsage extension may be used for anything; one with it, only for the purposes
-//! it lists by name (`anyExtendedKeyUsage` does not stand in for them).
+//! it lists by name (`anyExtendedKeyUsage` does not stand in for them). The verifiers apply it
+//! to every certificate of the chain presented, so it is checked on each intermediate CA the
+//! certificate file holds too.
 
 use x509_parser::certificate::X509Certificate;
 
