@@ -122,6 +122,10 @@ pub enum Unroutable {
     FailsCheck { check: &'static str, detail: String },
     #[error("prefill workers are reached through the decode workers that name them")]
     PrefillOnly,
+    /// A decode worker that has not asked its prefill worker yet (it asks within a second of
+    /// its start): neither a fault nor news, so never logged.
+    #[error("it has not reached its prefill worker yet")]
+    PrefillNotReachedYet,
     #[error("its prefill worker {prefill:?} is not usable: {why}")]
     PrefillUnusable { prefill: String, why: String },
     #[error("preflight fails between it and its prefill worker: {check} ({detail})")]
@@ -456,6 +460,8 @@ impl State {
         for i in 0..self.entries.len() {
             let reason = match self.unroutable(&self.entries[i]) {
                 None | Some(Unroutable::PrefillOnly) => None,
+                // A worker starting: said once it is settled, either way.
+                Some(Unroutable::PrefillNotReachedYet) => continue,
                 Some(why) => Some(why),
             };
             let e = &mut self.entries[i];
@@ -525,6 +531,14 @@ impl State {
                 };
                 if !bulkhead_checks::enabled(Check::RoutingChecks) {
                     return None;
+                }
+                // Not asked yet: what the check below would say is not known yet either (a
+                // failed probe leaves its error, which the check then reports).
+                if d.prefill_peer
+                    .as_ref()
+                    .is_some_and(|p| p.instance_id.is_empty() && p.last_error.is_empty())
+                {
+                    return Some(Unroutable::PrefillNotReachedYet);
                 }
                 let members = prefills
                     .clone()
@@ -1391,8 +1405,24 @@ mod tests {
         dials(&w, "stranger");
         let detail = fails(&w);
         assert!(detail.contains("instance stranger"), "{detail}");
+        // Not reached yet, nothing failed: a state of its start, not routed to, not logged.
         dials(&w, "");
-        assert!(fails(&w).contains("has not reached"));
+        assert_eq!(
+            w.with(|s| s.unroutable(&s.entries[0])),
+            Some(Unroutable::PrefillNotReachedYet)
+        );
+        assert!(w.route(&admitted(100)).is_none());
+        // Its probe failed: the check says why.
+        w.with(|s| {
+            let d = s.entries[0].info.as_mut().expect("d's Info");
+            let peer = Arc::make_mut(d).prefill_peer.as_mut().expect("d's peer");
+            "refused".clone_into(&mut peer.last_error);
+        });
+        let detail = fails(&w);
+        assert!(
+            detail.contains("has not reached") && detail.ends_with(": refused"),
+            "{detail}"
+        );
         // p restarted: a new process, which d reaches too.
         w.with(|s| {
             Arc::make_mut(s.entries[1].info.as_mut().expect("p's Info")).instance_id =
