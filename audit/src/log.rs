@@ -51,16 +51,24 @@ pub struct Config {
     /// How often the background thread flushes; `None`: no thread, only explicit flushes
     /// (and the implicit ones of [`Durability::Immediate`]).
     pub flush_interval: Option<Duration>,
+    /// The most segment files kept open at once (at least 1): past it, the least recently
+    /// written is closed — it was fsynced after its last write — and opened again when its
+    /// tenant's next record comes. One descriptor per tenant ever served would run a gateway
+    /// with many tenants, or tenants added and removed, out of descriptors (and a failed open
+    /// stops the log).
+    pub max_open_files: usize,
 }
 
 impl Config {
-    /// Defaults: 64 MiB segments, immediate durability, a 5 ms background flush.
+    /// Defaults: 64 MiB segments, immediate durability, a 5 ms background flush, 256 open
+    /// segment files.
     pub fn new(dir: impl Into<PathBuf>) -> Self {
         Self {
             dir: dir.into(),
             segment_bytes: 64 << 20,
             durability: Durability::Immediate,
             flush_interval: Some(Duration::from_millis(5)),
+            max_open_files: 256,
         }
     }
 }
@@ -144,10 +152,60 @@ struct State {
     dropped: u64,
 }
 
-/// The open segment file of each tenant; owned by whoever flushes.
+/// The open segment file of the tenants written last, at most [`Config::max_open_files`];
+/// owned by whoever flushes.
 #[derive(Debug, Default)]
 struct Files {
-    open: HashMap<TenantId, (SegmentNo, File)>,
+    open: HashMap<TenantId, OpenSegment>,
+    /// Counts writes: an open file's `written` is the count at its last one.
+    writes: u64,
+}
+
+#[derive(Debug)]
+struct OpenSegment {
+    segment: SegmentNo,
+    file: File,
+    written: u64,
+}
+
+impl Files {
+    /// `tenant`'s open file if it is `segment`'s, marked as written now.
+    fn reuse(&mut self, tenant: &TenantId, segment: SegmentNo) -> Option<&mut File> {
+        self.writes += 1;
+        let writes = self.writes;
+        self.open
+            .get_mut(tenant)
+            .filter(|o| o.segment == segment)
+            .map(|o| {
+                o.written = writes;
+                &mut o.file
+            })
+    }
+
+    /// Keeps `file` open as `tenant`'s `segment`, first closing the least recently written
+    /// files past `max` (each was fsynced after its last write).
+    fn keep(&mut self, tenant: &TenantId, segment: SegmentNo, file: File, max: usize) {
+        while self.open.len() >= max.max(1) {
+            let Some(oldest) = self
+                .open
+                .iter()
+                .min_by_key(|(_, o)| o.written)
+                .map(|(t, _)| t.clone())
+            else {
+                break;
+            };
+            self.open.remove(&oldest);
+        }
+        let written = self.writes;
+        self.open.insert(
+            tenant.clone(),
+            OpenSegment {
+                segment,
+                file,
+                written,
+            },
+        );
+    }
 }
 
 #[derive(Debug)]
@@ -468,23 +526,23 @@ impl Inner {
     ) -> Result<(), AuditError> {
         let tdir = layout::tenant_dir(&self.config.dir, tenant);
         for (segment, bytes) in chunks {
-            let reuse = matches!(files.open.get(tenant), Some((s, _)) if s == segment);
-            if !reuse {
-                if let Some((_, old)) = files.open.remove(tenant) {
-                    old.sync_all().map_err(io_err("fsync", &tdir))?;
+            if files.reuse(tenant, *segment).is_none() {
+                if let Some(old) = files.open.remove(tenant) {
+                    old.file.sync_all().map_err(io_err("fsync", &tdir))?;
                 }
                 let file = open_segment(&self.config.dir, tenant, &tdir, *segment)?;
-                files.open.insert(tenant.clone(), (*segment, file));
+                files.keep(tenant, *segment, file, self.config.max_open_files);
             }
             let path = layout::segment_path(&tdir, *segment);
-            let Some((_, file)) = files.open.get_mut(tenant) else {
+            let Some(open) = files.open.get_mut(tenant) else {
                 return Err(io_err("open", &path)(std::io::ErrorKind::NotFound.into()));
             };
-            file.write_all(bytes).map_err(io_err("write", &path))?;
+            open.file.write_all(bytes).map_err(io_err("write", &path))?;
         }
-        if let Some((segment, file)) = files.open.get(tenant) {
-            file.sync_all()
-                .map_err(io_err("fsync", layout::segment_path(&tdir, *segment)))?;
+        if let Some(open) = files.open.get(tenant) {
+            open.file
+                .sync_all()
+                .map_err(io_err("fsync", layout::segment_path(&tdir, open.segment)))?;
         }
         write_head(&tdir, HeadFile::At(head))
     }

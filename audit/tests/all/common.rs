@@ -85,6 +85,7 @@ pub fn config(dir: &Path, segment_bytes: u64) -> Config {
         segment_bytes,
         durability: Durability::Immediate,
         flush_interval: None,
+        max_open_files: 256,
     }
 }
 

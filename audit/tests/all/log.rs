@@ -525,3 +525,49 @@ fn tenant_ids_with_path_tricks_are_refused() {
     }
     assert_eq!(TenantId::new(""), Err(TenantIdError::Empty));
 }
+
+/// Segment files of `dir` this process holds open.
+fn open_segments(dir: &std::path::Path) -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .expect("this process's descriptors")
+        .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+        .filter(|target| {
+            target.starts_with(dir) && target.extension().is_some_and(|e| e == "jsonl")
+        })
+        .count()
+}
+
+/// A log keeps at most `max_open_files` segment files open, the least recently written
+/// closed first, and a tenant whose file was closed goes on in it, chained: one descriptor
+/// per tenant ever served ran a gateway whose tenants come and go out of descriptors.
+#[test]
+fn open_segment_files_are_bounded_and_a_closed_one_is_reopened_in_place() {
+    let dir = Scratch::new();
+    let log = AuditLog::open(bulkhead_audit::Config {
+        max_open_files: 3,
+        ..config(dir.path(), 1 << 20)
+    })
+    .expect("opens")
+    .0;
+    let tenants: Vec<TenantId> = (0..8).map(|i| tenant(&format!("t{i}"))).collect();
+    for (i, t) in tenants.iter().enumerate() {
+        log.append(t, &record(t, i as u64)).expect("appends");
+        assert!(open_segments(dir.path()) <= 3, "after {} tenants", i + 1);
+    }
+    assert_eq!(open_segments(dir.path()), 3);
+    // The first tenant's file was closed long ago: its next record goes on in it.
+    let first = &tenants[0];
+    log.append(first, &record(first, 100)).expect("appends");
+    assert_eq!(
+        pairs(log.read(first, Seq(0), 10).expect("reads")),
+        vec![(Seq(0), record(first, 0)), (Seq(1), record(first, 100))]
+    );
+    assert_eq!(open_segments(dir.path()), 3);
+    let report = verify(dir.path(), None);
+    assert!(report.passed(), "{report}");
+    assert_eq!(
+        segments(dir.path(), first).len(),
+        1,
+        "no new segment for it"
+    );
+}
