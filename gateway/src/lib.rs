@@ -40,6 +40,7 @@ pub mod tenants;
 mod toml_errors;
 pub mod traced;
 pub mod trail;
+mod unread_body;
 pub mod upstreams;
 pub mod workers;
 mod write_deadline;

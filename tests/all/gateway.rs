@@ -50,6 +50,20 @@ fn the_gateway_enforces_keys_admission_tenancy_and_limits() {
         assert_eq!(json(&body)["error"]["code"], "invalid_api_key");
         let (status, _) = http(&up.api, "GET", "/v1/models", None, &[], "");
         assert_eq!(status, 401, "no key at all");
+        // Refused before its body arrived, on a kept-alive connection: the answer says the
+        // connection closes (the server closes it, the body unread), so the client does not
+        // send its next request into a closed connection; a request read whole keeps it.
+        assert_eq!(
+            head_of_split_post(&up.api, "sk-not-a-key").lines().next(),
+            Some("HTTP/1.1 401 Unauthorized")
+        );
+        assert!(
+            crate::up::header(&head_of_split_post(&up.api, "sk-not-a-key"), "connection")
+                == Some("close")
+        );
+        let whole = head_of_split_post(&up.api, KEY_A);
+        assert!(whole.starts_with("HTTP/1.1 404"), "{whole}");
+        assert_eq!(crate::up::header(&whole, "connection"), None, "{whole}");
 
         // Over the limit: 400 before any worker is contacted; no page was ever reserved.
         let before = up.pool();
@@ -1065,6 +1079,36 @@ fn up_refuses_pool_flags_of_a_pair_for_a_colocated_worker() {
             && stderr.contains("--kv-tokens"),
         "{stderr}"
     );
+}
+
+/// The response head to a chat request with `key` for a model nobody serves (refused once it
+/// is read: 404) on a kept-alive connection, whose body follows its head a moment later (as
+/// clients that write them apart send it).
+fn head_of_split_post(addr: &str, key: &str) -> String {
+    use std::io::Write as _;
+    let body = r#"{"model":"none-such","messages":[{"role":"user","content":"Hi"}]}"#;
+    let mut s = std::net::TcpStream::connect(addr).expect("connects");
+    s.set_read_timeout(Some(HTTP_LIMIT)).expect("timeout");
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {key}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .expect("sends the head");
+    std::thread::sleep(Duration::from_millis(100));
+    let _ = s.write_all(body.as_bytes());
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !raw.windows(4).any(|w| w == b"\r\n\r\n") {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => raw.extend_from_slice(&buf[..n]),
+        }
+    }
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    raw.split_once("\r\n\r\n")
+        .map_or(raw.clone(), |(head, _)| head.to_owned())
 }
 
 /// Sends raw bytes as one request and returns the response's status (0: the server closed the

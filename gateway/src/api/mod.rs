@@ -102,7 +102,8 @@ pub fn route_of(path: &str) -> Option<&'static str> {
     }
 }
 
-/// The API router: audited, authenticated and counted.
+/// The API router: traced, audited, authenticated and counted; an answer given before the
+/// request's body was read closes the connection, and says so.
 pub fn router(state: ApiState) -> Router {
     let metrics = state.metrics.clone();
     let recorder = state.recorder.clone();
@@ -122,6 +123,7 @@ pub fn router(state: ApiState) -> Router {
         ))
         .layer(AuthLayer::new(tenants, metrics))
         .layer(middleware::from_fn_with_state(recorder, trail::audited))
+        .layer(middleware::from_fn(crate::unread_body::close_if_unread))
         .layer(middleware::from_fn(crate::traced::traced))
 }
 
