@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use bulkhead_gateway::policy::{Policies, PolicySettings, RequestFacts, SandboxSettings};
+use bulkhead_gateway::policy::{Policies, PolicySettings, Refusal, RequestFacts, SandboxSettings};
 use serde_json::json;
 
 /// A policy set and its compiled-component cache, as the benches take them.
@@ -40,11 +40,12 @@ async fn measure(policies: &Policies, requests: usize) -> anyhow::Result<Vec<Dur
     let mut times = Vec::with_capacity(requests);
     for i in 0..requests {
         let id = format!("chatcmpl-bench-{i}");
+        let tenant = if i % 2 == 0 { "tenant-a" } else { "tenant-b" };
         let t0 = Instant::now();
         let r = policies
             .on_request(RequestFacts {
                 id: &id,
-                tenant: if i % 2 == 0 { "tenant-a" } else { "tenant-b" },
+                tenant,
                 model: "bench",
                 route: "/v1/chat/completions",
                 headers: &headers,
@@ -53,7 +54,18 @@ async fn measure(policies: &Policies, requests: usize) -> anyhow::Result<Vec<Dur
             })
             .await;
         times.push(t0.elapsed());
-        r.map_err(|e| anyhow::anyhow!("the chain refused a benchmark request: {e:?}"))?;
+        r.map_err(|e| match &e.refusal {
+            Refusal::Denied {
+                plugin, message, ..
+            } => anyhow::anyhow!(
+                "policy {plugin} denied the benchmark's request ({tenant}, 100 prompt tokens, 256 max \
+                 tokens on /v1/chat/completions): {message}; the benchmark measures a chain \
+                 that lets its requests through"
+            ),
+            failed @ Refusal::Failed { .. } => {
+                anyhow::anyhow!("the chain failed the benchmark's request: {failed}")
+            }
+        })?;
     }
     times.sort();
     Ok(times)

@@ -48,3 +48,31 @@ fn the_policy_bench_times_the_default_chain_of_snapshotted_built_ins() {
         );
     });
 }
+
+/// A set that denies the benchmark's request is refused by name, with the plugin's reason
+/// (it was a dump of the refusal's Rust structures).
+#[test]
+fn a_set_that_denies_the_benchmarks_request_is_said_so() {
+    let dir = crate::up::TempDir::new("bench-deny");
+    let dist = format!("{}/", repo().join("plugins/dist").display());
+    let set = std::fs::read_to_string(repo().join("policies/local.toml"))
+        .expect("the policy set")
+        .replace("../plugins/dist/", &dist)
+        .replace("max_prompt_tokens = 7680", "max_prompt_tokens = 50");
+    let file = dir.0.join("deny.toml");
+    std::fs::write(&file, set).expect("writes the set");
+    let output = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+        .args(["bench", "policies", "--requests", "10", "--policies"])
+        .arg(&file)
+        .current_dir(repo())
+        .stdin(Stdio::null())
+        .output()
+        .expect("the bulkhead binary runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("policy length-limit denied the benchmark's request (tenant-a")
+            && !stderr.contains("Refused {"),
+        "{stderr}"
+    );
+}
