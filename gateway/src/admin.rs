@@ -104,10 +104,12 @@ async fn healthz(State(state): State<AdminState>) -> Response {
 }
 
 async fn metrics(State(state): State<AdminState>) -> Response {
-    let mut text = state
-        .metrics
-        .render(&state.tenants.current(), &state.workers);
-    state.policies.render_metrics(&mut text);
+    let tenants = state.tenants.current();
+    let mut text = state.metrics.render(&tenants, &state.workers);
+    let configured = |tenant: &str| {
+        crate::tenant::TenantId::new(tenant).is_ok_and(|id| tenants.get(&id).is_some())
+    };
+    state.policies.render_metrics(&mut text, &configured);
     if let Some(tls) = &state.tls {
         crate::metrics::render_handshakes(&mut text, tls.handshakes());
     }

@@ -18,6 +18,7 @@ use thread_local::ThreadLocal;
 use crate::histogram::Scale;
 use crate::tenant::TenantId;
 use crate::tenants::TenantSet;
+use crate::trail::GATEWAY_LOG;
 use crate::workers::{Health, WorkerReport, Workers};
 
 /// Request latencies: milliseconds, from 5 ms to 5 minutes.
@@ -57,6 +58,15 @@ fn of<'m, V: Default>(map: &'m mut BTreeMap<TenantId, V>, tenant: &TenantId) -> 
 }
 
 impl Counters {
+    /// Keeps the series of the tenants `keep` says.
+    fn retain(&mut self, keep: impl Fn(&TenantId) -> bool) {
+        self.requests.retain(|t, _| keep(t));
+        self.tokens.retain(|t, _| keep(t));
+        self.stream_errors.retain(|t, _| keep(t));
+        self.duration.retain(|t, _| keep(t));
+        self.ttft.retain(|t, _| keep(t));
+    }
+
     /// Adds `other`'s counts to these.
     fn add(&mut self, other: &Counters) {
         for (tenant, statuses) in &other.requests {
@@ -165,7 +175,11 @@ impl Metrics {
     /// The Prometheus text exposition.
     pub fn render(&self, tenants: &TenantSet, workers: &Workers) -> String {
         let mut out = String::new();
-        render_counters(&mut out, &self.total());
+        // A tenant a reload removed leaves no series behind (its counts are kept, should it
+        // come back); the gateway log's stay.
+        let mut total = self.total();
+        total.retain(|t| tenants.get(t).is_some() || t.as_str() == GATEWAY_LOG);
+        render_counters(&mut out, &total);
         family(
             &mut out,
             "bulkhead_gateway_effective_context_tokens",
@@ -374,6 +388,12 @@ mod tests {
         assert_eq!(m.requests_of(&a, 200), 3);
         assert_eq!(m.requests_of(&b, 429), 3);
         assert_eq!(m.requests_of(&b, 200), 0);
+        // Without b (a reload removed it): none of its series.
+        let mut without_b = m.total();
+        without_b.retain(|t| t != &b);
+        let mut out = String::new();
+        render_counters(&mut out, &without_b);
+        assert!(!out.contains("tenant=\"b\""), "{out}");
         let mut out = String::new();
         render_counters(&mut out, &m.total());
         for line in [

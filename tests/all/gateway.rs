@@ -269,6 +269,10 @@ fn tenants_reload_from_the_rewritten_config_file_while_the_stack_serves() {
         let (status, body) = up.chat(KEY_B, &[], tiny);
         assert_eq!(status, 401, "{body}");
         assert_eq!(json(&body)["error"]["code"], "invalid_api_key");
+        // Nor does it keep series on /metrics (one per removed tenant piled up until restart).
+        let m = up.metrics();
+        assert!(!m.contains("tenant=\"tenant-b\""), "{m}");
+        assert!(m.contains("tenant=\"tenant-a\""), "{m}");
         let (status, body) = up.chat(KEY_NEW, &[], tiny);
         assert_eq!(status, 200, "{body}");
         assert_eq!(up.wait_records("tenant-new", 1).len(), 1);

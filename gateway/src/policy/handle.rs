@@ -209,9 +209,10 @@ impl Policies {
         )
     }
 
-    /// The policy counters, in Prometheus text.
-    pub fn render_metrics(&self, out: &mut String) {
-        self.inner.stats.render(out);
+    /// The policy counters, in Prometheus text; the per-tenant ones of the tenants `keep`
+    /// says.
+    pub fn render_metrics(&self, out: &mut String, keep: &dyn Fn(&str) -> bool) {
+        self.inner.stats.render(out, keep);
     }
 
     /// What `GET /policies` shows: the active set and the last refused reload.

@@ -94,7 +94,9 @@ impl Stats {
         });
     }
 
-    pub(super) fn render(&self, out: &mut String) {
+    /// The counters in Prometheus text; the per-tenant ones of the tenants `keep` says (a
+    /// tenant a reload removed leaves no series behind).
+    pub(super) fn render(&self, out: &mut String, keep: &dyn Fn(&str) -> bool) {
         self.with(|c| {
             let mut family = |name: &str, help: &str, rows: Vec<(String, u64)>| {
                 let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
@@ -151,6 +153,7 @@ impl Stats {
                  response-end hook not run.",
                 c.busy
                     .iter()
+                    .filter(|(t, _)| keep(t))
                     .map(|(t, n)| (format!("tenant=\"{t}\""), *n))
                     .collect(),
             );
@@ -160,7 +163,7 @@ impl Stats {
                 "# HELP {name} How long policy calls waited for an instance slot, by tenant \
                  (the slots are shared fairly between tenants).\n# TYPE {name} histogram"
             );
-            for (tenant, h) in &c.slot_waits {
+            for (tenant, h) in c.slot_waits.iter().filter(|(t, _)| keep(t)) {
                 h.render(out, name, &format!("tenant=\"{tenant}\""));
             }
             let name = "bulkhead_policy_call_duration_seconds";

@@ -260,7 +260,7 @@ async fn length_limit_clamps_and_denies_per_tenant_and_tenant_tag_labels() {
     );
     assert_eq!(status, 400);
     let mut metrics = String::new();
-    p.render_metrics(&mut metrics);
+    p.render_metrics(&mut metrics, &|_| true);
     assert!(
         metrics.contains(
             "bulkhead_policy_decisions_total{plugin=\"length-limit\",verdict=\"mutate\"} 1"
@@ -347,7 +347,7 @@ async fn no_free_instance_slot_fails_closed_only_where_a_binding_does() {
         // Both waits are counted for the tenant: the first granted at once, the second given
         // up after the slot wait (over 1 s), and counted as busy.
         let mut metrics = String::new();
-        p.render_metrics(&mut metrics);
+        p.render_metrics(&mut metrics, &|_| true);
         let waits = "bulkhead_policy_slot_wait_seconds";
         for line in [
             "bulkhead_policy_busy_total{tenant=\"tenant-a\"} 1".to_owned(),
@@ -357,6 +357,10 @@ async fn no_free_instance_slot_fails_closed_only_where_a_binding_does() {
         ] {
             assert!(metrics.contains(&line), "no {line:?} in {metrics}");
         }
+        // A tenant no longer configured has none of these series.
+        let mut without = String::new();
+        p.render_metrics(&mut without, &|tenant| tenant != "tenant-a");
+        assert!(!without.contains("tenant=\"tenant-a\""), "{without}");
         held.abort();
     }
 }
@@ -1492,7 +1496,7 @@ async fn abandoned_directives(p: &Policies) -> String {
     // The end of a request runs in a task: give it a moment.
     for _ in 0..100 {
         let mut m = String::new();
-        p.render_metrics(&mut m);
+        p.render_metrics(&mut m, &|_| true);
         if m.contains("bulkhead_policy_abandoned_total{") {
             return m;
         }
