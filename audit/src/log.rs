@@ -169,17 +169,17 @@ struct OpenSegment {
 }
 
 impl Files {
-    /// `tenant`'s open file if it is `segment`'s, marked as written now.
-    fn reuse(&mut self, tenant: &TenantId, segment: SegmentNo) -> Option<&mut File> {
+    /// Whether `tenant`'s open file is `segment`'s; if so, marked as written now.
+    fn reuse(&mut self, tenant: &TenantId, segment: SegmentNo) -> bool {
         self.writes += 1;
         let writes = self.writes;
-        self.open
-            .get_mut(tenant)
-            .filter(|o| o.segment == segment)
-            .map(|o| {
+        match self.open.get_mut(tenant).filter(|o| o.segment == segment) {
+            Some(o) => {
                 o.written = writes;
-                &mut o.file
-            })
+                true
+            }
+            None => false,
+        }
     }
 
     /// Keeps `file` open as `tenant`'s `segment`, first closing the least recently written
@@ -526,7 +526,7 @@ impl Inner {
     ) -> Result<(), AuditError> {
         let tdir = layout::tenant_dir(&self.config.dir, tenant);
         for (segment, bytes) in chunks {
-            if files.reuse(tenant, *segment).is_none() {
+            if !files.reuse(tenant, *segment) {
                 if let Some(old) = files.open.remove(tenant) {
                     old.file.sync_all().map_err(io_err("fsync", &tdir))?;
                 }

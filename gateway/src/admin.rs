@@ -105,11 +105,13 @@ async fn healthz(State(state): State<AdminState>) -> Response {
 
 async fn metrics(State(state): State<AdminState>) -> Response {
     let tenants = state.tenants.current();
-    let mut text = state.metrics.render(&tenants, &state.workers);
-    let configured = |tenant: &str| {
-        crate::tenant::TenantId::new(tenant).is_ok_and(|id| tenants.get(&id).is_some())
-    };
-    state.policies.render_metrics(&mut text, &configured);
+    // A tenant a reload removed leaves no series behind (its counts are kept, should it come
+    // back); the gateway log's stay.
+    let configured: std::collections::HashSet<&str> =
+        tenants.tenants().map(|t| t.id.as_str()).collect();
+    let keep = |tenant: &str| configured.contains(tenant) || tenant == crate::trail::GATEWAY_LOG;
+    let mut text = state.metrics.render(&tenants, &state.workers, &keep);
+    state.policies.render_metrics(&mut text, &keep);
     if let Some(tls) = &state.tls {
         crate::metrics::render_handshakes(&mut text, tls.handshakes());
     }

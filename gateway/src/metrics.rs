@@ -18,7 +18,6 @@ use thread_local::ThreadLocal;
 use crate::histogram::Scale;
 use crate::tenant::TenantId;
 use crate::tenants::TenantSet;
-use crate::trail::GATEWAY_LOG;
 use crate::workers::{Health, WorkerReport, Workers};
 
 /// Request latencies: milliseconds, from 5 ms to 5 minutes.
@@ -172,13 +171,16 @@ impl Metrics {
             .unwrap_or(0)
     }
 
-    /// The Prometheus text exposition.
-    pub fn render(&self, tenants: &TenantSet, workers: &Workers) -> String {
+    /// The Prometheus text exposition: the per-tenant series of the tenants `keep` says.
+    pub fn render(
+        &self,
+        tenants: &TenantSet,
+        workers: &Workers,
+        keep: &dyn Fn(&str) -> bool,
+    ) -> String {
         let mut out = String::new();
-        // A tenant a reload removed leaves no series behind (its counts are kept, should it
-        // come back); the gateway log's stay.
         let mut total = self.total();
-        total.retain(|t| tenants.get(t).is_some() || t.as_str() == GATEWAY_LOG);
+        total.retain(|t| keep(t.as_str()));
         render_counters(&mut out, &total);
         family(
             &mut out,

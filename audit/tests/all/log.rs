@@ -526,15 +526,29 @@ fn tenant_ids_with_path_tricks_are_refused() {
     assert_eq!(TenantId::new(""), Err(TenantIdError::Empty));
 }
 
-/// Segment files of `dir` this process holds open.
-fn open_segments(dir: &std::path::Path) -> usize {
+/// Segment files of `dir` this process holds open (Linux: read from `/proc/self/fd`).
+fn open_segment_paths(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     std::fs::read_dir("/proc/self/fd")
         .expect("this process's descriptors")
         .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
         .filter(|target| {
             target.starts_with(dir) && target.extension().is_some_and(|e| e == "jsonl")
         })
-        .count()
+        .collect()
+}
+
+fn open_segments(dir: &std::path::Path) -> usize {
+    open_segment_paths(dir).len()
+}
+
+/// The tenants whose segment file of `dir` is open, sorted.
+fn open_tenants(dir: &std::path::Path) -> Vec<String> {
+    let mut tenants: Vec<String> = open_segment_paths(dir)
+        .iter()
+        .filter_map(|p| Some(p.parent()?.file_name()?.to_string_lossy().into_owned()))
+        .collect();
+    tenants.sort();
+    tenants
 }
 
 /// A log keeps at most `max_open_files` segment files open, the least recently written
@@ -555,6 +569,11 @@ fn open_segment_files_are_bounded_and_a_closed_one_is_reopened_in_place() {
         assert!(open_segments(dir.path()) <= 3, "after {} tenants", i + 1);
     }
     assert_eq!(open_segments(dir.path()), 3);
+    // The least recently written goes first: t5, t6, t7 are open; t5 written again keeps it,
+    // so t0's reopening closes t6.
+    log.append(&tenants[5], &record(&tenants[5], 50))
+        .expect("appends");
+    assert_eq!(open_tenants(dir.path()), ["t5", "t6", "t7"]);
     // The first tenant's file was closed long ago: its next record goes on in it.
     let first = &tenants[0];
     log.append(first, &record(first, 100)).expect("appends");
@@ -562,7 +581,7 @@ fn open_segment_files_are_bounded_and_a_closed_one_is_reopened_in_place() {
         pairs(log.read(first, Seq(0), 10).expect("reads")),
         vec![(Seq(0), record(first, 0)), (Seq(1), record(first, 100))]
     );
-    assert_eq!(open_segments(dir.path()), 3);
+    assert_eq!(open_tenants(dir.path()), ["t0", "t5", "t7"]);
     let report = verify(dir.path(), None);
     assert!(report.passed(), "{report}");
     assert_eq!(

@@ -91,9 +91,14 @@ impl SeenPeer {
     /// none tells nothing).
     fn answered_by(&self, instance_id: &str) {
         let mut seen = self.seen();
-        if !instance_id.is_empty() {
-            instance_id.clone_into(&mut seen.instance_id);
+        if instance_id.is_empty() {
+            // Reached, but it cannot be told from another process: said, so that the peer
+            // check fails with the reason rather than look like a worker still starting.
+            "it answers without an instance id (a prefill worker older than this one?)"
+                .clone_into(&mut seen.last_error);
+            return;
         }
+        instance_id.clone_into(&mut seen.instance_id);
         seen.last_error.clear();
     }
 
@@ -691,6 +696,24 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
+
+    /// What the peer's Info says: a failed probe's reason until a process answers with its
+    /// instance id; one that answers without (an older worker) is reported as such, not as
+    /// not reached yet (the gateway waits, silently, on a worker still starting).
+    #[test]
+    fn a_peer_is_reported_by_its_instance_or_by_why_it_is_not() {
+        let seen = SeenPeer::new("http://p:50051");
+        assert_eq!(seen.report().instance_id, "");
+        assert_eq!(seen.report().last_error, "", "not asked yet");
+        seen.failed("refused");
+        assert_eq!(seen.report().last_error, "refused");
+        seen.answered_by("");
+        assert_eq!(seen.report().instance_id, "");
+        assert!(seen.report().last_error.contains("without an instance id"));
+        seen.answered_by("p-1");
+        assert_eq!(seen.report().instance_id, "p-1");
+        assert_eq!(seen.report().last_error, "");
+    }
 
     fn call(watch: tokio::task::JoinHandle<u32>) -> PrefillCall {
         PrefillCall {

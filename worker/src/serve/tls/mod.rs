@@ -115,7 +115,7 @@ pub enum TlsError {
     )]
     Usage {
         path: String,
-        /// Empty for the process's own certificate; which intermediate CA of the file's chain
+        /// Empty for the process's own certificate; which CA of the file's chain
         /// otherwise (peers check every certificate of the chain presented).
         which: String,
         missing: Vec<Usage>,
@@ -225,10 +225,10 @@ fn certificates(
 }
 
 /// The certificate chain this process presents, read from `path`, and its first
-/// certificate's validity. A chain any of whose certificates has an extendedKeyUsage that
-/// leaves out a usage in `needed` is refused ([`usage`]: peers check the intermediates the
-/// file presents too); one that is not valid now or lapses within [`RENEW_WITHIN`] is warned
-/// of, at every load of the files.
+/// certificate's validity. A chain any of whose certificates — a root's copy aside — has an
+/// extendedKeyUsage that leaves out a usage in `needed` is refused ([`usage`]: peers check
+/// the intermediate CAs the file presents too); one that is not valid now or lapses within
+/// [`RENEW_WITHIN`] is warned of, at every load of the files.
 fn serving_chain(
     path: &Path,
     pem: &[u8],
@@ -243,13 +243,19 @@ fn serving_chain(
     };
     let mut parsed = Vec::with_capacity(chain.len());
     for (at, der) in chain.iter().enumerate() {
-        // The first is the process's own; each one after it, an intermediate CA.
+        // The first is the process's own; each one after it, a CA of its chain.
         let which = match at {
             0 => String::new(),
-            n => format!(" (its certificate {}, an intermediate CA)", n + 1),
+            n => format!(" (its certificate {}, a CA of its chain)", n + 1),
         };
         let (_, cert) = x509_parser::parse_x509_certificate(der)
             .map_err(|e| bad(format!("its certificate{which} does not parse: {e}")))?;
+        // A root's copy in the file is never on the path peers build (they start from their
+        // own trust anchors), so its extendedKeyUsage is not theirs to check.
+        if at > 0 && cert.subject() == cert.issuer() {
+            parsed.push(cert);
+            continue;
+        }
         let missing = usage::missing(&cert, needed).map_err(|e| {
             bad(format!(
                 "the extendedKeyUsage of its certificate{which} does not parse: {e}"
@@ -683,13 +689,22 @@ mod tests {
         };
         let (dir, files) = written();
         let root_key = KeyPair::generate().expect("a key");
+        let named = |name: &str| {
+            let mut dn = rcgen::DistinguishedName::new();
+            dn.push(rcgen::DnType::CommonName, name);
+            dn
+        };
         let mut root = CertificateParams::default();
+        root.distinguished_name = named("a root");
         root.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        // Peers never check their trust anchor's usages: a copy of it in the file passes.
+        root.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         let root_pem = root.self_signed(&root_key).expect("signed").pem();
         let root = Issuer::new(root, root_key);
         let chain = |purposes: Vec<ExtendedKeyUsagePurpose>| {
             let key = KeyPair::generate().expect("a key");
             let mut middle = CertificateParams::default();
+            middle.distinguished_name = named("an intermediate");
             middle.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
             middle.extended_key_usages = purposes;
             let middle_pem = middle.signed_by(&key, &root).expect("signed").pem();
@@ -697,7 +712,8 @@ mod tests {
             let leaf_key = KeyPair::generate().expect("a key");
             let leaf = CertificateParams::new(vec!["127.0.0.1".to_owned()]).expect("names");
             let leaf_pem = leaf.signed_by(&leaf_key, &middle).expect("signed").pem();
-            std::fs::write(&files.cert, format!("{leaf_pem}{middle_pem}")).expect("writes");
+            std::fs::write(&files.cert, format!("{leaf_pem}{middle_pem}{root_pem}"))
+                .expect("writes");
             secret_file::write(&files.key, leaf_key.serialize_pem().as_bytes()).expect("writes");
             std::fs::write(&files.ca, &root_pem).expect("writes");
         };
@@ -705,7 +721,7 @@ mod tests {
         let e = ClusterTls::load(&files).expect_err("refused").to_string();
         assert!(
             e.contains(
-                "(its certificate 2, an intermediate CA) does not allow client \
+                "(its certificate 2, a CA of its chain) does not allow client \
                  authentication"
             ),
             "{e}"
