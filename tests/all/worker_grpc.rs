@@ -892,6 +892,52 @@ async fn a_decode_worker_filled_by_another_prefill_worker_than_configured_fails_
     .await;
 }
 
+/// A caller that leaves while its decode worker waits for the prefill worker's answer is a
+/// cancel, not a prefill failure: decode cancels the request before it tears the session
+/// down (the other way round, the engine failed it for the closed session first, and a
+/// soak of client disconnects read as prefill failures).
+#[tokio::test]
+async fn a_caller_leaving_before_prefill_answers_is_counted_as_cancelled() {
+    bounded(async {
+        let (prefill, decode) = disaggregated("2048", "2048");
+        let signal = |which: &str| {
+            let sent = std::process::Command::new("kill")
+                .args([which, &prefill.child.id().to_string()])
+                .status()
+                .expect("kill runs");
+            assert!(sent.success(), "kill {which}");
+        };
+        // Stopped: the Prefill call is taken by the kernel and never answered.
+        signal("-STOP");
+        let mut client = decode.client().await;
+        let waiting = tokio::spawn(async move { client.generate(chat("Say hello.", 4)).await });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        waiting.abort();
+        let _ = waiting.await;
+        let counted = |m: &str| {
+            metric(m, "bulkhead_requests_total{outcome=\"cancelled\"}")
+                + metric(m, "bulkhead_requests_total{outcome=\"failed_prefill\"}")
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while counted(&decode.metrics()) < 1.0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        signal("-CONT");
+        let m = decode.metrics();
+        assert_eq!(
+            metric(&m, "bulkhead_requests_total{outcome=\"cancelled\"}"),
+            1.0,
+            "{m}"
+        );
+        assert_eq!(
+            metric(&m, "bulkhead_requests_total{outcome=\"failed_prefill\"}"),
+            0.0,
+            "{m}"
+        );
+    })
+    .await;
+}
+
 /// A request that generates `max_new_tokens` whatever the model would say (no end of sequence).
 fn counting(max_new_tokens: u32) -> GenerateRequest {
     GenerateRequest {

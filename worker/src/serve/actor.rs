@@ -25,8 +25,8 @@ use bulkhead_kvpool::{PoolStats, RequestId};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::engine::{
-    Capacity, Delivery, Engine, Event, EventSink, Failure, FinishReason, Outbound, PrefixStats,
-    Request, SubmitError, TransferStats,
+    Capacity, Delivery, Engine, Event, EventSink, FinishReason, Outbound, PrefixStats, Request,
+    SubmitError, TransferStats,
 };
 
 use super::error::ServeError;
@@ -393,13 +393,6 @@ impl EventSink for ChannelSink {
                 FinishReason::Stop => Outcome::Stop,
                 FinishReason::Length => Outcome::Length,
             }),
-            // A transfer closed after the caller left is its consequence (a decode worker's
-            // caller gone: the prefill call is dropped with it, and the prefill worker closes
-            // the transfer under a request the cancel has not reached yet): counted as the
-            // cancel it is. Any other failure counts as itself (an integrity failure above all).
-            Event::Failed(Failure::PrefillClosed(_)) if self.tx.is_closed() => {
-                self.metrics.count(Outcome::Cancelled);
-            }
             Event::Failed(f) => self.metrics.count(Outcome::failed(f)),
             // Transfer events are counted by the transfer paths.
             Event::Reserved(_) | Event::Prefilled(_) => {}
@@ -416,35 +409,5 @@ impl EventSink for ChannelSink {
                 Delivery::Gone
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::model::SeqFailure;
-
-    /// A decode worker whose caller left saw its prefill worker close the transfer before
-    /// the cancel reached the engine, and counted the abort as `failed_prefill` (a soak of
-    /// client disconnects paged as prefill failures). A failure whose caller is still there
-    /// is counted as the failure it is.
-    #[test]
-    fn a_failure_after_the_caller_left_counts_as_cancelled() {
-        let metrics = Arc::new(Metrics::default());
-        let (tx, rx) = mpsc::unbounded_channel();
-        let mut sink = ChannelSink {
-            tx,
-            metrics: metrics.clone(),
-        };
-        let closed = || Event::Failed(Failure::PrefillClosed("the transfer closed"));
-        assert_eq!(sink.emit(closed()), Delivery::Delivered);
-        assert_eq!(metrics.requests(Outcome::FailedPrefill), 1);
-        drop(rx);
-        assert_eq!(sink.emit(closed()), Delivery::Gone);
-        assert_eq!(metrics.requests(Outcome::FailedPrefill), 1);
-        assert_eq!(metrics.requests(Outcome::Cancelled), 1);
-        let internal = Event::Failed(Failure::Forward(SeqFailure::Internal("broken".into())));
-        assert_eq!(sink.emit(internal), Delivery::Gone);
-        assert_eq!(metrics.requests(Outcome::FailedInternal), 1);
     }
 }
