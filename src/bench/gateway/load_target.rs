@@ -5,7 +5,9 @@
 //! `GET /v1/models` lists [`MODEL`]; `POST /v1/chat/completions` and `POST /v1/completions`
 //! answer [`ANSWER`], as one JSON object or, with `"stream": true`, as one SSE body (a chunk
 //! per piece of the answer, a usage chunk when `stream_options.include_usage` asks for it,
-//! then `data: [DONE]`). Every answer is rendered once at start.
+//! then `data: [DONE]`). A request whose `max_tokens` (or `max_completion_tokens`) is below the
+//! answer's five tokens gets that many, finished for `length`, as a model server would answer.
+//! Every answer is rendered once at start.
 //!
 //! Runs as its own process (`bulkhead bench load-target`, hidden), started by the bench.
 
@@ -86,6 +88,8 @@ struct Ask {
     stream: bool,
     #[serde(default)]
     stream_options: Option<StreamOptions>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -102,6 +106,15 @@ enum Form {
 }
 
 impl Ask {
+    /// How many of the answer's pieces (tokens) the request may have: all of them unless its
+    /// token limit is lower (at least one: a limit of 0 is the gateway's to refuse).
+    fn pieces(&self) -> usize {
+        let limit = self.max_completion_tokens.or(self.max_tokens);
+        limit.map_or(PIECES.len(), |n| {
+            usize::try_from(n).map_or(PIECES.len(), |n| n.clamp(1, PIECES.len()))
+        })
+    }
+
     fn form(&self) -> Form {
         match (self.stream, &self.stream_options) {
             (false, _) => Form::Whole,
@@ -130,20 +143,37 @@ impl Answers {
     }
 }
 
-/// Every answer, rendered once.
+/// Every answer, rendered once: `chat[n - 1]` and `completion[n - 1]` are the answers of `n`
+/// pieces.
 #[derive(Debug)]
 struct Replies {
     models: Bytes,
-    chat: Answers,
-    completion: Answers,
+    chat: Vec<Answers>,
+    completion: Vec<Answers>,
 }
 
 impl Replies {
     fn render() -> Replies {
+        let (chat, completion) = (1..=PIECES.len()).map(Self::answers).unzip();
+        Replies {
+            models: Bytes::from(
+                json!({"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "bulkhead-bench"}]})
+                    .to_string(),
+            ),
+            chat,
+            completion,
+        }
+    }
+
+    /// The chat and the completion answers of the answer's first `n` pieces.
+    fn answers(n: usize) -> (Answers, Answers) {
+        let pieces = &PIECES[..n];
+        let text: String = pieces.concat();
+        let finish = if n < PIECES.len() { "length" } else { "stop" };
         let usage = json!({
             "prompt_tokens": PROMPT_TOKENS,
-            "completion_tokens": PIECES.len(),
-            "total_tokens": PROMPT_TOKENS + PIECES.len(),
+            "completion_tokens": n,
+            "total_tokens": PROMPT_TOKENS + n,
         });
         let chat_head = json!({"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0, "model": MODEL});
         let chat_choice = |delta: Value, finish: Value| json!([{"index": 0, "delta": delta, "finish_reason": finish}]);
@@ -152,47 +182,42 @@ impl Replies {
             Value::Null,
         )];
         chat_chunks.extend(
-            PIECES
+            pieces
                 .iter()
                 .map(|p| chat_choice(json!({"content": p}), Value::Null)),
         );
-        chat_chunks.push(chat_choice(json!({}), json!("stop")));
+        chat_chunks.push(chat_choice(json!({}), json!(finish)));
         let text_head =
             json!({"id": "cmpl-bench", "object": "text_completion", "created": 0, "model": MODEL});
         let text_choice = |text: &str, finish: Value| json!([{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]);
         let mut text_chunks: Vec<Value> =
-            PIECES.iter().map(|p| text_choice(p, Value::Null)).collect();
-        text_chunks.push(text_choice("", json!("stop")));
-        Replies {
-            models: Bytes::from(
-                json!({"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "bulkhead-bench"}]})
-                    .to_string(),
+            pieces.iter().map(|p| text_choice(p, Value::Null)).collect();
+        text_chunks.push(text_choice("", json!(finish)));
+        let chat = Answers {
+            whole: Bytes::from(
+                json!({
+                    "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": MODEL,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+                    "usage": usage,
+                })
+                .to_string(),
             ),
-            chat: Answers {
-                whole: Bytes::from(
-                    json!({
-                        "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": MODEL,
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": ANSWER}, "finish_reason": "stop"}],
-                        "usage": usage,
-                    })
-                    .to_string(),
-                ),
-                stream: sse(&chat_head, &chat_chunks, None),
-                stream_with_usage: sse(&chat_head, &chat_chunks, Some(&usage)),
-            },
-            completion: Answers {
-                whole: Bytes::from(
-                    json!({
-                        "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": MODEL,
-                        "choices": [{"index": 0, "text": ANSWER, "logprobs": null, "finish_reason": "stop"}],
-                        "usage": usage,
-                    })
-                    .to_string(),
-                ),
-                stream: sse(&text_head, &text_chunks, None),
-                stream_with_usage: sse(&text_head, &text_chunks, Some(&usage)),
-            },
-        }
+            stream: sse(&chat_head, &chat_chunks, None),
+            stream_with_usage: sse(&chat_head, &chat_chunks, Some(&usage)),
+        };
+        let completion = Answers {
+            whole: Bytes::from(
+                json!({
+                    "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": MODEL,
+                    "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+                    "usage": usage,
+                })
+                .to_string(),
+            ),
+            stream: sse(&text_head, &text_chunks, None),
+            stream_with_usage: sse(&text_head, &text_chunks, Some(&usage)),
+        };
+        (chat, completion)
     }
 }
 
@@ -230,8 +255,8 @@ async fn answer(
                 "application/json",
             ));
         }
-        (&Method::POST, "/v1/chat/completions") => &replies.chat,
-        (&Method::POST, "/v1/completions") => &replies.completion,
+        (&Method::POST, "/v1/chat/completions") => &replies.chat[..],
+        (&Method::POST, "/v1/completions") => &replies.completion[..],
         _ => return Ok(error(StatusCode::NOT_FOUND, "no such endpoint")),
     };
     let body = match Limited::new(req.into_body(), MAX_BODY_BYTES)
@@ -247,7 +272,7 @@ async fn answer(
             "the body is not a JSON object",
         ));
     };
-    let (bytes, content_type) = answers.get(ask.form());
+    let (bytes, content_type) = answers[ask.pieces() - 1].get(ask.form());
     Ok(reply(StatusCode::OK, bytes, content_type))
 }
 
@@ -279,30 +304,57 @@ mod tests {
     }
 
     #[test]
-    fn every_streamed_answer_spells_the_whole_answer_and_ends_with_done() {
+    fn every_answer_spells_its_pieces_and_a_streamed_one_ends_with_done() {
         let replies = Replies::render();
-        for (answers, field) in [
+        for (all, field) in [
             (&replies.chat, "/delta/content"),
             (&replies.completion, "/text"),
         ] {
-            for usage in [false, true] {
-                let evs = events(&answers.get(Form::Stream { usage }).0);
-                assert_eq!(evs.last().map(String::as_str), Some("[DONE]"));
-                let chunks: Vec<Value> = evs[..evs.len() - 1]
-                    .iter()
-                    .map(|e| serde_json::from_str(e).expect("JSON chunks"))
-                    .collect();
-                let text: String = chunks
-                    .iter()
-                    .filter_map(|c| c["choices"][0].pointer(field)?.as_str().map(str::to_owned))
-                    .collect();
-                assert_eq!(text, ANSWER);
-                let usages = chunks.iter().filter(|c| c["usage"].is_object()).count();
-                assert_eq!(usages, usize::from(usage), "usage only when asked for");
+            assert_eq!(all.len(), PIECES.len());
+            for (i, answers) in all.iter().enumerate() {
+                let n = i + 1;
+                let (want, finish) = if n == PIECES.len() {
+                    (ANSWER.to_owned(), "stop")
+                } else {
+                    (PIECES[..n].concat(), "length")
+                };
+                for usage in [false, true] {
+                    let evs = events(&answers.get(Form::Stream { usage }).0);
+                    assert_eq!(evs.last().map(String::as_str), Some("[DONE]"));
+                    let chunks: Vec<Value> = evs[..evs.len() - 1]
+                        .iter()
+                        .map(|e| serde_json::from_str(e).expect("JSON chunks"))
+                        .collect();
+                    let text: String = chunks
+                        .iter()
+                        .filter_map(|c| c["choices"][0].pointer(field)?.as_str().map(str::to_owned))
+                        .collect();
+                    assert_eq!(text, want);
+                    let finishes: Vec<&Value> = chunks
+                        .iter()
+                        .filter_map(|c| c["choices"][0].get("finish_reason"))
+                        .filter(|f| !f.is_null())
+                        .collect();
+                    assert_eq!(finishes, [finish]);
+                    let usages = chunks.iter().filter(|c| c["usage"].is_object()).count();
+                    assert_eq!(usages, usize::from(usage), "usage only when asked for");
+                }
+                let whole: Value =
+                    serde_json::from_slice(&answers.get(Form::Whole).0).expect("JSON");
+                assert_eq!(whole["usage"]["completion_tokens"], n);
+                assert_eq!(whole["choices"][0]["finish_reason"], finish);
             }
-            let whole: Value = serde_json::from_slice(&answers.get(Form::Whole).0).expect("JSON");
-            assert_eq!(whole["usage"]["completion_tokens"], PIECES.len());
         }
+    }
+
+    #[test]
+    fn a_token_limit_below_the_answer_gets_that_many_pieces() {
+        let pieces = |s: &str| serde_json::from_str::<Ask>(s).expect("parses").pieces();
+        assert_eq!(pieces(r#"{"messages":[]}"#), PIECES.len());
+        assert_eq!(pieces(r#"{"max_tokens":2}"#), 2);
+        assert_eq!(pieces(r#"{"max_tokens":64}"#), PIECES.len());
+        assert_eq!(pieces(r#"{"max_tokens":9,"max_completion_tokens":3}"#), 3);
+        assert_eq!(pieces(r#"{"max_tokens":0}"#), 1);
     }
 
     #[test]
