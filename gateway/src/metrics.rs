@@ -38,6 +38,8 @@ struct Counters {
     requests: BTreeMap<TenantId, BTreeMap<u16, u64>>,
     /// Requests refused before a tenant was known (401).
     unauthenticated: u64,
+    /// Requests refused unread while the audit log could not write (503).
+    audit_refused: u64,
     /// tenant → (prompt tokens, completion tokens).
     tokens: BTreeMap<TenantId, (u64, u64)>,
     /// tenant → streams that ended with an error event after a 200.
@@ -75,6 +77,7 @@ impl Counters {
             }
         }
         self.unauthenticated += other.unauthenticated;
+        self.audit_refused += other.audit_refused;
         for (tenant, (prompt, completion)) in &other.tokens {
             let mine = of(&mut self.tokens, tenant);
             mine.0 += prompt;
@@ -136,6 +139,11 @@ impl Metrics {
         self.with(|c| c.unauthenticated += 1);
     }
 
+    /// One request refused unread while the audit log could not write.
+    pub fn audit_refused(&self) {
+        self.with(|c| c.audit_refused += 1);
+    }
+
     /// Tokens of one completed generation.
     pub fn tokens(&self, tenant: &TenantId, prompt: u64, completion: u64) {
         self.with(|c| {
@@ -169,6 +177,12 @@ impl Metrics {
             .and_then(|s| s.get(&status))
             .copied()
             .unwrap_or(0)
+    }
+
+    /// Requests refused unread while the audit log could not write (tests).
+    #[cfg(test)]
+    pub fn audit_refused_count(&self) -> u64 {
+        self.total().audit_refused
     }
 
     /// The Prometheus text exposition: the per-tenant series of the tenants `keep` says.
@@ -262,7 +276,8 @@ fn render_counters(out: &mut String, c: &Counters) {
         "bulkhead_gateway_requests_total",
         "counter",
         "API requests by tenant and HTTP status, as their audit records give them, counted \
-         when they end (499: the client left first; 444: closed unanswered at shutdown).",
+         when they end (499: the client left first; 444: closed unanswered at shutdown; 503: \
+         answered audit_unavailable when the log refused the record).",
     );
     for (tenant, statuses) in &c.requests {
         for (status, n) in statuses {
@@ -282,6 +297,18 @@ fn render_counters(out: &mut String, c: &Counters) {
         out,
         "bulkhead_gateway_unauthenticated_requests_total {}",
         c.unauthenticated
+    );
+    family(
+        out,
+        "bulkhead_gateway_audit_refused_requests_total",
+        "counter",
+        "API requests refused unread, no tenant known, while the audit log cannot write \
+         (503 audit_unavailable, with on_failure = \"refuse\").",
+    );
+    let _ = writeln!(
+        out,
+        "bulkhead_gateway_audit_refused_requests_total {}",
+        c.audit_refused
     );
     let per_tenant = [
         (
@@ -380,6 +407,7 @@ mod tests {
             m.stream_error(&a);
             m.latency(&a, 70, Some(3));
             m.unauthenticated();
+            m.audit_refused();
         };
         record(&m);
         std::thread::scope(|s| {
@@ -401,6 +429,7 @@ mod tests {
         for line in [
             "bulkhead_gateway_requests_total{tenant=\"a\",status=\"200\"} 3",
             "bulkhead_gateway_unauthenticated_requests_total 3",
+            "bulkhead_gateway_audit_refused_requests_total 3",
             "bulkhead_gateway_tokens_in_total{tenant=\"a\"} 30",
             "bulkhead_gateway_tokens_out_total{tenant=\"a\"} 6",
             "bulkhead_gateway_stream_errors_total{tenant=\"a\"} 3",

@@ -393,7 +393,10 @@ fn stream(started: Started, span: tracing::Span) -> Response {
                     // `[DONE]` only once the record is committed (durable, in durable mode).
                     match s.started.trail.finish(200, None).await {
                         Ok(()) => s.queue.push_back(Event::default().data("[DONE]")),
-                        Err(e) => s.queue.push_back(error_event(&e)),
+                        Err(e) => {
+                            s.started.metrics.stream_error(&s.started.tenant.id);
+                            s.queue.push_back(error_event(&e));
+                        }
                     }
                     s.ended = true;
                 }

@@ -52,6 +52,9 @@ struct Draft {
     completion: Option<Sha256>,
     completion_text: String,
     committed: bool,
+    /// Whether the response's head went out before the record was committed (a stream):
+    /// a record the log refuses then leaves the status the client saw as it was.
+    head_sent: bool,
     /// The request's span: the record's facts are mirrored onto it, and it is let go when
     /// the record is sealed.
     span: Span,
@@ -91,6 +94,7 @@ impl Trail {
             completion: None,
             completion_text: String::new(),
             committed: false,
+            head_sent: false,
             span,
         })))
     }
@@ -247,19 +251,32 @@ impl Trail {
     /// `audit_unavailable` when the record could not be written and the gateway is configured
     /// to refuse rather than answer unaudited.
     pub async fn finish(&self, status: u16, error_type: Option<&str>) -> Result<(), ApiError> {
-        let (recorder, record) = {
+        let (recorder, record, head_sent) = {
             let mut d = lock(&self.0);
             if d.committed {
                 return Ok(());
             }
             d.record.status = status;
             d.record.error_type = error_type.map(str::to_owned);
-            (d.recorder.clone(), d.seal())
+            (d.recorder.clone(), d.seal(), d.head_sent)
         };
-        match recorder.commit(record).await {
-            Err(_) if recorder.refuses_on_failure() => Err(ApiError::AuditUnavailable),
-            Ok(()) | Err(_) => Ok(()),
+        if !recorder.refuses_on_failure() {
+            recorder.count(&record.tenant, record.status);
+            let _ = recorder.commit(record).await;
+            return Ok(());
         }
+        // Counted once the commit's outcome is known: a response not started yet whose
+        // record the log refuses is answered 503 instead.
+        let (tenant, status) = (record.tenant.clone(), record.status);
+        let committed = recorder.commit(record).await;
+        let told = match committed {
+            Err(_) if !head_sent => crate::api::mapping(&ApiError::AuditUnavailable)
+                .status
+                .as_u16(),
+            Ok(()) | Err(_) => status,
+        };
+        recorder.count(&tenant, told);
+        committed.map_err(|_| ApiError::AuditUnavailable)
     }
 
     /// The client left and the worker's stream was held as the policies directed, then
@@ -282,7 +299,10 @@ impl Trail {
     /// The status the response carries, for a request whose end is recorded elsewhere (a
     /// stream, or on drop).
     pub fn responded(&self, status: u16) {
-        self.with(|d| d.record.status = status);
+        self.with(|d| {
+            d.record.status = status;
+            d.head_sent = true;
+        });
     }
 }
 
@@ -334,6 +354,7 @@ impl Drop for Draft {
         }
         self.record.error_type = Some(kind.to_owned());
         let record = self.seal();
+        self.recorder.count(&record.tenant, record.status);
         self.recorder.append_unawaited(record);
     }
 }

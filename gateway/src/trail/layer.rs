@@ -35,7 +35,7 @@ pub async fn audited(
     next: Next,
 ) -> Response {
     if recorder.refusing() {
-        return ApiError::AuditUnavailable.into_response();
+        return recorder.refuse_unrecorded();
     }
     let id = request_id();
     // Inside `traced`: the current span is the request's.

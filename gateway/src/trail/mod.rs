@@ -181,17 +181,13 @@ impl Recorder {
         self.inner.lost.load(Ordering::Relaxed) + self.inner.log.dropped()
     }
 
-    /// A request ended: it is counted by its tenant and status (a tenant's; the gateway log's
-    /// are counted as unauthenticated when refused), its latency goes to the histograms, its
-    /// outcome onto its span, and the record to the collector when export is on. The metrics
-    /// count what the records say, whichever way the request ended: also one its client
-    /// abandoned before the API ran it.
+    /// A request ended: its latency goes to the histograms, its outcome onto its span, and
+    /// the record to the collector when export is on. (It is counted by [`Recorder::count`],
+    /// once what its client was told is known.)
     fn ended(&self, record: &AuditRecord, span: &Span) {
-        let metrics = &self.inner.metrics;
-        if record.tenant != self.inner.gateway {
-            metrics.request(&record.tenant, record.status);
-        }
-        metrics.latency(&record.tenant, record.total_ms, record.ttft_ms);
+        self.inner
+            .metrics
+            .latency(&record.tenant, record.total_ms, record.ttft_ms);
         span.record("gen_ai.usage.input_tokens", record.input_tokens);
         span.record("gen_ai.usage.output_tokens", record.output_tokens);
         if let Some(error) = &record.error_type {
@@ -200,6 +196,23 @@ impl Recorder {
         if let Some(export) = &self.inner.export {
             export.export(record, span);
         }
+    }
+
+    /// Counts a request that ended by its tenant and the status its client was told (a
+    /// tenant's; the gateway log's are counted as unauthenticated when refused). The metrics
+    /// count what the records say, whichever way the request ended: also one its client
+    /// abandoned before the API ran it.
+    fn count(&self, tenant: &TenantId, status: u16) {
+        if *tenant != self.inner.gateway {
+            self.inner.metrics.request(tenant, status);
+        }
+    }
+
+    /// The answer to a request that arrives while the log is broken and configured to refuse
+    /// ([`Recorder::refusing`]): 503 `audit_unavailable`, counted, unread and unrecorded.
+    pub fn refuse_unrecorded(&self) -> axum::response::Response {
+        self.inner.metrics.audit_refused();
+        axum::response::IntoResponse::into_response(crate::api::ApiError::AuditUnavailable)
     }
 
     /// Appends `record`; in durable mode, returns once it is fsynced. A record the log

@@ -400,6 +400,61 @@ async fn a_broken_log_refuses_requests_rather_than_serve_them_unaudited() {
     assert_eq!(recorder.lost(), 1);
 }
 
+/// A log refusing records counts each request as its client was told: 503 for one whose
+/// answer waited for its record, the status already sent for a stream, and one refused up
+/// front (no tenant known yet) apart.
+#[tokio::test]
+async fn a_broken_log_counts_each_request_as_its_client_was_told() {
+    let dir = Scratch::new("trail");
+    let metrics = Metrics::default();
+    let settings = AuditSettings {
+        durability: Durability::Durable,
+        on_failure: OnAuditFailure::Refuse,
+        ..AuditSettings::default()
+    };
+    let recorder = Recorder::open(&dir.0, settings, metrics.clone(), None)
+        .expect("opens")
+        .0;
+    let tenant = TenantId::new("tenant-a").expect("valid");
+    let segment = dir.0.join(tenant.as_str()).join(format!("{:020}.jsonl", 0));
+    std::fs::create_dir_all(segment).expect("blocks the segment");
+    let tenants = tenants();
+    let mut headers = http::HeaderMap::new();
+    headers.insert(
+        http::header::AUTHORIZATION,
+        http::HeaderValue::from_static("Bearer sk-a"),
+    );
+    let who = crate::auth::authenticate(&mut headers, tenants.current().keyring()).expect("sk-a");
+
+    let answered = recorder.trail("req-answered".into(), tracing::Span::none());
+    answered.authenticated(&who);
+    assert_eq!(
+        answered.finish(200, None).await,
+        Err(ApiError::AuditUnavailable)
+    );
+    assert_eq!(metrics.requests_of(&tenant, 503), 1, "told 503");
+    assert_eq!(metrics.requests_of(&tenant, 200), 0, "never told 200");
+
+    let streamed = recorder.trail("req-streamed".into(), tracing::Span::none());
+    streamed.authenticated(&who);
+    streamed.responded(200);
+    assert_eq!(
+        streamed.finish(200, None).await,
+        Err(ApiError::AuditUnavailable)
+    );
+    assert_eq!(metrics.requests_of(&tenant, 200), 1, "its head said 200");
+
+    assert!(recorder.refusing());
+    assert_eq!(metrics.audit_refused_count(), 0);
+    let r = call(&app(&recorder), "/ok").await;
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        metrics.audit_refused_count(),
+        1,
+        "refused up front, counted"
+    );
+}
+
 #[tokio::test]
 async fn a_broken_log_configured_to_serve_keeps_serving_and_counts_what_it_lost() {
     let dir = Scratch::new("trail");
