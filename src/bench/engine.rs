@@ -59,6 +59,19 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
         args.decode_batches.iter().all(|&b| b > 0),
         "--decode-batches must be at least 1 each"
     );
+    if let Some(b) = args
+        .decode_batches
+        .iter()
+        .enumerate()
+        .find_map(|(i, b)| args.decode_batches[..i].contains(b).then_some(b))
+    {
+        anyhow::bail!("--decode-batches lists {b} twice");
+    }
+    // The decode rate is timed from every request's first token on: one token more at least.
+    anyhow::ensure!(
+        args.decode_tokens >= 2,
+        "--decode-tokens must be at least 2 (the rate is timed after the first token)"
+    );
     let threads = args.model.init_threads()?;
     let (mut loaded, path) = args.model.load()?;
     if let Some(name) = &args.simd {
@@ -69,9 +82,11 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
         loaded.model.set_simd(simd);
     }
     let device = loaded.model.device().describe();
-    let text = TEXT.repeat(1 + (args.prefill_tokens + 8 * 64) * 6 / TEXT.len());
-    let all = loaded.tokenizer.encode(&text, false)?;
     let longest = args.decode_batches.iter().copied().max().unwrap_or(1);
+    // About six characters a token: enough text for the long prompt and every decode prompt.
+    let wanted = args.prefill_tokens.max(7 * longest + DECODE_PROMPT);
+    let text = TEXT.repeat(1 + wanted * 6 / TEXT.len());
+    let all = loaded.tokenizer.encode(&text, false)?;
     anyhow::ensure!(
         all.len() >= args.prefill_tokens && all.len() >= 7 * longest + DECODE_PROMPT,
         "benchmark text too short"

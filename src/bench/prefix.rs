@@ -1,7 +1,8 @@
 //! `bulkhead bench prefix`: what the per-tenant prefix cache saves on a chat workload — every
 //! request starts with one long shared system prompt and ends with its own short question —
 //! as time to first token with the cache off and on, side by side in one run (medians over
-//! every request, paired ratio). `--prompts-out` hands the same prompts to the llama.cpp peer
+//! every request, paired ratio). Each run starts from an empty cache: a run's questions are
+//! the last run's again, and only the shared prompt is there to be read. `--prompts-out` hands the same prompts to the llama.cpp peer
 //! (scripts/bench-prefix-vs-llamacpp).
 
 use anyhow::Context;
@@ -25,7 +26,8 @@ pub struct PrefixArgs {
     /// Requests per run, one at a time, each with another question.
     #[arg(long, default_value_t = 8)]
     requests: usize,
-    /// Repetitions; the medians are over every request of every run.
+    /// Repetitions, each from an empty cache; the medians are over every request of every
+    /// run.
     #[arg(long, default_value_t = 3)]
     runs: usize,
     /// Also write the prompts, as token ids in the order they were measured, to this JSON
@@ -83,7 +85,14 @@ pub fn run(args: PrefixArgs) -> anyhow::Result<()> {
     // Seconds to the first token, per side (0: cache off, 1: on), every request of every run;
     // the sides alternate request by request so that a slow phase of the machine hits both.
     let mut ttft = [Vec::new(), Vec::new()];
-    for _ in 0..args.runs {
+    let (mut cached, mut prompted) = (0, 0);
+    for run in 0..args.runs {
+        if run > 0 {
+            // The cache as the last run left it holds every question of this run whole.
+            let stats = sides[1].engine.prefix_stats();
+            (cached, prompted) = (cached + stats.cached_tokens, prompted + stats.prompt_tokens);
+            sides[1] = start(true)?;
+        }
         for prompt in &questions {
             for (side, bench) in sides.iter_mut().enumerate() {
                 ttft[side].push(bench.prefill(prompt)?.0);
@@ -96,6 +105,7 @@ pub fn run(args: PrefixArgs) -> anyhow::Result<()> {
         .map(|(off, on)| off / on)
         .collect();
     let stats = sides[1].engine.prefix_stats();
+    let (cached, prompted) = (cached + stats.cached_tokens, prompted + stats.prompt_tokens);
     let ms = |v: &[f64]| median(v.iter().map(|s| s * 1e3).collect());
     let out = json!({
         "threads": threads,
@@ -106,8 +116,7 @@ pub fn run(args: PrefixArgs) -> anyhow::Result<()> {
         "ttft_ms_cache_off": ms(&ttft[0]),
         "ttft_ms_cache_on": ms(&ttft[1]),
         "ttft_off_over_on": median(ratios),
-        "prompt_tokens_read_from_cache_pct":
-            stats.cached_tokens as f64 * 100.0 / stats.prompt_tokens.max(1) as f64,
+        "prompt_tokens_read_from_cache_pct": cached as f64 * 100.0 / prompted.max(1) as f64,
     });
     println!("{out}");
     Ok(())

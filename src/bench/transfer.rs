@@ -46,7 +46,8 @@ pub struct TransferArgs {
     /// Pages per throughput run (each page is the model's page size).
     #[arg(long, default_value_t = 256)]
     pages: usize,
-    /// Bytes per write on the sending side.
+    /// Bytes per write on the sending side (at least one page: the handoff writes whole
+    /// frames, and the raw copy it is compared with writes the same batches).
     #[arg(long, default_value_t = 4 << 20)]
     batch_bytes: usize,
     /// Prompt lengths for the time-to-first-token comparison (comma-separated).
@@ -84,6 +85,12 @@ pub fn run(args: TransferArgs) -> anyhow::Result<()> {
     let layout = loaded
         .model
         .kv_layout(bulkhead_kvpool::DEFAULT_PAGE_TOKENS.get() as usize);
+    anyhow::ensure!(
+        args.batch_bytes >= layout.page_bytes(),
+        "--batch-bytes must be at least one page of this model's KV ({} bytes): the handoff \
+         writes whole frames",
+        layout.page_bytes()
+    );
     let payload = Payload::new(layout, args.pages);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -226,7 +233,7 @@ impl Payload {
         });
         let mut s = TcpStream::connect(addr)?;
         s.set_nodelay(true)?;
-        for chunk in bytes.chunks(batch.max(1)) {
+        for chunk in bytes.chunks(batch) {
             s.write_all(chunk)?;
         }
         drop(s);

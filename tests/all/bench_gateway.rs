@@ -9,7 +9,8 @@ use serde_json::Value;
 
 use crate::up::{bounded, json, repo};
 
-/// Runs the bench on `targets` with `extra` flags; its JSON report.
+/// Runs the bench on `targets` with `extra` flags; its JSON report. LiteLLM is looked for
+/// where it is not, as on a machine without it.
 fn bench(targets: &str, extra: &[&str]) -> Value {
     let output = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
         .args(["bench", "gateway", "--runs", "1", "--connections", "2"])
@@ -22,6 +23,7 @@ fn bench(targets: &str, extra: &[&str]) -> Value {
             targets,
         ])
         .args(extra)
+        .env("BULKHEAD_LITELLM_VENV", "/nonexistent/venv")
         .current_dir(repo())
         .stdin(Stdio::null())
         .output()
@@ -101,11 +103,11 @@ fn over_tls_the_gateway_and_the_floor_are_measured_and_the_plain_load_target_ski
 #[test]
 fn a_peer_that_is_not_installed_is_skipped_with_the_reason() {
     bounded(|| {
-        let report = bench("direct,nginx", &["--nginx", "/nonexistent/nginx"]);
+        let report = bench("direct,litellm", &[]);
         assert_answered(&report, "direct");
-        let why = report["skipped"]["nginx"].as_str().unwrap_or_default();
+        let why = report["skipped"]["litellm"].as_str().unwrap_or_default();
         assert!(why.contains("scripts/bench-gateway-peers"), "{report}");
-        assert!(report["targets"].get("nginx").is_none(), "{report}");
+        assert!(report["targets"].get("litellm").is_none(), "{report}");
     });
 }
 
@@ -130,21 +132,29 @@ fn paced_load_offers_every_target_the_same_rate_and_judges_no_throughput_goal() 
 }
 
 #[test]
-fn a_rate_that_is_not_a_positive_number_is_refused_before_anything_starts() {
-    for rate in ["0", "-5", "inf"] {
+fn bad_arguments_are_refused_before_anything_starts() {
+    let cases: [(&[&str], &str); 6] = [
+        (&["--rate=0"], "--rate must be a positive number"),
+        (&["--rate=-5"], "--rate must be a positive number"),
+        (&["--rate=inf"], "--rate must be a positive number"),
+        (&["--rate=1e-300"], "--rate is too low"),
+        (&["--seconds=1e30"], "--seconds is out of range"),
+        (
+            &["--nginx", "/nonexistent/nginx"],
+            "--nginx /nonexistent/nginx is not an executable file",
+        ),
+    ];
+    for (args, refusal) in cases {
         let output = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
             .args(["bench", "gateway", "--targets", "direct"])
-            .arg(format!("--rate={rate}"))
+            .args(args)
             .current_dir(repo())
             .stdin(Stdio::null())
             .output()
             .expect("the bulkhead binary runs");
         let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(!output.status.success(), "--rate {rate} was taken");
-        assert!(
-            stderr.contains("--rate must be a positive number"),
-            "--rate {rate}: {stderr}"
-        );
-        assert!(!stderr.contains("starting"), "--rate {rate}: {stderr}");
+        assert!(!output.status.success(), "{args:?} was taken");
+        assert!(stderr.contains(refusal), "{args:?}: {stderr}");
+        assert!(!stderr.contains("starting"), "{args:?}: {stderr}");
     }
 }

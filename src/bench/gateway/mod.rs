@@ -110,6 +110,16 @@ pub struct GatewayArgs {
     gateway_threads: Option<NonZeroUsize>,
 }
 
+/// The longest window, warm-up or pace between a connection's requests the bench takes (a
+/// day): past it a figure would take longer than anyone waits, and far past it the clock
+/// cannot hold the span.
+const MAX_SPAN: Duration = Duration::from_secs(24 * 3600);
+
+/// Whether `secs` is a span the bench takes.
+fn within_span(secs: f64) -> bool {
+    Duration::try_from_secs_f64(secs).is_ok_and(|d| d <= MAX_SPAN)
+}
+
 /// A directory for the targets' configurations, logs and audit data; removed when dropped.
 #[derive(Debug)]
 struct Scratch(PathBuf);
@@ -135,16 +145,38 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
         "--runs and --connections must be at least 1"
     );
     anyhow::ensure!(
-        args.seconds > 0.0
-            && args.warmup_seconds >= 0.0
-            && args.seconds.is_finite()
-            && args.warmup_seconds.is_finite(),
-        "--seconds must be positive and --warmup-seconds not negative, both finite"
+        args.seconds > 0.0 && args.warmup_seconds >= 0.0,
+        "--seconds must be positive and --warmup-seconds not negative"
     );
+    for (flag, secs) in [
+        ("--seconds", args.seconds),
+        ("--warmup-seconds", args.warmup_seconds),
+    ] {
+        anyhow::ensure!(
+            within_span(secs),
+            "{flag} is out of range (at most {} s)",
+            MAX_SPAN.as_secs()
+        );
+    }
     anyhow::ensure!(
         args.rate.is_none_or(|r| r > 0.0 && r.is_finite()),
         "--rate must be a positive number of requests per second"
     );
+    anyhow::ensure!(
+        args.rate
+            .is_none_or(|r| within_span(args.connections as f64 / r)),
+        "--rate is too low: each connection would wait over {} s between requests",
+        MAX_SPAN.as_secs()
+    );
+    for (flag, path) in [("--nginx", &args.nginx), ("--litellm", &args.litellm)] {
+        if let Some(path) = path {
+            anyhow::ensure!(
+                targets::first_executable([path.clone()]).is_some(),
+                "{flag} {} is not an executable file",
+                path.display()
+            );
+        }
+    }
     if cfg!(debug_assertions) {
         eprintln!(
             "note: a debug build measures a slower gateway; quote figures of a release build"
@@ -181,10 +213,18 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
             paced: args.rate.is_some(),
             ..Results::default()
         };
+        // Ctrl-C or SIGTERM stops the bench as an error would: its targets stopped, its
+        // scratch directory removed.
+        let interrupted = crate::worker::shutdown_signal();
+        tokio::pin!(interrupted);
         let mut outcome = Ok(());
         for &kind in &kinds {
             eprintln!("starting {}", kind.label());
-            match targets::start(kind, &setup, args.stream).await {
+            let started = tokio::select! {
+                started = targets::start(kind, &setup, args.stream) => started,
+                () = &mut interrupted => Err(anyhow::anyhow!("interrupted")),
+            };
+            match started {
                 Ok(Started::Ready(t)) => running.push(*t),
                 Ok(Started::Skipped(why)) => {
                     eprintln!("skipping {}: {why}", kind.label());
@@ -197,7 +237,10 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
             }
         }
         if outcome.is_ok() {
-            outcome = measure(&args, &mut running, &mut results).await;
+            outcome = tokio::select! {
+                measured = measure(&args, &mut running, &mut results) => measured,
+                () = &mut interrupted => Err(anyhow::anyhow!("interrupted")),
+            };
         }
         for t in &mut running {
             t.stop().await;
@@ -206,6 +249,9 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
         outcome.map(|()| results)
     })?;
     drop(scratch);
+    if results.measured.is_empty() {
+        bail!("no target was measured (every one was skipped or dropped)");
+    }
     eprint!("\n{}", results.table());
     println!("{}", results.to_json(settings(&args)));
     Ok(())
@@ -244,6 +290,9 @@ fn settings(args: &GatewayArgs) -> Map<String, Value> {
     s
 }
 
+/// Below this share of the offered rate, a paced target is reported as not keeping up.
+const PACE_SHORTFALL: f64 = 0.95;
+
 /// Every run measures every running target once, starting one target later each run. A peer
 /// that answers nothing correctly in a run is dropped (skipped, with its first error); a
 /// Bulkhead target or the baseline doing so fails the bench.
@@ -256,9 +305,11 @@ async fn measure(
         .rate
         .map(|rate| Duration::from_secs_f64(args.connections as f64 / rate));
     for run in 0..args.runs {
-        let mut i = 0;
-        while i < running.len() {
-            let at = (run + i) % running.len();
+        let kinds: Vec<Kind> = running.iter().map(|t| t.kind).collect();
+        for kind in turns(&kinds, run) {
+            let Some(at) = running.iter().position(|t| t.kind == kind) else {
+                continue;
+            };
             let target = &running[at];
             let sample = load::drive(&Load {
                 dial: target.dial.clone(),
@@ -270,7 +321,6 @@ async fn measure(
                 meter: target.meter,
             })
             .await;
-            let kind = target.kind;
             let Some(figures) = figures(&sample) else {
                 let why = format!(
                     "answered no request correctly in run {}: {}",
@@ -287,6 +337,14 @@ async fn measure(
                 results.skipped.push((kind, why));
                 continue;
             };
+            if let Some(rate) = args.rate.filter(|&r| figures.rps < r * PACE_SHORTFALL) {
+                eprintln!(
+                    "  {} answered {:.0} of the {rate:.0} requests/s offered: at its limit, \
+                     this is a closed loop's figure",
+                    kind.label(),
+                    figures.rps
+                );
+            }
             eprintln!(
                 "run {}/{} {:<24} {:>8.0} req/s  p50 {:>6.0} µs  p99 {:>6.0} µs  CPU {:>5} µs/req  errors {}",
                 run + 1,
@@ -307,7 +365,6 @@ async fn measure(
                 Some((_, runs)) => runs.push(figures),
                 None => results.measured.push((kind, vec![figures])),
             }
-            i += 1;
         }
     }
     // The report lists the targets in their fixed order.
@@ -315,6 +372,14 @@ async fn measure(
         .measured
         .sort_by_key(|(k, _)| Kind::ALL.iter().position(|a| a == k));
     Ok(())
+}
+
+/// The order run `run` measures `kinds` in: one later each run. Fixed before the run starts,
+/// so that a peer dropped in it leaves the others' turns as they were (each measured once).
+fn turns(kinds: &[Kind], run: usize) -> Vec<Kind> {
+    (0..kinds.len())
+        .map(|i| kinds[(run + i) % kinds.len()])
+        .collect()
 }
 
 /// A sample's figures; `None` if it holds no correct answer.
@@ -327,4 +392,23 @@ fn figures(sample: &Sample) -> Option<Figures> {
         errors: sample.errors,
         cpu_us: sample.cpu_us_per_request(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_run_starts_one_target_later_and_measures_each_once() {
+        let kinds = [Kind::Direct, Kind::Bulkhead, Kind::Nginx];
+        assert_eq!(turns(&kinds, 0), kinds);
+        assert_eq!(
+            turns(&kinds, 1),
+            [Kind::Bulkhead, Kind::Nginx, Kind::Direct]
+        );
+        assert_eq!(
+            turns(&kinds, 5),
+            [Kind::Nginx, Kind::Direct, Kind::Bulkhead]
+        );
+    }
 }

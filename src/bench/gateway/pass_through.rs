@@ -56,12 +56,6 @@ pub fn run(args: PassThroughArgs) -> anyhow::Result<()> {
         let listener = TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("binding {}", args.listen))?;
-        println!("{READY}addr={}", listener.local_addr()?);
-        let (stop_tx, stop) = watch::channel(false);
-        tokio::spawn(async move {
-            crate::worker::shutdown_signal().await;
-            let _ = stop_tx.send(true);
-        });
         let tls = match (args.tls_cert, args.tls_key) {
             (Some(cert), Some(key)) => Some(ListenerTls::load(&ListenerFiles {
                 cert,
@@ -70,6 +64,14 @@ pub fn run(args: PassThroughArgs) -> anyhow::Result<()> {
             })?),
             _ => None,
         };
+        // Ready only once it can serve: a certificate that does not load is its error, not a
+        // ready line and then one.
+        println!("{READY}addr={}", listener.local_addr()?);
+        let (stop_tx, stop) = watch::channel(false);
+        tokio::spawn(async move {
+            crate::worker::shutdown_signal().await;
+            let _ = stop_tx.send(true);
+        });
         proxy(listener, args.upstream, args.threads, tls, stop).await
     })
 }

@@ -491,7 +491,7 @@ async fn peer(
 }
 
 /// The first of `candidates` that is an executable file.
-fn first_executable(candidates: impl IntoIterator<Item = PathBuf>) -> Option<PathBuf> {
+pub fn first_executable(candidates: impl IntoIterator<Item = PathBuf>) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     candidates.into_iter().find(|p| {
         std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
