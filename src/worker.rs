@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use bulkhead_kvpool::Scrub;
 use bulkhead_worker::engine::{EngineConfig, KvBudget};
+use bulkhead_worker::serve::kv_advertise::KvAdvertise;
 use bulkhead_worker::serve::kvplane::{DEFAULT_PEER_TIMEOUT, SendFault};
 use bulkhead_worker::serve::tls::Part;
 use bulkhead_worker::serve::transport::{KvTransport, TransportConfig};
@@ -153,9 +154,10 @@ pub struct Args {
     #[arg(long, env = env::KV_LISTEN, default_value = "127.0.0.1:50061")]
     kv_listen: SocketAddr,
     /// Decode role: the address prefill workers send pages to, when it is not --kv-listen's
-    /// (listening on 0.0.0.0 in a pod: the pod's IP and the port) [default: the bound address]
+    /// (listening on 0.0.0.0 in a pod: the pod's IP, alone for --kv-listen's port, or with a
+    /// port) [default: the bound address]
     #[arg(long, env = env::KV_ADVERTISE)]
-    kv_advertise: Option<SocketAddr>,
+    kv_advertise: Option<KvAdvertise>,
     /// Prefill role: bytes written per batch; aborts are honoured between batches.
     #[arg(long, env = env::TRANSFER_BATCH_BYTES, value_parser = parse_bytes, default_value = "4MiB")]
     transfer_batch_bytes: u64,
@@ -472,13 +474,13 @@ mod tests {
             "--kv-listen",
             "0.0.0.0:50061",
             "--kv-advertise",
-            "10.1.2.3:50061",
+            "fd00::5",
         ])
         .expect("parses");
         let role = cli.args.config().expect("valid").role;
         assert!(
             matches!(role, RoleConfig::Decode { kv_advertise: Some(a), .. }
-                if a.to_string() == "10.1.2.3:50061"),
+                if a == KvAdvertise::Ip("fd00::5".parse().expect("an IP"))),
             "{role:?}"
         );
         let cli = Cli::try_parse_from(["x", "--role", "prefill", "--transfer-batch-bytes", "1MiB"])

@@ -385,6 +385,10 @@ pub enum ConfigError {
     NoWorkers,
     #[error("worker {name:?} is defined twice")]
     DuplicateWorker { name: String },
+    #[error(
+        "worker {name:?}: a name with '@' is a discovered worker group member's (group@address)"
+    )]
+    WorkerNameWithAt { name: String },
     #[error("worker {name:?}: {field} = {endpoint:?} is not an address like {like}")]
     WorkerEndpoint {
         name: String,
@@ -884,6 +888,13 @@ fn workers(
             }
             _ => {}
         }
+    }
+    // Members of groups are named `group@address`: a worker named so would be listed, probed
+    // and routed to as two.
+    if let Some(w) = raw.iter().find(|w| w.name.contains('@')) {
+        return Err(ConfigError::WorkerNameWithAt {
+            name: w.name.clone(),
+        });
     }
     let mut out = Vec::with_capacity(raw.len());
     for w in &raw {
@@ -1558,6 +1569,15 @@ mod tests {
         assert!(matches!(
             Config::parse(&config(&t, &clash)),
             Err(ConfigError::DuplicateWorker { .. })
+        ));
+        // A worker named like a member of a group (the same process, probed and routed to as
+        // two).
+        let member = format!(
+            "{groups}[[workers]]\nname = \"d@127.0.0.1:1\"\ngrpc = \"127.0.0.1:1\"\nrole = \"both\"\n"
+        );
+        assert!(matches!(
+            Config::parse(&config(&t, &member)),
+            Err(ConfigError::WorkerNameWithAt { .. })
         ));
         let dangling = groups.replace("prefill = \"p\"", "prefill = \"q\"");
         assert!(matches!(

@@ -18,7 +18,8 @@
 //!
 //! ```text
 //!  every interval: resolve(dns) ──▶ members(group, addrs) ──▶ Workers::set_members(group, …)
-//!                  (a failed lookup keeps the last members; an empty answer removes them)
+//!                  (a failed lookup keeps the last members; a name with no address, or none
+//!                   at all, removes them)
 //! ```
 //!
 //! A member is an ordinary [`WorkerConfig`] named `group@address`, with `group` set. A decode
@@ -111,11 +112,18 @@ impl RawWorkerGroup {
     }
 }
 
-/// `(host, port)` of `host:port` (no scheme, no path, a non-empty host, a port); `None` else.
+/// `(host, port)` of `host:port` (no scheme, no path, a non-empty host, a port; an IPv6
+/// host in brackets, given without them); `None` else.
 fn dns_target(dns: &str) -> Option<(&str, u16)> {
     let (host, port) = dns.rsplit_once(':')?;
-    let port: u16 = port.parse().ok()?;
-    let host_ok = !host.is_empty() && !host.contains(['/', '@', ' ']) && port != 0;
+    let port: u16 = port.parse().ok().filter(|&p| p != 0)?;
+    if let Some(ip) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        return ip
+            .parse::<std::net::Ipv6Addr>()
+            .is_ok()
+            .then_some((ip, port));
+    }
+    let host_ok = !host.is_empty() && !host.contains(['/', '@', ' ', ':', '[', ']']);
     host_ok.then_some((host, port))
 }
 
@@ -143,7 +151,10 @@ pub fn members(group: &WorkerGroup, addrs: &[SocketAddr]) -> Vec<WorkerConfig> {
         .collect()
 }
 
-/// Resolves a `host:port` to socket addresses.
+/// Resolves a `host:port` to socket addresses: none when the name does not exist or has no
+/// address (its headless Service scaled to nothing), an error when the lookup failed (no
+/// answer, a server failure): the two are told apart, as members are removed only on the
+/// first.
 pub trait Resolve: Send + Sync + 'static {
     fn resolve(
         &self,
@@ -151,7 +162,8 @@ pub trait Resolve: Send + Sync + 'static {
     ) -> impl Future<Output = std::io::Result<Vec<SocketAddr>>> + Send;
 }
 
-/// The system resolver (what the pod's `/etc/resolv.conf` says: cluster DNS on Kubernetes).
+/// The system resolver (what the pod's `/etc/resolv.conf` says: cluster DNS on Kubernetes),
+/// through `getaddrinfo`, whose error codes say which failure it was.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SystemResolver;
 
@@ -160,8 +172,18 @@ const LOOKUP_LIMIT: Duration = Duration::from_secs(5);
 
 impl Resolve for SystemResolver {
     async fn resolve(&self, target: &str) -> std::io::Result<Vec<SocketAddr>> {
-        match tokio::time::timeout(LOOKUP_LIMIT, tokio::net::lookup_host(target)).await {
-            Ok(addrs) => Ok(addrs?.collect()),
+        let invalid = || {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{target:?} is not a name and port"),
+            )
+        };
+        let (host, port) = dns_target(target).ok_or_else(invalid)?;
+        let (host, port) = (host.to_owned(), port.to_string());
+        let lookup = tokio::task::spawn_blocking(move || lookup(&host, &port));
+        match tokio::time::timeout(LOOKUP_LIMIT, lookup).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(e)) => Err(std::io::Error::other(e)),
             Err(_) => Err(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
                 format!("no DNS answer within {} s", LOOKUP_LIMIT.as_secs()),
@@ -170,8 +192,28 @@ impl Resolve for SystemResolver {
     }
 }
 
+/// `getaddrinfo(host, port)` for stream sockets: the addresses, none for a name that does not
+/// exist or has none (`EAI_NONAME`, `EAI_NODATA`), or the failure.
+fn lookup(host: &str, port: &str) -> std::io::Result<Vec<SocketAddr>> {
+    use dns_lookup::{AddrInfoHints, LookupErrorKind};
+
+    let hints = AddrInfoHints {
+        socktype: libc::SOCK_STREAM,
+        ..AddrInfoHints::default()
+    };
+    match dns_lookup::getaddrinfo(Some(host), Some(port), Some(hints)) {
+        Ok(answers) => answers
+            .map(|a| a.map(|a| a.sockaddr))
+            .collect::<std::io::Result<Vec<_>>>(),
+        Err(e) if matches!(e.kind(), LookupErrorKind::NoName | LookupErrorKind::NoData) => {
+            Ok(Vec::new())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// A group's members now, or why they could not be found. An empty list is an error too: a
-/// group with no worker serves nothing.
+/// group with no worker serves nothing (a name that does not exist is such a group).
 pub async fn resolve_group(
     group: &WorkerGroup,
     resolver: &impl Resolve,
@@ -185,7 +227,8 @@ pub async fn resolve_group(
 
 /// Resolves every group once and hands its members to `workers`. A failed lookup keeps the
 /// members the group had (their health decides whether they are routed to); a name that
-/// resolves to nothing leaves the group empty.
+/// resolves to nothing, or no longer exists, leaves the group empty (a pod IP it held may be
+/// another pod's next).
 pub async fn sync(workers: &Workers, groups: &[WorkerGroup], resolver: &impl Resolve) {
     for group in groups {
         match resolver.resolve(&group.dns).await {
@@ -242,7 +285,7 @@ mod tests {
         s.parse().expect("an address")
     }
 
-    /// Answers from a table; names it does not know fail like NXDOMAIN.
+    /// Answers from a table; names it does not know fail like an unreachable server.
     #[derive(Default)]
     struct FakeResolver(Mutex<HashMap<String, Vec<SocketAddr>>>);
 
@@ -266,7 +309,7 @@ mod tests {
             table
                 .get(target)
                 .cloned()
-                .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "NXDOMAIN"))
+                .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer"))
         }
     }
 
@@ -307,7 +350,11 @@ mod tests {
     fn dns_targets_need_a_host_and_a_port() {
         assert_eq!(dns_target("svc.ns:50051"), Some(("svc.ns", 50051)));
         assert_eq!(dns_target("localhost:1"), Some(("localhost", 1)));
+        assert_eq!(dns_target("[fd00::1]:50051"), Some(("fd00::1", 50051)));
         for bad in [
+            "svc:50051:50051",
+            "fd00::1:50051",
+            "[svc]:50051",
             "svc.ns",
             ":50051",
             "http://svc:50051",
@@ -399,6 +446,24 @@ mod tests {
                 ("prefill", WorkerRole::Prefill, None),
                 ("decode", WorkerRole::Decode, Some("prefill"))
             ]
+        );
+    }
+
+    #[tokio::test]
+    async fn the_system_resolver_answers_none_for_a_name_that_does_not_exist() {
+        // `.invalid` never resolves (RFC 6761): NXDOMAIN from any resolver, or no resolver at
+        // all, which getaddrinfo reports as an unknown name too.
+        let answer = SystemResolver
+            .resolve("bulkhead-no-such-name.invalid:50051")
+            .await;
+        assert!(
+            matches!(&answer, Ok(a) if a.is_empty()),
+            "an unknown name is an empty answer: {answer:?}"
+        );
+        let answer = SystemResolver.resolve("[::1]:50051").await;
+        assert!(
+            matches!(&answer, Ok(a) if a == &[addr("[::1]:50051")]),
+            "{answer:?}"
         );
     }
 

@@ -159,8 +159,14 @@ impl RestartOnly {
             (Section::Admin, *admin_token != file.admin_token),
             (Section::Http, *http != file.http),
             (Section::Audit, *audit != file.audit),
-            (Section::Workers, *workers != file.workers),
-            (Section::WorkerGroups, *worker_groups != file.worker_groups),
+            (
+                Section::Workers,
+                !same_by_name(workers, &file.workers, |w| &w.name),
+            ),
+            (
+                Section::WorkerGroups,
+                !same_by_name(worker_groups, &file.worker_groups, |g| &g.name),
+            ),
             (
                 Section::WorkerRefresh,
                 *refresh_interval != file.refresh_interval,
@@ -231,4 +237,12 @@ impl Reloaded {
             restart_required,
         }
     }
+}
+
+/// Whether two lists of uniquely named entries hold the same entries, in any order (the
+/// order of `[[workers]]` or `[[worker_groups]]` in the file means nothing).
+fn same_by_name<T: PartialEq>(a: &[T], b: &[T], name: impl Fn(&T) -> &String) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .all(|x| b.iter().any(|y| name(y) == name(x) && y == x))
 }

@@ -322,6 +322,32 @@ fn a_reload_that_gives_a_tenant_the_running_admin_token_is_refused() {
 }
 
 #[test]
+fn workers_and_groups_listed_in_another_order_need_no_restart() {
+    let tenants_a = tenant("tenant-a", &["sk-a"], 2, 60);
+    let w2 = "[[workers]]\nname = \"w2\"\ngrpc = \"127.0.0.1:50052\"\nrole = \"both\"\n";
+    let g = |name: &str| {
+        format!(
+            "[[worker_groups]]\nname = \"{name}\"\ndns = \"{name}.svc:50051\"\nrole = \"both\"\n"
+        )
+    };
+    let (scratch, tenants) = start(&config(&format!("{w2}{}{}", g("g1"), g("g2")), &tenants_a));
+    // w2 after w now, and the groups swapped.
+    let swapped = config(&format!("{}{}", g("g2"), g("g1")), &tenants_a);
+    write(&scratch, &format!("{swapped}{w2}"));
+    assert_eq!(
+        tenants.reload().expect("valid").restart_required,
+        vec![],
+        "the same workers and groups"
+    );
+    write(&scratch, &format!("{}{w2}", config(&g("g1"), &tenants_a)));
+    assert_eq!(
+        tenants.reload().expect("valid").restart_required,
+        vec![Section::WorkerGroups],
+        "a group less"
+    );
+}
+
+#[test]
 fn sections_that_need_a_restart_are_reported_and_not_applied() {
     let tenants_a = tenant("tenant-a", &["sk-a"], 2, 60);
     let (scratch, tenants) = start(&config("", &tenants_a));

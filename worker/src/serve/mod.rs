@@ -20,6 +20,7 @@ mod disagg;
 mod error;
 mod followed;
 pub mod info;
+pub mod kv_advertise;
 pub mod kvplane;
 mod metrics;
 mod progress;
@@ -91,7 +92,7 @@ pub enum RoleConfig {
     Decode {
         prefill: String,
         kv_listen: SocketAddr,
-        kv_advertise: Option<SocketAddr>,
+        kv_advertise: Option<kv_advertise::KvAdvertise>,
     },
 }
 
@@ -252,7 +253,9 @@ impl BoundWorker {
                 (
                     ServiceRole::Decode(PrefillPeer {
                         client,
-                        kv_address: kv_advertise.unwrap_or(kv_address).to_string(),
+                        kv_address: kv_advertise
+                            .map_or(kv_address, |a| a.at(kv_address))
+                            .to_string(),
                         seen,
                     }),
                     Some(kv),
