@@ -89,6 +89,9 @@ pub enum Reason {
     HeadMissing,
     /// The data directory holds tenant logs but no roster.
     RosterMissing,
+    /// The directory holds no audit log at all: no writer's lock, no roster, no tenant (a
+    /// wrong directory, or a log deleted whole with its roster).
+    NoAuditLog,
     /// The roster has a line that is not a tenant id, or lists one twice.
     BadRoster(String),
     /// The roster lists the tenant, and its directory is gone: its log was deleted whole.
@@ -149,6 +152,10 @@ impl fmt::Display for Reason {
             Self::RosterMissing => f.write_str(
                 "the roster is missing, yet the directory holds tenant logs (deleted, or logs \
                  from before the roster)",
+            ),
+            Self::NoAuditLog => f.write_str(
+                "no audit log here: no LOCK, no roster, no tenant (the wrong directory, or the \
+                 log deleted whole)",
             ),
             Self::BadRoster(e) => f.write_str(e),
             Self::LogDeleted => f.write_str(
@@ -253,7 +260,11 @@ pub fn verify(dir: &Path, tenant: Option<&TenantId>) -> Report {
             None,
             Some(at(&roster_path, None, Reason::Io(e.to_string()))),
         ),
-        Ok(None) if present.is_empty() => (Some(Vec::new()), None),
+        // A gateway that has recorded nothing yet holds its lock only.
+        Ok(None) if present.is_empty() && dir.join(layout::LOCK).exists() => {
+            (Some(Vec::new()), None)
+        }
+        Ok(None) if present.is_empty() => (None, Some(at(dir, None, Reason::NoAuditLog))),
         Ok(None) => (None, Some(at(&roster_path, None, Reason::RosterMissing))),
         Ok(Some(Err(e))) => (None, Some(at(&roster_path, None, Reason::BadRoster(e)))),
         Ok(Some(Ok(r))) => {

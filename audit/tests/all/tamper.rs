@@ -254,6 +254,33 @@ fn stray_entries_are_reported() {
 }
 
 #[test]
+fn a_directory_without_an_audit_log_fails_and_a_log_with_no_record_passes() {
+    let dir = Scratch::new();
+    std::fs::create_dir_all(dir.path()).expect("an empty directory");
+    let report = verify(dir.path(), None);
+    assert!(!report.passed(), "an empty directory passed: {report}");
+    assert_eq!(
+        report.dir_problem.map(|p| p.reason),
+        Some(Reason::NoAuditLog)
+    );
+    // A writer opened it and wrote nothing yet.
+    drop(open(dir.path(), 3000));
+    let report = verify(dir.path(), None);
+    assert!(report.passed(), "{report}");
+    // The whole log deleted, its lock with it.
+    setup(dir.path());
+    for entry in std::fs::read_dir(dir.path()).expect("lists") {
+        let path = entry.expect("an entry").path();
+        if path.is_dir() {
+            std::fs::remove_dir_all(path).expect("removes");
+        } else {
+            std::fs::remove_file(path).expect("removes");
+        }
+    }
+    assert!(!verify(dir.path(), None).passed());
+}
+
+#[test]
 fn an_unknown_tenant_fails() {
     let dir = Scratch::new();
     setup(dir.path());
