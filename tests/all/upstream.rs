@@ -326,8 +326,8 @@ impl Drop for LoadTarget {
 #[test]
 fn an_upstream_that_sends_more_tokens_than_asked_fails_the_request() {
     bounded(|| {
-        let target = LoadTarget::start();
-        let front = Front::start(&target.url, "bench", "unused", 2048, 1_000_000, "");
+        let url = overlong_upstream("bench");
+        let front = Front::start(&url, "bench", "unused", 2048, 1_000_000, "");
         front.wait_healthy();
         let chat = |max_tokens: u32, stream: bool| {
             front.chat(&format!(
@@ -354,9 +354,28 @@ fn an_upstream_that_sends_more_tokens_than_asked_fails_the_request() {
     });
 }
 
-/// An OpenAI-compatible server that lists `model` and passes every health check, but takes
-/// each completion request and never answers it (a hung server, or one queueing without end).
-fn hung_upstream(model: &str) -> String {
+/// The bench's load target keeps to `max_tokens` as a model server does: fewer tokens than
+/// its answer, finished for `length`, through the gateway.
+#[test]
+fn the_load_target_answers_within_max_tokens() {
+    bounded(|| {
+        let target = LoadTarget::start();
+        let front = Front::start(&target.url, "bench", "unused", 2048, 1_000_000, "");
+        front.wait_healthy();
+        let (status, body) =
+            front.chat(r#"{"messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":3}"#);
+        assert_eq!(status, 200, "{body}");
+        let answer = json(&body);
+        assert_eq!(answer["choices"][0]["message"]["content"], "The answer is");
+        assert_eq!(answer["choices"][0]["finish_reason"], "length");
+        assert_eq!(answer["usage"]["completion_tokens"], 3);
+    });
+}
+
+/// An OpenAI-compatible server that lists `model` and passes every health check, and answers
+/// each other request with what `answer` makes of its body: an HTTP response, or `None` to
+/// take it and never answer (a hung server, or one queueing without end).
+fn scripted_upstream(model: &str, answer: fn(&str) -> Option<String>) -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
     let url = format!("http://{}", listener.local_addr().expect("an address"));
     let models = format!(r#"{{"object":"list","data":[{{"id":"{model}","object":"model"}}]}}"#);
@@ -389,16 +408,20 @@ fn hung_upstream(model: &str) -> String {
                     if reader.read_exact(&mut body).is_err() {
                         return;
                     }
-                    if !line.starts_with("GET /v1/models") {
+                    let response = if line.starts_with("GET /v1/models") {
+                        Some(format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{models}",
+                            models.len()
+                        ))
+                    } else {
+                        answer(&String::from_utf8_lossy(&body))
+                    };
+                    let Some(response) = response else {
                         // Taken, never answered: held until the gateway gives up on it.
                         let _ = reader.read_to_end(&mut Vec::new());
                         return;
-                    }
-                    let answer = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{models}",
-                        models.len()
-                    );
-                    if (&conn).write_all(answer.as_bytes()).is_err() {
+                    };
+                    if (&conn).write_all(response.as_bytes()).is_err() {
                         return;
                     }
                 }
@@ -406,6 +429,41 @@ fn hung_upstream(model: &str) -> String {
         }
     });
     url
+}
+
+/// An upstream that takes every completion request and never answers it.
+fn hung_upstream(model: &str) -> String {
+    scripted_upstream(model, |_| None)
+}
+
+/// An upstream that answers every completion with the same five tokens, whatever its
+/// `max_tokens` says (the gateway calls `/v1/completions` with the prompt's token ids).
+fn overlong_upstream(model: &str) -> String {
+    scripted_upstream(model, |body| {
+        const PIECES: [&str; 5] = ["The", " answer", " is", " 4", "."];
+        let usage = r#"{"prompt_tokens":8,"completion_tokens":5,"total_tokens":13}"#;
+        let (kind, body) = if body.contains(r#""stream":true"#) {
+            let chunk = |text: &str, finish: &str| {
+                format!(
+                    "data: {{\"id\":\"c\",\"object\":\"text_completion\",\"created\":0,\"model\":\"m\",\"choices\":[{{\"index\":0,\"text\":\"{text}\",\"finish_reason\":{finish}}}]}}\n\n"
+                )
+            };
+            let mut events: String = PIECES.iter().map(|p| chunk(p, "null")).collect();
+            events.push_str(&chunk("", r#""stop""#));
+            events.push_str("data: [DONE]\n\n");
+            ("text/event-stream", events)
+        } else {
+            let whole = format!(
+                r#"{{"id":"c","object":"text_completion","created":0,"model":"m","choices":[{{"index":0,"text":"{}","finish_reason":"stop"}}],"usage":{usage}}}"#,
+                PIECES.concat()
+            );
+            ("application/json", whole)
+        };
+        Some(format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: {kind}\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        ))
+    })
 }
 
 /// An upstream that passes its health checks but leaves every request unanswered: each of the
