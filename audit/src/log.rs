@@ -18,7 +18,7 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, mpsc};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::{AuditError, io_err};
 use crate::hash::Sha256Digest;
@@ -84,6 +84,10 @@ pub struct Receipt {
     pub digest: Sha256Digest,
     /// Whether the record was durable when `append` returned.
     pub durable: bool,
+    /// How long the oldest record not yet durable had waited when this one was appended (zero
+    /// when it is the only one): how far the flushes are behind, which in
+    /// [`Durability::Batched`] is what a crash would lose.
+    pub behind: Duration,
 }
 
 /// Something `open` repaired or noticed; the caller should log each one.
@@ -150,6 +154,19 @@ struct State {
     poisoned: Option<String>,
     /// Records `append` accepted that a failed flush then dropped.
     dropped: u64,
+    /// When the oldest record still pending (not taken by a flush) was appended.
+    pending_since: Option<Instant>,
+    /// When the oldest record of the flush under way was appended.
+    flushing_since: Option<Instant>,
+}
+
+impl State {
+    /// How long the oldest record not yet durable has waited, as of `now`.
+    fn behind(&self, now: Instant) -> Duration {
+        self.flushing_since
+            .or(self.pending_since)
+            .map_or(Duration::ZERO, |since| now.saturating_duration_since(since))
+    }
 }
 
 /// The open segment file of the tenants written last, at most [`Config::max_open_files`];
@@ -303,7 +320,7 @@ impl AuditLog {
                 record: record.tenant.clone(),
             });
         }
-        let (seq, digest) = self.inner.enqueue(tenant, record)?;
+        let (seq, digest, behind) = self.inner.enqueue(tenant, record)?;
         let durable = match self.inner.config.durability {
             Durability::Batched => false,
             Durability::Immediate => {
@@ -316,6 +333,7 @@ impl AuditLog {
             seq,
             digest,
             durable,
+            behind,
         })
     }
 
@@ -374,7 +392,7 @@ impl Inner {
         &self,
         tenant: &TenantId,
         record: &AuditRecord,
-    ) -> Result<(Seq, Sha256Digest), AuditError> {
+    ) -> Result<(Seq, Sha256Digest, Duration), AuditError> {
         let mut state = lock(&self.state);
         if let Some(reason) = &state.poisoned {
             return Err(AuditError::Poisoned {
@@ -408,7 +426,9 @@ impl Inner {
         }
         t.next_seq += 1;
         t.last_digest = digest;
-        Ok((seq, digest))
+        let now = Instant::now();
+        state.pending_since.get_or_insert(now);
+        Ok((seq, digest, state.behind(now)))
     }
 
     fn sync(&self, tenant: &TenantId, seq: Seq) -> Result<(), AuditError> {
@@ -435,6 +455,7 @@ impl Inner {
                     reason: reason.clone(),
                 });
             }
+            state.flushing_since = state.pending_since.take();
             state
                 .tenants
                 .iter_mut()
@@ -460,6 +481,7 @@ impl Inner {
             result.err()
         });
         let mut state = lock(&self.state);
+        state.flushing_since = None;
         for (tenant, _, head, _) in &batch[..written] {
             if let Some(t) = state.tenants.get_mut(tenant) {
                 t.durable = t.durable.max(head.seq.0 + 1);

@@ -251,7 +251,8 @@ pub enum Durability {
     /// answered is ever missing from the log after a crash.
     Durable,
     /// Records are fsynced in groups within a few milliseconds; a crash can lose the records of
-    /// the last moments' responses (never a durable one).
+    /// the last moments' responses (never a durable one): while the fsyncs are more than
+    /// 50 ms behind, responses wait for their records as in durable mode.
     Group,
 }
 

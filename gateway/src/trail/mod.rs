@@ -62,6 +62,12 @@ pub const HTTPS_REQUIRED_TYPE: &str = "https_required";
 /// How often unflushed records are written and fsynced together (group commit).
 const GROUP_COMMIT_INTERVAL: Duration = Duration::from_millis(5);
 
+/// How far group commit's flushes may fall behind before answers wait for their records as in
+/// durable mode (a disk slower than the traffic, many tenants' files to fsync, small segments
+/// rotating): a crash then loses at most the answers of about this long, not a backlog that
+/// grows without bound.
+pub const GROUP_COMMIT_MAX_LAG: Duration = Duration::from_millis(50);
+
 /// The audit log as the API uses it; a cheap `Clone`.
 #[derive(Debug, Clone)]
 pub struct Recorder {
@@ -81,8 +87,9 @@ struct Inner {
     metrics: Metrics,
     /// Every final record is also exported as a log record, when configured.
     export: Option<AuditExport>,
-    /// Durable mode: the thread whose fsyncs responses wait for.
-    syncer: Option<syncer::Syncer>,
+    /// The thread whose fsyncs responses wait for: every one in durable mode, in group commit
+    /// those appended while the flushes are behind.
+    syncer: syncer::Syncer,
     /// The gateway log's budget, and the folded record past it.
     folding: Mutex<fold::Folding>,
     /// Whether `folding` collects a folded record (checked without the lock on every append).
@@ -102,28 +109,36 @@ impl Recorder {
         metrics: Metrics,
         export: Option<AuditExport>,
     ) -> Result<(Recorder, Vec<Recovery>), AuditError> {
+        Self::open_flushing(dir, settings, metrics, export, Some(GROUP_COMMIT_INTERVAL))
+    }
+
+    /// [`Recorder::open`] with the background flush every `interval` (`None`: only the fsync
+    /// thread's flushes, which the tests of group commit's bound use).
+    fn open_flushing(
+        dir: &Path,
+        settings: AuditSettings,
+        metrics: Metrics,
+        export: Option<AuditExport>,
+        interval: Option<Duration>,
+    ) -> Result<(Recorder, Vec<Recovery>), AuditError> {
         let mut config = bulkhead_audit::Config::new(dir);
         config.segment_bytes = settings.segment_bytes;
         // Appends never block a request on disk; a durable-mode response waits for its own
         // record in `commit`, so concurrent requests share one fsync.
         config.durability = bulkhead_audit::Durability::Batched;
-        config.flush_interval = Some(GROUP_COMMIT_INTERVAL);
+        config.flush_interval = interval;
         let (log, recoveries) = AuditLog::open(config)?;
         let gateway = TenantId::new(GATEWAY_LOG).map_err(|e| AuditError::Poisoned {
             reason: format!("the gateway log's id: {e}"),
         })?;
         let log = Arc::new(log);
-        let syncer = match settings.durability {
-            Durability::Group => None,
-            Durability::Durable => {
-                let weak = Arc::downgrade(&log);
-                let syncer = syncer::Syncer::start(move || weak.upgrade().map(|l| l.flush()))
-                    .map_err(|e| AuditError::Poisoned {
-                        reason: format!("starting the audit fsync thread: {e}"),
-                    })?;
-                Some(syncer)
-            }
-        };
+        let weak = Arc::downgrade(&log);
+        let syncer =
+            syncer::Syncer::start(move || weak.upgrade().map(|l| l.flush())).map_err(|e| {
+                AuditError::Poisoned {
+                    reason: format!("starting the audit fsync thread: {e}"),
+                }
+            })?;
         let folding = fold::Folding::new(settings.gateway_records_per_minute, Instant::now());
         let inner = Arc::new(Inner {
             log,
@@ -215,7 +230,8 @@ impl Recorder {
         axum::response::IntoResponse::into_response(crate::api::ApiError::AuditUnavailable)
     }
 
-    /// Appends `record`; in durable mode, returns once it is fsynced. A record the log
+    /// Appends `record`; in durable mode, returns once it is fsynced, and in group commit too
+    /// while the flushes are more than [`GROUP_COMMIT_MAX_LAG`] behind. A record the log
     /// refuses is counted lost here; one it accepts and then drops, by the log. A gateway-log
     /// record past the budget is folded: nothing to wait for, its folded record comes later.
     async fn commit(&self, record: AuditRecord) -> Result<(), AuditError> {
@@ -223,13 +239,17 @@ impl Recorder {
         if records.iter().all(Option::is_none) {
             return Ok(());
         }
-        self.append(records)?;
-        match &self.inner.syncer {
-            None => Ok(()),
-            Some(syncer) => syncer.durable().await.inspect_err(|e| {
-                tracing::error!(error = %e, "an audit record could not be made durable");
-            }),
+        let behind = self.append(records)?;
+        let wait = match self.inner.settings.durability {
+            Durability::Durable => true,
+            Durability::Group => behind > GROUP_COMMIT_MAX_LAG,
+        };
+        if !wait {
+            return Ok(());
         }
+        self.inner.syncer.durable().await.inspect_err(|e| {
+            tracing::error!(error = %e, "an audit record could not be made durable");
+        })
     }
 
     /// Appends the record of a request nobody waits on (its client left, or hyper answered
@@ -297,11 +317,16 @@ impl Recorder {
     }
 
     /// Appends `records`; one the log refuses is counted lost. The result is the last one's:
-    /// the record that holds the request being committed (its own, or the folded one).
-    fn append(&self, records: fold::Appends) -> Result<(), AuditError> {
-        let mut result = Ok(());
+    /// the record that holds the request being committed (its own, or the folded one), and
+    /// how far behind the flushes were when it was appended.
+    fn append(&self, records: fold::Appends) -> Result<Duration, AuditError> {
+        let mut result = Ok(Duration::ZERO);
         for record in records.iter().flatten() {
-            result = self.inner.log.append(&record.tenant, record).map(drop);
+            result = self
+                .inner
+                .log
+                .append(&record.tenant, record)
+                .map(|r| r.behind);
             if let Err(e) = &result {
                 self.inner.lost.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(error = %e, "an audit record could not be written");

@@ -490,6 +490,36 @@ async fn a_broken_log_in_group_commit_counts_the_records_its_flush_dropped() {
     assert_eq!(recorder.lost(), 2, "refused once the log stopped");
 }
 
+/// Group commit answers before its record is durable only while the flushes keep up: once
+/// the oldest record not yet durable has waited past the bound, an answer waits for its own
+/// (and every one before it), so a crash cannot lose a backlog that grows without end.
+#[tokio::test]
+async fn group_commit_waits_for_its_record_once_the_flushes_fall_behind() {
+    let dir = Scratch::new("trail");
+    let settings = AuditSettings {
+        durability: Durability::Group,
+        ..AuditSettings::default()
+    };
+    // No background flush: nothing is durable until someone waits for it.
+    let recorder = Recorder::open_flushing(&dir.0, settings, Metrics::default(), None, None)
+        .expect("opens")
+        .0;
+    let gateway = TenantId::new(GATEWAY_LOG).expect("valid");
+    let durable = || recorder.read(&gateway, Seq(0), 100).expect("reads").len();
+    let app = app(&recorder);
+    assert_eq!(call(&app, "/ok").await.status(), StatusCode::OK);
+    assert_eq!(durable(), 0, "answered first, its record not yet durable");
+    tokio::time::sleep(super::GROUP_COMMIT_MAX_LAG + Duration::from_millis(20)).await;
+    assert_eq!(call(&app, "/ok").await.status(), StatusCode::OK);
+    assert_eq!(
+        durable(),
+        2,
+        "the flushes fell behind: the answer waited for both"
+    );
+    assert_eq!(call(&app, "/ok").await.status(), StatusCode::OK);
+    assert_eq!(durable(), 2, "caught up: answered first again");
+}
+
 #[tokio::test]
 async fn group_commit_answers_before_the_fsync_and_the_record_follows() {
     let dir = Scratch::new("trail");
