@@ -258,6 +258,10 @@ async fn workers(State(state): State<AdminState>) -> Response {
     let workers = &state.workers;
     json_reply(
         StatusCode::OK,
-        &json!({"access": workers.access(), "workers": workers.reports()}),
+        &json!({
+            "access": workers.access(),
+            "workers": workers.reports(),
+            "groups": workers.lookups(),
+        }),
     )
 }

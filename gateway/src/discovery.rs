@@ -232,10 +232,16 @@ pub async fn resolve_group(
 pub async fn sync(workers: &Workers, groups: &[WorkerGroup], resolver: &impl Resolve) {
     for group in groups {
         match resolver.resolve(&group.dns).await {
-            Ok(addrs) => workers.set_members(&group.name, members(group, &addrs)),
+            Ok(addrs) => {
+                let found = members(group, &addrs);
+                let count = found.len();
+                workers.set_members(&group.name, found);
+                workers.looked_up(&group.name, &group.dns, Ok(count));
+            }
             Err(error) => {
                 tracing::warn!(group = %group.name, dns = %group.dns, %error,
                     "cannot resolve a worker group; keeping its last members");
+                workers.looked_up(&group.name, &group.dns, Err(error.to_string()));
             }
         }
     }
@@ -420,14 +426,29 @@ mod tests {
             workers.names(),
             ["decode@127.0.0.2:1", "decode@127.0.0.3:1"]
         );
-        // The DNS server is unreachable: keep what we had.
+        assert_eq!(workers.lookups()["decode"].members, 2);
+        assert_eq!(workers.lookups()["decode"].error, None);
+        // The DNS server is unreachable: keep what we had, and say so.
         r.forget(&g.dns);
         sync(&workers, std::slice::from_ref(&g), &r).await;
         assert_eq!(workers.names().len(), 2);
+        let lookup = &workers.lookups()["decode"];
+        assert_eq!(lookup.members, 2, "kept");
+        assert_eq!(lookup.error.as_deref(), Some("no answer"));
+        let since = lookup.failing_since_unix_secs.expect("failing");
+        sync(&workers, std::slice::from_ref(&g), &r).await;
+        assert_eq!(
+            workers.lookups()["decode"].failing_since_unix_secs,
+            Some(since),
+            "failing since the first failure"
+        );
         // Scaled to zero.
         r.set(&g.dns, &[]);
         sync(&workers, std::slice::from_ref(&g), &r).await;
         assert!(workers.names().is_empty());
+        let lookup = &workers.lookups()["decode"];
+        assert_eq!((lookup.members, &lookup.error), (0, &None));
+        assert_eq!(lookup.failing_since_unix_secs, None);
     }
 
     #[test]

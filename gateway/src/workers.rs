@@ -288,6 +288,21 @@ pub fn public_name(model_name: &str, model_id: &str) -> String {
     }
 }
 
+/// How a worker group's last DNS lookup went.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct GroupLookup {
+    /// The `host:port` looked up.
+    pub dns: String,
+    /// Its members now: those the lookup found, or, after a failed one, those kept from the
+    /// last answer (possibly gone).
+    pub members: usize,
+    pub last_lookup_unix_secs: u64,
+    /// Why the last lookup failed; `None` after an answer.
+    pub error: Option<String>,
+    /// Since when the lookups have been failing (the kept members are that old at least).
+    pub failing_since_unix_secs: Option<u64>,
+}
+
 /// What `/workers` shows for one worker.
 #[derive(Debug, Clone, Serialize)]
 pub struct WorkerReport {
@@ -374,6 +389,8 @@ impl Entry {
 #[derive(Default)]
 struct State {
     entries: Vec<Entry>,
+    /// Each worker group's last DNS lookup, by group name.
+    lookups: std::collections::BTreeMap<String, GroupLookup>,
     model: Option<Arc<ServedModel>>,
     /// The next entry id.
     next_id: u64,
@@ -777,6 +794,44 @@ impl Workers {
                 }
             }
         });
+    }
+
+    /// Records how `group`'s lookup of `dns` went: `Ok(members)` (the members set now), or the
+    /// error, its last members kept.
+    pub fn looked_up(&self, group: &str, dns: &str, outcome: Result<usize, String>) {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        self.routing(|s| {
+            let kept = s
+                .entries
+                .iter()
+                .filter(|e| e.config.group.as_deref() == Some(group))
+                .count();
+            let failing_since = s.lookups.get(group).and_then(|l| l.failing_since_unix_secs);
+            let lookup = match outcome {
+                Ok(members) => GroupLookup {
+                    dns: dns.to_owned(),
+                    members,
+                    last_lookup_unix_secs: now,
+                    error: None,
+                    failing_since_unix_secs: None,
+                },
+                Err(error) => GroupLookup {
+                    dns: dns.to_owned(),
+                    members: kept,
+                    last_lookup_unix_secs: now,
+                    error: Some(error),
+                    failing_since_unix_secs: Some(failing_since.unwrap_or(now)),
+                },
+            };
+            s.lookups.insert(group.to_owned(), lookup);
+        });
+    }
+
+    /// Every worker group's last lookup, by name (what `/workers` shows beside the workers).
+    pub fn lookups(&self) -> std::collections::BTreeMap<String, GroupLookup> {
+        self.routing(|s| s.lookups.clone())
     }
 
     /// Every worker's name, in order (listed workers first, then groups' members as found).
