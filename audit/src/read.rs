@@ -51,12 +51,15 @@ pub(crate) fn read_below(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(io_err("list", &tdir)(e)),
     };
-    // Skip every segment whose successor starts at or before `since`.
-    let mut start = 0;
-    for (i, (_, path)) in listing.segments.iter().enumerate().skip(1) {
-        match first_seq(path)? {
-            Some(first) if first <= since => start = i,
-            _ => break,
+    // Start at the last segment that starts at or before `since`. Segments start at rising
+    // seqs (an empty one, not yet written to, only last), so a binary search finds it: a page
+    // reads the first lines of log2(segments), not of every segment before it.
+    let (mut start, mut end) = (0, listing.segments.len());
+    while end - start > 1 {
+        let mid = start + (end - start) / 2;
+        match first_seq(&listing.segments[mid].1)? {
+            Some(first) if first <= since => start = mid,
+            _ => end = mid,
         }
     }
     let mut out = Vec::new();

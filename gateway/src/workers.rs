@@ -796,21 +796,21 @@ impl Workers {
         });
     }
 
-    /// Records how `group`'s lookup of `dns` went: `Ok(members)` (the members set now), or the
-    /// error, its last members kept.
-    pub fn looked_up(&self, group: &str, dns: &str, outcome: Result<usize, String>) {
+    /// Records how `group`'s lookup of `dns` went: answered (its members set now), or why not,
+    /// its last members kept.
+    pub fn looked_up(&self, group: &str, dns: &str, outcome: Result<(), String>) {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         self.routing(|s| {
-            let kept = s
+            let members = s
                 .entries
                 .iter()
                 .filter(|e| e.config.group.as_deref() == Some(group))
                 .count();
             let failing_since = s.lookups.get(group).and_then(|l| l.failing_since_unix_secs);
             let lookup = match outcome {
-                Ok(members) => GroupLookup {
+                Ok(()) => GroupLookup {
                     dns: dns.to_owned(),
                     members,
                     last_lookup_unix_secs: now,
@@ -819,7 +819,7 @@ impl Workers {
                 },
                 Err(error) => GroupLookup {
                     dns: dns.to_owned(),
-                    members: kept,
+                    members,
                     last_lookup_unix_secs: now,
                     error: Some(error),
                     failing_since_unix_secs: Some(failing_since.unwrap_or(now)),

@@ -61,7 +61,7 @@ pub fn run(args: PrefixArgs) -> anyhow::Result<()> {
             config,
         )?))
     };
-    let mut sides = [start(false)?, start(true)?];
+    let mut sides = vec![start(false)?, start(true)?];
     let text = TEXT
         .repeat(1 + (args.shared_tokens + args.question_tokens * args.requests) * 6 / TEXT.len());
     let all = sides[0].engine.tokenizer().encode(&text, false)?;
@@ -88,10 +88,13 @@ pub fn run(args: PrefixArgs) -> anyhow::Result<()> {
     let (mut cached, mut prompted) = (0, 0);
     for run in 0..args.runs {
         if run > 0 {
-            // The cache as the last run left it holds every question of this run whole.
+            // The cache as the last run left it holds every question of this run whole: both
+            // sides start afresh (alike, so neither alone pays a fresh engine's first request),
+            // the old engines gone before the new ones load.
             let stats = sides[1].engine.prefix_stats();
             (cached, prompted) = (cached + stats.cached_tokens, prompted + stats.prompt_tokens);
-            sides[1] = start(true)?;
+            sides.clear();
+            sides = vec![start(false)?, start(true)?];
         }
         for prompt in &questions {
             for (side, bench) in sides.iter_mut().enumerate() {

@@ -513,6 +513,11 @@ fn pagination_walks_the_chain_across_segments() {
             .collect::<Vec<_>>(),
         [Seq(20), Seq(21), Seq(22)]
     );
+    // From every record on, whichever segment holds it.
+    for since in 0..25 {
+        let first = log.read(&a, Seq(since), 1).unwrap();
+        assert_eq!(pairs(first), [(Seq(since), record(&a, since))]);
+    }
     assert_eq!(log.read(&a, Seq(25), 10).unwrap(), vec![]);
     assert_eq!(log.read(&tenant("nobody"), Seq(0), 10).unwrap(), vec![]);
     assert_eq!(log.read(&a, Seq(0), 0).unwrap(), vec![]);

@@ -266,16 +266,20 @@ impl Trail {
             return Ok(());
         }
         // Counted once the commit's outcome is known: a response not started yet whose
-        // record the log refuses is answered 503 instead.
-        let (tenant, status) = (record.tenant.clone(), record.status);
-        let committed = recorder.commit(record).await;
-        let told = match committed {
-            Err(_) if !head_sent => crate::api::mapping(&ApiError::AuditUnavailable)
-                .status
-                .as_u16(),
-            Ok(()) | Err(_) => status,
+        // record the log refuses is answered 503 instead. Counted as recorded should the wait
+        // be dropped (its client left, shutdown's cut): the record is the log's all the same.
+        let mut count = CountOnDrop {
+            recorder: recorder.clone(),
+            tenant: record.tenant.clone(),
+            status: record.status,
         };
-        recorder.count(&tenant, told);
+        let committed = recorder.commit(record).await;
+        if committed.is_err() && !head_sent {
+            count.status = crate::api::mapping(&ApiError::AuditUnavailable)
+                .status
+                .as_u16();
+        }
+        drop(count);
         committed.map_err(|_| ApiError::AuditUnavailable)
     }
 
@@ -303,6 +307,20 @@ impl Trail {
             d.record.status = status;
             d.head_sent = true;
         });
+    }
+}
+
+/// Counts a request whose commit is under way when dropped: as `status`, whether the commit
+/// ended (and set the status its client was told) or its future was dropped.
+struct CountOnDrop {
+    recorder: super::Recorder,
+    tenant: bulkhead_audit::TenantId,
+    status: u16,
+}
+
+impl Drop for CountOnDrop {
+    fn drop(&mut self) {
+        self.recorder.count(&self.tenant, self.status);
     }
 }
 

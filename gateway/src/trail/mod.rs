@@ -6,9 +6,10 @@
 //!  request ─▶ audited (outermost layer): a Trail in the request's extensions
 //!    ─▶ auth ─▶ account (tenant, key id, route) ─▶ handler (model, prompt hash, admission,
 //!       workers, policy decisions, tokens, integrity)
-//!    ─▶ response: finished by `audited` (a durable-mode response waits for its fsync), or by the
-//!       SSE stream just before its `[DONE]`. A request dropped before either — its client
-//!       left — is recorded on drop with the phase it was in.
+//!    ─▶ response: finished by `audited` (a durable-mode response waits for its fsync, a
+//!       group-commit one while the fsyncs are behind), or by the SSE stream just before its
+//!       `[DONE]`. A request dropped before either — its client left — is recorded on drop
+//!       with the phase it was in.
 //! ```
 //!
 //! Each final record also ends the request's span (its outcome recorded on it) and, when audit
@@ -76,7 +77,7 @@ pub struct Recorder {
 
 #[derive(Debug)]
 struct Inner {
-    /// Shared with the durable mode's fsync thread, which holds it weakly.
+    /// Shared with the fsync thread, which holds it weakly.
     log: Arc<AuditLog>,
     settings: AuditSettings,
     gateway: TenantId,
@@ -123,8 +124,9 @@ impl Recorder {
     ) -> Result<(Recorder, Vec<Recovery>), AuditError> {
         let mut config = bulkhead_audit::Config::new(dir);
         config.segment_bytes = settings.segment_bytes;
-        // Appends never block a request on disk; a durable-mode response waits for its own
-        // record in `commit`, so concurrent requests share one fsync.
+        // Appends never block a request on disk; a response that waits (durable mode, or group
+        // commit behind) waits for its own record in `commit`, so concurrent requests share one
+        // fsync.
         config.durability = bulkhead_audit::Durability::Batched;
         config.flush_interval = interval;
         let (log, recoveries) = AuditLog::open(config)?;

@@ -1,4 +1,5 @@
-//! Durable mode's waits. One thread fsyncs on behalf of every waiting response; each response
+//! Responses' waits for their records (every one in durable mode; in group commit, those
+//! appended while the flushes are behind). One thread fsyncs on behalf of every waiting response; each response
 //! waits on the async runtime (no thread of its own) for a flush that *started* after its
 //! record was appended, since that flush takes every record pending at its start. Concurrent
 //! responses share one fsync and get one wake-up each.

@@ -455,6 +455,46 @@ async fn a_broken_log_counts_each_request_as_its_client_was_told() {
     );
 }
 
+/// A request whose client leaves while its answer waits for its record's fsync is counted
+/// all the same: its record is in the log.
+#[tokio::test]
+async fn a_request_left_while_its_record_is_fsynced_is_counted() {
+    let dir = Scratch::new("trail");
+    let metrics = Metrics::default();
+    let settings = AuditSettings {
+        durability: Durability::Durable,
+        on_failure: OnAuditFailure::Refuse,
+        ..AuditSettings::default()
+    };
+    let recorder = Recorder::open(&dir.0, settings, metrics.clone(), None)
+        .expect("opens")
+        .0;
+    let tenants = tenants();
+    let mut headers = http::HeaderMap::new();
+    headers.insert(
+        http::header::AUTHORIZATION,
+        http::HeaderValue::from_static("Bearer sk-a"),
+    );
+    let who = crate::auth::authenticate(&mut headers, tenants.current().keyring()).expect("sk-a");
+    for i in 0..20 {
+        let trail = recorder.trail(format!("req-{i}"), tracing::Span::none());
+        trail.authenticated(&who);
+        // Polled once (the record appended, the fsync asked for), then dropped.
+        let _ = tokio::time::timeout(Duration::ZERO, trail.finish(200, None)).await;
+    }
+    recorder.flush().expect("flush");
+    let tenant = TenantId::new("tenant-a").expect("valid");
+    assert_eq!(
+        recorder.read(&tenant, Seq(0), 100).expect("reads").len(),
+        20
+    );
+    assert_eq!(
+        metrics.requests_of(&tenant, 200),
+        20,
+        "one count per record"
+    );
+}
+
 #[tokio::test]
 async fn a_broken_log_configured_to_serve_keeps_serving_and_counts_what_it_lost() {
     let dir = Scratch::new("trail");

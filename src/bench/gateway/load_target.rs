@@ -88,8 +88,10 @@ struct Ask {
     stream: bool,
     #[serde(default)]
     stream_options: Option<StreamOptions>,
-    max_tokens: Option<u64>,
-    max_completion_tokens: Option<u64>,
+    /// Read leniently (any JSON value): a limit that is no whole number is no limit here, as
+    /// the target checks nothing else of a request either.
+    max_tokens: Option<Value>,
+    max_completion_tokens: Option<Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -109,7 +111,9 @@ impl Ask {
     /// How many of the answer's pieces (tokens) the request may have: all of them unless its
     /// token limit is lower (at least one: a limit of 0 is the gateway's to refuse).
     fn pieces(&self) -> usize {
-        let limit = self.max_completion_tokens.or(self.max_tokens);
+        let limit = [&self.max_completion_tokens, &self.max_tokens]
+            .into_iter()
+            .find_map(|v| v.as_ref().and_then(Value::as_u64));
         limit.map_or(PIECES.len(), |n| {
             usize::try_from(n).map_or(PIECES.len(), |n| n.clamp(1, PIECES.len()))
         })
@@ -355,6 +359,8 @@ mod tests {
         assert_eq!(pieces(r#"{"max_tokens":64}"#), PIECES.len());
         assert_eq!(pieces(r#"{"max_tokens":9,"max_completion_tokens":3}"#), 3);
         assert_eq!(pieces(r#"{"max_tokens":0}"#), 1);
+        assert_eq!(pieces(r#"{"max_tokens":-1}"#), PIECES.len());
+        assert_eq!(pieces(r#"{"max_tokens":2.5}"#), PIECES.len());
     }
 
     #[test]

@@ -206,17 +206,20 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
         })
     };
     let results = crate::runtime::build(args.client_threads, "bench-load")?.block_on(async {
-        let (mut upstream, addr) = targets::load_target(args.target_threads).await?;
+        // Ctrl-C or SIGTERM stops the bench as an error would: its targets stopped, its
+        // scratch directory removed.
+        let interrupted = crate::worker::shutdown_signal();
+        tokio::pin!(interrupted);
+        let (mut upstream, addr) = tokio::select! {
+            started = targets::load_target(args.target_threads) => started?,
+            () = &mut interrupted => bail!("interrupted"),
+        };
         let setup = setup(addr, upstream.id().map(cpu::ProcessTree))?;
         let mut running = Vec::new();
         let mut results = Results {
             paced: args.rate.is_some(),
             ..Results::default()
         };
-        // Ctrl-C or SIGTERM stops the bench as an error would: its targets stopped, its
-        // scratch directory removed.
-        let interrupted = crate::worker::shutdown_signal();
-        tokio::pin!(interrupted);
         let mut outcome = Ok(());
         for &kind in &kinds {
             eprintln!("starting {}", kind.label());
