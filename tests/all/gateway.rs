@@ -50,20 +50,23 @@ fn the_gateway_enforces_keys_admission_tenancy_and_limits() {
         assert_eq!(json(&body)["error"]["code"], "invalid_api_key");
         let (status, _) = http(&up.api, "GET", "/v1/models", None, &[], "");
         assert_eq!(status, 401, "no key at all");
-        // Refused before its body arrived, on a kept-alive connection: the answer says the
-        // connection closes (the server closes it, the body unread), so the client does not
-        // send its next request into a closed connection; a request read whole keeps it.
+        // Refused before its body arrived, on a kept-alive connection: the body is read and
+        // discarded after the answer, and the connection serves the client's next request.
+        let (refused, next) = split_post_then_another(&up.api, "sk-not-a-key");
+        assert_eq!(refused.lines().next(), Some("HTTP/1.1 401 Unauthorized"));
+        assert_eq!(crate::up::header(&refused, "connection"), None, "{refused}");
         assert_eq!(
-            head_of_split_post(&up.api, "sk-not-a-key").lines().next(),
-            Some("HTTP/1.1 401 Unauthorized")
+            next.as_deref().and_then(|h| h.lines().next()),
+            Some("HTTP/1.1 401 Unauthorized"),
+            "the connection still serves"
         );
-        assert!(
-            crate::up::header(&head_of_split_post(&up.api, "sk-not-a-key"), "connection")
-                == Some("close")
-        );
-        let whole = head_of_split_post(&up.api, KEY_A);
+        let (whole, next) = split_post_then_another(&up.api, KEY_A);
         assert!(whole.starts_with("HTTP/1.1 404"), "{whole}");
         assert_eq!(crate::up::header(&whole, "connection"), None, "{whole}");
+        assert_eq!(
+            next.as_deref().and_then(|h| h.lines().next()),
+            Some("HTTP/1.1 200 OK")
+        );
 
         // Over the limit: 400 before any worker is contacted; no page was ever reserved.
         let before = up.pool();
@@ -1085,10 +1088,11 @@ fn up_refuses_pool_flags_of_a_pair_for_a_colocated_worker() {
     );
 }
 
-/// The response head to a chat request with `key` for a model nobody serves (refused once it
-/// is read: 404) on a kept-alive connection, whose body follows its head a moment later (as
-/// clients that write them apart send it).
-fn head_of_split_post(addr: &str, key: &str) -> String {
+/// On one kept-alive connection: a chat request with `key` for a model nobody serves
+/// (refused once it is read: 404), whose body follows its head a moment later (as clients that
+/// write them apart send it), then `GET /v1/models` with the same key. The first response's
+/// head, and the second's (`None`: the connection was closed after the first).
+fn split_post_then_another(addr: &str, key: &str) -> (String, Option<String>) {
     use std::io::Write as _;
     let body = r#"{"model":"none-such","messages":[{"role":"user","content":"Hi"}]}"#;
     let mut s = std::net::TcpStream::connect(addr).expect("connects");
@@ -1103,16 +1107,44 @@ fn head_of_split_post(addr: &str, key: &str) -> String {
     std::thread::sleep(Duration::from_millis(100));
     let _ = s.write_all(body.as_bytes());
     let mut raw = Vec::new();
+    let first = read_response(&mut s, &mut raw).expect("a first response");
+    let _ = write!(
+        s,
+        "GET /v1/models HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {key}\r\n\r\n"
+    );
+    (first, read_response(&mut s, &mut raw))
+}
+
+/// Reads one whole response (its head and its `Content-Length` body) from `s`, `raw` holding
+/// what was read past the last one; its head, or `None` if the connection closed first.
+fn read_response(s: &mut std::net::TcpStream, raw: &mut Vec<u8>) -> Option<String> {
     let mut buf = [0u8; 4096];
-    while !raw.windows(4).any(|w| w == b"\r\n\r\n") {
-        match s.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => raw.extend_from_slice(&buf[..n]),
+    let fill = |s: &mut std::net::TcpStream, raw: &mut Vec<u8>, buf: &mut [u8]| match s.read(buf) {
+        Ok(0) | Err(_) => false,
+        Ok(n) => {
+            raw.extend_from_slice(&buf[..n]);
+            true
+        }
+    };
+    let end = loop {
+        if let Some(i) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        if !fill(s, raw, &mut buf) {
+            return None;
+        }
+    };
+    let head = String::from_utf8_lossy(&raw[..end - 4]).into_owned();
+    let length: usize = crate::up::header(&head, "content-length")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    while raw.len() < end + length {
+        if !fill(s, raw, &mut buf) {
+            return None;
         }
     }
-    let raw = String::from_utf8_lossy(&raw).into_owned();
-    raw.split_once("\r\n\r\n")
-        .map_or(raw.clone(), |(head, _)| head.to_owned())
+    raw.drain(..end + length);
+    Some(head)
 }
 
 /// Sends raw bytes as one request and returns the response's status (0: the server closed the
