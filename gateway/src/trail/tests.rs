@@ -407,24 +407,11 @@ async fn a_broken_log_refuses_requests_rather_than_serve_them_unaudited() {
 async fn a_broken_log_counts_each_request_as_its_client_was_told() {
     let dir = Scratch::new("trail");
     let metrics = Metrics::default();
-    let settings = AuditSettings {
-        durability: Durability::Durable,
-        on_failure: OnAuditFailure::Refuse,
-        ..AuditSettings::default()
-    };
-    let recorder = Recorder::open(&dir.0, settings, metrics.clone(), None)
-        .expect("opens")
-        .0;
+    let recorder = durable_refusing(&dir, &metrics);
     let tenant = TenantId::new("tenant-a").expect("valid");
     let segment = dir.0.join(tenant.as_str()).join(format!("{:020}.jsonl", 0));
     std::fs::create_dir_all(segment).expect("blocks the segment");
-    let tenants = tenants();
-    let mut headers = http::HeaderMap::new();
-    headers.insert(
-        http::header::AUTHORIZATION,
-        http::HeaderValue::from_static("Bearer sk-a"),
-    );
-    let who = crate::auth::authenticate(&mut headers, tenants.current().keyring()).expect("sk-a");
+    let who = tenant_a();
 
     let answered = recorder.trail("req-answered".into(), tracing::Span::none());
     answered.authenticated(&who);
@@ -461,21 +448,8 @@ async fn a_broken_log_counts_each_request_as_its_client_was_told() {
 async fn a_request_left_while_its_record_is_fsynced_is_counted() {
     let dir = Scratch::new("trail");
     let metrics = Metrics::default();
-    let settings = AuditSettings {
-        durability: Durability::Durable,
-        on_failure: OnAuditFailure::Refuse,
-        ..AuditSettings::default()
-    };
-    let recorder = Recorder::open(&dir.0, settings, metrics.clone(), None)
-        .expect("opens")
-        .0;
-    let tenants = tenants();
-    let mut headers = http::HeaderMap::new();
-    headers.insert(
-        http::header::AUTHORIZATION,
-        http::HeaderValue::from_static("Bearer sk-a"),
-    );
-    let who = crate::auth::authenticate(&mut headers, tenants.current().keyring()).expect("sk-a");
+    let recorder = durable_refusing(&dir, &metrics);
+    let who = tenant_a();
     for i in 0..20 {
         let trail = recorder.trail(format!("req-{i}"), tracing::Span::none());
         trail.authenticated(&who);
@@ -598,19 +572,36 @@ fn tenants() -> crate::tenants::Tenants {
     crate::tenants::Tenants::new(config.tenants, crate::limits::Limiter::default(), None)
 }
 
+/// `tenant-a` as its key `sk-a` authenticates it.
+fn tenant_a() -> crate::auth::Authenticated {
+    let mut headers = http::HeaderMap::new();
+    headers.insert(
+        http::header::AUTHORIZATION,
+        http::HeaderValue::from_static("Bearer sk-a"),
+    );
+    crate::auth::authenticate(&mut headers, tenants().current().keyring()).expect("sk-a")
+}
+
+/// A recorder over `dir` in durable mode that refuses to serve unrecorded, counting in
+/// `metrics`.
+fn durable_refusing(dir: &Scratch, metrics: &Metrics) -> Recorder {
+    let settings = AuditSettings {
+        durability: Durability::Durable,
+        on_failure: OnAuditFailure::Refuse,
+        ..AuditSettings::default()
+    };
+    Recorder::open(&dir.0, settings, metrics.clone(), None)
+        .expect("opens")
+        .0
+}
+
 /// `GET /v1/audit` pages through the caller's records: `limit` at a time, `has_more` while
 /// some are left, `next_since` where the next page starts.
 #[tokio::test]
 async fn a_tenant_reads_its_records_a_page_at_a_time() {
     let dir = Scratch::new("trail");
     let recorder = with_budget(&dir, 1000);
-    let tenants = tenants();
-    let mut headers = http::HeaderMap::new();
-    headers.insert(
-        http::header::AUTHORIZATION,
-        http::HeaderValue::from_static("Bearer sk-a"),
-    );
-    let who = crate::auth::authenticate(&mut headers, tenants.current().keyring()).expect("sk-a");
+    let who = tenant_a();
     for i in 0..3 {
         let trail = recorder.trail(format!("req-{i}"), tracing::Span::none());
         trail.authenticated(&who);
@@ -656,7 +647,7 @@ async fn a_tenant_reads_its_records_a_page_at_a_time() {
     let admin = async |tenant: &str| {
         let response = super::admin_read(
             axum::extract::State(recorder.clone()),
-            axum::extract::State(tenants.clone()),
+            axum::extract::State(tenants()),
             Path(tenant.to_owned()),
             axum::extract::RawQuery(None),
         )
