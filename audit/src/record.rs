@@ -328,6 +328,9 @@ impl Dropped {
 pub enum DisconnectPhase {
     /// Before any worker was contacted.
     BeforeAdmission,
+    /// Admitted by the gateway, its worker not answering yet: waiting in the worker's queue
+    /// for pages, or on its way there.
+    Queued,
     /// While prefill ran or its pages were in flight.
     Prefill,
     /// After prefill, before the first token.

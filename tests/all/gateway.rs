@@ -1453,6 +1453,12 @@ fn a_request_abandoned_before_the_workers_answer_is_charged_its_prompt_not_its_m
             "{:#?}",
             record[0]
         );
+        // It left in decode's queue, before any worker took it.
+        assert_eq!(
+            record[0]["bulkhead.disconnect.phase"], "queued",
+            "{:#?}",
+            record[0]
+        );
         drop(holding);
         // About 880 tokens: within the minute's 1000 only if the abandoned request's 400
         // unused tokens came back (without them about 310 are missing: 18 s of refill).

@@ -233,6 +233,11 @@ fn policies_deny_clamp_label_and_hold_an_abandoned_request_until_its_first_token
             record["bulkhead.kv.integrity"]["result"], "passed",
             "{record:#}"
         );
+        // Every admission layer let it through, the last the prefill worker's.
+        assert_eq!(
+            record["bulkhead.admission"]["layer"], "prefill",
+            "{record:#}"
+        );
         let before = up.admin_records("tenant-limited").len();
         abandon(&up.api, KEY_CONTROL, &long);
         let m = wait_for(

@@ -133,6 +133,7 @@ impl Started {
         match answered {
             Ok(Ok(stream)) => {
                 self.route.answered();
+                self.trail.worker_answered();
                 self.upstream = Some(Leg::Streaming(stream));
                 Ok(())
             }

@@ -161,8 +161,13 @@ impl Trail {
                 decode: route.worker.clone(),
             });
             d.disaggregated = route.prefill.is_some();
-            d.phase = DisconnectPhase::Prefill;
+            d.phase = DisconnectPhase::Queued;
         });
+    }
+
+    /// The worker took the request (answered its call with a stream): prefill runs.
+    pub fn worker_answered(&self) {
+        self.with(|d| d.phase = DisconnectPhase::Prefill);
     }
 
     /// Text sent to the client. The first one means every admission layer passed, and the KV
@@ -172,15 +177,7 @@ impl Trail {
             if d.record.ttft_ms.is_none() {
                 d.record.ttft_ms = Some(millis(d.arrived));
                 d.phase = DisconnectPhase::Decode;
-                d.record.admission = Some(Admission {
-                    outcome: AdmissionOutcome::Admitted,
-                    layer: if d.disaggregated {
-                        Layer::Prefill
-                    } else {
-                        Layer::Decode
-                    },
-                });
-                d.handoff_passed();
+                d.admitted_by_workers();
                 d.completion = Some(Sha256::new());
             }
             if let Some(h) = &mut d.completion {
@@ -206,7 +203,9 @@ impl Trail {
         self.with(|d| {
             d.record.output_tokens = Some(u64::from(completion_tokens));
             if completion_tokens > 0 {
-                d.handoff_passed();
+                // Also one read only while held, after its client left: the workers admitted
+                // it all the same.
+                d.admitted_by_workers();
             }
         });
     }
@@ -325,10 +324,19 @@ impl Drop for CountOnDrop {
 }
 
 impl Draft {
-    /// The worker sent something of the request: a disaggregated one passed the KV handoff's
+    /// The worker sent something of the request: every admission layer passed (the last, the
+    /// prefill worker's when disaggregated), and a disaggregated one passed the KV handoff's
     /// checks, as decode sends nothing of a request before it verified the transfer (design
     /// step 10).
-    fn handoff_passed(&mut self) {
+    fn admitted_by_workers(&mut self) {
+        self.record.admission = Some(Admission {
+            outcome: AdmissionOutcome::Admitted,
+            layer: if self.disaggregated {
+                Layer::Prefill
+            } else {
+                Layer::Decode
+            },
+        });
         if self.disaggregated {
             self.record.integrity = Integrity::Passed;
         }
