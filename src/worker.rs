@@ -72,12 +72,20 @@ impl Role {
 /// `--prefill`, checked: an http:// or https:// address with a host, or why not (a worker
 /// given a typo would otherwise start and fail every request).
 fn prefill_address(given: &str) -> anyhow::Result<String> {
+    // Quoted without what a URL may carry in secret, should an operator have put a credential
+    // there: it would be logged at every failed probe.
+    let shown = bulkhead_telemetry::redacted_url(given);
     let uri: http::Uri = given
         .parse()
-        .with_context(|| format!("--prefill {given:?} is not an address (http://host:port)"))?;
+        .with_context(|| format!("--prefill {shown:?} is not an address (http://host:port)"))?;
     anyhow::ensure!(
         matches!(uri.scheme_str(), Some("http" | "https")) && uri.host().is_some(),
-        "--prefill {given:?} is not an http:// or https:// address of a prefill worker"
+        "--prefill {shown:?} is not an http:// or https:// address of a prefill worker"
+    );
+    anyhow::ensure!(
+        !uri.authority().is_some_and(|a| a.as_str().contains('@')) && uri.query().is_none(),
+        "--prefill {shown:?}: no credentials or query in the address (the cluster token is \
+         --cluster-token-file)"
     );
     Ok(given.to_owned())
 }
@@ -449,11 +457,20 @@ mod tests {
             .expect_err("decode needs its prefill worker")
             .to_string();
         assert!(err.contains("--prefill"), "{err}");
-        for bad in ["notaurl", "p:1", "ftp://p:1", "http://"] {
+        for bad in [
+            "notaurl",
+            "p:1",
+            "ftp://p:1",
+            "http://",
+            "http://u:sk-secret@p:1",
+            "http://p:1/?token=sk-secret",
+            "http://u:sk-secret@p:1/ x",
+        ] {
             let cli =
                 Cli::try_parse_from(["x", "--role", "decode", "--prefill", bad]).expect("parses");
-            let err = cli.args.config().expect_err(bad).to_string();
+            let err = format!("{:#}", cli.args.config().expect_err(bad));
             assert!(err.contains("--prefill"), "{bad}: {err}");
+            assert!(!err.contains("sk-secret"), "{bad}: {err}");
         }
         let cli = Cli::try_parse_from(["x", "--role", "prefill", "--prefill", "http://p:1"])
             .expect("parses");

@@ -59,7 +59,7 @@ impl FromStr for OtlpEndpoint {
 
     fn from_str(s: &str) -> Result<OtlpEndpoint, TelemetryError> {
         let refuse = |reason: &str| TelemetryError::Endpoint {
-            endpoint: s.to_owned(),
+            endpoint: crate::redacted_url(s),
             reason: reason.to_owned(),
         };
         let uri: http::Uri = s
@@ -70,8 +70,13 @@ impl FromStr for OtlpEndpoint {
             Some("https") => return Err(refuse("https is not built in; use http")),
             _ => return Err(refuse("the URL needs the http:// scheme")),
         }
-        if uri.authority().is_none() {
+        let Some(authority) = uri.authority() else {
             return Err(refuse("no host"));
+        };
+        if authority.as_str().contains('@') {
+            return Err(refuse(
+                "credentials in the URL are not supported (and would be logged)",
+            ));
         }
         if uri.query().is_some() {
             return Err(refuse("a query string is not allowed"));
@@ -230,9 +235,13 @@ mod tests {
             ("/v1/traces", "http:// scheme"),
             ("http://collector:4318/?a=b", "query"),
             ("http://exa mple", "invalid"),
+            ("http://u:sk-secret@collector:4318", "credentials"),
+            ("http://collector:4318/?api_key=sk-secret", "query"),
+            ("http://u:sk-secret@collector:4318/ x", "invalid"),
         ] {
             let e = bad.parse::<OtlpEndpoint>().expect_err(bad).to_string();
             assert!(e.contains(reason), "{bad}: {e}");
+            assert!(!e.contains("sk-secret"), "{bad}: {e}");
         }
     }
 }

@@ -22,10 +22,12 @@
 pub mod audit;
 mod install;
 pub mod propagation;
+mod redact;
 
 pub use audit::AuditExport;
 pub use install::{Otlp, OtlpEndpoint, Settings, Telemetry, TelemetryError};
 pub use opentelemetry::KeyValue;
+pub use redact::redacted_url;
 
 /// The resource attribute that names a worker's role: `both`, `prefill` or `decode`.
 pub const WORKER_ROLE: &str = "bulkhead.worker.role";
