@@ -2,7 +2,7 @@
 //! `bulkhead preflight`, the deployment check of the workers a config file lists; and
 //! `bulkhead hash-key`, which prints the digest a config file stores for a key.
 
-use std::io::BufRead;
+use std::io::{BufRead, Write as _};
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -114,13 +114,21 @@ pub fn preflight(args: WorkersArgs) -> anyhow::Result<()> {
 /// each one's SHA-256 hex digest, as `key_sha256` and `token_sha256` hold them, and the key id
 /// that audit records name it by.
 pub fn hash_key() -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    let mut hashed = 0;
     for line in std::io::stdin().lock().lines() {
         let line = line.context("reading stdin")?;
         let key = line.trim();
         if !key.is_empty() {
             let hash = KeyHash::of(key);
-            println!("{} key_id={}", hash.to_hex(), hash.id());
+            writeln!(out, "{} key_id={}", hash.to_hex(), hash.id()).context("writing stdout")?;
+            hashed += 1;
         }
     }
+    out.flush().context("writing stdout")?;
+    anyhow::ensure!(
+        hashed > 0,
+        "no key on stdin: give one per line (echo \"$KEY\" | bulkhead hash-key)"
+    );
     Ok(())
 }

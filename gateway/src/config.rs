@@ -378,6 +378,8 @@ pub enum ConfigError {
     },
     #[error("a key of tenant {tenant:?} is also a key of tenant {other:?}; keys must be unique")]
     SharedKey { tenant: String, other: String },
+    #[error("tenant {tenant:?} lists one key twice in key_sha256")]
+    RepeatedKey { tenant: String },
     #[error("tenant {tenant:?}: {field} must be at least 1")]
     ZeroLimit { tenant: String, field: &'static str },
     #[error("no tenants: define at least one [[tenants]]")]
@@ -572,7 +574,7 @@ impl Config {
 
     /// The text of the file at `path`.
     pub fn read(path: &Path) -> Result<String, ConfigError> {
-        std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        bulkhead_worker::regular_file::read_text(path).map_err(|source| ConfigError::Read {
             path: path.display().to_string(),
             source,
         })
@@ -593,11 +595,11 @@ impl Config {
             });
         }
         let (workers, worker_groups) = workers(raw.workers, raw.worker_groups)?;
-        if raw.worker_refresh_secs == 0 {
-            return Err(ConfigError::ZeroSetting {
-                field: "worker_refresh_secs",
-            });
-        }
+        let refresh_interval = timeout(
+            Some(raw.worker_refresh_secs),
+            "worker_refresh_secs",
+            Duration::ZERO,
+        )?;
         Ok(Config {
             listen: listen(raw.listen)?,
             admin_token,
@@ -606,7 +608,7 @@ impl Config {
             tenants,
             workers,
             worker_groups,
-            refresh_interval: Duration::from_secs(raw.worker_refresh_secs),
+            refresh_interval,
             policies: raw.policies.map(policy_settings).transpose()?,
             telemetry: TelemetrySettings {
                 otlp_endpoint: raw
@@ -706,16 +708,20 @@ fn nonzero(v: Option<u64>, field: &'static str, default: u64) -> Result<u64, Con
     }
 }
 
-fn http_limits(raw: &RawHttp) -> Result<HttpLimits, ConfigError> {
-    let d = HttpLimits::default();
-    let timeout = |v: Option<u64>, field: &'static str, default: Duration| match nonzero(
-        v,
-        field,
-        default.as_secs(),
-    )? {
+/// `v` seconds, or `default` when absent; 0 and more than a week are refused by name.
+fn timeout(
+    v: Option<u64>,
+    field: &'static str,
+    default: Duration,
+) -> Result<Duration, ConfigError> {
+    match nonzero(v, field, default.as_secs())? {
         secs if secs > MAX_TIMEOUT_SECS => Err(ConfigError::TimeoutTooLong { field }),
         secs => Ok(Duration::from_secs(secs)),
-    };
+    }
+}
+
+fn http_limits(raw: &RawHttp) -> Result<HttpLimits, ConfigError> {
+    let d = HttpLimits::default();
     Ok(HttpLimits {
         max_body_bytes: nonzero(
             raw.max_body_bytes.map(|v| v as u64),
@@ -806,7 +812,11 @@ fn policy_settings(raw: RawPolicies) -> Result<PolicySettings, ConfigError> {
             0 => None,
             s => Some(Duration::from_secs(s)),
         },
-        hold_limit: Duration::from_secs(raw.hold_limit_secs.unwrap_or(30)),
+        hold_limit: timeout(
+            raw.hold_limit_secs,
+            "policies.hold_limit_secs",
+            Duration::from_secs(30),
+        )?,
     })
 }
 
@@ -1097,6 +1107,15 @@ mod tests {
             let e = with(secs).expect_err("over a week");
             assert!(e.to_string().contains("http.request_timeout_secs"), "{e}");
         }
+        // Workers re-read never (a new worker never routed to), an abandoned request's hold
+        // ended at once: refused as well.
+        let refresh = format!("worker_refresh_secs = {}\n", i64::MAX);
+        let e = Config::parse(&(refresh + &config(&tenant("tenant-a", "k"), WORKER)))
+            .expect_err("over a week");
+        assert!(e.to_string().contains("worker_refresh_secs"), "{e}");
+        let hold = format!("{WORKER}[policies]\nfile = \"p.toml\"\nhold_limit_secs = 0\n");
+        let e = Config::parse(&config(&tenant("tenant-a", "k"), &hold)).expect_err("zero");
+        assert!(e.to_string().contains("policies.hold_limit_secs"), "{e}");
     }
 
     #[test]
@@ -1394,6 +1413,13 @@ mod tests {
         assert!(matches!(
             Config::parse(&config(&shared, WORKER)),
             Err(ConfigError::SharedKey { .. })
+        ));
+        let h = KeyHash::of("k").to_hex();
+        let twice =
+            tenant("tenant-a", "k").replace(&format!("\"{h}\""), &format!("\"{h}\", \"{h}\""));
+        assert!(matches!(
+            Config::parse(&config(&twice, WORKER)),
+            Err(ConfigError::RepeatedKey { .. })
         ));
         let dup = tenant("tenant-a", "k1") + &tenant("tenant-a", "k2");
         assert!(matches!(

@@ -1481,3 +1481,51 @@ fn a_request_abandoned_before_the_workers_answer_is_charged_its_prompt_not_its_m
         assert_eq!(crate::up::header(&head, "retry-after"), None, "{head}");
     });
 }
+
+/// `bulkhead hash-key` prints the digest `key_sha256` holds for each key on stdin (the demo
+/// config's is tenant-a's key's), and fails — never panics — with no key, or nowhere to write.
+#[test]
+fn hash_key_prints_each_keys_digest_and_fails_cleanly_without_one() {
+    use std::io::Write as _;
+    use std::process::Stdio;
+
+    let run = |stdin: &[u8], stdout: Stdio| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+            .arg("hash-key")
+            .stdin(Stdio::piped())
+            .stdout(stdout)
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the bulkhead binary runs");
+        child
+            .stdin
+            .take()
+            .expect("piped")
+            .write_all(stdin)
+            .expect("writes stdin");
+        child.wait_with_output().expect("it ends")
+    };
+    let config = std::fs::read_to_string(crate::up::repo().join("deploy/local/gateway.toml"))
+        .expect("the demo configuration");
+    let out = run(b"sk-demo-tenant-a\n", Stdio::piped());
+    assert!(out.status.success());
+    let printed = String::from_utf8_lossy(&out.stdout);
+    let digest = printed.split_whitespace().next().expect("a digest");
+    assert!(config.contains(&format!("[\"{digest}\"]")), "{printed}");
+    for (stdin, stdout, says) in [
+        (&b""[..], Stdio::piped(), "no key on stdin"),
+        (
+            &b"sk-demo-tenant-a\n"[..],
+            Stdio::from(std::fs::File::create("/dev/full").expect("/dev/full")),
+            "writing stdout",
+        ),
+    ] {
+        let out = run(stdin, stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains(says) && !stderr.contains("panicked"),
+            "{stderr}"
+        );
+    }
+}

@@ -8,6 +8,7 @@ pub mod kv;
 pub mod loader;
 pub mod model;
 pub mod printable;
+pub mod regular_file;
 pub mod sampling;
 pub mod serve;
 mod text_cache;

@@ -180,7 +180,9 @@ impl Policies {
             loop {
                 tick.tick().await;
                 let path = file.clone();
-                let Ok(read) = tokio::task::spawn_blocking(move || std::fs::read(path)).await
+                let Ok(read) =
+                    tokio::task::spawn_blocking(move || bulkhead_worker::regular_file::read(&path))
+                        .await
                 else {
                     continue;
                 };

@@ -230,7 +230,7 @@ pub(super) fn load_text(
 
 /// The policy set file's bytes.
 pub(super) fn read(path: &Path) -> Result<Vec<u8>, LoadError> {
-    std::fs::read(path).map_err(|source| LoadError::Read {
+    bulkhead_worker::regular_file::read(path).map_err(|source| LoadError::Read {
         path: path.display().to_string(),
         source,
     })
@@ -238,7 +238,7 @@ pub(super) fn read(path: &Path) -> Result<Vec<u8>, LoadError> {
 
 /// A file of plugin `name`'s, read.
 fn plugin_file(name: &str, what: &'static str, path: &Path) -> Result<Vec<u8>, LoadError> {
-    std::fs::read(path).map_err(|source| LoadError::PluginFile {
+    bulkhead_worker::regular_file::read(path).map_err(|source| LoadError::PluginFile {
         plugin: name.to_owned(),
         what,
         path: path.display().to_string(),

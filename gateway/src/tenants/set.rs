@@ -115,9 +115,15 @@ impl TenantSetBuilder {
         let mut key_ids = Vec::with_capacity(keys.len());
         for hash in keys {
             if let Some(other) = self.keyring.by_hash.insert(hash, tenant.clone()) {
-                return Err(ConfigError::SharedKey {
-                    tenant: tenant.id.to_string(),
-                    other: other.id.to_string(),
+                return Err(if other.id == tenant.id {
+                    ConfigError::RepeatedKey {
+                        tenant: tenant.id.to_string(),
+                    }
+                } else {
+                    ConfigError::SharedKey {
+                        tenant: tenant.id.to_string(),
+                        other: other.id.to_string(),
+                    }
                 });
             }
             key_ids.push(hash.id());

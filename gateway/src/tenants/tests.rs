@@ -151,6 +151,14 @@ fn a_file_that_does_not_validate_changes_nothing_and_says_why() {
     std::fs::remove_file(config_path(&scratch)).expect("removes the file");
     assert!(matches!(tenants.reload(), Err(ReloadError::Invalid(_))));
     assert!(Arc::ptr_eq(&before, &tenants.current()));
+    // A FIFO no one writes to: refused at once, where reading it would wait forever.
+    let fifo =
+        std::ffi::CString::new(config_path(&scratch).to_str().expect("UTF-8")).expect("no NUL");
+    // SAFETY: `fifo` is a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    let err = tenants.reload().expect_err("refused");
+    assert!(err.to_string().contains("not a regular file"), "{err}");
+    std::fs::remove_file(config_path(&scratch)).expect("removes the FIFO");
     write(&scratch, &good);
     tenants.reload().expect("a good file again");
     assert_eq!(tenants.last_error(), None, "a good reload clears the error");
