@@ -663,6 +663,19 @@ async fn prefill_and_decode_processes_answer_like_a_colocated_worker() {
             metric_sum(&metrics, "bulkhead_kv_frames_dropped_total"),
             0.0
         );
+        // Each counts the request as its part of it ended: decode's answer, prefill's KV sent.
+        let served = |m: &str| {
+            metric(m, "bulkhead_requests_total{outcome=\"stop\"}")
+                + metric(m, "bulkhead_requests_total{outcome=\"length\"}")
+        };
+        assert_eq!(served(&metrics), 1.0, "{metrics}");
+        let m = prefill.metrics();
+        assert_eq!(
+            metric(&m, "bulkhead_requests_total{outcome=\"prefilled\"}"),
+            1.0,
+            "{m}"
+        );
+        assert_eq!(served(&m), 0.0, "{m}");
         for (w, side) in [(&decode, "receive"), (&prefill, "send")] {
             let m = w.metrics();
             let in_flight = format!("bulkhead_kv_transfers_in_flight{{side=\"{side}\"}}");
@@ -685,6 +698,22 @@ async fn a_prompt_over_the_prefill_pool_is_refused_with_context_length_exceeded(
             .expect_err("prefill must refuse");
         assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
         assert_eq!(error_code(&err), Some("context_length_exceeded"), "{err:?}");
+        // In the request's own numbers (16 to generate), not prefill's one token.
+        assert!(
+            err.message().contains(" + 16 to generate)"),
+            "{}",
+            err.message()
+        );
+        // Prefill counts its own refusal.
+        let m = prefill.metrics();
+        assert_eq!(
+            metric(
+                &m,
+                "bulkhead_requests_total{outcome=\"rejected_context_length\"}"
+            ),
+            1.0,
+            "{m}"
+        );
         let p = wait_all_pages_back(&decode).await;
         assert_eq!(
             available(&p),

@@ -37,12 +37,13 @@ use super::actor::{CancelOnDrop, EngineHandle, Events, Submission};
 use super::cluster_token::Client;
 use super::error::{ServeError, ValidationError, codes, status};
 use super::kvplane::{self, SendOptions, Sent};
+use super::metrics::Outcome;
 use super::progress::Progress;
 use super::proto::{self, PrefillItem};
 use super::refusal::{from_proto_reservation, from_refusal, to_proto_reservation, to_refusal};
 use super::spans;
 use super::validate::{self, ValidGenerate};
-use crate::engine::{Event, Failure, Outbound, Request};
+use crate::engine::{Event, Failure, Outbound, Request, SubmitError};
 use crate::error_chain::with_causes;
 use crate::printable::printable;
 
@@ -319,6 +320,7 @@ pub async fn start_remote_prefill(
     valid: ValidGenerate,
 ) -> Result<RemoteStart, ServeError> {
     let prompt = valid.prompt.clone();
+    let max_new_tokens = valid.max_new_tokens;
     let sampling = valid.sampling;
     let (caller_id, tenant) = (valid.caller_id.clone(), valid.tenant.clone());
     let cache_salt = valid.cache_salt.clone();
@@ -418,7 +420,7 @@ pub async fn start_remote_prefill(
         Some(proto::PrefillEvent {
             event: Some(PrefillItem::Rejected(refusal)),
         }) => {
-            let reason = from_refusal(&refusal);
+            let reason = restated(from_refusal(&refusal), max_new_tokens);
             unanswered.answered();
             engine.prefill_rejected(target.nonce, reason.clone());
             let mut guard = guard;
@@ -430,6 +432,24 @@ pub async fn start_remote_prefill(
     };
     spans::failed(&call_span, &status(&refused));
     Err(refused)
+}
+
+/// A prefill worker's refusal as the client's request would read it: prefill admits a prompt
+/// with one token to generate (the first, which it computes), so its context-length refusal
+/// counts that one; the request asked for `max_new` (its client is told the numbers decode's
+/// own refusal would give, as the gateway's do).
+fn restated(refusal: SubmitError, max_new: usize) -> SubmitError {
+    match refusal {
+        SubmitError::ContextLengthExceeded { limit, prompt, .. } => {
+            SubmitError::ContextLengthExceeded {
+                requested: (prompt as u64).saturating_add(max_new as u64),
+                limit,
+                prompt,
+                max_new,
+            }
+        }
+        other => other,
+    }
 }
 
 /// The `Prefill` answer stream.
@@ -492,7 +512,11 @@ pub async fn prefill(
         let answer = match submitted {
             Err(ServeError::Submit(e)) => {
                 tracing::info!(caller_id, error = %e, "prefill refused");
-                item(PrefillItem::Rejected(to_refusal(&e)))
+                let refusal = to_refusal(&e);
+                engine
+                    .metrics()
+                    .count(Outcome::refused(&ServeError::Submit(e)));
+                item(PrefillItem::Rejected(refusal))
             }
             Err(e) => Err(status(&e)),
             Ok((events, guard)) => {
@@ -659,6 +683,12 @@ async fn transfer(
     }
     drop(transfer_span);
     let cached_tokens = u32::try_from(outbound.cached_tokens()).unwrap_or(u32::MAX);
+    // Counted before the pages go back, so that a pool seen whole has its request counted.
+    engine.metrics().count(match &sent {
+        Ok(Sent::Complete { .. }) => Outcome::Prefilled,
+        Ok(Sent::Aborted) => Outcome::Cancelled,
+        Err(_) => Outcome::FailedPrefill,
+    });
     engine.close(outbound);
     let answer = match sent {
         Ok(Sent::Complete { frames, bytes }) => Ok(proto::PrefillEvent {
@@ -696,6 +726,34 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
+
+    /// A prefill worker counts one token to generate; the client asked for more, and is told
+    /// its own request's numbers. Other refusals pass as they are.
+    #[test]
+    fn a_prefill_refusal_is_restated_with_the_requests_own_numbers() {
+        let refused = SubmitError::ContextLengthExceeded {
+            requested: 43,
+            limit: 32,
+            prompt: 43,
+            max_new: 1,
+        };
+        let told = restated(refused, 7);
+        assert_eq!(
+            told,
+            SubmitError::ContextLengthExceeded {
+                requested: 50,
+                limit: 32,
+                prompt: 43,
+                max_new: 7,
+            }
+        );
+        assert!(
+            told.to_string()
+                .contains("needs 50 (43 in the prompt + 7 to generate)")
+        );
+        let full = SubmitError::QueueFull { capacity: 3 };
+        assert_eq!(restated(full.clone(), 7), full);
+    }
 
     /// What the peer's Info says: a failed probe's reason until a process answers with its
     /// instance id; one that answers without (an older worker) is reported as such, not as

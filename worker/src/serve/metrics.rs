@@ -17,6 +17,8 @@ pub enum Outcome {
     Stop,
     /// `max_new_tokens` reached.
     Length,
+    /// A prefill worker's: the prompt computed and its KV sent whole to the decode worker.
+    Prefilled,
     /// The client went away before the end.
     Cancelled,
     RejectedContextLength,
@@ -31,9 +33,10 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 10] = [
+    pub const ALL: [Outcome; 11] = [
         Outcome::Stop,
         Outcome::Length,
+        Outcome::Prefilled,
         Outcome::Cancelled,
         Outcome::RejectedContextLength,
         Outcome::RejectedQueueFull,
@@ -48,6 +51,7 @@ impl Outcome {
         match self {
             Outcome::Stop => "stop",
             Outcome::Length => "length",
+            Outcome::Prefilled => "prefilled",
             Outcome::Cancelled => "cancelled",
             Outcome::RejectedContextLength => "rejected_context_length",
             Outcome::RejectedQueueFull => "rejected_queue_full",
