@@ -70,9 +70,14 @@ impl Layout {
                 prefill: 1,
                 decode: 0,
             }),
-            other => bail!(
-                "bulkhead up starts one colocated worker or one prefill + one decode worker; the configuration lists {other:?}"
-            ),
+            other => {
+                let roles: Vec<&str> = other.iter().map(|r| r.name()).collect();
+                bail!(
+                    "bulkhead up starts one colocated worker or one prefill + one decode worker; \
+                     the configuration lists {}",
+                    roles.join(", ")
+                )
+            }
         }
     }
 }

@@ -392,6 +392,8 @@ pub enum ConfigError {
         "worker {name:?}: a name with '@' is a discovered worker group member's (group@address)"
     )]
     WorkerNameWithAt { name: String },
+    #[error("a [[workers]] entry has an empty name")]
+    WorkerNameEmpty,
     #[error("worker {name:?}: {field} = {endpoint:?} is not an address like {like}")]
     WorkerEndpoint {
         name: String,
@@ -907,6 +909,10 @@ fn workers(
             name: w.name.clone(),
         });
     }
+    // A name is how logs, metrics and `/workers` tell workers apart.
+    if raw.iter().any(|w| w.name.trim().is_empty()) {
+        return Err(ConfigError::WorkerNameEmpty);
+    }
     let mut out = Vec::with_capacity(raw.len());
     for w in &raw {
         let (address, protocol) = protocol(w)?;
@@ -1020,7 +1026,7 @@ pub fn worker_endpoint(addr: &str, protocol: &Protocol) -> Option<String> {
     // authenticated by the cluster token; a password in the address would be shown in
     // `/workers` and the log).
     let ok = uri.host().is_some_and(|h| !h.is_empty())
-        && uri.port_u16().is_some()
+        && uri.port_u16().is_some_and(|p| p != 0)
         && uri.path() == "/"
         && uri.query().is_none()
         && !uri.authority()?.as_str().contains('@');
@@ -1489,6 +1495,7 @@ mod tests {
         assert_eq!(bulkhead("https://h:5").as_deref(), Some("https://h:5"));
         for bad in [
             "127.0.0.1",
+            "127.0.0.1:0",
             "ftp://h:5",
             "h:5/path",
             "",
@@ -1582,6 +1589,12 @@ mod tests {
         assert!(matches!(
             Config::parse(&config(&t, &member)),
             Err(ConfigError::WorkerNameWithAt { .. })
+        ));
+        let unnamed =
+            format!("{groups}[[workers]]\nname = \" \"\ngrpc = \"127.0.0.1:1\"\nrole = \"both\"\n");
+        assert!(matches!(
+            Config::parse(&config(&t, &unnamed)),
+            Err(ConfigError::WorkerNameEmpty)
         ));
         let dangling = groups.replace("prefill = \"p\"", "prefill = \"q\"");
         assert!(matches!(
