@@ -237,6 +237,11 @@ impl Args {
             "--prefill is for --role decode (a {} worker dials no prefill worker)",
             self.role.name()
         );
+        anyhow::ensure!(
+            self.kv_advertise.is_none() || matches!(self.role, Role::Decode),
+            "--kv-advertise is for --role decode (a {} worker receives no KV pages)",
+            self.role.name()
+        );
         let role = match self.role {
             Role::Both => RoleConfig::Both,
             Role::Prefill => RoleConfig::Prefill {
@@ -475,6 +480,12 @@ mod tests {
         let cli = Cli::try_parse_from(["x", "--role", "prefill", "--prefill", "http://p:1"])
             .expect("parses");
         assert!(cli.args.config().is_err(), "--prefill on a prefill worker");
+        for role in ["prefill", "both"] {
+            let cli = Cli::try_parse_from(["x", "--role", role, "--kv-advertise", "10.0.0.1"])
+                .expect("parses");
+            let err = cli.args.config().expect_err(role).to_string();
+            assert!(err.contains("--kv-advertise is for --role decode"), "{err}");
+        }
         let cli = Cli::try_parse_from(["x", "--role", "decode", "--prefill", "http://p:1"])
             .expect("parses");
         let role = cli.args.config().expect("valid").role;
