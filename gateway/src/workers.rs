@@ -251,9 +251,7 @@ impl ServedModel {
             name: public_name(&info.model_name, &info.model_id),
             tokenizer,
             chat,
-            created: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
+            created: unix_secs_now(),
         })
     }
 
@@ -286,6 +284,13 @@ pub fn public_name(model_name: &str, model_id: &str) -> String {
     } else {
         slug
     }
+}
+
+/// Seconds since the Unix epoch, now (0 on a clock set before it).
+fn unix_secs_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// How a worker group's last DNS lookup went.
@@ -799,9 +804,7 @@ impl Workers {
     /// Records how `group`'s lookup of `dns` went: answered (its members set now), or why not,
     /// its last members kept.
     pub fn looked_up(&self, group: &str, dns: &str, outcome: Result<(), String>) {
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
+        let now = unix_secs_now();
         self.routing(|s| {
             let members = s
                 .entries
@@ -1672,9 +1675,7 @@ mod tests {
                 .is_some_and(|e| e.contains("3 requests in a row")),
         );
         // When: a recovered worker's last error is history, not its state.
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
+        let now = unix_secs_now();
         assert!(
             report
                 .last_error_unix_secs
