@@ -331,9 +331,10 @@ pub enum DisconnectPhase {
     /// Admitted by the gateway, its worker not answering yet: waiting in the worker's queue
     /// for pages, or on its way there.
     Queued,
-    /// While prefill ran or its pages were in flight.
+    /// While the prompt was computed (colocated: until the first token).
     Prefill,
-    /// After prefill, before the first token.
+    /// After prefill computed the prompt, before the first token: its KV in flight to decode,
+    /// or being verified there.
     BeforeFirstToken,
     /// While tokens were streaming.
     Decode,

@@ -10,9 +10,11 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
+use crate::cluster::{Cluster, Spec};
 use crate::up::{
     ADMIN, KEY_A, KEY_B, KEY_LIMITED, Options, QUEUED_BEHIND, TempDir, Up,
     a_long_answer_holding_decode, bounded, exchange, header, http, json, metric, open, repo,
+    wait_records,
 };
 
 /// The control tenant of `Up` (its `abort-guard` may hold nothing).
@@ -590,5 +592,106 @@ config = { on_disconnect = "hold-until-complete", phases = ["queued"] }
             "the held request and the refused one:\n{m}"
         );
         up.wait_pool_drained();
+    });
+}
+
+/// A disaggregated request whose client leaves while prefill's KV is on its way to decode is
+/// in the phase `transferring` for its `on-disconnect` policies (here `ledger` holds only such
+/// a request until complete) and `before_first_token` in its audit record. The transfer is
+/// stuck (prefill stalls after one frame) until decode's transfer deadline fails it.
+#[test]
+fn a_client_gone_while_the_kv_transfers_is_told_to_policies_as_transferring() {
+    bounded(|| {
+        let dir = TempDir::new("transferring");
+        let mut set = String::new();
+        for name in ["abort-guard", "ledger"] {
+            let (path, digest) = component(name);
+            set.push_str(&format!(
+                "[plugins.{name}]\ncomponent = {:?}\nsha256 = \"{digest}\"\n",
+                path.display().to_string()
+            ));
+        }
+        set.push_str(
+            r#"
+[[chain]]
+plugin = "abort-guard"
+config = { max_held_per_tenant = 4 }
+
+[[chain]]
+plugin = "ledger"
+config = { on_disconnect = "hold-until-complete", phases = ["transferring"] }
+"#,
+        );
+        let file = dir.0.join("policies.toml");
+        std::fs::write(&file, set).expect("writes the policy set");
+        let set = format!("file = {:?}", file.display().to_string());
+        let cluster = Cluster::start(Spec {
+            prefill: &[
+                "--transfer-batch-bytes",
+                "1",
+                "--fault-stall-after-frames",
+                "1",
+            ],
+            decode: &[
+                "--transfer-timeout-ms",
+                "4000",
+                "--release-timeout-ms",
+                "500",
+            ],
+            replace: &[("file = \"policies/local.toml\"", &set)],
+            ..Spec::default()
+        });
+        let body = r#"{"messages":[{"role":"user","content":"Tell me about the harbour town and its ships."}],"max_tokens":8,"stream":true,"temperature":0}"#;
+        let mut client = open(cluster.api(), KEY_A, "/v1/chat/completions", body);
+        let mut head = [0u8; 12];
+        client.read_exact(&mut head).expect("the response starts");
+        assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+        // Stuck mid-transfer: decode receives, prefill said the prompt was computed. The
+        // client goes.
+        let deadline = Instant::now() + Duration::from_secs(90);
+        while crate::worker_grpc::metric(
+            &cluster.decode.metrics(),
+            "bulkhead_kv_transfers_in_flight{side=\"receive\"}",
+        ) < 1.0
+        {
+            assert!(Instant::now() < deadline, "no transfer under way");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        drop(client);
+
+        let gateway_metrics = || {
+            let (status, body) = http(
+                cluster.gateway.admin.as_str(),
+                "GET",
+                "/metrics",
+                Some(ADMIN),
+                &[],
+                "",
+            );
+            assert_eq!(status, 200, "{body}");
+            body
+        };
+        let held = "bulkhead_policy_abandoned_total{directive=\"hold_until_complete\"}";
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while metric(&gateway_metrics(), held) < 1 {
+            assert!(
+                Instant::now() < deadline,
+                "ledger was not told transferring:\n{}",
+                gateway_metrics()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let record = wait_records(&cluster.gateway.admin, "tenant-a", 1)
+            .pop()
+            .expect("its record");
+        assert_eq!(record["error.type"], "client_disconnected", "{record:#}");
+        assert_eq!(
+            record["bulkhead.disconnect.phase"], "before_first_token",
+            "{record:#}"
+        );
+        let hold = &record["bulkhead.disconnect.hold"];
+        assert_eq!(hold["directive"], "hold_until_complete", "{record:#}");
+        assert_eq!(hold["dropped"], "before_first_token", "{record:#}");
     });
 }

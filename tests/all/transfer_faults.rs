@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use bulkhead_worker::serve::proto::{self, InfoRequest, PrefillItem, error_code};
 
 use crate::worker_grpc::{
-    Worker, available, bounded, chat, decode_for, health, metric, pool, run_reporting, run_to_end,
-    text_of, wait_all_pages_back,
+    Run, Worker, available, bounded, chat, decode_for, health, metric, pool, run_reporting,
+    run_to_end, text_of, wait_all_pages_back,
 };
 
 /// A prefill worker with `prefill_args` and a decode worker wired to it with `decode_args`.
@@ -168,8 +168,13 @@ async fn prompts_that_outlast_the_transfer_timeout_are_served_while_prefill_make
         let mut finished = Vec::new();
         for request in requests {
             let (answer, took) = request.await.expect("the request task");
-            let (progress, _, tokens) =
-                answer.unwrap_or_else(|e| panic!("failed after {took:?}: {e:?}"));
+            let Run {
+                progress,
+                prefill_done,
+                tokens,
+                ..
+            } = answer.unwrap_or_else(|e| panic!("failed after {took:?}: {e:?}"));
+            assert!(prefill_done);
             assert!(tokens >= 1, "{tokens}");
             // Decode passed prefill's reports on to its caller, each one higher.
             assert!(progress.len() >= 2, "{progress:?}");

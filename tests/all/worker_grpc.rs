@@ -309,6 +309,7 @@ async fn greedy_chat_generation_streams_the_answer_and_counts_usage() {
                     done = Some(d);
                 }
                 Item::Progress(_) => assert_eq!(tokens, 0, "progress after the first token"),
+                Item::PrefillDone(_) => panic!("a colocated worker has no prefill worker"),
             }
         }
         let done = done.expect("the stream ends with Done");
@@ -330,7 +331,9 @@ async fn a_caller_hears_of_the_prompts_progress_until_its_first_token() {
         let worker = Worker::start(&["--kv-tokens", "2048", "--max-batch-tokens", "32"]);
         let mut client = worker.client().await;
         let long = "Tell me about the history of the harbour town and its ships. ".repeat(45);
-        let (progress, _, tokens) = run_reporting(&mut client, chat(&long, 4))
+        let Run {
+            progress, tokens, ..
+        } = run_reporting(&mut client, chat(&long, 4))
             .await
             .expect("served");
         assert!(tokens >= 1, "{tokens}");
@@ -357,7 +360,9 @@ async fn a_request_queued_behind_an_answer_hears_that_the_worker_works() {
         let mut client = worker.client().await;
         let mut running = under_way(&mut client, counting(300)).await;
         let ahead = tokio::spawn(async move { while let Ok(Some(_)) = running.message().await {} });
-        let (progress, _, tokens) = run_reporting(&mut client, chat("Say hello.", 4))
+        let Run {
+            progress, tokens, ..
+        } = run_reporting(&mut client, chat("Say hello.", 4))
             .await
             .expect("served after the answer ahead of it");
         assert!(tokens >= 1, "{tokens}");
@@ -581,31 +586,50 @@ pub(crate) async fn run_to_end(
 ) -> Result<(String, u32), tonic::Status> {
     run_reporting(client, request)
         .await
-        .map(|(_, text, tokens)| (text, tokens))
+        .map(|run| (run.text, run.tokens))
 }
 
-/// [`run_to_end`], with the progress reports that came before the first token (none may come
-/// after it).
+/// A request's stream, read to its end.
+pub(crate) struct Run {
+    /// The progress reports, all before the first token.
+    pub progress: Vec<u64>,
+    /// The worker said prefill computed the prompt (once, before the first token).
+    pub prefill_done: bool,
+    pub text: String,
+    pub tokens: u32,
+}
+
+/// [`run_to_end`], with what came before the first token (none of it may come after).
 pub(crate) async fn run_reporting(
     client: &mut WorkerClient<Channel>,
     request: GenerateRequest,
-) -> Result<(Vec<u64>, String, u32), tonic::Status> {
+) -> Result<Run, tonic::Status> {
     let mut stream = client.generate(request).await?.into_inner();
-    let (mut progress, mut text, mut tokens) = (Vec::new(), String::new(), 0);
+    let mut run = Run {
+        progress: Vec::new(),
+        prefill_done: false,
+        text: String::new(),
+        tokens: 0,
+    };
     while let Some(item) = stream.message().await? {
         match item.item.expect("every item has a body") {
             Item::Token(t) => {
-                tokens += 1;
-                text.push_str(&t.text);
+                run.tokens += 1;
+                run.text.push_str(&t.text);
             }
-            Item::Done(d) => text.push_str(&d.text_tail),
+            Item::Done(d) => run.text.push_str(&d.text_tail),
             Item::Progress(p) => {
-                assert_eq!(tokens, 0, "progress after the first token");
-                progress.push(p.computed_tokens);
+                assert_eq!(run.tokens, 0, "progress after the first token");
+                run.progress.push(p.computed_tokens);
+            }
+            Item::PrefillDone(_) => {
+                assert_eq!(run.tokens, 0, "prefill done after the first token");
+                assert!(!run.prefill_done, "prefill done twice");
+                run.prefill_done = true;
             }
         }
     }
-    Ok((progress, text, tokens))
+    Ok(run)
 }
 
 /// Polls `worker` until every page is available again ([`available`]), within a bound.
@@ -638,17 +662,22 @@ async fn prefill_and_decode_processes_answer_like_a_colocated_worker() {
         let (prefill, decode) = disaggregated("2048", "2048");
         let both = Worker::start(&["--kv-tokens", "2048"]);
         let request = chat("What is 2+2?", 24);
-        let split = run_to_end(&mut decode.client().await, request.clone())
+        let split = run_reporting(&mut decode.client().await, request.clone())
             .await
             .expect("disaggregated answer");
-        let colocated = run_to_end(&mut both.client().await, request)
+        let colocated = run_reporting(&mut both.client().await, request)
             .await
             .expect("colocated answer");
-        assert!(split.0.contains('4'), "{split:?}");
+        assert!(split.text.contains('4'), "{}", split.text);
         assert_eq!(
-            split, colocated,
+            (&split.text, split.tokens),
+            (&colocated.text, colocated.tokens),
             "greedy output does not depend on where prefill ran"
         );
+        // Decode says when prefill computed the prompt (the request is transferring); a
+        // colocated worker has nothing to say.
+        assert!(split.prefill_done);
+        assert!(!colocated.prefill_done);
         for w in [&prefill, &decode] {
             let p = wait_all_pages_back(w).await;
             assert_eq!(available(&p), p.total, "{p:?}");

@@ -219,8 +219,17 @@ impl Started {
                 })) if self.computed.rose(p.computed_tokens) => {
                     silent_until = Instant::now() + self.idle;
                 }
+                // The prefill worker computed the prompt: the request is transferring. News
+                // once, so it restarts the silence timeout once.
                 Ok(Some(GenerateResponse {
-                    item: None | Some(Item::Progress(_)),
+                    item: Some(Item::PrefillDone(_)),
+                })) if !self.progress.prefill_done && self.progress.tokens == 0 => {
+                    self.progress.prefill_done = true;
+                    self.trail.prefill_done();
+                    silent_until = Instant::now() + self.idle;
+                }
+                Ok(Some(GenerateResponse {
+                    item: None | Some(Item::Progress(_) | Item::PrefillDone(_)),
                 })) => {}
                 Ok(None) => return Err(self.worker_down("a stream ended without Done")),
                 Err(status) => {

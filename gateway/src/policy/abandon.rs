@@ -12,8 +12,13 @@
 //!
 //! The gateway sees one call (to the decode or colocated worker), so it reports the phase as
 //! `queued` until the worker answers the call (a busy worker answers once the request left its
-//! queue), `prefilling` until the first token, and `decoding` after. A held request that was
-//! queued waits for the worker's answer, then for its stream as the directive says.
+//! queue), `prefilling` until the first token — or, on a decode worker, until it says its
+//! prefill worker computed the prompt, `transferring` from then on —, and `decoding` after.
+//! A held request that was queued waits for the worker's answer, then for its stream as the
+//! directive says. `hold-until-prefill-done` holds until the first token as
+//! `hold-until-first-token` does: prefill is done for decode once its KV arrived and passed
+//! its checks, which the gateway sees as the first token (a hold that ended at the computation
+//! would cancel the transfer under way).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -36,6 +41,8 @@ use super::request::RequestPolicy;
 pub struct Progress {
     /// Token messages received from the worker.
     pub tokens: u32,
+    /// A decode worker said its prefill worker computed the prompt: its KV is on its way.
+    pub prefill_done: bool,
     /// (prompt, completion) tokens, once the worker said Done.
     pub usage: Option<(u32, u32)>,
     /// The request failed (before or after its 200).
@@ -214,11 +221,7 @@ impl Ending {
         charge: Charge,
     ) {
         let (held_before, held) = self.policies.hold(&self.tenant);
-        let phase = match (&leg, progress.tokens) {
-            (Some(Leg::Calling(_)), _) => Phase::Queued,
-            (_, 0) => Phase::Prefilling,
-            (_, _) => Phase::Decoding,
-        };
+        let phase = phase(leg.as_ref(), progress);
         let directive = if self.wanting(Hooks::ON_DISCONNECT).next().is_none() {
             Directive::AbortNow
         } else {
@@ -276,6 +279,17 @@ impl Ending {
     }
 }
 
+/// Where a request was when its client left, as the gateway saw its call (`leg`; `None`: it
+/// failed) and stream.
+fn phase(leg: Option<&Leg>, progress: Progress) -> Phase {
+    match (leg, progress.tokens, progress.prefill_done) {
+        (Some(Leg::Calling(_)), _, _) => Phase::Queued,
+        (_, 0, false) => Phase::Prefilling,
+        (_, 0, true) => Phase::Transferring,
+        (_, _, _) => Phase::Decoding,
+    }
+}
+
 /// Waits on the worker as `directive` says: for its answer to the call (unless abort-now),
 /// then on its stream.
 async fn hold(leg: Leg, directive: Directive, progress: &mut Progress, answered: &mut bool) {
@@ -317,6 +331,7 @@ async fn drain(upstream: &mut UpstreamStream, directive: Directive, progress: &m
                 progress.usage = Some((d.prompt_tokens, d.completion_tokens));
                 return;
             }
+            Some(Item::PrefillDone(_)) => progress.prefill_done = true,
             Some(Item::Progress(_)) | None => {}
         }
     }
@@ -370,5 +385,28 @@ impl RequestPolicy {
             id: self.id,
             tenant: self.tenant,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_is_transferring_from_prefill_done_to_its_first_token() {
+        let at = |tokens, prefill_done| {
+            phase(
+                None,
+                Progress {
+                    tokens,
+                    prefill_done,
+                    ..Progress::default()
+                },
+            )
+        };
+        assert_eq!(at(0, false), Phase::Prefilling);
+        assert_eq!(at(0, true), Phase::Transferring);
+        assert_eq!(at(3, true), Phase::Decoding);
+        assert_eq!(at(3, false), Phase::Decoding, "colocated: no transfer");
     }
 }

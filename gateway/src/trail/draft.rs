@@ -170,6 +170,15 @@ impl Trail {
         self.with(|d| d.phase = DisconnectPhase::Prefill);
     }
 
+    /// The decode worker said its prefill worker computed the prompt: the KV is on its way.
+    pub fn prefill_done(&self) {
+        self.with(|d| {
+            if d.phase == DisconnectPhase::Prefill {
+                d.phase = DisconnectPhase::BeforeFirstToken;
+            }
+        });
+    }
+
     /// Text sent to the client. The first one means every admission layer passed, and the KV
     /// handoff's checks.
     pub fn text(&self, text: &str) {

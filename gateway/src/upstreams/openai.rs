@@ -733,7 +733,7 @@ mod tests {
                     text.push_str(&d.text_tail);
                     return Ok((text, d));
                 }
-                Some(Item::Progress(_)) => {
+                Some(Item::Progress(_) | Item::PrefillDone(_)) => {
                     return Err(Status::internal("an HTTP upstream's progress"));
                 }
                 None => return Err(Status::internal("ended without Done")),

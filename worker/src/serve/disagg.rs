@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 use tonic::codegen::tokio_stream::Stream;
 use tracing::field::Empty;
@@ -173,6 +173,8 @@ pub struct PrefillCall {
     watch: tokio::task::JoinHandle<u32>,
     /// The prefill worker's count of prompt tokens computed, as it last reported it.
     computed_tokens: Arc<AtomicU64>,
+    /// Answered when prefill says the prompt is computed (its transfer starts); taken once.
+    computed: Option<oneshot::Receiver<()>>,
     /// What the watch ended with, once it ended (or 0 once waiting for it timed out).
     cached_tokens: Option<u32>,
     /// Started when the request's `Done` first waits for the watch.
@@ -215,6 +217,20 @@ impl PrefillCall {
         }
     }
 
+    /// Ready once, when prefill said it computed the prompt and its KV is on its way; never
+    /// when it did not say so (the call ended first, or a prefill worker that predates it).
+    pub fn poll_computed(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(computed) = self.computed.as_mut() else {
+            return Poll::Pending;
+        };
+        let said = std::task::ready!(Pin::new(computed).poll(cx));
+        self.computed = None;
+        match said {
+            Ok(()) => Poll::Ready(()),
+            Err(_) => Poll::Pending,
+        }
+    }
+
     /// `span` is the call's client span; it ends with the call.
     fn watch(
         engine: EngineHandle,
@@ -224,6 +240,8 @@ impl PrefillCall {
     ) -> PrefillCall {
         let computed_tokens = Arc::new(AtomicU64::new(0));
         let reported = computed_tokens.clone();
+        let (said_computed, computed) = oneshot::channel();
+        let mut said_computed = Some(said_computed);
         let watch = tokio::spawn(async move {
             loop {
                 match call.message().await {
@@ -239,6 +257,13 @@ impl PrefillCall {
                     })) => {
                         reported.store(progress.computed_tokens, Ordering::Relaxed);
                         engine.prefill_progress(nonce, progress.computed_tokens);
+                    }
+                    Ok(Some(proto::PrefillEvent {
+                        event: Some(PrefillItem::Computed(_)),
+                    })) => {
+                        if let Some(said) = said_computed.take() {
+                            let _ = said.send(());
+                        }
                     }
                     Ok(Some(_)) => {}
                     Ok(None) | Err(_) => {
@@ -256,6 +281,7 @@ impl PrefillCall {
         PrefillCall {
             watch,
             computed_tokens,
+            computed: Some(computed),
             cached_tokens: None,
             wait: None,
         }
@@ -640,6 +666,12 @@ async fn transfer(
     };
     drop(computing);
     guard.disarm();
+    // Decode's sign that the request is now transferring. Only news: a full channel (decode
+    // not reading) or a closed one (decode gone, which the send below sees) does not delay
+    // the transfer.
+    let _ = tx.try_send(Ok(proto::PrefillEvent {
+        event: Some(PrefillItem::Computed(proto::PrefillComputed {})),
+    }));
     let sending = engine.metrics().sending(u64::from(outbound.sent_tokens()));
     let transfer_span = tracing::info_span!(
         "kv_transfer",
@@ -777,9 +809,32 @@ mod tests {
         PrefillCall {
             watch,
             computed_tokens: Arc::default(),
+            computed: None,
             cached_tokens: None,
             wait: None,
         }
+    }
+
+    #[tokio::test]
+    async fn prefills_computed_is_ready_once_and_never_when_prefill_did_not_say_it() {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        let (said, computed) = oneshot::channel();
+        let mut told = call(tokio::spawn(std::future::pending()));
+        told.computed = Some(computed);
+        assert!(told.poll_computed(&mut cx).is_pending(), "not said yet");
+        said.send(()).expect("the call holds the receiver");
+        assert!(told.poll_computed(&mut cx).is_ready());
+        assert!(told.poll_computed(&mut cx).is_pending(), "told twice");
+
+        let (said, computed) = oneshot::channel::<()>();
+        let mut silent = call(tokio::spawn(std::future::pending()));
+        silent.computed = Some(computed);
+        drop(said);
+        assert!(
+            silent.poll_computed(&mut cx).is_pending(),
+            "the call ended without it"
+        );
+        assert!(silent.computed.is_none());
     }
 
     #[tokio::test]

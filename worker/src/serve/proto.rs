@@ -21,9 +21,9 @@ pub use generated::worker_server::{Worker, WorkerServer};
 pub use generated::{
     ChatMessage, ChatPrompt, Done, FinishReason, GenerateRequest, GenerateResponse, HealthRequest,
     HealthResponse, InfoRequest, InfoResponse, KvHandoff, KvReservation, PoolPages,
-    PrefillAccepted, PrefillEvent, PrefillPeer, PrefillRequest, PrefillSent, PromptProgress,
-    Refusal, RefusalReason, ReservedPage, Role, SamplingParams, ServingStatus, Token, TokenPrompt,
-    TokenizerData,
+    PrefillAccepted, PrefillComputed, PrefillDone, PrefillEvent, PrefillPeer, PrefillRequest,
+    PrefillSent, PromptProgress, Refusal, RefusalReason, ReservedPage, Role, SamplingParams,
+    ServingStatus, Token, TokenPrompt, TokenizerData,
 };
 
 /// The metadata key of the machine-readable error code on every error status the worker sends.

@@ -171,6 +171,7 @@ impl WorkerService {
             span,
             phase,
             decoding: false,
+            prefill_told: false,
         })
     }
 }
@@ -310,6 +311,8 @@ pub struct GenerateStream {
     phase: Span,
     /// The first token was seen: `phase` is the decode span.
     decoding: bool,
+    /// Decode role: the caller was told that prefill computed the prompt ([`Item::PrefillDone`]).
+    prefill_told: bool,
 }
 
 impl Stream for GenerateStream {
@@ -328,6 +331,12 @@ impl Stream for GenerateStream {
             },
         };
         if matches!(event, Some(Event::Token { .. } | Event::Done { .. })) && !this.decoding {
+            // Prefill computed the prompt before its first token came: the caller hears so
+            // first, also when the token overtook prefill's word of it.
+            if this.prefill.is_some() && !this.prefill_told {
+                this.early = event;
+                return Poll::Ready(Some(Ok(this.prefill_told())));
+            }
             this.decoding = true;
             this.phase = tracing::info_span!(parent: &this.span, "decode");
         }
@@ -401,13 +410,19 @@ fn computed_tokens(prefill: Option<&PrefillCall>, metrics: &Metrics) -> u64 {
 }
 
 impl GenerateStream {
-    /// Before the first token, a progress report when one is due ([`Progress`]).
+    /// Before the first token: that prefill computed the prompt (decode, once), else a
+    /// progress report when one is due ([`Progress`]).
     fn poll_progress(
         &mut self,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<proto::GenerateResponse, Status>>> {
         if self.decoding {
             return Poll::Pending;
+        }
+        if let Some(Poll::Ready(())) = self.prefill.as_mut().map(|call| call.poll_computed(cx))
+            && !self.prefill_told
+        {
+            return Poll::Ready(Some(Ok(self.prefill_told())));
         }
         let (prefill, metrics) = (self.prefill.as_ref(), &self.metrics);
         self.progress
@@ -418,6 +433,14 @@ impl GenerateStream {
                     item: Some(Item::Progress(progress)),
                 }))
             })
+    }
+
+    /// [`Item::PrefillDone`], once.
+    fn prefill_told(&mut self) -> proto::GenerateResponse {
+        self.prefill_told = true;
+        proto::GenerateResponse {
+            item: Some(Item::PrefillDone(proto::PrefillDone {})),
+        }
     }
 
     fn finish(&mut self) {
