@@ -53,6 +53,8 @@ pub struct Tokenizer {
     pre: PreTokenizer,
     /// Exact bytes of every token id (control tokens: their text).
     bytes: Vec<Vec<u8>>,
+    /// The most bytes of text one token decodes to ([`Tokenizer::longest_token_text`]).
+    longest_text: usize,
     /// Control and user-defined tokens, longest first, matched in text when asked.
     specials: Vec<(String, TokenId)>,
     /// Ids of control tokens, which decoding skips.
@@ -182,7 +184,7 @@ impl Tokenizer {
         let unicode_to_byte = byte_level_inverse();
         let mut specials = Vec::new();
         let mut control = vec![false; tokens.len()];
-        let bytes = tokens
+        let bytes: Vec<Vec<u8>> = tokens
             .iter()
             .enumerate()
             .map(|(i, t)| {
@@ -201,6 +203,8 @@ impl Tokenizer {
             })
             .collect();
         specials.sort_by_key(|(s, _)| std::cmp::Reverse(s.len()));
+        // A byte that is no character on its own decodes to U+FFFD: three bytes.
+        let longest_text = bytes.iter().map(Vec::len).max().unwrap_or(0) * 3;
 
         if eos as usize >= tokens.len() {
             return Err(TokenizerError::Build(format!(
@@ -220,6 +224,7 @@ impl Tokenizer {
             bpe: tk,
             pre,
             bytes,
+            longest_text,
             specials,
             control,
             bos: bos.filter(|&b| (b as usize) < tokens.len()),
@@ -314,6 +319,13 @@ impl Tokenizer {
             .iter()
             .filter_map(|(s, id)| text.find(s.as_str()).map(|at| (at, s.len(), *id)))
             .min_by_key(|&(at, len, _)| (at, std::cmp::Reverse(len)))
+    }
+
+    /// The most bytes of text any one token decodes to, alone or after others (a byte that is
+    /// no character on its own counted as the three of U+FFFD, control tokens by their text):
+    /// `n` tokens of text are at most `n` times this long.
+    pub fn longest_token_text(&self) -> usize {
+        self.longest_text
     }
 
     /// The exact bytes of `token` (empty for control tokens and ids outside the vocabulary).
@@ -489,6 +501,27 @@ mod tests {
                 })
                 .expect(pre);
         }
+    }
+
+    /// No run of tokens decodes to more than `longest_token_text` bytes a token: the bound an
+    /// OpenAI-compatible upstream's text is held to (`max_tokens` of them).
+    #[test]
+    fn no_token_decodes_longer_than_the_longest_token_text() {
+        let t = tokenizer("smollm").expect("smollm");
+        let longest = t.longest_token_text();
+        assert!(longest >= 3, "{longest}");
+        let ids: Vec<TokenId> = (0..t.vocab_size() as TokenId).collect();
+        for id in &ids {
+            assert!(t.decode(&[*id]).len() <= longest, "token {id}");
+        }
+        // Lone bytes of multi-byte characters, each replaced by three bytes.
+        let lone: Vec<TokenId> = ids
+            .iter()
+            .copied()
+            .filter(|&id| t.token_bytes(id).iter().all(|&b| b >= 0x80))
+            .filter(|&id| !t.token_bytes(id).is_empty())
+            .collect();
+        assert!(t.decode(&lone).len() <= lone.len() * longest);
     }
 
     /// An end-of-sequence id outside the vocabulary is said to be that, not missing.

@@ -24,7 +24,7 @@ use crate::workers::Route;
 
 use super::Endpoint;
 use super::error::ApiError;
-use super::upstream::{finish_reason, from_status, span_failed};
+use super::upstream::{WorkerFailure, finish_reason, from_status, span_failed};
 use super::validate::Stream;
 use super::wire::Head;
 
@@ -138,11 +138,8 @@ impl Started {
                 Ok(())
             }
             Ok(Err(status)) => {
-                let failure = from_status(&status, self.endpoint);
-                if failure.worker_down {
-                    tracing::warn!(worker = %self.route.worker, %status, "the worker failed a Generate call");
-                    self.route.failed(status.message());
-                } else {
+                let failure = self.worker_failure(&status);
+                if !failure.worker_down {
                     // A refusal is an answer: the worker is there.
                     self.route.answered();
                 }
@@ -233,11 +230,7 @@ impl Started {
                 })) => {}
                 Ok(None) => return Err(self.worker_down("a stream ended without Done")),
                 Err(status) => {
-                    let failure = from_status(&status, self.endpoint);
-                    if failure.worker_down {
-                        tracing::warn!(worker = %self.route.worker, id = %self.id, %status, "the worker failed mid-request");
-                        self.route.failed(status.message());
-                    }
+                    let failure = self.worker_failure(&status);
                     return Err(self.failed(failure.error, failure.refused_by));
                 }
             }
@@ -269,6 +262,20 @@ impl Started {
         self.trail.failed(&error, refused_by);
         span_failed(&self.upstream_span, &error);
         error
+    }
+
+    /// What the worker's error `status` means for the request. The worker's trouble is logged
+    /// (the client hears only "internal error" of a broken answer), and a worker down is not
+    /// routed to until its health check answers again.
+    fn worker_failure(&mut self, status: &tonic::Status) -> WorkerFailure {
+        let failure = from_status(status, self.endpoint);
+        if failure.worker_down {
+            tracing::warn!(worker = %self.route.worker, id = %self.id, %status, "the worker failed a request");
+            self.route.failed(status.message());
+        } else if matches!(failure.error, ApiError::Internal) {
+            tracing::warn!(worker = %self.route.worker, id = %self.id, %status, "the worker broke a request's answer");
+        }
+        failure
     }
 
     /// The gateway gives up on the request at its deadline: it failed.

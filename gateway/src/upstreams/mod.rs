@@ -146,7 +146,8 @@ impl Upstream {
                 let mut headers = http::HeaderMap::new();
                 propagation::inject(span, &mut headers);
                 let model = model.clone();
-                let counter = TokenCounter::new(move |text| {
+                let longest = model.tokenizer.longest_token_text();
+                let counter = TokenCounter::new(longest, move |text| {
                     let ids = model.tokenizer.encode(text, false).ok()?;
                     u32::try_from(ids.len()).ok()
                 });

@@ -9,6 +9,7 @@ use std::collections::VecDeque;
 use std::pin::Pin;
 use std::time::{Duration, SystemTime};
 
+use bulkhead_worker::engine::{StopScan, StopWatch};
 use bulkhead_worker::serve::proto::{
     Done, FinishReason, GenerateRequest, GenerateResponse, Item, Prompt, RETRY_AFTER_KEY, Token,
     error_code, error_code_status,
@@ -113,16 +114,33 @@ pub struct SseStream {
 }
 
 /// Counts a completion's tokens with the served model's tokenizer: for an upstream that sends
-/// no usage (it ignored `stream_options.include_usage`), where counting its chunks would
-/// undercount a server that sends several tokens in one (and the tenant's charge with it).
-pub struct TokenCounter(Box<Count>);
+/// no usage (it ignored `stream_options.include_usage`), or a count its text belies, where
+/// counting its chunks would undercount a server that sends several tokens in one (and the
+/// tenant's charge with it).
+pub struct TokenCounter {
+    count: Box<Count>,
+    /// The most bytes of text one token of the vocabulary decodes to.
+    token_bytes: u64,
+}
 
 /// Tokens in a text, when they can be counted.
 type Count = dyn Fn(&str) -> Option<u32> + Send + Sync;
 
 impl TokenCounter {
-    pub fn new(count: impl Fn(&str) -> Option<u32> + Send + Sync + 'static) -> TokenCounter {
-        TokenCounter(Box::new(count))
+    /// `token_bytes`: the most bytes of text one token decodes to (at least 1).
+    pub fn new(
+        token_bytes: usize,
+        count: impl Fn(&str) -> Option<u32> + Send + Sync + 'static,
+    ) -> TokenCounter {
+        TokenCounter {
+            count: Box::new(count),
+            token_bytes: (token_bytes as u64).max(1),
+        }
+    }
+
+    /// Whether `bytes` of text can be `tokens` tokens.
+    fn can_hold(&self, tokens: u32, bytes: usize) -> bool {
+        bytes as u64 <= u64::from(tokens) * self.token_bytes
     }
 }
 
@@ -132,20 +150,32 @@ impl std::fmt::Debug for TokenCounter {
     }
 }
 
-/// What the events parsed so far say.
+/// What the events parsed so far say. The gateway holds the upstream to the request it sent:
+/// the prompt's tokens are its own count (it sent the ids), the answer stops at the request's
+/// stop strings whether or not the server did, and a server whose text outgrows `max_tokens`
+/// or whose usage exceeds it, or that sends several choices, fails the request.
 #[derive(Debug)]
 struct Events {
     /// Parsed items not yet returned.
     ready: VecDeque<GenerateResponse>,
     finish: FinishReason,
-    usage: Option<(u32, u32)>,
+    /// The upstream's count of completion tokens.
+    usage: Option<u32>,
     /// The upstream's `usage.prompt_tokens_details.cached_tokens` (0 when it sends none, or
     /// when the request was not salted).
     cached_tokens: u32,
     /// Whether the request carried its tenant's cache salt.
     salted: bool,
     prompt_tokens: u32,
-    /// The completion so far, counted at the end when no usage came.
+    max_tokens: u32,
+    /// The request's stop strings, applied again to what the upstream sends.
+    stops: StopWatch,
+    /// The answer ended at a stop string the upstream sent on past.
+    stopped: bool,
+    /// Bytes of text the upstream sent.
+    received: usize,
+    /// The completion so far as the client gets it, counted at the end when the upstream's
+    /// usage is missing or belied.
     text: String,
     /// Text that came with the finish reason: the answer's end, not a token of its own (a
     /// server that held text back for its stop strings sends it there).
@@ -180,6 +210,8 @@ struct Chunk<'a> {
 
 #[derive(Deserialize)]
 struct Choice<'a> {
+    #[serde(default)]
+    index: u64,
     #[serde(default, borrow)]
     text: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
@@ -348,7 +380,7 @@ impl OpenAiClient {
                 .get(http::header::RETRY_AFTER)
                 .and_then(|v| retry_after_secs(v.to_str().ok()?, SystemTime::now()));
             let text = read_bounded(response).await.unwrap_or_default();
-            let mut refused = refusal(status.as_u16(), &text);
+            let mut refused = refusal(status.as_u16(), &text, self.salted);
             if let Some(wait) = wait
                 && error_code(&refused) == Some("rate_limit_exceeded")
             {
@@ -356,6 +388,11 @@ impl OpenAiClient {
             }
             return Err(refused);
         }
+        let asked = Asked {
+            prompt_tokens,
+            max_tokens: request.max_new_tokens,
+            stop: request.stop,
+        };
         Ok(SseStream::new(
             Box::pin(
                 response
@@ -363,7 +400,7 @@ impl OpenAiClient {
                     .into_data_stream()
                     .map_err(BodyError::from),
             ),
-            prompt_tokens,
+            asked,
             counter,
             self.salted,
         ))
@@ -406,10 +443,26 @@ fn signed_seed(seed: u64) -> i64 {
     i64::from_ne_bytes(seed.to_ne_bytes())
 }
 
-/// The status for an upstream's error answer (`http`: its HTTP status and body).
-fn refusal(http: u16, body: &[u8]) -> Status {
+/// The status for an upstream's error answer (`http`: its HTTP status and body) to a request
+/// that carried a cache salt or not (`salted`). A server that does not take the salt refuses
+/// every request for it: the gateway's configuration, not the client's mistake.
+fn refusal(http: u16, body: &[u8], salted: bool) -> Status {
     let parsed: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-    coded(Some(http), &parsed["error"])
+    let error = &parsed["error"];
+    let about_salt = error["param"] == "cache_salt"
+        || error["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("cache_salt"));
+    if salted && matches!(http, 400 | 422) && about_salt {
+        return error_code_status(
+            Code::Internal,
+            "the upstream does not take the cache_salt field: set cache_salt = false on its \
+             [[workers]] entry (its prefix cache is then shared across tenants)"
+                .to_owned(),
+            "internal_error",
+        );
+    }
+    coded(Some(http), error)
 }
 
 /// The status for an upstream's OpenAI error object (`message`, `type`, `code`), from an
@@ -456,10 +509,18 @@ fn coded(http: Option<u16>, error: &Value) -> Status {
     }
 }
 
+/// What the gateway asked the upstream for.
+struct Asked {
+    /// The prompt's tokens (the ids sent).
+    prompt_tokens: u32,
+    max_tokens: u32,
+    stop: Vec<String>,
+}
+
 impl SseStream {
     /// `salted`: the request carried its tenant's cache salt, so the server's count of cached
     /// prompt tokens is the tenant's own and is passed on; otherwise it is reported as 0.
-    fn new(body: Body, prompt_tokens: u32, counter: TokenCounter, salted: bool) -> SseStream {
+    fn new(body: Body, asked: Asked, counter: TokenCounter, salted: bool) -> SseStream {
         SseStream {
             body,
             buf: Vec::new(),
@@ -470,7 +531,11 @@ impl SseStream {
                 usage: None,
                 cached_tokens: 0,
                 salted,
-                prompt_tokens,
+                prompt_tokens: asked.prompt_tokens,
+                max_tokens: asked.max_tokens,
+                stops: StopWatch::new(asked.stop),
+                stopped: false,
+                received: 0,
                 text: String::new(),
                 tail: String::new(),
                 counter,
@@ -599,21 +664,7 @@ impl Events {
             return Ok(());
         }
         if data == "[DONE]" {
-            let (prompt_tokens, completion_tokens) = self.usage.unwrap_or_else(|| {
-                let counted = (self.counter.0)(&self.text);
-                (self.prompt_tokens, counted.unwrap_or(self.chunks))
-            });
-            self.ready.push_back(GenerateResponse {
-                item: Some(Item::Done(Done {
-                    finish_reason: self.finish.into(),
-                    prompt_tokens,
-                    completion_tokens,
-                    text_tail: std::mem::take(&mut self.tail),
-                    cached_tokens: self.cached_tokens,
-                })),
-            });
-            self.ended = true;
-            return Ok(());
+            return self.done();
         }
         let chunk: Chunk<'_> = serde_json::from_str(data).map_err(|e| {
             Status::internal(format!(
@@ -624,49 +675,120 @@ impl Events {
             return Err(coded(None, &error));
         }
         if let Some(usage) = chunk.usage.filter(Value::is_object) {
-            let n = |k: &str| usage[k].as_u64().and_then(|v| u32::try_from(v).ok());
-            if let (Some(p), Some(c)) = (n("prompt_tokens"), n("completion_tokens")) {
-                self.usage = Some((p, c));
+            let n = |v: &Value| v.as_u64().and_then(|v| u32::try_from(v).ok());
+            if let Some(c) = n(&usage["completion_tokens"]) {
+                self.usage = Some(c);
             }
             if self.salted {
-                let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64();
-                self.cached_tokens = cached.and_then(|v| u32::try_from(v).ok()).unwrap_or(0);
+                let cached = n(&usage["prompt_tokens_details"]["cached_tokens"]).unwrap_or(0);
+                self.cached_tokens = cached.min(self.prompt_tokens);
             }
         }
-        if let Some(choice) = chunk.choices.into_iter().next() {
-            if let Some(text) = choice.text.filter(|t| !t.is_empty()) {
-                self.chunks += 1;
-                self.text.push_str(&text);
-                if choice.finish_reason.is_some() {
-                    self.tail.push_str(&text);
-                } else {
-                    self.ready.push_back(GenerateResponse {
-                        item: Some(Item::Token(Token {
-                            text: text.into_owned(),
-                            ..Token::default()
-                        })),
-                    });
+        let mut choices = chunk.choices.into_iter();
+        let Some(choice) = choices.next() else {
+            return Ok(());
+        };
+        if choice.index != 0 || choices.next().is_some() {
+            return Err(broken(
+                "the upstream sent several choices; the gateway asks for one",
+            ));
+        }
+        let last = choice.finish_reason.is_some();
+        if let Some(text) = choice.text.filter(|t| !t.is_empty()) {
+            self.chunks += 1;
+            self.received += text.len();
+            if !self.counter.can_hold(self.max_tokens, self.received) {
+                return Err(broken(&format!(
+                    "the upstream sent more text than {} tokens hold",
+                    self.max_tokens
+                )));
+            }
+            match self.stops.push(&text) {
+                StopScan::Continue(out) => self.emit(out, last),
+                StopScan::Stopped(out) => {
+                    self.emit(out, true);
+                    self.stopped = true;
+                    self.finish = FinishReason::Stop;
+                    return self.done();
                 }
             }
-            match choice.finish_reason.as_deref() {
-                Some("length") => self.finish = FinishReason::Length,
-                // vLLM's ends of a generation cut short (an aborted request, a failed KV load
-                // between its prefill and decode): followed by `[DONE]` like any end, they are
-                // failures, never a 200 that says the answer stopped where it wanted to. This
-                // request's, not the server's: it stays routed to.
-                Some(reason @ ("abort" | "error")) => {
-                    return Err(error_code_status(
-                        Code::Internal,
-                        format!("the upstream ended the generation with finish_reason {reason:?}"),
-                        "internal_error",
-                    ));
-                }
-                Some(_) => self.finish = FinishReason::Stop,
-                None => {}
+        }
+        match choice.finish_reason.as_deref() {
+            Some("length") => self.finish = FinishReason::Length,
+            // vLLM's ends of a generation cut short (an aborted request, a failed KV load
+            // between its prefill and decode): followed by `[DONE]` like any end, they are
+            // failures, never a 200 that says the answer stopped where it wanted to. This
+            // request's, not the server's: it stays routed to.
+            Some(reason @ ("abort" | "error")) => {
+                return Err(broken(&format!(
+                    "the upstream ended the generation with finish_reason {reason:?}"
+                )));
             }
+            Some(_) => self.finish = FinishReason::Stop,
+            None => {}
         }
         Ok(())
     }
+
+    /// Text for the client: a token, or (`last`: it came with the finish reason, or ends the
+    /// answer at a stop string) part of the answer's end, not a token of its own.
+    fn emit(&mut self, text: String, last: bool) {
+        if text.is_empty() {
+            return;
+        }
+        self.text.push_str(&text);
+        if last {
+            self.tail.push_str(&text);
+        } else {
+            self.ready.push_back(GenerateResponse {
+                item: Some(Item::Token(Token {
+                    text,
+                    ..Token::default()
+                })),
+            });
+        }
+    }
+
+    /// The answer's end: `Done`, with the text held back for a stop string that did not come.
+    fn done(&mut self) -> Result<(), Status> {
+        let held = self.stops.finish();
+        self.emit(held, true);
+        let completion_tokens = self.completion_tokens()?;
+        self.ready.push_back(GenerateResponse {
+            item: Some(Item::Done(Done {
+                finish_reason: self.finish.into(),
+                prompt_tokens: self.prompt_tokens,
+                completion_tokens,
+                text_tail: std::mem::take(&mut self.tail),
+                cached_tokens: self.cached_tokens,
+            })),
+        });
+        self.ended = true;
+        Ok(())
+    }
+
+    /// The completion's tokens: the upstream's count when it is at most `max_tokens` and its
+    /// text fits in it, else the tokenizer's count of the text the client got (its chunks
+    /// when the text cannot be tokenized), at most `max_tokens`. A count above `max_tokens`
+    /// says the upstream ignored it: the request fails.
+    fn completion_tokens(&self) -> Result<u32, Status> {
+        match self.usage {
+            Some(c) if c > self.max_tokens => Err(broken(&format!(
+                "the upstream counts {c} completion tokens, more than the {} asked for",
+                self.max_tokens
+            ))),
+            Some(c) if !self.stopped && self.counter.can_hold(c, self.received) => Ok(c),
+            _ => {
+                let counted = (self.counter.count)(&self.text).unwrap_or(self.chunks);
+                Ok(counted.min(self.max_tokens))
+            }
+        }
+    }
+}
+
+/// The status of an answer the upstream broke (this request's: the server stays routed to).
+fn broken(why: &str) -> Status {
+    error_code_status(Code::Internal, why.to_owned(), "internal_error")
 }
 
 #[cfg(test)]
@@ -710,15 +832,26 @@ mod tests {
 
     /// [`stream`] of a request that carried its tenant's cache salt or not.
     fn stream_salted(chunks: &[&str], salted: bool) -> SseStream {
+        stream_asking(chunks, salted, 100, &[])
+    }
+
+    /// The stream of a request of 5 prompt tokens, `max_tokens` and `stop`, whose tokens are
+    /// words of at most 16 bytes.
+    fn stream_asking(chunks: &[&str], salted: bool, max_tokens: u32, stop: &[&str]) -> SseStream {
         let owned: Vec<Result<Bytes, BodyError>> = chunks
             .iter()
             .map(|c| Ok(Bytes::from(c.to_string())))
             .collect();
         // Counts words: a stand-in tokenizer.
-        let words = TokenCounter::new(|t| u32::try_from(t.split_whitespace().count()).ok());
+        let words = TokenCounter::new(16, |t| u32::try_from(t.split_whitespace().count()).ok());
+        let asked = Asked {
+            prompt_tokens: 5,
+            max_tokens,
+            stop: stop.iter().map(|s| (*s).to_owned()).collect(),
+        };
         SseStream::new(
             Box::pin(futures_util::stream::iter(owned)),
-            3,
+            asked,
             words,
             salted,
         )
@@ -822,7 +955,7 @@ mod tests {
         ]);
         let (text, done) = drain(s).await.expect("a complete stream");
         assert_eq!(text, "one two three four five");
-        assert_eq!((done.prompt_tokens, done.completion_tokens), (3, 5));
+        assert_eq!((done.prompt_tokens, done.completion_tokens), (5, 5));
     }
 
     #[tokio::test]
@@ -966,18 +1099,23 @@ mod tests {
         let too_long = refusal(
             400,
             br#"{"error":{"message":"too long","code":"context_length_exceeded"}}"#,
+            true,
         );
         assert_eq!(error_code(&too_long), Some("context_length_exceeded"));
-        assert_eq!(error_code(&refusal(429, b"")), Some("rate_limit_exceeded"));
         assert_eq!(
-            error_code(&refusal(400, b"nonsense")),
+            error_code(&refusal(429, b"", true)),
+            Some("rate_limit_exceeded")
+        );
+        assert_eq!(
+            error_code(&refusal(400, b"nonsense", true)),
             Some("invalid_request_error")
         );
-        let down = refusal(502, b"");
+        let down = refusal(502, b"", true);
         assert_eq!(down.code(), Code::Unavailable);
         let gone = refusal(
             404,
             br#"{"error":{"message":"The model `m` does not exist"}}"#,
+            true,
         );
         assert_eq!(gone.code(), Code::Unavailable, "not the client's fault");
         assert_eq!(error_code(&gone), None);
@@ -985,6 +1123,29 @@ mod tests {
             error_code(&down),
             None,
             "no code: the upstream is in trouble"
+        );
+    }
+
+    /// vLLM before it took `cache_salt` refused every salted request for it: the gateway's
+    /// configuration, named with its fix, never the client's invalid request.
+    #[test]
+    fn an_upstream_that_refuses_the_cache_salt_is_the_gateways_configuration_error() {
+        let unknown = br#"{"error":{"message":"Unrecognized request argument supplied: cache_salt","type":"invalid_request_error","param":"cache_salt"}}"#;
+        for (http, body) in [
+            (400, &unknown[..]),
+            (422, br#"{"error":{"message":"x","param":"cache_salt"}}"#),
+        ] {
+            let refused = refusal(http, body, true);
+            assert_eq!(error_code(&refused), Some("internal_error"), "{refused:?}");
+            assert!(
+                refused.message().contains("cache_salt = false"),
+                "{refused:?}"
+            );
+        }
+        // Unsalted, the field was not sent: whatever the server says of it is its own.
+        assert_eq!(
+            error_code(&refusal(400, unknown, false)),
+            Some("invalid_request_error")
         );
     }
 
@@ -1071,7 +1232,7 @@ mod tests {
     async fn an_upstreams_kv_integrity_error_stays_one_and_leaves_its_route_up() {
         let body = br#"{"error":{"message":"KV transfer integrity","type":"kv_integrity_error","code":"kv_integrity_error"}}"#;
         let event = format!("data: {}\n\n", std::str::from_utf8(body).expect("UTF-8"));
-        let answered = refusal(500, body);
+        let answered = refusal(500, body, true);
         let streamed = drain(stream(&[&event])).await.expect_err("an error event");
         for status in [answered, streamed] {
             assert_eq!(
@@ -1091,9 +1252,108 @@ mod tests {
             );
         }
         // Without a code of the table, a 500 or an event is the upstream's trouble.
-        assert_eq!(refusal(500, b"{}").code(), Code::Unavailable);
+        assert_eq!(refusal(500, b"{}", true).code(), Code::Unavailable);
         let event = "data: {\"error\":{\"message\":\"boom\",\"code\":\"oops\"}}\n\n";
         let status = drain(stream(&[event])).await.expect_err("an error event");
         assert!(crate::api::from_status(&status, crate::api::Endpoint::Chat).worker_down);
+    }
+
+    /// An upstream that ignores `max_tokens` fails the request as soon as its text outgrows
+    /// what that many tokens can hold, whether in many chunks, one, or the closing one; a
+    /// usage count above `max_tokens` fails it too. The server stays routed to.
+    #[tokio::test]
+    async fn an_upstream_past_max_tokens_fails_the_request_however_it_sends_the_text() {
+        let flood = format!(
+            "data: {{\"choices\":[{{\"text\":\"{}\",\"finish_reason\":\"length\"}}]}}\n\n",
+            " hello".repeat(2000)
+        );
+        let one = format!(
+            "data: {{\"choices\":[{{\"text\":\"{}\",\"finish_reason\":null}}]}}\n\n",
+            " hello".repeat(2000)
+        );
+        let overcount = "data: {\"choices\":[{\"text\":\"hi\",\"finish_reason\":\"length\"}],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":9}}\n\n";
+        for body in [flood.as_str(), one.as_str(), overcount] {
+            let failed = drain(stream_asking(&[body, "data: [DONE]\n\n"], true, 5, &[])).await;
+            let status = failed.expect_err("more than max_tokens");
+            assert_eq!(error_code(&status), Some("internal_error"), "{status:?}");
+            assert!(
+                !crate::api::from_status(&status, crate::api::Endpoint::Chat).worker_down,
+                "one request's failure"
+            );
+        }
+        // At the bound (5 tokens of 16 bytes), the text is read.
+        let at = format!(
+            "data: {{\"choices\":[{{\"text\":\"{}\",\"finish_reason\":\"length\"}}]}}\n\n",
+            "x".repeat(80)
+        );
+        let (text, _) = drain(stream_asking(&[&at, "data: [DONE]\n\n"], true, 5, &[]))
+            .await
+            .expect("within the bound");
+        assert_eq!(text.len(), 80);
+    }
+
+    /// The usage the tenant is charged and the record says is held to what the gateway can
+    /// see: its own prompt count (it sent the ids), a completion count the text does not belie
+    /// (else the tokenizer's), cached tokens no more than the prompt's.
+    #[tokio::test]
+    async fn the_upstreams_usage_is_held_to_what_the_gateway_sent_and_got() {
+        let lying = stream_asking(
+            &[
+                "data: {\"choices\":[{\"text\":\"one two three four five six seven eight nine ten eleven twelve\",\"finish_reason\":\"stop\"}]}\n\n",
+                "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":30,\"completion_tokens\":1,\"prompt_tokens_details\":{\"cached_tokens\":999999}}}\n\n",
+                "data: [DONE]\n\n",
+            ],
+            true,
+            100,
+            &[],
+        );
+        let (_, done) = drain(lying).await.expect("a complete stream");
+        assert_eq!(done.prompt_tokens, 5, "the ids the gateway sent");
+        assert_eq!(
+            done.completion_tokens, 12,
+            "counted: one token cannot hold the text"
+        );
+        assert_eq!(done.cached_tokens, 5, "at most the prompt");
+    }
+
+    #[tokio::test]
+    async fn several_choices_are_a_broken_answer_not_text_interleaved() {
+        for chunk in [
+            "data: {\"choices\":[{\"index\":1,\"text\":\"SECRET\"}]}\n\n",
+            "data: {\"choices\":[{\"index\":0,\"text\":\"a\"},{\"index\":1,\"text\":\"b\"}]}\n\n",
+        ] {
+            let status = drain(stream(&[chunk, "data: [DONE]\n\n"]))
+                .await
+                .expect_err("several choices");
+            assert_eq!(error_code(&status), Some("internal_error"), "{status:?}");
+        }
+    }
+
+    /// A server that sends on past a stop string (it ignored `stop`): the answer ends before
+    /// it, as a Bulkhead worker's would, also when it spans chunks; a partial match the answer
+    /// ends on is released.
+    #[tokio::test]
+    async fn the_requests_stop_strings_end_the_answer_whatever_the_upstream_does() {
+        let chunks = [
+            "data: {\"choices\":[{\"text\":\" one ST\",\"finish_reason\":null}]}\n\n",
+            "data: {\"choices\":[{\"text\":\"OP two\",\"finish_reason\":null}]}\n\n",
+            "data: {\"choices\":[{\"text\":\" three\",\"finish_reason\":\"length\"}]}\n\n",
+            "data: [DONE]\n\n",
+        ];
+        let (text, done) = drain(stream_asking(&chunks, true, 100, &["STOP"]))
+            .await
+            .expect("a complete answer");
+        assert_eq!(text, " one ");
+        assert_eq!(done.finish_reason, i32::from(FinishReason::Stop));
+        assert_eq!(done.completion_tokens, 1, "what the client got, counted");
+
+        let (text, done) = drain(stream_asking(&chunks, true, 100, &["STOPPED"]))
+            .await
+            .expect("a complete answer");
+        assert_eq!(
+            text, " one STOP two three",
+            "no stop: everything, held text released"
+        );
+        assert_eq!(done.finish_reason, i32::from(FinishReason::Length));
     }
 }
