@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use bulkhead_gateway::keys::KeyHash;
+use bulkhead_gateway::preflight;
 use bulkhead_gateway::tenants::ConfigFile;
 use bulkhead_gateway::{BoundGateway, Config};
 
@@ -87,16 +88,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 pub fn preflight(args: WorkersArgs) -> anyhow::Result<()> {
     let (config, _) = args.config()?;
     let cluster = config.cluster_access()?;
-    let answers = crate::runtime::main()?.block_on(bulkhead_gateway::preflight::ask(
-        &config,
-        &cluster,
-        &bulkhead_gateway::discovery::SystemResolver,
-    ));
-    let mut checks = bulkhead_gateway::preflight::checks(&answers);
+    let (answers, servers) = crate::runtime::main()?.block_on(async {
+        let resolver = bulkhead_gateway::discovery::SystemResolver;
+        tokio::join!(
+            preflight::ask(&config, &cluster, &resolver),
+            preflight::probe_servers(&config)
+        )
+    });
+    let mut checks = preflight::checks(&answers);
+    checks.extend(preflight::server_checks(&servers));
     if let Some(settings) = config.policies.clone() {
-        checks.push(bulkhead_gateway::preflight::policy_set(settings));
+        checks.push(preflight::policy_set(settings));
     }
-    let (report, passed) = bulkhead_gateway::preflight::render(&answers, &checks);
+    let (report, passed) = preflight::render(&answers, &servers, &checks);
     print!("{report}");
     let failed = checks.iter().filter(|c| !c.pass && !c.advisory).count();
     anyhow::ensure!(

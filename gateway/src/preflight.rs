@@ -16,9 +16,10 @@ use bulkhead_worker::serve::cluster_token;
 use bulkhead_worker::serve::proto::{InfoRequest, InfoResponse, KvHandoff, Role};
 use bulkhead_worker::serve::tls;
 
-use crate::config::{ClusterAccess, Config, Protocol, WorkerConfig, WorkerRole};
+use crate::config::{ClusterAccess, Config, OpenAiUpstream, Protocol, WorkerConfig, WorkerRole};
 use crate::discovery::{Resolve, resolve_group};
 use crate::policy::{Policies, PolicySettings};
+use crate::upstreams::OpenAiClient;
 
 /// Bound on connecting to and asking each worker.
 const ASK_LIMIT: Duration = Duration::from_secs(5);
@@ -26,6 +27,83 @@ const ASK_LIMIT: Duration = Duration::from_secs(5);
 /// How long a decode worker that has not yet reached its prefill peer is given to (it asks
 /// every second).
 const PEER_SETTLES: Duration = Duration::from_secs(2);
+
+/// An OpenAI-compatible upstream and what its health probe found (the gateway's own:
+/// `GET /v1/models` answers and lists the configured model).
+#[derive(Debug, Clone)]
+pub struct ServerAnswer {
+    pub worker: WorkerConfig,
+    pub upstream: OpenAiUpstream,
+    pub probe: Result<(), String>,
+}
+
+/// Probes every OpenAI-compatible upstream in `config`, concurrently, as the gateway's health
+/// check does.
+pub async fn probe_servers(config: &Config) -> Vec<ServerAnswer> {
+    let probes = config.workers.iter().filter_map(|w| match &w.protocol {
+        Protocol::OpenAi(o) => Some(async move {
+            let probe = match OpenAiClient::configured(&w.endpoint, o) {
+                Ok(client) => client.health().await,
+                Err(e) => Err(e),
+            };
+            ServerAnswer {
+                worker: w.clone(),
+                upstream: o.clone(),
+                probe,
+            }
+        }),
+        Protocol::Bulkhead => None,
+    });
+    futures_util::future::join_all(probes).await
+}
+
+/// The checks of the OpenAI-compatible upstreams: each answers and lists its model, its key
+/// (when it needs one) is in the environment; and a warning that its KV pool is not checked.
+pub fn server_checks(servers: &[ServerAnswer]) -> Vec<Check> {
+    let mut out = Vec::new();
+    for s in servers {
+        let check = |name, pass, detail: String| Check {
+            subject: s.worker.name.clone(),
+            name,
+            pass,
+            detail,
+            advisory: false,
+        };
+        out.push(match &s.probe {
+            Ok(()) => check(
+                "reachable",
+                true,
+                format!("GET /v1/models lists {:?}", s.upstream.model),
+            ),
+            Err(e) => check("reachable", false, e.clone()),
+        });
+        if let Some(var) = &s.upstream.key_env {
+            let set = std::env::var_os(var).is_some();
+            out.push(check(
+                "has its key",
+                set,
+                if set {
+                    format!("{var} is set")
+                } else {
+                    format!("key_env names {var}, which is not set: requests go without a key")
+                },
+            ));
+        }
+        out.push(Check {
+            advisory: true,
+            ..check(
+                "pool covers the served context",
+                false,
+                format!(
+                    "not checked: an OpenAI-compatible server's KV pool is its own; the gateway \
+                     admits against context_length = {}",
+                    s.upstream.context_length
+                ),
+            )
+        });
+    }
+    out
+}
 
 /// A configured worker and what it answered.
 #[derive(Debug, Clone)]
@@ -89,11 +167,11 @@ fn unreachable(
     text
 }
 
-/// Asks every worker in `config` for its Info (concurrently, each bounded, presenting
-/// `token`): the listed ones and every member its worker groups resolve to now. A group that
-/// resolves to no worker is one unreachable answer under the group's name.
+/// Asks every Bulkhead worker in `config` for its Info (concurrently, each bounded,
+/// presenting `token`): the listed ones and every member its worker groups resolve to now. A
+/// group that resolves to no worker is one unreachable answer under the group's name. (The
+/// OpenAI-compatible upstreams are [`probe_servers`]'.)
 pub async fn ask(config: &Config, cluster: &ClusterAccess, resolver: &impl Resolve) -> Vec<Answer> {
-    // An OpenAI-compatible upstream's pool is its own: nothing here can check it.
     let mut workers: Vec<WorkerConfig> = config
         .workers
         .iter()
@@ -508,18 +586,31 @@ fn on(b: bool) -> &'static str {
     if b { "on" } else { "OFF" }
 }
 
-/// The report: one line per worker, then one per check; and whether every check passed.
-pub fn render(answers: &[Answer], checks: &[Check]) -> (String, bool) {
+/// The report: one line per worker (the OpenAI-compatible `servers` last: the model they are
+/// asked for and their configured context), then one per check; and whether every check
+/// passed.
+pub fn render(answers: &[Answer], servers: &[ServerAnswer], checks: &[Check]) -> (String, bool) {
     let mut out = String::new();
     // Columns at least as wide as their longest entry (a GGUF's model id runs past 50
     // characters).
     let width = |of: fn(&Answer) -> Option<usize>, least: usize| {
         answers.iter().filter_map(of).fold(least, usize::max)
     };
-    let name = width(|a| Some(a.worker.name.chars().count()), 16);
+    let name = width(|a| Some(a.worker.name.chars().count()), 16).max(
+        servers
+            .iter()
+            .map(|s| s.worker.name.chars().count())
+            .fold(0, usize::max),
+    );
     let model = width(
         |a| a.info.as_ref().ok().map(|i| i.model_id.chars().count()),
         40,
+    )
+    .max(
+        servers
+            .iter()
+            .map(|s| s.upstream.model.chars().count())
+            .fold(0, usize::max),
     );
     let _ = writeln!(
         out,
@@ -540,6 +631,18 @@ pub fn render(answers: &[Answer], checks: &[Check]) -> (String, bool) {
                 let _ = writeln!(out, "{:<name$} {role:<8} unreachable: {e}", a.worker.name);
             }
         }
+    }
+    for s in servers {
+        let _ = writeln!(
+            out,
+            "{:<name$} {:<8} {:<model$} {:>10} {:>10} {:>6}",
+            s.worker.name,
+            s.worker.role.name(),
+            s.upstream.model,
+            s.upstream.context_length,
+            "-",
+            "-"
+        );
     }
     out.push('\n');
     for c in checks {
@@ -650,11 +753,54 @@ mod tests {
         let checks = checks(&answers);
         assert!(checks.len() >= 12, "{checks:?}");
         assert_eq!(failed(&checks), []);
-        assert!(render(&answers, &checks).1);
+        assert!(render(&answers, &[], &checks).1);
     }
 
     /// A dead address is told apart from a worker that takes only TLS: the TLS hint is for a
     /// connection that was made and then ended, not for one nobody took.
+    /// An OpenAI-compatible upstream that does not answer fails; its pool is never said to
+    /// pass (nothing here can see it); a key its configuration names must be set.
+    #[test]
+    fn an_openai_upstream_is_probed_and_its_pool_never_passes() {
+        let server = |probe: Result<(), String>, key_env: Option<&str>| {
+            let upstream = OpenAiUpstream {
+                model: "served-model".into(),
+                context_length: std::num::NonZeroU32::new(4096).expect("non-zero"),
+                tokenizer: "m.gguf".into(),
+                key_env: key_env.map(str::to_owned),
+                cache_salt: true,
+            };
+            ServerAnswer {
+                worker: WorkerConfig {
+                    protocol: Protocol::OpenAi(upstream.clone()),
+                    ..worker("vllm", WorkerRole::Both, None)
+                },
+                upstream,
+                probe,
+            }
+        };
+        let up = server(Ok(()), None);
+        let down = server(
+            Err("connection refused".into()),
+            Some("BULKHEAD_TEST_UNSET_KEY"),
+        );
+        let checks = server_checks(&[up.clone()]);
+        let (text, passed) = render(&[], &[up], &checks);
+        assert!(passed, "{text}");
+        assert!(text.contains("served-model"), "{text}");
+        assert!(text.contains("WARN vllm"), "{text}");
+        assert!(text.contains("not checked"), "{text}");
+        let checks = server_checks(&[down.clone()]);
+        let (text, passed) = render(&[], &[down], &checks);
+        assert!(!passed, "{text}");
+        assert!(text.contains("FAIL vllm"), "{text}");
+        assert!(text.contains("connection refused"), "{text}");
+        assert!(
+            text.contains("BULKHEAD_TEST_UNSET_KEY, which is not set"),
+            "{text}"
+        );
+    }
+
     #[test]
     fn a_refused_connection_is_not_blamed_on_tls() {
         let plain = ClusterAccess::default();
@@ -745,7 +891,7 @@ mod tests {
     fn the_table_is_as_wide_as_its_longest_model_id() {
         let id = "Smollm2 135M 8k Lc100K Mix1 Ep2-98362432-175cf92253bf70f3";
         let answers = pair_answers(info(id, 64, 64, 16, 4 << 20), info(id, 4096, 4096, 16, 0));
-        let (report, _) = render(&answers, &checks(&answers));
+        let (report, _) = render(&answers, &[], &checks(&answers));
         let lines: Vec<&str> = report.lines().take(3).collect();
         let column = |line: &str, text: &str| line.find(text).unwrap_or_else(|| panic!("{report}"));
         // Right-aligned: every row's pool ends where the title "pool" ends.
@@ -768,7 +914,7 @@ mod tests {
     fn a_prefill_worker_serving_a_shorter_context_than_decode_is_warned_of() {
         let warned = |answers: &[Answer]| {
             let checks = checks(answers);
-            let (report, passed) = render(answers, &checks);
+            let (report, passed) = render(answers, &[], &checks);
             assert!(passed, "{report}");
             assert_eq!(failed(&checks), [], "{report}");
             report.contains("WARN d ↔ p")
@@ -929,7 +1075,7 @@ mod tests {
         let config = crate::Config::parse(include_str!("../../deploy/k8s/base/gateway.toml"))
             .expect("valid");
         let answers = ask(&config, &ClusterAccess::default(), &Nothing).await;
-        let (text, passed) = render(&answers, &checks(&answers));
+        let (text, passed) = render(&answers, &[], &checks(&answers));
         assert!(!passed);
         assert!(
             text.contains("FAIL prefill") && text.contains("FAIL decode"),
@@ -981,7 +1127,7 @@ mod tests {
                 open: None,
             },
         ];
-        let (text, passed) = render(&answers, &checks(&answers));
+        let (text, passed) = render(&answers, &[], &checks(&answers));
         assert!(!passed);
         assert!(
             text.contains("FAIL a") && text.contains("reachable"),

@@ -1210,9 +1210,7 @@ fn client(
             ))
         }
         Protocol::OpenAi(o) => {
-            let key = o.key_env.as_ref().and_then(|v| std::env::var(v).ok());
-            let client =
-                OpenAiClient::new(&c.endpoint, &o.model, key, o.cache_salt).map_err(invalid)?;
+            let client = OpenAiClient::configured(&c.endpoint, o).map_err(invalid)?;
             Ok((Upstream::OpenAi(Arc::new(client)), None))
         }
     }

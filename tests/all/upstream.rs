@@ -6,7 +6,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::cluster::Gateway;
+use crate::cluster::{Gateway, preflight_with_env};
 use crate::up::{
     ADMIN, KEY_A, KEY_B, Options, SILENCE_2S, TempDir, Up, bounded, http, json, sha256_hex,
     stream_under_way,
@@ -15,6 +15,8 @@ use crate::up::{
 /// A `bulkhead gateway` fronting an upstream, and its configuration's directory.
 struct Front {
     gateway: Gateway,
+    /// Its configuration file.
+    config: std::path::PathBuf,
     _dir: TempDir,
 }
 
@@ -59,7 +61,11 @@ impl Front {
             &dir.0.join("data"),
             &[("UPSTREAM_KEY", upstream_key)],
         );
-        Front { gateway, _dir: dir }
+        Front {
+            gateway,
+            config: path,
+            _dir: dir,
+        }
     }
 }
 
@@ -126,6 +132,24 @@ fn the_gateway_fronts_an_openai_compatible_server_with_its_own_tenants_admission
         assert_eq!(
             json(&fronted)["usage"]["completion_tokens"],
             json(&direct)["usage"]["completion_tokens"]
+        );
+        // Preflight probes the server as the gateway's health check does, and says what it
+        // cannot check; the key its configuration names must be in the environment.
+        let key = std::path::Path::new(KEY_B);
+        let (passed, report) = preflight_with_env(&front.config, &[("UPSTREAM_KEY", key)]);
+        assert!(passed, "{report}");
+        assert!(report.contains("PASS upstream-b"), "{report}");
+        assert!(
+            report.contains("reachable: GET /v1/models lists"),
+            "{report}"
+        );
+        assert!(report.contains("WARN upstream-b"), "{report}");
+        assert!(report.contains("2048"), "the configured context: {report}");
+        let (passed, report) = preflight_with_env(&front.config, &[]);
+        assert!(!passed, "{report}");
+        assert!(
+            report.contains("UPSTREAM_KEY, which is not set"),
+            "{report}"
         );
         // Streaming through the front ends with [DONE].
         let stream = CHAT.replace("\"temperature\":0", "\"temperature\":0,\"stream\":true");

@@ -259,6 +259,19 @@ impl OpenAiClient {
         })
     }
 
+    /// The client of the `[[workers]]` entry at `endpoint` with `upstream`'s settings: its key
+    /// read from the variable `key_env` names, when it names one.
+    pub fn configured(
+        endpoint: &str,
+        upstream: &crate::config::OpenAiUpstream,
+    ) -> Result<OpenAiClient, String> {
+        let key = upstream
+            .key_env
+            .as_ref()
+            .and_then(|v| std::env::var(v).ok());
+        OpenAiClient::new(endpoint, &upstream.model, key, upstream.cache_salt)
+    }
+
     /// The calling thread's pooled client.
     fn http(&self) -> &Client<HttpConnector, Full<Bytes>> {
         self.http.get_or(|| {
