@@ -784,14 +784,14 @@ mod tests {
             Err("connection refused".into()),
             Some("BULKHEAD_TEST_UNSET_KEY"),
         );
-        let checks = server_checks(&[up.clone()]);
-        let (text, passed) = render(&[], &[up], &checks);
+        let up = [up];
+        let (text, passed) = render(&[], &up, &server_checks(&up));
         assert!(passed, "{text}");
         assert!(text.contains("served-model"), "{text}");
         assert!(text.contains("WARN vllm"), "{text}");
         assert!(text.contains("not checked"), "{text}");
-        let checks = server_checks(&[down.clone()]);
-        let (text, passed) = render(&[], &[down], &checks);
+        let down = [down];
+        let (text, passed) = render(&[], &down, &server_checks(&down));
         assert!(!passed, "{text}");
         assert!(text.contains("FAIL vllm"), "{text}");
         assert!(text.contains("connection refused"), "{text}");
