@@ -144,6 +144,10 @@ pub enum Unroutable {
          --cluster-token-file?): anyone who reaches it runs requests past the gateway"
     )]
     AnswersWithoutToken,
+    /// One process reached at two addresses (a dual-stack name lists a pod under its IPv4
+    /// and its IPv6 address): routed to, and counted, as one member.
+    #[error("it is the process {worker} answers for (the same instance id), routed to there")]
+    SameProcess { worker: String },
 }
 
 /// Whether a worker may be routed to: `None` when it may.
@@ -444,10 +448,25 @@ impl State {
         Ok(())
     }
 
-    /// Why `e` cannot take requests: its own state, and for a decode worker its prefill
-    /// worker's too (a request needs both legs).
-    /// Whether `e` itself may be routed to (or fill a decode worker's pages).
+    /// Why `e` itself may not be routed to (or fill a decode worker's pages): its own state,
+    /// or an earlier worker that may be is the same process.
     fn own(&self, e: &Entry) -> Option<Unroutable> {
+        self.own_alone(e).or_else(|| {
+            let id = e.info.as_ref().map(|i| i.instance_id.as_str())?;
+            let first = self
+                .entries
+                .iter()
+                .take_while(|earlier| !std::ptr::eq(*earlier, e))
+                .filter(|earlier| earlier.info.as_ref().is_some_and(|i| i.instance_id == id))
+                .find(|earlier| self.own_alone(earlier).is_none())?;
+            (!id.is_empty()).then(|| Unroutable::SameProcess {
+                worker: first.config.name.clone(),
+            })
+        })
+    }
+
+    /// [`State::own`], of `e` alone.
+    fn own_alone(&self, e: &Entry) -> Option<Unroutable> {
         unroutable(e.facts.as_ref(), &e.health, self.served_id())
             .or_else(|| {
                 let ejection = e.stalls.ejected(Instant::now())?;
@@ -481,7 +500,7 @@ impl State {
     fn log_routability(&mut self) {
         for i in 0..self.entries.len() {
             let reason = match self.unroutable(&self.entries[i]) {
-                None | Some(Unroutable::PrefillOnly) => None,
+                None | Some(Unroutable::PrefillOnly | Unroutable::SameProcess { .. }) => None,
                 // A worker starting: said once it is settled, either way.
                 Some(Unroutable::PrefillNotReachedYet) => continue,
                 Some(why) => Some(why),
@@ -1423,6 +1442,43 @@ mod tests {
             "p2's pool bounds it now"
         );
         assert!(w.route(&admitted(2000)).is_some());
+    }
+
+    /// A group's name listing one pod at two addresses (IPv4 and IPv6) makes two members of
+    /// one process: only the first that may be routed to is, so the process is counted and
+    /// loaded once; the other takes over when the first cannot be reached.
+    #[tokio::test]
+    async fn one_process_at_two_addresses_is_routed_to_as_one() {
+        let w = workers(&[
+            ("both@10.0.0.1:50051", WorkerRole::Both, None),
+            ("both@[fd00::1]:50051", WorkerRole::Both, None),
+            ("other", WorkerRole::Both, None),
+        ]);
+        for name in ["both@10.0.0.1:50051", "both@[fd00::1]:50051", "other"] {
+            reports(&w, name, WorkerRole::Both, 8192, 8192);
+        }
+        let same = instance("both@10.0.0.1:50051");
+        w.with(|s| Arc::make_mut(s.entries[1].info.as_mut().expect("Info")).instance_id = same);
+        let why = w.with(|s| s.unroutable(&s.entries[1]));
+        assert!(
+            matches!(&why, Some(Unroutable::SameProcess { worker }) if worker == "both@10.0.0.1:50051"),
+            "{why:?}"
+        );
+        // Held, so each goes to the least loaded: the two processes, never the second address.
+        let routes: Vec<Route> = (0..4)
+            .map(|_| w.route(&admitted(100)).expect("a route"))
+            .collect();
+        let names: Vec<&str> = routes.iter().map(|r| r.worker.as_str()).collect();
+        assert!(names.contains(&"other"), "{names:?}");
+        assert!(!names.iter().any(|r| r.contains("fd00")), "{names:?}");
+        // The IPv4 address stops answering: the same process is reached at its IPv6 one.
+        w.with(|s| {
+            s.entries[0].health = Health::Unreachable {
+                error: "network unreachable".into(),
+            };
+            s.judged = None;
+        });
+        assert_eq!(w.with(|s| s.unroutable(&s.entries[1])), None);
     }
 
     /// Which process answers where decode `d` dials its prefill worker (`p`'s, at first).
