@@ -174,9 +174,9 @@ fn policies_deny_clamp_label_and_hold_an_abandoned_request_until_its_first_token
             "{record:#}"
         );
 
-        // /v1/completions: prompt + max tokens clamped to 24 in all.
+        // /v1/completions: prompt + max tokens clamped to 24 in all, and the answer says so.
         let counting = r#"{"prompt":"1, 2, 3, 4, 5,","max_tokens":200,"temperature":0}"#;
-        let (status, _, body) = exchange(
+        let (status, head, body) = exchange(
             &up.api,
             "POST",
             "/v1/completions",
@@ -189,6 +189,13 @@ fn policies_deny_clamp_label_and_hold_an_abandoned_request_until_its_first_token
         let total = usage["total_tokens"].as_u64().expect("usage");
         assert!(total <= 24, "clamped to 24 tokens in all: {usage}");
         assert!(usage["completion_tokens"].as_u64() > Some(1), "{usage}");
+        let clamped = header(&head, "x-bulkhead-clamped-max-tokens");
+        let prompt = usage["prompt_tokens"].as_u64().expect("usage");
+        assert_eq!(
+            clamped.and_then(|v| v.parse::<u64>().ok()),
+            Some(24 - prompt),
+            "{head}"
+        );
 
         // A long prompt, abandoned during prefill. tenant-a's abort guard holds the stream
         // until the first token; the control tenant's cancels at once.

@@ -96,8 +96,15 @@ impl RequestPolicy {
         for (name, value) in &self.headers {
             headers.append(name.clone(), value.clone());
         }
+        // A clamped answer ends at `length` sooner than asked: the client is told why.
+        if let Some(c) = self.clamp {
+            headers.insert(CLAMPED_MAX_TOKENS, HeaderValue::from(c.get()));
+        }
     }
 }
+
+/// The response header that says the max tokens the policies clamped a request to.
+pub const CLAMPED_MAX_TOKENS: HeaderName = HeaderName::from_static("x-bulkhead-clamped-max-tokens");
 
 fn selected(headers: &HeaderMap, names: &[HeaderName]) -> Vec<Header> {
     names
