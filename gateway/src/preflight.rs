@@ -78,7 +78,8 @@ pub fn server_checks(servers: &[ServerAnswer]) -> Vec<Check> {
             Err(e) => check("reachable", false, e.clone()),
         });
         if let Some(var) = &s.upstream.key_env {
-            let set = std::env::var_os(var).is_some();
+            // As the client reads it: a value that is not UTF-8 is no key.
+            let set = std::env::var(var).is_ok();
             out.push(check(
                 "has its key",
                 set,
@@ -756,8 +757,6 @@ mod tests {
         assert!(render(&answers, &[], &checks).1);
     }
 
-    /// A dead address is told apart from a worker that takes only TLS: the TLS hint is for a
-    /// connection that was made and then ended, not for one nobody took.
     /// An OpenAI-compatible upstream that does not answer fails; its pool is never said to
     /// pass (nothing here can see it); a key its configuration names must be set.
     #[test]
@@ -801,6 +800,8 @@ mod tests {
         );
     }
 
+    /// A dead address is told apart from a worker that takes only TLS: the TLS hint is for a
+    /// connection that was made and then ended, not for one nobody took.
     #[test]
     fn a_refused_connection_is_not_blamed_on_tls() {
         let plain = ClusterAccess::default();

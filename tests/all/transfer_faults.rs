@@ -66,10 +66,21 @@ async fn a_stuck_peer_keeps_its_quarantined_pages_until_it_dies_then_they_come_b
         let mut client = decode.client().await;
         let request = tokio::spawn(async move {
             let start = Instant::now();
-            (
-                run_to_end(&mut client, chat("What is 2+2?", 8)).await,
-                start.elapsed(),
-            )
+            let mut stream = client
+                .generate(chat("What is 2+2?", 8))
+                .await
+                .expect("admitted")
+                .into_inner();
+            // What the stream says before its error.
+            let mut heard = Vec::new();
+            let end = loop {
+                match stream.message().await {
+                    Ok(Some(m)) => heard.push(m.item.expect("every item has a body")),
+                    Ok(None) => break Ok(()),
+                    Err(e) => break Err(e),
+                }
+            };
+            (end, heard, start.elapsed())
         });
 
         // Mid-transfer: the per-role gauges show it on both sides.
@@ -91,8 +102,20 @@ async fn a_stuck_peer_keeps_its_quarantined_pages_until_it_dies_then_they_come_b
             "{p}"
         );
 
-        let (answer, took) = request.await.expect("the request task");
+        let (answer, heard, took) = request.await.expect("the request task");
         let err = answer.expect_err("the transfer cannot complete");
+        // Prefill computed the prompt and said so: the caller heard the request was
+        // transferring, and never a token.
+        assert!(
+            heard
+                .iter()
+                .any(|i| matches!(i, proto::Item::PrefillDone(_))),
+            "{heard:?}"
+        );
+        assert!(
+            !heard.iter().any(|i| matches!(i, proto::Item::Token(_))),
+            "{heard:?}"
+        );
         assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
         assert_eq!(error_code(&err), Some("service_unavailable"), "{err:?}");
         assert!(took < Duration::from_secs(10), "failed after {took:?}");

@@ -89,6 +89,7 @@ impl Drop for Started {
             let charge = Charge {
                 permit,
                 prompt_tokens: self.prompt_tokens,
+                max_tokens: self.max_tokens,
                 claim: self.route.take_claim(),
             };
             policy.finish(

@@ -73,6 +73,9 @@ pub struct Charge {
     pub permit: RequestPermit,
     /// The prompt's tokens, as admitted.
     pub prompt_tokens: u32,
+    /// The most tokens it may generate, as admitted: a held stream that sends more (a broken
+    /// upstream) is charged no more.
+    pub max_tokens: u32,
     /// The request's tokens on its worker, which it loads until the hold ends.
     pub claim: Option<Claim>,
 }
@@ -264,7 +267,10 @@ impl Ending {
             });
         }
         let usage = match answered {
-            true => progress.counted(charge.prompt_tokens),
+            true => {
+                let (prompt, completion) = progress.counted(charge.prompt_tokens);
+                (prompt, completion.min(charge.max_tokens))
+            }
             false => (0, 0),
         };
         if usage.1 > 0 {

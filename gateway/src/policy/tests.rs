@@ -117,6 +117,7 @@ fn charge() -> Charge {
     Charge {
         permit: Limiter::default().start(&tenant(1000)).expect("room"),
         prompt_tokens: 10,
+        max_tokens: 100,
         claim: None,
     }
 }
@@ -1574,6 +1575,7 @@ fn one_slot_charged_in_full() -> (Policies, Scratch, Arc<Tenant>, Limiter, Charg
     let charge = Charge {
         permit,
         prompt_tokens: 10,
+        max_tokens: 990,
         claim: None,
     };
     (p, dir, a, limiter, charge)
@@ -1629,4 +1631,44 @@ async fn an_abandoned_request_keeps_its_slot_until_its_end_and_is_charged_what_i
         next.charge_tokens(60).is_err(),
         "what it used stays charged"
     );
+}
+
+/// A held stream that sends more tokens than the request was admitted with (a broken
+/// upstream) is recorded, and charged, as the admitted maximum: never more.
+#[tokio::test]
+async fn an_abandoned_request_is_never_counted_past_its_max_tokens() {
+    let (p, dir) = loaded(&format!(
+        "{}{}",
+        plugin("abort-guard", ""),
+        binding("abort-guard", "config = { max_held_per_tenant = 1 }")
+    ));
+    let (recorder, _) = Recorder::open(
+        &dir.0.join("audit"),
+        AuditSettings::default(),
+        Metrics::default(),
+        None,
+    )
+    .expect("opens the audit log");
+    let r = ask(&p, Ask::default()).await.expect("allowed");
+    let progress = Progress {
+        tokens: 5000,
+        ..Progress::default()
+    };
+    let trail = recorder.trail("req-over".into(), tracing::Span::none());
+    r.finish(None, progress, trail, charge());
+    abandoned_directives(&p).await;
+    let gateway = bulkhead_audit::TenantId::new(crate::trail::GATEWAY_LOG).expect("valid");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let record = loop {
+        recorder.flush().expect("flush");
+        let read = recorder
+            .read(&gateway, bulkhead_audit::Seq(0), 10)
+            .expect("read");
+        if let Some(stored) = read.into_iter().next() {
+            break stored.record;
+        }
+        assert!(Instant::now() < deadline, "no record");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(record.output_tokens, Some(100), "{record:?}");
 }

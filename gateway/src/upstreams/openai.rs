@@ -170,8 +170,15 @@ struct Events {
     max_tokens: u32,
     /// The request's stop strings, applied again to what the upstream sends.
     stops: StopWatch,
-    /// The answer ended at a stop string the upstream sent on past.
-    stopped: bool,
+    /// The same strings, to find which one ended the answer.
+    stop_strings: Vec<String>,
+    /// Everything the upstream sent, kept while the answer may end at a stop string.
+    raw: String,
+    /// The answer ended at a stop string the upstream sent on past: the bytes it sent up to
+    /// the stop string's end, which it generated and the tenant is charged for.
+    stopped_at: Option<usize>,
+    /// A chunk said the finish reason: text after it is the answer's end too.
+    closing: bool,
     /// Bytes of text the upstream sent.
     received: usize,
     /// The completion so far as the client gets it, counted at the end when the upstream's
@@ -462,10 +469,19 @@ fn signed_seed(seed: u64) -> i64 {
 fn refusal(http: u16, body: &[u8], salted: bool) -> Status {
     let parsed: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
     let error = &parsed["error"];
+    // The field named as the one at fault, or a message that says an unknown field is it (one
+    // that merely quotes the request, which holds the salt, is about something else).
+    let refused_field = [
+        "nrecognized",
+        "xtra",
+        "not permitted",
+        "nknown",
+        "unexpected",
+    ];
     let about_salt = error["param"] == "cache_salt"
-        || error["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("cache_salt"));
+        || error["message"].as_str().is_some_and(|m| {
+            m.contains("cache_salt") && refused_field.iter().any(|w| m.contains(w))
+        });
     if salted && matches!(http, 400 | 422) && about_salt {
         return error_code_status(
             Code::Internal,
@@ -546,8 +562,11 @@ impl SseStream {
                 salted,
                 prompt_tokens: asked.prompt_tokens,
                 max_tokens: asked.max_tokens,
-                stops: StopWatch::new(asked.stop),
-                stopped: false,
+                stops: StopWatch::new(asked.stop.clone()),
+                stop_strings: asked.stop,
+                raw: String::new(),
+                stopped_at: None,
+                closing: false,
                 received: 0,
                 text: String::new(),
                 tail: String::new(),
@@ -706,7 +725,7 @@ impl Events {
                 "the upstream sent several choices; the gateway asks for one",
             ));
         }
-        let last = choice.finish_reason.is_some();
+        self.closing |= choice.finish_reason.is_some();
         if let Some(text) = choice.text.filter(|t| !t.is_empty()) {
             self.chunks += 1;
             self.received += text.len();
@@ -716,11 +735,20 @@ impl Events {
                     self.max_tokens
                 )));
             }
+            if !self.stop_strings.is_empty() {
+                self.raw.push_str(&text);
+            }
             match self.stops.push(&text) {
-                StopScan::Continue(out) => self.emit(out, last),
+                StopScan::Continue(out) => self.emit(out, self.closing),
                 StopScan::Stopped(out) => {
                     self.emit(out, true);
-                    self.stopped = true;
+                    // What was sent so far is the answer, then the stop string.
+                    let rest = &self.raw[self.text.len()..];
+                    let stop = self
+                        .stop_strings
+                        .iter()
+                        .find(|s| rest.starts_with(s.as_str()));
+                    self.stopped_at = Some(self.text.len() + stop.map_or(0, String::len));
                     self.finish = FinishReason::Stop;
                     return self.done();
                 }
@@ -780,19 +808,31 @@ impl Events {
         Ok(())
     }
 
-    /// The completion's tokens: the upstream's count when it is at most `max_tokens` and its
-    /// text fits in it, else the tokenizer's count of the text the client got (its chunks
-    /// when the text cannot be tokenized), at most `max_tokens`. A count above `max_tokens`
-    /// says the upstream ignored it: the request fails.
+    /// The completion's tokens: the upstream's count when it is at most `max_tokens` and no
+    /// fewer than the pieces of text it sent or than its text can be; else the tokenizer's
+    /// count of what it generated — the text the client got, and the stop string that ended
+    /// it when the gateway cut it there — (its pieces when the text cannot be tokenized), at
+    /// most `max_tokens`. A count above `max_tokens` says the upstream ignored it: the request
+    /// fails.
     fn completion_tokens(&self) -> Result<u32, Status> {
         match self.usage {
             Some(c) if c > self.max_tokens => Err(broken(&format!(
                 "the upstream counts {c} completion tokens, more than the {} asked for",
                 self.max_tokens
             ))),
-            Some(c) if !self.stopped && self.counter.can_hold(c, self.received) => Ok(c),
+            Some(c)
+                if self.stopped_at.is_none()
+                    && c >= self.chunks
+                    && self.counter.can_hold(c, self.received) =>
+            {
+                Ok(c)
+            }
             _ => {
-                let counted = (self.counter.count)(&self.text).unwrap_or(self.chunks);
+                let generated = match self.stopped_at {
+                    Some(end) => &self.raw[..end],
+                    None => self.text.as_str(),
+                };
+                let counted = (self.counter.count)(generated).unwrap_or(self.chunks);
                 Ok(counted.min(self.max_tokens))
             }
         }
@@ -1155,6 +1195,13 @@ mod tests {
                 "{refused:?}"
             );
         }
+        // A refusal of something else that quotes the request (which holds the salt) is not
+        // about the salt.
+        let quoting = br#"{"error":{"message":"max_tokens must be at least 1, got 0 (input: {'cache_salt': 'ab', 'max_tokens': 0})"}}"#;
+        assert_eq!(
+            error_code(&refusal(400, quoting, true)),
+            Some("invalid_request_error")
+        );
         // Unsalted, the field was not sent: whatever the server says of it is its own.
         assert_eq!(
             error_code(&refusal(400, unknown, false)),
@@ -1327,6 +1374,31 @@ mod tests {
             "counted: one token cannot hold the text"
         );
         assert_eq!(done.cached_tokens, 5, "at most the prompt");
+
+        // Fewer tokens than the pieces of text it sent: counted too.
+        let mut chunks = vec!["data: {\"choices\":[{\"text\":\" a\"}]}\n\n"; 6];
+        chunks.push("data: {\"choices\":[{\"text\":\"\",\"finish_reason\":\"stop\"}],\"usage\":{\"completion_tokens\":2}}\n\n");
+        chunks.push("data: [DONE]\n\n");
+        let (_, done) = drain(stream(&chunks)).await.expect("a complete stream");
+        assert_eq!(done.completion_tokens, 6);
+        // An honest count stands.
+        chunks[6] = "data: {\"choices\":[{\"text\":\"\",\"finish_reason\":\"stop\"}],\"usage\":{\"completion_tokens\":7}}\n\n";
+        let (_, done) = drain(stream(&chunks)).await.expect("a complete stream");
+        assert_eq!(done.completion_tokens, 7);
+    }
+
+    /// Text after the chunk that said the finish reason still comes after the text of that
+    /// chunk: the answer's end, in the order sent.
+    #[tokio::test]
+    async fn text_after_the_finish_reason_stays_in_order() {
+        let (text, _) = drain(stream(&[
+            "data: {\"choices\":[{\"text\":\"A\",\"finish_reason\":\"stop\"}]}\n\n",
+            "data: {\"choices\":[{\"text\":\"B\",\"finish_reason\":null}]}\n\n",
+            "data: [DONE]\n\n",
+        ]))
+        .await
+        .expect("a complete stream");
+        assert_eq!(text, "AB");
     }
 
     #[tokio::test]
@@ -1358,7 +1430,10 @@ mod tests {
             .expect("a complete answer");
         assert_eq!(text, " one ");
         assert_eq!(done.finish_reason, i32::from(FinishReason::Stop));
-        assert_eq!(done.completion_tokens, 1, "what the client got, counted");
+        assert_eq!(
+            done.completion_tokens, 2,
+            "what the client got and the stop string, counted: as a server that stops would"
+        );
 
         let (text, done) = drain(stream_asking(&chunks, true, 100, &["STOPPED"]))
             .await
