@@ -302,6 +302,13 @@ impl Cluster {
         &self.gateway.api
     }
 
+    /// The gateway's `/metrics`.
+    pub(crate) fn gateway_metrics(&self) -> String {
+        let (status, body) = http(&self.gateway.admin, "GET", "/metrics", Some(ADMIN), &[], "");
+        assert_eq!(status, 200, "{body}");
+        body
+    }
+
     /// Every process's log so far, by name.
     pub(crate) fn logs(&self) -> Vec<(String, String)> {
         vec![

@@ -33,7 +33,7 @@ use crate::oracles::{
     Leave, Ledger, Pool, Reference, TENANT_A, TENANT_B, TENANT_C, Tenant, assert_clean, canary,
     tenant_c_toml,
 };
-use crate::up::{ADMIN, TempDir, bounded, http, metric};
+use crate::up::{TempDir, bounded, metric};
 use crate::worker_grpc::{Worker, metric as worker_metric};
 
 /// Starts a cluster with these pools (tokens) and `extra` gateway configuration, and the solo
@@ -147,16 +147,7 @@ fn guard_for_a_and_b_only(dir: &Path) -> String {
 
 /// A gateway metric's value.
 fn gateway_metric(cluster: &Cluster, series: &str) -> u64 {
-    let (status, body) = http(
-        &cluster.gateway.admin,
-        "GET",
-        "/metrics",
-        Some(ADMIN),
-        &[],
-        "",
-    );
-    assert_eq!(status, 200, "{body}");
-    metric(&body, series)
+    metric(&cluster.gateway_metrics(), series)
 }
 
 /// Waits (bounded) until `ready` holds for `worker`'s metrics.

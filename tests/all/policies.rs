@@ -516,6 +516,26 @@ fn an_abandoned_request_keeps_its_slot_while_held_and_is_charged_what_it_used() 
     });
 }
 
+/// A policy set of `abort-guard` (4 held a tenant) and then `ledger` bound as `ledger` says
+/// (its binding's lines), written in `dir`: the configuration line that names it.
+fn guard_and_ledger(dir: &Path, ledger: &str) -> String {
+    let mut set = String::new();
+    for name in ["abort-guard", "ledger"] {
+        let (path, digest) = component(name);
+        set.push_str(&format!(
+            "[plugins.{name}]\ncomponent = {:?}\nsha256 = \"{digest}\"\n",
+            path.display().to_string()
+        ));
+    }
+    set.push_str(&format!(
+        "\n[[chain]]\nplugin = \"abort-guard\"\nconfig = {{ max_held_per_tenant = 4 }}\n\n\
+         [[chain]]\nplugin = \"ledger\"\n{ledger}\n"
+    ));
+    let file = dir.join("policies.toml");
+    std::fs::write(&file, set).expect("writes the policy set");
+    format!("file = {:?}", file.display().to_string())
+}
+
 /// A request whose client leaves while it waits in the worker's queue (the worker has not
 /// answered its call) is still under its policies: `on-disconnect` hears the phase `queued`
 /// and its directive is kept — here a hold until complete, so the worker runs it to the end —
@@ -525,29 +545,11 @@ fn an_abandoned_request_keeps_its_slot_while_held_and_is_charged_what_it_used() 
 fn a_request_abandoned_in_the_workers_queue_is_held_as_its_policies_say_and_every_end_is_heard() {
     bounded(|| {
         let dir = TempDir::new("ledger");
-        let mut set = String::new();
-        for name in ["abort-guard", "ledger"] {
-            let (path, digest) = component(name);
-            set.push_str(&format!(
-                "[plugins.{name}]\ncomponent = {:?}\nsha256 = \"{digest}\"\n",
-                path.display().to_string()
-            ));
-        }
-        set.push_str(
-            r#"
-[[chain]]
-plugin = "abort-guard"
-config = { max_held_per_tenant = 4 }
-
-[[chain]]
-plugin = "ledger"
-tenants = ["tenant-a"]
-config = { on_disconnect = "hold-until-complete", phases = ["queued"] }
-"#,
+        let set = guard_and_ledger(
+            &dir.0,
+            "tenants = [\"tenant-a\"]\n\
+             config = { on_disconnect = \"hold-until-complete\", phases = [\"queued\"] }",
         );
-        let file = dir.0.join("policies.toml");
-        std::fs::write(&file, set).expect("writes the policy set");
-        let set = format!("file = {:?}", file.display().to_string());
         let up = Up::launch(Options {
             args: &["--decode-kv-tokens", "1024"],
             replace: &[
@@ -610,28 +612,10 @@ config = { on_disconnect = "hold-until-complete", phases = ["queued"] }
 fn a_client_gone_while_the_kv_transfers_is_told_to_policies_as_transferring() {
     bounded(|| {
         let dir = TempDir::new("transferring");
-        let mut set = String::new();
-        for name in ["abort-guard", "ledger"] {
-            let (path, digest) = component(name);
-            set.push_str(&format!(
-                "[plugins.{name}]\ncomponent = {:?}\nsha256 = \"{digest}\"\n",
-                path.display().to_string()
-            ));
-        }
-        set.push_str(
-            r#"
-[[chain]]
-plugin = "abort-guard"
-config = { max_held_per_tenant = 4 }
-
-[[chain]]
-plugin = "ledger"
-config = { on_disconnect = "hold-until-complete", phases = ["transferring"] }
-"#,
+        let set = guard_and_ledger(
+            &dir.0,
+            "config = { on_disconnect = \"hold-until-complete\", phases = [\"transferring\"] }",
         );
-        let file = dir.0.join("policies.toml");
-        std::fs::write(&file, set).expect("writes the policy set");
-        let set = format!("file = {:?}", file.display().to_string());
         let cluster = Cluster::start(Spec {
             prefill: &[
                 "--transfer-batch-bytes",
@@ -667,25 +651,13 @@ config = { on_disconnect = "hold-until-complete", phases = ["transferring"] }
         std::thread::sleep(Duration::from_millis(300));
         drop(client);
 
-        let gateway_metrics = || {
-            let (status, body) = http(
-                cluster.gateway.admin.as_str(),
-                "GET",
-                "/metrics",
-                Some(ADMIN),
-                &[],
-                "",
-            );
-            assert_eq!(status, 200, "{body}");
-            body
-        };
         let held = "bulkhead_policy_abandoned_total{directive=\"hold_until_complete\"}";
         let deadline = Instant::now() + Duration::from_secs(30);
-        while metric(&gateway_metrics(), held) < 1 {
+        while metric(&cluster.gateway_metrics(), held) < 1 {
             assert!(
                 Instant::now() < deadline,
                 "ledger was not told transferring:\n{}",
-                gateway_metrics()
+                cluster.gateway_metrics()
             );
             std::thread::sleep(Duration::from_millis(100));
         }

@@ -86,6 +86,11 @@ fn loaded(text: &str) -> (Policies, Scratch) {
 
 /// A trail whose record goes to an audit log in `dir` (written when the trail is dropped).
 fn trail(dir: &Scratch) -> Trail {
+    recorder(dir).trail("req-test".into(), tracing::Span::none())
+}
+
+/// An audit log in `dir`, with the default settings.
+fn recorder(dir: &Scratch) -> Recorder {
     let (recorder, _) = Recorder::open(
         &dir.0.join("audit"),
         AuditSettings::default(),
@@ -93,7 +98,7 @@ fn trail(dir: &Scratch) -> Trail {
         None,
     )
     .expect("opens the audit log");
-    recorder.trail("req-test".into(), tracing::Span::none())
+    recorder
 }
 
 /// tenant-a, allowed `tokens_per_minute`, one request at a time.
@@ -1642,13 +1647,7 @@ async fn an_abandoned_request_is_never_counted_past_its_max_tokens() {
         plugin("abort-guard", ""),
         binding("abort-guard", "config = { max_held_per_tenant = 1 }")
     ));
-    let (recorder, _) = Recorder::open(
-        &dir.0.join("audit"),
-        AuditSettings::default(),
-        Metrics::default(),
-        None,
-    )
-    .expect("opens the audit log");
+    let recorder = recorder(&dir);
     let r = ask(&p, Ask::default()).await.expect("allowed");
     let progress = Progress {
         tokens: 5000,
