@@ -55,13 +55,17 @@ pub fn resolve(model: Option<&Path>) -> anyhow::Result<PathBuf> {
             dir.join(DEFAULT_MODEL_FILE)
         }
     };
+    let file = match std::fs::metadata(&path) {
+        Ok(m) => m.is_file(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => anyhow::bail!(
+            "model file {} not found; run scripts/fetch-model or pass --model",
+            path.display()
+        ),
+        // A loop of links, a directory it may not enter: said as it is, not as missing.
+        Err(e) => anyhow::bail!("cannot read the model file {}: {e}", path.display()),
+    };
     anyhow::ensure!(
-        path.exists(),
-        "model file {} not found; run scripts/fetch-model or pass --model",
-        path.display()
-    );
-    anyhow::ensure!(
-        path.is_file(),
+        file,
         "{} is not a file: --model takes a GGUF file",
         path.display()
     );

@@ -83,15 +83,23 @@ fn a_broken_model_file_is_refused_in_one_line() {
     }
 }
 
-/// Flags no machine can honour are refused with what would work: a directory as the model,
-/// more compute threads than any process should start.
+/// Flags no machine can honour are refused with what would work: a directory as the model, a
+/// model path that cannot be read (said as such, not as missing), more compute threads than
+/// any process should start.
 #[test]
 fn a_directory_as_model_or_a_thread_count_past_the_cap_is_refused() {
     let dir = TempDir::new("generate-flags");
-    let cases: [(Vec<String>, &str); 2] = [
+    // A link to itself: unreadable, not missing.
+    let looped = dir.0.join("loop.gguf");
+    std::os::unix::fs::symlink(&looped, &looped).expect("links");
+    let cases: [(Vec<String>, &str); 3] = [
         (
             vec!["--model".into(), dir.0.display().to_string()],
             "is not a file",
+        ),
+        (
+            vec!["--model".into(), looped.display().to_string()],
+            "cannot read the model file",
         ),
         (
             vec!["--threads".into(), "100000".into()],

@@ -149,7 +149,10 @@ impl Default for EngineConfig {
 /// Why the engine cannot start with this configuration.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StartupError {
-    #[error("the KV budget holds no page: a page of {page_tokens} tokens takes {page_bytes} bytes")]
+    #[error(
+        "the KV budget holds no page: a page of {page_tokens} tokens takes {page_bytes} bytes; \
+         raise --kv-memory (or --kv-tokens)"
+    )]
     NoPages { page_tokens: u32, page_bytes: u64 },
     #[error("the KV pool is too large: {pages} pages")]
     TooManyPages { pages: u64 },
@@ -325,15 +328,15 @@ impl Engine {
         config: EngineConfig,
     ) -> Result<Engine, StartupError> {
         for (what, v) in [
-            ("max_batch_tokens", config.max_batch_tokens),
-            ("max_running", config.max_running),
-            ("queue_capacity", config.queue_capacity),
+            ("--max-batch-tokens", config.max_batch_tokens),
+            ("--max-running", config.max_running),
+            ("--queue-capacity", config.queue_capacity),
             (
-                "queue_timeout_ms",
+                "--queue-timeout-ms",
                 usize::try_from(config.queue_timeout.as_millis()).unwrap_or(usize::MAX),
             ),
             (
-                "transfer_floor_bytes_per_s",
+                "--transfer-floor",
                 usize::try_from(config.transfer_floor_bytes_per_s).unwrap_or(usize::MAX),
             ),
         ] {
@@ -363,7 +366,7 @@ impl Engine {
         let served_context = match config.context_length {
             Some(0) => {
                 return Err(StartupError::Zero {
-                    what: "context_length",
+                    what: "--context-length",
                 });
             }
             Some(c) if c > model_context => {

@@ -11,6 +11,15 @@ use crate::sampling::SamplingParams;
 use crate::tiny_model::TinySpec;
 
 fn tiny_engine() -> Engine {
+    tiny_engine_with(EngineConfig {
+        kv: KvBudget::Tokens(256),
+        ..EngineConfig::default()
+    })
+    .expect("engine starts")
+}
+
+/// An engine of the tiny model with `config`, or why it cannot start.
+fn tiny_engine_with(config: EngineConfig) -> Result<Engine, StartupError> {
     let path = std::env::temp_dir().join(format!(
         "bulkhead-engine-test-{}-{}.gguf",
         std::process::id(),
@@ -21,11 +30,50 @@ fn tiny_engine() -> Engine {
         .expect("writes the tiny model");
     let loaded = LoadedModel::open(&path).expect("loads it");
     let _ = std::fs::remove_file(&path);
-    let config = EngineConfig {
+    Engine::new(loaded.model, loaded.tokenizer, config)
+}
+
+/// A setting of 0 that cannot work is refused by the flag an operator sets it with.
+#[test]
+fn a_zero_setting_is_refused_by_its_flag() {
+    let base = EngineConfig {
         kv: KvBudget::Tokens(256),
         ..EngineConfig::default()
     };
-    Engine::new(loaded.model, loaded.tokenizer, config).expect("engine starts")
+    let zeros = [
+        (
+            EngineConfig {
+                max_batch_tokens: 0,
+                ..base.clone()
+            },
+            "--max-batch-tokens",
+        ),
+        (
+            EngineConfig {
+                queue_timeout: std::time::Duration::ZERO,
+                ..base.clone()
+            },
+            "--queue-timeout-ms",
+        ),
+        (
+            EngineConfig {
+                context_length: Some(0),
+                ..base.clone()
+            },
+            "--context-length",
+        ),
+        (
+            EngineConfig {
+                kv: KvBudget::Bytes(0),
+                ..base.clone()
+            },
+            "--kv-memory",
+        ),
+    ];
+    for (config, flag) in zeros {
+        let err = tiny_engine_with(config).err().expect("refused").to_string();
+        assert!(err.contains(flag), "{flag}: {err}");
+    }
 }
 
 fn request(prompt: &[TokenId], tx: mpsc::Sender<Event>) -> Request {
