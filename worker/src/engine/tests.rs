@@ -71,7 +71,10 @@ fn a_zero_setting_is_refused_by_its_flag() {
         ),
     ];
     for (config, flag) in zeros {
-        let err = tiny_engine_with(config).err().expect("refused").to_string();
+        let Err(err) = tiny_engine_with(config) else {
+            panic!("{flag} 0 was taken");
+        };
+        let err = err.to_string();
         assert!(err.contains(flag), "{flag}: {err}");
     }
 }
