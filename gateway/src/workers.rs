@@ -452,14 +452,23 @@ impl State {
     /// or an earlier worker that may be is the same process.
     fn own(&self, e: &Entry) -> Option<Unroutable> {
         self.own_alone(e).or_else(|| {
-            let id = e.info.as_ref().map(|i| i.instance_id.as_str())?;
-            let first = self
+            let id = e
+                .info
+                .as_ref()
+                .map(|i| i.instance_id.as_str())
+                .filter(|id| !id.is_empty())?;
+            let same = self
                 .entries
                 .iter()
+                .filter(|other| other.info.as_ref().is_some_and(|i| i.instance_id == id));
+            // A process ejected at one address (hung, whatever the path) is at every one.
+            if let Some(stalled) = same.clone().find_map(stalled) {
+                return Some(stalled);
+            }
+            let first = same
                 .take_while(|earlier| !std::ptr::eq(*earlier, e))
-                .filter(|earlier| earlier.info.as_ref().is_some_and(|i| i.instance_id == id))
                 .find(|earlier| self.own_alone(earlier).is_none())?;
-            (!id.is_empty()).then(|| Unroutable::SameProcess {
+            Some(Unroutable::SameProcess {
                 worker: first.config.name.clone(),
             })
         })
@@ -468,13 +477,7 @@ impl State {
     /// [`State::own`], of `e` alone.
     fn own_alone(&self, e: &Entry) -> Option<Unroutable> {
         unroutable(e.facts.as_ref(), &e.health, self.served_id())
-            .or_else(|| {
-                let ejection = e.stalls.ejected(Instant::now())?;
-                Some(Unroutable::Stalled {
-                    in_a_row: ejection.in_a_row,
-                    routed_again_in_secs: ejection.lasts.as_secs_f64().ceil() as u64,
-                })
-            })
+            .or_else(|| stalled(e))
             .or_else(|| e.open.then_some(Unroutable::AnswersWithoutToken))
             .or_else(|| {
                 // `bulkhead preflight`'s checks of one worker, at run time. An OpenAI-compatible
@@ -500,7 +503,12 @@ impl State {
     fn log_routability(&mut self) {
         for i in 0..self.entries.len() {
             let reason = match self.unroutable(&self.entries[i]) {
-                None | Some(Unroutable::PrefillOnly | Unroutable::SameProcess { .. }) => None,
+                None | Some(Unroutable::PrefillOnly) => None,
+                // Another address of a process served at its first: nothing to say either way.
+                Some(Unroutable::SameProcess { .. }) => {
+                    self.entries[i].logged_unroutable = None;
+                    continue;
+                }
                 // A worker starting: said once it is settled, either way.
                 Some(Unroutable::PrefillNotReachedYet) => continue,
                 Some(why) => Some(why),
@@ -641,6 +649,15 @@ impl State {
             None => self.may_route(e),
         })
     }
+}
+
+/// Why `e` is not routed to for now, when the requests routed to it stalled.
+fn stalled(e: &Entry) -> Option<Unroutable> {
+    let ejection = e.stalls.ejected(Instant::now())?;
+    Some(Unroutable::Stalled {
+        in_a_row: ejection.in_a_row,
+        routed_again_in_secs: ejection.lasts.as_secs_f64().ceil() as u64,
+    })
 }
 
 /// Every configured worker; a cheap `Clone` handle.
@@ -1471,6 +1488,16 @@ mod tests {
         let names: Vec<&str> = routes.iter().map(|r| r.worker.as_str()).collect();
         assert!(names.contains(&"other"), "{names:?}");
         assert!(!names.iter().any(|r| r.contains("fd00")), "{names:?}");
+        // Requests stall at the first address: the process is hung, at every address.
+        w.with(|s| {
+            let now = Instant::now();
+            for _ in 0..3 {
+                s.entries[0].stalls.stalled(now);
+            }
+        });
+        let why = w.with(|s| s.unroutable(&s.entries[1]));
+        assert!(matches!(why, Some(Unroutable::Stalled { .. })), "{why:?}");
+        w.with(|s| s.entries[0].stalls = Stalls::default());
         // The IPv4 address stops answering: the same process is reached at its IPv6 one.
         w.with(|s| {
             s.entries[0].health = Health::Unreachable {

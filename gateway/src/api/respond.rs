@@ -192,9 +192,10 @@ impl Started {
                     item: Some(Item::Token(_)),
                 })) if self.progress.tokens >= self.max_tokens => {
                     // This request's answer is broken, not the worker's health: it stays routed.
+                    // A 500, not a 503 a client would retry into the same broken answer.
                     let max = self.max_tokens;
                     tracing::warn!(worker = %self.route.worker, id = %self.id, max, "the worker sent more tokens than asked");
-                    return Err(self.failed(ApiError::WorkerUnavailable, None));
+                    return Err(self.failed(ApiError::Internal, None));
                 }
                 Ok(Some(GenerateResponse {
                     item: Some(Item::Token(t)),

@@ -20,6 +20,7 @@ const MAX_HEADER_VALUE: usize = 1024;
 fn gateway_owned(name: &HeaderName) -> bool {
     let name = name.as_str();
     matches!(name, "x-request-id" | "x-bulkhead-tenant")
+        || name == super::request::CLAMPED_MAX_TOKENS.as_str()
         || crate::auth::TENANT_HEADERS.contains(&name)
         || name.starts_with("x-tenant-")
 }

@@ -477,6 +477,8 @@ fn refusal(http: u16, body: &[u8], salted: bool) -> Status {
         "not permitted",
         "nknown",
         "unexpected",
+        "not supported",
+        "nsupported",
     ];
     let about_salt = error["param"] == "cache_salt"
         || error["message"].as_str().is_some_and(|m| {
@@ -833,10 +835,24 @@ impl Events {
                     None => self.text.as_str(),
                 };
                 let counted = (self.counter.count)(generated).unwrap_or(self.chunks);
+                if counted > recount_bound(self.max_tokens) {
+                    return Err(broken(&format!(
+                        "the upstream sent about {counted} tokens of text, more than the {} \
+                         asked for",
+                        self.max_tokens
+                    )));
+                }
                 Ok(counted.min(self.max_tokens))
             }
         }
     }
+}
+
+/// The most tokens a recount of an answer of `max_tokens` may find before the answer is
+/// taken for one that ignored `max_tokens`: generated text tokenized again may split into a
+/// few more tokens than the model generated, never into a quarter more.
+fn recount_bound(max_tokens: u32) -> u32 {
+    max_tokens.saturating_add(max_tokens / 4).saturating_add(4)
 }
 
 /// The status of an answer the upstream broke (this request's: the server stays routed to).
@@ -1187,6 +1203,11 @@ mod tests {
         for (http, body) in [
             (400, &unknown[..]),
             (422, br#"{"error":{"message":"x","param":"cache_salt"}}"#),
+            // vLLM's V0 engine.
+            (
+                400,
+                br#"{"error":{"message":"Parameter 'cache_salt' is not supported with this instance of vLLM, which uses engine V0."}}"#,
+            ),
         ] {
             let refused = refusal(http, body, true);
             assert_eq!(error_code(&refused), Some("internal_error"), "{refused:?}");
@@ -1341,6 +1362,24 @@ mod tests {
                 "one request's failure"
             );
         }
+        // Within the bytes 5 tokens may hold, but far more tokens: counted, and failed.
+        let words = format!(
+            "data: {{\"choices\":[{{\"text\":\"{}\",\"finish_reason\":\"length\"}}]}}\n\n",
+            " a".repeat(20)
+        );
+        let status = drain(stream_asking(&[&words, "data: [DONE]\n\n"], true, 5, &[]))
+            .await
+            .expect_err("20 tokens for 5");
+        assert_eq!(error_code(&status), Some("internal_error"), "{status:?}");
+        // A recount a little over (text tokenized again): served, charged max_tokens.
+        let near = format!(
+            "data: {{\"choices\":[{{\"text\":\"{}\",\"finish_reason\":\"length\"}}]}}\n\n",
+            " a".repeat(7)
+        );
+        let (_, done) = drain(stream_asking(&[&near, "data: [DONE]\n\n"], true, 5, &[]))
+            .await
+            .expect("within the recount's margin");
+        assert_eq!(done.completion_tokens, 5);
         // At the bound (5 tokens of 16 bytes), the text is read.
         let at = format!(
             "data: {{\"choices\":[{{\"text\":\"{}\",\"finish_reason\":\"length\"}}]}}\n\n",
