@@ -666,12 +666,12 @@ async fn transfer(
     };
     drop(computing);
     guard.disarm();
-    // Decode's sign that the request is now transferring. Only news: a full channel (decode
-    // not reading) or a closed one (decode gone, which the send below sees) does not delay
-    // the transfer.
-    let _ = tx.try_send(Ok(proto::PrefillEvent {
+    // Decode's sign that the request is now transferring (it reads the call throughout; a
+    // call it dropped fails the send at once, and the transfer below sees it gone).
+    let computed = proto::PrefillEvent {
         event: Some(PrefillItem::Computed(proto::PrefillComputed {})),
-    }));
+    };
+    let _ = tx.send(Ok(computed)).await;
     let sending = engine.metrics().sending(u64::from(outbound.sent_tokens()));
     let transfer_span = tracing::info_span!(
         "kv_transfer",
