@@ -250,7 +250,7 @@ fn a_zero_queue_timeout_refuses_to_start() {
     assert_eq!(
         err,
         StartupError::Zero {
-            what: "queue_timeout_ms"
+            what: "--queue-timeout-ms"
         }
     );
 }
