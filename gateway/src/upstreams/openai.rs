@@ -170,13 +170,9 @@ struct Events {
     max_tokens: u32,
     /// The request's stop strings, applied again to what the upstream sends.
     stops: StopWatch,
-    /// The same strings, to find which one ended the answer.
-    stop_strings: Vec<String>,
-    /// Everything the upstream sent, kept while the answer may end at a stop string.
-    raw: String,
-    /// The answer ended at a stop string the upstream sent on past: the bytes it sent up to
-    /// the stop string's end, which it generated and the tenant is charged for.
-    stopped_at: Option<usize>,
+    /// The stop string the gateway ended the answer at (the upstream sent on past it): it was
+    /// generated, and the tenant is charged for it.
+    stopped_by: Option<String>,
     /// A chunk said the finish reason: text after it is the answer's end too.
     closing: bool,
     /// Bytes of text the upstream sent.
@@ -564,10 +560,8 @@ impl SseStream {
                 salted,
                 prompt_tokens: asked.prompt_tokens,
                 max_tokens: asked.max_tokens,
-                stops: StopWatch::new(asked.stop.clone()),
-                stop_strings: asked.stop,
-                raw: String::new(),
-                stopped_at: None,
+                stops: StopWatch::new(asked.stop),
+                stopped_by: None,
                 closing: false,
                 received: 0,
                 text: String::new(),
@@ -737,20 +731,11 @@ impl Events {
                     self.max_tokens
                 )));
             }
-            if !self.stop_strings.is_empty() {
-                self.raw.push_str(&text);
-            }
             match self.stops.push(&text) {
                 StopScan::Continue(out) => self.emit(out, self.closing),
-                StopScan::Stopped(out) => {
-                    self.emit(out, true);
-                    // What was sent so far is the answer, then the stop string.
-                    let rest = &self.raw[self.text.len()..];
-                    let stop = self
-                        .stop_strings
-                        .iter()
-                        .find(|s| rest.starts_with(s.as_str()));
-                    self.stopped_at = Some(self.text.len() + stop.map_or(0, String::len));
+                StopScan::Stopped { text, stop } => {
+                    self.emit(text, true);
+                    self.stopped_by = Some(stop);
                     self.finish = FinishReason::Stop;
                     return self.done();
                 }
@@ -823,18 +808,18 @@ impl Events {
                 self.max_tokens
             ))),
             Some(c)
-                if self.stopped_at.is_none()
+                if self.stopped_by.is_none()
                     && c >= self.chunks
                     && self.counter.can_hold(c, self.received) =>
             {
                 Ok(c)
             }
             _ => {
-                let generated = match self.stopped_at {
-                    Some(end) => &self.raw[..end],
-                    None => self.text.as_str(),
+                let generated = match &self.stopped_by {
+                    Some(stop) => Cow::Owned(format!("{}{stop}", self.text)),
+                    None => Cow::Borrowed(self.text.as_str()),
                 };
-                let counted = (self.counter.count)(generated).unwrap_or(self.chunks);
+                let counted = (self.counter.count)(&generated).unwrap_or(self.chunks);
                 if counted > recount_bound(self.max_tokens) {
                     return Err(broken(&format!(
                         "the upstream sent about {counted} tokens of text, more than the {} \
@@ -926,6 +911,12 @@ mod tests {
         )
     }
 
+    /// The event of one completion chunk: `text`, and `finish` as its finish reason.
+    fn chunk(text: &str, finish: Option<&str>) -> String {
+        let chunk = serde_json::json!({"choices": [{"text": text, "finish_reason": finish}]});
+        format!("data: {chunk}\n\n")
+    }
+
     async fn drain(mut s: SseStream) -> Result<(String, Done), Status> {
         let mut text = String::new();
         loop {
@@ -987,9 +978,7 @@ mod tests {
     #[tokio::test]
     async fn a_generation_the_upstream_aborted_or_failed_is_an_error_not_a_stop() {
         for reason in ["abort", "error"] {
-            let event = format!(
-                "data: {{\"choices\":[{{\"text\":\"a\",\"finish_reason\":\"{reason}\"}}]}}\n\n"
-            );
+            let event = chunk("a", Some(reason));
             let failed = drain(stream(&[&event, "data: [DONE]\n\n"])).await;
             let status = failed.expect_err("a cut generation fails the request");
             assert_eq!(status.code(), Code::Internal, "{reason}");
@@ -1344,14 +1333,8 @@ mod tests {
     /// usage count above `max_tokens` fails it too. The server stays routed to.
     #[tokio::test]
     async fn an_upstream_past_max_tokens_fails_the_request_however_it_sends_the_text() {
-        let flood = format!(
-            "data: {{\"choices\":[{{\"text\":\"{}\",\"finish_reason\":\"length\"}}]}}\n\n",
-            " hello".repeat(2000)
-        );
-        let one = format!(
-            "data: {{\"choices\":[{{\"text\":\"{}\",\"finish_reason\":null}}]}}\n\n",
-            " hello".repeat(2000)
-        );
+        let flood = chunk(&" hello".repeat(2000), Some("length"));
+        let one = chunk(&" hello".repeat(2000), None);
         let overcount = "data: {\"choices\":[{\"text\":\"hi\",\"finish_reason\":\"length\"}],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":9}}\n\n";
         for body in [flood.as_str(), one.as_str(), overcount] {
             let failed = drain(stream_asking(&[body, "data: [DONE]\n\n"], true, 5, &[])).await;
@@ -1363,28 +1346,19 @@ mod tests {
             );
         }
         // Within the bytes 5 tokens may hold, but far more tokens: counted, and failed.
-        let words = format!(
-            "data: {{\"choices\":[{{\"text\":\"{}\",\"finish_reason\":\"length\"}}]}}\n\n",
-            " a".repeat(20)
-        );
+        let words = chunk(&" a".repeat(20), Some("length"));
         let status = drain(stream_asking(&[&words, "data: [DONE]\n\n"], true, 5, &[]))
             .await
             .expect_err("20 tokens for 5");
         assert_eq!(error_code(&status), Some("internal_error"), "{status:?}");
         // A recount a little over (text tokenized again): served, charged max_tokens.
-        let near = format!(
-            "data: {{\"choices\":[{{\"text\":\"{}\",\"finish_reason\":\"length\"}}]}}\n\n",
-            " a".repeat(7)
-        );
+        let near = chunk(&" a".repeat(7), Some("length"));
         let (_, done) = drain(stream_asking(&[&near, "data: [DONE]\n\n"], true, 5, &[]))
             .await
             .expect("within the recount's margin");
         assert_eq!(done.completion_tokens, 5);
         // At the bound (5 tokens of 16 bytes), the text is read.
-        let at = format!(
-            "data: {{\"choices\":[{{\"text\":\"{}\",\"finish_reason\":\"length\"}}]}}\n\n",
-            "x".repeat(80)
-        );
+        let at = chunk(&"x".repeat(80), Some("length"));
         let (text, _) = drain(stream_asking(&[&at, "data: [DONE]\n\n"], true, 5, &[]))
             .await
             .expect("within the bound");

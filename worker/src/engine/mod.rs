@@ -1279,7 +1279,7 @@ fn accept_token(tokenizer: &Tokenizer, r: &mut Running, token: TokenId) -> Outco
         (String::new(), Some(FinishReason::Stop))
     } else {
         match r.stops.push(&r.detok.push(tokenizer, token)) {
-            StopScan::Stopped(text) => (text, Some(FinishReason::Stop)),
+            StopScan::Stopped { text, .. } => (text, Some(FinishReason::Stop)),
             StopScan::Continue(text) => {
                 let full = r.generated.len() >= r.request.max_new_tokens;
                 (text, full.then_some(FinishReason::Length))

@@ -6,8 +6,8 @@
 pub enum StopScan {
     /// Text safe to emit now; generation goes on.
     Continue(String),
-    /// Text to emit before the stop sequence; generation ends.
-    Stopped(String),
+    /// Generation ends at `stop`, one of the stop sequences; `text` is what to emit before it.
+    Stopped { text: String, stop: String },
 }
 
 /// Watches a stream of text for a request's stop sequences.
@@ -27,16 +27,22 @@ impl StopWatch {
     }
 
     pub fn push(&mut self, text: &str) -> StopScan {
+        if self.stops.is_empty() {
+            return StopScan::Continue(text.to_owned());
+        }
         self.held.push_str(text);
-        if let Some(at) = self
+        if let Some((at, stop)) = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min()
+            .filter_map(|s| Some((self.held.find(s.as_str())?, s)))
+            .min_by_key(|&(at, _)| at)
         {
             let out = self.held[..at].to_owned();
             self.held.clear();
-            return StopScan::Stopped(out);
+            return StopScan::Stopped {
+                text: out,
+                stop: stop.clone(),
+            };
         }
         // Hold back the longest tail that is a proper prefix of some stop sequence.
         let keep = self
@@ -72,7 +78,13 @@ mod tests {
         let mut w = StopWatch::new(vec!["END".into()]);
         assert_eq!(w.push("abc E"), StopScan::Continue("abc ".into()));
         assert_eq!(w.push("N"), StopScan::Continue(String::new()));
-        assert_eq!(w.push("Dxyz"), StopScan::Stopped(String::new()));
+        assert_eq!(
+            w.push("Dxyz"),
+            StopScan::Stopped {
+                text: String::new(),
+                stop: "END".into()
+            }
+        );
     }
 
     #[test]
@@ -87,6 +99,12 @@ mod tests {
     #[test]
     fn the_earliest_stop_wins() {
         let mut w = StopWatch::new(vec!["b".into(), "a".into(), String::new()]);
-        assert_eq!(w.push("xxabc"), StopScan::Stopped("xx".into()));
+        assert_eq!(
+            w.push("xxabc"),
+            StopScan::Stopped {
+                text: "xx".into(),
+                stop: "a".into()
+            }
+        );
     }
 }
