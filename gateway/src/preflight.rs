@@ -32,7 +32,9 @@ const PEER_SETTLES: Duration = Duration::from_secs(2);
 /// `GET /v1/models` answers and lists the configured model).
 #[derive(Debug, Clone)]
 pub struct ServerAnswer {
-    pub worker: WorkerConfig,
+    /// Its `[[workers]]` name and role.
+    pub name: String,
+    pub role: WorkerRole,
     pub upstream: OpenAiUpstream,
     pub probe: Result<(), String>,
 }
@@ -47,7 +49,8 @@ pub async fn probe_servers(config: &Config) -> Vec<ServerAnswer> {
                 Err(e) => Err(e),
             };
             ServerAnswer {
-                worker: w.clone(),
+                name: w.name.clone(),
+                role: w.role,
                 upstream: o.clone(),
                 probe,
             }
@@ -63,7 +66,7 @@ pub fn server_checks(servers: &[ServerAnswer]) -> Vec<Check> {
     let mut out = Vec::new();
     for s in servers {
         let check = |name, pass, detail: String| Check {
-            subject: s.worker.name.clone(),
+            subject: s.name.clone(),
             name,
             pass,
             detail,
@@ -594,24 +597,20 @@ pub fn render(answers: &[Answer], servers: &[ServerAnswer], checks: &[Check]) ->
     let mut out = String::new();
     // Columns at least as wide as their longest entry (a GGUF's model id runs past 50
     // characters).
-    let width = |of: fn(&Answer) -> Option<usize>, least: usize| {
-        answers.iter().filter_map(of).fold(least, usize::max)
+    let width = |entries: &mut dyn Iterator<Item = &str>, least: usize| {
+        entries.map(|e| e.chars().count()).fold(least, usize::max)
     };
-    let name = width(|a| Some(a.worker.name.chars().count()), 16).max(
-        servers
-            .iter()
-            .map(|s| s.worker.name.chars().count())
-            .fold(0, usize::max),
+    let names = answers.iter().map(|a| a.worker.name.as_str());
+    let name = width(
+        &mut names.chain(servers.iter().map(|s| s.name.as_str())),
+        16,
     );
+    let models = answers
+        .iter()
+        .filter_map(|a| Some(a.info.as_ref().ok()?.model_id.as_str()));
     let model = width(
-        |a| a.info.as_ref().ok().map(|i| i.model_id.chars().count()),
+        &mut models.chain(servers.iter().map(|s| s.upstream.model.as_str())),
         40,
-    )
-    .max(
-        servers
-            .iter()
-            .map(|s| s.upstream.model.chars().count())
-            .fold(0, usize::max),
     );
     let _ = writeln!(
         out,
@@ -637,8 +636,8 @@ pub fn render(answers: &[Answer], servers: &[ServerAnswer], checks: &[Check]) ->
         let _ = writeln!(
             out,
             "{:<name$} {:<8} {:<model$} {:>10} {:>10} {:>6}",
-            s.worker.name,
-            s.worker.role.name(),
+            s.name,
+            s.role.name(),
             s.upstream.model,
             s.upstream.context_length,
             "-",
@@ -761,22 +760,17 @@ mod tests {
     /// pass (nothing here can see it); a key its configuration names must be set.
     #[test]
     fn an_openai_upstream_is_probed_and_its_pool_never_passes() {
-        let server = |probe: Result<(), String>, key_env: Option<&str>| {
-            let upstream = OpenAiUpstream {
+        let server = |probe: Result<(), String>, key_env: Option<&str>| ServerAnswer {
+            name: "vllm".into(),
+            role: WorkerRole::Both,
+            upstream: OpenAiUpstream {
                 model: "served-model".into(),
                 context_length: std::num::NonZeroU32::new(4096).expect("non-zero"),
                 tokenizer: "m.gguf".into(),
                 key_env: key_env.map(str::to_owned),
                 cache_salt: true,
-            };
-            ServerAnswer {
-                worker: WorkerConfig {
-                    protocol: Protocol::OpenAi(upstream.clone()),
-                    ..worker("vllm", WorkerRole::Both, None)
-                },
-                upstream,
-                probe,
-            }
+            },
+            probe,
         };
         let up = server(Ok(()), None);
         let down = server(
