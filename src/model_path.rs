@@ -33,8 +33,9 @@ pub struct ModelArgs {
     #[arg(long, env = DEVICE_ENV, default_value = "cpu")]
     pub device: DeviceSpec,
     /// PTX file with the CUDA kernels, made by `bulkhead cuda-ptx` (for machines without
-    /// NVRTC) [default: compile the kernels with NVRTC at startup]
-    #[arg(long, env = CUDA_PTX_ENV)]
+    /// NVRTC); only with a CUDA --device [env: BULKHEAD_CUDA_PTX, read by CUDA devices alone]
+    /// [default: compile the kernels with NVRTC at startup]
+    #[arg(long)]
     pub cuda_ptx: Option<PathBuf>,
 }
 
@@ -81,11 +82,24 @@ impl ModelArgs {
     /// Opens `--device`. Call before loading the model: a build or machine without the
     /// device fails at once, with the reason and the way out.
     pub fn open_device(&self) -> anyhow::Result<Device> {
-        let source = self
+        let source = self.kernel_source()?;
+        Device::open(self.device, &source).with_context(|| format!("--device {}", self.device))
+    }
+
+    /// Where a CUDA device's kernels come from: `--cuda-ptx`, else the variable, else NVRTC.
+    /// The flag names kernels that `--device cpu` would never run, so it is refused there; the
+    /// variable is not, since a script sets it once for every process it starts, CPU ones too.
+    fn kernel_source(&self) -> anyhow::Result<KernelSource> {
+        anyhow::ensure!(
+            self.cuda_ptx.is_none() || self.device != DeviceSpec::Cpu,
+            "--cuda-ptx names CUDA kernels, which --device cpu never runs: drop it, or pass \
+             --device cuda"
+        );
+        let ptx = self
             .cuda_ptx
             .clone()
-            .map_or(KernelSource::Nvrtc, KernelSource::Ptx);
-        Device::open(self.device, &source).with_context(|| format!("--device {}", self.device))
+            .or_else(|| std::env::var_os(CUDA_PTX_ENV).map(PathBuf::from));
+        Ok(ptx.map_or(KernelSource::Nvrtc, KernelSource::Ptx))
     }
 
     /// Opens the device, then the model (from [`ModelArgs::path`]) on it.

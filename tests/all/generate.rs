@@ -85,14 +85,17 @@ fn a_broken_model_file_is_refused_in_one_line() {
 
 /// Flags no machine can honour are refused with what would work: a directory as the model, a
 /// model path that cannot be read (said as such, not as missing), more compute threads than
-/// any process should start.
+/// any process should start, CUDA kernels for the CPU. The kernels' variable is not refused
+/// on the CPU (scripts set it for every process they start): with it, the start goes on to
+/// the model.
 #[test]
-fn a_directory_as_model_or_a_thread_count_past_the_cap_is_refused() {
+fn flags_no_machine_can_honour_are_refused_with_what_would_work() {
     let dir = TempDir::new("generate-flags");
     // A link to itself: unreadable, not missing.
     let looped = dir.0.join("loop.gguf");
     std::os::unix::fs::symlink(&looped, &looped).expect("links");
-    let cases: [(Vec<String>, &str); 3] = [
+    let missing = dir.0.join("missing.gguf").display().to_string();
+    let cases: [(Vec<String>, &str); 5] = [
         (
             vec!["--model".into(), dir.0.display().to_string()],
             "is not a file",
@@ -105,12 +108,19 @@ fn a_directory_as_model_or_a_thread_count_past_the_cap_is_refused() {
             vec!["--threads".into(), "100000".into()],
             "--threads must be between 1 and 1024",
         ),
+        (
+            vec!["--cuda-ptx".into(), "kernels.ptx".into()],
+            "--cuda-ptx names CUDA kernels, which --device cpu never runs",
+        ),
+        (vec!["--model".into(), missing], "not found"),
     ];
     for (args, says) in cases {
         let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
             .args(["generate", "--prompt", "hi"])
             .args(&args)
             .env_remove("RUST_BACKTRACE")
+            .env_remove("BULKHEAD_DEVICE")
+            .env("BULKHEAD_CUDA_PTX", "kernels.ptx")
             .output()
             .expect("runs");
         let stderr = String::from_utf8_lossy(&out.stderr);
