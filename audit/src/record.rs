@@ -197,8 +197,18 @@ pub enum Verdict {
         /// The status the plugin chose.
         status: u16,
     },
-    /// The plugin trapped or timed out.
-    Error,
+    /// The plugin failed: it trapped, ran past its deadline or memory, answered garbage, or
+    /// found no instance to run in.
+    Error {
+        /// How it failed (`trap`, `timeout`, `memory`, `invalid`, `busy`…); empty in records
+        /// written before it was kept.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        fault: String,
+        /// Whether the request went on without it (its binding fails open): the policy was
+        /// then not applied to this request.
+        #[serde(default)]
+        fail_open: bool,
+    },
 }
 
 /// The admission outcome and the layer that decided it.
@@ -361,5 +371,18 @@ mod tests {
         ] {
             assert_eq!(serde_json::to_value(d).expect("serializes"), d.name());
         }
+    }
+
+    /// A record written before a fault's kind and fail-open were kept still reads.
+    #[test]
+    fn an_error_verdict_without_its_fault_reads_as_failed_closed() {
+        let old: Verdict = serde_json::from_str(r#"{"kind":"error"}"#).expect("reads");
+        assert_eq!(
+            old,
+            Verdict::Error {
+                fault: String::new(),
+                fail_open: false
+            }
+        );
     }
 }

@@ -12,7 +12,7 @@ use serde_json::json;
 
 use crate::cluster::{Cluster, Spec};
 use crate::up::{
-    ADMIN, KEY_A, KEY_B, KEY_LIMITED, Options, QUEUED_BEHIND, TempDir, Up,
+    ADMIN, KEY_A, KEY_B, KEY_LIMITED, KEY_METERED, Options, QUEUED_BEHIND, TempDir, Up,
     a_long_answer_holding_decode, bounded, exchange, header, http, json, metric, open, repo,
     wait_records,
 };
@@ -46,7 +46,7 @@ fn policy_set(dir: &Path, tier: &str) -> PathBuf {
         r#"
 [[chain]]
 plugin = "tenant-tag"
-config = {{ echo = ["tier"], tenants = {{ tenant-a = {{ tier = "{tier}" }} }} }}
+config = {{ echo = ["tier"], tenants = {{ tenant-a = {{ tier = "{tier}" }}, tenant-metered = {{ tier = "bronze" }} }} }}
 
 [[chain]]
 plugin = "length-limit"
@@ -194,6 +194,24 @@ fn policies_deny_clamp_label_and_hold_an_abandoned_request_until_its_first_token
         assert_eq!(
             clamped.and_then(|v| v.parse::<u64>().ok()),
             Some(24 - prompt),
+            "{head}"
+        );
+        // Refused after the policies allowed it (its 24 tokens are past the tenant's 20 a
+        // minute): the error still says what they did.
+        let (status, head, body) = exchange(
+            &up.api,
+            "POST",
+            "/v1/completions",
+            Some(KEY_METERED),
+            &[],
+            counting,
+        );
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(json(&body)["error"]["code"], "request_too_large", "{body}");
+        assert_eq!(header(&head, "x-bulkhead-tier"), Some("bronze"), "{head}");
+        assert_eq!(
+            header(&head, "x-bulkhead-clamped-max-tokens"),
+            clamped,
             "{head}"
         );
 

@@ -27,6 +27,8 @@ pub const KEY_B: &str = "sk-demo-tenant-b";
 pub const ADMIN: &str = "sk-demo-admin";
 pub const KEY_LIMITED: &str = "sk-test-limited";
 pub const KEY_SERIAL: &str = "sk-test-serial";
+/// A tenant of 20 tokens a minute.
+pub const KEY_METERED: &str = "sk-test-metered";
 
 pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -51,13 +53,14 @@ pub(crate) fn test_config(dir: &std::path::Path, replace: &[(&str, &str)], extra
         .map(|(h, w)| (h.to_owned(), format!("\n[[workers]]{w}")))
         .expect("the default config has a worker");
     text = head;
-    for (id, key, concurrent, rpm) in [
-        ("tenant-limited", KEY_LIMITED, 8, 2),
-        ("tenant-serial", KEY_SERIAL, 1, 600),
+    for (id, key, concurrent, rpm, tpm) in [
+        ("tenant-limited", KEY_LIMITED, 8, 2, 1_000_000),
+        ("tenant-serial", KEY_SERIAL, 1, 600, 1_000_000),
+        ("tenant-metered", KEY_METERED, 8, 600, 20),
     ] {
         text.push_str(&format!(
             "\n[[tenants]]\nid = \"{id}\"\nkey_sha256 = [\"{}\"]\nmax_context = 8192\n\
-             max_concurrent = {concurrent}\nrequests_per_minute = {rpm}\ntokens_per_minute = 1000000\n",
+             max_concurrent = {concurrent}\nrequests_per_minute = {rpm}\ntokens_per_minute = {tpm}\n",
             sha256_hex(key)
         ));
     }

@@ -299,9 +299,20 @@ async fn serve(
     let timeout = state.http.request_timeout;
     let deadline = Instant::now() + timeout;
     let secs = timeout.as_secs();
+    // The policies' headers, once they allowed the request: on its answer, and on an error
+    // after that (the tenant's tokens, no worker, the worker's refusal) as well.
+    let mut policy_headers = HeaderMap::new();
     let result = tokio::time::timeout_at(
         deadline,
-        start(&state, &who, &trail, endpoint, &headers, body),
+        start(
+            &state,
+            &who,
+            &trail,
+            endpoint,
+            &headers,
+            body,
+            &mut policy_headers,
+        ),
     )
     .await;
     let answered = match result {
@@ -314,13 +325,15 @@ async fn serve(
             Err(e) => Err(e),
         },
     };
-    match answered {
+    let mut response = match answered {
         Ok(started) => respond::respond(started, deadline, secs).await,
         Err(e) => {
             trail.failed(&e, None);
             e.into_response()
         }
-    }
+    };
+    response.headers_mut().extend(policy_headers);
+    response
 }
 
 /// Whether a body read failed because the client's connection ended (closed, reset) before the
@@ -341,7 +354,8 @@ fn closed_by_client(e: &(dyn std::error::Error + 'static)) -> bool {
 }
 
 /// Everything up to the call to the worker: the request parsed, tokenized, admitted, allowed
-/// by the policies, charged and routed, its call made (not answered yet).
+/// by the policies, charged and routed, its call made (not answered yet). Once the policies
+/// allowed it, the headers they add to its response are in `policy_headers`.
 async fn start(
     state: &ApiState,
     who: &Authenticated,
@@ -349,6 +363,7 @@ async fn start(
     endpoint: Endpoint,
     headers: &HeaderMap,
     body: Body,
+    policy_headers: &mut HeaderMap,
 ) -> Result<respond::Started, ApiError> {
     let tenant = who.tenant.clone();
     let mut permit = state.tenants.limiter().start(&tenant)?;
@@ -472,6 +487,7 @@ async fn start(
     );
     drop(policy_span);
     trail.policy(policy.decisions().iter().map(Into::into).collect());
+    policy.add_headers(policy_headers);
     let routed = charge_and_route(
         state,
         endpoint,

@@ -317,24 +317,19 @@ impl Started {
     }
 }
 
-/// The response for a started request: JSON (bounded by `deadline`) or SSE.
+/// The response for a started request: JSON (bounded by `deadline`) or SSE. The policies'
+/// headers are the caller's to add, as on the errors before it started.
 pub async fn respond(started: Started, deadline: Instant, secs: u64) -> Response {
-    let mut headers = http::HeaderMap::new();
-    if let Some(policy) = &started.policy {
-        policy.add_headers(&mut headers);
-    }
     let sse = started.stream_mode.is_some();
     let span = tracing::info_span!("stream", bulkhead.stream = if sse { "sse" } else { "json" });
-    let mut response = if sse {
+    if sse {
         stream(started, span)
     } else {
         match collect(started, deadline, secs).instrument(span).await {
             Err(e) => e.into_response(),
             Ok(body) => ([(CONTENT_TYPE, "application/json")], body).into_response(),
         }
-    };
-    response.headers_mut().extend(headers);
-    response
+    }
 }
 
 /// The whole answer, read until the worker's `Done` or `deadline`. A request the gateway gives

@@ -58,18 +58,28 @@ impl DecisionVerdict {
             } if tags.is_empty() && headers.is_empty() => Verdict::Allow,
             DecisionVerdict::Allow { .. } => Verdict::Mutate,
             DecisionVerdict::Deny { status } => Verdict::Deny { status: *status },
-            DecisionVerdict::Fault { .. } => Verdict::Error,
+            DecisionVerdict::Fault { fault, fail_open } => Verdict::Error {
+                fault: (*fault).to_owned(),
+                fail_open: *fail_open,
+            },
         }
     }
 
-    /// The metrics' label: the audit record's word for the verdict, so the two join.
+    /// The metrics' label: the audit record's word for the verdict, so the two join; a fault
+    /// the request went on past is `error_open` (the policy was not applied), one that
+    /// refused it `error`.
     pub fn label(&self) -> &'static str {
         use bulkhead_audit::Verdict;
         match self.audited() {
             Verdict::Allow => "allow",
             Verdict::Mutate => "mutate",
             Verdict::Deny { .. } => "deny",
-            Verdict::Error => "error",
+            Verdict::Error {
+                fail_open: false, ..
+            } => "error",
+            Verdict::Error {
+                fail_open: true, ..
+            } => "error_open",
         }
     }
 }

@@ -107,7 +107,8 @@ impl Stats {
             family(
                 "bulkhead_policy_decisions_total",
                 "Policy decisions on requests by plugin and verdict (allow, mutate, deny, error: the audit \
-                 record's words).",
+                 record's words; error_open: a fault the request went on past, the policy not \
+                 applied).",
                 c.decisions
                     .iter()
                     .map(|((p, v), n)| (format!("plugin=\"{p}\",verdict=\"{v}\""), *n))

@@ -525,8 +525,17 @@ async fn a_memory_bomb_hits_its_memory_limit_and_fails_closed() {
     assert_eq!(fault_of(ask(&p, Ask::default()).await), Fault::Memory);
 }
 
+/// A trap refuses the request unless the binding fails open; the metrics and the audit record
+/// tell the two apart (a fault let through is a policy not applied).
 #[tokio::test]
 async fn a_trap_fails_closed_unless_the_binding_is_fail_open() {
+    let decided = |p: &Policies, verdict: &str| {
+        let mut metrics = String::new();
+        p.render_metrics(&mut metrics, &|_| true);
+        metrics.contains(&format!(
+            "bulkhead_policy_decisions_total{{plugin=\"hostile\",verdict=\"{verdict}\"}} 1"
+        ))
+    };
     let (p, _dir) = hostile("", "config = { attack = \"trap\" }");
     let fault = fault_of(ask(&p, Ask::default()).await);
     // The trap itself, on one line: not wasmtime's backtrace of the guest's frames before it.
@@ -534,16 +543,23 @@ async fn a_trap_fails_closed_unless_the_binding_is_fail_open() {
         matches!(&fault, Fault::Trap(t) if t.starts_with("wasm trap: ") && !t.contains("backtrace")),
         "{fault:?}"
     );
+    assert!(decided(&p, "error") && !decided(&p, "error_open"));
     let (p, _dir) = hostile("", "fail_open = true\nconfig = { attack = \"trap\" }");
     let allowed = ask(&p, Ask::default())
         .await
         .expect("fail-open lets it through");
+    let decision = &allowed.decisions()[0];
     assert_eq!(
-        allowed.decisions()[0].verdict,
+        decision.verdict,
         DecisionVerdict::Fault {
             fault: "trap",
             fail_open: true
         }
+    );
+    assert!(decided(&p, "error_open") && !decided(&p, "error"));
+    assert_eq!(
+        serde_json::to_value(bulkhead_audit::PolicyDecision::from(decision)).expect("serializes")["verdict"],
+        serde_json::json!({"kind": "error", "fault": "trap", "fail_open": true})
     );
 }
 
