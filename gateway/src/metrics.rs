@@ -40,14 +40,33 @@ struct Counters {
     unauthenticated: u64,
     /// Requests refused unread while the audit log could not write (503).
     audit_refused: u64,
-    /// tenant → (prompt tokens, completion tokens).
-    tokens: BTreeMap<TenantId, (u64, u64)>,
+    /// tenant → its completed generations' tokens.
+    tokens: BTreeMap<TenantId, Tokens>,
     /// tenant → streams that ended with an error event after a 200.
     stream_errors: BTreeMap<TenantId, u64>,
     /// tenant → arrival to end of every request.
     duration: BTreeMap<TenantId, Histogram>,
     /// tenant → arrival to first token of every request that produced one.
     ttft: BTreeMap<TenantId, Histogram>,
+}
+
+/// A completed generation's tokens (its usage), or a tenant's sum of them.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Tokens {
+    /// Prompt tokens, the cached ones included.
+    pub prompt: u64,
+    /// Prompt tokens whose KV was read from the tenant's prefix cache.
+    pub cached: u64,
+    /// Generated tokens.
+    pub completion: u64,
+}
+
+impl std::ops::AddAssign for Tokens {
+    fn add_assign(&mut self, other: Tokens) {
+        self.prompt += other.prompt;
+        self.cached += other.cached;
+        self.completion += other.completion;
+    }
 }
 
 /// `tenant`'s entry of `map`, made on first use (the id is copied only then).
@@ -78,10 +97,8 @@ impl Counters {
         }
         self.unauthenticated += other.unauthenticated;
         self.audit_refused += other.audit_refused;
-        for (tenant, (prompt, completion)) in &other.tokens {
-            let mine = of(&mut self.tokens, tenant);
-            mine.0 += prompt;
-            mine.1 += completion;
+        for (tenant, tokens) in &other.tokens {
+            *of(&mut self.tokens, tenant) += *tokens;
         }
         for (tenant, n) in &other.stream_errors {
             *of(&mut self.stream_errors, tenant) += n;
@@ -145,12 +162,8 @@ impl Metrics {
     }
 
     /// Tokens of one completed generation.
-    pub fn tokens(&self, tenant: &TenantId, prompt: u64, completion: u64) {
-        self.with(|c| {
-            let t = of(&mut c.tokens, tenant);
-            t.0 += prompt;
-            t.1 += completion;
-        });
+    pub fn tokens(&self, tenant: &TenantId, tokens: Tokens) {
+        self.with(|c| *of(&mut c.tokens, tenant) += tokens);
     }
 
     /// A stream that failed after its 200.
@@ -315,12 +328,21 @@ fn render_counters(out: &mut String, c: &Counters) {
             "bulkhead_gateway_tokens_in_total",
             "Prompt tokens of completed requests, by tenant (their usage; a failed or \
              abandoned request's tokens are in its audit record and its tenant's charge).",
-            c.tokens.iter().map(|(t, v)| (t, v.0)).collect::<Vec<_>>(),
+            c.tokens
+                .iter()
+                .map(|(t, v)| (t, v.prompt))
+                .collect::<Vec<_>>(),
+        ),
+        (
+            "bulkhead_gateway_tokens_cached_total",
+            "Prompt tokens of completed requests whose KV was read from the tenant's own \
+             prefix cache instead of computed, by tenant (part of tokens_in).",
+            c.tokens.iter().map(|(t, v)| (t, v.cached)).collect(),
         ),
         (
             "bulkhead_gateway_tokens_out_total",
             "Generated tokens of completed requests, by tenant.",
-            c.tokens.iter().map(|(t, v)| (t, v.1)).collect(),
+            c.tokens.iter().map(|(t, v)| (t, v.completion)).collect(),
         ),
         (
             "bulkhead_gateway_stream_errors_total",
@@ -403,7 +425,14 @@ mod tests {
         let record = |m: &Metrics| {
             m.request(&a, 200);
             m.request(&b, 429);
-            m.tokens(&a, 10, 2);
+            m.tokens(
+                &a,
+                Tokens {
+                    prompt: 10,
+                    cached: 4,
+                    completion: 2,
+                },
+            );
             m.stream_error(&a);
             m.latency(&a, 70, Some(3));
             m.unauthenticated();
@@ -431,6 +460,7 @@ mod tests {
             "bulkhead_gateway_unauthenticated_requests_total 3",
             "bulkhead_gateway_audit_refused_requests_total 3",
             "bulkhead_gateway_tokens_in_total{tenant=\"a\"} 30",
+            "bulkhead_gateway_tokens_cached_total{tenant=\"a\"} 12",
             "bulkhead_gateway_tokens_out_total{tenant=\"a\"} 6",
             "bulkhead_gateway_stream_errors_total{tenant=\"a\"} 3",
             "bulkhead_gateway_request_duration_seconds_bucket{tenant=\"a\",le=\"0.1\"} 3",

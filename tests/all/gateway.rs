@@ -1382,6 +1382,7 @@ fn only_requests_with_the_same_cache_salt_share_cached_prompt_pages() {
         });
         up.wait_routable();
         let prompt = crate::isolation::long_prompt("salted", 120);
+        let told = std::cell::Cell::new(0);
         let cached = |salt: Option<&str>| {
             let salt = salt.map_or(String::new(), |s| format!(r#","cache_salt":"{s}""#));
             let body = format!(
@@ -1390,9 +1391,11 @@ fn only_requests_with_the_same_cache_salt_share_cached_prompt_pages() {
             );
             let (status, reply) = http(&up.api, "POST", "/v1/completions", Some(KEY_A), &[], &body);
             assert_eq!(status, 200, "{reply}");
-            json(&reply)["usage"]["prompt_tokens_details"]["cached_tokens"]
+            let n = json(&reply)["usage"]["prompt_tokens_details"]["cached_tokens"]
                 .as_u64()
-                .expect("a count")
+                .expect("a count");
+            told.set(told.get() + n);
+            n
         };
         assert_eq!(cached(Some("s1")), 0, "cold");
         assert!(
@@ -1404,6 +1407,16 @@ fn only_requests_with_the_same_cache_salt_share_cached_prompt_pages() {
         assert!(
             cached(None) >= 64,
             "unsalted requests share among themselves"
+        );
+        // The tenant's metric counts what its answers said.
+        let m = up.metrics();
+        assert_eq!(
+            metric(
+                &m,
+                r#"bulkhead_gateway_tokens_cached_total{tenant="tenant-a"}"#
+            ),
+            told.get(),
+            "{m}"
         );
         let (status, reply) = up.chat(
             KEY_A,

@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use tracing::Instrument as _;
 
 use crate::limits::RequestPermit;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Tokens};
 use crate::policy::{Charge, Progress, RequestPolicy};
 use crate::tenant::Tenant;
 use crate::trail::{ShutdownSignal, Trail};
@@ -289,8 +289,11 @@ impl Started {
     fn finished(&mut self, d: &Done) {
         self.metrics.tokens(
             &self.tenant.id,
-            u64::from(d.prompt_tokens),
-            u64::from(d.completion_tokens),
+            Tokens {
+                prompt: u64::from(d.prompt_tokens),
+                cached: u64::from(d.cached_tokens),
+                completion: u64::from(d.completion_tokens),
+            },
         );
         self.set_used(u64::from(d.prompt_tokens) + u64::from(d.completion_tokens));
     }
