@@ -123,8 +123,11 @@ enum Arrival {
 pub struct Inbound {
     reservation: Reservation,
     arrivals: Vec<Arrival>,
-    duplicates: Vec<usize>,
-    /// Frames of this session that were not written, whatever the reason.
+    /// The first page sent twice: one is enough to fail the transfer, and a peer that sends
+    /// duplicates without end grows nothing.
+    duplicate: Option<usize>,
+    /// Frames of this session that were not written, whatever the reason (saturating: a peer
+    /// sending malformed frames without end neither wraps it to 0 nor panics on it).
     dropped: u32,
     manifest_seen: bool,
 }
@@ -135,7 +138,7 @@ impl Inbound {
         Inbound {
             reservation,
             arrivals,
-            duplicates: Vec::new(),
+            duplicate: None,
             dropped: 0,
             manifest_seen: false,
         }
@@ -163,13 +166,14 @@ impl Inbound {
             Ok(_) => {}
             Err(DropReason::Corrupt { index }) => {
                 self.arrivals[*index as usize] = Arrival::Corrupt;
-                self.dropped += 1;
             }
             Err(DropReason::Duplicate { index }) => {
-                self.duplicates.push(*index as usize);
-                self.dropped += 1;
+                self.duplicate.get_or_insert(*index as usize);
             }
-            Err(_) => self.dropped += 1,
+            Err(_) => {}
+        }
+        if verdict.is_err() {
+            self.dropped = self.dropped.saturating_add(1);
         }
         verdict
     }
@@ -290,7 +294,7 @@ impl Inbound {
                 reserved: r.pages.len(),
             });
         }
-        if let Some(&index) = self.duplicates.first() {
+        if let Some(index) = self.duplicate {
             return Err(IntegrityFailure::PageDuplicated { index });
         }
         let mut checksums = Vec::with_capacity(self.arrivals.len());
@@ -624,5 +628,41 @@ mod tests {
             ..manifest(&fs)
         };
         assert_eq!(s.finish(&bad, live), Err(IntegrityFailure::DigestMismatch));
+    }
+
+    /// A manifest for the right number of tokens is still checked for its session and its
+    /// page count: every frame written, but the manifest of another session, or one that
+    /// counts another number of pages, does not commit.
+    #[test]
+    fn a_manifest_of_another_session_or_page_count_fails_the_transfer() {
+        let r = reservation();
+        let fs = frames(&r);
+        let mut s = Inbound::new(r);
+        fs.iter().for_each(|f| {
+            s.accept(&c(f), live).unwrap();
+        });
+        let foreign = Manifest {
+            nonce: SessionNonce([4; 16]),
+            ..manifest(&fs)
+        };
+        assert_eq!(
+            s.finish(&foreign, live),
+            Err(IntegrityFailure::WrongSession)
+        );
+        let counted = Manifest {
+            pages: 2,
+            ..manifest(&fs)
+        };
+        assert_eq!(
+            s.finish(&counted, live),
+            Err(IntegrityFailure::PageCount {
+                sent: 2,
+                reserved: 3
+            })
+        );
+        assert_eq!(
+            s.finish(&manifest(&fs), live),
+            Ok(Committed { first_token: 11 })
+        );
     }
 }
