@@ -354,7 +354,7 @@ impl Payload {
                 let (socket, _) = listener.accept().await?;
                 let limit = kvplane::DEFAULT_PEER_TIMEOUT;
                 let socket = kvplane::accepted(socket, server_tls.as_ref(), limit).await?;
-                kvplane::receive(socket, &to, &buffers).await
+                kvplane::receive(socket, &to, &buffers, None).await
             });
             let options = kvplane::SendOptions {
                 batch_bytes: batch,
@@ -531,7 +531,7 @@ fn over_loopback(
         let receiver = tokio::spawn(async move {
             let (socket, _) = listener.accept().await?;
             let got = Collect::default();
-            kvplane::receive(socket, &got, &Buffers::default()).await?;
+            kvplane::receive(socket, &got, &Buffers::default(), None).await?;
             anyhow::Ok(
                 got.0
                     .into_inner()

@@ -198,8 +198,9 @@ pub fn bound_peer(socket: &TcpStream, limit: Duration) -> std::io::Result<()> {
 
 /// Decode role: accepts data-plane connections for as long as the worker serves; each
 /// connection's messages go to `to` (the engine), frames of at most `max_frame` bytes (a
-/// page); a peer that vanishes loses its connection after about `peer_timeout`. A failed
-/// accept is logged and accepting goes on ([`accepting::next`]).
+/// page); a peer that vanishes loses its connection after about `peer_timeout`, and so does
+/// one that carries no open session for that long ([`receive`]). A failed accept is logged and
+/// accepting goes on ([`accepting::next`]).
 pub async fn serve(
     listener: TcpListener,
     to: impl Deliver + Clone + Send + Sync + 'static,
@@ -222,7 +223,7 @@ pub async fn serve(
                     return;
                 }
             };
-            if let Err(e) = receive(socket, &to, &buffers).await {
+            if let Err(e) = receive(socket, &to, &buffers, Some(peer_timeout)).await {
                 tracing::warn!(%peer, error = %e, "KV data connection ended with an error");
             }
         });
@@ -245,15 +246,21 @@ pub async fn accepted(
 }
 
 /// Reads one connection's messages into `to`; on its end, reports the sessions it left open.
+/// With `idle`, a connection that carries no open session ends when its next message has not
+/// arrived whole within it: prefill connects once its prompt is computed and sends at once,
+/// so only a host that connects and then idles (or sends only what opens nothing) waits that
+/// long — and without the limit it held a connection, its socket and its task, for ever.
 pub async fn receive(
     socket: impl AsyncRead + Unpin,
     to: &impl Deliver,
     buffers: &Buffers,
+    idle: Option<Duration>,
 ) -> std::io::Result<()> {
     let mut reader = BufReader::with_capacity(HEAD_BUFFER, socket);
     let mut open = HashSet::new();
     let result = loop {
-        match read_message(&mut reader, buffers).await {
+        let limit = idle.filter(|_| open.is_empty());
+        match read_message(&mut reader, buffers, limit).await {
             Ok(None) => break Ok(()),
             Ok(Some((message, lease))) => {
                 match &message {
@@ -283,11 +290,40 @@ pub async fn receive(
 }
 
 /// Reads the next message, with its lease on the receive budget (waiting for room once it is
-/// read): `None` at a clean end of the stream (between messages).
+/// read): `None` at a clean end of the stream (between messages). With `limit`, the message
+/// must arrive whole within it (a wait for the budget's room is not counted).
 async fn read_message(
     reader: &mut (impl AsyncRead + Unpin),
     buffers: &Buffers,
+    limit: Option<Duration>,
 ) -> std::io::Result<Option<(Received, Lease)>> {
+    let read = read_unleased(reader, buffers);
+    let read = match limit {
+        None => read.await?,
+        Some(limit) => tokio::time::timeout(limit, read).await.map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "no session open on the data connection and no message for {} ms",
+                    limit.as_millis()
+                ),
+            )
+        })??,
+    };
+    Ok(match read {
+        None => None,
+        // The lease is taken once the bytes are in: a peer that sends a frame's head and then
+        // trickles (or withholds) its bytes holds its own buffer, never the budget that every
+        // other connection's transfers need.
+        Some((message, bytes)) => Some((message, buffers.lease(cost(bytes)).await?)),
+    })
+}
+
+/// Reads the next message and says how many frame bytes it carries (0 for the others).
+async fn read_unleased(
+    reader: &mut (impl AsyncRead + Unpin),
+    buffers: &Buffers,
+) -> std::io::Result<Option<(Received, u32)>> {
     let mut head = [0u8; FRAME_HEAD];
     let first = reader.read(&mut head[..HEADER]).await?;
     if first == 0 {
@@ -306,16 +342,12 @@ async fn read_message(
         None => return Err(std::io::Error::other("message head shorter than its kind")),
     };
     match head {
-        Head::Whole(m) => Ok(Some((m.into(), buffers.lease(cost(0)).await?))),
+        Head::Whole(m) => Ok(Some((m.into(), 0))),
         Head::Frame { header, len } => {
-            // The lease is taken once the bytes are in: a peer that sends a frame's head and
-            // then trickles (or withholds) its bytes holds its own buffer, never the budget
-            // that every other connection's transfers need.
             let bytes = read_bytes(reader, buffers.take(len as usize), len as usize).await?;
-            let lease = buffers.lease(cost(len)).await?;
             Ok(Some((
                 Received::Frame(Frame { header, bytes }.check()),
-                lease,
+                len,
             )))
         }
     }
@@ -606,7 +638,7 @@ mod tests {
         let log = Log::default();
         let m = manifest(fs);
         let (sent, received) = tokio::join!(send_on(&mut tx, fs, &m, batch, || false), async {
-            receive(rx, &log, &Buffers::default()).await
+            receive(rx, &log, &Buffers::default(), None).await
         });
         assert!(matches!(sent, Ok(Sent::Complete { .. })));
         received.expect("clean end");
@@ -728,7 +760,7 @@ mod tests {
             let (mut tx, rx) = tokio::io::duplex(1 << 20);
             let log = Log::default();
             let (result, end) = tokio::join!(send_on(&mut tx, &fs, &m, batch, || true), async {
-                receive(rx, &log, &Buffers::default()).await
+                receive(rx, &log, &Buffers::default(), None).await
             });
             assert_eq!(result.expect("sent"), Sent::Aborted);
             end.expect("clean end");
@@ -749,7 +781,7 @@ mod tests {
         let (mut tx, rx) = tokio::io::duplex(1 << 20);
         let log = Log::default();
         let (result, end) = tokio::join!(send_on(&mut tx, &fs, &m, 1 << 20, || true), async {
-            receive(rx, &log, &Buffers::default()).await
+            receive(rx, &log, &Buffers::default(), None).await
         });
         end.expect("clean end");
         let mut tail = Vec::new();
@@ -793,7 +825,7 @@ mod tests {
         let (mut tx, rx) = tokio::io::duplex(1 << 20);
         let receiving = tokio::spawn({
             let (behind, buffers) = (behind.clone(), buffers.clone());
-            async move { receive(rx, &behind, &buffers).await }
+            async move { receive(rx, &behind, &buffers, None).await }
         });
         let sent = send_on(&mut tx, &fs, &manifest(&fs), 1 << 20, || false).await;
         assert!(matches!(sent, Ok(Sent::Complete { .. })));
@@ -834,7 +866,7 @@ mod tests {
             .expect("writes");
         let withheld = tokio::spawn({
             let buffers = buffers.clone();
-            async move { receive(rx, &Log::default(), &buffers).await }
+            async move { receive(rx, &Log::default(), &buffers, None).await }
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
         let (mut tx, rx) = tokio::io::duplex(1 << 20);
@@ -844,7 +876,7 @@ mod tests {
             drop(tx);
             sent
         };
-        let both = async { tokio::join!(whole, receive(rx, &log, &buffers)) };
+        let both = async { tokio::join!(whole, receive(rx, &log, &buffers, None)) };
         let (sent, received) = tokio::time::timeout(Duration::from_secs(5), both)
             .await
             .expect("the whole transfer is not held up");
@@ -866,12 +898,72 @@ mod tests {
             encode(&Message::Manifest(m), &mut bytes);
         }
         let log = Log::default();
-        let ended = receive(&bytes[..], &log, &Buffers::default()).await;
+        let ended = receive(&bytes[..], &log, &Buffers::default(), None).await;
         let e = ended.expect_err("refused");
         assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
         assert_eq!(log.got.lock().expect("lock").len(), MAX_OPEN_SESSIONS);
         // Every session it opened is reported torn down.
         assert_eq!(log.closed.lock().expect("lock").len(), MAX_OPEN_SESSIONS);
+    }
+
+    /// A connection that opens no session is closed once it idles past the limit; one that
+    /// holds a session open is not (its transfer's deadline is decode's to keep), and after
+    /// that session closes, the limit applies again.
+    #[tokio::test]
+    async fn a_connection_that_idles_without_a_session_is_closed() {
+        use std::time::Duration;
+        let limit = Some(Duration::from_millis(100));
+        let log = Log::default();
+        let (_quiet, rx) = tokio::io::duplex(1 << 16);
+        let t0 = std::time::Instant::now();
+        let ended = receive(rx, &log, &Buffers::default(), limit).await;
+        let e = ended.expect_err("closed for idling");
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+        // Without the limit it is still open after three times as long.
+        let (_quiet, rx) = tokio::io::duplex(1 << 16);
+        let buffers = Buffers::default();
+        let idling = receive(rx, &log, &buffers, None);
+        let wait = Duration::from_millis(300);
+        assert!(tokio::time::timeout(wait, idling).await.is_err());
+
+        let fs = frames(2, 100);
+        let (mut tx, rx) = tokio::io::duplex(1 << 16);
+        let receiving = tokio::spawn({
+            let (log, buffers) = (log.clone(), buffers.clone());
+            async move { receive(rx, &log, &buffers, limit).await }
+        });
+        let mut bytes = Vec::new();
+        encode_frame(&fs[0], &mut bytes);
+        tx.write_all(&bytes).await.expect("writes");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !receiving.is_finished(),
+            "a session is open: the connection stays"
+        );
+        bytes.clear();
+        encode_frame(&fs[1], &mut bytes);
+        encode(&Message::Manifest(manifest(&fs)), &mut bytes);
+        encode(
+            &Message::Closed {
+                nonce: NONCE,
+                reason: CloseReason::Complete,
+            },
+            &mut bytes,
+        );
+        tx.write_all(&bytes).await.expect("writes");
+        let ended = tokio::time::timeout(Duration::from_secs(5), receiving)
+            .await
+            .expect("closed once idle again")
+            .expect("the task ran");
+        assert_eq!(
+            ended.expect_err("idle").kind(),
+            std::io::ErrorKind::TimedOut
+        );
+        assert!(
+            log.closed.lock().expect("lock").is_empty(),
+            "closed cleanly"
+        );
     }
 
     #[tokio::test]
@@ -885,7 +977,7 @@ mod tests {
         let both = async {
             tokio::join!(
                 send_frames(&mut tx, &fs, &m, 1, stall, || false),
-                receive(rx, &log, &buffers)
+                receive(rx, &log, &buffers, None)
             )
         };
         let wait = std::time::Duration::from_millis(300);
@@ -1227,7 +1319,7 @@ mod tests {
         fs.iter().for_each(|f| encode_frame(f, &mut wire));
         encode(&Message::Manifest(m.clone()), &mut wire);
         let log = Log::default();
-        receive(&wire[..], &log, &Buffers::default())
+        receive(&wire[..], &log, &Buffers::default(), None)
             .await
             .expect("clean end");
         let got = log.got.lock().expect("lock");
@@ -1244,7 +1336,7 @@ mod tests {
         let at = 2 * FRAME_HEAD + 100 + 50; // inside the second frame's bytes
         wire[at] ^= 4;
         let log = Log::default();
-        receive(&wire[..], &log, &Buffers::default())
+        receive(&wire[..], &log, &Buffers::default(), None)
             .await
             .expect("clean end");
         let got = log.got.lock().expect("lock");
@@ -1267,16 +1359,20 @@ mod tests {
         fs.iter().for_each(|f| encode_frame(f, &mut wire));
         for cut in [1, HEADER + 3, FRAME_HEAD + 10, wire.len() - 1] {
             let log = Log::default();
-            let cut_short = receive(&wire[..cut], &log, &Buffers::default()).await;
+            let cut_short = receive(&wire[..cut], &log, &Buffers::default(), None).await;
             assert!(cut_short.is_err(), "cut at {cut}");
         }
         let mut bad = wire.clone();
         bad[5] = 9; // unknown kind
         let log = Log::default();
-        assert!(receive(&bad[..], &log, &Buffers::default()).await.is_err());
+        assert!(
+            receive(&bad[..], &log, &Buffers::default(), None)
+                .await
+                .is_err()
+        );
         let mut huge = wire;
         huge[HEADER + 28..HEADER + 32].copy_from_slice(&u32::MAX.to_le_bytes());
-        let refused = receive(&huge[..], &Log::default(), &Buffers::default()).await;
+        let refused = receive(&huge[..], &Log::default(), &Buffers::default(), None).await;
         assert!(refused.is_err());
     }
 
@@ -1287,12 +1383,12 @@ mod tests {
         let mut wire = Vec::new();
         fs.iter().for_each(|f| encode_frame(f, &mut wire));
         let log = Log::default();
-        receive(&wire[..], &log, &Buffers::up_to(len))
+        receive(&wire[..], &log, &Buffers::up_to(len), None)
             .await
             .expect("frames of exactly a page are taken");
         assert_eq!(log.got.lock().expect("lock").len(), 2);
         let log = Log::default();
-        let refused = receive(&wire[..], &log, &Buffers::up_to(len - 1)).await;
+        let refused = receive(&wire[..], &log, &Buffers::up_to(len - 1), None).await;
         let e = refused.expect_err("one byte over a page");
         assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
         assert!(
