@@ -405,9 +405,17 @@ struct State {
     next_id: u64,
     /// The token presented on every call to a Bulkhead worker, and the TLS they go over.
     cluster: ClusterAccess,
-    /// Which entries may be routed to, by index: judged once after any change (the checks
-    /// behind it format their findings), not at every request. `None`: to judge again.
-    judged: Option<Vec<bool>>,
+    /// Which entries may be routed to: judged once after any change (the checks behind it
+    /// format their findings), not at every request. `None`: to judge again.
+    judged: Option<Judged>,
+}
+
+/// Which entries may be routed to, by index, and until when that holds without a change: an
+/// ejection lapses with time.
+struct Judged {
+    routable: Vec<bool>,
+    /// When the first ejection in force ends.
+    until: Option<Instant>,
 }
 
 impl State {
@@ -634,10 +642,20 @@ impl State {
         self.model.is_some() && self.unroutable(e).is_none()
     }
 
-    /// Judges which entries may be routed to, unless nothing changed since they last were.
+    /// Judges which entries may be routed to, unless nothing changed (and no ejection ended)
+    /// since they last were.
     fn judge(&mut self) {
+        let now = Instant::now();
+        if (self.judged.as_ref()).is_some_and(|j| j.until.is_some_and(|until| now >= until)) {
+            self.judged = None;
+        }
         if self.judged.is_none() {
-            self.judged = Some(self.entries.iter().map(|e| self.may_route(e)).collect());
+            let routable = self.entries.iter().map(|e| self.may_route(e)).collect();
+            let until = (self.entries.iter())
+                .filter_map(|e| e.stalls.ejected(now))
+                .map(|ejection| now + ejection.lasts)
+                .min();
+            self.judged = Some(Judged { routable, until });
         }
     }
 
@@ -645,7 +663,7 @@ impl State {
     /// was since the last change.
     fn routable(&self) -> impl Iterator<Item = (usize, &Entry)> {
         (self.entries.iter().enumerate()).filter(|&(i, e)| match &self.judged {
-            Some(judged) => judged.get(i) == Some(&true),
+            Some(judged) => judged.routable.get(i) == Some(&true),
             None => self.may_route(e),
         })
     }
@@ -875,7 +893,7 @@ impl Workers {
 
     /// Every worker's name, in order (listed workers first, then groups' members as found).
     pub fn names(&self) -> Vec<String> {
-        self.with(|s| s.entries.iter().map(|e| e.config.name.clone()).collect())
+        self.routing(|s| s.entries.iter().map(|e| e.config.name.clone()).collect())
     }
 
     /// `f` on the state, which it may change in any way: what is routable is judged again.
@@ -886,8 +904,8 @@ impl Workers {
         })
     }
 
-    /// `f` on the state, which it may change only in what the judgement of what is routable
-    /// does not read (tokens outstanding): a request's path.
+    /// `f` on the state, which it may read, and change only in what the judgement of what is
+    /// routable does not read (tokens outstanding): a request's path, and every reader.
     fn routing<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
         f(&mut self
             .shared
@@ -898,7 +916,7 @@ impl Workers {
 
     /// The served model, once a worker has registered.
     pub fn model(&self) -> Option<Arc<ServedModel>> {
-        self.with(|s| s.model.clone())
+        self.routing(|s| s.model.clone())
     }
 
     /// The effective limit for a tenant allowed `tenant_max`, over every routable worker.
@@ -912,10 +930,15 @@ impl Workers {
     }
 
     /// The routable worker with the fewest outstanding tokens; its count grows by the
-    /// request's prompt + max tokens until the route drops.
-    pub fn route(&self, admitted: &Admitted) -> Option<Route> {
+    /// request's prompt + max tokens until the route drops. None while the served model is
+    /// not `model_id`, the one the request was tokenized for: its token ids mean nothing to
+    /// another model's workers (the model changes when none serves the old one any more).
+    pub fn route(&self, admitted: &Admitted, model_id: &str) -> Option<Route> {
         let tokens = admitted.total_tokens();
         self.routing(|s| {
+            if s.served_id() != Some(model_id) {
+                return None;
+            }
             s.judge();
             // Only a worker whose every pool holds the request: one that became routable since
             // the request was admitted may be smaller than the limit it was admitted against.
@@ -954,7 +977,7 @@ impl Workers {
     /// How the gateway reaches its Bulkhead workers: whether it presents a cluster token, and
     /// whether its calls go over mutual TLS.
     pub fn access(&self) -> Access {
-        self.with(|s| Access {
+        self.routing(|s| Access {
             cluster_token: s.cluster.token.is_some(),
             mutual_tls: s.cluster.tls.is_some(),
         })
@@ -962,7 +985,7 @@ impl Workers {
 
     /// What each worker reported, in configuration order.
     pub fn reports(&self) -> Vec<WorkerReport> {
-        self.with(|s| {
+        self.routing(|s| {
             s.entries
                 .iter()
                 .map(|e| {
@@ -1401,6 +1424,12 @@ mod tests {
         });
     }
 
+    /// A route for a request of `total` tokens, tokenized for the served model.
+    fn to(w: &Workers, total: u32) -> Option<Route> {
+        let id = w.model().map(|m| m.id.clone()).unwrap_or_default();
+        w.route(&admitted(total), &id)
+    }
+
     fn admitted(total: u32) -> Admitted {
         Admitted {
             prompt_tokens: 10,
@@ -1418,15 +1447,15 @@ mod tests {
         ]);
         reports(&w, "big", WorkerRole::Both, 8192, 8192);
         reports(&w, "small", WorkerRole::Both, 4096, 4096);
-        let held = w.route(&admitted(1000)).expect("a route");
+        let held = to(&w, 1000).expect("a route");
         assert_eq!(held.worker, "big", "a tie goes to the first");
         // "small" has the fewest tokens outstanding, but cannot hold it.
-        let route = w.route(&admitted(6000)).expect("a route");
+        let route = to(&w, 6000).expect("a route");
         assert_eq!(route.worker, "big", "the only one it fits");
-        let route = w.route(&admitted(3000)).expect("a route");
+        let route = to(&w, 3000).expect("a route");
         assert_eq!(route.worker, "small", "the least loaded that fits");
         // Nothing routable holds more than 8192.
-        assert!(w.route(&admitted(9000)).is_none());
+        assert!(to(&w, 9000).is_none());
     }
 
     /// A decode worker is not routed to while a prefill worker that may fill its pages serves
@@ -1446,7 +1475,7 @@ mod tests {
         });
         reports(&w, "d", WorkerRole::Decode, 8192, 8192);
         reports(&w, "p", WorkerRole::Prefill, 8192, 8192);
-        assert!(w.route(&admitted(100)).is_some(), "p2 does not serve yet");
+        assert!(to(&w, 100).is_some(), "p2 does not serve yet");
         w.with(|s| s.entries[2].health = serving());
         let why = w.with(|s| s.unroutable(&s.entries[0]));
         assert!(
@@ -1454,11 +1483,8 @@ mod tests {
             "{why:?}"
         );
         reports(&w, "p2", WorkerRole::Prefill, 2048, 2048);
-        assert!(
-            w.route(&admitted(4000)).is_none(),
-            "p2's pool bounds it now"
-        );
-        assert!(w.route(&admitted(2000)).is_some());
+        assert!(to(&w, 4000).is_none(), "p2's pool bounds it now");
+        assert!(to(&w, 2000).is_some());
     }
 
     /// A group's name listing one pod at two addresses (IPv4 and IPv6) makes two members of
@@ -1482,9 +1508,7 @@ mod tests {
             "{why:?}"
         );
         // Held, so each goes to the least loaded: the two processes, never the second address.
-        let routes: Vec<Route> = (0..4)
-            .map(|_| w.route(&admitted(100)).expect("a route"))
-            .collect();
+        let routes: Vec<Route> = (0..4).map(|_| to(&w, 100).expect("a route")).collect();
         let names: Vec<&str> = routes.iter().map(|r| r.worker.as_str()).collect();
         assert!(names.contains(&"other"), "{names:?}");
         assert!(!names.iter().any(|r| r.contains("fd00")), "{names:?}");
@@ -1529,10 +1553,10 @@ mod tests {
         ]);
         reports(&w, "d", WorkerRole::Decode, 8192, 8192);
         reports(&w, "p", WorkerRole::Prefill, 8192, 8192);
-        assert!(w.route(&admitted(100)).is_some(), "d dials p");
+        assert!(to(&w, 100).is_some(), "d dials p");
         let fails = |w: &Workers| {
             let why = w.with(|s| s.unroutable(&s.entries[0]));
-            assert!(w.route(&admitted(100)).is_none(), "{why:?}");
+            assert!(to(&w, 100).is_none(), "{why:?}");
             match why {
                 Some(Unroutable::PreflightFails {
                     check: "dials a configured prefill worker",
@@ -1550,7 +1574,7 @@ mod tests {
             w.with(|s| s.unroutable(&s.entries[0])),
             Some(Unroutable::PrefillNotReachedYet)
         );
-        assert!(w.route(&admitted(100)).is_none());
+        assert!(to(&w, 100).is_none());
         // Its probe failed: the check says why.
         w.with(|s| {
             let d = s.entries[0].info.as_mut().expect("d's Info");
@@ -1568,7 +1592,7 @@ mod tests {
                 "p-again".into()
         });
         dials(&w, "p-again");
-        assert!(w.route(&admitted(100)).is_some());
+        assert!(to(&w, 100).is_some());
     }
 
     /// A worker that runs another role than configured (a decode worker configured as
@@ -1589,7 +1613,7 @@ mod tests {
             "{why:?}"
         );
         reports(&w, "w", WorkerRole::Both, 8192, 8192);
-        assert!(w.route(&admitted(100)).is_some());
+        assert!(to(&w, 100).is_some());
     }
 
     /// Quarantined pages that leave less than the served context in service keep a worker
@@ -1677,15 +1701,48 @@ mod tests {
         let w = workers(&[("a", WorkerRole::Both, None), ("b", WorkerRole::Both, None)]);
         reports(&w, "a", WorkerRole::Both, 8192, 8192);
         reports(&w, "b", WorkerRole::Both, 8192, 8192);
-        let first = w.route(&admitted(100)).expect("a route");
+        let first = to(&w, 100).expect("a route");
         assert_eq!(first.worker, "a", "a tie goes to the first");
         first.failed("connection reset");
         drop(first);
         for _ in 0..3 {
-            assert_eq!(w.route(&admitted(100)).expect("a route").worker, "b");
+            assert_eq!(to(&w, 100).expect("a route").worker, "b");
         }
         reports(&w, "a", WorkerRole::Both, 8192, 8192);
-        assert_eq!(w.route(&admitted(100)).expect("a route").worker, "a");
+        assert_eq!(to(&w, 100).expect("a route").worker, "a");
+    }
+
+    /// Reading the workers (the served model, at every request) keeps the judgement of what
+    /// is routable; an ejection's end, which no change marks, is judged when it comes. A
+    /// request is routed only for the model it was tokenized for.
+    #[tokio::test]
+    async fn the_judgement_outlives_reads_and_ends_with_the_first_ejection() {
+        let w = workers(&[("a", WorkerRole::Both, None), ("b", WorkerRole::Both, None)]);
+        reports(&w, "a", WorkerRole::Both, 8192, 8192);
+        reports(&w, "b", WorkerRole::Both, 8192, 8192);
+        // a is ejected for 300 ms from now: its three stalls counted as if they were older.
+        let ejection = w.with(|s| {
+            let back = Instant::now() - Duration::from_secs(30) + Duration::from_millis(300);
+            for _ in 0..3 {
+                s.entries[0].stalls.stalled(back);
+            }
+            s.entries[0].stalls.ejected(Instant::now())
+        });
+        assert!(ejection.is_some(), "ejected");
+        assert_eq!(to(&w, 100).expect("a route").worker, "b");
+        // A request tokenized for a model no longer served goes nowhere.
+        assert!(w.route(&admitted(100), "the-model-before").is_none());
+        let _ = (w.model(), w.names(), w.reports(), w.access());
+        assert!(
+            w.routing(|s| s.judged.is_some()),
+            "reads keep the judgement"
+        );
+        std::thread::sleep(Duration::from_millis(350));
+        assert_eq!(
+            to(&w, 100).expect("a route").worker,
+            "a",
+            "routed to again once its ejection ended"
+        );
     }
 
     /// A worker that cannot be reached is logged as not routed to (each change once) with the cause of
@@ -1722,7 +1779,7 @@ mod tests {
         reports(&w, "a", WorkerRole::Both, 8192, 8192);
         reports(&w, "b", WorkerRole::Both, 8192, 8192);
         let to_a = || {
-            let route = w.route(&admitted(100)).expect("a route");
+            let route = to(&w, 100).expect("a route");
             assert_eq!(route.worker, "a", "a tie goes to the first");
             route
         };
@@ -1736,7 +1793,7 @@ mod tests {
         // Ejected: its health check still passes, and it is still not routed to.
         reports(&w, "a", WorkerRole::Both, 8192, 8192);
         for _ in 0..3 {
-            assert_eq!(w.route(&admitted(100)).expect("a route").worker, "b");
+            assert_eq!(to(&w, 100).expect("a route").worker, "b");
         }
         let report = w.reports().into_iter().find(|r| r.name == "a").expect("a");
         assert!(

@@ -494,7 +494,7 @@ async fn start(
         &mut permit,
         admitted,
         &policy,
-        prompt.len(),
+        &model.id,
         limit,
     );
     let (admitted, route) = match routed {
@@ -552,21 +552,22 @@ async fn start(
 }
 
 /// After the policies allowed a request: admission again when they clamped its max tokens,
-/// its tokens-per-minute charge, and its route.
+/// its tokens-per-minute charge, and its route to a worker of `model_id`, the model it was
+/// tokenized for.
 fn charge_and_route(
     state: &ApiState,
     endpoint: Endpoint,
     permit: &mut RequestPermit,
     admitted: Admitted,
     policy: &RequestPolicy,
-    prompt_tokens: usize,
+    model_id: &str,
     limit: EffectiveLimit,
 ) -> Result<(Admitted, Route), ApiError> {
     let admitted = match policy.clamp() {
         None => admitted,
         Some(max) => admission(
             endpoint,
-            prompt_tokens,
+            admitted.prompt_tokens as usize,
             Some(max),
             state.http.default_max_tokens,
             limit,
@@ -582,7 +583,7 @@ fn charge_and_route(
         bulkhead.workers.prefill = Empty,
     )
     .in_scope(|| {
-        let route = state.workers.route(&admitted);
+        let route = state.workers.route(&admitted, model_id);
         if let Some(r) = &route {
             let span = tracing::Span::current();
             span.record("bulkhead.workers.decode", r.worker.as_str());
