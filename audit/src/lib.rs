@@ -29,6 +29,7 @@
 //! Not here yet: retention.
 #![warn(missing_docs)]
 
+mod chain;
 mod error;
 mod hash;
 pub mod layout;
@@ -40,6 +41,7 @@ mod roster;
 mod tenant;
 mod verify;
 
+pub use chain::{ChainKey, KeyError, KeyId, MIN_KEY_LEN, SealProblem};
 pub use error::AuditError;
 pub use hash::Sha256Digest;
 pub use line::Seq;

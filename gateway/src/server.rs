@@ -83,8 +83,10 @@ impl BoundGateway {
     ) -> Result<BoundGateway, GatewayError> {
         let metrics = Metrics::default();
         let audit_dir = data_dir.join("audit");
+        let key = config.audit.chain_key()?;
+        let settings = config.audit.clone();
         let (recorder, recoveries) =
-            Recorder::open(&audit_dir, config.audit, metrics.clone(), audit_export).map_err(
+            Recorder::open(&audit_dir, settings, key, metrics.clone(), audit_export).map_err(
                 |source| GatewayError::Audit {
                     dir: audit_dir.display().to_string(),
                     source,

@@ -43,7 +43,7 @@ proptest! {
             log.as_ref().unwrap().append(&id, &record(&id, *i)).unwrap();
         }
         drop(log);
-        let report = verify(dir.path(), None);
+        let report = verify(dir.path(), None, None);
         prop_assert!(report.passed(), "{}", report);
 
         let files = log_files(dir.path());
@@ -52,7 +52,7 @@ proptest! {
         let at = flip.1.index(bytes.len());
         bytes[at] ^= flip.2;
         std::fs::write(file, &bytes).unwrap();
-        let report = verify(dir.path(), None);
+        let report = verify(dir.path(), None, None);
         prop_assert!(!report.passed(), "flipping byte {} of {:?} went unnoticed", at, file);
     }
 }
