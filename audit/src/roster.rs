@@ -122,12 +122,15 @@ fn parse(bytes: &[u8]) -> Result<Roster, String> {
 }
 
 /// Lists `tenant` at the roster's end, durably (the file, and the directory when the file
-/// is new). Keyed, the roster (which the writer checked at open, and has held since) is
-/// rewritten with a new seal.
+/// is new). Keyed, the roster is rewritten with a new seal, once its seal is checked again: a
+/// roster edited while the writer ran is not sealed anew.
 pub(crate) fn append(dir: &Path, chain: Chain<'_>, tenant: &TenantId) -> io::Result<()> {
     let path = path(dir);
     if chain.is_keyed() {
         let mut roster = parse(&fs::read(&path)?).map_err(io::Error::other)?;
+        roster.check(chain).map_err(|problem| {
+            io::Error::other(format!("its seal does not fit the key ({problem:?})"))
+        })?;
         roster.listed.push(tenant.clone());
         return write_sealed(dir, chain, &roster.listed);
     }

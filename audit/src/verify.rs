@@ -93,7 +93,7 @@ pub enum Reason {
     BadHead(String),
     /// The tenant has records but no head.
     HeadMissing,
-    /// The data directory holds tenant logs but no roster.
+    /// The data directory holds tenant logs, or is verified with a key, but has no roster.
     RosterMissing,
     /// The directory holds no audit log at all: no writer's lock, no roster, no tenant (a
     /// wrong directory, or a log deleted whole with its roster).
@@ -158,8 +158,8 @@ impl fmt::Display for Reason {
             Self::BadHead(e) => f.write_str(e),
             Self::HeadMissing => f.write_str("tenant has records but no head file"),
             Self::RosterMissing => f.write_str(
-                "the roster is missing, yet the directory holds tenant logs (deleted, or logs \
-                 from before the roster)",
+                "the roster is missing, yet the directory holds tenant logs or is keyed (a keyed \
+                 writer seals one at its first open): deleted, or logs from before the roster",
             ),
             Self::NoAuditLog => f.write_str(
                 "no audit log here: no LOCK, no roster, no tenant (the wrong directory, or the \
@@ -283,6 +283,8 @@ pub fn verify(dir: &Path, tenant: Option<&TenantId>, key: Option<&ChainKey>) -> 
             None,
             Some(at(&roster_path, None, Reason::Io(e.to_string()))),
         ),
+        // A keyed writer seals an empty roster at its first open.
+        Ok(None) if chain.is_keyed() => (None, Some(at(&roster_path, None, Reason::RosterMissing))),
         // A gateway that has recorded nothing yet holds its lock only.
         Ok(None) if present.is_empty() && dir.join(layout::LOCK).exists() => {
             (Some(Vec::new()), None)

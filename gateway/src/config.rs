@@ -1366,6 +1366,42 @@ mod tests {
     }
 
     #[test]
+    fn the_audit_key_is_read_from_its_file_and_a_bad_one_is_refused_by_name() {
+        let c = Config::parse(&config(&tenant("tenant-a", "k"), WORKER)).expect("valid");
+        assert!(c.audit.chain_key().expect("none to read").is_none());
+        let dir = crate::scratch::Scratch::new("audit-key");
+        let with = |file: &std::path::Path| {
+            let section = format!(
+                "{WORKER}[audit]\nkey_file = {:?}\n",
+                file.display().to_string()
+            );
+            Config::parse(&config(&tenant("tenant-a", "k"), &section))
+                .expect("valid: the file is read where the log is opened")
+                .audit
+                .chain_key()
+        };
+        let file = dir.0.join("key");
+        let secret = "0123456789abcdef0123456789abcdef";
+        std::fs::write(&file, format!("{secret}\n")).expect("writes");
+        let key = with(&file).expect("a valid key").expect("keyed");
+        assert_eq!(key.id(), ChainKey::new(secret).expect("valid").id());
+        let shown = format!("{key:?}");
+        assert!(!shown.contains(secret), "{shown}");
+        for (text, says) in [("short\n", "at least 32"), ("\n", "empty")] {
+            std::fs::write(&file, text).expect("writes");
+            let e = with(&file).expect_err("refused").to_string();
+            assert!(e.contains("audit.key_file") && e.contains(says), "{e}");
+        }
+        let e = with(&dir.0.join("missing"))
+            .expect_err("no file")
+            .to_string();
+        assert!(
+            e.contains("audit.key_file") && e.contains("missing") && e.contains("cannot read"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn policy_settings_default_and_parse_when_given() {
         let section = |extra: &str| {
             let text = config(

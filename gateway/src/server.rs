@@ -93,7 +93,7 @@ impl BoundGateway {
                 },
             )?;
         for r in recoveries {
-            tracing::warn!(recovery = ?r, "the audit log repaired a crash's leftovers");
+            tracing::warn!(recovery = ?r, "the audit log cut or listed what it could not resume (a crash's leftovers, or in a keyed log lines whose link does not verify)");
         }
         let bind = |what, addr| async move {
             TcpListener::bind(addr)

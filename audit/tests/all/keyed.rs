@@ -308,6 +308,17 @@ fn verify_names_a_missing_or_wrong_key() {
     let report = verify(unkeyed.path(), None, Some(&key(1)));
     let p = report.first_problem().expect("a problem");
     assert_eq!(p.reason, Reason::Seal(SealProblem::Unkeyed), "{p}");
+
+    // Everything but the writer's lock deleted: unkeyed, that is a log with no record yet;
+    // keyed, the sealed roster is missing.
+    for name in ["a", "b"] {
+        std::fs::remove_dir_all(dir.path().join(name)).expect("deletes a log");
+    }
+    std::fs::remove_file(dir.path().join("TENANTS")).expect("deletes the roster");
+    let p = verify(dir.path(), None, Some(&key(1)))
+        .dir_problem
+        .expect("the roster's");
+    assert_eq!(p.reason, Reason::RosterMissing, "{p}");
 }
 
 #[test]
@@ -338,4 +349,24 @@ fn a_key_file_gives_its_first_line_trimmed_and_at_least_32_bytes() {
         ChainKey::read(&dir.path().join("missing")),
         Err(KeyError::Unreadable(_))
     ));
+}
+
+#[test]
+fn a_keyed_roster_edited_while_the_writer_runs_is_not_sealed_anew() {
+    let dir = Scratch::new();
+    let k = key(1);
+    let (a, b) = (tenant("a"), tenant("b"));
+    let (log, _) = open_keyed(dir.path(), Some(&k)).expect("opens");
+    log.append(&a, &record(&a, 0)).expect("appends");
+    let roster = dir.path().join("TENANTS");
+    let text = std::fs::read_to_string(&roster).expect("reads the roster");
+    std::fs::write(&roster, text.replacen("a\n", "", 1)).expect("strikes a off");
+    let e = log
+        .append(&b, &record(&b, 0))
+        .expect_err("the roster's seal is checked");
+    assert!(e.to_string().contains("TENANTS"), "{e}");
+    drop(log);
+    let report = verify(dir.path(), None, Some(&k));
+    let p = report.dir_problem.clone().expect("the roster's");
+    assert_eq!(p.reason, Reason::Seal(SealProblem::Broken), "{p}");
 }
