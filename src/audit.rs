@@ -2,7 +2,8 @@
 
 use std::path::PathBuf;
 
-use bulkhead_audit::TenantId;
+use anyhow::Context as _;
+use bulkhead_audit::{ChainKey, TenantId};
 
 #[derive(Debug, clap::Subcommand)]
 pub enum What {
@@ -14,6 +15,10 @@ pub enum What {
         /// Check only this tenant.
         #[arg(long)]
         tenant: Option<TenantId>,
+        /// The key file of a keyed log (the gateway's `[audit] key_file`): every log must then
+        /// be keyed, with this key. Without it, a keyed log is a problem.
+        #[arg(long)]
+        key_file: Option<PathBuf>,
     },
 }
 
@@ -29,9 +34,18 @@ fn audit_dir(dir: PathBuf) -> PathBuf {
 
 pub fn run(what: What) -> anyhow::Result<()> {
     match what {
-        What::Verify { dir, tenant } => {
+        What::Verify {
+            dir,
+            tenant,
+            key_file,
+        } => {
             let dir = audit_dir(dir);
-            let report = bulkhead_audit::verify(&dir, tenant.as_ref());
+            let key = key_file
+                .map(|path| {
+                    ChainKey::read(&path).with_context(|| format!("--key-file {}", path.display()))
+                })
+                .transpose()?;
+            let report = bulkhead_audit::verify(&dir, tenant.as_ref(), key.as_ref());
             println!("{report}");
             anyhow::ensure!(report.passed(), "audit log verification failed");
             Ok(())

@@ -3,6 +3,7 @@
 use std::io;
 use std::path::PathBuf;
 
+use crate::chain::SealProblem;
 use crate::line::Seq;
 use crate::tenant::TenantId;
 
@@ -119,6 +120,41 @@ pub enum AuditError {
         /// The tenant.
         tenant: TenantId,
     },
+    /// The log is keyed (`path`, a head or the roster, is sealed), and it is opened without a
+    /// key.
+    #[error(
+        "{path} is sealed: this audit log is keyed (HMAC-SHA256), and no key was given; set `[audit] key_file` to the file holding the key it was written with"
+    )]
+    KeyedLog {
+        /// The sealed file.
+        path: PathBuf,
+    },
+    /// The log is unkeyed (`path`, a head or the roster, has no seal), and it is opened with a
+    /// key: a keyed chain does not extend an unkeyed log, which anyone who can write it could
+    /// have rewritten.
+    #[error(
+        "{path} has no seal: this audit log is unkeyed, and `[audit] key_file` is set; keyed logs start in a new data directory (keep this one, checked with `bulkhead audit verify`), or remove `key_file` to go on unkeyed"
+    )]
+    UnkeyedLog {
+        /// The file without a seal.
+        path: PathBuf,
+    },
+    /// The log was sealed with another key.
+    #[error(
+        "{path} was sealed with another key: the key in `[audit] key_file` does not match this audit log's"
+    )]
+    WrongKey {
+        /// The sealed file.
+        path: PathBuf,
+    },
+    /// A seal names this key and does not verify: the file was edited.
+    #[error(
+        "{path}: its seal does not verify under the key it names (this log's): the file was edited; `bulkhead audit verify --key-file` checks the log"
+    )]
+    SealBroken {
+        /// The sealed file.
+        path: PathBuf,
+    },
     /// The head file cannot be read.
     #[error("{tenant}: {reason}")]
     BadHead {
@@ -136,6 +172,19 @@ pub enum AuditError {
         /// The first failure.
         reason: String,
     },
+}
+
+impl AuditError {
+    /// `path`'s seal does not fit the key the log is opened with.
+    pub(crate) fn seal(path: impl Into<PathBuf>, problem: SealProblem) -> Self {
+        let path = path.into();
+        match problem {
+            SealProblem::Keyed => Self::KeyedLog { path },
+            SealProblem::Unkeyed => Self::UnkeyedLog { path },
+            SealProblem::WrongKey => Self::WrongKey { path },
+            SealProblem::Broken => Self::SealBroken { path },
+        }
+    }
 }
 
 pub(crate) fn io_err(

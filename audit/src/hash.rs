@@ -21,27 +21,37 @@ impl Sha256Digest {
 
     /// Parses exactly 64 lowercase hex digits; anything else is `None`.
     pub fn from_hex(s: &str) -> Option<Self> {
-        let bytes = s.as_bytes();
-        if bytes.len() != 64 {
-            return None;
-        }
-        let mut out = [0u8; 32];
-        for (o, pair) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-            *o = (nibble(pair[0])? << 4) | nibble(pair[1])?;
-        }
-        Some(Self(out))
+        from_hex(s).map(Self)
     }
 
     /// The 64 lowercase hex digits.
     pub fn to_hex(&self) -> String {
-        const DIGITS: &[u8; 16] = b"0123456789abcdef";
-        let mut s = String::with_capacity(64);
-        for b in self.0 {
-            s.push(char::from(DIGITS[usize::from(b >> 4)]));
-            s.push(char::from(DIGITS[usize::from(b & 0xf)]));
-        }
-        s
+        to_hex(&self.0)
     }
+}
+
+/// Parses exactly `2 * N` lowercase hex digits; anything else is `None`.
+pub(crate) fn from_hex<const N: usize>(s: &str) -> Option<[u8; N]> {
+    let bytes = s.as_bytes();
+    if bytes.len() != 2 * N {
+        return None;
+    }
+    let mut out = [0u8; N];
+    for (o, pair) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+        *o = (nibble(pair[0])? << 4) | nibble(pair[1])?;
+    }
+    Some(out)
+}
+
+/// `bytes` as lowercase hex digits.
+pub(crate) fn to_hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(2 * bytes.len());
+    for &b in bytes {
+        s.push(char::from(DIGITS[usize::from(b >> 4)]));
+        s.push(char::from(DIGITS[usize::from(b & 0xf)]));
+    }
+    s
 }
 
 fn nibble(c: u8) -> Option<u8> {

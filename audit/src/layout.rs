@@ -2,12 +2,18 @@
 //!
 //! ```text
 //! DIR/LOCK                          held (flock) by the one writer
-//! DIR/TENANTS                       the roster: every tenant whose log began, one per line
+//! DIR/TENANTS                       the roster: every tenant whose log began, one per line;
+//!                                   keyed: then "hmac-sha256 <key id> <mac>\n"
+//! DIR/TENANTS.tmp                   a keyed roster's next version, before its rename
 //! DIR/<tenant>/<segment>.jsonl      segment numbers from 0, 20 digits, contiguous
-//! DIR/<tenant>/head                 "<seq> <sha256 of that line>\n": a durable record; or
-//!                                   "genesis\n": none yet
+//! DIR/<tenant>/head                 "<seq> <link to that line>\n": a durable record; or
+//!                                   "genesis\n": none yet; keyed: " hmac-sha256 <key id>
+//!                                   <mac>" before the newline
 //! DIR/<tenant>/head.tmp             the next head, before its rename
 //! ```
+//!
+//! A keyed log's seals (see [`crate::ChainKey`]) are what say it is keyed: the roster's last line
+//! and every head carry one; an unkeyed log's carry none.
 //!
 //! The head is rewritten after every group commit, once the segments are fsynced. It is a lower
 //! bound: the record it names must exist with that digest, so deleting a tenant's last lines
@@ -19,6 +25,7 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
+use crate::chain::{Chain, Seal, SealProblem, Sealed};
 use crate::hash::Sha256Digest;
 use crate::line::Seq;
 use crate::tenant::TenantId;
@@ -91,7 +98,11 @@ pub(crate) fn list_tenants(dir: &Path) -> io::Result<(Vec<TenantId>, Vec<PathBuf
         let is_dir = entry.file_type()?.is_dir();
         match name.to_str().map(TenantId::new) {
             Some(Ok(t)) if is_dir => tenants.push(t),
-            _ if !is_dir && matches!(name.to_str(), Some(LOCK | crate::roster::ROSTER)) => {}
+            _ if !is_dir
+                && matches!(
+                    name.to_str(),
+                    Some(LOCK | crate::roster::ROSTER | crate::roster::ROSTER_TMP)
+                ) => {}
             _ => unexpected.push(entry.path()),
         }
     }
@@ -104,17 +115,18 @@ pub(crate) fn list_tenants(dir: &Path) -> io::Result<(Vec<TenantId>, Vec<PathBuf
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Head {
     pub seq: Seq,
+    /// The link to that record's line (see [`Chain::link`]).
     pub digest: Sha256Digest,
 }
 
 impl Head {
-    pub fn encode(&self) -> String {
-        format!("{} {}\n", self.seq, self.digest)
+    /// `<seq> <link>`.
+    fn statement(&self) -> String {
+        format!("{} {}", self.seq, self.digest)
     }
 
-    /// Strict: `<seq without leading zeros> <64 hex>\n`, nothing else.
-    pub fn decode(bytes: &[u8]) -> Option<Self> {
-        let text = std::str::from_utf8(bytes).ok()?.strip_suffix('\n')?;
+    /// Strict: `<seq without leading zeros> <64 hex>`, nothing else.
+    fn parse(text: &str) -> Option<Self> {
         let (seq, digest) = text.split_once(' ')?;
         let canonical = !seq.is_empty()
             && seq.bytes().all(|b| b.is_ascii_digit())
@@ -139,28 +151,71 @@ pub(crate) enum HeadFile {
 }
 
 impl HeadFile {
-    const GENESIS: &str = "genesis\n";
+    const GENESIS: &str = "genesis";
 
-    pub fn encode(&self) -> String {
+    /// What it states, without seal or newline: what a keyed log's seal vouches for.
+    fn statement(&self) -> String {
         match self {
             Self::Genesis => Self::GENESIS.to_owned(),
-            Self::At(head) => head.encode(),
+            Self::At(head) => head.statement(),
         }
     }
 
-    pub fn decode(bytes: &[u8]) -> Option<Self> {
-        if bytes == Self::GENESIS.as_bytes() {
-            return Some(Self::Genesis);
+    /// The file: its statement, then its seal in a keyed log, then a newline.
+    pub fn encode(&self, chain: Chain<'_>, tenant: &TenantId) -> String {
+        let statement = self.statement();
+        let sealed = Sealed::Head {
+            tenant,
+            statement: &statement,
+        };
+        match chain.seal(sealed) {
+            None => format!("{statement}\n"),
+            Some(seal) => format!("{statement} {}\n", seal.encode()),
         }
-        Head::decode(bytes).map(Self::At)
+    }
+
+    /// Strict: what [`HeadFile::encode`] writes, and nothing else. The seal is not checked
+    /// here: [`HeadFile::check`] does.
+    pub fn decode(bytes: &[u8]) -> Option<(Self, Option<Seal>)> {
+        let text = std::str::from_utf8(bytes).ok()?.strip_suffix('\n')?;
+        let (statement, seal) = match text.find(Seal::TAG) {
+            Some(at) => (
+                text[..at].strip_suffix(' ')?,
+                Some(Seal::decode(&text[at..])?),
+            ),
+            None => (text, None),
+        };
+        let head = match statement {
+            Self::GENESIS => Self::Genesis,
+            _ => Self::At(Head::parse(statement)?),
+        };
+        Some((head, seal))
+    }
+
+    /// Whether `seal` is the one `chain` gives this head of `tenant`'s.
+    pub fn check(
+        &self,
+        chain: Chain<'_>,
+        tenant: &TenantId,
+        seal: Option<&Seal>,
+    ) -> Result<(), SealProblem> {
+        let statement = self.statement();
+        let sealed = Sealed::Head {
+            tenant,
+            statement: &statement,
+        };
+        chain.check(sealed, seal)
     }
 }
 
-/// Reads the head: `Ok(None)` when there is none, `Err` with a reason when it is unreadable.
-pub(crate) fn read_head(tenant_dir: &Path) -> Result<Option<HeadFile>, String> {
+/// Reads the head and its seal, unchecked: `Ok(None)` when there is none, `Err` with a reason
+/// when it is unreadable.
+pub(crate) fn read_head(tenant_dir: &Path) -> Result<Option<(HeadFile, Option<Seal>)>, String> {
     match fs::read(tenant_dir.join(HEAD)) {
         Ok(bytes) => HeadFile::decode(&bytes).map(Some).ok_or_else(|| {
-            "head file is malformed (expected \"<seq> <sha256>\\n\" or \"genesis\\n\")".to_owned()
+            "head file is malformed (expected \"<seq> <digest>\" or \"genesis\", then \
+             \" hmac-sha256 <key id> <mac>\" in a keyed log, and a newline)"
+                .to_owned()
         }),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(format!("cannot read head file: {e}")),
@@ -182,15 +237,23 @@ mod tests {
         assert_eq!(parse_segment_name("99999999999999999999.jsonl"), None);
     }
 
+    fn unkeyed(head: HeadFile) -> String {
+        head.encode(Chain::new(None), &TenantId::new("a").expect("valid"))
+    }
+
     #[test]
     fn head_is_strict() {
         let h = Head {
             seq: Seq(12),
             digest: Sha256Digest::of(b"x"),
         };
-        assert_eq!(Head::decode(h.encode().as_bytes()), Some(h));
+        let at = |bytes: &[u8]| HeadFile::decode(bytes).map(|(h, _)| h);
+        assert_eq!(
+            at(unkeyed(HeadFile::At(h)).as_bytes()),
+            Some(HeadFile::At(h))
+        );
         let z = format!("0 {}\n", Sha256Digest::ZERO);
-        assert!(Head::decode(z.as_bytes()).is_some());
+        assert!(at(z.as_bytes()).is_some());
         for bad in [
             format!("012 {}\n", h.digest),
             format!("12 {}", h.digest),
@@ -198,17 +261,16 @@ mod tests {
             format!("+12 {}\n", h.digest),
             format!("12 {}\n\n", h.digest),
         ] {
-            assert_eq!(Head::decode(bad.as_bytes()), None, "{bad:?}");
-            assert_eq!(HeadFile::decode(bad.as_bytes()), None, "{bad:?}");
+            assert_eq!(at(bad.as_bytes()), None, "{bad:?}");
         }
     }
 
     #[test]
     fn the_genesis_head_is_one_exact_line() {
-        let genesis = HeadFile::Genesis.encode();
+        let genesis = unkeyed(HeadFile::Genesis);
         assert_eq!(
             HeadFile::decode(genesis.as_bytes()),
-            Some(HeadFile::Genesis)
+            Some((HeadFile::Genesis, None))
         );
         for bad in ["genesis", "genesis\n\n", "Genesis\n", " genesis\n"] {
             assert_eq!(HeadFile::decode(bad.as_bytes()), None, "{bad:?}");
@@ -218,8 +280,35 @@ mod tests {
             digest: Sha256Digest::of(b"x"),
         };
         assert_eq!(
-            HeadFile::decode(h.encode().as_bytes()),
-            Some(HeadFile::At(h))
+            HeadFile::decode(unkeyed(HeadFile::At(h)).as_bytes()),
+            Some((HeadFile::At(h), None))
         );
+    }
+
+    #[test]
+    fn a_keyed_head_carries_its_seal() {
+        let key = crate::ChainKey::new([7; 32]).expect("long enough");
+        let (chain, a) = (Chain::new(Some(&key)), TenantId::new("a").expect("valid"));
+        for head in [
+            HeadFile::Genesis,
+            HeadFile::At(Head {
+                seq: Seq(3),
+                digest: Sha256Digest::of(b"x"),
+            }),
+        ] {
+            let text = head.encode(chain, &a);
+            assert!(text.contains(" hmac-sha256 "), "{text}");
+            let (decoded, seal) = HeadFile::decode(text.as_bytes()).expect("decodes");
+            assert_eq!(decoded, head);
+            assert_eq!(decoded.check(chain, &a, seal.as_ref()), Ok(()));
+            let bare = unkeyed(head);
+            let (_, none) = HeadFile::decode(bare.as_bytes()).expect("decodes");
+            assert_eq!(
+                head.check(chain, &a, none.as_ref()),
+                Err(SealProblem::Unkeyed)
+            );
+            let spaced = text.replace(" hmac", "  hmac");
+            assert_eq!(HeadFile::decode(spaced.as_bytes()), None, "{spaced:?}");
+        }
     }
 }

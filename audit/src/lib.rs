@@ -2,8 +2,9 @@
 //!
 //! Every request that reaches the gateway gets exactly one final [`AuditRecord`] in its
 //! tenant's log. Each tenant's log is an append-only chain of JSON Lines segments under a data
-//! directory (layout in [`layout`]): every line carries its `seq` and `prev`, the SHA-256 of the
-//! previous line's exact bytes, so editing, deleting or reordering a record breaks the chain;
+//! directory (layout in [`layout`]): every line carries its `seq` and `prev`, the link to the
+//! previous line's exact bytes (its SHA-256, or in a keyed log its HMAC-SHA256 under the
+//! operator's [`ChainKey`]), so editing, deleting or reordering a record breaks the chain;
 //! a per-tenant head file names the last durable record, so cutting the tail without rewriting
 //! the head is caught too; the roster (`DIR/TENANTS`) lists every tenant whose log began, so a
 //! tenant's log deleted whole is caught as well.
@@ -18,17 +19,29 @@
 //!   its grammar admits no path tricks (I6).
 //! - [`verify()`] checks every chain and reports each tenant's first problem by file and line.
 //!
-//! Tamper-evident, not tamper-proof: the chain is unkeyed and its head sits beside it, so
-//! someone who can write the directory can rewrite it (a cut tail needs only a head naming the
-//! new last line, whose digest is in nothing but the file; an edit needs every later hash
-//! recomputed) and is not caught here; that takes a copy outside it (the OpenTelemetry export
-//! of each record, or the digests a reader keeps: [`Stored::digest`]).
+//! Tamper-evident, not tamper-proof. Unkeyed (the default), the chain and its head sit beside
+//! each other and anyone can recompute them, so someone who can write the directory can rewrite
+//! it unseen: edit a record and recompute every later hash and the head, append lines that
+//! chain (recovery even adopts them), cut the tail and write a head naming the new last line,
+//! or delete a tenant's log and strike it off the roster. Keyed ([`Config::key`], the gateway's
+//! `[audit] key_file`), every link is an HMAC and the head and roster carry a seal over what
+//! they state (see [`ChainKey`]), so each of those needs the key: `verify` with the key reports
+//! them, and recovery cuts off an appended line whose link does not verify instead of resuming
+//! from it. A log says whether it is keyed (its roster's and heads' seals): it opens only with
+//! its key, an unkeyed one only without a key, and `verify` without the key reports a keyed log
+//! as such, never as passed. What the key does not close: a rollback of the whole directory,
+//! or of a tenant's directory with its head, or of the roster, to an older copy still verifies
+//! (every file in it was sealed with the key once); whoever holds the key can still rewrite
+//! anything; and deleting the directory whole leaves nothing to check. That takes a copy
+//! outside it (the OpenTelemetry export of each record, or the digests a reader keeps:
+//! [`Stored::digest`]).
 //!
 //! Elsewhere: the gateway's use of it and the HTTP read API (`bulkhead-gateway`'s `trail`), the
 //! export of each record as an OpenTelemetry log record (`bulkhead-telemetry`'s `audit`).
 //! Not here yet: retention.
 #![warn(missing_docs)]
 
+mod chain;
 mod error;
 mod hash;
 pub mod layout;
@@ -40,6 +53,7 @@ mod roster;
 mod tenant;
 mod verify;
 
+pub use chain::{ChainKey, KeyError, KeyId, MIN_KEY_LEN, SealProblem};
 pub use error::AuditError;
 pub use hash::Sha256Digest;
 pub use line::Seq;

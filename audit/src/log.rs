@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex, MutexGuard, mpsc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::chain::{Chain, ChainKey};
 use crate::error::{AuditError, io_err};
 use crate::hash::Sha256Digest;
 use crate::layout::{self, HEAD, HEAD_TMP, Head, HeadFile, LOCK, SegmentNo};
@@ -57,11 +58,15 @@ pub struct Config {
     /// with many tenants, or tenants added and removed, out of descriptors (and a failed open
     /// stops the log).
     pub max_open_files: usize,
+    /// The key of a keyed log (see [`ChainKey`]), `None` for an unkeyed one. A log is
+    /// opened only with what it was written with: a key for a keyed log, none for an unkeyed
+    /// one, and the same key.
+    pub key: Option<ChainKey>,
 }
 
 impl Config {
     /// Defaults: 64 MiB segments, immediate durability, a 5 ms background flush, 256 open
-    /// segment files.
+    /// segment files, unkeyed.
     pub fn new(dir: impl Into<PathBuf>) -> Self {
         Self {
             dir: dir.into(),
@@ -69,6 +74,7 @@ impl Config {
             durability: Durability::Immediate,
             flush_interval: Some(Duration::from_millis(5)),
             max_open_files: 256,
+            key: None,
         }
     }
 }
@@ -80,7 +86,8 @@ pub struct Receipt {
     pub tenant: TenantId,
     /// The record's place in the tenant's chain.
     pub seq: Seq,
-    /// SHA-256 of the record's line: the next record's `prev`.
+    /// The link to the record's line (SHA-256, or HMAC-SHA256 when keyed): the next record's
+    /// `prev`.
     pub digest: Sha256Digest,
     /// Whether the record was durable when `append` returned.
     pub durable: bool,
@@ -108,7 +115,8 @@ pub enum Recovery {
         tenant: TenantId,
     },
     /// Complete lines after the head that do not chain on from it (unreadable, or not the next
-    /// record: what a power loss can leave in blocks written after the last fsync) were cut
+    /// record: what a power loss can leave in blocks written after the last fsync; in a keyed
+    /// log also a line whose `prev` is not the key's MAC of the line before: forged) were cut
     /// off, from the first of them. None was acknowledged as durable.
     CutUnchained {
         /// The segment.
@@ -278,10 +286,11 @@ impl AuditLog {
         let mut recoveries = Vec::new();
         let mut state = State::default();
         let (tenants, _) = layout::list_tenants(&dir).map_err(io_err("list", &dir))?;
-        let roster = hold_to_roster(&dir, &tenants, &mut recoveries)?;
+        let chain = Chain::new(config.key.as_ref());
+        let roster = hold_to_roster(&dir, chain, &tenants, &mut recoveries)?;
         for tenant in tenants {
             let listed = roster.lists(&tenant);
-            if let Some(t) = recover_tenant(&dir, &tenant, listed, &mut recoveries)? {
+            if let Some(t) = recover_tenant(&dir, chain, &tenant, listed, &mut recoveries)? {
                 state.tenants.insert(tenant, t);
             }
         }
@@ -388,6 +397,10 @@ impl Drop for AuditLog {
 }
 
 impl Inner {
+    fn chain(&self) -> Chain<'_> {
+        Chain::new(self.config.key.as_ref())
+    }
+
     fn enqueue(
         &self,
         tenant: &TenantId,
@@ -412,7 +425,7 @@ impl Inner {
             });
         let seq = Seq(t.next_seq);
         let mut bytes = line::encode(seq, t.last_digest, record)?;
-        let digest = Sha256Digest::of(&bytes);
+        let digest = self.chain().link(&bytes);
         bytes.push(b'\n');
         let len = bytes.len() as u64;
         if t.segment_len > 0 && t.segment_len.saturating_add(len) > self.config.segment_bytes {
@@ -525,7 +538,7 @@ impl Inner {
         let (line, rest) = bytes.split_at(end);
         let first = Head {
             seq: Seq(0),
-            digest: Sha256Digest::of(line.strip_suffix(b"\n").unwrap_or(line)),
+            digest: self.chain().link(line.strip_suffix(b"\n").unwrap_or(line)),
         };
         self.write_tenant(files, tenant, &[(*segment, line.to_vec())], first)?;
         let rest: Chunks = (!rest.is_empty())
@@ -552,7 +565,7 @@ impl Inner {
                 if let Some(old) = files.open.remove(tenant) {
                     old.file.sync_all().map_err(io_err("fsync", &tdir))?;
                 }
-                let file = open_segment(&self.config.dir, tenant, &tdir, *segment)?;
+                let file = open_segment(&self.config.dir, self.chain(), tenant, &tdir, *segment)?;
                 files.keep(tenant, *segment, file, self.config.max_open_files);
             }
             let path = layout::segment_path(&tdir, *segment);
@@ -566,29 +579,34 @@ impl Inner {
                 .sync_all()
                 .map_err(io_err("fsync", layout::segment_path(&tdir, open.segment)))?;
         }
-        write_head(&tdir, HeadFile::At(head))
+        write_head(&tdir, self.chain(), tenant, HeadFile::At(head))
     }
 }
 
 /// Holds the tenant directories to the roster: a listed tenant's directory must be there
 /// (that it still has its head, [`recover_tenant`] checks as it reads it), and a directory no
 /// line lists must hold at most a genesis head (a crash between making and listing it: listed
-/// now). A new data directory gets an empty roster. Returns the roster as found.
+/// now). A keyed log's roster must be sealed with the key, an unkeyed one's not at all. A new
+/// data directory gets an empty roster. Returns the roster as found.
 fn hold_to_roster(
     dir: &Path,
+    chain: Chain<'_>,
     tenants: &[TenantId],
     recoveries: &mut Vec<Recovery>,
 ) -> Result<roster::Roster, AuditError> {
     let path = roster::path(dir);
     let roster = match roster::read(dir).map_err(io_err("read", &path))? {
         None if tenants.is_empty() => {
-            roster::create(dir).map_err(io_err("create", &path))?;
+            roster::create(dir, chain).map_err(io_err("create", &path))?;
             return Ok(roster::Roster::default());
         }
         None => return Err(AuditError::RosterMissing { path }),
         Some(Err(reason)) => return Err(AuditError::BadRoster { path, reason }),
         Some(Ok(roster)) => roster,
     };
+    roster
+        .check(chain)
+        .map_err(|problem| AuditError::seal(&path, problem))?;
     if let Some(gone) = roster.listed.iter().find(|t| !tenants.contains(t)) {
         return Err(AuditError::TenantLogMissing {
             tenant: gone.clone(),
@@ -610,7 +628,7 @@ fn hold_to_roster(
         });
     }
     for tenant in tenants.iter().filter(|t| !roster.lists(t)) {
-        roster::append(dir, tenant).map_err(io_err("append to", &path))?;
+        roster::append(dir, chain, tenant).map_err(io_err("append to", &path))?;
         recoveries.push(Recovery::ListedEmptyTenant {
             tenant: tenant.clone(),
         });
@@ -622,6 +640,7 @@ fn hold_to_roster(
 /// roster) durably if needed.
 fn open_segment(
     dir: &Path,
+    chain: Chain<'_>,
     tenant: &TenantId,
     tdir: &Path,
     segment: SegmentNo,
@@ -637,14 +656,14 @@ fn open_segment(
     // has records, so one reaching here has none.
     let head = tdir.join(HEAD);
     if !head.try_exists().map_err(io_err("stat", &head))? {
-        write_head(tdir, HeadFile::Genesis)?;
+        write_head(tdir, chain, tenant, HeadFile::Genesis)?;
     }
     // Listed with its head and before any record: a crash can leave it unlisted holding that
     // head alone, never records the roster does not name, and a listed tenant always has a
     // head (one without is emptied).
     if new {
         let path = roster::path(dir);
-        roster::append(dir, tenant).map_err(io_err("append to", &path))?;
+        roster::append(dir, chain, tenant).map_err(io_err("append to", &path))?;
     }
     let path = layout::segment_path(tdir, segment);
     let existed = path.exists();
@@ -665,10 +684,15 @@ fn sync_dir(dir: &Path) -> Result<(), AuditError> {
         .map_err(io_err("fsync", dir))
 }
 
-fn write_head(tdir: &Path, head: HeadFile) -> Result<(), AuditError> {
+fn write_head(
+    tdir: &Path,
+    chain: Chain<'_>,
+    tenant: &TenantId,
+    head: HeadFile,
+) -> Result<(), AuditError> {
     let tmp = tdir.join(HEAD_TMP);
     let mut f = File::create(&tmp).map_err(io_err("create", &tmp))?;
-    f.write_all(head.encode().as_bytes())
+    f.write_all(head.encode(chain, tenant).as_bytes())
         .map_err(io_err("write", &tmp))?;
     f.sync_all().map_err(io_err("fsync", &tmp))?;
     let path = tdir.join(HEAD);
@@ -707,10 +731,13 @@ fn cut(path: &Path, len: u64) -> Result<(), AuditError> {
 /// Resumes one tenant's chain: its last line that chains on from the head gives the next
 /// `seq` and `prev`. The head must name a record the log still holds, unchanged, so that a
 /// restart never resumes a chain that `verify` would refuse (appending after an edited or cut
-/// tail would hide it). A tenant the roster `listed` got its head before it was listed: one
-/// without a head was emptied.
+/// tail would hide it), sealed with the log's key when it is keyed; in a keyed log, a line
+/// chains on only when its `prev` is the key's MAC of the line before, so a line someone without
+/// the key appended is cut off, never resumed from. A tenant the roster `listed` got its head
+/// before it was listed: one without a head was emptied.
 fn recover_tenant(
     dir: &Path,
+    chain: Chain<'_>,
     tenant: &TenantId,
     listed: bool,
     recoveries: &mut Vec<Recovery>,
@@ -721,6 +748,14 @@ fn recover_tenant(
         tenant: tenant.clone(),
         reason,
     })?;
+    let head = match head {
+        Some((head, seal)) => {
+            head.check(chain, tenant, seal.as_ref())
+                .map_err(|problem| AuditError::seal(tdir.join(HEAD), problem))?;
+            Some(head)
+        }
+        None => None,
+    };
     if listed && head.is_none() && listing.segments.is_empty() {
         return Err(AuditError::TenantLogMissing {
             tenant: tenant.clone(),
@@ -781,7 +816,7 @@ fn recover_tenant(
         };
         let (lines, _) = line::split(&bytes);
         for (i, l) in lines.iter().enumerate().rev() {
-            let digest = Sha256Digest::of(l);
+            let digest = chain.link(l);
             let parsed = line::decode(l).map(|p| (p.seq, p.prev));
             if let (Some(h), Ok((seq, _))) = (named, &parsed)
                 && *seq <= h.seq
@@ -865,6 +900,8 @@ fn recover_tenant(
     if named.is_none() && next == Some(1) {
         write_head(
             &tdir,
+            chain,
+            tenant,
             HeadFile::At(Head {
                 seq: Seq(0),
                 digest,

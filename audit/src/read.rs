@@ -17,9 +17,9 @@ use crate::tenant::TenantId;
 pub struct Stored {
     /// Its place in the tenant's chain.
     pub seq: Seq,
-    /// SHA-256 of its line (the next record's `prev`, the head's digest when it is the last):
-    /// a reader that keeps it can tell later whether the chain up to it was rewritten, even
-    /// with every hash recomputed.
+    /// SHA-256 of its line (in an unkeyed log also the next record's `prev`, and the head's
+    /// digest when it is the last; a keyed log links lines by HMAC): a reader that keeps it can
+    /// tell later whether the record was rewritten, even with every link recomputed.
     pub digest: Sha256Digest,
     /// The record.
     pub record: AuditRecord,

@@ -5,19 +5,27 @@
 //! its genesis head, then listed (fsynced), then given records, so a crash can leave at most
 //! a directory not yet listed that holds nothing or that head alone — which the writer lists
 //! at its next open — and a listed tenant without a directory or a head (emptied), or a
-//! directory with records that no line lists, is a deletion or a plant. Unkeyed like the chains: it shows a deleted log, not someone who also edits this
-//! file.
+//! directory with records that no line lists, is a deletion or a plant.
+//!
+//! Unkeyed, lines are appended, and it shows a deleted log, not someone who also edits this
+//! file. Keyed, its last line is a seal over the lines before it (`hmac-sha256 <key id>
+//! <mac>`, see [`crate::chain`]), and it is rewritten whole (`TENANTS.tmp`, then a rename) to
+//! list a tenant: striking a tenant off needs the key. An empty keyed roster is its seal alone,
+//! so a new keyed data directory says so before it holds any log.
 
 use std::collections::HashSet;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
+use crate::chain::{Chain, Seal, SealProblem, Sealed};
 use crate::layout::{HEAD, HeadFile};
 use crate::tenant::TenantId;
 
 /// The roster's file name in the data directory.
 pub(crate) const ROSTER: &str = "TENANTS";
+/// A keyed roster's next version, before its rename.
+pub(crate) const ROSTER_TMP: &str = "TENANTS.tmp";
 
 /// The roster's path in `dir`.
 pub(crate) fn path(dir: &Path) -> PathBuf {
@@ -33,6 +41,8 @@ pub(crate) struct Roster {
     pub complete_len: u64,
     /// Bytes of that torn last line (0 when there is none).
     pub torn: u64,
+    /// A keyed roster's seal, unchecked ([`Roster::check`] does).
+    pub seal: Option<Seal>,
 }
 
 impl Roster {
@@ -40,6 +50,21 @@ impl Roster {
     pub fn lists(&self, tenant: &TenantId) -> bool {
         self.listed.contains(tenant)
     }
+
+    /// Whether the seal is the one `chain` gives this listing.
+    pub fn check(&self, chain: Chain<'_>) -> Result<(), SealProblem> {
+        let listing = listing(&self.listed);
+        chain.check(Sealed::Roster { listing: &listing }, self.seal.as_ref())
+    }
+}
+
+/// The lines that list `tenants`, each with its newline.
+fn listing(tenants: &[TenantId]) -> Vec<u8> {
+    tenants
+        .iter()
+        .flat_map(|t| [t.as_str(), "\n"])
+        .collect::<String>()
+        .into_bytes()
 }
 
 /// The roster of `dir`: `None` when there is no file; `Err` names the line that is not a
@@ -57,11 +82,20 @@ fn parse(bytes: &[u8]) -> Result<Roster, String> {
     let complete = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
     let mut seen = HashSet::new();
     let mut listed = Vec::new();
+    let mut seal = None;
     for (n, line) in bytes[..complete]
         .split_inclusive(|&b| b == b'\n')
         .enumerate()
     {
         let line = line.strip_suffix(b"\n").unwrap_or(line);
+        if seal.is_some() {
+            return Err(format!("line {}: a line after the seal", n + 1));
+        }
+        if line.starts_with(Seal::TAG.as_bytes()) {
+            let found = std::str::from_utf8(line).ok().and_then(Seal::decode);
+            seal = Some(found.ok_or_else(|| format!("line {}: a malformed seal", n + 1))?);
+            continue;
+        }
         let id = std::str::from_utf8(line)
             .ok()
             .and_then(|s| TenantId::new(s).ok())
@@ -75,17 +109,31 @@ fn parse(bytes: &[u8]) -> Result<Roster, String> {
         }
         listed.push(id);
     }
+    let torn = (bytes.len() - complete) as u64;
+    if seal.is_some() && torn > 0 {
+        return Err("bytes after the seal".to_owned());
+    }
     Ok(Roster {
         listed,
         complete_len: complete as u64,
-        torn: (bytes.len() - complete) as u64,
+        torn,
+        seal,
     })
 }
 
 /// Lists `tenant` at the roster's end, durably (the file, and the directory when the file
-/// is new).
-pub(crate) fn append(dir: &Path, tenant: &TenantId) -> io::Result<()> {
+/// is new). Keyed, the roster is rewritten with a new seal, once its seal is checked again: a
+/// roster edited while the writer ran is not sealed anew.
+pub(crate) fn append(dir: &Path, chain: Chain<'_>, tenant: &TenantId) -> io::Result<()> {
     let path = path(dir);
+    if chain.is_keyed() {
+        let mut roster = parse(&fs::read(&path)?).map_err(io::Error::other)?;
+        roster.check(chain).map_err(|problem| {
+            io::Error::other(format!("its seal does not fit the key ({problem:?})"))
+        })?;
+        roster.listed.push(tenant.clone());
+        return write_sealed(dir, chain, &roster.listed);
+    }
     let existed = path.try_exists()?;
     let mut file = OpenOptions::new().create(true).append(true).open(&path)?;
     file.write_all(format!("{tenant}\n").as_bytes())?;
@@ -96,9 +144,26 @@ pub(crate) fn append(dir: &Path, tenant: &TenantId) -> io::Result<()> {
     Ok(())
 }
 
-/// Makes an empty roster in `dir`, durably (a new data directory).
-pub(crate) fn create(dir: &Path) -> io::Result<()> {
+/// Makes an empty roster in `dir`, durably (a new data directory): keyed, its seal alone.
+pub(crate) fn create(dir: &Path, chain: Chain<'_>) -> io::Result<()> {
+    if chain.is_keyed() {
+        return write_sealed(dir, chain, &[]);
+    }
     File::create(path(dir))?.sync_all()?;
+    File::open(dir)?.sync_all()
+}
+
+/// Writes a keyed roster listing `tenants` whole, durably: the next version, then a rename.
+fn write_sealed(dir: &Path, chain: Chain<'_>, tenants: &[TenantId]) -> io::Result<()> {
+    let mut bytes = listing(tenants);
+    if let Some(seal) = chain.seal(Sealed::Roster { listing: &bytes }) {
+        bytes.extend_from_slice(format!("{}\n", seal.encode()).as_bytes());
+    }
+    let tmp = dir.join(ROSTER_TMP);
+    let mut file = File::create(&tmp)?;
+    file.write_all(&bytes)?;
+    file.sync_all()?;
+    fs::rename(&tmp, path(dir))?;
     File::open(dir)?.sync_all()
 }
 
@@ -115,7 +180,8 @@ pub(crate) fn is_unbegun(tenant_dir: &Path) -> io::Result<bool> {
     for entry in fs::read_dir(tenant_dir)? {
         let entry = entry?;
         let genesis = entry.file_name() == HEAD
-            && fs::read(entry.path())? == HeadFile::Genesis.encode().as_bytes();
+            && HeadFile::decode(&fs::read(entry.path())?)
+                .is_some_and(|(head, _)| head == HeadFile::Genesis);
         if !genesis {
             return Ok(false);
         }
@@ -148,5 +214,35 @@ mod tests {
         assert!(parse(b"tenant-a\n\n").unwrap_err().contains("line 2"));
         assert!(parse(b"../x\n").unwrap_err().contains("line 1"));
         assert!(parse(b"a\nb\na\n").unwrap_err().contains("listed twice"));
+    }
+
+    #[test]
+    fn a_keyed_roster_ends_with_its_seal() {
+        let key = crate::ChainKey::new([7; 32]).expect("long enough");
+        let chain = Chain::new(Some(&key));
+        let ids = [
+            TenantId::new("a").expect("valid"),
+            TenantId::new("b").expect("valid"),
+        ];
+        let mut bytes = listing(&ids);
+        let seal = chain
+            .seal(Sealed::Roster { listing: &bytes })
+            .expect("keyed");
+        bytes.extend_from_slice(format!("{}\n", seal.encode()).as_bytes());
+        let r = parse(&bytes).expect("valid");
+        assert_eq!((r.listed.len(), r.seal), (2, Some(seal)));
+        assert_eq!(r.check(chain), Ok(()));
+        assert_eq!(r.check(Chain::new(None)), Err(SealProblem::Keyed));
+        // One tenant struck off: the seal no longer fits.
+        let struck = parse(&bytes[2..]).expect("still well-formed");
+        assert_eq!(struck.check(chain), Err(SealProblem::Broken));
+        let mut after = bytes.clone();
+        after.extend_from_slice(b"c\n");
+        assert!(parse(&after).unwrap_err().contains("after the seal"));
+        assert!(
+            parse(b"hmac-sha256 00\n")
+                .unwrap_err()
+                .contains("malformed seal")
+        );
     }
 }

@@ -5,9 +5,14 @@
 //!
 //! Per tenant, in order: no stray entries; a readable head; segments numbered 0, 1, 2, … with
 //! no gap; in every segment every line complete, a valid record of this tenant, `seq` one more
-//! than the line before, and `prev` the SHA-256 of the line before; finally the record the
-//! head names exists and hashes to the head's digest (this catches a deleted tail, which the
-//! chain alone cannot).
+//! than the line before, and `prev` the link to the line before (its SHA-256, or its HMAC-SHA256
+//! under the key when the log is keyed); finally the record the head names exists and links to
+//! the head's digest (this catches a deleted tail, which the chain alone cannot).
+//!
+//! Keyed or not: given a key, the roster and every head must be sealed with it; given none,
+//! none may be sealed. A log sealed with no key given, or with another key, is reported as soon
+//! as its roster or head is read (none of its links could be checked); a missing or broken seal
+//! once the lines before it are checked, so that an edited line is named first.
 //!
 //! Where a check involves two lines, the problem names the line whose bytes no longer match:
 //! a modified record is reported at its own line, found through the next line's `prev`.
@@ -17,6 +22,7 @@ use std::fmt;
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use crate::chain::{Chain, ChainKey, SealProblem};
 use crate::hash::Sha256Digest;
 use crate::layout::{self, HEAD, HeadFile, SegmentNo};
 use crate::line::{self, Seq};
@@ -76,7 +82,7 @@ pub enum Reason {
     },
     /// The first record's `prev` is not 64 zeros.
     BadGenesis,
-    /// The line's bytes do not hash to what a later line or the head recorded for it.
+    /// The line's bytes do not link to what a later line or the head recorded for it.
     Modified {
         /// The file that recorded the digest.
         recorded_in: PathBuf,
@@ -87,7 +93,7 @@ pub enum Reason {
     BadHead(String),
     /// The tenant has records but no head.
     HeadMissing,
-    /// The data directory holds tenant logs but no roster.
+    /// The data directory holds tenant logs, or is verified with a key, but has no roster.
     RosterMissing,
     /// The directory holds no audit log at all: no writer's lock, no roster, no tenant (a
     /// wrong directory, or a log deleted whole with its roster).
@@ -106,6 +112,8 @@ pub enum Reason {
         /// The records in the log.
         records: u64,
     },
+    /// The roster's or the head's seal does not fit the key given (or its absence).
+    Seal(SealProblem),
 }
 
 impl fmt::Display for Reason {
@@ -140,7 +148,7 @@ impl fmt::Display for Reason {
             } => {
                 write!(
                     f,
-                    "record was modified: its SHA-256 differs from the one recorded in "
+                    "record was modified: its digest differs from the one recorded in "
                 )?;
                 match recorded_line {
                     Some(l) => write!(f, "{}:{l}", recorded_in.display()),
@@ -150,8 +158,8 @@ impl fmt::Display for Reason {
             Self::BadHead(e) => f.write_str(e),
             Self::HeadMissing => f.write_str("tenant has records but no head file"),
             Self::RosterMissing => f.write_str(
-                "the roster is missing, yet the directory holds tenant logs (deleted, or logs \
-                 from before the roster)",
+                "the roster is missing, yet the directory holds tenant logs or is keyed (a keyed \
+                 writer seals one at its first open): deleted, or logs from before the roster",
             ),
             Self::NoAuditLog => f.write_str(
                 "no audit log here: no LOCK, no roster, no tenant (the wrong directory, or the \
@@ -169,6 +177,19 @@ impl fmt::Display for Reason {
                 "the head says no record is written yet, but the log holds {records}: a \
                  tenant's first record goes down alone with a head naming it, so the head was \
                  rewritten (records after the last one may have been cut)"
+            ),
+            Self::Seal(SealProblem::Keyed) => f.write_str(
+                "keyed: pass --key-file to verify it (this log is sealed with HMAC-SHA256)",
+            ),
+            Self::Seal(SealProblem::Unkeyed) => f.write_str(
+                "no seal, yet a key was given: an unkeyed log (anyone who can write it can \
+                 rewrite it), or a keyed one's file rewritten without the key",
+            ),
+            Self::Seal(SealProblem::WrongKey) => {
+                f.write_str("sealed with another key: the key given does not match this log's")
+            }
+            Self::Seal(SealProblem::Broken) => f.write_str(
+                "the seal does not verify under the key it names (the key given): edited",
             ),
         }
     }
@@ -242,8 +263,10 @@ impl fmt::Display for Report {
     }
 }
 
-/// Verifies every tenant under `dir` and every tenant its roster lists, or only `tenant`.
-pub fn verify(dir: &Path, tenant: Option<&TenantId>) -> Report {
+/// Verifies every tenant under `dir` and every tenant its roster lists, or only `tenant`, as a
+/// keyed log when given its `key`, as an unkeyed one otherwise.
+pub fn verify(dir: &Path, tenant: Option<&TenantId>, key: Option<&ChainKey>) -> Report {
+    let chain = Chain::new(key);
     let (present, unexpected) = match layout::list_tenants(dir) {
         Ok(listing) => listing,
         Err(e) => {
@@ -260,6 +283,8 @@ pub fn verify(dir: &Path, tenant: Option<&TenantId>) -> Report {
             None,
             Some(at(&roster_path, None, Reason::Io(e.to_string()))),
         ),
+        // A keyed writer seals an empty roster at its first open.
+        Ok(None) if chain.is_keyed() => (None, Some(at(&roster_path, None, Reason::RosterMissing))),
         // A gateway that has recorded nothing yet holds its lock only.
         Ok(None) if present.is_empty() && dir.join(layout::LOCK).exists() => {
             (Some(Vec::new()), None)
@@ -275,7 +300,11 @@ pub fn verify(dir: &Path, tenant: Option<&TenantId>) -> Report {
                     Reason::TornLine,
                 )
             });
-            (Some(r.listed), torn)
+            let seal = r
+                .check(chain)
+                .err()
+                .map(|p| at(&roster_path, None, Reason::Seal(p)));
+            (Some(r.listed), seal.or(torn))
         }
     };
     let ids: BTreeSet<TenantId> = match tenant {
@@ -296,8 +325,10 @@ pub fn verify(dir: &Path, tenant: Option<&TenantId>) -> Report {
         tenants: ids
             .iter()
             .map(|t| match &listed {
-                Some(listed) => against_roster(dir, t, present.contains(t), listed.contains(t)),
-                None => verify_tenant(dir, t),
+                Some(listed) => {
+                    against_roster(dir, chain, t, present.contains(t), listed.contains(t))
+                }
+                None => verify_tenant(dir, chain, t),
             })
             .collect(),
     }
@@ -306,7 +337,13 @@ pub fn verify(dir: &Path, tenant: Option<&TenantId>) -> Report {
 /// [`verify_tenant`], once the tenant's directory agrees with the roster: a listed tenant has
 /// its directory and its head, and a directory no line lists holds at most a genesis head (a
 /// crash between making and listing it).
-fn against_roster(dir: &Path, tenant: &TenantId, present: bool, listed: bool) -> TenantReport {
+fn against_roster(
+    dir: &Path,
+    chain: Chain<'_>,
+    tenant: &TenantId,
+    present: bool,
+    listed: bool,
+) -> TenantReport {
     let tdir = layout::tenant_dir(dir, tenant);
     let io = |e: std::io::Error| Some(Reason::Io(e.to_string()));
     let problem = match (present, listed) {
@@ -332,11 +369,11 @@ fn against_roster(dir: &Path, tenant: &TenantId, present: bool, listed: bool) ->
             segments: 0,
             problem: Some(at(&tdir, None, reason)),
         },
-        None => verify_tenant(dir, tenant),
+        None => verify_tenant(dir, chain, tenant),
     }
 }
 
-fn verify_tenant(dir: &Path, tenant: &TenantId) -> TenantReport {
+fn verify_tenant(dir: &Path, chain: Chain<'_>, tenant: &TenantId) -> TenantReport {
     let mut report = TenantReport {
         tenant: tenant.clone(),
         records: 0,
@@ -344,7 +381,7 @@ fn verify_tenant(dir: &Path, tenant: &TenantId) -> TenantReport {
         problem: None,
     };
     let tdir = layout::tenant_dir(dir, tenant);
-    if let Err(p) = check_tenant(&tdir, tenant, &mut report) {
+    if let Err(p) = check_tenant(&tdir, chain, tenant, &mut report) {
         report.problem = Some(p);
     }
     report
@@ -358,7 +395,12 @@ fn at(path: &Path, line: Option<u64>, reason: Reason) -> Problem {
     }
 }
 
-fn check_tenant(tdir: &Path, tenant: &TenantId, report: &mut TenantReport) -> Result<(), Problem> {
+fn check_tenant(
+    tdir: &Path,
+    chain: Chain<'_>,
+    tenant: &TenantId,
+    report: &mut TenantReport,
+) -> Result<(), Problem> {
     let listing = match layout::list_tenant(tdir) {
         Ok(l) => l,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -371,6 +413,16 @@ fn check_tenant(tdir: &Path, tenant: &TenantId, report: &mut TenantReport) -> Re
     }
     let head_path = tdir.join(HEAD);
     let head = layout::read_head(tdir).map_err(|e| at(&head_path, None, Reason::BadHead(e)))?;
+    // A seal with no key or another key: no link can be checked. A missing or broken one is
+    // reported after the lines.
+    let seal = match &head {
+        Some((head, seal)) => head.check(chain, tenant, seal.as_ref()).err(),
+        None => None,
+    };
+    if let Some(p @ (SealProblem::Keyed | SealProblem::WrongKey)) = seal {
+        return Err(at(&head_path, None, Reason::Seal(p)));
+    }
+    let head = head.map(|(head, _)| head);
     // The genesis head names no record: every record is past it, none acknowledged yet.
     let genesis = head == Some(HeadFile::Genesis);
     let head = match head {
@@ -445,7 +497,7 @@ fn check_tenant(tdir: &Path, tenant: &TenantId, report: &mut TenantReport) -> Re
             if parsed.record.tenant != *tenant {
                 return Err(at(path, Some(n), Reason::WrongTenant(parsed.record.tenant)));
             }
-            prev = Sha256Digest::of(l);
+            prev = chain.link(l);
             if head.is_some_and(|h| h.seq == parsed.seq) {
                 head_seen = Some((path.clone(), n, prev, report.records));
             }
@@ -457,6 +509,9 @@ fn check_tenant(tdir: &Path, tenant: &TenantId, report: &mut TenantReport) -> Re
         if !tail.is_empty() {
             return Err(at(path, Some(lines.len() as u64 + 1), Reason::TornLine));
         }
+    }
+    if let Some(p) = seal {
+        return Err(at(&head_path, None, Reason::Seal(p)));
     }
     match (head, head_seen) {
         (None, _) if report.records > 0 && !genesis => {

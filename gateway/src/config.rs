@@ -32,6 +32,10 @@
 //! segment_bytes = 67108864
 //! gateway_records_per_minute = 3000 # records of requests with no valid key, each; past that
 //!                                   # they are counted in one folded record a second
+//! key_file = "/run/secrets/bulkhead-audit-key"  # optional: keyed logs (HMAC-SHA256 links,
+//!                                   # sealed heads and roster); the file's first line is the
+//!                                   # secret, 32 bytes at least. Read at start; a keyed log
+//!                                   # opens only with its key, an unkeyed one only without
 //!
 //! [telemetry]                       # optional; OpenTelemetry export is off without it
 //! otlp_endpoint = "http://127.0.0.1:4318"  # a collector (OTLP over HTTP/protobuf); spans go
@@ -91,6 +95,7 @@ use std::num::{NonZeroU32, NonZeroU64};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use bulkhead_audit::{ChainKey, KeyError};
 use bulkhead_telemetry::{OtlpEndpoint, TelemetryError};
 use bulkhead_worker::serve::cluster_token::{SharedToken, TokenError};
 use bulkhead_worker::serve::tls::{
@@ -218,8 +223,9 @@ impl Default for HttpLimits {
     }
 }
 
-/// How the audit log trades latency for durability, and what happens when it cannot write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How the audit log trades latency for durability, what happens when it cannot write, and
+/// whether it is keyed.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AuditSettings {
     /// Whether a response waits until its record is fsynced.
     pub durability: Durability,
@@ -230,6 +236,24 @@ pub struct AuditSettings {
     /// Requests with no tenant to charge that get a record of their own, per minute; past
     /// that, each is counted in a folded record (`trail::fold`).
     pub gateway_records_per_minute: u64,
+    /// The file whose first line is the key of a keyed log (`None`: unkeyed). Read by
+    /// [`AuditSettings::chain_key`] where the log is opened, as the cluster token is.
+    pub key_file: Option<PathBuf>,
+}
+
+impl AuditSettings {
+    /// The key of a keyed log, read from `key_file` now; `None` without one.
+    pub fn chain_key(&self) -> Result<Option<ChainKey>, ConfigError> {
+        let Some(path) = &self.key_file else {
+            return Ok(None);
+        };
+        ChainKey::read(path)
+            .map(Some)
+            .map_err(|source| ConfigError::AuditKey {
+                path: path.display().to_string(),
+                source,
+            })
+    }
 }
 
 impl Default for AuditSettings {
@@ -239,6 +263,7 @@ impl Default for AuditSettings {
             on_failure: OnAuditFailure::Refuse,
             segment_bytes: 64 << 20,
             gateway_records_per_minute: 3000,
+            key_file: None,
         }
     }
 }
@@ -344,6 +369,8 @@ pub enum ConfigError {
     Toml(#[from] TomlError),
     #[error("cluster.token_file: {0}")]
     ClusterToken(#[from] TokenError),
+    #[error("audit.key_file {path}: {source}")]
+    AuditKey { path: String, source: KeyError },
     #[error("cluster: {0}")]
     ClusterTls(#[from] TlsError),
     #[error("listen: {0}")]
@@ -529,6 +556,7 @@ struct RawAudit {
     on_failure: Option<OnAuditFailure>,
     segment_bytes: Option<u64>,
     gateway_records_per_minute: Option<u64>,
+    key_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -780,6 +808,7 @@ fn audit_settings(raw: &RawAudit) -> Result<AuditSettings, ConfigError> {
             "audit.gateway_records_per_minute",
             d.gateway_records_per_minute,
         )?,
+        key_file: raw.key_file.clone(),
     })
 }
 
@@ -1334,6 +1363,42 @@ mod tests {
             &format!("{WORKER}[audit]\ndurability = \"sometimes\"\n"),
         );
         assert!(Config::parse(&bad).is_err());
+    }
+
+    #[test]
+    fn the_audit_key_is_read_from_its_file_and_a_bad_one_is_refused_by_name() {
+        let c = Config::parse(&config(&tenant("tenant-a", "k"), WORKER)).expect("valid");
+        assert!(c.audit.chain_key().expect("none to read").is_none());
+        let dir = crate::scratch::Scratch::new("audit-key");
+        let with = |file: &std::path::Path| {
+            let section = format!(
+                "{WORKER}[audit]\nkey_file = {:?}\n",
+                file.display().to_string()
+            );
+            Config::parse(&config(&tenant("tenant-a", "k"), &section))
+                .expect("valid: the file is read where the log is opened")
+                .audit
+                .chain_key()
+        };
+        let file = dir.0.join("key");
+        let secret = "0123456789abcdef0123456789abcdef";
+        std::fs::write(&file, format!("{secret}\n")).expect("writes");
+        let key = with(&file).expect("a valid key").expect("keyed");
+        assert_eq!(key.id(), ChainKey::new(secret).expect("valid").id());
+        let shown = format!("{key:?}");
+        assert!(!shown.contains(secret), "{shown}");
+        for (text, says) in [("short\n", "at least 32"), ("\n", "empty")] {
+            std::fs::write(&file, text).expect("writes");
+            let e = with(&file).expect_err("refused").to_string();
+            assert!(e.contains("audit.key_file") && e.contains(says), "{e}");
+        }
+        let e = with(&dir.0.join("missing"))
+            .expect_err("no file")
+            .to_string();
+        assert!(
+            e.contains("audit.key_file") && e.contains("missing") && e.contains("cannot read"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -83,15 +83,17 @@ impl BoundGateway {
     ) -> Result<BoundGateway, GatewayError> {
         let metrics = Metrics::default();
         let audit_dir = data_dir.join("audit");
+        let key = config.audit.chain_key()?;
+        let settings = config.audit.clone();
         let (recorder, recoveries) =
-            Recorder::open(&audit_dir, config.audit, metrics.clone(), audit_export).map_err(
+            Recorder::open(&audit_dir, settings, key, metrics.clone(), audit_export).map_err(
                 |source| GatewayError::Audit {
                     dir: audit_dir.display().to_string(),
                     source,
                 },
             )?;
         for r in recoveries {
-            tracing::warn!(recovery = ?r, "the audit log repaired a crash's leftovers");
+            tracing::warn!(recovery = ?r, "the audit log cut or listed what it could not resume (a crash's leftovers, or in a keyed log lines whose link does not verify)");
         }
         let bind = |what, addr| async move {
             TcpListener::bind(addr)

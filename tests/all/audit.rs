@@ -33,9 +33,15 @@ fn audit_page(up: &Up, key: &str, query: &str) -> Value {
 
 /// `bulkhead audit verify DIR`: (passed, output).
 fn verify(dir: &Path) -> (bool, String) {
+    verify_with(dir, &[])
+}
+
+/// `bulkhead audit verify DIR ARGS…`: (passed, output).
+fn verify_with(dir: &Path, args: &[&std::ffi::OsStr]) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
         .args(["audit", "verify"])
         .arg(dir)
+        .args(args)
         .output()
         .expect("bulkhead audit verify runs");
     let text = format!(
@@ -329,12 +335,18 @@ fn every_request_leaves_one_record_in_its_tenants_log_that_only_it_can_read() {
     });
 }
 
+/// With a keyed log (`[audit] key_file`): recovery resumes the keyed chain, and `bulkhead audit
+/// verify` passes it with the key only.
 #[test]
 fn kill_9_under_load_loses_no_answered_request_and_the_chain_continues() {
     bounded(|| {
         let data = TempDir::new("audit-crash");
+        let key_file = data.0.join("audit-key");
+        std::fs::write(&key_file, "0123456789abcdef0123456789abcdef\n").expect("writes the key");
+        let keyed = format!("[audit]\nkey_file = {:?}\n", key_file.display().to_string());
         let up = Up::launch(Options {
             data_dir: Some(data.0.clone()),
+            replace: &[("[audit]\n", &keyed)],
             ..Options::default()
         });
         up.wait_routable();
@@ -390,6 +402,7 @@ fn kill_9_under_load_loses_no_answered_request_and_the_chain_continues() {
         // Restart on the same data directory: recovery, then the chain continues.
         let up = Up::launch(Options {
             data_dir: Some(data.0.clone()),
+            replace: &[("[audit]\n", &keyed)],
             ..Options::default()
         });
         up.wait_routable();
@@ -424,8 +437,13 @@ fn kill_9_under_load_loses_no_answered_request_and_the_chain_continues() {
             "the log continues after the crash"
         );
         drop(up);
-        let (passed, report) = verify(&data.0);
+        let (passed, report) = verify_with(&data.0, &["--key-file".as_ref(), key_file.as_ref()]);
         assert!(passed, "{report}");
+        let (passed, report) = verify(&data.0);
+        assert!(
+            !passed && report.contains("keyed: pass --key-file"),
+            "{report}"
+        );
     });
 }
 

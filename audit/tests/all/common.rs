@@ -86,6 +86,7 @@ pub fn config(dir: &Path, segment_bytes: u64) -> Config {
         durability: Durability::Immediate,
         flush_interval: None,
         max_open_files: 256,
+        key: None,
     }
 }
 

@@ -39,7 +39,7 @@ fn round_trip_across_tenants() {
         pairs(log.read(&b, Seq(0), 100).unwrap()),
         vec![(Seq(0), record(&b, 7))]
     );
-    let report = verify(dir.path(), None);
+    let report = verify(dir.path(), None, None);
     assert!(report.passed(), "{report}");
     assert_eq!(report.tenants.len(), 2);
 }
@@ -93,7 +93,7 @@ fn chain_continues_across_rotation() {
         let len = std::fs::metadata(s).unwrap().len();
         assert!(len <= 2000 || lines(s).len() == 1, "{s:?} is {len} bytes");
     }
-    let report = verify(dir.path(), Some(&a));
+    let report = verify(dir.path(), Some(&a), None);
     assert!(report.passed(), "{report}");
     assert_eq!(report.tenants[0].records, 12);
 }
@@ -112,7 +112,7 @@ fn chain_continues_across_reopen() {
     let r = log.append(&a, &record(&a, 5)).unwrap();
     assert_eq!(r.seq, Seq(5));
     drop(log);
-    let report = verify(dir.path(), None);
+    let report = verify(dir.path(), None, None);
     assert!(report.passed(), "{report}");
     assert_eq!(report.tenants[0].records, 6);
 }
@@ -140,7 +140,7 @@ fn torn_last_line_is_cut_off_and_reported() {
     let mut torn = before.clone();
     torn.extend_from_slice(br#"{"seq":3,"prev":"ab"#);
     std::fs::write(seg, &torn).unwrap();
-    let report = verify(dir.path(), None);
+    let report = verify(dir.path(), None, None);
     let p = report.first_problem().unwrap();
     assert_eq!((p.path.as_path(), p.line), (seg.as_path(), Some(4)));
     assert_eq!(p.reason, bulkhead_audit::Reason::TornLine);
@@ -160,7 +160,7 @@ fn torn_last_line_is_cut_off_and_reported() {
     );
     assert_eq!(log.append(&a, &record(&a, 3)).unwrap().seq, Seq(3));
     drop(log);
-    assert!(verify(dir.path(), None).passed());
+    assert!(verify(dir.path(), None, None).passed());
 }
 
 #[test]
@@ -227,14 +227,14 @@ fn an_edited_record_named_by_the_head_refuses_to_open() {
     l[2] = l[2].replace(r#""req-2""#, r#""req-9""#);
     assert_ne!(l[2], lines(seg)[2], "the edit changed nothing");
     write_lines(seg, &l);
-    assert!(!verify(dir.path(), None).passed());
+    assert!(!verify(dir.path(), None, None).passed());
     let err = AuditLog::open(config(dir.path(), 1 << 20)).unwrap_err();
     assert!(
         matches!(err, AuditError::HeadMismatch { head: Seq(2), .. }),
         "{err}"
     );
     assert!(
-        !verify(dir.path(), None).passed(),
+        !verify(dir.path(), None, None).passed(),
         "the evidence is still there"
     );
 }
@@ -253,7 +253,7 @@ fn a_removed_head_refuses_to_open_even_after_a_cut_tail() {
     let err = AuditLog::open(config(dir.path(), 1 << 20)).unwrap_err();
     assert!(matches!(err, AuditError::HeadMissing { .. }), "{err}");
     assert!(
-        !verify(dir.path(), None).passed(),
+        !verify(dir.path(), None, None).passed(),
         "the evidence is still there"
     );
 }
@@ -270,7 +270,7 @@ fn records_after_the_head_are_resumed() {
     let log = open(dir.path(), 1 << 20);
     assert_eq!(log.append(&a, &record(&a, 3)).unwrap().seq, Seq(3));
     drop(log);
-    assert!(verify(dir.path(), None).passed());
+    assert!(verify(dir.path(), None, None).passed());
 }
 
 #[test]
@@ -285,7 +285,7 @@ fn a_crash_before_a_new_tenants_first_head_resumes_from_the_genesis_head() {
     let head = dir.path().join(a.as_str()).join("head");
     std::fs::write(&head, "genesis\n").unwrap();
     assert!(
-        verify(dir.path(), None).passed(),
+        verify(dir.path(), None, None).passed(),
         "nothing acknowledged is missing"
     );
     let (log, recoveries) = AuditLog::open(config(dir.path(), 1 << 20)).unwrap();
@@ -298,7 +298,7 @@ fn a_crash_before_a_new_tenants_first_head_resumes_from_the_genesis_head() {
     );
     assert_eq!(log.append(&a, &record(&a, 1)).unwrap().seq, Seq(1));
     drop(log);
-    assert!(verify(dir.path(), None).passed());
+    assert!(verify(dir.path(), None, None).passed());
     assert_ne!(
         std::fs::read(&head).unwrap(),
         b"genesis\n",
@@ -329,7 +329,7 @@ fn a_genesis_head_before_more_than_one_record_refuses_to_open() {
     assert_eq!(std::fs::read(seg).unwrap(), before, "left as found");
     // `verify` names the torn line first; without it, the rewritten head.
     write_lines(seg, &lines(seg)[..2]);
-    let report = verify(dir.path(), None);
+    let report = verify(dir.path(), None, None);
     assert!(!report.passed(), "{report}");
     assert!(
         report.to_string().contains("the head was rewritten"),
@@ -359,7 +359,7 @@ fn a_new_tenants_first_record_is_durable_with_its_head_before_the_rest_of_its_ba
     let log = open(dir.path(), 1);
     assert_eq!(log.append(&a, &record(&a, 1)).unwrap().seq, Seq(1));
     drop(log);
-    assert!(verify(dir.path(), None).passed());
+    assert!(verify(dir.path(), None, None).passed());
 }
 
 #[test]
@@ -386,7 +386,7 @@ fn a_first_flush_that_fails_at_its_segment_leaves_a_log_that_resumes() {
     let log = open(dir.path(), 1 << 20);
     assert_eq!(log.append(&a, &record(&a, 0)).unwrap().seq, Seq(0));
     drop(log);
-    assert!(verify(dir.path(), None).passed());
+    assert!(verify(dir.path(), None, None).passed());
 }
 
 #[test]
@@ -421,7 +421,7 @@ fn lines_after_the_head_that_do_not_chain_are_cut_from_the_first() {
     );
     assert_eq!(log.append(&a, &record(&a, 3)).unwrap().seq, Seq(3));
     drop(log);
-    assert!(verify(dir.path(), None).passed());
+    assert!(verify(dir.path(), None, None).passed());
 }
 
 #[test]
@@ -475,7 +475,7 @@ fn concurrent_immediate_appends_all_land_in_one_chain() {
         }
     });
     drop(log);
-    let report = verify(dir.path(), None);
+    let report = verify(dir.path(), None, None);
     assert!(report.passed(), "{report}");
     assert_eq!(
         report.tenants.iter().map(|t| t.records).collect::<Vec<_>>(),
@@ -587,7 +587,7 @@ fn open_segment_files_are_bounded_and_a_closed_one_is_reopened_in_place() {
         vec![(Seq(0), record(first, 0)), (Seq(1), record(first, 100))]
     );
     assert_eq!(open_tenants(dir.path()), ["t0", "t5", "t7"]);
-    let report = verify(dir.path(), None);
+    let report = verify(dir.path(), None, None);
     assert!(report.passed(), "{report}");
     assert_eq!(
         segments(dir.path(), first).len(),

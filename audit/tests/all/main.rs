@@ -1,6 +1,7 @@
 //! Integration tests of `bulkhead-audit`, in one binary to keep link time low.
 
 mod common;
+mod keyed;
 mod log;
 mod property;
 mod tamper;

@@ -15,7 +15,7 @@ fn setup(dir: &Path) -> (TenantId, Vec<PathBuf>) {
         log.append(&b, &record(&b, i)).expect("append");
     }
     drop(log);
-    assert!(verify(dir, None).passed());
+    assert!(verify(dir, None, None).passed());
     let segs = segments(dir, &a);
     assert!(segs.len() >= 3 && lines(&segs[0]).len() >= 3, "{segs:?}");
     (a, segs)
@@ -28,7 +28,7 @@ fn problem(dir: &Path) -> Problem {
 
 /// The only problem, tenant `a`'s, and the records that passed before it.
 fn problem_after(dir: &Path) -> (Problem, u64) {
-    let report = verify(dir, None);
+    let report = verify(dir, None, None);
     assert!(!report.passed());
     assert!(report.dir_problem.is_none(), "{report}");
     assert_eq!(report.tenants[1].problem, None, "tenant b is untouched");
@@ -233,7 +233,7 @@ fn a_record_moved_into_another_tenants_log_is_reported() {
         std::fs::copy(s, b_dir.join(s.file_name().unwrap())).unwrap();
     }
     std::fs::copy(dir.path().join(a.as_str()).join("head"), b_dir.join("head")).unwrap();
-    let report = verify(dir.path(), Some(&tenant("b")));
+    let report = verify(dir.path(), Some(&tenant("b")), None);
     let p = report.first_problem().unwrap();
     assert_eq!(
         (p.path.clone(), p.line),
@@ -247,7 +247,7 @@ fn stray_entries_are_reported() {
     let dir = Scratch::new();
     setup(dir.path());
     std::fs::create_dir(dir.path().join("Not-A-Tenant")).unwrap();
-    let report = verify(dir.path(), None);
+    let report = verify(dir.path(), None, None);
     let p = report.dir_problem.clone().unwrap();
     assert_eq!(p.path, dir.path().join("Not-A-Tenant"));
     assert_eq!(p.reason, Reason::UnexpectedEntry);
@@ -257,7 +257,7 @@ fn stray_entries_are_reported() {
 fn a_directory_without_an_audit_log_fails_and_a_log_with_no_record_passes() {
     let dir = Scratch::new();
     std::fs::create_dir_all(dir.path()).expect("an empty directory");
-    let report = verify(dir.path(), None);
+    let report = verify(dir.path(), None, None);
     assert!(!report.passed(), "an empty directory passed: {report}");
     assert_eq!(
         report.dir_problem.map(|p| p.reason),
@@ -265,7 +265,7 @@ fn a_directory_without_an_audit_log_fails_and_a_log_with_no_record_passes() {
     );
     // A writer opened it and wrote nothing yet.
     drop(open(dir.path(), 3000));
-    let report = verify(dir.path(), None);
+    let report = verify(dir.path(), None, None);
     assert!(report.passed(), "{report}");
     // The whole log deleted, its lock with it.
     setup(dir.path());
@@ -277,14 +277,14 @@ fn a_directory_without_an_audit_log_fails_and_a_log_with_no_record_passes() {
             std::fs::remove_file(path).expect("removes");
         }
     }
-    assert!(!verify(dir.path(), None).passed());
+    assert!(!verify(dir.path(), None, None).passed());
 }
 
 #[test]
 fn an_unknown_tenant_fails() {
     let dir = Scratch::new();
     setup(dir.path());
-    let report = verify(dir.path(), Some(&tenant("nobody")));
+    let report = verify(dir.path(), Some(&tenant("nobody")), None);
     assert_eq!(report.first_problem().unwrap().reason, Reason::NoSuchTenant);
 }
 
@@ -295,7 +295,7 @@ fn refusal(dir: &Path) -> AuditError {
 
 /// The roster's tenants' reports, by id: each tenant's first problem's reason.
 fn reasons(dir: &Path) -> Vec<(String, Option<Reason>)> {
-    verify(dir, None)
+    verify(dir, None, None)
         .tenants
         .into_iter()
         .map(|t| (t.tenant.to_string(), t.problem.map(|p| p.reason)))
@@ -321,7 +321,7 @@ fn a_tenants_log_deleted_whole_is_reported_and_refused() {
     );
     // Without the roster as well: the directory no longer says which tenants it held.
     std::fs::remove_file(dir.path().join("TENANTS")).unwrap();
-    let report = verify(dir.path(), None);
+    let report = verify(dir.path(), None, None);
     assert_eq!(
         report.dir_problem.map(|p| p.reason),
         Some(Reason::RosterMissing),
@@ -378,7 +378,7 @@ fn a_crash_between_making_and_listing_a_tenants_directory_is_listed_at_open() {
     let mut text = std::fs::read_to_string(&roster).unwrap();
     text.push('c');
     std::fs::write(&roster, &text).unwrap();
-    let report = verify(dir.path(), None);
+    let report = verify(dir.path(), None, None);
     let torn = report.dir_problem.clone().expect("the torn line is shown");
     assert_eq!((torn.path, torn.reason), (roster.clone(), Reason::TornLine));
     let (log, recoveries) = AuditLog::open(config(dir.path(), 3000)).unwrap();
@@ -397,7 +397,7 @@ fn a_crash_between_making_and_listing_a_tenants_directory_is_listed_at_open() {
     let c = tenant("c");
     log.append(&c, &record(&c, 0)).unwrap();
     drop(log);
-    let report = verify(dir.path(), None);
+    let report = verify(dir.path(), None, None);
     assert!(report.passed(), "{report}");
     assert_eq!(std::fs::read_to_string(&roster).unwrap(), "a\nb\nc\n");
 }

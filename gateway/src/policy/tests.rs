@@ -94,6 +94,7 @@ fn recorder(dir: &Scratch) -> Recorder {
     let (recorder, _) = Recorder::open(
         &dir.0.join("audit"),
         AuditSettings::default(),
+        None,
         Metrics::default(),
         None,
     )

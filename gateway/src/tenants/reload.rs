@@ -130,7 +130,7 @@ impl RestartOnly {
             listen: listen.clone(),
             admin_token: *admin_token,
             http: *http,
-            audit: *audit,
+            audit: audit.clone(),
             workers: workers.clone(),
             worker_groups: worker_groups.clone(),
             refresh_interval: *refresh_interval,

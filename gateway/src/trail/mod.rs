@@ -34,7 +34,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use bulkhead_audit::{AuditError, AuditLog, AuditRecord, Recovery, Seq, Stored, TenantId};
+use bulkhead_audit::{
+    AuditError, AuditLog, AuditRecord, ChainKey, Recovery, Seq, Stored, TenantId,
+};
 use bulkhead_telemetry::AuditExport;
 use tracing::Span;
 
@@ -102,15 +104,18 @@ struct Inner {
 
 impl Recorder {
     /// Opens (or creates) the audit log in `dir`, resuming every chain; what recovery repaired
-    /// is returned for the caller to log. With `export`, every final record is also exported as
-    /// an OpenTelemetry log record.
+    /// is returned for the caller to log. With `key` (read from `settings.key_file`), the log
+    /// is keyed. With `export`, every final record is also exported as an OpenTelemetry log
+    /// record.
     pub fn open(
         dir: &Path,
         settings: AuditSettings,
+        key: Option<ChainKey>,
         metrics: Metrics,
         export: Option<AuditExport>,
     ) -> Result<(Recorder, Vec<Recovery>), AuditError> {
-        Self::open_flushing(dir, settings, metrics, export, Some(GROUP_COMMIT_INTERVAL))
+        let interval = Some(GROUP_COMMIT_INTERVAL);
+        Self::open_flushing(dir, settings, key, metrics, export, interval)
     }
 
     /// [`Recorder::open`] with the background flush every `interval` (`None`: only the fsync
@@ -118,6 +123,7 @@ impl Recorder {
     fn open_flushing(
         dir: &Path,
         settings: AuditSettings,
+        key: Option<ChainKey>,
         metrics: Metrics,
         export: Option<AuditExport>,
         interval: Option<Duration>,
@@ -129,6 +135,7 @@ impl Recorder {
         // fsync.
         config.durability = bulkhead_audit::Durability::Batched;
         config.flush_interval = interval;
+        config.key = key;
         let (log, recoveries) = AuditLog::open(config)?;
         let gateway = TenantId::new(GATEWAY_LOG).map_err(|e| AuditError::Poisoned {
             reason: format!("the gateway log's id: {e}"),

@@ -118,7 +118,7 @@ fn open(dir: &Scratch, durability: Durability, on_failure: OnAuditFailure) -> Re
 }
 
 fn open_with(dir: &Scratch, settings: AuditSettings) -> Recorder {
-    Recorder::open(&dir.0, settings, Metrics::default(), None)
+    Recorder::open(&dir.0, settings, None, Metrics::default(), None)
         .expect("opens")
         .0
 }
@@ -515,7 +515,7 @@ async fn group_commit_waits_for_its_record_once_the_flushes_fall_behind() {
         ..AuditSettings::default()
     };
     // No background flush: nothing is durable until someone waits for it.
-    let recorder = Recorder::open_flushing(&dir.0, settings, Metrics::default(), None, None)
+    let recorder = Recorder::open_flushing(&dir.0, settings, None, Metrics::default(), None, None)
         .expect("opens")
         .0;
     let gateway = TenantId::new(GATEWAY_LOG).expect("valid");
@@ -549,7 +549,7 @@ async fn group_commit_answers_before_the_fsync_and_the_record_follows() {
         recorder.read(&gateway, Seq(0), 100).expect("reads").len(),
         5
     );
-    let report = bulkhead_audit::verify(&dir.0, None);
+    let report = bulkhead_audit::verify(&dir.0, None, None);
     assert!(report.passed(), "{report}");
 }
 
@@ -590,7 +590,7 @@ fn durable_refusing(dir: &Scratch, metrics: &Metrics) -> Recorder {
         on_failure: OnAuditFailure::Refuse,
         ..AuditSettings::default()
     };
-    Recorder::open(&dir.0, settings, metrics.clone(), None)
+    Recorder::open(&dir.0, settings, None, metrics.clone(), None)
         .expect("opens")
         .0
 }
@@ -728,9 +728,15 @@ async fn a_request_dropped_before_the_api_ran_it_is_recorded_once_in_its_tenants
 
     let dir = Scratch::new("trail");
     let metrics = Metrics::default();
-    let recorder = Recorder::open(&dir.0, AuditSettings::default(), metrics.clone(), None)
-        .expect("opens")
-        .0;
+    let recorder = Recorder::open(
+        &dir.0,
+        AuditSettings::default(),
+        None,
+        metrics.clone(),
+        None,
+    )
+    .expect("opens")
+    .0;
     let watch = super::Watch::new(
         TowerToHyperService::new(app(&recorder)),
         recorder.clone(),
