@@ -1556,7 +1556,7 @@ mod tests {
         assert!(to(&w, 100).is_some(), "d dials p");
         let fails = |w: &Workers| {
             let why = w.with(|s| s.unroutable(&s.entries[0]));
-            assert!(to(&w, 100).is_none(), "{why:?}");
+            assert!(to(w, 100).is_none(), "{why:?}");
             match why {
                 Some(Unroutable::PreflightFails {
                     check: "dials a configured prefill worker",
