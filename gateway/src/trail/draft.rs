@@ -375,9 +375,13 @@ impl Drop for Draft {
             return;
         }
         // Nobody finished the request: its client left (the server dropped the handler or the
-        // response stream), or shutdown cut it. Recorded without waiting: there is no one left
-        // to answer.
-        let (kind, unanswered) = if self.recorder.cutting() {
+        // response stream), shutdown cut it, or the gateway failed while it held it (a panic
+        // unwinding through its last holder: a bug, not the client). Recorded without waiting:
+        // there is no one left to answer.
+        let (kind, unanswered) = if std::thread::panicking() {
+            let failed = crate::api::mapping(&ApiError::Internal);
+            (failed.error_type(), failed.status.as_u16())
+        } else if self.recorder.cutting() {
             // Told 503 it would have been, had it answered: it was dropped first.
             (GATEWAY_SHUTDOWN_TYPE, CLOSED_UNANSWERED)
         } else {

@@ -334,6 +334,29 @@ async fn a_request_abandoned_by_its_client_is_recorded_once_with_its_phase() {
     assert_eq!(got[0].model, "m");
 }
 
+async fn panics(Extension(trail): Extension<Trail>) -> Response {
+    trail.model("m");
+    panic!("a bug in the handler");
+}
+
+/// A request whose handler panicked (a gateway bug) is recorded as the gateway's failure, not
+/// as its client leaving.
+#[tokio::test]
+async fn a_request_whose_handler_panicked_is_recorded_as_an_internal_error() {
+    let dir = Scratch::new("trail");
+    let recorder = open(&dir, Durability::Group, OnAuditFailure::Refuse);
+    let app = Router::new()
+        .route("/panic", get(panics))
+        .layer(middleware::from_fn_with_state(recorder.clone(), audited));
+    let ran = tokio::spawn(async move { call(&app, "/panic").await }).await;
+    assert!(ran.expect_err("it panicked").is_panic());
+    let got = records(&recorder);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].status, 500);
+    assert_eq!(got[0].error_type.as_deref(), Some("internal_error"));
+    assert_eq!(got[0].disconnect, None, "its client did not leave");
+}
+
 /// A request shutdown cut and then dropped before it answered (its grace spent) never sent
 /// its client the 503 it was to have: its record says the connection closed unanswered.
 #[tokio::test]
