@@ -296,7 +296,13 @@ fn tenants_reload_from_the_rewritten_config_file_while_the_stack_serves() {
             .collect();
         assert_eq!(
             ids,
-            ["tenant-a", "tenant-limited", "tenant-serial", "tenant-new"]
+            [
+                "tenant-a",
+                "tenant-limited",
+                "tenant-serial",
+                "tenant-metered",
+                "tenant-new"
+            ]
         );
         for key in [KEY_A, KEY_NEW] {
             assert!(!listing.contains(key), "{listing}");
