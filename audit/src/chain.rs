@@ -208,6 +208,26 @@ impl<'a> Chain<'a> {
         }
     }
 
+    /// The `prev` of `tenant`'s first record: zeros unkeyed; keyed, a MAC of the tenant, so
+    /// that no one without the key can write a first record (a tenant whose head is genesis
+    /// would otherwise take one that starts from zeros).
+    pub fn genesis(&self, tenant: &TenantId) -> Sha256Digest {
+        match self.key {
+            None => Sha256Digest::ZERO,
+            Some(key) => key.mac(&[b"bulkhead-audit genesis\n", tenant.as_str().as_bytes()]),
+        }
+    }
+
+    /// What a head states for the link to the record it names: the link itself unkeyed;
+    /// keyed, its SHA-256, so that the head gives away no link (with the last one, anyone could
+    /// append a line that chains on).
+    pub fn stated(&self, link: Sha256Digest) -> Sha256Digest {
+        match self.key {
+            None => link,
+            Some(_) => Sha256Digest::of(&link.0),
+        }
+    }
+
     /// The seal of `what`; `None` in an unkeyed log.
     pub fn seal(&self, what: Sealed<'_>) -> Option<Seal> {
         self.key.map(|key| Seal {
@@ -259,6 +279,23 @@ mod tests {
         let keyed = Chain::new(Some(&k)).link(b"abc");
         assert_ne!(keyed, Sha256Digest::of(b"abc"));
         assert_ne!(keyed, Chain::new(Some(&key(2))).link(b"abc"));
+    }
+
+    /// Keyed, neither a first record's `prev` nor what a head states is a value anyone
+    /// without the key could chain a line onto; unkeyed, both are as they always were.
+    #[test]
+    fn keyed_heads_and_first_records_give_no_link_away() {
+        let (k, t) = (key(1), TenantId::new("a").expect("valid"));
+        let (plain, keyed) = (Chain::new(None), Chain::new(Some(&k)));
+        assert_eq!(plain.genesis(&t), Sha256Digest::ZERO);
+        assert_eq!(plain.stated(plain.link(b"abc")), plain.link(b"abc"));
+        assert_ne!(keyed.genesis(&t), Sha256Digest::ZERO);
+        assert_ne!(
+            keyed.genesis(&t),
+            keyed.genesis(&TenantId::new("b").expect("valid"))
+        );
+        let link = keyed.link(b"abc");
+        assert_ne!(keyed.stated(link), link);
     }
 
     #[test]

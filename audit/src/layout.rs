@@ -7,8 +7,9 @@
 //! DIR/TENANTS.tmp                   a keyed roster's next version, before its rename
 //! DIR/<tenant>/<segment>.jsonl      segment numbers from 0, 20 digits, contiguous
 //! DIR/<tenant>/head                 "<seq> <link to that line>\n": a durable record; or
-//!                                   "genesis\n": none yet; keyed: " hmac-sha256 <key id>
-//!                                   <mac>" before the newline
+//!                                   "genesis\n": none yet; keyed: the link's SHA-256 in
+//!                                   place of the link (a head gives no link away), and
+//!                                   " hmac-sha256 <key id> <mac>" before the newline
 //! DIR/<tenant>/head.tmp             the next head, before its rename
 //! ```
 //!
@@ -115,12 +116,12 @@ pub(crate) fn list_tenants(dir: &Path) -> io::Result<(Vec<TenantId>, Vec<PathBuf
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Head {
     pub seq: Seq,
-    /// The link to that record's line (see [`Chain::link`]).
+    /// The link to that record's line as the head states it ([`Chain::stated`]).
     pub digest: Sha256Digest,
 }
 
 impl Head {
-    /// `<seq> <link>`.
+    /// `<seq> <stated link>`.
     fn statement(&self) -> String {
         format!("{} {}", self.seq, self.digest)
     }

@@ -24,10 +24,15 @@
 //! it unseen: edit a record and recompute every later hash and the head, append lines that
 //! chain (recovery even adopts them), cut the tail and write a head naming the new last line,
 //! or delete a tenant's log and strike it off the roster. Keyed ([`Config::key`], the gateway's
-//! `[audit] key_file`), every link is an HMAC and the head and roster carry a seal over what
-//! they state (see [`ChainKey`]), so each of those needs the key: `verify` with the key reports
-//! them, and recovery cuts off an appended line whose link does not verify instead of resuming
-//! from it. A log says whether it is keyed (its roster's and heads' seals): it opens only with
+//! `[audit] key_file`), every link is an HMAC, a first record's `prev` is a MAC of its tenant,
+//! and the head and roster carry a seal over what they state (see [`ChainKey`]); a head states
+//! only the digest of its record's link, so no file gives away a link a new line could chain
+//! on from, and each of those needs the key: `verify` with the key reports them, and recovery
+//! cuts off an appended line whose link does not verify instead of resuming from it. One
+//! window stays: the lines written after the last head (at most one group commit's batch,
+//! past the head only after a crash until the next start) are vouched for by their links
+//! alone, and the `prev` of one names the link of the line before, so the last of them can be
+//! replaced unseen in that window. A log says whether it is keyed (its roster's and heads' seals): it opens only with
 //! its key, an unkeyed one only without a key, and `verify` without the key reports a keyed log
 //! as such, never as passed. What the key does not close: a rollback of the whole directory,
 //! or of a tenant's directory with its head, or of the roster, to an older copy still verifies

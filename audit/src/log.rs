@@ -417,7 +417,7 @@ impl Inner {
             .entry(tenant.clone())
             .or_insert_with(|| TenantState {
                 next_seq: 0,
-                last_digest: Sha256Digest::ZERO,
+                last_digest: self.chain().genesis(tenant),
                 segment: SegmentNo(0),
                 segment_len: 0,
                 pending: Vec::new(),
@@ -476,7 +476,7 @@ impl Inner {
                 .map(|(id, t)| {
                     let head = Head {
                         seq: Seq(t.next_seq - 1),
-                        digest: t.last_digest,
+                        digest: self.chain().stated(t.last_digest),
                     };
                     let first = t.durable == 0;
                     (id.clone(), std::mem::take(&mut t.pending), head, first)
@@ -536,9 +536,10 @@ impl Inner {
             .position(|&b| b == b'\n')
             .map_or(bytes.len(), |i| i + 1);
         let (line, rest) = bytes.split_at(end);
+        let chain = self.chain();
         let first = Head {
             seq: Seq(0),
-            digest: self.chain().link(line.strip_suffix(b"\n").unwrap_or(line)),
+            digest: chain.stated(chain.link(line.strip_suffix(b"\n").unwrap_or(line))),
         };
         self.write_tenant(files, tenant, &[(*segment, line.to_vec())], first)?;
         let rest: Chunks = (!rest.is_empty())
@@ -614,7 +615,7 @@ fn hold_to_roster(
     }
     for tenant in tenants.iter().filter(|t| !roster.lists(t)) {
         let tdir = layout::tenant_dir(dir, tenant);
-        if !roster::is_unbegun(&tdir).map_err(io_err("list", &tdir))? {
+        if !roster::is_unbegun(chain, tenant, &tdir).map_err(io_err("list", &tdir))? {
             return Err(AuditError::TenantUnlisted {
                 tenant: tenant.clone(),
             });
@@ -801,8 +802,10 @@ fn recover_tenant(
     // The record the head names, if any, and where the chain goes on from it: the next `seq`
     // and `prev`.
     let (named, mut next, mut digest) = match head {
-        HeadFile::Genesis => (None, Some(0), Sha256Digest::ZERO),
-        HeadFile::At(h) => (Some(h), h.seq.0.checked_add(1), h.digest),
+        HeadFile::Genesis => (None, Some(0), chain.genesis(tenant)),
+        // The link to the named record is read from the log below (a keyed head states only
+        // its digest).
+        HeadFile::At(h) => (Some(h), h.seq.0.checked_add(1), Sha256Digest::ZERO),
     };
     // Back from the last complete line to the record the head names; the lines after it are
     // at most one batch, never acknowledged as durable.
@@ -848,13 +851,13 @@ fn recover_tenant(
                     head: h.seq,
                 });
             }
-            Some(at) if at != (h.seq, h.digest) => {
+            Some((seq, link)) if (seq, chain.stated(link)) != (h.seq, h.digest) => {
                 return Err(AuditError::HeadMismatch {
                     tenant: tenant.clone(),
                     head: h.seq,
                 });
             }
-            Some(_) => {}
+            Some((_, link)) => digest = link,
         }
     }
     // Forward from the head: the lines that chain on are resumed; from the first that does not
@@ -904,7 +907,7 @@ fn recover_tenant(
             tenant,
             HeadFile::At(Head {
                 seq: Seq(0),
-                digest,
+                digest: chain.stated(digest),
             }),
         )?;
     }

@@ -174,14 +174,20 @@ pub(crate) fn cut_torn(dir: &Path, roster: &Roster) -> io::Result<()> {
     file.sync_all()
 }
 
-/// Whether a tenant directory holds nothing but, at most, its genesis head: what a crash
-/// between making it and listing it leaves.
-pub(crate) fn is_unbegun(tenant_dir: &Path) -> io::Result<bool> {
+/// Whether `tenant`'s directory holds nothing but, at most, its genesis head (sealed as
+/// `chain` seals, in a keyed log): what a crash between making it and listing it leaves. A
+/// keyed log's writer lists no directory someone without the key planted.
+pub(crate) fn is_unbegun(
+    chain: Chain<'_>,
+    tenant: &TenantId,
+    tenant_dir: &Path,
+) -> io::Result<bool> {
     for entry in fs::read_dir(tenant_dir)? {
         let entry = entry?;
         let genesis = entry.file_name() == HEAD
-            && HeadFile::decode(&fs::read(entry.path())?)
-                .is_some_and(|(head, _)| head == HeadFile::Genesis);
+            && HeadFile::decode(&fs::read(entry.path())?).is_some_and(|(head, seal)| {
+                head == HeadFile::Genesis && head.check(chain, tenant, seal.as_ref()).is_ok()
+            });
         if !genesis {
             return Ok(false);
         }

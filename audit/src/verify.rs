@@ -355,7 +355,7 @@ fn against_roster(
             Ok(false) => None,
             Err(e) => io(e),
         },
-        (true, false) => match roster::is_unbegun(&tdir) {
+        (true, false) => match roster::is_unbegun(chain, tenant, &tdir) {
             Ok(true) => None,
             Ok(false) => Some(Reason::Unlisted),
             Err(e) => io(e),
@@ -432,7 +432,7 @@ fn check_tenant(
     report.segments = listing.segments.len() as u64;
 
     let mut next_seq = Seq(0);
-    let mut prev = Sha256Digest::ZERO;
+    let mut prev = chain.genesis(tenant);
     // Where the previous line is: (file, line number).
     let mut prev_at: Option<(PathBuf, u64)> = None;
     // The location and digest of the record the head names, once seen, and how many records
@@ -546,7 +546,7 @@ fn check_tenant(
                 },
             ),
         }),
-        (Some(h), Some((path, line, digest, before))) if digest != h.digest => {
+        (Some(h), Some((path, line, digest, before))) if chain.stated(digest) != h.digest => {
             report.records = before;
             Err(at(
                 &path,

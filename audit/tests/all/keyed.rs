@@ -96,11 +96,17 @@ fn an_edit_with_every_later_link_and_the_head_recomputed_needs_the_key() {
     assert_eq!(report.tenants[1].problem, None, "tenant b is untouched");
 }
 
-/// A line after the last, chained on the way the unkeyed format chains.
-fn append_forged(_: &Path, seg: &Path) {
+/// A line after the last, chained on with the best `prev` at hand: the one the head states
+/// for the last line (unkeyed, its link; keyed, only the link's digest).
+fn append_forged(dir: &Path, seg: &Path) {
     let mut l = lines(seg);
     let last = l.last().expect("a line").clone();
-    let forged = with_prev(&last, sha(&last))
+    let head = std::fs::read_to_string(dir.join("a").join("head")).expect("the head");
+    let stated = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(Sha256Digest::from_hex);
+    let forged = with_prev(&last, stated.expect("the head names the last line"))
         .replace(r#""seq":5,"#, r#""seq":6,"#)
         .replace(r#""req-5""#, r#""req-forged""#);
     assert!(forged.contains("req-forged") && forged.contains(r#""seq":6,"#));
@@ -369,4 +375,37 @@ fn a_keyed_roster_edited_while_the_writer_runs_is_not_sealed_anew() {
     let report = verify(dir.path(), None, Some(&k));
     let p = report.dir_problem.clone().expect("the roster's");
     assert_eq!(p.reason, Reason::Seal(SealProblem::Broken), "{p}");
+}
+
+/// A tenant directory planted beside a keyed log with an unsealed genesis head (what a crash
+/// leaves, unkeyed) is not listed and sealed into the roster: the log does not open, and
+/// `verify` names it as unlisted; the roster stays as the key sealed it.
+#[test]
+fn a_planted_tenant_directory_is_never_sealed_into_a_keyed_roster() {
+    let dir = Scratch::new();
+    let k = key(1);
+    setup(dir.path(), Some(&k));
+    let roster = std::fs::read(dir.path().join("TENANTS")).expect("the roster");
+    let planted = dir.path().join("zzz");
+    std::fs::create_dir(&planted).expect("plants a tenant");
+    std::fs::write(planted.join("head"), "genesis\n").expect("with a genesis head");
+    let refused = open_keyed(dir.path(), Some(&k)).map(|_| ());
+    assert!(
+        matches!(&refused, Err(AuditError::TenantUnlisted { tenant }) if tenant.as_str() == "zzz"),
+        "{refused:?}"
+    );
+    assert_eq!(
+        std::fs::read(dir.path().join("TENANTS")).expect("the roster"),
+        roster,
+        "not sealed anew"
+    );
+    let report = verify(dir.path(), None, Some(&k));
+    assert!(
+        report.tenants.iter().any(|t| t.tenant.as_str() == "zzz"
+            && matches!(
+                t.problem.as_ref().map(|p| &p.reason),
+                Some(Reason::Unlisted)
+            )),
+        "{report}"
+    );
 }
