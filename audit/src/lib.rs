@@ -28,11 +28,12 @@
 //! and the head and roster carry a seal over what they state (see [`ChainKey`]); a head states
 //! only the digest of its record's link, so no file gives away a link a new line could chain
 //! on from, and each of those needs the key: `verify` with the key reports them, and recovery
-//! cuts off an appended line whose link does not verify instead of resuming from it. One
-//! window stays: the lines written after the last head (at most one group commit's batch,
-//! past the head only after a crash until the next start) are vouched for by their links
-//! alone, and the `prev` of one names the link of the line before, so the last of them can be
-//! replaced unseen in that window. A log says whether it is keyed (its roster's and heads' seals): it opens only with
+//! cuts off an appended line whose link does not verify instead of resuming from it. What a
+//! head does not name is vouched for by links alone, and a line's `prev` gives away the link
+//! of the line before it, so the last line past a head can be replaced unseen: the lines a
+//! crash left past a stale head (one group commit's batch, until that tenant's next flush
+//! writes a head), and — with a head, or a sealed genesis head, put back from an older copy —
+//! the records after that head's. Closing that takes a MAC of each line over its own bytes. A log says whether it is keyed (its roster's and heads' seals): it opens only with
 //! its key, an unkeyed one only without a key, and `verify` without the key reports a keyed log
 //! as such, never as passed. What the key does not close: a rollback of the whole directory,
 //! or of a tenant's directory with its head, or of the roster, to an older copy still verifies

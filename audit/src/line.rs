@@ -1,7 +1,8 @@
 //! One log line: `{"seq":N,"prev":"<hex>",...record fields}` followed by `\n`.
 //!
-//! `prev` is the SHA-256 of the previous line's exact bytes (without the newline), or
-//! [`Sha256Digest::ZERO`] for the tenant's first record; `seq` counts the tenant's records
+//! `prev` is the link to the previous line's exact bytes (without the newline) — its SHA-256,
+//! or in a keyed log its HMAC-SHA256 — or, for the tenant's first record, the chain's start
+//! ([`Sha256Digest::ZERO`] unkeyed; see `Chain::genesis`); `seq` counts the tenant's records
 //! from 0. Both continue across segments.
 
 use std::fmt;

@@ -80,7 +80,8 @@ pub enum Reason {
         /// The `seq` the head names.
         head: Seq,
     },
-    /// The first record's `prev` is not 64 zeros.
+    /// The first record's `prev` is not the chain's start: 64 zeros, or in a keyed log the
+    /// key's MAC of the tenant.
     BadGenesis,
     /// The line's bytes do not link to what a later line or the head recorded for it.
     Modified {
@@ -141,7 +142,9 @@ impl fmt::Display for Reason {
                 "records from seq {from} on are missing: the head names seq {head} as written, \
                  and the log ends before it"
             ),
-            Self::BadGenesis => f.write_str("first record's prev is not 64 zeros"),
+            Self::BadGenesis => {
+                f.write_str("first record's prev is not the chain's start (64 zeros unkeyed)")
+            }
             Self::Modified {
                 recorded_in,
                 recorded_line,
