@@ -172,15 +172,22 @@ impl Sealed<'_> {
 }
 
 /// Why a file's seal, or its lack, does not fit the key the log is opened or verified with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum SealProblem {
     /// The file is sealed (the log is keyed), and no key was given.
+    #[error("keyed: pass --key-file to verify it (this log is sealed with HMAC-SHA256)")]
     Keyed,
     /// The file is not sealed (the log is unkeyed), and a key was given.
+    #[error(
+        "no seal, yet a key was given: an unkeyed log (anyone who can write it can rewrite it), \
+         or a keyed one's file rewritten without the key"
+    )]
     Unkeyed,
     /// The file was sealed with another key.
+    #[error("sealed with another key: the key given does not match this log's")]
     WrongKey,
     /// The seal names this key and does not verify: the file was edited.
+    #[error("the seal does not verify under the key it names (the key given): edited")]
     Broken,
 }
 

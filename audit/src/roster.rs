@@ -128,9 +128,9 @@ pub(crate) fn append(dir: &Path, chain: Chain<'_>, tenant: &TenantId) -> io::Res
     let path = path(dir);
     if chain.is_keyed() {
         let mut roster = parse(&fs::read(&path)?).map_err(io::Error::other)?;
-        roster.check(chain).map_err(|problem| {
-            io::Error::other(format!("its seal does not fit the key ({problem:?})"))
-        })?;
+        roster
+            .check(chain)
+            .map_err(|problem| io::Error::other(format!("its seal: {problem}")))?;
         roster.listed.push(tenant.clone());
         return write_sealed(dir, chain, &roster.listed);
     }
@@ -153,12 +153,18 @@ pub(crate) fn create(dir: &Path, chain: Chain<'_>) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
-/// Writes a keyed roster listing `tenants` whole, durably: the next version, then a rename.
-fn write_sealed(dir: &Path, chain: Chain<'_>, tenants: &[TenantId]) -> io::Result<()> {
+/// The roster listing `tenants`, then its seal in a keyed log.
+fn sealed(chain: Chain<'_>, tenants: &[TenantId]) -> Vec<u8> {
     let mut bytes = listing(tenants);
     if let Some(seal) = chain.seal(Sealed::Roster { listing: &bytes }) {
         bytes.extend_from_slice(format!("{}\n", seal.encode()).as_bytes());
     }
+    bytes
+}
+
+/// Writes a keyed roster listing `tenants` whole, durably: the next version, then a rename.
+fn write_sealed(dir: &Path, chain: Chain<'_>, tenants: &[TenantId]) -> io::Result<()> {
+    let bytes = sealed(chain, tenants);
     let tmp = dir.join(ROSTER_TMP);
     let mut file = File::create(&tmp)?;
     file.write_all(&bytes)?;
@@ -230,13 +236,13 @@ mod tests {
             TenantId::new("a").expect("valid"),
             TenantId::new("b").expect("valid"),
         ];
-        let mut bytes = listing(&ids);
-        let seal = chain
-            .seal(Sealed::Roster { listing: &bytes })
-            .expect("keyed");
-        bytes.extend_from_slice(format!("{}\n", seal.encode()).as_bytes());
+        let bytes = sealed(chain, &ids);
+        let seal = chain.seal(Sealed::Roster {
+            listing: &listing(&ids),
+        });
         let r = parse(&bytes).expect("valid");
-        assert_eq!((r.listed.len(), r.seal), (2, Some(seal)));
+        assert!(seal.is_some());
+        assert_eq!((r.listed.len(), r.seal), (2, seal));
         assert_eq!(r.check(chain), Ok(()));
         assert_eq!(r.check(Chain::new(None)), Err(SealProblem::Keyed));
         // One tenant struck off: the seal no longer fits.

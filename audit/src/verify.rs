@@ -181,19 +181,7 @@ impl fmt::Display for Reason {
                  tenant's first record goes down alone with a head naming it, so the head was \
                  rewritten (records after the last one may have been cut)"
             ),
-            Self::Seal(SealProblem::Keyed) => f.write_str(
-                "keyed: pass --key-file to verify it (this log is sealed with HMAC-SHA256)",
-            ),
-            Self::Seal(SealProblem::Unkeyed) => f.write_str(
-                "no seal, yet a key was given: an unkeyed log (anyone who can write it can \
-                 rewrite it), or a keyed one's file rewritten without the key",
-            ),
-            Self::Seal(SealProblem::WrongKey) => {
-                f.write_str("sealed with another key: the key given does not match this log's")
-            }
-            Self::Seal(SealProblem::Broken) => f.write_str(
-                "the seal does not verify under the key it names (the key given): edited",
-            ),
+            Self::Seal(problem) => problem.fmt(f),
         }
     }
 }

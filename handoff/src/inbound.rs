@@ -375,6 +375,17 @@ mod tests {
         }
     }
 
+    /// A session of [`reservation`] that took every one of its frames, and the frames.
+    fn every_frame_in() -> (Inbound, Vec<Frame>) {
+        let r = reservation();
+        let fs = frames(&r);
+        let mut s = Inbound::new(r);
+        for f in &fs {
+            s.accept(&c(f), live).expect("written");
+        }
+        (s, fs)
+    }
+
     /// Tags as the pool has them while the session holds its pages.
     fn live(p: PageId) -> Option<Tag> {
         Some(Tag::new(u64::from(p.get()) * 10))
@@ -599,12 +610,7 @@ mod tests {
 
     #[test]
     fn a_tag_change_before_commit_fails_the_transfer() {
-        let r = reservation();
-        let fs = frames(&r);
-        let mut s = Inbound::new(r);
-        fs.iter().for_each(|f| {
-            s.accept(&c(f), live).unwrap();
-        });
+        let (mut s, fs) = every_frame_in();
         let moved = |p: PageId| if p.get() == 9 { None } else { live(p) };
         assert_eq!(
             s.finish(&manifest(&fs), moved),
@@ -617,12 +623,7 @@ mod tests {
 
     #[test]
     fn a_wrong_digest_fails_the_transfer() {
-        let r = reservation();
-        let fs = frames(&r);
-        let mut s = Inbound::new(r);
-        fs.iter().for_each(|f| {
-            s.accept(&c(f), live).unwrap();
-        });
+        let (mut s, fs) = every_frame_in();
         let bad = Manifest {
             digest: 0,
             ..manifest(&fs)
@@ -635,12 +636,7 @@ mod tests {
     /// counts another number of pages, does not commit.
     #[test]
     fn a_manifest_of_another_session_or_page_count_fails_the_transfer() {
-        let r = reservation();
-        let fs = frames(&r);
-        let mut s = Inbound::new(r);
-        fs.iter().for_each(|f| {
-            s.accept(&c(f), live).unwrap();
-        });
+        let (mut s, fs) = every_frame_in();
         let foreign = Manifest {
             nonce: SessionNonce([4; 16]),
             ..manifest(&fs)
