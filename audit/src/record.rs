@@ -270,7 +270,7 @@ pub enum Integrity {
 }
 
 /// An abandoned request's worker stream: held as the policies directed, then dropped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hold {
     /// The longest hold any `on-disconnect` policy asked for.
     pub directive: Directive,
@@ -279,6 +279,10 @@ pub struct Hold {
     pub dropped: Dropped,
     /// How long the gateway held the stream after the client left, in milliseconds.
     pub held_ms: u64,
+    /// The error class the worker ended the held stream with (e.g. `kv_integrity_error`: the
+    /// handoff failed its checks while nobody was listening); `None` when it did not fail.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed: Option<String>,
 }
 
 /// A disconnect directive (the policy WIT's `directive`).

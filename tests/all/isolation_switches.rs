@@ -21,7 +21,8 @@ use crate::isolation::{
 use crate::oracles::{
     Ledger, Pool, Reference, TENANT_A, TENANT_B, TENANT_C, assert_clean, canary, tenant_c_toml,
 };
-use crate::up::bounded;
+use crate::policies::{abandon, guard_and_ledger};
+use crate::up::{KEY_A, TempDir, bounded, wait_records};
 use crate::worker_grpc::{metric, metric_sum};
 
 const SWITCHES: &str = "BULKHEAD_TEST_SWITCHES";
@@ -447,4 +448,59 @@ fn a_frame_under_a_forged_nonce_is_never_written_and_the_request_fails() {
 #[test]
 fn a_frame_with_a_stale_tag_is_never_written_and_the_request_fails() {
     with_a_frame_fault("stale-tag", Some("tag_not_reserved"));
+}
+
+/// A request held after its client left (`abort-guard`: until prefill is done) whose KV
+/// handoff then fails its checks (prefill corrupts the second frame of every transfer): the
+/// hold ends with the worker's failure, and the record says so — the client left, the stream
+/// was held and failed with `kv_integrity_error`, the handoff's integrity `failed` — never as
+/// a handoff that was not checked.
+#[test]
+fn a_held_request_whose_handoff_fails_its_checks_is_recorded_so() {
+    bounded(|| {
+        let dir = TempDir::new("held-integrity");
+        let set = guard_and_ledger(
+            &dir.0,
+            "config = { on_disconnect = \"abort-now\", phases = [] }",
+        );
+        let cluster = Cluster::start(Spec {
+            env: &[(SWITCHES, "corrupt-frame")],
+            replace: &[
+                ("file = \"policies/local.toml\"", &set),
+                // A long prefill on a loaded machine can outlast the default 30 s.
+                ("hold_limit_secs = 30", "hold_limit_secs = 150"),
+            ],
+            ..Spec::default()
+        });
+        // Long enough that its prefill outlasts the gateway noticing the client gone (at its
+        // next keep-alive comment, within a second).
+        let long = format!(
+            r#"{{"messages":[{{"role":"user","content":"Summarize: {}"}}],"max_tokens":16,"stream":true,"temperature":0}}"#,
+            "the quick brown fox jumps over the lazy dog. ".repeat(200)
+        );
+        abandon(cluster.api(), KEY_A, &long);
+        let deadline = Instant::now() + Duration::from_secs(150);
+        while metric(
+            &cluster.decode.metrics(),
+            "bulkhead_kv_integrity_failures_total",
+        ) < 1.0
+        {
+            assert!(Instant::now() < deadline, "the handoff never failed");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let record = wait_records(&cluster.gateway.admin, "tenant-a", 1)
+            .pop()
+            .expect("its record");
+        assert_eq!(record["error.type"], "client_disconnected", "{record:#}");
+        assert_eq!(record["bulkhead.disconnect.phase"], "prefill", "{record:#}");
+        let hold = &record["bulkhead.disconnect.hold"];
+        assert_eq!(hold["directive"], "hold_until_prefill_done", "{record:#}");
+        assert_eq!(hold["dropped"], "before_first_token", "{record:#}");
+        assert_eq!(hold["failed"], "kv_integrity_error", "{record:#}");
+        assert_eq!(
+            record["bulkhead.kv.integrity"]["result"], "failed",
+            "{record:#}"
+        );
+        assert!(record["gen_ai.usage.output_tokens"].is_null(), "{record:#}");
+    });
 }

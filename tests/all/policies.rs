@@ -90,7 +90,7 @@ const HOLD_LIMIT_SECS: u64 = 100;
 
 /// Sends a streaming chat request (keep-alive, so the gateway sees the socket close), waits
 /// for the response head, then goes away.
-fn abandon(addr: &str, key: &str, body: &str) {
+pub(crate) fn abandon(addr: &str, key: &str, body: &str) {
     let mut s = open(addr, key, "/v1/chat/completions", body);
     let mut head = [0u8; 12];
     s.read_exact(&mut head).expect("the response starts");
@@ -536,7 +536,7 @@ fn an_abandoned_request_keeps_its_slot_while_held_and_is_charged_what_it_used() 
 
 /// A policy set of `abort-guard` (4 held a tenant) and then `ledger` bound as `ledger` says
 /// (its binding's lines), written in `dir`: the configuration line that names it.
-fn guard_and_ledger(dir: &Path, ledger: &str) -> String {
+pub(crate) fn guard_and_ledger(dir: &Path, ledger: &str) -> String {
     let mut set = String::new();
     for name in ["abort-guard", "ledger"] {
         let (path, digest) = component(name);
@@ -692,5 +692,7 @@ fn a_client_gone_while_the_kv_transfers_is_told_to_policies_as_transferring() {
         let hold = &record["bulkhead.disconnect.hold"];
         assert_eq!(hold["directive"], "hold_until_complete", "{record:#}");
         assert_eq!(hold["dropped"], "before_first_token", "{record:#}");
+        // The hold ended with decode's transfer deadline: the worker failed it, as it says.
+        assert_eq!(hold["failed"], "service_unavailable", "{record:#}");
     });
 }

@@ -97,6 +97,7 @@ impl Drop for Started {
                 self.progress,
                 self.trail.clone(),
                 charge,
+                self.endpoint,
             );
         }
     }

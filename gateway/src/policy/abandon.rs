@@ -18,7 +18,9 @@
 //! directive says. `hold-until-prefill-done` holds until the first token as
 //! `hold-until-first-token` does: prefill is done for decode once its KV arrived and passed
 //! its checks, which the gateway sees as the first token (a hold that ended at the computation
-//! would cancel the transfer under way).
+//! would cancel the transfer under way). A worker that fails the request while it is held
+//! (refuses the call, fails the KV handoff's checks) ends the hold, and the request's record
+//! says how it failed, as it would had the client stayed.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -26,6 +28,7 @@ use std::time::Instant;
 use bulkhead_audit::{self as audit, Dropped, Hold};
 use bulkhead_worker::serve::proto::Item;
 
+use crate::api::{Endpoint, from_status};
 use crate::limits::RequestPermit;
 use crate::trail::Trail;
 use crate::upstreams::{Leg, UpstreamStream};
@@ -222,6 +225,7 @@ impl Ending {
         mut progress: Progress,
         trail: Trail,
         charge: Charge,
+        endpoint: Endpoint,
     ) {
         let (held_before, held) = self.policies.hold(&self.tenant);
         let phase = phase(leg.as_ref(), progress);
@@ -245,12 +249,16 @@ impl Ending {
         self.policies.stats().abandoned(recorded(directive).name());
         // A call the worker never answered ran nothing there: it used no tokens.
         let mut answered = !matches!(leg, Some(Leg::Calling(_)));
+        let mut failure = None;
         if let Some(leg) = leg {
             let since = Instant::now();
             let limit = self.policies.hold_limit();
             // The call or the stream is dropped with the hold: at its end, or at its limit.
             let holding = hold(leg, directive, &mut progress, &mut answered);
-            let _ = tokio::time::timeout(limit, holding).await;
+            if let Ok(Err(status)) = tokio::time::timeout(limit, holding).await {
+                tracing::debug!(request = %self.id, %status, "an abandoned request failed while held");
+                failure = Some(from_status(&status, endpoint));
+            }
             let dropped = match (progress.usage, progress.tokens) {
                 (Some(_), _) => Dropped::AfterDone,
                 (None, 0) => Dropped::BeforeFirstToken,
@@ -264,6 +272,7 @@ impl Ending {
                 directive: recorded(directive),
                 dropped,
                 held_ms: u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX),
+                failed: failure.as_ref().map(|f| f.error.error_type().to_owned()),
             });
         }
         let usage = match answered {
@@ -275,6 +284,10 @@ impl Ending {
         };
         if usage.1 > 0 {
             trail.generated(usage.1);
+        }
+        // After the tokens, which say the handoff passed: a later failure says otherwise.
+        if let Some(f) = failure {
+            trail.failed(&f.error, f.refused_by);
         }
         // The request's record is written once the trail's last holder lets go: here, with
         // the hold and the tokens that came in it.
@@ -297,45 +310,59 @@ fn phase(leg: Option<&Leg>, progress: Progress) -> Phase {
 }
 
 /// Waits on the worker as `directive` says: for its answer to the call (unless abort-now),
-/// then on its stream.
-async fn hold(leg: Leg, directive: Directive, progress: &mut Progress, answered: &mut bool) {
+/// then on its stream. Fails with the worker's status when it refused the call or failed the
+/// stream before the directive was satisfied.
+async fn hold(
+    leg: Leg,
+    directive: Directive,
+    progress: &mut Progress,
+    answered: &mut bool,
+) -> Result<(), tonic::Status> {
     let mut upstream = match leg {
         Leg::Streaming(upstream) => upstream,
-        Leg::Calling(_) if matches!(directive, Directive::AbortNow) => return,
-        Leg::Calling(call) => match call.await {
-            Ok(upstream) => {
-                *answered = true;
-                upstream
-            }
-            Err(_) => return,
-        },
+        Leg::Calling(_) if matches!(directive, Directive::AbortNow) => return Ok(()),
+        Leg::Calling(call) => {
+            let upstream = call.await?;
+            *answered = true;
+            upstream
+        }
     };
-    drain(&mut upstream, directive, progress).await;
+    drain(&mut upstream, directive, progress).await
 }
 
-/// Reads `upstream` until `directive` is satisfied (or the stream ends).
-async fn drain(upstream: &mut UpstreamStream, directive: Directive, progress: &mut Progress) {
+/// Reads `upstream` until `directive` is satisfied, or the stream fails (a stream that ends
+/// without `Done` is broken: the worker's transport failed).
+async fn drain(
+    upstream: &mut UpstreamStream,
+    directive: Directive,
+    progress: &mut Progress,
+) -> Result<(), tonic::Status> {
     let until_complete = match directive {
-        Directive::AbortNow => return,
+        Directive::AbortNow => return Ok(()),
         Directive::HoldUntilPrefillDone | Directive::HoldUntilFirstToken => {
             if progress.tokens > 0 {
-                return;
+                return Ok(());
             }
             false
         }
         Directive::HoldUntilComplete => true,
     };
-    while let Ok(Some(message)) = upstream.message().await {
+    loop {
+        let Some(message) = upstream.message().await? else {
+            return Err(tonic::Status::unavailable(
+                "the worker's stream ended without Done",
+            ));
+        };
         match message.item {
             Some(Item::Token(_)) => {
                 progress.tokens = progress.tokens.saturating_add(1);
                 if !until_complete {
-                    return;
+                    return Ok(());
                 }
             }
             Some(Item::Done(d)) => {
                 progress.usage = Some((d.prompt_tokens, d.completion_tokens));
-                return;
+                return Ok(());
             }
             Some(Item::PrefillDone(_)) => progress.prefill_done = true,
             Some(Item::Progress(_)) | None => {}
@@ -349,8 +376,16 @@ impl RequestPolicy {
     /// An abandoned request's `trail` is kept until its call or stream is dropped, so that its
     /// record says how it was held, and its `charge` until then too, settled to what it used.
     /// A request shutdown cut (its client did not leave) failed: no disconnect directive holds
-    /// it, and dropping `leg` here cancels it at the worker.
-    pub fn finish(self, leg: Option<Leg>, progress: Progress, trail: Trail, charge: Charge) {
+    /// it, and dropping `leg` here cancels it at the worker. `endpoint` is the API it came by
+    /// (what a worker's failure during a hold means for its record).
+    pub fn finish(
+        self,
+        leg: Option<Leg>,
+        progress: Progress,
+        trail: Trail,
+        charge: Charge,
+        endpoint: Endpoint,
+    ) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -370,7 +405,7 @@ impl RequestPolicy {
                 ending.spawn_end(&runtime, Outcome::Failed, usage);
             }
             (None, false) => {
-                runtime.spawn(ending.abandoned(leg, progress, trail, charge));
+                runtime.spawn(ending.abandoned(leg, progress, trail, charge, endpoint));
             }
         }
     }

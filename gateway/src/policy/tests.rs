@@ -10,6 +10,7 @@ use axum::response::IntoResponse;
 use http::HeaderMap;
 
 use super::*;
+use crate::api::Endpoint;
 use crate::config::AuditSettings;
 use crate::limits::Limiter;
 use crate::metrics::Metrics;
@@ -1538,7 +1539,13 @@ async fn abort_guard_holds_an_abandoned_prefill_and_caps_what_a_tenant_holds() {
     // Abandoned before the first token: held until prefill is done.
     let (p, dir) = loaded(&set);
     let r = ask(&p, Ask::default()).await.expect("allowed");
-    r.finish(None, Progress::default(), trail(&dir), charge());
+    r.finish(
+        None,
+        Progress::default(),
+        trail(&dir),
+        charge(),
+        Endpoint::Chat,
+    );
     let m = abandoned_directives(&p).await;
     assert!(
         m.contains("directive=\"hold_until_prefill_done\"} 1"),
@@ -1562,6 +1569,7 @@ async fn abort_guard_holds_an_abandoned_prefill_and_caps_what_a_tenant_holds() {
         },
         trail(&dir),
         charge(),
+        Endpoint::Chat,
     );
     assert!(
         abandoned_directives(&p)
@@ -1572,7 +1580,13 @@ async fn abort_guard_holds_an_abandoned_prefill_and_caps_what_a_tenant_holds() {
     let (p, dir) = loaded(&set);
     let (_, _held) = p.hold("tenant-a");
     let r = ask(&p, Ask::default()).await.expect("allowed");
-    r.finish(None, Progress::default(), trail(&dir), charge());
+    r.finish(
+        None,
+        Progress::default(),
+        trail(&dir),
+        charge(),
+        Endpoint::Chat,
+    );
     assert!(
         abandoned_directives(&p)
             .await
@@ -1627,6 +1641,7 @@ async fn a_request_abandoned_before_its_call_was_answered_is_charged_nothing() {
         Progress::default(),
         trail(&dir),
         charge,
+        Endpoint::Chat,
     );
     let m = abandoned_directives(&p).await;
     assert!(m.contains("directive=\"abort_now\"} 1"), "queued: {m}");
@@ -1643,7 +1658,7 @@ async fn an_abandoned_request_keeps_its_slot_until_its_end_and_is_charged_what_i
         tokens: 3,
         ..Progress::default()
     };
-    r.finish(None, progress, trail(&dir), charge);
+    r.finish(None, progress, trail(&dir), charge, Endpoint::Chat);
     abandoned_directives(&p).await;
     let mut next = slot_back(&limiter, &a).await;
     // 13 used (prompt and the 3 tokens that came): 987 of the minute's 1000 are back.
@@ -1671,20 +1686,76 @@ async fn an_abandoned_request_is_never_counted_past_its_max_tokens() {
         ..Progress::default()
     };
     let trail = recorder.trail("req-over".into(), tracing::Span::none());
-    r.finish(None, progress, trail, charge());
+    r.finish(None, progress, trail, charge(), Endpoint::Chat);
     abandoned_directives(&p).await;
+    let record = first_record(&recorder).await;
+    assert_eq!(record.output_tokens, Some(100), "{record:?}");
+}
+
+/// The first record in `recorder`'s gateway log (bounded wait: an abandoned request's record
+/// is written when its hold ends, in a task).
+async fn first_record(recorder: &Recorder) -> bulkhead_audit::AuditRecord {
     let gateway = bulkhead_audit::TenantId::new(crate::trail::GATEWAY_LOG).expect("valid");
     let deadline = Instant::now() + Duration::from_secs(10);
-    let record = loop {
+    loop {
         recorder.flush().expect("flush");
         let read = recorder
             .read(&gateway, bulkhead_audit::Seq(0), 10)
             .expect("read");
         if let Some(stored) = read.into_iter().next() {
-            break stored.record;
+            return stored.record;
         }
         assert!(Instant::now() < deadline, "no record");
         tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    assert_eq!(record.output_tokens, Some(100), "{record:?}");
+    }
+}
+
+/// A request held after its client left whose worker then refuses it (here its prefill
+/// worker's admission, while it waited in the queue under a hold until complete) is recorded
+/// with that refusal: the hold failed as the worker said, and the admission layer that
+/// refused it, as had its client stayed.
+#[tokio::test]
+async fn a_held_request_the_worker_then_refuses_is_recorded_with_the_refusal() {
+    let (p, dir) = loaded(&format!(
+        "{}{}",
+        plugin("ledger", ""),
+        binding(
+            "ledger",
+            "config = { on_disconnect = \"hold-until-complete\", phases = [\"queued\"] }"
+        )
+    ));
+    let recorder = recorder(&dir);
+    let r = ask(&p, Ask::default()).await.expect("allowed");
+    let mut refusal = tonic::Status::invalid_argument("the prompt does not fit");
+    for (key, value) in [
+        (
+            bulkhead_worker::serve::proto::ERROR_CODE_KEY,
+            "context_length_exceeded",
+        ),
+        (bulkhead_worker::serve::proto::REFUSED_BY_KEY, "prefill"),
+    ] {
+        refusal
+            .metadata_mut()
+            .insert(key, value.parse().expect("ascii"));
+    }
+    let refused: crate::upstreams::Call = Box::pin(async move { Err(refusal) });
+    let trail = recorder.trail("req-refused".into(), tracing::Span::none());
+    r.finish(
+        Some(crate::upstreams::Leg::Calling(refused)),
+        Progress::default(),
+        trail,
+        charge(),
+        Endpoint::Chat,
+    );
+    let record = first_record(&recorder).await;
+    let hold = record.hold.as_ref().expect("held");
+    assert_eq!(hold.directive, bulkhead_audit::Directive::HoldUntilComplete);
+    assert_eq!(hold.failed.as_deref(), Some("context_length_exceeded"));
+    let admission = record.admission.expect("decided");
+    assert_eq!(
+        admission.outcome,
+        bulkhead_audit::AdmissionOutcome::Rejected
+    );
+    assert_eq!(admission.layer, bulkhead_audit::Layer::Prefill);
+    assert_eq!(record.error_type.as_deref(), Some("client_disconnected"));
 }
