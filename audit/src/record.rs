@@ -279,8 +279,9 @@ pub struct Hold {
     pub dropped: Dropped,
     /// How long the gateway held the stream after the client left, in milliseconds.
     pub held_ms: u64,
-    /// The error class the worker ended the held stream with (e.g. `kv_integrity_error`: the
-    /// handoff failed its checks while nobody was listening); `None` when it did not fail.
+    /// Why the hold ended before its directive was met, as an error class: the worker's
+    /// failure (e.g. `kv_integrity_error`: the handoff failed its checks while nobody was
+    /// listening), or `gateway_shutdown` (shutdown's drain timeout cut it); `None` otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failed: Option<String>,
 }

@@ -5,6 +5,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::path::Path;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,7 +22,7 @@ use crate::discovery::{self, SystemResolver, WorkerGroup};
 use crate::limits::Limiter;
 use crate::metrics::Metrics;
 use crate::policy::{Policies, PolicyError};
-use crate::serving::{self, Edge};
+use crate::serving::{self, Edge, Witness};
 use crate::tenants::{ConfigFile, Tenants};
 use crate::trail::{Recorder, Watch};
 use crate::workers::{EndpointError, Workers};
@@ -235,7 +236,10 @@ impl BoundGateway {
             },
             self.threads,
             stop_rx.clone(),
-            Arc::new(self.recorder.clone()),
+            Arc::new(ApiWitness {
+                recorder: self.recorder.clone(),
+                policies: self.policies.clone(),
+            }),
         );
         let admin = serving::serve(
             self.admin,
@@ -262,5 +266,31 @@ impl BoundGateway {
         if let Some(hangup) = hangup {
             hangup.abort();
         }
+    }
+}
+
+/// What the API listener tells of the requests it does not finish itself: the audit trail
+/// records them, and shutdown waits for the ends the policies run after their connections
+/// (held streams, `on-response-end`).
+struct ApiWitness {
+    recorder: Recorder,
+    policies: Policies,
+}
+
+impl Witness for ApiWitness {
+    fn cut(&self) {
+        self.recorder.cut();
+    }
+
+    fn unparsed(&self, status: u16) {
+        self.recorder.unparsed(status);
+    }
+
+    fn plain_http(&self) {
+        self.recorder.plain_http();
+    }
+
+    fn settled(&self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
+        Box::pin(self.policies.ended())
     }
 }

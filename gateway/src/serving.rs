@@ -11,6 +11,7 @@
 
 use std::convert::Infallible;
 use std::num::NonZeroUsize;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -46,6 +47,12 @@ pub trait Witness: Send + Sync + 'static {
     /// A client sent plain HTTP to a TLS port and was answered 400 `https_required`; no
     /// service ran.
     fn plain_http(&self);
+    /// Returns once the work requests left behind their connections has ended (an abandoned
+    /// request held on its worker, a policy's `on-response-end`): shutdown's drain waits for
+    /// it as for the connections. None by default.
+    fn settled(&self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
+        Box::pin(std::future::ready(()))
+    }
 }
 
 /// A witness that records nothing (the admin listener, benchmarks).
@@ -336,16 +343,21 @@ impl<S: Service> Connections<S> {
         } = self;
         draining.send_replace(true);
         let shutdown = graceful.shutdown();
-        tokio::pin!(shutdown);
-        if tokio::time::timeout(drain_timeout, &mut shutdown)
+        let settled = async {
+            shutdown.await;
+            witness.settled().await;
+        };
+        tokio::pin!(settled);
+        if tokio::time::timeout(drain_timeout, &mut settled)
             .await
             .is_err()
         {
-            tracing::warn!("connections still open at shutdown; closing them");
+            tracing::warn!("requests still running at shutdown; cutting them");
             witness.cut();
             // The requests cut answer their clients (an error event ends a stream) and their
-            // connections close; what still hangs after that is dropped.
-            let _ = tokio::time::timeout(CUT_GRACE, &mut shutdown).await;
+            // connections close, the holds record how far they got; what still hangs after
+            // that is dropped.
+            let _ = tokio::time::timeout(CUT_GRACE, &mut settled).await;
             tasks.shutdown().await;
         }
     }
@@ -725,6 +737,65 @@ mod tests {
                     stopped.elapsed()
                 );
             }
+        }
+    }
+
+    /// A witness with work left behind its connections (an abandoned request held on its
+    /// worker) that ends by itself after `ends_after`, or when shutdown cuts it.
+    struct Lingering {
+        cuts: AtomicUsize,
+        work: tokio::sync::watch::Sender<bool>,
+    }
+
+    impl Witness for Lingering {
+        fn cut(&self) {
+            self.cuts.fetch_add(1, Ordering::Relaxed);
+            self.work.send_replace(false);
+        }
+        fn unparsed(&self, _: u16) {}
+        fn plain_http(&self) {}
+        fn settled(&self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
+            let mut work = self.work.subscribe();
+            Box::pin(async move {
+                let _ = work.wait_for(|running| !running).await;
+            })
+        }
+    }
+
+    /// Shutdown waits for what requests left behind their connections (with none open) as for
+    /// the connections: until it ends, within the drain timeout; past it, it is cut first.
+    #[tokio::test(flavor = "current_thread")]
+    async fn shutdown_waits_for_work_left_behind_connections_then_cuts_it() {
+        for ends_after in [Some(Duration::from_millis(400)), None] {
+            let limits = HttpLimits {
+                drain_timeout: Duration::from_secs(1),
+                ..HttpLimits::default()
+            };
+            let witness = Arc::new(Lingering {
+                cuts: AtomicUsize::new(0),
+                work: tokio::sync::watch::Sender::new(true),
+            });
+            let serving = start(thread_name(), limits, NonZeroUsize::MIN, witness.clone()).await;
+            if let Some(after) = ends_after {
+                let w = witness.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(after).await;
+                    w.work.send_replace(false);
+                });
+            }
+            let stopped = std::time::Instant::now();
+            serving.stop(Duration::from_secs(10)).await;
+            let took = stopped.elapsed();
+            let waited = ends_after.unwrap_or(limits.drain_timeout);
+            assert!(
+                took >= waited,
+                "returned after {took:?}, before the work ended"
+            );
+            assert!(!*witness.work.borrow(), "the work ended first");
+            assert_eq!(
+                witness.cuts.load(Ordering::Relaxed),
+                usize::from(ends_after.is_none())
+            );
         }
     }
 

@@ -227,7 +227,7 @@ pub(crate) struct Cluster {
     prefill_args: Vec<String>,
     decode_args: Vec<String>,
     env: Vec<(String, String)>,
-    _dir: TempDir,
+    dir: TempDir,
 }
 
 /// Every process's log level in a cluster: what the code logs at debug and above, without the
@@ -294,8 +294,13 @@ impl Cluster {
             prefill_args: own(&prefill_args),
             decode_args,
             env,
-            _dir: dir,
+            dir,
         }
+    }
+
+    /// The gateway's `--data-dir` (its audit log is under `audit/`).
+    pub(crate) fn data_dir(&self) -> std::path::PathBuf {
+        self.dir.0.join("data")
     }
 
     pub(crate) fn api(&self) -> &str {

@@ -696,3 +696,82 @@ fn a_client_gone_while_the_kv_transfers_is_told_to_policies_as_transferring() {
         assert_eq!(hold["failed"], "service_unavailable", "{record:#}");
     });
 }
+
+/// Shutdown waits for a request held after its client left, up to its drain timeout, then
+/// cuts the hold: the gateway exits cleanly, and the request's record, written before it
+/// exits, says its client left, that shutdown ended its hold, and the tokens that came; its
+/// `on-response-end` ran. (Before, shutdown dropped the hold: the record lost the hold and
+/// the tokens, the tenant was refunded them, and `on-response-end` never ran.)
+#[test]
+fn shutdown_waits_for_a_held_request_then_cuts_it_and_records_how_far_it_got() {
+    bounded(|| {
+        let dir = TempDir::new("shutdown-hold");
+        let set = guard_and_ledger(
+            &dir.0,
+            "config = { on_disconnect = \"hold-until-complete\", phases = [\"decoding\"] }",
+        );
+        let mut cluster = Cluster::start(Spec {
+            replace: &[
+                ("file = \"policies/local.toml\"", &set),
+                ("drain_timeout_secs = 10", "drain_timeout_secs = 2"),
+            ],
+            env: &[("BULKHEAD_LOG", "warn,bulkhead_gateway::policy::host=info")],
+            ..Spec::default()
+        });
+        // Counting on for 900 tokens (seconds of decode): left after its first events.
+        let counting = r#"{"prompt":"1, 2, 3, 4, 5, 6, 7, 8, 9, 10,","max_tokens":900,"temperature":0,"stream":true}"#;
+        let mut client = open(cluster.api(), KEY_A, "/v1/completions", counting);
+        let mut seen = String::new();
+        let mut buf = [0u8; 4096];
+        while seen.matches("data:").count() < 3 {
+            let n = client.read(&mut buf).expect("the answer streams");
+            assert!(n > 0, "the answer ended early: {seen}");
+            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+        drop(client);
+        let held = "bulkhead_policy_abandoned_total{directive=\"hold_until_complete\"}";
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while metric(&cluster.gateway_metrics(), held) < 1 {
+            assert!(Instant::now() < deadline, "the request was not held");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let stopping = Instant::now();
+        let sent = std::process::Command::new("kill")
+            .args(["-TERM", &cluster.gateway.child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(sent.success());
+        let (status, exited) = loop {
+            if let Some(status) = cluster.gateway.child.try_wait().expect("waits") {
+                break (status, stopping.elapsed());
+            }
+            assert!(
+                stopping.elapsed() < Duration::from_secs(30),
+                "the gateway did not exit"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(status.success(), "{status}");
+        assert!(
+            exited >= Duration::from_secs(2),
+            "shutdown did not wait for the hold: {exited:?}"
+        );
+        let records = crate::up::on_disk(&cluster.data_dir(), "tenant-a");
+        let record = records.last().expect("its record");
+        assert_eq!(record["error.type"], "client_disconnected", "{record:#}");
+        let hold = &record["bulkhead.disconnect.hold"];
+        assert_eq!(hold["directive"], "hold_until_complete", "{record:#}");
+        assert_eq!(hold["dropped"], "after_first_token", "{record:#}");
+        assert_eq!(hold["failed"], "gateway_shutdown", "{record:#}");
+        let came = record["gen_ai.usage.output_tokens"]
+            .as_u64()
+            .expect("the tokens that came");
+        assert!(came >= 3, "{record:#}");
+        let id = record["bulkhead.request.id"].as_str().expect("an id");
+        let log = crate::worker_grpc::text_of(&cluster.gateway.log);
+        assert!(
+            log.contains(&format!("end {id} client-disconnected")),
+            "on-response-end did not run:\n{log}"
+        );
+    });
+}

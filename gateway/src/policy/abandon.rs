@@ -30,7 +30,7 @@ use bulkhead_worker::serve::proto::Item;
 
 use crate::api::{Endpoint, from_status};
 use crate::limits::RequestPermit;
-use crate::trail::Trail;
+use crate::trail::{GATEWAY_SHUTDOWN_TYPE, Trail};
 use crate::upstreams::{Leg, UpstreamStream};
 use crate::workers::Claim;
 
@@ -203,7 +203,9 @@ impl Ending {
         usage: (u32, u32),
     ) {
         if self.wanting(Hooks::ON_RESPONSE_END).next().is_some() {
-            runtime.spawn(self.end(outcome, usage));
+            self.policies
+                .clone()
+                .spawn_end(runtime, self.end(outcome, usage));
         }
     }
 
@@ -254,11 +256,20 @@ impl Ending {
             let since = Instant::now();
             let limit = self.policies.hold_limit();
             // The call or the stream is dropped with the hold: at its end, or at its limit.
-            let holding = hold(leg, directive, &mut progress, &mut answered);
-            if let Ok(Err(status)) = tokio::time::timeout(limit, holding).await {
-                tracing::debug!(request = %self.id, %status, "an abandoned request failed while held");
-                failure = Some(from_status(&status, endpoint));
-            }
+            let holding =
+                tokio::time::timeout(limit, hold(leg, directive, &mut progress, &mut answered));
+            // Shutdown's drain waits for holds; one still held at its timeout is cut.
+            let mut shutdown = trail.shutdown_signal();
+            let cut = tokio::select! {
+                held = holding => {
+                    if let Ok(Err(status)) = held {
+                        tracing::debug!(request = %self.id, %status, "an abandoned request failed while held");
+                        failure = Some(from_status(&status, endpoint));
+                    }
+                    false
+                }
+                () = shutdown.cut() => true,
+            };
             let dropped = match (progress.usage, progress.tokens) {
                 (Some(_), _) => Dropped::AfterDone,
                 (None, 0) => Dropped::BeforeFirstToken,
@@ -272,7 +283,11 @@ impl Ending {
                 directive: recorded(directive),
                 dropped,
                 held_ms: u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX),
-                failed: failure.as_ref().map(|f| f.error.error_type().to_owned()),
+                failed: match (&failure, cut) {
+                    (Some(f), _) => Some(f.error.error_type().to_owned()),
+                    (None, true) => Some(GATEWAY_SHUTDOWN_TYPE.to_owned()),
+                    (None, false) => None,
+                },
             });
         }
         let usage = match answered {
@@ -405,7 +420,11 @@ impl RequestPolicy {
                 ending.spawn_end(&runtime, Outcome::Failed, usage);
             }
             (None, false) => {
-                runtime.spawn(ending.abandoned(leg, progress, trail, charge, endpoint));
+                let policies = ending.policies.clone();
+                policies.spawn_end(
+                    &runtime,
+                    ending.abandoned(leg, progress, trail, charge, endpoint),
+                );
             }
         }
     }

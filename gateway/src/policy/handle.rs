@@ -60,6 +60,8 @@ struct Inner {
     reloading: Mutex<()>,
     /// tenant → abandoned requests held now.
     held: Mutex<HashMap<String, u32>>,
+    /// Requests' ends running in tasks (holds, `on-response-end`): shutdown waits for them.
+    ends: tokio::sync::watch::Sender<usize>,
     stats: Stats,
 }
 
@@ -89,6 +91,7 @@ impl Policies {
                 last_error: Mutex::new(None),
                 reloading: Mutex::new(()),
                 held: Mutex::new(HashMap::new()),
+                ends: tokio::sync::watch::Sender::new(0),
                 stats: Stats::default(),
             }),
         }
@@ -211,6 +214,33 @@ impl Policies {
         )
     }
 
+    /// Runs `end` (a request's end: its hold, its `on-response-end`) in a task on `runtime`,
+    /// counted until it returns or is dropped, so that shutdown can wait for it
+    /// ([`Policies::ended`]).
+    pub(super) fn spawn_end(
+        &self,
+        runtime: &tokio::runtime::Handle,
+        end: impl Future<Output = ()> + Send + 'static,
+    ) {
+        self.inner.ends.send_modify(|n| *n += 1);
+        let counted = RunningEnd {
+            policies: self.clone(),
+        };
+        runtime.spawn(async move {
+            end.await;
+            drop(counted);
+        });
+    }
+
+    /// Returns once no request's end is running in a task: every hold has ended and every
+    /// `on-response-end` has been called (shutdown waits for this, within its drain timeout,
+    /// and cuts the holds that outlast it).
+    pub async fn ended(&self) {
+        let mut ends = self.inner.ends.subscribe();
+        // The sender lives as long as `self`: the wait cannot fail.
+        let _ = ends.wait_for(|n| *n == 0).await;
+    }
+
     /// The policy counters, in Prometheus text; the per-tenant ones of the tenants `keep`
     /// says.
     pub fn render_metrics(&self, out: &mut String, keep: &dyn Fn(&str) -> bool) {
@@ -245,5 +275,19 @@ impl Drop for Held {
                 held.remove(&self.tenant);
             }
         }
+    }
+}
+
+/// One request's end counted as running (see [`Policies::spawn_end`]).
+struct RunningEnd {
+    policies: Policies,
+}
+
+impl Drop for RunningEnd {
+    fn drop(&mut self) {
+        self.policies
+            .inner
+            .ends
+            .send_modify(|n| *n = n.saturating_sub(1));
     }
 }

@@ -1759,3 +1759,52 @@ async fn a_held_request_the_worker_then_refuses_is_recorded_with_the_refusal() {
     assert_eq!(admission.layer, bulkhead_audit::Layer::Prefill);
     assert_eq!(record.error_type.as_deref(), Some("client_disconnected"));
 }
+
+/// Shutdown waits for a held request (its end runs in a task, counted), and its cut ends the
+/// hold: the record says the client left and that shutdown ended its hold, and its
+/// `on-response-end` has run when the wait ends.
+#[tokio::test]
+async fn shutdown_waits_for_a_hold_and_its_cut_ends_it_on_the_record() {
+    let (p, dir) = loaded(&format!(
+        "{}{}",
+        plugin("ledger", ""),
+        binding(
+            "ledger",
+            "config = { on_disconnect = \"hold-until-complete\", phases = [\"queued\"] }"
+        )
+    ));
+    let recorder = recorder(&dir);
+    let r = ask(&p, Ask::default()).await.expect("allowed");
+    let never: crate::upstreams::Call = Box::pin(std::future::pending());
+    r.finish(
+        Some(crate::upstreams::Leg::Calling(never)),
+        Progress::default(),
+        recorder.trail("req-cut".into(), tracing::Span::none()),
+        charge(),
+        Endpoint::Chat,
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), p.ended())
+            .await
+            .is_err(),
+        "the hold runs, and shutdown would wait for it"
+    );
+    crate::serving::Witness::cut(&recorder);
+    tokio::time::timeout(Duration::from_secs(10), p.ended())
+        .await
+        .expect("the cut ends the hold");
+    let m = abandoned_directives(&p).await;
+    assert!(
+        m.contains(
+            "bulkhead_policy_call_duration_seconds_count{plugin=\"ledger\",\
+             hook=\"on-response-end\"} 1"
+        ),
+        "{m}"
+    );
+    let record = first_record(&recorder).await;
+    assert_eq!(record.error_type.as_deref(), Some("client_disconnected"));
+    assert!(record.disconnect.is_some(), "{record:?}");
+    let hold = record.hold.as_ref().expect("held");
+    assert_eq!(hold.directive, bulkhead_audit::Directive::HoldUntilComplete);
+    assert_eq!(hold.failed.as_deref(), Some("gateway_shutdown"));
+}

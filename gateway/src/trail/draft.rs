@@ -375,13 +375,14 @@ impl Drop for Draft {
             return;
         }
         // Nobody finished the request: its client left (the server dropped the handler or the
-        // response stream), shutdown cut it, or the gateway failed while it held it (a panic
-        // unwinding through its last holder: a bug, not the client). Recorded without waiting:
-        // there is no one left to answer.
+        // response stream; a held one's hold says so, however it ended, shutdown's cut too),
+        // shutdown cut it, or the gateway failed while it held it (a panic unwinding through
+        // its last holder: a bug, not the client). Recorded without waiting: there is no one
+        // left to answer.
         let (kind, unanswered) = if std::thread::panicking() {
             let failed = crate::api::mapping(&ApiError::Internal);
             (failed.error_type(), failed.status.as_u16())
-        } else if self.recorder.cutting() {
+        } else if self.recorder.cutting() && self.record.hold.is_none() {
             // Told 503 it would have been, had it answered: it was dropped first.
             (GATEWAY_SHUTDOWN_TYPE, CLOSED_UNANSWERED)
         } else {
