@@ -1,11 +1,15 @@
 //! Links and seals: what makes a chain, unkeyed or keyed.
 //!
-//! A line's *link* is the next line's `prev`: SHA-256 of the line's exact bytes in an unkeyed
-//! log, HMAC-SHA256 under the operator's [`ChainKey`] in a keyed one. A keyed log also *seals*
-//! the files that state what the chain cannot witness itself — each tenant's head (how far the
+//! A line's *link* is the next line's `prev`. In an unkeyed log it is SHA-256 of the line's
+//! exact bytes. In a keyed one every line carries its own MAC — HMAC-SHA256 under the
+//! operator's [`ChainKey`] of the rest of the line, written first: `{"mac":"<hex>","seq":…}` —
+//! and that MAC is its link: each line vouches for itself, the last one too, where a link kept
+//! only in the next line would leave the last line (and a line past a head put back from an
+//! older copy) to be replaced by anyone who can write the file. A keyed log also *seals* the
+//! files that state what the chain cannot witness itself — each tenant's head (how far the
 //! chain reached) and the roster (which tenants have one) — with a [`Seal`]: the key's id and
-//! an HMAC-SHA256 over what the file states. Without the key, no one can recompute a link or a
-//! seal, so an edited record, a forged line that chains, a cut tail under a rewritten head, or a
+//! an HMAC-SHA256 over what the file states. Without the key, no one can compute a line's MAC
+//! or a seal, so an edited record, a forged line, a cut tail under a rewritten head, or a
 //! roster with a tenant struck off no longer verifies.
 //!
 //! The writer, its crash recovery and the verifier all go through one [`Chain`].
@@ -191,6 +195,24 @@ pub enum SealProblem {
     Broken,
 }
 
+/// What a keyed line starts with: `{"mac":"`, then its MAC in 64 hex digits and `",`, then the
+/// fields the MAC covers (the line without this prefix starts `{` again).
+const LINE_MAC: &[u8] = b"{\"mac\":\"";
+
+/// The length of a keyed line's MAC prefix.
+const LINE_MAC_LEN: usize = LINE_MAC.len() + 64 + 2;
+
+/// Why a keyed log's line does not vouch for itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum LineProblem {
+    /// The line does not start with a MAC.
+    #[error("the line carries no MAC: a keyed log's lines each start with their own")]
+    NoMac,
+    /// The MAC does not verify over the rest of the line.
+    #[error("the line's MAC does not verify: edited, or written without the key")]
+    BadMac,
+}
+
 /// A log's chain: unkeyed, or keyed with the key borrowed from its owner.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Chain<'a> {
@@ -207,12 +229,44 @@ impl<'a> Chain<'a> {
         self.key.is_some()
     }
 
-    /// The link to `line` (its exact bytes, without the newline): the next line's `prev`.
-    pub fn link(&self, line: &[u8]) -> Sha256Digest {
-        match self.key {
-            None => Sha256Digest::of(line),
-            Some(key) => key.mac(&[line]),
-        }
+    /// The line to write for `body` (an encoded record, a JSON object, without the newline)
+    /// and the link to it: unkeyed, `body` itself and its SHA-256; keyed, `body` with its MAC
+    /// written first, and that MAC.
+    pub fn write(&self, body: Vec<u8>) -> (Vec<u8>, Sha256Digest) {
+        let Some(key) = self.key else {
+            let link = Sha256Digest::of(&body);
+            return (body, link);
+        };
+        let mac = key.mac(&[&body]);
+        let fields = body.strip_prefix(b"{").unwrap_or(&body);
+        let mut line = Vec::with_capacity(LINE_MAC_LEN + fields.len());
+        line.extend_from_slice(LINE_MAC);
+        line.extend_from_slice(mac.to_string().as_bytes());
+        line.extend_from_slice(b"\",");
+        line.extend_from_slice(fields);
+        (line, mac)
+    }
+
+    /// The link to `line` as found (its exact bytes, without the newline): the next line's
+    /// `prev`. Unkeyed, its SHA-256; keyed, the MAC it starts with, once that verifies over
+    /// the rest of the line.
+    pub fn link(&self, line: &[u8]) -> Result<Sha256Digest, LineProblem> {
+        let Some(key) = self.key else {
+            return Ok(Sha256Digest::of(line));
+        };
+        let (prefix, fields) = line
+            .split_at_checked(LINE_MAC_LEN)
+            .ok_or(LineProblem::NoMac)?;
+        let mac = prefix
+            .strip_prefix(LINE_MAC)
+            .and_then(|p| p.strip_suffix(b"\","))
+            .and_then(|hex| std::str::from_utf8(hex).ok())
+            .and_then(Sha256Digest::from_hex)
+            .ok_or(LineProblem::NoMac)?;
+        key.hmac(&[b"{", fields])
+            .verify_slice(&mac.0)
+            .map_err(|_| LineProblem::BadMac)?;
+        Ok(mac)
     }
 
     /// The `prev` of `tenant`'s first record: zeros unkeyed; keyed, a MAC of the tenant, so
@@ -222,16 +276,6 @@ impl<'a> Chain<'a> {
         match self.key {
             None => Sha256Digest::ZERO,
             Some(key) => key.mac(&[b"bulkhead-audit genesis\n", tenant.as_str().as_bytes()]),
-        }
-    }
-
-    /// What a head states for the link to the record it names: the link itself unkeyed;
-    /// keyed, its SHA-256, so that the head gives away no link (with the last one, anyone could
-    /// append a line that chains on).
-    pub fn stated(&self, link: Sha256Digest) -> Sha256Digest {
-        match self.key {
-            None => link,
-            Some(_) => Sha256Digest::of(&link.0),
         }
     }
 
@@ -279,30 +323,63 @@ mod tests {
         assert!(shown.contains("redacted"), "{shown}");
     }
 
+    const BODY: &[u8] = br#"{"seq":0,"prev":"00"}"#;
+
     #[test]
-    fn links_are_sha256_unkeyed_and_hmac_keyed() {
-        let k = key(1);
-        assert_eq!(Chain::new(None).link(b"abc"), Sha256Digest::of(b"abc"));
-        let keyed = Chain::new(Some(&k)).link(b"abc");
-        assert_ne!(keyed, Sha256Digest::of(b"abc"));
-        assert_ne!(keyed, Chain::new(Some(&key(2))).link(b"abc"));
+    fn unkeyed_lines_are_their_body_linked_by_sha256() {
+        let plain = Chain::new(None);
+        let (line, link) = plain.write(BODY.to_vec());
+        assert_eq!(line, BODY);
+        assert_eq!(link, Sha256Digest::of(BODY));
+        assert_eq!(plain.link(&line), Ok(link));
     }
 
-    /// Keyed, neither a first record's `prev` nor what a head states is a value anyone
-    /// without the key could chain a line onto; unkeyed, both are as they always were.
+    /// Keyed, a line starts with its own MAC, which is its link: it verifies under its key
+    /// alone, and an edit anywhere in it, a MAC taken from another line, a line without one,
+    /// or another key fails.
     #[test]
-    fn keyed_heads_and_first_records_give_no_link_away() {
+    fn a_keyed_line_carries_its_own_mac_and_nothing_else_verifies() {
+        let k = key(1);
+        let keyed = Chain::new(Some(&k));
+        let (line, link) = keyed.write(BODY.to_vec());
+        let text = String::from_utf8(line.clone()).expect("text");
+        assert!(
+            text.starts_with(&format!("{{\"mac\":\"{link}\",\"seq\":0")),
+            "{text}"
+        );
+        let _: serde_json::Value = serde_json::from_slice(&line).expect("still one JSON object");
+        assert_eq!(keyed.link(&line), Ok(link));
+        assert_ne!(link, Sha256Digest::of(BODY));
+        assert_eq!(
+            Chain::new(Some(&key(2))).link(&line),
+            Err(LineProblem::BadMac)
+        );
+        let edited = text.replace("\"seq\":0", "\"seq\":1");
+        assert_eq!(keyed.link(edited.as_bytes()), Err(LineProblem::BadMac));
+        let (other, _) = keyed.write(br#"{"seq":1,"prev":"00"}"#.to_vec());
+        let mut swapped = other[..LINE_MAC_LEN].to_vec();
+        swapped.extend_from_slice(&line[LINE_MAC_LEN..]);
+        assert_eq!(keyed.link(&swapped), Err(LineProblem::BadMac));
+        assert_eq!(keyed.link(BODY), Err(LineProblem::NoMac));
+        assert_eq!(keyed.link(b"{"), Err(LineProblem::NoMac));
+        assert_eq!(
+            keyed.link(&line[..LINE_MAC_LEN - 1]),
+            Err(LineProblem::NoMac)
+        );
+    }
+
+    /// Keyed, a first record's `prev` is not a value anyone without the key could start a
+    /// tenant's chain with; unkeyed, it is zeros as it always was.
+    #[test]
+    fn a_keyed_first_record_starts_from_a_mac_of_its_tenant() {
         let (k, t) = (key(1), TenantId::new("a").expect("valid"));
         let (plain, keyed) = (Chain::new(None), Chain::new(Some(&k)));
         assert_eq!(plain.genesis(&t), Sha256Digest::ZERO);
-        assert_eq!(plain.stated(plain.link(b"abc")), plain.link(b"abc"));
         assert_ne!(keyed.genesis(&t), Sha256Digest::ZERO);
         assert_ne!(
             keyed.genesis(&t),
             keyed.genesis(&TenantId::new("b").expect("valid"))
         );
-        let link = keyed.link(b"abc");
-        assert_ne!(keyed.stated(link), link);
     }
 
     #[test]

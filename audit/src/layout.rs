@@ -116,12 +116,12 @@ pub(crate) fn list_tenants(dir: &Path) -> io::Result<(Vec<TenantId>, Vec<PathBuf
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Head {
     pub seq: Seq,
-    /// The link to that record's line as the head states it ([`Chain::stated`]).
+    /// The link to that record's line (see [`Chain::link`]).
     pub digest: Sha256Digest,
 }
 
 impl Head {
-    /// `<seq> <stated link>`.
+    /// `<seq> <link>`.
     fn statement(&self) -> String {
         format!("{} {}", self.seq, self.digest)
     }

@@ -3,8 +3,9 @@
 //! Every request that reaches the gateway gets exactly one final [`AuditRecord`] in its
 //! tenant's log. Each tenant's log is an append-only chain of JSON Lines segments under a data
 //! directory (layout in [`layout`]): every line carries its `seq` and `prev`, the link to the
-//! previous line's exact bytes (its SHA-256, or in a keyed log its HMAC-SHA256 under the
-//! operator's [`ChainKey`]), so editing, deleting or reordering a record breaks the chain;
+//! previous line (its exact bytes' SHA-256, or in a keyed log the MAC that line carries, an
+//! HMAC-SHA256 under the operator's [`ChainKey`] of the rest of it), so editing, deleting or
+//! reordering a record breaks the chain;
 //! a per-tenant head file names the last durable record, so cutting the tail without rewriting
 //! the head is caught too; the roster (`DIR/TENANTS`) lists every tenant whose log began, so a
 //! tenant's log deleted whole is caught as well.
@@ -24,16 +25,13 @@
 //! it unseen: edit a record and recompute every later hash and the head, append lines that
 //! chain (recovery even adopts them), cut the tail and write a head naming the new last line,
 //! or delete a tenant's log and strike it off the roster. Keyed ([`Config::key`], the gateway's
-//! `[audit] key_file`), every link is an HMAC, a first record's `prev` is a MAC of its tenant,
-//! and the head and roster carry a seal over what they state (see [`ChainKey`]); a head states
-//! only the digest of its record's link, so no file gives away a link a new line could chain
-//! on from, and each of those needs the key: `verify` with the key reports them, and recovery
-//! cuts off an appended line whose link does not verify instead of resuming from it. What a
-//! head does not name is vouched for by links alone, and a line's `prev` gives away the link
-//! of the line before it, so the last line past a head can be replaced unseen: the lines a
-//! crash left past a stale head (one group commit's batch, until that tenant's next flush
-//! writes a head), and — with a head, or a sealed genesis head, put back from an older copy —
-//! the records after that head's. Closing that takes a MAC of each line over its own bytes. A log says whether it is keyed (its roster's and heads' seals): it opens only with
+//! `[audit] key_file`), every line carries its own MAC (the link to it), a first record's
+//! `prev` is a MAC of its tenant, and the head and roster carry a seal over what they state
+//! (see [`ChainKey`]), so each of those needs the key: `verify` with the key reports them, and
+//! recovery cuts off a line past the head whose MAC does not verify instead of resuming from
+//! it. Each line vouching for itself also covers what no head names: the last line of the log,
+//! the lines a crash left past a stale head, and the records after a head put back from an
+//! older copy cannot be replaced without the key. A log says whether it is keyed (its roster's and heads' seals): it opens only with
 //! its key, an unkeyed one only without a key, and `verify` without the key reports a keyed log
 //! as such, never as passed. What the key does not close: a rollback of the whole directory,
 //! or of a tenant's directory with its head, or of the roster, to an older copy still verifies
@@ -59,7 +57,7 @@ mod roster;
 mod tenant;
 mod verify;
 
-pub use chain::{ChainKey, KeyError, KeyId, MIN_KEY_LEN, SealProblem};
+pub use chain::{ChainKey, KeyError, KeyId, LineProblem, MIN_KEY_LEN, SealProblem};
 pub use error::AuditError;
 pub use hash::Sha256Digest;
 pub use line::Seq;

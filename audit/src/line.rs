@@ -1,7 +1,8 @@
-//! One log line: `{"seq":N,"prev":"<hex>",...record fields}` followed by `\n`.
+//! One log line: `{"seq":N,"prev":"<hex>",...record fields}` followed by `\n`; in a keyed
+//! log, with the line's own MAC first: `{"mac":"<hex>","seq":N,...}` (see `Chain::write`).
 //!
-//! `prev` is the link to the previous line's exact bytes (without the newline) — its SHA-256,
-//! or in a keyed log its HMAC-SHA256 — or, for the tenant's first record, the chain's start
+//! `prev` is the link to the previous line — its exact bytes' SHA-256 (without the newline),
+//! or in a keyed log the MAC it carries — or, for the tenant's first record, the chain's start
 //! ([`Sha256Digest::ZERO`] unkeyed; see `Chain::genesis`); `seq` counts the tenant's records
 //! from 0. Both continue across segments.
 

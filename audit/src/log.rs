@@ -135,9 +135,18 @@ struct Unacknowledged {
     line: u64,
     /// Where it starts in its segment.
     offset: u64,
-    /// Its `seq` and `prev`, or why it does not decode.
-    parsed: Result<(Seq, Sha256Digest), String>,
-    digest: Sha256Digest,
+    /// Its `seq`, `prev` and the link to it, or why it does not decode or (keyed) does not
+    /// vouch for itself.
+    parsed: Result<Linked, String>,
+}
+
+/// A line that decodes (and, keyed, whose MAC verifies).
+#[derive(Debug, Clone, Copy)]
+struct Linked {
+    seq: Seq,
+    prev: Sha256Digest,
+    /// The link to it: the next line's `prev`.
+    link: Sha256Digest,
 }
 
 /// Unwritten lines grouped by segment, each group newline-terminated lines.
@@ -424,8 +433,9 @@ impl Inner {
                 durable: 0,
             });
         let seq = Seq(t.next_seq);
-        let mut bytes = line::encode(seq, t.last_digest, record)?;
-        let digest = self.chain().link(&bytes);
+        let (mut bytes, digest) = self
+            .chain()
+            .write(line::encode(seq, t.last_digest, record)?);
         bytes.push(b'\n');
         let len = bytes.len() as u64;
         if t.segment_len > 0 && t.segment_len.saturating_add(len) > self.config.segment_bytes {
@@ -476,7 +486,7 @@ impl Inner {
                 .map(|(id, t)| {
                     let head = Head {
                         seq: Seq(t.next_seq - 1),
-                        digest: self.chain().stated(t.last_digest),
+                        digest: t.last_digest,
                     };
                     let first = t.durable == 0;
                     (id.clone(), std::mem::take(&mut t.pending), head, first)
@@ -536,10 +546,19 @@ impl Inner {
             .position(|&b| b == b'\n')
             .map_or(bytes.len(), |i| i + 1);
         let (line, rest) = bytes.split_at(end);
-        let chain = self.chain();
         let first = Head {
             seq: Seq(0),
-            digest: chain.stated(chain.link(line.strip_suffix(b"\n").unwrap_or(line))),
+            digest: self
+                .chain()
+                .link(line.strip_suffix(b"\n").unwrap_or(line))
+                .map_err(|problem| AuditError::Corrupt {
+                    path: layout::segment_path(
+                        &layout::tenant_dir(&self.config.dir, tenant),
+                        *segment,
+                    ),
+                    line: 1,
+                    reason: problem.to_string(),
+                })?,
         };
         self.write_tenant(files, tenant, &[(*segment, line.to_vec())], first)?;
         let rest: Chunks = (!rest.is_empty())
@@ -708,10 +727,10 @@ fn chained_count(after: &[Unacknowledged], mut next: Option<u64>, mut digest: Sh
     let mut chained = 0;
     for line in after.iter().rev() {
         match line.parsed {
-            Ok((s, prev)) if Some(s.0) == next && prev == digest => {
+            Ok(l) if Some(l.seq.0) == next && l.prev == digest => {
                 chained += 1;
                 next = next.and_then(|n| n.checked_add(1));
-                digest = line.digest;
+                digest = l.link;
             }
             _ => break,
         }
@@ -819,25 +838,31 @@ fn recover_tenant(
         };
         let (lines, _) = line::split(&bytes);
         for (i, l) in lines.iter().enumerate().rev() {
-            let digest = chain.link(l);
-            let parsed = line::decode(l).map(|p| (p.seq, p.prev));
-            if let (Some(h), Ok((seq, _))) = (named, &parsed)
-                && *seq <= h.seq
+            let link = chain.link(l).map_err(|problem| problem.to_string());
+            let parsed = line::decode(l);
+            if let (Some(h), Ok(p)) = (named, &parsed)
+                && p.seq <= h.seq
             {
-                found = Some((*seq, digest));
+                found = Some((p.seq, link));
                 break 'segments;
             }
             after.push(Unacknowledged {
                 path: path.clone(),
                 line: i as u64 + 1,
                 offset: (l.as_ptr() as usize - bytes.as_ptr() as usize) as u64,
-                parsed,
-                digest,
+                parsed: parsed.and_then(|p| {
+                    Ok(Linked {
+                        seq: p.seq,
+                        prev: p.prev,
+                        link: link?,
+                    })
+                }),
             });
         }
     }
     if let Some(h) = named {
         match found {
+            Some((seq, Ok(link))) if (seq, link) == (h.seq, h.digest) => digest = link,
             // The log ends before the head's record: acknowledged records are gone.
             Some((seq, _)) if seq < h.seq => {
                 return Err(AuditError::HeadAhead {
@@ -851,13 +876,14 @@ fn recover_tenant(
                     head: h.seq,
                 });
             }
-            Some((seq, link)) if (seq, chain.stated(link)) != (h.seq, h.digest) => {
+            // Not the head's record as written (or, keyed, a line that no longer vouches for
+            // itself).
+            Some(_) => {
                 return Err(AuditError::HeadMismatch {
                     tenant: tenant.clone(),
                     head: h.seq,
                 });
             }
-            Some((_, link)) => digest = link,
         }
     }
     // Forward from the head: the lines that chain on are resumed; from the first that does not
@@ -875,7 +901,9 @@ fn recover_tenant(
     let mut lines = after.into_iter().rev();
     for line in lines.by_ref().take(chained as usize) {
         next = next.and_then(|n| n.checked_add(1));
-        digest = line.digest;
+        if let Ok(l) = line.parsed {
+            digest = l.link;
+        }
     }
     let unchained = lines.next();
     if let Some(line) = unchained.as_ref().filter(|l| l.path != last_path) {
@@ -907,7 +935,7 @@ fn recover_tenant(
             tenant,
             HeadFile::At(Head {
                 seq: Seq(0),
-                digest: chain.stated(digest),
+                digest,
             }),
         )?;
     }

@@ -5,8 +5,8 @@
 //!
 //! Per tenant, in order: no stray entries; a readable head; segments numbered 0, 1, 2, … with
 //! no gap; in every segment every line complete, a valid record of this tenant, `seq` one more
-//! than the line before, and `prev` the link to the line before (its SHA-256, or its HMAC-SHA256
-//! under the key when the log is keyed); finally the record the head names exists and links to
+//! than the line before, and `prev` the link to the line before (its SHA-256; in a keyed log the
+//! MAC each line starts with, which must verify under the key over the rest of the line); finally the record the head names exists and links to
 //! the head's digest (this catches a deleted tail, which the chain alone cannot).
 //!
 //! Keyed or not: given a key, the roster and every head must be sealed with it; given none,
@@ -22,7 +22,7 @@ use std::fmt;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use crate::chain::{Chain, ChainKey, SealProblem};
+use crate::chain::{Chain, ChainKey, LineProblem, SealProblem};
 use crate::hash::Sha256Digest;
 use crate::layout::{self, HEAD, HeadFile, SegmentNo};
 use crate::line::{self, Seq};
@@ -83,6 +83,8 @@ pub enum Reason {
     /// The first record's `prev` is not the chain's start: 64 zeros, or in a keyed log the
     /// key's MAC of the tenant.
     BadGenesis,
+    /// A keyed log's line does not vouch for itself: no MAC, or one that does not verify.
+    LineMac(LineProblem),
     /// The line's bytes do not link to what a later line or the head recorded for it.
     Modified {
         /// The file that recorded the digest.
@@ -127,6 +129,7 @@ impl fmt::Display for Reason {
             Self::EmptySegment => f.write_str("segment is empty but is not the last one"),
             Self::TornLine => f.write_str("incomplete last line (torn write or truncation)"),
             Self::BadRecord(e) => write!(f, "invalid record: {e}"),
+            Self::LineMac(problem) => problem.fmt(f),
             Self::WrongTenant(t) => write!(f, "record belongs to tenant {t}"),
             Self::SeqMismatch { expected, found } => {
                 write!(f, "expected record seq {expected}, found seq {found}")
@@ -488,7 +491,9 @@ fn check_tenant(
             if parsed.record.tenant != *tenant {
                 return Err(at(path, Some(n), Reason::WrongTenant(parsed.record.tenant)));
             }
-            prev = chain.link(l);
+            prev = chain
+                .link(l)
+                .map_err(|problem| at(path, Some(n), Reason::LineMac(problem)))?;
             if head.is_some_and(|h| h.seq == parsed.seq) {
                 head_seen = Some((path.clone(), n, prev, report.records));
             }
@@ -537,7 +542,7 @@ fn check_tenant(
                 },
             ),
         }),
-        (Some(h), Some((path, line, digest, before))) if chain.stated(digest) != h.digest => {
+        (Some(h), Some((path, line, digest, before))) if digest != h.digest => {
             report.records = before;
             Err(at(
                 &path,

@@ -5,8 +5,8 @@
 use std::path::{Path, PathBuf};
 
 use bulkhead_audit::{
-    AuditError, AuditLog, ChainKey, KeyError, Reason, Recovery, Report, SealProblem, Seq,
-    Sha256Digest, read, verify,
+    AuditError, AuditLog, ChainKey, KeyError, LineProblem, Reason, Recovery, Report, SealProblem,
+    Seq, Sha256Digest, read, verify,
 };
 
 use crate::common::*;
@@ -92,12 +92,13 @@ fn an_edit_with_every_later_link_and_the_head_recomputed_needs_the_key() {
     let (_dir, seg, report) = unkeyed_passes_keyed_fails(edit_and_rechain);
     let p = report.tenants[0].problem.clone().expect("tenant a's");
     assert_eq!((p.path.as_path(), p.line), (seg.as_path(), Some(2)), "{p}");
-    assert!(matches!(p.reason, Reason::Modified { .. }), "{p}");
+    assert_eq!(p.reason, Reason::LineMac(LineProblem::BadMac), "{p}");
     assert_eq!(report.tenants[1].problem, None, "tenant b is untouched");
 }
 
-/// A line after the last, chained on with the best `prev` at hand: the one the head states
-/// for the last line (unkeyed, its link; keyed, only the link's digest).
+/// A line after the last, chained on with the `prev` the head states for the last line (its
+/// link; keyed, the MAC the last line carries too) — keyed, it has no MAC of its own that
+/// verifies.
 fn append_forged(dir: &Path, seg: &Path) {
     let mut l = lines(seg);
     let last = l.last().expect("a line").clone();
@@ -118,17 +119,8 @@ fn append_forged(dir: &Path, seg: &Path) {
 fn a_forged_line_appended_is_caught_and_never_adopted_by_a_keyed_log() {
     let (_, _, report) = unkeyed_passes_keyed_fails(append_forged);
     let p = report.tenants[0].problem.clone().expect("tenant a's");
-    assert_eq!(p.line, Some(6), "the line it claims to follow: {p}");
-    assert!(
-        matches!(
-            &p.reason,
-            Reason::Modified {
-                recorded_line: Some(7),
-                ..
-            }
-        ),
-        "{p}"
-    );
+    assert_eq!(p.line, Some(7), "the forged line: {p}");
+    assert_eq!(p.reason, Reason::LineMac(LineProblem::BadMac), "{p}");
 
     let a = tenant("a");
     // Unkeyed, reopening adopts the forged line as the tenant's seventh record.
@@ -219,6 +211,15 @@ fn a_keyed_log_says_so_in_its_roster_and_heads_and_links_by_hmac() {
         l[1],
         "prev is not the SHA-256"
     );
+    // Each line starts with its own MAC, which the next line's `prev` repeats.
+    for pair in l.windows(2) {
+        let mac = pair[0]
+            .strip_prefix(r#"{"mac":""#)
+            .map(|rest| &rest[..64])
+            .expect("a line starts with its MAC");
+        let mac = Sha256Digest::from_hex(mac).expect("hex");
+        assert_eq!(with_prev(&pair[1], mac), pair[1]);
+    }
     // It goes on across a reopen.
     let a = tenant("a");
     let (log, recoveries) = open_keyed(dir.path(), Some(&k)).expect("reopens");
@@ -251,6 +252,67 @@ fn a_keyed_log_resumes_true_lines_past_a_stale_head() {
         "lines that chain under the key are kept"
     );
     assert_eq!(log.append(&a, &record(&a, 5)).expect("appends").seq, Seq(5));
+}
+
+/// The records past a stale head (what a crash leaves until the tenant's next flush, or what
+/// follows a head put back from an older copy) are each vouched for by their own MAC: the last
+/// one replaced with content of the attacker's choosing (its `prev` kept, which the line
+/// before links to) is named by `verify` and cut at reopen, where a link kept only in the
+/// next line would vouch for nothing past the last.
+#[test]
+fn a_keyed_log_s_last_line_past_its_head_cannot_be_replaced() {
+    let dir = Scratch::new();
+    let k = key(1);
+    let a = tenant("a");
+    let (log, _) = open_keyed(dir.path(), Some(&k)).expect("opens");
+    for i in 0..3 {
+        log.append(&a, &record(&a, i)).expect("append");
+    }
+    let stale = std::fs::read(dir.path().join("a/head")).expect("reads the head");
+    for i in 3..5 {
+        log.append(&a, &record(&a, i)).expect("append");
+    }
+    drop(log);
+    std::fs::write(dir.path().join("a/head"), stale).expect("puts the older head back");
+    let seg = segments(dir.path(), &a)[0].clone();
+    let mut l = lines(&seg);
+    let last = l.pop().expect("a last line");
+    let replaced = last.replace(r#""req-4""#, r#""req-forged""#);
+    assert_ne!(replaced, last);
+    l.push(replaced);
+    write_lines(&seg, &l);
+
+    let report = verify(dir.path(), None, Some(&k));
+    let p = report.tenants[0].problem.clone().expect("tenant a's");
+    assert_eq!((p.path.as_path(), p.line), (seg.as_path(), Some(5)), "{p}");
+    assert_eq!(p.reason, Reason::LineMac(LineProblem::BadMac), "{p}");
+    let (log, recoveries) = open_keyed(dir.path(), Some(&k)).expect("opens");
+    assert!(
+        matches!(
+            recoveries.as_slice(),
+            [Recovery::CutUnchained { path, line: 5, .. }] if *path == seg
+        ),
+        "{recoveries:?}"
+    );
+    assert_eq!(log.read(&a, Seq(4), 10).expect("reads"), vec![]);
+}
+
+/// A line without a MAC in a keyed log (one added by hand, or a log written by the keyed
+/// format before lines carried their own) is named as such, never passed.
+#[test]
+fn a_keyed_log_s_line_without_its_mac_is_named() {
+    let dir = Scratch::new();
+    let k = key(1);
+    let seg = setup(dir.path(), Some(&k));
+    let mut l = lines(&seg);
+    l[2] = format!("{{{}", &l[2][r#"{"mac":""#.len() + 64 + 2..]);
+    assert!(l[2].starts_with(r#"{"seq":2,"#), "{}", l[2]);
+    write_lines(&seg, &l);
+    let report = verify(dir.path(), None, Some(&k));
+    let p = report.tenants[0].problem.clone().expect("tenant a's");
+    assert_eq!(p.line, Some(3), "{p}");
+    assert_eq!(p.reason, Reason::LineMac(LineProblem::NoMac), "{p}");
+    assert!(p.to_string().contains("carries no MAC"), "{p}");
 }
 
 #[test]
