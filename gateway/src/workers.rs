@@ -359,6 +359,9 @@ struct Entry {
     /// prefill worker's): the log says each change of kind once, not at every refresh (a
     /// reason's figures, an ejection's countdown say, change at every one).
     logged_unroutable: Option<std::mem::Discriminant<Unroutable>>,
+    /// The number of the refresh whose answer it holds (0: none yet): an answer from an
+    /// earlier refresh that comes later is stale, and dropped.
+    refreshed_by: u64,
 }
 
 impl Entry {
@@ -408,6 +411,12 @@ struct State {
     /// Which entries may be routed to: judged once after any change (the checks behind it
     /// format their findings), not at every request. `None`: to judge again.
     judged: Option<Judged>,
+    /// Refreshes started so far: each one's number orders its answers against another's that
+    /// overlaps it (the periodic one and one a DNS change triggers).
+    refreshes: u64,
+    /// The number of the refresh that registered the served model (a slower, earlier one's
+    /// choice does not replace it).
+    model_by: u64,
 }
 
 /// Which entries may be routed to, by index, and until when that holds without a change: an
@@ -435,6 +444,45 @@ impl State {
         self.entries.iter_mut().find(|e| e.id == id)
     }
 
+    /// Takes what refresh number `refresh` learned of each entry, unless the entry holds a
+    /// later refresh's answer already (two refreshes overlap, the earlier one's probe slower).
+    fn apply(&mut self, refresh: u64, answers: Vec<(u64, Probe)>) {
+        for (i, answer) in answers {
+            // Gone while we asked, or answered since by a later refresh: nothing to update.
+            let Some(e) = self.entry_mut(i).filter(|e| e.refreshed_by < refresh) else {
+                continue;
+            };
+            e.refreshed_by = refresh;
+            e.open = answer.open;
+            match answer.health {
+                Ok(h) => e.health = h,
+                Err(error) => {
+                    e.health = Health::Unreachable {
+                        error: error.clone(),
+                    };
+                    e.note_error(error);
+                }
+            }
+            match answer.info {
+                Some(Ok((info, tokenizer))) => {
+                    e.facts = Some(facts_of(&info));
+                    e.info = Some(info);
+                    if tokenizer.is_some() {
+                        e.tokenizer = tokenizer;
+                    }
+                }
+                // What it said before may no longer hold (restarted with a smaller pool,
+                // say): not routed to until it says again.
+                Some(Err(error)) => {
+                    e.facts = None;
+                    e.info = None;
+                    e.note_error(error);
+                }
+                None => {}
+            }
+        }
+    }
+
     fn push(&mut self, config: WorkerConfig) -> Result<(), EndpointError> {
         let (client, bare) = client(&config, &self.cluster)?;
         self.entries.push(Entry {
@@ -451,6 +499,7 @@ impl State {
             last_error: None,
             stalls: Stalls::default(),
             logged_unroutable: None,
+            refreshed_by: 0,
         });
         self.next_id += 1;
         Ok(())
@@ -1014,11 +1063,14 @@ impl Workers {
     /// Reads every worker's Health and Info (concurrently, each bounded), and (re)builds the
     /// served model when there is none yet or no healthy worker serves it any more.
     pub async fn refresh(&self) {
-        let probes: Vec<_> = self.with(|s| {
-            s.entries
+        let (refresh, probes): (u64, Vec<_>) = self.with(|s| {
+            s.refreshes += 1;
+            let probes = s
+                .entries
                 .iter()
                 .map(|e| (e.id, e.client.clone(), e.describe(), e.bare.clone()))
-                .collect()
+                .collect();
+            (s.refreshes, probes)
         });
         let answers = futures_util::future::join_all(probes.into_iter().map(
             |(i, client, describe, bare)| async move { (i, probe(client, describe, bare).await) },
@@ -1026,39 +1078,7 @@ impl Workers {
         .await;
 
         let wanted = self.with(|s| {
-            for (i, answer) in answers {
-                // Gone while we asked: nothing to update.
-                let Some(e) = s.entry_mut(i) else {
-                    continue;
-                };
-                e.open = answer.open;
-                match answer.health {
-                    Ok(h) => e.health = h,
-                    Err(error) => {
-                        e.health = Health::Unreachable {
-                            error: error.clone(),
-                        };
-                        e.note_error(error);
-                    }
-                }
-                match answer.info {
-                    Some(Ok((info, tokenizer))) => {
-                        e.facts = Some(facts_of(&info));
-                        e.info = Some(info);
-                        if tokenizer.is_some() {
-                            e.tokenizer = tokenizer;
-                        }
-                    }
-                    // What it said before may no longer hold (restarted with a smaller pool,
-                    // say): not routed to until it says again.
-                    Some(Err(error)) => {
-                        e.facts = None;
-                        e.info = None;
-                        e.note_error(error);
-                    }
-                    None => {}
-                }
-            }
+            s.apply(refresh, answers);
             // Keep the served model while a healthy worker still serves it; otherwise take the
             // first healthy worker's.
             let healthy =
@@ -1079,13 +1099,14 @@ impl Workers {
                 .map(|e| (e.id, e.model_source()))
         });
         if let Some((id, source)) = wanted {
-            self.register_model(id, source).await;
+            self.register_model(id, source, refresh).await;
         }
         // Once the served model is settled: a change of model is not a reason to log.
         self.with(State::log_routability);
     }
 
-    async fn register_model(&self, id: u64, source: ModelSource) {
+    /// Registers the model worker `id` serves, as refresh number `refresh` chose it.
+    async fn register_model(&self, id: u64, source: ModelSource, refresh: u64) {
         let info = match source {
             ModelSource::File(info, data) => Ok((info, Some(data))),
             ModelSource::Grpc(mut client) => {
@@ -1114,9 +1135,12 @@ impl Workers {
             .unwrap_or_else(|e| Err(format!("building the tokenizer panicked: {e}"))),
         };
         self.with(|s| match built {
+            // A later refresh chose (and registered) a model since: this choice is stale.
+            Ok(_) if s.model_by > refresh => {}
             Ok(model) => {
                 tracing::info!(model = %model.name, id = %model.id, "registered the served model");
                 s.model = Some(Arc::new(model));
+                s.model_by = refresh;
             }
             Err(error) => {
                 tracing::warn!(%error, "cannot register the worker's model");
@@ -1362,6 +1386,16 @@ mod tests {
             })
             .collect();
         let workers = Workers::new(&configs, ClusterAccess::default()).expect("workers");
+        let ModelSource::File(info, data) = tiny() else {
+            unreachable!("a file")
+        };
+        let model = ServedModel::from_info(&info, &data).expect("a served model");
+        workers.with(|s| s.model = Some(Arc::new(model)));
+        workers
+    }
+
+    /// The tiny test model, as an OpenAI upstream's GGUF describes it.
+    fn tiny() -> ModelSource {
         let dir = crate::scratch::Scratch::new("workers");
         let path = dir.0.join("tiny.gguf");
         bulkhead_worker::tiny_model::TinySpec::default()
@@ -1369,9 +1403,7 @@ mod tests {
             .expect("writes the tiny model");
         let (info, data) =
             bulkhead_worker::serve::info::describe_file(&path).expect("describes it");
-        let model = ServedModel::from_info(&info, &data).expect("a served model");
-        workers.with(|s| s.model = Some(Arc::new(model)));
-        workers
+        ModelSource::File(Arc::new(info), Arc::new(data))
     }
 
     /// The instance id of worker `name`'s process in these tests.
@@ -1743,6 +1775,52 @@ mod tests {
             "a",
             "routed to again once its ejection ended"
         );
+    }
+
+    /// Two refreshes overlap (the periodic one and one a DNS change triggered) and the earlier
+    /// one's probe answers last: its stale answer is dropped, not taken over the later one's.
+    #[tokio::test]
+    async fn an_earlier_refresh_answering_last_does_not_overwrite_a_later_one() {
+        let w = workers(&[("d", WorkerRole::Both, None)]);
+        let serving = || Probe {
+            health: Ok(Health::Serving {
+                pool_pages_total: 8,
+                pool_pages_free: 8,
+                pool_pages_cached: 0,
+                pool_pages_quarantined: 0,
+                queue_depth: 0,
+                running: 0,
+            }),
+            info: None,
+            open: false,
+        };
+        let gone = || Probe {
+            health: Err("connection refused".to_owned()),
+            info: None,
+            open: false,
+        };
+        w.with(|s| {
+            let id = s.entries[0].id;
+            s.apply(2, vec![(id, serving())]);
+            s.apply(1, vec![(id, gone())]);
+            assert!(
+                matches!(s.entries[0].health, Health::Serving { .. }),
+                "the later refresh's answer stands"
+            );
+            s.apply(3, vec![(id, gone())]);
+            assert!(
+                matches!(s.entries[0].health, Health::Unreachable { .. }),
+                "a newer one is taken"
+            );
+            s.model = None;
+            s.model_by = 3;
+        });
+        // So with the served model: an earlier refresh's choice, registered last, is dropped.
+        let id = w.with(|s| s.entries[0].id);
+        w.register_model(id, tiny(), 2).await;
+        assert!(w.with(|s| s.model.is_none()), "a stale choice");
+        w.register_model(id, tiny(), 4).await;
+        assert!(w.with(|s| s.model.is_some()), "a newer one");
     }
 
     /// A worker that cannot be reached is logged as not routed to (each change once) with the cause of
