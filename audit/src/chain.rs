@@ -206,7 +206,10 @@ const LINE_MAC_LEN: usize = LINE_MAC.len() + 64 + 2;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum LineProblem {
     /// The line does not start with a MAC.
-    #[error("the line carries no MAC: a keyed log's lines each start with their own")]
+    #[error(
+        "the line carries no MAC: a keyed log's lines each start with their own (a keyed log \
+         written before lines carried one opens only with the build that wrote it)"
+    )]
     NoMac,
     /// The MAC does not verify over the rest of the line.
     #[error("the line's MAC does not verify: edited, or written without the key")]

@@ -20,25 +20,24 @@
 //!   its grammar admits no path tricks (I6).
 //! - [`verify()`] checks every chain and reports each tenant's first problem by file and line.
 //!
-//! Tamper-evident, not tamper-proof. Unkeyed (the default), the chain and its head sit beside
-//! each other and anyone can recompute them, so someone who can write the directory can rewrite
-//! it unseen: edit a record and recompute every later hash and the head, append lines that
-//! chain (recovery even adopts them), cut the tail and write a head naming the new last line,
-//! or delete a tenant's log and strike it off the roster. Keyed ([`Config::key`], the gateway's
-//! `[audit] key_file`), every line carries its own MAC (the link to it), a first record's
-//! `prev` is a MAC of its tenant, and the head and roster carry a seal over what they state
-//! (see [`ChainKey`]), so each of those needs the key: `verify` with the key reports them, and
-//! recovery cuts off a line past the head whose MAC does not verify instead of resuming from
-//! it. Each line vouching for itself also covers what no head names: the last line of the log,
-//! the lines a crash left past a stale head, and the records after a head put back from an
-//! older copy cannot be replaced without the key. A log says whether it is keyed (its roster's and heads' seals): it opens only with
-//! its key, an unkeyed one only without a key, and `verify` without the key reports a keyed log
-//! as such, never as passed. What the key does not close: a rollback of the whole directory,
-//! or of a tenant's directory with its head, or of the roster, to an older copy still verifies
-//! (every file in it was sealed with the key once); whoever holds the key can still rewrite
-//! anything; and deleting the directory whole leaves nothing to check. That takes a copy
-//! outside it (the OpenTelemetry export of each record, or the digests a reader keeps:
-//! [`Stored::digest`]).
+//! Tamper-evident, not tamper-proof. Unkeyed (the default), the chain and its head sit beside each
+//! other and anyone can recompute them, so someone who can write the directory can rewrite it
+//! unseen: edit a record and recompute every later hash and the head, append lines that chain
+//! (recovery even adopts them), cut the tail and write a head naming the new last line, or delete a
+//! tenant's log and strike it off the roster. Keyed ([`Config::key`], the gateway's `[audit]
+//! key_file`), every line carries its own MAC (the link to it), a first record's `prev` is a MAC of
+//! its tenant, and the head and roster carry a seal over what they state (see [`ChainKey`]), so
+//! each of those needs the key: `verify` with the key reports them, and recovery cuts off a line
+//! past the head whose MAC does not verify instead of resuming from it. Each line vouching for
+//! itself also covers what no head names: the last line of the log, the lines a crash left past a
+//! stale head, and the records after a head put back from an older copy cannot be replaced without
+//! the key. A log says whether it is keyed (its roster's and heads' seals): it opens only with its
+//! key, an unkeyed one only without a key, and `verify` without the key reports a keyed log as
+//! such, never as passed. What the key does not close: a rollback of the whole directory, or of a
+//! tenant's directory with its head, or of the roster, to an older copy still verifies (every file
+//! in it was sealed with the key once); whoever holds the key can still rewrite anything; and
+//! deleting the directory whole leaves nothing to check. That takes a copy outside it (the
+//! OpenTelemetry export of each record, or the digests a reader keeps: [`Stored::digest`]).
 //!
 //! Elsewhere: the gateway's use of it and the HTTP read API (`bulkhead-gateway`'s `trail`), the
 //! export of each record as an OpenTelemetry log record (`bulkhead-telemetry`'s `audit`).

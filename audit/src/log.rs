@@ -140,6 +140,17 @@ struct Unacknowledged {
     parsed: Result<Linked, String>,
 }
 
+/// The line of the record a head names, as found by recovery.
+struct Named {
+    seq: Seq,
+    prev: Sha256Digest,
+    /// The link to it, or (keyed) why it does not vouch for itself.
+    link: Result<Sha256Digest, String>,
+    path: PathBuf,
+    /// 1-based.
+    line: u64,
+}
+
 /// A line that decodes (and, keyed, whose MAC verifies).
 #[derive(Debug, Clone, Copy)]
 struct Linked {
@@ -751,10 +762,11 @@ fn cut(path: &Path, len: u64) -> Result<(), AuditError> {
 /// Resumes one tenant's chain: its last line that chains on from the head gives the next
 /// `seq` and `prev`. The head must name a record the log still holds, unchanged, so that a
 /// restart never resumes a chain that `verify` would refuse (appending after an edited or cut
-/// tail would hide it), sealed with the log's key when it is keyed; in a keyed log, a line
-/// chains on only when its `prev` is the key's MAC of the line before, so a line someone without
-/// the key appended is cut off, never resumed from. A tenant the roster `listed` got its head
-/// before it was listed: one without a head was emptied.
+/// tail would hide it), sealed with the log's key when it is keyed, and follow the record
+/// before it (a copy of it appended would otherwise be taken for it); in a keyed log, a line
+/// chains on only when it carries its own MAC under the key, so a line someone without the key
+/// appended is cut off, never resumed from. A tenant the roster `listed` got its head before it
+/// was listed: one without a head was emptied.
 fn recover_tenant(
     dir: &Path,
     chain: Chain<'_>,
@@ -822,14 +834,15 @@ fn recover_tenant(
     // and `prev`.
     let (named, mut next, mut digest) = match head {
         HeadFile::Genesis => (None, Some(0), chain.genesis(tenant)),
-        // The link to the named record is read from the log below (a keyed head states only
-        // its digest).
+        // The link to the named record is read from the log below, where the head's is checked.
         HeadFile::At(h) => (Some(h), h.seq.0.checked_add(1), Sha256Digest::ZERO),
     };
-    // Back from the last complete line to the record the head names; the lines after it are
-    // at most one batch, never acknowledged as durable.
+    // Back from the last complete line to the record the head names, and the one before it;
+    // the lines after it are at most one batch, never acknowledged as durable.
     let mut after = Vec::new();
-    let mut found = None;
+    let mut found: Option<Named> = None;
+    // The line before the named record: its `seq` and link, once read.
+    let mut before = None;
     'segments: for (_, path) in listing.segments.iter().rev() {
         let bytes = if *path == last_path {
             bytes[..segment_len as usize].to_vec()
@@ -840,11 +853,21 @@ fn recover_tenant(
         for (i, l) in lines.iter().enumerate().rev() {
             let link = chain.link(l).map_err(|problem| problem.to_string());
             let parsed = line::decode(l);
+            if found.is_some() {
+                before = parsed.ok().map(|p| (p.seq, link.ok()));
+                break 'segments;
+            }
             if let (Some(h), Ok(p)) = (named, &parsed)
                 && p.seq <= h.seq
             {
-                found = Some((p.seq, link));
-                break 'segments;
+                found = Some(Named {
+                    seq: p.seq,
+                    prev: p.prev,
+                    link,
+                    path: path.clone(),
+                    line: i as u64 + 1,
+                });
+                continue;
             }
             after.push(Unacknowledged {
                 path: path.clone(),
@@ -862,9 +885,35 @@ fn recover_tenant(
     }
     if let Some(h) = named {
         match found {
-            Some((seq, Ok(link))) if (seq, link) == (h.seq, h.digest) => digest = link,
+            Some(f) if (f.seq, &f.link) == (h.seq, &Ok(h.digest)) => {
+                // It follows the record before it (or starts the chain): not a copy of the
+                // head's record appended later, which the head would name as well.
+                let follows = match h.seq.0.checked_sub(1) {
+                    None => before.is_none() && f.prev == chain.genesis(tenant),
+                    Some(prior) => before == Some((Seq(prior), Some(f.prev))),
+                };
+                if !follows {
+                    return Err(AuditError::Corrupt {
+                        path: f.path,
+                        line: f.line,
+                        reason: "the record the head names does not follow the one before it"
+                            .to_owned(),
+                    });
+                }
+                digest = h.digest;
+            }
+            // The head's record, and (keyed) it does not vouch for itself.
+            Some(Named {
+                seq,
+                link: Err(reason),
+                path,
+                line,
+                ..
+            }) if seq == h.seq => {
+                return Err(AuditError::Corrupt { path, line, reason });
+            }
             // The log ends before the head's record: acknowledged records are gone.
-            Some((seq, _)) if seq < h.seq => {
+            Some(Named { seq, .. }) if seq < h.seq => {
                 return Err(AuditError::HeadAhead {
                     tenant: tenant.clone(),
                     head: h.seq,

@@ -281,7 +281,8 @@ pub struct Hold {
     pub held_ms: u64,
     /// Why the hold ended before its directive was met, as an error class: the worker's
     /// failure (e.g. `kv_integrity_error`: the handoff failed its checks while nobody was
-    /// listening), or `gateway_shutdown` (shutdown's drain timeout cut it); `None` otherwise.
+    /// listening), or `gateway_shutdown` (shutdown's drain timeout cut it); `None` when it was
+    /// met, or the hold limit ended it first.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failed: Option<String>,
 }

@@ -3,11 +3,12 @@
 //! The data directory: its roster (`TENANTS`) lists every tenant directory that holds
 //! anything, and every tenant it lists has its directory (a log deleted whole).
 //!
-//! Per tenant, in order: no stray entries; a readable head; segments numbered 0, 1, 2, … with
-//! no gap; in every segment every line complete, a valid record of this tenant, `seq` one more
-//! than the line before, and `prev` the link to the line before (its SHA-256; in a keyed log the
-//! MAC each line starts with, which must verify under the key over the rest of the line); finally the record the head names exists and links to
-//! the head's digest (this catches a deleted tail, which the chain alone cannot).
+//! Per tenant, in order: no stray entries; a readable head; segments numbered 0, 1, 2, … with no
+//! gap; in every segment every line complete, a valid record of this tenant, `seq` one more than
+//! the line before, and `prev` the link to the line before (its SHA-256; in a keyed log the MAC
+//! each line starts with, which must verify under the key over the rest of the line); finally the
+//! record the head names exists and links to the head's digest (this catches a deleted tail, which
+//! the chain alone cannot).
 //!
 //! Keyed or not: given a key, the roster and every head must be sealed with it; given none,
 //! none may be sealed. A log sealed with no key given, or with another key, is reported as soon
@@ -450,6 +451,11 @@ fn check_tenant(
         for (i, l) in lines.iter().enumerate() {
             let n = i as u64 + 1;
             let parsed = line::decode(l).map_err(|e| at(path, Some(n), Reason::BadRecord(e)))?;
+            // Keyed, a line vouches for itself first: an edit anywhere in it, its `seq` and
+            // `prev` too, is named at its own line.
+            let link = chain
+                .link(l)
+                .map_err(|problem| at(path, Some(n), Reason::LineMac(problem)))?;
             if parsed.seq != next_seq {
                 return Err(match &prev_at {
                     // The first line of a segment skips ahead: the earlier segment lost its end.
@@ -491,9 +497,7 @@ fn check_tenant(
             if parsed.record.tenant != *tenant {
                 return Err(at(path, Some(n), Reason::WrongTenant(parsed.record.tenant)));
             }
-            prev = chain
-                .link(l)
-                .map_err(|problem| at(path, Some(n), Reason::LineMac(problem)))?;
+            prev = link;
             if head.is_some_and(|h| h.seq == parsed.seq) {
                 head_seen = Some((path.clone(), n, prev, report.records));
             }

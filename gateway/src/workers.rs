@@ -414,8 +414,8 @@ struct State {
     /// Refreshes started so far: each one's number orders its answers against another's that
     /// overlaps it (the periodic one and one a DNS change triggers).
     refreshes: u64,
-    /// The number of the refresh that registered the served model (a slower, earlier one's
-    /// choice does not replace it).
+    /// The number of the last refresh that decided on the served model, to keep it or to
+    /// register another (a slower, earlier one's choice does not replace that decision).
     model_by: u64,
 }
 
@@ -781,6 +781,14 @@ pub struct Claim {
     tokens: u64,
 }
 
+impl Claim {
+    /// The worker failed the request it claims (a transport failure, or not serving): not
+    /// routed to until its health check answers again, as [`Route::failed`].
+    pub fn worker_failed(&self, error: &str) {
+        self.workers.failed(self.id, error);
+    }
+}
+
 impl Drop for Claim {
     fn drop(&mut self) {
         let (id, tokens) = (self.id, self.tokens);
@@ -853,8 +861,15 @@ impl Route {
     /// Marks the worker unreachable (a transport failure): no routing to it until the next
     /// successful Health.
     pub fn failed(&self, error: &str) {
-        self.workers.with(|s| {
-            if let Some(e) = s.entry_mut(self.id) {
+        self.workers.failed(self.id, error);
+    }
+}
+
+impl Workers {
+    /// Entry `id` failed a request with `error`: unreachable until its health check answers.
+    fn failed(&self, id: u64, error: &str) {
+        self.with(|s| {
+            if let Some(e) = s.entry_mut(id) {
                 e.health = Health::Unreachable {
                     error: error.to_owned(),
                 };
@@ -862,9 +877,7 @@ impl Route {
             }
         });
     }
-}
 
-impl Workers {
     /// Lazily connected clients for `configs`, reaching them as `cluster` says (its token on
     /// every call, over its TLS); nothing is contacted until [`Workers::refresh`].
     pub fn new(configs: &[WorkerConfig], cluster: ClusterAccess) -> Result<Workers, EndpointError> {
@@ -1079,6 +1092,11 @@ impl Workers {
 
         let wanted = self.with(|s| {
             s.apply(refresh, answers);
+            // A later refresh decided on the served model already: this one saw less.
+            if s.model_by > refresh {
+                return None;
+            }
+            s.model_by = refresh;
             // Keep the served model while a healthy worker still serves it; otherwise take the
             // first healthy worker's.
             let healthy =
@@ -1135,12 +1153,11 @@ impl Workers {
             .unwrap_or_else(|e| Err(format!("building the tokenizer panicked: {e}"))),
         };
         self.with(|s| match built {
-            // A later refresh chose (and registered) a model since: this choice is stale.
+            // A later refresh decided since (kept the model, or chose another): stale.
             Ok(_) if s.model_by > refresh => {}
             Ok(model) => {
                 tracing::info!(model = %model.name, id = %model.id, "registered the served model");
                 s.model = Some(Arc::new(model));
-                s.model_by = refresh;
             }
             Err(error) => {
                 tracing::warn!(%error, "cannot register the worker's model");
@@ -1815,7 +1832,8 @@ mod tests {
             s.model = None;
             s.model_by = 3;
         });
-        // So with the served model: an earlier refresh's choice, registered last, is dropped.
+        // So with the served model: an earlier refresh's choice, registered after a later one
+        // decided (kept the model, or chose another), is dropped.
         let id = w.with(|s| s.entries[0].id);
         w.register_model(id, tiny(), 2).await;
         assert!(w.with(|s| s.model.is_none()), "a stale choice");

@@ -229,22 +229,28 @@ fn a_keyed_log_says_so_in_its_roster_and_heads_and_links_by_hmac() {
     assert!(verify(dir.path(), None, Some(&k)).passed());
 }
 
+/// Tenant `a`'s keyed log of 5 records whose head names the third: what a crash between a
+/// segment's fsync and its head's rename leaves, or a head put back from an older copy.
+fn past_a_stale_head(dir: &Path, k: &ChainKey) {
+    let a = tenant("a");
+    let (log, _) = open_keyed(dir, Some(k)).expect("opens");
+    for i in 0..3 {
+        log.append(&a, &record(&a, i)).expect("append");
+    }
+    let stale = std::fs::read(dir.join("a/head")).expect("reads the head");
+    for i in 3..5 {
+        log.append(&a, &record(&a, i)).expect("append");
+    }
+    drop(log);
+    std::fs::write(dir.join("a/head"), stale).expect("puts the older head back");
+}
+
 #[test]
 fn a_keyed_log_resumes_true_lines_past_a_stale_head() {
     let dir = Scratch::new();
     let k = key(1);
     let a = tenant("a");
-    let (log, _) = open_keyed(dir.path(), Some(&k)).expect("opens");
-    for i in 0..3 {
-        log.append(&a, &record(&a, i)).expect("append");
-    }
-    let stale = std::fs::read(dir.path().join("a/head")).expect("reads the head");
-    for i in 3..5 {
-        log.append(&a, &record(&a, i)).expect("append");
-    }
-    drop(log);
-    // What a crash between a segment's fsync and its head's rename leaves.
-    std::fs::write(dir.path().join("a/head"), stale).expect("puts the older head back");
+    past_a_stale_head(dir.path(), &k);
     let (log, recoveries) = open_keyed(dir.path(), Some(&k)).expect("opens");
     assert_eq!(
         recoveries,
@@ -264,16 +270,7 @@ fn a_keyed_log_s_last_line_past_its_head_cannot_be_replaced() {
     let dir = Scratch::new();
     let k = key(1);
     let a = tenant("a");
-    let (log, _) = open_keyed(dir.path(), Some(&k)).expect("opens");
-    for i in 0..3 {
-        log.append(&a, &record(&a, i)).expect("append");
-    }
-    let stale = std::fs::read(dir.path().join("a/head")).expect("reads the head");
-    for i in 3..5 {
-        log.append(&a, &record(&a, i)).expect("append");
-    }
-    drop(log);
-    std::fs::write(dir.path().join("a/head"), stale).expect("puts the older head back");
+    past_a_stale_head(dir.path(), &k);
     let seg = segments(dir.path(), &a)[0].clone();
     let mut l = lines(&seg);
     let last = l.pop().expect("a last line");
@@ -297,15 +294,21 @@ fn a_keyed_log_s_last_line_past_its_head_cannot_be_replaced() {
     assert_eq!(log.read(&a, Seq(4), 10).expect("reads"), vec![]);
 }
 
+/// `line` without the MAC a keyed line starts with.
+fn without_mac(line: &str) -> String {
+    format!("{{{}", &line[r#"{"mac":""#.len() + 64 + 2..])
+}
+
 /// A line without a MAC in a keyed log (one added by hand, or a log written by the keyed
-/// format before lines carried their own) is named as such, never passed.
+/// format before lines carried their own) is named as such, never passed; a log whose lines
+/// all lack one does not open, and says why at the head's line.
 #[test]
 fn a_keyed_log_s_line_without_its_mac_is_named() {
     let dir = Scratch::new();
     let k = key(1);
     let seg = setup(dir.path(), Some(&k));
     let mut l = lines(&seg);
-    l[2] = format!("{{{}", &l[2][r#"{"mac":""#.len() + 64 + 2..]);
+    l[2] = without_mac(&l[2]);
     assert!(l[2].starts_with(r#"{"seq":2,"#), "{}", l[2]);
     write_lines(&seg, &l);
     let report = verify(dir.path(), None, Some(&k));
@@ -313,6 +316,38 @@ fn a_keyed_log_s_line_without_its_mac_is_named() {
     assert_eq!(p.line, Some(3), "{p}");
     assert_eq!(p.reason, Reason::LineMac(LineProblem::NoMac), "{p}");
     assert!(p.to_string().contains("carries no MAC"), "{p}");
+
+    let bare: Vec<String> = lines(&seg).iter().map(|l| without_mac(l)).collect();
+    write_lines(&seg, &bare);
+    let e = open_keyed(dir.path(), Some(&k)).expect_err("refused");
+    assert!(
+        matches!(&e, AuditError::Corrupt { path, line: 6, reason }
+            if *path == seg && reason.contains("carries no MAC")),
+        "{e}"
+    );
+    assert_eq!(lines(&seg), bare, "nothing cut");
+}
+
+/// A byte-exact copy of the record the head names, appended (its MAC is genuine, so keyed or
+/// not it matches the head), is not taken for that record: the log does not open (resuming
+/// after the copy would chain on from a line `verify` refuses), and nothing is cut.
+#[test]
+fn a_copy_of_the_heads_record_appended_is_refused_at_open() {
+    for k in [None, Some(key(1))] {
+        let dir = Scratch::new();
+        let seg = setup(dir.path(), k.as_ref());
+        let mut l = lines(&seg);
+        l.push(l.last().expect("a line").clone());
+        write_lines(&seg, &l);
+        let e = open_keyed(dir.path(), k.as_ref()).expect_err("refused");
+        assert!(
+            matches!(&e, AuditError::Corrupt { path, line: 7, reason }
+                if *path == seg && reason.contains("does not follow")),
+            "{e}"
+        );
+        assert_eq!(lines(&seg), l, "nothing cut");
+        assert!(!verify(dir.path(), None, k.as_ref()).passed());
+    }
 }
 
 #[test]

@@ -221,6 +221,27 @@ impl Ending {
         }
     }
 
+    /// The directive for a request abandoned in `phase`: the longest any `on-disconnect`
+    /// policy asks for, in an instance slot (abort-now when none asks).
+    async fn decide(&self, phase: Phase, progress: Progress, held_before: u32) -> Directive {
+        if self.wanting(Hooks::ON_DISCONNECT).next().is_none() {
+            return Directive::AbortNow;
+        }
+        match self.policies.slot(&self.tenant).await {
+            Some(Ok(_slot)) => self.directive(phase, progress, held_before).await,
+            Some(Err(fault)) => {
+                tracing::warn!(request = %self.id, %fault, "on-disconnect could not run");
+                // As each plugin's own fault would: only a fail-closed one holds.
+                if self.wanting(Hooks::ON_DISCONNECT).all(|b| b.fail_open) {
+                    Directive::AbortNow
+                } else {
+                    on_fault(phase)
+                }
+            }
+            None => Directive::AbortNow,
+        }
+    }
+
     async fn abandoned(
         self: Arc<Self>,
         leg: Option<Leg>,
@@ -231,45 +252,46 @@ impl Ending {
     ) {
         let (held_before, held) = self.policies.hold(&self.tenant);
         let phase = phase(leg.as_ref(), progress);
-        let directive = if self.wanting(Hooks::ON_DISCONNECT).next().is_none() {
-            Directive::AbortNow
-        } else {
-            match self.policies.slot(&self.tenant).await {
-                Some(Ok(_slot)) => self.directive(phase, progress, held_before).await,
-                Some(Err(fault)) => {
-                    tracing::warn!(request = %self.id, %fault, "on-disconnect could not run");
-                    // As each plugin's own fault would: only a fail-closed one holds.
-                    if self.wanting(Hooks::ON_DISCONNECT).all(|b| b.fail_open) {
-                        Directive::AbortNow
-                    } else {
-                        on_fault(phase)
-                    }
-                }
-                None => Directive::AbortNow,
-            }
+        // Shutdown's drain waits for the policies' decision and the hold; either still under
+        // way at its timeout is cut (nothing more is held), and the record says so. What has
+        // happened already (a decision made, the worker's failure) comes first.
+        let mut shutdown = trail.shutdown_signal();
+        let decided = tokio::select! {
+            biased;
+            directive = self.decide(phase, progress, held_before) => Some(directive),
+            () = shutdown.cut() => None,
         };
+        let mut cut = decided.is_none();
+        let directive = decided.unwrap_or(Directive::AbortNow);
         self.policies.stats().abandoned(recorded(directive).name());
         // A call the worker never answered ran nothing there: it used no tokens.
         let mut answered = !matches!(leg, Some(Leg::Calling(_)));
         let mut failure = None;
         if let Some(leg) = leg {
             let since = Instant::now();
-            let limit = self.policies.hold_limit();
-            // The call or the stream is dropped with the hold: at its end, or at its limit.
-            let holding =
-                tokio::time::timeout(limit, hold(leg, directive, &mut progress, &mut answered));
-            // Shutdown's drain waits for holds; one still held at its timeout is cut.
-            let mut shutdown = trail.shutdown_signal();
-            let cut = tokio::select! {
-                held = holding => {
-                    if let Ok(Err(status)) = held {
-                        tracing::debug!(request = %self.id, %status, "an abandoned request failed while held");
-                        failure = Some(from_status(&status, endpoint));
+            if !cut {
+                let limit = self.policies.hold_limit();
+                // The call or the stream is dropped with the hold: at its end, or at its limit.
+                let holding =
+                    tokio::time::timeout(limit, hold(leg, directive, &mut progress, &mut answered));
+                cut = tokio::select! {
+                    biased;
+                    held = holding => {
+                        if let Ok(Err(status)) = held {
+                            tracing::debug!(request = %self.id, %status, "an abandoned request failed while held");
+                            let f = from_status(&status, endpoint);
+                            // As had its client stayed: a worker down is not routed to until
+                            // its health check answers again.
+                            if let Some(claim) = charge.claim.as_ref().filter(|_| f.worker_down) {
+                                claim.worker_failed(status.message());
+                            }
+                            failure = Some(f);
+                        }
+                        false
                     }
-                    false
-                }
-                () = shutdown.cut() => true,
-            };
+                    () = shutdown.cut() => true,
+                };
+            }
             let dropped = match (progress.usage, progress.tokens) {
                 (Some(_), _) => Dropped::AfterDone,
                 (None, 0) => Dropped::BeforeFirstToken,

@@ -1710,12 +1710,9 @@ async fn first_record(recorder: &Recorder) -> bulkhead_audit::AuditRecord {
     }
 }
 
-/// A request held after its client left whose worker then refuses it (here its prefill
-/// worker's admission, while it waited in the queue under a hold until complete) is recorded
-/// with that refusal: the hold failed as the worker said, and the admission layer that
-/// refused it, as had its client stayed.
-#[tokio::test]
-async fn a_held_request_the_worker_then_refuses_is_recorded_with_the_refusal() {
+/// `ledger` holding a request abandoned in its worker's queue until complete, a recorder in
+/// the scratch directory, and such a request the chain allowed.
+async fn held_while_queued() -> (Policies, Scratch, Recorder, RequestPolicy) {
     let (p, dir) = loaded(&format!(
         "{}{}",
         plugin("ledger", ""),
@@ -1724,8 +1721,18 @@ async fn a_held_request_the_worker_then_refuses_is_recorded_with_the_refusal() {
             "config = { on_disconnect = \"hold-until-complete\", phases = [\"queued\"] }"
         )
     ));
-    let recorder = recorder(&dir);
     let r = ask(&p, Ask::default()).await.expect("allowed");
+    let recorder = recorder(&dir);
+    (p, dir, recorder, r)
+}
+
+/// A request held after its client left whose worker then refuses it (here its prefill
+/// worker's admission, while it waited in the queue under a hold until complete) is recorded
+/// with that refusal: the hold failed as the worker said, and the admission layer that
+/// refused it, as had its client stayed.
+#[tokio::test]
+async fn a_held_request_the_worker_then_refuses_is_recorded_with_the_refusal() {
+    let (_policies, _dir, recorder, r) = held_while_queued().await;
     let mut refusal = tonic::Status::invalid_argument("the prompt does not fit");
     for (key, value) in [
         (
@@ -1765,16 +1772,7 @@ async fn a_held_request_the_worker_then_refuses_is_recorded_with_the_refusal() {
 /// `on-response-end` has run when the wait ends.
 #[tokio::test]
 async fn shutdown_waits_for_a_hold_and_its_cut_ends_it_on_the_record() {
-    let (p, dir) = loaded(&format!(
-        "{}{}",
-        plugin("ledger", ""),
-        binding(
-            "ledger",
-            "config = { on_disconnect = \"hold-until-complete\", phases = [\"queued\"] }"
-        )
-    ));
-    let recorder = recorder(&dir);
-    let r = ask(&p, Ask::default()).await.expect("allowed");
+    let (p, _dir, recorder, r) = held_while_queued().await;
     let never: crate::upstreams::Call = Box::pin(std::future::pending());
     r.finish(
         Some(crate::upstreams::Leg::Calling(never)),
