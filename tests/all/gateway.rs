@@ -50,6 +50,10 @@ fn the_gateway_enforces_keys_admission_tenancy_and_limits() {
         assert_eq!(json(&body)["error"]["code"], "invalid_api_key");
         let (status, _) = http(&up.api, "GET", "/v1/models", None, &[], "");
         assert_eq!(status, 401, "no key at all");
+        // A model name that is not UTF-8 once decoded: OpenAI's 404, in its shape.
+        let (status, body) = http(&up.api, "GET", "/v1/models/%FF", Some(KEY_A), &[], "");
+        assert_eq!(status, 404, "{body}");
+        assert_eq!(json(&body)["error"]["code"], "model_not_found", "{body}");
         // Refused before its body arrived, on a kept-alive connection: the body is read and
         // discarded after the answer, and the connection serves the client's next request.
         let (refused, next) = split_post_then_another(&up.api, "sk-not-a-key");

@@ -160,8 +160,14 @@ async fn models(State(state): State<Shared>) -> Response {
     json_response(&serde_json::json!({"object": "list", "data": data}))
 }
 
-/// `GET /v1/models/{model}`: the served model, by its name or id (OpenAI's retrieve).
-async fn model(State(state): State<Shared>, Path(asked): Path<String>) -> Response {
+/// `GET /v1/models/{model}`: the served model, by its name or id (OpenAI's retrieve). A name
+/// that is not UTF-8 once percent-decoded names no model (OpenAI's 404, not axum's plain
+/// text).
+async fn model(
+    State(state): State<Shared>,
+    asked: Result<Path<String>, axum::extract::rejection::PathRejection>,
+) -> Response {
+    let asked = asked.map_or_else(|_| "(a name that is not UTF-8)".to_owned(), |Path(a)| a);
     match state.workers.model() {
         None => ApiError::NoHealthyWorker.into_response(),
         Some(m) if m.answers_to(&asked) => json_response(&described(&m)),

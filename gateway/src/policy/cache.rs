@@ -56,12 +56,12 @@ pub(super) fn compile(
         return Ok((Component::new(engine, bytes)?, Compiled::Fresh));
     };
     let path = entry(&dir, engine, digest);
-    let trusted = private(&path);
-    if !trusted && path.exists() {
+    let artifact = read_private(&path);
+    if artifact.is_none() && path.exists() {
         tracing::warn!(path = %path.display(),
-            "a cached compiled component is writable by others (or not the gateway's): compiling again");
+            "a cached compiled component is writable by others (or not the gateway's, or unreadable): compiling again");
     }
-    if trusted && let Ok(artifact) = std::fs::read(&path) {
+    if let Some(artifact) = artifact {
         // SAFETY: `Component::deserialize` requires bytes produced by `precompile_component`
         // of a compatible engine and not modified since. The cache directory and the entry
         // are the gateway's user's and no one else can write them (`private`), each entry is
@@ -203,12 +203,54 @@ pub(super) fn trusted(dir: &Path) -> Option<PathBuf> {
             tracing::warn!(dir = %dir.display(), error = %e, "the policy compile cache is unusable");
         })
         .ok()?;
-    if !private(&real) {
+    if !private(&real) || !real.ancestors().skip(1).all(holds_still) {
         tracing::warn!(dir = %real.display(),
-            "the policy compile cache is writable by others (or not the gateway's): not used");
+            "the policy compile cache, or a directory above it, is writable by others (or not the gateway's): not used");
         return None;
     }
     Some(real)
+}
+
+/// The bytes of the entry at `path` when it is a regular file of the gateway's user that no
+/// group or other may write (see [`private`]), checked on the opened file itself (a link is
+/// not followed), so that nothing swapped in between the check and the read is read.
+#[cfg(unix)]
+fn read_private(path: &Path) -> Option<Vec<u8>> {
+    use std::io::Read as _;
+    use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
+    let mut file = std::fs::File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .ok()?;
+    let meta = file.metadata().ok()?;
+    if !meta.is_file() || meta.uid() != user() || meta.mode() & 0o022 != 0 {
+        return None;
+    }
+    let mut bytes = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0));
+    file.read_to_end(&mut bytes).ok()?;
+    Some(bytes)
+}
+
+#[cfg(not(unix))]
+fn read_private(path: &Path) -> Option<Vec<u8>> {
+    private(path).then(|| std::fs::read(path).ok()).flatten()
+}
+
+/// Whether no one but root and the gateway's user can move or replace what lies in the
+/// directory `dir` (above the cache): it is theirs, and writable by no group or other unless
+/// sticky (as `/tmp`: others may add entries there, not rename or remove another's).
+#[cfg(unix)]
+fn holds_still(dir: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata(dir).is_ok_and(|m| {
+        (m.uid() == 0 || m.uid() == user()) && (m.mode() & 0o022 == 0 || m.mode() & 0o1000 != 0)
+    })
+}
+
+#[cfg(not(unix))]
+fn holds_still(_: &Path) -> bool {
+    true
 }
 
 /// Whether `path` itself (a link is not followed) belongs to the gateway's user and no group
@@ -216,10 +258,15 @@ pub(super) fn trusted(dir: &Path) -> Option<PathBuf> {
 #[cfg(unix)]
 fn private(path: &Path) -> bool {
     use std::os::unix::fs::MetadataExt as _;
-    // SAFETY: `geteuid` has no preconditions and cannot fail.
-    let user = unsafe { libc::geteuid() };
     std::fs::symlink_metadata(path)
-        .is_ok_and(|m| !m.file_type().is_symlink() && m.uid() == user && m.mode() & 0o022 == 0)
+        .is_ok_and(|m| !m.file_type().is_symlink() && m.uid() == user() && m.mode() & 0o022 == 0)
+}
+
+/// The gateway's (effective) user.
+#[cfg(unix)]
+fn user() -> u32 {
+    // SAFETY: `geteuid` has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
 }
 
 #[cfg(not(unix))]

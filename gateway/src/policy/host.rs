@@ -84,7 +84,12 @@ fn sealed_wasi() -> WasiCtx {
         .secure_random(Deterministic::new(vec![0]))
         .insecure_random(Deterministic::new(vec![0]))
         .insecure_random_seed(0)
-        .max_random_size(MAX_RANDOM_BYTES);
+        .max_random_size(MAX_RANDOM_BYTES)
+        // Denied by default in this wasmtime-wasi; said here, so that a version whose default
+        // differs changes nothing.
+        .allow_tcp(false)
+        .allow_udp(false)
+        .allow_ip_name_lookup(false);
     builder.build()
 }
 

@@ -1465,6 +1465,21 @@ fn a_compile_cache_entry_others_can_write_is_never_trusted() {
         3,
         "written to the linked directory"
     );
+    // A private directory under one others can write (and is not sticky, as `/tmp` is): they
+    // could move it away and put their own in its place between a check and a read.
+    let open = dir.0.join("open-parent");
+    std::fs::create_dir(&open).expect("makes it");
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).expect("opens it");
+    let under = open.join("cache");
+    Policies::load(settings(&path, Some(under.clone()))).expect("compiles without it");
+    assert_eq!(cache_entries(&under), Vec::<PathBuf>::new());
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).expect("sticky");
+    Policies::load(settings(&path, Some(under.clone()))).expect("loads");
+    assert_eq!(
+        cache_entries(&under).len(),
+        3,
+        "a sticky parent holds still"
+    );
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! A plugin's `on-request` answer, checked: what a plugin returns is untrusted input. A verdict
 //! that breaks a rule is garbage, which fails the request like a trap.
 
-use bulkhead_worker::printable::acts;
+use bulkhead_worker::printable::{acts, printable};
 use http::{HeaderName, HeaderValue};
 
 use super::bindings::Verdict;
@@ -15,14 +15,23 @@ const MAX_TAG_VALUE: usize = 256;
 const MAX_MESSAGE: usize = 1024;
 const MAX_HEADER_VALUE: usize = 1024;
 
+/// How much of a name a plugin sent the fault that refuses it quotes (a fault is logged).
+const QUOTED: usize = 64;
+
 /// Response headers no plugin may add: those that claim a tenant (a client could take them
-/// for the gateway's word) and the request id the gateway sets itself.
+/// for the gateway's word), the request id the gateway sets itself, and those a reverse proxy
+/// in front of the gateway acts on (nginx's `x-accel-redirect` serves an internal location,
+/// `x-sendfile` a file; `x-forwarded-*` and `x-real-ip` name the client).
 fn gateway_owned(name: &HeaderName) -> bool {
     let name = name.as_str();
-    matches!(name, "x-request-id" | "x-bulkhead-tenant")
-        || name == super::request::CLAMPED_MAX_TOKENS.as_str()
+    matches!(
+        name,
+        "x-request-id" | "x-bulkhead-tenant" | "x-sendfile" | "x-lighttpd-send-file" | "x-real-ip"
+    ) || name == super::request::CLAMPED_MAX_TOKENS.as_str()
         || crate::auth::TENANT_HEADERS.contains(&name)
-        || name.starts_with("x-tenant-")
+        || ["x-tenant-", "x-accel-", "x-forwarded-"]
+            .iter()
+            .any(|p| name.starts_with(p))
 }
 
 /// A verdict that passed every check.
@@ -93,7 +102,10 @@ pub(super) fn check(verdict: Verdict) -> Result<Checked, Fault> {
                     });
                 let value_ok = t.value.len() <= MAX_TAG_VALUE && !t.value.chars().any(acts);
                 if !key_ok || !value_ok {
-                    return Err(garbage(format!("an invalid tag {:?}", t.key)));
+                    return Err(garbage(format!(
+                        "an invalid tag {:?}",
+                        printable(&t.key, QUOTED)
+                    )));
                 }
                 tags.push((t.key, t.value));
             }
@@ -113,7 +125,7 @@ pub(super) fn check(verdict: Verdict) -> Result<Checked, Fault> {
                         return Err(garbage(format!(
                             "a header {:?} that is not a valid x- header of at most \
                              {MAX_HEADER_VALUE} bytes the gateway does not set itself",
-                            h.name
+                            printable(&h.name, QUOTED)
                         )));
                     }
                 }
@@ -204,6 +216,9 @@ mod tests {
             ("x-accented", "café"),
             // A tenant claimed to the client, or the gateway's own request id.
             ("x-tenant-id", "tenant-b"),
+            ("x-accel-redirect", "/internal/keys"),
+            ("x-sendfile", "/etc/passwd"),
+            ("x-forwarded-for", "10.0.0.1"),
             ("x-tenant-name", "tenant-b"),
             ("x-org-id", "b"),
             ("x-bulkhead-tenant", "tenant-b"),
@@ -222,6 +237,16 @@ mod tests {
         assert!(tag("cost_center").is_ok());
         assert!(matches!(tag("Bad Key"), Err(Fault::Garbage(_))));
         assert!(matches!(tag(""), Err(Fault::Garbage(_))));
+        // A megabyte of control characters as a tag key or a header name: the fault (which is
+        // logged) quotes a bounded, escaped piece of it.
+        let huge = "\u{1}".repeat(1 << 20);
+        for fault in [tag(&huge), header(&huge, "v")] {
+            let Err(Fault::Garbage(what)) = fault else {
+                panic!("refused");
+            };
+            assert!(what.len() < 1024, "{} bytes", what.len());
+            assert!(!what.contains('\u{1}'), "{what}");
+        }
     }
 
     /// Each bound takes exactly its limit and refuses one more, on its own.

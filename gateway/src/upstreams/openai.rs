@@ -204,7 +204,7 @@ impl std::fmt::Debug for SseStream {
 /// the text has no escapes. Unknown fields are ignored.
 #[derive(Deserialize)]
 struct Chunk<'a> {
-    #[serde(default, borrow)]
+    #[serde(default, borrow, deserialize_with = "null_as_default")]
     choices: Vec<Choice<'a>>,
     usage: Option<Value>,
     /// JSON `null` reads as `None`.
@@ -213,12 +213,22 @@ struct Chunk<'a> {
 
 #[derive(Deserialize)]
 struct Choice<'a> {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     index: u64,
     #[serde(default, borrow)]
     text: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
     finish_reason: Option<Cow<'a, str>>,
+}
+
+/// A field that may be `null` (some servers send `"choices": null` on a usage chunk) reads as
+/// its default, as when it is missing.
+fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
 impl OpenAiClient {
@@ -510,11 +520,19 @@ fn coded(http: Option<u16>, error: &Value) -> Status {
         .unwrap_or_default();
     match (http, code) {
         // A key the upstream refuses is the gateway's misconfiguration, not the client's.
-        (Some(401 | 403), _) => error_code_status(
+        (Some(401 | 403), "" | "invalid_api_key") => error_code_status(
             Code::Internal,
             "the upstream refused the gateway's key".to_owned(),
             "internal_error",
         ),
+        // Refused for another reason (another gateway's policy): this request's failure.
+        (Some(401 | 403), _) => error_code_status(
+            Code::Internal,
+            format!("the upstream refused the request: {message}"),
+            "internal_error",
+        ),
+        // Another Bulkhead gateway broke this one answer (its worker's): not a server down.
+        (_, "internal_error") => error_code_status(Code::Internal, message, "internal_error"),
         (_, "context_length_exceeded") => {
             error_code_status(Code::InvalidArgument, message, "context_length_exceeded")
         }
@@ -604,7 +622,7 @@ impl SseStream {
                     // if it starts in the last 3.
                     self.scanned = self.buf.len().saturating_sub(3);
                     if self.buf.len() > MAX_EVENT_BYTES {
-                        return Err(Status::internal("an upstream SSE event is too long"));
+                        return Err(broken("an upstream SSE event is too long"));
                     }
                 }
                 Some(Err(e)) => {
@@ -695,7 +713,7 @@ impl Events {
             return self.done();
         }
         let chunk: Chunk<'_> = serde_json::from_str(data).map_err(|e| {
-            Status::internal(format!(
+            broken(&format!(
                 "an upstream SSE event is not a completion chunk: {e}"
             ))
         })?;
@@ -1119,18 +1137,28 @@ mod tests {
         let cut = stream(&["data: {\"choices\":[{\"text\":\"a\"}]}\n\n"]);
         let e = drain(cut).await.expect_err("no [DONE]");
         assert_eq!(e.code(), Code::Unavailable);
-        let garbage = stream(&["data: {not json\n\n"]);
-        assert!(drain(garbage).await.is_err());
+        // Garbage, even before a [DONE]: this answer is broken, the server is not down.
+        let garbage = stream(&["data: {not json\n\n", "data: [DONE]\n\n"]);
+        let e = drain(garbage).await.expect_err("garbage");
+        assert!(e.message().contains("not a completion chunk"), "{e:?}");
+        assert!(!crate::api::from_status(&e, crate::api::Endpoint::Chat).worker_down);
         let failed = stream(&["data: {\"error\":{\"message\":\"boom\"}}\n\n"]);
         assert_eq!(
             drain(failed).await.expect_err("an error event").code(),
             Code::Unavailable
         );
         let endless = stream(&[&"x".repeat(MAX_EVENT_BYTES + 1)]);
-        assert!(
-            drain(endless).await.is_err(),
-            "an unbounded event is refused"
-        );
+        let e = drain(endless)
+            .await
+            .expect_err("an unbounded event is refused");
+        assert!(e.message().contains("too long"), "{e:?}");
+        // A chunk whose fields are null reads as one whose fields are missing.
+        let nulls = stream(&[
+            "data: {\"choices\":[{\"index\":null,\"text\":\"a\"}]}\n\n",
+            "data: {\"choices\":null,\"usage\":null}\n\n",
+            "data: [DONE]\n\n",
+        ]);
+        assert_eq!(drain(nulls).await.expect("served").0, "a");
     }
 
     #[test]
@@ -1182,6 +1210,23 @@ mod tests {
             None,
             "no code: the upstream is in trouble"
         );
+        // A refused key is the gateway's configuration; another refusal (an upstream
+        // gateway's policy) is this request's, said as the upstream said it.
+        for body in [
+            &b""[..],
+            br#"{"error":{"code":"invalid_api_key","message":"m"}}"#,
+        ] {
+            let refused = refusal(401, body, true);
+            assert_eq!(error_code(&refused), Some("internal_error"));
+            assert!(refused.message().contains("gateway's key"), "{refused:?}");
+        }
+        let denied = refusal(
+            403,
+            br#"{"error":{"code":"policy_denied","message":"not on Sundays"}}"#,
+            true,
+        );
+        assert_eq!(error_code(&denied), Some("internal_error"));
+        assert!(denied.message().contains("not on Sundays"), "{denied:?}");
     }
 
     /// vLLM before it took `cache_salt` refused every salted request for it: the gateway's
@@ -1300,26 +1345,25 @@ mod tests {
 
     #[tokio::test]
     async fn an_upstreams_kv_integrity_error_stays_one_and_leaves_its_route_up() {
-        let body = br#"{"error":{"message":"KV transfer integrity","type":"kv_integrity_error","code":"kv_integrity_error"}}"#;
-        let event = format!("data: {}\n\n", std::str::from_utf8(body).expect("UTF-8"));
-        let answered = refusal(500, body, true);
-        let streamed = drain(stream(&[&event])).await.expect_err("an error event");
-        for status in [answered, streamed] {
-            assert_eq!(
-                error_code(&status),
-                Some("kv_integrity_error"),
-                "{status:?}"
-            );
-            let failure = crate::api::from_status(&status, crate::api::Endpoint::Chat);
-            assert!(
-                matches!(failure.error, crate::api::ApiError::KvIntegrity),
-                "{:?}",
-                failure.error
-            );
-            assert!(
-                !failure.worker_down,
-                "one request's failure, not the upstream's"
-            );
+        // Another Bulkhead gateway's codes for one answer's failure: its handoff's checks, or
+        // its worker breaking the answer.
+        for (code, error) in [
+            ("kv_integrity_error", crate::api::ApiError::KvIntegrity),
+            ("internal_error", crate::api::ApiError::Internal),
+        ] {
+            let body = format!(r#"{{"error":{{"message":"m","type":"{code}","code":"{code}"}}}}"#);
+            let event = format!("data: {body}\n\n");
+            let answered = refusal(500, body.as_bytes(), true);
+            let streamed = drain(stream(&[&event])).await.expect_err("an error event");
+            for status in [answered, streamed] {
+                assert_eq!(error_code(&status), Some(code), "{status:?}");
+                let failure = crate::api::from_status(&status, crate::api::Endpoint::Chat);
+                assert_eq!(failure.error, error);
+                assert!(
+                    !failure.worker_down,
+                    "one request's failure, not the upstream's"
+                );
+            }
         }
         // Without a code of the table, a 500 or an event is the upstream's trouble.
         assert_eq!(refusal(500, b"{}", true).code(), Code::Unavailable);
