@@ -82,6 +82,7 @@
 //! cache_max_mib = 1024              # the cache's bound, least recently used evicted first
 //! watch_secs = 2                    # reload when the file changes (0: admin call only)
 //! hold_limit_secs = 30              # longest hold of an abandoned request's stream
+//! max_held_per_tenant = 16          # abandoned requests one tenant may have held at once
 //! instances = 64                    # plugin instances alive at once
 //! max_memory_mib = 256              # the most memory any plugin may be given
 //! ```
@@ -512,6 +513,7 @@ struct RawPolicies {
     cache_max_mib: Option<u64>,
     watch_secs: Option<u64>,
     hold_limit_secs: Option<u64>,
+    max_held_per_tenant: Option<u32>,
     instances: Option<u32>,
     max_memory_mib: Option<u32>,
 }
@@ -848,6 +850,7 @@ fn policy_settings(raw: RawPolicies) -> Result<PolicySettings, ConfigError> {
             "policies.hold_limit_secs",
             Duration::from_secs(30),
         )?,
+        max_held_per_tenant: raw.max_held_per_tenant.unwrap_or(16),
     })
 }
 

@@ -86,6 +86,7 @@ pub fn run(args: PoliciesArgs) -> anyhow::Result<()> {
         },
         watch_interval: None,
         hold_limit: Duration::from_secs(1),
+        max_held_per_tenant: 16,
     })
     .with_context(|| format!("loading {}", file.display()))?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;

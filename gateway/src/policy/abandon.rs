@@ -262,7 +262,11 @@ impl Ending {
             () = shutdown.cut() => None,
         };
         let mut cut = decided.is_none();
-        let directive = decided.unwrap_or(Directive::AbortNow);
+        // The gateway's own bound on what a tenant holds, whatever the policies said (a
+        // failing plugin's default holds too).
+        let directive = decided
+            .filter(|_| held_before < self.policies.max_held())
+            .unwrap_or(Directive::AbortNow);
         self.policies.stats().abandoned(recorded(directive).name());
         // A call the worker never answered ran nothing there: it used no tokens.
         let mut answered = !matches!(leg, Some(Leg::Calling(_)));

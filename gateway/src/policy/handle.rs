@@ -27,6 +27,9 @@ pub struct PolicySettings {
     /// The longest the gateway keeps reading an abandoned request's stream for a hold
     /// directive.
     pub hold_limit: Duration,
+    /// The most abandoned requests of one tenant held at once, whatever the policies say (or
+    /// a failing one's default): past it, a request whose client left is dropped at once.
+    pub max_held_per_tenant: u32,
 }
 
 /// Why policies cannot be loaded or reloaded.
@@ -124,6 +127,14 @@ impl Policies {
             }
             None => None,
         }
+    }
+
+    /// How many abandoned requests of one tenant may be held at once (none without policies).
+    pub(super) fn max_held(&self) -> u32 {
+        self.inner
+            .runtime
+            .as_ref()
+            .map_or(0, |(_, s)| s.max_held_per_tenant)
     }
 
     pub(super) fn hold_limit(&self) -> Duration {

@@ -59,6 +59,7 @@ fn settings(file: &Path, cache: Option<PathBuf>) -> PolicySettings {
         },
         watch_interval: None,
         hold_limit: Duration::from_secs(5),
+        max_held_per_tenant: 16,
     }
 }
 
@@ -1820,4 +1821,40 @@ async fn shutdown_waits_for_a_hold_and_its_cut_ends_it_on_the_record() {
     let hold = record.hold.as_ref().expect("held");
     assert_eq!(hold.directive, bulkhead_audit::Directive::HoldUntilComplete);
     assert_eq!(hold.failed.as_deref(), Some("gateway_shutdown"));
+}
+
+/// The gateway's own bound on what one tenant holds outranks the policies (and a failing
+/// plugin's default): past it, a request whose client left is dropped at once although a
+/// plugin asks to hold it.
+#[tokio::test]
+async fn past_the_gateways_bound_an_abandoned_request_is_not_held_whatever_a_plugin_says() {
+    let dir = Scratch::new("policy");
+    let path = write(
+        &dir,
+        &format!(
+            "{}{}",
+            plugin("ledger", ""),
+            binding(
+                "ledger",
+                "config = { on_disconnect = \"hold-until-complete\", phases = [\"queued\"] }"
+            )
+        ),
+    );
+    let p = Policies::load(PolicySettings {
+        max_held_per_tenant: 1,
+        ..settings(&path, None)
+    })
+    .expect("loads");
+    let (_, _held) = p.hold("tenant-a");
+    let r = ask(&p, Ask::default()).await.expect("allowed");
+    let never: crate::upstreams::Call = Box::pin(std::future::pending());
+    r.finish(
+        Some(crate::upstreams::Leg::Calling(never)),
+        Progress::default(),
+        trail(&dir),
+        charge(),
+        Endpoint::Chat,
+    );
+    let m = abandoned_directives(&p).await;
+    assert!(m.contains("directive=\"abort_now\"} 1"), "{m}");
 }
