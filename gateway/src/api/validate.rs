@@ -220,13 +220,52 @@ fn is_no_op(field: &str, value: &Value) -> Option<bool> {
     })
 }
 
+/// The body's JSON object. A field given twice is refused: parsers differ on which of the two
+/// they take (the first, the last), so such a body can mean one thing to a proxy or filter in
+/// front of the gateway and another to the gateway.
 fn object(body: &[u8]) -> Result<Map<String, Value>, RequestError> {
+    let json = |e: serde_json::Error| RequestError::Json {
+        reason: e.to_string(),
+    };
+    if body.trim_ascii_start().starts_with(b"{") {
+        return serde_json::from_slice::<Object>(body)
+            .map(|o| o.0)
+            .map_err(json);
+    }
     match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(map)) => Ok(map),
         Ok(_) => Err(RequestError::NotAnObject),
-        Err(e) => Err(RequestError::Json {
-            reason: e.to_string(),
-        }),
+        Err(e) => Err(json(e)),
+    }
+}
+
+/// A JSON object whose fields are each given once.
+struct Object(Map<String, Value>);
+
+impl<'de> serde::Deserialize<'de> for Object {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> serde::de::Visitor<'de> for Fields {
+            type Value = Object;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> Result<Object, A::Error> {
+                let mut map = Map::new();
+                while let Some(field) = a.next_key::<String>()? {
+                    if map.contains_key(&field) {
+                        return Err(serde::de::Error::custom(format!(
+                            "the field `{field}` is given twice"
+                        )));
+                    }
+                    let value = a.next_value()?;
+                    map.insert(field, value);
+                }
+                Ok(Object(map))
+            }
+        }
+        d.deserialize_map(Fields)
     }
 }
 
@@ -921,6 +960,17 @@ mod tests {
     fn malformed_bodies_are_refused() {
         assert!(matches!(parse_chat(b"{"), Err(RequestError::Json { .. })));
         assert!(matches!(parse_chat(b"[]"), Err(RequestError::NotAnObject)));
+        // A field given twice: refused, whichever a parser would take.
+        let twice =
+            br#"{"messages":[{"role":"user","content":"hi"}],"stream":false,"stream":true}"#;
+        assert!(
+            matches!(parse_chat(twice), Err(RequestError::Json { reason }) if reason.contains("`stream` is given twice"))
+        );
+        assert!(matches!(
+            parse_completion(br#" {"prompt":"a","prompt":"b"}"#),
+            Err(RequestError::Json { .. })
+        ));
+        assert!(parse_completion(br#" {"prompt":"a"}"#).is_ok());
         assert!(matches!(
             parse_chat(b"{\"messages\": \"\xff\"}"),
             Err(RequestError::Json { .. })
