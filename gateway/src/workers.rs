@@ -414,8 +414,8 @@ struct State {
     /// Refreshes started so far: each one's number orders its answers against another's that
     /// overlaps it (the periodic one and one a DNS change triggers).
     refreshes: u64,
-    /// The number of the last refresh that decided on the served model, to keep it or to
-    /// register another (a slower, earlier one's choice does not replace that decision).
+    /// The number of the last refresh that settled the served model: kept it, or registered
+    /// another (a slower, earlier one's registration does not replace that).
     model_by: u64,
 }
 
@@ -869,7 +869,10 @@ impl Workers {
     /// Entry `id` failed a request with `error`: unreachable until its health check answers.
     fn failed(&self, id: u64, error: &str) {
         self.with(|s| {
+            let latest = s.refreshes;
             if let Some(e) = s.entry_mut(id) {
+                // Newer than any refresh under way: only one started after it may clear it.
+                e.refreshed_by = latest;
                 e.health = Health::Unreachable {
                     error: error.to_owned(),
                 };
@@ -1092,11 +1095,11 @@ impl Workers {
 
         let wanted = self.with(|s| {
             s.apply(refresh, answers);
-            // A later refresh decided on the served model already: this one saw less.
+            // A later refresh settled the served model already (kept it, or registered
+            // another): this one saw less.
             if s.model_by > refresh {
                 return None;
             }
-            s.model_by = refresh;
             // Keep the served model while a healthy worker still serves it; otherwise take the
             // first healthy worker's.
             let healthy =
@@ -1109,6 +1112,7 @@ impl Workers {
                     == Some(true)
             });
             if keep {
+                s.model_by = refresh;
                 return None;
             }
             s.entries
@@ -1153,11 +1157,12 @@ impl Workers {
             .unwrap_or_else(|e| Err(format!("building the tokenizer panicked: {e}"))),
         };
         self.with(|s| match built {
-            // A later refresh decided since (kept the model, or chose another): stale.
+            // A later refresh settled it since (kept the model, or registered another): stale.
             Ok(_) if s.model_by > refresh => {}
             Ok(model) => {
                 tracing::info!(model = %model.name, id = %model.id, "registered the served model");
                 s.model = Some(Arc::new(model));
+                s.model_by = refresh;
             }
             Err(error) => {
                 tracing::warn!(%error, "cannot register the worker's model");
@@ -1833,7 +1838,7 @@ mod tests {
             s.model_by = 3;
         });
         // So with the served model: an earlier refresh's choice, registered after a later one
-        // decided (kept the model, or chose another), is dropped.
+        // settled it (kept the model, or registered another), is dropped.
         let id = w.with(|s| s.entries[0].id);
         w.register_model(id, tiny(), 2).await;
         assert!(w.with(|s| s.model.is_none()), "a stale choice");

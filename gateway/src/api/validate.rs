@@ -44,7 +44,7 @@ pub enum RequestError {
         supported: &'static str,
     },
     #[error("`{field}` is given more than once; give it once (servers differ on which they take)")]
-    Repeated { field: &'static str },
+    Repeated { field: String },
     #[error("`{field}` = {value} is out of range; it must be {range}")]
     OutOfRange {
         field: &'static str,
@@ -87,12 +87,11 @@ impl RequestError {
         match self {
             RequestError::Json { .. } | RequestError::NotAnObject => None,
             RequestError::MissingField { field }
-            | RequestError::Repeated { field }
             | RequestError::UnsupportedValue { field, .. }
             | RequestError::OutOfRange { field, .. } => Some((*field).to_owned()),
-            RequestError::WrongType { field, .. } | RequestError::UnsupportedField { field } => {
-                Some(field.clone())
-            }
+            RequestError::WrongType { field, .. }
+            | RequestError::UnsupportedField { field }
+            | RequestError::Repeated { field } => Some(field.clone()),
             RequestError::ConflictingMaxTokens { .. } => Some("max_tokens".into()),
             RequestError::EmptyMessages => Some("messages".into()),
             RequestError::UnsupportedRole { index, .. } => Some(format!("messages[{index}].role")),
@@ -228,9 +227,13 @@ fn object(body: &[u8]) -> Result<Map<String, Value>, RequestError> {
         reason: e.to_string(),
     };
     if body.trim_ascii_start().starts_with(b"{") {
-        return serde_json::from_slice::<Object>(body)
-            .map(|o| o.0)
-            .map_err(json);
+        let object = serde_json::from_slice::<Object>(body).map_err(json)?;
+        return match object.repeated {
+            Some(field) => Err(RequestError::Repeated {
+                field: named(&field),
+            }),
+            None => Ok(object.map),
+        };
     }
     match serde_json::from_slice::<Value>(body) {
         Ok(_) => Err(RequestError::NotAnObject),
@@ -238,8 +241,19 @@ fn object(body: &[u8]) -> Result<Map<String, Value>, RequestError> {
     }
 }
 
-/// A JSON object whose fields are each given once.
-struct Object(Map<String, Value>);
+/// A JSON object, and the first of its fields given more than once, if any.
+struct Object {
+    map: Map<String, Value>,
+    repeated: Option<String>,
+}
+
+/// The most of a field name the client sent that an error quotes.
+const MAX_NAMED: usize = 64;
+
+/// `field` as an error names it: bounded, and escaped where it would act on a terminal.
+fn named(field: &str) -> String {
+    bulkhead_worker::printable::printable(field, MAX_NAMED)
+}
 
 impl<'de> serde::Deserialize<'de> for Object {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -252,17 +266,20 @@ impl<'de> serde::Deserialize<'de> for Object {
             }
 
             fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> Result<Object, A::Error> {
-                let mut map = Map::new();
+                let mut object = Object {
+                    map: Map::new(),
+                    repeated: None,
+                };
                 while let Some(field) = a.next_key::<String>()? {
-                    if map.contains_key(&field) {
-                        return Err(serde::de::Error::custom(format!(
-                            "the field `{field}` is given twice"
-                        )));
+                    if object.map.contains_key(&field) {
+                        a.next_value::<serde::de::IgnoredAny>()?;
+                        object.repeated.get_or_insert(field);
+                    } else {
+                        let value = a.next_value()?;
+                        object.map.insert(field, value);
                     }
-                    let value = a.next_value()?;
-                    map.insert(field, value);
                 }
-                Ok(Object(map))
+                Ok(object)
             }
         }
         d.deserialize_map(Fields)
@@ -278,7 +295,7 @@ fn check_fields(map: &Map<String, Value>, own: &[&str]) -> Result<(), RequestErr
             Some(true) => {}
             Some(false) | None => {
                 return Err(RequestError::UnsupportedField {
-                    field: field.clone(),
+                    field: named(field),
                 });
             }
         }
@@ -492,7 +509,7 @@ fn stream_options(o: &Map<String, Value>) -> Result<bool, RequestError> {
         .find(|k| !matches!(k.as_str(), "include_usage" | "include_obfuscation"))
     {
         return Err(RequestError::UnsupportedField {
-            field: format!("stream_options.{field}"),
+            field: format!("stream_options.{}", named(field)),
         });
     }
     if flag("include_obfuscation")? == Some(true) {
@@ -572,7 +589,9 @@ fn message(index: usize, m: &Value) -> Result<Message, RequestError> {
     // sends `"tool_calls": null`, `"refusal": null`).
     for (key, value) in m {
         if !matches!(key.as_str(), "role" | "content") && !value.is_null() {
-            return Err(RequestError::UnsupportedField { field: field(key) });
+            return Err(RequestError::UnsupportedField {
+                field: field(&named(key)),
+            });
         }
     }
     let role = m
@@ -963,13 +982,21 @@ mod tests {
         // A field given twice: refused, whichever a parser would take.
         let twice =
             br#"{"messages":[{"role":"user","content":"hi"}],"stream":false,"stream":true}"#;
-        assert!(
-            matches!(parse_chat(twice), Err(RequestError::Json { reason }) if reason.contains("`stream` is given twice"))
+        assert_eq!(
+            parse_chat(twice).map(|_| ()),
+            Err(RequestError::Repeated {
+                field: "stream".into()
+            })
         );
-        assert!(matches!(
-            parse_completion(br#" {"prompt":"a","prompt":"b"}"#),
-            Err(RequestError::Json { .. })
-        ));
+        let long = "k".repeat(1 << 20);
+        let e = parse_completion(format!(r#" {{"prompt":"a","{long}":1,"{long}":2}}"#).as_bytes())
+            .expect_err("repeated");
+        assert!(
+            e.to_string().len() < 256,
+            "bounded: {} bytes",
+            e.to_string().len()
+        );
+        assert_eq!(e.param().map(|p| p.len()), Some(MAX_NAMED));
         assert!(parse_completion(br#" {"prompt":"a"}"#).is_ok());
         assert!(matches!(
             parse_chat(b"{\"messages\": \"\xff\"}"),

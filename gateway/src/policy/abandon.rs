@@ -256,17 +256,19 @@ impl Ending {
         // way at its timeout is cut (nothing more is held), and the record says so. What has
         // happened already (a decision made, the worker's failure) comes first.
         let mut shutdown = trail.shutdown_signal();
-        let decided = tokio::select! {
-            biased;
-            directive = self.decide(phase, progress, held_before) => Some(directive),
-            () = shutdown.cut() => None,
+        // Past the gateway's own bound on what a tenant holds, the policies are not asked (a
+        // failing plugin's default would hold too): dropped at once.
+        let decided = if held_before >= self.policies.max_held() {
+            Some(Directive::AbortNow)
+        } else {
+            tokio::select! {
+                biased;
+                directive = self.decide(phase, progress, held_before) => Some(directive),
+                () = shutdown.cut() => None,
+            }
         };
         let mut cut = decided.is_none();
-        // The gateway's own bound on what a tenant holds, whatever the policies said (a
-        // failing plugin's default holds too).
-        let directive = decided
-            .filter(|_| held_before < self.policies.max_held())
-            .unwrap_or(Directive::AbortNow);
+        let directive = decided.unwrap_or(Directive::AbortNow);
         self.policies.stats().abandoned(recorded(directive).name());
         // A call the worker never answered ran nothing there: it used no tokens.
         let mut answered = !matches!(leg, Some(Leg::Calling(_)));

@@ -64,7 +64,8 @@ pub(super) fn compile(
     if let Some(artifact) = artifact {
         // SAFETY: `Component::deserialize` requires bytes produced by `precompile_component`
         // of a compatible engine and not modified since. The cache directory and the entry
-        // are the gateway's user's and no one else can write them (`private`), each entry is
+        // are the gateway's user's and no one else can write them (`private`, checked on the
+        // file read in `read_private`), nor move the directory (`holds_still`), each entry is
         // renamed into place whole, the entry's name carries the engine's compatibility hash,
         // and wasmtime checks its own header and version again before use.
         match unsafe { Component::deserialize(engine, &artifact) } {
@@ -203,9 +204,14 @@ pub(super) fn trusted(dir: &Path) -> Option<PathBuf> {
             tracing::warn!(dir = %dir.display(), error = %e, "the policy compile cache is unusable");
         })
         .ok()?;
-    if !private(&real) || !real.ancestors().skip(1).all(holds_still) {
+    if !private(&real) {
         tracing::warn!(dir = %real.display(),
-            "the policy compile cache, or a directory above it, is writable by others (or not the gateway's): not used");
+            "the policy compile cache is writable by others (or not the gateway's): not used");
+        return None;
+    }
+    if let Some(open) = real.ancestors().skip(1).find(|a| !holds_still(a)) {
+        tracing::warn!(dir = %real.display(), above = %open.display(),
+            "a directory above the policy compile cache is writable by anyone and not sticky: not used");
         return None;
     }
     Some(real)
@@ -237,15 +243,14 @@ fn read_private(path: &Path) -> Option<Vec<u8>> {
     private(path).then(|| std::fs::read(path).ok()).flatten()
 }
 
-/// Whether no one but root and the gateway's user can move or replace what lies in the
-/// directory `dir` (above the cache): it is theirs, and writable by no group or other unless
-/// sticky (as `/tmp`: others may add entries there, not rename or remove another's).
+/// Whether anyone at all may move or replace what lies in the directory `dir` (above the
+/// cache): it is writable by others, and not sticky (as `/tmp` is: others may add entries
+/// there, not rename or remove another's). A directory its group may write is the operator's
+/// choice of who shares it (a umask of 002, a Kubernetes volume's `fsGroup`).
 #[cfg(unix)]
 fn holds_still(dir: &Path) -> bool {
     use std::os::unix::fs::MetadataExt as _;
-    std::fs::metadata(dir).is_ok_and(|m| {
-        (m.uid() == 0 || m.uid() == user()) && (m.mode() & 0o022 == 0 || m.mode() & 0o1000 != 0)
-    })
+    std::fs::metadata(dir).is_ok_and(|m| m.mode() & 0o002 == 0 || m.mode() & 0o1000 != 0)
 }
 
 #[cfg(not(unix))]

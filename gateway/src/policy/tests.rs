@@ -1466,7 +1466,7 @@ fn a_compile_cache_entry_others_can_write_is_never_trusted() {
         3,
         "written to the linked directory"
     );
-    // A private directory under one others can write (and is not sticky, as `/tmp` is): they
+    // A private directory under one anyone can write (and is not sticky, as `/tmp` is): they
     // could move it away and put their own in its place between a check and a read.
     let open = dir.0.join("open-parent");
     std::fs::create_dir(&open).expect("makes it");
@@ -1857,4 +1857,8 @@ async fn past_the_gateways_bound_an_abandoned_request_is_not_held_whatever_a_plu
     );
     let m = abandoned_directives(&p).await;
     assert!(m.contains("directive=\"abort_now\"} 1"), "{m}");
+    assert!(
+        !m.contains("hook=\"on-disconnect\""),
+        "the policies were not asked (a slot wait would keep the worker busy): {m}"
+    );
 }

@@ -26,12 +26,23 @@ fn gateway_owned(name: &HeaderName) -> bool {
     let name = name.as_str();
     matches!(
         name,
-        "x-request-id" | "x-bulkhead-tenant" | "x-sendfile" | "x-lighttpd-send-file" | "x-real-ip"
+        "x-request-id"
+            | "x-bulkhead-tenant"
+            | "x-sendfile"
+            | "x-sendfile2"
+            | "x-lighttpd-send-file"
+            | "x-real-ip"
     ) || name == super::request::CLAMPED_MAX_TOKENS.as_str()
         || crate::auth::TENANT_HEADERS.contains(&name)
-        || ["x-tenant-", "x-accel-", "x-forwarded-"]
-            .iter()
-            .any(|p| name.starts_with(p))
+        || [
+            "x-tenant-",
+            "x-accel-",
+            "x-forwarded-",
+            "x-litespeed-",
+            "x-envoy-",
+        ]
+        .iter()
+        .any(|p| name.starts_with(p))
 }
 
 /// A verdict that passed every check.
@@ -103,7 +114,7 @@ pub(super) fn check(verdict: Verdict) -> Result<Checked, Fault> {
                 let value_ok = t.value.len() <= MAX_TAG_VALUE && !t.value.chars().any(acts);
                 if !key_ok || !value_ok {
                     return Err(garbage(format!(
-                        "an invalid tag {:?}",
+                        "an invalid tag `{}`",
                         printable(&t.key, QUOTED)
                     )));
                 }
@@ -123,7 +134,7 @@ pub(super) fn check(verdict: Verdict) -> Result<Checked, Fault> {
                     (Some(n), Some(v)) => headers.push((n, v)),
                     _ => {
                         return Err(garbage(format!(
-                            "a header {:?} that is not a valid x- header of at most \
+                            "a header `{}` that is not a valid x- header of at most \
                              {MAX_HEADER_VALUE} bytes the gateway does not set itself",
                             printable(&h.name, QUOTED)
                         )));

@@ -97,7 +97,9 @@ fn parse_paging(query: Option<&str>) -> Result<Paging, RequestError> {
 fn once<T>(slot: &mut Option<T>, value: T, field: &'static str) -> Result<(), RequestError> {
     match slot.replace(value) {
         None => Ok(()),
-        Some(_) => Err(RequestError::Repeated { field }),
+        Some(_) => Err(RequestError::Repeated {
+            field: field.to_owned(),
+        }),
     }
 }
 

@@ -514,25 +514,31 @@ fn coded(http: Option<u16>, error: &Value) -> Status {
         .chars()
         .take(1000)
         .collect::<String>();
-    let code = error["code"]
-        .as_str()
+    let own_code = error["code"].as_str();
+    let code = own_code
         .or_else(|| error["type"].as_str())
         .unwrap_or_default();
     match (http, code) {
-        // A key the upstream refuses is the gateway's misconfiguration, not the client's.
-        (Some(401 | 403), "" | "invalid_api_key") => error_code_status(
-            Code::Internal,
-            "the upstream refused the gateway's key".to_owned(),
-            "internal_error",
-        ),
+        // A key the upstream refuses (or none it was given: OpenAI's code is null then) is the
+        // gateway's misconfiguration, not the client's.
+        (Some(401 | 403), _) if matches!(own_code, None | Some("invalid_api_key")) => {
+            error_code_status(
+                Code::Internal,
+                "the upstream refused the gateway's key".to_owned(),
+                "internal_error",
+            )
+        }
         // Refused for another reason (another gateway's policy): this request's failure.
         (Some(401 | 403), _) => error_code_status(
             Code::Internal,
             format!("the upstream refused the request: {message}"),
             "internal_error",
         ),
-        // Another Bulkhead gateway broke this one answer (its worker's): not a server down.
-        (_, "internal_error") => error_code_status(Code::Internal, message, "internal_error"),
+        // Another Bulkhead gateway broke this one answer (its worker's), as its `code` says
+        // (a server's own 5xx may carry that word as its `type`): not a server down.
+        (Some(500) | None, _) if own_code == Some("internal_error") => {
+            error_code_status(Code::Internal, message, "internal_error")
+        }
         (_, "context_length_exceeded") => {
             error_code_status(Code::InvalidArgument, message, "context_length_exceeded")
         }
@@ -1215,6 +1221,7 @@ mod tests {
         for body in [
             &b""[..],
             br#"{"error":{"code":"invalid_api_key","message":"m"}}"#,
+            br#"{"error":{"code":null,"type":"invalid_request_error","message":"no key"}}"#,
         ] {
             let refused = refusal(401, body, true);
             assert_eq!(error_code(&refused), Some("internal_error"));
@@ -1365,8 +1372,11 @@ mod tests {
                 );
             }
         }
-        // Without a code of the table, a 500 or an event is the upstream's trouble.
+        // Without a code of the table, a 500 or an event is the upstream's trouble, so is a
+        // 503 whose type (not code) says internal_error.
         assert_eq!(refusal(500, b"{}", true).code(), Code::Unavailable);
+        let typed = br#"{"error":{"message":"m","type":"internal_error"}}"#;
+        assert_eq!(refusal(503, typed, true).code(), Code::Unavailable);
         let event = "data: {\"error\":{\"message\":\"boom\",\"code\":\"oops\"}}\n\n";
         let status = drain(stream(&[event])).await.expect_err("an error event");
         assert!(crate::api::from_status(&status, crate::api::Endpoint::Chat).worker_down);
