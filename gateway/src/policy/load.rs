@@ -115,6 +115,11 @@ pub enum LoadError {
     },
     #[error("chain[{index}]: plugin {plugin:?} is not defined under [plugins]")]
     UnknownPlugin { index: usize, plugin: String },
+    #[error(
+        "plugin {plugin:?}: a plugin's name is 1 to {MAX_PLUGIN_NAME} letters, digits, `-`, `_` \
+         or `.` (it names the plugin in metrics, logs and audit records)"
+    )]
+    BadName { plugin: String },
     #[error("chain[{index}] ({plugin}): route {route:?} is not one of {ROUTES:?}")]
     UnknownRoute {
         index: usize,
@@ -211,6 +216,11 @@ pub(super) fn load_text(
         .iter()
         .filter(|(n, _)| used.contains(n.as_str()))
     {
+        if !is_plugin_name(name) {
+            return Err(LoadError::BadName {
+                plugin: name.clone(),
+            });
+        }
         plugins.insert(name.as_str(), prepare(sandbox, base, name, p)?);
     }
     let mut bindings = Vec::with_capacity(chain.len());
@@ -226,6 +236,17 @@ pub(super) fn load_text(
     // Only a set that loads prunes: a refused one leaves the active set's entries as they were.
     sandbox.prune_cache(started);
     Ok(PolicySet::new(bindings, Digest::of(text)))
+}
+
+/// The longest name a plugin may have.
+const MAX_PLUGIN_NAME: usize = 64;
+
+/// Whether `name` may name a plugin: it goes unquoted into Prometheus labels and log lines.
+fn is_plugin_name(name: &str) -> bool {
+    (1..=MAX_PLUGIN_NAME).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
 }
 
 /// The policy set file's bytes.

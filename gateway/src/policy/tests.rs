@@ -1076,6 +1076,17 @@ fn a_set_is_refused_for_a_wrong_pin_a_bad_config_or_a_credential_header() {
         matches!(e, PolicyError::Load(LoadError::UnknownPlugin { .. })),
         "{e}"
     );
+    // A name that would break a metrics label or a log line.
+    let (path, digest) = component("length-limit");
+    let e = load(&format!(
+        "[plugins.\"a\\\"b\"]\ncomponent = {:?}\nsha256 = \"{digest}\"\n\n[[chain]]\nplugin = \"a\\\"b\"\n",
+        path.display().to_string()
+    ))
+    .expect_err("a bad name");
+    assert!(
+        matches!(&e, PolicyError::Load(LoadError::BadName { plugin }) if plugin == "a\"b"),
+        "{e}"
+    );
 }
 
 /// A component that imports one empty instance named `import` (none when `None`) and
