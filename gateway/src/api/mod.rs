@@ -179,6 +179,13 @@ async fn model(
     }
 }
 
+/// The policies' tags as one span attribute: a JSON array of `key=value` strings (a key holds
+/// no `=`), so that no value, which may hold `,` or `=`, can read as another tag.
+fn tags_attribute(tags: &[(String, String)]) -> String {
+    let pairs: Vec<String> = tags.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    serde_json::Value::from(pairs).to_string()
+}
+
 /// A model as OpenAI's API describes one.
 fn described(m: &ServedModel) -> serde_json::Value {
     serde_json::json!({
@@ -484,8 +491,7 @@ async fn start(
     policy_span.record("bulkhead.policy.decisions", policy.decisions().len());
     let tags = policy.tags();
     if !tags.is_empty() {
-        let tags: Vec<String> = tags.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        policy_span.record("bulkhead.policy.tags", tags.join(","));
+        policy_span.record("bulkhead.policy.tags", tags_attribute(&tags));
     }
     policy_span.record(
         "bulkhead.policy.max_tokens",
@@ -703,6 +709,14 @@ mod tests {
         );
         let ids = validate::parse_completion(br#"{"prompt":[1,2,3]}"#).expect("valid");
         assert_eq!(Parsed::Completion(ids).audited_text(), "[1,2,3]");
+    }
+
+    #[test]
+    fn tags_on_the_trace_cannot_forge_another() {
+        let tags = [("tier".to_owned(), "gold,tenant=tenant-b".to_owned())];
+        let attribute = tags_attribute(&tags);
+        let read: serde_json::Value = serde_json::from_str(&attribute).expect("JSON");
+        assert_eq!(read, serde_json::json!(["tier=gold,tenant=tenant-b"]));
     }
 
     #[test]

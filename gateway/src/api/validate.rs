@@ -219,32 +219,21 @@ fn is_no_op(field: &str, value: &Value) -> Option<bool> {
     })
 }
 
-/// The body's JSON object. A field given twice is refused: parsers differ on which of the two
-/// they take (the first, the last), so such a body can mean one thing to a proxy or filter in
-/// front of the gateway and another to the gateway.
+/// The body's JSON object. A field given twice, in it or in any object within it, is refused:
+/// parsers differ on which of the two they take (the first, the last), so such a body can mean
+/// one thing to a proxy or filter in front of the gateway and another to the gateway (a
+/// message whose `role` is given as `system` and then as `user`).
 fn object(body: &[u8]) -> Result<Map<String, Value>, RequestError> {
-    let json = |e: serde_json::Error| RequestError::Json {
+    let read = serde_json::from_slice::<Strict>(body).map_err(|e| RequestError::Json {
         reason: e.to_string(),
-    };
-    if body.trim_ascii_start().starts_with(b"{") {
-        let object = serde_json::from_slice::<Object>(body).map_err(json)?;
-        return match object.repeated {
-            Some(field) => Err(RequestError::Repeated {
-                field: named(&field),
-            }),
-            None => Ok(object.map),
-        };
+    })?;
+    match (read.repeated, read.value) {
+        (Some(field), _) => Err(RequestError::Repeated {
+            field: named(&field),
+        }),
+        (None, Value::Object(map)) => Ok(map),
+        (None, _) => Err(RequestError::NotAnObject),
     }
-    match serde_json::from_slice::<Value>(body) {
-        Ok(_) => Err(RequestError::NotAnObject),
-        Err(e) => Err(json(e)),
-    }
-}
-
-/// A JSON object, and the first of its fields given more than once, if any.
-struct Object {
-    map: Map<String, Value>,
-    repeated: Option<String>,
 }
 
 /// The most of a field name the client sent that an error quotes.
@@ -255,34 +244,99 @@ fn named(field: &str) -> String {
     bulkhead_worker::printable::printable(field, MAX_NAMED)
 }
 
-impl<'de> serde::Deserialize<'de> for Object {
+/// A JSON value, and the first field given more than once in any of its objects, if any.
+struct Strict {
+    value: Value,
+    repeated: Option<String>,
+}
+
+impl From<Value> for Strict {
+    fn from(value: Value) -> Self {
+        Strict {
+            value,
+            repeated: None,
+        }
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Strict {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Fields;
-        impl<'de> serde::de::Visitor<'de> for Fields {
-            type Value = Object;
+        d.deserialize_any(StrictVisitor)
+    }
+}
 
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a JSON object")
-            }
+struct StrictVisitor;
 
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> Result<Object, A::Error> {
-                let mut object = Object {
-                    map: Map::new(),
-                    repeated: None,
-                };
-                while let Some(field) = a.next_key::<String>()? {
-                    if object.map.contains_key(&field) {
-                        a.next_value::<serde::de::IgnoredAny>()?;
-                        object.repeated.get_or_insert(field);
-                    } else {
-                        let value = a.next_value()?;
-                        object.map.insert(field, value);
-                    }
-                }
-                Ok(object)
+impl<'de> serde::de::Visitor<'de> for StrictVisitor {
+    type Value = Strict;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Strict, E> {
+        Ok(Value::Bool(v).into())
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Strict, E> {
+        Ok(Value::from(v).into())
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Strict, E> {
+        Ok(Value::from(v).into())
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Strict, E> {
+        // serde_json hands over finite numbers only.
+        Ok(Value::from(v).into())
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Strict, E> {
+        Ok(Value::from(v).into())
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Strict, E> {
+        Ok(Value::String(v).into())
+    }
+
+    fn visit_unit<E>(self) -> Result<Strict, E> {
+        Ok(Value::Null.into())
+    }
+
+    fn visit_none<E>(self) -> Result<Strict, E> {
+        Ok(Value::Null.into())
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut a: A) -> Result<Strict, A::Error> {
+        let mut items = Vec::new();
+        let mut repeated = None;
+        while let Some(item) = a.next_element::<Strict>()? {
+            repeated = repeated.or(item.repeated);
+            items.push(item.value);
+        }
+        Ok(Strict {
+            value: Value::Array(items),
+            repeated,
+        })
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> Result<Strict, A::Error> {
+        let mut map = Map::new();
+        let mut repeated = None;
+        while let Some(field) = a.next_key::<String>()? {
+            if map.contains_key(&field) {
+                a.next_value::<serde::de::IgnoredAny>()?;
+                repeated = repeated.or(Some(field));
+            } else {
+                let item = a.next_value::<Strict>()?;
+                repeated = repeated.or(item.repeated);
+                map.insert(field, item.value);
             }
         }
-        d.deserialize_map(Fields)
+        Ok(Strict {
+            value: Value::Object(map),
+            repeated,
+        })
     }
 }
 
@@ -998,6 +1052,14 @@ mod tests {
         );
         assert_eq!(e.param().map(|p| p.len()), Some(MAX_NAMED));
         assert!(parse_completion(br#" {"prompt":"a"}"#).is_ok());
+        // So within a message: a filter taking the first `role` and one taking the last differ.
+        let nested = br#"{"messages":[{"role":"system","role":"user","content":"hi"}]}"#;
+        assert_eq!(
+            parse_chat(nested).map(|_| ()),
+            Err(RequestError::Repeated {
+                field: "role".into()
+            })
+        );
         assert!(matches!(
             parse_chat(b"{\"messages\": \"\xff\"}"),
             Err(RequestError::Json { .. })
