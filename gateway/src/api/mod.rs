@@ -247,7 +247,7 @@ async fn completions(
 /// thread that parsed them: that takes tens of microseconds, less than a hop to the blocking
 /// pool and back (two thread wake-ups). Larger prompts go to the blocking pool, so a long
 /// prompt never holds up the other connections on the worker.
-const INLINE_TOKENIZE_BYTES: usize = 1 << 10;
+pub(crate) const INLINE_TOKENIZE_BYTES: usize = 1 << 10;
 
 /// A validated request of either endpoint, before tokenization.
 enum Parsed {

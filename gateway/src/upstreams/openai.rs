@@ -7,6 +7,7 @@
 use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bulkhead_worker::engine::{StopScan, StopWatch};
@@ -107,6 +108,9 @@ pub struct SseStream {
     body: Body,
     /// Bytes read and not yet parsed: at most a part of one event.
     buf: Vec<u8>,
+    /// The count of a long answer's tokens under way on the blocking pool: kept here, so that
+    /// a `message` call dropped while it runs leaves it to the next.
+    counting: Option<tokio::task::JoinHandle<Option<u32>>>,
     /// Where in `buf` an event's end may yet be found: what lies before holds no separator
     /// that more bytes could complete, so a trickling upstream costs each byte one look.
     scanned: usize,
@@ -118,7 +122,7 @@ pub struct SseStream {
 /// counting its chunks would undercount a server that sends several tokens in one (and the
 /// tenant's charge with it).
 pub struct TokenCounter {
-    count: Box<Count>,
+    count: Arc<Count>,
     /// The most bytes of text one token of the vocabulary decodes to.
     token_bytes: u64,
 }
@@ -133,7 +137,7 @@ impl TokenCounter {
         count: impl Fn(&str) -> Option<u32> + Send + Sync + 'static,
     ) -> TokenCounter {
         TokenCounter {
-            count: Box::new(count),
+            count: Arc::new(count),
             token_bytes: (token_bytes as u64).max(1),
         }
     }
@@ -186,6 +190,9 @@ struct Events {
     counter: TokenCounter,
     /// Chunks with text: the count when the counter cannot count.
     chunks: u32,
+    /// The answer ended and the upstream's count is not to be taken: what it generated, to
+    /// count before `Done` can say how many tokens it was.
+    recount: Option<String>,
     ended: bool,
     /// An event that failed to parse, or said the upstream failed: returned after the items
     /// before it.
@@ -575,6 +582,7 @@ impl SseStream {
         SseStream {
             body,
             buf: Vec::new(),
+            counting: None,
             scanned: 0,
             events: Events {
                 ready: VecDeque::new(),
@@ -592,13 +600,14 @@ impl SseStream {
                 tail: String::new(),
                 counter,
                 chunks: 0,
+                recount: None,
                 ended: false,
                 failure: None,
             },
         }
     }
 
-    /// The next token or the closing `Done`; `None` after it.
+    /// The next token or the closing `Done`; `None` after it. Cancel-safe.
     pub async fn message(&mut self) -> Result<Option<GenerateResponse>, Status> {
         loop {
             if let Some(item) = self.events.ready.pop_front() {
@@ -606,6 +615,26 @@ impl SseStream {
             }
             if let Some(failure) = self.events.failure.take() {
                 return Err(failure);
+            }
+            if let Some(text) = self.events.recount.take() {
+                let count = self.events.counter.count.clone();
+                // A short answer is counted here (less than a hop to the blocking pool), a
+                // long one there, so that it never holds up this thread's other connections.
+                if text.len() <= crate::api::INLINE_TOKENIZE_BYTES {
+                    let tokens = self.events.recounted(count(&text))?;
+                    self.events.close(tokens);
+                    continue;
+                }
+                self.counting = Some(tokio::task::spawn_blocking(move || count(&text)));
+            }
+            if let Some(counting) = &mut self.counting {
+                let counted = counting.await;
+                self.counting = None;
+                let counted = counted
+                    .map_err(|e| broken(&format!("counting the answer's tokens failed: {e}")))?;
+                let tokens = self.events.recounted(counted)?;
+                self.events.close(tokens);
+                continue;
             }
             if self.events.ended {
                 return Ok(None);
@@ -801,11 +830,26 @@ impl Events {
         }
     }
 
-    /// The answer's end: `Done`, with the text held back for a stop string that did not come.
+    /// The answer's end, with the text held back for a stop string that did not come: `Done`,
+    /// or — when the upstream's count is not to be taken — what to count first.
     fn done(&mut self) -> Result<(), Status> {
         let held = self.stops.finish();
         self.emit(held, true);
-        let completion_tokens = self.completion_tokens()?;
+        self.ended = true;
+        match self.upstream_count()? {
+            Some(tokens) => self.close(tokens),
+            None => {
+                self.recount = Some(match &self.stopped_by {
+                    Some(stop) => format!("{}{stop}", self.text),
+                    None => self.text.clone(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// `Done`, the answer being `completion_tokens` long.
+    fn close(&mut self, completion_tokens: u32) {
         self.ready.push_back(GenerateResponse {
             item: Some(Item::Done(Done {
                 finish_reason: self.finish.into(),
@@ -815,17 +859,13 @@ impl Events {
                 cached_tokens: self.cached_tokens,
             })),
         });
-        self.ended = true;
-        Ok(())
     }
 
-    /// The completion's tokens: the upstream's count when it is at most `max_tokens` and no
-    /// fewer than the pieces of text it sent or than its text can be; else the tokenizer's
-    /// count of what it generated — the text the client got, and the stop string that ended
-    /// it when the gateway cut it there — (its pieces when the text cannot be tokenized), at
-    /// most `max_tokens`. A count above `max_tokens` says the upstream ignored it: the request
-    /// fails.
-    fn completion_tokens(&self) -> Result<u32, Status> {
+    /// The completion's tokens as the upstream counted them, when that count is to be taken:
+    /// at most `max_tokens` and no fewer than the pieces of text it sent or than its text can
+    /// be; `None` when it is to be counted again (see [`Events::recounted`]). A count above
+    /// `max_tokens` says the upstream ignored it: the request fails.
+    fn upstream_count(&self) -> Result<Option<u32>, Status> {
         match self.usage {
             Some(c) if c > self.max_tokens => Err(broken(&format!(
                 "the upstream counts {c} completion tokens, more than the {} asked for",
@@ -836,24 +876,25 @@ impl Events {
                     && c >= self.chunks
                     && self.counter.can_hold(c, self.received) =>
             {
-                Ok(c)
+                Ok(Some(c))
             }
-            _ => {
-                let generated = match &self.stopped_by {
-                    Some(stop) => Cow::Owned(format!("{}{stop}", self.text)),
-                    None => Cow::Borrowed(self.text.as_str()),
-                };
-                let counted = (self.counter.count)(&generated).unwrap_or(self.chunks);
-                if counted > recount_bound(self.max_tokens) {
-                    return Err(broken(&format!(
-                        "the upstream sent about {counted} tokens of text, more than the {} \
-                         asked for",
-                        self.max_tokens
-                    )));
-                }
-                Ok(counted.min(self.max_tokens))
-            }
+            _ => Ok(None),
         }
+    }
+
+    /// The completion's tokens from the tokenizer's count of what it generated — the text the
+    /// client got, and the stop string that ended it when the gateway cut it there — (its
+    /// pieces when the text cannot be tokenized, `counted` `None`), at most `max_tokens`; a
+    /// count well above `max_tokens` fails the request.
+    fn recounted(&self, counted: Option<u32>) -> Result<u32, Status> {
+        let counted = counted.unwrap_or(self.chunks);
+        if counted > recount_bound(self.max_tokens) {
+            return Err(broken(&format!(
+                "the upstream sent about {counted} tokens of text, more than the {} asked for",
+                self.max_tokens
+            )));
+        }
+        Ok(counted.min(self.max_tokens))
     }
 }
 
@@ -916,12 +957,23 @@ mod tests {
     /// The stream of a request of 5 prompt tokens, `max_tokens` and `stop`, whose tokens are
     /// words of at most 16 bytes.
     fn stream_asking(chunks: &[&str], salted: bool, max_tokens: u32, stop: &[&str]) -> SseStream {
+        // Counts words: a stand-in tokenizer.
+        let words = TokenCounter::new(16, |t| u32::try_from(t.split_whitespace().count()).ok());
+        stream_counting(chunks, salted, max_tokens, stop, words)
+    }
+
+    /// [`stream_asking`] with the tokens counted by `counter`.
+    fn stream_counting(
+        chunks: &[&str],
+        salted: bool,
+        max_tokens: u32,
+        stop: &[&str],
+        counter: TokenCounter,
+    ) -> SseStream {
         let owned: Vec<Result<Bytes, BodyError>> = chunks
             .iter()
             .map(|c| Ok(Bytes::from(c.to_string())))
             .collect();
-        // Counts words: a stand-in tokenizer.
-        let words = TokenCounter::new(16, |t| u32::try_from(t.split_whitespace().count()).ok());
         let asked = Asked {
             prompt_tokens: 5,
             max_tokens,
@@ -930,7 +982,7 @@ mod tests {
         SseStream::new(
             Box::pin(futures_util::stream::iter(owned)),
             asked,
-            words,
+            counter,
             salted,
         )
     }
@@ -1380,6 +1432,48 @@ mod tests {
         let event = "data: {\"error\":{\"message\":\"boom\",\"code\":\"oops\"}}\n\n";
         let status = drain(stream(&[event])).await.expect_err("an error event");
         assert!(crate::api::from_status(&status, crate::api::Endpoint::Chat).worker_down);
+    }
+
+    /// An answer whose count is not taken from the upstream is counted again: a short one on
+    /// the thread serving the stream, a long one on the blocking pool (it would hold up that
+    /// thread's other connections); either way by the tokenizer, and a `message` call dropped
+    /// while the count runs leaves it to the next.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_long_answer_is_counted_off_the_serving_thread() {
+        let here = std::thread::current().id();
+        for (words, inline) in [(10, true), (2000, false)] {
+            let counted_on = Arc::new(std::sync::Mutex::new(None));
+            let seen = counted_on.clone();
+            let counter = TokenCounter::new(16, move |t| {
+                *seen.lock().expect("not poisoned") = Some(std::thread::current().id());
+                u32::try_from(t.split_whitespace().count()).ok()
+            });
+            let text = chunk(&" word".repeat(words), Some("stop"));
+            let mut s = stream_counting(&[&text, "data: [DONE]\n\n"], true, 5000, &[], counter);
+            // The first call is dropped as soon as it waits (the count, when off-thread).
+            let first = tokio::time::timeout(Duration::ZERO, s.message()).await;
+            let mut items: Vec<Item> = match first {
+                Ok(item) => item
+                    .expect("served")
+                    .and_then(|m| m.item)
+                    .into_iter()
+                    .collect(),
+                Err(_) => Vec::new(),
+            };
+            while let Some(item) = s.message().await.expect("served").and_then(|m| m.item) {
+                items.push(item);
+            }
+            let done = items
+                .into_iter()
+                .find_map(|i| match i {
+                    Item::Done(d) => Some(d),
+                    _ => None,
+                })
+                .expect("Done");
+            assert_eq!(done.completion_tokens, words as u32);
+            let on = counted_on.lock().expect("not poisoned").expect("counted");
+            assert_eq!(on == here, inline, "{words} words counted on {on:?}");
+        }
     }
 
     /// An upstream that ignores `max_tokens` fails the request as soon as its text outgrows
