@@ -227,12 +227,12 @@ fn object(body: &[u8]) -> Result<Map<String, Value>, RequestError> {
     let read = serde_json::from_slice::<Strict>(body).map_err(|e| RequestError::Json {
         reason: e.to_string(),
     })?;
-    match (read.repeated, read.value) {
-        (Some(field), _) => Err(RequestError::Repeated {
+    match (read.value, read.repeated) {
+        (Value::Object(_), Some(field)) => Err(RequestError::Repeated {
             field: named(&field),
         }),
-        (None, Value::Object(map)) => Ok(map),
-        (None, _) => Err(RequestError::NotAnObject),
+        (Value::Object(map), None) => Ok(map),
+        (_, _) => Err(RequestError::NotAnObject),
     }
 }
 
@@ -245,6 +245,8 @@ fn named(field: &str) -> String {
 }
 
 /// A JSON value, and the first field given more than once in any of its objects, if any.
+/// Numbers come as serde_json hands them over without its `arbitrary_precision` feature (off in
+/// this build; with it, they would come as maps and be refused as the wrong type).
 struct Strict {
     value: Value,
     repeated: Option<String>,

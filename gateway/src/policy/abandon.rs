@@ -259,6 +259,8 @@ impl Ending {
         // Past the gateway's own bound on what a tenant holds, the policies are not asked (a
         // failing plugin's default would hold too): dropped at once.
         let decided = if held_before >= self.policies.max_held() {
+            tracing::debug!(request = %self.id, tenant = %self.tenant, held = held_before,
+                "the tenant holds as many abandoned requests as the gateway allows: dropped");
             Some(Directive::AbortNow)
         } else {
             tokio::select! {

@@ -218,7 +218,7 @@ pub(super) fn load_text(
     {
         if !is_plugin_name(name) {
             return Err(LoadError::BadName {
-                plugin: name.clone(),
+                plugin: bulkhead_worker::printable::printable(name, MAX_PLUGIN_NAME),
             });
         }
         plugins.insert(name.as_str(), prepare(sandbox, base, name, p)?);

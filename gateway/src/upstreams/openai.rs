@@ -109,7 +109,8 @@ pub struct SseStream {
     /// Bytes read and not yet parsed: at most a part of one event.
     buf: Vec<u8>,
     /// The count of a long answer's tokens under way on the blocking pool: kept here, so that
-    /// a `message` call dropped while it runs leaves it to the next.
+    /// a `message` call dropped while it runs leaves it to the next. Dropped with the stream,
+    /// it runs to its end (bounded: the text is at most `max_tokens` tokens' worth).
     counting: Option<tokio::task::JoinHandle<Option<u32>>>,
     /// Where in `buf` an event's end may yet be found: what lies before holds no separator
     /// that more bytes could complete, so a trickling upstream costs each byte one look.
