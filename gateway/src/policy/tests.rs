@@ -1737,17 +1737,23 @@ async fn first_record(recorder: &Recorder) -> bulkhead_audit::AuditRecord {
     }
 }
 
-/// `ledger` holding a request abandoned in its worker's queue until complete, a recorder in
-/// the scratch directory, and such a request the chain allowed.
-async fn held_while_queued() -> (Policies, Scratch, Recorder, RequestPolicy) {
-    let (p, dir) = loaded(&format!(
+/// A policy set of `ledger` alone, holding a request abandoned in its worker's queue until
+/// complete.
+fn ledger_holding_the_queued() -> String {
+    format!(
         "{}{}",
         plugin("ledger", ""),
         binding(
             "ledger",
             "config = { on_disconnect = \"hold-until-complete\", phases = [\"queued\"] }"
         )
-    ));
+    )
+}
+
+/// `ledger` holding a request abandoned in its worker's queue until complete, a recorder in
+/// the scratch directory, and such a request the chain allowed.
+async fn held_while_queued() -> (Policies, Scratch, Recorder, RequestPolicy) {
+    let (p, dir) = loaded(&ledger_holding_the_queued());
     let r = ask(&p, Ask::default()).await.expect("allowed");
     let recorder = recorder(&dir);
     (p, dir, recorder, r)
@@ -1840,17 +1846,7 @@ async fn shutdown_waits_for_a_hold_and_its_cut_ends_it_on_the_record() {
 #[tokio::test]
 async fn past_the_gateways_bound_an_abandoned_request_is_not_held_whatever_a_plugin_says() {
     let dir = Scratch::new("policy");
-    let path = write(
-        &dir,
-        &format!(
-            "{}{}",
-            plugin("ledger", ""),
-            binding(
-                "ledger",
-                "config = { on_disconnect = \"hold-until-complete\", phases = [\"queued\"] }"
-            )
-        ),
-    );
+    let path = write(&dir, &ledger_holding_the_queued());
     let p = Policies::load(PolicySettings {
         max_held_per_tenant: 1,
         ..settings(&path, None)
