@@ -1543,6 +1543,17 @@ fn a_load_keeps_the_compile_cache_bounded_evicting_the_least_recently_used_never
     assert!(own.iter().all(|p| p.exists()));
 }
 
+/// The client of `r` left, its worker's call or stream as `leg` and `progress` say, and `r`
+/// charged [`charge`]: what the response's state does when it is dropped.
+fn left(r: RequestPolicy, leg: Option<crate::upstreams::Leg>, progress: Progress, trail: Trail) {
+    r.finish(leg, progress, trail, charge(), Endpoint::Chat);
+}
+
+/// A call the worker never answers (the request waits in its queue).
+fn queued() -> crate::upstreams::Leg {
+    crate::upstreams::Leg::Calling(Box::pin(std::future::pending()))
+}
+
 async fn abandoned_directives(p: &Policies) -> String {
     // The end of a request runs in a task: give it a moment.
     for _ in 0..100 {
@@ -1566,13 +1577,7 @@ async fn abort_guard_holds_an_abandoned_prefill_and_caps_what_a_tenant_holds() {
     // Abandoned before the first token: held until prefill is done.
     let (p, dir) = loaded(&set);
     let r = ask(&p, Ask::default()).await.expect("allowed");
-    r.finish(
-        None,
-        Progress::default(),
-        trail(&dir),
-        charge(),
-        Endpoint::Chat,
-    );
+    left(r, None, Progress::default(), trail(&dir));
     let m = abandoned_directives(&p).await;
     assert!(
         m.contains("directive=\"hold_until_prefill_done\"} 1"),
@@ -1588,15 +1593,14 @@ async fn abort_guard_holds_an_abandoned_prefill_and_caps_what_a_tenant_holds() {
     // Already decoding: nothing to protect, abort now.
     let (p, dir) = loaded(&set);
     let r = ask(&p, Ask::default()).await.expect("allowed");
-    r.finish(
+    left(
+        r,
         None,
         Progress {
             tokens: 3,
             ..Progress::default()
         },
         trail(&dir),
-        charge(),
-        Endpoint::Chat,
     );
     assert!(
         abandoned_directives(&p)
@@ -1607,13 +1611,7 @@ async fn abort_guard_holds_an_abandoned_prefill_and_caps_what_a_tenant_holds() {
     let (p, dir) = loaded(&set);
     let (_, _held) = p.hold("tenant-a");
     let r = ask(&p, Ask::default()).await.expect("allowed");
-    r.finish(
-        None,
-        Progress::default(),
-        trail(&dir),
-        charge(),
-        Endpoint::Chat,
-    );
+    left(r, None, Progress::default(), trail(&dir));
     assert!(
         abandoned_directives(&p)
             .await
@@ -1662,9 +1660,8 @@ async fn slot_back(limiter: &Limiter, a: &Arc<Tenant>) -> crate::limits::Request
 async fn a_request_abandoned_before_its_call_was_answered_is_charged_nothing() {
     let (p, dir, a, limiter, charge) = one_slot_charged_in_full();
     let r = ask(&p, Ask::default()).await.expect("allowed");
-    let never: crate::upstreams::Call = Box::pin(std::future::pending());
     r.finish(
-        Some(crate::upstreams::Leg::Calling(never)),
+        Some(queued()),
         Progress::default(),
         trail(&dir),
         charge,
@@ -1713,7 +1710,7 @@ async fn an_abandoned_request_is_never_counted_past_its_max_tokens() {
         ..Progress::default()
     };
     let trail = recorder.trail("req-over".into(), tracing::Span::none());
-    r.finish(None, progress, trail, charge(), Endpoint::Chat);
+    left(r, None, progress, trail);
     abandoned_directives(&p).await;
     let record = first_record(&recorder).await;
     assert_eq!(record.output_tokens, Some(100), "{record:?}");
@@ -1780,12 +1777,11 @@ async fn a_held_request_the_worker_then_refuses_is_recorded_with_the_refusal() {
     }
     let refused: crate::upstreams::Call = Box::pin(async move { Err(refusal) });
     let trail = recorder.trail("req-refused".into(), tracing::Span::none());
-    r.finish(
+    left(
+        r,
         Some(crate::upstreams::Leg::Calling(refused)),
         Progress::default(),
         trail,
-        charge(),
-        Endpoint::Chat,
     );
     let record = first_record(&recorder).await;
     let hold = record.hold.as_ref().expect("held");
@@ -1806,13 +1802,11 @@ async fn a_held_request_the_worker_then_refuses_is_recorded_with_the_refusal() {
 #[tokio::test]
 async fn shutdown_waits_for_a_hold_and_its_cut_ends_it_on_the_record() {
     let (p, _dir, recorder, r) = held_while_queued().await;
-    let never: crate::upstreams::Call = Box::pin(std::future::pending());
-    r.finish(
-        Some(crate::upstreams::Leg::Calling(never)),
+    left(
+        r,
+        Some(queued()),
         Progress::default(),
         recorder.trail("req-cut".into(), tracing::Span::none()),
-        charge(),
-        Endpoint::Chat,
     );
     assert!(
         tokio::time::timeout(Duration::from_millis(300), p.ended())
@@ -1854,14 +1848,7 @@ async fn past_the_gateways_bound_an_abandoned_request_is_not_held_whatever_a_plu
     .expect("loads");
     let (_, _held) = p.hold("tenant-a");
     let r = ask(&p, Ask::default()).await.expect("allowed");
-    let never: crate::upstreams::Call = Box::pin(std::future::pending());
-    r.finish(
-        Some(crate::upstreams::Leg::Calling(never)),
-        Progress::default(),
-        trail(&dir),
-        charge(),
-        Endpoint::Chat,
-    );
+    left(r, Some(queued()), Progress::default(), trail(&dir));
     let m = abandoned_directives(&p).await;
     assert!(m.contains("directive=\"abort_now\"} 1"), "{m}");
     assert!(
