@@ -223,14 +223,14 @@ pub(super) fn trusted(dir: &Path) -> Option<PathBuf> {
 #[cfg(unix)]
 fn read_private(path: &Path) -> Option<Vec<u8>> {
     use std::io::Read as _;
-    use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
+    use std::os::unix::fs::OpenOptionsExt as _;
     let mut file = std::fs::File::options()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW)
         .open(path)
         .ok()?;
     let meta = file.metadata().ok()?;
-    if !meta.is_file() || meta.uid() != user() || meta.mode() & 0o022 != 0 {
+    if !meta.is_file() || !mine(&meta) {
         return None;
     }
     let mut bytes = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0));
@@ -243,9 +243,9 @@ fn read_private(path: &Path) -> Option<Vec<u8>> {
     private(path).then(|| std::fs::read(path).ok()).flatten()
 }
 
-/// Whether anyone at all may move or replace what lies in the directory `dir` (above the
-/// cache): it is writable by others, and not sticky (as `/tmp` is: others may add entries
-/// there, not rename or remove another's). A directory its group may write is the operator's
+/// Whether what lies in the directory `dir` (above the cache) stays where it is: `dir` is
+/// writable by no other user, or sticky (as `/tmp` is: others may add entries there, not
+/// rename or remove another's). A directory its group may write is the operator's
 /// choice of who shares it (a umask of 002, a Kubernetes volume's `fsGroup`).
 #[cfg(unix)]
 fn holds_still(dir: &Path) -> bool {
@@ -262,16 +262,17 @@ fn holds_still(_: &Path) -> bool {
 /// or other may write it.
 #[cfg(unix)]
 fn private(path: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt as _;
-    std::fs::symlink_metadata(path)
-        .is_ok_and(|m| !m.file_type().is_symlink() && m.uid() == user() && m.mode() & 0o022 == 0)
+    std::fs::symlink_metadata(path).is_ok_and(|m| !m.file_type().is_symlink() && mine(&m))
 }
 
-/// The gateway's (effective) user.
+/// Whether what `meta` describes belongs to the gateway's (effective) user and no group or
+/// other may write it.
 #[cfg(unix)]
-fn user() -> u32 {
+fn mine(meta: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt as _;
     // SAFETY: `geteuid` has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
+    let user = unsafe { libc::geteuid() };
+    meta.uid() == user && meta.mode() & 0o022 == 0
 }
 
 #[cfg(not(unix))]

@@ -1477,6 +1477,21 @@ mod tests {
         }
     }
 
+    /// A count on the blocking pool that fails (the tokenizer panicked) fails the one request
+    /// as the upstream's broken answer, not the server: it stays routed to.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_count_that_fails_off_the_serving_thread_fails_the_request_alone() {
+        let counter = TokenCounter::new(16, |_| panic!("a tokenizer bug"));
+        let text = chunk(&" word".repeat(2000), Some("stop"));
+        let s = stream_counting(&[&text, "data: [DONE]\n\n"], true, 5000, &[], counter);
+        let e = drain(s).await.expect_err("the count failed");
+        assert!(
+            e.message().contains("counting the answer's tokens failed"),
+            "{e:?}"
+        );
+        assert!(!crate::api::from_status(&e, crate::api::Endpoint::Chat).worker_down);
+    }
+
     /// An upstream that ignores `max_tokens` fails the request as soon as its text outgrows
     /// what that many tokens can hold, whether in many chunks, one, or the closing one; a
     /// usage count above `max_tokens` fails it too. The server stays routed to.
