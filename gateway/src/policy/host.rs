@@ -1,4 +1,4 @@
-//! What one store holds: the plugin's name (for its log lines), its limiter, and an empty WASI
+//! What one store holds: the plugin's log (its name and its budget of lines), its limiter, and an empty WASI
 //! context (no files, no network, no environment, no arguments, no stdio; clocks stopped at 0
 //! and randomness a constant) for guests whose standard library imports WASI 0.2. Also the
 //! `host` interface the world imports.
@@ -14,8 +14,10 @@ use wasmtime_wasi::{
 
 use super::bindings::{HostImports, Level, TypesHost};
 use super::limiter::Limiter;
+use super::log_budget::{LINES_PER_SECOND, PluginLog};
 
-/// Log lines one call may write; the rest are dropped (a plugin cannot flood the log).
+/// Log lines one call may write; the rest are dropped (a call cannot flood the log, nor, with
+/// the plugin's budget a second, can its calls together).
 const MAX_LOG_LINES: u32 = 16;
 /// Longest log line kept, in bytes.
 const MAX_LOG_BYTES: usize = 1024;
@@ -29,7 +31,7 @@ const MAX_WASI_RESOURCES: usize = 256;
 
 /// The data of one store (one call of one plugin).
 pub(super) struct Host {
-    pub(super) plugin: Arc<str>,
+    log: Arc<PluginLog>,
     pub(super) limiter: Limiter,
     logged: u32,
     /// Built at the guest's first WASI call: a component that imports no WASI (as the
@@ -41,18 +43,18 @@ pub(super) struct Host {
 impl std::fmt::Debug for Host {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Host")
-            .field("plugin", &self.plugin)
+            .field("plugin", &self.log.name)
             .field("limiter", &self.limiter)
             .finish_non_exhaustive()
     }
 }
 
 impl Host {
-    pub(super) fn new(plugin: Arc<str>, memory_bytes: usize) -> Host {
+    pub(super) fn new(log: Arc<PluginLog>, memory_bytes: usize) -> Host {
         let mut table = ResourceTable::new();
         table.set_max_capacity(MAX_WASI_RESOURCES);
         Host {
-            plugin,
+            log,
             limiter: Limiter::new(memory_bytes),
             logged: 0,
             wasi: None,
@@ -124,8 +126,19 @@ impl HostImports for Host {
         if self.logged > MAX_LOG_LINES {
             return;
         }
+        let admit = self.log.admit(std::time::Instant::now());
+        let plugin = &*self.log.name;
+        if admit.dropped_before > 0 {
+            tracing::warn!(
+                plugin,
+                dropped = admit.dropped_before,
+                "the plugin's log lines past {LINES_PER_SECOND} a second were dropped"
+            );
+        }
+        if !admit.write {
+            return;
+        }
         let message = printable(&message, MAX_LOG_BYTES);
-        let plugin = &*self.plugin;
         match level {
             Level::Debug => tracing::debug!(plugin, "{message}"),
             Level::Info => tracing::info!(plugin, "{message}"),

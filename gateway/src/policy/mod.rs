@@ -31,6 +31,7 @@ mod handle;
 mod host;
 mod limiter;
 mod load;
+mod log_budget;
 mod plugin;
 mod request;
 mod sandbox;

@@ -15,6 +15,7 @@ use super::bindings::{
 };
 use super::digest::Digest;
 use super::host::Host;
+use super::log_budget::PluginLog;
 use super::sandbox::{Sandbox, TICK};
 use super::snapshot::Snapshotter;
 
@@ -67,6 +68,8 @@ impl Fault {
 pub(super) struct Loaded {
     pub(super) name: Arc<str>,
     pub(super) digest: Digest,
+    /// Its log lines' budget, shared by all its calls.
+    pub(super) log: Arc<PluginLog>,
     ready: Ready,
     limits: CallLimits,
     sandbox: Sandbox,
@@ -123,6 +126,7 @@ impl Loaded {
         sandbox: Sandbox,
     ) -> Loaded {
         Loaded {
+            log: Arc::new(PluginLog::new(name.clone(), Instant::now())),
             name,
             digest,
             ready,
@@ -137,7 +141,7 @@ impl Loaded {
     fn store(&self) -> Store<Host> {
         let mut store = Store::new(
             self.sandbox.engine(),
-            Host::new(self.name.clone(), self.limits.memory_bytes),
+            Host::new(self.log.clone(), self.limits.memory_bytes),
         );
         store.limiter(|h| &mut h.limiter);
         // What the gateway copies out of one call (a verdict, a log line) is bounded by this,

@@ -502,6 +502,21 @@ async fn a_spinning_plugin_yields_its_thread_to_other_requests_until_its_deadlin
     );
 }
 
+/// A plugin asking the host to log a thousand lines at every call gets a few per call, and all
+/// its calls together a few a second: a tenant's request rate does not become the log's.
+#[tokio::test]
+async fn a_plugin_flooding_the_log_is_held_to_its_lines_a_second() {
+    let (p, _dir) = hostile("", "config = { attack = \"log-flood\" }");
+    for _ in 0..5 {
+        ask(&p, Ask::default()).await.expect("allows");
+    }
+    // Five calls' lines are more than the second's budget: the next line is dropped (without
+    // the budget in `host.log`, the plugin's budget would be untouched and write it).
+    let set = p.current();
+    let log = &set.bindings[0].plugin.log;
+    assert!(!log.admit(Instant::now()).write, "{log:?}");
+}
+
 /// WASI 0.2's clocks and random source are linked for guests whose standard library needs
 /// them; they read as a stopped clock and a constant, so no call can tell itself from another
 /// or time anything in the gateway's process.

@@ -6,13 +6,14 @@
 //! (waits 5 s in a WASI clock, where no epoch deadline can stop it: the call's timeout);
 //! `big-header` (allows, adding one 8 MiB header: more than the gateway copies out of a call);
 //! `observe` (allows, tagging what it reads of WASI's clocks and randomness: the host should
-//! give it nothing to tell one call from another).
+//! give it nothing to tell one call from another); `log-flood` (allows, after asking the host to
+//! log a thousand lines: the log's bounds).
 
 use std::hash::BuildHasher as _;
 
 use bulkhead_policy_guest::{
-    ConfigSlot, Denial, Directive, Disconnect, Guest, Header, Hooks, Mutations, RequestView,
-    ResponseEnd, Tag, Verdict, configured, parse_config, store,
+    ConfigSlot, Denial, Directive, Disconnect, Guest, Header, Hooks, Level, Mutations,
+    RequestView, ResponseEnd, Tag, Verdict, configured, log, parse_config, store,
 };
 use serde::Deserialize;
 
@@ -27,6 +28,7 @@ enum Attack {
     Sleep,
     Observe,
     BigHeader,
+    LogFlood,
 }
 
 #[derive(Debug, Deserialize)]
@@ -95,6 +97,16 @@ fn attack(attack: Attack) -> Verdict {
                     tag("wall-clock-ns", wall.to_string()),
                     tag("random", format!("{random:016x}")),
                 ],
+                clamp_max_tokens: None,
+                add_headers: Vec::new(),
+            })
+        }
+        Attack::LogFlood => {
+            for n in 0..1000 {
+                log(Level::Warn, &format!("hostile plugin: line {n}"));
+            }
+            Verdict::Allow(Mutations {
+                tags: Vec::new(),
                 clamp_max_tokens: None,
                 add_headers: Vec::new(),
             })
