@@ -261,6 +261,7 @@ impl Ending {
         let decided = if held_before >= self.policies.max_held() {
             tracing::debug!(request = %self.id, tenant = %self.tenant, held = held_before,
                 "the tenant holds as many abandoned requests as the gateway allows: dropped");
+            self.policies.stats().over_hold_bound(&self.tenant);
             Some(Directive::AbortNow)
         } else {
             tokio::select! {

@@ -39,6 +39,9 @@ struct Counters {
     slot_waits: BTreeMap<String, Histogram<Micros>>,
     /// tenant → waits that ended without a slot (the sandbox was busy).
     busy: BTreeMap<String, u64>,
+    /// tenant → abandoned requests dropped at once, the tenant holding as many as the gateway
+    /// allows.
+    over_hold_bound: BTreeMap<String, u64>,
 }
 
 /// A cheap `Clone` handle on the counters.
@@ -80,6 +83,12 @@ impl Stats {
 
     pub(super) fn abandoned(&self, directive: &'static str) {
         self.with(|c| *c.abandoned.entry(directive).or_default() += 1);
+    }
+
+    /// An abandoned request of `tenant`'s dropped at once: the tenant held as many as the
+    /// gateway allows.
+    pub(super) fn over_hold_bound(&self, tenant: &str) {
+        self.with(|c| per_tenant(&mut c.over_hold_bound, tenant, |n| *n += 1));
     }
 
     pub(super) fn dropped(&self, at: &'static str) {
@@ -153,6 +162,16 @@ impl Stats {
                  chain refused as policy_busy unless fail-open, or a disconnect or \
                  response-end hook not run.",
                 c.busy
+                    .iter()
+                    .filter(|(t, _)| keep(t))
+                    .map(|(t, n)| (format!("tenant=\"{t}\""), *n))
+                    .collect(),
+            );
+            family(
+                "bulkhead_policy_abandoned_over_hold_bound_total",
+                "Abandoned requests by tenant dropped at once (counted as abort_now too), the \
+                 policies not asked: the tenant already held [policies] max_held_per_tenant.",
+                c.over_hold_bound
                     .iter()
                     .filter(|(t, _)| keep(t))
                     .map(|(t, n)| (format!("tenant=\"{t}\""), *n))

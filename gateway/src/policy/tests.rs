@@ -1867,6 +1867,10 @@ async fn past_the_gateways_bound_an_abandoned_request_is_not_held_whatever_a_plu
     let m = abandoned_directives(&p).await;
     assert!(m.contains("directive=\"abort_now\"} 1"), "{m}");
     assert!(
+        m.contains("bulkhead_policy_abandoned_over_hold_bound_total{tenant=\"tenant-a\"} 1"),
+        "{m}"
+    );
+    assert!(
         !m.contains("hook=\"on-disconnect\""),
         "the policies were not asked (a slot wait would keep the worker busy): {m}"
     );
