@@ -17,6 +17,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{Model, SplitDelimiterBehavior};
 
 use crate::gguf::{Gguf, GgufError};
+use crate::printable::printable;
 use crate::text_cache::TextCache;
 use crate::words;
 
@@ -34,11 +35,24 @@ pub enum TokenizerError {
     UnsupportedPreTokenizer(String),
     #[error("merge {index} ({merge:?}) is not two tokens separated by a space")]
     BadMerge { index: usize, merge: String },
+    #[error(
+        "merge {index} ({merge:?}) is not of two tokens of the vocabulary whose joining is one too"
+    )]
+    MergeOutsideVocabulary { index: usize, merge: String },
+    #[error("token {second} ({token:?}) repeats token {first}: one of them could never be encoded")]
+    RepeatedToken {
+        first: TokenId,
+        second: TokenId,
+        token: String,
+    },
     #[error("cannot build the BPE model: {0}")]
     Build(String),
     #[error("cannot encode the text: {0}")]
     Encode(String),
 }
+
+/// The longest part of a token or merge an error quotes.
+const QUOTED: usize = 64;
 
 /// GGUF `tokenizer.ggml.token_type` values.
 const TYPE_CONTROL: i32 = 3;
@@ -155,24 +169,38 @@ impl Tokenizer {
             return Err(TokenizerError::UnsupportedModel(model.into()));
         }
         let type_of = |i: usize| types.get(i).copied().unwrap_or(1);
+        let mut vocab = Vocab::with_capacity(tokens.len());
+        for (i, t) in tokens.iter().enumerate() {
+            let t = t.as_ref();
+            if let Some(first) = vocab.insert(t.to_owned(), i as TokenId) {
+                return Err(TokenizerError::RepeatedToken {
+                    first,
+                    second: i as TokenId,
+                    token: printable(t, QUOTED),
+                });
+            }
+        }
+        // Every merge joins two tokens into a third: the BPE builder indexes a buffer as long
+        // as the longest token with the joining before it looks the third up (a panic).
         let merges = merges
             .iter()
             .enumerate()
             .map(|(index, m)| {
                 let m = m.as_ref();
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_owned(), b.to_owned()))
-                    .ok_or_else(|| TokenizerError::BadMerge {
+                let (a, b) = m.split_once(' ').ok_or_else(|| TokenizerError::BadMerge {
+                    index,
+                    merge: printable(m, QUOTED),
+                })?;
+                let known = |t: &str| vocab.contains_key(t);
+                if !(known(a) && known(b) && known(&format!("{a}{b}"))) {
+                    return Err(TokenizerError::MergeOutsideVocabulary {
                         index,
-                        merge: m.into(),
-                    })
+                        merge: printable(m, QUOTED),
+                    });
+                }
+                Ok((a.to_owned(), b.to_owned()))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let vocab: Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.as_ref().to_owned(), i as TokenId))
-            .collect();
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .build()
@@ -569,6 +597,44 @@ mod tests {
         .expect("a vocabulary with an empty control token builds");
         // Before, the empty token matched at offset 0 forever: encoding never returned.
         assert_eq!(t.encode("ab<eos>c", true).expect("encode"), [0, 1, 26, 2]);
+    }
+
+    /// A vocabulary from a file or a peer whose merges or tokens the BPE model cannot take
+    /// is refused with its reason (a merge joining into more than the longest token panicked
+    /// the builder; a repeated token left the first of its ids never encoded).
+    #[test]
+    fn merges_outside_the_vocabulary_and_repeated_tokens_are_refused() {
+        let build = |tokens: &[&str], merges: &[&str]| {
+            Tokenizer::from_parts(TokenizerParts {
+                model: "gpt2",
+                pre: None,
+                tokens,
+                merges,
+                token_types: &[],
+                bos: None,
+                eos: 0,
+            })
+        };
+        build(&["a", "b", "ab"], &["a b"]).expect("a merge into a token");
+        for merges in [&["ab ab"][..], &["a c"], &["b a"]] {
+            let e = build(&["a", "b", "ab"], merges).expect_err("refused");
+            assert!(
+                matches!(&e, TokenizerError::MergeOutsideVocabulary { index: 0, .. }),
+                "{merges:?}: {e}"
+            );
+        }
+        let e = build(&["a", "b", "a"], &[]).expect_err("refused");
+        assert!(
+            matches!(
+                &e,
+                TokenizerError::RepeatedToken {
+                    first: 0,
+                    second: 2,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 
     #[test]

@@ -1,3 +1,5 @@
+use bulkhead_kernels::quant::BLOCK;
+
 use crate::gguf::{Gguf, GgufError};
 
 /// Rotary embedding pairing: which values of a head rotate together.
@@ -65,6 +67,14 @@ impl ModelConfig {
                 format!("{kv_heads} does not divide head_count {heads}"),
             ));
         }
+        let ffn_dim = g.get_count(&key("feed_forward_length"))?;
+        // The CPU kernels take activations in whole quantization blocks: a float (F16/F32)
+        // weight of another width loads, then fails the first request.
+        for (k, width) in [("embedding_length", dim), ("feed_forward_length", ffn_dim)] {
+            if width % BLOCK != 0 {
+                return Err(bad(k, format!("{width} is not a multiple of {BLOCK}")));
+            }
+        }
         let head_dim = dim / heads;
         if head_dim % 2 != 0 {
             return Err(bad(
@@ -84,6 +94,14 @@ impl ModelConfig {
             Err(GgufError::MissingKey { .. }) => 10_000.0,
             other => other?,
         };
+        // A base of 1 or less (or NaN) makes every rotation frequency 1, infinite or NaN: the
+        // model answers garbage, or NaN logits, with no error.
+        if !(rope_base.is_finite() && rope_base > 1.0) {
+            return Err(bad(
+                "rope.freq_base",
+                format!("{rope_base} is not a base above 1"),
+            ));
+        }
         // RoPE scaling (Llama 3.1's frequency factors, linear/YaRN scaling) changes every
         // position's rotation; refuse it rather than compute a subtly different model.
         if g.tensor_info("rope_freqs.weight").is_ok() {
@@ -114,7 +132,7 @@ impl ModelConfig {
         Ok(ModelConfig {
             name: g.get_str("general.name").unwrap_or(&arch).to_owned(),
             layers: g.get_count(&key("block_count"))?,
-            ffn_dim: g.get_count(&key("feed_forward_length"))?,
+            ffn_dim,
             context_length: g.get_count(&key("context_length"))?,
             rms_eps,
             rope_style: RopeStyle::Interleaved,
@@ -172,6 +190,31 @@ mod tests {
             assert!(
                 matches!(&err, GgufError::BadValue { key, .. } if key.ends_with("layer_norm_rms_epsilon")),
                 "{eps}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_rope_base_that_is_not_above_1_is_refused() {
+        for base in [f32::NAN, f32::INFINITY, 0.0, -10_000.0, 1.0] {
+            let err =
+                config_with(Some(("llama.rope.freq_base", Value::F32(base)))).expect_err("refused");
+            assert!(
+                matches!(&err, GgufError::BadValue { key, .. } if key.ends_with("rope.freq_base")),
+                "{base}: {err}"
+            );
+        }
+        assert!(config_with(Some(("llama.rope.freq_base", Value::F32(500_000.0)))).is_ok());
+    }
+
+    #[test]
+    fn a_width_that_is_not_whole_blocks_is_refused() {
+        for (k, width) in [("embedding_length", 48), ("feed_forward_length", 100)] {
+            let err =
+                config_with(Some((&format!("llama.{k}"), Value::U32(width)))).expect_err("refused");
+            assert!(
+                matches!(&err, GgufError::BadValue { key, .. } if key.ends_with(k)),
+                "{k} {width}: {err}"
             );
         }
     }
