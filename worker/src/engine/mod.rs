@@ -290,7 +290,12 @@ impl Running {
 enum Outcome {
     Continue,
     Finished,
-    Failed,
+    /// `suspect`: its pages' contents cannot be vouched for (a KV integrity failure): they
+    /// are quarantined. Otherwise (a device fault, a token outside the vocabulary, logits
+    /// that are not numbers) they are released, scrubbed as any released page.
+    Failed {
+        suspect: bool,
+    },
     Cancelled,
     /// Prefill role: the prompt is done and this is the first token; hand the KV over.
     HandOver(TokenId),
@@ -995,10 +1000,13 @@ impl Engine {
                     let r = self.running.remove(i);
                     self.hand_over(r, first_token);
                 }
-                Outcome::Failed => {
+                Outcome::Failed { suspect: true } => {
                     // Suspect contents, no peer: quarantined until an operator releases them.
                     let _ = self.running.remove(i).pages.quarantine();
                 }
+                // Nothing of them goes to the prefix cache: the step that failed may have
+                // written part of a page.
+                Outcome::Failed { suspect: false } => self.running.remove(i).pages.release(),
                 Outcome::Finished | Outcome::Cancelled => self.running.remove(i).retire(),
             }
         }
@@ -1206,10 +1214,17 @@ impl Engine {
     fn advance(&mut self, i: usize, n: usize, result: SeqResult) -> Outcome {
         let r = &mut self.running[i];
         let logits = match result {
+            Ok(Some(logits)) if logits.iter().any(|l| !l.is_finite()) => Err(
+                crate::model::SeqFailure::Internal("the model's logits are not all finite".into()),
+            ),
+            other => other,
+        };
+        let logits = match logits {
             Err(failure) => {
                 tracing::warn!(request = %r.request.id, error = %failure, "request failed");
+                let suspect = matches!(failure, crate::model::SeqFailure::Integrity(_));
                 let _ = r.request.sink.emit(Event::Failed(failure.into()));
-                return Outcome::Failed;
+                return Outcome::Failed { suspect };
             }
             Ok(logits) => logits,
         };

@@ -1,4 +1,5 @@
-//! The engine's decode side where it needs its insides: a frame its KV memory cannot take.
+//! The engine where a test needs its insides: a frame its KV memory cannot take, a model whose
+//! logits are not numbers.
 
 use std::sync::mpsc;
 
@@ -6,6 +7,9 @@ use bulkhead_handoff::Message;
 use bulkhead_kvpool::{RequestId, Scope};
 
 use super::*;
+use bulkhead_kernels::DType;
+
+use crate::gguf::GgufWriter;
 use crate::loader::LoadedModel;
 use crate::sampling::SamplingParams;
 use crate::tiny_model::TinySpec;
@@ -20,14 +24,17 @@ fn tiny_engine() -> Engine {
 
 /// An engine of the tiny model with `config`, or why it cannot start.
 fn tiny_engine_with(config: EngineConfig) -> Result<Engine, StartupError> {
+    engine_of(&TinySpec::default().to_gguf(), config)
+}
+
+/// An engine of the model `w` writes, with `config`.
+fn engine_of(w: &GgufWriter, config: EngineConfig) -> Result<Engine, StartupError> {
     let path = std::env::temp_dir().join(format!(
         "bulkhead-engine-test-{}-{}.gguf",
         std::process::id(),
         rand::random::<u64>()
     ));
-    TinySpec::default()
-        .write(&path)
-        .expect("writes the tiny model");
+    w.write(&path).expect("writes the model");
     let loaded = LoadedModel::open(&path).expect("loads it");
     let _ = std::fs::remove_file(&path);
     Engine::new(loaded.model, loaded.tokenizer, config)
@@ -132,4 +139,39 @@ fn a_frame_admitted_but_not_written_fails_the_transfer_instead_of_committing_it(
     let s = d.pool().stats();
     assert_eq!(s.quarantined, 3, "held until its peer is gone: {s:?}");
     assert_eq!(d.transfer_stats().frames_written, 0);
+}
+
+/// A request whose logits are not numbers (weights a file got wrong: here an output norm of
+/// infinities) fails with that reason instead of sampling garbage, and its pages go back to the
+/// pool: nothing says their contents are another's (before, every failed request's pages were
+/// quarantined, out of service until a restart).
+#[test]
+fn logits_that_are_not_numbers_fail_the_request_and_its_pages_come_back() {
+    let mut w = TinySpec::default().to_gguf();
+    let inf: Vec<u8> = (0..64).flat_map(|_| f32::INFINITY.to_le_bytes()).collect();
+    w.tensor("output_norm.weight", &[64], DType::F32, inf);
+    let mut e = engine_of(
+        &w,
+        EngineConfig {
+            kv: KvBudget::Tokens(256),
+            ..EngineConfig::default()
+        },
+    )
+    .expect("engine starts");
+    let free = e.pool().stats().free;
+    let (tx, rx) = mpsc::channel();
+    e.submit(request(&(3..40).collect::<Vec<_>>(), tx))
+        .map_err(|(e, _)| e)
+        .expect("admits");
+    while e.has_work() {
+        e.step();
+    }
+    let events: Vec<Event> = rx.try_iter().collect();
+    assert!(
+        matches!(events.as_slice(), [Event::Failed(f)] if f.to_string().contains("not all finite")),
+        "{events:?}"
+    );
+    e.scrub();
+    let s = e.pool().stats();
+    assert_eq!((s.quarantined, s.free), (0, free), "{s:?}");
 }

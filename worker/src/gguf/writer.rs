@@ -25,7 +25,8 @@ impl GgufWriter {
         self
     }
 
-    /// Adds a tensor of `dims` (innermost first) holding `bytes` already encoded as `dtype`.
+    /// Sets tensor `name` to `dims` (innermost first) holding `bytes` already encoded as
+    /// `dtype` (in place of one of that name set before).
     pub fn tensor(
         &mut self,
         name: &str,
@@ -33,8 +34,11 @@ impl GgufWriter {
         dtype: DType,
         bytes: Vec<u8>,
     ) -> &mut Self {
-        self.tensors
-            .push((name.into(), dims.to_vec(), dtype, bytes));
+        let tensor = (name.into(), dims.to_vec(), dtype, bytes);
+        match self.tensors.iter_mut().find(|t| t.0 == name) {
+            Some(t) => *t = tensor,
+            None => self.tensors.push(tensor),
+        }
         self
     }
 
