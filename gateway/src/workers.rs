@@ -535,22 +535,7 @@ impl State {
     fn own_alone(&self, e: &Entry) -> Option<Unroutable> {
         unroutable(e.facts.as_ref(), &e.health, self.served_id())
             .or_else(|| stalled(e))
-            .or_else(|| e.open.then_some(Unroutable::AnswersWithoutToken))
-            .or_else(|| {
-                // `bulkhead preflight`'s checks of one worker, at run time. An OpenAI-compatible
-                // server has no KV handoff and no role of Bulkhead's to check.
-                let info = e.info.as_ref().filter(|_| {
-                    matches!(e.client, Upstream::Grpc(_))
-                        && bulkhead_checks::enabled(Check::RoutingChecks)
-                })?;
-                crate::preflight::own(&e.config.name, e.config.role, info)
-                    .into_iter()
-                    .find(|c| !c.pass)
-                    .map(|c| Unroutable::FailsCheck {
-                        check: c.name,
-                        detail: c.detail,
-                    })
-            })
+            .or_else(|| misconfigured(e))
     }
 
     /// Logs each worker whose reason not to serve through it changed since it was last
@@ -618,6 +603,17 @@ impl State {
                     );
                     let prefill = name.to_owned();
                     return Some(Unroutable::PrefillUnusable { prefill, why });
+                }
+                // Whichever of them the Service picks fills the pages: one set up unsafely (its
+                // integrity checks off, calls taken without the token) must not, however usable
+                // the others are. What passes (unreachable, stalled, not serving) is the
+                // Service's to route around.
+                if let Some((p, why)) = prefills.clone().find_map(|p| Some((p, misconfigured(p)?)))
+                {
+                    return Some(Unroutable::PrefillUnusable {
+                        prefill: name.to_owned(),
+                        why: format!("{}: {why}", p.config.name),
+                    });
                 }
                 // One that serves may fill its pages: its pool and the pair checks must be
                 // known, not skipped.
@@ -716,6 +712,25 @@ impl State {
             None => self.may_route(e),
         })
     }
+}
+
+/// How `e` is set up, where that makes it unsafe to route through: it answers calls without
+/// the cluster token, or fails one of `bulkhead preflight`'s checks of one worker (at run
+/// time; an OpenAI-compatible server has no KV handoff and no role of Bulkhead's to check).
+fn misconfigured(e: &Entry) -> Option<Unroutable> {
+    if e.open {
+        return Some(Unroutable::AnswersWithoutToken);
+    }
+    let info = e.info.as_ref().filter(|_| {
+        matches!(e.client, Upstream::Grpc(_)) && bulkhead_checks::enabled(Check::RoutingChecks)
+    })?;
+    crate::preflight::own(&e.config.name, e.config.role, info)
+        .into_iter()
+        .find(|c| !c.pass)
+        .map(|c| Unroutable::FailsCheck {
+            check: c.name,
+            detail: c.detail,
+        })
 }
 
 /// Why `e` is not routed to for now, when the requests routed to it stalled.
@@ -1539,6 +1554,44 @@ mod tests {
         reports(&w, "p2", WorkerRole::Prefill, 2048, 2048);
         assert!(to(&w, 4000).is_none(), "p2's pool bounds it now");
         assert!(to(&w, 2000).is_some());
+    }
+
+    /// A decode worker whose prefill group has a member set up without the integrity checks
+    /// is not routed to, however usable the others are: the Service may send its transfer to
+    /// that member. One merely not serving is the Service's to route around.
+    #[tokio::test]
+    async fn a_prefill_member_without_its_integrity_checks_keeps_its_decode_worker_unroutable() {
+        let w = workers(&[
+            ("d", WorkerRole::Decode, Some("p")),
+            ("p", WorkerRole::Prefill, None),
+            ("p2", WorkerRole::Prefill, None),
+        ]);
+        w.with(|s| {
+            for e in &mut s.entries[1..] {
+                e.config.group = Some("p".into());
+            }
+        });
+        for (name, role) in [
+            ("d", WorkerRole::Decode),
+            ("p", WorkerRole::Prefill),
+            ("p2", WorkerRole::Prefill),
+        ] {
+            reports(&w, name, role, 8192, 8192);
+        }
+        assert!(to(&w, 100).is_some());
+        w.with(|s| s.entries[2].health = Health::NotServing);
+        assert!(to(&w, 100).is_some(), "p serves; p2 is routed around");
+        w.with(|s| {
+            s.entries[2].health = serving();
+            let info = Arc::make_mut(s.entries[2].info.as_mut().expect("p2's Info"));
+            info.handoff.as_mut().expect("handoff").checksums = false;
+        });
+        let why = w.with(|s| s.unroutable(&s.entries[0]));
+        assert!(
+            matches!(&why, Some(Unroutable::PrefillUnusable { why, .. }) if why.starts_with("p2: ")),
+            "{why:?}"
+        );
+        assert!(to(&w, 100).is_none());
     }
 
     /// A group's name listing one pod at two addresses (IPv4 and IPv6) makes two members of
