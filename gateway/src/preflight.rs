@@ -12,6 +12,7 @@ use std::error::Error as _;
 use std::fmt::Write as _;
 use std::time::Duration;
 
+use bulkhead_handoff::codec::FRAME_HEAD;
 use bulkhead_worker::serve::cluster_token;
 use bulkhead_worker::serve::proto::{InfoRequest, InfoResponse, KvHandoff, Role};
 use bulkhead_worker::serve::tls;
@@ -92,6 +93,19 @@ pub fn server_checks(servers: &[ServerAnswer]) -> Vec<Check> {
                     format!("key_env names {var}, which is not set: requests go without a key")
                 },
             ));
+        }
+        if !s.upstream.cache_salt {
+            out.push(Check {
+                advisory: true,
+                ..check(
+                    "prefix cache kept per tenant",
+                    false,
+                    "cache_salt = false: the server's prefix cache is shared across tenants (one \
+                     tenant's timing can tell what another's prompts begin with) unless the \
+                     server has prefix caching off"
+                        .to_owned(),
+                )
+            });
         }
         out.push(Check {
             advisory: true,
@@ -548,7 +562,14 @@ pub fn pair(decode: &str, d: &InfoResponse, prefill: &str, p: &InfoResponse) -> 
     };
     let (dh, ph) = (d.handoff.unwrap_or_default(), p.handoff.unwrap_or_default());
     let layout = |h: &KvHandoff| (h.token_bytes, h.layers, h.kv_heads, h.head_dim);
-    let batch_secs = ph.transfer_batch_bytes as f64 / dh.transfer_floor_bytes_per_s.max(1) as f64;
+    // The sender adds whole frames (a page each) to a batch until it reaches the bound: the
+    // longest batch is a byte short of the bound and then one more frame.
+    let frame = FRAME_HEAD as u64 + u64::from(p.page_tokens).saturating_mul(ph.token_bytes);
+    let batch = ph
+        .transfer_batch_bytes
+        .saturating_sub(1)
+        .saturating_add(frame);
+    let batch_secs = batch as f64 / dh.transfer_floor_bytes_per_s.max(1) as f64;
     let release_secs = dh.release_timeout_ms as f64 / 1000.0;
     vec![
         check(
@@ -579,7 +600,8 @@ pub fn pair(decode: &str, d: &InfoResponse, prefill: &str, p: &InfoResponse) -> 
             "a transfer batch fits the release timeout",
             batch_secs <= release_secs,
             format!(
-                "{} bytes at the {} bytes/s floor take {batch_secs:.3} s; release timeout {release_secs:.3} s",
+                "up to {batch} bytes (a batch bound of {} and a page's frame of {frame}) at the {} \
+                 bytes/s floor take {batch_secs:.3} s; release timeout {release_secs:.3} s",
                 ph.transfer_batch_bytes, dh.transfer_floor_bytes_per_s
             ),
         ),
@@ -754,6 +776,57 @@ mod tests {
         assert!(checks.len() >= 12, "{checks:?}");
         assert_eq!(failed(&checks), []);
         assert!(render(&answers, &[], &checks).1);
+    }
+
+    /// A batch is checked as the sender makes it: a frame (a page) past the bound. A bound of
+    /// 0 (one page a batch) or one just inside the timeout whose pages are large is not
+    /// taken for instant.
+    #[test]
+    fn a_transfer_batch_is_checked_with_the_frame_that_overshoots_its_bound() {
+        const BATCH: &str = "a transfer batch fits the release timeout";
+        // 10 s at 100 MB/s is 1 GB; a page of 16 tokens of 23 040 bytes is 368 640 bytes.
+        let page = 16 * 23_040;
+        for (batch, page_tokens, fits) in [
+            (4 << 20, 16, true),
+            (1_000_000_000 - page, 16, false),
+            (1_000_000_000 - 2 * page, 16, true),
+            (0, 16, true),
+            (0, 1 << 16, false),
+        ] {
+            let answers = pair_answers(
+                info("m", 1 << 20, 8192, page_tokens, batch as u64),
+                info("m", 1 << 20, 8192, page_tokens, 0),
+            );
+            let failed_batch = failed(&checks(&answers)).iter().any(|(_, c)| *c == BATCH);
+            assert_eq!(!failed_batch, fits, "batch {batch}, page of {page_tokens}");
+        }
+    }
+
+    /// Without its cache salt, an OpenAI-compatible upstream's prefix cache is shared across
+    /// tenants: said, as a warning (a server with prefix caching off shares nothing).
+    #[test]
+    fn an_openai_upstream_without_its_cache_salt_is_warned_of() {
+        let server = |cache_salt| {
+            [ServerAnswer {
+                name: "vllm".into(),
+                role: WorkerRole::Both,
+                upstream: OpenAiUpstream {
+                    model: "served-model".into(),
+                    context_length: std::num::NonZeroU32::new(4096).expect("non-zero"),
+                    tokenizer: "m.gguf".into(),
+                    key_env: None,
+                    cache_salt,
+                },
+                probe: Ok(()),
+            }]
+        };
+        let warned = |up: &[ServerAnswer]| {
+            server_checks(up)
+                .iter()
+                .any(|c| c.name == "prefix cache kept per tenant" && !c.pass && c.advisory)
+        };
+        assert!(warned(&server(false)));
+        assert!(!warned(&server(true)));
     }
 
     /// An OpenAI-compatible upstream that does not answer fails; its pool is never said to
