@@ -99,6 +99,9 @@ pub struct Lease {
 /// Spare buffers kept (each about a page).
 const SPARE_BUFFERS: usize = 64;
 
+/// The room a new frame buffer starts with; it grows as the frame's bytes arrive.
+const FIRST_ROOM: usize = 64 << 10;
+
 impl Default for Buffers {
     /// Buffers for frames of up to [`MAX_FRAME_BYTES`].
     fn default() -> Buffers {
@@ -132,12 +135,14 @@ impl Buffers {
         Ok(Lease { _permit: permit })
     }
 
-    /// An empty buffer with room for `len` bytes.
+    /// An empty buffer for a frame of `len` bytes: a spare one (room for a page already), or
+    /// a new one with room for the first [`FIRST_ROOM`] bytes that grows as they come — a
+    /// peer that announces a page and withholds its bytes holds no page of memory for it.
     fn take(&self, len: usize) -> Vec<u8> {
         let spare = self.spares.lock().ok().and_then(|mut v| v.pop());
         let mut b = spare.unwrap_or_default();
         b.clear();
-        b.reserve_exact(len);
+        b.reserve_exact(len.min(FIRST_ROOM));
         b
     }
 
@@ -249,7 +254,10 @@ pub async fn accepted(
 /// With `idle`, a connection that carries no open session ends when its next message has not
 /// arrived whole within it: prefill connects once its prompt is computed and sends at once,
 /// so only a host that connects and then idles (or sends only what opens nothing) waits that
-/// long — and without the limit it held a connection, its socket and its task, for ever.
+/// long — and without the limit it held a connection, its socket and its task, for ever. And
+/// a message begun must end within `idle` whatever is open: any nonce opens a session here
+/// (the engine judges it later), so a peer could open one and then withhold a frame's last
+/// byte for ever.
 pub async fn receive(
     socket: impl AsyncRead + Unpin,
     to: &impl Deliver,
@@ -260,7 +268,7 @@ pub async fn receive(
     let mut open = HashSet::new();
     let result = loop {
         let limit = idle.filter(|_| open.is_empty());
-        match read_message(&mut reader, buffers, limit).await {
+        match read_message(&mut reader, buffers, limit, idle).await {
             Ok(None) => break Ok(()),
             Ok(Some((message, lease))) => {
                 match &message {
@@ -291,13 +299,15 @@ pub async fn receive(
 
 /// Reads the next message, with its lease on the receive budget (waiting for room once it is
 /// read): `None` at a clean end of the stream (between messages). With `limit`, the message
-/// must arrive whole within it (a wait for the budget's room is not counted).
+/// must arrive whole within it, and with `begun`, whole within that once its first byte came
+/// (a wait for the budget's room is not counted).
 async fn read_message(
     reader: &mut (impl AsyncRead + Unpin),
     buffers: &Buffers,
     limit: Option<Duration>,
+    begun: Option<Duration>,
 ) -> std::io::Result<Option<(Received, Lease)>> {
-    let read = read_unleased(reader, buffers);
+    let read = read_unleased(reader, buffers, begun);
     let read = match limit {
         None => read.await?,
         Some(limit) => tokio::time::timeout(limit, read).await.map_err(|_| {
@@ -319,16 +329,44 @@ async fn read_message(
     })
 }
 
-/// Reads the next message and says how many frame bytes it carries (0 for the others).
+/// Reads the next message and says how many frame bytes it carries (0 for the others); with
+/// `begun`, the message must be whole within it of its first byte.
 async fn read_unleased(
     reader: &mut (impl AsyncRead + Unpin),
     buffers: &Buffers,
+    begun: Option<Duration>,
 ) -> std::io::Result<Option<(Received, u32)>> {
     let mut head = [0u8; FRAME_HEAD];
     let first = reader.read(&mut head[..HEADER]).await?;
     if first == 0 {
         return Ok(None);
     }
+    let rest = read_rest(reader, buffers, head, first);
+    let Some(limit) = begun else {
+        return rest.await.map(Some);
+    };
+    let late = |_| {
+        std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!(
+                "a message begun on the data connection was not whole within {} ms",
+                limit.as_millis()
+            ),
+        )
+    };
+    tokio::time::timeout(limit, rest)
+        .await
+        .map_err(late)?
+        .map(Some)
+}
+
+/// The rest of a message whose first `first` bytes are in `head`.
+async fn read_rest(
+    reader: &mut (impl AsyncRead + Unpin),
+    buffers: &Buffers,
+    mut head: [u8; FRAME_HEAD],
+    first: usize,
+) -> std::io::Result<(Received, u32)> {
     reader.read_exact(&mut head[first..HEADER]).await?;
     let mut prefix = [0u8; HEADER];
     prefix.copy_from_slice(&head[..HEADER]);
@@ -342,19 +380,16 @@ async fn read_unleased(
         None => return Err(std::io::Error::other("message head shorter than its kind")),
     };
     match head {
-        Head::Whole(m) => Ok(Some((m.into(), 0))),
+        Head::Whole(m) => Ok((m.into(), 0)),
         Head::Frame { header, len } => {
             let bytes = read_bytes(reader, buffers.take(len as usize), len as usize).await?;
-            Ok(Some((
-                Received::Frame(Frame { header, bytes }.check()),
-                len,
-            )))
+            Ok((Received::Frame(Frame { header, bytes }.check()), len))
         }
     }
 }
 
-/// Reads exactly `len` bytes into `bytes` (empty, with room for at least them; never
-/// zero-filled) and not one byte more, however large the buffer.
+/// Reads exactly `len` bytes into `bytes` (empty; grown as they come, never zero-filled) and
+/// not one byte more, however large the buffer.
 async fn read_bytes(
     reader: &mut (impl AsyncRead + Unpin),
     mut bytes: Vec<u8>,
@@ -885,6 +920,36 @@ mod tests {
         assert_eq!(log.got.lock().expect("lock").len(), 5);
         assert!(!withheld.is_finished());
         drop(stalled);
+    }
+
+    /// A peer that opens a session (any nonce does, until the engine judges it) and then
+    /// withholds the rest of a frame it began loses the connection at the limit, and its
+    /// buffer never took the page it announced: before, it held both for ever.
+    #[tokio::test]
+    async fn a_frame_begun_and_withheld_ends_its_connection_at_the_limit() {
+        let limit = Some(Duration::from_millis(100));
+        let fs = frames(2, 200_000);
+        let mut bytes = Vec::new();
+        encode_frame(&fs[0], &mut bytes);
+        let mut begun = bytes.clone();
+        encode_frame(&fs[1], &mut begun);
+        begun.truncate(bytes.len() + FRAME_HEAD + 10);
+        let (mut tx, rx) = tokio::io::duplex(1 << 20);
+        tx.write_all(&begun).await.expect("writes");
+        let t0 = std::time::Instant::now();
+        let ended = tokio::time::timeout(
+            Duration::from_secs(5),
+            receive(rx, &Log::default(), &Buffers::default(), limit),
+        )
+        .await
+        .expect("the connection ends");
+        let e = ended.expect_err("closed for the withheld frame");
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+        assert!(e.to_string().contains("begun"), "{e}");
+        assert!(t0.elapsed() >= Duration::from_millis(100));
+        drop(tx);
+        let room = Buffers::default().take(200_000).capacity();
+        assert!(room < 200_000, "{room}");
     }
 
     #[tokio::test]
