@@ -259,10 +259,11 @@ impl ChatTemplate {
                     pieces.push(before.to_owned());
                     rest = after;
                 }
-                if rest.contains('\u{F8F0}') {
+                pieces.push(rest.to_owned());
+                // A marker left in any piece: a content rendered twice or out of order.
+                if pieces.iter().any(|p| p.contains('\u{F8F0}')) {
                     return Err(ChatError::ContentRewritten);
                 }
-                pieces.push(rest.to_owned());
                 Ok(pieces.into())
             })
     }
@@ -412,6 +413,19 @@ mod tests {
         let (_, tok) = tiny();
         assert!(matches!(
             chat.encode(&tok, &[Message::new("user", "x")], true),
+            Err(ChatError::ContentRewritten)
+        ));
+        // The last content first, then all in order: the pieces were cut at the first marker
+        // of each, and the last's copy stayed in the first piece, a marker in the prompt.
+        let twice = ChatTemplate::new(
+            "{{ messages[-1].content }}{% for m in messages %}{{ m.content }}{% endfor %}",
+            String::new(),
+            String::new(),
+        )
+        .expect("compiles");
+        let two = [Message::new("user", "a"), Message::new("assistant", "b")];
+        assert!(matches!(
+            twice.encode(&tok, &two, true),
             Err(ChatError::ContentRewritten)
         ));
     }

@@ -130,7 +130,7 @@ impl Tokenizer {
         let id = |key: &str| {
             g.get_u64(key)
                 .ok()
-                .map(|v| v as TokenId)
+                .and_then(|v| TokenId::try_from(v).ok())
                 .filter(|&v| (v as usize) < tokens.len())
         };
         let eos_key = "tokenizer.ggml.eos_token_id";
@@ -557,13 +557,16 @@ mod tests {
     fn an_eos_id_outside_the_vocabulary_is_refused_as_such() {
         let path =
             std::env::temp_dir().join(format!("bulkhead-tok-eos-{}.gguf", std::process::id()));
-        let mut w = TinySpec::default().to_gguf();
-        w.meta("tokenizer.ggml.eos_token_id", Value::U32(1_000_000_000));
-        w.write(&path).expect("write");
-        let g = Gguf::open(&path).expect("open");
-        let _ = std::fs::remove_file(&path);
-        let err = Tokenizer::from_gguf(&g).expect_err("refused").to_string();
-        assert!(err.contains("is not in the vocabulary"), "{err}");
+        // Far outside; and one that a cast to 32 bits made token 2.
+        for id in [Value::U32(1_000_000_000), Value::U64((1 << 32) + 2)] {
+            let mut w = TinySpec::default().to_gguf();
+            w.meta("tokenizer.ggml.eos_token_id", id);
+            w.write(&path).expect("write");
+            let g = Gguf::open(&path).expect("open");
+            let _ = std::fs::remove_file(&path);
+            let err = Tokenizer::from_gguf(&g).expect_err("refused").to_string();
+            assert!(err.contains("is not in the vocabulary"), "{err}");
+        }
     }
 
     #[test]

@@ -20,6 +20,8 @@ pub enum GgufError {
     BadUtf8 { what: String },
     #[error("{what} declares {count} items, more than the file can hold")]
     ImplausibleCount { what: String, count: u64 },
+    #[error("{what} takes the metadata's arrays past {limit} items in all")]
+    TooManyItems { what: String, limit: u64 },
     #[error("metadata key {key:?} appears twice")]
     DuplicateKey { key: String },
     #[error("tensor {name:?} appears twice")]

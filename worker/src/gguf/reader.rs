@@ -212,7 +212,11 @@ impl Gguf {
 type Parsed = (u32, HashMap<String, Value>, HashMap<String, TensorInfo>);
 
 fn parse(bytes: &[u8]) -> Result<Parsed, GgufError> {
-    let mut r = Reader { bytes, pos: 0 };
+    let mut r = Reader {
+        bytes,
+        pos: 0,
+        items_left: MAX_ITEMS,
+    };
     let magic = r.u32("magic")?;
     if magic != MAGIC {
         return Err(GgufError::BadMagic { found: magic });
@@ -336,10 +340,30 @@ fn parse(bytes: &[u8]) -> Result<Parsed, GgufError> {
 struct Reader<'a> {
     bytes: &'a [u8],
     pos: usize,
+    /// Array items the metadata may still hold ([`MAX_ITEMS`] in all).
+    items_left: u64,
 }
 
 /// Arrays nest at most this deep (GGUF writers use one level).
 const MAX_DEPTH: usize = 4;
+
+/// The most array items the metadata may hold, all arrays together: each takes a
+/// [`Value`] in memory (32 bytes), where a `u8` item takes one byte of the file. A vocabulary
+/// of 256k tokens with its merges, types and scores is about a million.
+const MAX_ITEMS: u64 = 16 << 20;
+
+/// The fewest bytes an array item of GGUF type `type_id` takes in the file (a string: its
+/// length; an array: its type and count).
+fn item_bytes(type_id: u32) -> u64 {
+    match type_id {
+        0 | 1 | 7 => 1,
+        2 | 3 => 2,
+        4..=6 => 4,
+        8 | 10..=12 => 8,
+        9 => 12,
+        _ => 1,
+    }
+}
 
 impl Reader<'_> {
     fn take(&mut self, n: u64, what: &str) -> Result<&[u8], GgufError> {
@@ -410,7 +434,14 @@ impl Reader<'_> {
             9 if depth < MAX_DEPTH => {
                 let elem = self.u32(&what)?;
                 let count = self.u64(&what)?;
-                self.plausible(&what, count, 1)?;
+                self.plausible(&what, count, item_bytes(elem))?;
+                self.items_left =
+                    self.items_left
+                        .checked_sub(count)
+                        .ok_or_else(|| GgufError::TooManyItems {
+                            what: what.clone(),
+                            limit: MAX_ITEMS,
+                        })?;
                 let items = (0..count)
                     .map(|_| self.value(key, elem, depth + 1))
                     .collect::<Result<_, _>>()?;

@@ -131,3 +131,28 @@ fn a_tensor_past_the_end_is_out_of_bounds() {
         .to_string();
     assert!(msg.contains("\"t\"") && msg.contains("outside"), "{msg}");
 }
+
+/// An array of a million one-byte items is a megabyte of file and was 32 MB of memory: the
+/// metadata's arrays are held to a number of items in all, whatever the file's size.
+#[test]
+fn the_metadata_arrays_are_held_to_a_number_of_items_in_all() {
+    let file = |count: u64| {
+        let mut b = Vec::new();
+        b.extend(b"GGUF");
+        b.extend(3u32.to_le_bytes());
+        b.extend(0u64.to_le_bytes()); // tensors
+        b.extend(1u64.to_le_bytes()); // metadata keys
+        let key = b"x.bytes";
+        b.extend((key.len() as u64).to_le_bytes());
+        b.extend(key);
+        b.extend(9u32.to_le_bytes()); // an array
+        b.extend(0u32.to_le_bytes()); // of u8
+        b.extend(count.to_le_bytes());
+        b.resize(b.len() + count as usize, 7);
+        b
+    };
+    let g = parse_bytes(&file(1000)).expect("a thousand items");
+    assert!(matches!(g.get("x.bytes"), Ok(Value::Array(a)) if a.len() == 1000));
+    let e = parse_bytes(&file((16 << 20) + 1)).expect_err("refused");
+    assert!(matches!(e, GgufError::TooManyItems { .. }), "{e}");
+}
