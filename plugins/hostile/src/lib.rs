@@ -12,8 +12,8 @@
 use std::hash::BuildHasher as _;
 
 use bulkhead_policy_guest::{
-    ConfigSlot, Denial, Directive, Disconnect, Guest, Header, Hooks, Level, Mutations,
-    RequestView, ResponseEnd, Tag, Verdict, configured, log, parse_config, store,
+    ConfigSlot, Denial, Directive, Disconnect, Guest, Header, Hooks, Level, Mutations, RequestView,
+    ResponseEnd, Tag, Verdict, configured, log, parse_config, store,
 };
 use serde::Deserialize;
 
