@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use aho_corasick::{AhoCorasick, MatchKind};
 use tokenizers::models::bpe::{BPE, Vocab};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
@@ -69,8 +70,8 @@ pub struct Tokenizer {
     bytes: Vec<Vec<u8>>,
     /// The most bytes of text one token decodes to ([`Tokenizer::longest_token_text`]).
     longest_text: usize,
-    /// Control and user-defined tokens, longest first, matched in text when asked.
-    specials: Vec<(String, TokenId)>,
+    /// Control and user-defined tokens, matched in text when asked (`None`: there are none).
+    specials: Option<Specials>,
     /// Ids of control tokens, which decoding skips.
     control: Vec<bool>,
     bos: Option<TokenId>,
@@ -102,6 +103,27 @@ pub struct TokenizerParts<'a, S> {
     pub bos: Option<TokenId>,
     /// Must be inside the vocabulary.
     pub eos: TokenId,
+}
+
+/// The special tokens' texts, found in one pass over a text: at each place the earliest,
+/// and of those starting there the longest (one search per token, again after every match,
+/// took a template piece's length times its matches times the tokens).
+#[derive(Debug)]
+struct Specials {
+    matcher: AhoCorasick,
+    /// Each text's id, by its pattern index.
+    ids: Vec<TokenId>,
+}
+
+impl Specials {
+    fn new(specials: Vec<(String, TokenId)>) -> Result<Specials, TokenizerError> {
+        let (texts, ids): (Vec<String>, Vec<TokenId>) = specials.into_iter().unzip();
+        let matcher = AhoCorasick::builder()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build(&texts)
+            .map_err(|e| TokenizerError::Build(format!("the special tokens: {e}")))?;
+        Ok(Specials { matcher, ids })
+    }
 }
 
 impl Tokenizer {
@@ -230,7 +252,6 @@ impl Tokenizer {
                     .collect()
             })
             .collect();
-        specials.sort_by_key(|(s, _)| std::cmp::Reverse(s.len()));
         // A byte that is no character on its own decodes to U+FFFD: three bytes.
         let longest_text = bytes.iter().map(Vec::len).max().unwrap_or(0) * 3;
 
@@ -248,6 +269,10 @@ impl Tokenizer {
                 stop.push(t);
             }
         }
+        let specials = match specials.is_empty() {
+            true => None,
+            false => Some(Specials::new(specials)?),
+        };
         Ok(Tokenizer {
             bpe: tk,
             pre,
@@ -282,33 +307,23 @@ impl Tokenizer {
     /// Encodes `text`. With `parse_special`, control-token text becomes the control token.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<TokenId>, TokenizerError> {
         let mut out = Vec::new();
-        let mut rest = text;
-        while !rest.is_empty() {
-            let next = if parse_special {
-                self.next_special(rest)
-            } else {
-                None
-            };
-            let (plain, special) = match next {
-                Some((at, s, id)) => (&rest[..at], Some((s, id))),
-                None => (rest, None),
-            };
-            if !plain.is_empty() {
-                self.encode_plain(plain, &mut out)?;
-            }
-            match special {
-                Some((len, id)) => {
-                    out.push(id);
-                    rest = &rest[plain.len() + len..];
-                }
-                None => break,
+        let mut plain_from = 0;
+        if let Some(specials) = self.specials.as_ref().filter(|_| parse_special) {
+            for hit in specials.matcher.find_iter(text) {
+                self.encode_plain(&text[plain_from..hit.start()], &mut out)?;
+                out.push(specials.ids[hit.pattern().as_usize()]);
+                plain_from = hit.end();
             }
         }
+        self.encode_plain(&text[plain_from..], &mut out)?;
         Ok(out)
     }
 
     /// Appends the ids of `text` (no special tokens in it) to `out`.
     fn encode_plain(&self, text: &str, out: &mut Vec<TokenId>) -> Result<(), TokenizerError> {
+        if text.is_empty() {
+            return Ok(());
+        }
         let encode_error = |e: tokenizers::Error| TokenizerError::Encode(e.to_string());
         let PreTokenizer::Gpt2 { digits_apart } = self.pre else {
             let enc = self.bpe.encode_fast(text, false).map_err(encode_error)?;
@@ -339,14 +354,6 @@ impl Tokenizer {
     pub fn encode_template(&self, text: &str) -> Result<Arc<[TokenId]>, TokenizerError> {
         self.template_pieces
             .get_or_make(text, || Ok(self.encode(text, true)?.into()))
-    }
-
-    /// The earliest special token in `text`: (byte offset, byte length, id).
-    fn next_special(&self, text: &str) -> Option<(usize, usize, TokenId)> {
-        self.specials
-            .iter()
-            .filter_map(|(s, id)| text.find(s.as_str()).map(|at| (at, s.len(), *id)))
-            .min_by_key(|&(at, len, _)| (at, std::cmp::Reverse(len)))
     }
 
     /// The most bytes of text any one token decodes to, alone or after others (a byte that is
@@ -638,6 +645,33 @@ mod tests {
             ),
             "{e}"
         );
+    }
+
+    /// Special tokens are found where they begin earliest, the longest of those beginning
+    /// there, and plain text between them is encoded as text.
+    #[test]
+    fn the_earliest_longest_special_token_is_taken_at_each_place() {
+        let mut tokens: Vec<String> = ('a'..='z').map(String::from).collect();
+        tokens.extend(["<s>".to_owned(), "<s><s>".to_owned(), "s><".to_owned()]);
+        let mut token_types = vec![1; 26];
+        token_types.extend([3, 3, 3]);
+        let t = Tokenizer::from_parts(TokenizerParts {
+            model: "gpt2",
+            pre: None,
+            tokens: &tokens,
+            merges: &[] as &[String],
+            token_types: &token_types,
+            bos: None,
+            eos: 26,
+        })
+        .expect("builds");
+        // "s><" lies inside "<s><s>", which begins earlier; "<s><s>" is longer than "<s>".
+        assert_eq!(
+            t.encode("x<s><s>y<s>", true).expect("encode"),
+            [23, 27, 24, 26]
+        );
+        assert_eq!(t.encode("<s>", true).expect("encode"), [26]);
+        assert_eq!(t.encode("ab", true).expect("encode"), [0, 1]);
     }
 
     #[test]
