@@ -15,6 +15,10 @@ pub mod env {
     pub const LISTEN_TLS_CERT: &str = "BULKHEAD_LISTEN_TLS_CERT";
     pub const LISTEN_TLS_KEY: &str = "BULKHEAD_LISTEN_TLS_KEY";
     pub const LISTEN_TLS_CLIENT_CA: &str = "BULKHEAD_LISTEN_TLS_CLIENT_CA";
+
+    /// The cluster's, which `bulkhead up` sets by flag for its workers (with `--tls`) or not
+    /// at all.
+    pub const CLUSTER: [&str; 4] = [TLS_CA, TLS_CERT, TLS_KEY, TLS_SERVER_NAME];
 }
 
 #[derive(Debug, Clone, clap::Args)]

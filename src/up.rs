@@ -10,6 +10,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use bulkhead_gateway::policy::Policies;
 use bulkhead_gateway::tenants::ConfigFile;
 use bulkhead_gateway::{BoundGateway, Config};
 use bulkhead_worker::serve::ClusterToken;
@@ -21,7 +22,9 @@ use crate::child;
 use crate::model_path::ModelArgs;
 use crate::telemetry::Service;
 
-/// The default configuration, built into the binary so `bulkhead up` works from anywhere.
+/// The default configuration, built into the binary. Its policy set and compile cache are
+/// paths relative to the working directory (`policies/local.toml`, `plugins/dist/`): `up`
+/// runs from the repository root, after `scripts/build-plugins` (`scripts/run` does both).
 const DEFAULT_CONFIG: &str = include_str!("../deploy/local/gateway.toml");
 /// The cluster token's file in the data directory (owner-only; rewritten at every start).
 const CLUSTER_TOKEN_FILE: &str = "cluster-token";
@@ -32,6 +35,8 @@ const TLS_DIR: &str = "tls";
 /// TLS files filled in — in the data directory, for `bulkhead preflight --config` (rewritten
 /// at every start).
 const SERVING_CONFIG_FILE: &str = "up-gateway.toml";
+/// Locked in the data directory for as long as `up` runs.
+const UP_LOCK_FILE: &str = "up.lock";
 /// How long the worker may take to load the model and bind.
 const WORKER_START_LIMIT: Duration = Duration::from_secs(120);
 /// How long the worker gets to stop after SIGTERM before it is killed.
@@ -165,6 +170,24 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     let model = args.model.path()?;
     // Absolute: the paths written into the serving configuration are read from anywhere.
     let data_dir = std::path::absolute(args.data_dir.path()?).context("the data directory")?;
+    // Before anything is written or started: a second `up` on this data directory would
+    // replace the running one's token, certificates and configuration, and a busy port or a
+    // policy set that does not load would show only after both models had loaded.
+    let _running = hold(&data_dir)?;
+    for (what, addr) in [("API", config.listen.api), ("admin", config.listen.admin)] {
+        std::net::TcpListener::bind(addr).with_context(|| {
+            format!("the {what} address {addr} cannot be listened on (--port / --admin-port choose others)")
+        })?;
+    }
+    if let Some(settings) = &config.policies {
+        Policies::load(settings.clone()).with_context(|| {
+            format!(
+                "the policy set {} does not load (run `bulkhead up` from the repository root, \
+                 after scripts/build-plugins)",
+                settings.file.display()
+            )
+        })?;
+    }
     // A fresh cluster token each start: the workers answer only the gateway (and decode only
     // its prefill worker), never another process that finds their loopback ports.
     let token_file = data_dir.join(CLUSTER_TOKEN_FILE);
@@ -327,6 +350,31 @@ fn serving(source: &str, config: &Config) -> anyhow::Result<String> {
 }
 
 /// A fresh random cluster token, written to `path` readable by this user only.
+/// Takes `data_dir`'s lock for as long as the returned file is open, or says that another
+/// `bulkhead up` holds it.
+fn hold(data_dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
+    std::fs::create_dir_all(data_dir)
+        .with_context(|| format!("creating {}", data_dir.display()))?;
+    let path = data_dir.join(UP_LOCK_FILE);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => bail!(
+            "another `bulkhead up` is running on {} (stop it, or give this one another \
+             --data-dir)",
+            data_dir.display()
+        ),
+        Err(std::fs::TryLockError::Error(e)) => {
+            Err(e).with_context(|| format!("locking {}", path.display()))
+        }
+    }
+}
+
 fn write_cluster_token(path: &std::path::Path) -> anyhow::Result<()> {
     let (_, secret) = ClusterToken::generate();
     if let Some(dir) = path.parent() {
@@ -403,10 +451,21 @@ async fn start_worker(
     if let Some(t) = args.model.threads {
         cmd.arg("--threads").arg(t.to_string());
     }
+    // What `up` sets by flag, never by what its own environment says for a worker (a
+    // `BULKHEAD_KV_MEMORY` there conflicts with `--kv-tokens`; TLS files with no `--tls`).
+    for var in crate::worker::env::SET_BY_UP
+        .into_iter()
+        .chain(crate::tls_args::env::CLUSTER)
+    {
+        cmd.env_remove(var);
+    }
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
-        .kill_on_drop(true);
+        .kill_on_drop(true)
+        // Its own process group: a terminal's Ctrl-C reaches `up` alone, which stops the
+        // gateway first (its requests drain) and then the workers.
+        .process_group(0);
     child::die_with_parent(&mut cmd);
     let what = format!("{role} worker");
     let mut child = cmd

@@ -46,6 +46,21 @@ pub mod env {
     pub const KV_TRANSPORT: &str = "BULKHEAD_KV_TRANSPORT";
     pub const RDMA_DEVICE: &str = "BULKHEAD_RDMA_DEVICE";
     pub const CLUSTER_TOKEN_FILE: &str = "BULKHEAD_CLUSTER_TOKEN_FILE";
+
+    /// What `bulkhead up` sets by flag for the workers it starts (their addresses, roles,
+    /// pools, peers and cluster token); its workers take the rest (`BULKHEAD_SCRUB`, …) from
+    /// its environment.
+    pub const SET_BY_UP: [&str; 9] = [
+        ROLE,
+        LISTEN,
+        ADMIN_LISTEN,
+        KV_MEMORY,
+        KV_TOKENS,
+        PREFILL,
+        KV_LISTEN,
+        KV_ADVERTISE,
+        CLUSTER_TOKEN_FILE,
+    ];
 }
 
 /// What a worker process does.
@@ -189,7 +204,8 @@ pub struct Args {
     /// Prefill and decode roles: how long a KV data-plane peer that vanished (a dead host, a
     /// partition without a reset) can hold a connection: bytes it leaves unacknowledged this
     /// long, or keepalive probes unanswered from a third of it on, close the connection
-    /// (milliseconds). A live peer, however slow, keeps its connection.
+    /// (milliseconds). A live peer keeps its connection between messages, however long; a
+    /// frame it begins must be whole within this and a page's time at --transfer-floor.
     #[arg(long, env = env::KV_PEER_TIMEOUT_MS, default_value_t = DEFAULT_PEER_TIMEOUT.as_millis() as u64)]
     kv_peer_timeout_ms: u64,
     /// Fault injection for tests (prefill role): stop sending a transfer once this many frames

@@ -564,7 +564,8 @@ pub fn pair(decode: &str, d: &InfoResponse, prefill: &str, p: &InfoResponse) -> 
     let layout = |h: &KvHandoff| (h.token_bytes, h.layers, h.kv_heads, h.head_dim);
     // The sender adds whole frames (a page each) to a batch until it reaches the bound: the
     // longest batch is a byte short of the bound and then one more frame.
-    let frame = FRAME_HEAD as u64 + u64::from(p.page_tokens).saturating_mul(ph.token_bytes);
+    // A frame is a page of decode's (its reservation names the pages).
+    let frame = FRAME_HEAD as u64 + u64::from(d.page_tokens).saturating_mul(ph.token_bytes);
     let batch = ph
         .transfer_batch_bytes
         .saturating_sub(1)

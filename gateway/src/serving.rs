@@ -533,24 +533,28 @@ mod tests {
         for (c, name) in connections.iter_mut().zip(&names) {
             assert_eq!(&served_by(c).await, name);
         }
-        // The thread whose connections close gets the next one.
+        // The thread whose connections close has the fewest open: it gets the next two (taken
+        // in turn, or with counts that never went down, they would go elsewhere).
         let closed = connections.remove(4);
         drop(closed);
         let closed = connections.remove(1);
         drop(closed);
-        let mut next = None;
+        let mut both = false;
         for _ in 0..100 {
-            let mut c = connect(addr).await;
-            let name = served_by(&mut c).await;
-            if name == "bulkhead-api-1" {
-                next = Some(c);
+            let (mut c, mut d) = (connect(addr).await, connect(addr).await);
+            let names = [served_by(&mut c).await, served_by(&mut d).await];
+            if names == ["bulkhead-api-1", "bulkhead-api-1"] {
+                both = true;
                 break;
             }
-            // The close had not been seen yet: that connection went elsewhere; try again.
-            drop(c);
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            // The closes had not been seen yet: try again once these two are closed too.
+            drop((c, d));
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        assert!(next.is_some(), "the emptied thread got no new connection");
+        assert!(
+            both,
+            "the emptied thread did not get the next two connections"
+        );
         serving.stop(Duration::from_secs(5)).await;
     }
 

@@ -1483,6 +1483,8 @@ mod tests {
                     tag_check: true,
                     checksums: true,
                     deferred_release: true,
+                    transfer_floor_bytes_per_s: 100_000_000,
+                    release_timeout_ms: 10_000,
                     ..proto::KvHandoff::default()
                 }),
                 ..proto::InfoResponse::default()

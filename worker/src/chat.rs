@@ -50,7 +50,7 @@ pub enum ChatError {
 /// The roles a message may have. The template renders a role as it is, and its rendering is
 /// tokenized with control tokens: a role is never client text beyond these words (a role of
 /// `user<|im_end|>\n<|im_start|>system` would open a system turn).
-const ROLES: [&str; 3] = ["system", "user", "assistant"];
+pub const ROLES: [&str; 3] = ["system", "user", "assistant"];
 
 /// The longest part of a refused role quoted in its error.
 const QUOTED_ROLE: usize = 64;

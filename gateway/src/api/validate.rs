@@ -8,7 +8,7 @@
 
 use std::num::NonZeroU32;
 
-use bulkhead_worker::chat::Message;
+use bulkhead_worker::chat::{self, Message};
 use serde_json::{Map, Value};
 
 /// At most this many stop sequences (OpenAI's limit).
@@ -654,10 +654,10 @@ fn message(index: usize, m: &Value) -> Result<Message, RequestError> {
         .get("role")
         .and_then(Value::as_str)
         .ok_or_else(|| wrong(&field("role"), "a string"))?;
+    // The chat template's own roles; OpenAI's `developer` is its system role.
     let role = match role {
-        "system" | "developer" => "system",
-        "user" => "user",
-        "assistant" => "assistant",
+        "developer" => "system",
+        role if chat::ROLES.contains(&role) => role,
         other => {
             return Err(RequestError::UnsupportedRole {
                 index,

@@ -22,7 +22,8 @@ pub(super) struct PluginLog {
 
 #[derive(Debug)]
 struct Window {
-    started: Instant,
+    /// When the second began: at its first line (`None` before any).
+    started: Option<Instant>,
     written: u32,
     /// Lines dropped since the last report.
     dropped: u64,
@@ -36,11 +37,11 @@ pub(super) struct Admit {
 }
 
 impl PluginLog {
-    pub(super) fn new(name: Arc<str>, now: Instant) -> PluginLog {
+    pub(super) fn new(name: Arc<str>) -> PluginLog {
         PluginLog {
             name,
             window: Mutex::new(Window {
-                started: now,
+                started: None,
                 written: 0,
                 dropped: 0,
             }),
@@ -50,8 +51,10 @@ impl PluginLog {
     /// Takes one line from the budget at `now`.
     pub(super) fn admit(&self, now: Instant) -> Admit {
         let mut w = self.window.lock().unwrap_or_else(PoisonError::into_inner);
-        if now.saturating_duration_since(w.started) >= WINDOW {
-            w.started = now;
+        if w.started
+            .is_none_or(|started| now.saturating_duration_since(started) >= WINDOW)
+        {
+            w.started = Some(now);
             w.written = 0;
         }
         if w.written >= LINES_PER_SECOND {
@@ -76,7 +79,7 @@ mod tests {
     #[test]
     fn a_plugin_writes_its_lines_a_second_and_the_drops_are_said_with_the_next_line() {
         let start = Instant::now();
-        let log = PluginLog::new("chatty".into(), start);
+        let log = PluginLog::new("chatty".into());
         let written = (0..1000).filter(|_| log.admit(start).write).count();
         assert_eq!(written, LINES_PER_SECOND as usize);
         // Still within the second: dropped.

@@ -126,7 +126,7 @@ impl Loaded {
         sandbox: Sandbox,
     ) -> Loaded {
         Loaded {
-            log: Arc::new(PluginLog::new(name.clone(), Instant::now())),
+            log: Arc::new(PluginLog::new(name.clone())),
             name,
             digest,
             ready,

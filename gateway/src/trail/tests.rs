@@ -557,8 +557,10 @@ async fn group_commit_waits_for_its_record_once_the_flushes_fall_behind() {
     assert_eq!(durable(), 2, "caught up: answered first again");
 }
 
+/// Answered before their fsync (`group_commit_waits_for_its_record_once_the_flushes_fall_behind`
+/// shows the order), the records still all reach the log, chained.
 #[tokio::test]
-async fn group_commit_answers_before_the_fsync_and_the_record_follows() {
+async fn group_commit_records_every_answered_request_durably_and_verifiably() {
     let dir = Scratch::new("trail");
     let recorder = open(&dir, Durability::Group, OnAuditFailure::Refuse);
     let app = app(&recorder);

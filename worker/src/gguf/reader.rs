@@ -348,9 +348,9 @@ struct Reader<'a> {
 const MAX_DEPTH: usize = 4;
 
 /// The most array items the metadata may hold, all arrays together: each takes a
-/// [`Value`] in memory (32 bytes), where a `u8` item takes one byte of the file. A vocabulary
-/// of 256k tokens with its merges, types and scores is about a million.
-const MAX_ITEMS: u64 = 16 << 20;
+/// [`Value`] in memory (32 bytes: 128 MiB at most), where a `u8` item takes one byte of the
+/// file. A vocabulary of 256k tokens with its merges, types and scores is about a million.
+const MAX_ITEMS: u64 = 4 << 20;
 
 /// The fewest bytes an array item of GGUF type `type_id` takes in the file (a string: its
 /// length; an array: its type and count).

@@ -201,18 +201,42 @@ pub fn bound_peer(socket: &TcpStream, limit: Duration) -> std::io::Result<()> {
     socket.set_tcp_user_timeout(Some(limit))
 }
 
+/// How long a data connection may keep decode waiting ([`receive`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// A peer that vanished, or a connection that carries no open session, is let go after
+    /// about this long.
+    pub peer_timeout: Duration,
+    /// A message begun must be whole within this: the peer timeout, and the longest frame's
+    /// time at the transfer floor.
+    pub message: Duration,
+}
+
+impl Limits {
+    /// The limits for frames of at most `max_frame` bytes at a floor of `floor` bytes/s.
+    pub fn new(peer_timeout: Duration, max_frame: u32, floor: u64) -> Limits {
+        let sending = Duration::from_secs_f64(f64::from(max_frame) / floor.max(1) as f64);
+        Limits {
+            peer_timeout,
+            message: peer_timeout.saturating_add(sending),
+        }
+    }
+}
+
 /// Decode role: accepts data-plane connections for as long as the worker serves; each
 /// connection's messages go to `to` (the engine), frames of at most `max_frame` bytes (a
-/// page); a peer that vanishes loses its connection after about `peer_timeout`, and so does
-/// one that carries no open session for that long ([`receive`]). A failed accept is logged and
-/// accepting goes on ([`accepting::next`]).
+/// page); a peer that vanishes loses its connection after about the peer timeout, and so does
+/// one that carries no open session for that long or leaves a message unfinished past
+/// `limits.message` ([`receive`]). A failed accept is logged and accepting goes on
+/// ([`accepting::next`]).
 pub async fn serve(
     listener: TcpListener,
     to: impl Deliver + Clone + Send + Sync + 'static,
     max_frame: u32,
-    peer_timeout: Duration,
+    limits: Limits,
     tls: Option<ClusterTls>,
 ) -> Infallible {
+    let peer_timeout = limits.peer_timeout;
     let buffers = Buffers::up_to(max_frame);
     loop {
         let (socket, peer) = accepting::next(&listener, "KV data").await;
@@ -228,7 +252,7 @@ pub async fn serve(
                     return;
                 }
             };
-            if let Err(e) = receive(socket, &to, &buffers, Some(peer_timeout)).await {
+            if let Err(e) = receive(socket, &to, &buffers, Some(limits)).await {
                 tracing::warn!(%peer, error = %e, "KV data connection ended with an error");
             }
         });
@@ -255,20 +279,21 @@ pub async fn accepted(
 /// arrived whole within it: prefill connects once its prompt is computed and sends at once,
 /// so only a host that connects and then idles (or sends only what opens nothing) waits that
 /// long — and without the limit it held a connection, its socket and its task, for ever. And
-/// a message begun must end within `idle` whatever is open: any nonce opens a session here
-/// (the engine judges it later), so a peer could open one and then withhold a frame's last
-/// byte for ever.
+/// a message begun must end within `limits.message` whatever is open: any nonce opens a
+/// session here (the engine judges it later), so a peer could open one and then withhold a
+/// frame's last byte for ever. `limits` `None`: no limit.
 pub async fn receive(
     socket: impl AsyncRead + Unpin,
     to: &impl Deliver,
     buffers: &Buffers,
-    idle: Option<Duration>,
+    limits: Option<Limits>,
 ) -> std::io::Result<()> {
+    let idle = limits.map(|l| l.peer_timeout);
     let mut reader = BufReader::with_capacity(HEAD_BUFFER, socket);
     let mut open = HashSet::new();
     let result = loop {
         let limit = idle.filter(|_| open.is_empty());
-        match read_message(&mut reader, buffers, limit, idle).await {
+        match read_message(&mut reader, buffers, limit, limits.map(|l| l.message)).await {
             Ok(None) => break Ok(()),
             Ok(Some((message, lease))) => {
                 match &message {
@@ -388,8 +413,8 @@ async fn read_rest(
     }
 }
 
-/// Reads exactly `len` bytes into `bytes` (empty; grown as they come, never zero-filled) and
-/// not one byte more, however large the buffer.
+/// Reads exactly `len` bytes into `bytes` (empty; grown as they come, to at most `len`; never
+/// zero-filled) and not one byte more, however large the buffer.
 async fn read_bytes(
     reader: &mut (impl AsyncRead + Unpin),
     mut bytes: Vec<u8>,
@@ -397,6 +422,11 @@ async fn read_bytes(
 ) -> std::io::Result<Vec<u8>> {
     let mut limited = reader.take(len as u64);
     while bytes.len() < len {
+        if bytes.len() == bytes.capacity() {
+            // Doubling as it fills, never past the frame.
+            let more = bytes.capacity().max(FIRST_ROOM).min(len - bytes.len());
+            bytes.reserve_exact(more);
+        }
         if limited.read_buf(&mut bytes).await? == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
@@ -927,12 +957,13 @@ mod tests {
     /// buffer never took the page it announced: before, it held both for ever.
     #[tokio::test]
     async fn a_frame_begun_and_withheld_ends_its_connection_at_the_limit() {
-        let limit = Some(Duration::from_millis(100));
-        let fs = frames(2, 200_000);
+        let limit = Some(Limits::new(Duration::from_millis(100), 0, 1));
+        let fs = frames(1, 200_000);
+        // A manifest opens the session; then a frame's head and ten of its bytes.
         let mut bytes = Vec::new();
-        encode_frame(&fs[0], &mut bytes);
+        encode(&Message::Manifest(manifest(&fs)), &mut bytes);
         let mut begun = bytes.clone();
-        encode_frame(&fs[1], &mut begun);
+        encode_frame(&fs[0], &mut begun);
         begun.truncate(bytes.len() + FRAME_HEAD + 10);
         let (mut tx, rx) = tokio::io::duplex(1 << 20);
         tx.write_all(&begun).await.expect("writes");
@@ -948,8 +979,42 @@ mod tests {
         assert!(e.to_string().contains("begun"), "{e}");
         assert!(t0.elapsed() >= Duration::from_millis(100));
         drop(tx);
-        let room = Buffers::default().take(200_000).capacity();
-        assert!(room < 200_000, "{room}");
+        // The most room a read of the withheld frame was offered: what its buffer took.
+        let (mut tx, rx) = tokio::io::duplex(1 << 20);
+        tx.write_all(&begun).await.expect("writes");
+        let offered = Offered::new(rx);
+        let most = offered.most.clone();
+        let ended = receive(offered, &Log::default(), &Buffers::default(), limit).await;
+        assert!(ended.is_err());
+        let most = most.load(std::sync::atomic::Ordering::Relaxed);
+        assert!((1..=FIRST_ROOM).contains(&most), "{most}");
+    }
+
+    /// A reader that records the most room any read of it was offered.
+    struct Offered<R> {
+        inner: R,
+        most: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl<R> Offered<R> {
+        fn new(inner: R) -> Offered<R> {
+            Offered {
+                inner,
+                most: Arc::default(),
+            }
+        }
+    }
+
+    impl<R: AsyncRead + Unpin> AsyncRead for Offered<R> {
+        fn poll_read(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            self.most
+                .fetch_max(buf.remaining(), std::sync::atomic::Ordering::Relaxed);
+            std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+        }
     }
 
     #[tokio::test]
@@ -977,7 +1042,7 @@ mod tests {
     #[tokio::test]
     async fn a_connection_that_idles_without_a_session_is_closed() {
         use std::time::Duration;
-        let limit = Some(Duration::from_millis(100));
+        let limit = Some(Limits::new(Duration::from_millis(100), 0, 1));
         let log = Log::default();
         let (_quiet, rx) = tokio::io::duplex(1 << 16);
         let t0 = std::time::Instant::now();
@@ -1081,7 +1146,7 @@ mod tests {
             listener,
             log.clone(),
             MAX_FRAME_BYTES,
-            DEFAULT_PEER_TIMEOUT,
+            Limits::new(DEFAULT_PEER_TIMEOUT, MAX_FRAME_BYTES, 100_000_000),
             tls,
         );
         let server = tokio::spawn(async move { match serving.await {} });

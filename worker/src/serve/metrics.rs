@@ -520,18 +520,27 @@ mod tests {
         );
     }
 
+    /// Each family is declared once, and its samples follow its declaration before the next
+    /// family's (Prometheus's text format).
     #[test]
-    fn every_family_is_declared_once() {
+    fn every_family_is_declared_once_and_its_samples_follow_it() {
         let text = Metrics::default().render(&stats());
-        let mut types: Vec<&str> = text
-            .lines()
-            .filter_map(|l| l.strip_prefix("# TYPE "))
-            .map(|l| l.split(' ').next().unwrap_or_default())
-            .collect();
-        let n = types.len();
-        types.sort_unstable();
-        types.dedup();
-        assert_eq!(types.len(), n);
+        let mut declared: Vec<&str> = Vec::new();
+        for line in text.lines() {
+            if let Some(family) = line.strip_prefix("# TYPE ") {
+                let name = family.split(' ').next().unwrap_or_default();
+                assert!(!declared.contains(&name), "{name} declared twice");
+                declared.push(name);
+            } else if !line.starts_with('#') && !line.is_empty() {
+                let sample = line.split(['{', ' ']).next().unwrap_or_default();
+                let current = declared.last().copied().unwrap_or_default();
+                let of_current = ["", "_bucket", "_sum", "_count", "_total"]
+                    .iter()
+                    .any(|suffix| sample == format!("{current}{suffix}"));
+                assert!(of_current, "{sample} follows {current}'s declaration");
+            }
+        }
+        assert!(declared.len() >= 10, "{declared:?}");
     }
 
     #[test]

@@ -153,6 +153,8 @@ pub struct BoundWorker {
     /// Decode role: the KV data-plane listener.
     kv: Option<TcpListener>,
     kv_peer_timeout: Duration,
+    /// The slowest transfer rate allowed, bytes/s: a frame begun is given its time at it.
+    kv_floor: u64,
     /// Required on every gRPC call.
     cluster_token: Option<SharedToken>,
     tls: Option<ClusterTls>,
@@ -198,6 +200,7 @@ impl BoundWorker {
         };
 
         let layout = model.kv_layout(config.engine.page_tokens.get() as usize);
+        let kv_floor = config.engine.transfer_floor_bytes_per_s;
         let engine = Engine::new(model, tokenizer, config.engine)?;
         let capacity = engine.capacity();
         info::set_capacity(&mut info, capacity);
@@ -268,6 +271,7 @@ impl BoundWorker {
             admin,
             kv,
             kv_peer_timeout: config.kv_peer_timeout,
+            kv_floor,
             cluster_token: config.cluster_token,
             tls: config.tls,
             service,
@@ -316,10 +320,11 @@ impl BoundWorker {
             let (peer_timeout, tls) = (self.kv_peer_timeout, self.tls.clone());
             // No frame is longer than one of this worker's pages.
             let max_frame = u32::try_from(self.capacity.page_bytes).unwrap_or(u32::MAX);
+            let limits = kvplane::Limits::new(peer_timeout, max_frame, self.kv_floor);
             async move {
                 match listener {
                     Some(l) => tokio::select! {
-                        never = kvplane::serve(l, engine, max_frame, peer_timeout, tls) => match never {},
+                        never = kvplane::serve(l, engine, max_frame, limits, tls) => match never {},
                         () = stop => (),
                     },
                     None => std::future::pending().await,

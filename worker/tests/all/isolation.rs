@@ -49,10 +49,15 @@ fn stale_read_with(
     }
     let through_stale_table = s.run(&stale, 31, &prompt_a[31..]);
 
-    // What A's last step computes over its own KV, on a fresh pool.
+    // What A's last step computes over its own KV, on a fresh pool, in the same two steps.
     let mut fresh = Session::new(&loaded.model, 2, Scrub::None);
     let own = fresh.allocate(1, 32);
-    let honest = fresh.run(own.pages(), 0, &prompt_a).expect("A alone");
+    fresh
+        .run(own.pages(), 0, &prompt_a[..31])
+        .expect("A alone prefills");
+    let honest = fresh
+        .run(own.pages(), 31, &prompt_a[31..])
+        .expect("A alone");
     Ok((through_stale_table, honest))
 }
 
@@ -65,6 +70,10 @@ fn without_the_tag_check_a_stale_table_reads_another_tenants_kv(
         leaked, honest,
         "the stale read attended over B's KV, not A's"
     );
+    // The control: the same stale table with A's pages not handed on reads A's own KV, and
+    // computes exactly what A alone does (so the difference above is B's KV, nothing else).
+    let (unreused, honest) = stale_read_with(dev, TagCheck::Off, Scrub::None, false)?;
+    assert_eq!(unreused.expect("read"), honest);
     Ok(())
 }
 device_test!(without_the_tag_check_a_stale_table_reads_another_tenants_kv);

@@ -1002,7 +1002,9 @@ mod tests {
             server.accept(socket, Duration::from_secs(5)).await
         };
         let (connected, accepted) = tokio::join!(connecting, accepting);
-        assert!(connected.is_err() && accepted.is_err());
+        let e = connected.expect_err("refused");
+        assert!(e.to_string().contains("ProtocolVersion"), "{e}");
+        assert!(accepted.is_err(), "the KV plane took the connection");
         // The same client offering TLS 1.3 is taken: the refusal is the version's.
         assert_eq!(listening.admits(&server).await, (true, true));
     }
