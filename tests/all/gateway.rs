@@ -1098,6 +1098,90 @@ fn up_refuses_pool_flags_of_a_pair_for_a_colocated_worker() {
     );
 }
 
+/// A second `bulkhead up` on a data directory one is running on stops before it writes a
+/// thing: the running stack keeps its cluster token (a new one made its gateway and workers
+/// refuse each other) and goes on serving.
+#[test]
+fn a_second_up_on_the_same_data_directory_leaves_the_first_alone() {
+    bounded(|| {
+        let up = Up::start(&[]);
+        up.wait_routable();
+        let token = up.data_dir.join("cluster-token");
+        let before = std::fs::read(&token).expect("the running stack's token");
+        let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+            .args(["up", "--port", "0", "--admin-port", "0", "--model"])
+            .arg(crate::worker_grpc::model_path())
+            .arg("--config")
+            .arg(&up.config)
+            .arg("--data-dir")
+            .arg(&up.data_dir)
+            .output()
+            .expect("up runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{stderr}");
+        assert!(stderr.contains("another `bulkhead up` is running"), "{stderr}");
+        assert_eq!(std::fs::read(&token).expect("still there"), before);
+        let (status, body) = http(&up.api, "POST", "/v1/chat/completions", Some(KEY_A), &[], QUESTION);
+        assert_eq!(status, 200, "{body}");
+    });
+}
+
+/// A port already taken is said before `up` writes its token or starts a worker (it was
+/// found only once both models had loaded).
+#[test]
+fn up_says_a_busy_port_before_it_starts_anything() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
+    let port = taken.local_addr().expect("address").port().to_string();
+    let dir = TempDir::new("up-busy-port");
+    let data = dir.0.join("data");
+    let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+        .args(["up", "--admin-port", "0", "--port", &port, "--model"])
+        .arg(crate::worker_grpc::model_path())
+        .arg("--data-dir")
+        .arg(&data)
+        .current_dir(repo())
+        .output()
+        .expect("up runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("127.0.0.1:{port} cannot be listened on")),
+        "{stderr}"
+    );
+    assert!(!data.join("cluster-token").exists(), "a token was written");
+}
+
+/// A terminal's Ctrl-C goes to `up`'s whole process group: its workers, in groups of their
+/// own, do not get it, so the gateway drains an answer under way before they are stopped (they
+/// stopped at once with it, and the answer failed mid-stream).
+#[test]
+fn ctrl_c_lets_an_answer_under_way_finish_before_the_workers_stop() {
+    bounded(|| {
+        let mut up = Up::launch(Options {
+            own_group: true,
+            ..Options::default()
+        });
+        up.wait_routable();
+        let mut answer = crate::up::open(
+            &up.api,
+            KEY_B,
+            "/v1/completions",
+            r#"{"prompt":"1, 2, 3, 4, 5,","max_tokens":200,"temperature":0,"stream":true}"#,
+        );
+        let mut head = [0u8; 12];
+        answer.read_exact(&mut head).expect("the answer starts");
+        assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+        up.interrupt_group();
+        let mut rest = Vec::new();
+        let _ = answer.read_to_end(&mut rest);
+        let rest = String::from_utf8_lossy(&rest);
+        assert!(rest.contains("data: [DONE]"), "{rest}");
+        assert!(!rest.contains("\"error\""), "{rest}");
+        let status = up.child.wait().expect("up exits");
+        assert!(status.success(), "{status:?}");
+    });
+}
+
 /// On one kept-alive connection: a chat request with `key` for a model nobody serves
 /// (refused once it is read: 404), whose body follows its head a moment later (as clients that
 /// write them apart send it), then `GET /v1/models` with the same key. The first response's

@@ -103,6 +103,9 @@ pub struct Options<'a> {
     pub data_dir: Option<PathBuf>,
     /// Extra environment variables of `bulkhead up` (its workers inherit them).
     pub env: &'a [(&'a str, &'a str)],
+    /// `bulkhead up` in a process group of its own, as a shell starts a command (a terminal's
+    /// Ctrl-C goes to the whole group: [`Up::interrupt_group`]); it dies with the test.
+    pub own_group: bool,
 }
 
 impl Drop for Up {
@@ -171,7 +174,22 @@ impl Up {
             "run scripts/fetch-model: {} is missing",
             model.display()
         );
-        let mut child = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_bulkhead"));
+        if options.own_group {
+            use std::os::unix::process::CommandExt as _;
+            command.process_group(0);
+            // SAFETY: runs in the forked child before exec and calls only prctl(2), which is
+            // async-signal-safe.
+            unsafe {
+                command.pre_exec(|| {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) == -1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let mut child = command
             .arg("up")
             .arg("--model")
             .arg(&model)
@@ -278,6 +296,16 @@ impl Up {
     /// Sends `signal` to `bulkhead up` itself (`-TERM`: it stops the stack, as Ctrl-C does).
     pub fn signal_up(&self, signal: &str) {
         self::signal(signal, self.child.id());
+    }
+
+    /// A terminal's Ctrl-C: SIGINT to every process of `up`'s group (started with
+    /// [`Options::own_group`]).
+    pub fn interrupt_group(&self) {
+        let sent = Command::new("kill")
+            .args(["-INT", "--", &format!("-{}", self.child.id())])
+            .status()
+            .expect("kill runs");
+        assert!(sent.success(), "kill -INT -{}", self.child.id());
     }
 
     /// The gateway's `/metrics`, checked to be well formed text exposition.
