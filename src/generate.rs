@@ -53,7 +53,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             true,
         )?
     } else {
-        loaded.tokenizer.encode(&args.prompt, false)?
+        loaded.tokenizer.encode_prompt(&args.prompt)?
     };
     let sampling = SamplingParams {
         temperature: args.temperature,

@@ -233,6 +233,7 @@ impl ServedModel {
             token_types: &data.token_types,
             bos: info.bos_token_id,
             eos: info.eos_token_id,
+            add_bos: data.add_bos,
         })
         .map_err(|e| format!("cannot build the tokenizer from the worker's Info: {e}"))?;
         let text = |id: Option<u32>| {
@@ -1429,6 +1430,25 @@ mod tests {
         let model = ServedModel::from_info(&info, &data).expect("a served model");
         workers.with(|s| s.model = Some(Arc::new(model)));
         workers
+    }
+
+    /// The gateway tokenizes a raw prompt as the worker does: after the BOS token when the
+    /// model's file asks for one (its Info's tokenizer says so).
+    #[test]
+    fn a_prompt_starts_with_bos_when_the_workers_tokenizer_says_so() {
+        let ModelSource::File(info, mut data) = tiny() else {
+            unreachable!("a file")
+        };
+        let bos = info.bos_token_id.expect("the tiny model has a BOS");
+        let plain = ServedModel::from_info(&info, &data).expect("a served model");
+        let text = plain.tokenizer.encode_prompt("ab").expect("encodes");
+        assert_ne!(text.first(), Some(&bos));
+        Arc::make_mut(&mut data).add_bos = true;
+        let with = ServedModel::from_info(&info, &data).expect("a served model");
+        assert_eq!(
+            with.tokenizer.encode_prompt("ab").expect("encodes"),
+            [&[bos][..], &text].concat()
+        );
     }
 
     /// The tiny test model, as an OpenAI upstream's GGUF describes it.

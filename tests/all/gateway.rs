@@ -1119,9 +1119,19 @@ fn a_second_up_on_the_same_data_directory_leaves_the_first_alone() {
             .expect("up runs");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{stderr}");
-        assert!(stderr.contains("another `bulkhead up` is running"), "{stderr}");
+        assert!(
+            stderr.contains("another `bulkhead up` is running"),
+            "{stderr}"
+        );
         assert_eq!(std::fs::read(&token).expect("still there"), before);
-        let (status, body) = http(&up.api, "POST", "/v1/chat/completions", Some(KEY_A), &[], QUESTION);
+        let (status, body) = http(
+            &up.api,
+            "POST",
+            "/v1/chat/completions",
+            Some(KEY_A),
+            &[],
+            QUESTION,
+        );
         assert_eq!(status, 200, "{body}");
     });
 }

@@ -52,6 +52,20 @@ pub enum TokenizerError {
     Encode(String),
 }
 
+/// `tokenizer.ggml.add_bos_token`: false when absent.
+fn add_bos(g: &Gguf) -> Result<bool, GgufError> {
+    let key = "tokenizer.ggml.add_bos_token";
+    match g.get(key) {
+        Err(GgufError::MissingKey { .. }) => Ok(false),
+        Err(e) => Err(e),
+        Ok(crate::gguf::Value::Bool(b)) => Ok(*b),
+        Ok(_) => Err(GgufError::BadValue {
+            key: key.into(),
+            reason: "not a boolean".into(),
+        }),
+    }
+}
+
 /// The longest part of a token or merge an error quotes.
 const QUOTED: usize = 64;
 
@@ -76,6 +90,8 @@ pub struct Tokenizer {
     control: Vec<bool>,
     bos: Option<TokenId>,
     eos: TokenId,
+    /// A raw text prompt starts with `bos` ([`Tokenizer::encode_prompt`]).
+    add_bos: bool,
     /// Tokens that end generation: EOS plus `<|endoftext|>`/`<|eot_id|>`-style control tokens.
     stop: Vec<TokenId>,
     /// Ids of the texts a chat template renders around the messages (see
@@ -103,6 +119,8 @@ pub struct TokenizerParts<'a, S> {
     pub bos: Option<TokenId>,
     /// Must be inside the vocabulary.
     pub eos: TokenId,
+    /// `tokenizer.ggml.add_bos_token`: a raw text prompt starts with `bos`.
+    pub add_bos: bool,
 }
 
 /// The special tokens' texts, found in one pass over a text: at each place the earliest,
@@ -171,6 +189,7 @@ impl Tokenizer {
             token_types: &token_types,
             bos: id("tokenizer.ggml.bos_token_id"),
             eos,
+            add_bos: add_bos(g)?,
         })
     }
 
@@ -186,6 +205,7 @@ impl Tokenizer {
             token_types: types,
             bos,
             eos,
+            add_bos,
         } = parts;
         if model != "gpt2" {
             return Err(TokenizerError::UnsupportedModel(model.into()));
@@ -282,6 +302,7 @@ impl Tokenizer {
             control,
             bos: bos.filter(|&b| (b as usize) < tokens.len()),
             eos,
+            add_bos,
             stop,
             template_pieces: TextCache::new(TEMPLATE_PIECES),
         })
@@ -302,6 +323,14 @@ impl Tokenizer {
     /// Whether generating `token` ends the sequence.
     pub fn is_stop(&self, token: TokenId) -> bool {
         self.stop.contains(&token)
+    }
+
+    /// A raw text prompt's ids: `text` as plain text, after the BOS token when the model's
+    /// file asks for one (`tokenizer.ggml.add_bos_token`: Llama 3's does, SmolLM2's does not).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<TokenId>, TokenizerError> {
+        let mut ids = Vec::from_iter(self.bos.filter(|_| self.add_bos));
+        self.encode_plain(text, &mut ids)?;
+        Ok(ids)
     }
 
     /// Encodes `text`. With `parse_special`, control-token text becomes the control token.
@@ -576,6 +605,41 @@ mod tests {
         }
     }
 
+    /// A raw text prompt starts with the BOS token when the file says so
+    /// (`tokenizer.ggml.add_bos_token`, Llama 3's), and not when it says not or says nothing
+    /// (SmolLM2's says false); a value that is not a boolean is refused.
+    #[test]
+    fn a_prompt_starts_with_bos_when_the_file_asks() {
+        let with = |value: Option<Value>| {
+            let path = std::env::temp_dir().join(format!(
+                "bulkhead-tok-bos-{}-{}.gguf",
+                std::process::id(),
+                rand::random::<u32>()
+            ));
+            let mut w = TinySpec::default().to_gguf();
+            if let Some(v) = value {
+                w.meta("tokenizer.ggml.add_bos_token", v);
+            }
+            w.write(&path).expect("write");
+            let g = Gguf::open(&path).expect("open");
+            let _ = std::fs::remove_file(&path);
+            Tokenizer::from_gguf(&g)
+        };
+        let plain = with(None).expect("builds");
+        let text = plain.encode("ab", false).expect("encode");
+        assert_eq!(plain.encode_prompt("ab").expect("encode"), text);
+        let no = with(Some(Value::Bool(false))).expect("builds");
+        assert_eq!(no.encode_prompt("ab").expect("encode"), text);
+        let yes = with(Some(Value::Bool(true))).expect("builds");
+        let bos = yes.bos().expect("the tiny model has a BOS");
+        assert_eq!(
+            yes.encode_prompt("ab").expect("encode"),
+            [&[bos][..], &text].concat()
+        );
+        let e = with(Some(Value::U32(1))).expect_err("refused");
+        assert!(e.to_string().contains("add_bos_token"), "{e}");
+    }
+
     #[test]
     fn an_unknown_pre_tokenizer_is_refused_by_name() {
         let err = tokenizer("mystery").expect_err("unknown");
@@ -603,6 +667,7 @@ mod tests {
             token_types: &token_types,
             bos: None,
             eos: 26,
+            add_bos: false,
         })
         .expect("a vocabulary with an empty control token builds");
         // Before, the empty token matched at offset 0 forever: encoding never returned.
@@ -623,6 +688,7 @@ mod tests {
                 token_types: &[],
                 bos: None,
                 eos: 0,
+                add_bos: false,
             })
         };
         build(&["a", "b", "ab"], &["a b"]).expect("a merge into a token");
@@ -663,6 +729,7 @@ mod tests {
             token_types: &token_types,
             bos: None,
             eos: 26,
+            add_bos: false,
         })
         .expect("builds");
         // "s><" lies inside "<s><s>", which begins earlier; "<s><s>" is longer than "<s>".
@@ -690,6 +757,7 @@ mod tests {
             token_types: &[1, 1, 3],
             bos: None,
             eos: 2,
+            add_bos: false,
         })
         .expect("builds");
         let mut d = Detokenizer::default();

@@ -674,7 +674,7 @@ fn prompt_ids(model: &ServedModel, parsed: &Parsed) -> Result<Vec<u32>, ApiError
         }
         Parsed::Completion(c) => match &c.prompt {
             CompletionPrompt::Text(text) => {
-                model.tokenizer.encode(text, false).map_err(|e| prompt(&e))
+                model.tokenizer.encode_prompt(text).map_err(|e| prompt(&e))
             }
             CompletionPrompt::Tokens(ids) => {
                 let vocab = model.tokenizer.vocab_size();

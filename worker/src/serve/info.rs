@@ -142,6 +142,10 @@ pub fn tokenizer_data(g: &Gguf) -> proto::TokenizerData {
                     .collect()
             })
             .unwrap_or_default(),
+        add_bos: matches!(
+            g.get("tokenizer.ggml.add_bos_token"),
+            Ok(crate::gguf::Value::Bool(true))
+        ),
     }
 }
 

@@ -151,7 +151,11 @@ pub trait PromptSource {
 
 impl PromptSource for Prompter {
     fn text(&self, text: &str) -> Result<Vec<TokenId>, ValidationError> {
-        self.encode(text, false)
+        self.tokenizer
+            .encode_prompt(text)
+            .map_err(|e| ValidationError::Tokenize {
+                reason: e.to_string(),
+            })
     }
 
     fn chat(&self, messages: &[Message]) -> Result<Vec<TokenId>, ValidationError> {
@@ -164,16 +168,6 @@ impl PromptSource for Prompter {
         template
             .encode(&self.tokenizer, messages, true)
             .map_err(|e| ValidationError::ChatRender {
-                reason: e.to_string(),
-            })
-    }
-}
-
-impl Prompter {
-    fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<TokenId>, ValidationError> {
-        self.tokenizer
-            .encode(text, parse_special)
-            .map_err(|e| ValidationError::Tokenize {
                 reason: e.to_string(),
             })
     }
