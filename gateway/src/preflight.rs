@@ -803,24 +803,31 @@ mod tests {
         }
     }
 
+    /// An OpenAI-compatible upstream `vllm` serving `served-model`, as probed.
+    fn openai_server(
+        probe: Result<(), String>,
+        key_env: Option<&str>,
+        cache_salt: bool,
+    ) -> ServerAnswer {
+        ServerAnswer {
+            name: "vllm".into(),
+            role: WorkerRole::Both,
+            upstream: OpenAiUpstream {
+                model: "served-model".into(),
+                context_length: std::num::NonZeroU32::new(4096).expect("non-zero"),
+                tokenizer: "m.gguf".into(),
+                key_env: key_env.map(str::to_owned),
+                cache_salt,
+            },
+            probe,
+        }
+    }
+
     /// Without its cache salt, an OpenAI-compatible upstream's prefix cache is shared across
     /// tenants: said, as a warning (a server with prefix caching off shares nothing).
     #[test]
     fn an_openai_upstream_without_its_cache_salt_is_warned_of() {
-        let server = |cache_salt| {
-            [ServerAnswer {
-                name: "vllm".into(),
-                role: WorkerRole::Both,
-                upstream: OpenAiUpstream {
-                    model: "served-model".into(),
-                    context_length: std::num::NonZeroU32::new(4096).expect("non-zero"),
-                    tokenizer: "m.gguf".into(),
-                    key_env: None,
-                    cache_salt,
-                },
-                probe: Ok(()),
-            }]
-        };
+        let server = |cache_salt| [openai_server(Ok(()), None, cache_salt)];
         let warned = |up: &[ServerAnswer]| {
             server_checks(up)
                 .iter()
@@ -834,18 +841,8 @@ mod tests {
     /// pass (nothing here can see it); a key its configuration names must be set.
     #[test]
     fn an_openai_upstream_is_probed_and_its_pool_never_passes() {
-        let server = |probe: Result<(), String>, key_env: Option<&str>| ServerAnswer {
-            name: "vllm".into(),
-            role: WorkerRole::Both,
-            upstream: OpenAiUpstream {
-                model: "served-model".into(),
-                context_length: std::num::NonZeroU32::new(4096).expect("non-zero"),
-                tokenizer: "m.gguf".into(),
-                key_env: key_env.map(str::to_owned),
-                cache_salt: true,
-            },
-            probe,
-        };
+        let server =
+            |probe: Result<(), String>, key_env: Option<&str>| openai_server(probe, key_env, true);
         let up = server(Ok(()), None);
         let down = server(
             Err("connection refused".into()),
