@@ -174,11 +174,15 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     // replace the running one's token, certificates and configuration, and a busy port or a
     // policy set that does not load would show only after both models had loaded.
     let _running = hold(&data_dir)?;
-    for (what, addr) in [("API", config.listen.api), ("admin", config.listen.admin)] {
-        std::net::TcpListener::bind(addr).with_context(|| {
-            format!("the {what} address {addr} cannot be listened on (--port / --admin-port choose others)")
-        })?;
-    }
+    // Both held until both are bound: the two on one port fail here too.
+    let _free = [("API", config.listen.api), ("admin", config.listen.admin)]
+        .map(|(what, addr)| {
+            std::net::TcpListener::bind(addr).with_context(|| {
+                format!("the {what} address {addr} cannot be listened on (--port / --admin-port choose others)")
+            })
+        })
+        .into_iter()
+        .collect::<anyhow::Result<Vec<_>>>()?;
     if let Some(settings) = &config.policies {
         Policies::load(settings.clone()).with_context(|| {
             format!(
@@ -349,7 +353,6 @@ fn serving(source: &str, config: &Config) -> anyhow::Result<String> {
     ))
 }
 
-/// A fresh random cluster token, written to `path` readable by this user only.
 /// Takes `data_dir`'s lock for as long as the returned file is open, or says that another
 /// `bulkhead up` holds it.
 fn hold(data_dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
@@ -369,12 +372,19 @@ fn hold(data_dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
              --data-dir)",
             data_dir.display()
         ),
+        // A file system without locks (NFS with no lock daemon): up runs, unguarded.
         Err(std::fs::TryLockError::Error(e)) => {
-            Err(e).with_context(|| format!("locking {}", path.display()))
+            eprintln!(
+                "warning: cannot lock {} ({e}): a second `bulkhead up` on this data directory \
+                 would not be refused",
+                path.display()
+            );
+            Ok(file)
         }
     }
 }
 
+/// A fresh random cluster token, written to `path` readable by this user only.
 fn write_cluster_token(path: &std::path::Path) -> anyhow::Result<()> {
     let (_, secret) = ClusterToken::generate();
     if let Some(dir) = path.parent() {
@@ -458,6 +468,10 @@ async fn start_worker(
         .chain(crate::tls_args::env::CLUSTER)
     {
         cmd.env_remove(var);
+    }
+    // A pool sized in bytes stands, unless up sizes it in tokens.
+    if kv_tokens.is_some() {
+        cmd.env_remove(crate::worker::env::KV_MEMORY);
     }
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())

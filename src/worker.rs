@@ -48,13 +48,12 @@ pub mod env {
     pub const CLUSTER_TOKEN_FILE: &str = "BULKHEAD_CLUSTER_TOKEN_FILE";
 
     /// What `bulkhead up` sets by flag for the workers it starts (their addresses, roles,
-    /// pools, peers and cluster token); its workers take the rest (`BULKHEAD_SCRUB`, …) from
-    /// its environment.
-    pub const SET_BY_UP: [&str; 9] = [
+    /// pools in tokens, peers and cluster token); its workers take the rest (`BULKHEAD_SCRUB`,
+    /// …, and `BULKHEAD_KV_MEMORY` when up sizes no pool) from its environment.
+    pub const SET_BY_UP: [&str; 8] = [
         ROLE,
         LISTEN,
         ADMIN_LISTEN,
-        KV_MEMORY,
         KV_TOKENS,
         PREFILL,
         KV_LISTEN,

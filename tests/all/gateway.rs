@@ -1108,15 +1108,27 @@ fn a_second_up_on_the_same_data_directory_leaves_the_first_alone() {
         up.wait_routable();
         let token = up.data_dir.join("cluster-token");
         let before = std::fs::read(&token).expect("the running stack's token");
-        let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+        let mut second = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
             .args(["up", "--port", "0", "--admin-port", "0", "--model"])
             .arg(crate::worker_grpc::model_path())
             .arg("--config")
             .arg(&up.config)
             .arg("--data-dir")
             .arg(&up.data_dir)
-            .output()
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
             .expect("up runs");
+        // Refused at once; one that started anyway is stopped, not left behind.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while second.try_wait().expect("waits").is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if second.try_wait().expect("waits").is_none() {
+            let _ = second.kill();
+            panic!("the second up ran on");
+        }
+        let out = second.wait_with_output().expect("its output");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{stderr}");
         assert!(
@@ -1167,8 +1179,10 @@ fn up_says_a_busy_port_before_it_starts_anything() {
 #[test]
 fn ctrl_c_lets_an_answer_under_way_finish_before_the_workers_stop() {
     bounded(|| {
+        // Time enough to drain a whole answer on a slow machine.
         let mut up = Up::launch(Options {
             own_group: true,
+            replace: &[("drain_timeout_secs = 10", "drain_timeout_secs = 120")],
             ..Options::default()
         });
         up.wait_routable();
@@ -1178,13 +1192,20 @@ fn ctrl_c_lets_an_answer_under_way_finish_before_the_workers_stop() {
             "/v1/completions",
             r#"{"prompt":"1, 2, 3, 4, 5,","max_tokens":200,"temperature":0,"stream":true}"#,
         );
-        let mut head = [0u8; 12];
-        answer.read_exact(&mut head).expect("the answer starts");
-        assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+        // Its first token is out: the answer is under way when Ctrl-C comes.
+        let mut before = Vec::new();
+        let mut chunk = [0u8; 4096];
+        while !String::from_utf8_lossy(&before).contains("data: {") {
+            let n = answer.read(&mut chunk).expect("the answer comes");
+            assert!(n > 0, "{}", String::from_utf8_lossy(&before));
+            before.extend_from_slice(&chunk[..n]);
+        }
+        assert!(before.starts_with(b"HTTP/1.1 200"));
         up.interrupt_group();
         let mut rest = Vec::new();
         let _ = answer.read_to_end(&mut rest);
         let rest = String::from_utf8_lossy(&rest);
+        assert!(rest.contains("data: {"), "tokens after Ctrl-C: {rest}");
         assert!(rest.contains("data: [DONE]"), "{rest}");
         assert!(!rest.contains("\"error\""), "{rest}");
         let status = up.child.wait().expect("up exits");

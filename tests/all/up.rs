@@ -110,6 +110,10 @@ pub struct Options<'a> {
 
 impl Drop for Up {
     fn drop(&mut self) {
+        // Already gone (a test waited for it): its pid may be another process's now.
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status();

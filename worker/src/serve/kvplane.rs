@@ -990,6 +990,26 @@ mod tests {
         assert!((1..=FIRST_ROOM).contains(&most), "{most}");
     }
 
+    /// A frame's buffer grows as its bytes come, to the frame's length and no further
+    /// (`read_buf`'s own growth doubles past it).
+    #[tokio::test]
+    async fn a_frame_buffer_grows_to_the_frame_and_no_further() {
+        let len = 200_000;
+        let fs = frames(1, len);
+        let mut bytes = Vec::new();
+        encode_frame(&fs[0], &mut bytes);
+        let log = Log::default();
+        receive(&bytes[..], &log, &Buffers::default(), None)
+            .await
+            .expect("a clean end");
+        let got = log.got.lock().expect("lock").pop();
+        let Some(Received::Frame(frame)) = got else {
+            panic!("a frame: {got:?}");
+        };
+        let frame = frame.into_bytes();
+        assert_eq!((frame.len(), frame.capacity()), (len, len));
+    }
+
     /// A reader that records the most room any read of it was offered.
     struct Offered<R> {
         inner: R,
