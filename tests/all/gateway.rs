@@ -1190,7 +1190,7 @@ fn ctrl_c_lets_an_answer_under_way_finish_before_the_workers_stop() {
             &up.api,
             KEY_B,
             "/v1/completions",
-            r#"{"prompt":"1, 2, 3, 4, 5,","max_tokens":200,"temperature":0,"stream":true}"#,
+            r#"{"prompt":"1, 2, 3, 4, 5,","max_tokens":1500,"temperature":0,"stream":true}"#,
         );
         // Its first token is out: the answer is under way when Ctrl-C comes.
         let mut before = Vec::new();
