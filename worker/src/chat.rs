@@ -234,6 +234,12 @@ impl ChatTemplate {
         if let Some(last) = frame.last() {
             tokens.extend_from_slice(&template(last)?);
         }
+        // A model whose file asks for a BOS, under a template that writes none: added, once.
+        if let Some(bos) = tokenizer.prompt_bos()
+            && tokens.first() != Some(&bos)
+        {
+            tokens.insert(0, bos);
+        }
         Ok(tokens)
     }
 
@@ -321,6 +327,52 @@ mod tests {
             )
             .expect("render");
         assert_eq!(count(&tok.encode(&text, true).expect("encode"), 1), 3);
+    }
+
+    /// A model whose file asks for a BOS gets one at the start of a chat prompt: written by
+    /// the template, or added when the template writes none; never two.
+    #[test]
+    fn a_chat_prompt_starts_with_one_bos_when_the_file_asks() {
+        let tok = |add_bos: bool| {
+            let path = std::env::temp_dir().join(format!(
+                "bulkhead-chat-bos-{}-{}.gguf",
+                std::process::id(),
+                rand::random::<u32>()
+            ));
+            let mut w = TinySpec::default().to_gguf();
+            w.meta(
+                "tokenizer.ggml.add_bos_token",
+                crate::gguf::Value::Bool(add_bos),
+            );
+            w.write(&path).expect("write");
+            let g = Gguf::open(&path).expect("open");
+            let _ = std::fs::remove_file(&path);
+            Tokenizer::from_gguf(&g).expect("tokenizer")
+        };
+        let (plain, asks) = (tok(false), tok(true));
+        let bos = asks.bos().expect("a BOS");
+        let hi = [Message::new("user", "hi")];
+        let without = ChatTemplate::new(
+            "{% for m in messages %}{{ m.content }}{% endfor %}",
+            String::new(),
+            String::new(),
+        )
+        .expect("compiles");
+        let text = without.encode(&plain, &hi, true).expect("encodes");
+        assert_ne!(text.first(), Some(&bos));
+        let added = without.encode(&asks, &hi, true).expect("encodes");
+        assert_eq!(added, [&[bos][..], &text].concat());
+        // A template that writes its own BOS keeps that one alone.
+        let bos_text = crate::tiny_model::TINY_CONTROL[bos as usize].to_owned();
+        let with = ChatTemplate::new(
+            "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}",
+            bos_text,
+            String::new(),
+        )
+        .expect("compiles");
+        let own = with.encode(&asks, &hi, true).expect("encodes");
+        assert_eq!(own.iter().filter(|&&t| t == bos).count(), 1, "{own:?}");
+        assert_eq!(own.first(), Some(&bos));
     }
 
     #[test]

@@ -328,9 +328,14 @@ impl Tokenizer {
     /// A raw text prompt's ids: `text` as plain text, after the BOS token when the model's
     /// file asks for one (`tokenizer.ggml.add_bos_token`: Llama 3's does, SmolLM2's does not).
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<TokenId>, TokenizerError> {
-        let mut ids = Vec::from_iter(self.bos.filter(|_| self.add_bos));
+        let mut ids = Vec::from_iter(self.prompt_bos());
         self.encode_plain(text, &mut ids)?;
         Ok(ids)
+    }
+
+    /// The token a prompt starts with, when the model's file asks for one.
+    pub fn prompt_bos(&self) -> Option<TokenId> {
+        self.bos.filter(|_| self.add_bos)
     }
 
     /// Encodes `text`. With `parse_special`, control-token text becomes the control token.
