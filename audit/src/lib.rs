@@ -61,7 +61,7 @@ pub use error::AuditError;
 pub use hash::Sha256Digest;
 pub use line::Seq;
 pub use log::{AuditLog, Config, Durability, Receipt, Recovery};
-pub use read::{Stored, read};
+pub use read::{Limit, Page, Stored, read};
 pub use record::{
     Admission, AdmissionOutcome, AuditRecord, Directive, DisconnectPhase, Dropped, Folded, Hold,
     Integrity, Label, Layer, PolicyDecision, StatusCount, Verdict, WorkerPair,

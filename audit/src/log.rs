@@ -396,6 +396,17 @@ impl AuditLog {
         since: Seq,
         limit: usize,
     ) -> Result<Vec<Stored>, AuditError> {
+        self.read_page(tenant, since, read::Limit::records(limit))
+            .map(|page| page.records)
+    }
+
+    /// [`AuditLog::read`] within `limit`'s records and bytes, and whether more follow.
+    pub fn read_page(
+        &self,
+        tenant: &TenantId,
+        since: Seq,
+        limit: read::Limit,
+    ) -> Result<read::Page, AuditError> {
         let durable = lock(&self.inner.state)
             .tenants
             .get(tenant)

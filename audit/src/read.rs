@@ -25,6 +25,35 @@ pub struct Stored {
     pub record: AuditRecord,
 }
 
+/// Records read at once, and whether the log holds more after them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Page {
+    /// In order of `seq`.
+    pub records: Vec<Stored>,
+    /// A record after the last one exists (and, from a live log, is durable).
+    pub more: bool,
+}
+
+/// How much one read may return: records, and bytes of their lines (a record's captured
+/// content can be a megabyte; a page of them is held in memory and sent at once).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limit {
+    /// The most records.
+    pub records: usize,
+    /// The first record is returned whatever its size (a page always moves on).
+    pub bytes: usize,
+}
+
+impl Limit {
+    /// `records` records, whatever their size.
+    pub fn records(records: usize) -> Limit {
+        Limit {
+            records,
+            bytes: usize::MAX,
+        }
+    }
+}
+
 /// Up to `limit` records of `tenant` with `seq >= since`, in order. Lines not yet complete
 /// (a write in progress) are not returned. An unknown tenant has no records.
 pub fn read(
@@ -33,22 +62,28 @@ pub fn read(
     since: Seq,
     limit: usize,
 ) -> Result<Vec<Stored>, AuditError> {
-    read_below(dir, tenant, since, limit, None)
+    read_below(dir, tenant, since, Limit::records(limit), None).map(|page| page.records)
 }
 
-/// [`read`], stopping before the first record at or after `below` (the writer's durable mark).
-/// Segments are read a line at a time: a read holds one line and the page, never a segment.
+/// The page of `tenant`'s records from `since` within `limit`, stopping before the first
+/// record at or after `below` (the writer's durable mark). Segments are read a line at a
+/// time: a read holds one line and the page, never a segment.
 pub(crate) fn read_below(
     dir: &Path,
     tenant: &TenantId,
     since: Seq,
-    limit: usize,
+    limit: Limit,
     below: Option<Seq>,
-) -> Result<Vec<Stored>, AuditError> {
+) -> Result<Page, AuditError> {
     let tdir = layout::tenant_dir(dir, tenant);
     let listing = match layout::list_tenant(&tdir) {
         Ok(l) => l,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(Page {
+                records: Vec::new(),
+                more: false,
+            });
+        }
         Err(e) => return Err(io_err("list", &tdir)(e)),
     };
     // Start at the last segment that starts at or before `since`. Segments start at rising
@@ -63,13 +98,11 @@ pub(crate) fn read_below(
         }
     }
     let mut out = Vec::new();
+    let mut bytes = 0usize;
     let mut l = Vec::new();
     for (_, path) in &listing.segments[start..] {
         let mut reader = BufReader::new(fs::File::open(path).map_err(io_err("open", path))?);
         for n in 1u64.. {
-            if out.len() >= limit {
-                return Ok(out);
-            }
             l.clear();
             reader
                 .read_until(b'\n', &mut l)
@@ -83,9 +116,21 @@ pub(crate) fn read_below(
                 reason,
             })?;
             if below.is_some_and(|b| parsed.seq >= b) {
-                return Ok(out);
+                return Ok(Page {
+                    records: out,
+                    more: false,
+                });
             }
             if parsed.seq >= since {
+                // One more than the page takes: the page ends before it, and says there is more.
+                let over = !out.is_empty() && bytes.saturating_add(l.len()) > limit.bytes;
+                if out.len() >= limit.records || over {
+                    return Ok(Page {
+                        records: out,
+                        more: true,
+                    });
+                }
+                bytes = bytes.saturating_add(l.len());
                 out.push(Stored {
                     seq: parsed.seq,
                     digest: Sha256Digest::of(&l),
@@ -94,7 +139,10 @@ pub(crate) fn read_below(
             }
         }
     }
-    Ok(out)
+    Ok(Page {
+        records: out,
+        more: false,
+    })
 }
 
 fn first_seq(path: &Path) -> Result<Option<Seq>, AuditError> {

@@ -3,8 +3,8 @@
 use std::time::{Duration, Instant};
 
 use bulkhead_audit::{
-    AuditError, AuditLog, AuditRecord, Durability, Recovery, Seq, Sha256Digest, Stored, TenantId,
-    TenantIdError, verify,
+    AuditError, AuditLog, AuditRecord, Durability, Limit, Recovery, Seq, Sha256Digest, Stored,
+    TenantId, TenantIdError, verify,
 };
 
 use crate::common::*;
@@ -521,6 +521,51 @@ fn pagination_walks_the_chain_across_segments() {
     assert_eq!(log.read(&a, Seq(25), 10).unwrap(), vec![]);
     assert_eq!(log.read(&tenant("nobody"), Seq(0), 10).unwrap(), vec![]);
     assert_eq!(log.read(&a, Seq(0), 0).unwrap(), vec![]);
+}
+
+/// A page holds at most its records and its bytes (the first record whatever its size), and
+/// says whether more follow: a page of captured contents is not a gigabyte.
+#[test]
+fn a_page_is_bounded_in_bytes_and_says_when_more_follow() {
+    let dir = Scratch::new();
+    let a = tenant("a");
+    let log = open(dir.path(), 1 << 20);
+    for i in 0..5 {
+        log.append(&a, &record(&a, i)).unwrap();
+    }
+    // The lines as the log holds them (one segment, `DIR/a/<segment>.jsonl`).
+    let segment = std::fs::read_dir(dir.path().join("a"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "jsonl"))
+        .expect("a segment");
+    let text = std::fs::read_to_string(segment).unwrap();
+    let lines: Vec<usize> = text.lines().map(str::len).collect();
+    // Room for the first two lines and not the third.
+    let bytes = lines[0] + lines[1] + lines[2] - 1;
+    let two = log
+        .read_page(&a, Seq(0), Limit { records: 10, bytes })
+        .unwrap();
+    assert_eq!((two.records.len(), two.more), (2, true), "{lines:?}");
+    // The first record whatever the bytes: a page always moves on.
+    let first = log
+        .read_page(
+            &a,
+            Seq(0),
+            Limit {
+                records: 10,
+                bytes: 1,
+            },
+        )
+        .unwrap();
+    assert_eq!((first.records.len(), first.more), (1, true));
+    // The last page says there is no more.
+    let rest = log.read_page(&a, Seq(3), Limit::records(10)).unwrap();
+    assert_eq!((rest.records.len(), rest.more), (2, false));
+    let counted = log.read_page(&a, Seq(0), Limit::records(5)).unwrap();
+    assert_eq!((counted.records.len(), counted.more), (5, false));
+    let short = log.read_page(&a, Seq(0), Limit::records(4)).unwrap();
+    assert_eq!((short.records.len(), short.more), (4, true));
 }
 
 #[test]

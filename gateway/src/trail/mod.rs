@@ -350,6 +350,7 @@ impl Recorder {
     }
 
     /// Up to `limit` durable records of `tenant` from `since` on.
+    #[cfg(test)]
     pub fn read(
         &self,
         tenant: &TenantId,
@@ -357,6 +358,16 @@ impl Recorder {
         limit: usize,
     ) -> Result<Vec<Stored>, AuditError> {
         self.inner.log.read(tenant, since, limit)
+    }
+
+    /// The durable records of `tenant` from `since` on within `limit`, and whether more follow.
+    pub fn read_page(
+        &self,
+        tenant: &TenantId,
+        since: Seq,
+        limit: bulkhead_audit::Limit,
+    ) -> Result<bulkhead_audit::Page, AuditError> {
+        self.inner.log.read_page(tenant, since, limit)
     }
 
     /// Writes the folded record being collected and makes every record so far durable

@@ -24,6 +24,9 @@ use super::Recorder;
 pub const DEFAULT_LIMIT: usize = 100;
 /// The most records one page holds.
 pub const MAX_LIMIT: usize = 1000;
+/// The most bytes of log lines one page holds (the first record whatever its size): records
+/// with captured content can be a megabyte each, and a page is held in memory and sent whole.
+const MAX_PAGE_BYTES: usize = 4 << 20;
 
 /// One page of a tenant's records.
 #[derive(Debug, Serialize)]
@@ -103,45 +106,46 @@ fn once<T>(slot: &mut Option<T>, value: T, field: &'static str) -> Result<(), Re
     }
 }
 
-/// A page of `tenant`'s records.
+/// A page of `tenant`'s records, read and written out on the blocking pool (a page can be
+/// megabytes: a serving thread's other connections do not wait for it).
 async fn page(recorder: &Recorder, tenant: TenantId, paging: Paging) -> Response {
     let recorder = recorder.clone();
-    let read = {
-        let tenant = tenant.clone();
-        tokio::task::spawn_blocking(move || {
-            recorder.read(&tenant, Seq(paging.since), paging.limit.saturating_add(1))
-        })
-        .await
-    };
-    let mut records = match read {
-        Ok(Ok(records)) => records,
-        Ok(Err(e)) => {
-            tracing::error!(error = %e, tenant = %tenant, "reading the audit log failed");
-            return ApiError::AuditUnavailable.into_response();
-        }
-        Err(_) => return ApiError::Internal.into_response(),
-    };
-    let has_more = records.len() > paging.limit;
-    records.truncate(paging.limit);
-    let next_since = records
-        .last()
-        .map_or(paging.since, |r| r.seq.0.saturating_add(1));
-    let page = AuditPage {
-        object: "list",
-        tenant: tenant.to_string(),
-        data: records
-            .into_iter()
-            .map(|r| Entry {
-                seq: r.seq.0,
-                digest: r.digest,
-                record: r.record,
+    let page = tokio::task::spawn_blocking(move || {
+        let limit = bulkhead_audit::Limit {
+            records: paging.limit,
+            bytes: MAX_PAGE_BYTES,
+        };
+        let read = recorder
+            .read_page(&tenant, Seq(paging.since), limit)
+            .inspect_err(|e| {
+                tracing::error!(error = %e, tenant = %tenant, "reading the audit log failed");
             })
-            .collect(),
-        has_more,
-        next_since,
-    };
-    match serde_json::to_string(&page) {
-        Ok(body) => ([(CONTENT_TYPE, "application/json")], body).into_response(),
+            .map_err(|_| ApiError::AuditUnavailable)?;
+        let next_since = read
+            .records
+            .last()
+            .map_or(paging.since, |r| r.seq.0.saturating_add(1));
+        let page = AuditPage {
+            object: "list",
+            tenant: tenant.to_string(),
+            data: read
+                .records
+                .into_iter()
+                .map(|r| Entry {
+                    seq: r.seq.0,
+                    digest: r.digest,
+                    record: r.record,
+                })
+                .collect(),
+            has_more: read.more,
+            next_since,
+        };
+        serde_json::to_string(&page).map_err(|_| ApiError::Internal)
+    })
+    .await;
+    match page {
+        Ok(Ok(body)) => ([(CONTENT_TYPE, "application/json")], body).into_response(),
+        Ok(Err(e)) => e.into_response(),
         Err(_) => ApiError::Internal.into_response(),
     }
 }
