@@ -34,9 +34,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use bulkhead_audit::{
-    AuditError, AuditLog, AuditRecord, ChainKey, Recovery, Seq, Stored, TenantId,
-};
+use bulkhead_audit::{AuditError, AuditLog, AuditRecord, ChainKey, Recovery, Seq, TenantId};
 use bulkhead_telemetry::AuditExport;
 use tracing::Span;
 
@@ -356,7 +354,7 @@ impl Recorder {
         tenant: &TenantId,
         since: Seq,
         limit: usize,
-    ) -> Result<Vec<Stored>, AuditError> {
+    ) -> Result<Vec<bulkhead_audit::Stored>, AuditError> {
         self.inner.log.read(tenant, since, limit)
     }
 
