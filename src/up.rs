@@ -174,8 +174,9 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     // replace the running one's token, certificates and configuration, and a busy port or a
     // policy set that does not load would show only after both models had loaded.
     let _running = hold(&data_dir)?;
-    // Both held until both are bound: the two on one port fail here too.
-    let _free = [("API", config.listen.api), ("admin", config.listen.admin)]
+    // Both held until both are bound (the two on one port fail here too), then let go for
+    // the gateway to bind.
+    let free = [("API", config.listen.api), ("admin", config.listen.admin)]
         .map(|(what, addr)| {
             std::net::TcpListener::bind(addr).with_context(|| {
                 format!("the {what} address {addr} cannot be listened on (--port / --admin-port choose others)")
@@ -183,6 +184,7 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
         })
         .into_iter()
         .collect::<anyhow::Result<Vec<_>>>()?;
+    drop(free);
     if let Some(settings) = &config.policies {
         Policies::load(settings.clone()).with_context(|| {
             format!(

@@ -1148,6 +1148,30 @@ fn a_second_up_on_the_same_data_directory_leaves_the_first_alone() {
     });
 }
 
+/// `up` serves on the ports it is given: its check that they are free lets them go before
+/// the gateway binds them (held, the gateway's bind failed on every fixed port: the default
+/// 8080 of `scripts/run` too).
+#[test]
+fn up_serves_on_the_ports_it_is_given() {
+    bounded(|| {
+        let free = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .expect("binds")
+                .local_addr()
+                .expect("address")
+                .port()
+        };
+        let (api, admin) = (free(), free());
+        let up = Up::launch(Options {
+            ports: Some((api, admin)),
+            ..Options::default()
+        });
+        assert_eq!(up.api, format!("127.0.0.1:{api}"));
+        assert_eq!(up.admin, format!("127.0.0.1:{admin}"));
+        up.wait_routable();
+    });
+}
+
 /// A port already taken is said before `up` writes its token or starts a worker (it was
 /// found only once both models had loaded).
 #[test]

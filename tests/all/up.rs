@@ -103,6 +103,8 @@ pub struct Options<'a> {
     pub data_dir: Option<PathBuf>,
     /// Extra environment variables of `bulkhead up` (its workers inherit them).
     pub env: &'a [(&'a str, &'a str)],
+    /// The API and admin ports (`--port`, `--admin-port`); free ones the kernel picks otherwise.
+    pub ports: Option<(u16, u16)>,
     /// `bulkhead up` in a process group of its own, as a shell starts a command (a terminal's
     /// Ctrl-C goes to the whole group: [`Up::interrupt_group`]); it dies with the test.
     pub own_group: bool,
@@ -178,6 +180,11 @@ impl Up {
             "run scripts/fetch-model: {} is missing",
             model.display()
         );
+        let (api_port, admin_port) = options
+            .ports
+            .map_or(("0".to_owned(), "0".to_owned()), |(api, admin)| {
+                (api.to_string(), admin.to_string())
+            });
         let mut command = Command::new(env!("CARGO_BIN_EXE_bulkhead"));
         if options.own_group {
             use std::os::unix::process::CommandExt as _;
@@ -197,7 +204,14 @@ impl Up {
             .arg("up")
             .arg("--model")
             .arg(&model)
-            .args(["--threads", "1", "--port", "0", "--admin-port", "0"])
+            .args([
+                "--threads",
+                "1",
+                "--port",
+                &api_port,
+                "--admin-port",
+                &admin_port,
+            ])
             .arg("--config")
             .arg(&config)
             .arg("--data-dir")
