@@ -226,10 +226,20 @@ impl Drop for Net {
     }
 }
 
-/// The namespaces, or `None` after saying loudly why these tests cannot run here.
+/// Set to 1 where these tests must run (`scripts/test`, which installs iproute2 and runs as
+/// root): there a namespace that cannot be made fails the test instead of skipping it.
+const REQUIRE_ENV: &str = "BULKHEAD_REQUIRE_NETNS";
+
+/// The namespaces, or `None` after saying loudly why these tests cannot run here (a failure
+/// with [`REQUIRE_ENV`] set).
 fn net_or_skip(test: &str) -> Option<Net> {
     match Net::create() {
         Ok(net) => Some(net),
+        Err(e) if std::env::var(REQUIRE_ENV).is_ok_and(|v| v == "1") => {
+            panic!(
+                "{test}: network namespaces are required ({REQUIRE_ENV}=1) and not available: {e}"
+            )
+        }
         Err(e) => {
             eprintln!(
                 "\n*** SKIPPED {test}: network namespaces are not available here ({e}).\n\
