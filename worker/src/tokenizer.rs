@@ -53,7 +53,7 @@ pub enum TokenizerError {
 }
 
 /// `tokenizer.ggml.add_bos_token`: false when absent.
-fn add_bos(g: &Gguf) -> Result<bool, GgufError> {
+pub(crate) fn add_bos(g: &Gguf) -> Result<bool, GgufError> {
     let key = "tokenizer.ggml.add_bos_token";
     match g.get(key) {
         Err(GgufError::MissingKey { .. }) => Ok(false),

@@ -533,13 +533,8 @@ fn a_page_is_bounded_in_bytes_and_says_when_more_follow() {
     for i in 0..5 {
         log.append(&a, &record(&a, i)).unwrap();
     }
-    // The lines as the log holds them (one segment, `DIR/a/<segment>.jsonl`).
-    let segment = std::fs::read_dir(dir.path().join("a"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| p.extension().is_some_and(|x| x == "jsonl"))
-        .expect("a segment");
-    let text = std::fs::read_to_string(segment).unwrap();
+    // The lines as the log holds them (one segment).
+    let text = std::fs::read_to_string(&segments(dir.path(), &a)[0]).unwrap();
     let lines: Vec<usize> = text.lines().map(str::len).collect();
     // Room for the first two lines and not the third.
     let bytes = lines[0] + lines[1] + lines[2] - 1;

@@ -142,10 +142,7 @@ pub fn tokenizer_data(g: &Gguf) -> proto::TokenizerData {
                     .collect()
             })
             .unwrap_or_default(),
-        add_bos: matches!(
-            g.get("tokenizer.ggml.add_bos_token"),
-            Ok(crate::gguf::Value::Bool(true))
-        ),
+        add_bos: crate::tokenizer::add_bos(g).unwrap_or_default(),
     }
 }
 
