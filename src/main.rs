@@ -14,6 +14,7 @@ mod tls_args;
 mod up;
 mod worker;
 
+use bulkhead_worker::chat::sandbox;
 use clap::{Parser, Subcommand};
 
 #[global_allocator]
@@ -62,6 +63,14 @@ enum Command {
         #[arg(long)]
         out: std::path::PathBuf,
     },
+    /// The chat template sandbox's helper: the serving processes start it, not an operator
+    /// (bulkhead_worker::chat::sandbox).
+    #[command(name = "template-sandbox", hide = true)]
+    TemplateSandbox {
+        /// The memory it may take past what it holds when it starts.
+        #[arg(long = "memory-bytes")]
+        memory_bytes: u64,
+    },
 }
 
 fn main() -> std::process::ExitCode {
@@ -90,10 +99,21 @@ fn causes_not_said(e: &anyhow::Error) -> Vec<String> {
 }
 
 fn run(command: Command) -> anyhow::Result<()> {
+    // Chat templates come from model files and workers' Info: rendered in a helper process
+    // whose memory is bounded (this binary, as `template-sandbox`), never in this one.
+    // `/proc/self/exe`: the running binary, even after its file was replaced (an upgrade, a
+    // rebuild) — its path would then start another version, or nothing.
+    if !matches!(command, Command::TemplateSandbox { .. }) {
+        let exe = std::path::PathBuf::from("/proc/self/exe");
+        sandbox::install(sandbox::Sandbox::new(exe, sandbox::MEMORY));
+    }
     // The servers install their own telemetry (they export spans when configured to) and log
     // their startup facts (measured pool, served context) by default; the rest only warn.
     let _log = match command {
-        Command::Worker(_) | Command::Gateway(_) | Command::Up(_) => None,
+        Command::Worker(_)
+        | Command::Gateway(_)
+        | Command::Up(_)
+        | Command::TemplateSandbox { .. } => None,
         Command::Generate(_)
         | Command::Bench { .. }
         | Command::Audit { .. }
@@ -111,6 +131,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Audit { what } => audit::run(what),
         Command::HashKey => gateway::hash_key(),
         Command::CudaPtx { out } => cuda_ptx(&out),
+        Command::TemplateSandbox { memory_bytes } => Ok(sandbox::serve(memory_bytes)?),
     }
 }
 
@@ -131,6 +152,19 @@ mod tests {
     #[test]
     fn the_command_line_is_well_formed() {
         super::Cli::command().debug_assert();
+    }
+
+    /// The chat template sandbox starts its helpers with the names its library gives.
+    #[test]
+    fn the_sandbox_helper_parses_as_the_library_starts_it() {
+        use bulkhead_worker::chat::sandbox::{MEMORY_FLAG, SUBCOMMAND};
+        use clap::Parser as _;
+        let cli =
+            super::Cli::try_parse_from(["bulkhead", SUBCOMMAND, MEMORY_FLAG, "5"]).expect("parses");
+        assert!(matches!(
+            cli.command,
+            super::Command::TemplateSandbox { memory_bytes: 5 }
+        ));
     }
 
     /// An error that names its source in its own message (`cannot read f.toml: {source}`).

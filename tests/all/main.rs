@@ -18,6 +18,7 @@ mod oracles;
 mod otel;
 mod policies;
 mod scale;
+mod template_sandbox;
 mod transfer_faults;
 mod up;
 mod upstream;

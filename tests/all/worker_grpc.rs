@@ -5,7 +5,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
@@ -57,12 +57,12 @@ impl Place<'_> {
 }
 
 fn command(args: &[&str]) -> Command {
-    command_in(&Place::LOCAL, args)
+    command_in(&Place::LOCAL, &model_path(), args)
 }
 
-/// `bulkhead worker` at `place` with `args`; gRPC and admin on free ports of the place's bind
-/// address unless `args` name a `--listen` address.
-fn command_in(place: &Place<'_>, args: &[&str]) -> Command {
+/// `bulkhead worker --model MODEL` at `place` with `args`; gRPC and admin on free ports of the
+/// place's bind address unless `args` name a `--listen` address.
+fn command_in(place: &Place<'_>, model: &Path, args: &[&str]) -> Command {
     let mut cmd = match place.netns {
         None => Command::new(env!("CARGO_BIN_EXE_bulkhead")),
         Some(ns) => {
@@ -72,12 +72,10 @@ fn command_in(place: &Place<'_>, args: &[&str]) -> Command {
         }
     };
     let (listen, admin) = (format!("{}:0", place.bind), format!("{}:0", place.bind));
-    cmd.arg("worker").arg("--model").arg(model_path()).args([
-        "--threads",
-        "1",
-        "--admin-listen",
-        &admin,
-    ]);
+    cmd.arg("worker")
+        .arg("--model")
+        .arg(model)
+        .args(["--threads", "1", "--admin-listen", &admin]);
     if !args.contains(&"--listen") {
         cmd.args(["--listen", &listen]);
     }
@@ -147,10 +145,19 @@ impl Worker {
 
     /// [`Worker::start_in`], with `env` added to the worker's environment.
     pub(crate) fn start_with(place: &Place<'_>, args: &[&str], env: &[(&str, &str)]) -> Worker {
-        let mut child = command_in(place, args)
-            .envs(env.iter().copied())
-            .spawn()
-            .expect("the bulkhead binary starts");
+        let mut command = command_in(place, &model_path(), args);
+        Worker::ready(command.envs(env.iter().copied()), place)
+    }
+
+    /// Starts `bulkhead worker` on the model file `model` with `args`, and waits for its ready
+    /// line.
+    pub(crate) fn start_on(model: &Path, args: &[&str]) -> Worker {
+        Worker::ready(&mut command_in(&Place::LOCAL, model, args), &Place::LOCAL)
+    }
+
+    /// Runs `command` and waits for its ready line.
+    fn ready(command: &mut Command, place: &Place<'_>) -> Worker {
+        let mut child = command.spawn().expect("the bulkhead binary starts");
         let stdout = child.stdout.take().expect("stdout is piped");
         let stderr = collect(child.stderr.take().expect("stderr is piped"));
         let (tx, rx) = mpsc::channel();

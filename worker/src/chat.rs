@@ -12,6 +12,8 @@ use crate::printable::printable;
 use crate::text_cache::TextCache;
 use crate::tokenizer::{TokenId, Tokenizer};
 
+pub mod sandbox;
+
 /// One chat message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
@@ -28,8 +30,8 @@ impl Message {
     }
 }
 
-/// Why a chat template cannot be used.
-#[derive(Debug, thiserror::Error)]
+/// Why a chat template cannot be used (sent as it is by the [`sandbox`]'s helper).
+#[derive(Debug, thiserror::Error, Serialize, Deserialize)]
 pub enum ChatError {
     #[error("the model has no chat template (tokenizer.chat_template)")]
     NoTemplate,
@@ -45,6 +47,10 @@ pub enum ChatError {
     Tokenize(String),
     #[error("message role {0:?} is not one of system, user, assistant")]
     Role(String),
+    /// The sandbox could not render: its helper ended (out of memory), took too long, or
+    /// could not start.
+    #[error("{0}")]
+    Sandbox(String),
 }
 
 /// The roles a message may have. The template renders a role as it is, and its rendering is
@@ -85,6 +91,49 @@ impl io::Write for Rendered {
 
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
+    }
+}
+
+/// The environment a template renders in: fuel-limited, Python's string methods, and
+/// `raise_exception` (which Hugging Face templates call to refuse a conversation).
+fn environment(source: &str) -> Result<Environment<'static>, ChatError> {
+    let mut env = Environment::new();
+    env.set_fuel(Some(FUEL));
+    minijinja_contrib::add_to_environment(&mut env);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+        },
+    );
+    env.add_template_owned(NAME, source.to_owned())
+        .map_err(|e| ChatError::Compile(e.to_string()))?;
+    Ok(env)
+}
+
+impl sandbox::Job<'_> {
+    /// Renders this job with `env` (its template compiled), in this process.
+    fn render_with(&self, env: &Environment<'_>) -> Result<String, ChatError> {
+        let tmpl = env
+            .get_template(NAME)
+            .map_err(|e| ChatError::Compile(e.to_string()))?;
+        let mut out = Rendered::default();
+        let ctx = context! {
+            messages => self.messages,
+            add_generation_prompt => self.add_generation_prompt,
+            bos_token => self.bos,
+            eos_token => self.eos,
+        };
+        match tmpl.render_captured_to(ctx, &mut out) {
+            Ok(_) => {}
+            Err(_) if out.over => {
+                let why = format!("the rendering exceeds {RENDERED_MAX} bytes");
+                return Err(ChatError::Render(why));
+            }
+            Err(e) => return Err(ChatError::Render(e.to_string())),
+        }
+        String::from_utf8(out.bytes).map_err(|e| ChatError::Render(e.to_string()))
     }
 }
 
@@ -146,21 +195,11 @@ impl ChatTemplate {
         )
     }
 
+    /// The template `source`, compiled here (which is bounded: its parser's depth and the source's
+    /// size), rendered in this process's [`sandbox`] once one is installed.
     pub fn new(source: &str, bos: String, eos: String) -> Result<ChatTemplate, ChatError> {
-        let mut env = Environment::new();
-        env.set_fuel(Some(FUEL));
-        minijinja_contrib::add_to_environment(&mut env);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
-            },
-        );
-        env.add_template_owned(NAME, source.to_owned())
-            .map_err(|e| ChatError::Compile(e.to_string()))?;
         Ok(ChatTemplate {
-            env,
+            env: environment(source)?,
             source: source.to_owned(),
             bos,
             eos,
@@ -174,32 +213,23 @@ impl ChatTemplate {
     }
 
     /// Renders `messages`, ending with the assistant's turn opened when `add_generation_prompt`;
-    /// within [`FUEL`] and [`RENDERED_MAX`].
+    /// within [`FUEL`] and [`RENDERED_MAX`], and in this process's [`sandbox`] when it has one.
     pub fn render(
         &self,
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<String, ChatError> {
-        let tmpl = self
-            .env
-            .get_template(NAME)
-            .map_err(|e| ChatError::Compile(e.to_string()))?;
-        let mut out = Rendered::default();
-        let ctx = context! {
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos,
-            eos_token => self.eos,
+        let job = sandbox::Job {
+            source: self.source.as_str().into(),
+            bos: self.bos.as_str().into(),
+            eos: self.eos.as_str().into(),
+            messages: messages.into(),
+            add_generation_prompt,
         };
-        match tmpl.render_captured_to(ctx, &mut out) {
-            Ok(_) => {}
-            Err(_) if out.over => {
-                let why = format!("the rendering exceeds {RENDERED_MAX} bytes");
-                return Err(ChatError::Render(why));
-            }
-            Err(e) => return Err(ChatError::Render(e.to_string())),
+        match sandbox::installed() {
+            Some(sandbox) => sandbox.render(&job),
+            None => job.render_with(&self.env),
         }
-        String::from_utf8(out.bytes).map_err(|e| ChatError::Render(e.to_string()))
     }
 
     /// Renders `messages` and tokenizes the result so that only the template's own text can

@@ -1,0 +1,158 @@
+//! Chat templates from model files are rendered in a sandbox whose memory is bounded
+//! (bulkhead_worker::chat::sandbox): a template that asks for more memory than its sandbox
+//! allows fails its renderings, and the worker and the gateway serving it keep serving.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use bulkhead_worker::chat::Message;
+use bulkhead_worker::chat::sandbox::{Job, MEMORY, Sandbox, TIME};
+use bulkhead_worker::gguf::Value;
+use bulkhead_worker::tiny_model::TinySpec;
+
+use crate::cluster::Gateway;
+use crate::up::{KEY_A, TempDir, bounded, http, json, repo};
+use crate::worker_grpc::Worker;
+
+/// Holds about 310 MB at once: strings of 10, 20, 40, 80 and 160 MB.
+const DOUBLING: &str = "{% set a = 'x' * 10000000 %}{% set b = a ~ a %}{% set c = b ~ b %}\
+{% set d = c ~ c %}{% set e = d ~ d %}{{ e | length }}";
+
+/// One allocation of 100 GB, more than any machine here has: in the serving process it would
+/// abort it.
+const EXHAUSTING: &str = "{{ 'x' | indent(100000000000, true) }}";
+
+/// A hundred thousand copies of 50 MB in a few instructions each: within the fuel, and most
+/// of an hour.
+const SLOW: &str = "{% for i in range(100000) %}{% set x = 'x' * (50000000 + i) %}{% endfor %}";
+
+/// An ordinary template.
+const ROLES: &str = "{% for m in messages %}{{ m.role }}{% endfor %}";
+
+fn job(source: &str) -> Job<'_> {
+    Job {
+        source: source.into(),
+        bos: "".into(),
+        eos: "".into(),
+        messages: vec![Message::new("user", "hi")].into(),
+        add_generation_prompt: true,
+    }
+}
+
+fn sandbox(memory: u64) -> Sandbox {
+    Sandbox::new(PathBuf::from(env!("CARGO_BIN_EXE_bulkhead")), memory)
+}
+
+#[test]
+fn a_template_past_its_sandboxs_memory_fails_and_the_next_rendering_gets_a_fresh_one() {
+    let bounded_one = sandbox(MEMORY);
+    let e = bounded_one
+        .render(&job(DOUBLING))
+        .expect_err("past the sandbox's memory");
+    assert!(e.to_string().contains("ran out of the memory"), "{e}");
+    // The helper that ended is replaced.
+    assert_eq!(
+        bounded_one
+            .render(&job(ROLES))
+            .expect("a fresh helper renders"),
+        "user"
+    );
+    let e = bounded_one
+        .render(&job(EXHAUSTING))
+        .expect_err("past any memory");
+    assert!(e.to_string().contains("ran out of the memory"), "{e}");
+    // What stopped it is the limit: with a GiB to spend, the same template renders.
+    assert_eq!(
+        sandbox(1 << 30)
+            .render(&job(DOUBLING))
+            .expect("within a GiB"),
+        "160000000"
+    );
+}
+
+#[test]
+fn a_template_past_its_deadline_is_stopped_and_the_next_rendering_gets_a_fresh_helper() {
+    let sandbox = sandbox(MEMORY);
+    let start = Instant::now();
+    let e = sandbox.render(&job(SLOW)).expect_err("past its time");
+    assert!(e.to_string().contains("took longer than"), "{e}");
+    let took = start.elapsed();
+    assert!(
+        took >= TIME && took < TIME + Duration::from_secs(5),
+        "{took:?}"
+    );
+    assert_eq!(sandbox.render(&job(ROLES)).expect("a fresh helper"), "user");
+}
+
+/// A model whose chat template would abort any process that rendered it: the worker serving it
+/// and the gateway in front answer its chat requests with an error that says why, and go on
+/// serving completions, and chat again.
+#[test]
+fn a_model_whose_chat_template_exhausts_memory_fails_chat_requests_and_nothing_else() {
+    bounded(|| {
+        let dir = TempDir::new("hostile-template");
+        let model = dir.0.join("hostile.gguf");
+        let mut file = TinySpec::default().to_gguf();
+        file.meta(
+            "tokenizer.chat_template",
+            Value::String(EXHAUSTING.to_owned()),
+        );
+        file.write(&model).expect("writes the model");
+        let mut worker = Worker::start_on(&model, &["--role", "both"]);
+
+        let text = std::fs::read_to_string(repo().join("deploy/local/gateway.toml"))
+            .expect("the default config")
+            .replace("127.0.0.1:8080", "127.0.0.1:0")
+            .replace("127.0.0.1:9090", "127.0.0.1:0");
+        let (head, _) = text.split_once("\n[[workers]]").expect("a worker table");
+        let config = dir.0.join("gateway.toml");
+        let one = format!(
+            "{head}\n[[workers]]\nname = \"one\"\ngrpc = \"http://{}\"\nrole = \"both\"\n",
+            worker.grpc
+        );
+        std::fs::write(&config, one).expect("writes the config");
+        let mut gateway = Gateway::start(&config, &dir.0.join("data"), &[]);
+        gateway.wait_until(&[("one", true)]);
+
+        let post =
+            |path: &str, body: &str| http(&gateway.api, "POST", path, Some(KEY_A), &[], body);
+        let chat = r#"{"model": "tiny-random-llama", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}]}"#;
+        let completion = r#"{"model": "tiny-random-llama", "max_tokens": 2, "prompt": "hi"}"#;
+        for _ in 0..2 {
+            let (status, body) = post("/v1/chat/completions", chat);
+            assert_eq!(status, 400, "{body}");
+            let message = json(&body)["error"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned();
+            assert!(message.contains("ran out of the memory"), "{body}");
+            let (status, body) = post("/v1/completions", completion);
+            assert_eq!(status, 200, "{body}");
+        }
+        // The worker renders its own chat prompts (a gRPC caller's messages) the same way.
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        let refused = runtime.block_on(async {
+            let mut client = worker.client().await;
+            client
+                .generate(crate::worker_grpc::chat("hi", 2))
+                .await
+                .expect_err("the template cannot render")
+        });
+        assert!(
+            refused.message().contains("ran out of the memory"),
+            "{refused:?}"
+        );
+        assert!(
+            worker.child.try_wait().expect("waits").is_none(),
+            "the worker runs"
+        );
+        assert!(
+            gateway.child.try_wait().expect("waits").is_none(),
+            "the gateway runs"
+        );
+    });
+}
