@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use bulkhead_worker::chat::Message;
-use bulkhead_worker::chat::sandbox::{Job, MEMORY, Sandbox, TIME};
+use bulkhead_worker::chat::sandbox::{Job, MEMORY, MEMORY_FLAG, SUBCOMMAND, Sandbox, TIME};
 use bulkhead_worker::gguf::Value;
 use bulkhead_worker::tiny_model::TinySpec;
 
@@ -72,16 +72,43 @@ fn a_template_past_its_sandboxs_memory_fails_and_the_next_rendering_gets_a_fresh
 
 #[test]
 fn a_template_past_its_deadline_is_stopped_and_the_next_rendering_gets_a_fresh_helper() {
-    let sandbox = sandbox(MEMORY);
-    let start = Instant::now();
-    let e = sandbox.render(&job(SLOW)).expect_err("past its time");
-    assert!(e.to_string().contains("took longer than"), "{e}");
-    let took = start.elapsed();
-    assert!(
-        took >= TIME && took < TIME + Duration::from_secs(5),
-        "{took:?}"
-    );
-    assert_eq!(sandbox.render(&job(ROLES)).expect("a fresh helper"), "user");
+    bounded(|| {
+        let sandbox = sandbox(MEMORY);
+        let start = Instant::now();
+        let e = sandbox.render(&job(SLOW)).expect_err("past its time");
+        assert!(e.to_string().contains("took longer than"), "{e}");
+        let took = start.elapsed();
+        assert!(
+            took >= TIME && took < TIME + Duration::from_secs(5),
+            "{took:?}"
+        );
+        assert_eq!(sandbox.render(&job(ROLES)).expect("a fresh helper"), "user");
+    });
+}
+
+/// A helper whose serving process died mid-job (its stdin closed, nobody to kill it) stops
+/// itself once the job outlasts its time, instead of running on for most of an hour.
+#[test]
+fn a_helper_left_alone_mid_job_stops_itself() {
+    use std::io::Write as _;
+    use std::os::unix::process::ExitStatusExt as _;
+    bounded(|| {
+        let mut helper = std::process::Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+            .args([SUBCOMMAND, MEMORY_FLAG, &MEMORY.to_string()])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("the helper starts");
+        let mut line = serde_json::to_vec(&job(SLOW)).expect("serializes");
+        line.push(b'\n');
+        let mut stdin = helper.stdin.take().expect("piped");
+        stdin.write_all(&line).expect("sends the job");
+        drop(stdin);
+        let started = Instant::now();
+        let status = helper.wait().expect("waits");
+        assert_eq!(status.signal(), Some(libc::SIGALRM), "{status}");
+        assert!(started.elapsed() < TIME + Duration::from_secs(5));
+    });
 }
 
 /// A model whose chat template would abort any process that rendered it: the worker serving it

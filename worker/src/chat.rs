@@ -31,7 +31,7 @@ impl Message {
 }
 
 /// Why a chat template cannot be used (sent as it is by the [`sandbox`]'s helper).
-#[derive(Debug, thiserror::Error, Serialize, Deserialize)]
+#[derive(Debug, Clone, thiserror::Error, Serialize, Deserialize)]
 pub enum ChatError {
     #[error("the model has no chat template (tokenizer.chat_template)")]
     NoTemplate,
@@ -47,10 +47,22 @@ pub enum ChatError {
     Tokenize(String),
     #[error("message role {0:?} is not one of system, user, assistant")]
     Role(String),
-    /// The sandbox could not render: its helper ended (out of memory), took too long, or
-    /// could not start.
+    /// The template took more of its sandbox than it allows: memory, stack or time.
     #[error("{0}")]
     Sandbox(String),
+    /// The sandbox could not render, through no fault of the template's: its helper could not
+    /// start, broke off, or stayed busy with other renderings past the deadline. Transient,
+    /// and not the caller's to hear about in detail.
+    #[error("the chat template's sandbox is unavailable: {0}")]
+    Unavailable(String),
+}
+
+impl ChatError {
+    /// Whether another rendering of the same template and roles could go otherwise: an
+    /// unavailable sandbox. Every other failure is the template's, and its own again.
+    pub fn transient(&self) -> bool {
+        matches!(self, ChatError::Unavailable(_))
+    }
 }
 
 /// The roles a message may have. The template renders a role as it is, and its rendering is
@@ -150,14 +162,16 @@ pub struct ChatTemplate {
     source: String,
     bos: String,
     eos: String,
-    /// Frames rendered so far, by [`frame_key`].
-    frames: TextCache<Frame>,
+    /// Frames rendered so far, or the template's failure to, by [`frame_key`].
+    frames: TextCache<Result<Frame, ChatError>>,
 }
 
 /// What a template renders around the contents of a list of messages: one piece before each
 /// message's content and the rest after the last. It depends only on the messages' roles and
 /// the generation prompt, since the template renders a marker in place of each content, and
-/// the environment offers no clock and no randomness.
+/// the environment offers no clock and no randomness — and so does the template's failure
+/// on them, kept like a frame (a template that exhausts its sandbox costs that once per
+/// sequence of roles, not on every request).
 type Frame = Arc<[String]>;
 
 /// The most frames kept (one per sequence of roles seen).
@@ -242,67 +256,115 @@ impl ChatTemplate {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<Vec<TokenId>, ChatError> {
-        if let Some(m) = messages.iter().find(|m| !ROLES.contains(&m.role.as_str())) {
-            return Err(ChatError::Role(printable(&m.role, QUOTED_ROLE)));
-        }
+        check_roles(messages)?;
         let frame = self.frame(messages, add_generation_prompt)?;
-        // What the template rendered around the contents (special tokens parsed there only).
-        let template = |text: &str| {
-            tokenizer
-                .encode_template(text)
-                .map_err(|e| ChatError::Tokenize(e.to_string()))
-        };
-        let mut tokens = Vec::new();
-        for (piece, m) in frame.iter().zip(messages) {
-            tokens.extend_from_slice(&template(piece)?);
-            tokens.extend(
-                tokenizer
-                    .encode(&m.content, false)
-                    .map_err(|e| ChatError::Tokenize(e.to_string()))?,
-            );
-        }
-        if let Some(last) = frame.last() {
-            tokens.extend_from_slice(&template(last)?);
-        }
-        // A model whose file asks for a BOS, under a template that writes none: added, once.
-        if let Some(bos) = tokenizer.prompt_bos()
-            && tokens.first() != Some(&bos)
-        {
-            tokens.insert(0, bos);
-        }
-        Ok(tokens)
+        encode_in(&frame, tokenizer, messages)
     }
 
-    /// The frame of `messages`: rendered once per sequence of roles, then kept.
-    fn frame(&self, messages: &[Message], add_generation_prompt: bool) -> Result<Frame, ChatError> {
-        self.frames
-            .get_or_make(&frame_key(messages, add_generation_prompt), || {
-                let marked: Vec<Message> = messages
-                    .iter()
-                    .enumerate()
-                    .map(|(i, m)| Message {
-                        role: m.role.clone(),
-                        content: marker(i),
-                    })
-                    .collect();
-                let rendered = self.render(&marked, add_generation_prompt)?;
-                let mut pieces = Vec::with_capacity(messages.len() + 1);
-                let mut rest = rendered.as_str();
-                for i in 0..messages.len() {
-                    let (before, after) = rest
-                        .split_once(&marker(i))
-                        .ok_or(ChatError::ContentRewritten)?;
-                    pieces.push(before.to_owned());
-                    rest = after;
-                }
-                pieces.push(rest.to_owned());
-                // A marker left in any piece: a content rendered twice or out of order.
-                if pieces.iter().any(|p| p.contains('\u{F8F0}')) {
-                    return Err(ChatError::ContentRewritten);
-                }
-                Ok(pieces.into())
-            })
+    /// [`ChatTemplate::encode`] when the frame of `messages` is kept (or the template's
+    /// failure on their roles): no rendering, so no wait for the sandbox. `None` otherwise.
+    pub fn encode_kept(
+        &self,
+        tokenizer: &Tokenizer,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Option<Result<Vec<TokenId>, ChatError>> {
+        if let Err(e) = check_roles(messages) {
+            return Some(Err(e));
+        }
+        let kept = self
+            .frames
+            .get(&frame_key(messages, add_generation_prompt))?;
+        Some(kept.and_then(|frame| encode_in(&frame, tokenizer, messages)))
     }
+
+    /// The frame of `messages`: rendered once per sequence of roles, then kept, as is the
+    /// template's own failure on them.
+    fn frame(&self, messages: &[Message], add_generation_prompt: bool) -> Result<Frame, ChatError> {
+        let key = frame_key(messages, add_generation_prompt);
+        let kept = self.frames.get_or_make(&key, || {
+            match self.render_frame(messages, add_generation_prompt) {
+                Err(e) if e.transient() => Err(e),
+                outcome => Ok(outcome),
+            }
+        });
+        kept.and_then(|outcome| outcome)
+    }
+
+    /// Renders the frame of `messages`: the template around a marker in place of each content,
+    /// cut at the markers.
+    fn render_frame(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<Frame, ChatError> {
+        let marked: Vec<Message> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| Message {
+                role: m.role.clone(),
+                content: marker(i),
+            })
+            .collect();
+        let rendered = self.render(&marked, add_generation_prompt)?;
+        let mut pieces = Vec::with_capacity(messages.len() + 1);
+        let mut rest = rendered.as_str();
+        for i in 0..messages.len() {
+            let (before, after) = rest
+                .split_once(&marker(i))
+                .ok_or(ChatError::ContentRewritten)?;
+            pieces.push(before.to_owned());
+            rest = after;
+        }
+        pieces.push(rest.to_owned());
+        // A marker left in any piece: a content rendered twice or out of order.
+        if pieces.iter().any(|p| p.contains('\u{F8F0}')) {
+            return Err(ChatError::ContentRewritten);
+        }
+        Ok(pieces.into())
+    }
+}
+
+/// Refuses a message whose role is not one of [`ROLES`].
+fn check_roles(messages: &[Message]) -> Result<(), ChatError> {
+    match messages.iter().find(|m| !ROLES.contains(&m.role.as_str())) {
+        Some(m) => Err(ChatError::Role(printable(&m.role, QUOTED_ROLE))),
+        None => Ok(()),
+    }
+}
+
+/// `messages` tokenized in `frame`: each content as plain text, the frame's pieces with their
+/// control tokens.
+fn encode_in(
+    frame: &Frame,
+    tokenizer: &Tokenizer,
+    messages: &[Message],
+) -> Result<Vec<TokenId>, ChatError> {
+    // What the template rendered around the contents (special tokens parsed there only).
+    let template = |text: &str| {
+        tokenizer
+            .encode_template(text)
+            .map_err(|e| ChatError::Tokenize(e.to_string()))
+    };
+    let mut tokens = Vec::new();
+    for (piece, m) in frame.iter().zip(messages) {
+        tokens.extend_from_slice(&template(piece)?);
+        tokens.extend(
+            tokenizer
+                .encode(&m.content, false)
+                .map_err(|e| ChatError::Tokenize(e.to_string()))?,
+        );
+    }
+    if let Some(last) = frame.last() {
+        tokens.extend_from_slice(&template(last)?);
+    }
+    // A model whose file asks for a BOS, under a template that writes none: added, once.
+    if let Some(bos) = tokenizer.prompt_bos()
+        && tokens.first() != Some(&bos)
+    {
+        tokens.insert(0, bos);
+    }
+    Ok(tokens)
 }
 
 #[cfg(test)]
@@ -482,6 +544,41 @@ mod tests {
             .map(|i| Message::new(["user", "assistant"][i % 2], "x"))
             .collect();
         assert!(chat.encode(&tok, &long, true).is_ok());
+    }
+
+    #[test]
+    fn a_kept_frame_or_failure_encodes_without_rendering_and_nothing_else_does() {
+        let (chat, tok) = tiny();
+        let hi = [Message::new("user", "hi")];
+        assert!(
+            chat.encode_kept(&tok, &hi, true).is_none(),
+            "not rendered yet"
+        );
+        let fresh = chat.encode(&tok, &hi, true).expect("encodes");
+        let kept = chat.encode_kept(&tok, &hi, true).expect("kept");
+        assert_eq!(kept.expect("encodes"), fresh);
+        // A refused role needs no frame.
+        let odd = [Message::new("tool", "hi")];
+        assert!(matches!(
+            chat.encode_kept(&tok, &odd, true),
+            Some(Err(ChatError::Role(_)))
+        ));
+        // The template's failure on a sequence of roles is kept like a frame.
+        let picky = ChatTemplate::new(
+            "{% if messages[0].role != 'system' %}{{ raise_exception('system first') }}{% endif %}",
+            String::new(),
+            String::new(),
+        )
+        .expect("compiles");
+        assert!(picky.encode_kept(&tok, &hi, true).is_none());
+        assert!(matches!(
+            picky.encode(&tok, &hi, true),
+            Err(ChatError::Render(_))
+        ));
+        assert!(matches!(
+            picky.encode_kept(&tok, &hi, true),
+            Some(Err(ChatError::Render(why))) if why.contains("system first")
+        ));
     }
 
     #[test]

@@ -19,6 +19,11 @@ impl<V: Clone> TextCache<V> {
         }
     }
 
+    /// The value kept for `text`, if any.
+    pub(crate) fn get(&self, text: &str) -> Option<V> {
+        self.lock().get(text).cloned()
+    }
+
     /// The value kept for `text`, or `make`'s, kept from now on. `make` runs outside the
     /// lock: two threads may both make a new text's value, and one of them is kept. Its error
     /// is returned and nothing is kept.
@@ -27,8 +32,8 @@ impl<V: Clone> TextCache<V> {
         text: &str,
         make: impl FnOnce() -> Result<V, E>,
     ) -> Result<V, E> {
-        if let Some(v) = self.lock().get(text) {
-            return Ok(v.clone());
+        if let Some(v) = self.get(text) {
+            return Ok(v);
         }
         let v = make()?;
         let mut map = self.lock();

@@ -31,6 +31,7 @@ use axum::extract::{Extension, FromRef, Path, State};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use bulkhead_worker::chat::ChatError;
 use http::HeaderMap;
 use http::header::{CONTENT_ENCODING, CONTENT_TYPE};
 use tokio::time::Instant;
@@ -246,7 +247,8 @@ async fn completions(
 /// Requests with bodies up to this size are templated and tokenized on the async worker
 /// thread that parsed them: that takes tens of microseconds, less than a hop to the blocking
 /// pool and back (two thread wake-ups). Larger prompts go to the blocking pool, so a long
-/// prompt never holds up the other connections on the worker.
+/// prompt never holds up the other connections on the worker; so does a chat whose template
+/// must be rendered (its frame not kept yet), which waits for the template's sandbox.
 pub(crate) const INLINE_TOKENIZE_BYTES: usize = 1 << 10;
 
 /// A validated request of either endpoint, before tokenization.
@@ -431,8 +433,10 @@ async fn start(
             served: model.name.clone(),
         });
     }
-    let (parsed, prompt) = if bytes.len() <= INLINE_TOKENIZE_BYTES {
-        let prompt = tracing::info_span!("tokenize").in_scope(|| tokenize(&model, &parsed));
+    let inline = (bytes.len() <= INLINE_TOKENIZE_BYTES)
+        .then(|| tracing::info_span!("tokenize").in_scope(|| tokenize_kept(&model, &parsed)))
+        .flatten();
+    let (parsed, prompt) = if let Some(prompt) = inline {
         (parsed, prompt)
     } else {
         let model = model.clone();
@@ -642,14 +646,45 @@ fn admission(
 /// prompts as plain text (control-token text in them stays text). A prompt of no tokens (an
 /// empty completion prompt) is refused as such, not left for admission to call too long.
 fn tokenize(model: &ServedModel, parsed: &Parsed) -> Result<Vec<u32>, ApiError> {
-    let ids = prompt_ids(model, parsed)?;
+    not_empty(prompt_ids(model, parsed)?, parsed.prompt_field())
+}
+
+/// [`tokenize`], unless that would render the chat template (a chat whose frame is not kept
+/// yet, rendered in the template's sandbox): `None` then.
+fn tokenize_kept(model: &ServedModel, parsed: &Parsed) -> Option<Result<Vec<u32>, ApiError>> {
+    let (Parsed::Chat(chat), Ok(template)) = (parsed, &model.chat) else {
+        return Some(tokenize(model, parsed));
+    };
+    let param = parsed.prompt_field();
+    let ids = template.encode_kept(&model.tokenizer, &chat.messages, true)?;
+    Some(
+        ids.map_err(|e| chat_refused(e, param))
+            .and_then(|ids| not_empty(ids, param)),
+    )
+}
+
+/// `ids`, unless there are none.
+fn not_empty(ids: Vec<u32>, param: &'static str) -> Result<Vec<u32>, ApiError> {
     if ids.is_empty() {
         return Err(ApiError::Prompt {
             reason: "the prompt is empty: there is no token to generate from".into(),
-            param: parsed.prompt_field(),
+            param,
         });
     }
     Ok(ids)
+}
+
+/// What a chat prompt the template could not encode is told: why, when the template or the
+/// messages are at fault; an internal error (logged) when its sandbox was unavailable.
+fn chat_refused(e: ChatError, param: &'static str) -> ApiError {
+    if e.transient() {
+        tracing::error!(error = %e, "cannot render the chat template");
+        return ApiError::Internal;
+    }
+    ApiError::Prompt {
+        reason: e.to_string(),
+        param,
+    }
 }
 
 /// The prompt's token ids, however many (none for an empty completion prompt).
@@ -667,10 +702,7 @@ fn prompt_ids(model: &ServedModel, parsed: &Parsed) -> Result<Vec<u32>, ApiError
             })?;
             template
                 .encode(&model.tokenizer, &chat.messages, true)
-                .map_err(|e| ApiError::Prompt {
-                    reason: e.to_string(),
-                    param,
-                })
+                .map_err(|e| chat_refused(e, param))
         }
         Parsed::Completion(c) => match &c.prompt {
             CompletionPrompt::Text(text) => {

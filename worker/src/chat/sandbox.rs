@@ -1,30 +1,39 @@
-//! Chat templates rendered in a child process whose memory is bounded.
+//! Chat templates rendered in a child process whose memory and time are bounded.
 //!
 //! A chat template is a program, from a model file — or, for the gateway, from a worker's Info.
-//! minijinja's fuel bounds how long it runs and [`RENDERED_MAX`](super::RENDERED_MAX) how much
-//! it writes, but nothing within a process bounds the memory its values take: `{% set b = a ~ a
-//! %}` doubles a string in one instruction, a few such lines ask for more than the machine
-//! has, and an allocation that fails aborts the process — the gateway serving every tenant, or
-//! a worker with its requests under way. So a serving process installs a [`Sandbox`]: a helper
-//! process of the same binary (`bulkhead template-sandbox`), its address space limited
-//! (`RLIMIT_AS`), no environment, in a process group of its own, that renders one job at a
-//! time from its stdin. A template that exhausts it ends the helper alone: the rendering fails
-//! with an error that says so, and the next one starts a fresh helper. A rendering also has a
-//! deadline ([`TIME`]), which fuel alone is not: one instruction may copy a hundred megabytes.
+//! minijinja's fuel bounds how many instructions it runs and [`RENDERED_MAX`](super::RENDERED_MAX)
+//! how much it writes, but nothing within a process bounds the memory its values take: `{% set
+//! b = a ~ a %}` doubles a string in one instruction, a few such lines ask for more than the
+//! machine has, and an allocation that fails aborts the process — the gateway serving every
+//! tenant, or a worker with its requests under way. Nor does fuel bound time: one instruction
+//! may copy a hundred megabytes. So a serving process installs a [`Sandbox`]: a helper process
+//! of the same binary (`bulkhead template-sandbox`), its address space limited (`RLIMIT_AS`),
+//! no environment, in a process group of its own, that renders one job at a time from its
+//! stdin. A template that exhausts it ends the helper alone: the rendering fails with an error
+//! that says so ([`ChatError::Sandbox`]), and the next one starts a fresh helper.
+//!
+//! ```text
+//!  render ─▶ wait for the helper (≤ TIME) ─▶ write the job, read the answer (≤ TIME)
+//!              busy past TIME: Unavailable      helper ended, or past TIME: killed; Sandbox
+//! ```
+//!
+//! The helper also stops itself when a job outlasts [`TIME`] (an alarm), so one whose serving
+//! process died mid-job does not run on.
 
 use std::borrow::Cow;
-use std::io::{self, BufRead, BufReader, Write};
-use std::os::fd::AsRawFd as _;
-use std::os::unix::process::CommandExt as _;
+use std::io::{self, BufRead, BufReader, Read as _, Write};
+use std::os::fd::{AsFd, AsRawFd as _};
+use std::os::unix::process::{CommandExt as _, ExitStatusExt as _};
 use std::path::PathBuf;
-use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
-use std::sync::{Mutex, OnceLock, PoisonError};
+use std::process::{Child, ChildStderr, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use minijinja::Environment;
 use serde::{Deserialize, Serialize};
 
 use super::{ChatError, Message, RENDERED_MAX, environment};
+use crate::printable::printable;
 
 /// The subcommand of the binary that serves as the helper.
 pub const SUBCOMMAND: &str = "template-sandbox";
@@ -36,13 +45,20 @@ pub const MEMORY_FLAG: &str = "--memory-bytes";
 /// conversation's frame in a few kilobytes.
 pub const MEMORY: u64 = 256 << 20;
 
-/// How long a rendering may take before its helper is stopped. Real templates take
+/// How long a rendering may wait for the helper, and then take. Real templates take
 /// microseconds.
 pub const TIME: Duration = Duration::from_secs(5);
 
+/// The longest error text a helper sends (a template's `raise_exception` message is its own
+/// to write).
+const ERROR_MAX: usize = 4 << 10;
+
 /// The longest answer line read from a helper: a rendering at its bound, every byte of it
-/// escaped by JSON (`\u0000`), and the line's frame.
+/// escaped by JSON (`\u0000`), and the line's frame; an error is shorter.
 const ANSWER_MAX: u64 = 6 * RENDERED_MAX as u64 + 64;
+
+/// What of a helper's stderr (its last words: an allocation that failed) goes to the log.
+const LAST_WORDS: u64 = 1 << 10;
 
 /// Compiled templates a helper keeps (one per template it was asked to render, the oldest
 /// dropped first).
@@ -69,7 +85,16 @@ type Answer = Result<String, ChatError>;
 pub struct Sandbox {
     exe: PathBuf,
     memory: u64,
-    helper: Mutex<Option<Helper>>,
+    slot: Mutex<Slot>,
+    /// Signalled when a rendering gives the helper back.
+    free: Condvar,
+}
+
+/// The helper, when no rendering has it.
+#[derive(Debug, Default)]
+struct Slot {
+    helper: Option<Helper>,
+    busy: bool,
 }
 
 /// A running helper and its pipes.
@@ -78,6 +103,7 @@ struct Helper {
     child: Child,
     to: ChildStdin,
     from: BufReader<ChildStdout>,
+    stderr: ChildStderr,
 }
 
 impl Drop for Helper {
@@ -108,22 +134,64 @@ impl Sandbox {
         Sandbox {
             exe,
             memory,
-            helper: Mutex::new(None),
+            slot: Mutex::new(Slot::default()),
+            free: Condvar::new(),
         }
     }
 
-    /// Renders `job` in the helper, starting one if none runs (or the last one ended between
-    /// jobs). A helper that ends during the job (out of memory, out of time) fails it, and the
-    /// next job starts a fresh one.
-    pub fn render(&self, job: &Job<'_>) -> Result<String, ChatError> {
-        let mut helper = self.helper.lock().unwrap_or_else(PoisonError::into_inner);
-        let running = match helper.take().and_then(Helper::running) {
-            Some(h) => h,
-            None => self.start()?,
-        };
-        let (running, answer) = running.ask(job);
-        *helper = running;
+    /// Renders `job` in the helper, once no other rendering has it (within [`TIME`]), starting
+    /// one if none runs (or the last ended between jobs). A helper that ends during the job,
+    /// or outlasts [`TIME`], fails it and is replaced by the next job.
+    pub fn render(&self, job: &Job<'_>) -> Answer {
+        let kept = self.take()?.and_then(Helper::running);
+        let reused = kept.is_some();
+        let (mut helper, mut answer) = self.ask(kept, job);
+        // A kept helper that broke off before answering may have been ending as the job came
+        // (killed between jobs): once more, on a fresh one.
+        if reused && matches!(answer, Err(ChatError::Unavailable(_))) {
+            (helper, answer) = self.ask(None, job);
+        }
+        self.give_back(helper);
         answer
+    }
+
+    /// Asks `helper` (a fresh one if `None`) to render `job`: the helper back, unless it ended.
+    fn ask(&self, helper: Option<Helper>, job: &Job<'_>) -> (Option<Helper>, Answer) {
+        let helper = match helper {
+            Some(h) => h,
+            None => match self.start() {
+                Ok(h) => h,
+                Err(e) => return (None, Err(e)),
+            },
+        };
+        helper.ask(job)
+    }
+
+    /// The helper (if one runs), once no other rendering has it.
+    fn take(&self) -> Result<Option<Helper>, ChatError> {
+        let (mut slot, wait) = self
+            .free
+            .wait_timeout_while(self.lock(), TIME, |s| s.busy)
+            .unwrap_or_else(PoisonError::into_inner);
+        if wait.timed_out() && slot.busy {
+            return Err(ChatError::Unavailable(format!(
+                "other renderings held it for {TIME:?}"
+            )));
+        }
+        slot.busy = true;
+        Ok(slot.helper.take())
+    }
+
+    fn give_back(&self, helper: Option<Helper>) {
+        let mut slot = self.lock();
+        slot.helper = helper;
+        slot.busy = false;
+        drop(slot);
+        self.free.notify_one();
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Slot> {
+        self.slot.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn start(&self) -> Result<Helper, ChatError> {
@@ -137,23 +205,25 @@ impl Sandbox {
             .env("MIMALLOC_ARENA_RESERVE", "16MiB")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(Stdio::piped())
             // A terminal's Ctrl-C is for the serving process, which stops in its own time.
             .process_group(0)
             .spawn()
             .map_err(|e| {
-                ChatError::Sandbox(format!(
-                    "cannot start the chat template's sandbox {}: {e}",
-                    self.exe.display()
-                ))
+                ChatError::Unavailable(format!("cannot start {}: {e}", self.exe.display()))
             })?;
-        let (Some(to), Some(from)) = (child.stdin.take(), child.stdout.take()) else {
-            unreachable!("both pipes were asked for");
+        let (Some(to), Some(from), Some(stderr)) =
+            (child.stdin.take(), child.stdout.take(), child.stderr.take())
+        else {
+            unreachable!("the three pipes were asked for");
         };
+        nonblocking(&to)
+            .map_err(|e| ChatError::Unavailable(format!("cannot set up its pipe: {e}")))?;
         Ok(Helper {
             child,
             to,
             from: BufReader::new(from),
+            stderr,
         })
     }
 }
@@ -164,25 +234,50 @@ impl Helper {
         matches!(self.child.try_wait(), Ok(None)).then_some(self)
     }
 
-    /// Sends `job` and reads its answer: the helper back, unless it ended.
-    fn ask(mut self, job: &Job<'_>) -> (Option<Helper>, Result<String, ChatError>) {
-        match self.exchange(job) {
+    /// Sends `job` and reads its answer: the helper back, unless it ended or was stopped.
+    fn ask(mut self, job: &Job<'_>) -> (Option<Helper>, Answer) {
+        match self.exchange(job, Instant::now() + TIME) {
             Ok(answer) => (Some(self), answer),
             Err(e) => {
                 let _ = self.child.kill();
                 let ended = self.child.wait();
-                (None, Err(ChatError::Sandbox(ended_why(&ended, &e))))
+                let mut last_words = Vec::new();
+                let _ = (&mut self.stderr)
+                    .take(LAST_WORDS)
+                    .read_to_end(&mut last_words);
+                let error = stopped(&ended, &e);
+                tracing::warn!(
+                    %error,
+                    stderr = %printable(&String::from_utf8_lossy(&last_words), LAST_WORDS as usize),
+                    "the chat template's sandbox stopped"
+                );
+                (None, Err(error))
             }
         }
     }
 
-    fn exchange(&mut self, job: &Job<'_>) -> io::Result<Answer> {
+    fn exchange(&mut self, job: &Job<'_>, deadline: Instant) -> io::Result<Answer> {
         let mut line = serde_json::to_vec(job).map_err(io::Error::other)?;
         line.push(b'\n');
-        self.to.write_all(&line)?;
-        self.to.flush()?;
-        let answer = self.read_line(Instant::now() + TIME)?;
+        self.write_by(&line, deadline)?;
+        let answer = self.read_line(deadline)?;
         serde_json::from_slice(&answer).map_err(io::Error::other)
+    }
+
+    /// Writes all of `bytes` to the helper's stdin (non-blocking) by `deadline`.
+    fn write_by(&mut self, mut bytes: &[u8], deadline: Instant) -> io::Result<()> {
+        while !bytes.is_empty() {
+            match self.to.write(bytes) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => bytes = &bytes[n..],
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    ready_by(&self.to, libc::POLLOUT, deadline)?;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     /// The helper's next line, by `deadline`, of at most [`ANSWER_MAX`] bytes.
@@ -190,7 +285,7 @@ impl Helper {
         let mut line = Vec::new();
         loop {
             if self.from.buffer().is_empty() {
-                readable_by(self.from.get_ref(), deadline)?;
+                ready_by(self.from.get_ref(), libc::POLLIN, deadline)?;
             }
             let bytes = self.from.fill_buf()?;
             if bytes.is_empty() {
@@ -206,22 +301,36 @@ impl Helper {
                 return Ok(line);
             }
             if line.len() as u64 > ANSWER_MAX {
-                return Err(io::Error::other("the answer is longer than any rendering"));
+                return Err(io::Error::other(format!(
+                    "an answer longer than {ANSWER_MAX} bytes"
+                )));
             }
         }
     }
 }
 
-/// Waits until `pipe` has bytes to read (or has ended), by `deadline`.
-fn readable_by(pipe: &ChildStdout, deadline: Instant) -> io::Result<()> {
+/// Sets `pipe` non-blocking, so a write never waits past its deadline.
+fn nonblocking(pipe: &impl AsFd) -> io::Result<()> {
+    let fd = pipe.as_fd().as_raw_fd();
+    // SAFETY: fcntl on a descriptor the caller owns, with plain integer arguments.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above.
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Waits until `pipe` is ready for `events` (or has ended), by `deadline`.
+fn ready_by(pipe: &impl AsFd, events: libc::c_short, deadline: Instant) -> io::Result<()> {
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(io::ErrorKind::TimedOut.into());
         }
         let mut poll = libc::pollfd {
-            fd: pipe.as_raw_fd(),
-            events: libc::POLLIN,
+            fd: pipe.as_fd().as_raw_fd(),
+            events,
             revents: 0,
         };
         let millis = libc::c_int::try_from(left.as_millis().max(1)).unwrap_or(libc::c_int::MAX);
@@ -239,31 +348,45 @@ fn readable_by(pipe: &ChildStdout, deadline: Instant) -> io::Result<()> {
     }
 }
 
-/// Why a helper that ended during a job failed it.
-fn ended_why(ended: &io::Result<ExitStatus>, e: &io::Error) -> String {
-    use std::os::unix::process::ExitStatusExt as _;
+/// Why a helper that was stopped during a job (`e`: what the exchange met) failed it: the
+/// template's doing when it outlasted [`TIME`] or aborted the helper (an allocation past the
+/// limit, or its stack), the sandbox's otherwise.
+fn stopped(ended: &io::Result<ExitStatus>, e: &io::Error) -> ChatError {
+    if e.kind() == io::ErrorKind::TimedOut {
+        return ChatError::Sandbox(format!(
+            "the chat template's rendering took longer than {TIME:?}, and was stopped"
+        ));
+    }
     match ended {
-        _ if e.kind() == io::ErrorKind::TimedOut => {
-            format!("the chat template's rendering took longer than {TIME:?}, and was stopped")
+        Ok(status) if matches!(status.signal(), Some(libc::SIGABRT | libc::SIGSEGV)) => {
+            ChatError::Sandbox(
+                "the chat template ran out of the memory or stack its sandbox allows".to_owned(),
+            )
         }
-        // An allocation that fails aborts the helper.
-        Ok(status) if status.signal() == Some(libc::SIGABRT) => {
-            "the chat template ran out of the memory its sandbox allows".to_owned()
-        }
-        Ok(status) => format!("the chat template's sandbox ended ({status}): {e}"),
-        Err(wait) => format!("the chat template's sandbox failed: {e}; {wait}"),
+        Ok(status) => ChatError::Unavailable(format!("its helper ended ({status}): {e}")),
+        Err(wait) => ChatError::Unavailable(format!("its helper failed: {e}; {wait}")),
     }
 }
 
 /// The helper's life: limits its own memory to `memory` bytes past what it holds now, then
-/// answers each job line of `input` on `output` until `input` ends (its serving process did).
+/// answers each job line of stdin on stdout until stdin ends (its serving process did), each
+/// job under an alarm that ends the helper should the job outlast [`TIME`].
 pub fn serve(memory: u64) -> io::Result<()> {
     limit_address_space(memory)?;
-    serve_on(io::stdin().lock(), io::stdout().lock())
+    let seconds = u32::try_from(TIME.as_secs() + 1).unwrap_or(u32::MAX);
+    serve_on(io::stdin().lock(), io::stdout().lock(), |busy| {
+        // SAFETY: alarm(2) has no preconditions; SIGALRM's default action ends the helper.
+        unsafe { libc::alarm(if busy { seconds } else { 0 }) };
+    })
 }
 
-/// Answers each job line of `input` with one line on `output`, until `input` ends.
-fn serve_on(mut input: impl BufRead, mut output: impl Write) -> io::Result<()> {
+/// Answers each job line of `input` with one line on `output`, until `input` ends; `busy`
+/// hears when a job starts (true) and ends (false).
+fn serve_on(
+    mut input: impl BufRead,
+    mut output: impl Write,
+    mut busy: impl FnMut(bool),
+) -> io::Result<()> {
     let mut kept: Vec<(String, Environment<'static>)> = Vec::new();
     let mut line = String::new();
     loop {
@@ -271,12 +394,12 @@ fn serve_on(mut input: impl BufRead, mut output: impl Write) -> io::Result<()> {
         if input.read_line(&mut line)? == 0 {
             return Ok(());
         }
+        busy(true);
         let answer: Answer = match serde_json::from_str::<Job<'_>>(&line) {
-            Ok(job) => render_kept(&mut kept, &job),
-            Err(e) => Err(ChatError::Sandbox(format!(
-                "the chat template's sandbox cannot read its job: {e}"
-            ))),
+            Ok(job) => render_kept(&mut kept, &job).map_err(bounded),
+            Err(e) => Err(ChatError::Unavailable(format!("cannot read its job: {e}"))),
         };
+        busy(false);
         let mut out = serde_json::to_vec(&answer).map_err(io::Error::other)?;
         out.push(b'\n');
         output.write_all(&out)?;
@@ -284,11 +407,22 @@ fn serve_on(mut input: impl BufRead, mut output: impl Write) -> io::Result<()> {
     }
 }
 
+/// `e` with its text cut to [`ERROR_MAX`] bytes.
+fn bounded(e: ChatError) -> ChatError {
+    let cut = |s: String| printable(&s, ERROR_MAX);
+    match e {
+        ChatError::Compile(s) => ChatError::Compile(cut(s)),
+        ChatError::Render(s) => ChatError::Render(cut(s)),
+        ChatError::Tokenize(s) => ChatError::Tokenize(cut(s)),
+        ChatError::Role(s) => ChatError::Role(cut(s)),
+        ChatError::Sandbox(s) => ChatError::Sandbox(cut(s)),
+        ChatError::Unavailable(s) => ChatError::Unavailable(cut(s)),
+        e @ (ChatError::NoTemplate | ChatError::ContentRewritten) => e,
+    }
+}
+
 /// Renders `job` with its template's environment, compiled once and kept among [`KEPT`].
-fn render_kept(
-    kept: &mut Vec<(String, Environment<'static>)>,
-    job: &Job<'_>,
-) -> Result<String, ChatError> {
+fn render_kept(kept: &mut Vec<(String, Environment<'static>)>, job: &Job<'_>) -> Answer {
     let at = match kept.iter().position(|(source, _)| *source == job.source) {
         Some(at) => at,
         None => {
@@ -339,15 +473,18 @@ mod tests {
         }
     }
 
-    fn answers(jobs: &[&str]) -> Vec<Answer> {
+    /// The helper's answers to `jobs`, and whether it was busy at each job's start and end.
+    fn answers(jobs: &[&str]) -> (Vec<Answer>, Vec<bool>) {
         let input: String = jobs.iter().map(|j| format!("{j}\n")).collect();
         let mut output = Vec::new();
-        serve_on(input.as_bytes(), &mut output).expect("serves");
-        output
+        let mut busy = Vec::new();
+        serve_on(input.as_bytes(), &mut output, |b| busy.push(b)).expect("serves");
+        let answers = output
             .split(|&b| b == b'\n')
             .filter(|l| !l.is_empty())
             .map(|l| serde_json::from_slice(l).expect("an answer line"))
-            .collect()
+            .collect();
+        (answers, busy)
     }
 
     #[test]
@@ -356,17 +493,23 @@ mod tests {
             serde_json::to_string(&job(source, content)).expect("serializes")
         };
         let echo = "{{ bos_token }}{% for m in messages %}{{ m.role }}:{{ m.content }}{% endfor %}";
-        let got = answers(&[
+        let (got, busy) = answers(&[
             &line(echo, "hi"),
             "not json",
-            &line("{{ raise_exception('no') }}", "x"),
+            &line("{{ raise_exception('no' * 100000) }}", "x"),
             &line("{% for %}", "x"),
             &line(echo, "multi\nline \"quoted\""),
         ]);
         assert_eq!(got.len(), 5);
+        assert_eq!(busy, [true, false].repeat(5), "each job under its alarm");
         assert_eq!(got[0].as_deref().ok(), Some("<s>user:hi"));
-        assert!(matches!(&got[1], Err(ChatError::Sandbox(e)) if e.contains("cannot read its job")));
-        assert!(matches!(&got[2], Err(ChatError::Render(e)) if e.contains("no")));
+        assert!(
+            matches!(&got[1], Err(ChatError::Unavailable(e)) if e.contains("cannot read its job"))
+        );
+        // The template's own message, cut.
+        assert!(
+            matches!(&got[2], Err(ChatError::Render(e)) if e.contains("nono") && e.len() <= ERROR_MAX)
+        );
         assert!(matches!(&got[3], Err(ChatError::Compile(_))));
         assert_eq!(
             got[4].as_deref().ok(),
@@ -389,10 +532,82 @@ mod tests {
         assert_eq!(kept[0].0, "2");
     }
 
+    /// A sandbox whose helper is the shell script `body` (it reads a job per `read`).
+    fn scripted(name: &str, body: &str) -> (Sandbox, PathBuf) {
+        use std::os::unix::fs::PermissionsExt as _;
+        let path = std::env::temp_dir().join(format!(
+            "bulkhead-sandbox-{name}-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).expect("writes the script");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        (Sandbox::new(path.clone(), MEMORY), path)
+    }
+
     #[test]
-    fn a_sandbox_whose_binary_cannot_start_fails_the_rendering_by_name() {
+    fn the_parent_reads_an_answer_in_pieces_and_replaces_a_helper_that_ends_between_jobs() {
+        // Answers its one job in two writes, then ends: the next job needs a fresh helper.
+        let (sandbox, path) = scripted(
+            "pieces",
+            r#"read job; printf '{"Ok":"a'; sleep 0.2; printf 'b"}\n'"#,
+        );
+        for pause in [0, 100, 0] {
+            // With no pause, the helper may still be ending as the next job comes.
+            std::thread::sleep(Duration::from_millis(pause));
+            assert_eq!(sandbox.render(&job("x", "")).expect("answers"), "ab");
+        }
+        let _ = std::fs::remove_file(path);
+    }
+
+    #[test]
+    fn a_helper_that_breaks_off_fails_the_job_by_the_templates_fault_or_the_sandboxs() {
+        let cases = [
+            // An abort: what an allocation past the limit does.
+            ("abort", "read job; kill -ABRT $$", true),
+            ("exit", "read job; exit 3", false),
+            ("garbage", "read job; echo 'not an answer'; sleep 5", false),
+        ];
+        for (name, body, templates_fault) in cases {
+            let (sandbox, path) = scripted(name, body);
+            let e = sandbox.render(&job("x", "")).expect_err(name);
+            assert_eq!(
+                matches!(e, ChatError::Sandbox(_)),
+                templates_fault,
+                "{name}: {e}"
+            );
+            assert_eq!(e.transient(), !templates_fault, "{name}: {e}");
+            let _ = std::fs::remove_file(path);
+        }
+    }
+
+    #[test]
+    fn renderings_wait_their_turn_for_the_helper() {
+        let (sandbox, path) = scripted(
+            "turns",
+            r#"while read job; do sleep 0.2; echo '{"Ok":"done"}'; done"#,
+        );
+        let started = Instant::now();
+        std::thread::scope(|s| {
+            let all: Vec<_> = (0..3)
+                .map(|_| s.spawn(|| sandbox.render(&job("x", ""))))
+                .collect();
+            for one in all {
+                assert_eq!(one.join().expect("joins").expect("renders"), "done");
+            }
+        });
+        assert!(
+            started.elapsed() >= Duration::from_millis(600),
+            "one at a time"
+        );
+        let _ = std::fs::remove_file(path);
+    }
+
+    #[test]
+    fn a_sandbox_whose_binary_cannot_start_is_unavailable_and_says_which() {
         let sandbox = Sandbox::new("/nonexistent/bulkhead".into(), MEMORY);
         let e = sandbox.render(&job("x", "")).expect_err("no helper");
+        assert!(e.transient(), "{e}");
         assert!(e.to_string().contains("/nonexistent/bulkhead"), "{e}");
     }
 }

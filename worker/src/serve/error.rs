@@ -36,6 +36,9 @@ pub enum ValidationError {
     ChatUnavailable { reason: String },
     #[error("the chat template refused these messages: {reason}")]
     ChatRender { reason: String },
+    /// The chat template's sandbox could not render (logged where it happened).
+    #[error("the chat template's sandbox is unavailable")]
+    ChatSandbox,
     #[error("the text cannot be tokenized: {reason}")]
     Tokenize { reason: String },
     #[error("the KV reservation is malformed: {reason}")]
@@ -140,7 +143,9 @@ pub fn status(err: &ServeError) -> Status {
                 (Code::ResourceExhausted, RATE_LIMIT_EXCEEDED, f.to_string())
             }
         },
-        ServeError::Internal { .. } => (Code::Internal, INTERNAL, "internal error".into()),
+        ServeError::Internal { .. } | ServeError::Invalid(ValidationError::ChatSandbox) => {
+            (Code::Internal, INTERNAL, "internal error".into())
+        }
         ServeError::PrefillUnavailable { .. } => (
             Code::Unavailable,
             SERVICE_UNAVAILABLE,

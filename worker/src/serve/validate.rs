@@ -167,8 +167,14 @@ impl PromptSource for Prompter {
             })?;
         template
             .encode(&self.tokenizer, messages, true)
-            .map_err(|e| ValidationError::ChatRender {
-                reason: e.to_string(),
+            .map_err(|e| {
+                if e.transient() {
+                    tracing::error!(error = %e, "cannot render the chat template");
+                    return ValidationError::ChatSandbox;
+                }
+                ValidationError::ChatRender {
+                    reason: e.to_string(),
+                }
             })
     }
 }
