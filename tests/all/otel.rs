@@ -7,6 +7,8 @@
 //!   worker's under decode's `Prefill` call; no span carries the prompt or the completion.
 //! - Its audit record arrives as a log record with the request id, in the same trace.
 //! - A collector that is gone, or that never answers, costs requests nothing.
+//! - A flood of requests without a valid key reaches the collector folded, as the gateway's
+//!   log holds it.
 
 use std::collections::HashMap;
 use std::net::TcpListener;
@@ -380,6 +382,66 @@ fn a_request_is_one_trace_through_gateway_decode_and_prefill_and_its_record_a_lo
             let (status, _, body) = traced_chat(&up, stream);
             assert_eq!(status, 200, "{body}");
         }
+    });
+}
+
+/// The collector gets the records the log takes: a flood of requests without a valid key is a
+/// record each within the gateway log's budget, then folded records — never a record each,
+/// which would crowd the tenants' records out of the exporter's bounded queue.
+#[test]
+fn a_flood_without_a_valid_key_is_exported_folded_as_the_log_holds_it() {
+    bounded(|| {
+        const FLOOD: u64 = 40;
+        const BUDGET: u64 = 3;
+        let collector = Collector::start();
+        let toml = telemetry_toml(&collector.endpoint);
+        let budget = format!("gateway_records_per_minute = {BUDGET}");
+        let up = Up::launch(Options {
+            toml: &toml,
+            env: FAST_EXPORT,
+            replace: &[("gateway_records_per_minute = 3000", &budget)],
+            ..Options::default()
+        });
+        up.wait_routable();
+        let started = Instant::now();
+        for _ in 0..FLOOD {
+            assert_eq!(up.chat("sk-wrong", &[], &chat_body(false)).0, 401);
+        }
+        let windows = started.elapsed().as_secs() + 2;
+        let (status, request_id, body) = traced_chat(&up, false);
+        assert_eq!(status, 200, "{body}");
+
+        let gateway = |l: &&Log| {
+            l.attributes.get("bulkhead.tenant.id").map(String::as_str) == Some("_gateway")
+        };
+        let folded = |l: &Log| -> u64 {
+            l.attributes
+                .get("bulkhead.folded.requests")
+                .map_or(0, |n| n.parse().expect("a count"))
+        };
+        let (_, logs) = collector.wait_for("the flood, and the tenant's record", |r| {
+            let flood: u64 = r
+                .logs
+                .iter()
+                .filter(gateway)
+                .map(|l| folded(l).max(1))
+                .sum();
+            flood == FLOOD
+                && r.logs
+                    .iter()
+                    .any(|l| l.attributes.get("bulkhead.request.id") == Some(&request_id))
+        });
+        let (alone, folds): (Vec<&Log>, Vec<&Log>) =
+            logs.iter().filter(gateway).partition(|l| folded(l) == 0);
+        assert_eq!(alone.len() as u64, BUDGET, "{alone:#?}");
+        assert!(
+            !folds.is_empty() && folds.len() as u64 <= windows,
+            "{} folded records for a flood of {windows} windows at most",
+            folds.len()
+        );
+        // Each exported as the log holds it.
+        let held = up.wait_records("_gateway", alone.len() + folds.len());
+        assert_eq!(held.len(), alone.len() + folds.len());
     });
 }
 

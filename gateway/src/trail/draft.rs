@@ -259,18 +259,19 @@ impl Trail {
     /// `audit_unavailable` when the record could not be written and the gateway is configured
     /// to refuse rather than answer unaudited.
     pub async fn finish(&self, status: u16, error_type: Option<&str>) -> Result<(), ApiError> {
-        let (recorder, record, head_sent) = {
+        let (recorder, record, span, head_sent) = {
             let mut d = lock(&self.0);
             if d.committed {
                 return Ok(());
             }
             d.record.status = status;
             d.record.error_type = error_type.map(str::to_owned);
-            (d.recorder.clone(), d.seal(), d.head_sent)
+            let (record, span) = d.seal();
+            (d.recorder.clone(), record, span, d.head_sent)
         };
         if !recorder.refuses_on_failure() {
             recorder.count(&record.tenant, record.status);
-            let _ = recorder.commit(record).await;
+            let _ = recorder.commit(record, &span).await;
             return Ok(());
         }
         // Counted once the commit's outcome is known: a response not started yet whose
@@ -281,7 +282,7 @@ impl Trail {
             tenant: record.tenant.clone(),
             status: record.status,
         };
-        let committed = recorder.commit(record).await;
+        let committed = recorder.commit(record, &span).await;
         if committed.is_err() && !head_sent {
             count.status = crate::api::mapping(&ApiError::AuditUnavailable)
                 .status
@@ -351,8 +352,8 @@ impl Draft {
         }
     }
 
-    /// The final record; the draft is committed from here on.
-    fn seal(&mut self) -> AuditRecord {
+    /// The final record and the request's span; the draft is committed from here on.
+    fn seal(&mut self) -> (AuditRecord, Span) {
         self.committed = true;
         self.record.time_unix_ms = now_unix_ms();
         self.record.total_ms = millis(self.arrived);
@@ -365,7 +366,7 @@ impl Draft {
         }
         let span = std::mem::replace(&mut self.span, Span::none());
         self.recorder.ended(&self.record, &span);
-        self.record.clone()
+        (self.record.clone(), span)
     }
 }
 
@@ -393,8 +394,8 @@ impl Drop for Draft {
             self.record.status = unanswered;
         }
         self.record.error_type = Some(kind.to_owned());
-        let record = self.seal();
+        let (record, span) = self.seal();
         self.recorder.count(&record.tenant, record.status);
-        self.recorder.append_unawaited(record);
+        self.recorder.append_unawaited(record, &span);
     }
 }

@@ -203,9 +203,9 @@ impl Recorder {
         self.inner.lost.load(Ordering::Relaxed) + self.inner.log.dropped()
     }
 
-    /// A request ended: its latency goes to the histograms, its outcome onto its span, and
-    /// the record to the collector when export is on. (It is counted by [`Recorder::count`],
-    /// once what its client was told is known.)
+    /// A request ended: its latency goes to the histograms and its outcome onto its span. (It
+    /// is counted by [`Recorder::count`], once what its client was told is known, and exported
+    /// by [`Recorder::append`], as the log takes it.)
     fn ended(&self, record: &AuditRecord, span: &Span) {
         self.inner
             .metrics
@@ -214,9 +214,6 @@ impl Recorder {
         span.record("gen_ai.usage.output_tokens", record.output_tokens);
         if let Some(error) = &record.error_type {
             span.record("error.type", error.as_str());
-        }
-        if let Some(export) = &self.inner.export {
-            export.export(record, span);
         }
     }
 
@@ -241,12 +238,12 @@ impl Recorder {
     /// while the flushes are more than [`GROUP_COMMIT_MAX_LAG`] behind. A record the log
     /// refuses is counted lost here; one it accepts and then drops, by the log. A gateway-log
     /// record past the budget is folded: nothing to wait for, its folded record comes later.
-    async fn commit(&self, record: AuditRecord) -> Result<(), AuditError> {
+    async fn commit(&self, record: AuditRecord, span: &Span) -> Result<(), AuditError> {
         let records = self.to_append(record);
         if records.iter().all(Option::is_none) {
             return Ok(());
         }
-        let behind = self.append(records)?;
+        let behind = self.append(records, span)?;
         let wait = match self.inner.settings.durability {
             Durability::Durable => true,
             Durability::Group => behind > GROUP_COMMIT_MAX_LAG,
@@ -261,8 +258,8 @@ impl Recorder {
 
     /// Appends the record of a request nobody waits on (its client left, or hyper answered
     /// it) without waiting for it to be durable.
-    fn append_unawaited(&self, record: AuditRecord) {
-        let _ = self.append(self.to_append(record));
+    fn append_unawaited(&self, record: AuditRecord, span: &Span) {
+        let _ = self.append(self.to_append(record), span);
     }
 
     /// What the log is to take for `record`, in order: a gateway-log record goes through its
@@ -304,7 +301,7 @@ impl Recorder {
             };
             let recorder = Recorder { inner };
             let due = recorder.with_folding(|folding| folding.due(Instant::now()));
-            let _ = recorder.append([due, None]);
+            let _ = recorder.append([due, None], &Span::none());
         });
     }
 
@@ -323,20 +320,30 @@ impl Recorder {
         out
     }
 
-    /// Appends `records`; one the log refuses is counted lost. The result is the last one's:
-    /// the record that holds the request being committed (its own, or the folded one), and
-    /// how far behind the flushes were when it was appended.
-    fn append(&self, records: fold::Appends) -> Result<Duration, AuditError> {
+    /// Appends `records`; one the log refuses is counted lost, and each it takes is exported
+    /// when export is on — the request's own record tied to the trace of `span`, its
+    /// request's; a folded one to none. So the collector gets what the log holds: a flood of
+    /// requests without a valid key, one record a window past the gateway log's budget, where a
+    /// record each would crowd the tenants' out of the exporter's queue. The result is the
+    /// last one's: the record that holds the request being committed (its own, or the folded
+    /// one), and how far behind the flushes were when it was appended.
+    fn append(&self, records: fold::Appends, span: &Span) -> Result<Duration, AuditError> {
+        let [folded, own] = records;
         let mut result = Ok(Duration::ZERO);
-        for record in records.iter().flatten() {
+        for (record, span) in [(folded, &Span::none()), (own, span)] {
+            let Some(record) = record else { continue };
             result = self
                 .inner
                 .log
-                .append(&record.tenant, record)
+                .append(&record.tenant, &record)
                 .map(|r| r.behind);
-            if let Err(e) = &result {
-                self.inner.lost.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(error = %e, "an audit record could not be written");
+            match (&result, &self.inner.export) {
+                (Ok(_), Some(export)) => export.export(record, span),
+                (Ok(_), None) => {}
+                (Err(e), _) => {
+                    self.inner.lost.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(error = %e, "an audit record could not be written");
+                }
             }
         }
         result
@@ -372,7 +379,7 @@ impl Recorder {
     /// (shutdown).
     pub fn flush(&self) -> Result<(), AuditError> {
         let folded = self.with_folding(fold::Folding::drain);
-        let _ = self.append([folded, None]);
+        let _ = self.append([folded, None], &Span::none());
         self.inner.log.flush()
     }
 }
@@ -426,6 +433,6 @@ impl Recorder {
                 UNMATCHED_ROUTE.to_owned(),
             )
         };
-        self.append_unawaited(record);
+        self.append_unawaited(record, &Span::none());
     }
 }
