@@ -433,8 +433,9 @@ async fn start(
             served: model.name.clone(),
         });
     }
+    let span = tracing::info_span!("tokenize");
     let inline = (bytes.len() <= INLINE_TOKENIZE_BYTES)
-        .then(|| tracing::info_span!("tokenize").in_scope(|| tokenize_kept(&model, &parsed)))
+        .then(|| span.in_scope(|| tokenize_kept(&model, &parsed)))
         .flatten();
     let (parsed, prompt) = if let Some(prompt) = inline {
         (parsed, prompt)
@@ -444,7 +445,7 @@ async fn start(
             let prompt = tokenize(&model, &parsed);
             (parsed, prompt)
         })
-        .instrument(tracing::info_span!("tokenize"))
+        .instrument(span)
         .await
         .map_err(|_| ApiError::Internal)?
     };
