@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context as _;
-use bulkhead_audit::{ChainKey, TenantId};
+use bulkhead_audit::{Anchor, ChainKey, TenantId};
 
 #[derive(Debug, clap::Subcommand)]
 pub enum What {
@@ -19,6 +19,13 @@ pub enum What {
         /// be keyed, with this key. Without it, a keyed log is a problem.
         #[arg(long)]
         key_file: Option<PathBuf>,
+        /// `TENANT:SEQ:SHA256`, a record kept elsewhere (the collector's copy of an exported
+        /// record: `bulkhead.tenant.id`, `bulkhead.audit.seq`, `bulkhead.audit.sha256`; or a
+        /// record `/v1/audit` returned, its `seq` and `digest`): the log must still hold that
+        /// line. Shows a log rolled back to an older copy, which verifies on its own. Repeat
+        /// for more.
+        #[arg(long = "anchor", value_name = "TENANT:SEQ:SHA256")]
+        anchors: Vec<Anchor>,
     },
 }
 
@@ -38,6 +45,7 @@ pub fn run(what: What) -> anyhow::Result<()> {
             dir,
             tenant,
             key_file,
+            anchors,
         } => {
             let dir = audit_dir(dir);
             let key = key_file
@@ -45,7 +53,8 @@ pub fn run(what: What) -> anyhow::Result<()> {
                     ChainKey::read(&path).with_context(|| format!("--key-file {}", path.display()))
                 })
                 .transpose()?;
-            let report = bulkhead_audit::verify(&dir, tenant.as_ref(), key.as_ref());
+            let report =
+                bulkhead_audit::verify_anchored(&dir, tenant.as_ref(), key.as_ref(), &anchors);
             println!("{report}");
             anyhow::ensure!(report.passed(), "audit log verification failed");
             Ok(())

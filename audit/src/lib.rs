@@ -67,4 +67,4 @@ pub use record::{
     Integrity, Label, Layer, PolicyDecision, StatusCount, Verdict, WorkerPair,
 };
 pub use tenant::{MAX_TENANT_LEN, TenantId, TenantIdError};
-pub use verify::{Problem, Reason, Report, TenantReport, verify};
+pub use verify::{Anchor, Problem, Reason, Report, TenantReport, verify, verify_anchored};

@@ -89,6 +89,9 @@ pub struct Receipt {
     /// The link to the record's line (SHA-256, or HMAC-SHA256 when keyed): the next record's
     /// `prev`.
     pub digest: Sha256Digest,
+    /// The SHA-256 of the record's line, as [`crate::read`] gives it (the link itself when
+    /// unkeyed): kept elsewhere with `seq`, an [`crate::Anchor`] that shows a rollback.
+    pub line_sha256: Sha256Digest,
     /// Whether the record was durable when `append` returned.
     pub durable: bool,
     /// How long the oldest record not yet durable had waited when this one was appended (zero
@@ -349,7 +352,7 @@ impl AuditLog {
                 record: record.tenant.clone(),
             });
         }
-        let (seq, digest, behind) = self.inner.enqueue(tenant, record)?;
+        let (seq, digest, line_sha256, behind) = self.inner.enqueue(tenant, record)?;
         let durable = match self.inner.config.durability {
             Durability::Batched => false,
             Durability::Immediate => {
@@ -361,6 +364,7 @@ impl AuditLog {
             tenant: tenant.clone(),
             seq,
             digest,
+            line_sha256,
             durable,
             behind,
         })
@@ -436,7 +440,7 @@ impl Inner {
         &self,
         tenant: &TenantId,
         record: &AuditRecord,
-    ) -> Result<(Seq, Sha256Digest, Duration), AuditError> {
+    ) -> Result<(Seq, Sha256Digest, Sha256Digest, Duration), AuditError> {
         let mut state = lock(&self.state);
         if let Some(reason) = &state.poisoned {
             return Err(AuditError::Poisoned {
@@ -458,6 +462,11 @@ impl Inner {
         let (mut bytes, digest) = self
             .chain()
             .write(line::encode(seq, t.last_digest, record)?);
+        let line_sha256 = if self.chain().is_keyed() {
+            Sha256Digest::of(&bytes)
+        } else {
+            digest
+        };
         bytes.push(b'\n');
         let len = bytes.len() as u64;
         if t.segment_len > 0 && t.segment_len.saturating_add(len) > self.config.segment_bytes {
@@ -473,7 +482,7 @@ impl Inner {
         t.last_digest = digest;
         let now = Instant::now();
         state.pending_since.get_or_insert(now);
-        Ok((seq, digest, state.behind(now)))
+        Ok((seq, digest, line_sha256, state.behind(now)))
     }
 
     fn sync(&self, tenant: &TenantId, seq: Seq) -> Result<(), AuditError> {

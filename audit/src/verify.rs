@@ -118,6 +118,54 @@ pub enum Reason {
     },
     /// The roster's or the head's seal does not fit the key given (or its absence).
     Seal(SealProblem),
+    /// The record an anchor names is here, and its line is not the one the anchor was taken
+    /// from.
+    AnchorDiffers {
+        /// The record.
+        seq: Seq,
+    },
+    /// The log ends before the record an anchor names: the log, or its directory, was rolled
+    /// back to an older copy (or its tail cut under a rewritten head). Reported where the
+    /// record should be.
+    RolledBack {
+        /// The anchored record.
+        anchored: Seq,
+        /// The first record the log lacks.
+        from: Seq,
+    },
+}
+
+/// A record's place and the SHA-256 of its line, kept apart from the log (the collector's copy
+/// of the exported record, `bulkhead.audit.seq` and `bulkhead.audit.sha256`, or a digest
+/// `/v1/audit` returned): the log must still hold that very line. Neither the chain nor a key
+/// shows a log rolled back to an older copy of itself; an anchor from after the copy does.
+/// Written `TENANT:SEQ:SHA256`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Anchor {
+    /// The tenant whose log holds the record.
+    pub tenant: TenantId,
+    /// The record's place in its chain.
+    pub seq: Seq,
+    /// The SHA-256 of its line.
+    pub sha256: Sha256Digest,
+}
+
+impl std::str::FromStr for Anchor {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let shape = || format!("{s:?} is not TENANT:SEQ:SHA256");
+        let mut parts = s.split(':');
+        let (Some(tenant), Some(seq), Some(sha256), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return Err(shape());
+        };
+        Ok(Anchor {
+            tenant: tenant.parse().map_err(|e| format!("{}: {e}", shape()))?,
+            seq: Seq(seq.parse().map_err(|_| shape())?),
+            sha256: Sha256Digest::from_hex(sha256).ok_or_else(shape)?,
+        })
+    }
 }
 
 impl fmt::Display for Reason {
@@ -186,6 +234,17 @@ impl fmt::Display for Reason {
                  rewritten (records after the last one may have been cut)"
             ),
             Self::Seal(problem) => problem.fmt(f),
+            Self::AnchorDiffers { seq } => write!(
+                f,
+                "record {} is not the line its anchor was taken from: rewritten",
+                seq.0
+            ),
+            Self::RolledBack { anchored, from } => write!(
+                f,
+                "the log ends before record {}, which an anchor names (it lacks {} on): rolled \
+                 back to an older copy, or its tail cut",
+                anchored.0, from.0
+            ),
         }
     }
 }
@@ -261,6 +320,17 @@ impl fmt::Display for Report {
 /// Verifies every tenant under `dir` and every tenant its roster lists, or only `tenant`, as a
 /// keyed log when given its `key`, as an unkeyed one otherwise.
 pub fn verify(dir: &Path, tenant: Option<&TenantId>, key: Option<&ChainKey>) -> Report {
+    verify_anchored(dir, tenant, key, &[])
+}
+
+/// [`verify`], and each tenant's log holds the lines `anchors` name (an anchored tenant is
+/// checked even when neither its directory nor the roster is there any more).
+pub fn verify_anchored(
+    dir: &Path,
+    tenant: Option<&TenantId>,
+    key: Option<&ChainKey>,
+    anchors: &[Anchor],
+) -> Report {
     let chain = Chain::new(key);
     let (present, unexpected) = match layout::list_tenants(dir) {
         Ok(listing) => listing,
@@ -307,6 +377,7 @@ pub fn verify(dir: &Path, tenant: Option<&TenantId>, key: Option<&ChainKey>) -> 
         None => present
             .iter()
             .chain(listed.iter().flatten())
+            .chain(anchors.iter().map(|a| &a.tenant))
             .cloned()
             .collect(),
     };
@@ -319,11 +390,18 @@ pub fn verify(dir: &Path, tenant: Option<&TenantId>, key: Option<&ChainKey>) -> 
         dir_problem: roster_problem.or(stray),
         tenants: ids
             .iter()
-            .map(|t| match &listed {
-                Some(listed) => {
-                    against_roster(dir, chain, t, present.contains(t), listed.contains(t))
+            .map(|t| {
+                let anchors: Vec<&Anchor> = anchors.iter().filter(|a| a.tenant == *t).collect();
+                match &listed {
+                    Some(listed) => against_roster(
+                        dir,
+                        chain,
+                        t,
+                        (present.contains(t), listed.contains(t)),
+                        &anchors,
+                    ),
+                    None => verify_tenant(dir, chain, t, &anchors),
                 }
-                None => verify_tenant(dir, chain, t),
             })
             .collect(),
     }
@@ -336,8 +414,8 @@ fn against_roster(
     dir: &Path,
     chain: Chain<'_>,
     tenant: &TenantId,
-    present: bool,
-    listed: bool,
+    (present, listed): (bool, bool),
+    anchors: &[&Anchor],
 ) -> TenantReport {
     let tdir = layout::tenant_dir(dir, tenant);
     let io = |e: std::io::Error| Some(Reason::Io(e.to_string()));
@@ -364,11 +442,16 @@ fn against_roster(
             segments: 0,
             problem: Some(at(&tdir, None, reason)),
         },
-        None => verify_tenant(dir, chain, tenant),
+        None => verify_tenant(dir, chain, tenant, anchors),
     }
 }
 
-fn verify_tenant(dir: &Path, chain: Chain<'_>, tenant: &TenantId) -> TenantReport {
+fn verify_tenant(
+    dir: &Path,
+    chain: Chain<'_>,
+    tenant: &TenantId,
+    anchors: &[&Anchor],
+) -> TenantReport {
     let mut report = TenantReport {
         tenant: tenant.clone(),
         records: 0,
@@ -376,7 +459,7 @@ fn verify_tenant(dir: &Path, chain: Chain<'_>, tenant: &TenantId) -> TenantRepor
         problem: None,
     };
     let tdir = layout::tenant_dir(dir, tenant);
-    if let Err(p) = check_tenant(&tdir, chain, tenant, &mut report) {
+    if let Err(p) = check_tenant(&tdir, chain, (tenant, anchors), &mut report) {
         report.problem = Some(p);
     }
     report
@@ -393,13 +476,20 @@ fn at(path: &Path, line: Option<u64>, reason: Reason) -> Problem {
 fn check_tenant(
     tdir: &Path,
     chain: Chain<'_>,
-    tenant: &TenantId,
+    (tenant, anchors): (&TenantId, &[&Anchor]),
     report: &mut TenantReport,
 ) -> Result<(), Problem> {
     let listing = match layout::list_tenant(tdir) {
         Ok(l) => l,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(at(tdir, None, Reason::NoSuchTenant));
+            let reason = match anchors.iter().map(|a| a.seq).max() {
+                Some(anchored) => Reason::RolledBack {
+                    anchored,
+                    from: Seq(0),
+                },
+                None => Reason::NoSuchTenant,
+            };
+            return Err(at(tdir, None, reason));
         }
         Err(e) => return Err(at(tdir, None, Reason::Io(e.to_string()))),
     };
@@ -497,6 +587,12 @@ fn check_tenant(
             if parsed.record.tenant != *tenant {
                 return Err(at(path, Some(n), Reason::WrongTenant(parsed.record.tenant)));
             }
+            if anchors
+                .iter()
+                .any(|a| a.seq == parsed.seq && a.sha256 != Sha256Digest::of(l))
+            {
+                return Err(at(path, Some(n), Reason::AnchorDiffers { seq: parsed.seq }));
+            }
             prev = link;
             if head.is_some_and(|h| h.seq == parsed.seq) {
                 head_seen = Some((path.clone(), n, prev, report.records));
@@ -512,6 +608,21 @@ fn check_tenant(
     }
     if let Some(p) = seal {
         return Err(at(&head_path, None, Reason::Seal(p)));
+    }
+    // The furthest anchor past the log's end.
+    if let Some(a) = anchors
+        .iter()
+        .filter(|a| a.seq >= next_seq)
+        .max_by_key(|a| a.seq)
+    {
+        let reason = Reason::RolledBack {
+            anchored: a.seq,
+            from: next_seq,
+        };
+        return Err(match &prev_at {
+            Some((path, line)) => at(path, Some(line + 1), reason),
+            None => at(tdir, None, reason),
+        });
     }
     match (head, head_seen) {
         (None, _) if report.records > 0 && !genesis => {

@@ -6,11 +6,13 @@
 //! `bulkhead.kv.integrity.result`); the policy decisions stay a list of maps. The prompt and
 //! completion text — present only for tenants that opted in to content capture — never leave
 //! the tenant's own log: only their SHA-256 digests are exported. The log record carries the
-//! request's trace and span id, so a trace and its audit record find each other.
+//! request's trace and span id, so a trace and its audit record find each other, and the
+//! record's place in its tenant's chain with its line's SHA-256, so the collector holds an
+//! anchor for every record the log took.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use bulkhead_audit::AuditRecord;
+use bulkhead_audit::{AuditRecord, Seq, Sha256Digest};
 use opentelemetry::logs::{AnyValue, LogRecord as _, Logger as _, LoggerProvider as _, Severity};
 use opentelemetry::trace::TraceContextExt as _;
 use opentelemetry::{Key, StringValue};
@@ -21,6 +23,12 @@ use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
 /// The log records' event name.
 pub const EVENT_NAME: &str = "bulkhead.audit.record";
+
+/// The attribute of the record's place in its tenant's chain.
+const SEQ: &str = "bulkhead.audit.seq";
+
+/// The attribute of the SHA-256 of the record's line in the log.
+const SHA256: &str = "bulkhead.audit.sha256";
 
 /// Exports final audit records as log records; a cheap `Clone`. Emitting queues the record
 /// for the SDK's export thread and never blocks.
@@ -36,8 +44,11 @@ impl AuditExport {
         }
     }
 
-    /// Emits `record`, tied to the trace of `span` (the request's span) when it has one.
-    pub fn export(&self, record: AuditRecord, span: &Span) {
+    /// Emits `record`, tied to the trace of `span` (the request's span) when it has one, with
+    /// its place in its tenant's chain and its line's SHA-256 (`bulkhead.audit.seq`,
+    /// `bulkhead.audit.sha256`): the collector's copy is then an anchor that shows the log
+    /// rolled back (`bulkhead audit verify --anchor`).
+    pub fn export(&self, record: AuditRecord, span: &Span, seq: Seq, line_sha256: &Sha256Digest) {
         let mut log = self.logger.create_log_record();
         log.set_event_name(EVENT_NAME);
         log.set_timestamp(UNIX_EPOCH + Duration::from_millis(record.time_unix_ms));
@@ -50,6 +61,13 @@ impl AuditExport {
             record.request_id, record.route, record.status
         )));
         log.add_attributes(attributes(record));
+        log.add_attributes([
+            (Key::from_static_str(SEQ), AnyValue::from(seq.0 as i64)),
+            (
+                Key::from_static_str(SHA256),
+                AnyValue::from(line_sha256.to_string()),
+            ),
+        ]);
         let cx = span.context();
         let span = cx.span();
         let sc = span.span_context();

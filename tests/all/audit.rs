@@ -304,9 +304,34 @@ fn every_request_leaves_one_record_in_its_tenants_log_that_only_it_can_read() {
             400
         );
 
-        // The chain verifies while the gateway runs.
+        // The chain verifies while the gateway runs, and holds the lines a tenant's page named
+        // (anchors: what shows a log rolled back to an older copy); one past its end it lacks.
         let (passed, report) = verify(&up.data_dir);
         assert!(passed, "{report}");
+        let anchors: Vec<String> = a_page["data"]
+            .as_array()
+            .expect("data")
+            .iter()
+            .map(|e| {
+                format!(
+                    "tenant-a:{}:{}",
+                    e["seq"],
+                    e["digest"].as_str().expect("a digest")
+                )
+            })
+            .collect();
+        let anchored = |anchors: &[String]| {
+            let args: Vec<&std::ffi::OsStr> = anchors
+                .iter()
+                .flat_map(|a| ["--anchor".as_ref(), a.as_ref()])
+                .collect();
+            verify_with(&up.data_dir, &args)
+        };
+        let (passed, report) = anchored(&anchors);
+        assert!(passed, "{report}");
+        let past_the_end = format!("tenant-a:1000000:{}", first[0]);
+        let (passed, report) = anchored(&[past_the_end]);
+        assert!(!passed && report.contains("rolled back"), "{report}");
 
         // The log breaks: a directory stands where a tenant's first segment must go, so its
         // first record cannot be written. That request is refused with 503, every request

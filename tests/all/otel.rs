@@ -28,7 +28,7 @@ use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use prost::Message;
 
-use crate::up::{KEY_A, Options, Up, bounded, exchange, header, json};
+use crate::up::{KEY_A, Options, Up, bounded, exchange, header, http, json};
 
 const PROMPT: &str = "What is 2+2?";
 const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -375,6 +375,22 @@ fn a_request_is_one_trace_through_gateway_decode_and_prefill_and_its_record_a_lo
         assert_eq!(record.attributes["bulkhead.kv.integrity.result"], "passed");
         assert!(record.attributes.contains_key("bulkhead.prompt.sha256"));
         assert!(!record.attributes.contains_key("bulkhead.prompt.content"));
+        // Its place in the tenant's chain and its line's SHA-256, as the tenant's own read of
+        // the log gives them: the collector's copy is an anchor (`audit verify --anchor`).
+        let (status, page) = http(&up.api, "GET", "/v1/audit?limit=1000", Some(KEY_A), &[], "");
+        assert_eq!(status, 200, "{page}");
+        let page = json(&page);
+        let entry = page["data"]
+            .as_array()
+            .expect("data")
+            .iter()
+            .find(|e| e["record"]["bulkhead.request.id"] == request_id.as_str())
+            .expect("the tenant reads its record");
+        assert_eq!(
+            record.attributes["bulkhead.audit.seq"],
+            entry["seq"].to_string()
+        );
+        assert_eq!(record.attributes["bulkhead.audit.sha256"], entry["digest"]);
 
         // The collector goes away: requests go on, streamed or not.
         collector.stop();

@@ -1,5 +1,6 @@
 //! Integration tests of `bulkhead-audit`, in one binary to keep link time low.
 
+mod anchors;
 mod common;
 mod keyed;
 mod log;

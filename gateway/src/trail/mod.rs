@@ -332,19 +332,16 @@ impl Recorder {
         let mut result = Ok(Duration::ZERO);
         for (record, span) in [(folded, &Span::none()), (own, span)] {
             let Some(record) = record else { continue };
-            result = self
-                .inner
-                .log
-                .append(&record.tenant, &record)
-                .map(|r| r.behind);
-            match (&result, &self.inner.export) {
-                (Ok(_), Some(export)) => export.export(record, span),
+            let appended = self.inner.log.append(&record.tenant, &record);
+            match (&appended, &self.inner.export) {
+                (Ok(r), Some(export)) => export.export(record, span, r.seq, &r.line_sha256),
                 (Ok(_), None) => {}
                 (Err(e), _) => {
                     self.inner.lost.fetch_add(1, Ordering::Relaxed);
                     tracing::error!(error = %e, "an audit record could not be written");
                 }
             }
+            result = appended.map(|r| r.behind);
         }
         result
     }
