@@ -47,6 +47,15 @@ pub fn run(what: What) -> anyhow::Result<()> {
             key_file,
             anchors,
         } => {
+            if let (Some(t), Some(a)) = (
+                &tenant,
+                anchors.iter().find(|a| Some(&a.tenant) != tenant.as_ref()),
+            ) {
+                anyhow::bail!(
+                    "--anchor names tenant {} while --tenant checks {t} alone",
+                    a.tenant
+                );
+            }
             let dir = audit_dir(dir);
             let key = key_file
                 .map(|path| {

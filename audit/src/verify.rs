@@ -162,7 +162,12 @@ impl std::str::FromStr for Anchor {
         };
         Ok(Anchor {
             tenant: tenant.parse().map_err(|e| format!("{}: {e}", shape()))?,
-            seq: Seq(seq.parse().map_err(|_| shape())?),
+            seq: Seq(seq
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+                .then(|| seq.parse().ok())
+                .flatten()
+                .ok_or_else(shape)?),
             sha256: Sha256Digest::from_hex(sha256).ok_or_else(shape)?,
         })
     }

@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bulkhead_audit::{AuditRecord, Seq, Sha256Digest};
 use opentelemetry::logs::{AnyValue, LogRecord as _, Logger as _, LoggerProvider as _, Severity};
-use opentelemetry::trace::TraceContextExt as _;
+use opentelemetry::trace::{SpanContext, TraceContextExt as _};
 use opentelemetry::{Key, StringValue};
 use opentelemetry_sdk::logs::{SdkLogger, SdkLoggerProvider};
 use serde_json::Value;
@@ -44,11 +44,16 @@ impl AuditExport {
         }
     }
 
-    /// Emits `record`, tied to the trace of `span` (the request's span) when it has one, with
-    /// its place in its tenant's chain and its line's SHA-256 (`bulkhead.audit.seq`,
+    /// Emits `record`, tied to `trace` (its request's) when it has one, with its place in its
+    /// tenant's chain and its line's SHA-256 when the log holds it durably (`bulkhead.audit.seq`,
     /// `bulkhead.audit.sha256`): the collector's copy is then an anchor that shows the log
     /// rolled back (`bulkhead audit verify --anchor`).
-    pub fn export(&self, record: AuditRecord, span: &Span, seq: Seq, line_sha256: &Sha256Digest) {
+    pub fn export(
+        &self,
+        record: AuditRecord,
+        trace: &RecordTrace,
+        place: Option<(Seq, Sha256Digest)>,
+    ) {
         let mut log = self.logger.create_log_record();
         log.set_event_name(EVENT_NAME);
         log.set_timestamp(UNIX_EPOCH + Duration::from_millis(record.time_unix_ms));
@@ -61,20 +66,40 @@ impl AuditExport {
             record.request_id, record.route, record.status
         )));
         log.add_attributes(attributes(record));
-        log.add_attributes([
-            (Key::from_static_str(SEQ), AnyValue::from(seq.0 as i64)),
-            (
-                Key::from_static_str(SHA256),
-                AnyValue::from(line_sha256.to_string()),
-            ),
-        ]);
-        let cx = span.context();
-        let span = cx.span();
-        let sc = span.span_context();
+        if let Some((seq, line_sha256)) = place {
+            log.add_attributes([
+                (
+                    Key::from_static_str(SEQ),
+                    AnyValue::from(i64::try_from(seq.0).unwrap_or(i64::MAX)),
+                ),
+                (
+                    Key::from_static_str(SHA256),
+                    AnyValue::from(line_sha256.to_string()),
+                ),
+            ]);
+        }
+        let sc = &trace.0;
         if sc.is_valid() {
             log.set_trace_context(sc.trace_id(), sc.span_id(), Some(sc.trace_flags()));
         }
         self.logger.emit(log);
+    }
+}
+
+/// The trace a record is exported in: its request span's, taken when the request ends (a copy
+/// of its ids, not the span, which a record waiting to be durable would keep open).
+#[derive(Debug, Clone)]
+pub struct RecordTrace(SpanContext);
+
+impl RecordTrace {
+    /// The trace of `span`.
+    pub fn of(span: &Span) -> RecordTrace {
+        RecordTrace(span.context().span().span_context().clone())
+    }
+
+    /// No trace (a folded record, a request no service ran).
+    pub fn none() -> RecordTrace {
+        RecordTrace(SpanContext::empty_context())
     }
 }
 

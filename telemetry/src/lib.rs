@@ -24,7 +24,7 @@ mod install;
 pub mod propagation;
 mod redact;
 
-pub use audit::AuditExport;
+pub use audit::{AuditExport, RecordTrace};
 pub use install::{Otlp, OtlpEndpoint, Settings, Telemetry, TelemetryError};
 pub use opentelemetry::KeyValue;
 pub use redact::redacted_url;

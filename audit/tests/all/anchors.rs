@@ -142,6 +142,7 @@ fn an_anchor_is_written_tenant_seq_and_sha256() {
         format!("tenant-a:42:{digest}:x"),
         format!("Tenant-A:42:{digest}"),
         format!("tenant-a:-1:{digest}"),
+        format!("tenant-a:+1:{digest}"),
         "tenant-a:42:abc".to_owned(),
     ] {
         let e = bad.parse::<Anchor>().expect_err(&bad);

@@ -438,6 +438,7 @@ async fn start(
         .then(|| span.in_scope(|| tokenize_kept(&model, &parsed)))
         .flatten();
     let (parsed, prompt) = if let Some(prompt) = inline {
+        drop(span);
         (parsed, prompt)
     } else {
         let model = model.clone();

@@ -21,6 +21,7 @@
 //! past which they are counted in folded records ([`fold`]).
 
 mod draft;
+mod exports;
 mod fold;
 mod layer;
 mod read;
@@ -35,7 +36,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use bulkhead_audit::{AuditError, AuditLog, AuditRecord, ChainKey, Recovery, Seq, TenantId};
-use bulkhead_telemetry::AuditExport;
+use bulkhead_telemetry::{AuditExport, RecordTrace};
 use tracing::Span;
 
 pub use draft::{CLIENT_CLOSED, CLIENT_CLOSED_TYPE, GATEWAY_SHUTDOWN_TYPE, Trail};
@@ -86,8 +87,8 @@ struct Inner {
     lost: AtomicU64,
     /// Every final record's latency feeds the request-duration and TTFT histograms.
     metrics: Metrics,
-    /// Every final record is also exported as a log record, when configured.
-    export: Option<AuditExport>,
+    /// Every final record is also exported as a log record once durable, when configured.
+    exports: Option<Arc<exports::Exports>>,
     /// The thread whose fsyncs responses wait for: every one in durable mode, in group commit
     /// those appended while the flushes are behind.
     syncer: syncer::Syncer,
@@ -140,12 +141,19 @@ impl Recorder {
         })?;
         let log = Arc::new(log);
         let weak = Arc::downgrade(&log);
-        let syncer =
-            syncer::Syncer::start(move || weak.upgrade().map(|l| l.flush())).map_err(|e| {
-                AuditError::Poisoned {
-                    reason: format!("starting the audit fsync thread: {e}"),
+        let exports = export.map(|e| Arc::new(exports::Exports::new(e)));
+        let hook = exports.clone();
+        let syncer = syncer::Syncer::start(
+            move || weak.upgrade().map(|l| l.flush()),
+            move |flush, ok| {
+                if let Some(exports) = &hook {
+                    exports.flushed(flush, ok);
                 }
-            })?;
+            },
+        )
+        .map_err(|e| AuditError::Poisoned {
+            reason: format!("starting the audit fsync thread: {e}"),
+        })?;
         let folding = fold::Folding::new(settings.gateway_records_per_minute, Instant::now());
         let inner = Arc::new(Inner {
             log,
@@ -156,7 +164,7 @@ impl Recorder {
             gateway,
             lost: AtomicU64::new(0),
             metrics,
-            export,
+            exports,
             syncer,
         });
         Ok((Recorder { inner }, recoveries))
@@ -320,11 +328,12 @@ impl Recorder {
         out
     }
 
-    /// Appends `records`; one the log refuses is counted lost, and each it takes is exported
-    /// when export is on — the request's own record tied to the trace of `span`, its
-    /// request's; a folded one to none. So the collector gets what the log holds: a flood of
-    /// requests without a valid key, one record a window past the gateway log's budget, where a
-    /// record each would crowd the tenants' out of the exporter's queue. The result is the
+    /// Appends `records`; one the log refuses is counted lost. With export on, each it takes
+    /// is exported once durable (with its place in the chain: an anchor), one it refuses at
+    /// once (with none) — the request's own record tied to the trace of `span`, its request's;
+    /// a folded one to none. So the collector gets what the log holds: a flood of requests
+    /// without a valid key, one record a window past the gateway log's budget, where a record
+    /// each would crowd the tenants' out of the exporter's queue. The result is the
     /// last one's: the record that holds the request being committed (its own, or the folded
     /// one), and how far behind the flushes were when it was appended.
     fn append(&self, records: fold::Appends, span: &Span) -> Result<Duration, AuditError> {
@@ -333,12 +342,18 @@ impl Recorder {
         for (record, span) in [(folded, &Span::none()), (own, span)] {
             let Some(record) = record else { continue };
             let appended = self.inner.log.append(&record.tenant, &record);
-            match (&appended, &self.inner.export) {
-                (Ok(r), Some(export)) => export.export(record, span, r.seq, &r.line_sha256),
-                (Ok(_), None) => {}
-                (Err(e), _) => {
-                    self.inner.lost.fetch_add(1, Ordering::Relaxed);
-                    tracing::error!(error = %e, "an audit record could not be written");
+            if let Err(e) = &appended {
+                self.inner.lost.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(error = %e, "an audit record could not be written");
+            }
+            if let Some(exports) = &self.inner.exports {
+                let trace = RecordTrace::of(span);
+                match &appended {
+                    Ok(r) => {
+                        let ticket = self.inner.syncer.request();
+                        exports.when_durable(ticket, record, trace, (r.seq, r.line_sha256));
+                    }
+                    Err(_) => exports.refused(record, &trace),
                 }
             }
             result = appended.map(|r| r.behind);
@@ -377,7 +392,11 @@ impl Recorder {
     pub fn flush(&self) -> Result<(), AuditError> {
         let folded = self.with_folding(fold::Folding::drain);
         let _ = self.append([folded, None], &Span::none());
-        self.inner.log.flush()
+        let flushed = self.inner.log.flush();
+        if let Some(exports) = &self.inner.exports {
+            exports.flushed(u64::MAX, flushed.is_ok());
+        }
+        flushed
     }
 }
 

@@ -39,9 +39,11 @@ pub(super) struct Syncer {
 
 impl Syncer {
     /// Starts the thread; `flush` makes every appended record durable, or returns `None` once
-    /// the log is gone (the thread then ends).
+    /// the log is gone (the thread then ends); `flushed` hears each flush's number and whether
+    /// it succeeded, before its waiters do.
     pub(super) fn start(
         flush: impl Fn() -> Option<Result<(), AuditError>> + Send + 'static,
+        flushed: impl Fn(u64, bool) + Send + 'static,
     ) -> std::io::Result<Syncer> {
         let shared = Arc::new(Shared {
             requested: AtomicU64::new(0),
@@ -63,6 +65,7 @@ impl Syncer {
                     handled = requested;
                     let count = own.started.fetch_add(1, Ordering::SeqCst) + 1;
                     let Some(result) = flush() else { return };
+                    flushed(count, result.is_ok());
                     done_tx.send_replace(Flushed {
                         count,
                         failure: result.err().map(|e| e.to_string()),
@@ -83,9 +86,7 @@ impl Syncer {
     /// `started` increment (made before) would be visible to this read.
     pub(super) async fn durable(&self) -> Result<(), AuditError> {
         let mut done = self.done.clone();
-        let after = self.shared.started.load(Ordering::SeqCst);
-        self.shared.requested.fetch_add(1, Ordering::SeqCst);
-        self.thread.unpark();
+        let after = self.request();
         let flushed =
             done.wait_for(|f| f.count > after)
                 .await
@@ -98,6 +99,17 @@ impl Syncer {
                 reason: reason.clone(),
             }),
         }
+    }
+}
+
+impl Syncer {
+    /// Asks for a flush without waiting for it; returns the ticket: every record appended
+    /// before this call is durable once a flush numbered above the ticket has succeeded.
+    pub(super) fn request(&self) -> u64 {
+        let after = self.shared.started.load(Ordering::SeqCst);
+        self.shared.requested.fetch_add(1, Ordering::SeqCst);
+        self.thread.unpark();
+        after
     }
 }
 
@@ -124,18 +136,21 @@ mod tests {
 
     fn syncer(log: &Arc<FakeLog>, fail: bool) -> Syncer {
         let log = log.clone();
-        Syncer::start(move || {
-            let taken = log.appended.load(Ordering::SeqCst);
-            std::thread::sleep(std::time::Duration::from_millis(1));
-            log.flushes.fetch_add(1, Ordering::SeqCst);
-            if fail {
-                return Some(Err(AuditError::Poisoned {
-                    reason: "disk full".into(),
-                }));
-            }
-            log.durable.fetch_max(taken, Ordering::SeqCst);
-            Some(Ok(()))
-        })
+        Syncer::start(
+            move || {
+                let taken = log.appended.load(Ordering::SeqCst);
+                std::thread::sleep(std::time::Duration::from_millis(1));
+                log.flushes.fetch_add(1, Ordering::SeqCst);
+                if fail {
+                    return Some(Err(AuditError::Poisoned {
+                        reason: "disk full".into(),
+                    }));
+                }
+                log.durable.fetch_max(taken, Ordering::SeqCst);
+                Some(Ok(()))
+            },
+            |_, _| {},
+        )
         .expect("thread")
     }
 
@@ -166,7 +181,7 @@ mod tests {
 
     #[tokio::test]
     async fn waiters_fail_when_the_thread_ends() {
-        let syncer = Syncer::start(|| None).expect("thread");
+        let syncer = Syncer::start(|| None, |_, _| {}).expect("thread");
         let e = syncer.durable().await.expect_err("no flush will come");
         assert!(e.to_string().contains("fsync thread stopped"), "{e}");
     }
