@@ -62,10 +62,12 @@ pub(super) enum Checked {
     },
 }
 
-/// The statuses a denial may name but is not sent with: they ask the client for credentials,
-/// which only the gateway's own authentication does (an OpenAI client takes a 401 for a bad
-/// API key); such a denial is sent as 403.
-const CHALLENGES: [u16; 2] = [401, 407];
+/// The statuses a denial may name but is not sent with; such a denial is sent as 403. 401 and
+/// 407 ask the client for credentials, which only the gateway's own authentication does (an
+/// OpenAI client takes a 401 for a bad API key); 408 and 421 say the connection, not the
+/// request, was at fault (clients resend them on their own); 499 is the gateway's word for a
+/// client that left (its metrics and audit records would count the denial as one).
+const NOT_SENT: [u16; 5] = [401, 407, 408, 421, 499];
 
 fn garbage(what: String) -> Fault {
     Fault::Garbage(what)
@@ -84,8 +86,15 @@ pub(super) fn check(verdict: Verdict) -> Result<Checked, Fault> {
                     d.message.len()
                 )));
             }
+            // The client prints it: no line of its own, no escape sequence, no reversed text.
+            if d.message.chars().any(acts) {
+                return Err(garbage(format!(
+                    "a deny message with control characters: {}",
+                    printable(&d.message, QUOTED)
+                )));
+            }
             Ok(Checked::Deny {
-                status: if CHALLENGES.contains(&d.status) {
+                status: if NOT_SENT.contains(&d.status) {
                     403
                 } else {
                     d.status
@@ -177,8 +186,9 @@ mod tests {
             deny(403, "no"),
             Ok(Checked::Deny { status: 403, .. })
         ));
-        // A challenge for credentials is the gateway's to make: sent as 403.
-        for status in [401, 407] {
+        // A challenge for credentials is the gateway's to make, a connection's fault or a
+        // client that left are not a refusal: sent as 403.
+        for status in [401, 407, 408, 421, 499] {
             assert!(
                 matches!(deny(status, "no"), Ok(Checked::Deny { status: 403, .. })),
                 "{status}"
@@ -198,6 +208,13 @@ mod tests {
             deny(400, &"x".repeat(2000)),
             Err(Fault::Garbage(_))
         ));
+        for message in ["two\nlines", "\u{1b}[2J", "\u{202e}reversed"] {
+            assert!(
+                matches!(deny(403, message), Err(Fault::Garbage(_))),
+                "{message:?}"
+            );
+        }
+        assert!(deny(403, "tenant-a may not use this model — ask an admin").is_ok());
     }
 
     #[test]
