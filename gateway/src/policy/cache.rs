@@ -3,11 +3,13 @@
 //! start or reload. An entry is named `<component sha256>-<engine hash>.cwasm`; a missing,
 //! stale or unreadable entry is rebuilt, never trusted.
 //!
-//! A compiled entry is native code the gateway runs, and its name is all that ties it to the
-//! component whose sha256 the policy set pins: the cache is used only where no one but the
-//! gateway's own user can write it (the directory and the entry owned by that user, writable
-//! by no group or other, neither a symbolic link); anywhere else every component is compiled
-//! afresh and nothing is stored.
+//! A compiled entry is native code the gateway runs: the cache is used only where no one but
+//! the gateway's own user can write it (the directory and the entry owned by that user,
+//! writable by no group or other, neither a symbolic link); anywhere else every component is
+//! compiled afresh and nothing is stored. And an entry is sealed ([`seal`]): it names the
+//! component it was compiled from and the SHA-256 of its artifact, so that one copied under
+//! another component's name (a restore, a sync) or changed in a byte since it was written is
+//! compiled again, not run.
 //!
 //! Every binding's snapshot is an entry of its own (see `snapshot.rs`), so each configuration
 //! an operator ever loads adds one: after a set loads, [`prune`] keeps the cache within its
@@ -44,6 +46,28 @@ fn entry(dir: &Path, engine: &Engine, digest: &Digest) -> PathBuf {
     dir.join(format!("{digest}-{:016x}.cwasm", engine_hash(engine)))
 }
 
+/// What an entry starts with, then the component's SHA-256 and the artifact's, then the
+/// artifact.
+const SEALED: &[u8] = b"bulkhead compiled component 1\n";
+
+/// The entry for `artifact`, compiled from the component whose SHA-256 is `digest`.
+fn seal(digest: &Digest, artifact: &[u8]) -> Vec<u8> {
+    let mut entry = Vec::with_capacity(SEALED.len() + 64 + artifact.len());
+    entry.extend_from_slice(SEALED);
+    entry.extend_from_slice(&digest.to_bytes());
+    entry.extend_from_slice(&Digest::of(artifact).to_bytes());
+    entry.extend_from_slice(artifact);
+    entry
+}
+
+/// The artifact `entry` holds, when it was sealed for the component `digest` and is whole.
+fn unseal<'a>(digest: &Digest, entry: &'a [u8]) -> Option<&'a [u8]> {
+    let rest = entry.strip_prefix(SEALED)?;
+    let (component, rest) = rest.split_at_checked(32)?;
+    let (sum, artifact) = rest.split_at_checked(32)?;
+    (*component == digest.to_bytes() && *sum == Digest::of(artifact).to_bytes()).then_some(artifact)
+}
+
 /// The component for `bytes` (whose SHA-256 is `digest`), from the cache under `dir` when it
 /// holds one, else compiled (and stored there).
 pub(super) fn compile(
@@ -56,19 +80,25 @@ pub(super) fn compile(
         return Ok((Component::new(engine, bytes)?, Compiled::Fresh));
     };
     let path = entry(&dir, engine, digest);
-    let artifact = read_private(&path);
-    if artifact.is_none() && path.exists() {
+    let read = read_private(&path);
+    if read.is_none() && path.exists() {
         tracing::warn!(path = %path.display(),
             "a cached compiled component is writable by others (or not the gateway's, or unreadable): compiling again");
+    }
+    let artifact = read.as_deref().and_then(|entry| unseal(digest, entry));
+    if read.is_some() && artifact.is_none() {
+        tracing::warn!(path = %path.display(),
+            "a cached compiled component is not the one its name says, or not whole: compiling again");
     }
     if let Some(artifact) = artifact {
         // SAFETY: `Component::deserialize` requires bytes produced by `precompile_component`
         // of a compatible engine and not modified since. The cache directory and the entry
         // are the gateway's user's and no one else can write them (`private`, checked on the
         // file read in `read_private`), nor move the directory (`holds_still`), each entry is
-        // renamed into place whole, the entry's name carries the engine's compatibility hash,
+        // renamed into place whole and sealed for its component with its artifact's SHA-256
+        // (checked in `unseal`), the entry's name carries the engine's compatibility hash,
         // and wasmtime checks its own header and version again before use.
-        match unsafe { Component::deserialize(engine, &artifact) } {
+        match unsafe { Component::deserialize(engine, artifact) } {
             Ok(component) => {
                 touch(&path);
                 return Ok((component, Compiled::Cached));
@@ -78,7 +108,7 @@ pub(super) fn compile(
         }
     }
     let artifact = engine.precompile_component(bytes)?;
-    if let Err(e) = store(&path, &artifact) {
+    if let Err(e) = store(&path, &seal(digest, &artifact)) {
         tracing::warn!(dir = %dir.display(), error = %e, "cannot write the policy compile cache");
     }
     // SAFETY: `artifact` was produced just above by `precompile_component` of this engine.
@@ -308,6 +338,38 @@ pub(super) fn backdate(path: &Path, age: Duration) {
 mod tests {
     use super::*;
     use crate::scratch::Scratch;
+
+    /// Two components: an empty one, and one holding a custom section.
+    const EMPTY: &[u8] = b"\0asm\x0d\x00\x01\x00";
+    const NAMED: &[u8] = b"\0asm\x0d\x00\x01\x00\x00\x02\x01a";
+
+    #[test]
+    fn an_entry_changed_in_a_byte_or_copied_under_another_components_name_is_compiled_again() {
+        let dir = Scratch::new("cache");
+        let cache = dir.0.join("compiled");
+        let engine = Engine::default();
+        let (empty, named) = (Digest::of(EMPTY), Digest::of(NAMED));
+        let compiled = |bytes, digest| {
+            compile(&engine, bytes, digest, Some(&cache))
+                .expect("compiles")
+                .1
+        };
+        assert_eq!(compiled(EMPTY, &empty), Compiled::Fresh);
+        assert_eq!(compiled(EMPTY, &empty), Compiled::Cached);
+        let real = trusted(&cache).expect("a private cache");
+        let (of_empty, of_named) = (entry(&real, &engine, &empty), entry(&real, &engine, &named));
+        // One byte of the artifact changed: compiled again, and written whole again.
+        let mut bytes = std::fs::read(&of_empty).expect("reads");
+        *bytes.last_mut().expect("an artifact") ^= 1;
+        std::fs::write(&of_empty, bytes).expect("writes");
+        assert_eq!(compiled(EMPTY, &empty), Compiled::Fresh);
+        assert_eq!(compiled(EMPTY, &empty), Compiled::Cached);
+        // Another component's valid entry under this one's name: never run as this one.
+        assert_eq!(compiled(NAMED, &named), Compiled::Fresh);
+        std::fs::copy(&of_named, &of_empty).expect("copies");
+        assert_eq!(compiled(EMPTY, &empty), Compiled::Fresh);
+        assert_eq!(compiled(NAMED, &named), Compiled::Cached);
+    }
 
     /// A file of `len` bytes under `dir`, last modified `age` ago.
     fn file(dir: &Path, name: &str, len: usize, age: Duration) -> PathBuf {
