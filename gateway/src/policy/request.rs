@@ -106,15 +106,16 @@ impl RequestPolicy {
 /// The response header that says the max tokens the policies clamped a request to.
 pub const CLAMPED_MAX_TOKENS: HeaderName = HeaderName::from_static("x-bulkhead-clamped-max-tokens");
 
+/// The headers `names` selects, each value as text: bytes past ASCII that are not UTF-8 (HTTP
+/// allows them) become U+FFFD rather than hide the header from the plugin, which a client
+/// could use to slip a header past a plugin that refuses it.
 fn selected(headers: &HeaderMap, names: &[HeaderName]) -> Vec<Header> {
     names
         .iter()
         .flat_map(|name| {
-            headers.get_all(name).iter().filter_map(move |v| {
-                v.to_str().ok().map(|value| Header {
-                    name: name.as_str().to_owned(),
-                    value: value.to_owned(),
-                })
+            headers.get_all(name).iter().map(move |v| Header {
+                name: name.as_str().to_owned(),
+                value: String::from_utf8_lossy(v.as_bytes()).into_owned(),
             })
         })
         .collect()
@@ -294,5 +295,23 @@ fn decision(plugin: &super::plugin::Loaded, verdict: DecisionVerdict) -> Decisio
         plugin: plugin.name.to_string(),
         sha256: plugin.digest,
         verdict,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_selected_header_whose_value_is_not_utf8_is_seen_not_hidden() {
+        let mut headers = HeaderMap::new();
+        headers.append("x-flag", HeaderValue::from_static("plain"));
+        let odd = HeaderValue::from_bytes(b"odd\x80").expect("HTTP allows the byte");
+        headers.append("x-flag", odd);
+        headers.append("x-other", HeaderValue::from_static("not selected"));
+        let seen = selected(&headers, &[HeaderName::from_static("x-flag")]);
+        let values: Vec<&str> = seen.iter().map(|h| h.value.as_str()).collect();
+        assert_eq!(values, ["plain", "odd\u{FFFD}"]);
+        assert!(seen.iter().all(|h| h.name == "x-flag"));
     }
 }
