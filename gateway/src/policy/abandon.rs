@@ -38,6 +38,7 @@ use super::bindings::{Directive, Disconnect, Hooks, Outcome, Phase, ResponseEnd,
 use super::chain::{Binding, Hook, PolicySet};
 use super::handle::Policies;
 use super::request::RequestPolicy;
+use super::slots::Turn;
 
 /// How far a request got, as the gateway saw it.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -214,7 +215,7 @@ impl Ending {
         if self.wanting(Hooks::ON_RESPONSE_END).next().is_none() {
             return;
         }
-        match self.policies.slot(&self.tenant).await {
+        match self.policies.slot(&self.tenant, Turn::End).await {
             Some(Ok(_slot)) => self.response_end(outcome, usage).await,
             Some(Err(fault)) => tracing::warn!(%fault, "on-response-end could not run"),
             None => {}
@@ -227,7 +228,7 @@ impl Ending {
         if self.wanting(Hooks::ON_DISCONNECT).next().is_none() {
             return Directive::AbortNow;
         }
-        match self.policies.slot(&self.tenant).await {
+        match self.policies.slot(&self.tenant, Turn::Call).await {
             Some(Ok(_slot)) => self.directive(phase, progress, held_before).await,
             Some(Err(fault)) => {
                 tracing::warn!(request = %self.id, %fault, "on-disconnect could not run");

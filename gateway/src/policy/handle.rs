@@ -13,7 +13,7 @@ use super::digest::Digest;
 use super::load::{self, LoadError};
 use super::plugin::Fault;
 use super::sandbox::{Sandbox, SandboxError, SandboxSettings};
-use super::slots::Slot;
+use super::slots::{Slot, Turn};
 use super::stats::Stats;
 
 /// How the gateway runs its policies (from the `[policies]` section of its configuration).
@@ -113,13 +113,13 @@ impl Policies {
         &self.inner.stats
     }
 
-    /// An instance slot of the sandbox for a call of `tenant`'s (see [`Sandbox::slot`]);
-    /// policies that are disabled have no plugin to call, so this is `None`.
-    pub(super) async fn slot(&self, tenant: &str) -> Option<Result<Slot, Fault>> {
+    /// An instance slot of the sandbox for a call of `tenant`'s in its `turn` (see
+    /// [`Sandbox::slot`]); policies that are disabled have no plugin to call, so this is `None`.
+    pub(super) async fn slot(&self, tenant: &str, turn: Turn) -> Option<Result<Slot, Fault>> {
         match &self.inner.runtime {
             Some((sandbox, _)) => {
                 let asked = Instant::now();
-                let slot = sandbox.slot(tenant).await;
+                let slot = sandbox.slot(tenant, turn).await;
                 self.inner
                     .stats
                     .slot_wait(tenant, asked.elapsed(), slot.is_ok());

@@ -14,6 +14,7 @@ use super::chain::PolicySet;
 use super::decision::{Decision, DecisionVerdict};
 use super::handle::Policies;
 use super::plugin::Fault;
+use super::slots::Turn;
 use super::verdict::{Checked, check};
 
 /// What the gateway knows of a request when the chain runs (after tokenization and
@@ -231,7 +232,7 @@ impl Policies {
             .iter()
             .any(|&i| set.bindings[i].hooks.contains(Hooks::ON_REQUEST));
         let chained = if wanted {
-            match self.slot(facts.tenant).await {
+            match self.slot(facts.tenant, Turn::Call).await {
                 Some(Ok(_slot)) => chain(self, &set, &matched, &facts).await?,
                 Some(Err(fault)) => {
                     // No slot is every plugin's fault at once: refused if any binding fails

@@ -16,7 +16,7 @@ use super::contract;
 use super::digest::Digest;
 use super::host::Host;
 use super::plugin::Fault;
-use super::slots::{Holder, Slot, Slots};
+use super::slots::{Holder, Slot, Slots, Turn};
 
 /// How much of a freed instance's linear memory, and of its tables, stays resident (zeroed
 /// in place) for the next instance in its slot, instead of handed back to the kernel and
@@ -133,13 +133,13 @@ impl Sandbox {
         })
     }
 
-    /// An instance slot for a call of `tenant`'s, waiting at most [`SLOT_WAIT`] for one to be
-    /// free (when slots are short, the tenant holding the fewest is served first). Plugin calls
-    /// run on the async worker that holds it: they are asynchronous and yield at every epoch
-    /// tick, so a slow plugin never blocks the runtime's threads.
-    pub(super) async fn slot(&self, tenant: &str) -> Result<Slot, Fault> {
+    /// An instance slot for a call of `tenant`'s in its `turn`, waiting at most [`SLOT_WAIT`]
+    /// for one to be free (when slots are short, ends go first, then the tenant holding the
+    /// fewest). Plugin calls run on the async worker that holds it: they are asynchronous and
+    /// yield at every epoch tick, so a slow plugin never blocks the runtime's threads.
+    pub(super) async fn slot(&self, tenant: &str, turn: Turn) -> Result<Slot, Fault> {
         self.slots
-            .acquire(Holder::Tenant(tenant.into()), Some(SLOT_WAIT))
+            .acquire(Holder::Tenant(tenant.into()), turn, Some(SLOT_WAIT))
             .await
             .ok_or(Fault::Busy)
     }
@@ -149,7 +149,7 @@ impl Sandbox {
     /// the one a call was promised.
     pub(super) async fn slot_for_load(&self) -> Result<Slot, Fault> {
         self.slots
-            .acquire(Holder::Load, None)
+            .acquire(Holder::Load, Turn::Call, None)
             .await
             .ok_or(Fault::Busy)
     }

@@ -9,6 +9,11 @@
 //!  waiting: A1 A2 A3 A4 A5 A6 B1
 //!  freed ──▶ B1 (holds 0)   then A1, A2, … (first in first out among equals)
 //! ```
+//!
+//! Ahead of every call waits the end of a request already served ([`Turn::End`]: its
+//! `on-response-end`, where plugins account its usage): a tenant that floods the slots would
+//! otherwise lose its own ends to the fair order, after their wait, and leave its usage
+//! unreported.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -21,6 +26,15 @@ use tokio::sync::oneshot;
 pub(super) enum Holder {
     Tenant(Arc<str>),
     Load,
+}
+
+/// Where a waiter stands in the queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Turn {
+    /// The end of a request already served: ahead of every call.
+    End,
+    /// A call of a request being served, or a load.
+    Call,
 }
 
 /// A cheap `Clone` handle on the slots.
@@ -45,6 +59,7 @@ struct State {
 struct Waiter {
     id: u64,
     holder: Holder,
+    turn: Turn,
     granted: oneshot::Sender<()>,
 }
 
@@ -57,14 +72,17 @@ impl State {
         self.held.get(holder).copied().unwrap_or(0)
     }
 
-    /// The waiter the next freed slot goes to: of the holders that hold the fewest, the one
-    /// that has waited longest.
+    /// The waiter the next freed slot goes to: an end before any call; then of the holders
+    /// that hold the fewest, the one that has waited longest.
     fn next(&self) -> Option<usize> {
         #[cfg(test)]
         if self.fifo {
             return (!self.waiting.is_empty()).then_some(0);
         }
-        (0..self.waiting.len()).min_by_key(|&i| (self.holding(&self.waiting[i].holder), i))
+        (0..self.waiting.len()).min_by_key(|&i| {
+            let w = &self.waiting[i];
+            (w.turn, self.holding(&w.holder), i)
+        })
     }
 
     /// `holder` gives a slot back: it goes to the next waiter still waiting, or is free.
@@ -142,8 +160,14 @@ impl Slots {
         })))
     }
 
-    /// A slot for `holder`, waiting at most `wait` (`None`: as long as it takes).
-    pub(super) async fn acquire(&self, holder: Holder, wait: Option<Duration>) -> Option<Slot> {
+    /// A slot for `holder`, in its `turn`, waiting at most `wait` (`None`: as long as it
+    /// takes).
+    pub(super) async fn acquire(
+        &self,
+        holder: Holder,
+        turn: Turn,
+        wait: Option<Duration>,
+    ) -> Option<Slot> {
         let mut waiting = {
             let mut state = lock(&self.0);
             if state.free > 0 {
@@ -160,6 +184,7 @@ impl Slots {
             state.waiting.push_back(Waiter {
                 id,
                 holder: holder.clone(),
+                turn,
                 granted: tx,
             });
             Waiting {
@@ -220,7 +245,10 @@ mod tests {
             .map(|_| {
                 let (slots, holder, order) = (slots.clone(), holder.clone(), order.clone());
                 tokio::spawn(async move {
-                    let slot = slots.acquire(holder.clone(), WAIT).await.expect("granted");
+                    let slot = slots
+                        .acquire(holder.clone(), Turn::Call, WAIT)
+                        .await
+                        .expect("granted");
                     order.send(holder).expect("the test listens");
                     drop(slot);
                 })
@@ -234,8 +262,14 @@ mod tests {
     async fn grant_order(slots: Slots) -> Vec<Holder> {
         let (a, b) = (tenant("a"), tenant("b"));
         let held = [
-            slots.acquire(a.clone(), WAIT).await.expect("free"),
-            slots.acquire(a.clone(), WAIT).await.expect("free"),
+            slots
+                .acquire(a.clone(), Turn::Call, WAIT)
+                .await
+                .expect("free"),
+            slots
+                .acquire(a.clone(), Turn::Call, WAIT)
+                .await
+                .expect("free"),
         ];
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let mut tasks = queue(&slots, &a, 4, &tx);
@@ -267,19 +301,56 @@ mod tests {
         assert_eq!(fifo.last(), Some(&tenant("b")), "{fifo:?}");
     }
 
+    /// Tenant A holds the one slot; B's call waits, then A's end. The end goes first, though
+    /// B holds none: without its turn, it would wait behind B's calls (and a flood of them).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_freed_slot_goes_to_a_waiting_end_before_any_call() {
+        let slots = Slots::new(1);
+        let (a, b) = (tenant("a"), tenant("b"));
+        let held = slots
+            .acquire(a.clone(), Turn::Call, WAIT)
+            .await
+            .expect("free");
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let waiter = |holder: Holder, turn| {
+            let (slots, tx) = (slots.clone(), tx.clone());
+            tokio::spawn(async move {
+                let slot = slots
+                    .acquire(holder.clone(), turn, WAIT)
+                    .await
+                    .expect("granted");
+                tx.send((holder, turn)).expect("the test listens");
+                drop(slot);
+            })
+        };
+        let call = waiter(b.clone(), Turn::Call);
+        tokio::task::yield_now().await;
+        let end = waiter(a.clone(), Turn::End);
+        tokio::task::yield_now().await;
+        drop(held);
+        assert_eq!(rx.recv().await, Some((a, Turn::End)));
+        assert_eq!(rx.recv().await, Some((b, Turn::Call)));
+        for task in [call, end] {
+            task.await.expect("the waiter ran");
+        }
+    }
+
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn a_waiter_that_times_out_or_is_dropped_leaves_no_slot_behind() {
         let slots = Slots::new(1);
-        let held = slots.acquire(tenant("a"), WAIT).await.expect("free");
+        let held = slots
+            .acquire(tenant("a"), Turn::Call, WAIT)
+            .await
+            .expect("free");
         let timed_out = slots
-            .acquire(tenant("b"), Some(Duration::from_millis(10)))
+            .acquire(tenant("b"), Turn::Call, Some(Duration::from_millis(10)))
             .await;
         assert!(timed_out.is_none());
         assert_eq!(slots.counts(), (0, 0, 1), "its place is gone");
         // A waiter cancelled while waiting (its request dropped).
         let cancelled = tokio::spawn({
             let slots = slots.clone();
-            async move { slots.acquire(tenant("c"), None).await }
+            async move { slots.acquire(tenant("c"), Turn::Call, None).await }
         });
         tokio::task::yield_now().await;
         assert_eq!(slots.counts(), (0, 1, 1));
@@ -288,15 +359,18 @@ mod tests {
         assert_eq!(slots.counts(), (0, 0, 1));
         drop(held);
         assert_eq!(slots.counts(), (1, 0, 0), "the slot is free again");
-        let again = slots.acquire(tenant("b"), WAIT).await;
+        let again = slots.acquire(tenant("b"), Turn::Call, WAIT).await;
         assert!(again.is_some());
     }
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_slot_granted_to_a_waiter_that_leaves_before_taking_it_is_given_back() {
         let slots = Slots::new(1);
-        let held = slots.acquire(tenant("a"), WAIT).await.expect("free");
-        let mut waiting = Box::pin(slots.acquire(tenant("b"), WAIT));
+        let held = slots
+            .acquire(tenant("a"), Turn::Call, WAIT)
+            .await
+            .expect("free");
+        let mut waiting = Box::pin(slots.acquire(tenant("b"), Turn::Call, WAIT));
         // Polled once: queued.
         assert!(futures_util::poll!(waiting.as_mut()).is_pending());
         assert_eq!(slots.counts(), (0, 1, 1));
