@@ -97,6 +97,23 @@ struct Slot {
     busy: bool,
 }
 
+/// One rendering's turn with the helper; when it ends (a panic included), the helper it holds
+/// goes back and the next rendering's turn begins.
+struct Turn<'a> {
+    sandbox: &'a Sandbox,
+    helper: Option<Helper>,
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        let mut slot = self.sandbox.lock();
+        slot.helper = self.helper.take();
+        slot.busy = false;
+        drop(slot);
+        self.sandbox.free.notify_one();
+    }
+}
+
 /// A running helper and its pipes.
 #[derive(Debug)]
 struct Helper {
@@ -143,7 +160,8 @@ impl Sandbox {
     /// one if none runs (or the last ended between jobs). A helper that ends during the job,
     /// or outlasts [`TIME`], fails it and is replaced by the next job.
     pub fn render(&self, job: &Job<'_>) -> Answer {
-        let kept = self.take()?.and_then(Helper::running);
+        let mut turn = self.take()?;
+        let kept = turn.helper.take().and_then(Helper::running);
         let reused = kept.is_some();
         let (mut helper, mut answer) = self.ask(kept, job);
         // A kept helper that broke off before answering may have been ending as the job came
@@ -151,7 +169,7 @@ impl Sandbox {
         if reused && matches!(answer, Err(ChatError::Unavailable(_))) {
             (helper, answer) = self.ask(None, job);
         }
-        self.give_back(helper);
+        turn.helper = helper;
         answer
     }
 
@@ -167,8 +185,8 @@ impl Sandbox {
         helper.ask(job)
     }
 
-    /// The helper (if one runs), once no other rendering has it.
-    fn take(&self) -> Result<Option<Helper>, ChatError> {
+    /// This rendering's turn with the helper (if one runs), once no other rendering has it.
+    fn take(&self) -> Result<Turn<'_>, ChatError> {
         let (mut slot, wait) = self
             .free
             .wait_timeout_while(self.lock(), TIME, |s| s.busy)
@@ -179,15 +197,10 @@ impl Sandbox {
             )));
         }
         slot.busy = true;
-        Ok(slot.helper.take())
-    }
-
-    fn give_back(&self, helper: Option<Helper>) {
-        let mut slot = self.lock();
-        slot.helper = helper;
-        slot.busy = false;
-        drop(slot);
-        self.free.notify_one();
+        Ok(Turn {
+            sandbox: self,
+            helper: slot.helper.take(),
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, Slot> {
