@@ -677,10 +677,10 @@ fn not_empty(ids: Vec<u32>, param: &'static str) -> Result<Vec<u32>, ApiError> {
 }
 
 /// What a chat prompt the template could not encode is told: why, when the template or the
-/// messages are at fault; an internal error (logged) when its sandbox was unavailable.
+/// messages are at fault; an internal error when its sandbox was unavailable (the sandbox
+/// logged why).
 fn chat_refused(e: ChatError, param: &'static str) -> ApiError {
     if e.transient() {
-        tracing::error!(error = %e, "cannot render the chat template");
         return ApiError::Internal;
     }
     ApiError::Prompt {

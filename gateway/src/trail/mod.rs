@@ -350,8 +350,11 @@ impl Recorder {
                 let trace = RecordTrace::of(span);
                 match &appended {
                     Ok(r) => {
-                        let ticket = self.inner.syncer.request();
+                        // Queued before the flush is asked for: the flush that takes the record
+                        // finds it queued when it ends.
+                        let ticket = self.inner.syncer.ticket();
                         exports.when_durable(ticket, record, trace, (r.seq, r.line_sha256));
+                        self.inner.syncer.kick();
                     }
                     Err(_) => exports.refused(record, &trace),
                 }

@@ -40,7 +40,7 @@ pub(super) struct Syncer {
 impl Syncer {
     /// Starts the thread; `flush` makes every appended record durable, or returns `None` once
     /// the log is gone (the thread then ends); `flushed` hears each flush's number and whether
-    /// it succeeded, before its waiters do.
+    /// it succeeded, after its waiters are woken.
     pub(super) fn start(
         flush: impl Fn() -> Option<Result<(), AuditError>> + Send + 'static,
         flushed: impl Fn(u64, bool) + Send + 'static,
@@ -65,11 +65,12 @@ impl Syncer {
                     handled = requested;
                     let count = own.started.fetch_add(1, Ordering::SeqCst) + 1;
                     let Some(result) = flush() else { return };
-                    flushed(count, result.is_ok());
+                    let ok = result.is_ok();
                     done_tx.send_replace(Flushed {
                         count,
                         failure: result.err().map(|e| e.to_string()),
                     });
+                    flushed(count, ok);
                 }
             })?;
         Ok(Syncer {
@@ -86,7 +87,8 @@ impl Syncer {
     /// `started` increment (made before) would be visible to this read.
     pub(super) async fn durable(&self) -> Result<(), AuditError> {
         let mut done = self.done.clone();
-        let after = self.request();
+        let after = self.ticket();
+        self.kick();
         let flushed =
             done.wait_for(|f| f.count > after)
                 .await
@@ -103,13 +105,16 @@ impl Syncer {
 }
 
 impl Syncer {
-    /// Asks for a flush without waiting for it; returns the ticket: every record appended
-    /// before this call is durable once a flush numbered above the ticket has succeeded.
-    pub(super) fn request(&self) -> u64 {
-        let after = self.shared.started.load(Ordering::SeqCst);
+    /// The ticket of the records appended before this call: they are durable once a flush
+    /// numbered above it has succeeded (see [`Syncer::durable`] for why).
+    pub(super) fn ticket(&self) -> u64 {
+        self.shared.started.load(Ordering::SeqCst)
+    }
+
+    /// Asks for a flush, without waiting for it: one starts after this call.
+    pub(super) fn kick(&self) {
         self.shared.requested.fetch_add(1, Ordering::SeqCst);
         self.thread.unpark();
-        after
     }
 }
 

@@ -166,7 +166,7 @@ impl Sandbox {
         let (mut helper, mut answer) = self.ask(kept, job);
         // A kept helper that broke off before answering may have been ending as the job came
         // (killed between jobs): once more, on a fresh one.
-        if reused && matches!(answer, Err(ChatError::Unavailable(_))) {
+        if reused && helper.is_none() && matches!(answer, Err(ChatError::Unavailable(_))) {
             (helper, answer) = self.ask(None, job);
         }
         turn.helper = helper;
@@ -192,9 +192,9 @@ impl Sandbox {
             .wait_timeout_while(self.lock(), TIME, |s| s.busy)
             .unwrap_or_else(PoisonError::into_inner);
         if wait.timed_out() && slot.busy {
-            return Err(ChatError::Unavailable(format!(
-                "other renderings held it for {TIME:?}"
-            )));
+            let e = ChatError::Unavailable(format!("other renderings held it for {TIME:?}"));
+            tracing::warn!(error = %e, "a chat template rendering did not get the sandbox");
+            return Err(e);
         }
         slot.busy = true;
         Ok(Turn {
@@ -207,12 +207,25 @@ impl Sandbox {
         self.slot.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// A fresh helper; why not, said in the log too.
     fn start(&self) -> Result<Helper, ChatError> {
-        let mut child = Command::new(&self.exe)
+        self.spawn().inspect_err(|e| {
+            tracing::warn!(error = %e, "cannot start the chat template's sandbox");
+        })
+    }
+
+    fn spawn(&self) -> Result<Helper, ChatError> {
+        let mut command = Command::new(&self.exe);
+        // Nothing of this process's environment (its secrets), but where the dynamic loader
+        // finds the binary's libraries when it needs telling.
+        command.env_clear();
+        if let Some(path) = std::env::var_os("LD_LIBRARY_PATH") {
+            command.env("LD_LIBRARY_PATH", path);
+        }
+        let mut child = command
             .arg(SUBCOMMAND)
             .arg(MEMORY_FLAG)
             .arg(self.memory.to_string())
-            .env_clear()
             // The binary's allocator (mimalloc) reserves a GiB of address space up front
             // otherwise, which the limit would then leave to the template.
             .env("MIMALLOC_ARENA_RESERVE", "16MiB")
@@ -252,6 +265,11 @@ impl Helper {
         match self.exchange(job, Instant::now() + TIME) {
             Ok(answer) => (Some(self), answer),
             Err(e) => {
+                // The whole group (its own): nothing it started keeps its stderr open.
+                if let Ok(pid) = libc::pid_t::try_from(self.child.id()) {
+                    // SAFETY: kill(2) on the helper's own process group.
+                    unsafe { libc::kill(-pid, libc::SIGKILL) };
+                }
                 let _ = self.child.kill();
                 let ended = self.child.wait();
                 let mut last_words = Vec::new();
@@ -613,6 +631,40 @@ mod tests {
             started.elapsed() >= Duration::from_millis(600),
             "one at a time"
         );
+        let _ = std::fs::remove_file(path);
+    }
+
+    #[test]
+    fn a_turn_ended_by_a_panic_gives_the_helper_back() {
+        let sandbox = Sandbox::new("/nonexistent/bulkhead".into(), MEMORY);
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _turn = sandbox.take().expect("free");
+            panic!("a bug in the middle of a rendering");
+        }));
+        assert!(panicked.is_err());
+        let started = Instant::now();
+        assert!(sandbox.take().is_ok(), "the sandbox is free again");
+        assert!(
+            started.elapsed() < TIME,
+            "without waiting out another's turn"
+        );
+    }
+
+    #[test]
+    fn a_helper_answering_in_band_is_kept_not_replaced() {
+        // Counts its starts in a file: one start answers every job.
+        let (sandbox, path) = scripted(
+            "kept",
+            r#"echo start >> "$0.starts"; while read job; do echo '{"Err":{"Unavailable":"cannot read its job"}}'; done"#,
+        );
+        for _ in 0..3 {
+            let e = sandbox.render(&job("x", "")).expect_err("its answer");
+            assert!(e.transient(), "{e}");
+        }
+        let starts =
+            std::fs::read_to_string(format!("{}.starts", path.display())).expect("counted");
+        assert_eq!(starts.lines().count(), 1, "one helper for all three");
+        let _ = std::fs::remove_file(format!("{}.starts", path.display()));
         let _ = std::fs::remove_file(path);
     }
 

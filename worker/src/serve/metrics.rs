@@ -8,7 +8,7 @@ use crate::engine::{Failure, SubmitError, TransferStats};
 use crate::model::SeqFailure;
 
 use super::actor::EngineStats;
-use super::error::ServeError;
+use super::error::{ServeError, ValidationError};
 
 /// How a request ended, as counted in `bulkhead_requests_total{outcome=...}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,6 +85,7 @@ impl Outcome {
     /// The outcome of a request refused before or at submission.
     pub fn refused(e: &ServeError) -> Outcome {
         match e {
+            ServeError::Invalid(ValidationError::ChatSandbox) => Outcome::FailedInternal,
             ServeError::Invalid(_) => Outcome::RejectedInvalid,
             ServeError::Submit(s) => match s {
                 SubmitError::ContextLengthExceeded { .. } => Outcome::RejectedContextLength,
@@ -541,6 +542,18 @@ mod tests {
             }
         }
         assert!(declared.len() >= 10, "{declared:?}");
+    }
+
+    /// The client hears 500 when the chat template's sandbox is unavailable: counted as the
+    /// worker's failure, not as an invalid request.
+    #[test]
+    fn an_unavailable_template_sandbox_counts_as_an_internal_failure() {
+        let sandbox = ServeError::Invalid(ValidationError::ChatSandbox);
+        assert_eq!(Outcome::refused(&sandbox), Outcome::FailedInternal);
+        let refused = ServeError::Invalid(ValidationError::ChatRender {
+            reason: "roles must alternate".into(),
+        });
+        assert_eq!(Outcome::refused(&refused), Outcome::RejectedInvalid);
     }
 
     #[test]

@@ -168,8 +168,8 @@ impl PromptSource for Prompter {
         template
             .encode(&self.tokenizer, messages, true)
             .map_err(|e| {
+                // Unavailable: the sandbox logged why.
                 if e.transient() {
-                    tracing::error!(error = %e, "cannot render the chat template");
                     return ValidationError::ChatSandbox;
                 }
                 ValidationError::ChatRender {
