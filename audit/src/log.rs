@@ -79,6 +79,17 @@ impl Config {
     }
 }
 
+/// A line taken into the pending buffer.
+struct Enqueued {
+    seq: Seq,
+    /// The link to it.
+    digest: Sha256Digest,
+    /// Keyed, the line (without its newline), whose SHA-256 the link is not.
+    keyed_line: Option<Vec<u8>>,
+    /// How far the flushes are behind.
+    behind: Duration,
+}
+
 /// What `append` hands back.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Receipt {
@@ -352,7 +363,14 @@ impl AuditLog {
                 record: record.tenant.clone(),
             });
         }
-        let (seq, digest, line_sha256, behind) = self.inner.enqueue(tenant, record)?;
+        let Enqueued {
+            seq,
+            digest,
+            keyed_line,
+            behind,
+        } = self.inner.enqueue(tenant, record)?;
+        // Hashed here, out of the log's lock: a line with captured content can be large.
+        let line_sha256 = keyed_line.map_or(digest, |line| Sha256Digest::of(&line));
         let durable = match self.inner.config.durability {
             Durability::Batched => false,
             Durability::Immediate => {
@@ -436,11 +454,7 @@ impl Inner {
         Chain::new(self.config.key.as_ref())
     }
 
-    fn enqueue(
-        &self,
-        tenant: &TenantId,
-        record: &AuditRecord,
-    ) -> Result<(Seq, Sha256Digest, Sha256Digest, Duration), AuditError> {
+    fn enqueue(&self, tenant: &TenantId, record: &AuditRecord) -> Result<Enqueued, AuditError> {
         let mut state = lock(&self.state);
         if let Some(reason) = &state.poisoned {
             return Err(AuditError::Poisoned {
@@ -462,11 +476,8 @@ impl Inner {
         let (mut bytes, digest) = self
             .chain()
             .write(line::encode(seq, t.last_digest, record)?);
-        let line_sha256 = if self.chain().is_keyed() {
-            Sha256Digest::of(&bytes)
-        } else {
-            digest
-        };
+        // Keyed, the link is a MAC: the line itself, for its SHA-256.
+        let keyed_line = self.chain().is_keyed().then(|| bytes.clone());
         bytes.push(b'\n');
         let len = bytes.len() as u64;
         if t.segment_len > 0 && t.segment_len.saturating_add(len) > self.config.segment_bytes {
@@ -482,7 +493,12 @@ impl Inner {
         t.last_digest = digest;
         let now = Instant::now();
         state.pending_since.get_or_insert(now);
-        Ok((seq, digest, line_sha256, state.behind(now)))
+        Ok(Enqueued {
+            seq,
+            digest,
+            keyed_line,
+            behind: state.behind(now),
+        })
     }
 
     fn sync(&self, tenant: &TenantId, seq: Seq) -> Result<(), AuditError> {
