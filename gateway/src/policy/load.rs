@@ -72,13 +72,28 @@ pub enum LoadError {
     },
     #[error("{path}: {source}")]
     Toml { path: String, source: TomlError },
-    #[error("plugin {plugin:?}: sha256 = {value:?} is not 64 hex digits")]
-    BadPin { plugin: String, value: String },
+    #[error("plugin {plugin:?}: {field} = {value:?} is not 64 hex digits")]
+    BadPin {
+        plugin: String,
+        field: &'static str,
+        value: String,
+    },
     #[error(
         "plugin {plugin:?}: {path} has sha256 {actual}, but the set pins {pinned}: pin the \
          component you mean to run (its sha256sum), or put back the one pinned"
     )]
     PinMismatch {
+        plugin: String,
+        path: String,
+        pinned: Digest,
+        actual: Digest,
+    },
+    #[error(
+        "plugin {plugin:?}: its schema {path} has sha256 {actual}, but the set pins {pinned} \
+         (schema_sha256): pin the schema you mean to check configurations with, or put back \
+         the one pinned"
+    )]
+    SchemaPinMismatch {
         plugin: String,
         path: String,
         pinned: Digest,
@@ -161,6 +176,9 @@ struct RawSet {
 struct RawPlugin {
     component: PathBuf,
     sha256: String,
+    /// The sha256 of the schema beside the component, when the set pins it too (without it,
+    /// whoever can replace the schema file can loosen what configurations pass).
+    schema_sha256: Option<String>,
     memory_mib: Option<u32>,
     timeout_ms: Option<u64>,
 }
@@ -273,10 +291,19 @@ fn prepare(
     name: &str,
     raw: &RawPlugin,
 ) -> Result<Prepared, LoadError> {
-    let pinned = Digest::from_hex(&raw.sha256).ok_or_else(|| LoadError::BadPin {
-        plugin: name.to_owned(),
-        value: raw.sha256.clone(),
-    })?;
+    let pin = |field, value: &String| {
+        Digest::from_hex(value).ok_or_else(|| LoadError::BadPin {
+            plugin: name.to_owned(),
+            field,
+            value: value.clone(),
+        })
+    };
+    let pinned = pin("sha256", &raw.sha256)?;
+    let schema_pin = raw
+        .schema_sha256
+        .as_ref()
+        .map(|value| pin("schema_sha256", value))
+        .transpose()?;
     let path = base.join(&raw.component);
     let bytes = plugin_file(name, "component", &path)?;
     let actual = Digest::of(&bytes);
@@ -289,7 +316,7 @@ fn prepare(
         });
     }
     let limits = limits(sandbox, name, raw)?;
-    let schema = schema(name, &path.with_extension("schema.json"))?;
+    let schema = schema(name, &path.with_extension("schema.json"), schema_pin)?;
     let (pre, compiled) = sandbox
         .prepare(&bytes, &actual)
         .map_err(|e| LoadError::Compile {
@@ -337,13 +364,26 @@ fn limits(sandbox: &Sandbox, name: &str, raw: &RawPlugin) -> Result<CallLimits, 
     })
 }
 
-fn schema(name: &str, path: &Path) -> Result<jsonschema::Validator, LoadError> {
+fn schema(
+    name: &str,
+    path: &Path,
+    pinned: Option<Digest>,
+) -> Result<jsonschema::Validator, LoadError> {
     let err = |reason: String| LoadError::Schema {
         plugin: name.to_owned(),
         path: path.display().to_string(),
         reason,
     };
     let text = plugin_file(name, "schema", path)?;
+    let actual = Digest::of(&text);
+    if let Some(pinned) = pinned.filter(|p| *p != actual) {
+        return Err(LoadError::SchemaPinMismatch {
+            plugin: name.to_owned(),
+            path: path.display().to_string(),
+            pinned,
+            actual,
+        });
+    }
     let value: serde_json::Value = serde_json::from_slice(&text).map_err(|e| err(e.to_string()))?;
     jsonschema::validator_for(&value).map_err(|e| err(e.to_string()))
 }

@@ -1047,6 +1047,54 @@ async fn a_c_policy_loads_and_acts() {
     }
 }
 
+/// A schema replaced by one that takes anything (`true`) passes a configuration the plugin's
+/// own schema refuses, unless the set pins the schema too.
+#[test]
+fn a_pinned_schema_replaced_beside_its_component_refuses_the_set() {
+    let dir = Scratch::new("schema-pin");
+    let (built, digest) = component("length-limit");
+    let (component, schema) = (dir.0.join("ll.wasm"), dir.0.join("ll.schema.json"));
+    std::fs::copy(&built, &component).expect("copies the component");
+    std::fs::copy(built.with_extension("schema.json"), &schema).expect("copies the schema");
+    let own = Digest::of(&std::fs::read(&schema).expect("reads the schema"));
+    let planted = binding(
+        "length-limit",
+        "config = { max_prompt_tokens = 10, planted = true }",
+    );
+    let set = |pin: &str| {
+        format!(
+            "[plugins.length-limit]\ncomponent = {:?}\nsha256 = \"{digest}\"\n{pin}\n{planted}",
+            component.display().to_string()
+        )
+    };
+    let pinned = format!("schema_sha256 = \"{own}\"");
+    // Its own schema refuses the planted field, pinned or not.
+    for pin in ["", pinned.as_str()] {
+        let e = load(&set(pin)).expect_err("refused by the schema");
+        assert!(
+            matches!(&e, PolicyError::Load(LoadError::InvalidConfig { .. })),
+            "{e}"
+        );
+    }
+    std::fs::write(&schema, "true").expect("replaces the schema");
+    // Unpinned, the replaced schema lets it through (the plugin itself may still refuse it).
+    let unpinned = load(&set(""));
+    assert!(
+        !matches!(
+            &unpinned,
+            Err(PolicyError::Load(LoadError::InvalidConfig { .. }))
+        ),
+        "the replacement took anything"
+    );
+    let e = load(&set(&pinned)).expect_err("the pin holds");
+    assert!(
+        matches!(&e, PolicyError::Load(LoadError::SchemaPinMismatch { pinned: p, .. }) if *p == own),
+        "{e}"
+    );
+    let e = load(&set("schema_sha256 = \"abc\"")).expect_err("not a digest");
+    assert!(e.to_string().contains("schema_sha256"), "{e}");
+}
+
 #[test]
 fn a_set_is_refused_for_a_wrong_pin_a_bad_config_or_a_credential_header() {
     let (path, digest) = component("length-limit");
