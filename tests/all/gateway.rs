@@ -1074,14 +1074,7 @@ fn the_incident_configuration_is_refused_by_the_gateway_and_the_rest_is_served_d
 #[test]
 fn up_refuses_pool_flags_of_a_pair_for_a_colocated_worker() {
     let dir = TempDir::new("up-colocated");
-    let text = std::fs::read_to_string(repo().join("deploy/local/gateway.toml")).expect("reads");
-    let (head, _) = text.split_once("\n[[workers]]").expect("a worker table");
-    let config = dir.0.join("both.toml");
-    std::fs::write(
-        &config,
-        format!("{head}\n[[workers]]\nname = \"one\"\ngrpc = \"http://127.0.0.1:50051\"\nrole = \"both\"\n"),
-    )
-    .expect("writes");
+    let config = crate::up::colocated_config(&dir.0, "http://127.0.0.1:50051");
     let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
         .args(["up", "--port", "0", "--config"])
         .arg(&config)

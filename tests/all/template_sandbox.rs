@@ -11,7 +11,7 @@ use bulkhead_worker::gguf::Value;
 use bulkhead_worker::tiny_model::TinySpec;
 
 use crate::cluster::Gateway;
-use crate::up::{KEY_A, TempDir, bounded, http, json, repo};
+use crate::up::{KEY_A, TempDir, bounded, colocated_config, http, json};
 use crate::worker_grpc::Worker;
 
 /// Holds about 310 MB at once: strings of 10, 20, 40, 80 and 160 MB.
@@ -127,17 +127,7 @@ fn a_model_whose_chat_template_exhausts_memory_fails_chat_requests_and_nothing_e
         file.write(&model).expect("writes the model");
         let mut worker = Worker::start_on(&model, &["--role", "both"]);
 
-        let text = std::fs::read_to_string(repo().join("deploy/local/gateway.toml"))
-            .expect("the default config")
-            .replace("127.0.0.1:8080", "127.0.0.1:0")
-            .replace("127.0.0.1:9090", "127.0.0.1:0");
-        let (head, _) = text.split_once("\n[[workers]]").expect("a worker table");
-        let config = dir.0.join("gateway.toml");
-        let one = format!(
-            "{head}\n[[workers]]\nname = \"one\"\ngrpc = \"http://{}\"\nrole = \"both\"\n",
-            worker.grpc
-        );
-        std::fs::write(&config, one).expect("writes the config");
+        let config = colocated_config(&dir.0, &format!("http://{}", worker.grpc));
         let mut gateway = Gateway::start(&config, &dir.0.join("data"), &[]);
         gateway.wait_until(&[("one", true)]);
 

@@ -71,6 +71,20 @@ pub(crate) fn test_config(dir: &std::path::Path, replace: &[(&str, &str)], extra
     path
 }
 
+/// The default configuration with its listeners on free ports and its workers replaced by one
+/// colocated worker `one` at `grpc` (`http://host:port`), written in `dir`.
+pub(crate) fn colocated_config(dir: &std::path::Path, grpc: &str) -> PathBuf {
+    let text = std::fs::read_to_string(repo().join("deploy/local/gateway.toml"))
+        .expect("the default config")
+        .replace("127.0.0.1:8080", "127.0.0.1:0")
+        .replace("127.0.0.1:9090", "127.0.0.1:0");
+    let (head, _) = text.split_once("\n[[workers]]").expect("a worker table");
+    let path = dir.join("colocated.toml");
+    let one = format!("{head}\n[[workers]]\nname = \"one\"\ngrpc = \"{grpc}\"\nrole = \"both\"\n");
+    std::fs::write(&path, one).expect("writes the config");
+    path
+}
+
 /// A running `bulkhead up`; stopped when dropped.
 pub struct Up {
     pub child: Child,
