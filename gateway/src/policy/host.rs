@@ -1,7 +1,7 @@
-//! What one store holds: the plugin's log (its name and its budget of lines), its limiter, and an empty WASI
-//! context (no files, no network, no environment, no arguments, no stdio; clocks stopped at 0
-//! and randomness a constant) for guests whose standard library imports WASI 0.2. Also the
-//! `host` interface the world imports.
+//! What one store holds: the plugin's log (its name and its budget of lines), its limiter, the
+//! call's clock, and an empty WASI context (no files, no network, no environment, no arguments,
+//! no stdio; clocks stopped at 0 and randomness a constant) for guests whose standard library
+//! imports WASI 0.2. Also the `host` interface the world imports.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,6 +13,7 @@ use wasmtime_wasi::{
 };
 
 use super::bindings::{HostImports, Level, TypesHost};
+use super::call_clock::CallClock;
 use super::limiter::Limiter;
 use super::log_budget::{LINES_PER_SECOND, PluginLog};
 
@@ -33,6 +34,8 @@ const MAX_WASI_RESOURCES: usize = 256;
 pub(super) struct Host {
     log: Arc<PluginLog>,
     pub(super) limiter: Limiter,
+    /// What the call is charged against its deadline, from the store's creation.
+    pub(super) clock: CallClock,
     logged: u32,
     /// Built at the guest's first WASI call: a component that imports no WASI (as the
     /// built-ins) never pays for one.
@@ -56,6 +59,7 @@ impl Host {
         Host {
             log,
             limiter: Limiter::new(memory_bytes),
+            clock: CallClock::start(),
             logged: 0,
             wasi: None,
             table,

@@ -23,6 +23,7 @@
 mod abandon;
 mod bindings;
 mod cache;
+mod call_clock;
 mod chain;
 mod contract;
 mod decision;

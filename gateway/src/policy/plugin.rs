@@ -4,7 +4,7 @@
 //! does, the caller gets a value or a [`Fault`]; nothing it does can panic the gateway.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bulkhead_worker::printable::printable;
 use wasmtime::component::Instance;
@@ -24,9 +24,10 @@ use super::snapshot::Snapshotter;
 pub struct CallLimits {
     /// Linear memory per call, in bytes.
     pub memory_bytes: usize,
-    /// Wall time per call: instantiation, `configure` (unless the binding starts from a
-    /// snapshot) and the hook together; at load, instantiation and `configure` (taking the
-    /// snapshot after it is not counted).
+    /// Time charged per call (`call_clock.rs`: its waits for a turn on the thread are not):
+    /// instantiation, `configure` (unless the binding starts from a snapshot) and the hook
+    /// together; at load, instantiation and `configure` (taking the snapshot after it is not
+    /// counted).
     pub timeout: Duration,
 }
 
@@ -135,9 +136,10 @@ impl Loaded {
         }
     }
 
-    /// A fresh store with the plugin's limits: its memory limit, and an epoch deadline
-    /// [`CallLimits::timeout`] from now. The guest yields to the runtime at every epoch tick
-    /// and traps (as [`Fault::Timeout`]) at the first tick past its deadline.
+    /// A fresh store with the plugin's limits: its memory limit, and a deadline of
+    /// [`CallLimits::timeout`] charged from now (`call_clock.rs`). The guest yields to the
+    /// runtime at every epoch tick and traps (as [`Fault::Timeout`]) at the first tick past its
+    /// deadline.
     fn store(&self) -> Store<Host> {
         let mut store = Store::new(
             self.sandbox.engine(),
@@ -149,11 +151,12 @@ impl Loaded {
         // guest bytes, so a small plugin could make the gateway allocate far beyond its own
         // memory limit.
         store.set_hostcall_fuel(MAX_COPIED_BYTES);
-        let deadline = Instant::now() + self.limits.timeout;
+        let clock = store.data().clock.clone();
+        let timeout = self.limits.timeout;
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(move |_| {
-            Ok(if Instant::now() < deadline {
-                UpdateDeadline::Yield(1)
+            Ok(if clock.charged() < timeout {
+                UpdateDeadline::YieldCustom(1, clock.yield_turn())
             } else {
                 UpdateDeadline::Interrupt
             })
@@ -169,12 +172,16 @@ impl Loaded {
         store: &mut Store<Host>,
         call: impl AsyncFnOnce(&mut Store<Host>) -> wasmtime::Result<Result<R, Fault>>,
     ) -> Result<R, Fault> {
-        // The epoch trap fires within a tick of the deadline; the timeout is the backstop for
-        // a guest parked in a host call.
-        match tokio::time::timeout(self.limits.timeout + 2 * TICK, call(&mut *store)).await {
-            Err(_) => Err(Fault::Timeout),
-            Ok(Ok(done)) => done,
-            Ok(Err(e)) => Err(classify(store, &e)),
+        // The epoch trap fires within a tick of the deadline; this is the backstop for a guest
+        // parked in a host call.
+        let clock = store.data().clock.clone();
+        tokio::select! {
+            biased;
+            answer = call(&mut *store) => match answer {
+                Ok(done) => done,
+                Err(e) => Err(classify(store, &e)),
+            },
+            () = clock.spent(self.limits.timeout + 2 * TICK) => Err(Fault::Timeout),
         }
     }
 

@@ -502,6 +502,87 @@ async fn a_spinning_plugin_yields_its_thread_to_other_requests_until_its_deadlin
     );
 }
 
+/// The set where tenant-a's requests spin in `hostile` to their deadline and tenant-b's count
+/// to `rounds` (both `timeout_ms`), in a sandbox with a slot for every call of the tests.
+fn hogs_and_a_counter(dir: &Scratch, timeout_ms: u64, rounds: u64) -> Policies {
+    let text = format!(
+        "{}{}{}",
+        plugin("hostile", &format!("timeout_ms = {timeout_ms}")),
+        binding(
+            "hostile",
+            "tenants = [\"tenant-a\"]\nconfig = { attack = \"loop\" }"
+        ),
+        binding(
+            "hostile",
+            &format!(
+                "tenants = [\"tenant-b\"]\nconfig = {{ attack = \"busy\", rounds = {rounds} }}"
+            )
+        ),
+    );
+    with_slots(dir, &text, 32)
+}
+
+/// tenant-b's call, and how long it took.
+async fn counted(p: &Policies) -> (Result<RequestPolicy, Refused>, Duration) {
+    let t0 = Instant::now();
+    let b = ask(
+        p,
+        Ask {
+            tenant: "tenant-b",
+            ..Ask::default()
+        },
+    )
+    .await;
+    (b, t0.elapsed())
+}
+
+/// A call yields its thread at every epoch tick, and the thread serves other calls meanwhile:
+/// a deadline counted in wall time would charge one tenant's call for the turns of another's
+/// spinning ones, and fail it closed. Tenant B's call needs a fifth of its deadline; sixteen
+/// of tenant A's spin beside it on the one thread, one after another, so it takes more than
+/// its deadline in wall time — and is still allowed, while every one of A's is cut off at its
+/// own.
+#[tokio::test(flavor = "current_thread")]
+async fn a_call_is_charged_its_own_time_not_the_turns_of_other_tenants_spinning_calls() {
+    const TIMEOUT: Duration = Duration::from_millis(100);
+    let dir = Scratch::new("policy");
+    // How far B counts in a fifth of the deadline, on this machine, alone.
+    let probe = 20_000_000;
+    let (alone, took) = counted(&hogs_and_a_counter(&dir, 1000, probe)).await;
+    alone.expect("B's count alone is allowed");
+    let rounds = (probe as f64 * (TIMEOUT.as_secs_f64() / 5.0) / took.as_secs_f64()) as u64;
+    let p = hogs_and_a_counter(&dir, TIMEOUT.as_millis() as u64, rounds.max(1));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let hogs: Vec<_> = (0..16)
+        .map(|_| {
+            let (p, stop) = (p.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut faults = Vec::new();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    faults.push(fault_of(ask(&p, Ask::default()).await));
+                }
+                faults
+            })
+        })
+        .collect();
+    // Every hog is spinning before B starts.
+    tokio::task::yield_now().await;
+    let (b, b_took) = counted(&p).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let b = b.unwrap_or_else(|r| panic!("B was refused after {b_took:?}: {r:?}"));
+    assert_eq!(b.decisions().len(), 1);
+    assert!(
+        b_took > TIMEOUT,
+        "B took {b_took:?}, less than its deadline: the hogs never held the thread while it \
+         waited for its turns"
+    );
+    for hog in hogs {
+        let faults = hog.await.expect("ran");
+        assert!(!faults.is_empty());
+        assert!(faults.iter().all(|f| *f == Fault::Timeout), "{faults:?}");
+    }
+}
+
 /// A plugin asking the host to log a thousand lines at every call gets a few per call, and all
 /// its calls together a few a second: a tenant's request rate does not become the log's.
 #[tokio::test]

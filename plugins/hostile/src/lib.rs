@@ -7,7 +7,8 @@
 //! `big-header` (allows, adding one 8 MiB header: more than the gateway copies out of a call);
 //! `observe` (allows, tagging what it reads of WASI's clocks and randomness: the host should
 //! give it nothing to tell one call from another); `log-flood` (allows, after asking the host to
-//! log a thousand lines: the log's bounds).
+//! log a thousand lines: the log's bounds); `busy` (allows after counting to `rounds`: a call
+//! that takes its time but ends).
 
 use std::hash::BuildHasher as _;
 
@@ -29,12 +30,16 @@ enum Attack {
     Observe,
     BigHeader,
     LogFlood,
+    Busy,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Config {
     attack: Attack,
+    /// How far `busy` counts.
+    #[serde(default)]
+    rounds: u64,
 }
 
 thread_local! {
@@ -59,8 +64,8 @@ fn bomb() -> usize {
     }
 }
 
-fn attack(attack: Attack) -> Verdict {
-    match attack {
+fn attack(c: &Config) -> Verdict {
+    match c.attack {
         Attack::Loop => spin(),
         Attack::Memory => {
             let n = bomb();
@@ -97,6 +102,17 @@ fn attack(attack: Attack) -> Verdict {
                     tag("wall-clock-ns", wall.to_string()),
                     tag("random", format!("{random:016x}")),
                 ],
+                clamp_max_tokens: None,
+                add_headers: Vec::new(),
+            })
+        }
+        Attack::Busy => {
+            let mut n: u64 = 0;
+            while n < c.rounds {
+                n = std::hint::black_box(n + 1);
+            }
+            Verdict::Allow(Mutations {
+                tags: Vec::new(),
                 clamp_max_tokens: None,
                 add_headers: Vec::new(),
             })
@@ -139,11 +155,11 @@ impl Guest for Hostile {
     }
 
     fn on_request(_: RequestView) -> Verdict {
-        configured(&CONFIG, |c| attack(c.attack))
+        configured(&CONFIG, attack)
     }
 
     fn on_disconnect(_: Disconnect) -> Directive {
-        configured(&CONFIG, |c| match attack(c.attack) {
+        configured(&CONFIG, |c| match attack(c) {
             Verdict::Allow(_) | Verdict::Deny(_) => Directive::HoldUntilComplete,
         })
     }
