@@ -522,6 +522,14 @@ fn coded(http: Option<u16>, error: &Value) -> Status {
         .chars()
         .take(1000)
         .collect::<String>();
+    // vLLM's and llama.cpp's servers give the HTTP status as `code` (a number), in an error
+    // event too: a client's bad request mid-stream is not a server down.
+    let http = http.or_else(|| {
+        error["code"]
+            .as_u64()
+            .and_then(|c| u16::try_from(c).ok())
+            .filter(|c| (400..600).contains(c))
+    });
     let own_code = error["code"].as_str();
     let code = own_code
         .or_else(|| error["type"].as_str())
@@ -566,6 +574,21 @@ fn coded(http: Option<u16>, error: &Value) -> Status {
         }
         (None, _) => Status::unavailable(format!("the upstream failed mid-stream: {message}")),
     }
+}
+
+/// The status for an error event (`event: error`, or llama.cpp's `error:` field): its data is
+/// an OpenAI error (`{"error": {…}}`), the error object alone, or text.
+fn error_event(data: &str) -> Status {
+    let value = serde_json::from_str::<Value>(data)
+        .ok()
+        .filter(Value::is_object)
+        .unwrap_or_else(|| serde_json::json!({ "message": data }));
+    let error = if value["error"].is_object() {
+        &value["error"]
+    } else {
+        &value
+    };
+    coded(None, error)
 }
 
 /// What the gateway asked the upstream for.
@@ -676,51 +699,93 @@ impl SseStream {
     }
 }
 
-/// The first complete event in `buf`: its length with the blank line that ends it, and its
-/// data (the `data:` lines' values, joined by newlines). An event ends at `\n\n` or
-/// `\r\n\r\n`, whichever comes first.
-fn next_event(buf: &[u8]) -> Option<(usize, Cow<'_, str>)> {
-    let (at, sep) = event_end(buf, 0)?;
-    let data = match std::str::from_utf8(&buf[..at]) {
-        Ok(text) => event_data(text),
-        Err(_) => Cow::Owned(event_data(&String::from_utf8_lossy(&buf[..at])).into_owned()),
-    };
-    Some((at + sep, data))
+/// One SSE event, as far as the gateway reads it.
+#[derive(Debug, PartialEq, Eq)]
+struct SseEvent<'a> {
+    /// The `data:` lines' values, joined by newlines (borrowed when there is one: the usual
+    /// event); for an `error:` field without data, that field's value.
+    data: Cow<'a, str>,
+    /// The event says it is a failure: `event: error` (the SSE way), or an `error:` field
+    /// (llama.cpp's server sends its failures so, and a `[DONE]` after them).
+    error: bool,
 }
 
-/// An event's data: its one `data:` line's value (borrowed: the usual event), or the values
-/// of several joined by newlines.
-fn event_data(text: &str) -> Cow<'_, str> {
-    let mut data = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data:"))
-        .map(str::trim_start);
-    match (data.next(), data.next()) {
-        (None, _) => Cow::Borrowed(""),
-        (Some(one), None) => Cow::Borrowed(one),
-        (Some(first), Some(second)) => {
-            let mut all = vec![first, second];
-            all.extend(data);
-            Cow::Owned(all.join("\n"))
+/// The first complete event in `buf`: its length with the blank line that ends it, and the
+/// event. A line ends at `\r\n`, `\n` or `\r`, as SSE has it; an event at a blank line.
+fn next_event(buf: &[u8]) -> Option<(usize, SseEvent<'_>)> {
+    let (at, sep) = event_end(buf, 0)?;
+    let event = match std::str::from_utf8(&buf[..at]) {
+        Ok(text) => sse_event(text),
+        Err(_) => {
+            let text = String::from_utf8_lossy(&buf[..at]);
+            let lossy = sse_event(&text);
+            SseEvent {
+                data: Cow::Owned(lossy.data.into_owned()),
+                error: lossy.error,
+            }
         }
+    };
+    Some((at + sep, event))
+}
+
+/// The fields of an event's `text` that the gateway reads.
+fn sse_event(text: &str) -> SseEvent<'_> {
+    let (mut first, mut joined, mut error, mut error_field) = (None, None::<String>, false, None);
+    for line in text.split(['\r', '\n']) {
+        if let Some(value) = field(line, "data") {
+            match (first, &mut joined) {
+                (None, _) => first = Some(value),
+                (Some(one), None) => joined = Some(format!("{one}\n{value}")),
+                (Some(_), Some(all)) => {
+                    all.push('\n');
+                    all.push_str(value);
+                }
+            }
+        } else if let Some(value) = field(line, "event") {
+            error |= value == "error";
+        } else if let Some(value) = field(line, "error") {
+            error = true;
+            error_field.get_or_insert(value);
+        }
+    }
+    let data = match (joined, first.or(error_field)) {
+        (Some(all), _) => Cow::Owned(all),
+        (None, one) => Cow::Borrowed(one.unwrap_or_default()),
+    };
+    SseEvent { data, error }
+}
+
+/// The value of `line` if it is the field `name`.
+fn field<'a>(line: &'a str, name: &str) -> Option<&'a str> {
+    Some(line.strip_prefix(name)?.strip_prefix(':')?.trim_start())
+}
+
+/// The length of the line break at `buf[i]` (`\r\n`, `\n` or `\r`; 0 for none), or `None`
+/// when that cannot be told yet: a `\r` that ends `buf` may be the start of a `\r\n`.
+fn line_break(buf: &[u8], i: usize) -> Option<usize> {
+    match (buf.get(i), buf.get(i + 1)) {
+        (Some(b'\r'), Some(b'\n')) => Some(2),
+        (Some(b'\r'), None) => None,
+        (Some(b'\r' | b'\n'), _) => Some(1),
+        _ => Some(0),
     }
 }
 
-/// Where the first event in `buf` ends: the offset of its blank line's separator, and the
-/// separator's length. Every separator holds a `\n`, so only those are looked at; the first
-/// one that completes `\n\n` or `\r\n\r\n` is the earliest separator. The search starts at
-/// `from`: a separator whose first `\n` lies before it is not found.
+/// Where the first event in `buf` ends: the offset of the line break that ends its last line,
+/// and the length of that break and the blank line's after it. A blank line's `\r` that ends
+/// `buf` ends the event (whether a `\n` follows or not: that would be a blank line of its
+/// own, an empty event). The search starts at `from`: a break that starts before it is not
+/// found (one found from inside a `\r\n` ends the event at the same byte).
 fn event_end(buf: &[u8], mut from: usize) -> Option<(usize, usize)> {
     loop {
-        let i = from + buf.get(from..)?.iter().position(|&b| b == b'\n')?;
-        let after = &buf[i + 1..];
-        if after.starts_with(b"\n") {
-            return Some((i, 2));
+        let i = from + memchr::memchr2(b'\n', b'\r', buf.get(from..)?)?;
+        let first = line_break(buf, i)?;
+        match line_break(buf, i + first) {
+            None => return Some((i, first + 1)),
+            Some(0) if i + first == buf.len() => return None,
+            Some(0) => from = i + first,
+            Some(second) => return Some((i, first + second)),
         }
-        if i >= 1 && buf[i - 1] == b'\r' && after.starts_with(b"\r\n") {
-            return Some((i - 1, 4));
-        }
-        from = i + 1;
     }
 }
 
@@ -730,9 +795,14 @@ impl Events {
     fn parse_all(&mut self, buf: &[u8]) -> usize {
         let mut parsed = 0;
         while !self.ended
-            && let Some((len, data)) = next_event(&buf[parsed..])
+            && let Some((len, event)) = next_event(&buf[parsed..])
         {
-            if let Err(failure) = self.parse(&data) {
+            let parsed_event = if event.error {
+                Err(error_event(&event.data))
+            } else {
+                self.parse(&event.data)
+            };
+            if let Err(failure) = parsed_event {
                 self.failure = Some(failure);
                 self.ended = true;
             }
@@ -746,6 +816,13 @@ impl Events {
             return Ok(());
         }
         if data == "[DONE]" {
+            // Every server ends an answer with a chunk that says why; a stream without one
+            // was cut short, by a failure the server sent in a way not read here.
+            if !self.closing {
+                return Err(broken(
+                    "the upstream ended its stream without a finish_reason: an answer cut short",
+                ));
+            }
             return self.done();
         }
         let chunk: Chunk<'_> = serde_json::from_str(data).map_err(|e| {
@@ -1154,19 +1231,30 @@ mod tests {
     }
 
     #[test]
-    fn the_event_end_is_the_earliest_separator_of_either_kind() {
-        // Every string of up to 8 bytes over '\n', '\r' and 'a', against a plain search.
-        let naive = |buf: &[u8]| {
-            (0..buf.len()).find_map(|i| {
-                if buf[i..].starts_with(b"\n\n") {
-                    Some((i, 2))
-                } else if buf[i..].starts_with(b"\r\n\r\n") {
-                    Some((i, 4))
-                } else {
-                    None
+    fn the_event_end_is_the_first_blank_line_whatever_its_line_breaks() {
+        // SSE's grammar read plainly: a line break is `\r\n`, `\n` or `\r` (a `\r` at the end
+        // is not known yet), and an event ends where one follows another.
+        let naive = |buf: &[u8]| -> Option<(usize, usize)> {
+            let brk = |at: usize| match &buf[at..] {
+                [b'\r', b'\n', ..] => Some(Some(2)),
+                [b'\r'] => None,
+                [b'\r' | b'\n', ..] => Some(Some(1)),
+                _ => Some(None),
+            };
+            for i in 0..buf.len() {
+                let Some(first) = brk(i)? else { continue };
+                if i + first == buf.len() {
+                    return None;
                 }
-            })
+                match brk(i + first) {
+                    None => return Some((i, first + 1)),
+                    Some(Some(second)) => return Some((i, first + second)),
+                    Some(None) => {}
+                }
+            }
+            None
         };
+        // Every string of up to 8 bytes over '\n', '\r' and 'a', against the plain reading.
         let mut strings: Vec<Vec<u8>> = vec![Vec::new()];
         for _ in 0..8 {
             let longer: Vec<Vec<u8>> = strings
@@ -1183,25 +1271,57 @@ mod tests {
             strings.extend(longer);
         }
         assert_eq!(strings.len(), (0..=8).map(|n| 3usize.pow(n)).sum::<usize>());
+        let end = |found: Option<(usize, usize)>| found.map(|(at, sep)| at + sep);
         for s in &strings {
             assert_eq!(event_end(s, 0), naive(s), "{s:?}");
             // Read in two parts, the first with no end: a search of the whole from three
-            // bytes before the second part's start finds what a search from the start finds.
+            // bytes before the second part's start ends the event where a search from the
+            // start does (its last line's break may be found from its `\n`).
             for k in (0..=s.len()).filter(|&k| naive(&s[..k]).is_none()) {
-                assert_eq!(event_end(s, k.saturating_sub(3)), naive(s), "{s:?} at {k}");
+                let resumed = event_end(s, k.saturating_sub(3));
+                assert_eq!(end(resumed), end(naive(s)), "{s:?} at {k}");
+                if let (Some((at, _)), Some((from_start, _))) = (resumed, naive(s)) {
+                    assert!(at - from_start <= 1, "{s:?} at {k}");
+                }
             }
         }
     }
 
     #[test]
     fn multi_line_data_is_joined_and_a_single_line_is_borrowed() {
-        let (len, data) = next_event(b"data: a\ndata:b\n\nrest").expect("an event");
-        assert_eq!((len, &*data), (16, "a\nb"));
-        let (_, data) = next_event(b"data: {}\n\n").expect("an event");
-        assert!(matches!(data, Cow::Borrowed("{}")));
+        let (len, event) = next_event(b"data: a\ndata:b\n\nrest").expect("an event");
+        assert_eq!((len, &*event.data, event.error), (16, "a\nb", false));
+        let (_, event) = next_event(b"data: {}\n\n").expect("an event");
+        assert!(matches!(event.data, Cow::Borrowed("{}")));
         assert!(next_event(b"data: {}\n").is_none(), "not complete yet");
-        let (_, data) = next_event(b"data: \xff{}\n\n").expect("an event");
-        assert_eq!(data, "\u{FFFD}{}", "invalid UTF-8 is replaced, not fatal");
+        let (_, event) = next_event(b"data: \xff{}\n\n").expect("an event");
+        assert_eq!(
+            event.data, "\u{FFFD}{}",
+            "invalid UTF-8 is replaced, not fatal"
+        );
+        // Lines broken by a lone `\r`, and the blank line too.
+        let (len, event) = next_event(b"data: a\rdata: b\r\rdata: c").expect("an event");
+        assert_eq!((len, &*event.data), (17, "a\nb"));
+    }
+
+    #[test]
+    fn an_error_event_is_one_by_its_type_or_its_error_field() {
+        let error = |text: &[u8]| {
+            let (_, event) = next_event(text).expect("an event");
+            (event.error, event.data.into_owned())
+        };
+        assert_eq!(
+            error(b"event: error\ndata: {\"m\":1}\n\n"),
+            (true, "{\"m\":1}".into())
+        );
+        // llama.cpp's server: an `error` field, no data.
+        assert_eq!(
+            error(b"error: {\"code\":400}\n\n"),
+            (true, "{\"code\":400}".into())
+        );
+        assert_eq!(error(b"event: message\ndata: x\n\n"), (false, "x".into()));
+        // A field is matched whole: `errors:` and `dataset:` are other fields.
+        assert_eq!(error(b"errors: 1\ndataset: 2\n\n"), (false, String::new()));
     }
 
     #[tokio::test]
@@ -1226,11 +1346,95 @@ mod tests {
         assert!(e.message().contains("too long"), "{e:?}");
         // A chunk whose fields are null reads as one whose fields are missing.
         let nulls = stream(&[
-            "data: {\"choices\":[{\"index\":null,\"text\":\"a\"}]}\n\n",
+            "data: {\"choices\":[{\"index\":null,\"text\":\"a\",\"finish_reason\":null}]}\n\n",
             "data: {\"choices\":null,\"usage\":null}\n\n",
+            &chunk("", Some("stop")),
             "data: [DONE]\n\n",
         ]);
         assert_eq!(drain(nulls).await.expect("served").0, "a");
+    }
+
+    /// A stream that ends without saying why was cut short: never a 200 with part of an
+    /// answer (the design's I3), and the server is not taken for down.
+    #[tokio::test]
+    async fn done_without_a_finish_reason_is_an_answer_cut_short() {
+        let cut = stream(&[&chunk("a", None), "data: [DONE]\n\n"]);
+        let e = drain(cut).await.expect_err("no finish_reason");
+        assert!(e.message().contains("without a finish_reason"), "{e:?}");
+        assert!(!crate::api::from_status(&e, crate::api::Endpoint::Chat).worker_down);
+        let nothing = stream(&["data: [DONE]\n\n"]);
+        drain(nothing).await.expect_err("nothing at all");
+    }
+
+    /// llama.cpp's server reports a failure mid-stream as an `error` field, then sends
+    /// `[DONE]`; vLLM's as data with the HTTP status as a number in `code`. A client's bad
+    /// request (a prompt over the server's own context) fails that request, and leaves the
+    /// server routed to; a server error takes it out.
+    #[tokio::test]
+    async fn error_events_fail_the_request_and_their_numeric_code_says_whose_fault() {
+        let cases = [
+            (
+                "error: {\"code\":400,\"message\":\"exceeds the available context size\",\"type\":\"exceed_context_size_error\"}\n\n",
+                Code::InvalidArgument,
+                false,
+            ),
+            (
+                "data: {\"error\":{\"message\":\"bad\",\"type\":\"BadRequestError\",\"code\":400}}\n\n",
+                Code::InvalidArgument,
+                false,
+            ),
+            (
+                "event: error\ndata: {\"error\":{\"message\":\"slow down\",\"code\":429}}\n\n",
+                Code::ResourceExhausted,
+                false,
+            ),
+            (
+                "data: {\"error\":{\"message\":\"engine dead\",\"code\":500}}\n\n",
+                Code::Unavailable,
+                true,
+            ),
+            (
+                "event: error\ndata: plain words\n\n",
+                Code::Unavailable,
+                true,
+            ),
+        ];
+        for (event, code, down) in cases {
+            let s = stream(&[&chunk("a", None), event, "data: [DONE]\n\n"]);
+            let e = drain(s)
+                .await
+                .expect_err("an error event fails the request");
+            assert_eq!(e.code(), code, "{event}: {e:?}");
+            assert_eq!(
+                crate::api::from_status(&e, crate::api::Endpoint::Chat).worker_down,
+                down,
+                "{event}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn every_kind_of_sse_line_break_ends_events() {
+        for brk in ["\n", "\r\n", "\r"] {
+            // (`\r` then `\n` is one break, not two.)
+            for blank in ["\n", "\r\n", "\r"]
+                .into_iter()
+                .filter(|b| !(brk == "\r" && b.starts_with('\n')))
+            {
+                let end = format!("{brk}{blank}");
+                let body = format!(
+                    "data: {{\"choices\":[{{\"text\":\"Hel\"}}]}}{end}\
+                     data: {{\"choices\":[{{\"text\":\"lo\",\"finish_reason\":\"stop\"}}]}}{end}\
+                     data: [DONE]{end}"
+                );
+                let bytes: Vec<String> = body.chars().map(String::from).collect();
+                let pieces: Vec<&str> = bytes.iter().map(String::as_str).collect();
+                for s in [stream(&[&body]), stream(&pieces)] {
+                    let (text, _) = drain(s).await.unwrap_or_else(|e| panic!("{end:?}: {e:?}"));
+                    assert_eq!(text, "Hello", "{end:?}");
+                }
+            }
+        }
     }
 
     #[test]
