@@ -205,7 +205,8 @@ pub struct HttpLimits {
     /// At shutdown, how long requests in flight get to finish; those still running then are
     /// cut, and recorded as `gateway_shutdown`.
     pub drain_timeout: Duration,
-    /// `max_tokens` when a request does not say (clamped to what is left of the limit).
+    /// `max_tokens` when a request does not say (clamped to what is left of the limit, and of
+    /// the tenant's minute of tokens beside the prompt).
     pub default_max_tokens: NonZeroU32,
 }
 

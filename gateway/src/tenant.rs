@@ -23,6 +23,21 @@ pub struct TenantLimits {
     pub tokens_per_minute: NonZeroU64,
 }
 
+impl TenantLimits {
+    /// The max tokens of a request of `prompt_tokens` that gave none: the gateway's `default`,
+    /// but never more than the tenant's whole minute of tokens leaves beside the prompt — the
+    /// default must not make every such request too large for a small budget. A prompt that
+    /// leaves nothing keeps the default (its request is too large however it is cut).
+    pub fn default_max_tokens(&self, default: NonZeroU32, prompt_tokens: usize) -> NonZeroU32 {
+        let prompt = u64::try_from(prompt_tokens).unwrap_or(u64::MAX);
+        let room = self.tokens_per_minute.get().saturating_sub(prompt);
+        u32::try_from(room)
+            .ok()
+            .and_then(NonZeroU32::new)
+            .map_or(default, |room| default.min(room))
+    }
+}
+
 /// A tenant, as the configuration defines it. Its keys live only in the keyring, hashed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tenant {
@@ -36,6 +51,27 @@ pub struct Tenant {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_default_max_tokens_fits_the_tenants_minute_beside_the_prompt() {
+        let nz = |n| NonZeroU32::new(n).expect("nonzero");
+        let limits = |tokens_per_minute| TenantLimits {
+            max_context: nz(8192),
+            max_concurrent: nz(1),
+            requests_per_minute: nz(60),
+            tokens_per_minute: NonZeroU64::new(tokens_per_minute).expect("nonzero"),
+        };
+        let default = nz(512);
+        assert_eq!(limits(1_000_000).default_max_tokens(default, 30), default);
+        assert_eq!(limits(300).default_max_tokens(default, 30), nz(270));
+        assert_eq!(limits(300).default_max_tokens(default, 299), nz(1));
+        assert_eq!(
+            limits(300).default_max_tokens(default, 300),
+            default,
+            "nothing left: too large either way"
+        );
+        assert_eq!(limits(u64::MAX).default_max_tokens(default, 0), default);
+    }
 
     #[test]
     fn tenant_ids_are_label_safe() {

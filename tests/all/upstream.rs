@@ -379,13 +379,23 @@ fn an_upstream_that_sends_more_tokens_than_asked_fails_the_request() {
 }
 
 /// The bench's load target keeps to `max_tokens` as a model server does: fewer tokens than
-/// its answer, finished for `length`, through the gateway.
+/// its answer, finished for `length`, through the gateway. A request without `max_tokens`
+/// gets the default (512) only as far as the tenant's minute of tokens (300) leaves beside its
+/// prompt: served, not refused as too large for the budget at every try.
 #[test]
-fn the_load_target_answers_within_max_tokens() {
+fn the_load_target_answers_within_max_tokens_and_the_default_fits_the_tenants_minute() {
     bounded(|| {
         let target = LoadTarget::start();
-        let front = Front::start(&target.url, "bench", "unused", 2048, 1_000_000, "");
+        let front = Front::start(&target.url, "bench", "unused", 2048, 300, "");
         front.wait_healthy();
+        // First, while the whole minute is there (the charge is settled to what it used).
+        let (status, body) =
+            front.chat(r#"{"messages":[{"role":"user","content":"What is 2+2?"}]}"#);
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            json(&body)["choices"][0]["message"]["content"],
+            "The answer is 4."
+        );
         let (status, body) =
             front.chat(r#"{"messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":3}"#);
         assert_eq!(status, 200, "{body}");

@@ -462,7 +462,9 @@ async fn start(
         endpoint,
         prompt.len(),
         common.max_tokens,
-        state.http.default_max_tokens,
+        tenant
+            .limits
+            .default_max_tokens(state.http.default_max_tokens, prompt.len()),
         limit,
     )?;
     // The policy chain (design step 3); a clamp of max tokens goes through admission again.
