@@ -779,6 +779,13 @@ async fn a_request_dropped_before_the_api_ran_it_is_recorded_once_in_its_tenants
     // in the tenant's log for a valid key, in the gateway's for an unknown one.
     drop(watch.call(request("sk-a", "/v1/chat/completions")));
     drop(watch.call(request("sk-unknown", "/some/where")));
+    // Two keys are none, as the API has it (401): not tenant-a's, whose key comes first.
+    let mut two = request("sk-a", "/v1/completions");
+    two.headers_mut().append(
+        http::header::AUTHORIZATION,
+        http::HeaderValue::from_static("Bearer sk-unknown"),
+    );
+    drop(watch.call(two));
     // Polled to the end: the API's trail records it, the watch adds nothing.
     let served = watch.call(request("sk-a", "/ok")).await.expect("served");
     assert_eq!(served.status(), StatusCode::OK);
@@ -799,9 +806,10 @@ async fn a_request_dropped_before_the_api_ran_it_is_recorded_once_in_its_tenants
     let gateway = records(&recorder);
     assert_eq!(
         gateway.len(),
-        2,
-        "the unknown key's and the served one: {gateway:#?}"
+        3,
+        "the unknown key's, the two keys' and the served one: {gateway:#?}"
     );
     assert_eq!(gateway[0].route, super::UNMATCHED_ROUTE);
-    assert_eq!(gateway[1].status, 200);
+    assert_eq!(gateway[1].route, "/v1/completions");
+    assert_eq!(gateway[2].status, 200);
 }

@@ -52,7 +52,7 @@ where
         let arrival = Arrival {
             recorder: self.recorder.clone(),
             tenants: self.tenants.current(),
-            key: request.headers().get(AUTHORIZATION).cloned(),
+            key: only_key(request.headers()),
             path: request.uri().path().to_owned(),
         };
         Watched {
@@ -87,6 +87,16 @@ impl<F: Future> Future for Watched<F> {
         // Polled: the API's own trail records the request from here on.
         this.arrival.take();
         this.inner.poll(cx)
+    }
+}
+
+/// The request's `Authorization` header when it has exactly one: with several it has no
+/// tenant, as the API has it (`authenticate` refuses them).
+fn only_key(headers: &HeaderMap) -> Option<HeaderValue> {
+    let mut keys = headers.get_all(AUTHORIZATION).iter();
+    match (keys.next(), keys.next()) {
+        (Some(key), None) => Some(key.clone()),
+        _ => None,
     }
 }
 
