@@ -217,6 +217,7 @@ impl Started {
                 Ok(Some(GenerateResponse {
                     item: Some(Item::Progress(p)),
                 })) if self.computed.rose(p.computed_tokens) => {
+                    self.progress.computing = true;
                     silent_until = Instant::now() + self.idle;
                 }
                 // The prefill worker computed the prompt: the request is transferring. News
@@ -250,18 +251,15 @@ impl Started {
     }
 
     /// Records `error` as how the request ended, on its audit trail and its upstream span, and
-    /// settles its tokens-per-minute charge to what it used: the prompt and the tokens that
-    /// came (which its record counts too), or nothing when none came (refused before its
-    /// first token, as at the call).
+    /// settles its tokens-per-minute charge to what it used ([`Progress::used_by_failure`]:
+    /// the prompt and the tokens that came, which its record counts too, or nothing when the
+    /// worker did nothing for it).
     fn failed(&mut self, error: ApiError, refused_by: Option<Layer>) -> ApiError {
-        let used = match self.progress.tokens {
-            0 => 0,
-            came => {
-                self.trail.generated(came);
-                self.progress.used(self.prompt_tokens)
-            }
-        };
-        self.set_used(used);
+        if self.progress.tokens > 0 {
+            self.trail.generated(self.progress.tokens);
+        }
+        let (prompt, completion) = self.progress.used_by_failure(self.prompt_tokens);
+        self.set_used(u64::from(prompt) + u64::from(completion));
         self.trail.failed(&error, refused_by);
         span_failed(&self.upstream_span, &error);
         error

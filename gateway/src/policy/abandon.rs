@@ -47,6 +47,8 @@ pub struct Progress {
     pub tokens: u32,
     /// A decode worker said its prefill worker computed the prompt: its KV is on its way.
     pub prefill_done: bool,
+    /// The worker reported computing part of the prompt.
+    pub computing: bool,
     /// (prompt, completion) tokens, once the worker said Done.
     pub usage: Option<(u32, u32)>,
     /// The request failed (before or after its 200).
@@ -65,6 +67,18 @@ impl Progress {
     pub fn used(&self, prompt_tokens: u32) -> u64 {
         let (prompt, completion) = self.counted(prompt_tokens);
         u64::from(prompt) + u64::from(completion)
+    }
+
+    /// What a request that failed before Done used: nothing when the worker did nothing for
+    /// it (it refused the request, or failed before computing any of the prompt), else
+    /// [`Progress::counted`] — a worker that computed the prompt and then failed did the
+    /// prompt's work, as for a client that leaves then.
+    pub fn used_by_failure(&self, prompt_tokens: u32) -> (u32, u32) {
+        if self.tokens == 0 && !self.prefill_done && !self.computing {
+            (0, 0)
+        } else {
+            self.counted(prompt_tokens)
+        }
     }
 }
 
@@ -440,14 +454,10 @@ impl RequestPolicy {
         match (progress.usage, progress.failed || trail.cut_by_shutdown()) {
             (Some(usage), _) => ending.spawn_end(&runtime, Outcome::Completed, usage),
             (None, true) => {
-                // A refusal before the first token used nothing (as its charge says).
-                let usage = match progress.tokens {
-                    0 => (0, 0),
-                    came => {
-                        trail.generated(came);
-                        progress.counted(charge.prompt_tokens)
-                    }
-                };
+                if progress.tokens > 0 {
+                    trail.generated(progress.tokens);
+                }
+                let usage = progress.used_by_failure(charge.prompt_tokens);
                 charge.settle(usage);
                 ending.spawn_end(&runtime, Outcome::Failed, usage);
             }

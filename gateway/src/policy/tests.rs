@@ -1818,6 +1818,36 @@ async fn a_request_abandoned_before_its_call_was_answered_is_charged_nothing() {
         .expect("all of the minute's 1000 are back: the prompt was never computed");
 }
 
+/// A request that failed before its first token is charged nothing when the worker did
+/// nothing for it (it refused the request), and its prompt once the worker computed some of it
+/// (prefill done, then the transfer failed; a colocated worker's progress): that work was
+/// done, as it is charged for a client that leaves then.
+#[tokio::test]
+async fn a_failed_request_is_charged_its_prompt_once_the_worker_computed_it() {
+    let failed = |prefill_done, computing| Progress {
+        failed: true,
+        prefill_done,
+        computing,
+        ..Progress::default()
+    };
+    for (progress, charged) in [
+        (failed(false, false), false),
+        (failed(true, false), true),
+        (failed(false, true), true),
+    ] {
+        let (p, dir, a, limiter, charge) = one_slot_charged_in_full();
+        let r = ask(&p, Ask::default()).await.expect("allowed");
+        r.finish(None, progress, trail(&dir), charge, Endpoint::Chat);
+        let mut next = slot_back(&limiter, &a).await;
+        // The prompt's 10 tokens take 600 ms to come back at 1000 a minute.
+        assert_eq!(next.charge_tokens(1000).is_err(), charged, "{progress:?}");
+        if charged {
+            next.charge_tokens(990)
+                .expect("all but the prompt came back");
+        }
+    }
+}
+
 #[tokio::test]
 async fn an_abandoned_request_keeps_its_slot_until_its_end_and_is_charged_what_it_used() {
     let (p, dir, a, limiter, charge) = one_slot_charged_in_full();
