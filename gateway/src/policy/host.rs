@@ -15,10 +15,10 @@ use wasmtime_wasi::{
 use super::bindings::{HostImports, Level, TypesHost};
 use super::call_clock::CallClock;
 use super::limiter::Limiter;
-use super::log_budget::{LINES_PER_SECOND, PluginLog};
+use super::log_budget::{LINES_PER_TENANT, PluginLog};
 
 /// Log lines one call may write; the rest are dropped (a call cannot flood the log, nor, with
-/// the plugin's budget a second, can its calls together).
+/// the tenant's and the plugin's budgets a second, can its calls together).
 const MAX_LOG_LINES: u32 = 16;
 /// Longest log line kept, in bytes.
 const MAX_LOG_BYTES: usize = 1024;
@@ -33,6 +33,9 @@ const MAX_WASI_RESOURCES: usize = 256;
 /// The data of one store (one call of one plugin).
 pub(super) struct Host {
     log: Arc<PluginLog>,
+    /// Whose request the call is for (`None`: `configure` at load): its lines take from that
+    /// tenant's budget.
+    tenant: Option<Box<str>>,
     pub(super) limiter: Limiter,
     /// What the call is charged against its deadline, from the store's creation.
     pub(super) clock: CallClock,
@@ -53,11 +56,12 @@ impl std::fmt::Debug for Host {
 }
 
 impl Host {
-    pub(super) fn new(log: Arc<PluginLog>, memory_bytes: usize) -> Host {
+    pub(super) fn new(log: Arc<PluginLog>, tenant: Option<&str>, memory_bytes: usize) -> Host {
         let mut table = ResourceTable::new();
         table.set_max_capacity(MAX_WASI_RESOURCES);
         Host {
             log,
+            tenant: tenant.map(Into::into),
             limiter: Limiter::new(memory_bytes),
             clock: CallClock::start(),
             logged: 0,
@@ -130,13 +134,16 @@ impl HostImports for Host {
         if self.logged > MAX_LOG_LINES {
             return;
         }
-        let admit = self.log.admit(std::time::Instant::now());
+        let tenant = self.tenant.as_deref();
+        let admit = self.log.admit(tenant, std::time::Instant::now());
         let plugin = &*self.log.name;
         if admit.dropped_before > 0 {
             tracing::warn!(
                 plugin,
+                tenant,
                 dropped = admit.dropped_before,
-                "the plugin's log lines past {LINES_PER_SECOND} a second were dropped"
+                "the plugin's log lines past {LINES_PER_TENANT} a second for a tenant (or past \
+                 the plugin's own budget) were dropped"
             );
         }
         if !admit.write {
@@ -144,9 +151,9 @@ impl HostImports for Host {
         }
         let message = printable(&message, MAX_LOG_BYTES);
         match level {
-            Level::Debug => tracing::debug!(plugin, "{message}"),
-            Level::Info => tracing::info!(plugin, "{message}"),
-            Level::Warn => tracing::warn!(plugin, "{message}"),
+            Level::Debug => tracing::debug!(plugin, tenant, "{message}"),
+            Level::Info => tracing::info!(plugin, tenant, "{message}"),
+            Level::Warn => tracing::warn!(plugin, tenant, "{message}"),
         }
     }
 

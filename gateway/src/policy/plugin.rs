@@ -140,10 +140,11 @@ impl Loaded {
     /// [`CallLimits::timeout`] charged from now (`call_clock.rs`). The guest yields to the
     /// runtime at every epoch tick and traps (as [`Fault::Timeout`]) at the first tick past its
     /// deadline.
-    fn store(&self) -> Store<Host> {
+    /// `tenant`: whose request the call is for (`None`: `configure` at load).
+    fn store(&self, tenant: Option<&str>) -> Store<Host> {
         let mut store = Store::new(
             self.sandbox.engine(),
-            Host::new(self.log.clone(), self.limits.memory_bytes),
+            Host::new(self.log.clone(), tenant, self.limits.memory_bytes),
         );
         store.limiter(|h| &mut h.limiter);
         // What the gateway copies out of one call (a verdict, a log line) is bounded by this,
@@ -190,9 +191,10 @@ impl Loaded {
     async fn run<R>(
         &self,
         configured: &Configured,
+        tenant: &str,
         hook: impl AsyncFnOnce(&mut Store<Host>, &Instance, &Exports) -> wasmtime::Result<R>,
     ) -> Result<R, Fault> {
-        self.limited(&mut self.store(), async |store| {
+        self.limited(&mut self.store(Some(tenant)), async |store| {
             let (instance, exports) = match configured {
                 Configured::Snapshot(ready) => {
                     (ready.instantiate(&mut *store).await?, &ready.exports)
@@ -263,7 +265,7 @@ impl Loaded {
         // The store's instance takes a slot, until the snapshot is read out of it (not while
         // the snapshot compiles, which may take seconds).
         let slot = self.sandbox.slot_for_load().await?;
-        let mut store = self.store();
+        let mut store = self.store(None);
         let Some(snapshotter) = snapshotter else {
             let hooks = self
                 .limited(&mut store, async |store| {
@@ -308,10 +310,14 @@ impl Loaded {
         configured: &Configured,
         request: &RequestView,
     ) -> Result<Verdict, Fault> {
-        self.run(configured, async |store, instance, exports| {
-            let (verdict,) = call(store, instance, &exports.on_request, (request,)).await?;
-            Ok(verdict)
-        })
+        self.run(
+            configured,
+            &request.tenant,
+            async |store, instance, exports| {
+                let (verdict,) = call(store, instance, &exports.on_request, (request,)).await?;
+                Ok(verdict)
+            },
+        )
         .await
     }
 
@@ -320,10 +326,14 @@ impl Loaded {
         configured: &Configured,
         event: &Disconnect,
     ) -> Result<Directive, Fault> {
-        self.run(configured, async |store, instance, exports| {
-            let (directive,) = call(store, instance, &exports.on_disconnect, (event,)).await?;
-            Ok(directive)
-        })
+        self.run(
+            configured,
+            &event.tenant,
+            async |store, instance, exports| {
+                let (directive,) = call(store, instance, &exports.on_disconnect, (event,)).await?;
+                Ok(directive)
+            },
+        )
         .await
     }
 
@@ -332,9 +342,13 @@ impl Loaded {
         configured: &Configured,
         event: &ResponseEnd,
     ) -> Result<(), Fault> {
-        self.run(configured, async |store, instance, exports| {
-            call(store, instance, &exports.on_response_end, (event,)).await
-        })
+        self.run(
+            configured,
+            &event.tenant,
+            async |store, instance, exports| {
+                call(store, instance, &exports.on_response_end, (event,)).await
+            },
+        )
         .await
     }
 }
@@ -348,7 +362,8 @@ impl Loaded {
         configured: &Configured,
         requests: &[RequestView],
     ) -> Result<Vec<Verdict>, Fault> {
-        self.run(configured, async |store, instance, exports| {
+        let tenant = requests.first().map_or("", |r| r.tenant.as_str());
+        self.run(configured, tenant, async |store, instance, exports| {
             let mut verdicts = Vec::new();
             for request in requests {
                 let (verdict,) = call(store, instance, &exports.on_request, (request,)).await?;

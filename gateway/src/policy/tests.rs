@@ -591,11 +591,16 @@ async fn a_plugin_flooding_the_log_is_held_to_its_lines_a_second() {
     for _ in 0..5 {
         ask(&p, Ask::default()).await.expect("allows");
     }
-    // Five calls' lines are more than the second's budget: the next line is dropped (without
-    // the budget in `host.log`, the plugin's budget would be untouched and write it).
+    // Five calls' lines are more than the second's budget of tenant-a: its next line is
+    // dropped (without the budget in `host.log`, the budget would be untouched and write it),
+    // while another tenant's is written.
     let set = p.current();
     let log = &set.bindings[0].plugin.log;
-    assert!(!log.admit(Instant::now()).write, "{log:?}");
+    assert!(
+        !log.admit(Some("tenant-a"), Instant::now()).write,
+        "{log:?}"
+    );
+    assert!(log.admit(Some("tenant-b"), Instant::now()).write, "{log:?}");
 }
 
 /// WASI 0.2's clocks and random source are linked for guests whose standard library needs
