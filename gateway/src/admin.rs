@@ -136,10 +136,12 @@ async fn policies(State(state): State<AdminState>) -> Response {
 
 /// What `/policies` shows: the active set, the last refused reload, and a warning for every
 /// tenant a binding names that the tenants file does not (the binding never applies to it:
-/// a typo, or a tenant since removed).
+/// a typo, or a tenant since removed) and for every plugin whose schema is not pinned.
 fn policy_status(state: &AdminState) -> serde_json::Value {
     let mut status = state.policies.status();
-    status["warnings"] = json!(stray_tenants(&state.policies, &state.tenants));
+    let mut warnings = stray_tenants(&state.policies, &state.tenants);
+    warnings.extend(state.policies.current().unpinned_schemas());
+    status["warnings"] = json!(warnings);
     status
 }
 

@@ -32,15 +32,22 @@ pub(crate) fn component(name: &str) -> (PathBuf, String) {
     (path, digest)
 }
 
+/// `[plugins.NAME]` for the built plugin `name`, its component and its schema pinned.
+fn pinned(name: &str) -> String {
+    let (path, digest) = component(name);
+    let schema = std::fs::read(path.with_extension("schema.json")).expect("reads its schema");
+    let schema = bulkhead_gateway::policy::Digest::of(&schema);
+    format!(
+        "[plugins.{name}]\ncomponent = {:?}\nsha256 = \"{digest}\"\nschema_sha256 = \"{schema}\"\n",
+        path.display().to_string()
+    )
+}
+
 /// The three built-ins; tenant-a is labelled with `tier`.
 fn policy_set(dir: &Path, tier: &str) -> PathBuf {
     let mut text = String::new();
     for name in ["length-limit", "tenant-tag", "abort-guard"] {
-        let (path, digest) = component(name);
-        text.push_str(&format!(
-            "[plugins.{name}]\ncomponent = {:?}\nsha256 = \"{digest}\"\n",
-            path.display().to_string()
-        ));
+        text.push_str(&pinned(name));
     }
     text.push_str(&format!(
         r#"
@@ -539,11 +546,7 @@ fn an_abandoned_request_keeps_its_slot_while_held_and_is_charged_what_it_used() 
 pub(crate) fn guard_and_ledger(dir: &Path, ledger: &str) -> String {
     let mut set = String::new();
     for name in ["abort-guard", "ledger"] {
-        let (path, digest) = component(name);
-        set.push_str(&format!(
-            "[plugins.{name}]\ncomponent = {:?}\nsha256 = \"{digest}\"\n",
-            path.display().to_string()
-        ));
+        set.push_str(&pinned(name));
     }
     set.push_str(&format!(
         "\n[[chain]]\nplugin = \"abort-guard\"\nconfig = {{ max_held_per_tenant = 4 }}\n\n\

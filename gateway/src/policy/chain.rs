@@ -80,6 +80,8 @@ pub struct PolicySet {
 pub struct BindingSummary {
     pub plugin: String,
     pub sha256: Digest,
+    /// The pin of the plugin's schema (`null`: not pinned).
+    pub schema_sha256: Option<Digest>,
     pub routes: Option<Vec<String>>,
     pub tenants: Option<Vec<String>>,
     pub fail_open: bool,
@@ -117,12 +119,23 @@ impl PolicySet {
             .collect()
     }
 
+    /// A line for every plugin of the set whose schema the set does not pin.
+    pub fn unpinned_schemas(&self) -> Vec<String> {
+        let mut seen = HashSet::new();
+        self.bindings
+            .iter()
+            .filter(|b| b.plugin.schema_sha256.is_none() && seen.insert(&*b.plugin.name))
+            .map(|b| super::load::unpinned_schema(&b.plugin.name))
+            .collect()
+    }
+
     pub fn summary(&self) -> Vec<BindingSummary> {
         self.bindings
             .iter()
             .map(|b| BindingSummary {
                 plugin: b.plugin.name.to_string(),
                 sha256: b.plugin.digest,
+                schema_sha256: b.plugin.schema_sha256,
                 routes: b.routes.clone(),
                 tenants: b.tenants.as_ref().map(|t| {
                     let mut t: Vec<_> = t.iter().cloned().collect();

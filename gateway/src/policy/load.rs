@@ -331,12 +331,30 @@ fn prepare(
         })
         .ok();
     tracing::debug!(plugin = name, sha256 = %actual, ?compiled, "policy plugin loaded");
-    let loaded = Loaded::new(name.into(), actual, pre, limits, sandbox.clone());
+    if schema_pin.is_none() {
+        tracing::warn!(plugin = name, "{}", unpinned_schema(name));
+    }
+    let loaded = Loaded::new(
+        name.into(),
+        actual,
+        schema_pin,
+        pre,
+        limits,
+        sandbox.clone(),
+    );
     Ok(Prepared {
         loaded: Arc::new(loaded),
         schema,
         snapshotter,
     })
+}
+
+/// What `GET /policies` and the log say of a plugin whose schema the set does not pin.
+pub(super) fn unpinned_schema(plugin: &str) -> String {
+    format!(
+        "plugin {plugin:?}: its schema is not pinned (schema_sha256): whoever can replace \
+         {plugin}.schema.json beside its component can loosen what configurations pass"
+    )
 }
 
 fn limits(sandbox: &Sandbox, name: &str, raw: &RawPlugin) -> Result<CallLimits, LoadError> {

@@ -69,6 +69,8 @@ impl Fault {
 pub(super) struct Loaded {
     pub(super) name: Arc<str>,
     pub(super) digest: Digest,
+    /// The pin of its configuration schema, if the set gave one.
+    pub(super) schema_sha256: Option<Digest>,
     /// Its log lines' budget, shared by all its calls.
     pub(super) log: Arc<PluginLog>,
     ready: Ready,
@@ -122,6 +124,7 @@ impl Loaded {
     pub(super) fn new(
         name: Arc<str>,
         digest: Digest,
+        schema_sha256: Option<Digest>,
         ready: Ready,
         limits: CallLimits,
         sandbox: Sandbox,
@@ -130,6 +133,7 @@ impl Loaded {
             log: Arc::new(PluginLog::new(name.clone())),
             name,
             digest,
+            schema_sha256,
             ready,
             limits,
             sandbox,

@@ -863,7 +863,14 @@ async fn a_binding_whose_snapshot_cannot_be_taken_configures_at_every_call_and_a
         memory_bytes: 16 << 20,
         timeout: Duration::from_secs(5),
     };
-    let loaded = plugin::Loaded::new("carry-over".into(), digest, pre.clone(), limits, sandbox);
+    let loaded = plugin::Loaded::new(
+        "carry-over".into(),
+        digest,
+        None,
+        pre.clone(),
+        limits,
+        sandbox,
+    );
     let config = r#"{"label":"gold"}"#;
     // Wizer's reads of the configured state fail: the binding is configured per call.
     let unreadable = snapshot::Snapshotter::with_unreadable_state(&pre, &bytes);
@@ -1162,6 +1169,19 @@ fn a_pinned_schema_replaced_beside_its_component_refuses_the_set() {
             "{e}"
         );
     }
+    // Unpinned, a set loads and says so (`GET /policies`' warnings); pinned, not.
+    let plain = binding("length-limit", "config = { max_prompt_tokens = 10 }");
+    let warned = |pin: &str| {
+        let (p, _dir) = loaded(&format!(
+            "[plugins.length-limit]\ncomponent = {:?}\nsha256 = \"{digest}\"\n{pin}\n{plain}",
+            component.display().to_string()
+        ));
+        p.current().unpinned_schemas()
+    };
+    let warnings = warned("");
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].contains("\"length-limit\": its schema is not pinned"));
+    assert_eq!(warned(&pinned), Vec::<String>::new());
     std::fs::write(&schema, "true").expect("replaces the schema");
     // Unpinned, the replaced schema lets it through (the plugin itself may still refuse it).
     let unpinned = load(&set(""));
