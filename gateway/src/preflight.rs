@@ -391,8 +391,10 @@ pub fn own(subject: &str, role: WorkerRole, info: &InfoResponse) -> Vec<Check> {
     let h = info.handoff.unwrap_or_default();
     let mut out = vec![
         check(
+            // A worker that does not say cannot be held to its role: a decode worker taken
+            // for `both` would have its prefill pool left out of the limit (the incident).
             "runs the configured role",
-            reported.is_none_or(|r| r == role),
+            reported == Some(role),
             format!(
                 "configured {}, runs {}",
                 role.name(),
@@ -695,6 +697,7 @@ mod tests {
     fn info(model: &str, pool: u64, context: u64, page: u32, batch: u64) -> InfoResponse {
         InfoResponse {
             model_id: model.into(),
+            role: Role::Both.into(),
             pool_tokens: pool,
             context_length: context,
             page_tokens: page,
@@ -742,9 +745,16 @@ mod tests {
     fn pair_answers(prefill: InfoResponse, decode: InfoResponse) -> Vec<Answer> {
         let prefill = InfoResponse {
             instance_id: "p-1".into(),
+            role: Role::Prefill.into(),
             ..prefill
         };
-        let decode = dialing(&prefill, decode);
+        let decode = dialing(
+            &prefill,
+            InfoResponse {
+                role: Role::Decode.into(),
+                ..decode
+            },
+        );
         vec![
             Answer {
                 worker: worker("p", WorkerRole::Prefill, None),
@@ -932,6 +942,15 @@ mod tests {
         let as_both = own("w", WorkerRole::Both, &decode);
         assert_eq!(failed(&as_both), [("w", "runs the configured role")]);
         assert_eq!(failed(&own("w", WorkerRole::Decode, &decode)), []);
+        // One that does not say cannot be held to its role.
+        let silent = InfoResponse {
+            role: Role::Unspecified.into(),
+            ..decode
+        };
+        assert_eq!(
+            failed(&own("w", WorkerRole::Decode, &silent)),
+            [("w", "runs the configured role")]
+        );
         let nothing = info("m", 0, 0, 16, 0);
         assert_eq!(
             failed(&own("w", WorkerRole::Both, &nothing)),
@@ -1103,11 +1122,18 @@ mod tests {
             group: Some(group.into()),
             ..worker(name, role, prefill)
         };
+        let prefill = |page| InfoResponse {
+            role: Role::Prefill.into(),
+            ..info("m", 8192, 8192, page, 4 << 20)
+        };
         let p_a = InfoResponse {
             instance_id: "p@a-1".into(),
-            ..info("m", 8192, 8192, 16, 4 << 20)
+            ..prefill(16)
         };
-        let d_a = dialing(&p_a, info("m", 8192, 8192, 16, 0));
+        let d_a = InfoResponse {
+            role: Role::Decode.into(),
+            ..dialing(&p_a, info("m", 8192, 8192, 16, 0))
+        };
         let answers = vec![
             Answer {
                 worker: member("p@a", WorkerRole::Prefill, None, "p"),
@@ -1116,7 +1142,7 @@ mod tests {
             },
             Answer {
                 worker: member("p@b", WorkerRole::Prefill, None, "p"),
-                info: Ok(info("m", 8192, 8192, 32, 4 << 20)),
+                info: Ok(prefill(32)),
                 open: None,
             },
             Answer {
