@@ -332,6 +332,9 @@ impl PoolState {
         let mut cached = 0;
         for (i, entry) in pages.iter().enumerate() {
             if !self.is_in(*entry, owned) {
+                // Not the owner's (an invariant broken elsewhere): what comes after it was
+                // computed after its tokens, so it must never be cached after its parent.
+                parent = None;
                 continue;
             }
             let inserted = match (parent, chunks.get(i)) {
@@ -739,6 +742,36 @@ mod tests {
         let stats = s.stats();
         assert_eq!((stats.cached, stats.free, stats.owned), (0, 4, 0));
         s.check_invariants().expect("every page released");
+    }
+
+    /// A page of the table the owner does not hold (a stale tag) breaks the chain: the page
+    /// after it was computed after its tokens, and cached after the page before it, a lookup
+    /// of a prompt without those tokens would read it (I2 within a tenant). The mismatch trips
+    /// the `debug_assert` in test builds; what release builds do is checked by
+    /// `cargo test --release -p bulkhead-kvpool`.
+    #[test]
+    fn a_page_the_owner_does_not_hold_ends_the_cached_chain() {
+        let mut s = state(4, Scrub::None);
+        let owner = RequestId::new(1);
+        let mut table = s.reserve(owner, 3).expect("pages are free");
+        s.transition(owner, &table, Hold::Reserved, Target::Hold(Hold::Owned));
+        let held = table[1];
+        table[1].tag = Tag::new(held.tag.get() - 1);
+        let tokens: Vec<u32> = (0..48).collect();
+        let chunks: Vec<&[u32]> = tokens.chunks(16).collect();
+        let cached = catch_unwind(AssertUnwindSafe(|| {
+            s.cache(owner, &table, &chunks, &Scope::new("a"), None)
+        }));
+        assert_eq!(cached.is_err(), cfg!(debug_assertions));
+        let Ok(cached) = cached else { return };
+        assert_eq!(cached, 1);
+        let stats = s.stats();
+        assert_eq!(
+            (stats.cached, stats.owned, stats.free),
+            (1, 1, 2),
+            "the third page is released, the second left with its owner"
+        );
+        s.check_invariants().expect("consistent");
     }
 
     #[test]
