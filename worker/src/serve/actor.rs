@@ -252,6 +252,32 @@ impl EngineHandle {
     }
 }
 
+#[cfg(test)]
+impl EngineHandle {
+    /// An engine thread over a tiny random model and a 256-token pool.
+    pub(crate) fn tiny() -> EngineHandle {
+        use crate::engine::{EngineConfig, KvBudget};
+        let path = std::env::temp_dir().join(format!(
+            "bulkhead-engine-{}-{}.gguf",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        crate::tiny_model::TinySpec::default()
+            .write(&path)
+            .expect("write the tiny model");
+        let loaded = crate::loader::LoadedModel::open(&path).expect("load the tiny model");
+        let _ = std::fs::remove_file(&path);
+        let config = EngineConfig {
+            kv: KvBudget::Tokens(256),
+            ..EngineConfig::default()
+        };
+        let engine = Engine::new(loaded.model, loaded.tokenizer, config).expect("engine starts");
+        EngineHandle::spawn(engine, Arc::new(Metrics::default()))
+            .expect("spawn")
+            .0
+    }
+}
+
 /// The engine thread's loop.
 fn run(
     mut engine: Engine,

@@ -333,6 +333,45 @@ impl Drop for Unanswered<'_> {
     }
 }
 
+/// A decode request waiting for its reservation. Dropped before it read its `Reserved` — the
+/// client left as the engine reserved its pages — the session was never named to a prefill
+/// worker, so no drain acknowledgement and no teardown of a call would ever come: the pages
+/// waited the release timeout and were quarantined. Dropped so, the request is cancelled and
+/// then its session torn down (the order [`Unanswered`] keeps), and the pages come back at
+/// once.
+struct Reserving<'a> {
+    engine: &'a EngineHandle,
+    /// `None` once the reservation was read.
+    waiting: Option<(Events, CancelOnDrop)>,
+}
+
+impl Reserving<'_> {
+    async fn next(&mut self) -> Option<Event> {
+        self.waiting.as_mut()?.0.recv().await
+    }
+
+    /// The reservation was read: the caller names the session to prefill from here on.
+    fn reserved(mut self) -> (Events, CancelOnDrop) {
+        self.waiting.take().expect("read once, before it is taken")
+    }
+}
+
+impl Drop for Reserving<'_> {
+    fn drop(&mut self) {
+        let Some((mut events, guard)) = self.waiting.take() else {
+            return;
+        };
+        // From here a reservation the engine makes goes nowhere, and it drops it itself.
+        events.close();
+        drop(guard);
+        while let Ok(event) = events.try_recv() {
+            if let Event::Reserved(target) = event {
+                self.engine.transport_closed(vec![target.nonce]);
+            }
+        }
+    }
+}
+
 /// Which of the two waits of [`start_remote_prefill`] ended first.
 enum Raced<A> {
     Answer(A),
@@ -351,11 +390,18 @@ pub async fn start_remote_prefill(
     let (caller_id, tenant) = (valid.caller_id.clone(), valid.tenant.clone());
     let cache_salt = valid.cache_salt.clone();
     let admission = async {
-        let (mut events, guard) = engine
+        let (events, guard) = engine
             .submit(Submission::Decode, |id, sink| valid.into_request(id, sink))
             .await?;
-        match events.recv().await {
-            Some(Event::Reserved(target)) => Ok((events, guard, target)),
+        let mut reserving = Reserving {
+            engine,
+            waiting: Some((events, guard)),
+        };
+        match reserving.next().await {
+            Some(Event::Reserved(target)) => {
+                let (events, guard) = reserving.reserved();
+                Ok((events, guard, target))
+            }
             Some(Event::Failed(f)) => Err(ServeError::Failed(f)),
             None => Err(ServeError::EngineGone),
             Some(other) => {
@@ -758,6 +804,63 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
+
+    /// A decode request submitted to `engine`, its pages reserved (the engine said so) and
+    /// its `Reserved` event not read: as a client that left at that moment leaves it.
+    async fn reserved_unread(engine: &EngineHandle) -> (Events, CancelOnDrop) {
+        let (events, guard) = engine
+            .submit(Submission::Decode, |id, sink| Request {
+                id,
+                tenant: Scope::new("test"),
+                prompt: vec![5; 20],
+                max_new_tokens: 4,
+                sampling: crate::sampling::SamplingParams::GREEDY,
+                stop: Vec::new(),
+                ignore_eos: false,
+                sink,
+            })
+            .await
+            .expect("admitted");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while engine.stats().await.expect("stats").pool.reserved == 0 {
+            assert!(Instant::now() < deadline, "never reserved");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        (events, guard)
+    }
+
+    /// The pool's pages once the engine dealt with what came before.
+    async fn pages(engine: &EngineHandle) -> bulkhead_kvpool::PoolStats {
+        engine.stats().await.expect("stats").pool
+    }
+
+    /// A client that leaves as its pages are reserved, before the reservation is read, never
+    /// had its session named to a prefill worker: no drain acknowledgement will come, and its
+    /// pages come back at once — not after the release timeout, into quarantine.
+    #[tokio::test]
+    async fn a_client_that_leaves_as_its_pages_are_reserved_gives_them_back_at_once() {
+        let engine = EngineHandle::tiny();
+        // Without `Reserving`: the pages wait for an acknowledgement nobody will send.
+        let (events, guard) = reserved_unread(&engine).await;
+        drop((events, guard));
+        let held = pages(&engine).await;
+        assert!(held.releasing > 0, "the drain it saves: {held:?}");
+        let engine = EngineHandle::tiny();
+        let (events, guard) = reserved_unread(&engine).await;
+        drop(Reserving {
+            engine: &engine,
+            waiting: Some((events, guard)),
+        });
+        let back = pages(&engine).await;
+        assert_eq!(
+            (back.releasing, back.reserved, back.quarantined),
+            (0, 0, 0),
+            "{back:?}"
+        );
+        assert_eq!(back.free + back.pending_scrub, back.total, "{back:?}");
+        let stats = engine.stats().await.expect("stats");
+        assert_eq!(stats.transfers.drain_timeouts, 0);
+    }
 
     /// A prefill worker counts one token to generate; the client asked for more, and is told
     /// its own request's numbers. Other refusals pass as they are.

@@ -1383,33 +1383,11 @@ mod tests {
         assert!(log.got.lock().expect("lock").is_empty());
     }
 
-    /// An engine thread over a tiny random model and a 256-token pool.
-    fn engine_thread() -> EngineHandle {
-        use crate::engine::{Engine, EngineConfig, KvBudget};
-        let path = std::env::temp_dir().join(format!(
-            "bulkhead-kvplane-{}-{}.gguf",
-            std::process::id(),
-            rand::random::<u64>()
-        ));
-        crate::tiny_model::TinySpec::default()
-            .write(&path)
-            .expect("write the tiny model");
-        let loaded = crate::loader::LoadedModel::open(&path).expect("load the tiny model");
-        let _ = std::fs::remove_file(&path);
-        let config = EngineConfig {
-            kv: KvBudget::Tokens(256),
-            ..EngineConfig::default()
-        };
-        let engine = Engine::new(loaded.model, loaded.tokenizer, config).expect("engine starts");
-        let metrics = Arc::new(super::super::Metrics::default());
-        EngineHandle::spawn(engine, metrics).expect("spawn").0
-    }
-
     #[tokio::test]
     async fn the_engine_takes_what_the_receive_path_hands_it() {
         use crate::engine::{Event, Failure, Request};
         use crate::sampling::SamplingParams;
-        let engine = engine_thread();
+        let engine = EngineHandle::tiny();
         let (mut events, _cancel) = engine
             .submit(super::super::Submission::Decode, |id, sink| Request {
                 id,
