@@ -781,6 +781,9 @@ pub struct Route {
     /// The prefill worker that fills the decode worker's pages; `None` when colocated.
     pub prefill: Option<String>,
     pub client: Upstream,
+    /// The `instance_id` of the worker process the route was judged by (its Info): a request
+    /// names it, and another process at the address refuses it.
+    pub instance_id: String,
     workers: Workers,
     /// The worker's entry id.
     id: u64,
@@ -1046,6 +1049,11 @@ impl Workers {
             worker: e.config.name.clone(),
             prefill: e.config.prefill.clone(),
             client: e.client.clone(),
+            instance_id: e
+                .info
+                .as_ref()
+                .map(|i| i.instance_id.clone())
+                .unwrap_or_default(),
             workers: self.clone(),
             id: e.id,
             claim: Some(Claim {
@@ -1584,7 +1592,12 @@ mod tests {
         w.with(|s| s.entries[2].health = serving());
         reports(&w, "p2", WorkerRole::Prefill, 2048, 2048);
         assert!(to(&w, 4000).is_none(), "p2's pool bounds it now");
-        assert!(to(&w, 2000).is_some());
+        let route = to(&w, 2000).expect("routed");
+        assert_eq!(
+            route.instance_id,
+            instance("d"),
+            "a request names the process its route was judged by"
+        );
     }
 
     /// A decode worker whose prefill group has a member set up without the integrity checks

@@ -284,6 +284,7 @@ pub(crate) fn chat(content: &str, max_new_tokens: u32) -> GenerateRequest {
         stop: Vec::new(),
         ignore_eos: false,
         cache_salt: String::new(),
+        instance_id: String::new(),
     }
 }
 
@@ -417,6 +418,32 @@ async fn info_reports_the_measured_pool_and_served_context() {
         assert_eq!(tokenizer.tokens.len(), 49152);
         assert_eq!(tokenizer.token_types.len(), 49152);
         assert_eq!(tokenizer.merges.len(), 48900);
+        // A request names the process its caller checked: this one serves it, another at the
+        // address (after a restart) refuses it as unavailable, so the caller checks again.
+        let named = |instance: &str| GenerateRequest {
+            instance_id: instance.into(),
+            ..chat("Hi", 1)
+        };
+        let refused = client
+            .generate(named("the-process-before-a-restart"))
+            .await
+            .expect_err("another process was checked");
+        assert_eq!(
+            refused.code(),
+            tonic::Code::FailedPrecondition,
+            "{refused:?}"
+        );
+        assert_eq!(
+            refused
+                .metadata()
+                .get(proto::ERROR_CODE_KEY)
+                .map(|v| v.as_bytes()),
+            Some(&b"service_unavailable"[..])
+        );
+        client
+            .generate(named(&info.instance_id))
+            .await
+            .expect("the process that was checked serves it");
     })
     .await;
 }

@@ -534,6 +534,7 @@ async fn start(
         sampling: common.sampling,
         stop: &common.stop,
         cache_salt: common.cache_salt.as_deref(),
+        instance_id: &route.instance_id,
     }
     .into_request();
     let upstream_span = route.client.span(&route.worker);

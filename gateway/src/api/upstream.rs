@@ -27,6 +27,8 @@ pub struct Generate<'a> {
     pub stop: &'a [String],
     /// The client's `cache_salt`, if it sent one.
     pub cache_salt: Option<&'a str>,
+    /// The instance of the worker process the route was checked against.
+    pub instance_id: &'a str,
 }
 
 impl Generate<'_> {
@@ -45,6 +47,7 @@ impl Generate<'_> {
             stop: self.stop.to_vec(),
             ignore_eos: false,
             cache_salt: self.cache_salt.unwrap_or_default().to_owned(),
+            instance_id: self.instance_id.to_owned(),
         }
     }
 }

@@ -71,6 +71,11 @@ pub enum ServeError {
     /// A worker bug outside the engine; details are logged where it happens.
     #[error("internal error in the {what}")]
     Internal { what: &'static str },
+    /// The caller checked another process at this address (this one restarted since).
+    #[error(
+        "this worker is not the process {checked} the caller checked (it restarted): check it again before routing here"
+    )]
+    OtherInstance { checked: String },
 }
 
 /// The machine-readable codes, as sent in [`ERROR_CODE_KEY`].
@@ -155,6 +160,11 @@ pub fn status(err: &ServeError) -> Status {
             Code::Unavailable,
             SERVICE_UNAVAILABLE,
             "the engine is not running".into(),
+        ),
+        ServeError::OtherInstance { .. } => (
+            Code::FailedPrecondition,
+            SERVICE_UNAVAILABLE,
+            err.to_string(),
         ),
     };
     let mut status = error_code_status(code, message, tag);

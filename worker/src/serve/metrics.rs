@@ -86,7 +86,8 @@ impl Outcome {
     pub fn refused(e: &ServeError) -> Outcome {
         match e {
             ServeError::Invalid(ValidationError::ChatSandbox) => Outcome::FailedInternal,
-            ServeError::Invalid(_) => Outcome::RejectedInvalid,
+            // Meant for another process (this one restarted since it was checked).
+            ServeError::Invalid(_) | ServeError::OtherInstance { .. } => Outcome::RejectedInvalid,
             ServeError::Submit(s) => match s {
                 SubmitError::ContextLengthExceeded { .. } => Outcome::RejectedContextLength,
                 SubmitError::QueueFull { .. } => Outcome::RejectedQueueFull,

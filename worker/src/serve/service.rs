@@ -10,6 +10,7 @@ use tonic::{Request, Response, Status};
 use tracing::{Instrument as _, Span};
 
 use crate::engine::{Event, FinishReason};
+use crate::printable::printable;
 
 use super::actor::{CancelOnDrop, EngineHandle, Events, Submission};
 use super::disagg::{self, PrefillCall, PrefillPeer, PrefillStream};
@@ -103,6 +104,12 @@ impl WorkerService {
         span: Span,
     ) -> Result<GenerateStream, Status> {
         let (caller_id, tenant) = (request.request_id.clone(), request.tenant.clone());
+        // Served by the process the caller checked, or refused: one restarted at this address
+        // (perhaps with another pool or model) is checked again before it is routed to.
+        if !request.instance_id.is_empty() && request.instance_id != self.info.instance_id {
+            let checked = printable(&request.instance_id, 128);
+            return Err(self.refuse(&caller_id, &tenant, ServeError::OtherInstance { checked }));
+        }
         let prompter = self.prompter.clone();
         let parsed = tokio::task::spawn_blocking(move || {
             ValidGenerate::parse(request, prompter.as_ref(), rand::random)

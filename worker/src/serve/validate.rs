@@ -233,6 +233,7 @@ mod tests {
             stop: Vec::new(),
             ignore_eos: false,
             cache_salt: String::new(),
+            instance_id: String::new(),
         }
     }
 
