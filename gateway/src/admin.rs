@@ -216,6 +216,7 @@ async fn reload_tenants(State(state): State<AdminState>) -> Response {
                 "removed": names(&r.removed),
                 "changed": names(&r.changed),
                 "restart_required": r.restart_required.iter().map(|s| s.name()).collect::<Vec<_>>(),
+                "reused": names(&r.reused),
                 "tenants": state.tenants.status(),
             }),
         ),

@@ -124,6 +124,7 @@ impl BoundGateway {
                 .map_err(|_| GatewayError::Policy(PolicyError::Disabled))??,
         };
         let tenants = Tenants::new(config.tenants, Limiter::default(), file);
+        tenants.audited_by(recorder.clone());
         for warning in admin::stray_tenants(&policies, &tenants) {
             tracing::warn!("policies: {warning}");
         }

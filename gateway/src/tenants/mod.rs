@@ -31,13 +31,14 @@ mod tests;
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 
 pub use reload::{ConfigFile, ReloadError, Reloaded, Section};
 pub(crate) use set::TenantSetBuilder;
 pub use set::{Keyring, Member, TenantSet};
 
 use crate::limits::Limiter;
+use crate::trail::Recorder;
 
 /// The active tenant set and the limiter that enforces it; a cheap `Clone`.
 #[derive(Debug, Clone)]
@@ -58,6 +59,8 @@ struct Inner {
     last_error: Mutex<Option<String>>,
     reloads_ok: AtomicU64,
     reloads_refused: AtomicU64,
+    /// The audit log a reload looks up its new tenants' ids in ([`Tenants::audited_by`]).
+    audit: OnceLock<Recorder>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -76,8 +79,27 @@ impl Tenants {
                 last_error: Mutex::new(None),
                 reloads_ok: AtomicU64::new(0),
                 reloads_refused: AtomicU64::new(0),
+                audit: OnceLock::new(),
             }),
         }
+    }
+
+    /// Reloads look up the ids of the tenants they add in `recorder`'s log: an id with
+    /// records already reads its earlier holder's, and the reload says so.
+    pub fn audited_by(&self, recorder: Recorder) {
+        let _ = self.inner.audit.set(recorder);
+    }
+
+    /// Which of `added` already have audit records.
+    fn reused(&self, added: &[crate::tenant::TenantId]) -> Vec<crate::tenant::TenantId> {
+        let Some(recorder) = self.inner.audit.get() else {
+            return Vec::new();
+        };
+        added
+            .iter()
+            .filter(|id| recorder.holds(id))
+            .cloned()
+            .collect()
     }
 
     /// The active set (a request keeps the tenant it authenticated as until it ends).
@@ -113,7 +135,8 @@ impl Tenants {
             .and_then(|file| Ok(file.read()?));
         match result {
             Ok((set, restart_required)) => {
-                let reloaded = Reloaded::between(&self.current(), &set, restart_required);
+                let mut reloaded = Reloaded::between(&self.current(), &set, restart_required);
+                reloaded.reused = self.reused(&reloaded.added);
                 self.swap(set);
                 *lock(&self.inner.last_error) = None;
                 self.inner.reloads_ok.fetch_add(1, Ordering::Relaxed);
@@ -127,6 +150,14 @@ impl Tenants {
                     restart_required = ?reloaded.restart_required.iter().map(|s| s.name()).collect::<Vec<_>>(),
                     "tenants reloaded"
                 );
+                if !reloaded.reused.is_empty() {
+                    tracing::warn!(
+                        reused = ?names(&reloaded.reused),
+                        "tenants new to the configuration whose ids already have audit records: \
+                         each reads its earlier holder's (/v1/audit); give a new tenant a new id, \
+                         or move the old id's log out of the audit directory first"
+                    );
+                }
                 Ok(reloaded)
             }
             Err(e) => {

@@ -204,6 +204,9 @@ pub struct Reloaded {
     pub changed: Vec<TenantId>,
     /// Sections that differ from the running ones and were not applied: they need a restart.
     pub restart_required: Vec<Section>,
+    /// Tenants new in the file whose id already has audit records: each reads its earlier
+    /// holder's (a tenant's log is its id's).
+    pub reused: Vec<TenantId>,
 }
 
 impl Reloaded {
@@ -235,6 +238,7 @@ impl Reloaded {
             removed: ids(old, new),
             changed,
             restart_required,
+            reused: Vec::new(),
         }
     }
 }

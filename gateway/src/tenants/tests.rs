@@ -199,6 +199,7 @@ fn a_removed_tenant_or_a_rotated_key_is_refused_from_the_next_request_on() {
             removed: vec![id("tenant-b")],
             changed: vec![id("tenant-a")],
             restart_required: vec![],
+            reused: vec![],
         }
     );
     assert_eq!(call(&service, "sk-b").0, StatusCode::UNAUTHORIZED);

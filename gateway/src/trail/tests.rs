@@ -702,6 +702,36 @@ async fn a_tenant_reads_its_records_a_page_at_a_time() {
     assert_eq!(status, StatusCode::OK, "{page}");
 }
 
+/// A tenant's log is its id's: a reload that adds an id whose log has records says so (the
+/// new holder would read them), one that adds a fresh id does not.
+#[tokio::test]
+async fn a_reload_that_adds_an_id_with_audit_records_says_so() {
+    let dir = Scratch::new("trail");
+    let file = dir.0.join("gateway.toml");
+    std::fs::write(&file, config_text("tenant-a")).expect("writes the configuration");
+    let (config, loaded) = crate::tenants::ConfigFile::load(&file).expect("loads");
+    let tenants = crate::tenants::Tenants::new(
+        config.tenants,
+        crate::limits::Limiter::default(),
+        Some(loaded),
+    );
+    let recorder = open(&dir, Durability::Group, OnAuditFailure::Refuse);
+    tenants.audited_by(recorder.clone());
+    let trail = recorder.trail("req-a".into(), tracing::Span::none());
+    trail.authenticated(&tenant_a());
+    trail.finish(200, None).await.expect("recorded");
+    recorder.flush().expect("flush");
+    let id = |s: &str| TenantId::new(s).expect("valid");
+    // The key goes to a fresh id: nothing to say.
+    std::fs::write(&file, config_text("tenant-b")).expect("gives the key to tenant-b");
+    let fresh = tenants.reload().expect("reloads");
+    assert_eq!((fresh.added, fresh.reused), (vec![id("tenant-b")], vec![]));
+    // tenant-a's id comes back, to whoever holds the key now: it would read the old records.
+    std::fs::write(&file, config_text("tenant-a")).expect("gives the id back");
+    let again = tenants.reload().expect("reloads");
+    assert_eq!(again.reused, vec![id("tenant-a")]);
+}
+
 /// A request dropped unpolled is recorded for the tenant its key named when it arrived: a
 /// reload in between that gives the key to another tenant does not put the record (its
 /// route, its time) in that tenant's log.
