@@ -617,15 +617,16 @@ impl State {
                     });
                 }
                 // One that serves may fill its pages: its pool and the pair checks must be
-                // known, not skipped. So may one not asked yet — a member DNS just listed (a
-                // headless Service lists only pods that are ready), until its first probe.
-                let unknown = prefills.clone().find(|p| {
-                    matches!(p.health, Health::Serving { .. } | Health::Unknown) && p.info.is_none()
-                });
+                // known, not skipped. (One not asked yet — a member DNS just listed — is not
+                // waited for: the refresh that reads it waits for every worker's probe, and
+                // the prefill worker's own admission and decode's verification hold meanwhile.)
+                let unknown = prefills
+                    .clone()
+                    .find(|p| matches!(p.health, Health::Serving { .. }) && p.info.is_none());
                 if let Some(p) = unknown {
                     return Some(Unroutable::PrefillUnusable {
                         prefill: name.to_owned(),
-                        why: format!("{} may serve but its Info has not been read", p.config.name),
+                        why: format!("{} serves but its Info has not been read", p.config.name),
                     });
                 }
                 // The same checks as `bulkhead preflight`, at run time; without this worker's
@@ -1575,21 +1576,13 @@ mod tests {
         });
         reports(&w, "d", WorkerRole::Decode, 8192, 8192);
         reports(&w, "p", WorkerRole::Prefill, 8192, 8192);
-        // Not asked yet (a member DNS just listed) or serving: either may fill d's pages.
-        for health in [Health::Unknown, serving()] {
-            w.with(|s| s.entries[2].health = health.clone());
-            let why = w.with(|s| s.unroutable(&s.entries[0]));
-            assert!(
-                matches!(&why, Some(Unroutable::PrefillUnusable { why, .. }) if why.contains("p2")),
-                "{health:?}: {why:?}"
-            );
-        }
-        w.with(|s| s.entries[2].health = Health::NotServing);
-        assert!(
-            to(&w, 100).is_some(),
-            "p2 does not serve: the Service routes around it"
-        );
+        assert!(to(&w, 100).is_some(), "p2 does not serve yet");
         w.with(|s| s.entries[2].health = serving());
+        let why = w.with(|s| s.unroutable(&s.entries[0]));
+        assert!(
+            matches!(&why, Some(Unroutable::PrefillUnusable { why, .. }) if why.contains("p2")),
+            "{why:?}"
+        );
         reports(&w, "p2", WorkerRole::Prefill, 2048, 2048);
         assert!(to(&w, 4000).is_none(), "p2's pool bounds it now");
         let route = to(&w, 2000).expect("routed");

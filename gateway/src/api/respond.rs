@@ -217,7 +217,6 @@ impl Started {
                 Ok(Some(GenerateResponse {
                     item: Some(Item::Progress(p)),
                 })) if self.computed.rose(p.computed_tokens) => {
-                    self.progress.computing = true;
                     silent_until = Instant::now() + self.idle;
                 }
                 // The prefill worker computed the prompt: the request is transferring. News

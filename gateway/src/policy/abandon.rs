@@ -47,8 +47,6 @@ pub struct Progress {
     pub tokens: u32,
     /// A decode worker said its prefill worker computed the prompt: its KV is on its way.
     pub prefill_done: bool,
-    /// The worker reported computing part of the prompt.
-    pub computing: bool,
     /// (prompt, completion) tokens, once the worker said Done.
     pub usage: Option<(u32, u32)>,
     /// The request failed (before or after its 200).
@@ -69,12 +67,12 @@ impl Progress {
         u64::from(prompt) + u64::from(completion)
     }
 
-    /// What a request that failed before Done used: nothing when the worker did nothing for
-    /// it (it refused the request, or failed before computing any of the prompt), else
-    /// [`Progress::counted`] — a worker that computed the prompt and then failed did the
-    /// prompt's work, as for a client that leaves then.
+    /// What a request that failed before Done used: nothing before the worker said it
+    /// computed the prompt (a refusal, or a failure before: a worker's progress reports count
+    /// every prompt it computes, not this request's), else [`Progress::counted`] — prefill done
+    /// and then failed, the prompt's work was done, as for a client that leaves then.
     pub fn used_by_failure(&self, prompt_tokens: u32) -> (u32, u32) {
-        if self.tokens == 0 && !self.prefill_done && !self.computing {
+        if self.tokens == 0 && !self.prefill_done {
             (0, 0)
         } else {
             self.counted(prompt_tokens)

@@ -5,13 +5,19 @@
 //! carry) push every other call on the thread past its deadline: requests that did nothing
 //! wrong would fail closed. So a call is charged the time since it started less the time it
 //! spent yielded: the time it ran, and the time it waited in a host call (a WASI sleep is the
-//! guest's own doing).
+//! guest's own doing). Its waits are not unbounded either: a call also ends once
+//! [`TURN_ALLOWANCE`] of wall time past its deadline has gone by, so that calls spinning side
+//! by side on one thread (each charged a share) hold their instance slots, and their requests,
+//! for a bounded time.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+/// How much wall time past its deadline a call may spend waiting for its turns.
+pub(super) const TURN_ALLOWANCE: Duration = Duration::from_millis(500);
 
 /// One call's clock; clones read the same clock.
 #[derive(Debug, Clone)]
@@ -48,11 +54,24 @@ impl CallClock {
         })
     }
 
-    /// Resolves once `budget` has been charged. A call that yields is charged less than the
-    /// wall time that passes, so the wait is taken again until the budget is spent.
+    /// Whether a call of deadline `budget` is over it: `budget` charged, or
+    /// [`TURN_ALLOWANCE`] of wall time past it gone by.
+    pub(super) fn over(&self, budget: Duration) -> bool {
+        self.left(budget).is_zero()
+    }
+
+    /// Until the call is [`CallClock::over`] `budget`, at the soonest.
+    fn left(&self, budget: Duration) -> Duration {
+        let charged = budget.saturating_sub(self.charged());
+        let wall = (budget + TURN_ALLOWANCE).saturating_sub(self.started.elapsed());
+        charged.min(wall)
+    }
+
+    /// Resolves once the call is [`CallClock::over`] `budget`. A call that yields is charged
+    /// less than the wall time that passes, so the wait is taken again until then.
     pub(super) async fn spent(&self, budget: Duration) {
         loop {
-            let left = budget.saturating_sub(self.charged());
+            let left = self.left(budget);
             if left.is_zero() {
                 return;
             }
@@ -92,6 +111,20 @@ mod tests {
         // Time not spent yielded is charged, whatever the call did with it.
         std::thread::sleep(Duration::from_millis(30));
         assert!(clock.charged() >= Duration::from_millis(30));
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_call_that_waits_its_turns_is_over_its_deadline_past_the_allowance() {
+        let clock = CallClock::start();
+        let other = tokio::spawn(hog(40));
+        let budget = Duration::from_millis(10);
+        while !clock.over(budget) {
+            clock.yield_turn().await;
+        }
+        let wall = clock.started.elapsed();
+        assert!(clock.charged() < budget, "charged {:?}", clock.charged());
+        assert!(wall >= budget + TURN_ALLOWANCE, "{wall:?}");
+        other.abort();
     }
 
     #[tokio::test(flavor = "current_thread")]

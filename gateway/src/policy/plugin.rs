@@ -160,10 +160,10 @@ impl Loaded {
         let timeout = self.limits.timeout;
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(move |_| {
-            Ok(if clock.charged() < timeout {
-                UpdateDeadline::YieldCustom(1, clock.yield_turn())
-            } else {
+            Ok(if clock.over(timeout) {
                 UpdateDeadline::Interrupt
+            } else {
+                UpdateDeadline::YieldCustom(1, clock.yield_turn())
             })
         });
         store

@@ -538,22 +538,22 @@ async fn counted(p: &Policies) -> (Result<RequestPolicy, Refused>, Duration) {
 
 /// A call yields its thread at every epoch tick, and the thread serves other calls meanwhile:
 /// a deadline counted in wall time would charge one tenant's call for the turns of another's
-/// spinning ones, and fail it closed. Tenant B's call needs a fifth of its deadline; sixteen
-/// of tenant A's spin beside it on the one thread, one after another, so it takes more than
-/// its deadline in wall time — and is still allowed, while every one of A's is cut off at its
-/// own.
+/// spinning ones, and fail it closed. Tenant B's call needs a tenth of its deadline; 24 of
+/// tenant A's spin beside it on the one thread, one after another, so it takes more than its
+/// deadline in wall time (within the allowance for waiting turns) — and is still allowed, while
+/// every one of A's is cut off.
 #[tokio::test(flavor = "current_thread")]
 async fn a_call_is_charged_its_own_time_not_the_turns_of_other_tenants_spinning_calls() {
     const TIMEOUT: Duration = Duration::from_millis(100);
     let dir = Scratch::new("policy");
-    // How far B counts in a fifth of the deadline, on this machine, alone.
+    // How far B counts in a tenth of the deadline, on this machine, alone.
     let probe = 20_000_000;
     let (alone, took) = counted(&hogs_and_a_counter(&dir, 1000, probe)).await;
     alone.expect("B's count alone is allowed");
-    let rounds = (probe as f64 * (TIMEOUT.as_secs_f64() / 5.0) / took.as_secs_f64()) as u64;
+    let rounds = (probe as f64 * (TIMEOUT.as_secs_f64() / 10.0) / took.as_secs_f64()) as u64;
     let p = hogs_and_a_counter(&dir, TIMEOUT.as_millis() as u64, rounds.max(1));
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let hogs: Vec<_> = (0..16)
+    let hogs: Vec<_> = (0..24)
         .map(|_| {
             let (p, stop) = (p.clone(), stop.clone());
             tokio::spawn(async move {
@@ -580,6 +580,37 @@ async fn a_call_is_charged_its_own_time_not_the_turns_of_other_tenants_spinning_
         let faults = hog.await.expect("ran");
         assert!(!faults.is_empty());
         assert!(faults.iter().all(|f| *f == Fault::Timeout), "{faults:?}");
+    }
+}
+
+/// Calls spinning side by side on one thread are each charged their own turns, yet end once
+/// their deadline and the allowance for waiting turns have gone by in wall time: a tenant's
+/// flood holds instance slots, and its requests, for a bounded time (charged time alone, these
+/// thirty would take thirty deadlines).
+#[tokio::test(flavor = "current_thread")]
+async fn spinning_calls_side_by_side_end_by_their_deadline_and_the_allowance() {
+    const TIMEOUT: Duration = Duration::from_millis(50);
+    let dir = Scratch::new("policy");
+    let p = hogs_and_a_counter(&dir, TIMEOUT.as_millis() as u64, 1);
+    let t0 = Instant::now();
+    let hogs: Vec<_> = (0..30)
+        .map(|_| {
+            let p = p.clone();
+            tokio::spawn(async move { (fault_of(ask(&p, Ask::default()).await), t0.elapsed()) })
+        })
+        .collect();
+    // The deadline and the allowance are 550 ms; thirty deadlines, 1.5 s.
+    assert_eq!(
+        TIMEOUT + super::call_clock::TURN_ALLOWANCE,
+        Duration::from_millis(550)
+    );
+    for hog in hogs {
+        let (fault, took) = hog.await.expect("ran");
+        assert_eq!(fault, Fault::Timeout);
+        assert!(
+            took < Duration::from_millis(1000),
+            "a spinning call took {took:?}"
+        );
     }
 }
 
@@ -1843,31 +1874,26 @@ async fn a_request_abandoned_before_its_call_was_answered_is_charged_nothing() {
         .expect("all of the minute's 1000 are back: the prompt was never computed");
 }
 
-/// A request that failed before its first token is charged nothing when the worker did
-/// nothing for it (it refused the request), and its prompt once the worker computed some of it
-/// (prefill done, then the transfer failed; a colocated worker's progress): that work was
-/// done, as it is charged for a client that leaves then.
+/// A request that failed before its first token is charged nothing before the worker said
+/// it computed the prompt (a refusal), and its prompt after (prefill done, then the transfer
+/// failed): that work was done, as it is charged for a client that leaves then.
 #[tokio::test]
 async fn a_failed_request_is_charged_its_prompt_once_the_worker_computed_it() {
-    let failed = |prefill_done, computing| Progress {
-        failed: true,
-        prefill_done,
-        computing,
-        ..Progress::default()
-    };
-    for (progress, charged) in [
-        (failed(false, false), false),
-        (failed(true, false), true),
-        (failed(false, true), true),
-    ] {
-        let (p, dir, a, limiter, charge) = one_slot_charged_in_full();
+    for (prefill_done, charged) in [(false, false), (true, true)] {
+        let progress = Progress {
+            failed: true,
+            prefill_done,
+            ..Progress::default()
+        };
+        let (p, dir, a, limiter, mut charge) = one_slot_charged_in_full();
+        // A prompt of 500 (its tokens take 30 s to come back at 1000 a minute).
+        (charge.prompt_tokens, charge.max_tokens) = (500, 500);
         let r = ask(&p, Ask::default()).await.expect("allowed");
         r.finish(None, progress, trail(&dir), charge, Endpoint::Chat);
         let mut next = slot_back(&limiter, &a).await;
-        // The prompt's 10 tokens take 600 ms to come back at 1000 a minute.
         assert_eq!(next.charge_tokens(1000).is_err(), charged, "{progress:?}");
         if charged {
-            next.charge_tokens(990)
+            next.charge_tokens(500)
                 .expect("all but the prompt came back");
         }
     }
