@@ -702,10 +702,14 @@ async fn a_tenant_reads_its_records_a_page_at_a_time() {
     assert_eq!(status, StatusCode::OK, "{page}");
 }
 
-/// A tenant's log is its id's: a reload that adds an id whose log has records says so (the
-/// new holder would read them), one that adds a fresh id does not.
-#[tokio::test]
-async fn a_reload_that_adds_an_id_with_audit_records_says_so() {
+/// `tenant-a` (key `sk-a`) read from a configuration file that reloads re-read, and a
+/// group-commit audit log, both in a fresh directory.
+fn reloadable() -> (
+    Scratch,
+    std::path::PathBuf,
+    crate::tenants::Tenants,
+    Recorder,
+) {
     let dir = Scratch::new("trail");
     let file = dir.0.join("gateway.toml");
     std::fs::write(&file, config_text("tenant-a")).expect("writes the configuration");
@@ -716,6 +720,14 @@ async fn a_reload_that_adds_an_id_with_audit_records_says_so() {
         Some(loaded),
     );
     let recorder = open(&dir, Durability::Group, OnAuditFailure::Refuse);
+    (dir, file, tenants, recorder)
+}
+
+/// A tenant's log is its id's: a reload that adds an id whose log has records says so (the
+/// new holder would read them), one that adds a fresh id does not.
+#[tokio::test]
+async fn a_reload_that_adds_an_id_with_audit_records_says_so() {
+    let (_dir, file, tenants, recorder) = reloadable();
     tenants.audited_by(recorder.clone());
     let trail = recorder.trail("req-a".into(), tracing::Span::none());
     trail.authenticated(&tenant_a());
@@ -740,16 +752,7 @@ async fn a_request_dropped_unpolled_is_recorded_for_the_tenant_it_arrived_as() {
     use hyper::service::Service as _;
     use hyper_util::service::TowerToHyperService;
 
-    let dir = Scratch::new("trail");
-    let file = dir.0.join("gateway.toml");
-    std::fs::write(&file, config_text("tenant-a")).expect("writes the configuration");
-    let (config, loaded) = crate::tenants::ConfigFile::load(&file).expect("loads");
-    let tenants = crate::tenants::Tenants::new(
-        config.tenants,
-        crate::limits::Limiter::default(),
-        Some(loaded),
-    );
-    let recorder = open(&dir, Durability::Group, OnAuditFailure::Refuse);
+    let (_dir, file, tenants, recorder) = reloadable();
     let watch = super::Watch::new(
         TowerToHyperService::new(app(&recorder)),
         recorder.clone(),
