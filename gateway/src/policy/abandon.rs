@@ -61,12 +61,6 @@ impl Progress {
         self.usage.unwrap_or((prompt_tokens, self.tokens))
     }
 
-    /// [`Progress::counted`], summed.
-    pub fn used(&self, prompt_tokens: u32) -> u64 {
-        let (prompt, completion) = self.counted(prompt_tokens);
-        u64::from(prompt) + u64::from(completion)
-    }
-
     /// What a request that failed before Done used: nothing before the worker said it
     /// computed the prompt (a refusal, or a failure before: a worker's progress reports count
     /// every prompt it computes, not this request's), else [`Progress::counted`] — prefill done

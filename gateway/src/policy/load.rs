@@ -352,8 +352,8 @@ fn prepare(
 /// What `GET /policies` and the log say of a plugin whose schema the set does not pin.
 pub(super) fn unpinned_schema(plugin: &str) -> String {
     format!(
-        "plugin {plugin:?}: its schema is not pinned (schema_sha256): whoever can replace \
-         {plugin}.schema.json beside its component can loosen what configurations pass"
+        "plugin {plugin:?}: its schema is not pinned (schema_sha256): whoever can replace the \
+         schema beside its component can loosen what configurations pass"
     )
 }
 
