@@ -369,7 +369,43 @@ pub fn checks(answers: &[Answer]) -> Vec<Check> {
             out.push(whole_context(&d.worker.name, di, &p.worker.name, pi));
         }
     }
+    out.extend(one_model(answers));
     out
+}
+
+/// Whether every worker the gateway routes to (decode and colocated ones that answered) serves
+/// one model: the gateway serves one (the first it registers), and never routes to a worker
+/// serving another — a decode worker started on the wrong file would stand idle, seen only in
+/// `/workers`. (A prefill worker is held to its decode workers' model by the pair checks.) No
+/// check for fewer than two.
+fn one_model(answers: &[Answer]) -> Option<Check> {
+    let mut models: Vec<(&str, Vec<&str>)> = Vec::new();
+    for a in answers.iter().filter(|a| a.worker.role != WorkerRole::Prefill) {
+        let Ok(info) = &a.info else { continue };
+        let name = a.worker.name.as_str();
+        match models.iter_mut().find(|(m, _)| *m == info.model_id) {
+            Some((_, workers)) => workers.push(name),
+            None => models.push((&info.model_id, vec![name])),
+        }
+    }
+    if models.iter().map(|(_, w)| w.len()).sum::<usize>() < 2 {
+        return None;
+    }
+    let detail = match models.as_slice() {
+        [(model, _)] => format!("every worker serves {model}"),
+        _ => models
+            .iter()
+            .map(|(model, workers)| format!("{model} ({})", workers.join(", ")))
+            .collect::<Vec<_>>()
+            .join("; "),
+    };
+    Some(Check {
+        subject: "all workers".to_owned(),
+        name: "serve one model",
+        pass: models.len() == 1,
+        detail,
+        advisory: false,
+    })
 }
 
 /// The checks of one worker, configured as `role`, on what its Info says: the same at run
@@ -787,6 +823,37 @@ mod tests {
         assert!(checks.len() >= 12, "{checks:?}");
         assert_eq!(failed(&checks), []);
         assert!(render(&answers, &[], &checks).1);
+    }
+
+    #[test]
+    fn workers_serving_two_models_fail_by_model() {
+        let answers = |model: &str| {
+            let mut a = pair_answers(
+                info("m", 8192, 8192, 16, 4 << 20),
+                info("m", 8192, 8192, 16, 0),
+            );
+            a.push(Answer {
+                worker: worker("b", WorkerRole::Both, None),
+                info: Ok(InfoResponse {
+                    role: Role::Both.into(),
+                    ..info(model, 8192, 8192, 16, 0)
+                }),
+                open: None,
+            });
+            a
+        };
+        let mixed = checks(&answers("other"));
+        assert_eq!(failed(&mixed), [("all workers", "serve one model")]);
+        let check = mixed.iter().find(|c| c.name == "serve one model");
+        assert_eq!(
+            check.map(|c| c.detail.as_str()),
+            Some("m (d); other (b)")
+        );
+        assert_eq!(failed(&checks(&answers("m"))), []);
+        // One worker routed to: nothing to compare (its prefill worker's model is a pair check).
+        let mut alone = answers("other");
+        alone.truncate(2);
+        assert!(!checks(&alone).iter().any(|c| c.name == "serve one model"));
     }
 
     /// A batch is checked as the sender makes it: a frame (a page) past the bound. A bound of

@@ -110,6 +110,7 @@ pub fn span_failed(span: &tracing::Span, error: &ApiError) {
 pub fn finish_reason(reason: i32) -> &'static str {
     match proto::FinishReason::try_from(reason) {
         Ok(proto::FinishReason::Length) => "length",
+        Ok(proto::FinishReason::ContentFilter) => "content_filter",
         Ok(proto::FinishReason::Stop | proto::FinishReason::Unspecified) | Err(_) => "stop",
     }
 }
@@ -174,6 +175,15 @@ mod tests {
         assert_eq!(f.error, ApiError::KvIntegrity);
         let f = from_status(&status(Code::Internal, "internal_error"), Endpoint::Chat);
         assert_eq!(f.error, ApiError::Internal);
+    }
+
+    #[test]
+    fn each_finish_reason_reads_as_openai_spells_it() {
+        let reads = |r: proto::FinishReason| finish_reason(i32::from(r));
+        assert_eq!(reads(proto::FinishReason::Stop), "stop");
+        assert_eq!(reads(proto::FinishReason::Length), "length");
+        assert_eq!(reads(proto::FinishReason::ContentFilter), "content_filter");
+        assert_eq!(reads(proto::FinishReason::Unspecified), "stop");
     }
 
     #[test]

@@ -874,6 +874,9 @@ impl Events {
         }
         match choice.finish_reason.as_deref() {
             Some("length") => self.finish = FinishReason::Length,
+            // The server withheld the rest: the client is told so, not that the answer ended
+            // where the model wanted it to.
+            Some("content_filter") => self.finish = FinishReason::ContentFilter,
             // vLLM's ends of a generation cut short (an aborted request, a failed KV load
             // between its prefill and decode): followed by `[DONE]` like any end, they are
             // failures, never a 200 that says the answer stopped where it wanted to. This
@@ -1156,6 +1159,16 @@ mod tests {
             );
             assert!(status.message().contains(reason), "{status:?}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_filtered_answer_is_said_to_be_filtered_not_finished() {
+        let body = "data: {\"choices\":[{\"text\":\"Hel\"}]}\n\n\
+                    data: {\"choices\":[{\"text\":\"\",\"finish_reason\":\"content_filter\"}]}\n\n\
+                    data: [DONE]\n\n";
+        let (text, done) = drain(stream(&[body])).await.expect("a complete stream");
+        assert_eq!(text, "Hel");
+        assert_eq!(done.finish_reason, i32::from(FinishReason::ContentFilter));
     }
 
     #[tokio::test]
