@@ -380,7 +380,10 @@ pub fn checks(answers: &[Answer]) -> Vec<Check> {
 /// check for fewer than two.
 fn one_model(answers: &[Answer]) -> Option<Check> {
     let mut models: Vec<(&str, Vec<&str>)> = Vec::new();
-    for a in answers.iter().filter(|a| a.worker.role != WorkerRole::Prefill) {
+    for a in answers
+        .iter()
+        .filter(|a| a.worker.role != WorkerRole::Prefill)
+    {
         let Ok(info) = &a.info else { continue };
         let name = a.worker.name.as_str();
         match models.iter_mut().find(|(m, _)| *m == info.model_id) {
@@ -845,10 +848,7 @@ mod tests {
         let mixed = checks(&answers("other"));
         assert_eq!(failed(&mixed), [("all workers", "serve one model")]);
         let check = mixed.iter().find(|c| c.name == "serve one model");
-        assert_eq!(
-            check.map(|c| c.detail.as_str()),
-            Some("m (d); other (b)")
-        );
+        assert_eq!(check.map(|c| c.detail.as_str()), Some("m (d); other (b)"));
         assert_eq!(failed(&checks(&answers("m"))), []);
         // One worker routed to: nothing to compare (its prefill worker's model is a pair check).
         let mut alone = answers("other");

@@ -17,7 +17,10 @@
 //! message holds a [`Lease`] on the budget until the engine is done with it, and a connection
 //! whose message does not fit waits before reading the next, so a peer that sends faster than
 //! the engine writes — or floods frames of no session — is slowed by TCP instead of queued in
-//! memory. One connection carries at most [`MAX_OPEN_SESSIONS`] open sessions.
+//! memory. One connection carries at most [`MAX_OPEN_SESSIONS`] open sessions, and the listener
+//! holds at most two connections (a transfer's, its drain acknowledgement's) per request the
+//! engine can hold ([`serve`]): each may read one frame ahead of its lease, so that bounds what
+//! waits outside the budget too.
 //!
 //! When a connection ends — cleanly or not — every session it carried that was not closed is
 //! reported as torn down: nothing more of it can arrive, which is the drain acknowledgement
@@ -223,28 +226,46 @@ impl Limits {
     }
 }
 
-/// Decode role: accepts data-plane connections for as long as the worker serves; each
-/// connection's messages go to `to` (the engine), frames of at most `max_frame` bytes (a
-/// page); a peer that vanishes loses its connection after about the peer timeout, and so does
-/// one that carries no open session for that long or leaves a message unfinished past
-/// `limits.message` ([`receive`]). A failed accept is logged and accepting goes on
-/// ([`accepting::next`]).
+/// How often a decode worker says it closed data connections over its bound (with how many).
+const REFUSALS_LOGGED_EVERY: Duration = Duration::from_secs(10);
+
+/// Decode role: accepts data-plane connections for as long as the worker serves, at most
+/// `max_connections` at once; each connection's messages go to `to` (the engine), frames of at
+/// most `max_frame` bytes (a page); a peer that vanishes loses its connection after about the
+/// peer timeout, and so does one that carries no open session for that long or leaves a
+/// message unfinished past `limits.message` ([`receive`]). A failed accept is logged and
+/// accepting goes on ([`accepting::next`]).
+///
+/// A connection over the bound is closed as soon as it is accepted: each one holds a socket, a
+/// task, its head buffer and up to a frame read ahead of its lease on the receive budget, so
+/// whoever reaches the port could otherwise make the worker hold memory and descriptors without
+/// end (until its gRPC listener, in the same process, could accept nothing either). Prefill
+/// opens one connection per transfer and one per drain acknowledgement, so the worker's bound
+/// is two per request its engine can hold.
 pub async fn serve(
     listener: TcpListener,
     to: impl Deliver + Clone + Send + Sync + 'static,
     max_frame: u32,
     limits: Limits,
+    max_connections: usize,
     tls: Option<ClusterTls>,
 ) -> Infallible {
     let peer_timeout = limits.peer_timeout;
     let buffers = Buffers::up_to(max_frame);
+    let connections = Arc::new(Semaphore::new(max_connections));
+    let mut refused = Refused::default();
     loop {
         let (socket, peer) = accepting::next(&listener, "KV data").await;
+        let Ok(held) = connections.clone().try_acquire_owned() else {
+            refused.count(peer, max_connections);
+            continue;
+        };
         if let Err(e) = bound_peer(&socket, peer_timeout) {
             tracing::warn!(%peer, error = %e, "cannot bound a KV data connection's dead peer");
         }
         let (to, buffers, tls) = (to.clone(), buffers.clone(), tls.clone());
         tokio::spawn(async move {
+            let _held = held;
             let socket = match accepted(socket, tls.as_ref(), peer_timeout).await {
                 Ok(socket) => socket,
                 Err(e) => {
@@ -256,6 +277,31 @@ pub async fn serve(
                 tracing::warn!(%peer, error = %e, "KV data connection ended with an error");
             }
         });
+    }
+}
+
+/// Data connections closed over the bound since it was last said, said at most every
+/// [`REFUSALS_LOGGED_EVERY`] (a flood of them is one line, not one each).
+#[derive(Debug, Default)]
+struct Refused {
+    since_said: u64,
+    said_at: Option<std::time::Instant>,
+}
+
+impl Refused {
+    fn count(&mut self, peer: std::net::SocketAddr, max_connections: usize) {
+        self.since_said += 1;
+        let now = std::time::Instant::now();
+        if self
+            .said_at
+            .is_some_and(|at| now.duration_since(at) < REFUSALS_LOGGED_EVERY)
+        {
+            return;
+        }
+        tracing::warn!(%peer, closed = self.since_said, max_connections,
+            "closed KV data connections over the bound on open ones");
+        self.since_said = 0;
+        self.said_at = Some(now);
     }
 }
 
@@ -1157,8 +1203,11 @@ mod tests {
         }
     }
 
-    /// A listener serving into a fresh log, with `tls`.
-    async fn listening(tls: Option<ClusterTls>) -> (String, Log, tokio::task::JoinHandle<()>) {
+    /// A listener serving into a fresh log, with `tls`, at most `connections` at once.
+    async fn listening_with(
+        tls: Option<ClusterTls>,
+        connections: usize,
+    ) -> (String, Log, tokio::task::JoinHandle<()>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let address = listener.local_addr().expect("address").to_string();
         let log = Log::default();
@@ -1167,10 +1216,16 @@ mod tests {
             log.clone(),
             MAX_FRAME_BYTES,
             Limits::new(DEFAULT_PEER_TIMEOUT, MAX_FRAME_BYTES, 100_000_000),
+            connections,
             tls,
         );
         let server = tokio::spawn(async move { match serving.await {} });
         (address, log, server)
+    }
+
+    /// A listener serving into a fresh log, with `tls`.
+    async fn listening(tls: Option<ClusterTls>) -> (String, Log, tokio::task::JoinHandle<()>) {
+        listening_with(tls, 64).await
     }
 
     /// A transfer of `fs` and then a drain acknowledgement, each on its own connection, from
@@ -1219,6 +1274,45 @@ mod tests {
                 }
             );
         }
+    }
+
+    /// Whether the listener closes `socket` (it reads the end, or a reset) within a second.
+    async fn closed_at_once(socket: &mut TcpStream) -> bool {
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(1), socket.read(&mut byte)).await;
+        matches!(read, Ok(Ok(0) | Err(_)))
+    }
+
+    #[tokio::test]
+    async fn connections_over_the_bound_are_closed_and_a_freed_place_is_taken_again() {
+        let (address, log, server) = listening_with(None, 2).await;
+        let mut idle = Vec::new();
+        for _ in 0..2 {
+            let mut socket = TcpStream::connect(&address).await.expect("connect");
+            assert!(!closed_at_once(&mut socket).await, "within the bound: held");
+            idle.push(socket);
+        }
+        for _ in 0..3 {
+            let mut over = TcpStream::connect(&address).await.expect("connect");
+            assert!(closed_at_once(&mut over).await, "over the bound: closed");
+        }
+        assert!(log.got.lock().expect("lock").is_empty());
+        // One leaves: its place is taken by a transfer (once the listener has seen it go).
+        idle.pop();
+        let fs = frames(1, 100);
+        for _ in 0..100 {
+            let _ = send_with(&address, &fs, &manifest(&fs), &plain(), || false).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            if !log.got.lock().expect("lock").is_empty() {
+                break;
+            }
+        }
+        server.abort();
+        let got = log.got.lock().expect("lock").clone();
+        assert_eq!(
+            got[..],
+            received(&fs, [Received::Manifest(manifest(&fs)), complete()])[..]
+        );
     }
 
     fn complete() -> Received {

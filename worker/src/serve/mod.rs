@@ -155,6 +155,9 @@ pub struct BoundWorker {
     kv_peer_timeout: Duration,
     /// The slowest transfer rate allowed, bytes/s: a frame begun is given its time at it.
     kv_floor: u64,
+    /// The most data connections open at once: two (a transfer's, its drain
+    /// acknowledgement's) per request the engine can hold, running or queued.
+    kv_max_connections: usize,
     /// Required on every gRPC call.
     cluster_token: Option<SharedToken>,
     tls: Option<ClusterTls>,
@@ -201,6 +204,9 @@ impl BoundWorker {
 
         let layout = model.kv_layout(config.engine.page_tokens.get() as usize);
         let kv_floor = config.engine.transfer_floor_bytes_per_s;
+        // Each request the engine holds (running or queued) has at most a transfer's connection
+        // and a drain acknowledgement's open at once.
+        let kv_max_connections = 2 * (config.engine.max_running + config.engine.queue_capacity);
         let engine = Engine::new(model, tokenizer, config.engine)?;
         let capacity = engine.capacity();
         info::set_capacity(&mut info, capacity);
@@ -272,6 +278,7 @@ impl BoundWorker {
             kv,
             kv_peer_timeout: config.kv_peer_timeout,
             kv_floor,
+            kv_max_connections,
             cluster_token: config.cluster_token,
             tls: config.tls,
             service,
@@ -321,10 +328,11 @@ impl BoundWorker {
             // No frame is longer than one of this worker's pages.
             let max_frame = u32::try_from(self.capacity.page_bytes).unwrap_or(u32::MAX);
             let limits = kvplane::Limits::new(peer_timeout, max_frame, self.kv_floor);
+            let max_connections = self.kv_max_connections;
             async move {
                 match listener {
                     Some(l) => tokio::select! {
-                        never = kvplane::serve(l, engine, max_frame, limits, tls) => match never {},
+                        never = kvplane::serve(l, engine, max_frame, limits, max_connections, tls) => match never {},
                         () = stop => (),
                     },
                     None => std::future::pending().await,
