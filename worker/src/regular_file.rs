@@ -7,11 +7,11 @@ use std::io::{self, Read as _};
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::Path;
 
-/// The whole contents of the regular file at `path` (a symbolic link is followed); an error of
-/// kind `InvalidInput` for anything else.
-pub fn read(path: &Path) -> io::Result<Vec<u8>> {
+/// The regular file at `path` (a symbolic link is followed), open to read; an error of kind
+/// `InvalidInput` for anything else.
+pub fn open(path: &Path) -> io::Result<std::fs::File> {
     // O_NONBLOCK: opening a FIFO returns at once; on a regular file it changes nothing.
-    let mut file = std::fs::OpenOptions::new()
+    let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK)
         .open(path)?;
@@ -26,6 +26,13 @@ pub fn read(path: &Path) -> io::Result<Vec<u8>> {
             },
         ));
     }
+    Ok(file)
+}
+
+/// The whole contents of the regular file at `path` (a symbolic link is followed); an error of
+/// kind `InvalidInput` for anything else.
+pub fn read(path: &Path) -> io::Result<Vec<u8>> {
+    let mut file = open(path)?;
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes)?;
     Ok(bytes)

@@ -61,6 +61,8 @@ pub enum GgufError {
         end: u64,
         len: u64,
     },
+    #[error("tensors {first:?} and {second:?} share bytes: a model file's tensors never do")]
+    Overlapping { first: String, second: String },
     #[error("tensor {name:?} data offset {offset} is not aligned to {alignment}")]
     Misaligned {
         name: String,

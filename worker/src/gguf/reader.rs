@@ -1,5 +1,4 @@
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::Path;
 
 use bulkhead_kernels::{DType, QMatrix};
@@ -43,7 +42,8 @@ impl Gguf {
             path: path.to_owned(),
             source,
         };
-        let file = File::open(path).map_err(io)?;
+        // Not a FIFO or a device (either would hold the reader for ever).
+        let file = crate::regular_file::open(path).map_err(io)?;
         // SAFETY: the map is read-only and private to this process. Bulkhead never writes model
         // files while serving; an outside writer truncating the file would fault, not corrupt
         // memory safety, on the systems we support (documented operator rule: replace model
@@ -235,7 +235,9 @@ fn parse(bytes: &[u8]) -> Result<Parsed, GgufError> {
     for i in 0..kv_count {
         let key = r.string(&format!("key of metadata entry {i}"))?;
         let type_id = r.u32(&format!("type of {key:?}"))?;
-        let value = r.value(&key, type_id, 0)?;
+        // Named once per key, not once per array item: a long key over a long array would
+        // otherwise cost their product in copies.
+        let value = r.value(&key, &format!("value of {key:?}"), type_id, 0)?;
         if metadata.insert(key.clone(), value).is_some() {
             return Err(GgufError::DuplicateKey { key });
         }
@@ -333,7 +335,29 @@ fn parse(bytes: &[u8]) -> Result<Parsed, GgufError> {
             },
         );
     }
+    disjoint(&tensors)?;
     Ok((version, metadata, tensors))
+}
+
+/// Refuses tensors whose bytes overlap. A model file lays them out one after another; a file
+/// that points many tensors at the same bytes (a hundred thousand layers over one layer's
+/// data, in a file of that one layer) would be unpacked into memory once per tensor.
+fn disjoint(tensors: &HashMap<String, TensorInfo>) -> Result<(), GgufError> {
+    let mut spans: Vec<(&str, &TensorInfo)> =
+        tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    spans.sort_unstable_by_key(|(n, t)| (t.start, *n));
+    for pair in spans.windows(2) {
+        let [(first, a), (second, b)] = pair else {
+            continue;
+        };
+        if b.start < a.start + a.len {
+            return Err(GgufError::Overlapping {
+                first: (*first).to_owned(),
+                second: (*second).to_owned(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Bounds-checked little-endian reads over the header.
@@ -416,34 +440,40 @@ impl Reader<'_> {
         String::from_utf8(bytes.to_vec()).map_err(|_| GgufError::BadUtf8 { what: what.into() })
     }
 
-    fn value(&mut self, key: &str, type_id: u32, depth: usize) -> Result<Value, GgufError> {
-        let what = format!("value of {key:?}");
+    /// The value of `key` (named `what` in errors), of type `type_id`.
+    fn value(
+        &mut self,
+        key: &str,
+        what: &str,
+        type_id: u32,
+        depth: usize,
+    ) -> Result<Value, GgufError> {
         Ok(match type_id {
-            0 => Value::U8(u8::from_le_bytes(self.array(&what)?)),
-            1 => Value::I8(i8::from_le_bytes(self.array(&what)?)),
-            2 => Value::U16(u16::from_le_bytes(self.array(&what)?)),
-            3 => Value::I16(i16::from_le_bytes(self.array(&what)?)),
-            4 => Value::U32(u32::from_le_bytes(self.array(&what)?)),
-            5 => Value::I32(i32::from_le_bytes(self.array(&what)?)),
-            6 => Value::F32(f32::from_le_bytes(self.array(&what)?)),
-            7 => Value::Bool(self.array::<1>(&what)?[0] != 0),
-            8 => Value::String(self.string(&what)?),
-            10 => Value::U64(u64::from_le_bytes(self.array(&what)?)),
-            11 => Value::I64(i64::from_le_bytes(self.array(&what)?)),
-            12 => Value::F64(f64::from_le_bytes(self.array(&what)?)),
+            0 => Value::U8(u8::from_le_bytes(self.array(what)?)),
+            1 => Value::I8(i8::from_le_bytes(self.array(what)?)),
+            2 => Value::U16(u16::from_le_bytes(self.array(what)?)),
+            3 => Value::I16(i16::from_le_bytes(self.array(what)?)),
+            4 => Value::U32(u32::from_le_bytes(self.array(what)?)),
+            5 => Value::I32(i32::from_le_bytes(self.array(what)?)),
+            6 => Value::F32(f32::from_le_bytes(self.array(what)?)),
+            7 => Value::Bool(self.array::<1>(what)?[0] != 0),
+            8 => Value::String(self.string(what)?),
+            10 => Value::U64(u64::from_le_bytes(self.array(what)?)),
+            11 => Value::I64(i64::from_le_bytes(self.array(what)?)),
+            12 => Value::F64(f64::from_le_bytes(self.array(what)?)),
             9 if depth < MAX_DEPTH => {
-                let elem = self.u32(&what)?;
-                let count = self.u64(&what)?;
-                self.plausible(&what, count, item_bytes(elem))?;
+                let elem = self.u32(what)?;
+                let count = self.u64(what)?;
+                self.plausible(what, count, item_bytes(elem))?;
                 self.items_left =
                     self.items_left
                         .checked_sub(count)
                         .ok_or_else(|| GgufError::TooManyItems {
-                            what: what.clone(),
+                            what: what.to_owned(),
                             limit: MAX_ITEMS,
                         })?;
                 let items = (0..count)
-                    .map(|_| self.value(key, elem, depth + 1))
+                    .map(|_| self.value(key, what, elem, depth + 1))
                     .collect::<Result<_, _>>()?;
                 Value::Array(items)
             }

@@ -156,3 +156,74 @@ fn the_metadata_arrays_are_held_to_a_number_of_items_in_all() {
     let e = parse_bytes(&file((4 << 20) + 1)).expect_err("refused");
     assert!(matches!(e, GgufError::TooManyItems { .. }), "{e}");
 }
+
+/// Two tensors pointed at the same bytes: a small file that would be unpacked once per tensor
+/// (a hundred thousand layers over one layer's data) is refused as it is read.
+#[test]
+fn tensors_that_share_bytes_are_refused() {
+    let mut w = GgufWriter::new();
+    w.tensor("a", &[32], DType::F32, vec![0; 128])
+        .tensor("b", &[32], DType::F32, vec![0; 128]);
+    let mut bytes = w.to_bytes();
+    assert!(parse_bytes(&bytes).is_ok(), "one after the other");
+    // b's info is the last in the header: its offset is the 8 bytes before the padding to
+    // the data section. Point it at a's bytes, then into their middle.
+    let b_offset = bytes
+        .windows(8)
+        .rposition(|w| w == 128u64.to_le_bytes())
+        .expect("b's offset");
+    for offset in [0u64, 64] {
+        bytes[b_offset..b_offset + 8].copy_from_slice(&offset.to_le_bytes());
+        let e = parse_bytes(&bytes).expect_err("overlapping");
+        assert!(matches!(e, GgufError::Overlapping { .. }), "{e}");
+        assert!(e.to_string().contains("\"a\" and \"b\""), "{e}");
+    }
+}
+
+/// A long key over a long array was named again for every item: its copies grew with their
+/// product (a 4 MB file took minutes).
+#[test]
+fn a_long_key_over_a_long_array_reads_in_time() {
+    let key = "k".repeat(64 << 10);
+    let count = 1u64 << 20;
+    let mut b = Vec::new();
+    b.extend(b"GGUF");
+    b.extend(3u32.to_le_bytes());
+    b.extend(0u64.to_le_bytes()); // tensors
+    b.extend(1u64.to_le_bytes()); // metadata keys
+    b.extend((key.len() as u64).to_le_bytes());
+    b.extend(key.as_bytes());
+    b.extend(9u32.to_le_bytes()); // an array
+    b.extend(0u32.to_le_bytes()); // of u8
+    b.extend(count.to_le_bytes());
+    b.resize(b.len() + count as usize, 7);
+    let started = std::time::Instant::now();
+    let g = parse_bytes(&b).expect("a valid file");
+    assert!(matches!(g.get(&key), Ok(Value::Array(a)) if a.len() == count as usize));
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_fifo_is_refused_without_blocking() {
+    let path = std::env::temp_dir().join(format!(
+        "bulkhead-gguf-fifo-{}-{}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).expect("a path");
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let opening = path.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(Gguf::open(&opening).map(|_| ()).map_err(|e| e.to_string()));
+    });
+    let opened = rx.recv_timeout(std::time::Duration::from_secs(5));
+    let _ = std::fs::remove_file(&path);
+    let e = opened.expect("answered at once").expect_err("refused");
+    assert!(e.contains("not a regular file"), "{e}");
+}
