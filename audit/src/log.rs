@@ -695,6 +695,14 @@ fn hold_to_roster(
         });
     }
     for tenant in tenants.iter().filter(|t| !roster.lists(t)) {
+        // Listed with its head, as a tenant's first record lists it: the crash may have come
+        // before the head was written (or its rename made durable), and a listed tenant
+        // without one would be taken for emptied at the next open.
+        let tdir = layout::tenant_dir(dir, tenant);
+        let head = tdir.join(HEAD);
+        if !head.try_exists().map_err(io_err("stat", &head))? {
+            write_head(&tdir, chain, tenant, HeadFile::Genesis)?;
+        }
         roster::append(dir, chain, tenant).map_err(io_err("append to", &path))?;
         recoveries.push(Recovery::ListedEmptyTenant {
             tenant: tenant.clone(),
@@ -1011,15 +1019,23 @@ fn recover_tenant(
         });
         segment_len = line.offset;
     }
-    // A crash before the first record's head: the head names it now, so a second crash after
-    // more records cannot leave a genesis head behind more than one.
-    if named.is_none() && next == Some(1) {
+    // Lines resumed past the head were written, but a crash between their write and its fsync
+    // leaves them in the page cache only: they are made durable now, and the head moved to the
+    // last of them, before they are read as durable or anything is written after them (a power
+    // loss could otherwise take them from under the records that follow, chained to them; and
+    // a tenant's first record from under the head naming it). The head naming the last also
+    // means that a second crash, after more records, cannot leave a genesis head behind more
+    // than one.
+    if let Some(last) = next.filter(|_| chained > 0).and_then(|n| n.checked_sub(1)) {
+        File::open(&last_path)
+            .and_then(|f| f.sync_all())
+            .map_err(io_err("fsync", &last_path))?;
         write_head(
             &tdir,
             chain,
             tenant,
             HeadFile::At(Head {
-                seq: Seq(0),
+                seq: Seq(last),
                 digest,
             }),
         )?;

@@ -19,7 +19,7 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
 use crate::chain::{Chain, Seal, SealProblem, Sealed};
-use crate::layout::{HEAD, HeadFile};
+use crate::layout::{HEAD, HEAD_TMP, HeadFile};
 use crate::tenant::TenantId;
 
 /// The roster's file name in the data directory.
@@ -181,8 +181,9 @@ pub(crate) fn cut_torn(dir: &Path, roster: &Roster) -> io::Result<()> {
 }
 
 /// Whether `tenant`'s directory holds nothing but, at most, its genesis head (sealed as
-/// `chain` seals, in a keyed log): what a crash between making it and listing it leaves. A
-/// keyed log's writer lists no directory someone without the key planted.
+/// `chain` seals, in a keyed log) and the head's unfinished next copy: what a crash between
+/// making it and listing it leaves — in the middle of writing that head, too. A keyed log's
+/// writer lists no directory someone without the key planted.
 pub(crate) fn is_unbegun(
     chain: Chain<'_>,
     tenant: &TenantId,
@@ -190,6 +191,9 @@ pub(crate) fn is_unbegun(
 ) -> io::Result<bool> {
     for entry in fs::read_dir(tenant_dir)? {
         let entry = entry?;
+        if entry.file_name() == HEAD_TMP && entry.file_type()?.is_file() {
+            continue;
+        }
         let genesis = entry.file_name() == HEAD
             && HeadFile::decode(&fs::read(entry.path())?).is_some_and(|(head, seal)| {
                 head == HeadFile::Genesis && head.check(chain, tenant, seal.as_ref()).is_ok()

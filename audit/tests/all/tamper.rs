@@ -401,3 +401,36 @@ fn a_crash_between_making_and_listing_a_tenants_directory_is_listed_at_open() {
     assert!(report.passed(), "{report}");
     assert_eq!(std::fs::read_to_string(&roster).unwrap(), "a\nb\nc\n");
 }
+
+/// A crash while the tenant's first head was being written — before its rename, or with the
+/// rename lost to a power cut — leaves its directory unlisted with the head's unfinished copy,
+/// or with nothing: nothing was recorded, so it is listed (with its head) at open, verifies,
+/// and opens again. It was refused as a log someone placed there.
+#[test]
+fn a_crash_while_a_new_tenants_first_head_is_written_is_listed_at_open() {
+    for left in [Some(""), Some("gen"), Some("genesis\n"), None] {
+        let dir = Scratch::new();
+        setup(dir.path());
+        let c = tenant("c");
+        let tdir = dir.path().join("c");
+        std::fs::create_dir(&tdir).unwrap();
+        if let Some(text) = left {
+            std::fs::write(tdir.join("head.tmp"), text).unwrap();
+        }
+        assert!(verify(dir.path(), None, None).passed(), "{left:?}");
+        let (log, recoveries) = AuditLog::open(config(dir.path(), 3000)).unwrap();
+        assert_eq!(
+            recoveries,
+            [bulkhead_audit::Recovery::ListedEmptyTenant { tenant: c.clone() }]
+        );
+        drop(log);
+        let report = verify(dir.path(), None, None);
+        assert!(report.passed(), "{left:?}: {report}");
+        let (log, recoveries) = AuditLog::open(config(dir.path(), 3000)).expect("opens again");
+        assert_eq!(recoveries, [], "{left:?}");
+        log.append(&c, &record(&c, 0)).unwrap();
+        drop(log);
+        let report = verify(dir.path(), None, None);
+        assert!(report.passed(), "{left:?}: {report}");
+    }
+}
