@@ -405,6 +405,15 @@ impl AuditLog {
         self.inner.flush()
     }
 
+    /// Whether `tenant`'s record `seq` is durable: a flush made it so, whatever became of the
+    /// flush's other tenants (a flush that fails on one tenant has made those before it durable).
+    pub fn is_durable(&self, tenant: &TenantId, seq: Seq) -> bool {
+        lock(&self.inner.state)
+            .tenants
+            .get(tenant)
+            .is_some_and(|t| seq.0 < t.durable)
+    }
+
     /// Whether the log holds a chain for `tenant` (found at open or appended to since).
     pub fn holds(&self, tenant: &TenantId) -> bool {
         lock(&self.inner.state).tenants.contains_key(tenant)

@@ -6,7 +6,7 @@
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use bulkhead_audit::{AuditRecord, Seq, Sha256Digest};
+use bulkhead_audit::{AuditRecord, Seq, Sha256Digest, TenantId};
 use bulkhead_telemetry::{AuditExport, RecordTrace};
 
 /// Where exported records go: the OpenTelemetry exporter (a test's list, in tests).
@@ -69,9 +69,10 @@ impl Exports {
         (self.sink)(record, trace, None);
     }
 
-    /// Flush number `flush` has finished: the records it made durable are exported when it
-    /// succeeded, and forgotten when it failed (the log dropped them).
-    pub(super) fn flushed(&self, flush: u64, ok: bool) {
+    /// Flush number `flush` has finished: of the records it took, those it made durable
+    /// (`durable` says, by tenant and `seq`) are exported, the others forgotten (the log
+    /// dropped them). A flush that failed on one tenant made those it wrote before durable.
+    pub(super) fn flushed(&self, flush: u64, durable: impl Fn(&TenantId, Seq) -> bool) {
         let due: Vec<Waiting> = {
             let mut waiting = self.lock();
             // Tickets come in nearly in order, not exactly: two appends race to the queue.
@@ -81,10 +82,11 @@ impl Exports {
             *waiting = later;
             due.into_iter().map(|(_, w)| w).collect()
         };
-        if ok {
-            for w in due {
-                (self.sink)(w.record, &w.trace, Some(w.place));
-            }
+        for w in due
+            .into_iter()
+            .filter(|w| durable(&w.record.tenant, w.place.0))
+        {
+            (self.sink)(w.record, &w.trace, Some(w.place));
         }
     }
 
@@ -107,7 +109,7 @@ mod tests {
     }
 
     #[test]
-    fn a_record_goes_out_once_a_flush_after_it_succeeded_and_never_after_one_that_failed() {
+    fn a_record_goes_out_once_a_flush_made_it_durable_and_never_if_none_did() {
         // Each record sent: its request id, and its place's seq.
         type Sent = Arc<Mutex<Vec<(String, Option<u64>)>>>;
         let sent: Sent = Arc::default();
@@ -122,15 +124,22 @@ mod tests {
         exports.when_durable(1, record("b"), none.clone(), place(1));
         exports.when_durable(0, record("a"), none.clone(), place(0));
         exports.when_durable(2, record("c"), none.clone(), place(2));
-        exports.flushed(1, true);
+        let all = |_: &TenantId, _| true;
+        exports.flushed(1, all);
         assert_eq!(*sent.lock().expect("lock"), [("a".to_owned(), Some(0))]);
-        exports.flushed(2, true);
+        exports.flushed(2, all);
         assert_eq!(sent.lock().expect("lock").len(), 2);
         assert_eq!(sent.lock().expect("lock")[1], ("b".to_owned(), Some(1)));
         // A failed flush dropped "c": the collector never hears of it.
-        exports.flushed(3, false);
-        exports.flushed(4, true);
+        exports.flushed(3, |_, _| false);
+        exports.flushed(4, all);
         assert_eq!(sent.lock().expect("lock").len(), 2);
+        // A flush that failed after writing some: those it made durable go out, only those.
+        exports.when_durable(4, record("e"), none.clone(), place(3));
+        exports.when_durable(4, record("f"), none.clone(), place(4));
+        exports.flushed(5, |_, seq| seq.0 < 4);
+        assert_eq!(sent.lock().expect("lock").len(), 3);
+        assert_eq!(sent.lock().expect("lock")[2], ("e".to_owned(), Some(3)));
         // A refused record goes at once, with no place.
         exports.refused(record("d"), &none);
         assert_eq!(

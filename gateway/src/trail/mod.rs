@@ -142,12 +142,12 @@ impl Recorder {
         let log = Arc::new(log);
         let weak = Arc::downgrade(&log);
         let exports = export.map(|e| Arc::new(exports::Exports::new(e)));
-        let hook = exports.clone();
+        let (hook, read) = (exports.clone(), weak.clone());
         let syncer = syncer::Syncer::start(
             move || weak.upgrade().map(|l| l.flush()),
-            move |flush, ok| {
-                if let Some(exports) = &hook {
-                    exports.flushed(flush, ok);
+            move |flush| {
+                if let (Some(exports), Some(log)) = (&hook, read.upgrade()) {
+                    exports.flushed(flush, |tenant, seq| log.is_durable(tenant, seq));
                 }
             },
         )
@@ -248,10 +248,12 @@ impl Recorder {
     /// record past the budget is folded: nothing to wait for, its folded record comes later.
     async fn commit(&self, record: AuditRecord, span: &Span) -> Result<(), AuditError> {
         let records = self.to_append(record);
-        if records.iter().all(Option::is_none) {
+        // The record waited for: the last appended (the request's own, or a folded record
+        // it carries out).
+        let Some(tenant) = records.iter().flatten().last().map(|r| r.tenant.clone()) else {
             return Ok(());
-        }
-        let behind = self.append(records, span)?;
+        };
+        let (behind, seq) = self.append(records, span)?;
         let wait = match self.inner.settings.durability {
             Durability::Durable => true,
             Durability::Group => behind > GROUP_COMMIT_MAX_LAG,
@@ -259,9 +261,19 @@ impl Recorder {
         if !wait {
             return Ok(());
         }
-        self.inner.syncer.durable().await.inspect_err(|e| {
-            tracing::error!(error = %e, "an audit record could not be made durable");
-        })
+        self.durable(&tenant, seq).await
+    }
+
+    /// Returns once `tenant`'s record `seq`, appended before this call, is durable; an error
+    /// when it cannot be made so. A flush that fails on another tenant's records may have
+    /// made this one durable before it: then it is (its client is told what the record says).
+    async fn durable(&self, tenant: &TenantId, seq: Seq) -> Result<(), AuditError> {
+        match self.inner.syncer.durable().await {
+            Err(_) if self.inner.log.is_durable(tenant, seq) => Ok(()),
+            flushed => flushed.inspect_err(|e| {
+                tracing::error!(error = %e, "an audit record could not be made durable");
+            }),
+        }
     }
 
     /// Appends the record of a request nobody waits on (its client left, or hyper answered
@@ -336,9 +348,9 @@ impl Recorder {
     /// each would crowd the tenants' out of the exporter's queue. The result is the
     /// last one's: the record that holds the request being committed (its own, or the folded
     /// one), and how far behind the flushes were when it was appended.
-    fn append(&self, records: fold::Appends, span: &Span) -> Result<Duration, AuditError> {
+    fn append(&self, records: fold::Appends, span: &Span) -> Result<(Duration, Seq), AuditError> {
         let [folded, own] = records;
-        let mut result = Ok(Duration::ZERO);
+        let mut result = Ok((Duration::ZERO, Seq(0)));
         for (record, span) in [(folded, &Span::none()), (own, span)] {
             let Some(record) = record else { continue };
             let appended = self.inner.log.append(&record.tenant, &record);
@@ -359,7 +371,7 @@ impl Recorder {
                     Err(_) => exports.refused(record, &trace),
                 }
             }
-            result = appended.map(|r| r.behind);
+            result = appended.map(|r| (r.behind, r.seq));
         }
         result
     }
@@ -397,7 +409,8 @@ impl Recorder {
         let _ = self.append([folded, None], &Span::none());
         let flushed = self.inner.log.flush();
         if let Some(exports) = &self.inner.exports {
-            exports.flushed(u64::MAX, flushed.is_ok());
+            let log = &self.inner.log;
+            exports.flushed(u64::MAX, |tenant, seq| log.is_durable(tenant, seq));
         }
         flushed
     }

@@ -39,11 +39,11 @@ pub(super) struct Syncer {
 
 impl Syncer {
     /// Starts the thread; `flush` makes every appended record durable, or returns `None` once
-    /// the log is gone (the thread then ends); `flushed` hears each flush's number and whether
-    /// it succeeded, after its waiters are woken.
+    /// the log is gone (the thread then ends); `flushed` hears each flush's number, after its
+    /// waiters are woken.
     pub(super) fn start(
         flush: impl Fn() -> Option<Result<(), AuditError>> + Send + 'static,
-        flushed: impl Fn(u64, bool) + Send + 'static,
+        flushed: impl Fn(u64) + Send + 'static,
     ) -> std::io::Result<Syncer> {
         let shared = Arc::new(Shared {
             requested: AtomicU64::new(0),
@@ -65,12 +65,11 @@ impl Syncer {
                     handled = requested;
                     let count = own.started.fetch_add(1, Ordering::SeqCst) + 1;
                     let Some(result) = flush() else { return };
-                    let ok = result.is_ok();
                     done_tx.send_replace(Flushed {
                         count,
                         failure: result.err().map(|e| e.to_string()),
                     });
-                    flushed(count, ok);
+                    flushed(count);
                 }
             })?;
         Ok(Syncer {
@@ -154,7 +153,7 @@ mod tests {
                 log.durable.fetch_max(taken, Ordering::SeqCst);
                 Some(Ok(()))
             },
-            |_, _| {},
+            |_| {},
         )
         .expect("thread")
     }
@@ -186,7 +185,7 @@ mod tests {
 
     #[tokio::test]
     async fn waiters_fail_when_the_thread_ends() {
-        let syncer = Syncer::start(|| None, |_, _| {}).expect("thread");
+        let syncer = Syncer::start(|| None, |_| {}).expect("thread");
         let e = syncer.durable().await.expect_err("no flush will come");
         assert!(e.to_string().contains("fsync thread stopped"), "{e}");
     }

@@ -527,6 +527,57 @@ async fn a_broken_log_in_group_commit_counts_the_records_its_flush_dropped() {
     assert_eq!(recorder.lost(), 2, "refused once the log stopped");
 }
 
+/// A flush writes its tenants one after another: one that fails on the gateway's log has
+/// made the tenants' written before it durable, and their waiters are told so (each was told
+/// 503 `audit_unavailable` while its record said 200). Which tenant a flush writes first is
+/// the order of a hash map's: tried until tenant-a's came first.
+#[tokio::test]
+async fn a_record_a_failed_flush_made_durable_is_waited_for_as_durable() {
+    let tenant_a = TenantId::new("tenant-a").expect("valid");
+    let gateway = TenantId::new(GATEWAY_LOG).expect("valid");
+    let mut written_first = 0;
+    for _ in 0..32 {
+        let dir = Scratch::new("trail");
+        let settings = AuditSettings {
+            durability: Durability::Durable,
+            on_failure: OnAuditFailure::Refuse,
+            ..AuditSettings::default()
+        };
+        // No background flush (and no export to ask for one): both records go in one flush.
+        let recorder =
+            Recorder::open_flushing(&dir.0, settings, None, Metrics::default(), None, None)
+                .expect("opens")
+                .0;
+        break_gateway_log(&dir.0);
+        let record = |tenant: &TenantId| {
+            AuditRecord::new("r".to_owned(), tenant.clone(), "/v1/completions".to_owned())
+        };
+        let span = tracing::Span::none();
+        let (_, seq) = recorder
+            .append([None, Some(record(&tenant_a))], &span)
+            .expect("taken");
+        recorder
+            .append([None, Some(record(&gateway))], &span)
+            .expect("taken");
+        let waited = recorder.durable(&tenant_a, seq).await;
+        let read = recorder.read(&tenant_a, Seq(0), 10).expect("reads");
+        assert!(recorder.failure().is_some(), "the flush failed");
+        if read.is_empty() {
+            assert!(waited.is_err(), "written after the failure: dropped");
+        } else {
+            assert!(
+                waited.is_ok(),
+                "durable, though its flush failed: {waited:?}"
+            );
+            written_first += 1;
+        }
+    }
+    assert!(
+        written_first > 0,
+        "tenant-a's log came first in one flush at least"
+    );
+}
+
 /// Group commit answers before its record is durable only while the flushes keep up: once
 /// the oldest record not yet durable has waited past the bound, an answer waits for its own
 /// (and every one before it), so a crash cannot lose a backlog that grows without end.
