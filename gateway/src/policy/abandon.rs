@@ -257,7 +257,11 @@ impl Ending {
         charge: Charge,
         endpoint: Endpoint,
     ) {
-        let (held_before, held) = self.policies.hold(&self.tenant);
+        // What the tenant holds: requests held now, not those still being decided (nor those
+        // whose directive turned out to be abort-now), so a burst of disconnects is judged by
+        // the holds it makes.
+        let held_before = self.policies.held_for(&self.tenant);
+        let bound = self.policies.max_held();
         let phase = phase(leg.as_ref(), progress);
         // Shutdown's drain waits for the policies' decision and the hold; either still under
         // way at its timeout is cut (nothing more is held), and the record says so. What has
@@ -265,10 +269,8 @@ impl Ending {
         let mut shutdown = trail.shutdown_signal();
         // Past the gateway's own bound on what a tenant holds, the policies are not asked (a
         // failing plugin's default would hold too): dropped at once.
-        let decided = if held_before >= self.policies.max_held() {
-            tracing::debug!(request = %self.id, tenant = %self.tenant, held = held_before,
-                "the tenant holds as many abandoned requests as the gateway allows: dropped");
-            self.policies.stats().over_hold_bound(&self.tenant);
+        let mut over_bound = held_before >= bound;
+        let decided = if over_bound {
             Some(Directive::AbortNow)
         } else {
             tokio::select! {
@@ -278,7 +280,23 @@ impl Ending {
             }
         };
         let mut cut = decided.is_none();
-        let directive = decided.unwrap_or(Directive::AbortNow);
+        let mut directive = decided.unwrap_or(Directive::AbortNow);
+        // A hold counts from when it is decided, against the bound once more: holds decided
+        // meanwhile may have reached it.
+        let held = match directive {
+            Directive::AbortNow => None,
+            _ => {
+                let held = self.policies.hold(&self.tenant, bound);
+                over_bound = held.is_none();
+                held
+            }
+        };
+        if over_bound {
+            tracing::debug!(request = %self.id, tenant = %self.tenant, held = held_before,
+                "the tenant holds as many abandoned requests as the gateway allows: dropped");
+            self.policies.stats().over_hold_bound(&self.tenant);
+            directive = Directive::AbortNow;
+        }
         self.policies.stats().abandoned(recorded(directive).name());
         // A call the worker never answered ran nothing there: it used no tokens.
         let mut answered = !matches!(leg, Some(Leg::Calling(_)));

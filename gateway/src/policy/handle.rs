@@ -210,19 +210,27 @@ impl Policies {
         }))
     }
 
-    /// Counts one more abandoned request held for `tenant`; returns how many were held before.
-    pub(super) fn hold(&self, tenant: &str) -> (u32, Held) {
+    /// How many abandoned requests the gateway holds for `tenant` now.
+    pub(super) fn held_for(&self, tenant: &str) -> u32 {
+        lock(&self.inner.held).get(tenant).copied().unwrap_or(0)
+    }
+
+    /// Counts one more abandoned request held for `tenant`, unless it holds `bound` already
+    /// (checked and counted at once: requests decided side by side cannot pass it together).
+    pub(super) fn hold(&self, tenant: &str, bound: u32) -> Option<Held> {
         let mut held = lock(&self.inner.held);
         let n = held.entry(tenant.to_owned()).or_default();
-        let before = *n;
-        *n = n.saturating_add(1);
-        (
-            before,
-            Held {
-                policies: self.clone(),
-                tenant: tenant.to_owned(),
-            },
-        )
+        if *n >= bound {
+            if *n == 0 {
+                held.remove(tenant);
+            }
+            return None;
+        }
+        *n += 1;
+        Some(Held {
+            policies: self.clone(),
+            tenant: tenant.to_owned(),
+        })
     }
 
     /// Runs `end` (a request's end: its hold, its `on-response-end`) in a task on `runtime`,

@@ -546,41 +546,54 @@ async fn counted(p: &Policies) -> (Result<RequestPolicy, Refused>, Duration) {
 async fn a_call_is_charged_its_own_time_not_the_turns_of_other_tenants_spinning_calls() {
     const TIMEOUT: Duration = Duration::from_millis(100);
     let dir = Scratch::new("policy");
-    // How far B counts in a tenth of the deadline, on this machine, alone.
+    // How far B counts in a tenth of the deadline, on this machine, alone (its fastest of
+    // three: a busy machine slows a probe, and a count too short for a few epoch ticks would
+    // end at B's first turn).
     let probe = 20_000_000;
-    let (alone, took) = counted(&hogs_and_a_counter(&dir, 1000, probe)).await;
-    alone.expect("B's count alone is allowed");
+    let alone = hogs_and_a_counter(&dir, 1000, probe);
+    let mut took = Duration::MAX;
+    for _ in 0..3 {
+        let (counted_alone, t) = counted(&alone).await;
+        counted_alone.expect("B's count alone is allowed");
+        took = took.min(t);
+    }
     let rounds = (probe as f64 * (TIMEOUT.as_secs_f64() / 10.0) / took.as_secs_f64()) as u64;
     let p = hogs_and_a_counter(&dir, TIMEOUT.as_millis() as u64, rounds.max(1));
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let hogs: Vec<_> = (0..24)
-        .map(|_| {
-            let (p, stop) = (p.clone(), stop.clone());
-            tokio::spawn(async move {
-                let mut faults = Vec::new();
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    faults.push(fault_of(ask(&p, Ask::default()).await));
-                }
-                faults
+    // On a machine busy with other tests the hogs may take fewer turns while B runs: then B
+    // did not wait past its deadline, and the case is tried again (B is never refused).
+    for _ in 0..5 {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let hogs: Vec<_> = (0..24)
+            .map(|_| {
+                let (p, stop) = (p.clone(), stop.clone());
+                tokio::spawn(async move {
+                    let mut faults = Vec::new();
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        faults.push(fault_of(ask(&p, Ask::default()).await));
+                    }
+                    faults
+                })
             })
-        })
-        .collect();
-    // Every hog is spinning before B starts.
-    tokio::task::yield_now().await;
-    let (b, b_took) = counted(&p).await;
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let b = b.unwrap_or_else(|r| panic!("B was refused after {b_took:?}: {r:?}"));
-    assert_eq!(b.decisions().len(), 1);
-    assert!(
-        b_took > TIMEOUT,
-        "B took {b_took:?}, less than its deadline: the hogs never held the thread while it \
-         waited for its turns"
-    );
-    for hog in hogs {
-        let faults = hog.await.expect("ran");
-        assert!(!faults.is_empty());
-        assert!(faults.iter().all(|f| *f == Fault::Timeout), "{faults:?}");
+            .collect();
+        // Every hog is spinning before B starts.
+        tokio::task::yield_now().await;
+        let (b, b_took) = counted(&p).await;
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let b = b.unwrap_or_else(|r| panic!("B was refused after {b_took:?}: {r:?}"));
+        assert_eq!(b.decisions().len(), 1);
+        for hog in hogs {
+            let faults = hog.await.expect("ran");
+            assert!(!faults.is_empty());
+            assert!(faults.iter().all(|f| *f == Fault::Timeout), "{faults:?}");
+        }
+        if b_took > TIMEOUT {
+            return;
+        }
     }
+    panic!(
+        "B always took less than its deadline: the hogs never held the thread while it waited \
+         for its turns"
+    );
 }
 
 /// Calls spinning side by side on one thread are each charged their own turns, yet end once
@@ -1809,7 +1822,7 @@ async fn abort_guard_holds_an_abandoned_prefill_and_caps_what_a_tenant_holds() {
     );
     // The tenant already holds its one: abort now.
     let (p, dir) = loaded(&set);
-    let (_, _held) = p.hold("tenant-a");
+    let _held = p.hold("tenant-a", 1).expect("held");
     let r = ask(&p, Ask::default()).await.expect("allowed");
     left(r, None, Progress::default(), trail(&dir));
     assert!(
@@ -1817,6 +1830,56 @@ async fn abort_guard_holds_an_abandoned_prefill_and_caps_what_a_tenant_holds() {
             .await
             .contains("directive=\"abort_now\"} 1")
     );
+}
+
+/// A tenant's holds are counted once decided: requests still being decided (waiting for an
+/// instance slot) or decided abort-now are not holds. A burst of disconnects — a decoding
+/// request and a prefilling one leaving together while every slot is busy — pushed the count
+/// while they waited, and the prefilling one was aborted mid-prefill over the bound of one.
+#[tokio::test]
+async fn a_tenants_holds_are_counted_once_decided_not_while_deciding() {
+    let dir = Scratch::new("policy");
+    let set = format!(
+        "{}{}",
+        plugin("abort-guard", ""),
+        binding("abort-guard", "config = { max_held_per_tenant = 1 }")
+    );
+    let mut s = settings(&write(&dir, &set), None);
+    s.sandbox.instances = 1;
+    s.max_held_per_tenant = 1;
+    let p = Policies::load(s).expect("the set loads");
+    let busy = p.slot("tenant-b", slots::Turn::Call).await;
+    assert!(matches!(busy, Some(Ok(_))), "the one slot taken");
+    let decoding = ask(&p, Ask::default()).await.expect("allowed");
+    let prefilling = ask(&p, Ask::default()).await.expect("allowed");
+    let three = Progress {
+        tokens: 3,
+        ..Progress::default()
+    };
+    let audit = recorder(&dir);
+    let trail = |id: &str| audit.trail(id.into(), tracing::Span::none());
+    left(decoding, None, three, trail("decoding"));
+    left(prefilling, None, Progress::default(), trail("prefilling"));
+    // Both wait for the slot, then tenant-b's call ends.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(busy);
+    let mut m = String::new();
+    for _ in 0..200 {
+        m.clear();
+        p.render_metrics(&mut m, &|_| true);
+        if m.contains("directive=\"abort_now\"} 1")
+            && m.contains("directive=\"hold_until_prefill_done\"} 1")
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(m.contains("directive=\"abort_now\"} 1"), "{m}");
+    assert!(
+        m.contains("directive=\"hold_until_prefill_done\"} 1"),
+        "the prefilling one held: {m}"
+    );
+    assert!(!m.contains("over_hold_bound_total{"), "{m}");
 }
 
 /// abort-guard holding one abandoned request per tenant, and a tenant allowed 1000 tokens a
@@ -2071,7 +2134,7 @@ async fn past_the_gateways_bound_an_abandoned_request_is_not_held_whatever_a_plu
         ..settings(&path, None)
     })
     .expect("loads");
-    let (_, _held) = p.hold("tenant-a");
+    let _held = p.hold("tenant-a", 1).expect("held");
     let r = ask(&p, Ask::default()).await.expect("allowed");
     left(r, Some(queued()), Progress::default(), trail(&dir));
     let m = abandoned_directives(&p).await;
