@@ -207,7 +207,7 @@ pub fn bound_peer(socket: &TcpStream, limit: Duration) -> std::io::Result<()> {
 /// How long a data connection may keep decode waiting ([`receive`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
-    /// A peer that vanished, or a connection that carries no open session, is let go after
+    /// A peer that vanished, or a connection whose next message does not come, is let go after
     /// about this long.
     pub peer_timeout: Duration,
     /// A message begun must be whole within this: the peer timeout, and the longest frame's
@@ -232,7 +232,7 @@ const REFUSALS_LOGGED_EVERY: Duration = Duration::from_secs(10);
 /// Decode role: accepts data-plane connections for as long as the worker serves, at most
 /// `max_connections` at once; each connection's messages go to `to` (the engine), frames of at
 /// most `max_frame` bytes (a page); a peer that vanishes loses its connection after about the
-/// peer timeout, and so does one that carries no open session for that long or leaves a
+/// peer timeout, and so does one whose next message does not come for that long or leaves a
 /// message unfinished past `limits.message` ([`receive`]). A failed accept is logged and
 /// accepting goes on ([`accepting::next`]).
 ///
@@ -321,13 +321,15 @@ pub async fn accepted(
 }
 
 /// Reads one connection's messages into `to`; on its end, reports the sessions it left open.
-/// With `idle`, a connection that carries no open session ends when its next message has not
-/// arrived whole within it: prefill connects once its prompt is computed and sends at once,
-/// so only a host that connects and then idles (or sends only what opens nothing) waits that
-/// long — and without the limit it held a connection, its socket and its task, for ever. And
-/// a message begun must end within `limits.message` whatever is open: any nonce opens a
-/// session here (the engine judges it later), so a peer could open one and then withhold a
-/// frame's last byte for ever. `limits` `None`: no limit.
+/// With `idle`, a connection ends when its next message has not arrived whole within it,
+/// whatever it has open: prefill connects once its prompt is computed and sends a transfer's
+/// messages back to back (a wait for the receive budget is decode's, not counted), so only a
+/// host that idles waits that long — and without the limit it held a connection, its socket
+/// and its task, for ever: with nothing open, or with a session it opened by one frame of a
+/// nonce decode never reserved (the engine keeps deadlines for its own sessions only). The
+/// sessions left open are reported torn down, as at any end. And a message begun must end
+/// within `limits.message`: a peer could otherwise open one and withhold a frame's last byte
+/// for ever. `limits` `None`: no limit.
 pub async fn receive(
     socket: impl AsyncRead + Unpin,
     to: &impl Deliver,
@@ -338,8 +340,7 @@ pub async fn receive(
     let mut reader = BufReader::with_capacity(HEAD_BUFFER, socket);
     let mut open = HashSet::new();
     let result = loop {
-        let limit = idle.filter(|_| open.is_empty());
-        match read_message(&mut reader, buffers, limit, limits.map(|l| l.message)).await {
+        match read_message(&mut reader, buffers, idle, limits.map(|l| l.message)).await {
             Ok(None) => break Ok(()),
             Ok(Some((message, lease))) => {
                 match &message {
@@ -369,29 +370,16 @@ pub async fn receive(
 }
 
 /// Reads the next message, with its lease on the receive budget (waiting for room once it is
-/// read): `None` at a clean end of the stream (between messages). With `limit`, the message
-/// must arrive whole within it, and with `begun`, whole within that once its first byte came
-/// (a wait for the budget's room is not counted).
+/// read): `None` at a clean end of the stream (between messages). With `idle`, the message
+/// must begin within it, and with `begun`, be whole within that once its first byte came (a
+/// wait for the budget's room is not counted).
 async fn read_message(
     reader: &mut (impl AsyncRead + Unpin),
     buffers: &Buffers,
-    limit: Option<Duration>,
+    idle: Option<Duration>,
     begun: Option<Duration>,
 ) -> std::io::Result<Option<(Received, Lease)>> {
-    let read = read_unleased(reader, buffers, begun);
-    let read = match limit {
-        None => read.await?,
-        Some(limit) => tokio::time::timeout(limit, read).await.map_err(|_| {
-            std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!(
-                    "no session open on the data connection and no message for {} ms",
-                    limit.as_millis()
-                ),
-            )
-        })??,
-    };
-    Ok(match read {
+    Ok(match read_unleased(reader, buffers, idle, begun).await? {
         None => None,
         // The lease is taken once the bytes are in: a peer that sends a frame's head and then
         // trickles (or withholds) its bytes holds its own buffer, never the budget that every
@@ -401,14 +389,27 @@ async fn read_message(
 }
 
 /// Reads the next message and says how many frame bytes it carries (0 for the others); with
-/// `begun`, the message must be whole within it of its first byte.
+/// `idle`, it must begin within it, and with `begun`, be whole within that of its first byte.
 async fn read_unleased(
     reader: &mut (impl AsyncRead + Unpin),
     buffers: &Buffers,
+    idle: Option<Duration>,
     begun: Option<Duration>,
 ) -> std::io::Result<Option<(Received, u32)>> {
     let mut head = [0u8; FRAME_HEAD];
-    let first = reader.read(&mut head[..HEADER]).await?;
+    let first = reader.read(&mut head[..HEADER]);
+    let first = match idle {
+        None => first.await?,
+        Some(limit) => tokio::time::timeout(limit, first).await.map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "no message on the data connection for {} ms",
+                    limit.as_millis()
+                ),
+            )
+        })??,
+    };
     if first == 0 {
         return Ok(None);
     }
@@ -1102,13 +1103,14 @@ mod tests {
         assert_eq!(log.closed.lock().expect("lock").len(), MAX_OPEN_SESSIONS);
     }
 
-    /// A connection that opens no session is closed once it idles past the limit; one that
-    /// holds a session open is not (its transfer's deadline is decode's to keep), and after
-    /// that session closes, the limit applies again.
+    /// A connection whose next message does not come within the limit is closed, whatever it
+    /// has open: one frame of a nonce decode never reserved held it for ever (the engine keeps
+    /// deadlines for its own sessions only). Messages that keep coming keep it open, however
+    /// long the transfer.
     #[tokio::test]
-    async fn a_connection_that_idles_without_a_session_is_closed() {
+    async fn a_connection_that_idles_is_closed_whatever_it_has_open() {
         use std::time::Duration;
-        let limit = Some(Limits::new(Duration::from_millis(100), 0, 1));
+        let limit = Some(Limits::new(Duration::from_millis(500), 0, 1));
         let log = Log::default();
         let (_quiet, rx) = tokio::io::duplex(1 << 16);
         let t0 = std::time::Instant::now();
@@ -1116,13 +1118,18 @@ mod tests {
         let e = ended.expect_err("closed for idling");
         assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
         assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
-        // Without the limit it is still open after three times as long.
+        // Without the limit it is still open after longer.
         let (_quiet, rx) = tokio::io::duplex(1 << 16);
         let buffers = Buffers::default();
         let idling = receive(rx, &log, &buffers, None);
-        let wait = Duration::from_millis(300);
-        assert!(tokio::time::timeout(wait, idling).await.is_err());
+        assert!(
+            tokio::time::timeout(Duration::from_millis(1500), idling)
+                .await
+                .is_err()
+        );
 
+        // One frame opens a session, then nothing: closed all the same, the session reported
+        // torn down.
         let fs = frames(2, 100);
         let (mut tx, rx) = tokio::io::duplex(1 << 16);
         let receiving = tokio::spawn({
@@ -1132,30 +1139,54 @@ mod tests {
         let mut bytes = Vec::new();
         encode_frame(&fs[0], &mut bytes);
         tx.write_all(&bytes).await.expect("writes");
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        assert!(
-            !receiving.is_finished(),
-            "a session is open: the connection stays"
-        );
-        bytes.clear();
-        encode_frame(&fs[1], &mut bytes);
-        encode(&Message::Manifest(manifest(&fs)), &mut bytes);
-        encode(
-            &Message::Closed {
-                nonce: NONCE,
-                reason: CloseReason::Complete,
-            },
-            &mut bytes,
-        );
-        tx.write_all(&bytes).await.expect("writes");
         let ended = tokio::time::timeout(Duration::from_secs(5), receiving)
             .await
-            .expect("closed once idle again")
+            .expect("closed for idling")
             .expect("the task ran");
         assert_eq!(
             ended.expect_err("idle").kind(),
             std::io::ErrorKind::TimedOut
         );
+        assert_eq!(*log.closed.lock().expect("lock"), [NONCE]);
+
+        // A transfer whose messages come apart, each within the limit, runs to its end: longer
+        // than the limit in all.
+        let log = Log::default();
+        let (mut tx, rx) = tokio::io::duplex(1 << 16);
+        let receiving = tokio::spawn({
+            let (log, buffers) = (log.clone(), buffers.clone());
+            async move { receive(rx, &log, &buffers, limit).await }
+        });
+        let mut messages = Vec::new();
+        for f in &fs {
+            let mut bytes = Vec::new();
+            encode_frame(f, &mut bytes);
+            messages.push(bytes);
+        }
+        for m in [
+            Message::Manifest(manifest(&fs)),
+            Message::Closed {
+                nonce: NONCE,
+                reason: CloseReason::Complete,
+            },
+        ] {
+            let mut bytes = Vec::new();
+            encode(&m, &mut bytes);
+            messages.push(bytes);
+        }
+        let t0 = std::time::Instant::now();
+        for m in messages {
+            tx.write_all(&m).await.expect("writes");
+            tokio::time::sleep(Duration::from_millis(150)).await;
+        }
+        assert!(t0.elapsed() > Duration::from_millis(500));
+        drop(tx);
+        let ended = tokio::time::timeout(Duration::from_secs(5), receiving)
+            .await
+            .expect("ends")
+            .expect("the task ran");
+        ended.expect("a clean end");
+        assert_eq!(log.got.lock().expect("lock").len(), 4);
         assert!(
             log.closed.lock().expect("lock").is_empty(),
             "closed cleanly"

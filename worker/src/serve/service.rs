@@ -354,10 +354,14 @@ impl Stream for GenerateStream {
                 mut usage,
                 text_tail,
             }) => {
-                // Decode role: the prompt's cached part is prefill's to say.
+                // Decode role: the prompt's cached part is prefill's to say (a part: a peer
+                // that says more is not believed past the prompt, which the client and the
+                // tenant's metering read).
                 if let Some(call) = this.prefill.as_mut() {
                     match call.poll_cached_tokens(cx) {
-                        Poll::Ready(n) => usage.cached_tokens = n as usize,
+                        Poll::Ready(n) => {
+                            usage.cached_tokens = (n as usize).min(usage.prompt_tokens);
+                        }
                         Poll::Pending => {
                             this.early = Some(Event::Done {
                                 reason,
