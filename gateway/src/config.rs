@@ -842,9 +842,15 @@ fn policy_settings(raw: RawPolicies) -> Result<PolicySettings, ConfigError> {
                 .cache_max_mib
                 .map_or(d.cache_max_bytes, |mib| mib.saturating_mul(1 << 20)),
         },
-        watch_interval: match raw.watch_secs.unwrap_or(2) {
-            0 => None,
-            s => Some(Duration::from_secs(s)),
+        // 0: no watching; otherwise at most a week, as every interval (tokio's timer panics
+        // at an instant past its range, and the watch would quietly stop).
+        watch_interval: match raw.watch_secs {
+            Some(0) => None,
+            secs => Some(timeout(
+                secs,
+                "policies.watch_secs",
+                Duration::from_secs(2),
+            )?),
         },
         hold_limit: timeout(
             raw.hold_limit_secs,
@@ -1432,6 +1438,8 @@ mod tests {
             }
         );
         assert_eq!(p.watch_interval, None);
+        let e = section(&format!("watch_secs = {}\n", i64::MAX)).expect_err("refused");
+        assert!(e.to_string().contains("policies.watch_secs"), "{e}");
         // A bound of 0 keeps only what the active set uses; no instance at all is refused.
         assert_eq!(
             section("cache_max_mib = 0\n")

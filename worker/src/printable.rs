@@ -26,10 +26,22 @@ pub fn printable(text: &str, max_bytes: usize) -> String {
     out
 }
 
-/// Whether `c` acts on a terminal or on how a line reads instead of showing as itself.
+/// Whether `c` acts on a terminal or on how a line reads instead of showing as itself: a
+/// control character, a line or paragraph separator (U+2028, U+2029: a line break to whatever
+/// reads Unicode lines), or a bidirectional mark, embedding, override or isolate (the Arabic
+/// letter mark among them).
 pub fn acts(c: char) -> bool {
     c.is_control()
-        || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+        || matches!(
+            c,
+            '\u{061c}'
+                | '\u{200e}'
+                | '\u{200f}'
+                | '\u{2028}'
+                | '\u{2029}'
+                | '\u{202a}'..='\u{202e}'
+                | '\u{2066}'..='\u{2069}'
+        )
 }
 
 #[cfg(test)]
@@ -44,6 +56,10 @@ mod tests {
             "ok\\r\\n2026-12-05 WARN forged\\u{1b}[2J\\u{7}"
         );
         assert_eq!(printable("a\u{202e}fdp.exe", 64), "a\\u{202e}fdp.exe");
+        assert_eq!(
+            printable("ok\u{2028}forged\u{2029}\u{61c}x", 64),
+            "ok\\u{2028}forged\\u{2029}\\u{61c}x"
+        );
         assert_eq!(printable("tab\there", 64), "tab\\there");
         // Non-ASCII text that does not act stays.
         assert_eq!(printable("café ✓", 64), "café ✓");

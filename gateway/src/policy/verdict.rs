@@ -208,7 +208,13 @@ mod tests {
             deny(400, &"x".repeat(2000)),
             Err(Fault::Garbage(_))
         ));
-        for message in ["two\nlines", "\u{1b}[2J", "\u{202e}reversed"] {
+        for message in [
+            "two\nlines",
+            "\u{1b}[2J",
+            "\u{202e}reversed",
+            "ok\u{2028}forged",
+            "\u{61c}x",
+        ] {
             assert!(
                 matches!(deny(403, message), Err(Fault::Garbage(_))),
                 "{message:?}"
@@ -327,6 +333,7 @@ mod tests {
             "a\nb".into(),
             "\u{1b}[31m".into(),
             "txt.\u{202e}exe".into(),
+            "a\u{2028}b".into(),
         ] {
             assert!(matches!(valued(&bad), Err(Fault::Garbage(_))), "{bad:?}");
         }
