@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::gguf::Gguf;
 use crate::printable::printable;
-use crate::text_cache::TextCache;
+use crate::text_cache::{Held, TextCache};
 use crate::tokenizer::{TokenId, Tokenizer};
 
 pub mod sandbox;
@@ -177,6 +177,23 @@ type Frame = Arc<[String]>;
 /// The most frames kept (one per sequence of roles seen).
 const FRAMES: usize = 256;
 
+/// The most bytes the kept frames hold. A client decides how many messages a frame has (one
+/// piece each): without a bound in bytes, 256 frames of conversations of tens of thousands of
+/// empty messages held a gigabyte. A frame over a sixteenth of it is rendered every time.
+const FRAME_BYTES: usize = 16 << 20;
+
+impl Held for Result<Frame, ChatError> {
+    fn held_bytes(&self) -> usize {
+        match self {
+            Ok(frame) => frame
+                .iter()
+                .map(|piece| std::mem::size_of::<String>() + piece.len())
+                .sum(),
+            Err(e) => std::mem::size_of::<ChatError>() + e.to_string().len(),
+        }
+    }
+}
+
 /// The key of the frame of `messages`: the generation prompt and each role, length-prefixed.
 fn frame_key(messages: &[Message], add_generation_prompt: bool) -> String {
     let mut key = String::from(if add_generation_prompt { "g" } else { "-" });
@@ -217,7 +234,7 @@ impl ChatTemplate {
             source: source.to_owned(),
             bos,
             eos,
-            frames: TextCache::new(FRAMES),
+            frames: TextCache::new(FRAMES, FRAME_BYTES),
         })
     }
 
@@ -514,6 +531,14 @@ mod tests {
         }
         // Roles [user] and [system, user, assistant, user], with and without the prompt.
         assert_eq!(chat.frames.len(), 4);
+        // A conversation of a great many messages is encoded as well, and its frame (a piece
+        // each) not kept: the client decides how large it is.
+        let many: Vec<Message> = (0..50_000).map(|_| Message::new("user", "")).collect();
+        let (fresh, _) = tiny();
+        let want = fresh.encode(&tok, &many, true).expect("fresh");
+        assert_eq!(chat.encode(&tok, &many, true).expect("encoded"), want);
+        assert!(chat.encode_kept(&tok, &many, true).is_none(), "not kept");
+        assert!(chat.frames.bytes() <= FRAME_BYTES);
         assert_ne!(
             frame_key(&[Message::new("a", ""), Message::new("b", "")], true),
             frame_key(&[Message::new("a1:b", "")], true),

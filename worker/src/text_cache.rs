@@ -1,32 +1,51 @@
 //! A small map from texts to values, shared between threads, that empties itself when it is
-//! full: the texts that repeat on every request (a chat template's pieces) stay, and texts
-//! that vary from request to request cannot grow it.
+//! full — of entries or of bytes: the texts that repeat on every request (a chat template's
+//! pieces) stay, and texts that vary from request to request cannot grow it. A value too large
+//! to keep (more than a sixteenth of the bytes) is made every time instead.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-#[derive(Debug)]
-pub(crate) struct TextCache<V> {
-    map: Mutex<HashMap<String, V>>,
-    capacity: usize,
+/// The bytes a kept value holds beyond its own size (what [`TextCache`] bounds).
+pub(crate) trait Held {
+    fn held_bytes(&self) -> usize;
 }
 
-impl<V: Clone> TextCache<V> {
-    pub(crate) fn new(capacity: usize) -> TextCache<V> {
+#[derive(Debug)]
+pub(crate) struct TextCache<V> {
+    kept: Mutex<Kept<V>>,
+    capacity: usize,
+    max_bytes: usize,
+}
+
+#[derive(Debug)]
+struct Kept<V> {
+    map: HashMap<String, V>,
+    /// The texts' and the values' bytes.
+    bytes: usize,
+}
+
+impl<V: Clone + Held> TextCache<V> {
+    /// At most `capacity` entries of at most `max_bytes` in all.
+    pub(crate) fn new(capacity: usize, max_bytes: usize) -> TextCache<V> {
         TextCache {
-            map: Mutex::new(HashMap::new()),
+            kept: Mutex::new(Kept {
+                map: HashMap::new(),
+                bytes: 0,
+            }),
             capacity,
+            max_bytes,
         }
     }
 
     /// The value kept for `text`, if any.
     pub(crate) fn get(&self, text: &str) -> Option<V> {
-        self.lock().get(text).cloned()
+        self.lock().map.get(text).cloned()
     }
 
-    /// The value kept for `text`, or `make`'s, kept from now on. `make` runs outside the
-    /// lock: two threads may both make a new text's value, and one of them is kept. Its error
-    /// is returned and nothing is kept.
+    /// The value kept for `text`, or `make`'s, kept from now on unless it is too large to. `make`
+    /// runs outside the lock: two threads may both make a new text's value, and one of them is
+    /// kept. Its error is returned and nothing is kept.
     pub(crate) fn get_or_make<E>(
         &self,
         text: &str,
@@ -36,21 +55,33 @@ impl<V: Clone> TextCache<V> {
             return Ok(v);
         }
         let v = make()?;
-        let mut map = self.lock();
-        if map.len() >= self.capacity {
-            map.clear();
+        let bytes = text.len() + v.held_bytes();
+        if bytes > self.max_bytes / 16 {
+            return Ok(v);
         }
-        map.insert(text.to_owned(), v.clone());
+        let mut kept = self.lock();
+        if kept.map.len() >= self.capacity || kept.bytes + bytes > self.max_bytes {
+            kept.map.clear();
+            kept.bytes = 0;
+        }
+        if kept.map.insert(text.to_owned(), v.clone()).is_none() {
+            kept.bytes += bytes;
+        }
         Ok(v)
     }
 
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().map.len()
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, V>> {
-        self.map.lock().unwrap_or_else(PoisonError::into_inner)
+    #[cfg(test)]
+    pub(crate) fn bytes(&self) -> usize {
+        self.lock().bytes
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Kept<V>> {
+        self.kept.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -58,16 +89,22 @@ impl<V: Clone> TextCache<V> {
 mod tests {
     use super::*;
 
+    impl Held for String {
+        fn held_bytes(&self) -> usize {
+            self.len()
+        }
+    }
+
     #[test]
     fn a_kept_value_is_not_made_again_and_the_map_never_exceeds_its_capacity() {
-        let cache = TextCache::new(3);
+        let cache = TextCache::new(3, 1 << 20);
         let made = std::cell::Cell::new(0);
         let make = |v: u32| {
             made.set(made.get() + 1);
-            Ok::<u32, ()>(v)
+            Ok::<String, ()>(v.to_string())
         };
-        assert_eq!(cache.get_or_make("a", || make(1)), Ok(1));
-        assert_eq!(cache.get_or_make("a", || make(2)), Ok(1), "kept");
+        assert_eq!(cache.get_or_make("a", || make(1)), Ok("1".into()));
+        assert_eq!(cache.get_or_make("a", || make(2)), Ok("1".into()), "kept");
         assert_eq!(made.get(), 1);
         assert_eq!(cache.get_or_make("b", || Err(())), Err(()));
         assert_eq!(cache.len(), 1, "a failure keeps nothing");
@@ -75,5 +112,25 @@ mod tests {
             cache.get_or_make(&i.to_string(), || make(i)).expect("made");
             assert!(cache.len() <= 3);
         }
+    }
+
+    #[test]
+    fn the_map_never_holds_more_than_its_bytes_and_a_value_too_large_is_not_kept() {
+        let cache = TextCache::new(1000, 1600);
+        for i in 0..100 {
+            let text = format!("{i:04}");
+            let v = cache
+                .get_or_make(&text, || Ok::<_, ()>("v".repeat(90)))
+                .expect("made");
+            assert_eq!(v.len(), 90);
+            assert!(cache.bytes() <= 1600, "{}", cache.bytes());
+            assert_eq!(cache.get(&text), Some(v), "just kept");
+        }
+        // A sixteenth of the bytes is the most one entry may hold.
+        let big = cache
+            .get_or_make("big", || Ok::<_, ()>("v".repeat(200)))
+            .expect("made");
+        assert_eq!(big.len(), 200, "made and returned");
+        assert_eq!(cache.get("big"), None, "not kept");
     }
 }

@@ -19,7 +19,7 @@ use tokenizers::{Model, SplitDelimiterBehavior};
 
 use crate::gguf::{Gguf, GgufError};
 use crate::printable::printable;
-use crate::text_cache::TextCache;
+use crate::text_cache::{Held, TextCache};
 use crate::words;
 
 /// A token id of the served model's vocabulary.
@@ -101,6 +101,15 @@ pub struct Tokenizer {
 
 /// The most template pieces kept.
 const TEMPLATE_PIECES: usize = 256;
+
+/// The most bytes the kept template pieces hold, their texts and ids.
+const TEMPLATE_PIECE_BYTES: usize = 4 << 20;
+
+impl Held for Arc<[TokenId]> {
+    fn held_bytes(&self) -> usize {
+        std::mem::size_of_val::<[TokenId]>(self)
+    }
+}
 
 /// A tokenizer's data, as a GGUF file holds it and a worker's Info hands it to the gateway.
 #[derive(Debug, Clone, Copy)]
@@ -304,7 +313,7 @@ impl Tokenizer {
             eos,
             add_bos,
             stop,
-            template_pieces: TextCache::new(TEMPLATE_PIECES),
+            template_pieces: TextCache::new(TEMPLATE_PIECES, TEMPLATE_PIECE_BYTES),
         })
     }
 
