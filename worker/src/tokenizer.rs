@@ -160,43 +160,55 @@ impl Tokenizer {
             return Err(TokenizerError::UnsupportedModel(model.into()));
         }
         let tokens = g.get_strings("tokenizer.ggml.tokens")?;
-        let token_types: Vec<i32> = match g.get("tokenizer.ggml.token_type") {
+        // Absent: every token normal. Present, it must say: read as all normal, control tokens
+        // would be neither parsed in templates nor stops, and would stream as text.
+        let types_key = "tokenizer.ggml.token_type";
+        let token_types: Vec<i32> = match g.get(types_key) {
             Ok(v) => v
                 .as_array()
-                .map(|a| {
+                .and_then(|a| {
                     a.iter()
-                        .map(|t| t.as_u64().map_or(1, |t| t as i32))
-                        .collect()
+                        .map(|t| t.as_u64().and_then(|t| i32::try_from(t).ok()))
+                        .collect::<Option<_>>()
                 })
-                .unwrap_or_default(),
-            Err(_) => Vec::new(),
+                .ok_or_else(|| GgufError::BadValue {
+                    key: types_key.into(),
+                    reason: "not an array of token types".into(),
+                })?,
+            Err(GgufError::MissingKey { .. }) => Vec::new(),
+            Err(e) => return Err(e.into()),
         };
         let merges = g.get_strings("tokenizer.ggml.merges")?;
         let pre = match g.get_str("tokenizer.ggml.pre") {
             Err(GgufError::MissingKey { .. }) => None,
             other => Some(other?),
         };
-        let id = |key: &str| {
-            g.get_u64(key)
+        // A token the file names, when it names one: refused outside the vocabulary (a BOS
+        // read as absent would leave every prompt without the BOS the file asks for).
+        let id = |key: &str| match g.get_u64(key) {
+            Err(GgufError::MissingKey { .. }) => Ok(None),
+            Err(e) => Err(e),
+            Ok(v) => TokenId::try_from(v)
                 .ok()
-                .and_then(|v| TokenId::try_from(v).ok())
                 .filter(|&v| (v as usize) < tokens.len())
+                .map(Some)
+                .ok_or_else(|| GgufError::BadValue {
+                    key: key.into(),
+                    reason: format!("token {v} is not in the vocabulary of {}", tokens.len()),
+                }),
         };
         let eos_key = "tokenizer.ggml.eos_token_id";
-        let eos = id(eos_key).ok_or_else(|| match g.get_u64(eos_key) {
-            Ok(v) => GgufError::BadValue {
-                key: eos_key.into(),
-                reason: format!("token {v} is not in the vocabulary of {}", tokens.len()),
-            },
-            Err(e) => e,
+        let eos = id(eos_key)?.ok_or_else(|| GgufError::MissingKey {
+            key: eos_key.into(),
         })?;
+        let bos = id("tokenizer.ggml.bos_token_id")?;
         Tokenizer::from_parts(TokenizerParts {
             model,
             pre,
             tokens: &tokens,
             merges: &merges,
             token_types: &token_types,
-            bos: id("tokenizer.ggml.bos_token_id"),
+            bos,
             eos,
             add_bos: add_bos(g)?,
         })
@@ -616,6 +628,45 @@ mod tests {
             let _ = std::fs::remove_file(&path);
             let err = Tokenizer::from_gguf(&g).expect_err("refused").to_string();
             assert!(err.contains("is not in the vocabulary"), "{err}");
+        }
+    }
+
+    /// A BOS id outside the vocabulary, or token types that are not an array of them, are
+    /// refused: read as absent, prompts lost the BOS the file asks for, and control tokens
+    /// streamed as text.
+    #[test]
+    fn a_bos_id_outside_the_vocabulary_or_unreadable_token_types_are_refused() {
+        let path =
+            std::env::temp_dir().join(format!("bulkhead-tok-bos-id-{}.gguf", std::process::id()));
+        for (key, value, said) in [
+            (
+                "tokenizer.ggml.bos_token_id",
+                Value::U32(1_000_000),
+                "is not in the vocabulary",
+            ),
+            (
+                "tokenizer.ggml.bos_token_id",
+                Value::String("1".into()),
+                "bos_token_id",
+            ),
+            (
+                "tokenizer.ggml.token_type",
+                Value::String("x".into()),
+                "not an array of token types",
+            ),
+            (
+                "tokenizer.ggml.token_type",
+                Value::Array(vec![Value::String("x".into())]),
+                "not an array of token types",
+            ),
+        ] {
+            let mut w = TinySpec::default().to_gguf();
+            w.meta(key, value);
+            w.write(&path).expect("write");
+            let g = Gguf::open(&path).expect("open");
+            let _ = std::fs::remove_file(&path);
+            let err = Tokenizer::from_gguf(&g).expect_err(key).to_string();
+            assert!(err.contains(said), "{key}: {err}");
         }
     }
 
