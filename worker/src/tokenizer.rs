@@ -88,6 +88,9 @@ pub struct Tokenizer {
     specials: Option<Specials>,
     /// Ids of control tokens, which decoding skips.
     control: Vec<bool>,
+    /// The bytes no token of the vocabulary starts from, by byte (`None`: every byte has its
+    /// token, as in every real byte-level vocabulary).
+    unencodable: Option<Box<[bool; 256]>>,
     bos: Option<TokenId>,
     eos: TokenId,
     /// A raw text prompt starts with `bos` ([`Tokenizer::encode_prompt`]).
@@ -264,6 +267,7 @@ impl Tokenizer {
                 Ok((a.to_owned(), b.to_owned()))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let unencodable = unencodable_bytes(&vocab);
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .build()
@@ -321,6 +325,7 @@ impl Tokenizer {
             longest_text,
             specials,
             control,
+            unencodable,
             bos: bos.filter(|&b| (b as usize) < tokens.len()),
             eos,
             add_bos,
@@ -378,6 +383,16 @@ impl Tokenizer {
     fn encode_plain(&self, text: &str, out: &mut Vec<TokenId>) -> Result<(), TokenizerError> {
         if text.is_empty() {
             return Ok(());
+        }
+        // BPE starts from each byte's own token and skips one it does not find: the text
+        // would lose it without a word.
+        if let Some(unencodable) = &self.unencodable
+            && let Some(at) = text.bytes().position(|b| unencodable[usize::from(b)])
+        {
+            let c = text[at..].chars().next().unwrap_or_default();
+            return Err(TokenizerError::Encode(format!(
+                "the vocabulary has no token for {c:?} (byte {at} of the text)"
+            )));
         }
         let encode_error = |e: tokenizers::Error| TokenizerError::Encode(e.to_string());
         let PreTokenizer::Gpt2 { digits_apart } = self.pre else {
@@ -509,6 +524,18 @@ pub fn byte_level_char(b: u8) -> char {
 }
 
 /// The inverse of [`byte_level_char`].
+/// The bytes whose byte-level character is no token of `vocab`, if any.
+fn unencodable_bytes(vocab: &Vocab) -> Option<Box<[bool; 256]>> {
+    let mut missing = Box::new([false; 256]);
+    let mut any = false;
+    for b in 0..=255u8 {
+        let absent = !vocab.contains_key(byte_level_char(b).encode_utf8(&mut [0; 4]) as &str);
+        missing[usize::from(b)] = absent;
+        any |= absent;
+    }
+    any.then_some(missing)
+}
+
 fn byte_level_inverse() -> HashMap<char, u8> {
     (0..=255u8).map(|b| (byte_level_char(b), b)).collect()
 }
@@ -728,6 +755,22 @@ mod tests {
             eos: 26,
             add_bos: false,
         })
+    }
+
+    /// A vocabulary without a byte's token (a corrupt file's, or an Info's) drops that byte
+    /// from the text it encodes: refused, naming the character, instead of a prompt that
+    /// silently lost it.
+    #[test]
+    fn text_with_a_byte_the_vocabulary_lacks_is_refused_not_dropped() {
+        let t = letters_and(&["<eos>"]).expect("builds");
+        assert_eq!(t.encode("ab", false).expect("letters encode"), [0, 1]);
+        let e = t.encode("a b", false).expect_err("no token for the space");
+        assert!(e.to_string().contains("' '"), "{e}");
+        let e = t.encode("x<eos>é", true).expect_err("nor for é");
+        assert!(e.to_string().contains("'é'"), "{e}");
+        // A real vocabulary has every byte: nothing to refuse.
+        let smol = tokenizer("smollm").expect("smollm");
+        assert!(smol.unencodable.is_none());
     }
 
     #[test]
