@@ -99,6 +99,10 @@ pub enum IntegrityFailure {
     TagChanged { index: usize, current: Option<Tag> },
     #[error("{dropped} frames of this session were dropped")]
     FramesDropped { dropped: u32 },
+    /// The peer said it sent everything and never sent the manifest that says what: pages
+    /// are missing or unverified, as in the incident.
+    #[error("the peer closed the transfer as complete without its manifest")]
+    CompleteWithoutManifest,
     /// Not a page's fault: the peer's first token cannot be a token of the served model.
     #[error("the manifest's first token {token} is outside the vocabulary of {vocab}")]
     FirstTokenOutOfRange { token: u32, vocab: usize },

@@ -801,13 +801,7 @@ impl Engine {
                     });
                 match verified {
                     Ok(done) => self.start_decoding(t, done.first_token),
-                    Err(failure) => {
-                        self.stats.integrity_failures += 1;
-                        tracing::warn!(session = %nonce, request = %t.request.id, %failure, "KV transfer failed verification");
-                        let _ = t.request.sink.emit(Event::Failed(failure.into()));
-                        self.suspects
-                            .insert(nonce, Suspect::new(t.pages.quarantine()));
-                    }
+                    Err(failure) => self.failed_verification(nonce, t, failure),
                 }
             }
             Received::Closed { reason, .. } => {
@@ -821,7 +815,17 @@ impl Engine {
                 } else if let Some(mut t) = self.transfers.remove(&nonce) {
                     // Closed before a manifest: nothing more of this session can arrive.
                     let why = match reason {
-                        CloseReason::Complete => "closed without a manifest",
+                        // Said complete without saying what it sent: the handoff failed its
+                        // verification (the incident's sign), not the peer its work.
+                        CloseReason::Complete => {
+                            let failure = IntegrityFailure::CompleteWithoutManifest;
+                            self.failed_verification(nonce, t, failure);
+                            let back = Instant::now() + self.config.reclaim_after;
+                            if let Some(s) = self.suspects.get_mut(&nonce) {
+                                s.peer_gone(back);
+                            }
+                            return None;
+                        }
                         CloseReason::Aborted => "aborted",
                         CloseReason::Failed => "prefill failed",
                     };
@@ -834,6 +838,21 @@ impl Engine {
             }
         }
         None
+    }
+
+    /// Decode role: transfer `nonce` failed its verification: the request fails with
+    /// `failure`, counted, and its pages are quarantined while its peer may still write them.
+    fn failed_verification(
+        &mut self,
+        nonce: SessionNonce,
+        mut t: Transfer,
+        failure: IntegrityFailure,
+    ) {
+        self.stats.integrity_failures += 1;
+        tracing::warn!(session = %nonce, request = %t.request.id, %failure, "KV transfer failed verification");
+        let _ = t.request.sink.emit(Event::Failed(failure.into()));
+        self.suspects
+            .insert(nonce, Suspect::new(t.pages.quarantine()));
     }
 
     /// Decode role: the prefill worker refused the transfer `nonce` at its own admission, so

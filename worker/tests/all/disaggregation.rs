@@ -342,6 +342,39 @@ fn a_corrupted_frame_fails_the_request_and_quarantines_its_pages() {
     assert_pages_back(&p, 0);
 }
 
+/// A peer that closes a transfer as complete without its manifest (one page of three sent)
+/// failed verification: `kv_integrity_error`, counted, its pages quarantined until the grace
+/// period after its end. It was taken for prefill's own failure: a 503 that marked a healthy
+/// decode worker down, its pages released, nothing counted.
+#[test]
+fn a_transfer_closed_as_complete_without_its_manifest_fails_verification() {
+    for (grace, back) in [(Duration::ZERO, true), (Duration::from_secs(3600), false)] {
+        let mut d = tiny_engine_with(EngineConfig {
+            reclaim_after: grace,
+            ..EngineConfig::default()
+        });
+        let mut p = tiny_engine(256);
+        let prompt: Vec<u32> = (3..40).collect();
+        let out = disaggregated(&mut d, &mut p, &prompt, 8, |m| match m {
+            Message::Frame(f) if f.header.index > 0 => None,
+            Message::Manifest(_) => None,
+            other => Some(other),
+        });
+        assert_eq!(
+            out.finish,
+            Some(Err(Failure::Transfer(
+                IntegrityFailure::CompleteWithoutManifest
+            )))
+        );
+        assert!(out.tokens.is_empty());
+        assert_eq!(d.transfer_stats().integrity_failures, 1);
+        d.step();
+        let (quarantined, reclaimed) = if back { (0, 3) } else { (3, 0) };
+        assert_pages_back(&d, quarantined);
+        assert_eq!(d.transfer_stats().reclaimed_pages, reclaimed, "{grace:?}");
+    }
+}
+
 #[test]
 fn a_dropped_frame_fails_the_request() {
     let (mut d, mut p) = (tiny_engine(256), tiny_engine(256));
