@@ -180,9 +180,10 @@ impl Policies {
 
     /// Checks the policy file every `watch_interval` and reloads when its content differs
     /// from what the last reload read — the watcher's or an admin call's (a refused content
-    /// is not retried until it changes again). A file that can no longer be read (deleted, its
-    /// permissions changed) is a refused reload too, said once until it can be read again: the
-    /// active set stays. `None` when not watching.
+    /// is not retried until it changes again) — and has read the same at two looks in a row
+    /// ([`Settling`]). A file that can no longer be read (deleted, its permissions changed) is
+    /// a refused reload too, said once until it can be read again: the active set stays.
+    /// `None` when not watching.
     pub fn spawn_watch(&self) -> Option<tokio::task::JoinHandle<()>> {
         let (_, settings) = self.inner.runtime.as_ref()?;
         let interval = settings.watch_interval?;
@@ -191,6 +192,7 @@ impl Policies {
         Some(tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut settling = Settling::default();
             loop {
                 tick.tick().await;
                 let path = file.clone();
@@ -201,7 +203,8 @@ impl Policies {
                     continue;
                 };
                 let now = read.ok().map(|bytes| Digest::of(&bytes));
-                if now == *lock(&policies.inner.tried) {
+                let tried = *lock(&policies.inner.tried);
+                if !settling.settled(now, tried) {
                     continue;
                 }
                 let p = policies.clone();
@@ -275,6 +278,30 @@ impl Policies {
             "chain": set.summary(),
             "last_reload_error": self.last_error(),
         })
+    }
+}
+
+/// What the watcher read at its last look, so that it takes a change only once the file reads
+/// the same at two looks in a row: an editor that rewrites the file in place (truncates, then
+/// writes) or a file longer than a page can be read part-written, and a part that happens to
+/// be a valid set — its first bindings only, a binding cut before its `tenants` line (so
+/// applying to every tenant), a `config = {}` — would be the active set until the next look.
+#[derive(Debug, Default)]
+pub(super) struct Settling {
+    /// The file's digest at the last look (`None` inside: unreadable), unless it was the
+    /// content tried last.
+    last: Option<Option<Digest>>,
+}
+
+impl Settling {
+    /// Whether to reload: the file (`now`, its digest; `None`: unreadable) differs from the
+    /// content the last reload `tried`, and read the same at the look before.
+    pub(super) fn settled(&mut self, now: Option<Digest>, tried: Option<Digest>) -> bool {
+        if now == tried {
+            self.last = None;
+            return false;
+        }
+        self.last.replace(now) == Some(now)
     }
 }
 

@@ -1486,6 +1486,36 @@ async fn the_watched_file_emptied_or_deleted_keeps_the_set_and_says_why() {
     watch.abort();
 }
 
+/// The watcher takes a change once the file reads the same at two looks in a row: a file
+/// read part-written (an editor truncates, then writes) is never loaded, however valid the
+/// part, and a refused content is not tried again until it changes.
+#[test]
+fn the_watcher_takes_a_change_only_once_it_reads_the_same_twice() {
+    let (a, b, c) = (
+        Digest::of(b"a"),
+        Digest::of(b"a part"),
+        Digest::of(b"a whole"),
+    );
+    let mut s = super::handle::Settling::default();
+    // The file as loaded: nothing to do.
+    assert!(!s.settled(Some(a), Some(a)));
+    // Read part-written, then whole: the part is never taken.
+    assert!(!s.settled(Some(b), Some(a)), "first look at the part");
+    assert!(!s.settled(Some(c), Some(a)), "the whole, first look");
+    assert!(s.settled(Some(c), Some(a)), "the whole again: taken");
+    // Once tried, not again until it changes.
+    assert!(!s.settled(Some(c), Some(c)));
+    assert!(!s.settled(Some(c), Some(c)));
+    // Unreadable twice: a refused reload, said once.
+    assert!(!s.settled(None, Some(c)));
+    assert!(s.settled(None, Some(c)));
+    assert!(!s.settled(None, None));
+    // Changes at every look are never taken.
+    for i in 0..10u8 {
+        assert!(!s.settled(Some(Digest::of(&[i])), Some(c)), "{i}");
+    }
+}
+
 /// A file changed, reloaded by an admin call, then put back before the watcher looked: the
 /// watcher loads it again (it compared the file with what it had last seen itself, the same
 /// content, and left the admin call's set running, different from the file, with nothing said).
