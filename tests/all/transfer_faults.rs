@@ -571,3 +571,133 @@ async fn a_prefill_call_with_an_overlong_label_is_refused_before_anything_is_all
     })
     .await;
 }
+
+/// A prefill peer that sends a transfer's KV — valid, every frame and the manifest — and never
+/// answers its call.
+struct SilentPrefill;
+
+type Items<T> =
+    std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<T, tonic::Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl proto::Worker for SilentPrefill {
+    type GenerateStream = Items<proto::GenerateResponse>;
+    type PrefillStream = Items<proto::PrefillEvent>;
+
+    async fn generate(
+        &self,
+        _: tonic::Request<proto::GenerateRequest>,
+    ) -> Result<tonic::Response<Self::GenerateStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("a prefill stand-in"))
+    }
+
+    async fn info(
+        &self,
+        _: tonic::Request<InfoRequest>,
+    ) -> Result<tonic::Response<proto::InfoResponse>, tonic::Status> {
+        Ok(tonic::Response::new(proto::InfoResponse {
+            instance_id: "silent".into(),
+            ..proto::InfoResponse::default()
+        }))
+    }
+
+    async fn health(
+        &self,
+        _: tonic::Request<proto::HealthRequest>,
+    ) -> Result<tonic::Response<proto::HealthResponse>, tonic::Status> {
+        Ok(tonic::Response::new(proto::HealthResponse::default()))
+    }
+
+    async fn prefill(
+        &self,
+        request: tonic::Request<proto::PrefillRequest>,
+    ) -> Result<tonic::Response<Self::PrefillStream>, tonic::Status> {
+        use bulkhead_handoff::{Frame, Manifest, SessionNonce, digest};
+        let r = request.into_inner();
+        let t = r.reservation.expect("decode names its reservation");
+        let nonce = SessionNonce(t.nonce.as_slice().try_into().expect("a 16-byte nonce"));
+        let frames: Vec<Frame> = (t.pages.iter().enumerate())
+            .map(|(i, page)| {
+                let start = i as u32 * t.page_tokens + t.cached_tokens;
+                let end = (start + t.page_tokens).min(t.prompt_tokens);
+                let bytes = vec![0; ((end - start) * t.token_bytes) as usize];
+                let tag = bulkhead_kvpool::Tag::new(page.tag);
+                Frame::new(nonce, i as u32, tag, start..end, bytes)
+            })
+            .collect();
+        let manifest = Manifest {
+            nonce,
+            tokens: t.prompt_tokens,
+            pages: frames.len() as u32,
+            digest: digest(frames.iter().map(|f| f.header.checksum)),
+            first_token: 1,
+        };
+        tokio::spawn(async move {
+            let sent = bulkhead_worker::serve::kvplane::send(
+                &r.kv_address,
+                &frames,
+                &manifest,
+                1 << 20,
+                || false,
+            )
+            .await;
+            assert!(sent.is_ok(), "{sent:?}");
+        });
+        Ok(tonic::Response::new(Box::pin(
+            futures_util::stream::pending(),
+        )))
+    }
+}
+
+/// A prefill peer that sent the KV (decode verified it and generates) and never answers its
+/// call: the request fails (`service_unavailable`) within a few seconds. It waited for that
+/// answer without end, after the KV had made the wait's other end (the transfer deadline) moot.
+#[tokio::test]
+async fn a_prefill_peer_that_sends_the_kv_and_never_answers_its_call_does_not_hold_the_request() {
+    bounded(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("binds");
+        let address = format!("http://{}", listener.local_addr().expect("its address"));
+        let _silent = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(proto::WorkerServer::new(SilentPrefill))
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+        );
+        let decode = Worker::start(&[
+            "--role",
+            "decode",
+            "--prefill",
+            &address,
+            "--kv-listen",
+            "127.0.0.1:0",
+            "--kv-tokens",
+            "2048",
+        ]);
+        let mut client = decode.client().await;
+        let started = Instant::now();
+        let answered = tokio::time::timeout(
+            Duration::from_secs(30),
+            run_to_end(&mut client, chat("Hi", 4)),
+        )
+        .await
+        .expect("the request ends");
+        let err = answered.expect_err("prefill never answered");
+        assert_eq!(error_code(&err), Some("service_unavailable"), "{err:?}");
+        // Ended by the wait for the answer (5 s), not at once by something else.
+        let took = started.elapsed();
+        assert!(
+            took > Duration::from_secs(4) && took < Duration::from_secs(20),
+            "{took:?}"
+        );
+        // The KV did arrive and pass: the wait was for the call alone.
+        let m = decode.metrics();
+        assert!(metric(&m, "bulkhead_kv_frames_written_total") >= 1.0, "{m}");
+        assert_eq!(
+            metric(&m, "bulkhead_kv_integrity_failures_total"),
+            0.0,
+            "{m}"
+        );
+    })
+    .await;
+}

@@ -181,6 +181,10 @@ pub struct PrefillCall {
     wait: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
+/// How long prefill's answer to its call may come after its KV did: it answers before it
+/// computes, so only a peer that is stuck (or hostile) takes longer.
+const ANSWER_WAIT: Duration = Duration::from_secs(5);
+
 /// How long a finished request's `Done` waits for prefill's `Sent`, which prefill answers as
 /// soon as the manifest (that decode verified before the first token) is written.
 const SENT_WAIT: Duration = Duration::from_secs(1);
@@ -464,8 +468,16 @@ pub async fn start_remote_prefill(
         Raced::Event(None) => return Err(ServeError::EngineGone),
         // The KV was sent and committed before the call's first answer was read (a short
         // prompt on a fast data plane): prefill did accept. The event is the stream's first.
+        // Its answer is due (prefill answers before it computes): a peer that sent the KV and
+        // never answers does not hold the request for ever.
         Raced::Event(Some(early @ (Event::Token { .. } | Event::Done { .. }))) => {
-            (answer.await, Some(early))
+            let answered = tokio::time::timeout(ANSWER_WAIT, answer).await;
+            let answer = answered.unwrap_or_else(|_| {
+                Err(Status::deadline_exceeded(
+                    "prefill sent the KV and did not answer its call",
+                ))
+            });
+            (answer, Some(early))
         }
         Raced::Event(Some(other)) => {
             tracing::error!(event = ?other, "a decode request's event before its prefill answered");
