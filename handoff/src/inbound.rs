@@ -87,6 +87,10 @@ pub enum IntegrityFailure {
     TokenCount { sent: u32, reserved: u32 },
     #[error("manifest claims {sent} pages, reserved {reserved}")]
     PageCount { sent: u32, reserved: usize },
+    /// The reservation's pages do not hold the prompt's tokens (none the engine makes: a
+    /// commit would start decoding on less KV than the prompt has).
+    #[error("the reservation's {reserved} pages do not hold the prompt's tokens")]
+    ReservationShort { reserved: usize },
     #[error("page index {index} was never written")]
     PageMissing { index: usize },
     #[error("page index {index} arrived more than once")]
@@ -298,6 +302,11 @@ impl Inbound {
                 reserved: r.pages.len(),
             });
         }
+        if r.pages_needed() != Some(r.pages.len()) {
+            return Err(IntegrityFailure::ReservationShort {
+                reserved: r.pages.len(),
+            });
+        }
         if let Some(index) = self.duplicate {
             return Err(IntegrityFailure::PageDuplicated { index });
         }
@@ -377,6 +386,23 @@ mod tests {
             digest: digest(frames.iter().map(|f| f.header.checksum)),
             first_token: 11,
         }
+    }
+
+    /// A reservation that cannot hold its prompt never commits, however whole what arrived
+    /// for it (the engine makes none: a cut table, a page size of zero).
+    #[test]
+    fn a_reservation_short_of_its_prompt_never_commits() {
+        let mut r = reservation();
+        r.pages.truncate(2);
+        let fs = frames(&r);
+        let mut s = Inbound::new(r);
+        for f in &fs {
+            s.accept(&c(f), live).expect("written");
+        }
+        assert_eq!(
+            s.finish(&manifest(&fs), live),
+            Err(IntegrityFailure::ReservationShort { reserved: 2 })
+        );
     }
 
     /// A session of [`reservation`] that took every one of its frames, and the frames.

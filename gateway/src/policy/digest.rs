@@ -22,7 +22,8 @@ impl Digest {
     /// Parses 64 hex digits (either case); `None` otherwise.
     pub fn from_hex(hex: &str) -> Option<Digest> {
         let hex = hex.as_bytes();
-        if hex.len() != 64 {
+        // Digits only (a radix parse alone takes a sign: "+f").
+        if hex.len() != 64 || !hex.iter().all(u8::is_ascii_hexdigit) {
             return None;
         }
         let mut out = [0u8; 32];
@@ -68,5 +69,10 @@ mod tests {
         assert_eq!(Digest::from_hex("ab"), None);
         assert_eq!(Digest::from_hex(&"g".repeat(64)), None);
         assert_eq!(Digest::from_hex(&"é".repeat(32)), None);
+        assert_eq!(
+            Digest::from_hex(&"+f".repeat(32)),
+            None,
+            "a sign is no digit"
+        );
     }
 }
