@@ -204,7 +204,17 @@ impl Tokenizer {
         let eos = id(eos_key)?.ok_or_else(|| GgufError::MissingKey {
             key: eos_key.into(),
         })?;
-        let bos = id("tokenizer.ggml.bos_token_id")?;
+        let add_bos = add_bos(g)?;
+        let bos = match id("tokenizer.ggml.bos_token_id") {
+            Ok(bos) => bos,
+            // A stale id in a file that never puts a BOS before a prompt: loaded (as llama.cpp
+            // loads it), said; refused only where prompts would lose it.
+            Err(e) if !add_bos => {
+                tracing::warn!(error = %e, "ignoring the model file's BOS token id");
+                None
+            }
+            Err(e) => return Err(e.into()),
+        };
         Tokenizer::from_parts(TokenizerParts {
             model,
             pre,
@@ -213,7 +223,7 @@ impl Tokenizer {
             token_types: &token_types,
             bos,
             eos,
-            add_bos: add_bos(g)?,
+            add_bos,
         })
     }
 
@@ -387,11 +397,15 @@ impl Tokenizer {
         // BPE starts from each byte's own token and skips one it does not find: the text
         // would lose it without a word.
         if let Some(unencodable) = &self.unencodable
-            && let Some(at) = text.bytes().position(|b| unencodable[usize::from(b)])
+            && let Some((at, c)) = text.char_indices().find(|(_, c)| {
+                let mut utf8 = [0; 4];
+                c.encode_utf8(&mut utf8)
+                    .bytes()
+                    .any(|b| unencodable[usize::from(b)])
+            })
         {
-            let c = text[at..].chars().next().unwrap_or_default();
             return Err(TokenizerError::Encode(format!(
-                "the vocabulary has no token for {c:?} (byte {at} of the text)"
+                "the vocabulary has no token for a byte of {c:?} (at byte {at} of the text)"
             )));
         }
         let encode_error = |e: tokenizers::Error| TokenizerError::Encode(e.to_string());
@@ -523,7 +537,6 @@ pub fn byte_level_char(b: u8) -> char {
     char::from_u32(256 + rank).unwrap_or('?')
 }
 
-/// The inverse of [`byte_level_char`].
 /// The bytes whose byte-level character is no token of `vocab`, if any.
 fn unencodable_bytes(vocab: &Vocab) -> Option<Box<[bool; 256]>> {
     let mut missing = Box::new([false; 256]);
@@ -536,6 +549,7 @@ fn unencodable_bytes(vocab: &Vocab) -> Option<Box<[bool; 256]>> {
     any.then_some(missing)
 }
 
+/// The inverse of [`byte_level_char`].
 fn byte_level_inverse() -> HashMap<char, u8> {
     (0..=255u8).map(|b| (byte_level_char(b), b)).collect()
 }
@@ -658,13 +672,20 @@ mod tests {
         }
     }
 
-    /// A BOS id outside the vocabulary, or token types that are not an array of them, are
-    /// refused: read as absent, prompts lost the BOS the file asks for, and control tokens
-    /// streamed as text.
+    /// A BOS id outside the vocabulary in a file that asks for a BOS before prompts, or token
+    /// types that are not an array of them, are refused: read as absent, prompts lost the BOS
+    /// the file asks for, and control tokens streamed as text. A file that puts no BOS before
+    /// prompts loads with a stale id, as llama.cpp loads it.
     #[test]
     fn a_bos_id_outside_the_vocabulary_or_unreadable_token_types_are_refused() {
         let path =
             std::env::temp_dir().join(format!("bulkhead-tok-bos-id-{}.gguf", std::process::id()));
+        let mut w = TinySpec::default().to_gguf();
+        w.meta("tokenizer.ggml.bos_token_id", Value::U32(1_000_000));
+        w.write(&path).expect("write");
+        let g = Gguf::open(&path).expect("open");
+        let t = Tokenizer::from_gguf(&g).expect("no BOS asked for: loads");
+        assert_eq!(t.bos(), None);
         for (key, value, said) in [
             (
                 "tokenizer.ggml.bos_token_id",
@@ -688,7 +709,8 @@ mod tests {
             ),
         ] {
             let mut w = TinySpec::default().to_gguf();
-            w.meta(key, value);
+            w.meta(key, value)
+                .meta("tokenizer.ggml.add_bos_token", Value::Bool(true));
             w.write(&path).expect("write");
             let g = Gguf::open(&path).expect("open");
             let _ = std::fs::remove_file(&path);
@@ -768,6 +790,28 @@ mod tests {
         assert!(e.to_string().contains("' '"), "{e}");
         let e = t.encode("x<eos>é", true).expect_err("nor for é");
         assert!(e.to_string().contains("'é'"), "{e}");
+        // A vocabulary with é's first byte and not its second: the character is named, the
+        // text never cut inside it.
+        let mut letters: Vec<String> = ('a'..='z').map(String::from).collect();
+        letters.push(byte_level_char(0xc3).to_string());
+        letters.push("<eos>".into());
+        let mut types = vec![1; 27];
+        types.push(3);
+        let half = Tokenizer::from_parts(TokenizerParts {
+            model: "gpt2",
+            pre: None,
+            tokens: &letters,
+            merges: &[] as &[String],
+            token_types: &types,
+            bos: None,
+            eos: 27,
+            add_bos: false,
+        })
+        .expect("builds");
+        let e = half
+            .encode("aé", false)
+            .expect_err("no token for é's second byte");
+        assert!(e.to_string().contains("'é' (at byte 1"), "{e}");
         // A real vocabulary has every byte: nothing to refuse.
         let smol = tokenizer("smollm").expect("smollm");
         assert!(smol.unencodable.is_none());
