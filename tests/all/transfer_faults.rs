@@ -572,15 +572,18 @@ async fn a_prefill_call_with_an_overlong_label_is_refused_before_anything_is_all
     .await;
 }
 
-/// A prefill peer that sends a transfer's KV — valid, every frame and the manifest — and never
-/// answers its call.
-struct SilentPrefill;
+/// A prefill peer that sends a transfer's KV — valid, every frame and the manifest — and then
+/// answers its call as `answers` says: never (`None`), or accepted and then sent, saying that
+/// this many of the prompt's tokens came from its cache.
+struct StandInPrefill {
+    answers: Option<u32>,
+}
 
 type Items<T> =
     std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<T, tonic::Status>> + Send + 'static>>;
 
 #[tonic::async_trait]
-impl proto::Worker for SilentPrefill {
+impl proto::Worker for StandInPrefill {
     type GenerateStream = Items<proto::GenerateResponse>;
     type PrefillStream = Items<proto::PrefillEvent>;
 
@@ -596,7 +599,7 @@ impl proto::Worker for SilentPrefill {
         _: tonic::Request<InfoRequest>,
     ) -> Result<tonic::Response<proto::InfoResponse>, tonic::Status> {
         Ok(tonic::Response::new(proto::InfoResponse {
-            instance_id: "silent".into(),
+            instance_id: "stand-in".into(),
             ..proto::InfoResponse::default()
         }))
     }
@@ -613,6 +616,7 @@ impl proto::Worker for SilentPrefill {
         request: tonic::Request<proto::PrefillRequest>,
     ) -> Result<tonic::Response<Self::PrefillStream>, tonic::Status> {
         use bulkhead_handoff::{Frame, Manifest, SessionNonce, digest};
+        use futures_util::StreamExt as _;
         let r = request.into_inner();
         let t = r.reservation.expect("decode names its reservation");
         let nonce = SessionNonce(t.nonce.as_slice().try_into().expect("a 16-byte nonce"));
@@ -632,21 +636,100 @@ impl proto::Worker for SilentPrefill {
             digest: digest(frames.iter().map(|f| f.header.checksum)),
             first_token: 1,
         };
-        tokio::spawn(async move {
-            let sent = bulkhead_worker::serve::kvplane::send(
+        let sending = async move {
+            bulkhead_worker::serve::kvplane::send(
                 &r.kv_address,
                 &frames,
                 &manifest,
                 1 << 20,
                 || false,
             )
-            .await;
-            assert!(sent.is_ok(), "{sent:?}");
-        });
-        Ok(tonic::Response::new(Box::pin(
-            futures_util::stream::pending(),
-        )))
+            .await
+        };
+        let Some(cached_tokens) = self.answers else {
+            tokio::spawn(async move {
+                let sent = sending.await;
+                assert!(sent.is_ok(), "{sent:?}");
+            });
+            return Ok(tonic::Response::new(Box::pin(
+                futures_util::stream::pending(),
+            )));
+        };
+        let event = |event| Ok(proto::PrefillEvent { event: Some(event) });
+        let accepted = event(PrefillItem::Accepted(proto::PrefillAccepted {
+            instance_id: "stand-in".into(),
+        }));
+        let sent = async move {
+            let sent = sending.await.expect("sent");
+            let bulkhead_worker::serve::kvplane::Sent::Complete { frames, bytes } = sent else {
+                panic!("{sent:?}");
+            };
+            event(PrefillItem::Sent(proto::PrefillSent {
+                frames,
+                bytes,
+                cached_tokens,
+            }))
+        };
+        let items = futures_util::stream::once(async { accepted })
+            .chain(futures_util::stream::once(sent))
+            .chain(futures_util::stream::pending());
+        Ok(tonic::Response::new(Box::pin(items)))
     }
+}
+
+/// A decode worker whose prefill peer is a [`StandInPrefill`] answering as `answers` says (the
+/// stand-in's server task, to hold).
+async fn decode_with_a_stand_in(answers: Option<u32>) -> (Worker, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("binds");
+    let address = format!("http://{}", listener.local_addr().expect("its address"));
+    let serving = tokio::spawn(async move {
+        let served = tonic::transport::Server::builder()
+            .add_service(proto::WorkerServer::new(StandInPrefill { answers }))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+            .await;
+        assert!(served.is_ok(), "{served:?}");
+    });
+    let decode = Worker::start(&[
+        "--role",
+        "decode",
+        "--prefill",
+        &address,
+        "--kv-listen",
+        "127.0.0.1:0",
+        "--kv-tokens",
+        "2048",
+    ]);
+    (decode, serving)
+}
+
+/// A prefill peer that says it read far more of the prompt from its cache than the prompt has
+/// is believed up to the prompt: the count goes into the client's usage and the tenant's
+/// metering.
+#[tokio::test]
+async fn a_prefill_peers_cached_token_count_is_believed_up_to_the_prompt() {
+    bounded(async {
+        let (decode, _prefill) = decode_with_a_stand_in(Some(1_000_000)).await;
+        let mut client = decode.client().await;
+        let mut stream = client
+            .generate(chat("Hi", 4))
+            .await
+            .expect("admitted")
+            .into_inner();
+        let done = loop {
+            match stream.message().await.expect("a clean stream") {
+                Some(proto::GenerateResponse {
+                    item: Some(proto::Item::Done(done)),
+                }) => break done,
+                Some(_) => {}
+                None => panic!("the stream ended without Done"),
+            }
+        };
+        assert!(done.prompt_tokens > 0, "{done:?}");
+        assert_eq!(done.cached_tokens, done.prompt_tokens, "{done:?}");
+    })
+    .await;
 }
 
 /// A prefill peer that sent the KV (decode verified it and generates) and never answers its
@@ -655,25 +738,7 @@ impl proto::Worker for SilentPrefill {
 #[tokio::test]
 async fn a_prefill_peer_that_sends_the_kv_and_never_answers_its_call_does_not_hold_the_request() {
     bounded(async {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("binds");
-        let address = format!("http://{}", listener.local_addr().expect("its address"));
-        let _silent = tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(proto::WorkerServer::new(SilentPrefill))
-                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
-        );
-        let decode = Worker::start(&[
-            "--role",
-            "decode",
-            "--prefill",
-            &address,
-            "--kv-listen",
-            "127.0.0.1:0",
-            "--kv-tokens",
-            "2048",
-        ]);
+        let (decode, _prefill) = decode_with_a_stand_in(None).await;
         let mut client = decode.client().await;
         let started = Instant::now();
         let answered = tokio::time::timeout(
