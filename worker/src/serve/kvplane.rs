@@ -18,8 +18,8 @@
 //! whose message does not fit waits before reading the next, so a peer that sends faster than
 //! the engine writes — or floods frames of no session — is slowed by TCP instead of queued in
 //! memory. One connection carries at most [`MAX_OPEN_SESSIONS`] open sessions, and the listener
-//! holds at most two connections (a transfer's, its drain acknowledgement's) per request the
-//! engine can hold ([`serve`]): each may read one frame ahead of its lease, so that bounds what
+//! holds at most two connections per page of the pool, within 64 to 4096
+//! ([`max_connections`]): each may read one frame ahead of its lease, so that bounds what
 //! waits outside the budget too.
 //!
 //! When a connection ends — cleanly or not — every session it carried that was not closed is
@@ -229,6 +229,20 @@ impl Limits {
 /// How often a decode worker says it closed data connections over its bound (with how many).
 const REFUSALS_LOGGED_EVERY: Duration = Duration::from_secs(10);
 
+/// The fewest and the most data connections a decode worker holds open at once, whatever its
+/// pool ([`max_connections`]).
+const CONNECTIONS: std::ops::RangeInclusive<usize> = 64..=4096;
+
+/// The most data connections a decode worker whose pool has `pool_pages` pages holds open at
+/// once: two per page (every transfer's session holds a page at least, and has at most its own
+/// connection and its drain acknowledgement's open), within [`CONNECTIONS`] — past 4096
+/// transfers waiting at once on one worker, shedding them is kinder than holding them.
+pub fn max_connections(pool_pages: u32) -> usize {
+    (pool_pages as usize)
+        .saturating_mul(2)
+        .clamp(*CONNECTIONS.start(), *CONNECTIONS.end())
+}
+
 /// Decode role: accepts data-plane connections for as long as the worker serves, at most
 /// `max_connections` at once; each connection's messages go to `to` (the engine), frames of at
 /// most `max_frame` bytes (a page); a peer that vanishes loses its connection after about the
@@ -240,8 +254,8 @@ const REFUSALS_LOGGED_EVERY: Duration = Duration::from_secs(10);
 /// task, its head buffer and up to a frame read ahead of its lease on the receive budget, so
 /// whoever reaches the port could otherwise make the worker hold memory and descriptors without
 /// end (until its gRPC listener, in the same process, could accept nothing either). Prefill
-/// opens one connection per transfer and one per drain acknowledgement, so the worker's bound
-/// is two per request its engine can hold.
+/// opens one connection per transfer and one per drain acknowledgement ([`max_connections`]).
+/// A connection holds its place through its TLS handshake (bounded by the peer timeout).
 pub async fn serve(
     listener: TcpListener,
     to: impl Deliver + Clone + Send + Sync + 'static,
@@ -1305,6 +1319,14 @@ mod tests {
                 }
             );
         }
+    }
+
+    #[test]
+    fn a_worker_holds_two_connections_a_page_within_its_bounds() {
+        assert_eq!(max_connections(0), 64);
+        assert_eq!(max_connections(100), 200);
+        assert_eq!(max_connections(42_580), 4096);
+        assert_eq!(max_connections(u32::MAX), 4096);
     }
 
     /// Whether the listener closes `socket` (it reads the end, or a reset) within a second.

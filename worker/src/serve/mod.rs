@@ -155,8 +155,7 @@ pub struct BoundWorker {
     kv_peer_timeout: Duration,
     /// The slowest transfer rate allowed, bytes/s: a frame begun is given its time at it.
     kv_floor: u64,
-    /// The most data connections open at once: two (a transfer's, its drain
-    /// acknowledgement's) per request the engine can hold, running or queued.
+    /// The most data connections open at once ([`kvplane::max_connections`]).
     kv_max_connections: usize,
     /// Required on every gRPC call.
     cluster_token: Option<SharedToken>,
@@ -204,11 +203,9 @@ impl BoundWorker {
 
         let layout = model.kv_layout(config.engine.page_tokens.get() as usize);
         let kv_floor = config.engine.transfer_floor_bytes_per_s;
-        // Each request the engine holds (running or queued) has at most a transfer's connection
-        // and a drain acknowledgement's open at once.
-        let kv_max_connections = 2 * (config.engine.max_running + config.engine.queue_capacity);
         let engine = Engine::new(model, tokenizer, config.engine)?;
         let capacity = engine.capacity();
+        let kv_max_connections = kvplane::max_connections(capacity.pool_pages);
         info::set_capacity(&mut info, capacity);
         let batch_bytes = match config.role {
             RoleConfig::Prefill { batch_bytes, .. } => Some(batch_bytes),
