@@ -83,8 +83,14 @@ impl Bucket {
         }
     }
 
+    /// Refills up to `now`. An instant older than the last refill (read before another
+    /// thread's, which took the lock first) refills nothing and leaves the clock where it is:
+    /// set back, the next refill would credit the time between them twice.
     fn refill(&mut self, now: Instant) {
-        let dt = now.saturating_duration_since(self.at).as_secs_f64();
+        if now <= self.at {
+            return;
+        }
+        let dt = now.duration_since(self.at).as_secs_f64();
         self.level = (self.level + dt * self.capacity / 60.0).min(self.capacity);
         self.at = now;
     }
@@ -450,6 +456,22 @@ mod tests {
         // Half a token short still waits a whole second.
         assert_eq!(b.take(1, t0), Ok(()));
         assert_eq!(b.take(1, t0 + Duration::from_millis(500)), Err(1));
+    }
+
+    /// Instants are read before the limiter's lock: one read earlier can come after one read
+    /// later. It refills nothing, and the time between them is credited once.
+    #[test]
+    fn an_instant_older_than_the_last_refill_credits_nothing_twice() {
+        let t0 = Instant::now();
+        let mut b = Bucket::full(60, t0);
+        b.take(60, t0).expect("the whole minute");
+        let t10 = t0 + Duration::from_secs(10);
+        b.take(10, t10).expect("ten seconds' worth");
+        assert!(
+            b.take(1, t0 + Duration::from_secs(5)).is_err(),
+            "nothing left"
+        );
+        assert!(b.take(1, t10).is_err(), "nothing refilled since t10");
     }
 
     #[test]
