@@ -26,7 +26,7 @@ use tracing::field::Empty;
 /// (inside) records the request's facts and outcome, and keeps the span open until the
 /// audit record is sealed — after the last byte of a stream.
 pub async fn traced(request: Request, next: Next) -> Response {
-    let method = request.method().as_str();
+    let method = method_name(request.method());
     let route = request
         .extensions()
         .get::<MatchedPath>()
@@ -48,9 +48,10 @@ pub async fn traced(request: Request, next: Next) -> Response {
     );
     // The name is built only for a span someone records (no allocation otherwise).
     if !span.is_disabled() {
+        let named = if method == OTHER { "HTTP" } else { method };
         match route {
-            Some(route) => span.record("otel.name", format!("{method} {route}")),
-            None => span.record("otel.name", method),
+            Some(route) => span.record("otel.name", format!("{named} {route}")),
+            None => span.record("otel.name", named),
         };
     }
     bulkhead_telemetry::propagation::continue_trace(&span, request.headers());
@@ -61,4 +62,39 @@ pub async fn traced(request: Request, next: Next) -> Response {
         span.record("otel.status_code", "ERROR");
     }
     response
+}
+
+/// What OpenTelemetry's HTTP conventions call a method outside the standard ones.
+const OTHER: &str = "_OTHER";
+
+/// The request's method as OpenTelemetry's HTTP conventions name it: one of the nine standard
+/// methods, or `_OTHER` — a client's own method token (any token, before authentication) would
+/// make each span's name and method its own, without bound.
+fn method_name(method: &http::Method) -> &'static str {
+    use http::Method;
+    match *method {
+        Method::GET => "GET",
+        Method::HEAD => "HEAD",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::CONNECT => "CONNECT",
+        Method::OPTIONS => "OPTIONS",
+        Method::TRACE => "TRACE",
+        Method::PATCH => "PATCH",
+        _ => OTHER,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_method_outside_the_standard_ones_is_named_other() {
+        assert_eq!(method_name(&http::Method::POST), "POST");
+        assert_eq!(method_name(&http::Method::PATCH), "PATCH");
+        let own = http::Method::from_bytes(b"ZZZ-abc123").expect("a token");
+        assert_eq!(method_name(&own), OTHER);
+    }
 }
