@@ -33,7 +33,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bulkhead_worker::chat::ChatError;
 use http::HeaderMap;
-use http::header::{CONTENT_ENCODING, CONTENT_TYPE};
+use http::header::{CONTENT_ENCODING, CONTENT_TYPE, TRANSFER_ENCODING};
 use tokio::time::Instant;
 use tracing::Instrument as _;
 use tracing::field::Empty;
@@ -390,15 +390,9 @@ async fn start(
     }
     // Read as sent: a compressed body would be parsed as JSON and refused as not JSON, and
     // one whose header lies would be taken as it is.
-    if let Some(coding) = headers
-        .get(CONTENT_ENCODING)
-        .filter(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"))
-    {
+    if let Some(coding) = foreign_coding(headers) {
         return Err(ApiError::UnsupportedEncoding {
-            coding: String::from_utf8_lossy(coding.as_bytes())
-                .chars()
-                .take(64)
-                .collect(),
+            coding: String::from_utf8_lossy(coding).chars().take(64).collect(),
         });
     }
     let waited = state.http.body_timeout;
@@ -572,6 +566,22 @@ async fn start(
     })
 }
 
+/// The first coding of the body other than none: a `Content-Encoding` other than `identity`
+/// or a transfer coding other than `chunked` (hyper undoes only that one), in any of the
+/// headers' lines and list items — the first line alone let `identity` then `gzip` through.
+fn foreign_coding(headers: &HeaderMap) -> Option<&[u8]> {
+    let codings = |name, none: &'static [u8]| {
+        headers
+            .get_all(name)
+            .into_iter()
+            .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+            .map(<[u8]>::trim_ascii)
+            .filter(|c| !c.is_empty())
+            .find(move |c| !c.eq_ignore_ascii_case(none))
+    };
+    codings(CONTENT_ENCODING, b"identity").or_else(|| codings(TRANSFER_ENCODING, b"chunked"))
+}
+
 /// After the policies allowed a request: admission again when they clamped its max tokens,
 /// its tokens-per-minute charge, and its route to a worker of `model_id`, the model it was
 /// tokenized for.
@@ -732,6 +742,37 @@ fn prompt_ids(model: &ServedModel, parsed: &Parsed) -> Result<Vec<u32>, ApiError
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_line_and_item_of_a_bodys_codings_is_read() {
+        let with = |lines: &[(&str, &str)]| {
+            let mut h = HeaderMap::new();
+            for (name, value) in lines {
+                h.append(
+                    http::HeaderName::from_bytes(name.as_bytes()).expect("a name"),
+                    http::HeaderValue::from_str(value).expect("a value"),
+                );
+            }
+            foreign_coding(&h).map(|c| String::from_utf8_lossy(c).into_owned())
+        };
+        assert_eq!(with(&[]), None);
+        assert_eq!(with(&[("content-encoding", "Identity")]), None);
+        assert_eq!(with(&[("transfer-encoding", "chunked")]), None);
+        for (lines, coding) in [
+            (&[("content-encoding", "gzip")][..], "gzip"),
+            (
+                &[
+                    ("content-encoding", "identity"),
+                    ("content-encoding", "gzip"),
+                ][..],
+                "gzip",
+            ),
+            (&[("content-encoding", "identity, br")][..], "br"),
+            (&[("transfer-encoding", "gzip, chunked")][..], "gzip"),
+        ] {
+            assert_eq!(with(lines).as_deref(), Some(coding), "{lines:?}");
+        }
+    }
 
     #[test]
     fn the_audited_prompt_keeps_its_byte_format() {
