@@ -147,9 +147,14 @@ impl Policies {
     /// Loads the file again and swaps the new set in when it is valid; otherwise the active
     /// set stays and the error says why (blocking: compiles; call off the async threads).
     pub fn reload(&self) -> Result<Arc<PolicySet>, PolicyError> {
+        let (_, settings) = self.inner.runtime.as_ref().ok_or(PolicyError::Disabled)?;
+        self.reload_from(load::read(&settings.file))
+    }
+
+    /// [`Policies::reload`] of the file's contents as `text` read them.
+    fn reload_from(&self, text: Result<Vec<u8>, LoadError>) -> Result<Arc<PolicySet>, PolicyError> {
         let (sandbox, settings) = self.inner.runtime.as_ref().ok_or(PolicyError::Disabled)?;
         let _one = lock(&self.inner.reloading);
-        let text = load::read(&settings.file);
         *lock(&self.inner.tried) = text.as_deref().ok().map(Digest::of);
         match text.and_then(|text| load::load_text(sandbox, &settings.file, &text)) {
             Ok(set) => {
@@ -196,19 +201,18 @@ impl Policies {
             loop {
                 tick.tick().await;
                 let path = file.clone();
-                let Ok(read) =
-                    tokio::task::spawn_blocking(move || bulkhead_worker::regular_file::read(&path))
-                        .await
-                else {
+                let Ok(read) = tokio::task::spawn_blocking(move || load::read(&path)).await else {
                     continue;
                 };
-                let now = read.ok().map(|bytes| Digest::of(&bytes));
+                let now = read.as_deref().ok().map(Digest::of);
                 let tried = *lock(&policies.inner.tried);
                 if !settling.settled(now, tried) {
                     continue;
                 }
+                // The very bytes that read the same twice: a read again could catch a new
+                // edit half-written.
                 let p = policies.clone();
-                let _ = tokio::task::spawn_blocking(move || p.reload()).await;
+                let _ = tokio::task::spawn_blocking(move || p.reload_from(read)).await;
             }
         }))
     }
