@@ -36,7 +36,7 @@ use crate::workers::Claim;
 
 use super::bindings::{Directive, Disconnect, Hooks, Outcome, Phase, ResponseEnd, Usage};
 use super::chain::{Binding, Hook, PolicySet};
-use super::handle::Policies;
+use super::handle::{Held, Policies};
 use super::request::RequestPolicy;
 use super::slots::Turn;
 
@@ -128,7 +128,7 @@ fn recorded(d: Directive) -> audit::Directive {
 }
 
 /// What the end of a request needs, owned (it may run in a task after the response is gone).
-struct Ending {
+pub(super) struct Ending {
     policies: Policies,
     set: Arc<PolicySet>,
     matched: Vec<usize>,
@@ -229,12 +229,37 @@ impl Ending {
     }
 
     /// The directive for a request abandoned in `phase`: the longest any `on-disconnect`
-    /// policy asks for, in an instance slot (abort-now when none asks).
-    async fn decide(&self, phase: Phase, progress: Progress, held_before: u32) -> Directive {
-        if self.wanting(Hooks::ON_DISCONNECT).next().is_none() {
-            return Directive::AbortNow;
+    /// policy asks for, in an instance slot (abort-now when none asks), and its hold counted
+    /// against the tenant's `bound`. Past the bound the policies are not asked (a failing
+    /// plugin's default would hold too): abort-now, said `over_bound`.
+    ///
+    /// Once it has its slot, a tenant's decisions take turns: each reads what the tenant
+    /// holds, asks the plugins with it and counts its hold before the next one reads. Read
+    /// sooner, a burst of disconnects was judged all at once by what the tenant held before
+    /// it, and a plugin's own cap (abort-guard's `max_held_per_tenant`) let the whole burst
+    /// through; counted sooner (from the disconnect on), requests still being decided, and
+    /// those decided abort-now, counted as holds.
+    pub(super) async fn decide(&self, phase: Phase, progress: Progress, bound: u32) -> Decided {
+        let over = |held_before| Decided {
+            directive: Directive::AbortNow,
+            held: None,
+            held_before,
+            over_bound: true,
+        };
+        let held_now = self.policies.held_for(&self.tenant);
+        if held_now >= bound {
+            return over(held_now);
         }
-        match self.policies.slot(&self.tenant, Turn::Call).await {
+        if self.wanting(Hooks::ON_DISCONNECT).next().is_none() {
+            return Decided::abort(held_now);
+        }
+        let slot = self.policies.slot(&self.tenant, Turn::Call).await;
+        let _turn = self.policies.deciding(&self.tenant).await;
+        let held_before = self.policies.held_for(&self.tenant);
+        if held_before >= bound {
+            return over(held_before);
+        }
+        let directive = match slot {
             Some(Ok(_slot)) => self.directive(phase, progress, held_before).await,
             Some(Err(fault)) => {
                 tracing::warn!(request = %self.id, %fault, "on-disconnect could not run");
@@ -246,6 +271,18 @@ impl Ending {
                 }
             }
             None => Directive::AbortNow,
+        };
+        match directive {
+            Directive::AbortNow => Decided::abort(held_before),
+            directive => match self.policies.hold(&self.tenant, bound) {
+                Some(held) => Decided {
+                    directive,
+                    held: Some(held),
+                    held_before,
+                    over_bound: false,
+                },
+                None => over(held_before),
+            },
         }
     }
 
@@ -257,45 +294,28 @@ impl Ending {
         charge: Charge,
         endpoint: Endpoint,
     ) {
-        // What the tenant holds: requests held now, not those still being decided (nor those
-        // whose directive turned out to be abort-now), so a burst of disconnects is judged by
-        // the holds it makes.
-        let held_before = self.policies.held_for(&self.tenant);
         let bound = self.policies.max_held();
         let phase = phase(leg.as_ref(), progress);
         // Shutdown's drain waits for the policies' decision and the hold; either still under
         // way at its timeout is cut (nothing more is held), and the record says so. What has
         // happened already (a decision made, the worker's failure) comes first.
         let mut shutdown = trail.shutdown_signal();
-        // Past the gateway's own bound on what a tenant holds, the policies are not asked (a
-        // failing plugin's default would hold too): dropped at once.
-        let mut over_bound = held_before >= bound;
-        let decided = if over_bound {
-            Some(Directive::AbortNow)
-        } else {
-            tokio::select! {
-                biased;
-                directive = self.decide(phase, progress, held_before) => Some(directive),
-                () = shutdown.cut() => None,
-            }
+        let decided = tokio::select! {
+            biased;
+            decided = self.decide(phase, progress, bound) => Some(decided),
+            () = shutdown.cut() => None,
         };
         let mut cut = decided.is_none();
-        let mut directive = decided.unwrap_or(Directive::AbortNow);
-        // A hold counts from when it is decided, against the bound once more: holds decided
-        // meanwhile may have reached it.
-        let held = match directive {
-            Directive::AbortNow => None,
-            _ => {
-                let held = self.policies.hold(&self.tenant, bound);
-                over_bound = held.is_none();
-                held
-            }
-        };
+        let Decided {
+            directive,
+            held,
+            held_before,
+            over_bound,
+        } = decided.unwrap_or(Decided::abort(0));
         if over_bound {
             tracing::debug!(request = %self.id, tenant = %self.tenant, held = held_before,
                 "the tenant holds as many abandoned requests as the gateway allows: dropped");
             self.policies.stats().over_hold_bound(&self.tenant);
-            directive = Directive::AbortNow;
         }
         self.policies.stats().abandoned(recorded(directive).name());
         // A call the worker never answered ran nothing there: it used no tokens.
@@ -366,6 +386,28 @@ impl Ending {
         drop(held);
         charge.settle(usage);
         self.end(Outcome::ClientDisconnected, usage).await;
+    }
+}
+
+/// What was decided for an abandoned request.
+pub(super) struct Decided {
+    directive: Directive,
+    /// Its hold, counted for its tenant while it lasts; `None` for abort-now.
+    pub(super) held: Option<Held>,
+    /// What the tenant held when the policies were asked (or the bound was found reached).
+    held_before: u32,
+    /// The tenant held as many as the gateway allows: abort-now, the policies not asked.
+    pub(super) over_bound: bool,
+}
+
+impl Decided {
+    fn abort(held_before: u32) -> Decided {
+        Decided {
+            directive: Directive::AbortNow,
+            held: None,
+            held_before,
+            over_bound: false,
+        }
     }
 }
 
@@ -489,7 +531,7 @@ impl RequestPolicy {
         }
     }
 
-    fn ending(self) -> Arc<Ending> {
+    pub(super) fn ending(self) -> Arc<Ending> {
         Arc::new(Ending {
             policies: self.policies,
             set: self.set,

@@ -63,6 +63,9 @@ struct Inner {
     reloading: Mutex<()>,
     /// tenant → abandoned requests held now.
     held: Mutex<HashMap<String, u32>>,
+    /// tenant → the turn its disconnect decisions take ([`Policies::deciding`]); an entry is
+    /// kept while a decision holds or waits for it.
+    deciding: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Requests' ends running in tasks (holds, `on-response-end`): shutdown waits for them.
     ends: tokio::sync::watch::Sender<usize>,
     stats: Stats,
@@ -94,6 +97,7 @@ impl Policies {
                 last_error: Mutex::new(None),
                 reloading: Mutex::new(()),
                 held: Mutex::new(HashMap::new()),
+                deciding: Mutex::new(HashMap::new()),
                 ends: tokio::sync::watch::Sender::new(0),
                 stats: Stats::default(),
             }),
@@ -217,6 +221,20 @@ impl Policies {
         }))
     }
 
+    /// Waits for `tenant`'s turn to decide on a disconnect; the next decision of the tenant's
+    /// waits until the returned turn is dropped.
+    pub(super) async fn deciding(&self, tenant: &str) -> Deciding {
+        let turn = lock(&self.inner.deciding)
+            .entry(tenant.to_owned())
+            .or_default()
+            .clone();
+        Deciding {
+            policies: self.clone(),
+            tenant: tenant.to_owned(),
+            turn: Some(turn.lock_owned().await),
+        }
+    }
+
     /// How many abandoned requests the gateway holds for `tenant` now.
     pub(super) fn held_for(&self, tenant: &str) -> u32 {
         lock(&self.inner.held).get(tenant).copied().unwrap_or(0)
@@ -306,6 +324,28 @@ impl Settling {
             return false;
         }
         self.last.replace(now) == Some(now)
+    }
+}
+
+/// A tenant's turn to decide on a disconnect ([`Policies::deciding`]); the next one's on drop.
+pub(super) struct Deciding {
+    policies: Policies,
+    tenant: String,
+    turn: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl Drop for Deciding {
+    fn drop(&mut self) {
+        let mut deciding = lock(&self.policies.inner.deciding);
+        drop(self.turn.take());
+        // No one else holds or waits for the turn (they would hold the map's entry too): the
+        // entry goes, so tenants that come and go leave nothing behind.
+        if deciding
+            .get(&self.tenant)
+            .is_some_and(|turn| Arc::strong_count(turn) == 1)
+        {
+            deciding.remove(&self.tenant);
+        }
     }
 }
 

@@ -1912,6 +1912,50 @@ async fn a_tenants_holds_are_counted_once_decided_not_while_deciding() {
     assert!(!m.contains("over_hold_bound_total{"), "{m}");
 }
 
+/// A burst of a tenant's disconnects is decided one at a time once each has its slot: each
+/// asks the plugins with what the tenant holds by then, so abort-guard's cap of one holds one
+/// of sixteen prefilling requests that left together, on threads of their own (they were
+/// asked with what the tenant held before the burst, and held as many as ran side by side).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_burst_of_disconnects_is_held_to_the_plugins_own_cap() {
+    const BURST: usize = 16;
+    let dir = Scratch::new("policy");
+    let set = format!(
+        "{}{}",
+        plugin("abort-guard", ""),
+        binding("abort-guard", "config = { max_held_per_tenant = 1 }")
+    );
+    let p = with_slots(&dir, &set, BURST as u32);
+    // Side by side on threads, a burst's decisions overlap now and then: ten bursts.
+    for burst in 0..10 {
+        let mut busy = Vec::new();
+        for _ in 0..BURST {
+            let slot = p.slot("tenant-b", slots::Turn::Call).await;
+            assert!(matches!(slot, Some(Ok(_))), "a slot taken");
+            busy.push(slot);
+        }
+        let mut deciding = Vec::new();
+        for _ in 0..BURST {
+            let ending = ask(&p, Ask::default()).await.expect("allowed").ending();
+            deciding.push(tokio::spawn(async move {
+                ending
+                    .decide(bindings::Phase::Prefilling, Progress::default(), 64)
+                    .await
+            }));
+        }
+        // Every one waits for a slot; then every slot comes free at once.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        drop(busy);
+        let mut decided = Vec::new();
+        for d in deciding {
+            decided.push(d.await.expect("decided"));
+        }
+        let held = decided.iter().filter(|d| d.held.is_some()).count();
+        assert_eq!(held, 1, "burst {burst}: one held");
+        assert!(decided.iter().all(|d| !d.over_bound));
+    }
+}
+
 /// abort-guard holding one abandoned request per tenant, and a tenant allowed 1000 tokens a
 /// minute whose one request slot is taken by a request of prompt 10 + max tokens 990.
 fn one_slot_charged_in_full() -> (Policies, Scratch, Arc<Tenant>, Limiter, Charge) {
