@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use bulkhead_worker::serve::proto::{self, InfoRequest, PrefillItem, error_code};
 
 use crate::worker_grpc::{
-    Run, Worker, available, bounded, chat, decode_for, health, metric, pool, run_reporting,
-    run_to_end, text_of, wait_all_pages_back,
+    Run, Worker, available, bounded, chat, decode_at, decode_for, health, metric, pool,
+    run_reporting, run_to_end, text_of, wait_all_pages_back,
 };
 
 /// A prefill worker with `prefill_args` and a decode worker wired to it with `decode_args`.
@@ -691,17 +691,7 @@ async fn decode_with_a_stand_in(answers: Option<u32>) -> (Worker, tokio::task::J
             .await;
         assert!(served.is_ok(), "{served:?}");
     });
-    let decode = Worker::start(&[
-        "--role",
-        "decode",
-        "--prefill",
-        &address,
-        "--kv-listen",
-        "127.0.0.1:0",
-        "--kv-tokens",
-        "2048",
-    ]);
-    (decode, serving)
+    (decode_at(&address, &["--kv-tokens", "2048"]), serving)
 }
 
 /// A prefill peer that says it read far more of the prompt from its cache than the prompt has

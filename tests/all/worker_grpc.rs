@@ -1064,14 +1064,7 @@ async fn a_decode_worker_that_cannot_reach_its_prefill_worker_warns_once() {
             .and_then(|l| l.local_addr())
             .expect("a free port");
         let address = format!("http://{dead}");
-        let decode = Worker::start(&[
-            "--role",
-            "decode",
-            "--prefill",
-            &address,
-            "--kv-listen",
-            "127.0.0.1:0",
-        ]);
+        let decode = decode_at(&address, &[]);
         let warning = "cannot reach the prefill worker";
         let text = wait_for_text(&decode.stderr, warning).await;
         assert!(text.contains(warning), "{text}");
@@ -1084,9 +1077,20 @@ async fn a_decode_worker_that_cannot_reach_its_prefill_worker_warns_once() {
 }
 
 pub(crate) fn decode_for(prefill: &Worker, args: &[&str]) -> Worker {
-    let address = format!("http://{}", prefill.grpc);
-    let mut all = vec!["--role", "decode", "--prefill", &address];
-    all.extend_from_slice(&["--kv-listen", "127.0.0.1:0"]);
+    decode_at(&format!("http://{}", prefill.grpc), args)
+}
+
+/// A decode worker whose prompts the prefill worker at `address` fills, started with `args`
+/// besides.
+pub(crate) fn decode_at(address: &str, args: &[&str]) -> Worker {
+    let mut all = vec![
+        "--role",
+        "decode",
+        "--prefill",
+        address,
+        "--kv-listen",
+        "127.0.0.1:0",
+    ];
     all.extend_from_slice(args);
     Worker::start(&all)
 }
