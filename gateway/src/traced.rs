@@ -54,7 +54,7 @@ pub async fn traced(request: Request, next: Next) -> Response {
             None => span.record("otel.name", named),
         };
     }
-    bulkhead_telemetry::propagation::continue_trace(&span, request.headers());
+    bulkhead_telemetry::propagation::continue_client_trace(&span, request.headers());
     let response = next.run(request).instrument(span.clone()).await;
     let status = response.status();
     span.record("http.response.status_code", status.as_u16());

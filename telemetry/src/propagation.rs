@@ -26,6 +26,17 @@ pub fn continue_trace(span: &Span, headers: &HeaderMap) {
     }
 }
 
+/// [`continue_trace`] at the edge, for a client's `traceparent`: only a sampled context is
+/// continued. A client's unsampled one would take its requests out of every hop's traces (the
+/// sampler follows the parent's decision); the request then starts a trace of its own.
+pub fn continue_client_trace(span: &Span, headers: &HeaderMap) {
+    let cx = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
+    let remote = cx.span().span_context().clone();
+    if remote.is_valid() && remote.is_sampled() {
+        let _ = span.set_parent(cx);
+    }
+}
+
 /// Writes `span`'s trace context into `headers`, so that the next hop's spans are its children.
 pub fn inject(span: &Span, headers: &mut HeaderMap) {
     TraceContextPropagator::new().inject_context(&span.context(), &mut HeaderInjector(headers));
@@ -75,6 +86,37 @@ mod tests {
         assert_eq!(fields[1], TRACE, "the same trace");
         assert_ne!(fields[2], PARENT, "the next hop's parent is our span");
         assert_eq!(fields[3], "01", "still sampled");
+    }
+
+    #[test]
+    fn a_clients_unsampled_traceparent_starts_a_trace_of_its_own() {
+        let hop = |flags: &str, edge: bool| {
+            let mut incoming = HeaderMap::new();
+            let header = format!("00-{TRACE}-{PARENT}-{flags}");
+            incoming.insert("traceparent", header.parse().expect("a header"));
+            let out = traced(|| {
+                let span = tracing::info_span!("request");
+                if edge {
+                    continue_client_trace(&span, &incoming);
+                } else {
+                    continue_trace(&span, &incoming);
+                }
+                let mut out = HeaderMap::new();
+                inject(&span, &mut out);
+                out
+            });
+            traceparent(&out).expect("a traceparent")
+        };
+        // Between hops an unsampled context is followed; at the edge it is not.
+        assert!(hop("00", false).contains(TRACE));
+        let edge = hop("00", true);
+        assert!(!edge.contains(TRACE), "{edge}");
+        assert!(
+            edge.ends_with("-01"),
+            "sampled as the gateway samples: {edge}"
+        );
+        // A sampled one is continued at the edge too.
+        assert!(hop("01", true).contains(TRACE));
     }
 
     #[test]
