@@ -303,6 +303,10 @@ fn every_request_leaves_one_record_in_its_tenants_log_that_only_it_can_read() {
             .0,
             400
         );
+        // A name that is not UTF-8: refused in the API's shape too.
+        let (status, body) = http(&up.admin, "GET", "/audit/%FF", Some(ADMIN), &[], "");
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(json(&body)["error"]["param"], "tenant", "{body}");
 
         // The chain verifies while the gateway runs, and holds the lines a tenant's page named
         // (anchors: what shows a log rolled back to an older copy); one past its end it lacks.

@@ -168,10 +168,12 @@ pub async fn tenant_read(
 pub async fn admin_read(
     State(recorder): State<Recorder>,
     State(tenants): State<Tenants>,
-    Path(tenant): Path<String>,
+    tenant: Result<Path<String>, axum::extract::rejection::PathRejection>,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let Ok(tenant) = TenantId::new(&tenant) else {
+    // A name that is not UTF-8 is no tenant id either (and is told so in the API's shape, not
+    // the extractor's plain text).
+    let Some(tenant) = tenant.ok().and_then(|Path(t)| TenantId::new(&t).ok()) else {
         return ApiError::from(RequestError::WrongType {
             field: "tenant".into(),
             expected: "a tenant id (1 to 64 of a-z, 0-9, '-', '_')",

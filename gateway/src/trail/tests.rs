@@ -724,7 +724,7 @@ async fn a_tenant_reads_its_records_a_page_at_a_time() {
         let response = super::admin_read(
             axum::extract::State(recorder.clone()),
             axum::extract::State(tenants()),
-            Path(tenant.to_owned()),
+            Ok(Path(tenant.to_owned())),
             axum::extract::RawQuery(None),
         )
         .await;
