@@ -244,14 +244,11 @@ impl Policies {
     /// (checked and counted at once: requests decided side by side cannot pass it together).
     pub(super) fn hold(&self, tenant: &str, bound: u32) -> Option<Held> {
         let mut held = lock(&self.inner.held);
-        let n = held.entry(tenant.to_owned()).or_default();
-        if *n >= bound {
-            if *n == 0 {
-                held.remove(tenant);
-            }
+        let n = held.get(tenant).copied().unwrap_or(0);
+        if n >= bound {
             return None;
         }
-        *n += 1;
+        held.insert(tenant.to_owned(), n + 1);
         Some(Held {
             policies: self.clone(),
             tenant: tenant.to_owned(),

@@ -801,7 +801,9 @@ impl Engine {
                     });
                 match verified {
                     Ok(done) => self.start_decoding(t, done.first_token),
-                    Err(failure) => self.failed_verification(nonce, t, failure),
+                    Err(failure) => {
+                        self.failed_verification(nonce, t, failure);
+                    }
                 }
             }
             Received::Closed { reason, .. } => {
@@ -818,12 +820,9 @@ impl Engine {
                         // Said complete without saying what it sent: the handoff failed its
                         // verification (the incident's sign), not the peer its work.
                         CloseReason::Complete => {
-                            let failure = IntegrityFailure::CompleteWithoutManifest;
-                            self.failed_verification(nonce, t, failure);
                             let back = Instant::now() + self.config.reclaim_after;
-                            if let Some(s) = self.suspects.get_mut(&nonce) {
-                                s.peer_gone(back);
-                            }
+                            let failure = IntegrityFailure::CompleteWithoutManifest;
+                            self.failed_verification(nonce, t, failure).peer_gone(back);
                             return None;
                         }
                         CloseReason::Aborted => "aborted",
@@ -841,18 +840,21 @@ impl Engine {
     }
 
     /// Decode role: transfer `nonce` failed its verification: the request fails with
-    /// `failure`, counted, and its pages are quarantined while its peer may still write them.
+    /// `failure`, counted, and its pages are quarantined while its peer may still write them
+    /// (the suspect session returned).
     fn failed_verification(
         &mut self,
         nonce: SessionNonce,
         mut t: Transfer,
         failure: IntegrityFailure,
-    ) {
+    ) -> &mut Suspect {
         self.stats.integrity_failures += 1;
         tracing::warn!(session = %nonce, request = %t.request.id, %failure, "KV transfer failed verification");
         let _ = t.request.sink.emit(Event::Failed(failure.into()));
         self.suspects
-            .insert(nonce, Suspect::new(t.pages.quarantine()));
+            .entry(nonce)
+            .insert_entry(Suspect::new(t.pages.quarantine()))
+            .into_mut()
     }
 
     /// Decode role: the prefill worker refused the transfer `nonce` at its own admission, so
