@@ -107,6 +107,12 @@ impl Bucket {
         Err((missing * 60.0 / self.capacity).ceil().max(1.0) as u64)
     }
 
+    /// Whether it has refilled to its capacity by `now`.
+    pub(crate) fn is_full(&mut self, now: Instant) -> bool {
+        self.refill(now);
+        self.level >= self.capacity
+    }
+
     /// What is left now, and how long until the bucket is full again.
     fn window(&mut self, now: Instant) -> Window {
         self.refill(now);

@@ -531,6 +531,54 @@ fn a_flood_of_requests_without_a_key_is_folded_past_the_gateway_logs_budget() {
 }
 
 #[test]
+fn a_tenants_flood_its_limits_refuse_is_folded_past_its_logs_budget() {
+    bounded(|| {
+        // Two requests a minute for each tenant, ten records a minute of its own for each
+        // tenant's refusals. `GET /v1/models` counts against the limit like any request: two
+        // answered, then thirty refused at the door — ten recorded alone, twenty counted in
+        // one folded record of the tenant's log (before, a record each: a tenant's flood of
+        // 429s cost the disk a record per request, fsynced in durable mode).
+        let up = Up::launch(Options {
+            replace: &[
+                ("requests_per_minute = 600", "requests_per_minute = 2"),
+                (
+                    "refusal_records_per_minute = 3000",
+                    "refusal_records_per_minute = 10",
+                ),
+            ],
+            ..Options::default()
+        });
+        up.wait_routable();
+        for expected in [200, 200].into_iter().chain([429; 30]) {
+            let (status, body) = http(&up.api, "GET", "/v1/models", Some(KEY_A), &[], "");
+            assert_eq!(status, expected, "{body}");
+        }
+        let (status, body) = http(&up.api, "GET", "/v1/nowhere", Some(KEY_A), &[], "");
+        assert_eq!(status, 429, "an unknown route counts too: {body}");
+        let got = up.wait_records("tenant-a", 13);
+        assert_eq!(got.len(), 13, "{got:#?}");
+        let statuses: Vec<u64> = got[..12]
+            .iter()
+            .map(|r| r["http.response.status_code"].as_u64().unwrap_or(0))
+            .collect();
+        assert_eq!(statuses, [[200; 2].as_slice(), &[429; 10]].concat());
+        assert!(got[..12].iter().all(|r| r["bulkhead.folded"].is_null()));
+        let folded = &got[12]["bulkhead.folded"];
+        assert_eq!(folded["requests"], 21, "{folded:#}");
+        assert_eq!(
+            folded["statuses"],
+            serde_json::json!([{"status": 429, "requests": 21}])
+        );
+        assert_eq!(got[12]["bulkhead.tenant.id"], "tenant-a");
+        // The other tenant's limit and budget are its own.
+        let (status, body) = http(&up.api, "GET", "/v1/models", Some(KEY_B), &[], "");
+        assert_eq!(status, 200, "{body}");
+        let (ok, report) = verify(&up.data_dir);
+        assert!(ok, "{report}");
+    });
+}
+
+#[test]
 fn a_request_still_running_when_shutdown_has_drained_is_recorded_as_cut_by_it() {
     bounded(|| {
         // One second to drain; a long answer under way. The gateway stops, waits its second,

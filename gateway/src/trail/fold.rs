@@ -1,19 +1,25 @@
-//! The gateway log's budget. A request with no tenant to charge (no key, an unknown one) costs
-//! its sender nothing, so a flood of them could fill the disk the tenants' logs share — and a
-//! log that cannot write turns every tenant away (`on_failure = "refuse"`). Up to
-//! `gateway_records_per_minute` of them get a record each; past that, each is counted into a
-//! folded record that stands for every such request of its window (at most one record per
-//! [`WINDOW`]). Every request is still accounted for (I5), and a flood costs the disk one
-//! record per window.
+//! The logs' budgets. Two kinds of request cost their sender next to nothing and could fill
+//! the disk every log shares — and a log that cannot write turns every tenant away
+//! (`on_failure = "refuse"`):
+//! - a request with no tenant to charge (no key, an unknown one), in the gateway's log;
+//! - a tenant's request its limits turned away at the door (429 before it was read: over its
+//!   concurrent requests or its requests per minute), in the tenant's log. Every other request
+//!   of a tenant passed its requests-per-minute limit, so that limit bounds their records.
+//!
+//! Each log has a budget for such records (`gateway_records_per_minute` for the gateway's,
+//! `refusal_records_per_minute` for each tenant's); past it, each is counted into a folded
+//! record of its log that stands for every such request of its window (at most one record per
+//! [`WINDOW`] and log). Every request is still accounted for (I5), and a flood costs the disk
+//! one record per window.
 //!
 //! ```text
-//!  budget left ─▶ the pending folded record (if any), then the request's own record
-//!  budget spent ─▶ counted in the pending folded record; written once WINDOW has passed
-//!                  (by the next record of any log, or by a timer set when it opened) or at
+//!  budget left ─▶ the log's pending folded record once due, then the request's own record
+//!  budget spent ─▶ counted in the log's pending folded record; written once WINDOW has
+//!                  passed (by the log's next record, or by a timer set when it opened) or at
 //!                  flush
 //! ```
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use bulkhead_audit::{AuditRecord, Folded, StatusCount, TenantId};
@@ -31,9 +37,95 @@ pub type Appends = [Option<AuditRecord>; 2];
 /// The route a folded record names: its requests may have asked for any.
 const ANY_ROUTE: &str = "*";
 
-/// The gateway log's budget and the folded record it is collecting.
+/// Every log's budget and the folded record it is collecting.
 #[derive(Debug)]
-pub struct Folding {
+pub struct Folds {
+    gateway: TenantId,
+    gateway_per_minute: u64,
+    refusals_per_minute: u64,
+    /// The logs that have had a foldable record, while their budget is not whole again or a
+    /// folded record is being collected (a new entry sweeps out the others that are idle).
+    logs: HashMap<TenantId, Folding>,
+}
+
+/// What the log is to take for one record, and the log whose folded record it opened.
+#[derive(Debug)]
+pub struct Admitted {
+    pub appends: Appends,
+    /// The record was the first one counted into its log's folded record: whoever writes the
+    /// records sees that it goes out a window later.
+    pub opened: Option<TenantId>,
+}
+
+impl Folds {
+    /// The gateway log's budget of `gateway_per_minute` records and each tenant's of
+    /// `refusals_per_minute`.
+    pub fn new(gateway: TenantId, gateway_per_minute: u64, refusals_per_minute: u64) -> Folds {
+        Folds {
+            gateway,
+            gateway_per_minute,
+            refusals_per_minute,
+            logs: HashMap::new(),
+        }
+    }
+
+    /// What the log is to take for `record`, in order: its log's folded record once due, then
+    /// — when `record` is not [`foldable`] or within its log's budget — `record`.
+    pub fn admit(&mut self, record: AuditRecord, now: Instant) -> Admitted {
+        if !foldable(&record, &self.gateway) {
+            let due = self.logs.get_mut(&record.tenant).and_then(|f| f.due(now));
+            return Admitted {
+                appends: [due, Some(record)],
+                opened: None,
+            };
+        }
+        if !self.logs.contains_key(&record.tenant) {
+            self.logs.retain(|_, f| !f.idle(now));
+            let per_minute = if record.tenant == self.gateway {
+                self.gateway_per_minute
+            } else {
+                self.refusals_per_minute
+            };
+            self.logs
+                .insert(record.tenant.clone(), Folding::new(per_minute, now));
+        }
+        let folding = self.logs.get_mut(&record.tenant).expect("inserted above");
+        let collecting = folding.pending();
+        let tenant = record.tenant.clone();
+        let appends = folding.admit(record, now);
+        Admitted {
+            opened: (folding.pending() && !collecting).then_some(tenant),
+            appends,
+        }
+    }
+
+    /// `log`'s pending folded record, once it has collected for [`WINDOW`].
+    pub fn due(&mut self, log: &TenantId, now: Instant) -> Option<AuditRecord> {
+        self.logs.get_mut(log).and_then(|f| f.due(now))
+    }
+
+    /// Every log's pending folded record, whatever its age (shutdown).
+    pub fn drain(&mut self) -> Vec<AuditRecord> {
+        self.logs.values_mut().filter_map(Folding::drain).collect()
+    }
+
+    /// Whether any log collects a folded record.
+    pub fn pending(&self) -> bool {
+        self.logs.values().any(Folding::pending)
+    }
+}
+
+/// Whether `record` goes through its log's budget: every record of the `gateway` log, and a
+/// tenant's request refused at the door by its limits — 429 before it was tokenized or
+/// admitted (a request refused later passed its requests-per-minute limit).
+pub fn foldable(record: &AuditRecord, gateway: &TenantId) -> bool {
+    record.tenant == *gateway
+        || (record.status == 429 && record.input_tokens.is_none() && record.admission.is_none())
+}
+
+/// One log's budget and the folded record it is collecting.
+#[derive(Debug)]
+struct Folding {
     budget: Bucket,
     pending: Option<Pending>,
 }
@@ -53,19 +145,19 @@ struct Pending {
 
 impl Folding {
     /// A full budget of `per_minute` records, refilled continuously.
-    pub fn new(per_minute: u64, now: Instant) -> Folding {
+    fn new(per_minute: u64, now: Instant) -> Folding {
         Folding {
             budget: Bucket::full(per_minute, now),
             pending: None,
         }
     }
 
-    /// What the log is to take, in order, for `record`, a gateway-log record ending now: the
+    /// What the log is to take, in order, for `record`, a foldable record ending now: the
     /// pending folded record once it has collected for [`WINDOW`], then — within budget —
     /// `record`; past the budget `record` is counted in the pending folded record instead. (A
     /// budget that refills during a flood lets a record through now and then; the folded
     /// record still waits for its window, so a flood adds at most one record per window.)
-    pub fn admit(&mut self, record: AuditRecord, now: Instant) -> Appends {
+    fn admit(&mut self, record: AuditRecord, now: Instant) -> Appends {
         if self.budget.take(1, now).is_ok() {
             return [self.due(now), Some(record)];
         }
@@ -77,7 +169,7 @@ impl Folding {
     }
 
     /// The pending folded record, once it has collected for [`WINDOW`].
-    pub fn due(&mut self, now: Instant) -> Option<AuditRecord> {
+    fn due(&mut self, now: Instant) -> Option<AuditRecord> {
         let ripe = self
             .pending
             .as_ref()
@@ -86,13 +178,18 @@ impl Folding {
     }
 
     /// The pending folded record, whatever its age (shutdown).
-    pub fn drain(&mut self) -> Option<AuditRecord> {
+    fn drain(&mut self) -> Option<AuditRecord> {
         self.pending.take().map(Pending::seal)
     }
 
     /// Whether a folded record is being collected.
-    pub fn pending(&self) -> bool {
+    fn pending(&self) -> bool {
         self.pending.is_some()
+    }
+
+    /// Whether it has nothing to remember: no folded record collecting, the budget whole.
+    fn idle(&mut self, now: Instant) -> bool {
+        self.pending.is_none() && self.budget.is_full(now)
     }
 }
 
@@ -119,7 +216,7 @@ impl Pending {
         self.last_unix_ms = record.time_unix_ms;
     }
 
-    /// The folded record, in the gateway log: no one request's model, tokens or content.
+    /// The folded record, in its log: no one request's model, tokens or content.
     fn seal(self) -> AuditRecord {
         let request_id = format!("{}..{}", self.first_request_id, self.last_request_id);
         AuditRecord {
@@ -182,5 +279,86 @@ mod tests {
                 }]
             );
         }
+    }
+
+    fn of(log: &TenantId, i: u64, status: u16) -> AuditRecord {
+        AuditRecord {
+            time_unix_ms: i,
+            status,
+            ..AuditRecord::new(format!("{log}-{i}"), log.clone(), "/v1/models".to_owned())
+        }
+    }
+
+    fn written(admitted: Admitted, into: &mut Vec<AuditRecord>) {
+        into.extend(admitted.appends.into_iter().flatten());
+    }
+
+    /// Each log folds its own flood within its own budget: the gateway's of requests without
+    /// a key, a tenant's of the requests its limits refused at the door. A tenant's other
+    /// records — answered, or refused after they were read — are never folded, and carry out
+    /// their own log's due folded record, not another's.
+    #[test]
+    fn each_log_folds_its_own_flood_and_a_tenants_other_records_are_never_folded() {
+        let start = Instant::now();
+        let gateway = TenantId::new(crate::trail::GATEWAY_LOG).expect("valid");
+        let (a, b) = (
+            TenantId::new("tenant-a").expect("valid"),
+            TenantId::new("tenant-b").expect("valid"),
+        );
+        let mut folds = Folds::new(gateway.clone(), 2, 3);
+        let mut out = Vec::new();
+        let mut opened = Vec::new();
+        for i in 0..10 {
+            for (log, status) in [(&a, 429), (&gateway, 401)] {
+                let admitted = folds.admit(of(log, i, status), start);
+                opened.extend(admitted.opened.clone());
+                written(admitted, &mut out);
+            }
+            let mut late = of(&b, i, 429);
+            late.input_tokens = Some(7);
+            written(folds.admit(late, start), &mut out);
+            written(folds.admit(of(&b, 100 + i, 200), start), &mut out);
+        }
+        let own = |log: &TenantId| out.iter().filter(|r| r.tenant == *log).count();
+        assert_eq!((own(&a), own(&gateway), own(&b)), (3, 2, 20));
+        assert!(out.iter().all(|r| r.folded.is_none()));
+        assert_eq!(
+            opened,
+            [gateway.clone(), a.clone()],
+            "each log's fold opens once, when its budget is spent"
+        );
+
+        let later = start + WINDOW;
+        let admitted = folds.admit(of(&b, 99, 200), later);
+        assert!(admitted.appends[0].is_none(), "b has no folded record");
+        let admitted = folds.admit(of(&a, 99, 200), later);
+        let folded = admitted.appends[0]
+            .as_ref()
+            .expect("a's folded record is due");
+        assert_eq!(folded.tenant, a);
+        let f = folded.folded.as_ref().expect("folded");
+        assert_eq!(
+            (f.requests, f.statuses.clone()),
+            (
+                7,
+                vec![StatusCount {
+                    status: 429,
+                    requests: 7
+                }]
+            )
+        );
+        assert_eq!(admitted.appends[1].as_ref().map(|r| r.status), Some(200));
+
+        let drained = folds.drain();
+        assert_eq!(drained.len(), 1, "{drained:#?}");
+        assert_eq!(drained[0].tenant, gateway);
+        assert_eq!(drained[0].folded.as_ref().map(|f| f.requests), Some(8));
+        assert!(!folds.pending());
+
+        // Once their budgets are whole again, a log's first foldable record sweeps the idle
+        // ones out: the budgets of tenants gone by a reload are not kept for ever.
+        let whole = start + Duration::from_secs(120);
+        written(folds.admit(of(&b, 200, 429), whole), &mut out);
+        assert_eq!(folds.logs.keys().collect::<Vec<_>>(), [&b]);
     }
 }

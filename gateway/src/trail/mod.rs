@@ -17,8 +17,9 @@
 //!
 //! While the log cannot write, [`OnAuditFailure::Refuse`] turns every new request away with
 //! 503 `audit_unavailable` rather than serve it unaudited; health says why. So that requests
-//! with no tenant to charge cannot fill the disk every log shares, the gateway log has a budget
-//! past which they are counted in folded records ([`fold`]).
+//! with no tenant to charge, and a tenant's requests its limits turn away at the door, cannot
+//! fill the disk every log shares, each log has a budget for them past which they are counted
+//! in folded records ([`fold`]).
 
 mod draft;
 mod exports;
@@ -92,9 +93,9 @@ struct Inner {
     /// The thread whose fsyncs responses wait for: every one in durable mode, in group commit
     /// those appended while the flushes are behind.
     syncer: syncer::Syncer,
-    /// The gateway log's budget, and the folded record past it.
-    folding: Mutex<fold::Folding>,
-    /// Whether `folding` collects a folded record (checked without the lock on every append).
+    /// The logs' budgets, and the folded records past them.
+    folds: Mutex<fold::Folds>,
+    /// Whether `folds` collects a folded record (checked without the lock on every append).
     folding_pending: AtomicBool,
     /// Shutdown is cutting the requests still in flight: a request dropped unfinished from
     /// here on was cut, not left by its client; one still answering ends with an error.
@@ -154,11 +155,15 @@ impl Recorder {
         .map_err(|e| AuditError::Poisoned {
             reason: format!("starting the audit fsync thread: {e}"),
         })?;
-        let folding = fold::Folding::new(settings.gateway_records_per_minute, Instant::now());
+        let folds = fold::Folds::new(
+            gateway.clone(),
+            settings.gateway_records_per_minute,
+            settings.refusal_records_per_minute,
+        );
         let inner = Arc::new(Inner {
             log,
             settings,
-            folding: Mutex::new(folding),
+            folds: Mutex::new(folds),
             folding_pending: AtomicBool::new(false),
             cutting: tokio::sync::watch::Sender::new(false),
             gateway,
@@ -244,8 +249,8 @@ impl Recorder {
 
     /// Appends `record`; in durable mode, returns once it is fsynced, and in group commit too
     /// while the flushes are more than [`GROUP_COMMIT_MAX_LAG`] behind. A record the log
-    /// refuses is counted lost here; one it accepts and then drops, by the log. A gateway-log
-    /// record past the budget is folded: nothing to wait for, its folded record comes later.
+    /// refuses is counted lost here; one it accepts and then drops, by the log. A record past its
+    /// log's budget is folded: nothing to wait for, its folded record comes later.
     async fn commit(&self, record: AuditRecord, span: &Span) -> Result<(), AuditError> {
         let records = self.to_append(record);
         // The record waited for: the last appended (the request's own, or a folded record
@@ -282,34 +287,27 @@ impl Recorder {
         let _ = self.append(self.to_append(record), span);
     }
 
-    /// What the log is to take for `record`, in order: a gateway-log record goes through its
-    /// budget ([`fold::Folding::admit`]); any other, after the folded record, once that is due.
+    /// What the log is to take for `record`, in order ([`fold::Folds::admit`]): its log's
+    /// folded record once due, then `record` unless its log's budget folded it.
     fn to_append(&self, record: AuditRecord) -> fold::Appends {
-        let gateway = record.tenant == self.inner.gateway;
-        if !gateway && !self.inner.folding_pending.load(Ordering::Relaxed) {
+        let pending = self.inner.folding_pending.load(Ordering::Relaxed);
+        if !pending && !fold::foldable(&record, &self.inner.gateway) {
+            // Neither foldable nor a log collecting a folded record: spares the lock.
             return [None, Some(record)];
         }
         let now = Instant::now();
-        let (out, opened) = self.with_folding(|folding| {
-            let collecting = folding.pending();
-            let out = if gateway {
-                folding.admit(record, now)
-            } else {
-                [folding.due(now), Some(record)]
-            };
-            (out, folding.pending() && !collecting)
-        });
-        if opened {
-            self.write_folded_when_due();
+        let admitted = self.with_folds(|folds| folds.admit(record, now));
+        if let Some(log) = admitted.opened {
+            self.write_folded_when_due(log);
         }
-        out
+        admitted.appends
     }
 
-    /// Writes the folded record that has just started collecting once its window has passed,
-    /// should no record of any log come by then to carry it out: a flood that stops is on
-    /// disk a window later, not whenever the next request comes. (Outside a runtime, as in
-    /// some tests, only the next record or shutdown writes it.)
-    fn write_folded_when_due(&self) {
+    /// Writes the folded record that has just started collecting in `log` once its window has
+    /// passed, should no record of that log come by then to carry it out: a flood that stops
+    /// is on disk a window later, not whenever the next request comes. (Outside a runtime, as
+    /// in some tests, only the log's next record or shutdown writes it.)
+    fn write_folded_when_due(&self, log: TenantId) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -320,23 +318,23 @@ impl Recorder {
                 return;
             };
             let recorder = Recorder { inner };
-            let due = recorder.with_folding(|folding| folding.due(Instant::now()));
+            let due = recorder.with_folds(|folds| folds.due(&log, Instant::now()));
             let _ = recorder.append([due, None], &Span::none());
         });
     }
 
-    /// Runs `f` on the gateway log's budget and folded record, keeping the flag that spares
-    /// every other record the lock in step.
-    fn with_folding<T>(&self, f: impl FnOnce(&mut fold::Folding) -> T) -> T {
-        let mut folding = self
+    /// Runs `f` on the logs' budgets and folded records, keeping the flag that spares every
+    /// other record the lock in step.
+    fn with_folds<T>(&self, f: impl FnOnce(&mut fold::Folds) -> T) -> T {
+        let mut folds = self
             .inner
-            .folding
+            .folds
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let out = f(&mut folding);
+        let out = f(&mut folds);
         self.inner
             .folding_pending
-            .store(folding.pending(), Ordering::Relaxed);
+            .store(folds.pending(), Ordering::Relaxed);
         out
     }
 
@@ -402,11 +400,12 @@ impl Recorder {
         self.inner.log.read_page(tenant, since, limit)
     }
 
-    /// Writes the folded record being collected and makes every record so far durable
+    /// Writes the folded records being collected and makes every record so far durable
     /// (shutdown).
     pub fn flush(&self) -> Result<(), AuditError> {
-        let folded = self.with_folding(fold::Folding::drain);
-        let _ = self.append([folded, None], &Span::none());
+        for folded in self.with_folds(fold::Folds::drain) {
+            let _ = self.append([Some(folded), None], &Span::none());
+        }
         let flushed = self.inner.log.flush();
         if let Some(exports) = &self.inner.exports {
             let log = &self.inner.log;

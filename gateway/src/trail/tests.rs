@@ -189,11 +189,11 @@ async fn requests_with_no_tenant_past_the_budget_are_folded_and_each_is_counted_
     assert!(got.iter().all(|r| r.folded.is_none()));
 }
 
-/// A tenant's records are never folded, whatever the gateway log's budget; and the folded
-/// record a flood left collecting goes out with the next record of any log once its window
-/// has passed.
+/// A tenant's records other than its limits' refusals are never folded, whatever the gateway
+/// log's budget; and the folded record a flood left collecting goes out once its window has
+/// passed, though the next records are another log's.
 #[tokio::test]
-async fn a_tenants_records_are_never_folded_and_carry_the_due_folded_record_out() {
+async fn a_tenants_records_are_never_folded_and_the_due_folded_record_goes_out() {
     use hyper::service::Service as _;
     use hyper_util::service::TowerToHyperService;
 
