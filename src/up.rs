@@ -14,7 +14,7 @@ use bulkhead_gateway::policy::Policies;
 use bulkhead_gateway::tenants::ConfigFile;
 use bulkhead_gateway::{BoundGateway, Config};
 use bulkhead_worker::serve::ClusterToken;
-use bulkhead_worker::serve::tls::{Authority, TlsFiles, TlsSettings};
+use bulkhead_worker::serve::tls::{Authority, ListenerFiles, TlsFiles, TlsSettings};
 use bulkhead_worker::serve::{cluster_token, secret_file};
 use tokio::process::{Child, Command};
 
@@ -63,7 +63,16 @@ enum Layout {
 
 impl Layout {
     fn of(workers: &[bulkhead_gateway::config::WorkerConfig]) -> anyhow::Result<Layout> {
-        use bulkhead_gateway::config::WorkerRole;
+        use bulkhead_gateway::config::{Protocol, WorkerRole};
+        if let Some(w) = workers
+            .iter()
+            .find(|w| !matches!(w.protocol, Protocol::Bulkhead))
+        {
+            bail!(
+                "bulkhead up starts Bulkhead workers; worker {:?} is an OpenAI-compatible                  server (run `bulkhead gateway --config` to front it)",
+                w.name
+            );
+        }
         let roles: Vec<WorkerRole> = workers.iter().map(|w| w.role).collect();
         match roles.as_slice() {
             [WorkerRole::Both] => Ok(Layout::Colocated(0)),
@@ -207,6 +216,11 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
         None
     };
     let tls = local_ca.as_ref().filter(|_| args.tls);
+    if tls.is_none() && config.cluster.tls.is_some() {
+        bail!(
+            "the configuration's [cluster] tls_* name certificates for workers up does not              start: up starts its own, in plain text, or with --tls over TLS with certificates              it issues"
+        );
+    }
     if let Some(tls) = tls {
         config.cluster.tls = Some(TlsSettings {
             files: tls.issue("gateway")?,
@@ -216,7 +230,7 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     // How curl trusts the listeners' CA, when up made it.
     let mut cacert = String::new();
     if let Some(ca) = local_ca.as_ref().filter(|_| args.https) {
-        config.listen.tls = Some(ca.issue("api")?.into());
+        config.listen.tls = Some(issued_listener(ca.issue("api")?, config.listen.tls.take()));
         cacert = format!("--cacert {} ", ca.dir.join("ca.pem").display());
     }
     let scheme = if config.listen.tls.is_some() {
@@ -301,6 +315,16 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     })
 }
 
+/// The listeners' files once `up --https` issued their certificate: the certificate up's CA
+/// issued, and the client CA the configuration's `[listen]` asks for, if it does (a flag that
+/// renews a certificate must not drop the client check the file asks for, as `tls_args`).
+fn issued_listener(issued: TlsFiles, file: Option<ListenerFiles>) -> ListenerFiles {
+    ListenerFiles {
+        client_ca: file.and_then(|f| f.client_ca),
+        ..issued.into()
+    }
+}
+
 struct Worker {
     child: Child,
     grpc: String,
@@ -336,6 +360,11 @@ fn serving(source: &str, config: &Config) -> anyhow::Result<String> {
         cluster.insert("tls_ca".into(), path(&tls.files.ca));
         cluster.insert("tls_cert".into(), path(&tls.files.cert));
         cluster.insert("tls_key".into(), path(&tls.files.key));
+        // The workers' certificates name the address dialled, not the file's name.
+        match &tls.server_name {
+            Some(name) => cluster.insert("tls_server_name".into(), name.clone().into()),
+            None => cluster.remove("tls_server_name"),
+        };
     }
     // The policy paths resolve against the directory up runs in, as the gateway's do.
     if let Some(policies) = doc.get_mut("policies").and_then(toml::Value::as_table_mut) {
@@ -438,8 +467,9 @@ async fn start_worker(
     kv_tokens: Option<u64>,
 ) -> anyhow::Result<Worker> {
     let role = role_args.get(1).copied().unwrap_or("both").to_owned();
-    let exe = std::env::current_exe().context("finding this executable")?;
-    let mut cmd = Command::new(exe);
+    // `/proc/self/exe`: this very binary, even after its file was replaced or removed (a
+    // rebuild while a model loads) — its path would start another version, or nothing.
+    let mut cmd = Command::new("/proc/self/exe");
     cmd.arg("worker")
         .args(role_args)
         .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
@@ -505,6 +535,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn https_keeps_the_client_ca_the_configuration_asks_for() {
+        let issued = || TlsFiles {
+            ca: "/d/tls/ca.pem".into(),
+            cert: "/d/tls/api.pem".into(),
+            key: "/d/tls/api.key".into(),
+        };
+        let file = ListenerFiles {
+            cert: "/etc/old.pem".into(),
+            key: "/etc/old.key".into(),
+            client_ca: Some("/etc/clients.pem".into()),
+        };
+        let got = issued_listener(issued(), Some(file));
+        assert_eq!(got.client_ca, Some("/etc/clients.pem".into()));
+        assert_eq!(got.cert, std::path::PathBuf::from("/d/tls/api.pem"));
+        assert_eq!(issued_listener(issued(), None).client_ca, None);
+    }
+
+    #[test]
     fn the_serving_configuration_names_the_workers_up_started_and_the_cluster_token() {
         let mut config = Config::parse(DEFAULT_CONFIG).expect("valid");
         config.workers[0].endpoint = "http://127.0.0.1:41001".into();
@@ -525,6 +573,51 @@ mod tests {
             .expect("the built-in configuration's policies");
         assert!(policies.file.is_absolute(), "{:?}", policies.file);
         assert!(policies.file.ends_with("policies/local.toml"));
+    }
+
+    #[test]
+    fn up_refuses_a_worker_it_cannot_start_and_names_the_certificates_it_issued() {
+        let openai = DEFAULT_CONFIG
+            .replacen(
+                "grpc = \"http://127.0.0.1:50052\"\nrole = \"prefill\"",
+                "openai = \"http://127.0.0.1:8000\"\nrole = \"both\"\nmodel = \"m\"\n\
+                 context_length = 8\ntokenizer = \"m.gguf\"",
+                1,
+            )
+            .replacen(
+                "[[workers]]\nname = \"local-decode\"\ngrpc = \"http://127.0.0.1:50051\"\n\
+                 role = \"decode\"\nprefill = \"local-prefill\"",
+                "",
+                1,
+            );
+        let config = Config::parse(&openai).unwrap_or_else(|e| panic!("{e}:\n{openai}"));
+        let e = Layout::of(&config.workers)
+            .err()
+            .expect("an OpenAI-compatible worker is refused");
+        assert!(e.to_string().contains("OpenAI-compatible"), "{e}");
+
+        let named = format!(
+            "{DEFAULT_CONFIG}\n[cluster]\ntls_ca = \"/etc/ca.pem\"\ntls_cert = \"/etc/g.pem\"\n\
+             tls_key = \"/etc/g.key\"\ntls_server_name = \"workers.internal\"\n"
+        );
+        let mut config = Config::parse(&named).unwrap_or_else(|e| panic!("{e}:\n{named}"));
+        let asked = config
+            .cluster
+            .tls
+            .as_ref()
+            .and_then(|t| t.server_name.clone());
+        assert_eq!(asked.as_deref(), Some("workers.internal"));
+        config.cluster.tls = Some(TlsSettings {
+            files: TlsFiles {
+                ca: "/d/tls/ca.pem".into(),
+                cert: "/d/tls/gateway.pem".into(),
+                key: "/d/tls/gateway.key".into(),
+            },
+            server_name: None,
+        });
+        let text = serving(&named, &config).expect("written");
+        let served = Config::parse(&text).unwrap_or_else(|e| panic!("{e}:\n{text}"));
+        assert_eq!(served.cluster.tls, config.cluster.tls, "{text}");
     }
 
     #[test]

@@ -186,7 +186,7 @@ pub struct Args {
     /// Decode role: how long a reservation waits for its prefill worker's next sign of
     /// progress — more prompt tokens computed, of this prompt or of those queued before it,
     /// then the KV — (milliseconds).
-    #[arg(long, env = env::TRANSFER_TIMEOUT_MS, default_value_t = 30_000)]
+    #[arg(long, env = env::TRANSFER_TIMEOUT_MS, value_parser = at_least_one_ms(), default_value_t = 30_000)]
     transfer_timeout_ms: u64,
     /// Decode role: the slowest KV transfer rate tolerated, bytes per second (100MB: 100 MB/s);
     /// a transfer's deadline is --transfer-timeout-ms plus its bytes at this rate.
@@ -194,7 +194,7 @@ pub struct Args {
     transfer_floor: u64,
     /// Decode role: how long an abandoned transfer's pages wait for the drain acknowledgement
     /// before they are quarantined (milliseconds).
-    #[arg(long, env = env::RELEASE_TIMEOUT_MS, default_value_t = 10_000)]
+    #[arg(long, env = env::RELEASE_TIMEOUT_MS, value_parser = at_least_one_ms(), default_value_t = 10_000)]
     release_timeout_ms: u64,
     /// Decode role: how long after a quarantined transfer's peer is known gone (its data
     /// connection closed) its pages are scrubbed and reused (milliseconds).
@@ -205,7 +205,7 @@ pub struct Args {
     /// long, or keepalive probes unanswered from a third of it on, close the connection
     /// (milliseconds). A live peer keeps its connection between messages, however long; a
     /// frame it begins must be whole within this and a page's time at --transfer-floor.
-    #[arg(long, env = env::KV_PEER_TIMEOUT_MS, default_value_t = DEFAULT_PEER_TIMEOUT.as_millis() as u64)]
+    #[arg(long, env = env::KV_PEER_TIMEOUT_MS, value_parser = at_least_one_ms(), default_value_t = DEFAULT_PEER_TIMEOUT.as_millis() as u64)]
     kv_peer_timeout_ms: u64,
     /// Fault injection for tests (prefill role): stop sending a transfer once this many frames
     /// are written and hold the connection open, like a live but stuck peer.
@@ -440,6 +440,12 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{s:?} does not fit in 64 bits"))
 }
 
+/// A duration flag in milliseconds that must not be zero: a zero timeout fails every transfer
+/// at once, and a zero `TCP_USER_TIMEOUT` means no bound at all to the kernel.
+fn at_least_one_ms() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(1..)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -477,6 +483,17 @@ mod tests {
             .expect_err("decode needs its prefill worker")
             .to_string();
         assert!(err.contains("--prefill"), "{err}");
+        for flag in [
+            "--kv-peer-timeout-ms",
+            "--transfer-timeout-ms",
+            "--release-timeout-ms",
+        ] {
+            let err = Cli::try_parse_from(["x", flag, "0"])
+                .expect_err(flag)
+                .to_string();
+            assert!(err.contains(flag), "{err}");
+            Cli::try_parse_from(["x", flag, "1"]).expect(flag);
+        }
         for bad in [
             "notaurl",
             "p:1",
