@@ -203,6 +203,10 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
             )
         })?;
     }
+    // So are the audit log's key and lock (another gateway on this data directory).
+    config.audit.chain_key()?;
+    bulkhead_audit::AuditLog::check_unlocked(&bulkhead_gateway::audit_dir(&data_dir))
+        .context("the audit log")?;
     // A fresh cluster token each start: the workers answer only the gateway (and decode only
     // its prefill worker), never another process that finds their loopback ports.
     let token_file = data_dir.join(CLUSTER_TOKEN_FILE);
@@ -238,6 +242,10 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     } else {
         "http"
     };
+    // The listeners' and the cluster's files, read by the gateway once both models have
+    // loaded: checked before either starts.
+    config.listener_tls()?;
+    config.cluster_access()?;
     let secrets = Secrets {
         token_file: &token_file,
         tls,

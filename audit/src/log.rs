@@ -295,28 +295,39 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// Takes the lock of the log in `dir` (created if needed) for as long as the file is open, or
+/// says that another process holds it.
+fn lock_dir(dir: &Path) -> Result<File, AuditError> {
+    fs::create_dir_all(dir).map_err(io_err("create", dir))?;
+    let lock_path = dir.join(LOCK);
+    let lock_file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(io_err("open", &lock_path))?;
+    match lock_file.try_lock() {
+        Ok(()) => Ok(lock_file),
+        Err(fs::TryLockError::WouldBlock) => Err(AuditError::Locked { path: lock_path }),
+        Err(fs::TryLockError::Error(e)) => Err(io_err("lock", &lock_path)(e)),
+    }
+}
+
 impl AuditLog {
+    /// Whether the log in `dir` could be opened now as far as its lock goes: an error when
+    /// another process holds it. (A check for a process that would open it later, after work
+    /// it would rather not waste; the lock is let go again at once.)
+    pub fn check_unlocked(dir: &Path) -> Result<(), AuditError> {
+        lock_dir(dir).map(drop)
+    }
+
     /// Opens (creating it if needed) a data directory and resumes every tenant's chain from
     /// its last line that chains on from the head, cutting off what a crash left after it (see
     /// [`Recovery`]); refuses a tenant whose head is missing or names a record the log does not
     /// hold as recorded.
     pub fn open(config: Config) -> Result<(Self, Vec<Recovery>), AuditError> {
         let dir = config.dir.clone();
-        fs::create_dir_all(&dir).map_err(io_err("create", &dir))?;
-        let lock_path = dir.join(LOCK);
-        let lock_file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(io_err("open", &lock_path))?;
-        match lock_file.try_lock() {
-            Ok(()) => {}
-            Err(fs::TryLockError::WouldBlock) => {
-                return Err(AuditError::Locked { path: lock_path });
-            }
-            Err(fs::TryLockError::Error(e)) => return Err(io_err("lock", &lock_path)(e)),
-        }
+        let lock_file = lock_dir(&dir)?;
         let mut recoveries = Vec::new();
         let mut state = State::default();
         let (tenants, _) = layout::list_tenants(&dir).map_err(io_err("list", &dir))?;

@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,6 +26,11 @@ use crate::serving::{self, Edge, Witness};
 use crate::tenants::{ConfigFile, Tenants};
 use crate::trail::{Recorder, Watch};
 use crate::workers::{EndpointError, Workers};
+
+/// Where the gateway keeps its audit log in `data_dir`.
+pub fn audit_dir(data_dir: &Path) -> PathBuf {
+    data_dir.join("audit")
+}
 
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
@@ -83,7 +88,7 @@ impl BoundGateway {
         audit_export: Option<AuditExport>,
     ) -> Result<BoundGateway, GatewayError> {
         let metrics = Metrics::default();
-        let audit_dir = data_dir.join("audit");
+        let audit_dir = audit_dir(data_dir);
         let key = config.audit.chain_key()?;
         let settings = config.audit.clone();
         let (recorder, recoveries) =

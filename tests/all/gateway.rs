@@ -1190,6 +1190,30 @@ fn up_says_a_busy_port_before_it_starts_anything() {
     assert!(!data.join("cluster-token").exists(), "a token was written");
 }
 
+/// An audit log another gateway holds is said before `up` writes its token or starts a worker
+/// (the gateway opened it only once both models had loaded, then stopped them).
+#[test]
+fn up_says_a_held_audit_log_before_it_starts_anything() {
+    let dir = TempDir::new("up-held-audit");
+    let data = dir.0.join("data");
+    let audit = data.join("audit");
+    std::fs::create_dir_all(&audit).expect("creates");
+    let held = std::fs::File::create(audit.join("LOCK")).expect("creates");
+    held.try_lock().expect("locks");
+    let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+        .args(["up", "--admin-port", "0", "--port", "0", "--model"])
+        .arg(crate::worker_grpc::model_path())
+        .arg("--data-dir")
+        .arg(&data)
+        .current_dir(repo())
+        .output()
+        .expect("up runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("the audit log"), "{stderr}");
+    assert!(!data.join("cluster-token").exists(), "a token was written");
+}
+
 /// A terminal's Ctrl-C goes to `up`'s whole process group: its workers, in groups of their
 /// own, do not get it, so the gateway drains an answer under way before they are stopped (they
 /// stopped at once with it, and the answer failed mid-stream).
