@@ -148,7 +148,7 @@ pub struct Args {
     /// Prompt tokens processed per step across requests (chunked prefill).
     #[arg(long, env = env::MAX_BATCH_TOKENS, default_value_t = EngineConfig::default().max_batch_tokens)]
     max_batch_tokens: usize,
-    /// Requests generating at once.
+    /// Requests generating at once (decode role: with those whose KV is being received).
     #[arg(long, env = env::MAX_RUNNING, default_value_t = EngineConfig::default().max_running)]
     max_running: usize,
     /// Admitted requests that may wait for pages; more get RESOURCE_EXHAUSTED.

@@ -85,7 +85,7 @@ pub struct EngineConfig {
     pub context_length: Option<usize>,
     /// Prompt tokens processed per step across all prefilling requests (chunked prefill).
     pub max_batch_tokens: usize,
-    /// Requests running at once.
+    /// Requests running at once (on a decode worker, with those whose KV is on its way).
     pub max_running: usize,
     /// Admitted requests waiting for pages; more are refused with `QueueFull`.
     pub queue_capacity: usize,
@@ -1106,7 +1106,10 @@ impl Engine {
 
     fn start_waiting(&mut self) {
         self.waiting_for_pages = false;
-        while self.running.len() < self.config.max_running {
+        // A decode worker's transfers count: each becomes a running request once its KV is
+        // verified, so leaving them out let a burst that fits the pool reserve all at once and
+        // then decode as one batch far over --max-running.
+        while self.running.len() + self.transfers.len() < self.config.max_running {
             let Some(w) = self.waiting.pop_front() else {
                 break;
             };

@@ -173,6 +173,53 @@ fn tiny_engine(tokens: u64) -> Engine {
     )
 }
 
+/// A decode worker holds at most --max-running requests, counting those whose KV is on its
+/// way: the others wait for a slot. (Transfers were not counted: a burst that fitted the pool
+/// reserved at once, and every one of them then decoded in a single batch.)
+#[test]
+fn a_decode_workers_transfers_count_against_max_running() {
+    let mut d = tiny_engine_with(EngineConfig {
+        max_running: 1,
+        ..EngineConfig::default()
+    });
+    let mut p = tiny_engine(256);
+    let (target, rx) = reserve(&mut d, 1, &[5; 4], 4);
+    let mut waiting = Vec::new();
+    for id in [2, 3] {
+        let (tx, rx) = mpsc::channel();
+        d.submit_decode(request(id, &[5; 4], 4, tx))
+            .map_err(|(e, _)| e)
+            .expect("decode admits");
+        waiting.push(rx);
+    }
+    d.step();
+    assert_eq!(d.load(), (2, 1), "one transfer, two waiting");
+    assert!(
+        waiting.iter().all(|rx| rx.try_recv().is_err()),
+        "no reservation"
+    );
+    let out = prefill(&mut p, 1, &[5; 4], target).expect("prefill admits");
+    let nonce = out.nonce();
+    for m in out.frames.iter().cloned().map(Message::Frame).chain([
+        Message::Manifest(out.manifest.clone()),
+        Message::Closed {
+            nonce,
+            reason: CloseReason::Complete,
+        },
+    ]) {
+        d.deliver(wire(&m));
+    }
+    d.step();
+    assert_eq!(d.load(), (2, 1), "the first decodes; the others still wait");
+    // Once it is done, the next waiting request gets its slot and is reserved.
+    for _ in 0..16 {
+        d.step();
+    }
+    assert!(matches!(collect(rx).finish, Some(Ok(_))));
+    assert!(matches!(waiting[0].try_recv(), Ok(Event::Reserved(_))));
+    assert_eq!(d.load(), (1, 1));
+}
+
 fn assert_pages_back(e: &Engine, quarantined: u32) {
     let s = e.pool().stats();
     assert_eq!(s.free + s.pending_scrub + s.quarantined, s.total, "{s:?}");
