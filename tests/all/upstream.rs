@@ -274,6 +274,21 @@ fn requests_the_upstream_refuses_are_not_charged_to_the_tenants_tokens_per_minut
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("no Retry-After: {head}"));
         assert!((2..=60).contains(&wait), "{head}");
+        // Each refusal's record names the upstream as the layer that refused, not the front's
+        // own admission (which admitted it).
+        let records = crate::up::wait_records(&front.admin, "tenant-a", 9);
+        let refused: Vec<&serde_json::Value> = records
+            .iter()
+            .filter(|r| r["http.response.status_code"] == 429)
+            .collect();
+        assert!(refused.len() >= 7, "{records:#?}");
+        for r in refused {
+            assert_eq!(
+                r["bulkhead.admission"],
+                serde_json::json!({"outcome": "unavailable", "layer": "decode"}),
+                "{r:#}"
+            );
+        }
     });
 }
 

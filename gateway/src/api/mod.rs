@@ -142,42 +142,23 @@ async fn audit(
     trail::tenant_read(State(state.recorder.clone()), who, query).await
 }
 
-/// `answer()` within the tenant's limits (concurrency, requests per minute), as every request
-/// of a tenant is: one that costs the gateway little still costs a record in its log, and
-/// without a limit a tenant could send them without end.
-fn within_limits(
-    state: &ApiState,
-    who: &Authenticated,
-    answer: impl FnOnce() -> Response,
-) -> Response {
-    match state.tenants.limiter().start(&who.tenant) {
-        Ok(_permit) => answer(),
-        Err(e) => ApiError::from(e).into_response(),
-    }
+async fn not_found() -> Response {
+    ApiError::NotFound.into_response()
 }
 
-async fn not_found(State(state): State<Shared>, who: Extension<Authenticated>) -> Response {
-    within_limits(&state, &who, || ApiError::NotFound.into_response())
-}
-
-async fn method_not_allowed(
-    State(state): State<Shared>,
-    who: Extension<Authenticated>,
-) -> Response {
-    within_limits(&state, &who, || ApiError::MethodNotAllowed.into_response())
+async fn method_not_allowed() -> Response {
+    ApiError::MethodNotAllowed.into_response()
 }
 
 /// `GET /v1/models`: the served model, or none while no worker has reported one.
-async fn models(State(state): State<Shared>, who: Extension<Authenticated>) -> Response {
-    within_limits(&state, &who, || {
-        let data: Vec<_> = state
-            .workers
-            .model()
-            .map(|m| described(&m))
-            .into_iter()
-            .collect();
-        json_response(&serde_json::json!({"object": "list", "data": data}))
-    })
+async fn models(State(state): State<Shared>) -> Response {
+    let data: Vec<_> = state
+        .workers
+        .model()
+        .map(|m| described(&m))
+        .into_iter()
+        .collect();
+    json_response(&serde_json::json!({"object": "list", "data": data}))
 }
 
 /// `GET /v1/models/{model}`: the served model, by its name or id (OpenAI's retrieve). A name
@@ -185,11 +166,10 @@ async fn models(State(state): State<Shared>, who: Extension<Authenticated>) -> R
 /// text).
 async fn model(
     State(state): State<Shared>,
-    who: Extension<Authenticated>,
     asked: Result<Path<String>, axum::extract::rejection::PathRejection>,
 ) -> Response {
     let asked = asked.map_or_else(|_| "(a name that is not UTF-8)".to_owned(), |Path(a)| a);
-    within_limits(&state, &who, || match state.workers.model() {
+    match state.workers.model() {
         None => ApiError::NoHealthyWorker.into_response(),
         Some(m) if m.answers_to(&asked) => json_response(&described(&m)),
         Some(m) => ApiError::ModelNotFound {
@@ -197,7 +177,7 @@ async fn model(
             served: m.name.clone(),
         }
         .into_response(),
-    })
+    }
 }
 
 /// The policies' tags as one span attribute: a JSON array of `key=value` strings (a key holds

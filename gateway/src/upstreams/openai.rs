@@ -12,8 +12,8 @@ use std::time::{Duration, SystemTime};
 
 use bulkhead_worker::engine::{StopScan, StopWatch};
 use bulkhead_worker::serve::proto::{
-    Done, FinishReason, GenerateRequest, GenerateResponse, Item, Prompt, RETRY_AFTER_KEY, Token,
-    error_code, error_code_status,
+    Done, FinishReason, GenerateRequest, GenerateResponse, Item, Prompt, REFUSED_BY_KEY,
+    RETRY_AFTER_KEY, Token, error_code, error_code_status,
 };
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt as _, TryStreamExt as _};
@@ -27,6 +27,7 @@ use hyper_util::rt::TokioExecutor;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use thread_local::ThreadLocal;
+use tonic::metadata::MetadataValue;
 use tonic::{Code, Status};
 
 /// Bound on a health probe.
@@ -555,15 +556,19 @@ fn coded(http: Option<u16>, error: &Value) -> Status {
         (Some(500) | None, _) if own_code == Some("internal_error") => {
             error_code_status(Code::Internal, message, "internal_error")
         }
-        (_, "context_length_exceeded") => {
-            error_code_status(Code::InvalidArgument, message, "context_length_exceeded")
-        }
+        (_, "context_length_exceeded") => refused_upstream(error_code_status(
+            Code::InvalidArgument,
+            message,
+            "context_length_exceeded",
+        )),
         (_, "kv_integrity_error") => {
             error_code_status(Code::Internal, message, "kv_integrity_error")
         }
-        (Some(429), _) | (_, "rate_limit_exceeded") => {
-            error_code_status(Code::ResourceExhausted, message, "rate_limit_exceeded")
-        }
+        (Some(429), _) | (_, "rate_limit_exceeded") => refused_upstream(error_code_status(
+            Code::ResourceExhausted,
+            message,
+            "rate_limit_exceeded",
+        )),
         // A 404 is not the client's: the gateway sends only its own path and configured model,
         // so the server no longer serves it (renamed, reloaded) and is in trouble as a 5xx is.
         (Some(400 | 413 | 422), _) => {
@@ -574,6 +579,17 @@ fn coded(http: Option<u16>, error: &Value) -> Status {
         }
         (None, _) => Status::unavailable(format!("the upstream failed mid-stream: {message}")),
     }
+}
+
+/// `status`, a refusal the upstream decided (its context, its load), as its own: the layer that
+/// serves as a colocated worker's, decode — the gateway had admitted the request, and its record
+/// must not say the gateway refused it (a `context_length` set above the server's own is the
+/// misconfiguration that record shows).
+fn refused_upstream(mut status: Status) -> Status {
+    status
+        .metadata_mut()
+        .insert(REFUSED_BY_KEY, MetadataValue::from_static("decode"));
+    status
 }
 
 /// The status for an error event (`event: error`, or llama.cpp's `error:` field): its data is
@@ -1477,10 +1493,12 @@ mod tests {
             true,
         );
         assert_eq!(error_code(&too_long), Some("context_length_exceeded"));
-        assert_eq!(
-            error_code(&refusal(429, b"", true)),
-            Some("rate_limit_exceeded")
-        );
+        let busy = refusal(429, b"", true);
+        assert_eq!(error_code(&busy), Some("rate_limit_exceeded"));
+        // The upstream's own refusals, not the gateway's admission.
+        let by = bulkhead_worker::serve::proto::refused_by;
+        assert_eq!(by(&too_long), Some("decode"));
+        assert_eq!(by(&busy), Some("decode"));
         assert_eq!(
             error_code(&refusal(400, b"nonsense", true)),
             Some("invalid_request_error")
