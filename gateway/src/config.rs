@@ -32,8 +32,9 @@
 //! segment_bytes = 67108864
 //! gateway_records_per_minute = 3000 # records of requests with no valid key, each; past that
 //!                                   # they are counted in one folded record a second
-//! refusal_records_per_minute = 3000 # the same in each tenant's log, for its requests its
-//!                                   # limits turned away at the door (429)
+//! unread_records_per_minute = 3000  # the same in each tenant's log, for its requests that
+//!                                   # ended before a prompt was counted (over its limits,
+//!                                   # GET /v1/models, an unknown route, a malformed body)
 //! key_file = "/run/secrets/bulkhead-audit-key"  # optional: keyed logs (HMAC-SHA256 links,
 //!                                   # sealed heads and roster); the file's first line is the
 //!                                   # secret, 32 bytes at least. Read at start; a keyed log
@@ -240,9 +241,10 @@ pub struct AuditSettings {
     /// Requests with no tenant to charge that get a record of their own, per minute; past
     /// that, each is counted in a folded record (`trail::fold`).
     pub gateway_records_per_minute: u64,
-    /// A tenant's requests refused at the door by its limits (429) that get a record of their
+    /// A tenant's requests that ended before a prompt of theirs was counted (refused by its
+    /// limits, a model listing, an unknown route, a malformed body) that get a record of their
     /// own, per minute and tenant; past that, each is counted in a folded record.
-    pub refusal_records_per_minute: u64,
+    pub unread_records_per_minute: u64,
     /// The file whose first line is the key of a keyed log (`None`: unkeyed). Read by
     /// [`AuditSettings::chain_key`] where the log is opened, as the cluster token is.
     pub key_file: Option<PathBuf>,
@@ -270,7 +272,7 @@ impl Default for AuditSettings {
             on_failure: OnAuditFailure::Refuse,
             segment_bytes: 64 << 20,
             gateway_records_per_minute: 3000,
-            refusal_records_per_minute: 3000,
+            unread_records_per_minute: 3000,
             key_file: None,
         }
     }
@@ -565,7 +567,7 @@ struct RawAudit {
     on_failure: Option<OnAuditFailure>,
     segment_bytes: Option<u64>,
     gateway_records_per_minute: Option<u64>,
-    refusal_records_per_minute: Option<u64>,
+    unread_records_per_minute: Option<u64>,
     key_file: Option<PathBuf>,
 }
 
@@ -818,10 +820,10 @@ fn audit_settings(raw: &RawAudit) -> Result<AuditSettings, ConfigError> {
             "audit.gateway_records_per_minute",
             d.gateway_records_per_minute,
         )?,
-        refusal_records_per_minute: nonzero(
-            raw.refusal_records_per_minute,
-            "audit.refusal_records_per_minute",
-            d.refusal_records_per_minute,
+        unread_records_per_minute: nonzero(
+            raw.unread_records_per_minute,
+            "audit.unread_records_per_minute",
+            d.unread_records_per_minute,
         )?,
         key_file: raw.key_file.clone(),
     })
@@ -1380,11 +1382,11 @@ mod tests {
         );
         let e = budget(0).expect_err("no budget at all").to_string();
         assert!(e.contains("audit.gateway_records_per_minute"), "{e}");
-        let section = format!("{WORKER}[audit]\nrefusal_records_per_minute = 0\n");
+        let section = format!("{WORKER}[audit]\nunread_records_per_minute = 0\n");
         let e = Config::parse(&config(&tenant("tenant-a", "k"), &section))
             .expect_err("no budget for refusals")
             .to_string();
-        assert!(e.contains("audit.refusal_records_per_minute"), "{e}");
+        assert!(e.contains("audit.unread_records_per_minute"), "{e}");
         let bad = config(
             &tenant("tenant-a", "k"),
             &format!("{WORKER}[audit]\ndurability = \"sometimes\"\n"),

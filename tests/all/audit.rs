@@ -531,48 +531,75 @@ fn a_flood_of_requests_without_a_key_is_folded_past_the_gateway_logs_budget() {
 }
 
 #[test]
-fn a_tenants_flood_its_limits_refuse_is_folded_past_its_logs_budget() {
+fn a_tenants_flood_of_requests_it_sends_no_prompt_in_is_folded_past_its_logs_budget() {
     bounded(|| {
         // Two requests a minute for each tenant, ten records a minute of its own for each
-        // tenant's refusals. `GET /v1/models` counts against the limit like any request: two
-        // answered, then thirty refused at the door — ten recorded alone, twenty counted in
-        // one folded record of the tenant's log (before, a record each: a tenant's flood of
-        // 429s cost the disk a record per request, fsynced in durable mode).
+        // tenant's requests that end before a prompt is counted. Thirty model listings (not
+        // limited: a gateway in front health-checks by them), two completions without a prompt
+        // (400, within the limit) and three more (429, over it): ten recorded alone, the other
+        // twenty-five counted in folded records of the tenant's log (before, a record each: a
+        // tenant's flood cost the disk a record per request, fsynced in durable mode).
         let up = Up::launch(Options {
             replace: &[
                 ("requests_per_minute = 600", "requests_per_minute = 2"),
                 (
-                    "refusal_records_per_minute = 3000",
-                    "refusal_records_per_minute = 10",
+                    "unread_records_per_minute = 3000",
+                    "unread_records_per_minute = 10",
                 ),
             ],
             ..Options::default()
         });
         up.wait_routable();
-        for expected in [200, 200].into_iter().chain([429; 30]) {
+        for _ in 0..30 {
             let (status, body) = http(&up.api, "GET", "/v1/models", Some(KEY_A), &[], "");
+            assert_eq!(status, 200, "{body}");
+        }
+        for expected in [400, 400, 429, 429, 429] {
+            let (status, body) = http(&up.api, "POST", "/v1/completions", Some(KEY_A), &[], "{}");
             assert_eq!(status, expected, "{body}");
         }
-        let (status, body) = http(&up.api, "GET", "/v1/nowhere", Some(KEY_A), &[], "");
-        assert_eq!(status, 429, "an unknown route counts too: {body}");
-        let got = up.wait_records("tenant-a", 13);
-        assert_eq!(got.len(), 13, "{got:#?}");
-        let statuses: Vec<u64> = got[..12]
-            .iter()
-            .map(|r| r["http.response.status_code"].as_u64().unwrap_or(0))
-            .collect();
-        assert_eq!(statuses, [[200; 2].as_slice(), &[429; 10]].concat());
-        assert!(got[..12].iter().all(|r| r["bulkhead.folded"].is_null()));
-        let folded = &got[12]["bulkhead.folded"];
-        assert_eq!(folded["requests"], 21, "{folded:#}");
-        assert_eq!(
-            folded["statuses"],
-            serde_json::json!([{"status": 429, "requests": 21}])
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let (own, folded) = loop {
+            let got = up.admin_records("tenant-a");
+            let (folded, own): (Vec<_>, Vec<_>) = got
+                .into_iter()
+                .partition(|r| !r["bulkhead.folded"].is_null());
+            let counted: u64 = folded
+                .iter()
+                .map(|r| r["bulkhead.folded"]["requests"].as_u64().unwrap_or(0))
+                .sum();
+            if counted >= 25 || Instant::now() > deadline {
+                break (own, folded);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        assert_eq!(own.len(), 10, "{own:#?}");
+        assert!(
+            own.iter().all(|r| r["http.route"] == "/v1/models"),
+            "{own:#?}"
         );
-        assert_eq!(got[12]["bulkhead.tenant.id"], "tenant-a");
-        // The other tenant's limit and budget are its own.
+        let mut statuses = std::collections::BTreeMap::new();
+        for f in &folded {
+            assert_eq!(f["bulkhead.tenant.id"], "tenant-a");
+            for s in f["bulkhead.folded"]["statuses"]
+                .as_array()
+                .expect("statuses")
+            {
+                *statuses
+                    .entry(s["status"].as_u64().expect("a status"))
+                    .or_insert(0) += s["requests"].as_u64().expect("a count");
+            }
+        }
+        assert_eq!(
+            statuses,
+            [(200, 20), (400, 2), (429, 3)].into_iter().collect(),
+            "{folded:#?}"
+        );
+        // The other tenant's budget is its own.
         let (status, body) = http(&up.api, "GET", "/v1/models", Some(KEY_B), &[], "");
         assert_eq!(status, 200, "{body}");
+        let got = up.wait_records("tenant-b", 1);
+        assert!(got[0]["bulkhead.folded"].is_null(), "{got:#?}");
         let (ok, report) = verify(&up.data_dir);
         assert!(ok, "{report}");
     });

@@ -1,16 +1,18 @@
-//! The logs' budgets. Two kinds of request cost their sender next to nothing and could fill
-//! the disk every log shares — and a log that cannot write turns every tenant away
-//! (`on_failure = "refuse"`):
+//! The logs' budgets. Requests whose records say little more than that they came, and that
+//! cost their sender next to nothing, could fill the disk every log shares — and a log that
+//! cannot write turns every tenant away (`on_failure = "refuse"`):
 //! - a request with no tenant to charge (no key, an unknown one), in the gateway's log;
-//! - a tenant's request its limits turned away at the door (429 before it was read: over its
-//!   concurrent requests or its requests per minute), in the tenant's log. Every other request
-//!   of a tenant passed its requests-per-minute limit, so that limit bounds their records.
+//! - a tenant's request that ended before a prompt of it was counted (refused at the door by
+//!   the tenant's limits, a model listing, an unknown route, a body that is not a request), in
+//!   the tenant's log: its limits bound only the requests they let in, and a listing or an
+//!   unknown route is not limited at all (a gateway in front health-checks by `/v1/models`).
 //!
 //! Each log has a budget for such records (`gateway_records_per_minute` for the gateway's,
-//! `refusal_records_per_minute` for each tenant's); past it, each is counted into a folded
+//! `unread_records_per_minute` for each tenant's); past it, each is counted into a folded
 //! record of its log that stands for every such request of its window (at most one record per
 //! [`WINDOW`] and log). Every request is still accounted for (I5), and a flood costs the disk
-//! one record per window.
+//! one record per window. A request whose prompt was counted has a record of its own, always:
+//! it passed its tenant's limits.
 //!
 //! ```text
 //!  budget left ─▶ the log's pending folded record once due, then the request's own record
@@ -42,7 +44,7 @@ const ANY_ROUTE: &str = "*";
 pub struct Folds {
     gateway: TenantId,
     gateway_per_minute: u64,
-    refusals_per_minute: u64,
+    unread_per_minute: u64,
     /// The logs that have had a foldable record, while their budget is not whole again or a
     /// folded record is being collected (a new entry sweeps out the others that are idle).
     logs: HashMap<TenantId, Folding>,
@@ -59,12 +61,12 @@ pub struct Admitted {
 
 impl Folds {
     /// The gateway log's budget of `gateway_per_minute` records and each tenant's of
-    /// `refusals_per_minute`.
-    pub fn new(gateway: TenantId, gateway_per_minute: u64, refusals_per_minute: u64) -> Folds {
+    /// `unread_per_minute`.
+    pub fn new(gateway: TenantId, gateway_per_minute: u64, unread_per_minute: u64) -> Folds {
         Folds {
             gateway,
             gateway_per_minute,
-            refusals_per_minute,
+            unread_per_minute,
             logs: HashMap::new(),
         }
     }
@@ -84,7 +86,7 @@ impl Folds {
             let per_minute = if record.tenant == self.gateway {
                 self.gateway_per_minute
             } else {
-                self.refusals_per_minute
+                self.unread_per_minute
             };
             self.logs
                 .insert(record.tenant.clone(), Folding::new(per_minute, now));
@@ -116,11 +118,11 @@ impl Folds {
 }
 
 /// Whether `record` goes through its log's budget: every record of the `gateway` log, and a
-/// tenant's request refused at the door by its limits — 429 before it was tokenized or
-/// admitted (a request refused later passed its requests-per-minute limit).
+/// tenant's request that ended before a prompt of it was counted — no policy asked, no worker
+/// contacted, so its record holds no more than its route, key, status and why.
 pub fn foldable(record: &AuditRecord, gateway: &TenantId) -> bool {
     record.tenant == *gateway
-        || (record.status == 429 && record.input_tokens.is_none() && record.admission.is_none())
+        || (record.input_tokens.is_none() && record.workers.is_none() && record.policy.is_empty())
 }
 
 /// One log's budget and the folded record it is collecting.
@@ -289,14 +291,23 @@ mod tests {
         }
     }
 
+    /// A record of a request whose prompt was counted: never folded.
+    fn read(log: &TenantId, i: u64, status: u16) -> AuditRecord {
+        AuditRecord {
+            input_tokens: Some(7),
+            ..of(log, i, status)
+        }
+    }
+
     fn written(admitted: Admitted, into: &mut Vec<AuditRecord>) {
         into.extend(admitted.appends.into_iter().flatten());
     }
 
     /// Each log folds its own flood within its own budget: the gateway's of requests without
-    /// a key, a tenant's of the requests its limits refused at the door. A tenant's other
-    /// records — answered, or refused after they were read — are never folded, and carry out
-    /// their own log's due folded record, not another's.
+    /// a key, a tenant's of requests that ended before a prompt was counted (here refused at
+    /// the door). A tenant's records of requests whose prompt was counted — answered, or
+    /// refused after — are never folded, and carry out their own log's due folded record, not
+    /// another's.
     #[test]
     fn each_log_folds_its_own_flood_and_a_tenants_other_records_are_never_folded() {
         let start = Instant::now();
@@ -314,10 +325,8 @@ mod tests {
                 opened.extend(admitted.opened.clone());
                 written(admitted, &mut out);
             }
-            let mut late = of(&b, i, 429);
-            late.input_tokens = Some(7);
-            written(folds.admit(late, start), &mut out);
-            written(folds.admit(of(&b, 100 + i, 200), start), &mut out);
+            written(folds.admit(read(&b, i, 429), start), &mut out);
+            written(folds.admit(read(&b, 100 + i, 200), start), &mut out);
         }
         let own = |log: &TenantId| out.iter().filter(|r| r.tenant == *log).count();
         assert_eq!((own(&a), own(&gateway), own(&b)), (3, 2, 20));
@@ -329,9 +338,9 @@ mod tests {
         );
 
         let later = start + WINDOW;
-        let admitted = folds.admit(of(&b, 99, 200), later);
+        let admitted = folds.admit(read(&b, 99, 200), later);
         assert!(admitted.appends[0].is_none(), "b has no folded record");
-        let admitted = folds.admit(of(&a, 99, 200), later);
+        let admitted = folds.admit(read(&a, 99, 200), later);
         let folded = admitted.appends[0]
             .as_ref()
             .expect("a's folded record is due");

@@ -158,7 +158,7 @@ impl Recorder {
         let folds = fold::Folds::new(
             gateway.clone(),
             settings.gateway_records_per_minute,
-            settings.refusal_records_per_minute,
+            settings.unread_records_per_minute,
         );
         let inner = Arc::new(Inner {
             log,
