@@ -346,9 +346,17 @@ fn every_request_leaves_one_record_in_its_tenants_log_that_only_it_can_read() {
             .join(format!("{:020}.jsonl", 0));
         std::fs::create_dir_all(&blocked).expect("blocks the segment");
         let tiny = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":1}"#;
+        let ends = |outcome: &str| {
+            let series = format!("bulkhead_policy_response_ends_total{{outcome=\"{outcome}\"}}");
+            crate::up::metric(&up.metrics(), &series)
+        };
+        let (completed, failed) = (ends("completed"), ends("failed"));
         let (status, body) = up.chat(crate::up::KEY_LIMITED, &[], tiny);
         assert_eq!(status, 503, "{body}");
         assert_eq!(json(&body)["error"]["code"], "audit_unavailable");
+        // The worker's answer was not sent: its policies hear that it failed (they heard it
+        // completed, and the client got 503).
+        assert_eq!((ends("completed"), ends("failed")), (completed, failed + 1));
         let (status, body) = up.chat(KEY_A, &[], tiny);
         assert_eq!(status, 503, "no traffic is served unaudited: {body}");
         let (status, body) = http(&up.admin, "GET", "/healthz", Some(ADMIN), &[], "");

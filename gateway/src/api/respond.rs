@@ -254,6 +254,7 @@ impl Started {
     /// the prompt and the tokens that came, which its record counts too, or nothing when the
     /// worker did nothing for it).
     fn failed(&mut self, error: ApiError, refused_by: Option<Layer>) -> ApiError {
+        self.count_generated();
         if self.progress.tokens > 0 {
             self.trail.generated(self.progress.tokens);
         }
@@ -262,6 +263,21 @@ impl Started {
         self.trail.failed(&error, refused_by);
         span_failed(&self.upstream_span, &error);
         error
+    }
+
+    /// Before Done, the tokens that came, as the upstream's text counts them where its
+    /// messages do not (an OpenAI-compatible server's chunk may hold several) and it is short
+    /// enough to count on this thread; a longer one is counted by its messages. (A client that
+    /// leaves has its stream's text counted in full, off this thread: `policy::abandon`.)
+    fn count_generated(&mut self) {
+        if self.progress.usage.is_some() {
+            return;
+        }
+        if let Some(Leg::Streaming(upstream)) = &self.upstream
+            && let Some(n) = upstream.generated_now()
+        {
+            self.progress.tokens = n;
+        }
     }
 
     /// What the worker's error `status` means for the request. The worker's trouble is logged
@@ -348,7 +364,14 @@ async fn collect(mut started: Started, deadline: Instant, secs: u64) -> Result<S
             Step::Done(d) => {
                 text.push_str(&d.text_tail);
                 let finish = finish_reason(d.finish_reason);
-                return Ok(started.head().whole(&text, &d, finish));
+                let body = started.head().whole(&text, &d, finish);
+                // Committed here, while the request's end is still to be told: an answer whose
+                // record cannot be made durable is not sent (503), and did not complete.
+                if let Err(e) = started.trail.finish(200, None).await {
+                    started.progress.failed = true;
+                    return Err(e);
+                }
+                return Ok(body);
             }
         }
     }
@@ -409,6 +432,7 @@ fn stream(started: Started, span: tracing::Span) -> Response {
                     match s.started.trail.finish(200, None).await {
                         Ok(()) => s.queue.push_back(Event::default().data("[DONE]")),
                         Err(e) => {
+                            s.started.progress.failed = true;
                             s.started.metrics.stream_error(&s.started.tenant.id);
                             s.queue.push_back(error_event(&e));
                         }

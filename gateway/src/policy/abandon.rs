@@ -49,7 +49,8 @@ pub struct Progress {
     pub prefill_done: bool,
     /// (prompt, completion) tokens, once the worker said Done.
     pub usage: Option<(u32, u32)>,
-    /// The request failed (before or after its 200).
+    /// The request failed (before or after its 200; after the worker's `Done` too, when its
+    /// record could not be made durable and the answer was not sent, or not ended).
     pub failed: bool,
 }
 
@@ -105,6 +106,15 @@ fn on_fault(phase: Phase) -> Directive {
     match phase {
         Phase::Queued | Phase::Decoding => Directive::AbortNow,
         Phase::Prefilling | Phase::Transferring => Directive::HoldUntilFirstToken,
+    }
+}
+
+/// The outcome as the WIT names it.
+fn outcome_name(outcome: Outcome) -> &'static str {
+    match outcome {
+        Outcome::Completed => "completed",
+        Outcome::Failed => "failed",
+        Outcome::ClientDisconnected => "client_disconnected",
     }
 }
 
@@ -209,6 +219,7 @@ impl Ending {
         outcome: Outcome,
         usage: (u32, u32),
     ) {
+        self.policies.stats().ended(outcome_name(outcome));
         if self.wanting(Hooks::ON_RESPONSE_END).next().is_some() {
             self.policies
                 .clone()
@@ -366,13 +377,13 @@ impl Ending {
                 },
             });
         }
-        let usage = match answered {
-            true => {
-                let (prompt, completion) = progress.counted(charge.prompt_tokens);
-                (prompt, completion.min(charge.max_tokens))
-            }
-            false => (0, 0),
+        // As had its client stayed: a request that failed is charged what a failure is.
+        let usage = match (answered, &failure) {
+            (false, _) => (0, 0),
+            (true, Some(_)) => progress.used_by_failure(charge.prompt_tokens),
+            (true, None) => progress.counted(charge.prompt_tokens),
         };
+        let usage = (usage.0, usage.1.min(charge.max_tokens));
         if usage.1 > 0 {
             trail.generated(usage.1);
         }
@@ -385,6 +396,9 @@ impl Ending {
         drop(trail);
         drop(held);
         charge.settle(usage);
+        self.policies
+            .stats()
+            .ended(outcome_name(Outcome::ClientDisconnected));
         self.end(Outcome::ClientDisconnected, usage).await;
     }
 }
@@ -444,8 +458,24 @@ async fn hold(
 }
 
 /// Reads `upstream` until `directive` is satisfied, or the stream fails (a stream that ends
-/// without `Done` is broken: the worker's transport failed).
+/// without `Done` is broken: the worker's transport failed). Short of `Done`, the tokens that
+/// came are then counted as the upstream's text says ([`UpstreamStream::generated`]).
 async fn drain(
+    upstream: &mut UpstreamStream,
+    directive: Directive,
+    progress: &mut Progress,
+) -> Result<(), tonic::Status> {
+    let drained = read_until(upstream, directive, progress).await;
+    if progress.usage.is_none()
+        && let Some(counting) = upstream.generated()
+    {
+        progress.tokens = counting.await;
+    }
+    drained
+}
+
+/// [`drain`]'s reading.
+async fn read_until(
     upstream: &mut UpstreamStream,
     directive: Directive,
     progress: &mut Progress,
@@ -504,6 +534,11 @@ impl RequestPolicy {
         };
         let ending = self.ending();
         match (progress.usage, progress.failed || trail.cut_by_shutdown()) {
+            // The worker's answer, not sent: its record could not be made durable (503), its
+            // charge stands (the worker did the work).
+            (Some(usage), _) if progress.failed => {
+                ending.spawn_end(&runtime, Outcome::Failed, usage);
+            }
             (Some(usage), _) => ending.spawn_end(&runtime, Outcome::Completed, usage),
             (None, true) => {
                 if progress.tokens > 0 {

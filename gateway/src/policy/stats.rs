@@ -29,6 +29,8 @@ struct Counters {
     calls: BTreeMap<(Arc<str>, Hook), Histogram<Micros>>,
     /// directive → abandoned requests handled with it.
     abandoned: BTreeMap<&'static str, u64>,
+    /// outcome → requests whose end the policies were told of.
+    ends: BTreeMap<&'static str, u64>,
     /// When an abandoned request's stream was dropped (i.e. cancelled at the worker):
     /// "before_first_token", "after_first_token", "after_done".
     dropped: BTreeMap<&'static str, u64>,
@@ -91,6 +93,11 @@ impl Stats {
         self.with(|c| per_tenant(&mut c.over_hold_bound, tenant, |n| *n += 1));
     }
 
+    /// A request the chain let through ended with `outcome` (the word `on-response-end` gets).
+    pub(super) fn ended(&self, outcome: &'static str) {
+        self.with(|c| *c.ends.entry(outcome).or_default() += 1);
+    }
+
     pub(super) fn dropped(&self, at: &'static str) {
         self.with(|c| *c.dropped.entry(at).or_default() += 1);
     }
@@ -138,6 +145,15 @@ impl Stats {
                 c.abandoned
                     .iter()
                     .map(|(d, n)| (format!("directive=\"{d}\""), *n))
+                    .collect(),
+            );
+            family(
+                "bulkhead_policy_response_ends_total",
+                "Requests the policy chain let through, by how they ended as on-response-end is \
+                 told (completed, failed, client_disconnected).",
+                c.ends
+                    .iter()
+                    .map(|(o, n)| (format!("outcome=\"{o}\""), *n))
                     .collect(),
             );
             family(

@@ -2036,6 +2036,51 @@ async fn a_failed_request_is_charged_its_prompt_once_the_worker_computed_it() {
     }
 }
 
+/// A request the worker answered whose answer was not sent (its record could not be made
+/// durable, the client was told 503) ends in `on-response-end` as failed; one sent, completed.
+#[tokio::test]
+async fn an_answer_not_sent_ends_as_failed_and_one_sent_as_completed() {
+    for (failed, outcome) in [(false, "completed"), (true, "failed")] {
+        let (p, dir, _, _, charge) = one_slot_charged_in_full();
+        let r = ask(&p, Ask::default()).await.expect("allowed");
+        let progress = Progress {
+            usage: Some((10, 3)),
+            failed,
+            ..Progress::default()
+        };
+        r.finish(None, progress, trail(&dir), charge, Endpoint::Chat);
+        let mut m = String::new();
+        p.render_metrics(&mut m, &|_| true);
+        let series = format!("bulkhead_policy_response_ends_total{{outcome=\"{outcome}\"}} 1");
+        assert!(m.contains(&series), "{m}");
+    }
+}
+
+/// A held request whose worker's stream fails before the worker computed its prompt is
+/// charged nothing, as had its client stayed (it was charged its prompt).
+#[tokio::test]
+async fn a_held_request_whose_stream_fails_is_charged_as_a_failure_is() {
+    let (p, dir, a, limiter, charge) = one_slot_charged_in_full();
+    let r = ask(&p, Ask::default()).await.expect("allowed");
+    let stream =
+        crate::upstreams::UpstreamStream::OpenAi(crate::upstreams::openai::SseStream::cut_short());
+    r.finish(
+        Some(crate::upstreams::Leg::Streaming(stream)),
+        Progress::default(),
+        trail(&dir),
+        charge,
+        Endpoint::Chat,
+    );
+    let m = abandoned_directives(&p).await;
+    assert!(
+        m.contains("directive=\"hold_until_prefill_done\"} 1"),
+        "held: {m}"
+    );
+    let mut next = slot_back(&limiter, &a).await;
+    next.charge_tokens(1000)
+        .expect("all of the minute's 1000 are back: the prompt was never computed");
+}
+
 #[tokio::test]
 async fn an_abandoned_request_keeps_its_slot_until_its_end_and_is_charged_what_it_used() {
     let (p, dir, a, limiter, charge) = one_slot_charged_in_full();

@@ -167,4 +167,24 @@ impl UpstreamStream {
             UpstreamStream::OpenAi(s) => s.message().await,
         }
     }
+
+    /// The completion tokens of the text received so far, when its messages do not say:
+    /// an OpenAI-compatible server's chunk may hold several tokens (a stream interval, a
+    /// speculative decoder), so a request that ends before `Done` is counted by its text, not
+    /// its chunks. `None` for a Bulkhead worker, whose every token is a message of its own.
+    pub fn generated(&self) -> Option<impl Future<Output = u32> + Send + 'static> {
+        match self {
+            UpstreamStream::Grpc(_) => None,
+            UpstreamStream::OpenAi(s) => Some(s.generated()),
+        }
+    }
+
+    /// [`UpstreamStream::generated`] where it can be counted on this thread now (a short
+    /// text); `None` where it cannot, or need not be.
+    pub fn generated_now(&self) -> Option<u32> {
+        match self {
+            UpstreamStream::Grpc(_) => None,
+            UpstreamStream::OpenAi(s) => s.generated_now(),
+        }
+    }
 }

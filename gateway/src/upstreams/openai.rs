@@ -647,6 +647,36 @@ impl SseStream {
         }
     }
 
+    /// The completion tokens of the text received so far (a request that ends before `Done`:
+    /// its client left, or the stream failed), counted with the served model's tokenizer —
+    /// or, where it cannot count, its chunks — and at most the request's `max_tokens`. A long
+    /// text is counted on the blocking pool, as the answer's recount is: never on this thread,
+    /// whose other connections it would hold up.
+    pub fn generated(&self) -> impl Future<Output = u32> + Send + 'static {
+        let now = self.generated_now();
+        let e = &self.events;
+        let (count, text) = (e.counter.count.clone(), e.text.clone());
+        let (chunks, max_tokens) = (e.chunks, e.max_tokens);
+        async move {
+            if let Some(n) = now {
+                return n;
+            }
+            let counted = tokio::task::spawn_blocking(move || count(&text)).await;
+            counted.ok().flatten().unwrap_or(chunks).min(max_tokens)
+        }
+    }
+
+    /// [`SseStream::generated`] when the text is short enough to count here; `None` otherwise.
+    pub fn generated_now(&self) -> Option<u32> {
+        let e = &self.events;
+        let counted = |text: &str| match text {
+            "" => Some(0),
+            text => (e.counter.count)(text),
+        };
+        (e.text.len() <= crate::api::INLINE_TOKENIZE_BYTES)
+            .then(|| counted(&e.text).unwrap_or(e.chunks).min(e.max_tokens))
+    }
+
     /// The next token or the closing `Done`; `None` after it. Cancel-safe.
     pub async fn message(&mut self) -> Result<Option<GenerateResponse>, Status> {
         loop {
@@ -995,6 +1025,21 @@ impl Events {
     }
 }
 
+#[cfg(test)]
+impl SseStream {
+    /// A stream whose body ends at once, before `[DONE]`: a server gone before its first
+    /// token (for the policies' tests of a held request).
+    pub(crate) fn cut_short() -> SseStream {
+        let asked = Asked {
+            prompt_tokens: 10,
+            max_tokens: 990,
+            stop: Vec::new(),
+        };
+        let body: Body = Box::pin(futures_util::stream::empty());
+        SseStream::new(body, asked, TokenCounter::new(16, |_| None), false)
+    }
+}
+
 /// The most tokens a recount of an answer of `max_tokens` may find before the answer is
 /// taken for one that ignored `max_tokens`: generated text tokenized again may split into a
 /// few more tokens than the model generated, never into a quarter more.
@@ -1098,6 +1143,28 @@ mod tests {
     }
 
     /// The event of one completion chunk: `text`, and `finish` as its finish reason.
+    /// A stream cut before its end is counted by its text, not its chunks: two chunks of three
+    /// words each are six tokens (a server that sends several tokens a chunk would otherwise
+    /// be charged, recorded and reported a third of what it generated).
+    #[tokio::test]
+    async fn a_stream_cut_midway_counts_the_tokens_of_its_text_not_its_chunks() {
+        let chunks = [chunk("a b c", None), chunk(" d e f", None)];
+        let pieces: Vec<&str> = chunks.iter().map(String::as_str).collect();
+        let mut s = stream_counting(&pieces, true, 100, &[], words());
+        assert_eq!(s.generated().await, 0, "nothing yet");
+        let mut messages = 0;
+        while let Ok(Some(m)) = s.message().await {
+            assert!(matches!(m.item, Some(Item::Token(_))), "{m:?}");
+            messages += 1;
+        }
+        assert_eq!(messages, 2);
+        assert_eq!(s.generated_now(), Some(6));
+        assert_eq!(s.generated().await, 6);
+        let mut capped = stream_counting(&pieces, true, 4, &[], words());
+        while let Ok(Some(_)) = capped.message().await {}
+        assert_eq!(capped.generated().await, 4, "never past max_tokens");
+    }
+
     fn chunk(text: &str, finish: Option<&str>) -> String {
         let chunk = serde_json::json!({"choices": [{"text": text, "finish_reason": finish}]});
         format!("data: {chunk}\n\n")
