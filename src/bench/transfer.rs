@@ -359,6 +359,7 @@ impl Payload {
             let options = kvplane::SendOptions {
                 batch_bytes: batch,
                 peer_timeout: kvplane::DEFAULT_PEER_TIMEOUT,
+                floor_bytes_per_s: kvplane::DEFAULT_FLOOR_BYTES_PER_S,
                 fault: None,
                 tls: tls.cloned(),
             };

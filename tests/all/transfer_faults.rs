@@ -537,7 +537,7 @@ async fn peers_that_exhaust_the_decode_workers_descriptors_do_not_stop_it() {
 /// A `Prefill` call's labels are bounded as `Generate`'s are: they go into spans, logs and the
 /// prefix cache's scope, so a peer's megabyte-long tenant is refused, and nothing allocated.
 #[tokio::test]
-async fn a_prefill_call_with_an_overlong_label_is_refused_before_anything_is_allocated() {
+async fn a_prefill_call_with_a_bad_label_or_address_is_refused_before_anything_is_allocated() {
     bounded(async {
         let prefill = Worker::start(&["--role", "prefill", "--kv-tokens", "2048"]);
         let mut pc = prefill.client().await;
@@ -566,6 +566,15 @@ async fn a_prefill_call_with_an_overlong_label_is_refused_before_anything_is_all
             let e = pc.prefill(request).await.expect_err("refused");
             assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
             assert!(e.message().contains(field), "{e:?}");
+        }
+        // The data plane decode names is an address and port: a host name would be resolved
+        // and dialled, and text would be logged as it is (a line of the caller's own).
+        for address in ["x\nFORGED 127.0.0.1:9", "localhost:9", "127.0.0.1"] {
+            let mut request = call("r".into(), "tenant-a".into());
+            request.kv_address = address.into();
+            let e = pc.prefill(request).await.expect_err(address);
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{address}: {e:?}");
+            assert!(e.message().contains("kv_address"), "{e:?}");
         }
         assert_eq!(pool(&health(&mut pc).await), before);
     })

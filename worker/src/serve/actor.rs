@@ -423,17 +423,59 @@ impl EventSink for ChannelSink {
             // Transfer events are counted by the transfer paths.
             Event::Reserved(_) | Event::Prefilled(_) => {}
         }
-        let is_token = matches!(event, Event::Token { .. });
+        let counted = matches!(event, Event::Done { .. } | Event::Failed(_));
         match self.tx.send(event) {
             Ok(()) => Delivery::Delivered,
             Err(_) => {
-                // The engine cancels a request whose token found no listener; a final event
-                // that found none was already counted by its outcome above.
-                if is_token {
+                // The engine drops a request whose event found no listener — a token, a
+                // reservation, a computed prompt —: it was cancelled (the listener's cancel
+                // will not find it). A final event that found none was counted above.
+                if !counted {
                     self.metrics.count(Outcome::Cancelled);
                 }
                 Delivery::Gone
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An event that finds no listener counts its request cancelled once: the engine drops the
+    /// request, so the cancel its listener sent on leaving finds nothing to count. (Only a
+    /// token's was counted: a reservation or a computed prompt nobody took left its request
+    /// uncounted.) A final event's outcome is counted once, as it is emitted.
+    #[test]
+    fn an_event_nobody_takes_counts_its_request_cancelled_once() {
+        let metrics = Arc::new(Metrics::default());
+        let (tx, rx) = mpsc::unbounded_channel();
+        drop(rx);
+        let mut sink = ChannelSink {
+            tx,
+            metrics: metrics.clone(),
+        };
+        let reservation = Reservation {
+            nonce: SessionNonce([7; 16]),
+            pages: Vec::new(),
+            prompt_tokens: 4,
+            cached_tokens: 0,
+            page_tokens: 16,
+            token_bytes: 8,
+        };
+        assert_eq!(sink.emit(Event::Reserved(reservation)), Delivery::Gone);
+        assert_eq!(metrics.requests(Outcome::Cancelled), 1);
+        let token = Event::Token {
+            token: 5,
+            text: "a".into(),
+        };
+        assert_eq!(sink.emit(token), Delivery::Gone);
+        assert_eq!(metrics.requests(Outcome::Cancelled), 2);
+        let done = Event::Failed(crate::engine::Failure::QueueTimedOut(
+            std::time::Duration::from_secs(1),
+        ));
+        assert_eq!(sink.emit(done), Delivery::Gone);
+        assert_eq!(metrics.requests(Outcome::Cancelled), 2, "counted as failed");
     }
 }

@@ -560,13 +560,17 @@ pub async fn prefill(
         .and_then(|()| validate::label("tenant", &request.tenant))
         .and_then(|()| validate::salt(&request.cache_salt))
         .map_err(|e| status(&e.into()))?;
+    let address: std::net::SocketAddr = request
+        .kv_address
+        .parse()
+        .map_err(|_| status(&ValidationError::KvAddress.into()))?;
     // Decode always sends the seed it chose, so prefill samples the first token the same way.
     let sampling = validate::sampling(request.sampling, || 0)
         .map_err(|e| status(&ValidationError::Sampling(e).into()))?;
     let (tx, rx) = mpsc::channel::<Result<proto::PrefillEvent, Status>>(4);
     let send = SendTo {
         nonce: target.nonce,
-        address: request.kv_address,
+        address: address.to_string(),
         options,
     };
     let engine = engine.clone();
@@ -603,11 +607,11 @@ pub async fn prefill(
                 item(PrefillItem::Rejected(refusal))
             }
             Err(e) => Err(status(&e)),
-            Ok((events, guard)) => {
+            Ok((mut events, guard)) => {
                 if tx.send(item(PrefillItem::Accepted(accepted))).await.is_ok() {
                     transfer(engine, events, guard, tx, send).await;
                 } else {
-                    drop(guard);
+                    abandon(&engine, &mut events, guard);
                     acknowledge_abort(&send).await;
                 }
                 return;
@@ -625,6 +629,22 @@ pub async fn prefill(
     Ok(Box::pin(
         tonic::codegen::tokio_stream::wrappers::ReceiverStream::new(rx),
     ))
+}
+
+/// Decode dropped the call before any KV of the session was sent: the request ends here. The
+/// guard cancels it; KV the engine already handed over (its answer crossed the drop) goes
+/// back to the engine to be closed — its pages freed on the engine's thread, into the prefix
+/// cache, not dropped on this one, where freeing waits for the pool's lock through a forward
+/// pass — and the request is counted cancelled (the engine's cancel no longer finds it).
+fn abandon(engine: &EngineHandle, events: &mut Events, guard: CancelOnDrop) {
+    events.close();
+    drop(guard);
+    while let Ok(event) = events.try_recv() {
+        if let Event::Prefilled(outbound) = event {
+            engine.close(outbound);
+            engine.metrics().count(Outcome::Cancelled);
+        }
+    }
 }
 
 /// Decode dropped the call before any KV of the session was sent: tell it on the data plane
@@ -671,6 +691,8 @@ async fn computed(
     let mut progress = Progress::from(count());
     loop {
         let answer = tokio::select! {
+            // The engine's answer first: a prompt computed as decode left is closed, not lost.
+            biased;
             event = events.recv() => match event {
                 Some(Event::Prefilled(outbound)) => return Computed::Kv(outbound),
                 Some(Event::Failed(f)) => Err(status(&ServeError::Failed(f))),
@@ -717,7 +739,7 @@ async fn transfer(
         // decode hears at once that nothing of the session will come (its drain
         // acknowledgement) instead of quarantining the pages when its release timeout expires.
         Computed::Dropped => {
-            drop(guard);
+            abandon(&engine, &mut events, guard);
             acknowledge_abort(&send).await;
             return;
         }
@@ -740,13 +762,27 @@ async fn transfer(
         error.type = Empty,
     );
     let frames = super::tamper::frames(&outbound.frames);
-    let writes = kvplane::send_with(
+    // Bounded: a decode peer that reads slower than the floor holds the source pages no
+    // longer than its deadline (only decode bounded a transfer, and a hostile decode worker
+    // that trickles its reads never hangs up).
+    let limit = send.options.deadline(&frames);
+    let sending_kv = kvplane::send_with(
         &send.address,
         &frames,
         &outbound.manifest,
         &send.options,
         || tx.is_closed(),
-    )
+    );
+    let writes = async {
+        tokio::time::timeout(limit, sending_kv)
+            .await
+            .unwrap_or_else(|_| {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("the decode peer took the KV slower than the floor: {limit:?} passed"),
+                ))
+            })
+    }
     .instrument(transfer_span.clone());
     // Between batches the send itself sees decode hang up (and says so on the data plane); a
     // connect or a write that waits on a peer that stopped reading does not. Decode hangs up

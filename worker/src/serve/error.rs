@@ -43,6 +43,10 @@ pub enum ValidationError {
     Tokenize { reason: String },
     #[error("the KV reservation is malformed: {reason}")]
     Reservation { reason: String },
+    /// Decode names its data plane by address and port; anything else (a host name to resolve,
+    /// text to log) is refused before it is dialled or logged.
+    #[error("kv_address must be an IP address and port")]
+    KvAddress,
     #[error("this worker's role is {role}; {call} is not served here")]
     WrongRole {
         role: &'static str,
@@ -103,6 +107,7 @@ pub fn status(err: &ServeError) -> Status {
             | ValidationError::ChatRender { .. }
             | ValidationError::Tokenize { .. }
             | ValidationError::Reservation { .. }
+            | ValidationError::KvAddress
             | ValidationError::WrongRole { .. }),
         ) => (Code::InvalidArgument, INVALID_REQUEST, e.to_string()),
         ServeError::Submit(e) => match e {

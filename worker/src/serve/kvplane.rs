@@ -524,6 +524,7 @@ pub async fn send(
     let options = SendOptions {
         batch_bytes,
         peer_timeout: DEFAULT_PEER_TIMEOUT,
+        floor_bytes_per_s: DEFAULT_FLOOR_BYTES_PER_S,
         fault: None,
         tls: None,
     };
@@ -537,10 +538,32 @@ pub struct SendOptions {
     pub batch_bytes: usize,
     /// How long a decode peer that vanished can hold the connection ([`bound_peer`]).
     pub peer_timeout: Duration,
+    /// The slowest a transfer may go, bytes per second: a send takes at most the peer timeout
+    /// and its bytes at this rate ([`SendOptions::deadline`]).
+    pub floor_bytes_per_s: u64,
     /// A fault to inject (tests only).
     pub fault: Option<SendFault>,
     /// The deployment's mutual TLS: every data connection is encrypted and authenticated.
     pub tls: Option<ClusterTls>,
+}
+
+/// The transfer floor [`send`] holds its sends to: the worker's `--transfer-floor` default.
+pub const DEFAULT_FLOOR_BYTES_PER_S: u64 = 100_000_000;
+
+impl SendOptions {
+    /// How long a send of `frames` may take: the peer timeout, and its bytes at the floor. A
+    /// decode peer that reads, but slower than that, holds prefill's source pages no longer
+    /// (a live one is only bounded by [`bound_peer`], and a hostile one that trickles never
+    /// hangs up).
+    pub fn deadline(&self, frames: &[Frame]) -> Duration {
+        let bytes: u64 = frames
+            .iter()
+            .map(|f| (FRAME_HEAD + f.bytes.len()) as u64)
+            .sum();
+        let at_floor = bytes as f64 / self.floor_bytes_per_s.max(1) as f64;
+        self.peer_timeout
+            .saturating_add(Duration::try_from_secs_f64(at_floor).unwrap_or(Duration::MAX))
+    }
 }
 
 /// A data connection, prefill's side: TCP, or TLS over it.
@@ -1232,9 +1255,23 @@ mod tests {
         SendOptions {
             batch_bytes: 1 << 20,
             peer_timeout: DEFAULT_PEER_TIMEOUT,
+            floor_bytes_per_s: DEFAULT_FLOOR_BYTES_PER_S,
             fault: None,
             tls: None,
         }
+    }
+
+    /// A send's deadline is the peer timeout and its bytes at the floor.
+    #[test]
+    fn a_sends_deadline_is_the_peer_timeout_and_its_bytes_at_the_floor() {
+        let options = SendOptions {
+            peer_timeout: Duration::from_secs(2),
+            floor_bytes_per_s: 1_000,
+            ..plain()
+        };
+        let fs = frames(3, 1_000 - FRAME_HEAD);
+        assert_eq!(options.deadline(&fs), Duration::from_secs(5));
+        assert_eq!(options.deadline(&[]), Duration::from_secs(2));
     }
 
     /// Waits (bounded) until `log` holds `n` messages: connections are served on tasks of

@@ -229,6 +229,7 @@ impl BoundWorker {
                 let options = kvplane::SendOptions {
                     batch_bytes,
                     peer_timeout: config.kv_peer_timeout,
+                    floor_bytes_per_s: kv_floor,
                     fault,
                     tls: config.tls.clone(),
                 };

@@ -20,7 +20,7 @@ use super::metrics::{Metrics, Outcome};
 use super::progress::Progress;
 use super::proto::{self, Item};
 use super::spans;
-use super::validate::{Prompter, ValidGenerate};
+use super::validate::{MAX_LABEL_BYTES, Prompter, ValidGenerate};
 
 /// The part this worker plays.
 #[derive(Debug, Clone)]
@@ -92,6 +92,11 @@ impl WorkerService {
         if !matches!(e, ServeError::Failed(_)) {
             self.engine.metrics().count(Outcome::refused(&e));
         }
+        // Read before their bound was checked: a refusal for a label too long logs its start.
+        let (caller_id, tenant) = (
+            printable(caller_id, MAX_LABEL_BYTES),
+            printable(tenant, MAX_LABEL_BYTES),
+        );
         tracing::info!(caller_id, tenant, error = %e, "request refused");
         status(&e)
     }

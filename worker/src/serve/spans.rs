@@ -24,6 +24,8 @@ use tracing::field::Empty;
 use bulkhead_telemetry::{WORKER_RPC_SERVICE, propagation};
 
 use super::proto;
+use super::validate::MAX_LABEL_BYTES;
+use crate::printable::printable;
 
 /// The server span of a worker call, continuing the caller's trace (`traceparent` in its
 /// metadata). `method`: `Generate` or `Prefill`.
@@ -43,8 +45,10 @@ pub fn server(
         rpc.service = WORKER_RPC_SERVICE,
         rpc.method = method,
         bulkhead.worker.role = role,
-        bulkhead.request.id = request_id,
-        bulkhead.tenant.id = tenant,
+        // The caller's labels, before their bound is checked: a long one is cut here (it
+        // would be logged and exported whole with every event of the call).
+        bulkhead.request.id = printable(request_id, MAX_LABEL_BYTES),
+        bulkhead.tenant.id = printable(tenant, MAX_LABEL_BYTES),
         gen_ai.usage.input_tokens = Empty,
         gen_ai.request.max_tokens = Empty,
         gen_ai.usage.output_tokens = Empty,
