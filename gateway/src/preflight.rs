@@ -13,6 +13,7 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use bulkhead_handoff::codec::FRAME_HEAD;
+use bulkhead_worker::printable::printable;
 use bulkhead_worker::serve::cluster_token;
 use bulkhead_worker::serve::proto::{InfoRequest, InfoResponse, KvHandoff, Role};
 use bulkhead_worker::serve::tls;
@@ -606,7 +607,8 @@ pub fn pair(decode: &str, d: &InfoResponse, prefill: &str, p: &InfoResponse) -> 
     // The sender adds whole frames (a page each) to a batch until it reaches the bound: the
     // longest batch is a byte short of the bound and then one more frame.
     // A frame is a page of decode's (its reservation names the pages).
-    let frame = FRAME_HEAD as u64 + u64::from(d.page_tokens).saturating_mul(ph.token_bytes);
+    let frame =
+        (FRAME_HEAD as u64).saturating_add(u64::from(d.page_tokens).saturating_mul(ph.token_bytes));
     let batch = ph
         .transfer_batch_bytes
         .saturating_sub(1)
@@ -654,6 +656,9 @@ fn on(b: bool) -> &'static str {
     if b { "on" } else { "OFF" }
 }
 
+/// The most bytes of a worker's text (a model id, an error, a check's detail) a report shows.
+const SHOWN_BYTES: usize = 1024;
+
 /// The report: one line per worker (the OpenAI-compatible `servers` last: the model they are
 /// asked for and their configured context), then one per check; and whether every check
 /// passed.
@@ -669,9 +674,14 @@ pub fn render(answers: &[Answer], servers: &[ServerAnswer], checks: &[Check]) ->
         &mut names.chain(servers.iter().map(|s| s.name.as_str())),
         16,
     );
-    let models = answers
+    // What a worker says is shown escaped: a model id or an error is its text, which could
+    // otherwise write lines of its own or terminal controls into the report.
+    let shown = |text: &str| printable(text, SHOWN_BYTES);
+    let model_ids: Vec<String> = answers
         .iter()
-        .filter_map(|a| Some(a.info.as_ref().ok()?.model_id.as_str()));
+        .filter_map(|a| Some(shown(&a.info.as_ref().ok()?.model_id)))
+        .collect();
+    let models = model_ids.iter().map(String::as_str);
     let model = width(
         &mut models.chain(servers.iter().map(|s| s.upstream.model.as_str())),
         40,
@@ -688,10 +698,15 @@ pub fn render(answers: &[Answer], servers: &[ServerAnswer], checks: &[Check]) ->
                 let _ = writeln!(
                     out,
                     "{:<name$} {role:<8} {:<model$} {:>10} {:>10} {:>6}",
-                    a.worker.name, i.model_id, i.context_length, i.pool_tokens, i.page_tokens
+                    a.worker.name,
+                    shown(&i.model_id),
+                    i.context_length,
+                    i.pool_tokens,
+                    i.page_tokens
                 );
             }
             Err(e) => {
+                let e = shown(&e.to_string());
                 let _ = writeln!(out, "{:<name$} {role:<8} unreachable: {e}", a.worker.name);
             }
         }
@@ -720,7 +735,7 @@ pub fn render(answers: &[Answer], servers: &[ServerAnswer], checks: &[Check]) ->
             },
             c.subject,
             c.name,
-            c.detail
+            shown(&c.detail)
         );
     }
     let passed = checks.iter().all(|c| c.pass || c.advisory);
@@ -1056,6 +1071,26 @@ mod tests {
         assert_eq!(
             column(lines[2], "4096     16") + "4096".len(),
             pool_end,
+            "{report}"
+        );
+    }
+
+    /// What a worker says is shown escaped: a model id with a line break and terminal
+    /// controls writes no line of its own into the report, nor controls to the terminal. A
+    /// token size that overflows the batch's arithmetic fails the layout check, no panic.
+    #[test]
+    fn a_workers_own_text_is_escaped_and_its_absurd_numbers_overflow_nothing() {
+        let id = "m\nPASS forged: all good\x1b[2J";
+        let mut prefill = info(id, 4096, 4096, 16, 4 << 20);
+        if let Some(h) = prefill.handoff.as_mut() {
+            h.token_bytes = u64::MAX;
+        }
+        let answers = pair_answers(prefill, info(id, 4096, 4096, 16, 0));
+        let (report, passed) = render(&answers, &[], &checks(&answers));
+        assert!(!passed, "{report}");
+        assert!(!report.contains('\x1b'), "{report}");
+        assert!(
+            !report.lines().any(|l| l.starts_with("PASS forged")),
             "{report}"
         );
     }

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bulkhead_checks::Check;
 use bulkhead_worker::chat::ChatTemplate;
+use bulkhead_worker::printable::printable;
 use bulkhead_worker::serve::cluster_token;
 use bulkhead_worker::serve::info::describe_file;
 use bulkhead_worker::serve::proto::{
@@ -44,6 +45,8 @@ const RPC_TIMEOUT: Duration = Duration::from_secs(3);
 const TOKENIZER_TIMEOUT: Duration = Duration::from_secs(30);
 /// Bound on connecting to a worker.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// The most bytes of a reason not to route to a worker that its log line shows.
+const MAX_REASON_BYTES: usize = 1024;
 
 /// What a worker's Info said.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -561,7 +564,8 @@ impl State {
             if kind == e.logged_unroutable {
                 continue;
             }
-            match reason.map(|why| why.to_string()) {
+            // Escaped: a reason quotes what a worker said (its model id, its error).
+            match reason.map(|why| printable(&why.to_string(), MAX_REASON_BYTES)) {
                 Some(why) => {
                     // An unreachable worker's reason is its last error already.
                     let error = e.last_error.as_ref().map(|(error, _)| error.as_str());
