@@ -44,6 +44,9 @@
 //! otlp_endpoint = "http://127.0.0.1:4318"  # a collector (OTLP over HTTP/protobuf); spans go
 //!                                   # to /v1/traces. OTEL_EXPORTER_OTLP_ENDPOINT overrides it
 //! audit_logs = false                # also export each audit record as a log record (/v1/logs)
+//! client_trace = "link"             # a client's traceparent: "link" (the request's trace is
+//!                                   # the gateway's own, linked to the client's span) or
+//!                                   # "continue" (its child, when sampled: clients you trust)
 //!
 //! [cluster]                         # optional; the workers' shared secret
 //! token_file = "/run/secrets/bulkhead-cluster-token"  # presented on every call to a worker
@@ -168,6 +171,22 @@ pub struct TelemetrySettings {
     /// Export each final audit record as an OpenTelemetry log record as well (it stays in the
     /// tenant's log either way; captured content is never exported).
     pub audit_logs: bool,
+    /// What a client's `traceparent` does to its request's trace.
+    pub client_trace: ClientTrace,
+}
+
+/// What a client's W3C `traceparent` does to its request's trace.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClientTrace {
+    /// The request's trace is the gateway's own, sampled as the gateway samples; its span
+    /// links to the client's. A context read before authentication cannot put a request's
+    /// spans into another tenant's trace, nor decide their sampling.
+    #[default]
+    Link,
+    /// The request's span is the child of the client's, when the client's is sampled: for
+    /// clients (a proxy in front) whose traces the operator trusts.
+    Continue,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -512,6 +531,8 @@ struct RawTelemetry {
     otlp_endpoint: Option<String>,
     #[serde(default)]
     audit_logs: bool,
+    #[serde(default)]
+    client_trace: ClientTrace,
 }
 
 #[derive(Debug, Deserialize)]
@@ -660,6 +681,7 @@ impl Config {
                     .map(str::parse)
                     .transpose()?,
                 audit_logs: raw.telemetry.audit_logs,
+                client_trace: raw.telemetry.client_trace,
             },
             cluster: cluster_settings(raw.cluster)?,
         })
@@ -1189,9 +1211,17 @@ mod tests {
             ),
         );
         let c = Config::parse(&text).expect("valid");
+        assert_eq!(c.telemetry.client_trace, ClientTrace::Link, "by default");
         let endpoint = c.telemetry.otlp_endpoint.expect("an endpoint");
         assert_eq!(endpoint.traces(), "http://127.0.0.1:4318/v1/traces");
         assert!(c.telemetry.audit_logs);
+        let trusting = |mode: &str| {
+            let section = format!("{WORKER}[telemetry]\nclient_trace = \"{mode}\"\n");
+            Config::parse(&config(&tenant("tenant-a", "k"), &section))
+        };
+        let c = trusting("continue").expect("valid");
+        assert_eq!(c.telemetry.client_trace, ClientTrace::Continue);
+        assert!(trusting("follow").is_err());
         let bad = config(
             &tenant("tenant-a", "k"),
             &format!("{WORKER}[telemetry]\notlp_endpoint = \"https://collector:4318\"\n"),

@@ -140,6 +140,7 @@ impl BoundGateway {
             http: config.http,
             recorder: recorder.clone(),
             policies: policies.clone(),
+            client_trace: config.telemetry.client_trace,
         });
         let admin_router = admin::router(
             AdminState {

@@ -1,6 +1,7 @@
-//! The request's span: the outermost middleware of the API. It continues the client's W3C
-//! trace context (`traceparent`) when there is one, so the gateway's spans — and through the
-//! gRPC metadata the workers' — join the caller's trace.
+//! The request's span: the outermost middleware of the API. A client's W3C trace context
+//! (`traceparent`) is linked to (`[telemetry] client_trace = "link"`, the default: the
+//! request's trace is the gateway's own), or continued when sampled (`"continue"`: the
+//! gateway's spans — and through the gRPC metadata the workers' — join the caller's trace).
 //!
 //! ```text
 //!  POST /v1/chat/completions  (server; bulkhead.request.id, tenant, model, tokens, status)
@@ -16,16 +17,23 @@
 //! No span holds tenant content: ids, token counts, statuses and error classes only (the
 //! prompt's and completion's digests are in the audit record).
 
-use axum::extract::{MatchedPath, Request};
+use axum::extract::{MatchedPath, Request, State};
 use axum::middleware::Next;
 use axum::response::Response;
+use bulkhead_telemetry::propagation;
 use tracing::Instrument as _;
+
+use crate::config::ClientTrace;
 use tracing::field::Empty;
 
 /// Runs the request inside its span and records the response's status on it. The trail
 /// (inside) records the request's facts and outcome, and keeps the span open until the
 /// audit record is sealed — after the last byte of a stream.
-pub async fn traced(request: Request, next: Next) -> Response {
+pub async fn traced(
+    State(client_trace): State<ClientTrace>,
+    request: Request,
+    next: Next,
+) -> Response {
     let method = method_name(request.method());
     let route = request
         .extensions()
@@ -54,7 +62,10 @@ pub async fn traced(request: Request, next: Next) -> Response {
             None => span.record("otel.name", named),
         };
     }
-    bulkhead_telemetry::propagation::continue_client_trace(&span, request.headers());
+    match client_trace {
+        ClientTrace::Link => propagation::link_client_trace(&span, request.headers()),
+        ClientTrace::Continue => propagation::continue_client_trace(&span, request.headers()),
+    }
     let response = next.run(request).instrument(span.clone()).await;
     let status = response.status();
     span.record("http.response.status_code", status.as_u16());

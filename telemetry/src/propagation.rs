@@ -26,14 +26,28 @@ pub fn continue_trace(span: &Span, headers: &HeaderMap) {
     }
 }
 
-/// [`continue_trace`] at the edge, for a client's `traceparent`: only a sampled context is
-/// continued. A client's unsampled one would take its requests out of every hop's traces (the
-/// sampler follows the parent's decision); the request then starts a trace of its own.
+/// [`continue_trace`] at the edge, for a trusted client's `traceparent` (a proxy in front that
+/// sets it): only a sampled context is continued. A client's unsampled one would take its
+/// requests out of every hop's traces (the sampler follows the parent's decision); the request
+/// then starts a trace of its own.
 pub fn continue_client_trace(span: &Span, headers: &HeaderMap) {
     let cx = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
     let remote = cx.span().span_context().clone();
     if remote.is_valid() && remote.is_sampled() {
         let _ = span.set_parent(cx);
+    }
+}
+
+/// A client's `traceparent` at a public edge: `span` starts a trace of its own, sampled as the
+/// gateway samples, and links to the client's span. Read before authentication, a context the
+/// client chose could otherwise put its requests' spans — its tenant's id, its model, its
+/// errors — into another tenant's trace (one whose id it saw), or decide their sampling.
+/// OpenTelemetry's advice for public endpoints: a new trace, the caller's as a link.
+pub fn link_client_trace(span: &Span, headers: &HeaderMap) {
+    let cx = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
+    let remote = cx.span().span_context().clone();
+    if remote.is_valid() {
+        span.add_link(remote);
     }
 }
 
@@ -117,6 +131,64 @@ mod tests {
         );
         // A sampled one is continued at the edge too.
         assert!(hop("01", true).contains(TRACE));
+    }
+
+    /// Keeps every span it is given.
+    #[derive(Debug, Clone, Default)]
+    struct Kept(std::sync::Arc<std::sync::Mutex<Vec<opentelemetry_sdk::trace::SpanData>>>);
+
+    impl opentelemetry_sdk::trace::SpanExporter for Kept {
+        async fn export(
+            &self,
+            batch: Vec<opentelemetry_sdk::trace::SpanData>,
+        ) -> opentelemetry_sdk::error::OTelSdkResult {
+            self.0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .extend(batch);
+            Ok(())
+        }
+    }
+
+    /// At a public edge the client's context is a link, never the parent: the request's trace
+    /// is the gateway's own, sampled as the gateway samples, whatever the client sent.
+    #[test]
+    fn a_linked_client_trace_starts_a_trace_of_the_gateways_own() {
+        for flags in ["00", "01"] {
+            let mut incoming = HeaderMap::new();
+            let header = format!("00-{TRACE}-{PARENT}-{flags}");
+            incoming.insert("traceparent", header.parse().expect("a header"));
+            let kept = Kept::default();
+            let provider = SdkTracerProvider::builder()
+                .with_simple_exporter(kept.clone())
+                .build();
+            let layer = tracing_opentelemetry::layer().with_tracer(provider.tracer("test"));
+            let subscriber = tracing_subscriber::registry().with(layer);
+            let out = tracing::subscriber::with_default(subscriber, || {
+                let span = tracing::info_span!("request");
+                link_client_trace(&span, &incoming);
+                let mut out = HeaderMap::new();
+                inject(&span, &mut out);
+                out
+            });
+            let out = traceparent(&out).expect("a traceparent");
+            assert!(!out.contains(TRACE), "{out}");
+            assert!(
+                out.ends_with("-01"),
+                "sampled as the gateway samples: {out}"
+            );
+            let spans = kept.0.lock().expect("kept").clone();
+            assert_eq!(spans.len(), 1, "{spans:#?}");
+            let links: Vec<String> = spans[0]
+                .links
+                .iter()
+                .map(|l| {
+                    let c = &l.span_context;
+                    format!("{}-{}", c.trace_id(), c.span_id())
+                })
+                .collect();
+            assert_eq!(links, [format!("{TRACE}-{PARENT}")]);
+        }
     }
 
     #[test]

@@ -2,9 +2,11 @@
 //! exporting over OTLP (HTTP/protobuf) to a collector this test runs, which decodes what
 //! arrives with the OTLP protos.
 //!
-//! - One request with the client's `traceparent` is one trace: the gateway's spans under the
-//!   client's span, the decode worker's under the gateway's upstream call, the prefill
-//!   worker's under decode's `Prefill` call; no span carries the prompt or the completion.
+//! - One request with a trusted client's `traceparent` (`client_trace = "continue"`) is one
+//!   trace: the gateway's spans under the client's span, the decode worker's under the
+//!   gateway's upstream call, the prefill worker's under decode's `Prefill` call; no span
+//!   carries the prompt or the completion. By default the client's span is a link of a trace
+//!   of the gateway's own.
 //! - Its audit record arrives as a log record with the request id, in the same trace.
 //! - A collector that is gone, or that never answers, costs requests nothing.
 //! - A flood of requests without a valid key reaches the collector folded, as the gateway's
@@ -53,6 +55,8 @@ struct Span {
     trace_id: String,
     span_id: String,
     parent: String,
+    /// Each link's `trace-span` ids.
+    links: Vec<String>,
     attributes: HashMap<String, String>,
 }
 
@@ -107,6 +111,11 @@ async fn traces(State(received): State<Arc<Mutex<Received>>>, body: Bytes) -> Ve
                 trace_id: hex(&span.trace_id),
                 span_id: hex(&span.span_id),
                 parent: hex(&span.parent_span_id),
+                links: span
+                    .links
+                    .iter()
+                    .map(|l| format!("{}-{}", hex(&l.trace_id), hex(&l.span_id)))
+                    .collect(),
                 attributes: attributes(&span.attributes),
             });
         }
@@ -246,7 +255,10 @@ fn children<'a>(spans: &'a [Span], parent: &Span) -> Vec<&'a str> {
 fn a_request_is_one_trace_through_gateway_decode_and_prefill_and_its_record_a_log_record() {
     bounded(|| {
         let collector = Collector::start();
-        let toml = telemetry_toml(&collector.endpoint);
+        let toml = format!(
+            "{}client_trace = \"continue\"\n",
+            telemetry_toml(&collector.endpoint)
+        );
         let up = Up::launch(Options {
             toml: &toml,
             env: FAST_EXPORT,
@@ -426,6 +438,17 @@ fn a_flood_without_a_valid_key_is_exported_folded_as_the_log_holds_it() {
         let windows = started.elapsed().as_secs() + 2;
         let (status, request_id, body) = traced_chat(&up, false);
         assert_eq!(status, 200, "{body}");
+        // By default the client's traceparent is a link: the request's trace is the gateway's
+        // own (a client, unauthenticated when it is read, cannot join another's trace).
+        let mine = |s: &Span| {
+            s.name == "POST /v1/chat/completions"
+                && s.attributes.get("bulkhead.request.id") == Some(&request_id)
+        };
+        let (spans, _) = collector.wait_for("the request's span", |r| r.spans.iter().any(mine));
+        let root = spans.iter().find(|s| mine(s)).expect("found above");
+        assert_ne!(root.trace_id, TRACE, "{root:#?}");
+        assert_eq!(root.parent, "", "{root:#?}");
+        assert_eq!(root.links, [format!("{TRACE}-{CLIENT_SPAN}")], "{root:#?}");
 
         let gateway = |l: &&Log| {
             l.attributes.get("bulkhead.tenant.id").map(String::as_str) == Some("_gateway")

@@ -45,7 +45,7 @@ use validate::{CompletionPrompt, ValidCommon, parse_chat, parse_completion};
 
 use crate::admission::{Admitted, EffectiveLimit, admit};
 use crate::auth::{AuthLayer, Authenticated};
-use crate::config::HttpLimits;
+use crate::config::{ClientTrace, HttpLimits};
 use crate::limits::RequestPermit;
 use crate::metrics::Metrics;
 use crate::policy::{Policies, Progress, RequestFacts, RequestPolicy};
@@ -64,6 +64,8 @@ pub struct ApiState {
     pub http: HttpLimits,
     pub recorder: Recorder,
     pub policies: Policies,
+    /// What a client's `traceparent` does to its request's trace.
+    pub client_trace: ClientTrace,
 }
 
 /// What the router hands every handler: one pointer to the shared state, so that a request
@@ -109,6 +111,7 @@ pub fn router(state: ApiState) -> Router {
     let metrics = state.metrics.clone();
     let recorder = state.recorder.clone();
     let tenants = state.tenants.clone();
+    let client_trace = state.client_trace;
     Router::new()
         .route(CHAT_ROUTE, post(chat_completions))
         .route(COMPLETIONS_ROUTE, post(completions))
@@ -125,7 +128,10 @@ pub fn router(state: ApiState) -> Router {
         .layer(AuthLayer::new(tenants, metrics))
         .layer(middleware::from_fn_with_state(recorder, trail::audited))
         .layer(middleware::from_fn(crate::unread_body::close_if_unread))
-        .layer(middleware::from_fn(crate::traced::traced))
+        .layer(middleware::from_fn_with_state(
+            client_trace,
+            crate::traced::traced,
+        ))
 }
 
 /// `GET /v1/audit`: a request like any other against the tenant's limits (concurrency,
