@@ -337,6 +337,103 @@ async fn requests_given_up_before_a_silent_prefill_answers_give_decode_its_pages
     .await;
 }
 
+/// A `Prefill` call as decode would make it for a prompt of 1000 tokens — more KV than
+/// loopback's socket buffers hold, quick to prefill — whose KV goes to `kv_address`.
+async fn large_prefill(
+    pc: &mut proto::WorkerClient<tonic::transport::Channel>,
+    kv_address: String,
+) -> proto::PrefillRequest {
+    let info = pc
+        .info(InfoRequest::default())
+        .await
+        .expect("info")
+        .into_inner();
+    let handoff = info
+        .handoff
+        .expect("a prefill worker describes its handoff");
+    let prompt: Vec<u32> = (0..1000).map(|i| 100 + (i * 7) % 4000).collect();
+    let pages = prompt.len().div_ceil(info.page_tokens as usize) as u32;
+    proto::PrefillRequest {
+        request_id: "large".into(),
+        tenant: "tenant-a".into(),
+        prompt,
+        sampling: None,
+        reservation: Some(proto::KvReservation {
+            nonce: vec![7; 16],
+            pages: (0..pages)
+                .map(|page| proto::ReservedPage { page, tag: 1 })
+                .collect(),
+            prompt_tokens: 1000,
+            cached_tokens: 0,
+            page_tokens: info.page_tokens,
+            token_bytes: handoff.token_bytes as u32,
+        }),
+        kv_address,
+        cache_salt: String::new(),
+    }
+}
+
+/// A decode peer that reads, but far slower than the transfer floor, and never hangs up holds
+/// prefill's pages no longer than the send's deadline — the peer timeout and the KV's bytes at
+/// the floor. Only decode bounded a transfer, and the kernel's bound on an unanswered peer does
+/// not catch one that keeps reading: the pages stayed for as long as the peer trickled.
+#[tokio::test]
+async fn a_decode_peer_reading_below_the_floor_cannot_hold_prefills_pages() {
+    bounded(async {
+        let prefill = Worker::start(&[
+            "--role",
+            "prefill",
+            "--kv-tokens",
+            "4096",
+            "--kv-peer-timeout-ms",
+            "1000",
+        ]);
+        // 64 KiB every quarter of a second: the window opens again and again, the 23 MB of KV
+        // would take a minute and a half.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("binds");
+        let kv_address = listener.local_addr().expect("its address").to_string();
+        let _trickle = tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 64 << 10];
+                    loop {
+                        match tokio::io::AsyncReadExt::read(&mut socket, &mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+                        }
+                    }
+                });
+            }
+        });
+        let mut pc = prefill.client().await;
+        let request = large_prefill(&mut pc, kv_address).await;
+        let mut call = pc.prefill(request).await.expect("called").into_inner();
+        wait_metrics(&prefill, "the send", |m| metric(m, SENDING) == 1.0).await;
+        let sending = Instant::now();
+        while metric(&prefill.metrics(), SENDING) > 0.0 {
+            assert!(
+                sending.elapsed() < Duration::from_secs(20),
+                "a peer under the floor still holds the send"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let p = wait_all_pages_back(&prefill).await;
+        assert_eq!(available(&p), p.total, "{p:?}");
+        // The call, still open, hears that the transfer failed.
+        let failed = loop {
+            match call.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("the call ended without a word"),
+                Err(status) => break status,
+            }
+        };
+        assert_eq!(failed.code(), tonic::Code::Unavailable, "{failed:?}");
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_decode_peer_that_stops_reading_and_hangs_up_gets_no_hold_on_prefills_pages_and_an_acknowledgement()
  {
@@ -366,35 +463,7 @@ async fn a_decode_peer_that_stops_reading_and_hangs_up_gets_no_hold_on_prefills_
             }
         });
         let mut pc = prefill.client().await;
-        let info = pc
-            .info(InfoRequest::default())
-            .await
-            .expect("info")
-            .into_inner();
-        let handoff = info
-            .handoff
-            .expect("a prefill worker describes its handoff");
-        // 1000 tokens: more KV than loopback's socket buffers hold, quick to prefill.
-        let prompt: Vec<u32> = (0..1000).map(|i| 100 + (i * 7) % 4000).collect();
-        let pages = prompt.len().div_ceil(info.page_tokens as usize) as u32;
-        let request = proto::PrefillRequest {
-            request_id: "unread".into(),
-            tenant: "tenant-a".into(),
-            prompt,
-            sampling: None,
-            reservation: Some(proto::KvReservation {
-                nonce: vec![7; 16],
-                pages: (0..pages)
-                    .map(|page| proto::ReservedPage { page, tag: 1 })
-                    .collect(),
-                prompt_tokens: 1000,
-                cached_tokens: 0,
-                page_tokens: info.page_tokens,
-                token_bytes: handoff.token_bytes as u32,
-            }),
-            kv_address,
-            cache_salt: String::new(),
-        };
+        let request = large_prefill(&mut pc, kv_address).await;
         let mut call = pc.prefill(request).await.expect("called").into_inner();
         let first = call.message().await.expect("an answer");
         assert!(
