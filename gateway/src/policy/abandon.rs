@@ -244,8 +244,8 @@ impl Ending {
     /// against the tenant's `bound`. Past the bound the policies are not asked (a failing
     /// plugin's default would hold too): abort-now, said `over_bound`.
     ///
-    /// Once it has its slot, a tenant's decisions take turns: each reads what the tenant
-    /// holds, asks the plugins with it and counts its hold before the next one reads. Read
+    /// A tenant's decisions take turns, each then in an instance slot: each reads what the
+    /// tenant holds, asks the plugins with it and counts its hold before the next one reads. Read
     /// sooner, a burst of disconnects was judged all at once by what the tenant held before
     /// it, and a plugin's own cap (abort-guard's `max_held_per_tenant`) let the whole burst
     /// through; counted sooner (from the disconnect on), requests still being decided, and
@@ -258,14 +258,18 @@ impl Ending {
             over_bound: true,
         };
         let held_now = self.policies.held_for(&self.tenant);
-        if held_now >= bound {
-            return over(held_now);
-        }
+        // No plugin to ask: abort-now, whatever the tenant holds (not a refusal at the bound).
         if self.wanting(Hooks::ON_DISCONNECT).next().is_none() {
             return Decided::abort(held_now);
         }
-        let slot = self.policies.slot(&self.tenant, Turn::Call).await;
+        if held_now >= bound {
+            return over(held_now);
+        }
+        // The turn before the slot: a tenant's burst waits for its turn holding nothing, and
+        // takes one instance slot at a time (taken first, its slots sat idle through the
+        // turns, and other tenants' calls found none).
         let _turn = self.policies.deciding(&self.tenant).await;
+        let slot = self.policies.slot(&self.tenant, Turn::Call).await;
         let held_before = self.policies.held_for(&self.tenant);
         if held_before >= bound {
             return over(held_before);

@@ -1,7 +1,7 @@
-//! Per-call resource limits: the call's linear memories together (a component may hold
-//! several, and wasmtime's [`StoreLimits`] bounds each alone), table growth by
-//! [`StoreLimits`], remembering when it refused so a breach is reported as such rather than
-//! as an anonymous trap.
+//! Per-call resource limits: the call's linear memories and tables together, in bytes (a
+//! component may hold several of each, and wasmtime's [`StoreLimits`] bounds each memory alone
+//! and no table), remembering when it refused so a breach is reported as such rather than as
+//! an anonymous trap.
 
 use wasmtime::{ResourceLimiter, StoreLimits, StoreLimitsBuilder};
 
@@ -11,15 +11,20 @@ pub(super) struct Limiter {
     limits: StoreLimits,
     /// The most bytes all the call's linear memories may hold together.
     memory_bytes: usize,
-    /// What they hold (each memory's growth from 0 at its creation, added up).
+    /// What they hold, with the tables' elements (each one's growth from 0 at its creation,
+    /// added up).
     memory_used: usize,
     /// Set once a growth was refused.
     pub(super) refused: bool,
 }
 
+/// The bytes a table element costs the host (a reference: a pointer), charged to the call's
+/// memory as its tables grow.
+const TABLE_ELEMENT_BYTES: usize = 8;
+
 impl Limiter {
-    /// At most `memory_bytes` in all the call's linear memories together; a refused growth
-    /// traps.
+    /// At most `memory_bytes` in all the call's linear memories and tables together; a
+    /// refused growth traps.
     pub(super) fn new(memory_bytes: usize) -> Limiter {
         Limiter {
             limits: StoreLimitsBuilder::new()
@@ -31,6 +36,20 @@ impl Limiter {
             refused: false,
         }
     }
+
+    /// What the call would hold with `bytes` more; refused (and remembered) past its limit.
+    fn charge(&mut self, bytes: usize) -> wasmtime::Result<usize> {
+        let used = self.memory_used.saturating_add(bytes);
+        if used > self.memory_bytes {
+            self.refused = true;
+            wasmtime::bail!(
+                "the call's linear memories and tables would hold {used} bytes, over its {} \
+                 byte limit",
+                self.memory_bytes
+            );
+        }
+        Ok(used)
+    }
 }
 
 impl ResourceLimiter for Limiter {
@@ -40,16 +59,7 @@ impl ResourceLimiter for Limiter {
         desired: usize,
         maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        let used = self
-            .memory_used
-            .saturating_add(desired.saturating_sub(current));
-        if used > self.memory_bytes {
-            self.refused = true;
-            wasmtime::bail!(
-                "the call's linear memories would hold {used} bytes, over its {} byte limit",
-                self.memory_bytes
-            );
-        }
+        let used = self.charge(desired.saturating_sub(current))?;
         let r = self.limits.memory_growing(current, desired, maximum);
         match r {
             Ok(true) => self.memory_used = used,
@@ -69,8 +79,13 @@ impl ResourceLimiter for Limiter {
         desired: usize,
         maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
+        let grown = desired.saturating_sub(current);
+        let used = self.charge(grown.saturating_mul(TABLE_ELEMENT_BYTES))?;
         let r = self.limits.table_growing(current, desired, maximum);
-        self.refused |= !matches!(r, Ok(true));
+        match r {
+            Ok(true) => self.memory_used = used,
+            _ => self.refused = true,
+        }
         r
     }
 
@@ -113,5 +128,23 @@ mod tests {
         ));
         assert!(matches!(l.memory_growing(0, 4 * MIB, None), Ok(true)));
         assert!(l.memory_growing(0, 1, None).is_err(), "16 MiB used");
+    }
+
+    /// A table's elements count against the same limit: a plugin's tables held several times
+    /// its memory limit beside it.
+    #[test]
+    fn tables_count_against_the_limit_with_the_memories() {
+        let mut l = Limiter::new(MIB);
+        let elements = MIB / TABLE_ELEMENT_BYTES;
+        assert!(l.table_growing(0, elements + 1, None).is_err());
+        assert!(l.refused);
+        let mut l = Limiter::new(MIB);
+        assert!(matches!(l.memory_growing(0, MIB / 2, None), Ok(true)));
+        assert!(matches!(l.table_growing(0, elements / 4, None), Ok(true)));
+        assert!(
+            l.table_growing(elements / 4, elements / 2 + 1, None)
+                .is_err()
+        );
+        assert!(l.memory_growing(0, MIB / 4 + 1, None).is_err(), "3/4 used");
     }
 }

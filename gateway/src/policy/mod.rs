@@ -17,7 +17,8 @@
 //! plugin that imports WASI, by running `configure` first. A plugin that traps, runs
 //! past its deadline, exceeds its memory or returns garbage fails the request closed
 //! (500 `policy_error`) unless its binding is fail-open; one that finds no free slot in time
-//! refuses it as busy (429, retryable), again unless fail-open. Plugins get no files, no network, no
+//! refuses it as busy (429, retryable), fail-open or not (a tenant that fills the sandbox must
+//! not skip its own policies). Plugins get no files, no network, no
 //! environment: only the world's `host` interface (a bounded log) and an empty WASI.
 
 mod abandon;

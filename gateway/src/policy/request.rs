@@ -5,7 +5,7 @@
 
 use std::num::NonZeroU32;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 
@@ -234,42 +234,18 @@ impl Policies {
         let chained = if wanted {
             match self.slot(facts.tenant, Turn::Call).await {
                 Some(Ok(_slot)) => chain(self, &set, &matched, &facts).await?,
+                // No slot: refused whatever the bindings say, as what it is — a full sandbox,
+                // retryable. Fail-open is for a plugin's own faults: let through unchanged, a
+                // tenant that floods the sandbox would skip its own policies (the fair queue
+                // serves the heaviest tenant last, so its requests are the ones that wait out).
                 Some(Err(fault)) => {
-                    // No slot is every plugin's fault at once: refused if any binding fails
-                    // closed, otherwise let through unchanged, each decision saying why.
-                    let bindings = || {
-                        matched
-                            .iter()
-                            .map(|&i| &set.bindings[i])
-                            .filter(|b| b.hooks.contains(Hooks::ON_REQUEST))
-                    };
-                    if bindings().any(|b| !b.fail_open) {
-                        return Err(Refused {
-                            decisions: Vec::new(),
-                            refusal: Refusal::Failed {
-                                plugin: "(sandbox)".into(),
-                                fault,
-                            },
-                        });
-                    }
-                    tracing::warn!(request = %facts.id, %fault,
-                        "no policy instance slot: the request's fail-open plugins are skipped");
-                    let verdict = DecisionVerdict::Fault {
-                        fault: fault.kind(),
-                        fail_open: true,
-                    };
-                    let stats = self.stats();
-                    let decisions = bindings()
-                        .map(|b| {
-                            stats.fault(&b.plugin.name, fault.kind());
-                            stats.decision(&b.plugin.name, verdict.label(), Duration::ZERO);
-                            decision(&b.plugin, verdict.clone())
-                        })
-                        .collect();
-                    Chained {
-                        decisions,
-                        ..unchanged()
-                    }
+                    return Err(Refused {
+                        decisions: Vec::new(),
+                        refusal: Refusal::Failed {
+                            plugin: "(sandbox)".into(),
+                            fault,
+                        },
+                    });
                 }
                 None => unchanged(),
             }

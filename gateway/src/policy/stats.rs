@@ -175,7 +175,7 @@ impl Stats {
             family(
                 "bulkhead_policy_busy_total",
                 "Policy calls by tenant that found no free instance slot in time: a request's \
-                 chain refused as policy_busy unless fail-open, or a disconnect or \
+                 chain refused as policy_busy, or a disconnect or \
                  response-end hook not run.",
                 c.busy
                     .iter()

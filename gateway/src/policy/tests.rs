@@ -321,7 +321,7 @@ async fn bindings_apply_only_to_their_routes_and_tenants() {
 /// unchanged (each decision saying `busy`); one with a fail-closed binding is refused, as a
 /// full sandbox (a retryable 429), not as a failing plugin (a 500).
 #[tokio::test]
-async fn no_free_instance_slot_fails_closed_only_where_a_binding_does() {
+async fn no_free_instance_slot_fails_closed_whatever_the_bindings_say() {
     for fail_open in [true, false] {
         let dir = Scratch::new("policy");
         let text = format!(
@@ -336,23 +336,15 @@ async fn no_free_instance_slot_fails_closed_only_where_a_binding_does() {
         let holder = p.clone();
         let held = tokio::spawn(async move { ask(&holder, Ask::default()).await.is_ok() });
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let answer = ask(&p, Ask::default()).await;
-        if fail_open {
-            let allowed = answer.expect("let through");
-            assert_eq!(
-                allowed.decisions()[0].verdict,
-                DecisionVerdict::Fault {
-                    fault: "busy",
-                    fail_open: true
-                }
-            );
-        } else {
-            let refused = answer.expect_err("refused for want of a slot");
-            assert_eq!(fault_of(Err(refused.clone())), Fault::Busy);
-            let response = crate::api::ApiError::from(refused).into_response();
-            assert_eq!(response.status(), http::StatusCode::TOO_MANY_REQUESTS);
-            assert_eq!(response.headers()[http::header::RETRY_AFTER], "1");
-        }
+        // Fail-open or not: a tenant that fills the sandbox does not get past its own
+        // policies (its fail-open ones were skipped), it is asked to retry.
+        let refused = ask(&p, Ask::default())
+            .await
+            .expect_err("refused for want of a slot");
+        assert_eq!(fault_of(Err(refused.clone())), Fault::Busy, "{fail_open}");
+        let response = crate::api::ApiError::from(refused).into_response();
+        assert_eq!(response.status(), http::StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(response.headers()[http::header::RETRY_AFTER], "1");
         // Both waits are counted for the tenant: the first granted at once, the second given
         // up after the slot wait (over 1 s), and counted as busy.
         let mut metrics = String::new();
@@ -1953,6 +1945,76 @@ async fn a_burst_of_disconnects_is_held_to_the_plugins_own_cap() {
         let held = decided.iter().filter(|d| d.held.is_some()).count();
         assert_eq!(held, 1, "burst {burst}: one held");
         assert!(decided.iter().all(|d| !d.over_bound));
+    }
+}
+
+/// Without policies, a client that leaves is dropped at once, as abort-now: no refusal at a
+/// hold bound (there is none to reach) is counted or logged. Every disconnect was counted
+/// over the bound, which an operator's alert on it would take for a tenant holding too much.
+#[tokio::test]
+async fn without_policies_a_disconnect_is_not_counted_over_the_hold_bound() {
+    let p = Policies::disabled();
+    let dir = Scratch::new("policy");
+    let r = ask(&p, Ask::default()).await.expect("allowed");
+    let progress = Progress {
+        tokens: 3,
+        ..Progress::default()
+    };
+    left(r, None, progress, trail(&dir));
+    let m = abandoned_directives(&p).await;
+    assert!(m.contains("directive=\"abort_now\"} 1"), "{m}");
+    assert!(!m.contains("over_hold_bound_total{"), "{m}");
+}
+
+/// A tenant's burst of disconnects waits for its turns holding no instance slot: while one
+/// decision runs (a plugin that spins to its deadline), the next waits for the turn, and
+/// another tenant's call finds a slot at once. (Slots taken before the turn sat idle through
+/// the turns: the other tenant waited for the running decision to end.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_disconnects_wait_for_their_turn_holding_no_slot() {
+    let dir = Scratch::new("policy");
+    let set = format!(
+        "{}{}",
+        plugin("hostile", "timeout_ms = 600"),
+        binding(
+            "hostile",
+            "fail_open = true\nconfig = { attack = \"loop\" }"
+        ),
+    );
+    let p = with_slots(&dir, &set, 3);
+    let mut endings = Vec::new();
+    for _ in 0..2 {
+        endings.push(
+            ask(&p, Ask::default())
+                .await
+                .expect("allowed: fail-open")
+                .ending(),
+        );
+    }
+    let busy = p.slot("tenant-c", slots::Turn::Call).await;
+    assert!(matches!(busy, Some(Ok(_))), "a slot taken");
+    let deciding: Vec<_> = endings
+        .into_iter()
+        .map(|ending| {
+            tokio::spawn(async move {
+                ending
+                    .decide(bindings::Phase::Prefilling, Progress::default(), 64)
+                    .await
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let asked = Instant::now();
+    let slot = p.slot("tenant-b", slots::Turn::Call).await;
+    assert!(matches!(slot, Some(Ok(_))), "a slot for tenant-b");
+    assert!(
+        asked.elapsed() < Duration::from_millis(250),
+        "tenant-b waited {:?} for a slot",
+        asked.elapsed()
+    );
+    drop((slot, busy));
+    for d in deciding {
+        d.await.expect("decided");
     }
 }
 

@@ -65,9 +65,17 @@ pub(super) enum Checked {
 /// The statuses a denial may name but is not sent with; such a denial is sent as 403. 401 and
 /// 407 ask the client for credentials, which only the gateway's own authentication does (an
 /// OpenAI client takes a 401 for a bad API key); 408 and 421 say the connection, not the
-/// request, was at fault (clients resend them on their own); 499 is the gateway's word for a
-/// client that left (its metrics and audit records would count the denial as one).
-const NOT_SENT: [u16; 5] = [401, 407, 408, 421, 499];
+/// request, was at fault (clients resend them on their own); 499 and 444 are the gateway's
+/// words for a client that left and for a request shutdown closed unanswered (its metrics and
+/// audit records would count the denial as one).
+const NOT_SENT: [u16; 6] = [
+    401,
+    407,
+    408,
+    421,
+    crate::trail::CLIENT_CLOSED,
+    crate::trail::CLOSED_UNANSWERED,
+];
 
 fn garbage(what: String) -> Fault {
     Fault::Garbage(what)
@@ -188,7 +196,7 @@ mod tests {
         ));
         // A challenge for credentials is the gateway's to make, a connection's fault or a
         // client that left are not a refusal: sent as 403.
-        for status in [401, 407, 408, 421, 499] {
+        for status in [401, 407, 408, 421, 444, 499] {
             assert!(
                 matches!(deny(status, "no"), Ok(Checked::Deny { status: 403, .. })),
                 "{status}"

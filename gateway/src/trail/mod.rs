@@ -40,7 +40,9 @@ use bulkhead_audit::{AuditError, AuditLog, AuditRecord, ChainKey, Recovery, Seq,
 use bulkhead_telemetry::{AuditExport, RecordTrace};
 use tracing::Span;
 
-pub use draft::{CLIENT_CLOSED, CLIENT_CLOSED_TYPE, GATEWAY_SHUTDOWN_TYPE, Trail};
+pub use draft::{
+    CLIENT_CLOSED, CLIENT_CLOSED_TYPE, CLOSED_UNANSWERED, GATEWAY_SHUTDOWN_TYPE, Trail,
+};
 pub use layer::{account, audited};
 pub use read::{AuditPage, admin_read, tenant_read};
 pub use unserved::Watch;
