@@ -312,9 +312,11 @@ pub struct Engine {
     capacity: Capacity,
     tag_check: TagCheck,
     waiting: VecDeque<Waiting>,
-    /// The last step left the head of `waiting` without the pages it needs: until something
-    /// changes (a command, a deadline, a page scrubbed or given back) no step can start it.
-    waiting_for_pages: bool,
+    /// The last step left the head of `waiting` unstarted — without the pages it needs, or
+    /// with --max-running held by requests running and transfers on their way: until
+    /// something changes (a command, a deadline, a page scrubbed or given back) no step can
+    /// start it.
+    waiting_blocked: bool,
     running: Vec<Running>,
     transfers: HashMap<SessionNonce, Transfer>,
     draining: HashMap<SessionNonce, Draining>,
@@ -439,7 +441,7 @@ impl Engine {
                 TagCheck::Off
             },
             waiting: VecDeque::new(),
-            waiting_for_pages: false,
+            waiting_blocked: false,
             running: Vec::new(),
             transfers: HashMap::new(),
             draining: HashMap::new(),
@@ -538,7 +540,7 @@ impl Engine {
     /// commands (and [`Engine::next_deadline`]) when this is false does not spin while
     /// requests wait for pages only other events can free.
     pub fn can_progress(&self) -> bool {
-        !self.running.is_empty() || (!self.waiting.is_empty() && !self.waiting_for_pages)
+        !self.running.is_empty() || (!self.waiting.is_empty() && !self.waiting_blocked)
     }
 
     /// The earliest transfer, drain, reclaim or queue deadline, if any: step the engine then
@@ -1050,7 +1052,7 @@ impl Engine {
         });
         if self.waiting.len() < before {
             // The head that could not start may be gone: the next one is yet to be tried.
-            self.waiting_for_pages = false;
+            self.waiting_blocked = false;
         }
     }
 
@@ -1105,11 +1107,17 @@ impl Engine {
     }
 
     fn start_waiting(&mut self) {
-        self.waiting_for_pages = false;
+        self.waiting_blocked = false;
         // A decode worker's transfers count: each becomes a running request once its KV is
         // verified, so leaving them out let a burst that fits the pool reserve all at once and
         // then decode as one batch far over --max-running.
-        while self.running.len() + self.transfers.len() < self.config.max_running {
+        loop {
+            if self.running.len() + self.transfers.len() >= self.config.max_running {
+                // Held by transfers alone (nothing running), a step could do nothing either:
+                // the engine waits for their ends, not spinning.
+                self.waiting_blocked = !self.waiting.is_empty();
+                break;
+            }
             let Some(w) = self.waiting.pop_front() else {
                 break;
             };
@@ -1129,7 +1137,7 @@ impl Engine {
                         role: w.role,
                         deadline: w.deadline,
                     });
-                    self.waiting_for_pages = true;
+                    self.waiting_blocked = true;
                     break;
                 }
             };

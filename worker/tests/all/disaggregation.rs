@@ -195,6 +195,10 @@ fn a_decode_workers_transfers_count_against_max_running() {
     d.step();
     assert_eq!(d.load(), (2, 1), "one transfer, two waiting");
     assert!(
+        !d.can_progress(),
+        "nothing a step could do: the engine waits, not spinning"
+    );
+    assert!(
         waiting.iter().all(|rx| rx.try_recv().is_err()),
         "no reservation"
     );
