@@ -69,7 +69,8 @@ impl Layout {
             .find(|w| !matches!(w.protocol, Protocol::Bulkhead))
         {
             bail!(
-                "bulkhead up starts Bulkhead workers; worker {:?} is an OpenAI-compatible                  server (run `bulkhead gateway --config` to front it)",
+                "bulkhead up starts Bulkhead workers; worker {:?} is an OpenAI-compatible \
+                 server (run `bulkhead gateway --config` to front it)",
                 w.name
             );
         }
@@ -222,7 +223,9 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     let tls = local_ca.as_ref().filter(|_| args.tls);
     if tls.is_none() && config.cluster.tls.is_some() {
         bail!(
-            "the configuration's [cluster] tls_* name certificates for workers up does not              start: up starts its own, in plain text, or with --tls over TLS with certificates              it issues"
+            "the configuration's [cluster] tls_* name certificates for workers up does not \
+             start: up starts its own, in plain text, or with --tls over TLS with certificates \
+             it issues"
         );
     }
     if let Some(tls) = tls {
@@ -602,7 +605,7 @@ mod tests {
         let e = Layout::of(&config.workers)
             .err()
             .expect("an OpenAI-compatible worker is refused");
-        assert!(e.to_string().contains("OpenAI-compatible"), "{e}");
+        assert!(e.to_string().contains("an OpenAI-compatible server"), "{e}");
 
         let named = format!(
             "{DEFAULT_CONFIG}\n[cluster]\ntls_ca = \"/etc/ca.pem\"\ntls_cert = \"/etc/g.pem\"\n\

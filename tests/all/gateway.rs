@@ -1172,21 +1172,27 @@ fn up_says_a_busy_port_before_it_starts_anything() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
     let port = taken.local_addr().expect("address").port().to_string();
     let dir = TempDir::new("up-busy-port");
-    let data = dir.0.join("data");
+    up_refuses_before_it_starts(
+        &dir.0.join("data"),
+        &port,
+        &format!("127.0.0.1:{port} cannot be listened on"),
+    );
+}
+
+/// Runs `bulkhead up --port PORT --data-dir DATA`, which must fail saying `why` before it
+/// writes its cluster token (the first thing it writes, before any worker starts).
+fn up_refuses_before_it_starts(data: &std::path::Path, port: &str, why: &str) {
     let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
-        .args(["up", "--admin-port", "0", "--port", &port, "--model"])
+        .args(["up", "--admin-port", "0", "--port", port, "--model"])
         .arg(crate::worker_grpc::model_path())
         .arg("--data-dir")
-        .arg(&data)
+        .arg(data)
         .current_dir(repo())
         .output()
         .expect("up runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
-    assert!(
-        stderr.contains(&format!("127.0.0.1:{port} cannot be listened on")),
-        "{stderr}"
-    );
+    assert!(stderr.contains(why), "{stderr}");
     assert!(!data.join("cluster-token").exists(), "a token was written");
 }
 
@@ -1200,18 +1206,7 @@ fn up_says_a_held_audit_log_before_it_starts_anything() {
     std::fs::create_dir_all(&audit).expect("creates");
     let held = std::fs::File::create(audit.join("LOCK")).expect("creates");
     held.try_lock().expect("locks");
-    let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
-        .args(["up", "--admin-port", "0", "--port", "0", "--model"])
-        .arg(crate::worker_grpc::model_path())
-        .arg("--data-dir")
-        .arg(&data)
-        .current_dir(repo())
-        .output()
-        .expect("up runs");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
-    assert!(stderr.contains("the audit log"), "{stderr}");
-    assert!(!data.join("cluster-token").exists(), "a token was written");
+    up_refuses_before_it_starts(&data, "0", "the audit log");
 }
 
 /// A terminal's Ctrl-C goes to `up`'s whole process group: its workers, in groups of their
