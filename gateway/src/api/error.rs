@@ -125,8 +125,9 @@ pub enum ApiError {
     /// and its binding fails closed; details are in the gateway's log.
     #[error("a policy check failed, so the request was refused")]
     PolicyFailed,
-    /// A fail-closed policy found no free instance slot in time: the sandbox is full (a
-    /// capacity limit like a full queue, not a plugin's failure).
+    /// The request's policies found no free instance slot in time: the sandbox is full (a
+    /// capacity limit like a full queue, not a plugin's failure; refused whatever the
+    /// bindings' fail-open says).
     #[error("the policy sandbox is busy; retry later")]
     PolicyBusy,
     /// A bug; details are in the gateway's or the worker's log.

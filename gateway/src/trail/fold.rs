@@ -71,16 +71,10 @@ impl Folds {
         }
     }
 
-    /// What the log is to take for `record`, in order: its log's folded record once due, then
-    /// — when `record` is not [`foldable`] or within its log's budget — `record`.
+    /// What the log is to take for `record`, a [`foldable`] one, in order: its log's folded
+    /// record once due, then — within its log's budget — `record`.
     pub fn admit(&mut self, record: AuditRecord, now: Instant) -> Admitted {
-        if !foldable(&record, &self.gateway) {
-            let due = self.logs.get_mut(&record.tenant).and_then(|f| f.due(now));
-            return Admitted {
-                appends: [due, Some(record)],
-                opened: None,
-            };
-        }
+        debug_assert!(foldable(&record, &self.gateway), "{record:?}");
         if !self.logs.contains_key(&record.tenant) {
             self.logs.retain(|_, f| !f.idle(now));
             let per_minute = if record.tenant == self.gateway {
@@ -110,11 +104,6 @@ impl Folds {
     pub fn drain(&mut self) -> Vec<AuditRecord> {
         self.logs.values_mut().filter_map(Folding::drain).collect()
     }
-
-    /// Whether any log collects a folded record.
-    pub fn pending(&self) -> bool {
-        self.logs.values().any(Folding::pending)
-    }
 }
 
 /// Whether `record` goes through its log's budget: every record of the `gateway` log, and a
@@ -122,7 +111,16 @@ impl Folds {
 /// contacted, so its record holds no more than its route, key, status and why.
 pub fn foldable(record: &AuditRecord, gateway: &TenantId) -> bool {
     record.tenant == *gateway
-        || (record.input_tokens.is_none() && record.workers.is_none() && record.policy.is_empty())
+        || (record.input_tokens.is_none()
+            && record.workers.is_none()
+            && record.policy.is_empty()
+            && !answered_audit_read(record))
+}
+
+/// A tenant's read of its own audit log that was answered: who read which records is an audit
+/// event of its own, kept whole (the reads are limited like any request).
+fn answered_audit_read(record: &AuditRecord) -> bool {
+    record.route == crate::api::AUDIT_ROUTE && record.status < 400
 }
 
 /// One log's budget and the folded record it is collecting.
@@ -305,9 +303,9 @@ mod tests {
 
     /// Each log folds its own flood within its own budget: the gateway's of requests without
     /// a key, a tenant's of requests that ended before a prompt was counted (here refused at
-    /// the door). A tenant's records of requests whose prompt was counted — answered, or
-    /// refused after — are never folded, and carry out their own log's due folded record, not
-    /// another's.
+    /// the door); a log's due folded record goes out with its own next foldable record, never
+    /// another log's. A tenant's records of requests whose prompt was counted — answered, or
+    /// refused after —, and its answered reads of its audit log, are not foldable.
     #[test]
     fn each_log_folds_its_own_flood_and_a_tenants_other_records_are_never_folded() {
         let start = Instant::now();
@@ -316,6 +314,15 @@ mod tests {
             TenantId::new("tenant-a").expect("valid"),
             TenantId::new("tenant-b").expect("valid"),
         );
+        for kept in [read(&b, 1, 429), read(&b, 2, 200)] {
+            assert!(!foldable(&kept, &gateway), "{kept:?}");
+        }
+        let mut audit_read = of(&b, 3, 200);
+        audit_read.route = crate::api::AUDIT_ROUTE.to_owned();
+        assert!(!foldable(&audit_read, &gateway));
+        audit_read.status = 429;
+        assert!(foldable(&audit_read, &gateway), "a refused read folds");
+
         let mut folds = Folds::new(gateway.clone(), 2, 3);
         let mut out = Vec::new();
         let mut opened = Vec::new();
@@ -325,11 +332,9 @@ mod tests {
                 opened.extend(admitted.opened.clone());
                 written(admitted, &mut out);
             }
-            written(folds.admit(read(&b, i, 429), start), &mut out);
-            written(folds.admit(read(&b, 100 + i, 200), start), &mut out);
         }
         let own = |log: &TenantId| out.iter().filter(|r| r.tenant == *log).count();
-        assert_eq!((own(&a), own(&gateway), own(&b)), (3, 2, 20));
+        assert_eq!((own(&a), own(&gateway)), (3, 2));
         assert!(out.iter().all(|r| r.folded.is_none()));
         assert_eq!(
             opened,
@@ -338,31 +343,30 @@ mod tests {
         );
 
         let later = start + WINDOW;
-        let admitted = folds.admit(read(&b, 99, 200), later);
-        assert!(admitted.appends[0].is_none(), "b has no folded record");
-        let admitted = folds.admit(read(&a, 99, 200), later);
+        assert!(folds.due(&b, later).is_none(), "b has no folded record");
+        let admitted = folds.admit(of(&a, 99, 429), later);
         let folded = admitted.appends[0]
             .as_ref()
             .expect("a's folded record is due");
         assert_eq!(folded.tenant, a);
         let f = folded.folded.as_ref().expect("folded");
+        // The seven past the budget and this one, counted before its record went out.
         assert_eq!(
             (f.requests, f.statuses.clone()),
             (
-                7,
+                8,
                 vec![StatusCount {
                     status: 429,
-                    requests: 7
+                    requests: 8
                 }]
             )
         );
-        assert_eq!(admitted.appends[1].as_ref().map(|r| r.status), Some(200));
+        assert!(admitted.appends[1].is_none(), "past the budget: folded");
 
         let drained = folds.drain();
         assert_eq!(drained.len(), 1, "{drained:#?}");
         assert_eq!(drained[0].tenant, gateway);
         assert_eq!(drained[0].folded.as_ref().map(|f| f.requests), Some(8));
-        assert!(!folds.pending());
 
         // Once their budgets are whole again, a log's first foldable record sweeps the idle
         // ones out: the budgets of tenants gone by a reload are not kept for ever.

@@ -17,9 +17,10 @@
 //!
 //! While the log cannot write, [`OnAuditFailure::Refuse`] turns every new request away with
 //! 503 `audit_unavailable` rather than serve it unaudited; health says why. So that requests
-//! with no tenant to charge, and a tenant's requests its limits turn away at the door, cannot
-//! fill the disk every log shares, each log has a budget for them past which they are counted
-//! in folded records ([`fold`]).
+//! with no tenant to charge, and a tenant's requests that ended before a prompt of theirs was
+//! counted (refused at the door by its limits, a listing, an unknown route, a malformed body),
+//! cannot fill the disk every log shares, each log has a budget for them past which they are
+//! counted in folded records ([`fold`]).
 
 mod draft;
 mod exports;
@@ -32,7 +33,7 @@ mod tests;
 mod unserved;
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -95,10 +96,8 @@ struct Inner {
     /// The thread whose fsyncs responses wait for: every one in durable mode, in group commit
     /// those appended while the flushes are behind.
     syncer: syncer::Syncer,
-    /// The logs' budgets, and the folded records past them.
+    /// The logs' budgets, and the folded records past them (locked for foldable records only).
     folds: Mutex<fold::Folds>,
-    /// Whether `folds` collects a folded record (checked without the lock on every append).
-    folding_pending: AtomicBool,
     /// Shutdown is cutting the requests still in flight: a request dropped unfinished from
     /// here on was cut, not left by its client; one still answering ends with an error.
     cutting: tokio::sync::watch::Sender<bool>,
@@ -166,7 +165,6 @@ impl Recorder {
             log,
             settings,
             folds: Mutex::new(folds),
-            folding_pending: AtomicBool::new(false),
             cutting: tokio::sync::watch::Sender::new(false),
             gateway,
             lost: AtomicU64::new(0),
@@ -232,13 +230,15 @@ impl Recorder {
         }
     }
 
-    /// Counts a request that ended by its tenant and the status its client was told (a
-    /// tenant's; the gateway log's are counted as unauthenticated when refused). The metrics
-    /// count what the records say, whichever way the request ended: also one its client
-    /// abandoned before the API ran it.
+    /// Counts a request that ended by its tenant and the status its client was told; the
+    /// gateway log's by status too, but for a refusal of its key (the authentication layer
+    /// counts those as unauthenticated). The metrics count what the records say, whichever
+    /// way the request ended: also one its client abandoned before the API ran it.
     fn count(&self, tenant: &TenantId, status: u16) {
         if *tenant != self.inner.gateway {
             self.inner.metrics.request(tenant, status);
+        } else if status != 401 {
+            self.inner.metrics.untenanted(status);
         }
     }
 
@@ -289,12 +289,12 @@ impl Recorder {
         let _ = self.append(self.to_append(record), span);
     }
 
-    /// What the log is to take for `record`, in order ([`fold::Folds::admit`]): its log's
-    /// folded record once due, then `record` unless its log's budget folded it.
+    /// What the log is to take for `record`, in order ([`fold::Folds::admit`]): for a
+    /// foldable record, its log's folded record once due, then `record` unless its log's
+    /// budget folded it; any other goes as it is, without the lock (its log's folded record
+    /// goes out with the log's next foldable record, or by its timer).
     fn to_append(&self, record: AuditRecord) -> fold::Appends {
-        let pending = self.inner.folding_pending.load(Ordering::Relaxed);
-        if !pending && !fold::foldable(&record, &self.inner.gateway) {
-            // Neither foldable nor a log collecting a folded record: spares the lock.
+        if !fold::foldable(&record, &self.inner.gateway) {
             return [None, Some(record)];
         }
         let now = Instant::now();
@@ -306,9 +306,9 @@ impl Recorder {
     }
 
     /// Writes the folded record that has just started collecting in `log` once its window has
-    /// passed, should no record of that log come by then to carry it out: a flood that stops
-    /// is on disk a window later, not whenever the next request comes. (Outside a runtime, as
-    /// in some tests, only the log's next record or shutdown writes it.)
+    /// passed, should no foldable record of that log come by then to carry it out: a flood
+    /// that stops is on disk a window later, not whenever the next request comes. (Outside a
+    /// runtime, as in some tests, only the log's next foldable record or shutdown writes it.)
     fn write_folded_when_due(&self, log: TenantId) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
@@ -325,19 +325,13 @@ impl Recorder {
         });
     }
 
-    /// Runs `f` on the logs' budgets and folded records, keeping the flag that spares every
-    /// other record the lock in step.
+    /// Runs `f` on the logs' budgets and folded records.
     fn with_folds<T>(&self, f: impl FnOnce(&mut fold::Folds) -> T) -> T {
-        let mut folds = self
+        f(&mut self
             .inner
             .folds
             .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let out = f(&mut folds);
-        self.inner
-            .folding_pending
-            .store(folds.pending(), Ordering::Relaxed);
-        out
+            .unwrap_or_else(PoisonError::into_inner))
     }
 
     /// Appends `records`; one the log refuses is counted lost. With export on, each it takes
@@ -466,6 +460,7 @@ impl Recorder {
                 UNMATCHED_ROUTE.to_owned(),
             )
         };
+        self.count(&record.tenant, record.status);
         self.append_unawaited(record, &Span::none());
     }
 }

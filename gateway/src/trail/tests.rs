@@ -189,11 +189,12 @@ async fn requests_with_no_tenant_past_the_budget_are_folded_and_each_is_counted_
     assert!(got.iter().all(|r| r.folded.is_none()));
 }
 
-/// A tenant's records other than its limits' refusals are never folded, whatever the gateway
-/// log's budget; and the folded record a flood left collecting goes out once its window has
-/// passed, though the next records are another log's.
+/// The gateway log's budget is its own: a tenant's requests dropped before their key was
+/// read count against the tenant's budget (here far from spent: each has its record), not the
+/// gateway's; and the gateway log's folded record goes out once its window has passed, though
+/// the next records are another log's.
 #[tokio::test]
-async fn a_tenants_records_are_never_folded_and_the_due_folded_record_goes_out() {
+async fn the_gateway_logs_budget_is_its_own_and_its_folded_record_goes_out_in_time() {
     use hyper::service::Service as _;
     use hyper_util::service::TowerToHyperService;
 
@@ -669,6 +670,27 @@ fn durable_refusing(dir: &Scratch, metrics: &Metrics) -> Recorder {
     Recorder::open(&dir.0, settings, None, metrics.clone(), None)
         .expect("opens")
         .0
+}
+
+/// A request with no tenant to charge that ended for another reason than its key is counted
+/// by its status: a request with two Hosts (400 bad_host), one hyper could not parse, plain
+/// HTTP to a TLS port. They were in no metric at all.
+#[tokio::test]
+async fn requests_with_no_tenant_are_counted_by_their_status() {
+    let dir = Scratch::new("trail");
+    let metrics = Metrics::default();
+    let recorder = durable_refusing(&dir, &metrics);
+    let request = Request::get("/ok")
+        .header(http::header::HOST, "a")
+        .header(http::header::HOST, "b")
+        .body(Body::empty())
+        .expect("request");
+    let r = app(&recorder).oneshot(request).await.expect("infallible");
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    crate::serving::Witness::unparsed(&recorder, 431);
+    crate::serving::Witness::plain_http(&recorder);
+    assert_eq!(metrics.untenanted_of(400), 2, "bad_host and https_required");
+    assert_eq!(metrics.untenanted_of(431), 1, "unparsed");
 }
 
 /// `GET /v1/audit` pages through the caller's records: `limit` at a time, `has_more` while
