@@ -338,11 +338,19 @@ impl Ending {
         let mut failure = None;
         if let Some(leg) = leg {
             let since = Instant::now();
-            if !cut {
+            // The worker's stream, once there is one, is kept here: what it sent is counted
+            // whatever ends the hold (its end, its limit, shutdown's cut), then it is dropped.
+            let mut stream = None;
+            if cut {
+                if let Leg::Streaming(s) = leg {
+                    stream = Some(s);
+                }
+            } else {
                 let limit = self.policies.hold_limit();
-                // The call or the stream is dropped with the hold: at its end, or at its limit.
-                let holding =
-                    tokio::time::timeout(limit, hold(leg, directive, &mut progress, &mut answered));
+                let holding = tokio::time::timeout(
+                    limit,
+                    hold(leg, directive, &mut progress, &mut answered, &mut stream),
+                );
                 cut = tokio::select! {
                     biased;
                     held = holding => {
@@ -360,6 +368,13 @@ impl Ending {
                     }
                     () = shutdown.cut() => true,
                 };
+            }
+            // Short of `Done`, the tokens that came as the upstream's text counts them (an
+            // OpenAI-compatible server's chunk may hold several).
+            if progress.usage.is_none()
+                && let Some(counting) = stream.as_ref().and_then(UpstreamStream::generated)
+            {
+                progress.tokens = counting.await;
             }
             let dropped = match (progress.usage, progress.tokens) {
                 (Some(_), _) => Dropped::AfterDone,
@@ -441,45 +456,31 @@ fn phase(leg: Option<&Leg>, progress: Progress) -> Phase {
 }
 
 /// Waits on the worker as `directive` says: for its answer to the call (unless abort-now),
-/// then on its stream. Fails with the worker's status when it refused the call or failed the
-/// stream before the directive was satisfied.
+/// then on its stream, which goes into `kept` (its caller counts what it sent). Fails with the
+/// worker's status when it refused the call or failed the stream before the directive was
+/// satisfied.
 async fn hold(
     leg: Leg,
     directive: Directive,
     progress: &mut Progress,
     answered: &mut bool,
+    kept: &mut Option<UpstreamStream>,
 ) -> Result<(), tonic::Status> {
-    let mut upstream = match leg {
-        Leg::Streaming(upstream) => upstream,
+    let upstream = match leg {
+        Leg::Streaming(upstream) => kept.insert(upstream),
         Leg::Calling(_) if matches!(directive, Directive::AbortNow) => return Ok(()),
         Leg::Calling(call) => {
             let upstream = call.await?;
             *answered = true;
-            upstream
+            kept.insert(upstream)
         }
     };
-    drain(&mut upstream, directive, progress).await
+    drain(upstream, directive, progress).await
 }
 
 /// Reads `upstream` until `directive` is satisfied, or the stream fails (a stream that ends
-/// without `Done` is broken: the worker's transport failed). Short of `Done`, the tokens that
-/// came are then counted as the upstream's text says ([`UpstreamStream::generated`]).
+/// without `Done` is broken: the worker's transport failed).
 async fn drain(
-    upstream: &mut UpstreamStream,
-    directive: Directive,
-    progress: &mut Progress,
-) -> Result<(), tonic::Status> {
-    let drained = read_until(upstream, directive, progress).await;
-    if progress.usage.is_none()
-        && let Some(counting) = upstream.generated()
-    {
-        progress.tokens = counting.await;
-    }
-    drained
-}
-
-/// [`drain`]'s reading.
-async fn read_until(
     upstream: &mut UpstreamStream,
     directive: Directive,
     progress: &mut Progress,

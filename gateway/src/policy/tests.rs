@@ -2225,6 +2225,38 @@ async fn held_while_queued() -> (Policies, Scratch, Recorder, RequestPolicy) {
     (p, dir, recorder, r)
 }
 
+/// A held stream cut at the hold's limit is charged and recorded by the tokens of the text it
+/// sent, not its chunks: two chunks of three words are six tokens (counted inside the hold,
+/// the count was dropped with it at the limit, and the record said two).
+#[tokio::test]
+async fn a_hold_cut_at_its_limit_counts_the_text_that_came() {
+    let dir = Scratch::new("policy");
+    let set = format!(
+        "{}{}",
+        plugin("ledger", ""),
+        binding(
+            "ledger",
+            "config = { on_disconnect = \"hold-until-complete\", phases = [\"prefilling\"] }"
+        )
+    );
+    let mut s = settings(&write(&dir, &set), None);
+    s.hold_limit = Duration::from_millis(300);
+    let p = Policies::load(s).expect("the set loads");
+    let recorder = recorder(&dir);
+    let r = ask(&p, Ask::default()).await.expect("allowed");
+    let stream = crate::upstreams::UpstreamStream::OpenAi(
+        crate::upstreams::openai::SseStream::stalling_after(&["a b c", " d e f"]),
+    );
+    left(
+        r,
+        Some(crate::upstreams::Leg::Streaming(stream)),
+        Progress::default(),
+        recorder.trail("req-cut-at-limit".into(), tracing::Span::none()),
+    );
+    let record = first_record(&recorder).await;
+    assert_eq!(record.output_tokens, Some(6), "{record:?}");
+}
+
 /// A request held after its client left whose worker then refuses it (here its prefill
 /// worker's admission, while it waited in the queue under a hold until complete) is recorded
 /// with that refusal: the hold failed as the worker said, and the admission layer that

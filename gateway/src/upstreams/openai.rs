@@ -1038,6 +1038,27 @@ impl SseStream {
         let body: Body = Box::pin(futures_util::stream::empty());
         SseStream::new(body, asked, TokenCounter::new(16, |_| None), false)
     }
+
+    /// A stream that sends `texts`, a chunk each, and then nothing more, its tokens counted as
+    /// words (a server that sends several tokens a chunk, then stalls).
+    pub(crate) fn stalling_after(texts: &[&str]) -> SseStream {
+        let asked = Asked {
+            prompt_tokens: 10,
+            max_tokens: 990,
+            stop: Vec::new(),
+        };
+        let events: Vec<Result<Bytes, BodyError>> = texts
+            .iter()
+            .map(|t| {
+                let chunk = serde_json::json!({"choices": [{"text": t, "finish_reason": null}]});
+                Ok(Bytes::from(format!("data: {chunk}\n\n")))
+            })
+            .collect();
+        let body: Body =
+            Box::pin(futures_util::stream::iter(events).chain(futures_util::stream::pending()));
+        let words = TokenCounter::new(16, |t| u32::try_from(t.split_whitespace().count()).ok());
+        SseStream::new(body, asked, words, false)
+    }
 }
 
 /// The most tokens a recount of an answer of `max_tokens` may find before the answer is
@@ -1142,7 +1163,6 @@ mod tests {
         )
     }
 
-    /// The event of one completion chunk: `text`, and `finish` as its finish reason.
     /// A stream cut before its end is counted by its text, not its chunks: two chunks of three
     /// words each are six tokens (a server that sends several tokens a chunk would otherwise
     /// be charged, recorded and reported a third of what it generated).
@@ -1165,6 +1185,7 @@ mod tests {
         assert_eq!(capped.generated().await, 4, "never past max_tokens");
     }
 
+    /// The event of one completion chunk: `text`, and `finish` as its finish reason.
     fn chunk(text: &str, finish: Option<&str>) -> String {
         let chunk = serde_json::json!({"choices": [{"text": text, "finish_reason": finish}]});
         format!("data: {chunk}\n\n")
