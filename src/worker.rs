@@ -188,8 +188,9 @@ pub struct Args {
     /// then the KV — (milliseconds).
     #[arg(long, env = env::TRANSFER_TIMEOUT_MS, value_parser = at_least_one_ms(), default_value_t = 30_000)]
     transfer_timeout_ms: u64,
-    /// Decode role: the slowest KV transfer rate tolerated, bytes per second (100MB: 100 MB/s);
-    /// a transfer's deadline is --transfer-timeout-ms plus its bytes at this rate.
+    /// The slowest KV transfer rate tolerated, bytes per second (100MB: 100 MB/s). Decode
+    /// role: a transfer's deadline is --transfer-timeout-ms plus its bytes at this rate;
+    /// prefill role: a send's is --kv-peer-timeout-ms plus its bytes at this rate.
     #[arg(long, env = env::TRANSFER_FLOOR, value_parser = parse_bytes, default_value = "100MB")]
     transfer_floor: u64,
     /// Decode role: how long an abandoned transfer's pages wait for the drain acknowledgement

@@ -38,6 +38,10 @@ struct Counters {
     requests: BTreeMap<TenantId, BTreeMap<u16, u64>>,
     /// Requests refused before a tenant was known (401).
     unauthenticated: u64,
+    /// HTTP status → requests with no tenant to charge that ended for another reason than
+    /// their key (a bad Host, HTTP the server could not parse, plain HTTP to a TLS port, a
+    /// client gone before its key was read).
+    untenanted: BTreeMap<u16, u64>,
     /// Requests refused unread while the audit log could not write (503).
     audit_refused: u64,
     /// tenant → its completed generations' tokens.
@@ -96,6 +100,9 @@ impl Counters {
             }
         }
         self.unauthenticated += other.unauthenticated;
+        for (status, n) in &other.untenanted {
+            *self.untenanted.entry(*status).or_default() += n;
+        }
         self.audit_refused += other.audit_refused;
         for (tenant, tokens) in &other.tokens {
             *of(&mut self.tokens, tenant) += *tokens;
@@ -156,6 +163,12 @@ impl Metrics {
         self.with(|c| c.unauthenticated += 1);
     }
 
+    /// One request with no tenant to charge, ended with `status` for another reason than its
+    /// key.
+    pub fn untenanted(&self, status: u16) {
+        self.with(|c| *c.untenanted.entry(status).or_default() += 1);
+    }
+
     /// One request refused unread while the audit log could not write.
     pub fn audit_refused(&self) {
         self.with(|c| c.audit_refused += 1);
@@ -190,6 +203,12 @@ impl Metrics {
             .and_then(|s| s.get(&status))
             .copied()
             .unwrap_or(0)
+    }
+
+    /// Requests with no tenant to charge counted with `status` (tests).
+    #[cfg(test)]
+    pub fn untenanted_of(&self, status: u16) -> u64 {
+        self.total().untenanted.get(&status).copied().unwrap_or(0)
     }
 
     /// Requests refused unread while the audit log could not write (tests).
@@ -311,6 +330,20 @@ fn render_counters(out: &mut String, c: &Counters) {
         "bulkhead_gateway_unauthenticated_requests_total {}",
         c.unauthenticated
     );
+    family(
+        out,
+        "bulkhead_gateway_untenanted_requests_total",
+        "counter",
+        "API requests with no tenant to charge that ended for another reason than their key, \
+         by HTTP status (400: a bad Host, HTTP that could not be parsed, plain HTTP to a TLS \
+         port; 499: a client gone before its key was read).",
+    );
+    for (status, n) in &c.untenanted {
+        let _ = writeln!(
+            out,
+            "bulkhead_gateway_untenanted_requests_total{{status=\"{status}\"}} {n}"
+        );
+    }
     family(
         out,
         "bulkhead_gateway_audit_refused_requests_total",
@@ -436,6 +469,7 @@ mod tests {
             m.stream_error(&a);
             m.latency(&a, 70, Some(3));
             m.unauthenticated();
+            m.untenanted(400);
             m.audit_refused();
         };
         record(&m);
@@ -458,6 +492,7 @@ mod tests {
         for line in [
             "bulkhead_gateway_requests_total{tenant=\"a\",status=\"200\"} 3",
             "bulkhead_gateway_unauthenticated_requests_total 3",
+            "bulkhead_gateway_untenanted_requests_total{status=\"400\"} 3",
             "bulkhead_gateway_audit_refused_requests_total 3",
             "bulkhead_gateway_tokens_in_total{tenant=\"a\"} 30",
             "bulkhead_gateway_tokens_cached_total{tenant=\"a\"} 12",

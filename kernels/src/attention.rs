@@ -341,6 +341,8 @@ fn widen(simd: Simd, x: &[f16], out: &mut [f32]) {
 
 /// `out[i] = dot(q, rows[i])` for each `q.len()`-value row of `rows`.
 fn dots(simd: Simd, q: &[f32], rows: &[f32], out: &mut [f32]) {
+    // What the vector level reads without a check: a row for every output.
+    assert!(rows.len() >= out.len() * q.len(), "a row for every output");
     match simd {
         Simd::Portable => portable::dots(q, rows, out),
         #[cfg(target_arch = "x86_64")]

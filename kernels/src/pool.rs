@@ -102,7 +102,9 @@ impl Pool {
             panic: Mutex::new(None),
         }));
         let mut workers = 0;
-        for i in 1..threads {
+        // At most COUNT workers: one more checked in would carry into the CLOSED bit, and a
+        // job would be taken for closed while workers still ran its caller's closure.
+        for i in 1..threads.min(COUNT + 1) {
             let spawned = thread::Builder::new()
                 .name(format!("bulkhead-compute-{i}"))
                 .spawn(move || worker(shared));
@@ -160,11 +162,10 @@ impl Pool {
         // SAFETY: the job is closed and no worker is checked in; none reads `job` again
         // before the next epoch.
         unsafe { *s.job.get() = None };
-        if let Err(p) = mine {
-            resume_unwind(p);
-        }
+        // Taken whether or not it is the one raised: left behind, a worker's panic of this
+        // job would fail the next one, another caller's.
         let caught = s.panic.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(p) = caught {
+        if let Some(p) = mine.err().or(caught) {
             resume_unwind(p);
         }
     }
@@ -311,6 +312,36 @@ mod tests {
             count.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(count.load(Ordering::Relaxed), 64);
+    }
+
+    /// When the caller's items and a worker's both panic, the next job, another caller's,
+    /// runs clean: the worker's panic was left behind and raised in it.
+    #[test]
+    fn a_jobs_panics_do_not_reach_the_next_job() {
+        let pool = Pool::new(2);
+        for _ in 0..20 {
+            let entered = AtomicUsize::new(0);
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                pool.for_each(2, &|_| {
+                    // Both threads in the job before either panics (bounded: a worker that
+                    // never joins leaves the caller to panic alone).
+                    entered.fetch_add(1, Ordering::SeqCst);
+                    let since = std::time::Instant::now();
+                    while entered.load(Ordering::SeqCst) < 2
+                        && since.elapsed() < std::time::Duration::from_secs(1)
+                    {
+                        std::hint::spin_loop();
+                    }
+                    panic!("an item panics");
+                });
+            }));
+            assert!(r.is_err());
+            let count = AtomicUsize::new(0);
+            pool.for_each(64, &|_| {
+                count.fetch_add(1, Ordering::Relaxed);
+            });
+            assert_eq!(count.load(Ordering::Relaxed), 64);
+        }
     }
 
     #[test]

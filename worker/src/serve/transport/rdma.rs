@@ -196,11 +196,13 @@ impl Drop for MemoryRegion<'_, '_> {
         // SAFETY: `self.mr` is a live registration (see the field) and is not used after this.
         let errno = unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
         if errno != 0 {
-            // Nothing to hand back in a destructor; the memory stays borrowed until here anyway.
+            // Still registered, the device may write into memory whose borrow ends here, and
+            // borrowed memory cannot be leaked instead: stopping is the only sound answer.
             tracing::error!(
                 error = %io::Error::from_raw_os_error(errno),
-                "ibv_dereg_mr failed"
+                "ibv_dereg_mr failed: stopping, the device could still write the memory"
             );
+            std::process::abort();
         }
     }
 }
