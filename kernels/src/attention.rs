@@ -22,7 +22,7 @@ use std::cell::RefCell;
 use std::sync::Mutex;
 
 use crate::ops::softmax;
-use crate::simd::Simd;
+use crate::simd::{Level, Simd};
 
 /// Shape of the KV pool's pages. Values are f16, as in the reference engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -330,12 +330,12 @@ thread_local! {
 
 /// `out = x` in f32 (exact: every f16 is an f32).
 fn widen(simd: Simd, x: &[f16], out: &mut [f32]) {
-    match simd {
-        Simd::Portable => portable::widen(x, out),
+    match simd.level() {
+        Level::Portable => portable::widen(x, out),
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Simd::Avx2` and `Simd::Avx512` are only constructed after detecting AVX2,
+        // SAFETY: a `Simd` of these levels is only obtained after detecting AVX2,
         // FMA and F16C.
-        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::widen(x, out) },
+        Level::Avx2 | Level::Avx512 => unsafe { avx2::widen(x, out) },
     }
 }
 
@@ -343,21 +343,21 @@ fn widen(simd: Simd, x: &[f16], out: &mut [f32]) {
 fn dots(simd: Simd, q: &[f32], rows: &[f32], out: &mut [f32]) {
     // What the vector level reads without a check: a row for every output.
     assert!(rows.len() >= out.len() * q.len(), "a row for every output");
-    match simd {
-        Simd::Portable => portable::dots(q, rows, out),
+    match simd.level() {
+        Level::Portable => portable::dots(q, rows, out),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `widen`.
-        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::dots(q, rows, out) },
+        Level::Avx2 | Level::Avx512 => unsafe { avx2::dots(q, rows, out) },
     }
 }
 
 /// `out += w[i] * rows[i]` for each `out.len()`-value row of `rows`, in order.
 fn axpys(simd: Simd, out: &mut [f32], w: &[f32], rows: &[f32]) {
-    match simd {
-        Simd::Portable => portable::axpys(out, w, rows),
+    match simd.level() {
+        Level::Portable => portable::axpys(out, w, rows),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `widen`.
-        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::axpys(out, w, rows) },
+        Level::Avx2 | Level::Avx512 => unsafe { avx2::axpys(out, w, rows) },
     }
 }
 
@@ -654,7 +654,7 @@ mod tests {
                 let q = values(n, 5);
                 let halves: Vec<f16> = values(n * rows, 6).into_iter().map(f16::from_f32).collect();
                 let mut wide = vec![0.0; n * rows];
-                widen(Simd::Portable, &halves, &mut wide);
+                widen(Simd::PORTABLE, &halves, &mut wide);
                 assert!(wide.iter().zip(&halves).all(|(x, h)| *x == h.to_f32()));
                 let want_dots: Vec<u32> = wide
                     .chunks_exact(n)

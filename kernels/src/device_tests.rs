@@ -149,7 +149,7 @@ fn matmul_case(dev: &Device) -> Result<(), DeviceError> {
         // 9 rows: a whole tile of 8 and a remainder on CUDA, 2 tiles of 4 and one on the CPU.
         let n = 9;
         let x = uniform(n * cols, 12, 2.0);
-        let want = matmul_on(&Device::Cpu(Simd::Portable), &w, &x, n)?;
+        let want = matmul_on(&Device::Cpu(Simd::PORTABLE), &w, &x, n)?;
         let got = matmul_on(dev, &w, &x, n)?;
         assert_close(&format!("matmul {dtype:?}"), &got, &want, 1e-5);
         // Batch invariance: each row alone gives exactly its row of the batch.
@@ -287,7 +287,7 @@ fn paged_attention_case(dev: &Device) -> Result<(), DeviceError> {
     let (k, v) = (uniform(11 * kvd, 1, 1.0), uniform(11 * kvd, 2, 1.0));
     let q = uniform(11 * HEADS * LAYOUT.head_dim, 3, 1.0);
     let mut on_dev = Pool::new(dev, 8)?;
-    let oracle_dev = Device::Cpu(Simd::Portable);
+    let oracle_dev = Device::Cpu(Simd::PORTABLE);
     let mut oracle = Pool::new(&oracle_dev, 8)?;
     let qd = HEADS * LAYOUT.head_dim;
     pool.with_tags(|tags| {

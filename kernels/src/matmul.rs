@@ -192,7 +192,7 @@ mod tests {
                 .collect();
             let w = PackedMatrix::from_bytes(dtype, rows, cols, &data).unwrap();
             let mut want = vec![0.0; BATCH * rows];
-            matmul(Simd::Portable, &w, &batch, &mut want);
+            matmul(Simd::PORTABLE, &w, &batch, &mut want);
             for simd in Simd::available() {
                 let mut all = vec![0.0; BATCH * rows];
                 matmul(simd, &w, &batch, &mut all);

@@ -22,7 +22,7 @@ mod portable;
 use crate::act::BlockQ8;
 use crate::packed::{BlockLayout, GROUP};
 use crate::quant::DType;
-use crate::simd::Simd;
+use crate::simd::{Level, Simd};
 
 /// A quantized format's packed kernels: which format, and where its block parts lie.
 #[derive(Debug, Clone, Copy)]
@@ -43,15 +43,15 @@ pub(crate) fn tile<const T: usize>(
         xs.iter()
             .all(|x| x.len() * format.layout.stride == group.len())
     );
-    match simd {
-        Simd::Portable => portable::tile(format, group, xs),
+    match simd.level() {
+        Level::Portable => portable::tile(format, group, xs),
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Simd::Avx2` is only constructed after run-time detection of its features
+        // SAFETY: a `Simd` of `Level::Avx2` is only obtained after run-time detection of its features
         // (see `simd.rs`); the sizes are guaranteed by the caller, as asserted above.
-        Simd::Avx2 => unsafe { avx2::tile(format, group, xs) },
+        Level::Avx2 => unsafe { avx2::tile(format, group, xs) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above, for `Simd::Avx512`.
-        Simd::Avx512 => unsafe { avx512::tile(format, group, xs) },
+        // SAFETY: as above, for `Level::Avx512`.
+        Level::Avx512 => unsafe { avx512::tile(format, group, xs) },
     }
 }
 
