@@ -218,6 +218,8 @@ impl DeviceActs {
 /// the KV kernels record failures in.
 #[derive(Debug)]
 pub struct KvStep {
+    /// The layout its page tables were built for: the pool's it runs on, or none.
+    layout: KvLayout,
     plan: StepPlan,
     tags: Vec<Tag>,
     tokens: usize,
@@ -726,6 +728,7 @@ impl CudaDevice {
     ) -> Result<KvStep, DeviceError> {
         let plan = StepPlan::new(layout, tags, seqs)?;
         Ok(KvStep {
+            layout: *layout,
             tokens: plan.tok_pos.len(),
             tok_seq: self.upload(&plan.tok_seq)?,
             tok_pos: self.upload(&plan.tok_pos)?,
@@ -771,6 +774,14 @@ impl CudaDevice {
 
     /// Checks that a step and a pool agree before a KV kernel indexes one with the other.
     fn check_step(kv: &DeviceKv, s: &KvStep) -> Result<(), DeviceError> {
+        // The kernels index a step's page tables by the pool's page size: tables built for
+        // another one would send a sequence's tokens to another's entries, or past the table.
+        if s.layout != kv.layout {
+            return Err(shape(format!(
+                "a step planned for {:?} on a pool of {:?}",
+                s.layout, kv.layout
+            )));
+        }
         if s.plan.pool_tags.len() != kv.pages as usize {
             return Err(shape(format!(
                 "{} page tags for a pool of {} pages",
