@@ -67,9 +67,16 @@ mod tests {
     const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
     const PARENT: &str = "00f067aa0ba902b7";
 
-    /// Runs `f` under a subscriber with the OpenTelemetry layer (no exporter).
+    /// Runs `f` under a subscriber with the OpenTelemetry layer.
     fn traced<T>(f: impl FnOnce() -> T) -> T {
-        let provider = SdkTracerProvider::builder().build();
+        traced_into(Kept::default(), f)
+    }
+
+    /// [`traced`], every span that ends going to `kept`.
+    fn traced_into<T>(kept: Kept, f: impl FnOnce() -> T) -> T {
+        let provider = SdkTracerProvider::builder()
+            .with_simple_exporter(kept)
+            .build();
         let layer = tracing_opentelemetry::layer().with_tracer(provider.tracer("test"));
         tracing::subscriber::with_default(tracing_subscriber::registry().with(layer), f)
     }
@@ -159,12 +166,7 @@ mod tests {
             let header = format!("00-{TRACE}-{PARENT}-{flags}");
             incoming.insert("traceparent", header.parse().expect("a header"));
             let kept = Kept::default();
-            let provider = SdkTracerProvider::builder()
-                .with_simple_exporter(kept.clone())
-                .build();
-            let layer = tracing_opentelemetry::layer().with_tracer(provider.tracer("test"));
-            let subscriber = tracing_subscriber::registry().with(layer);
-            let out = tracing::subscriber::with_default(subscriber, || {
+            let out = traced_into(kept.clone(), || {
                 let span = tracing::info_span!("request");
                 link_client_trace(&span, &incoming);
                 let mut out = HeaderMap::new();

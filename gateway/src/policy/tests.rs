@@ -2124,8 +2124,9 @@ async fn an_answer_not_sent_ends_as_failed_and_one_sent_as_completed() {
 async fn a_held_request_whose_stream_fails_is_charged_as_a_failure_is() {
     let (p, dir, a, limiter, charge) = one_slot_charged_in_full();
     let r = ask(&p, Ask::default()).await.expect("allowed");
-    let stream =
-        crate::upstreams::UpstreamStream::OpenAi(crate::upstreams::openai::SseStream::cut_short());
+    let stream = crate::upstreams::UpstreamStream::OpenAi(
+        crate::upstreams::openai::tests::held_stream(&[], false),
+    );
     r.finish(
         Some(crate::upstreams::Leg::Streaming(stream)),
         Progress::default(),
@@ -2245,7 +2246,7 @@ async fn a_hold_cut_at_its_limit_counts_the_text_that_came() {
     let recorder = recorder(&dir);
     let r = ask(&p, Ask::default()).await.expect("allowed");
     let stream = crate::upstreams::UpstreamStream::OpenAi(
-        crate::upstreams::openai::SseStream::stalling_after(&["a b c", " d e f"]),
+        crate::upstreams::openai::tests::held_stream(&["a b c", " d e f"], true),
     );
     left(
         r,

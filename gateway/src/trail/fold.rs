@@ -77,17 +77,18 @@ impl Folds {
         debug_assert!(foldable(&record, &self.gateway), "{record:?}");
         if !self.logs.contains_key(&record.tenant) {
             self.logs.retain(|_, f| !f.idle(now));
-            let per_minute = if record.tenant == self.gateway {
-                self.gateway_per_minute
-            } else {
-                self.unread_per_minute
-            };
-            self.logs
-                .insert(record.tenant.clone(), Folding::new(per_minute, now));
         }
-        let folding = self.logs.get_mut(&record.tenant).expect("inserted above");
-        let collecting = folding.pending();
+        let per_minute = if record.tenant == self.gateway {
+            self.gateway_per_minute
+        } else {
+            self.unread_per_minute
+        };
         let tenant = record.tenant.clone();
+        let folding = self
+            .logs
+            .entry(tenant.clone())
+            .or_insert_with(|| Folding::new(per_minute, now));
+        let collecting = folding.pending();
         let appends = folding.admit(record, now);
         Admitted {
             opened: (folding.pending() && !collecting).then_some(tenant),

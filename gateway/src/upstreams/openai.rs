@@ -653,16 +653,22 @@ impl SseStream {
     /// text is counted on the blocking pool, as the answer's recount is: never on this thread,
     /// whose other connections it would hold up.
     pub fn generated(&self) -> impl Future<Output = u32> + Send + 'static {
-        let now = self.generated_now();
         let e = &self.events;
-        let (count, text) = (e.counter.count.clone(), e.text.clone());
+        // Counted here, or (only a text too long for that) copied for the blocking pool.
+        let counting = self
+            .generated_now()
+            .ok_or_else(|| (e.counter.count.clone(), e.text.clone()));
         let (chunks, max_tokens) = (e.chunks, e.max_tokens);
         async move {
-            if let Some(n) = now {
-                return n;
+            match counting {
+                Ok(n) => n,
+                Err((count, text)) => tokio::task::spawn_blocking(move || count(&text))
+                    .await
+                    .ok()
+                    .flatten()
+                    .unwrap_or(chunks)
+                    .min(max_tokens),
             }
-            let counted = tokio::task::spawn_blocking(move || count(&text)).await;
-            counted.ok().flatten().unwrap_or(chunks).min(max_tokens)
         }
     }
 
@@ -1025,42 +1031,6 @@ impl Events {
     }
 }
 
-#[cfg(test)]
-impl SseStream {
-    /// A stream whose body ends at once, before `[DONE]`: a server gone before its first
-    /// token (for the policies' tests of a held request).
-    pub(crate) fn cut_short() -> SseStream {
-        let asked = Asked {
-            prompt_tokens: 10,
-            max_tokens: 990,
-            stop: Vec::new(),
-        };
-        let body: Body = Box::pin(futures_util::stream::empty());
-        SseStream::new(body, asked, TokenCounter::new(16, |_| None), false)
-    }
-
-    /// A stream that sends `texts`, a chunk each, and then nothing more, its tokens counted as
-    /// words (a server that sends several tokens a chunk, then stalls).
-    pub(crate) fn stalling_after(texts: &[&str]) -> SseStream {
-        let asked = Asked {
-            prompt_tokens: 10,
-            max_tokens: 990,
-            stop: Vec::new(),
-        };
-        let events: Vec<Result<Bytes, BodyError>> = texts
-            .iter()
-            .map(|t| {
-                let chunk = serde_json::json!({"choices": [{"text": t, "finish_reason": null}]});
-                Ok(Bytes::from(format!("data: {chunk}\n\n")))
-            })
-            .collect();
-        let body: Body =
-            Box::pin(futures_util::stream::iter(events).chain(futures_util::stream::pending()));
-        let words = TokenCounter::new(16, |t| u32::try_from(t.split_whitespace().count()).ok());
-        SseStream::new(body, asked, words, false)
-    }
-}
-
 /// The most tokens a recount of an answer of `max_tokens` may find before the answer is
 /// taken for one that ignored `max_tokens`: generated text tokenized again may split into a
 /// few more tokens than the model generated, never into a quarter more.
@@ -1074,7 +1044,7 @@ fn broken(why: &str) -> Status {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use bulkhead_worker::serve::proto::{SamplingParams, TokenPrompt};
 
@@ -1183,6 +1153,27 @@ mod tests {
         let mut capped = stream_counting(&pieces, true, 4, &[], words());
         while let Ok(Some(_)) = capped.message().await {}
         assert_eq!(capped.generated().await, 4, "never past max_tokens");
+    }
+
+    /// For the policies' tests of a held request: one chunk per text, counted as words, then
+    /// the body ends before `[DONE]` (a server gone) or, with `stalls`, sends nothing more.
+    pub(crate) fn held_stream(texts: &[&str], stalls: bool) -> SseStream {
+        let events: Vec<Result<Bytes, BodyError>> = texts
+            .iter()
+            .map(|t| Ok(Bytes::from(chunk(t, None))))
+            .collect();
+        let events = futures_util::stream::iter(events);
+        let body: Body = if stalls {
+            Box::pin(events.chain(futures_util::stream::pending()))
+        } else {
+            Box::pin(events)
+        };
+        let asked = Asked {
+            prompt_tokens: 10,
+            max_tokens: 990,
+            stop: Vec::new(),
+        };
+        SseStream::new(body, asked, words(), false)
     }
 
     /// The event of one completion chunk: `text`, and `finish` as its finish reason.

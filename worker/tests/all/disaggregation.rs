@@ -102,6 +102,20 @@ fn prefill_sampled(
     }
 }
 
+/// What prefill sends decode for a whole transfer: every frame, the manifest, `Closed`.
+fn sent(out: &Outbound) -> Vec<Message> {
+    let closed = Message::Closed {
+        nonce: out.nonce(),
+        reason: CloseReason::Complete,
+    };
+    out.frames
+        .iter()
+        .cloned()
+        .map(Message::Frame)
+        .chain([Message::Manifest(out.manifest.clone()), closed])
+        .collect()
+}
+
 /// Decodes until idle and returns the outcome.
 fn finish(decode_engine: &mut Engine, rx: mpsc::Receiver<Event>) -> Outcome {
     while decode_engine.has_work() {
@@ -135,15 +149,7 @@ fn disaggregated_for(
     let (target, rx) = reserve_for(d, tenant, 1, prompt, max_new, sampling);
     let out = prefill_sampled(p, 1, prompt, target.clone(), sampling).expect("prefill admits");
     let frames = out.frames.len();
-    let nonce = out.nonce();
-    let messages = out.frames.iter().cloned().map(Message::Frame).chain([
-        Message::Manifest(out.manifest.clone()),
-        Message::Closed {
-            nonce,
-            reason: CloseReason::Complete,
-        },
-    ]);
-    for m in messages.collect::<Vec<_>>() {
+    for m in sent(&out) {
         if let Some(m) = fault(wire(&m)) {
             d.deliver(m);
         }
@@ -203,14 +209,7 @@ fn a_decode_workers_transfers_count_against_max_running() {
         "no reservation"
     );
     let out = prefill(&mut p, 1, &[5; 4], target).expect("prefill admits");
-    let nonce = out.nonce();
-    for m in out.frames.iter().cloned().map(Message::Frame).chain([
-        Message::Manifest(out.manifest.clone()),
-        Message::Closed {
-            nonce,
-            reason: CloseReason::Complete,
-        },
-    ]) {
+    for m in sent(&out) {
         d.deliver(wire(&m));
     }
     d.step();
