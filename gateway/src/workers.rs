@@ -43,6 +43,9 @@ use std::num::NonZeroU32;
 const RPC_TIMEOUT: Duration = Duration::from_secs(3);
 /// Bound on the Info call that carries the tokenizer (about 1 MB).
 const TOKENIZER_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bound on the size of the Info that carries the tokenizer: gRPC's default, 4 MiB, is less
+/// than a large vocabulary's (Llama 3's 128k tokens and 280k merges take about 5 MB).
+const MAX_TOKENIZER_INFO_BYTES: usize = 64 << 20;
 /// Bound on connecting to a worker.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The most bytes of a reason not to route to a worker that its log line shows.
@@ -1161,7 +1164,8 @@ impl Workers {
     async fn register_model(&self, id: u64, source: ModelSource, refresh: u64) {
         let info = match source {
             ModelSource::File(info, data) => Ok((info, Some(data))),
-            ModelSource::Grpc(mut client) => {
+            ModelSource::Grpc(client) => {
+                let mut client = client.max_decoding_message_size(MAX_TOKENIZER_INFO_BYTES);
                 let call = client.info(InfoRequest {
                     include_tokenizer: true,
                 });

@@ -1703,3 +1703,41 @@ fn hash_key_prints_each_keys_digest_and_fails_cleanly_without_one() {
         );
     }
 }
+
+/// A model whose vocabulary makes the worker's Info (the tokenizer the gateway builds its own
+/// from) larger than gRPC's default 4 MiB message bound — as Llama 3's 128k tokens and 280k
+/// merges do — is registered and served: the gateway refused such a worker's Info, and routed
+/// to none of it.
+#[test]
+fn a_worker_whose_tokenizer_is_larger_than_four_mib_is_served() {
+    use bulkhead_worker::tiny_model::TinySpec;
+    bounded(|| {
+        let dir = TempDir::new("large-vocabulary");
+        let model = dir.0.join("large-vocabulary.gguf");
+        // 250 000 tokens of 20 bytes: about 5.7 MB of Info.
+        TinySpec {
+            extra_tokens: 250_000,
+            ..TinySpec::default()
+        }
+        .write(&model)
+        .expect("writes the model");
+        let worker = crate::worker_grpc::Worker::start_on(&model, &["--role", "both"]);
+        let config = crate::up::colocated_config(&dir.0, &format!("http://{}", worker.grpc));
+        let gateway = crate::cluster::Gateway::start(&config, &dir.0.join("data"), &[]);
+        gateway.wait_until(&[("one", true)]);
+        let body = r#"{"model": "tiny-random-llama", "max_tokens": 2, "prompt": "hi"}"#;
+        let (status, body) = http(
+            &gateway.api,
+            "POST",
+            "/v1/completions",
+            Some(KEY_A),
+            &[],
+            body,
+        );
+        assert_eq!(status, 200, "{body}");
+        assert!(
+            json(&body)["usage"]["prompt_tokens"].as_u64() >= Some(1),
+            "{body}"
+        );
+    });
+}

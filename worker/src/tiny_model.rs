@@ -29,6 +29,9 @@ pub struct TinySpec {
     /// `general.architecture`, also the prefix of the shape keys.
     pub arch: &'static str,
     pub seed: u64,
+    /// Ordinary tokens after the bytes' (`extra-token-00000000`, ...), for the size of a
+    /// large vocabulary.
+    pub extra_tokens: usize,
 }
 
 impl Default for TinySpec {
@@ -45,6 +48,7 @@ impl Default for TinySpec {
             pre_tokenizer: "smollm",
             arch: "llama",
             seed: 7,
+            extra_tokens: 0,
         }
     }
 }
@@ -66,6 +70,10 @@ impl TinySpec {
         let mut types = vec![Value::I32(3); TINY_CONTROL.len()];
         for b in 0..=255u8 {
             tokens.push(Value::String(byte_level_char(b).to_string()));
+            types.push(Value::I32(1));
+        }
+        for i in 0..self.extra_tokens {
+            tokens.push(Value::String(format!("extra-token-{i:08}")));
             types.push(Value::I32(1));
         }
         let vocab = tokens.len();
