@@ -24,7 +24,8 @@
 //! write_stall_timeout_secs = 30     # a client that takes no byte of its answer this long is gone
 //! stream_idle_timeout_secs = 120    # a worker silent this long mid-answer has failed it
 //! drain_timeout_secs = 10           # at shutdown, requests still running this long are cut
-//! default_max_tokens = 512
+//! default_max_tokens = 512         # a chat completion's, when it names none
+//! default_completion_max_tokens = 16  # a (legacy) completion's: OpenAI's default
 //!
 //! [audit]                           # optional; these are the defaults
 //! durability = "durable"            # or "group": answer before the record's fsync
@@ -227,9 +228,13 @@ pub struct HttpLimits {
     /// At shutdown, how long requests in flight get to finish; those still running then are
     /// cut, and recorded as `gateway_shutdown`.
     pub drain_timeout: Duration,
-    /// `max_tokens` when a request does not say (clamped to what is left of the limit, and of
-    /// the tenant's minute of tokens beside the prompt).
+    /// `max_tokens` when a chat completion does not say (clamped to what is left of the
+    /// limit, and of the tenant's minute of tokens beside the prompt).
     pub default_max_tokens: NonZeroU32,
+    /// The same for a (legacy) completion: 16, as OpenAI's API and the servers that follow it
+    /// (vLLM, SGLang) default it, so a client that names none gets the short continuation it
+    /// expects, not a chat's answer.
+    pub default_completion_max_tokens: NonZeroU32,
 }
 
 impl Default for HttpLimits {
@@ -243,6 +248,7 @@ impl Default for HttpLimits {
             stream_idle_timeout: Duration::from_secs(120),
             drain_timeout: Duration::from_secs(10),
             default_max_tokens: NonZeroU32::MIN.saturating_add(511),
+            default_completion_max_tokens: NonZeroU32::MIN.saturating_add(15),
         }
     }
 }
@@ -579,6 +585,7 @@ struct RawHttp {
     stream_idle_timeout_secs: Option<u64>,
     drain_timeout_secs: Option<u64>,
     default_max_tokens: Option<u32>,
+    default_completion_max_tokens: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -822,13 +829,29 @@ fn http_limits(raw: &RawHttp) -> Result<HttpLimits, ConfigError> {
             "http.drain_timeout_secs",
             d.drain_timeout,
         )?,
-        default_max_tokens: match raw.default_max_tokens {
-            None => d.default_max_tokens,
-            Some(v) => NonZeroU32::new(v).ok_or(ConfigError::ZeroSetting {
-                field: "http.default_max_tokens",
-            })?,
-        },
+        default_max_tokens: max_tokens(
+            raw.default_max_tokens,
+            "http.default_max_tokens",
+            d.default_max_tokens,
+        )?,
+        default_completion_max_tokens: max_tokens(
+            raw.default_completion_max_tokens,
+            "http.default_completion_max_tokens",
+            d.default_completion_max_tokens,
+        )?,
     })
+}
+
+/// A default `max_tokens` setting: `default` when absent, refused when zero.
+fn max_tokens(
+    raw: Option<u32>,
+    field: &'static str,
+    default: NonZeroU32,
+) -> Result<NonZeroU32, ConfigError> {
+    match raw {
+        None => Ok(default),
+        Some(v) => NonZeroU32::new(v).ok_or(ConfigError::ZeroSetting { field }),
+    }
 }
 
 fn audit_settings(raw: &RawAudit) -> Result<AuditSettings, ConfigError> {
@@ -1385,6 +1408,22 @@ mod tests {
             .expect_err("no key")
             .to_string();
         assert!(e.starts_with("listen: ") && e.contains("absent.key"), "{e}");
+    }
+
+    #[test]
+    fn a_completion_defaults_to_openais_16_tokens_and_a_chat_to_512() {
+        let c = Config::parse(&config(&tenant("tenant-a", "k"), WORKER)).expect("valid");
+        assert_eq!(c.http.default_max_tokens.get(), 512);
+        assert_eq!(c.http.default_completion_max_tokens.get(), 16);
+        let set = |n: u32| {
+            let section = format!("{WORKER}[http]\ndefault_completion_max_tokens = {n}\n");
+            Config::parse(&config(&tenant("tenant-a", "k"), &section))
+        };
+        let c = set(64).expect("valid");
+        assert_eq!(c.http.default_completion_max_tokens.get(), 64);
+        assert_eq!(c.http.default_max_tokens.get(), 512);
+        let e = set(0).expect_err("no tokens at all").to_string();
+        assert!(e.contains("http.default_completion_max_tokens"), "{e}");
     }
 
     #[test]

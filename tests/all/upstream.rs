@@ -359,6 +359,20 @@ impl Drop for LoadTarget {
     }
 }
 
+/// One chat completion of three tokens through the official client with its default retries
+/// (`argv`: base URL, key); prints the status of the error it raises.
+const ONE_CHAT_WITH_DEFAULT_RETRIES: &str = "
+import sys, openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key=sys.argv[2])
+try:
+    model = client.models.list().data[0].id
+    client.chat.completions.create(model=model, max_tokens=3,
+        messages=[{'role': 'user', 'content': 'What is 2+2?'}])
+    sys.exit('served')
+except openai.APIStatusError as e:
+    print(e.status_code)
+";
+
 /// An upstream that sends more tokens than the request asked for (one that ignores
 /// `max_tokens`) fails the request — 500, or an error event and no `[DONE]` — instead of
 /// streaming on for as long as it likes; within the request's `max_tokens` it is served.
@@ -381,6 +395,32 @@ fn an_upstream_that_sends_more_tokens_than_asked_fails_the_request() {
         );
         let (status, body) = chat(3, false);
         assert_eq!(status, 500, "five pieces for three tokens: {body}");
+        // The official client, with its default retries (two more for a 5xx unless told not
+        // to), sends it once: asked again, the server breaks the answer again.
+        let failed = || {
+            let (_, text) = http(&front.admin, "GET", "/metrics", Some(ADMIN), &[], "");
+            text.lines()
+                .filter(|l| {
+                    l.starts_with("bulkhead_gateway_requests_total{")
+                        && l.contains("status=\"500\"")
+                })
+                .filter_map(|l| l.rsplit_once(' ')?.1.parse::<u64>().ok())
+                .sum::<u64>()
+        };
+        let before = failed();
+        let out = Command::new(crate::up::python())
+            .args(["-c", ONE_CHAT_WITH_DEFAULT_RETRIES])
+            .arg(format!("http://{}/v1", front.api))
+            .arg(KEY_A)
+            .output()
+            .expect("python runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.trim() == "500",
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(failed() - before, 1, "the client asked once");
         // Only the request failed: the upstream is still routed to.
         let (status, body) = chat(16, false);
         assert_eq!(status, 200, "{body}");

@@ -68,6 +68,10 @@ def main():
     c = client.completions.create(model=model, prompt="The capital of", max_tokens=5, temperature=0)
     check("completions: text and usage", c.usage.completion_tokens > 0 and isinstance(c.choices[0].text, str),
           repr(c.choices[0].text))
+    story = client.completions.create(model=model, prompt="Once upon a time", temperature=0)
+    check("completions without max_tokens: OpenAI's default, 16",
+          story.usage.completion_tokens == 16 and story.choices[0].finish_reason == "length",
+          repr(story.usage))
     pieces = [ch.choices[0].text for ch in client.completions.create(
         model=model, prompt="The capital of", max_tokens=5, temperature=0, stream=True) if ch.choices]
     check("completions, streaming: same text", "".join(pieces) == c.choices[0].text, repr(pieces))

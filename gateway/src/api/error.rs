@@ -183,6 +183,9 @@ impl ApiError {
 
 const INVALID_REQUEST: &str = "invalid_request_error";
 
+/// The header by which OpenAI's SDKs are told whether to send a failed request again.
+const SHOULD_RETRY: &str = "x-should-retry";
+
 /// The one error table of the API (design.md, "Errors → HTTP").
 pub fn mapping(err: &ApiError) -> Mapping {
     let m = |status, kind, code| Mapping { status, kind, code };
@@ -388,6 +391,14 @@ impl IntoResponse for ApiError {
             && let Ok(v) = HeaderValue::from_str(&wait.as_secs().to_string())
         {
             response.headers_mut().insert(header::RETRY_AFTER, v);
+        }
+        if status == StatusCode::INTERNAL_SERVER_ERROR {
+            // A 500 is a broken answer, a KV integrity failure or a failed policy: asked again,
+            // the same. OpenAI's SDKs retry every 5xx twice unless told not to, which would
+            // charge the tenant three times and hide a KV integrity failure behind a 200.
+            response
+                .headers_mut()
+                .insert(SHOULD_RETRY, HeaderValue::from_static("false"));
         }
         if status == StatusCode::UNAUTHORIZED {
             response
@@ -651,6 +662,28 @@ mod tests {
         }
         let r = ApiError::Internal.into_response();
         assert!(!r.headers().contains_key(header::RETRY_AFTER));
+    }
+
+    /// OpenAI's SDKs send a 5xx twice more unless `x-should-retry: false` says not to: a 500
+    /// says it, a 503 or a 429 (worth another try) does not.
+    #[test]
+    fn a_500_tells_sdks_not_to_retry_and_a_503_or_429_leaves_them_to() {
+        for e in [
+            ApiError::Internal,
+            ApiError::KvIntegrity,
+            ApiError::PolicyFailed,
+        ] {
+            let r = e.into_response();
+            assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR);
+            assert_eq!(r.headers()[SHOULD_RETRY], "false");
+        }
+        for e in [
+            ApiError::NoHealthyWorker,
+            ApiError::PolicyBusy,
+            ApiError::GatewayShutdown,
+        ] {
+            assert!(!e.into_response().headers().contains_key(SHOULD_RETRY));
+        }
     }
 
     #[test]

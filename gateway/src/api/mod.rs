@@ -464,7 +464,7 @@ async fn start(
         common.max_tokens,
         tenant
             .limits
-            .default_max_tokens(state.http.default_max_tokens, prompt.len()),
+            .default_max_tokens(default_max_tokens(&state.http, endpoint), prompt.len()),
         limit,
     )?;
     // The policy chain (design step 3); a clamp of max tokens goes through admission again.
@@ -606,7 +606,7 @@ fn charge_and_route(
             endpoint,
             admitted.prompt_tokens as usize,
             Some(max),
-            state.http.default_max_tokens,
+            default_max_tokens(&state.http, endpoint),
             limit,
         )?,
     };
@@ -636,6 +636,14 @@ fn charge_and_route(
             permit.set_used(0);
             Err(ApiError::NoHealthyWorker)
         }
+    }
+}
+
+/// `max_tokens` for a request of `endpoint` that names none.
+fn default_max_tokens(http: &HttpLimits, endpoint: Endpoint) -> NonZeroU32 {
+    match endpoint {
+        Endpoint::Chat => http.default_max_tokens,
+        Endpoint::Completion => http.default_completion_max_tokens,
     }
 }
 
