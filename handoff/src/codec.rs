@@ -18,7 +18,9 @@ use crate::message::{CloseReason, Frame, FrameHeader, Manifest, Message, Session
 const MAGIC: [u8; 4] = *b"BHKV";
 /// 2: a reservation may start after decode's cached prefix (`Reservation::cached_tokens`), so
 /// frame positions depend on a field a version-1 peer does not know.
-pub const VERSION: u8 = 2;
+/// 3: the manifest's digest covers its own fields (the first token above all), so a
+/// version-2 peer's digest fails every commit.
+pub const VERSION: u8 = 3;
 /// Bytes every message starts with.
 pub const HEADER: usize = 24;
 const FRAME_FIELDS: usize = 32;
@@ -340,8 +342,9 @@ mod tests {
     fn malformed_heads_are_refused_with_their_reason() {
         let refused = |buf: &[u8]| decode(buf, 64).expect_err("malformed");
         assert_eq!(refused(&closed_with(0, b'X')), CodecError::Magic(*b"XHKV"));
-        assert_eq!(refused(&closed_with(4, 1)), CodecError::Version(1));
-        assert_eq!(refused(&closed_with(4, 3)), CodecError::Version(3));
+        for other in [1, 2, 4] {
+            assert_eq!(refused(&closed_with(4, other)), CodecError::Version(other));
+        }
         assert_eq!(refused(&closed_with(5, 9)), CodecError::Kind(9));
         assert_eq!(refused(&closed_with(6, 1)), CodecError::Reserved);
         assert_eq!(refused(&closed_with(7, 1)), CodecError::Reserved);

@@ -32,5 +32,5 @@ mod message;
 pub use inbound::{Committed, DropReason, Inbound, IntegrityFailure, Write};
 pub use message::{
     CheckedFrame, CloseReason, Frame, FrameHeader, Manifest, Message, Received, Reservation,
-    SessionNonce, digest, frame_checksum,
+    SessionNonce, frame_checksum,
 };

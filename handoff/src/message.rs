@@ -2,7 +2,7 @@ use std::fmt;
 use std::ops::Range;
 
 use bulkhead_kvpool::{PageRef, Tag};
-use xxhash_rust::xxh3::{Xxh3, xxh3_64};
+use xxhash_rust::xxh3::Xxh3;
 
 /// A transfer session's identity: 128 random bits chosen by decode for each reservation, so a
 /// frame from any other session (an earlier one on the same pages, another request) can never
@@ -174,12 +174,6 @@ pub fn frame_checksum(
     h.digest()
 }
 
-/// The digest of a transfer: XXH3-64 of the per-page checksums in page order.
-pub fn digest(checksums: impl IntoIterator<Item = u64>) -> u64 {
-    let bytes: Vec<u8> = checksums.into_iter().flat_map(u64::to_le_bytes).collect();
-    xxh3_64(&bytes)
-}
-
 /// The end of a transfer: what prefill claims it sent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Manifest {
@@ -190,6 +184,52 @@ pub struct Manifest {
     pub digest: u64,
     /// The token prefill sampled after the prompt.
     pub first_token: u32,
+}
+
+impl Manifest {
+    /// The manifest of a transfer of `tokens` whose frames carry `checksums`, in page order.
+    pub fn new(
+        nonce: SessionNonce,
+        tokens: u32,
+        first_token: u32,
+        checksums: impl IntoIterator<Item = u64>,
+    ) -> Manifest {
+        let (pages, digest) = digest(&nonce, tokens, first_token, checksums);
+        Manifest {
+            nonce,
+            tokens,
+            pages,
+            digest,
+            first_token,
+        }
+    }
+
+    /// Whether this manifest's digest was taken over its own fields and `checksums`: a
+    /// flipped bit in any of them — the first token too, which nothing else checks — fails it.
+    pub fn covers(&self, checksums: impl IntoIterator<Item = u64>) -> bool {
+        digest(&self.nonce, self.tokens, self.first_token, checksums) == (self.pages, self.digest)
+    }
+}
+
+/// The count of `checksums` and the digest of a transfer: XXH3-64 of the frames' checksums in
+/// page order, then of the manifest's fields.
+fn digest(
+    nonce: &SessionNonce,
+    tokens: u32,
+    first_token: u32,
+    checksums: impl IntoIterator<Item = u64>,
+) -> (u32, u64) {
+    let mut h = Xxh3::new();
+    let mut pages = 0u32;
+    for c in checksums {
+        h.update(&c.to_le_bytes());
+        pages = pages.saturating_add(1);
+    }
+    h.update(&nonce.0);
+    h.update(&tokens.to_le_bytes());
+    h.update(&pages.to_le_bytes());
+    h.update(&first_token.to_le_bytes());
+    (pages, h.digest())
 }
 
 /// Why prefill closed a session.
@@ -302,13 +342,39 @@ mod tests {
         assert_eq!(zero.pages_needed(), None);
     }
 
+    /// The digest covers every checksum in page order and every field of the manifest: the
+    /// first token above all, which no other check reads (a flipped bit in it had decode
+    /// generate from another token than prefill sampled).
     #[test]
-    fn the_digest_covers_every_checksum_in_page_order() {
-        let d = digest([1, 2]);
-        assert_eq!(d, digest(vec![1, 2]));
-        assert_ne!(d, digest([2, 1]));
-        assert_ne!(d, digest([1]));
-        assert_ne!(d, digest([1, 3]));
+    fn the_digest_covers_every_checksum_in_page_order_and_the_manifests_fields() {
+        let nonce = SessionNonce([3; 16]);
+        let m = Manifest::new(nonce, 40, 11, [1, 2]);
+        assert_eq!(m.pages, 2);
+        assert!(m.covers([1, 2]));
+        for other in [vec![2, 1], vec![1], vec![1, 3], vec![1, 2, 0]] {
+            assert!(!m.covers(other.iter().copied()), "{other:?}");
+        }
+        let flipped = [
+            Manifest {
+                first_token: 11 ^ 1,
+                ..m.clone()
+            },
+            Manifest {
+                tokens: 41,
+                ..m.clone()
+            },
+            Manifest {
+                pages: 3,
+                ..m.clone()
+            },
+            Manifest {
+                nonce: SessionNonce([4; 16]),
+                ..m.clone()
+            },
+        ];
+        for f in flipped {
+            assert!(!f.covers([1, 2]), "{f:?}");
+        }
     }
 
     #[test]

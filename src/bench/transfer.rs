@@ -304,13 +304,12 @@ impl Payload {
                 }
             });
         }
-        let manifest = Manifest {
-            nonce: target.nonce,
-            tokens: target.prompt_tokens,
-            pages: frames.len() as u32,
-            digest: bulkhead_handoff::digest(frames.iter().map(|f| f.header.checksum)),
-            first_token: 0,
-        };
+        let manifest = Manifest::new(
+            target.nonce,
+            target.prompt_tokens,
+            0,
+            frames.iter().map(|f| f.header.checksum),
+        );
         Ok((frames, manifest))
     }
 

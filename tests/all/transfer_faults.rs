@@ -693,7 +693,7 @@ impl proto::Worker for StandInPrefill {
         &self,
         request: tonic::Request<proto::PrefillRequest>,
     ) -> Result<tonic::Response<Self::PrefillStream>, tonic::Status> {
-        use bulkhead_handoff::{Frame, Manifest, SessionNonce, digest};
+        use bulkhead_handoff::{Frame, Manifest, SessionNonce};
         use futures_util::StreamExt as _;
         let r = request.into_inner();
         let t = r.reservation.expect("decode names its reservation");
@@ -707,13 +707,12 @@ impl proto::Worker for StandInPrefill {
                 Frame::new(nonce, i as u32, tag, start..end, bytes)
             })
             .collect();
-        let manifest = Manifest {
+        let manifest = Manifest::new(
             nonce,
-            tokens: t.prompt_tokens,
-            pages: frames.len() as u32,
-            digest: digest(frames.iter().map(|f| f.header.checksum)),
-            first_token: 1,
-        };
+            t.prompt_tokens,
+            1,
+            frames.iter().map(|f| f.header.checksum),
+        );
         let sending = async move {
             bulkhead_worker::serve::kvplane::send(
                 &r.kv_address,

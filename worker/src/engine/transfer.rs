@@ -32,7 +32,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use bulkhead_handoff::{
-    CheckedFrame, DropReason, Frame, Inbound, Manifest, Reservation as Target, SessionNonce, digest,
+    CheckedFrame, DropReason, Frame, Inbound, Manifest, Reservation as Target, SessionNonce,
 };
 use bulkhead_kvpool::{
     Allocation, PageId, PagePool, PageRef, Prefix, Quarantined, Releasing, Reservation, Tag,
@@ -195,13 +195,12 @@ impl Outbound {
             let bytes = kv.read_slots(src.page, slots(&tokens, pt))?;
             frames.push(Frame::new(target.nonce, index, dst.tag, tokens, bytes));
         }
-        let manifest = Manifest {
-            nonce: target.nonce,
-            tokens: target.prompt_tokens,
-            pages: frames.len() as u32,
-            digest: digest(frames.iter().map(|f| f.header.checksum)),
+        let manifest = Manifest::new(
+            target.nonce,
+            target.prompt_tokens,
             first_token,
-        };
+            frames.iter().map(|f| f.header.checksum),
+        );
         Ok(Outbound {
             frames,
             manifest,

@@ -725,8 +725,8 @@ async fn write_all_vectored(
 mod tests {
     use std::sync::Mutex;
 
+    use bulkhead_handoff::CheckedFrame;
     use bulkhead_handoff::codec::encode_frame;
-    use bulkhead_handoff::{CheckedFrame, digest};
     use bulkhead_kvpool::Tag;
     use tokio_rustls::rustls::pki_types::pem::PemObject;
     use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
@@ -772,13 +772,12 @@ mod tests {
     }
 
     fn manifest(fs: &[Frame]) -> Manifest {
-        Manifest {
-            nonce: NONCE,
-            tokens: fs.len() as u32 * 4,
-            pages: fs.len() as u32,
-            digest: digest(fs.iter().map(|f| f.header.checksum)),
-            first_token: 3,
-        }
+        Manifest::new(
+            NONCE,
+            fs.len() as u32 * 4,
+            3,
+            fs.iter().map(|f| f.header.checksum),
+        )
     }
 
     /// Sends through an in-memory pipe of `pipe` bytes (small pipes split every write).

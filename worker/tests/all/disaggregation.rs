@@ -6,7 +6,9 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use bulkhead_handoff::codec::{decode, encode};
-use bulkhead_handoff::{CloseReason, IntegrityFailure, Message, Reservation, SessionNonce};
+use bulkhead_handoff::{
+    CloseReason, IntegrityFailure, Manifest, Message, Reservation, SessionNonce,
+};
 use bulkhead_kvpool::{RequestId, Scope};
 use bulkhead_worker::engine::{
     Engine, EngineConfig, Event, Failure, KvBudget, Outbound, SubmitError,
@@ -425,6 +427,27 @@ fn a_transfer_closed_as_complete_without_its_manifest_fails_verification() {
     }
 }
 
+/// A first token changed on the way (a flipped bit, or a peer that rewrites it) fails the
+/// transfer's digest: decode generated from a token prefill never sampled, and answered 200.
+#[test]
+fn a_manifest_whose_first_token_changed_on_the_way_fails_the_request_before_any_token() {
+    let (mut d, mut p) = (tiny_engine(256), tiny_engine(256));
+    let prompt: Vec<u32> = (3..40).collect();
+    let out = disaggregated(&mut d, &mut p, &prompt, 8, |m| match m {
+        Message::Manifest(mut manifest) => {
+            manifest.first_token ^= 1;
+            Some(Message::Manifest(manifest))
+        }
+        other => Some(other),
+    });
+    assert_eq!(
+        out.finish,
+        Some(Err(Failure::Transfer(IntegrityFailure::DigestMismatch)))
+    );
+    assert!(out.tokens.is_empty(), "no token reached the client");
+    assert_pages_back(&d, 3);
+}
+
 #[test]
 fn a_dropped_frame_fails_the_request() {
     let (mut d, mut p) = (tiny_engine(256), tiny_engine(256));
@@ -441,16 +464,25 @@ fn a_dropped_frame_fails_the_request() {
     );
 }
 
+/// A prefill worker that sampled a token outside the vocabulary (a bug, its manifest sealed
+/// as it should be) fails the request before any token reaches the client.
 #[test]
 fn a_manifest_whose_first_token_is_outside_the_vocabulary_fails_the_request_before_any_token() {
     let (mut d, mut p) = (tiny_engine(256), tiny_engine(256));
     let vocab = d.tokenizer().vocab_size();
     let prompt: Vec<u32> = (3..40).collect();
+    let mut checksums = Vec::new();
     let out = disaggregated(&mut d, &mut p, &prompt, 8, |m| match m {
-        Message::Manifest(mut manifest) => {
-            manifest.first_token = vocab as u32;
-            Some(Message::Manifest(manifest))
+        Message::Frame(f) => {
+            checksums.push(f.header.checksum);
+            Some(Message::Frame(f))
         }
+        Message::Manifest(m) => Some(Message::Manifest(Manifest::new(
+            m.nonce,
+            m.tokens,
+            vocab as u32,
+            checksums.iter().copied(),
+        ))),
         other => Some(other),
     });
     assert_eq!(
