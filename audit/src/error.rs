@@ -75,6 +75,23 @@ pub enum AuditError {
         /// The tenant.
         tenant: TenantId,
     },
+    /// Keyed: past the head, a line that does not chain is followed by lines that carry the
+    /// log's MAC. A crash leaves a torn or unreadable tail, and a failed write stops the log,
+    /// so the gateway wrote those lines after the broken one: it was edited, or the head put
+    /// back from an older copy. Cutting would destroy the records that show it.
+    #[error(
+        "{tenant}: line {line} of {path} does not follow the record before it, yet line {vouched} after it carries the log's MAC: the log was modified (or its head put back from an older copy); `bulkhead audit verify` locates it, and nothing was cut"
+    )]
+    VouchedPastBreak {
+        /// The tenant.
+        tenant: TenantId,
+        /// The segment of the line that does not chain.
+        path: PathBuf,
+        /// That line, 1-based.
+        line: u64,
+        /// The first line after it with a valid MAC, 1-based.
+        vouched: u64,
+    },
     /// The head says no record is durable yet, but more than a crash can leave stands behind
     /// it (a tenant's first record goes down alone with a head naming it).
     #[error(

@@ -1019,6 +1019,20 @@ fn recover_tenant(
         }
     }
     let unchained = lines.next();
+    // Keyed, lines that carry the log's MAC past one that does not chain were written by the
+    // gateway after it: the break is an edit (or a head put back from an older copy), not a
+    // crash's leftovers (a failed write stops the log), and cutting would destroy the records
+    // that prove it — and let `verify` pass on what is left.
+    if let (Some(broken), true) = (&unchained, chain.is_keyed())
+        && let Some(vouched) = lines.find(|l| l.parsed.is_ok())
+    {
+        return Err(AuditError::VouchedPastBreak {
+            tenant: tenant.clone(),
+            path: broken.path.clone(),
+            line: broken.line,
+            vouched: vouched.line,
+        });
+    }
     if let Some(line) = unchained.as_ref().filter(|l| l.path != last_path) {
         return Err(AuditError::Corrupt {
             path: line.path.clone(),

@@ -294,6 +294,37 @@ fn a_keyed_log_s_last_line_past_its_head_cannot_be_replaced() {
     assert_eq!(log.read(&a, Seq(4), 10).expect("reads"), vec![]);
 }
 
+/// A head put back from an older copy and the next record edited: the records after it still
+/// carry the log's MAC, so the break is an edit, not a crash's leftovers. Reopening refuses and
+/// cuts nothing — cutting from the edit on destroyed every later record, after which `verify`
+/// passed on what was left.
+#[test]
+fn a_keyed_log_edited_past_a_stale_head_is_refused_not_cut() {
+    let dir = Scratch::new();
+    let k = key(1);
+    let a = tenant("a");
+    past_a_stale_head(dir.path(), &k);
+    let seg = segments(dir.path(), &a)[0].clone();
+    let mut l = lines(&seg);
+    let edited = l[3].replace(r#""req-3""#, r#""req-x""#);
+    assert_ne!(edited, l[3]);
+    l[3] = edited;
+    write_lines(&seg, &l);
+    let before = std::fs::read(&seg).expect("reads");
+    assert!(!verify(dir.path(), None, Some(&k)).passed());
+
+    let e = open_keyed(dir.path(), Some(&k)).expect_err("an edit, not a crash");
+    assert!(
+        matches!(
+            &e,
+            AuditError::VouchedPastBreak { path, line: 4, vouched: 5, .. } if *path == seg
+        ),
+        "{e}"
+    );
+    assert_eq!(std::fs::read(&seg).expect("reads"), before, "nothing cut");
+    assert!(!verify(dir.path(), None, Some(&k)).passed());
+}
+
 /// `line` without the MAC a keyed line starts with.
 fn without_mac(line: &str) -> String {
     format!("{{{}", &line[r#"{"mac":""#.len() + 64 + 2..])
