@@ -97,12 +97,27 @@ pub(crate) fn read_below(
             _ => end = mid,
         }
     }
+    // A segment's records are numbered on from its first, a line each: the lines before
+    // `since` are stepped over, not decoded (decoding every one made each page of a 64 MiB
+    // segment cost the segment, and one bad line before `since` failed every later page).
+    let mut skip = match listing.segments.get(start) {
+        Some((_, path)) => first_seq(path)?.map_or(0, |first| since.0.saturating_sub(first.0)),
+        None => 0,
+    };
     let mut out = Vec::new();
     let mut bytes = 0usize;
     let mut l = Vec::new();
     for (_, path) in &listing.segments[start..] {
         let mut reader = BufReader::new(fs::File::open(path).map_err(io_err("open", path))?);
-        for n in 1u64.. {
+        // The first segment's only: the next starts at a record of its own.
+        let mut n = 1u64;
+        for _ in 0..std::mem::take(&mut skip) {
+            if reader.skip_until(b'\n').map_err(io_err("read", path))? == 0 {
+                break;
+            }
+            n += 1;
+        }
+        for n in n.. {
             l.clear();
             reader
                 .read_until(b'\n', &mut l)

@@ -644,3 +644,50 @@ fn open_segment_files_are_bounded_and_a_closed_one_is_reopened_in_place() {
         "no new segment for it"
     );
 }
+
+/// A page from `since` steps over the lines before it without decoding them: each page of a
+/// large segment cost the whole segment before it (and a hostile tenant's `since` far past
+/// its end, the whole segment at every read), and one unreadable line before `since` failed
+/// every later page. Pages still start at `since`, in one segment or across several.
+#[test]
+fn a_page_from_since_steps_over_the_lines_before_it() {
+    let dir = Scratch::new();
+    let a = tenant("a");
+    // Segments of a few records each, and one of every record.
+    for segment_bytes in [1000, 1 << 20] {
+        let dir = Scratch::new();
+        let log = open(dir.path(), segment_bytes);
+        for i in 0..20 {
+            log.append(&a, &record(&a, i)).unwrap();
+        }
+        drop(log);
+        if segment_bytes == 1000 {
+            assert!(segments(dir.path(), &a).len() > 3, "several segments");
+        }
+        for since in 0..22 {
+            let got = bulkhead_audit::read(dir.path(), &a, Seq(since), 3).unwrap();
+            let want: Vec<_> = (since..20.min(since + 3))
+                .map(|i| (Seq(i), record(&a, i)))
+                .collect();
+            assert_eq!(
+                pairs(got),
+                want,
+                "since {since}, {segment_bytes}-byte segments"
+            );
+        }
+    }
+    let log = open(dir.path(), 1 << 20);
+    for i in 0..10 {
+        log.append(&a, &record(&a, i)).unwrap();
+    }
+    drop(log);
+    let seg = segments(dir.path(), &a)[0].clone();
+    let mut l = lines(&seg);
+    l[2] = "not a record".to_owned();
+    std::fs::write(&seg, l.join("\n") + "\n").unwrap();
+    let got = bulkhead_audit::read(dir.path(), &a, Seq(5), 10).unwrap();
+    assert_eq!(got.first().map(|s| s.seq), Some(Seq(5)));
+    assert_eq!(got.len(), 5);
+    let e = bulkhead_audit::read(dir.path(), &a, Seq(0), 10).expect_err("a page with it");
+    assert!(matches!(e, AuditError::Corrupt { line: 3, .. }), "{e}");
+}
