@@ -34,6 +34,9 @@ pub const MIN_KEY_LEN: usize = 32;
 #[derive(Clone)]
 pub struct ChainKey {
     secret: Vec<u8>,
+    /// The operator's key's id: a directory's key (see [`ChainKey::for_log`]) keeps the id of
+    /// the key it was derived from, so a seal names the key the operator holds.
+    id: KeyId,
 }
 
 /// Why a secret is not a [`ChainKey`].
@@ -62,7 +65,10 @@ impl ChainKey {
         match secret.len() {
             0 => Err(KeyError::Empty),
             len if len < MIN_KEY_LEN => Err(KeyError::TooShort { len }),
-            _ => Ok(Self { secret }),
+            _ => {
+                let id = Self::id_of(&secret);
+                Ok(Self { secret, id })
+            }
         }
     }
 
@@ -76,10 +82,24 @@ impl ChainKey {
     /// The key's id: a MAC of a constant, so a seal can tell a wrong key from an edited file
     /// without giving the key away.
     pub fn id(&self) -> KeyId {
-        let mac = self.mac(&[b"bulkhead-audit key id"]);
+        self.id
+    }
+
+    fn id_of(secret: &[u8]) -> KeyId {
+        let mut mac = HmacSha256::new_from_slice(secret).expect("HMAC takes a key of any length");
+        mac.update(b"bulkhead-audit key id");
         let mut id = [0; 8];
-        id.copy_from_slice(&mac.0[..8]);
+        id.copy_from_slice(&mac.finalize().into_bytes()[..8]);
         KeyId(id)
+    }
+
+    /// The key the logs of the data directory `id` names are sealed with: a MAC of the id
+    /// under this key (see [`crate::log_id`]).
+    pub(crate) fn for_log(&self, id: &crate::log_id::LogId) -> ChainKey {
+        ChainKey {
+            secret: self.mac(&[b"bulkhead-audit log\n", &id.0]).0.to_vec(),
+            id: self.id,
+        }
     }
 
     fn hmac(&self, parts: &[&[u8]]) -> HmacSha256 {

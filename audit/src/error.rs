@@ -92,6 +92,14 @@ pub enum AuditError {
         /// The first line after it with a valid MAC, 1-based.
         vouched: u64,
     },
+    /// A keyed data directory's id (`LOG-ID`) cannot be used.
+    #[error("{path}: {reason}; the key of this directory's seals is derived with it")]
+    BadLogId {
+        /// The id's file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The head says no record is durable yet, but more than a crash can leave stands behind
     /// it (a tenant's first record goes down alone with a head naming it).
     #[error(

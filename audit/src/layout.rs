@@ -5,6 +5,9 @@
 //! DIR/TENANTS                       the roster: every tenant whose log began, one per line;
 //!                                   keyed: then "hmac-sha256 <key id> <mac>\n"
 //! DIR/TENANTS.tmp                   a keyed roster's next version, before its rename
+//! DIR/LOG-ID                        keyed: the directory's id, which its seals' key is
+//!                                   derived with (see `log_id.rs`)
+//! DIR/LOG-ID.tmp                    that id, before its rename
 //! DIR/<tenant>/<segment>.jsonl      segment numbers from 0, 20 digits, contiguous
 //! DIR/<tenant>/head                 "<seq> <link to that line>\n": a durable record; or
 //!                                   "genesis\n": none yet; keyed: the link's SHA-256 in
@@ -102,7 +105,12 @@ pub(crate) fn list_tenants(dir: &Path) -> io::Result<(Vec<TenantId>, Vec<PathBuf
             _ if !is_dir
                 && matches!(
                     name.to_str(),
-                    Some(LOCK | crate::roster::ROSTER | crate::roster::ROSTER_TMP)
+                    Some(
+                        LOCK | crate::roster::ROSTER
+                            | crate::roster::ROSTER_TMP
+                            | crate::log_id::LOG_ID
+                            | crate::log_id::LOG_ID_TMP
+                    )
                 ) => {}
             _ => unexpected.push(entry.path()),
         }

@@ -50,6 +50,7 @@ mod hash;
 pub mod layout;
 mod line;
 mod log;
+mod log_id;
 mod read;
 mod record;
 mod roster;

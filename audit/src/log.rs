@@ -25,6 +25,7 @@ use crate::error::{AuditError, io_err};
 use crate::hash::Sha256Digest;
 use crate::layout::{self, HEAD, HEAD_TMP, Head, HeadFile, LOCK, SegmentNo};
 use crate::line::{self, Seq};
+use crate::log_id;
 use crate::read::{self, Stored};
 use crate::record::AuditRecord;
 use crate::roster;
@@ -325,12 +326,15 @@ impl AuditLog {
     /// its last line that chains on from the head, cutting off what a crash left after it (see
     /// [`Recovery`]); refuses a tenant whose head is missing or names a record the log does not
     /// hold as recorded.
-    pub fn open(config: Config) -> Result<(Self, Vec<Recovery>), AuditError> {
+    pub fn open(mut config: Config) -> Result<(Self, Vec<Recovery>), AuditError> {
         let dir = config.dir.clone();
         let lock_file = lock_dir(&dir)?;
         let mut recoveries = Vec::new();
         let mut state = State::default();
         let (tenants, _) = layout::list_tenants(&dir).map_err(io_err("list", &dir))?;
+        if let Some(key) = &config.key {
+            config.key = Some(directory_key(&dir, key, &tenants)?);
+        }
         let chain = Chain::new(config.key.as_ref());
         let roster = hold_to_roster(&dir, chain, &tenants, &mut recoveries)?;
         for tenant in tenants {
@@ -673,6 +677,26 @@ impl Inner {
 /// Holds the tenant directories to the roster: a listed tenant's directory must be there
 /// (that it still has its head, [`recover_tenant`] checks as it reads it), and a directory no
 /// line lists must hold at most a genesis head (a crash between making and listing it: listed
+/// The key a keyed data directory's logs are sealed with, from the operator's `key` (see
+/// `log_id.rs`): a new directory (no roster, no tenant) is given its id first.
+fn directory_key(dir: &Path, key: &ChainKey, tenants: &[TenantId]) -> Result<ChainKey, AuditError> {
+    let path = dir.join(log_id::LOG_ID);
+    let id = match log_id::read(dir) {
+        Ok(None) if tenants.is_empty() && !roster::path(dir).exists() => {
+            Some(log_id::create(dir).map_err(io_err("create", &path))?)
+        }
+        Ok(id) => id,
+        Err(log_id::LogIdError::Io(e)) => return Err(io_err("read", &path)(e)),
+        Err(e @ log_id::LogIdError::Malformed) => {
+            return Err(AuditError::BadLogId {
+                path,
+                reason: e.to_string(),
+            });
+        }
+    };
+    Ok(log_id::key_of(id, key))
+}
+
 /// now). A keyed log's roster must be sealed with the key, an unkeyed one's not at all. A new
 /// data directory gets an empty roster. Returns the roster as found.
 fn hold_to_roster(

@@ -336,7 +336,19 @@ pub fn verify_anchored(
     key: Option<&ChainKey>,
     anchors: &[Anchor],
 ) -> Report {
-    let chain = Chain::new(key);
+    // The key this directory's seals were made with, derived with its id (`log_id.rs`).
+    let key = match key.map(|k| (k, crate::log_id::read(dir))) {
+        None => None,
+        Some((k, Ok(id))) => Some(crate::log_id::key_of(id, k)),
+        Some((_, Err(e))) => {
+            let path = dir.join(crate::log_id::LOG_ID);
+            return Report {
+                dir_problem: Some(at(&path, None, Reason::Io(e.to_string()))),
+                tenants: Vec::new(),
+            };
+        }
+    };
+    let chain = Chain::new(key.as_ref());
     let (present, unexpected) = match layout::list_tenants(dir) {
         Ok(listing) => listing,
         Err(e) => {

@@ -20,20 +20,6 @@ fn open_with(dir: &Path, key: Option<&ChainKey>) -> AuditLog {
     log
 }
 
-/// Copies the directory tree `from` to `to`, file by file.
-fn copy_tree(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).expect("makes the copy's directory");
-    for entry in std::fs::read_dir(from).expect("lists") {
-        let entry = entry.expect("an entry");
-        let target = to.join(entry.file_name());
-        if entry.file_type().expect("a type").is_dir() {
-            copy_tree(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), &target).expect("copies");
-        }
-    }
-}
-
 fn anchor(receipt: &Receipt) -> Anchor {
     Anchor {
         tenant: receipt.tenant.clone(),

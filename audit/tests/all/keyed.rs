@@ -325,6 +325,39 @@ fn a_keyed_log_edited_past_a_stale_head_is_refused_not_cut() {
     assert!(!verify(dir.path(), None, Some(&k)).passed());
 }
 
+/// Two data directories written with one key (gateway replicas on a shared volume, each in
+/// its own): a tenant's log copied from one over the other's is refused at open and named by
+/// `verify` — sealed with one key, every MAC of it held there and the copy passed. An edited
+/// `LOG-ID` is named too.
+#[test]
+fn a_tenants_log_copied_from_another_directory_with_the_same_key_does_not_verify() {
+    let k = key(1);
+    let a = tenant("a");
+    let (ours, theirs) = (Scratch::new(), Scratch::new());
+    for (dir, n) in [(&ours, 5), (&theirs, 2)] {
+        let (log, _) = open_keyed(dir.path(), Some(&k)).expect("opens");
+        for i in 0..n {
+            log.append(&a, &record(&a, i)).expect("appends");
+        }
+    }
+    assert!(verify(ours.path(), None, Some(&k)).passed());
+    std::fs::remove_dir_all(ours.path().join("a")).expect("removes ours");
+    copy_tree(&theirs.path().join("a"), &ours.path().join("a"));
+
+    let report = verify(ours.path(), None, Some(&k));
+    assert!(!report.passed(), "{report}");
+    let p = report.tenants[0].problem.clone().expect("tenant a's");
+    assert!(p.path.starts_with(ours.path().join("a")), "{p}");
+    let e = open_keyed(ours.path(), Some(&k)).expect_err("another directory's log");
+    assert!(matches!(e, AuditError::SealBroken { .. }), "{e}");
+
+    let id = theirs.path().join("LOG-ID");
+    std::fs::write(&id, "not an id\n").expect("edits it");
+    let e = open_keyed(theirs.path(), Some(&k)).expect_err("an edited id");
+    assert!(matches!(e, AuditError::BadLogId { .. }), "{e}");
+    assert!(!verify(theirs.path(), None, Some(&k)).passed());
+}
+
 /// `line` without the MAC a keyed line starts with.
 fn without_mac(line: &str) -> String {
     format!("{{{}", &line[r#"{"mac":""#.len() + 64 + 2..])
