@@ -10,8 +10,8 @@
 //! DIR/LOG-ID.tmp                    that id, before its rename
 //! DIR/<tenant>/<segment>.jsonl      segment numbers from 0, 20 digits, contiguous
 //! DIR/<tenant>/head                 "<seq> <link to that line>\n": a durable record; or
-//!                                   "genesis\n": none yet; keyed: the link's SHA-256 in
-//!                                   place of the link (a head gives no link away), and
+//!                                   "genesis\n": none yet; keyed: the link is the line's
+//!                                   own MAC (already in the line), and
 //!                                   " hmac-sha256 <key id> <mac>" before the newline
 //! DIR/<tenant>/head.tmp             the next head, before its rename
 //! ```
