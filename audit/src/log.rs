@@ -479,6 +479,7 @@ impl Inner {
     }
 
     fn enqueue(&self, tenant: &TenantId, record: &AuditRecord) -> Result<Enqueued, AuditError> {
+        let fields = line::Fields::of(record)?;
         let mut state = lock(&self.state);
         if let Some(reason) = &state.poisoned {
             return Err(AuditError::Poisoned {
@@ -499,7 +500,7 @@ impl Inner {
         let seq = Seq(t.next_seq);
         let (mut bytes, digest) = self
             .chain()
-            .write(line::encode(seq, t.last_digest, record)?);
+            .write(line::encode(seq, t.last_digest, &fields));
         // Keyed, the link is a MAC: the line itself, for its SHA-256.
         let keyed_line = self.chain().is_keyed().then(|| bytes.clone());
         bytes.push(b'\n');

@@ -691,3 +691,39 @@ fn a_page_from_since_steps_over_the_lines_before_it() {
     let e = bulkhead_audit::read(dir.path(), &a, Seq(0), 10).expect_err("a page with it");
     assert!(matches!(e, AuditError::Corrupt { line: 3, .. }), "{e}");
 }
+
+/// A line is the record's fields after `seq` and `prev`, byte for byte what serde writes for
+/// them flattened (the fields are serialized out of the log's lock, then spliced in).
+#[test]
+fn a_line_is_the_record_flattened_after_seq_and_prev() {
+    #[derive(serde::Serialize)]
+    struct Flattened<'a> {
+        seq: Seq,
+        prev: Sha256Digest,
+        #[serde(flatten)]
+        record: &'a AuditRecord,
+    }
+    let dir = Scratch::new();
+    let a = tenant("a");
+    let log = open(dir.path(), 1 << 20);
+    let mut records = vec![record(&a, 0), record(&a, 1)];
+    records[1].input_tokens = None;
+    records[1].workers = None;
+    records[1].prompt = Some("a \"quoted\"\nprompt".to_owned());
+    for r in &records {
+        log.append(&a, r).unwrap();
+    }
+    drop(log);
+    let stored = lines(&segments(dir.path(), &a)[0]);
+    let mut prev = Sha256Digest::ZERO;
+    for (i, (line, r)) in stored.iter().zip(&records).enumerate() {
+        let want = serde_json::to_string(&Flattened {
+            seq: Seq(i as u64),
+            prev,
+            record: r,
+        })
+        .unwrap();
+        assert_eq!(line, &want);
+        prev = Sha256Digest::of(line.as_bytes());
+    }
+}
