@@ -162,6 +162,19 @@ impl EngineHandle {
         how: Submission,
         build: impl FnOnce(RequestId, Box<dyn EventSink>) -> Request,
     ) -> Result<(Events, CancelOnDrop), ServeError> {
+        self.submit_unclaimed(how, build)
+            .await
+            .map(Unclaimed::claim)
+    }
+
+    /// [`EngineHandle::submit`], its events and guard handed over [`Unclaimed`]: a caller
+    /// that leaves before it reads its reservation — or before the submission is answered
+    /// (the engine may reserve at once) — has it closed at once.
+    pub(crate) async fn submit_unclaimed(
+        &self,
+        how: Submission,
+        build: impl FnOnce(RequestId, Box<dyn EventSink>) -> Request,
+    ) -> Result<Unclaimed<'_>, ServeError> {
         let (tx, rx) = mpsc::unbounded_channel();
         let sink = ChannelSink {
             tx,
@@ -177,22 +190,18 @@ impl EngineHandle {
                 reply,
             })
             .map_err(|_| ServeError::EngineGone)?;
-        // From here on, if this future is dropped the request must not linger in the engine.
-        let mut guard = CancelOnDrop {
+        // From here on, if this future is dropped the request must not linger in the engine,
+        // nor a reservation the engine made for it in the events nobody reads.
+        let guard = CancelOnDrop {
             handle: self.clone(),
             id,
             armed: true,
         };
+        let unclaimed = Unclaimed::new(self, rx, guard);
         match answer.await {
-            Ok(Ok(())) => Ok((rx, guard)),
-            Ok(Err(e)) => {
-                guard.disarm();
-                Err(e)
-            }
-            Err(_) => {
-                guard.disarm();
-                Err(ServeError::EngineGone)
-            }
+            Ok(Ok(())) => Ok(unclaimed),
+            Ok(Err(e)) => Err(unclaimed.refused(e)),
+            Err(_) => Err(unclaimed.refused(ServeError::EngineGone)),
         }
     }
 
@@ -372,6 +381,63 @@ fn handle(engine: &mut Engine, command: Command, metrics: &Metrics) {
         Command::Close(outbound) => outbound.close(),
         Command::Stats { reply } => {
             let _ = reply.send(stats_of(engine));
+        }
+    }
+}
+
+/// A submitted request's events and guard that nobody has taken yet. Dropped so — its caller
+/// left as the engine reserved its pages, before it read the reservation, or even before the
+/// submission's answer — the session was never named to a prefill worker, so no drain
+/// acknowledgement and no teardown of a call would ever come: the pages waited the release
+/// timeout and were quarantined. Dropped so, the request is cancelled and then its session
+/// torn down (the order `Unanswered` in `disagg.rs` keeps), and the pages come back at once.
+pub(crate) struct Unclaimed<'a> {
+    engine: &'a EngineHandle,
+    /// `None` once taken.
+    waiting: Option<(Events, CancelOnDrop)>,
+}
+
+impl<'a> Unclaimed<'a> {
+    pub(crate) fn new(engine: &'a EngineHandle, events: Events, guard: CancelOnDrop) -> Self {
+        Self {
+            engine,
+            waiting: Some((events, guard)),
+        }
+    }
+
+    /// The next event, while nobody has taken them.
+    pub(crate) async fn next(&mut self) -> Option<Event> {
+        self.waiting.as_mut()?.0.recv().await
+    }
+
+    /// The caller takes the events and the guard: from here on it names the session.
+    pub(crate) fn claim(mut self) -> (Events, CancelOnDrop) {
+        self.waiting
+            .take()
+            .expect("taken once, by claim or refused")
+    }
+
+    /// The engine refused the submission (`e`): nothing of it is left to cancel.
+    fn refused(mut self, e: ServeError) -> ServeError {
+        if let Some((_, mut guard)) = self.waiting.take() {
+            guard.disarm();
+        }
+        e
+    }
+}
+
+impl Drop for Unclaimed<'_> {
+    fn drop(&mut self) {
+        let Some((mut events, guard)) = self.waiting.take() else {
+            return;
+        };
+        // From here a reservation the engine makes goes nowhere, and it drops it itself.
+        events.close();
+        drop(guard);
+        while let Ok(event) = events.try_recv() {
+            if let Event::Reserved(target) = event {
+                self.engine.transport_closed(vec![target.nonce]);
+            }
         }
     }
 }

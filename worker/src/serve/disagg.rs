@@ -337,45 +337,6 @@ impl Drop for Unanswered<'_> {
     }
 }
 
-/// A decode request waiting for its reservation. Dropped before it read its `Reserved` — the
-/// client left as the engine reserved its pages — the session was never named to a prefill
-/// worker, so no drain acknowledgement and no teardown of a call would ever come: the pages
-/// waited the release timeout and were quarantined. Dropped so, the request is cancelled and
-/// then its session torn down (the order [`Unanswered`] keeps), and the pages come back at
-/// once.
-struct Reserving<'a> {
-    engine: &'a EngineHandle,
-    /// `None` once the reservation was read.
-    waiting: Option<(Events, CancelOnDrop)>,
-}
-
-impl Reserving<'_> {
-    async fn next(&mut self) -> Option<Event> {
-        self.waiting.as_mut()?.0.recv().await
-    }
-
-    /// The reservation was read: the caller names the session to prefill from here on.
-    fn reserved(mut self) -> (Events, CancelOnDrop) {
-        self.waiting.take().expect("read once, before it is taken")
-    }
-}
-
-impl Drop for Reserving<'_> {
-    fn drop(&mut self) {
-        let Some((mut events, guard)) = self.waiting.take() else {
-            return;
-        };
-        // From here a reservation the engine makes goes nowhere, and it drops it itself.
-        events.close();
-        drop(guard);
-        while let Ok(event) = events.try_recv() {
-            if let Event::Reserved(target) = event {
-                self.engine.transport_closed(vec![target.nonce]);
-            }
-        }
-    }
-}
-
 /// Which of the two waits of [`start_remote_prefill`] ended first.
 enum Raced<A> {
     Answer(A),
@@ -394,16 +355,12 @@ pub async fn start_remote_prefill(
     let (caller_id, tenant) = (valid.caller_id.clone(), valid.tenant.clone());
     let cache_salt = valid.cache_salt.clone();
     let admission = async {
-        let (events, guard) = engine
-            .submit(Submission::Decode, |id, sink| valid.into_request(id, sink))
+        let mut reserving = engine
+            .submit_unclaimed(Submission::Decode, |id, sink| valid.into_request(id, sink))
             .await?;
-        let mut reserving = Reserving {
-            engine,
-            waiting: Some((events, guard)),
-        };
         match reserving.next().await {
             Some(Event::Reserved(target)) => {
-                let (events, guard) = reserving.reserved();
+                let (events, guard) = reserving.claim();
                 Ok((events, guard, target))
             }
             Some(Event::Failed(f)) => Err(ServeError::Failed(f)),
@@ -852,6 +809,7 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
+    use crate::serve::actor::Unclaimed;
 
     /// A decode request submitted to `engine`, its pages reserved (the engine said so) and
     /// its `Reserved` event not read: as a client that left at that moment leaves it.
@@ -908,17 +866,44 @@ mod tests {
     #[tokio::test]
     async fn a_client_that_leaves_as_its_pages_are_reserved_gives_them_back_at_once() {
         let engine = EngineHandle::tiny();
-        // Without `Reserving`: the pages wait for an acknowledgement nobody will send.
+        // Without `Unclaimed`: the pages wait for an acknowledgement nobody will send.
         let (events, guard) = reserved_unread(&engine).await;
         drop((events, guard));
         let held = pages(&engine, |s| s.releasing > 0).await;
         assert!(held.releasing > 0, "the drain it saves: {held:?}");
         let engine = EngineHandle::tiny();
         let (events, guard) = reserved_unread(&engine).await;
-        drop(Reserving {
-            engine: &engine,
-            waiting: Some((events, guard)),
-        });
+        drop(Unclaimed::new(&engine, events, guard));
+        let back = pages(&engine, all_back).await;
+        assert!(all_back(&back), "{back:?}");
+        let stats = engine.stats().await.expect("stats");
+        assert_eq!(stats.transfers.drain_timeouts, 0);
+    }
+
+    /// A client that leaves while its submission is answered — the engine admitted it and
+    /// reserved its pages, the answer not yet read — gives them back at once too: the
+    /// reservation waited in the events nobody read, and the pages for the release timeout.
+    #[tokio::test]
+    async fn a_client_that_leaves_before_its_submission_is_answered_gives_its_pages_back_at_once() {
+        let engine = EngineHandle::tiny();
+        let mut submit = Box::pin(engine.submit(Submission::Decode, |id, sink| Request {
+            id,
+            tenant: Scope::new("test"),
+            prompt: vec![5; 20],
+            max_new_tokens: 4,
+            sampling: crate::sampling::SamplingParams::GREEDY,
+            stop: Vec::new(),
+            ignore_eos: false,
+            sink,
+        }));
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert!(submit.as_mut().poll(&mut cx).is_pending(), "submitted");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while engine.stats().await.expect("stats").pool.reserved == 0 {
+            assert!(Instant::now() < deadline, "never reserved");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(submit);
         let back = pages(&engine, all_back).await;
         assert!(all_back(&back), "{back:?}");
         let stats = engine.stats().await.expect("stats");
