@@ -351,30 +351,35 @@ fn check_roles(messages: &[Message]) -> Result<(), ChatError> {
 }
 
 /// `messages` tokenized in `frame`: each content as plain text, the frame's pieces with their
-/// control tokens.
+/// control tokens, the text between two control tokens encoded whole — a piece's text and the
+/// contents beside it together, as the whole rendering is tokenized.
 fn encode_in(
     frame: &Frame,
     tokenizer: &Tokenizer,
     messages: &[Message],
 ) -> Result<Vec<TokenId>, ChatError> {
-    // What the template rendered around the contents (special tokens parsed there only).
-    let template = |text: &str| {
-        tokenizer
-            .encode_template(text)
-            .map_err(|e| ChatError::Tokenize(e.to_string()))
-    };
+    let failed = |e: crate::tokenizer::TokenizerError| ChatError::Tokenize(e.to_string());
     let mut tokens = Vec::new();
-    for (piece, m) in frame.iter().zip(messages) {
-        tokens.extend_from_slice(&template(piece)?);
-        tokens.extend(
-            tokenizer
-                .encode(&m.content, false)
-                .map_err(|e| ChatError::Tokenize(e.to_string()))?,
-        );
+    // The text since the last control token, not yet encoded.
+    let mut text = String::new();
+    let piece = |piece: &str, text: &mut String, tokens: &mut Vec<TokenId>| {
+        let piece = tokenizer.template_piece(piece).map_err(failed)?;
+        text.push_str(&piece.head);
+        if let Some((ids, tail)) = &piece.controlled {
+            tokens.extend(tokenizer.encode(text, false).map_err(failed)?);
+            tokens.extend_from_slice(ids);
+            tail.clone_into(text);
+        }
+        Ok::<_, ChatError>(())
+    };
+    for (p, m) in frame.iter().zip(messages) {
+        piece(p, &mut text, &mut tokens)?;
+        text.push_str(&m.content);
     }
     if let Some(last) = frame.last() {
-        tokens.extend_from_slice(&template(last)?);
+        piece(last, &mut text, &mut tokens)?;
     }
+    tokens.extend(tokenizer.encode(&text, false).map_err(failed)?);
     // A model whose file asks for a BOS, under a template that writes none: added, once.
     if let Some(bos) = tokenizer.prompt_bos()
         && tokens.first() != Some(&bos)

@@ -97,9 +97,24 @@ pub struct Tokenizer {
     add_bos: bool,
     /// Tokens that end generation: EOS plus `<|endoftext|>`/`<|eot_id|>`-style control tokens.
     stop: Vec<TokenId>,
-    /// Ids of the texts a chat template renders around the messages (see
-    /// [`Tokenizer::encode_template`]).
-    template_pieces: TextCache<Arc<[TokenId]>>,
+    /// The texts a chat template renders around the messages, split for encoding (see
+    /// [`Tokenizer::template_piece`]).
+    template_pieces: TextCache<Arc<TemplatePiece>>,
+}
+
+/// A chat template's piece — the text it renders between two contents (a role header, its
+/// default system prompt, the generation prompt) — split for encoding beside them: from its
+/// first control token to its last, encoded once; the text before and after, left as text to
+/// be encoded with the contents beside it. The reference tokenizes the whole rendering, so a
+/// word may run across a seam: the newline after a role header and the newlines a content
+/// starts with are one word there.
+#[derive(Debug, PartialEq, Eq)]
+pub struct TemplatePiece {
+    /// The text before the first control token: the whole piece when it has none.
+    pub head: String,
+    /// From the first control token to the last, encoded, and the text after the last; `None`
+    /// when the piece has no control token.
+    pub controlled: Option<(Vec<TokenId>, String)>,
 }
 
 /// The most template pieces kept.
@@ -108,9 +123,12 @@ const TEMPLATE_PIECES: usize = 256;
 /// The most bytes the kept template pieces hold, their texts and ids.
 const TEMPLATE_PIECE_BYTES: usize = 4 << 20;
 
-impl Held for Arc<[TokenId]> {
+impl Held for Arc<TemplatePiece> {
     fn held_bytes(&self) -> usize {
-        std::mem::size_of_val::<[TokenId]>(self)
+        let (ids, tail) = self.controlled.as_ref().map_or((0, 0), |(ids, tail)| {
+            (std::mem::size_of_val::<[TokenId]>(ids), tail.len())
+        });
+        self.head.len() + ids + tail
     }
 }
 
@@ -431,13 +449,30 @@ impl Tokenizer {
         failed.map_or(Ok(()), |e| Err(encode_error(e)))
     }
 
-    /// [`Tokenizer::encode`] with special tokens parsed, for text a chat template rendered
-    /// around the messages' contents (its default system prompt, the role headers, the
-    /// generation prompt): the same few pieces on every request, so their ids come from a
-    /// bounded cache after the first time.
-    pub fn encode_template(&self, text: &str) -> Result<Arc<[TokenId]>, TokenizerError> {
-        self.template_pieces
-            .get_or_make(text, || Ok(self.encode(text, true)?.into()))
+    /// `text`, a piece a chat template rendered around the messages' contents, split at its
+    /// control tokens ([`TemplatePiece`]): the same few pieces on every request, so they come
+    /// from a bounded cache after the first time.
+    pub fn template_piece(&self, text: &str) -> Result<Arc<TemplatePiece>, TokenizerError> {
+        self.template_pieces.get_or_make(text, || {
+            let hits = self.specials.as_ref().map(|s| {
+                let mut hits = s.matcher.find_iter(text);
+                let first = hits.next();
+                (first, hits.last().or(first))
+            });
+            let Some((Some(first), Some(last))) = hits else {
+                return Ok(Arc::new(TemplatePiece {
+                    head: text.to_owned(),
+                    controlled: None,
+                }));
+            };
+            Ok(Arc::new(TemplatePiece {
+                head: text[..first.start()].to_owned(),
+                controlled: Some((
+                    self.encode(&text[first.start()..last.end()], true)?,
+                    text[last.end()..].to_owned(),
+                )),
+            }))
+        })
     }
 
     /// The most bytes of text any one token decodes to, alone or after others (a byte that is
@@ -929,17 +964,30 @@ mod tests {
     }
 
     #[test]
-    fn template_pieces_come_out_as_encoded_and_the_cache_stays_bounded() {
+    fn template_pieces_split_at_their_control_tokens_and_the_cache_stays_bounded() {
         let t = tokenizer("smollm").expect("smollm");
-        let piece = "<|im_start|>system\nx<|im_end|>\n<|im_start|>user\n";
-        let want = t.encode(piece, true).expect("encode");
-        assert_eq!(*t.encode_template(piece).expect("first"), *want);
-        assert_eq!(*t.encode_template(piece).expect("cached"), *want);
+        let piece = "\n<|im_start|>system\nx<|im_end|>\n<|im_start|>user\n";
+        let want = TemplatePiece {
+            head: "\n".into(),
+            controlled: Some((
+                t.encode("<|im_start|>system\nx<|im_end|>\n<|im_start|>", true)
+                    .expect("encode"),
+                "user\n".into(),
+            )),
+        };
+        assert_eq!(*t.template_piece(piece).expect("first"), want);
+        assert_eq!(*t.template_piece(piece).expect("cached"), want);
         assert_eq!(t.template_pieces.len(), 1);
+        let plain = t.template_piece("no control token").expect("split");
+        assert_eq!(
+            (plain.head.as_str(), &plain.controlled),
+            ("no control token", &None)
+        );
         for i in 0..TEMPLATE_PIECES + 10 {
             let text = format!("<|im_start|>piece {i}");
-            let ids = t.encode_template(&text).expect("encode");
-            assert_eq!(*ids, *t.encode(&text, true).expect("encode"));
+            let split = t.template_piece(&text).expect("split");
+            assert_eq!(split.head, "");
+            assert_eq!(split.controlled, Some((vec![1], format!("piece {i}"))));
             assert!(t.template_pieces.len() <= TEMPLATE_PIECES);
         }
     }

@@ -90,8 +90,8 @@ fn prompts_render_and_tokenize_like_llama_cpp() {
                 .render(&[Message::new("user", &case.prompt)], true)
                 .expect("render");
             assert_eq!(Some(&rendered), case.rendered.as_ref(), "{}", case.name);
-            // Tokenizing contents apart from the template (what serving does) changes nothing
-            // for honest messages.
+            // Contents kept apart from the template's control tokens (what serving does)
+            // change nothing for honest messages.
             let apart = chat
                 .encode(
                     &loaded.tokenizer,
@@ -99,11 +99,7 @@ fn prompts_render_and_tokenize_like_llama_cpp() {
                     true,
                 )
                 .expect("encode");
-            assert_eq!(
-                apart, case.tokens,
-                "{}: contents tokenized apart",
-                case.name
-            );
+            assert_eq!(apart, case.tokens, "{}: contents kept apart", case.name);
             rendered
         } else {
             case.prompt.clone()
@@ -114,6 +110,36 @@ fn prompts_render_and_tokenize_like_llama_cpp() {
             "{}",
             case.name
         );
+    }
+}
+
+/// A chat is tokenized as its whole rendering is (what llama.cpp and HF tokenize), also where
+/// a word runs across the seam between the template and a content: contents tokenized apart
+/// from the template (as they were) split the newline after a role header from the newlines a content
+/// starts with, and a content's trailing spaces from the text after it.
+#[test]
+fn chats_tokenize_as_their_whole_rendering_across_the_seams() {
+    let loaded = real_model();
+    let chat = loaded.chat.as_ref().expect("the model has a chat template");
+    let turns: [&[(&str, &str)]; 5] = [
+        &[("user", "\n\nWhat is 2+2?")],
+        &[("user", "hi   ")],
+        &[("user", " leading, and trailing\n")],
+        &[("system", "\tBe brief.\n\n"), ("user", "\n1234")],
+        &[
+            ("user", "Hi"),
+            ("assistant", "\n\nHello!  \n"),
+            ("user", "  again"),
+        ],
+    ];
+    for turns in turns {
+        let messages: Vec<Message> = turns.iter().map(|(r, c)| Message::new(*r, *c)).collect();
+        let rendered = chat.render(&messages, true).expect("render");
+        let whole = loaded.tokenizer.encode(&rendered, true).expect("encode");
+        let served = chat
+            .encode(&loaded.tokenizer, &messages, true)
+            .expect("encode");
+        assert_eq!(served, whole, "{turns:?}");
     }
 }
 
