@@ -133,7 +133,7 @@ fn chats_tokenize_as_their_whole_rendering_across_the_seams() {
         ],
     ];
     for turns in turns {
-        let messages: Vec<Message> = turns.iter().map(|(r, c)| Message::new(*r, *c)).collect();
+        let messages: Vec<Message> = turns.iter().map(|(r, c)| Message::new(r, c)).collect();
         let rendered = chat.render(&messages, true).expect("render");
         let whole = loaded.tokenizer.encode(&rendered, true).expect("encode");
         let served = chat
