@@ -362,6 +362,9 @@ struct Entry {
     last_error: Option<(String, SystemTime)>,
     /// Requests it took and left unanswered until their deadline.
     stalls: Stalls,
+    /// The instance id of the process that last answered Info at its address (empty: none
+    /// yet, or an OpenAI upstream, which has none).
+    instance: String,
     /// Which reason not to serve through it was last logged (`None`: none, or a sound
     /// prefill worker's): the log says each change of kind once, not at every refresh (a
     /// reason's figures, an ejection's countdown say, change at every one).
@@ -472,6 +475,15 @@ impl State {
             }
             match answer.info {
                 Some(Ok((info, tokenizer))) => {
+                    // Another process at the address (restarted, or a pod recreated there):
+                    // the requests the last one left unanswered say nothing of this one, which
+                    // would stay ejected for up to five minutes.
+                    if e.instance != info.instance_id {
+                        if !e.instance.is_empty() {
+                            e.stalls = Stalls::default();
+                        }
+                        info.instance_id.clone_into(&mut e.instance);
+                    }
                     e.facts = Some(facts_of(&info));
                     e.info = Some(info);
                     if tokenizer.is_some() {
@@ -505,6 +517,7 @@ impl State {
             outstanding: 0,
             last_error: None,
             stalls: Stalls::default(),
+            instance: String::new(),
             logged_unroutable: None,
             refreshed_by: 0,
         });
@@ -2019,6 +2032,41 @@ mod tests {
                 .is_some_and(|at| at.abs_diff(now) < 60),
             "{report:?}"
         );
+    }
+
+    /// An ejection is the evidence of one process: another that answers Info at the address
+    /// (the worker restarted) is routed to at once; the same one that answers again is not.
+    #[tokio::test]
+    async fn an_ejection_ends_when_another_process_answers_at_the_address() {
+        let w = workers(&[("a", WorkerRole::Both, None), ("b", WorkerRole::Both, None)]);
+        let answer = |w: &Workers, instance_id: &str| {
+            w.with(|s| {
+                let (id, info) = (s.entries[0].id, s.entries[0].info.clone().expect("Info"));
+                let info = proto::InfoResponse {
+                    instance_id: instance_id.to_owned(),
+                    ..(*info).clone()
+                };
+                let refresh = s.entries[0].refreshed_by + 1;
+                let probe = Probe {
+                    health: Ok(serving()),
+                    info: Some(Ok((Arc::new(info), None))),
+                    open: false,
+                };
+                s.apply(refresh, vec![(id, probe)]);
+            });
+        };
+        reports(&w, "a", WorkerRole::Both, 8192, 8192);
+        reports(&w, "b", WorkerRole::Both, 8192, 8192);
+        answer(&w, &instance("a"));
+        for _ in 0..3 {
+            let route = to(&w, 100).expect("a route");
+            assert_eq!(route.worker, "a", "a tie goes to the first");
+            route.stalled(300);
+        }
+        answer(&w, &instance("a"));
+        assert_eq!(to(&w, 100).expect("a route").worker, "b", "still ejected");
+        answer(&w, "a-restarted");
+        assert_eq!(to(&w, 100).expect("a route").worker, "a", "another process");
     }
 
     #[test]
