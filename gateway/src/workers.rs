@@ -365,6 +365,9 @@ struct Entry {
     /// The instance id of the process that last answered Info at its address (empty: none
     /// yet, or an OpenAI upstream, which has none).
     instance: String,
+    /// Registering the model it serves failed (its Info with the tokenizer did not come, or
+    /// did not build), since that process answered: another worker's is tried first.
+    model_refused: bool,
     /// Which reason not to serve through it was last logged (`None`: none, or a sound
     /// prefill worker's): the log says each change of kind once, not at every refresh (a
     /// reason's figures, an ejection's countdown say, change at every one).
@@ -482,6 +485,7 @@ impl State {
                         if !e.instance.is_empty() {
                             e.stalls = Stalls::default();
                         }
+                        e.model_refused = false;
                         info.instance_id.clone_into(&mut e.instance);
                     }
                     e.facts = Some(facts_of(&info));
@@ -502,6 +506,27 @@ impl State {
         }
     }
 
+    /// The worker whose model to register, and where to read it: none while a healthy worker
+    /// still serves the served model; otherwise the first healthy worker's — the first whose
+    /// model did not fail to register, so one whose Info with the tokenizer fails or does not
+    /// build is not asked again and again while another could serve.
+    fn model_to_register(&self) -> Option<(u64, ModelSource)> {
+        let healthy = |e: &&Entry| e.facts.is_some() && matches!(e.health, Health::Serving { .. });
+        let current = self.served_id();
+        let keep =
+            self.entries.iter().filter(healthy).any(|e| {
+                current.is_some() && e.facts.as_ref().map(|f| f.model_id.as_str()) == current
+            });
+        if keep {
+            return None;
+        }
+        self.entries
+            .iter()
+            .filter(healthy)
+            .min_by_key(|e| e.model_refused)
+            .map(|e| (e.id, e.model_source()))
+    }
+
     fn push(&mut self, config: WorkerConfig) -> Result<(), EndpointError> {
         let (client, bare) = client(&config, &self.cluster)?;
         self.entries.push(Entry {
@@ -518,6 +543,7 @@ impl State {
             last_error: None,
             stalls: Stalls::default(),
             instance: String::new(),
+            model_refused: false,
             logged_unroutable: None,
             refreshed_by: 0,
         });
@@ -1146,25 +1172,11 @@ impl Workers {
             if s.model_by > refresh {
                 return None;
             }
-            // Keep the served model while a healthy worker still serves it; otherwise take the
-            // first healthy worker's.
-            let healthy =
-                |e: &&Entry| e.facts.is_some() && matches!(e.health, Health::Serving { .. });
-            let current = s.served_id().map(str::to_owned);
-            let keep = s.entries.iter().filter(healthy).any(|e| {
-                e.facts
-                    .as_ref()
-                    .map(|f| Some(&f.model_id) == current.as_ref())
-                    == Some(true)
-            });
-            if keep {
+            let wanted = s.model_to_register();
+            if wanted.is_none() {
                 s.model_by = refresh;
-                return None;
             }
-            s.entries
-                .iter()
-                .find(healthy)
-                .map(|e| (e.id, e.model_source()))
+            wanted
         });
         if let Some((id, source)) = wanted {
             self.register_model(id, source, refresh).await;
@@ -1214,6 +1226,7 @@ impl Workers {
             Err(error) => {
                 tracing::warn!(%error, "cannot register the worker's model");
                 if let Some(e) = s.entry_mut(id) {
+                    e.model_refused = true;
                     e.note_error(error);
                 }
             }
@@ -1955,6 +1968,37 @@ mod tests {
         assert!(w.with(|s| s.model.is_none()), "a stale choice");
         w.register_model(id, tiny(), 4).await;
         assert!(w.with(|s| s.model.is_some()), "a newer one");
+    }
+
+    /// A worker whose model fails to register (its Info with the tokenizer does not come) is
+    /// not asked again while another healthy worker's may serve: the gateway asked the first
+    /// healthy worker at every refresh and served nothing, beside a sound one.
+    #[tokio::test]
+    async fn a_worker_whose_model_fails_to_register_gives_way_to_another() {
+        let w = workers(&[("a", WorkerRole::Both, None), ("b", WorkerRole::Both, None)]);
+        reports(&w, "a", WorkerRole::Both, 8192, 8192);
+        reports(&w, "b", WorkerRole::Both, 8192, 8192);
+        assert!(
+            w.with(|s| s.model_to_register().is_none()),
+            "a worker serves it"
+        );
+        w.with(|s| s.model = None);
+        let chosen = |w: &Workers| {
+            w.with(|s| {
+                let (id, source) = s.model_to_register().expect("one to register");
+                let name = s.entry_mut(id).expect("an entry").config.name.clone();
+                (id, source, name)
+            })
+        };
+        let (id, source, name) = chosen(&w);
+        assert_eq!(name, "a");
+        // Nothing listens where a is configured: its Info fails.
+        w.register_model(id, source, 2).await;
+        assert!(w.with(|s| s.model.is_none()));
+        let (id, _, name) = chosen(&w);
+        assert_eq!(name, "b", "the other worker's");
+        w.register_model(id, tiny(), 3).await;
+        assert!(w.with(|s| s.model.is_some()));
     }
 
     /// A worker that cannot be reached is logged as not routed to (each change once) with the cause of
