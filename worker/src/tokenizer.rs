@@ -117,6 +117,20 @@ pub struct TemplatePiece {
     pub controlled: Option<(Vec<TokenId>, String)>,
 }
 
+/// Control tokens that end generation beside the file's EOS, as llama.cpp's end-of-generation
+/// set has them: a turn's end (ChatML, Llama 3, Phi-3, Gemma), the end of a text, the end of a
+/// message that calls a tool (Llama 3.1). A Llama 3 Instruct file's EOS is `<|eot_id|>`; one that
+/// emitted `<|end_of_text|>` decoded nothing and ran on to `max_tokens`.
+const END_OF_GENERATION: [&str; 7] = [
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+];
+
 /// The most template pieces kept.
 const TEMPLATE_PIECES: usize = 256;
 
@@ -335,7 +349,7 @@ impl Tokenizer {
             )));
         }
         let mut stop = vec![eos];
-        for name in ["<|endoftext|>", "<|eot_id|>", "<|im_end|>"] {
+        for name in END_OF_GENERATION {
             if let Some(&(_, t)) = specials.iter().find(|(s, _)| s == name)
                 && !stop.contains(&t)
             {
@@ -812,6 +826,24 @@ mod tests {
             eos: 26,
             add_bos: false,
         })
+    }
+
+    /// Generation ends at the file's EOS and at the end-of-generation control tokens beside it
+    /// (Llama 3's `<|end_of_text|>` after an EOS of `<|eot_id|>`), never at a control token
+    /// that opens something, nor at the same text as an ordinary token.
+    #[test]
+    fn generation_stops_at_every_end_of_generation_control_token() {
+        let t = letters_and(&[
+            "<|eot_id|>",
+            "<|end_of_text|>",
+            "<|eom_id|>",
+            "<end_of_turn>",
+            "<|start_header_id|>",
+        ])
+        .expect("builds");
+        let stops: Vec<bool> = (26..31).map(|id| t.is_stop(id)).collect();
+        assert_eq!(stops, [true, true, true, true, false]);
+        assert!(!t.is_stop(0));
     }
 
     /// A vocabulary without a byte's token (a corrupt file's, or an Info's) drops that byte
