@@ -310,12 +310,15 @@ impl Tokenizer {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let unencodable = unencodable_bytes(&vocab);
+        let pre = PreTokenizer::named(pre.unwrap_or("default"))?;
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
+            // Llama 3's tokenizer takes a word that is a token of its own as that token, not
+            // through the merges (llama.cpp's `ignore_merges`, HF's tokenizer.json).
+            .ignore_merges(pre == PreTokenizer::Llama3)
             .build()
             .map_err(|e| TokenizerError::Build(e.to_string()))?;
         let mut tk = tokenizers::Tokenizer::new(bpe);
-        let pre = PreTokenizer::named(pre.unwrap_or("default"))?;
         tk.with_pre_tokenizer(Some(pre.pipeline()?));
 
         let unicode_to_byte = byte_level_inverse();
@@ -826,6 +829,36 @@ mod tests {
             eos: 26,
             add_bos: false,
         })
+    }
+
+    /// Llama 3's pre-tokenizer takes a word that is a token as that token, whatever the
+    /// merges would make of it; the others build it through the merges.
+    #[test]
+    fn llama3_takes_a_word_that_is_a_token_whole() {
+        let build = |pre| {
+            let mut tokens: Vec<String> = (0..=255u8)
+                .map(|b| byte_level_char(b).to_string())
+                .collect();
+            tokens.push("abc".into());
+            tokens.push("<eos>".into());
+            let mut token_types = vec![1; 257];
+            token_types.push(3);
+            Tokenizer::from_parts(TokenizerParts {
+                model: "gpt2",
+                pre: Some(pre),
+                tokens: &tokens,
+                merges: &[] as &[String],
+                token_types: &token_types,
+                bos: None,
+                eos: 257,
+                add_bos: false,
+            })
+            .expect("builds")
+        };
+        let letters: Vec<TokenId> = b"abc".iter().map(|&b| TokenId::from(b)).collect();
+        let byte_ids = |t: &Tokenizer| t.encode("abc", false).expect("encodes");
+        assert_eq!(byte_ids(&build("llama-bpe")), [256]);
+        assert_eq!(byte_ids(&build("qwen2")), letters);
     }
 
     /// Generation ends at the file's EOS and at the end-of-generation control tokens beside it
