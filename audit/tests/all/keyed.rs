@@ -260,6 +260,19 @@ fn a_keyed_log_resumes_true_lines_past_a_stale_head() {
     assert_eq!(log.append(&a, &record(&a, 5)).expect("appends").seq, Seq(5));
 }
 
+/// [`past_a_stale_head`], then record `i`'s request id replaced with `id` in its line (its MAC
+/// left as it was); returns the segment.
+fn edited_past_a_stale_head(dir: &Path, k: &ChainKey, i: usize, id: &str) -> PathBuf {
+    past_a_stale_head(dir, k);
+    let seg = segments(dir, &tenant("a"))[0].clone();
+    let mut l = lines(&seg);
+    let edited = l[i].replace(&format!(r#""req-{i}""#), &format!(r#""{id}""#));
+    assert_ne!(edited, l[i]);
+    l[i] = edited;
+    write_lines(&seg, &l);
+    seg
+}
+
 /// The records past a stale head (what a crash leaves until the tenant's next flush, or what
 /// follows a head put back from an older copy) are each vouched for by their own MAC: the last
 /// one replaced with content of the attacker's choosing (its `prev` kept, which the line
@@ -270,14 +283,7 @@ fn a_keyed_log_s_last_line_past_its_head_cannot_be_replaced() {
     let dir = Scratch::new();
     let k = key(1);
     let a = tenant("a");
-    past_a_stale_head(dir.path(), &k);
-    let seg = segments(dir.path(), &a)[0].clone();
-    let mut l = lines(&seg);
-    let last = l.pop().expect("a last line");
-    let replaced = last.replace(r#""req-4""#, r#""req-forged""#);
-    assert_ne!(replaced, last);
-    l.push(replaced);
-    write_lines(&seg, &l);
+    let seg = edited_past_a_stale_head(dir.path(), &k, 4, "req-forged");
 
     let report = verify(dir.path(), None, Some(&k));
     let p = report.tenants[0].problem.clone().expect("tenant a's");
@@ -302,14 +308,7 @@ fn a_keyed_log_s_last_line_past_its_head_cannot_be_replaced() {
 fn a_keyed_log_edited_past_a_stale_head_is_refused_not_cut() {
     let dir = Scratch::new();
     let k = key(1);
-    let a = tenant("a");
-    past_a_stale_head(dir.path(), &k);
-    let seg = segments(dir.path(), &a)[0].clone();
-    let mut l = lines(&seg);
-    let edited = l[3].replace(r#""req-3""#, r#""req-x""#);
-    assert_ne!(edited, l[3]);
-    l[3] = edited;
-    write_lines(&seg, &l);
+    let seg = edited_past_a_stale_head(dir.path(), &k, 3, "req-x");
     let before = std::fs::read(&seg).expect("reads");
     assert!(!verify(dir.path(), None, Some(&k)).passed());
 

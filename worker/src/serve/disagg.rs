@@ -815,24 +815,37 @@ mod tests {
     /// its `Reserved` event not read: as a client that left at that moment leaves it.
     async fn reserved_unread(engine: &EngineHandle) -> (Events, CancelOnDrop) {
         let (events, guard) = engine
-            .submit(Submission::Decode, |id, sink| Request {
-                id,
-                tenant: Scope::new("test"),
-                prompt: vec![5; 20],
-                max_new_tokens: 4,
-                sampling: crate::sampling::SamplingParams::GREEDY,
-                stop: Vec::new(),
-                ignore_eos: false,
-                sink,
-            })
+            .submit(Submission::Decode, decode_request)
             .await
             .expect("admitted");
+        until_reserved(engine).await;
+        (events, guard)
+    }
+
+    /// A decode request of 20 prompt tokens and 4 to generate.
+    fn decode_request(
+        id: bulkhead_kvpool::RequestId,
+        sink: Box<dyn crate::engine::EventSink>,
+    ) -> Request {
+        Request {
+            id,
+            tenant: Scope::new("test"),
+            prompt: vec![5; 20],
+            max_new_tokens: 4,
+            sampling: crate::sampling::SamplingParams::GREEDY,
+            stop: Vec::new(),
+            ignore_eos: false,
+            sink,
+        }
+    }
+
+    /// Returns once `engine` has pages reserved.
+    async fn until_reserved(engine: &EngineHandle) {
         let deadline = Instant::now() + Duration::from_secs(10);
         while engine.stats().await.expect("stats").pool.reserved == 0 {
             assert!(Instant::now() < deadline, "never reserved");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        (events, guard)
     }
 
     /// The pool's pages once `holds` says they are as expected, or after 5 s (a busy engine
@@ -886,23 +899,10 @@ mod tests {
     #[tokio::test]
     async fn a_client_that_leaves_before_its_submission_is_answered_gives_its_pages_back_at_once() {
         let engine = EngineHandle::tiny();
-        let mut submit = Box::pin(engine.submit(Submission::Decode, |id, sink| Request {
-            id,
-            tenant: Scope::new("test"),
-            prompt: vec![5; 20],
-            max_new_tokens: 4,
-            sampling: crate::sampling::SamplingParams::GREEDY,
-            stop: Vec::new(),
-            ignore_eos: false,
-            sink,
-        }));
+        let mut submit = Box::pin(engine.submit(Submission::Decode, decode_request));
         let mut cx = Context::from_waker(std::task::Waker::noop());
         assert!(submit.as_mut().poll(&mut cx).is_pending(), "submitted");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while engine.stats().await.expect("stats").pool.reserved == 0 {
-            assert!(Instant::now() < deadline, "never reserved");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        until_reserved(&engine).await;
         drop(submit);
         let back = pages(&engine, all_back).await;
         assert!(all_back(&back), "{back:?}");
