@@ -891,9 +891,15 @@ impl Route {
     pub fn answered(&self) {
         let shared = &self.workers.shared;
         if shared.stalls_counted.load(Ordering::Relaxed) {
-            self.workers.with(|s| {
-                if let Some(e) = s.entry_mut(self.id) {
+            // The judgement of what is routable is made again only when this worker's count
+            // changed: while another worker's stalls stay counted (one ejected and still hung),
+            // every answer made the next request judge every worker again.
+            self.workers.routing(|s| {
+                if let Some(e) = s.entry_mut(self.id)
+                    && e.stalls.any()
+                {
                     e.stalls.answered();
+                    s.judged = None;
                 }
                 let any = s.entries.iter().any(|e| e.stalls.any());
                 shared.stalls_counted.store(any, Ordering::Relaxed);
@@ -2111,6 +2117,24 @@ mod tests {
         assert_eq!(to(&w, 100).expect("a route").worker, "b", "still ejected");
         answer(&w, "a-restarted");
         assert_eq!(to(&w, 100).expect("a route").worker, "a", "another process");
+    }
+
+    /// While one worker is ejected, another's answers leave the judgement of what is routable
+    /// standing: each made the next request judge every worker again, under the lock every
+    /// request takes.
+    #[tokio::test]
+    async fn answers_of_a_worker_with_nothing_counted_keep_the_judgement() {
+        let w = workers(&[("a", WorkerRole::Both, None), ("b", WorkerRole::Both, None)]);
+        reports(&w, "a", WorkerRole::Both, 8192, 8192);
+        reports(&w, "b", WorkerRole::Both, 8192, 8192);
+        for _ in 0..3 {
+            to(&w, 100).expect("a route").stalled(300);
+        }
+        let route = to(&w, 100).expect("a route");
+        assert_eq!(route.worker, "b", "a is ejected");
+        assert!(w.routing(|s| s.judged.is_some()));
+        route.answered();
+        assert!(w.routing(|s| s.judged.is_some()), "nothing changed");
     }
 
     #[test]
