@@ -675,29 +675,25 @@ impl Inner {
     }
 }
 
-/// Holds the tenant directories to the roster: a listed tenant's directory must be there
-/// (that it still has its head, [`recover_tenant`] checks as it reads it), and a directory no
-/// line lists must hold at most a genesis head (a crash between making and listing it: listed
 /// The key a keyed data directory's logs are sealed with, from the operator's `key` (see
 /// `log_id.rs`): a new directory (no roster, no tenant) is given its id first.
 fn directory_key(dir: &Path, key: &ChainKey, tenants: &[TenantId]) -> Result<ChainKey, AuditError> {
-    let path = dir.join(log_id::LOG_ID);
-    let id = match log_id::read(dir) {
-        Ok(None) if tenants.is_empty() && !roster::path(dir).exists() => {
-            Some(log_id::create(dir).map_err(io_err("create", &path))?)
-        }
-        Ok(id) => id,
-        Err(log_id::LogIdError::Io(e)) => return Err(io_err("read", &path)(e)),
-        Err(e @ log_id::LogIdError::Malformed) => {
-            return Err(AuditError::BadLogId {
+    let new = tenants.is_empty() && !roster::path(dir).exists();
+    log_id::key_of(dir, key, new).map_err(|e| {
+        let path = dir.join(log_id::LOG_ID);
+        match e {
+            log_id::LogIdError::Io(e) => io_err("read or create", &path)(e),
+            e @ log_id::LogIdError::Malformed => AuditError::BadLogId {
                 path,
                 reason: e.to_string(),
-            });
+            },
         }
-    };
-    Ok(log_id::key_of(id, key))
+    })
 }
 
+/// Holds the tenant directories to the roster: a listed tenant's directory must be there
+/// (that it still has its head, [`recover_tenant`] checks as it reads it), and a directory no
+/// line lists must hold at most a genesis head (a crash between making and listing it: listed
 /// now). A keyed log's roster must be sealed with the key, an unkeyed one's not at all. A new
 /// data directory gets an empty roster. Returns the roster as found.
 fn hold_to_roster(

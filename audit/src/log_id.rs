@@ -13,6 +13,7 @@ use std::io::{self, Write as _};
 use std::path::Path;
 
 use crate::chain::ChainKey;
+use crate::hash::{from_hex, to_hex};
 
 /// The id's file in the data directory.
 pub(crate) const LOG_ID: &str = "LOG-ID";
@@ -25,21 +26,13 @@ pub(crate) struct LogId(pub [u8; 16]);
 
 impl LogId {
     fn encode(&self) -> String {
-        let hex: String = self.0.iter().map(|b| format!("{b:02x}")).collect();
-        format!("{hex}\n")
+        format!("{}\n", to_hex(&self.0))
     }
 
     /// Strict: 32 lowercase hex digits and a newline, nothing else.
     fn parse(bytes: &[u8]) -> Option<LogId> {
-        let hex = bytes.strip_suffix(b"\n")?;
-        if hex.len() != 32 || !hex.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
-            return None;
-        }
-        let mut id = [0; 16];
-        for (byte, pair) in id.iter_mut().zip(hex.chunks_exact(2)) {
-            *byte = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
-        }
-        Some(LogId(id))
+        let hex = std::str::from_utf8(bytes.strip_suffix(b"\n")?).ok()?;
+        from_hex(hex).map(LogId)
     }
 }
 
@@ -53,7 +46,7 @@ pub(crate) enum LogIdError {
 }
 
 /// The id of the data directory `dir`, if it has one.
-pub(crate) fn read(dir: &Path) -> Result<Option<LogId>, LogIdError> {
+fn read(dir: &Path) -> Result<Option<LogId>, LogIdError> {
     match fs::read(dir.join(LOG_ID)) {
         Ok(bytes) => LogId::parse(&bytes).map(Some).ok_or(LogIdError::Malformed),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
@@ -62,7 +55,7 @@ pub(crate) fn read(dir: &Path) -> Result<Option<LogId>, LogIdError> {
 }
 
 /// Gives the data directory `dir` a fresh id, durably: the file, then a rename.
-pub(crate) fn create(dir: &Path) -> io::Result<LogId> {
+fn create(dir: &Path) -> io::Result<LogId> {
     let id = LogId(rand::random());
     let tmp = dir.join(LOG_ID_TMP);
     let mut file = File::create(&tmp)?;
@@ -74,12 +67,14 @@ pub(crate) fn create(dir: &Path) -> io::Result<LogId> {
 }
 
 /// The key `dir`'s logs are sealed with, from the operator's `key`: derived with the
-/// directory's id, or `key` itself in a directory keyed before ids were made.
-pub(crate) fn key_of(id: Option<LogId>, key: &ChainKey) -> ChainKey {
-    match id {
-        Some(id) => key.for_log(&id),
-        None => key.clone(),
-    }
+/// directory's id, or `key` itself in a directory keyed before ids were made. With `create`
+/// (a writer opening a new directory), a directory without an id is given one first.
+pub(crate) fn key_of(dir: &Path, key: &ChainKey, create: bool) -> Result<ChainKey, LogIdError> {
+    let id = match read(dir)? {
+        None if create => Some(self::create(dir)?),
+        id => id,
+    };
+    Ok(id.map_or_else(|| key.clone(), |id| key.for_log(&id)))
 }
 
 #[cfg(test)]

@@ -337,10 +337,10 @@ pub fn verify_anchored(
     anchors: &[Anchor],
 ) -> Report {
     // The key this directory's seals were made with, derived with its id (`log_id.rs`).
-    let key = match key.map(|k| (k, crate::log_id::read(dir))) {
+    let key = match key.map(|k| crate::log_id::key_of(dir, k, false)) {
         None => None,
-        Some((k, Ok(id))) => Some(crate::log_id::key_of(id, k)),
-        Some((_, Err(e))) => {
+        Some(Ok(key)) => Some(key),
+        Some(Err(e)) => {
             let path = dir.join(crate::log_id::LOG_ID);
             return Report {
                 dir_problem: Some(at(&path, None, Reason::Io(e.to_string()))),
