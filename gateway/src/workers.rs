@@ -512,11 +512,10 @@ impl State {
     /// build is not asked again and again while another could serve.
     fn model_to_register(&self) -> Option<(u64, ModelSource)> {
         let healthy = |e: &&Entry| e.facts.is_some() && matches!(e.health, Health::Serving { .. });
-        let current = self.served_id();
-        let keep =
-            self.entries.iter().filter(healthy).any(|e| {
-                current.is_some() && e.facts.as_ref().map(|f| f.model_id.as_str()) == current
-            });
+        let keep = self.served_id().is_some_and(|current| {
+            (self.entries.iter().filter(healthy))
+                .any(|e| e.facts.as_ref().is_some_and(|f| f.model_id == current))
+        });
         if keep {
             return None;
         }
