@@ -88,7 +88,7 @@
 //! cache_dir = "plugins/dist/cache"  # compiled components (optional: compile at each load)
 //! cache_max_mib = 1024              # the cache's bound, least recently used evicted first
 //! watch_secs = 2                    # reload when the file changes (0: admin call only)
-//! hold_limit_secs = 30              # longest hold of an abandoned request's stream
+//! hold_limit_secs = 30              # longest an abandoned request is kept, deciding included
 //! max_held_per_tenant = 16          # abandoned requests one tenant may have held at once
 //! instances = 64                    # plugin instances alive at once
 //! max_memory_mib = 256              # the most memory any plugin may be given

@@ -68,8 +68,7 @@ pub enum LimitError {
 #[derive(Debug, Clone)]
 pub(crate) struct Bucket {
     capacity: f64,
-    /// What may be taken now: at most `capacity`; below 0 after a [`Bucket::resize`] to less
-    /// than what the last minute used (a debt that refills like the rest).
+    /// What may be taken now: from 0 to `capacity`.
     level: f64,
     at: Instant,
 }
@@ -132,12 +131,15 @@ impl Bucket {
     }
 
     /// A new capacity that keeps what the window has used: `capacity - level` stays the same,
-    /// so lowering the capacity below the usage leaves a debt rather than a fresh budget.
+    /// so lowering the capacity below the usage leaves nothing to take rather than a fresh
+    /// budget — and no more: the last minute's usage ages out within a minute at the new rate,
+    /// as it would have at the old one. (Kept as a debt, a limit lowered from 60 to 1 a minute
+    /// after 60 requests locked the tenant out for an hour.)
     fn resize(&mut self, capacity: u64, now: Instant) {
         self.refill(now);
         let used = self.capacity - self.level;
         self.capacity = capacity as f64;
-        self.level = self.capacity - used;
+        self.level = (self.capacity - used).max(0.0);
     }
 }
 
@@ -564,24 +566,44 @@ mod tests {
             b.charge(&id(), 1, t0).is_err(),
             "600 tokens used of the new 500 per minute"
         );
-        // Raised again: the same usage counts against the larger limit.
+        // Raised again: the usage counts against the larger limit, as much of it as the
+        // lowered one held (its whole minute).
         b.retune(limits(20, 10, 1000), t0);
         assert_eq!(b.in_flight(), 1);
-        for _ in 0..7 {
-            b.start(&id(), t0).expect("3 of 10 used");
+        for _ in 0..8 {
+            b.start(&id(), t0).expect("2 of 10 used");
         }
         assert!(b.start(&id(), t0).is_err(), "10 of 10 used");
-        b.charge(&id(), 400, t0).expect("600 of 1000 used");
+        b.charge(&id(), 500, t0).expect("500 of 1000 used");
         assert!(b.charge(&id(), 1, t0).is_err(), "1000 of 1000 used");
-        // The debt refills like the rest of the bucket.
-        let mut d = TenantBudget::new(limits(100, 60, 1000), t0);
+    }
+
+    /// A limit lowered below the last minute's usage refills at its new rate from nothing,
+    /// not from a debt of the difference: lowered from 60 to 1 a minute after 60 requests, the
+    /// next request waited an hour.
+    #[test]
+    fn a_limit_lowered_below_the_minutes_usage_lets_it_age_out_within_a_minute() {
+        let t0 = Instant::now();
+        let mut d = TenantBudget::new(limits(100, 60, 1_000_000), t0);
         for _ in 0..60 {
             d.start(&id(), t0).expect("60/min");
         }
-        d.retune(limits(100, 30, 1000), t0);
-        assert!(d.start(&id(), t0 + Duration::from_secs(59)).is_err());
-        d.start(&id(), t0 + Duration::from_secs(62))
-            .expect("62 s at 30/min: the 30-request debt paid and one request refilled");
+        d.charge(&id(), 900_000, t0).expect("fits");
+        d.retune(limits(100, 1, 10_000), t0);
+        assert!(
+            matches!(
+                d.start(&id(), t0 + Duration::from_secs(30)),
+                Err(LimitError::RequestsPerMinute {
+                    retry_after_secs: 30,
+                    ..
+                })
+            ),
+            "half a request refilled"
+        );
+        d.start(&id(), t0 + Duration::from_secs(61))
+            .expect("a minute at 1/min refills one request");
+        d.charge(&id(), 10_000, t0 + Duration::from_secs(61))
+            .expect("and the new minute's tokens");
     }
 
     #[test]
@@ -613,11 +635,11 @@ mod tests {
         assert_eq!(header("x-ratelimit-limit-tokens"), "6000");
         assert_eq!(header("x-ratelimit-remaining-tokens"), "4525");
         assert_eq!(header("x-ratelimit-reset-tokens"), "14.75s");
-        // A debt left by lowering a limit shows as nothing left, for longer than a minute.
+        // A limit lowered below the minute's usage shows nothing left, whole again in a minute.
         b.retune(limits(10, 120, 1000), later);
-        let debt = b.rate_limits(later).tokens;
-        assert_eq!((debt.limit, debt.remaining), (1000, 0));
-        assert_eq!(duration_text(debt.reset), "1m28.5s");
+        let lowered = b.rate_limits(later).tokens;
+        assert_eq!((lowered.limit, lowered.remaining), (1000, 0));
+        assert_eq!(duration_text(lowered.reset), "1m0s");
         // Half a millisecond short of whole is not whole: the reset rounds up.
         let mut c = TenantBudget::new(limits(10, 120, 6000), t0);
         c.start(&id(), t0).expect("1 of 120");

@@ -129,10 +129,22 @@ pub fn server_checks(servers: &[ServerAnswer]) -> Vec<Check> {
 pub struct Answer {
     pub worker: WorkerConfig,
     pub info: Result<InfoResponse, String>,
-    /// With a cluster token configured: whether the worker also answered a call that
-    /// presented none (it was started without `--cluster-token-file`, so anyone who reaches
-    /// it runs requests past the gateway). `None`: not asked.
-    pub open: Option<bool>,
+    /// With a cluster token configured: what the worker did with a call that presented none.
+    /// `None`: not asked.
+    pub open: Option<Bare>,
+}
+
+/// What a worker did with a call that presented no cluster token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Bare {
+    /// Answered it: it was started without `--cluster-token-file`, so anyone who reaches it
+    /// runs requests past the gateway.
+    Answered,
+    /// Refused it as unauthenticated.
+    Refused,
+    /// Failed it otherwise (unavailable, reset, timed out): whether it requires the token is
+    /// not known.
+    Failed(String),
 }
 
 /// One check's verdict.
@@ -273,7 +285,11 @@ async fn ask_one(w: &WorkerConfig, cluster: &ClusterAccess) -> Answer {
                         include_tokenizer: false,
                     })
                     .await;
-                Some(bare.is_ok())
+                Some(match bare {
+                    Ok(_) => Bare::Answered,
+                    Err(s) if s.code() == tonic::Code::Unauthenticated => Bare::Refused,
+                    Err(s) => Bare::Failed(format!("{:?}: {}", s.code(), s.message())),
+                })
             }
             None => None,
         };
@@ -317,16 +333,20 @@ pub fn checks(answers: &[Answer]) -> Vec<Check> {
             true,
             format!("serves {}", info.model_id),
         ));
-        match a.open {
-            Some(open) => out.push(check(
+        match &a.open {
+            Some(bare) => out.push(check(
                 "requires the cluster token",
-                !open,
-                if open {
-                    "it answered a call that presented no token (started without \
-                     --cluster-token-file?)"
-                        .into()
-                } else {
-                    "a call without the token was refused".into()
+                *bare == Bare::Refused,
+                match bare {
+                    Bare::Answered => "it answered a call that presented no token (started \
+                         without --cluster-token-file?)"
+                        .into(),
+                    Bare::Refused => "a call without the token was refused".into(),
+                    Bare::Failed(why) => format!(
+                        "a call without the token failed otherwise than unauthenticated, so \
+                         whether it requires one is not known: {}",
+                        printable(why, SHOWN_BYTES)
+                    ),
                 },
             )),
             // Nothing to ask it with: a warning, since a demo or a closed network may mean it.
@@ -613,7 +633,13 @@ pub fn pair(decode: &str, d: &InfoResponse, prefill: &str, p: &InfoResponse) -> 
         .transfer_batch_bytes
         .saturating_sub(1)
         .saturating_add(frame);
-    let batch_secs = batch as f64 / dh.transfer_floor_bytes_per_s.max(1) as f64;
+    // Once decode abandons a transfer, the batch under way is the sender's to finish, at any
+    // rate above the prefill worker's floor; before that, decode's floor holds it: the slower
+    // of the two bounds it.
+    let floor = (dh.transfer_floor_bytes_per_s)
+        .min(ph.transfer_floor_bytes_per_s)
+        .max(1);
+    let batch_secs = batch as f64 / floor as f64;
     let release_secs = dh.release_timeout_ms as f64 / 1000.0;
     vec![
         check(
@@ -644,9 +670,12 @@ pub fn pair(decode: &str, d: &InfoResponse, prefill: &str, p: &InfoResponse) -> 
             "a transfer batch fits the release timeout",
             batch_secs <= release_secs,
             format!(
-                "up to {batch} bytes (a batch bound of {} and a page's frame of {frame}) at the {} \
-                 bytes/s floor take {batch_secs:.3} s; release timeout {release_secs:.3} s",
-                ph.transfer_batch_bytes, dh.transfer_floor_bytes_per_s
+                "up to {batch} bytes (a batch bound of {} and a page's frame of {frame}) at the \
+                 {floor} bytes/s floor (decode {} / prefill {}) take {batch_secs:.3} s; release \
+                 timeout {release_secs:.3} s",
+                ph.transfer_batch_bytes,
+                dh.transfer_floor_bytes_per_s,
+                ph.transfer_floor_bytes_per_s
             ),
         ),
     ]
@@ -892,6 +921,17 @@ mod tests {
             );
             let failed_batch = failed(&checks(&answers)).iter().any(|(_, c)| *c == BATCH);
             assert_eq!(!failed_batch, fits, "batch {batch}, page of {page_tokens}");
+        }
+        // The prefill worker finishes a batch at any rate above its own floor: a 4 MiB batch
+        // at 100 kB/s takes 42 s, past a 10 s release timeout, whatever decode's floor.
+        for (prefill_floor, fits) in [(100_000, false), (100_000_000, true), (u64::MAX, true)] {
+            let mut prefill = info("m", 1 << 20, 8192, 16, 4 << 20);
+            if let Some(h) = prefill.handoff.as_mut() {
+                h.transfer_floor_bytes_per_s = prefill_floor;
+            }
+            let answers = pair_answers(prefill, info("m", 1 << 20, 8192, 16, 0));
+            let failed_batch = failed(&checks(&answers)).iter().any(|(_, c)| *c == BATCH);
+            assert_eq!(!failed_batch, fits, "prefill's floor {prefill_floor}");
         }
     }
 
@@ -1286,12 +1326,20 @@ mod tests {
             open,
         };
         let answers = vec![
-            answer("open", Some(true)),
-            answer("closed", Some(false)),
+            answer("open", Some(Bare::Answered)),
+            answer("closed", Some(Bare::Refused)),
             answer("not-asked", None),
+            // Refused, but not for the token: that says nothing of whether it needs one.
+            answer("busy", Some(Bare::Failed("Unavailable: overloaded".into()))),
         ];
         let checks = checks(&answers);
-        assert_eq!(failed(&checks), [("open", "requires the cluster token")]);
+        assert_eq!(
+            failed(&checks),
+            [
+                ("open", "requires the cluster token"),
+                ("busy", "requires the cluster token")
+            ]
+        );
         let verdict = |name: &str| {
             checks
                 .iter()

@@ -30,6 +30,8 @@ use bulkhead_worker::serve::proto::{
 };
 use bulkhead_worker::serve::tls;
 use bulkhead_worker::tokenizer::{Tokenizer, TokenizerParts};
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 use serde::Serialize;
 
 use crate::admission::{Admitted, EffectiveLimit, WorkerCapacity, effective_limit};
@@ -457,52 +459,50 @@ impl State {
         self.entries.iter_mut().find(|e| e.id == id)
     }
 
-    /// Takes what refresh number `refresh` learned of each entry, unless the entry holds a
-    /// later refresh's answer already (two refreshes overlap, the earlier one's probe slower).
-    fn apply(&mut self, refresh: u64, answers: Vec<(u64, Probe)>) {
-        for (i, answer) in answers {
-            // Gone while we asked, or answered since by a later refresh: nothing to update.
-            let Some(e) = self.entry_mut(i).filter(|e| e.refreshed_by < refresh) else {
-                continue;
-            };
-            e.refreshed_by = refresh;
-            e.open = answer.open;
-            match answer.health {
-                Ok(h) => e.health = h,
-                Err(error) => {
-                    e.health = Health::Unreachable {
-                        error: error.clone(),
-                    };
-                    e.note_error(error);
+    /// Takes what refresh number `refresh` learned of entry `i`, unless the entry holds a later
+    /// refresh's answer already (two refreshes overlap, the earlier one's probe slower).
+    fn apply(&mut self, refresh: u64, i: u64, answer: Probe) {
+        // Gone while we asked, or answered since by a later refresh: nothing to update.
+        let Some(e) = self.entry_mut(i).filter(|e| e.refreshed_by < refresh) else {
+            return;
+        };
+        e.refreshed_by = refresh;
+        e.open = answer.open;
+        match answer.health {
+            Ok(h) => e.health = h,
+            Err(error) => {
+                e.health = Health::Unreachable {
+                    error: error.clone(),
+                };
+                e.note_error(error);
+            }
+        }
+        match answer.info {
+            Some(Ok((info, tokenizer))) => {
+                // Another process at the address (restarted, or a pod recreated there):
+                // the requests the last one left unanswered say nothing of this one, which
+                // would stay ejected for up to five minutes.
+                if e.instance != info.instance_id {
+                    if !e.instance.is_empty() {
+                        e.stalls = Stalls::default();
+                    }
+                    e.model_refused = false;
+                    info.instance_id.clone_into(&mut e.instance);
+                }
+                e.facts = Some(facts_of(&info));
+                e.info = Some(info);
+                if tokenizer.is_some() {
+                    e.tokenizer = tokenizer;
                 }
             }
-            match answer.info {
-                Some(Ok((info, tokenizer))) => {
-                    // Another process at the address (restarted, or a pod recreated there):
-                    // the requests the last one left unanswered say nothing of this one, which
-                    // would stay ejected for up to five minutes.
-                    if e.instance != info.instance_id {
-                        if !e.instance.is_empty() {
-                            e.stalls = Stalls::default();
-                        }
-                        e.model_refused = false;
-                        info.instance_id.clone_into(&mut e.instance);
-                    }
-                    e.facts = Some(facts_of(&info));
-                    e.info = Some(info);
-                    if tokenizer.is_some() {
-                        e.tokenizer = tokenizer;
-                    }
-                }
-                // What it said before may no longer hold (restarted with a smaller pool,
-                // say): not routed to until it says again.
-                Some(Err(error)) => {
-                    e.facts = None;
-                    e.info = None;
-                    e.note_error(error);
-                }
-                None => {}
+            // What it said before may no longer hold (restarted with a smaller pool,
+            // say): not routed to until it says again.
+            Some(Err(error)) => {
+                e.facts = None;
+                e.info = None;
+                e.note_error(error);
             }
+            None => {}
         }
     }
 
@@ -663,7 +663,7 @@ impl State {
                 }
                 // One that serves may fill its pages: its pool and the pair checks must be
                 // known, not skipped. (One not asked yet — a member DNS just listed — is not
-                // waited for: the refresh that reads it waits for every worker's probe, and
+                // waited for: its probe brings its Health and Info together, and
                 // the prefill worker's own admission and decode's verification hold meanwhile.)
                 let unknown = prefills
                     .clone()
@@ -1154,40 +1154,52 @@ impl Workers {
     }
 
     /// Reads every worker's Health and Info (concurrently, each bounded), and (re)builds the
-    /// served model when there is none yet or no healthy worker serves it any more.
+    /// served model when there is none yet or no healthy worker serves it any more. Each answer
+    /// is taken as it comes: one worker that does not answer (three calls of up to
+    /// [`RPC_TIMEOUT`] each) delays nobody else's change of health, nor the served model.
     pub async fn refresh(&self) {
-        let (refresh, probes): (u64, Vec<_>) = self.with(|s| {
+        let (refresh, mut answers): (u64, FuturesUnordered<_>) = self.with(|s| {
             s.refreshes += 1;
             let probes = s
                 .entries
                 .iter()
                 .map(|e| (e.id, e.client.clone(), e.describe(), e.bare.clone()))
+                .map(|(i, client, describe, bare)| async move {
+                    (i, probe(client, describe, bare).await)
+                })
                 .collect();
             (s.refreshes, probes)
         });
-        let answers = futures_util::future::join_all(probes.into_iter().map(
-            |(i, client, describe, bare)| async move { (i, probe(client, describe, bare).await) },
-        ))
-        .await;
-
-        let wanted = self.with(|s| {
-            s.apply(refresh, answers);
-            // A later refresh settled the served model already (kept it, or registered
-            // another): this one saw less.
-            if s.model_by > refresh {
-                return None;
+        // The workers whose model this refresh tried to register: each once at most.
+        let mut tried = Vec::new();
+        loop {
+            let answer = answers.next().await;
+            let last = answer.is_none();
+            let wanted = self.with(|s| {
+                if let Some((i, answer)) = answer {
+                    s.apply(refresh, i, answer);
+                }
+                // A later refresh settled the served model already (kept it, or registered
+                // another): this one saw less.
+                if s.model_by > refresh {
+                    return None;
+                }
+                let wanted = s.model_to_register();
+                if wanted.is_none() {
+                    s.model_by = refresh;
+                }
+                wanted.filter(|(id, _)| !tried.contains(id))
+            });
+            if let Some((id, source)) = wanted {
+                tried.push(id);
+                self.register_model(id, source, refresh).await;
             }
-            let wanted = s.model_to_register();
-            if wanted.is_none() {
-                s.model_by = refresh;
+            // Once the served model is settled: a change of model is not a reason to log.
+            self.with(State::log_routability);
+            if last {
+                return;
             }
-            wanted
-        });
-        if let Some((id, source)) = wanted {
-            self.register_model(id, source, refresh).await;
         }
-        // Once the served model is settled: a change of model is not a reason to log.
-        self.with(State::log_routability);
     }
 
     /// Registers the model worker `id` serves, as refresh number `refresh` chose it.
@@ -1459,13 +1471,22 @@ mod tests {
     }
 
     /// Workers `(name, role, prefill)` with a served model (the tiny model's tokenizer), none
-    /// of them asked anything yet.
+    /// of them asked anything yet, configured where nothing listens.
     fn workers(list: &[(&str, WorkerRole, Option<&str>)]) -> Workers {
+        let at: Vec<_> = list
+            .iter()
+            .map(|&(name, role, prefill)| (name, role, prefill, "http://127.0.0.1:9"))
+            .collect();
+        workers_at(&at)
+    }
+
+    /// Workers `(name, role, prefill, endpoint)`, as [`workers`].
+    fn workers_at(list: &[(&str, WorkerRole, Option<&str>, &str)]) -> Workers {
         let configs: Vec<WorkerConfig> = list
             .iter()
-            .map(|&(name, role, prefill)| WorkerConfig {
+            .map(|&(name, role, prefill, endpoint)| WorkerConfig {
                 name: name.into(),
-                endpoint: "http://127.0.0.1:9".into(),
+                endpoint: endpoint.into(),
                 role,
                 prefill: prefill.map(Into::into),
                 protocol: Protocol::Bulkhead,
@@ -1952,13 +1973,13 @@ mod tests {
         };
         w.with(|s| {
             let id = s.entries[0].id;
-            s.apply(2, vec![(id, serving())]);
-            s.apply(1, vec![(id, gone())]);
+            s.apply(2, id, serving());
+            s.apply(1, id, gone());
             assert!(
                 matches!(s.entries[0].health, Health::Serving { .. }),
                 "the later refresh's answer stands"
             );
-            s.apply(3, vec![(id, gone())]);
+            s.apply(3, id, gone());
             assert!(
                 matches!(s.entries[0].health, Health::Unreachable { .. }),
                 "a newer one is taken"
@@ -2004,6 +2025,56 @@ mod tests {
         assert_eq!(name, "b", "the other worker's");
         w.register_model(id, tiny(), 3).await;
         assert!(w.with(|s| s.model.is_some()));
+    }
+
+    /// A worker that stopped answering is not routed to as soon as its own probe fails, while
+    /// another worker's probe still waits for its answer: a refresh took every answer only once
+    /// the slowest probe had ended (up to three calls of [`RPC_TIMEOUT`] each).
+    #[tokio::test]
+    async fn one_slow_probe_delays_no_other_workers_change_of_health() {
+        // Accepts connections and never answers them: its probe ends only at its timeouts.
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("binds");
+        let address = format!("http://{}", silent.local_addr().expect("an address"));
+        let held = tokio::spawn(async move {
+            let mut open = Vec::new();
+            while let Ok((stream, _)) = silent.accept().await {
+                open.push(stream);
+            }
+        });
+        let w = workers_at(&[
+            ("silent", WorkerRole::Both, None, &address),
+            ("gone", WorkerRole::Both, None, "http://127.0.0.1:9"),
+        ]);
+        reports(&w, "silent", WorkerRole::Both, 8192, 8192);
+        reports(&w, "gone", WorkerRole::Both, 8192, 8192);
+        let refreshing = tokio::spawn({
+            let w = w.clone();
+            async move { w.refresh().await }
+        });
+        let health = |name: &str| {
+            w.with(|s| {
+                let e = s.entries.iter().find(|e| e.config.name == name);
+                e.map(|e| matches!(e.health, Health::Unreachable { .. }))
+            })
+        };
+        let asked = Instant::now();
+        while health("gone") != Some(true) {
+            assert!(
+                asked.elapsed() < RPC_TIMEOUT / 2,
+                "the refused worker's failure waited for the silent one's probe"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(
+            !refreshing.is_finished(),
+            "the silent worker's probe still waits"
+        );
+        assert_eq!(health("silent"), Some(false), "not answered yet");
+        refreshing.await.expect("the refresh ends");
+        assert_eq!(health("silent"), Some(true), "its probe timed out");
+        held.abort();
     }
 
     /// A worker that cannot be reached is logged as not routed to (each change once) with the cause of
@@ -2101,7 +2172,7 @@ mod tests {
                     info: Some(Ok((Arc::new(info), None))),
                     open: false,
                 };
-                s.apply(refresh, vec![(id, probe)]);
+                s.apply(refresh, id, probe);
             });
         };
         reports(&w, "a", WorkerRole::Both, 8192, 8192);

@@ -353,8 +353,27 @@ async fn serve(
             e.into_response()
         }
     };
-    response.headers_mut().extend(policy_headers);
+    add_policy_headers(response.headers_mut(), &policy_headers);
     response
+}
+
+/// Adds the headers the policies asked for to an answer's `headers`, except where the gateway
+/// set the name already: theirs never replace its own (`x-should-retry: false` on a 500 keeps
+/// a client from charging the tenant again for a failure, whatever a plugin says).
+fn add_policy_headers(headers: &mut HeaderMap, policy_headers: &HeaderMap) {
+    if policy_headers.is_empty() {
+        return;
+    }
+    let set: Vec<bool> = (policy_headers.keys())
+        .map(|name| headers.contains_key(name))
+        .collect();
+    for (name, set) in policy_headers.keys().zip(set) {
+        if !set {
+            for value in policy_headers.get_all(name) {
+                headers.append(name.clone(), value.clone());
+            }
+        }
+    }
 }
 
 /// Whether a body read failed because the client's connection ended (closed, reset) before the
@@ -756,6 +775,23 @@ fn prompt_ids(model: &ServedModel, parsed: &Parsed) -> Result<Vec<u32>, ApiError
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A plugin's header never replaces one the gateway set on the answer: a plugin adding
+    /// `x-should-retry: true` turned the 500 of a KV integrity failure into one the official
+    /// client sends again (charging the tenant each time).
+    #[test]
+    fn a_policys_header_adds_to_the_answer_and_replaces_none_of_the_gateways() {
+        let mut answer = HeaderMap::new();
+        answer.insert("x-should-retry", http::HeaderValue::from_static("false"));
+        let mut policies = HeaderMap::new();
+        policies.insert("x-should-retry", http::HeaderValue::from_static("true"));
+        policies.append("x-tier", http::HeaderValue::from_static("gold"));
+        policies.append("x-tier", http::HeaderValue::from_static("eu"));
+        add_policy_headers(&mut answer, &policies);
+        let all = |name| -> Vec<_> { answer.get_all(name).iter().cloned().collect() };
+        assert_eq!(all("x-should-retry"), ["false"]);
+        assert_eq!(all("x-tier"), ["gold", "eu"]);
+    }
 
     #[test]
     fn every_line_and_item_of_a_bodys_codings_is_read() {

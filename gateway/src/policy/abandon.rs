@@ -269,11 +269,13 @@ impl Ending {
         // takes one instance slot at a time (taken first, its slots sat idle through the
         // turns, and other tenants' calls found none).
         let _turn = self.policies.deciding(&self.tenant).await;
-        let slot = self.policies.slot(&self.tenant, Turn::Call).await;
+        // What the tenant holds now only falls until this turn counts a hold of its own: read
+        // before the slot, a request over the bound waits for none.
         let held_before = self.policies.held_for(&self.tenant);
         if held_before >= bound {
             return over(held_before);
         }
+        let slot = self.policies.slot(&self.tenant, Turn::Call).await;
         let directive = match slot {
             Some(Ok(_slot)) => self.directive(phase, progress, held_before).await,
             Some(Err(fault)) => {
@@ -311,13 +313,23 @@ impl Ending {
     ) {
         let bound = self.policies.max_held();
         let phase = phase(leg.as_ref(), progress);
+        // The hold limit runs from the disconnect, the decision's wait included: a request
+        // waiting for its tenant's turn or an instance slot is held as surely as one decided
+        // held (its worker computes on), and a burst of disconnects while the sandbox was
+        // busy was decided a slot wait after another, each held on until then.
+        let until = tokio::time::Instant::now() + self.policies.hold_limit();
         // Shutdown's drain waits for the policies' decision and the hold; either still under
         // way at its timeout is cut (nothing more is held), and the record says so. What has
         // happened already (a decision made, the worker's failure) comes first.
         let mut shutdown = trail.shutdown_signal();
+        let deciding = tokio::time::timeout_at(until, self.decide(phase, progress, bound));
         let decided = tokio::select! {
             biased;
-            decided = self.decide(phase, progress, bound) => Some(decided),
+            decided = deciding => Some(decided.unwrap_or_else(|_| {
+                tracing::debug!(request = %self.id, tenant = %self.tenant,
+                    "no decision on an abandoned request within the hold limit: dropped");
+                Decided::abort(self.policies.held_for(&self.tenant))
+            })),
             () = shutdown.cut() => None,
         };
         let mut cut = decided.is_none();
@@ -346,9 +358,8 @@ impl Ending {
                     stream = Some(s);
                 }
             } else {
-                let limit = self.policies.hold_limit();
-                let holding = tokio::time::timeout(
-                    limit,
+                let holding = tokio::time::timeout_at(
+                    until,
                     hold(leg, directive, &mut progress, &mut answered, &mut stream),
                 );
                 cut = tokio::select! {

@@ -24,7 +24,8 @@ pub struct PolicySettings {
     pub sandbox: SandboxSettings,
     /// How often the file is checked for a change; `None`: only the admin call reloads.
     pub watch_interval: Option<Duration>,
-    /// The longest the gateway keeps reading an abandoned request's stream for a hold
+    /// The longest the gateway keeps an abandoned request from its disconnect: deciding on
+    /// it (the policies' turn and instance slot), then reading its stream for a hold
     /// directive.
     pub hold_limit: Duration,
     /// The most abandoned requests of one tenant held at once, whatever the policies say (or
@@ -149,16 +150,36 @@ impl Policies {
     }
 
     /// Loads the file again and swaps the new set in when it is valid; otherwise the active
-    /// set stays and the error says why (blocking: compiles; call off the async threads).
+    /// set stays and the error says why (blocking: compiles; call off the async threads). The
+    /// file is read once no other reload runs: two reloads swap in what they read in the order
+    /// they read it, the later file last.
     pub fn reload(&self) -> Result<Arc<PolicySet>, PolicyError> {
         let (_, settings) = self.inner.runtime.as_ref().ok_or(PolicyError::Disabled)?;
-        self.reload_from(load::read(&settings.file))
+        let _one = lock(&self.inner.reloading);
+        self.swap_in(load::read(&settings.file))
     }
 
-    /// [`Policies::reload`] of the file's contents as `text` read them.
-    fn reload_from(&self, text: Result<Vec<u8>, LoadError>) -> Result<Arc<PolicySet>, PolicyError> {
-        let (sandbox, settings) = self.inner.runtime.as_ref().ok_or(PolicyError::Disabled)?;
+    /// The watcher's reload of `settled`, the file as it read the same at two looks: once no
+    /// other reload runs, and only if the file still reads so and that is not what the last
+    /// reload tried. `None`: not reloaded (a reload that waited meanwhile, or an edit since,
+    /// read a later file: the bytes read before it are not swapped in after it).
+    pub(super) fn reload_settled(
+        &self,
+        settled: Result<Vec<u8>, LoadError>,
+    ) -> Option<Result<Arc<PolicySet>, PolicyError>> {
+        let (_, settings) = self.inner.runtime.as_ref()?;
         let _one = lock(&self.inner.reloading);
+        let digest = |text: &Result<Vec<u8>, LoadError>| text.as_deref().ok().map(Digest::of);
+        let now = load::read(&settings.file);
+        if digest(&now) != digest(&settled) || digest(&now) == *lock(&self.inner.tried) {
+            return None;
+        }
+        Some(self.swap_in(now))
+    }
+
+    /// Swaps in the set `text` (the file's contents, as read under the reload lock) holds.
+    fn swap_in(&self, text: Result<Vec<u8>, LoadError>) -> Result<Arc<PolicySet>, PolicyError> {
+        let (sandbox, settings) = self.inner.runtime.as_ref().ok_or(PolicyError::Disabled)?;
         *lock(&self.inner.tried) = text.as_deref().ok().map(Digest::of);
         match text.and_then(|text| load::load_text(sandbox, &settings.file, &text)) {
             Ok(set) => {
@@ -214,9 +235,9 @@ impl Policies {
                     continue;
                 }
                 // The very bytes that read the same twice: a read again could catch a new
-                // edit half-written.
+                // edit half-written (and is then not taken).
                 let p = policies.clone();
-                let _ = tokio::task::spawn_blocking(move || p.reload_from(read)).await;
+                let _ = tokio::task::spawn_blocking(move || p.reload_settled(read)).await;
             }
         }))
     }

@@ -703,6 +703,65 @@ async fn a_trap_fails_closed_unless_the_binding_is_fail_open() {
     );
 }
 
+/// A `tenant-tag` configuration whose answers the gateway would refuse at every request (a
+/// label named as a header or tag the gateway keeps, more labels than it takes) is refused
+/// at load: it loaded, and every request then failed with 500 `policy_error`.
+#[test]
+fn a_tenant_tag_configuration_that_would_fail_every_request_is_refused() {
+    let labels = |n: usize, from: usize| -> String {
+        (from..from + n)
+            .map(|i| format!("l{i} = \"v\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    for config in [
+        "config = { echo = [\"tenant\"], default = { tenant = \"x\" } }".to_owned(),
+        "config = { default = { tenant = \"tenant-b\" } }".to_owned(),
+        "config = { echo = [\"clamped_max_tokens\"] }".to_owned(),
+        format!("config = {{ default = {{ {} }} }}", labels(32, 0)),
+        // 20 and 20: each within bounds, 40 together.
+        format!(
+            "config = {{ default = {{ {} }}, tenants = {{ tenant-a = {{ {} }} }} }}",
+            labels(20, 0),
+            labels(20, 100)
+        ),
+    ] {
+        let e = load(&format!(
+            "{}{}",
+            plugin("tenant-tag", ""),
+            binding("tenant-tag", &config)
+        ))
+        .expect_err(&config);
+        assert!(
+            matches!(
+                &e,
+                PolicyError::Load(
+                    LoadError::InvalidConfig { .. }
+                        | LoadError::Configure {
+                            fault: Fault::Refused(_),
+                            ..
+                        }
+                )
+            ),
+            "{config}: {e}"
+        );
+    }
+    // Within bounds, overlapping: 31 distinct labels, the most beside the tenant tag.
+    load(&format!(
+        "{}{}",
+        plugin("tenant-tag", ""),
+        binding(
+            "tenant-tag",
+            &format!(
+                "config = {{ default = {{ {} }}, tenants = {{ tenant-a = {{ {} }} }} }}",
+                labels(20, 0),
+                labels(21, 10)
+            )
+        )
+    ))
+    .expect("loads");
+}
+
 /// A plugin that refuses its configuration (here one its schema allows) is refused by its
 /// own reason, said once, not as an invalid answer.
 #[test]
@@ -1514,7 +1573,12 @@ fn the_watcher_takes_a_change_only_once_it_reads_the_same_twice() {
 #[tokio::test]
 async fn the_watcher_compares_the_file_with_the_set_reloaded_last_whoever_reloaded_it() {
     let dir = Scratch::new("policy");
-    let (_, p) = watched(&dir, Duration::from_secs(4));
+    // Compiled once, into a cache: the admin call's reload below is quick even on a busy
+    // machine (compiled again, it could outlast the watcher's interval, and the test showed
+    // nothing).
+    let mut s = settings(&write(&dir, &prompt_limit(5)), Some(dir.0.join("cache")));
+    s.watch_interval = Some(Duration::from_secs(4));
+    let p = Policies::load(s).expect("loads");
     let first = p.current().source();
     let watch = p.spawn_watch().expect("watching");
     // The watcher's first look, at once: the file as loaded.
@@ -1543,6 +1607,30 @@ async fn the_watcher_compares_the_file_with_the_set_reloaded_last_whoever_reload
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     watch.abort();
+}
+
+/// The watcher's settled read of the file, overtaken by an admin reload of a later edit while
+/// it waited for its turn, is not swapped in after that reload: the older file ran until the
+/// watcher's next looks (and for good without a watcher, two admin calls crossing).
+#[tokio::test]
+async fn a_reload_that_read_an_older_file_never_replaces_a_later_ones_set() {
+    let dir = Scratch::new("policy");
+    let (path, p) = watched(&dir, Duration::from_secs(3600));
+    write(&dir, &prompt_limit(50));
+    let settled = load::read(&path);
+    write(&dir, &prompt_limit(500));
+    let admin = p.clone();
+    let later = tokio::task::spawn_blocking(move || admin.reload())
+        .await
+        .expect("joins")
+        .expect("the admin call's reload")
+        .source();
+    let watcher = p.clone();
+    let swapped = tokio::task::spawn_blocking(move || watcher.reload_settled(settled))
+        .await
+        .expect("joins");
+    assert!(swapped.is_none(), "the file reads otherwise now");
+    assert_eq!(p.current().source(), later, "the later file's set stays");
 }
 
 #[tokio::test]
@@ -2224,6 +2312,55 @@ async fn held_while_queued() -> (Policies, Scratch, Recorder, RequestPolicy) {
     let r = ask(&p, Ask::default()).await.expect("allowed");
     let recorder = recorder(&dir);
     (p, dir, recorder, r)
+}
+
+/// Requests abandoned while every instance slot is busy are dropped at the hold limit from
+/// their disconnect, however long their decision waits: each waited its tenant's turn, then a
+/// slot for up to a second, the worker computing on for them meanwhile, the last of a burst
+/// of three dropped three seconds on.
+#[tokio::test]
+async fn an_abandoned_request_waiting_for_its_decision_is_dropped_at_the_hold_limit() {
+    let dir = Scratch::new("policy");
+    let mut s = settings(&write(&dir, &ledger_holding_the_queued()), None);
+    s.sandbox.instances = 1;
+    s.hold_limit = Duration::from_millis(300);
+    let p = Policies::load(s).expect("the set loads");
+    let recorder = recorder(&dir);
+    let mut dropped = Vec::new();
+    let mut requests = Vec::new();
+    for _ in 0..3 {
+        requests.push(ask(&p, Ask::default()).await.expect("allowed"));
+    }
+    // Every slot busy from here on.
+    let busy = p.slot("tenant-b", slots::Turn::Call).await;
+    assert!(matches!(busy, Some(Ok(_))), "the only slot");
+    let started = Instant::now();
+    for (i, r) in requests.into_iter().enumerate() {
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        dropped.push(rx);
+        let call: crate::upstreams::Call = Box::pin(async move {
+            let _held_until_dropped = tx;
+            std::future::pending().await
+        });
+        left(
+            r,
+            Some(crate::upstreams::Leg::Calling(call)),
+            Progress::default(),
+            recorder.trail(format!("req-{i}"), tracing::Span::none()),
+        );
+    }
+    for rx in dropped {
+        tokio::time::timeout(Duration::from_secs(5), rx)
+            .await
+            .expect("dropped")
+            .expect_err("never answered");
+    }
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_millis(900),
+        "the hold limit of 300 ms held from the disconnects: {took:?}"
+    );
+    drop(busy);
 }
 
 /// A held stream cut at the hold's limit is charged and recorded by the tokens of the text it

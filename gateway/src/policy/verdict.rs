@@ -19,7 +19,8 @@ const MAX_HEADER_VALUE: usize = 1024;
 const QUOTED: usize = 64;
 
 /// Response headers no plugin may add: those that claim a tenant (a client could take them
-/// for the gateway's word), the request id the gateway sets itself, and those a reverse proxy
+/// for the gateway's word), those the gateway sets itself (the request id, whether to retry,
+/// the tenant's rate limits), and those a reverse proxy
 /// in front of the gateway acts on (nginx's `x-accel-redirect` serves an internal location,
 /// `x-sendfile` a file; `x-forwarded-*` and `x-real-ip` name the client).
 fn gateway_owned(name: &HeaderName) -> bool {
@@ -27,6 +28,7 @@ fn gateway_owned(name: &HeaderName) -> bool {
     matches!(
         name,
         "x-request-id"
+            | "x-should-retry"
             | "x-bulkhead-tenant"
             | "x-sendfile"
             | "x-sendfile2"
@@ -40,6 +42,7 @@ fn gateway_owned(name: &HeaderName) -> bool {
             "x-forwarded-",
             "x-litespeed-",
             "x-envoy-",
+            "x-ratelimit-",
         ]
         .iter()
         .any(|p| name.starts_with(p))
@@ -265,6 +268,9 @@ mod tests {
             ("x-org-id", "b"),
             ("x-bulkhead-tenant", "tenant-b"),
             ("x-request-id", "req-1"),
+            // Would tell an OpenAI client to send a failed request again.
+            ("x-should-retry", "true"),
+            ("x-ratelimit-remaining-requests", "1000"),
         ] {
             assert!(matches!(header(n, v), Err(Fault::Garbage(_))), "{n:?}");
         }

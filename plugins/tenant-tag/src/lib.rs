@@ -24,6 +24,41 @@ struct Config {
     echo: Vec<String>,
 }
 
+/// Label names that are the gateway's: a label `tenant` would be a second `tenant` tag beside
+/// the authenticated one, and echoed, `tenant` and `clamped_max_tokens` name response headers
+/// the gateway keeps for itself (it refuses them from a plugin, failing every request).
+const RESERVED: [&str; 2] = ["tenant", "clamped_max_tokens"];
+
+/// The most tags the gateway takes from one plugin's answer, `tenant=<id>` among them.
+const MAX_TAGS: usize = 32;
+
+/// What `configure` refuses rather than fail every request with: a reserved label name, or
+/// more labels for a tenant than the gateway takes.
+fn check(config: &Config) -> Result<(), String> {
+    let tenants = config.tenants.iter().map(|(t, own)| (t.as_str(), own));
+    for (whose, labels) in std::iter::once(("default", &config.default)).chain(tenants) {
+        if let Some(name) = labels.keys().find(|k| RESERVED.contains(&k.as_str())) {
+            return Err(format!(
+                "label {name:?} of {whose} is a name the gateway keeps"
+            ));
+        }
+        let merged = config.default.keys().chain(labels.keys());
+        let count = merged.collect::<std::collections::BTreeSet<_>>().len();
+        if count >= MAX_TAGS {
+            return Err(format!(
+                "{whose} has {count} labels: at most {} beside its tenant tag",
+                MAX_TAGS - 1
+            ));
+        }
+    }
+    match config.echo.iter().find(|l| RESERVED.contains(&l.as_str())) {
+        Some(name) => Err(format!(
+            "label {name:?} cannot be echoed: the gateway sets that header"
+        )),
+        None => Ok(()),
+    }
+}
+
 thread_local! {
     static CONFIG: ConfigSlot<Config> = const { ConfigSlot::new(None) };
 }
@@ -60,7 +95,9 @@ struct TenantTag;
 
 impl Guest for TenantTag {
     fn configure(config: String) -> Result<Hooks, String> {
-        store(&CONFIG, parse_config::<Config>(&config)?);
+        let config = parse_config::<Config>(&config)?;
+        check(&config)?;
+        store(&CONFIG, config);
         Ok(Hooks::ON_REQUEST)
     }
 
