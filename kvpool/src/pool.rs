@@ -167,6 +167,13 @@ impl PagePool {
         self.lock().evict(pages)
     }
 
+    /// Prefix cache: makes `pages` pages free as [`PagePool::evict`] does when the cache can
+    /// give that many, and evicts nothing when it cannot: a request the eviction would still
+    /// leave short empties no other tenant's cache. Returns how many.
+    pub fn make_room(&self, pages: u32) -> u32 {
+        self.lock().make_room(pages)
+    }
+
     /// Takes a reader off each of `pages` (a [`Prefix`] being dropped).
     pub(crate) fn unread(&self, pages: &[PageRef]) {
         self.lock().unread(pages);

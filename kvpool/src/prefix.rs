@@ -205,17 +205,9 @@ impl PrefixIndex {
     /// Takes up to `n` pages out of the index, least recently used leaves first (a parent
     /// whose last child goes becomes a leaf), never one that is read. Returns them.
     pub(crate) fn evict(&mut self, n: u32) -> Vec<PageRef> {
-        let mut leaves: BinaryHeap<Reverse<(u64, PageId)>> = self
-            .entries
-            .values()
-            .filter(|e| e.readers == 0 && e.children == 0)
-            .map(|e| Reverse((e.used, e.page.page)))
-            .collect();
-        let mut evicted = Vec::new();
-        while evicted.len() < n as usize {
-            let Some(Reverse((_, page))) = leaves.pop() else {
-                break;
-            };
+        let victims = self.victims(n);
+        let mut evicted = Vec::with_capacity(victims.len());
+        for page in victims {
             let Some(key) = self.keys.remove(&page) else {
                 continue;
             };
@@ -225,12 +217,41 @@ impl PrefixIndex {
             evicted.push(entry.page);
             if let Some(parent) = key.parent.and_then(|p| self.entry_mut(p)) {
                 parent.children = parent.children.saturating_sub(1);
-                if parent.children == 0 && parent.readers == 0 {
-                    leaves.push(Reverse((parent.used, parent.page.page)));
-                }
             }
         }
         evicted
+    }
+
+    /// The pages [`PrefixIndex::evict`] would take for `n`, in its order: unread leaves, least
+    /// recently used first, a parent once its last child is taken.
+    pub(crate) fn victims(&self, n: u32) -> Vec<PageId> {
+        let mut leaves: BinaryHeap<Reverse<(u64, PageId)>> = self
+            .entries
+            .values()
+            .filter(|e| e.readers == 0 && e.children == 0)
+            .map(|e| Reverse((e.used, e.page.page)))
+            .collect();
+        // Children left to each parent once its taken children are counted out.
+        let mut children: HashMap<PageId, u32> = HashMap::new();
+        let mut victims = Vec::new();
+        while victims.len() < n as usize {
+            let Some(Reverse((_, page))) = leaves.pop() else {
+                break;
+            };
+            victims.push(page);
+            let parent = (self.keys.get(&page))
+                .and_then(|key| key.parent)
+                .and_then(|p| Some((p, self.entries.get(self.keys.get(&p.page)?)?)))
+                .filter(|(p, e)| e.page == *p);
+            if let Some((p, e)) = parent {
+                let left = children.entry(p.page).or_insert(e.children);
+                *left = left.saturating_sub(1);
+                if *left == 0 && e.readers == 0 {
+                    leaves.push(Reverse((e.used, p.page)));
+                }
+            }
+        }
+        victims
     }
 
     /// Pages cached.
@@ -452,6 +473,30 @@ mod tests {
         pool.scrub_pending(|_| {});
         assert_eq!(pool.free_pages(), 8, "every page comes back");
         assert!(pool.verify(&table).is_err(), "an evicted page is not live");
+        pool.check_invariants().expect("invariants hold");
+    }
+
+    /// Room is made only when enough can be: a request that eviction would still leave short
+    /// takes nothing from the cache (it emptied other tenants' caches while it waited).
+    #[test]
+    fn making_room_evicts_all_it_needs_or_nothing() {
+        let pool = pool(8, Scrub::Zero);
+        let (a, b) = (Scope::new("a"), Scope::new("b"));
+        let (old, new) = (prompt(0, 33), prompt(1000, 33));
+        for (owner, scope, p) in [(1, &b, &old), (2, &a, &new)] {
+            let (prefix, allocation) = run(&pool, owner, scope, p, 1);
+            allocation.keep_prompt(prefix, p);
+        }
+        pool.scrub_pending(|_| {});
+        let reading = pool.cached_prefix(&a, &new, 10);
+        assert_eq!(pool.stats().cached, 4);
+        // Only b's two pages are unread: three cannot be made.
+        assert_eq!(pool.make_room(3), 0);
+        assert_eq!(pool.stats().cached, 4, "nothing evicted");
+        assert_eq!(pool.cached_prefix(&b, &old, 10).pages().len(), 2);
+        assert_eq!(pool.make_room(2), 2, "leaf, then its parent");
+        assert_eq!(pool.stats().cached, 2);
+        assert_eq!(pool.verify(reading.pages()), Ok(()));
         pool.check_invariants().expect("invariants hold");
     }
 

@@ -373,6 +373,15 @@ impl PoolState {
         u32::try_from(pages.len()).unwrap_or(u32::MAX)
     }
 
+    /// Evicts `n` cached pages as [`PoolState::evict`] does when that many can go, and none
+    /// otherwise. Returns how many.
+    pub(crate) fn make_room(&mut self, n: u32) -> u32 {
+        if self.prefix.victims(n).len() < n as usize {
+            return 0;
+        }
+        self.evict(n)
+    }
+
     /// Calls `f` for each page waiting for a scrub, oldest first, then frees it. A page leaves
     /// the queue only after `f` returned for it, so if `f` panics that page and the rest stay
     /// queued.

@@ -78,8 +78,9 @@ fn a_template_past_its_deadline_is_stopped_and_the_next_rendering_gets_a_fresh_h
         let e = sandbox.render(&job(SLOW)).expect_err("past its time");
         assert!(e.to_string().contains("took longer than"), "{e}");
         let took = start.elapsed();
+        // On two helpers in turn: the first may have been slowed by its host.
         assert!(
-            took >= TIME && took < TIME + Duration::from_secs(5),
+            took >= 2 * TIME && took < 2 * TIME + Duration::from_secs(5),
             "{took:?}"
         );
         assert_eq!(sandbox.render(&job(ROLES)).expect("a fresh helper"), "user");

@@ -47,9 +47,13 @@ pub enum ChatError {
     Tokenize(String),
     #[error("message role {0:?} is not one of system, user, assistant")]
     Role(String),
-    /// The template took more of its sandbox than it allows: memory, stack or time.
+    /// The template took more of its sandbox than it allows: memory or stack.
     #[error("{0}")]
     Sandbox(String),
+    /// The template's rendering outlasted its time on two helpers in turn (a first one may
+    /// have been slowed by its host).
+    #[error("the chat template's rendering took longer than {0:?}, and was stopped")]
+    TimedOut(std::time::Duration),
     /// The sandbox could not render, through no fault of the template's: its helper could not
     /// start, broke off, or stayed busy with other renderings past the deadline. Transient,
     /// and not the caller's to hear about in detail.
@@ -167,12 +171,46 @@ pub struct ChatTemplate {
 }
 
 /// What a template renders around the contents of a list of messages: one piece before each
-/// message's content and the rest after the last. It depends only on the messages' roles and
-/// the generation prompt, since the template renders a marker in place of each content, and
-/// the environment offers no clock and no randomness — and so does the template's failure
-/// on them, kept like a frame (a template that exhausts its sandbox costs that once per
-/// sequence of roles, not on every request).
-type Frame = Arc<[String]>;
+/// message's content and the rest after the last, and whether it trims each content. It
+/// depends only on the messages' roles and the generation prompt, since the template renders a
+/// marker in place of each content, and the environment offers no clock and no randomness —
+/// and so does the template's failure on them, kept like a frame (a template that exhausts its
+/// sandbox costs that once per sequence of roles, not on every request).
+type Frame = Arc<Framed>;
+
+#[derive(Debug)]
+struct Framed {
+    pieces: Box<[String]>,
+    /// Each message's: what the template's `| trim` (Llama 3's) takes off its content.
+    trims: Box<[Trim]>,
+}
+
+/// Whitespace a template takes off one end or both of a content (`| trim`); found by
+/// rendering the frame once more with [`PAD`] around each marker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Trim {
+    start: bool,
+    end: bool,
+}
+
+impl Trim {
+    fn apply(self, content: &str) -> &str {
+        let content = if self.start {
+            content.trim_start()
+        } else {
+            content
+        };
+        if self.end {
+            content.trim_end()
+        } else {
+            content
+        }
+    }
+}
+
+/// Whitespace around a marker that shows whether a template trims contents: an em space,
+/// which both Jinja's `trim` and minijinja's take off and no template writes.
+const PAD: &str = "\u{2003}";
 
 /// The most frames kept (one per sequence of roles seen).
 const FRAMES: usize = 256;
@@ -186,8 +224,11 @@ impl Held for Result<Frame, ChatError> {
     fn held_bytes(&self) -> usize {
         match self {
             Ok(frame) => frame
+                .pieces
                 .iter()
-                .map(|piece| std::mem::size_of::<String>() + piece.len())
+                .map(|piece| {
+                    std::mem::size_of::<String>() + std::mem::size_of::<Trim>() + piece.len()
+                })
                 .sum(),
             Err(e) => std::mem::size_of::<ChatError>() + e.to_string().len(),
         }
@@ -309,37 +350,71 @@ impl ChatTemplate {
     }
 
     /// Renders the frame of `messages`: the template around a marker in place of each content,
-    /// cut at the markers.
+    /// cut at the markers; then once more with [`PAD`] around each marker, to see which ends
+    /// of which contents the template trims.
     fn render_frame(
         &self,
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<Frame, ChatError> {
-        let marked: Vec<Message> = messages
-            .iter()
-            .enumerate()
-            .map(|(i, m)| Message {
-                role: m.role.clone(),
-                content: marker(i),
-            })
-            .collect();
-        let rendered = self.render(&marked, add_generation_prompt)?;
-        let mut pieces = Vec::with_capacity(messages.len() + 1);
-        let mut rest = rendered.as_str();
-        for i in 0..messages.len() {
-            let (before, after) = rest
-                .split_once(&marker(i))
-                .ok_or(ChatError::ContentRewritten)?;
-            pieces.push(before.to_owned());
-            rest = after;
+        let pieces = |pad: &str| {
+            let marked: Vec<Message> = (messages.iter().enumerate())
+                .map(|(i, m)| Message {
+                    role: m.role.clone(),
+                    content: format!("{pad}{}{pad}", marker(i)),
+                })
+                .collect();
+            let rendered = self.render(&marked, add_generation_prompt)?;
+            cut_at_markers(&rendered, messages.len())
+        };
+        let plain = pieces("")?;
+        let padded = pieces(PAD)?;
+        // Piece k lies between content k - 1 (its end) and content k (its start): each pad the
+        // template kept is there, and nothing else differs.
+        let mut trims = vec![Trim::default(); messages.len()];
+        for (k, (plain, padded)) in plain.iter().zip(&padded).enumerate() {
+            let mut between = padded.as_str();
+            if k > 0 {
+                match between.strip_prefix(PAD) {
+                    Some(rest) => between = rest,
+                    None => trims[k - 1].end = true,
+                }
+            }
+            if k < messages.len() {
+                match between.strip_suffix(PAD) {
+                    Some(rest) => between = rest,
+                    None => trims[k].start = true,
+                }
+            }
+            if between != plain {
+                return Err(ChatError::ContentRewritten);
+            }
         }
-        pieces.push(rest.to_owned());
-        // A marker left in any piece: a content rendered twice or out of order.
-        if pieces.iter().any(|p| p.contains('\u{F8F0}')) {
-            return Err(ChatError::ContentRewritten);
-        }
-        Ok(pieces.into())
+        Ok(Arc::new(Framed {
+            pieces: plain.into(),
+            trims: trims.into(),
+        }))
     }
+}
+
+/// `rendered` cut at the markers of `messages` contents, in order: one piece before each and
+/// the rest after the last.
+fn cut_at_markers(rendered: &str, messages: usize) -> Result<Vec<String>, ChatError> {
+    let mut pieces = Vec::with_capacity(messages + 1);
+    let mut rest = rendered;
+    for i in 0..messages {
+        let (before, after) = rest
+            .split_once(&marker(i))
+            .ok_or(ChatError::ContentRewritten)?;
+        pieces.push(before.to_owned());
+        rest = after;
+    }
+    pieces.push(rest.to_owned());
+    // A marker left in any piece: a content rendered twice or out of order.
+    if pieces.iter().any(|p| p.contains('\u{F8F0}')) {
+        return Err(ChatError::ContentRewritten);
+    }
+    Ok(pieces)
 }
 
 /// Refuses a message whose role is not one of [`ROLES`].
@@ -372,11 +447,11 @@ fn encode_in(
         }
         Ok::<_, ChatError>(())
     };
-    for (p, m) in frame.iter().zip(messages) {
+    for ((p, trim), m) in frame.pieces.iter().zip(&frame.trims).zip(messages) {
         piece(p, &mut text, &mut tokens)?;
-        text.push_str(&m.content);
+        text.push_str(trim.apply(&m.content));
     }
-    if let Some(last) = frame.last() {
+    if let Some(last) = frame.pieces.last() {
         piece(last, &mut text, &mut tokens)?;
     }
     tokens.extend(tokenizer.encode(&text, false).map_err(failed)?);
@@ -609,6 +684,45 @@ mod tests {
             picky.encode_kept(&tok, &hi, true),
             Some(Err(ChatError::Render(why))) if why.contains("system first")
         ));
+    }
+
+    /// A template that trims each content (Llama 3's `message['content'] | trim`) gets its
+    /// contents trimmed, as a rendering of the whole conversation does: its frame rendered a
+    /// marker, which has no whitespace to trim, and the contents went in as sent.
+    #[test]
+    fn a_template_that_trims_contents_gets_them_trimmed() {
+        let (_, tok) = tiny();
+        let messages = [
+            Message::new("system", "  be brief\n"),
+            Message::new("user", "\n hi there  "),
+        ];
+        let turn = |content: &str| {
+            format!(
+                "{{% for m in messages %}}<|im_start|>{{{{ m.role }}}}\n{content}<|im_end|>\n\
+                 {{% endfor %}}{{% if add_generation_prompt %}}<|im_start|>assistant\n{{% endif %}}"
+            )
+        };
+        let mut encoded = Vec::new();
+        for source in [
+            turn("{{ m.content }}"),
+            turn("{{ m.content | trim }}"),
+            // The system prompt alone.
+            turn(
+                "{% if m.role == 'system' %}{{ m.content | trim }}{% else %}{{ m.content }}{% endif %}",
+            ),
+        ] {
+            let chat = ChatTemplate::new(&source, String::new(), String::new()).expect("compiles");
+            let whole = chat.render(&messages, true).expect("renders");
+            let want = tok.encode(&whole, true).expect("encodes");
+            assert_eq!(
+                chat.encode(&tok, &messages, true).expect("encodes"),
+                want,
+                "{source}"
+            );
+            encoded.push(want);
+        }
+        assert_ne!(encoded[0], encoded[1], "trimming changes the prompt");
+        assert_ne!(encoded[1], encoded[2]);
     }
 
     #[test]

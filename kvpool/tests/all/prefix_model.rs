@@ -128,7 +128,19 @@ impl Model {
                 };
                 let skip = r.prefix.pages().len();
                 let own = r.pages.pages().to_vec();
+                // What the record says is kept, apart from what the pool says: each whole
+                // prompt page of its own whose tokens are not cached already.
+                let expected = (0..own.len())
+                    .map(|j| (skip + j + 1) * pt)
+                    .filter(|&end| end <= r.prompt.len())
+                    .filter(|&end| {
+                        !self
+                            .cached
+                            .contains_key(&(r.scope, r.prompt[..end].to_vec()))
+                    })
+                    .count();
                 let kept = r.pages.keep_prompt(r.prefix, &r.prompt);
+                assert_eq!(kept as usize, expected, "whole new prompt pages are kept");
                 let mut counted = 0;
                 for (j, page) in own.iter().enumerate() {
                     let end = (skip + j + 1) * pt;

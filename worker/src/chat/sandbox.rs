@@ -14,7 +14,9 @@
 //!
 //! ```text
 //!  render ─▶ wait for the helper (≤ TIME) ─▶ write the job, read the answer (≤ TIME)
-//!              busy past TIME: Unavailable      helper ended, or past TIME: killed; Sandbox
+//!              busy past TIME: Unavailable      helper ended: Sandbox (its memory, its
+//!                                               stack) or Unavailable; past TIME: killed,
+//!                                               and once more on a fresh helper: TimedOut
 //! ```
 //!
 //! The helper also stops itself when a job outlasts [`TIME`] (an alarm), so one whose serving
@@ -164,9 +166,17 @@ impl Sandbox {
         let kept = turn.helper.take().and_then(Helper::running);
         let reused = kept.is_some();
         let (mut helper, mut answer) = self.ask(kept, job);
-        // A kept helper that broke off before answering may have been ending as the job came
-        // (killed between jobs): once more, on a fresh one.
-        if reused && helper.is_none() && matches!(answer, Err(ChatError::Unavailable(_))) {
+        let again = match &answer {
+            // A kept helper that broke off before answering may have been ending as the job
+            // came (killed between jobs).
+            Err(ChatError::Unavailable(_)) => reused,
+            // A host busy elsewhere may have slowed the helper (a fresh one's start counts in
+            // its time): the template's fault, and kept as such, only if a second one runs
+            // out of time too.
+            Err(ChatError::TimedOut(_)) => true,
+            _ => false,
+        };
+        if again && helper.is_none() {
             (helper, answer) = self.ask(None, job);
         }
         turn.helper = helper;
@@ -384,9 +394,7 @@ fn ready_by(pipe: &impl AsFd, events: libc::c_short, deadline: Instant) -> io::R
 /// limit, or its stack), the sandbox's otherwise.
 fn stopped(ended: &io::Result<ExitStatus>, e: &io::Error) -> ChatError {
     if e.kind() == io::ErrorKind::TimedOut {
-        return ChatError::Sandbox(format!(
-            "the chat template's rendering took longer than {TIME:?}, and was stopped"
-        ));
+        return ChatError::TimedOut(TIME);
     }
     match ended {
         Ok(status) if matches!(status.signal(), Some(libc::SIGABRT | libc::SIGSEGV)) => {
@@ -448,7 +456,7 @@ fn bounded(e: ChatError) -> ChatError {
         ChatError::Role(s) => ChatError::Role(cut(s)),
         ChatError::Sandbox(s) => ChatError::Sandbox(cut(s)),
         ChatError::Unavailable(s) => ChatError::Unavailable(cut(s)),
-        e @ (ChatError::NoTemplate | ChatError::ContentRewritten) => e,
+        e @ (ChatError::NoTemplate | ChatError::ContentRewritten | ChatError::TimedOut(_)) => e,
     }
 }
 
@@ -610,6 +618,26 @@ mod tests {
             assert_eq!(e.transient(), !templates_fault, "{name}: {e}");
             let _ = std::fs::remove_file(path);
         }
+    }
+
+    /// A helper slow past its time once (its host busy elsewhere) does not make the
+    /// template's rendering fail, which would be kept as the template's own failure: the job
+    /// goes once more to a fresh helper.
+    #[test]
+    fn a_rendering_past_its_time_once_is_asked_again_of_a_fresh_helper() {
+        // Its first start sleeps past the time without reading its job; the next answers.
+        let (sandbox, path) = scripted(
+            "slow-once",
+            r#"if [ ! -e "$0.slow" ]; then touch "$0.slow"; sleep 30; fi; while read job; do echo '{"Ok":"done"}'; done"#,
+        );
+        let started = Instant::now();
+        assert_eq!(sandbox.render(&job("x", "")).expect("renders"), "done");
+        assert!(
+            started.elapsed() >= TIME,
+            "the first helper ran out of time"
+        );
+        let _ = std::fs::remove_file(format!("{}.slow", path.display()));
+        let _ = std::fs::remove_file(path);
     }
 
     #[test]

@@ -49,8 +49,8 @@ use bulkhead_checks::Check;
 use bulkhead_handoff::{CloseReason, IntegrityFailure, Received, SessionNonce};
 use bulkhead_kernels::attention::{TagCheck, TagView};
 use bulkhead_kvpool::{
-    Admissible, Allocation, NotNow, PagePool, PageRef, PoolConfig, Prefix, RequestId, Reservation,
-    Scope, Scrub,
+    Admissible, Allocation, NotNow, PagePool, PageRef, PoolConfig, Prefix, Quarantined, RequestId,
+    Reservation, Scope, Scrub,
 };
 
 pub use request::{Delivery, Event, EventSink, Failure, FinishReason, Request, SubmitError, Usage};
@@ -105,7 +105,8 @@ pub struct EngineConfig {
     /// acknowledgement before they are quarantined.
     pub release_timeout: Duration,
     /// Decode role: how long after a quarantined transfer's peer is known gone (its transport
-    /// closed, or its `Closed` came late) its pages are scrubbed and reused.
+    /// closed, or its `Closed` came late) its pages are scrubbed and reused; every role: how
+    /// long the pages of a request that failed its own integrity check stay quarantined.
     pub reclaim_after: Duration,
     /// Keep the whole pages of every prompt computed here in its tenant's prefix cache, and
     /// start each prompt from the longest cached run of its own tenant's pages. A decode
@@ -322,6 +323,9 @@ pub struct Engine {
     draining: HashMap<SessionNonce, Draining>,
     /// Quarantined transfers, until their peer is known gone.
     suspects: HashMap<SessionNonce, Suspect>,
+    /// Pages of requests that failed an integrity check of their own (a tag mismatch, a
+    /// canary read), quarantined until the time beside them ([`EngineConfig::reclaim_after`]).
+    failed_pages: Vec<(Instant, Quarantined)>,
     stats: TransferStats,
     prefix_stats: PrefixStats,
     /// Prompt tokens computed since the engine started.
@@ -446,6 +450,7 @@ impl Engine {
             transfers: HashMap::new(),
             draining: HashMap::new(),
             suspects: HashMap::new(),
+            failed_pages: Vec::new(),
             stats: TransferStats::default(),
             prefix_stats: PrefixStats::default(),
             computed_prompt_tokens: 0,
@@ -552,6 +557,7 @@ impl Engine {
             .chain(self.waiting.iter().filter_map(|w| w.deadline))
             .chain(self.draining.values().map(|d| d.deadline))
             .chain(self.suspects.values().filter_map(|s| s.reclaim_at))
+            .chain(self.failed_pages.iter().map(|(at, _)| *at))
             .min()
     }
 
@@ -1024,8 +1030,14 @@ impl Engine {
                     self.hand_over(r, first_token);
                 }
                 Outcome::Failed { suspect: true } => {
-                    // Suspect contents, no peer: quarantined until an operator releases them.
-                    let _ = self.running.remove(i).pages.quarantine();
+                    // Suspect contents, and nothing left that writes them (the request is
+                    // gone, and there is no peer): out of service for a while — the pool's
+                    // counters and the log show them —, then scrubbed and reused. Kept out for
+                    // good, each such failure took pages from the pool until a restart, and a
+                    // worker whose pool is its served context was never ready again.
+                    let pages = self.running.remove(i).pages.quarantine();
+                    let back = Instant::now() + self.config.reclaim_after;
+                    self.failed_pages.push((back, pages));
                 }
                 // Nothing of them goes to the prefix cache: the step that failed may have
                 // written part of a page.
@@ -1103,6 +1115,18 @@ impl Engine {
                 tracing::info!(session = %nonce, pages, "peer gone: quarantined pages reclaimed");
                 self.stats.reclaimed_pages += u64::from(pages);
             }
+        }
+        let (due, kept) = std::mem::take(&mut self.failed_pages)
+            .into_iter()
+            .partition::<Vec<_>, _>(|(at, _)| *at <= now);
+        self.failed_pages = kept;
+        for (_, quarantined) in due {
+            let pages = quarantined.reclaim();
+            tracing::info!(
+                pages,
+                "the pages of a request that failed its integrity check reclaimed"
+            );
+            self.stats.reclaimed_pages += u64::from(pages);
         }
     }
 
@@ -1218,7 +1242,9 @@ impl Engine {
     }
 
     /// Reserves a request's pages (after `prefix`'s, if any). Cached pages that no request
-    /// reads make room when the free pages are short.
+    /// reads make room when the free pages are short — only when they can make enough: a
+    /// request that would still wait evicts nothing (it emptied other tenants' caches at every
+    /// step it waited).
     fn reserve(
         &mut self,
         admissible: Admissible,
@@ -1235,7 +1261,7 @@ impl Engine {
         let cached = prefix.map_or(0, |p| p.pages().len() as u32);
         let needed = not_now.admissible().pages().saturating_sub(cached);
         let short = needed.saturating_sub(self.pool.free_pages());
-        if self.pool.evict(short) == 0 {
+        if self.pool.make_room(short) == 0 {
             return Err(not_now);
         }
         self.scrub();

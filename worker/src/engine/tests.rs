@@ -175,3 +175,111 @@ fn logits_that_are_not_numbers_fail_the_request_and_its_pages_come_back() {
     let s = e.pool().stats();
     assert_eq!((s.quarantined, s.free), (0, free), "{s:?}");
 }
+
+/// A request of `tenant`, numbered `id`, for exactly `new` tokens after `prompt`.
+fn request_of(
+    id: u64,
+    tenant: &str,
+    prompt: &[TokenId],
+    new: usize,
+    tx: mpsc::Sender<Event>,
+) -> Request {
+    Request {
+        id: RequestId::new(id),
+        tenant: Scope::new(tenant),
+        max_new_tokens: new,
+        ignore_eos: true,
+        ..request(prompt, tx)
+    }
+}
+
+/// The pages of a request that failed its own integrity check (here, a canary read: a page
+/// its attention reads that was never written) are quarantined, and come back once the reclaim
+/// delay has passed: they stayed out of service until a restart, and a worker whose pool is
+/// its served context was never ready again.
+#[test]
+fn the_pages_of_a_request_that_failed_its_integrity_check_come_back() {
+    let mut e = tiny_engine_with(EngineConfig {
+        kv: KvBudget::Tokens(64),
+        scrub: Scrub::Canary,
+        reclaim_after: std::time::Duration::from_millis(50),
+        ..EngineConfig::default()
+    })
+    .expect("engine starts");
+    let total = e.pool().stats().total;
+    let (tx, rx) = mpsc::channel();
+    e.submit(request_of(1, "test", &(3..23).collect::<Vec<_>>(), 4, tx))
+        .map_err(|(e, _)| e)
+        .expect("admits");
+    for _ in 0..10 {
+        if e.running.first().is_some_and(|r| !r.in_prefill()) {
+            break;
+        }
+        e.step();
+    }
+    let page = e.running[0].table[0].page;
+    e.kv.scrub(page, Scrub::Canary).expect("a page of the pool");
+    e.step();
+    let events: Vec<Event> = rx.try_iter().collect();
+    assert!(
+        matches!(
+            events.last(),
+            Some(Event::Failed(Failure::Forward(
+                crate::model::SeqFailure::Integrity(_)
+            )))
+        ),
+        "{events:?}"
+    );
+    assert_eq!(e.pool().stats().quarantined, 2, "out of service for now");
+    assert!(
+        e.next_deadline().is_some(),
+        "the engine wakes to reclaim them"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    e.step();
+    let s = e.pool().stats();
+    assert_eq!((s.quarantined, s.free), (0, total), "{s:?}");
+}
+
+/// A request the prefix cache cannot make room for (the other pages are held by a running
+/// request) evicts none of it: it emptied another tenant's cache at every step it waited, and
+/// still waited.
+#[test]
+fn a_request_eviction_cannot_make_room_for_evicts_nothing() {
+    let mut e = tiny_engine_with(EngineConfig {
+        kv: KvBudget::Tokens(128),
+        prefix_cache: true,
+        ..EngineConfig::default()
+    })
+    .expect("engine starts");
+    let (tx, _rx) = mpsc::channel();
+    // Tenant b's 65-token prompt leaves four whole pages cached.
+    let b: Vec<TokenId> = (3..68).collect();
+    e.submit(request_of(1, "b", &b, 2, tx.clone()))
+        .map_err(|(e, _)| e)
+        .expect("admits");
+    while e.has_work() {
+        e.step();
+    }
+    e.step();
+    assert_eq!(e.pool().stats().cached, 4);
+    // Tenant c's request holds the other four pages while it runs.
+    e.submit(request_of(
+        2,
+        "c",
+        &(70..120).collect::<Vec<_>>(),
+        14,
+        tx.clone(),
+    ))
+    .map_err(|(e, _)| e)
+    .expect("admits");
+    e.step();
+    assert_eq!(e.running.len(), 1);
+    // Tenant a's needs all eight: four more than the cache can give.
+    e.submit(request_of(3, "a", &(130..230).collect::<Vec<_>>(), 28, tx))
+        .map_err(|(e, _)| e)
+        .expect("admits: it fits the pool");
+    e.step();
+    assert_eq!(e.waiting.len(), 1, "a waits");
+    assert_eq!(e.pool().stats().cached, 4, "b's cache is kept");
+}
