@@ -60,15 +60,24 @@ pub async fn stop(child: &mut Child, limit: Duration, what: &str) {
     }
 }
 
-/// The child gets SIGTERM if this process dies first (Linux), so none is orphaned.
+/// The child gets SIGTERM if this process dies first (Linux), so none is orphaned — also when
+/// it died between the fork and the request for the signal (the child then has another
+/// parent already, and does not start).
 #[cfg(target_os = "linux")]
 pub fn die_with_parent(cmd: &mut Command) {
-    // SAFETY: the closure runs in the forked child before exec and only calls prctl(2), which
-    // is async-signal-safe; it touches no memory of the parent.
+    let parent = libc::pid_t::try_from(std::process::id()).unwrap_or(0);
+    // SAFETY: the closure runs in the forked child before exec and only calls prctl(2) and
+    // getppid(2), which are async-signal-safe; it touches no memory of the parent's but a
+    // copied integer.
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) == -1 {
                 return Err(std::io::Error::last_os_error());
+            }
+            // No allocation here (another thread may have held the allocator's lock at the
+            // fork): an error number alone.
+            if libc::getppid() != parent {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
             }
             Ok(())
         });

@@ -11,6 +11,7 @@ use bulkhead_gateway::preflight;
 use bulkhead_gateway::tenants::ConfigFile;
 use bulkhead_gateway::{BoundGateway, Config};
 
+use crate::signals::{self, Signals};
 use crate::telemetry::Service;
 
 /// Environment variables, one per flag.
@@ -77,7 +78,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let (api, admin) = (gateway.api_addr()?, gateway.admin_addr()?);
         tracing::info!(%api, %admin, "gateway serving");
         println!("bulkhead gateway ready api={api} admin={admin}");
-        gateway.serve(crate::worker::shutdown_signal()).await;
+        let mut signals = Signals::listen();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let mut serving = tokio::spawn(gateway.serve(async move {
+            let _ = stopped.await;
+        }));
+        tokio::select! {
+            ended = &mut serving => ended.context("the gateway failed")?,
+            () = signals.next() => {
+                let _ = stop.send(());
+                signals::drain(&mut serving, &mut signals).await?;
+            }
+        }
         tracing::info!("gateway stopped");
         anyhow::Ok(())
     })

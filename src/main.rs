@@ -8,6 +8,7 @@ mod gateway;
 mod generate;
 mod model_path;
 mod runtime;
+mod signals;
 mod switches;
 mod telemetry;
 mod tls_args;

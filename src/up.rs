@@ -10,9 +10,8 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use bulkhead_gateway::policy::Policies;
 use bulkhead_gateway::tenants::ConfigFile;
-use bulkhead_gateway::{BoundGateway, Config};
+use bulkhead_gateway::{BoundGateway, Config, GatewayError, Prepared};
 use bulkhead_worker::serve::ClusterToken;
 use bulkhead_worker::serve::tls::{Authority, ListenerFiles, TlsFiles, TlsSettings};
 use bulkhead_worker::serve::{cluster_token, secret_file};
@@ -20,6 +19,7 @@ use tokio::process::{Child, Command};
 
 use crate::child;
 use crate::model_path::ModelArgs;
+use crate::signals::{self, Signals};
 use crate::telemetry::Service;
 
 /// The default configuration, built into the binary. Its policy set and compile cache are
@@ -101,9 +101,10 @@ impl Layout {
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
-    /// The API port on 127.0.0.1 (0: any free port; the bound one is printed).
-    #[arg(long, env = env::PORT, default_value_t = 8080)]
-    port: u16,
+    /// The API port on 127.0.0.1 (0: any free port; the bound one is printed) [default: the
+    /// configuration's: 8080 in the built-in one]
+    #[arg(long, env = env::PORT)]
+    port: Option<u16>,
     /// The admin port on 127.0.0.1 [default: the configuration's]
     #[arg(long, env = env::ADMIN_PORT)]
     admin_port: Option<u16>,
@@ -167,7 +168,9 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
             }
         }
     }
-    config.listen.api.set_port(args.port);
+    if let Some(port) = args.port {
+        config.listen.api.set_port(port);
+    }
     if let Some(port) = args.admin_port {
         config.listen.admin.set_port(port);
     }
@@ -177,33 +180,25 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     // Dropped last, after the runtime: exports what is still queued.
     let telemetry = crate::telemetry::install("info", export.map(|o| (Service::Gateway, o)))?;
     let audit_export = telemetry.audit_export();
-    let model = args.model.path()?;
+    let model = args.model.path_fetching()?;
     // Absolute: the paths written into the serving configuration are read from anywhere.
     let data_dir = std::path::absolute(args.data_dir.path()?).context("the data directory")?;
     // Before anything is written or started: a second `up` on this data directory would
     // replace the running one's token, certificates and configuration, and a busy port or a
     // policy set that does not load would show only after both models had loaded.
     let _running = hold(&data_dir)?;
-    // Both held until both are bound (the two on one port fail here too), then let go for
-    // the gateway to bind.
-    let free = [("API", config.listen.api), ("admin", config.listen.admin)]
-        .map(|(what, addr)| {
-            std::net::TcpListener::bind(addr).with_context(|| {
-                format!("the {what} address {addr} cannot be listened on (--port / --admin-port choose others)")
-            })
-        })
-        .into_iter()
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    drop(free);
-    if let Some(settings) = &config.policies {
-        Policies::load(settings.clone()).with_context(|| {
-            format!(
-                "the policy set {} does not load (run `bulkhead up` from the repository root, \
-                 after scripts/build-plugins)",
-                settings.file.display()
-            )
-        })?;
-    }
+    // Both ports held from here on, the two on one port failing here too, and the policy set
+    // loaded once, for the gateway to serve with.
+    let prepared = Prepared::new(&config).map_err(|e| match e {
+        GatewayError::Bind { what, addr, .. } => anyhow::Error::new(e).context(format!(
+            "the {what} address {addr} cannot be listened on (--port / --admin-port choose others)"
+        )),
+        GatewayError::Policy(_) => anyhow::Error::new(e).context(
+            "the policy set does not load (run `bulkhead up` from the repository root, after \
+             scripts/build-plugins)",
+        ),
+        e => e.into(),
+    })?;
     // So are the audit log's key and lock (another gateway on this data directory).
     config.audit.chain_key()?;
     bulkhead_audit::AuditLog::check_unlocked(&bulkhead_gateway::audit_dir(&data_dir))
@@ -278,7 +273,7 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
         let serving_config = data_dir.join(SERVING_CONFIG_FILE);
         secret_file::write(&serving_config, serving(&source, &config)?.as_bytes())
             .with_context(|| format!("writing {}", serving_config.display()))?;
-        let gateway = BoundGateway::bind(config, file, &data_dir, audit_export)
+        let gateway = BoundGateway::bind_prepared(config, file, &data_dir, audit_export, prepared)
             .await?
             .serving_threads(args.threads.count());
         let (api, admin) = (gateway.api_addr()?, gateway.admin_addr()?);
@@ -302,24 +297,40 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
             println!("Gateway and workers speak mutual TLS (CA and certificates in {}).", tls.dir.display());
         }
 
+        let mut signals = Signals::listen();
         let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
-        let serving = tokio::spawn(gateway.serve(async move {
+        let mut serving = tokio::spawn(gateway.serve(async move {
             let _ = stop_rx.wait_for(|s| *s).await;
         }));
         let any_exit = futures_util::future::select_all(workers.iter_mut().map(|w| Box::pin(w.child.wait())));
-        let worker_died = tokio::select! {
-            () = crate::worker::shutdown_signal() => None,
-            (status, index, _) = any_exit => Some((index, status)),
+        // What ended the run: a signal, a worker's exit, or the gateway's own end (a panic).
+        let (worker_died, gateway_ended) = tokio::select! {
+            () = signals.next() => (None, None),
+            (status, index, _) = any_exit => (Some((index, status)), None),
+            ended = &mut serving => (None, Some(ended)),
         };
         let _ = stop_tx.send(true);
-        let _ = serving.await;
-        // All at once: each may take its whole stop limit (a collector that never answers).
+        let gateway_stopped = gateway_ended.is_some();
+        let (served, cut) = match gateway_ended {
+            Some(ended) => (ended.context("the gateway failed"), false),
+            None => match signals::drain(&mut serving, &mut signals).await {
+                Ok(cut) => (Ok(()), cut),
+                Err(e) => (Err(e), false),
+            },
+        };
+        // All at once: each may take its whole stop limit (a collector that never answers);
+        // after a second signal, none.
+        let limit = if cut { Duration::ZERO } else { WORKER_STOP_LIMIT };
         futures_util::future::join_all(workers.iter_mut().map(|w| async move {
-            child::stop(&mut w.child, WORKER_STOP_LIMIT, &format!("{} worker", w.role)).await;
+            child::stop(&mut w.child, limit, &format!("{} worker", w.role)).await;
         }))
         .await;
         if let Some((index, status)) = worker_died {
             bail!("the {} worker exited ({status:?}); stopped everything", workers[index].role);
+        }
+        served?;
+        if gateway_stopped {
+            bail!("the gateway stopped serving; stopped everything");
         }
         eprintln!("bulkhead up: stopped");
         anyhow::Ok(())

@@ -198,7 +198,9 @@ pub struct Args {
     #[arg(long, env = env::RELEASE_TIMEOUT_MS, value_parser = at_least_one_ms(), default_value_t = 10_000)]
     release_timeout_ms: u64,
     /// Decode role: how long after a quarantined transfer's peer is known gone (its data
-    /// connection closed) its pages are scrubbed and reused (milliseconds).
+    /// connection closed) its pages are scrubbed and reused; every role: how long the pages
+    /// of a request that failed its own integrity check (a page tag, a canary) stay
+    /// quarantined before the same (milliseconds).
     #[arg(long, env = env::RECLAIM_AFTER_MS, default_value_t = 2_000)]
     reclaim_after_ms: u64,
     /// Prefill and decode roles: how long a KV data-plane peer that vanished (a dead host, a
@@ -382,31 +384,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 /// Completes on Ctrl-C or SIGTERM.
 pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            tracing::warn!(error = %e, "cannot listen for Ctrl-C");
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let term = async {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
-    }
+    crate::signals::Signals::listen().next().await;
 }
 
 /// Bytes, plain or with a unit: `KiB MiB GiB TiB` (powers of 1024) or `kB KB MB GB TB`

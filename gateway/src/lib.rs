@@ -46,4 +46,4 @@ pub mod workers;
 mod write_deadline;
 
 pub use config::Config;
-pub use server::{BoundGateway, GatewayError, audit_dir};
+pub use server::{BoundGateway, GatewayError, Prepared, audit_dir};

