@@ -367,6 +367,13 @@ fn workers_killed_mid_request_and_restarted_under_load_fail_cleanly_and_leak_not
             let a = a.join().expect("A's client");
             assert!(!a.abandoned, "the stream ended by itself: {a:?}");
             assert!(!a.response.contains("[DONE]"), "{}", a.response);
+            // With an error event: a stream that just stops reads as a complete answer.
+            assert_eq!(
+                a.error_code().as_deref(),
+                Some("service_unavailable"),
+                "{}",
+                a.response
+            );
             stop.store(true, Ordering::Relaxed);
         });
         // Both tenants are served again by the restarted workers.
@@ -490,7 +497,8 @@ fn a_bounded_mixed_soak_with_random_aborts_keeps_worker_memory_flat_and_leaks_no
 }
 
 /// I5 for a client that closes its socket the moment it has sent a complete request (see the
-/// module doc): each has exactly one record, in its tenant's log, as abandoned.
+/// module doc): each has exactly one record, in its tenant's log — abandoned, or answered to
+/// nobody, whichever the gateway saw first.
 #[test]
 fn a_client_that_closes_at_once_still_gets_one_audit_record() {
     bounded(|| {
