@@ -79,6 +79,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         tracing::info!(%api, %admin, "gateway serving");
         println!("bulkhead gateway ready api={api} admin={admin}");
         let mut signals = Signals::listen();
+        let cut = gateway.cutter();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let mut serving = tokio::spawn(gateway.serve(async move {
             let _ = stopped.await;
@@ -87,7 +88,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             ended = &mut serving => ended.context("the gateway failed")?,
             () = signals.next() => {
                 let _ = stop.send(());
-                signals::drain(&mut serving, &mut signals).await?;
+                signals::drain(&mut serving, &mut signals, cut).await?;
             }
         }
         tracing::info!("gateway stopped");

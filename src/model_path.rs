@@ -51,7 +51,8 @@ const FETCH_MODEL: &str = include_str!("../scripts/fetch-model");
 /// Where the default model is cached: [`DEFAULT_MODEL_FILE`] in `$BULKHEAD_MODEL_DIR`, or in
 /// `~/.cache/bulkhead/models`.
 fn default_model() -> anyhow::Result<PathBuf> {
-    let dir = match std::env::var_os(MODEL_DIR_ENV) {
+    // Empty is unset, as the fetch script takes it.
+    let dir = match std::env::var_os(MODEL_DIR_ENV).filter(|d| !d.is_empty()) {
         Some(d) => PathBuf::from(d),
         None => PathBuf::from(std::env::var_os("HOME").context("HOME is not set")?)
             .join(".cache/bulkhead/models"),

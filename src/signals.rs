@@ -1,6 +1,8 @@
 //! Ctrl-C and SIGTERM, listened for from the start, so that the second of them is heard too:
 //! the first asks the gateway to drain, a second stops it at once.
 
+use std::time::Duration;
+
 use anyhow::Context;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::task::JoinHandle;
@@ -42,15 +44,32 @@ impl Signals {
     }
 }
 
+/// How long the gateway gets to end once a second signal cut its requests, before it is stopped
+/// where it is.
+const CUT_LIMIT: Duration = Duration::from_secs(5);
+
 /// Waits for `serving` (the gateway, told to stop: it drains) to end, or for another signal,
-/// which cuts the drain short: an operator's second Ctrl-C stops it at once. Whether it was
-/// cut, or the gateway's failure (a panic, said, not dropped).
-pub async fn drain(serving: &mut JoinHandle<()>, signals: &mut Signals) -> anyhow::Result<bool> {
+/// which cuts the drain short: `cut` ends the requests under way as the drain timeout would
+/// (each client told, each record saying so), and the gateway ends with its audit log flushed
+/// — stopped where it is only if it has not within [`CUT_LIMIT`]. An operator's second Ctrl-C
+/// does not wait out the drain. Whether it was cut, or the gateway's failure (a panic, said,
+/// not dropped).
+pub async fn drain(
+    serving: &mut JoinHandle<()>,
+    signals: &mut Signals,
+    cut: impl FnOnce(),
+) -> anyhow::Result<bool> {
     tokio::select! {
-        ended = &mut *serving => ended.context("the gateway failed").map(|()| false),
-        () = signals.next() => {
+        ended = &mut *serving => return ended.context("the gateway failed").map(|()| false),
+        () = signals.next() => {}
+    }
+    eprintln!("a second signal: cutting the requests under way");
+    cut();
+    match tokio::time::timeout(CUT_LIMIT, &mut *serving).await {
+        Ok(ended) => ended.context("the gateway failed").map(|()| true),
+        Err(_) => {
             serving.abort();
-            eprintln!("a second signal: stopped without waiting for requests under way");
+            eprintln!("the gateway did not end within {CUT_LIMIT:?} of the cut: stopped");
             Ok(true)
         }
     }

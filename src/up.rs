@@ -180,7 +180,6 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     // Dropped last, after the runtime: exports what is still queued.
     let telemetry = crate::telemetry::install("info", export.map(|o| (Service::Gateway, o)))?;
     let audit_export = telemetry.audit_export();
-    let model = args.model.path_fetching()?;
     // Absolute: the paths written into the serving configuration are read from anywhere.
     let data_dir = std::path::absolute(args.data_dir.path()?).context("the data directory")?;
     // Before anything is written or started: a second `up` on this data directory would
@@ -203,6 +202,9 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     config.audit.chain_key()?;
     bulkhead_audit::AuditLog::check_unlocked(&bulkhead_gateway::audit_dir(&data_dir))
         .context("the audit log")?;
+    // Once nothing else stands in the way (a download of the default model, the first time, is
+    // not wasted on a busy data directory or port).
+    let model = args.model.path_fetching()?;
     // A fresh cluster token each start: the workers answer only the gateway (and decode only
     // its prefill worker), never another process that finds their loopback ports.
     let token_file = data_dir.join(CLUSTER_TOKEN_FILE);
@@ -298,6 +300,7 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
         }
 
         let mut signals = Signals::listen();
+        let cut = gateway.cutter();
         let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
         let mut serving = tokio::spawn(gateway.serve(async move {
             let _ = stop_rx.wait_for(|s| *s).await;
@@ -313,7 +316,7 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
         let gateway_stopped = gateway_ended.is_some();
         let (served, cut) = match gateway_ended {
             Some(ended) => (ended.context("the gateway failed"), false),
-            None => match signals::drain(&mut serving, &mut signals).await {
+            None => match signals::drain(&mut serving, &mut signals, cut).await {
                 Ok(cut) => (Ok(()), cut),
                 Err(e) => (Err(e), false),
             },

@@ -268,12 +268,27 @@ impl Metrics {
         for (name, help, value) in gauges {
             family(&mut out, name, "gauge", help);
             for w in &reports {
-                let worker = w.name.replace(['"', '\\', '\n'], "_");
+                let worker = label_value(&w.name);
                 let _ = writeln!(out, "{name}{{worker=\"{worker}\"}} {}", value(w));
             }
         }
         out
     }
+}
+
+/// `value` as a label value of the text format: backslash, double quote and line feed escaped
+/// (replaced, `a"b` and `a\b` were one series, and the scrape was refused for duplicates).
+fn label_value(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for c in value.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 /// A per-worker gauge's value, read from the worker's report.
@@ -308,7 +323,8 @@ fn render_counters(out: &mut String, c: &Counters) {
         "bulkhead_gateway_requests_total",
         "counter",
         "API requests by tenant and HTTP status, as their audit records give them, counted \
-         when they end (499: the client left first; 444: closed unanswered at shutdown; 503: \
+         when they end (499: the client left before the answer's head; a stream it left after \
+         counts under 200, its record saying so; 444: closed unanswered at shutdown; 503: \
          answered audit_unavailable when the log refused the record).",
     );
     for (tenant, statuses) in &c.requests {
@@ -411,6 +427,17 @@ fn render_counters(out: &mut String, c: &Counters) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Worker names that differ only in a quote, a backslash or a line feed are two series:
+    /// replaced by `_`, they were one, twice, and Prometheus refused the scrape.
+    #[test]
+    fn label_values_are_escaped_not_replaced() {
+        let names = ["a\"b", "a\\b", "a\nb", "a_b"];
+        let shown: Vec<String> = names.iter().map(|n| label_value(n)).collect();
+        assert_eq!(shown, [r#"a\"b"#, r"a\\b", r"a\nb", "a_b"]);
+        let distinct: std::collections::HashSet<&String> = shown.iter().collect();
+        assert_eq!(distinct.len(), names.len());
+    }
 
     #[test]
     fn histograms_are_cumulative_and_count_every_observation() {

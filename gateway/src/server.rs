@@ -86,7 +86,10 @@ impl Prepared {
 }
 
 /// A listening socket at `addr`, as tokio's `TcpListener::bind` makes one: the address
-/// reusable at once after a restart, a backlog of 1024.
+/// reusable at once after a restart, a backlog of 1024, closed on exec (as every socket2
+/// socket: the workers `up` starts do not hold it). Listening from here on: bound but not
+/// listening, the port could be bound and listened on by another process that sets
+/// `SO_REUSEADDR` too (Linux lets it then), and taken while the models load.
 fn listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     use socket2::{Domain, Protocol, Socket, Type};
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
@@ -255,6 +258,14 @@ impl BoundGateway {
     /// The policy plugins (what `/policies` shows).
     pub fn policies(&self) -> &Policies {
         &self.policies
+    }
+
+    /// What cuts the requests still running once the gateway drains, without waiting for the
+    /// drain timeout: each tells its client (an error event ends a stream) and is recorded as
+    /// cut by shutdown, as at the timeout, and the drain ends with the audit log flushed.
+    pub fn cutter(&self) -> impl FnOnce() + Send + 'static {
+        let recorder = self.recorder.clone();
+        move || Witness::cut(&recorder)
     }
 
     /// The tenants, their keys and limits (what `/tenants` shows and reloads).

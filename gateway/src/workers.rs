@@ -1156,7 +1156,10 @@ impl Workers {
     /// Reads every worker's Health and Info (concurrently, each bounded), and (re)builds the
     /// served model when there is none yet or no healthy worker serves it any more. Each answer
     /// is taken as it comes: one worker that does not answer (three calls of up to
-    /// [`RPC_TIMEOUT`] each) delays nobody else's change of health, nor the served model.
+    /// [`RPC_TIMEOUT`] each) delays nobody else's change of health. The served model is settled
+    /// once every answer is in, from what they all said (settled at each, it could be taken
+    /// from a worker not heard yet, as the last refresh left it, and the registration's wait
+    /// held every answer after it).
     pub async fn refresh(&self) {
         let (refresh, mut answers): (u64, FuturesUnordered<_>) = self.with(|s| {
             s.refreshes += 1;
@@ -1170,36 +1173,26 @@ impl Workers {
                 .collect();
             (s.refreshes, probes)
         });
-        // The workers whose model this refresh tried to register: each once at most.
-        let mut tried = Vec::new();
-        loop {
-            let answer = answers.next().await;
-            let last = answer.is_none();
-            let wanted = self.with(|s| {
-                if let Some((i, answer)) = answer {
-                    s.apply(refresh, i, answer);
-                }
-                // A later refresh settled the served model already (kept it, or registered
-                // another): this one saw less.
-                if s.model_by > refresh {
-                    return None;
-                }
-                let wanted = s.model_to_register();
-                if wanted.is_none() {
-                    s.model_by = refresh;
-                }
-                wanted.filter(|(id, _)| !tried.contains(id))
-            });
-            if let Some((id, source)) = wanted {
-                tried.push(id);
-                self.register_model(id, source, refresh).await;
-            }
-            // Once the served model is settled: a change of model is not a reason to log.
-            self.with(State::log_routability);
-            if last {
-                return;
-            }
+        while let Some((i, answer)) = answers.next().await {
+            self.with(|s| s.apply(refresh, i, answer));
         }
+        let wanted = self.with(|s| {
+            // A later refresh settled the served model already (kept it, or registered
+            // another): this one saw less.
+            if s.model_by > refresh {
+                return None;
+            }
+            let wanted = s.model_to_register();
+            if wanted.is_none() {
+                s.model_by = refresh;
+            }
+            wanted
+        });
+        if let Some((id, source)) = wanted {
+            self.register_model(id, source, refresh).await;
+        }
+        // Once the served model is settled: a change of model is not a reason to log.
+        self.with(State::log_routability);
     }
 
     /// Registers the model worker `id` serves, as refresh number `refresh` chose it.

@@ -1340,7 +1340,9 @@ fn ctrl_c_lets_an_answer_under_way_finish_before_the_workers_stop() {
 
 /// A second Ctrl-C stops `up` at once, its workers too: the first one waits for the answers
 /// under way, up to `drain_timeout_secs` (as long as a week), and once it came the operator had
-/// no way to stop it sooner but to kill it.
+/// no way to stop it sooner but to kill it. The answer it cuts ends as the drain timeout would
+/// end it — its client told, its record saying so, on disk (the gateway task was aborted at
+/// first, its audit log's last flush never run).
 #[test]
 fn a_second_ctrl_c_stops_up_without_waiting_for_the_drain() {
     bounded(|| {
@@ -1356,6 +1358,14 @@ fn a_second_ctrl_c_stops_up_without_waiting_for_the_drain() {
         );
         let rest = rest_of(answer);
         assert!(!rest.contains("data: [DONE]"), "cut short: {rest}");
+        let last = rest.lines().rev().find(|l| l.starts_with("data: "));
+        assert!(
+            last.is_some_and(|l| l.contains(r#""code":"gateway_shutdown""#)),
+            "the stream's last event: {last:?}"
+        );
+        let records = on_disk(&up.data_dir, "tenant-b");
+        let cut = records.last().expect("the answer's record");
+        assert_eq!(cut["error.type"], "gateway_shutdown", "{cut:#}");
     });
 }
 

@@ -984,6 +984,45 @@ async fn a_decode_worker_filled_by_another_prefill_worker_than_configured_fails_
     .await;
 }
 
+/// Asserts a worker's `/metrics` `m` counts `cancelled` requests cancelled and
+/// `failed_prefill` failed for their prefill worker.
+fn assert_cancelled_and_failed_prefill(m: &str, cancelled: f64, failed_prefill: f64) {
+    let counted = |outcome: &str| {
+        metric(
+            m,
+            &format!("bulkhead_requests_total{{outcome=\"{outcome}\"}}"),
+        )
+    };
+    assert_eq!(
+        (counted("cancelled"), counted("failed_prefill")),
+        (cancelled, failed_prefill),
+        "{m}"
+    );
+}
+
+/// A decode worker whose Prefill call fails (its prefill worker is gone) counts the request
+/// once, as a prefill failure: the reservation its failure gave back also counted it as
+/// cancelled, so every prefill outage read as a cancel too.
+#[tokio::test]
+async fn a_prefill_call_that_fails_is_counted_once_as_a_prefill_failure() {
+    bounded(async {
+        let (mut prefill, decode) = disaggregated("2048", "2048");
+        prefill.child.kill().expect("kill the prefill worker");
+        let _ = prefill.child.wait();
+        let mut client = decode.client().await;
+        let err = run_to_end(&mut client, chat("Say hello.", 4))
+            .await
+            .expect_err("no prefill worker");
+        assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+        // The reservation's cancel reaches the engine after the refusal.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_cancelled_and_failed_prefill(&decode.metrics(), 0.0, 1.0);
+        let p = wait_all_pages_back(&decode).await;
+        assert_eq!(available(&p), p.total, "{p:?}");
+    })
+    .await;
+}
+
 /// A caller that leaves while its decode worker waits for the prefill worker's answer is a
 /// cancel, not a prefill failure: decode cancels the request before it tears the session
 /// down (the other way round, the engine failed it for the closed session first, and a
@@ -1015,17 +1054,7 @@ async fn a_caller_leaving_before_prefill_answers_is_counted_as_cancelled() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         signal("-CONT");
-        let m = decode.metrics();
-        assert_eq!(
-            metric(&m, "bulkhead_requests_total{outcome=\"cancelled\"}"),
-            1.0,
-            "{m}"
-        );
-        assert_eq!(
-            metric(&m, "bulkhead_requests_total{outcome=\"failed_prefill\"}"),
-            0.0,
-            "{m}"
-        );
+        assert_cancelled_and_failed_prefill(&decode.metrics(), 1.0, 0.0);
     })
     .await;
 }

@@ -186,7 +186,7 @@ struct Framed {
 }
 
 /// Whitespace a template takes off one end or both of a content (`| trim`); found by
-/// rendering the frame once more with [`PAD`] around each marker.
+/// rendering the frame once more with [`PADS`] around each marker.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Trim {
     start: bool,
@@ -208,9 +208,10 @@ impl Trim {
     }
 }
 
-/// Whitespace around a marker that shows whether a template trims contents: an em space,
-/// which both Jinja's `trim` and minijinja's take off and no template writes.
-const PAD: &str = "\u{2003}";
+/// Whitespace before and after a marker that shows whether a template trims contents: an em
+/// space and an en space, which both Jinja's `trim` and minijinja's take off. Two, so that
+/// the piece between two contents tells which of them kept its pad.
+const PADS: (&str, &str) = ("\u{2003}", "\u{2002}");
 
 /// The most frames kept (one per sequence of roles seen).
 const FRAMES: usize = 256;
@@ -350,44 +351,36 @@ impl ChatTemplate {
     }
 
     /// Renders the frame of `messages`: the template around a marker in place of each content,
-    /// cut at the markers; then once more with [`PAD`] around each marker, to see which ends
+    /// cut at the markers; then once more with [`PADS`] around each marker, to see which ends
     /// of which contents the template trims.
     fn render_frame(
         &self,
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<Frame, ChatError> {
-        let pieces = |pad: &str| {
+        let pieces = |(before, after): (&str, &str)| {
             let marked: Vec<Message> = (messages.iter().enumerate())
                 .map(|(i, m)| Message {
                     role: m.role.clone(),
-                    content: format!("{pad}{}{pad}", marker(i)),
+                    content: format!("{before}{}{after}", marker(i)),
                 })
                 .collect();
             let rendered = self.render(&marked, add_generation_prompt)?;
             cut_at_markers(&rendered, messages.len())
         };
-        let plain = pieces("")?;
-        let padded = pieces(PAD)?;
-        // Piece k lies between content k - 1 (its end) and content k (its start): each pad the
-        // template kept is there, and nothing else differs.
+        let plain = pieces(("", ""))?;
+        let padded = pieces(PADS)?;
+        // Piece k lies between content k - 1 (its end's pad) and content k (its start's): the
+        // pads the template kept are there, and nothing else differs.
         let mut trims = vec![Trim::default(); messages.len()];
         for (k, (plain, padded)) in plain.iter().zip(&padded).enumerate() {
-            let mut between = padded.as_str();
+            let (end, start) = pads_kept(plain, padded, k > 0, k < messages.len())
+                .ok_or(ChatError::ContentRewritten)?;
             if k > 0 {
-                match between.strip_prefix(PAD) {
-                    Some(rest) => between = rest,
-                    None => trims[k - 1].end = true,
-                }
+                trims[k - 1].end = !end;
             }
             if k < messages.len() {
-                match between.strip_suffix(PAD) {
-                    Some(rest) => between = rest,
-                    None => trims[k].start = true,
-                }
-            }
-            if between != plain {
-                return Err(ChatError::ContentRewritten);
+                trims[k].start = !start;
             }
         }
         Ok(Arc::new(Framed {
@@ -395,6 +388,29 @@ impl ChatTemplate {
             trims: trims.into(),
         }))
     }
+}
+
+/// Which pads a template kept around a piece it rendered as `plain` without pads and as
+/// `padded` with them: the end pad of the content before the piece (when `after` one) and the
+/// start pad of the content after it (when `before` one). Matched whole, so that a template's
+/// own em or en space beside a content is not taken for a pad; `None`: the piece differs
+/// otherwise.
+fn pads_kept(plain: &str, padded: &str, after: bool, before: bool) -> Option<(bool, bool)> {
+    let choices = |there: bool| {
+        if there {
+            &[true, false][..]
+        } else {
+            &[false][..]
+        }
+    };
+    let kept = choices(after)
+        .iter()
+        .flat_map(|&end| choices(before).iter().map(move |&start| (end, start)));
+    kept.into_iter().find(|&(end, start)| {
+        let head = if end { PADS.1 } else { "" };
+        let tail = if start { PADS.0 } else { "" };
+        padded.strip_prefix(head).and_then(|p| p.strip_suffix(tail)) == Some(plain)
+    })
 }
 
 /// `rendered` cut at the markers of `messages` contents, in order: one piece before each and
@@ -710,6 +726,8 @@ mod tests {
             turn(
                 "{% if m.role == 'system' %}{{ m.content | trim }}{% else %}{{ m.content }}{% endif %}",
             ),
+            // An em and an en space of the template's own beside a trimmed content: not pads.
+            turn("\u{2003}{{ m.content | trim }}\u{2002}"),
         ] {
             let chat = ChatTemplate::new(&source, String::new(), String::new()).expect("compiles");
             let whole = chat.render(&messages, true).expect("renders");
@@ -723,6 +741,7 @@ mod tests {
         }
         assert_ne!(encoded[0], encoded[1], "trimming changes the prompt");
         assert_ne!(encoded[1], encoded[2]);
+        assert_ne!(encoded[1], encoded[3]);
     }
 
     #[test]

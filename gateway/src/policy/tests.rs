@@ -719,6 +719,13 @@ fn a_tenant_tag_configuration_that_would_fail_every_request_is_refused() {
         "config = { default = { tenant = \"tenant-b\" } }".to_owned(),
         "config = { echo = [\"clamped_max_tokens\"] }".to_owned(),
         format!("config = {{ default = {{ {} }} }}", labels(32, 0)),
+        format!(
+            "config = {{ echo = [{}] }}",
+            (0..17)
+                .map(|i| format!("\"l{i}\""))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
         // 20 and 20: each within bounds, 40 together.
         format!(
             "config = {{ default = {{ {} }}, tenants = {{ tenant-a = {{ {} }} }} }}",

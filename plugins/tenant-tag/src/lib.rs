@@ -32,8 +32,11 @@ const RESERVED: [&str; 2] = ["tenant", "clamped_max_tokens"];
 /// The most tags the gateway takes from one plugin's answer, `tenant=<id>` among them.
 const MAX_TAGS: usize = 32;
 
-/// What `configure` refuses rather than fail every request with: a reserved label name, or
-/// more labels for a tenant than the gateway takes.
+/// The most headers the gateway takes from one plugin's answer.
+const MAX_HEADERS: usize = 16;
+
+/// What `configure` refuses rather than fail every request with: a reserved label name, more
+/// labels for a tenant than the gateway takes, or more echoed than it takes headers.
 fn check(config: &Config) -> Result<(), String> {
     let tenants = config.tenants.iter().map(|(t, own)| (t.as_str(), own));
     for (whose, labels) in std::iter::once(("default", &config.default)).chain(tenants) {
@@ -50,6 +53,12 @@ fn check(config: &Config) -> Result<(), String> {
                 MAX_TAGS - 1
             ));
         }
+    }
+    if config.echo.len() > MAX_HEADERS {
+        return Err(format!(
+            "{} labels echoed: at most {MAX_HEADERS}",
+            config.echo.len()
+        ));
     }
     match config.echo.iter().find(|l| RESERVED.contains(&l.as_str())) {
         Some(name) => Err(format!(

@@ -1258,10 +1258,13 @@ impl Engine {
             Ok(r) => return Ok(r),
             Err(not_now) => not_now,
         };
+        // Pages waiting for their scrub (a reservation whose caller left, dropped just now)
+        // are free once scrubbed: counted before the cache is asked for the rest.
+        self.scrub();
         let cached = prefix.map_or(0, |p| p.pages().len() as u32);
         let needed = not_now.admissible().pages().saturating_sub(cached);
         let short = needed.saturating_sub(self.pool.free_pages());
-        if self.pool.make_room(short) == 0 {
+        if short > 0 && self.pool.make_room(short) == 0 {
             return Err(not_now);
         }
         self.scrub();

@@ -82,6 +82,8 @@ enum Command {
     Close(Box<Outbound>),
     Cancel {
         id: RequestId,
+        /// Counted as cancelled; not when the caller counts the request's end otherwise.
+        counted: bool,
     },
     Stats {
         reply: oneshot::Sender<EngineStats>,
@@ -205,10 +207,14 @@ impl EngineHandle {
         }
     }
 
-    /// Cancels `id` wherever it is; harmless if it already ended.
+    /// Cancels `id` wherever it is, counted as cancelled; harmless if it already ended.
     pub fn cancel(&self, id: RequestId) {
+        self.send_cancel(id, true);
+    }
+
+    fn send_cancel(&self, id: RequestId, counted: bool) {
         // An error means the engine thread is gone, and with it the request.
-        let _ = self.commands.send(Command::Cancel { id });
+        let _ = self.commands.send(Command::Cancel { id, counted });
     }
 
     /// Hands a data-plane message to the engine; a frame's buffer goes back to `buffers`, and
@@ -364,8 +370,8 @@ fn handle(engine: &mut Engine, command: Command, metrics: &Metrics) {
             // sink reports `Gone` at the first event.
             let _ = reply.send(result.map_err(|(e, _request)| e.into()));
         }
-        Command::Cancel { id } => {
-            if engine.cancel(id) {
+        Command::Cancel { id, counted } => {
+            if engine.cancel(id) && counted {
                 metrics.count(Outcome::Cancelled);
             }
         }
@@ -459,6 +465,13 @@ impl CancelOnDrop {
     /// The request ended by itself; dropping the guard no longer cancels it.
     pub fn disarm(&mut self) {
         self.armed = false;
+    }
+
+    /// Cancels the request, which its caller counts as it fails it (a refusal): not as
+    /// cancelled too.
+    pub fn withdraw(mut self) {
+        self.armed = false;
+        self.handle.send_cancel(self.id, false);
     }
 }
 

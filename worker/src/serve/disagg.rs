@@ -398,7 +398,8 @@ pub async fn start_remote_prefill(
         kv_address: peer.kv_address.clone(),
         cache_salt,
     };
-    // Failing here drops `guard`: the request is cancelled.
+    // Failing here drops `guard`: the request is cancelled (the caller's leaving, counted so)
+    // or withdrawn (prefill's failure, counted as that).
     let unavailable = |reason: String| ServeError::PrefillUnavailable { reason };
     let client = peer.client.clone();
     let mut request = tonic::Request::new(request);
@@ -441,10 +442,16 @@ pub async fn start_remote_prefill(
             return Err(ServeError::Internal { what: "engine" });
         }
     };
-    let (call, first) = answer.map_err(|s| {
-        spans::failed(&call_span, &s);
-        unavailable(s.message().to_owned())
-    })?;
+    // A call that failed is this request's failure, counted as one when it is refused: the
+    // reservation is withdrawn, not cancelled (which counted it a second time, as cancelled).
+    let (call, first) = match answer {
+        Ok(answered) => answered,
+        Err(s) => {
+            spans::failed(&call_span, &s);
+            guard.withdraw();
+            return Err(unavailable(s.message().to_owned()));
+        }
+    };
     let refused = match first {
         Some(proto::PrefillEvent {
             event: Some(PrefillItem::Accepted(accepted)),
@@ -469,7 +476,10 @@ pub async fn start_remote_prefill(
             // Prefill's admission refused it, not this worker's: the status names that layer.
             ServeError::Failed(Failure::PrefillRejected(reason))
         }
-        other => unavailable(format!("unexpected first answer {other:?}")),
+        other => {
+            guard.withdraw();
+            unavailable(format!("unexpected first answer {other:?}"))
+        }
     };
     spans::failed(&call_span, &status(&refused));
     Err(refused)
