@@ -228,6 +228,9 @@ impl Recorder {
         if let Some(error) = &record.error_type {
             span.record("error.type", error.as_str());
         }
+        if failed_after_head(record) {
+            span.record("otel.status_code", "ERROR");
+        }
     }
 
     /// Counts a request that ended by its tenant and the status its client was told; the
@@ -424,6 +427,18 @@ impl ShutdownSignal {
             std::future::pending::<()>().await;
         }
     }
+}
+
+/// Whether `record`'s request failed by the gateway's or a worker's doing after its answer's
+/// head went out with a success (a stream a worker, its KV handoff or shutdown ended): the
+/// status sent says nothing of it, and its span is an error as a 5xx's is ([`crate::traced`]
+/// marks those). A client that left is not the server's failure.
+fn failed_after_head(record: &AuditRecord) -> bool {
+    record.status < 400
+        && record
+            .error_type
+            .as_deref()
+            .is_some_and(|e| e != CLIENT_CLOSED_TYPE)
 }
 
 impl Witness for Recorder {

@@ -13,7 +13,7 @@ use bulkhead_audit::{AuditRecord, DisconnectPhase, Seq, TenantId};
 use http::{Request, StatusCode};
 use tower::ServiceExt as _;
 
-use super::{GATEWAY_LOG, Recorder, Trail, audited};
+use super::{CLIENT_CLOSED_TYPE, GATEWAY_LOG, GATEWAY_SHUTDOWN_TYPE, Recorder, Trail, audited};
 use crate::api::validate::RequestError;
 use crate::api::{ApiError, Endpoint, mapping};
 use crate::config::{AuditSettings, Durability, OnAuditFailure};
@@ -918,4 +918,35 @@ async fn a_request_dropped_before_the_api_ran_it_is_recorded_once_in_its_tenants
     assert_eq!(gateway[0].route, super::UNMATCHED_ROUTE);
     assert_eq!(gateway[1].route, "/v1/completions");
     assert_eq!(gateway[2].status, 200);
+}
+
+/// A request that failed after a successful head (a stream a worker, its handoff or shutdown
+/// ended) makes its span an error, as a 5xx does: its span said 200 and nothing else. A client
+/// that left, a refusal (4xx) and a success do not.
+#[test]
+fn a_failure_after_a_successful_head_is_the_servers_and_a_client_leaving_is_not() {
+    let tenant = TenantId::new("t").expect("valid");
+    let record = |status, error: Option<&str>| {
+        let mut r = AuditRecord::new("r".to_owned(), tenant.clone(), "/v1/completions".to_owned());
+        r.status = status;
+        r.error_type = error.map(str::to_owned);
+        r
+    };
+    assert!(super::failed_after_head(&record(
+        200,
+        Some("service_unavailable")
+    )));
+    assert!(super::failed_after_head(&record(
+        200,
+        Some(GATEWAY_SHUTDOWN_TYPE)
+    )));
+    assert!(!super::failed_after_head(&record(
+        200,
+        Some(CLIENT_CLOSED_TYPE)
+    )));
+    assert!(!super::failed_after_head(&record(200, None)));
+    assert!(!super::failed_after_head(&record(
+        429,
+        Some("rate_limit_exceeded")
+    )));
 }

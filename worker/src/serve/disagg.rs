@@ -727,6 +727,7 @@ async fn transfer(
         bulkhead.kv.bytes = Empty,
         bulkhead.kv.aborted = Empty,
         error.type = Empty,
+        otel.status_code = Empty,
     );
     let frames = super::tamper::frames(&outbound.frames);
     // Bounded: a decode peer that reads slower than the floor holds the source pages no
@@ -772,6 +773,7 @@ async fn transfer(
         }
         Err(_) => {
             transfer_span.record("error.type", codes::SERVICE_UNAVAILABLE);
+            transfer_span.record("otel.status_code", "ERROR");
         }
     }
     drop(transfer_span);
@@ -806,9 +808,12 @@ async fn transfer(
         }
         Err(e) => {
             tracing::warn!(address = %send.address, error = %e, "KV transfer to decode failed");
-            Err(status(&ServeError::PrefillUnavailable {
+            let failed = status(&ServeError::PrefillUnavailable {
                 reason: e.to_string(),
-            }))
+            });
+            // The Prefill call's own span (this task's): its status was left unset.
+            spans::failed(&Span::current(), &failed);
+            Err(failed)
         }
     };
     let _ = tx.send(answer).await;
