@@ -1,5 +1,5 @@
 //! Ctrl-C and SIGTERM, listened for from the start, so that the second of them is heard too:
-//! the first asks the gateway to drain, a second stops it at once.
+//! the first asks the gateway to drain, a second cuts the drain short ([`drain`]).
 
 use std::time::Duration;
 
