@@ -9,6 +9,12 @@
 //!   placeholder that claims the whole prompt): the handoff verification stops it; with the
 //!   verification and the other checks off, decode attends over another tenant's KV and the
 //!   oracles detect the leak — proof that they can fail.
+//! - A frame prefill drops, over a page another tenant's request wrote (released pages kept as
+//!   they were: `--scrub none`): the handoff verification refuses the transfer; with it off,
+//!   decode attends over the other tenant's KV and solo equality sees it. The kernel's tag
+//!   check does not stand in for it: the page is the reader's own allocation, under its own
+//!   tag, and was never written for it (I2) — only the manifest's "every page written" sees
+//!   that, or the scrub (zero or canary) that leaves nothing behind.
 
 use std::time::{Duration, Instant};
 
@@ -19,7 +25,8 @@ use crate::isolation::{
     start_with_reference,
 };
 use crate::oracles::{
-    Ledger, Pool, Reference, TENANT_A, TENANT_B, TENANT_C, assert_clean, canary, tenant_c_toml,
+    Exchange, Ledger, Pool, Reference, TENANT_A, TENANT_B, TENANT_C, assert_clean, canary,
+    tenant_c_toml,
 };
 use crate::policies::{abandon, guard_and_ledger};
 use crate::up::{KEY_A, TempDir, bounded, wait_records};
@@ -246,15 +253,16 @@ const PAGE: u64 = 16;
 /// so the second request gets the first one's pages, in the same order.
 const DECODE_PAGES: u64 = 8;
 
-/// The placeholder scenario's deployment: a prefill pool of 64 tokens (4 pages), a decode pool
-/// of exactly one request, released pages not scrubbed (`--scrub none`: what a page held stays
-/// until it is written again), the incident's bug injected into prefill and `checks` off.
-fn placeholder_cluster(checks: &str) -> Cluster {
+/// A deployment whose decode pool is exactly one request's reservation and keeps what a
+/// released page held: a prefill pool of `prefill_tokens`, a decode pool of 8 pages, released
+/// pages not scrubbed (`--scrub none`: what a page held stays until it is written again) and no
+/// prefix cache, so that the second request gets the first one's pages, in the same order; and
+/// the test build's `switches` (faults injected, checks off).
+fn reused_pages_cluster(prefill_tokens: &str, switches: &str) -> Cluster {
     let toml = tenant_c_toml();
-    let switches = format!("incident-placeholder,{checks}");
     let decode_pool = (PAGE * DECODE_PAGES).to_string();
     Cluster::start(Spec {
-        prefill: &["--kv-tokens", "64"],
+        prefill: &["--kv-tokens", prefill_tokens],
         // The incident's decode worker: no prefix cache, so A's released pages are the next
         // reservation's, in A's order (with the cache, A's prompt pages stay in A's cache and
         // come back evicted in another order: B still reads stale KV, but not A's canary).
@@ -266,10 +274,16 @@ fn placeholder_cluster(checks: &str) -> Cluster {
             "--prefix-cache",
             "false",
         ],
-        env: &[("BULKHEAD_LOG", VERBOSE_LOG), (SWITCHES, &switches)],
+        env: &[("BULKHEAD_LOG", VERBOSE_LOG), (SWITCHES, switches)],
         toml: &toml,
         ..Spec::default()
     })
+}
+
+/// The placeholder scenario's deployment: a prefill pool of 64 tokens (4 pages), the incident's
+/// bug injected into prefill and `checks` off, on [`reused_pages_cluster`]'s decode worker.
+fn placeholder_cluster(checks: &str) -> Cluster {
+    reused_pages_cluster("64", &format!("incident-placeholder,{checks}"))
 }
 
 /// Tenant A's request that fits: a prompt of A's canary, over and over (under prefill's 64
@@ -448,6 +462,96 @@ fn a_frame_under_a_forged_nonce_is_never_written_and_the_request_fails() {
 #[test]
 fn a_frame_with_a_stale_tag_is_never_written_and_the_request_fails() {
     with_a_frame_fault("stale-tag", Some("tag_not_reserved"));
+}
+
+/// Tenant A's request of one page of prompt takes every page of the decode pool
+/// ([`reused_pages_cluster`]); then B's prompt of several pages, also taking every page (A's,
+/// in A's order), while prefill drops the second frame of every transfer of two frames or
+/// more: B's alone. That page is B's reservation but still holds the KV A's request wrote into
+/// it, and decode is told the transfer is complete. `switches` holds `drop-frame` and the
+/// checks turned off. Returns B's exchange, the oracles' findings and decode's `/metrics`
+/// after it.
+fn a_dropped_frame_over_the_page_a_wrote(switches: &str) -> (Exchange, Vec<String>, String) {
+    let (cluster, mut reference) = std::thread::scope(|s| {
+        let r = s.spawn(Reference::start);
+        (
+            reused_pages_cluster("512", switches),
+            r.join().expect("reference"),
+        )
+    });
+    let baseline = baseline(&cluster);
+    let ledger = Ledger::default();
+    let path = "/v1/completions";
+    let pool = PAGE * DECODE_PAGES;
+    let a_canary = canary(&TENANT_A);
+    let a_prompt = format!("The code is {a_canary}.");
+    let a_tokens = reference.prompt_tokens(path, &completion(&a_prompt, 1, false));
+    assert!(a_tokens <= PAGE, "A's transfer is one frame: {a_tokens}");
+    let a_body = completion(&a_prompt, (pool - a_tokens) as u32, false);
+    let a = ledger.send(cluster.api(), TENANT_A, path, &a_body, &[&a_canary]);
+    assert_eq!(a.status, 200, "A's transfer loses no frame: {}", a.response);
+    let b_canary = canary(&TENANT_B);
+    let b_prompt = long_prompt(&b_canary, 40);
+    let b_tokens = reference.prompt_tokens(path, &completion(&b_prompt, 1, false));
+    assert!(
+        (2 * PAGE + 1..pool - 8).contains(&b_tokens),
+        "B's transfer is three frames or more and leaves room to generate: {b_tokens}"
+    );
+    let b_body = completion(&b_prompt, (pool - b_tokens) as u32, false);
+    let b = ledger.send(cluster.api(), TENANT_B, path, &b_body, &[&b_canary]);
+    let quarantined = if b.status == 200 {
+        0
+    } else {
+        DECODE_PAGES as u32
+    };
+    let findings = oracle_findings(
+        &cluster,
+        baseline,
+        [0, quarantined],
+        &ledger,
+        &mut reference,
+    );
+    (b, findings, cluster.decode.metrics())
+}
+
+#[test]
+fn a_dropped_frame_over_another_tenants_page_is_stopped_by_the_handoff_verification() {
+    bounded(|| {
+        let (b, findings, m) = a_dropped_frame_over_the_page_a_wrote("drop-frame");
+        b.assert_failed(500, "kv_integrity_error");
+        assert_eq!(
+            metric(&m, "bulkhead_kv_integrity_failures_total"),
+            1.0,
+            "{m}"
+        );
+        assert_clean(&findings);
+    });
+}
+
+#[test]
+fn without_the_handoff_verification_a_dropped_frame_leaves_b_attending_over_as_kv() {
+    bounded(|| {
+        let (b, findings, m) = a_dropped_frame_over_the_page_a_wrote(
+            "drop-frame,handoff-verification,tag-check,routing-checks",
+        );
+        // The incident's symptom again: HTTP 200 for an answer computed over A's KV.
+        assert_eq!(b.status, 200, "{}", b.response);
+        assert_eq!(
+            metric(&m, "bulkhead_kv_integrity_failures_total"),
+            0.0,
+            "{m}"
+        );
+        eprintln!(
+            "the oracles' findings with the verification off (expected):\n- {}",
+            findings.join("\n- ")
+        );
+        assert!(
+            findings
+                .iter()
+                .any(|f| f.starts_with("NOT SOLO-EQUAL: tenant-b")),
+            "solo equality must catch B's answer: {findings:#?}"
+        );
+    });
 }
 
 /// A request held after its client left (`abort-guard`: until prefill is done) whose KV
