@@ -7,6 +7,9 @@ use crate::chain::SealProblem;
 use crate::line::Seq;
 use crate::tenant::TenantId;
 
+/// What an operator can do about a tenant's log the gateway refuses to resume.
+const AFRESH: &str = "The gateway does not start on it, and its records stay as found: start the gateway on a new data directory (unkeyed, the tenant's directory can instead be moved aside and its line struck from TENANTS; a keyed roster's seal takes the key)";
+
 /// Why an audit log operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum AuditError {
@@ -65,11 +68,11 @@ pub enum AuditError {
         /// The record the head names.
         head: Seq,
     },
-    /// The tenant has records but no head: the head was deleted, or a crash came between the
-    /// tenant's first records and its first head. Either way the gateway does not resume a
-    /// chain it cannot check.
+    /// The tenant has records but no head: the head was deleted (a tenant's directory gets its
+    /// head before its first line, so no crash leaves records without one). The gateway does
+    /// not resume a chain it cannot check.
     #[error(
-        "{tenant}: the log has records but no head file: deleted, or lost in a crash before the tenant's first flush; `bulkhead audit verify` checks the chain, and moving the tenant's directory aside starts a new one"
+        "{tenant}: the log has records but no head file: deleted (no crash leaves records without one); `bulkhead audit verify` checks the chain. {AFRESH}"
     )]
     HeadMissing {
         /// The tenant.
@@ -103,7 +106,7 @@ pub enum AuditError {
     /// The head says no record is durable yet, but more than a crash can leave stands behind
     /// it (a tenant's first record goes down alone with a head naming it).
     #[error(
-        "{tenant}: the head says no record is written yet, but the log holds {records}: the head was rewritten (records may have been cut); `bulkhead audit verify` checks the chain, and moving the tenant's directory aside starts a new one"
+        "{tenant}: the head says no record is written yet, but the log holds {records}: the head was rewritten (records may have been cut); `bulkhead audit verify` checks the chain. {AFRESH}"
     )]
     GenesisBehind {
         /// The tenant.
@@ -130,7 +133,7 @@ pub enum AuditError {
     },
     /// The roster lists a tenant whose directory is gone: its log was deleted.
     #[error(
-        "{tenant}: the roster lists this tenant but its log directory is gone or emptied (deleted); `bulkhead audit verify` reports it, and only removing its line from TENANTS lets the gateway start without it"
+        "{tenant}: the roster lists this tenant but its log directory is gone or emptied (deleted); `bulkhead audit verify` reports it, and only striking its line from TENANTS lets the gateway start without it (unkeyed; a keyed roster's seal takes the key, so a keyed log starts again on a new data directory)"
     )]
     TenantLogMissing {
         /// The tenant.

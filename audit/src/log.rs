@@ -905,9 +905,15 @@ fn recover_tenant(
     };
     let Some(head) = head else {
         // Earlier segments are never empty (rotation follows a write), so any records show
-        // here; a tenant's directory gets its genesis head before its first line.
+        // here; a tenant's directory gets its genesis head before its first line, and before
+        // it is listed: a listed tenant without one was emptied, whatever segment files were
+        // left (an empty one takes no key to make).
         return if segment_len > 0 || listing.segments.len() > 1 {
             Err(AuditError::HeadMissing {
+                tenant: tenant.clone(),
+            })
+        } else if listed {
+            Err(AuditError::TenantLogMissing {
                 tenant: tenant.clone(),
             })
         } else {

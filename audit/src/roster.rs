@@ -205,11 +205,33 @@ pub(crate) fn is_unbegun(
     Ok(true)
 }
 
-/// Whether a listed tenant's directory lost its head and holds no segment: emptied (a listed
-/// tenant got its head before it was listed).
+/// Whether a listed tenant's directory lost its head and holds no whole record: emptied. A
+/// listed tenant got its head before it was listed, so no crash leaves it headless; segment
+/// files left empty, or holding the start of a line, change nothing (one with a record is
+/// reported as a missing head, by the chain's check).
 pub(crate) fn is_emptied(tenant_dir: &Path) -> io::Result<bool> {
-    Ok(!tenant_dir.join(HEAD).try_exists()?
-        && crate::layout::list_tenant(tenant_dir)?.segments.is_empty())
+    if tenant_dir.join(HEAD).try_exists()? {
+        return Ok(false);
+    }
+    for (_, path) in crate::layout::list_tenant(tenant_dir)?.segments {
+        if holds_a_line(&path)? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Whether the file at `path` holds a newline, read a block at a time.
+fn holds_a_line(path: &Path) -> io::Result<bool> {
+    let mut file = File::open(path)?;
+    let mut block = [0u8; 64 * 1024];
+    loop {
+        match io::Read::read(&mut file, &mut block)? {
+            0 => return Ok(false),
+            n if block[..n].contains(&b'\n') => return Ok(true),
+            _ => {}
+        }
+    }
 }
 
 #[cfg(test)]

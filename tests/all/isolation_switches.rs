@@ -532,7 +532,8 @@ fn a_dropped_frame_over_another_tenants_page_is_stopped_by_the_handoff_verificat
 fn without_the_handoff_verification_a_dropped_frame_leaves_b_attending_over_as_kv() {
     bounded(|| {
         let (b, findings, m) = a_dropped_frame_over_the_page_a_wrote(
-            "drop-frame,handoff-verification,tag-check,routing-checks",
+            // The tag check stays on: it cannot see this (the module's doc).
+            "drop-frame,handoff-verification,routing-checks",
         );
         // The incident's symptom again: HTTP 200 for an answer computed over A's KV.
         assert_eq!(b.status, 200, "{}", b.response);
