@@ -83,6 +83,9 @@
 //! cache_salt = true                 # each tenant's requests carry a salt of their own, so the
 //!                                   # server's prefix cache is shared only within a tenant
 //!                                   # (false for a server that refuses the field)
+//! report_cached_tokens = false      # pass the server's count of cached prompt tokens on:
+//!                                   # only for one known to keep its cache per salt (a
+//!                                   # server that ignores the field shares it)
 //! [policies]                        # optional: no policy plugins without it
 //! file = "policies/local.toml"      # paths relative to the working directory
 //! cache_dir = "plugins/dist/cache"  # compiled components (optional: compile at each load)
@@ -390,6 +393,13 @@ pub struct OpenAiUpstream {
     /// that refuses the field: its cache is then shared across tenants, and the gateway
     /// reports no cached prompt tokens.
     pub cache_salt: bool,
+    /// Pass the server's count of cached prompt tokens on to the client
+    /// (`report_cached_tokens = true`, only with `cache_salt`). Off by default: a server that
+    /// ignores the salt instead of refusing it (vLLM answers an unknown field with a warning in
+    /// its log) keeps one cache for every tenant, and its count would tell a tenant what other
+    /// tenants' prompts began with. The gateway cannot tell such a server from one that keeps
+    /// its cache per salt; the operator vouches for it.
+    pub report_cached_tokens: bool,
 }
 
 /// Why the configuration is refused; every message names the place to fix.
@@ -634,6 +644,8 @@ struct RawWorker {
     key_env: Option<String>,
     #[serde(default)]
     cache_salt: Option<bool>,
+    #[serde(default)]
+    report_cached_tokens: Option<bool>,
 }
 
 impl Config {
@@ -1049,6 +1061,7 @@ fn protocol(w: &RawWorker) -> Result<(&str, Protocol), ConfigError> {
                 ("tokenizer", w.tokenizer.is_some()),
                 ("key_env", w.key_env.is_some()),
                 ("cache_salt", w.cache_salt.is_some()),
+                ("report_cached_tokens", w.report_cached_tokens.is_some()),
             ];
             if let Some((field, _)) = extra.iter().find(|(_, set)| *set) {
                 return Err(ConfigError::OpenAiOnly {
@@ -1066,6 +1079,15 @@ fn protocol(w: &RawWorker) -> Result<(&str, Protocol), ConfigError> {
             if w.role != WorkerRole::Both {
                 return Err(problem("its role is not \"both\""));
             }
+            let cache_salt = w.cache_salt.unwrap_or(true);
+            let report_cached_tokens = w.report_cached_tokens.unwrap_or(false);
+            if report_cached_tokens && !cache_salt {
+                return Err(problem(
+                    "report_cached_tokens without cache_salt: the server's cache is shared \
+                     across tenants, and its count would tell a tenant what other tenants' \
+                     prompts began with",
+                ));
+            }
             let upstream = OpenAiUpstream {
                 model: w.model.clone().ok_or_else(|| problem("model is missing"))?,
                 context_length: w
@@ -1077,7 +1099,8 @@ fn protocol(w: &RawWorker) -> Result<(&str, Protocol), ConfigError> {
                     .clone()
                     .ok_or_else(|| problem("tokenizer is missing"))?,
                 key_env: w.key_env.clone(),
-                cache_salt: w.cache_salt.unwrap_or(true),
+                cache_salt,
+                report_cached_tokens,
             };
             Ok((url, Protocol::OpenAi(upstream)))
         }
@@ -1677,6 +1700,7 @@ mod tests {
             tokenizer: "m.gguf".into(),
             key_env: None,
             cache_salt: true,
+            report_cached_tokens: false,
         });
         assert_eq!(
             worker_endpoint("http://h:5", &openai).as_deref(),
@@ -1722,6 +1746,37 @@ mod tests {
             e.contains("openai = ") && e.contains("plain HTTP only"),
             "{e}"
         );
+    }
+
+    /// An OpenAI-compatible server's count of cached prompt tokens is passed on only when the
+    /// operator says so, and only with the salt: the gateway cannot tell a server that keeps
+    /// its cache per salt from one that ignores the field.
+    #[test]
+    fn an_upstreams_cached_tokens_are_reported_only_when_vouched_for_and_salted() {
+        let t = tenant("tenant-a", "k");
+        let worker = |extra: &str| {
+            format!(
+                "[[workers]]\nname = \"o\"\nopenai = \"http://10.0.0.7:8000\"\nrole = \"both\"\n\
+                 model = \"m\"\ncontext_length = 8\ntokenizer = \"m.gguf\"\n{extra}"
+            )
+        };
+        let upstream = |extra: &str| match Config::parse(&config(&t, &worker(extra))) {
+            Ok(c) => match &c.workers[0].protocol {
+                Protocol::OpenAi(u) => Ok((u.cache_salt, u.report_cached_tokens)),
+                Protocol::Bulkhead => panic!("an openai worker"),
+            },
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(upstream(""), Ok((true, false)), "salted, not reported");
+        assert_eq!(upstream("report_cached_tokens = true\n"), Ok((true, true)));
+        let e = upstream("cache_salt = false\nreport_cached_tokens = true\n").expect_err("refused");
+        assert!(e.contains("report_cached_tokens without cache_salt"), "{e}");
+        let grpc = "[[workers]]\nname = \"g\"\ngrpc = \"127.0.0.1:5\"\nrole = \"both\"\n\
+                    report_cached_tokens = false\n";
+        let e = Config::parse(&config(&t, grpc))
+            .expect_err("openai only")
+            .to_string();
+        assert!(e.contains("report_cached_tokens is only for openai"), "{e}");
     }
 
     #[test]

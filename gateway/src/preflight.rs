@@ -950,6 +950,7 @@ mod tests {
                 tokenizer: "m.gguf".into(),
                 key_env: key_env.map(str::to_owned),
                 cache_salt,
+                report_cached_tokens: false,
             },
             probe,
         }

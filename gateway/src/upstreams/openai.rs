@@ -55,6 +55,9 @@ pub struct OpenAiClient {
     authorization: Option<HeaderValue>,
     /// Whether each request carries its tenant's `cache_salt` (see [`cache_salt`]).
     salted: bool,
+    /// Whether the server's count of cached prompt tokens is passed on (the operator vouches
+    /// that it keeps its prefix cache per salt).
+    report_cached: bool,
     http: ThreadLocal<Client<HttpConnector, Full<Bytes>>>,
 }
 
@@ -168,10 +171,10 @@ struct Events {
     /// The upstream's count of completion tokens.
     usage: Option<u32>,
     /// The upstream's `usage.prompt_tokens_details.cached_tokens` (0 when it sends none, or
-    /// when the request was not salted).
+    /// when it is not reported).
     cached_tokens: u32,
-    /// Whether the request carried its tenant's cache salt.
-    salted: bool,
+    /// Whether the upstream's count of cached tokens is passed on.
+    report_cached: bool,
     prompt_tokens: u32,
     max_tokens: u32,
     /// The request's stop strings, applied again to what the upstream sends.
@@ -243,13 +246,15 @@ where
 impl OpenAiClient {
     /// A client for the server at `base` (`http://host:port`), asking for `model`, with the
     /// upstream's own API key when it needs one; `salted`: each request carries its tenant's
-    /// `cache_salt`, and only then is the server's count of cached prompt tokens passed on
-    /// (without it, that count tells a tenant what other tenants' prompts began with).
+    /// `cache_salt`; `report_cached`: the server's count of cached prompt tokens is passed on
+    /// (only salted, and only for a server that keeps its cache per salt: otherwise that count
+    /// tells a tenant what other tenants' prompts began with).
     pub fn new(
         base: &str,
         model: &str,
         key: Option<String>,
         salted: bool,
+        report_cached: bool,
     ) -> Result<OpenAiClient, String> {
         let base = base.trim_end_matches('/');
         let uri = |path: &str| -> Result<Uri, String> {
@@ -277,6 +282,7 @@ impl OpenAiClient {
             model: model.to_owned(),
             authorization,
             salted,
+            report_cached: salted && report_cached,
             http: ThreadLocal::new(),
         })
     }
@@ -291,7 +297,13 @@ impl OpenAiClient {
             .key_env
             .as_ref()
             .and_then(|v| std::env::var(v).ok());
-        OpenAiClient::new(endpoint, &upstream.model, key, upstream.cache_salt)
+        OpenAiClient::new(
+            endpoint,
+            &upstream.model,
+            key,
+            upstream.cache_salt,
+            upstream.report_cached_tokens,
+        )
     }
 
     /// The calling thread's pooled client.
@@ -437,7 +449,7 @@ impl OpenAiClient {
             ),
             asked,
             counter,
-            self.salted,
+            self.report_cached,
         ))
     }
 }
@@ -479,11 +491,16 @@ fn signed_seed(seed: u64) -> i64 {
 }
 
 /// The status for an upstream's error answer (`http`: its HTTP status and body) to a request
-/// that carried a cache salt or not (`salted`). A server that does not take the salt refuses
-/// every request for it: the gateway's configuration, not the client's mistake.
+/// that carried a cache salt or not (`salted`). A server that refuses the salt (vLLM's V0
+/// engine does; others ignore an unknown field) refuses every request for it: the gateway's
+/// configuration, not the client's mistake. The error object is OpenAI's `{"error": {…}}`, or
+/// the body itself (`{"object": "error", "message": …}`, as SGLang and older vLLM answer).
 fn refusal(http: u16, body: &[u8], salted: bool) -> Status {
     let parsed: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-    let error = &parsed["error"];
+    let error = match &parsed["error"] {
+        e @ Value::Object(_) => e,
+        _ => &parsed,
+    };
     // The field named as the one at fault, or a message that says an unknown field is it (one
     // that merely quotes the request, which holds the salt, is about something else).
     let refused_field = [
@@ -556,11 +573,10 @@ fn coded(http: Option<u16>, error: &Value) -> Status {
         (Some(500) | None, _) if own_code == Some("internal_error") => {
             error_code_status(Code::Internal, message, "internal_error")
         }
-        (_, "context_length_exceeded") => refused_upstream(error_code_status(
-            Code::InvalidArgument,
-            message,
-            "context_length_exceeded",
-        )),
+        // llama.cpp's server names it by its `type`.
+        (_, "context_length_exceeded" | "exceed_context_size_error") => refused_upstream(
+            error_code_status(Code::InvalidArgument, message, "context_length_exceeded"),
+        ),
         (_, "kv_integrity_error") => {
             error_code_status(Code::Internal, message, "kv_integrity_error")
         }
@@ -616,9 +632,9 @@ struct Asked {
 }
 
 impl SseStream {
-    /// `salted`: the request carried its tenant's cache salt, so the server's count of cached
-    /// prompt tokens is the tenant's own and is passed on; otherwise it is reported as 0.
-    fn new(body: Body, asked: Asked, counter: TokenCounter, salted: bool) -> SseStream {
+    /// `report_cached`: the server's count of cached prompt tokens is the tenant's own (salted,
+    /// and the server keeps its cache per salt) and is passed on; otherwise it is reported as 0.
+    fn new(body: Body, asked: Asked, counter: TokenCounter, report_cached: bool) -> SseStream {
         SseStream {
             body,
             buf: Vec::new(),
@@ -629,7 +645,7 @@ impl SseStream {
                 finish: FinishReason::Stop,
                 usage: None,
                 cached_tokens: 0,
-                salted,
+                report_cached,
                 prompt_tokens: asked.prompt_tokens,
                 max_tokens: asked.max_tokens,
                 stops: StopWatch::new(asked.stop),
@@ -890,7 +906,7 @@ impl Events {
             if let Some(c) = n(&usage["completion_tokens"]) {
                 self.usage = Some(c);
             }
-            if self.salted {
+            if self.report_cached {
                 let cached = n(&usage["prompt_tokens_details"]["cached_tokens"]).unwrap_or(0);
                 self.cached_tokens = cached.min(self.prompt_tokens);
             }
@@ -1079,18 +1095,23 @@ pub(crate) mod tests {
     }
 
     fn stream(chunks: &[&str]) -> SseStream {
-        stream_salted(chunks, true)
+        stream_reporting(chunks, true)
     }
 
-    /// [`stream`] of a request that carried its tenant's cache salt or not.
-    fn stream_salted(chunks: &[&str], salted: bool) -> SseStream {
-        stream_asking(chunks, salted, 100, &[])
+    /// [`stream`] of a request whose upstream's count of cached tokens is passed on or not.
+    fn stream_reporting(chunks: &[&str], report_cached: bool) -> SseStream {
+        stream_asking(chunks, report_cached, 100, &[])
     }
 
     /// The stream of a request of 5 prompt tokens, `max_tokens` and `stop`, whose tokens are
     /// words of at most 16 bytes.
-    fn stream_asking(chunks: &[&str], salted: bool, max_tokens: u32, stop: &[&str]) -> SseStream {
-        stream_counting(chunks, salted, max_tokens, stop, words())
+    fn stream_asking(
+        chunks: &[&str],
+        report_cached: bool,
+        max_tokens: u32,
+        stop: &[&str],
+    ) -> SseStream {
+        stream_counting(chunks, report_cached, max_tokens, stop, words())
     }
 
     /// Counts words: a stand-in tokenizer.
@@ -1101,20 +1122,20 @@ pub(crate) mod tests {
     /// [`stream_asking`] with the tokens counted by `counter`.
     fn stream_counting(
         chunks: &[&str],
-        salted: bool,
+        report_cached: bool,
         max_tokens: u32,
         stop: &[&str],
         counter: TokenCounter,
     ) -> SseStream {
         let pieces = chunks.iter().map(|c| Bytes::from(c.to_string())).collect();
-        stream_of(pieces, salted, max_tokens, stop, counter)
+        stream_of(pieces, report_cached, max_tokens, stop, counter)
     }
 
     /// [`stream_counting`] of a body that arrives as `pieces` (cut anywhere, inside a
     /// character too).
     fn stream_of(
         pieces: Vec<Bytes>,
-        salted: bool,
+        report_cached: bool,
         max_tokens: u32,
         stop: &[&str],
         counter: TokenCounter,
@@ -1129,7 +1150,7 @@ pub(crate) mod tests {
             Box::pin(futures_util::stream::iter(owned)),
             asked,
             counter,
-            salted,
+            report_cached,
         )
     }
 
@@ -1547,8 +1568,14 @@ pub(crate) mod tests {
 
     #[test]
     fn only_plain_http_bases_and_header_safe_keys_make_a_client() {
-        let ok = OpenAiClient::new("http://127.0.0.1:8000/", "m", Some("sk-x".into()), true)
-            .expect("a plain HTTP base");
+        let ok = OpenAiClient::new(
+            "http://127.0.0.1:8000/",
+            "m",
+            Some("sk-x".into()),
+            true,
+            false,
+        )
+        .expect("a plain HTTP base");
         assert_eq!(ok.completions, "http://127.0.0.1:8000/v1/completions");
         assert!(
             ok.authorization
@@ -1557,11 +1584,11 @@ pub(crate) mod tests {
         );
         for base in ["https://host", "host:8000", "http://", "ftp://host"] {
             assert!(
-                OpenAiClient::new(base, "m", None, true).is_err(),
+                OpenAiClient::new(base, "m", None, true, false).is_err(),
                 "{base} is refused"
             );
         }
-        assert!(OpenAiClient::new("http://h", "m", Some("sk\nx".into()), true).is_err());
+        assert!(OpenAiClient::new("http://h", "m", Some("sk\nx".into()), true, false).is_err());
     }
 
     #[test]
@@ -1572,6 +1599,28 @@ pub(crate) mod tests {
             true,
         );
         assert_eq!(error_code(&too_long), Some("context_length_exceeded"));
+        // llama.cpp's server names it by its type, its code the HTTP status.
+        let llama = refusal(
+            400,
+            br#"{"error":{"code":400,"message":"the request exceeds the available context size","type":"exceed_context_size_error"}}"#,
+            true,
+        );
+        assert_eq!(error_code(&llama), Some("context_length_exceeded"));
+        // SGLang's (and older vLLM's) error object is the body itself: its message is kept,
+        // and a refused salt is seen in it.
+        let flat = refusal(
+            400,
+            br#"{"object":"error","message":"n must be 1","type":"BadRequestError","code":400}"#,
+            true,
+        );
+        assert_eq!(error_code(&flat), Some("invalid_request_error"));
+        assert!(flat.message().contains("n must be 1"), "{flat:?}");
+        let flat_salt = refusal(
+            400,
+            br#"{"object":"error","message":"Unrecognized field: cache_salt","code":400}"#,
+            true,
+        );
+        assert_eq!(error_code(&flat_salt), Some("internal_error"));
         let busy = refusal(429, b"", true);
         assert_eq!(error_code(&busy), Some("rate_limit_exceeded"));
         // The upstream's own refusals, not the gateway's admission.
@@ -1616,8 +1665,9 @@ pub(crate) mod tests {
         assert!(denied.message().contains("not on Sundays"), "{denied:?}");
     }
 
-    /// vLLM before it took `cache_salt` refused every salted request for it: the gateway's
-    /// configuration, named with its fix, never the client's invalid request.
+    /// A server that refuses `cache_salt` (vLLM's V0 engine, or a server that checks for unknown
+    /// fields) refuses every salted request for it: the gateway's configuration, named with its
+    /// fix, never the client's invalid request.
     #[test]
     fn an_upstream_that_refuses_the_cache_salt_is_the_gateways_configuration_error() {
         let unknown = br#"{"error":{"message":"Unrecognized request argument supplied: cache_salt","type":"invalid_request_error","param":"cache_salt"}}"#;
@@ -1652,13 +1702,14 @@ pub(crate) mod tests {
     }
 
     /// The upstream's prefix cache is shared only within a tenant: each tenant's requests
-    /// carry a salt of their own (and no tenant name); unsalted, the server's cached-token
-    /// count — which would say what other tenants' prompts began with — is not passed on.
+    /// carry a salt of their own (and no tenant name); unless the operator vouches that the
+    /// server keeps its cache per salt, the server's cached-token count — which would say what
+    /// other tenants' prompts began with — is not passed on.
     #[tokio::test]
     async fn each_tenants_requests_carry_a_cache_salt_of_their_own() {
         let salted_body = |salted: bool, tenant: &str, client_salt: &str| -> Value {
-            let client =
-                OpenAiClient::new("http://127.0.0.1:8000", "m", None, salted).expect("a client");
+            let client = OpenAiClient::new("http://127.0.0.1:8000", "m", None, salted, false)
+                .expect("a client");
             let request = GenerateRequest {
                 tenant: tenant.to_owned(),
                 cache_salt: client_salt.to_owned(),
@@ -1697,15 +1748,28 @@ pub(crate) mod tests {
              {\"prompt_tokens\":5,\"completion_tokens\":1,\"prompt_tokens_details\":{\"cached_tokens\":4}}}\n\n",
             "data: [DONE]\n\n",
         ];
-        for (salted, cached) in [(true, 4), (false, 0)] {
-            let (_, done) = drain(stream_salted(&usage, salted)).await.expect("done");
-            assert_eq!(done.cached_tokens, cached, "salted: {salted}");
+        for (report, cached) in [(true, 4), (false, 0)] {
+            let (_, done) = drain(stream_reporting(&usage, report)).await.expect("done");
+            assert_eq!(done.cached_tokens, cached, "reported: {report}");
+        }
+        // Passed on only salted and vouched for: a server that ignores the salt (vLLM answers
+        // an unknown field with a warning in its log) keeps one cache for every tenant.
+        for (salted, vouched, reported) in [
+            (true, true, true),
+            (true, false, false),
+            (false, true, false),
+            (false, false, false),
+        ] {
+            let client = OpenAiClient::new("http://127.0.0.1:8000", "m", None, salted, vouched)
+                .expect("a client");
+            assert_eq!(client.report_cached, reported, "{salted} {vouched}");
         }
     }
 
     #[test]
     fn seeds_go_out_signed_as_the_client_sent_them() {
-        let client = OpenAiClient::new("http://127.0.0.1:8000", "m", None, true).expect("a client");
+        let client =
+            OpenAiClient::new("http://127.0.0.1:8000", "m", None, true, false).expect("a client");
         for (sent, out) in [
             ("-1", -1),
             ("42", 42),
