@@ -361,8 +361,9 @@ async fn a_partition_fails_the_request_within_its_deadline_and_the_pools_recover
         assert!(
             metric(&m, "bulkhead_kv_abort_ack_seconds_count")
                 + metric(&m, "bulkhead_kv_reclaimed_pages_total")
+                + metric(&m, "bulkhead_kv_teardown_drains_total")
                 > 0.0,
-            "the pages came back through an acknowledgement or a reclaim: {m}"
+            "the pages came back through an acknowledgement, a reclaim or a teardown: {m}"
         );
         // And the healed pair serves again.
         let again = run_to_end(&mut decode.client().await, request)

@@ -774,7 +774,11 @@ impl Engine {
                 }) {
                     Ok(()) => self.stats.frames_written += 1,
                     Err(NotWritten::Dropped(reason)) => {
-                        tracing::warn!(session = %nonce, %reason, "KV frame dropped");
+                        // Said once a session (the counter has every one): a peer that sends
+                        // endless bad frames does not write a line for each, on this thread.
+                        if t.inbound.dropped() == 1 {
+                            tracing::warn!(session = %nonce, %reason, "KV frame dropped (later drops of this session are only counted)");
+                        }
                         self.stats.frames_dropped.add(reason.label());
                     }
                     Err(e @ NotWritten::Slots(_)) => {
@@ -909,6 +913,14 @@ impl Engine {
     /// can arrive; their transfers fail and abandoned ones count as drained.
     pub fn transport_closed(&mut self, nonces: &[SessionNonce]) {
         for nonce in nonces {
+            // An abandoned transfer's pages are safe now — nothing more of it can arrive — but
+            // no peer acknowledged its drain: counted apart, not timed as an acknowledgement
+            // (during a prefill outage every withdrawn request ends here).
+            if let Some(d) = self.draining.remove(nonce) {
+                self.stats.teardown_drains += 1;
+                d.pages.drained();
+                continue;
+            }
             let _ = self.deliver(Received::Closed {
                 nonce: *nonce,
                 reason: CloseReason::Failed,

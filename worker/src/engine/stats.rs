@@ -113,10 +113,14 @@ pub struct TransferStats {
     pub integrity_failures: u64,
     /// Abandoned transfers whose pages were quarantined because no drain acknowledgement came.
     pub drain_timeouts: u64,
-    /// Quarantined pages given back automatically once their peer was known gone.
+    /// Quarantined pages given back automatically: a transfer's once its peer was known gone, a
+    /// failed request's after `reclaim_after`.
     pub reclaimed_pages: u64,
     /// From abandoning a transfer (cancel, timeout) to its drain acknowledgement.
     pub abort_ack: Histogram,
+    /// Abandoned transfers whose pages came back because their call or connection ended,
+    /// without an acknowledgement.
+    pub teardown_drains: u64,
     /// Gauge: decode-side transfers waiting for or receiving their KV.
     pub transfers_in_flight: u64,
     /// Gauge: prompt tokens those transfers carry (those after decode's cached prefix).

@@ -38,7 +38,7 @@ use super::cluster_token::Client;
 use super::error::{ServeError, ValidationError, codes, status};
 use super::kvplane::{self, SendOptions, Sent};
 use super::metrics::Outcome;
-use super::progress::Progress;
+use super::progress::{Heard, Progress};
 use super::proto::{self, PrefillItem};
 use super::refusal::{from_proto_reservation, from_refusal, to_proto_reservation, to_refusal};
 use super::spans;
@@ -97,6 +97,9 @@ impl SeenPeer {
             // check fails with the reason rather than look like a worker still starting.
             "it answers without an instance id (a prefill worker older than this one?)"
                 .clone_into(&mut seen.last_error);
+            // Not the process that answered before (a rollback at the same address): its id
+            // would vouch for this one, and the peer check reads the reason only without one.
+            seen.instance_id.clear();
             return;
         }
         instance_id.clone_into(&mut seen.instance_id);
@@ -246,6 +249,7 @@ impl PrefillCall {
         let reported = computed_tokens.clone();
         let (said_computed, computed) = oneshot::channel();
         let mut said_computed = Some(said_computed);
+        let mut heard = Heard::default();
         let watch = tokio::spawn(async move {
             loop {
                 match call.message().await {
@@ -260,7 +264,9 @@ impl PrefillCall {
                         event: Some(PrefillItem::Progress(progress)),
                     })) => {
                         reported.store(progress.computed_tokens, Ordering::Relaxed);
-                        engine.prefill_progress(nonce, progress.computed_tokens);
+                        if heard.pass(progress.computed_tokens, std::time::Instant::now()) {
+                            engine.prefill_progress(nonce, progress.computed_tokens);
+                        }
                     }
                     Ok(Some(proto::PrefillEvent {
                         event: Some(PrefillItem::Computed(_)),
@@ -969,6 +975,10 @@ mod tests {
         seen.answered_by("p-1");
         assert_eq!(seen.report().instance_id, "p-1");
         assert_eq!(seen.report().last_error, "");
+        // Replaced at that address by a process that answers without one.
+        seen.answered_by("");
+        assert_eq!(seen.report().instance_id, "", "p-1 no longer answers there");
+        assert!(seen.report().last_error.contains("without an instance id"));
     }
 
     fn call(watch: tokio::task::JoinHandle<u32>) -> PrefillCall {

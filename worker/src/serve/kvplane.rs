@@ -335,7 +335,7 @@ pub async fn accepted(
 }
 
 /// Reads one connection's messages into `to`; on its end, reports the sessions it left open.
-/// With `idle`, a connection ends when its next message has not arrived whole within it,
+/// With `idle`, a connection ends when its next message has not begun within it,
 /// whatever it has open: prefill connects once its prompt is computed and sends a transfer's
 /// messages back to back (a wait for the receive budget is decode's, not counted), so only a
 /// host that idles waits that long — and without the limit it held a connection, its socket

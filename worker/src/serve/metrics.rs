@@ -300,8 +300,13 @@ impl Metrics {
                 t.drain_timeouts,
             ),
             (
+                "bulkhead_kv_teardown_drains_total",
+                "Abandoned transfers whose pages came back because their call or connection ended, without a drain acknowledgement.",
+                t.teardown_drains,
+            ),
+            (
                 "bulkhead_kv_reclaimed_pages_total",
-                "Quarantined pages scrubbed and reused once their peer was known gone.",
+                "Quarantined pages scrubbed and reused: a transfer's once its peer was known gone, a failed request's after --reclaim-after-ms.",
                 t.reclaimed_pages,
             ),
         ] {

@@ -53,8 +53,52 @@ impl Progress {
     }
 }
 
+/// What a receiver passes on of a peer's reports: a rise only, and at most one every half
+/// [`EVERY`] (an honest peer reports at most every [`EVERY`]), so a peer that floods reports
+/// costs the receiver a comparison each, never a command queued for its engine.
+#[derive(Debug, Default)]
+pub struct Heard {
+    /// The count last passed on, and when.
+    last: u64,
+    at: Option<std::time::Instant>,
+}
+
+impl Heard {
+    /// Whether the report of `count`, heard at `now`, is passed on.
+    pub fn pass(&mut self, count: u64, now: std::time::Instant) -> bool {
+        let due = self
+            .at
+            .is_none_or(|at| now.saturating_duration_since(at) >= EVERY / 2);
+        if count <= self.last || !due {
+            return false;
+        }
+        self.last = count;
+        self.at = Some(now);
+        true
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    /// A peer that floods reports is heard at an honest peer's pace, and only as it rises.
+    #[test]
+    fn a_flood_of_reports_is_passed_on_at_most_every_half_tick_and_only_rising() {
+        let t0 = std::time::Instant::now();
+        let mut heard = Heard::default();
+        assert!(heard.pass(5, t0));
+        assert!(!heard.pass(6, t0 + Duration::from_millis(10)), "too soon");
+        assert!(heard.pass(6, t0 + EVERY / 2), "due, and risen");
+        assert!(
+            !heard.pass(6, t0 + EVERY * 4),
+            "due, but not risen: a peer that stopped is not heard"
+        );
+        assert!(!heard.pass(3, t0 + EVERY * 5), "a fall is not heard");
+        let passed = (1..=10_000u64)
+            .filter(|i| heard.pass(6 + i, t0 + EVERY * 6 + Duration::from_micros(*i)))
+            .count();
+        assert_eq!(passed, 1, "ten thousand reports within 10 ms");
+    }
+
     use super::*;
     use std::sync::Arc;
     use std::sync::atomic::{AtomicU64, Ordering};

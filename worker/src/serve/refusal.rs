@@ -45,7 +45,11 @@ pub fn to_refusal(e: &SubmitError) -> Refusal {
     }
 }
 
-/// The refusal a peer sent, as this worker's own admission error.
+/// The most of a peer's refusal detail relayed (to the log and the caller's status).
+const MAX_DETAIL_BYTES: usize = 300;
+
+/// The refusal a peer sent, as this worker's own admission error; its free text bounded and
+/// escaped, as all text a peer wrote (it reaches this worker's log and its caller).
 pub fn from_refusal(r: &Refusal) -> SubmitError {
     let clamp = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
     match RefusalReason::try_from(r.reason) {
@@ -59,7 +63,7 @@ pub fn from_refusal(r: &Refusal) -> SubmitError {
             capacity: clamp(r.limit),
         },
         Ok(RefusalReason::RefusalInvalid | RefusalReason::Unspecified) | Err(_) => {
-            SubmitError::Invalid(r.detail.clone())
+            SubmitError::Invalid(crate::printable::printable(&r.detail, MAX_DETAIL_BYTES))
         }
     }
 }
@@ -128,6 +132,17 @@ mod tests {
         }
         let relayed = from_refusal(&to_refusal(&SubmitError::EmptyPrompt));
         assert_eq!(relayed, SubmitError::Invalid("the prompt is empty".into()));
+        // A peer's own words, bounded and unable to forge a log line.
+        let forged = Refusal {
+            reason: RefusalReason::RefusalInvalid.into(),
+            detail: format!("no\nINFO forged{}", "x".repeat(1 << 20)),
+            ..Refusal::default()
+        };
+        let SubmitError::Invalid(detail) = from_refusal(&forged) else {
+            panic!("invalid");
+        };
+        assert!(detail.len() <= MAX_DETAIL_BYTES + 8, "{}", detail.len());
+        assert!(detail.starts_with("no\\nINFO forged"), "{detail}");
     }
 
     #[test]

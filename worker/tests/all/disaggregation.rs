@@ -790,6 +790,9 @@ fn a_torn_down_transport_fails_the_transfer_and_counts_as_the_drain() {
     );
     d.step();
     assert_pages_back(&d, 0);
+    // No peer acknowledged the abandoned one's drain: not timed as if it had.
+    let s = d.transfer_stats();
+    assert_eq!((s.teardown_drains, s.abort_ack.count()), (1, 0));
 }
 
 /// Decode's side of a transfer whose second frame arrives corrupted: the request fails and
