@@ -462,9 +462,11 @@ fn the_load_target_answers_within_max_tokens_and_the_default_fits_the_tenants_mi
 }
 
 /// An OpenAI-compatible server that lists `model` and passes every health check, and answers
-/// each other request with what `answer` makes of its body: an HTTP response, or `None` to
-/// take it and never answer (a hung server, or one queueing without end).
-fn scripted_upstream(model: &str, answer: fn(&str) -> Option<String>) -> String {
+/// each other request with what `answer` makes of its body: an HTTP response, written in the
+/// pieces given, [`QUEUED`] apart (the connection closed after the last when there are
+/// several), or `None` to take it and never answer (a hung server, or one queueing without
+/// end).
+fn scripted_upstream(model: &str, answer: fn(&str) -> Option<Vec<String>>) -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
     let url = format!("http://{}", listener.local_addr().expect("an address"));
     let models = format!(r#"{{"object":"list","data":[{{"id":"{model}","object":"model"}}]}}"#);
@@ -498,10 +500,10 @@ fn scripted_upstream(model: &str, answer: fn(&str) -> Option<String>) -> String 
                         return;
                     }
                     let response = if line.starts_with("GET /v1/models") {
-                        Some(format!(
+                        Some(vec![format!(
                             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{models}",
                             models.len()
-                        ))
+                        )])
                     } else {
                         answer(&String::from_utf8_lossy(&body))
                     };
@@ -510,7 +512,15 @@ fn scripted_upstream(model: &str, answer: fn(&str) -> Option<String>) -> String 
                         let _ = reader.read_to_end(&mut Vec::new());
                         return;
                     };
-                    if (&conn).write_all(response.as_bytes()).is_err() {
+                    for (i, piece) in response.iter().enumerate() {
+                        if i > 0 {
+                            std::thread::sleep(QUEUED);
+                        }
+                        if (&conn).write_all(piece.as_bytes()).is_err() {
+                            return;
+                        }
+                    }
+                    if response.len() > 1 {
                         return;
                     }
                 }
@@ -548,11 +558,80 @@ fn overlong_upstream(model: &str) -> String {
             );
             ("application/json", whole)
         };
-        Some(format!(
+        Some(vec![format!(
             "HTTP/1.1 200 OK\r\ncontent-type: {kind}\r\ncontent-length: {}\r\n\r\n{body}",
             body.len()
-        ))
+        )])
     })
+}
+
+/// How long [`queueing_upstream`] keeps a request in its queue: longer than the silence
+/// timeout of [`a_request_queued_by_an_upstream_after_its_headers_is_waited_for`]'s gateway.
+const QUEUED: Duration = Duration::from_secs(3);
+
+/// An upstream that answers a streamed completion's headers at once and its tokens only
+/// after [`QUEUED`], as vLLM does with a request in its scheduler's queue.
+fn queueing_upstream(model: &str) -> String {
+    scripted_upstream(model, |body| {
+        assert!(
+            body.contains(r#""stream":true"#),
+            "the gateway streams: {body}"
+        );
+        let chunk = |text: &str, finish: &str| {
+            format!(
+                "data: {{\"id\":\"c\",\"object\":\"text_completion\",\"created\":0,\"model\":\"m\",\"choices\":[{{\"index\":0,\"text\":\"{text}\",\"finish_reason\":{finish}}}]}}\n\n"
+            )
+        };
+        Some(vec![
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+                .to_owned(),
+            format!(
+                "{}{}data: [DONE]\n\n",
+                chunk("Queued", "null"),
+                chunk(" long", r#""stop""#)
+            ),
+        ])
+    })
+}
+
+/// A server that sends its headers and then queues the request (vLLM with every sequence slot
+/// taken) is still taking it: its silence is the call's wait, not a stream that stopped
+/// mid-answer — which failed the request (503) and left the server unrouted for every tenant
+/// until its next health check.
+#[test]
+fn a_request_queued_by_an_upstream_after_its_headers_is_waited_for() {
+    bounded(|| {
+        let url = queueing_upstream("queueing");
+        let front = Front::start(
+            &url,
+            "queueing",
+            "unused",
+            2048,
+            1_000_000,
+            "[http]\nstream_idle_timeout_secs = 1\n",
+        );
+        front.wait_healthy();
+        for stream in [false, true] {
+            let body = format!(
+                r#"{{"messages":[{{"role":"user","content":"Hi"}}],"max_tokens":4,"stream":{stream}}}"#
+            );
+            let started = Instant::now();
+            let (status, answer) = front.chat(&body);
+            assert_eq!(status, 200, "stream {stream}: {answer}");
+            assert!(
+                answer.contains("Queued") && answer.contains(" long"),
+                "{answer}"
+            );
+            assert!(!answer.contains("error"), "{answer}");
+            assert!(started.elapsed() >= QUEUED, "it waited in the queue");
+        }
+        let (_, workers) = http(&front.admin, "GET", "/workers", Some(ADMIN), &[], "");
+        let workers = json(&workers);
+        assert!(
+            workers["workers"][0]["unroutable"].is_null(),
+            "still routed: {workers}"
+        );
+    });
 }
 
 /// An upstream that passes its health checks but leaves every request unanswered: each of the
