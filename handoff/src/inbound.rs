@@ -12,6 +12,8 @@ use crate::message::{CheckedFrame, Manifest, Reservation};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Write {
     pub page: PageId,
+    /// The tag the reservation holds the page under: whose the written slots are.
+    pub tag: Tag,
     /// Absolute token positions; slots `tokens.start % page_tokens ..` of the page.
     pub tokens: Range<u32>,
 }
@@ -248,6 +250,7 @@ impl Inbound {
         };
         Ok(Write {
             page: slot.page,
+            tag: slot.tag,
             tokens: h.tokens.clone(),
         })
     }
@@ -269,6 +272,7 @@ impl Inbound {
         };
         Ok(Write {
             page: slot.page,
+            tag: slot.tag,
             tokens: h.tokens.clone(),
         })
     }
@@ -425,6 +429,7 @@ mod tests {
             writes[2],
             Write {
                 page: PageId::new(9),
+                tag: Tag::new(90),
                 tokens: 32..40
             }
         );
@@ -449,6 +454,7 @@ mod tests {
             s.accept(&c(&fs[0]), live),
             Ok(Write {
                 page: PageId::new(7),
+                tag: Tag::new(70),
                 tokens: 32..40
             })
         );

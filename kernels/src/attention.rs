@@ -79,6 +79,11 @@ pub enum IntegrityError {
         "position {position} of the sequence holds the release canary: a read of a released page"
     )]
     CanaryRead { position: usize },
+    #[error(
+        "position {position} of the sequence was never written for it (page {index} of its page \
+         table): a transfer's frame that never came, or what the page's last holder left"
+    )]
+    Unwritten { index: usize, position: usize },
     #[error("the page table holds {pages} pages, {needed} are needed for {tokens} tokens")]
     TableTooShort {
         pages: usize,

@@ -25,7 +25,9 @@ use bulkhead_handoff::{
     frame_checksum,
 };
 use bulkhead_kvpool::{PageId, PageRef, RequestId, Tag};
-use bulkhead_worker::engine::{Engine, EngineConfig, Event, KvBudget, Request, write_frame};
+use bulkhead_worker::engine::{
+    Engine, EngineConfig, Event, KvBudget, Request, Written, write_frame,
+};
 use bulkhead_worker::kv::KvMemory;
 use bulkhead_worker::loader::LoadedModel;
 use bulkhead_worker::sampling::SamplingParams;
@@ -385,11 +387,12 @@ fn decode_thread(
     let mut inbound = Inbound::new(t.clone());
     let live = |p: PageId| t.pages.get(p.index()).map(|r| r.tag);
     let pt = t.page_tokens as usize;
+    let mut written = Written::new(dest.pages(), pt);
     // Each message's lease is dropped once it is dealt with, as on the engine thread.
     while let Ok(Some((m, _lease))) = rx.recv() {
         match m {
             Received::Frame(f) if checks => {
-                write_frame(&mut inbound, &mut dest, &f, live)?;
+                write_frame(&mut inbound, &mut dest, &mut written, &f, live)?;
                 buffers.give(f.into_bytes());
             }
             Received::Frame(f) => {

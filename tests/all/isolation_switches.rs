@@ -11,10 +11,10 @@
 //!   oracles detect the leak — proof that they can fail.
 //! - A frame prefill drops, over a page another tenant's request wrote (released pages kept as
 //!   they were: `--scrub none`): the handoff verification refuses the transfer; with it off,
-//!   decode attends over the other tenant's KV and solo equality sees it. The kernel's tag
-//!   check does not stand in for it: the page is the reader's own allocation, under its own
-//!   tag, and was never written for it (I2) — only the manifest's "every page written" sees
-//!   that, or the scrub (zero or canary) that leaves nothing behind.
+//!   the engine's check of what it reads does — the page is the reader's own allocation, under
+//!   its own tag, so the tags alone cannot tell, but its slots were never written for it (I2,
+//!   `worker/src/engine/written.rs`); with both off, decode attends over the other tenant's KV
+//!   and solo equality sees it.
 
 use std::time::{Duration, Instant};
 
@@ -529,11 +529,26 @@ fn a_dropped_frame_over_another_tenants_page_is_stopped_by_the_handoff_verificat
 }
 
 #[test]
-fn without_the_handoff_verification_a_dropped_frame_leaves_b_attending_over_as_kv() {
+fn without_the_handoff_verification_a_dropped_frame_is_stopped_by_the_check_of_what_is_read() {
+    bounded(|| {
+        let (b, findings, m) =
+            a_dropped_frame_over_the_page_a_wrote("drop-frame,handoff-verification,routing-checks");
+        // The transfer commits, unverified; the first step that would read the page fails.
+        b.assert_failed(500, "kv_integrity_error");
+        assert_eq!(
+            metric(&m, "bulkhead_kv_integrity_failures_total"),
+            0.0,
+            "{m}"
+        );
+        assert_clean(&findings);
+    });
+}
+
+#[test]
+fn without_the_verification_and_the_tag_check_a_dropped_frame_leaves_b_attending_over_as_kv() {
     bounded(|| {
         let (b, findings, m) = a_dropped_frame_over_the_page_a_wrote(
-            // The tag check stays on: it cannot see this (the module's doc).
-            "drop-frame,handoff-verification,routing-checks",
+            "drop-frame,handoff-verification,tag-check,routing-checks",
         );
         // The incident's symptom again: HTTP 200 for an answer computed over A's KV.
         assert_eq!(b.status, 200, "{}", b.response);

@@ -40,6 +40,7 @@ mod switched;
 #[cfg(test)]
 mod tests;
 mod transfer;
+mod written;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::num::NonZeroU32;
@@ -65,6 +66,7 @@ use crate::model::{Model, SeqResult, SeqStep};
 use crate::sampling::Sampler;
 use crate::tokenizer::{Detokenizer, TokenId, Tokenizer};
 use transfer::{Draining, Suspect, Transfer, live_tag};
+pub use written::Written;
 
 /// How much memory the KV pool gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -309,6 +311,8 @@ pub struct Engine {
     tokenizer: Tokenizer,
     pool: PagePool,
     kv: KvMemory,
+    /// Which slots of each page were written for whom (checked with the tags).
+    written: Written,
     config: EngineConfig,
     capacity: Capacity,
     tag_check: TagCheck,
@@ -432,6 +436,7 @@ impl Engine {
             }
         })?;
         Ok(Engine {
+            written: Written::new(pages.get() as usize, layout.page_tokens),
             kv,
             pool: PagePool::new(pool_config),
             model,
@@ -769,9 +774,13 @@ impl Engine {
                 };
                 t.heard = true;
                 let pool = &self.pool;
-                match write_frame(&mut t.inbound, &mut self.kv, &frame, |page| {
-                    live_tag(pool, page)
-                }) {
+                match write_frame(
+                    &mut t.inbound,
+                    &mut self.kv,
+                    &mut self.written,
+                    &frame,
+                    |page| live_tag(pool, page),
+                ) {
                     Ok(()) => self.stats.frames_written += 1,
                     Err(NotWritten::Dropped(reason)) => {
                         // Said once a session (the counter has every one): a peer that sends
@@ -979,6 +988,21 @@ impl Engine {
                 plan.push((i, n));
             }
         }
+        // Each sequence reads only slots written for it (`written`): with the tag check on, one
+        // that would read another fails here, before the step reads anything.
+        let mut outcomes = Vec::with_capacity(plan.len());
+        let mut unwritten = Vec::new();
+        if self.tag_check == TagCheck::On {
+            plan.retain(|&(i, _)| {
+                let r = &self.running[i];
+                let checked = self.written.check(&r.table, r.cached());
+                checked.map_err(|e| unwritten.push((i, e))).is_ok()
+            });
+        }
+        for (i, e) in unwritten {
+            let failure = crate::model::SeqFailure::Integrity(e);
+            outcomes.push((i, self.advance(i, 0, Err(failure))));
+        }
         let steps: Vec<SeqStep<'_>> = plan
             .iter()
             .map(|&(i, n)| {
@@ -1002,17 +1026,20 @@ impl Engine {
             .collect();
         let (model, kv, check) = (&self.model, &mut self.kv, self.tag_check);
         let canary = self.pool.config().scrub == Scrub::Canary;
-        let results = self.pool.with_tags(|tags| {
-            model.forward(
-                &steps,
-                kv,
-                TagView {
-                    tags,
-                    check,
-                    canary,
-                },
-            )
-        });
+        let results = match steps.is_empty() {
+            true => Ok(Vec::new()),
+            false => self.pool.with_tags(|tags| {
+                model.forward(
+                    &steps,
+                    kv,
+                    TagView {
+                        tags,
+                        check,
+                        canary,
+                    },
+                )
+            }),
+        };
         drop(steps);
 
         let results = match results {
@@ -1025,8 +1052,11 @@ impl Engine {
                     .collect()
             }
         };
-        let mut outcomes = Vec::with_capacity(plan.len());
         for (&(i, n), result) in plan.iter().zip(results) {
+            if result.is_ok() {
+                let r = &self.running[i];
+                self.written.record_run(&r.table, r.cached(), n);
+            }
             outcomes.push((i, self.advance(i, n, result)));
         }
         // Remove finished requests, highest index first so indices stay valid, and in place so

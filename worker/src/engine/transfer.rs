@@ -39,6 +39,7 @@ use bulkhead_kvpool::{
 };
 
 use super::request::Request;
+use super::written::Written;
 use crate::kv::{KvMemory, SlotError};
 
 /// A decode-side transfer in progress.
@@ -121,12 +122,15 @@ pub enum NotWritten {
 pub fn write_frame(
     inbound: &mut Inbound,
     kv: &mut KvMemory,
+    written: &mut Written,
     frame: &CheckedFrame,
     current_tag: impl FnOnce(PageId) -> Option<Tag>,
 ) -> Result<(), NotWritten> {
     let w = inbound.accept(frame, current_tag)?;
     let pt = inbound.reservation().page_tokens;
-    kv.write_slots(w.page, slots(&w.tokens, pt), frame.bytes())?;
+    let slots = slots(&w.tokens, pt);
+    kv.write_slots(w.page, slots.clone(), frame.bytes())?;
+    written.record(w.page, w.tag, slots);
     Ok(())
 }
 

@@ -100,6 +100,11 @@ impl KvMemory {
         &self.layout
     }
 
+    /// How many pages it holds.
+    pub fn pages(&self) -> usize {
+        self.pages
+    }
+
     /// The values, when the pages are in host memory.
     pub fn host(&self) -> Option<&[f16]> {
         match &self.store {
