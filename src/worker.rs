@@ -269,15 +269,28 @@ impl Args {
                     .fault_stall_after_frames
                     .map(SendFault::StallAfterFrames),
             },
-            Role::Decode => RoleConfig::Decode {
-                prefill: prefill_address(
-                    self.prefill
-                        .as_deref()
-                        .context("--role decode needs --prefill")?,
-                )?,
-                kv_listen: self.kv_listen,
-                kv_advertise: self.kv_advertise,
-            },
+            Role::Decode => {
+                // What prefill workers are told to send pages to: 0.0.0.0 would send them to
+                // the prefill worker's own host, every transfer then failing at its timeout.
+                let advertised = self
+                    .kv_advertise
+                    .map_or(self.kv_listen, |a| a.at(self.kv_listen));
+                anyhow::ensure!(
+                    !advertised.ip().is_unspecified(),
+                    "prefill workers would be told to send KV pages to {advertised}: with \
+                     --kv-listen on every interface, --kv-advertise must name this worker's \
+                     address (its IP, or IP:port)"
+                );
+                RoleConfig::Decode {
+                    prefill: prefill_address(
+                        self.prefill
+                            .as_deref()
+                            .context("--role decode needs --prefill")?,
+                    )?,
+                    kv_listen: self.kv_listen,
+                    kv_advertise: self.kv_advertise,
+                }
+            }
         };
         let kv = match (self.kv_memory, self.kv_tokens) {
             (_, Some(t)) => KvBudget::Tokens(t),
@@ -504,6 +517,22 @@ mod tests {
             matches!(role, RoleConfig::Decode { ref prefill, .. } if prefill == "http://p:1"),
             "{role:?}"
         );
+        // Listening everywhere, and telling prefill "everywhere": refused before it starts.
+        for advertise in [
+            &[][..],
+            &["--kv-advertise", "0.0.0.0"],
+            &["--kv-advertise", "[::]:7"],
+        ] {
+            let mut args = vec!["x", "--role", "decode", "--prefill", "http://p:1"];
+            args.extend(["--kv-listen", "0.0.0.0:50061"]);
+            args.extend_from_slice(advertise);
+            let cli = Cli::try_parse_from(args).expect("parses");
+            let err = cli.args.config().expect_err("unspecified").to_string();
+            assert!(
+                err.contains("--kv-advertise must name"),
+                "{advertise:?}: {err}"
+            );
+        }
         let cli = Cli::try_parse_from([
             "x",
             "--role",

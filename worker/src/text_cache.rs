@@ -1,7 +1,10 @@
-//! A small map from texts to values, shared between threads, that empties itself when it is
-//! full — of entries or of bytes: the texts that repeat on every request (a chat template's
-//! pieces) stay, and texts that vary from request to request cannot grow it. A value too large
-//! to keep (more than a sixteenth of the bytes) is made every time instead.
+//! A small map from texts to values, shared between threads, bounded in entries and in bytes:
+//! when it is full, the entries used least recently make room, so the texts that repeat on
+//! every request (a chat template's pieces, the frames of common conversations) stay, and texts
+//! that vary from request to request — one client's stream of new ones included — cannot grow
+//! it or push the repeated ones out for long. A value too large to keep (more than a sixteenth
+//! of the bytes) is made every time instead. Made for a few hundred entries: making room scans
+//! them.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -20,9 +23,19 @@ pub(crate) struct TextCache<V> {
 
 #[derive(Debug)]
 struct Kept<V> {
-    map: HashMap<String, V>,
+    /// Each text's value, its bytes, and when it was last used.
+    map: HashMap<String, Entry<V>>,
     /// The texts' and the values' bytes.
     bytes: usize,
+    /// The clock of uses: counts every lookup.
+    uses: u64,
+}
+
+#[derive(Debug)]
+struct Entry<V> {
+    value: V,
+    bytes: usize,
+    used: u64,
 }
 
 impl<V: Clone + Held> TextCache<V> {
@@ -32,6 +45,7 @@ impl<V: Clone + Held> TextCache<V> {
             kept: Mutex::new(Kept {
                 map: HashMap::new(),
                 bytes: 0,
+                uses: 0,
             }),
             capacity,
             max_bytes,
@@ -40,7 +54,12 @@ impl<V: Clone + Held> TextCache<V> {
 
     /// The value kept for `text`, if any.
     pub(crate) fn get(&self, text: &str) -> Option<V> {
-        self.lock().map.get(text).cloned()
+        let mut kept = self.lock();
+        kept.uses += 1;
+        let now = kept.uses;
+        let entry = kept.map.get_mut(text)?;
+        entry.used = now;
+        Some(entry.value.clone())
     }
 
     /// The value kept for `text`, or `make`'s, kept from now on unless it is too large to. `make`
@@ -60,13 +79,23 @@ impl<V: Clone + Held> TextCache<V> {
             return Ok(v);
         }
         let mut kept = self.lock();
-        if kept.map.len() >= self.capacity || kept.bytes + bytes > self.max_bytes {
-            kept.map.clear();
-            kept.bytes = 0;
+        if kept.map.contains_key(text) {
+            return Ok(v); // another thread made it meanwhile
         }
-        if kept.map.insert(text.to_owned(), v.clone()).is_none() {
-            kept.bytes += bytes;
+        while !kept.map.is_empty()
+            && (kept.map.len() >= self.capacity || kept.bytes + bytes > self.max_bytes)
+        {
+            kept.evict_least_recent();
         }
+        kept.uses += 1;
+        let used = kept.uses;
+        kept.bytes += bytes;
+        let entry = Entry {
+            value: v.clone(),
+            bytes,
+            used,
+        };
+        kept.map.insert(text.to_owned(), entry);
         Ok(v)
     }
 
@@ -82,6 +111,19 @@ impl<V: Clone + Held> TextCache<V> {
 
     fn lock(&self) -> MutexGuard<'_, Kept<V>> {
         self.kept.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl<V> Kept<V> {
+    fn evict_least_recent(&mut self) {
+        let oldest = self
+            .map
+            .iter()
+            .min_by_key(|(_, e)| e.used)
+            .map(|(text, _)| text.clone());
+        if let Some(e) = oldest.and_then(|text| self.map.remove(&text)) {
+            self.bytes -= e.bytes;
+        }
     }
 }
 
@@ -132,5 +174,29 @@ mod tests {
             .expect("made");
         assert_eq!(big.len(), 200, "made and returned");
         assert_eq!(cache.get("big"), None, "not kept");
+    }
+
+    /// A stream of new texts (one client's) makes room by the entries used least recently:
+    /// the one every request uses stays. Emptying the whole map when it was full let a few
+    /// hundred new texts throw it out again and again.
+    #[test]
+    fn new_texts_push_out_the_least_recently_used_never_the_one_in_use() {
+        let cache = TextCache::new(4, 1 << 20);
+        let made = std::cell::Cell::new(0);
+        let make = |v: &str| {
+            made.set(made.get() + 1);
+            Ok::<String, ()>(v.to_owned())
+        };
+        cache.get_or_make("common", || make("c")).expect("made");
+        for i in 0..100 {
+            cache.get_or_make("common", || make("c")).expect("kept");
+            cache
+                .get_or_make(&format!("new {i}"), || make("n"))
+                .expect("made");
+            assert!(cache.len() <= 4);
+        }
+        assert_eq!(made.get(), 101, "the common text was made once");
+        assert_eq!(cache.get("new 99"), Some("n".into()), "the newest is kept");
+        assert_eq!(cache.get("new 0"), None, "the oldest made room");
     }
 }

@@ -56,7 +56,7 @@ impl Default for TinySpec {
 /// Control tokens, ids 0.. in this order; ordinary tokens (one per byte) follow.
 pub const TINY_CONTROL: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
 
-const CHAT_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
+pub(crate) const CHAT_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
 {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
 impl TinySpec {

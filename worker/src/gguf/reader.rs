@@ -33,6 +33,8 @@ pub struct Gguf {
     version: u32,
     metadata: HashMap<String, Value>,
     tensors: HashMap<String, TensorInfo>,
+    /// Bytes before the tensor data: the header, the metadata and the tensor infos.
+    header_len: usize,
 }
 
 impl Gguf {
@@ -49,13 +51,25 @@ impl Gguf {
         // memory safety, on the systems we support (documented operator rule: replace model
         // files by rename, never in place).
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        let (version, metadata, tensors) = parse(&map)?;
+        let (version, metadata, tensors, header_len) = parse(&map)?;
         Ok(Gguf {
             map,
             version,
             metadata,
             tensors,
+            header_len,
         })
+    }
+
+    /// The file's bytes before its tensor data: the header, every metadata value (the
+    /// tokenizer's vocabulary and merges, the chat template) and the tensor infos.
+    pub fn header(&self) -> &[u8] {
+        &self.map[..self.header_len]
+    }
+
+    /// The file's size in bytes.
+    pub fn file_len(&self) -> u64 {
+        self.map.len() as u64
     }
 
     pub fn version(&self) -> u32 {
@@ -209,7 +223,12 @@ impl Gguf {
     }
 }
 
-type Parsed = (u32, HashMap<String, Value>, HashMap<String, TensorInfo>);
+type Parsed = (
+    u32,
+    HashMap<String, Value>,
+    HashMap<String, TensorInfo>,
+    usize,
+);
 
 fn parse(bytes: &[u8]) -> Result<Parsed, GgufError> {
     let mut r = Reader {
@@ -336,7 +355,7 @@ fn parse(bytes: &[u8]) -> Result<Parsed, GgufError> {
         );
     }
     disjoint(&tensors)?;
-    Ok((version, metadata, tensors))
+    Ok((version, metadata, tensors, r.pos))
 }
 
 /// Refuses tensors whose bytes overlap. A model file lays them out one after another; a file

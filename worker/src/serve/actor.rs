@@ -100,12 +100,33 @@ pub struct EngineHandle {
     published: Arc<Published>,
 }
 
-/// The stats the engine thread publishes before each step.
-type Published = std::sync::Mutex<EngineStats>;
+/// The stats the engine thread publishes before each step, and when.
+type Published = std::sync::Mutex<(EngineStats, Instant)>;
 
 /// How long [`EngineHandle::stats`] waits for a fresh answer before it returns the published
 /// one: a step can be a long prefill, and health must not depend on the engine being idle.
 const STATS_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// How long one step may run before the engine counts as stalled: a step computes at most one
+/// batch's tokens, seconds even on a slow CPU. A stalled engine fails its health checks, so the
+/// gateway routes elsewhere and an orchestrator restarts it, instead of the stats it published
+/// before it stopped answering for good.
+const STALLED_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The stats published at `at`, as an answer at `now`: an error once they are older than
+/// [`STALLED_AFTER`].
+fn published_answer(
+    (stats, at): (EngineStats, Instant),
+    now: Instant,
+) -> Result<EngineStats, ServeError> {
+    let age = now.saturating_duration_since(at);
+    if age > STALLED_AFTER {
+        return Err(ServeError::EngineStalled {
+            secs: age.as_secs(),
+        });
+    }
+    Ok(stats)
+}
 
 /// How long the engine thread sleeps at most while requests wait for pages (see [`run`]).
 const WAITING_POLL: std::time::Duration = std::time::Duration::from_millis(10);
@@ -134,7 +155,7 @@ impl EngineHandle {
     ) -> std::io::Result<(EngineHandle, EngineThread)> {
         let (tx, rx) = std_mpsc::channel();
         let thread_metrics = metrics.clone();
-        let published = Arc::new(Published::new(stats_of(&engine)));
+        let published = Arc::new(Published::new((stats_of(&engine), Instant::now())));
         let thread_published = published.clone();
         let thread = std::thread::Builder::new()
             .name("bulkhead-engine".into())
@@ -259,10 +280,13 @@ impl EngineHandle {
             .map_err(|_| ServeError::EngineGone)?;
         match tokio::time::timeout(STATS_WAIT, answer).await {
             Ok(fresh) => fresh.map_err(|_| ServeError::EngineGone),
-            Err(_busy) => Ok(*self
-                .published
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)),
+            Err(_busy) => published_answer(
+                *self
+                    .published
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner),
+                Instant::now(),
+            ),
         }
     }
 }
@@ -336,7 +360,8 @@ fn run(
         }
         *published
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = stats_of(&engine);
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            (stats_of(&engine), Instant::now());
         engine.step();
         metrics.set_computed_prompt_tokens(engine.computed_prompt_tokens());
     }
@@ -521,6 +546,20 @@ impl EventSink for ChannelSink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Published stats stand in for a busy engine's answer, not for one stuck in a step: past
+    /// [`STALLED_AFTER`] its health checks fail, where they answered "ok" for ever.
+    #[tokio::test]
+    async fn an_engine_stuck_in_a_step_fails_its_health_checks() {
+        let stats = EngineHandle::tiny().stats().await.expect("stats");
+        let at = Instant::now();
+        assert!(published_answer((stats, at), at + STALLED_AFTER / 2).is_ok());
+        let stalled = published_answer((stats, at), at + STALLED_AFTER * 2);
+        assert!(
+            matches!(stalled, Err(ServeError::EngineStalled { secs }) if secs >= 120),
+            "{stalled:?}"
+        );
+    }
 
     /// An event that finds no listener counts its request cancelled once: the engine drops the
     /// request, so the cancel its listener sent on leaving finds nothing to count. (Only a

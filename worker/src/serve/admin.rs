@@ -45,22 +45,14 @@ async fn metrics(State(Admin { engine, tls }): State<Admin>) -> Response {
             },
         )
             .into_response(),
-        Err(_) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the engine is not running\n",
-        )
-            .into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")).into_response(),
     }
 }
 
 async fn healthz(State(Admin { engine, .. }): State<Admin>) -> Response {
     match engine.stats().await {
         Ok(_) => (StatusCode::OK, "ok\n").into_response(),
-        Err(_) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the engine is not running\n",
-        )
-            .into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")).into_response(),
     }
 }
 
@@ -74,11 +66,7 @@ async fn readyz(State(Admin { engine, .. }): State<Admin>) -> Response {
             )
                 .into_response(),
         },
-        Err(_) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "not ready: the engine is not running\n",
-        )
-            .into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}\n")).into_response(),
     }
 }
 

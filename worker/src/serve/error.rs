@@ -69,6 +69,9 @@ pub enum ServeError {
     /// The engine thread is not running.
     #[error("the engine is not running")]
     EngineGone,
+    /// The engine thread has been in one step for `secs`: stuck, not busy.
+    #[error("the engine has not finished a step for {secs} s")]
+    EngineStalled { secs: u64 },
     /// The prefill worker could not be reached or dropped the call.
     #[error("the prefill worker is unavailable: {reason}")]
     PrefillUnavailable { reason: String },
@@ -161,11 +164,9 @@ pub fn status(err: &ServeError) -> Status {
             SERVICE_UNAVAILABLE,
             "the prefill worker is unavailable".into(),
         ),
-        ServeError::EngineGone => (
-            Code::Unavailable,
-            SERVICE_UNAVAILABLE,
-            "the engine is not running".into(),
-        ),
+        ServeError::EngineGone | ServeError::EngineStalled { .. } => {
+            (Code::Unavailable, SERVICE_UNAVAILABLE, err.to_string())
+        }
         ServeError::OtherInstance { .. } => (
             Code::FailedPrecondition,
             SERVICE_UNAVAILABLE,

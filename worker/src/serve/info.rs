@@ -1,7 +1,6 @@
 //! Facts about the served model that callers (the gateway) fetch once: identity, tokenizer,
 //! chat template and the measured limits.
 
-use std::io::Read;
 use std::path::Path;
 
 use bulkhead_kernels::attention::{KvLayout, TagCheck};
@@ -12,9 +11,6 @@ use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 
 use super::proto;
-
-/// How much of the model file goes into the id's hash.
-const ID_PREFIX_BYTES: u64 = 1 << 20;
 
 /// The Info response (without the tokenizer) for `model`, before the pool is measured.
 pub fn describe(
@@ -48,7 +44,7 @@ pub fn describe_file(path: &Path) -> Result<(proto::InfoResponse, proto::Tokeniz
     let g = Gguf::open(path).map_err(|e| format!("{shown}: {e}"))?;
     let tokenizer = Tokenizer::from_gguf(&g).map_err(|e| format!("{shown}: {e}"))?;
     let name = g.get_str("general.name").unwrap_or("model").to_owned();
-    let model_id = model_id(&name, path).map_err(|e| format!("{shown}: {e}"))?;
+    let model_id = model_id(&name, &g);
     let info = proto::InfoResponse {
         model_id,
         model_name: name,
@@ -101,15 +97,14 @@ pub fn set_handoff(
     });
 }
 
-/// `name-SIZE-HASH`: the model's name, the file's size and an FNV-1a hash of its first MiB
-/// (the GGUF header and metadata), so a different file gets a different id without hashing
-/// the whole file at startup.
-pub fn model_id(name: &str, path: &Path) -> std::io::Result<String> {
-    let file = std::fs::File::open(path)?;
-    let size = file.metadata()?.len();
-    let mut prefix = Vec::new();
-    file.take(ID_PREFIX_BYTES).read_to_end(&mut prefix)?;
-    Ok(format!("{name}-{size}-{:016x}", fnv1a(&prefix)))
+/// `name-SIZE-HASH`: the model's name, the file's size and an FNV-1a hash of everything
+/// before its tensor data (the GGUF header, every metadata value, the tensor infos), so a
+/// file with another tokenizer or chat template gets another id, without hashing the weights
+/// at startup. (A MiB of it left out what lies past the vocabulary: two files of one size
+/// that differed only in their chat template had one id, and a gateway tokenized with one
+/// for a worker serving the other.)
+pub fn model_id(name: &str, g: &Gguf) -> String {
+    format!("{name}-{}-{:016x}", g.file_len(), fnv1a(g.header()))
 }
 
 fn fnv1a(bytes: &[u8]) -> u64 {
@@ -149,6 +144,38 @@ pub fn tokenizer_data(g: &Gguf) -> proto::TokenizerData {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The id covers the whole header: two files of one size that differ only in their chat
+    /// template, which lies past the first MiB behind a large vocabulary, are two models.
+    #[test]
+    fn files_that_differ_only_past_the_first_mib_of_their_header_get_different_ids() {
+        let dir = std::env::temp_dir().join(format!(
+            "bulkhead-model-id-{}-{}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        std::fs::create_dir_all(&dir).expect("a scratch directory");
+        let spec = crate::tiny_model::TinySpec {
+            extra_tokens: 60_000,
+            ..crate::tiny_model::TinySpec::default()
+        };
+        let (a, b) = (dir.join("a.gguf"), dir.join("b.gguf"));
+        spec.write(&a).expect("writes");
+        let mut bytes = std::fs::read(&a).expect("reads");
+        let template = crate::tiny_model::CHAT_TEMPLATE.as_bytes();
+        let at = bytes
+            .windows(template.len())
+            .position(|w| w == template)
+            .expect("the template is in the file");
+        assert!(at > 1 << 20, "past the first MiB: {at}");
+        let last = at + template.len() - 1;
+        bytes[last] = if bytes[last] == b'x' { b'y' } else { b'x' };
+        std::fs::write(&b, &bytes).expect("writes");
+        let id = |p: &Path| model_id("m", &Gguf::open(p).expect("opens"));
+        assert_ne!(id(&a), id(&b));
+        assert_eq!(id(&a), id(&a), "and one file, one id");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn fnv1a_matches_the_reference_vectors() {

@@ -99,7 +99,9 @@ impl Outcome {
                 SubmitError::DuplicateId(_) => Outcome::FailedInternal,
             },
             ServeError::Failed(f) => Outcome::failed(f),
-            ServeError::EngineGone | ServeError::Internal { .. } => Outcome::FailedInternal,
+            ServeError::EngineGone
+            | ServeError::EngineStalled { .. }
+            | ServeError::Internal { .. } => Outcome::FailedInternal,
             ServeError::PrefillUnavailable { .. } => Outcome::FailedPrefill,
         }
     }

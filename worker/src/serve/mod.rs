@@ -181,12 +181,13 @@ impl BoundWorker {
             tokenizer,
             chat,
         } = loaded;
-        let model_id = info::model_id(&model.config().name, model_path).map_err(|source| {
-            StartError::ModelFile {
-                path: model_path.display().to_string(),
-                source,
-            }
+        // The file's header again (mapped, its weights not read): what the id hashes.
+        let gguf = crate::gguf::Gguf::open(model_path).map_err(|e| StartError::ModelFile {
+            path: model_path.display().to_string(),
+            source: std::io::Error::other(e.to_string()),
         })?;
+        let model_id = info::model_id(&model.config().name, &gguf);
+        drop(gguf);
         let chat_source = chat.as_ref().map(|c| c.source()).unwrap_or_default();
         let proto_role = match config.role {
             RoleConfig::Both => proto::Role::Both,
@@ -355,8 +356,11 @@ impl BoundWorker {
                         stopped(stop_rx),
                     ))
                 }
+                // Tokens stream one small message each: not held back for Nagle's algorithm
+                // (a listener of one's own gets none of the builder's socket settings). The TLS
+                // listener sets it as it accepts.
                 None => Box::pin(grpc.serve_with_incoming_shutdown(
-                    tonic::transport::server::TcpIncoming::from(self.grpc),
+                    tonic::transport::server::TcpIncoming::from(self.grpc).with_nodelay(Some(true)),
                     stopped(stop_rx),
                 )),
             };
