@@ -14,6 +14,10 @@
 //!                                   own MAC (already in the line), and
 //!                                   " hmac-sha256 <key id> <mac>" before the newline
 //! DIR/<tenant>/head.tmp             the next head, before its rename
+//! DIR/<tenant>/<segment>-<offset>.set-aside
+//!                                   keyed: what recovery cut off a segment at that offset,
+//!                                   past a break a power loss leaves (see `log.rs`), kept
+//!                                   for `verify` to report until an operator removes it
 //! ```
 //!
 //! A keyed log's seals (see [`crate::ChainKey`]) are what say it is keyed: the roster's last line
@@ -39,6 +43,7 @@ pub(crate) const HEAD: &str = "head";
 pub(crate) const HEAD_TMP: &str = "head.tmp";
 const SEGMENT_DIGITS: usize = 20;
 const SEGMENT_EXT: &str = ".jsonl";
+const SET_ASIDE_EXT: &str = ".set-aside";
 
 /// A segment's number: its place in its tenant's sequence of files, from 0.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -64,12 +69,33 @@ fn parse_segment_name(name: &str) -> Option<SegmentNo> {
     digits.parse().ok().map(SegmentNo)
 }
 
+/// Where recovery keeps what it cut off `segment` at `offset` (see [`SET_ASIDE_EXT`]).
+pub(crate) fn set_aside_path(tenant_dir: &Path, segment: SegmentNo, offset: u64) -> PathBuf {
+    tenant_dir.join(format!(
+        "{:0width$}-{offset}{SET_ASIDE_EXT}",
+        segment.0,
+        width = SEGMENT_DIGITS
+    ))
+}
+
+fn is_set_aside_name(name: &str) -> bool {
+    name.strip_suffix(SET_ASIDE_EXT)
+        .and_then(|s| s.split_once('-'))
+        .is_some_and(|(segment, offset)| {
+            segment.len() == SEGMENT_DIGITS
+                && segment.bytes().all(|b| b.is_ascii_digit())
+                && offset.parse::<u64>().is_ok()
+        })
+}
+
 /// What a tenant directory holds.
 #[derive(Debug, Default)]
 pub(crate) struct Listing {
     /// Segments, sorted by number.
     pub segments: Vec<(SegmentNo, PathBuf)>,
-    /// Entries that are neither a segment nor the head, sorted.
+    /// Lines recovery set aside, sorted.
+    pub set_aside: Vec<PathBuf>,
+    /// Entries that are none of those nor the head, sorted.
     pub unexpected: Vec<PathBuf>,
 }
 
@@ -84,10 +110,12 @@ pub(crate) fn list_tenant(tenant_dir: &Path) -> io::Result<Listing> {
         match name.and_then(parse_segment_name) {
             Some(n) if is_file => listing.segments.push((n, path)),
             _ if is_file && matches!(name, Some(HEAD | HEAD_TMP)) => {}
+            _ if is_file && name.is_some_and(is_set_aside_name) => listing.set_aside.push(path),
             _ => listing.unexpected.push(path),
         }
     }
     listing.segments.sort();
+    listing.set_aside.sort();
     listing.unexpected.sort();
     Ok(listing)
 }

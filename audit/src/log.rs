@@ -129,6 +129,20 @@ pub enum Recovery {
         /// The tenant.
         tenant: TenantId,
     },
+    /// Keyed: past the head, a line of NUL bytes (a block a power loss left unwritten) was
+    /// followed by lines the gateway wrote after it, which carry the log's MAC but cannot chain
+    /// on: all of them were cut off the segment and kept whole in `kept`, which `verify`
+    /// reports until an operator removes it. None was acknowledged as durable.
+    SetAside {
+        /// The segment.
+        path: PathBuf,
+        /// The 1-based line number of the first line cut.
+        line: u64,
+        /// Bytes moved.
+        bytes: u64,
+        /// Where they are.
+        kept: PathBuf,
+    },
     /// Complete lines after the head that do not chain on from it (unreadable, or not the next
     /// record: what a power loss can leave in blocks written after the last fsync; in a keyed
     /// log also a line whose `prev` is not the key's MAC of the line before: forged) were cut
@@ -153,6 +167,9 @@ struct Unacknowledged {
     /// Its `seq`, `prev` and the link to it, or why it does not decode or (keyed) does not
     /// vouch for itself.
     parsed: Result<Linked, String>,
+    /// It holds a NUL byte: no writer's line (records are JSON), what a power loss leaves of
+    /// a block that never reached the disk.
+    debris: bool,
 }
 
 /// The line of the record a head names, as found by recovery.
@@ -644,12 +661,38 @@ impl Inner {
         self.write_tenant(files, tenant, &rest, head)
     }
 
+    /// Writes a tenant's lines and then its head naming the last. A flush that fails after
+    /// lines landed cuts them off again (durably), so that records it reports lost — never
+    /// durable, their clients told so — do not come back at the next open, adopted as the
+    /// chain's continuation past the head.
     fn write_tenant(
         &self,
         files: &mut Files,
         tenant: &TenantId,
         chunks: &[(SegmentNo, Vec<u8>)],
         head: Head,
+    ) -> Result<(), AuditError> {
+        let mut landed = Vec::new();
+        let written = self.write_lines_and_head(files, tenant, chunks, head, &mut landed);
+        if written.is_err() {
+            // The file handles may be the failure's: cut through fresh ones.
+            files.open.remove(tenant);
+            for (path, len) in landed.iter().rev() {
+                cut(path, *len)?;
+            }
+        }
+        written
+    }
+
+    /// [`Inner::write_tenant`]'s writing; `landed` gets each segment written to and its length
+    /// before.
+    fn write_lines_and_head(
+        &self,
+        files: &mut Files,
+        tenant: &TenantId,
+        chunks: &[(SegmentNo, Vec<u8>)],
+        head: Head,
+        landed: &mut Vec<(PathBuf, u64)>,
     ) -> Result<(), AuditError> {
         let tdir = layout::tenant_dir(&self.config.dir, tenant);
         for (segment, bytes) in chunks {
@@ -664,6 +707,8 @@ impl Inner {
             let Some(open) = files.open.get_mut(tenant) else {
                 return Err(io_err("open", &path)(std::io::ErrorKind::NotFound.into()));
             };
+            let before = open.file.metadata().map_err(io_err("stat", &path))?.len();
+            landed.push((path.clone(), before));
             open.file.write_all(bytes).map_err(io_err("write", &path))?;
         }
         if let Some(open) = files.open.get(tenant) {
@@ -834,6 +879,17 @@ fn chained_count(after: &[Unacknowledged], mut next: Option<u64>, mut digest: Sh
     chained
 }
 
+/// Writes `bytes` to a new file at `path`, durably.
+fn keep_aside(path: &Path, bytes: &[u8]) -> Result<(), AuditError> {
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(io_err("create", path))?;
+    f.write_all(bytes).map_err(io_err("write", path))?;
+    f.sync_all().map_err(io_err("fsync", path))
+}
+
 /// Cuts the file at `path` to its first `len` bytes, durably.
 fn cut(path: &Path, len: u64) -> Result<(), AuditError> {
     let f = OpenOptions::new()
@@ -964,6 +1020,7 @@ fn recover_tenant(
                 path: path.clone(),
                 line: i as u64 + 1,
                 offset: (l.as_ptr() as usize - bytes.as_ptr() as usize) as u64,
+                debris: l.contains(&0),
                 parsed: parsed.and_then(|p| {
                     Ok(Linked {
                         seq: p.seq,
@@ -1047,18 +1104,25 @@ fn recover_tenant(
     }
     let unchained = lines.next();
     // Keyed, lines that carry the log's MAC past one that does not chain were written by the
-    // gateway after it: the break is an edit (or a head put back from an older copy), not a
-    // crash's leftovers (a failed write stops the log), and cutting would destroy the records
-    // that prove it — and let `verify` pass on what is left.
+    // gateway after it. A readable line there is an edit (or a head put back from an older
+    // copy), not a crash's leftovers (a failed write stops the log), and cutting would destroy
+    // the records that prove it — and let `verify` pass on what is left: refused. A line of
+    // NULs in the last segment is what a power loss leaves of a block written before the ones
+    // after it: those lines are set aside whole, where `verify` reports them, and the log
+    // goes on (refusing left the gateway unable to start after a power cut).
+    let mut set_aside = false;
     if let (Some(broken), true) = (&unchained, chain.is_keyed())
         && let Some(vouched) = lines.find(|l| l.parsed.is_ok())
     {
-        return Err(AuditError::VouchedPastBreak {
-            tenant: tenant.clone(),
-            path: broken.path.clone(),
-            line: broken.line,
-            vouched: vouched.line,
-        });
+        if !(broken.debris && broken.path == last_path) {
+            return Err(AuditError::VouchedPastBreak {
+                tenant: tenant.clone(),
+                path: broken.path.clone(),
+                line: broken.line,
+                vouched: vouched.line,
+            });
+        }
+        set_aside = true;
     }
     if let Some(line) = unchained.as_ref().filter(|l| l.path != last_path) {
         return Err(AuditError::Corrupt {
@@ -1072,12 +1136,26 @@ fn recover_tenant(
     }
     cut_torn(recoveries)?;
     if let Some(line) = unchained {
-        cut(&last_path, line.offset)?;
-        recoveries.push(Recovery::CutUnchained {
-            path: last_path.clone(),
-            line: line.line,
-            bytes: segment_len - line.offset,
-        });
+        let moved = segment_len - line.offset;
+        if set_aside {
+            let kept = layout::set_aside_path(&tdir, last_segment, line.offset);
+            keep_aside(&kept, &bytes[line.offset as usize..segment_len as usize])?;
+            sync_dir(&tdir)?;
+            cut(&last_path, line.offset)?;
+            recoveries.push(Recovery::SetAside {
+                path: last_path.clone(),
+                line: line.line,
+                bytes: moved,
+                kept,
+            });
+        } else {
+            cut(&last_path, line.offset)?;
+            recoveries.push(Recovery::CutUnchained {
+                path: last_path.clone(),
+                line: line.line,
+                bytes: moved,
+            });
+        }
         segment_len = line.offset;
     }
     // Lines resumed past the head were written, but a crash between their write and its fsync

@@ -48,6 +48,9 @@ pub enum Reason {
     Io(String),
     /// An entry that the writer never creates.
     UnexpectedEntry,
+    /// Lines the writer cut off at recovery and kept here: past a line of NULs, lines it had
+    /// written after it (a power loss's leftovers — or an edit made to look like one).
+    SetAside,
     /// The tenant asked for has no directory.
     NoSuchTenant,
     /// A segment is missing from the sequence.
@@ -178,6 +181,12 @@ impl fmt::Display for Reason {
         match self {
             Self::Io(e) => write!(f, "cannot read: {e}"),
             Self::UnexpectedEntry => f.write_str("unexpected entry (the writer never creates it)"),
+            Self::SetAside => f.write_str(
+                "lines the writer cut off its log at recovery and kept here: past a block of \
+                 NULs, records it had written but could not chain on (what a power loss leaves, \
+                 or an edit made to look like it); compare them with the collector's copies, \
+                 then remove the file",
+            ),
             Self::NoSuchTenant => f.write_str("no such tenant"),
             Self::SegmentMissing => f.write_str("segment is missing"),
             Self::EmptySegment => f.write_str("segment is empty but is not the last one"),
@@ -686,5 +695,11 @@ fn check_tenant(
             ))
         }
         (Some(_), Some(_)) => Ok(()),
+    }?;
+    // Checked whole, the chain holds; lines recovery set aside past a break are reported
+    // until an operator has accounted for them.
+    match listing.set_aside.first() {
+        Some(path) => Err(at(path, None, Reason::SetAside)),
+        None => Ok(()),
     }
 }

@@ -324,6 +324,63 @@ fn a_keyed_log_edited_past_a_stale_head_is_refused_not_cut() {
     assert!(!verify(dir.path(), None, Some(&k)).passed());
 }
 
+/// What a power loss can leave past a keyed log's head: a block that never reached the disk
+/// (NULs), then lines the gateway wrote after it, each carrying the log's MAC. Refused as an
+/// edit, it left the gateway unable to start; now they are set aside whole — kept in a file
+/// `verify` reports until an operator removes it — and the log goes on from the head.
+#[test]
+fn a_keyed_log_with_a_power_losss_nul_block_past_its_head_sets_the_rest_aside_and_goes_on() {
+    let dir = Scratch::new();
+    let k = key(1);
+    let a = tenant("a");
+    past_a_stale_head(dir.path(), &k);
+    let seg = segments(dir.path(), &a)[0].clone();
+    let mut l = lines(&seg);
+    let after = format!("{}\n{}\n", "\0".repeat(l[3].len()), l[4]);
+    l[3] = "\0".repeat(l[3].len());
+    write_lines(&seg, &l);
+    let kept_before = std::fs::read(&seg).expect("reads").len() - after.len();
+
+    let (log, recoveries) = open_keyed(dir.path(), Some(&k)).expect("opens");
+    let [
+        Recovery::SetAside {
+            path,
+            line,
+            bytes,
+            kept,
+        },
+    ] = recoveries.as_slice()
+    else {
+        panic!("{recoveries:?}");
+    };
+    assert_eq!((path, *line, *bytes), (&seg, 4, after.len() as u64));
+    assert_eq!(
+        std::fs::read(kept).expect("kept"),
+        after.as_bytes(),
+        "kept whole"
+    );
+    assert_eq!(
+        std::fs::read(&seg).expect("reads").len(),
+        kept_before,
+        "cut at the break"
+    );
+    assert_eq!(log.append(&a, &record(&a, 3)).expect("appends").seq, Seq(3));
+    drop(log);
+
+    let report = verify(dir.path(), None, Some(&k));
+    let p = report.tenants[0]
+        .problem
+        .clone()
+        .expect("the set-aside lines are reported");
+    assert_eq!(
+        (p.path.as_path(), &p.reason),
+        (kept.as_path(), &Reason::SetAside),
+        "{p}"
+    );
+    std::fs::remove_file(kept).expect("accounted for");
+    assert!(verify(dir.path(), None, Some(&k)).passed());
+}
+
 /// Two data directories written with one key (gateway replicas on a shared volume, each in
 /// its own): a tenant's log copied from one over the other's is refused at open and named by
 /// `verify` — sealed with one key, every MAC of it held there and the copy passed. An edited

@@ -398,6 +398,32 @@ fn a_first_flush_that_fails_at_its_segment_leaves_a_log_that_resumes() {
     assert!(verify(dir.path(), None, None).passed());
 }
 
+/// A flush whose lines were written and made durable but whose head could not be (the disk
+/// full at `head.tmp`): its records are reported lost — the gateway told their clients so —
+/// and must not come back at the next open as if they had been kept.
+#[test]
+fn records_a_failed_flush_reported_lost_do_not_come_back_at_the_next_open() {
+    let dir = Scratch::new();
+    let a = tenant("a");
+    let log = open(dir.path(), 1 << 20);
+    log.append(&a, &record(&a, 0)).expect("durable");
+    let blocked = dir.path().join(a.as_str()).join("head.tmp");
+    std::fs::create_dir(&blocked).expect("a directory where the head's file goes");
+    assert!(log.append(&a, &record(&a, 1)).is_err(), "its head failed");
+    drop(log);
+    std::fs::remove_dir(&blocked).expect("unblocked");
+    let (log, recoveries) = AuditLog::open(config(dir.path(), 1 << 20)).expect("opens");
+    assert_eq!(recoveries, vec![]);
+    assert_eq!(
+        log.read(&a, Seq(0), 10).expect("reads").len(),
+        1,
+        "the failed flush's record is gone"
+    );
+    assert_eq!(log.append(&a, &record(&a, 1)).expect("appends").seq, Seq(1));
+    drop(log);
+    assert!(verify(dir.path(), None, None).passed());
+}
+
 #[test]
 fn lines_after_the_head_that_do_not_chain_are_cut_from_the_first() {
     // What a power loss can leave past the last fsync: blocks of zeros, then whatever was

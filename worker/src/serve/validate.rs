@@ -14,7 +14,7 @@ use crate::tokenizer::{TokenId, Tokenizer};
 use super::error::ValidationError;
 use super::proto::{self, Prompt};
 
-/// Longest `request_id` and `tenant` accepted (bytes); they only go to logs.
+/// Longest `request_id` and `tenant` accepted (bytes).
 pub const MAX_LABEL_BYTES: usize = 128;
 /// Most stop sequences per request.
 pub const MAX_STOPS: usize = 16;
@@ -36,7 +36,7 @@ pub struct Prompter {
 pub struct ValidGenerate {
     /// The caller's label, for logs; at most [`MAX_LABEL_BYTES`].
     pub caller_id: String,
-    /// For logs and metrics; at most [`MAX_LABEL_BYTES`].
+    /// The scope of its prefix cache, and a label in logs; at most [`MAX_LABEL_BYTES`].
     pub tenant: String,
     pub prompt: Vec<TokenId>,
     pub max_new_tokens: usize,
