@@ -160,7 +160,7 @@ impl BoundGateway {
                 },
             )?;
         for r in recoveries {
-            tracing::warn!(recovery = ?r, "the audit log cut or listed what it could not resume (a crash's leftovers, or in a keyed log lines whose link does not verify)");
+            tracing::warn!(recovery = ?r, "the audit log cut, set aside or listed what it could not resume (a crash's leftovers, or in a keyed log lines whose link does not verify; a set-aside file is reported by `bulkhead audit verify` until removed)");
         }
         let Prepared {
             api,
