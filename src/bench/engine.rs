@@ -34,8 +34,10 @@ pub struct EngineArgs {
     /// The KV pool's capacity in tokens (the context the engine serves):
     /// `scripts/bench-vs-llamacpp` gives llama.cpp the same `n_ctx`, so that peak memory
     /// compares like with like.
-    #[arg(long, default_value_t = 6144)]
-    kv_tokens: u64,
+    /// [default: what the measurements need: the long prompt, or every request of the largest
+    /// batch at once]
+    #[arg(long)]
+    kv_tokens: Option<u64>,
     /// Kernel level to use (`portable`, `avx2`, `avx512`) [default: the best this CPU has].
     #[arg(long)]
     simd: Option<String>,
@@ -96,13 +98,13 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     // once (pages are given back between measurements).
     let needed = (args.prefill_tokens as u64)
         .max((DECODE_PROMPT + args.decode_tokens) as u64 * longest as u64);
+    let kv_tokens = args.kv_tokens.unwrap_or(needed);
     anyhow::ensure!(
-        args.kv_tokens >= needed,
-        "--kv-tokens {} is too small for these measurements: they need {needed}",
-        args.kv_tokens
+        kv_tokens >= needed,
+        "--kv-tokens {kv_tokens} is too small for these measurements: they need {needed}"
     );
     let config = EngineConfig {
-        kv: KvBudget::Tokens(args.kv_tokens),
+        kv: KvBudget::Tokens(kv_tokens),
         max_batch_tokens: args.prefill_tokens.max(64),
         max_running: longest.max(1),
         ..EngineConfig::default()
@@ -152,7 +154,7 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     out.insert("runs".into(), json!(args.runs));
     out.insert("prefill_prompt_tokens".into(), json!(args.prefill_tokens));
     out.insert("decode_new_tokens".into(), json!(args.decode_tokens));
-    out.insert("kv_tokens".into(), json!(args.kv_tokens));
+    out.insert("kv_tokens".into(), json!(kv_tokens));
     // The page-tag check on (the default) without the checksum: what the llama.cpp
     // comparison (`scripts/bench/summarize.py`) reads.
     let on_rates: Vec<f64> = prefill[0].iter().map(|s| tokens / s).collect();

@@ -1,6 +1,7 @@
 //! End-to-end tests of the `bulkhead` binary: one test binary for the whole package.
 
 mod audit;
+mod bench_engine;
 mod bench_gateway;
 mod bench_policies;
 mod bench_prefix;

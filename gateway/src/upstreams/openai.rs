@@ -34,7 +34,9 @@ use tonic::{Code, Status};
 const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 /// Bound on connecting to the upstream.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// The longest SSE event or error body the gateway reads; longer is a protocol error.
+/// The most of an SSE event kept waiting for its end, and the longest error body read; past
+/// it, a protocol error. (An event that arrives whole in one read is parsed where it lies,
+/// whatever its length: memory stays bounded by the read.)
 const MAX_EVENT_BYTES: usize = 1 << 20;
 
 /// One OpenAI-compatible server and the model name it is asked for, over plain HTTP/1.1

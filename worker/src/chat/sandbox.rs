@@ -47,8 +47,9 @@ pub const MEMORY_FLAG: &str = "--memory-bytes";
 /// conversation's frame in a few kilobytes.
 pub const MEMORY: u64 = 256 << 20;
 
-/// How long a rendering may wait for the helper, and then take. Real templates take
-/// microseconds.
+/// How long a rendering may wait for the helper, and then take; a rendering that times out is
+/// tried once more on a fresh helper, so one caller waits at most about three times this, plus
+/// two helpers' starts. Real templates take microseconds.
 pub const TIME: Duration = Duration::from_secs(5);
 
 /// The longest error text a helper sends (a template's `raise_exception` message is its own
