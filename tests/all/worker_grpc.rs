@@ -1124,6 +1124,25 @@ pub(crate) fn decode_at(address: &str, args: &[&str]) -> Worker {
     Worker::start(&all)
 }
 
+/// A decode worker dialing a prefill worker whose pages hold twice as many tokens: the pair
+/// disagrees (preflight says so, and routing keeps the gateway away), and a caller that reaches
+/// decode anyway is told the service is unavailable — never that its own request was invalid,
+/// which relayed prefill's refusal of the reservation as the client's 400.
+#[tokio::test]
+async fn a_request_the_pair_cannot_serve_for_disagreeing_is_unavailable_not_invalid() {
+    bounded(async {
+        let odd = odd_page_prefill();
+        let decode = decode_for(&odd, &["--kv-tokens", "2048"]);
+        let err = run_to_end(&mut decode.client().await, chat("What is 2+2?", 4))
+            .await
+            .expect_err("the pair cannot serve it");
+        assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+        assert_eq!(error_code(&err), Some("service_unavailable"), "{err:?}");
+        assert!(err.message().contains("the pair disagree"), "{err:?}");
+    })
+    .await;
+}
+
 /// A prefill worker whose pages hold 32 tokens (decode's hold 16): the pair fails preflight.
 fn odd_page_prefill() -> Worker {
     Worker::start(&[

@@ -131,6 +131,17 @@ pub fn status(err: &ServeError) -> Status {
             SubmitError::DuplicateId(_) => (Code::Internal, INTERNAL, "internal error".into()),
         },
         ServeError::Failed(f) => match f {
+            // Decode checked the request itself before it asked prefill: prefill refusing it as
+            // invalid (a reservation its pages cannot hold, a token its vocabulary lacks) is
+            // the pair disagreeing — a deployment fault, never the client's mistake.
+            Failure::PrefillRejected(SubmitError::Invalid(detail)) => (
+                Code::Unavailable,
+                SERVICE_UNAVAILABLE,
+                format!(
+                    "the prefill worker refused what this worker admitted (the pair disagree: \
+                     `bulkhead preflight` says how): {detail}"
+                ),
+            ),
             // The prefill worker's admission answered for this one: same table, its layer.
             Failure::PrefillRejected(e) => {
                 let mut s = status(&ServeError::Submit(e.clone()));
@@ -190,7 +201,8 @@ pub fn status(err: &ServeError) -> Status {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::serve::proto::error_code;
+    use crate::serve::metrics::Outcome;
+    use crate::serve::proto::{error_code, refused_by};
 
     fn check(err: ServeError, code: Code, tag: &str) {
         let s = status(&err);
@@ -263,7 +275,6 @@ mod tests {
 
     #[test]
     fn refusals_name_the_admission_layer_that_refused() {
-        use crate::serve::proto::refused_by;
         let too_long = SubmitError::ContextLengthExceeded {
             requested: 10,
             limit: 5,
@@ -281,6 +292,23 @@ mod tests {
             Some(codes::CONTEXT_LENGTH_EXCEEDED)
         );
         assert_eq!(refused_by(&status(&ServeError::EngineGone)), None);
+    }
+
+    /// A request decode admitted that prefill refuses as invalid is the pair's fault, not the
+    /// client's: unavailable, where it was relayed as the client's invalid request (400).
+    #[test]
+    fn prefill_refusing_what_decode_admitted_is_unavailable_not_the_clients_error() {
+        let mismatch =
+            SubmitError::Invalid("the reservation's pages hold 16 tokens, not 32".into());
+        let s = status(&Failure::PrefillRejected(mismatch.clone()).into());
+        assert_eq!(s.code(), Code::Unavailable, "{s:?}");
+        assert_eq!(error_code(&s), Some(codes::SERVICE_UNAVAILABLE));
+        assert_eq!(refused_by(&s), None, "no admission refused it");
+        assert!(s.message().contains("16 tokens"), "{s:?}");
+        assert_eq!(
+            Outcome::failed(&Failure::PrefillRejected(mismatch)),
+            Outcome::FailedPrefill
+        );
     }
 
     #[test]

@@ -78,6 +78,8 @@ impl Outcome {
             }
             Failure::PrefillClosed(_) | Failure::TransferTimedOut(_) => Outcome::FailedPrefill,
             Failure::QueueTimedOut(_) => Outcome::RejectedQueueTimeout,
+            // The pair disagreeing (see `error::status`): prefill failed this request.
+            Failure::PrefillRejected(SubmitError::Invalid(_)) => Outcome::FailedPrefill,
             Failure::PrefillRejected(e) => Outcome::refused(&ServeError::Submit(e.clone())),
         }
     }
