@@ -583,9 +583,15 @@ impl Inner {
                 .collect()
         };
         let mut written = 0;
+        // A tenant whose first record went down alone with its head before the rest failed.
+        let mut first_alone = None;
         let failed = batch.iter().find_map(|(tenant, chunks, head, first)| {
             let result = if *first {
                 self.write_first(files, tenant, chunks, *head)
+                    .map_err(|(alone, e)| {
+                        first_alone = alone.then(|| tenant.clone());
+                        e
+                    })
             } else {
                 self.write_tenant(files, tenant, chunks, *head)
             };
@@ -594,9 +600,13 @@ impl Inner {
         });
         let mut state = lock(&self.state);
         state.flushing_since = None;
-        for (tenant, _, head, _) in &batch[..written] {
+        let durable = batch[..written]
+            .iter()
+            .map(|(tenant, _, head, _)| (tenant, head.seq.0 + 1))
+            .chain(first_alone.as_ref().map(|tenant| (tenant, 1)));
+        for (tenant, next) in durable {
             if let Some(t) = state.tenants.get_mut(tenant) {
-                t.durable = t.durable.max(head.seq.0 + 1);
+                t.durable = t.durable.max(next);
             }
         }
         if let Some(e) = failed {
@@ -620,13 +630,15 @@ impl Inner {
     /// Writes a tenant's first lines: the first record alone, with a head naming it, before
     /// any other. A genesis head then stands beside one record at most (a crash came before
     /// that head), so one with more behind it was rewritten to hide a cut, and is refused.
+    /// A failure says whether the first record went down before it (durable, its head naming
+    /// it: not lost, whatever came after).
     fn write_first(
         &self,
         files: &mut Files,
         tenant: &TenantId,
         chunks: &[(SegmentNo, Vec<u8>)],
         head: Head,
-    ) -> Result<(), AuditError> {
+    ) -> Result<(), (bool, AuditError)> {
         let Some(((segment, bytes), later)) = chunks.split_first() else {
             return Ok(());
         };
@@ -640,16 +652,20 @@ impl Inner {
             digest: self
                 .chain()
                 .link(line.strip_suffix(b"\n").unwrap_or(line))
-                .map_err(|problem| AuditError::Corrupt {
-                    path: layout::segment_path(
-                        &layout::tenant_dir(&self.config.dir, tenant),
-                        *segment,
-                    ),
-                    line: 1,
-                    reason: problem.to_string(),
+                .map_err(|problem| {
+                    let e = AuditError::Corrupt {
+                        path: layout::segment_path(
+                            &layout::tenant_dir(&self.config.dir, tenant),
+                            *segment,
+                        ),
+                        line: 1,
+                        reason: problem.to_string(),
+                    };
+                    (false, e)
                 })?,
         };
-        self.write_tenant(files, tenant, &[(*segment, line.to_vec())], first)?;
+        self.write_tenant(files, tenant, &[(*segment, line.to_vec())], first)
+            .map_err(|e| (false, e))?;
         let rest: Chunks = (!rest.is_empty())
             .then(|| (*segment, rest.to_vec()))
             .into_iter()
@@ -659,6 +675,7 @@ impl Inner {
             return Ok(());
         }
         self.write_tenant(files, tenant, &rest, head)
+            .map_err(|e| (true, e))
     }
 
     /// Writes a tenant's lines and then its head naming the last. A flush that fails after

@@ -424,6 +424,28 @@ fn records_a_failed_flush_reported_lost_do_not_come_back_at_the_next_open() {
     assert!(verify(dir.path(), None, None).passed());
 }
 
+/// A tenant's first flush whose first record went down with its head before the rest failed
+/// (its next segment could not be opened): that record is durable — said so, and read — not
+/// counted among the lost, whose clients are told their request was not recorded.
+#[test]
+fn a_first_record_that_went_down_before_its_flush_failed_is_durable_not_lost() {
+    let dir = Scratch::new();
+    let a = tenant("a");
+    listed_with_blocked_segment(dir.path(), &a, 1);
+    let mut cfg = config(dir.path(), 1);
+    cfg.durability = Durability::Batched;
+    let (log, _) = AuditLog::open(cfg).expect("opens");
+    log.append(&a, &record(&a, 0)).expect("appends");
+    log.append(&a, &record(&a, 1)).expect("appends");
+    assert!(log.flush().is_err(), "segment 1 cannot be opened");
+    assert!(
+        log.is_durable(&a, Seq(0)),
+        "record 0 went down with its head"
+    );
+    assert!(!log.is_durable(&a, Seq(1)));
+    assert_eq!(log.dropped(), 1, "record 1 alone was lost");
+}
+
 #[test]
 fn lines_after_the_head_that_do_not_chain_are_cut_from_the_first() {
     // What a power loss can leave past the last fsync: blocks of zeros, then whatever was
