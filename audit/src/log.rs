@@ -692,9 +692,14 @@ impl Inner {
         let mut landed = Vec::new();
         let written = self.write_lines_and_head(files, tenant, chunks, head, &mut landed);
         if written.is_err() {
-            // The file handles may be the failure's: cut through fresh ones.
+            // The file handles may be the failure's: cut through fresh ones. Unless the head
+            // made it into place before the failure (its directory's fsync failed): then it
+            // names these lines, and cutting them would leave a head past the log's end.
             files.open.remove(tenant);
-            for (path, len) in landed.iter().rev() {
+            let tdir = layout::tenant_dir(&self.config.dir, tenant);
+            let named =
+                matches!(layout::read_head(&tdir), Ok(Some((h, _))) if h == HeadFile::At(head));
+            for (path, len) in landed.iter().rev().filter(|_| !named) {
                 cut(path, *len)?;
             }
         }
@@ -896,13 +901,23 @@ fn chained_count(after: &[Unacknowledged], mut next: Option<u64>, mut digest: Sh
     chained
 }
 
-/// Writes `bytes` to a new file at `path`, durably.
+/// Writes `bytes` durably to a file at `path`: one a recovery cut short before its cut left
+/// (a crash between the two) is written again whole; the same name holding other lines (a
+/// second break at the same place) is refused, for an operator to look at.
 fn keep_aside(path: &Path, bytes: &[u8]) -> Result<(), AuditError> {
-    let mut f = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(path)
-        .map_err(io_err("create", path))?;
+    match fs::read(path) {
+        Ok(kept) if kept == bytes => return Ok(()),
+        Ok(kept) if !bytes.starts_with(&kept) => {
+            return Err(io_err("create", path)(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "other lines were set aside here before: compare them, then move the file away",
+            )));
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err("read", path)(e)),
+    }
+    let mut f = File::create(path).map_err(io_err("create", path))?;
     f.write_all(bytes).map_err(io_err("write", path))?;
     f.sync_all().map_err(io_err("fsync", path))
 }

@@ -52,6 +52,9 @@ pub(super) const TEXT: &str = "The harbour woke before the town did. Fishing boa
 /// Tokens of the short prompts the decode measurements start from.
 const DECODE_PROMPT: usize = 32;
 
+/// Tokens per KV page: the engine's, which this bench does not change.
+const PAGE_TOKENS: usize = bulkhead_kvpool::DEFAULT_PAGE_TOKENS.get() as usize;
+
 /// Every figure is measured with the integrity checks on (the page-tag check in attention,
 /// and XXH3 checksums of the prompt's KV pages as a prefill worker sends them) and off, in
 /// the same run, interleaved, so their cost is read off one report.
@@ -94,10 +97,12 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
         "benchmark text too short"
     );
     let long_prompt = all[..args.prefill_tokens].to_vec();
-    // The pool must hold the long prompt, or every decode request of the largest batch at
-    // once (pages are given back between measurements).
-    let needed = (args.prefill_tokens as u64)
-        .max((DECODE_PROMPT + args.decode_tokens) as u64 * longest as u64);
+    // The pool must hold the long prompt and its first token, or every decode request of the
+    // largest batch at once (pages are given back between measurements), in whole pages.
+    let pages = |tokens: usize| tokens.div_ceil(PAGE_TOKENS) as u64;
+    let needed = pages(args.prefill_tokens + 1)
+        .max(pages(DECODE_PROMPT + args.decode_tokens) * longest as u64)
+        * PAGE_TOKENS as u64;
     let kv_tokens = args.kv_tokens.unwrap_or(needed);
     anyhow::ensure!(
         kv_tokens >= needed,

@@ -24,15 +24,15 @@ fn the_engine_bench_sizes_its_pool_for_its_measurements() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(output.status.success(), "bench engine failed:\n{stderr}");
         let report = json(&String::from_utf8_lossy(&output.stdout));
-        // 4 requests of a 32-token prompt and 8 new tokens each, at once.
-        assert_eq!(report["kv_tokens"], 4 * (32 + 8), "{report}");
+        // 4 requests of a 32-token prompt and 8 new tokens each, at once: 3 pages of 16 each.
+        assert_eq!(report["kv_tokens"], 4 * 3 * 16, "{report}");
         assert!(report["decode_b4_tok_s"].as_f64() > Some(0.0), "{report}");
 
         let output = bench_engine(&["--kv-tokens", "100"]);
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(!output.status.success());
         assert!(
-            stderr.contains("--kv-tokens 100 is too small") && stderr.contains("need 160"),
+            stderr.contains("--kv-tokens 100 is too small") && stderr.contains("need 192"),
             "{stderr}"
         );
     });

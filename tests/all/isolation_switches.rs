@@ -249,6 +249,21 @@ fn with_every_check_off_the_incident_prompt_is_never_placed_so_it_fails_instead_
 
 /// Tokens per KV page (the workers' default).
 const PAGE: u64 = 16;
+/// Prints the oracles' `findings` with `off` turned off (expected), and asserts that solo
+/// equality caught tenant B's answer.
+fn assert_solo_equality_caught_b(findings: &[String], off: &str) {
+    eprintln!(
+        "the oracles' findings with {off} off (expected):\n- {}",
+        findings.join("\n- ")
+    );
+    assert!(
+        findings
+            .iter()
+            .any(|f| f.starts_with("NOT SOLO-EQUAL: tenant-b")),
+        "solo equality must catch B's answer: {findings:#?}"
+    );
+}
+
 /// The decode pool of the placeholder scenarios: 8 pages, exactly one request's reservation,
 /// so the second request gets the first one's pages, in the same order.
 const DECODE_PAGES: u64 = 8;
@@ -369,16 +384,7 @@ fn with_the_placeholder_put_back_and_the_checks_off_the_oracles_detect_the_leak(
         // The incident's symptom: HTTP 200, the right prompt_tokens, another tenant's data.
         assert_eq!(b.status, 200, "{}", b.response);
         let findings = oracle_findings(&cluster, baseline, [0, 0], &ledger, &mut reference);
-        eprintln!(
-            "the oracles' findings with the checks off (expected):\n- {}",
-            findings.join("\n- ")
-        );
-        assert!(
-            findings
-                .iter()
-                .any(|f| f.starts_with("NOT SOLO-EQUAL: tenant-b")),
-            "solo equality must catch B's answer: {findings:#?}"
-        );
+        assert_solo_equality_caught_b(&findings, "the checks");
         assert!(
             findings
                 .iter()
@@ -514,14 +520,16 @@ fn a_dropped_frame_over_the_page_a_wrote(switches: &str) -> (Exchange, Vec<Strin
     (b, findings, cluster.decode.metrics())
 }
 
-#[test]
-fn a_dropped_frame_over_another_tenants_page_is_stopped_by_the_handoff_verification() {
-    bounded(|| {
-        let (b, findings, m) = a_dropped_frame_over_the_page_a_wrote("drop-frame");
+/// [`a_dropped_frame_over_the_page_a_wrote`] with `switches`, refused: 500
+/// `kv_integrity_error`, B's whole reservation quarantined, every oracle clean;
+/// `failed_verification` transfers failed the handoff verification (0: another layer refused).
+fn a_dropped_frame_is_refused(switches: &'static str, failed_verification: f64) {
+    bounded(move || {
+        let (b, findings, m) = a_dropped_frame_over_the_page_a_wrote(switches);
         b.assert_failed(500, "kv_integrity_error");
         assert_eq!(
             metric(&m, "bulkhead_kv_integrity_failures_total"),
-            1.0,
+            failed_verification,
             "{m}"
         );
         assert_clean(&findings);
@@ -529,19 +537,14 @@ fn a_dropped_frame_over_another_tenants_page_is_stopped_by_the_handoff_verificat
 }
 
 #[test]
+fn a_dropped_frame_over_another_tenants_page_is_stopped_by_the_handoff_verification() {
+    a_dropped_frame_is_refused("drop-frame", 1.0);
+}
+
+#[test]
 fn without_the_handoff_verification_a_dropped_frame_is_stopped_by_the_check_of_what_is_read() {
-    bounded(|| {
-        let (b, findings, m) =
-            a_dropped_frame_over_the_page_a_wrote("drop-frame,handoff-verification,routing-checks");
-        // The transfer commits, unverified; the first step that would read the page fails.
-        b.assert_failed(500, "kv_integrity_error");
-        assert_eq!(
-            metric(&m, "bulkhead_kv_integrity_failures_total"),
-            0.0,
-            "{m}"
-        );
-        assert_clean(&findings);
-    });
+    // The transfer commits, unverified; the first step that would read the page fails.
+    a_dropped_frame_is_refused("drop-frame,handoff-verification,routing-checks", 0.0);
 }
 
 #[test]
@@ -557,16 +560,7 @@ fn without_the_verification_and_the_tag_check_a_dropped_frame_leaves_b_attending
             0.0,
             "{m}"
         );
-        eprintln!(
-            "the oracles' findings with the verification off (expected):\n- {}",
-            findings.join("\n- ")
-        );
-        assert!(
-            findings
-                .iter()
-                .any(|f| f.starts_with("NOT SOLO-EQUAL: tenant-b")),
-            "solo equality must catch B's answer: {findings:#?}"
-        );
+        assert_solo_equality_caught_b(&findings, "the verification and the tag check");
     });
 }
 

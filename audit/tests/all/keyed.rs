@@ -340,6 +340,7 @@ fn a_keyed_log_with_a_power_losss_nul_block_past_its_head_sets_the_rest_aside_an
     l[3] = "\0".repeat(l[3].len());
     write_lines(&seg, &l);
     let kept_before = std::fs::read(&seg).expect("reads").len() - after.len();
+    let damaged = std::fs::read(&seg).expect("reads");
 
     let (log, recoveries) = open_keyed(dir.path(), Some(&k)).expect("opens");
     let [
@@ -364,6 +365,11 @@ fn a_keyed_log_with_a_power_losss_nul_block_past_its_head_sets_the_rest_aside_an
         kept_before,
         "cut at the break"
     );
+    // A crash between setting the lines aside and cutting them: the next open does it again.
+    drop(log);
+    std::fs::write(&seg, &damaged).expect("the segment as before the cut");
+    let (log, again) = open_keyed(dir.path(), Some(&k)).expect("opens again");
+    assert_eq!(again, recoveries);
     assert_eq!(log.append(&a, &record(&a, 3)).expect("appends").seq, Seq(3));
     drop(log);
 

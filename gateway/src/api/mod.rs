@@ -588,6 +588,7 @@ async fn start(
         idle,
         shutdown: trail.shutdown_signal(),
         computed: respond::ComputedTokens::default(),
+        deadline: None,
     })
 }
 

@@ -67,6 +67,8 @@ pub struct Started {
     pub shutdown: ShutdownSignal,
     /// What the worker reported of its prompt computation.
     pub computed: ComputedTokens,
+    /// The request's deadline and its length in seconds, once its call was answered.
+    pub deadline: Option<(Instant, u64)>,
 }
 
 /// The highest count of prompt tokens computed a worker reported: only a rise is news, so a
@@ -122,6 +124,7 @@ impl Started {
             return Ok(());
         };
         let called = Instant::now();
+        self.deadline = Some((deadline, secs));
         // A call still unanswered when shutdown cuts (waiting for pages in the worker's
         // queue, or for its prefill worker) ends told, like a stream, not dropped unanswered.
         let answered = tokio::select! {
@@ -177,6 +180,7 @@ impl Started {
             let Some(Leg::Streaming(upstream)) = self.upstream.as_mut() else {
                 return Err(ApiError::Internal);
             };
+            let silent_while_queued = !upstream.reports_progress();
             let message = tokio::select! {
                 message = tokio::time::timeout_at(silent_until, upstream.message()) => message,
                 // Shutdown's drain timeout passed: the client is told, rather than cut off.
@@ -185,6 +189,25 @@ impl Started {
                 }
             };
             let Ok(message) = message else {
+                // An OpenAI-compatible server answers its headers before it schedules the
+                // request (vLLM), and says nothing while it queues it: silence before its
+                // first token is that queue, waited for as a call is — while its health checks
+                // answer, until the request's deadline, a stall past it — not a stream that
+                // broke mid-answer, which fails the request and unroutes the server for every
+                // tenant until its next health check.
+                if let (true, 0, Some((deadline, secs))) =
+                    (silent_while_queued, self.progress.tokens, self.deadline)
+                {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        self.route.stalled(secs);
+                        return Err(self.timed_out(secs));
+                    }
+                    if (self.route.serving())() {
+                        silent_until = (now + self.idle).min(deadline);
+                        continue;
+                    }
+                }
                 let secs = self.idle.as_secs();
                 return Err(self.worker_down(&format!("sent nothing for {secs} s mid-request")));
             };

@@ -160,6 +160,13 @@ impl Upstream {
 }
 
 impl UpstreamStream {
+    /// Whether the worker reports its prompt's progress while it computes (a Bulkhead worker
+    /// does, every half second); an OpenAI-compatible server says nothing before its first
+    /// token, queued or computing.
+    pub fn reports_progress(&self) -> bool {
+        matches!(self, UpstreamStream::Grpc(_))
+    }
+
     /// The next token or `Done`; `None` once the stream ended.
     pub async fn message(&mut self) -> Result<Option<GenerateResponse>, Status> {
         match self {

@@ -408,11 +408,7 @@ impl OpenAiClient {
 
     /// Starts the completion, sending `headers` along (the trace context); a refusal or
     /// transport failure is a status with the worker protocol's error code. `counter` counts
-    /// the completion's tokens when the upstream sends no usage. The completion has started
-    /// when its first event came, not its headers: vLLM sends those before it schedules the
-    /// request, and the silence of its queue is then the call's wait (kept while the server's
-    /// health checks answer, within the request's deadline, a stall if it outlasts that), not a
-    /// stream that stopped mid-answer, which fails the request and the server with it.
+    /// the completion's tokens when the upstream sends no usage.
     pub async fn generate(
         &self,
         request: GenerateRequest,
@@ -446,7 +442,7 @@ impl OpenAiClient {
             max_tokens: request.max_new_tokens,
             stop: request.stop,
         };
-        let mut stream = SseStream::new(
+        Ok(SseStream::new(
             Box::pin(
                 response
                     .into_body()
@@ -456,9 +452,7 @@ impl OpenAiClient {
             asked,
             counter,
             self.report_cached,
-        );
-        stream.first_event().await?;
-        Ok(stream)
+        ))
     }
 }
 
@@ -705,15 +699,6 @@ impl SseStream {
         };
         (e.text.len() <= crate::api::INLINE_TOKENIZE_BYTES)
             .then(|| counted(&e.text).unwrap_or(e.chunks).min(e.max_tokens))
-    }
-
-    /// Waits until the first token or `Done` is ready (or the stream failed), leaving it for
-    /// [`SseStream::message`]. Cancel-safe.
-    async fn first_event(&mut self) -> Result<(), Status> {
-        if let Some(item) = self.message().await? {
-            self.events.ready.push_front(item);
-        }
-        Ok(())
     }
 
     /// The next token or the closing `Done`; `None` after it. Cancel-safe.
