@@ -1369,6 +1369,60 @@ fn a_second_ctrl_c_stops_up_without_waiting_for_the_drain() {
     });
 }
 
+/// `bulkhead gateway` on its own does as `up` does: a first SIGTERM drains the answers under
+/// way, a second cuts them as the drain timeout would — the client told, the record on disk —
+/// and the gateway exits, instead of waiting out `drain_timeout_secs`.
+#[test]
+fn a_second_sigterm_cuts_the_gateways_drain() {
+    bounded(|| {
+        let mut cluster = crate::cluster::Cluster::start(crate::cluster::Spec {
+            replace: &[("drain_timeout_secs = 10", "drain_timeout_secs = 120")],
+            ..crate::cluster::Spec::default()
+        });
+        let mut answer = crate::up::open(
+            cluster.api(),
+            KEY_B,
+            "/v1/completions",
+            r#"{"prompt":"1, 2, 3, 4, 5,","max_tokens":1500,"temperature":0,"stream":true}"#,
+        );
+        let mut before = Vec::new();
+        let mut chunk = [0u8; 4096];
+        while !String::from_utf8_lossy(&before).contains("data: {") {
+            let n = answer.read(&mut chunk).expect("the answer comes");
+            assert!(n > 0, "{}", String::from_utf8_lossy(&before));
+            before.extend_from_slice(&chunk[..n]);
+        }
+        let pid = libc::pid_t::try_from(cluster.gateway.child.id()).expect("a pid");
+        // SAFETY: a signal to the child this test started and still holds.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+        std::thread::sleep(Duration::from_millis(500));
+        assert!(
+            cluster.gateway.child.try_wait().expect("waits").is_none(),
+            "the first SIGTERM drains the answer under way"
+        );
+        let second = Instant::now();
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+        let status = cluster.gateway.child.wait().expect("the gateway exits");
+        assert!(
+            second.elapsed() < Duration::from_secs(5),
+            "{:?} after the second SIGTERM",
+            second.elapsed()
+        );
+        assert!(status.success(), "{status:?}");
+        let rest = rest_of(answer);
+        assert!(!rest.contains("data: [DONE]"), "cut short: {rest}");
+        let last = rest.lines().rev().find(|l| l.starts_with("data: "));
+        assert!(
+            last.is_some_and(|l| l.contains(r#""code":"gateway_shutdown""#)),
+            "the stream's last event: {last:?}"
+        );
+        let records = on_disk(&cluster.data_dir(), "tenant-b");
+        let cut = records.last().expect("the answer's record");
+        assert_eq!(cut["error.type"], "gateway_shutdown", "{cut:#}");
+    });
+}
+
 /// `up` (in a process group of its own, time enough to drain a whole answer on a slow machine)
 /// after a terminal's Ctrl-C, while a streamed completion of 1 500 tokens it answers has its
 /// first token out.
