@@ -363,7 +363,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         );
     }
     args.model.init_threads()?;
-    let (loaded, path) = args.model.load()?;
+    let (loaded, _) = args.model.load()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("bulkhead-io")
@@ -373,7 +373,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     runtime.block_on(async move {
         // Held (an open RDMA device) until serving has ended.
         let _transport = transport;
-        let worker = BoundWorker::bind(config, loaded, &path).await?;
+        let worker = BoundWorker::bind(config, loaded).await?;
         let capacity = worker.capacity();
         let (grpc, admin) = (worker.grpc_addr()?, worker.admin_addr()?);
         let kv = match worker.kv_addr() {

@@ -1356,16 +1356,7 @@ fn a_second_ctrl_c_stops_up_without_waiting_for_the_drain() {
             "{:?} after the second Ctrl-C",
             second.elapsed()
         );
-        let rest = rest_of(answer);
-        assert!(!rest.contains("data: [DONE]"), "cut short: {rest}");
-        let last = rest.lines().rev().find(|l| l.starts_with("data: "));
-        assert!(
-            last.is_some_and(|l| l.contains(r#""code":"gateway_shutdown""#)),
-            "the stream's last event: {last:?}"
-        );
-        let records = on_disk(&up.data_dir, "tenant-b");
-        let cut = records.last().expect("the answer's record");
-        assert_eq!(cut["error.type"], "gateway_shutdown", "{cut:#}");
+        assert_cut_by_shutdown(answer, &up.data_dir);
     });
 }
 
@@ -1379,19 +1370,7 @@ fn a_second_sigterm_cuts_the_gateways_drain() {
             replace: &[("drain_timeout_secs = 10", "drain_timeout_secs = 120")],
             ..crate::cluster::Spec::default()
         });
-        let mut answer = crate::up::open(
-            cluster.api(),
-            KEY_B,
-            "/v1/completions",
-            r#"{"prompt":"1, 2, 3, 4, 5,","max_tokens":1500,"temperature":0,"stream":true}"#,
-        );
-        let mut before = Vec::new();
-        let mut chunk = [0u8; 4096];
-        while !String::from_utf8_lossy(&before).contains("data: {") {
-            let n = answer.read(&mut chunk).expect("the answer comes");
-            assert!(n > 0, "{}", String::from_utf8_lossy(&before));
-            before.extend_from_slice(&chunk[..n]);
-        }
+        let answer = a_long_answer_under_way(cluster.api());
         let pid = libc::pid_t::try_from(cluster.gateway.child.id()).expect("a pid");
         // SAFETY: a signal to the child this test started and still holds.
         assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
@@ -1410,16 +1389,7 @@ fn a_second_sigterm_cuts_the_gateways_drain() {
             second.elapsed()
         );
         assert!(status.success(), "{status:?}");
-        let rest = rest_of(answer);
-        assert!(!rest.contains("data: [DONE]"), "cut short: {rest}");
-        let last = rest.lines().rev().find(|l| l.starts_with("data: "));
-        assert!(
-            last.is_some_and(|l| l.contains(r#""code":"gateway_shutdown""#)),
-            "the stream's last event: {last:?}"
-        );
-        let records = on_disk(&cluster.data_dir(), "tenant-b");
-        let cut = records.last().expect("the answer's record");
-        assert_eq!(cut["error.type"], "gateway_shutdown", "{cut:#}");
+        assert_cut_by_shutdown(answer, &cluster.data_dir());
     });
 }
 
@@ -1433,8 +1403,15 @@ fn ctrl_c_mid_answer() -> (Up, std::net::TcpStream) {
         ..Options::default()
     });
     up.wait_routable();
+    let answer = a_long_answer_under_way(&up.api);
+    up.interrupt_group();
+    (up, answer)
+}
+
+/// Tenant-b's streamed completion of 1 500 tokens at `api`, its first token out.
+fn a_long_answer_under_way(api: &str) -> std::net::TcpStream {
     let mut answer = crate::up::open(
-        &up.api,
+        api,
         KEY_B,
         "/v1/completions",
         r#"{"prompt":"1, 2, 3, 4, 5,","max_tokens":1500,"temperature":0,"stream":true}"#,
@@ -1447,8 +1424,22 @@ fn ctrl_c_mid_answer() -> (Up, std::net::TcpStream) {
         before.extend_from_slice(&chunk[..n]);
     }
     assert!(before.starts_with(b"HTTP/1.1 200"));
-    up.interrupt_group();
-    (up, answer)
+    answer
+}
+
+/// `answer` was cut by the gateway's shutdown: its stream ends with a `gateway_shutdown`
+/// error event, not `[DONE]`, and its record in `data_dir` says so.
+fn assert_cut_by_shutdown(answer: std::net::TcpStream, data_dir: &std::path::Path) {
+    let rest = rest_of(answer);
+    assert!(!rest.contains("data: [DONE]"), "cut short: {rest}");
+    let last = rest.lines().rev().find(|l| l.starts_with("data: "));
+    assert!(
+        last.is_some_and(|l| l.contains(r#""code":"gateway_shutdown""#)),
+        "the stream's last event: {last:?}"
+    );
+    let records = on_disk(data_dir, "tenant-b");
+    let cut = records.last().expect("the answer's record");
+    assert_eq!(cut["error.type"], "gateway_shutdown", "{cut:#}");
 }
 
 /// What is left of `answer` until its connection ends.

@@ -37,7 +37,6 @@ mod validate;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -124,11 +123,6 @@ pub enum StartError {
     Engine(#[from] StartupError),
     #[error("building the request tokenizer: {0}")]
     Tokenizer(#[from] TokenizerError),
-    #[error("reading the model file {path} for its id: {source}")]
-    ModelFile {
-        path: String,
-        source: std::io::Error,
-    },
     #[error("cannot listen on {addr} ({what}): {source}")]
     Bind {
         what: &'static str,
@@ -170,24 +164,14 @@ pub struct BoundWorker {
 const ENGINE_STOP_LIMIT: Duration = Duration::from_secs(10);
 
 impl BoundWorker {
-    /// Starts the engine on `loaded` (read from `model_path`) and binds both ports.
-    pub async fn bind(
-        config: ServeConfig,
-        loaded: LoadedModel,
-        model_path: &Path,
-    ) -> Result<BoundWorker, StartError> {
+    /// Starts the engine on `loaded` and binds both ports.
+    pub async fn bind(config: ServeConfig, loaded: LoadedModel) -> Result<BoundWorker, StartError> {
         let LoadedModel {
             model,
             tokenizer,
             chat,
         } = loaded;
-        // The file's header again (mapped, its weights not read): what the id hashes.
-        let gguf = crate::gguf::Gguf::open(model_path).map_err(|e| StartError::ModelFile {
-            path: model_path.display().to_string(),
-            source: std::io::Error::other(e.to_string()),
-        })?;
-        let model_id = info::model_id(&model.config().name, &gguf);
-        drop(gguf);
+        let model_id = info::model_id(&model.config().name, model.gguf());
         let chat_source = chat.as_ref().map(|c| c.source()).unwrap_or_default();
         let proto_role = match config.role {
             RoleConfig::Both => proto::Role::Both,
