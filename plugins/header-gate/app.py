@@ -1,12 +1,18 @@
 """header-gate: a policy in Python (componentize-py), written from wit/policy.wit alone.
 
-Requests of the listed tenants must carry a header (e.g. `x-project`); without it they are
-refused with the configured 4xx. With it, the request is tagged with its value (and may be
-limited to a set of allowed values). The binding must select the header (`headers = [...]`).
-Configuration (checked against schema.json beside this file):
+Requests of the listed tenants must carry a header (e.g. `x-project`); without it (or with
+it empty) they are refused with the configured 4xx. With it, the request is tagged with its
+value (and may be limited to a set of allowed values). The binding must select the header
+(`headers = [...]`). Configuration (checked against schema.json beside this file):
 
-    {"header": "x-project", "tenants": ["tenant-b"], "status": 400, "tag": "project",
+    {"header": "x-project", "tenants": ["tenant-b"], "status": 403, "tag": "project",
      "allowed": ["alpha", "beta"]}
+
+The value is the client's: a value the gateway would refuse as a tag (over 256 bytes, or
+with control characters), or the header sent twice with different values, is refused with
+the configured status here. Passed on, it would make this plugin's answer invalid, which
+fails the request as a plugin fault, or lets it through unchecked where the binding is
+fail-open. Refusals quote at most the first 64 characters of the value.
 """
 
 import json
@@ -17,6 +23,11 @@ from wit_world.imports import types
 
 _config = {}
 
+# What the gateway takes as a tag's value (wit/policy.wit): at most 256 bytes, no control
+# characters.
+_MAX_TAG_VALUE = 256
+_QUOTED = 64
+
 
 def _allow(tags):
     return types.Verdict_Allow(types.Mutations(tags=tags, clamp_max_tokens=None, add_headers=[]))
@@ -24,6 +35,17 @@ def _allow(tags):
 
 def _deny(status, message):
     return types.Verdict_Deny(types.Denial(status=status, message=message))
+
+
+def _taggable(value):
+    """Whether the gateway would take `value` as a tag's value."""
+    return len(value.encode()) <= _MAX_TAG_VALUE and value.isprintable()
+
+
+def _quoted(value):
+    """At most the first `_QUOTED` characters of a client's value, escaped."""
+    shown = value[:_QUOTED]
+    return ascii(shown) + ("..." if len(value) > _QUOTED else "")
 
 
 class Policy(exports.Policy):
@@ -34,7 +56,7 @@ class Policy(exports.Policy):
             _config = {
                 "header": parsed["header"].lower(),
                 "tenants": set(parsed.get("tenants", [])),
-                "status": int(parsed.get("status", 400)),
+                "status": int(parsed.get("status", 403)),
                 "tag": parsed.get("tag"),
                 "allowed": set(parsed["allowed"]) if "allowed" in parsed else None,
             }
@@ -44,15 +66,25 @@ class Policy(exports.Policy):
 
     def on_request(self, request: types.RequestView) -> types.Verdict:
         header = _config["header"]
-        values = [h.value for h in request.headers if h.name == header]
+        status = _config["status"]
+        values = {h.value for h in request.headers if h.name == header}
+        values.discard("")
         if not values:
             if request.tenant in _config["tenants"]:
-                return _deny(_config["status"], f"requests of {request.tenant} must send {header}")
+                return _deny(status, f"requests of {request.tenant} must send {header}")
             return _allow([])
-        value = values[0]
+        # A proxy on the way may have appended its own: every value counts, so all must agree.
+        if len(values) > 1:
+            return _deny(status, f"{header} was sent with {len(values)} different values")
+        (value,) = values
+        if not _taggable(value):
+            return _deny(
+                status,
+                f"{header} {_quoted(value)} is over {_MAX_TAG_VALUE} bytes or holds control characters",
+            )
         allowed = _config["allowed"]
         if allowed is not None and value not in allowed:
-            return _deny(_config["status"], f"{header} {value!r} is not one of {sorted(allowed)}")
+            return _deny(status, f"{header} {_quoted(value)} is not an allowed value")
         tag = _config["tag"]
         return _allow([types.Tag(key=tag, value=value)] if tag else [])
 

@@ -18,7 +18,7 @@
 
 import { log } from 'bulkhead:policy/host@0.1.1';
 
-// Set by `configure` (called at the start of every instance, before its one hook call).
+// Set by `configure`, once when the set loads: the gateway snapshots the configured instance.
 let config = null;
 
 function parse(text) {
@@ -52,8 +52,11 @@ function why(request) {
     return `model ${model} is not available`;
   }
   if (config.header !== undefined) {
-    const sent = request.headers.find((h) => h.name === config.header);
-    if (sent !== undefined && config.values.has(sent.value)) {
+    // Every value counts: a proxy on the way may have appended one after the client's.
+    const sent = request.headers.find(
+      (h) => h.name === config.header && config.values.has(h.value),
+    );
+    if (sent !== undefined) {
       return `${config.header} ${JSON.stringify(sent.value)} is refused`;
     }
   }

@@ -32,8 +32,8 @@ typedef struct {
   uint32_t cap;
 } tenant_cap_t;
 
-// The configuration, set by `configure` (called at the start of every instance, before its one
-// hook call). `default_cap` is 0 when unlisted tenants are not capped; `header` is NULL when no
+// The configuration, set by `configure` (once when the set loads: the gateway snapshots the
+// configured instance). `default_cap` is 0 when unlisted tenants are not capped; `header` is NULL when no
 // response header is added.
 static struct {
   uint32_t default_cap;

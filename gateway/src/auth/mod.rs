@@ -35,14 +35,16 @@ pub const TENANT_HEADERS: &[&str] = &["x-tenant", "x-tenant-id", "tenant", "x-or
 /// Header prefixes reserved for the gateway; removed from client requests.
 pub const RESERVED_PREFIXES: &[&str] = &["x-bulkhead-", "x-tenant-"];
 
+/// Whether a client's header of this (lowercase) name is removed: it could claim a tenant.
+pub fn claims_a_tenant(name: &str) -> bool {
+    TENANT_HEADERS.contains(&name) || RESERVED_PREFIXES.iter().any(|p| name.starts_with(p))
+}
+
 /// Removes every header that could claim a tenant.
 pub fn strip_tenant_headers(headers: &mut HeaderMap) {
     let doomed: Vec<_> = headers
         .keys()
-        .filter(|name| {
-            let name = name.as_str();
-            TENANT_HEADERS.contains(&name) || RESERVED_PREFIXES.iter().any(|p| name.starts_with(p))
-        })
+        .filter(|name| claims_a_tenant(name.as_str()))
         .cloned()
         .collect();
     for name in doomed {

@@ -448,6 +448,12 @@ fn bind(index: usize, raw: RawBinding, prepared: &Prepared) -> Result<Binding, L
         if SECRET_HEADERS.contains(&name.as_str()) {
             return Err(header_err("carries credentials; no plugin may see it"));
         }
+        // Removed before any plugin runs: a rule on it would never see a value.
+        if crate::auth::claims_a_tenant(name.as_str()) {
+            return Err(header_err(
+                "could claim a tenant, so the gateway removes it from every request",
+            ));
+        }
         headers.push(name);
     }
     let config = serde_json::to_value(&raw.config).map_err(|e| LoadError::InvalidConfig {

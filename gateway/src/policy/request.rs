@@ -160,7 +160,7 @@ async fn chain(
         let answer = plugin
             .on_request(&binding.configured, &view)
             .await
-            .and_then(check);
+            .and_then(|verdict| check(verdict, facts.tenant));
         let took = started.elapsed();
         let (verdict, refusal) = match answer {
             Ok(Checked::Allow {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::response::IntoResponse;
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName, HeaderValue};
 
 use super::*;
 use crate::api::Endpoint;
@@ -1061,7 +1061,7 @@ async fn a_python_policy_loads_and_acts() {
             plugin("header-gate", "timeout_ms = 1000\nmemory_mib = 64"),
             binding(
                 "header-gate",
-                "headers = [\"x-project\"]\nconfig = { header = \"x-project\", \
+                "headers = [\"x-project\"]\nfail_open = true\nconfig = { header = \"x-project\", \
                  tenants = [\"tenant-b\"], status = 412, tag = \"project\" }"
             ),
         ),
@@ -1096,6 +1096,52 @@ async fn a_python_policy_loads_and_acts() {
     .await
     .expect("allowed");
     assert_eq!(ok.tags(), &[("project".to_owned(), "apollo".to_owned())]);
+    // The client's value would make an invalid tag, or a proxy appended a second one: refused
+    // by the plugin itself. Passed on as a tag, the gateway would take the answer for a fault,
+    // and this fail-open binding would let the request through unchecked.
+    let long = "z".repeat(1000);
+    for values in [
+        vec![long.as_str()],
+        vec!["\u{202e}zeus"],
+        vec!["apollo", "zeus"],
+    ] {
+        let mut headers = HeaderMap::new();
+        for v in &values {
+            let value = HeaderValue::from_bytes(v.as_bytes()).expect("HTTP allows the bytes");
+            headers.append("x-project", value);
+        }
+        let (status, message) = denial_of(
+            ask(
+                &p,
+                Ask {
+                    tenant: "tenant-b",
+                    headers,
+                    ..Ask::default()
+                },
+            )
+            .await,
+        );
+        assert_eq!(status, 412, "{values:?}");
+        assert!(message.len() < 200, "{message}");
+    }
+    // Its schema keeps it from writing the tenant's tag.
+    let bad = write(
+        &dir,
+        &format!(
+            "{}{}",
+            plugin("header-gate", "timeout_ms = 1000\nmemory_mib = 64"),
+            binding(
+                "header-gate",
+                "headers = [\"x-project\"]\nconfig = { header = \"x-project\", tag = \"tenant\" }"
+            ),
+        ),
+    );
+    let e =
+        Policies::load(settings(&bad, Some(dist().join("cache")))).expect_err("the tenant's tag");
+    assert!(
+        matches!(&e, PolicyError::Load(LoadError::InvalidConfig { errors, .. }) if errors.contains("/tag")),
+        "{e}"
+    );
 }
 
 #[tokio::test]
@@ -1171,6 +1217,21 @@ async fn a_javascript_policy_loads_and_acts() {
     )
     .await
     .expect("another header value is allowed");
+    // A listed value behind another (a proxy appended it): every value counts.
+    let mut headers = HeaderMap::new();
+    headers.append("x-client", "browser".parse().expect("value"));
+    headers.append("x-client", "scraper".parse().expect("value"));
+    let (status, _) = denial_of(
+        ask(
+            &p,
+            Ask {
+                headers,
+                ..Ask::default()
+            },
+        )
+        .await,
+    );
+    assert_eq!(status, 451);
     // A configuration the schema accepts and the plugin refuses (its `configure` throws):
     // the set is refused with the plugin's reason.
     let path = write(
@@ -1239,6 +1300,56 @@ async fn a_c_policy_loads_and_acts() {
         let mut headers = HeaderMap::new();
         clamped.add_headers(&mut headers);
         assert_eq!(headers["x-bulkhead-token-cap"], cap.to_string());
+    }
+    // A header the gateway refuses from a plugin would fail every clamped request (and only
+    // those: a smoke test passes): its schema refuses it when the set loads.
+    for header in [
+        "x-ratelimit-limit-tokens",
+        "x-request-id",
+        "x-bulkhead-clamped-max-tokens",
+        "x-forwarded-for",
+        "x-tenant-id",
+    ] {
+        assert!(
+            super::verdict::gateway_owned(&HeaderName::from_static(header)),
+            "{header}"
+        );
+        let set = format!(
+            "{}{}",
+            plugin("token-cap", ""),
+            binding(
+                "token-cap",
+                &format!("config = {{ default = 8, header = \"{header}\" }}")
+            )
+        );
+        let e = load(&set).expect_err("a header the gateway sets");
+        assert!(
+            matches!(&e, PolicyError::Load(LoadError::InvalidConfig { errors, .. }) if errors.contains("/header")),
+            "{header}: {e}"
+        );
+    }
+}
+
+/// A per-route limit under a key that names no route would never apply.
+#[test]
+fn a_length_limit_for_a_route_that_does_not_exist_refuses_the_set() {
+    let set = |route: &str| {
+        format!(
+            "{}{}",
+            plugin("length-limit", ""),
+            binding(
+                "length-limit",
+                &format!("config = {{ routes = {{ \"{route}\" = {{ max_total_tokens = 64 }} }} }}")
+            )
+        )
+    };
+    load(&set("/v1/completions")).expect("a route");
+    for typo in ["/v1/completion", "/v1/completions/", "v1/chat/completions"] {
+        let e = load(&set(typo)).expect_err("no such route");
+        assert!(
+            matches!(&e, PolicyError::Load(LoadError::InvalidConfig { errors, .. }) if errors.contains("/routes")),
+            "{typo}: {e}"
+        );
     }
 }
 
@@ -1342,6 +1453,19 @@ fn a_set_is_refused_for_a_wrong_pin_a_bad_config_or_a_credential_header() {
         matches!(e, PolicyError::Load(LoadError::Header { .. })),
         "{e}"
     );
+    // Removed from every request before the chain: a rule on them would never fire.
+    for header in ["x-tenant-tier", "x-bulkhead-project", "x-org-id"] {
+        let e = load(&format!(
+            "{}{}",
+            plugin("length-limit", ""),
+            binding("length-limit", &format!("headers = [\"{header}\"]"))
+        ))
+        .expect_err("a tenant claim");
+        assert!(
+            matches!(&e, PolicyError::Load(LoadError::Header { reason, .. }) if reason.contains("claim a tenant")),
+            "{header}: {e}"
+        );
+    }
     let e = load(&binding("nowhere", "")).expect_err("unknown plugin");
     assert!(
         matches!(e, PolicyError::Load(LoadError::UnknownPlugin { .. })),

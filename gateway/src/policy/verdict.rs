@@ -23,7 +23,7 @@ const QUOTED: usize = 64;
 /// the tenant's rate limits), and those a reverse proxy
 /// in front of the gateway acts on (nginx's `x-accel-redirect` serves an internal location,
 /// `x-sendfile` a file; `x-forwarded-*` and `x-real-ip` name the client).
-fn gateway_owned(name: &HeaderName) -> bool {
+pub(super) fn gateway_owned(name: &HeaderName) -> bool {
     let name = name.as_str();
     matches!(
         name,
@@ -84,8 +84,12 @@ fn garbage(what: String) -> Fault {
     Fault::Garbage(what)
 }
 
-/// Checks `verdict` against the rules the WIT states.
-pub(super) fn check(verdict: Verdict) -> Result<Checked, Fault> {
+/// The tag key that names the request's tenant, in the audit record and the trace: only the
+/// authenticated tenant may stand under it, whichever plugin wrote it.
+const TENANT_TAG: &str = "tenant";
+
+/// Checks `verdict`, a plugin's answer on `tenant`'s request, against the rules the WIT states.
+pub(super) fn check(verdict: Verdict, tenant: &str) -> Result<Checked, Fault> {
     match verdict {
         Verdict::Deny(d) => {
             if !(400..=499).contains(&d.status) {
@@ -138,6 +142,14 @@ pub(super) fn check(verdict: Verdict) -> Result<Checked, Fault> {
                         printable(&t.key, QUOTED)
                     )));
                 }
+                // A plugin that copies a client's header into its tags could otherwise file the
+                // request under another tenant's name.
+                if t.key == TENANT_TAG && t.value != tenant {
+                    return Err(garbage(format!(
+                        "a `{TENANT_TAG}` tag that names another tenant: {}",
+                        printable(&t.value, QUOTED)
+                    )));
+                }
                 tags.push((t.key, t.value));
             }
             let mut headers = Vec::with_capacity(m.add_headers.len());
@@ -175,6 +187,11 @@ mod tests {
     use super::super::bindings::{Denial, Header, Mutations, Tag};
     use super::*;
 
+    /// Checks an answer on `tenant-a`'s request.
+    fn check_on(verdict: Verdict) -> Result<Checked, Fault> {
+        check(verdict, "tenant-a")
+    }
+
     fn allow(m: impl FnOnce(&mut Mutations)) -> Verdict {
         let mut mutations = Mutations {
             tags: Vec::new(),
@@ -188,7 +205,7 @@ mod tests {
     #[test]
     fn a_denial_must_be_a_4xx_with_a_bounded_message() {
         let deny = |status, message: &str| {
-            check(Verdict::Deny(Denial {
+            check_on(Verdict::Deny(Denial {
                 status,
                 message: message.into(),
             }))
@@ -237,11 +254,11 @@ mod tests {
     #[test]
     fn mutations_that_break_the_rules_are_garbage() {
         assert!(matches!(
-            check(allow(|m| m.clamp_max_tokens = Some(0))),
+            check_on(allow(|m| m.clamp_max_tokens = Some(0))),
             Err(Fault::Garbage(_))
         ));
         let header = |name: &str, value: &str| {
-            check(allow(|m| {
+            check_on(allow(|m| {
                 m.add_headers.push(Header {
                     name: name.into(),
                     value: value.into(),
@@ -274,15 +291,23 @@ mod tests {
         ] {
             assert!(matches!(header(n, v), Err(Fault::Garbage(_))), "{n:?}");
         }
-        let tag = |key: &str| {
-            check(allow(|m| {
+        let tag_of = |key: &str, value: &str| {
+            check_on(allow(|m| {
                 m.tags.push(Tag {
                     key: key.into(),
-                    value: "v".into(),
+                    value: value.into(),
                 })
             }))
         };
+        let tag = |key: &str| tag_of(key, "v");
         assert!(tag("cost_center").is_ok());
+        // The tenant's own name under `tenant` (tenant-tag's), never another's (a client's
+        // header copied into a tag).
+        assert!(tag_of("tenant", "tenant-a").is_ok());
+        assert!(matches!(
+            tag_of("tenant", "tenant-b"),
+            Err(Fault::Garbage(_))
+        ));
         assert!(matches!(tag("Bad Key"), Err(Fault::Garbage(_))));
         assert!(matches!(tag(""), Err(Fault::Garbage(_))));
         // A megabyte of control characters as a tag key or a header name: the fault (which is
@@ -301,7 +326,7 @@ mod tests {
     #[test]
     fn every_bound_takes_its_limit_and_refuses_one_more() {
         let deny = |len| {
-            check(Verdict::Deny(Denial {
+            check_on(Verdict::Deny(Denial {
                 status: 403,
                 message: "x".repeat(len),
             }))
@@ -310,7 +335,7 @@ mod tests {
         assert!(matches!(deny(MAX_MESSAGE + 1), Err(Fault::Garbage(_))));
 
         let mutations = |tags: usize, headers: usize| {
-            check(allow(|m| {
+            check_on(allow(|m| {
                 m.tags = (0..tags)
                     .map(|i| Tag {
                         key: format!("k{i}"),
@@ -334,7 +359,7 @@ mod tests {
         }
 
         let valued = |value: &str| {
-            check(allow(|m| {
+            check_on(allow(|m| {
                 m.tags.push(Tag {
                     key: "k".into(),
                     value: value.into(),
