@@ -217,13 +217,16 @@ async fn reload_tenants(State(state): State<AdminState>) -> Response {
                 "changed": names(&r.changed),
                 "restart_required": r.restart_required.iter().map(|s| s.name()).collect::<Vec<_>>(),
                 "reused": names(&r.reused),
+                "renamed": r.renamed.iter().map(|(from, to)| json!({"from": from.as_str(), "to": to.as_str()})).collect::<Vec<_>>(),
                 "tenants": state.tenants.status(),
             }),
         ),
         Err(e) => {
             let status = match e {
                 ReloadError::NoFile => StatusCode::CONFLICT,
-                ReloadError::Invalid(_) => StatusCode::UNPROCESSABLE_ENTITY,
+                ReloadError::Invalid(_) | ReloadError::ReusedId(_) => {
+                    StatusCode::UNPROCESSABLE_ENTITY
+                }
             };
             (
                 status,

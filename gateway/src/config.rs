@@ -64,6 +64,7 @@
 //! requests_per_minute = 120
 //! tokens_per_minute = 200000
 //! capture_content = false           # store prompts and completions in the audit log
+//! reuse_id = false                  # a reload may add this id though its audit log has records
 //!
 //! [[workers]]
 //! name = "local"
@@ -620,6 +621,8 @@ struct RawTenant {
     tokens_per_minute: u64,
     #[serde(default)]
     capture_content: bool,
+    #[serde(default)]
+    reuse_id: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -968,6 +971,7 @@ fn tenants(raw: Vec<RawTenant>) -> Result<TenantSet, ConfigError> {
             id,
             limits,
             capture_content: t.capture_content,
+            reuse_id: t.reuse_id,
         };
         set.add(tenant, keys)?;
     }

@@ -8,9 +8,10 @@
 //!
 //! A tenants reload ([`crate::tenants`]) retunes the budgets of the tenants that stay to their
 //! new limits ([`Limiter::retune`]): requests in flight and each minute's usage carry over, so a
-//! reload never lets a tenant burst past its limit. Budgets of removed tenants are kept (a few
-//! bytes each) until their last permit drops and beyond: a tenant removed and added back keeps
-//! its usage.
+//! reload never lets a tenant burst past its limit. A tenant renamed (its keys under a new id,
+//! the old id gone) keeps its budget under the new id. Budgets of removed tenants are kept (a
+//! few bytes each) until their last permit drops and beyond: a tenant removed and added back
+//! keeps its usage.
 //!
 //! Every answer to a tenant carries the state of its per-minute limits in OpenAI's
 //! `x-ratelimit-*` headers ([`RateLimits`]), so a client can pace itself before a 429.
@@ -315,67 +316,87 @@ fn duration_text(d: Duration) -> String {
 /// Every tenant's budget; a cheap `Clone` handle.
 #[derive(Debug, Clone, Default)]
 pub struct Limiter {
-    budgets: Arc<Mutex<HashMap<TenantId, TenantBudget>>>,
+    budgets: Arc<Mutex<Budgets>>,
+}
+
+/// The budgets, each under the id of the tenant that spends it now. A budget is never dropped
+/// (a few bytes each), so a permit's index stays valid whatever reloads happen meanwhile.
+#[derive(Debug, Default)]
+struct Budgets {
+    of: HashMap<TenantId, usize>,
+    all: Vec<TenantBudget>,
+}
+
+impl Budgets {
+    /// The index of `tenant`'s budget, made from its limits if it has none yet.
+    fn index(&mut self, tenant: &Arc<Tenant>, now: Instant) -> usize {
+        // Looked up before it is made: no id is copied for a tenant that has one.
+        if let Some(&i) = self.of.get(&tenant.id) {
+            return i;
+        }
+        self.all.push(TenantBudget::new(tenant.limits, now));
+        self.of.insert(tenant.id.clone(), self.all.len() - 1);
+        self.all.len() - 1
+    }
 }
 
 impl Limiter {
     /// Starts a request for `tenant` (concurrency and requests per minute).
     pub fn start(&self, tenant: &Arc<Tenant>) -> Result<RequestPermit, LimitError> {
-        self.budget(tenant, |budget, now| budget.start(&tenant.id, now))?;
+        let now = Instant::now();
+        let mut budgets = self.lock();
+        let budget = budgets.index(tenant, now);
+        budgets.all[budget].start(&tenant.id, now)?;
         Ok(RequestPermit {
             limiter: self.clone(),
             tenant: tenant.id.clone(),
+            budget,
             charged: 0,
             used: None,
         })
     }
 
-    fn with<R>(&self, tenant: &TenantId, f: impl FnOnce(&mut TenantBudget) -> R) -> Option<R> {
-        let mut budgets = self.budgets.lock().unwrap_or_else(PoisonError::into_inner);
-        budgets.get_mut(tenant).map(f)
+    fn lock(&self) -> std::sync::MutexGuard<'_, Budgets> {
+        self.budgets.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Gives every tenant of `tenants` its limits from `tenants` (a reload): a budget it has
     /// is retuned ([`TenantBudget::retune`]), and one it lacks is made now — not at its first
     /// request, which may have authenticated against the set before and would bring that
-    /// set's limits.
-    pub fn retune(&self, tenants: &TenantSet) {
+    /// set's limits. A tenant renamed (`renamed`: old id, new id) keeps its budget under its
+    /// new id, with its requests in flight and the minute's usage: its keys would otherwise
+    /// start afresh under the new name.
+    pub fn retune(&self, tenants: &TenantSet, renamed: &[(TenantId, TenantId)]) {
         let now = Instant::now();
-        let mut budgets = self.budgets.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut budgets = self.lock();
+        for (old, new) in renamed {
+            if !budgets.of.contains_key(new)
+                && let Some(i) = budgets.of.remove(old)
+            {
+                budgets.of.insert(new.clone(), i);
+            }
+        }
         for tenant in tenants.tenants() {
-            budgets
-                .entry(tenant.id.clone())
-                .and_modify(|budget| budget.retune(tenant.limits, now))
-                .or_insert_with(|| TenantBudget::new(tenant.limits, now));
+            let i = budgets.index(tenant, now);
+            budgets.all[i].retune(tenant.limits, now);
         }
     }
 
     /// `tenant`'s per-minute limits now.
     pub fn rate_limits(&self, tenant: &Arc<Tenant>) -> RateLimits {
-        self.budget(tenant, |budget, now| budget.rate_limits(now))
-    }
-
-    /// Runs `f` on `tenant`'s budget, made from its limits if it has none yet.
-    fn budget<R>(
-        &self,
-        tenant: &Arc<Tenant>,
-        f: impl FnOnce(&mut TenantBudget, Instant) -> R,
-    ) -> R {
         let now = Instant::now();
-        let mut budgets = self.budgets.lock().unwrap_or_else(PoisonError::into_inner);
-        // Looked up before it is made: no id is copied for a tenant that has one.
-        if let Some(budget) = budgets.get_mut(&tenant.id) {
-            return f(budget, now);
-        }
-        let budget = budgets
-            .entry(tenant.id.clone())
-            .or_insert_with(|| TenantBudget::new(tenant.limits, now));
-        f(budget, now)
+        let mut budgets = self.lock();
+        let i = budgets.index(tenant, now);
+        budgets.all[i].rate_limits(now)
     }
 
     /// Requests in flight for `tenant` now.
     pub fn in_flight(&self, tenant: &TenantId) -> u32 {
-        self.with(tenant, |b| b.in_flight()).unwrap_or(0)
+        let budgets = self.lock();
+        budgets
+            .of
+            .get(tenant)
+            .map_or(0, |&i| budgets.all[i].in_flight())
     }
 }
 
@@ -384,7 +405,10 @@ impl Limiter {
 #[must_use = "dropping the permit ends the request at once"]
 pub struct RequestPermit {
     limiter: Limiter,
+    /// The id it started under, for refusals.
     tenant: TenantId,
+    /// Its budget's index in [`Budgets::all`]: the tenant's, whatever it is called by now.
+    budget: usize,
     charged: u64,
     /// Tokens actually used, once known; `None` refunds nothing.
     used: Option<u64>,
@@ -394,10 +418,7 @@ impl RequestPermit {
     /// Charges `n` tokens (prompt + max tokens) to the tenant's tokens per minute.
     pub fn charge_tokens(&mut self, n: u64) -> Result<(), LimitError> {
         let now = Instant::now();
-        let tenant = self.tenant.clone();
-        self.limiter
-            .with(&tenant, |b| b.charge(&tenant, n, now))
-            .unwrap_or(Ok(()))?;
+        self.limiter.lock().all[self.budget].charge(&self.tenant, n, now)?;
         self.charged += n;
         Ok(())
     }
@@ -414,7 +435,7 @@ impl Drop for RequestPermit {
         let unused = self
             .used
             .map_or(0, |used| self.charged.saturating_sub(used));
-        self.limiter.with(&self.tenant, |b| b.finish(unused));
+        self.limiter.lock().all[self.budget].finish(unused);
     }
 }
 
@@ -672,6 +693,7 @@ mod tests {
             id: id(),
             limits: limits(1, 100, 1000),
             capture_content: false,
+            reuse_id: false,
         });
         let limiter = Limiter::default();
         let permit = limiter.start(&tenant).expect("first");
@@ -688,11 +710,13 @@ mod tests {
             id: TenantId::new("a").expect("valid"),
             limits: limits(1, 100, 1000),
             capture_content: false,
+            reuse_id: false,
         });
         let b = Arc::new(Tenant {
             id: TenantId::new("b").expect("valid"),
             limits: limits(1, 100, 1000),
             capture_content: false,
+            reuse_id: false,
         });
         let limiter = Limiter::default();
         let _a = limiter.start(&a).expect("a");

@@ -16,7 +16,8 @@ pub struct TenantLimits {
     pub max_context: NonZeroU32,
     /// Requests in flight at once.
     pub max_concurrent: NonZeroU32,
-    /// Requests started per minute.
+    /// Requests started per minute: a bucket of this many that refills at this rate, so a
+    /// burst of the whole minute's worth, then the rate.
     pub requests_per_minute: NonZeroU32,
     /// Prompt + completion tokens per minute (charged as prompt + max tokens at admission,
     /// the unused part refunded at the end).
@@ -46,6 +47,10 @@ pub struct Tenant {
     /// Whether the audit log stores this tenant's prompts and completions (not only their
     /// hashes).
     pub capture_content: bool,
+    /// The operator's word that this id, if a reload adds it while its audit log holds
+    /// records, names the tenant that left them: without it such a reload is refused
+    /// ([`crate::tenants::ReloadError::ReusedId`]).
+    pub reuse_id: bool,
 }
 
 #[cfg(test)]

@@ -344,13 +344,35 @@ fn tenants_reload_from_the_rewritten_config_file_while_the_stack_serves() {
             "{body}\n{listing}"
         );
 
-        // SIGHUP reloads too: the file as it was, and tenant-b's key works again.
+        // SIGHUP reloads too. The file as it was brings tenant-b back, whose audit log holds
+        // records: refused, unless its entry vouches that it is the tenant that left them.
+        let hup = || {
+            let hup = Command::new("kill")
+                .args(["-HUP", &up.child.id().to_string()])
+                .status()
+                .expect("runs kill");
+            assert!(hup.success());
+        };
         std::fs::write(&up.config, &text).expect("restores the config");
-        let hup = Command::new("kill")
-            .args(["-HUP", &up.child.id().to_string()])
-            .status()
-            .expect("runs kill");
-        assert!(hup.success());
+        hup();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let (_, listing) = http(&up.admin, "GET", "/tenants", Some(ADMIN), &[], "");
+            let error = json(&listing)["last_reload_error"]
+                .as_str()
+                .map(str::to_owned);
+            if error.as_deref().is_some_and(|e| e.contains("`tenant-b`")) {
+                assert!(error.is_some_and(|e| e.contains("reuse_id")), "{listing}");
+                break;
+            }
+            assert!(Instant::now() < deadline, "not refused: {listing}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert_eq!(up.chat(KEY_B, &[], tiny).0, 401, "the running set stays");
+        let mut vouched = text.clone();
+        vouched.insert_str(b_start + b_len, "reuse_id = true\n");
+        std::fs::write(&up.config, &vouched).expect("vouches for tenant-b");
+        hup();
         let deadline = Instant::now() + Duration::from_secs(10);
         while up.chat(KEY_B, &[], tiny).0 != 200 {
             assert!(

@@ -141,11 +141,11 @@ async fn audit(
     who: Extension<Authenticated>,
     query: axum::extract::RawQuery,
 ) -> Response {
-    let _permit = match state.tenants.limiter().start(&who.tenant) {
+    let permit = match state.tenants.limiter().start(&who.tenant) {
         Ok(permit) => permit,
         Err(e) => return ApiError::from(e).into_response(),
     };
-    trail::tenant_read(State(state.recorder.clone()), who, query).await
+    trail::tenant_read(State(state.recorder.clone()), who, query, permit).await
 }
 
 async fn not_found() -> Response {

@@ -116,6 +116,7 @@ fn tenant(tokens_per_minute: u64) -> Arc<Tenant> {
             tokens_per_minute: std::num::NonZeroU64::new(tokens_per_minute).expect("nonzero"),
         },
         capture_content: false,
+        reuse_id: false,
     })
 }
 

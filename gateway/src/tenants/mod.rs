@@ -38,6 +38,7 @@ pub(crate) use set::TenantSetBuilder;
 pub use set::{Keyring, Member, TenantSet};
 
 use crate::limits::Limiter;
+use crate::tenant::TenantId;
 use crate::trail::Recorder;
 
 /// The active tenant set and the limiter that enforces it; a cheap `Clone`.
@@ -132,12 +133,25 @@ impl Tenants {
             .file
             .as_ref()
             .ok_or(ReloadError::NoFile)
-            .and_then(|file| Ok(file.read()?));
-        match result {
-            Ok((set, restart_required)) => {
+            .and_then(|file| Ok(file.read()?))
+            .and_then(|(set, restart_required)| {
                 let mut reloaded = Reloaded::between(&self.current(), &set, restart_required);
                 reloaded.reused = self.reused(&reloaded.added);
-                self.swap(set);
+                let unvouched: Vec<TenantId> = reloaded
+                    .reused
+                    .iter()
+                    .filter(|id| set.get(id).is_some_and(|t| !t.reuse_id))
+                    .cloned()
+                    .collect();
+                if unvouched.is_empty() {
+                    Ok((set, reloaded))
+                } else {
+                    Err(ReloadError::ReusedId(unvouched))
+                }
+            });
+        match result {
+            Ok((set, reloaded)) => {
+                self.swap(set, &reloaded.renamed);
                 *lock(&self.inner.last_error) = None;
                 self.inner.reloads_ok.fetch_add(1, Ordering::Relaxed);
                 let names = |ids: &[crate::tenant::TenantId]| {
@@ -147,15 +161,14 @@ impl Tenants {
                     added = ?names(&reloaded.added),
                     removed = ?names(&reloaded.removed),
                     changed = ?names(&reloaded.changed),
+                    renamed = ?reloaded.renamed.iter().map(|(old, new)| format!("{old} -> {new}")).collect::<Vec<_>>(),
                     restart_required = ?reloaded.restart_required.iter().map(|s| s.name()).collect::<Vec<_>>(),
                     "tenants reloaded"
                 );
                 if !reloaded.reused.is_empty() {
-                    tracing::warn!(
+                    tracing::info!(
                         reused = ?names(&reloaded.reused),
-                        "tenants new to the configuration whose ids already have audit records: \
-                         each reads its earlier holder's (/v1/audit); give a new tenant a new id, \
-                         or move the old id's log out of the audit directory first"
+                        "tenants back under ids whose audit records they left (reuse_id)"
                     );
                 }
                 Ok(reloaded)
@@ -169,10 +182,11 @@ impl Tenants {
         }
     }
 
-    /// Makes `set` the active one: the limiter takes the new limits first, so a request that
-    /// authenticates against the new set is always limited by them.
-    fn swap(&self, set: TenantSet) {
-        self.inner.limiter.retune(&set);
+    /// Makes `set` the active one: the limiter takes the new limits (and the renamed tenants'
+    /// budgets) first, so a request that authenticates against the new set is always limited
+    /// by them.
+    fn swap(&self, set: TenantSet, renamed: &[(TenantId, TenantId)]) {
+        self.inner.limiter.retune(&set, renamed);
         *self
             .inner
             .current

@@ -191,6 +191,21 @@ pub enum ReloadError {
     NoFile,
     #[error("the configuration was refused; the running tenants stay: {0}")]
     Invalid(#[from] ConfigError),
+    #[error(
+        "the configuration was refused; the running tenants stay: it adds {}, whose audit log \
+         already holds records. Another tenant given such an id would read those records \
+         (/v1/audit) and share the prefix cache the workers keep for the id. Give a new tenant \
+         a new id; for the tenant that left the records, coming back, set `reuse_id = true` on \
+         its entry",
+        names(.0)
+    )]
+    ReusedId(Vec<TenantId>),
+}
+
+/// `a`, `b` and `c`.
+fn names(ids: &[TenantId]) -> String {
+    let quoted: Vec<String> = ids.iter().map(|id| format!("`{id}`")).collect();
+    quoted.join(", ")
 }
 
 /// What a reload changed.
@@ -207,6 +222,9 @@ pub struct Reloaded {
     /// Tenants new in the file whose id already has audit records: each reads its earlier
     /// holder's (a tenant's log is its id's).
     pub reused: Vec<TenantId>,
+    /// Tenants removed whose keys now belong to a tenant added (old id, new id): the new id
+    /// takes over the old one's budget ([`crate::limits::Limiter::retune`]).
+    pub renamed: Vec<(TenantId, TenantId)>,
 }
 
 impl Reloaded {
@@ -239,6 +257,7 @@ impl Reloaded {
             changed,
             restart_required,
             reused: Vec::new(),
+            renamed: new.renamed_from(old),
         }
     }
 }

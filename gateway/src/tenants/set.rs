@@ -78,6 +78,33 @@ impl TenantSet {
         self.tenants().find(|t| t.id == *id)
     }
 
+    /// The tenants `old` knew under another id: (old id, new id) for each id of `old` that this
+    /// set lacks whose keys, some or all, now belong to an id `old` lacked. An old id whose keys
+    /// went to several new ids is paired with the first of them in file order.
+    pub fn renamed_from(&self, old: &TenantSet) -> Vec<(TenantId, TenantId)> {
+        fn ids(set: &TenantSet) -> HashSet<&TenantId> {
+            set.tenants().map(|t| &t.id).collect()
+        }
+        let (now, before) = (ids(self), ids(old));
+        let mut from: HashMap<&TenantId, &TenantId> = HashMap::new();
+        for (hash, tenant) in &self.keyring.by_hash {
+            if let Some(was) = old.keyring.tenant(hash)
+                && !before.contains(&tenant.id)
+                && !now.contains(&was.id)
+            {
+                // The smallest old id: the same pairs whatever the map's order.
+                let entry = from.entry(&tenant.id).or_insert(&was.id);
+                *entry = (*entry).min(&was.id);
+            }
+        }
+        let mut taken = HashSet::new();
+        self.tenants()
+            .filter_map(|t| from.get(&t.id).map(|&was| (was, &t.id)))
+            .filter(|(was, _)| taken.insert(*was))
+            .map(|(was, new)| (was.clone(), new.clone()))
+            .collect()
+    }
+
     /// How many tenants there are (at least one).
     pub fn len(&self) -> usize {
         self.members.len()

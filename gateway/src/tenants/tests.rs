@@ -200,6 +200,7 @@ fn a_removed_tenant_or_a_rotated_key_is_refused_from_the_next_request_on() {
             changed: vec![id("tenant-a")],
             restart_required: vec![],
             reused: vec![],
+            renamed: vec![],
         }
     );
     assert_eq!(call(&service, "sk-b").0, StatusCode::UNAUTHORIZED);
@@ -281,6 +282,43 @@ fn the_limiter_keeps_in_flight_counts_and_the_minutes_usage_across_a_reload() {
         limiter.start(&a()),
         Err(LimitError::RequestsPerMinute { limit: 5, .. })
     ));
+}
+
+#[test]
+fn a_tenant_renamed_with_its_keys_keeps_its_budget_under_the_new_id() {
+    let (scratch, tenants) = start(&config(
+        "",
+        &(tenant("tenant-a", &["sk-a", "sk-a2"], 1, 2) + &tenant("tenant-c", &["sk-c"], 1, 2)),
+    ));
+    let limiter = tenants.limiter().clone();
+    let of = |name: &str| tenants.current().get(&id(name)).expect("listed").clone();
+    let held = limiter.start(&of("tenant-a")).expect("1 of 2");
+    // Renamed, its keys kept (one moved to a tenant that stays: no rename of that one).
+    write(
+        &scratch,
+        &config(
+            "",
+            &(tenant("tenant-b", &["sk-a"], 1, 2) + &tenant("tenant-c", &["sk-c", "sk-a2"], 1, 2)),
+        ),
+    );
+    let reloaded = tenants.reload().expect("valid");
+    assert_eq!(reloaded.renamed, vec![(id("tenant-a"), id("tenant-b"))]);
+    // Its request in flight is the new id's: no second one at once.
+    assert!(matches!(
+        limiter.start(&of("tenant-b")),
+        Err(LimitError::Concurrency { limit: 1, .. })
+    ));
+    assert_eq!(limiter.in_flight(&id("tenant-b")), 1);
+    // Ended under the new name, it frees the new id's slot; the minute's usage came along.
+    drop(held);
+    assert_eq!(limiter.in_flight(&id("tenant-b")), 0);
+    drop(limiter.start(&of("tenant-b")).expect("2 of 2"));
+    assert!(matches!(
+        limiter.start(&of("tenant-b")),
+        Err(LimitError::RequestsPerMinute { limit: 2, .. })
+    ));
+    // The tenant that only gained a key keeps its own budget.
+    drop(limiter.start(&of("tenant-c")).expect("its own 1 of 2"));
 }
 
 #[test]

@@ -16,6 +16,7 @@ use serde::Serialize;
 use crate::api::ApiError;
 use crate::api::validate::RequestError;
 use crate::auth::Authenticated;
+use crate::limits::RequestPermit;
 use crate::tenants::Tenants;
 
 use super::Recorder;
@@ -107,10 +108,18 @@ fn once<T>(slot: &mut Option<T>, value: T, field: &'static str) -> Result<(), Re
 }
 
 /// A page of `tenant`'s records, read and written out on the blocking pool (a page can be
-/// megabytes: a serving thread's other connections do not wait for it).
-async fn page(recorder: &Recorder, tenant: TenantId, paging: Paging) -> Response {
+/// megabytes: a serving thread's other connections do not wait for it). `permit`, the
+/// tenant's request slot, is held by the read itself: a client that leaves does not free it
+/// while the read goes on.
+async fn page(
+    recorder: &Recorder,
+    tenant: TenantId,
+    paging: Paging,
+    permit: Option<RequestPermit>,
+) -> Response {
     let recorder = recorder.clone();
     let page = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
         let limit = bulkhead_audit::Limit {
             records: paging.limit,
             bytes: MAX_PAGE_BYTES,
@@ -150,14 +159,15 @@ async fn page(recorder: &Recorder, tenant: TenantId, paging: Paging) -> Response
     }
 }
 
-/// `GET /v1/audit`: the calling tenant's own records.
+/// `GET /v1/audit`: the calling tenant's own records, read under `permit`.
 pub async fn tenant_read(
     State(recorder): State<Recorder>,
     Extension(who): Extension<Authenticated>,
     RawQuery(query): RawQuery,
+    permit: RequestPermit,
 ) -> Response {
     match parse_paging(query.as_deref()) {
-        Ok(paging) => page(&recorder, who.tenant.id.clone(), paging).await,
+        Ok(paging) => page(&recorder, who.tenant.id.clone(), paging, Some(permit)).await,
         Err(e) => ApiError::from(e).into_response(),
     }
 }
@@ -187,7 +197,7 @@ pub async fn admin_read(
         .into_response();
     }
     match parse_paging(query.as_deref()) {
-        Ok(paging) => page(&recorder, tenant, paging).await,
+        Ok(paging) => page(&recorder, tenant, paging, None).await,
         Err(e) => ApiError::from(e).into_response(),
     }
 }

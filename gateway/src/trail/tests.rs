@@ -706,14 +706,19 @@ async fn a_tenant_reads_its_records_a_page_at_a_time() {
         trail.finish(200, None).await.expect("recorded");
     }
     recorder.flush().expect("flush");
+    let limiter = crate::limits::Limiter::default();
     let read = async |query: &str| {
+        let permit = limiter.start(&who.tenant).expect("room");
         let response = super::tenant_read(
             axum::extract::State(recorder.clone()),
             Extension(who.clone()),
             axum::extract::RawQuery(Some(query.to_owned())),
+            permit,
         )
         .await;
         assert_eq!(response.status(), StatusCode::OK);
+        // The read held the tenant's slot, and gave it back when it was done.
+        assert_eq!(limiter.in_flight(&who.tenant.id), 0);
         let body = axum::body::to_bytes(response.into_body(), usize::MAX)
             .await
             .expect("a body");
@@ -796,10 +801,11 @@ fn reloadable() -> (
     (dir, file, tenants, recorder)
 }
 
-/// A tenant's log is its id's: a reload that adds an id whose log has records says so (the
-/// new holder would read them), one that adds a fresh id does not.
+/// A tenant's log is its id's: a reload that adds an id whose log has records is refused (the
+/// new holder would read them, and share the workers' prefix cache for the id) unless its
+/// entry says `reuse_id`; one that adds a fresh id is not.
 #[tokio::test]
-async fn a_reload_that_adds_an_id_with_audit_records_says_so() {
+async fn a_reload_that_adds_an_id_with_audit_records_is_refused_unless_vouched_for() {
     let (_dir, file, tenants, recorder) = reloadable();
     tenants.audited_by(recorder.clone());
     let trail = recorder.trail("req-a".into(), tracing::Span::none());
@@ -813,6 +819,22 @@ async fn a_reload_that_adds_an_id_with_audit_records_says_so() {
     assert_eq!((fresh.added, fresh.reused), (vec![id("tenant-b")], vec![]));
     // tenant-a's id comes back, to whoever holds the key now: it would read the old records.
     std::fs::write(&file, config_text("tenant-a")).expect("gives the id back");
+    let refused = tenants.reload().expect_err("an id with records");
+    assert!(
+        matches!(&refused, crate::tenants::ReloadError::ReusedId(ids) if *ids == [id("tenant-a")]),
+        "{refused}"
+    );
+    assert!(refused.to_string().contains("reuse_id"), "{refused}");
+    assert!(
+        tenants.current().get(&id("tenant-b")).is_some(),
+        "unchanged"
+    );
+    // The operator vouches that it is the tenant that left them.
+    let vouched = config_text("tenant-a").replace(
+        "tokens_per_minute = 100000\n",
+        "tokens_per_minute = 100000\nreuse_id = true\n",
+    );
+    std::fs::write(&file, vouched).expect("vouches for the id");
     let again = tenants.reload().expect("reloads");
     assert_eq!(again.reused, vec![id("tenant-a")]);
 }
