@@ -42,6 +42,17 @@ impl WorkersArgs {
 }
 
 #[derive(Debug, clap::Args)]
+pub struct PreflightArgs {
+    #[command(flatten)]
+    workers: WorkersArgs,
+    /// A worker that does not answer is a warning, not a failure: for a deployment's gate
+    /// (Kubernetes' init container), where workers come and go and the gateway routes only to
+    /// those that answer and pass. A worker that answers and fails a check still fails.
+    #[arg(long)]
+    unreachable_warns: bool,
+}
+
+#[derive(Debug, clap::Args)]
 pub struct Args {
     #[command(flatten)]
     workers: WorkersArgs,
@@ -98,8 +109,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 /// `bulkhead preflight`: prints each worker's facts and every check (the policy set's too,
 /// when the configuration has one); fails if any check does.
-pub fn preflight(args: WorkersArgs) -> anyhow::Result<()> {
-    let (config, _) = args.config()?;
+pub fn preflight(args: PreflightArgs) -> anyhow::Result<()> {
+    let (config, _) = args.workers.config()?;
     let cluster = config.cluster_access()?;
     let (answers, servers) = crate::runtime::main()?.block_on(async {
         let resolver = bulkhead_gateway::discovery::SystemResolver;
@@ -112,6 +123,9 @@ pub fn preflight(args: WorkersArgs) -> anyhow::Result<()> {
     checks.extend(preflight::server_checks(&servers));
     if let Some(settings) = config.policies.clone() {
         checks.push(preflight::policy_set(settings));
+    }
+    if args.unreachable_warns {
+        preflight::unreachable_warns(&mut checks);
     }
     let (report, passed) = preflight::render(&answers, &servers, &checks);
     print!("{report}");

@@ -47,7 +47,7 @@ enum Command {
     Gateway(gateway::Args),
     /// Check the workers a gateway configuration lists before traffic: pools against served
     /// contexts, prefill/decode agreement, integrity settings. Exits non-zero on any failure.
-    Preflight(gateway::WorkersArgs),
+    Preflight(gateway::PreflightArgs),
     /// Start the workers and the gateway on loopback with the default configuration.
     Up(up::Args),
     /// Audit log tools.

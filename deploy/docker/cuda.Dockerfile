@@ -1,12 +1,13 @@
 # syntax=docker/dockerfile:1
 # Bulkhead, CUDA build: the same binary built with the `cuda` cargo feature, on NVIDIA's CUDA
-# runtime image (CUDA 13; cudarc loads the driver, NVRTC and cuBLAS at run time).
+# runtime image (CUDA 13; cudarc loads the driver and NVRTC at run time, which compiles the
+# kernels: no cuBLAS).
 #
 #   docker build -f deploy/docker/cuda.Dockerfile -t bulkhead:cuda .     # from the repo root
 #
 # The Rust toolchain is copied from the official Rust image into NVIDIA's devel image (the
-# Debian-built toolchain runs on Ubuntu 24.04's newer glibc), so kernels that need nvcc at
-# build time find it. Run the image with the NVIDIA container toolkit (`--gpus all`, or a
+# Debian-built toolchain runs on Ubuntu 24.04's newer glibc): the binary then links against
+# the glibc of the runtime image it runs on. No build step needs nvcc. Run the image with the NVIDIA container toolkit (`--gpus all`, or a
 # `nvidia.com/gpu` resource on Kubernetes).
 
 FROM rust:1.95-slim-bookworm AS rust

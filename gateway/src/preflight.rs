@@ -76,11 +76,11 @@ pub fn server_checks(servers: &[ServerAnswer]) -> Vec<Check> {
         };
         out.push(match &s.probe {
             Ok(()) => check(
-                "reachable",
+                REACHABLE,
                 true,
                 format!("GET /v1/models lists {:?}", s.upstream.model),
             ),
-            Err(e) => check("reachable", false, e.clone()),
+            Err(e) => check(REACHABLE, false, e.clone()),
         });
         if let Some(var) = &s.upstream.key_env {
             // As the client reads it: a value that is not UTF-8 is no key.
@@ -309,6 +309,18 @@ async fn ask_one(w: &WorkerConfig, cluster: &ClusterAccess) -> Answer {
     }
 }
 
+/// Makes every "reachable" failure a warning: for a deployment's gate, where workers come
+/// and go (a rolling update, a node lost) and the gateway routes only to workers that answer
+/// and pass these checks, so a gateway must not wait for every worker to start. A worker that
+/// answers and fails a check still fails.
+pub fn unreachable_warns(checks: &mut [Check]) {
+    for c in checks.iter_mut().filter(|c| c.name == REACHABLE && !c.pass) {
+        c.advisory = true;
+    }
+}
+
+const REACHABLE: &str = "reachable";
+
 /// Every check over `answers`.
 pub fn checks(answers: &[Answer]) -> Vec<Check> {
     let mut out = Vec::new();
@@ -324,15 +336,11 @@ pub fn checks(answers: &[Answer]) -> Vec<Check> {
         let info = match &a.info {
             Ok(info) => info,
             Err(e) => {
-                out.push(check("reachable", false, e.clone()));
+                out.push(check(REACHABLE, false, e.clone()));
                 continue;
             }
         };
-        out.push(check(
-            "reachable",
-            true,
-            format!("serves {}", info.model_id),
-        ));
+        out.push(check(REACHABLE, true, format!("serves {}", info.model_id)));
         match &a.open {
             Some(bare) => out.push(check(
                 "requires the cluster token",
@@ -1380,5 +1388,15 @@ mod tests {
             text.contains("integrity checks on: page tags OFF"),
             "{text}"
         );
+        // A deployment's gate (--unreachable-warns): the worker that does not answer warns,
+        // the one that answers with its checks off still fails.
+        let mut gate = checks(&answers);
+        unreachable_warns(&mut gate);
+        let (text, passed) = render(&answers, &[], &gate);
+        assert!(!passed, "{text}");
+        assert!(!text.contains("FAIL a"), "{text}");
+        assert!(text.contains("FAIL b"), "{text}");
+        let (text, passed) = render(&answers[..1], &[], &gate[..1]);
+        assert!(passed, "{text}");
     }
 }
