@@ -162,6 +162,36 @@ fn matmul_case(dev: &Device) -> Result<(), DeviceError> {
 }
 device_test!(matmul_case);
 
+/// Activations quantized to Q8 round halves to even on every device (as the CPU always did;
+/// CUDA's `roundf` rounded them away from zero): with a block scale of exactly 1, 2.5 is 2,
+/// -2.5 is -2, 0.5 is 0 and 1.5 is 2, read back through one-hot weight rows.
+fn q8_ties_round_to_even_case(dev: &Device) -> Result<(), DeviceError> {
+    let (rows, cols) = (8, 64);
+    let mut one_hot = vec![0.0f32; rows * cols];
+    for r in 0..rows {
+        one_hot[r * cols + r] = 1.0;
+    }
+    let data: Vec<u8> = one_hot
+        .chunks(cols)
+        .flat_map(|r| quantize_row(DType::Q8_0, r))
+        .collect();
+    let w = QMatrix::new(DType::Q8_0, rows, cols, &data).expect("shape");
+    let mut x = vec![0.0f32; cols];
+    x[..5].copy_from_slice(&[127.0, 2.5, -2.5, 0.5, 1.5]);
+    let rounded = [127.0, 2.0, -2.0, 0.0, 2.0, 0.0, 0.0, 0.0];
+    let mut row = vec![0.0f32; cols];
+    let want: Vec<f32> = (0..rows)
+        .map(|r| {
+            w.dequantize_row(r, &mut row);
+            row[r] * rounded[r]
+        })
+        .collect();
+    let got = matmul_on(dev, &w, &x, 1)?;
+    assert_close("q8 ties", &got, &want, 1e-5);
+    Ok(())
+}
+device_test!(q8_ties_round_to_even_case);
+
 fn embedding_case(dev: &Device) -> Result<(), DeviceError> {
     let (rows, cols) = (10, 64);
     for dtype in DTYPES {

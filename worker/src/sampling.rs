@@ -104,26 +104,32 @@ impl Sampler {
         if let Some(k) = self.params.top_k {
             c.truncate(k.max(1));
         }
-        // The largest is 0 already: exp keeps every weight in (0, 1].
-        let mut total = 0.0;
+        // The largest is 0 already: exp keeps every weight in (0, 1]. Sums in f64: summed in
+        // f32 from the largest down, a long tail of weights each under half an f32 step of
+        // the running sum would be lost — cut by top-p even at 1, and never drawn.
+        let mut total = 0.0f64;
         for e in c.iter_mut() {
             e.0 = e.0.exp();
-            total += e.0;
+            total += f64::from(e.0);
         }
-        let mut kept = 0.0;
-        let mut keep = c.len();
-        for (i, e) in c.iter().enumerate() {
-            kept += e.0 / total;
-            if kept >= self.params.top_p {
-                keep = i + 1;
-                break;
+        // top_p 1 (OpenAI's default) keeps every token.
+        if self.params.top_p < 1.0 {
+            let wanted = f64::from(self.params.top_p) * total;
+            let mut kept = 0.0f64;
+            let mut keep = c.len();
+            for (i, e) in c.iter().enumerate() {
+                kept += f64::from(e.0);
+                if kept >= wanted {
+                    keep = i + 1;
+                    total = kept;
+                    break;
+                }
             }
+            c.truncate(keep);
         }
-        c.truncate(keep);
-        let mass: f32 = c.iter().map(|e| e.0).sum();
-        let mut r = self.rng.random::<f32>() * mass;
+        let mut r = f64::from(self.rng.random::<f32>()) * total;
         for e in c.iter() {
-            r -= e.0;
+            r -= f64::from(e.0);
             if r <= 0.0 {
                 return e.1;
             }
@@ -195,6 +201,24 @@ mod tests {
             assert!(k.sample(&logits) < 2);
             assert_eq!(p.sample(&logits), 0);
         }
+    }
+
+    /// A long tail of small weights: summed in f32 from the largest down, each fell under
+    /// half a step of the running sum, so top-p cut the tail even at 1 and no draw reached it.
+    #[test]
+    fn at_top_p_1_the_long_tail_is_drawn_at_its_weight() {
+        // Token 0 at weight 1, 49 151 others at e^-17 each: 0.20% of the mass in all.
+        let mut logits = vec![-17.0f32; 49152];
+        logits[0] = 0.0;
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: None,
+            top_p: 1.0,
+            seed: 7,
+        });
+        let tail = (0..10_000).filter(|_| s.sample(&logits) != 0).count();
+        // About 20 expected (0.20% of 10 000); none before.
+        assert!((5..=60).contains(&tail), "{tail} of 10 000 from the tail");
     }
 
     #[test]

@@ -112,7 +112,8 @@ extern "C" __global__ void quantize_q8(const float* x, i8* qs, float* ds, float*
     float amax = warp_max(fabsf(v));
     float d = amax / 127.0f;
     float id = d == 0.0f ? 0.0f : 1.0f / d;
-    float r = roundf(v * id);
+    // Halves to even, as the CPU's round_ties_even (roundf takes them away from zero).
+    float r = rintf(v * id);
     // Rust's `as i8` saturates and maps NaN to 0.
     int q = r != r ? 0 : (int)fminf(fmaxf(r, -128.0f), 127.0f);
     qs[(size_t)b * QBLOCK + lane] = (i8)q;

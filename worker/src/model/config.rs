@@ -120,6 +120,19 @@ impl ModelConfig {
             }
             Err(e) => return Err(e),
         }
+        // A scaling factor without a type is linear scaling to llama.cpp (and the older
+        // `rope.scale_linear` too): every position's angle divided by it. 1 (or 0, unset)
+        // scales nothing.
+        for name in ["rope.scaling.factor", "rope.scale_linear"] {
+            match g.get_f32(&key(name)) {
+                Err(GgufError::MissingKey { .. }) => {}
+                Ok(f) if f == 0.0 || f == 1.0 => {}
+                Ok(f) => {
+                    return Err(bad(name, format!("RoPE scaling by {f} is not supported")));
+                }
+                Err(e) => return Err(e),
+            }
+        }
         let vocab = g.get_strings("tokenizer.ggml.tokens")?.len();
         let rms_eps = g.get_f32(&key("attention.layer_norm_rms_epsilon"))?;
         // A NaN or negative epsilon divides every norm into NaN: text of nothing, no error.
@@ -237,6 +250,15 @@ mod tests {
             )))
             .is_ok()
         );
+        // A factor without a type: linear scaling, to llama.cpp.
+        for name in ["llama.rope.scaling.factor", "llama.rope.scale_linear"] {
+            let err = config_with(Some((name, Value::F32(4.0)))).expect_err("scaled");
+            assert!(err.to_string().contains(name), "{err}");
+            assert!(
+                config_with(Some((name, Value::F32(1.0)))).is_ok(),
+                "{name} of 1"
+            );
+        }
     }
 
     #[test]
