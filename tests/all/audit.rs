@@ -237,6 +237,10 @@ fn every_request_leaves_one_record_in_its_tenants_log_that_only_it_can_read() {
             .expect("cursor");
         let page = audit_page(&up, KEY_B, &format!("?since={a_cursor}&limit=1000"));
         assert!(
+            !records(&page).is_empty(),
+            "B's chain reaches past it: {page}"
+        );
+        assert!(
             records(&page)
                 .iter()
                 .all(|r| r["bulkhead.tenant.id"] == "tenant-b")

@@ -632,9 +632,14 @@ pub fn wait_records(admin: &str, tenant: &str, n: usize) -> Vec<serde_json::Valu
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let got = admin_records(admin, tenant);
-        if got.len() >= n || Instant::now() > deadline {
+        if got.len() >= n {
             return got;
         }
+        assert!(
+            Instant::now() < deadline,
+            "{tenant}: {} of the {n} records awaited after 30 s: {got:#?}",
+            got.len()
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -682,6 +687,17 @@ pub fn assert_families_grouped(text: &str) {
 }
 
 pub fn metric(text: &str, name: &str) -> u64 {
+    // A series not yet counted is absent (0); its family must be there, or the name is wrong
+    // and a count of 0 would show nothing.
+    let series = name.split_once('{').map_or(name, |(f, _)| f);
+    let family = |f: &str| text.contains(&format!("# TYPE {f} "));
+    assert!(
+        family(series)
+            || ["_total", "_count", "_sum", "_bucket"]
+                .iter()
+                .any(|s| series.strip_suffix(s).is_some_and(family)),
+        "no metric family for {series} in:\n{text}"
+    );
     text.lines()
         .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
         .unwrap_or(0)

@@ -334,6 +334,14 @@ pub(super) fn backdate(path: &Path, age: Duration) {
         .expect("sets the time");
 }
 
+/// `entry`'s artifact sealed for the component `digest` (tests: an entry forged by someone who
+/// can write the cache — the seal is no secret, only the file's owner and mode keep it out).
+#[cfg(test)]
+pub(super) fn reseal(entry: &[u8], digest: &Digest) -> Vec<u8> {
+    let artifact = &entry[SEALED.len() + 64..];
+    seal(digest, artifact)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -664,6 +664,19 @@ async fn a_memory_bomb_hits_its_memory_limit_and_fails_closed() {
         "config = { attack = \"memory\" }",
     );
     assert_eq!(fault_of(ask(&p, Ask::default()).await), Fault::Memory);
+    // The binding's own limit is the one that stops it: 10 MiB fits under 16, not under 8
+    // (the sandbox's own cap is 128 MiB here).
+    let held = |memory_mib: u32| {
+        hostile(
+            &format!("memory_mib = {memory_mib}\ntimeout_ms = 2000"),
+            "config = { attack = \"memory\", mib = 10 }",
+        )
+    };
+    let (p, _dir) = held(16);
+    let allowed = ask(&p, Ask::default()).await.expect("10 MiB under 16");
+    assert_eq!(tag(&allowed, "held-mib"), "10");
+    let (p, _dir) = held(8);
+    assert_eq!(fault_of(ask(&p, Ask::default()).await), Fault::Memory);
 }
 
 /// A trap refuses the request unless the binding fails open; the metrics and the audit record
@@ -1704,41 +1717,48 @@ fn the_watcher_takes_a_change_only_once_it_reads_the_same_twice() {
 /// content, and left the admin call's set running, different from the file, with nothing said).
 #[tokio::test]
 async fn the_watcher_compares_the_file_with_the_set_reloaded_last_whoever_reloaded_it() {
-    let dir = Scratch::new("policy");
-    // Compiled once, into a cache: the admin call's reload below is quick even on a busy
-    // machine (compiled again, it could outlast the watcher's interval, and the test showed
-    // nothing).
-    let mut s = settings(&write(&dir, &prompt_limit(5)), Some(dir.0.join("cache")));
-    s.watch_interval = Some(Duration::from_secs(4));
-    let p = Policies::load(s).expect("loads");
-    let first = p.current().source();
-    let watch = p.spawn_watch().expect("watching");
-    // The watcher's first look, at once: the file as loaded.
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let started = Instant::now();
-    write(&dir, &prompt_limit(500));
-    let admin = p.clone();
-    tokio::task::spawn_blocking(move || admin.reload())
-        .await
-        .expect("joins")
-        .expect("the admin call's reload");
-    assert_ne!(p.current().source(), first);
-    write(&dir, &prompt_limit(5));
-    if started.elapsed() > Duration::from_millis(3500) {
-        // The watcher may have looked in between (a slow host): nothing to tell here.
-        eprintln!("skipped: the admin reload took {:?}", started.elapsed());
+    // An attempt whose admin reload outlasts the watcher's interval shows nothing (the watcher
+    // may have looked in between): tried again, and failed if none is quick enough.
+    for attempt in 1..=3 {
+        let dir = Scratch::new("policy");
+        // Compiled once, into a cache: the admin call's reload below is quick even on a busy
+        // machine.
+        let mut s = settings(&write(&dir, &prompt_limit(5)), Some(dir.0.join("cache")));
+        s.watch_interval = Some(Duration::from_secs(4));
+        let p = Policies::load(s).expect("loads");
+        let first = p.current().source();
+        let watch = p.spawn_watch().expect("watching");
+        // The watcher's first look, at once: the file as loaded.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let started = Instant::now();
+        write(&dir, &prompt_limit(500));
+        let admin = p.clone();
+        tokio::task::spawn_blocking(move || admin.reload())
+            .await
+            .expect("joins")
+            .expect("the admin call's reload");
+        assert_ne!(p.current().source(), first);
+        write(&dir, &prompt_limit(5));
+        if started.elapsed() > Duration::from_millis(3500) {
+            eprintln!(
+                "attempt {attempt}: the admin reload took {:?}",
+                started.elapsed()
+            );
+            watch.abort();
+            continue;
+        }
+        let deadline = Instant::now() + Duration::from_secs(12);
+        while p.current().source() != first {
+            assert!(
+                Instant::now() < deadline,
+                "the file put back was never loaded: the running set is not the file's"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         watch.abort();
         return;
     }
-    let deadline = Instant::now() + Duration::from_secs(12);
-    while p.current().source() != first {
-        assert!(
-            Instant::now() < deadline,
-            "the file put back was never loaded: the running set is not the file's"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    watch.abort();
+    panic!("every attempt's admin reload outlasted the watcher's interval: nothing was shown");
 }
 
 /// The watcher's settled read of the file, overtaken by an admin reload of a later edit while
@@ -1903,18 +1923,45 @@ fn a_compile_cache_entry_others_can_write_is_never_trusted() {
         0o600,
         "written for the gateway's user alone"
     );
-    // Another valid compiled component under the plugin's name, writable by anyone.
-    std::fs::copy(impostor, plugin_entry).expect("swaps the entry");
-    std::fs::set_permissions(plugin_entry, std::fs::Permissions::from_mode(0o666))
-        .expect("opens it up");
+    // Another compiled component, sealed for the plugin (the seal is no secret): only the
+    // entry's owner and mode keep it from being run as the pinned plugin.
+    let digest = component("length-limit").1;
+    let forged = super::cache::reseal(&std::fs::read(impostor).expect("the other entry"), &digest);
+    let plant = |mode: u32| {
+        std::fs::remove_file(plugin_entry).expect("removes the entry");
+        std::fs::write(plugin_entry, &forged).expect("plants the forgery");
+        std::fs::set_permissions(plugin_entry, std::fs::Permissions::from_mode(mode))
+            .expect("sets its mode");
+    };
+    // Writable by anyone: compiled again, and the entry written anew.
+    plant(0o666);
     let p = Policies::load(settings(&path, Some(cache.clone()))).expect("recompiles");
     assert_ne!(
         std::fs::read(plugin_entry).expect("rewritten"),
-        std::fs::read(impostor).expect("the other entry"),
-        "the swapped entry was run as the pinned plugin"
+        forged,
+        "a forged entry others could write was run as the pinned plugin"
     );
     assert_eq!(mode(plugin_entry), 0o600);
     drop(p);
+    // The same forgery behind a symbolic link to a private file: not followed.
+    let elsewhere = cache.join("elsewhere");
+    std::fs::write(&elsewhere, &forged).expect("writes it");
+    std::fs::set_permissions(&elsewhere, std::fs::Permissions::from_mode(0o600)).expect("mode");
+    std::fs::remove_file(plugin_entry).expect("removes the entry");
+    std::os::unix::fs::symlink(&elsewhere, plugin_entry).expect("links it");
+    drop(Policies::load(settings(&path, Some(cache.clone()))).expect("recompiles"));
+    let meta = std::fs::symlink_metadata(plugin_entry).expect("the entry");
+    assert!(
+        !meta.file_type().is_symlink(),
+        "replaced by a file of its own"
+    );
+    assert_ne!(std::fs::read(plugin_entry).expect("rewritten"), forged);
+    std::fs::remove_file(&elsewhere).expect("removes it");
+    // The control: the same forgery, the gateway's own and private, is trusted — which is
+    // why the check on owner and mode is what keeps it out above.
+    plant(0o600);
+    drop(Policies::load(settings(&path, Some(cache.clone()))));
+    assert_eq!(std::fs::read(plugin_entry).expect("kept"), forged);
     // A cache directory others can write: nothing read from it or stored in it.
     std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o777)).expect("opens it");
     for entry in cache_entries(&cache) {

@@ -1,7 +1,7 @@
 //! `hostile`: a test plugin that misbehaves on purpose in `on-request` (and `on-disconnect`),
 //! chosen by its configuration, so the gateway's limits are tested against real components:
-//! `loop` (never returns: the epoch deadline), `memory` (grows memory without end: the store's
-//! memory limit), `trap` (panics: a trap), `bad-status` (denies with a status that is not a
+//! `loop` (never returns: the epoch deadline), `memory` (grows memory without end, or by `mib`
+//! MiB and then allows: the store's memory limit), `trap` (panics: a trap), `bad-status` (denies with a status that is not a
 //! 4xx) and `bad-header` (adds a header that is not valid HTTP): garbage verdicts; `sleep`
 //! (waits 5 s in a WASI clock, where no epoch deadline can stop it: the call's timeout);
 //! `big-header` (allows, adding one 8 MiB header: more than the gateway copies out of a call);
@@ -40,6 +40,9 @@ struct Config {
     /// How far `busy` counts.
     #[serde(default)]
     rounds: u64,
+    /// How many MiB `memory` takes before it allows; without it, no end.
+    #[serde(default)]
+    mib: Option<usize>,
 }
 
 thread_local! {
@@ -53,12 +56,13 @@ fn spin() -> ! {
     }
 }
 
-fn bomb() -> usize {
+/// Holds `mib` MiB (or grows without end), then says how many it holds.
+fn bomb(mib: Option<usize>) -> usize {
     let mut hoard: Vec<Vec<u8>> = Vec::new();
     loop {
         hoard.push(vec![1u8; 1 << 20]);
         std::hint::black_box(&hoard);
-        if hoard.len() == usize::MAX {
+        if Some(hoard.len()) == mib || hoard.len() == usize::MAX {
             return hoard.len();
         }
     }
@@ -68,10 +72,14 @@ fn attack(c: &Config) -> Verdict {
     match c.attack {
         Attack::Loop => spin(),
         Attack::Memory => {
-            let n = bomb();
-            Verdict::Deny(Denial {
-                status: 403,
-                message: format!("{n}"),
+            let n = bomb(c.mib);
+            Verdict::Allow(Mutations {
+                tags: vec![Tag {
+                    key: "held-mib".into(),
+                    value: n.to_string(),
+                }],
+                clamp_max_tokens: None,
+                add_headers: Vec::new(),
             })
         }
         Attack::Trap => panic!("hostile plugin: trap on purpose"),
