@@ -1753,9 +1753,10 @@ fn bad_input_gets_a_clear_error_and_the_gateway_keeps_serving() {
     });
 }
 
-/// A client's `cache_salt` splits its tenant's prefix cache, on prefill and on decode: a
-/// repeat with the same salt reads the cached prompt, one with another salt or none reads
-/// nothing of it.
+/// A client's `cache_salt` splits its tenant's prefix cache: a repeat with the same salt reads
+/// the cached prompt, one with another salt or none reads nothing of it (as its answers
+/// report: prefill's reads). Decode scopes its cache by the same `Scope::salted`
+/// (`serve::validate`'s `a_requests_cache_scope_is_its_tenant_and_salt`).
 #[test]
 fn only_requests_with_the_same_cache_salt_share_cached_prompt_pages() {
     bounded(|| {

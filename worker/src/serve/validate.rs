@@ -252,6 +252,26 @@ mod tests {
         assert_eq!(v.max_new_tokens, 8);
     }
 
+    /// The engine's prefix-cache scope is the tenant and its salt: requests of one tenant with
+    /// another salt (or none) share no cached pages (the colocated and decode paths; prefill's
+    /// scopes its own the same way).
+    #[test]
+    fn a_requests_cache_scope_is_its_tenant_and_salt() {
+        let scope = |salt: &str| {
+            let mut r = request(Prompt::Tokens(proto::TokenPrompt { ids: vec![5] }));
+            r.cache_salt = salt.into();
+            let (tx, _rx) = std::sync::mpsc::channel();
+            parse(r)
+                .expect("valid")
+                .into_request(RequestId::new(1), Box::new(tx))
+                .tenant
+        };
+        assert_eq!(scope("s1"), Scope::salted("acme", "s1"));
+        assert_ne!(scope("s1"), scope("s2"));
+        assert_ne!(scope("s1"), scope(""));
+        assert_eq!(scope(""), Scope::new("acme"));
+    }
+
     #[test]
     fn text_and_chat_prompts_are_tokenized() {
         let v = parse(request(Prompt::Text("hi".into()))).expect("valid");

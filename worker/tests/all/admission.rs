@@ -129,6 +129,43 @@ fn a_prompt_over_the_pool_is_rejected_before_any_allocation() {
     );
 }
 
+/// What decode admission's served-context check stands in front of (test build only:
+/// `--features check-switches`, scripts/test's switched pass): with it off, a request over the
+/// pool is taken, and the pool's own bound is all that stops it — it is never reserved, and
+/// ends refused for load at the queue's timeout, with every page free throughout. With the
+/// check on, the test above sees it refused at once.
+#[cfg(feature = "check-switches")]
+#[test]
+fn with_decode_admission_switched_off_a_request_over_the_pool_is_taken_but_never_reserved() {
+    bulkhead_checks::turn_off(&[bulkhead_checks::Check::DecodeAdmission]);
+    let timeout = Duration::from_millis(200);
+    let mut e = tiny_engine(
+        64,
+        EngineConfig {
+            queue_timeout: timeout,
+            ..EngineConfig::default()
+        },
+    );
+    let before = e.pool().stats();
+    let (tx, rx) = mpsc::channel();
+    e.submit(request(1, &[5; 60], 10, tx))
+        .map_err(|(err, _)| err)
+        .expect("the check is off: 60 + 10 over 64 is taken");
+    let started = Instant::now();
+    while e.has_work() {
+        assert!(started.elapsed() < 10 * timeout, "never ended");
+        assert_eq!(e.pool().stats(), before, "over the pool, yet reserved");
+        std::thread::sleep(Duration::from_millis(20));
+        e.step();
+    }
+    let refused = collect(rx);
+    assert!(
+        matches!(refused.finish, Some(Err(Failure::QueueTimedOut(t))) if t == timeout),
+        "{refused:?}"
+    );
+    assert_all_pages_back(&e);
+}
+
 #[test]
 fn bad_requests_are_refused_with_a_reason() {
     let mut e = tiny_engine(256, EngineConfig::default());
