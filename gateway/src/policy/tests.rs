@@ -76,6 +76,15 @@ fn with_slots(dir: &Scratch, text: &str, instances: u32) -> Policies {
     Policies::load(s).expect("the set loads")
 }
 
+/// A set of `length-limit` alone, its binding's lines `binding`, loaded.
+fn length_limit_with(binding_lines: &str) -> Result<(Policies, Scratch), PolicyError> {
+    load(&format!(
+        "{}{}",
+        plugin("length-limit", ""),
+        binding("length-limit", binding_lines)
+    ))
+}
+
 fn load(text: &str) -> Result<(Policies, Scratch), PolicyError> {
     let dir = Scratch::new("policy");
     let path = write(&dir, text);
@@ -184,6 +193,25 @@ fn hostile(limits: &str, binding_extra: &str) -> (Policies, Scratch) {
         plugin("hostile", limits),
         binding("hostile", binding_extra),
     ))
+}
+
+/// `tenant-a`'s request carrying `headers` (appended in order: a name may come twice).
+async fn ask_with(p: &Policies, headers: &[(&str, &str)]) -> Result<RequestPolicy, Refused> {
+    let mut map = HeaderMap::new();
+    for (name, value) in headers {
+        map.append(
+            HeaderName::from_bytes(name.as_bytes()).expect("a header name"),
+            HeaderValue::from_bytes(value.as_bytes()).expect("a header value"),
+        );
+    }
+    ask(
+        p,
+        Ask {
+            headers: map,
+            ..Ask::default()
+        },
+    )
+    .await
 }
 
 fn denial_of(r: Result<RequestPolicy, Refused>) -> (u16, String) {
@@ -859,18 +887,7 @@ async fn a_plugin_built_against_0_1_0_works_in_the_0_1_1_host() {
         binding("compat-0.1.0", "headers = [\"x-compat\"]"),
     ));
     ask(&p, Ask::default()).await.expect("allowed");
-    let mut headers = HeaderMap::new();
-    headers.insert("x-compat", "deny".parse().expect("value"));
-    let (status, _) = denial_of(
-        ask(
-            &p,
-            Ask {
-                headers,
-                ..Ask::default()
-            },
-        )
-        .await,
-    );
+    let (status, _) = denial_of(ask_with(&p, &[("x-compat", "deny")]).await);
     assert_eq!(status, 418);
 }
 
@@ -1068,17 +1085,20 @@ async fn plugins_that_import_only_the_world_are_snapshotted_and_wasi_guests_conf
 #[tokio::test]
 async fn a_python_policy_loads_and_acts() {
     let dir = Scratch::new("policy");
-    let path = write(
-        &dir,
-        &format!(
-            "{}{}",
-            plugin("header-gate", "timeout_ms = 1000\nmemory_mib = 64"),
-            binding(
-                "header-gate",
-                "headers = [\"x-project\"]\nfail_open = true\nconfig = { header = \"x-project\", \
-                 tenants = [\"tenant-b\"], status = 412, tag = \"project\" }"
+    // header-gate under `binding_lines`, written in `dir`.
+    let header_gate = |binding_lines: &str| {
+        write(
+            &dir,
+            &format!(
+                "{}{}",
+                plugin("header-gate", "timeout_ms = 1000\nmemory_mib = 64"),
+                binding("header-gate", binding_lines),
             ),
-        ),
+        )
+    };
+    let path = header_gate(
+        "headers = [\"x-project\"]\nfail_open = true\nconfig = { header = \"x-project\", \
+         tenants = [\"tenant-b\"], status = 412, tag = \"project\" }",
     );
     // The compile cache beside the components, as the default deployment does: a second
     // run of this test skips the seconds-long compile.
@@ -1139,16 +1159,8 @@ async fn a_python_policy_loads_and_acts() {
         assert!(message.len() < 200, "{message}");
     }
     // Its schema keeps it from writing the tenant's tag.
-    let bad = write(
-        &dir,
-        &format!(
-            "{}{}",
-            plugin("header-gate", "timeout_ms = 1000\nmemory_mib = 64"),
-            binding(
-                "header-gate",
-                "headers = [\"x-project\"]\nconfig = { header = \"x-project\", tag = \"tenant\" }"
-            ),
-        ),
+    let bad = header_gate(
+        "headers = [\"x-project\"]\nconfig = { header = \"x-project\", tag = \"tenant\" }",
     );
     let e =
         Policies::load(settings(&bad, Some(dist().join("cache")))).expect_err("the tenant's tag");
@@ -1206,45 +1218,15 @@ async fn a_javascript_policy_loads_and_acts() {
         assert_eq!(message, format!("model {model} is not available"));
     }
     // A listed header value, on an allowed model.
-    let mut headers = HeaderMap::new();
-    headers.insert("x-client", "scraper".parse().expect("value"));
-    let (status, message) = denial_of(
-        ask(
-            &p,
-            Ask {
-                headers,
-                ..Ask::default()
-            },
-        )
-        .await,
-    );
+    let (status, message) = denial_of(ask_with(&p, &[("x-client", "scraper")]).await);
     assert_eq!(status, 451);
     assert!(message.contains("x-client"), "{message}");
-    let mut headers = HeaderMap::new();
-    headers.insert("x-client", "browser".parse().expect("value"));
-    ask(
-        &p,
-        Ask {
-            headers,
-            ..Ask::default()
-        },
-    )
-    .await
-    .expect("another header value is allowed");
+    ask_with(&p, &[("x-client", "browser")])
+        .await
+        .expect("another header value is allowed");
     // A listed value behind another (a proxy appended it): every value counts.
-    let mut headers = HeaderMap::new();
-    headers.append("x-client", "browser".parse().expect("value"));
-    headers.append("x-client", "scraper".parse().expect("value"));
-    let (status, _) = denial_of(
-        ask(
-            &p,
-            Ask {
-                headers,
-                ..Ask::default()
-            },
-        )
-        .await,
-    );
+    let both = [("x-client", "browser"), ("x-client", "scraper")];
+    let (status, _) = denial_of(ask_with(&p, &both).await);
     assert_eq!(status, 451);
     // A configuration the schema accepts and the plugin refuses (its `configure` throws):
     // the set is refused with the plugin's reason.
@@ -1442,39 +1424,23 @@ fn a_set_is_refused_for_a_wrong_pin_a_bad_config_or_a_credential_header() {
         matches!(&e, PolicyError::Load(LoadError::PinMismatch { actual, .. }) if *actual == digest),
         "{e}"
     );
-    let e = load(&format!(
-        "{}{}",
-        plugin("length-limit", ""),
-        binding(
-            "length-limit",
-            "config = { max_prompt_tokens = \"planted\" }"
-        )
-    ))
-    .expect_err("bad config");
+    let e =
+        length_limit_with("config = { max_prompt_tokens = \"planted\" }").expect_err("bad config");
     // Where and why, never the value (the refusal reaches the log and the admin API).
     assert!(
         matches!(&e, PolicyError::Load(LoadError::InvalidConfig { errors, .. }) if errors.contains("max_prompt_tokens") && errors.contains("integer")),
         "{e}"
     );
     assert!(!e.to_string().contains("planted"), "{e}");
-    let e = load(&format!(
-        "{}{}",
-        plugin("length-limit", ""),
-        binding("length-limit", "headers = [\"authorization\"]")
-    ))
-    .expect_err("credentials");
+    let e = length_limit_with("headers = [\"authorization\"]").expect_err("credentials");
     assert!(
         matches!(e, PolicyError::Load(LoadError::Header { .. })),
         "{e}"
     );
     // Removed from every request before the chain: a rule on them would never fire.
     for header in ["x-tenant-tier", "x-bulkhead-project", "x-org-id"] {
-        let e = load(&format!(
-            "{}{}",
-            plugin("length-limit", ""),
-            binding("length-limit", &format!("headers = [\"{header}\"]"))
-        ))
-        .expect_err("a tenant claim");
+        let e =
+            length_limit_with(&format!("headers = [\"{header}\"]")).expect_err("a tenant claim");
         assert!(
             matches!(&e, PolicyError::Load(LoadError::Header { reason, .. }) if reason.contains("claim a tenant")),
             "{header}: {e}"
@@ -1593,12 +1559,7 @@ fn an_empty_file_or_an_empty_tenant_name_is_refused() {
     }
     let (none, _dir) = loaded("chain = []\n");
     assert!(none.current().bindings.is_empty());
-    let e = load(&format!(
-        "{}{}",
-        plugin("length-limit", ""),
-        binding("length-limit", "tenants = [\"tenant-a\", \"\"]")
-    ))
-    .expect_err("an empty tenant");
+    let e = length_limit_with("tenants = [\"tenant-a\", \"\"]").expect_err("an empty tenant");
     assert!(
         matches!(
             e,
@@ -1608,12 +1569,7 @@ fn an_empty_file_or_an_empty_tenant_name_is_refused() {
     );
     // An empty list of tenants or routes: a binding that never applies, turned off silently.
     for field in ["tenants", "routes"] {
-        let e = load(&format!(
-            "{}{}",
-            plugin("length-limit", ""),
-            binding("length-limit", &format!("{field} = []"))
-        ))
-        .expect_err("an empty list");
+        let e = length_limit_with(&format!("{field} = []")).expect_err("an empty list");
         assert!(
             matches!(&e, PolicyError::Load(LoadError::MatchesNothing { index: 0, field: f, .. }) if *f == field),
             "{field}: {e}"

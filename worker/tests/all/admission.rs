@@ -23,6 +23,17 @@ fn tiny_engine(tokens: u64, config: EngineConfig) -> Engine {
     )
 }
 
+/// A pool of 64 tokens whose waiting requests are refused after `timeout`.
+fn queue_timing_out(timeout: Duration) -> Engine {
+    tiny_engine(
+        64,
+        EngineConfig {
+            queue_timeout: timeout,
+            ..EngineConfig::default()
+        },
+    )
+}
+
 fn assert_all_pages_back(e: &Engine) {
     let s = e.pool().stats();
     assert_eq!(s.free + s.pending_scrub, s.total, "pages not back: {s:?}");
@@ -139,13 +150,7 @@ fn a_prompt_over_the_pool_is_rejected_before_any_allocation() {
 fn with_decode_admission_switched_off_a_request_over_the_pool_is_taken_but_never_reserved() {
     bulkhead_checks::turn_off(&[bulkhead_checks::Check::DecodeAdmission]);
     let timeout = Duration::from_millis(200);
-    let mut e = tiny_engine(
-        64,
-        EngineConfig {
-            queue_timeout: timeout,
-            ..EngineConfig::default()
-        },
-    );
+    let mut e = queue_timing_out(timeout);
     let before = e.pool().stats();
     let (tx, rx) = mpsc::channel();
     e.submit(request(1, &[5; 60], 10, tx))
@@ -231,13 +236,7 @@ fn a_request_that_fits_but_not_now_waits_and_the_queue_is_bounded() {
 #[test]
 fn a_request_that_waits_for_pages_past_the_queue_timeout_is_refused_as_busy() {
     let timeout = Duration::from_millis(200);
-    let mut e = tiny_engine(
-        64,
-        EngineConfig {
-            queue_timeout: timeout,
-            ..EngineConfig::default()
-        },
-    );
+    let mut e = queue_timing_out(timeout);
     let (tx, running) = mpsc::channel();
     let mut first = request(1, &[5; 40], 24, tx);
     first.ignore_eos = true;
