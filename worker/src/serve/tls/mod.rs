@@ -1009,6 +1009,79 @@ mod tests {
         assert_eq!(listening.admits(&server).await, (true, true));
     }
 
+    /// Both planes ask every client for a certificate of their CA: one that trusts the CA but
+    /// presents no certificate, or another CA's, is refused on each. (A foreign client that
+    /// also distrusts the server fails on its own side, before the server judges it: such a
+    /// test would pass with a server that asked for nothing.)
+    #[tokio::test]
+    async fn a_client_without_a_certificate_of_the_ca_gets_no_connection_on_either_plane() {
+        use tokio_stream::StreamExt as _;
+        let (_dir, files) = written();
+        let server = ClusterTls::load(&files).expect("loads");
+        let mut listening = Listening::new(&server).await;
+        let read = Read::from_files(&files).expect("reads");
+        let mut roots = RootCertStore::empty();
+        roots.add_parsable_certificates(certificates("TLS CA", &files.ca, &read.ca).expect("a CA"));
+        let other_dir = tempdir::Dir::new();
+        let other = Authority::new("another CA")
+            .expect("a CA")
+            .write(&other_dir.0, "intruder", &["127.0.0.1".to_owned()])
+            .expect("writes");
+        let other_read = Read::from_files(&other).expect("reads");
+        let other_chain =
+            certificates("TLS certificate", &other.cert, &other_read.cert).expect("a certificate");
+        // A TLS 1.3 client trusting the server's CA, with another CA's certificate or none.
+        let client = |alpn: &[u8], presents: bool| {
+            let trusting = ClientConfig::builder_with_provider(provider())
+                .with_protocol_versions(&[&rustls::version::TLS13])
+                .expect("TLS 1.3")
+                .with_root_certificates(roots.clone());
+            let mut config = if presents {
+                let key = PrivateKeyDer::from_pem_slice(&other_read.key).expect("a key");
+                trusting
+                    .with_client_auth_cert(other_chain.clone(), key)
+                    .expect("a client")
+            } else {
+                trusting.with_no_client_auth()
+            };
+            config.alpn_protocols = vec![alpn.to_vec()];
+            TlsConnector::from(Arc::new(config))
+        };
+        let name = || server_name("127.0.0.1:1").expect("a name");
+        let limit = Duration::from_millis(300);
+        for presents in [false, true] {
+            let socket = TcpStream::connect(&listening.grpc).await.expect("connects");
+            // TLS 1.3: the client may think it is done before the server has judged it.
+            let _connected = client(GRPC_ALPN, presents).connect(name(), socket).await;
+            let taken = tokio::time::timeout(limit, listening.incoming.next()).await;
+            assert!(
+                !matches!(taken, Ok(Some(Ok(_)))),
+                "the gRPC server took a client presenting {}",
+                if presents {
+                    "another CA's certificate"
+                } else {
+                    "none"
+                }
+            );
+            let kv = listening.kv.local_addr().expect("address");
+            let connecting = async {
+                let socket = TcpStream::connect(kv).await.expect("connects");
+                client(KV_ALPN, presents).connect(name(), socket).await
+            };
+            let accepting = async {
+                let (socket, _) = listening.kv.accept().await.expect("accepts");
+                server.accept(socket, Duration::from_secs(5)).await
+            };
+            let (_connected, accepted) = tokio::join!(connecting, accepting);
+            assert!(
+                accepted.is_err(),
+                "the KV plane took it (presents: {presents})"
+            );
+        }
+        // The server's own certificate is taken on both: the refusals are the certificates'.
+        assert_eq!(listening.admits(&server).await, (true, true));
+    }
+
     /// Peers dialled at addresses no certificate names in advance (pod IPs) are verified as
     /// one name instead: a server whose certificate carries only that name is taken, on both
     /// planes, by a client verifying servers as it, and refused by one checking the address
