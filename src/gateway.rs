@@ -145,12 +145,24 @@ pub fn preflight(args: PreflightArgs) -> anyhow::Result<()> {
 /// each one's SHA-256 hex digest, as `key_sha256` and `token_sha256` hold them, and the key id
 /// that audit records name it by.
 pub fn hash_key() -> anyhow::Result<()> {
+    const STRONG_KEY_CHARS: usize = 32;
     let mut out = std::io::stdout().lock();
     let mut hashed = 0;
-    for line in std::io::stdin().lock().lines() {
+    for (n, line) in std::io::stdin().lock().lines().enumerate() {
         let line = line.context("reading stdin")?;
         let key = line.trim();
         if !key.is_empty() {
+            // A digest without salt: a short key is found by trying keys against it, by
+            // anyone who reads the configuration.
+            if key.chars().count() < STRONG_KEY_CHARS {
+                eprintln!(
+                    "warning: the key on line {} has {} characters: a key this short can be \
+                     guessed from its digest; use {STRONG_KEY_CHARS} or more random ones \
+                     (openssl rand -hex 32)",
+                    n + 1,
+                    key.chars().count()
+                );
+            }
             let hash = KeyHash::of(key);
             writeln!(out, "{} key_id={}", hash.to_hex(), hash.id()).context("writing stdout")?;
             hashed += 1;

@@ -1909,6 +1909,20 @@ fn hash_key_prints_each_keys_digest_and_fails_cleanly_without_one() {
     let printed = String::from_utf8_lossy(&out.stdout);
     let digest = printed.split_whitespace().next().expect("a digest");
     assert!(config.contains(&format!("[\"{digest}\"]")), "{printed}");
+    // The demo key is short enough to guess from its digest, and is told so (never echoed);
+    // a key of 64 random hex digits is not.
+    let warned = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        warned.contains("line 1 has 16 characters") && !warned.contains("sk-demo"),
+        "{warned}"
+    );
+    let strong = run(format!("{}\n", "a1".repeat(32)).as_bytes(), Stdio::piped());
+    assert!(strong.status.success());
+    assert!(
+        strong.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&strong.stderr)
+    );
     for (stdin, stdout, says) in [
         (&b""[..], Stdio::piped(), "no key on stdin"),
         (
