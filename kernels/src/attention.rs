@@ -90,6 +90,10 @@ pub enum IntegrityError {
         needed: usize,
         tokens: usize,
     },
+    /// A device kernel named a page past the table it was given: the step's plan and the
+    /// kernel disagree, and nothing it computed for the sequence is trusted.
+    #[error("the kernel reported page {index} of a table of {pages} pages")]
+    StatusOutOfTable { index: usize, pages: usize },
 }
 
 /// The value released pages are filled with under the canary scrub policy: an f16 NaN with a

@@ -107,7 +107,13 @@ impl StepPlan {
                 let (index, position) = (status[2 * si], status[2 * si + 1]);
                 if index != NONE {
                     let index = index as usize;
-                    let r = self.tables[si].get(index)?;
+                    let table = &self.tables[si];
+                    let Some(r) = table.get(index) else {
+                        return Some(IntegrityError::StatusOutOfTable {
+                            index,
+                            pages: table.len(),
+                        });
+                    };
                     return Some(IntegrityError::TagMismatch {
                         index,
                         expected: r.tag,
@@ -223,5 +229,11 @@ mod tests {
         );
         assert_eq!(f[1], Some(IntegrityError::CanaryRead { position: 6 }));
         assert_eq!(f[2], None);
+        // A page the kernel names past the table: a failure, never none.
+        let f = plan.failures(&[5, NONE, NONE, NONE, NONE, NONE], &tags);
+        assert_eq!(
+            f[0],
+            Some(IntegrityError::StatusOutOfTable { index: 5, pages: 2 })
+        );
     }
 }
