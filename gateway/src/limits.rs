@@ -324,6 +324,10 @@ pub struct Limiter {
 #[derive(Debug, Default)]
 struct Budgets {
     of: HashMap<TenantId, usize>,
+    /// The ids tenants were renamed from, each to its budget under the new id: a request
+    /// authenticated under the old id before the reload spends the renamed tenant's budget,
+    /// not a fresh one. Dropped when the old id is configured again.
+    was: HashMap<TenantId, usize>,
     all: Vec<TenantBudget>,
 }
 
@@ -331,7 +335,7 @@ impl Budgets {
     /// The index of `tenant`'s budget, made from its limits if it has none yet.
     fn index(&mut self, tenant: &Arc<Tenant>, now: Instant) -> usize {
         // Looked up before it is made: no id is copied for a tenant that has one.
-        if let Some(&i) = self.of.get(&tenant.id) {
+        if let Some(&i) = self.of.get(&tenant.id).or_else(|| self.was.get(&tenant.id)) {
             return i;
         }
         self.all.push(TenantBudget::new(tenant.limits, now));
@@ -370,13 +374,18 @@ impl Limiter {
         let now = Instant::now();
         let mut budgets = self.lock();
         for (old, new) in renamed {
-            if !budgets.of.contains_key(new)
-                && let Some(i) = budgets.of.remove(old)
+            if let Some(i) = budgets
+                .of
+                .remove(old)
+                .or_else(|| budgets.was.get(old).copied())
             {
                 budgets.of.insert(new.clone(), i);
+                budgets.was.insert(old.clone(), i);
             }
         }
         for tenant in tenants.tenants() {
+            // An id a tenant was renamed from, configured again: a tenant of its own now.
+            budgets.was.remove(&tenant.id);
             let i = budgets.index(tenant, now);
             budgets.all[i].retune(tenant.limits, now);
         }

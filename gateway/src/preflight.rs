@@ -129,6 +129,10 @@ pub fn server_checks(servers: &[ServerAnswer]) -> Vec<Check> {
 pub struct Answer {
     pub worker: WorkerConfig,
     pub info: Result<InfoResponse, String>,
+    /// Whether the worker answered at all: false when nothing did (no address, no connection,
+    /// no answer in time), true for an `Info` answered or refused (a refusal is the worker's
+    /// word, not its silence).
+    pub answered: bool,
     /// With a cluster token configured: what the worker did with a call that presented none.
     /// `None`: not asked.
     pub open: Option<Bare>,
@@ -223,6 +227,7 @@ pub async fn ask(config: &Config, cluster: &ClusterAccess, resolver: &impl Resol
                     group: None,
                 },
                 info: Err(error),
+                answered: false,
                 open: None,
             }),
         }
@@ -256,13 +261,13 @@ pub async fn ask(config: &Config, cluster: &ClusterAccess, resolver: &impl Resol
 async fn ask_one(w: &WorkerConfig, cluster: &ClusterAccess) -> Answer {
     let info = async {
         let endpoint =
-            tls::endpoint(&w.endpoint, cluster.tls.as_ref()).map_err(|e| e.to_string())?;
+            tls::endpoint(&w.endpoint, cluster.tls.as_ref()).map_err(|e| (e.to_string(), false))?;
         let token = cluster.token.as_ref();
         let channel = endpoint
             .connect_timeout(ASK_LIMIT)
             .connect()
             .await
-            .map_err(|e| unreachable(e.to_string(), e.source(), cluster))?;
+            .map_err(|e| (unreachable(e.to_string(), e.source(), cluster), false))?;
         let answer = cluster_token::shared_client(channel.clone(), token.cloned())
             .info(InfoRequest {
                 include_tokenizer: false,
@@ -273,8 +278,11 @@ async fn ask_one(w: &WorkerConfig, cluster: &ClusterAccess) -> Answer {
             // worker that speaks TLS to a caller without it ends the connection): the
             // message at the top says little, the causes say what happened.
             match s.source() {
-                Some(cause) => unreachable(s.message().to_owned(), Some(cause), cluster),
-                None => s.message().to_owned(),
+                Some(cause) => (
+                    unreachable(s.message().to_owned(), Some(cause), cluster),
+                    false,
+                ),
+                None => (s.message().to_owned(), true),
             }
         })?;
         // A worker that requires the token refuses the same call without it.
@@ -297,29 +305,55 @@ async fn ask_one(w: &WorkerConfig, cluster: &ClusterAccess) -> Answer {
     };
     let answer = tokio::time::timeout(ASK_LIMIT * 2, info)
         .await
-        .unwrap_or_else(|_| Err("timed out".into()));
-    let (info, open) = match answer {
-        Ok((info, open)) => (Ok(info), open),
-        Err(e) => (Err(e), None),
+        .unwrap_or_else(|_| Err(("timed out".into(), false)));
+    let (info, answered, open) = match answer {
+        Ok((info, open)) => (Ok(info), true, open),
+        Err((e, answered)) => (Err(e), answered, None),
     };
     Answer {
         worker: w.clone(),
         info,
+        answered,
         open,
     }
 }
 
-/// Makes every "reachable" failure a warning: for a deployment's gate, where workers come
-/// and go (a rolling update, a node lost) and the gateway routes only to workers that answer
-/// and pass these checks, so a gateway must not wait for every worker to start. A worker that
-/// answers and fails a check still fails.
-pub fn unreachable_warns(checks: &mut [Check]) {
-    for c in checks.iter_mut().filter(|c| c.name == REACHABLE && !c.pass) {
-        c.advisory = true;
+/// Makes a warning of every failure that only silence caused: a worker nothing answered for,
+/// and a decode worker's check of its prefill peer while the peer is not reached yet or a
+/// member of its prefill group is silent. For a deployment's gate, where workers come and go
+/// (a rolling update, a node lost) and the gateway routes only to workers that answer and pass
+/// these checks (it checks the peer again itself), so a gateway must not wait for every worker
+/// to start. A worker that answers — a refusal too — and fails a check still fails.
+pub fn unreachable_warns(checks: &mut [Check], answers: &[Answer]) {
+    let silent = |a: &Answer| a.info.is_err() && !a.answered;
+    let waiting_for_peer = |d: &Answer| {
+        let (Ok(info), Some(group)) = (&d.info, d.worker.prefill.as_deref()) else {
+            return false;
+        };
+        let group_silent = answers.iter().any(|p| {
+            p.worker.role == WorkerRole::Prefill && p.worker.answers_to(group) && silent(p)
+        });
+        info.prefill_peer
+            .as_ref()
+            .is_some_and(|seen| seen.instance_id.is_empty() || group_silent)
+    };
+    for a in answers {
+        let name = match (silent(a), waiting_for_peer(a)) {
+            (true, _) => REACHABLE,
+            (false, true) => DIALS_PREFILL,
+            (false, false) => continue,
+        };
+        for c in checks
+            .iter_mut()
+            .filter(|c| !c.pass && c.name == name && c.subject == a.worker.name)
+        {
+            c.advisory = true;
+        }
     }
 }
 
 const REACHABLE: &str = "reachable";
+const DIALS_PREFILL: &str = "dials a configured prefill worker";
 
 /// Every check over `answers`.
 pub fn checks(answers: &[Answer]) -> Vec<Check> {
@@ -558,7 +592,7 @@ pub fn peer<'a>(
     };
     Check {
         subject: decode.to_owned(),
-        name: "dials a configured prefill worker",
+        name: DIALS_PREFILL,
         pass,
         detail,
         advisory: false,
@@ -850,11 +884,13 @@ mod tests {
             Answer {
                 worker: worker("p", WorkerRole::Prefill, None),
                 info: Ok(prefill),
+                answered: true,
                 open: None,
             },
             Answer {
                 worker: worker("d", WorkerRole::Decode, Some("p")),
                 info: Ok(decode),
+                answered: true,
                 open: None,
             },
         ]
@@ -893,6 +929,7 @@ mod tests {
                     role: Role::Both.into(),
                     ..info(model, 8192, 8192, 16, 0)
                 }),
+                answered: true,
                 open: None,
             });
             a
@@ -1219,9 +1256,25 @@ mod tests {
             detail.contains("http://p:50051 answers as instance a-stranger"),
             "{detail}"
         );
+        // What `--unreachable-warns` makes of each: the stranger is no silence.
+        let gated = |answers: &[Answer]| {
+            let mut checks = super::checks(answers);
+            unreachable_warns(&mut checks, answers);
+            failed(&checks)
+                .into_iter()
+                .map(|(s, n)| (s.to_owned(), n))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            gated(&answers),
+            [("d".to_owned(), "dials a configured prefill worker")]
+        );
         // The prefill worker gives no Info (down): the process dialled may be it, so the
         // address is not blamed; the check cannot be made.
         let prefill_info = std::mem::replace(&mut answers[0].info, Err("refused".into()));
+        answers[0].answered = false;
+        // Silent, under the gate: a warning for both, the gateway checks again before routing.
+        assert_eq!(gated(&answers), []);
         let checks = super::checks(&answers);
         let dials = checks
             .iter()
@@ -1236,12 +1289,18 @@ mod tests {
             dials.detail
         );
         answers[0].info = prefill_info;
+        answers[0].answered = true;
 
         peer(&mut answers).instance_id.clear();
         let checks = super::checks(&answers);
         assert_eq!(
             failed(&checks),
             [("d", "dials a configured prefill worker")]
+        );
+        assert_eq!(
+            gated(&answers),
+            [],
+            "not reached yet: a warning under the gate"
         );
         // Why it has not reached one, when it knows.
         "refused: the cluster token presented is not this worker's"
@@ -1289,16 +1348,19 @@ mod tests {
             Answer {
                 worker: member("p@a", WorkerRole::Prefill, None, "p"),
                 info: Ok(p_a),
+                answered: true,
                 open: None,
             },
             Answer {
                 worker: member("p@b", WorkerRole::Prefill, None, "p"),
                 info: Ok(prefill(32)),
+                answered: true,
                 open: None,
             },
             Answer {
                 worker: member("d@a", WorkerRole::Decode, Some("p"), "d"),
                 info: Ok(d_a),
+                answered: true,
                 open: None,
             },
         ];
@@ -1332,6 +1394,7 @@ mod tests {
         let answer = |name: &str, open| Answer {
             worker: worker(name, WorkerRole::Both, None),
             info: Ok(info("m", 8192, 8192, 16, 0)),
+            answered: true,
             open,
         };
         let answers = vec![
@@ -1370,11 +1433,20 @@ mod tests {
             Answer {
                 worker: worker("a", WorkerRole::Both, None),
                 info: Err("connection refused".into()),
+                answered: false,
                 open: None,
             },
             Answer {
                 worker: worker("b", WorkerRole::Both, None),
                 info: Ok(off),
+                answered: true,
+                open: None,
+            },
+            // Answered, refusing the gateway (another cluster token): its word, not silence.
+            Answer {
+                worker: worker("c", WorkerRole::Both, None),
+                info: Err("the cluster token is not this cluster's".into()),
+                answered: true,
                 open: None,
             },
         ];
@@ -1390,12 +1462,14 @@ mod tests {
         );
         // A deployment's gate (--unreachable-warns): the worker that does not answer warns,
         // the one that answers with its checks off still fails.
+        // A deployment's gate (--unreachable-warns): the worker that does not answer warns;
+        // the one that refused the gateway and the one with its checks off still fail.
         let mut gate = checks(&answers);
-        unreachable_warns(&mut gate);
+        unreachable_warns(&mut gate, &answers);
         let (text, passed) = render(&answers, &[], &gate);
         assert!(!passed, "{text}");
         assert!(!text.contains("FAIL a"), "{text}");
-        assert!(text.contains("FAIL b"), "{text}");
+        assert!(text.contains("FAIL b") && text.contains("FAIL c"), "{text}");
         let (text, passed) = render(&answers[..1], &[], &gate[..1]);
         assert!(passed, "{text}");
     }

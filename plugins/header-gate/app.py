@@ -8,9 +8,10 @@ value (and may be limited to a set of allowed values). The binding must select t
     {"header": "x-project", "tenants": ["tenant-b"], "status": 403, "tag": "project",
      "allowed": ["alpha", "beta"]}
 
-The value is the client's: a value the gateway would refuse as a tag (over 256 bytes, or
-with control characters), or the header sent twice with different values, is refused with
-the configured status here. Passed on, it would make this plugin's answer invalid, which
+The value is the client's: a value over 256 bytes, one with a character Python does not
+call printable (controls, format and separator characters: every character the gateway
+refuses in a tag, and some it takes), or the header sent twice with different values, is
+refused with the configured status here, whatever the tenant. Passed on, it would make this plugin's answer invalid, which
 fails the request as a plugin fault, or lets it through unchecked where the binding is
 fail-open. Refusals quote at most the first 64 characters of the value.
 """

@@ -78,9 +78,11 @@ impl TenantSet {
         self.tenants().find(|t| t.id == *id)
     }
 
-    /// The tenants `old` knew under another id: (old id, new id) for each id of `old` that this
-    /// set lacks whose keys, some or all, now belong to an id `old` lacked. An old id whose keys
-    /// went to several new ids is paired with the first of them in file order.
+    /// The tenants `old` knew under another id: (old id, new id) pairs, where the old id is
+    /// one this set lacks and the new id one `old` lacked, holding some of the old id's keys.
+    /// Each new id takes the smallest of the old ids whose keys it holds; an old id taken by
+    /// several goes to the first of them in file order, and the others start afresh (a split
+    /// or merge of tenants is not a rename).
     pub fn renamed_from(&self, old: &TenantSet) -> Vec<(TenantId, TenantId)> {
         fn ids(set: &TenantSet) -> HashSet<&TenantId> {
             set.tenants().map(|t| &t.id).collect()

@@ -292,7 +292,8 @@ fn a_tenant_renamed_with_its_keys_keeps_its_budget_under_the_new_id() {
     ));
     let limiter = tenants.limiter().clone();
     let of = |name: &str| tenants.current().get(&id(name)).expect("listed").clone();
-    let held = limiter.start(&of("tenant-a")).expect("1 of 2");
+    let before = of("tenant-a");
+    let held = limiter.start(&before).expect("1 of 2");
     // Renamed, its keys kept (one moved to a tenant that stays: no rename of that one).
     write(
         &scratch,
@@ -309,6 +310,12 @@ fn a_tenant_renamed_with_its_keys_keeps_its_budget_under_the_new_id() {
         Err(LimitError::Concurrency { limit: 1, .. })
     ));
     assert_eq!(limiter.in_flight(&id("tenant-b")), 1);
+    // Nor under the old id, for a request authenticated before the reload (or one that reads
+    // its rate limits as it ends): the same budget, not a fresh one.
+    assert!(matches!(
+        limiter.start(&before),
+        Err(LimitError::Concurrency { limit: 1, .. })
+    ));
     // Ended under the new name, it frees the new id's slot; the minute's usage came along.
     drop(held);
     assert_eq!(limiter.in_flight(&id("tenant-b")), 0);

@@ -717,7 +717,7 @@ async fn a_tenant_reads_its_records_a_page_at_a_time() {
         )
         .await;
         assert_eq!(response.status(), StatusCode::OK);
-        // The read held the tenant's slot, and gave it back when it was done.
+        // The tenant's slot came back once the read was done.
         assert_eq!(limiter.in_flight(&who.tenant.id), 0);
         let body = axum::body::to_bytes(response.into_body(), usize::MAX)
             .await

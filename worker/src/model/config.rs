@@ -110,8 +110,9 @@ impl ModelConfig {
                 "RoPE frequency factors (rope_freqs.weight) are not supported".into(),
             ));
         }
-        match g.get_str(&key("rope.scaling.type")) {
-            Err(GgufError::MissingKey { .. }) | Ok("none") => {}
+        let typed = match g.get_str(&key("rope.scaling.type")) {
+            Err(GgufError::MissingKey { .. }) => false,
+            Ok("none") => true,
             Ok(other) => {
                 return Err(bad(
                     "rope.scaling.type",
@@ -119,11 +120,14 @@ impl ModelConfig {
                 ));
             }
             Err(e) => return Err(e),
-        }
+        };
         // A scaling factor without a type is linear scaling to llama.cpp (and the older
         // `rope.scale_linear` too): every position's angle divided by it. 1 (or 0, unset)
-        // scales nothing.
-        for name in ["rope.scaling.factor", "rope.scale_linear"] {
+        // scales nothing; a type of "none" scales nothing whatever the factor says.
+        for name in ["rope.scaling.factor", "rope.scale_linear"]
+            .into_iter()
+            .filter(|_| !typed)
+        {
             match g.get_f32(&key(name)) {
                 Err(GgufError::MissingKey { .. }) => {}
                 Ok(f) if f == 0.0 || f == 1.0 => {}
@@ -168,8 +172,12 @@ mod tests {
     use super::*;
 
     fn config_with(extra: Option<(&str, Value)>) -> Result<ModelConfig, GgufError> {
+        config_with_all(extra.into_iter().collect())
+    }
+
+    fn config_with_all(extra: Vec<(&str, Value)>) -> Result<ModelConfig, GgufError> {
         let mut w = TinySpec::default().to_gguf();
-        if let Some((k, v)) = extra {
+        for (k, v) in extra {
             w.meta(k, v);
         }
         let path = std::env::temp_dir().join(format!(
@@ -248,6 +256,14 @@ mod tests {
                 "llama.rope.scaling.type",
                 Value::String("none".into())
             )))
+            .is_ok()
+        );
+        // A factor under a type of "none": not scaled, as llama.cpp takes it.
+        assert!(
+            config_with_all(vec![
+                ("llama.rope.scaling.type", Value::String("none".into())),
+                ("llama.rope.scaling.factor", Value::F32(4.0)),
+            ])
             .is_ok()
         );
         // A factor without a type: linear scaling, to llama.cpp.
