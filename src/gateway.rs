@@ -125,7 +125,7 @@ pub fn preflight(args: PreflightArgs) -> anyhow::Result<()> {
         checks.push(preflight::policy_set(settings));
     }
     if args.unreachable_warns {
-        preflight::unreachable_warns(&mut checks, &answers);
+        preflight::unreachable_warns(&mut checks);
     }
     let (report, passed) = preflight::render(&answers, &servers, &checks);
     print!("{report}");

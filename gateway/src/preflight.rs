@@ -73,6 +73,7 @@ pub fn server_checks(servers: &[ServerAnswer]) -> Vec<Check> {
             pass,
             detail,
             advisory: false,
+            silent: false,
         };
         out.push(match &s.probe {
             Ok(()) => check(
@@ -162,6 +163,9 @@ pub struct Check {
     pub detail: String,
     /// A check that warns but fails nothing (preflight still exits 0; routing ignores it).
     pub advisory: bool,
+    /// Failed only for want of an answer: a worker nothing answered for, or a peer not
+    /// reached yet ([`unreachable_warns`] makes these warnings).
+    pub silent: bool,
 }
 
 /// Why a worker could not be reached: `what` failed, because of `cause` and its causes, and
@@ -318,42 +322,19 @@ async fn ask_one(w: &WorkerConfig, cluster: &ClusterAccess) -> Answer {
     }
 }
 
-/// Makes a warning of every failure that only silence caused: a worker nothing answered for,
-/// and a decode worker's check of its prefill peer while the peer is not reached yet or a
-/// member of its prefill group is silent. For a deployment's gate, where workers come and go
-/// (a rolling update, a node lost) and the gateway routes only to workers that answer and pass
-/// these checks (it checks the peer again itself), so a gateway must not wait for every worker
-/// to start. A worker that answers — a refusal too — and fails a check still fails.
-pub fn unreachable_warns(checks: &mut [Check], answers: &[Answer]) {
-    let silent = |a: &Answer| a.info.is_err() && !a.answered;
-    let waiting_for_peer = |d: &Answer| {
-        let (Ok(info), Some(group)) = (&d.info, d.worker.prefill.as_deref()) else {
-            return false;
-        };
-        let group_silent = answers.iter().any(|p| {
-            p.worker.role == WorkerRole::Prefill && p.worker.answers_to(group) && silent(p)
-        });
-        info.prefill_peer
-            .as_ref()
-            .is_some_and(|seen| seen.instance_id.is_empty() || group_silent)
-    };
-    for a in answers {
-        let name = match (silent(a), waiting_for_peer(a)) {
-            (true, _) => REACHABLE,
-            (false, true) => DIALS_PREFILL,
-            (false, false) => continue,
-        };
-        for c in checks
-            .iter_mut()
-            .filter(|c| !c.pass && c.name == name && c.subject == a.worker.name)
-        {
-            c.advisory = true;
-        }
+/// Makes a warning of every failure that only silence caused ([`Check::silent`]): a worker
+/// nothing answered for, and a decode worker's check of its prefill peer while the peer is not
+/// reached yet or gives no Info. For a deployment's gate, where workers come and go (a rolling
+/// update, a node lost) and the gateway routes only to workers that answer and pass these
+/// checks (it checks the peer again itself), so a gateway must not wait for every worker to
+/// start. A worker that answers — a refusal too — and fails a check still fails.
+pub fn unreachable_warns(checks: &mut [Check]) {
+    for c in checks.iter_mut().filter(|c| !c.pass && c.silent) {
+        c.advisory = true;
     }
 }
 
 const REACHABLE: &str = "reachable";
-const DIALS_PREFILL: &str = "dials a configured prefill worker";
 
 /// Every check over `answers`.
 pub fn checks(answers: &[Answer]) -> Vec<Check> {
@@ -366,11 +347,15 @@ pub fn checks(answers: &[Answer]) -> Vec<Check> {
             pass,
             detail,
             advisory: false,
+            silent: false,
         };
         let info = match &a.info {
             Ok(info) => info,
             Err(e) => {
-                out.push(check(REACHABLE, false, e.clone()));
+                out.push(Check {
+                    silent: !a.answered,
+                    ..check(REACHABLE, false, e.clone())
+                });
                 continue;
             }
         };
@@ -471,6 +456,7 @@ fn one_model(answers: &[Answer]) -> Option<Check> {
         pass: models.len() == 1,
         detail,
         advisory: false,
+        silent: false,
     })
 }
 
@@ -483,6 +469,7 @@ pub fn own(subject: &str, role: WorkerRole, info: &InfoResponse) -> Vec<Check> {
         pass,
         detail,
         advisory: false,
+        silent: false,
     };
     let reported = match info.role() {
         Role::Unspecified => None,
@@ -543,11 +530,12 @@ pub fn peer<'a>(
     members: impl Iterator<Item = (&'a str, Option<&'a InfoResponse>)>,
 ) -> Check {
     let (known, silent): (Vec<_>, Vec<_>) = members.partition(|(_, info)| info.is_some());
-    let (pass, detail) = match &d.prefill_peer {
+    let (pass, detail, silence) = match &d.prefill_peer {
         None => (
             false,
             "it does not say which prefill worker it dials (a worker older than the gateway?)"
                 .to_owned(),
+            false,
         ),
         Some(seen) if seen.instance_id.is_empty() => (
             false,
@@ -561,12 +549,13 @@ pub fn peer<'a>(
                     seen.address
                 ),
             },
+            true,
         ),
         Some(seen) => match known
             .iter()
             .find(|(_, p)| p.is_some_and(|p| p.instance_id == seen.instance_id))
         {
-            Some((name, _)) => (true, format!("{} answers as {name}", seen.address)),
+            Some((name, _)) => (true, format!("{} answers as {name}", seen.address), false),
             None if !silent.is_empty() => (
                 false,
                 format!(
@@ -579,6 +568,7 @@ pub fn peer<'a>(
                         .join(", "),
                     seen.address
                 ),
+                true,
             ),
             None => (
                 false,
@@ -587,15 +577,17 @@ pub fn peer<'a>(
                      the gateway admits its requests against pools they do not occupy",
                     seen.address, seen.instance_id
                 ),
+                false,
             ),
         },
     };
     Check {
         subject: decode.to_owned(),
-        name: DIALS_PREFILL,
+        name: "dials a configured prefill worker",
         pass,
         detail,
         advisory: false,
+        silent: silence,
     }
 }
 
@@ -626,6 +618,7 @@ pub fn policy_set(settings: PolicySettings) -> Check {
         pass,
         detail,
         advisory: false,
+        silent: false,
     }
 }
 
@@ -651,6 +644,7 @@ fn whole_context(decode: &str, d: &InfoResponse, prefill: &str, p: &InfoResponse
             d.context_length.min(p.context_length)
         ),
         advisory: true,
+        silent: false,
     }
 }
 
@@ -663,6 +657,7 @@ pub fn pair(decode: &str, d: &InfoResponse, prefill: &str, p: &InfoResponse) -> 
         pass,
         detail,
         advisory: false,
+        silent: false,
     };
     let (dh, ph) = (d.handoff.unwrap_or_default(), p.handoff.unwrap_or_default());
     let layout = |h: &KvHandoff| (h.token_bytes, h.layers, h.kv_heads, h.head_dim);
@@ -1259,7 +1254,7 @@ mod tests {
         // What `--unreachable-warns` makes of each: the stranger is no silence.
         let gated = |answers: &[Answer]| {
             let mut checks = super::checks(answers);
-            unreachable_warns(&mut checks, answers);
+            unreachable_warns(&mut checks);
             failed(&checks)
                 .into_iter()
                 .map(|(s, n)| (s.to_owned(), n))
@@ -1465,7 +1460,7 @@ mod tests {
         // A deployment's gate (--unreachable-warns): the worker that does not answer warns;
         // the one that refused the gateway and the one with its checks off still fail.
         let mut gate = checks(&answers);
-        unreachable_warns(&mut gate, &answers);
+        unreachable_warns(&mut gate);
         let (text, passed) = render(&answers, &[], &gate);
         assert!(!passed, "{text}");
         assert!(!text.contains("FAIL a"), "{text}");

@@ -202,7 +202,7 @@ pub enum ReloadError {
     ReusedId(Vec<TenantId>),
 }
 
-/// `a`, `b` and `c`.
+/// The ids, quoted: `a`, `b`, `c`.
 fn names(ids: &[TenantId]) -> String {
     let quoted: Vec<String> = ids.iter().map(|id| format!("`{id}`")).collect();
     quoted.join(", ")
