@@ -368,6 +368,15 @@ fn tenants_reload_from_the_rewritten_config_file_while_the_stack_serves() {
             assert!(Instant::now() < deadline, "not refused: {listing}");
             std::thread::sleep(Duration::from_millis(100));
         }
+        // The admin call is refused alike, 422 with the reason.
+        let (status, body) = reload();
+        assert_eq!(status, 422, "{body}");
+        assert!(
+            json(&body)["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("`tenant-b`") && e.contains("reuse_id")),
+            "{body}"
+        );
         assert_eq!(up.chat(KEY_B, &[], tiny).0, 401, "the running set stays");
         let mut vouched = text.clone();
         vouched.insert_str(b_start + b_len, "reuse_id = true\n");

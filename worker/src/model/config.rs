@@ -124,10 +124,12 @@ impl ModelConfig {
         // A scaling factor without a type is linear scaling to llama.cpp (and the older
         // `rope.scale_linear` too): every position's angle divided by it. 1 (or 0, unset)
         // scales nothing; a type of "none" scales nothing whatever the factor says.
-        for name in ["rope.scaling.factor", "rope.scale_linear"]
-            .into_iter()
-            .filter(|_| !typed)
-        {
+        let factors: &[&str] = if typed {
+            &[]
+        } else {
+            &["rope.scaling.factor", "rope.scale_linear"]
+        };
+        for &name in factors {
             match g.get_f32(&key(name)) {
                 Err(GgufError::MissingKey { .. }) => {}
                 Ok(f) if f == 0.0 || f == 1.0 => {}
