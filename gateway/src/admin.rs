@@ -227,6 +227,7 @@ async fn reload_tenants(State(state): State<AdminState>) -> Response {
                 ReloadError::Invalid(_) | ReloadError::ReusedId(_) => {
                     StatusCode::UNPROCESSABLE_ENTITY
                 }
+                ReloadError::Served(_) => StatusCode::INTERNAL_SERVER_ERROR,
             };
             (
                 status,

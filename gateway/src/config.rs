@@ -64,7 +64,7 @@
 //! requests_per_minute = 120
 //! tokens_per_minute = 200000
 //! capture_content = false           # store prompts and completions in the audit log
-//! reuse_id = false                  # a reload may add this id though its audit log has records
+//! reuse_id = false                  # a reload or start may add this id though its audit log has records
 //!
 //! [[workers]]
 //! name = "local"

@@ -23,7 +23,7 @@ use crate::limits::Limiter;
 use crate::metrics::Metrics;
 use crate::policy::{Policies, PolicyError};
 use crate::serving::{self, Edge, Witness};
-use crate::tenants::{ConfigFile, Tenants};
+use crate::tenants::{ConfigFile, ServedFile, Tenants};
 use crate::trail::{Recorder, Watch};
 use crate::workers::{EndpointError, Workers};
 
@@ -52,6 +52,8 @@ pub enum GatewayError {
     Policy(#[from] PolicyError),
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
+    #[error(transparent)]
+    Tenants(#[from] crate::tenants::StartError),
 }
 
 /// What a gateway is made with before its audit log opens: both listeners bound, its policy
@@ -189,7 +191,7 @@ impl BoundGateway {
         let cluster_tls = cluster.tls.clone();
         let workers = Workers::new(&config.workers, cluster)?;
         let tenants = Tenants::new(config.tenants, Limiter::default(), file);
-        tenants.audited_by(recorder.clone());
+        tenants.audited_by(recorder.clone(), ServedFile::in_dir(data_dir))?;
         for warning in admin::stray_tenants(&policies, &tenants) {
             tracing::warn!("policies: {warning}");
         }

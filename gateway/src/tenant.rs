@@ -47,9 +47,9 @@ pub struct Tenant {
     /// Whether the audit log stores this tenant's prompts and completions (not only their
     /// hashes).
     pub capture_content: bool,
-    /// The operator's word that this id, if a reload adds it while its audit log holds
-    /// records, names the tenant that left them: without it such a reload is refused
-    /// ([`crate::tenants::ReloadError::ReusedId`]).
+    /// The operator's word that this id, if a reload adds it (or a start, the data directory
+    /// not having served it last) while its audit log holds records, names the tenant that
+    /// left them: without it such a reload or start is refused ([`crate::tenants::ReusedIds`]).
     pub reuse_id: bool,
 }
 

@@ -25,6 +25,7 @@
 //!   that differ.
 
 mod reload;
+mod served;
 mod set;
 #[cfg(test)]
 mod tests;
@@ -33,7 +34,8 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 
-pub use reload::{ConfigFile, ReloadError, Reloaded, Section};
+pub use reload::{ConfigFile, ReloadError, Reloaded, ReusedIds, Section};
+pub use served::{ServedError, ServedFile};
 pub(crate) use set::TenantSetBuilder;
 pub use set::{Keyring, Member, TenantSet};
 
@@ -60,12 +62,59 @@ struct Inner {
     last_error: Mutex<Option<String>>,
     reloads_ok: AtomicU64,
     reloads_refused: AtomicU64,
-    /// The audit log a reload looks up its new tenants' ids in ([`Tenants::audited_by`]).
-    audit: OnceLock<Recorder>,
+    /// The audit log a reload looks up its new tenants' ids in, and where the ids served are
+    /// kept ([`Tenants::audited_by`]).
+    audit: OnceLock<Audited>,
+}
+
+#[derive(Debug)]
+struct Audited {
+    recorder: Recorder,
+    served: ServedFile,
+}
+
+/// Why the configured tenants cannot start serving.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("the configured tenants were refused: {0}")]
+    ReusedId(ReusedIds),
+    #[error("the ids of the tenants served: {0}")]
+    Served(#[from] ServedError),
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Audited {
+    /// Which of `added` already have audit records.
+    fn reused(&self, added: &[TenantId]) -> Vec<TenantId> {
+        added
+            .iter()
+            .filter(|id| self.recorder.holds(id))
+            .cloned()
+            .collect()
+    }
+}
+
+/// Logs the ids configured again with `reuse_id`, if any.
+fn note_reused(reused: &[TenantId]) {
+    if !reused.is_empty() {
+        let names: Vec<String> = reused.iter().map(ToString::to_string).collect();
+        tracing::info!(
+            reused = ?names,
+            "tenants back under ids whose audit records they left (reuse_id)"
+        );
+    }
+}
+
+/// Which of `reused` `set`'s entries do not vouch for (`reuse_id`).
+fn unvouched(set: &TenantSet, reused: &[TenantId]) -> Vec<TenantId> {
+    reused
+        .iter()
+        .filter(|id| set.get(id).is_some_and(|t| !t.reuse_id))
+        .cloned()
+        .collect()
 }
 
 impl Tenants {
@@ -86,21 +135,34 @@ impl Tenants {
     }
 
     /// Reloads look up the ids of the tenants they add in `recorder`'s log: an id with
-    /// records already reads its earlier holder's, and the reload says so.
-    pub fn audited_by(&self, recorder: Recorder) {
-        let _ = self.inner.audit.set(recorder);
-    }
-
-    /// Which of `added` already have audit records.
-    fn reused(&self, added: &[crate::tenant::TenantId]) -> Vec<crate::tenant::TenantId> {
-        let Some(recorder) = self.inner.audit.get() else {
-            return Vec::new();
-        };
-        added
-            .iter()
-            .filter(|id| recorder.holds(id))
+    /// records already reads its earlier holder's, and the reload is refused unless the id's
+    /// entry says `reuse_id`. The same holds now for the ids configured at start that `served`
+    /// (the ids served last from this data directory) lacks; then `served` names the active
+    /// set. Returns the ids configured again with `reuse_id`. Call once, before serving
+    /// (blocking: reads and writes a file).
+    pub fn audited_by(
+        &self,
+        recorder: Recorder,
+        served: ServedFile,
+    ) -> Result<Vec<TenantId>, StartError> {
+        let set = self.current();
+        let before = served.read()?;
+        let added: Vec<TenantId> = set
+            .tenants()
+            .map(|t| &t.id)
+            .filter(|id| before.as_ref().is_some_and(|ids| !ids.contains(*id)))
             .cloned()
-            .collect()
+            .collect();
+        let audited = Audited { recorder, served };
+        let reused = audited.reused(&added);
+        let unvouched = unvouched(&set, &reused);
+        if !unvouched.is_empty() {
+            return Err(StartError::ReusedId(ReusedIds(unvouched)));
+        }
+        audited.served.write(set.tenants().map(|t| &t.id))?;
+        let _ = self.inner.audit.set(audited);
+        note_reused(&reused);
+        Ok(reused)
     }
 
     /// The active set (a request keeps the tenant it authenticated as until it ends).
@@ -136,18 +198,16 @@ impl Tenants {
             .and_then(|file| Ok(file.read()?))
             .and_then(|(set, restart_required)| {
                 let mut reloaded = Reloaded::between(&self.current(), &set, restart_required);
-                reloaded.reused = self.reused(&reloaded.added);
-                let unvouched: Vec<TenantId> = reloaded
-                    .reused
-                    .iter()
-                    .filter(|id| set.get(id).is_some_and(|t| !t.reuse_id))
-                    .cloned()
-                    .collect();
-                if unvouched.is_empty() {
-                    Ok((set, reloaded))
-                } else {
-                    Err(ReloadError::ReusedId(unvouched))
+                let Some(audited) = self.inner.audit.get() else {
+                    return Ok((set, reloaded));
+                };
+                reloaded.reused = audited.reused(&reloaded.added);
+                let unvouched = unvouched(&set, &reloaded.reused);
+                if !unvouched.is_empty() {
+                    return Err(ReloadError::ReusedId(ReusedIds(unvouched)));
                 }
+                audited.served.write(set.tenants().map(|t| &t.id))?;
+                Ok((set, reloaded))
             });
         match result {
             Ok((set, reloaded)) => {
@@ -165,12 +225,7 @@ impl Tenants {
                     restart_required = ?reloaded.restart_required.iter().map(|s| s.name()).collect::<Vec<_>>(),
                     "tenants reloaded"
                 );
-                if !reloaded.reused.is_empty() {
-                    tracing::info!(
-                        reused = ?names(&reloaded.reused),
-                        "tenants back under ids whose audit records they left (reuse_id)"
-                    );
-                }
+                note_reused(&reloaded.reused);
                 Ok(reloaded)
             }
             Err(e) => {

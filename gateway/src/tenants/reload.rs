@@ -15,6 +15,7 @@ use crate::keys::KeyHash;
 use crate::policy::PolicySettings;
 use crate::tenant::TenantId;
 use crate::tenants::TenantSet;
+use crate::tenants::served::ServedError;
 
 /// The configuration file a gateway was started from.
 #[derive(Debug, Clone)]
@@ -191,21 +192,29 @@ pub enum ReloadError {
     NoFile,
     #[error("the configuration was refused; the running tenants stay: {0}")]
     Invalid(#[from] ConfigError),
-    #[error(
-        "the configuration was refused; the running tenants stay: it adds {}, whose audit log \
-         already holds records. Another tenant given such an id would read those records \
-         (/v1/audit) and share the prefix cache the workers keep for the id. Give a new tenant \
-         a new id; for the tenant that left the records, coming back, set `reuse_id = true` on \
-         its entry",
-        names(.0)
-    )]
-    ReusedId(Vec<TenantId>),
+    #[error("the configuration was refused; the running tenants stay: {0}")]
+    ReusedId(ReusedIds),
+    #[error("the configuration was refused; the running tenants stay: {0}")]
+    Served(#[from] ServedError),
 }
 
-/// The ids, quoted: `a`, `b`, `c`.
-fn names(ids: &[TenantId]) -> String {
-    let quoted: Vec<String> = ids.iter().map(|id| format!("`{id}`")).collect();
-    quoted.join(", ")
+/// Ids a configuration gives tenants though their audit logs hold records, with no entry
+/// saying `reuse_id`: a reload or a start adding them is refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReusedIds(pub Vec<TenantId>);
+
+impl std::fmt::Display for ReusedIds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let quoted: Vec<String> = self.0.iter().map(|id| format!("`{id}`")).collect();
+        write!(
+            f,
+            "it adds {}, whose audit log already holds records. Another tenant given such an id \
+             would read those records (/v1/audit) and share the prefix cache the workers keep \
+             for the id. Give a new tenant a new id; for the tenant that left the records, \
+             coming back, set `reuse_id = true` on its entry",
+            quoted.join(", ")
+        )
+    }
 }
 
 /// What a reload changed.

@@ -20,6 +20,7 @@ use crate::config::{AuditSettings, Durability, OnAuditFailure};
 use crate::limits::LimitError;
 use crate::metrics::Metrics;
 use crate::scratch::Scratch;
+use crate::tenants::ServedFile;
 
 /// Every error of the API's table, by index.
 fn table() -> Vec<ApiError> {
@@ -806,8 +807,10 @@ fn reloadable() -> (
 /// entry says `reuse_id`; one that adds a fresh id is not.
 #[tokio::test]
 async fn a_reload_that_adds_an_id_with_audit_records_is_refused_unless_vouched_for() {
-    let (_dir, file, tenants, recorder) = reloadable();
-    tenants.audited_by(recorder.clone());
+    let (dir, file, tenants, recorder) = reloadable();
+    tenants
+        .audited_by(recorder.clone(), ServedFile::in_dir(&dir.0))
+        .expect("a first start");
     let trail = recorder.trail("req-a".into(), tracing::Span::none());
     trail.authenticated(&tenant_a());
     trail.finish(200, None).await.expect("recorded");
@@ -817,11 +820,17 @@ async fn a_reload_that_adds_an_id_with_audit_records_is_refused_unless_vouched_f
     std::fs::write(&file, config_text("tenant-b")).expect("gives the key to tenant-b");
     let fresh = tenants.reload().expect("reloads");
     assert_eq!((fresh.added, fresh.reused), (vec![id("tenant-b")], vec![]));
+    let served = ServedFile::in_dir(&dir.0).read().expect("reads");
+    assert_eq!(
+        served,
+        Some([id("tenant-b")].into()),
+        "a reload rewrites the ids served"
+    );
     // tenant-a's id comes back, to whoever holds the key now: it would read the old records.
     std::fs::write(&file, config_text("tenant-a")).expect("gives the id back");
     let refused = tenants.reload().expect_err("an id with records");
     assert!(
-        matches!(&refused, crate::tenants::ReloadError::ReusedId(ids) if *ids == [id("tenant-a")]),
+        matches!(&refused, crate::tenants::ReloadError::ReusedId(ids) if ids.0 == [id("tenant-a")]),
         "{refused}"
     );
     assert!(refused.to_string().contains("reuse_id"), "{refused}");
@@ -837,6 +846,67 @@ async fn a_reload_that_adds_an_id_with_audit_records_is_refused_unless_vouched_f
     std::fs::write(&file, vouched).expect("vouches for the id");
     let again = tenants.reload().expect("reloads");
     assert_eq!(again.reused, vec![id("tenant-a")]);
+}
+
+/// A start is held to the same rule as a reload, against the ids served last from the data
+/// directory (`tenants-served`, which starts and reloads rewrite): an id configured at start
+/// that was not served last and whose log has records is refused unless vouched for. An id
+/// removed by a reload, or between two runs, is otherwise given again by a restart unseen.
+#[tokio::test]
+async fn a_start_that_gives_an_id_with_audit_records_again_is_refused_unless_vouched_for() {
+    let (dir, _file, tenants, recorder) = reloadable();
+    let served = ServedFile::in_dir(&dir.0);
+    let start = |owner: &str, vouched: bool| {
+        let mut text = config_text(owner);
+        if vouched {
+            text = text.replace(
+                "tokens_per_minute = 100000\n",
+                "tokens_per_minute = 100000\nreuse_id = true\n",
+            );
+        }
+        let config = crate::Config::parse(&text).expect("a valid configuration");
+        crate::tenants::Tenants::new(config.tenants, crate::limits::Limiter::default(), None)
+            .audited_by(recorder.clone(), served.clone())
+    };
+    let id = |s: &str| TenantId::new(s).expect("valid");
+    let last_served = || served.read().expect("reads").expect("written");
+    assert_eq!(
+        tenants
+            .audited_by(recorder.clone(), served.clone())
+            .expect("a first start"),
+        vec![]
+    );
+    let trail = recorder.trail("req-a".into(), tracing::Span::none());
+    trail.authenticated(&tenant_a());
+    trail.finish(200, None).await.expect("recorded");
+    recorder.flush().expect("flush");
+    // tenant-a served last: it starts again as it is.
+    assert_eq!(start("tenant-a", false).expect("starts"), vec![]);
+    // The next run serves tenant-b alone; then a run gives tenant-a's id again.
+    assert_eq!(start("tenant-b", false).expect("starts"), vec![]);
+    assert_eq!(last_served(), [id("tenant-b")].into());
+    let refused = start("tenant-a", false).expect_err("an id with records, not served last");
+    assert!(
+        matches!(&refused, crate::tenants::StartError::ReusedId(ids) if ids.0 == [id("tenant-a")]),
+        "{refused}"
+    );
+    assert!(refused.to_string().contains("reuse_id"), "{refused}");
+    assert_eq!(
+        last_served(),
+        [id("tenant-b")].into(),
+        "a refused start writes nothing"
+    );
+    // A fresh id with no records starts; the operator vouches for the one coming back.
+    assert_eq!(start("tenant-c", false).expect("starts"), vec![]);
+    assert_eq!(
+        start("tenant-a", true).expect("vouched"),
+        vec![id("tenant-a")]
+    );
+    assert_eq!(start("tenant-a", false).expect("served last"), vec![]);
+    // A directory that never had the file (a gateway before it) has nothing to compare with.
+    std::fs::remove_file(dir.0.join("tenants-served")).expect("removes");
+    start("tenant-b", false).expect("no file");
+    start("tenant-a", false).expect_err("the file written again");
 }
 
 /// A request dropped unpolled is recorded for the tenant its key named when it arrived: a
