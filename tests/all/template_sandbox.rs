@@ -26,6 +26,18 @@ const EXHAUSTING: &str = "{{ 'x' | indent(100000000000, true) }}";
 /// of an hour.
 const SLOW: &str = "{% for i in range(100000) %}{% set x = 'x' * (50000000 + i) %}{% endfor %}";
 
+/// A hundred gigabytes of constants, folded while the template compiles: before it renders
+/// anything, and in whichever process compiles it.
+fn folding() -> String {
+    "{% set a = 'x' * 100000000 %}".repeat(1000)
+}
+
+/// A chain of 120 000 operators, which the compiler recurses through once per term: deeper
+/// than a thread's stack.
+fn deep() -> String {
+    format!("{{{{ {} }}}}", vec!["1"; 120_000].join("~"))
+}
+
 /// An ordinary template.
 const ROLES: &str = "{% for m in messages %}{{ m.role }}{% endfor %}";
 
@@ -36,6 +48,16 @@ fn job(source: &str) -> Job<'_> {
         eos: "".into(),
         messages: vec![Message::new("user", "hi")].into(),
         add_generation_prompt: true,
+        compile_only: false,
+    }
+}
+
+/// A template's compilation alone.
+fn compiling(source: &str) -> Job<'_> {
+    Job {
+        messages: Vec::new().into(),
+        compile_only: true,
+        ..job(source)
     }
 }
 
@@ -68,6 +90,24 @@ fn a_template_past_its_sandboxs_memory_fails_and_the_next_rendering_gets_a_fresh
             .expect("within a GiB"),
         "160000000"
     );
+}
+
+/// Compiling a template can exhaust memory or stack as rendering can: the sandbox compiles it
+/// under the same limits, and a template that compiles is kept there.
+#[test]
+fn a_template_that_exhausts_its_compilation_fails_in_the_sandbox() {
+    let sandbox = sandbox(MEMORY);
+    for (what, source) in [("folding", folding()), ("deep", deep())] {
+        let e = sandbox
+            .render(&compiling(&source))
+            .expect_err("past the sandbox's limits");
+        assert!(
+            e.to_string().contains("ran out of the memory"),
+            "{what}: {e}"
+        );
+    }
+    assert_eq!(sandbox.render(&compiling(ROLES)).expect("compiles"), "");
+    assert_eq!(sandbox.render(&job(ROLES)).expect("renders"), "user");
 }
 
 #[test]
@@ -117,14 +157,23 @@ fn a_helper_left_alone_mid_job_stops_itself() {
 /// serving completions, and chat again.
 #[test]
 fn a_model_whose_chat_template_exhausts_memory_fails_chat_requests_and_nothing_else() {
-    bounded(|| {
+    hostile_template_fails_chat_requests_and_nothing_else(EXHAUSTING.to_owned());
+}
+
+/// The same for a template that would abort any process that compiled it: neither the worker,
+/// which compiles its model's template at load, nor the gateway, which compiles the one each
+/// worker's Info names, compiles it in its own process.
+#[test]
+fn a_model_whose_chat_template_exhausts_its_compilation_fails_chat_requests_and_nothing_else() {
+    hostile_template_fails_chat_requests_and_nothing_else(folding());
+}
+
+fn hostile_template_fails_chat_requests_and_nothing_else(template: String) {
+    bounded(move || {
         let dir = TempDir::new("hostile-template");
         let model = dir.0.join("hostile.gguf");
         let mut file = TinySpec::default().to_gguf();
-        file.meta(
-            "tokenizer.chat_template",
-            Value::String(EXHAUSTING.to_owned()),
-        );
+        file.meta("tokenizer.chat_template", Value::String(template));
         file.write(&model).expect("writes the model");
         let mut worker = Worker::start_on(&model, &["--role", "both"]);
 

@@ -87,6 +87,10 @@ const FUEL: u64 = 2_000_000;
 /// a message.
 const RENDERED_MAX: usize = 4 << 20;
 
+/// The longest template source taken. Real ones are a few kilobytes (those written for tool
+/// calls, tens).
+pub const SOURCE_MAX: usize = 256 << 10;
+
 /// A rendering's output, refused past [`RENDERED_MAX`].
 #[derive(Default)]
 struct Rendered {
@@ -159,15 +163,24 @@ fn marker(i: usize) -> String {
     format!("\u{F8F0}{i}\u{F8F1}")
 }
 
-/// A compiled chat template.
+/// A chat template, compiled.
 #[derive(Debug)]
 pub struct ChatTemplate {
-    env: Environment<'static>,
+    compiled: Compiled,
     source: String,
     bos: String,
     eos: String,
     /// Frames rendered so far, or the template's failure to, by [`frame_key`].
     frames: TextCache<Result<Frame, ChatError>>,
+}
+
+/// Where a template was compiled, and so where it renders.
+#[derive(Debug)]
+enum Compiled {
+    /// In this process, which had no [`sandbox`] then (one installed since renders it).
+    Here(Box<Environment<'static>>),
+    /// In the sandbox, which renders it.
+    InSandbox(&'static sandbox::Sandbox),
 }
 
 /// What a template renders around the contents of a list of messages: one piece before each
@@ -268,21 +281,41 @@ impl ChatTemplate {
         )
     }
 
-    /// The template `source`, compiled here (which is bounded: its parser's depth and the source's
-    /// size), rendered in this process's [`sandbox`] once one is installed.
+    /// The template `source` (at most [`SOURCE_MAX`] bytes), compiled and rendered in this
+    /// process's [`sandbox`] when one is installed, here otherwise. Compiling is not bounded
+    /// by the parser: it folds constant expressions (`'x' * 100000000` a hundred times over
+    /// in a few kilobytes of source) and recurses once per term of a chain of operators (a
+    /// long enough `1 ~ 1 ~ …` overflows a thread's stack), either of which aborts the
+    /// process that compiles.
     pub fn new(source: &str, bos: String, eos: String) -> Result<ChatTemplate, ChatError> {
+        if source.len() > SOURCE_MAX {
+            return Err(ChatError::Compile(format!(
+                "the template is {} bytes; at most {SOURCE_MAX} are taken",
+                source.len()
+            )));
+        }
+        let compiled = match sandbox::installed() {
+            Some(sandbox) => {
+                let job = sandbox::Job {
+                    source: source.into(),
+                    bos: bos.as_str().into(),
+                    eos: eos.as_str().into(),
+                    messages: Vec::new().into(),
+                    add_generation_prompt: false,
+                    compile_only: true,
+                };
+                sandbox.render(&job)?;
+                Compiled::InSandbox(sandbox)
+            }
+            None => Compiled::Here(Box::new(environment(source)?)),
+        };
         Ok(ChatTemplate {
-            env: environment(source)?,
+            compiled,
             source: source.to_owned(),
             bos,
             eos,
             frames: TextCache::new(FRAMES, FRAME_BYTES),
         })
-    }
-
-    /// The template's Jinja source (workers hand it to the gateway).
-    pub fn source(&self) -> &str {
-        &self.source
     }
 
     /// Renders `messages`, ending with the assistant's turn opened when `add_generation_prompt`;
@@ -298,10 +331,13 @@ impl ChatTemplate {
             eos: self.eos.as_str().into(),
             messages: messages.into(),
             add_generation_prompt,
+            compile_only: false,
         };
-        match sandbox::installed() {
-            Some(sandbox) => sandbox.render(&job),
-            None => job.render_with(&self.env),
+        match (&self.compiled, sandbox::installed()) {
+            (&Compiled::InSandbox(sandbox), _) | (Compiled::Here(_), Some(sandbox)) => {
+                sandbox.render(&job)
+            }
+            (Compiled::Here(env), None) => job.render_with(env),
         }
     }
 

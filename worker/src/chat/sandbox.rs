@@ -78,6 +78,10 @@ pub struct Job<'a> {
     pub eos: Cow<'a, str>,
     pub messages: Cow<'a, [Message]>,
     pub add_generation_prompt: bool,
+    /// Only compile the template (and keep it): the answer is empty. Compiling runs the
+    /// template's constant expressions, which can ask for as much memory as a rendering.
+    #[serde(default)]
+    pub compile_only: bool,
 }
 
 /// The helper's answer to a job.
@@ -473,6 +477,9 @@ fn render_kept(kept: &mut Vec<(String, Environment<'static>)>, job: &Job<'_>) ->
             kept.len() - 1
         }
     };
+    if job.compile_only {
+        return Ok(String::new());
+    }
     job.render_with(&kept[at].1)
 }
 
@@ -510,6 +517,7 @@ mod tests {
             eos: "</s>".into(),
             messages: vec![Message::new("user", content)].into(),
             add_generation_prompt: true,
+            compile_only: false,
         }
     }
 

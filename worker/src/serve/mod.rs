@@ -172,7 +172,12 @@ impl BoundWorker {
             chat,
         } = loaded;
         let model_id = info::model_id(&model.config().name, model.gguf());
-        let chat_source = chat.as_ref().map(|c| c.source()).unwrap_or_default();
+        // The file's template, compiled or not: a gateway that cannot compile it either tells
+        // its clients why, where one told of no template could only say it has none.
+        let chat_source = model
+            .gguf()
+            .get_str("tokenizer.chat_template")
+            .unwrap_or_default();
         let proto_role = match config.role {
             RoleConfig::Both => proto::Role::Both,
             RoleConfig::Prefill { .. } => proto::Role::Prefill,
