@@ -105,6 +105,49 @@ impl Drop for Started {
     }
 }
 
+/// The counts a request's `Done` is held to: the client's usage, the tenant's charge and the
+/// audit record take them.
+#[derive(Debug, Clone, Copy)]
+struct Counts {
+    /// The prompt's tokens, as the gateway tokenized and admitted it.
+    prompt_tokens: u32,
+    max_tokens: u32,
+}
+
+impl Counts {
+    /// Why `d` cannot end this request, if it cannot: another prompt's length (a worker that
+    /// computed a truncated or another prompt), more tokens than asked for, more of the prompt
+    /// cached than it has, or — from a worker that sends every token as a message of its own,
+    /// `sent` of them — another count than it sent.
+    fn hold(self, d: &Done, sent: Option<u32>) -> Result<(), String> {
+        if d.prompt_tokens != self.prompt_tokens {
+            return Err(format!(
+                "{} prompt tokens, where the gateway admitted {}",
+                d.prompt_tokens, self.prompt_tokens
+            ));
+        }
+        if d.completion_tokens > self.max_tokens {
+            return Err(format!(
+                "{} completion tokens, more than the {} asked for",
+                d.completion_tokens, self.max_tokens
+            ));
+        }
+        if d.cached_tokens > d.prompt_tokens {
+            return Err(format!(
+                "{} cached tokens of a {}-token prompt",
+                d.cached_tokens, d.prompt_tokens
+            ));
+        }
+        match sent {
+            Some(sent) if sent != d.completion_tokens => Err(format!(
+                "{} completion tokens, where it sent {sent}",
+                d.completion_tokens
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// Marks a streamed response: its stream commits the audit record itself, before `[DONE]`.
 #[derive(Debug, Clone, Copy)]
 pub struct Streamed;
@@ -181,6 +224,7 @@ impl Started {
                 return Err(ApiError::Internal);
             };
             let silent_while_queued = !upstream.reports_progress();
+            let tokens_are_messages = upstream.sends_each_token();
             let message = tokio::select! {
                 message = tokio::time::timeout_at(silent_until, upstream.message()) => message,
                 // Shutdown's drain timeout passed: the client is told, rather than cut off.
@@ -230,6 +274,14 @@ impl Started {
                 Ok(Some(GenerateResponse {
                     item: Some(Item::Done(d)),
                 })) => {
+                    let sent = tokens_are_messages.then_some(self.progress.tokens);
+                    if let Err(why) = self.counts().hold(&d, sent) {
+                        // The counts go to the client's usage, the tenant's charge and the
+                        // audit record: a worker whose counts are not this request's computed
+                        // something else, and its answer is not given.
+                        tracing::warn!(worker = %self.route.worker, id = %self.id, why, "the worker's counts are not the request's");
+                        return Err(self.failed(ApiError::Internal, None));
+                    }
                     self.trail.text(&d.text_tail);
                     self.trail.completed(d.prompt_tokens, d.completion_tokens);
                     self.finished(&d);
@@ -321,6 +373,14 @@ impl Started {
     fn timed_out(&mut self, secs: u64) -> ApiError {
         self.progress.failed = true;
         self.failed(ApiError::Timeout { secs }, None)
+    }
+
+    /// What the request's `Done` must say.
+    fn counts(&self) -> Counts {
+        Counts {
+            prompt_tokens: self.prompt_tokens,
+            max_tokens: self.max_tokens,
+        }
     }
 
     fn finished(&mut self, d: &Done) {
@@ -492,5 +552,38 @@ mod tests {
         let mut c = ComputedTokens::default();
         let heard: Vec<bool> = [0, 16, 16, 8, 32, 31, 33].map(|n| c.rose(n)).to_vec();
         assert_eq!(heard, [false, true, false, false, true, false, true]);
+    }
+
+    #[test]
+    fn a_done_is_held_to_the_admitted_prompt_the_asked_length_and_the_tokens_sent() {
+        let counts = Counts {
+            prompt_tokens: 20,
+            max_tokens: 8,
+        };
+        let done = |prompt_tokens, completion_tokens, cached_tokens| Done {
+            prompt_tokens,
+            completion_tokens,
+            cached_tokens,
+            ..Done::default()
+        };
+        assert_eq!(counts.hold(&done(20, 8, 20), Some(8)), Ok(()));
+        assert_eq!(
+            counts.hold(&done(20, 3, 0), None),
+            Ok(()),
+            "chunks not counted"
+        );
+        for (d, sent) in [
+            (done(19, 3, 0), Some(3)),
+            (done(21, 3, 0), None),
+            (done(20, 9, 0), Some(9)),
+            (done(20, 3, 21), Some(3)),
+            (done(20, 3, 0), Some(4)),
+            (done(20, 4, 0), Some(3)),
+        ] {
+            assert!(
+                counts.hold(&d, sent).is_err(),
+                "{d:?} after {sent:?} tokens"
+            );
+        }
     }
 }

@@ -167,6 +167,13 @@ impl UpstreamStream {
         matches!(self, UpstreamStream::Grpc(_))
     }
 
+    /// Whether the worker sends every token it generates as a message of its own (a Bulkhead
+    /// worker does, its end-of-sequence token too); an OpenAI-compatible server's chunk may
+    /// hold several, or none.
+    pub fn sends_each_token(&self) -> bool {
+        matches!(self, UpstreamStream::Grpc(_))
+    }
+
     /// The next token or `Done`; `None` once the stream ended.
     pub async fn message(&mut self) -> Result<Option<GenerateResponse>, Status> {
         match self {
