@@ -1987,3 +1987,129 @@ fn a_worker_whose_tokenizer_is_larger_than_four_mib_is_served() {
         );
     });
 }
+
+/// How [`Miscounting`] changes a worker's `Done`.
+const HONEST: u8 = 0;
+const SHORT_PROMPT: u8 = 1;
+const ONE_TOKEN_MORE: u8 = 2;
+const CACHED_PAST_PROMPT: u8 = 3;
+
+/// A worker in front of a real one: every call passes through, and its `Done` is changed as
+/// `mode` says at the time.
+struct Miscounting {
+    inner: bulkhead_worker::serve::proto::WorkerClient<tonic::transport::Channel>,
+    mode: std::sync::Arc<std::sync::atomic::AtomicU8>,
+}
+
+type Items<T> =
+    std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<T, tonic::Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl bulkhead_worker::serve::proto::Worker for Miscounting {
+    type GenerateStream = Items<bulkhead_worker::serve::proto::GenerateResponse>;
+    type PrefillStream = Items<bulkhead_worker::serve::proto::PrefillEvent>;
+
+    async fn generate(
+        &self,
+        request: tonic::Request<bulkhead_worker::serve::proto::GenerateRequest>,
+    ) -> Result<tonic::Response<Self::GenerateStream>, tonic::Status> {
+        use bulkhead_worker::serve::proto::Item;
+        use futures_util::StreamExt as _;
+        let mode = self.mode.load(std::sync::atomic::Ordering::SeqCst);
+        let answer = self.inner.clone().generate(request.into_inner()).await?;
+        let changed = answer.into_inner().map(move |item| {
+            item.map(|mut r| {
+                if let Some(Item::Done(d)) = &mut r.item {
+                    match mode {
+                        SHORT_PROMPT => d.prompt_tokens -= 1,
+                        ONE_TOKEN_MORE => d.completion_tokens += 1,
+                        CACHED_PAST_PROMPT => d.cached_tokens = d.prompt_tokens + 1,
+                        _ => {}
+                    }
+                }
+                r
+            })
+        });
+        Ok(tonic::Response::new(Box::pin(changed)))
+    }
+
+    async fn info(
+        &self,
+        request: tonic::Request<bulkhead_worker::serve::proto::InfoRequest>,
+    ) -> Result<tonic::Response<bulkhead_worker::serve::proto::InfoResponse>, tonic::Status> {
+        self.inner.clone().info(request.into_inner()).await
+    }
+
+    async fn health(
+        &self,
+        request: tonic::Request<bulkhead_worker::serve::proto::HealthRequest>,
+    ) -> Result<tonic::Response<bulkhead_worker::serve::proto::HealthResponse>, tonic::Status> {
+        self.inner.clone().health(request.into_inner()).await
+    }
+
+    async fn prefill(
+        &self,
+        _: tonic::Request<bulkhead_worker::serve::proto::PrefillRequest>,
+    ) -> Result<tonic::Response<Self::PrefillStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("a colocated stand-in"))
+    }
+}
+
+/// A worker's `Done` goes into the client's usage, the tenant's charge and the audit record:
+/// one whose counts are not the request's — a prompt other than the one admitted (a worker
+/// that computed a truncated prompt), a token more than it sent, more of the prompt cached
+/// than it has — fails the request with a 500 that says not to retry, never a 200.
+#[test]
+fn a_workers_done_whose_counts_are_not_the_requests_fails_it() {
+    use std::sync::atomic::{AtomicU8, Ordering};
+    bounded(|| {
+        let dir = TempDir::new("miscounting");
+        let model = dir.0.join("tiny.gguf");
+        bulkhead_worker::tiny_model::TinySpec::default()
+            .write(&model)
+            .expect("writes the model");
+        let worker = crate::worker_grpc::Worker::start_on(&model, &["--role", "both"]);
+        let runtime = tokio::runtime::Runtime::new().expect("a runtime");
+        let mode = std::sync::Arc::new(AtomicU8::new(HONEST));
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .expect("binds");
+        let address = listener.local_addr().expect("its address");
+        let stand_in = Miscounting {
+            inner: runtime.block_on(worker.client()),
+            mode: mode.clone(),
+        };
+        runtime.spawn(
+            tonic::transport::Server::builder()
+                .add_service(bulkhead_worker::serve::proto::WorkerServer::new(stand_in))
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+        );
+        let config = crate::up::colocated_config(&dir.0, &format!("http://{address}"));
+        let gateway = crate::cluster::Gateway::start(&config, &dir.0.join("data"), &[]);
+        gateway.wait_until(&[("one", true)]);
+        let body = r#"{"model": "tiny-random-llama", "max_tokens": 2, "prompt": "hi there"}"#;
+        let post = || {
+            exchange(
+                &gateway.api,
+                "POST",
+                "/v1/completions",
+                Some(KEY_A),
+                &[],
+                body,
+            )
+        };
+        let (status, head, answer) = post();
+        assert_eq!(status, 200, "{answer}");
+        let usage = &json(&answer)["usage"];
+        assert!(usage["prompt_tokens"].as_u64() > Some(1), "{answer}");
+        for changed in [SHORT_PROMPT, ONE_TOKEN_MORE, CACHED_PAST_PROMPT] {
+            mode.store(changed, Ordering::SeqCst);
+            let (status, head, answer) = post();
+            assert_eq!(status, 500, "mode {changed}: {answer}");
+            assert_eq!(header(&head, "x-should-retry"), Some("false"), "{head}");
+            assert!(json(&answer)["usage"].is_null(), "{answer}");
+        }
+        mode.store(HONEST, Ordering::SeqCst);
+        assert_eq!(post().0, 200, "{head}");
+    });
+}
