@@ -9,6 +9,8 @@ use anyhow::Context;
 use bulkhead_gateway::policy::{Policies, PolicySettings, Refusal, RequestFacts, SandboxSettings};
 use serde_json::json;
 
+use super::nearest_rank_us;
+
 /// A policy set and its compiled-component cache, as the benches take them.
 #[derive(Debug, clap::Args)]
 pub struct PolicySetArgs {
@@ -27,12 +29,6 @@ pub struct PoliciesArgs {
     /// Requests through the chain.
     #[arg(long, default_value_t = 5000)]
     requests: usize,
-}
-
-/// Microseconds at quantile `q` of sorted `v`.
-fn quantile_us(v: &[Duration], q: f64) -> f64 {
-    let i = ((v.len() as f64 - 1.0) * q).round() as usize;
-    v[i].as_secs_f64() * 1e6
 }
 
 async fn measure(policies: &Policies, requests: usize) -> anyhow::Result<Vec<Duration>> {
@@ -109,8 +105,8 @@ pub fn run(args: PoliciesArgs) -> anyhow::Result<()> {
             .collect::<Vec<_>>(),
         "load_ms": load_ms,
         "requests": args.requests,
-        "chain_us": {"p50": quantile_us(&on, 0.5), "p99": quantile_us(&on, 0.99)},
-        "no_policies_us": {"p50": quantile_us(&off, 0.5), "p99": quantile_us(&off, 0.99)},
+        "chain_us": {"p50": nearest_rank_us(&on, 0.5), "p99": nearest_rank_us(&on, 0.99)},
+        "no_policies_us": {"p50": nearest_rank_us(&off, 0.5), "p99": nearest_rank_us(&off, 0.99)},
     });
     println!("{out}");
     Ok(())

@@ -78,37 +78,49 @@ mod tests {
         assert_eq!(used_ticks("4242 (x) S 1"), None, "a cut line is no figure");
     }
 
+    /// An idle shell whose child (a subshell) is busy: the tree's CPU is the child's, which
+    /// only a walk of the children finds (the shell's own is nearly nothing).
     #[test]
-    fn a_busy_child_counts_toward_its_parents_tree() {
-        let Some(before) = ProcessTree(std::process::id()).cpu() else {
+    fn a_busy_childs_cpu_counts_toward_its_idle_parents_tree() {
+        use std::os::unix::process::CommandExt as _;
+        if clock_ticks_per_second().is_none() {
             return; // not Linux: nothing to meter
-        };
-        let mut child = std::process::Command::new("sh")
+        }
+        let mut shell = std::process::Command::new("sh")
             .args([
                 "-c",
-                "i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done; sleep 5",
+                "(i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done; sleep 5) & wait",
             ])
+            .process_group(0)
             .spawn()
             .expect("sh runs");
-        let tree = ProcessTree(child.id());
-        let mut own = Duration::ZERO;
+        let tree = ProcessTree(shell.id());
+        let own = || {
+            std::fs::read_to_string(format!("/proc/{}/stat", shell.id()))
+                .ok()
+                .and_then(|stat| used_ticks(&stat))
+        };
+        let mut whole = Duration::ZERO;
         for _ in 0..100 {
-            own = tree.cpu().expect("the child is alive");
-            if own >= Duration::from_millis(50) {
+            whole = tree.cpu().expect("the shell is alive");
+            if whole >= Duration::from_millis(100) {
                 break;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        let whole = ProcessTree(std::process::id()).cpu().expect("still here");
-        let _ = child.kill();
-        let _ = child.wait();
+        let own_ticks = own().expect("the shell is alive");
+        let pid = i32::try_from(shell.id()).expect("a pid");
+        // SAFETY: kill(2) on the shell's own process group, which this test made.
+        unsafe { libc::kill(-pid, libc::SIGKILL) };
+        let _ = shell.wait();
         assert!(
-            own >= Duration::from_millis(50),
-            "the child's loop: {own:?}"
+            whole >= Duration::from_millis(100),
+            "the tree holds its child's loop: {whole:?}"
         );
+        let ticks = clock_ticks_per_second().expect("Linux");
         assert!(
-            whole >= before + own,
-            "the parent's tree holds its child's CPU: {whole:?} < {before:?} + {own:?}"
+            Duration::from_secs_f64(own_ticks as f64 / ticks as f64) < Duration::from_millis(50),
+            "the shell itself only waits: {own_ticks} ticks"
         );
     }
 }

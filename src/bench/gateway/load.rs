@@ -152,9 +152,7 @@ impl Sample {
 
     /// Microseconds at quantile `q` (nearest rank); `None` without answers.
     pub fn quantile_us(&self, q: f64) -> Option<f64> {
-        let last = self.latencies.len().checked_sub(1)?;
-        let i = ((last as f64) * q).round() as usize;
-        Some(self.latencies[i.min(last)].as_secs_f64() * 1e6)
+        super::super::nearest_rank_us(&self.latencies, q)
     }
 }
 
@@ -227,11 +225,16 @@ impl Schedule {
     /// at once, so the rate offered is the rate asked for, up to what the target answers.
     /// A connection further behind (a target that stalled) is forgiven all but
     /// [`MAX_BACKLOG`] of it, not made to flood the target when it comes back.
-    async fn wait(&mut self) {
-        tokio::time::sleep_until(self.next).await;
+    /// Returns when the send was due: its latency counts from then, so that a target that
+    /// answers late delays the sends behind it and is charged for their wait too, as it
+    /// would be by clients sending at this rate (not only for the time each took once sent).
+    async fn wait(&mut self) -> Instant {
+        let due = self.next;
+        tokio::time::sleep_until(due).await;
         let now = Instant::now();
         let floor = now.checked_sub(MAX_BACKLOG.max(self.pace)).unwrap_or(now);
         self.next = (self.next + self.pace).max(floor);
+        due
     }
 }
 
@@ -254,9 +257,10 @@ async fn connection(
     let addr = dial.addr;
     let mut sender: Option<SendRequest<Full<Bytes>>> = None;
     while Instant::now() < end {
-        if let Some(schedule) = &mut schedule {
-            schedule.wait().await;
-        }
+        let due = match &mut schedule {
+            Some(schedule) => Some(schedule.wait().await),
+            None => None,
+        };
         let s = match sender.take().filter(|s| !s.is_closed()) {
             Some(s) => s,
             None => match tokio::time::timeout_at(end, connect(&dial)).await {
@@ -274,7 +278,7 @@ async fn connection(
             },
         };
         let mut s = s;
-        let t0 = Instant::now();
+        let t0 = due.unwrap_or_else(Instant::now);
         let exchanged = tokio::time::timeout_at(end, exchange(&mut s, &ask, addr)).await;
         let done = Instant::now();
         match exchanged {
@@ -434,8 +438,9 @@ mod tests {
             window: Duration::from_secs(2),
             ..Sample::default()
         };
-        assert_eq!(sample.quantile_us(0.5), Some(51.0));
+        assert_eq!(sample.quantile_us(0.5), Some(50.0));
         assert_eq!(sample.quantile_us(0.99), Some(99.0));
+        assert_eq!(sample.quantile_us(1.0), Some(100.0));
         assert_eq!(sample.rps(), 50.0);
         assert_eq!(Sample::default().quantile_us(0.5), None);
     }

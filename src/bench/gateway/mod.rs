@@ -129,8 +129,31 @@ impl Scratch {
         let dir =
             std::env::temp_dir().join(format!("bulkhead-bench-gateway-{}", std::process::id()));
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        if in_memory(&dir) {
+            eprintln!(
+                "warning: {} is in memory (tmpfs): the audit log's fsyncs cost nothing there, so \
+                 the durable and group-commit figures hold no durability cost (set TMPDIR to a \
+                 directory on disk)",
+                dir.display()
+            );
+        }
         Ok(Scratch(dir))
     }
+}
+
+/// Whether `dir` lies on a file system held in memory (tmpfs, ramfs), where fsync is free.
+fn in_memory(dir: &std::path::Path) -> bool {
+    use std::os::unix::ffi::OsStrExt as _;
+    let Ok(path) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: statfs(2) reads a NUL-terminated path and fills the zeroed struct it is given.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(path.as_ptr(), &mut fs) } != 0 {
+        return false;
+    }
+    // TMPFS_MAGIC and RAMFS_MAGIC (linux/magic.h).
+    matches!(fs.f_type, 0x0102_1994 | 0x8584_58f6)
 }
 
 impl Drop for Scratch {
@@ -290,6 +313,10 @@ fn settings(args: &GatewayArgs) -> Map<String, Value> {
     s.insert("client_threads".into(), json!(args.client_threads));
     s.insert("load_target_threads".into(), json!(args.target_threads));
     s.insert("gateway_threads".into(), json!(gateway_threads(args)));
+    s.insert(
+        "scratch_in_memory".into(),
+        json!(in_memory(&std::env::temp_dir())),
+    );
     s
 }
 
@@ -377,12 +404,19 @@ async fn measure(
     Ok(())
 }
 
-/// The order run `run` measures `kinds` in: one later each run. Fixed before the run starts,
-/// so that a peer dropped in it leaves the others' turns as they were (each measured once).
+/// The order run `run` measures `kinds` in: one later each run, and backwards every other
+/// run, so that no target always follows the same one (the requests a target still had in
+/// flight at its window's end, and their CPU, fall on the next one's warm-up). Fixed before
+/// the run starts, so that a peer dropped in it leaves the others' turns as they were (each
+/// measured once).
 fn turns(kinds: &[Kind], run: usize) -> Vec<Kind> {
-    (0..kinds.len())
+    let mut order: Vec<Kind> = (0..kinds.len())
         .map(|i| kinds[(run + i) % kinds.len()])
-        .collect()
+        .collect();
+    if !run.is_multiple_of(2) {
+        order.reverse();
+    }
+    order
 }
 
 /// A sample's figures; `None` if it holds no correct answer.
@@ -402,16 +436,54 @@ mod tests {
     use super::*;
 
     #[test]
-    fn each_run_starts_one_target_later_and_measures_each_once() {
+    fn a_directory_on_tmpfs_is_in_memory_and_one_on_disk_is_not() {
+        let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
+        let kind = |at: &str| {
+            mounts
+                .lines()
+                .filter_map(|l| {
+                    let mut f = l.split_whitespace();
+                    Some((f.nth(1)?, f.next()?))
+                })
+                .find(|(point, _)| *point == at)
+                .map(|(_, kind)| kind.to_owned())
+        };
+        for at in ["/dev/shm", "/proc", "/"] {
+            if let Some(kind) = kind(at) {
+                let expected = kind == "tmpfs" || kind == "ramfs";
+                assert_eq!(
+                    in_memory(std::path::Path::new(at)),
+                    expected,
+                    "{at}: {kind}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn each_run_measures_each_once_and_every_target_follows_every_other() {
         let kinds = [Kind::Direct, Kind::Bulkhead, Kind::Nginx];
         assert_eq!(turns(&kinds, 0), kinds);
         assert_eq!(
             turns(&kinds, 1),
-            [Kind::Bulkhead, Kind::Nginx, Kind::Direct]
+            [Kind::Direct, Kind::Nginx, Kind::Bulkhead]
         );
         assert_eq!(
-            turns(&kinds, 5),
+            turns(&kinds, 2),
             [Kind::Nginx, Kind::Direct, Kind::Bulkhead]
+        );
+        let mut follows = std::collections::HashSet::new();
+        for run in 0..4 {
+            let order = turns(&kinds, run);
+            let mut sorted = order.clone();
+            sorted.sort_by_key(|k| kinds.iter().position(|a| a == k));
+            assert_eq!(sorted, kinds, "run {run} measures each once");
+            follows.extend(order.windows(2).map(|w| (w[0], w[1])));
+        }
+        assert_eq!(
+            follows.len(),
+            6,
+            "every ordered pair in four runs: {follows:?}"
         );
     }
 }

@@ -376,6 +376,41 @@ mod tests {
         );
     }
 
+    /// Runs whose ratios, their medians' ratio and any other pairing of runs all differ:
+    /// paired 800/900, 300/600, 700/1000 → 0.7; the medians' ratio 700/900; run i against
+    /// run i+1 800/600, 300/1000, 700/900.
+    #[test]
+    fn a_ratio_is_the_median_of_each_runs_own_ratio() {
+        let mut results = results();
+        for (kind, runs) in &mut results.measured {
+            match kind {
+                Kind::Bulkhead => *runs = vec![f(800.0, 150.0), f(300.0, 150.0), f(700.0, 150.0)],
+                Kind::Nginx => *runs = vec![f(900.0, 120.0), f(600.0, 120.0), f(1000.0, 120.0)],
+                _ => {}
+            }
+        }
+        let json = results.to_json(Map::new());
+        let r = json["targets"]["bulkhead_policies_off"]["vs_nginx"]["rps_ratio"]
+            .as_f64()
+            .expect("a ratio");
+        assert!((r - 0.7).abs() < 1e-9, "{r}");
+        // Two runs: the mean of their ratios.
+        for (kind, runs) in &mut results.measured {
+            runs.truncate(2);
+            if *kind == Kind::Bulkhead {
+                runs[1] = f(450.0, 150.0);
+            }
+        }
+        let json = results.to_json(Map::new());
+        let r = json["targets"]["bulkhead_policies_off"]["vs_nginx"]["rps_ratio"]
+            .as_f64()
+            .expect("a ratio");
+        assert!(
+            (r - (800.0 / 900.0 + 450.0 / 600.0) / 2.0).abs() < 1e-9,
+            "{r}"
+        );
+    }
+
     #[test]
     fn the_floor_splits_the_gap_to_nginx_into_the_stack_and_the_gateways_own_work() {
         let json = results().to_json(Map::new());

@@ -142,7 +142,7 @@ pub struct Setup {
     pub cache_dir: PathBuf,
     /// Connections the load opens (the bench tenant's concurrency limit is above it).
     pub connections: usize,
-    /// The gateway's runtime threads, and nginx's worker processes.
+    /// The gateway's runtime threads, and nginx's and LiteLLM's worker processes.
     pub threads: NonZeroUsize,
     pub nginx: Option<PathBuf>,
     pub litellm: Option<PathBuf>,
@@ -610,7 +610,8 @@ async fn litellm(setup: &Setup) -> anyhow::Result<(SocketAddr, Child)> {
     cmd.arg("--config")
         .arg(&conf)
         .args(["--host", "127.0.0.1", "--port", &addr.port().to_string()])
-        .args(["--num_workers", "1"])
+        // As many worker processes as the gateway has serving threads and nginx workers.
+        .args(["--num_workers", &setup.threads.to_string()])
         .current_dir(&dir)
         // No fetch of the model price list at start (there is no network to fetch it from).
         .env("LITELLM_LOCAL_MODEL_COST_MAP", "True");
