@@ -171,5 +171,13 @@ mod tests {
     #[test]
     fn huge_numbers_do_not_overflow() {
         assert!(admit(usize::MAX, Some(nz(u32::MAX)), nz(1), limit(u64::MAX)).is_err());
+        // Both at their largest, in u32: their sum is compared whole, never wrapped.
+        let most = u32::MAX as usize;
+        let err = admit(most, Some(nz(u32::MAX)), nz(1), limit(u64::from(u32::MAX)))
+            .expect_err("twice the limit");
+        assert_eq!(err.requested, 2 * u64::from(u32::MAX));
+        // A prompt past u64's reach (a 128-bit usize) saturates instead of wrapping.
+        let err = admit(usize::MAX, Some(nz(2)), nz(1), limit(100)).expect_err("over");
+        assert_eq!(err.requested, (usize::MAX as u64).saturating_add(2));
     }
 }

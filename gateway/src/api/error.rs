@@ -130,6 +130,11 @@ pub enum ApiError {
     /// bindings' fail-open says).
     #[error("the policy sandbox is busy; retry later")]
     PolicyBusy,
+    /// The chat template's sandbox could not render the request's prompt through no fault
+    /// of the template's or the request's (other renderings held it, or its helper could not
+    /// start): capacity, worth another try.
+    #[error("the chat template's sandbox is busy; retry later")]
+    TemplateBusy,
     /// A bug; details are in the gateway's or the worker's log.
     #[error("internal error")]
     Internal,
@@ -308,6 +313,11 @@ pub fn mapping(err: &ApiError) -> Mapping {
             "rate_limit_exceeded",
             Some("policy_busy"),
         ),
+        ApiError::TemplateBusy => m(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            Some("template_busy"),
+        ),
         ApiError::Internal => m(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal_error",
@@ -350,6 +360,7 @@ impl ApiError {
             | ApiError::PolicyDenied { .. }
             | ApiError::PolicyFailed
             | ApiError::PolicyBusy
+            | ApiError::TemplateBusy
             | ApiError::Internal => None,
         }
     }
@@ -383,8 +394,11 @@ impl IntoResponse for ApiError {
             ApiError::WorkerBusy { retry_after_secs } => {
                 Some(Duration::from_secs(*retry_after_secs))
             }
-            // Routing is judged again every second or so (health, ejections' ends).
-            ApiError::NoHealthyWorker | ApiError::WorkerUnavailable => Some(Duration::from_secs(1)),
+            // Routing is judged again every second or so (health, ejections' ends); a
+            // rendering holds the template's sandbox for milliseconds.
+            ApiError::NoHealthyWorker | ApiError::WorkerUnavailable | ApiError::TemplateBusy => {
+                Some(Duration::from_secs(1))
+            }
             _ => None,
         };
         if let Some(wait) = wait
@@ -539,6 +553,12 @@ mod tests {
             "service_unavailable",
             Some("audit_unavailable"),
         );
+        check(
+            ApiError::TemplateBusy,
+            503,
+            "service_unavailable",
+            Some("template_busy"),
+        );
         check(ApiError::NotFound, 404, INVALID_REQUEST, Some("not_found"));
         check(
             ApiError::UnsupportedEncoding {
@@ -655,7 +675,11 @@ mod tests {
     /// second); a 500 says nothing of the kind.
     #[test]
     fn no_worker_to_route_to_is_a_503_with_a_retry_after() {
-        for e in [ApiError::NoHealthyWorker, ApiError::WorkerUnavailable] {
+        for e in [
+            ApiError::NoHealthyWorker,
+            ApiError::WorkerUnavailable,
+            ApiError::TemplateBusy,
+        ] {
             let r = e.into_response();
             assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
             assert_eq!(r.headers()[header::RETRY_AFTER], "1");
@@ -681,6 +705,7 @@ mod tests {
             ApiError::NoHealthyWorker,
             ApiError::PolicyBusy,
             ApiError::GatewayShutdown,
+            ApiError::TemplateBusy,
         ] {
             assert!(!e.into_response().headers().contains_key(SHOULD_RETRY));
         }

@@ -724,11 +724,10 @@ fn not_empty(ids: Vec<u32>, param: &'static str) -> Result<Vec<u32>, ApiError> {
 }
 
 /// What a chat prompt the template could not encode is told: why, when the template or the
-/// messages are at fault; an internal error when its sandbox was unavailable (the sandbox
-/// logged why).
+/// messages are at fault; to retry when its sandbox was unavailable (the sandbox logged why).
 fn chat_refused(e: ChatError, param: &'static str) -> ApiError {
     if e.transient() {
-        return ApiError::Internal;
+        return ApiError::TemplateBusy;
     }
     ApiError::Prompt {
         reason: e.to_string(),

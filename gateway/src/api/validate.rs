@@ -174,8 +174,12 @@ const COMMON_FIELDS: &[&str] = &[
     "stream",
     "stream_options",
     "cache_salt",
-    // Informational only: they do not change the output.
+    // Informational only: they do not change the output (`safety_identifier` and
+    // `prompt_cache_key` are OpenAI's successors to `user`; the prefix cache is the tenant's
+    // own whatever the key says).
     "user",
+    "safety_identifier",
+    "prompt_cache_key",
     "metadata",
     "store",
     "service_tier",
@@ -508,7 +512,7 @@ fn common(
     {
         return Err(RequestError::UnsupportedValue {
             field: "n",
-            value: n.to_string(),
+            value: named(&n.to_string()),
             supported: "only n = 1 is supported",
         });
     }
@@ -587,6 +591,8 @@ fn informational(map: &Map<String, Value>) -> Result<(), RequestError> {
         Some(_) => Err(wrong(field, "a string")),
     };
     string("user")?;
+    string("safety_identifier")?;
+    string("prompt_cache_key")?;
     string("service_tier")?;
     if get(map, "store").is_some_and(|v| !v.is_boolean()) {
         return Err(wrong("store", "true or false"));
@@ -661,7 +667,7 @@ fn message(index: usize, m: &Value) -> Result<Message, RequestError> {
         other => {
             return Err(RequestError::UnsupportedRole {
                 index,
-                role: other.to_owned(),
+                role: named(other),
             });
         }
     };
@@ -679,7 +685,7 @@ fn message(index: usize, m: &Value) -> Result<Message, RequestError> {
                     _ => {
                         return Err(RequestError::UnsupportedContentPart {
                             index,
-                            kind: kind.to_owned(),
+                            kind: named(kind),
                         });
                     }
                 }
@@ -1070,6 +1076,19 @@ mod tests {
             chat(with("stream", json!("yes"))),
             Err(RequestError::WrongType { .. })
         ));
+        // What the client sent, quoted back, is bounded.
+        let huge = "r".repeat(1 << 20);
+        for e in [
+            chat(with("messages", json!([{"role": huge, "content": "hi"}]))),
+            chat(with(
+                "messages",
+                json!([{"role": "user", "content": [{"type": huge, "text": "x"}]}]),
+            )),
+            chat(with("n", json!(vec![huge.clone(); 4]))),
+        ] {
+            let e = e.expect_err("refused");
+            assert!(e.to_string().len() < 256, "{} bytes", e.to_string().len());
+        }
     }
 
     #[test]
@@ -1077,12 +1096,14 @@ mod tests {
         let fine = chat(json!({
             "messages": [{"role": "user", "content": "x"}],
             "user": "u", "metadata": {"k": "v"}, "store": true, "service_tier": "auto",
-            "response_format": {"type": "text"},
+            "response_format": {"type": "text"}, "safety_identifier": "s", "prompt_cache_key": "k",
         }));
         assert!(fine.is_ok(), "{fine:?}");
         let many: Map<String, Value> = (0..17).map(|i| (format!("k{i}"), json!("v"))).collect();
         for (field, value) in [
             ("user", json!(5)),
+            ("safety_identifier", json!(["s"])),
+            ("prompt_cache_key", json!({"k": 1})),
             ("metadata", json!("x")),
             ("metadata", json!({"k": 1})),
             ("metadata", Value::Object(many)),

@@ -65,6 +65,7 @@ fn table() -> Vec<ApiError> {
         },
         ApiError::PolicyFailed,
         ApiError::PolicyBusy,
+        ApiError::TemplateBusy,
         ApiError::Internal,
         ApiError::BodyTimeout { secs: 1 },
     ]
