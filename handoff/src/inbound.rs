@@ -105,6 +105,10 @@ pub enum IntegrityFailure {
     TagChanged { index: usize, current: Option<Tag> },
     #[error("{dropped} frames of this session were dropped")]
     FramesDropped { dropped: u32 },
+    /// A frame passed every check and could not be copied into its page (the memory or the
+    /// device refused the write): the page holds something else than the frame says.
+    #[error("page index {index} was accepted but could not be written")]
+    PageNotWritten { index: u32 },
     /// The peer said it sent everything and never sent the manifest that says what: pages
     /// are missing or unverified, as in the incident.
     #[error("the peer closed the transfer as complete without its manifest")]

@@ -792,14 +792,14 @@ impl Engine {
                     }
                     Err(e @ NotWritten::Slots(_)) => {
                         // Admitted as written, but its page holds something else: the
-                        // transfer must never commit on it.
+                        // transfer must never commit on it, and fails as one that did not
+                        // deliver every page does (counted, audited as an integrity failure).
                         tracing::error!(session = %nonce, error = %e, "KV frame not written: transfer failed");
                         self.stats.frames_dropped.add("not_written");
-                        if let Some(mut t) = self.transfers.remove(&nonce) {
-                            let failure = crate::model::SeqFailure::Internal(e.to_string());
-                            let _ = t.request.sink.emit(Event::Failed(failure.into()));
-                            self.suspects
-                                .insert(nonce, Suspect::new(t.pages.quarantine()));
+                        if let Some(t) = self.transfers.remove(&nonce) {
+                            let index = frame.header().index;
+                            let failure = IntegrityFailure::PageNotWritten { index };
+                            self.failed_verification(nonce, t, failure);
                         }
                     }
                 }
@@ -1188,14 +1188,13 @@ impl Engine {
                 break;
             };
             let prefix = self.cached_prefix(&w);
+            // Counted once the request starts (a decode request whose caller left as it was
+            // reserved never does).
+            let looked_up = prefix
+                .as_ref()
+                .map(|p| (w.request.prompt.len() as u64, p.tokens() as u64));
             let reservation = match self.reserve(w.admissible, prefix.as_ref()) {
-                Ok(r) => {
-                    if let Some(p) = &prefix {
-                        self.prefix_stats.prompt_tokens += w.request.prompt.len() as u64;
-                        self.prefix_stats.cached_tokens += p.tokens() as u64;
-                    }
-                    r
-                }
+                Ok(r) => r,
                 Err(not_now) => {
                     self.waiting.push_front(Waiting {
                         request: w.request,
@@ -1248,6 +1247,10 @@ impl Engine {
                         },
                     );
                 }
+            }
+            if let Some((prompt, cached)) = looked_up {
+                self.prefix_stats.prompt_tokens += prompt;
+                self.prefix_stats.cached_tokens += cached;
             }
         }
     }

@@ -133,9 +133,15 @@ fn a_frame_admitted_but_not_written_fails_the_transfer_instead_of_committing_it(
     }
     let events: Vec<Event> = rx.try_iter().collect();
     assert!(
-        matches!(events.as_slice(), [Event::Failed(Failure::Forward(_))]),
+        matches!(
+            events.as_slice(),
+            [Event::Failed(Failure::Transfer(
+                IntegrityFailure::PageNotWritten { .. }
+            ))]
+        ),
         "failed, never decoded from unwritten pages: {events:?}"
     );
+    assert_eq!(d.transfer_stats().integrity_failures, 1);
     let s = d.pool().stats();
     assert_eq!(s.quarantined, 3, "held until its peer is gone: {s:?}");
     assert_eq!(d.transfer_stats().frames_written, 0);
