@@ -252,15 +252,12 @@ impl ServedModel {
         let chat = if info.chat_template.is_empty() {
             Err("the served model has no chat template; use /v1/completions".to_owned())
         } else {
-            match ChatTemplate::new(
+            ChatTemplate::new(
                 &info.chat_template,
                 text(info.bos_token_id),
                 text(Some(info.eos_token_id)),
-            ) {
-                // Not the template's fault: the model is registered at a later refresh.
-                Err(e) if e.transient() => return Err(e.to_string()),
-                compiled => compiled.map_err(|e| e.to_string()),
-            }
+            )
+            .map_err(|e| e.to_string())
         };
         Ok(ServedModel {
             id: info.model_id.clone(),

@@ -315,7 +315,16 @@ impl ChatTemplate {
                     add_generation_prompt: false,
                     compile_only: true,
                 };
-                sandbox.render(&job)?;
+                match sandbox.render(&job) {
+                    Ok(_) => {}
+                    // The sandbox could not tell (its helper did not start, or a stalled host
+                    // held it past its time): the template is compiled again in the sandbox
+                    // at each rendering, which tells then. Nothing is compiled here either way.
+                    Err(e) if !e.kept() => {
+                        tracing::warn!(error = %e, "the chat template's sandbox could not check it now: its renderings will");
+                    }
+                    Err(e) => return Err(e),
+                }
                 Compiled::InSandbox(sandbox)
             }
             None => Compiled::Here(Box::new(environment(source)?)),

@@ -21,10 +21,6 @@ pub enum LoadError {
         tokenizer: usize,
         model: usize,
     },
-    /// The chat template's sandbox could not compile it, through no fault of the template's
-    /// (its helper could not start): every chat request would fail the same way.
-    #[error("model {path}: {error}")]
-    ChatSandbox { path: String, error: ChatError },
 }
 
 /// A model ready to serve.
@@ -50,12 +46,6 @@ impl LoadedModel {
             });
         }
         let chat = ChatTemplate::from_gguf(model.gguf());
-        if let Err(error) = &chat
-            && error.transient()
-        {
-            let error = error.clone();
-            return Err(LoadError::ChatSandbox { path: p(), error });
-        }
         Ok(LoadedModel {
             model,
             tokenizer,

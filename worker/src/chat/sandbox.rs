@@ -416,7 +416,7 @@ fn stopped(ended: &io::Result<ExitStatus>, e: &io::Error) -> ChatError {
 /// answers each job line of stdin on stdout until stdin ends (its serving process did), each
 /// job under an alarm that ends the helper should the job outlast [`TIME`].
 pub fn serve(memory: u64) -> io::Result<()> {
-    limit_address_space(memory)?;
+    limit_memory(memory)?;
     let seconds = u32::try_from(TIME.as_secs() + 1).unwrap_or(u32::MAX);
     serve_on(io::stdin().lock(), io::stdout().lock(), |busy| {
         // SAFETY: alarm(2) has no preconditions; SIGALRM's default action ends the helper.
@@ -483,8 +483,9 @@ fn render_kept(kept: &mut Vec<(String, Environment<'static>)>, job: &Job<'_>) ->
     job.render_with(&kept[at].1)
 }
 
-/// Limits this process's address space to what it maps now plus `memory` bytes.
-fn limit_address_space(memory: u64) -> io::Result<()> {
+/// Limits this process's address space to what it maps now plus `memory` bytes, and its
+/// stack to [`STACK`].
+fn limit_memory(memory: u64) -> io::Result<()> {
     let statm = std::fs::read_to_string("/proc/self/statm")?;
     let pages: u64 = statm
         .split_whitespace()
@@ -503,8 +504,28 @@ fn limit_address_space(memory: u64) -> io::Result<()> {
     if unsafe { libc::setrlimit(libc::RLIMIT_AS, &rlimit) } != 0 {
         return Err(io::Error::last_os_error());
     }
+    // Jobs run on the main thread, whose stack grows up to this limit (checked at each
+    // growth): inherited, it could be unlimited, and a template nesting past any stack would
+    // then take the memory above instead of ending on its own limit.
+    let mut stack = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: plain system calls with a valid struct to fill, then to read.
+    if unsafe { libc::getrlimit(libc::RLIMIT_STACK, &mut stack) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    stack.rlim_cur = stack.rlim_cur.min(STACK);
+    stack.rlim_max = stack.rlim_max.min(STACK);
+    // SAFETY: as above.
+    if unsafe { libc::setrlimit(libc::RLIMIT_STACK, &stack) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
     Ok(())
 }
+
+/// The helper's stack: the usual default.
+const STACK: u64 = 8 << 20;
 
 #[cfg(test)]
 mod tests {

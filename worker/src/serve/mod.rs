@@ -173,10 +173,13 @@ impl BoundWorker {
         } = loaded;
         let model_id = info::model_id(&model.config().name, model.gguf());
         // The file's template, compiled or not: a gateway that cannot compile it either tells
-        // its clients why, where one told of no template could only say it has none.
+        // its clients why, where one told of no template could only say it has none. One
+        // longer than any template is taken is not sent (nor would Info fit a probe's limit).
         let chat_source = model
             .gguf()
             .get_str("tokenizer.chat_template")
+            .ok()
+            .filter(|source| source.len() <= crate::chat::SOURCE_MAX)
             .unwrap_or_default();
         let proto_role = match config.role {
             RoleConfig::Both => proto::Role::Both,
@@ -237,12 +240,12 @@ impl BoundWorker {
                     source,
                 })?;
                 let seen = disagg::SeenPeer::new(&prefill);
-                let endpoint = tls::endpoint(&prefill, config.tls.as_ref()).map_err(|e| {
-                    StartError::PrefillUri {
+                let endpoint = tls::endpoint(&prefill, config.tls.as_ref())
+                    .map_err(|e| StartError::PrefillUri {
                         uri: prefill,
                         reason: e.to_string(),
-                    }
-                })?;
+                    })?
+                    .alive_within(config.kv_peer_timeout);
                 let client = cluster_token::shared_client(
                     endpoint.connect_lazy(),
                     config.cluster_token.clone(),
