@@ -76,8 +76,12 @@ struct Audited {
 /// Why the configured tenants cannot start serving.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error("the configured tenants were refused: {0}")]
-    ReusedId(ReusedIds),
+    #[error(
+        "the configured tenants were refused: {ids}. To start once without comparing the \
+         configured tenants with those served last (bulkhead up's built-in configuration has no \
+         entry to say reuse_id in), remove {served}"
+    )]
+    ReusedId { ids: ReusedIds, served: String },
     #[error("the ids of the tenants served: {0}")]
     Served(#[from] ServedError),
 }
@@ -157,7 +161,10 @@ impl Tenants {
         let reused = audited.reused(&added);
         let unvouched = unvouched(&set, &reused);
         if !unvouched.is_empty() {
-            return Err(StartError::ReusedId(ReusedIds(unvouched)));
+            return Err(StartError::ReusedId {
+                ids: ReusedIds(unvouched),
+                served: audited.served.path().display().to_string(),
+            });
         }
         audited.served.write(set.tenants().map(|t| &t.id))?;
         let _ = self.inner.audit.set(audited);

@@ -48,7 +48,8 @@ impl ServedFile {
         }
     }
 
-    fn path(&self) -> PathBuf {
+    /// The file's path.
+    pub fn path(&self) -> PathBuf {
         self.dir.join(NAME)
     }
 

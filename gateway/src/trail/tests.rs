@@ -888,7 +888,7 @@ async fn a_start_that_gives_an_id_with_audit_records_again_is_refused_unless_vou
     assert_eq!(last_served(), [id("tenant-b")].into());
     let refused = start("tenant-a", false).expect_err("an id with records, not served last");
     assert!(
-        matches!(&refused, crate::tenants::StartError::ReusedId(ids) if ids.0 == [id("tenant-a")]),
+        matches!(&refused, crate::tenants::StartError::ReusedId { ids, .. } if ids.0 == [id("tenant-a")]),
         "{refused}"
     );
     assert!(refused.to_string().contains("reuse_id"), "{refused}");
