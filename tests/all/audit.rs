@@ -697,6 +697,39 @@ fn a_request_whose_call_is_unanswered_when_shutdown_cuts_is_told_so() {
     });
 }
 
+/// A request whose body is still coming when shutdown cuts is told 503 `gateway_shutdown`
+/// too, not cut off with its connection.
+#[test]
+fn a_request_whose_body_is_still_coming_when_shutdown_cuts_is_told_so() {
+    bounded(|| {
+        let data = TempDir::new("audit-shutdown-body");
+        let up = Up::launch(Options {
+            replace: &[("drain_timeout_secs = 10", "drain_timeout_secs = 1")],
+            data_dir: Some(data.0.clone()),
+            ..Options::default()
+        });
+        up.wait_routable();
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {KEY_A}\r\n\
+             Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"messages\":"
+        );
+        let mut s = std::net::TcpStream::connect(&up.api).expect("connects");
+        std::io::Write::write_all(&mut s, head.as_bytes()).expect("sends");
+        // The gateway reads the body when it is told to stop.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        up.signal_up("-TERM");
+        let mut told = String::new();
+        let _ = s.read_to_string(&mut told);
+        let (status, body) = crate::up::parse_response(&told);
+        assert_eq!(status, 503, "{told}");
+        assert!(body.contains(r#""code":"gateway_shutdown""#), "{told}");
+        drop(up);
+        let records = on_disk(&data.0, "tenant-a");
+        assert_eq!(records.len(), 1, "{records:#?}");
+        assert_eq!(records[0]["error.type"], "gateway_shutdown", "{records:#?}");
+    });
+}
+
 /// A client that closes its connection before its request body is whole has left: its record
 /// says so (499 `client_disconnected`, before admission), not that it sent a bad request —
 /// whether it closed mid-body or sent a chunked body and no last chunk.

@@ -1822,10 +1822,11 @@ fn only_requests_with_the_same_cache_salt_share_cached_prompt_pages() {
 }
 
 /// A request whose client leaves while it waits for the worker's first answer (here, in
-/// decode's queue for pages) is charged its prompt, as an abandoned request is, not its whole
-/// max_tokens: the tenant's next request that fits only with the refund is served.
+/// decode's queue for pages) is not charged its whole max_tokens (a call the worker never
+/// answered ran nothing there, and is charged nothing): the tenant's next request that fits
+/// only with the refund is served.
 #[test]
-fn a_request_abandoned_before_the_workers_answer_is_charged_its_prompt_not_its_max_tokens() {
+fn a_request_abandoned_before_the_workers_answer_is_not_charged_its_max_tokens() {
     bounded(|| {
         let up = Up::launch(Options {
             args: &["--decode-kv-tokens", "1024"],

@@ -39,6 +39,7 @@ use tracing::Instrument as _;
 use tracing::field::Empty;
 
 pub use error::{ApiError, ErrorType, Mapping, mapping};
+pub(crate) use respond::Counts;
 pub use respond::Streamed;
 pub use upstream::{WorkerFailure, from_status};
 use validate::{CompletionPrompt, ValidCommon, parse_chat, parse_completion};
@@ -323,19 +324,24 @@ async fn serve(
     // The policies' headers, once they allowed the request: on its answer, and on an error
     // after that (the tenant's tokens, no worker, the worker's refusal) as well.
     let mut policy_headers = HeaderMap::new();
-    let result = tokio::time::timeout_at(
-        deadline,
-        start(
-            &state,
-            &who,
-            &trail,
-            endpoint,
-            &headers,
-            body,
-            &mut policy_headers,
-        ),
-    )
-    .await;
+    let mut shutdown = trail.shutdown_signal();
+    let result = tokio::select! {
+        result = tokio::time::timeout_at(
+            deadline,
+            start(
+                &state,
+                &who,
+                &trail,
+                endpoint,
+                &headers,
+                body,
+                &mut policy_headers,
+            ),
+        ) => result,
+        // Shutdown's drain timeout passed while the request was still read, checked or
+        // tokenized: its client is told, as one waiting for its worker is, rather than cut off.
+        () = shutdown.cut() => Ok(Err(ApiError::GatewayShutdown)),
+    };
     let answered = match result {
         Err(_) => Err(ApiError::Timeout { secs }),
         Ok(Err(e)) => Err(e),

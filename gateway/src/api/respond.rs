@@ -108,10 +108,10 @@ impl Drop for Started {
 /// The counts a request's `Done` is held to: the client's usage, the tenant's charge and the
 /// audit record take them.
 #[derive(Debug, Clone, Copy)]
-struct Counts {
+pub(crate) struct Counts {
     /// The prompt's tokens, as the gateway tokenized and admitted it.
-    prompt_tokens: u32,
-    max_tokens: u32,
+    pub(crate) prompt_tokens: u32,
+    pub(crate) max_tokens: u32,
 }
 
 impl Counts {
@@ -119,7 +119,7 @@ impl Counts {
     /// computed a truncated or another prompt), more tokens than asked for, more of the prompt
     /// cached than it has, or — from a worker that sends every token as a message of its own,
     /// `sent` of them — another count than it sent.
-    fn hold(self, d: &Done, sent: Option<u32>) -> Result<(), String> {
+    pub(crate) fn hold(self, d: &Done, sent: Option<u32>) -> Result<(), String> {
         if d.prompt_tokens != self.prompt_tokens {
             return Err(format!(
                 "{} prompt tokens, where the gateway admitted {}",

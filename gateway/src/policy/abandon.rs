@@ -26,9 +26,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bulkhead_audit::{self as audit, Dropped, Hold};
-use bulkhead_worker::serve::proto::Item;
+use bulkhead_worker::serve::proto::{Item, error_code_status};
 
-use crate::api::{Endpoint, from_status};
+use crate::api::{Counts, Endpoint, from_status};
 use crate::limits::RequestPermit;
 use crate::trail::{GATEWAY_SHUTDOWN_TYPE, Trail};
 use crate::upstreams::{Leg, UpstreamStream};
@@ -92,6 +92,14 @@ pub struct Charge {
 }
 
 impl Charge {
+    /// What the request's `Done` must say.
+    fn counts(&self) -> Counts {
+        Counts {
+            prompt_tokens: self.prompt_tokens,
+            max_tokens: self.max_tokens,
+        }
+    }
+
     /// Settles the charge to `usage` (prompt, completion tokens).
     fn settle(mut self, (prompt, completion): (u32, u32)) {
         self.permit
@@ -360,7 +368,14 @@ impl Ending {
             } else {
                 let holding = tokio::time::timeout_at(
                     until,
-                    hold(leg, directive, &mut progress, &mut answered, &mut stream),
+                    hold(
+                        leg,
+                        directive,
+                        charge.counts(),
+                        &mut progress,
+                        &mut answered,
+                        &mut stream,
+                    ),
                 );
                 cut = tokio::select! {
                     biased;
@@ -381,10 +396,13 @@ impl Ending {
                 };
             }
             // Short of `Done`, the tokens that came as the upstream's text counts them (an
-            // OpenAI-compatible server's chunk may hold several).
-            if progress.usage.is_none()
-                && let Some(counting) = stream.as_ref().and_then(UpstreamStream::generated)
-            {
+            // OpenAI-compatible server's chunk may hold several). The stream goes first: the
+            // upstream stops generating at the hold's end, not once a long text is counted.
+            let counting = (stream.as_ref())
+                .filter(|_| progress.usage.is_none())
+                .and_then(UpstreamStream::generated);
+            drop(stream);
+            if let Some(counting) = counting {
                 progress.tokens = counting.await;
             }
             let dropped = match (progress.usage, progress.tokens) {
@@ -473,6 +491,7 @@ fn phase(leg: Option<&Leg>, progress: Progress) -> Phase {
 async fn hold(
     leg: Leg,
     directive: Directive,
+    counts: Counts,
     progress: &mut Progress,
     answered: &mut bool,
     kept: &mut Option<UpstreamStream>,
@@ -486,14 +505,16 @@ async fn hold(
             kept.insert(upstream)
         }
     };
-    drain(upstream, directive, progress).await
+    drain(upstream, directive, counts, progress).await
 }
 
 /// Reads `upstream` until `directive` is satisfied, or the stream fails (a stream that ends
-/// without `Done` is broken: the worker's transport failed).
+/// without `Done` is broken: the worker's transport failed; a `Done` whose counts are not the
+/// request's, `counts`, is a broken answer, as had its client stayed).
 async fn drain(
     upstream: &mut UpstreamStream,
     directive: Directive,
+    counts: Counts,
     progress: &mut Progress,
 ) -> Result<(), tonic::Status> {
     let until_complete = match directive {
@@ -520,6 +541,12 @@ async fn drain(
                 }
             }
             Some(Item::Done(d)) => {
+                let sent = upstream.sends_each_token().then_some(progress.tokens);
+                counts.hold(&d, sent).map_err(|why| {
+                    let why = format!("the worker's counts are not the request's: {why}");
+                    // A broken answer, not a worker down (as had its client stayed).
+                    error_code_status(tonic::Code::Internal, why, "internal_error")
+                })?;
                 progress.usage = Some((d.prompt_tokens, d.completion_tokens));
                 return Ok(());
             }

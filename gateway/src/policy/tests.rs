@@ -2530,6 +2530,47 @@ async fn a_hold_cut_at_its_limit_counts_the_text_that_came() {
     assert_eq!(record.output_tokens, Some(6), "{record:?}");
 }
 
+/// A held stream's `Done` is held to the request as a served one's is: one whose prompt is
+/// not the one admitted fails the hold as a broken answer (recorded so), and is not charged
+/// the worker's count.
+#[tokio::test]
+async fn a_held_streams_done_whose_counts_are_not_the_requests_fails_the_hold() {
+    for (admitted, failed) in [(10, None), (11, Some("internal_error"))] {
+        let dir = Scratch::new("policy");
+        let set = format!(
+            "{}{}",
+            plugin("ledger", ""),
+            binding(
+                "ledger",
+                "config = { on_disconnect = \"hold-until-complete\", phases = [\"prefilling\"] }"
+            )
+        );
+        let p = Policies::load(settings(&write(&dir, &set), None)).expect("the set loads");
+        let recorder = recorder(&dir);
+        let r = ask(&p, Ask::default()).await.expect("allowed");
+        // The stream's Done says a prompt of 10.
+        let stream = crate::upstreams::UpstreamStream::OpenAi(
+            crate::upstreams::openai::tests::finished_stream(&["a b", " c"]),
+        );
+        let mut charge = charge();
+        charge.prompt_tokens = admitted;
+        r.finish(
+            Some(crate::upstreams::Leg::Streaming(stream)),
+            Progress::default(),
+            recorder.trail("req-held-done".into(), tracing::Span::none()),
+            charge,
+            Endpoint::Chat,
+        );
+        let record = first_record(&recorder).await;
+        let hold = record.hold.as_ref().expect("held");
+        assert_eq!(
+            hold.failed.as_deref(),
+            failed,
+            "admitted {admitted}: {record:?}"
+        );
+    }
+}
+
 /// A request held after its client left whose worker then refuses it (here its prefill
 /// worker's admission, while it waited in the queue under a hold until complete) is recorded
 /// with that refusal: the hold failed as the worker said, and the admission layer that

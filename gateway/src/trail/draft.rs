@@ -347,7 +347,9 @@ impl Draft {
                 Layer::Decode
             },
         });
-        if self.disaggregated {
+        // A failure already found stays found: tokens counted again after it (the end of a
+        // request whose answer was not sent) do not make it a pass.
+        if self.disaggregated && self.record.integrity == Integrity::NotChecked {
             self.record.integrity = Integrity::Passed;
         }
     }
@@ -397,5 +399,33 @@ impl Drop for Draft {
         let (record, span) = self.seal();
         self.recorder.count(&record.tenant, record.status);
         self.recorder.append_unawaited(record, &span);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Metrics;
+    use crate::scratch::Scratch;
+
+    /// A disaggregated request whose decode worker failed the KV check after tokens came
+    /// (a JSON answer: its end counts the tokens again) is recorded as failing the check.
+    #[test]
+    fn tokens_counted_after_an_integrity_failure_do_not_make_it_a_pass() {
+        let dir = Scratch::new("draft");
+        let settings = crate::config::AuditSettings::default();
+        let (recorder, _) =
+            Recorder::open(&dir.0, settings, None, Metrics::default(), None).expect("opens");
+        let trail = recorder.trail("req".into(), Span::none());
+        lock(&trail.0).disaggregated = true;
+        trail.generated(2);
+        assert_eq!(lock(&trail.0).record.integrity, Integrity::Passed);
+        trail.failed(&ApiError::KvIntegrity, None);
+        trail.generated(2);
+        assert!(
+            matches!(lock(&trail.0).record.integrity, Integrity::Failed { .. }),
+            "{:?}",
+            lock(&trail.0).record.integrity
+        );
     }
 }

@@ -1199,6 +1199,27 @@ pub(crate) mod tests {
         SseStream::new(body, asked, words(), false)
     }
 
+    /// [`held_stream`] that ends: its last chunk says `stop`, then `[DONE]`.
+    pub(crate) fn finished_stream(texts: &[&str]) -> SseStream {
+        let mut events: Vec<Result<Bytes, BodyError>> = texts
+            .iter()
+            .map(|t| Ok(Bytes::from(chunk(t, None))))
+            .collect();
+        events.push(Ok(Bytes::from(chunk("", Some("stop")))));
+        events.push(Ok(Bytes::from_static(b"data: [DONE]\n\n")));
+        let asked = Asked {
+            prompt_tokens: 10,
+            max_tokens: 990,
+            stop: Vec::new(),
+        };
+        SseStream::new(
+            Box::pin(futures_util::stream::iter(events)),
+            asked,
+            words(),
+            false,
+        )
+    }
+
     /// The event of one completion chunk: `text`, and `finish` as its finish reason.
     fn chunk(text: &str, finish: Option<&str>) -> String {
         let chunk = serde_json::json!({"choices": [{"text": text, "finish_reason": finish}]});
