@@ -651,10 +651,19 @@ async fn a_prefill_call_with_a_bad_label_or_address_is_refused_before_anything_i
 }
 
 /// A prefill peer that sends a transfer's KV — valid, every frame and the manifest — and then
-/// answers its call as `answers` says: never (`None`), or accepted and then sent, saying that
-/// this many of the prompt's tokens came from its cache.
+/// answers its call as `answers` says.
 struct StandInPrefill {
-    answers: Option<u32>,
+    answers: Answers,
+}
+
+/// How a [`StandInPrefill`] answers its call.
+#[derive(Clone, Copy)]
+enum Answers {
+    Never,
+    /// Accepted, then sent, saying that this many of the prompt's tokens came from its cache.
+    Sent(u32),
+    /// Accepted, then failed with this error code (it sends no KV).
+    Fails(&'static str),
 }
 
 type Items<T> =
@@ -723,19 +732,31 @@ impl proto::Worker for StandInPrefill {
             )
             .await
         };
-        let Some(cached_tokens) = self.answers else {
-            tokio::spawn(async move {
-                let sent = sending.await;
-                assert!(sent.is_ok(), "{sent:?}");
-            });
-            return Ok(tonic::Response::new(Box::pin(
-                futures_util::stream::pending(),
-            )));
-        };
         let event = |event| Ok(proto::PrefillEvent { event: Some(event) });
         let accepted = event(PrefillItem::Accepted(proto::PrefillAccepted {
             instance_id: "stand-in".into(),
         }));
+        let cached_tokens = match self.answers {
+            Answers::Sent(cached_tokens) => cached_tokens,
+            Answers::Never => {
+                tokio::spawn(async move {
+                    let sent = sending.await;
+                    assert!(sent.is_ok(), "{sent:?}");
+                });
+                return Ok(tonic::Response::new(Box::pin(
+                    futures_util::stream::pending(),
+                )));
+            }
+            Answers::Fails(code) => {
+                let failed = proto::error_code_status(
+                    tonic::Code::Internal,
+                    "the stand-in fails".to_owned(),
+                    code,
+                );
+                let items = futures_util::stream::iter([accepted, Err(failed)]);
+                return Ok(tonic::Response::new(Box::pin(items)));
+            }
+        };
         let sent = async move {
             let sent = sending.await.expect("sent");
             let bulkhead_worker::serve::kvplane::Sent::Complete { frames, bytes } = sent else {
@@ -756,7 +777,7 @@ impl proto::Worker for StandInPrefill {
 
 /// A decode worker whose prefill peer is a [`StandInPrefill`] answering as `answers` says (the
 /// stand-in's server task, to hold).
-async fn decode_with_a_stand_in(answers: Option<u32>) -> (Worker, tokio::task::JoinHandle<()>) {
+async fn decode_with_a_stand_in(answers: Answers) -> (Worker, tokio::task::JoinHandle<()>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("binds");
@@ -777,7 +798,7 @@ async fn decode_with_a_stand_in(answers: Option<u32>) -> (Worker, tokio::task::J
 #[tokio::test]
 async fn a_prefill_peers_cached_token_count_is_believed_up_to_the_prompt() {
     bounded(async {
-        let (decode, _prefill) = decode_with_a_stand_in(Some(1_000_000)).await;
+        let (decode, _prefill) = decode_with_a_stand_in(Answers::Sent(1_000_000)).await;
         let mut client = decode.client().await;
         let mut stream = client
             .generate(chat("Hi", 4))
@@ -799,13 +820,34 @@ async fn a_prefill_peers_cached_token_count_is_believed_up_to_the_prompt() {
     .await;
 }
 
+/// A prefill peer that fails a transfer and says why — its KV failed its integrity check, or
+/// its answer broke — fails the request so at decode, not as a prefill outage a client would
+/// retry (503 `service_unavailable`); decode's pages all come back.
+#[tokio::test]
+async fn a_prefill_peers_failure_that_says_why_is_the_requests() {
+    bounded(async {
+        for code in ["kv_integrity_error", "internal_error"] {
+            let (decode, _prefill) = decode_with_a_stand_in(Answers::Fails(code)).await;
+            let mut client = decode.client().await;
+            let err = run_to_end(&mut client, chat("Hi", 4))
+                .await
+                .expect_err("prefill failed");
+            assert_eq!(error_code(&err), Some(code), "{err:?}");
+            assert_eq!(err.code(), tonic::Code::Internal, "{err:?}");
+            let p = wait_all_pages_back(&decode).await;
+            assert_eq!(available(&p), p.total, "{p:?}");
+        }
+    })
+    .await;
+}
+
 /// A prefill peer that sent the KV (decode verified it and generates) and never answers its
 /// call: the request fails (`service_unavailable`) within a few seconds. It waited for that
 /// answer without end, after the KV had made the wait's other end (the transfer deadline) moot.
 #[tokio::test]
 async fn a_prefill_peer_that_sends_the_kv_and_never_answers_its_call_does_not_hold_the_request() {
     bounded(async {
-        let (decode, _prefill) = decode_with_a_stand_in(None).await;
+        let (decode, _prefill) = decode_with_a_stand_in(Answers::Never).await;
         let mut client = decode.client().await;
         let started = Instant::now();
         let answered = tokio::time::timeout(

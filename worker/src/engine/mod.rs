@@ -937,6 +937,21 @@ impl Engine {
         }
     }
 
+    /// Decode role: the prefill worker failed transfer `nonce` and said why (`failure`):
+    /// nothing more of it will be sent. The request fails so, and its pages are released
+    /// (scrubbed before reuse; a late frame finds no session). A transfer already abandoned or
+    /// failed goes as when its data connection closes.
+    pub fn prefill_failed(&mut self, nonce: SessionNonce, failure: Failure) {
+        match self.transfers.remove(&nonce) {
+            Some(mut t) => {
+                tracing::warn!(session = %nonce, request = %t.request.id, %failure, "the prefill worker failed the transfer");
+                let _ = t.request.sink.emit(Event::Failed(failure));
+                t.pages.release();
+            }
+            None => self.transport_closed(&[nonce]),
+        }
+    }
+
     /// A verified transfer: the pages become the request's and it decodes from the first token.
     fn start_decoding(&mut self, t: Transfer, first_token: TokenId) {
         let mut r = Running::new(t.request, t.pages.commit(), t.prefix, None);

@@ -86,6 +86,10 @@ pub enum Failure {
     PrefillRejected(SubmitError),
     #[error("the prefill worker closed the transfer without completing it ({0})")]
     PrefillClosed(&'static str),
+    /// The prefill worker failed the transfer for its KV's integrity (its own check of the
+    /// pages it computed): what it sent, if anything, is not to be trusted.
+    #[error("the prefill worker's KV failed its integrity check")]
+    PrefillIntegrity,
     #[error("the KV transfer made no progress within {0:?}")]
     TransferTimedOut(std::time::Duration),
     /// Waited for KV pages longer than the engine's queue timeout: refused for load, nothing

@@ -25,8 +25,8 @@ use bulkhead_kvpool::{PoolStats, RequestId};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::engine::{
-    Capacity, Delivery, Engine, Event, EventSink, FinishReason, Outbound, PrefixStats, Request,
-    SubmitError, TransferStats,
+    Capacity, Delivery, Engine, Event, EventSink, Failure, FinishReason, Outbound, PrefixStats,
+    Request, SubmitError, TransferStats,
 };
 
 use super::error::ServeError;
@@ -78,6 +78,11 @@ enum Command {
     },
     /// A data-plane connection ended: nothing more of these sessions can arrive.
     TransportClosed(Vec<SessionNonce>),
+    /// The prefill worker failed a transfer, saying why.
+    PrefillFailed {
+        nonce: SessionNonce,
+        failure: Failure,
+    },
     /// A prefill-side transfer is over: release its source pages on the engine thread.
     Close(Box<Outbound>),
     Cancel {
@@ -261,6 +266,13 @@ impl EngineHandle {
             .send(Command::PrefillProgress { nonce, computed });
     }
 
+    /// The prefill worker failed transfer `nonce` with `failure`.
+    pub fn prefill_failed(&self, nonce: SessionNonce, failure: Failure) {
+        let _ = self
+            .commands
+            .send(Command::PrefillFailed { nonce, failure });
+    }
+
     /// A data-plane connection that carried `nonces` ended.
     pub fn transport_closed(&self, nonces: Vec<SessionNonce>) {
         let _ = self.commands.send(Command::TransportClosed(nonces));
@@ -409,6 +421,7 @@ fn handle(engine: &mut Engine, command: Command, metrics: &Metrics) {
         Command::PrefillRejected { nonce, reason } => engine.prefill_rejected(nonce, reason),
         Command::PrefillProgress { nonce, computed } => engine.prefill_progress(nonce, computed),
         Command::TransportClosed(nonces) => engine.transport_closed(&nonces),
+        Command::PrefillFailed { nonce, failure } => engine.prefill_failed(nonce, failure),
         Command::Close(outbound) => outbound.close(),
         Command::Stats { reply } => {
             let _ = reply.send(stats_of(engine));

@@ -45,6 +45,7 @@ use super::spans;
 use super::validate::{self, ValidGenerate};
 use crate::engine::{Event, Failure, Outbound, Request, SubmitError};
 use crate::error_chain::with_causes;
+use crate::model::SeqFailure;
 use crate::printable::printable;
 
 /// A decode worker's way to its prefill worker.
@@ -102,7 +103,8 @@ impl SeenPeer {
             seen.instance_id.clear();
             return;
         }
-        instance_id.clone_into(&mut seen.instance_id);
+        // The peer's words, kept and told again (Info, preflight): bounded and escaped.
+        seen.instance_id = printable(instance_id, MAX_PROBE_ERROR_BYTES);
         seen.last_error.clear();
     }
 
@@ -276,13 +278,23 @@ impl PrefillCall {
                         }
                     }
                     Ok(Some(_)) => {}
-                    Ok(None) | Err(_) => {
+                    ended @ (Ok(None) | Err(_)) => {
                         // The prefill side is gone or failed: nothing more of this session
                         // will be sent. (Frames already on the data plane are dropped: the
-                        // session is no longer open.)
-                        span.record("error.type", codes::SERVICE_UNAVAILABLE);
+                        // session is no longer open.) A failure that says why is the
+                        // request's, told as it is: a KV integrity failure or a broken
+                        // answer is no outage to retry.
+                        let said = ended.err().and_then(|status| prefill_failure(&status));
+                        span.record(
+                            "error.type",
+                            said.as_ref()
+                                .map_or(codes::SERVICE_UNAVAILABLE, |(code, _)| code),
+                        );
                         span.record("otel.status_code", "ERROR");
-                        engine.transport_closed(vec![nonce]);
+                        match said {
+                            Some((_, failure)) => engine.prefill_failed(nonce, failure),
+                            None => engine.transport_closed(vec![nonce]),
+                        }
                         return 0;
                     }
                 }
@@ -455,7 +467,7 @@ pub async fn start_remote_prefill(
         Err(s) => {
             spans::failed(&call_span, &s);
             guard.withdraw();
-            return Err(unavailable(s.message().to_owned()));
+            return Err(unavailable(printable(s.message(), MAX_PROBE_ERROR_BYTES)));
         }
     };
     let refused = match first {
@@ -823,6 +835,22 @@ async fn transfer(
         }
     };
     let _ = tx.send(answer).await;
+}
+
+/// What a prefill worker's failed call says of the request, when it says: its KV failed its
+/// integrity check, or its answer broke (with the code to record). `None` for anything else
+/// (an outage, a transport's end): the transfer closed, a 503 to retry.
+fn prefill_failure(status: &Status) -> Option<(&'static str, Failure)> {
+    match proto::error_code(status) {
+        Some(codes::KV_INTEGRITY) => Some((codes::KV_INTEGRITY, Failure::PrefillIntegrity)),
+        Some(codes::INTERNAL) => Some((
+            codes::INTERNAL,
+            Failure::Forward(SeqFailure::Internal(
+                "the prefill worker broke the request's answer".to_owned(),
+            )),
+        )),
+        _ => None,
+    }
 }
 
 #[cfg(test)]

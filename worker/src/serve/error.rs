@@ -149,7 +149,9 @@ pub fn status(err: &ServeError) -> Status {
                     .insert(REFUSED_BY_KEY, MetadataValue::from_static("prefill"));
                 return s;
             }
-            Failure::Forward(SeqFailure::Integrity(_)) | Failure::Transfer(_) => (
+            Failure::Forward(SeqFailure::Integrity(_))
+            | Failure::Transfer(_)
+            | Failure::PrefillIntegrity => (
                 Code::Internal,
                 KV_INTEGRITY,
                 "KV cache integrity check failed; discard this request's output".into(),

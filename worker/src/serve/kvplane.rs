@@ -379,7 +379,11 @@ pub async fn receive(
             Err(e) => break Err(e),
         }
     };
-    to.transport_closed(open.into_iter().collect());
+    // A connection that opened no session (a drain's acknowledgement, a port scan) has
+    // nothing to tell the engine.
+    if !open.is_empty() {
+        to.transport_closed(open.into_iter().collect());
+    }
     result
 }
 

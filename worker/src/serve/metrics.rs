@@ -70,9 +70,9 @@ impl Outcome {
     /// The outcome of a request that failed after admission.
     pub fn failed(f: &Failure) -> Outcome {
         match f {
-            Failure::Forward(SeqFailure::Integrity(_)) | Failure::Transfer(_) => {
-                Outcome::FailedKvIntegrity
-            }
+            Failure::Forward(SeqFailure::Integrity(_))
+            | Failure::Transfer(_)
+            | Failure::PrefillIntegrity => Outcome::FailedKvIntegrity,
             Failure::Forward(SeqFailure::TokenOutOfRange { .. } | SeqFailure::Internal(_)) => {
                 Outcome::FailedInternal
             }

@@ -139,6 +139,25 @@ impl WorkerEndpoint {
         }
     }
 
+    /// A connection that cannot be made within `limit` fails, and one whose peer stops
+    /// answering — a host gone without a reset, a link cut — is closed after about `limit`
+    /// (HTTP/2 pings every third of it, idle or not, each to be answered within a third): the
+    /// calls on it fail then, not when the kernel gives up retransmitting (about a quarter of
+    /// an hour), and the next call connects afresh.
+    pub fn alive_within(self, limit: Duration) -> WorkerEndpoint {
+        let third = (limit / 3).max(Duration::from_secs(1));
+        WorkerEndpoint {
+            endpoint: self
+                .endpoint
+                .connect_timeout(limit)
+                .http2_keep_alive_interval(third)
+                .keep_alive_timeout(third)
+                .keep_alive_while_idle(true)
+                .tcp_keepalive(Some(third)),
+            ..self
+        }
+    }
+
     /// A channel that connects at its first call, and again after a connection is lost.
     pub fn connect_lazy(&self) -> Channel {
         match &self.tls {
@@ -232,6 +251,36 @@ mod tests {
     /// A worker started without TLS answers a TLS client's hello in plain HTTP/2 (its
     /// SETTINGS frame): the failed connection says so, and a server that ends the connection
     /// (one that takes only TLS, refusing a caller without it) is not mistaken for one.
+    /// A peer that takes the connection and then says nothing (a host gone without a reset
+    /// looks so) fails the call on it within about the limit, instead of holding it for as
+    /// long as the kernel retransmits.
+    #[tokio::test]
+    async fn a_silent_peer_fails_its_calls_within_the_limit() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("binds");
+        let address = listener.local_addr().expect("its address");
+        // Takes every connection and keeps it, reading nothing and answering nothing.
+        let held = tokio::spawn(async move {
+            let mut kept = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                kept.push(socket);
+            }
+        });
+        let limit = Duration::from_secs(3);
+        let channel = endpoint(&format!("http://{address}"), None)
+            .expect("an endpoint")
+            .alive_within(limit)
+            .connect_lazy();
+        let mut client = crate::serve::proto::WorkerClient::new(channel);
+        let started = std::time::Instant::now();
+        let call = client.health(crate::serve::proto::HealthRequest::default());
+        let answered = tokio::time::timeout(Duration::from_secs(30), call).await;
+        assert!(matches!(answered, Ok(Err(_))), "{answered:?}");
+        assert!(started.elapsed() < 3 * limit, "{:?}", started.elapsed());
+        held.abort();
+    }
+
     #[tokio::test]
     async fn a_plain_text_answer_to_tls_is_recognised_as_such() {
         use tokio::io::AsyncWriteExt as _;
