@@ -625,13 +625,7 @@ fn a_request_still_running_when_shutdown_has_drained_is_recorded_as_cut_by_it() 
         // then cuts the stream: its client is told so in an error event (not a connection
         // dropped mid-body), and its record says so — not that the client left, which it
         // did not — and is on disk once the gateway has exited.
-        let data = TempDir::new("audit-shutdown");
-        let up = Up::launch(Options {
-            replace: &[("drain_timeout_secs = 10", "drain_timeout_secs = 1")],
-            data_dir: Some(data.0.clone()),
-            ..Options::default()
-        });
-        up.wait_routable();
+        let (data, up) = draining_in_a_second("audit-shutdown");
         let mut answer = a_long_answer_holding_decode(&up);
         drop(up);
         let mut rest = Vec::new();
@@ -664,13 +658,7 @@ fn a_request_still_running_when_shutdown_has_drained_is_recorded_as_cut_by_it() 
 #[test]
 fn a_request_whose_call_is_unanswered_when_shutdown_cuts_is_told_so() {
     bounded(|| {
-        let data = TempDir::new("audit-shutdown-call");
-        let up = Up::launch(Options {
-            replace: &[("drain_timeout_secs = 10", "drain_timeout_secs = 1")],
-            data_dir: Some(data.0.clone()),
-            ..Options::default()
-        });
-        up.wait_routable();
+        let (data, up) = draining_in_a_second("audit-shutdown-call");
         up.signal_prefill("-STOP");
         let mut waiting = crate::up::open(
             &up.api,
@@ -686,14 +674,8 @@ fn a_request_whose_call_is_unanswered_when_shutdown_cuts_is_told_so() {
         let mut told = String::new();
         let _ = waiting.read_to_string(&mut told);
         up.signal_prefill("-CONT");
-        let (status, body) = crate::up::parse_response(&told);
-        assert_eq!(status, 503, "{told}");
-        assert!(body.contains(r#""code":"gateway_shutdown""#), "{told}");
         drop(up);
-        let records = on_disk(&data.0, "tenant-a");
-        assert_eq!(records.len(), 1, "{records:#?}");
-        assert_eq!(records[0]["http.response.status_code"], 503, "{records:#?}");
-        assert_eq!(records[0]["error.type"], "gateway_shutdown", "{records:#?}");
+        assert_told_and_recorded_as_cut(&told, &data);
     });
 }
 
@@ -702,13 +684,7 @@ fn a_request_whose_call_is_unanswered_when_shutdown_cuts_is_told_so() {
 #[test]
 fn a_request_whose_body_is_still_coming_when_shutdown_cuts_is_told_so() {
     bounded(|| {
-        let data = TempDir::new("audit-shutdown-body");
-        let up = Up::launch(Options {
-            replace: &[("drain_timeout_secs = 10", "drain_timeout_secs = 1")],
-            data_dir: Some(data.0.clone()),
-            ..Options::default()
-        });
-        up.wait_routable();
+        let (data, up) = draining_in_a_second("audit-shutdown-body");
         let head = format!(
             "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {KEY_A}\r\n\
              Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"messages\":"
@@ -720,14 +696,34 @@ fn a_request_whose_body_is_still_coming_when_shutdown_cuts_is_told_so() {
         up.signal_up("-TERM");
         let mut told = String::new();
         let _ = s.read_to_string(&mut told);
-        let (status, body) = crate::up::parse_response(&told);
-        assert_eq!(status, 503, "{told}");
-        assert!(body.contains(r#""code":"gateway_shutdown""#), "{told}");
         drop(up);
-        let records = on_disk(&data.0, "tenant-a");
-        assert_eq!(records.len(), 1, "{records:#?}");
-        assert_eq!(records[0]["error.type"], "gateway_shutdown", "{records:#?}");
+        assert_told_and_recorded_as_cut(&told, &data);
     });
+}
+
+/// `bulkhead up` on a data directory of its own, with one second to drain at shutdown; ready
+/// to serve.
+fn draining_in_a_second(what: &str) -> (TempDir, Up) {
+    let data = TempDir::new(what);
+    let up = Up::launch(Options {
+        replace: &[("drain_timeout_secs = 10", "drain_timeout_secs = 1")],
+        data_dir: Some(data.0.clone()),
+        ..Options::default()
+    });
+    up.wait_routable();
+    (data, up)
+}
+
+/// `told` (all a client read) is 503 `gateway_shutdown`, and the stack's data directory holds
+/// one record of tenant-a's, saying the same.
+fn assert_told_and_recorded_as_cut(told: &str, data: &TempDir) {
+    let (status, body) = crate::up::parse_response(told);
+    assert_eq!(status, 503, "{told}");
+    assert!(body.contains(r#""code":"gateway_shutdown""#), "{told}");
+    let records = on_disk(&data.0, "tenant-a");
+    assert_eq!(records.len(), 1, "{records:#?}");
+    assert_eq!(records[0]["http.response.status_code"], 503, "{records:#?}");
+    assert_eq!(records[0]["error.type"], "gateway_shutdown", "{records:#?}");
 }
 
 /// A client that closes its connection before its request body is whole has left: its record

@@ -99,6 +99,15 @@ impl Gateway {
     }
 
     /// Waits (bounded) until `/workers` says exactly `want` about the workers it names.
+    /// A gateway on `bulkhead up`'s configuration in front of the one colocated worker at
+    /// `grpc` (an address), its data in `dir/data`; once it routes to the worker.
+    pub(crate) fn in_front_of(dir: &Path, grpc: impl std::fmt::Display) -> Gateway {
+        let config = crate::up::colocated_config(dir, &format!("http://{grpc}"));
+        let gateway = Gateway::start(&config, &dir.join("data"), &[]);
+        gateway.wait_until(&[("one", true)]);
+        gateway
+    }
+
     pub(crate) fn wait_until(&self, want: &[(&str, bool)]) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {

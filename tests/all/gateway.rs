@@ -1969,9 +1969,7 @@ fn a_worker_whose_tokenizer_is_larger_than_four_mib_is_served() {
         .write(&model)
         .expect("writes the model");
         let worker = crate::worker_grpc::Worker::start_on(&model, &["--role", "both"]);
-        let config = crate::up::colocated_config(&dir.0, &format!("http://{}", worker.grpc));
-        let gateway = crate::cluster::Gateway::start(&config, &dir.0.join("data"), &[]);
-        gateway.wait_until(&[("one", true)]);
+        let gateway = crate::cluster::Gateway::in_front_of(&dir.0, &worker.grpc);
         let body = r#"{"model": "tiny-random-llama", "max_tokens": 2, "prompt": "hi"}"#;
         let (status, body) = http(
             &gateway.api,
@@ -2085,9 +2083,7 @@ fn a_workers_done_whose_counts_are_not_the_requests_fails_it() {
                 .add_service(bulkhead_worker::serve::proto::WorkerServer::new(stand_in))
                 .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
         );
-        let config = crate::up::colocated_config(&dir.0, &format!("http://{address}"));
-        let gateway = crate::cluster::Gateway::start(&config, &dir.0.join("data"), &[]);
-        gateway.wait_until(&[("one", true)]);
+        let gateway = crate::cluster::Gateway::in_front_of(&dir.0, address);
         let body = r#"{"model": "tiny-random-llama", "max_tokens": 2, "prompt": "hi there"}"#;
         let post = || {
             exchange(

@@ -11,7 +11,7 @@ use bulkhead_worker::gguf::Value;
 use bulkhead_worker::tiny_model::TinySpec;
 
 use crate::cluster::Gateway;
-use crate::up::{KEY_A, TempDir, bounded, colocated_config, http, json};
+use crate::up::{KEY_A, TempDir, bounded, http, json};
 use crate::worker_grpc::Worker;
 
 /// Holds about 310 MB at once: strings of 10, 20, 40, 80 and 160 MB.
@@ -177,9 +177,7 @@ fn hostile_template_fails_chat_requests_and_nothing_else(template: String) {
         file.write(&model).expect("writes the model");
         let mut worker = Worker::start_on(&model, &["--role", "both"]);
 
-        let config = colocated_config(&dir.0, &format!("http://{}", worker.grpc));
-        let mut gateway = Gateway::start(&config, &dir.0.join("data"), &[]);
-        gateway.wait_until(&[("one", true)]);
+        let mut gateway = Gateway::in_front_of(&dir.0, &worker.grpc);
 
         let post =
             |path: &str, body: &str| http(&gateway.api, "POST", path, Some(KEY_A), &[], body);

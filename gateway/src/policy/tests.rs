@@ -2430,12 +2430,19 @@ async fn first_record(recorder: &Recorder) -> bulkhead_audit::AuditRecord {
 /// A policy set of `ledger` alone, holding a request abandoned in its worker's queue until
 /// complete.
 fn ledger_holding_the_queued() -> String {
+    ledger_holding("queued")
+}
+
+/// A policy set of `ledger` alone, holding a request abandoned in `phase` until complete.
+fn ledger_holding(phase: &str) -> String {
     format!(
         "{}{}",
         plugin("ledger", ""),
         binding(
             "ledger",
-            "config = { on_disconnect = \"hold-until-complete\", phases = [\"queued\"] }"
+            &format!(
+                "config = {{ on_disconnect = \"hold-until-complete\", phases = [\"{phase}\"] }}"
+            )
         )
     )
 }
@@ -2504,15 +2511,7 @@ async fn an_abandoned_request_waiting_for_its_decision_is_dropped_at_the_hold_li
 #[tokio::test]
 async fn a_hold_cut_at_its_limit_counts_the_text_that_came() {
     let dir = Scratch::new("policy");
-    let set = format!(
-        "{}{}",
-        plugin("ledger", ""),
-        binding(
-            "ledger",
-            "config = { on_disconnect = \"hold-until-complete\", phases = [\"prefilling\"] }"
-        )
-    );
-    let mut s = settings(&write(&dir, &set), None);
+    let mut s = settings(&write(&dir, &ledger_holding("prefilling")), None);
     s.hold_limit = Duration::from_millis(300);
     let p = Policies::load(s).expect("the set loads");
     let recorder = recorder(&dir);
@@ -2536,16 +2535,7 @@ async fn a_hold_cut_at_its_limit_counts_the_text_that_came() {
 #[tokio::test]
 async fn a_held_streams_done_whose_counts_are_not_the_requests_fails_the_hold() {
     for (admitted, failed) in [(10, None), (11, Some("internal_error"))] {
-        let dir = Scratch::new("policy");
-        let set = format!(
-            "{}{}",
-            plugin("ledger", ""),
-            binding(
-                "ledger",
-                "config = { on_disconnect = \"hold-until-complete\", phases = [\"prefilling\"] }"
-            )
-        );
-        let p = Policies::load(settings(&write(&dir, &set), None)).expect("the set loads");
+        let (p, dir) = loaded(&ledger_holding("prefilling"));
         let recorder = recorder(&dir);
         let r = ask(&p, Ask::default()).await.expect("allowed");
         // The stream's Done says a prompt of 10.
