@@ -33,6 +33,7 @@
 use std::fmt;
 use std::mem;
 
+use crate::admission::PoolIdentity;
 use crate::ids::{PageRef, RequestId};
 use crate::pool::PagePool;
 use crate::prefix::Scope;
@@ -51,6 +52,18 @@ struct Held {
     /// current tags. Empty once moved on to the next state (then `Drop` does nothing), or for a
     /// request admitted with zero tokens.
     pages: Vec<PageRef>,
+    /// The cached pages the pages were reserved after, if they were
+    /// ([`PagePool::reserve_after`]).
+    after: Option<After>,
+}
+
+/// The prefix a reservation was made after: its pool, its scope and its pages. Only with
+/// this very prefix may the pages join the cache ([`Allocation::keep_prompt`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct After {
+    pool: PoolIdentity,
+    scope: Scope,
+    pages: Vec<PageRef>,
 }
 
 impl Held {
@@ -64,6 +77,7 @@ impl Held {
             owner: self.owner,
             tokens: self.tokens,
             pages,
+            after: self.after.clone(),
         }
     }
 
@@ -124,12 +138,19 @@ held_accessors!(Quarantined);
 pub struct Reservation(Held);
 
 impl Reservation {
-    pub(crate) fn new(pool: PagePool, owner: RequestId, tokens: u64, pages: Vec<PageRef>) -> Self {
+    pub(crate) fn new(
+        pool: PagePool,
+        owner: RequestId,
+        tokens: u64,
+        pages: Vec<PageRef>,
+        after: Option<After>,
+    ) -> Self {
         Self(Held {
             pool,
             owner,
             tokens,
             pages,
+            after,
         })
     }
 
@@ -187,8 +208,13 @@ impl Allocation {
     /// prompt, its first `prefix.tokens()` tokens are in the prefix's pages and page `i` of
     /// this allocation holds the `i`-th whole page of tokens after them. A page whose tokens
     /// another request of the scope cached first is released. Returns how many pages were
-    /// cached.
+    /// cached. Given another prefix than that one — of another scope, pool or length — it
+    /// caches nothing and releases every page: cached after it, the pages would be found by
+    /// another tenant (I6), or at positions their KV was not computed for.
     pub fn keep_prompt(mut self, prefix: Prefix, prompt: &[u32]) -> u32 {
+        if self.0.after.as_ref() != Some(&prefix.after()) {
+            return 0;
+        }
         let page_tokens = self.0.pool.config().page_tokens.get() as usize;
         let after = prompt.get(prefix.tokens()..).unwrap_or_default();
         let chunks: Vec<&[u32]> = after.chunks_exact(page_tokens).collect();
@@ -236,6 +262,15 @@ impl Prefix {
 
     pub(crate) fn pool(&self) -> &PagePool {
         &self.pool
+    }
+
+    /// What a reservation made after this prefix remembers of it.
+    pub(crate) fn after(&self) -> After {
+        After {
+            pool: self.pool.identity(),
+            scope: self.scope.clone(),
+            pages: self.pages.clone(),
+        }
     }
 
     /// The cached pages, in prompt order; they head the request's page table.

@@ -8,7 +8,7 @@ use crate::admission::{Admissible, NotNow, PoolIdentity};
 use crate::config::PoolConfig;
 use crate::error::{InvariantViolation, Rejected, TagMismatch};
 use crate::ids::{PageId, PageRef, RequestId, Tag};
-use crate::lifecycle::{Prefix, Reservation};
+use crate::lifecycle::{After, Prefix, Reservation};
 use crate::prefix::Scope;
 use crate::state::{Hold, PoolState, PoolStats, Target};
 
@@ -109,7 +109,7 @@ impl PagePool {
     /// needs. An admission made by another pool is never reserved here: it always comes back
     /// as `NotNow`.
     pub fn reserve(&self, admissible: Admissible) -> Result<Reservation, NotNow> {
-        self.reserve_pages(admissible, 0)
+        self.reserve_pages(admissible, 0, None)
     }
 
     /// Reserves the pages of an admitted request that `prefix` does not hold: its first
@@ -129,10 +129,15 @@ impl PagePool {
             return Err(NotNow(admissible));
         }
         let cached = u32::try_from(prefix.pages().len()).unwrap_or(u32::MAX);
-        self.reserve_pages(admissible, cached)
+        self.reserve_pages(admissible, cached, Some(prefix.after()))
     }
 
-    fn reserve_pages(&self, admissible: Admissible, cached: u32) -> Result<Reservation, NotNow> {
+    fn reserve_pages(
+        &self,
+        admissible: Admissible,
+        cached: u32,
+        after: Option<After>,
+    ) -> Result<Reservation, NotNow> {
         if admissible.pool != self.shared.identity {
             return Err(NotNow(admissible));
         }
@@ -145,6 +150,7 @@ impl PagePool {
                 admissible.owner,
                 admissible.tokens.saturating_sub(cached_tokens),
                 pages,
+                after,
             )),
             None => Err(NotNow(admissible)),
         }
@@ -189,6 +195,11 @@ impl PagePool {
         parent: Option<PageRef>,
     ) -> u32 {
         self.lock().cache(owner, pages, chunks, scope, parent)
+    }
+
+    /// The pool's identity (what an admission or a prefix of it carries).
+    pub(crate) fn identity(&self) -> PoolIdentity {
+        self.shared.identity
     }
 
     /// Pages on the free list (allocatable now).

@@ -429,6 +429,43 @@ mod tests {
         pool.check_invariants().expect("invariants hold");
     }
 
+    /// An allocation keeps its prompt only after the very prefix it was reserved after:
+    /// another scope's would cache a tenant's pages for another (I6), another pool's (whose
+    /// pages and tags can be the same numbers) or a shorter one of the same scope would chain
+    /// them at positions they were not computed for. Each is refused, and the pages released.
+    #[test]
+    fn a_prompt_is_kept_only_after_the_prefix_its_pages_were_reserved_after() {
+        let (a, b) = (Scope::new("tenant-a"), Scope::new("tenant-b"));
+        let p = prompt(0, 40);
+        // Another scope.
+        let pool_w = pool(8, Scrub::None);
+        let (_, allocation) = run(&pool_w, 1, &a, &p, 8);
+        let foreign = pool_w.cached_prefix(&b, &p, 2);
+        assert_eq!(allocation.keep_prompt(foreign, &p), 0);
+        assert_eq!(pool_w.stats().cached, 0);
+        assert!(pool_w.cached_prefix(&b, &p, 2).pages().is_empty());
+        // Another pool: both cache the same root page under the same scope, same numbers.
+        let (pool_x, pool_y) = (pool(8, Scrub::None), pool(8, Scrub::None));
+        for pool in [&pool_x, &pool_y] {
+            let (prefix, allocation) = run(pool, 2, &a, &p[..17], 1);
+            assert_eq!(allocation.keep_prompt(prefix, &p[..17]), 1);
+        }
+        let from_x = pool_x.cached_prefix(&a, &p, 2);
+        let (prefix_y, allocation_y) = run(&pool_y, 3, &a, &p, 8);
+        assert_eq!(from_x.pages(), prefix_y.pages(), "the same page and tag");
+        assert_eq!(allocation_y.keep_prompt(from_x, &p), 0);
+        drop(prefix_y);
+        // A shorter prefix of the same scope and pool.
+        let (_, allocation) = run(&pool_y, 4, &a, &p, 8);
+        let shorter = pool_y.cached_prefix(&a, &p, 0);
+        assert_eq!(allocation.keep_prompt(shorter, &p), 0);
+        assert_eq!(pool_y.stats().cached, 1, "only the root cached at first");
+        for pool in [&pool_w, &pool_x, &pool_y] {
+            assert_eq!(pool.stats().owned, 0, "every page released");
+            pool.check_invariants().expect("invariants hold");
+        }
+    }
+
     #[test]
     fn two_requests_that_computed_the_same_pages_cache_them_once() {
         let pool = pool(8, Scrub::None);
