@@ -434,9 +434,13 @@ pub async fn start_remote_prefill(
     // An unreachable or silent prefill worker must not hold the request past its transfer
     // deadline: the engine's verdict (a timeout) ends the wait.
     tokio::pin!(answer);
+    // The engine's word first when both are in: a failure it already told (and counted) is
+    // the request's end, not the call's failure beside it (counted again), and an answer it
+    // already finished is not lost to an answer wait that timed out.
     let raced = tokio::select! {
-        answer = &mut answer => Raced::Answer(answer),
+        biased;
         event = events.recv() => Raced::Event(event),
+        answer = &mut answer => Raced::Answer(answer),
     };
     let (answer, early) = match raced {
         Raced::Answer(answer) => (answer, None),
@@ -465,6 +469,13 @@ pub async fn start_remote_prefill(
     let (call, first) = match answer {
         Ok(answered) => answered,
         Err(s) => {
+            // The engine failed the request as the call failed (its transfer deadline, say):
+            // that failure, told and counted once, is the request's, as when it came first.
+            if early.is_none()
+                && let Ok(Event::Failed(f)) = events.try_recv()
+            {
+                return Err(ServeError::Failed(f));
+            }
             spans::failed(&call_span, &s);
             guard.withdraw();
             return Err(unavailable(printable(s.message(), MAX_PROBE_ERROR_BYTES)));
