@@ -705,12 +705,17 @@ async fn computed(
             }
             () = tx.closed() => return Computed::Dropped,
         };
-        let failed = answer.is_err();
-        if tx.send(answer).await.is_err() {
-            return Computed::Dropped;
+        if answer.is_err() {
+            return match tx.send(answer).await {
+                Ok(()) => Computed::Failed,
+                Err(_) => Computed::Dropped,
+            };
         }
-        if failed {
-            return Computed::Failed;
+        // Progress is news, not owed: one that finds decode's window full (a peer that stopped
+        // reading) is dropped, so that the wait for the engine goes on — the prompt's KV, when
+        // it comes, holds the source pages, and must not wait behind a send.
+        if let Err(mpsc::error::TrySendError::Closed(_)) = tx.try_send(answer) {
+            return Computed::Dropped;
         }
     }
 }
@@ -747,7 +752,8 @@ async fn transfer(
     let computed = proto::PrefillEvent {
         event: Some(PrefillItem::Computed(proto::PrefillComputed {})),
     };
-    let _ = tx.send(Ok(computed)).await;
+    // As progress: never waited for, with the source pages held.
+    let _ = tx.try_send(Ok(computed));
     let sending = engine.metrics().sending(u64::from(outbound.sent_tokens()));
     let transfer_span = tracing::info_span!(
         "kv_transfer",
