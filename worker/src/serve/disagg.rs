@@ -275,6 +275,10 @@ impl PrefillCall {
                     })) => {
                         if let Some(said) = said_computed.take() {
                             let _ = said.send(());
+                            // The transfer starts now: its deadline does too, once (a count
+                            // no progress can pass: later ones are no news). Prefill's last
+                            // step and the lag of its reports came out of it otherwise.
+                            engine.prefill_progress(nonce, u64::MAX);
                         }
                     }
                     Ok(Some(_)) => {}
