@@ -208,6 +208,8 @@ pub struct Args {
     /// long, or keepalive probes unanswered from a third of it on, close the connection
     /// (milliseconds). A live peer keeps its connection between messages, however long; a
     /// frame it begins must be whole within this and a page's time at --transfer-floor.
+    /// Decode role: also bounds its gRPC calls to its prefill worker the same way (connects,
+    /// and HTTP/2 pings every third of it).
     #[arg(long, env = env::KV_PEER_TIMEOUT_MS, value_parser = at_least_one_ms(), default_value_t = DEFAULT_PEER_TIMEOUT.as_millis() as u64)]
     kv_peer_timeout_ms: u64,
     /// Fault injection for tests (prefill role): stop sending a transfer once this many frames

@@ -317,10 +317,12 @@ impl ChatTemplate {
                 };
                 match sandbox.render(&job) {
                     Ok(_) => {}
-                    // The sandbox could not tell (its helper did not start, or a stalled host
-                    // held it past its time): the template is compiled again in the sandbox
-                    // at each rendering, which tells then. Nothing is compiled here either way.
-                    Err(e) if !e.kept() => {
+                    // The sandbox could not tell (its helper did not start, or other
+                    // renderings held it): the template is compiled again in the sandbox at
+                    // each rendering, which tells then. Nothing is compiled here either way.
+                    // A compile that ran out of time on two helpers is the template's: taken,
+                    // it would hold the sandbox that long at every new sequence of roles.
+                    Err(e) if e.transient() => {
                         tracing::warn!(error = %e, "the chat template's sandbox could not check it now: its renderings will");
                     }
                     Err(e) => return Err(e),

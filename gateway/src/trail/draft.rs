@@ -248,7 +248,9 @@ impl Trail {
             }
             if *error == ApiError::KvIntegrity {
                 d.record.integrity = Integrity::Failed {
-                    reason: "the decode worker's KV handoff verification failed".into(),
+                    reason: "a worker's KV integrity check failed (decode's verification of \
+                             the handoff, or a worker's check of its own pages)"
+                        .into(),
                 };
             }
         });

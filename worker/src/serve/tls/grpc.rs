@@ -139,17 +139,18 @@ impl WorkerEndpoint {
         }
     }
 
-    /// A connection that cannot be made within `limit` fails, and one whose peer stops
-    /// answering — a host gone without a reset, a link cut — is closed after about `limit`
-    /// (HTTP/2 pings every third of it, idle or not, each to be answered within a third): the
-    /// calls on it fail then, not when the kernel gives up retransmitting (about a quarter of
-    /// an hour), and the next call connects afresh.
+    /// A connection that cannot be made within `limit` (at least a second) fails, and one
+    /// whose peer stops answering — a host gone without a reset, a link cut — is closed after
+    /// about `limit` (HTTP/2 pings every third of it, idle or not, each to be answered within
+    /// a third; TCP keepalive too on a plain-text connection): the calls on it fail then, not
+    /// when the kernel gives up retransmitting (about a quarter of an hour), and the next call
+    /// connects afresh.
     pub fn alive_within(self, limit: Duration) -> WorkerEndpoint {
         let third = (limit / 3).max(Duration::from_secs(1));
         WorkerEndpoint {
             endpoint: self
                 .endpoint
-                .connect_timeout(limit)
+                .connect_timeout(limit.max(Duration::from_secs(1)))
                 .http2_keep_alive_interval(third)
                 .keep_alive_timeout(third)
                 .keep_alive_while_idle(true)
@@ -248,9 +249,6 @@ mod tests {
         first
     }
 
-    /// A worker started without TLS answers a TLS client's hello in plain HTTP/2 (its
-    /// SETTINGS frame): the failed connection says so, and a server that ends the connection
-    /// (one that takes only TLS, refusing a caller without it) is not mistaken for one.
     /// A peer that takes the connection and then says nothing (a host gone without a reset
     /// looks so) fails the call on it within about the limit, instead of holding it for as
     /// long as the kernel retransmits.
@@ -281,6 +279,9 @@ mod tests {
         held.abort();
     }
 
+    /// A worker started without TLS answers a TLS client's hello in plain HTTP/2 (its
+    /// SETTINGS frame): the failed connection says so, and a server that ends the connection
+    /// (one that takes only TLS, refusing a caller without it) is not mistaken for one.
     #[tokio::test]
     async fn a_plain_text_answer_to_tls_is_recognised_as_such() {
         use tokio::io::AsyncWriteExt as _;
