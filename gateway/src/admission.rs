@@ -39,15 +39,25 @@ pub fn effective_limit(
     })
 }
 
-/// A request that fits: only this can be routed.
+/// A request that fits: only this can be routed, and only [`admit`] makes one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Admitted {
-    pub prompt_tokens: u32,
+    prompt_tokens: u32,
     /// At least 1; `prompt_tokens + max_new_tokens` fits the effective limit.
-    pub max_new_tokens: u32,
+    max_new_tokens: u32,
 }
 
 impl Admitted {
+    /// The prompt's tokens.
+    pub fn prompt_tokens(&self) -> u32 {
+        self.prompt_tokens
+    }
+
+    /// The most tokens the request may generate (at least 1).
+    pub fn max_new_tokens(&self) -> u32 {
+        self.max_new_tokens
+    }
+
     /// Prompt + max new tokens: what the request may occupy on a worker.
     pub fn total_tokens(&self) -> u64 {
         u64::from(self.prompt_tokens) + u64::from(self.max_new_tokens)
@@ -156,9 +166,9 @@ mod tests {
     #[test]
     fn the_default_max_tokens_is_clamped_to_what_is_left() {
         let a = admit(90, None, nz(512), limit(100)).expect("fits");
-        assert_eq!(a.max_new_tokens, 10);
+        assert_eq!(a.max_new_tokens(), 10);
         let a = admit(10, None, nz(5), limit(100)).expect("fits");
-        assert_eq!(a.max_new_tokens, 5);
+        assert_eq!(a.max_new_tokens(), 5);
         // Nothing left: still needs one token to generate, so it does not fit.
         assert!(admit(100, None, nz(512), limit(100)).is_err());
     }

@@ -1585,10 +1585,11 @@ mod tests {
     }
 
     fn admitted(total: u32) -> Admitted {
-        Admitted {
-            prompt_tokens: 10,
-            max_new_tokens: total - 10,
-        }
+        let max = std::num::NonZeroU32::new(total - 10);
+        let limit = crate::admission::EffectiveLimit {
+            tokens: u64::from(total),
+        };
+        crate::admission::admit(10, max, std::num::NonZeroU32::MIN, limit).expect("fits")
     }
 
     /// A request admitted against the larger worker's limit is never routed to a smaller one

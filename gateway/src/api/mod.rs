@@ -509,8 +509,8 @@ async fn start(
             model: &model.name,
             route: endpoint.path(),
             headers,
-            prompt_tokens: admitted.prompt_tokens,
-            max_tokens: admitted.max_new_tokens,
+            prompt_tokens: admitted.prompt_tokens(),
+            max_tokens: admitted.max_new_tokens(),
         })
         .instrument(policy_span.clone())
         .await
@@ -582,8 +582,8 @@ async fn start(
         stream_mode: common.stream,
         tenant,
         permit: Some(permit),
-        prompt_tokens: admitted.prompt_tokens,
-        max_tokens: admitted.max_new_tokens,
+        prompt_tokens: admitted.prompt_tokens(),
+        max_tokens: admitted.max_new_tokens(),
         route,
         metrics: state.metrics.clone(),
         upstream: Some(Leg::Calling(call)),
@@ -630,7 +630,7 @@ fn charge_and_route(
         None => admitted,
         Some(max) => admission(
             endpoint,
-            admitted.prompt_tokens as usize,
+            admitted.prompt_tokens() as usize,
             Some(max),
             default_max_tokens(&state.http, endpoint),
             limit,
@@ -639,7 +639,7 @@ fn charge_and_route(
     permit.charge_tokens(admitted.total_tokens())?;
     // Never its max tokens unless it used them: its end settles the charge to what it used
     // (`Started`, the policies' end); until then, at most its prompt.
-    permit.set_used(u64::from(admitted.prompt_tokens));
+    permit.set_used(u64::from(admitted.prompt_tokens()));
     let route = tracing::info_span!(
         "route",
         bulkhead.workers.decode = Empty,

@@ -37,7 +37,7 @@ impl Generate<'_> {
             request_id: self.request_id.to_owned(),
             tenant: self.tenant.to_owned(),
             prompt: Some(Prompt::Tokens(TokenPrompt { ids: self.prompt })),
-            max_new_tokens: self.admitted.max_new_tokens,
+            max_new_tokens: self.admitted.max_new_tokens(),
             sampling: Some(SamplingParams {
                 temperature: self.sampling.temperature,
                 top_k: None,
