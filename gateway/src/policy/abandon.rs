@@ -26,12 +26,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bulkhead_audit::{self as audit, Dropped, Hold};
-use bulkhead_worker::serve::proto::{Item, error_code_status};
+use bulkhead_worker::serve::proto::Item;
 
 use crate::api::{Counts, Endpoint, from_status};
 use crate::limits::RequestPermit;
 use crate::trail::{GATEWAY_SHUTDOWN_TYPE, Trail};
-use crate::upstreams::{Leg, UpstreamStream};
+use crate::upstreams::{Leg, UpstreamStream, broken};
 use crate::workers::Claim;
 
 use super::bindings::{Directive, Disconnect, Hooks, Outcome, Phase, ResponseEnd, Usage};
@@ -542,10 +542,9 @@ async fn drain(
             }
             Some(Item::Done(d)) => {
                 let sent = upstream.sends_each_token().then_some(progress.tokens);
+                // A broken answer, not a worker down (as had its client stayed).
                 counts.hold(&d, sent).map_err(|why| {
-                    let why = format!("the worker's counts are not the request's: {why}");
-                    // A broken answer, not a worker down (as had its client stayed).
-                    error_code_status(tonic::Code::Internal, why, "internal_error")
+                    broken(&format!("the worker's counts are not the request's: {why}"))
                 })?;
                 progress.usage = Some((d.prompt_tokens, d.completion_tokens));
                 return Ok(());

@@ -91,13 +91,24 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Audited {
-    /// Which of `added` already have audit records.
-    fn reused(&self, added: &[TenantId]) -> Vec<TenantId> {
-        added
+    /// Which of `added` (ids `set` gives tenants that were not served before) already have
+    /// audit records; refused, the ids of those `set` does not vouch for (`reuse_id`).
+    fn vouched(&self, set: &TenantSet, added: &[TenantId]) -> Result<Vec<TenantId>, ReusedIds> {
+        let reused: Vec<TenantId> = added
             .iter()
             .filter(|id| self.recorder.holds(id))
             .cloned()
-            .collect()
+            .collect();
+        let unvouched: Vec<TenantId> = reused
+            .iter()
+            .filter(|id| set.get(id).is_some_and(|t| !t.reuse_id))
+            .cloned()
+            .collect();
+        if unvouched.is_empty() {
+            Ok(reused)
+        } else {
+            Err(ReusedIds(unvouched))
+        }
     }
 }
 
@@ -110,15 +121,6 @@ fn note_reused(reused: &[TenantId]) {
             "tenants back under ids whose audit records they left (reuse_id)"
         );
     }
-}
-
-/// Which of `reused` `set`'s entries do not vouch for (`reuse_id`).
-fn unvouched(set: &TenantSet, reused: &[TenantId]) -> Vec<TenantId> {
-    reused
-        .iter()
-        .filter(|id| set.get(id).is_some_and(|t| !t.reuse_id))
-        .cloned()
-        .collect()
 }
 
 impl Tenants {
@@ -158,14 +160,12 @@ impl Tenants {
             .cloned()
             .collect();
         let audited = Audited { recorder, served };
-        let reused = audited.reused(&added);
-        let unvouched = unvouched(&set, &reused);
-        if !unvouched.is_empty() {
-            return Err(StartError::ReusedId {
-                ids: ReusedIds(unvouched),
+        let reused = audited
+            .vouched(&set, &added)
+            .map_err(|ids| StartError::ReusedId {
+                ids,
                 served: audited.served.path().display().to_string(),
-            });
-        }
+            })?;
         audited.served.write(set.tenants().map(|t| &t.id))?;
         let _ = self.inner.audit.set(audited);
         note_reused(&reused);
@@ -208,11 +208,9 @@ impl Tenants {
                 let Some(audited) = self.inner.audit.get() else {
                     return Ok((set, reloaded));
                 };
-                reloaded.reused = audited.reused(&reloaded.added);
-                let unvouched = unvouched(&set, &reloaded.reused);
-                if !unvouched.is_empty() {
-                    return Err(ReloadError::ReusedId(ReusedIds(unvouched)));
-                }
+                reloaded.reused = audited
+                    .vouched(&set, &reloaded.added)
+                    .map_err(ReloadError::ReusedId)?;
                 audited.served.write(set.tenants().map(|t| &t.id))?;
                 Ok((set, reloaded))
             });

@@ -849,6 +849,26 @@ async fn a_reload_that_adds_an_id_with_audit_records_is_refused_unless_vouched_f
     assert_eq!(again.reused, vec![id("tenant-a")]);
 }
 
+/// A reload whose ids served cannot be written down changes nothing: a restart would
+/// otherwise compare its tenants with a set that was never the running one.
+#[tokio::test]
+async fn a_reload_that_cannot_write_the_ids_served_is_refused_and_changes_nothing() {
+    let (_dir, file, tenants, recorder) = reloadable();
+    let served_in = Scratch::new("served");
+    tenants
+        .audited_by(recorder, ServedFile::in_dir(&served_in.0))
+        .expect("a first start");
+    std::fs::remove_dir_all(&served_in.0).expect("removes the directory");
+    std::fs::write(&file, config_text("tenant-b")).expect("gives the key to tenant-b");
+    let refused = tenants.reload().expect_err("nowhere to write");
+    assert!(
+        matches!(refused, crate::tenants::ReloadError::Served(_)),
+        "{refused}"
+    );
+    let id = TenantId::new("tenant-a").expect("valid");
+    assert!(tenants.current().get(&id).is_some(), "unchanged");
+}
+
 /// A start is held to the same rule as a reload, against the ids served last from the data
 /// directory (`tenants-served`, which starts and reloads rewrite): an id configured at start
 /// that was not served last and whose log has records is refused unless vouched for. An id

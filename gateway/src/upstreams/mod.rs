@@ -12,8 +12,9 @@ use std::time::Duration;
 
 use bulkhead_telemetry::{WORKER_RPC_SERVICE, propagation};
 use bulkhead_worker::serve::cluster_token;
+use bulkhead_worker::serve::proto::error_code_status;
 use bulkhead_worker::serve::proto::{GenerateRequest, GenerateResponse};
-use tonic::{Status, Streaming};
+use tonic::{Code, Status, Streaming};
 use tracing::field::Empty;
 use tracing::{Instrument as _, Span};
 
@@ -201,4 +202,10 @@ impl UpstreamStream {
             UpstreamStream::OpenAi(s) => s.generated_now(),
         }
     }
+}
+
+/// The status of an answer the upstream broke (this request's: the worker or server stays
+/// routed to).
+pub(crate) fn broken(why: &str) -> Status {
+    error_code_status(Code::Internal, why.to_owned(), "internal_error")
 }

@@ -30,6 +30,8 @@ use thread_local::ThreadLocal;
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Status};
 
+use super::broken;
+
 /// Bound on a health probe.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 /// Bound on connecting to the upstream.
@@ -1054,11 +1056,6 @@ impl Events {
 /// few more tokens than the model generated, never into a quarter more.
 fn recount_bound(max_tokens: u32) -> u32 {
     max_tokens.saturating_add(max_tokens / 4).saturating_add(4)
-}
-
-/// The status of an answer the upstream broke (this request's: the server stays routed to).
-fn broken(why: &str) -> Status {
-    error_code_status(Code::Internal, why.to_owned(), "internal_error")
 }
 
 #[cfg(test)]
