@@ -96,6 +96,22 @@ pub enum IntegrityError {
     StatusOutOfTable { index: usize, pages: usize },
 }
 
+impl IntegrityError {
+    /// The first page of the sequence's page table whose contents the failure puts in doubt,
+    /// at `page_tokens` tokens a page: the page it names, or the first one when a kernel's
+    /// report cannot be placed in the table; none when the table was too short (no page's
+    /// contents are in doubt).
+    #[must_use]
+    pub fn suspect_page(&self, page_tokens: usize) -> Option<usize> {
+        match *self {
+            Self::TagMismatch { index, .. } | Self::Unwritten { index, .. } => Some(index),
+            Self::CanaryRead { position } => Some(position / page_tokens.max(1)),
+            Self::StatusOutOfTable { .. } => Some(0),
+            Self::TableTooShort { .. } => None,
+        }
+    }
+}
+
 /// The value released pages are filled with under the canary scrub policy: an f16 NaN with a
 /// payload no computation produces, so a read of a released slot is recognisable.
 pub const CANARY: f16 = f16::from_bits(0x7e5a);
@@ -589,6 +605,34 @@ mod tests {
             }
         }
         out
+    }
+
+    /// A failure names the page of the table it put in doubt: the one it read, the canary's
+    /// page by its position, the first when a kernel's report lies outside the table, none
+    /// for a short table.
+    #[test]
+    fn a_failure_names_the_first_page_it_puts_in_doubt() {
+        let tag = |found| IntegrityError::TagMismatch {
+            index: 3,
+            expected: Tag::new(1),
+            found,
+        };
+        assert_eq!(tag(None).suspect_page(16), Some(3));
+        let canary = IntegrityError::CanaryRead { position: 40 };
+        assert_eq!(canary.suspect_page(16), Some(2));
+        let unwritten = IntegrityError::Unwritten {
+            index: 1,
+            position: 20,
+        };
+        assert_eq!(unwritten.suspect_page(16), Some(1));
+        let outside = IntegrityError::StatusOutOfTable { index: 9, pages: 2 };
+        assert_eq!(outside.suspect_page(16), Some(0));
+        let short = IntegrityError::TableTooShort {
+            pages: 1,
+            needed: 2,
+            tokens: 20,
+        };
+        assert_eq!(short.suspect_page(16), None);
     }
 
     #[test]

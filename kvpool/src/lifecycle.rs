@@ -290,6 +290,20 @@ impl Prefix {
     pub fn scope(&self) -> &Scope {
         &self.scope
     }
+
+    /// The request reading these pages failed a KV integrity check at page `index` of its page
+    /// table. If that is one of these pages, it and every cached page after it are
+    /// distrusted: no lookup finds them again, nothing is cached after them, and each leaves
+    /// the cache (scrubbed as any evicted page) once its last reader lets it go. Kept, the page
+    /// would fail every request of the scope whose prompt starts with its tokens. Returns how
+    /// many pages were newly distrusted (none when `index` is past the prefix: the request's
+    /// own pages failed).
+    #[must_use = "a distrusted page is worth counting"]
+    pub fn distrust_from(self, index: usize) -> u32 {
+        self.pages
+            .get(index)
+            .map_or(0, |&page| self.pool.distrust(page))
+    }
 }
 
 impl Drop for Prefix {

@@ -185,6 +185,11 @@ impl PagePool {
         self.lock().unread(pages);
     }
 
+    /// Distrusts a cached page and those after it; see [`crate::Prefix::distrust_from`].
+    pub(crate) fn distrust(&self, page: PageRef) -> u32 {
+        self.lock().distrust(page)
+    }
+
     /// Moves an allocation's pages into the prefix cache; see [`PoolState::cache`].
     pub(crate) fn cache(
         &self,

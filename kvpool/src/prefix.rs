@@ -12,6 +12,12 @@
 //! [`Prefix`](crate::Prefix) handles) and its cached children. Only a page nobody reads and
 //! nothing continues — a leaf — can be evicted, least recently used first, so a chain is
 //! always whole from its root.
+//!
+//! A page whose KV failed an integrity check when a request read it is *distrusted*, with
+//! every cached page after it (their KV was computed attending to it): lookups stop before
+//! them, nothing is cached after them, and each leaves the index once nobody reads it and
+//! nothing continues it. Kept findable, the page would fail every request of its scope that
+//! starts with the same tokens, for as long as they keep it recently used.
 
 use std::cmp::Reverse;
 use std::collections::hash_map::Entry as Slot;
@@ -85,6 +91,8 @@ struct Entry {
     children: u32,
     /// When the page was last cached or found (the index's clock), for LRU eviction.
     used: u64,
+    /// Its KV (or that of a page before it) failed an integrity check: never found again.
+    distrusted: bool,
 }
 
 /// The index of cached pages. Lives in the pool's state, which keeps each page it names in
@@ -95,6 +103,8 @@ pub(crate) struct PrefixIndex {
     /// The key of each cached page.
     keys: HashMap<PageId, Key>,
     clock: u64,
+    /// Entries distrusted and not yet swept out.
+    distrusted: usize,
 }
 
 /// What [`PrefixIndex::insert`] did with a page.
@@ -128,7 +138,7 @@ impl PrefixIndex {
                 tokens: tokens.into(),
             };
             let now = self.tick();
-            let Some(entry) = self.entries.get_mut(&key) else {
+            let Some(entry) = self.entries.get_mut(&key).filter(|e| !e.distrusted) else {
                 break;
             };
             entry.readers += 1;
@@ -162,9 +172,18 @@ impl PrefixIndex {
             .is_some_and(|e| e.page == page)
     }
 
-    /// Caches `page` as holding `tokens` after `parent` (a cached page of the same scope, or
-    /// the root). A parent that is not cached any more is refused: nothing could ever find
-    /// the page.
+    /// Whether `page` is cached with its tag and trusted.
+    fn trusts(&self, page: PageRef) -> bool {
+        self.keys
+            .get(&page.page)
+            .and_then(|key| self.entries.get(key))
+            .is_some_and(|e| e.page == page && !e.distrusted)
+    }
+
+    /// Caches `page` as holding `tokens` after `parent` (a trusted cached page of the same
+    /// scope, or the root). A parent that is not cached any more is refused: nothing could
+    /// ever find the page; so is a distrusted one: the page was computed attending to suspect
+    /// KV.
     pub(crate) fn insert(
         &mut self,
         scope: &Scope,
@@ -174,7 +193,7 @@ impl PrefixIndex {
     ) -> Option<Inserted> {
         if let Some(p) = parent {
             let parent_scope = self.keys.get(&p.page).map(|k| &k.scope);
-            if !self.holds(p) || parent_scope != Some(scope) {
+            if !self.trusts(p) || parent_scope != Some(scope) {
                 return None;
             }
         }
@@ -193,6 +212,7 @@ impl PrefixIndex {
                     readers: 0,
                     children: 0,
                     used,
+                    distrusted: false,
                 });
             }
         }
@@ -206,20 +226,66 @@ impl PrefixIndex {
     /// whose last child goes becomes a leaf), never one that is read. Returns them.
     pub(crate) fn evict(&mut self, n: u32) -> Vec<PageRef> {
         let victims = self.victims(n);
-        let mut evicted = Vec::with_capacity(victims.len());
-        for page in victims {
-            let Some(key) = self.keys.remove(&page) else {
-                continue;
-            };
-            let Some(entry) = self.entries.remove(&key) else {
-                continue;
-            };
-            evicted.push(entry.page);
-            if let Some(parent) = key.parent.and_then(|p| self.entry_mut(p)) {
-                parent.children = parent.children.saturating_sub(1);
+        victims.into_iter().filter_map(|p| self.remove(p)).collect()
+    }
+
+    /// Takes `page` out of the index (its parent loses a child). Returns it with its tag.
+    fn remove(&mut self, page: PageId) -> Option<PageRef> {
+        let key = self.keys.remove(&page)?;
+        let entry = self.entries.remove(&key)?;
+        if entry.distrusted {
+            self.distrusted -= 1;
+        }
+        if let Some(parent) = key.parent.and_then(|p| self.entry_mut(p)) {
+            parent.children = parent.children.saturating_sub(1);
+        }
+        Some(entry.page)
+    }
+
+    /// Distrusts `page` (if it is cached with its tag) and every cached page after it. Returns
+    /// how many pages were distrusted that were not already.
+    pub(crate) fn distrust(&mut self, page: PageRef) -> u32 {
+        if !self.holds(page) {
+            return 0;
+        }
+        let mut children: HashMap<PageId, Vec<PageId>> = HashMap::new();
+        for (key, entry) in &self.entries {
+            if let Some(parent) = key.parent {
+                children
+                    .entry(parent.page)
+                    .or_default()
+                    .push(entry.page.page);
             }
         }
-        evicted
+        let mut newly = 0;
+        let mut todo = vec![page.page];
+        while let Some(p) = todo.pop() {
+            let entry = self.keys.get(&p).and_then(|k| self.entries.get_mut(k));
+            if let Some(entry) = entry.filter(|e| !e.distrusted) {
+                entry.distrusted = true;
+                newly += 1;
+            }
+            todo.extend(children.remove(&p).unwrap_or_default());
+        }
+        self.distrusted += newly as usize;
+        newly
+    }
+
+    /// Takes the distrusted pages that nobody reads and nothing continues out of the index,
+    /// leaves first. Returns them.
+    pub(crate) fn sweep(&mut self) -> Vec<PageRef> {
+        let mut swept = Vec::new();
+        while self.distrusted > 0 {
+            let ready: Vec<PageId> = (self.entries.values())
+                .filter(|e| e.distrusted && e.readers == 0 && e.children == 0)
+                .map(|e| e.page.page)
+                .collect();
+            if ready.is_empty() {
+                break;
+            }
+            swept.extend(ready.into_iter().filter_map(|p| self.remove(p)));
+        }
+        swept
     }
 
     /// The pages [`PrefixIndex::evict`] would take for `n`, in its order: unread leaves, least
@@ -261,7 +327,8 @@ impl PrefixIndex {
 
     /// Checks the index against itself and the pool: `keys` and `entries` name the same
     /// pages, the pool has each entry's page `cached` with the entry's tag, every parent is
-    /// cached in the same scope, and every children count equals a recount.
+    /// cached in the same scope, every page after a distrusted one is distrusted, and every
+    /// children and distrusted count equals a recount.
     pub(crate) fn check(&self, cached: impl Fn(PageRef) -> bool) -> Result<(), InvariantViolation> {
         let bad = |page: PageId, problem: &'static str| {
             Err(InvariantViolation::PrefixIndex { page, problem })
@@ -287,8 +354,16 @@ impl PrefixIndex {
                 if !self.holds(parent) || parent_key.map(|k| &k.scope) != Some(&key.scope) {
                     return bad(page, "its parent is not cached in its scope");
                 }
+                if !entry.distrusted && !self.trusts(parent) {
+                    return bad(page, "trusted after a distrusted parent");
+                }
                 *children.entry(parent.page).or_default() += 1;
             }
+        }
+        let distrusted = self.entries.values().filter(|e| e.distrusted).count();
+        if distrusted != self.distrusted {
+            let page = self.keys.keys().next().copied().unwrap_or(PageId::new(0));
+            return bad(page, "distrusted pages miscounted");
         }
         for entry in self.entries.values() {
             let counted = children.get(&entry.page.page).copied().unwrap_or(0);
@@ -535,6 +610,76 @@ mod tests {
         assert_eq!(pool.stats().cached, 2);
         assert_eq!(pool.verify(reading.pages()), Ok(()));
         pool.check_invariants().expect("invariants hold");
+    }
+
+    /// A page distrusted by a reader that failed on it is found by no later lookup, nor is any
+    /// page after it; nothing is cached after it; it and the pages after it leave the cache as
+    /// their last readers let them go, while the pages before it stay. Without it, every
+    /// request of the scope with that prompt read the page again (and failed again).
+    #[test]
+    fn a_distrusted_page_and_those_after_it_leave_the_cache_once_unread() {
+        let pool = pool(8, Scrub::Zero);
+        let a = Scope::new("a");
+        let p = prompt(0, 49);
+        let (prefix, allocation) = run(&pool, 1, &a, &p, 1);
+        assert_eq!(allocation.keep_prompt(prefix, &p), 3);
+        // A second chain forks after the first page.
+        let mut fork = p[..16].to_vec();
+        fork.extend(500..517);
+        let (prefix, allocation) = run(&pool, 2, &a, &fork, 1);
+        assert_eq!(allocation.keep_prompt(prefix, &fork), 1);
+        pool.scrub_pending(|_| {});
+        assert_eq!(pool.stats().cached, 4);
+
+        let failed = pool.cached_prefix(&a, &p, 10);
+        let other_reader = pool.cached_prefix(&a, &p, 10);
+        assert_eq!(failed.pages().len(), 3);
+        let table = failed.pages().to_vec();
+        assert_eq!(failed.distrust_from(1), 2, "the page and the one after it");
+        assert_eq!(
+            pool.cached_prefix(&a, &p, 10).pages(),
+            &table[..1],
+            "a lookup stops before the distrusted page"
+        );
+        assert_eq!(
+            pool.cached_prefix(&a, &fork, 10).pages().len(),
+            2,
+            "the fork is kept"
+        );
+        assert_eq!(pool.stats().cached, 4, "still read");
+        pool.check_invariants().expect("invariants hold");
+
+        // A request that computed the same tokens again caches nothing at or after them.
+        let (prefix, allocation) = run(&pool, 3, &a, &p, 1);
+        assert_eq!(prefix.pages(), &table[..1]);
+        assert_eq!(allocation.keep_prompt(prefix, &p), 0);
+
+        drop(other_reader);
+        let s = pool.stats();
+        // The two distrusted pages, and the three request 3 computed.
+        assert_eq!((s.cached, s.pending_scrub), (2, 5), "gone once unread");
+        assert!(pool.verify(&table[1..]).is_err());
+        pool.check_invariants().expect("invariants hold");
+        // Now the same tokens can be cached again.
+        pool.scrub_pending(|_| {});
+        let (prefix, allocation) = run(&pool, 4, &a, &p, 1);
+        assert_eq!(allocation.keep_prompt(prefix, &p), 2);
+        assert_eq!(pool.cached_prefix(&a, &p, 10).pages().len(), 3);
+        pool.check_invariants().expect("invariants hold");
+    }
+
+    /// A failure past the cached pages (in the request's own) distrusts none of them.
+    #[test]
+    fn a_failure_in_the_requests_own_pages_distrusts_no_cached_one() {
+        let pool = pool(8, Scrub::None);
+        let a = Scope::new("a");
+        let p = prompt(0, 40);
+        let (prefix, allocation) = run(&pool, 1, &a, &p, 1);
+        allocation.keep_prompt(prefix, &p);
+        let reading = pool.cached_prefix(&a, &p, 10);
+        assert_eq!(reading.distrust_from(2), 0);
+        assert_eq!(pool.cached_prefix(&a, &p, 10).pages().len(), 2);
+        assert_eq!(pool.stats().cached, 2);
     }
 
     #[test]

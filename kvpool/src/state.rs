@@ -308,9 +308,32 @@ impl PoolState {
         self.prefix.find(scope, chunks)
     }
 
-    /// Prefix cache: takes one reader off each of `pages`.
+    /// Prefix cache: takes one reader off each of `pages`; the distrusted pages nobody reads
+    /// any more leave the cache.
     pub(crate) fn unread(&mut self, pages: &[PageRef]) {
         self.prefix.unread(pages);
+        let swept = self.prefix.sweep();
+        self.release_cached(&swept);
+    }
+
+    /// Prefix cache: distrusts `page` and every cached page after it (see
+    /// [`crate::Prefix::distrust_from`]); those nobody reads leave the cache now. Returns how
+    /// many pages were newly distrusted.
+    pub(crate) fn distrust(&mut self, page: PageRef) -> u32 {
+        let distrusted = self.prefix.distrust(page);
+        let swept = self.prefix.sweep();
+        self.release_cached(&swept);
+        distrusted
+    }
+
+    /// Releases pages taken out of the prefix index (towards the free list, through the scrub
+    /// queue if the pool scrubs).
+    fn release_cached(&mut self, pages: &[PageRef]) {
+        for entry in pages {
+            if self.is_in(*entry, PageState::Cached) {
+                self.release_page(entry.page, PageState::Cached);
+            }
+        }
     }
 
     /// Moves the pages `owner` holds in an allocation into the prefix cache of `scope`: page
@@ -365,11 +388,7 @@ impl PoolState {
     /// Returns how many.
     pub(crate) fn evict(&mut self, n: u32) -> u32 {
         let pages = self.prefix.evict(n);
-        for entry in &pages {
-            if self.is_in(*entry, PageState::Cached) {
-                self.release_page(entry.page, PageState::Cached);
-            }
-        }
+        self.release_cached(&pages);
         u32::try_from(pages.len()).unwrap_or(u32::MAX)
     }
 

@@ -10,6 +10,9 @@
 //!   the prompt page by page — never a page of another scope (I6), never a page holding other
 //!   tokens — and those pages verify;
 //! - a page that a running request reads is never evicted;
+//! - a distrusted page (a reader failed on it) and every page after it are found by no
+//!   lookup and continued by no kept prompt, and each leaves the cache once no running
+//!   request reads it;
 //! - once everything is dropped and the cache emptied, every page is free again.
 
 use std::collections::HashMap;
@@ -31,6 +34,8 @@ enum Op {
     },
     Finish(usize),
     Fail(usize),
+    /// Request `.0` fails a KV integrity check at page `.1` of its table.
+    Distrust(usize, usize),
     Abandon(usize),
     Evict(u32),
     Scrub,
@@ -43,6 +48,7 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(scope, prompt, new)| Op::Start { scope, prompt, new }),
         3 => i().prop_map(Op::Finish),
         1 => i().prop_map(Op::Fail),
+        2 => (i(), 0..4usize).prop_map(|(r, at)| Op::Distrust(r, at)),
         1 => i().prop_map(Op::Abandon),
         1 => (0..4u32).prop_map(Op::Evict),
         1 => Just(Op::Scrub),
@@ -62,6 +68,8 @@ struct Model {
     next_owner: u64,
     /// (scope, tokens from the prompt's start through the page's end) → the cached page.
     cached: HashMap<(usize, Vec<u32>), PageRef>,
+    /// The same, for pages distrusted and still in the cache.
+    distrusted: HashMap<(usize, Vec<u32>), PageRef>,
     running: Vec<Running>,
 }
 
@@ -76,6 +84,7 @@ impl Model {
             scopes: [Scope::new("tenant-a"), Scope::new("tenant-b")],
             next_owner: 0,
             cached: HashMap::new(),
+            distrusted: HashMap::new(),
             running: Vec::new(),
         }
     }
@@ -129,15 +138,15 @@ impl Model {
                 let skip = r.prefix.pages().len();
                 let own = r.pages.pages().to_vec();
                 // What the record says is kept, apart from what the pool says: each whole
-                // prompt page of its own whose tokens are not cached already.
+                // prompt page of its own whose tokens are not cached already, as long as the
+                // chain goes on: not after a distrusted page, nor through one.
+                let key = |end: usize| (r.scope, r.prompt[..end].to_vec());
+                let after_distrusted = skip > 0 && self.distrusted.contains_key(&key(skip * pt));
                 let expected = (0..own.len())
                     .map(|j| (skip + j + 1) * pt)
-                    .filter(|&end| end <= r.prompt.len())
-                    .filter(|&end| {
-                        !self
-                            .cached
-                            .contains_key(&(r.scope, r.prompt[..end].to_vec()))
-                    })
+                    .take_while(|&end| !after_distrusted && end <= r.prompt.len())
+                    .take_while(|&end| !self.distrusted.contains_key(&key(end)))
+                    .filter(|&end| !self.cached.contains_key(&key(end)))
                     .count();
                 let kept = r.pages.keep_prompt(r.prefix, &r.prompt);
                 assert_eq!(kept as usize, expected, "whole new prompt pages are kept");
@@ -163,6 +172,40 @@ impl Model {
                     self.pool.release_quarantine();
                 }
             }
+            Op::Distrust(i, at) => {
+                // One of the requests that read a cached page.
+                let reading: Vec<usize> = (0..self.running.len())
+                    .filter(|&j| !self.running[j].prefix.pages().is_empty())
+                    .collect();
+                let Some(&j) = reading.get(i % reading.len().max(1)) else {
+                    return;
+                };
+                let r = self.running.swap_remove(j);
+                let at = at % (r.prefix.pages().len() + 1);
+                let start = r
+                    .prompt
+                    .get(..(at + 1) * pt)
+                    .filter(|_| at < r.prefix.pages().len());
+                // The page at `at` and every cached page after it, in the record.
+                let after: Vec<_> = (self.cached.keys())
+                    .filter(|(scope, tokens)| {
+                        start.is_some_and(|s| *scope == r.scope && tokens.starts_with(s))
+                    })
+                    .cloned()
+                    .collect();
+                let distrusted = r.prefix.distrust_from(at);
+                assert_eq!(
+                    distrusted as usize,
+                    after.len(),
+                    "the page and those after it"
+                );
+                for key in after {
+                    let page = self.cached.remove(&key).expect("recorded");
+                    self.distrusted.insert(key, page);
+                }
+                let _ = r.pages.quarantine();
+                self.pool.release_quarantine();
+            }
             Op::Abandon(i) => drop(take(&mut self.running, i)),
             Op::Evict(n) => {
                 let before = self.cached.len();
@@ -182,11 +225,25 @@ impl Model {
         }
     }
 
-    fn check(&self) {
+    fn check(&mut self) {
         if let Err(violation) = self.pool.check_invariants() {
             panic!("{violation}");
         }
-        assert_eq!(self.pool.stats().cached as usize, self.cached.len());
+        let pool = &self.pool;
+        self.distrusted
+            .retain(|_, page| pool.verify(&[*page]).is_ok());
+        for ((scope, tokens), page) in &self.distrusted {
+            assert!(
+                self.running.iter().any(|r| r.prefix.pages().contains(page)),
+                "{page:?} distrusted, read by nobody, still cached"
+            );
+            let found = pool.cached_prefix(&self.scopes[*scope], tokens, usize::MAX);
+            assert!(!found.pages().contains(page), "{page:?} distrusted, found");
+        }
+        assert_eq!(
+            self.pool.stats().cached as usize,
+            self.cached.len() + self.distrusted.len()
+        );
     }
 
     fn finish(mut self) {

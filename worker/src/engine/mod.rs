@@ -294,14 +294,22 @@ enum Outcome {
     Continue,
     Finished,
     /// `suspect`: its pages' contents cannot be vouched for (a KV integrity failure): they
-    /// are quarantined. Otherwise (a device fault, a token outside the vocabulary, logits
-    /// that are not numbers) they are released, scrubbed as any released page.
+    /// are quarantined, and the cached prefix pages it read from the first page in doubt on
+    /// are distrusted. Otherwise (a device fault, a token outside the vocabulary, logits that
+    /// are not numbers) they are released, scrubbed as any released page.
     Failed {
-        suspect: bool,
+        suspect: Option<InDoubt>,
     },
     Cancelled,
     /// Prefill role: the prompt is done and this is the first token; hand the KV over.
     HandOver(TokenId),
+}
+
+/// A request's failed KV integrity check.
+#[derive(Debug)]
+struct InDoubt {
+    /// The first page of its table whose contents are in doubt, if any.
+    page: Option<usize>,
 }
 
 /// The engine state. Not thread-safe by design: one thread owns it.
@@ -1086,19 +1094,34 @@ impl Engine {
                     let r = self.running.remove(i);
                     self.hand_over(r, first_token);
                 }
-                Outcome::Failed { suspect: true } => {
+                Outcome::Failed {
+                    suspect: Some(InDoubt { page }),
+                } => {
                     // Suspect contents, and nothing left that writes them (the request is
                     // gone, and there is no peer): out of service for a while — the pool's
                     // counters and the log show them —, then scrubbed and reused. Kept out for
                     // good, each such failure took pages from the pool until a restart, and a
                     // worker whose pool is its served context was never ready again.
-                    let pages = self.running.remove(i).pages.quarantine();
+                    let r = self.running.remove(i);
+                    if let (Some(page), Some(prefix)) = (page, r.prefix) {
+                        let distrusted = prefix.distrust_from(page);
+                        self.prefix_stats.distrusted_pages += u64::from(distrusted);
+                        if distrusted > 0 {
+                            tracing::warn!(
+                                request = %r.request.id,
+                                pages = distrusted,
+                                "cached prefix pages distrusted after the request's integrity \
+                                 failure: no request reads them again"
+                            );
+                        }
+                    }
+                    let pages = r.pages.quarantine();
                     let back = Instant::now() + self.config.reclaim_after;
                     self.failed_pages.push((back, pages));
                 }
                 // Nothing of them goes to the prefix cache: the step that failed may have
                 // written part of a page.
-                Outcome::Failed { suspect: false } => self.running.remove(i).pages.release(),
+                Outcome::Failed { suspect: None } => self.running.remove(i).pages.release(),
                 Outcome::Finished | Outcome::Cancelled => self.running.remove(i).retire(),
             }
         }
@@ -1343,7 +1366,13 @@ impl Engine {
         let logits = match logits {
             Err(failure) => {
                 tracing::warn!(request = %r.request.id, error = %failure, "request failed");
-                let suspect = matches!(failure, crate::model::SeqFailure::Integrity(_));
+                let page_tokens = self.pool.config().page_tokens.get() as usize;
+                let suspect = match &failure {
+                    crate::model::SeqFailure::Integrity(e) => Some(InDoubt {
+                        page: e.suspect_page(page_tokens),
+                    }),
+                    _ => None,
+                };
                 let _ = r.request.sink.emit(Event::Failed(failure.into()));
                 return Outcome::Failed { suspect };
             }

@@ -9,6 +9,9 @@ pub struct PrefixStats {
     pub prompt_tokens: u64,
     /// Of those, tokens whose KV was read from the cache instead of computed.
     pub cached_tokens: u64,
+    /// Cached pages distrusted after a request that read them failed a KV integrity check on
+    /// them (they leave the cache once their readers end).
+    pub distrusted_pages: u64,
 }
 
 /// Why decode dropped a frame, as counted: no live session (unknown, or already abandoned: a

@@ -289,3 +289,56 @@ fn a_request_eviction_cannot_make_room_for_evicts_nothing() {
     assert_eq!(e.waiting.len(), 1, "a waits");
     assert_eq!(e.pool().stats().cached, 4, "b's cache is kept");
 }
+
+/// A request that fails the KV check on a cached page of its prefix distrusts that page (and
+/// those after it): the next request of the tenant with the same prompt computes it again and
+/// succeeds. Kept in the cache, the page failed every such request, for as long as they kept
+/// it recently used.
+#[test]
+fn a_cached_page_a_request_failed_on_is_not_read_again() {
+    let mut e = tiny_engine_with(EngineConfig {
+        kv: KvBudget::Tokens(128),
+        prefix_cache: true,
+        scrub: Scrub::Canary,
+        ..EngineConfig::default()
+    })
+    .expect("engine starts");
+    let prompt: Vec<TokenId> = (3..43).collect();
+    let run = |e: &mut Engine, id: u64| {
+        let (tx, rx) = mpsc::channel();
+        e.submit(request_of(id, "t", &prompt, 2, tx))
+            .map_err(|(e, _)| e)
+            .expect("admits");
+        while e.has_work() {
+            e.step();
+        }
+        rx.try_iter().last()
+    };
+    assert!(matches!(run(&mut e, 1), Some(Event::Done { .. })));
+    assert_eq!(e.pool().stats().cached, 2, "two whole prompt pages kept");
+    let cached = e.pool().cached_prefix(&Scope::new("t"), &prompt, 2);
+    e.kv.scrub(cached.pages()[0].page, Scrub::Canary)
+        .expect("a page of the pool");
+    drop(cached);
+
+    let failed = run(&mut e, 2);
+    assert!(
+        matches!(
+            failed,
+            Some(Event::Failed(Failure::Forward(
+                crate::model::SeqFailure::Integrity(_)
+            )))
+        ),
+        "{failed:?}"
+    );
+    let left = e.pool().stats().cached;
+    let again = run(&mut e, 3);
+    assert!(matches!(again, Some(Event::Done { .. })), "{again:?}");
+    assert_eq!(left, 0, "both pages left the cache");
+    assert_eq!(
+        e.prefix_stats().distrusted_pages,
+        2,
+        "the page and the next"
+    );
+    assert_eq!(e.pool().stats().cached, 2, "computed and kept again");
+}

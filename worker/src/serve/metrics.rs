@@ -278,6 +278,11 @@ impl Metrics {
                 "Prompt tokens whose KV was read from the tenant's prefix cache instead of computed.",
                 stats.prefix.cached_tokens,
             ),
+            (
+                "bulkhead_prefix_cache_distrusted_pages_total",
+                "Cached pages taken out of the prefix cache because a request that read them failed a KV integrity check on them.",
+                stats.prefix.distrusted_pages,
+            ),
         ] {
             family(&mut out, name, "counter", help);
             let _ = writeln!(out, "{name} {value}");
