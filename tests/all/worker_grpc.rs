@@ -1457,3 +1457,65 @@ async fn the_gateway_does_not_route_to_a_worker_that_answers_without_the_cluster
     })
     .await;
 }
+
+/// A connection to a worker's gRPC port on which no call presents the cluster token is closed
+/// once its ten seconds are up, so connections that never call cannot hold every place
+/// (the gateway's included); a client whose calls present it keeps its connection past them.
+#[tokio::test]
+async fn a_grpc_connection_with_no_call_presenting_the_cluster_token_is_closed_in_time() {
+    use bulkhead_worker::serve::cluster_token::{ClusterToken, Presents, SharedToken};
+    use tokio::io::AsyncReadExt as _;
+    bounded(async {
+        let dir = TempDir::new("token");
+        let secret = "0123456789abcdef0123456789abcdef\n";
+        let token = dir.0.join("cluster-token");
+        bulkhead_worker::serve::cluster_token::write_file(&token, secret).expect("writes");
+        let worker = Worker::start(&[
+            "--kv-tokens",
+            "2048",
+            "--cluster-token-file",
+            &token.display().to_string(),
+        ]);
+        let mut silent = tokio::net::TcpStream::connect(worker.grpc)
+            .await
+            .expect("connects");
+        let channel = Channel::from_shared(format!("http://{}", worker.grpc))
+            .expect("a URI")
+            .connect()
+            .await
+            .expect("connects");
+        let presents = Presents(Some(SharedToken::fixed(
+            ClusterToken::parse(secret).expect("a token"),
+        )));
+        let mut client = WorkerClient::with_interceptor(channel, presents);
+        let info = || InfoRequest {
+            include_tokenizer: false,
+        };
+        client.info(info()).await.expect("answered");
+        let started = Instant::now();
+
+        // The server says its HTTP/2 settings, then nothing until it closes.
+        let mut said = Vec::new();
+        let closed =
+            tokio::time::timeout(Duration::from_secs(20), silent.read_to_end(&mut said)).await;
+        assert!(closed.is_ok(), "still open after 20 s");
+        assert!(
+            started.elapsed() > Duration::from_secs(8),
+            "{:?}",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_secs(12).saturating_sub(started.elapsed())).await;
+        client.info(info()).await.expect("answered again");
+        let metrics = worker.metrics();
+        assert!(
+            metrics
+                .contains("bulkhead_grpc_connections_closed_total{reason=\"no_call_in_time\"} 1\n"),
+            "only the silent connection closed: {metrics}"
+        );
+        assert!(
+            metrics.contains("bulkhead_grpc_connections 1\n"),
+            "the client's is open: {metrics}"
+        );
+    })
+    .await;
+}

@@ -24,3 +24,32 @@ pub async fn next(listener: &TcpListener, what: &str) -> (TcpStream, SocketAddr)
         }
     }
 }
+
+/// How often a listener says it closed connections over its bound (with how many).
+const REFUSALS_LOGGED_EVERY: Duration = Duration::from_secs(10);
+
+/// Connections closed over a listener's bound since it was last said, said at most every
+/// [`REFUSALS_LOGGED_EVERY`] (a flood of them is one line, not one each).
+#[derive(Debug, Default)]
+pub struct Refused {
+    since_said: u64,
+    said_at: Option<std::time::Instant>,
+}
+
+impl Refused {
+    /// `peer`'s connection, one of `what`'s, was closed over the bound of `max` open ones.
+    pub fn count(&mut self, peer: SocketAddr, what: &str, max: usize) {
+        self.since_said += 1;
+        let now = std::time::Instant::now();
+        if self
+            .said_at
+            .is_some_and(|at| now.duration_since(at) < REFUSALS_LOGGED_EVERY)
+        {
+            return;
+        }
+        tracing::warn!(%peer, closed = self.since_said, max_connections = max,
+            "closed {what} connections over the bound on open ones");
+        self.since_said = 0;
+        self.said_at = Some(now);
+    }
+}

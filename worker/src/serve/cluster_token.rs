@@ -24,6 +24,7 @@ use tonic::transport::Channel;
 use tonic::{Request, Status};
 
 use super::followed::Followed;
+use super::grpc_incoming::Vouching;
 use super::proto::WorkerClient;
 use super::secret_file::{self, SecretFileError};
 
@@ -228,19 +229,24 @@ impl Interceptor for Presents {
 pub struct Requires(pub Option<SharedToken>);
 
 impl Interceptor for Requires {
+    /// Lets in a call that presents the token (any call, without one), and vouches for its
+    /// connection ([`Vouching`]).
     fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
-        let Some(token) = &self.0 else {
-            return Ok(request);
-        };
-        match request.metadata().get(HEADER).map(MetadataValue::as_bytes) {
-            Some(p) if token.current().admits(p) => Ok(request),
-            Some(_) => Err(Status::unauthenticated(
+        let presented = request.metadata().get(HEADER).map(MetadataValue::as_bytes);
+        match (&self.0, presented) {
+            (Some(token), Some(p)) if !token.current().admits(p) => Err(Status::unauthenticated(
                 "the cluster token presented is not this worker's (another deployment's, or \
                  one renewed on one side only)",
             )),
-            None => Err(Status::unauthenticated(
+            (Some(_), None) => Err(Status::unauthenticated(
                 "this worker answers only calls that present its cluster token",
             )),
+            _ => {
+                if let Some(connection) = request.extensions().get::<Vouching>() {
+                    connection.vouch();
+                }
+                Ok(request)
+            }
         }
     }
 }
@@ -294,6 +300,34 @@ mod tests {
         assert!(requires.call(sent).is_ok());
         // Without a token, every call is answered (the worker runs unprotected).
         assert!(Requires(None).call(presented(None)).is_ok());
+    }
+
+    /// A call let in vouches for its connection (which then keeps its place); a refused one
+    /// does not.
+    #[test]
+    fn only_a_call_let_in_vouches_for_its_connection() {
+        let mut requires = Requires(Some(SharedToken::fixed(
+            ClusterToken::parse(SECRET).expect("valid"),
+        )));
+        let on_connection = |value: Option<&str>| {
+            let connection = Vouching::default();
+            let mut r = presented(value);
+            r.extensions_mut().insert(connection.clone());
+            (r, connection)
+        };
+        let (wrong, unvouched) = on_connection(Some("Bearer nope"));
+        assert!(requires.call(wrong).is_err());
+        assert!(!unvouched.vouched());
+        let right = format!("Bearer {SECRET}");
+        let (call, vouched) = on_connection(Some(&right));
+        assert!(requires.call(call).is_ok());
+        assert!(vouched.vouched());
+        let (call, open) = on_connection(None);
+        assert!(Requires(None).call(call).is_ok());
+        assert!(
+            open.vouched(),
+            "a worker without a token lets every call in"
+        );
     }
 
     #[test]

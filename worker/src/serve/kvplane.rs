@@ -55,7 +55,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::accepting;
+use super::accepting::{self, Refused};
 use super::actor::EngineHandle;
 use super::tls::ClusterTls;
 
@@ -226,9 +226,6 @@ impl Limits {
     }
 }
 
-/// How often a decode worker says it closed data connections over its bound (with how many).
-const REFUSALS_LOGGED_EVERY: Duration = Duration::from_secs(10);
-
 /// The fewest and the most data connections a decode worker holds open at once, whatever its
 /// pool ([`max_connections`]).
 const CONNECTIONS: std::ops::RangeInclusive<usize> = 64..=4096;
@@ -271,7 +268,7 @@ pub async fn serve(
     loop {
         let (socket, peer) = accepting::next(&listener, "KV data").await;
         let Ok(held) = connections.clone().try_acquire_owned() else {
-            refused.count(peer, max_connections);
+            refused.count(peer, "KV data", max_connections);
             continue;
         };
         if let Err(e) = bound_peer(&socket, peer_timeout) {
@@ -291,31 +288,6 @@ pub async fn serve(
                 tracing::warn!(%peer, error = %e, "KV data connection ended with an error");
             }
         });
-    }
-}
-
-/// Data connections closed over the bound since it was last said, said at most every
-/// [`REFUSALS_LOGGED_EVERY`] (a flood of them is one line, not one each).
-#[derive(Debug, Default)]
-struct Refused {
-    since_said: u64,
-    said_at: Option<std::time::Instant>,
-}
-
-impl Refused {
-    fn count(&mut self, peer: std::net::SocketAddr, max_connections: usize) {
-        self.since_said += 1;
-        let now = std::time::Instant::now();
-        if self
-            .said_at
-            .is_some_and(|at| now.duration_since(at) < REFUSALS_LOGGED_EVERY)
-        {
-            return;
-        }
-        tracing::warn!(%peer, closed = self.since_said, max_connections,
-            "closed KV data connections over the bound on open ones");
-        self.since_said = 0;
-        self.said_at = Some(now);
     }
 }
 

@@ -2,6 +2,7 @@
 //! exposition format written by hand (one small function, unit-tested).
 
 use std::fmt::Write as _;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::engine::{Failure, SubmitError, TransferStats};
@@ -9,6 +10,7 @@ use crate::model::SeqFailure;
 
 use super::actor::EngineStats;
 use super::error::{ServeError, ValidationError};
+use super::grpc_incoming;
 
 /// How a request ended, as counted in `bulkhead_requests_total{outcome=...}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,6 +121,8 @@ pub struct Metrics {
     sending_tokens: AtomicU64,
     /// Prompt tokens the engine computed, as of its last step.
     computed_prompt_tokens: AtomicU64,
+    /// The gRPC server's connections.
+    grpc_connections: Arc<grpc_incoming::Counts>,
 }
 
 /// One transfer being sent (prefill role), counted in the in-flight gauges until dropped.
@@ -147,6 +151,11 @@ impl Metrics {
             metrics: self,
             tokens,
         }
+    }
+
+    /// Where the gRPC server counts its connections.
+    pub fn grpc_connections(&self) -> &Arc<grpc_incoming::Counts> {
+        &self.grpc_connections
     }
 
     pub fn count(&self, outcome: Outcome) {
@@ -236,6 +245,19 @@ impl Metrics {
             family(&mut out, name, "gauge", help);
             let _ = writeln!(out, "{name} {value}");
         }
+        let (open, over_bound, out_of_time) = self.grpc_connections.get();
+        let name = "bulkhead_grpc_connections";
+        family(&mut out, name, "gauge", "gRPC connections open.");
+        let _ = writeln!(out, "{name} {open}");
+        let name = "bulkhead_grpc_connections_closed_total";
+        family(
+            &mut out,
+            name,
+            "counter",
+            "gRPC connections the worker closed: over its bound on open ones, or with no call presenting the cluster token in time.",
+        );
+        let _ = writeln!(out, "{name}{{reason=\"over_bound\"}} {over_bound}");
+        let _ = writeln!(out, "{name}{{reason=\"no_call_in_time\"}} {out_of_time}");
         family(
             &mut out,
             "bulkhead_requests_total",

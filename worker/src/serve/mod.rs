@@ -19,6 +19,7 @@ pub mod cluster_token;
 mod disagg;
 mod error;
 mod followed;
+pub mod grpc_incoming;
 pub mod info;
 pub mod kv_advertise;
 pub mod kvplane;
@@ -333,6 +334,10 @@ impl BoundWorker {
         // The cluster token and the TLS files are followed for as long as the worker serves.
         let follows = follow_secrets(self.cluster_token.clone(), self.tls.clone());
         let peer = self.service.follow_peer();
+        let (limits, counts) = (
+            grpc_incoming::Limits::WORKER,
+            self.engine.metrics().grpc_connections().clone(),
+        );
         let admin = axum::serve(self.admin, admin::router(self.engine, self.tls.clone()))
             .with_graceful_shutdown(stopped(stop_rx.clone()));
         let grpc =
@@ -342,17 +347,17 @@ impl BoundWorker {
             ));
         let grpc: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
             match &self.tls {
-                Some(tls) => {
-                    Box::pin(grpc.serve_with_incoming_shutdown(
-                        tls.grpc_incoming(self.grpc),
-                        stopped(stop_rx),
-                    ))
-                }
+                Some(tls) => Box::pin(grpc.serve_with_incoming_shutdown(
+                    tls.grpc_incoming(self.grpc, limits, counts),
+                    stopped(stop_rx),
+                )),
                 // Tokens stream one small message each: not held back for Nagle's algorithm
                 // (a listener of one's own gets none of the builder's socket settings). The TLS
                 // listener sets it as it accepts.
                 None => Box::pin(grpc.serve_with_incoming_shutdown(
-                    tonic::transport::server::TcpIncoming::from(self.grpc).with_nodelay(Some(true)),
+                    grpc_incoming::incoming(self.grpc, limits, counts, |socket| async move {
+                        socket.set_nodelay(true).map(|()| socket)
+                    }),
                     stopped(stop_rx),
                 )),
             };

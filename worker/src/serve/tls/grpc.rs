@@ -4,6 +4,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -16,45 +17,29 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
 use super::{ClusterTls, within};
-use crate::serve::accepting;
+use crate::serve::grpc_incoming::{self, Admitted};
 
 /// How long a gRPC peer has to complete its TLS handshake. The data plane bounds its
 /// handshakes by the peer timeout (`--kv-peer-timeout-ms`).
 const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
 
-/// Handshaken connections waiting for the gRPC server to take them.
-const WAITING: usize = 64;
-
 impl ClusterTls {
     /// A gRPC server's connections on `listener`: only clients the CA signed. Each handshake
     /// runs on its own, within [`HANDSHAKE_LIMIT`], so a client that stalls holds up no
-    /// other; a failed one is logged and dropped. Accepting stops when the stream is dropped.
+    /// other; a failed one is logged and dropped. Within `limits`, counted in `counts`
+    /// ([`grpc_incoming`]).
+    /// Accepting stops when the stream is dropped.
     pub fn grpc_incoming(
         &self,
         listener: TcpListener,
-    ) -> ReceiverStream<std::io::Result<server::TlsStream<TcpStream>>> {
-        let (ready, incoming) = tokio::sync::mpsc::channel(WAITING);
+        limits: grpc_incoming::Limits,
+        counts: Arc<grpc_incoming::Counts>,
+    ) -> ReceiverStream<std::io::Result<Admitted<server::TlsStream<TcpStream>>>> {
         let tls = self.clone();
-        tokio::spawn(async move {
-            loop {
-                let (socket, peer) = tokio::select! {
-                    () = ready.closed() => return,
-                    accepted = accepting::next(&listener, "gRPC") => accepted,
-                };
-                let (tls, ready) = (tls.clone(), ready.clone());
-                tokio::spawn(async move {
-                    match tls.accept_grpc(socket).await {
-                        Ok(stream) => {
-                            let _ = ready.send(Ok(stream)).await;
-                        }
-                        Err(e) => {
-                            tracing::warn!(%peer, error = %e, "refused a gRPC connection: its TLS handshake failed");
-                        }
-                    }
-                });
-            }
-        });
-        ReceiverStream::new(incoming)
+        grpc_incoming::incoming(listener, limits, counts, move |socket| {
+            let tls = tls.clone();
+            async move { tls.accept_grpc(socket).await }
+        })
     }
 
     async fn accept_grpc(

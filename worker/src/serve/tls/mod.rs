@@ -864,8 +864,9 @@ mod tests {
     /// A gRPC server's connections and a KV listener, both with one process's TLS.
     struct Listening {
         tls: ClusterTls,
-        incoming:
-            tokio_stream::wrappers::ReceiverStream<std::io::Result<server::TlsStream<TcpStream>>>,
+        incoming: tokio_stream::wrappers::ReceiverStream<
+            std::io::Result<crate::serve::grpc_incoming::Admitted<server::TlsStream<TcpStream>>>,
+        >,
         grpc: String,
         kv: tokio::net::TcpListener,
     }
@@ -877,7 +878,11 @@ mod tests {
             Listening {
                 tls: tls.clone(),
                 grpc: grpc.local_addr().expect("address").to_string(),
-                incoming: tls.grpc_incoming(grpc),
+                incoming: tls.grpc_incoming(
+                    grpc,
+                    crate::serve::grpc_incoming::Limits::WORKER,
+                    std::sync::Arc::default(),
+                ),
                 kv: bind().await.expect("bind"),
             }
         }
