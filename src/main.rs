@@ -108,6 +108,15 @@ fn run(command: Command) -> anyhow::Result<()> {
         let exe = std::path::PathBuf::from("/proc/self/exe");
         sandbox::install(sandbox::Sandbox::new(exe, sandbox::MEMORY));
     }
+    // A server holds a descriptor per connection (the gateway's clients and upstreams, a
+    // worker's gRPC and KV connections): a soft limit of 1024, common by default, runs out
+    // long before their own bounds do. Its children (`up`'s workers) inherit the raise.
+    if matches!(
+        command,
+        Command::Worker(_) | Command::Gateway(_) | Command::Up(_) | Command::Bench { .. }
+    ) {
+        bulkhead_gateway::descriptors::raise_limit();
+    }
     // The servers install their own telemetry (they export spans when configured to) and log
     // their startup facts (measured pool, served context) by default; the rest only warn.
     let _log = match command {

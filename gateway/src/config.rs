@@ -24,6 +24,8 @@
 //! write_stall_timeout_secs = 30     # a client that takes no byte of its answer this long is gone
 //! stream_idle_timeout_secs = 120    # a worker silent this long mid-answer has failed it
 //! drain_timeout_secs = 10           # at shutdown, requests still running this long are cut
+//! max_connections = 10000           # API connections open at once; past it new ones wait in
+//!                                   # the listen backlog (and at most what descriptors allow)
 //! default_max_tokens = 512         # a chat completion's, when it names none
 //! default_completion_max_tokens = 16  # a (legacy) completion's: OpenAI's default
 //!
@@ -103,7 +105,7 @@
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::num::{NonZeroU32, NonZeroU64};
+use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -232,6 +234,11 @@ pub struct HttpLimits {
     /// At shutdown, how long requests in flight get to finish; those still running then are
     /// cut, and recorded as `gateway_shutdown`.
     pub drain_timeout: Duration,
+    /// The most connections the listener holds open at once; past it, new ones wait in the
+    /// kernel's listen backlog until one closes. It is lowered to what the process's limit on
+    /// open descriptors leaves ([`crate::descriptors::connection_room`]): descriptors run out,
+    /// every accept, upstream connection and audit file would fail instead.
+    pub max_connections: NonZeroUsize,
     /// `max_tokens` when a chat completion does not say (clamped to what is left of the
     /// limit, and of the tenant's minute of tokens beside the prompt).
     pub default_max_tokens: NonZeroU32,
@@ -251,6 +258,7 @@ impl Default for HttpLimits {
             write_stall_timeout: Duration::from_secs(30),
             stream_idle_timeout: Duration::from_secs(120),
             drain_timeout: Duration::from_secs(10),
+            max_connections: NonZeroUsize::MIN.saturating_add(9_999),
             default_max_tokens: NonZeroU32::MIN.saturating_add(511),
             default_completion_max_tokens: NonZeroU32::MIN.saturating_add(15),
         }
@@ -595,6 +603,7 @@ struct RawHttp {
     write_stall_timeout_secs: Option<u64>,
     stream_idle_timeout_secs: Option<u64>,
     drain_timeout_secs: Option<u64>,
+    max_connections: Option<usize>,
     default_max_tokens: Option<u32>,
     default_completion_max_tokens: Option<u32>,
 }
@@ -844,6 +853,12 @@ fn http_limits(raw: &RawHttp) -> Result<HttpLimits, ConfigError> {
             "http.drain_timeout_secs",
             d.drain_timeout,
         )?,
+        max_connections: NonZeroUsize::new(nonzero(
+            raw.max_connections.map(|v| v as u64),
+            "http.max_connections",
+            d.max_connections.get() as u64,
+        )? as usize)
+        .unwrap_or(d.max_connections),
         default_max_tokens: max_tokens(
             raw.default_max_tokens,
             "http.default_max_tokens",

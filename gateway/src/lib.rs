@@ -22,6 +22,7 @@ pub mod admission;
 pub mod api;
 pub mod auth;
 pub mod config;
+pub mod descriptors;
 pub mod discovery;
 mod histogram;
 pub mod keys;

@@ -27,6 +27,10 @@ use crate::tenants::{ConfigFile, ServedFile, Tenants};
 use crate::trail::{Recorder, Watch};
 use crate::workers::{EndpointError, Workers};
 
+/// The admin port's connections open at once: an operator's tools, never a crowd; a flood of
+/// API connections never takes them (each listener has its own places).
+const ADMIN_CONNECTIONS: std::num::NonZeroUsize = std::num::NonZeroUsize::MIN.saturating_add(63);
+
 /// Where the gateway keeps its audit log in `data_dir`.
 pub fn audit_dir(data_dir: &Path) -> PathBuf {
     data_dir.join("audit")
@@ -322,7 +326,10 @@ impl BoundGateway {
             self.admin,
             TowerToHyperService::new(self.admin_router),
             Edge {
-                limits: self.http,
+                limits: HttpLimits {
+                    max_connections: ADMIN_CONNECTIONS,
+                    ..self.http
+                },
                 tls: self.tls,
             },
             NonZeroUsize::MIN,

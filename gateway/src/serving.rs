@@ -25,7 +25,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 
 use crate::api::ApiError;
@@ -111,7 +111,9 @@ impl<S> Service for S where
 /// `edge.tls`, every connection starts with its TLS handshake (see [`Connections::serve`]). A
 /// client that has not sent its headers within `edge.limits.header_timeout` is disconnected
 /// (slowloris), and so is one that takes no byte of its response for `write_stall_timeout`;
-/// in-flight connections get `drain_timeout` at shutdown. `witness` hears of the requests still
+/// at most `edge.limits.max_connections` are open at once (lowered to what the process's
+/// descriptors leave), the next waiting in the listen backlog until one closes; in-flight
+/// connections get `drain_timeout` at shutdown. `witness` hears of the requests still
 /// running then (before they are dropped) and of those hyper could not parse.
 pub async fn serve<S: Service>(
     listener: TcpListener,
@@ -138,9 +140,13 @@ pub async fn serve<S: Service>(
             Err(e) => tracing::error!(error = %e, "an API serving thread did not start"),
         }
     }
+    let places = Places::new(
+        edge.limits.max_connections,
+        crate::descriptors::soft_limit(),
+    );
     let mut local = Connections::new(service, edge, witness);
-    accept(&listener, &mut stop, |stream| {
-        if let Some((stream, open)) = deal(&mut seats, stream) {
+    accept(&listener, &mut stop, places, |stream, place| {
+        if let Some((stream, open)) = deal(&mut seats, stream, place) {
             local.serve(stream, open);
         }
     })
@@ -164,17 +170,21 @@ struct Seat {
 /// A connection handed to another thread, with its count on that thread's seat.
 type Dealt = (std::net::TcpStream, Open);
 
-/// Gives `stream` to the seat with the fewest open connections (the first of them on a tie).
-/// Returns it, with its count, when it is the accepting thread's to serve. A thread that has
-/// gone (its channel closed) loses its seat, and the stream goes to another.
-fn deal(seats: &mut Vec<Seat>, mut stream: TcpStream) -> Option<(TcpStream, Open)> {
+/// Gives `stream`, holding `place`, to the seat with the fewest open connections (the first
+/// of them on a tie). Returns it, with its count, when it is the accepting thread's to serve. A
+/// thread that has gone (its channel closed) loses its seat, and the stream goes to another.
+fn deal(
+    seats: &mut Vec<Seat>,
+    mut stream: TcpStream,
+    mut place: OwnedSemaphorePermit,
+) -> Option<(TcpStream, Open)> {
     loop {
         let (i, seat) = seats
             .iter()
             .enumerate()
             .min_by_key(|(_, s)| s.open.load(Ordering::Relaxed))
             .expect("the accepting thread's seat is never removed");
-        let open = Open::new(seat.open.clone());
+        let open = Open::new(seat.open.clone(), place);
         let Some(to) = &seat.to else {
             return Some((stream, open));
         };
@@ -182,7 +192,8 @@ fn deal(seats: &mut Vec<Seat>, mut stream: TcpStream) -> Option<(TcpStream, Open
             .into_std()
             .map_err(|e| tracing::warn!(error = %e, "a connection could not be handed over"))
             .ok()?;
-        let mpsc::error::SendError((std, _)) = to.send((std, open)).err()?;
+        let mpsc::error::SendError((std, open)) = to.send((std, open)).err()?;
+        place = open.place;
         tracing::error!(
             thread = i,
             "an API serving thread has ended; dealing around it"
@@ -194,19 +205,83 @@ fn deal(seats: &mut Vec<Seat>, mut stream: TcpStream) -> Option<(TcpStream, Open
     }
 }
 
-/// One open connection, counted on its thread's seat until dropped.
-struct Open(Arc<AtomicUsize>);
+/// One open connection, counted on its thread's seat and holding its place among the
+/// listener's until dropped.
+struct Open {
+    _counted: Counted,
+    place: OwnedSemaphorePermit,
+}
 
 impl Open {
-    fn new(count: Arc<AtomicUsize>) -> Open {
+    fn new(count: Arc<AtomicUsize>, place: OwnedSemaphorePermit) -> Open {
         count.fetch_add(1, Ordering::Relaxed);
-        Open(count)
+        Open {
+            _counted: Counted(count),
+            place,
+        }
     }
 }
 
-impl Drop for Open {
+/// A connection's count on its seat, taken off when dropped.
+struct Counted(Arc<AtomicUsize>);
+
+impl Drop for Counted {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// How often a listener whose connections are all open says so.
+const FULL_SAID_EVERY: Duration = Duration::from_secs(10);
+
+/// A listener's places for open connections.
+struct Places {
+    free: Arc<Semaphore>,
+    max: usize,
+    said_full: Option<std::time::Instant>,
+}
+
+impl Places {
+    /// `max` places, or as many as `soft` descriptors leave when that is fewer (said once).
+    fn new(max: NonZeroUsize, soft: Option<u64>) -> Places {
+        let room = soft.map_or(usize::MAX, crate::descriptors::connection_room);
+        if room < max.get() {
+            tracing::warn!(
+                max_connections = max.get(),
+                room,
+                descriptors = soft,
+                "the limit on open descriptors leaves room for fewer connections than \
+                 http.max_connections: raise it (ulimit -n, LimitNOFILE=)"
+            );
+        }
+        let max = max.get().min(room);
+        Places {
+            free: Arc::new(Semaphore::new(max)),
+            max,
+            said_full: None,
+        }
+    }
+
+    /// A place, once one is free; `None` if `stop` comes first.
+    async fn take(&mut self, stop: &mut watch::Receiver<bool>) -> Option<OwnedSemaphorePermit> {
+        if let Ok(place) = self.free.clone().try_acquire_owned() {
+            return Some(place);
+        }
+        let now = std::time::Instant::now();
+        if self
+            .said_full
+            .is_none_or(|at| now.duration_since(at) >= FULL_SAID_EVERY)
+        {
+            tracing::warn!(
+                max_connections = self.max,
+                "every connection place is taken: new connections wait in the listen backlog"
+            );
+            self.said_full = Some(now);
+        }
+        tokio::select! {
+            place = self.free.clone().acquire_owned() => place.ok(),
+            () = stopped(stop) => None,
+        }
     }
 }
 
@@ -410,16 +485,20 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
 }
 
-/// Accepts connections until `stop`, handing each to `deal`.
+/// Accepts connections until `stop`, each once it has a place, handing it with its place to `deal`.
 async fn accept(
     listener: &TcpListener,
     stop: &mut watch::Receiver<bool>,
-    mut deal: impl FnMut(TcpStream),
+    mut places: Places,
+    mut deal: impl FnMut(TcpStream, OwnedSemaphorePermit),
 ) {
     loop {
+        let Some(place) = places.take(stop).await else {
+            return;
+        };
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => deal(stream),
+                Ok((stream, _)) => deal(stream, place),
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.
                     tracing::warn!(error = %e, "accept failed");
@@ -511,6 +590,41 @@ mod tests {
                 .expect("every thread drained and ended")
                 .expect("no panic");
         }
+    }
+
+    /// Past `max_connections` a connection waits in the listen backlog, unserved, while those
+    /// open are served; once one closes, it is taken. Unbounded, whoever opens connections
+    /// takes every descriptor, and with them every upstream connection and audit file.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn past_its_bound_a_connection_waits_until_one_closes() {
+        let two = NonZeroUsize::new(2).expect("2");
+        let limits = HttpLimits {
+            max_connections: two,
+            ..HttpLimits::default()
+        };
+        let serving = start(thread_name(), limits, two, Arc::new(())).await;
+        let mut open = vec![connect(serving.addr).await, connect(serving.addr).await];
+        for c in &mut open {
+            served_by(c).await;
+        }
+        let mut third = connect(serving.addr).await;
+        let waiting = tokio::spawn(async move { served_by(&mut third).await });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!waiting.is_finished(), "served past the bound");
+        served_by(&mut open[1]).await;
+        drop(open.remove(0));
+        let served = tokio::time::timeout(Duration::from_secs(5), waiting).await;
+        assert!(matches!(served, Ok(Ok(_))), "taken once a place is free");
+        serving.stop(Duration::from_secs(5)).await;
+    }
+
+    /// The bound is lowered to what the descriptors leave.
+    #[test]
+    fn a_bound_the_descriptors_cannot_hold_is_lowered() {
+        let max = NonZeroUsize::new(10_000).expect("nonzero");
+        assert_eq!(Places::new(max, Some(1024)).max, 384);
+        assert_eq!(Places::new(max, Some(1 << 20)).max, 10_000);
+        assert_eq!(Places::new(max, None).max, 10_000);
     }
 
     #[tokio::test(flavor = "current_thread")]
@@ -823,11 +937,16 @@ mod tests {
                 to: Some(to),
             },
         ];
-        let (_stream, open) = deal(&mut seats, stream).expect("served by the accepting thread");
+        let places = Arc::new(Semaphore::new(1));
+        let place = places.clone().try_acquire_owned().expect("a place");
+        let (_stream, open) =
+            deal(&mut seats, stream, place).expect("served by the accepting thread");
         assert_eq!(seats.len(), 1, "the ended thread's seat is gone");
         assert_eq!(here.load(Ordering::Relaxed), 6, "counted here");
+        assert_eq!(places.available_permits(), 0, "its place went with it");
         drop(open);
         assert_eq!(here.load(Ordering::Relaxed), 5, "and uncounted when closed");
+        assert_eq!(places.available_permits(), 1, "its place free again");
     }
 
     /// A certificate for 127.0.0.1 from a fresh CA, loaded as a listener's TLS; and a client

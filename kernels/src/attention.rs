@@ -98,16 +98,15 @@ pub enum IntegrityError {
 
 impl IntegrityError {
     /// The first page of the sequence's page table whose contents the failure puts in doubt,
-    /// at `page_tokens` tokens a page: the page it names, or the first one when a kernel's
-    /// report cannot be placed in the table; none when the table was too short (no page's
-    /// contents are in doubt).
+    /// at `page_tokens` tokens a page: the page it names; none when the table was too short or
+    /// a kernel's report fell outside it (the step's plan and the kernel disagree: that says
+    /// nothing of what any page holds).
     #[must_use]
     pub fn suspect_page(&self, page_tokens: usize) -> Option<usize> {
         match *self {
             Self::TagMismatch { index, .. } | Self::Unwritten { index, .. } => Some(index),
             Self::CanaryRead { position } => Some(position / page_tokens.max(1)),
-            Self::StatusOutOfTable { .. } => Some(0),
-            Self::TableTooShort { .. } => None,
+            Self::StatusOutOfTable { .. } | Self::TableTooShort { .. } => None,
         }
     }
 }
@@ -608,8 +607,7 @@ mod tests {
     }
 
     /// A failure names the page of the table it put in doubt: the one it read, the canary's
-    /// page by its position, the first when a kernel's report lies outside the table, none
-    /// for a short table.
+    /// page by its position; none for a short table or a kernel's report outside it.
     #[test]
     fn a_failure_names_the_first_page_it_puts_in_doubt() {
         let tag = |found| IntegrityError::TagMismatch {
@@ -626,7 +624,7 @@ mod tests {
         };
         assert_eq!(unwritten.suspect_page(16), Some(1));
         let outside = IntegrityError::StatusOutOfTable { index: 9, pages: 2 };
-        assert_eq!(outside.suspect_page(16), Some(0));
+        assert_eq!(outside.suspect_page(16), None);
         let short = IntegrityError::TableTooShort {
             pages: 1,
             needed: 2,

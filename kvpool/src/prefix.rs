@@ -164,20 +164,20 @@ impl PrefixIndex {
         self.entries.get_mut(key).filter(|e| e.page == page)
     }
 
+    /// The entry of `page`, if it is cached with its tag.
+    fn entry(&self, page: PageRef) -> Option<&Entry> {
+        let key = self.keys.get(&page.page)?;
+        self.entries.get(key).filter(|e| e.page == page)
+    }
+
     /// Whether `page` is cached with its tag.
     pub(crate) fn holds(&self, page: PageRef) -> bool {
-        self.keys
-            .get(&page.page)
-            .and_then(|key| self.entries.get(key))
-            .is_some_and(|e| e.page == page)
+        self.entry(page).is_some()
     }
 
     /// Whether `page` is cached with its tag and trusted.
     fn trusts(&self, page: PageRef) -> bool {
-        self.keys
-            .get(&page.page)
-            .and_then(|key| self.entries.get(key))
-            .is_some_and(|e| e.page == page && !e.distrusted)
+        self.entry(page).is_some_and(|e| !e.distrusted)
     }
 
     /// Caches `page` as holding `tokens` after `parent` (a trusted cached page of the same

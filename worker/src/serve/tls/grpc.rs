@@ -27,8 +27,7 @@ impl ClusterTls {
     /// A gRPC server's connections on `listener`: only clients the CA signed. Each handshake
     /// runs on its own, within [`HANDSHAKE_LIMIT`], so a client that stalls holds up no
     /// other; a failed one is logged and dropped. Within `limits`, counted in `counts`
-    /// ([`grpc_incoming`]).
-    /// Accepting stops when the stream is dropped.
+    /// ([`grpc_incoming`]). Accepting stops when the stream is dropped.
     pub fn grpc_incoming(
         &self,
         listener: TcpListener,
