@@ -1469,6 +1469,19 @@ mod tests {
     }
 
     #[test]
+    fn the_bound_on_open_connections_defaults_to_ten_thousand_and_zero_is_refused() {
+        let c = Config::parse(&config(&tenant("tenant-a", "k"), WORKER)).expect("valid");
+        assert_eq!(c.http.max_connections.get(), 10_000);
+        let set = |n: usize| {
+            let section = format!("{WORKER}[http]\nmax_connections = {n}\n");
+            Config::parse(&config(&tenant("tenant-a", "k"), &section))
+        };
+        assert_eq!(set(64).expect("valid").http.max_connections.get(), 64);
+        let e = set(0).expect_err("no connection at all").to_string();
+        assert!(e.contains("http.max_connections"), "{e}");
+    }
+
+    #[test]
     fn audit_settings_default_to_durable_and_refuse_and_parse_when_given() {
         let c = Config::parse(&config(&tenant("tenant-a", "k"), WORKER)).expect("valid");
         assert_eq!(c.audit, AuditSettings::default());
