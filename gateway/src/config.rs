@@ -96,7 +96,7 @@
 //! watch_secs = 2                    # reload when the file changes (0: admin call only)
 //! hold_limit_secs = 30              # longest an abandoned request is kept, deciding included
 //! max_held_per_tenant = 16          # abandoned requests one tenant may have held at once
-//! instances = 64                    # plugin instances alive at once
+//! instances = 64                    # plugin instances alive at once (at most 10 000)
 //! max_memory_mib = 256              # the most memory any plugin may be given
 //! ```
 //!
@@ -500,6 +500,8 @@ pub enum ConfigError {
     ZeroSetting { field: &'static str },
     #[error("{field} must be at most {MAX_TIMEOUT_SECS} (a week)")]
     TimeoutTooLong { field: &'static str },
+    #[error("{field} must be at most {max}")]
+    TooLarge { field: &'static str, max: u64 },
     #[error("worker {name:?}: give exactly one of grpc = \"…\" or openai = \"…\"")]
     WorkerProtocol { name: String },
     #[error(
@@ -904,12 +906,22 @@ fn audit_settings(raw: &RawAudit) -> Result<AuditSettings, ConfigError> {
     })
 }
 
+/// The most plugin instances a gateway may keep alive at once.
+const MAX_POLICY_INSTANCES: u32 = 10_000;
+
 fn policy_settings(raw: RawPolicies) -> Result<PolicySettings, ConfigError> {
     let d = SandboxSettings::default();
     let instances = raw.instances.unwrap_or(d.instances);
     if instances == 0 {
         return Err(ConfigError::ZeroSetting {
             field: "policies.instances",
+        });
+    }
+    // Each instance reserves its memory's address space and a fiber stack up front.
+    if instances > MAX_POLICY_INSTANCES {
+        return Err(ConfigError::TooLarge {
+            field: "policies.instances",
+            max: MAX_POLICY_INSTANCES.into(),
         });
     }
     let max_memory_bytes = match raw.max_memory_mib {
@@ -1592,6 +1604,13 @@ mod tests {
             0
         );
         assert!(section("instances = 0\n").is_err());
+        let e = section("instances = 10001\n")
+            .expect_err("too many")
+            .to_string();
+        assert!(
+            e.contains("policies.instances must be at most 10000"),
+            "{e}"
+        );
     }
 
     #[test]

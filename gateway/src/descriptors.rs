@@ -6,21 +6,27 @@
 /// connections, the audit log's files, the workers' channels, the template sandbox's pipes.
 const RESERVED: u64 = 256;
 
-/// Raises this process's soft limit on open descriptors to its hard limit. Returns the soft
-/// limit in force afterwards (`None` if it cannot be read; the limit is then left alone).
+/// Raises this process's soft limit on open descriptors to its hard limit (or to the kernel's
+/// `fs.nr_open`, when the hard limit is past what the kernel lets a process have). Returns the
+/// soft limit in force afterwards (`None` if it cannot be read; the limit is then left alone).
+/// Runs before any log is set up: a failure is said on stderr.
 pub fn raise_limit() -> Option<u64> {
     let mut limit = soft_and_hard()?;
-    if limit.rlim_cur < limit.rlim_max {
-        limit.rlim_cur = limit.rlim_max;
+    let most = std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|n| n.trim().parse::<u64>().ok())
+        .map_or(limit.rlim_max, |n| n.min(limit.rlim_max));
+    if limit.rlim_cur < most {
+        limit.rlim_cur = most;
         // SAFETY: `limit` lives across the call and is only read.
         if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
-            tracing::warn!(
-                error = %std::io::Error::last_os_error(),
-                "could not raise the limit on open descriptors"
+            eprintln!(
+                "warning: could not raise the limit on open descriptors to {most}: {}",
+                std::io::Error::last_os_error()
             );
         }
     }
-    soft_and_hard().map(|l| l.rlim_cur)
+    soft_limit()
 }
 
 /// The most connections one listener holds open when the process may open `soft`
@@ -61,7 +67,11 @@ mod tests {
     #[test]
     fn the_soft_limit_is_raised_to_the_hard_one() {
         let hard = soft_and_hard().expect("readable").rlim_max;
-        assert_eq!(raise_limit(), Some(hard));
-        assert_eq!(soft_limit(), Some(hard));
+        let raised = raise_limit().expect("readable");
+        assert!(raised <= hard);
+        assert_eq!(soft_limit(), Some(raised));
+        let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open").expect("Linux");
+        let nr_open: u64 = nr_open.trim().parse().expect("a number");
+        assert_eq!(raised, hard.min(nr_open));
     }
 }

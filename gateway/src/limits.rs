@@ -424,6 +424,12 @@ pub struct RequestPermit {
 }
 
 impl RequestPermit {
+    /// The tenant's limits as of now: a reload that changed them since the request started
+    /// reaches its admission (its context and default max tokens) as it reached the budget.
+    pub fn limits(&self) -> TenantLimits {
+        self.limiter.lock().all[self.budget].limits
+    }
+
     /// Charges `n` tokens (prompt + max tokens) to the tenant's tokens per minute.
     pub fn charge_tokens(&mut self, n: u64) -> Result<(), LimitError> {
         let now = Instant::now();

@@ -242,7 +242,8 @@ struct Places {
 }
 
 impl Places {
-    /// `max` places, or as many as `soft` descriptors leave when that is fewer (said once).
+    /// `max` places, or as many as `soft` descriptors leave when that is fewer (said once),
+    /// and never more than a semaphore holds.
     fn new(max: NonZeroUsize, soft: Option<u64>) -> Places {
         let room = soft.map_or(usize::MAX, crate::descriptors::connection_room);
         if room < max.get() {
@@ -250,11 +251,11 @@ impl Places {
                 max_connections = max.get(),
                 room,
                 descriptors = soft,
-                "the limit on open descriptors leaves room for fewer connections than \
-                 http.max_connections: raise it (ulimit -n, LimitNOFILE=)"
+                "the limit on open descriptors leaves a listener room for fewer connections \
+                 than its bound: raise it (ulimit -Hn, LimitNOFILE=)"
             );
         }
-        let max = max.get().min(room);
+        let max = max.get().min(room).min(Semaphore::MAX_PERMITS);
         Places {
             free: Arc::new(Semaphore::new(max)),
             max,
@@ -625,6 +626,8 @@ mod tests {
         assert_eq!(Places::new(max, Some(1024)).max, 384);
         assert_eq!(Places::new(max, Some(1 << 20)).max, 10_000);
         assert_eq!(Places::new(max, None).max, 10_000);
+        let huge = NonZeroUsize::new(usize::MAX).expect("nonzero");
+        assert_eq!(Places::new(huge, None).max, Semaphore::MAX_PERMITS);
     }
 
     #[tokio::test(flavor = "current_thread")]

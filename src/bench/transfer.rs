@@ -185,6 +185,10 @@ impl Deliver for ToThread {
     fn transport_closed(&self, _nonces: Vec<bulkhead_handoff::SessionNonce>) {
         let _ = self.0.send(None);
     }
+
+    fn receiving(&self, _nonce: bulkhead_handoff::SessionNonce) -> bool {
+        true
+    }
 }
 
 impl Payload {
@@ -518,6 +522,10 @@ impl Deliver for Collect {
     }
 
     fn transport_closed(&self, _nonces: Vec<SessionNonce>) {}
+
+    fn receiving(&self, _nonce: SessionNonce) -> bool {
+        true
+    }
 }
 
 /// Sends a transfer through a loopback socket with the worker's data plane and returns the

@@ -479,17 +479,18 @@ async fn start(
     trail.prompt(&parsed.audited_text(), prompt.len());
     let common = parsed.common();
 
+    // The tenant's limits now: a reload while the body came or the prompt was tokenized has
+    // retuned its budget, and reaches its admission too.
+    let limits = permit.limits();
     let limit = state
         .workers
-        .effective_limit(tenant.limits.max_context)
+        .effective_limit(limits.max_context)
         .ok_or(ApiError::NoHealthyWorker)?;
     let admitted = admission(
         endpoint,
         prompt.len(),
         common.max_tokens,
-        tenant
-            .limits
-            .default_max_tokens(default_max_tokens(&state.http, endpoint), prompt.len()),
+        limits.default_max_tokens(default_max_tokens(&state.http, endpoint), prompt.len()),
         limit,
     )?;
     // The policy chain (design step 3); a clamp of max tokens goes through admission again.

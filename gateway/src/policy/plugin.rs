@@ -120,6 +120,10 @@ const MAX_TRAP_TEXT: usize = 512;
 /// host call's arguments): far above what a verdict within its own limits holds.
 const MAX_COPIED_BYTES: usize = 1 << 20;
 
+/// Component-model handles alive at once in one call's store: the policy world defines no
+/// resources, and a WASI guest's are bounded far below this (`host.rs`).
+const MAX_HANDLES: usize = 4096;
+
 impl Loaded {
     pub(super) fn new(
         name: Arc<str>,
@@ -156,6 +160,9 @@ impl Loaded {
         // guest bytes, so a small plugin could make the gateway allocate far beyond its own
         // memory limit.
         store.set_hostcall_fuel(MAX_COPIED_BYTES);
+        // Handles a guest makes with `resource.new` live in host memory, outside its memory
+        // limit: wasmtime's default allows 100 000 a store.
+        store.set_max_component_handles(MAX_HANDLES);
         let clock = store.data().clock.clone();
         let timeout = self.limits.timeout;
         store.set_epoch_deadline(1);
@@ -388,6 +395,9 @@ fn refused(reason: &str) -> Fault {
 fn classify(store: &Store<Host>, e: &wasmtime::Error) -> Fault {
     if store.data().limiter.refused {
         Fault::Memory
+    } else if e.is::<wasmtime::PoolConcurrencyLimitError>() {
+        // The pool, not the plugin: the sandbox is busy.
+        Fault::Busy
     } else if e.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
         Fault::Timeout
     } else {

@@ -110,6 +110,9 @@ impl Sandbox {
             .max_core_instance_size(4 << 20)
             .table_elements(100_000)
             .max_memory_size(settings.max_memory_bytes)
+            // Every call runs on a fiber of its own: one stack per slot (the default, 1000,
+            // made the 1001st concurrent call fail past its slot, as if its plugin trapped).
+            .total_stacks(n)
             .linear_memory_keep_resident(KEEP_RESIDENT_BYTES)
             .table_keep_resident(KEEP_RESIDENT_BYTES);
         let mut config = Config::new();

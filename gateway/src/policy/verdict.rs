@@ -14,6 +14,10 @@ const MAX_TAG_KEY: usize = 64;
 const MAX_TAG_VALUE: usize = 256;
 const MAX_MESSAGE: usize = 1024;
 const MAX_HEADER_VALUE: usize = 1024;
+/// A header's name, as a tag's key: clients and proxies refuse a response whose header lines
+/// are longer than a few kilobytes, and the gateway holds what a plugin adds for as long as the
+/// request runs.
+const MAX_HEADER_NAME: usize = 64;
 
 /// How much of a name a plugin sent the fault that refuses it quotes (a fault is logged).
 const QUOTED: usize = 64;
@@ -154,9 +158,12 @@ pub(super) fn check(verdict: Verdict, tenant: &str) -> Result<Checked, Fault> {
             }
             let mut headers = Vec::with_capacity(m.add_headers.len());
             for h in m.add_headers {
-                let name = HeaderName::from_bytes(h.name.as_bytes()).ok().filter(|n| {
-                    n.as_str().len() > 2 && n.as_str().starts_with("x-") && !gateway_owned(n)
-                });
+                let name = Some(&h.name)
+                    .filter(|n| n.len() <= MAX_HEADER_NAME)
+                    .and_then(|n| HeaderName::from_bytes(n.as_bytes()).ok())
+                    .filter(|n| {
+                        n.as_str().len() > 2 && n.as_str().starts_with("x-") && !gateway_owned(n)
+                    });
                 // Visible ASCII (and spaces, tabs): how clients decode other bytes varies.
                 let value = Some(&h.value)
                     .filter(|v| v.len() <= MAX_HEADER_VALUE)
@@ -166,8 +173,9 @@ pub(super) fn check(verdict: Verdict, tenant: &str) -> Result<Checked, Fault> {
                     (Some(n), Some(v)) => headers.push((n, v)),
                     _ => {
                         return Err(garbage(format!(
-                            "a header `{}` that is not a valid x- header of at most \
-                             {MAX_HEADER_VALUE} bytes the gateway does not set itself",
+                            "a header `{}` that is not a valid x- header (a name of at most \
+                             {MAX_HEADER_NAME} bytes, a value of at most {MAX_HEADER_VALUE}) \
+                             the gateway does not set itself",
                             printable(&h.name, QUOTED)
                         )));
                     }
@@ -357,6 +365,18 @@ mod tests {
                 "{tags} tags, {headers} headers"
             );
         }
+
+        let named = |name: String| {
+            check_on(allow(|m| {
+                m.add_headers.push(Header {
+                    name,
+                    value: "v".into(),
+                })
+            }))
+        };
+        assert!(named(format!("x-{}", "a".repeat(MAX_HEADER_NAME - 2))).is_ok());
+        let long = named(format!("x-{}", "a".repeat(MAX_HEADER_NAME - 1)));
+        assert!(matches!(long, Err(Fault::Garbage(_))), "{long:?}");
 
         let valued = |value: &str| {
             check_on(allow(|m| {

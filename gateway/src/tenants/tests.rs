@@ -328,20 +328,31 @@ fn a_tenant_renamed_with_its_keys_keeps_its_budget_under_the_new_id() {
     drop(limiter.start(&of("tenant-c")).expect("its own 1 of 2"));
 }
 
-#[test]
-fn a_request_authenticated_before_a_reload_gets_the_new_limits_at_its_first_start() {
-    // A tenant that had sent nothing yet had no budget; its request authenticated against the
-    // old set, a reload lowered the tenant's limits, then the request started: the budget it
-    // made came from the old set's limits, and the lowered ones were ignored.
+/// Tenant `tenant-a` allowed `concurrent` requests at once, as authenticated then; and a reload
+/// to another number.
+fn tenant_a_reloadable(concurrent: u32) -> (impl Fn(u32), Tenants, Arc<crate::tenant::Tenant>) {
     let text = |concurrent| config("", &tenant("tenant-a", &["sk-a"], concurrent, 60));
-    let (scratch, tenants) = start(&text(3));
+    let (scratch, tenants) = start(&text(concurrent));
     let before = tenants
         .current()
         .get(&id("tenant-a"))
         .expect("tenant-a")
         .clone();
-    write(&scratch, &text(1));
-    tenants.reload().expect("valid");
+    let reloading = tenants.clone();
+    let reload = move |concurrent| {
+        write(&scratch, &text(concurrent));
+        reloading.reload().expect("valid");
+    };
+    (reload, tenants, before)
+}
+
+#[test]
+fn a_request_authenticated_before_a_reload_gets_the_new_limits_at_its_first_start() {
+    // A tenant that had sent nothing yet had no budget; its request authenticated against the
+    // old set, a reload lowered the tenant's limits, then the request started: the budget it
+    // made came from the old set's limits, and the lowered ones were ignored.
+    let (reload, tenants, before) = tenant_a_reloadable(3);
+    reload(1);
     let limiter = tenants.limiter();
     let first = limiter.start(&before).expect("1 of 1");
     assert!(
@@ -352,6 +363,27 @@ fn a_request_authenticated_before_a_reload_gets_the_new_limits_at_its_first_star
         "the reloaded limit applies"
     );
     drop(first);
+}
+
+/// A request started before a reload reads the reloaded limits when it is admitted (its
+/// context, its default max tokens), as its budget does: it kept the limits of its
+/// authentication, so an emergency lowering missed every request whose body was still coming.
+#[test]
+fn a_request_started_before_a_reload_is_admitted_under_the_new_limits() {
+    let (reload, tenants, before) = tenant_a_reloadable(3);
+    let permit = tenants.limiter().start(&before).expect("1 of 3");
+    assert_eq!(permit.limits().max_concurrent.get(), 3);
+    reload(2);
+    assert_eq!(
+        permit.limits().max_concurrent.get(),
+        2,
+        "the reloaded limits"
+    );
+    assert_eq!(
+        before.limits.max_concurrent.get(),
+        3,
+        "what it authenticated with"
+    );
 }
 
 #[test]

@@ -32,6 +32,7 @@
 //! running request never waits for memory and nothing is ever preempted or truncated.
 
 mod host_memory;
+mod receiving;
 mod request;
 mod shares;
 mod stats;
@@ -54,6 +55,7 @@ use bulkhead_kvpool::{
     Reservation, Scope, Scrub,
 };
 
+pub use receiving::LiveSessions;
 pub use request::{Delivery, Event, EventSink, Failure, FinishReason, Request, SubmitError, Usage};
 pub use stats::{
     ABORT_ACK_BUCKETS, DROP_LABELS, FrameDrops, Histogram, PrefixStats, TransferStats,
@@ -65,6 +67,7 @@ use crate::kv::KvMemory;
 use crate::model::{Model, SeqResult, SeqStep};
 use crate::sampling::Sampler;
 use crate::tokenizer::{Detokenizer, TokenId, Tokenizer};
+use receiving::Tracked;
 use transfer::{Draining, Suspect, Transfer, live_tag};
 pub use written::Written;
 
@@ -331,8 +334,10 @@ pub struct Engine {
     /// start it.
     waiting_blocked: bool,
     running: Vec<Running>,
-    transfers: HashMap<SessionNonce, Transfer>,
-    draining: HashMap<SessionNonce, Draining>,
+    transfers: Tracked<Transfer>,
+    draining: Tracked<Draining>,
+    /// The sessions of `transfers` and `draining`, shared with the data plane.
+    live: LiveSessions,
     /// Quarantined transfers, until their peer is known gone.
     suspects: HashMap<SessionNonce, Suspect>,
     /// Pages of requests that failed an integrity check of their own (a tag mismatch, a
@@ -443,6 +448,7 @@ impl Engine {
                 error,
             }
         })?;
+        let live = LiveSessions::default();
         Ok(Engine {
             written: Written::new(pages.get() as usize, layout.page_tokens),
             kv,
@@ -460,8 +466,9 @@ impl Engine {
             waiting: VecDeque::new(),
             waiting_blocked: false,
             running: Vec::new(),
-            transfers: HashMap::new(),
-            draining: HashMap::new(),
+            transfers: Tracked::new(live.clone()),
+            draining: Tracked::new(live.clone()),
+            live,
             suspects: HashMap::new(),
             failed_pages: Vec::new(),
             stats: TransferStats::default(),
@@ -505,6 +512,11 @@ impl Engine {
 
     pub fn pool(&self) -> &PagePool {
         &self.pool
+    }
+
+    /// Decode role: the sessions whose frames the data plane still reads.
+    pub fn live_sessions(&self) -> LiveSessions {
+        self.live.clone()
     }
 
     /// The handoff's counters, and its gauges as of now.

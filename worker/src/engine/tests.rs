@@ -99,6 +99,25 @@ fn request(prompt: &[TokenId], tx: mpsc::Sender<Event>) -> Request {
     }
 }
 
+/// What prefill engine `p` sends for `prompt` into `target`.
+fn prefilled(
+    p: &mut Engine,
+    prompt: &[TokenId],
+    target: bulkhead_handoff::Reservation,
+) -> Outbound {
+    let (tx, rx) = mpsc::channel();
+    p.submit_prefill(request(prompt, tx), target)
+        .map_err(|(e, _)| e)
+        .expect("prefill admits");
+    while p.has_work() {
+        p.step();
+    }
+    let Ok(Event::Prefilled(out)) = rx.try_recv() else {
+        panic!("not prefilled");
+    };
+    out
+}
+
 #[test]
 fn a_frame_admitted_but_not_written_fails_the_transfer_instead_of_committing_it() {
     let (mut d, mut p) = (tiny_engine(), tiny_engine());
@@ -111,16 +130,7 @@ fn a_frame_admitted_but_not_written_fails_the_transfer_instead_of_committing_it(
     let Ok(Event::Reserved(target)) = rx.try_recv() else {
         panic!("no reservation");
     };
-    let (ptx, prx) = mpsc::channel();
-    p.submit_prefill(request(&prompt, ptx), target)
-        .map_err(|(e, _)| e)
-        .expect("prefill admits");
-    while p.has_work() {
-        p.step();
-    }
-    let Ok(Event::Prefilled(out)) = prx.try_recv() else {
-        panic!("not prefilled");
-    };
+    let out = prefilled(&mut p, &prompt, target);
     // Memory that has none of the pool's pages: every write fails (a device fault does so).
     d.kv = KvMemory::new(*d.kv.layout(), 0);
     for frame in &out.frames {
@@ -341,4 +351,56 @@ fn a_cached_page_a_request_failed_on_is_not_read_again() {
         "the page and the next"
     );
     assert_eq!(e.pool().stats().cached, 2, "computed and kept again");
+}
+
+/// Decode's data plane reads frames only of sessions the engine still receives: a reservation
+/// named to prefill is one, also while it drains after its request left; a committed transfer
+/// is not, nor a session never reserved.
+#[test]
+fn a_session_is_received_from_its_reservation_until_it_commits_or_drains() {
+    let (mut d, mut p) = (tiny_engine(), tiny_engine());
+    let live = d.live_sessions();
+    let prompt: Vec<TokenId> = (3..40).collect();
+    let reserve = |d: &mut Engine, id: u64| {
+        let (tx, rx) = mpsc::channel();
+        d.submit_decode(Request {
+            id: RequestId::new(id),
+            ..request(&prompt, tx)
+        })
+        .map_err(|(e, _)| e)
+        .expect("admits");
+        d.step();
+        let Ok(Event::Reserved(target)) = rx.try_recv() else {
+            panic!("no reservation");
+        };
+        (target, rx)
+    };
+    assert!(!live.contains(bulkhead_handoff::SessionNonce([9; 16])));
+
+    let (target, rx) = reserve(&mut d, 1);
+    let nonce = target.nonce;
+    assert!(live.contains(nonce), "reserved");
+    let out = prefilled(&mut p, &prompt, target);
+    for frame in &out.frames {
+        d.deliver(Message::Frame(frame.clone()));
+    }
+    assert!(live.contains(nonce), "frames still coming");
+    d.deliver(Message::Manifest(out.manifest.clone()));
+    assert!(
+        !live.contains(nonce),
+        "committed: no frame of it is read again"
+    );
+    drop((out, rx));
+
+    let (target, _rx) = reserve(&mut d, 2);
+    assert!(d.cancel(RequestId::new(2)));
+    assert!(
+        live.contains(target.nonce),
+        "draining: its frames may still come"
+    );
+    d.deliver(Message::Closed {
+        nonce: target.nonce,
+        reason: CloseReason::Aborted,
+    });
+    assert!(!live.contains(target.nonce), "drained");
 }

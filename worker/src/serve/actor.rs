@@ -25,8 +25,8 @@ use bulkhead_kvpool::{PoolStats, RequestId};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::engine::{
-    Capacity, Delivery, Engine, Event, EventSink, Failure, FinishReason, Outbound, PrefixStats,
-    Request, SubmitError, TransferStats,
+    Capacity, Delivery, Engine, Event, EventSink, Failure, FinishReason, LiveSessions, Outbound,
+    PrefixStats, Request, SubmitError, TransferStats,
 };
 
 use super::error::ServeError;
@@ -103,6 +103,8 @@ pub struct EngineHandle {
     metrics: Arc<Metrics>,
     /// The engine's stats as of its last step, for when it is too busy to answer.
     published: Arc<Published>,
+    /// Decode role: the sessions whose frames the data plane still reads.
+    live: LiveSessions,
 }
 
 /// The stats the engine thread publishes before each step, and when.
@@ -162,6 +164,7 @@ impl EngineHandle {
         let thread_metrics = metrics.clone();
         let published = Arc::new(Published::new((stats_of(&engine), Instant::now())));
         let thread_published = published.clone();
+        let live = engine.live_sessions();
         let thread = std::thread::Builder::new()
             .name("bulkhead-engine".into())
             .spawn(move || run(engine, rx, &thread_metrics, &thread_published))?;
@@ -170,12 +173,18 @@ impl EngineHandle {
             next_id: Arc::new(AtomicU64::new(1)),
             metrics,
             published,
+            live,
         };
         Ok((handle, EngineThread(thread)))
     }
 
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
+    }
+
+    /// Decode role: whether the data plane still reads frames of `nonce`.
+    pub fn receiving(&self, nonce: SessionNonce) -> bool {
+        self.live.contains(nonce)
     }
 
     /// A fresh worker-internal id; callers' ids are never trusted to be unique.

@@ -7,17 +7,19 @@
 //! KV data plane's, the admin port's) could accept anything. Bounded alone, the same peer could
 //! hold every place with connections that never call, and lock the gateway out. So a
 //! connection keeps its place past its first seconds only once a call on it was let in
-//! ([`Vouching::vouch`], from the cluster token's check), and connections not yet vouched for
-//! — whoever opens them, however fast they are opened again — hold at most a quarter of the
-//! places: the rest stay for the gateway and decode workers, which call as soon as they
-//! connect.
+//! ([`Vouching::vouch`], from the cluster token's check). Connections not yet vouched for are
+//! at most a quarter of the places: one past that evicts the oldest still waiting, never the
+//! newcomer. A flood of silent connections then only shortens how long a new one may wait
+//! for its first call — at a hundred connections a second, more than a second —, while the
+//! gateway and decode workers call as soon as they connect.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::task::{Context, Poll};
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -34,7 +36,7 @@ use super::accepting::{self, Refused};
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     pub max: usize,
-    /// Of those, connections on which no call was let in yet.
+    /// Of those, connections on which no call was let in yet; one more evicts the oldest.
     pub unvouched: usize,
     pub vouch_within: Duration,
 }
@@ -57,29 +59,31 @@ const WAITING: usize = 64;
 pub struct Counts {
     /// Connections holding a place now.
     open: AtomicU64,
-    /// Closed as soon as accepted: every place was held (or every place for a connection
-    /// not yet vouched for).
+    /// Closed as soon as accepted: every place was held.
     over_bound: AtomicU64,
     /// Closed when their time ran out with no call let in.
     out_of_time: AtomicU64,
+    /// Closed with no call let in yet, to make room for a newer such connection.
+    evicted: AtomicU64,
 }
 
 impl Counts {
-    /// (open now, closed over the bound, closed out of time).
-    pub fn get(&self) -> (u64, u64, u64) {
+    /// (open now, closed over the bound, closed out of time, evicted).
+    pub fn get(&self) -> (u64, u64, u64, u64) {
         (
             self.open.load(Ordering::Relaxed),
             self.over_bound.load(Ordering::Relaxed),
             self.out_of_time.load(Ordering::Relaxed),
+            self.evicted.load(Ordering::Relaxed),
         )
     }
 }
 
 /// The connections on `listener`, each made ready by `handshake` (TLS, or socket options) on
 /// its own task, so a peer that stalls holds up no other; a failed handshake is logged and
-/// the connection dropped. A connection over `limits.max`, or over `limits.unvouched` of those
-/// not yet vouched for, is closed as soon as it is accepted (counted in one log line at most
-/// every few seconds). Accepting stops when the stream is
+/// the connection dropped. A connection over `limits.max` is closed as soon as it is accepted
+/// (counted in one log line at most every few seconds); one that makes more than
+/// `limits.unvouched` not yet vouched for evicts the oldest of them. Accepting stops when the stream is
 /// dropped. What it does is counted in `counts`.
 pub fn incoming<S, F, H>(
     listener: TcpListener,
@@ -94,23 +98,21 @@ where
 {
     let (ready, incoming) = tokio::sync::mpsc::channel(WAITING);
     let places = Arc::new(Semaphore::new(limits.max));
-    let unvouched = Arc::new(Semaphore::new(limits.unvouched));
     tokio::spawn(async move {
         let mut refused = Refused::default();
+        let mut unvouched = Unvouched::new(limits.unvouched);
         loop {
             let (socket, peer) = tokio::select! {
                 () = ready.closed() => return,
                 accepted = accepting::next(&listener, "gRPC") => accepted,
             };
-            let (Ok(permit), Ok(unvouched)) = (
-                places.clone().try_acquire_owned(),
-                unvouched.clone().try_acquire_owned(),
-            ) else {
+            let Ok(permit) = places.clone().try_acquire_owned() else {
                 counts.over_bound.fetch_add(1, Ordering::Relaxed);
                 refused.count(peer, "gRPC", limits.max);
                 continue;
             };
-            let place = Place::new(permit, unvouched, counts.clone());
+            let place = Place::new(permit, counts.clone());
+            unvouched.take_in(&place.vouching);
             let (handshaking, ready) = (handshake(socket), ready.clone());
             tokio::spawn(async move {
                 match handshaking.await {
@@ -136,35 +138,73 @@ pub struct Vouching(Arc<Vouched>);
 #[derive(Debug, Default)]
 pub struct Vouched {
     vouched: AtomicBool,
-    /// The connection's place among those not vouched for, until it is.
-    unvouched_place: std::sync::Mutex<Option<OwnedSemaphorePermit>>,
+    /// Closed to make room for a newer connection not vouched for.
+    evicted: AtomicBool,
+    /// The connection's task, woken when it is evicted.
+    waker: Mutex<Option<Waker>>,
 }
 
 impl Vouching {
-    /// Holds `place` among the connections not vouched for until [`Vouching::vouch`].
-    fn holding(place: OwnedSemaphorePermit) -> Vouching {
-        Vouching(Arc::new(Vouched {
-            vouched: AtomicBool::new(false),
-            unvouched_place: std::sync::Mutex::new(Some(place)),
-        }))
-    }
-
-    /// A call on the connection was let in: it keeps its place for as long as it stays open,
-    /// and leaves its place among those not vouched for.
+    /// A call on the connection was let in: it keeps its place for as long as it stays open.
     pub fn vouch(&self) {
-        if !self.0.vouched.swap(true, Ordering::Relaxed) {
-            let place = self.0.unvouched_place.lock().map(|mut p| p.take());
-            drop(place);
-        }
+        self.0.vouched.store(true, Ordering::SeqCst);
     }
 
     pub(super) fn vouched(&self) -> bool {
-        self.0.vouched.load(Ordering::Relaxed)
+        self.0.vouched.load(Ordering::SeqCst)
+    }
+
+    /// Closes the connection (unless a call on it was let in first): its next read, write or
+    /// flush fails, and its task is woken for one.
+    fn evict(&self) {
+        self.0.evicted.store(true, Ordering::SeqCst);
+        let waker = self.0.waker.lock().ok().and_then(|mut w| w.take());
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+    }
+
+    /// Whether the connection was evicted; if not, `cx` is woken when it is.
+    fn evicted(&self, cx: &Context<'_>) -> bool {
+        if let Ok(mut waker) = self.0.waker.lock() {
+            match &mut *waker {
+                Some(w) if w.will_wake(cx.waker()) => {}
+                w => *w = Some(cx.waker().clone()),
+            }
+        }
+        self.0.evicted.load(Ordering::SeqCst)
     }
 }
 
-/// One of the server's places, counted open until it is dropped, with its place among the
-/// connections not vouched for (held until a call on it is let in).
+/// The connections not vouched for yet, oldest first: at most `max`.
+struct Unvouched {
+    queue: VecDeque<Weak<Vouched>>,
+    max: usize,
+}
+
+impl Unvouched {
+    fn new(max: usize) -> Unvouched {
+        Unvouched {
+            queue: VecDeque::with_capacity(max),
+            max,
+        }
+    }
+
+    /// Counts `new` among them; when that makes one too many, the oldest still waiting for
+    /// its first call is evicted (those vouched for since, or closed, leave first).
+    fn take_in(&mut self, new: &Vouching) {
+        let waiting = |w: &Weak<Vouched>| w.upgrade().is_some_and(|v| !Vouching(v).vouched());
+        self.queue.retain(waiting);
+        if self.queue.len() >= self.max
+            && let Some(oldest) = self.queue.pop_front().and_then(|w| w.upgrade())
+        {
+            Vouching(oldest).evict();
+        }
+        self.queue.push_back(Arc::downgrade(&new.0));
+    }
+}
+
+/// One of the server's places, counted open until it is dropped.
 #[derive(Debug)]
 struct Place {
     _permit: OwnedSemaphorePermit,
@@ -173,15 +213,11 @@ struct Place {
 }
 
 impl Place {
-    fn new(
-        permit: OwnedSemaphorePermit,
-        unvouched: OwnedSemaphorePermit,
-        counts: Arc<Counts>,
-    ) -> Self {
+    fn new(permit: OwnedSemaphorePermit, counts: Arc<Counts>) -> Self {
         counts.open.fetch_add(1, Ordering::Relaxed);
         Self {
             _permit: permit,
-            vouching: Vouching::holding(unvouched),
+            vouching: Vouching::default(),
             counts,
         }
     }
@@ -200,6 +236,7 @@ enum Standing {
     Waiting(Pin<Box<Sleep>>),
     Vouched,
     OutOfTime,
+    Evicted,
 }
 
 /// A connection that holds one of the server's places until it is dropped, and fails its
@@ -237,13 +274,16 @@ impl<S> Admitted<S> {
         }
     }
 
-    /// An error once the connection's time ran out with no call let in.
+    /// An error once the connection's time ran out, or it was evicted, with no call let in.
     fn out_of_time(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
         if let Standing::Waiting(until) = &mut self.standing {
-            if self.place.vouching.vouched() {
+            let (vouching, counts) = (&self.place.vouching, &self.place.counts);
+            if vouching.vouched() {
                 self.standing = Standing::Vouched;
+            } else if vouching.evicted(cx) {
+                counts.evicted.fetch_add(1, Ordering::Relaxed);
+                self.standing = Standing::Evicted;
             } else if until.as_mut().poll(cx).is_ready() {
-                let counts = &self.place.counts;
                 counts.out_of_time.fetch_add(1, Ordering::Relaxed);
                 self.standing = Standing::OutOfTime;
             }
@@ -252,6 +292,9 @@ impl<S> Admitted<S> {
             Standing::OutOfTime => Err(io::Error::new(
                 io::ErrorKind::TimedOut,
                 "no call on the connection presented the cluster token in time",
+            )),
+            Standing::Evicted => Err(io::Error::other(
+                "closed for a newer connection: none of its calls presented the cluster token yet",
             )),
             Standing::Waiting(_) | Standing::Vouched => Ok(()),
         }
@@ -355,7 +398,7 @@ mod tests {
         }
         let mut over = TcpStream::connect(&address).await.expect("connects");
         assert!(closed_within(&mut over, Duration::from_secs(5)).await);
-        assert_eq!(counts.get(), (2, 1, 0));
+        assert_eq!(counts.get(), (2, 1, 0, 0));
         let (client, admitted) = &mut held[0];
         client.write_all(b"x").await.expect("writes");
         let mut byte = [0u8; 1];
@@ -366,7 +409,7 @@ mod tests {
         let _next = TcpStream::connect(&address).await.expect("connects");
         let taken = tokio::time::timeout(Duration::from_secs(5), incoming.next()).await;
         assert!(matches!(taken, Ok(Some(Ok(_)))), "the freed place is taken");
-        assert_eq!(counts.get(), (2, 1, 0));
+        assert_eq!(counts.get(), (2, 1, 0, 0));
     }
 
     /// A connection on which no call was let in fails its read once its time runs out; one
@@ -399,7 +442,7 @@ mod tests {
         // writes, and keep its place, if only reads were held to the time.
         let written = admitted[0].write_all(b"z").await;
         assert!(written.is_err(), "writes are held to the time too");
-        assert_eq!(counts.get(), (2, 0, 1), "counted once");
+        assert_eq!(counts.get(), (2, 0, 1, 0), "counted once");
 
         let reading = tokio::spawn(async move {
             let mut byte = [0u8; 1];
@@ -411,29 +454,44 @@ mod tests {
         assert_eq!(&read, b"y");
     }
 
-    /// Connections not vouched for hold at most their share of the places: past it a new one
-    /// is closed though places are free, and a vouch frees its share at once. Without it,
-    /// silent connections opened again and again held every place.
+    /// A connection that makes one too many not vouched for evicts the oldest of them (its
+    /// reads fail at once, without waiting for its time), never the newcomer, nor one vouched
+    /// for. Refusing the newcomer instead, silent connections opened again and again kept every
+    /// new one out: the gateway's and decode's as well.
     #[tokio::test]
-    async fn connections_not_vouched_for_hold_only_their_share_of_the_places() {
+    async fn a_connection_past_the_share_not_vouched_for_evicts_the_oldest() {
         let limits = Limits {
-            max: 4,
-            unvouched: 1,
+            max: 8,
+            unvouched: 2,
             vouch_within: Duration::from_secs(60),
         };
         let (address, mut incoming, counts) = listening(limits).await;
-        let _first = TcpStream::connect(&address).await.expect("connects");
-        let first = incoming.next().await.expect("a connection").expect("ready");
-        let mut second = TcpStream::connect(&address).await.expect("connects");
-        assert!(closed_within(&mut second, Duration::from_secs(5)).await);
-        assert_eq!(counts.get(), (1, 1, 0));
-        first.connect_info().vouch();
-        let _third = TcpStream::connect(&address).await.expect("connects");
-        let taken = tokio::time::timeout(Duration::from_secs(5), incoming.next()).await;
-        assert!(
-            matches!(taken, Ok(Some(Ok(_)))),
-            "the share freed by the vouch"
-        );
-        assert_eq!(counts.get(), (2, 1, 0));
+        let mut clients = Vec::new();
+        let mut admitted = Vec::new();
+        for _ in 0..3 {
+            clients.push(TcpStream::connect(&address).await.expect("connects"));
+            admitted.push(incoming.next().await.expect("a connection").expect("ready"));
+        }
+        // The first is vouched for: it is out of the count, and the third fits.
+        admitted[0].connect_info().vouch();
+        assert_eq!(counts.get(), (3, 0, 0, 0));
+        // The fourth makes three waiting: the oldest of them (the second) goes.
+        let mut oldest = admitted.remove(1);
+        let reading = tokio::spawn(async move {
+            let mut byte = [0u8; 1];
+            oldest.read(&mut byte).await
+        });
+        clients.push(TcpStream::connect(&address).await.expect("connects"));
+        admitted.push(incoming.next().await.expect("a connection").expect("ready"));
+        let read = tokio::time::timeout(Duration::from_secs(5), reading).await;
+        let error = read.expect("woken").expect("joins").expect_err("evicted");
+        assert!(error.to_string().contains("newer connection"), "{error}");
+        assert_eq!(counts.get().3, 1);
+        // The vouched-for one and the newer ones are served.
+        for (c, a) in [(0, 0), (2, 1), (3, 2)] {
+            clients[c].write_all(b"x").await.expect("writes");
+            let mut byte = [0u8; 1];
+            admitted[a].read_exact(&mut byte).await.expect("served");
+        }
     }
 }

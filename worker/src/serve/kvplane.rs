@@ -171,6 +171,9 @@ pub trait Deliver {
     fn deliver(&self, message: Received, buffers: &Buffers, lease: Lease);
     /// The connection that carried `nonces` ended: nothing more of them can arrive.
     fn transport_closed(&self, nonces: Vec<SessionNonce>);
+    /// Whether frames of `nonce` are still taken: a frame of any other session is refused at
+    /// its head, its bytes never read, and its connection closed.
+    fn receiving(&self, nonce: SessionNonce) -> bool;
 }
 
 impl Deliver for EngineHandle {
@@ -180,6 +183,10 @@ impl Deliver for EngineHandle {
 
     fn transport_closed(&self, nonces: Vec<SessionNonce>) {
         EngineHandle::transport_closed(self, nonces);
+    }
+
+    fn receiving(&self, nonce: SessionNonce) -> bool {
+        EngineHandle::receiving(self, nonce)
     }
 }
 
@@ -326,7 +333,7 @@ pub async fn receive(
     let mut reader = BufReader::with_capacity(HEAD_BUFFER, socket);
     let mut open = HashSet::new();
     let result = loop {
-        match read_message(&mut reader, buffers, idle, limits.map(|l| l.message)).await {
+        match read_message(&mut reader, to, buffers, idle, limits.map(|l| l.message)).await {
             Ok(None) => break Ok(()),
             Ok(Some((message, lease))) => {
                 match &message {
@@ -365,23 +372,28 @@ pub async fn receive(
 /// wait for the budget's room is not counted).
 async fn read_message(
     reader: &mut (impl AsyncRead + Unpin),
+    to: &impl Deliver,
     buffers: &Buffers,
     idle: Option<Duration>,
     begun: Option<Duration>,
 ) -> std::io::Result<Option<(Received, Lease)>> {
-    Ok(match read_unleased(reader, buffers, idle, begun).await? {
-        None => None,
-        // The lease is taken once the bytes are in: a peer that sends a frame's head and then
-        // trickles (or withholds) its bytes holds its own buffer, never the budget that every
-        // other connection's transfers need.
-        Some((message, bytes)) => Some((message, buffers.lease(cost(bytes)).await?)),
-    })
+    Ok(
+        match read_unleased(reader, to, buffers, idle, begun).await? {
+            None => None,
+            // The lease is taken once the bytes are in: a peer that sends a frame's head and then
+            // trickles (or withholds) its bytes holds its own buffer, never the budget that every
+            // other connection's transfers need.
+            Some((message, bytes)) => Some((message, buffers.lease(cost(bytes)).await?)),
+        },
+    )
 }
 
 /// Reads the next message and says how many frame bytes it carries (0 for the others); with
 /// `idle`, it must begin within it, and with `begun`, be whole within that of its first byte.
+/// A frame of a session `to` is not receiving is an error, its bytes unread.
 async fn read_unleased(
     reader: &mut (impl AsyncRead + Unpin),
+    to: &impl Deliver,
     buffers: &Buffers,
     idle: Option<Duration>,
     begun: Option<Duration>,
@@ -403,7 +415,7 @@ async fn read_unleased(
     if first == 0 {
         return Ok(None);
     }
-    let rest = read_rest(reader, buffers, head, first);
+    let rest = read_rest(reader, to, buffers, head, first);
     let Some(limit) = begun else {
         return rest.await.map(Some);
     };
@@ -425,6 +437,7 @@ async fn read_unleased(
 /// The rest of a message whose first `first` bytes are in `head`.
 async fn read_rest(
     reader: &mut (impl AsyncRead + Unpin),
+    to: &impl Deliver,
     buffers: &Buffers,
     mut head: [u8; FRAME_HEAD],
     first: usize,
@@ -443,6 +456,14 @@ async fn read_rest(
     };
     match head {
         Head::Whole(m) => Ok((m.into(), 0)),
+        Head::Frame { header, .. } if !to.receiving(header.nonce) => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "a frame of session {}, which this worker is not receiving (never reserved, or \
+                 ended): its bytes are not read",
+                header.nonce
+            ),
+        )),
         Head::Frame { header, len } => {
             let bytes = read_bytes(reader, buffers.take(len as usize), len as usize).await?;
             Ok((Received::Frame(Frame { header, bytes }.check()), len))
@@ -715,6 +736,8 @@ mod tests {
     struct Log {
         got: Arc<Mutex<Vec<Received>>>,
         closed: Arc<Mutex<Vec<SessionNonce>>>,
+        /// Sessions no longer received (every other one is).
+        ended: Arc<Mutex<Vec<SessionNonce>>>,
     }
 
     impl Deliver for Log {
@@ -727,6 +750,9 @@ mod tests {
         }
         fn transport_closed(&self, nonces: Vec<SessionNonce>) {
             self.closed.lock().expect("lock").extend(nonces);
+        }
+        fn receiving(&self, nonce: SessionNonce) -> bool {
+            !self.ended.lock().expect("lock").contains(&nonce)
         }
     }
 
@@ -938,6 +964,9 @@ mod tests {
             *self.taken.lock().expect("lock") += 1;
         }
         fn transport_closed(&self, _: Vec<SessionNonce>) {}
+        fn receiving(&self, _: SessionNonce) -> bool {
+            true
+        }
     }
 
     #[tokio::test]
@@ -1067,6 +1096,39 @@ mod tests {
         };
         let frame = frame.into_bytes();
         assert_eq!((frame.len(), frame.capacity()), (len, len));
+    }
+
+    /// A frame of a session decode is not receiving is refused at its head: not one of its
+    /// bytes is read (here, none were sent: the connection ends at once, not after the frame's
+    /// time), and nothing is delivered. Read, every connection a peer may open held a page of
+    /// memory, whatever decode had reserved.
+    #[tokio::test]
+    async fn a_frame_of_a_session_not_received_is_refused_at_its_head() {
+        let fs = frames(1, 200_000);
+        let mut bytes = Vec::new();
+        encode_frame(&fs[0], &mut bytes);
+        let (mut tx, rx) = tokio::io::duplex(1 << 20);
+        tx.write_all(&bytes[..FRAME_HEAD]).await.expect("the head");
+        let log = Log::default();
+        log.ended.lock().expect("lock").push(NONCE);
+        let limits = Some(Limits::new(Duration::from_secs(30), 1 << 20, 1));
+        let ended = tokio::time::timeout(
+            Duration::from_secs(5),
+            receive(rx, &log, &Buffers::default(), limits),
+        )
+        .await
+        .expect("at once, not when the frame's time is up");
+        let error = ended.expect_err("refused");
+        assert_eq!(error.kind(), std::io::ErrorKind::InvalidData);
+        assert!(error.to_string().contains("not receiving"), "{error}");
+        assert!(log.got.lock().expect("lock").is_empty());
+        drop(tx);
+        // A session that is received takes the same frame whole.
+        let log = Log::default();
+        receive(&bytes[..], &log, &Buffers::default(), None)
+            .await
+            .expect("a clean end");
+        assert_eq!(log.got.lock().expect("lock").len(), 1);
     }
 
     /// A reader that records the most room any read of it was offered.

@@ -245,7 +245,7 @@ impl Metrics {
             family(&mut out, name, "gauge", help);
             let _ = writeln!(out, "{name} {value}");
         }
-        let (open, over_bound, out_of_time) = self.grpc_connections.get();
+        let (open, over_bound, out_of_time, evicted) = self.grpc_connections.get();
         let name = "bulkhead_grpc_connections";
         family(&mut out, name, "gauge", "gRPC connections open.");
         let _ = writeln!(out, "{name} {open}");
@@ -254,10 +254,11 @@ impl Metrics {
             &mut out,
             name,
             "counter",
-            "gRPC connections the worker closed: over its bound on open ones, or with no call presenting the cluster token in time.",
+            "gRPC connections the worker closed: over its bound on open ones, with no call presenting the cluster token in time, or for a newer connection while none had.",
         );
         let _ = writeln!(out, "{name}{{reason=\"over_bound\"}} {over_bound}");
         let _ = writeln!(out, "{name}{{reason=\"no_call_in_time\"}} {out_of_time}");
+        let _ = writeln!(out, "{name}{{reason=\"unvouched_evicted\"}} {evicted}");
         family(
             &mut out,
             "bulkhead_requests_total",
