@@ -324,12 +324,21 @@ fn lock_dir(dir: &Path) -> Result<File, AuditError> {
         .write(true)
         .open(&lock_path)
         .map_err(io_err("open", &lock_path))?;
-    match lock_file.try_lock() {
-        Ok(()) => Ok(lock_file),
-        Err(fs::TryLockError::WouldBlock) => Err(AuditError::Locked { path: lock_path }),
-        Err(fs::TryLockError::Error(e)) => Err(io_err("lock", &lock_path)(e)),
+    // `bulkhead audit verify` takes the lock shared for a moment to see whether a writer
+    // holds it: a writer starting then waits that moment out rather than call it taken.
+    for _ in 0..LOCK_TRIES {
+        match lock_file.try_lock() {
+            Ok(()) => return Ok(lock_file),
+            Err(fs::TryLockError::WouldBlock) => std::thread::sleep(LOCK_RETRY),
+            Err(fs::TryLockError::Error(e)) => return Err(io_err("lock", &lock_path)(e)),
+        }
     }
+    Err(AuditError::Locked { path: lock_path })
 }
+
+/// How often, and how far apart, a writer tries the lock before it says another holds it.
+const LOCK_TRIES: u32 = 20;
+const LOCK_RETRY: std::time::Duration = std::time::Duration::from_millis(10);
 
 impl AuditLog {
     /// Whether the log in `dir` could be opened now as far as its lock goes: an error when

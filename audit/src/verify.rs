@@ -412,6 +412,8 @@ pub fn verify_anchored(
         .next()
         .filter(|_| tenant.is_none())
         .map(|path| at(&path, None, Reason::UnexpectedEntry));
+    // Once for the run: the probe takes the writer's lock shared for a moment.
+    let writing = writer_active(dir);
     Report {
         dir_problem: roster_problem.or(stray),
         tenants: ids
@@ -421,12 +423,12 @@ pub fn verify_anchored(
                 match &listed {
                     Some(listed) => against_roster(
                         dir,
-                        chain,
+                        (chain, writing),
                         t,
                         (present.contains(t), listed.contains(t)),
                         &anchors,
                     ),
-                    None => verify_tenant(dir, chain, t, &anchors),
+                    None => verify_tenant(dir, (chain, writing), t, &anchors),
                 }
             })
             .collect(),
@@ -438,7 +440,7 @@ pub fn verify_anchored(
 /// crash between making and listing it).
 fn against_roster(
     dir: &Path,
-    chain: Chain<'_>,
+    (chain, writing): (Chain<'_>, bool),
     tenant: &TenantId,
     (present, listed): (bool, bool),
     anchors: &[&Anchor],
@@ -468,13 +470,15 @@ fn against_roster(
             segments: 0,
             problem: Some(at(&tdir, None, reason)),
         },
-        None => verify_tenant(dir, chain, tenant, anchors),
+        None => verify_tenant(dir, (chain, writing), tenant, anchors),
     }
 }
 
+/// Checks `tenant`'s log with `chain`; with `writing`, a writer holds the log
+/// ([`writer_active`]).
 fn verify_tenant(
     dir: &Path,
-    chain: Chain<'_>,
+    (chain, writing): (Chain<'_>, bool),
     tenant: &TenantId,
     anchors: &[&Anchor],
 ) -> TenantReport {
@@ -485,7 +489,6 @@ fn verify_tenant(
         problem: None,
     };
     let tdir = layout::tenant_dir(dir, tenant);
-    let writing = writer_active(dir);
     if let Err(p) = check_tenant(&tdir, chain, (tenant, anchors), writing, &mut report) {
         report.problem = Some(p);
     }

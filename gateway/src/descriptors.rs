@@ -17,7 +17,9 @@ pub fn raise_limit() -> Option<u64> {
         .and_then(|n| n.trim().parse::<u64>().ok())
         .map_or(limit.rlim_max, |n| n.min(limit.rlim_max));
     if limit.rlim_cur < most {
+        // The kernel refuses a hard limit past `fs.nr_open` even unchanged: lowered with it.
         limit.rlim_cur = most;
+        limit.rlim_max = most;
         // SAFETY: `limit` lives across the call and is only read.
         if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
             eprintln!(
@@ -67,11 +69,11 @@ mod tests {
     #[test]
     fn the_soft_limit_is_raised_to_the_hard_one() {
         let hard = soft_and_hard().expect("readable").rlim_max;
+        let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open").expect("Linux");
+        let nr_open: u64 = nr_open.trim().parse().expect("a number");
         let raised = raise_limit().expect("readable");
         assert!(raised <= hard);
         assert_eq!(soft_limit(), Some(raised));
-        let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open").expect("Linux");
-        let nr_open: u64 = nr_open.trim().parse().expect("a number");
         assert_eq!(raised, hard.min(nr_open));
     }
 }

@@ -190,14 +190,17 @@ async fn chain(
                 }),
             ),
             Err(fault) => {
+                // A busy sandbox is not the plugin's fault: refused whatever the binding says,
+                // as when no slot is free (below).
+                let fail_open = binding.fail_open && !matches!(fault, Fault::Busy);
                 policies.stats().fault(&plugin.name, fault.kind());
                 tracing::warn!(plugin = %plugin.name, request = %facts.id, %fault,
-                    fail_open = binding.fail_open, "a policy plugin failed on a request");
+                    fail_open, "a policy plugin failed on a request");
                 let verdict = DecisionVerdict::Fault {
                     fault: fault.kind(),
-                    fail_open: binding.fail_open,
+                    fail_open,
                 };
-                let refusal = (!binding.fail_open).then(|| Refusal::Failed {
+                let refusal = (!fail_open).then(|| Refusal::Failed {
                     plugin: plugin.name.clone(),
                     fault,
                 });

@@ -758,6 +758,7 @@ impl Engine {
             .map(|(n, _)| *n)
             .collect();
         for nonce in nonces {
+            let _kept = self.live.keep(nonce);
             if let Some(t) = self.transfers.remove(&nonce) {
                 self.start_draining(nonce, t);
             }
@@ -1170,6 +1171,7 @@ impl Engine {
             .map(|(n, _)| *n)
             .collect();
         for nonce in late {
+            let _kept = self.live.keep(nonce);
             if let Some(mut t) = self.transfers.remove(&nonce) {
                 let _ = t.request.sink.emit(Event::Failed(Failure::TransferTimedOut(
                     self.config.transfer_timeout,
@@ -1277,6 +1279,8 @@ impl Engine {
                         c.page_tokens,
                         c.token_bytes as u32,
                     );
+                    // Live before prefill hears of it: its first frame may come at once.
+                    let _kept = self.live.keep(nonce);
                     if request.sink.emit(Event::Reserved(target.clone())) == Delivery::Gone {
                         continue; // the reservation drops: nothing was sent anywhere
                     }

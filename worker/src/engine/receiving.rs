@@ -24,6 +24,17 @@ impl LiveSessions {
         sessions.contains_key(&nonce)
     }
 
+    /// Keeps `nonce` live until the guard drops, whatever the maps do meanwhile: a session
+    /// named to prefill before it enters a map, or moved from one map to the other, is never
+    /// out of the set in between.
+    pub(super) fn keep(&self, nonce: SessionNonce) -> Kept {
+        self.enter(nonce);
+        Kept {
+            live: self.clone(),
+            nonce,
+        }
+    }
+
     /// `nonce` entered one of the maps.
     fn enter(&self, nonce: SessionNonce) {
         let mut sessions = self.0.write().unwrap_or_else(PoisonError::into_inner);
@@ -39,6 +50,19 @@ impl LiveSessions {
                 sessions.remove(&nonce);
             }
         }
+    }
+}
+
+/// A session kept live ([`LiveSessions::keep`]) until dropped.
+#[derive(Debug)]
+pub(super) struct Kept {
+    live: LiveSessions,
+    nonce: SessionNonce,
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        self.live.leave(self.nonce);
     }
 }
 
@@ -91,7 +115,8 @@ mod tests {
     use super::*;
 
     /// A session moved from one map to the other is live throughout, and not once it left
-    /// both.
+    /// both; kept, it is live before it enters a map and while it moves in the engine's order
+    /// (out of one, then into the other).
     #[test]
     fn a_session_is_live_while_in_either_map() {
         let live = LiveSessions::default();
@@ -109,5 +134,20 @@ mod tests {
         assert!(!live.contains(nonce));
         assert!(draining.remove(&nonce).is_none());
         assert!(!live.contains(nonce));
+
+        let kept = live.keep(nonce);
+        assert!(live.contains(nonce), "named before it is in a map");
+        transfers.insert(nonce, ());
+        drop(kept);
+        let kept = live.keep(nonce);
+        assert!(transfers.remove(&nonce).is_some());
+        assert!(live.contains(nonce), "moving");
+        draining.insert(nonce, ());
+        drop(kept);
+        assert!(live.contains(nonce), "draining");
+        assert!(draining.remove(&nonce).is_some());
+        assert!(!live.contains(nonce));
+        drop(live.keep(nonce));
+        assert!(!live.contains(nonce), "a reservation whose caller was gone");
     }
 }

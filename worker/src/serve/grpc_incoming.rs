@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Sleep;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::Connected;
@@ -115,7 +115,16 @@ where
             unvouched.take_in(&place.vouching);
             let (handshaking, ready) = (handshake(socket), ready.clone());
             tokio::spawn(async move {
-                match handshaking.await {
+                // Evicted mid-handshake (a peer that never finishes its TLS hello), the
+                // connection goes at once: it held a place until its handshake's limit.
+                let handshaken = tokio::select! {
+                    handshaken = handshaking => handshaken,
+                    () = place.vouching.0.evicted_now.notified() => {
+                        place.counts.evicted.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                };
+                match handshaken {
                     Ok(stream) => {
                         let admitted = Admitted::new(stream, place, limits.vouch_within);
                         let _ = ready.send(Ok(admitted)).await;
@@ -142,6 +151,8 @@ pub struct Vouched {
     evicted: AtomicBool,
     /// The connection's task, woken when it is evicted.
     waker: Mutex<Option<Waker>>,
+    /// Told when it is evicted, for its handshake's task.
+    evicted_now: Notify,
 }
 
 impl Vouching {
@@ -158,6 +169,7 @@ impl Vouching {
     /// flush fails, and its task is woken for one.
     fn evict(&self) {
         self.0.evicted.store(true, Ordering::SeqCst);
+        self.0.evicted_now.notify_one();
         let waker = self.0.waker.lock().ok().and_then(|mut w| w.take());
         if let Some(waker) = waker {
             waker.wake();
@@ -493,5 +505,38 @@ mod tests {
             let mut byte = [0u8; 1];
             admitted[a].read_exact(&mut byte).await.expect("served");
         }
+    }
+
+    /// A connection evicted while its handshake is still running goes at once: a peer that
+    /// never finishes its TLS hello held its place until the handshake's limit, eviction or
+    /// not, and a flood of them took every place.
+    #[tokio::test]
+    async fn a_connection_evicted_mid_handshake_goes_at_once() {
+        let limits = Limits {
+            max: 8,
+            unvouched: 1,
+            vouch_within: Duration::from_secs(60),
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("address");
+        let counts = Arc::new(Counts::default());
+        // The handshake: the client's first byte.
+        let mut incoming = incoming(
+            listener,
+            limits,
+            counts.clone(),
+            |s: TcpStream| async move {
+                s.peek(&mut [0u8; 1]).await?;
+                Ok(s)
+            },
+        );
+        let mut stalled = TcpStream::connect(address).await.expect("connects");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut next = TcpStream::connect(address).await.expect("connects");
+        next.write_all(b"x").await.expect("its hello");
+        let taken = tokio::time::timeout(Duration::from_secs(5), incoming.next()).await;
+        assert!(matches!(taken, Ok(Some(Ok(_)))), "the newcomer is taken");
+        assert!(closed_within(&mut stalled, Duration::from_secs(5)).await);
+        assert_eq!(counts.get(), (1, 0, 0, 1));
     }
 }
