@@ -4,7 +4,7 @@
 //! A frame's head names its session; its bytes are up to a page. Read before the session was
 //! known, a peer that reaches the KV port could make decode hold a page of memory on every
 //! connection it may open (twice the pool's pages), whatever sessions decode had reserved.
-//! With this set the data plane refuses such a frame at its head, and closes its connection.
+//! With this set the data plane reads such a frame's bytes past, never into a buffer.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Values;

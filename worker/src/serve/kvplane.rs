@@ -149,9 +149,12 @@ impl Buffers {
         b
     }
 
-    /// Gives a frame's buffer back for the next frame.
+    /// Gives a frame's buffer back for the next frame. One that never held bytes (a frame
+    /// read past, of a session not received) is not kept: a flood of them would fill the
+    /// spares and leave real frames to grow theirs from nothing.
     pub fn give(&self, buffer: Vec<u8>) {
-        if let Ok(mut v) = self.spares.lock()
+        if buffer.capacity() > 0
+            && let Ok(mut v) = self.spares.lock()
             && v.len() < SPARE_BUFFERS
         {
             v.push(buffer);
@@ -1128,6 +1131,12 @@ mod tests {
             let kept = f.into_bytes();
             assert_eq!((kept.len(), kept.capacity()), (0, 0), "no byte kept");
         }
+        // Given back (as the engine gives every frame's buffer back), an empty one is not
+        // kept for the next frame; one that held bytes is.
+        let spares = || buffers.spares.lock().expect("lock").len();
+        assert_eq!(spares(), 0, "the two read past were not kept");
+        buffers.give(Vec::with_capacity(8));
+        assert_eq!(spares(), 1);
         // A session that is received takes the same frames whole.
         let log = Log::default();
         receive(&bytes[..], &log, &buffers, None)
