@@ -130,6 +130,15 @@ pub(crate) fn read_below(
                 line: n,
                 reason,
             })?;
+            // A line of another tenant's log pasted into this one is never read out as this
+            // tenant's (I6): the log is taken as corrupt, as `verify` calls it.
+            if parsed.record.tenant != *tenant {
+                return Err(AuditError::Corrupt {
+                    path: path.clone(),
+                    line: n,
+                    reason: "a record of another tenant".into(),
+                });
+            }
             if below.is_some_and(|b| parsed.seq >= b) {
                 return Ok(Page {
                     records: out,

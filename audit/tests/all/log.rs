@@ -54,6 +54,28 @@ fn a_record_of_another_tenant_is_refused() {
     assert!(matches!(err, AuditError::TenantMismatch { .. }), "{err}");
 }
 
+/// A line of another tenant's log pasted into a tenant's is never read out as that tenant's:
+/// the read fails as corrupt, naming the line (it was returned, another tenant's record under
+/// this one's key).
+#[test]
+fn a_line_of_another_tenants_log_is_never_read_as_this_tenants() {
+    let dir = Scratch::new();
+    let (a, b) = (tenant("a"), tenant("b"));
+    let log = open(dir.path(), 1 << 20);
+    for i in 0..3 {
+        log.append(&a, &record(&a, i)).unwrap();
+    }
+    log.append(&b, &record(&b, 7)).unwrap();
+    let theirs = std::fs::read(&segments(dir.path(), &b)[0]).unwrap();
+    let ours = &segments(dir.path(), &a)[0];
+    let mut planted = std::fs::read(ours).unwrap();
+    planted.extend_from_slice(&theirs);
+    std::fs::write(ours, &planted).unwrap();
+    let err = log.read(&a, Seq(0), 100).unwrap_err();
+    assert!(matches!(&err, AuditError::Corrupt { line: 4, .. }), "{err}");
+    assert_eq!(log.read(&b, Seq(0), 100).unwrap().len(), 1);
+}
+
 #[test]
 fn first_prev_is_zero_and_json_uses_otel_names() {
     let dir = Scratch::new();
