@@ -383,6 +383,21 @@ mod tests {
         (address, incoming, counts)
     }
 
+    /// `n` clients connected to `address`, and their connections as `incoming` gives them.
+    async fn connected(
+        address: &str,
+        incoming: &mut ReceiverStream<io::Result<Admitted<TcpStream>>>,
+        n: usize,
+    ) -> (Vec<TcpStream>, Vec<Admitted<TcpStream>>) {
+        let mut clients = Vec::new();
+        let mut admitted = Vec::new();
+        for _ in 0..n {
+            clients.push(TcpStream::connect(address).await.expect("connects"));
+            admitted.push(incoming.next().await.expect("a connection").expect("ready"));
+        }
+        (clients, admitted)
+    }
+
     /// Whether the server closed `client`'s connection within `limit`.
     async fn closed_within(client: &mut TcpStream, limit: Duration) -> bool {
         let mut byte = [0u8; 1];
@@ -434,12 +449,7 @@ mod tests {
             vouch_within: Duration::from_millis(200),
         };
         let (address, mut incoming, counts) = listening(limits).await;
-        let mut clients = Vec::new();
-        let mut admitted = Vec::new();
-        for _ in 0..2 {
-            clients.push(TcpStream::connect(&address).await.expect("connects"));
-            admitted.push(incoming.next().await.expect("a connection").expect("ready"));
-        }
+        let (mut clients, mut admitted) = connected(&address, &mut incoming, 2).await;
         admitted[1].connect_info().vouch();
         let mut byte = [0u8; 1];
         let unvouched = tokio::time::timeout(Duration::from_secs(5), admitted[0].read(&mut byte));
@@ -478,12 +488,7 @@ mod tests {
             vouch_within: Duration::from_secs(60),
         };
         let (address, mut incoming, counts) = listening(limits).await;
-        let mut clients = Vec::new();
-        let mut admitted = Vec::new();
-        for _ in 0..3 {
-            clients.push(TcpStream::connect(&address).await.expect("connects"));
-            admitted.push(incoming.next().await.expect("a connection").expect("ready"));
-        }
+        let (mut clients, mut admitted) = connected(&address, &mut incoming, 3).await;
         // The first is vouched for: it is out of the count, and the third fits.
         admitted[0].connect_info().vouch();
         assert_eq!(counts.get(), (3, 0, 0, 0));

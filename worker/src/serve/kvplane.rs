@@ -1152,6 +1152,22 @@ mod tests {
         );
     }
 
+    /// A frame read past that ends before its bytes do is a cut connection, as any frame.
+    #[tokio::test]
+    async fn a_frame_read_past_that_ends_short_is_an_unexpected_end() {
+        let fs = frames(1, 1000);
+        let mut bytes = Vec::new();
+        encode_frame(&fs[0], &mut bytes);
+        let log = Log::default();
+        log.ended.lock().expect("lock").push(NONCE);
+        let cut = &bytes[..bytes.len() - 10];
+        let error = receive(cut, &log, &Buffers::default(), None)
+            .await
+            .expect_err("cut short");
+        assert_eq!(error.kind(), std::io::ErrorKind::UnexpectedEof);
+        assert!(log.got.lock().expect("lock").is_empty());
+    }
+
     /// A reader that records the most room any read of it was offered.
     struct Offered<R> {
         inner: R,
