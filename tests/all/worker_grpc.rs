@@ -1519,3 +1519,101 @@ async fn a_grpc_connection_with_no_call_presenting_the_cluster_token_is_closed_i
     })
     .await;
 }
+
+/// A TCP proxy to one address that passes bytes both ways until [`Freezing::freeze`]: from then
+/// on it passes nothing and keeps every socket open — a peer whose host froze or whose link was
+/// cut, with no reset sent.
+struct Freezing {
+    addr: SocketAddr,
+    frozen: tokio::sync::watch::Sender<bool>,
+}
+
+impl Freezing {
+    async fn to(target: SocketAddr) -> Freezing {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("binds");
+        let addr = listener.local_addr().expect("an address");
+        let (frozen, watch) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let server = tokio::net::TcpStream::connect(target)
+                    .await
+                    .expect("connects");
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = server.into_split();
+                tokio::spawn(Freezing::pass(client_read, server_write, watch.clone()));
+                tokio::spawn(Freezing::pass(server_read, client_write, watch.clone()));
+            }
+        });
+        Freezing { addr, frozen }
+    }
+
+    /// Copies `from` to `to` until frozen, then holds both open (until the test's runtime ends).
+    async fn pass(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        mut frozen: tokio::sync::watch::Receiver<bool>,
+    ) {
+        use futures_util::FutureExt as _;
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut buf = vec![0; 16 * 1024];
+        loop {
+            tokio::select! {
+                biased;
+                _ = frozen.wait_for(|f| *f).map(|_| ()) => break,
+                read = from.read(&mut buf) => match read {
+                    Ok(n) if n > 0 && to.write_all(&buf[..n]).await.is_ok() => {}
+                    _ => return,
+                },
+            }
+        }
+        let _held = (from, to);
+        std::future::pending::<()>().await;
+    }
+
+    fn freeze(&self) {
+        self.frozen.send_replace(true);
+    }
+}
+
+/// A connection whose peer stops answering without a reset (a host lost, a partition) is
+/// closed once a ping of the worker's goes unanswered: vouched for, it would otherwise hold one
+/// of the worker's bounded places for good.
+#[tokio::test]
+async fn a_grpc_connection_whose_peer_stops_answering_is_closed_after_an_unanswered_ping() {
+    bounded(async {
+        // Pings every second, each to be answered within a second.
+        let worker = Worker::start(&["--kv-tokens", "2048", "--kv-peer-timeout-ms", "3000"]);
+        let proxy = Freezing::to(worker.grpc).await;
+        let channel = Channel::from_shared(format!("http://{}", proxy.addr))
+            .expect("a URI")
+            .connect()
+            .await
+            .expect("connects");
+        let mut client = WorkerClient::new(channel);
+        // Answered, so vouched for: the ten seconds of a silent connection no longer apply.
+        health(&mut client).await;
+        // Idle, answering pings, it stays open.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert_eq!(metric(&worker.metrics(), "bulkhead_grpc_connections"), 1.0);
+
+        proxy.freeze();
+        let frozen = Instant::now();
+        while metric(&worker.metrics(), "bulkhead_grpc_connections") > 0.0 {
+            assert!(
+                frozen.elapsed() < Duration::from_secs(8),
+                "a connection whose peer stopped answering is still open after {:?}",
+                frozen.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let metrics = worker.metrics();
+        assert_eq!(
+            metric_sum(&metrics, "bulkhead_grpc_connections_closed_total"),
+            0.0,
+            "closed by its ping, not as unvouched or over the bound: {metrics}"
+        );
+    })
+    .await;
+}
