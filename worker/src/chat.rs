@@ -7,7 +7,7 @@ use std::sync::Arc;
 use minijinja::{Environment, ErrorKind, context};
 use serde::{Deserialize, Serialize};
 
-use crate::gguf::Gguf;
+use crate::gguf::{Gguf, GgufError};
 use crate::printable::printable;
 use crate::text_cache::{Held, TextCache};
 use crate::tokenizer::{TokenId, Tokenizer};
@@ -274,9 +274,10 @@ const NAME: &str = "chat";
 impl ChatTemplate {
     /// The template of the model in `g`, with its BOS/EOS token texts available to it.
     pub fn from_gguf(g: &Gguf) -> Result<ChatTemplate, ChatError> {
-        let source = g
-            .get_str("tokenizer.chat_template")
-            .map_err(|_| ChatError::NoTemplate)?;
+        let source = match g.get_str("tokenizer.chat_template") {
+            Err(GgufError::MissingKey { .. }) => return Err(ChatError::NoTemplate),
+            other => other.map_err(|e| ChatError::Compile(e.to_string()))?,
+        };
         let tokens = g.get_strings("tokenizer.ggml.tokens").unwrap_or_default();
         let text = |key: &str| {
             g.get_u64(key)
@@ -604,6 +605,15 @@ mod tests {
             )
             .expect("render");
         assert_eq!(count(&tok.encode(&text, true).expect("encode"), 1), 3);
+    }
+
+    /// A template of another type than a string is said to be that, not absent.
+    #[test]
+    fn a_template_that_is_not_a_string_is_not_taken_for_none() {
+        let mut w = TinySpec::default().to_gguf();
+        w.meta("tokenizer.chat_template", crate::gguf::Value::U32(1));
+        let e = ChatTemplate::from_gguf(&w.opened().expect("opens")).expect_err("refused");
+        assert!(e.to_string().contains("should be a string"), "{e}");
     }
 
     /// A model whose file asks for a BOS gets one at the start of a chat prompt: written by

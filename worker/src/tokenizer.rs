@@ -46,6 +46,10 @@ pub enum TokenizerError {
         second: TokenId,
         token: String,
     },
+    #[error(
+        "the vocabulary has {tokens} tokens and {types} token types: a token past the types would be taken as text, a control token among them too"
+    )]
+    TypesMismatch { tokens: usize, types: usize },
     #[error("cannot build the BPE model: {0}")]
     Build(String),
     #[error("cannot encode the text: {0}")]
@@ -275,6 +279,13 @@ impl Tokenizer {
         } = parts;
         if model != "gpt2" {
             return Err(TokenizerError::UnsupportedModel(model.into()));
+        }
+        // No types: every token normal. Some: one per token.
+        if !types.is_empty() && types.len() != tokens.len() {
+            return Err(TokenizerError::TypesMismatch {
+                tokens: tokens.len(),
+                types: types.len(),
+            });
         }
         let type_of = |i: usize| types.get(i).copied().unwrap_or(1);
         let mut vocab = Vocab::with_capacity(tokens.len());
@@ -769,6 +780,23 @@ mod tests {
             let err = Tokenizer::from_gguf(&g).expect_err(key).to_string();
             assert!(err.contains(said), "{key}: {err}");
         }
+    }
+
+    /// Token types, when the file has them, are one per token: fewer left the last tokens
+    /// (Llama 3's control tokens) read as text.
+    #[test]
+    fn token_types_of_another_count_than_the_tokens_are_refused() {
+        let mut w = TinySpec::default().to_gguf();
+        w.meta(
+            "tokenizer.ggml.token_type",
+            Value::Array(vec![Value::I32(3)]),
+        );
+        let g = w.opened().expect("opens");
+        let e = Tokenizer::from_gguf(&g).expect_err("refused");
+        assert!(
+            matches!(e, TokenizerError::TypesMismatch { types: 1, .. }),
+            "{e}"
+        );
     }
 
     /// A raw text prompt starts with the BOS token when the file says so

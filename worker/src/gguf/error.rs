@@ -12,9 +12,24 @@ pub enum GgufError {
     BadMagic { found: u32 },
     #[error("GGUF version {version} is not supported (supported: 2, 3)")]
     UnsupportedVersion { version: u32 },
+    #[error(
+        "a big-endian GGUF file (its version reads byte-swapped): only little-endian files are supported"
+    )]
+    BigEndian,
+    #[error("the header (metadata and tensor infos) runs past {limit} bytes")]
+    HeaderTooLarge { limit: usize },
+    #[error("{what} is {len} bytes long, more than the {limit} taken")]
+    TooLong { what: String, len: u64, limit: u64 },
+    #[error("the file declares {count} {what}, more than the {limit} taken")]
+    TooMany {
+        what: &'static str,
+        count: u64,
+        limit: u64,
+    },
     #[error("file truncated while reading {what} at byte {offset}")]
     Truncated { what: String, offset: u64 },
-    #[error("metadata key {key:?} has unknown value type {type_id}")]
+    /// `key` quoted, and cut when long.
+    #[error("metadata key {key} has unknown value type {type_id}")]
     BadValueType { key: String, type_id: u32 },
     #[error("{what} is not valid UTF-8")]
     BadUtf8 { what: String },
@@ -22,7 +37,8 @@ pub enum GgufError {
     ImplausibleCount { what: String, count: u64 },
     #[error("{what} takes the metadata's arrays past {limit} items in all")]
     TooManyItems { what: String, limit: u64 },
-    #[error("metadata key {key:?} appears twice")]
+    /// `key` quoted, and cut when long.
+    #[error("metadata key {key} appears twice")]
     DuplicateKey { key: String },
     #[error("tensor {name:?} appears twice")]
     DuplicateTensor { name: String },
@@ -63,6 +79,10 @@ pub enum GgufError {
     },
     #[error("tensors {first:?} and {second:?} share bytes: a model file's tensors never do")]
     Overlapping { first: String, second: String },
+    #[error(
+        "{count} tensors the model does not compute with, among them {names:?}: a file with weights this engine would leave out (biases, more layers than it declares) would load and answer wrongly"
+    )]
+    UnusedTensors { count: usize, names: Vec<String> },
     #[error("tensor {name:?} data offset {offset} is not aligned to {alignment}")]
     Misaligned {
         name: String,

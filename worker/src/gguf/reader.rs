@@ -241,24 +241,37 @@ fn parse(bytes: &[u8]) -> Result<Parsed, GgufError> {
         return Err(GgufError::BadMagic { found: magic });
     }
     let version = r.u32("version")?;
+    if VERSIONS.contains(&version.swap_bytes()) {
+        return Err(GgufError::BigEndian);
+    }
     if !VERSIONS.contains(&version) {
         return Err(GgufError::UnsupportedVersion { version });
     }
     let tensor_count = r.u64("tensor count")?;
     let kv_count = r.u64("metadata count")?;
+    for (what, count) in [("metadata entries", kv_count), ("tensors", tensor_count)] {
+        if count > MAX_ENTRIES {
+            return Err(GgufError::TooMany {
+                what,
+                count,
+                limit: MAX_ENTRIES,
+            });
+        }
+    }
     // Every key/value takes at least 12 bytes, every tensor info at least 24.
     r.plausible("metadata count", kv_count, 12)?;
     r.plausible("tensor count", tensor_count, 24)?;
 
     let mut metadata = HashMap::new();
     for i in 0..kv_count {
-        let key = r.string(&format!("key of metadata entry {i}"))?;
-        let type_id = r.u32(&format!("type of {key:?}"))?;
+        let key = r.string(&format!("key of metadata entry {i}"), MAX_KEY_BYTES)?;
+        let shown = quoted(&key);
+        let type_id = r.u32(&format!("type of {shown}"))?;
         // Named once per key, not once per array item: a long key over a long array would
         // otherwise cost their product in copies.
-        let value = r.value(&key, &format!("value of {key:?}"), type_id, 0)?;
-        if metadata.insert(key.clone(), value).is_some() {
-            return Err(GgufError::DuplicateKey { key });
+        let value = r.value(&shown, &format!("value of {shown}"), type_id, 0)?;
+        if metadata.insert(key, value).is_some() {
+            return Err(GgufError::DuplicateKey { key: shown });
         }
     }
 
@@ -277,7 +290,7 @@ fn parse(bytes: &[u8]) -> Result<Parsed, GgufError> {
 
     let mut raw = Vec::new();
     for i in 0..tensor_count {
-        let name = r.string(&format!("name of tensor {i}"))?;
+        let name = r.string(&format!("name of tensor {i}"), MAX_NAME_BYTES)?;
         let n_dims = r.u32(&format!("dimension count of {name:?}"))?;
         if n_dims == 0 || n_dims > 4 {
             return Err(GgufError::BadShape {
@@ -387,6 +400,31 @@ struct Reader<'a> {
     items_left: u64,
 }
 
+/// The longest metadata key: GGUF's own bound.
+const MAX_KEY_BYTES: u64 = 65_535;
+
+/// The longest tensor name (llama.cpp takes at most 63 bytes).
+const MAX_NAME_BYTES: u64 = 256;
+
+/// The most metadata entries, and the most tensors, a file may declare: a model has tens of
+/// keys and some thousands of tensors.
+const MAX_ENTRIES: u64 = 1 << 16;
+
+/// The most bytes the header (metadata and tensor infos) may take: all of it is copied into
+/// memory, where the tensor data is only mapped. A vocabulary of 256k tokens with its merges,
+/// types and scores takes about 20 MiB.
+pub(super) const MAX_HEADER_BYTES: usize = 256 << 20;
+
+/// `key` quoted for an error message, cut to its first 64 bytes: a key may be 64 KiB long.
+fn quoted(key: &str) -> String {
+    let mut end = key.len().min(64);
+    while !key.is_char_boundary(end) {
+        end -= 1;
+    }
+    let cut = if end < key.len() { "…" } else { "" };
+    format!("{:?}{cut}", &key[..end])
+}
+
 /// Arrays nest at most this deep (GGUF writers use one level).
 const MAX_DEPTH: usize = 4;
 
@@ -420,6 +458,11 @@ impl Reader<'_> {
             .checked_add(n)
             .filter(|&e| e <= self.bytes.len())
             .ok_or_else(truncated)?;
+        if end > MAX_HEADER_BYTES {
+            return Err(GgufError::HeaderTooLarge {
+                limit: MAX_HEADER_BYTES,
+            });
+        }
         let s = &self.bytes[self.pos..end];
         self.pos = end;
         Ok(s)
@@ -453,8 +496,16 @@ impl Reader<'_> {
         Ok(())
     }
 
-    fn string(&mut self, what: &str) -> Result<String, GgufError> {
+    /// A string of at most `limit` bytes.
+    fn string(&mut self, what: &str, limit: u64) -> Result<String, GgufError> {
         let len = self.u64(what)?;
+        if len > limit {
+            return Err(GgufError::TooLong {
+                what: what.into(),
+                len,
+                limit,
+            });
+        }
         let bytes = self.take(len, what)?;
         String::from_utf8(bytes.to_vec()).map_err(|_| GgufError::BadUtf8 { what: what.into() })
     }
@@ -476,7 +527,7 @@ impl Reader<'_> {
             5 => Value::I32(i32::from_le_bytes(self.array(what)?)),
             6 => Value::F32(f32::from_le_bytes(self.array(what)?)),
             7 => Value::Bool(self.array::<1>(what)?[0] != 0),
-            8 => Value::String(self.string(what)?),
+            8 => Value::String(self.string(what, u64::MAX)?),
             10 => Value::U64(u64::from_le_bytes(self.array(what)?)),
             11 => Value::I64(i64::from_le_bytes(self.array(what)?)),
             12 => Value::F64(f64::from_le_bytes(self.array(what)?)),

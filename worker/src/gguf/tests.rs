@@ -184,7 +184,7 @@ fn tensors_that_share_bytes_are_refused() {
 /// product (a 4 MB file took minutes).
 #[test]
 fn a_long_key_over_a_long_array_reads_in_time() {
-    let key = "k".repeat(64 << 10);
+    let key = "k".repeat((64 << 10) - 1);
     let count = 1u64 << 20;
     let mut b = Vec::new();
     b.extend(b"GGUF");
@@ -226,4 +226,96 @@ fn a_fifo_is_refused_without_blocking() {
     let _ = std::fs::remove_file(&path);
     let e = opened.expect("answered at once").expect_err("refused");
     assert!(e.contains("not a regular file"), "{e}");
+}
+
+/// The header of a metadata count and `keys` keys (with their bytes), cut after the last key.
+fn header_with_keys(count: u64, keys: &[&[u8]]) -> Vec<u8> {
+    let mut b = Vec::new();
+    b.extend(b"GGUF");
+    b.extend(3u32.to_le_bytes());
+    b.extend(0u64.to_le_bytes()); // tensors
+    b.extend(count.to_le_bytes());
+    for key in keys {
+        b.extend((key.len() as u64).to_le_bytes());
+        b.extend(*key);
+    }
+    b
+}
+
+/// A key past GGUF's 65 535 bytes is refused before it is copied, and one within it is quoted
+/// cut in errors: a 60 KB key of control bytes made every error about it (and the log line
+/// saying it) several hundred KB of escapes.
+#[test]
+fn a_long_key_is_refused_or_quoted_short() {
+    let e = parse_bytes(&header_with_keys(1, &[&[b'k'; 70_000]])).expect_err("refused");
+    assert!(matches!(e, GgufError::TooLong { len: 70_000, .. }), "{e}");
+    let e = parse_bytes(&header_with_keys(1, &[&[0x7f; 60_000]])).expect_err("truncated");
+    let said = e.to_string();
+    assert!(matches!(e, GgufError::Truncated { .. }), "{said}");
+    assert!(said.len() < 1_000, "{} bytes: {}", said.len(), &said[..200]);
+    let mut dup = header_with_keys(2, &[]);
+    for _ in 0..2 {
+        dup.extend(&header_with_keys(1, &[&[0x7f; 60_000]])[24..]);
+        dup.extend(7u32.to_le_bytes()); // a bool
+        dup.push(1);
+    }
+    let said = parse_bytes(&dup).expect_err("twice").to_string();
+    assert!(
+        said.contains("appears twice") && said.len() < 1_000,
+        "{said:.200}"
+    );
+}
+
+/// A file declaring more metadata entries or tensors than any model has is refused before
+/// they are read: each costs memory well past its bytes in the file.
+#[test]
+fn more_entries_than_any_model_has_are_refused() {
+    let mut b = header_with_keys(70_000, &[]);
+    b.resize(2 << 20, 0);
+    let e = parse_bytes(&b).expect_err("refused");
+    assert!(
+        matches!(
+            e,
+            GgufError::TooMany {
+                what: "metadata entries",
+                count: 70_000,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    b[8..16].copy_from_slice(&70_000u64.to_le_bytes());
+    b[16..24].copy_from_slice(&0u64.to_le_bytes());
+    let e = parse_bytes(&b).expect_err("refused");
+    assert!(
+        matches!(
+            e,
+            GgufError::TooMany {
+                what: "tensors",
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
+/// A header past its bound is refused where it passes it, not copied into memory whole.
+#[test]
+fn a_header_past_its_bound_is_refused() {
+    let value = reader::MAX_HEADER_BYTES;
+    let mut b = header_with_keys(1, &[b"general.huge"]);
+    b.extend(8u32.to_le_bytes()); // a string
+    b.extend((value as u64).to_le_bytes());
+    b.resize(b.len() + value, b'x');
+    let e = parse_bytes(&b).expect_err("refused");
+    assert!(matches!(e, GgufError::HeaderTooLarge { .. }), "{e}");
+}
+
+/// A big-endian file says so, not that its version (byte-swapped) is unknown.
+#[test]
+fn a_big_endian_file_is_named_as_such() {
+    let mut b = sample().to_bytes();
+    b[4..8].copy_from_slice(&3u32.to_be_bytes());
+    let e = parse_bytes(&b).expect_err("refused");
+    assert!(matches!(e, GgufError::BigEndian), "{e}");
 }

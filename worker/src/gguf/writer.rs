@@ -75,6 +75,20 @@ impl GgufWriter {
     pub fn write(&self, path: &Path) -> std::io::Result<()> {
         std::fs::write(path, self.to_bytes())
     }
+
+    /// The file as [`super::Gguf::open`] reads it (written to a temporary file, removed again).
+    #[cfg(test)]
+    pub fn opened(&self) -> Result<super::Gguf, super::GgufError> {
+        let path = std::env::temp_dir().join(format!(
+            "bulkhead-gguf-{}-{}.gguf",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        self.write(&path).expect("writes a temporary file");
+        let g = super::Gguf::open(&path);
+        let _ = std::fs::remove_file(&path);
+        g
+    }
 }
 
 fn put_string(out: &mut Vec<u8>, s: &str) {

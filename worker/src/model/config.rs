@@ -82,13 +82,28 @@ impl ModelConfig {
                 format!("head size {head_dim} is odd"),
             ));
         }
-        if let Ok(rope_dims) = g.get_u64(&key("rope.dimension_count"))
-            && rope_dims != head_dim as u64
-        {
-            return Err(bad(
-                "rope.dimension_count",
-                format!("partial rotary ({rope_dims} of {head_dim}) is not supported"),
-            ));
+        // Of any other type than a count, it is refused, not read as absent: a partial rotary
+        // model computed as a full one answers wrongly.
+        match g.get_u64(&key("rope.dimension_count")) {
+            Err(GgufError::MissingKey { .. }) => {}
+            Ok(rope_dims) if rope_dims == head_dim as u64 => {}
+            Ok(rope_dims) => {
+                return Err(bad(
+                    "rope.dimension_count",
+                    format!("partial rotary ({rope_dims} of {head_dim}) is not supported"),
+                ));
+            }
+            Err(e) => return Err(e),
+        }
+        match g.get_u64(&key("expert_count")) {
+            Err(GgufError::MissingKey { .. }) | Ok(0) => {}
+            Ok(experts) => {
+                return Err(bad(
+                    "expert_count",
+                    format!("a mixture of {experts} experts is not supported"),
+                ));
+            }
+            Err(e) => return Err(e),
         }
         let rope_base = match g.get_f32(&key("rope.freq_base")) {
             Err(GgufError::MissingKey { .. }) => 10_000.0,
@@ -200,6 +215,20 @@ mod tests {
             (c.layers, c.dim, c.heads, c.kv_heads, c.head_dim, c.vocab),
             (2, 64, 4, 2, 16, 259)
         );
+    }
+
+    /// A rotary dimension of another type than a count is refused, not read as absent (a
+    /// partial rotary model computed as a full one answers wrongly); so is a mixture of
+    /// experts, by name.
+    #[test]
+    fn a_mistyped_rotary_dimension_or_experts_are_refused() {
+        let e = config_with(Some(("llama.rope.dimension_count", Value::F32(8.0))))
+            .expect_err("refused");
+        assert!(matches!(e, GgufError::WrongType { .. }), "{e}");
+        config_with(Some(("llama.rope.dimension_count", Value::U32(16)))).expect("the full head");
+        config_with(Some(("llama.expert_count", Value::U32(0)))).expect("no experts");
+        let e = config_with(Some(("llama.expert_count", Value::U32(8)))).expect_err("refused");
+        assert!(e.to_string().contains("mixture of 8 experts"), "{e}");
     }
 
     #[test]
