@@ -7,7 +7,7 @@
 //! ```text
 //! submit ─▶ validated ─▶ pool.admit ──Rejected──▶ SubmitError (nothing allocated)
 //!                            │
-//!                       Admissible ─▶ waiting (bounded FIFO)
+//!                       Admissible ─▶ waiting (bounded; in order within a tenant)
 //!                                        │ pool.reserve (new tags)
 //!            ┌───────────────────────────┼──────────────────────────────┐
 //!        colocated                    decode role                  prefill role
@@ -228,6 +228,8 @@ struct Waiting {
     role: Role,
     /// When it fails if it still waits (`None` on a prefill worker).
     deadline: Option<Instant>,
+    /// When it was admitted.
+    since: Instant,
 }
 
 #[derive(Debug)]
@@ -328,10 +330,10 @@ pub struct Engine {
     capacity: Capacity,
     tag_check: TagCheck,
     waiting: VecDeque<Waiting>,
-    /// The last step left the head of `waiting` unstarted — without the pages it needs, or
-    /// with --max-running held by requests running and transfers on their way: until
-    /// something changes (a command, a deadline, a page scrubbed or given back) no step can
-    /// start it.
+    /// The last step left requests of `waiting` unstarted — without the pages they need (or
+    /// behind one of their tenant's that had none), or with --max-running held by requests
+    /// running and transfers on their way: until something changes (a command, a deadline, a
+    /// page scrubbed or given back) no step can start them.
     waiting_blocked: bool,
     running: Vec<Running>,
     transfers: Tracked<Transfer>,
@@ -640,8 +642,9 @@ impl Engine {
             }
             Err(e) => return Err((e, request)),
         };
+        let since = Instant::now();
         let deadline = match role {
-            Role::Colocated | Role::Decode => Some(Instant::now() + self.config.queue_timeout),
+            Role::Colocated | Role::Decode => Some(since + self.config.queue_timeout),
             Role::PrefillFor(_) => None,
         };
         self.waiting.push_back(Waiting {
@@ -649,6 +652,7 @@ impl Engine {
             admissible,
             role,
             deadline,
+            since,
         });
         Ok(())
     }
@@ -1224,19 +1228,36 @@ impl Engine {
         }
     }
 
+    /// Starts waiting requests, in the order they came, while pages and --max-running allow.
+    /// A request that cannot start yet holds back its own tenant's later ones (a tenant's
+    /// requests start in order), not other tenants': one tenant's request for most of the pool
+    /// made every other tenant wait behind it, pages free or not, past their queue timeout.
+    /// Once it has waited a quarter of the queue timeout, it holds back every request after it
+    /// too, so that the pages others give back come to it, and a stream of small requests
+    /// cannot keep it waiting for good.
     fn start_waiting(&mut self) {
-        self.waiting_blocked = false;
+        let patience = self.config.queue_timeout / 4;
+        let now = Instant::now();
+        // Tenants (their salts aside) whose earliest waiting request could not start.
+        let mut held_back: Vec<Scope> = Vec::new();
+        let mut next = 0;
         // A decode worker's transfers count: each becomes a running request once its KV is
         // verified, so leaving them out let a burst that fits the pool reserve all at once and
-        // then decode as one batch far over --max-running.
-        loop {
-            if self.running.len() + self.transfers.len() >= self.config.max_running {
-                // Held by transfers alone (nothing running), a step could do nothing either:
-                // the engine waits for their ends, not spinning.
-                self.waiting_blocked = !self.waiting.is_empty();
+        // then decode as one batch far over --max-running. Held by transfers alone (nothing
+        // running), a step could do nothing either: the engine waits for their ends, not
+        // spinning.
+        while self.running.len() + self.transfers.len() < self.config.max_running {
+            let Some(w) = self.waiting.get(next) else {
                 break;
+            };
+            if held_back
+                .iter()
+                .any(|t| t.name() == w.request.tenant.name())
+            {
+                next += 1;
+                continue;
             }
-            let Some(w) = self.waiting.pop_front() else {
+            let Some(w) = self.waiting.remove(next) else {
                 break;
             };
             let prefix = self.cached_prefix(&w);
@@ -1248,14 +1269,20 @@ impl Engine {
             let reservation = match self.reserve(w.admissible, prefix.as_ref()) {
                 Ok(r) => r,
                 Err(not_now) => {
-                    self.waiting.push_front(Waiting {
-                        request: w.request,
-                        admissible: not_now.into_inner(),
-                        role: w.role,
-                        deadline: w.deadline,
-                    });
-                    self.waiting_blocked = true;
-                    break;
+                    let patient = now.saturating_duration_since(w.since) < patience;
+                    held_back.push(w.request.tenant.clone());
+                    self.waiting.insert(
+                        next,
+                        Waiting {
+                            admissible: not_now.into_inner(),
+                            ..w
+                        },
+                    );
+                    if !patient {
+                        break;
+                    }
+                    next += 1;
+                    continue;
                 }
             };
             match w.role {
@@ -1307,6 +1334,9 @@ impl Engine {
                 self.prefix_stats.cached_tokens += cached;
             }
         }
+        // Whatever still waits was tried against the pool as it is, or is held back behind a
+        // request that was: until something changes, no step can start it.
+        self.waiting_blocked = !self.waiting.is_empty();
     }
 
     /// Scrubs the released pages waiting for it, so they can be reserved again.

@@ -404,3 +404,72 @@ fn a_session_is_received_from_its_reservation_until_it_commits_or_drains() {
     });
     assert!(!live.contains(target.nonce), "drained");
 }
+
+/// Submits `request` to `e`, which must admit it.
+fn admitted(e: &mut Engine, request: Request) {
+    e.submit(request).map_err(|(e, _)| e).expect("admits");
+}
+
+/// A tenant's request for the whole pool, waiting for pages another of its requests holds,
+/// does not hold back another tenant's small request that the free pages fit: it waited behind
+/// it, pages free, until its queue timeout. The tenant's own later requests still wait behind
+/// it, in order.
+#[test]
+fn a_request_waiting_for_pages_holds_back_its_own_tenant_only() {
+    let mut e = tiny_engine_with(EngineConfig {
+        kv: KvBudget::Tokens(256),
+        ..EngineConfig::default()
+    })
+    .expect("engine starts");
+    let (tx, _rx) = mpsc::channel();
+    admitted(
+        &mut e,
+        request_of(1, "a", &(3..103).collect::<Vec<_>>(), 28, tx.clone()),
+    );
+    e.step();
+    admitted(
+        &mut e,
+        request_of(2, "a", &(3..203).collect::<Vec<_>>(), 56, tx.clone()),
+    );
+    admitted(&mut e, request_of(3, "a", &[3, 4, 5, 6], 4, tx.clone()));
+    admitted(&mut e, request_of(4, "b", &[3, 4, 5, 6], 4, tx));
+    e.step();
+    assert_eq!(e.load(), (2, 2), "b's started beside a's first");
+    let waiting: Vec<u64> = e.waiting.iter().map(|w| w.request.id.get()).collect();
+    assert_eq!(waiting, [2, 3], "a's wait in order");
+}
+
+/// A request that has waited a quarter of the queue timeout for pages holds back every request
+/// after it, whatever their tenant: the pages given back go to it, and other tenants' small
+/// requests cannot keep it waiting until its timeout.
+#[test]
+fn a_request_waiting_past_its_patience_holds_back_every_later_one() {
+    let mut e = tiny_engine_with(EngineConfig {
+        kv: KvBudget::Tokens(256),
+        queue_timeout: std::time::Duration::from_secs(4),
+        ..EngineConfig::default()
+    })
+    .expect("engine starts");
+    let (tx, _rx) = mpsc::channel();
+    admitted(
+        &mut e,
+        request_of(1, "a", &(3..103).collect::<Vec<_>>(), 28, tx.clone()),
+    );
+    e.step();
+    admitted(
+        &mut e,
+        request_of(2, "a", &(3..203).collect::<Vec<_>>(), 56, tx.clone()),
+    );
+    e.step();
+    std::thread::sleep(std::time::Duration::from_millis(1_100));
+    admitted(&mut e, request_of(3, "b", &[3, 4, 5, 6], 4, tx));
+    e.step();
+    let waiting: Vec<u64> = e.waiting.iter().map(|w| w.request.id.get()).collect();
+    assert_eq!(waiting, [2, 3], "b's waits behind a's request for the pool");
+    while e.running.iter().any(|r| r.request.id.get() == 1) {
+        e.step();
+    }
+    e.step();
+    let waiting: Vec<u64> = e.waiting.iter().map(|w| w.request.id.get()).collect();
+    assert_eq!(waiting, [3], "the pages went to a's request");
+}
