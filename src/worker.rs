@@ -145,7 +145,8 @@ pub struct Args {
     /// Tokens per KV page.
     #[arg(long, env = env::PAGE_TOKENS, default_value_t = bulkhead_kvpool::DEFAULT_PAGE_TOKENS)]
     page_tokens: NonZeroU32,
-    /// Prompt tokens processed per step across requests (chunked prefill).
+    /// Tokens processed per step: one per decoding request, the rest for prompts (chunked
+    /// prefill), which always get at least a quarter of it.
     #[arg(long, env = env::MAX_BATCH_TOKENS, default_value_t = EngineConfig::default().max_batch_tokens)]
     max_batch_tokens: usize,
     /// Requests generating at once (decode role: with those whose KV is being received).

@@ -88,7 +88,8 @@ pub struct EngineConfig {
     pub scrub: Scrub,
     /// The context length to serve; must not exceed the pool. `None`: min(model, pool).
     pub context_length: Option<usize>,
-    /// Prompt tokens processed per step across all prefilling requests (chunked prefill).
+    /// Tokens processed per step: one per decoding request, the rest for prompts (chunked
+    /// prefill), which always get at least a quarter of it.
     pub max_batch_tokens: usize,
     /// Requests running at once (on a decode worker, with those whose KV is on its way).
     pub max_running: usize,
@@ -1003,7 +1004,10 @@ impl Engine {
         }
 
         // Decode first (one token each), then prefill chunks within the token budget, shared
-        // between tenants (see `shares`).
+        // between tenants (see `shares`). Prompts get at least a quarter of the budget: with as
+        // many requests decoding as the budget has tokens (--max-running at or past
+        // --max-batch-tokens), they got none, and every prompt waited, its pages and place
+        // held, until enough answers ended.
         let mut budget = self.config.max_batch_tokens;
         let mut plan: Vec<(usize, usize)> = Vec::new(); // (running index, tokens this step)
         for (i, r) in self.running.iter().enumerate() {
@@ -1012,6 +1016,7 @@ impl Engine {
                 budget = budget.saturating_sub(1);
             }
         }
+        let budget = budget.max(self.config.max_batch_tokens.div_ceil(4));
         let prefilling: Vec<(usize, (&str, usize))> = (self.running.iter().enumerate())
             .filter(|(_, r)| r.in_prefill())
             .map(|(i, r)| {

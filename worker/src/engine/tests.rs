@@ -473,3 +473,31 @@ fn a_request_waiting_past_its_patience_holds_back_every_later_one() {
     let waiting: Vec<u64> = e.waiting.iter().map(|w| w.request.id.get()).collect();
     assert_eq!(waiting, [3], "the pages went to a's request");
 }
+
+/// With as many requests decoding as a step has tokens, a prompt still moves: it got none of
+/// the budget, and waited, holding its pages and place, until enough answers ended.
+#[test]
+fn a_prompt_moves_while_decoding_requests_take_the_whole_budget() {
+    let mut e = tiny_engine_with(EngineConfig {
+        kv: KvBudget::Tokens(256),
+        max_batch_tokens: 2,
+        max_running: 8,
+        ..EngineConfig::default()
+    })
+    .expect("engine starts");
+    let (tx, rx) = mpsc::channel();
+    admitted(&mut e, request_of(1, "a", &[3, 4], 50, tx.clone()));
+    admitted(&mut e, request_of(2, "a", &[5, 6], 50, tx.clone()));
+    for _ in 0..3 {
+        e.step();
+    }
+    assert!(e.running.iter().all(|r| !r.in_prefill()), "both decode");
+    admitted(&mut e, request_of(3, "b", &[7, 8], 1, tx));
+    for _ in 0..5 {
+        e.step();
+    }
+    let done = rx
+        .try_iter()
+        .any(|event| matches!(event, Event::Done { .. }));
+    assert!(done, "b's one-token answer is done within five steps");
+}
