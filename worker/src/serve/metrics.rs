@@ -238,7 +238,7 @@ impl Metrics {
             ),
             (
                 "bulkhead_running_requests",
-                "Requests generating now.",
+                "Requests generating now, with (decode role) those whose prompt's KV is on its way: each holds a place of --max-running.",
                 stats.running as u64,
             ),
         ] {
@@ -380,7 +380,7 @@ impl Metrics {
         for (name, help, value) in [
             (
                 "bulkhead_kv_reserved_tokens",
-                "Tokens admitted and holding KV pages: reserved for a transfer, or running.",
+                "Tokens of the KV pages requests reserved of their own, for a transfer or running (the cached prefix pages they read, and the pages of transfers draining, are not counted).",
                 t.reserved_tokens,
             ),
             (
