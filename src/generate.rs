@@ -91,6 +91,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         engine.step();
         for event in rx.try_iter() {
             match event {
+                Event::Started => {}
                 Event::Token { text, .. } => out.write_all(text.as_bytes())?,
                 Event::Done { text_tail, .. } => {
                     writeln!(out, "{text_tail}")?;

@@ -357,32 +357,75 @@ async fn a_caller_hears_of_the_prompts_progress_until_its_first_token() {
     .await;
 }
 
+/// A request queued behind an answer is answered once it starts, not while it waits: a
+/// refusal while it waits is then the call's answer (see
+/// `a_colocated_request_refused_in_the_queue_is_refused_as_the_calls_answer`), and a caller
+/// that waits on the call knows it queued (a gateway tells a disconnect's policy so).
 #[tokio::test]
-async fn a_request_queued_behind_an_answer_hears_that_the_worker_works() {
+async fn a_request_queued_behind_an_answer_is_answered_once_it_starts() {
     bounded(async {
         // One request runs at a time: the second waits in the queue while the first generates.
-        // The tokens the answer ahead of it generates are its progress (their end is its turn),
-        // reported as a prompt's are: without them its caller heard nothing until its first
-        // token, and a silence timeout shorter than the wait took the worker for a hung one.
         let worker = Worker::start(&["--kv-tokens", "2048", "--max-running", "1"]);
-        let mut client = worker.client().await;
-        let mut running = under_way(&mut client, counting(300)).await;
-        let ahead = tokio::spawn(async move { while let Ok(Some(_)) = running.message().await {} });
-        let Run {
-            progress, tokens, ..
-        } = run_reporting(&mut client, chat("Say hello.", 4))
+        let mut running = under_way(&mut worker.client().await, counting(300)).await;
+        let mut queued = worker.client().await;
+        let call =
+            tokio::spawn(async move { run_reporting(&mut queued, chat("Say hello.", 4)).await });
+        wait_for_queue_depth(&worker, 1).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!call.is_finished(), "answered while its request waits");
+        let mut ahead = 0;
+        while running
+            .message()
             .await
+            .expect("the answer ahead runs")
+            .is_some()
+        {
+            ahead += 1;
+        }
+        assert!(ahead > 100, "{ahead}");
+        let Run { tokens, .. } = call
+            .await
+            .expect("joins")
             .expect("served after the answer ahead of it");
         assert!(tokens >= 1, "{tokens}");
-        ahead.await.expect("the answer ahead ran to its end");
-        // The answer ahead takes seconds; a report at most every 500 ms while it rises.
-        assert!(progress.len() >= 3, "{progress:?}");
-        assert!(progress.is_sorted_by(|a, b| a < b), "{progress:?}");
-        let prompts = metric(&worker.metrics(), "bulkhead_prompt_tokens_computed_total");
+    })
+    .await;
+}
+
+/// Waits (within the test's bound) until `worker` has `depth` requests waiting for pages.
+async fn wait_for_queue_depth(worker: &Worker, depth: u32) {
+    let mut client = worker.client().await;
+    while health(&mut client).await.queue_depth != depth {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A colocated worker answers a call once its request leaves the queue: one refused there (no
+/// pages came free within the queue timeout) gets the refusal as the call's answer, so that a
+/// gateway can answer its client 429 before an answer starts, streamed or not. Answered at
+/// once, it was refused mid-stream, and a streamed chat got 200 and then an error event.
+#[tokio::test]
+async fn a_colocated_request_refused_in_the_queue_is_refused_as_the_calls_answer() {
+    bounded(async {
+        let worker = Worker::start(&["--kv-tokens", "256", "--queue-timeout-ms", "500"]);
+        let long = counting(200);
+        let mut running = under_way(&mut worker.client().await, long.clone()).await;
+        let started = Instant::now();
+        let err = worker
+            .client()
+            .await
+            .generate(long)
+            .await
+            .expect_err("no pages came free in time");
         assert!(
-            progress.last().is_some_and(|&last| last as f64 > prompts),
-            "the reports count generated tokens, not prompts alone: {progress:?}, {prompts}"
+            started.elapsed() >= Duration::from_millis(500),
+            "{:?}",
+            started.elapsed()
         );
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+        assert_eq!(error_code(&err), Some("rate_limit_exceeded"), "{err:?}");
+        let next = running.message().await.expect("the first request runs on");
+        assert!(next.is_some());
     })
     .await;
 }
@@ -599,10 +642,11 @@ async fn a_full_queue_is_resource_exhausted_with_rate_limit_exceeded() {
         let mut client = worker.client().await;
         let long = counting(500);
         let _running = under_way(&mut client, long.clone()).await;
-        let _waiting = client
-            .generate(long.clone())
-            .await
-            .expect("the second request waits in the queue");
+        // The second waits in the queue; its call is answered once it starts.
+        let mut second = worker.client().await;
+        let waiting = long.clone();
+        let _waiting = tokio::spawn(async move { second.generate(waiting).await.map(|_| ()) });
+        wait_for_queue_depth(&worker, 1).await;
         let err = client
             .generate(long)
             .await

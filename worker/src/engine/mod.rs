@@ -1292,7 +1292,11 @@ impl Engine {
             };
             match w.role {
                 Role::Colocated => {
-                    let r = Running::new(w.request, reservation.commit(), prefix, None);
+                    let mut request = w.request;
+                    if request.sink.emit(Event::Started) == Delivery::Gone {
+                        continue; // the reservation drops: nothing was computed
+                    }
+                    let r = Running::new(request, reservation.commit(), prefix, None);
                     self.running.push(r);
                 }
                 Role::PrefillFor(target) => {

@@ -68,6 +68,10 @@ pub enum Event {
     },
     /// The request failed after admission; nothing it produced should be trusted.
     Failed(Failure),
+    /// Colocated: the request left the queue, its pages reserved; its prompt is computed from
+    /// here. Its first event: a worker answers the call then, so that a request refused while
+    /// it waits (for load: no pages came free in time) is refused before its answer starts.
+    Started,
     /// Decode role: the request's pages are reserved; a prefill worker must now fill them.
     Reserved(bulkhead_handoff::Reservation),
     /// Prefill role: the prompt's KV and first token, ready to send. The last event of the

@@ -463,6 +463,30 @@ impl<'a> Unclaimed<'a> {
         self.waiting.as_mut()?.0.recv().await
     }
 
+    /// Waits for the request's first event, which `first` takes (`Err` gives it back: not the
+    /// one expected), then claims the events and the guard. A failure first, or the engine
+    /// gone, is the submission's.
+    pub(crate) async fn first<T>(
+        mut self,
+        what: &'static str,
+        first: impl FnOnce(Event) -> Result<T, Event>,
+    ) -> Result<(Events, CancelOnDrop, T), ServeError> {
+        match self.next().await {
+            Some(Event::Failed(f)) => Err(ServeError::Failed(f)),
+            None => Err(ServeError::EngineGone),
+            Some(event) => match first(event) {
+                Ok(first) => {
+                    let (events, guard) = self.claim();
+                    Ok((events, guard, first))
+                }
+                Err(other) => {
+                    tracing::error!(event = ?other, "a request's first event was not {what}");
+                    Err(ServeError::Internal { what: "engine" })
+                }
+            },
+        }
+    }
+
     /// The caller takes the events and the guard: from here on it names the session.
     pub(crate) fn claim(mut self) -> (Events, CancelOnDrop) {
         self.waiting
@@ -546,8 +570,8 @@ impl EventSink for ChannelSink {
                 FinishReason::Length => Outcome::Length,
             }),
             Event::Failed(f) => self.metrics.count(Outcome::failed(f)),
-            // Transfer events are counted by the transfer paths.
-            Event::Reserved(_) | Event::Prefilled(_) => {}
+            // A start is no outcome; transfer events are counted by the transfer paths.
+            Event::Started | Event::Reserved(_) | Event::Prefilled(_) => {}
         }
         let counted = matches!(event, Event::Done { .. } | Event::Failed(_));
         match self.tx.send(event) {

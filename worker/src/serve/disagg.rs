@@ -377,21 +377,14 @@ pub async fn start_remote_prefill(
     let (caller_id, tenant) = (valid.caller_id.clone(), valid.tenant.clone());
     let cache_salt = valid.cache_salt.clone();
     let admission = async {
-        let mut reserving = engine
+        engine
             .submit_unclaimed(Submission::Decode, |id, sink| valid.into_request(id, sink))
-            .await?;
-        match reserving.next().await {
-            Some(Event::Reserved(target)) => {
-                let (events, guard) = reserving.claim();
-                Ok((events, guard, target))
-            }
-            Some(Event::Failed(f)) => Err(ServeError::Failed(f)),
-            None => Err(ServeError::EngineGone),
-            Some(other) => {
-                tracing::error!(event = ?other, "a decode request's first event was not its reservation");
-                Err(ServeError::Internal { what: "engine" })
-            }
-        }
+            .await?
+            .first("its reservation", |event| match event {
+                Event::Reserved(target) => Ok(target),
+                other => Err(other),
+            })
+            .await
     };
     // Declared before the request's events and guard, so dropped after them: a caller that
     // leaves before prefill answers cancels the request (counted as cancelled) before the

@@ -137,14 +137,24 @@ impl WorkerService {
         span.record("gen_ai.usage.input_tokens", prompt_tokens);
         span.record("gen_ai.request.max_tokens", max_new_tokens);
         let started = match &self.role {
-            ServiceRole::Both => self
-                .engine
-                .submit(Submission::Colocated, |id, sink| {
-                    valid.into_request(id, sink)
-                })
-                .instrument(tracing::info_span!("admission"))
-                .await
-                .map(|(events, guard)| (None, events, guard, None)),
+            // Answered once the request leaves the queue, as a decode worker answers once its
+            // pages are reserved: a request refused for load while it waits gets the refusal
+            // as the call's answer, not after an answer that said it was taken.
+            ServiceRole::Both => async {
+                self.engine
+                    .submit_unclaimed(Submission::Colocated, |id, sink| {
+                        valid.into_request(id, sink)
+                    })
+                    .await?
+                    .first("its start", |event| match event {
+                        Event::Started => Ok(()),
+                        other => Err(other),
+                    })
+                    .await
+            }
+            .instrument(tracing::info_span!("admission"))
+            .await
+            .map(|(events, guard, ())| (None, events, guard, None)),
             ServiceRole::Decode(peer) => disagg::start_remote_prefill(&self.engine, peer, valid)
                 .await
                 .map(|s| (s.early, s.events, s.guard, Some(s.call))),
@@ -397,9 +407,9 @@ impl Stream for GenerateStream {
                 tracing::error!(request = %this.guard.id(), error = %failure, "request failed");
                 Err(status(&ServeError::Failed(failure)))
             }
-            Some(Event::Reserved(_) | Event::Prefilled(_)) => {
-                // A reservation is consumed before the stream starts; prefill events belong
-                // to the Prefill call.
+            Some(Event::Started | Event::Reserved(_) | Event::Prefilled(_)) => {
+                // A start or a reservation is consumed before the stream starts; prefill events
+                // belong to the Prefill call.
                 this.finish();
                 tracing::error!(request = %this.guard.id(), "transfer event on a colocated request");
                 Err(status(&ServeError::Internal { what: "engine" }))

@@ -40,6 +40,7 @@ fn run(
     let mut tokens = Vec::new();
     for event in rx.try_iter() {
         match event {
+            Event::Started => {}
             Event::Token { token, .. } => tokens.push(token),
             Event::Done { usage, .. } => return (tokens, usage),
             other => panic!("unexpected {other:?}"),
