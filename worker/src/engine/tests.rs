@@ -184,7 +184,7 @@ fn logits_that_are_not_numbers_fail_the_request_and_its_pages_come_back() {
     }
     let events: Vec<Event> = rx.try_iter().collect();
     assert!(
-        matches!(events.as_slice(), [Event::Failed(f)] if f.to_string().contains("not all finite")),
+        matches!(events.as_slice(), [Event::Started, Event::Failed(f)] if f.to_string().contains("not all finite")),
         "{events:?}"
     );
     e.scrub();

@@ -392,7 +392,8 @@ fn prompts_are_computed_first_come_first_served() {
         e.step();
         step += 1;
         for (at, rx) in heard.iter_mut().zip(&events) {
-            if rx.try_recv().is_ok() && at.is_none() {
+            let answered = rx.try_iter().any(|event| !matches!(event, Event::Started));
+            if answered && at.is_none() {
                 *at = Some(step);
             }
         }
