@@ -391,16 +391,6 @@ fn u32_field(map: &Map<String, Value>, field: &'static str) -> Result<Option<u32
         })
 }
 
-fn f32_field(map: &Map<String, Value>, field: &'static str) -> Result<Option<f32>, RequestError> {
-    get(map, field)
-        .map(|v| {
-            v.as_f64()
-                .map(|x| x as f32)
-                .ok_or_else(|| wrong(field, "a number"))
-        })
-        .transpose()
-}
-
 fn common(
     map: &Map<String, Value>,
     max_tokens_fields: &[&'static str],
@@ -438,14 +428,21 @@ fn common(
         })?),
     };
 
-    let temperature = f32_field(map, "temperature")?.unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(RequestError::OutOfRange {
-            field: "temperature",
-            value: temperature.to_string(),
-            range: "between 0 and 2",
-        });
-    }
+    // Checked before it narrows to f32, where 2.0000001 would round to 2.
+    let temperature = match get(map, "temperature") {
+        None => 1.0,
+        Some(v) => {
+            let t = v.as_f64().ok_or_else(|| wrong("temperature", "a number"))?;
+            if !(0.0..=2.0).contains(&t) {
+                return Err(RequestError::OutOfRange {
+                    field: "temperature",
+                    value: t.to_string(),
+                    range: "between 0 and 2",
+                });
+            }
+            t as f32
+        }
+    };
     // Checked before it narrows to f32, where a tiny p (still above 0) would round to 0; it
     // keeps the one most likely token either way.
     let top_p = match get(map, "top_p") {
@@ -891,6 +888,7 @@ mod tests {
         for (field, value) in [
             ("temperature", json!(2.5)),
             ("temperature", json!(-0.1)),
+            ("temperature", json!(2.000_000_1)),
             ("top_p", json!(0)),
             ("top_p", json!(1.5)),
             ("max_tokens", json!(0)),

@@ -589,6 +589,15 @@ fn coded(http: Option<u16>, error: &Value) -> Status {
             message,
             "rate_limit_exceeded",
         )),
+        // vLLM's (and OpenAI's) say it in their message only: "This model's maximum context
+        // length is 2048 tokens. However, you requested 2100 tokens …".
+        (Some(400 | 413 | 422), _) if message.contains("maximum context length") => {
+            refused_upstream(error_code_status(
+                Code::InvalidArgument,
+                message,
+                "context_length_exceeded",
+            ))
+        }
         // A 404 is not the client's: the gateway sends only its own path and configured model,
         // so the server no longer serves it (renamed, reloaded) and is in trouble as a 5xx is.
         (Some(400 | 413 | 422), _) => {
@@ -1626,6 +1635,17 @@ pub(crate) mod tests {
             true,
         );
         assert_eq!(error_code(&llama), Some("context_length_exceeded"));
+        // vLLM's says so in its message only.
+        let vllm = refusal(
+            400,
+            br#"{"object":"error","message":"This model's maximum context length is 2048 tokens. However, you requested 2100 tokens (2000 in the messages, 100 in the completion).","type":"BadRequestError","param":null,"code":400}"#,
+            true,
+        );
+        assert_eq!(error_code(&vllm), Some("context_length_exceeded"));
+        assert_eq!(
+            bulkhead_worker::serve::proto::refused_by(&vllm),
+            Some("decode")
+        );
         // SGLang's (and older vLLM's) error object is the body itself: its message is kept,
         // and a refused salt is seen in it.
         let flat = refusal(
