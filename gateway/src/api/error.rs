@@ -406,10 +406,12 @@ impl IntoResponse for ApiError {
         {
             response.headers_mut().insert(header::RETRY_AFTER, v);
         }
-        if status == StatusCode::INTERNAL_SERVER_ERROR {
+        if status == StatusCode::INTERNAL_SERVER_ERROR || matches!(self, ApiError::Timeout { .. }) {
             // A 500 is a broken answer, a KV integrity failure or a failed policy: asked again,
             // the same. OpenAI's SDKs retry every 5xx twice unless told not to, which would
-            // charge the tenant three times and hide a KV integrity failure behind a 200.
+            // charge the tenant three times and hide a KV integrity failure behind a 200. A
+            // request past the gateway's deadline (a queue's wait ends sooner, as a 429) ran
+            // out of it: sent again, it takes the whole deadline again, twice.
             response
                 .headers_mut()
                 .insert(SHOULD_RETRY, HeaderValue::from_static("false"));
@@ -689,16 +691,17 @@ mod tests {
     }
 
     /// OpenAI's SDKs send a 5xx twice more unless `x-should-retry: false` says not to: a 500
-    /// says it, a 503 or a 429 (worth another try) does not.
+    /// or the gateway's own 504 says it, a 503 or a 429 (worth another try) does not.
     #[test]
-    fn a_500_tells_sdks_not_to_retry_and_a_503_or_429_leaves_them_to() {
+    fn a_500_or_504_tells_sdks_not_to_retry_and_a_503_or_429_leaves_them_to() {
         for e in [
             ApiError::Internal,
             ApiError::KvIntegrity,
             ApiError::PolicyFailed,
+            ApiError::Timeout { secs: 300 },
         ] {
             let r = e.into_response();
-            assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR);
+            assert!(r.status().is_server_error() && r.status() != 503);
             assert_eq!(r.headers()[SHOULD_RETRY], "false");
         }
         for e in [
