@@ -2110,3 +2110,108 @@ fn a_workers_done_whose_counts_are_not_the_requests_fails_it() {
         assert_eq!(post().0, 200, "{head}");
     });
 }
+
+/// The text and finish reason of a chat completion's answer, whole or streamed (its SSE
+/// deltas joined).
+fn answer_text(answer: &str) -> (String, String) {
+    if !answer.starts_with("data:") {
+        let choice = &json(answer)["choices"][0];
+        return (
+            choice["message"]["content"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+            choice["finish_reason"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+        );
+    }
+    let (mut text, mut finish) = (String::new(), String::new());
+    for chunk in streamed_deltas(answer) {
+        text.push_str(&chunk.0);
+        if let Some(f) = chunk.1 {
+            finish = f;
+        }
+    }
+    (text, finish)
+}
+
+/// Each SSE event's delta text and finish reason, in order.
+fn streamed_deltas(answer: &str) -> Vec<(String, Option<String>)> {
+    answer
+        .lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .filter(|data| *data != "[DONE]")
+        .filter_map(|data| {
+            let event = json(data);
+            let choice = event["choices"].get(0)?.clone();
+            Some((
+                choice["delta"]["content"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+                choice["finish_reason"].as_str().map(str::to_owned),
+            ))
+        })
+        .collect()
+}
+
+/// A stop string ends a Bulkhead worker's answer where it starts, whole or streamed, even one
+/// that spans two tokens: the text before it, finish reason `stop`, the same both ways.
+#[test]
+fn a_stop_string_across_two_tokens_ends_the_answer_where_it_starts() {
+    bounded(|| {
+        let up = Up::start(&[]);
+        up.wait_routable();
+        let body = |stream: bool, stop: Option<&str>| {
+            let mut body = serde_json::json!({
+                "messages": [{"role": "user", "content": "Write one sentence about the sea."}],
+                "max_tokens": 24,
+                "temperature": 0,
+                "stream": stream,
+            });
+            if let Some(stop) = stop {
+                body["stop"] = serde_json::json!([stop]);
+            }
+            body.to_string()
+        };
+        let (status, free) = up.chat(KEY_A, &[], &body(true, None));
+        assert_eq!(status, 200, "{free}");
+        let pieces = streamed_deltas(&free);
+        let full: String = pieces.iter().map(|p| p.0.as_str()).collect();
+        // The last two characters of one token's text and the first of the next's, where that
+        // string first occurs in the answer there.
+        let mut at = 0;
+        let (stop, cut) = pieces
+            .windows(2)
+            .find_map(|pair| {
+                let (a, b) = (&pair[0].0, &pair[1].0);
+                at += a.len();
+                let tail: String = a
+                    .chars()
+                    .rev()
+                    .take(2)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect();
+                let head = b.chars().next()?;
+                let stop = format!("{tail}{head}");
+                let cut = at - tail.len();
+                (tail.chars().count() == 2 && full.find(&stop) == Some(cut)).then_some((stop, cut))
+            })
+            .unwrap_or_else(|| panic!("no stop string across two tokens in {pieces:?}"));
+        for stream in [false, true] {
+            let (status, answer) = up.chat(KEY_A, &[], &body(stream, Some(&stop)));
+            assert_eq!(status, 200, "{answer}");
+            let (text, finish) = answer_text(&answer);
+            assert_eq!(
+                text,
+                full[..cut],
+                "stream {stream}, stop {stop:?}: {answer}"
+            );
+            assert_eq!(finish, "stop", "stream {stream}: {answer}");
+        }
+    });
+}
