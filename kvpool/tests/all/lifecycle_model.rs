@@ -8,17 +8,19 @@
 //! - no page is handed to a new owner while the model says someone holds it (I1 as the user
 //!   sees it);
 //! - every reservation gives a page a tag strictly greater than any tag it had before;
-//! - live tables verify, tables of releasing or retired holders never verify again (stale-read
-//!   guard);
+//! - live tables verify; no entry of a releasing or retired holder's table verifies again
+//!   (stale-read guard);
+//! - reclaiming a quarantine returns exactly its pages still quarantined under its tags (not
+//!   those an operator released meanwhile, which may serve another owner now);
 //! - once everything is dropped, the quarantine released and the scrub queue drained, every
 //!   page is free again (pages always come back).
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::num::NonZeroU32;
 
 use bulkhead_kvpool::{
-    Allocation, PageId, PagePool, PageRef, PoolConfig, Rejected, Releasing, RequestId, Reservation,
-    Scrub, Tag,
+    Allocation, PageId, PagePool, PageRef, PoolConfig, Quarantined, Rejected, Releasing, RequestId,
+    Reservation, Scrub, Tag,
 };
 use proptest::prelude::*;
 
@@ -37,6 +39,9 @@ enum Op {
     Drained(usize),
     TimedOut(usize),
     DropReleasing(usize),
+    ReleasingQuarantine(usize),
+    Reclaim(usize),
+    ForgetQuarantine(usize),
     ScrubPending,
     ReleaseQuarantine,
 }
@@ -55,6 +60,9 @@ fn op(max_tokens: u64) -> impl Strategy<Value = Op> {
         1 => i().prop_map(Op::Drained),
         1 => i().prop_map(Op::TimedOut),
         1 => i().prop_map(Op::DropReleasing),
+        1 => i().prop_map(Op::ReleasingQuarantine),
+        2 => i().prop_map(Op::Reclaim),
+        1 => i().prop_map(Op::ForgetQuarantine),
         1 => Just(Op::ScrubPending),
         1 => Just(Op::ReleaseQuarantine),
     ]
@@ -95,7 +103,8 @@ struct Model {
     free: VecDeque<PageId>,
     /// The scrub queue, in the order `scrub_pending` must report it.
     pending: VecDeque<PageId>,
-    quarantined: BTreeSet<PageId>,
+    /// Quarantined pages, with the tag each was quarantined under.
+    quarantined: BTreeMap<PageId, Tag>,
     /// The highest tag each page has carried in a table.
     last_tag: HashMap<PageId, Tag>,
     /// Tables of holders that left the live states; they must never verify again.
@@ -103,6 +112,8 @@ struct Model {
     reservations: Vec<Reservation>,
     allocations: Vec<Allocation>,
     releasing: Vec<Releasing>,
+    /// Quarantine handles not yet reclaimed or dropped, with the table each was made from.
+    quarantines: Vec<(Quarantined, Vec<PageRef>)>,
 }
 
 impl Model {
@@ -115,12 +126,13 @@ impl Model {
             holder: HashMap::new(),
             free: (0..config.pages.get()).map(PageId::new).collect(),
             pending: VecDeque::new(),
-            quarantined: BTreeSet::new(),
+            quarantined: BTreeMap::new(),
             last_tag: HashMap::new(),
             retired: Vec::new(),
             reservations: Vec::new(),
             allocations: Vec::new(),
             releasing: Vec::new(),
+            quarantines: Vec::new(),
         }
     }
 
@@ -136,7 +148,7 @@ impl Model {
                 Dest::Release if self.deferred => self.pending.push_back(entry.page),
                 Dest::Release => self.free.push_back(entry.page),
                 Dest::Quarantine => {
-                    assert!(self.quarantined.insert(entry.page));
+                    assert!(self.quarantined.insert(entry.page, entry.tag).is_none());
                 }
             }
         }
@@ -221,8 +233,8 @@ impl Model {
             Op::ReservationQuarantine(i) => {
                 if let Some(r) = take(&mut self.reservations, i) {
                     let table = r.pages().to_vec();
-                    r.quarantine();
-                    self.leave(&table, Dest::Quarantine);
+                    let q = r.quarantine();
+                    self.quarantined_as(q, &table);
                     self.retired.push(table);
                 }
             }
@@ -243,8 +255,8 @@ impl Model {
             Op::AllocationQuarantine(i) => {
                 if let Some(a) = take(&mut self.allocations, i) {
                     let table = a.pages().to_vec();
-                    a.quarantine();
-                    self.leave(&table, Dest::Quarantine);
+                    let q = a.quarantine();
+                    self.quarantined_as(q, &table);
                     self.retired.push(table);
                 }
             }
@@ -258,8 +270,8 @@ impl Model {
             Op::TimedOut(i) => {
                 if let Some(r) = take(&mut self.releasing, i) {
                     let table = r.pages().to_vec();
-                    r.timed_out();
-                    self.leave(&table, Dest::Quarantine);
+                    let q = r.timed_out();
+                    self.quarantined_as(q, &table);
                 }
             }
             Op::DropReleasing(i) => {
@@ -269,18 +281,53 @@ impl Model {
                     self.leave(&table, Dest::Quarantine);
                 }
             }
+            Op::ReleasingQuarantine(i) => {
+                if let Some(r) = take(&mut self.releasing, i) {
+                    let table = r.pages().to_vec();
+                    let q = r.quarantine();
+                    self.quarantined_as(q, &table);
+                }
+            }
+            Op::Reclaim(i) => {
+                if let Some((q, table)) = take(&mut self.quarantines, i) {
+                    let mut expected = 0;
+                    for entry in &table {
+                        if self.quarantined.get(&entry.page) == Some(&entry.tag) {
+                            self.quarantined.remove(&entry.page);
+                            self.returned(entry.page);
+                            expected += 1;
+                        }
+                    }
+                    assert_eq!(q.reclaim(), expected, "reclaimed exactly its own pages");
+                }
+            }
+            Op::ForgetQuarantine(i) => {
+                take(&mut self.quarantines, i);
+            }
             Op::ScrubPending => self.scrub(),
             Op::ReleaseQuarantine => {
                 let released = self.pool.release_quarantine();
                 assert_eq!(released as usize, self.quarantined.len());
-                for page in std::mem::take(&mut self.quarantined) {
-                    if self.deferred {
-                        self.pending.push_back(page);
-                    } else {
-                        self.free.push_back(page);
-                    }
+                for page in std::mem::take(&mut self.quarantined).into_keys() {
+                    self.returned(page);
                 }
             }
+        }
+    }
+
+    /// The pages of `table` went into quarantine, held by `q`.
+    fn quarantined_as(&mut self, q: Quarantined, table: &[PageRef]) {
+        self.leave(table, Dest::Quarantine);
+        self.quarantines.push((q, table.to_vec()));
+    }
+
+    /// `page` left quarantine: towards the free list, through the scrub queue if the pool
+    /// scrubs.
+    fn returned(&mut self, page: PageId) {
+        if self.deferred {
+            self.pending.push_back(page);
+        } else {
+            self.free.push_back(page);
         }
     }
 
@@ -345,16 +392,17 @@ impl Model {
             });
             assert!(current, "the kernel sees a live allocation's tags");
         }
-        for table in self.releasing.iter().map(Releasing::pages) {
-            if !table.is_empty() {
-                assert!(
-                    self.pool.verify(table).is_err(),
-                    "a releasing table is live"
-                );
-            }
+        for entry in self.releasing.iter().flat_map(Releasing::pages) {
+            assert!(
+                self.pool.verify(&[*entry]).is_err(),
+                "a releasing table's {entry:?} is live"
+            );
         }
-        for table in self.retired.iter().filter(|t| !t.is_empty()) {
-            assert!(self.pool.verify(table).is_err(), "a retired table verifies");
+        for entry in self.retired.iter().flatten() {
+            assert!(
+                self.pool.verify(&[*entry]).is_err(),
+                "a retired table's {entry:?} verifies"
+            );
         }
     }
 
@@ -363,6 +411,7 @@ impl Model {
         self.reservations.clear();
         self.allocations.clear();
         self.releasing.clear();
+        self.quarantines.clear();
         self.pool.release_quarantine();
         self.pool.scrub_pending(|_| {});
         assert_eq!(self.pool.free_pages(), self.total, "pages always come back");

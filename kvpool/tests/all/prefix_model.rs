@@ -1,15 +1,16 @@
 //! Random request sequences over the prefix cache against an independent record of what
 //! every cached page holds.
 //!
-//! Prompts are drawn from two tokens, so prompts often share leading pages, and from two
-//! scopes. The record maps each (scope, tokens up to a page's end) that the test saw cached to
+//! Prompts are drawn from two tokens, so prompts often share leading pages, and from three
+//! scopes: two tenants, and the first tenant's requests under a cache salt. The record maps each (scope, tokens up to a page's end) that the test saw cached to
 //! its page. After every operation:
 //!
 //! - `check_invariants` holds;
 //! - a lookup finds exactly the longest run of recorded pages of its own scope that match
 //!   the prompt page by page — never a page of another scope (I6), never a page holding other
 //!   tokens — and those pages verify;
-//! - a page that a running request reads is never evicted;
+//! - a page that a running request reads is never evicted; making room evicts either as many
+//!   unread pages as it was asked for, or none;
 //! - a distrusted page (a reader failed on it) and every page after it are found by no
 //!   lookup and continued by no kept prompt, and each leaves the cache once no running
 //!   request reads it;
@@ -38,19 +39,21 @@ enum Op {
     Distrust(usize, usize),
     Abandon(usize),
     Evict(u32),
+    MakeRoom(u32),
     Scrub,
 }
 
 fn op() -> impl Strategy<Value = Op> {
     let i = any::<usize>;
     prop_oneof![
-        4 => (0..2usize, prop::collection::vec(0..2u32, 1..=8), 1..=3u64)
+        4 => (0..3usize, prop::collection::vec(0..2u32, 1..=8), 1..=3u64)
             .prop_map(|(scope, prompt, new)| Op::Start { scope, prompt, new }),
         3 => i().prop_map(Op::Finish),
         1 => i().prop_map(Op::Fail),
         2 => (i(), 0..4usize).prop_map(|(r, at)| Op::Distrust(r, at)),
         1 => i().prop_map(Op::Abandon),
         1 => (0..4u32).prop_map(Op::Evict),
+        1 => (0..6u32).prop_map(Op::MakeRoom),
         1 => Just(Op::Scrub),
     ]
 }
@@ -64,7 +67,7 @@ struct Running {
 
 struct Model {
     pool: PagePool,
-    scopes: [Scope; 2],
+    scopes: [Scope; 3],
     next_owner: u64,
     /// (scope, tokens from the prompt's start through the page's end) → the cached page.
     cached: HashMap<(usize, Vec<u32>), PageRef>,
@@ -81,7 +84,11 @@ impl Model {
                 page_tokens: NonZeroU32::new(PAGE_TOKENS).expect("tokens"),
                 scrub,
             }),
-            scopes: [Scope::new("tenant-a"), Scope::new("tenant-b")],
+            scopes: [
+                Scope::new("tenant-a"),
+                Scope::new("tenant-b"),
+                Scope::salted("tenant-a", "salt"),
+            ],
             next_owner: 0,
             cached: HashMap::new(),
             distrusted: HashMap::new(),
@@ -208,21 +215,46 @@ impl Model {
             }
             Op::Abandon(i) => drop(take(&mut self.running, i)),
             Op::Evict(n) => {
-                let before = self.cached.len();
-                let evicted = self.pool.evict(n);
-                self.cached
-                    .retain(|_, page| self.pool.verify(&[*page]).is_ok());
-                assert_eq!(before - self.cached.len(), evicted as usize);
-                for r in &self.running {
-                    assert_eq!(
-                        self.pool.verify(r.prefix.pages()),
-                        Ok(()),
-                        "a read page was evicted"
-                    );
+                self.evicted(|pool| pool.evict(n));
+            }
+            Op::MakeRoom(n) => {
+                let before = self.pool.stats();
+                let free = before.free + before.pending_scrub;
+                let evicted = self.evicted(|pool| pool.make_room(n));
+                assert!(
+                    evicted == 0 || evicted == n,
+                    "made room for {evicted} of {n}"
+                );
+                if evicted == n {
+                    let stats = self.pool.stats();
+                    assert_eq!(stats.free + stats.pending_scrub, free + n);
                 }
             }
             Op::Scrub => self.pool.scrub_pending(|_| {}),
         }
+    }
+
+    /// Runs `evict` on the pool, which returns how many cached pages it evicted: as many leave
+    /// the record, and no page a running request reads is among them.
+    fn evicted(&mut self, evict: impl FnOnce(&PagePool) -> u32) -> u32 {
+        let before = self.cached.len() + self.distrusted.len();
+        let evicted = evict(&self.pool);
+        let pool = &self.pool;
+        self.cached.retain(|_, page| pool.verify(&[*page]).is_ok());
+        self.distrusted
+            .retain(|_, page| pool.verify(&[*page]).is_ok());
+        assert_eq!(
+            before - self.cached.len() - self.distrusted.len(),
+            evicted as usize
+        );
+        for r in &self.running {
+            assert_eq!(
+                self.pool.verify(r.prefix.pages()),
+                Ok(()),
+                "a read page was evicted"
+            );
+        }
+        evicted
     }
 
     fn check(&mut self) {
