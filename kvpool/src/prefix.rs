@@ -21,7 +21,7 @@
 
 use std::cmp::Reverse;
 use std::collections::hash_map::Entry as Slot;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 
@@ -103,8 +103,9 @@ pub(crate) struct PrefixIndex {
     /// The key of each cached page.
     keys: HashMap<PageId, Key>,
     clock: u64,
-    /// Entries distrusted and not yet swept out.
-    distrusted: usize,
+    /// The pages of the entries distrusted and not yet swept out: a sweep looks at these, not
+    /// at every entry (it runs as each prefix's last reader leaves).
+    distrusted: HashSet<PageId>,
 }
 
 /// What [`PrefixIndex::insert`] did with a page.
@@ -234,7 +235,7 @@ impl PrefixIndex {
         let key = self.keys.remove(&page)?;
         let entry = self.entries.remove(&key)?;
         if entry.distrusted {
-            self.distrusted -= 1;
+            self.distrusted.remove(&page);
         }
         if let Some(parent) = key.parent.and_then(|p| self.entry_mut(p)) {
             parent.children = parent.children.saturating_sub(1);
@@ -263,27 +264,34 @@ impl PrefixIndex {
             let entry = self.keys.get(&p).and_then(|k| self.entries.get_mut(k));
             if let Some(entry) = entry.filter(|e| !e.distrusted) {
                 entry.distrusted = true;
+                self.distrusted.insert(p);
                 newly += 1;
             }
             todo.extend(children.remove(&p).unwrap_or_default());
         }
-        self.distrusted += newly as usize;
         newly
     }
 
     /// Takes the distrusted pages that nobody reads and nothing continues out of the index,
     /// leaves first. Returns them.
     pub(crate) fn sweep(&mut self) -> Vec<PageRef> {
+        let ready = |index: &Self, p: &PageId| {
+            (index.keys.get(p))
+                .and_then(|key| index.entries.get(key))
+                .is_some_and(|e| e.distrusted && e.readers == 0 && e.children == 0)
+        };
+        let mut todo: Vec<PageId> = (self.distrusted.iter())
+            .filter(|p| ready(self, p))
+            .copied()
+            .collect();
         let mut swept = Vec::new();
-        while self.distrusted > 0 {
-            let ready: Vec<PageId> = (self.entries.values())
-                .filter(|e| e.distrusted && e.readers == 0 && e.children == 0)
-                .map(|e| e.page.page)
-                .collect();
-            if ready.is_empty() {
-                break;
+        while let Some(p) = todo.pop() {
+            let parent = self.keys.get(&p).and_then(|key| key.parent);
+            swept.extend(self.remove(p));
+            // Its parent may have lost its last child: a leaf now.
+            if let Some(parent) = parent.filter(|parent| ready(self, &parent.page)) {
+                todo.push(parent.page);
             }
-            swept.extend(ready.into_iter().filter_map(|p| self.remove(p)));
         }
         swept
     }
@@ -360,7 +368,10 @@ impl PrefixIndex {
                 *children.entry(parent.page).or_default() += 1;
             }
         }
-        let distrusted = self.entries.values().filter(|e| e.distrusted).count();
+        let distrusted: HashSet<PageId> = (self.entries.values())
+            .filter(|e| e.distrusted)
+            .map(|e| e.page.page)
+            .collect();
         if distrusted != self.distrusted {
             let page = self.keys.keys().next().copied().unwrap_or(PageId::new(0));
             return bad(page, "distrusted pages miscounted");
