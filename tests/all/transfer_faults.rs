@@ -370,6 +370,7 @@ async fn large_prefill(
         }),
         kv_address,
         cache_salt: String::new(),
+        model_id: info.model_id,
     }
 }
 
@@ -604,9 +605,13 @@ async fn peers_that_exhaust_the_decode_workers_descriptors_do_not_stop_it() {
 }
 
 /// A `Prefill` call's labels are bounded as `Generate`'s are: they go into spans, logs and the
-/// prefix cache's scope, so a peer's megabyte-long tenant is refused, and nothing allocated.
+/// prefix cache's scope, so a peer's megabyte-long tenant is refused, and nothing allocated. So
+/// is a call from a decode worker of another model (a prefill worker replaced behind its
+/// address by one of another model, its KV the same shape): decode would commit the KV as its
+/// own model's and answer wrongly.
 #[tokio::test]
-async fn a_prefill_call_with_a_bad_label_or_address_is_refused_before_anything_is_allocated() {
+async fn a_prefill_call_with_a_bad_label_address_or_model_is_refused_before_anything_is_allocated()
+{
     bounded(async {
         let prefill = Worker::start(&["--role", "prefill", "--kv-tokens", "2048"]);
         let mut pc = prefill.client().await;
@@ -626,6 +631,7 @@ async fn a_prefill_call_with_a_bad_label_or_address_is_refused_before_anything_i
             }),
             kv_address: "127.0.0.1:9".into(),
             cache_salt: String::new(),
+            model_id: String::new(),
         };
         let long = "t".repeat(bulkhead_worker::serve::MAX_LABEL_BYTES + 1);
         for (field, request) in [
@@ -645,6 +651,11 @@ async fn a_prefill_call_with_a_bad_label_or_address_is_refused_before_anything_i
             assert_eq!(e.code(), tonic::Code::InvalidArgument, "{address}: {e:?}");
             assert!(e.message().contains("kv_address"), "{e:?}");
         }
+        let mut request = call("r".into(), "tenant-a".into());
+        request.model_id = "another-model".into();
+        let e = pc.prefill(request).await.expect_err("another model");
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        assert!(e.message().contains("another-model"), "{e:?}");
         assert_eq!(pool(&health(&mut pc).await), before);
     })
     .await;

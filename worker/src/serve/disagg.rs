@@ -56,6 +56,8 @@ pub struct PrefillPeer {
     pub kv_address: String,
     /// Which prefill process answers there, as this worker's Info tells it.
     pub seen: SeenPeer,
+    /// This worker's model (its Info's `model_id`), which the prefill worker must serve too.
+    pub model_id: String,
 }
 
 /// The address a decode worker dials for prefill, the process that last answered there and
@@ -412,6 +414,7 @@ pub async fn start_remote_prefill(
         reservation: Some(to_proto_reservation(&target)),
         kv_address: peer.kv_address.clone(),
         cache_salt,
+        model_id: peer.model_id.clone(),
     };
     // Failing here drops `guard`: the request is cancelled (the caller's leaving, counted so)
     // or withdrawn (prefill's failure, counted as that).
@@ -539,8 +542,16 @@ pub async fn prefill(
     engine: &EngineHandle,
     request: proto::PrefillRequest,
     options: SendOptions,
-    instance_id: &str,
+    info: &proto::InfoResponse,
 ) -> Result<PrefillStream, Status> {
+    // Checked before anything else: a decode worker of another model (a prefill worker replaced
+    // behind its address, its KV of the same shape) would commit this model's KV as its own.
+    if !request.model_id.is_empty() && request.model_id != info.model_id {
+        return Err(status(&ServeError::OtherModel {
+            ours: info.model_id.clone(),
+            theirs: printable(&request.model_id, MAX_PROBE_ERROR_BYTES),
+        }));
+    }
     let target = request
         .reservation
         .as_ref()
@@ -571,7 +582,7 @@ pub async fn prefill(
     let tenant = Scope::salted(&request.tenant, &request.cache_salt);
     let prompt = request.prompt;
     let accepted = proto::PrefillAccepted {
-        instance_id: instance_id.to_owned(),
+        instance_id: info.instance_id.clone(),
     };
     // In the `Prefill` call's span (the caller's): the steps below are its children.
     let span = Span::current();

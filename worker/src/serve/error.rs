@@ -83,6 +83,11 @@ pub enum ServeError {
         "this worker is not the process {checked} the caller checked (it restarted): check it again before routing here"
     )]
     OtherInstance { checked: String },
+    /// Prefill role: the decode worker calling serves another model.
+    #[error(
+        "this prefill worker serves model {ours}, the decode worker calling it {theirs}: the prompt's KV would be another model's"
+    )]
+    OtherModel { ours: String, theirs: String },
 }
 
 /// The machine-readable codes, as sent in [`ERROR_CODE_KEY`].
@@ -180,7 +185,7 @@ pub fn status(err: &ServeError) -> Status {
         ServeError::EngineGone | ServeError::EngineStalled { .. } => {
             (Code::Unavailable, SERVICE_UNAVAILABLE, err.to_string())
         }
-        ServeError::OtherInstance { .. } => (
+        ServeError::OtherInstance { .. } | ServeError::OtherModel { .. } => (
             Code::FailedPrecondition,
             SERVICE_UNAVAILABLE,
             err.to_string(),

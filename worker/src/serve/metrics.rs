@@ -90,8 +90,11 @@ impl Outcome {
     pub fn refused(e: &ServeError) -> Outcome {
         match e {
             ServeError::Invalid(ValidationError::ChatSandbox) => Outcome::FailedInternal,
-            // Meant for another process (this one restarted since it was checked).
-            ServeError::Invalid(_) | ServeError::OtherInstance { .. } => Outcome::RejectedInvalid,
+            // Meant for another process (this one restarted since it was checked), or from a
+            // decode worker of another model.
+            ServeError::Invalid(_)
+            | ServeError::OtherInstance { .. }
+            | ServeError::OtherModel { .. } => Outcome::RejectedInvalid,
             ServeError::Submit(s) => match s {
                 SubmitError::ContextLengthExceeded { .. } => Outcome::RejectedContextLength,
                 SubmitError::QueueFull { .. } => Outcome::RejectedQueueFull,

@@ -258,6 +258,7 @@ impl BoundWorker {
                             .map_or(kv_address, |a| a.at(kv_address))
                             .to_string(),
                         seen,
+                        model_id: info.model_id.clone(),
                     }),
                     Some(kv),
                 )

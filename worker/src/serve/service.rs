@@ -224,7 +224,7 @@ impl proto::Worker for WorkerService {
                     &self.engine,
                     request.into_inner(),
                     options.clone(),
-                    &self.info.instance_id,
+                    &self.info,
                 );
                 prefilling
                     .instrument(span.clone())
