@@ -507,14 +507,20 @@ impl State {
     }
 
     /// The worker whose model to register, and where to read it: none while a healthy worker
-    /// still serves the served model; otherwise the first healthy worker's — the first whose
-    /// model did not fail to register, so one whose Info with the tokenizer fails or does not
-    /// build is not asked again and again while another could serve.
+    /// that passes its own checks still serves the served model; otherwise the first healthy
+    /// worker's — one that passes them first, then the first whose model did not fail to
+    /// register, so one whose Info with the tokenizer fails or does not build is not asked
+    /// again and again while another could serve. A worker that fails its checks (a pool
+    /// smaller than its context, a wrong role, no cluster token) listed first registered its
+    /// model, and every sound worker of another model stood idle behind it.
     fn model_to_register(&self) -> Option<(u64, ModelSource)> {
         let healthy = |e: &&Entry| e.facts.is_some() && matches!(e.health, Health::Serving { .. });
+        let sound = |e: &Entry| {
+            unroutable(e.facts.as_ref(), &e.health, None).is_none() && misconfigured(e).is_none()
+        };
         let keep = self.served_id().is_some_and(|current| {
             (self.entries.iter().filter(healthy))
-                .any(|e| e.facts.as_ref().is_some_and(|f| f.model_id == current))
+                .any(|e| sound(e) && e.facts.as_ref().is_some_and(|f| f.model_id == current))
         });
         if keep {
             return None;
@@ -522,7 +528,7 @@ impl State {
         self.entries
             .iter()
             .filter(healthy)
-            .min_by_key(|e| e.model_refused)
+            .min_by_key(|e| (!sound(e), e.model_refused))
             .map(|e| (e.id, e.model_source()))
     }
 
@@ -2019,6 +2025,24 @@ mod tests {
         assert_eq!(name, "b", "the other worker's");
         w.register_model(id, tiny(), 3).await;
         assert!(w.with(|s| s.model.is_some()));
+    }
+
+    /// A worker that fails its own checks (here a pool smaller than its context) does not
+    /// decide the served model ahead of a sound one: listed first, it registered its model, and
+    /// every sound worker of another model stood idle behind it.
+    #[tokio::test]
+    async fn a_worker_that_fails_its_checks_does_not_decide_the_served_model() {
+        let w = workers(&[("a", WorkerRole::Both, None), ("b", WorkerRole::Both, None)]);
+        reports(&w, "a", WorkerRole::Both, 4096, 8192);
+        reports(&w, "b", WorkerRole::Both, 8192, 8192);
+        let name = |w: &Workers| {
+            w.with(|s| {
+                let (id, _) = s.model_to_register()?;
+                Some(s.entry_mut(id).expect("an entry").config.name.clone())
+            })
+        };
+        w.with(|s| s.model = None);
+        assert_eq!(name(&w), Some("b".to_owned()), "b alone serves soundly");
     }
 
     /// A worker that stopped answering is not routed to as soon as its own probe fails, while
