@@ -280,7 +280,8 @@ impl Bench {
             for (f, rx) in first.iter_mut().zip(&rxs) {
                 for e in rx.try_iter() {
                     check(&e)?;
-                    *f = true;
+                    // A request's start comes before its prompt is computed.
+                    *f |= !matches!(e, Event::Started);
                 }
             }
         }
