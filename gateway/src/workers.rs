@@ -508,15 +508,19 @@ impl State {
 
     /// The worker whose model to register, and where to read it: none while a healthy worker
     /// that passes its own checks still serves the served model; otherwise the first healthy
-    /// worker's — one that passes them first, then the first whose model did not fail to
+    /// worker's — one that passes them (pages quarantined for now aside) first, then the first whose model did not fail to
     /// register, so one whose Info with the tokenizer fails or does not build is not asked
     /// again and again while another could serve. A worker that fails its checks (a pool
     /// smaller than its context, a wrong role, no cluster token) listed first registered its
     /// model, and every sound worker of another model stood idle behind it.
     fn model_to_register(&self) -> Option<(u64, ModelSource)> {
         let healthy = |e: &&Entry| e.facts.is_some() && matches!(e.health, Health::Serving { .. });
+        // Its lasting faults only: pages quarantined for now come back.
         let sound = |e: &Entry| {
-            unroutable(e.facts.as_ref(), &e.health, None).is_none() && misconfigured(e).is_none()
+            matches!(
+                unroutable(e.facts.as_ref(), &e.health, None),
+                None | Some(Unroutable::Quarantined { .. })
+            ) && misconfigured(e).is_none()
         };
         let keep = self.served_id().is_some_and(|current| {
             (self.entries.iter().filter(healthy))
@@ -2043,6 +2047,30 @@ mod tests {
         };
         w.with(|s| s.model = None);
         assert_eq!(name(&w), Some("b".to_owned()), "b alone serves soundly");
+    }
+
+    /// Pages quarantined for now (they come back) do not make a worker unsound: the served
+    /// model stays. Counted as a lasting fault, a brief quarantine on every worker of the
+    /// served model handed the gateway to a worker of another model for good.
+    #[tokio::test]
+    async fn a_worker_with_pages_quarantined_for_now_keeps_the_served_model() {
+        let w = workers(&[("a", WorkerRole::Both, None)]);
+        reports(&w, "a", WorkerRole::Both, 8192, 8192);
+        w.with(|s| {
+            s.entries[0].health = Health::Serving {
+                pool_pages_total: 512,
+                pool_pages_free: 0,
+                pool_pages_cached: 0,
+                pool_pages_quarantined: 8,
+                queue_depth: 0,
+                running: 0,
+            };
+            assert!(matches!(
+                s.unroutable(&s.entries[0]),
+                Some(Unroutable::Quarantined { .. })
+            ));
+            assert!(s.model_to_register().is_none(), "the served model is kept");
+        });
     }
 
     /// A worker that stopped answering is not routed to as soon as its own probe fails, while
