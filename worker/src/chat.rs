@@ -35,6 +35,9 @@ impl Message {
 pub enum ChatError {
     #[error("the model has no chat template (tokenizer.chat_template)")]
     NoTemplate,
+    /// The model file's template is there but cannot be read (not a string).
+    #[error("the model's chat template cannot be read: {0}")]
+    Unreadable(String),
     #[error("the chat template does not compile: {0}")]
     Compile(String),
     #[error("the chat template failed on these messages: {0}")]
@@ -276,7 +279,7 @@ impl ChatTemplate {
     pub fn from_gguf(g: &Gguf) -> Result<ChatTemplate, ChatError> {
         let source = match g.get_str("tokenizer.chat_template") {
             Err(GgufError::MissingKey { .. }) => return Err(ChatError::NoTemplate),
-            other => other.map_err(|e| ChatError::Compile(e.to_string()))?,
+            other => other.map_err(|e| ChatError::Unreadable(e.to_string()))?,
         };
         let tokens = g.get_strings("tokenizer.ggml.tokens").unwrap_or_default();
         let text = |key: &str| {

@@ -456,6 +456,7 @@ fn bounded(e: ChatError) -> ChatError {
     let cut = |s: String| printable(&s, ERROR_MAX);
     match e {
         ChatError::Compile(s) => ChatError::Compile(cut(s)),
+        ChatError::Unreadable(s) => ChatError::Unreadable(cut(s)),
         ChatError::Render(s) => ChatError::Render(cut(s)),
         ChatError::Tokenize(s) => ChatError::Tokenize(cut(s)),
         ChatError::Role(s) => ChatError::Role(cut(s)),
