@@ -1245,6 +1245,10 @@ impl Engine {
         let now = Instant::now();
         // Tenants (their salts aside) whose earliest waiting request could not start.
         let mut held_back: Vec<Scope> = Vec::new();
+        // The fewest pages past its cached prefix that a request could not reserve this step:
+        // a later one needing as many is not tried (a try scans the cache for room, under the
+        // pool's lock, and the pool only loses pages as this step goes on).
+        let mut short_at: Option<u32> = None;
         let mut next = 0;
         // A decode worker's transfers count: each becomes a running request once its KV is
         // verified, so leaving them out let a burst that fits the pool reserve all at once and
@@ -1271,18 +1275,23 @@ impl Engine {
             let looked_up = prefix
                 .as_ref()
                 .map(|p| (w.request.prompt.len() as u64, p.tokens() as u64));
-            let reservation = match self.reserve(w.admissible, prefix.as_ref()) {
+            let need = (w.admissible.pages())
+                .saturating_sub(prefix.as_ref().map_or(0, |p| p.pages().len() as u32));
+            let tried = if short_at.is_some_and(|short| need >= short) {
+                Err(w.admissible)
+            } else {
+                self.reserve(w.admissible, prefix.as_ref())
+                    .map_err(|not_now| {
+                        short_at = Some(short_at.map_or(need, |short| short.min(need)));
+                        not_now.into_inner()
+                    })
+            };
+            let reservation = match tried {
                 Ok(r) => r,
-                Err(not_now) => {
+                Err(admissible) => {
                     let patient = now.saturating_duration_since(w.since) < patience;
                     held_back.push(w.request.tenant.clone());
-                    self.waiting.insert(
-                        next,
-                        Waiting {
-                            admissible: not_now.into_inner(),
-                            ..w
-                        },
-                    );
+                    self.waiting.insert(next, Waiting { admissible, ..w });
                     if !patient {
                         break;
                     }
