@@ -185,8 +185,8 @@ impl Metrics {
     }
 
     /// Tokens the engine computed since it started, prompt and generated: rises while it does
-    /// any work a queued request waits on (a prompt ahead of it, or answers whose end frees
-    /// the pages it needs).
+    /// any work, a started request's prompt included (whose chunks share each step with the
+    /// prompts and answers beside it).
     pub fn computed_tokens(&self) -> u64 {
         self.computed_prompt_tokens()
             .saturating_add(self.generated_tokens())
