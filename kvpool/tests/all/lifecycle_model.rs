@@ -267,13 +267,7 @@ impl Model {
                     self.leave(&table, Dest::Release);
                 }
             }
-            Op::TimedOut(i) => {
-                if let Some(r) = take(&mut self.releasing, i) {
-                    let table = r.pages().to_vec();
-                    let q = r.timed_out();
-                    self.quarantined_as(q, &table);
-                }
-            }
+            Op::TimedOut(i) => self.releasing_quarantined(i, Releasing::timed_out),
             Op::DropReleasing(i) => {
                 if let Some(r) = take(&mut self.releasing, i) {
                     let table = r.pages().to_vec();
@@ -281,13 +275,7 @@ impl Model {
                     self.leave(&table, Dest::Quarantine);
                 }
             }
-            Op::ReleasingQuarantine(i) => {
-                if let Some(r) = take(&mut self.releasing, i) {
-                    let table = r.pages().to_vec();
-                    let q = r.quarantine();
-                    self.quarantined_as(q, &table);
-                }
-            }
+            Op::ReleasingQuarantine(i) => self.releasing_quarantined(i, Releasing::quarantine),
             Op::Reclaim(i) => {
                 if let Some((q, table)) = take(&mut self.quarantines, i) {
                     let mut expected = 0;
@@ -312,6 +300,15 @@ impl Model {
                     self.returned(page);
                 }
             }
+        }
+    }
+
+    /// Releasing holder `i` (if any) goes into quarantine as `how` puts it there.
+    fn releasing_quarantined(&mut self, i: usize, how: fn(Releasing) -> Quarantined) {
+        if let Some(r) = take(&mut self.releasing, i) {
+            let table = r.pages().to_vec();
+            let q = how(r);
+            self.quarantined_as(q, &table);
         }
     }
 

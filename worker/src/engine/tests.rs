@@ -410,33 +410,43 @@ fn admitted(e: &mut Engine, request: Request) {
     e.submit(request).map_err(|(e, _)| e).expect("admits");
 }
 
+/// An engine of 256 tokens' pages with `config` besides, where tenant a's request 1 holds
+/// half the pool and its request 2, for the whole pool, was just admitted behind it; with the
+/// requests' events.
+fn a_request_for_the_whole_pool_behind_another(
+    config: EngineConfig,
+) -> (Engine, mpsc::Sender<Event>, mpsc::Receiver<Event>) {
+    let mut e = tiny_engine_with(EngineConfig {
+        kv: KvBudget::Tokens(256),
+        ..config
+    })
+    .expect("engine starts");
+    let (tx, rx) = mpsc::channel();
+    let half: Vec<TokenId> = (3..103).collect();
+    admitted(&mut e, request_of(1, "a", &half, 28, tx.clone()));
+    e.step();
+    let whole: Vec<TokenId> = (3..203).collect();
+    admitted(&mut e, request_of(2, "a", &whole, 56, tx.clone()));
+    (e, tx, rx)
+}
+
+/// The ids of the requests waiting, in order.
+fn waiting_ids(e: &Engine) -> Vec<u64> {
+    e.waiting.iter().map(|w| w.request.id.get()).collect()
+}
+
 /// A tenant's request for the whole pool, waiting for pages another of its requests holds,
 /// does not hold back another tenant's small request that the free pages fit: it waited behind
 /// it, pages free, until its queue timeout. The tenant's own later requests still wait behind
 /// it, in order.
 #[test]
 fn a_request_waiting_for_pages_holds_back_its_own_tenant_only() {
-    let mut e = tiny_engine_with(EngineConfig {
-        kv: KvBudget::Tokens(256),
-        ..EngineConfig::default()
-    })
-    .expect("engine starts");
-    let (tx, _rx) = mpsc::channel();
-    admitted(
-        &mut e,
-        request_of(1, "a", &(3..103).collect::<Vec<_>>(), 28, tx.clone()),
-    );
-    e.step();
-    admitted(
-        &mut e,
-        request_of(2, "a", &(3..203).collect::<Vec<_>>(), 56, tx.clone()),
-    );
+    let (mut e, tx, _rx) = a_request_for_the_whole_pool_behind_another(EngineConfig::default());
     admitted(&mut e, request_of(3, "a", &[3, 4, 5, 6], 4, tx.clone()));
     admitted(&mut e, request_of(4, "b", &[3, 4, 5, 6], 4, tx));
     e.step();
     assert_eq!(e.load(), (2, 2), "b's started beside a's first");
-    let waiting: Vec<u64> = e.waiting.iter().map(|w| w.request.id.get()).collect();
-    assert_eq!(waiting, [2, 3], "a's wait in order");
+    assert_eq!(waiting_ids(&e), [2, 3], "a's wait in order");
 }
 
 /// A request that has waited a quarter of the queue timeout for pages holds back every request
@@ -444,34 +454,24 @@ fn a_request_waiting_for_pages_holds_back_its_own_tenant_only() {
 /// requests cannot keep it waiting until its timeout.
 #[test]
 fn a_request_waiting_past_its_patience_holds_back_every_later_one() {
-    let mut e = tiny_engine_with(EngineConfig {
-        kv: KvBudget::Tokens(256),
+    let (mut e, tx, _rx) = a_request_for_the_whole_pool_behind_another(EngineConfig {
         queue_timeout: std::time::Duration::from_secs(4),
         ..EngineConfig::default()
-    })
-    .expect("engine starts");
-    let (tx, _rx) = mpsc::channel();
-    admitted(
-        &mut e,
-        request_of(1, "a", &(3..103).collect::<Vec<_>>(), 28, tx.clone()),
-    );
-    e.step();
-    admitted(
-        &mut e,
-        request_of(2, "a", &(3..203).collect::<Vec<_>>(), 56, tx.clone()),
-    );
+    });
     e.step();
     std::thread::sleep(std::time::Duration::from_millis(1_100));
     admitted(&mut e, request_of(3, "b", &[3, 4, 5, 6], 4, tx));
     e.step();
-    let waiting: Vec<u64> = e.waiting.iter().map(|w| w.request.id.get()).collect();
-    assert_eq!(waiting, [2, 3], "b's waits behind a's request for the pool");
+    assert_eq!(
+        waiting_ids(&e),
+        [2, 3],
+        "b's waits behind a's request for the pool"
+    );
     while e.running.iter().any(|r| r.request.id.get() == 1) {
         e.step();
     }
     e.step();
-    let waiting: Vec<u64> = e.waiting.iter().map(|w| w.request.id.get()).collect();
-    assert_eq!(waiting, [3], "the pages went to a's request");
+    assert_eq!(waiting_ids(&e), [3], "the pages went to a's request");
 }
 
 /// With as many requests decoding as a step has tokens, a prompt still moves: it got none of
