@@ -79,6 +79,20 @@ pub enum Event {
     Prefilled(Outbound),
 }
 
+impl Event {
+    /// The event's kind, for a log line: never its text, which is the tenant's.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Event::Token { .. } => "token",
+            Event::Done { .. } => "done",
+            Event::Failed(_) => "failed",
+            Event::Started => "started",
+            Event::Reserved(_) => "reserved",
+            Event::Prefilled(_) => "prefilled",
+        }
+    }
+}
+
 /// Why an admitted request failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Failure {

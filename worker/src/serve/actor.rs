@@ -480,7 +480,10 @@ impl<'a> Unclaimed<'a> {
                     Ok((events, guard, first))
                 }
                 Err(other) => {
-                    tracing::error!(event = ?other, "a request's first event was not {what}");
+                    tracing::error!(
+                        event = other.kind(),
+                        "a request's first event was not {what}"
+                    );
                     Err(ServeError::Internal { what: "engine" })
                 }
             },

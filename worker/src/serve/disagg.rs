@@ -460,7 +460,10 @@ pub async fn start_remote_prefill(
             (answer, Some(early))
         }
         Raced::Event(Some(other)) => {
-            tracing::error!(event = ?other, "a decode request's event before its prefill answered");
+            tracing::error!(
+                event = other.kind(),
+                "a decode request's event before its prefill answered"
+            );
             return Err(ServeError::Internal { what: "engine" });
         }
     };
@@ -701,7 +704,7 @@ async fn computed(
                 Some(Event::Prefilled(outbound)) => return Computed::Kv(outbound),
                 Some(Event::Failed(f)) => Err(status(&ServeError::Failed(f))),
                 other => {
-                    tracing::error!(event = ?other, "a prefill request ended without its KV");
+                    tracing::error!(event = other.kind(), "a prefill request ended without its KV");
                     Err(status(&ServeError::Internal { what: "engine" }))
                 }
             },
