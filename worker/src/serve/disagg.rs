@@ -704,7 +704,8 @@ async fn computed(
                 Some(Event::Prefilled(outbound)) => return Computed::Kv(outbound),
                 Some(Event::Failed(f)) => Err(status(&ServeError::Failed(f))),
                 other => {
-                    tracing::error!(event = other.kind(), "a prefill request ended without its KV");
+                    let event = other.as_ref().map_or("none", Event::kind);
+                    tracing::error!(event, "a prefill request ended without its KV");
                     Err(status(&ServeError::Internal { what: "engine" }))
                 }
             },
