@@ -196,12 +196,73 @@ impl Metrics {
         self.generated_tokens.load(Ordering::Relaxed)
     }
 
-    /// The Prometheus text exposition of these counters and `stats`.
-    pub fn render(&self, stats: &EngineStats) -> String {
+    /// The Prometheus text exposition of these counters and of `stats`, the engine's, when it
+    /// answered: gone or stuck in one step, its gauges are left out, and the counters kept here
+    /// are what tells an operator what happened.
+    pub fn render(&self, stats: Option<&EngineStats>) -> String {
         let mut out = String::new();
-        let p = &stats.pool;
+        let name = "bulkhead_engine_up";
         family(
             &mut out,
+            name,
+            "gauge",
+            "1 while the engine thread answers; 0 once it is gone or stuck in one step (its gauges are left out then).",
+        );
+        let _ = writeln!(out, "{name} {}", u8::from(stats.is_some()));
+        if let Some(stats) = stats {
+            self.render_engine(&mut out, stats);
+        }
+        let (open, over_bound, out_of_time, evicted) = self.grpc_connections.get();
+        let name = "bulkhead_grpc_connections";
+        family(&mut out, name, "gauge", "gRPC connections open.");
+        let _ = writeln!(out, "{name} {open}");
+        let name = "bulkhead_grpc_connections_closed_total";
+        family(
+            &mut out,
+            name,
+            "counter",
+            "gRPC connections the worker closed: over its bound on open ones, with no call presenting the cluster token in time, or for a newer connection while none had.",
+        );
+        let _ = writeln!(out, "{name}{{reason=\"over_bound\"}} {over_bound}");
+        let _ = writeln!(out, "{name}{{reason=\"no_call_in_time\"}} {out_of_time}");
+        let _ = writeln!(out, "{name}{{reason=\"unvouched_evicted\"}} {evicted}");
+        family(
+            &mut out,
+            "bulkhead_requests_total",
+            "counter",
+            "Requests by how they ended.",
+        );
+        for o in Outcome::ALL {
+            let _ = writeln!(
+                out,
+                "bulkhead_requests_total{{outcome=\"{}\"}} {}",
+                o.label(),
+                self.requests(o)
+            );
+        }
+        for (name, help, value) in [
+            (
+                "bulkhead_generated_tokens_total",
+                "Tokens generated, including those of requests cancelled later.",
+                self.generated_tokens(),
+            ),
+            (
+                "bulkhead_prompt_tokens_computed_total",
+                "Prompt tokens computed (the prefix cache's hits not included).",
+                self.computed_prompt_tokens(),
+            ),
+        ] {
+            family(&mut out, name, "counter", help);
+            let _ = writeln!(out, "{name} {value}");
+        }
+        out
+    }
+
+    /// What the engine reports: its pool, capacity and queue, the KV handoff, the prefix cache.
+    fn render_engine(&self, out: &mut String, stats: &EngineStats) {
+        let p = &stats.pool;
+        family(
+            out,
             "bulkhead_kv_pool_pages",
             "gauge",
             "KV pool pages by state.",
@@ -245,55 +306,11 @@ impl Metrics {
                 stats.running as u64,
             ),
         ] {
-            family(&mut out, name, "gauge", help);
+            family(out, name, "gauge", help);
             let _ = writeln!(out, "{name} {value}");
         }
-        let (open, over_bound, out_of_time, evicted) = self.grpc_connections.get();
-        let name = "bulkhead_grpc_connections";
-        family(&mut out, name, "gauge", "gRPC connections open.");
-        let _ = writeln!(out, "{name} {open}");
-        let name = "bulkhead_grpc_connections_closed_total";
-        family(
-            &mut out,
-            name,
-            "counter",
-            "gRPC connections the worker closed: over its bound on open ones, with no call presenting the cluster token in time, or for a newer connection while none had.",
-        );
-        let _ = writeln!(out, "{name}{{reason=\"over_bound\"}} {over_bound}");
-        let _ = writeln!(out, "{name}{{reason=\"no_call_in_time\"}} {out_of_time}");
-        let _ = writeln!(out, "{name}{{reason=\"unvouched_evicted\"}} {evicted}");
-        family(
-            &mut out,
-            "bulkhead_requests_total",
-            "counter",
-            "Requests by how they ended.",
-        );
-        for o in Outcome::ALL {
-            let _ = writeln!(
-                out,
-                "bulkhead_requests_total{{outcome=\"{}\"}} {}",
-                o.label(),
-                self.requests(o)
-            );
-        }
-        family(
-            &mut out,
-            "bulkhead_generated_tokens_total",
-            "counter",
-            "Tokens generated, including those of requests cancelled later.",
-        );
-        let _ = writeln!(
-            out,
-            "bulkhead_generated_tokens_total {}",
-            self.generated_tokens()
-        );
-        self.render_transfers(&mut out, &stats.transfers);
+        self.render_transfers(out, &stats.transfers);
         for (name, help, value) in [
-            (
-                "bulkhead_prompt_tokens_computed_total",
-                "Prompt tokens computed (the prefix cache's hits not included).",
-                self.computed_prompt_tokens(),
-            ),
             (
                 "bulkhead_prefix_cache_prompt_tokens_total",
                 "Prompt tokens of the requests that looked their prompt up in the tenant's prefix cache.",
@@ -310,10 +327,9 @@ impl Metrics {
                 stats.prefix.distrusted_pages,
             ),
         ] {
-            family(&mut out, name, "counter", help);
+            family(out, name, "counter", help);
             let _ = writeln!(out, "{name} {value}");
         }
-        out
     }
 
     /// The KV handoff: counters, per-side gauges, the abort-acknowledgement histogram.
@@ -469,7 +485,7 @@ mod tests {
         m.count(Outcome::Stop);
         m.count(Outcome::RejectedContextLength);
         m.add_generated(7);
-        let text = m.render(&stats());
+        let text = m.render(Some(&stats()));
         assert_eq!(
             value(&text, "bulkhead_kv_pool_pages{state=\"free\"}"),
             Some(6)
@@ -507,7 +523,7 @@ mod tests {
             Some(0)
         );
         m.set_computed_prompt_tokens(1234);
-        let text = m.render(&stats());
+        let text = m.render(Some(&stats()));
         assert_eq!(
             value(&text, "bulkhead_prompt_tokens_computed_total"),
             Some(1234)
@@ -532,7 +548,7 @@ mod tests {
         let m = Metrics::default();
         let sending = m.sending(40);
         let _other = m.sending(2);
-        let text = m.render(&stats());
+        let text = m.render(Some(&stats()));
         let v = |s: &str| value(&text, s);
         assert_eq!(
             v("bulkhead_kv_transfers_in_flight{side=\"receive\"}"),
@@ -555,7 +571,7 @@ mod tests {
         );
         assert_eq!(v("bulkhead_kv_abort_ack_seconds_count"), Some(0));
         drop(sending);
-        let text = m.render(&stats());
+        let text = m.render(Some(&stats()));
         assert_eq!(
             value(&text, "bulkhead_kv_in_flight_tokens{side=\"send\"}"),
             Some(2)
@@ -566,7 +582,32 @@ mod tests {
     /// family's (Prometheus's text format).
     #[test]
     fn every_family_is_declared_once_and_its_samples_follow_it() {
-        let text = Metrics::default().render(&stats());
+        for stats in [Some(stats()), None] {
+            families_grouped(&Metrics::default().render(stats.as_ref()));
+        }
+    }
+
+    /// With the engine gone or stuck, the counters kept beside it are still exposed (what
+    /// tells an operator what happened), and the engine's gauges are left out: `/metrics`
+    /// answered 503 and the scrape saw nothing.
+    #[test]
+    fn without_the_engine_the_counters_are_still_exposed() {
+        let m = Metrics::default();
+        m.count(Outcome::FailedInternal);
+        let text = m.render(None);
+        assert!(text.contains("bulkhead_engine_up 0\n"), "{text}");
+        assert!(
+            text.contains("bulkhead_requests_total{outcome=\"failed_internal\"} 1\n"),
+            "{text}"
+        );
+        assert!(text.contains("bulkhead_grpc_connections 0\n"), "{text}");
+        assert!(!text.contains("bulkhead_kv_pool_pages"), "{text}");
+        let up = m.render(Some(&stats()));
+        assert!(up.contains("bulkhead_engine_up 1\n") && up.contains("bulkhead_kv_pool_pages"));
+    }
+
+    /// Every family in `text` is declared once and its samples follow its declaration.
+    fn families_grouped(text: &str) {
         let mut declared: Vec<&str> = Vec::new();
         for line in text.lines() {
             if let Some(family) = line.strip_prefix("# TYPE ") {
@@ -582,7 +623,7 @@ mod tests {
                 assert!(of_current, "{sample} follows {current}'s declaration");
             }
         }
-        assert!(declared.len() >= 10, "{declared:?}");
+        assert!(declared.len() >= 6, "{declared:?}");
     }
 
     /// The client hears 500 when the chat template's sandbox is unavailable: counted as the
