@@ -278,6 +278,21 @@ fn every_request_leaves_one_record_in_its_tenants_log_that_only_it_can_read() {
             http(&up.admin, "GET", "/audit/tenant-b", Some(ADMIN), &junk, "").0,
             401
         );
+        // Every admin route, read or reload, with no token or a tenant's key.
+        for (method, path) in [
+            ("GET", "/healthz"),
+            ("GET", "/metrics"),
+            ("GET", "/workers"),
+            ("GET", "/policies"),
+            ("POST", "/policies/reload"),
+            ("GET", "/tenants"),
+            ("POST", "/tenants/reload"),
+        ] {
+            for key in [None, Some(KEY_A)] {
+                let (status, body) = http(&up.admin, method, path, key, &[], "");
+                assert_eq!(status, 401, "{method} {path} with {key:?}: {body}");
+            }
+        }
         // A configured tenant with no records yet is an empty page; a name that is neither
         // configured nor logged is 404, not an empty page a typo would pass for.
         let (status, body) = http(
