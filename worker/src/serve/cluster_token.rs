@@ -74,7 +74,16 @@ pub enum SecretFault {
     NotPrintable,
     #[error("a line starting with # (the file holds secrets, one per line, and no comments)")]
     Comment,
+    #[error(
+        "the demo secret deploy/k8s publishes: anyone can present it; `openssl rand -hex 32` makes one of your own"
+    )]
+    Published,
 }
+
+/// The demo secret the Kubernetes base ships (`deploy/k8s/base/kustomization.yaml`): public,
+/// so never taken — a deployment applied without replacing it would let anyone who can reach a
+/// worker call it.
+const PUBLISHED: &str = "demo-cluster-token-replace-me-per-deployment";
 
 /// A cluster secret, as the `authorization` value calls carry, and the others accepted while
 /// it is rotated. Its `Debug` never shows them.
@@ -102,6 +111,9 @@ fn bearer(secret: &str) -> Result<MetadataValue<Ascii>, SecretFault> {
     }
     if secret.len() < MIN_SECRET_CHARS {
         return Err(SecretFault::TooShort(secret.len()));
+    }
+    if same(secret.as_bytes(), PUBLISHED.as_bytes()) {
+        return Err(SecretFault::Published);
     }
     MetadataValue::try_from(format!("Bearer {secret}")).map_err(|_| SecretFault::NotPrintable)
 }
@@ -351,6 +363,14 @@ mod tests {
             sent.metadata().get(HEADER).and_then(|v| v.to_str().ok()),
             bearer(old).as_deref()
         );
+        // The Kubernetes base's demo secret is public: refused, on any line.
+        assert!(matches!(
+            ClusterToken::parse(&format!("{old}\n{PUBLISHED}")),
+            Err(TokenError::Line {
+                line: 2,
+                fault: SecretFault::Published
+            })
+        ));
         // A bad second line is refused like a bad first one, by its line.
         assert!(matches!(
             ClusterToken::parse(&format!("{old}\n\nshort")),
