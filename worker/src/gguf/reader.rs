@@ -4,6 +4,8 @@ use std::path::Path;
 use bulkhead_kernels::{DType, QMatrix};
 use memmap2::Mmap;
 
+use crate::printable::printable;
+
 use super::{
     DEFAULT_ALIGNMENT, GgufError, MAGIC, VERSIONS, Value, dtype_from_ggml, ggml_type_name,
 };
@@ -415,14 +417,14 @@ const MAX_ENTRIES: u64 = 1 << 16;
 /// types and scores takes about 20 MiB.
 pub(super) const MAX_HEADER_BYTES: usize = 256 << 20;
 
-/// `key` quoted for an error message, cut to its first 64 bytes: a key may be 64 KiB long.
+/// The most of a key an error quotes: a key may be 64 KiB long.
+const QUOTED: usize = 64;
+
+/// `key` quoted for an error message: cut to [`QUOTED`] bytes, and what would act on a terminal
+/// escaped ([`printable`]).
 fn quoted(key: &str) -> String {
-    let mut end = key.len().min(64);
-    while !key.is_char_boundary(end) {
-        end -= 1;
-    }
-    let cut = if end < key.len() { "…" } else { "" };
-    format!("{:?}{cut}", &key[..end])
+    let cut = if key.len() > QUOTED { "…" } else { "" };
+    format!("\"{}\"{cut}", printable(key, QUOTED))
 }
 
 /// Arrays nest at most this deep (GGUF writers use one level).
