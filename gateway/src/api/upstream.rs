@@ -3,7 +3,8 @@
 
 use bulkhead_audit::Layer;
 use bulkhead_worker::serve::proto::{
-    self, GenerateRequest, Prompt, SamplingParams, TokenPrompt, error_code, refused_by,
+    self, GenerateRequest, Prompt, SamplingParams, TokenPrompt, error_code, prefill_at_fault,
+    refused_by,
 };
 
 use crate::admission::Admitted;
@@ -83,7 +84,10 @@ pub fn from_status(status: &tonic::Status, endpoint: Endpoint) -> WorkerFailure 
         ),
         Some("kv_integrity_error") => (ApiError::KvIntegrity, false),
         Some("internal_error") => (ApiError::Internal, false),
-        Some("service_unavailable") => (ApiError::WorkerUnavailable, true),
+        // A decode worker failed by its prefill worker is sound itself: marking it down would
+        // take every decode worker behind one bad prefill worker out of routing in turn (a
+        // prefill worker that stays down shows in decode's Info, which routing reads).
+        Some("service_unavailable") => (ApiError::WorkerUnavailable, !prefill_at_fault(status)),
         // No code: the transport failed (the worker died or is unreachable), or a worker that
         // speaks another protocol; either way the request did not complete.
         Some(_) | None => (ApiError::WorkerUnavailable, true),
@@ -193,5 +197,18 @@ mod tests {
         assert!(f.worker_down);
         let f = from_status(&Status::unknown("h2 protocol error"), Endpoint::Chat);
         assert!(f.worker_down);
+    }
+
+    #[test]
+    fn a_decode_worker_failed_by_its_prefill_worker_is_not_marked_down() {
+        let own = status(Code::Unavailable, "service_unavailable");
+        assert!(from_status(&own, Endpoint::Chat).worker_down);
+        let mut prefills = own;
+        prefills
+            .metadata_mut()
+            .insert(proto::FAULT_KEY, MetadataValue::from_static("prefill"));
+        let f = from_status(&prefills, Endpoint::Chat);
+        assert_eq!(f.error, ApiError::WorkerUnavailable);
+        assert!(!f.worker_down);
     }
 }

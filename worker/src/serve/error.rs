@@ -11,7 +11,7 @@ use crate::engine::{Failure, SubmitError};
 use crate::model::SeqFailure;
 use crate::sampling::SamplingError;
 
-use super::proto::{REFUSED_BY_KEY, error_code_status};
+use super::proto::{FAULT_KEY, REFUSED_BY_KEY, error_code_status};
 
 /// Why a `GenerateRequest` is malformed. One variant per rule; messages a caller can act on.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -202,6 +202,15 @@ pub fn status(err: &ServeError) -> Status {
             .metadata_mut()
             .insert(REFUSED_BY_KEY, MetadataValue::from_static("decode"));
     }
+    if let ServeError::PrefillUnavailable { .. }
+    | ServeError::Failed(Failure::PrefillClosed(_) | Failure::TransferTimedOut(_)) = err
+    {
+        // Decode's own admission and pages are sound: the gateway keeps routing to it (a
+        // dead prefill worker shows in decode's Info, which routing reads).
+        status
+            .metadata_mut()
+            .insert(FAULT_KEY, MetadataValue::from_static("prefill"));
+    }
     status
 }
 
@@ -209,7 +218,7 @@ pub fn status(err: &ServeError) -> Status {
 mod tests {
     use super::*;
     use crate::serve::metrics::Outcome;
-    use crate::serve::proto::{error_code, refused_by};
+    use crate::serve::proto::{error_code, prefill_at_fault, refused_by};
 
     fn check(err: ServeError, code: Code, tag: &str) {
         let s = status(&err);
@@ -316,6 +325,34 @@ mod tests {
             Outcome::failed(&Failure::PrefillRejected(mismatch)),
             Outcome::FailedPrefill
         );
+    }
+
+    /// Only the prefill worker's failures say so: a router reading `bulkhead-fault` keeps the
+    /// decode worker, and stops routing to one whose own engine failed.
+    #[test]
+    fn a_prefill_workers_failure_is_said_to_be_prefills_fault_and_decodes_own_is_not() {
+        let secs = std::time::Duration::from_secs(5);
+        for e in [
+            ServeError::PrefillUnavailable {
+                reason: "connection refused".into(),
+            },
+            Failure::PrefillClosed("the stream ended").into(),
+            Failure::TransferTimedOut(secs).into(),
+        ] {
+            let s = status(&e);
+            assert_eq!(error_code(&s), Some(codes::SERVICE_UNAVAILABLE), "{e}");
+            assert!(prefill_at_fault(&s), "{e}");
+            assert_eq!(refused_by(&s), None, "{e}: no admission refused it");
+        }
+        let mismatch = SubmitError::Invalid("the pair disagree".into());
+        for e in [
+            ServeError::EngineGone,
+            ServeError::EngineStalled { secs: 9 },
+            Failure::PrefillRejected(mismatch).into(),
+            Failure::QueueTimedOut(secs).into(),
+        ] {
+            assert!(!prefill_at_fault(&status(&e)), "{e}");
+        }
     }
 
     #[test]

@@ -67,3 +67,16 @@ pub const REFUSED_BY_KEY: &str = "bulkhead-refused-by";
 pub fn refused_by(status: &tonic::Status) -> Option<&str> {
     status.metadata().get(REFUSED_BY_KEY)?.to_str().ok()
 }
+
+/// The metadata key on a decode worker's `service_unavailable` status saying that the fault is
+/// its prefill worker's (`prefill`): unreachable, the call dropped, its pages late. The decode
+/// worker itself is sound.
+pub const FAULT_KEY: &str = "bulkhead-fault";
+
+/// Whether a status says the failure was the prefill worker's, not the answering worker's.
+pub fn prefill_at_fault(status: &tonic::Status) -> bool {
+    status
+        .metadata()
+        .get(FAULT_KEY)
+        .is_some_and(|v| v.as_bytes() == b"prefill")
+}
