@@ -2,7 +2,7 @@
 //! once — by [`Trail::finish`], or on drop when the request was abandoned (the client left).
 
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bulkhead_audit::{
     Admission, AdmissionOutcome, AuditRecord, DisconnectPhase, Hold, Integrity, Layer,
@@ -43,6 +43,8 @@ struct Draft {
     recorder: Recorder,
     record: AuditRecord,
     arrived: Instant,
+    /// From arrival to the first text sent, to the microsecond (the record keeps milliseconds).
+    ttft: Option<Duration>,
     /// Where the request is, for the record of a client that leaves.
     phase: DisconnectPhase,
     /// Whether the request was routed to a decode worker with a prefill worker: its admission
@@ -71,8 +73,8 @@ pub(super) fn now_unix_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-fn millis(since: Instant) -> u64 {
-    u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX)
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 impl Trail {
@@ -88,6 +90,7 @@ impl Trail {
             recorder,
             record,
             arrived: Instant::now(),
+            ttft: None,
             phase: DisconnectPhase::BeforeAdmission,
             disaggregated: false,
             capture: false,
@@ -183,8 +186,10 @@ impl Trail {
     /// handoff's checks.
     pub fn text(&self, text: &str) {
         self.with(|d| {
-            if d.record.ttft_ms.is_none() {
-                d.record.ttft_ms = Some(millis(d.arrived));
+            if d.ttft.is_none() {
+                let ttft = d.arrived.elapsed();
+                d.ttft = Some(ttft);
+                d.record.ttft_ms = Some(millis(ttft));
                 d.phase = DisconnectPhase::Decode;
                 d.admitted_by_workers();
                 d.completion = Some(Sha256::new());
@@ -360,7 +365,8 @@ impl Draft {
     fn seal(&mut self) -> (AuditRecord, Span) {
         self.committed = true;
         self.record.time_unix_ms = now_unix_ms();
-        self.record.total_ms = millis(self.arrived);
+        let total = self.arrived.elapsed();
+        self.record.total_ms = millis(total);
         self.record.completion_sha256 = self
             .completion
             .take()
@@ -369,7 +375,7 @@ impl Draft {
             self.record.completion = Some(std::mem::take(&mut self.completion_text));
         }
         let span = std::mem::replace(&mut self.span, Span::none());
-        self.recorder.ended(&self.record, &span);
+        self.recorder.ended(&self.record, &span, total, self.ttft);
         (self.record.clone(), span)
     }
 }

@@ -219,10 +219,8 @@ impl Recorder {
     /// A request ended: its latency goes to the histograms and its outcome onto its span. (It
     /// is counted by [`Recorder::count`], once what its client was told is known, and exported
     /// by [`Recorder::append`], as the log takes it.)
-    fn ended(&self, record: &AuditRecord, span: &Span) {
-        self.inner
-            .metrics
-            .latency(&record.tenant, record.total_ms, record.ttft_ms);
+    fn ended(&self, record: &AuditRecord, span: &Span, total: Duration, ttft: Option<Duration>) {
+        self.inner.metrics.latency(&record.tenant, total, ttft);
         span.record("gen_ai.usage.input_tokens", record.input_tokens);
         span.record("gen_ai.usage.output_tokens", record.output_tokens);
         if let Some(error) = &record.error_type {
