@@ -10,10 +10,14 @@
 //!  freed ──▶ B1 (holds 0)   then A1, A2, … (first in first out among equals)
 //! ```
 //!
-//! Ahead of every call waits the end of a request already served ([`Turn::End`]: its
-//! `on-response-end`, where plugins account its usage): a tenant that floods the slots would
-//! otherwise lose its own ends to the fair order, after their wait, and leave its usage
-//! unreported.
+//! Among the waiters of holders that hold as many, the end of a request already served
+//! ([`Turn::End`]: its `on-response-end`, where plugins account its usage) goes before any
+//! call: a tenant's ends before its own calls, so that its flood starves its own requests
+//! before their accounting. Ends do not go before the calls of a tenant that holds fewer: a
+//! tenant's ends are not bounded by its concurrency limit (each is spawned once its request
+//! let its place go), and, put ahead of every call, a flood of them took every freed slot
+//! from the other tenants. The load of a policy set goes before everyone: a reload waits for
+//! no tenant's flood.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -31,7 +35,7 @@ pub(super) enum Holder {
 /// Where a waiter stands in the queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) enum Turn {
-    /// The end of a request already served: ahead of every call.
+    /// The end of a request already served: ahead of the calls of holders holding as many.
     End,
     /// A call of a request being served, or a load.
     Call,
@@ -72,8 +76,8 @@ impl State {
         self.held.get(holder).copied().unwrap_or(0)
     }
 
-    /// The waiter the next freed slot goes to: an end before any call; then of the holders
-    /// that hold the fewest, the one that has waited longest.
+    /// The waiter the next freed slot goes to: a load first; then of the holders that hold
+    /// the fewest, an end before a call, and then the one that has waited longest.
     fn next(&self) -> Option<usize> {
         #[cfg(test)]
         if self.fifo {
@@ -81,7 +85,7 @@ impl State {
         }
         (0..self.waiting.len()).min_by_key(|&i| {
             let w = &self.waiting[i];
-            (w.turn, self.holding(&w.holder), i)
+            (w.holder != Holder::Load, self.holding(&w.holder), w.turn, i)
         })
     }
 
@@ -301,38 +305,91 @@ mod tests {
         assert_eq!(fifo.last(), Some(&tenant("b")), "{fifo:?}");
     }
 
-    /// Tenant A holds the one slot; B's call waits, then A's end. The end goes first, though
-    /// B holds none: without its turn, it would wait behind B's calls (and a flood of them).
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_freed_slot_goes_to_a_waiting_end_before_any_call() {
-        let slots = Slots::new(1);
-        let (a, b) = (tenant("a"), tenant("b"));
-        let held = slots
-            .acquire(a.clone(), Turn::Call, WAIT)
-            .await
-            .expect("free");
+    /// Slots held by `holders` (one each); then `waiters` queue in order. Slot `free` of the
+    /// held ones is given back, then the rest, one at a time: the order of the grants.
+    async fn grants(
+        holders: &[Holder],
+        free: usize,
+        waiters: &[(Holder, Turn)],
+    ) -> Vec<(Holder, Turn)> {
+        let slots = Slots::new(holders.len());
+        let mut held = Vec::new();
+        for h in holders {
+            held.push(Some(
+                slots
+                    .acquire(h.clone(), Turn::Call, WAIT)
+                    .await
+                    .expect("free"),
+            ));
+        }
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let waiter = |holder: Holder, turn| {
+        let mut tasks = Vec::new();
+        for (holder, turn) in waiters.iter().cloned() {
             let (slots, tx) = (slots.clone(), tx.clone());
-            tokio::spawn(async move {
+            tasks.push(tokio::spawn(async move {
                 let slot = slots
                     .acquire(holder.clone(), turn, WAIT)
                     .await
                     .expect("granted");
                 tx.send((holder, turn)).expect("the test listens");
+                // Held until the test has seen the grant: the next one is decided by the
+                // same counts.
+                tokio::task::yield_now().await;
                 drop(slot);
-            })
-        };
-        let call = waiter(b.clone(), Turn::Call);
-        tokio::task::yield_now().await;
-        let end = waiter(a.clone(), Turn::End);
-        tokio::task::yield_now().await;
+            }));
+            tokio::task::yield_now().await;
+        }
+        held[free] = None;
+        let mut order = vec![rx.recv().await.expect("a grant")];
         drop(held);
-        assert_eq!(rx.recv().await, Some((a, Turn::End)));
-        assert_eq!(rx.recv().await, Some((b, Turn::Call)));
-        for task in [call, end] {
+        for task in tasks {
             task.await.expect("the waiter ran");
         }
+        while let Ok(g) = rx.try_recv() {
+            order.push(g);
+        }
+        order
+    }
+
+    /// A tenant's end goes before its own calls, and before the calls of a tenant that holds
+    /// as many slots; not before those of a tenant that holds fewer: A's ends, unbounded by
+    /// its concurrency limit, took every slot freed from B's requests when they went before
+    /// every call.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_freed_slot_goes_to_an_end_before_the_calls_of_tenants_holding_as_many() {
+        let (a, b, c) = (tenant("a"), tenant("b"), tenant("c"));
+        let (call, end) = (Turn::Call, Turn::End);
+        // A holds both slots; B's call waits, then A's end, then A's call; one of A's frees.
+        let order = grants(
+            &[a.clone(), a.clone()],
+            0,
+            &[(b.clone(), call), (a.clone(), end), (a.clone(), call)],
+        )
+        .await;
+        assert_eq!(order[0], (b.clone(), call), "B holds none: {order:?}");
+        // A and B hold one each, C's frees: B's call waited first, A's end goes first.
+        let order = grants(
+            &[a.clone(), b.clone(), c.clone()],
+            2,
+            &[(b.clone(), call), (a.clone(), call), (a.clone(), end)],
+        )
+        .await;
+        assert_eq!(order[0], (a.clone(), end), "{order:?}");
+        assert_eq!(order[1], (b.clone(), call), "{order:?}");
+    }
+
+    /// The load of a policy set goes before every tenant's waiters, ends too: a reload waits
+    /// for no flood.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_freed_slot_goes_to_a_waiting_load_first() {
+        let a = tenant("a");
+        let order = grants(
+            std::slice::from_ref(&a),
+            0,
+            &[(a.clone(), Turn::End), (Holder::Load, Turn::Call)],
+        )
+        .await;
+        assert_eq!(order[0], (Holder::Load, Turn::Call), "{order:?}");
     }
 
     #[tokio::test(flavor = "current_thread", start_paused = true)]
