@@ -406,7 +406,14 @@ impl IntoResponse for ApiError {
         {
             response.headers_mut().insert(header::RETRY_AFTER, v);
         }
-        if status == StatusCode::INTERNAL_SERVER_ERROR || matches!(self, ApiError::Timeout { .. }) {
+        // A policy's refusal is its decision: asked again, the same (OpenAI's SDKs send a 409
+        // twice more); its 429 is left to them, as a rate limit's.
+        let denied = matches!(self, ApiError::PolicyDenied { .. })
+            && status != StatusCode::TOO_MANY_REQUESTS;
+        if status == StatusCode::INTERNAL_SERVER_ERROR
+            || matches!(self, ApiError::Timeout { .. })
+            || denied
+        {
             // A 500 is a broken answer, a KV integrity failure or a failed policy: asked again,
             // the same. OpenAI's SDKs retry every 5xx twice unless told not to, which would
             // charge the tenant three times and hide a KV integrity failure behind a 200. A
@@ -712,6 +719,25 @@ mod tests {
         ] {
             assert!(!e.into_response().headers().contains_key(SHOULD_RETRY));
         }
+    }
+
+    /// A policy's refusal is not worth sending again, and OpenAI's SDKs send a 409 three
+    /// times in all (each read, counted against the tenant's rate and audited); its 429 is
+    /// left to them.
+    #[test]
+    fn a_policys_refusal_tells_sdks_not_to_retry_except_its_429() {
+        let denied = |status| ApiError::PolicyDenied {
+            plugin: "p".into(),
+            status,
+            message: "m".into(),
+        };
+        for status in [400, 403, 409, 422] {
+            let r = denied(status).into_response();
+            assert_eq!(r.status(), status);
+            assert_eq!(r.headers()[SHOULD_RETRY], "false", "{status}");
+        }
+        let r = denied(429).into_response();
+        assert!(!r.headers().contains_key(SHOULD_RETRY));
     }
 
     #[test]
