@@ -45,7 +45,7 @@ use std::collections::HashSet;
 use std::convert::Infallible;
 use std::io::IoSlice;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bulkhead_handoff::codec::{
     FRAME_HEAD, HEADER, Head, decode_head, encode, frame_head, head_len,
@@ -317,28 +317,39 @@ pub async fn accepted(
 }
 
 /// Reads one connection's messages into `to`; on its end, reports the sessions it left open.
-/// With `idle`, a connection ends when its next message has not begun within it,
-/// whatever it has open: prefill connects once its prompt is computed and sends a transfer's
-/// messages back to back (a wait for the receive budget is decode's, not counted), so only a
-/// host that idles waits that long — and without the limit it held a connection, its socket
-/// and its task, for ever: with nothing open, or with a session it opened by one frame of a
-/// nonce decode never reserved (the engine keeps deadlines for its own sessions only). The
-/// sessions left open are reported torn down, as at any end. And a message begun must end
-/// within `limits.message`: a peer could otherwise open one and withhold a frame's last byte
-/// for ever. `limits` `None`: no limit.
+/// With `limits`, a connection ends once `limits.peer_timeout` passed since it was accepted or
+/// since its last message of a session decode is receiving, whatever it has open: prefill
+/// connects once its prompt is computed and sends a transfer's messages back to back (a wait
+/// for the receive budget is decode's, not counted), so only a host that idles waits that
+/// long — and without the limit it held a connection, its socket and its task, for ever: with
+/// nothing open, or with a session it opened by one frame of a nonce decode never reserved
+/// (the engine keeps deadlines for its own sessions only). Messages of sessions decode is not
+/// receiving (a `Closed` or a frame of a random nonce, sent now and then) do not keep a
+/// connection: they filled every connection's place for as long as a host cared to send
+/// them. The sessions left open are reported torn down, as at any end. And a message begun
+/// must end within `limits.message`: a peer could otherwise open one and withhold a frame's
+/// last byte for ever. `limits` `None`: no limit.
 pub async fn receive(
     socket: impl AsyncRead + Unpin,
     to: &impl Deliver,
     buffers: &Buffers,
     limits: Option<Limits>,
 ) -> std::io::Result<()> {
-    let idle = limits.map(|l| l.peer_timeout);
     let mut reader = BufReader::with_capacity(HEAD_BUFFER, socket);
     let mut open = HashSet::new();
+    let mut last_live = Instant::now();
     let result = loop {
+        let idle = limits.map(|l| {
+            l.peer_timeout
+                .saturating_sub(last_live.elapsed())
+                .max(Duration::from_millis(1))
+        });
         match read_message(&mut reader, to, buffers, idle, limits.map(|l| l.message)).await {
             Ok(None) => break Ok(()),
             Ok(Some((message, lease))) => {
+                if to.receiving(message.nonce()) {
+                    last_live = Instant::now();
+                }
                 match &message {
                     Received::Closed { nonce, .. } => {
                         open.remove(nonce);
@@ -408,10 +419,7 @@ async fn read_unleased(
         Some(limit) => tokio::time::timeout(limit, first).await.map_err(|_| {
             std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
-                format!(
-                    "no message on the data connection for {} ms",
-                    limit.as_millis()
-                ),
+                "no message of a session being received on the data connection within the peer timeout",
             )
         })??,
     };
@@ -1302,6 +1310,46 @@ mod tests {
             log.closed.lock().expect("lock").is_empty(),
             "closed cleanly"
         );
+    }
+
+    /// Messages of sessions decode is not receiving do not keep a connection: a `Closed` of a
+    /// nonce never reserved, sent every 150 ms, held a connection's place for as long as the
+    /// host sent them (with every place so held, each transfer's connection was refused).
+    #[tokio::test]
+    async fn messages_of_sessions_not_received_do_not_keep_a_connection_open() {
+        let limit = Some(Limits::new(Duration::from_millis(500), 0, 1));
+        let stranger = SessionNonce([9; 16]);
+        let log = Log::default();
+        log.ended.lock().expect("lock").push(stranger);
+        let (mut tx, rx) = tokio::io::duplex(1 << 16);
+        let receiving = tokio::spawn({
+            let log = log.clone();
+            async move { receive(rx, &log, &Buffers::default(), limit).await }
+        });
+        let mut closed = Vec::new();
+        encode(
+            &Message::Closed {
+                nonce: stranger,
+                reason: CloseReason::Aborted,
+            },
+            &mut closed,
+        );
+        let t0 = std::time::Instant::now();
+        let ended = loop {
+            if receiving.is_finished() || t0.elapsed() > Duration::from_secs(5) {
+                break tokio::time::timeout(Duration::from_secs(1), receiving).await;
+            }
+            // A write fails once the connection has ended: the loop sees it finished.
+            let _ = tx.write_all(&closed).await;
+            tokio::time::sleep(Duration::from_millis(150)).await;
+        };
+        let ended = ended.expect("closed for idling").expect("the task ran");
+        assert_eq!(
+            ended.expect_err("idle").kind(),
+            std::io::ErrorKind::TimedOut
+        );
+        assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+        assert!(log.got.lock().expect("lock").len() >= 2, "they were read");
     }
 
     #[tokio::test]
