@@ -143,6 +143,12 @@ pub enum Recovery {
         /// Where they are.
         kept: PathBuf,
     },
+    /// An empty segment at the end of a tenant's log (but its first) was removed: a flush
+    /// that failed, or a crash, after beginning it, or a planted file.
+    RemovedEmptySegment {
+        /// The segment.
+        path: PathBuf,
+    },
     /// Complete lines after the head that do not chain on from it (unreadable, or not the next
     /// record: what a power loss can leave in blocks written after the last fsync; in a keyed
     /// log also a line whose `prev` is not the key's MAC of the line before: forged) were cut
@@ -532,7 +538,8 @@ impl Inner {
         bytes.push(b'\n');
         let len = bytes.len() as u64;
         if t.segment_len > 0 && t.segment_len.saturating_add(len) > self.config.segment_bytes {
-            t.segment = SegmentNo(t.segment.0 + 1);
+            // Recovery refuses a segment numbered past where any could be begun.
+            t.segment = SegmentNo(t.segment.0.saturating_add(1));
             t.segment_len = 0;
         }
         t.segment_len += len;
@@ -690,7 +697,9 @@ impl Inner {
     /// Writes a tenant's lines and then its head naming the last. A flush that fails after
     /// lines landed cuts them off again (durably), so that records it reports lost — never
     /// durable, their clients told so — do not come back at the next open, adopted as the
-    /// chain's continuation past the head.
+    /// chain's continuation past the head; and removes the segments it began, last first (cut
+    /// to nothing and left, two begun by one flush left an empty segment before the one the
+    /// next open resumes in, which `verify` refuses).
     fn write_tenant(
         &self,
         files: &mut Files,
@@ -708,8 +717,8 @@ impl Inner {
             let tdir = layout::tenant_dir(&self.config.dir, tenant);
             let named =
                 matches!(layout::read_head(&tdir), Ok(Some((h, _))) if h == HeadFile::At(head));
-            for (path, len) in landed.iter().rev().filter(|_| !named) {
-                cut(path, *len)?;
+            if !named {
+                undo_landed(&tdir, &landed)?;
             }
         }
         written
@@ -932,6 +941,30 @@ fn keep_aside(path: &Path, bytes: &[u8]) -> Result<(), AuditError> {
 }
 
 /// Cuts the file at `path` to its first `len` bytes, durably.
+/// Takes back what a failed flush wrote to a tenant's segments, `landed` (each segment in the
+/// order written, with its length before): the segments it began (empty before), last first,
+/// are removed, then the rest cut back, all durably.
+fn undo_landed(tdir: &Path, landed: &[(PathBuf, u64)]) -> Result<(), AuditError> {
+    let begun = landed.iter().rev().take_while(|(_, len)| *len == 0).count();
+    let (kept, begun) = landed.split_at(landed.len() - begun);
+    for (path, _) in begun.iter().rev() {
+        match fs::remove_file(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                // Not removed: at least nothing of it is left to adopt.
+                cut(path, 0)?;
+            }
+            _ => {}
+        }
+    }
+    if !begun.is_empty() {
+        sync_dir(tdir)?;
+    }
+    for (path, len) in kept.iter().rev() {
+        cut(path, *len)?;
+    }
+    Ok(())
+}
+
 fn cut(path: &Path, len: u64) -> Result<(), AuditError> {
     let f = OpenOptions::new()
         .write(true)
@@ -939,6 +972,59 @@ fn cut(path: &Path, len: u64) -> Result<(), AuditError> {
         .map_err(io_err("open", path))?;
     f.set_len(len).map_err(io_err("truncate", path))?;
     f.sync_all().map_err(io_err("fsync", path))
+}
+
+/// Removes the empty segments at the end of a tenant's log, but for its first: what a flush
+/// that failed after beginning them left before they were removed on failure (or a crash
+/// between beginning one and writing to it), and what anyone can plant. They hold nothing, and
+/// left, the next segment resumed in was one past an empty one, which `verify` refuses.
+fn remove_empty_last_segments(
+    tdir: &Path,
+    segments: &mut Vec<(SegmentNo, PathBuf)>,
+    recoveries: &mut Vec<Recovery>,
+) -> Result<(), AuditError> {
+    let mut removed = false;
+    while segments.len() > 1 {
+        let Some((_, path)) = segments.last() else {
+            break;
+        };
+        if fs::metadata(path).map_err(io_err("stat", path))?.len() > 0 {
+            break;
+        }
+        fs::remove_file(path).map_err(io_err("remove", path))?;
+        recoveries.push(Recovery::RemovedEmptySegment { path: path.clone() });
+        segments.pop();
+        removed = true;
+    }
+    if removed {
+        sync_dir(tdir)?;
+    }
+    Ok(())
+}
+
+/// Holds a tenant's segments to what its writer leaves: numbered from 0 without a gap, none
+/// empty but the last. A log with a segment missing or emptied before its last was resumed,
+/// its next records appended after what `verify` refuses, and a segment planted past a gap
+/// (numbered `u64::MAX`: no number left to rotate to) was resumed in.
+fn check_segments(tdir: &Path, segments: &[(SegmentNo, PathBuf)]) -> Result<(), AuditError> {
+    let corrupt = |path: &Path, reason: String| AuditError::Corrupt {
+        path: path.to_owned(),
+        line: 1,
+        reason,
+    };
+    for (i, (number, path)) in segments.iter().enumerate() {
+        let expected = SegmentNo(i as u64);
+        if *number != expected {
+            return Err(corrupt(
+                &layout::segment_path(tdir, expected),
+                format!("segment missing: the next segment is numbered {}", number.0),
+            ));
+        }
+        if i + 1 < segments.len() && fs::metadata(path).map_err(io_err("stat", path))?.len() == 0 {
+            return Err(corrupt(path, "an empty segment before the last".into()));
+        }
+    }
+    Ok(())
 }
 
 /// Resumes one tenant's chain: its last line that chains on from the head gives the next
@@ -957,7 +1043,8 @@ fn recover_tenant(
     recoveries: &mut Vec<Recovery>,
 ) -> Result<Option<TenantState>, AuditError> {
     let tdir = layout::tenant_dir(dir, tenant);
-    let listing = layout::list_tenant(&tdir).map_err(io_err("list", &tdir))?;
+    let mut listing = layout::list_tenant(&tdir).map_err(io_err("list", &tdir))?;
+    remove_empty_last_segments(&tdir, &mut listing.segments, recoveries)?;
     let head = layout::read_head(&tdir).map_err(|reason| AuditError::BadHead {
         tenant: tenant.clone(),
         reason,
@@ -975,6 +1062,7 @@ fn recover_tenant(
             tenant: tenant.clone(),
         });
     }
+    check_segments(&tdir, &listing.segments)?;
     let Some((last_segment, last_path)) = listing.segments.last().cloned() else {
         return match head {
             Some(HeadFile::At(h)) => Err(AuditError::HeadAhead {

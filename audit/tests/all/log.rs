@@ -472,6 +472,92 @@ fn records_a_failed_flush_reported_lost_do_not_come_back_at_the_next_open() {
     assert!(verify(dir.path(), None, None).passed());
 }
 
+/// A flush that began two segments and failed (its head could not be written) removes both:
+/// cut to nothing and left, the first stood empty before the second, which the next open
+/// resumed in, and `verify` refused the log for good.
+#[test]
+fn a_failed_flush_across_two_new_segments_leaves_a_log_that_verifies() {
+    let dir = Scratch::new();
+    let a = tenant("a");
+    let mut cfg = config(dir.path(), 1);
+    cfg.durability = Durability::Batched;
+    let (log, _) = AuditLog::open(cfg.clone()).expect("opens");
+    log.append(&a, &record(&a, 0)).expect("appends");
+    log.flush().expect("flushed");
+    let blocked = dir.path().join(a.as_str()).join("head.tmp");
+    std::fs::create_dir(&blocked).expect("a directory where the head's file goes");
+    log.append(&a, &record(&a, 1)).expect("appends");
+    log.append(&a, &record(&a, 2)).expect("appends");
+    assert!(log.flush().is_err(), "its head failed");
+    drop(log);
+    std::fs::remove_dir(&blocked).expect("unblocked");
+    assert_eq!(
+        segments(dir.path(), &a).len(),
+        1,
+        "the begun segments are gone"
+    );
+    let (log, _) = AuditLog::open(cfg).expect("opens");
+    assert_eq!(log.append(&a, &record(&a, 1)).expect("appends").seq, Seq(1));
+    log.flush().expect("flushed");
+    drop(log);
+    let report = verify(dir.path(), None, None);
+    assert!(report.passed(), "{report:?}");
+}
+
+/// Empty segments at a log's end (left by a flush that failed before this writer removed
+/// them, or planted) are removed at open; a segment missing or empty before the last refuses
+/// the log, where it was resumed (one planted past a gap as `u64::MAX` left no number to
+/// rotate to).
+#[test]
+fn a_logs_segments_are_held_to_their_numbering_at_open() {
+    let dir = Scratch::new();
+    let a = three_records(&dir);
+    let tdir = dir.path().join(a.as_str());
+    let planted = [
+        tdir.join("00000000000000000001.jsonl"),
+        tdir.join("00000000000000000002.jsonl"),
+    ];
+    for p in &planted {
+        std::fs::write(p, b"").expect("planted");
+    }
+    let (log, recoveries) = AuditLog::open(config(dir.path(), 1 << 20)).expect("opens");
+    assert_eq!(
+        recoveries,
+        planted
+            .iter()
+            .rev()
+            .map(|p| Recovery::RemovedEmptySegment { path: p.clone() })
+            .collect::<Vec<_>>()
+    );
+    log.append(&a, &record(&a, 3)).expect("appends");
+    drop(log);
+    assert!(verify(dir.path(), None, None).passed());
+
+    // Past a gap, not empty: refused, and left as found.
+    let past = tdir.join(format!("{:020}.jsonl", u64::MAX));
+    std::fs::copy(&segments(dir.path(), &a)[0], &past).expect("planted");
+    let e = AuditLog::open(config(dir.path(), 1 << 20)).expect_err("refused");
+    assert!(
+        matches!(&e, AuditError::Corrupt { reason, .. } if reason.contains("segment missing")),
+        "{e}"
+    );
+    assert!(past.exists());
+    std::fs::remove_file(&past).expect("removed");
+
+    // An empty segment before the last: refused.
+    std::fs::rename(
+        &segments(dir.path(), &a)[0],
+        tdir.join("00000000000000000001.jsonl"),
+    )
+    .expect("moved");
+    std::fs::write(tdir.join("00000000000000000000.jsonl"), b"").expect("emptied");
+    let e = AuditLog::open(config(dir.path(), 1 << 20)).expect_err("refused");
+    assert!(
+        matches!(&e, AuditError::Corrupt { reason, .. } if reason.contains("empty segment")),
+        "{e}"
+    );
+}
+
 /// A tenant's first flush whose first record went down with its head before the rest failed
 /// (its next segment could not be opened): that record is durable — said so, and read — not
 /// counted among the lost, whose clients are told their request was not recorded.
