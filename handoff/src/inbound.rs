@@ -167,6 +167,21 @@ impl Inbound {
         self.dropped
     }
 
+    /// What arrived damaged so far — a page sent twice, a page that failed its checksum, a
+    /// frame dropped — whatever comes next: a session that ends without its manifest after
+    /// one of them failed its verification, not merely ended.
+    pub fn damage(&self) -> Option<IntegrityFailure> {
+        if let Some(index) = self.duplicate {
+            return Some(IntegrityFailure::PageDuplicated { index });
+        }
+        if let Some(index) = self.arrivals.iter().position(|a| *a == Arrival::Corrupt) {
+            return Some(IntegrityFailure::ChecksumMismatch { index });
+        }
+        (self.dropped > 0).then_some(IntegrityFailure::FramesDropped {
+            dropped: self.dropped,
+        })
+    }
+
     /// Decides whether `frame` may be written. `current_tag` is the pool's tag of the page the
     /// frame names right now: a page that left the session (released, reallocated) never
     /// receives the bytes.

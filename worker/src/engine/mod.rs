@@ -863,17 +863,22 @@ impl Engine {
                     s.peer_gone(Instant::now() + self.config.reclaim_after);
                 } else if let Some(mut t) = self.transfers.remove(&nonce) {
                     // Closed before a manifest: nothing more of this session can arrive.
+                    // Said complete without saying what it sent, or ended after something of
+                    // it arrived damaged (a corrupted frame's length ends its connection at
+                    // the next head): the handoff failed its verification (the incident's
+                    // sign), counted and quarantined, not the peer its work.
+                    let damage = match reason {
+                        CloseReason::Complete => Some(IntegrityFailure::CompleteWithoutManifest),
+                        CloseReason::Aborted | CloseReason::Failed => t.inbound.damage(),
+                    };
+                    if let Some(failure) = damage {
+                        let back = Instant::now() + self.config.reclaim_after;
+                        self.failed_verification(nonce, t, failure).peer_gone(back);
+                        return None;
+                    }
                     let why = match reason {
-                        // Said complete without saying what it sent: the handoff failed its
-                        // verification (the incident's sign), not the peer its work.
-                        CloseReason::Complete => {
-                            let back = Instant::now() + self.config.reclaim_after;
-                            let failure = IntegrityFailure::CompleteWithoutManifest;
-                            self.failed_verification(nonce, t, failure).peer_gone(back);
-                            return None;
-                        }
+                        CloseReason::Complete | CloseReason::Failed => "prefill failed",
                         CloseReason::Aborted => "aborted",
-                        CloseReason::Failed => "prefill failed",
                     };
                     let _ = t
                         .request

@@ -795,6 +795,38 @@ fn a_torn_down_transport_fails_the_transfer_and_counts_as_the_drain() {
     assert_eq!((s.teardown_drains, s.abort_ack.count()), (1, 0));
 }
 
+/// A transfer whose connection ends after a frame arrived corrupted, before any manifest (a
+/// bit flipped in a frame's length ends the connection at the next head), failed its
+/// verification: counted, its pages quarantined until its peer is gone and the grace period.
+/// It was taken for prefill's own failure: a 503 retried, its pages released, nothing
+/// counted, whatever the corruption.
+#[test]
+fn a_transfer_ended_after_a_corrupted_frame_and_before_its_manifest_fails_verification() {
+    let mut d = tiny_engine_with(EngineConfig {
+        reclaim_after: Duration::from_secs(3600),
+        ..EngineConfig::default()
+    });
+    let mut p = tiny_engine(256);
+    let prompt: Vec<u32> = (3..40).collect();
+    let (target, rx) = reserve(&mut d, 1, &prompt, 8);
+    let out = prefill(&mut p, 1, &prompt, target).expect("prefill");
+    let mut corrupt = out.frames[1].clone();
+    corrupt.bytes[0] ^= 1;
+    for f in [&out.frames[0], &corrupt] {
+        d.deliver(wire(&Message::Frame(f.clone())));
+    }
+    d.transport_closed(&[out.nonce()]);
+    assert_eq!(
+        collect(rx).finish,
+        Some(Err(Failure::Transfer(IntegrityFailure::ChecksumMismatch {
+            index: 1
+        })))
+    );
+    assert_eq!(d.transfer_stats().integrity_failures, 1);
+    d.step();
+    assert_pages_back(&d, 3);
+}
+
 /// Decode's side of a transfer whose second frame arrives corrupted: the request fails and
 /// its pages are quarantined. Returns the session.
 fn quarantine_a_transfer(d: &mut Engine) -> SessionNonce {
