@@ -616,6 +616,12 @@ async fn a_prefill_call_with_a_bad_label_address_or_model_is_refused_before_anyt
         let prefill = Worker::start(&["--role", "prefill", "--kv-tokens", "2048"]);
         let mut pc = prefill.client().await;
         let before = pool(&health(&mut pc).await);
+        let model_id = pc
+            .info(InfoRequest::default())
+            .await
+            .expect("info")
+            .into_inner()
+            .model_id;
         let call = |request_id: String, tenant: String| proto::PrefillRequest {
             request_id,
             tenant,
@@ -631,7 +637,7 @@ async fn a_prefill_call_with_a_bad_label_address_or_model_is_refused_before_anyt
             }),
             kv_address: "127.0.0.1:9".into(),
             cache_salt: String::new(),
-            model_id: String::new(),
+            model_id: model_id.clone(),
         };
         let long = "t".repeat(bulkhead_worker::serve::MAX_LABEL_BYTES + 1);
         for (field, request) in [
@@ -651,11 +657,14 @@ async fn a_prefill_call_with_a_bad_label_address_or_model_is_refused_before_anyt
             assert_eq!(e.code(), tonic::Code::InvalidArgument, "{address}: {e:?}");
             assert!(e.message().contains("kv_address"), "{e:?}");
         }
-        let mut request = call("r".into(), "tenant-a".into());
-        request.model_id = "another-model".into();
-        let e = pc.prefill(request).await.expect_err("another model");
-        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
-        assert!(e.message().contains("another-model"), "{e:?}");
+        // Naming none skips nothing.
+        for (other, said) in [("another-model", "another-model"), ("", "(none named)")] {
+            let mut request = call("r".into(), "tenant-a".into());
+            request.model_id = other.into();
+            let e = pc.prefill(request).await.expect_err("another model");
+            assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{other}: {e:?}");
+            assert!(e.message().contains(said), "{e:?}");
+        }
         assert_eq!(pool(&health(&mut pc).await), before);
     })
     .await;
@@ -675,6 +684,9 @@ enum Answers {
     Sent(u32),
     /// Accepted, then failed with this error code (it sends no KV).
     Fails(&'static str),
+    /// Refused at its admission (a full queue), once its KV was sent and decode had the time
+    /// to decode from it.
+    RefusesAfterSending,
 }
 
 type Items<T> =
@@ -758,6 +770,20 @@ impl proto::Worker for StandInPrefill {
                     futures_util::stream::pending(),
                 )));
             }
+            Answers::RefusesAfterSending => {
+                let refused = async move {
+                    let sent = sending.await;
+                    assert!(sent.is_ok(), "{sent:?}");
+                    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+                    event(PrefillItem::Rejected(proto::Refusal {
+                        reason: proto::RefusalReason::RefusalQueueFull.into(),
+                        ..proto::Refusal::default()
+                    }))
+                };
+                let items =
+                    futures_util::stream::once(refused).chain(futures_util::stream::pending());
+                return Ok(tonic::Response::new(Box::pin(items)));
+            }
             Answers::Fails(code) => {
                 let failed = proto::error_code_status(
                     tonic::Code::Internal,
@@ -827,6 +853,26 @@ async fn a_prefill_peers_cached_token_count_is_believed_up_to_the_prompt() {
         };
         assert!(done.prompt_tokens > 0, "{done:?}");
         assert_eq!(done.cached_tokens, done.prompt_tokens, "{done:?}");
+    })
+    .await;
+}
+
+/// A prefill peer that refuses a request at its admission after it sent the request's KV, and
+/// decode decoded from it, contradicts itself: the request fails as a prefill failure (503,
+/// the fault prefill's), not as the admission's refusal it says (a 429 a client would retry
+/// for a request already generating), and decode's pages all come back.
+#[tokio::test]
+async fn a_prefill_peer_that_refuses_a_request_after_sending_its_kv_fails_it() {
+    bounded(async {
+        let (decode, _prefill) = decode_with_a_stand_in(Answers::RefusesAfterSending).await;
+        let mut client = decode.client().await;
+        let err = run_to_end(&mut client, chat("Hi", 64))
+            .await
+            .expect_err("prefill contradicted itself");
+        assert_eq!(error_code(&err), Some("service_unavailable"), "{err:?}");
+        assert!(proto::prefill_at_fault(&err), "{err:?}");
+        let p = wait_all_pages_back(&decode).await;
+        assert_eq!(available(&p), p.total, "{p:?}");
     })
     .await;
 }

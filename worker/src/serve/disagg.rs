@@ -497,6 +497,17 @@ pub async fn start_remote_prefill(
                 call: PrefillCall::watch(engine.clone(), target.nonce, call, call_span),
             });
         }
+        // Refused after its KV was sent, verified and decoded from: the peer contradicts
+        // itself. Not its admission's refusal, which the client would be told (a 429 to retry,
+        // a 400 for a prompt this worker admitted and decoded): the request ends as a prefill
+        // failure, and the running request is cancelled now.
+        Some(proto::PrefillEvent {
+            event: Some(PrefillItem::Rejected(_)),
+        }) if early.is_some() => {
+            unanswered.answered();
+            guard.withdraw();
+            unavailable("it refused a request whose KV it had sent".into())
+        }
         Some(proto::PrefillEvent {
             event: Some(PrefillItem::Rejected(refusal)),
         }) => {
@@ -548,11 +559,15 @@ pub async fn prefill(
     info: &proto::InfoResponse,
 ) -> Result<PrefillStream, Status> {
     // Checked before anything else: a decode worker of another model (a prefill worker replaced
-    // behind its address, its KV of the same shape) would commit this model's KV as its own.
-    if !request.model_id.is_empty() && request.model_id != info.model_id {
+    // behind its address, its KV of the same shape) would commit this model's KV as its own. A
+    // call that names none is refused too: the check is not the caller's to skip.
+    if request.model_id != info.model_id {
         return Err(status(&ServeError::OtherModel {
             ours: info.model_id.clone(),
-            theirs: printable(&request.model_id, MAX_PROBE_ERROR_BYTES),
+            theirs: match request.model_id.as_str() {
+                "" => "(none named)".into(),
+                theirs => printable(theirs, MAX_PROBE_ERROR_BYTES),
+            },
         }));
     }
     let target = request
