@@ -116,15 +116,13 @@ pub(super) fn compile(
     Ok((component, Compiled::Fresh))
 }
 
-/// Marks the entry at `path` as used now, for [`prune`]'s order. A cache the gateway may read
-/// but not write still works; its entries only age.
+/// Marks the entry at `path` as used now, for [`prune`]'s order. Opened to read: its owner
+/// (the gateway's user, or it is not used) may set its times without write permission, and an
+/// entry made read-only aged while used, and was pruned from under the set that used it. A
+/// cache the gateway may read but not own still works; its entries only age.
 fn touch(path: &Path) {
     let now = SystemTime::now();
-    if let Err(e) = std::fs::File::options()
-        .write(true)
-        .open(path)
-        .and_then(|f| f.set_modified(now))
-    {
+    if let Err(e) = std::fs::File::open(path).and_then(|f| f.set_modified(now)) {
         tracing::debug!(path = %path.display(), error = %e, "cannot refresh a cache entry's time");
     }
 }
@@ -377,6 +375,62 @@ mod tests {
         std::fs::copy(&of_named, &of_empty).expect("copies");
         assert_eq!(compiled(EMPTY, &empty), Compiled::Fresh);
         assert_eq!(compiled(NAMED, &named), Compiled::Cached);
+    }
+
+    /// An entry made read-only by its owner is still marked used when used, so that pruning
+    /// spares it with the set that uses it.
+    #[test]
+    fn a_read_only_entry_used_is_marked_used() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = Scratch::new("cache");
+        let entry = file(&dir.0, "a-1.cwasm", 400, Duration::from_secs(3600));
+        std::fs::set_permissions(&entry, std::fs::Permissions::from_mode(0o400))
+            .expect("read-only");
+        let loading = SystemTime::now() - Duration::from_secs(60);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                without_dac_override();
+                touch(&entry);
+            });
+        });
+        assert_eq!(
+            prune(&dir.0, 0, loading).expect("prunes"),
+            Pruned::default()
+        );
+        assert!(entry.exists());
+    }
+
+    /// Takes from this thread the capability by which root writes whatever a file's mode says
+    /// (CI runs as root): the thread then meets a file's mode as the gateway's own user does.
+    fn without_dac_override() {
+        #[repr(C)]
+        struct Header {
+            version: u32,
+            pid: i32,
+        }
+        #[repr(C)]
+        #[derive(Default, Clone, Copy)]
+        struct Data {
+            effective: u32,
+            permitted: u32,
+            inheritable: u32,
+        }
+        const VERSION_3: u32 = 0x2008_0522;
+        const CAP_DAC_OVERRIDE: u32 = 1;
+        let mut header = Header {
+            version: VERSION_3,
+            pid: 0,
+        };
+        let mut data = [Data::default(); 2];
+        // SAFETY: capget and capset take a version-3 header and two data words
+        // (capabilities(7)); pid 0 is the calling thread, which alone loses the capability.
+        unsafe {
+            let got = libc::syscall(libc::SYS_capget, &raw mut header, data.as_mut_ptr());
+            assert_eq!(got, 0, "capget");
+            data[0].effective &= !(1 << CAP_DAC_OVERRIDE);
+            let set = libc::syscall(libc::SYS_capset, &raw mut header, data.as_ptr());
+            assert_eq!(set, 0, "capset");
+        }
     }
 
     /// A file of `len` bytes under `dir`, last modified `age` ago.
