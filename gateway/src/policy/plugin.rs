@@ -32,7 +32,8 @@ pub struct CallLimits {
 }
 
 /// How a plugin call failed; every kind fails the request closed unless the binding is
-/// fail-open.
+/// fail-open, but [`Fault::Busy`], which refuses the request whatever the binding says (no
+/// plugin ran: there is nothing to let through on).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize)]
 #[serde(rename_all = "snake_case", tag = "kind", content = "detail")]
 pub enum Fault {

@@ -41,9 +41,10 @@ pub struct AuditPage {
     pub next_since: u64,
 }
 
-/// A record, its place in the chain and its line's SHA-256 (the next record's `prev`): a
-/// tenant that keeps the digest of the last record it read can check later that the log up
-/// to it was not rewritten, even with every hash recomputed.
+/// A record, its place in the chain and its line's SHA-256 (in an unkeyed log the next
+/// record's `prev`; a keyed log links by MAC): a tenant that keeps the digest of the last
+/// record it read can check later that the log up to it was not rewritten, even with every
+/// hash recomputed.
 #[derive(Debug, Serialize)]
 pub struct Entry {
     pub seq: u64,
