@@ -927,10 +927,9 @@ impl Engine {
 
     /// Decode role: the prefill worker filling transfer `nonce` has computed `computed` prompt
     /// tokens since it started, for any request — its own progress, whether on this prompt or
-    /// on those it queued before it: the transfer's deadline starts again from now, up to its
-    /// latest ([`Transfer::latest`]). Only a count above the last one counts, so a peer that
-    /// stopped computing (stuck, or repeating itself) cannot hold the reservation past one
-    /// transfer timeout more, and one that counts up without end not past the latest.
+    /// on those it queued before it: the transfer's deadline starts again from now. Only a
+    /// count above the last one counts, so a peer that stopped computing (stuck, or repeating
+    /// itself) cannot hold the reservation past one transfer timeout more.
     pub fn prefill_progress(&mut self, nonce: SessionNonce, computed: u64) {
         let Some(t) = self.transfers.get_mut(&nonce) else {
             return;
@@ -942,8 +941,7 @@ impl Engine {
         t.prefill_computed = computed;
         t.deadline = self
             .config
-            .transfer_deadline(sent_tokens, self.capacity.token_bytes)
-            .min(t.latest);
+            .transfer_deadline(sent_tokens, self.capacity.token_bytes);
     }
 
     /// Prompt tokens this engine computed since it started (prefix-cache hits not included).
@@ -1348,7 +1346,6 @@ impl Engine {
                             prefix,
                             inbound,
                             deadline,
-                            latest: deadline + self.config.queue_timeout,
                             prefill_computed: 0,
                             heard: false,
                         },

@@ -52,10 +52,6 @@ pub(super) struct Transfer {
     pub prefix: Option<Prefix>,
     pub inbound: Inbound,
     pub deadline: Instant,
-    /// The furthest the prefill worker's progress moves [`Transfer::deadline`]: the first
-    /// one plus the queue timeout (as long as its queue may hold the prompt). A peer counting
-    /// up by one now and then otherwise held the reservation for as long as it liked.
-    pub latest: Instant,
     /// The most prompt tokens the prefill worker said it computed since it started (its
     /// progress, for any request).
     pub prefill_computed: u64,

@@ -709,26 +709,6 @@ fn only_new_progress_restarts_a_transfers_wait() {
     assert_eq!(d.next_deadline(), later);
 }
 
-/// Progress moves a transfer's deadline no further than the first one plus the queue
-/// timeout: a peer that counts up by one now and then held the reservation without end.
-#[test]
-fn progress_moves_a_transfers_deadline_no_further_than_the_queue_timeout_past_the_first() {
-    let queue_timeout = Duration::from_millis(40);
-    let mut d = tiny_engine_with(EngineConfig {
-        queue_timeout,
-        ..EngineConfig::default()
-    });
-    let prompt: Vec<u32> = (3..40).collect();
-    let (target, rx) = reserve(&mut d, 1, &prompt, 8);
-    let first = d.next_deadline().expect("the transfer's deadline");
-    for computed in 1..=4 {
-        std::thread::sleep(Duration::from_millis(20));
-        d.prefill_progress(target.nonce, computed);
-    }
-    assert_eq!(d.next_deadline(), Some(first + queue_timeout));
-    drop(rx);
-}
-
 #[test]
 fn a_verified_transfer_writes_every_frame_and_hands_back_every_buffer() {
     let (mut d, mut p) = (tiny_engine(256), tiny_engine(256));
