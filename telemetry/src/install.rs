@@ -10,7 +10,7 @@ use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::{LogExporter, Protocol, SpanExporter, WithExportConfig};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::logs::SdkLoggerProvider;
-use opentelemetry_sdk::trace::SdkTracerProvider;
+use opentelemetry_sdk::trace::{BatchSpanProcessor, SdkTracerProvider};
 use tracing::{Level, Metadata};
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::Layer as _;
@@ -19,6 +19,7 @@ use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 
 use crate::audit::AuditExport;
+use crate::unauthenticated::UnauthenticatedBudget;
 
 /// How long shutdown waits for the last spans and records to be exported.
 const SHUTDOWN_LIMIT: Duration = Duration::from_secs(3);
@@ -151,7 +152,9 @@ impl Telemetry {
             .with_endpoint(otlp.endpoint.traces())
             .build()?;
         let tracer = SdkTracerProvider::builder()
-            .with_batch_exporter(spans)
+            .with_span_processor(UnauthenticatedBudget::new(
+                BatchSpanProcessor::builder(spans).build(),
+            ))
             .with_resource(resource.clone())
             .build();
         let logger = if otlp.audit_logs {

@@ -11,7 +11,9 @@
 //!  client ─traceparent─▶ gateway ─gRPC metadata─▶ decode ─gRPC metadata─▶ prefill  (propagation)
 //! ```
 //!
-//! Export is off unless an OTLP endpoint is configured. Spans and log records are queued in
+//! Export is off unless an OTLP endpoint is configured. The spans of requests refused for
+//! their key are held to a budget ([`unauthenticated`]): a flood of them, which anyone can
+//! send, does not crowd the tenants' spans out of the exporter's queue. Spans and log records are queued in
 //! memory and exported by the SDK's own threads, so a slow or absent collector costs a request
 //! nothing: a full queue drops telemetry, never blocks or fails the request.
 //!
@@ -23,6 +25,7 @@ pub mod audit;
 mod install;
 pub mod propagation;
 mod redact;
+pub mod unauthenticated;
 
 pub use audit::{AuditExport, RecordTrace};
 pub use install::{Otlp, OtlpEndpoint, Settings, Telemetry, TelemetryError};
