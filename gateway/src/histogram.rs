@@ -1,8 +1,9 @@
 //! A Prometheus histogram with fixed bucket bounds, counted in whole units of a [`Scale`]
-//! (milliseconds for requests, microseconds for policy calls) and rendered in seconds.
+//! (microseconds for requests and policy calls) and rendered in seconds.
 
 use std::fmt::Write as _;
 use std::marker::PhantomData;
+use std::time::Duration;
 
 /// A histogram's unit and bucket bounds.
 pub(crate) trait Scale {
@@ -59,7 +60,13 @@ impl<S: Scale> Histogram<S> {
     /// Refuses, at compile time, a scale with more bounds than there are buckets.
     const FITS: () = assert!(S::BOUNDS.len() <= MAX_BUCKETS);
 
-    pub(crate) fn observe(&mut self, value: u64) {
+    /// One observation of `took`, in whole units of the scale (saturating).
+    pub(crate) fn observe(&mut self, took: Duration) {
+        let units = took.as_nanos() * u128::from(S::PER_SECOND) / 1_000_000_000;
+        self.observe_units(u64::try_from(units).unwrap_or(u64::MAX));
+    }
+
+    fn observe_units(&mut self, value: u64) {
         let () = Self::FITS;
         if let Some(i) = S::BOUNDS.iter().position(|&b| value <= b) {
             self.buckets[i] += 1;
@@ -111,10 +118,10 @@ mod tests {
     fn buckets_are_cumulative_in_seconds_and_overflow_counts_only_in_inf() {
         let mut h = Histogram::<Tens>::default();
         for v in [3, 10, 11, 5000] {
-            h.observe(v);
+            h.observe(Duration::from_millis(v));
         }
         let mut other = Histogram::<Tens>::default();
-        other.observe(100);
+        other.observe(Duration::from_millis(100));
         h.add(&other);
         let mut out = String::new();
         h.render(&mut out, "t", "k=\"v\"");

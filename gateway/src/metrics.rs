@@ -23,9 +23,9 @@ use crate::workers::{Health, WorkerReport, Workers};
 
 /// Request latencies: counted in microseconds (whole milliseconds put a 5.9 ms request at
 /// or under 5 ms), bucketed from 1 ms to 5 minutes.
-struct Micros;
+struct Latency;
 
-impl Scale for Micros {
+impl Scale for Latency {
     const BOUNDS: &'static [u64] = &[
         1_000,
         2_500,
@@ -47,12 +47,7 @@ impl Scale for Micros {
     const PER_SECOND: u64 = 1_000_000;
 }
 
-type Histogram = crate::histogram::Histogram<Micros>;
-
-/// `d` in whole microseconds, saturating.
-fn micros(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
-}
+type Histogram = crate::histogram::Histogram<Latency>;
 
 #[derive(Debug, Default)]
 struct Counters {
@@ -209,9 +204,9 @@ impl Metrics {
     /// One ended request's latency, and its time to first token when it produced one.
     pub fn latency(&self, tenant: &TenantId, total: Duration, ttft: Option<Duration>) {
         self.with(|c| {
-            of(&mut c.duration, tenant).observe(micros(total));
+            of(&mut c.duration, tenant).observe(total);
             if let Some(ttft) = ttft {
-                of(&mut c.ttft, tenant).observe(micros(ttft));
+                of(&mut c.ttft, tenant).observe(ttft);
             }
         });
     }

@@ -74,9 +74,8 @@ impl Stats {
 
     /// A wait of `tenant`'s for an instance slot that took `took` and got one or not.
     pub(super) fn slot_wait(&self, tenant: &str, took: Duration, granted: bool) {
-        let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
         self.with(|c| {
-            per_tenant(&mut c.slot_waits, tenant, |h| h.observe(micros));
+            per_tenant(&mut c.slot_waits, tenant, |h| h.observe(took));
             if !granted {
                 per_tenant(&mut c.busy, tenant, |n| *n += 1);
             }
@@ -229,9 +228,8 @@ fn per_tenant<V: Default>(map: &mut BTreeMap<String, V>, tenant: &str, f: impl F
 }
 
 fn observe(c: &mut Counters, plugin: &Arc<str>, hook: Hook, took: Duration) {
-    let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
     c.calls
         .entry((plugin.clone(), hook))
         .or_default()
-        .observe(micros);
+        .observe(took);
 }
