@@ -33,6 +33,11 @@ pub const TICK: Duration = Duration::from_millis(2);
 /// The longest a call waits for an instance slot before failing as [`Fault::Busy`].
 pub const SLOT_WAIT: Duration = Duration::from_secs(1);
 
+/// How long a request's `on-response-end` waits for an instance slot: longer than a call,
+/// since nobody waits for it, and, not first in line behind the calls of tenants holding
+/// fewer slots, it would otherwise be dropped (its usage unaccounted) by a busy gateway.
+pub const END_WAIT: Duration = Duration::from_secs(10);
+
 /// Limits of the whole sandbox, fixed for the gateway's lifetime (a reload keeps them).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SandboxSettings {
@@ -137,12 +142,17 @@ impl Sandbox {
     }
 
     /// An instance slot for a call of `tenant`'s in its `turn`, waiting at most [`SLOT_WAIT`]
-    /// for one to be free (when slots are short, ends go first, then the tenant holding the
-    /// fewest). Plugin calls run on the async worker that holds it: they are asynchronous and
-    /// yield at every epoch tick, so a slow plugin never blocks the runtime's threads.
+    /// for one to be free, or [`END_WAIT`] for an end (when slots are short, the tenant
+    /// holding the fewest goes first, and of those an end). Plugin calls run on the async
+    /// worker that holds it: they are asynchronous and yield at every epoch tick, so a slow
+    /// plugin never blocks the runtime's threads.
     pub(super) async fn slot(&self, tenant: &str, turn: Turn) -> Result<Slot, Fault> {
+        let wait = match turn {
+            Turn::End => END_WAIT,
+            Turn::Call => SLOT_WAIT,
+        };
         self.slots
-            .acquire(Holder::Tenant(tenant.into()), turn, Some(SLOT_WAIT))
+            .acquire(Holder::Tenant(tenant.into()), turn, Some(wait))
             .await
             .ok_or(Fault::Busy)
     }

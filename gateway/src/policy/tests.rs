@@ -2077,6 +2077,33 @@ async fn abort_guard_holds_an_abandoned_prefill_and_caps_what_a_tenant_holds() {
     );
 }
 
+/// A request's end waits for an instance slot longer than a call (nobody waits for it): on a
+/// busy gateway an end that was not first in line ran out of a call's second and was dropped,
+/// its usage unaccounted.
+#[tokio::test]
+async fn an_end_waits_for_an_instance_slot_longer_than_a_call() {
+    let dir = Scratch::new("policy");
+    let text = format!(
+        "{}{}",
+        plugin("abort-guard", ""),
+        binding("abort-guard", "config = { max_held_per_tenant = 1 }")
+    );
+    let p = with_slots(&dir, &text, 1);
+    let busy = p.slot("tenant-b", slots::Turn::Call).await;
+    assert!(matches!(busy, Some(Ok(_))), "the one slot taken");
+    let freed = async {
+        tokio::time::sleep(SLOT_WAIT + Duration::from_millis(500)).await;
+        drop(busy);
+    };
+    let (call, end, ()) = tokio::join!(
+        p.slot("tenant-a", slots::Turn::Call),
+        p.slot("tenant-a", slots::Turn::End),
+        freed
+    );
+    assert!(matches!(call, Some(Err(Fault::Busy))), "{call:?}");
+    assert!(matches!(end, Some(Ok(_))), "{end:?}");
+}
+
 /// A tenant's holds are counted once decided: requests still being decided (waiting for an
 /// instance slot) or decided abort-now are not holds. A burst of disconnects — a decoding
 /// request and a prefilling one leaving together while every slot is busy — pushed the count
