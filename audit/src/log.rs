@@ -940,7 +940,6 @@ fn keep_aside(path: &Path, bytes: &[u8]) -> Result<(), AuditError> {
     f.sync_all().map_err(io_err("fsync", path))
 }
 
-/// Cuts the file at `path` to its first `len` bytes, durably.
 /// Takes back what a failed flush wrote to a tenant's segments, `landed` (each segment in the
 /// order written, with its length before): the segments it began (empty before), last first,
 /// are removed, then the rest cut back, all durably.
@@ -965,6 +964,7 @@ fn undo_landed(tdir: &Path, landed: &[(PathBuf, u64)]) -> Result<(), AuditError>
     Ok(())
 }
 
+/// Cuts the file at `path` to its first `len` bytes, durably.
 fn cut(path: &Path, len: u64) -> Result<(), AuditError> {
     let f = OpenOptions::new()
         .write(true)
@@ -974,16 +974,16 @@ fn cut(path: &Path, len: u64) -> Result<(), AuditError> {
     f.sync_all().map_err(io_err("fsync", path))
 }
 
-/// Removes the empty segments at the end of a tenant's log, but for its first: what a flush
-/// that failed after beginning them left before they were removed on failure (or a crash
-/// between beginning one and writing to it), and what anyone can plant. They hold nothing, and
-/// left, the next segment resumed in was one past an empty one, which `verify` refuses.
-fn remove_empty_last_segments(
-    tdir: &Path,
+/// Takes the empty segments at the end of a tenant's log, but for its first, out of
+/// `segments`, and returns them: what a flush that failed after beginning them left before
+/// they were removed on failure (or a crash between beginning one and writing to it), and
+/// what anyone can plant. They hold nothing; left, the next segment resumed in was one past an
+/// empty one, which `verify` refuses. They are removed ([`remove_segments`]) once the log is
+/// known to be resumed: a log that is refused is left as it was found.
+fn empty_last_segments(
     segments: &mut Vec<(SegmentNo, PathBuf)>,
-    recoveries: &mut Vec<Recovery>,
-) -> Result<(), AuditError> {
-    let mut removed = false;
+) -> Result<Vec<PathBuf>, AuditError> {
+    let mut empty = Vec::new();
     while segments.len() > 1 {
         let Some((_, path)) = segments.last() else {
             break;
@@ -991,12 +991,23 @@ fn remove_empty_last_segments(
         if fs::metadata(path).map_err(io_err("stat", path))?.len() > 0 {
             break;
         }
+        empty.push(path.clone());
+        segments.pop();
+    }
+    Ok(empty)
+}
+
+/// Removes the segments `paths`, durably, each a recovery.
+fn remove_segments(
+    tdir: &Path,
+    paths: &[PathBuf],
+    recoveries: &mut Vec<Recovery>,
+) -> Result<(), AuditError> {
+    for path in paths {
         fs::remove_file(path).map_err(io_err("remove", path))?;
         recoveries.push(Recovery::RemovedEmptySegment { path: path.clone() });
-        segments.pop();
-        removed = true;
     }
-    if removed {
+    if !paths.is_empty() {
         sync_dir(tdir)?;
     }
     Ok(())
@@ -1021,7 +1032,12 @@ fn check_segments(tdir: &Path, segments: &[(SegmentNo, PathBuf)]) -> Result<(), 
             ));
         }
         if i + 1 < segments.len() && fs::metadata(path).map_err(io_err("stat", path))?.len() == 0 {
-            return Err(corrupt(path, "an empty segment before the last".into()));
+            return Err(corrupt(
+                path,
+                "an empty segment before the last (a failed flush of an earlier version left it: \
+                 remove it and number each later segment one less)"
+                    .into(),
+            ));
         }
     }
     Ok(())
@@ -1044,7 +1060,7 @@ fn recover_tenant(
 ) -> Result<Option<TenantState>, AuditError> {
     let tdir = layout::tenant_dir(dir, tenant);
     let mut listing = layout::list_tenant(&tdir).map_err(io_err("list", &tdir))?;
-    remove_empty_last_segments(&tdir, &mut listing.segments, recoveries)?;
+    let empty_last = empty_last_segments(&mut listing.segments)?;
     let head = layout::read_head(&tdir).map_err(|reason| AuditError::BadHead {
         tenant: tenant.clone(),
         reason,
@@ -1079,6 +1095,7 @@ fn recover_tenant(
     let torn = tail.len() as u64;
     let mut segment_len = bytes.len() as u64 - torn;
     let cut_torn = |recoveries: &mut Vec<Recovery>| {
+        remove_segments(&tdir, &empty_last, recoveries)?;
         if torn > 0 {
             cut(&last_path, segment_len)?;
             recoveries.push(Recovery::TruncatedTornLine {
