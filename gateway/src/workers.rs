@@ -249,7 +249,10 @@ impl ServedModel {
                 .cloned()
                 .unwrap_or_default()
         };
-        let chat = if info.chat_template.is_empty() {
+        let chat = if !info.chat_template_refused.is_empty() {
+            // The template is there, and not sent: longer than a worker takes.
+            Err(printable(&info.chat_template_refused, MAX_REASON_BYTES))
+        } else if info.chat_template.is_empty() {
             Err("the served model has no chat template; use /v1/completions".to_owned())
         } else {
             ChatTemplate::new(

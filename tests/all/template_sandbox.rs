@@ -157,7 +157,7 @@ fn a_helper_left_alone_mid_job_stops_itself() {
 /// serving completions, and chat again.
 #[test]
 fn a_model_whose_chat_template_exhausts_memory_fails_chat_requests_and_nothing_else() {
-    hostile_template_fails_chat_requests_and_nothing_else(EXHAUSTING.to_owned());
+    template_fails_chat_requests_and_nothing_else(EXHAUSTING.to_owned(), "ran out of the memory");
 }
 
 /// The same for a template that would abort any process that compiled it: neither the worker,
@@ -165,10 +165,24 @@ fn a_model_whose_chat_template_exhausts_memory_fails_chat_requests_and_nothing_e
 /// worker's Info names, compiles it in its own process.
 #[test]
 fn a_model_whose_chat_template_exhausts_its_compilation_fails_chat_requests_and_nothing_else() {
-    hostile_template_fails_chat_requests_and_nothing_else(folding());
+    template_fails_chat_requests_and_nothing_else(folding(), "ran out of the memory");
 }
 
-fn hostile_template_fails_chat_requests_and_nothing_else(template: String) {
+/// A template longer than a worker takes is not sent in its Info, and its chat requests were
+/// told at the gateway that the model has no chat template: they are told why.
+#[test]
+fn a_model_whose_chat_template_is_too_long_fails_chat_requests_saying_so() {
+    let max = bulkhead_worker::chat::SOURCE_MAX;
+    let pad = "x".repeat(max);
+    template_fails_chat_requests_and_nothing_else(
+        format!("{{# {pad} #}}{{{{ messages }}}}"),
+        "are taken",
+    );
+}
+
+/// A model whose chat template is `template`: its chat requests fail, saying `says`, at the
+/// gateway and at the worker, and completions are served.
+fn template_fails_chat_requests_and_nothing_else(template: String, says: &'static str) {
     bounded(move || {
         let dir = TempDir::new("hostile-template");
         let model = dir.0.join("hostile.gguf");
@@ -191,7 +205,7 @@ fn hostile_template_fails_chat_requests_and_nothing_else(template: String) {
                 .as_str()
                 .unwrap_or("")
                 .to_owned();
-            assert!(message.contains("ran out of the memory"), "{body}");
+            assert!(message.contains(says), "{body}");
             let (status, body) = post("/v1/completions", completion);
             assert_eq!(status, 200, "{body}");
         }
@@ -207,10 +221,7 @@ fn hostile_template_fails_chat_requests_and_nothing_else(template: String) {
                 .await
                 .expect_err("the template cannot render")
         });
-        assert!(
-            refused.message().contains("ran out of the memory"),
-            "{refused:?}"
-        );
+        assert!(refused.message().contains(says), "{refused:?}");
         assert!(
             worker.child.try_wait().expect("waits").is_none(),
             "the worker runs"

@@ -175,19 +175,26 @@ impl BoundWorker {
         let model_id = info::model_id(&model.config().name, model.gguf());
         // The file's template, compiled or not: a gateway that cannot compile it either tells
         // its clients why, where one told of no template could only say it has none. One
-        // longer than any template is taken is not sent (nor would Info fit a probe's limit).
-        let chat_source = model
-            .gguf()
-            .get_str("tokenizer.chat_template")
-            .ok()
-            .filter(|source| source.len() <= crate::chat::SOURCE_MAX)
-            .unwrap_or_default();
+        // longer than any template is taken is not sent (nor would Info fit a probe's limit):
+        // why is, instead.
+        let (chat_source, chat_refused) = match model.gguf().get_str("tokenizer.chat_template").ok()
+        {
+            Some(source) if source.len() > crate::chat::SOURCE_MAX => (
+                "",
+                chat.as_ref()
+                    .err()
+                    .map(ToString::to_string)
+                    .unwrap_or_default(),
+            ),
+            source => (source.unwrap_or_default(), String::new()),
+        };
         let proto_role = match config.role {
             RoleConfig::Both => proto::Role::Both,
             RoleConfig::Prefill { .. } => proto::Role::Prefill,
             RoleConfig::Decode { .. } => proto::Role::Decode,
         };
         let mut info = info::describe(&model, &tokenizer, chat_source, model_id, proto_role);
+        info.chat_template_refused = chat_refused;
         let tokenizer_data = info::tokenizer_data(model.gguf());
         // The service tokenizes off the engine thread, so it gets its own tokenizer.
         let prompter = Prompter {
