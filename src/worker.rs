@@ -207,8 +207,9 @@ pub struct Args {
     /// Prefill and decode roles: how long a KV data-plane peer that vanished (a dead host, a
     /// partition without a reset) can hold a connection: bytes it leaves unacknowledged this
     /// long, or keepalive probes unanswered from a third of it on, close the connection
-    /// (milliseconds). A live peer keeps its connection between messages, however long; a
-    /// frame it begins must be whole within this and a page's time at --transfer-floor.
+    /// (milliseconds). Decode role: a connection on which no message of a session decode is
+    /// receiving came for this long is closed too; a frame a peer begins must be whole within
+    /// this and a page's time at --transfer-floor.
     /// Decode role: also bounds its gRPC calls to its prefill worker the same way (connects,
     /// and HTTP/2 pings every third of it).
     #[arg(long, env = env::KV_PEER_TIMEOUT_MS, value_parser = at_least_one_ms(), default_value_t = DEFAULT_PEER_TIMEOUT.as_millis() as u64)]

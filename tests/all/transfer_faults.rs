@@ -774,7 +774,9 @@ impl proto::Worker for StandInPrefill {
                 let refused = async move {
                     let sent = sending.await;
                     assert!(sent.is_ok(), "{sent:?}");
-                    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+                    // Time for decode to verify the KV and decode its first token, on a
+                    // loaded machine; within decode's wait for the answer (5 s).
+                    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
                     event(PrefillItem::Rejected(proto::Refusal {
                         reason: proto::RefusalReason::RefusalQueueFull.into(),
                         ..proto::Refusal::default()
