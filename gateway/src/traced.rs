@@ -68,7 +68,8 @@ pub async fn traced(
     }
     let response = next.run(request).instrument(span.clone()).await;
     let status = response.status();
-    span.record("http.response.status_code", status.as_u16());
+    // As an integer: an unsigned field reaches OpenTelemetry from `tracing` as text.
+    span.record("http.response.status_code", i64::from(status.as_u16()));
     if status.is_server_error() {
         span.record("otel.status_code", "ERROR");
     }

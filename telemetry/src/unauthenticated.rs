@@ -1,9 +1,10 @@
-//! A budget on the spans of requests refused for their key (HTTP 401). Whoever reaches the
-//! gateway can send those without a key and without end, and each one's span went to the
-//! exporter's bounded queue, where the spans a full queue cannot take are dropped: a flood of
-//! them crowded tenants' spans out. At most [`PER_SECOND`] of them a second are exported (a
-//! burst of up to [`BURST`]); the rest are dropped here. The gateway's `/metrics` counts every
-//! one (`bulkhead_gateway_unauthenticated_requests_total`).
+//! A budget on the spans of requests refused for their key (HTTP 401): the server span that
+//! answered 401 and any span that says `error.type = invalid_api_key` (the gateway's `auth`).
+//! Whoever reaches the gateway can send those without a key and without end, and each one's
+//! spans went to the exporter's bounded queue, where the spans a full queue cannot take are
+//! dropped: a flood of them crowded tenants' spans out. At most [`PER_SECOND`] of them a second
+//! are exported (a burst of up to [`BURST`]); the rest are dropped here. The gateway's
+//! `/metrics` counts every such request (`bulkhead_gateway_unauthenticated_requests_total`).
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -60,13 +61,21 @@ impl<P> UnauthenticatedBudget<P> {
     }
 }
 
-/// Whether `span` is a server span that answered 401.
+/// Whether `span` is a server span that answered 401, or says its error was the key. (An
+/// unsigned field reaches OpenTelemetry from `tracing` as text: either form is taken.)
 fn unauthenticated(span: &SpanData) -> bool {
-    span.span_kind == SpanKind::Server
-        && span
-            .attributes
-            .iter()
-            .any(|kv| kv.key.as_str() == "http.response.status_code" && kv.value == Value::I64(401))
+    span.attributes.iter().any(|kv| match kv.key.as_str() {
+        "http.response.status_code" => {
+            span.span_kind == SpanKind::Server
+                && match &kv.value {
+                    Value::I64(status) => *status == 401,
+                    Value::String(status) => status.as_str() == "401",
+                    _ => false,
+                }
+        }
+        "error.type" => matches!(&kv.value, Value::String(e) if e.as_str() == "invalid_api_key"),
+        _ => false,
+    })
 }
 
 impl<P: SpanProcessor> SpanProcessor for UnauthenticatedBudget<P> {
@@ -104,24 +113,21 @@ impl<P: SpanProcessor> SpanProcessor for UnauthenticatedBudget<P> {
 mod tests {
     use std::sync::Arc;
 
-    use opentelemetry::KeyValue;
-    use opentelemetry::trace::{Span as _, Tracer as _, TracerProvider as _};
+    use opentelemetry::trace::TracerProvider as _;
     use opentelemetry_sdk::trace::SdkTracerProvider;
+    use tracing::field::Empty;
+    use tracing_subscriber::layer::SubscriberExt as _;
 
     use super::*;
 
-    /// Keeps the status of every span it is handed.
+    /// Keeps the name of every span it is handed.
     #[derive(Debug, Clone, Default)]
-    struct Kept(Arc<Mutex<Vec<i64>>>);
+    struct Kept(Arc<Mutex<Vec<String>>>);
 
     impl SpanProcessor for Kept {
         fn on_start(&self, _: &mut Span, _: &Context) {}
         fn on_end(&self, span: SpanData) {
-            let status = span.attributes.iter().find_map(|kv| match kv.value {
-                Value::I64(s) if kv.key.as_str() == "http.response.status_code" => Some(s),
-                _ => None,
-            });
-            self.0.lock().expect("lock").push(status.unwrap_or(0));
+            self.0.lock().expect("lock").push(span.name.into_owned());
         }
         fn force_flush(&self) -> OTelSdkResult {
             Ok(())
@@ -131,38 +137,64 @@ mod tests {
         }
     }
 
-    /// A flood of 401s passes a burst, then the rate; every other span passes, the tenants'
-    /// requests and a client span's 401 (a worker refusing the gateway's token) alike.
+    /// A flood of requests refused for their key, their spans made through `tracing` as the
+    /// gateway makes them (the status recorded as a `u16`, which arrives as text, and as an
+    /// `i64`; the `auth` span's error), passes a burst, then the rate; every other span
+    /// passes: tenants' requests, their `auth` spans, and a client span's 401 (a worker
+    /// refusing the gateway's token).
     #[test]
     fn a_flood_of_unauthenticated_requests_exports_a_burst_and_every_other_span() {
         let kept = Kept::default();
         let provider = SdkTracerProvider::builder()
             .with_span_processor(UnauthenticatedBudget::new(kept.clone()))
             .build();
-        let tracer = provider.tracer("test");
-        let end = |status: i64, kind: SpanKind| {
-            let mut span = tracer
-                .span_builder("request")
-                .with_kind(kind)
-                .start(&tracer);
-            span.set_attribute(KeyValue::new("http.response.status_code", status));
-            span.end();
-        };
-        for _ in 0..1000 {
-            end(401, SpanKind::Server);
-            end(200, SpanKind::Server);
-        }
-        end(401, SpanKind::Client);
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+        tracing::subscriber::with_default(subscriber, || {
+            for _ in 0..1000 {
+                tracing::info_span!(
+                    "as_u16",
+                    otel.kind = "server",
+                    http.response.status_code = Empty
+                )
+                .record("http.response.status_code", 401u16);
+                tracing::info_span!(
+                    "as_i64",
+                    otel.kind = "server",
+                    http.response.status_code = Empty
+                )
+                .record("http.response.status_code", 401i64);
+                tracing::info_span!("refused", error.type = Empty)
+                    .record("error.type", "invalid_api_key");
+                tracing::info_span!(
+                    "served",
+                    otel.kind = "server",
+                    http.response.status_code = Empty
+                )
+                .record("http.response.status_code", 200u16);
+                let _ = tracing::info_span!("authenticated", error.type = Empty);
+            }
+            tracing::info_span!(
+                "client",
+                otel.kind = "client",
+                http.response.status_code = Empty
+            )
+            .record("http.response.status_code", 401u16);
+        });
         let kept = kept.0.lock().expect("lock").clone();
-        let count = |s: i64| kept.iter().filter(|&&k| k == s).count();
-        assert_eq!(count(200), 1000);
-        let refused = count(401);
-        assert!(
-            // The burst, what refilled while the test ran (at most 5 s of it) and the
-            // client span; without the budget, 1001.
-            (BURST as usize + 1..=BURST as usize + 101).contains(&refused),
-            "{refused} of 1000 (and the client span)"
+        let count = |name: &str| kept.iter().filter(|k| *k == name).count();
+        assert_eq!(
+            (count("served"), count("authenticated"), count("client")),
+            (1000, 1000, 1)
         );
+        let refused = count("as_u16") + count("as_i64") + count("refused");
+        // The burst and what refilled while the test ran (at most 5 s of it); without the
+        // budget, 3000.
+        assert!(
+            (BURST as usize..=BURST as usize + 100).contains(&refused),
+            "{refused} of 3000 refused requests' spans"
+        );
+        assert!(count("as_u16") > 0 && count("as_i64") > 0 && count("refused") > 0);
     }
 
     #[test]
