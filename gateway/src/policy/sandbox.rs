@@ -35,8 +35,9 @@ pub const SLOT_WAIT: Duration = Duration::from_secs(1);
 
 /// How long a request's `on-response-end` waits for an instance slot: longer than a call,
 /// since nobody waits for it, and, not first in line behind the calls of tenants holding
-/// fewer slots, it would otherwise be dropped (its usage unaccounted) by a busy gateway.
-pub const END_WAIT: Duration = Duration::from_secs(10);
+/// fewer slots, it would otherwise be dropped (its usage unaccounted) by a busy gateway; half
+/// the default drain timeout, so that one spawned as shutdown begins still runs within it.
+pub const END_WAIT: Duration = Duration::from_secs(5);
 
 /// Limits of the whole sandbox, fixed for the gateway's lifetime (a reload keeps them).
 #[derive(Debug, Clone, PartialEq, Eq)]

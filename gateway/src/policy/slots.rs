@@ -50,8 +50,9 @@ struct State {
     free: usize,
     /// Slots held now, by holder (holders holding none are not kept).
     held: HashMap<Holder, usize>,
-    /// In arrival order.
-    waiting: VecDeque<Waiter>,
+    /// Waiters by holder (holders with none waiting are not kept): choosing the next one
+    /// looks at each waiting holder once, however many of its requests' ends and calls wait.
+    waiting: HashMap<Holder, Queued>,
     next_id: u64,
     /// Tests only: hand freed slots out first come, first served, whoever holds what (the
     /// plain semaphore this replaced), to show what the fair order prevents.
@@ -59,11 +60,45 @@ struct State {
     fifo: bool,
 }
 
+/// One holder's waiters, each queue in arrival order.
+#[derive(Debug, Default)]
+struct Queued {
+    ends: VecDeque<Waiter>,
+    calls: VecDeque<Waiter>,
+}
+
+impl Queued {
+    fn queue(&mut self, turn: Turn) -> &mut VecDeque<Waiter> {
+        match turn {
+            Turn::End => &mut self.ends,
+            Turn::Call => &mut self.calls,
+        }
+    }
+
+    /// The turn whose waiter goes first (an end before a call), and when it came.
+    fn first(&self) -> Option<(Turn, u64)> {
+        match (self.ends.front(), self.calls.front()) {
+            (Some(end), _) => Some((Turn::End, end.id)),
+            (None, Some(call)) => Some((Turn::Call, call.id)),
+            (None, None) => None,
+        }
+    }
+
+    /// When its earliest waiter came, whatever its turn.
+    #[cfg(test)]
+    fn earliest(&self) -> Option<u64> {
+        let ids = [self.ends.front(), self.calls.front()];
+        ids.into_iter().flatten().map(|w| w.id).min()
+    }
+
+    fn len(&self) -> usize {
+        self.ends.len() + self.calls.len()
+    }
+}
+
 #[derive(Debug)]
 struct Waiter {
     id: u64,
-    holder: Holder,
-    turn: Turn,
     granted: oneshot::Sender<()>,
 }
 
@@ -76,17 +111,38 @@ impl State {
         self.held.get(holder).copied().unwrap_or(0)
     }
 
-    /// The waiter the next freed slot goes to: a load first; then of the holders that hold
-    /// the fewest, an end before a call, and then the one that has waited longest.
-    fn next(&self) -> Option<usize> {
+    /// The holder and turn the next freed slot goes to: a load first; then of the holders
+    /// that hold the fewest, an end before a call, and then the one that has waited longest.
+    fn next(&self) -> Option<(Holder, Turn)> {
         #[cfg(test)]
         if self.fifo {
-            return (!self.waiting.is_empty()).then_some(0);
+            let (holder, q) = self.waiting.iter().min_by_key(|(_, q)| q.earliest())?;
+            let turn = if q.ends.front().map(|w| w.id) == q.earliest() {
+                Turn::End
+            } else {
+                Turn::Call
+            };
+            return Some((holder.clone(), turn));
         }
-        (0..self.waiting.len()).min_by_key(|&i| {
-            let w = &self.waiting[i];
-            (w.holder != Holder::Load, self.holding(&w.holder), w.turn, i)
-        })
+        self.waiting
+            .iter()
+            .filter_map(|(holder, q)| {
+                let (turn, since) = q.first()?;
+                let key = (*holder != Holder::Load, self.holding(holder), turn, since);
+                Some((key, holder))
+            })
+            .min_by_key(|(key, _)| *key)
+            .map(|((_, _, turn, _), holder)| (holder.clone(), turn))
+    }
+
+    /// Takes the first waiter of `holder`'s in `turn` out of the queue.
+    fn dequeue(&mut self, holder: &Holder, turn: Turn) -> Option<Waiter> {
+        let q = self.waiting.get_mut(holder)?;
+        let waiter = q.queue(turn).pop_front();
+        if q.len() == 0 {
+            self.waiting.remove(holder);
+        }
+        waiter
     }
 
     /// `holder` gives a slot back: it goes to the next waiter still waiting, or is free.
@@ -97,14 +153,14 @@ impl State {
                 self.held.remove(holder);
             }
         }
-        while let Some(i) = self.next() {
-            let Some(waiter) = self.waiting.remove(i) else {
+        while let Some((next, turn)) = self.next() {
+            let Some(waiter) = self.dequeue(&next, turn) else {
                 break;
             };
             // A waiter gone without taking its slot out of the queue cannot exist (its drop
             // does), but a send to one that is being dropped now fails: the next one gets it.
             if waiter.granted.send(()).is_ok() {
-                self.take(&waiter.holder);
+                self.take(&next);
                 return;
             }
         }
@@ -135,6 +191,7 @@ struct Waiting {
     slots: Slots,
     id: u64,
     holder: Holder,
+    turn: Turn,
     granted: Option<oneshot::Receiver<()>>,
 }
 
@@ -144,10 +201,22 @@ impl Drop for Waiting {
             return;
         };
         let mut state = lock(&self.slots.0);
-        if let Some(i) = state.waiting.iter().position(|w| w.id == self.id) {
-            state.waiting.remove(i);
-        } else if granted.try_recv().is_ok() {
-            state.release(&self.holder);
+        let waited = state.waiting.get_mut(&self.holder).and_then(|q| {
+            let queue = q.queue(self.turn);
+            let i = queue.iter().position(|w| w.id == self.id)?;
+            queue.remove(i)?;
+            Some(q.len())
+        });
+        match waited {
+            Some(0) => {
+                state.waiting.remove(&self.holder);
+            }
+            Some(_) => {}
+            None => {
+                if granted.try_recv().is_ok() {
+                    state.release(&self.holder);
+                }
+            }
         }
     }
 }
@@ -157,7 +226,7 @@ impl Slots {
         Slots(Arc::new(Mutex::new(State {
             free: slots,
             held: HashMap::new(),
-            waiting: VecDeque::new(),
+            waiting: HashMap::new(),
             next_id: 0,
             #[cfg(test)]
             fifo: false,
@@ -185,16 +254,13 @@ impl Slots {
             let (tx, rx) = oneshot::channel();
             let id = state.next_id;
             state.next_id += 1;
-            state.waiting.push_back(Waiter {
-                id,
-                holder: holder.clone(),
-                turn,
-                granted: tx,
-            });
+            let queued = state.waiting.entry(holder.clone()).or_default();
+            queued.queue(turn).push_back(Waiter { id, granted: tx });
             Waiting {
                 slots: self.clone(),
                 id,
                 holder,
+                turn,
                 granted: Some(rx),
             }
         };
@@ -224,7 +290,8 @@ impl Slots {
     /// (free slots, waiters, holders holding any).
     fn counts(&self) -> (usize, usize, usize) {
         let s = lock(&self.0);
-        (s.free, s.waiting.len(), s.held.len())
+        let waiting = s.waiting.values().map(Queued::len).sum();
+        (s.free, waiting, s.held.len())
     }
 }
 
