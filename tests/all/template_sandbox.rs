@@ -157,7 +157,10 @@ fn a_helper_left_alone_mid_job_stops_itself() {
 /// serving completions, and chat again.
 #[test]
 fn a_model_whose_chat_template_exhausts_memory_fails_chat_requests_and_nothing_else() {
-    template_fails_chat_requests_and_nothing_else(EXHAUSTING.to_owned(), "ran out of the memory");
+    template_fails_chat_requests_and_nothing_else(
+        Value::String(EXHAUSTING.to_owned()),
+        "ran out of the memory",
+    );
 }
 
 /// The same for a template that would abort any process that compiled it: neither the worker,
@@ -165,7 +168,10 @@ fn a_model_whose_chat_template_exhausts_memory_fails_chat_requests_and_nothing_e
 /// worker's Info names, compiles it in its own process.
 #[test]
 fn a_model_whose_chat_template_exhausts_its_compilation_fails_chat_requests_and_nothing_else() {
-    template_fails_chat_requests_and_nothing_else(folding(), "ran out of the memory");
+    template_fails_chat_requests_and_nothing_else(
+        Value::String(folding()),
+        "ran out of the memory",
+    );
 }
 
 /// A template longer than a worker takes is not sent in its Info, and its chat requests were
@@ -175,19 +181,26 @@ fn a_model_whose_chat_template_is_too_long_fails_chat_requests_saying_so() {
     let max = bulkhead_worker::chat::SOURCE_MAX;
     let pad = "x".repeat(max);
     template_fails_chat_requests_and_nothing_else(
-        format!("{{# {pad} #}}{{{{ messages }}}}"),
+        Value::String(format!("{{# {pad} #}}{{{{ messages }}}}")),
         "are taken",
     );
 }
 
+/// A template the model file holds as another type than text is not sent either: its chat
+/// requests are told it cannot be read, not that the model has none.
+#[test]
+fn a_model_whose_chat_template_is_not_text_fails_chat_requests_saying_so() {
+    template_fails_chat_requests_and_nothing_else(Value::U32(7), "cannot be read");
+}
+
 /// A model whose chat template is `template`: its chat requests fail, saying `says`, at the
 /// gateway and at the worker, and completions are served.
-fn template_fails_chat_requests_and_nothing_else(template: String, says: &'static str) {
+fn template_fails_chat_requests_and_nothing_else(template: Value, says: &'static str) {
     bounded(move || {
         let dir = TempDir::new("hostile-template");
         let model = dir.0.join("hostile.gguf");
         let mut file = TinySpec::default().to_gguf();
-        file.meta("tokenizer.chat_template", Value::String(template));
+        file.meta("tokenizer.chat_template", template);
         file.write(&model).expect("writes the model");
         let mut worker = Worker::start_on(&model, &["--role", "both"]);
 

@@ -175,19 +175,15 @@ impl BoundWorker {
         let model_id = info::model_id(&model.config().name, model.gguf());
         // The file's template, compiled or not: a gateway that cannot compile it either tells
         // its clients why, where one told of no template could only say it has none. One
-        // longer than any template is taken is not sent (nor would Info fit a probe's limit):
-        // why is, instead.
-        let (chat_source, chat_refused) = match model.gguf().get_str("tokenizer.chat_template").ok()
-        {
-            Some(source) if source.len() > crate::chat::SOURCE_MAX => (
-                "",
-                chat.as_ref()
-                    .err()
-                    .map(ToString::to_string)
-                    .unwrap_or_default(),
-            ),
-            source => (source.unwrap_or_default(), String::new()),
+        // longer than any template is taken is not sent (nor would Info fit a probe's limit),
+        // nor one the file holds as another type than text: why is, instead.
+        let sent = (model.gguf().get_str("tokenizer.chat_template").ok())
+            .filter(|source| source.len() <= crate::chat::SOURCE_MAX);
+        let chat_refused = match (sent, &chat) {
+            (None, Err(e)) if !matches!(e, crate::chat::ChatError::NoTemplate) => e.to_string(),
+            _ => String::new(),
         };
+        let chat_source = sent.unwrap_or_default();
         let proto_role = match config.role {
             RoleConfig::Both => proto::Role::Both,
             RoleConfig::Prefill { .. } => proto::Role::Prefill,
